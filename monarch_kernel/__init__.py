@@ -1,0 +1,26 @@
+"""monarch_kernel: a Jupyter kernel that is the single controller of a cluster of ranks.
+
+The public actor API lives in :mod:`monarch_kernel.actor`. Inside a rank,
+:func:`report` sends metrics (``step``, ``loss`` ...) to the controller.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+
+def report(**metrics: float) -> None:
+    """Send metrics from inside a rank to the controller (and its dashboard).
+
+    Outside a rank this is a no-op, so the same training code runs in a plain script.
+    """
+    from monarch_kernel.rank import context
+
+    context.report(metrics)
+
+
+def load_ipython_extension(ipython):  # pragma: no cover - thin shim, tested via the kernel
+    """``%load_ext monarch_kernel``: register the magics in a plain IPython kernel."""
+    from monarch_kernel.kernel.magics import load_ipython_extension as _load
+
+    _load(ipython)

@@ -1,0 +1,63 @@
+"""Public actor API, with PyTorch Monarch's names.
+
+A Monarch user's actor code runs after changing only the import line::
+
+    from monarch_kernel.actor import Actor, endpoint, this_host, current_rank
+
+    class Counter(Actor):
+        def __init__(self, start: int):
+            self.v = start
+
+        @endpoint
+        def incr(self, by: int = 1) -> int:
+            self.v += by
+            return self.v
+
+    procs = this_host().spawn_procs(per_host={"gpus": 4})
+    counters = procs.spawn("counters", Counter, 0)
+    counters.incr.call(2).get()          # ValueMesh, one value per rank
+"""
+
+from monarch_kernel.actor.actor import Actor, endpoint
+from monarch_kernel.actor.meshes import (
+    ActorMesh,
+    HostMesh,
+    ProcMesh,
+    host_mesh,
+    this_host,
+)
+from monarch_kernel.actor.value_mesh import ValueMesh
+from monarch_kernel.controller.errors import (
+    ActorError,
+    MeshStartError,
+    MeshStoppedError,
+    MonarchError,
+    RankDiedError,
+)
+from monarch_kernel.controller.future import Future
+from monarch_kernel.controller.shape import Point, Shape, SliceError
+from monarch_kernel.rank.context import current_rank, current_size
+from monarch_kernel.wire.serialize import SerializationError
+
+__all__ = [
+    "Actor",
+    "ActorError",
+    "ActorMesh",
+    "Future",
+    "HostMesh",
+    "MeshStartError",
+    "MeshStoppedError",
+    "MonarchError",
+    "Point",
+    "ProcMesh",
+    "RankDiedError",
+    "SerializationError",
+    "Shape",
+    "SliceError",
+    "ValueMesh",
+    "current_rank",
+    "current_size",
+    "endpoint",
+    "host_mesh",
+    "this_host",
+]

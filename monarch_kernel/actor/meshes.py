@@ -1,0 +1,390 @@
+"""Host meshes, process meshes, actor meshes and the endpoint adverbs."""
+
+from __future__ import annotations
+
+import queue
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+from monarch_kernel.actor.actor import Actor, endpoints_of
+from monarch_kernel.actor.value_mesh import ValueMesh
+from monarch_kernel.controller.errors import ActorError, actor_error
+from monarch_kernel.controller.future import Future
+from monarch_kernel.controller.mesh import MeshRuntime
+from monarch_kernel.controller.shape import Shape, SliceError
+from monarch_kernel.launchers import get_launcher
+from monarch_kernel.wire import Message, SerializationError, dumps, loads
+from monarch_kernel.wire import kinds as K
+
+_mesh_names: dict[str, int] = {}
+
+
+def _auto_name(prefix: str) -> str:
+    n = _mesh_names.get(prefix, 0)
+    _mesh_names[prefix] = n + 1
+    return f"{prefix}{n}"
+
+
+class HostMesh:
+    """A set of hosts (machines) on which process meshes are spawned."""
+
+    def __init__(self, hosts: int = 1, backend: str = "local", **launcher_options: Any):
+        if not isinstance(hosts, int) or hosts < 1:
+            raise ValueError(f"hosts must be a positive int, got {hosts!r}")
+        self.hosts = hosts
+        self.backend = backend
+        self.launcher = get_launcher(backend, **launcher_options)
+
+    def spawn_procs(
+        self,
+        per_host: dict[str, int] | None = None,
+        *,
+        name: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 120.0,
+    ) -> ProcMesh:
+        """Start ``per_host`` ranks on every host; returns when all are ready.
+
+        ``per_host={"gpus": 4}`` gives a mesh with dims ``{"gpus": 4}`` on one host, or
+        ``{"hosts": H, "gpus": 4}`` on H hosts.
+        """
+        per_host = dict(per_host or {"gpus": 1})
+        if "hosts" in per_host:
+            raise ValueError("per_host must not contain 'hosts'; use host_mesh(hosts=N)")
+        runtime = MeshRuntime(
+            name or _auto_name("procs"), per_host, self.hosts, self.launcher, env=env
+        )
+        runtime.backend = self.backend
+        runtime.start(timeout=timeout)
+        return ProcMesh(runtime)
+
+    def __repr__(self) -> str:
+        return f"HostMesh(hosts={self.hosts}, backend={self.backend!r})"
+
+
+def this_host() -> HostMesh:
+    """The machine this controller runs on."""
+    return HostMesh(1, "local")
+
+
+def host_mesh(hosts: int = 1, backend: str = "local", **options: Any) -> HostMesh:
+    """A mesh of ``hosts`` hosts from ``backend`` (``local`` emulates hosts on this machine)."""
+    return HostMesh(hosts, backend, **options)
+
+
+class _MeshView:
+    """Shared slicing behaviour of process and actor meshes."""
+
+    _shape: Shape
+    _runtime: MeshRuntime
+
+    @property
+    def shape(self) -> Shape:
+        return self._shape
+
+    @property
+    def extent(self) -> dict[str, int]:
+        return self._shape.extent
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._shape.extent
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+    def ranks(self) -> list[int]:
+        """Global ranks of this (sliced) mesh, in row-major order."""
+        return self._shape.ranks()
+
+    def _sliced_shape(self, dims: dict[str, Any]) -> Shape:
+        return self._shape.slice(**dims)
+
+
+class ProcMesh(_MeshView):
+    """A mesh of rank processes with named dims; spawn actors on it."""
+
+    def __init__(self, runtime: MeshRuntime, shape: Shape | None = None):
+        self._runtime = runtime
+        self._shape = shape or runtime.shape
+        if not hasattr(runtime, "actor_specs"):
+            runtime.actor_specs = {}
+
+    @property
+    def name(self) -> str:
+        return self._runtime.name
+
+    @property
+    def runtime(self) -> MeshRuntime:
+        return self._runtime
+
+    def slice(self, **dims: Any) -> ProcMesh:
+        return ProcMesh(self._runtime, self._sliced_shape(dims))
+
+    def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> ActorMesh:
+        """Construct ``actor_class(*args, **kwargs)`` on every rank of this mesh."""
+        if not isinstance(name, str) or not name:
+            raise TypeError("spawn(name, ActorClass, *args): name must be a non-empty string")
+        if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
+            raise TypeError(
+                f"spawn() needs a subclass of monarch_kernel.actor.Actor, got {actor_class!r}"
+            )
+        what = f"constructor arguments of actor {name!r} ({actor_class.__name__})"
+        payload, buffers = _dump_call((actor_class, args, kwargs), args, kwargs, what)
+        ranks = self._shape.ranks()
+        fut = _gather(self._runtime, self._shape, {"k": K.SPAWN_ACTOR, "a": name},
+                      payload, buffers)
+        fut.get()
+        self._runtime.actor_specs[name] = (payload, buffers)
+        self._runtime.actor_ranks = getattr(self._runtime, "actor_ranks", {})
+        self._runtime.actor_ranks[name] = set(ranks)
+        return ActorMesh(self, name, actor_class, self._shape)
+
+    def interrupt(self) -> None:
+        """Raise KeyboardInterrupt in whatever user code the ranks are running."""
+        self._runtime.signal_ranks(
+            [r for r in self._shape.ranks() if self._runtime.ranks[r].alive], signal.SIGINT
+        )
+
+    def restart(self, ranks: list[int] | None = None, timeout: float = 60.0) -> None:
+        """Restart ``ranks`` (default: the dead ones) and re-create their actors."""
+        rt = self._runtime
+        if ranks is None:
+            ranks = [r for r in self._shape.ranks() if not rt.ranks[r].alive]
+        for r in ranks:
+            if not 0 <= r < rt.world:
+                raise SliceError(f"rank {r} out of range: mesh {rt.name!r} has {rt.world} ranks")
+        if not ranks:
+            return
+        rt.restart_ranks(ranks, timeout)
+        for name, (payload, buffers) in rt.actor_specs.items():
+            targets = [r for r in ranks if r in rt.actor_ranks.get(name, ())]
+            if targets:
+                fut = _gather_ranks(rt, targets, {"k": K.SPAWN_ACTOR, "a": name}, payload, buffers)
+                fut.get()
+
+    def stop(self) -> Future[None]:
+        """Stop every rank and host agent of the whole mesh (not only this slice)."""
+        self._runtime.stop()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @property
+    def stopped(self) -> bool:
+        return self._runtime.state == "stopped"
+
+    def __repr__(self) -> str:
+        return f"<ProcMesh {self.name!r} {self._shape.describe()} ({self._runtime.state})>"
+
+
+class ActorMesh(_MeshView):
+    """An actor spawned on every rank of a (sliced) process mesh."""
+
+    def __init__(self, procs: ProcMesh, name: str, actor_class: type, shape: Shape):
+        self._procs = procs
+        self._runtime = procs._runtime
+        self._name = name
+        self._class = actor_class
+        self._shape = shape
+        self._endpoints = endpoints_of(actor_class)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def __getattr__(self, attr: str) -> EndpointRef:
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        if attr not in self._endpoints:
+            eps = ", ".join(sorted(self._endpoints)) or "none"
+            raise AttributeError(
+                f"{self._class.__name__} has no endpoint {attr!r} (endpoints: {eps}); "
+                "mark methods with @endpoint"
+            )
+        return EndpointRef(self, attr)
+
+    def slice(self, **dims: Any) -> ActorMesh:
+        return ActorMesh(self._procs, self._name, self._class, self._sliced_shape(dims))
+
+    def stop(self) -> None:
+        """Remove this actor from its ranks."""
+        _gather(self._runtime, self._shape, {"k": K.STOP_ACTOR, "a": self._name}, b"", ()).get()
+
+    def __repr__(self) -> str:
+        return f"<ActorMesh {self._name!r} ({self._class.__name__}) {self._shape.describe()}>"
+
+
+class EndpointRef:
+    """One endpoint of an actor mesh, with Monarch's adverbs."""
+
+    def __init__(self, mesh: ActorMesh, method: str):
+        self._mesh = mesh
+        self._method = method
+
+    @property
+    def _where(self) -> str:
+        return f"{self._mesh._class.__name__}.{self._method}"
+
+    def _header(self) -> dict[str, Any]:
+        return {"k": K.CALL, "a": self._mesh._name, "m": self._method}
+
+    def _payload(self, args: tuple, kwargs: dict) -> tuple[bytes, list[Any]]:
+        return _dump_call((args, kwargs), args, kwargs, self._where)
+
+    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh]:
+        """Call every rank; the future gives a ValueMesh (or one grouped ActorError)."""
+        payload, buffers = self._payload(args, kwargs)
+        return _gather(self._mesh._runtime, self._mesh._shape, self._header(), payload, buffers)
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Call the single rank of a one-point mesh; the future gives its value."""
+        n = len(self._mesh._shape)
+        if n != 1:
+            raise ValueError(
+                f"call_one() needs a mesh of exactly one rank, but {self._where} is on {n} "
+                f"ranks ({self._mesh._shape.describe()}); slice it first, e.g. "
+                f".slice({self._mesh._shape.labels[-1]}=0), or use call()"
+            )
+        payload, buffers = self._payload(args, kwargs)
+        return _single(self._mesh._runtime, self._mesh._shape.ranks()[0], self._header(),
+                       payload, buffers)
+
+    def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Call one rank, the least busy live one."""
+        rt = self._mesh._runtime
+        alive = [r for r in self._mesh._shape.ranks() if rt.ranks[r].alive]
+        if not alive:
+            rt.check_alive(self._mesh._shape.ranks())
+        rank = min(alive, key=lambda r: rt.ranks[r].outstanding)
+        payload, buffers = self._payload(args, kwargs)
+        return _single(rt, rank, self._header(), payload, buffers)
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+        """Fire and forget on every rank; exceptions go to the mesh's supervision."""
+        payload, buffers = self._payload(args, kwargs)
+        ranks = self._mesh._shape.ranks()
+        rt = self._mesh._runtime
+        rt.check_alive(ranks)
+        rt.send(ranks, self._header(), payload, buffers)
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
+        """Call every rank; yield one future per rank in the order they answer."""
+        payload, buffers = self._payload(args, kwargs)
+        rt = self._mesh._runtime
+        ranks = self._mesh._shape.ranks()
+        futures = {r: Future(_finish_one) for r in ranks}
+        done: queue.Queue[Future[Any]] = queue.Queue()
+        for fut in futures.values():
+            fut.add_done_callback(done.put)
+
+        def on_reply(rank: int, msg: Message) -> None:
+            futures[rank].set_result((rank, msg, len(ranks)))
+
+        def on_death(rank: int, error: BaseException) -> None:
+            futures[rank].set_exception(error)
+
+        rt.request(ranks, self._header(), payload, buffers, on_reply, on_death)
+
+        def results() -> Iterator[Future[Any]]:
+            for _ in ranks:
+                yield done.get()
+
+        return results()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"call an endpoint through an adverb: {self._method}.call(...), .call_one(...), "
+            ".broadcast(...), .choose(...) or .stream(...)"
+        )
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _dump_call(obj: Any, args: tuple, kwargs: dict, what: str) -> tuple[bytes, list[Any]]:
+    try:
+        return dumps(obj, what)
+    except SerializationError:
+        pass
+    # Say which argument is the culprit.
+    for i, a in enumerate(args):
+        dumps(a, f"argument {i} of {what}")
+    for k, v in kwargs.items():
+        dumps(v, f"argument {k!r} of {what}")
+    return dumps(obj, what)  # the class itself (raises with its own message)
+
+
+def _decode_reply(rank: int, msg: Message, total: int) -> tuple[bool, Any]:
+    if msg.header.get("ok"):
+        return True, loads(msg.payload, msg.buffers, f"result from rank {rank}")
+    import pickle
+
+    report = pickle.loads(msg.payload)
+    report["rank"] = rank
+    return False, report
+
+
+def _finish_one(raw: tuple[int, Message, int]) -> Any:
+    rank, msg, total = raw
+    ok, value = _decode_reply(rank, msg, total)
+    if not ok:
+        raise actor_error([value], total)
+    return value
+
+
+def _single(rt: MeshRuntime, rank: int, header: dict, payload: bytes, buffers: list) -> Future:
+    fut: Future[Any] = Future(_finish_one)
+    rt.request(
+        [rank],
+        header,
+        payload,
+        buffers,
+        lambda r, msg: fut.set_result((r, msg, 1)),
+        lambda r, err: fut.set_exception(err),
+    )
+    return fut
+
+
+def _gather(rt: MeshRuntime, shape: Shape, header: dict, payload: bytes, buffers: Any) -> Future:
+    return _gather_ranks(rt, shape.ranks(), header, payload, buffers, shape)
+
+
+def _gather_ranks(
+    rt: MeshRuntime,
+    ranks: list[int],
+    header: dict,
+    payload: bytes,
+    buffers: Any,
+    shape: Shape | None = None,
+) -> Future:
+    index = {r: i for i, r in enumerate(ranks)}
+    replies: list[Message | None] = [None] * len(ranks)
+    remaining = [len(ranks)]
+
+    def finish(_: Any) -> ValueMesh:
+        values, failures = [], []
+        for r, msg in zip(ranks, replies):
+            ok, value = _decode_reply(r, msg, len(ranks))
+            values.append(value)
+            if not ok:
+                failures.append(value)
+        if failures:
+            raise actor_error(failures, len(ranks))
+        mesh_shape = shape or Shape(("ranks",), (len(ranks),))
+        return ValueMesh(mesh_shape, values)
+
+    fut: Future[ValueMesh] = Future(finish)
+
+    def on_reply(rank: int, msg: Message) -> None:
+        replies[index[rank]] = msg
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            fut.set_result(None)
+
+    rt.request(ranks, header, payload, buffers, on_reply, lambda r, e: fut.set_exception(e))
+    return fut
+
+
+__all__ = ["ActorError", "ActorMesh", "EndpointRef", "HostMesh", "ProcMesh"]

@@ -1,0 +1,1 @@
+"""Controller: mesh state, request/future table, supervision and slicing."""

@@ -1,0 +1,656 @@
+"""The controller side of one process mesh: sockets, I/O thread, requests, supervision.
+
+Two ROUTER sockets per mesh keep the hot path free of thread hand-offs:
+
+* ``send`` ROUTER: callers send on it directly from their own thread, under a lock
+  (ranks' and host agents' inbox DEALERs connect here);
+* ``recv`` ROUTER: only the I/O thread reads it (results, streams, metrics, deaths).
+
+A multi-rank message goes once per host to the host agent, which fans it out, when the
+payload is large or many ranks of that host are targeted; otherwise it goes to each rank
+directly. Per-rank sequence numbers keep delivery FIFO whichever path is taken.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from monarch_kernel.controller.errors import MeshStartError, MeshStoppedError, RankDiedError
+from monarch_kernel.controller.shape import Shape
+from monarch_kernel.wire import Codec, Message, WireError
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import new_key
+from monarch_kernel.wire.codec import send as wire_send
+from monarch_kernel.wire.osutil import describe_exit
+
+log = logging.getLogger("monarch_kernel.controller")
+
+HEARTBEAT_INTERVAL = 1.0
+#: Fan a message out through the host agent when it is at least this large ...
+FANOUT_MIN_BYTES = 256 * 1024
+#: ... or when at least this many ranks of one host are targeted.
+FANOUT_MIN_RANKS = 8
+TAIL_LINES = 50
+
+Listener = Callable[[dict[str, Any]], None]
+Sink = Callable[[int, str, str], None]  # (rank, stream name, text)
+
+
+@dataclass
+class RankInfo:
+    """What the controller knows about one rank."""
+
+    rank: int
+    host: int
+    local_rank: int
+    coords: tuple[int, ...]
+    state: str = "starting"  # starting | idle | busy | dead | stopped
+    pid: int | None = None
+    hostname: str = ""
+    device: str = ""
+    restarts: int = 0
+    death: dict[str, Any] | None = None
+    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    partial: dict[str, str] = field(default_factory=dict)
+    outstanding: int = 0
+    last_seen: float = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return self.state not in ("dead", "stopped")
+
+
+@dataclass
+class HostInfo:
+    index: int
+    handle: Any = None  # launcher handle
+    pid: int | None = None
+    hostname: str = ""
+    addr: str = "127.0.0.1"
+    port: int = 0
+    ready: bool = False
+    lost: str | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class Pending:
+    """An outstanding request: which ranks still owe a reply, and what to do with it."""
+
+    __slots__ = ("id", "waiting", "on_reply", "on_death", "sink")
+
+    def __init__(
+        self,
+        request_id: str,
+        ranks: list[int],
+        on_reply: Callable[[int, Message], None],
+        on_death: Callable[[int, BaseException], None],
+        sink: Sink | None = None,
+    ):
+        self.id = request_id
+        self.waiting = set(ranks)
+        self.on_reply = on_reply
+        self.on_death = on_death
+        self.sink = sink
+
+
+_live_meshes: weakref.WeakSet[MeshRuntime] = weakref.WeakSet()
+_ids = itertools.count()
+_id_prefix = uuid.uuid4().hex[:6]
+
+
+def new_request_id() -> str:
+    return f"{_id_prefix}{next(_ids)}"
+
+
+class MeshRuntime:
+    """Controller state of one process mesh (``hosts`` host agents × ``per_host`` ranks)."""
+
+    def __init__(
+        self,
+        name: str,
+        per_host: dict[str, int],
+        hosts: int,
+        launcher: Any,
+        env: dict[str, str] | None = None,
+        hb_timeout: float = 10.0,
+        bind: str = "127.0.0.1",
+    ):
+        if hosts < 1:
+            raise ValueError(f"a mesh needs at least one host, got hosts={hosts}")
+        extent = ({"hosts": hosts} if hosts > 1 else {}) | dict(per_host)
+        self.name = name
+        self.shape = Shape.from_extent(extent)
+        self.n_hosts = hosts
+        self.per_host = len(Shape.from_extent(per_host))
+        self.launcher = launcher
+        self.env = dict(env or {})
+        self.hb_timeout = hb_timeout
+        self.world = len(self.shape)
+        self.started_at = time.time()
+        self.state = "starting"
+        self.run_id = uuid.uuid4().hex[:12]
+        self.key = new_key()
+        self.codec = Codec(self.key)
+        self.ranks = [
+            RankInfo(r, r // self.per_host, r % self.per_host, c)
+            for r, c in enumerate(self.shape._coords())
+        ]
+        self.hosts = [HostInfo(h) for h in range(hosts)]
+        self.next_seq = [0] * self.world
+        self.requests: dict[str, Pending] = {}
+        self.listeners: list[Listener] = []
+        self.default_sink: Sink = print_sink
+        self.faults: list[dict[str, Any]] = []
+        self.stream_sinks: dict[str, Sink] = {}  # request id -> sink (e.g. a --bg cell)
+        self._cv = threading.Condition()
+        self._send_lock = threading.Lock()
+        ctx = zmq.Context.instance()
+        self.send_sock = ctx.socket(zmq.ROUTER)
+        self.send_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.send_sock.setsockopt(zmq.LINGER, 0)
+        self.recv_sock = ctx.socket(zmq.ROUTER)
+        self.recv_sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self.send_addr = _bind(self.send_sock, bind)
+            self.recv_addr = _bind(self.recv_sock, bind)
+        except zmq.ZMQError as exc:
+            self.send_sock.close()
+            self.recv_sock.close()
+            raise MeshStartError(
+                f"cannot bind the controller sockets on {bind}: {exc}. "
+                "Pick another address or free the port."
+            ) from None
+        self._wake_addr = f"inproc://mk-wake-{id(self)}"
+        self._wake_rx = ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(self._wake_addr)
+        self._wake_tx = ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(self._wake_addr)
+        self._io = threading.Thread(target=self._io_loop, name=f"mesh-{name}-io", daemon=True)
+        self._io.start()
+        _live_meshes.add(self)
+
+    # -- start-up --------------------------------------------------------------------
+    def start(self, timeout: float = 120.0) -> None:
+        """Start host agents and ranks; return when every rank is ready."""
+        deadline = time.monotonic() + timeout
+        try:
+            configs = [self._host_config(h) for h in range(self.n_hosts)]
+            handles = self.launcher.start_hosts(configs)
+            for host, handle in zip(self.hosts, handles):
+                host.handle = handle
+            self._wait(lambda: all(h.ready for h in self.hosts), deadline, "host agents")
+            master = self.hosts[0]
+            common = {
+                "labels": list(self.shape.labels),
+                "sizes": list(self.shape.sizes),
+                "world_size": self.world,
+                "local_world_size": self.per_host,
+                "master_addr": master.addr,
+                "master_port": master.port,
+                "run_id": self.run_id,
+                "env": self.env,
+                "sys_path": [p for p in sys.path if p],
+                "cwd": os.getcwd(),
+            }
+            self._common = common
+            for host in self.hosts:
+                self._spawn_ranks([r for r in self.ranks if r.host == host.index])
+            self._wait(lambda: all(r.state != "starting" for r in self.ranks), deadline, "ranks")
+            dead = [r for r in self.ranks if not r.alive]
+            if dead:
+                raise MeshStartError(
+                    "ranks died while starting:\n" + "\n".join(self.death_text(r) for r in dead)
+                )
+        except BaseException:
+            self.stop()
+            raise
+        self.state = "running"
+        self._emit({"event": "mesh", "state": "running"})
+
+    def _host_config(self, h: int) -> dict[str, Any]:
+        return {
+            "host": h,
+            "key": self.key.hex(),
+            "send": self.send_addr,
+            "recv": self.recv_addr,
+            "hb_timeout": self.hb_timeout,
+            "mesh": self.name,
+        }
+
+    def _spawn_ranks(self, ranks: list[RankInfo]) -> None:
+        specs = []
+        for r in ranks:
+            r.state, r.death, r.pid = "starting", None, None
+            specs.append(
+                {
+                    "rank": r.rank,
+                    "local_rank": r.local_rank,
+                    "coords": list(r.coords),
+                    "host": r.host,
+                    "restart_count": r.restarts,
+                }
+            )
+        if specs:
+            self.send_host(
+                ranks[0].host, {"k": K.SPAWN_RANKS, "ranks": specs, "common": self._common}
+            )
+
+    def _wait(self, cond: Callable[[], bool], deadline: float, what: str) -> None:
+        with self._cv:
+            while not cond():
+                self._check_hosts_started(what)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise MeshStartError(
+                        f"mesh {self.name!r}: {what} not ready in time; "
+                        "check the host agents' logs or raise the start timeout"
+                    )
+                self._cv.wait(min(left, 0.2))
+
+    def _check_hosts_started(self, what: str) -> None:
+        for host in self.hosts:
+            handle = host.handle
+            if handle is not None and handle.exit_code() is not None:
+                raise MeshStartError(
+                    f"host agent {host.index} exited (code {handle.exit_code()}) while "
+                    f"starting {what}:\n{handle.log_tail()}"
+                )
+            if host.lost:
+                raise MeshStartError(f"host agent {host.index} lost: {host.lost}")
+
+    # -- sending -----------------------------------------------------------------------
+    def check_alive(self, ranks: list[int]) -> None:
+        if self.state in ("stopped", "stopping"):
+            raise MeshStoppedError(
+                f"mesh {self.name!r} is stopped; create a new mesh (or %mesh restart it)"
+            )
+        for r in ranks:
+            info = self.ranks[r]
+            if not info.alive:
+                raise RankDiedError(self.death_text(info), info.death)
+
+    def send_host(self, host: int, header: dict[str, Any], payload: bytes = b"") -> None:
+        frames = self.codec.encode(header, payload)
+        with self._send_lock:
+            try:
+                wire_send(self.send_sock, frames, [f"h{host}".encode()])
+            except zmq.ZMQError as exc:
+                log.debug("send to host %s failed: %s", host, exc)
+
+    def send(
+        self,
+        ranks: list[int],
+        header: dict[str, Any],
+        payload: bytes = b"",
+        buffers: list[Any] | tuple = (),
+    ) -> None:
+        """Send one message to ``ranks`` (in order, FIFO per rank)."""
+        size = len(payload) + sum(memoryview(b).nbytes for b in buffers)
+        with self._send_lock:
+            if len(ranks) == 1:
+                r = ranks[0]
+                header["q"] = self.next_seq[r]
+                self.next_seq[r] += 1
+                self._send_frames(r, self.codec.encode(header, payload, buffers))
+                return
+            by_host: dict[int, list[int]] = {}
+            for r in ranks:
+                by_host.setdefault(self.ranks[r].host, []).append(r)
+            for host, group in by_host.items():
+                if len(group) > 1 and (size >= FANOUT_MIN_BYTES or len(group) >= FANOUT_MIN_RANKS):
+                    h = dict(header, d=group, f=1, q=[self._take_seq(r) for r in group])
+                    frames = self.codec.encode(h, payload, buffers)
+                    try:
+                        wire_send(self.send_sock, frames, [f"h{host}".encode()])
+                    except zmq.ZMQError as exc:
+                        log.debug("fan-out to host %s failed: %s", host, exc)
+                else:
+                    for r in group:
+                        h = dict(header, q=self._take_seq(r))
+                        self._send_frames(r, self.codec.encode(h, payload, buffers))
+
+    def _take_seq(self, r: int) -> int:
+        q = self.next_seq[r]
+        self.next_seq[r] = q + 1
+        return q
+
+    def _send_frames(self, rank: int, frames: list[Any]) -> None:
+        try:
+            wire_send(self.send_sock, frames, [b"r%d" % rank])
+        except zmq.ZMQError as exc:
+            # The rank's connection is gone; its death report (pushed by its host agent)
+            # fails whatever waits on it.
+            log.debug("send to rank %s failed: %s", rank, exc)
+
+    def send_control(self, rank: int, header: dict[str, Any], payload: bytes = b"") -> None:
+        """Send to a rank's control thread (served even while its main thread is busy)."""
+        frames = self.codec.encode(header, payload)
+        with self._send_lock:
+            try:
+                wire_send(self.send_sock, frames, [b"c%d" % rank])
+            except zmq.ZMQError as exc:
+                log.debug("control send to rank %s failed: %s", rank, exc)
+
+    def request(
+        self,
+        ranks: list[int],
+        header: dict[str, Any],
+        payload: bytes,
+        buffers: list[Any] | tuple,
+        on_reply: Callable[[int, Message], None],
+        on_death: Callable[[int, BaseException], None],
+        sink: Sink | None = None,
+        control: bool = False,
+    ) -> str:
+        """Register a request expecting one reply per rank, then send it."""
+        self.check_alive(ranks)
+        rid = new_request_id()
+        header["i"] = rid
+        header["w"] = 1
+        self.requests[rid] = Pending(rid, ranks, on_reply, on_death, sink)
+        for r in ranks:
+            self.ranks[r].outstanding += 1
+        if control:
+            for r in ranks:
+                self.send_control(r, header, payload)
+        else:
+            self.send(ranks, header, payload, buffers)
+        # A rank may have died between the check and the send; fail it now if so.
+        for r in ranks:
+            if not self.ranks[r].alive:
+                self._fail_rank_requests(self.ranks[r])
+        return rid
+
+    def signal_ranks(self, ranks: list[int], sig: int) -> None:
+        by_host: dict[int, list[int]] = {}
+        for r in ranks:
+            by_host.setdefault(self.ranks[r].host, []).append(r)
+        for host, group in by_host.items():
+            self.send_host(host, {"k": K.SIGNAL_RANKS, "d": group, "sig": int(sig)})
+
+    # -- restart ---------------------------------------------------------------------
+    def restart_ranks(self, ranks: list[int], timeout: float = 60.0) -> None:
+        """Kill (if alive) and start again the given ranks on their hosts."""
+        self.check_alive([])
+        deadline = time.monotonic() + timeout
+        alive = [r for r in ranks if self.ranks[r].alive]
+        by_host: dict[int, list[int]] = {}
+        for r in alive:
+            by_host.setdefault(self.ranks[r].host, []).append(r)
+        for host, group in by_host.items():
+            self.send_host(host, {"k": K.KILL_RANKS, "d": group})
+        self._wait(lambda: all(not self.ranks[r].alive for r in ranks), deadline, "rank exits")
+        infos = [self.ranks[r] for r in ranks]
+        with self._send_lock:
+            for info in infos:
+                self.next_seq[info.rank] = 0
+                info.restarts += 1
+                info.tail.clear()
+        for host in {i.host for i in infos}:
+            self._spawn_ranks([i for i in infos if i.host == host])
+        self._wait(lambda: all(self.ranks[r].state != "starting" for r in ranks), deadline,
+                   "restarted ranks")
+        dead = [self.ranks[r] for r in ranks if not self.ranks[r].alive]
+        if dead:
+            raise MeshStartError(
+                "ranks died while restarting:\n" + "\n".join(self.death_text(r) for r in dead)
+            )
+
+    # -- stopping --------------------------------------------------------------------
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every rank and host agent of this mesh; idempotent."""
+        with self._cv:
+            if self.state in ("stopped", "stopping"):
+                return
+            self.state = "stopping"
+        for host in self.hosts:
+            self.send_host(host.index, {"k": K.STOP})
+        deadline = time.monotonic() + timeout
+        for host in self.hosts:
+            if host.handle is not None:
+                host.handle.wait_or_kill(max(0.5, deadline - time.monotonic()))
+        error = MeshStoppedError(f"mesh {self.name!r} was stopped while this call was running")
+        for rid, pending in list(self.requests.items()):
+            self.requests.pop(rid, None)
+            for r in list(pending.waiting):
+                pending.on_death(r, error)
+        for info in self.ranks:
+            if info.alive:
+                info.state = "stopped"
+        self.state = "stopped"
+        self._wake_tx.send(b"stop")
+        self._io.join(5)
+        for s in (self.send_sock, self.recv_sock, self._wake_tx, self._wake_rx):
+            s.close(0)
+        for host in self.hosts:
+            if host.handle is not None:
+                host.handle.cleanup()
+        _live_meshes.discard(self)
+        self._emit({"event": "mesh", "state": "stopped"})
+
+    # -- I/O thread ------------------------------------------------------------------
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.recv_sock, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        last_hb = time.monotonic()
+        while True:
+            events = dict(poller.poll(int(HEARTBEAT_INTERVAL * 1000)))
+            if self._wake_rx in events:
+                return
+            if self.recv_sock in events:
+                while True:
+                    try:
+                        frames = self.recv_sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._on_frames(frames)
+                    except Exception:  # never let one bad message kill the I/O thread
+                        log.exception("mesh %s: error handling a message", self.name)
+            now = time.monotonic()
+            if now - last_hb >= HEARTBEAT_INTERVAL:
+                last_hb = now
+                self._heartbeat(now)
+
+    def _heartbeat(self, now: float) -> None:
+        if self.state in ("stopping", "stopped"):
+            return
+        for host in self.hosts:
+            if host.lost:
+                continue
+            self.send_host(host.index, {"k": K.HEARTBEAT})
+            code = host.handle.exit_code() if host.handle is not None else None
+            if code is not None:
+                self._host_lost(host, f"host agent process exited with code {code}")
+            elif host.ready and now - host.last_seen > self.hb_timeout:
+                self._host_lost(host, f"no heartbeat for {now - host.last_seen:.1f}s")
+
+    def _host_lost(self, host: HostInfo, why: str) -> None:
+        host.lost = why
+        for info in self.ranks:
+            if info.host == host.index and info.alive:
+                self._rank_died(info, {"reason": f"host agent {host.index} lost: {why}"})
+        with self._cv:
+            self._cv.notify_all()
+
+    def _on_frames(self, frames: list[Any]) -> None:
+        ident = frames[0].bytes
+        try:
+            msg = self.codec.decode(frames[1:])
+        except WireError as exc:
+            log.warning("mesh %s dropped a message from %r: %s", self.name, ident, exc)
+            return
+        h = msg.header
+        kind = h["k"]
+        if kind == K.RESULT:
+            rid = h["i"]
+            pending = self.requests.get(rid)
+            rank = h["r"]
+            info = self.ranks[rank]
+            info.outstanding = max(0, info.outstanding - 1)
+            if pending is None or rank not in pending.waiting:
+                return
+            pending.waiting.discard(rank)
+            if not pending.waiting:
+                del self.requests[rid]
+            pending.on_reply(rank, msg)
+        elif kind == K.STREAM:
+            self._on_stream(h["r"], h.get("i"), h["n"], bytes(msg.payload).decode("utf-8", "replace"))
+        elif kind == K.METRIC:
+            import pickle
+
+            self._emit({"event": "metric", "rank": h["r"], "request": h.get("i"),
+                        "values": pickle.loads(msg.payload), "time": time.time()})
+        elif kind == K.READY:
+            info = self.ranks[h["r"]]
+            info.pid, info.hostname, info.device = h["pid"], h["host"], h["dev"]
+            info.state = "idle"
+            info.last_seen = time.monotonic()
+            self._emit({"event": "rank", "rank": info.rank, "state": "idle"})
+            with self._cv:
+                self._cv.notify_all()
+        elif kind == K.RANK_STARTED:
+            self.ranks[h["r"]].pid = h["pid"]
+        elif kind == K.RANK_EXIT:
+            info = self.ranks[h["r"]]
+            if info.pid not in (None, h["pid"]) and info.state != "starting":
+                return  # a stale report about an earlier incarnation
+            self._rank_died(info, h)
+        elif kind == K.HEARTBEAT:
+            self.hosts[h["h"]].last_seen = time.monotonic()
+        elif kind == K.HOST_READY:
+            host = self.hosts[h["h"]]
+            host.pid, host.hostname, host.addr, host.port = h["pid"], h["host"], h["addr"], h["port"]
+            host.ready = True
+            host.last_seen = time.monotonic()
+            with self._cv:
+                self._cv.notify_all()
+        elif kind == K.FAULT:
+            import pickle
+
+            report = pickle.loads(msg.payload)
+            report["rank"] = h["r"]
+            self.faults.append(report)
+            self._emit({"event": "fault", "rank": h["r"], "report": report})
+            self.default_sink(
+                h["r"], "stderr",
+                f"unhandled {report['type']} in {report['where']} (fire-and-forget): "
+                f"{report['message']}\n",
+            )
+
+    def _on_stream(self, rank: int, rid: str | None, name: str, text: str) -> None:
+        info = self.ranks[rank]
+        # Keep whole lines for the death report and the dashboard.
+        buf = info.partial.get(name, "") + text
+        *lines, rest = buf.split("\n")
+        info.tail.extend(lines)
+        info.partial[name] = rest[-4096:]
+        pending = self.requests.get(rid) if rid else None
+        sink = pending.sink if pending is not None and pending.sink else None
+        if sink is None:
+            sink = self.stream_sinks.get(rid) if rid else None
+        (sink or self.default_sink)(rank, name, text)
+        self._emit({"event": "stream", "rank": rank, "request": rid, "name": name, "text": text})
+
+    def _rank_died(self, info: RankInfo, h: dict[str, Any]) -> None:
+        expected = bool(h.get("expected"))
+        info.state = "stopped" if expected or self.state == "stopping" else "dead"
+        host = self.hosts[info.host]
+        tail = list(h.get("tail") or []) or list(info.tail)[-20:]
+        info.death = {
+            "rank": info.rank,
+            "host": host.hostname or f"host {info.host}",
+            "pid": h.get("pid", info.pid),
+            "code": h.get("code"),
+            "signal": h.get("sig"),
+            "reason": h.get("reason"),
+            "tail": tail,
+            "time": time.time(),
+        }
+        self._fail_rank_requests(info)
+        self._emit({"event": "rank", "rank": info.rank, "state": info.state,
+                    "death": info.death})
+        with self._cv:
+            self._cv.notify_all()
+
+    def _fail_rank_requests(self, info: RankInfo) -> None:
+        error = RankDiedError(self.death_text(info), info.death)
+        for rid, pending in list(self.requests.items()):
+            if info.rank in pending.waiting:
+                pending.waiting.discard(info.rank)
+                if not pending.waiting:
+                    self.requests.pop(rid, None)
+                pending.on_death(info.rank, error)
+        info.outstanding = 0
+
+    def death_text(self, info: RankInfo) -> str:
+        d = info.death or {}
+        if d.get("reason"):
+            how = d["reason"]
+        elif info.state == "stopped":
+            how = "was stopped"
+        else:
+            how = describe_exit(d.get("code"), d.get("signal"))
+        text = (
+            f"rank {info.rank} of mesh {self.name!r} (host {d.get('host', info.hostname)}, "
+            f"pid {d.get('pid', info.pid)}) died: {how}"
+        )
+        if d.get("tail"):
+            text += "\nlast output lines:\n  " + "\n  ".join(d["tail"][-10:])
+        if info.state == "dead":
+            text += f"\nRestart it with %mesh restart {self.name} --ranks {info.rank}"
+            text += " (or ProcMesh.restart)."
+        return text
+
+    # -- events ----------------------------------------------------------------------
+    def _emit(self, event: dict[str, Any]) -> None:
+        event["mesh"] = self.name
+        for listener in list(self.listeners):
+            try:
+                listener(event)
+            except Exception:
+                log.exception("mesh listener failed")
+
+
+def print_sink(rank: int, name: str, text: str) -> None:
+    """Default output sink outside the kernel: ``[rank N] line`` on our stdout/stderr."""
+    stream = sys.stderr if name == "stderr" else sys.stdout
+    lines = text.splitlines(keepends=True)
+    stream.write("".join(f"[rank {rank}] {line}" for line in lines))
+    stream.flush()
+
+
+def _bind(sock: zmq.Socket, host: str) -> str:
+    if host.startswith(("ipc://", "tcp://")):
+        sock.bind(host)
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{port}"
+
+
+def live_meshes() -> list[MeshRuntime]:
+    return list(_live_meshes)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for mesh in list(_live_meshes):
+        try:
+            mesh.stop(timeout=3)
+        except Exception:  # pragma: no cover - best effort at exit
+            pass

@@ -1,0 +1,226 @@
+"""Named-dimension shapes, points and NumPy-like slicing (Monarch semantics).
+
+A :class:`Shape` is a strided view over the flat ranks of a process mesh:
+``rank(coords) = offset + sum(coord_i * stride_i)``. Slicing a dim with an int drops
+that dim; slicing with a Python slice keeps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+
+class SliceError(ValueError):
+    """A slice named a dimension that does not exist or an index out of range."""
+
+
+class Point(Mapping):
+    """One position in a mesh: a mapping ``dim -> index`` plus ``.rank`` (flat index).
+
+    ``.rank`` is the position's flat index within the mesh it belongs to (for
+    :func:`current_rank` that is the whole process mesh, i.e. the global rank).
+    """
+
+    __slots__ = ("_coords", "rank")
+
+    def __init__(self, coords: Mapping[str, int], rank: int):
+        self._coords = dict(coords)
+        self.rank = rank
+
+    def __getitem__(self, dim: str) -> int:
+        return self._coords[dim]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._coords)
+
+    def __len__(self) -> int:
+        return len(self._coords)
+
+    def __getattr__(self, dim: str) -> int:
+        try:
+            return self._coords[dim]
+        except KeyError:
+            raise AttributeError(dim) from None
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Point):
+            return self._coords == other._coords and self.rank == other.rank
+        return isinstance(other, Mapping) and self._coords == dict(other)
+
+    def __hash__(self) -> int:
+        return hash((tuple(self._coords.items()), self.rank))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self._coords.items())
+        return f"Point({inner}; rank={self.rank})"
+
+    def __reduce__(self):
+        return Point, (self._coords, self.rank)
+
+
+class Shape:
+    """Named dims over a strided set of global ranks."""
+
+    __slots__ = ("labels", "sizes", "strides", "offset")
+
+    def __init__(
+        self,
+        labels: tuple[str, ...],
+        sizes: tuple[int, ...],
+        strides: tuple[int, ...] | None = None,
+        offset: int = 0,
+    ):
+        self.labels = tuple(labels)
+        self.sizes = tuple(int(s) for s in sizes)
+        if len(self.labels) != len(self.sizes):
+            raise ValueError("labels and sizes differ in length")
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"duplicate dimension names in {self.labels}")
+        if strides is None:
+            acc, rev = 1, []
+            for s in reversed(self.sizes):
+                rev.append(acc)
+                acc *= s
+            strides = tuple(reversed(rev))
+        self.strides = tuple(strides)
+        self.offset = offset
+
+    @classmethod
+    def from_extent(cls, extent: Mapping[str, int]) -> Shape:
+        for dim, size in extent.items():
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"dimension {dim!r} must be a positive int, got {size!r}")
+        return cls(tuple(extent), tuple(extent.values()))
+
+    @property
+    def extent(self) -> dict[str, int]:
+        return dict(zip(self.labels, self.sizes))
+
+    def __len__(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Shape) and (
+            self.labels, self.sizes, self.strides, self.offset
+        ) == (other.labels, other.sizes, other.strides, other.offset)
+
+    def __hash__(self) -> int:
+        return hash((self.labels, self.sizes, self.strides, self.offset))
+
+    def __repr__(self) -> str:
+        return "Shape(" + ", ".join(f"{k}={v}" for k, v in self.extent.items()) + ")"
+
+    def describe(self) -> str:
+        """``hosts=2 × gpus=4`` style text."""
+        return " × ".join(f"{k}={v}" for k, v in self.extent.items()) or "single rank"
+
+    def ranks(self) -> list[int]:
+        """Global ranks in row-major order of this shape's coordinates."""
+        out = [self.offset]
+        for size, stride in zip(self.sizes, self.strides):
+            out = [base + i * stride for base in out for i in range(size)]
+        return out
+
+    def points(self) -> list[Point]:
+        pts = []
+        for i, coords in enumerate(self._coords()):
+            pts.append(Point(dict(zip(self.labels, coords)), i))
+        return pts
+
+    def _coords(self) -> list[tuple[int, ...]]:
+        out: list[tuple[int, ...]] = [()]
+        for size in self.sizes:
+            out = [c + (i,) for c in out for i in range(size)]
+        return out
+
+    def index_of(self, coords: Mapping[str, int]) -> int:
+        """Flat index (within this shape) of the point at ``coords``."""
+        missing = set(self.labels) - set(coords)
+        extra = set(coords) - set(self.labels)
+        if missing or extra:
+            raise SliceError(
+                f"point needs exactly the dims {list(self.labels)}, got {sorted(coords)}"
+            )
+        idx = 0
+        for label, size in zip(self.labels, self.sizes):
+            c = coords[label]
+            if not isinstance(c, int) or not 0 <= c < size:
+                raise SliceError(f"index {c!r} out of range for dim {label!r} of size {size}")
+            idx = idx * size + c
+        return idx
+
+    def slice(self, **dims: Any) -> Shape:
+        """NumPy-like slice: ints drop a dim, Python slices keep it."""
+        for dim in dims:
+            if dim not in self.labels:
+                raise SliceError(
+                    f"mesh has no dimension {dim!r}; its dimensions are {list(self.labels)}"
+                )
+        labels, sizes, strides, offset = [], [], [], self.offset
+        for label, size, stride in zip(self.labels, self.sizes, self.strides):
+            if label not in dims:
+                labels.append(label)
+                sizes.append(size)
+                strides.append(stride)
+                continue
+            sel = dims[label]
+            if isinstance(sel, bool) or not isinstance(sel, (int, slice)):
+                raise SliceError(
+                    f"dim {label!r} takes an int or a slice such as 0:2, got {sel!r}"
+                )
+            if isinstance(sel, int):
+                i = sel + size if sel < 0 else sel
+                if not 0 <= i < size:
+                    raise SliceError(
+                        f"index {sel} out of range for dim {label!r} of size {size}"
+                    )
+                offset += i * stride
+                continue
+            start, stop, step = sel.indices(size)
+            if step <= 0:
+                raise SliceError(f"slice step must be positive for dim {label!r}")
+            n = len(range(start, stop, step))
+            if n == 0:
+                raise SliceError(f"slice {_fmt_slice(sel)} of dim {label!r} (size {size}) is empty")
+            offset += start * stride
+            labels.append(label)
+            sizes.append(n)
+            strides.append(stride * step)
+        return Shape(tuple(labels), tuple(sizes), tuple(strides), offset)
+
+
+def _fmt_slice(s: slice) -> str:
+    text = f"{'' if s.start is None else s.start}:{'' if s.stop is None else s.stop}"
+    return text + (f":{s.step}" if s.step not in (None, 1) else "")
+
+
+def parse_ranks(spec: str, size: int) -> list[int]:
+    """Parse ``"0:2"``, ``"1,3"``, ``"2"``, ``"::2"`` into flat indices < ``size``."""
+    spec = spec.strip()
+    if not spec:
+        raise SliceError("empty --ranks; use e.g. --ranks 0:2 or --ranks 1,3")
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if ":" in part:
+                bits = [int(b) if b.strip() else None for b in part.split(":")]
+                if len(bits) > 3:
+                    raise ValueError
+                out.extend(range(size)[slice(*bits)])
+            else:
+                i = int(part)
+                if not -size <= i < size:
+                    raise SliceError(f"rank {i} out of range: the mesh has {size} ranks")
+                out.append(i % size)
+        except ValueError:
+            raise SliceError(
+                f"bad --ranks {spec!r}: use an index (2), a slice (0:2, ::2) or a list (1,3)"
+            ) from None
+    if not out:
+        raise SliceError(f"--ranks {spec!r} selects no rank of a mesh with {size} ranks")
+    return sorted(set(out))

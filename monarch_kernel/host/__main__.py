@@ -1,0 +1,4 @@
+from monarch_kernel.host.agent import main
+
+if __name__ == "__main__":
+    main()

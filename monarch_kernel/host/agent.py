@@ -1,0 +1,283 @@
+"""The host agent (``python -m monarch_kernel.host``), one per machine.
+
+It starts the warm template at once (so torch is imported while it waits), then reads
+its configuration (controller addresses and mesh key) as one JSON line on stdin or from
+``$MONARCH_KERNEL_HOST_CONFIG``, connects to the controller, forks ranks through the
+template, reports every rank death at once with the rank's last output lines, fans
+multi-rank messages out to its local ranks, and exits when the controller disappears
+(heartbeat loss; on Linux also the parent-death signal).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import zmq
+
+from monarch_kernel.wire import Codec, WireError
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import send as wire_send
+from monarch_kernel.wire.osutil import die_with_parent, tail_lines
+
+log = logging.getLogger("monarch_kernel.host")
+
+HEARTBEAT_INTERVAL = 1.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class Template:
+    """Handle on the warm template process (see :mod:`monarch_kernel.host.template`)."""
+
+    def __init__(self, private_dir: str):
+        cmd_r, self.cmd_w = os.pipe()
+        self.event_r, ev_w = os.pipe()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "monarch_kernel.host.template",
+                str(cmd_r),
+                str(ev_w),
+                str(os.getpid()),
+            ],
+            pass_fds=(cmd_r, ev_w),
+            stdin=subprocess.DEVNULL,
+            cwd=os.getcwd(),
+        )
+        os.close(cmd_r)
+        os.close(ev_w)
+        self.buf = b""
+
+    def command(self, **cmd: Any) -> None:
+        os.write(self.cmd_w, (json.dumps(cmd) + "\n").encode())
+
+    def events(self) -> list[dict[str, Any]]:
+        data = os.read(self.event_r, 65536)
+        if not data:
+            return [{"e": "template_exit", "code": self.proc.wait()}]
+        self.buf += data
+        out = []
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            out.append(json.loads(line))
+        return out
+
+    def stop(self, timeout: float = 5.0) -> None:
+        try:
+            self.command(op="exit")
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class HostAgent:
+    def __init__(self) -> None:
+        self.private_dir = tempfile.mkdtemp(prefix="mk-host-")  # mode 0700
+        self.template = Template(self.private_dir)
+        self.pids: dict[int, int] = {}  # rank -> pid
+        self.expected_exits: set[int] = set()
+        self.cfg: dict[str, Any] = {}
+
+    def configure(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.host = int(cfg["host"])
+        self.codec = Codec(bytes.fromhex(cfg["key"]))
+        self.hb_timeout = float(cfg.get("hb_timeout", 10.0))
+        self.ctx = zmq.Context()
+        ident = f"h{self.host}".encode()
+        self.inbox = self.ctx.socket(zmq.DEALER)
+        self.inbox.setsockopt(zmq.IDENTITY, ident)
+        self.inbox.connect(cfg["send"])
+        self.out = self.ctx.socket(zmq.DEALER)
+        self.out.setsockopt(zmq.IDENTITY, ident)
+        self.out.setsockopt(zmq.LINGER, 2000)
+        self.out.connect(cfg["recv"])
+        self.fan = self.ctx.socket(zmq.ROUTER)
+        self.fan.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.fan_addr = f"ipc://{self.private_dir}/fan"
+        self.fan.bind(self.fan_addr)
+        self.master_port = free_port()
+        self.hostname = cfg.get("hostname") or socket.gethostname()
+
+    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        wire_send(self.out, self.codec.encode(header, payload))
+
+    def run(self) -> None:
+        self.send(
+            {
+                "k": K.HOST_READY,
+                "h": self.host,
+                "pid": os.getpid(),
+                "host": self.hostname,
+                "addr": self.cfg.get("advertise", "127.0.0.1"),
+                "port": self.master_port,
+            }
+        )
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self.template.event_r, zmq.POLLIN)
+        last_rx = last_hb = time.monotonic()
+        while True:
+            events = dict(poller.poll(HEARTBEAT_INTERVAL * 500))
+            now = time.monotonic()
+            if self.template.event_r in events:
+                for ev in self.template.events():
+                    if self.on_template_event(ev) == "exit":
+                        return
+            if self.inbox in events:
+                last_rx = now
+                while True:
+                    try:
+                        frames = self.inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    if self.on_message(frames) == "stop":
+                        return
+            if now - last_hb >= HEARTBEAT_INTERVAL:
+                self.send({"k": K.HEARTBEAT, "h": self.host})
+                last_hb = now
+            if now - last_rx > self.hb_timeout:
+                log.error("host %s: controller silent for %.0fs, shutting down", self.host,
+                          now - last_rx)
+                return
+
+    def on_message(self, frames: list[Any]) -> str | None:
+        try:
+            msg = self.codec.decode(frames)
+        except WireError as exc:
+            log.warning("host %s dropped a message: %s", self.host, exc)
+            return None
+        h = msg.header
+        if h.get("f"):
+            targets = [r for r in h["d"] if r in self.pids]
+            raw = frames if isinstance(frames[0], bytes) else frames
+            for r in targets:
+                try:
+                    self.fan.send_multipart([f"r{r}".encode(), *raw], copy=False)
+                except zmq.ZMQError:  # rank not connected (dead or starting); its
+                    pass  # death or readiness is reported separately
+            return None
+        kind = h["k"]
+        if kind == K.SPAWN_RANKS:
+            common = dict(h["common"])
+            common.update(
+                key=self.cfg["key"],
+                send=self.cfg["send"],
+                recv=self.cfg["recv"],
+                fanout=self.fan_addr,
+                hostname=self.hostname,
+            )
+            for spec in h["ranks"]:
+                cfg = dict(common, **spec)
+                cfg["log"] = os.path.join(self.private_dir, f"rank{spec['rank']}.log")
+                if os.path.exists(cfg["log"]):
+                    os.unlink(cfg["log"])
+                self.template.command(op="fork", cfg=cfg)
+        elif kind == K.SIGNAL_RANKS:
+            self.signal(h["d"], int(h["sig"]))
+        elif kind == K.KILL_RANKS:
+            self.expected_exits.update(r for r in h["d"] if r in self.pids)
+            self.signal(h["d"], signal.SIGKILL)
+        elif kind == K.STOP:
+            return "stop"
+        return None
+
+    def signal(self, ranks: list[int], sig: int) -> None:
+        for r in ranks:
+            pid = self.pids.get(r)
+            if pid:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def on_template_event(self, ev: dict[str, Any]) -> str | None:
+        e = ev["e"]
+        if e == "forked":
+            self.pids[ev["rank"]] = ev["pid"]
+            self.send({"k": K.RANK_STARTED, "h": self.host, "r": ev["rank"], "pid": ev["pid"]})
+        elif e == "exit":
+            rank = ev["rank"]
+            if self.pids.get(rank) == ev["pid"]:
+                del self.pids[rank]
+            log_path = os.path.join(self.private_dir, f"rank{rank}.log")
+            self.send(
+                {
+                    "k": K.RANK_EXIT,
+                    "h": self.host,
+                    "r": rank,
+                    "pid": ev["pid"],
+                    "code": ev["code"],
+                    "sig": ev["signal"],
+                    "tail": tail_lines(log_path),
+                    "expected": rank in self.expected_exits,
+                }
+            )
+            self.expected_exits.discard(rank)
+        elif e == "template_exit":
+            log.error("host %s: template exited (%s)", self.host, ev.get("code"))
+            return "exit"
+        return None
+
+    def shutdown(self) -> None:
+        self.template.stop()
+        # Report the exits the template emitted while stopping, then say goodbye.
+        try:
+            os.set_blocking(self.template.event_r, False)
+            for ev in self.template.events():
+                if ev["e"] == "exit":
+                    self.expected_exits.add(ev["rank"])
+                    self.on_template_event(ev)
+        except (OSError, ValueError):
+            pass
+        if self.cfg:
+            self.ctx.destroy(linger=500)
+        shutil.rmtree(self.private_dir, ignore_errors=True)
+
+
+def _read_config() -> dict[str, Any]:
+    raw = os.environ.pop("MONARCH_KERNEL_HOST_CONFIG", None)
+    if raw is None:
+        raw = sys.stdin.readline()
+        if not raw.strip():
+            sys.exit(0)  # the launcher went away before configuring us
+    return json.loads(raw)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="[monarch host] %(message)s")
+    parent = os.environ.get("MONARCH_KERNEL_PARENT_PID")
+    die_with_parent(signal.SIGTERM, int(parent) if parent else None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    agent = HostAgent()
+    try:
+        agent.configure(_read_config())
+        agent.run()
+    except SystemExit:
+        pass
+    finally:
+        agent.shutdown()
+
+
+if __name__ == "__main__":
+    main()

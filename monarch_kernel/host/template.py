@@ -1,0 +1,156 @@
+"""The warm template: imports torch once, then forks ranks on request and reaps them.
+
+Started by the host agent as ``python -m monarch_kernel.host.template CMD_FD EVENT_FD``.
+It reads one JSON command per line on CMD_FD and writes one JSON event per line on
+EVENT_FD. It never creates a ZeroMQ context or initialises CUDA, so forking is safe.
+The template is single-threaded: a SIGCHLD wakes its select loop through a wakeup fd.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+from monarch_kernel.wire.osutil import die_with_parent
+
+#: Modules imported before the first fork so every rank starts with them loaded.
+PREIMPORT = ("zmq", "cloudpickle", "monarch_kernel.rank.runtime", "torch")
+
+
+def _preimport() -> None:
+    extra = [m for m in os.environ.get("MONARCH_KERNEL_PREIMPORT", "").split(",") if m]
+    for name in (*PREIMPORT, *extra):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+class Template:
+    def __init__(self, cmd_fd: int, event_fd: int):
+        self.cmd_fd = cmd_fd
+        self.event_fd = event_fd
+        self.children: dict[int, int] = {}  # pid -> rank
+        self.buf = b""
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, *_: object) -> None:
+        self.stop_children()
+        os._exit(0)
+
+    def emit(self, **event: object) -> None:
+        os.write(self.event_fd, (json.dumps(event) + "\n").encode())
+
+    def run(self) -> None:
+        self.emit(e="template_ready", pid=os.getpid())
+        while True:
+            try:
+                ready, _, _ = select.select([self.cmd_fd, self.wake_r], [], [])
+            except InterruptedError:
+                continue
+            if self.wake_r in ready:
+                try:
+                    os.read(self.wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            self.reap()
+            if self.cmd_fd in ready:
+                data = os.read(self.cmd_fd, 65536)
+                if not data:  # host agent gone
+                    self.stop_children()
+                    return
+                self.buf += data
+                while b"\n" in self.buf:
+                    line, self.buf = self.buf.split(b"\n", 1)
+                    if self.handle(json.loads(line)) == "exit":
+                        self.stop_children()
+                        return
+
+    def handle(self, cmd: dict) -> str | None:
+        op = cmd["op"]
+        if op == "fork":
+            self.fork(cmd["cfg"])
+        elif op == "exit":
+            return "exit"
+        return None
+
+    def fork(self, cfg: dict) -> None:
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                signal.set_wakeup_fd(-1)
+                for fd in (self.cmd_fd, self.event_fd, self.wake_r, self.wake_w):
+                    os.close(fd)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                from monarch_kernel.rank.runtime import run_forked
+
+                run_forked(cfg, parent)
+            finally:
+                os._exit(1)
+        self.children[pid] = cfg["rank"]
+        self.emit(e="forked", rank=cfg["rank"], pid=pid)
+
+    def reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            rank = self.children.pop(pid, None)
+            if rank is None:
+                continue
+            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+            self.emit(e="exit", rank=rank, pid=pid, code=code, signal=sig)
+
+    def stop_children(self, grace: float = 1.0) -> None:
+        for pid in list(self.children):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while self.children and time.monotonic() < deadline:
+            self.reap()
+            time.sleep(0.01)
+        for pid in list(self.children):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            rank = self.children.pop(pid, None)
+            if rank is not None:
+                sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+                code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+                self.emit(e="exit", rank=rank, pid=pid, code=code, signal=sig)
+
+
+def main() -> None:
+    cmd_fd, event_fd = int(sys.argv[1]), int(sys.argv[2])
+    die_with_parent(signal.SIGKILL, expected_parent=int(sys.argv[3]))
+    _preimport()
+    Template(cmd_fd, event_fd).run()
+
+
+if __name__ == "__main__":
+    main()

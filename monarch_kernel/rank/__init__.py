@@ -1,0 +1,1 @@
+"""Rank runtime: runs actors and cells inside one forked rank process."""

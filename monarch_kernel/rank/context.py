@@ -1,0 +1,40 @@
+"""What a rank knows about itself, readable from user code (``current_rank()`` ...).
+
+Outside a rank (in the controller or a plain script) the rank is a zero-dim point of a
+mesh of size 1 and :func:`report` does nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from monarch_kernel.controller.shape import Point
+
+_point: Point = Point({}, 0)
+_extent: dict[str, int] = {}
+_runtime: Any = None  # the running rank.runtime.Rank, set in rank processes only
+current_request: str | None = None  # id of the message the main thread is serving
+
+
+def install(point: Point, extent: dict[str, int], runtime: Any) -> None:
+    global _point, _extent, _runtime
+    _point, _extent, _runtime = point, dict(extent), runtime
+
+
+def current_rank() -> Point:
+    """This rank's position in its process mesh (``.rank`` is the global flat rank)."""
+    return _point
+
+
+def current_size() -> dict[str, int]:
+    """The extent of this rank's process mesh, e.g. ``{"hosts": 2, "gpus": 4}``."""
+    return dict(_extent)
+
+
+def in_rank() -> bool:
+    return _runtime is not None
+
+
+def report(metrics: dict[str, Any]) -> None:
+    if _runtime is not None:
+        _runtime.report(metrics)

@@ -1,0 +1,71 @@
+"""Turning an exception inside a rank into a report the controller can group and show."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from types import TracebackType
+from typing import Any
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _is_internal(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PKG_DIR + os.sep)
+
+
+def _user_tb(tb: TracebackType | None) -> TracebackType | None:
+    """Skip the leading frames that belong to monarch_kernel itself."""
+    while tb is not None and _is_internal(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb
+
+
+def describe_tensors(frame_locals: dict[str, Any], limit: int = 12) -> list[str]:
+    """``name: shape (2, 3) float32 on cpu`` for each tensor/array local of a frame."""
+    torch = sys.modules.get("torch")
+    np = sys.modules.get("numpy")
+    out = []
+    for name, value in frame_locals.items():
+        if torch is not None and isinstance(value, torch.Tensor):
+            dtype = str(value.dtype).removeprefix("torch.")
+            out.append(f"{name}: shape {tuple(value.shape)} {dtype} on {value.device}")
+        elif np is not None and isinstance(value, np.ndarray):
+            out.append(f"{name}: shape {value.shape} {value.dtype} (numpy)")
+        if len(out) >= limit:
+            break
+    return out
+
+
+def exception_report(exc: BaseException, where: str = "") -> dict[str, Any]:
+    """A picklable, plain-data description of ``exc`` raised inside a rank."""
+    tb = _user_tb(exc.__traceback__) or exc.__traceback__
+    frames = traceback.extract_tb(tb)
+    last = tb
+    while last is not None and last.tb_next is not None:
+        last = last.tb_next
+    tensors = describe_tensors(last.tb_frame.f_locals) if last is not None else []
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    line = None
+    for fs in reversed(frames):
+        if not _is_internal(fs.filename):
+            line = {"file": fs.filename, "line": fs.lineno, "func": fs.name, "code": fs.line}
+            break
+    try:
+        import pickle
+
+        pickled = pickle.dumps(exc)
+        pickle.loads(pickled)
+    except Exception:
+        pickled = None
+    return {
+        "type": type(exc).__name__,
+        "qualname": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": str(exc),
+        "traceback": text,
+        "line": line,
+        "tensors": tensors,
+        "where": where,
+        "exception": pickled,
+    }

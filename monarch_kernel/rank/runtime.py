@@ -1,0 +1,297 @@
+"""The rank process: receives ordered work on its main thread, control on a side thread.
+
+Sockets (all DEALERs, so a point-to-point call is one hop from the controller):
+
+* ``inbox``  (main thread)  <- controller, direct messages;
+* ``fan``    (main thread)  <- this host's agent, messages fanned out to several ranks;
+* ``ctl``    (control thread) <- controller, push/pull/ping served while user code runs;
+* ``out``    (any thread, under a lock) -> controller: results, streams, metrics.
+
+Messages on ``inbox`` and ``fan`` carry a per-rank sequence number; they are handled
+strictly in that order whichever path they came by (FIFO per sender).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+import zmq
+
+from monarch_kernel.controller.shape import Point
+from monarch_kernel.rank import capture, context, env
+from monarch_kernel.rank.errors import exception_report
+from monarch_kernel.wire import Codec, Message, SerializationError, WireError, dumps, loads
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import send as wire_send
+from monarch_kernel.wire.osutil import die_with_parent
+
+log = logging.getLogger("monarch_kernel.rank")
+
+
+class Rank:
+    """One rank: its sockets, actors, namespace and message loop."""
+
+    def __init__(self, cfg: dict[str, Any], log_fd: int):
+        self.cfg = cfg
+        self.rank: int = cfg["rank"]
+        self.log_fd = log_fd
+        self.codec = Codec(bytes.fromhex(cfg["key"]))
+        self.ctx = zmq.Context()
+        ident = f"r{self.rank}".encode()
+        self.inbox = self._dealer(ident, cfg["send"])
+        self.fan = self._dealer(ident, cfg["fanout"])
+        self.out = self._dealer(ident, cfg["recv"])
+        self.ctl = self._dealer(f"c{self.rank}".encode(), cfg["send"])
+        self.out_lock = threading.Lock()
+        self.actors: dict[str, Any] = {}
+        self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+        self.next_seq = 0
+        self.held: dict[int, Message] = {}
+        self.in_user_code = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.parent = os.getppid()
+        labels, sizes = cfg["labels"], cfg["sizes"]
+        point = Point(dict(zip(labels, cfg["coords"])), self.rank)
+        context.install(point, dict(zip(labels, sizes)), self)
+
+    def _dealer(self, ident: bytes, addr: str) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, ident)
+        s.setsockopt(zmq.LINGER, 1000)
+        s.connect(addr)
+        return s
+
+    # -- sending ---------------------------------------------------------------------
+    def send(self, header: dict[str, Any], payload: bytes = b"", buffers: Any = ()) -> None:
+        with self.out_lock:
+            wire_send(self.out, self.codec.encode(header, payload, buffers))
+
+    def _stream(self, name: str, text: str, request: str | None) -> None:
+        self.send({"k": K.STREAM, "r": self.rank, "i": request, "n": name}, text.encode())
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        clean = {}
+        for key, value in metrics.items():
+            try:
+                clean[key] = float(value)
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"report({key}=...) needs a number, got {type(value).__name__}"
+                ) from None
+        header = {"k": K.METRIC, "r": self.rank, "i": context.current_request}
+        self.send(header, pickle.dumps(clean))
+
+    def reply(self, request: str, value: Any, what: str) -> None:
+        try:
+            payload, buffers = dumps(value, what)
+        except SerializationError as exc:
+            self.reply_error(request, exc, what)
+            return
+        self.send({"k": K.RESULT, "i": request, "r": self.rank, "ok": 1}, payload, buffers)
+
+    def reply_error(self, request: str | None, exc: BaseException, where: str) -> None:
+        report = exception_report(exc, where)
+        report["host"] = self.cfg["hostname"]
+        if request is None:  # fire-and-forget: goes to supervision
+            self.send({"k": K.FAULT, "r": self.rank}, pickle.dumps(report))
+        else:
+            self.send({"k": K.RESULT, "i": request, "r": self.rank, "ok": 0}, pickle.dumps(report))
+
+    # -- startup ---------------------------------------------------------------------
+    def start(self) -> None:
+        capture.FdCapture(self._stream, self.log_fd).start()
+        sys.stdout = capture.RankStream("stdout", self._stream, self.log_fd)
+        sys.stderr = capture.RankStream("stderr", self._stream, self.log_fd)
+        signal.signal(signal.SIGINT, self._on_sigint)
+        device = "cpu"
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.set_device(self.cfg["local_rank"] % torch.cuda.device_count())
+            device = f"cuda:{torch.cuda.current_device()}"
+        threading.Thread(target=self._control_loop, name="rank-control", daemon=True).start()
+        self.send(
+            {
+                "k": K.READY,
+                "r": self.rank,
+                "pid": os.getpid(),
+                "host": self.cfg["hostname"],
+                "dev": device,
+            }
+        )
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        # Only user code is interrupted; a SIGINT while we send or wait is ignored so a
+        # multipart message is never cut in half.
+        if self.in_user_code:
+            raise KeyboardInterrupt
+
+    # -- main loop -------------------------------------------------------------------
+    def run(self) -> None:
+        self.start()
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self.fan, zmq.POLLIN)
+        while True:
+            try:
+                for sock, _ in poller.poll():
+                    self._receive(sock.recv_multipart(copy=False))
+            except KeyboardInterrupt:
+                continue
+
+    def _receive(self, frames: list[Any]) -> None:
+        try:
+            msg = self.codec.decode(frames)
+        except WireError as exc:
+            log.warning("rank %s dropped a message: %s", self.rank, exc)
+            return
+        h = msg.header
+        seq = h.get("q")
+        if isinstance(seq, list):
+            try:
+                seq = seq[h["d"].index(self.rank)]
+            except (KeyError, ValueError):
+                return  # not for us
+        if seq is None:
+            self._dispatch(msg)
+            return
+        if seq != self.next_seq:
+            if seq > self.next_seq:
+                self.held[seq] = msg
+            return
+        self._dispatch(msg)
+        self.next_seq += 1
+        while self.next_seq in self.held:
+            self._dispatch(self.held.pop(self.next_seq))
+            self.next_seq += 1
+
+    def _dispatch(self, msg: Message) -> None:
+        h = msg.header
+        kind = h["k"]
+        request = h.get("i") if h.get("w") else None
+        context.current_request = h.get("i")
+        try:
+            if kind == K.CALL:
+                self._call(msg, request)
+            elif kind == K.SPAWN_ACTOR:
+                self._spawn_actor(msg, request)
+            elif kind == K.EXEC:
+                from monarch_kernel.rank.cells import run_cell
+
+                run_cell(self, msg, request)
+            elif kind == K.STOP_ACTOR:
+                self.actors.pop(h.get("a"), None)
+                if request:
+                    self.reply(request, None, "stop")
+            else:
+                log.warning("rank %s: unknown message kind %r", self.rank, kind)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            context.current_request = None
+
+    def run_user(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call user code with interrupts enabled; await it if it is a coroutine."""
+        self.in_user_code = True
+        try:
+            result = fn(*args, **kwargs)
+            if inspect.isawaitable(result):
+                if self.loop is None:
+                    self.loop = asyncio.new_event_loop()
+                result = self.loop.run_until_complete(result)
+            return result
+        finally:
+            self.in_user_code = False
+
+    def _spawn_actor(self, msg: Message, request: str | None) -> None:
+        name = msg.header["a"]
+        try:
+            cls, args, kwargs = loads(msg.payload, msg.buffers, f"constructor of actor {name!r}")
+            self.actors[name] = self.run_user(cls, *args, **kwargs)
+        except (Exception, KeyboardInterrupt) as exc:  # reported to the caller; SystemExit ends the rank
+            self.reply_error(request, exc, f"{name}.__init__")
+            return
+        if request:
+            self.reply(request, None, f"spawn of {name}")
+
+    def _call(self, msg: Message, request: str | None) -> None:
+        h = msg.header
+        name, method = h["a"], h["m"]
+        where = f"{name}.{method}"
+        try:
+            actor = self.actors.get(name)
+            if actor is None:
+                raise LookupError(f"no actor {name!r} on rank {self.rank} (was it stopped?)")
+            args, kwargs = loads(msg.payload, msg.buffers, f"arguments of {where}")
+            result = self.run_user(getattr(actor, method), *args, **kwargs)
+        except (Exception, KeyboardInterrupt) as exc:  # reported to the caller; SystemExit ends the rank
+            self.reply_error(request, exc, where)
+            return
+        if request:
+            self.reply(request, result, f"result of {where} on rank {self.rank}")
+
+    # -- control thread --------------------------------------------------------------
+    def _control_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.ctl, zmq.POLLIN)
+        while True:
+            if os.getppid() != self.parent:  # our host agent is gone
+                os._exit(3)
+            if not poller.poll(1000):
+                continue
+            try:
+                msg = self.codec.decode(self.ctl.recv_multipart(copy=False))
+            except WireError as exc:
+                log.warning("rank %s dropped a control message: %s", self.rank, exc)
+                continue
+            try:
+                self._control(msg)
+            except Exception as exc:  # noqa: BLE001
+                self.reply_error(msg.header.get("i"), exc, msg.kind)
+
+    def _control(self, msg: Message) -> None:
+        h = msg.header
+        if msg.kind == K.PUSH:
+            values = loads(msg.payload, msg.buffers, "pushed values")
+            self.namespace.update(values)
+            self.reply(h["i"], sorted(values), "push")
+        elif msg.kind == K.PULL:
+            names = loads(msg.payload, msg.buffers, "pull request")
+            missing = [n for n in names if n not in self.namespace]
+            if missing:
+                raise NameError(f"name {missing[0]!r} is not defined on rank {self.rank}")
+            values = [self.namespace[n] for n in names]
+            self.reply(h["i"], values, f"pulled {', '.join(names)} on rank {self.rank}")
+        elif msg.kind == K.PING:
+            self.reply(h["i"], os.getpid(), "ping")
+
+
+def run_forked(cfg: dict[str, Any], template_pid: int) -> None:
+    """Entry point of a freshly forked rank (called by the host template); never returns."""
+    code = 0
+    try:
+        die_with_parent(signal.SIGKILL, expected_parent=template_pid)
+        log_fd = os.open(cfg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        import faulthandler
+
+        faulthandler.enable(file=log_fd, all_threads=True)
+        cfg.setdefault("hostname", socket.gethostname())
+        env.apply(cfg)
+        Rank(cfg, log_fd).run()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)

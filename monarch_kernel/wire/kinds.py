@@ -1,0 +1,36 @@
+"""Message kinds (the ``k`` field of a header) and the header fields used on the wire.
+
+Header fields: ``k`` kind, ``i`` request id, ``r`` sender rank, ``d`` target ranks,
+``q`` per-target sequence numbers (FIFO per sender), ``f`` forward through the host
+agent, ``w`` a reply is wanted, ``b`` buffer sizes (set by the codec).
+"""
+
+# controller -> host agent
+SPAWN_RANKS = "spawn_ranks"
+SIGNAL_RANKS = "signal_ranks"
+KILL_RANKS = "kill_ranks"
+STOP = "stop"
+HEARTBEAT = "hb"
+
+# host agent -> controller
+HOST_READY = "host_ready"
+RANK_STARTED = "rank_started"
+RANK_EXIT = "rank_exit"
+
+# controller -> rank (ordered, main thread)
+SPAWN_ACTOR = "spawn_actor"
+CALL = "call"
+EXEC = "exec"
+STOP_ACTOR = "stop_actor"
+
+# controller -> rank control thread (unordered, served while the main thread is busy)
+PUSH = "push"
+PULL = "pull"
+PING = "ping"
+
+# rank -> controller
+READY = "ready"
+RESULT = "res"
+STREAM = "out"
+METRIC = "metric"
+FAULT = "fault"

@@ -1,0 +1,117 @@
+"""Serialization: cloudpickle with pickle protocol 5 and out-of-band buffers.
+
+Numpy arrays and torch tensors travel as raw buffers next to the pickle, never copied
+into it. A CUDA tensor is moved to host memory on send and placed on the receiving
+rank's current CUDA device on load (or stays on the CPU where there is no CUDA).
+Classes and functions defined in ``__main__`` or a notebook cell pickle by value.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+from typing import Any
+
+import cloudpickle
+
+PROTOCOL = 5
+#: Buffers below this size are cheaper inside the pickle than as frames of their own.
+OUT_OF_BAND_MIN = 8192
+
+
+class SerializationError(TypeError):
+    """A value could not be pickled or unpickled; the message says which one and why."""
+
+
+def _rebuild_tensor(data: Any, dtype_name: str, shape: tuple, cuda: bool, requires_grad: bool):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    if len(data) == 0:
+        t = torch.empty(shape, dtype=dtype)
+    else:
+        t = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
+    if cuda and torch.cuda.is_available():
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _reduce_tensor(t: Any):
+    import torch
+
+    if t.is_sparse or t.layout != torch.strided or t.is_quantized or t.is_nested:
+        return NotImplemented
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return NotImplemented  # subclasses (DTensor ...) keep their own reduction
+    cuda = t.is_cuda
+    data = t.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    data = data.contiguous()
+    raw = data.reshape(-1).view(torch.uint8) if data.numel() else data.new_empty(0)
+    buf = pickle.PickleBuffer(raw.numpy()) if raw.numel() else b""
+    dtype_name = str(t.dtype).removeprefix("torch.")
+    args = (buf, dtype_name, tuple(t.shape), cuda, bool(t.requires_grad))
+    if isinstance(t, torch.nn.Parameter):
+        return _rebuild_parameter, args
+    return _rebuild_tensor, args
+
+
+def _rebuild_parameter(*args: Any):
+    import torch
+
+    t = _rebuild_tensor(*args)
+    return torch.nn.Parameter(t, requires_grad=t.requires_grad)
+
+
+class _Pickler(cloudpickle.Pickler):
+    def reducer_override(self, obj: Any):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            try:
+                return _reduce_tensor(obj)
+            except (RuntimeError, TypeError):  # exotic dtypes or layouts
+                return NotImplemented
+        return super().reducer_override(obj)
+
+
+def dumps(obj: Any, what: str = "value") -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """Pickle ``obj``; returns ``(payload, out_of_band_buffers)``.
+
+    ``what`` names the value in the error message (``"argument 'x' of Counter.incr"``).
+    """
+    buffers: list[pickle.PickleBuffer] = []
+
+    def _keep_out_of_band(buf: pickle.PickleBuffer) -> bool:
+        # Small buffers stay in the pickle (returning True means in-band).
+        if buf.raw().nbytes < OUT_OF_BAND_MIN:
+            return True
+        buffers.append(buf)
+        return False
+
+    f = io.BytesIO()
+    try:
+        _Pickler(f, protocol=PROTOCOL, buffer_callback=_keep_out_of_band).dump(obj)
+    except Exception as exc:
+        raise SerializationError(
+            f"{what} cannot be pickled ({type(obj).__name__}): {exc}. "
+            "Send plain data, tensors or picklable objects instead."
+        ) from exc
+    return f.getvalue(), buffers
+
+
+def loads(payload: bytes | memoryview, buffers: list[Any] = (), what: str = "value") -> Any:
+    """Unpickle a payload with its out-of-band buffers (zero-copy where possible)."""
+    try:
+        return pickle.loads(payload, buffers=buffers)
+    except Exception as exc:
+        raise SerializationError(f"{what} cannot be unpickled here: {exc!r}") from exc
+
+
+def find_unpicklable(values: dict[str, Any], what: str) -> None:
+    """Raise SerializationError naming the first entry of ``values`` that cannot be pickled."""
+    for name, value in values.items():
+        dumps(value, f"{name} of {what}")
