@@ -133,13 +133,54 @@ class ProcMesh(_MeshView):
         what = f"constructor arguments of actor {name!r} ({actor_class.__name__})"
         payload, buffers = _dump_call((actor_class, args, kwargs), args, kwargs, what)
         ranks = self._shape.ranks()
-        fut = _gather(self._runtime, self._shape, {"k": K.SPAWN_ACTOR, "a": name},
-                      payload, buffers)
+        fut = _gather(self._runtime, self._shape, {"k": K.SPAWN_ACTOR, "a": name}, payload, buffers)
         fut.get()
         self._runtime.actor_specs[name] = (payload, buffers)
         self._runtime.actor_ranks = getattr(self._runtime, "actor_ranks", {})
         self._runtime.actor_ranks[name] = set(ranks)
         return ActorMesh(self, name, actor_class, self._shape)
+
+    def ping(self) -> Future[ValueMesh]:
+        """Ask every rank's control thread for its pid and rejected-message count.
+
+        Answered even while the rank's main thread is busy running user code.
+        """
+        return _gather_ranks(
+            self._runtime, self._shape.ranks(), {"k": K.PING}, b"", (), self._shape, control=True
+        )
+
+    def push(self, **values: Any) -> None:
+        """Set names in every rank's cell namespace (also while a --bg cell runs)."""
+        payload, buffers = _dump_call(values, (), values, "pushed values")
+        _gather_ranks(
+            self._runtime,
+            self._shape.ranks(),
+            {"k": K.PUSH},
+            payload,
+            buffers,
+            self._shape,
+            control=True,
+        ).get()
+
+    def pull(self, *names: str) -> ValueMesh | dict[str, ValueMesh]:
+        """Read names from every rank's cell namespace: a ValueMesh per name."""
+        if not names:
+            raise TypeError("pull() needs at least one variable name")
+        payload, buffers = dumps(list(names), "pull request")
+        per_rank = _gather_ranks(
+            self._runtime,
+            self._shape.ranks(),
+            {"k": K.PULL},
+            payload,
+            buffers,
+            self._shape,
+            control=True,
+        ).get()
+        meshes = {
+            n: ValueMesh(self._shape, [vals[i] for vals in per_rank.values()])
+            for i, n in enumerate(names)
+        }
+        return meshes[names[0]] if len(names) == 1 else meshes
 
     def interrupt(self) -> None:
         """Raise KeyboardInterrupt in whatever user code the ranks are running."""
@@ -248,8 +289,9 @@ class EndpointRef:
                 f".slice({self._mesh._shape.labels[-1]}=0), or use call()"
             )
         payload, buffers = self._payload(args, kwargs)
-        return _single(self._mesh._runtime, self._mesh._shape.ranks()[0], self._header(),
-                       payload, buffers)
+        return _single(
+            self._mesh._runtime, self._mesh._shape.ranks()[0], self._header(), payload, buffers
+        )
 
     def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """Call one rank, the least busy live one."""
@@ -358,6 +400,7 @@ def _gather_ranks(
     payload: bytes,
     buffers: Any,
     shape: Shape | None = None,
+    control: bool = False,
 ) -> Future:
     index = {r: i for i, r in enumerate(ranks)}
     replies: list[Message | None] = [None] * len(ranks)
@@ -383,7 +426,15 @@ def _gather_ranks(
         if remaining[0] == 0:
             fut.set_result(None)
 
-    rt.request(ranks, header, payload, buffers, on_reply, lambda r, e: fut.set_exception(e))
+    rt.request(
+        ranks,
+        header,
+        payload,
+        buffers,
+        on_reply,
+        lambda r, e: fut.set_exception(e),
+        control=control,
+    )
     return fut
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from monarch_kernel.controller.shape import Point, Shape
 
@@ -68,8 +68,10 @@ class ValueMesh(Generic[T]):
         rows = []
         for p, v in self.items():
             cells = "".join(f"<td>{p[label]}</td>" for label in labels)
-            rows.append(f"<tr>{cells}<td style='text-align:left'><code>"
-                        f"{html.escape(repr(v))[:500]}</code></td></tr>")
+            rows.append(
+                f"<tr>{cells}<td style='text-align:left'><code>"
+                f"{html.escape(repr(v))[:500]}</code></td></tr>"
+            )
         return (
             f"<table class='monarch-valuemesh'><thead><tr>{head}<th>value</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table>"

@@ -91,7 +91,7 @@ def actor_error(failures: list[dict[str, Any]], total: int) -> ActorError:
         )
     first = groups[0][0]
     text = "\n".join(lines)
-    text += "\n\nRemote traceback (rank %d, root cause):\n%s" % (first["rank"], first["traceback"])
+    text += f"\n\nRemote traceback (rank {first['rank']}, root cause):\n{first['traceback']}"
     if first.get("tensors"):
         text += "Tensors in the failing frame:\n  " + "\n  ".join(first["tensors"]) + "\n"
     exc = None

@@ -161,8 +161,10 @@ class MeshRuntime:
         ctx = zmq.Context.instance()
         self.send_sock = ctx.socket(zmq.ROUTER)
         self.send_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.send_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank reuses its id
         self.send_sock.setsockopt(zmq.LINGER, 0)
         self.recv_sock = ctx.socket(zmq.ROUTER)
+        self.recv_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.recv_sock.setsockopt(zmq.LINGER, 0)
         try:
             self.send_addr = _bind(self.send_sock, bind)
@@ -402,8 +404,11 @@ class MeshRuntime:
                 info.tail.clear()
         for host in {i.host for i in infos}:
             self._spawn_ranks([i for i in infos if i.host == host])
-        self._wait(lambda: all(self.ranks[r].state != "starting" for r in ranks), deadline,
-                   "restarted ranks")
+        self._wait(
+            lambda: all(self.ranks[r].state != "starting" for r in ranks),
+            deadline,
+            "restarted ranks",
+        )
         dead = [self.ranks[r] for r in ranks if not self.ranks[r].alive]
         if dead:
             raise MeshStartError(
@@ -510,14 +515,23 @@ class MeshRuntime:
                 del self.requests[rid]
             pending.on_reply(rank, msg)
         elif kind == K.STREAM:
-            self._on_stream(h["r"], h.get("i"), h["n"], bytes(msg.payload).decode("utf-8", "replace"))
+            text = bytes(msg.payload).decode("utf-8", "replace")
+            self._on_stream(h["r"], h.get("i"), h["n"], text)
         elif kind == K.METRIC:
             import pickle
 
-            self._emit({"event": "metric", "rank": h["r"], "request": h.get("i"),
-                        "values": pickle.loads(msg.payload), "time": time.time()})
+            self._emit(
+                {
+                    "event": "metric",
+                    "rank": h["r"],
+                    "request": h.get("i"),
+                    "values": pickle.loads(msg.payload),
+                    "time": time.time(),
+                }
+            )
         elif kind == K.READY:
             info = self.ranks[h["r"]]
+            self._probe([b"r%d" % info.rank, b"c%d" % info.rank])
             info.pid, info.hostname, info.device = h["pid"], h["host"], h["dev"]
             info.state = "idle"
             info.last_seen = time.monotonic()
@@ -535,7 +549,9 @@ class MeshRuntime:
             self.hosts[h["h"]].last_seen = time.monotonic()
         elif kind == K.HOST_READY:
             host = self.hosts[h["h"]]
-            host.pid, host.hostname, host.addr, host.port = h["pid"], h["host"], h["addr"], h["port"]
+            host.pid, host.hostname = h["pid"], h["host"]
+            host.addr, host.port = h["addr"], h["port"]
+            self._probe([b"h%d" % host.index])
             host.ready = True
             host.last_seen = time.monotonic()
             with self._cv:
@@ -548,10 +564,32 @@ class MeshRuntime:
             self.faults.append(report)
             self._emit({"event": "fault", "rank": h["r"], "report": report})
             self.default_sink(
-                h["r"], "stderr",
+                h["r"],
+                "stderr",
                 f"unhandled {report['type']} in {report['where']} (fire-and-forget): "
                 f"{report['message']}\n",
             )
+
+    def _probe(self, identities: list[bytes], timeout: float = 10.0) -> None:
+        """Wait until the send socket can route to ``identities``.
+
+        A peer announces itself on the receive socket; its connection to the send socket
+        is made independently and may lag by a moment. Nothing is sent to it before.
+        """
+        frames = self.codec.encode({"k": K.HELLO})
+        deadline = time.monotonic() + timeout
+        for ident in identities:
+            while True:
+                with self._send_lock:
+                    try:
+                        self.send_sock.send_multipart([ident, *frames])
+                        break
+                    except zmq.ZMQError:
+                        pass
+                if time.monotonic() > deadline:
+                    log.warning("mesh %s: peer %r is not reachable", self.name, ident)
+                    return
+                time.sleep(0.001)
 
     def _on_stream(self, rank: int, rid: str | None, name: str, text: str) -> None:
         info = self.ranks[rank]
@@ -583,13 +621,17 @@ class MeshRuntime:
             "time": time.time(),
         }
         self._fail_rank_requests(info)
-        self._emit({"event": "rank", "rank": info.rank, "state": info.state,
-                    "death": info.death})
+        self._emit({"event": "rank", "rank": info.rank, "state": info.state, "death": info.death})
         with self._cv:
             self._cv.notify_all()
 
     def _fail_rank_requests(self, info: RankInfo) -> None:
-        error = RankDiedError(self.death_text(info), info.death)
+        if self.state in ("stopping", "stopped"):
+            error: BaseException = MeshStoppedError(
+                f"mesh {self.name!r} was stopped while this call was running"
+            )
+        else:
+            error = RankDiedError(self.death_text(info), info.death)
         for rid, pending in list(self.requests.items()):
             if info.rank in pending.waiting:
                 pending.waiting.discard(info.rank)
@@ -611,7 +653,7 @@ class MeshRuntime:
             f"pid {d.get('pid', info.pid)}) died: {how}"
         )
         if d.get("tail"):
-            text += "\nlast output lines:\n  " + "\n  ".join(d["tail"][-10:])
+            text += "\nlast output lines:\n  " + "\n  ".join(d["tail"][-20:])
         if info.state == "dead":
             text += f"\nRestart it with %mesh restart {self.name} --ranks {info.rank}"
             text += " (or ProcMesh.restart)."

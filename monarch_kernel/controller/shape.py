@@ -105,7 +105,10 @@ class Shape:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Shape) and (
-            self.labels, self.sizes, self.strides, self.offset
+            self.labels,
+            self.sizes,
+            self.strides,
+            self.offset,
         ) == (other.labels, other.sizes, other.strides, other.offset)
 
     def __hash__(self) -> int:
@@ -169,15 +172,11 @@ class Shape:
                 continue
             sel = dims[label]
             if isinstance(sel, bool) or not isinstance(sel, (int, slice)):
-                raise SliceError(
-                    f"dim {label!r} takes an int or a slice such as 0:2, got {sel!r}"
-                )
+                raise SliceError(f"dim {label!r} takes an int or a slice such as 0:2, got {sel!r}")
             if isinstance(sel, int):
                 i = sel + size if sel < 0 else sel
                 if not 0 <= i < size:
-                    raise SliceError(
-                        f"index {sel} out of range for dim {label!r} of size {size}"
-                    )
+                    raise SliceError(f"index {sel} out of range for dim {label!r} of size {size}")
                 offset += i * stride
                 continue
             start, stop, step = sel.indices(size)

@@ -113,6 +113,7 @@ class HostAgent:
         self.out.connect(cfg["recv"])
         self.fan = self.ctx.socket(zmq.ROUTER)
         self.fan.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.fan.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.fan_addr = f"ipc://{self.private_dir}/fan"
         self.fan.bind(self.fan_addr)
         self.master_port = free_port()
@@ -135,6 +136,7 @@ class HostAgent:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.template.event_r, zmq.POLLIN)
+        poller.register(self.fan, zmq.POLLIN)
         last_rx = last_hb = time.monotonic()
         while True:
             events = dict(poller.poll(HEARTBEAT_INTERVAL * 500))
@@ -143,6 +145,11 @@ class HostAgent:
                 for ev in self.template.events():
                     if self.on_template_event(ev) == "exit":
                         return
+            if self.fan in events:
+                # A rank says hello on its fan-out connection; the ack tells it that
+                # fanned-out messages can reach it now.
+                ident, *frames = self.fan.recv_multipart()
+                self.fan.send_multipart([ident, *self.codec.encode({"k": K.HELLO})])
             if self.inbox in events:
                 last_rx = now
                 while True:
@@ -156,8 +163,9 @@ class HostAgent:
                 self.send({"k": K.HEARTBEAT, "h": self.host})
                 last_hb = now
             if now - last_rx > self.hb_timeout:
-                log.error("host %s: controller silent for %.0fs, shutting down", self.host,
-                          now - last_rx)
+                log.error(
+                    "host %s: controller silent for %.0fs, shutting down", self.host, now - last_rx
+                )
                 return
 
     def on_message(self, frames: list[Any]) -> str | None:
@@ -168,11 +176,11 @@ class HostAgent:
             return None
         h = msg.header
         if h.get("f"):
-            targets = [r for r in h["d"] if r in self.pids]
-            raw = frames if isinstance(frames[0], bytes) else frames
-            for r in targets:
+            for r in h["d"]:
+                if r not in self.pids:
+                    continue
                 try:
-                    self.fan.send_multipart([f"r{r}".encode(), *raw], copy=False)
+                    self.fan.send_multipart([b"r%d" % r, *frames], copy=False)
                 except zmq.ZMQError:  # rank not connected (dead or starting); its
                     pass  # death or readiness is reported separately
             return None
@@ -199,6 +207,8 @@ class HostAgent:
             self.signal(h["d"], signal.SIGKILL)
         elif kind == K.STOP:
             return "stop"
+        elif kind not in (K.HEARTBEAT, K.HELLO):
+            log.warning("host %s: unknown message kind %r", self.host, kind)
         return None
 
     def signal(self, ranks: list[int], sig: int) -> None:

@@ -118,6 +118,7 @@ class Rank:
             torch.cuda.set_device(self.cfg["local_rank"] % torch.cuda.device_count())
             device = f"cuda:{torch.cuda.current_device()}"
         threading.Thread(target=self._control_loop, name="rank-control", daemon=True).start()
+        self._greet_host()
         self.send(
             {
                 "k": K.READY,
@@ -127,6 +128,13 @@ class Rank:
                 "dev": device,
             }
         )
+
+    def _greet_host(self, timeout: float = 30.0) -> None:
+        """Say hello on the fan-out connection and wait for the host agent's ack."""
+        self.fan.send_multipart(self.codec.encode({"k": K.HELLO, "r": self.rank}))
+        if not self.fan.poll(timeout * 1000):
+            raise RuntimeError(f"rank {self.rank}: host agent did not answer in {timeout}s")
+        self.fan.recv_multipart()
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         # Only user code is interrupted; a SIGINT while we send or wait is ignored so a
@@ -176,6 +184,8 @@ class Rank:
     def _dispatch(self, msg: Message) -> None:
         h = msg.header
         kind = h["k"]
+        if kind == K.HELLO:
+            return
         request = h.get("i") if h.get("w") else None
         context.current_request = h.get("i")
         try:
@@ -213,11 +223,12 @@ class Rank:
 
     def _spawn_actor(self, msg: Message, request: str | None) -> None:
         name = msg.header["a"]
+        cls = None
         try:
             cls, args, kwargs = loads(msg.payload, msg.buffers, f"constructor of actor {name!r}")
             self.actors[name] = self.run_user(cls, *args, **kwargs)
-        except (Exception, KeyboardInterrupt) as exc:  # reported to the caller; SystemExit ends the rank
-            self.reply_error(request, exc, f"{name}.__init__")
+        except (Exception, KeyboardInterrupt) as exc:  # to the caller; SystemExit ends the rank
+            self.reply_error(request, exc, f"{getattr(cls, '__name__', name)}.__init__")
             return
         if request:
             self.reply(request, None, f"spawn of {name}")
@@ -225,14 +236,14 @@ class Rank:
     def _call(self, msg: Message, request: str | None) -> None:
         h = msg.header
         name, method = h["a"], h["m"]
-        where = f"{name}.{method}"
+        actor = self.actors.get(name)
+        where = f"{type(actor).__name__}.{method}" if actor is not None else f"{name}.{method}"
         try:
-            actor = self.actors.get(name)
             if actor is None:
                 raise LookupError(f"no actor {name!r} on rank {self.rank} (was it stopped?)")
             args, kwargs = loads(msg.payload, msg.buffers, f"arguments of {where}")
             result = self.run_user(getattr(actor, method), *args, **kwargs)
-        except (Exception, KeyboardInterrupt) as exc:  # reported to the caller; SystemExit ends the rank
+        except (Exception, KeyboardInterrupt) as exc:  # to the caller; SystemExit ends the rank
             self.reply_error(request, exc, where)
             return
         if request:
@@ -259,6 +270,8 @@ class Rank:
 
     def _control(self, msg: Message) -> None:
         h = msg.header
+        if msg.kind == K.HELLO:
+            return
         if msg.kind == K.PUSH:
             values = loads(msg.payload, msg.buffers, "pushed values")
             self.namespace.update(values)
@@ -271,7 +284,7 @@ class Rank:
             values = [self.namespace[n] for n in names]
             self.reply(h["i"], values, f"pulled {', '.join(names)} on rank {self.rank}")
         elif msg.kind == K.PING:
-            self.reply(h["i"], os.getpid(), "ping")
+            self.reply(h["i"], {"pid": os.getpid(), "rejected": self.codec.rejected}, "ping")
 
 
 def run_forked(cfg: dict[str, Any], template_pid: int) -> None:
@@ -282,9 +295,14 @@ def run_forked(cfg: dict[str, Any], template_pid: int) -> None:
         log_fd = os.open(cfg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         import faulthandler
 
-        faulthandler.enable(file=log_fd, all_threads=True)
+        faulthandler.enable(file=log_fd, all_threads=False)
         cfg.setdefault("hostname", socket.gethostname())
         env.apply(cfg)
+        # Same working directory and import path as the controller, so classes that
+        # pickle by reference (defined in the user's modules) import here too.
+        if cfg.get("cwd") and os.path.isdir(cfg["cwd"]):
+            os.chdir(cfg["cwd"])
+        sys.path.extend(p for p in cfg.get("sys_path", ()) if p not in sys.path)
         Rank(cfg, log_fd).run()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

@@ -99,9 +99,7 @@ class Codec:
             buffers = [_as_buffer(f) for f in frames[3:]]
             if not isinstance(header, dict) or "k" not in header:
                 raise ValueError("header without kind")
-            if len(sizes) != len(buffers) or any(
-                s != b.nbytes for s, b in zip(sizes, buffers)
-            ):
+            if len(sizes) != len(buffers) or any(s != b.nbytes for s, b in zip(sizes, buffers)):
                 raise ValueError("buffer frames do not match the sizes in the header")
         except (ValueError, TypeError) as exc:
             self.rejected += 1
@@ -123,7 +121,8 @@ def _as_buffer(frame: Any) -> memoryview:
         return memoryview(frame)
     if isinstance(frame, memoryview):
         return frame
-    return frame.buffer
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    return buf if buf is not None else memoryview(frame)
 
 
 def send(sock: Any, frames: list[Any], prefix: list[bytes] | None = None) -> None:

@@ -11,6 +11,8 @@ SIGNAL_RANKS = "signal_ranks"
 KILL_RANKS = "kill_ranks"
 STOP = "stop"
 HEARTBEAT = "hb"
+#: Connection probe: proves a ROUTER peer is routable before real messages go to it.
+HELLO = "hello"
 
 # host agent -> controller
 HOST_READY = "host_ready"

@@ -47,5 +47,13 @@ def tail_lines(path: str, n: int = 20, max_bytes: int = 16384) -> list[str]:
             data = f.read()
     except OSError:
         return []
-    lines = data.decode("utf-8", "replace").splitlines()
+    lines = [line for line in data.decode("utf-8", "replace").splitlines() if not _noise(line)]
     return lines[-n:]
+
+
+def _noise(line: str) -> bool:
+    """Frames of our own runtime and faulthandler's module list, in a crash dump."""
+    stripped = line.strip()
+    return stripped.startswith("Extension modules:") or (
+        stripped.startswith("File ") and ("/monarch_kernel/" in line or "<frozen runpy>" in line)
+    )

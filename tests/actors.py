@@ -1,0 +1,145 @@
+"""Actor classes used by the tests (importable by ranks through sys.path)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+from monarch_kernel.actor import Actor, current_rank, current_size, endpoint
+
+
+class Counter(Actor):
+    def __init__(self, start: int = 0):
+        self.v = start
+        self.log: list[int] = []
+
+    @endpoint
+    def incr(self, by: int = 1) -> int:
+        self.v += by
+        return self.v
+
+    @endpoint
+    def value(self) -> int:
+        return self.v
+
+    @endpoint
+    def record(self, i: int, payload=None) -> None:
+        self.log.append(i)
+
+    @endpoint
+    def get_log(self) -> list[int]:
+        return self.log
+
+
+class Worker(Actor):
+    @endpoint
+    def whoami(self) -> dict:
+        p = current_rank()
+        return {
+            "coords": dict(p),
+            "rank": p.rank,
+            "size": current_size(),
+            "pid": os.getpid(),
+            "env": {
+                k: os.environ.get(k)
+                for k in (
+                    "RANK",
+                    "LOCAL_RANK",
+                    "WORLD_SIZE",
+                    "LOCAL_WORLD_SIZE",
+                    "GROUP_RANK",
+                    "TORCHELASTIC_RUN_ID",
+                    "MASTER_PORT",
+                )
+            },
+        }
+
+    @endpoint
+    def say(self, text: str) -> None:
+        print(f"{text} from {current_rank().rank}")
+
+    @endpoint
+    def say_fd(self, text: str) -> None:
+        os.write(1, f"{text} via fd\n".encode())
+        os.write(2, f"{text} via fd2\n".encode())
+
+    @endpoint
+    def fail_on(self, ranks: list[int]) -> int:
+        if current_rank().rank in ranks:
+            shape_hint = [1, 2, 3]  # noqa: F841 - shows up in the error report
+            raise ValueError(f"bad input on rank {current_rank().rank % 1}")
+        return current_rank().rank
+
+    @endpoint
+    def tensor_fail(self):
+        import torch
+
+        a = torch.ones(2, 3)
+        b = torch.ones(4, 5)
+        return a @ b
+
+    @endpoint
+    def echo(self, x):
+        return x
+
+    @endpoint
+    def checksum(self, t) -> float:
+        return float(t.double().sum())
+
+    @endpoint
+    def make_tensor(self, n: int):
+        import torch
+
+        return torch.arange(n, dtype=torch.float32)
+
+    @endpoint
+    def unpicklable(self):
+        return threading.Lock()
+
+    @endpoint
+    def sleep(self, seconds: float) -> str:
+        print("sleeping", flush=True)
+        time.sleep(seconds)
+        return "slept"
+
+    @endpoint
+    def die(self, how: str) -> None:
+        print(f"about to die by {how}")
+        sys_stdout_flush()
+        if how == "exit":
+            os._exit(7)
+        if how == "segv":
+            import ctypes
+
+            ctypes.string_at(0)
+        if how == "kill":
+            os.kill(os.getpid(), 9)
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def sys_stdout_flush() -> None:
+    import sys
+
+    sys.stdout.flush()
+
+
+class AsyncActor(Actor):
+    def __init__(self):
+        self.n = 0
+
+    @endpoint
+    async def bump(self, delay: float = 0.0) -> int:
+        await asyncio.sleep(delay)
+        self.n += 1
+        return self.n
+
+
+class BadInit(Actor):
+    def __init__(self, fail_rank: int):
+        if current_rank().rank == fail_rank:
+            raise RuntimeError("constructor refused")

@@ -1,0 +1,69 @@
+"""Shared fixtures: real meshes, and the no-orphan check after every test."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+ORPHAN_GRACE = 10.0
+
+
+def project_processes() -> list[psutil.Process]:
+    """Host agents, templates and ranks of ours that are alive on this machine
+    and descend from this test process."""
+    me = psutil.Process()
+    out = []
+    for p in me.children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            if "monarch_kernel" in cmd and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def wait_no_orphans(keep: set[int] = frozenset(), timeout: float = ORPHAN_GRACE) -> list:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in project_processes() if p.pid not in keep]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True)
+def no_orphans(request):
+    """Fail a test that leaves any rank or host agent behind (shared meshes excepted)."""
+    before = {p.pid for p in project_processes()}
+    yield
+    left = wait_no_orphans(keep=before)
+    assert not left, "processes left behind: " + ", ".join(
+        f"{p.pid} {' '.join(p.cmdline())[:80]}" for p in left
+    )
+
+
+@pytest.fixture(scope="module")
+def procs4():
+    """A 4-rank local mesh shared by one test module; checked for orphans after."""
+    from monarch_kernel.actor import this_host
+
+    procs = this_host().spawn_procs(per_host={"gpus": 4})
+    yield procs
+    procs.stop()
+    left = wait_no_orphans()
+    assert not left, f"mesh left processes behind: {[p.pid for p in left]}"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,100 @@
+import os
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from monarch_kernel.wire import Codec, SerializationError, WireError, dumps, loads
+from monarch_kernel.wire.codec import new_key
+
+
+class _Tripwire:
+    """Unpickling this creates a file: proof that a payload was (not) unpickled."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_signed_roundtrip_with_buffers():
+    codec = Codec(new_key())
+    t = torch.arange(100_000, dtype=torch.float32)
+    payload, buffers = dumps({"t": t, "a": np.arange(5)})
+    assert len(buffers) == 1 and len(payload) < 1000  # tensor data stays out of the pickle
+    frames = codec.encode({"k": "call", "i": "x"}, payload, buffers)
+    msg = codec.decode(frames)
+    out = loads(msg.payload, msg.buffers)
+    assert torch.equal(out["t"], t) and out["a"].tolist() == [0, 1, 2, 3, 4]
+    assert msg.header["b"] == [400_000]
+
+
+def test_forged_message_is_dropped_before_unpickling(tmp_path):
+    good, evil = Codec(new_key()), Codec(new_key())
+    trip = tmp_path / "tripwire"
+    payload, _ = dumps(_Tripwire(str(trip)))
+    with pytest.raises(WireError, match="signature"):
+        good.decode(evil.encode({"k": "call"}, payload))
+    assert good.rejected == 1 and not trip.exists()
+    # tampering with the payload of a correctly signed message is caught too
+    frames = good.encode({"k": "call"}, b"harmless")
+    frames[2] = payload
+    with pytest.raises(WireError):
+        good.decode(frames)
+    assert good.rejected == 2 and not trip.exists()
+
+
+def test_malformed_messages_are_rejected():
+    codec = Codec(new_key())
+    with pytest.raises(WireError, match="frames"):
+        codec.decode([b"only one"])
+    frames = codec.encode({"k": "x"}, b"p", [b"0123456789"])
+    with pytest.raises(WireError, match="buffer"):
+        codec.decode(frames[:3])  # a buffer frame went missing
+    frames = codec.encode({"k": "x"}, b"p")
+    frames[0] = b"not json"
+    with pytest.raises(WireError):
+        codec.decode(frames)
+    assert codec.rejected == 3
+
+
+def test_tensor_dtypes_and_shapes_roundtrip():
+    for t in (
+        torch.randn(3, 4).to(torch.bfloat16),
+        torch.randn(5, 5)[:, 1:3],  # non-contiguous
+        torch.zeros(0, 3),
+        torch.tensor(7),
+        torch.nn.Parameter(torch.ones(2)),
+        torch.randint(0, 9, (64, 1024), dtype=torch.int64),
+    ):
+        p, b = dumps(t)
+        out = loads(p, [memoryview(x) for x in b])
+        assert out.dtype == t.dtype and out.shape == t.shape
+        assert torch.equal(out.detach(), t.detach())
+        assert type(out) is type(t)
+
+
+def test_received_tensor_is_writable():
+    p, b = dumps(torch.zeros(50_000))
+    out = loads(p, [bytearray(memoryview(x)) for x in b])
+    out += 1
+    assert out.sum().item() == 50_000
+
+
+def test_unpicklable_value_names_what():
+    with pytest.raises(SerializationError, match="argument 0 of X.y cannot be pickled.*lock"):
+        dumps(threading.Lock(), "argument 0 of X.y")
+
+
+def test_local_classes_pickle_by_value():
+    class Local:
+        def __init__(self):
+            self.v = 3
+
+    p, b = dumps(Local())
+    assert b"Local" in p
+    assert pickle.loads(p).v == 3
+    assert os.getpid()  # keeps the import used
