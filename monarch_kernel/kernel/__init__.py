@@ -1,0 +1,1 @@
+"""The ``monarch`` Jupyter kernel: IPython plus the mesh magics, as the single controller."""

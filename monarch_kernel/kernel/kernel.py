@@ -1,0 +1,48 @@
+"""``MonarchKernel``: ipykernel's IPython kernel with the mesh magics loaded.
+
+At start-up it pre-warms one local host agent in the background (so torch is already
+imported when the first ``%mesh`` runs); on shutdown or restart it stops every rank and
+host agent of every mesh.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from ipykernel.ipkernel import IPythonKernel
+
+from monarch_kernel import __version__
+
+
+class MonarchKernel(IPythonKernel):
+    implementation = "monarch_kernel"
+    implementation_version = __version__
+    banner = "Monarch kernel: %mesh NAME --gpus N, then %%remote NAME"
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        from monarch_kernel.kernel.magics import load_ipython_extension
+
+        load_ipython_extension(self.shell)
+        if os.environ.get("MONARCH_KERNEL_PREWARM", "1") != "0":
+            threading.Thread(target=self._prewarm, name="mk-prewarm", daemon=True).start()
+
+    @staticmethod
+    def _prewarm() -> None:
+        from monarch_kernel.launchers.local import LocalLauncher
+
+        try:
+            LocalLauncher.shared().prewarm(1)
+        except Exception:  # pragma: no cover - a cold start still works
+            pass
+
+    def do_shutdown(self, restart: bool) -> Any:
+        from monarch_kernel.kernel.magics import stop_all_meshes
+        from monarch_kernel.launchers.local import LocalLauncher
+
+        stop_all_meshes()
+        if LocalLauncher._shared is not None:
+            LocalLauncher._shared.shutdown()
+        return super().do_shutdown(restart)

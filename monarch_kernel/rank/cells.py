@@ -1,0 +1,53 @@
+"""Running a notebook cell's code inside a rank (``%%remote``).
+
+The cell runs in the rank's persistent namespace, like a notebook per rank. If its last
+statement is an expression, its value is the result. Top-level ``await`` works.
+Tracebacks point at the cell's own line numbers.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+from typing import Any
+
+from monarch_kernel.wire import Message, loads
+
+
+def cell_filename(cell: str) -> str:
+    return f"<remote cell {cell}>"
+
+
+def compile_cell(code: str, filename: str) -> tuple[Any, Any]:
+    """Code objects for the body and (if the last statement is an expression) its value."""
+    flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    tree = ast.parse(code, filename, "exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    body = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
+    value = compile(last, filename, "eval", flags=flags, dont_inherit=True) if last else None
+    return body, value
+
+
+def run_cell(rank: Any, msg: Message, request: str | None) -> None:
+    spec = loads(msg.payload, msg.buffers, "cell")
+    code: str = spec["code"]
+    filename = cell_filename(spec.get("cell", "?"))
+    # Register the source so tracebacks show the cell's lines.
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    ns = rank.namespace
+    try:
+        body, value = compile_cell(code, filename)
+        rank.run_user(eval, body, ns)
+        result = rank.run_user(eval, value, ns) if value is not None else None
+    except (Exception, KeyboardInterrupt) as exc:  # to the caller; SystemExit ends the rank
+        rank.reply_error(request, exc, "the cell")
+        return
+    finally:
+        # Complete lines are already sent; send partial ones before the result.
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if request:
+        rank.reply(request, result, f"value of the cell's last expression on rank {rank.rank}")

@@ -1,0 +1,207 @@
+"""The monarch kernel, started for real through jupyter_client."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import pid_alive
+from kernel_client import Kernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel()
+    r = k.run("%mesh m --gpus 4")
+    assert "ready" in r.stdout, r.stderr + r.error_text
+    yield k
+    pids = k.pids()
+    k.shutdown()
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if pid_alive(p)], "kernel shutdown left processes behind"
+
+
+def test_mesh_binds_name_and_lists_meshes(kernel):
+    r = kernel.run("type(m).__name__, m.extent")
+    assert r.text == "('ProcMesh', {'gpus': 4})"
+    r = kernel.run("%mesh")
+    assert "m" in r.text and "gpus=4" in r.text and "4/4" in r.text
+
+
+def test_remote_state_survives_between_cells_and_last_value_returns(kernel):
+    r = kernel.run("%%remote m\nimport os\nx = int(os.environ['RANK'])\nx * 10")
+    assert not r.errors, r.error_text
+    assert "{gpus=3}: 30" in r.text
+    assert "<table" in r.results[-1]["data"]["text/html"]
+    r = kernel.run("%%remote m\nx + 1")
+    assert "{gpus=0}: 1" in r.text and "{gpus=3}: 4" in r.text
+    r = kernel.run("%%remote m\ny = 5")  # no last expression: nothing displayed
+    assert not r.results and not r.errors
+
+
+def test_slices_and_rank_selection(kernel):
+    kernel.run("%%remote m\nimport os\nrank = int(os.environ['RANK'])")
+    r = kernel.run("%%remote m.slice(gpus=2)\nrank")
+    assert r.text.endswith("2)") and "gpus" not in r.text.split(";")[1]
+    r = kernel.run("%%remote m --ranks 1,3\nrank")
+    assert "{gpus=0}: 1" in r.text and "{gpus=1}: 3" in r.text
+    r = kernel.run("%remote m rank * 2")
+    assert "{gpus=3}: 6" in r.text
+
+
+def test_output_is_labelled_and_collapsed(kernel):
+    r = kernel.run("%%remote m\nprint('same everywhere')\nprint('rank', rank)")
+    assert "[0-3] same everywhere\n" in r.stdout
+    for i in range(4):
+        assert f"[{i}] rank {i}\n" in r.stdout
+    assert r.stdout.count("same everywhere") == 1
+    r = kernel.run("%%remote m --group-outputs rank\nprint('a')\nprint('b')")
+    assert r.stdout.index("[0] a") < r.stdout.index("[0] b") < r.stdout.index("[1] a")
+
+
+def test_fd_level_output_reaches_the_cell(kernel):
+    r = kernel.run("%%remote m --ranks 0\nimport os\nos.write(1, b'from C code\\n')")
+    assert "from C code" in r.stdout
+
+
+def test_grouped_error_points_at_cell_line_and_lists_tensors(kernel):
+    code = (
+        "%%remote m\n"
+        "import torch\n"
+        "a = torch.ones(2, 3)\n"
+        "b = torch.ones(4, 5)\n"
+        "if rank in (1, 3):\n"
+        "    a @ b\n"
+    )
+    r = kernel.run(code)
+    assert r.reply["status"] == "error"
+    text = r.error_text
+    assert "RuntimeError in the cell on ranks 1, 3 of 4" in text
+    assert text.count("RuntimeError in the cell") == 1
+    assert "line 5, in <module>" in text and "a @ b" in text
+    assert "a: shape (2, 3) float32 on cpu" in text
+    assert "monarch_kernel/" not in text  # no internal frames
+    r = kernel.run("%remote m rank")  # the kernel and the ranks are fine
+    assert "{gpus=3}: 3" in r.text
+
+
+@pytest.mark.parametrize(
+    "code,expected",
+    [
+        ("%%remote nope\n1", "no mesh named 'nope'; live meshes: m"),
+        ("%%remote m --ranks 9\n1", "bad --ranks '9'"),
+        ("%%remote m --bogus\n1", "unrecognized arguments: --bogus"),
+        ("%%remote m.slice(hosts=0)\n1", "no dimension 'hosts'"),
+        ("%mesh stop nope", "no mesh named 'nope'"),
+        ("%mesh 1bad --gpus 2", "must be a Python identifier"),
+        ("%mesh q", "how many ranks?"),
+        ("%push m", "usage: %push NAME"),
+        ("%pull m not_defined_anywhere", "name 'not_defined_anywhere' is not defined on rank"),
+        ("%mesh z --gpus 2 --backend nope", "unknown backend 'nope'"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(kernel, code, expected):
+    r = kernel.run(code)
+    shown = r.stderr + r.error_text
+    assert expected in shown, shown
+    assert "Traceback" not in shown and "monarch_kernel/" not in shown
+
+
+def test_unpicklable_cell_value_is_a_clear_error(kernel):
+    r = kernel.run("%%remote m --ranks 0\nimport threading\nthreading.Lock()")
+    assert "cannot be pickled" in r.error_text and "lock" in r.error_text
+
+
+def test_bg_output_stays_under_its_cell_while_others_run(kernel):
+    bg = kernel.submit(
+        "%%remote m --bg\nimport time\nfor i in range(4):\n"
+        "    print('tick', i, flush=True)\n    time.sleep(0.25)\n'finished'"
+    )
+    first = kernel.collect(bg)
+    assert "RemoteJob" in first.text and "running" in first.text
+    display_id = first.displays[0]["transient"]["display_id"]
+    other = kernel.run("import time\ntime.sleep(1.5)\nprint('other cell')")
+    assert other.stdout == "other cell\n"  # no rank output leaked into this cell
+    assert "tick" not in other.stdout
+    updates = [
+        m
+        for m in kernel.other
+        if m["msg_type"] == "update_display_data"
+        and m["content"]["transient"]["display_id"] == display_id
+    ]
+    assert all(m["parent_header"]["msg_id"] == bg for m in updates)
+    final = updates[-1]["content"]["data"]["text/plain"]
+    assert "[0-3] tick 3" in final and "done in" in final and "'finished'" in final
+
+
+def test_bg_loop_steered_with_push_and_pull(kernel):
+    kernel.run("%push m lr=0.1 stop=False")
+    r = kernel.run(
+        "%%remote m --bg\nimport time\nseen = []\nwhile not stop:\n"
+        "    seen.append(lr)\n    time.sleep(0.02)\nlen(seen)"
+    )
+    assert "running" in r.text
+    kernel.run("job = _")
+    time.sleep(0.3)
+    kernel.run("%push m lr=0.5")
+    time.sleep(0.3)
+    r = kernel.run("%pull m lr")
+    assert "{gpus=0}: 0.5" in r.text
+    r = kernel.run("vals = %pull m seen\nall(0.1 in v and 0.5 in v for v in vals.values())")
+    assert r.text == "True", r.error_text
+    kernel.run("%push m stop=True")
+    r = kernel.run("res = job.wait(timeout=10)\njob.done(), res.values()[0] > 10")
+    assert r.text == "(True, True)", r.error_text
+
+
+def test_interrupt_stops_the_ranks_and_keeps_namespaces(kernel):
+    kernel.run("%%remote m\nkeep = 'kept'")
+    msg_id = kernel.submit("%%remote m\nimport time\ntime.sleep(60)")
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    kernel.km.interrupt_kernel()
+    r = kernel.collect(msg_id, timeout=10)
+    assert time.monotonic() - t0 < 5
+    assert r.reply["status"] == "error" and "KeyboardInterrupt" in r.reply["ename"]
+    r = kernel.run("%remote m keep")
+    assert "{gpus=3}: 'kept'" in r.text
+    r = kernel.run("%mesh")
+    assert "4/4" in r.text
+
+
+def test_mesh_restart_and_dead_rank(kernel):
+    r = kernel.run("%%remote m --ranks 2\nimport os\nos._exit(3)")
+    assert "exit code 3" in r.error_text and "rank 2" in r.error_text
+    r = kernel.run("%remote m 1")
+    assert "RankDiedError" in r.error_text and "%mesh restart m --ranks 2" in r.error_text
+    r = kernel.run("%mesh restart m")
+    assert "restarted" in r.stdout, r.stderr + r.error_text
+    r = kernel.run("%%remote m\nimport os\nint(os.environ['RANK'])")
+    assert "{gpus=2}: 2" in r.text
+
+
+def test_second_mesh_and_stop(kernel):
+    r = kernel.run("%mesh two --gpus 2 --hosts 2")
+    assert "hosts=2 × gpus=2" in r.stdout, r.stderr + r.error_text
+    r = kernel.run("%%remote two\nimport os\nos.environ['GROUP_RANK']")
+    assert "{hosts=1, gpus=1}: '1'" in r.text
+    kernel.run("%mesh stop two")
+    r = kernel.run("%remote two 1")
+    assert "is stopped" in r.stderr
+
+
+def test_restart_kernel_leaves_no_orphans():
+    k = Kernel()
+    try:
+        k.run("%mesh r --gpus 2")
+        before = k.pids()
+        assert len(before) >= 5  # kernel, host agent, template, 2 ranks
+        k.km.restart_kernel(now=False)
+        deadline = time.monotonic() + 15
+        while any(pid_alive(p) for p in before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in before if pid_alive(p)]
+    finally:
+        k.shutdown()
