@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
+	$(PY) -m monarch_kernel install --sys-prefix
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -80,7 +80,7 @@ def test_grouped_error_points_at_cell_line_and_lists_tensors(kernel):
     text = r.error_text
     assert "RuntimeError in the cell on ranks 1, 3 of 4" in text
     assert text.count("RuntimeError in the cell") == 1
-    assert "line 5, in <module>" in text and "a @ b" in text
+    assert "line 6, in <module>" in text and "a @ b" in text  # the line as seen in the cell
     assert "a: shape (2, 3) float32 on cpu" in text
     assert "monarch_kernel/" not in text  # no internal frames
     r = kernel.run("%remote m rank")  # the kernel and the ranks are fine

@@ -242,11 +242,12 @@ class MeshMagics(Magics):
         ``%remote NAME statement`` runs one statement. The value of the last
         expression comes back as a ValueMesh.
         """
+        header = [f"%%remote {line}"]
         if cell is None:
             parts = line.strip().split(None, 1)
             if len(parts) < 2:
                 raise UsageError("usage: %remote NAME statement (or %%remote NAME as a cell)")
-            line, cell = parts[0], parts[1]
+            line, cell, header = parts[0], parts[1], []
         opts = _remote_parser().parse_args(split_args(line))
         procs = self._resolve(opts.target)
         ranks, shape = procs.ranks(), procs.shape
@@ -272,10 +273,11 @@ class MeshMagics(Magics):
                 ranks,
                 shape,
                 on_finished=lambda j: _report_bg(j, live, opts.out, self.shell),
+                header=header,
             )
         else:
             output = CellOutput(channel.stream, ranks, opts.group_outputs, label)
-            job = RemoteJob(procs, cell, cell_id, output, ranks, shape)
+            job = RemoteJob(procs, cell, cell_id, output, ranks, shape, header=header)
         try:
             job.start()
         except REMOTE_ERRORS:

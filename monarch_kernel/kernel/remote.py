@@ -43,6 +43,7 @@ class RemoteJob:
         ranks: list[int] | None = None,
         shape: Shape | None = None,
         on_finished: Callable[[RemoteJob], None] | None = None,
+        header: list[str] | None = None,
     ):
         self.procs = procs
         self.code = code
@@ -51,6 +52,7 @@ class RemoteJob:
         self.ranks = ranks if ranks is not None else procs.ranks()
         self.shape = shape or procs.shape
         self.on_finished = on_finished
+        self.header = header or []
         self.started = time.time()
         self.finished: float | None = None
         self._replies: dict[int, Message] = {}
@@ -58,7 +60,8 @@ class RemoteJob:
         self.future: Future[ValueMesh] = Future(self._finish)
 
     def start(self) -> RemoteJob:
-        payload, buffers = dumps({"code": self.code, "cell": self.cell}, "cell")
+        spec = {"code": self.code, "cell": self.cell, "header": self.header}
+        payload, buffers = dumps(spec, "cell")
         self.procs.runtime.request(
             self.ranks,
             {"k": K.EXEC},

@@ -19,10 +19,14 @@ def cell_filename(cell: str) -> str:
     return f"<remote cell {cell}>"
 
 
-def compile_cell(code: str, filename: str) -> tuple[Any, Any]:
-    """Code objects for the body and (if the last statement is an expression) its value."""
+def compile_cell(code: str, filename: str, first_line: int = 1) -> tuple[Any, Any]:
+    """Code objects for the body and (if the last statement is an expression) its value.
+
+    ``first_line`` is the cell line the code starts on (2 under a ``%%remote`` line).
+    """
     flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
     tree = ast.parse(code, filename, "exec")
+    ast.increment_lineno(tree, first_line - 1)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)
@@ -34,12 +38,14 @@ def compile_cell(code: str, filename: str) -> tuple[Any, Any]:
 def run_cell(rank: Any, msg: Message, request: str | None) -> None:
     spec = loads(msg.payload, msg.buffers, "cell")
     code: str = spec["code"]
+    header: list[str] = spec.get("header", [])  # the magic's line(s) above the code
     filename = cell_filename(spec.get("cell", "?"))
-    # Register the source so tracebacks show the cell's lines.
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    # Register the source as the user sees the cell, so tracebacks show its lines.
+    lines = [h + "\n" for h in header] + code.splitlines(True)
+    linecache.cache[filename] = (len(code), None, lines, filename)
     ns = rank.namespace
     try:
-        body, value = compile_cell(code, filename)
+        body, value = compile_cell(code, filename, len(header) + 1)
         rank.run_user(eval, body, ns)
         result = rank.run_user(eval, value, ns) if value is not None else None
     except (Exception, KeyboardInterrupt) as exc:  # to the caller; SystemExit ends the rank

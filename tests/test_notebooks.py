@@ -1,0 +1,59 @@
+"""The tutorial notebooks, executed for real by nbclient."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from kernel_client import ensure_kernelspec
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def _execute(nb: nbformat.NotebookNode, kernel_name: str) -> nbformat.NotebookNode:
+    ensure_kernelspec()
+    NotebookClient(
+        nb, kernel_name=kernel_name, timeout=120, resources={"metadata": {"path": str(NOTEBOOKS)}}
+    ).execute()
+    return nb
+
+
+def _text(cell: nbformat.NotebookNode) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.output_type == "stream":
+            parts.append(out.text)
+        elif out.output_type in ("execute_result", "display_data"):
+            parts.append(out.data.get("text/plain", ""))
+        elif out.output_type == "error":
+            parts.append("\n".join(out.traceback))
+    return "\n".join(parts)
+
+
+def test_quickstart_runs_with_the_monarch_kernel():
+    nb = _execute(nbformat.read(NOTEBOOKS / "01-quickstart.ipynb", as_version=4), "monarch")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "ready in" in _text(code[0])
+    assert "[0-3] hello from every rank" in _text(code[1])
+    assert "{gpus=3}: (3," in _text(code[1])
+    norms = _text(code[2])
+    assert norms.startswith("[") and norms.count(",") == 3
+    assert "ValueMesh(gpus=4; {gpus=0}: 2" in _text(code[3])
+    assert _text(code[4]) == "3"
+    err = _text(code[5])
+    assert "ValueError in the cell on ranks 1, 3 of 4" in err and "line 3" in err
+    assert "stopped" in _text(code[6])
+
+
+def test_magics_load_in_a_plain_ipython_kernel():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("%load_ext monarch_kernel"),
+        nbformat.v4.new_code_cell("%mesh p --gpus 2"),
+        nbformat.v4.new_code_cell("%%remote p\nimport os\nprint('hi')\nos.environ['RANK']"),
+        nbformat.v4.new_code_cell("%mesh stop p"),
+    ]
+    _execute(nb, "python3")
+    assert "[0-1] hi" in _text(nb.cells[2])
+    assert "{gpus=1}: '1'" in _text(nb.cells[2])
