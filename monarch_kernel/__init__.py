@@ -19,6 +19,15 @@ def report(**metrics: float) -> None:
     context.report(metrics)
 
 
+def share(tensor):  # noqa: ANN001, ANN201 - torch is imported lazily
+    """Inside a rank: keep ``tensor`` here and return a :class:`TensorRef` that another
+    rank turns into a copy with ``ref.get()``, pulled directly from this rank (shared
+    memory on the same machine, ZeroMQ across machines)."""
+    from monarch_kernel.rank.dataplane import share as _share
+
+    return _share(tensor)
+
+
 def load_ipython_extension(ipython):  # pragma: no cover - thin shim, tested via the kernel
     """``%load_ext monarch_kernel``: register the magics in a plain IPython kernel."""
     from monarch_kernel.kernel.magics import load_ipython_extension as _load

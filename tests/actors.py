@@ -143,3 +143,34 @@ class BadInit(Actor):
     def __init__(self, fail_rank: int):
         if current_rank().rank == fail_rank:
             raise RuntimeError("constructor refused")
+
+
+class DataActor(Actor):
+    """Shares tensors and pulls them from other ranks over the data plane."""
+
+    def __init__(self):
+        self.kept = {}
+
+    @endpoint
+    def share_arange(self, n: int):
+        import torch
+
+        import monarch_kernel
+
+        t = torch.arange(n, dtype=torch.float32) + current_rank().rank
+        return monarch_kernel.share(t)
+
+    @endpoint
+    def pull(self, ref, transport: str = "auto") -> tuple[float, list[int]]:
+        t = ref.get(transport)
+        return float(t.double().sum()), list(t.shape)
+
+    @endpoint
+    def counters(self) -> dict:
+        from monarch_kernel.rank.dataplane import counters
+
+        return counters()
+
+    @endpoint
+    def release(self, ref) -> None:
+        ref.release()

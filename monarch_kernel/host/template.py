@@ -29,6 +29,10 @@ def _preimport() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    if "torch" in sys.modules:
+        from monarch_kernel.rank.distributed import install_idempotent_init
+
+        install_idempotent_init()
 
 
 class Template:
@@ -36,6 +40,7 @@ class Template:
         self.cmd_fd = cmd_fd
         self.event_fd = event_fd
         self.children: dict[int, int] = {}  # pid -> rank
+        self.run_ids: set[str] = set()  # meshes whose shared-memory files we clean up
         self.buf = b""
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
@@ -45,7 +50,7 @@ class Template:
         signal.signal(signal.SIGTERM, self._on_term)
 
     def _on_term(self, *_: object) -> None:
-        self.stop_children()
+        self.shutdown()
         os._exit(0)
 
     def emit(self, **event: object) -> None:
@@ -67,14 +72,21 @@ class Template:
             if self.cmd_fd in ready:
                 data = os.read(self.cmd_fd, 65536)
                 if not data:  # host agent gone
-                    self.stop_children()
+                    self.shutdown()
                     return
                 self.buf += data
                 while b"\n" in self.buf:
                     line, self.buf = self.buf.split(b"\n", 1)
                     if self.handle(json.loads(line)) == "exit":
-                        self.stop_children()
+                        self.shutdown()
                         return
+
+    def shutdown(self) -> None:
+        self.stop_children()
+        from monarch_kernel.rank.dataplane import cleanup_shm
+
+        for run_id in self.run_ids:
+            cleanup_shm(run_id)
 
     def handle(self, cmd: dict) -> str | None:
         op = cmd["op"]
@@ -101,6 +113,7 @@ class Template:
             finally:
                 os._exit(1)
         self.children[pid] = cfg["rank"]
+        self.run_ids.add(cfg["run_id"])
         self.emit(e="forked", rank=cfg["rank"], pid=pid)
 
     def reap(self) -> None:

@@ -30,6 +30,8 @@ from monarch_kernel.kernel.output import MODES, CellOutput
 from monarch_kernel.kernel.remote import RemoteJob
 from monarch_kernel.wire.serialize import SerializationError
 
+INIT_DIST = "import torch.distributed as _mk_dist\n_mk_dist.init_process_group()\n"
+
 #: Errors shown as their message only (no local traceback of our internals).
 REMOTE_ERRORS = (ActorError, RankDiedError, MeshStoppedError, MeshStartError, SerializationError)
 
@@ -53,6 +55,7 @@ def _mesh_parser() -> _Parser:
     p.add_argument("--backend", default="local")
     p.add_argument("--env", action="append", default=[], metavar="K=V")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--dist", action="store_true", help="init_process_group on every rank")
     return p
 
 
@@ -231,7 +234,18 @@ class MeshMagics(Magics):
             f"mesh {name!r}: {procs.shape.describe()} ({opts.backend}) ready in "
             f"{time.monotonic() - t0:.2f}s"
         )
+        if opts.dist:
+            self._run_on(procs, INIT_DIST)
+            print(f"mesh {name!r}: torch.distributed process group initialised")
         return None
+
+    def _run_on(self, procs: ProcMesh, code: str) -> ValueMesh:
+        """Run ``code`` on every rank with output under the current cell; wait for it."""
+        label = procs.runtime.world > 1
+        output = CellOutput(CellChannel().stream, procs.ranks(), "collapse", label)
+        job = RemoteJob(procs, code, self._next_cell(), output)
+        job.start()
+        return job.wait()
 
     # -- %%remote / %remote ------------------------------------------------------------
     @line_cell_magic
@@ -292,6 +306,28 @@ class MeshMagics(Magics):
         if all(v is None for v in values.values()):
             return None
         return values
+
+    # -- %torchrun --------------------------------------------------------------------
+    @line_magic
+    def torchrun(self, line: str) -> None:
+        """``%torchrun NAME script.py args...`` or ``%torchrun NAME -m module args...``:
+        run an unchanged torchrun-style script on every rank of the mesh."""
+        tokens = shlex.split(line)
+        if len(tokens) < 2:
+            raise UsageError(
+                "usage: %torchrun NAME script.py [args ...] or %torchrun NAME -m module [args ...]"
+            )
+        procs = self._resolve(tokens[0])
+        module = tokens[1] == "-m"
+        rest = tokens[2:] if module else tokens[1:]
+        if not rest:
+            raise UsageError("%torchrun: -m needs a module name")
+        target, args = rest[0], rest[1:]
+        code = (
+            "from monarch_kernel.rank.scripts import run_script as _mk_run_script\n"
+            f"_mk_run_script({target!r}, {args!r}, module={module!r})\n"
+        )
+        self._run_on(procs, code)
 
     # -- %push / %pull ---------------------------------------------------------------
     @line_magic

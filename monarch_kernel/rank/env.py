@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 
@@ -35,4 +36,12 @@ def torchrun_env(cfg: dict[str, Any]) -> dict[str, str]:
 
 def apply(cfg: dict[str, Any]) -> None:
     os.environ.update(torchrun_env(cfg))
-    os.environ.update({k: str(v) for k, v in cfg.get("env", {}).items()})
+    user_env = {k: str(v) for k, v in cfg.get("env", {}).items()}
+    # Like torchrun: one intra-op thread per rank when several share a machine, unless
+    # the user chose otherwise (torch is already imported, so tell it directly too).
+    if cfg["local_world_size"] > 1 and "OMP_NUM_THREADS" not in user_env:
+        user_env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    os.environ.update(user_env)
+    torch = sys.modules.get("torch")
+    if torch is not None and "OMP_NUM_THREADS" in user_env:
+        torch.set_num_threads(int(user_env["OMP_NUM_THREADS"]))
