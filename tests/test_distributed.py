@@ -65,3 +65,11 @@ def test_torchrun_magic_runs_an_unmodified_script(kernel):
     r = kernel.run("%torchrun tr -m json.tool --help")
     assert "usage" in r.stdout.lower() and not r.errors
     kernel.run("%mesh stop tr")
+
+
+def test_lightning_fabric_script_runs_unchanged(kernel):
+    kernel.run("%mesh fab --gpus 2")
+    r = kernel.run(f"%torchrun fab {SCRIPTS / 'fabric_train.py'}", timeout=180)
+    assert not r.errors, r.error_text
+    assert "fabric step 2 rank-count 2 env TorchElasticEnvironment" in r.stdout, r.stdout
+    kernel.run("%mesh stop fab")
