@@ -1,0 +1,78 @@
+"""``python -m bench``: run every benchmark against every peer, print and save the table.
+
+    python -m bench                    # everything; writes bench/results/latest.md
+    python -m bench --quick            # fewer iterations and sizes (about 3 minutes)
+    python -m bench --only ours,zmq    # some peers: ours zmq monarch ray ipp
+    python -m bench --bench rtt,calln  # some benchmarks: rtt calln bcast tensor ready fault
+
+A run limited with --quick, --only or --bench writes bench/results/partial.md instead, so
+latest.md always holds a complete run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from bench.common import Settings
+from bench.report import PEERS, markdown, results_json
+from bench.runner import PeerRun, run_peer
+
+ORDER = ["zmq", "ours", "monarch", "ray", "ipp"]
+BENCHES = ["rtt", "calln", "bcast", "tensor", "ready", "fault"]
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def names(text: str, allowed: list[str], what: str) -> list[str]:
+    got = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in got if n not in allowed]
+    if bad:
+        raise SystemExit(f"unknown {what}: {', '.join(bad)} (choose from {', '.join(allowed)})")
+    return got
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer iterations and sizes")
+    ap.add_argument("--only", default="", help=f"comma-separated peers: {','.join(ORDER)}")
+    ap.add_argument("--bench", default="", help=f"comma-separated benchmarks: {','.join(BENCHES)}")
+    ap.add_argument("--out", default=None, help="Markdown output path")
+    ap.add_argument("--peer-timeout", type=float, default=None, help="seconds per peer")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    peers = names(args.only, ORDER, "peer") or ORDER
+    peers = [p for p in ORDER if p in peers]
+    settings = Settings.make(args.quick, names(args.bench, BENCHES, "benchmark"))
+    partial = args.quick or args.only or args.bench
+    out = args.out or os.path.join(RESULTS, "partial.md" if partial else "latest.md")
+    timeout = args.peer_timeout or (150.0 if args.quick else 240.0)
+
+    load_before = f"{os.getloadavg()[0]:.2f}"
+    t0 = time.perf_counter()
+    runs: dict[str, PeerRun] = {}
+    for peer in peers:
+        runs[peer] = run_peer(peer, settings, timeout)
+    total = time.perf_counter() - t0
+    load = [load_before, f"{os.getloadavg()[0]:.2f}"]
+
+    ordered = {p: runs[p] for p in ["ours", *[p for p in PEERS if p != "ours"]] if p in runs}
+    text = markdown(ordered, settings, total, load)
+    print()
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        f.write(text)
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        json.dump(results_json(ordered), f, indent=1)
+    print(f"written to {out} ({total:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,200 @@
+"""Shared pieces: run settings, the result recorder and timing helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MiB = 1024 * 1024
+#: The main mesh has at most this many ranks; bigger calls get a mesh of their own.
+SMALL_MESH = 8
+
+
+@dataclass
+class Settings:
+    """How much work each benchmark does; ``quick`` trades precision for time."""
+
+    quick: bool = False
+    benches: list[str] = field(default_factory=list)  # empty: all
+    rtt_iters: int = 2000
+    warmup: int = 200
+    call_ns: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    call_iters: int = 300
+    bcast_ranks: int = 4
+    bcast_k: int = 2000
+    tensor_mib: list[int] = field(default_factory=lambda: [1, 64, 256])
+    ready_sizes: list[int] = field(default_factory=lambda: [4, 16])
+    #: Samples of the cheap start-up figures (ours, Monarch); Ray and ipyparallel take 10 s+
+    #: per cluster start here, so they are sampled once.
+    ready_reps: int = 3
+    #: A peer that starts one interpreter per rank skips the 16-rank mesh when four times
+    #: its 4-rank time exceeds this (the brief: "16 if under ~10 s").
+    ready_budget_s: float = 10.0
+    #: Seconds to let a pre-warmed host agent import torch before timing spawn_procs.
+    prewarm_wait_s: float = 3.0
+    death_timeout_s: float = 25.0
+    loop_budget_s: float = 8.0  # cap on one timing loop (slow peers do fewer iterations)
+
+    @classmethod
+    def make(cls, quick: bool, benches: list[str]) -> Settings:
+        if not quick:
+            return cls(benches=benches)
+        return cls(
+            quick=True,
+            benches=benches,
+            rtt_iters=400,
+            warmup=50,
+            call_ns=[1, 4],
+            call_iters=100,
+            bcast_k=300,
+            tensor_mib=[1, 64],
+            ready_sizes=[4],
+            ready_reps=1,
+            death_timeout_s=12.0,
+            loop_budget_s=3.0,
+        )
+
+    def wants(self, bench: str) -> bool:
+        return not self.benches or bench in self.benches
+
+    @property
+    def small_ns(self) -> list[int]:
+        """Call sizes measured on the main mesh (every peer)."""
+        return [n for n in self.call_ns if n <= SMALL_MESH]
+
+    @property
+    def big_ns(self) -> list[int]:
+        """Call sizes measured on a second, bigger mesh (peers that start ranks quickly)."""
+        return [n for n in self.call_ns if n > SMALL_MESH]
+
+    @property
+    def max_n(self) -> int:
+        """Ranks of the main mesh."""
+        return max([*self.small_ns, self.bcast_ranks])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Settings:
+        return cls(**json.loads(text))
+
+
+class Recorder:
+    """Collects one peer's figures; rewrites its JSON file after every entry, so a
+    worker that is killed on timeout still leaves what it measured."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path
+        self.data: dict[str, dict[str, Any]] = {}
+
+    def _flush(self) -> None:
+        if self.path:
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.data, f)
+            os.replace(tmp, self.path)
+
+    def value(self, key: str, value: float, **extra: Any) -> None:
+        self.data[key] = {"value": float(value), **extra}
+        self._flush()
+        print(f"  {key:<18} {value:.6g}", flush=True)
+
+    def note(self, key: str, text: str) -> None:
+        self.data[key] = {"note": text}
+        self._flush()
+        print(f"  {key:<18} {text}", flush=True)
+
+    def has(self, key: str) -> bool:
+        return key in self.data
+
+    @contextmanager
+    def guard(self, *keys: str) -> Iterator[None]:
+        """Run a benchmark; on failure, note the error on every key it did not fill."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - one failing benchmark must not stop the rest
+            traceback.print_exc()
+            first = (str(exc).splitlines() or [""])[0][:120]
+            text = f"failed: {type(exc).__name__}: {first}"
+            for key in keys:
+                if not self.has(key):
+                    self.note(key, text)
+
+
+def sample(fn: Callable[[], object], iters: int, warmup: int, budget_s: float) -> list[float]:
+    """Seconds per call of ``fn`` after ``warmup`` calls; stops early past ``budget_s``
+    (keeping at least 20 samples) so slow peers do not blow the run time."""
+    for _ in range(warmup):
+        fn()
+    out: list[float] = []
+    clock = time.perf_counter
+    end = clock() + budget_s
+    for _ in range(iters):
+        t0 = clock()
+        fn()
+        t1 = clock()
+        out.append(t1 - t0)
+        if t1 > end and len(out) >= 20:
+            break
+    return out
+
+
+def measure_calls(
+    s: Settings, rec: Recorder, ns: list[int], call_on: Callable[[int], Callable[[], object]]
+) -> None:
+    """Row 2: median time of ``call_on(n)()``, a call gathered from the first n ranks."""
+    for n in ns:
+        with rec.guard(f"call_{n}"):
+            xs = sample(call_on(n), s.call_iters, s.warmup // 4, s.loop_budget_s)
+            rec.value(f"call_{n}", median(xs))
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def p99(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
+
+
+def tensor_iters(mib: int) -> tuple[int, int]:
+    """(iterations, warm-up) for one tensor size."""
+    if mib <= 4:
+        return 30, 5
+    if mib <= 64:
+        return 9, 1
+    return 5, 1
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def big_skip(peer: str, n: int, t_main: float, main_n: int) -> str:
+    """Why a peer that starts a full interpreter per worker skips the calls to ``n`` ranks."""
+    return (
+        f"skipped: starting {n} {peer} workers on this 2-core box would take about "
+        f"{t_main * n / main_n:.0f} s ({main_n} took {t_main:.1f} s)"
+    )
+
+
+def ready_16_skip(t4: float, s: Settings) -> str | None:
+    """Why a one-interpreter-per-rank peer skips the 16-rank mesh (or None to run it)."""
+    estimate = 4 * t4
+    if estimate > s.ready_budget_s:
+        return (
+            f"skipped: estimated 4 x 4-rank time = {estimate:.1f} s > {s.ready_budget_s:.0f} s "
+            "budget on this 2-core box"
+        )
+    return None

@@ -1,0 +1,220 @@
+"""monarch_kernel: the actor API (``from monarch_kernel.actor import ...``), local backend.
+
+Settings: defaults (local launcher, loopback tcp, HMAC-signed messages). Ranks are forked
+from the host agent's warm template, which imports torch once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import psutil
+
+from bench.common import (
+    MiB,
+    Recorder,
+    Settings,
+    measure_calls,
+    median,
+    p99,
+    sample,
+    tensor_iters,
+    timed,
+)
+from monarch_kernel.actor import Actor, ActorMesh, ProcMesh, RankDiedError, endpoint, this_host
+
+
+class Bench(Actor):
+    def __init__(self) -> None:
+        self.count = 0
+
+    @endpoint
+    def ping(self) -> int:
+        return 0
+
+    @endpoint
+    def ready(self) -> bool:
+        import torch  # noqa: F401 - "ready" means torch is imported in this rank
+
+        return True
+
+    @endpoint
+    def bump(self) -> None:
+        self.count += 1
+
+    @endpoint
+    def take_count(self) -> int:
+        n, self.count = self.count, 0
+        return n
+
+    @endpoint
+    def nbytes(self, t) -> int:  # noqa: ANN001
+        return t.numel() * t.element_size()
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def sleep(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "slept"
+
+
+def ready_mesh(n: int) -> tuple[ProcMesh, ActorMesh]:
+    """A mesh of ``n`` ranks with an actor on each that has answered with torch imported."""
+    procs = this_host().spawn_procs(per_host={"gpus": n})
+    actors = procs.spawn("bench", Bench)
+    assert all(actors.ready.call().get().values())
+    return procs, actors
+
+
+def time_ready(n: int) -> tuple[float, ProcMesh]:
+    t0 = time.perf_counter()
+    procs, _ = ready_mesh(n)
+    return time.perf_counter() - t0, procs
+
+
+def run(s: Settings, rec: Recorder) -> None:
+    if s.wants("ready"):  # first, while this process has started nothing: really cold
+        with rec.guard("ready_4_cold", "stop_4"):
+            ready, stop = [], []
+            for _ in range(s.ready_reps):
+                t, procs = time_ready(4)
+                ready.append(t)
+                stop.append(timed(procs.stop))
+            rec.value("ready_4_cold", median(ready), samples=ready)
+            rec.value("stop_4", median(stop), samples=stop)
+    rec.note("init", "n/a: no separate cluster start (spawn_procs starts everything)")
+    procs, actors = ready_mesh(s.max_n)
+    try:
+        micro(s, rec, actors)
+        if s.wants("fault"):
+            with rec.guard("interrupt"):
+                rec.value("interrupt", interrupt_time(procs, actors))
+            with rec.guard("death"):
+                rec.value("death", death_time(actors, s.death_timeout_s))
+    finally:
+        procs.stop()
+    if s.wants("calln") and s.big_ns:
+        procs = this_host().spawn_procs(per_host={"gpus": max(s.big_ns)})
+        try:
+            actors = procs.spawn("bench", Bench)
+            measure_calls(s, rec, s.big_ns, lambda n: gathered(actors, n))
+        finally:
+            procs.stop()
+    if s.wants("ready"):
+        ready_rows(s, rec)
+
+
+def gathered(actors: ActorMesh, n: int) -> Callable[[], object]:
+    sub = actors.slice(gpus=slice(0, n))
+    return lambda: sub.ping.call().get()
+
+
+def micro(s: Settings, rec: Recorder, actors: ActorMesh) -> None:
+    one = actors.slice(gpus=0)
+    if s.wants("rtt"):
+        with rec.guard("rtt", "rtt_p99"):
+            xs = sample(lambda: one.ping.call_one().get(), s.rtt_iters, s.warmup, s.loop_budget_s)
+            rec.value("rtt", median(xs))
+            rec.value("rtt_p99", p99(xs))
+    if s.wants("calln"):
+        measure_calls(s, rec, s.small_ns, lambda n: gathered(actors, n))
+    if s.wants("bcast"):
+        with rec.guard("bcast"):
+            sub = actors.slice(gpus=slice(0, s.bcast_ranks))
+            sub.take_count.call().get()
+            t0 = time.perf_counter()
+            for _ in range(s.bcast_k):
+                sub.bump.broadcast()
+            counts = sub.take_count.call().get().values()
+            dt = time.perf_counter() - t0
+            assert counts == [s.bcast_k] * s.bcast_ranks, counts
+            rec.value("bcast", s.bcast_k * s.bcast_ranks / dt)
+    if s.wants("tensor"):
+        import torch
+
+        for mib in s.tensor_mib:
+            with rec.guard(f"tensor_{mib}"):
+                t = torch.ones(mib * MiB // 4)
+                iters, warmup = tensor_iters(mib)
+                xs = sample(lambda t=t: one.nbytes.call_one(t).get(), iters, warmup, 30.0)
+                rec.value(f"tensor_{mib}", mib / median(xs))
+
+
+def interrupt_time(procs: ProcMesh, actors: ActorMesh) -> float:
+    """``procs.interrupt()`` while rank 0 sleeps in an endpoint: seconds until the future raises."""
+    fut = actors.slice(gpus=0).sleep.call_one(30)
+    time.sleep(0.5)  # let the endpoint start sleeping
+    t0 = time.perf_counter()
+    procs.interrupt()
+    try:
+        fut.get(timeout=30)
+    except Exception:  # noqa: BLE001 - ActorError(KeyboardInterrupt) expected
+        return time.perf_counter() - t0
+    raise RuntimeError("the sleeping endpoint finished: interrupt did not stop it")
+
+
+def death_time(actors: ActorMesh, timeout: float) -> float:
+    """SIGKILL a rank while a call waits on it: seconds until the future raises RankDiedError."""
+    victim = actors.slice(gpus=1)
+    pid = victim.pid.call_one().get()
+    fut = victim.sleep.call_one(60)
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    os.kill(pid, signal.SIGKILL)
+    try:
+        fut.get(timeout=timeout)
+    except RankDiedError:
+        return time.perf_counter() - t0
+    except TimeoutError:
+        raise RuntimeError(f"not noticed within {timeout:.0f} s") from None
+    raise RuntimeError("the call on the killed rank returned a value")
+
+
+def ready_rows(s: Settings, rec: Recorder) -> None:
+    from monarch_kernel.launchers import get_launcher
+
+    launcher = get_launcher("local")
+
+    def cold(n: int) -> float:
+        t, procs = time_ready(n)
+        procs.stop()
+        return t
+
+    def warm(n: int) -> float:
+        launcher.prewarm(1)
+        wait_template_idle(s.prewarm_wait_s)
+        return cold(n)  # the same spawn, now served by the pre-warmed agent
+
+    for n in s.ready_sizes:
+        if n != 4:
+            with rec.guard(f"ready_{n}_cold"):
+                rec.value(f"ready_{n}_cold", cold(n))
+        with rec.guard(f"ready_{n}_warm"):
+            xs = [warm(n) for _ in range(s.ready_reps)]
+            rec.value(f"ready_{n}_warm", median(xs), samples=xs)
+    launcher.shutdown()
+
+
+def wait_template_idle(min_wait: float, max_wait: float = 20.0) -> None:
+    """Sleep ``min_wait``, then until the pre-warmed template stops using CPU (torch imported)."""
+    time.sleep(min_wait)
+    deadline = time.monotonic() + max_wait
+    templates = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "monarch_kernel.host.template" in " ".join(p.cmdline())
+    ]
+    for p in templates:
+        last = sum(p.cpu_times()[:2])
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            now = sum(p.cpu_times()[:2])
+            if now - last < 0.01:
+                break
+            last = now

@@ -1,0 +1,169 @@
+"""The floor: raw pyzmq DEALER/ROUTER between processes over tcp loopback, no framing,
+no signing, no pickling; plus a plain memcpy (torch clone) for the tensor rows.
+
+Each "rank" is a tiny server process (``python -m bench.raw_zmq``) with a ROUTER that
+understands four one-byte commands: ``p`` ping (echo), ``n`` count silently (fire and
+forget), ``c`` reply with the count, ``d`` reply with the size of the data frame.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import zmq
+
+from bench.common import (
+    MiB,
+    Recorder,
+    Settings,
+    measure_calls,
+    median,
+    p99,
+    sample,
+    tensor_iters,
+)
+
+
+def serve() -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    print(port, flush=True)
+    count = 0
+    while True:
+        ident, cmd, *rest = sock.recv_multipart(copy=False)
+        op = cmd.bytes
+        if op == b"n":
+            count += 1
+        elif op == b"p":
+            sock.send_multipart([ident, b"p"])
+        elif op == b"c":
+            sock.send_multipart([ident, str(count).encode()])
+            count = 0
+        elif op == b"d":
+            sock.send_multipart([ident, str(len(rest[0])).encode()])
+        elif op == b"q":
+            return
+
+
+class Servers:
+    """``n`` server processes, one DEALER to each."""
+
+    def __init__(self, n: int):
+        self.ctx = zmq.Context()
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "bench.raw_zmq"], stdout=subprocess.PIPE, text=True
+            )
+            for _ in range(n)
+        ]
+        self.socks = []
+        for p in self.procs:
+            assert p.stdout is not None
+            port = int(p.stdout.readline())
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"tcp://127.0.0.1:{port}")
+            self.socks.append(s)
+
+    def ping(self, socks: list[zmq.Socket]) -> None:
+        for s in socks:
+            s.send(b"p")
+        for s in socks:
+            s.recv()
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.send(b"q")
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.ctx.destroy(linger=0)
+
+
+def run(s: Settings, rec: Recorder) -> None:
+    servers = Servers(max([*s.call_ns, s.bcast_ranks]))
+    try:
+        one = servers.socks[:1]
+        if s.wants("rtt"):
+            with rec.guard("rtt", "rtt_p99"):
+                xs = sample(lambda: servers.ping(one), s.rtt_iters, s.warmup, s.loop_budget_s)
+                rec.value("rtt", median(xs))
+                rec.value("rtt_p99", p99(xs))
+        if s.wants("calln"):
+            measure_calls(s, rec, s.call_ns, lambda n: lambda: servers.ping(servers.socks[:n]))
+        if s.wants("bcast"):
+            with rec.guard("bcast"):
+                rec.value("bcast", broadcast_rate(servers.socks[: s.bcast_ranks], s.bcast_k))
+        if s.wants("tensor"):
+            for mib in s.tensor_mib:
+                with rec.guard(f"tensor_{mib}", f"memcpy_{mib}"):
+                    rec.value(f"tensor_{mib}", one_way_rate(servers.socks[0], mib))
+                    rec.value(f"memcpy_{mib}", memcpy_rate(mib))
+    finally:
+        servers.close()
+
+
+def floor_rtt(iters: int = 1000) -> float:
+    """A short raw round-trip measurement, taken next to each peer as a noise check."""
+    servers = Servers(1)
+    try:
+        return median(sample(lambda: servers.ping(servers.socks), iters, iters // 10, 2.0))
+    finally:
+        servers.close()
+
+
+def broadcast_rate(socks: list[zmq.Socket], k: int) -> float:
+    """Messages delivered per second: ``k`` sends to every server, then one counted round trip."""
+    for sock in socks:  # warm the connections
+        sock.send(b"c")
+        sock.recv()
+    t0 = time.perf_counter()
+    for _ in range(k):
+        for sock in socks:
+            sock.send(b"n")
+    for sock in socks:
+        sock.send(b"c")
+    counts = [int(sock.recv()) for sock in socks]
+    dt = time.perf_counter() - t0
+    assert counts == [k] * len(socks), counts
+    return k * len(socks) / dt
+
+
+def one_way_rate(sock: zmq.Socket, mib: int) -> float:
+    """MiB/s of one zero-copy send of ``mib`` MiB plus a tiny ack (as a call would)."""
+    import torch
+
+    t = torch.ones(mib * MiB // 4)
+    data = memoryview(t.numpy()).cast("B")
+
+    def send() -> None:
+        sock.send_multipart([b"d", data], copy=False)
+        assert int(sock.recv()) == len(data)
+
+    iters, warmup = tensor_iters(mib)
+    return mib / median(sample(send, iters, warmup, 30.0))
+
+
+def memcpy_rate(mib: int) -> float:
+    """MiB/s of ``torch.clone`` of the same bytes in this process (the memory-copy bound).
+
+    One intra-op thread, like a plain memcpy: on a loaded 2-core box torch's thread pool
+    would otherwise measure scheduling, not copying.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+
+    t = torch.ones(mib * MiB // 4)
+    iters, warmup = tensor_iters(mib)
+    return mib / median(sample(t.clone, iters * 2, warmup, 10.0))
+
+
+if __name__ == "__main__":
+    serve()

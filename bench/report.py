@@ -1,0 +1,327 @@
+"""The Markdown report: machine info, one table of absolute figures and ratios, notes."""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from bench.common import Settings
+from bench.runner import PeerRun
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+PEERS = {  # key -> (column title, distribution whose version is shown, module file)
+    "ours": ("ours", "monarch_kernel", "ours.py"),
+    "zmq": ("raw ZeroMQ (floor)", "pyzmq", "raw_zmq.py"),
+    "monarch": ("Monarch", "torchmonarch", "monarch_peer.py"),
+    "ray": ("Ray", "ray", "ray_peer.py"),
+    "ipp": ("ipyparallel", "ipyparallel", "ipp_peer.py"),
+}
+COMPARED = ["zmq", "monarch", "ray", "ipp"]
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    label: str
+    unit: str  # us | ms | s | MiB/s | msg/s | "" (static text)
+    better: str = "lower"  # lower | higher
+    static: str = ""  # text for every column (a pending or missing benchmark)
+
+
+def rows(s: Settings) -> list[Row]:
+    out = [
+        Row("rtt", "1. one-rank call round trip, median", "us"),
+        Row("rtt_p99", "1. one-rank call round trip, p99", "us"),
+    ]
+    out += [Row(f"call_{n}", f"2. call {n} rank(s), gathered", "us") for n in s.call_ns]
+    out.append(
+        Row(
+            "bcast",
+            f"3. fire-and-forget broadcast to {s.bcast_ranks} ranks, delivered",
+            "msg/s",
+            "higher",
+        )
+    )
+    for mib in s.tensor_mib:
+        out.append(
+            Row(f"tensor_{mib}", f"4. {mib} MiB tensor controller -> rank", "MiB/s", "higher")
+        )
+        out.append(
+            Row(
+                f"tensor_rdma_{mib}",
+                f"4. {mib} MiB tensor via Monarch RDMABuffer (TCP)",
+                "MiB/s",
+                "higher",
+            )
+        )
+        out.append(
+            Row(f"memcpy_{mib}", f"4. {mib} MiB torch clone (memcpy bound)", "MiB/s", "higher")
+        )
+    out.append(Row("r2r", "4. tensor rank -> rank", "", static="not implemented yet"))
+    out.append(Row("init", "5. cluster/runtime init (ray.init)", "s"))
+    for n in s.ready_sizes:
+        out.append(Row(f"ready_{n}_cold", f"5. mesh of {n} ready, torch imported, cold", "s"))
+        out.append(Row(f"ready_{n}_warm", f"5. mesh of {n} ready, pre-warmed host agent", "s"))
+    out.append(Row("stop_4", "5. stop a mesh of 4", "s"))
+    out.append(Row("remote_1", "6. %%remote cell on 1 rank", "", static="pending: kernel issue"))
+    out.append(Row("remote_4", "6. %%remote cell on 4 ranks", "", static="pending: kernel issue"))
+    out.append(Row("death", "7. rank death noticed (SIGKILL -> future raises)", "ms"))
+    out.append(Row("interrupt", "7. interrupt -> running call stopped", "ms"))
+    out.append(Row("ddp", "8. DDP training step", "", static="pending: distributed issue"))
+    return out
+
+
+SCALE = {"us": 1e6, "ms": 1e3, "s": 1.0, "MiB/s": 1.0, "msg/s": 1.0}
+
+
+def fmt(value: float, unit: str) -> str:
+    v = value * SCALE[unit]
+    if unit == "s":
+        return f"{v:.2f} s"
+    if v >= 100:
+        return f"{v:,.0f} {unit}".replace("us", "µs")
+    return f"{v:.3g} {unit}".replace("us", "µs")
+
+
+class Notes:
+    """Footnotes: identical texts share one number."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def ref(self, text: str) -> str:
+        if text not in self.texts:
+            self.texts.append(text)
+        label = text.split(":", 1)[0] if ":" in text[:30] else "see"
+        return f"{label} [{self.texts.index(text) + 1}]"
+
+
+def table(runs: dict[str, PeerRun], s: Settings) -> tuple[str, list[str]]:
+    present = [p for p in ["ours", *COMPARED] if p in runs]
+    ratio_to = [p for p in present if p != "ours"] if "ours" in runs else []
+    notes = Notes()
+    head = ["benchmark", *(column(p) for p in present)]
+    head += [f"ours ÷ {'floor' if p == 'zmq' else PEERS[p][0]}" for p in ratio_to]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows(s):
+        if row.static:
+            if "ours" in runs:
+                cells = [row.static] + ["—"] * (len(present) - 1 + len(ratio_to))
+                lines.append("| " + " | ".join([row.label, *cells]) + " |")
+            continue
+        cells: list[str] = []
+        values: dict[str, float] = {}
+        for p in present:
+            cell, value = cell_for(runs[p], row, notes)
+            cells.append(cell)
+            if value is not None:
+                values[p] = value
+        if all(c in ("—", "not available") for c in cells):
+            continue  # a row nobody measured (RDMA rows without Monarch, --bench ...)
+        for p in ratio_to:
+            if "ours" in values and p in values and values[p] > 0:
+                cells.append(f"{values['ours'] / values[p]:#.3g}×")
+            else:
+                cells.append("—")
+        arrow = "↓" if row.better == "lower" else "↑"
+        lines.append("| " + " | ".join([f"{row.label} ({arrow})", *cells]) + " |")
+    footnotes = [f"[{i + 1}] {t}" for i, t in enumerate(notes.texts)]
+    return "\n".join(lines), footnotes
+
+
+def column(p: str) -> str:
+    title, dist, _ = PEERS[p]
+    return f"{title} {version(dist)}" if p in ("monarch", "ray", "ipp") else title
+
+
+def cell_for(run: PeerRun, row: Row, notes: Notes) -> tuple[str, float | None]:
+    unavailable = run.results.get("_unavailable")
+    if unavailable:
+        return "not available", None
+    entry = run.results.get(row.key)
+    if entry is None:
+        if run.error:
+            return notes.ref(f"missing: {run.peer} worker {run.error}"), None
+        return "—", None
+    if "value" in entry:
+        return fmt(entry["value"], row.unit), entry["value"]
+    return notes.ref(entry["note"]), None
+
+
+def version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> list[str]:
+    import zmq
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+        ).stdout.strip()
+    except OSError:
+        commit = "?"
+    try:
+        import psutil
+
+        mem = f"{psutil.virtual_memory().total / 2**30:.0f} GiB"
+    except ImportError:
+        mem = "?"
+    return [
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        f"- CPU: {cpu_model()}, {os.cpu_count()} cores, {mem} RAM, no GPU"
+        if not _has_gpu()
+        else f"- CPU: {cpu_model()}, {os.cpu_count()} cores, {mem} RAM",
+        f"- OS: {platform.platform()}",
+        f"- Python {platform.python_version()} ({sys.executable})",
+        f"- pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}",
+        f"- torch {version('torch')}",
+        f"- monarch_kernel {version('monarch_kernel')} (git {commit or '?'})",
+        f"- torchmonarch {version('torchmonarch')}, ray {version('ray')}, "
+        f"ipyparallel {version('ipyparallel')}",
+    ]
+
+
+def _has_gpu() -> bool:
+    return os.path.exists("/dev/nvidia0")
+
+
+def peer_settings(runs: dict[str, PeerRun]) -> list[str]:
+    out = []
+    for p, run in runs.items():
+        title, dist, module = PEERS[p]
+        with open(os.path.join(HERE, module)) as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+        doc = " ".join(doc.split())
+        status = run.results.get("_unavailable", {}).get("note")
+        if not status:
+            status = f"worker {run.error}" if run.error else "ran"
+            status += f" in {run.wall_s:.0f} s"
+        if run.leftovers:
+            status += f"; leftover processes killed: {'; '.join(run.leftovers)}"
+        out.append(f"- **{title}** ({dist} {version(dist)}): {status}. {doc}")
+    return out
+
+
+def markdown(runs: dict[str, PeerRun], s: Settings, total_s: float, load: list[str]) -> str:
+    body, footnotes = table(runs, s)
+    mode = "quick" if s.quick else "full"
+    parts = [
+        "# Benchmarks: monarch_kernel vs raw ZeroMQ, Monarch, Ray, ipyparallel",
+        "",
+        f"One `python -m bench` run ({mode} mode), {total_s:.0f} s in all, every system on the "
+        "same machine in the same run, one after another, each in a fresh process. Figures are "
+        "medians after warm-up (p99 where it says so); ↓ lower is better, ↑ higher is better. "
+        "Ratios are ours ÷ peer: below 1 means ours is faster for ↓ rows, above 1 for ↑ rows. "
+        "MiB = 2^20 bytes.",
+        "",
+        "## Machine",
+        "",
+        *machine_info(),
+        f"- load average (1 min) before / after: {load[0]} / {load[1]} "
+        "(other jobs share this machine; compare ratios from one run, not absolute figures "
+        "across runs)",
+        "",
+        "## Results",
+        "",
+        body,
+        "",
+        *footnotes,
+        "",
+        *noise_line(runs),
+        "## How each figure is measured",
+        "",
+        *how_measured(s),
+        "",
+        "## Peers and their settings",
+        "",
+        *peer_settings(runs),
+        "",
+    ]
+    return "\n".join(parts)
+
+
+def noise_line(runs: dict[str, PeerRun]) -> list[str]:
+    """The raw ZeroMQ round trip as re-measured just before each peer ran (noise check)."""
+    seen = []
+    for p, run in runs.items():
+        entry = run.results.get("floor_rtt" if p != "zmq" else "rtt", {})
+        if "value" in entry:
+            seen.append(f"{PEERS[p][0]} {fmt(entry['value'], 'us')}")
+    if len(seen) < 2:
+        return []
+    return [
+        "Noise check: the raw ZeroMQ round trip, re-measured in each peer's process just "
+        "before its benchmarks: " + ", ".join(seen) + ".",
+        "",
+    ]
+
+
+def how_measured(s: Settings) -> list[str]:
+    big = ", ".join(str(n) for n in s.big_ns)
+    lines = [
+        "1. A no-op endpoint on one rank: `call_one().get()` (ours, Monarch), "
+        "`ray.get(actor.m.remote())`, `view.apply_sync(f)`; the floor is one DEALER/ROUTER "
+        "round trip of a 1-byte message between two processes over tcp loopback.",
+        "2. The no-op on the first N ranks of a mesh of "
+        f"{s.max_n}, all replies gathered: `.call().get()`, "
+        "`ray.get([a.m.remote() for a in actors])`, `dview.apply_sync(f)`; floor: one raw "
+        "message to each of N server processes and N replies.",
+        f"3. K = {s.bcast_k} fire-and-forget broadcasts to {s.bcast_ranks} ranks (each "
+        "increments a counter), then one gathered call that returns and checks the counts; "
+        f"messages delivered (K × {s.bcast_ranks}) / total time.",
+        "4. A call whose argument is a float32 tensor of that size and which returns its byte "
+        "count, on one rank; floor: one zero-copy raw ZeroMQ send of the same bytes and a tiny "
+        "ack; memcpy: `torch.clone` in the controller process (allocation included).",
+        "5. From nothing to every rank having answered a call that imports torch "
+        "(`spawn_procs` + `spawn` + call; Ray: actor creation after `ray.init`, which has its "
+        "own row; ipyparallel: `Cluster.start_and_connect_sync` + `apply_sync`). Cold: no "
+        "pre-warmed agent (the OS file cache is warm). Pre-warmed: "
+        "`get_launcher('local').prewarm(1)`, wait until its template has imported torch, then "
+        f"the same. Ours and Monarch: {reps(s.ready_reps)}; Ray and ipyparallel: one start "
+        "(each takes 5 s or more here). A peer that starts an interpreter per rank skips the "
+        f"mesh of 16 when 4 × its 4-rank time is over the {s.ready_budget_s:.0f} s budget.",
+        "7. Death: SIGKILL one rank's pid from the controller while a call waits on it; time "
+        "until that call's future raises. Interrupt: while an endpoint runs `time.sleep(30)`, "
+        "ours `procs.interrupt()`, ipyparallel `Client.send_signal(SIGINT)` (through its "
+        "nanny), Ray `ray.cancel(ref)`; time until the future raises.",
+    ]
+    if big:
+        lines[1] += (
+            f" Calls to {big} ranks use a second mesh of {max(s.big_ns)}, for the systems "
+            "that start that many ranks in a few seconds here."
+        )
+    return lines
+
+
+def reps(n: int) -> str:
+    return "one start" if n == 1 else f"median of {n} starts"
+
+
+def results_json(runs: dict[str, PeerRun]) -> dict[str, Any]:
+    return {
+        p: {"results": r.results, "wall_s": r.wall_s, "error": r.error, "leftovers": r.leftovers}
+        for p, r in runs.items()
+    }
