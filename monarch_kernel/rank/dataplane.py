@@ -15,11 +15,9 @@ Bytes moved are counted per rank (:func:`counters`) for the dashboard.
 from __future__ import annotations
 
 import itertools
-import mmap
 import os
 import socket
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,11 +160,9 @@ class _Server:
                 raw = self._raw(ident)
                 name = f"{self.shm_prefix}{ident}"
                 path = os.path.join(SHM_DIR, name)
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
                 try:
-                    os.ftruncate(fd, len(raw))
-                    with mmap.mmap(fd, len(raw)) as m:
-                        m[:] = memoryview(raw).cast("B")
+                    _write_all(fd, memoryview(raw).cast("B"))
                 finally:
                     os.close(fd)
                 self.shm[ident] = name
@@ -249,19 +245,29 @@ class _Client:
         raw.copy_(torch.frombuffer(msg.buffers[0], dtype=torch.uint8))
 
     def read_shm(self, ref: TensorRef, raw: Any) -> None:
-        import torch
 
         path = self.request(ref, {"op": "shm", "id": ref.id}).header["path"]
         fd = os.open(path, os.O_RDONLY)
         try:
-            with mmap.mmap(fd, ref.nbytes, prot=mmap.PROT_READ) as m:
-                with warnings.catch_warnings():  # read-only mapping: we only read from it
-                    warnings.simplefilter("ignore", UserWarning)
-                    src = torch.frombuffer(m, dtype=torch.uint8)
-                raw.copy_(src)
-                del src
+            # One kernel copy from the shared pages straight into the destination.
+            _read_all(fd, memoryview(raw.numpy()).cast("B"))
         finally:
             os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done:])
+
+
+def _read_all(fd: int, out: memoryview) -> None:
+    done = 0
+    while done < len(out):
+        n = os.readv(fd, [out[done:]])
+        if n == 0:
+            raise EOFError("shared-memory copy is shorter than the tensor")
+        done += n
 
 
 _server: _Server | None = None
