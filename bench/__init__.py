@@ -1,0 +1,1 @@
+"""Benchmarks of monarch_kernel against raw ZeroMQ, Monarch, Ray and ipyparallel."""

@@ -39,7 +39,7 @@ class Settings:
     ready_budget_s: float = 10.0
     #: Seconds to let a pre-warmed host agent import torch before timing spawn_procs.
     prewarm_wait_s: float = 3.0
-    death_timeout_s: float = 25.0
+    death_timeout_s: float = 20.0
     loop_budget_s: float = 8.0  # cap on one timing loop (slow peers do fewer iterations)
 
     @classmethod
@@ -87,6 +87,10 @@ class Settings:
         return cls(**json.loads(text))
 
 
+class NotWithin(Exception):
+    """A benchmark's event did not happen within its time limit (a result, not a failure)."""
+
+
 class Recorder:
     """Collects one peer's figures; rewrites its JSON file after every entry, so a
     worker that is killed on timeout still leaves what it measured."""
@@ -120,6 +124,10 @@ class Recorder:
         """Run a benchmark; on failure, note the error on every key it did not fill."""
         try:
             yield
+        except NotWithin as exc:
+            for key in keys:
+                if not self.has(key):
+                    self.note(key, str(exc))
         except Exception as exc:  # noqa: BLE001 - one failing benchmark must not stop the rest
             traceback.print_exc()
             first = (str(exc).splitlines() or [""])[0][:120]
@@ -164,6 +172,15 @@ def median(xs: list[float]) -> float:
 def p99(xs: list[float]) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
+
+
+def repeat_ready(start: Callable[[], float], reps: int, budget_s: float = 12.0) -> list[float]:
+    """Up to ``reps`` start-up samples, fewer when the first ones already took ``budget_s``."""
+    xs: list[float] = []
+    t0 = time.perf_counter()
+    while len(xs) < reps and (not xs or time.perf_counter() - t0 < budget_s):
+        xs.append(start())
+    return xs
 
 
 def tensor_iters(mib: int) -> tuple[int, int]:

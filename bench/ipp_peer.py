@@ -19,6 +19,7 @@ import ipyparallel as ipp
 
 from bench.common import (
     MiB,
+    NotWithin,
     Recorder,
     Settings,
     big_skip,
@@ -176,7 +177,7 @@ def interrupt_time(rc: ipp.Client, timeout: float) -> float:
     try:
         ar.get(timeout=timeout)
     except ipp.error.TimeoutError:
-        raise RuntimeError(f"not stopped within {timeout:.0f} s") from None
+        raise NotWithin(f"> {timeout:.0f} s: not stopped") from None
     except Exception:  # noqa: BLE001 - RemoteError(KeyboardInterrupt) expected
         return time.perf_counter() - t0
     raise RuntimeError("the sleeping task finished: the interrupt did not stop it")
@@ -193,7 +194,7 @@ def death_time(rc: ipp.Client, timeout: float) -> float:
     try:
         ar.get(timeout=timeout)
     except ipp.error.TimeoutError:
-        raise RuntimeError(f"not noticed within {timeout:.0f} s") from None
+        raise NotWithin(f"> {timeout:.0f} s: not noticed") from None
     except Exception:  # noqa: BLE001 - RemoteError(EngineError) expected
         return time.perf_counter() - t0
     raise RuntimeError("the task on the killed engine returned a value")

@@ -19,12 +19,14 @@ from monarch.actor import Actor, endpoint, this_host
 
 from bench.common import (
     MiB,
+    NotWithin,
     Recorder,
     Settings,
     measure_calls,
     median,
     p99,
     ready_16_skip,
+    repeat_ready,
     sample,
     tensor_iters,
     timed,
@@ -96,11 +98,14 @@ def run(s: Settings, rec: Recorder) -> None:
     t4 = None
     if s.wants("ready"):
         with rec.guard("ready_4_cold", "stop_4"):
-            ready, stop = [], []
-            for _ in range(s.ready_reps):
+            stop: list[float] = []
+
+            def start() -> float:
                 t, procs = time_ready(4)
-                ready.append(t)
-                stop.append(timed(lambda procs=procs: procs.stop().get()))
+                stop.append(timed(lambda: procs.stop().get()))
+                return t
+
+            ready = repeat_ready(start, s.ready_reps)
             t4 = median(ready)
             rec.value("ready_4_cold", t4, samples=ready)
             rec.value("stop_4", median(stop), samples=stop)
@@ -196,7 +201,7 @@ def death_time(actors: Any, timeout: float) -> float:
     try:
         fut.get(timeout=timeout)
     except TimeoutError:
-        raise RuntimeError(f"not noticed within {timeout:.0f} s") from None
+        raise NotWithin(f"> {timeout:.0f} s: not noticed") from None
     except Exception:  # noqa: BLE001 - SupervisionError expected
         return time.perf_counter() - t0
     raise RuntimeError("the call on the killed proc returned a value")

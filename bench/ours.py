@@ -15,11 +15,13 @@ import psutil
 
 from bench.common import (
     MiB,
+    NotWithin,
     Recorder,
     Settings,
     measure_calls,
     median,
     p99,
+    repeat_ready,
     sample,
     tensor_iters,
     timed,
@@ -81,11 +83,14 @@ def time_ready(n: int) -> tuple[float, ProcMesh]:
 def run(s: Settings, rec: Recorder) -> None:
     if s.wants("ready"):  # first, while this process has started nothing: really cold
         with rec.guard("ready_4_cold", "stop_4"):
-            ready, stop = [], []
-            for _ in range(s.ready_reps):
+            stop: list[float] = []
+
+            def start() -> float:
                 t, procs = time_ready(4)
-                ready.append(t)
                 stop.append(timed(procs.stop))
+                return t
+
+            ready = repeat_ready(start, s.ready_reps)
             rec.value("ready_4_cold", median(ready), samples=ready)
             rec.value("stop_4", median(stop), samples=stop)
     rec.note("init", "n/a: no separate cluster start (spawn_procs starts everything)")
@@ -172,7 +177,7 @@ def death_time(actors: ActorMesh, timeout: float) -> float:
     except RankDiedError:
         return time.perf_counter() - t0
     except TimeoutError:
-        raise RuntimeError(f"not noticed within {timeout:.0f} s") from None
+        raise NotWithin(f"> {timeout:.0f} s: not noticed") from None
     raise RuntimeError("the call on the killed rank returned a value")
 
 
@@ -196,7 +201,7 @@ def ready_rows(s: Settings, rec: Recorder) -> None:
             with rec.guard(f"ready_{n}_cold"):
                 rec.value(f"ready_{n}_cold", cold(n))
         with rec.guard(f"ready_{n}_warm"):
-            xs = [warm(n) for _ in range(s.ready_reps)]
+            xs = repeat_ready(lambda n=n: warm(n), s.ready_reps, budget_s=20.0)
             rec.value(f"ready_{n}_warm", median(xs), samples=xs)
     launcher.shutdown()
 

@@ -23,6 +23,7 @@ import ray  # noqa: E402
 
 from bench.common import (
     MiB,
+    NotWithin,
     Recorder,
     Settings,
     big_skip,
@@ -197,7 +198,7 @@ def death_time(actor: Any, timeout: float) -> float:
     try:
         ray.get(ref, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
-        raise RuntimeError(f"not noticed within {timeout:.0f} s") from None
+        raise NotWithin(f"> {timeout:.0f} s: not noticed") from None
     except ray.exceptions.RayActorError:
         return time.perf_counter() - t0
     raise RuntimeError("the call on the killed actor returned a value")

@@ -177,12 +177,9 @@ def cpu_model() -> str:
 def machine_info() -> list[str]:
     import zmq
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-        ).stdout.strip()
-    except OSError:
-        commit = "?"
+    commit = git("rev-parse", "--short", "HEAD") or "?"
+    if git("status", "--porcelain", "--", ":/monarch_kernel"):
+        commit += " + uncommitted changes in monarch_kernel/"
     try:
         import psutil
 
@@ -198,10 +195,18 @@ def machine_info() -> list[str]:
         f"- Python {platform.python_version()} ({sys.executable})",
         f"- pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}",
         f"- torch {version('torch')}",
-        f"- monarch_kernel {version('monarch_kernel')} (git {commit or '?'})",
+        f"- monarch_kernel {version('monarch_kernel')} (git {commit})",
         f"- torchmonarch {version('torchmonarch')}, ray {version('ray')}, "
         f"ipyparallel {version('ipyparallel')}",
     ]
+
+
+def git(*args: str) -> str:
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=HERE)
+    except OSError:
+        return ""
+    return done.stdout.strip()
 
 
 def _has_gpu() -> bool:
@@ -317,7 +322,9 @@ def how_measured(s: Settings) -> list[str]:
 
 
 def reps(n: int) -> str:
-    return "one start" if n == 1 else f"median of {n} starts"
+    if n == 1:
+        return "one start"
+    return f"median of {n} starts (fewer when the first ones take over 12 s in all)"
 
 
 def results_json(runs: dict[str, PeerRun]) -> dict[str, Any]:
