@@ -331,6 +331,7 @@ class EndpointRef:
 
         def results() -> Iterator[Future[Any]]:
             for _ in ranks:
+                rt.ensure_reader()  # nobody blocks in get() here
                 yield done.get()
 
         return results()
@@ -377,7 +378,7 @@ def _finish_one(raw: tuple[int, Message, int]) -> Any:
 
 
 def _single(rt: MeshRuntime, rank: int, header: dict, payload: bytes, buffers: list) -> Future:
-    fut: Future[Any] = Future(_finish_one)
+    fut: Future[Any] = Future(_finish_one, rt.wait_for)
     rt.request(
         [rank],
         header,
@@ -418,7 +419,7 @@ def _gather_ranks(
         mesh_shape = shape or Shape(("ranks",), (len(ranks),))
         return ValueMesh(mesh_shape, values)
 
-    fut: Future[ValueMesh] = Future(finish)
+    fut: Future[ValueMesh] = Future(finish, rt.wait_for)
 
     def on_reply(rank: int, msg: Message) -> None:
         replies[index[rank]] = msg

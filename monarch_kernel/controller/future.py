@@ -4,43 +4,58 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 _PENDING = object()
+#: Guards completion and the callback lists of all futures (held for a few bytecodes).
+_state_lock = threading.Lock()
+
+#: ``waiter(future, timeout)``: lets the thread that waits on a future receive its
+#: reply itself (see ``MeshRuntime.wait_for``); returns when the future is done, when
+#: ``timeout`` passed, or when another thread is receiving for it. ``timeout=0`` only
+#: makes sure that some thread receives replies.
+Waiter = Callable[["Future[Any]", "float | None"], None]
 
 
 class Future(Generic[T]):
-    """The result of a remote call, completed from the controller's I/O thread.
+    """The result of a remote call, completed by whichever thread receives its reply.
 
     ``finish`` (optional) turns the raw completion value into the user-visible result
     (unpickling, building a ValueMesh, raising a grouped error); it runs once, in the
-    thread that first asks for the result, never on the I/O thread.
+    thread that first asks for the result, never in the thread that receives replies.
     """
 
-    __slots__ = ("_event", "_raw", "_error", "_value", "_finish", "_callbacks", "_lock")
+    __slots__ = ("_latch", "_done", "_raw", "_error", "_value", "_finish", "_callbacks", "_waiter")
 
-    def __init__(self, finish: Callable[[Any], T] | None = None):
-        self._event = threading.Event()
+    def __init__(self, finish: Callable[[Any], T] | None = None, waiter: Waiter | None = None):
+        # A lock held while pending is the cheapest latch: waiters block on acquire and
+        # pass the release on. Once done it also serialises ``finish``.
+        self._latch = threading.Lock()
+        self._latch.acquire()
+        self._done = False
         self._raw: Any = None
         self._error: BaseException | None = None
         self._value: Any = _PENDING
         self._finish = finish
-        self._callbacks: list[Callable[[Future[T]], None]] = []
-        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[Future[T]], None]] | None = None
+        self._waiter = waiter
 
-    # -- completion (I/O thread) -------------------------------------------------------
+    # -- completion ----------------------------------------------------------------
     def _complete(self, raw: Any = None, error: BaseException | None = None) -> bool:
-        with self._lock:
-            if self._event.is_set():
+        with _state_lock:
+            if self._done:
                 return False
             self._raw, self._error = raw, error
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            cb(self)
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, None
+        self._latch.release()
+        if callbacks:
+            for cb in callbacks:
+                cb(self)
         return True
 
     def set_result(self, value: Any) -> bool:
@@ -51,33 +66,41 @@ class Future(Generic[T]):
 
     # -- user side ------------------------------------------------------------------
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def get(self, timeout: float | None = None) -> T:
         """Block until the result is there; raise the remote error if the call failed.
 
         Raises ``TimeoutError`` if ``timeout`` seconds pass first (the call goes on).
         """
-        if not self._event.wait(timeout):
-            raise TimeoutError(
-                f"no result within {timeout}s; the call is still running "
-                "(call .get() again to keep waiting)"
-            )
-        if self._error is not None:
-            raise self._error
-        if self._value is _PENDING:
-            with self._lock:
-                if self._value is _PENDING:
+        if not self._done:
+            self._wait(timeout)
+        if self._value is _PENDING and self._error is None:
+            with self._latch:
+                if self._value is _PENDING and self._error is None:
                     try:
                         self._value = self._finish(self._raw) if self._finish else self._raw
                     except BaseException as exc:
                         self._error = exc
-                        raise
         if self._error is not None:
             raise self._error
         return self._value
 
     result = get
+
+    def _wait(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._waiter is not None:
+            self._waiter(self, timeout)
+        if self._done:
+            return
+        left = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._latch.acquire(timeout=left):
+            raise TimeoutError(
+                f"no result within {timeout}s; the call is still running "
+                "(call .get() again to keep waiting)"
+            )
+        self._latch.release()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
@@ -89,8 +112,10 @@ class Future(Generic[T]):
         return None
 
     def add_done_callback(self, fn: Callable[[Future[T]], None]) -> None:
-        with self._lock:
-            if not self._event.is_set():
+        with _state_lock:
+            if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -104,6 +129,8 @@ class Future(Generic[T]):
                 loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
 
             self.add_done_callback(wake)
+            if self._waiter is not None:
+                self._waiter(self, 0)  # nobody blocks in get(): make sure replies are read
             yield from waiter.__await__()
         return self.get()
 

@@ -4,7 +4,11 @@ Two ROUTER sockets per mesh keep the hot path free of thread hand-offs:
 
 * ``send`` ROUTER: callers send on it directly from their own thread, under a lock
   (ranks' and host agents' inbox DEALERs connect here);
-* ``recv`` ROUTER: only the I/O thread reads it (results, streams, metrics, deaths).
+* ``recv`` ROUTER: results, streams, metrics and deaths. One thread at a time reads it,
+  the holder of the *receive token*: a caller blocked in ``Future.get()`` takes the token
+  and receives its own reply (leader/follower), so a call costs no wake-up of a second
+  thread; the I/O thread holds the token whenever no caller has for a few milliseconds
+  (streams of background work, deaths, futures that are awaited or polled).
 
 A multi-rank message goes once per host to the host agent, which fans it out, when the
 payload is large or many ranks of that host are targeted; otherwise it goes to each rank
@@ -13,11 +17,14 @@ directly. Per-rank sequence numbers keep delivery FIFO whichever path is taken.
 
 from __future__ import annotations
 
+import _signal  # the C module: signal.signal()'s enum wrapping costs microseconds per call
 import atexit
 import itertools
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -34,6 +41,7 @@ from monarch_kernel.controller.shape import Shape
 from monarch_kernel.wire import Codec, Message, WireError
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import new_key
+from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.osutil import describe_exit
 
@@ -45,6 +53,9 @@ FANOUT_MIN_BYTES = 256 * 1024
 #: ... or when at least this many ranks of one host are targeted.
 FANOUT_MIN_RANKS = 8
 TAIL_LINES = 50
+#: After a caller stopped receiving, the I/O thread waits this long before it takes the
+#: receive token back, so that a loop of calls never has to wake it.
+READER_GRACE = 0.005
 
 Listener = Callable[[dict[str, Any]], None]
 Sink = Callable[[int, str, str], None]  # (rank, stream name, text)
@@ -107,6 +118,49 @@ class Pending:
         self.sink = sink
 
 
+#: Routing ids of the inproc sockets that wake the thread receiving on the recv socket
+#: (a message from them only means "look at your conditions again").
+_WAKE_ID = b"mk-wake"
+_SIGINT_ID = b"mk-sigint"
+
+
+class _DeferSigint:
+    """Hold Ctrl-C back while the main thread receives, and raise it between messages.
+
+    A KeyboardInterrupt raised in the middle of a multipart receive would lose the part
+    just received, and one raised inside a reply handler would leave a request half
+    done. While deferred, a SIGINT only wakes the receive loop (``wake``, a message to
+    the socket it blocks on), which stops at the next message boundary; the previous
+    handler then runs.
+    """
+
+    __slots__ = ("_wake", "_previous", "pending")
+
+    def __init__(self, wake: Callable[[], None]):
+        self._wake = wake
+        self._previous: Any = None
+        self.pending: tuple[int, Any] | None = None
+
+    def __enter__(self) -> _DeferSigint:
+        if threading.current_thread() is threading.main_thread():
+            previous = _signal.getsignal(_signal.SIGINT)
+            if callable(previous):  # SIG_DFL / SIG_IGN raise nothing in Python
+                _signal.signal(_signal.SIGINT, self._defer)
+                self._previous = previous
+        return self
+
+    def _defer(self, signum: int, frame: Any) -> None:
+        self.pending = (signum, frame)
+        self._wake()
+
+    def __exit__(self, *exc: Any) -> None:
+        previous, self._previous = self._previous, None
+        if previous is not None:
+            _signal.signal(_signal.SIGINT, previous)
+            if self.pending is not None:
+                previous(*self.pending)  # usually raises KeyboardInterrupt
+
+
 _live_meshes: weakref.WeakSet[MeshRuntime] = weakref.WeakSet()
 _ids = itertools.count()
 _id_prefix = uuid.uuid4().hex[:6]
@@ -127,8 +181,13 @@ class MeshRuntime:
         launcher: Any,
         env: dict[str, str] | None = None,
         hb_timeout: float = 10.0,
-        bind: str = "127.0.0.1",
+        bind: str | None = None,
     ):
+        """``bind``: where the controller's sockets listen: a host address (tcp on a
+        random port), a full ``tcp://`` or ``ipc://`` endpoint, or ``"ipc"`` for unix
+        sockets in a private (0700) directory. By default ``"ipc"`` when every host is
+        on this machine (the local launcher), else ``127.0.0.1``.
+        """
         if hosts < 1:
             raise ValueError(f"a mesh needs at least one host, got hosts={hosts}")
         extent = ({"hosts": hosts} if hosts > 1 else {}) | dict(per_host)
@@ -166,21 +225,39 @@ class MeshRuntime:
         self.recv_sock = ctx.socket(zmq.ROUTER)
         self.recv_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.recv_sock.setsockopt(zmq.LINGER, 0)
+        if bind is None:
+            bind = "ipc" if getattr(launcher, "name", None) == "local" else "127.0.0.1"
+        self._ipc_dir = _private_ipc_dir() if bind == "ipc" else None
         try:
-            self.send_addr = _bind(self.send_sock, bind)
-            self.recv_addr = _bind(self.recv_sock, bind)
+            if self._ipc_dir is not None:
+                self.send_addr = _bind(self.send_sock, f"ipc://{self._ipc_dir}/send")
+                self.recv_addr = _bind(self.recv_sock, f"ipc://{self._ipc_dir}/recv")
+            else:
+                bind = "127.0.0.1" if bind == "ipc" else bind
+                self.send_addr = _bind(self.send_sock, bind)
+                self.recv_addr = _bind(self.recv_sock, bind)
         except zmq.ZMQError as exc:
             self.send_sock.close()
             self.recv_sock.close()
+            self._remove_ipc_dir()
             raise MeshStartError(
                 f"cannot bind the controller sockets on {bind}: {exc}. "
                 "Pick another address or free the port."
             ) from None
-        self._wake_addr = f"inproc://mk-wake-{id(self)}"
-        self._wake_rx = ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(self._wake_addr)
-        self._wake_tx = ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(self._wake_addr)
+        # The receive token (see the module docstring) and the I/O thread's idling state.
+        self._recv_lock = threading.Lock()
+        self._reader: int | None = None  # ident of the thread holding the token
+        self._io_cv = threading.Condition()
+        self._want = 0  # callers waiting for the I/O thread to hand the token over
+        self._io_needed = False  # the last caller left replies owed: I/O thread, take over
+        self._last_release = 0.0
+        self._running = True
+        self._rcvtimeo = -1
+        wake_addr = f"inproc://mk-wake-{id(self)}"
+        self.recv_sock.bind(wake_addr)
+        self._wake_lock = threading.Lock()
+        self._wake_sock = _wake_socket(ctx, _WAKE_ID, wake_addr)
+        self._sigint_sock = _wake_socket(ctx, _SIGINT_ID, wake_addr)  # main thread only
         self._io = threading.Thread(target=self._io_loop, name=f"mesh-{name}-io", daemon=True)
         self._io.start()
         _live_meshes.add(self)
@@ -437,40 +514,183 @@ class MeshRuntime:
             if info.alive:
                 info.state = "stopped"
         self.state = "stopped"
-        self._wake_tx.send(b"stop")
-        self._io.join(5)
-        for s in (self.send_sock, self.recv_sock, self._wake_tx, self._wake_rx):
-            s.close(0)
+        self._close_sockets()
         for host in self.hosts:
             if host.handle is not None:
                 host.handle.cleanup()
         _live_meshes.discard(self)
         self._emit({"event": "mesh", "state": "stopped"})
 
+    def _close_sockets(self) -> None:
+        """End the I/O thread, wait for a receiving caller to leave, close the sockets."""
+        me = threading.get_ident()
+        self._running = False
+        self._wake()
+        with self._io_cv:
+            self._io_cv.notify_all()
+        if self._io.ident != me:
+            self._io.join(5)
+        # A caller receiving in another thread returns now (its future failed above).
+        if self._reader != me and not self._recv_lock.acquire(timeout=5):
+            log.warning("mesh %s: a thread still receives; closing anyway", self.name)
+        for sock in (self.send_sock, self.recv_sock, self._wake_sock, self._sigint_sock):
+            sock.close(0)
+        self._remove_ipc_dir()
+
+    def _remove_ipc_dir(self) -> None:
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    # -- receiving: callers (leader/follower) ------------------------------------------
+    def wait_for(self, fut: Any, timeout: float | None) -> None:
+        """Receive in this thread until ``fut`` is done or ``timeout`` passes.
+
+        Used by ``Future.get``: the caller takes the receive token (from the I/O thread
+        if need be) and handles whatever arrives, its own replies included. If another
+        caller holds the token this returns at once and the future's latch is waited
+        on instead. ``timeout=0`` only makes sure that some thread receives.
+        """
+        if timeout == 0:
+            self.ensure_reader()
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._reader == threading.get_ident():  # a handler on the receiving thread
+            self._receive_until(fut, deadline, None)
+            return
+        if not self._take_token(deadline):
+            return
+        try:
+            with _DeferSigint(self._wake_from_sigint) as sigint:
+                self._receive_until(fut, deadline, sigint)
+        finally:
+            self._give_token()
+
+    def ensure_reader(self) -> None:
+        """Make sure some thread receives now (for futures that nobody blocks on)."""
+        if self._reader is None:
+            with self._io_cv:
+                self._io_needed = True
+                self._io_cv.notify()
+
+    def _take_token(self, deadline: float | None) -> bool:
+        if self._recv_lock.acquire(blocking=False):
+            self._reader = threading.get_ident()
+            return True
+        if self._reader != self._io.ident:
+            return False  # another caller receives, our reply included: follow it
+        with self._io_cv:
+            self._want += 1
+        try:
+            self._wake()
+            left = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._recv_lock.acquire(timeout=left):
+                return False
+        finally:
+            with self._io_cv:
+                self._want -= 1
+        self._reader = threading.get_ident()
+        return True
+
+    def _give_token(self) -> None:
+        self._reader = None
+        with self._io_cv:
+            self._last_release = time.monotonic()
+            self._recv_lock.release()
+            if self.requests and not self._want:
+                # Replies are still owed to others (followers, awaited futures, --bg
+                # cells): the I/O thread receives them from now on.
+                self._io_needed = True
+                self._io_cv.notify()
+
+    def _receive_until(self, fut: Any, deadline: float | None, sigint: _DeferSigint | None):
+        while not fut.done() and self._running:
+            if sigint is not None and sigint.pending:
+                return
+            if not self._receive_one(deadline):
+                return
+
+    def _receive_one(self, deadline: float | None) -> bool:
+        """Block for one message (token held) and handle it; False once past ``deadline``.
+
+        Wake-up messages (see ``_wake``) return at once, so the caller looks at its
+        conditions again.
+        """
+        sock = self.recv_sock
+        if deadline is None:
+            ms = -1
+        else:
+            ms = int((deadline - time.monotonic()) * 1000) + 1
+            if ms <= 0:
+                return False
+        if ms != self._rcvtimeo:
+            sock.setsockopt(zmq.RCVTIMEO, ms)
+            self._rcvtimeo = ms
+        try:
+            frames = wire_recv(sock)
+        except zmq.Again:
+            return False
+        if len(frames) == 2 and frames[0].bytes in (_WAKE_ID, _SIGINT_ID):
+            return True
+        try:
+            self._on_frames(frames)
+        except Exception:  # never let one bad message stop the receiving
+            log.exception("mesh %s: error handling a message", self.name)
+        return True
+
+    def _wake(self) -> None:
+        """Make the thread receiving on the recv socket (if any) look at its conditions."""
+        with self._wake_lock:
+            try:
+                self._wake_sock.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # queue full: the receiver has wake-ups enough; closed: stopping
+
+    def _wake_from_sigint(self) -> None:
+        # Python runs signal handlers in the main thread only, so this socket (used by
+        # nobody else) needs no lock, which the interrupted code might hold.
+        try:
+            self._sigint_sock.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
     # -- I/O thread ------------------------------------------------------------------
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.recv_sock, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
+        me = threading.get_ident()
         last_hb = time.monotonic()
-        while True:
-            events = dict(poller.poll(int(HEARTBEAT_INTERVAL * 1000)))
-            if self._wake_rx in events:
-                return
-            if self.recv_sock in events:
-                while True:
-                    try:
-                        frames = self.recv_sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._on_frames(frames)
-                    except Exception:  # never let one bad message kill the I/O thread
-                        log.exception("mesh %s: error handling a message", self.name)
+        while self._running:
             now = time.monotonic()
             if now - last_hb >= HEARTBEAT_INTERVAL:
                 last_hb = now
                 self._heartbeat(now)
+            until_hb = last_hb + HEARTBEAT_INTERVAL - now
+            idle = 0.0 if self._io_needed else self._callers_idle_wait(now)
+            if idle <= 0 and self._recv_lock.acquire(blocking=False):
+                self._reader = me
+                self._io_needed = False
+                try:
+                    self._serve(until_hb)
+                finally:
+                    self._reader = None
+                    self._recv_lock.release()
+                continue
+            with self._io_cv:
+                if idle <= 0:
+                    self._io_needed = False  # a caller holds the token; it hands it on
+                if not self._io_needed and self._running:
+                    self._io_cv.wait(min(until_hb, idle if idle > 0 else READER_GRACE))
+
+    def _callers_idle_wait(self, now: float) -> float:
+        """How long to leave the token to callers before the I/O thread takes it."""
+        if self._want or self._reader is not None:
+            return READER_GRACE
+        return self._last_release + READER_GRACE - now
+
+    def _serve(self, timeout: float) -> None:
+        """Receive (token held) until ``timeout`` passes or a caller asks for the token."""
+        deadline = time.monotonic() + timeout
+        while self._running and not self._want:
+            if not self._receive_one(deadline):
+                return
 
     def _heartbeat(self, now: float) -> None:
         if self.state in ("stopping", "stopped"):
@@ -490,6 +710,7 @@ class MeshRuntime:
         for info in self.ranks:
             if info.host == host.index and info.alive:
                 self._rank_died(info, {"reason": f"host agent {host.index} lost: {why}"})
+        self._wake()  # a caller receiving in another thread: its future may be done
         with self._cv:
             self._cv.notify_all()
 
@@ -675,6 +896,26 @@ def print_sink(rank: int, name: str, text: str) -> None:
     lines = text.splitlines(keepends=True)
     stream.write("".join(f"[rank {rank}] {line}" for line in lines))
     stream.flush()
+
+
+def _wake_socket(ctx: zmq.Context, ident: bytes, addr: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, ident)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 16)
+    sock.connect(addr)
+    return sock
+
+
+def _private_ipc_dir() -> str | None:
+    """A fresh 0700 directory for the controller's unix sockets (None: use tcp)."""
+    if not zmq.has("ipc"):
+        return None
+    path = tempfile.mkdtemp(prefix="mk-mesh-")
+    if len(path) > 90:  # unix socket paths are limited to about 100 bytes
+        os.rmdir(path)
+        return None
+    return path
 
 
 def _bind(sock: zmq.Socket, host: str) -> str:

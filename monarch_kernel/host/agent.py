@@ -90,10 +90,12 @@ class Template:
 
 
 class HostAgent:
-    def __init__(self) -> None:
+    def __init__(self, controller_pid: int | None = None) -> None:
+        self.controller_pid = controller_pid
         self.private_dir = tempfile.mkdtemp(prefix="mk-host-")  # mode 0700
         self.template = Template(self.private_dir)
         self.pids: dict[int, int] = {}  # rank -> pid
+        self.greeted: set[int] = set()  # ranks that said hello and still wait for ours
         self.expected_exits: set[int] = set()
         self.cfg: dict[str, Any] = {}
 
@@ -139,17 +141,17 @@ class HostAgent:
         poller.register(self.fan, zmq.POLLIN)
         last_rx = last_hb = time.monotonic()
         while True:
-            events = dict(poller.poll(HEARTBEAT_INTERVAL * 500))
+            # While a rank waits for our hello, retry it every few milliseconds.
+            events = dict(poller.poll(2 if self.greeted else HEARTBEAT_INTERVAL * 500))
             now = time.monotonic()
             if self.template.event_r in events:
                 for ev in self.template.events():
                     if self.on_template_event(ev) == "exit":
                         return
             if self.fan in events:
-                # A rank says hello on its fan-out connection; the ack tells it that
-                # fanned-out messages can reach it now.
-                ident, *frames = self.fan.recv_multipart()
-                self.fan.send_multipart([ident, *self.codec.encode({"k": K.HELLO})])
+                self.on_greeting(self.fan.recv_multipart())
+            if self.greeted:
+                self.answer_greetings()
             if self.inbox in events:
                 last_rx = now
                 while True:
@@ -167,6 +169,29 @@ class HostAgent:
                     "host %s: controller silent for %.0fs, shutting down", self.host, now - last_rx
                 )
                 return
+
+    def on_greeting(self, frames: list[Any]) -> None:
+        """A starting rank says hello (from a throw-away socket, see ``Rank._greet_host``)."""
+        try:
+            msg = self.codec.decode(frames[1:])
+        except WireError as exc:
+            log.warning("host %s dropped a greeting: %s", self.host, exc)
+            return
+        if msg.kind == K.HELLO and isinstance(msg.header.get("r"), int):
+            self.greeted.add(msg.header["r"])
+
+    def answer_greetings(self) -> None:
+        """Say hello to the inbox of every greeting rank that is routable by now.
+
+        Arriving there tells the rank that fanned-out messages can reach it.
+        """
+        hello = self.codec.encode({"k": K.HELLO})
+        for r in list(self.greeted):
+            try:
+                self.fan.send_multipart([b"r%d" % r, *hello])
+            except zmq.ZMQError:  # its inbox has not connected yet
+                continue
+            self.greeted.discard(r)
 
     def on_message(self, frames: list[Any]) -> str | None:
         try:
@@ -249,6 +274,9 @@ class HostAgent:
         return None
 
     def shutdown(self) -> None:
+        # Already on our way out: a SIGTERM now (the controller dying) must not cut the
+        # clean-up short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self.template.stop()
         # Report the exits the template emitted while stopping, then say goodbye.
         try:
@@ -261,7 +289,19 @@ class HostAgent:
             pass
         if self.cfg:
             self.ctx.destroy(linger=500)
+            self.remove_dead_controller_sockets()
         shutil.rmtree(self.private_dir, ignore_errors=True)
+
+    def remove_dead_controller_sockets(self) -> None:
+        """A controller killed outright leaves its unix sockets' private directory
+        behind; the agents it started remove it (never while the controller lives)."""
+        addr = str(self.cfg.get("send", ""))
+        folder = os.path.dirname(addr.removeprefix("ipc://"))
+        if not (addr.startswith("ipc://") and os.path.basename(folder).startswith("mk-mesh-")):
+            return
+        # The local launcher's agents are the controller's children: re-parented = dead.
+        if self.controller_pid is not None and os.getppid() != self.controller_pid:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _read_config() -> dict[str, Any]:
@@ -279,7 +319,7 @@ def main() -> None:
     die_with_parent(signal.SIGTERM, int(parent) if parent else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    agent = HostAgent()
+    agent = HostAgent(int(parent) if parent else None)
     try:
         agent.configure(_read_config())
         agent.run()

@@ -2,13 +2,14 @@
 
 Sockets (all DEALERs, so a point-to-point call is one hop from the controller):
 
-* ``inbox``  (main thread)  <- controller, direct messages;
-* ``fan``    (main thread)  <- this host's agent, messages fanned out to several ranks;
+* ``inbox``  (main thread)  <- controller (direct messages) and this host's agent
+  (messages fanned out to several ranks): one socket connected to both, so that the
+  main thread blocks in a plain receive instead of polling two sockets per message;
 * ``ctl``    (control thread) <- controller, push/pull/ping served while user code runs;
 * ``out``    (any thread, under a lock) -> controller: results, streams, metrics.
 
-Messages on ``inbox`` and ``fan`` carry a per-rank sequence number; they are handled
-strictly in that order whichever path they came by (FIFO per sender).
+Messages on ``inbox`` carry a per-rank sequence number; they are handled strictly in
+that order whichever path they came by (FIFO per sender).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -31,6 +33,7 @@ from monarch_kernel.rank import capture, context, env
 from monarch_kernel.rank.errors import exception_report
 from monarch_kernel.wire import Codec, Message, SerializationError, WireError, dumps, loads
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.osutil import die_with_parent
 
@@ -48,7 +51,7 @@ class Rank:
         self.ctx = zmq.Context()
         ident = f"r{self.rank}".encode()
         self.inbox = self._dealer(ident, cfg["send"])
-        self.fan = self._dealer(ident, cfg["fanout"])
+        self.inbox.connect(cfg["fanout"])
         self.out = self._dealer(ident, cfg["recv"])
         self.ctl = self._dealer(f"c{self.rank}".encode(), cfg["send"])
         self.out_lock = threading.Lock()
@@ -130,11 +133,29 @@ class Rank:
         )
 
     def _greet_host(self, timeout: float = 30.0) -> None:
-        """Say hello on the fan-out connection and wait for the host agent's ack."""
-        self.fan.send_multipart(self.codec.encode({"k": K.HELLO, "r": self.rank}))
-        if not self.fan.poll(timeout * 1000):
+        """Wait until the host agent can fan messages out to our inbox.
+
+        We say hello from a throw-away socket; the agent answers with a hello sent to
+        our inbox's routing id, which arrives once that connection is up. The greeting
+        is repeated: an answer may go to the connection of an earlier incarnation of
+        this rank that the agent has not dropped yet.
+        """
+        greet = self._dealer(f"g{self.rank}".encode(), self.cfg["fanout"])
+        greet.setsockopt(zmq.LINGER, 0)
+        hello = self.codec.encode({"k": K.HELLO, "r": self.rank})
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                greet.send_multipart(hello)
+                while self.inbox.poll(100):
+                    msg = self._decode(wire_recv(self.inbox))
+                    if msg is not None and msg.kind == K.HELLO:
+                        return
+                    if msg is not None:
+                        self._accept(msg)
             raise RuntimeError(f"rank {self.rank}: host agent did not answer in {timeout}s")
-        self.fan.recv_multipart()
+        finally:
+            greet.close()
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         # Only user code is interrupted; a SIGINT while we send or wait is ignored so a
@@ -145,22 +166,27 @@ class Rank:
     # -- main loop -------------------------------------------------------------------
     def run(self) -> None:
         self.start()
-        poller = zmq.Poller()
-        poller.register(self.inbox, zmq.POLLIN)
-        poller.register(self.fan, zmq.POLLIN)
+        inbox = self.inbox
         while True:
             try:
-                for sock, _ in poller.poll():
-                    self._receive(sock.recv_multipart(copy=False))
+                self._receive(wire_recv(inbox))
             except KeyboardInterrupt:
                 continue
 
     def _receive(self, frames: list[Any]) -> None:
+        msg = self._decode(frames)
+        if msg is not None:
+            self._accept(msg)
+
+    def _decode(self, frames: list[Any]) -> Message | None:
         try:
-            msg = self.codec.decode(frames)
+            return self.codec.decode(frames)
         except WireError as exc:
             log.warning("rank %s dropped a message: %s", self.rank, exc)
-            return
+            return None
+
+    def _accept(self, msg: Message) -> None:
+        """Dispatch ``msg`` in sequence order (held back while earlier ones are missing)."""
         h = msg.header
         seq = h.get("q")
         if isinstance(seq, list):
@@ -259,7 +285,7 @@ class Rank:
             if not poller.poll(1000):
                 continue
             try:
-                msg = self.codec.decode(self.ctl.recv_multipart(copy=False))
+                msg = self.codec.decode(wire_recv(self.ctl))
             except WireError as exc:
                 log.warning("rank %s dropped a control message: %s", self.rank, exc)
                 continue

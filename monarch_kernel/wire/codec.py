@@ -20,10 +20,19 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+from zmq.backend import Socket as _BaseSocket
+
 log = logging.getLogger("monarch_kernel.wire")
 
-_dump_header = json.JSONEncoder(separators=(",", ":")).encode
-_load_header = json.loads
+_dump_header = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
+_parse_header = json.JSONDecoder().raw_decode
+
+# The backend's send/recv, without the sugar layer's per-call type checks and enum
+# arithmetic (several microseconds per message on the hot path).
+_send = _BaseSocket.send
+_recv = _BaseSocket.recv
+_SNDMORE = int(zmq.SNDMORE)
 
 #: Buffers smaller than this are copied into the zmq message (cheaper than zero-copy).
 ZERO_COPY_THRESHOLD = 64 * 1024
@@ -78,10 +87,12 @@ class Codec:
         self, header: dict[str, Any], payload: bytes = b"", buffers: list[Any] | tuple = ()
     ) -> list[Any]:
         """Frames for ``header`` + ``payload`` + zero-copy ``buffers``."""
+        size = len(payload)
         if buffers:
-            header["b"] = [memoryview(b).nbytes for b in buffers]
+            header["b"] = sizes = [memoryview(b).nbytes for b in buffers]
+            size += sum(sizes)
         hb = _dump_header(header).encode()
-        self.bytes_out += len(hb) + len(payload) + sum(header.get("b", ()))
+        self.bytes_out += len(hb) + size
         return [hb, self._sign(hb, payload), payload, *buffers]
 
     def decode(self, frames: list[Any]) -> Message:
@@ -89,16 +100,17 @@ class Codec:
         if len(frames) < 3:
             self.rejected += 1
             raise WireError(f"malformed message: {len(frames)} frames, expected at least 3")
-        hb, sig, payload = (_as_bytes(f) for f in frames[:3])
-        if not hmac.compare_digest(self._sign(hb, payload), sig):
+        hb = _as_bytes(frames[0])
+        payload = frames[2]
+        if payload.__class__ is not bytes:
+            payload = _as_buffer(payload)  # zero-copy view of a zmq Frame
+        if not hmac.compare_digest(self._sign(hb, payload), _as_bytes(frames[1])):
             self.rejected += 1
             raise WireError("message signature does not verify (forged or wrong mesh key)")
         try:
             header = _load_header(hb)
-            sizes = header.get("b", [])
-            buffers = [_as_buffer(f) for f in frames[3:]]
-            if not isinstance(header, dict) or "k" not in header:
-                raise ValueError("header without kind")
+            buffers = [_as_buffer(f) for f in frames[3:]] if len(frames) > 3 else []
+            sizes = header.get("b") or []
             if len(sizes) != len(buffers) or any(s != b.nbytes for s, b in zip(sizes, buffers)):
                 raise ValueError("buffer frames do not match the sizes in the header")
         except (ValueError, TypeError) as exc:
@@ -108,8 +120,16 @@ class Codec:
         return Message(header, payload, buffers)
 
 
+def _load_header(hb: bytes) -> dict[str, Any]:
+    text = hb.decode()
+    header, end = _parse_header(text)
+    if end != len(text) or type(header) is not dict or "k" not in header:
+        raise ValueError("header is not a JSON object with a kind")
+    return header
+
+
 def _as_bytes(frame: Any) -> bytes:
-    if isinstance(frame, bytes):
+    if frame.__class__ is bytes:
         return frame
     if isinstance(frame, (bytearray, memoryview)):
         return bytes(frame)
@@ -127,8 +147,29 @@ def _as_buffer(frame: Any) -> memoryview:
 
 def send(sock: Any, frames: list[Any], prefix: list[bytes] | None = None) -> None:
     """Send ``frames`` on a zmq socket, zero-copy for large buffers."""
-    parts = (prefix or []) + frames
-    big = any(
-        not isinstance(p, bytes) and memoryview(p).nbytes >= ZERO_COPY_THRESHOLD for p in parts
-    )
-    sock.send_multipart(parts, copy=not big)
+    if prefix:
+        for p in prefix:
+            _send(sock, p, _SNDMORE)
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        size = len(f) if f.__class__ is bytes else memoryview(f).nbytes
+        _send(sock, f, 0 if i == last else _SNDMORE, size < ZERO_COPY_THRESHOLD)
+
+
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
+
+def readable(sock: Any) -> bool:
+    """Whether a message is waiting on ``sock`` (no syscall when one is)."""
+    return bool(_BaseSocket.get(sock, _EVENTS) & _POLLIN)
+
+
+def recv(sock: Any, flags: int = 0) -> list[Any]:
+    """Receive one multipart message as zmq Frames (zero-copy; ``.bytes`` copies)."""
+    f = _recv(sock, flags, False)
+    parts = [f]
+    while f.more:
+        f = _recv(sock, 0, False)
+        parts.append(f)
+    return parts

@@ -18,6 +18,10 @@ import cloudpickle
 PROTOCOL = 5
 #: Buffers below this size are cheaper inside the pickle than as frames of their own.
 OUT_OF_BAND_MIN = 8192
+#: Values of these types (and small containers of them) pickle the same with plain
+#: ``pickle`` as with cloudpickle, several times faster.
+_PLAIN_TYPES = frozenset({int, float, str, bytes, bool, type(None), complex})
+_PLAIN_MAX_ITEMS = 16
 
 
 class SerializationError(TypeError):
@@ -78,11 +82,32 @@ class _Pickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
+def _is_plain(obj: Any) -> bool:
+    """Whether ``obj`` is builtin scalars in small builtin containers only."""
+    t = obj.__class__
+    if t in _PLAIN_TYPES:
+        return True
+    if t is tuple or t is list:
+        return len(obj) <= _PLAIN_MAX_ITEMS and all(map(_is_plain, obj))
+    if t is dict:
+        return (
+            len(obj) <= _PLAIN_MAX_ITEMS
+            and all(map(_is_plain, obj))
+            and all(map(_is_plain, obj.values()))
+        )
+    return False
+
+
 def dumps(obj: Any, what: str = "value") -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickle ``obj``; returns ``(payload, out_of_band_buffers)``.
 
     ``what`` names the value in the error message (``"argument 'x' of Counter.incr"``).
     """
+    try:
+        if _is_plain(obj):
+            return pickle.dumps(obj, PROTOCOL), []
+    except RecursionError:  # absurdly nested: let cloudpickle say what it makes of it
+        pass
     buffers: list[pickle.PickleBuffer] = []
 
     def _keep_out_of_band(buf: pickle.PickleBuffer) -> bool:
