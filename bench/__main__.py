@@ -3,7 +3,7 @@
     python -m bench                    # everything; writes bench/results/latest.md
     python -m bench --quick            # fewer iterations and sizes (about 3 minutes)
     python -m bench --only ours,zmq    # some peers: ours zmq monarch ray ipp
-    python -m bench --bench rtt,calln  # some benchmarks: rtt calln bcast tensor ready fault
+    python -m bench --bench rtt,calln  # some benchmarks (see BENCHES)
 
 A run limited with --quick, --only or --bench writes bench/results/partial.md instead, so
 latest.md always holds a complete run.
@@ -22,7 +22,7 @@ from bench.report import PEERS, markdown, results_json
 from bench.runner import PeerRun, run_peer
 
 ORDER = ["zmq", "ours", "monarch", "ray", "ipp"]
-BENCHES = ["rtt", "calln", "bcast", "tensor", "ready", "fault"]
+BENCHES = ["rtt", "calln", "bcast", "tensor", "r2r", "ready", "cells", "fault", "ddp"]
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 

@@ -134,6 +134,11 @@ def run(s: Settings, rec: Recorder) -> None:
                 cluster, rc = start(n)
                 rec.value(f"ready_{n}_cold", time.perf_counter() - t0)
                 stop(cluster, rc)
+    if s.wants("cells"):
+        from bench import notebook
+
+        with rec.guard("plain_cell", "remote_4", "remote_1", "print_delay"):
+            notebook.ipp(s, rec)
 
 
 def micro(s: Settings, rec: Recorder, rc: ipp.Client) -> None:

@@ -113,6 +113,20 @@ def run(s: Settings, rec: Recorder) -> None:
             procs.stop()
     if s.wants("ready"):
         ready_rows(s, rec)
+    if s.wants("r2r"):
+        from bench import r2r
+
+        r2r.ours(s, rec)
+    if s.wants("cells"):
+        from bench import notebook
+
+        with rec.guard("plain_cell", "remote_4", "remote_1", "print_delay"):
+            notebook.ours(s, rec)
+    if s.wants("ddp"):
+        from bench import ddp
+
+        with rec.guard("ddp_mesh_sps", "ddp_torchrun_sps", "ddp_ratio"):
+            ddp.ours(s, rec)
 
 
 def gathered(actors: ActorMesh, n: int) -> Callable[[], object]:

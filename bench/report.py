@@ -65,21 +65,30 @@ def rows(s: Settings) -> list[Row]:
         out.append(
             Row(f"memcpy_{mib}", f"4. {mib} MiB torch clone (memcpy bound)", "MiB/s", "higher")
         )
-    out.append(Row("r2r", "4. tensor rank -> rank", "", static="not implemented yet"))
+    for mib in s.tensor_mib:
+        out.append(Row(f"r2r_shm_{mib}", f"4. {mib} MiB tensor rank -> rank, same host (shm)",
+                       "MiB/s", "higher"))
+        out.append(Row(f"r2r_tcp_{mib}", f"4. {mib} MiB tensor rank -> rank over TCP",
+                       "MiB/s", "higher"))
     out.append(Row("init", "5. cluster/runtime init (ray.init)", "s"))
     for n in s.ready_sizes:
         out.append(Row(f"ready_{n}_cold", f"5. mesh of {n} ready, torch imported, cold", "s"))
         out.append(Row(f"ready_{n}_warm", f"5. mesh of {n} ready, pre-warmed host agent", "s"))
     out.append(Row("stop_4", "5. stop a mesh of 4", "s"))
-    out.append(Row("remote_1", "6. %%remote cell on 1 rank", "", static="pending: kernel issue"))
-    out.append(Row("remote_4", "6. %%remote cell on 4 ranks", "", static="pending: kernel issue"))
+    out.append(Row("plain_cell", "6. an empty cell in the same kernel (baseline)", "ms"))
+    out.append(Row("remote_1", "6. trivial %%remote cell on 1 rank (%px for ipyparallel)", "ms"))
+    out.append(Row("remote_4", "6. trivial %%remote cell on 4 ranks (%px for ipyparallel)", "ms"))
+    out.append(Row("print_delay", "6. rank print -> notebook output", "ms"))
     out.append(Row("death", "7. rank death noticed (SIGKILL -> future raises)", "ms"))
     out.append(Row("interrupt", "7. interrupt -> running call stopped", "ms"))
-    out.append(Row("ddp", "8. DDP training step", "", static="pending: distributed issue"))
+    out.append(Row("ddp_mesh_sps", "8. DDP steps/s, 2 ranks in a mesh", "steps/s", "higher"))
+    out.append(Row("ddp_torchrun_sps", "8. DDP steps/s, same script under torchrun", "steps/s",
+                   "higher"))
+    out.append(Row("ddp_ratio", "8. DDP throughput, mesh ÷ torchrun", "x", "higher"))
     return out
 
 
-SCALE = {"us": 1e6, "ms": 1e3, "s": 1.0, "MiB/s": 1.0, "msg/s": 1.0}
+SCALE = {"us": 1e6, "ms": 1e3, "s": 1.0, "MiB/s": 1.0, "msg/s": 1.0, "steps/s": 1.0, "x": 1.0}
 
 
 def fmt(value: float, unit: str) -> str:

@@ -16,9 +16,10 @@ from monarch_kernel.kernel.output import CellOutput
 from monarch_kernel.wire import Message, dumps, loads
 from monarch_kernel.wire import kinds as K
 
-#: After the last result arrives, how long to wait for output still in flight
-#: (fd-level output is read by a thread in the rank and may trail the result).
-OUTPUT_GRACE = 0.02
+#: For --bg jobs: how long after the last result their output block is closed (output of
+#: threads the cell left running may still come in). Foreground cells close at once:
+#: ranks send all of a cell's output before its result.
+OUTPUT_GRACE = 0.05
 INTERRUPT_WAIT = 3.0
 
 
@@ -135,7 +136,6 @@ class RemoteJob:
                 return self.future.get(timeout)
             finally:
                 if self.future.done() and self.output is not None:
-                    time.sleep(OUTPUT_GRACE)  # let trailing output in before the value
                     self.output.close()
         except KeyboardInterrupt:
             self.cancel()

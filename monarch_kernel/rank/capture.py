@@ -8,9 +8,13 @@ host agent can report the last lines of a rank that died without warning.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
+import struct
+import termios
 import threading
+import time
 from collections.abc import Callable
 
 from monarch_kernel.rank import context
@@ -75,17 +79,36 @@ class FdCapture:
         self._sink = sink
         self._log_fd = log_fd
         self._threads: list[threading.Thread] = []
+        self._read_fds: list[int] = []
+        self._busy = 0  # readers between a read() and handing the text to the sink
 
     def start(self) -> None:
+        global _active
         for fd, name in ((1, "stdout"), (2, "stderr")):
             r, w = os.pipe()
             os.dup2(w, fd)
             os.close(w)
+            self._read_fds.append(r)
             t = threading.Thread(
                 target=self._drain, args=(r, name), name=f"capture-{name}", daemon=True
             )
             t.start()
             self._threads.append(t)
+        _active = self
+
+    def flush(self, timeout: float = 0.5) -> None:
+        """Wait until everything written to fd 1/2 so far has gone to the sink.
+
+        Called before a result is sent, so a cell's C-level output never trails its value.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pending = self._busy
+            for r in self._read_fds:
+                pending += struct.unpack("i", fcntl.ioctl(r, termios.FIONREAD, b"\0" * 4))[0]
+            if not pending:
+                return
+            time.sleep(0.0005)
 
     def _drain(self, r: int, name: str) -> None:
         while True:
@@ -95,8 +118,21 @@ class FdCapture:
                 return
             if not data:
                 return
+            self._busy += 1
             try:
                 os.write(self._log_fd, data)
             except OSError:
                 pass
-            self._sink(name, data.decode("utf-8", "replace"), context.current_request)
+            try:
+                self._sink(name, data.decode("utf-8", "replace"), context.current_request)
+            finally:
+                self._busy -= 1
+
+
+_active: FdCapture | None = None
+
+
+def flush_fds() -> None:
+    """Flush this rank's fd-level capture (no-op outside a rank)."""
+    if _active is not None:
+        _active.flush()

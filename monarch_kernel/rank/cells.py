@@ -12,6 +12,7 @@ import linecache
 import sys
 from typing import Any
 
+from monarch_kernel.rank import capture
 from monarch_kernel.wire import Message, loads
 
 
@@ -52,8 +53,10 @@ def run_cell(rank: Any, msg: Message, request: str | None) -> None:
         rank.reply_error(request, exc, "the cell")
         return
     finally:
-        # Complete lines are already sent; send partial ones before the result.
+        # Complete lines are already sent; send partial ones (and what C code wrote to
+        # fd 1/2) before the result, so no output trails the cell's value.
         sys.stdout.flush()
         sys.stderr.flush()
+        capture.flush_fds()
     if request:
         rank.reply(request, result, f"value of the cell's last expression on rank {rank.rank}")

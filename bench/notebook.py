@@ -1,0 +1,103 @@
+"""Rows 6 (notebook path): a trivial ``%%remote`` cell on 4 ranks and the delay from a
+rank's ``print`` to the notebook, through a real monarch kernel (jupyter_client)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from bench.common import Recorder, Settings, median, sample
+
+PRINTS = 200
+
+
+class _Client:
+    def __init__(self, kernel_name: str):
+        from jupyter_client.manager import start_new_kernel
+
+        self.km, self.kc = start_new_kernel(kernel_name=kernel_name)
+
+    def run(self, code: str, on_iopub=None, timeout: float = 120) -> None:
+        msg_id = self.kc.execute(code)
+        while True:
+            m = self.kc.get_iopub_msg(timeout=timeout)
+            if on_iopub is not None:
+                on_iopub(m)
+            if (m["parent_header"].get("msg_id") == msg_id and m["msg_type"] == "status"
+                    and m["content"]["execution_state"] == "idle"):
+                break
+        reply = self.kc.get_shell_msg(timeout=timeout)
+        if reply["content"]["status"] != "ok":
+            raise RuntimeError(f"cell failed: {reply['content'].get('evalue')}")
+
+    def stop(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+
+
+def ours(s: Settings, rec: Recorder) -> None:
+    from monarch_kernel.kernel.install import install
+
+    install(prefix=sys.prefix)
+    k = _Client("monarch")
+    try:
+        k.run("%mesh b --gpus 4")
+        iters = 60 if s.quick else 300
+        xs = sample(lambda: k.run("pass"), iters, 10, s.loop_budget_s)
+        rec.value("plain_cell", median(xs))
+        xs = sample(lambda: k.run("%%remote b\npass"), iters, 10, s.loop_budget_s)
+        rec.value("remote_4", median(xs))
+        xs = sample(lambda: k.run("%%remote b --ranks 0\npass"), iters, 10, s.loop_budget_s)
+        rec.value("remote_1", median(xs))
+        delays: list[float] = []
+
+        def on_iopub(m):
+            if m["msg_type"] == "stream" and "@" in m["content"]["text"]:
+                now = time.time()
+                for line in m["content"]["text"].splitlines():
+                    if "@" in line:
+                        delays.append(now - float(line.rsplit("@", 1)[1]))
+
+        k.run(
+            f"%%remote b --ranks 0\nimport time\nfor i in range({PRINTS}):\n"
+            "    print(f'tick @{time.time()!r}', flush=True)\n    time.sleep(0.005)",
+            on_iopub,
+        )
+        rec.value("print_delay", median(delays[10:]))
+        k.run("%mesh stop b")
+    finally:
+        k.stop()
+
+
+def ipp(s: Settings, rec: Recorder) -> None:
+    """ipyparallel's ``%px`` path in a regular IPython kernel (4 engines)."""
+    k = _Client("python3")
+    try:
+        k.run("import ipyparallel as ipp\ncluster = ipp.Cluster(n=4)\n"
+              "rc = cluster.start_and_connect_sync()\nrc.wait_for_engines(4)\nrc.activate()",
+              timeout=180)
+        iters = 30 if s.quick else 150
+        xs = sample(lambda: k.run("pass"), iters, 5, s.loop_budget_s)
+        rec.value("plain_cell", median(xs))
+        xs = sample(lambda: k.run("%px pass"), iters, 5, s.loop_budget_s)
+        rec.value("remote_4", median(xs))
+        xs = sample(lambda: k.run("%%px --targets 0\npass"), iters, 5, s.loop_budget_s)
+        rec.value("remote_1", median(xs))
+        delays: list[float] = []
+
+        def on_iopub(m):
+            if m["msg_type"] == "stream":
+                now = time.time()
+                for line in m["content"]["text"].splitlines():
+                    if "@" in line:
+                        delays.append(now - float(line.rsplit("@", 1)[1]))
+
+        k.run(
+            f"%%px --targets 0 --stream\nimport time\nfor i in range({PRINTS // 2}):\n"
+            "    print(f'tick @{time.time()!r}', flush=True)\n    time.sleep(0.005)",
+            on_iopub,
+        )
+        rec.value("print_delay", median(delays[5:]))
+        k.run("cluster.stop_cluster_sync()", timeout=60)
+    finally:
+        k.stop()
