@@ -218,15 +218,20 @@ class MeshMagics(Magics):
             if same:
                 print(f"mesh {name!r} is already running (%mesh restart {name} to restart it)")
                 self.shell.user_ns[name] = old
+                from monarch_kernel.widgets import show
+
+                show(old)
                 return None
             old.stop()
         try:
             hosts = host_mesh(hosts=opts.hosts, backend=opts.backend)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        from monarch_kernel.widgets import spawn_with_dashboard  # ipywidgets: imported late
+
         t0 = time.monotonic()
-        procs = hosts.spawn_procs(
-            per_host={"gpus": opts.gpus}, name=name, env=env, timeout=opts.timeout
+        procs = spawn_with_dashboard(  # shows the dashboard while the ranks start
+            hosts, {"gpus": opts.gpus}, name=name, env=env, timeout=opts.timeout
         )
         self.meshes[name] = procs
         self.shell.user_ns[name] = procs

@@ -1,0 +1,442 @@
+"""The live mesh dashboard: ipywidgets over the kernel's comm channel.
+
+One :class:`Dashboard` per mesh (``dashboard(procs)`` returns the same one each time, so
+showing it again in another cell is a second view of the same widget models).
+
+Threads:
+
+* controller threads call :meth:`MeshState.on_event` (a deque append, nothing more);
+* the dashboard's updater thread wakes every ``interval`` seconds (0.25 s: at most four
+  updates a second), folds the queued events in, renders each part and sends only the
+  widgets whose value changed (each widget's changes as one comm message);
+* button clicks arrive on whichever thread the kernel handles the comm message on: a
+  subshell thread when the frontend sends comms over subshells (JupyterLab >= 4.4 with
+  ipykernel >= 7), so they work while a cell is busy; else the main thread, after the
+  running cell. They only record the request; slow actions (restart, stop) run on a
+  worker thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import ipywidgets as W
+
+from monarch_kernel.controller.errors import format_ranks
+from monarch_kernel.widgets import render, taps
+from monarch_kernel.widgets.state import MeshState, TileView
+
+UPDATE_INTERVAL = 0.25  # seconds between two updates: at most 4 updates a second
+CONFIRM_S = 4.0  # the stop button asks for a second click within this time
+
+
+def _prefer_frontend_subshell(widget: W.Widget) -> None:
+    """Let the frontend's choice of subshell stand for messages to ``widget``.
+
+    ipykernel 7 routes a frontend comm message to the subshell that last *sent* on that
+    comm (for request/reply widgets). Our comms are written from the dashboard thread
+    and created on the main shell, so that would route button clicks to the busy main
+    shell; our widgets never wait for replies, so the frontend's subshell is right.
+    """
+    comm = getattr(widget, "comm", None)
+    if comm is not None and hasattr(comm, "_reply_subshell_for"):
+        comm._reply_subshell_for = lambda data, default: default
+
+
+class _Display:
+    """Where a dashboard was displayed, to refresh its static (non-widget) fallback."""
+
+    def __init__(self, display_id: str):
+        self.display_id = display_id
+        self.kernel = None
+        self.parent = None
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+            self.kernel = getattr(shell, "kernel", None)
+            if self.kernel is not None:
+                self.parent = self.kernel.get_parent("shell")
+        except Exception:  # noqa: BLE001 - not in a kernel: nothing to refresh
+            self.kernel = None
+
+    def update(self, data: dict[str, Any]) -> None:
+        k = self.kernel
+        if k is None:
+            return
+        content = {"data": data, "metadata": {}, "transient": {"display_id": self.display_id}}
+        k.session.send(
+            k.iopub_socket,
+            "update_display_data",
+            content,
+            parent=self.parent,
+            ident=k._topic("update_display_data"),
+        )
+
+
+class Dashboard(W.VBox):
+    """Live view of one process mesh: header, rank tiles, charts, errors, buttons.
+
+    Create it with :func:`monarch_kernel.widgets.dashboard`; display it like any widget.
+    Frontends without widget support show a static HTML snapshot instead.
+    """
+
+    def __init__(self, runtime: Any, interval: float = UPDATE_INTERVAL, start: bool = True):
+        self.runtime = runtime
+        self.state = MeshState(runtime)
+        self.interval = interval
+        self.selected: int | None = None
+        self.status = ""
+        self.flushes = 0
+        self.flush_times: deque[float] = deque(maxlen=4096)
+        self.messages = 0  # widget updates sent (one comm message each)
+        self.cpu_seconds = 0.0  # CPU time spent in updates (all threads that ran them)
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._confirm_stop_until = 0.0
+        self._action: threading.Thread | None = None
+        self._displays: list[_Display] = []
+        self._last_sample = 0.0
+        self._last_flush = 0.0
+        self._last_tiles = 0.0
+        self._marked: int | None = None  # the tile shown as selected
+        self._last_charts = 0.0
+        self._chart_key: tuple = ()
+        self._error_key = -1
+        n = runtime.world
+        self.compact = n > render.FULL_TILES_MAX
+        self.columns = render.grid_columns(self.state)
+        width, height = (104, 44) if self.compact else (172, 108)
+        self.chart_interval = 0.5 if n <= 8 else 1.0
+        tile_layout = W.Layout(width=f"{width}px", height=f"{height}px", margin="0")
+        self.tiles: list[W.Button] = []
+        for r in range(n):
+            tile = W.Button(description=f"rank {r}", layout=tile_layout)
+            tile.add_class("mk-tile")
+            tile.on_click(lambda _b, r=r: self.select(r))
+            self.tiles.append(tile)
+        self._views: list[TileView | None] = [None] * n
+        self.css = W.HTML(render.CSS)
+        self.header = W.HTML()
+        grid = W.GridBox(
+            self.tiles,
+            layout=W.Layout(
+                grid_template_columns=f"repeat({self.columns}, {width}px)",
+                grid_gap="4px",
+                margin="2px 8px 4px 0",
+            ),
+        )
+        self.detail = W.HTML(layout=W.Layout(flex="1 1 320px", min_width="300px"))
+        self.interrupt_button = W.Button(
+            description="Interrupt",
+            icon="stop",
+            tooltip="Raise KeyboardInterrupt in the user code every rank runs (SIGINT)",
+        )
+        self.restart_button = W.Button(
+            description="Restart dead ranks", icon="refresh", disabled=True
+        )
+        self.stop_button = W.Button(
+            description="Stop mesh", icon="power-off", tooltip="Stop every rank of this mesh"
+        )
+        for b in (self.interrupt_button, self.restart_button, self.stop_button):
+            b.layout.width = "auto"
+        self.interrupt_button.on_click(lambda _b: self.interrupt())
+        self.restart_button.on_click(lambda _b: self.restart())
+        self.stop_button.on_click(lambda _b: self.stop())
+        self.status_html = W.HTML()
+        self.charts = W.HTML()
+        self.errors = W.HTML()
+        buttons = W.HBox(
+            [self.interrupt_button, self.restart_button, self.stop_button, self.status_html]
+        )
+        body = W.Box([grid, self.detail], layout=W.Layout(display="flex", flex_flow="row wrap"))
+        super().__init__([self.css, self.header, buttons, body, self.charts, self.errors])
+        self.add_class("mk-dash")
+        for w in (*self.tiles, self.interrupt_button, self.restart_button, self.stop_button):
+            _prefer_frontend_subshell(w)
+        self.state.attach()
+        taps.install(runtime, self.state.on_event)
+        self._tick()
+        self._thread = threading.Thread(
+            target=self._run, name=f"mk-dashboard-{runtime.name}", daemon=True
+        )
+        if start:
+            self._thread.start()
+
+    # -- display -------------------------------------------------------------------
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any] | None:
+        data = super()._repr_mimebundle_(**kwargs)
+        if data is None:
+            return None
+        html, text = self.snapshot()
+        data["text/html"] = html
+        data["text/plain"] = text
+        return data
+
+    def snapshot(self) -> tuple[str, str]:
+        """Static ``(html, text)`` views of the current state (for non-widget frontends)."""
+        with self._lock:
+            views = [v for v in self._views if v is not None]
+            return (
+                render.snapshot_html(self.state, views, self.columns),
+                render.snapshot_text(self.state, views),
+            )
+
+    def show(self) -> None:
+        """Display the dashboard under the current cell (its fallback is refreshed when
+        the mesh finishes starting and when it stops)."""
+        from IPython.display import display
+
+        display_id = f"mk-dash-{id(self):x}-{len(self._displays)}"
+        display(self, display_id=display_id)
+        self._displays.append(_Display(display_id))
+
+    def refresh_displays(self) -> None:
+        """Re-send the displays made by :meth:`show` (updates their static fallback)."""
+        if not self._displays or self.comm is None:
+            return
+        data = self._repr_mimebundle_()
+        if data is None:
+            return
+        for d in self._displays:
+            try:
+                d.update(data)
+            except Exception:  # noqa: BLE001 - a closed kernel channel: nothing to do
+                pass
+
+    # -- actions (any thread) --------------------------------------------------------
+    def select(self, rank: int | None) -> None:
+        """Show ``rank``'s recent output and last error (``None``: clear; again: toggle)."""
+        self.selected = None if rank == self.selected else rank
+        self._wake.set()
+
+    def _procs(self) -> Any:
+        from monarch_kernel.actor import ProcMesh
+
+        return ProcMesh(self.runtime)
+
+    def _set_status(self, text: str) -> None:
+        self.status = f"{time.strftime('%H:%M:%S')} {text}"
+        self._wake.set()
+
+    def interrupt(self) -> None:
+        """Send SIGINT to every live rank (KeyboardInterrupt in their user code)."""
+        rt = self.runtime
+        alive = [i.rank for i in rt.ranks if i.alive]
+        if rt.state in ("stopped", "stopping") or not alive:
+            self._set_status("nothing to interrupt")
+            return
+        self._procs().interrupt()
+        self._set_status(f"interrupt sent to ranks {format_ranks(alive)}")
+
+    def restart(self, ranks: list[int] | None = None) -> None:
+        """Restart ``ranks`` (default: the selected rank if it is dead, else every dead
+        rank) on a worker thread."""
+        rt = self.runtime
+        if ranks is None:
+            dead = [i.rank for i in rt.ranks if i.state == "dead"]
+            if self.selected is not None and self.selected in dead:
+                dead = [self.selected]
+            ranks = dead
+        if not ranks:
+            self._set_status("no dead ranks to restart")
+            return
+        label = format_ranks(ranks)
+
+        def work() -> None:
+            t0 = time.monotonic()
+            try:
+                self._procs().restart(ranks)
+            except Exception as exc:  # noqa: BLE001 - shown in the dashboard
+                self._set_status(f"restart of ranks {label} failed: {exc}".split("\n")[0])
+            else:
+                self._set_status(f"restarted ranks {label} in {time.monotonic() - t0:.1f}s")
+
+        self._run_action(work, f"restarting ranks {label}…")
+
+    def stop(self, confirm: bool = True) -> None:
+        """Stop the mesh; from the button the first click asks for a second one."""
+        if confirm and time.monotonic() > self._confirm_stop_until:
+            self._confirm_stop_until = time.monotonic() + CONFIRM_S
+            self._set_status("click Stop again to stop every rank")
+            return
+        self._confirm_stop_until = 0.0
+
+        def work() -> None:
+            try:
+                self.runtime.stop()
+            except Exception as exc:  # noqa: BLE001
+                self._set_status(f"stop failed: {exc}")
+            else:
+                self._set_status("mesh stopped")
+
+        self._run_action(work, "stopping the mesh…")
+
+    def _run_action(self, work: Any, status: str) -> None:
+        if self._action is not None and self._action.is_alive():
+            self._set_status("still busy with the previous action")
+            return
+        self._set_status(status)
+        self._action = threading.Thread(target=work, name="mk-dashboard-action", daemon=True)
+        self._action.start()
+
+    # -- the updater -----------------------------------------------------------------
+    def _run(self) -> None:
+        final = False
+        while not self._closed:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            try:
+                self.update()
+            except Exception:  # noqa: BLE001 - never let the dashboard thread die
+                import logging
+
+                logging.getLogger("monarch_kernel.widgets").exception("dashboard update failed")
+            if self.runtime.state == "stopped":
+                if final:
+                    break
+                final = True  # one more round for events still in flight
+        self.state.detach()
+        if not self._closed:
+            self.refresh_displays()
+
+    def update(self) -> None:
+        """Bring the widgets up to date now; waits out the throttle (at most one update
+        per ``interval``) first."""
+        with self._lock:
+            wait = self._last_flush + self.interval - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            self._tick()
+
+    def _tick(self) -> None:
+        with self._lock:
+            cpu0 = time.thread_time()
+            try:
+                self._tick_locked()
+            finally:
+                self.cpu_seconds += time.thread_time() - cpu0
+
+    def _tick_locked(self) -> None:
+        st = self.state
+        st.drain()
+        now = time.monotonic()
+        if now - self._last_sample >= 1.0:
+            self._last_sample = now
+            st.sample()
+        # Big meshes: a tile's colour follows its state at once, its text (step, last
+        # heard) once a second; that keeps 64 tiles to ~64 messages a second.
+        full = not self.compact or now - self._last_tiles >= 1.0
+        if full:
+            self._last_tiles = now
+        marked = {self.selected, self._marked}  # selection moved: both tiles change
+        self._marked = self.selected
+        views = list(self._views)
+        sent = 0
+        for r in range(self.runtime.world):
+            old = views[r]
+            if full or old is None or r in marked or old.state != st.tile_state(r):
+                views[r] = st.tile(r, now)
+                sent += self._put_tile(r, views[r])
+        self._views = views
+        sent += self._put(self.header, value=render.header_html(st, views))
+        sel = self.selected
+        sent += self._put(
+            self.detail,
+            value=render.detail_html(st, sel, views[sel] if sel is not None else None),
+        )
+        chart_key = (st.metric_version, st.samples)
+        if chart_key != self._chart_key and now - self._last_charts >= self.chart_interval:
+            self._chart_key = chart_key
+            self._last_charts = now
+            sent += self._put(self.charts, value=render.charts_html(st))
+        if st.error_version != self._error_key:
+            self._error_key = st.error_version
+            sent += self._put(self.errors, value=render.errors_html(st))
+        sent += self._put_buttons(views, now)
+        if sent:
+            self._last_flush = time.monotonic()
+            self.flushes += 1
+            self.messages += sent
+            self.flush_times.append(time.time())
+
+    def _put(self, widget: W.Widget, **values: Any) -> int:
+        changed = {k: v for k, v in values.items() if getattr(widget, k) != v}
+        if not changed:
+            return 0
+        with widget.hold_sync():
+            for k, v in changed.items():
+                setattr(widget, k, v)
+        return 1
+
+    def _put_tile(self, r: int, v: TileView) -> int:
+        tile = self.tiles[r]
+        classes = ("mk-tile", f"mk-s-{v.state}") + (("mk-selected",) if r == self.selected else ())
+        sent = self._put(
+            tile,
+            description=render.tile_text(v, self.compact),
+            tooltip=render.tile_tooltip(v),
+            _dom_classes=classes,
+        )
+        sent += self._put(tile.style, button_color=render.COLORS[v.state][0])
+        return sent
+
+    def _put_buttons(self, views: list[TileView], now: float) -> int:
+        stopped = self.runtime.state in ("stopped", "stopping")
+        dead = [v.rank for v in views if v.state == "dead"]
+        if self.selected is not None and self.selected in dead:
+            restart_label = f"Restart rank {self.selected}"
+        else:
+            restart_label = f"Restart dead ranks ({len(dead)})" if dead else "Restart dead ranks"
+        confirming = now < self._confirm_stop_until
+        sent = self._put(self.interrupt_button, disabled=stopped)
+        sent += self._put(
+            self.restart_button, disabled=stopped or not dead, description=restart_label
+        )
+        sent += self._put(
+            self.stop_button,
+            disabled=stopped,
+            description="Click again to stop" if confirming else "Stop mesh",
+            button_style="danger" if confirming else "",
+        )
+        sent += self._put(
+            self.status_html, value=f'<span class="mk-status">{render.esc(self.status)}</span>'
+        )
+        return sent
+
+    # -- teardown --------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop updating and close every widget model (the mesh keeps running)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        self.state.detach()
+        for w in self._parts():
+            w.close()
+        super().close()
+
+    def _parts(self) -> list[W.Widget]:
+        """Every widget model of the dashboard except the dashboard itself."""
+        seen: dict[int, W.Widget] = {}
+        stack: list[W.Widget] = [self]
+        while stack:
+            w = stack.pop()
+            subs = (
+                *getattr(w, "children", ()),
+                getattr(w, "layout", None),
+                getattr(w, "style", None),
+            )
+            for sub in subs:
+                if isinstance(sub, W.Widget) and id(sub) not in seen and sub is not self:
+                    seen[id(sub)] = sub
+                    stack.append(sub)
+        return list(seen.values())
+
+    def __repr__(self) -> str:
+        rt = self.runtime
+        return f"<Dashboard of mesh {rt.name!r} {rt.shape.describe()} ({rt.state})>"

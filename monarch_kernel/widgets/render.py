@@ -1,0 +1,332 @@
+"""Text and HTML for the dashboard's parts, computed from a :class:`MeshState`.
+
+Used twice: by the live widgets (one piece of HTML per widget, re-sent only when it
+changed) and for the static snapshot that frontends without widgets show (nbconvert,
+GitHub), which uses inline styles only.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from typing import Any
+
+from monarch_kernel.controller.errors import format_ranks
+from monarch_kernel.widgets import charts
+from monarch_kernel.widgets.state import Incident, MeshState, TileView, rate_text
+
+#: state -> (background, border)
+COLORS = {
+    "starting": ("#e5e7eb", "#9ca3af"),
+    "idle": ("#dcfce7", "#16a34a"),
+    "busy": ("#dbeafe", "#2563eb"),
+    "error": ("#ffedd5", "#ea580c"),
+    "dead": ("#fee2e2", "#dc2626"),
+    "stopped": ("#f3f4f6", "#9ca3af"),
+}
+STATES = ("starting", "idle", "busy", "error", "dead", "stopped")
+#: Meshes up to this many ranks get full tiles; bigger ones compact tiles.
+FULL_TILES_MAX = 16
+
+CSS = """
+<style>
+.mk-dash { font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px; color: #111827; }
+.mk-dash .mk-head { padding: 4px 2px; line-height: 1.6; }
+.mk-dash .mk-chip { display: inline-block; }
+.mk-dash .mk-tile { white-space: pre-line !important; text-align: left !important;
+  line-height: 1.35 !important; padding: 4px 6px !important; border-radius: 6px !important;
+  border: 2px solid transparent !important; overflow: hidden; font-size: 11px;
+  font-family: var(--jp-code-font-family, monospace); box-shadow: none !important; }
+.mk-dash .mk-tile.mk-s-starting { border: 2px dashed #9ca3af !important; }
+.mk-dash .mk-tile.mk-s-idle { border-color: #16a34a !important; }
+.mk-dash .mk-tile.mk-s-busy { border-color: #2563eb !important; }
+.mk-dash .mk-tile.mk-s-error { border-color: #ea580c !important; }
+.mk-dash .mk-tile.mk-s-dead { border-color: #dc2626 !important; }
+.mk-dash .mk-tile.mk-s-stopped { border-color: #9ca3af !important; opacity: 0.7; }
+.mk-dash .mk-tile.mk-selected { outline: 3px solid #111827; outline-offset: 1px; }
+.mk-dash .mk-detail pre, .mk-dash .mk-errors pre { background: #f9fafb; border: 1px solid #e5e7eb;
+  padding: 4px 6px; margin: 2px 0 6px; max-height: 180px; overflow: auto; font-size: 11px;
+  white-space: pre-wrap; }
+.mk-dash .mk-sec { font-weight: bold; margin: 6px 0 2px; }
+.mk-dash .mk-incident { border-left: 3px solid #ea580c; padding-left: 6px; margin: 4px 0; }
+.mk-dash .mk-charts svg { margin: 2px 6px 2px 0; }
+.mk-dash .mk-muted { color: #6b7280; }
+</style>
+"""
+
+esc = html.escape
+
+
+def tile_text(v: TileView, compact: bool) -> str:
+    """The text on a tile (one fact per line; the tooltip has everything)."""
+    if compact:
+        second = v.what if v.state in ("busy", "error", "dead") else ""
+        if v.step:
+            second = f"step {v.step}" if not second else f"{second[:10]} · {v.step}"
+        return f"{v.rank} {v.state}\n{second[:22]}"
+    # multi-dim meshes: the position too, e.g. "rank 5 (1,1)" for hosts=1, gpus=1
+    where = ""
+    if v.coords.count("=") > 1:
+        where = " (" + ",".join(c.split("=")[1] for c in v.coords.split(", ")) + ")"
+    lines = [f"rank {v.rank}{where} · {v.state}", v.what[:26] or " "]
+    lines.append(" · ".join(x for x in (v.host, f"pid {v.pid}" if v.pid else "") if x))
+    lines.append(" · ".join(x for x in (v.device, v.mem) if x) or " ")
+    lines.append(
+        " · ".join(
+            x for x in (f"step {v.step}" if v.step else "", f"seen {v.seen}" if v.seen else "") if x
+        )
+        or " "
+    )
+    if v.rate_in is not None or v.rate_out is not None:
+        lines.append(f"in {rate_text(v.rate_in)} · out {rate_text(v.rate_out)}")
+    return "\n".join(lines)
+
+
+def tile_tooltip(v: TileView) -> str:
+    parts = [
+        f"rank {v.rank} ({v.coords})" if v.coords else f"rank {v.rank}",
+        f"state: {v.state}" + (f" — {v.what}" if v.what else ""),
+        f"host {v.host}, pid {v.pid or '?'}, device {v.device or '?'}",
+    ]
+    if v.mem:
+        parts.append(f"memory: {v.mem}")
+    if v.step:
+        parts.append(f"step: {v.step}")
+    if v.seen:
+        parts.append(f"last heard from: {v.seen} ago")
+    parts.append(
+        f"controller in (from rank): {rate_text(v.rate_in)}; out (to rank): {rate_text(v.rate_out)}"
+    )
+    if v.restarts:
+        parts.append(f"restarts: {v.restarts}")
+    parts.append("click: show recent output and last error")
+    return "\n".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    if h:
+        return f"{h}h {m:02d}m"
+    if m:
+        return f"{m}m {s:02d}s"
+    return f"{s}s"
+
+
+def header_html(st: MeshState, views: list[TileView], status: str = "") -> str:
+    rt = st.rt
+    alive = sum(1 for v in views if v.state not in ("dead", "stopped"))
+    counts = {s: 0 for s in STATES}
+    for v in views:
+        counts[v.state] += 1
+    chips = "".join(
+        f'<span class="mk-chip" style="background:{COLORS[s][0]};border:1px solid {COLORS[s][1]};'
+        'border-radius:8px;padding:0 6px;margin-right:4px;font-size:11px">'
+        f"{n} {s}</span>"
+        for s, n in counts.items()
+        if n
+    )
+    r_in, r_out = st.total_rate
+    mesh_state = getattr(rt, "state", "")
+    up = _duration(time.time() - rt.started_at)
+    status_html = f' · <span class="mk-muted">{esc(status)}</span>' if status else ""
+    return (
+        f'<div class="mk-head"><b style="font-size:14px">{esc(rt.name)}</b> · '
+        f"{esc(rt.shape.describe())} · {esc(getattr(rt, 'backend', 'local'))} · "
+        f"{esc(mesh_state)} · up {up} · <b>{alive}/{rt.world}</b> alive · "
+        f"transfer in {rate_text(r_in)} / out {rate_text(r_out)}{status_html}<br>{chips}</div>"
+    )
+
+
+def detail_html(st: MeshState, rank: int | None, view: TileView | None) -> str:
+    if rank is None or view is None:
+        return (
+            '<div class="mk-detail mk-muted">Click a tile to see that rank\'s recent output '
+            "and last error.</div>"
+        )
+    lines = st.output_lines(rank)
+    out = esc("\n".join(lines)) if lines else '<span class="mk-muted">(no output yet)</span>'
+    found = st.last_error.get(rank)
+    if found is not None:
+        incident, entry = found
+        when = time.strftime("%H:%M:%S", time.localtime(entry.first))
+        err = (
+            f"<div>{esc(entry.title)} <span class='mk-muted'>({when}"
+            f"{', ' + esc(incident.what) if incident.what else ''})</span></div>"
+            f"<pre>{esc(entry.detail)}</pre>"
+        )
+    else:
+        err = '<div class="mk-muted">none</div>'
+    what = f": {esc(view.what)}" if view.what else ""
+    return (
+        f'<div class="mk-detail"><div><b>rank {rank}</b> ({esc(view.coords)}) · '
+        f"{esc(view.state)}{what} · {esc(view.host)} pid {esc(view.pid or '?')} · "
+        f"{esc(view.device or '?')} · restarts {view.restarts}</div>"
+        f'<div class="mk-sec">Recent output</div><pre>{out}</pre>'
+        f'<div class="mk-sec">Last error</div>{err}</div>'
+    )
+
+
+def errors_html(st: MeshState, limit: int = 8) -> str:
+    if not st.incidents:
+        return (
+            '<div class="mk-errors"><div class="mk-sec">Errors</div>'
+            '<div class="mk-muted">none</div></div>'
+        )
+    parts = ['<div class="mk-errors"><div class="mk-sec">Errors (newest first)</div>']
+    for n, inc in enumerate(st.incidents[:limit]):
+        parts.append(_incident_html(st, inc, open_first=(n == 0)))
+    if len(st.incidents) > limit:
+        parts.append(f'<div class="mk-muted">{len(st.incidents) - limit} older not shown</div>')
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _incident_html(st: MeshState, inc: Incident, open_first: bool) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(inc.first))
+    what = f" · {esc(inc.what)}" if inc.what else ""
+    ranks = inc.ranks
+    head = (
+        f"<div><b>{when}</b>{what} · {'ranks' if len(ranks) > 1 else 'rank'} "
+        f"{format_ranks(ranks)} of {st.rt.world}</div>"
+    )
+    body = []
+    for i, e in enumerate(inc.entries):
+        root = ""
+        if i == 0:
+            badge = "interrupted" if e.kind == "interrupt" else "root cause"
+            bg = "#6b7280" if e.kind == "interrupt" else "#dc2626"
+            root = (
+                f'<span class="mk-root mk-{e.kind}" style="background:{bg};color:#fff;'
+                f'border-radius:4px;padding:0 4px;margin-right:4px;font-size:10px">{badge}</span>'
+            )
+        who = f"{'ranks' if len(e.ranks) > 1 else 'rank'} {format_ranks(e.ranks)}"
+        hosts = f" on {', '.join(e.hosts)}" if e.hosts else ""
+        body.append(
+            f"<details{' open' if open_first and i == 0 else ''}><summary>{root}"
+            f"{esc(e.title)} — {who}{esc(hosts)}</summary><pre>{esc(e.detail)}</pre></details>"
+        )
+    return f'<div class="mk-incident">{head}{"".join(body)}</div>'
+
+
+def metric_charts(st: MeshState) -> list[str]:
+    out = []
+    for name, per_rank in list(st.metrics.items()):
+        lines = [(f"r{r}", *s.arrays()) for r, s in sorted(per_rank.items())]
+        out.append(charts.line_chart(name, lines, chart_id=f"metric:{name}", x_label="step"))
+    return out
+
+
+def _rate_unit(values: list[float]) -> tuple[float, str]:
+    top = max(values, default=0.0)
+    for scale, unit in ((1e9, "GB/s"), (1e6, "MB/s"), (1e3, "KB/s")):
+        if top >= scale:
+            return scale, unit
+    return 1.0, "B/s"
+
+
+def throughput_chart(st: MeshState) -> str:
+    """Transfer rates over time: per rank in (solid) and out (dashed), or the mesh total
+    when the controller keeps no per-rank counters."""
+    hist = list(st.rate_history)
+    if not hist:
+        return charts.line_chart("transfer", [], chart_id="throughput")
+    t0 = hist[0][0]
+    raw: list[tuple[str, list[tuple[float, float]]]] = []
+    dashed: list[bool] = []
+    if st.per_rank_bytes:
+        ranks = sorted({r for _, rates, _ in hist for r in rates})
+        if len(ranks) <= charts.MAX_LINES // 2:
+            for idx, direction in ((0, "in"), (1, "out")):
+                for r in ranks:
+                    pts = [(t - t0, rates[r][idx]) for t, rates, _ in hist if r in rates]
+                    raw.append((f"r{r} {direction}", pts))
+                    dashed.append(idx == 1)
+        else:  # too many lines: the mean per direction
+            for idx, direction in ((0, "in"), (1, "out")):
+                pts = [
+                    (t - t0, sum(v[idx] for v in rates.values()) / max(1, len(rates)))
+                    for t, rates, _ in hist
+                ]
+                raw.append((f"mean {direction}", pts))
+                dashed.append(idx == 1)
+    else:
+        raw = [
+            ("in", [(t - t0, tot[0]) for t, _, tot in hist]),
+            ("out", [(t - t0, tot[1]) for t, _, tot in hist]),
+        ]
+        dashed = [False, True]
+    scale, unit = _rate_unit([y for _, pts in raw for _, y in pts])
+    lines = [(label, [x for x, _ in pts], [y / scale for _, y in pts]) for label, pts in raw]
+    title = f"transfer {unit}" + ("" if st.per_rank_bytes else " (mesh total)")
+    return charts.line_chart(title, lines, chart_id="throughput", dashed=dashed, x_label="s")
+
+
+def charts_html(st: MeshState) -> str:
+    parts = [throughput_chart(st), *metric_charts(st)]
+    hint = ""
+    if not st.metrics:
+        hint = (
+            '<div class="mk-muted">Call <code>monarch_kernel.report(step=i, loss=...)</code> '
+            "inside a rank to chart metrics here.</div>"
+        )
+    return (
+        f'<div class="mk-charts" style="display:flex;flex-wrap:wrap">{"".join(parts)}</div>{hint}'
+    )
+
+
+def snapshot_html(st: MeshState, views: list[TileView], columns: int) -> str:
+    """A static, self-contained HTML view (inline styles only) for non-widget frontends."""
+    cells = []
+    for v in views:
+        bg, border = COLORS[v.state]
+        text = esc(tile_text(v, compact=len(views) > FULL_TILES_MAX)).replace("\n", "<br>")
+        cells.append(
+            f'<td style="background:{bg};border:2px solid {border};padding:3px 5px;'
+            f'font-family:monospace;font-size:11px;vertical-align:top">{text}</td>'
+        )
+    rows = [
+        "<tr>" + "".join(cells[i : i + columns]) + "</tr>" for i in range(0, len(cells), columns)
+    ]
+    return (
+        '<div class="mk-dash-static" style="font-family:sans-serif;font-size:12px">'
+        + header_html(st, views)
+        + f'<table style="border-collapse:separate;border-spacing:3px">{"".join(rows)}</table>'
+        + charts_html(st)
+        + errors_html(st)
+        + "</div>"
+    )
+
+
+def snapshot_text(st: MeshState, views: list[TileView]) -> str:
+    """The plain-text view: one line per rank."""
+    rt = st.rt
+    alive = sum(1 for v in views if v.state not in ("dead", "stopped"))
+    lines = [
+        f"Mesh {rt.name!r} {rt.shape.describe()} ({getattr(rt, 'backend', 'local')}, "
+        f"{getattr(rt, 'state', '')}): {alive}/{rt.world} alive, "
+        f"up {_duration(time.time() - rt.started_at)}"
+    ]
+    for v in views:
+        extra = " ".join(x for x in (v.what, f"step {v.step}" if v.step else "", v.mem) if x)
+        lines.append(f"  rank {v.rank:<3} {v.state:<8} {extra}".rstrip())
+    for inc in st.incidents[:3]:
+        e = inc.entries[0]
+        lines.append(f"  error: {e.title} on ranks {format_ranks(inc.ranks)}")
+    return "\n".join(lines)
+
+
+def grid_columns(st: MeshState) -> int:
+    """Tiles per row: the mesh's last dim (gpus), wrapped at 8 for wide meshes."""
+    sizes = list(st.rt.shape.sizes) or [1]
+    last = sizes[-1]
+    return last if last <= 8 else 8
+
+
+def summary(st: MeshState, views: list[TileView]) -> dict[str, Any]:
+    """Counts by state (used by tests and the text view)."""
+    counts: dict[str, int] = {}
+    for v in views:
+        counts[v.state] = counts.get(v.state, 0) + 1
+    return counts

@@ -1,0 +1,295 @@
+"""The dashboard in a real browser: JupyterLab started here, Debian's Chromium driven by
+Playwright. A notebook makes a 4-rank mesh and runs a ``--bg`` loop calling ``report()``;
+the dashboard's tiles and loss chart must be visible and change. A rank killed
+mid-training shows up as dead (with its last output) while the others train on; the
+restart button brings it back, and the Interrupt button stops a busy foreground cell
+(comms over subshells). Screenshots go to test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+from kernel_client import ensure_kernelspec
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+TOKEN = "monarch-browser-test"
+
+playwright_sync = pytest.importorskip("playwright.sync_api")
+pytestmark = [
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium"),
+    pytest.mark.timeout(240),
+]
+
+LOOP = """%%remote demo --bg
+import math, random, time, monarch_kernel
+from monarch_kernel.actor import current_rank
+r = current_rank().rank
+for step in range(160):
+    loss = 2.0 * math.exp(-step / 45) + 0.05 * r + 0.03 * random.random()
+    monarch_kernel.report(step=step, loss=loss, lr=1e-3 * (1 - step / 200))
+    if step % 40 == 0:
+        print(f"step {step} loss {loss:.3f}", flush=True)
+    time.sleep(0.06)
+"""
+
+
+KILL = """import os, signal
+os.kill(demo.runtime.ranks[3].pid, signal.SIGKILL)  # as if the OOM killer struck rank 3
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _notebook(path: Path) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "monarch", "display_name": "Monarch", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_code_cell("%mesh demo --gpus 4"),
+        nbformat.v4.new_code_cell(LOOP),
+        nbformat.v4.new_code_cell(KILL),
+        nbformat.v4.new_code_cell("%%remote demo\nimport time\ntime.sleep(60)"),
+    ]
+    nbformat.write(nb, path)
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab server on 127.0.0.1 serving a fresh notebook; shut down after."""
+    ensure_kernelspec()
+    root = tmp_path / "root"
+    root.mkdir()
+    _notebook(root / "demo.ipynb")
+    settings = tmp_path / "settings"
+    settings.mkdir()
+    (settings / "overrides.json").write_text(
+        json.dumps(
+            {
+                "@jupyterlab/apputils-extension:notification": {
+                    "fetchNews": "false",
+                    "checkForUpdates": False,
+                }
+            }
+        )
+    )
+    # Other packages' extensions in this environment (ipyparallel's, from the bench extra)
+    # are not under test: switch them off, server side and in the page.
+    labconfig = tmp_path / "config" / "labconfig"
+    labconfig.mkdir(parents=True)
+    (labconfig / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": {"ipyparallel-labextension": True}})
+    )
+    port = _free_port()
+    env = {
+        **os.environ,
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+    }
+    log = open(tmp_path / "lab.log", "wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--allow-root",
+            "--ip",
+            "127.0.0.1",
+            f"--port={port}",
+            f"--IdentityProvider.token={TOKEN}",
+            f"--ServerApp.root_dir={root}",
+            f"--LabApp.app_settings_dir={settings}",
+            f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
+            "--ServerApp.terminals_enabled=False",
+            "--ServerApp.jpserver_extensions", "ipyparallel=False",
+        ],  # fmt: skip
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={TOKEN}", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.close()
+                pytest.fail("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text())
+            time.sleep(0.2)
+    yield base
+    req = urllib.request.Request(
+        f"{base}/api/shutdown", method="POST", headers={"Authorization": f"token {TOKEN}"}
+    )
+    try:
+        urllib.request.urlopen(req, timeout=10)
+        proc.wait(30)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.terminate()
+        proc.wait(10)
+    log.close()
+    shutil.copy(tmp_path / "lab.log", ARTIFACTS / "lab.log")
+
+
+def _run_cell(page, index: int) -> None:
+    """Run cell ``index`` with Shift+Enter, making sure it is the active cell first
+    (outputs above it may still be growing and move it)."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    for _ in range(10):
+        cell.scroll_into_view_if_needed()
+        cell.locator(".cm-content").click()
+        if "jp-mod-active" in (cell.get_attribute("class") or ""):
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"could not activate cell {index}")
+    prompt = cell.locator(".jp-InputPrompt")
+    before = prompt.inner_text()
+    page.keyboard.press("Shift+Enter")
+    deadline = time.monotonic() + 10
+    while prompt.inner_text() == before:  # "[ ]:" -> "[*]:" (or a number)
+        assert time.monotonic() < deadline, f"cell {index} did not start"
+        time.sleep(0.05)
+
+
+def _tiles(page) -> list[str]:
+    return page.locator(".mk-dash .mk-tile").all_inner_texts()
+
+
+def _last_step(page) -> float:
+    line = page.locator('.mk-dash svg[data-chart="metric:loss"] polyline.mk-line').first
+    if line.count() == 0:
+        return -1.0
+    return float(line.get_attribute("data-last-x"))
+
+
+def test_dashboard_in_jupyterlab(lab):
+    ARTIFACTS.mkdir(exist_ok=True)
+    with playwright_sync.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 1800})
+        try:
+            page.goto(f"{lab}/lab/tree/demo.ipynb?token={TOKEN}")
+            # The toolbar says idle before the kernel is attached: wait for the status bar.
+            page.locator(".jp-StatusBar-TextItem", has_text=re.compile(r"\| Idle")).first.wait_for(
+                timeout=60_000
+            )
+            _run_cell(page, 0)
+            dash = page.locator(".mk-dash").first
+            dash.wait_for(timeout=30_000)
+            page.locator(".mk-dash .mk-tile").nth(3).wait_for(timeout=30_000)
+            page.wait_for_function(
+                "document.querySelectorAll('.mk-dash .mk-tile.mk-s-idle').length === 4",
+                timeout=30_000,
+            )
+            assert "4/4" in page.locator(".mk-dash .mk-head").inner_text()
+            tiles_idle = _tiles(page)
+            assert all("idle" in t and "pid" in t for t in tiles_idle), tiles_idle
+            page.screenshot(path=str(ARTIFACTS / "dashboard-ready.png"))
+
+            _run_cell(page, 1)
+            page.wait_for_function(
+                "document.querySelectorAll('.mk-dash .mk-tile.mk-s-busy').length === 4",
+                timeout=30_000,
+            )
+            page.locator('.mk-dash svg[data-chart="metric:loss"] polyline.mk-line').first.wait_for(
+                timeout=30_000
+            )
+            steps, tile_texts = [], []
+            for _ in range(4):
+                steps.append(_last_step(page))
+                tile_texts.append(_tiles(page))
+                time.sleep(1.2)
+            assert len(set(steps)) >= 3 and steps == sorted(steps), steps
+            assert tile_texts[0] != tile_texts[-1], "tiles did not change while training"
+            assert all("busy" in t and "step" in t for t in tile_texts[-1]), tile_texts[-1]
+            chart = page.locator('.mk-dash svg[data-chart="metric:loss"]')
+            assert chart.is_visible() and chart.locator("polyline.mk-line").count() == 4
+            page.screenshot(path=str(ARTIFACTS / "page-training.png"))
+
+            # Rank 3 is killed mid-training: its tile and the errors panel say so at once,
+            # the other ranks train on.
+            _run_cell(page, 2)
+            page.locator(".mk-dash .mk-tile.mk-s-dead").wait_for(timeout=15_000)
+            assert "SIGKILL" in page.locator(".mk-dash .mk-tile").nth(3).inner_text()
+            errors = page.locator(".mk-dash .mk-errors")
+            errors.locator("summary", has_text="died: killed by SIGKILL").wait_for(timeout=5000)
+            assert "step 0 loss" in errors.inner_text()  # its last output lines
+            assert "3/4" in page.locator(".mk-dash .mk-head").inner_text()
+            page.wait_for_function(
+                "document.querySelectorAll('.mk-dash .mk-tile.mk-s-busy').length === 3",
+                timeout=5_000,
+            )
+            # Select a rank: its recent output shows up.
+            page.locator(".mk-dash .mk-tile").nth(1).click()
+            page.locator(".mk-dash .mk-detail", has_text="rank 1").wait_for(timeout=10_000)
+            page.locator(".mk-dash .mk-detail pre", has_text="loss").first.wait_for(timeout=10_000)
+            time.sleep(1.0)  # let the charts move on a little past the death
+            dash.screenshot(path=str(ARTIFACTS / "dashboard-training.png"))
+
+            page.wait_for_function(
+                "document.querySelectorAll('.mk-dash .mk-tile.mk-s-idle').length === 3",
+                timeout=60_000,
+            )
+            page.wait_for_function(  # charts refresh at most twice a second
+                "document.querySelector('.mk-dash svg[data-chart=\"metric:loss\"] polyline')"
+                ".getAttribute('data-last-x') === '159'",
+                timeout=10_000,
+            )
+            dash.screenshot(path=str(ARTIFACTS / "dashboard-done.png"))
+            page.locator(".mk-dash .mk-tile").nth(3).click()  # select it: "Restart rank 3"
+            page.locator(".mk-dash button", has_text="Restart rank 3").click()
+            page.wait_for_function(
+                "document.querySelectorAll('.mk-dash .mk-tile.mk-s-idle').length === 4",
+                timeout=60_000,
+            )
+            page.locator(".mk-dash .mk-status", has_text="restarted ranks 3").wait_for(timeout=5000)
+
+            # A busy foreground cell; the dashboard's Interrupt button still works.
+            _run_cell(page, 3)
+            page.wait_for_function(
+                "document.querySelectorAll('.mk-dash .mk-tile.mk-s-busy').length === 4",
+                timeout=30_000,
+            )
+            t0 = time.monotonic()
+            page.locator(".mk-dash button", has_text="Interrupt").click()
+            busy_cell = page.locator(".jp-Notebook .jp-Cell").nth(3)
+            busy_cell.locator(".jp-OutputArea", has_text="KeyboardInterrupt").wait_for(
+                timeout=15_000
+            )
+            assert time.monotonic() - t0 < 10
+            page.locator(".mk-dash .mk-status", has_text="interrupt sent").wait_for(timeout=5000)
+            page.screenshot(path=str(ARTIFACTS / "page-interrupted.png"))
+        except BaseException:
+            page.screenshot(path=str(ARTIFACTS / "failure.png"))
+            raise
+        finally:
+            browser.close()

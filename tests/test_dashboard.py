@@ -1,0 +1,447 @@
+"""The live mesh dashboard, driven through a real kernel with real ranks.
+
+What the frontend sees is rebuilt from the kernel's IOPub messages (``comm_open`` and
+``comm_msg`` updates of the ipywidgets models), so these tests check the widget model
+values a browser would render, and the rate at which they arrive.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import time
+from collections import defaultdict
+from typing import Any
+
+import pytest
+from conftest import pid_alive
+from kernel_client import Kernel
+
+THROTTLE = 0.25  # the dashboard's update interval (seconds)
+
+
+def _safe(cond: Any) -> bool:
+    try:
+        return bool(cond())
+    except (KeyError, IndexError, AttributeError):
+        return False
+
+
+class WidgetKernel(Kernel):
+    """A kernel client that mirrors every ipywidgets model the kernel opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.models: dict[str, dict[str, Any]] = {}
+        self.history: dict[str, list[tuple[float, dict[str, Any]]]] = defaultdict(list)
+        get = self.kc.get_iopub_msg
+
+        def get_and_mirror(timeout: float | None = None) -> dict[str, Any]:
+            m = get(timeout=timeout)
+            self.feed(m)
+            return m
+
+        self.kc.get_iopub_msg = get_and_mirror
+
+    def feed(self, m: dict[str, Any]) -> None:
+        t, c = m["msg_type"], m["content"]
+        when = m["header"]["date"].timestamp()
+        if t == "comm_open" and c.get("target_name") == "jupyter.widget":
+            state = dict(c["data"]["state"])
+            self.models[c["comm_id"]] = state
+            self.history[c["comm_id"]].append((when, dict(state)))
+        elif t == "comm_msg" and c["comm_id"] in self.models:
+            data = c["data"]
+            if data.get("method") == "update":
+                self.models[c["comm_id"]].update(data["state"])
+                self.history[c["comm_id"]].append((when, dict(data["state"])))
+
+    def pump(self, seconds: float) -> None:
+        """Read IOPub for ``seconds`` (widget updates sent from the dashboard thread)."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                self.other.append(self.kc.get_iopub_msg(timeout=left))
+            except queue.Empty:
+                return
+
+    def wait_for(self, cond: Any, timeout: float = 15.0, what: str = "") -> None:
+        deadline = time.monotonic() + timeout
+        while not _safe(cond):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what or cond}")
+            self.pump(0.1)
+
+    # -- views of the mirrored models ------------------------------------------------
+    def tiles(self, mesh: str) -> dict[int, dict[str, Any]]:
+        """rank -> tile button state of the dashboard of ``mesh``."""
+        grid = self._grid(mesh)
+        out = {}
+        for ref in grid["children"]:
+            tile = self.models[ref.removeprefix("IPY_MODEL_")]
+            rank = int(re.match(r"(?:rank )?(\d+)", tile["description"]).group(1))
+            out[rank] = tile
+        return out
+
+    def tile_state(self, mesh: str, rank: int) -> str:
+        tile = self.tiles(mesh)[rank]
+        return next(c for c in tile["_dom_classes"] if c.startswith("mk-s-"))[5:]
+
+    def html(self, mesh: str, marker: str) -> str:
+        """The value of the dashboard HTML widget of ``mesh`` containing ``marker``."""
+        for comm_id in self._dashboard(mesh)["_all"]:
+            value = self.models[comm_id].get("value", "")
+            if isinstance(value, str) and marker in value:
+                return value
+        raise KeyError(marker)
+
+    def button(self, mesh: str, label: str) -> tuple[str, dict[str, Any]]:
+        for comm_id in self._dashboard(mesh)["_all"]:
+            m = self.models[comm_id]
+            if m.get("_model_name") == "ButtonModel" and m.get("description", "").startswith(label):
+                return comm_id, m
+        raise KeyError(label)
+
+    def click(self, comm_id: str, subshell_id: str | None = None) -> None:
+        msg = self.kc.session.msg(
+            "comm_msg",
+            {"comm_id": comm_id, "data": {"method": "custom", "content": {"event": "click"}}},
+        )
+        if subshell_id:
+            msg["header"]["subshell_id"] = subshell_id
+        self.kc.shell_channel.send(msg)
+
+    def create_subshell(self) -> str:
+        msg = self.kc.session.msg("create_subshell_request", {})
+        self.kc.control_channel.send(msg)
+        while True:
+            reply = self.kc.get_control_msg(timeout=10)
+            if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                return reply["content"]["subshell_id"]
+
+    def _dashboard(self, mesh: str) -> dict[str, Any]:
+        """The newest dashboard VBox whose header names ``mesh`` (with all its models)."""
+        found = None
+        for comm_id, m in self.models.items():
+            if m.get("_model_name") == "VBoxModel" and "mk-dash" in m.get("_dom_classes", ()):
+                ids = self._descendants(comm_id)
+                for cid in ids:
+                    v = self.models[cid].get("value", "")
+                    if isinstance(v, str) and f'<b style="font-size:14px">{mesh}</b>' in v:
+                        found = {"id": comm_id, "_all": ids}
+        if found is None:
+            raise KeyError(f"no dashboard for mesh {mesh!r}")
+        return found
+
+    def _descendants(self, comm_id: str) -> list[str]:
+        out, stack = [], [comm_id]
+        while stack:
+            cid = stack.pop()
+            out.append(cid)
+            for ref in self.models[cid].get("children", ()):
+                stack.append(ref.removeprefix("IPY_MODEL_"))
+        return out
+
+    def _grid(self, mesh: str) -> dict[str, Any]:
+        for cid in self._dashboard(mesh)["_all"]:
+            m = self.models[cid]
+            if m.get("_model_name") == "GridBoxModel":
+                return m
+        raise KeyError("grid")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = WidgetKernel()
+    r = k.run("%mesh m --gpus 4")
+    assert "ready" in r.stdout, r.stderr + r.error_text
+    k.first = r
+    yield k
+    pids = k.pids()
+    k.shutdown()
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if pid_alive(p)], "kernel shutdown left processes behind"
+
+
+def test_mesh_displays_the_dashboard_while_ranks_start(kernel):
+    r = kernel.first
+    assert r.displays, "no dashboard displayed"
+    data = r.displays[0]["data"]
+    assert "application/vnd.jupyter.widget-view+json" in data
+    # the fallback for frontends without widgets: a static snapshot and a text view
+    assert "gpus=4" in data["text/plain"] and "rank 3" in data["text/plain"]
+    assert 'class="mk-dash-static"' in data["text/html"] and "starting" in data["text/html"]
+    # each tile went through "starting" (sent while %mesh was still waiting) to "idle"
+    tiles = kernel.tiles("m")
+    assert sorted(tiles) == [0, 1, 2, 3]
+    for rank, tile in tiles.items():
+        comm_id = next(c for c, m in kernel.models.items() if m is tile)
+        states = [
+            cls[5:]
+            for _, upd in kernel.history[comm_id]
+            for cls in upd.get("_dom_classes", ())
+            if cls.startswith("mk-s-")
+        ]
+        assert states[0] == "starting" and states[-1] == "idle", (rank, states)
+        assert "pid " in tile["description"] and "cpu" in tile["description"]
+    head = kernel.html("m", "mk-head")
+    assert "gpus=4" in head and "local" in head and "<b>4/4</b> alive" in head
+    assert "transfer in" in head and "up " in head
+    # when start-up finished the static fallback was refreshed (update_display_data)
+    updates = [d for d in r.displays if d["type"] == "update_display_data"]
+    assert updates and "4 idle" in updates[-1]["data"]["text/html"]
+    # ... which is what nbconvert shows for a notebook saved without widget state
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("%mesh m --gpus 4")
+    cell.outputs = [nbformat.v4.new_output("display_data", data=updates[-1]["data"])]
+    nb.cells = [cell]
+    html, _ = HTMLExporter().from_notebook_node(nb)
+    assert "mk-dash-static" in html and "4 idle" in html
+
+
+def test_busy_tiles_and_live_metrics_from_a_bg_loop(kernel):
+    steps = 120
+    r = kernel.run(
+        "%%remote m --bg\nimport time, monarch_kernel\n"
+        f"for i in range({steps}):\n"
+        "    monarch_kernel.report(step=i, loss=1.0 / (i + 1))\n"
+        "    time.sleep(0.01)\n"
+    )
+    assert "running" in r.text, r.error_text
+    cell = re.search(r"RemoteJob cell (\S+) on", r.text).group(1)
+    kernel.wait_for(
+        lambda: all(kernel.tile_state("m", i) == "busy" for i in range(4)), what="busy tiles"
+    )
+    assert f"cell {cell}" in kernel.tiles("m")[0]["description"]
+    seen_steps = []
+
+    def chart_step() -> float:
+        chart = kernel.html("m", 'data-chart="metric:loss"')
+        last = re.findall(r'data-label="r0" data-last-x="([\d.]+)"', chart)
+        return float(last[0]) if last else -1
+
+    kernel.wait_for(lambda: chart_step() >= 0, what="loss chart")
+    while chart_step() < steps - 1:
+        seen_steps.append(chart_step())
+        kernel.pump(0.3)
+    assert len(set(seen_steps)) >= 2, "the chart did not move while the loop ran"
+    kernel.wait_for(
+        lambda: all(kernel.tile_state("m", i) == "idle" for i in range(4)), what="idle again"
+    )
+    assert f"step {steps - 1}" in kernel.tiles("m")[2]["description"]
+    chart = kernel.html("m", 'data-chart="metric:loss"')
+    assert all(f'data-label="r{i}"' in chart for i in range(4))
+    # every report arrived, in order, on every rank
+    r = kernel.run(
+        "from monarch_kernel.widgets import dashboard\n_d = dashboard(m)\n"
+        "[(s.count, s.xs == [float(i) for i in range(len(s.xs))])"
+        " for _, s in sorted(_d.state.metrics['loss'].items())]"
+    )
+    assert r.text == str([(steps, True)] * 4), r.text + r.error_text
+
+
+def test_errors_are_grouped_root_cause_first(kernel):
+    r = kernel.run(
+        "%%remote m\nimport os, time\nrank = int(os.environ['RANK'])\n"
+        "if rank == 2:\n    raise KeyError('first')\n"
+        "time.sleep(0.2)\n"
+        "if rank in (1, 3):\n    raise ValueError('bad batch')\n"
+    )
+    assert r.reply["status"] == "error"
+    kernel.wait_for(
+        lambda: [kernel.tile_state("m", i) for i in range(4)] == ["idle"] + ["error"] * 3,
+        what="error tiles",
+    )
+    errors = kernel.html("m", "mk-errors")
+    incident = errors.split('class="mk-incident"')[1]
+    assert "ranks 1-3 of 4" in incident
+    first, second = incident.split("<details")[1:3]
+    assert "root cause" in first and "KeyError" in first and "rank 2" in first
+    assert "ValueError: bad batch — ranks 1, 3" in second and "root cause" not in second
+    assert "line 8" in second  # the traceback points at the cell's line
+    # the next run clears the error state
+    kernel.run("%remote m 1")
+    kernel.wait_for(lambda: kernel.tile_state("m", 1) == "idle", what="error cleared")
+
+
+def test_dead_rank_shows_exit_and_output_then_restart_button(kernel):
+    r = kernel.run(
+        "%%remote m --ranks 2\nimport os, sys\nprint('about to exit', flush=True)\nos._exit(7)"
+    )
+    assert "exit code 7" in r.error_text
+    kernel.wait_for(lambda: kernel.tile_state("m", 2) == "dead", what="dead tile")
+    assert "exit code 7" in kernel.tiles("m")[2]["description"]
+    head = kernel.html("m", "mk-head")
+    assert "<b>3/4</b> alive" in head
+    errors = kernel.html("m", "mk-errors")
+    newest = errors.split('class="mk-incident"')[1]
+    assert "died: exit code 7" in newest and "about to exit" in newest
+    # clicking the tile shows its recent output and last error
+    tile_id = next(c for c, m in kernel.models.items() if m is kernel.tiles("m")[2])
+    kernel.click(tile_id)
+    kernel.wait_for(lambda: "<b>rank 2</b>" in kernel.html("m", "mk-detail"), what="detail")
+    detail = kernel.html("m", "mk-detail")
+    assert "about to exit" in detail and "died: exit code 7" in detail
+    assert "mk-selected" in kernel.tiles("m")[2]["_dom_classes"]
+    comm_id, button = kernel.button("m", "Restart rank 2")
+    assert not button["disabled"]
+    kernel.click(comm_id)
+    kernel.wait_for(
+        lambda: (
+            kernel.tile_state("m", 2) == "idle" and "restarted" in kernel.html("m", "mk-status")
+        ),
+        timeout=30,
+        what="restarted",
+    )
+    assert "<b>4/4</b> alive" in kernel.html("m", "mk-head")
+    assert kernel.button("m", "Restart dead ranks")[1]["disabled"]
+    r = kernel.run("%remote m int(__import__('os').environ['RANK'])")
+    assert "{gpus=2}: 2" in r.text
+
+
+def test_interrupt_button_works_while_a_cell_is_busy(kernel):
+    """With comms over subshells (JupyterLab >= 4.4, ipykernel >= 7) the click is
+    handled while the main shell is blocked in a long %%remote cell."""
+    subshell = kernel.create_subshell()
+    busy = kernel.submit("%%remote m\nimport time\ntime.sleep(60)")
+    kernel.wait_for(lambda: all(kernel.tile_state("m", i) == "busy" for i in range(4)), what="busy")
+    comm_id, _ = kernel.button("m", "Interrupt")
+    t0 = time.monotonic()
+    kernel.click(comm_id, subshell_id=subshell)
+    r = kernel.collect(busy, timeout=15)
+    assert time.monotonic() - t0 < 5
+    assert r.reply["status"] == "error" and "KeyboardInterrupt" in r.error_text
+    kernel.wait_for(lambda: "interrupt sent" in kernel.html("m", "mk-status"), what="status")
+    r = kernel.run("%remote m 'alive'")
+    assert "{gpus=3}: 'alive'" in r.text
+
+
+def test_updates_stay_within_the_throttle(kernel):
+    kernel.pump(0.5)
+    start = time.time()
+    r = kernel.run(
+        "%%remote m --bg\nimport time, monarch_kernel\nt0 = time.time()\ni = 0\n"
+        "while time.time() - t0 < 3:\n"
+        "    monarch_kernel.report(step=i, loss=1.0 / (i + 1)); i += 1\n"
+        "    time.sleep(0.002)\n"
+    )
+    assert "running" in r.text
+    kernel.pump(3.5)
+    stamps: dict[str, list[float]] = {}
+    for comm_id, hist in kernel.history.items():
+        ts = [t for t, _ in hist if t >= start]
+        if len(ts) > 1:
+            stamps[comm_id] = ts
+    assert stamps, "no widget updates during the loop"
+    for comm_id, ts in stamps.items():
+        gaps = [b - a for a, b in zip(ts, ts[1:])]
+        assert min(gaps) >= THROTTLE * 0.8, (kernel.models[comm_id].get("_model_name"), gaps)
+    # the updates come in bursts (one per tick): at most 4 a second
+    all_ts = sorted(t for ts in stamps.values() for t in ts)
+    bursts = [all_ts[0]] + [b for a, b in zip(all_ts, all_ts[1:]) if b - a > 0.1]
+    span = all_ts[-1] - all_ts[0]
+    assert len(bursts) <= span / THROTTLE + 1.5, (len(bursts), span)
+    assert len(bursts) >= 6  # ... and they really were live
+    kernel.run("import time; time.sleep(0.5)")
+
+
+def test_dashboard_again_and_stop_button(kernel):
+    r = kernel.run("%mesh s --gpus 2 --hosts 2")
+    assert "ready" in r.stdout
+    first = r.displays[0]["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+    r = kernel.run("from monarch_kernel.widgets import dashboard\ndashboard(s)")
+    again = r.results[0]["data"]
+    assert again["application/vnd.jupyter.widget-view+json"]["model_id"] == first
+    assert "mk-dash-static" in again["text/html"] and "4/4 alive" in again["text/plain"]
+    # the grid follows the dims: one row per host, one column per gpu
+    assert "hosts=2 × gpus=2" in kernel.html("s", "mk-head")
+    layout = kernel.models[kernel._grid("s")["layout"].removeprefix("IPY_MODEL_")]
+    assert layout["grid_template_columns"].startswith("repeat(2,")
+    assert kernel.tiles("s")[3]["description"].startswith("rank 3 (1,1) · idle")
+    comm_id, _ = kernel.button("s", "Stop mesh")
+    kernel.click(comm_id)
+    kernel.wait_for(lambda: kernel.button("s", "Click again")[1], what="confirm")
+    kernel.click(comm_id)
+    kernel.wait_for(
+        lambda: all(kernel.tile_state("s", i) == "stopped" for i in range(4)), what="stopped"
+    )
+    assert kernel.button("s", "Interrupt")[1]["disabled"]
+    r = kernel.run("%mesh")
+    assert re.search(r"s\s+hosts=2 × gpus=2\s+local\s+0/4\s+stopped", r.text), r.text
+
+
+# -- without a kernel: the model and the charts -----------------------------------------
+
+
+def test_series_keeps_order_and_bounds_memory():
+    from monarch_kernel.widgets.state import SERIES_CAP, Series
+
+    one, batched = Series(), Series()
+    for i in range(SERIES_CAP - 1):
+        one.add(float(i), 1.0 / (i + 1))
+    for start in range(0, SERIES_CAP - 1, 37):
+        xs = [float(i) for i in range(start, min(start + 37, SERIES_CAP - 1))]
+        batched.extend(xs, [1.0 / (x + 1) for x in xs])
+    assert one.xs == batched.xs == [float(i) for i in range(SERIES_CAP - 1)]
+    big = Series()
+    for start in range(0, 100_000, 250):
+        xs = [float(i) for i in range(start, start + 250)]
+        big.extend(xs, xs)
+    assert big.count == 100_000 and big.last == (99_999.0, 99_999.0)
+    assert len(big.xs) < SERIES_CAP and big.xs == sorted(big.xs) and big.xs[0] == 0.0
+    gaps = {b - a for a, b in zip(big.xs, big.xs[1:])}
+    assert len(gaps) <= 2  # evenly thinned (one stride, or two around the last halving)
+    assert big.arrays()[0][-1] == 99_999.0  # the latest point is always drawn
+
+
+def test_many_ranks_chart_as_mean_with_band():
+    from monarch_kernel.widgets import charts
+
+    lines = [(f"r{r}", list(range(100)), [r + x / 10 for x in range(100)]) for r in range(64)]
+    svg = charts.line_chart("loss", lines, chart_id="metric:loss")
+    assert 'data-label="mean of 64"' in svg and 'class="mk-band"' in svg
+    assert svg.count("<polyline") == 1
+    few = charts.line_chart("loss", lines[:4])
+    assert few.count("<polyline") == 4 and "mk-band" not in few
+    assert "waiting for data" in charts.line_chart("loss", [])
+
+
+def test_64_ranks_reporting_every_10ms_in_process():
+    """A 64-rank mesh with real ranks reporting every 10 ms: every report is folded in,
+    in order, updates stay at <= 4/s, and big meshes get compact tiles and band charts."""
+    from monarch_kernel.actor import this_host
+    from monarch_kernel.kernel.remote import RemoteJob
+    from monarch_kernel.widgets import dashboard
+
+    procs = this_host().spawn_procs(per_host={"gpus": 64}, name="big")
+    try:
+        dash = dashboard(procs)
+        steps = 150
+        code = (
+            "import time, monarch_kernel\n"
+            f"for i in range({steps}):\n"
+            "    monarch_kernel.report(step=i, loss=1.0 / (i + 1))\n"
+            "    time.sleep(0.01)\n"
+        )
+        t0 = time.time()
+        RemoteJob(procs, code, "loop", None).start().wait(timeout=60)
+        time.sleep(0.5)
+        dash.update()
+        series = dash.state.metrics["loss"]
+        assert sorted(series) == list(range(64))
+        assert all(s.count == steps and s.last == (steps - 1, 1.0 / steps) for s in series.values())
+        assert all(s.xs == sorted(s.xs) for s in series.values())
+        assert dash.state.dropped == 0
+        stamps = [t for t in dash.flush_times if t >= t0]
+        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+        assert gaps and min(gaps) >= 0.24, gaps
+        assert dash.compact and dash.tiles[5].description.startswith("5 idle")
+        assert 'data-label="mean of 64"' in dash.charts.value
+        assert "<b>64/64</b> alive" in dash.header.value
+    finally:
+        procs.stop()
