@@ -354,7 +354,7 @@ def test_dashboard_again_and_stop_button(kernel):
     r = kernel.run("%mesh s --gpus 2 --hosts 2")
     assert "ready" in r.stdout
     first = r.displays[0]["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
-    r = kernel.run("from monarch_kernel.widgets import dashboard\ndashboard(s)")
+    r = kernel.run("s.dashboard()")
     again = r.results[0]["data"]
     assert again["application/vnd.jupyter.widget-view+json"]["model_id"] == first
     assert "mk-dash-static" in again["text/html"] and "4/4 alive" in again["text/plain"]
@@ -420,7 +420,8 @@ def test_64_ranks_reporting_every_10ms_in_process():
 
     procs = this_host().spawn_procs(per_host={"gpus": 64}, name="big")
     try:
-        dash = dashboard(procs)
+        dash = procs.dashboard()
+        assert dashboard(procs) is dash and dashboard(procs.runtime) is dash
         steps = 150
         code = (
             "import time, monarch_kernel\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from monarch_kernel.actor.actor import Actor, endpoints_of
@@ -18,6 +18,10 @@ from monarch_kernel.wire import Message, SerializationError, dumps, loads
 from monarch_kernel.wire import kinds as K
 
 _mesh_names: dict[str, int] = {}
+
+#: ``hook(procs) -> dashboard widget``, installed by :mod:`monarch_kernel.widgets` (and by
+#: the kernel at start-up): the actor layer never imports the widgets layer itself.
+dashboard_hook: Callable[[ProcMesh], Any] | None = None
 
 
 def _auto_name(prefix: str) -> str:
@@ -211,6 +215,13 @@ class ProcMesh(_MeshView):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def dashboard(self) -> Any:
+        """This mesh's live dashboard (the same widget every time): shown as a cell's
+        last expression, or with ``display(procs.dashboard())``."""
+        if dashboard_hook is None:
+            raise RuntimeError("the dashboard needs ipywidgets: import monarch_kernel.widgets")
+        return dashboard_hook(self)
 
     @property
     def stopped(self) -> bool:

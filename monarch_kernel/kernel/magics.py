@@ -458,8 +458,17 @@ def _show_remote_error(
     return stb
 
 
+def _dashboard(procs: ProcMesh) -> Any:
+    from monarch_kernel.widgets import dashboard  # ipywidgets only when first used
+
+    return dashboard(procs)
+
+
 def load_ipython_extension(ipython: Any) -> None:
     """Register the magics (``%load_ext monarch_kernel``)."""
+    from monarch_kernel.actor import meshes
+
+    meshes.dashboard_hook = meshes.dashboard_hook or _dashboard  # ProcMesh.dashboard()
     magics = MeshMagics(ipython)
     ipython.register_magics(magics)
     ipython.set_custom_exc(REMOTE_ERRORS, _show_remote_error)

@@ -1,13 +1,15 @@
 """The live mesh dashboard (ipywidgets over the kernel's comm channel; no extra server).
 
-``%mesh NAME --gpus 4`` shows it at once, while the ranks start; ``dashboard(NAME)``
-returns it again (as the last expression of a cell, or with ``display(...)``).
+``%mesh NAME --gpus 4`` shows it at once, while the ranks start; ``NAME.dashboard()``
+(or ``dashboard(NAME)``) returns it again: the last expression of a cell, or
+``display(...)``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from monarch_kernel.actor import meshes as _meshes
 from monarch_kernel.widgets.dashboard import UPDATE_INTERVAL, Dashboard
 from monarch_kernel.widgets.state import MeshState
 
@@ -15,7 +17,12 @@ __all__ = ["Dashboard", "MeshState", "UPDATE_INTERVAL", "dashboard", "show", "sp
 
 
 def _runtime_of(mesh: Any) -> Any:
-    return getattr(mesh, "runtime", mesh)
+    """The MeshRuntime behind a ProcMesh, an ActorMesh (``_runtime``) or itself."""
+    for attr in ("runtime", "_runtime"):
+        rt = getattr(mesh, attr, None)
+        if rt is not None:
+            return rt
+    return mesh
 
 
 def dashboard(mesh: Any) -> Dashboard:
@@ -27,6 +34,9 @@ def dashboard(mesh: Any) -> Dashboard:
         dash = Dashboard(rt)
         rt._mk_dashboard = dash
     return dash
+
+
+_meshes.dashboard_hook = dashboard  # ProcMesh.dashboard()
 
 
 def show(mesh: Any) -> Dashboard:
