@@ -33,6 +33,7 @@ from typing import Any
 
 RANKS = int(os.environ.get("MK_DASH_BENCH_RANKS", "64"))
 REPORT_EVERY_S = 0.01
+SETTLE_S = 1.5
 
 PACED = """%%remote bench --bg
 import time, monarch_kernel
@@ -140,10 +141,11 @@ class _Client:
 
 def _phase(client: _Client, template: str, seconds: float, dashboard: bool) -> dict[str, float]:
     if dashboard:
-        client.run(
-            "from monarch_kernel.widgets import show as _show\n_dash = _show(bench)\n"
-            "_f0 = _dash.flushes\n_m0 = _dash.messages\n_c0 = _dash.cpu_seconds"
-        )
+        # A dashboard lives as long as the training it shows: let its first full render
+        # (every widget sent once) pass before measuring.
+        client.run("from monarch_kernel.widgets import show as _show\n_dash = _show(bench)")
+        time.sleep(SETTLE_S)
+        client.run("_f0 = _dash.flushes\n_m0 = _dash.messages\n_c0 = _dash.cpu_seconds")
     client.run("_counted = [0]\nbench.runtime.listeners.append(_count)")
     client.drain()
     cpu0 = client.cpu_seconds()

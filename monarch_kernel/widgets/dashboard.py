@@ -112,6 +112,7 @@ class Dashboard(W.VBox):
         self.columns = render.grid_columns(self.state)
         width, height = (104, 44) if self.compact else (172, 108)
         self.chart_interval = 0.5 if n <= 8 else 1.0
+        self.tile_text_period = max(1.0, n / 32)  # compact tiles: seconds between texts
         tile_layout = W.Layout(width=f"{width}px", height=f"{height}px", margin="0")
         self.tiles: list[W.Button] = []
         for r in range(n):
@@ -329,8 +330,8 @@ class Dashboard(W.VBox):
             self._last_sample = now
             st.sample()
         # Big meshes: a tile's colour follows its state at once, its text (step, last
-        # heard) once a second; that keeps 64 tiles to ~64 messages a second.
-        full = not self.compact or now - self._last_tiles >= 1.0
+        # heard) every second or two; that keeps 64 tiles to ~32 messages a second.
+        full = not self.compact or now - self._last_tiles >= self.tile_text_period
         if full:
             self._last_tiles = now
         marked = {self.selected, self._marked}  # selection moved: both tiles change

@@ -18,12 +18,12 @@ import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import chain, groupby
-from operator import itemgetter
+from itertools import chain
 from typing import Any
 
 #: Events kept between two drains; far more than 64 ranks x 100 reports/s x 0.25 s.
 MAX_QUEUED = 200_000
+MAX_QUEUED_RANK = 20_000  # metric reports of one rank kept between two drains
 #: Points kept per (metric, rank) series before it is thinned (whole run stays visible).
 SERIES_CAP = 400
 MAX_METRICS = 12
@@ -31,8 +31,6 @@ MAX_INCIDENTS = 30
 #: Deaths (outside any request) this close in time are one incident.
 DEATH_MERGE_S = 3.0
 RATE_SAMPLES = 120  # throughput history, one sample a second
-_by_rank = itemgetter("rank")
-_values = itemgetter("values")
 OUTPUT_LINES = 20
 
 
@@ -146,6 +144,7 @@ class MeshState:
     def __init__(self, runtime: Any):
         self.rt = runtime
         self.events: deque[dict[str, Any]] = deque(maxlen=MAX_QUEUED)
+        self._metrics_in: dict[int, deque[dict[str, float]]] = {}
         self.dropped = 0
         self.metrics: dict[str, dict[int, Series]] = {}
         self.metric_version = 0
@@ -182,7 +181,19 @@ class MeshState:
 
     # -- the controller side (any thread, O(1)) --------------------------------------
     def on_event(self, event: dict[str, Any]) -> None:
-        """MeshRuntime listener: queue the event for the next drain."""
+        """MeshRuntime listener: queue the event for the next drain.
+
+        Metrics (the bulk: 64 ranks x 100 reports/s) go straight into a per-rank queue,
+        so that the drain handles them per rank, not per event.
+        """
+        if event["event"] == "metric":
+            queue = self._metrics_in.get(event["rank"])
+            if queue is None:
+                queue = self._metrics_in.setdefault(event["rank"], deque(maxlen=MAX_QUEUED_RANK))
+            if len(queue) == MAX_QUEUED_RANK:
+                self.dropped += 1
+            queue.append(event["values"])
+            return
         events = self.events
         if len(events) == events.maxlen:
             self.dropped += 1
@@ -203,30 +214,25 @@ class MeshState:
 
     # -- the updater side ------------------------------------------------------------
     def drain(self) -> int:
-        """Fold the queued events into the model; returns how many were handled.
-
-        Metric events (the bulk: 64 ranks x 100 reports/s) are grouped per rank and
-        folded in with list operations; the rest go to their handlers one by one.
-        """
-        events = self.events
-        n = len(events)
-        if not n:
-            return 0
-        popleft = events.popleft
-        batch = [popleft() for _ in range(n)]
+        """Fold the queued events into the model; returns how many were handled."""
         now = time.monotonic()
-        metrics = [ev for ev in batch if ev["event"] == "metric"]
-        if len(metrics) != n:
+        n = 0
+        events = self.events
+        if events:
             handlers = self._handlers
-            for ev in batch:
+            popleft = events.popleft
+            for _ in range(len(events)):
+                ev = popleft()
                 handler = handlers.get(ev["event"])
                 if handler is not None:
                     handler(self, ev, now)
-        if metrics:
-            # group by rank keeping arrival order (a stable sort, in C)
-            metrics.sort(key=_by_rank)
-            for rank, group in groupby(metrics, _by_rank):
-                self._fold_metrics(rank, list(map(_values, group)), now)
+                n += 1
+        for rank, queue in list(self._metrics_in.items()):
+            k = len(queue)
+            if k:
+                popleft = queue.popleft
+                self._fold_metrics(rank, [popleft() for _ in range(k)], now)
+                n += k
         return n
 
     def _fold_metrics(self, rank: int, vals: list[dict[str, float]], now: float) -> None:
