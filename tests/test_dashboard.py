@@ -245,6 +245,26 @@ def test_busy_tiles_and_live_metrics_from_a_bg_loop(kernel):
     assert r.text == str([(steps, True)] * 4), r.text + r.error_text
 
 
+def test_busy_tile_names_the_endpoint(kernel):
+    r = kernel.run(
+        "import time\nfrom monarch_kernel.actor import Actor, endpoint\n"
+        "class Sleeper(Actor):\n"
+        "    @endpoint\n"
+        "    def nap(self, s: float) -> float:\n"
+        "        time.sleep(s)\n"
+        "        return s\n"
+        "sleepers = m.spawn('sleepers', Sleeper)\n"
+        "fut = sleepers.slice(gpus=1).nap.call_one(2.0)"
+    )
+    assert not r.errors, r.error_text
+    kernel.wait_for(lambda: kernel.tile_state("m", 1) == "busy", what="busy endpoint")
+    assert "sleepers.nap" in kernel.tiles("m")[1]["description"]
+    assert kernel.tile_state("m", 0) == "idle"
+    assert kernel.run("fut.get()").text == "2.0"
+    kernel.wait_for(lambda: kernel.tile_state("m", 1) == "idle", what="idle again")
+    assert "last: sleepers.nap" in kernel.tiles("m")[1]["description"]
+
+
 def test_errors_are_grouped_root_cause_first(kernel):
     r = kernel.run(
         "%%remote m\nimport os, time\nrank = int(os.environ['RANK'])\n"
