@@ -2,7 +2,8 @@
 
 :meth:`MeshState.on_event` is a :class:`~monarch_kernel.controller.mesh.MeshRuntime`
 listener. It runs on whichever controller thread receives a message and does one thing:
-append the event to a deque (O(1), never blocks, never touches a widget). The dashboard's
+append the event to a deque (a metric's values to its rank's deque), O(1), never blocks,
+never touches a widget. The dashboard's
 updater thread calls :meth:`MeshState.drain` a few times a second; only there are events
 turned into metric series, error incidents and per-rank extras. Everything else a tile
 shows (state, pid, device, outstanding requests ...) is read from ``runtime.ranks`` at
