@@ -205,3 +205,25 @@ def test_restart_kernel_leaves_no_orphans():
         assert not [p for p in before if pid_alive(p)]
     finally:
         k.shutdown()
+
+
+def test_actor_calls_in_cells_do_not_warn(kernel):
+    r = kernel.run(
+        "from monarch_kernel.actor import Actor, endpoint\n"
+        "class Echo(Actor):\n"
+        "    @endpoint\n"
+        "    def echo(self, x):\n"
+        "        return x\n"
+        "echo = m.spawn('echo', Echo)\n"
+        "echo.echo.call(3).get().values()"
+    )
+    assert r.text == "[3, 3, 3, 3]", r.error_text
+    assert r.stderr == "" and not r.errors
+
+
+def test_bg_job_cancel_interrupts_the_ranks(kernel):
+    r = kernel.run("%%remote m --bg\nimport time\ntime.sleep(60)")
+    assert "running" in r.text
+    r = kernel.run("job = _\njob.cancel()\ntry:\n    job.wait(timeout=5)\nexcept Exception as e:\n"
+                   "    err = e\ntype(err).__name__, 'KeyboardInterrupt' in str(err), job.done()")
+    assert r.text == "('RemoteCellError', True, True)", r.error_text

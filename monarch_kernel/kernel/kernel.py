@@ -35,6 +35,7 @@ class MonarchKernel(IPythonKernel):
 
         try:
             LocalLauncher.shared().prewarm(1)
+            import ipywidgets  # noqa: F401 - the first %mesh shows a dashboard
         except Exception:  # pragma: no cover - a cold start still works
             pass
 

@@ -38,15 +38,27 @@ def describe_tensors(frame_locals: dict[str, Any], limit: int = 12) -> list[str]
     return out
 
 
+def _drop_trailing_internal(tb: TracebackType | None) -> list[TracebackType]:
+    """The traceback's entries, without internal frames at its end (e.g. the SIGINT
+    handler that raised KeyboardInterrupt inside the user's code)."""
+    entries = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    while len(entries) > 1 and _is_internal(entries[-1].tb_frame.f_code.co_filename):
+        entries.pop()
+    return entries
+
+
 def exception_report(exc: BaseException, where: str = "") -> dict[str, Any]:
     """A picklable, plain-data description of ``exc`` raised inside a rank."""
     tb = _user_tb(exc.__traceback__) or exc.__traceback__
-    frames = traceback.extract_tb(tb)
-    last = tb
-    while last is not None and last.tb_next is not None:
-        last = last.tb_next
+    entries = _drop_trailing_internal(tb)
+    frames = traceback.StackSummary.extract((e.tb_frame, e.tb_lineno) for e in entries)
+    last = entries[-1] if entries else None
     tensors = describe_tensors(last.tb_frame.f_locals) if last is not None else []
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    text = "Traceback (most recent call last):\n" if frames else ""
+    text += "".join(frames.format()) + "".join(traceback.format_exception_only(type(exc), exc))
     line = None
     for fs in reversed(frames):
         if not _is_internal(fs.filename):
