@@ -283,7 +283,10 @@ class EndpointRef:
         return {"k": K.CALL, "a": self._mesh._name, "m": self._method}
 
     def _payload(self, args: tuple, kwargs: dict) -> tuple[bytes, list[Any]]:
-        return _dump_call((args, kwargs), args, kwargs, self._where)
+        try:
+            return dumps((args, kwargs))
+        except SerializationError:
+            return _dump_call((args, kwargs), args, kwargs, self._where)  # names the culprit
 
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh]:
         """Call every rank; the future gives a ValueMesh (or one grouped ActorError)."""
@@ -342,7 +345,6 @@ class EndpointRef:
 
         def results() -> Iterator[Future[Any]]:
             for _ in ranks:
-                rt.ensure_reader()  # nobody blocks in get() here
                 yield done.get()
 
         return results()
@@ -372,7 +374,7 @@ def _dump_call(obj: Any, args: tuple, kwargs: dict, what: str) -> tuple[bytes, l
 
 def _decode_reply(rank: int, msg: Message, total: int) -> tuple[bool, Any]:
     if msg.header.get("ok"):
-        return True, loads(msg.payload, msg.buffers, f"result from rank {rank}")
+        return True, loads(msg.payload, msg.buffers, lambda: f"result from rank {rank}")
     import pickle
 
     report = pickle.loads(msg.payload)
@@ -397,6 +399,7 @@ def _single(rt: MeshRuntime, rank: int, header: dict, payload: bytes, buffers: l
         buffers,
         lambda r, msg: fut.set_result((r, msg, 1)),
         lambda r, err: fut.set_exception(err),
+        waited=True,
     )
     return fut
 
@@ -446,6 +449,7 @@ def _gather_ranks(
         on_reply,
         lambda r, e: fut.set_exception(e),
         control=control,
+        waited=True,
     )
     return fut
 

@@ -29,19 +29,30 @@ class Future(Generic[T]):
     thread that first asks for the result, never in the thread that receives replies.
     """
 
-    __slots__ = ("_latch", "_done", "_raw", "_error", "_value", "_finish", "_callbacks", "_waiter")
+    __slots__ = (
+        "_lock",
+        "_done",
+        "_raw",
+        "_error",
+        "_value",
+        "_finish",
+        "_callbacks",
+        "_blocked",
+        "_waiter",
+    )
 
     def __init__(self, finish: Callable[[Any], T] | None = None, waiter: Waiter | None = None):
-        # A lock held while pending is the cheapest latch: waiters block on acquire and
-        # pass the release on. Once done it also serialises ``finish``.
-        self._latch = threading.Lock()
-        self._latch.acquire()
+        self._lock = threading.Lock()  # runs ``finish`` once
         self._done = False
         self._raw: Any = None
         self._error: BaseException | None = None
         self._value: Any = _PENDING
         self._finish = finish
         self._callbacks: list[Callable[[Future[T]], None]] | None = None
+        # One held lock per thread blocked in get(), released on completion. (A fresh
+        # lock per wait, as in threading.Condition: a Ctrl-C that lands just after an
+        # acquire can then only leak that waiter's own lock.)
+        self._blocked: list[Any] | None = None
         self._waiter = waiter
 
     # -- completion ----------------------------------------------------------------
@@ -52,7 +63,10 @@ class Future(Generic[T]):
             self._raw, self._error = raw, error
             self._done = True
             callbacks, self._callbacks = self._callbacks, None
-        self._latch.release()
+            blocked, self._blocked = self._blocked, None
+        if blocked:
+            for lock in blocked:
+                lock.release()
         if callbacks:
             for cb in callbacks:
                 cb(self)
@@ -76,11 +90,11 @@ class Future(Generic[T]):
         if not self._done:
             self._wait(timeout)
         if self._value is _PENDING and self._error is None:
-            with self._latch:
+            with self._lock:
                 if self._value is _PENDING and self._error is None:
                     try:
                         self._value = self._finish(self._raw) if self._finish else self._raw
-                    except BaseException as exc:
+                    except Exception as exc:  # a Ctrl-C in here is not the call's result
                         self._error = exc
         if self._error is not None:
             raise self._error
@@ -92,15 +106,20 @@ class Future(Generic[T]):
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._waiter is not None:
             self._waiter(self, timeout)
-        if self._done:
-            return
+        with _state_lock:
+            if self._done:
+                return
+            lock = threading.Lock()
+            lock.acquire()
+            if self._blocked is None:
+                self._blocked = []
+            self._blocked.append(lock)
         left = -1 if deadline is None else max(0.0, deadline - time.monotonic())
-        if not self._latch.acquire(timeout=left):
+        if not lock.acquire(timeout=left):
             raise TimeoutError(
                 f"no result within {timeout}s; the call is still running "
                 "(call .get() again to keep waiting)"
             )
-        self._latch.release()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
@@ -117,8 +136,13 @@ class Future(Generic[T]):
                 if self._callbacks is None:
                     self._callbacks = []
                 self._callbacks.append(fn)
-                return
-        fn(self)
+                pending = True
+            else:
+                pending = False
+        if not pending:
+            fn(self)
+        elif self._waiter is not None:
+            self._waiter(self, 0)  # nobody may block in get(): make sure replies are read
 
     def __await__(self):
         if not self.done():
@@ -129,8 +153,6 @@ class Future(Generic[T]):
                 loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
 
             self.add_done_callback(wake)
-            if self._waiter is not None:
-                self._waiter(self, 0)  # nobody blocks in get(): make sure replies are read
             yield from waiter.__await__()
         return self.get()
 

@@ -53,9 +53,11 @@ FANOUT_MIN_BYTES = 256 * 1024
 #: ... or when at least this many ranks of one host are targeted.
 FANOUT_MIN_RANKS = 8
 TAIL_LINES = 50
-#: After a caller stopped receiving, the I/O thread waits this long before it takes the
-#: receive token back, so that a loop of calls never has to wake it.
-READER_GRACE = 0.005
+#: After a caller stopped receiving (and no reply is owed to anyone), the I/O thread
+#: waits this long before it takes the receive token back, so that a loop of calls
+#: never has to wake it. Only unsolicited messages (streams of fire-and-forget work,
+#: heartbeats) can wait this long.
+READER_GRACE = 0.02
 
 Listener = Callable[[dict[str, Any]], None]
 Sink = Callable[[int, str, str], None]  # (rank, stream name, text)
@@ -82,7 +84,10 @@ class RankInfo:
 
     @property
     def alive(self) -> bool:
-        return self.state not in ("dead", "stopped")
+        return self.state not in _GONE
+
+
+_GONE = frozenset({"dead", "stopped"})
 
 
 @dataclass
@@ -118,6 +123,8 @@ class Pending:
         self.sink = sink
 
 
+_MAIN_THREAD = threading.main_thread().ident
+
 #: Routing ids of the inproc sockets that wake the thread receiving on the recv socket
 #: (a message from them only means "look at your conditions again").
 _WAKE_ID = b"mk-wake"
@@ -125,24 +132,25 @@ _SIGINT_ID = b"mk-sigint"
 
 
 class _DeferSigint:
-    """Hold Ctrl-C back while the main thread receives, and raise it between messages.
+    """Hold Ctrl-C back while the main thread sends or receives; raise it between messages.
 
-    A KeyboardInterrupt raised in the middle of a multipart receive would lose the part
-    just received, and one raised inside a reply handler would leave a request half
-    done. While deferred, a SIGINT only wakes the receive loop (``wake``, a message to
-    the socket it blocks on), which stops at the next message boundary; the previous
-    handler then runs.
+    A KeyboardInterrupt raised in the middle of a multipart send would glue the parts
+    sent so far to the next message (both lost: the rank then waits forever for that
+    sequence number); in the middle of a receive it would lose the part just received,
+    and inside a reply handler it would leave a request half done. While deferred, a
+    SIGINT only calls ``wake`` (for a receive loop: a message to the socket it blocks
+    on), which stops at the next message boundary; the previous handler then runs.
     """
 
     __slots__ = ("_wake", "_previous", "pending")
 
-    def __init__(self, wake: Callable[[], None]):
+    def __init__(self, wake: Callable[[], None] | None = None):
         self._wake = wake
         self._previous: Any = None
         self.pending: tuple[int, Any] | None = None
 
     def __enter__(self) -> _DeferSigint:
-        if threading.current_thread() is threading.main_thread():
+        if threading.get_ident() == _MAIN_THREAD:
             previous = _signal.getsignal(_signal.SIGINT)
             if callable(previous):  # SIG_DFL / SIG_IGN raise nothing in Python
                 _signal.signal(_signal.SIGINT, self._defer)
@@ -151,7 +159,8 @@ class _DeferSigint:
 
     def _defer(self, signum: int, frame: Any) -> None:
         self.pending = (signum, frame)
-        self._wake()
+        if self._wake is not None:
+            self._wake()
 
     def __exit__(self, *exc: Any) -> None:
         previous, self._previous = self._previous, None
@@ -248,7 +257,8 @@ class MeshRuntime:
         self._recv_lock = threading.Lock()
         self._reader: int | None = None  # ident of the thread holding the token
         self._io_cv = threading.Condition()
-        self._want = 0  # callers waiting for the I/O thread to hand the token over
+        self._io_followers: list[Any] = []  # futures whose waiters the I/O thread serves
+        self._posted: deque[tuple[Callable[..., None], tuple]] = deque()  # see _post
         self._io_needed = False  # the last caller left replies owed: I/O thread, take over
         self._last_release = 0.0
         self._running = True
@@ -359,12 +369,12 @@ class MeshRuntime:
             )
         for r in ranks:
             info = self.ranks[r]
-            if not info.alive:
+            if info.state in _GONE:
                 raise RankDiedError(self.death_text(info), info.death)
 
     def send_host(self, host: int, header: dict[str, Any], payload: bytes = b"") -> None:
         frames = self.codec.encode(header, payload)
-        with self._send_lock:
+        with self._send_lock, _DeferSigint():
             try:
                 wire_send(self.send_sock, frames, [f"h{host}".encode()])
             except zmq.ZMQError as exc:
@@ -378,14 +388,14 @@ class MeshRuntime:
         buffers: list[Any] | tuple = (),
     ) -> None:
         """Send one message to ``ranks`` (in order, FIFO per rank)."""
-        size = len(payload) + sum(memoryview(b).nbytes for b in buffers)
-        with self._send_lock:
+        with self._send_lock, _DeferSigint():
             if len(ranks) == 1:
                 r = ranks[0]
                 header["q"] = self.next_seq[r]
                 self.next_seq[r] += 1
                 self._send_frames(r, self.codec.encode(header, payload, buffers))
                 return
+            size = len(payload) + sum(memoryview(b).nbytes for b in buffers)
             by_host: dict[int, list[int]] = {}
             for r in ranks:
                 by_host.setdefault(self.ranks[r].host, []).append(r)
@@ -418,7 +428,7 @@ class MeshRuntime:
     def send_control(self, rank: int, header: dict[str, Any], payload: bytes = b"") -> None:
         """Send to a rank's control thread (served even while its main thread is busy)."""
         frames = self.codec.encode(header, payload)
-        with self._send_lock:
+        with self._send_lock, _DeferSigint():
             try:
                 wire_send(self.send_sock, frames, [b"c%d" % rank])
             except zmq.ZMQError as exc:
@@ -434,8 +444,13 @@ class MeshRuntime:
         on_death: Callable[[int, BaseException], None],
         sink: Sink | None = None,
         control: bool = False,
+        waited: bool = False,
     ) -> str:
-        """Register a request expecting one reply per rank, then send it."""
+        """Register a request expecting one reply per rank, then send it.
+
+        ``waited``: the caller will block in ``wait_for`` (receiving the replies itself);
+        otherwise the I/O thread is asked to receive at once.
+        """
         self.check_alive(ranks)
         rid = new_request_id()
         header["i"] = rid
@@ -450,8 +465,10 @@ class MeshRuntime:
             self.send(ranks, header, payload, buffers)
         # A rank may have died between the check and the send; fail it now if so.
         for r in ranks:
-            if not self.ranks[r].alive:
+            if self.ranks[r].state in _GONE:
                 self._fail_rank_requests(self.ranks[r])
+        if not waited:
+            self.ensure_reader()
         return rid
 
     def signal_ranks(self, ranks: list[int], sig: int) -> None:
@@ -557,7 +574,7 @@ class MeshRuntime:
         if self._reader == threading.get_ident():  # a handler on the receiving thread
             self._receive_until(fut, deadline, None)
             return
-        if not self._take_token(deadline):
+        if not self._take_token(fut):
             return
         try:
             with _DeferSigint(self._wake_from_sigint) as sigint:
@@ -572,31 +589,26 @@ class MeshRuntime:
                 self._io_needed = True
                 self._io_cv.notify()
 
-    def _take_token(self, deadline: float | None) -> bool:
+    def _take_token(self, fut: Any) -> bool:
+        """Take the receive token if it is free; else follow its holder.
+
+        The holder receives our reply too. Taking the token from the I/O thread would
+        cost more wake-ups than it saves on this call, so the I/O thread serves it and
+        hands the token over afterwards (see ``_serve``): the next call finds it free.
+        """
         if self._recv_lock.acquire(blocking=False):
             self._reader = threading.get_ident()
             return True
-        if self._reader != self._io.ident:
-            return False  # another caller receives, our reply included: follow it
-        with self._io_cv:
-            self._want += 1
-        try:
-            self._wake()
-            left = -1 if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._recv_lock.acquire(timeout=left):
-                return False
-        finally:
-            with self._io_cv:
-                self._want -= 1
-        self._reader = threading.get_ident()
-        return True
+        if self._reader == self._io.ident:
+            self._io_followers.append(fut)
+        return False
 
     def _give_token(self) -> None:
         self._reader = None
         with self._io_cv:
             self._last_release = time.monotonic()
             self._recv_lock.release()
-            if self.requests and not self._want:
+            if self.requests:
                 # Replies are still owed to others (followers, awaited futures, --bg
                 # cells): the I/O thread receives them from now on.
                 self._io_needed = True
@@ -630,6 +642,7 @@ class MeshRuntime:
         except zmq.Again:
             return False
         if len(frames) == 2 and frames[0].bytes in (_WAKE_ID, _SIGINT_ID):
+            self._run_posted()
             return True
         try:
             self._on_frames(frames)
@@ -668,10 +681,12 @@ class MeshRuntime:
                 self._reader = me
                 self._io_needed = False
                 try:
-                    self._serve(until_hb)
+                    handed_over = self._serve(until_hb)
                 finally:
                     self._reader = None
                     self._recv_lock.release()
+                if handed_over:
+                    self._last_release = time.monotonic()
                 continue
             with self._io_cv:
                 if idle <= 0:
@@ -681,16 +696,22 @@ class MeshRuntime:
 
     def _callers_idle_wait(self, now: float) -> float:
         """How long to leave the token to callers before the I/O thread takes it."""
-        if self._want or self._reader is not None:
+        if self._reader is not None:
             return READER_GRACE
         return self._last_release + READER_GRACE - now
 
-    def _serve(self, timeout: float) -> None:
-        """Receive (token held) until ``timeout`` passes or a caller asks for the token."""
+    def _serve(self, timeout: float) -> bool:
+        """Receive (token held) until ``timeout`` passes, or until the callers that
+        follow this thread have their replies: True then (hand the token over)."""
         deadline = time.monotonic() + timeout
-        while self._running and not self._want:
+        followers = self._io_followers
+        while self._running:
             if not self._receive_one(deadline):
-                return
+                return False
+            if followers and all(f.done() for f in followers):
+                followers.clear()
+                return True
+        return False
 
     def _heartbeat(self, now: float) -> None:
         if self.state in ("stopping", "stopped"):
@@ -701,16 +722,32 @@ class MeshRuntime:
             self.send_host(host.index, {"k": K.HEARTBEAT})
             code = host.handle.exit_code() if host.handle is not None else None
             if code is not None:
-                self._host_lost(host, f"host agent process exited with code {code}")
+                self._post(self._host_lost, host, f"host agent process exited with code {code}")
             elif host.ready and now - host.last_seen > self.hb_timeout:
-                self._host_lost(host, f"no heartbeat for {now - host.last_seen:.1f}s")
+                self._post(self._host_lost, host, f"no heartbeat for {now - host.last_seen:.1f}s")
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the thread that holds the receive token, so that what
+        fails requests never races with the handling of their replies."""
+        self._posted.append((fn, args))
+        self._wake()
+        self.ensure_reader()
+
+    def _run_posted(self) -> None:
+        while self._posted:
+            fn, args = self._posted.popleft()
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("mesh %s: error in %s", self.name, getattr(fn, "__name__", fn))
 
     def _host_lost(self, host: HostInfo, why: str) -> None:
+        if host.lost:
+            return
         host.lost = why
         for info in self.ranks:
             if info.host == host.index and info.alive:
                 self._rank_died(info, {"reason": f"host agent {host.index} lost: {why}"})
-        self._wake()  # a caller receiving in another thread: its future may be done
         with self._cv:
             self._cv.notify_all()
 
@@ -733,7 +770,7 @@ class MeshRuntime:
                 return
             pending.waiting.discard(rank)
             if not pending.waiting:
-                del self.requests[rid]
+                self.requests.pop(rid, None)
             pending.on_reply(rank, msg)
         elif kind == K.STREAM:
             text = bytes(msg.payload).decode("utf-8", "replace")
@@ -801,7 +838,7 @@ class MeshRuntime:
         deadline = time.monotonic() + timeout
         for ident in identities:
             while True:
-                with self._send_lock:
+                with self._send_lock, _DeferSigint():
                     try:
                         self.send_sock.send_multipart([ident, *frames])
                         break

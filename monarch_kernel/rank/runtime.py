@@ -36,8 +36,12 @@ from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.osutil import die_with_parent
+from monarch_kernel.wire.serialize import What
 
 log = logging.getLogger("monarch_kernel.rank")
+
+#: Result types that skip the (slower) awaitable check.
+_NOT_AWAITABLE = frozenset({int, float, str, bytes, bool, type(None), list, dict, tuple})
 
 
 class Rank:
@@ -93,11 +97,11 @@ class Rank:
         header = {"k": K.METRIC, "r": self.rank, "i": context.current_request}
         self.send(header, pickle.dumps(clean))
 
-    def reply(self, request: str, value: Any, what: str) -> None:
+    def reply(self, request: str, value: Any, what: What) -> None:
         try:
             payload, buffers = dumps(value, what)
         except SerializationError as exc:
-            self.reply_error(request, exc, what)
+            self.reply_error(request, exc, what if isinstance(what, str) else what())
             return
         self.send({"k": K.RESULT, "i": request, "r": self.rank, "ok": 1}, payload, buffers)
 
@@ -239,7 +243,7 @@ class Rank:
         self.in_user_code = True
         try:
             result = fn(*args, **kwargs)
-            if inspect.isawaitable(result):
+            if result.__class__ not in _NOT_AWAITABLE and inspect.isawaitable(result):
                 if self.loop is None:
                     self.loop = asyncio.new_event_loop()
                 result = self.loop.run_until_complete(result)
@@ -263,17 +267,20 @@ class Rank:
         h = msg.header
         name, method = h["a"], h["m"]
         actor = self.actors.get(name)
-        where = f"{type(actor).__name__}.{method}" if actor is not None else f"{name}.{method}"
+
+        def where() -> str:  # only errors need it: not formatted on the hot path
+            return f"{type(actor).__name__ if actor is not None else name}.{method}"
+
         try:
             if actor is None:
                 raise LookupError(f"no actor {name!r} on rank {self.rank} (was it stopped?)")
-            args, kwargs = loads(msg.payload, msg.buffers, f"arguments of {where}")
+            args, kwargs = loads(msg.payload, msg.buffers, lambda: f"arguments of {where()}")
             result = self.run_user(getattr(actor, method), *args, **kwargs)
         except (Exception, KeyboardInterrupt) as exc:  # to the caller; SystemExit ends the rank
-            self.reply_error(request, exc, where)
+            self.reply_error(request, exc, where())
             return
         if request:
-            self.reply(request, result, f"result of {where} on rank {self.rank}")
+            self.reply(request, result, lambda: f"result of {where()} on rank {self.rank}")
 
     # -- control thread --------------------------------------------------------------
     def _control_loop(self) -> None:

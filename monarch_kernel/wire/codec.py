@@ -2,8 +2,11 @@
 
 A message on the wire is ``[header, signature, payload, *buffers]``:
 
-* ``header``: compact JSON (kind, request id, sender, targets, buffer sizes ...);
-* ``signature``: HMAC-SHA256 over header and payload with the mesh's random key;
+* ``header``: a dict (kind, request id, sender, targets, buffer sizes ...) of plain
+  values in :mod:`marshal` format 4 (stable across Python 3 versions, and several times
+  cheaper than JSON both ways; it is parsed only once the signature verified);
+* ``signature``: HMAC-SHA256 over the header's length, header and payload with the
+  mesh's random key (the length keeps bytes from moving between header and payload);
 * ``payload``: a pickle (see :mod:`monarch_kernel.wire.serialize`);
 * ``buffers``: out-of-band pickle-5 buffers (tensor and array data), sent zero-copy.
 
@@ -15,18 +18,22 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
+import marshal
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 from zmq.backend import Socket as _BaseSocket
 
+try:  # the C HMAC object behind hmac.HMAC: copy/update/digest without Python frames
+    from _hashlib import hmac_new as _hmac_new
+except ImportError:  # pragma: no cover - Python built without OpenSSL
+    _hmac_new = None
+
 log = logging.getLogger("monarch_kernel.wire")
 
-_dump_header = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
-_parse_header = json.JSONDecoder().raw_decode
+MARSHAL_VERSION = 4
 
 # The backend's send/recv, without the sugar layer's per-call type checks and enum
 # arithmetic (several microseconds per message on the hot path).
@@ -72,13 +79,17 @@ class Codec:
     def __init__(self, key: bytes):
         if not key:
             raise ValueError("a mesh signing key must not be empty")
-        self._mac = hmac.new(key, digestmod=hashlib.sha256)
+        if _hmac_new is not None:
+            self._mac = _hmac_new(key, digestmod="sha256")
+        else:  # pragma: no cover
+            self._mac = hmac.new(key, digestmod=hashlib.sha256)
         self.rejected = 0
         self.bytes_out = 0
         self.bytes_in = 0
 
     def _sign(self, header: bytes, payload: bytes | memoryview) -> bytes:
         mac = self._mac.copy()
+        mac.update(len(header).to_bytes(4, "little"))
         mac.update(header)
         mac.update(payload)
         return mac.digest()
@@ -91,7 +102,7 @@ class Codec:
         if buffers:
             header["b"] = sizes = [memoryview(b).nbytes for b in buffers]
             size += sum(sizes)
-        hb = _dump_header(header).encode()
+        hb = marshal.dumps(header, MARSHAL_VERSION)
         self.bytes_out += len(hb) + size
         return [hb, self._sign(hb, payload), payload, *buffers]
 
@@ -100,31 +111,42 @@ class Codec:
         if len(frames) < 3:
             self.rejected += 1
             raise WireError(f"malformed message: {len(frames)} frames, expected at least 3")
-        hb = _as_bytes(frames[0])
-        payload = frames[2]
+        hb, sig, payload = frames[0], frames[1], frames[2]
+        if hb.__class__ is not bytes:
+            hb, sig = _as_bytes(hb), _as_bytes(sig)
         if payload.__class__ is not bytes:
-            payload = _as_buffer(payload)  # zero-copy view of a zmq Frame
-        if not hmac.compare_digest(self._sign(hb, payload), _as_bytes(frames[1])):
+            payload = _payload_of(payload)
+        if not hmac.compare_digest(self._sign(hb, payload), sig):
             self.rejected += 1
             raise WireError("message signature does not verify (forged or wrong mesh key)")
         try:
             header = _load_header(hb)
-            buffers = [_as_buffer(f) for f in frames[3:]] if len(frames) > 3 else []
-            sizes = header.get("b") or []
-            if len(sizes) != len(buffers) or any(s != b.nbytes for s, b in zip(sizes, buffers)):
-                raise ValueError("buffer frames do not match the sizes in the header")
+            sizes = header.get("b")
+            buffers = _check_buffers(sizes, frames[3:]) if sizes or len(frames) > 3 else []
         except (ValueError, TypeError) as exc:
             self.rejected += 1
             raise WireError(f"malformed message: {exc}") from None
-        self.bytes_in += len(hb) + len(payload) + sum(sizes)
+        self.bytes_in += len(hb) + len(payload) + (sum(sizes) if buffers else 0)
         return Message(header, payload, buffers)
 
 
+def _check_buffers(sizes: Any, frames: list[Any]) -> list[memoryview]:
+    buffers = [_as_buffer(f) for f in frames]
+    sizes = sizes or []
+    if len(sizes) != len(buffers) or any(s != b.nbytes for s, b in zip(sizes, buffers)):
+        raise ValueError("buffer frames do not match the sizes in the header")
+    return buffers
+
+
 def _load_header(hb: bytes) -> dict[str, Any]:
-    text = hb.decode()
-    header, end = _parse_header(text)
-    if end != len(text) or type(header) is not dict or "k" not in header:
-        raise ValueError("header is not a JSON object with a kind")
+    # Only ever called on a header whose signature verified: marshal is not meant for
+    # data from untrusted sources.
+    try:
+        header = marshal.loads(hb)
+    except EOFError:
+        raise ValueError("truncated header") from None
+    if type(header) is not dict or "k" not in header:
+        raise ValueError("header is not a dict with a kind")
     return header
 
 
@@ -134,6 +156,20 @@ def _as_bytes(frame: Any) -> bytes:
     if isinstance(frame, (bytearray, memoryview)):
         return bytes(frame)
     return frame.bytes  # zmq.Frame
+
+
+def _payload_of(frame: Any) -> bytes | memoryview:
+    """A zero-copy view of a large zmq Frame; a copy of a small one.
+
+    A small copy costs less than the view, and lets the Frame go at once: pyzmq runs
+    pending signal handlers when a Frame is freed and drops what they raise, so a Frame
+    freed later in user code could swallow a Ctrl-C.
+    """
+    if isinstance(frame, (bytearray, memoryview)):
+        return frame
+    if len(frame) < ZERO_COPY_THRESHOLD:
+        return frame.bytes
+    return _as_buffer(frame)
 
 
 def _as_buffer(frame: Any) -> memoryview:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -26,6 +27,15 @@ _PLAIN_MAX_ITEMS = 16
 
 class SerializationError(TypeError):
     """A value could not be pickled or unpickled; the message says which one and why."""
+
+
+#: What a value is, for error messages: a string, or a function that makes one (so that
+#: the hot path does not format strings that only an error needs).
+What = str | Callable[[], str]
+
+
+def _describe(what: What) -> str:
+    return what if isinstance(what, str) else what()
 
 
 def _rebuild_tensor(data: Any, dtype_name: str, shape: tuple, cuda: bool, requires_grad: bool):
@@ -98,7 +108,7 @@ def _is_plain(obj: Any) -> bool:
     return False
 
 
-def dumps(obj: Any, what: str = "value") -> tuple[bytes, list[pickle.PickleBuffer]]:
+def dumps(obj: Any, what: What = "value") -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickle ``obj``; returns ``(payload, out_of_band_buffers)``.
 
     ``what`` names the value in the error message (``"argument 'x' of Counter.incr"``).
@@ -122,18 +132,18 @@ def dumps(obj: Any, what: str = "value") -> tuple[bytes, list[pickle.PickleBuffe
         _Pickler(f, protocol=PROTOCOL, buffer_callback=_keep_out_of_band).dump(obj)
     except Exception as exc:
         raise SerializationError(
-            f"{what} cannot be pickled ({type(obj).__name__}): {exc}. "
+            f"{_describe(what)} cannot be pickled ({type(obj).__name__}): {exc}. "
             "Send plain data, tensors or picklable objects instead."
         ) from exc
     return f.getvalue(), buffers
 
 
-def loads(payload: bytes | memoryview, buffers: list[Any] = (), what: str = "value") -> Any:
+def loads(payload: bytes | memoryview, buffers: list[Any] = (), what: What = "value") -> Any:
     """Unpickle a payload with its out-of-band buffers (zero-copy where possible)."""
     try:
         return pickle.loads(payload, buffers=buffers)
     except Exception as exc:
-        raise SerializationError(f"{what} cannot be unpickled here: {exc!r}") from exc
+        raise SerializationError(f"{_describe(what)} cannot be unpickled here: {exc!r}") from exc
 
 
 def find_unpicklable(values: dict[str, Any], what: str) -> None:
