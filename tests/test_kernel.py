@@ -227,3 +227,16 @@ def test_bg_job_cancel_interrupts_the_ranks(kernel):
     r = kernel.run("job = _\njob.cancel()\ntry:\n    job.wait(timeout=5)\nexcept Exception as e:\n"
                    "    err = e\ntype(err).__name__, 'KeyboardInterrupt' in str(err), job.done()")
     assert r.text == "('RemoteCellError', True, True)", r.error_text
+
+
+def test_cancel_of_a_queued_cell_skips_it(kernel):
+    kernel.run("%%remote m --bg -o first_out\nimport time\ntime.sleep(0.8)\n'first'")
+    kernel.run("first = _")
+    kernel.run("%%remote m --bg\nran_second = True")
+    r = kernel.run(
+        "second = _\nsecond.cancel()\ntry:\n    second.wait(timeout=10)\nexcept Exception as e:\n"
+        "    err = str(e)\nfirst.wait(timeout=10).values()[0], 'cancelled before it started' in err"
+    )
+    assert r.text == "('first', True)", r.error_text
+    r = kernel.run("%remote m 'ran_second' in globals()")
+    assert "{gpus=0}: False" in r.text

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +55,7 @@ class RemoteJob:
         self.header = header or []
         self.started = time.time()
         self.finished: float | None = None
+        self.request_id: str | None = None
         self._replies: dict[int, Message] = {}
         self._lock = threading.Lock()
         self.future: Future[ValueMesh] = Future(self._finish)
@@ -63,7 +63,7 @@ class RemoteJob:
     def start(self) -> RemoteJob:
         spec = {"code": self.code, "cell": self.cell, "header": self.header}
         payload, buffers = dumps(spec, "cell")
-        self.procs.runtime.request(
+        self.request_id = self.procs.runtime.request(
             self.ranks,
             {"k": K.EXEC},
             payload,
@@ -154,8 +154,8 @@ class RemoteJob:
         rt = self.procs.runtime
         with self._lock:
             running = [r for r in self.ranks if r not in self._replies and rt.ranks[r].alive]
-        if running:
-            rt.signal_ranks(running, signal.SIGINT)
+        for r in running:  # interrupts it if running, skips it if not started yet
+            rt.send_control(r, {"k": K.CANCEL, "c": self.request_id})
 
     @property
     def state(self) -> str:

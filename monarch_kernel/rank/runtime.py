@@ -64,6 +64,7 @@ class Rank:
         self.next_seq = 0
         self.held: dict[int, Message] = {}
         self.in_user_code = False
+        self.cancelled: set[str] = set()  # requests cancelled before or while they ran
         self.loop: asyncio.AbstractEventLoop | None = None
         self.parent = os.getppid()
         labels, sizes = cfg["labels"], cfg["sizes"]
@@ -217,6 +218,10 @@ class Rank:
         if kind == K.HELLO:
             return
         request = h.get("i") if h.get("w") else None
+        if request is not None and request in self.cancelled:
+            self.cancelled.discard(request)
+            self.reply_error(request, KeyboardInterrupt("cancelled before it started"), kind)
+            return
         context.current_request = h.get("i")
         try:
             if kind == K.CALL:
@@ -236,12 +241,16 @@ class Rank:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+            if self.cancelled:
+                self.cancelled.discard(context.current_request)
             context.current_request = None
 
     def run_user(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Call user code with interrupts enabled; await it if it is a coroutine."""
         self.in_user_code = True
         try:
+            if self.cancelled and context.current_request in self.cancelled:
+                raise KeyboardInterrupt("cancelled")
             result = fn(*args, **kwargs)
             if result.__class__ not in _NOT_AWAITABLE and inspect.isawaitable(result):
                 if self.loop is None:
@@ -286,10 +295,14 @@ class Rank:
     def _control_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
+        next_stats = 0.0
         while True:
             if os.getppid() != self.parent:  # our host agent is gone
                 os._exit(3)
-            if not poller.poll(1000):
+            if time.monotonic() >= next_stats:
+                next_stats = time.monotonic() + STATS_INTERVAL
+                self._send_stats()
+            if not poller.poll(STATS_INTERVAL * 1000):
                 continue
             try:
                 msg = self.codec.decode(wire_recv(self.ctl))
@@ -301,9 +314,29 @@ class Rank:
             except Exception as exc:  # noqa: BLE001
                 self.reply_error(msg.header.get("i"), exc, msg.kind)
 
+    def _send_stats(self) -> None:
+        from monarch_kernel.rank.dataplane import counters
+
+        stats: dict[str, Any] = {"rss": _rss(), "time": time.time(), **counters()}
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            stats["gpu_mem"] = torch.cuda.memory_allocated()
+        try:
+            self.send({"k": K.STATS, "r": self.rank}, pickle.dumps(stats))
+        except zmq.ZMQError:
+            pass
+
     def _control(self, msg: Message) -> None:
         h = msg.header
         if msg.kind == K.HELLO:
+            return
+        if msg.kind == K.CANCEL:
+            target = h["c"]
+            self.cancelled.add(target)  # skipped if it has not started yet
+            if len(self.cancelled) > 1000:  # cancels of requests that never came
+                self.cancelled.pop()
+            if context.current_request == target and self.in_user_code:
+                os.kill(os.getpid(), signal.SIGINT)  # raises in the main thread
             return
         if msg.kind == K.PUSH:
             values = loads(msg.payload, msg.buffers, "pushed values")
@@ -318,6 +351,18 @@ class Rank:
             self.reply(h["i"], values, f"pulled {', '.join(names)} on rank {self.rank}")
         elif msg.kind == K.PING:
             self.reply(h["i"], {"pid": os.getpid(), "rejected": self.codec.rejected}, "ping")
+
+
+STATS_INTERVAL = 1.0
+
+
+def _rss() -> int:
+    """Resident memory of this process in bytes (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def run_forked(cfg: dict[str, Any], template_pid: int) -> None:

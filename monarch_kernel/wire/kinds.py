@@ -29,6 +29,7 @@ STOP_ACTOR = "stop_actor"
 PUSH = "push"
 PULL = "pull"
 PING = "ping"
+CANCEL = "cancel"  # header "c": the request to interrupt (running) or skip (not started)
 
 # rank -> controller
 READY = "ready"
@@ -36,3 +37,4 @@ RESULT = "res"
 STREAM = "out"
 METRIC = "metric"
 FAULT = "fault"
+STATS = "stats"  # once a second from each rank: memory and data-plane byte counters
