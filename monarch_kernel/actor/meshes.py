@@ -240,6 +240,7 @@ class ActorMesh(_MeshView):
         self._name = name
         self._class = actor_class
         self._shape = shape
+        self._ranks = shape.ranks()  # shapes never change: computed once, never mutated
         self._endpoints = endpoints_of(actor_class)
 
     @property
@@ -255,7 +256,8 @@ class ActorMesh(_MeshView):
                 f"{self._class.__name__} has no endpoint {attr!r} (endpoints: {eps}); "
                 "mark methods with @endpoint"
             )
-        return EndpointRef(self, attr)
+        ref = self.__dict__[attr] = EndpointRef(self, attr)  # later lookups skip this
+        return ref
 
     def slice(self, **dims: Any) -> ActorMesh:
         return ActorMesh(self._procs, self._name, self._class, self._sliced_shape(dims))
@@ -291,21 +293,22 @@ class EndpointRef:
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh]:
         """Call every rank; the future gives a ValueMesh (or one grouped ActorError)."""
         payload, buffers = self._payload(args, kwargs)
-        return _gather(self._mesh._runtime, self._mesh._shape, self._header(), payload, buffers)
+        mesh = self._mesh
+        return _gather_ranks(
+            mesh._runtime, mesh._ranks, self._header(), payload, buffers, mesh._shape
+        )
 
     def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """Call the single rank of a one-point mesh; the future gives its value."""
-        n = len(self._mesh._shape)
-        if n != 1:
+        ranks = self._mesh._ranks
+        if len(ranks) != 1:
             raise ValueError(
-                f"call_one() needs a mesh of exactly one rank, but {self._where} is on {n} "
-                f"ranks ({self._mesh._shape.describe()}); slice it first, e.g. "
+                f"call_one() needs a mesh of exactly one rank, but {self._where} is on "
+                f"{len(ranks)} ranks ({self._mesh._shape.describe()}); slice it first, e.g. "
                 f".slice({self._mesh._shape.labels[-1]}=0), or use call()"
             )
         payload, buffers = self._payload(args, kwargs)
-        return _single(
-            self._mesh._runtime, self._mesh._shape.ranks()[0], self._header(), payload, buffers
-        )
+        return _single(self._mesh._runtime, ranks[0], self._header(), payload, buffers)
 
     def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """Call one rank, the least busy live one."""

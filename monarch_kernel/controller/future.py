@@ -26,7 +26,7 @@ class Future(Generic[T]):
 
     ``finish`` (optional) turns the raw completion value into the user-visible result
     (unpickling, building a ValueMesh, raising a grouped error); it runs once, in the
-    thread that first asks for the result, never in the thread that receives replies.
+    thread that first asks for the result, never while replies are being handled.
     """
 
     __slots__ = (

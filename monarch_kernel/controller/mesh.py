@@ -562,10 +562,10 @@ class MeshRuntime:
     def wait_for(self, fut: Any, timeout: float | None) -> None:
         """Receive in this thread until ``fut`` is done or ``timeout`` passes.
 
-        Used by ``Future.get``: the caller takes the receive token (from the I/O thread
-        if need be) and handles whatever arrives, its own replies included. If another
-        caller holds the token this returns at once and the future's latch is waited
-        on instead. ``timeout=0`` only makes sure that some thread receives.
+        Used by ``Future.get``: if the receive token is free, the caller takes it and
+        handles whatever arrives, its own replies included. Otherwise this returns at
+        once and the future is waited on: the token's holder completes it.
+        ``timeout=0`` only makes sure that some thread receives.
         """
         if timeout == 0:
             self.ensure_reader()
@@ -596,16 +596,22 @@ class MeshRuntime:
         cost more wake-ups than it saves on this call, so the I/O thread serves it and
         hands the token over afterwards (see ``_serve``): the next call finds it free.
         """
-        if self._recv_lock.acquire(blocking=False):
-            self._reader = threading.get_ident()
-            return True
-        if self._reader == self._io.ident:
-            self._io_followers.append(fut)
-        return False
+        while True:
+            if self._recv_lock.acquire(blocking=False):
+                self._reader = threading.get_ident()
+                return True
+            with self._io_cv:  # atomic with the I/O thread's hand-over (_hand_over)
+                if self._reader == self._io.ident:
+                    self._io_followers.append(fut)
+                    return False
+                if self._reader is not None:
+                    return False  # a caller receives: it (or the I/O thread after it) serves us
+            # Released in between, or taken and not yet named: let its holder run, retry.
+            time.sleep(0)
 
     def _give_token(self) -> None:
-        self._reader = None
         with self._io_cv:
+            self._reader = None
             self._last_release = time.monotonic()
             self._recv_lock.release()
             if self.requests:
@@ -680,38 +686,56 @@ class MeshRuntime:
             if idle <= 0 and self._recv_lock.acquire(blocking=False):
                 self._reader = me
                 self._io_needed = False
+                handed_over = False
                 try:
                     handed_over = self._serve(until_hb)
                 finally:
-                    self._reader = None
-                    self._recv_lock.release()
-                if handed_over:
-                    self._last_release = time.monotonic()
+                    if not handed_over:
+                        self._reader = None
+                        self._recv_lock.release()
                 continue
             with self._io_cv:
-                if idle <= 0:
-                    self._io_needed = False  # a caller holds the token; it hands it on
-                if not self._io_needed and self._running:
-                    self._io_cv.wait(min(until_hb, idle if idle > 0 else READER_GRACE))
+                # A caller holds the token: it notifies us when it leaves replies owed.
+                busy = self._recv_lock.locked()
+                if busy:
+                    wait = READER_GRACE
+                elif idle > 0 and not self._io_needed:
+                    wait = idle  # callers may come back for the token
+                else:
+                    continue  # take the token now
+                if self._running:
+                    self._io_cv.wait(min(until_hb, wait))
 
     def _callers_idle_wait(self, now: float) -> float:
         """How long to leave the token to callers before the I/O thread takes it."""
         if self._reader is not None:
             return READER_GRACE
+        if self._io_followers:
+            return 0.0  # callers wait for this thread to receive their replies
         return self._last_release + READER_GRACE - now
 
     def _serve(self, timeout: float) -> bool:
-        """Receive (token held) until ``timeout`` passes, or until the callers that
-        follow this thread have their replies: True then (hand the token over)."""
+        """Receive (token held) until ``timeout`` passes (False), or until the callers
+        that follow this thread have their replies (True: the token was handed over)."""
         deadline = time.monotonic() + timeout
-        followers = self._io_followers
         while self._running:
             if not self._receive_one(deadline):
                 return False
-            if followers and all(f.done() for f in followers):
-                followers.clear()
+            if self._io_followers and self._hand_over():
                 return True
         return False
+
+    def _hand_over(self) -> bool:
+        """Release the token if every follower has its reply, so the next call finds
+        it free; atomic with followers registering (see ``_take_token``)."""
+        with self._io_cv:
+            if not all(f.done() for f in self._io_followers):
+                return False
+            self._io_followers.clear()
+            self._reader = None
+            self._last_release = time.monotonic()
+            self._recv_lock.release()
+            return True
 
     def _heartbeat(self, now: float) -> None:
         if self.state in ("stopping", "stopped"):
