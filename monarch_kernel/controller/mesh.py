@@ -81,6 +81,9 @@ class RankInfo:
     partial: dict[str, str] = field(default_factory=dict)
     outstanding: int = 0
     last_seen: float = 0.0
+    #: Latest once-a-second report from the rank: rss, gpu_mem (with CUDA), data-plane
+    #: bytes_in/bytes_out, time.
+    stats: dict[str, Any] = field(default_factory=dict)
 
     @property
     def alive(self) -> bool:
@@ -811,6 +814,14 @@ class MeshRuntime:
                     "time": time.time(),
                 }
             )
+        elif kind == K.STATS:
+            import pickle
+
+            stats = pickle.loads(msg.payload)
+            info = self.ranks[h["r"]]
+            info.stats = stats
+            info.last_seen = time.monotonic()
+            self._emit({"event": "stats", "rank": h["r"], "stats": stats, "time": time.time()})
         elif kind == K.READY:
             info = self.ranks[h["r"]]
             self._probe([b"r%d" % info.rank, b"c%d" % info.rank])
