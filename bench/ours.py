@@ -1,6 +1,6 @@
 """monarch_kernel: the actor API (``from monarch_kernel.actor import ...``), local backend.
 
-Settings: defaults (local launcher, loopback tcp, HMAC-signed messages). Ranks are forked
+Settings: defaults (local launcher, unix sockets in a private directory, HMAC-signed messages). Ranks are forked
 from the host agent's warm template, which imports torch once.
 """
 
