@@ -258,7 +258,10 @@ def test_busy_tile_names_the_endpoint(kernel):
     )
     assert not r.errors, r.error_text
     kernel.wait_for(lambda: kernel.tile_state("m", 1) == "busy", what="busy endpoint")
-    assert "sleepers.nap" in kernel.tiles("m")[1]["description"]
+    # state and text may reach the frontend in different throttled updates
+    kernel.wait_for(
+        lambda: "sleepers.nap" in kernel.tiles("m")[1]["description"], what="endpoint name"
+    )
     assert kernel.tile_state("m", 0) == "idle"
     assert kernel.run("fut.get()").text == "2.0"
     kernel.wait_for(lambda: kernel.tile_state("m", 1) == "idle", what="idle again")
