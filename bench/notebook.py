@@ -35,6 +35,25 @@ class _Client:
         self.km.shutdown_kernel(now=False)
 
 
+def _print_delays(k: _Client, magic: str, prints: int) -> list[float]:
+    """Seconds from a rank's ``print`` (timestamped) to its arrival at the client."""
+    delays: list[float] = []
+
+    def on_iopub(m: dict) -> None:
+        if m["msg_type"] == "stream":
+            now = time.time()
+            for line in m["content"]["text"].splitlines():
+                if "@" in line:
+                    delays.append(now - float(line.rsplit("@", 1)[1]))
+
+    k.run(
+        f"{magic}\nimport time\nfor i in range({prints}):\n"
+        "    print(f'tick @{time.time()!r}', flush=True)\n    time.sleep(0.005)",
+        on_iopub,
+    )
+    return delays
+
+
 def ours(s: Settings, rec: Recorder) -> None:
     from monarch_kernel.kernel.install import install
 
@@ -49,20 +68,7 @@ def ours(s: Settings, rec: Recorder) -> None:
         rec.value("remote_4", median(xs))
         xs = sample(lambda: k.run("%%remote b --ranks 0\npass"), iters, 10, s.loop_budget_s)
         rec.value("remote_1", median(xs))
-        delays: list[float] = []
-
-        def on_iopub(m):
-            if m["msg_type"] == "stream" and "@" in m["content"]["text"]:
-                now = time.time()
-                for line in m["content"]["text"].splitlines():
-                    if "@" in line:
-                        delays.append(now - float(line.rsplit("@", 1)[1]))
-
-        k.run(
-            f"%%remote b --ranks 0\nimport time\nfor i in range({PRINTS}):\n"
-            "    print(f'tick @{time.time()!r}', flush=True)\n    time.sleep(0.005)",
-            on_iopub,
-        )
+        delays = _print_delays(k, "%%remote b --ranks 0", PRINTS)
         rec.value("print_delay", median(delays[10:]))
         k.run("%mesh stop b")
     finally:
@@ -83,20 +89,7 @@ def ipp(s: Settings, rec: Recorder) -> None:
         rec.value("remote_4", median(xs))
         xs = sample(lambda: k.run("%%px --targets 0\npass"), iters, 5, s.loop_budget_s)
         rec.value("remote_1", median(xs))
-        delays: list[float] = []
-
-        def on_iopub(m):
-            if m["msg_type"] == "stream":
-                now = time.time()
-                for line in m["content"]["text"].splitlines():
-                    if "@" in line:
-                        delays.append(now - float(line.rsplit("@", 1)[1]))
-
-        k.run(
-            f"%%px --targets 0 --stream\nimport time\nfor i in range({PRINTS // 2}):\n"
-            "    print(f'tick @{time.time()!r}', flush=True)\n    time.sleep(0.005)",
-            on_iopub,
-        )
+        delays = _print_delays(k, "%%px --targets 0 --stream", PRINTS // 2)
         rec.value("print_delay", median(delays[5:]))
         k.run("cluster.stop_cluster_sync()", timeout=60)
     finally:

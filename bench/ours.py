@@ -1,7 +1,7 @@
 """monarch_kernel: the actor API (``from monarch_kernel.actor import ...``), local backend.
 
-Settings: defaults (local launcher, unix sockets in a private directory, HMAC-signed messages). Ranks are forked
-from the host agent's warm template, which imports torch once.
+Settings: defaults (local launcher, unix sockets in a private directory, HMAC-signed
+messages). Ranks are forked from the host agent's warm template, which imports torch once.
 """
 
 from __future__ import annotations

@@ -96,3 +96,15 @@ class Kernel:
     def shutdown(self) -> None:
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=False)
+
+    def shutdown_and_check(self, timeout: float = 10.0) -> None:
+        """Shut down; fail if the kernel or anything it started is still alive after."""
+        from conftest import pid_alive
+
+        pids = self.pids()
+        self.shutdown()
+        deadline = time.monotonic() + timeout
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [p for p in pids if pid_alive(p)]
+        assert not left, f"kernel shutdown left processes behind: {left}"

@@ -14,7 +14,6 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
-from conftest import pid_alive
 from kernel_client import Kernel
 
 THROTTLE = 0.25  # the dashboard's update interval (seconds)
@@ -157,12 +156,7 @@ def kernel():
     assert "ready" in r.stdout, r.stderr + r.error_text
     k.first = r
     yield k
-    pids = k.pids()
-    k.shutdown()
-    deadline = time.monotonic() + 10
-    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in pids if pid_alive(p)], "kernel shutdown left processes behind"
+    k.shutdown_and_check()
 
 
 def test_mesh_displays_the_dashboard_while_ranks_start(kernel):

@@ -15,12 +15,7 @@ def kernel():
     r = k.run("%mesh m --gpus 4")
     assert "ready" in r.stdout, r.stderr + r.error_text
     yield k
-    pids = k.pids()
-    k.shutdown()
-    deadline = time.monotonic() + 10
-    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in pids if pid_alive(p)], "kernel shutdown left processes behind"
+    k.shutdown_and_check()
 
 
 def test_mesh_binds_name_and_lists_meshes(kernel):

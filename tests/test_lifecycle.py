@@ -82,6 +82,14 @@ def test_start_timeout_is_reported_and_cleaned_up():
         this_host().spawn_procs(per_host={"gpus": 2}, timeout=0.05)
 
 
+def test_launcher_works_after_shutdown():
+    launcher = get_launcher("local")
+    launcher.prewarm(1)
+    launcher.shutdown()  # e.g. a kernel's shutdown path; the shared launcher is reused after
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    procs.stop()
+
+
 def test_prewarmed_host_agent_is_used():
     launcher = get_launcher("local")
     launcher.prewarm(1)

@@ -102,6 +102,8 @@ class LocalLauncher:
         return value
 
     def _start_agent(self) -> LocalHost:
+        if not os.path.isdir(self._dir):  # removed by shutdown(); the launcher lives on
+            self._dir = tempfile.mkdtemp(prefix="mk-launch-")
         fd, log_path = tempfile.mkstemp(prefix="host-", suffix=".log", dir=self._dir)
         env = dict(os.environ, MONARCH_KERNEL_PARENT_PID=str(os.getpid()))
         env.pop("MONARCH_KERNEL_HOST_CONFIG", None)
