@@ -249,3 +249,13 @@ def test_forged_messages_are_dropped_and_counted(procs4, workers):
     assert rt.codec.rejected == 2
     assert procs4.ping().get().item(gpus=0)["rejected"] == 1
     assert workers.echo.call(5).get().values() == [5] * 4  # nothing died
+
+
+def test_control_plane_bytes_are_counted_per_rank(procs4, workers):
+    rt = procs4.runtime
+    before = [(r.bytes_in, r.bytes_out) for r in rt.ranks]
+    workers.slice(gpus=2).checksum.call_one(torch.zeros(50_000)).get()
+    after = [(r.bytes_in, r.bytes_out) for r in rt.ranks]
+    assert after[2][1] - before[2][1] >= 200_000  # the tensor went to rank 2
+    assert after[2][0] > before[2][0]  # and its reply came back
+    assert after[0][1] == before[0][1]  # nothing was sent to rank 0

@@ -84,6 +84,9 @@ class RankInfo:
     #: Latest once-a-second report from the rank: rss, gpu_mem (with CUDA), data-plane
     #: bytes_in/bytes_out, time.
     stats: dict[str, Any] = field(default_factory=dict)
+    #: Control-plane bytes the controller sent to / received from this rank.
+    bytes_out: int = 0
+    bytes_in: int = 0
 
     @property
     def alive(self) -> bool:
@@ -397,8 +400,13 @@ class MeshRuntime:
                 header["q"] = self.next_seq[r]
                 self.next_seq[r] += 1
                 self._send_frames(r, self.codec.encode(header, payload, buffers))
+                self.ranks[r].bytes_out += len(payload) + (
+                    sum(memoryview(b).nbytes for b in buffers) if buffers else 0
+                )
                 return
             size = len(payload) + sum(memoryview(b).nbytes for b in buffers)
+            for r in ranks:
+                self.ranks[r].bytes_out += size
             by_host: dict[int, list[int]] = {}
             for r in ranks:
                 by_host.setdefault(self.ranks[r].host, []).append(r)
@@ -787,6 +795,9 @@ class MeshRuntime:
             return
         h = msg.header
         kind = h["k"]
+        sender = h.get("r")
+        if sender is not None and 0 <= sender < self.world:
+            self.ranks[sender].bytes_in += msg.nbytes
         if kind == K.RESULT:
             rid = h["i"]
             pending = self.requests.get(rid)
