@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml constraints.txt
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# JupyterLab refuses to run as root without --allow-root (containers, cloud studios).
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: setup
-	$(PY) -m jupyter lab --ip 127.0.0.1 --no-browser notebooks/01-quickstart.ipynb
+	$(PY) -m jupyter lab --ip 127.0.0.1 $(ALLOW_ROOT) notebooks/01-quickstart.ipynb
 
 test: setup
 	$(PY) -m pytest
