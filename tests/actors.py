@@ -174,3 +174,13 @@ class DataActor(Actor):
     @endpoint
     def release(self, ref) -> None:
         ref.release()
+
+
+class ShmWriter(Actor):
+    """Pulls a shared tensor through shared memory and writes to its copy."""
+
+    @endpoint
+    def pull_and_bump(self, ref) -> float:
+        t = ref.get("shm")
+        t += 1  # a private copy-on-write mapping: the owner's data must not change
+        return float(t.double().sum())

@@ -57,3 +57,14 @@ def test_share_outside_a_rank_is_a_clear_error():
 
     with pytest.raises(RuntimeError, match="inside ranks"):
         monarch_kernel.share(torch.zeros(3))
+
+
+def test_shared_memory_copy_is_private_and_writable(mesh22):
+    from actors import ShmWriter
+
+    actors = mesh22.spawn("data_cow", DataActor)
+    writers = mesh22.spawn("writers", ShmWriter)
+    ref = actors.slice(hosts=0, gpus=0).share_arange.call_one(1000).get()
+    base = float(torch.arange(1000, dtype=torch.float64).sum())
+    assert writers.slice(hosts=1, gpus=0).pull_and_bump.call_one(ref).get() == base + 1000
+    assert actors.slice(hosts=1, gpus=1).pull.call_one(ref, "shm").get() == (base, [1000])

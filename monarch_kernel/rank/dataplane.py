@@ -15,6 +15,7 @@ Bytes moved are counted per rank (:func:`counters`) for the dashboard.
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import socket
 import threading
@@ -26,6 +27,8 @@ import zmq
 from monarch_kernel.wire import Codec, WireError
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+#: Below this size a shared-memory file costs more than it saves: ``auto`` uses TCP.
+SHM_MIN_BYTES = 4 * 1024 * 1024
 _counters = {"bytes_out": 0, "bytes_in": 0}
 
 
@@ -62,8 +65,17 @@ class TensorRef:
         and the source was on CUDA). ``transport``: ``auto``, ``shm`` or ``tcp``."""
         import torch
 
-        dst = torch.empty(self.shape, dtype=getattr(torch, self.dtype))
-        self.read_into(dst, transport)
+        dtype = getattr(torch, self.dtype)
+        use_shm = transport == "shm" or (transport == "auto" and self.nbytes >= SHM_MIN_BYTES)
+        if self.nbytes and use_shm and self._local(transport):
+            # Same machine: map the owner's shared-memory copy privately (copy-on-write),
+            # no second copy. The mapping outlives the owner's release of the file.
+            raw = _client().map_shm(self)
+            dst = raw.view(dtype).reshape(self.shape)
+            _counters["bytes_in"] += self.nbytes
+        else:
+            dst = torch.empty(self.shape, dtype=dtype)
+            self.read_into(dst, transport)
         if self.cuda and torch.cuda.is_available():
             return dst.to(torch.device("cuda", torch.cuda.current_device()))
         return dst
@@ -79,16 +91,13 @@ class TensorRef:
             )
         if transport not in ("auto", "shm", "tcp"):
             raise ValueError(f"transport must be auto, shm or tcp, not {transport!r}")
-        local = self.machine == _machine_id() and SHM_DIR is not None
-        if transport == "shm" and not local:
-            raise ValueError(
-                f"rank {self.owner} is on another machine; shared memory is not "
-                "possible, use transport='tcp'"
-            )
+        local = self._local(transport)
         target = dst if dst.device.type == "cpu" else torch.empty_like(dst, device="cpu")
         raw = target.view(-1).view(torch.uint8) if self.nbytes else None
         if raw is not None:
-            if transport == "shm" or (transport == "auto" and local):
+            if transport == "shm" or (
+                transport == "auto" and local and self.nbytes >= SHM_MIN_BYTES
+            ):
                 _client().read_shm(self, raw)
             else:
                 _client().read_tcp(self, raw)
@@ -96,6 +105,17 @@ class TensorRef:
         if target is not dst:
             dst.copy_(target)
         return dst
+
+    def _local(self, transport: str) -> bool:
+        """Whether shared memory can be used (same machine); an error if it was asked
+        for and cannot be."""
+        local = self.machine == _machine_id() and SHM_DIR is not None
+        if transport == "shm" and not local:
+            raise ValueError(
+                f"rank {self.owner} is on another machine; shared memory is not "
+                "possible, use transport='tcp'"
+            )
+        return local
 
     def release(self) -> None:
         """Tell the owner it may drop the tensor (and its shared-memory copy)."""
@@ -243,6 +263,19 @@ class _Client:
 
         msg = self.request(ref, {"op": "fetch", "id": ref.id})
         raw.copy_(torch.frombuffer(msg.buffers[0], dtype=torch.uint8))
+
+    def map_shm(self, ref: TensorRef) -> Any:
+        """A uint8 tensor over a private, pre-faulted mapping of the owner's shm copy."""
+        import torch
+
+        path = self.request(ref, {"op": "shm", "id": ref.id}).header["path"]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+            m = mmap.mmap(fd, ref.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
 
     def read_shm(self, ref: TensorRef, raw: Any) -> None:
 
