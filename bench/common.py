@@ -192,6 +192,22 @@ def tensor_iters(mib: int) -> tuple[int, int]:
     return 5, 1
 
 
+def measure_tensor(
+    rec: Recorder, key: str, mib: int, send: Callable[[Any], object], data: Any
+) -> None:
+    """Row 4: MiB/s of ``send(data)`` for a ``mib`` MiB payload, median after warm-up."""
+    iters, warmup = tensor_iters(mib)
+    xs = sample(lambda: send(data), iters, warmup, 30.0)
+    rec.value(key, mib / median(xs))
+
+
+def tensor_of(mib: int) -> Any:
+    """A float32 torch tensor of ``mib`` MiB."""
+    import torch
+
+    return torch.ones(mib * MiB // 4)
+
+
 def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()

@@ -27,9 +27,18 @@ def ours(s: Settings, rec: Recorder) -> None:
 
     steps = 30 if s.quick else 120
     ref = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
-         SCRIPT, str(steps)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(RANKS),
+            SCRIPT,
+            str(steps),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if ref.returncode != 0:
         raise RuntimeError(f"torchrun failed: {ref.stderr[-500:]}")

@@ -18,8 +18,9 @@ def train(steps: int) -> float:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
-                                    torch.nn.Linear(512, 256)))
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(64, 256)
     for i in range(WARMUP + steps):

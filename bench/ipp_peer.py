@@ -18,17 +18,17 @@ from typing import Any
 import ipyparallel as ipp
 
 from bench.common import (
-    MiB,
     NotWithin,
     Recorder,
     Settings,
     big_skip,
     measure_calls,
+    measure_tensor,
     median,
     p99,
     ready_16_skip,
     sample,
-    tensor_iters,
+    tensor_of,
 )
 
 
@@ -162,15 +162,11 @@ def micro(s: Settings, rec: Recorder, rc: ipp.Client) -> None:
             assert counts == [s.bcast_k] * s.bcast_ranks, counts
             rec.value("bcast", s.bcast_k * s.bcast_ranks / dt)
     if s.wants("tensor"):
-        import torch
-
         for mib in s.tensor_mib:
             with rec.guard(f"tensor_{mib}"):
-                t = torch.ones(mib * MiB // 4)
-                iters, warmup = tensor_iters(mib)
-                a = t.numpy()  # ipyparallel sends numpy arrays zero-copy, tensors by pickle
-                xs = sample(lambda a=a: one.apply_sync(nbytes, a), iters, warmup, 30.0)
-                rec.value(f"tensor_{mib}", mib / median(xs))
+                # ipyparallel sends numpy arrays zero-copy, tensors by pickle
+                send = lambda a: one.apply_sync(nbytes, a)  # noqa: E731
+                measure_tensor(rec, f"tensor_{mib}", mib, send, tensor_of(mib).numpy())
 
 
 def interrupt_time(rc: ipp.Client, timeout: float) -> float:

@@ -18,17 +18,17 @@ from typing import Any
 from monarch.actor import Actor, endpoint, this_host
 
 from bench.common import (
-    MiB,
     NotWithin,
     Recorder,
     Settings,
     measure_calls,
+    measure_tensor,
     median,
     p99,
     ready_16_skip,
     repeat_ready,
     sample,
-    tensor_iters,
+    tensor_of,
     timed,
 )
 
@@ -163,17 +163,13 @@ def micro(s: Settings, rec: Recorder, actors: Any) -> None:
             assert counts == [s.bcast_k] * s.bcast_ranks, counts
             rec.value("bcast", s.bcast_k * s.bcast_ranks / dt)
     if s.wants("tensor"):
-        import torch
-
         for mib in s.tensor_mib:
+            t = tensor_of(mib)
             with rec.guard(f"tensor_{mib}"):
-                t = torch.ones(mib * MiB // 4)
-                iters, warmup = tensor_iters(mib)
-                xs = sample(lambda t=t: one.nbytes.call_one(t).get(), iters, warmup, 30.0)
-                rec.value(f"tensor_{mib}", mib / median(xs))
+                send = lambda t: one.nbytes.call_one(t).get()  # noqa: E731
+                measure_tensor(rec, f"tensor_{mib}", mib, send, t)
             with rec.guard(f"tensor_rdma_{mib}"):
-                xs = sample(lambda t=t: rdma_send(one, t), iters, warmup, 30.0)
-                rec.value(f"tensor_rdma_{mib}", mib / median(xs))
+                measure_tensor(rec, f"tensor_rdma_{mib}", mib, lambda t: rdma_send(one, t), t)
 
 
 def gathered(actors: Any, n: int) -> Callable[[], object]:

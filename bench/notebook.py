@@ -23,8 +23,11 @@ class _Client:
             m = self.kc.get_iopub_msg(timeout=timeout)
             if on_iopub is not None:
                 on_iopub(m)
-            if (m["parent_header"].get("msg_id") == msg_id and m["msg_type"] == "status"
-                    and m["content"]["execution_state"] == "idle"):
+            if (
+                m["parent_header"].get("msg_id") == msg_id
+                and m["msg_type"] == "status"
+                and m["content"]["execution_state"] == "idle"
+            ):
                 break
         reply = self.kc.get_shell_msg(timeout=timeout)
         if reply["content"]["status"] != "ok":
@@ -79,9 +82,11 @@ def ipp(s: Settings, rec: Recorder) -> None:
     """ipyparallel's ``%px`` path in a regular IPython kernel (4 engines)."""
     k = _Client("python3")
     try:
-        k.run("import ipyparallel as ipp\ncluster = ipp.Cluster(n=4)\n"
-              "rc = cluster.start_and_connect_sync()\nrc.wait_for_engines(4)\nrc.activate()",
-              timeout=180)
+        k.run(
+            "import ipyparallel as ipp\ncluster = ipp.Cluster(n=4)\n"
+            "rc = cluster.start_and_connect_sync()\nrc.wait_for_engines(4)\nrc.activate()",
+            timeout=180,
+        )
         iters = 30 if s.quick else 150
         xs = sample(lambda: k.run("pass"), iters, 5, s.loop_budget_s)
         rec.value("plain_cell", median(xs))

@@ -14,16 +14,16 @@ from collections.abc import Callable
 import psutil
 
 from bench.common import (
-    MiB,
     NotWithin,
     Recorder,
     Settings,
     measure_calls,
+    measure_tensor,
     median,
     p99,
     repeat_ready,
     sample,
-    tensor_iters,
+    tensor_of,
     timed,
 )
 from monarch_kernel.actor import Actor, ActorMesh, ProcMesh, RankDiedError, endpoint, this_host
@@ -155,14 +155,10 @@ def micro(s: Settings, rec: Recorder, actors: ActorMesh) -> None:
             assert counts == [s.bcast_k] * s.bcast_ranks, counts
             rec.value("bcast", s.bcast_k * s.bcast_ranks / dt)
     if s.wants("tensor"):
-        import torch
-
         for mib in s.tensor_mib:
             with rec.guard(f"tensor_{mib}"):
-                t = torch.ones(mib * MiB // 4)
-                iters, warmup = tensor_iters(mib)
-                xs = sample(lambda t=t: one.nbytes.call_one(t).get(), iters, warmup, 30.0)
-                rec.value(f"tensor_{mib}", mib / median(xs))
+                send = lambda t: one.nbytes.call_one(t).get()  # noqa: E731
+                measure_tensor(rec, f"tensor_{mib}", mib, send, tensor_of(mib))
 
 
 def interrupt_time(procs: ProcMesh, actors: ActorMesh) -> float:

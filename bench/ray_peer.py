@@ -22,17 +22,17 @@ os.environ["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] = "1"
 import ray  # noqa: E402
 
 from bench.common import (
-    MiB,
     NotWithin,
     Recorder,
     Settings,
     big_skip,
     measure_calls,
+    measure_tensor,
     median,
     p99,
     ready_16_skip,
     sample,
-    tensor_iters,
+    tensor_of,
     timed,
 )
 
@@ -159,14 +159,10 @@ def micro(s: Settings, rec: Recorder, actors: list[Any]) -> None:
             assert counts == [s.bcast_k] * s.bcast_ranks, counts
             rec.value("bcast", s.bcast_k * s.bcast_ranks / dt)
     if s.wants("tensor"):
-        import torch
-
         for mib in s.tensor_mib:
             with rec.guard(f"tensor_{mib}"):
-                t = torch.ones(mib * MiB // 4)
-                iters, warmup = tensor_iters(mib)
-                xs = sample(lambda t=t: ray.get(one.nbytes.remote(t)), iters, warmup, 30.0)
-                rec.value(f"tensor_{mib}", mib / median(xs))
+                send = lambda t: ray.get(one.nbytes.remote(t))  # noqa: E731
+                measure_tensor(rec, f"tensor_{mib}", mib, send, tensor_of(mib))
 
 
 def interrupt(rec: Recorder, actor: Any, wait_s: float = 5.0) -> None:

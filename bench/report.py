@@ -66,10 +66,17 @@ def rows(s: Settings) -> list[Row]:
             Row(f"memcpy_{mib}", f"4. {mib} MiB torch clone (memcpy bound)", "MiB/s", "higher")
         )
     for mib in s.tensor_mib:
-        out.append(Row(f"r2r_shm_{mib}", f"4. {mib} MiB tensor rank -> rank, same host (shm)",
-                       "MiB/s", "higher"))
-        out.append(Row(f"r2r_tcp_{mib}", f"4. {mib} MiB tensor rank -> rank over TCP",
-                       "MiB/s", "higher"))
+        out.append(
+            Row(
+                f"r2r_shm_{mib}",
+                f"4. {mib} MiB tensor rank -> rank, same host (shm)",
+                "MiB/s",
+                "higher",
+            )
+        )
+        out.append(
+            Row(f"r2r_tcp_{mib}", f"4. {mib} MiB tensor rank -> rank over TCP", "MiB/s", "higher")
+        )
     out.append(Row("init", "5. cluster/runtime init (ray.init)", "s"))
     for n in s.ready_sizes:
         out.append(Row(f"ready_{n}_cold", f"5. mesh of {n} ready, torch imported, cold", "s"))
@@ -82,8 +89,9 @@ def rows(s: Settings) -> list[Row]:
     out.append(Row("death", "7. rank death noticed (SIGKILL -> future raises)", "ms"))
     out.append(Row("interrupt", "7. interrupt -> running call stopped", "ms"))
     out.append(Row("ddp_mesh_sps", "8. DDP steps/s, 2 ranks in a mesh", "steps/s", "higher"))
-    out.append(Row("ddp_torchrun_sps", "8. DDP steps/s, same script under torchrun", "steps/s",
-                   "higher"))
+    out.append(
+        Row("ddp_torchrun_sps", "8. DDP steps/s, same script under torchrun", "steps/s", "higher")
+    )
     out.append(Row("ddp_ratio", "8. DDP throughput, mesh ÷ torchrun", "x", "higher"))
     return out
 
