@@ -222,6 +222,24 @@ def big_skip(peer: str, n: int, t_main: float, main_n: int) -> str:
     )
 
 
+def no_prewarm_ready_rows(
+    s: Settings, rec: Recorder, t4: float | None, warm_note: str, start_stop: Callable[[int], float]
+) -> None:
+    """Row 5 for a peer with no pre-warm: ``warm_note`` on the warm rows, and the cold start
+    of each mesh bigger than 4 (``start_stop(n)`` returns the time until ready, then stops),
+    skipped when 4 × the 4-rank time ``t4`` is over budget."""
+    for n in s.ready_sizes:
+        rec.note(f"ready_{n}_warm", warm_note)
+        if n == 4:
+            continue
+        skip = ready_16_skip(t4, s) if t4 is not None else None
+        if skip:
+            rec.note(f"ready_{n}_cold", skip)
+            continue
+        with rec.guard(f"ready_{n}_cold"):
+            rec.value(f"ready_{n}_cold", start_stop(n))
+
+
 def ready_16_skip(t4: float, s: Settings) -> str | None:
     """Why a one-interpreter-per-rank peer skips the 16-rank mesh (or None to run it)."""
     estimate = 4 * t4

@@ -25,8 +25,8 @@ from bench.common import (
     measure_calls,
     measure_tensor,
     median,
+    no_prewarm_ready_rows,
     p99,
-    ready_16_skip,
     sample,
     tensor_of,
 )
@@ -121,19 +121,16 @@ def run(s: Settings, rec: Recorder) -> None:
         if cluster is not None and rc is not None:
             stop(cluster, rc)
     if s.wants("ready"):
-        for n in s.ready_sizes:
-            rec.note(f"ready_{n}_warm", "n/a: no pre-warm (each engine imports torch)")
-            if n == 4:
-                continue
-            skip = ready_16_skip(t4, s) if t4 is not None else None
-            if skip:
-                rec.note(f"ready_{n}_cold", skip)
-                continue
-            with rec.guard(f"ready_{n}_cold"):
-                t0 = time.perf_counter()
-                cluster, rc = start(n)
-                rec.value(f"ready_{n}_cold", time.perf_counter() - t0)
-                stop(cluster, rc)
+
+        def start_stop(n: int) -> float:
+            t0 = time.perf_counter()
+            cluster, rc = start(n)
+            t = time.perf_counter() - t0
+            stop(cluster, rc)
+            return t
+
+        warm = "n/a: no pre-warm (each engine imports torch)"
+        no_prewarm_ready_rows(s, rec, t4, warm, start_stop)
     if s.wants("cells"):
         from bench import notebook
 

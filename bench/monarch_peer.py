@@ -24,8 +24,8 @@ from bench.common import (
     measure_calls,
     measure_tensor,
     median,
+    no_prewarm_ready_rows,
     p99,
-    ready_16_skip,
     repeat_ready,
     sample,
     tensor_of,
@@ -128,18 +128,14 @@ def run(s: Settings, rec: Recorder) -> None:
         finally:
             procs.stop().get()
     if s.wants("ready"):
-        for n in s.ready_sizes:
-            rec.note(f"ready_{n}_warm", "n/a: no pre-warm in Monarch (each proc imports torch)")
-            if n == 4:
-                continue
-            skip = ready_16_skip(t4, s) if t4 is not None else None
-            if skip:
-                rec.note(f"ready_{n}_cold", skip)
-                continue
-            with rec.guard(f"ready_{n}_cold"):
-                t, procs = time_ready(n)
-                procs.stop().get()
-                rec.value(f"ready_{n}_cold", t)
+
+        def start_stop(n: int) -> float:
+            t, procs = time_ready(n)
+            procs.stop().get()
+            return t
+
+        warm = "n/a: no pre-warm in Monarch (each proc imports torch)"
+        no_prewarm_ready_rows(s, rec, t4, warm, start_stop)
 
 
 def micro(s: Settings, rec: Recorder, actors: Any) -> None:

@@ -29,8 +29,8 @@ from bench.common import (
     measure_calls,
     measure_tensor,
     median,
+    no_prewarm_ready_rows,
     p99,
-    ready_16_skip,
     sample,
     tensor_of,
     timed,
@@ -120,19 +120,16 @@ def body(s: Settings, rec: Recorder) -> None:
             rec.value("death", death_time(actors[1], s.death_timeout_s))
     kill(actors[2:])
     if s.wants("ready"):
-        for n in s.ready_sizes:
-            rec.note(f"ready_{n}_warm", "n/a: no pre-warm of torch (workers import it on use)")
-            if n == 4:
-                continue
-            skip = ready_16_skip(t4, s) if t4 is not None else None
-            if skip:
-                rec.note(f"ready_{n}_cold", skip)
-                continue
-            with rec.guard(f"ready_{n}_cold"):
-                t0 = time.perf_counter()
-                many = ready_actors(n)
-                rec.value(f"ready_{n}_cold", time.perf_counter() - t0)
-                kill(many)
+
+        def start_stop(n: int) -> float:
+            t0 = time.perf_counter()
+            many = ready_actors(n)
+            t = time.perf_counter() - t0
+            kill(many)
+            return t
+
+        warm = "n/a: no pre-warm of torch (workers import it on use)"
+        no_prewarm_ready_rows(s, rec, t4, warm, start_stop)
 
 
 def micro(s: Settings, rec: Recorder, actors: list[Any]) -> None:
