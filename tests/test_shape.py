@@ -1,6 +1,6 @@
 import pytest
 
-from monarch_kernel.controller.shape import Point, Shape, SliceError, parse_ranks
+from monarch_kernel.shape import Point, Shape, SliceError, parse_ranks
 
 
 def test_slice_int_drops_dim_and_slice_keeps_it():

@@ -35,8 +35,8 @@ from monarch_kernel.controller.errors import (
     RankDiedError,
 )
 from monarch_kernel.controller.future import Future
-from monarch_kernel.controller.shape import Point, Shape, SliceError
 from monarch_kernel.rank.context import current_rank, current_size
+from monarch_kernel.shape import Point, Shape, SliceError
 from monarch_kernel.wire.serialize import SerializationError
 
 __all__ = [

@@ -12,8 +12,8 @@ from monarch_kernel.actor.value_mesh import ValueMesh
 from monarch_kernel.controller.errors import ActorError, actor_error
 from monarch_kernel.controller.future import Future
 from monarch_kernel.controller.mesh import MeshRuntime
-from monarch_kernel.controller.shape import Shape, SliceError
 from monarch_kernel.launchers import get_launcher
+from monarch_kernel.shape import Shape, SliceError
 from monarch_kernel.wire import Message, SerializationError, dumps, loads
 from monarch_kernel.wire import kinds as K
 

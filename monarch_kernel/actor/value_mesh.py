@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-from monarch_kernel.controller.shape import Point, Shape
+from monarch_kernel.shape import Point, Shape
 
 T = TypeVar("T")
 

@@ -37,7 +37,7 @@ from typing import Any
 import zmq
 
 from monarch_kernel.controller.errors import MeshStartError, MeshStoppedError, RankDiedError
-from monarch_kernel.controller.shape import Shape
+from monarch_kernel.shape import Shape
 from monarch_kernel.wire import Codec, Message, WireError
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import new_key

@@ -24,10 +24,10 @@ from monarch_kernel.controller.errors import (
     MeshStoppedError,
     RankDiedError,
 )
-from monarch_kernel.controller.shape import Shape, SliceError, parse_ranks
 from monarch_kernel.kernel.channel import CellChannel, LiveText
 from monarch_kernel.kernel.output import MODES, CellOutput
 from monarch_kernel.kernel.remote import RemoteJob
+from monarch_kernel.shape import Shape, SliceError, parse_ranks
 from monarch_kernel.wire.serialize import SerializationError
 
 INIT_DIST = "import torch.distributed as _mk_dist\n_mk_dist.init_process_group()\n"

@@ -10,8 +10,8 @@ from typing import Any
 from monarch_kernel.actor import ProcMesh, ValueMesh
 from monarch_kernel.controller.errors import ActorError, actor_error
 from monarch_kernel.controller.future import Future
-from monarch_kernel.controller.shape import Shape
 from monarch_kernel.kernel.output import CellOutput
+from monarch_kernel.shape import Shape
 from monarch_kernel.wire import Message, dumps, loads
 from monarch_kernel.wire import kinds as K
 

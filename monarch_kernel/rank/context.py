@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from monarch_kernel.controller.shape import Point
+from monarch_kernel.shape import Point
 
 _point: Point = Point({}, 0)
 _extent: dict[str, int] = {}

@@ -28,9 +28,9 @@ from typing import Any
 
 import zmq
 
-from monarch_kernel.controller.shape import Point
 from monarch_kernel.rank import capture, context, env
 from monarch_kernel.rank.errors import exception_report
+from monarch_kernel.shape import Point
 from monarch_kernel.wire import Codec, Message, SerializationError, WireError, dumps, loads
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import recv as wire_recv
