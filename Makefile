@@ -26,7 +26,8 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: setup
 	$(PY) -m jupyter lab --ip 127.0.0.1 $(ALLOW_ROOT) notebooks/01-quickstart.ipynb
 
-test: setup
+# Lint first: CI enforces style and types before the (slower) tests run.
+test: lint
 	$(PY) -m pytest
 
 bench: setup
@@ -35,6 +36,8 @@ bench: setup
 
 lint: setup
 	$(PY) -m ruff check monarch_kernel tests bench
+	$(PY) -m ruff format --check monarch_kernel tests bench
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache test-artifacts

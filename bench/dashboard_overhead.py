@@ -78,9 +78,9 @@ iters
 
 
 COUNTER = """
-def _count(ev):  # a MeshRuntime listener: counts the metric events the controller got
-    if ev.get("event") == "metric":
-        _counted[0] += 1
+from monarch_kernel.controller.events import MetricReported
+def _count(ev):  # a mesh event listener (MetricReported only): the reports the controller got
+    _counted[0] += 1
 """
 
 
@@ -131,8 +131,11 @@ class _Client:
     def cpu_seconds(self) -> float:
         import psutil
 
-        t = psutil.Process(self.km.provisioner.process.pid).cpu_times()
-        return t.user + t.system
+        process = getattr(self.km.provisioner, "process", None)  # a local kernel's Popen
+        if process is None:
+            raise RuntimeError("the kernel is not a local process")
+        t = psutil.Process(process.pid).cpu_times()
+        return float(t.user + t.system)
 
     def shutdown(self) -> None:
         self.kc.stop_channels()
@@ -146,7 +149,7 @@ def _phase(client: _Client, template: str, seconds: float, dashboard: bool) -> d
         client.run("from monarch_kernel.widgets import show as _show\n_dash = _show(bench)")
         time.sleep(SETTLE_S)
         client.run("_f0 = _dash.flushes\n_m0 = _dash.messages\n_c0 = _dash.cpu_seconds")
-    client.run("_counted = [0]\nbench.runtime.listeners.append(_count)")
+    client.run("_counted = [0]\nbench.runtime.events.subscribe(_count, MetricReported)")
     client.drain()
     cpu0 = client.cpu_seconds()
     t0 = time.monotonic()
@@ -162,7 +165,7 @@ def _phase(client: _Client, template: str, seconds: float, dashboard: bool) -> d
     cpu = client.cpu_seconds() - cpu0
     total = float(out["text"])
     time.sleep(0.3)  # reports still in flight
-    reports = float(client.run("bench.runtime.listeners.remove(_count)\n_counted[0]")["text"])
+    reports = float(client.run("bench.runtime.events.unsubscribe(_count)\n_counted[0]")["text"])
     res = {
         "throughput": total / seconds,
         "reports_per_s": reports / seconds,
@@ -185,7 +188,7 @@ def _phase(client: _Client, template: str, seconds: float, dashboard: bool) -> d
             dropped=dropped,
             cpu_share=(dcpu + listener) / (wall * (os.cpu_count() or 1)),
         )
-        client.run("_dash.close()\nbench.runtime._mk_dashboard = None")
+        client.run("_dash.close()")  # closed: the next show() makes a fresh dashboard
     client.drain()
     return res
 
@@ -194,22 +197,24 @@ _LISTENER_COST: list[float] = []
 
 
 def _listener_cost() -> float:
-    """Seconds per event of the dashboard's MeshRuntime listener (measured here once)."""
+    """Seconds per metric report of the dashboard's mesh event listener (measured here
+    once): ``MeshState.on_event`` is its :class:`EventInbox`'s ``put``, which needs no mesh."""
     if not _LISTENER_COST:
         import timeit
-        from types import SimpleNamespace
 
-        from monarch_kernel.widgets.state import MeshState
+        from monarch_kernel.controller.events import MetricReported
+        from monarch_kernel.widgets.inbox import EventInbox
 
-        st = MeshState(SimpleNamespace(state="running", listeners=[]))
-        ev = {"event": "metric", "rank": 3, "values": {"step": 1.0, "loss": 0.5}}
+        inbox = EventInbox()
+        ev = MetricReported("bench", 3, None, {"step": 1.0, "loss": 0.5}, time.time())
         n = 200_000
-        _LISTENER_COST.append(timeit.timeit(lambda: st.on_event(ev), number=n) / n)
+        _LISTENER_COST.append(timeit.timeit(lambda: inbox.put(ev), number=n) / n)
     return _LISTENER_COST[0]
 
 
 def _scenario(client: _Client, template: str, seconds: float, pairs: int) -> dict[str, Any]:
-    offs, ons = [], []
+    offs: list[dict[str, float]] = []
+    ons: list[dict[str, float]] = []
     for i in range(pairs):
         # alternate the order so that drift (page cache, thermal) hits both sides
         order = (False, True) if i % 2 == 0 else (True, False)

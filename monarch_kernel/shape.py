@@ -197,29 +197,80 @@ def _fmt_slice(s: slice) -> str:
     return text + (f":{s.step}" if s.step not in (None, 1) else "")
 
 
+_RANKS_FORMS = "a rank (2), a slice (0:2, ::2) or a list of them (1,3)"
+
+
+def _valid_ranks(size: int, from_end: bool = False) -> str:
+    """``the mesh has 4 ranks (0-3)``: what a --ranks value may name."""
+    span = "0" if size == 1 else f"0-{size - 1}"
+    if from_end:
+        span += f", or -{size} to -1 counting from the end" if size > 1 else ", or -1"
+    return f"the mesh has {size} rank{'s' if size != 1 else ''} ({span})"
+
+
+def _rank_int(text: str, spec: str, what: str = "rank") -> int:
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    hint = ""
+    lo, sep, hi = text.partition("-")
+    if sep and lo.strip().isdigit() and hi.strip().isdigit():
+        lo_i, hi_i = int(lo), int(hi)
+        hint = (
+            f" (for ranks {lo_i} to {hi_i} write {lo_i}:{hi_i + 1}; a slice stops before its end)"
+        )
+    raise SliceError(
+        f"bad --ranks {spec!r}: {what} {text.strip()!r} is not an integer{hint}; use {_RANKS_FORMS}"
+    )
+
+
 def parse_ranks(spec: str, size: int) -> list[int]:
-    """Parse ``"0:2"``, ``"1,3"``, ``"2"``, ``"::2"`` into flat indices < ``size``."""
-    spec = spec.strip()
-    if not spec:
-        raise SliceError("empty --ranks; use e.g. --ranks 0:2 or --ranks 1,3")
+    """Parse a ``--ranks`` value into sorted, distinct flat indices ``< size``.
+
+    Accepted: an index (``"2"``; negative counts from the end, ``"-1"`` is the last
+    rank), a slice with Python semantics (``"0:2"``, ``"::2"``, ``"1:"``; bounds past the
+    end are clipped, as in ``mesh.slice``) and comma-separated lists of those
+    (``"1,3"``, ``"0,2:4"``). Anything else raises :class:`SliceError` saying what was
+    wrong and what is valid: a non-integer, an index out of range, an empty item, a
+    slice that selects no rank, a step of 0 or more than three slice parts.
+    """
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"a mesh has at least one rank, got size {size!r}")
+    if not isinstance(spec, str) or not spec.strip():
+        raise SliceError(f"empty --ranks; use {_RANKS_FORMS}: {_valid_ranks(size)}")
     out: list[int] = []
     for part in spec.split(","):
-        part = part.strip()
-        try:
-            if ":" in part:
-                bits = [int(b) if b.strip() else None for b in part.split(":")]
-                if len(bits) > 3:
-                    raise ValueError
-                out.extend(range(size)[slice(*bits)])
-            else:
-                i = int(part)
-                if not -size <= i < size:
-                    raise SliceError(f"rank {i} out of range: the mesh has {size} ranks")
-                out.append(i % size)
-        except ValueError:
+        item = part.strip()
+        if not item:
             raise SliceError(
-                f"bad --ranks {spec!r}: use an index (2), a slice (0:2, ::2) or a list (1,3)"
-            ) from None
-    if not out:
-        raise SliceError(f"--ranks {spec!r} selects no rank of a mesh with {size} ranks")
+                f"bad --ranks {spec!r}: it has an empty item (two commas, or one at an end); "
+                f"use {_RANKS_FORMS}"
+            )
+        if ":" in item:
+            out.extend(_parse_slice(item, spec, size))
+            continue
+        i = _rank_int(item, spec)
+        if not -size <= i < size:
+            raise SliceError(f"rank {i} is out of range: {_valid_ranks(size, from_end=i < 0)}")
+        out.append(i % size)
     return sorted(set(out))
+
+
+def _parse_slice(item: str, spec: str, size: int) -> range:
+    bits = item.split(":")
+    if len(bits) > 3:
+        raise SliceError(
+            f"bad --ranks {spec!r}: slice {item!r} has {len(bits)} parts; "
+            "a slice is start:stop or start:stop:step (e.g. 0:2 or ::2)"
+        )
+    nums = [_rank_int(b, spec, "slice part") if b.strip() else None for b in bits]
+    if len(nums) == 3 and nums[2] == 0:
+        raise SliceError(
+            f"bad --ranks {spec!r}: slice {item!r} has a step of 0; "
+            "use e.g. ::2 for every second rank"
+        )
+    picked = range(size)[slice(*nums)]
+    if not picked:
+        raise SliceError(f"slice {item!r} of --ranks selects no rank: {_valid_ranks(size)}")
+    return picked

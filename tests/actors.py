@@ -99,8 +99,9 @@ class Worker(Actor):
         return threading.Lock()
 
     @endpoint
-    def sleep(self, seconds: float) -> str:
-        print("sleeping", flush=True)
+    def sleep(self, seconds: float, note: str = "") -> str:
+        # The line tells a test that the call has started on this rank.
+        print(f"sleeping {note}".rstrip(), flush=True)
         time.sleep(seconds)
         return "slept"
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
-import time
 
 import psutil
 import pytest
+from helpers import WaitTimeout, wait_until
+
+__all__ = ["WaitTimeout", "pid_alive", "project_processes", "wait_no_orphans", "wait_until"]
 
 ORPHAN_GRACE = 10.0
 
@@ -27,12 +29,16 @@ def project_processes() -> list[psutil.Process]:
 
 
 def wait_no_orphans(keep: set[int] = frozenset(), timeout: float = ORPHAN_GRACE) -> list:
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in project_processes() if p.pid not in keep]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
+    """Wait up to ``timeout`` for our processes (but ``keep``) to exit; return those left."""
+
+    def left() -> list[psutil.Process]:
+        return [p for p in project_processes() if p.pid not in keep]
+
+    try:
+        wait_until(lambda: not left(), timeout=timeout, what="our processes to exit")
+    except WaitTimeout:
+        pass
+    return left()
 
 
 #: Module-scoped fixtures that own long-lived processes; their ranks may legitimately be

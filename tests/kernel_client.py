@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import queue
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from helpers import wait_until
 from jupyter_client.manager import start_new_kernel
 
 
@@ -54,6 +56,8 @@ class Kernel:
         kw = {"env": {**os.environ, **(env or {})}}
         self.km, self.kc = start_new_kernel(kernel_name=name, **kw)
         self.other: list[dict[str, Any]] = []  # iopub messages for other cells
+        # iopub messages read ahead by wait_for_output, not yet seen by collect()
+        self._ahead: list[dict[str, Any]] = []
 
     def submit(self, code: str) -> str:
         return self.kc.execute(code)
@@ -62,7 +66,10 @@ class Kernel:
         res = Result(msg_id)
         deadline = time.monotonic() + timeout
         while True:
-            m = self.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if self._ahead:
+                m = self._ahead.pop(0)
+            else:
+                m = self.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
             if m["parent_header"].get("msg_id") != msg_id:
                 self.other.append(m)
                 continue
@@ -86,6 +93,42 @@ class Kernel:
     def run(self, code: str, timeout: float = 60) -> Result:
         return self.collect(self.submit(code), timeout)
 
+    def output_so_far(self, msg_id: str) -> list[str]:
+        """What cell ``msg_id`` has shown in the iopub messages read but not yet collected
+        for it: its streams joined into one text, then the text of each display it sent
+        (``--bg`` cells show their rank output in a display that keeps being updated)."""
+        streams, displays = [], []
+        for m in [*self.other, *self._ahead]:
+            if m["parent_header"].get("msg_id") != msg_id:
+                continue
+            t, c = m["msg_type"], m["content"]
+            if t == "stream":
+                streams.append(c["text"])
+            elif t in ("display_data", "update_display_data", "execute_result"):
+                displays.append(c["data"].get("text/plain", ""))
+        return ["".join(streams), *displays]
+
+    def wait_for_output(self, msg_id: str, *texts: str, timeout: float = 30) -> None:
+        """Wait until cell ``msg_id`` has shown every one of ``texts`` (each within one
+        stream text or one display), e.g. a line its ranks print once they have started.
+        The messages read meanwhile are kept: ``collect(msg_id)`` still sees them."""
+
+        def shown() -> bool:
+            try:
+                self._ahead.append(self.kc.get_iopub_msg(timeout=0.05))
+            except queue.Empty:
+                pass
+            seen = self.output_so_far(msg_id)
+            return all(any(t in s for s in seen) for t in texts)
+
+        wait_until(
+            shown,
+            timeout=timeout,
+            interval=0,
+            what=f"cell {msg_id} to show {list(texts)}",
+            detail=lambda: f"it showed {self.output_so_far(msg_id)}",
+        )
+
     def pids(self) -> list[int]:
         """Process ids of the kernel and everything it started."""
         import psutil
@@ -103,8 +146,11 @@ class Kernel:
 
         pids = self.pids()
         self.shutdown()
-        deadline = time.monotonic() + timeout
-        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = [p for p in pids if pid_alive(p)]
-        assert not left, f"kernel shutdown left processes behind: {left}"
+        wait_until(
+            lambda: not any(pid_alive(p) for p in pids),
+            timeout=timeout,
+            what="the kernel and everything it started to exit",
+            detail=lambda: (
+                f"kernel shutdown left processes behind: {[p for p in pids if pid_alive(p)]}"
+            ),
+        )

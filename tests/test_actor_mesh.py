@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 from actors import AsyncActor, BadInit, Counter, Worker
+from helpers import wait_for_rank_line, wait_until
 
 from monarch_kernel.actor import (
     Actor,
@@ -70,7 +71,7 @@ def test_broadcast_is_fifo_with_later_calls(procs4):
 
 
 def test_fifo_across_direct_and_fanout_paths(procs4):
-    from monarch_kernel.controller.mesh import FANOUT_MIN_BYTES
+    from monarch_kernel.controller.transport import FANOUT_MIN_BYTES
 
     counters = procs4.spawn("c5", Counter)
     big = torch.zeros(100_000)  # sent once to the host agent, which fans it out
@@ -188,14 +189,20 @@ def test_64mb_tensor_round_trip(workers):
 def test_streams_reach_the_caller(workers, capsys):
     workers.say.call("hello").get()
     workers.slice(gpus=2).say_fd.call_one("raw").get()
-    deadline = time.time() + 5
     out = err = ""
-    while time.time() < deadline:
+
+    def all_arrived() -> bool:
+        nonlocal out, err
         captured = capsys.readouterr()
         out, err = out + captured.out, err + captured.err
-        if "raw via fd" in out and "raw via fd2" in err and out.count("hello from") == 4:
-            break
-        time.sleep(0.05)
+        return "raw via fd" in out and "raw via fd2" in err and out.count("hello from") == 4
+
+    wait_until(
+        all_arrived,
+        timeout=5,
+        what="the ranks' output to reach the caller",
+        detail=lambda: f"stdout so far {out!r}, stderr so far {err!r}",
+    )
     for r in range(4):
         assert f"[rank {r}] hello from {r}" in out
     assert "[rank 2] raw via fd" in out and "[rank 2] raw via fd2" in err
@@ -211,8 +218,8 @@ def test_ping_answers_while_busy(procs4, workers):
 
 
 def test_interrupt_stops_running_endpoint(procs4, workers):
-    fut = workers.slice(gpus=3).sleep.call_one(30)
-    time.sleep(0.3)
+    fut = workers.slice(gpus=3).sleep.call_one(30, "to be interrupted")
+    wait_for_rank_line(procs4, 3, "sleeping to be interrupted")  # the call is running
     procs4.slice(gpus=3).interrupt()
     with pytest.raises(ActorError, match="KeyboardInterrupt"):
         fut.get(timeout=2)
@@ -233,19 +240,27 @@ def test_forged_messages_are_dropped_and_counted(procs4, workers):
 
     rt = procs4.runtime
     evil = Codec(new_key())
-    with rt._send_lock:
-        wire_send(rt.send_sock, evil.encode({"k": "call", "a": "workers", "m": "die"}), [b"r0"])
+    with rt.transport.send_lock:
+        wire_send(
+            rt.transport.send_sock, evil.encode({"k": "call", "a": "workers", "m": "die"}), [b"r0"]
+        )
     # a forged message sent straight to the controller's receive socket
     import zmq
 
     s = zmq.Context.instance().socket(zmq.DEALER)
-    s.connect(rt.recv_addr)
+    s.connect(rt.transport.recv_addr)
     s.send_multipart(evil.encode({"k": "res", "i": "x", "r": 0, "ok": 1}, b"junk"))
     s.send_multipart([b"garbage"])
-    deadline = time.time() + 5
-    while rt.codec.rejected < 2 and time.time() < deadline:
-        time.sleep(0.02)
-    s.close(0)
+    try:
+        wait_until(
+            lambda: rt.codec.rejected >= 2,
+            timeout=5,
+            interval=0.02,
+            what="the controller to reject both forged messages",
+            detail=lambda: f"it rejected {rt.codec.rejected}",
+        )
+    finally:
+        s.close(0)
     assert rt.codec.rejected == 2
     assert procs4.ping().get().item(gpus=0)["rejected"] == 1
     assert workers.echo.call(5).get().values() == [5] * 4  # nothing died

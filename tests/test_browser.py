@@ -21,6 +21,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from helpers import WaitTimeout, wait_until
 from kernel_client import ensure_kernelspec
 
 CHROMIUM = "/usr/bin/chromium"
@@ -128,23 +129,29 @@ def lab(tmp_path):
             f"--LabApp.app_settings_dir={settings}",
             f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
             "--ServerApp.terminals_enabled=False",
-            "--ServerApp.jpserver_extensions", "ipyparallel=False",
+            "--ServerApp.jpserver_extensions",
+            "ipyparallel=False",
         ],  # fmt: skip
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
+
+    def answers() -> bool:
+        if proc.poll() is not None:
+            raise WaitTimeout(f"JupyterLab exited with {proc.returncode}")
         try:
             urllib.request.urlopen(f"{base}/api/status?token={TOKEN}", timeout=2)
-            break
+            return True
         except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.close()
-                pytest.fail("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text())
-            time.sleep(0.2)
+            return False
+
+    try:
+        wait_until(answers, timeout=60, interval=0.2, what="JupyterLab to answer")
+    except WaitTimeout as exc:
+        log.close()
+        pytest.fail(f"JupyterLab did not start ({exc}):\n" + (tmp_path / "lab.log").read_text())
     yield base
     req = urllib.request.Request(
         f"{base}/api/shutdown", method="POST", headers={"Authorization": f"token {TOKEN}"}
@@ -174,10 +181,8 @@ def _run_cell(page, index: int) -> None:
     prompt = cell.locator(".jp-InputPrompt")
     before = prompt.inner_text()
     page.keyboard.press("Shift+Enter")
-    deadline = time.monotonic() + 10
-    while prompt.inner_text() == before:  # "[ ]:" -> "[*]:" (or a number)
-        assert time.monotonic() < deadline, f"cell {index} did not start"
-        time.sleep(0.05)
+    # "[ ]:" -> "[*]:" (or a number)
+    wait_until(lambda: prompt.inner_text() != before, timeout=10, what=f"cell {index} to start")
 
 
 def _tiles(page) -> list[str]:

@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
+from helpers import wait_until
 from kernel_client import Kernel
 
 THROTTLE = 0.25  # the dashboard's update interval (seconds)
@@ -65,11 +66,15 @@ class WidgetKernel(Kernel):
                 return
 
     def wait_for(self, cond: Any, timeout: float = 15.0, what: str = "") -> None:
-        deadline = time.monotonic() + timeout
-        while not _safe(cond):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what or cond}")
+        """Read IOPub until ``cond()`` holds for the mirrored models."""
+
+        def holds() -> bool:
+            if _safe(cond):
+                return True
             self.pump(0.1)
+            return _safe(cond)
+
+        wait_until(holds, timeout=timeout, interval=0, what=what or str(cond))
 
     # -- views of the mirrored models ------------------------------------------------
     def tiles(self, mesh: str) -> dict[int, dict[str, Any]]:

@@ -9,6 +9,7 @@ import time
 import pytest
 from actors import Counter, Worker
 from conftest import pid_alive
+from helpers import wait_for_rank_line
 
 from monarch_kernel.actor import MeshStoppedError, RankDiedError, this_host
 
@@ -23,9 +24,13 @@ def mesh():
 def test_sigkill_mid_call_fails_future_within_one_second(mesh):
     workers = mesh.spawn("w", Worker)
     pids = workers.pid.call().get().values()
-    fut = workers.slice(gpus=2).sleep.call_one(60)
-    gather = workers.sleep.call(60)
-    time.sleep(0.3)
+    fut = workers.slice(gpus=2).sleep.call_one(60, "alone")
+    gather = workers.sleep.call(60, "all")
+    # Rank 2 is inside the first call (it dies mid-call); the others inside the gather
+    # (so that mesh.interrupt() below stops them).
+    wait_for_rank_line(mesh, 2, "sleeping alone")
+    for r in (0, 1, 3):
+        wait_for_rank_line(mesh, r, "sleeping all")
     t0 = time.monotonic()
     os.kill(pids[2], signal.SIGKILL)
     with pytest.raises(RankDiedError) as err:
@@ -36,7 +41,7 @@ def test_sigkill_mid_call_fails_future_within_one_second(mesh):
     assert "rank 2 of mesh" in text and f"pid {pids[2]}" in text
     assert "killed by SIGKILL" in text
     assert "sleeping" in text  # its last output lines
-    assert err.value.death["signal"] == signal.SIGKILL
+    assert err.value.death.signal == signal.SIGKILL
     with pytest.raises(RankDiedError, match="rank 2"):
         gather.get(timeout=1)
     # the other ranks keep answering (unlike Monarch, one death does not poison the mesh)

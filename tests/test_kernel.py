@@ -6,6 +6,7 @@ import time
 
 import pytest
 from conftest import pid_alive
+from helpers import wait_until
 from kernel_client import Kernel
 
 
@@ -86,7 +87,10 @@ def test_grouped_error_points_at_cell_line_and_lists_tensors(kernel):
     "code,expected",
     [
         ("%%remote nope\n1", "no mesh named 'nope'; live meshes: m"),
-        ("%%remote m --ranks 9\n1", "bad --ranks '9'"),
+        ("%%remote m --ranks 9\n1", "rank 9 is out of range: the mesh has 4 ranks (0-3)"),
+        ("%%remote m --ranks x\n1", "bad --ranks 'x': rank 'x' is not an integer"),
+        ("%%remote m.slice(gpus=slice(0, 2)) --ranks 2\n1", "the mesh has 2 ranks (0-1)"),
+        ("%mesh restart m --ranks 7", "rank 7 is out of range: the mesh has 4 ranks (0-3)"),
         ("%%remote m --bogus\n1", "unrecognized arguments: --bogus"),
         ("%%remote m.slice(hosts=0)\n1", "no dimension 'hosts'"),
         ("%mesh stop nope", "no mesh named 'nope'"),
@@ -134,27 +138,35 @@ def test_bg_output_stays_under_its_cell_while_others_run(kernel):
 def test_bg_loop_steered_with_push_and_pull(kernel):
     kernel.run("%push m lr=0.1 stop=False")
     r = kernel.run(
-        "%%remote m --bg\nimport time\nseen = []\nwhile not stop:\n"
+        "%%remote m --bg\nimport os, time\nseen = []\nwhile not stop:\n"
+        "    if lr not in seen:\n"
+        "        print('rank', os.environ['RANK'], 'sees lr', lr, flush=True)\n"
         "    seen.append(lr)\n    time.sleep(0.02)\nlen(seen)"
     )
     assert "running" in r.text
     kernel.run("job = _")
-    time.sleep(0.3)
+    kernel.wait_for_output(r.msg_id, *(f"rank {i} sees lr 0.1" for i in range(4)))
     kernel.run("%push m lr=0.5")
-    time.sleep(0.3)
+    kernel.wait_for_output(r.msg_id, *(f"rank {i} sees lr 0.5" for i in range(4)))
     r = kernel.run("%pull m lr")
     assert "{gpus=0}: 0.5" in r.text
     r = kernel.run("vals = %pull m seen\nall(0.1 in v and 0.5 in v for v in vals.values())")
     assert r.text == "True", r.error_text
     kernel.run("%push m stop=True")
-    r = kernel.run("res = job.wait(timeout=10)\njob.done(), res.values()[0] > 10")
+    r = kernel.run(
+        "res = job.wait(timeout=10)\nfinal = %pull m seen\n"
+        "job.done(), res.values() == [len(v) for v in final.values()]"
+    )
     assert r.text == "(True, True)", r.error_text
 
 
 def test_interrupt_stops_the_ranks_and_keeps_namespaces(kernel):
     kernel.run("%%remote m\nkeep = 'kept'")
-    msg_id = kernel.submit("%%remote m\nimport time\ntime.sleep(60)")
-    time.sleep(1.0)
+    msg_id = kernel.submit(
+        "%%remote m\nimport os, time\nprint('started', os.environ['RANK'], flush=True)\n"
+        "time.sleep(60)"
+    )
+    kernel.wait_for_output(msg_id, *(f"started {i}" for i in range(4)))  # all ranks in it
     t0 = time.monotonic()
     kernel.km.interrupt_kernel()
     r = kernel.collect(msg_id, timeout=10)
@@ -194,10 +206,12 @@ def test_restart_kernel_leaves_no_orphans():
         before = k.pids()
         assert len(before) >= 5  # kernel, host agent, template, 2 ranks
         k.km.restart_kernel(now=False)
-        deadline = time.monotonic() + 15
-        while any(pid_alive(p) for p in before) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [p for p in before if pid_alive(p)]
+        wait_until(
+            lambda: not any(pid_alive(p) for p in before),
+            timeout=15,
+            what="the old kernel and its processes to exit",
+            detail=lambda: f"still alive: {[p for p in before if pid_alive(p)]}",
+        )
     finally:
         k.shutdown()
 
@@ -217,10 +231,16 @@ def test_actor_calls_in_cells_do_not_warn(kernel):
 
 
 def test_bg_job_cancel_interrupts_the_ranks(kernel):
-    r = kernel.run("%%remote m --bg\nimport time\ntime.sleep(60)")
+    r = kernel.run(
+        "%%remote m --bg\nimport os, time\nprint('started', os.environ['RANK'], flush=True)\n"
+        "time.sleep(60)"
+    )
     assert "running" in r.text
-    r = kernel.run("job = _\njob.cancel()\ntry:\n    job.wait(timeout=5)\nexcept Exception as e:\n"
-                   "    err = e\ntype(err).__name__, 'KeyboardInterrupt' in str(err), job.done()")
+    kernel.wait_for_output(r.msg_id, *(f"started {i}" for i in range(4)))  # running, not queued
+    r = kernel.run(
+        "job = _\njob.cancel()\ntry:\n    job.wait(timeout=5)\nexcept Exception as e:\n"
+        "    err = e\ntype(err).__name__, 'KeyboardInterrupt' in str(err), job.done()"
+    )
     assert r.text == "('RemoteCellError', True, True)", r.error_text
 
 

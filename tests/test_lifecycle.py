@@ -12,6 +12,7 @@ import time
 
 import pytest
 from conftest import pid_alive
+from helpers import WaitTimeout, wait_until
 
 from monarch_kernel.actor import MeshStartError, this_host
 from monarch_kernel.launchers import get_launcher
@@ -38,12 +39,11 @@ def _start_controller(hosts: int, tail: str) -> tuple[subprocess.Popen, list[int
 
 
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if pid_alive(p)]
-        if not alive:
-            return []
-        time.sleep(0.05)
+    """Wait up to ``timeout`` for ``pids`` to exit; return those still alive."""
+    try:
+        wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=timeout, what="exit")
+    except WaitTimeout:
+        pass
     return [p for p in pids if pid_alive(p)]
 
 

@@ -2,32 +2,33 @@
 
 from __future__ import annotations
 
-import queue
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from monarch_kernel.actor.actor import Actor, endpoints_of
+from monarch_kernel.actor.gather import Each, Gather, One
 from monarch_kernel.actor.value_mesh import ValueMesh
-from monarch_kernel.controller.errors import ActorError, actor_error
+from monarch_kernel.controller.errors import ActorError
 from monarch_kernel.controller.future import Future
 from monarch_kernel.controller.mesh import MeshRuntime
+from monarch_kernel.controller.records import ActorSpec
+from monarch_kernel.controller.registry import MeshNameTaken, registry
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.shape import Shape, SliceError
-from monarch_kernel.wire import Message, SerializationError, dumps, loads
+from monarch_kernel.wire import SerializationError, dumps
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import Buffer, Header
 
-_mesh_names: dict[str, int] = {}
-
-#: ``hook(procs) -> dashboard widget``, installed by :mod:`monarch_kernel.widgets` (and by
-#: the kernel at start-up): the actor layer never imports the widgets layer itself.
-dashboard_hook: Callable[[ProcMesh], Any] | None = None
+#: ``factory(procs) -> dashboard widget``, set by :mod:`monarch_kernel.widgets` through
+#: :func:`set_dashboard_factory`: the actor layer never imports the widgets layer.
+_dashboard_factory: Callable[[ProcMesh], Any] | None = None
 
 
-def _auto_name(prefix: str) -> str:
-    n = _mesh_names.get(prefix, 0)
-    _mesh_names[prefix] = n + 1
-    return f"{prefix}{n}"
+def set_dashboard_factory(factory: Callable[[ProcMesh], Any]) -> None:
+    """Install what ``ProcMesh.dashboard()`` returns (called by the widgets layer)."""
+    global _dashboard_factory
+    _dashboard_factory = factory
 
 
 class HostMesh:
@@ -47,21 +48,34 @@ class HostMesh:
         name: str | None = None,
         env: dict[str, str] | None = None,
         timeout: float = 120.0,
+        on_starting: Callable[[ProcMesh], object] | None = None,
     ) -> ProcMesh:
         """Start ``per_host`` ranks on every host; returns when all are ready.
 
         ``per_host={"gpus": 4}`` gives a mesh with dims ``{"gpus": 4}`` on one host, or
-        ``{"hosts": H, "gpus": 4}`` on H hosts.
+        ``{"hosts": H, "gpus": 4}`` on H hosts. ``name`` must not be taken by a live
+        mesh (default: ``procs0``, ``procs1`` ...). ``on_starting(procs)`` is called
+        before the ranks start (the kernel shows the dashboard there).
         """
         per_host = dict(per_host or {"gpus": 1})
         if "hosts" in per_host:
             raise ValueError("per_host must not contain 'hosts'; use host_mesh(hosts=N)")
-        runtime = MeshRuntime(
-            name or _auto_name("procs"), per_host, self.hosts, self.launcher, env=env
-        )
-        runtime.backend = self.backend
+        try:
+            runtime = MeshRuntime(
+                name or registry.auto_name("procs"),
+                per_host,
+                self.hosts,
+                self.launcher,
+                env=env,
+                backend=self.backend,
+            )
+        except MeshNameTaken as exc:
+            raise ValueError(str(exc)) from None
+        procs = ProcMesh(runtime)
+        if on_starting is not None:
+            on_starting(procs)
         runtime.start(timeout=timeout)
-        return ProcMesh(runtime)
+        return procs
 
     def __repr__(self) -> str:
         return f"HostMesh(hosts={self.hosts}, backend={self.backend!r})"
@@ -112,8 +126,6 @@ class ProcMesh(_MeshView):
     def __init__(self, runtime: MeshRuntime, shape: Shape | None = None):
         self._runtime = runtime
         self._shape = shape or runtime.shape
-        if not hasattr(runtime, "actor_specs"):
-            runtime.actor_specs = {}
 
     @property
     def name(self) -> str:
@@ -137,11 +149,10 @@ class ProcMesh(_MeshView):
         what = f"constructor arguments of actor {name!r} ({actor_class.__name__})"
         payload, buffers = _dump_call((actor_class, args, kwargs), args, kwargs, what)
         ranks = self._shape.ranks()
-        fut = _gather(self._runtime, self._shape, {"k": K.SPAWN_ACTOR, "a": name}, payload, buffers)
-        fut.get()
-        self._runtime.actor_specs[name] = (payload, buffers)
-        self._runtime.actor_ranks = getattr(self._runtime, "actor_ranks", {})
-        self._runtime.actor_ranks[name] = set(ranks)
+        header = {"k": K.SPAWN_ACTOR, "a": name}
+        _gather(self._runtime, ranks, header, payload, buffers, self._shape, f"spawn {name}").get()
+        spec = ActorSpec(name, payload, tuple(buffers), frozenset(ranks))
+        self._runtime.actors[name] = spec
         return ActorMesh(self, name, actor_class, self._shape)
 
     def ping(self) -> Future[ValueMesh]:
@@ -149,14 +160,14 @@ class ProcMesh(_MeshView):
 
         Answered even while the rank's main thread is busy running user code.
         """
-        return _gather_ranks(
+        return _gather(
             self._runtime, self._shape.ranks(), {"k": K.PING}, b"", (), self._shape, control=True
         )
 
     def push(self, **values: Any) -> None:
         """Set names in every rank's cell namespace (also while a --bg cell runs)."""
         payload, buffers = _dump_call(values, (), values, "pushed values")
-        _gather_ranks(
+        _gather(
             self._runtime,
             self._shape.ranks(),
             {"k": K.PUSH},
@@ -171,7 +182,7 @@ class ProcMesh(_MeshView):
         if not names:
             raise TypeError("pull() needs at least one variable name")
         payload, buffers = dumps(list(names), "pull request")
-        per_rank = _gather_ranks(
+        per_rank = _gather(
             self._runtime,
             self._shape.ranks(),
             {"k": K.PULL},
@@ -180,7 +191,7 @@ class ProcMesh(_MeshView):
             self._shape,
             control=True,
         ).get()
-        meshes = {
+        meshes: dict[str, ValueMesh[Any]] = {
             n: ValueMesh(self._shape, [vals[i] for vals in per_rank.values()])
             for i, n in enumerate(names)
         }
@@ -203,11 +214,12 @@ class ProcMesh(_MeshView):
         if not ranks:
             return
         rt.restart_ranks(ranks, timeout)
-        for name, (payload, buffers) in rt.actor_specs.items():
-            targets = [r for r in ranks if r in rt.actor_ranks.get(name, ())]
+        for spec in list(rt.actors.values()):
+            targets = [r for r in ranks if r in spec.ranks]
             if targets:
-                fut = _gather_ranks(rt, targets, {"k": K.SPAWN_ACTOR, "a": name}, payload, buffers)
-                fut.get()
+                header = {"k": K.SPAWN_ACTOR, "a": spec.name}
+                what = f"spawn {spec.name}"
+                _gather(rt, targets, header, spec.payload, spec.buffers, None, what).get()
 
     def stop(self) -> Future[None]:
         """Stop every rank and host agent of the whole mesh (not only this slice)."""
@@ -219,9 +231,9 @@ class ProcMesh(_MeshView):
     def dashboard(self) -> Any:
         """This mesh's live dashboard (the same widget every time): shown as a cell's
         last expression, or with ``display(procs.dashboard())``."""
-        if dashboard_hook is None:
+        if _dashboard_factory is None:
             raise RuntimeError("the dashboard needs ipywidgets: import monarch_kernel.widgets")
-        return dashboard_hook(self)
+        return _dashboard_factory(self)
 
     @property
     def stopped(self) -> bool:
@@ -264,7 +276,9 @@ class ActorMesh(_MeshView):
 
     def stop(self) -> None:
         """Remove this actor from its ranks."""
-        _gather(self._runtime, self._shape, {"k": K.STOP_ACTOR, "a": self._name}, b"", ()).get()
+        header = {"k": K.STOP_ACTOR, "a": self._name}
+        _gather(self._runtime, self._ranks, header, b"", (), self._shape, "").get()
+        self._runtime.actors.pop(self._name, None)
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name!r} ({self._class.__name__}) {self._shape.describe()}>"
@@ -281,10 +295,19 @@ class EndpointRef:
     def _where(self) -> str:
         return f"{self._mesh._class.__name__}.{self._method}"
 
-    def _header(self) -> dict[str, Any]:
+    def _header(self) -> Header:
         return {"k": K.CALL, "a": self._mesh._name, "m": self._method}
 
-    def _payload(self, args: tuple, kwargs: dict) -> tuple[bytes, list[Any]]:
+    def _request(self, rank: int, payload: bytes, buffers: Sequence[Buffer]) -> Future[Any]:
+        rt = self._mesh._runtime
+        one = One(rt.wait_for)
+        what = f"{self._mesh._name}.{self._method}"
+        rt.request([rank], self._header(), payload, buffers, one, what=what, waited=True)
+        return one.future
+
+    def _payload(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[bytes, Sequence[Buffer]]:
         try:
             return dumps((args, kwargs))
         except SerializationError:
@@ -294,8 +317,9 @@ class EndpointRef:
         """Call every rank; the future gives a ValueMesh (or one grouped ActorError)."""
         payload, buffers = self._payload(args, kwargs)
         mesh = self._mesh
-        return _gather_ranks(
-            mesh._runtime, mesh._ranks, self._header(), payload, buffers, mesh._shape
+        what = f"{mesh._name}.{self._method}"
+        return _gather(
+            mesh._runtime, mesh._ranks, self._header(), payload, buffers, mesh._shape, what
         )
 
     def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
@@ -308,7 +332,7 @@ class EndpointRef:
                 f".slice({self._mesh._shape.labels[-1]}=0), or use call()"
             )
         payload, buffers = self._payload(args, kwargs)
-        return _single(self._mesh._runtime, ranks[0], self._header(), payload, buffers)
+        return self._request(ranks[0], payload, buffers)
 
     def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """Call one rank, the least busy live one."""
@@ -318,39 +342,21 @@ class EndpointRef:
             rt.check_alive(self._mesh._shape.ranks())
         rank = min(alive, key=lambda r: rt.ranks[r].outstanding)
         payload, buffers = self._payload(args, kwargs)
-        return _single(rt, rank, self._header(), payload, buffers)
+        return self._request(rank, payload, buffers)
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Fire and forget on every rank; exceptions go to the mesh's supervision."""
         payload, buffers = self._payload(args, kwargs)
-        ranks = self._mesh._shape.ranks()
-        rt = self._mesh._runtime
-        rt.check_alive(ranks)
-        rt.send(ranks, self._header(), payload, buffers)
+        self._mesh._runtime.send(self._mesh._ranks, self._header(), payload, buffers)
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
         """Call every rank; yield one future per rank in the order they answer."""
         payload, buffers = self._payload(args, kwargs)
-        rt = self._mesh._runtime
-        ranks = self._mesh._shape.ranks()
-        futures = {r: Future(_finish_one) for r in ranks}
-        done: queue.Queue[Future[Any]] = queue.Queue()
-        for fut in futures.values():
-            fut.add_done_callback(done.put)
-
-        def on_reply(rank: int, msg: Message) -> None:
-            futures[rank].set_result((rank, msg, len(ranks)))
-
-        def on_death(rank: int, error: BaseException) -> None:
-            futures[rank].set_exception(error)
-
-        rt.request(ranks, self._header(), payload, buffers, on_reply, on_death)
-
-        def results() -> Iterator[Future[Any]]:
-            for _ in ranks:
-                yield done.get()
-
-        return results()
+        mesh = self._mesh
+        each = Each(mesh._ranks)
+        what = f"{mesh._name}.{self._method}"
+        mesh._runtime.request(mesh._ranks, self._header(), payload, buffers, each, what=what)
+        return each.in_order_of_answers()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(
@@ -362,7 +368,9 @@ class EndpointRef:
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _dump_call(obj: Any, args: tuple, kwargs: dict, what: str) -> tuple[bytes, list[Any]]:
+def _dump_call(
+    obj: object, args: tuple[Any, ...], kwargs: dict[str, Any], what: str
+) -> tuple[bytes, list[Any]]:
     try:
         return dumps(obj, what)
     except SerializationError:
@@ -375,86 +383,20 @@ def _dump_call(obj: Any, args: tuple, kwargs: dict, what: str) -> tuple[bytes, l
     return dumps(obj, what)  # the class itself (raises with its own message)
 
 
-def _decode_reply(rank: int, msg: Message, total: int) -> tuple[bool, Any]:
-    if msg.header.get("ok"):
-        return True, loads(msg.payload, msg.buffers, lambda: f"result from rank {rank}")
-    import pickle
-
-    report = pickle.loads(msg.payload)
-    report["rank"] = rank
-    return False, report
-
-
-def _finish_one(raw: tuple[int, Message, int]) -> Any:
-    rank, msg, total = raw
-    ok, value = _decode_reply(rank, msg, total)
-    if not ok:
-        raise actor_error([value], total)
-    return value
-
-
-def _single(rt: MeshRuntime, rank: int, header: dict, payload: bytes, buffers: list) -> Future:
-    fut: Future[Any] = Future(_finish_one, rt.wait_for)
-    rt.request(
-        [rank],
-        header,
-        payload,
-        buffers,
-        lambda r, msg: fut.set_result((r, msg, 1)),
-        lambda r, err: fut.set_exception(err),
-        waited=True,
-    )
-    return fut
-
-
-def _gather(rt: MeshRuntime, shape: Shape, header: dict, payload: bytes, buffers: Any) -> Future:
-    return _gather_ranks(rt, shape.ranks(), header, payload, buffers, shape)
-
-
-def _gather_ranks(
+def _gather(
     rt: MeshRuntime,
     ranks: list[int],
-    header: dict,
+    header: Header,
     payload: bytes,
-    buffers: Any,
-    shape: Shape | None = None,
+    buffers: Sequence[Buffer],
+    shape: Shape | None,
+    what: str = "",
     control: bool = False,
-) -> Future:
-    index = {r: i for i, r in enumerate(ranks)}
-    replies: list[Message | None] = [None] * len(ranks)
-    remaining = [len(ranks)]
-
-    def finish(_: Any) -> ValueMesh:
-        values, failures = [], []
-        for r, msg in zip(ranks, replies):
-            ok, value = _decode_reply(r, msg, len(ranks))
-            values.append(value)
-            if not ok:
-                failures.append(value)
-        if failures:
-            raise actor_error(failures, len(ranks))
-        mesh_shape = shape or Shape(("ranks",), (len(ranks),))
-        return ValueMesh(mesh_shape, values)
-
-    fut: Future[ValueMesh] = Future(finish, rt.wait_for)
-
-    def on_reply(rank: int, msg: Message) -> None:
-        replies[index[rank]] = msg
-        remaining[0] -= 1
-        if remaining[0] == 0:
-            fut.set_result(None)
-
-    rt.request(
-        ranks,
-        header,
-        payload,
-        buffers,
-        on_reply,
-        lambda r, e: fut.set_exception(e),
-        control=control,
-        waited=True,
-    )
-    return fut
+) -> Future[ValueMesh[Any]]:
+    """Send a request to ``ranks``; the future gives a ValueMesh (or a grouped error)."""
+    gather = Gather(ranks, shape, rt.wait_for)
+    rt.request(ranks, header, payload, buffers, gather, what=what, control=control, waited=True)
+    return gather.future
 
 
 __all__ = ["ActorError", "ActorMesh", "EndpointRef", "HostMesh", "ProcMesh"]

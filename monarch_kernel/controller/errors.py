@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+import pickle
+from typing import TYPE_CHECKING
+
+from monarch_kernel.wire.reports import FailureReport
+
+if TYPE_CHECKING:
+    from monarch_kernel.controller.records import DeathInfo
 
 
 class MonarchError(Exception):
@@ -18,11 +24,16 @@ class MeshStartError(MonarchError):
 
 
 class RankDiedError(MonarchError):
-    """A rank a call was waiting on died. Names rank, host, pid, exit code or signal."""
+    """A rank a call was waiting on died. Names rank, host, pid, exit code or signal.
 
-    def __init__(self, message: str, death: dict[str, Any] | None = None):
+    ``death`` holds the details (None when the rank was already gone before the call);
+    ``mesh`` is the mesh's name.
+    """
+
+    def __init__(self, message: str, death: DeathInfo | None = None, mesh: str = ""):
         super().__init__(message)
-        self.death = death or {}
+        self.death = death
+        self.mesh = mesh
 
 
 class ActorError(MonarchError):
@@ -34,7 +45,12 @@ class ActorError(MonarchError):
     rebuilt here (else ``None``).
     """
 
-    def __init__(self, message: str, failures: list[dict[str, Any]], exception: Any = None):
+    def __init__(
+        self,
+        message: str,
+        failures: list[FailureReport],
+        exception: BaseException | None = None,
+    ):
         super().__init__(message)
         self.failures = failures
         self.exception = exception
@@ -48,9 +64,9 @@ class ActorError(MonarchError):
         return self.failures[0]["traceback"] if self.failures else ""
 
 
-def group_failures(failures: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[int]]]:
+def group_failures(failures: list[FailureReport]) -> list[tuple[FailureReport, list[int]]]:
     """Group identical failures (same type, message and user line); keep arrival order."""
-    groups: dict[tuple, tuple[dict[str, Any], list[int]]] = {}
+    groups: dict[tuple[object, ...], tuple[FailureReport, list[int]]] = {}
     for f in failures:
         line = f.get("line") or {}
         key = (f["type"], f["message"], line.get("line"), line.get("code"))
@@ -62,24 +78,27 @@ def group_failures(failures: list[dict[str, Any]]) -> list[tuple[dict[str, Any],
 
 
 def format_ranks(ranks: list[int]) -> str:
-    """``1, 3`` or ``0-3`` style."""
-    ranks = sorted(ranks)
-    parts, start, prev = [], None, None
-    for r in ranks + [None]:  # type: ignore[list-item]
-        if start is None:
-            start = prev = r
-        elif r is not None and r == prev + 1:
-            prev = r
-        else:
-            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = prev = r
+    """``1, 3`` or ``0-3`` style: consecutive ranks as ranges."""
+    parts: list[str] = []
+    run: list[int] = []
+    for r in sorted(ranks):
+        if run and r != run[-1] + 1:
+            parts.append(_span(run))
+            run = []
+        run.append(r)
+    if run:
+        parts.append(_span(run))
     return ", ".join(parts)
 
 
-def actor_error(failures: list[dict[str, Any]], total: int) -> ActorError:
-    """One grouped :class:`ActorError` for the failures of one call."""
-    import pickle
+def _span(run: list[int]) -> str:
+    return f"{run[0]}" if len(run) == 1 else f"{run[0]}-{run[-1]}"
 
+
+def actor_error(
+    failures: list[FailureReport], total: int, error_class: type[ActorError] = ActorError
+) -> ActorError:
+    """One grouped :class:`ActorError` (or ``error_class``) for the failures of one call."""
     groups = group_failures(failures)
     lines = []
     for f, ranks in groups:
@@ -95,9 +114,10 @@ def actor_error(failures: list[dict[str, Any]], total: int) -> ActorError:
     if first.get("tensors"):
         text += "Tensors in the failing frame:\n  " + "\n  ".join(first["tensors"]) + "\n"
     exc = None
-    if first.get("exception"):
+    pickled = first.get("exception")
+    if pickled:
         try:
-            exc = pickle.loads(first["exception"])
+            exc = pickle.loads(pickled)
         except Exception:
             exc = None
-    return ActorError(text, failures, exc)
+    return error_class(text, failures, exc)

@@ -150,7 +150,11 @@ class Future(Generic[T]):
             waiter = loop.create_future()
 
             def wake(_: Future) -> None:
-                loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+                def resolve() -> None:
+                    if not waiter.done():
+                        waiter.set_result(None)
+
+                loop.call_soon_threadsafe(resolve)
 
             self.add_done_callback(wake)
             yield from waiter.__await__()

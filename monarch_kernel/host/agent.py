@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -98,6 +99,16 @@ class HostAgent:
         self.greeted: set[int] = set()  # ranks that said hello and still wait for ours
         self.expected_exits: set[int] = set()
         self.cfg: dict[str, Any] = {}
+        #: Handlers of the controller's messages by kind (forwarded ones, with header
+        #: ``f``, never get here): ``handler(header)``; "stop" ends the message loop.
+        self.handlers: dict[str, Callable[[dict[str, Any]], str | None]] = {
+            K.SPAWN_RANKS: self.on_spawn_ranks,
+            K.SIGNAL_RANKS: self.on_signal_ranks,
+            K.KILL_RANKS: self.on_kill_ranks,
+            K.STOP: self.on_stop,
+            K.HEARTBEAT: self.on_ignored,
+            K.HELLO: self.on_ignored,
+        }
 
     def configure(self, cfg: dict[str, Any]) -> None:
         self.cfg = cfg
@@ -142,7 +153,7 @@ class HostAgent:
         last_rx = last_hb = time.monotonic()
         while True:
             # While a rank waits for our hello, retry it every few milliseconds.
-            events = dict(poller.poll(2 if self.greeted else HEARTBEAT_INTERVAL * 500))
+            events = dict(poller.poll(2 if self.greeted else int(HEARTBEAT_INTERVAL * 500)))
             now = time.monotonic()
             if self.template.event_r in events:
                 for ev in self.template.events():
@@ -210,31 +221,45 @@ class HostAgent:
                     pass  # death or readiness is reported separately
             return None
         kind = h["k"]
-        if kind == K.SPAWN_RANKS:
-            common = dict(h["common"])
-            common.update(
-                key=self.cfg["key"],
-                send=self.cfg["send"],
-                recv=self.cfg["recv"],
-                fanout=self.fan_addr,
-                hostname=self.hostname,
-            )
-            for spec in h["ranks"]:
-                cfg = dict(common, **spec)
-                cfg["log"] = os.path.join(self.private_dir, f"rank{spec['rank']}.log")
-                if os.path.exists(cfg["log"]):
-                    os.unlink(cfg["log"])
-                self.template.command(op="fork", cfg=cfg)
-        elif kind == K.SIGNAL_RANKS:
-            self.signal(h["d"], int(h["sig"]))
-        elif kind == K.KILL_RANKS:
-            self.expected_exits.update(r for r in h["d"] if r in self.pids)
-            self.signal(h["d"], signal.SIGKILL)
-        elif kind == K.STOP:
-            return "stop"
-        elif kind not in (K.HEARTBEAT, K.HELLO):
+        try:
+            handler = self.handlers[kind]
+        except (KeyError, TypeError):  # unknown (or unhashable) kind
             log.warning("host %s: unknown message kind %r", self.host, kind)
-        return None
+            return None
+        return handler(h)
+
+    def on_spawn_ranks(self, h: dict[str, Any]) -> None:
+        """SPAWN_RANKS: fork one rank per spec in ``ranks`` (each merged over ``common``)."""
+        common = dict(h["common"])
+        common.update(
+            key=self.cfg["key"],
+            send=self.cfg["send"],
+            recv=self.cfg["recv"],
+            fanout=self.fan_addr,
+            hostname=self.hostname,
+        )
+        for spec in h["ranks"]:
+            cfg = dict(common, **spec)
+            cfg["log"] = os.path.join(self.private_dir, f"rank{spec['rank']}.log")
+            if os.path.exists(cfg["log"]):
+                os.unlink(cfg["log"])
+            self.template.command(op="fork", cfg=cfg)
+
+    def on_signal_ranks(self, h: dict[str, Any]) -> None:
+        """SIGNAL_RANKS: send signal ``sig`` to the local ranks ``d``."""
+        self.signal(h["d"], int(h["sig"]))
+
+    def on_kill_ranks(self, h: dict[str, Any]) -> None:
+        """KILL_RANKS: SIGKILL the local ranks ``d``; their exits are reported as expected."""
+        self.expected_exits.update(r for r in h["d"] if r in self.pids)
+        self.signal(h["d"], signal.SIGKILL)
+
+    def on_stop(self, h: dict[str, Any]) -> str:
+        """STOP: leave the message loop (``shutdown`` then stops the ranks)."""
+        return "stop"
+
+    def on_ignored(self, h: dict[str, Any]) -> None:
+        """HEARTBEAT and HELLO: receiving anything already counts as a heartbeat."""
 
     def signal(self, ranks: list[int], sig: int) -> None:
         for r in ranks:

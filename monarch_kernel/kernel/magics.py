@@ -7,8 +7,6 @@ points at the cell's lines, never a traceback of our internals.
 
 from __future__ import annotations
 
-import argparse
-import html
 import keyword
 import shlex
 import time
@@ -18,83 +16,19 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
 from monarch_kernel.actor import ActorMesh, ProcMesh, ValueMesh, host_mesh
-from monarch_kernel.controller.errors import (
-    ActorError,
-    MeshStartError,
-    MeshStoppedError,
-    RankDiedError,
-)
+from monarch_kernel.controller.errors import ActorError
+from monarch_kernel.controller.registry import registry
+from monarch_kernel.kernel.args import Parser, mesh_parser, remote_parser, split_args
 from monarch_kernel.kernel.channel import CellChannel, LiveText
-from monarch_kernel.kernel.output import MODES, CellOutput
+from monarch_kernel.kernel.hints import REMOTE_ERRORS, show_remote_error
+from monarch_kernel.kernel.output import CellOutput
 from monarch_kernel.kernel.remote import RemoteJob
+from monarch_kernel.kernel.table import MeshTable
 from monarch_kernel.shape import Shape, SliceError, parse_ranks
-from monarch_kernel.wire.serialize import SerializationError
+
+__all__ = ["MeshMagics", "load_ipython_extension", "split_args", "stop_all_meshes"]
 
 INIT_DIST = "import torch.distributed as _mk_dist\n_mk_dist.init_process_group()\n"
-
-#: Errors shown as their message only (no local traceback of our internals).
-REMOTE_ERRORS = (ActorError, RankDiedError, MeshStoppedError, MeshStartError, SerializationError)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError instead of exiting."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
-        raise UsageError(f"{self.prog}: {message}. Usage: {usage}")
-
-    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
-        raise UsageError(message or self.format_usage())
-
-
-def _mesh_parser() -> _Parser:
-    p = _Parser(prog="%mesh", add_help=False)
-    p.add_argument("name")
-    p.add_argument("--gpus", type=int, default=None, help="ranks per host")
-    p.add_argument("--hosts", type=int, default=1)
-    p.add_argument("--backend", default="local")
-    p.add_argument("--env", action="append", default=[], metavar="K=V")
-    p.add_argument("--timeout", type=float, default=120.0)
-    p.add_argument("--dist", action="store_true", help="init_process_group on every rank")
-    return p
-
-
-def _remote_parser() -> _Parser:
-    p = _Parser(prog="%%remote", add_help=False)
-    p.add_argument("target")
-    p.add_argument("--ranks", default=None)
-    p.add_argument("--bg", action="store_true")
-    p.add_argument("--group-outputs", default="collapse", choices=MODES)
-    p.add_argument("-o", "--out", default=None, metavar="NAME")
-    return p
-
-
-def split_args(text: str) -> list[str]:
-    """Split on whitespace outside brackets and quotes: ``a=[1, 2] b`` -> 2 tokens."""
-    out, cur, depth, quote = [], [], 0, ""
-    for ch in text:
-        if quote:
-            cur.append(ch)
-            if ch == quote:
-                quote = ""
-            continue
-        if ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch.isspace() and depth == 0:
-            if cur:
-                out.append("".join(cur))
-                cur = []
-            continue
-        cur.append(ch)
-    if quote or depth:
-        raise UsageError(f"unbalanced quotes or brackets in {text!r}")
-    if cur:
-        out.append("".join(cur))
-    return out
 
 
 @magics_class
@@ -103,14 +37,18 @@ class MeshMagics(Magics):
 
     def __init__(self, shell: Any):
         super().__init__(shell)
-        self.meshes: dict[str, ProcMesh] = {}
         self.jobs: list[RemoteJob] = []
         self._cell = 0
 
     # -- helpers -------------------------------------------------------------------
+    @property
+    def _user_ns(self) -> dict[str, Any]:
+        assert self.shell is not None  # magics are always registered with a shell
+        return self.shell.user_ns
+
     def _resolve(self, target: str) -> ProcMesh:
         """``NAME`` or an expression such as ``NAME.slice(gpus=0)`` -> a ProcMesh view."""
-        ns = self.shell.user_ns
+        ns = self._user_ns
         if target.isidentifier() and target not in ns:
             raise UsageError(f"no mesh named {target!r}; {self._live_hint()}")
         try:
@@ -132,7 +70,7 @@ class MeshMagics(Magics):
         return obj
 
     def _live_hint(self) -> str:
-        live = [n for n, m in self.meshes.items() if not m.stopped]
+        live = registry.names()
         if live:
             return f"live meshes: {', '.join(live)}"
         return "create one with %mesh NAME --gpus 4"
@@ -153,7 +91,7 @@ class MeshMagics(Magics):
         """
         args = shlex.split(line)
         if not args:
-            return MeshTable(self.meshes)
+            return MeshTable(registry.listed())
         if args[0] == "stop":
             if len(args) != 2:
                 raise UsageError("usage: %mesh stop NAME")
@@ -165,13 +103,13 @@ class MeshMagics(Magics):
         return self._create(args)
 
     def _existing(self, name: str) -> ProcMesh:
-        mesh = self.meshes.get(name)
-        if mesh is None:
+        runtime = registry.get(name)
+        if runtime is None:
             raise UsageError(f"no mesh named {name!r}; {self._live_hint()}")
-        return mesh
+        return ProcMesh(runtime)
 
     def _restart(self, args: list[str]) -> None:
-        p = _Parser(prog="%mesh restart", add_help=False)
+        p = Parser(prog="%mesh restart", add_help=False)
         p.add_argument("name")
         p.add_argument("--ranks", default=None)
         opts = p.parse_args(args)
@@ -192,7 +130,7 @@ class MeshMagics(Magics):
         print(f"mesh {opts.name!r}: restarted {which} in {time.monotonic() - t0:.2f}s")
 
     def _create(self, args: list[str]) -> None:
-        opts = _mesh_parser().parse_args(args)
+        opts = mesh_parser().parse_args(args)
         name = opts.name
         if not name.isidentifier() or keyword.iskeyword(name):
             raise UsageError(f"mesh name {name!r} must be a Python identifier (e.g. trainers)")
@@ -206,7 +144,8 @@ class MeshMagics(Magics):
             if not sep or not key:
                 raise UsageError(f"--env takes KEY=VALUE, got {item!r}")
             env[key] = value
-        old = self.meshes.get(name)
+        old_runtime = registry.get(name)
+        old = ProcMesh(old_runtime) if old_runtime is not None else None
         if old is not None and not old.stopped:
             same = (
                 old.extent
@@ -217,7 +156,7 @@ class MeshMagics(Magics):
             )
             if same:
                 print(f"mesh {name!r} is already running (%mesh restart {name} to restart it)")
-                self.shell.user_ns[name] = old
+                self._user_ns[name] = old
                 from monarch_kernel.widgets import show
 
                 show(old)
@@ -227,14 +166,29 @@ class MeshMagics(Magics):
             hosts = host_mesh(hosts=opts.hosts, backend=opts.backend)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        from monarch_kernel.widgets import spawn_with_dashboard  # ipywidgets: imported late
+        from monarch_kernel.widgets import show  # ipywidgets: imported late
+
+        shown: list[ProcMesh] = []
+
+        def show_while_starting(procs: ProcMesh) -> None:
+            show(procs)  # the dashboard shows the ranks start (or fail to)
+            shown.append(procs)
 
         t0 = time.monotonic()
-        procs = spawn_with_dashboard(  # shows the dashboard while the ranks start
-            hosts, {"gpus": opts.gpus}, name=name, env=env, timeout=opts.timeout
-        )
-        self.meshes[name] = procs
-        self.shell.user_ns[name] = procs
+        try:
+            procs = hosts.spawn_procs(
+                {"gpus": opts.gpus},
+                name=name,
+                env=env,
+                timeout=opts.timeout,
+                on_starting=show_while_starting,
+            )
+        except ValueError as exc:  # e.g. the name is taken by a mesh made in a cell
+            raise UsageError(str(exc)) from None
+        finally:
+            for p in shown:
+                _refresh_dashboard(p)
+        self._user_ns[name] = procs
         print(
             f"mesh {name!r}: {procs.shape.describe()} ({opts.backend}) ready in "
             f"{time.monotonic() - t0:.2f}s"
@@ -267,7 +221,7 @@ class MeshMagics(Magics):
             if len(parts) < 2:
                 raise UsageError("usage: %remote NAME statement (or %%remote NAME as a cell)")
             line, cell, header = parts[0], parts[1], []
-        opts = _remote_parser().parse_args(split_args(line))
+        opts = remote_parser().parse_args(split_args(line))
         procs = self._resolve(opts.target)
         ranks, shape = procs.ranks(), procs.shape
         if opts.ranks is not None:
@@ -307,7 +261,7 @@ class MeshMagics(Magics):
             return job
         values = job.wait()
         if opts.out:
-            self.shell.user_ns[opts.out] = values
+            self._user_ns[opts.out] = values
         if all(v is None for v in values.values()):
             return None
         return values
@@ -344,7 +298,7 @@ class MeshMagics(Magics):
             raise UsageError("usage: %push NAME var=expr [other_var ...]")
         procs = self._resolve(tokens[0])
         values = {}
-        ns = self.shell.user_ns
+        ns = self._user_ns
         for tok in tokens[1:]:
             name, sep, expr = tok.partition("=")
             if not name.isidentifier():
@@ -407,55 +361,12 @@ def _report_bg(job: RemoteJob, live: LiveText, out: str | None, shell: Any) -> N
         live.emit("stdout", repr(values))
 
 
-class MeshTable:
-    """``%mesh`` with no arguments: the live meshes."""
+def _refresh_dashboard(procs: ProcMesh) -> None:
+    from monarch_kernel.widgets import dashboard
 
-    def __init__(self, meshes: dict[str, ProcMesh]):
-        self.rows = []
-        for name, m in meshes.items():
-            rt = m.runtime
-            alive = sum(1 for r in rt.ranks if r.alive)
-            self.rows.append(
-                (
-                    name,
-                    m.shape.describe(),
-                    getattr(rt, "backend", "local"),
-                    f"{alive}/{rt.world}",
-                    rt.state,
-                )
-            )
-
-    def __repr__(self) -> str:
-        if not self.rows:
-            return "no meshes; create one with %mesh NAME --gpus 4"
-        head = ("mesh", "shape", "backend", "alive", "state")
-        widths = [max(len(str(r[i])) for r in (head, *self.rows)) for i in range(5)]
-        lines = [
-            "  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in (head, *self.rows)
-        ]
-        return "\n".join(lines)
-
-    def _repr_html_(self) -> str:
-        if not self.rows:
-            return "<i>no meshes; create one with <code>%mesh NAME --gpus 4</code></i>"
-        head = "".join(f"<th>{h}</th>" for h in ("mesh", "shape", "backend", "alive", "state"))
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
-            for row in self.rows
-        )
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def _show_remote_error(
-    shell: Any, etype: type, evalue: BaseException, tb: Any, tb_offset: Any = None
-) -> list[str]:
-    """Show a remote failure as its grouped message only."""
-    stb = [
-        f"{etype.__name__}: {line}" if i == 0 else line
-        for i, line in enumerate(str(evalue).split("\n"))
-    ]
-    shell._showtraceback(etype, evalue, stb)
-    return stb
+    dash = dashboard(procs)
+    dash.update()
+    dash.refresh_displays()
 
 
 def _dashboard(procs: ProcMesh) -> Any:
@@ -466,20 +377,15 @@ def _dashboard(procs: ProcMesh) -> Any:
 
 def load_ipython_extension(ipython: Any) -> None:
     """Register the magics (``%load_ext monarch_kernel``)."""
-    from monarch_kernel.actor import meshes
+    from monarch_kernel.actor.meshes import set_dashboard_factory
 
-    meshes.dashboard_hook = meshes.dashboard_hook or _dashboard  # ProcMesh.dashboard()
+    set_dashboard_factory(_dashboard)  # ProcMesh.dashboard(), importing ipywidgets late
     magics = MeshMagics(ipython)
     ipython.register_magics(magics)
-    ipython.set_custom_exc(REMOTE_ERRORS, _show_remote_error)
+    ipython.set_custom_exc(REMOTE_ERRORS, show_remote_error)
     ipython.user_ns.setdefault("_monarch_magics", magics)
 
 
 def stop_all_meshes() -> None:
-    from monarch_kernel.controller.mesh import live_meshes
-
-    for mesh in live_meshes():
-        try:
-            mesh.stop(timeout=5)
-        except Exception:  # pragma: no cover - best effort on shutdown
-            pass
+    """Stop every live mesh of this kernel (shutdown and restart)."""
+    registry.stop_all(timeout=5)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from monarch_kernel.actor import ProcMesh, ValueMesh
-from monarch_kernel.controller.errors import ActorError, actor_error
+from monarch_kernel.actor.gather import Gather
+from monarch_kernel.controller.errors import ActorError
 from monarch_kernel.controller.future import Future
+from monarch_kernel.controller.mesh import new_request_id
 from monarch_kernel.kernel.output import CellOutput
 from monarch_kernel.shape import Shape
-from monarch_kernel.wire import Message, dumps, loads
+from monarch_kernel.wire import dumps
 from monarch_kernel.wire import kinds as K
 
 #: For --bg jobs: how long after the last result their output block is closed (output of
@@ -32,6 +33,10 @@ class RemoteJob:
     ``wait()``/``result()`` give the ValueMesh of the cell's last expression (or raise
     the grouped error), ``done()`` tells whether all ranks finished, ``cancel()``
     interrupts the ranks still running it.
+
+    The cell is one request: its replies are gathered by the actor API's
+    :class:`~monarch_kernel.actor.gather.Gather`, and its output is routed (by request
+    id) to this job's :class:`CellOutput` through the mesh's stream router.
     """
 
     def __init__(
@@ -55,75 +60,54 @@ class RemoteJob:
         self.header = header or []
         self.started = time.time()
         self.finished: float | None = None
-        self.request_id: str | None = None
-        self._replies: dict[int, Message] = {}
-        self._lock = threading.Lock()
-        self.future: Future[ValueMesh] = Future(self._finish)
+        self.request_id = new_request_id()
+        # Not a waiter: the I/O thread receives cell replies (a cell's output must keep
+        # flowing while the notebook's main thread blocks in wait()).
+        self._gather = Gather(
+            self.ranks, self.shape, None, error_class=RemoteCellError, value_name="cell value"
+        )
+        self.future: Future[ValueMesh[object]] = self._gather.future
+        self._closing = threading.Lock()  # held for good once the output is closed
 
     def start(self) -> RemoteJob:
         spec = {"code": self.code, "cell": self.cell, "header": self.header}
         payload, buffers = dumps(spec, "cell")
-        self.request_id = self.procs.runtime.request(
-            self.ranks,
-            {"k": K.EXEC},
-            payload,
-            buffers,
-            self._on_reply,
-            self._on_death,
-            sink=self._sink,
-        )
+        rt = self.procs.runtime
+        if self.output is not None:
+            rt.output.route(self.request_id, self.output.feed)
+        self.future.add_done_callback(self._on_done)
+        try:
+            rt.request(
+                self.ranks,
+                {"k": K.EXEC},
+                payload,
+                buffers,
+                self._gather,
+                what=f"cell {self.cell}",
+                request_id=self.request_id,
+            )
+        except BaseException:
+            rt.output.unroute(self.request_id)
+            raise
         return self
 
-    # -- I/O thread callbacks ----------------------------------------------------------
-    def _sink(self, rank: int, name: str, text: str) -> None:
-        if self.output is not None:
-            self.output.feed(rank, name, text)
-
-    def _on_reply(self, rank: int, msg: Message) -> None:
-        with self._lock:
-            self._replies[rank] = msg
-            complete = len(self._replies) == len(self.ranks)
-        if complete:
-            self._complete(None)
-
-    def _on_death(self, rank: int, error: BaseException) -> None:
-        self._complete(error)
-
-    def _complete(self, error: BaseException | None) -> None:
-        if self.future.done():
-            return
+    def _on_done(self, _: Future[ValueMesh[object]]) -> None:
+        """Every rank answered or one was lost (a controller thread: never sleep here)."""
         self.finished = time.time()
-        if error is None:
-            self.future.set_result(None)
-        else:
-            self.future.set_exception(error)
-        # Never sleep here (this is the controller's I/O thread): close the output and
-        # report after a short grace on a timer thread.
+        # Close the output and report after a short grace, on a timer thread.
         threading.Timer(OUTPUT_GRACE, self._after_finish).start()
 
     def _after_finish(self) -> None:
-        if self.output is not None:
-            self.output.close()
+        self._close_output()
         if self.on_finished is not None:
             self.on_finished(self)
 
-    def _finish(self, _: Any) -> ValueMesh:
-        values, failures = [], []
-        for r in self.ranks:
-            msg = self._replies[r]
-            if msg.header.get("ok"):
-                values.append(loads(msg.payload, msg.buffers, f"cell value from rank {r}"))
-                continue
-            import pickle
-
-            report = pickle.loads(msg.payload)
-            report["rank"] = r
-            failures.append(report)
-            values.append(None)
-        if failures:
-            err = actor_error(failures, len(self.ranks))
-            raise RemoteCellError(str(err), err.failures, err.exception)
-        return ValueMesh(self.shape, values)
+    def _close_output(self) -> None:
+        if not self._closing.acquire(blocking=False):
+            return  # closed already (wait() and the timer both get here)
+        self.procs.runtime.output.unroute(self.request_id)
+        if self.output is not None:
+            self.output.close()
 
     # -- user side -----------------------------------------------------------------
     def done(self) -> bool:
@@ -135,8 +119,8 @@ class RemoteJob:
             try:
                 return self.future.get(timeout)
             finally:
-                if self.future.done() and self.output is not None:
-                    self.output.close()
+                if self.future.done():
+                    self._close_output()
         except KeyboardInterrupt:
             self.cancel()
             try:
@@ -152,8 +136,7 @@ class RemoteJob:
         if self.done():
             return
         rt = self.procs.runtime
-        with self._lock:
-            running = [r for r in self.ranks if r not in self._replies and rt.ranks[r].alive]
+        running = [r for r in self.ranks if not self._gather.answered(r) and rt.ranks[r].alive]
         for r in running:  # interrupts it if running, skips it if not started yet
             rt.send_control(r, {"k": K.CANCEL, "c": self.request_id})
 

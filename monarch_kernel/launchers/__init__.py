@@ -1,15 +1,25 @@
-"""Launchers start host agents; every backend runs the same host agent command."""
+"""Launchers start host agents; every backend runs the same host agent command.
+
+The seam is typed (:mod:`monarch_kernel.launchers.base`): a :class:`Launcher` starts host
+agents from :class:`HostConfig` s and returns a :class:`HostHandle` per agent.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from monarch_kernel.launchers.base import HostConfig, HostHandle, Launcher
+
+BACKENDS = ("local",)
+
+__all__ = ["BACKENDS", "HostConfig", "HostHandle", "Launcher", "get_launcher"]
 
 
-def get_launcher(backend: str, **options: Any) -> Any:
+def get_launcher(backend: str, **options: object) -> Launcher:
     """The launcher for ``backend`` (``local`` ...); a clear error for unknown ones."""
     if backend == "local":
         from monarch_kernel.launchers.local import LocalLauncher
 
+        if options:
+            raise ValueError(f"the local backend takes no options, got {', '.join(options)}")
+
         return LocalLauncher.shared()
-    known = "local"
-    raise ValueError(f"unknown backend {backend!r}; available backends: {known}")
+    raise ValueError(f"unknown backend {backend!r}; available backends: {', '.join(BACKENDS)}")

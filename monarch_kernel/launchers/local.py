@@ -17,22 +17,30 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
+from monarch_kernel.launchers.base import HostConfig, HostHandle
 from monarch_kernel.wire.osutil import tail_lines
+
+T = TypeVar("T")
 
 
 class LocalHost:
-    """Handle on one local host agent process."""
+    """Handle on one local host agent process (a :class:`~.base.HostHandle`)."""
 
-    def __init__(self, proc: subprocess.Popen, log_path: str):
+    def __init__(self, proc: subprocess.Popen[bytes], log_path: str):
         self.proc = proc
         self.log_path = log_path
-        self.pid = proc.pid
+        self._pid = proc.pid
 
-    def configure(self, cfg: dict[str, Any]) -> None:
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    def configure(self, cfg: HostConfig) -> None:
+        """Hand the agent its mesh (through its stdin: the key never shows in argv)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(cfg) + "\n").encode())
+        self.proc.stdin.write((json.dumps(cfg.to_json()) + "\n").encode())
         self.proc.stdin.flush()
 
     def exit_code(self) -> int | None:
@@ -65,9 +73,11 @@ class LocalHost:
 
 
 class LocalLauncher:
-    """Starts host agents on this machine, optionally from a pool of pre-warmed ones."""
+    """Starts host agents on this machine, optionally from a pool of pre-warmed ones
+    (a :class:`~.base.Launcher`)."""
 
     name = "local"
+    same_machine = True
     _shared: LocalLauncher | None = None
 
     def __init__(self) -> None:
@@ -76,7 +86,7 @@ class LocalLauncher:
         self._pool_lock = threading.Lock()
         # Linux's parent-death signal fires when the *thread* that forked a child exits,
         # so every agent is started from this one long-lived thread.
-        self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue]] = queue.Queue()
+        self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]]] = queue.Queue()
         threading.Thread(target=self._spawner, name="mk-local-launcher", daemon=True).start()
 
     @classmethod
@@ -93,8 +103,8 @@ class LocalLauncher:
             except BaseException as exc:  # noqa: BLE001
                 out.put((None, exc))
 
-    def _on_spawner(self, fn: Callable[[], Any]) -> Any:
-        out: queue.Queue = queue.Queue()
+    def _on_spawner(self, fn: Callable[[], T]) -> T:
+        out: queue.Queue[tuple[Any, BaseException | None]] = queue.Queue()
         self._jobs.put((fn, out))
         value, error = out.get()
         if error is not None:
@@ -135,8 +145,9 @@ class LocalLauncher:
         with self._pool_lock:
             return sum(1 for h in self._pool if h.exit_code() is None)
 
-    def start_hosts(self, configs: list[dict[str, Any]]) -> list[LocalHost]:
-        hosts = []
+    def start_hosts(self, configs: list[HostConfig]) -> list[HostHandle]:
+        """Hand each config to a pre-warmed agent, or to a new one."""
+        hosts: list[HostHandle] = []
         for cfg in configs:
             host = None
             with self._pool_lock:

@@ -30,7 +30,9 @@ def compile_cell(code: str, filename: str, first_line: int = 1) -> tuple[Any, An
     ast.increment_lineno(tree, first_line - 1)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+        last_expr = tree.body.pop()
+        assert isinstance(last_expr, ast.Expr)
+        last = ast.Expression(last_expr.value)
     body = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
     value = compile(last, filename, "eval", flags=flags, dont_inherit=True) if last else None
     return body, value

@@ -133,7 +133,7 @@ class _Server:
         self.shm: dict[int, str] = {}
         self.ids = itertools.count(1)
         self.lock = threading.Lock()
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         local = cfg.get("master_addr", "127.0.0.1").startswith("127.")
         host = "127.0.0.1" if local else "0.0.0.0"
@@ -174,6 +174,7 @@ class _Server:
         return t.view(-1).view(torch.uint8).numpy() if t.numel() else b""
 
     def _shm_path(self, ident: int) -> str:
+        assert SHM_DIR is not None  # only asked for when shared memory is usable
         with self.lock:
             name = self.shm.get(ident)
             if name is None:
@@ -193,7 +194,7 @@ class _Server:
         with self.lock:
             self.tensors.pop(ident, None)
             name = self.shm.pop(ident, None)
-        if name:
+        if name and SHM_DIR is not None:
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
             except OSError:
@@ -248,7 +249,7 @@ class _Client:
         header = dict(header, k="req")
         sock = self._socket(ref.address)
         sock.send_multipart(self.codec.encode(header))
-        if not sock.poll(timeout * 1000):
+        if not sock.poll(int(timeout * 1000)):
             raise TimeoutError(
                 f"rank {ref.owner} did not answer a data-plane request in {timeout}s "
                 "(is it alive and its mesh still running?)"

@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -42,6 +43,11 @@ log = logging.getLogger("monarch_kernel.rank")
 
 #: Result types that skip the (slower) awaitable check.
 _NOT_AWAITABLE = frozenset({int, float, str, bytes, bool, type(None), list, dict, tuple})
+
+#: A main-thread handler: ``handler(msg, request)``.
+Handler = Callable[[Message, str | None], None]
+#: A control-thread handler: ``handler(msg)``.
+ControlHandler = Callable[[Message], None]
 
 
 class Rank:
@@ -70,6 +76,24 @@ class Rank:
         labels, sizes = cfg["labels"], cfg["sizes"]
         point = Point(dict(zip(labels, cfg["coords"])), self.rank)
         context.install(point, dict(zip(labels, sizes)), self)
+        #: Ordered (main-thread) handlers: ``handler(msg, request)``, where ``request`` is
+        #: the request id when the sender waits for a reply (header ``w``), else None.
+        #: HELLO never gets here (see :meth:`_dispatch`).
+        self._handlers: dict[str, Handler] = {
+            K.CALL: self._call,
+            K.SPAWN_ACTOR: self._spawn_actor,
+            K.EXEC: self._exec,
+            K.STOP_ACTOR: self._stop_actor,
+        }
+        #: Control-thread handlers: ``handler(msg)``; what they raise is sent back as an
+        #: error reply to the request (header ``i``), or as a fault if there is none.
+        self._control_handlers: dict[str, ControlHandler] = {
+            K.HELLO: _ignore,  # the controller's connection probe
+            K.CANCEL: self._cancel,
+            K.PUSH: self._push,
+            K.PULL: self._pull,
+            K.PING: self._ping,
+        }
 
     def _dealer(self, ident: bytes, addr: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
@@ -213,37 +237,32 @@ class Rank:
             self.next_seq += 1
 
     def _dispatch(self, msg: Message) -> None:
+        """Handle one ordered message on the main thread (see ``self._handlers``)."""
         h = msg.header
         kind = h["k"]
-        if kind == K.HELLO:
+        if kind == K.HELLO:  # the connection probe: nothing to run, nothing to flush
             return
         request = h.get("i") if h.get("w") else None
         if request is not None and request in self.cancelled:
             self.cancelled.discard(request)
             self.reply_error(request, KeyboardInterrupt("cancelled before it started"), kind)
             return
+        try:
+            handler = self._handlers[kind]
+        except (KeyError, TypeError):  # unknown (or unhashable) kind
+            handler = self._unknown
         context.current_request = h.get("i")
         try:
-            if kind == K.CALL:
-                self._call(msg, request)
-            elif kind == K.SPAWN_ACTOR:
-                self._spawn_actor(msg, request)
-            elif kind == K.EXEC:
-                from monarch_kernel.rank.cells import run_cell
-
-                run_cell(self, msg, request)
-            elif kind == K.STOP_ACTOR:
-                self.actors.pop(h.get("a"), None)
-                if request:
-                    self.reply(request, None, "stop")
-            else:
-                log.warning("rank %s: unknown message kind %r", self.rank, kind)
+            handler(msg, request)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
             if self.cancelled:
                 self.cancelled.discard(context.current_request)
             context.current_request = None
+
+    def _unknown(self, msg: Message, request: str | None) -> None:
+        log.warning("rank %s: unknown message kind %r", self.rank, msg.header["k"])
 
     def run_user(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Call user code with interrupts enabled; await it if it is a coroutine."""
@@ -261,6 +280,7 @@ class Rank:
             self.in_user_code = False
 
     def _spawn_actor(self, msg: Message, request: str | None) -> None:
+        """SPAWN_ACTOR: construct actor ``a`` from the pickled ``(cls, args, kwargs)``."""
         name = msg.header["a"]
         cls = None
         try:
@@ -272,7 +292,20 @@ class Rank:
         if request:
             self.reply(request, None, f"spawn of {name}")
 
+    def _exec(self, msg: Message, request: str | None) -> None:
+        """EXEC: run a ``%%remote`` cell in the rank's namespace."""
+        from monarch_kernel.rank.cells import run_cell  # imported on the first cell
+
+        run_cell(self, msg, request)
+
+    def _stop_actor(self, msg: Message, request: str | None) -> None:
+        """STOP_ACTOR: forget actor ``a`` (no error if it is not there)."""
+        self.actors.pop(msg.header.get("a", ""), None)
+        if request:
+            self.reply(request, None, "stop")
+
     def _call(self, msg: Message, request: str | None) -> None:
+        """CALL: run endpoint ``m`` of actor ``a`` with the pickled ``(args, kwargs)``."""
         h = msg.header
         name, method = h["a"], h["m"]
         actor = self.actors.get(name)
@@ -302,7 +335,7 @@ class Rank:
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + STATS_INTERVAL
                 self._send_stats()
-            if not poller.poll(STATS_INTERVAL * 1000):
+            if not poller.poll(int(STATS_INTERVAL * 1000)):
                 continue
             try:
                 msg = self.codec.decode(wire_recv(self.ctl))
@@ -327,30 +360,46 @@ class Rank:
             pass
 
     def _control(self, msg: Message) -> None:
-        h = msg.header
-        if msg.kind == K.HELLO:
+        """Handle one control message (see ``self._control_handlers``); unknown kinds
+        are ignored."""
+        kind = msg.header["k"]
+        try:
+            handler = self._control_handlers[kind]
+        except (KeyError, TypeError):  # unknown (or unhashable) kind
             return
-        if msg.kind == K.CANCEL:
-            target = h["c"]
-            self.cancelled.add(target)  # skipped if it has not started yet
-            if len(self.cancelled) > 1000:  # cancels of requests that never came
-                self.cancelled.pop()
-            if context.current_request == target and self.in_user_code:
-                os.kill(os.getpid(), signal.SIGINT)  # raises in the main thread
-            return
-        if msg.kind == K.PUSH:
-            values = loads(msg.payload, msg.buffers, "pushed values")
-            self.namespace.update(values)
-            self.reply(h["i"], sorted(values), "push")
-        elif msg.kind == K.PULL:
-            names = loads(msg.payload, msg.buffers, "pull request")
-            missing = [n for n in names if n not in self.namespace]
-            if missing:
-                raise NameError(f"name {missing[0]!r} is not defined on rank {self.rank}")
-            values = [self.namespace[n] for n in names]
-            self.reply(h["i"], values, f"pulled {', '.join(names)} on rank {self.rank}")
-        elif msg.kind == K.PING:
-            self.reply(h["i"], {"pid": os.getpid(), "rejected": self.codec.rejected}, "ping")
+        handler(msg)
+
+    def _cancel(self, msg: Message) -> None:
+        """CANCEL: interrupt request ``c`` if it runs now, skip it if it has not started."""
+        target = msg.header["c"]
+        self.cancelled.add(target)  # skipped if it has not started yet
+        if len(self.cancelled) > 1000:  # cancels of requests that never came
+            self.cancelled.pop()
+        if context.current_request == target and self.in_user_code:
+            os.kill(os.getpid(), signal.SIGINT)  # raises in the main thread
+
+    def _push(self, msg: Message) -> None:
+        """PUSH: set the pickled ``{name: value}`` in the namespace; reply the names."""
+        values = loads(msg.payload, msg.buffers, "pushed values")
+        self.namespace.update(values)
+        self.reply(msg.header["i"], sorted(values), "push")
+
+    def _pull(self, msg: Message) -> None:
+        """PULL: reply the values of the pickled list of names, in that order."""
+        names = loads(msg.payload, msg.buffers, "pull request")
+        missing = [n for n in names if n not in self.namespace]
+        if missing:
+            raise NameError(f"name {missing[0]!r} is not defined on rank {self.rank}")
+        values = [self.namespace[n] for n in names]
+        self.reply(msg.header["i"], values, f"pulled {', '.join(names)} on rank {self.rank}")
+
+    def _ping(self, msg: Message) -> None:
+        """PING: reply this rank's pid and its count of rejected (forged) messages."""
+        self.reply(msg.header["i"], {"pid": os.getpid(), "rejected": self.codec.rejected}, "ping")
+
+
+def _ignore(msg: Message) -> None:
+    """A control message that needs nothing done (HELLO)."""
 
 
 STATS_INTERVAL = 1.0

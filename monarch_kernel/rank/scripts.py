@@ -39,6 +39,7 @@ def run_script(target: str, args: list[str], module: bool = False) -> None:
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
+            assert path is not None  # set whenever module is False
             runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):

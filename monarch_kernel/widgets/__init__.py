@@ -1,73 +1,61 @@
 """The live mesh dashboard (ipywidgets over the kernel's comm channel; no extra server).
 
-``%mesh NAME --gpus 4`` shows it at once, while the ranks start; ``NAME.dashboard()``
-(or ``dashboard(NAME)``) returns it again: the last expression of a cell, or
-``display(...)``.
+``%mesh NAME --gpus 4`` shows it at once, while the ranks start (``spawn_procs(...,
+on_starting=show)``); ``NAME.dashboard()`` (or ``dashboard(NAME)``) returns it again: the
+last expression of a cell, or ``display(...)``.
+
+One dashboard per mesh: this package keeps the map (weakly keyed by the mesh's
+:class:`~monarch_kernel.controller.mesh.MeshRuntime`); nothing is stored on the mesh.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from monarch_kernel.actor import meshes as _meshes
-from monarch_kernel.widgets.dashboard import UPDATE_INTERVAL, Dashboard
+from monarch_kernel.actor.meshes import ActorMesh, ProcMesh, set_dashboard_factory
+from monarch_kernel.controller.mesh import MeshRuntime
+from monarch_kernel.widgets.dashboard import UPDATE_INTERVAL, Dashboard, dashboard_of, existing
 from monarch_kernel.widgets.state import MeshState
 
-__all__ = ["Dashboard", "MeshState", "UPDATE_INTERVAL", "dashboard", "show", "spawn_with_dashboard"]
+__all__ = ["Dashboard", "MeshState", "UPDATE_INTERVAL", "dashboard", "refresh", "show"]
+
+Mesh = ProcMesh | ActorMesh | MeshRuntime
 
 
-def _runtime_of(mesh: Any) -> Any:
-    """The MeshRuntime behind a ProcMesh, an ActorMesh (``_runtime``) or itself."""
-    for attr in ("runtime", "_runtime"):
-        rt = getattr(mesh, attr, None)
-        if rt is not None:
-            return rt
-    return mesh
+def _runtime_of(mesh: Mesh) -> MeshRuntime:
+    """The MeshRuntime behind a ProcMesh or an ActorMesh (or the runtime itself)."""
+    if isinstance(mesh, MeshRuntime):
+        return mesh
+    if isinstance(mesh, ProcMesh):
+        return mesh.runtime
+    if isinstance(mesh, ActorMesh):
+        return mesh._runtime  # the actor layer's own handle (ActorMesh has no public one)
+    raise TypeError(f"not a mesh: {mesh!r} (a ProcMesh, ActorMesh or MeshRuntime)")
 
 
-def dashboard(mesh: Any) -> Dashboard:
+def dashboard(mesh: Mesh) -> Dashboard:
     """The dashboard of ``mesh`` (a ProcMesh, ActorMesh or MeshRuntime), created once
-    per mesh; every call returns the same widget."""
-    rt = _runtime_of(mesh)
-    dash = getattr(rt, "_mk_dashboard", None)
-    if dash is None or dash._closed:
-        dash = Dashboard(rt)
-        rt._mk_dashboard = dash
-    return dash
+    per mesh; every call returns the same widget (a new one after it was closed)."""
+    return dashboard_of(_runtime_of(mesh))
 
 
-_meshes.dashboard_hook = dashboard  # ProcMesh.dashboard()
+set_dashboard_factory(dashboard)  # ProcMesh.dashboard()
 
 
-def show(mesh: Any) -> Dashboard:
-    """Display ``mesh``'s dashboard under the current cell now; returns it."""
+def show(mesh: Mesh) -> Dashboard:
+    """Display ``mesh``'s dashboard under the current cell now; returns it.
+
+    Fits ``HostMesh.spawn_procs(..., on_starting=show)``: shown before the ranks start,
+    so their start-up is visible.
+    """
     dash = dashboard(mesh)
     dash.show()
     return dash
 
 
-def spawn_with_dashboard(
-    hosts: Any,
-    per_host: dict[str, int],
-    *,
-    name: str,
-    env: dict[str, str] | None = None,
-    timeout: float = 120.0,
-) -> Any:
-    """Like ``hosts.spawn_procs(...)`` but shows the dashboard before the ranks start,
-    so their start-up is visible; returns the ready ProcMesh (or raises like
-    ``spawn_procs``, with the dashboard showing what went wrong)."""
-    from monarch_kernel.actor import ProcMesh
-    from monarch_kernel.controller.mesh import MeshRuntime
-
-    if "hosts" in per_host:
-        raise ValueError("per_host must not contain 'hosts'; use host_mesh(hosts=N)")
-    runtime = MeshRuntime(name, dict(per_host), hosts.hosts, hosts.launcher, env=env)
-    runtime.backend = hosts.backend
-    dash = show(runtime)
-    try:
-        runtime.start(timeout=timeout)
-    finally:
-        dash.update()
-        dash.refresh_displays()
-    return ProcMesh(runtime)
+def refresh(mesh: Mesh) -> Dashboard | None:
+    """Bring ``mesh``'s dashboard up to date now and re-send its displays' static
+    fallback (after the mesh started, or failed to); returns it, or None if the mesh
+    has no open dashboard (none is created)."""
+    dash = existing(_runtime_of(mesh))
+    if dash is not None:
+        dash.refresh()
+    return dash

@@ -28,7 +28,9 @@ def color(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
 
 
-def _thin(xs: Sequence[float], ys: Sequence[float], limit: int = MAX_POINTS) -> tuple[list, list]:
+def _thin(
+    xs: Sequence[float], ys: Sequence[float], limit: int = MAX_POINTS
+) -> tuple[list[float], list[float]]:
     """At most about ``limit`` evenly spaced points, always keeping the last one."""
     n = len(xs)
     if n <= limit:
@@ -41,7 +43,9 @@ def _thin(xs: Sequence[float], ys: Sequence[float], limit: int = MAX_POINTS) -> 
     return tx, ty
 
 
-def band(lines: Sequence[tuple[Sequence[float], Sequence[float]]], bins: int = 80) -> list:
+def band(
+    lines: Sequence[tuple[Sequence[float], Sequence[float]]], bins: int = 80
+) -> list[tuple[float, float, float, float]]:
     """``(x, mean, min, max)`` per x-bin over all ``lines`` (numpy: cheap for 64 ranks)."""
     thinned = [_thin(x, y, 100) for x, y in lines if len(x)]  # before numpy: it is the cost
     xs = [np.asarray(x, dtype=float) for x, _ in thinned]

@@ -18,63 +18,30 @@ Threads:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+import weakref
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import ipywidgets as W
 
 from monarch_kernel.controller.errors import format_ranks
-from monarch_kernel.widgets import render, taps
+from monarch_kernel.controller.records import MeshPhase, RankState
+from monarch_kernel.widgets import render
+from monarch_kernel.widgets.display import Display, prefer_frontend_subshell
 from monarch_kernel.widgets.state import MeshState, TileView
+
+if TYPE_CHECKING:
+    from monarch_kernel.actor.meshes import ProcMesh
+    from monarch_kernel.controller.mesh import MeshRuntime
+
+log = logging.getLogger("monarch_kernel.widgets")
 
 UPDATE_INTERVAL = 0.25  # seconds between two updates: at most 4 updates a second
 CONFIRM_S = 4.0  # the stop button asks for a second click within this time
-
-
-def _prefer_frontend_subshell(widget: W.Widget) -> None:
-    """Let the frontend's choice of subshell stand for messages to ``widget``.
-
-    ipykernel 7 routes a frontend comm message to the subshell that last *sent* on that
-    comm (for request/reply widgets). Our comms are written from the dashboard thread
-    and created on the main shell, so that would route button clicks to the busy main
-    shell; our widgets never wait for replies, so the frontend's subshell is right.
-    """
-    comm = getattr(widget, "comm", None)
-    if comm is not None and hasattr(comm, "_reply_subshell_for"):
-        comm._reply_subshell_for = lambda data, default: default
-
-
-class _Display:
-    """Where a dashboard was displayed, to refresh its static (non-widget) fallback."""
-
-    def __init__(self, display_id: str):
-        self.display_id = display_id
-        self.kernel = None
-        self.parent = None
-        try:
-            from IPython import get_ipython
-
-            shell = get_ipython()
-            self.kernel = getattr(shell, "kernel", None)
-            if self.kernel is not None:
-                self.parent = self.kernel.get_parent("shell")
-        except Exception:  # noqa: BLE001 - not in a kernel: nothing to refresh
-            self.kernel = None
-
-    def update(self, data: dict[str, Any]) -> None:
-        k = self.kernel
-        if k is None:
-            return
-        content = {"data": data, "metadata": {}, "transient": {"display_id": self.display_id}}
-        k.session.send(
-            k.iopub_socket,
-            "update_display_data",
-            content,
-            parent=self.parent,
-            ident=k._topic("update_display_data"),
-        )
 
 
 class Dashboard(W.VBox):
@@ -84,7 +51,7 @@ class Dashboard(W.VBox):
     Frontends without widget support show a static HTML snapshot instead.
     """
 
-    def __init__(self, runtime: Any, interval: float = UPDATE_INTERVAL, start: bool = True):
+    def __init__(self, runtime: MeshRuntime, interval: float = UPDATE_INTERVAL, start: bool = True):
         self.runtime = runtime
         self.state = MeshState(runtime)
         self.interval = interval
@@ -99,13 +66,13 @@ class Dashboard(W.VBox):
         self._closed = False
         self._confirm_stop_until = 0.0
         self._action: threading.Thread | None = None
-        self._displays: list[_Display] = []
+        self._displays: list[Display] = []
         self._last_sample = 0.0
         self._last_flush = 0.0
         self._last_tiles = 0.0
         self._marked: int | None = None  # the tile shown as selected
         self._last_charts = 0.0
-        self._chart_key: tuple = ()
+        self._chart_key: tuple[int, int] = (-1, -1)
         self._error_key = -1
         n = runtime.world
         self.compact = n > render.FULL_TILES_MAX
@@ -120,7 +87,7 @@ class Dashboard(W.VBox):
             tile.add_class("mk-tile")
             tile.on_click(lambda _b, r=r: self.select(r))
             self.tiles.append(tile)
-        self._views: list[TileView | None] = [None] * n
+        self._views: list[TileView] = []  # what each tile shows (empty before the first tick)
         self.css = W.HTML(render.CSS)
         self.header = W.HTML()
         grid = W.GridBox(
@@ -158,9 +125,8 @@ class Dashboard(W.VBox):
         super().__init__([self.css, self.header, buttons, body, self.charts, self.errors])
         self.add_class("mk-dash")
         for w in (*self.tiles, self.interrupt_button, self.restart_button, self.stop_button):
-            _prefer_frontend_subshell(w)
+            prefer_frontend_subshell(w)
         self.state.attach()
-        taps.install(runtime, self.state.on_event)
         self._tick()
         self._thread = threading.Thread(
             target=self._run, name=f"mk-dashboard-{runtime.name}", daemon=True
@@ -170,7 +136,7 @@ class Dashboard(W.VBox):
 
     # -- display -------------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any] | None:
-        data = super()._repr_mimebundle_(**kwargs)
+        data: dict[str, Any] | None = super()._repr_mimebundle_(**kwargs)
         if data is None:
             return None
         html, text = self.snapshot()
@@ -181,7 +147,7 @@ class Dashboard(W.VBox):
     def snapshot(self) -> tuple[str, str]:
         """Static ``(html, text)`` views of the current state (for non-widget frontends)."""
         with self._lock:
-            views = [v for v in self._views if v is not None]
+            views = self._views
             return (
                 render.snapshot_html(self.state, views, self.columns),
                 render.snapshot_text(self.state, views),
@@ -194,7 +160,13 @@ class Dashboard(W.VBox):
 
         display_id = f"mk-dash-{id(self):x}-{len(self._displays)}"
         display(self, display_id=display_id)
-        self._displays.append(_Display(display_id))
+        self._displays.append(Display(display_id))
+
+    def refresh(self) -> None:
+        """Update now and refresh the displays' static fallback (the kernel calls this,
+        through :func:`monarch_kernel.widgets.refresh`, once the mesh started or failed)."""
+        self.update()
+        self.refresh_displays()
 
     def refresh_displays(self) -> None:
         """Re-send the displays made by :meth:`show` (updates their static fallback)."""
@@ -215,8 +187,8 @@ class Dashboard(W.VBox):
         self.selected = None if rank == self.selected else rank
         self._wake.set()
 
-    def _procs(self) -> Any:
-        from monarch_kernel.actor import ProcMesh
+    def _procs(self) -> ProcMesh:
+        from monarch_kernel.actor.meshes import ProcMesh
 
         return ProcMesh(self.runtime)
 
@@ -228,7 +200,7 @@ class Dashboard(W.VBox):
         """Send SIGINT to every live rank (KeyboardInterrupt in their user code)."""
         rt = self.runtime
         alive = [i.rank for i in rt.ranks if i.alive]
-        if rt.state in ("stopped", "stopping") or not alive:
+        if rt.state.ended or not alive:
             self._set_status("nothing to interrupt")
             return
         self._procs().interrupt()
@@ -239,7 +211,7 @@ class Dashboard(W.VBox):
         rank) on a worker thread."""
         rt = self.runtime
         if ranks is None:
-            dead = [i.rank for i in rt.ranks if i.state == "dead"]
+            dead = [i.rank for i in rt.ranks if i.state is RankState.DEAD]
             if self.selected is not None and self.selected in dead:
                 dead = [self.selected]
             ranks = dead
@@ -277,7 +249,7 @@ class Dashboard(W.VBox):
 
         self._run_action(work, "stopping the mesh…")
 
-    def _run_action(self, work: Any, status: str) -> None:
+    def _run_action(self, work: Callable[[], None], status: str) -> None:
         if self._action is not None and self._action.is_alive():
             self._set_status("still busy with the previous action")
             return
@@ -294,10 +266,8 @@ class Dashboard(W.VBox):
             try:
                 self.update()
             except Exception:  # noqa: BLE001 - never let the dashboard thread die
-                import logging
-
-                logging.getLogger("monarch_kernel.widgets").exception("dashboard update failed")
-            if self.runtime.state == "stopped":
+                log.exception("dashboard update failed")
+            if self.runtime.state is MeshPhase.STOPPED:
                 if final:
                     break
                 final = True  # one more round for events still in flight
@@ -336,13 +306,15 @@ class Dashboard(W.VBox):
             self._last_tiles = now
         marked = {self.selected, self._marked}  # selection moved: both tiles change
         self._marked = self.selected
-        views = list(self._views)
+        old_views = self._views
+        views: list[TileView] = []
         sent = 0
         for r in range(self.runtime.world):
-            old = views[r]
-            if full or old is None or r in marked or old.state != st.tile_state(r):
-                views[r] = st.tile(r, now)
-                sent += self._put_tile(r, views[r])
+            view = old_views[r] if r < len(old_views) else None
+            if full or view is None or r in marked or view.state != st.tile_state(r):
+                view = st.tile(r, now)
+                sent += self._put_tile(r, view)
+            views.append(view)
         self._views = views
         sent += self._put(self.header, value=render.header_html(st, views))
         sel = self.selected
@@ -387,7 +359,7 @@ class Dashboard(W.VBox):
         return sent
 
     def _put_buttons(self, views: list[TileView], now: float) -> int:
-        stopped = self.runtime.state in ("stopped", "stopping")
+        stopped = self.runtime.state.ended
         dead = [v.rank for v in views if v.state == "dead"]
         if self.selected is not None and self.selected in dead:
             restart_label = f"Restart rank {self.selected}"
@@ -410,6 +382,11 @@ class Dashboard(W.VBox):
         return sent
 
     # -- teardown --------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (a closed dashboard shows nothing more)."""
+        return self._closed
+
     def close(self) -> None:
         """Stop updating and close every widget model (the mesh keeps running)."""
         if self._closed:
@@ -417,6 +394,8 @@ class Dashboard(W.VBox):
         self._closed = True
         self._wake.set()
         self.state.detach()
+        if _dashboards.get(self.runtime) is self:
+            del _dashboards[self.runtime]
         for w in self._parts():
             w.close()
         super().close()
@@ -441,3 +420,24 @@ class Dashboard(W.VBox):
     def __repr__(self) -> str:
         rt = self.runtime
         return f"<Dashboard of mesh {rt.name!r} {rt.shape.describe()} ({rt.state})>"
+
+
+#: The one open dashboard of each mesh. Weak keys: the map itself keeps no mesh alive
+#: (an open dashboard does, through its widgets, until it is closed).
+_dashboards: weakref.WeakKeyDictionary[MeshRuntime, Dashboard] = weakref.WeakKeyDictionary()
+_dashboards_lock = threading.Lock()
+
+
+def dashboard_of(runtime: MeshRuntime) -> Dashboard:
+    """``runtime``'s dashboard: the open one, else a new one."""
+    with _dashboards_lock:
+        dash = _dashboards.get(runtime)
+        if dash is None or dash.closed:
+            dash = _dashboards[runtime] = Dashboard(runtime)
+        return dash
+
+
+def existing(runtime: MeshRuntime) -> Dashboard | None:
+    """``runtime``'s open dashboard, if it has one (never creates one)."""
+    dash = _dashboards.get(runtime)
+    return None if dash is None or dash.closed else dash

@@ -13,7 +13,9 @@ from typing import Any
 
 from monarch_kernel.controller.errors import format_ranks
 from monarch_kernel.widgets import charts
-from monarch_kernel.widgets.state import Incident, MeshState, TileView, rate_text
+from monarch_kernel.widgets.fmt import rate_text
+from monarch_kernel.widgets.incidents import Incident
+from monarch_kernel.widgets.state import MeshState, TileView
 
 #: state -> (background, border)
 COLORS = {
@@ -128,13 +130,12 @@ def header_html(st: MeshState, views: list[TileView], status: str = "") -> str:
         if n
     )
     r_in, r_out = st.total_rate
-    mesh_state = getattr(rt, "state", "")
     up = _duration(time.time() - rt.started_at)
     status_html = f' · <span class="mk-muted">{esc(status)}</span>' if status else ""
     return (
         f'<div class="mk-head"><b style="font-size:14px">{esc(rt.name)}</b> · '
-        f"{esc(rt.shape.describe())} · {esc(getattr(rt, 'backend', 'local'))} · "
-        f"{esc(mesh_state)} · up {up} · <b>{alive}/{rt.world}</b> alive · "
+        f"{esc(rt.shape.describe())} · {esc(rt.backend)} · "
+        f"{esc(st.mesh_state.value)} · up {up} · <b>{alive}/{rt.world}</b> alive · "
         f"transfer in {rate_text(r_in)} / out {rate_text(r_out)}{status_html}<br>{chips}</div>"
     )
 
@@ -304,8 +305,8 @@ def snapshot_text(st: MeshState, views: list[TileView]) -> str:
     rt = st.rt
     alive = sum(1 for v in views if v.state not in ("dead", "stopped"))
     lines = [
-        f"Mesh {rt.name!r} {rt.shape.describe()} ({getattr(rt, 'backend', 'local')}, "
-        f"{getattr(rt, 'state', '')}): {alive}/{rt.world} alive, "
+        f"Mesh {rt.name!r} {rt.shape.describe()} ({rt.backend}, "
+        f"{st.mesh_state.value}): {alive}/{rt.world} alive, "
         f"up {_duration(time.time() - rt.started_at)}"
     ]
     for v in views:

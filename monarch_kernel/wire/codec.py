@@ -20,6 +20,8 @@ import hashlib
 import hmac
 import logging
 import marshal
+import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +31,7 @@ from zmq.backend import Socket as _BaseSocket
 try:  # the C HMAC object behind hmac.HMAC: copy/update/digest without Python frames
     from _hashlib import hmac_new as _hmac_new
 except ImportError:  # pragma: no cover - Python built without OpenSSL
-    _hmac_new = None
+    _hmac_new = None  # type: ignore[assignment]
 
 log = logging.getLogger("monarch_kernel.wire")
 
@@ -45,6 +47,13 @@ _SNDMORE = int(zmq.SNDMORE)
 ZERO_COPY_THRESHOLD = 64 * 1024
 
 
+#: A decoded header: plain marshal-able values under the short keys documented in
+#: :mod:`monarch_kernel.wire.kinds`.
+Header = dict[str, Any]
+#: An out-of-band buffer: anything that exports the buffer protocol.
+Buffer = bytes | bytearray | memoryview | pickle.PickleBuffer
+
+
 class WireError(Exception):
     """A message was forged, malformed or failed verification."""
 
@@ -53,7 +62,7 @@ class WireError(Exception):
 class Message:
     """A decoded control message."""
 
-    header: dict[str, Any]
+    header: Header
     payload: bytes | memoryview = b""
     buffers: list[Any] = field(default_factory=list)
 
@@ -95,7 +104,7 @@ class Codec:
         return mac.digest()
 
     def encode(
-        self, header: dict[str, Any], payload: bytes = b"", buffers: list[Any] | tuple = ()
+        self, header: Header, payload: bytes = b"", buffers: Sequence[Buffer] = ()
     ) -> list[Any]:
         """Frames for ``header`` + ``payload`` + zero-copy ``buffers``."""
         size = len(payload)
@@ -126,7 +135,7 @@ class Codec:
         except (ValueError, TypeError) as exc:
             self.rejected += 1
             raise WireError(f"malformed message: {exc}") from None
-        self.bytes_in += len(hb) + len(payload) + (sum(sizes) if buffers else 0)
+        self.bytes_in += len(hb) + len(payload) + (sum(sizes) if sizes else 0)
         return Message(header, payload, buffers)
 
 
@@ -158,7 +167,7 @@ def _as_bytes(frame: Any) -> bytes:
     return frame.bytes  # zmq.Frame
 
 
-def _payload_of(frame: Any) -> bytes | memoryview:
+def _payload_of(frame: Any) -> bytes | bytearray | memoryview:
     """A zero-copy view of a large zmq Frame; a copy of a small one.
 
     A small copy costs less than the view, and lets the Frame go at once: pyzmq runs
@@ -198,7 +207,7 @@ _POLLIN = int(zmq.POLLIN)
 
 def readable(sock: Any) -> bool:
     """Whether a message is waiting on ``sock`` (no syscall when one is)."""
-    return bool(_BaseSocket.get(sock, _EVENTS) & _POLLIN)
+    return bool(_BaseSocket.get(sock, _EVENTS) & _POLLIN)  # type: ignore[operator]
 
 
 def recv(sock: Any, flags: int = 0) -> list[Any]:

@@ -1,8 +1,182 @@
-"""Message kinds (the ``k`` field of a header) and the header fields used on the wire.
+"""Message kinds (the ``k`` field of a header) and every header key used on the wire.
 
-Header fields: ``k`` kind, ``i`` request id, ``r`` sender rank, ``d`` target ranks,
-``q`` per-target sequence numbers (FIFO per sender), ``f`` forward through the host
-agent, ``w`` a reply is wanted, ``b`` buffer sizes (set by the codec).
+A control message is multipart ``[header, signature, payload, *buffers]`` (framing and
+signing: :mod:`monarch_kernel.wire.codec`). The header is a flat dict of plain values
+(marshal); the payload, when there is one, is a pickle or raw text. Header keys are
+one or a few letters on purpose: headers are built and parsed on the hot path. This
+module is the reference for them; the tables below list, per direction and per kind,
+who sends the message and what each key means.
+
+Peers and sockets
+-----------------
+The controller binds two ROUTER sockets, ``send`` (controller -> peers) and ``recv``
+(peers -> controller); peers connect DEALERs with these routing identities:
+
+* ``h<H>``  host agent ``H`` (its inbox on ``send``, its out socket on ``recv``);
+* ``r<R>``  rank ``R``'s ordered inbox on ``send`` (also connected to its host agent's
+  fan-out ROUTER) and its out socket on ``recv``;
+* ``c<R>``  rank ``R``'s control socket (served by a side thread) on ``send``;
+* ``g<R>``  a throw-away socket rank ``R`` greets its host agent's fan-out ROUTER from.
+
+Keys common to many kinds
+-------------------------
+=====  ===============  ========================================================================
+key    type             meaning
+=====  ===============  ========================================================================
+``k``  str              the kind (constants below); in every header (the codec drops a header
+                        without it)
+``b``  list[int]        byte size of each out-of-band buffer frame after the payload; set by
+                        ``Codec.encode`` only when there are buffers, checked by ``decode``
+``i``  str | None       request id, unique per controller process. Controller -> rank: set
+                        by ``MeshRuntime.request`` (absent from fire-and-forget
+                        ``broadcast`` sends). Rank -> controller: the request that a reply,
+                        an output chunk or a metric belongs to (None while the rank is idle)
+``w``  int (1)          controller -> rank: the sender waits for a reply (set together with
+                        ``i`` by ``request``). Without it a rank sends no reply, and a
+                        failure goes to the controller as a ``fault``
+``r``  int              a global (flat) rank: the sender of rank -> controller messages and
+                        of a rank's ``hello``; the rank concerned in ``rank_started`` and
+                        ``rank_exit``
+``h``  int              index (0-based) of the sending host agent; host agent -> controller
+                        messages only
+``d``  list[int]        target global ranks: of a fan-out (with ``f``), of ``signal_ranks``
+                        and of ``kill_ranks``
+``q``  int | list[int]  per-target sequence number: a rank handles its ordered messages
+                        strictly in ``q`` order (later ones are held back while an earlier
+                        one is missing), whichever path they came by. With ``f`` a list
+                        parallel to ``d``. Counts from 0 again when a rank restarts
+``f``  int (1)          fan-out: the host agent forwards the frames (unchanged, still signed)
+                        to each of its ranks in ``d``
+=====  ===============  ========================================================================
+
+Controller -> host agent (``send`` ROUTER -> ``h<H>``)
+------------------------------------------------------
+================  =======================================================================
+kind              keys
+================  =======================================================================
+``spawn_ranks``   ``ranks``: list[dict], one per rank to fork on this host, with
+                  ``rank`` int (global), ``local_rank`` int, ``coords`` list[int] (the
+                  rank's point in the mesh), ``host`` int, ``restart_count`` int.
+                  ``common``: dict shared by those ranks: ``labels`` list[str] and
+                  ``sizes`` list[int] (mesh dims), ``world_size`` int, ``local_world_size``
+                  int, ``master_addr`` str, ``master_port`` int (torch.distributed
+                  rendezvous: rank 0's host), ``run_id`` str, ``env`` dict[str, str] (user
+                  ``--env``), ``sys_path`` list[str], ``cwd`` str (the controller's import
+                  path and working directory). The agent merges each spec over ``common``
+                  and adds ``key``, ``send``, ``recv``, ``fanout``, ``hostname`` and
+                  ``log`` before it forks the rank.
+``signal_ranks``  ``d`` (its ranks to signal), ``sig`` int (signal number, e.g. SIGINT)
+``kill_ranks``    ``d``: SIGKILL them; their ``rank_exit`` reports say ``expected``
+``stop``          (no keys) stop every rank, report their exits, exit
+``hb``            (no keys) controller heartbeat; any message resets the agent's silence
+                  timer (``hb_timeout`` in its configuration, 10 s by default)
+``hello``         (no keys) connection probe, ignored
+(any ordered      with ``f`` = 1, ``d`` (its ranks among the targets) and ``q`` (list);
+rank kind)        relayed to the ranks' inboxes, never interpreted by the agent
+================  =======================================================================
+
+Host agent -> controller (``h<H>`` -> ``recv`` ROUTER)
+------------------------------------------------------
+================  =======================================================================
+kind              keys
+================  =======================================================================
+``host_ready``    ``h``; ``pid`` int (agent process); ``host`` str (hostname); ``addr`` str
+                  (the address other hosts reach it at: ``advertise`` from its
+                  configuration, default 127.0.0.1); ``port`` int (a free port, used as
+                  MASTER_PORT when this is host 0). Sent once, first
+``hb``            ``h``: heartbeat, once a second
+``rank_started``  ``h``, ``r``, ``pid`` int: the template forked rank ``r``
+``rank_exit``     ``h``, ``r``, ``pid`` int; ``code`` int | None (exit status, None if
+                  killed by a signal); ``sig`` int | None (the signal that killed it);
+                  ``tail`` list[str] (last lines of the rank's log: what it printed
+                  before dying); ``expected`` bool (the exit was asked for: ``kill_ranks``
+                  or the agent shutting down)
+================  =======================================================================
+
+``reason`` is never sent: the controller fills it in (str) for ranks it declares dead
+itself, when their host is lost (no heartbeat or agent process gone); it then reads the
+``rank_exit`` keys above from that synthesized dict, as if a host agent had sent it.
+
+Host agent <-> rank (the agent's fan-out ROUTER)
+------------------------------------------------
+``hello`` from ``g<R>`` to the agent carries ``r``: "rank R is starting, answer my
+inbox". The agent's answer, to identity ``r<R>``, is a ``hello`` with no keys; once it
+arrives the rank knows fanned-out messages reach it, and sends ``ready``. Fanned-out
+messages are the controller's frames, byte for byte.
+
+Controller -> rank, ordered (``send`` ROUTER -> ``r<R>``, or fanned out; main thread)
+-------------------------------------------------------------------------------------
+Every one carries ``q`` (see above); ``i`` and ``w`` when a reply is wanted (then the
+rank answers with one ``res``). Handled one at a time, in ``q`` order, by
+``Rank._dispatch``.
+
+================  =======================================================================
+kind              keys and payload
+================  =======================================================================
+``spawn_actor``   ``a`` str (actor name). Payload: pickled ``(cls, args, kwargs)``.
+                  Reply value: None
+``call``          ``a`` str (actor name), ``m`` str (endpoint method name). Payload:
+                  pickled ``(args, kwargs)``. Reply value: what the endpoint returned
+                  (awaited if a coroutine)
+``exec``          (no keys) Payload: pickled ``{"code": str, "cell": str, "header":
+                  list[str]}`` (the cell's code, its label in tracebacks, the magic lines
+                  above the code). Reply value: the cell's last expression, or None
+``stop_actor``    ``a`` str: forget that actor. Reply value: None
+``hello``         (no keys, no ``q``) the controller's connection probe, ignored
+================  =======================================================================
+
+Controller -> rank control thread (``send`` ROUTER -> ``c<R>``; unordered)
+--------------------------------------------------------------------------
+Served by ``Rank._control`` while the main thread runs user code. No ``q``.
+``push``/``pull``/``ping`` carry ``i`` and ``w`` and get one ``res``; what their
+handler raises becomes an error ``res`` (or a ``fault`` without ``i``). Unknown kinds
+are ignored.
+
+================  =======================================================================
+kind              keys and payload
+================  =======================================================================
+``push``          Payload: pickled ``{name: value}``, set in the rank's cell namespace.
+                  Reply value: the sorted names
+``pull``          Payload: pickled ``list[str]`` of names. Reply value: their values, in
+                  that order (NameError if one is missing)
+``ping``          (no payload) Reply value: ``{"pid": int, "rejected": int}`` (messages
+                  the rank's codec dropped as forged or malformed)
+``cancel``        ``c`` str: the request id to interrupt (SIGINT in the main thread if
+                  it runs user code for it now) or to skip when it comes (then answered
+                  with a "cancelled before it started" error if it wants a reply).
+                  No reply to the cancel itself
+``hello``         (no keys) the controller's connection probe, ignored
+================  =======================================================================
+
+Rank -> controller (``r<R>`` -> ``recv`` ROUTER; every one carries ``r``)
+-------------------------------------------------------------------------
+================  =======================================================================
+kind              keys and payload
+================  =======================================================================
+``ready``         ``pid`` int, ``host`` str (hostname), ``dev`` str (``cpu`` or
+                  ``cuda:N``): started, greeted by its host agent, taking work
+``res``           ``i`` (the request answered), ``ok`` int: 1 = payload is the pickled
+                  value (buffers out of band, sizes in ``b``); 0 = payload is a pickled
+                  failure report (a dict: type, message, traceback, line, tensors,
+                  where, exception, host; see ``rank.errors.exception_report``)
+``out``           ``i`` (the request being served, or None), ``n`` str (``stdout`` or
+                  ``stderr``). Payload: the text, UTF-8 (not pickled)
+``metric``        ``i`` (the request being served, or None). Payload: pickled
+                  ``dict[str, float]`` from ``monarch_kernel.report(...)``
+``fault``         (no ``i``) Payload: pickled failure report of fire-and-forget work
+                  (a message without ``w``, or a control handler failing without ``i``)
+``stats``         Payload: pickled ``{"rss": int, "time": float, "bytes_out": int,
+                  "bytes_in": int}`` plus ``"gpu_mem": int`` once CUDA is initialised;
+                  once a second, from the control thread
+================  =======================================================================
+
+Rank <-> rank data plane (not control messages)
+-----------------------------------------------
+:mod:`monarch_kernel.rank.dataplane` signs its requests with the same codec, with its
+own kinds (literals there, not constants here): a request ``k`` = ``"req"`` with ``op``
+str (``fetch``, ``shm`` or ``release``) and ``id`` int (the shared tensor's id); a reply
+``"data"`` (the bytes as one buffer frame), ``"shm"`` with ``path`` str (a shared-memory
+file holding them), ``"ok"``, or ``"err"`` with ``error`` str.
 """
 
 # controller -> host agent
@@ -10,7 +184,7 @@ SPAWN_RANKS = "spawn_ranks"
 SIGNAL_RANKS = "signal_ranks"
 KILL_RANKS = "kill_ranks"
 STOP = "stop"
-HEARTBEAT = "hb"
+HEARTBEAT = "hb"  # also host agent -> controller (with "h")
 #: Connection probe: proves a ROUTER peer is routable before real messages go to it.
 HELLO = "hello"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
@@ -66,7 +66,7 @@ def _reduce_tensor(t: Any):
         data = data.cpu()
     data = data.contiguous()
     raw = data.reshape(-1).view(torch.uint8) if data.numel() else data.new_empty(0)
-    buf = pickle.PickleBuffer(raw.numpy()) if raw.numel() else b""
+    buf = pickle.PickleBuffer(raw.numpy()) if raw.numel() else b""  # type: ignore[arg-type]
     dtype_name = str(t.dtype).removeprefix("torch.")
     args = (buf, dtype_name, tuple(t.shape), cuda, bool(t.requires_grad))
     if isinstance(t, torch.nn.Parameter):
@@ -138,7 +138,9 @@ def dumps(obj: Any, what: What = "value") -> tuple[bytes, list[pickle.PickleBuff
     return f.getvalue(), buffers
 
 
-def loads(payload: bytes | memoryview, buffers: list[Any] = (), what: What = "value") -> Any:
+def loads(
+    payload: bytes | bytearray | memoryview, buffers: Sequence[Any] = (), what: What = "value"
+) -> Any:
     """Unpickle a payload with its out-of-band buffers (zero-copy where possible)."""
     try:
         return pickle.loads(payload, buffers=buffers)

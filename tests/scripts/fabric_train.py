@@ -18,8 +18,10 @@ def main() -> None:
         loss = torch.nn.functional.mse_loss(model(x), y)
         fabric.backward(loss)
         opt.step()
-        fabric.print(f"fabric step {step} rank-count {fabric.world_size} "
-                     f"env {type(fabric._connector.cluster_environment).__name__}")
+        fabric.print(
+            f"fabric step {step} rank-count {fabric.world_size} "
+            f"env {type(fabric._connector.cluster_environment).__name__}"
+        )
 
 
 if __name__ == "__main__":

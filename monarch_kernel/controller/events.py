@@ -1,0 +1,315 @@
+"""The request lifecycle: typed events the controller emits, and how to subscribe.
+
+Everything that happens to a request or a rank is one small frozen dataclass below.
+Layers above the controller (futures and gathering in the actor API, the kernel's
+output routing, the dashboard) learn what happens only from these events and from the
+read-only records in :mod:`monarch_kernel.controller.records`; none of them wraps the
+controller's methods or reads its private state.
+
+Two ways to listen:
+
+* **the mesh's event bus** (``runtime.events``, an :class:`EventBus`): ``subscribe(fn,
+  EventType, ...)`` for every event of those types on that mesh, ``unsubscribe(fn)`` to
+  stop. Listeners run on whichever controller thread received the message (the I/O
+  thread, or a caller receiving its own reply), so they must be quick and must never
+  block: append to a queue and return.
+* **a request's observer** (a :class:`RequestObserver` given to ``runtime.request``):
+  told of that request's replies and of ranks it lost, and nothing else. This is how
+  futures complete without a dictionary look-up per event on the hot path.
+
+For one request, the order is: :class:`RequestStarted` (after it was sent), then per
+rank either :class:`ReplyReceived`/:class:`RequestFailed` or that rank's
+:class:`RankDied` (whose ``requests`` name it). :class:`StreamOutput` and
+:class:`MetricReported` tagged with the request id arrive before the rank's reply
+(ranks flush their output before they answer).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+from monarch_kernel.controller.records import DeathInfo, MeshPhase, RankState
+from monarch_kernel.wire import Message, loads
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.reports import FailureReport, RankStats
+from monarch_kernel.wire.serialize import What
+
+log = logging.getLogger("monarch_kernel.controller")
+
+
+class RequestKind(str, Enum):
+    """What a request asks of its ranks."""
+
+    CELL = "cell"  #: run a ``%%remote`` cell
+    CALL = "call"  #: call an actor endpoint
+    SPAWN = "spawn"  #: construct an actor
+    STOP_ACTOR = "stop_actor"  #: remove an actor
+    CONTROL = "control"  #: push / pull / ping, served while the rank is busy
+
+    @classmethod
+    def of(cls, header_kind: str, control: bool) -> RequestKind:
+        if control:
+            return cls.CONTROL
+        return _KINDS.get(header_kind, cls.CALL)
+
+
+_KINDS = {
+    K.EXEC: RequestKind.CELL,
+    K.CALL: RequestKind.CALL,
+    K.SPAWN_ACTOR: RequestKind.SPAWN,
+    K.STOP_ACTOR: RequestKind.STOP_ACTOR,
+}
+
+
+# -- events ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MeshPhaseChanged:
+    """The whole mesh started running, began stopping, or stopped."""
+
+    mesh: str
+    phase: MeshPhase
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStarted:
+    """A request was sent to ``ranks``. ``what`` is what a person calls it:
+    ``cell 5``, ``counters.incr``, ``spawn counters`` (empty for control requests)."""
+
+    mesh: str
+    request: str
+    ranks: tuple[int, ...]
+    kind: RequestKind
+    what: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOutput:
+    """Text a rank wrote to ``stream`` (``stdout`` or ``stderr``) while running
+    ``request`` (None: outside any request, e.g. a thread it left running)."""
+
+    mesh: str
+    rank: int
+    request: str | None
+    stream: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class MetricReported:
+    """``monarch_kernel.report(step=..., loss=...)`` on a rank."""
+
+    mesh: str
+    rank: int
+    request: str | None
+    values: dict[str, float]
+    time: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyReceived:
+    """A rank answered ``request`` successfully."""
+
+    mesh: str
+    rank: int
+    request: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """User code raised on ``rank`` while serving ``request`` (its reply is the report)."""
+
+    mesh: str
+    rank: int
+    request: str
+    kind: RequestKind
+    report: FailureReport
+
+
+@dataclass(frozen=True, slots=True)
+class FaultReported:
+    """User code raised on ``rank`` where nobody waits for an answer (a broadcast)."""
+
+    mesh: str
+    rank: int
+    report: FailureReport
+
+
+@dataclass(frozen=True, slots=True)
+class RankStateChanged:
+    """A rank moved from ``previous`` to ``state`` (deaths are :class:`RankDied`)."""
+
+    mesh: str
+    rank: int
+    state: RankState
+    previous: RankState
+
+
+@dataclass(frozen=True, slots=True)
+class RankDied:
+    """A rank ended: ``state`` is DEAD (unasked) or STOPPED (on purpose). ``requests``
+    are the requests that waited on it and failed because of it."""
+
+    mesh: str
+    rank: int
+    state: RankState
+    death: DeathInfo
+    requests: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HostLost:
+    """A host agent exited or went silent; its ranks are dead with ``reason``."""
+
+    mesh: str
+    host: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StatsReported:
+    """A rank's once-a-second report (memory, data-plane bytes)."""
+
+    mesh: str
+    rank: int
+    stats: RankStats
+    time: float
+
+
+MeshEvent = (
+    MeshPhaseChanged
+    | RequestStarted
+    | StreamOutput
+    | MetricReported
+    | ReplyReceived
+    | RequestFailed
+    | FaultReported
+    | RankStateChanged
+    | RankDied
+    | HostLost
+    | StatsReported
+)
+
+EVENT_TYPES: tuple[type[MeshEvent], ...] = (
+    MeshPhaseChanged,
+    RequestStarted,
+    StreamOutput,
+    MetricReported,
+    ReplyReceived,
+    RequestFailed,
+    FaultReported,
+    RankStateChanged,
+    RankDied,
+    HostLost,
+    StatsReported,
+)
+
+Listener = Callable[[MeshEvent], None]
+
+
+class EventBus:
+    """Per-mesh publish/subscribe of :data:`MeshEvent` s, by event type.
+
+    ``emit`` costs one dict look-up when nobody listens to that type; hot paths ask
+    :meth:`wants` first so that they do not even build the event.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._subscribed: dict[Listener, frozenset[type[MeshEvent]]] = {}
+        #: event type -> listeners, rebuilt (copy on write) by subscribe/unsubscribe,
+        #: so emitting needs no lock.
+        self._by_type: dict[type[MeshEvent], tuple[Listener, ...]] = {t: () for t in EVENT_TYPES}
+
+    def subscribe(self, listener: Listener, *types: type[MeshEvent]) -> Listener:
+        """Call ``listener(event)`` for every event of ``types`` (all types if none).
+
+        Subscribing the same listener again replaces its types. Returns ``listener``.
+        """
+        wanted = frozenset(types or EVENT_TYPES)
+        unknown = [t for t in wanted if t not in self._by_type]
+        if unknown:
+            raise TypeError(f"not mesh event types: {unknown}")
+        with self._lock:
+            self._subscribed[listener] = wanted
+            self._rebuild()
+        return listener
+
+    def unsubscribe(self, listener: Listener) -> None:
+        """Stop calling ``listener``; no error if it was not subscribed."""
+        with self._lock:
+            if self._subscribed.pop(listener, None) is not None:
+                self._rebuild()
+
+    def _rebuild(self) -> None:
+        by_type: dict[type[MeshEvent], tuple[Listener, ...]] = {t: () for t in EVENT_TYPES}
+        for listener, types in self._subscribed.items():
+            for t in types:
+                by_type[t] += (listener,)
+        self._by_type = by_type
+
+    def wants(self, event_type: type[MeshEvent]) -> bool:
+        """Whether anybody listens to ``event_type`` now."""
+        return bool(self._by_type[event_type])
+
+    def emit(self, event: MeshEvent) -> None:
+        """Call the listeners of ``event``'s type; a failing listener is logged, and
+        never stops the others or the controller."""
+        for listener in self._by_type[type(event)]:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("mesh event listener %r failed on %r", listener, event)
+
+
+# -- replies -----------------------------------------------------------------------------
+
+
+class Reply:
+    """One rank's answer to a request, decoded once.
+
+    ``ok``: the request succeeded; :meth:`value` unpickles the result (in the thread
+    that asks, so not on the receiving thread). Otherwise ``report`` is the failure,
+    already unpickled on receipt (small, and rare) so that the request's observer and
+    the :class:`RequestFailed` event share the same object.
+    """
+
+    __slots__ = ("rank", "ok", "message", "report")
+
+    def __init__(self, rank: int, message: Message):
+        self.rank = rank
+        self.message = message
+        self.ok = bool(message.header.get("ok"))
+        self.report: FailureReport | None = None
+        if not self.ok:
+            try:
+                report: FailureReport = pickle.loads(message.payload)
+            except Exception as exc:  # a report we cannot read is still a failure
+                report = {"type": "Error", "message": f"unreadable error report: {exc}"}
+            report["rank"] = rank
+            report.setdefault("where", "")
+            report.setdefault("traceback", "")
+            self.report = report
+
+    def value(self, what: What) -> object:
+        """The result (``what`` names it in an error if it cannot be unpickled)."""
+        msg = self.message
+        return loads(msg.payload, msg.buffers, what)
+
+
+class RequestObserver(Protocol):
+    """What a request tells its caller. Both methods run on a controller thread
+    (the receiving one), once per rank of the request; they must not block."""
+
+    def on_reply(self, reply: Reply) -> None:
+        """``reply.rank`` answered (successfully or with a failure report)."""
+
+    def on_lost(self, rank: int, error: BaseException) -> None:
+        """``rank`` will never answer: it died or the mesh stopped (``error`` says which)."""

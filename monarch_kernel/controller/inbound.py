@@ -1,0 +1,150 @@
+"""Messages from ranks and host agents to the controller: verified, then dispatched by kind.
+
+:meth:`Inbound.handle` runs on the thread holding the receive token. It verifies the
+signature (a forged message is dropped before anything is parsed), counts the bytes
+against the sender rank, and calls the handler registered for the message's kind in
+one table (see :mod:`monarch_kernel.wire.kinds` for the header keys of each kind).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import zmq
+
+from monarch_kernel.controller.events import (
+    FaultReported,
+    MetricReported,
+    StatsReported,
+    StreamOutput,
+)
+from monarch_kernel.controller.records import RankState
+from monarch_kernel.wire import Message, WireError
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import Header
+from monarch_kernel.wire.reports import FailureReport, RankStats
+
+if TYPE_CHECKING:
+    from monarch_kernel.controller.mesh import MeshRuntime
+
+log = logging.getLogger("monarch_kernel.controller")
+
+#: Longest unfinished output line kept per rank and stream.
+PARTIAL_MAX = 4096
+
+Handler = Callable[[Header, Message], None]
+
+
+class Inbound:
+    """Handlers of every message kind the controller receives."""
+
+    def __init__(self, mesh: MeshRuntime):
+        self._mesh = mesh
+        self._codec = mesh.codec
+        self._ranks = mesh.ranks
+        self._world = mesh.world
+        self._handlers: dict[str, Handler] = {
+            K.RESULT: self._on_result,
+            K.STREAM: self._on_stream,
+            K.METRIC: self._on_metric,
+            K.STATS: self._on_stats,
+            K.FAULT: self._on_fault,
+            K.READY: self._on_ready,
+            K.RANK_STARTED: self._on_rank_started,
+            K.RANK_EXIT: self._on_rank_exit,
+            K.HEARTBEAT: self._on_heartbeat,
+            K.HOST_READY: self._on_host_ready,
+        }
+
+    def handle(self, frames: list[zmq.Frame]) -> None:
+        """Verify, decode and dispatch one message ``[identity, *wire frames]``."""
+        try:
+            msg = self._codec.decode(frames[1:])
+        except WireError as exc:
+            log.warning(
+                "mesh %s dropped a message from %r: %s", self._mesh.name, frames[0].bytes, exc
+            )
+            return
+        h = msg.header
+        sender = h.get("r")
+        if sender is not None and 0 <= sender < self._world:
+            self._ranks[sender].bytes_in += msg.nbytes
+        handler = self._handlers.get(h["k"])
+        if handler is None:
+            log.warning("mesh %s: unknown message kind %r", self._mesh.name, h["k"])
+            return
+        handler(h, msg)
+
+    # -- requests ------------------------------------------------------------------------
+    def _on_result(self, h: Header, msg: Message) -> None:
+        self._mesh.requests.on_result(h["r"], h["i"], msg)
+
+    def _on_stream(self, h: Header, msg: Message) -> None:
+        rank, name = h["r"], h["n"]
+        text = bytes(msg.payload).decode("utf-8", "replace")
+        info = self._ranks[rank]
+        # Keep whole lines for the death report and the dashboard.
+        buf = info.partial.get(name, "") + text
+        *lines, rest = buf.split("\n")
+        info.tail.extend(lines)
+        info.partial[name] = rest[-PARTIAL_MAX:]
+        events = self._mesh.events
+        if events.wants(StreamOutput):
+            events.emit(StreamOutput(self._mesh.name, rank, h.get("i"), name, text))
+
+    def _on_metric(self, h: Header, msg: Message) -> None:
+        events = self._mesh.events
+        if events.wants(MetricReported):
+            values: dict[str, float] = pickle.loads(msg.payload)
+            events.emit(MetricReported(self._mesh.name, h["r"], h.get("i"), values, time.time()))
+
+    def _on_stats(self, h: Header, msg: Message) -> None:
+        stats: RankStats = pickle.loads(msg.payload)
+        info = self._ranks[h["r"]]
+        info.stats = stats
+        info.last_seen = time.monotonic()
+        events = self._mesh.events
+        if events.wants(StatsReported):
+            events.emit(StatsReported(self._mesh.name, h["r"], stats, time.time()))
+
+    def _on_fault(self, h: Header, msg: Message) -> None:
+        report: FailureReport = pickle.loads(msg.payload)
+        report["rank"] = h["r"]
+        self._mesh.events.emit(FaultReported(self._mesh.name, h["r"], report))
+
+    # -- ranks ---------------------------------------------------------------------------
+    def _on_ready(self, h: Header, msg: Message) -> None:
+        mesh = self._mesh
+        info = self._ranks[h["r"]]
+        mesh.transport.probe([b"r%d" % info.rank, b"c%d" % info.rank])
+        info.pid, info.hostname, info.device = h["pid"], h["host"], h["dev"]
+        info.last_seen = time.monotonic()
+        mesh.requests.set_state(info, RankState.IDLE)
+        mesh.notify()
+
+    def _on_rank_started(self, h: Header, msg: Message) -> None:
+        self._ranks[h["r"]].pid = h["pid"]
+
+    def _on_rank_exit(self, h: Header, msg: Message) -> None:
+        info = self._ranks[h["r"]]
+        if info.pid not in (None, h["pid"]) and info.state is not RankState.STARTING:
+            return  # a stale report about an earlier incarnation
+        self._mesh.supervisor.rank_died(info, h)
+
+    # -- hosts ---------------------------------------------------------------------------
+    def _on_heartbeat(self, h: Header, msg: Message) -> None:
+        self._mesh.hosts[h["h"]].last_seen = time.monotonic()
+
+    def _on_host_ready(self, h: Header, msg: Message) -> None:
+        mesh = self._mesh
+        host = mesh.hosts[h["h"]]
+        host.pid, host.hostname = h["pid"], h["host"]
+        host.addr, host.port = h["addr"], h["port"]
+        mesh.transport.probe([b"h%d" % host.index])
+        host.ready = True
+        host.last_seen = time.monotonic()
+        mesh.notify()

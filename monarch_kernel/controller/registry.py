@@ -1,0 +1,106 @@
+"""The kernel's one registry of live meshes, by name.
+
+Every mesh registers itself when it is created (by ``%mesh``, ``spawn_procs`` or
+anything else) and leaves when it stops, so ``%mesh`` lists them all and shutdown
+stops them all. Holding a mesh here keeps it alive until it is stopped. The last few
+stopped meshes are remembered too, so that the table says what became of them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from monarch_kernel.controller.mesh import MeshRuntime
+
+log = logging.getLogger("monarch_kernel.controller")
+
+
+#: Stopped meshes remembered for the ``%mesh`` table.
+RECENTLY_STOPPED = 16
+
+
+class MeshNameTaken(ValueError):
+    """A live mesh already has that name."""
+
+
+class MeshRegistry:
+    """Live meshes by name (insertion order)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._meshes: dict[str, MeshRuntime] = {}
+        self._counters: dict[str, int] = {}
+        self._stopped: deque[MeshRuntime] = deque(maxlen=RECENTLY_STOPPED)
+
+    def add(self, mesh: MeshRuntime) -> None:
+        """Register ``mesh``; its name must not be taken by a live mesh."""
+        with self._lock:
+            old = self._meshes.get(mesh.name)
+            if old is not None and old is not mesh and not old.state.ended:
+                raise MeshNameTaken(
+                    f"a live mesh is already named {mesh.name!r}; stop it first "
+                    "or choose another name"
+                )
+            self._meshes[mesh.name] = mesh
+
+    def discard(self, mesh: MeshRuntime) -> None:
+        """Forget ``mesh`` (when it stopped)."""
+        with self._lock:
+            if self._meshes.get(mesh.name) is mesh:
+                del self._meshes[mesh.name]
+                self._stopped.append(mesh)
+
+    def get(self, name: str) -> MeshRuntime | None:
+        with self._lock:
+            return self._meshes.get(name)
+
+    def live(self) -> list[MeshRuntime]:
+        """Every registered mesh that has not stopped, oldest first."""
+        with self._lock:
+            return [m for m in self._meshes.values() if not m.state.ended]
+
+    def listed(self) -> list[MeshRuntime]:
+        """What ``%mesh`` shows: the live meshes and the recently stopped ones (unless
+        a live mesh took their name), oldest first."""
+        with self._lock:
+            live = [m for m in self._meshes.values() if not m.state.ended]
+            taken = {m.name for m in live}
+            gone = [m for m in self._stopped if m.name not in taken]
+        latest = {m.name: m for m in gone}  # one row per name: its last incarnation
+        shown = [m for m in gone if latest[m.name] is m] + live
+        return sorted(shown, key=lambda m: m.started_at)
+
+    def names(self) -> list[str]:
+        return [m.name for m in self.live()]
+
+    def auto_name(self, prefix: str) -> str:
+        """``prefix0``, ``prefix1`` ...: the next name not taken by a live mesh."""
+        with self._lock:
+            while True:
+                n = self._counters.get(prefix, 0)
+                self._counters[prefix] = n + 1
+                name = f"{prefix}{n}"
+                if name not in self._meshes:
+                    return name
+
+    def stop_all(self, timeout: float = 5.0) -> None:
+        """Stop every live mesh (kernel shutdown, interpreter exit); best effort."""
+        for mesh in self.live():
+            try:
+                mesh.stop(timeout=timeout)
+            except Exception:  # pragma: no cover - best effort on the way out
+                log.exception("stopping mesh %s failed", mesh.name)
+
+
+#: The registry of this process (one kernel = one controller).
+registry = MeshRegistry()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    registry.stop_all(timeout=3)

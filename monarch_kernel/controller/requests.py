@@ -1,0 +1,153 @@
+"""The table of outstanding requests: who still owes a reply, and who is told.
+
+Written only by the thread holding the receive token (replies, deaths) and by callers
+registering a request before they send it; a request is in the table from before its
+first byte leaves until its last rank answered or was lost.
+
+It also keeps each rank's ``outstanding`` count and its IDLE/BUSY state: a rank is BUSY
+while requests (not control messages) sent to it are unanswered.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from collections.abc import Callable
+
+from monarch_kernel.controller.events import (
+    EventBus,
+    RankStateChanged,
+    Reply,
+    ReplyReceived,
+    RequestFailed,
+    RequestKind,
+    RequestObserver,
+)
+from monarch_kernel.controller.records import RankInfo, RankState
+from monarch_kernel.wire import Message
+
+_ids = itertools.count()
+_id_prefix = uuid.uuid4().hex[:6]
+
+
+def new_request_id() -> str:
+    """A request id unique in this process (and across kernels, with high probability)."""
+    return f"{_id_prefix}{next(_ids)}"
+
+
+class Pending:
+    """An outstanding request: which ranks still owe a reply, and whom to tell."""
+
+    __slots__ = ("id", "waiting", "observer", "kind")
+
+    def __init__(
+        self, request_id: str, ranks: list[int], observer: RequestObserver, kind: RequestKind
+    ):
+        self.id = request_id
+        self.waiting = set(ranks)
+        self.observer = observer
+        self.kind = kind
+
+
+class RequestTable:
+    """Outstanding requests of one mesh."""
+
+    def __init__(self, mesh: str, ranks: list[RankInfo], events: EventBus):
+        self._mesh = mesh
+        self._ranks = ranks
+        self._events = events
+        self._pending: dict[str, Pending] = {}
+        # Callers add requests while the token holder takes answers off: the per-rank
+        # counts and the IDLE/BUSY flips they imply change under this lock.
+        self._count_lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, rid: str, ranks: list[int], observer: RequestObserver, kind: RequestKind) -> None:
+        """Register request ``rid`` before it is sent."""
+        self._pending[rid] = Pending(rid, ranks, observer, kind)
+        if kind is RequestKind.CONTROL:
+            return
+        flipped = []
+        with self._count_lock:
+            for r in ranks:
+                info = self._ranks[r]
+                info.outstanding += 1
+                if info.state is RankState.IDLE:
+                    info.state = RankState.BUSY
+                    flipped.append(info)
+        for info in flipped:
+            self._announce(info, RankState.IDLE)
+
+    def on_result(self, rank: int, rid: str, msg: Message) -> None:
+        """``rank`` answered ``rid`` (token holder only)."""
+        pending = self._pending.get(rid)
+        if pending is None or rank not in pending.waiting:
+            return  # a late answer to a request that already failed
+        waiting = pending.waiting
+        waiting.discard(rank)
+        if not waiting:
+            del self._pending[rid]
+        if pending.kind is not RequestKind.CONTROL:
+            info = self._ranks[rank]
+            with self._count_lock:
+                left = info.outstanding = max(0, info.outstanding - 1)
+                flip = not left and info.state is RankState.BUSY
+                if flip:
+                    info.state = RankState.IDLE
+            if flip:
+                self._announce(info, RankState.BUSY)
+        reply = Reply(rank, msg)
+        # Listeners hear of it before the caller does: whoever looks when the caller's
+        # future completes (a test, the dashboard) finds the event already delivered.
+        events = self._events
+        if reply.ok:
+            if events.wants(ReplyReceived):
+                events.emit(ReplyReceived(self._mesh, rank, rid))
+        elif reply.report is not None and events.wants(RequestFailed):
+            events.emit(RequestFailed(self._mesh, rank, rid, pending.kind, reply.report))
+        pending.observer.on_reply(reply)
+
+    def fail_rank(self, rank: int, error: BaseException) -> tuple[str, ...]:
+        """``rank`` will never answer: fail its part of every request; the ids failed."""
+        failed = []
+        for rid, pending in list(self._pending.items()):
+            if rank in pending.waiting:
+                pending.waiting.discard(rank)
+                if not pending.waiting:
+                    self._pending.pop(rid, None)
+                failed.append(rid)
+                pending.observer.on_lost(rank, error)
+        with self._count_lock:
+            self._ranks[rank].outstanding = 0
+        return tuple(failed)
+
+    def fail_all(self, error: Callable[[], BaseException]) -> None:
+        """Fail every rank of every request (the mesh stopped)."""
+        for rid, pending in list(self._pending.items()):
+            self._pending.pop(rid, None)
+            exc = error()
+            for r in list(pending.waiting):
+                pending.observer.on_lost(r, exc)
+        with self._count_lock:
+            for info in self._ranks:
+                info.outstanding = 0
+
+    def _announce(self, info: RankInfo, previous: RankState) -> None:
+        if self._events.wants(RankStateChanged):
+            self._events.emit(RankStateChanged(self._mesh, info.rank, info.state, previous))
+
+    def set_state(self, info: RankInfo, state: RankState, announce: bool = True) -> RankState:
+        """Move ``info`` to ``state`` (atomic with the IDLE/BUSY flips); returns the
+        previous state. ``announce``: emit :class:`RankStateChanged` (deaths are told
+        by :class:`~monarch_kernel.controller.events.RankDied` instead)."""
+        with self._count_lock:
+            previous, info.state = info.state, state
+        if announce and previous is not state:
+            self._announce(info, previous)
+        return previous

@@ -1,0 +1,116 @@
+"""Supervision of one mesh: heartbeats, rank deaths and lost hosts.
+
+Deaths are pushed: a host agent reaps its ranks and reports each exit at once
+(``rank_exit``); a host agent that exits or stops answering heartbeats is *lost* and its
+ranks die with that cause. Everything here runs on the thread holding the receive token
+(deaths arrive as messages; the heartbeat tick posts what it finds through
+``Receiver.post``), so failing a request never races with handling its replies.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from monarch_kernel.controller.errors import MeshStoppedError, RankDiedError
+from monarch_kernel.controller.events import HostLost, RankDied
+from monarch_kernel.controller.records import DeathInfo, HostInfo, RankInfo, RankState
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import Header
+from monarch_kernel.wire.osutil import describe_exit
+
+if TYPE_CHECKING:
+    from monarch_kernel.controller.mesh import MeshRuntime
+
+#: Output lines of a dead rank shown in its error.
+DEATH_TAIL = 20
+
+
+class Supervisor:
+    """Turns exits, silence and lost hosts into dead ranks and failed requests."""
+
+    def __init__(self, mesh: MeshRuntime):
+        self._mesh = mesh
+
+    def tick(self, now: float) -> None:
+        """About once a second (I/O thread): heartbeat every host, notice lost ones."""
+        mesh = self._mesh
+        if mesh.state.ended:
+            return
+        for host in mesh.hosts:
+            if host.lost:
+                continue
+            mesh.transport.send_host(host.index, {"k": K.HEARTBEAT})
+            code = host.handle.exit_code() if host.handle is not None else None
+            if code is not None:
+                mesh.receiver.post(
+                    self.host_lost, host, f"host agent process exited with code {code}"
+                )
+            elif host.ready and now - host.last_seen > mesh.hb_timeout:
+                mesh.receiver.post(
+                    self.host_lost, host, f"no heartbeat for {now - host.last_seen:.1f}s"
+                )
+
+    def host_lost(self, host: HostInfo, why: str) -> None:
+        """``host`` is gone: its live ranks die with that cause."""
+        if host.lost:
+            return
+        mesh = self._mesh
+        host.lost = why
+        if mesh.events.wants(HostLost):
+            mesh.events.emit(HostLost(mesh.name, host.index, why))
+        for info in mesh.ranks:
+            if info.host == host.index and info.alive:
+                self.rank_died(info, {"reason": f"host agent {host.index} lost: {why}"})
+        mesh.notify()
+
+    def rank_died(self, info: RankInfo, report: Header) -> None:
+        """``info``'s rank ended (``report``: a ``rank_exit`` header or a reason)."""
+        mesh = self._mesh
+        expected = bool(report.get("expected"))
+        state = RankState.STOPPED if expected or mesh.state.ended else RankState.DEAD
+        mesh.requests.set_state(info, state, announce=False)
+        host = mesh.hosts[info.host]
+        tail = tuple(report.get("tail") or ()) or tuple(info.tail)[-DEATH_TAIL:]
+        info.death = DeathInfo(
+            rank=info.rank,
+            host=host.hostname or f"host {info.host}",
+            pid=report.get("pid", info.pid),
+            code=report.get("code"),
+            signal=report.get("sig"),
+            reason=report.get("reason"),
+            tail=tail,
+            time=time.time(),
+        )
+        if mesh.state.ended:
+            error: BaseException = MeshStoppedError(
+                f"mesh {mesh.name!r} was stopped while this call was running"
+            )
+        else:
+            error = RankDiedError(self.death_text(info), info.death, mesh.name)
+        failed = mesh.requests.fail_rank(info.rank, error)
+        if mesh.events.wants(RankDied):
+            mesh.events.emit(RankDied(mesh.name, info.rank, state, info.death, failed))
+        mesh.notify()
+
+    def death_text(self, info: RankInfo) -> str:
+        """``rank 2 of mesh 'm' (host h, pid 123) died: killed by SIGKILL`` + last lines."""
+        mesh = self._mesh
+        d = info.death
+        tail: tuple[str, ...]
+        if d is None:
+            how, host, pid, tail = "is not running", info.hostname, info.pid, ()
+        else:
+            host, pid, tail = d.host, d.pid, d.tail
+            if d.reason:
+                how = d.reason
+            elif info.state is RankState.STOPPED:
+                how = "was stopped"
+            else:
+                how = describe_exit(d.code, d.signal)
+        text = f"rank {info.rank} of mesh {mesh.name!r} (host {host}, pid {pid}) died: {how}"
+        if tail:
+            text += "\nlast output lines:\n  " + "\n  ".join(tail[-DEATH_TAIL:])
+        if info.state is RankState.DEAD:
+            text += f"\nRestart it with ProcMesh.restart(ranks=[{info.rank}])."
+        return text

@@ -1,0 +1,83 @@
+"""Parsing magic lines: argparse that raises UsageError, and bracket-aware splitting."""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+from IPython.core.error import UsageError
+
+from monarch_kernel.kernel.output import MODES
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
+        raise UsageError(f"{self.prog}: {message}. Usage: {usage}")
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        raise UsageError(message or self.format_usage())
+
+
+def mesh_parser() -> Parser:
+    """``%mesh NAME --gpus N ...``."""
+    p = Parser(prog="%mesh", add_help=False)
+    p.add_argument("name")
+    p.add_argument("--gpus", type=int, default=None, help="ranks per host")
+    p.add_argument("--hosts", type=int, default=1)
+    p.add_argument("--backend", default="local")
+    p.add_argument("--env", action="append", default=[], metavar="K=V")
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--dist", action="store_true", help="init_process_group on every rank")
+    return p
+
+
+def remote_parser() -> Parser:
+    """``%%remote TARGET [--ranks] [--bg] ...``."""
+    p = Parser(prog="%%remote", add_help=False)
+    p.add_argument("target")
+    p.add_argument("--ranks", default=None)
+    p.add_argument("--bg", action="store_true")
+    p.add_argument("--group-outputs", default="collapse", choices=MODES)
+    p.add_argument("-o", "--out", default=None, metavar="NAME")
+    return p
+
+
+_CLOSERS = {"(": ")", "[": "]", "{": "}"}
+
+
+def split_args(text: str) -> list[str]:
+    """Split on whitespace outside brackets and quotes: ``a=[1, 2] b`` -> 2 tokens.
+
+    Brackets must pair up (``(]`` and ``) (`` are errors), quotes must close.
+    """
+    out: list[str] = []
+    cur: list[str] = []
+    expected: list[str] = []  # the closing brackets still owed, innermost last
+    quote = ""
+    for ch in text:
+        if quote:
+            cur.append(ch)
+            if ch == quote:
+                quote = ""
+            continue
+        if ch in "'\"":
+            quote = ch
+        elif ch in _CLOSERS:
+            expected.append(_CLOSERS[ch])
+        elif ch in ")]}":
+            if not expected or expected.pop() != ch:
+                raise UsageError(f"unbalanced quotes or brackets in {text!r}")
+        elif ch.isspace() and not expected:
+            if cur:
+                out.append("".join(cur))
+                cur = []
+            continue
+        cur.append(ch)
+    if quote or expected:
+        raise UsageError(f"unbalanced quotes or brackets in {text!r}")
+    if cur:
+        out.append("".join(cur))
+    return out

@@ -1,0 +1,46 @@
+"""Typed shapes of the reports that travel pickled inside messages.
+
+A :class:`FailureReport` is what a rank sends (pickled, in a ``res`` message with
+``ok=0`` or in a ``fault`` message) when user code raised; ``rank`` and ``host`` are
+filled in by whoever knows them. :class:`RankStats` is the once-a-second ``stats``
+payload. Both are plain dicts on the wire (cheap to pickle, nothing to import on the
+other side); these ``TypedDict`` s say which keys they carry.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+
+class SourceLine(TypedDict, total=False):
+    """The user-code line an exception was raised at (innermost frame of user code)."""
+
+    file: str
+    line: int
+    func: str
+    code: str | None
+
+
+class FailureReport(TypedDict, total=False):
+    """An exception raised by user code on one rank."""
+
+    type: str  #: the exception class name, e.g. ``ValueError``
+    qualname: str  #: ``module.Class`` of the exception
+    message: str
+    traceback: str  #: formatted remote traceback (user frames only)
+    line: SourceLine | None  #: where in the user's code it was raised
+    tensors: list[str]  #: ``name: shape dtype device`` for tensors in the failing frame
+    where: str  #: ``Class.endpoint``, ``cell 5``, ``spawn counters`` ...
+    exception: bytes | None  #: the pickled exception, when it pickles
+    host: str  #: the rank's hostname
+    rank: int  #: the global rank (set by the controller on receipt)
+
+
+class RankStats(TypedDict, total=False):
+    """A rank's once-a-second report."""
+
+    rss: int  #: resident memory in bytes
+    gpu_mem: int | None  #: CUDA memory allocated in bytes (None without CUDA)
+    bytes_in: int  #: data-plane bytes received (rank-to-rank tensors)
+    bytes_out: int  #: data-plane bytes sent
+    time: float  #: ``time.time()`` on the rank

@@ -1,0 +1,66 @@
+"""Small helpers shared by the tests: waiting for an observable event instead of sleeping."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class WaitTimeout(AssertionError):
+    """``wait_until`` gave up: the condition was still false when the time ran out."""
+
+
+def wait_until(
+    cond: Callable[[], T],
+    timeout: float = 10.0,
+    interval: float = 0.05,
+    what: str = "",
+    detail: Callable[[], Any] | None = None,
+) -> T:
+    """Call ``cond()`` every ``interval`` seconds until it returns something true; return it.
+
+    Raises :class:`WaitTimeout` (an AssertionError, so a test fails) naming ``what`` and
+    the timeout if ``cond`` is still false after ``timeout`` seconds; ``detail()``, when
+    given, describes the state at that moment (e.g. which processes are still alive).
+    ``cond`` is always called at least once, and once more at the deadline.
+    """
+    if timeout < 0 or interval < 0:
+        raise ValueError(f"timeout and interval must be >= 0, got {timeout} and {interval}")
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        left = deadline - time.monotonic()
+        if left <= 0:
+            message = f"timed out after {timeout:g}s waiting for {what or _name(cond)}"
+            if detail is not None:
+                message += f"; {detail()}"
+            raise WaitTimeout(message)
+        time.sleep(min(interval, left))
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    return f"the condition {name}"
+
+
+def wait_for_rank_line(procs: Any, rank: int, text: str, timeout: float = 15.0) -> None:
+    """Wait until ``rank`` of mesh ``procs`` has printed a line containing ``text``.
+
+    Uses the lines the controller keeps for each rank (``procs.runtime.ranks[r].tail``):
+    a printed line is proof that the rank has started the code that printed it.
+    """
+
+    def lines() -> list[str]:
+        return list(procs.runtime.ranks[rank].tail)
+
+    wait_until(
+        lambda: any(text in line for line in lines()),
+        timeout=timeout,
+        what=f"rank {rank} to print {text!r}",
+        detail=lambda: f"its last lines: {lines()[-5:]}",
+    )
