@@ -128,7 +128,7 @@ class Recorder:
             for key in keys:
                 if not self.has(key):
                     self.note(key, str(exc))
-        except Exception as exc:  # noqa: BLE001 - one failing benchmark must not stop the rest
+        except Exception as exc:  # one failing benchmark must not stop the rest
             traceback.print_exc()
             first = (str(exc).splitlines() or [""])[0][:120]
             text = f"failed: {type(exc).__name__}: {first}"

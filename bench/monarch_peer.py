@@ -162,7 +162,7 @@ def micro(s: Settings, rec: Recorder, actors: Any) -> None:
         for mib in s.tensor_mib:
             t = tensor_of(mib)
             with rec.guard(f"tensor_{mib}"):
-                send = lambda t: one.nbytes.call_one(t).get()  # noqa: E731
+                send = lambda t: one.nbytes.call_one(t).get()
                 measure_tensor(rec, f"tensor_{mib}", mib, send, t)
             with rec.guard(f"tensor_rdma_{mib}"):
                 measure_tensor(rec, f"tensor_rdma_{mib}", mib, lambda t: rdma_send(one, t), t)
@@ -194,6 +194,6 @@ def death_time(actors: Any, timeout: float) -> float:
         fut.get(timeout=timeout)
     except TimeoutError:
         raise NotWithin(f"> {timeout:.0f} s: not noticed") from None
-    except Exception:  # noqa: BLE001 - SupervisionError expected
+    except Exception:  # SupervisionError expected
         return time.perf_counter() - t0
     raise RuntimeError("the call on the killed proc returned a value")

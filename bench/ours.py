@@ -53,7 +53,7 @@ class Bench(Actor):
         return n
 
     @endpoint
-    def nbytes(self, t) -> int:  # noqa: ANN001
+    def nbytes(self, t) -> int:
         return t.numel() * t.element_size()
 
     @endpoint
@@ -157,7 +157,7 @@ def micro(s: Settings, rec: Recorder, actors: ActorMesh) -> None:
     if s.wants("tensor"):
         for mib in s.tensor_mib:
             with rec.guard(f"tensor_{mib}"):
-                send = lambda t: one.nbytes.call_one(t).get()  # noqa: E731
+                send = lambda t: one.nbytes.call_one(t).get()
                 measure_tensor(rec, f"tensor_{mib}", mib, send, tensor_of(mib))
 
 
@@ -169,7 +169,7 @@ def interrupt_time(procs: ProcMesh, actors: ActorMesh) -> float:
     procs.interrupt()
     try:
         fut.get(timeout=30)
-    except Exception:  # noqa: BLE001 - ActorError(KeyboardInterrupt) expected
+    except Exception:  # ActorError(KeyboardInterrupt) expected
         return time.perf_counter() - t0
     raise RuntimeError("the sleeping endpoint finished: interrupt did not stop it")
 

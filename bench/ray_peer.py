@@ -19,7 +19,7 @@ import psutil
 
 # Read by Ray when it is imported; Ray's processes inherit it.
 os.environ["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] = "1"
-import ray  # noqa: E402
+import ray
 
 from bench.common import (
     NotWithin,
@@ -158,7 +158,7 @@ def micro(s: Settings, rec: Recorder, actors: list[Any]) -> None:
     if s.wants("tensor"):
         for mib in s.tensor_mib:
             with rec.guard(f"tensor_{mib}"):
-                send = lambda t: ray.get(one.nbytes.remote(t))  # noqa: E731
+                send = lambda t: ray.get(one.nbytes.remote(t))
                 measure_tensor(rec, f"tensor_{mib}", mib, send, tensor_of(mib))
 
 
@@ -175,7 +175,7 @@ def interrupt(rec: Recorder, actor: Any, wait_s: float = 5.0) -> None:
             "interrupt", f"n/a: ray.cancel did not stop a running actor method in {wait_s:.0f} s"
         )
         return
-    except Exception:  # noqa: BLE001 - TaskCancelledError
+    except Exception:  # TaskCancelledError
         rec.value("interrupt", time.perf_counter() - t0)
         return
     rec.note("interrupt", "n/a: ray.cancel let the running actor method finish")

@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     try:
         module = importlib.import_module(MODULES[peer])
         available = getattr(module, "available", lambda: None)()
-    except Exception as exc:  # noqa: BLE001 - reported, not raised
+    except Exception as exc:  # reported, not raised
         available = f"{type(exc).__name__}: {exc}"
     if available:
         rec.note("_unavailable", f"not available: {available}")

@@ -19,7 +19,7 @@ def report(**metrics: float) -> None:
     context.report(metrics)
 
 
-def share(tensor):  # noqa: ANN001, ANN201 - torch is imported lazily
+def share(tensor):  # torch is imported lazily
     """Inside a rank: keep ``tensor`` here and return a :class:`TensorRef` that another
     rank turns into a copy with ``ref.get()``, pulled directly from this rank (shared
     memory on the same machine, ZeroMQ across machines)."""

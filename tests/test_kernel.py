@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -197,6 +198,23 @@ def test_second_mesh_and_stop(kernel):
     kernel.run("%mesh stop two")
     r = kernel.run("%remote two 1")
     assert "is stopped" in r.stderr
+
+
+def test_mesh_lists_meshes_made_in_cells_and_names_stay_unique(kernel):
+    r = kernel.run(
+        "from monarch_kernel.actor import this_host\n"
+        "cellmade = this_host().spawn_procs(per_host={'gpus': 1}, name='cellmade')"
+    )
+    assert not r.errors, r.error_text
+    r = kernel.run("%mesh")
+    assert "cellmade" in r.text and "1/1" in r.text, r.text
+    r = kernel.run("%remote cellmade 40 + 2")  # the magics find it by name too
+    assert "42" in r.text, r.error_text
+    r = kernel.run("this_host().spawn_procs(per_host={'gpus': 1}, name='cellmade')")
+    assert "a live mesh is already named 'cellmade'" in r.error_text
+    kernel.run("%mesh stop cellmade")
+    r = kernel.run("%mesh")
+    assert re.search(r"cellmade\s+gpus=1\s+local\s+0/1\s+stopped", r.text), r.text
 
 
 def test_restart_kernel_leaves_no_orphans():

@@ -126,7 +126,7 @@ class Future(Generic[T]):
             self.get(timeout)
         except TimeoutError:
             raise
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             return exc
         return None
 

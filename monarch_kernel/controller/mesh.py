@@ -350,13 +350,15 @@ class MeshRuntime:
         for info in self.ranks:
             if info.alive:
                 self.requests.set_state(info, RankState.STOPPED)
+        with self._cv:
+            self.state = MeshPhase.STOPPED  # nothing runs any more; what is left is local
         self.receiver.stop()
         self.transport.close()
         for host in self.hosts:
             if host.handle is not None:
                 host.handle.cleanup()
         registry.discard(self)
-        self._set_phase(MeshPhase.STOPPED)
+        self._emit_phase()
 
     def _set_phase(self, phase: MeshPhase) -> None:
         with self._cv:

@@ -68,11 +68,11 @@ class MeshRegistry:
         """What ``%mesh`` shows: the live meshes and the recently stopped ones (unless
         a live mesh took their name), oldest first."""
         with self._lock:
-            live = [m for m in self._meshes.values() if not m.state.ended]
-            taken = {m.name for m in live}
+            current = list(self._meshes.values())  # live, or still stopping
+            taken = {m.name for m in current}
             gone = [m for m in self._stopped if m.name not in taken]
         latest = {m.name: m for m in gone}  # one row per name: its last incarnation
-        shown = [m for m in gone if latest[m.name] is m] + live
+        shown = [m for m in gone if latest[m.name] is m] + current
         return sorted(shown, key=lambda m: m.started_at)
 
     def names(self) -> list[str]:

@@ -52,7 +52,7 @@ class MeshMagics(Magics):
         if target.isidentifier() and target not in ns:
             raise UsageError(f"no mesh named {target!r}; {self._live_hint()}")
         try:
-            obj = eval(target, ns)  # noqa: S307 - the user's own expression
+            obj = eval(target, ns)  # the user's own expression
         except SliceError as exc:
             raise UsageError(f"bad slice {target!r}: {exc}") from None
         except Exception as exc:
@@ -166,7 +166,7 @@ class MeshMagics(Magics):
             hosts = host_mesh(hosts=opts.hosts, backend=opts.backend)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        from monarch_kernel.widgets import show  # ipywidgets: imported late
+        from monarch_kernel.widgets import refresh, show  # ipywidgets: imported late
 
         shown: list[ProcMesh] = []
 
@@ -187,7 +187,7 @@ class MeshMagics(Magics):
             raise UsageError(str(exc)) from None
         finally:
             for p in shown:
-                _refresh_dashboard(p)
+                refresh(p)
         self._user_ns[name] = procs
         print(
             f"mesh {name!r}: {procs.shape.describe()} ({opts.backend}) ready in "
@@ -304,7 +304,7 @@ class MeshMagics(Magics):
             if not name.isidentifier():
                 raise UsageError(f"%push takes name=expression or a variable name, got {tok!r}")
             try:
-                values[name] = eval(expr, ns) if sep else ns[name]  # noqa: S307
+                values[name] = eval(expr, ns) if sep else ns[name]
             except KeyError:
                 raise UsageError(f"name {name!r} is not defined in the notebook") from None
             except Exception as exc:
@@ -350,7 +350,7 @@ def _report_bg(job: RemoteJob, live: LiveText, out: str | None, shell: Any) -> N
     took = (job.finished or time.time()) - job.started
     try:
         values = job.future.get()
-    except BaseException as exc:  # noqa: BLE001 - shown under the cell
+    except BaseException as exc:  # shown under the cell
         live.set_title(f"[bg cell {job.cell} on {job.procs.name}: failed after {took:.1f}s]")
         live.emit("stderr", str(exc))
         return
@@ -359,14 +359,6 @@ def _report_bg(job: RemoteJob, live: LiveText, out: str | None, shell: Any) -> N
     live.set_title(f"[bg cell {job.cell} on {job.procs.name}: done in {took:.1f}s]")
     if not all(v is None for v in values.values()):
         live.emit("stdout", repr(values))
-
-
-def _refresh_dashboard(procs: ProcMesh) -> None:
-    from monarch_kernel.widgets import dashboard
-
-    dash = dashboard(procs)
-    dash.update()
-    dash.refresh_displays()
 
 
 def _dashboard(procs: ProcMesh) -> Any:

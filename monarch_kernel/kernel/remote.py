@@ -125,7 +125,7 @@ class RemoteJob:
             self.cancel()
             try:
                 self.future.get(INTERRUPT_WAIT)
-            except BaseException:  # noqa: BLE001 - the interrupt is what we report
+            except BaseException:  # the interrupt is what we report
                 pass
             raise
 

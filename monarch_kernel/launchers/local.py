@@ -100,7 +100,7 @@ class LocalLauncher:
             fn, out = self._jobs.get()
             try:
                 out.put((fn(), None))
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 out.put((None, exc))
 
     def _on_spawner(self, fn: Callable[[], T]) -> T:

@@ -344,7 +344,7 @@ class Rank:
                 continue
             try:
                 self._control(msg)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self.reply_error(msg.header.get("i"), exc, msg.kind)
 
     def _send_stats(self) -> None:
@@ -433,7 +433,7 @@ def run_forked(cfg: dict[str, Any], template_pid: int) -> None:
         Rank(cfg, log_fd).run()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         import traceback
 
         traceback.print_exc()

@@ -178,7 +178,7 @@ class Dashboard(W.VBox):
         for d in self._displays:
             try:
                 d.update(data)
-            except Exception:  # noqa: BLE001 - a closed kernel channel: nothing to do
+            except Exception:  # a closed kernel channel: nothing to do
                 pass
 
     # -- actions (any thread) --------------------------------------------------------
@@ -224,7 +224,7 @@ class Dashboard(W.VBox):
             t0 = time.monotonic()
             try:
                 self._procs().restart(ranks)
-            except Exception as exc:  # noqa: BLE001 - shown in the dashboard
+            except Exception as exc:  # shown in the dashboard
                 self._set_status(f"restart of ranks {label} failed: {exc}".split("\n")[0])
             else:
                 self._set_status(f"restarted ranks {label} in {time.monotonic() - t0:.1f}s")
@@ -242,7 +242,7 @@ class Dashboard(W.VBox):
         def work() -> None:
             try:
                 self.runtime.stop()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self._set_status(f"stop failed: {exc}")
             else:
                 self._set_status("mesh stopped")
@@ -265,7 +265,7 @@ class Dashboard(W.VBox):
             self._wake.clear()
             try:
                 self.update()
-            except Exception:  # noqa: BLE001 - never let the dashboard thread die
+            except Exception:  # never let the dashboard thread die
                 log.exception("dashboard update failed")
             if self.runtime.state is MeshPhase.STOPPED:
                 if final:

@@ -40,7 +40,7 @@ class Display:
             self.kernel = getattr(shell, "kernel", None)
             if self.kernel is not None:
                 self.parent = self.kernel.get_parent("shell")
-        except Exception:  # noqa: BLE001 - not in a kernel: nothing to refresh
+        except Exception:  # not in a kernel: nothing to refresh
             self.kernel = None
 
     def update(self, data: dict[str, Any]) -> None:
