@@ -236,6 +236,7 @@ class MeshRuntime:
         control: bool = False,
         waited: bool = False,
         request_id: str | None = None,
+        wait: bool = True,
     ) -> str:
         """Send a request expecting one reply per rank; ``observer`` hears of each.
 
@@ -245,8 +246,11 @@ class MeshRuntime:
         :meth:`wait_for` (receiving the replies itself); otherwise the I/O thread is
         asked to receive at once. ``request_id``: one from :func:`new_request_id`,
         when the caller must know it before the request is sent (to route its output).
+        ``wait``: when the controller's queues for busy ranks are full, wait for room
+        (interruptibly) rather than raise ``BackpressureError``.
         """
         self.check_alive(ranks)
+        self._make_room(wait)
         rid = request_id or new_request_id()
         header["i"] = rid
         header["w"] = 1
@@ -272,12 +276,23 @@ class MeshRuntime:
         self.requests.fail_rank(rank, RankDiedError(self.death_text(info), info.death, self.name))
 
     def send(
-        self, ranks: list[int], header: Header, payload: bytes = b"", buffers: Sequence[Buffer] = ()
+        self,
+        ranks: list[int],
+        header: Header,
+        payload: bytes = b"",
+        buffers: Sequence[Buffer] = (),
+        wait: bool = True,
     ) -> None:
         """Fire and forget: send to ``ranks``' main threads (FIFO per rank); errors go to
-        supervision (:class:`FaultReported`)."""
+        supervision (:class:`FaultReported`). Flow control as for :meth:`request`."""
         self.check_alive(ranks)
+        self._make_room(wait)
         self.transport.send(ranks, header, payload, buffers)
+
+    def _make_room(self, wait: bool) -> None:
+        # The token holder never waits: the replies it reads are what lets ranks drain.
+        if not self.receiver.on_receiving_thread:
+            self.transport.wait_for_room(wait)
 
     def send_control(self, rank: int, header: Header, payload: bytes = b"") -> None:
         """Send to a rank's control thread (served even while its main thread is busy)."""

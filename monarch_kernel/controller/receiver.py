@@ -11,7 +11,8 @@ One thread at a time reads the ``recv`` socket: the holder of the *receive token
 * The I/O thread takes the token whenever no caller has held it for
   :data:`READER_GRACE` (streams of background work, deaths, futures that are awaited
   or polled), and runs the periodic ``tick`` (heartbeats) every
-  :data:`HEARTBEAT_INTERVAL`.
+  :data:`HEARTBEAT_INTERVAL`. Whoever holds the token, it also retries the transport's
+  backlogs (messages for busy ranks) every ``FLUSH_INTERVAL`` until they drain.
 
 Invariants: only the token's holder calls ``handle`` (so message handling, and work
 posted with :meth:`Receiver.post`, never runs on two threads at once); ``_reader`` names
@@ -30,7 +31,7 @@ from typing import Protocol
 import zmq
 
 from monarch_kernel.controller.sigint import DeferSigint
-from monarch_kernel.controller.transport import SIGINT_ID, WAKE_ID, Transport
+from monarch_kernel.controller.transport import FLUSH_INTERVAL, SIGINT_ID, WAKE_ID, Transport
 from monarch_kernel.wire.codec import recv as wire_recv
 
 log = logging.getLogger("monarch_kernel.controller")
@@ -205,7 +206,9 @@ class Receiver:
     def _io_loop(self) -> None:
         me = threading.get_ident()
         last_tick = time.monotonic()
+        flush = self._transport.flush
         while self._running:
+            backlog = flush()
             now = time.monotonic()
             if now - last_tick >= HEARTBEAT_INTERVAL:
                 last_tick = now
@@ -235,6 +238,8 @@ class Receiver:
                     wait = idle  # callers may come back for the token
                 else:
                     continue  # take the token now
+                if backlog:
+                    wait = min(wait, FLUSH_INTERVAL)
                 if self._running:
                     self._io_cv.wait(min(until_tick, wait))
 
@@ -250,8 +255,15 @@ class Receiver:
         """Receive (token held) until ``timeout`` passes (False), or until the callers
         that follow this thread have their replies (True: the token was handed over)."""
         deadline = time.monotonic() + timeout
+        flush = self._transport.flush
         while self._running:
-            if not self._receive_one(deadline):
+            if flush():  # peers with full queues: look again soon
+                until = min(deadline, time.monotonic() + FLUSH_INTERVAL)
+                if not self._receive_one(until):
+                    if time.monotonic() >= deadline:
+                        return False
+                    continue
+            elif not self._receive_one(deadline):
                 return False
             if self._io_followers and self._hand_over():
                 return True

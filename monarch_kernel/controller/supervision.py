@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 from monarch_kernel.controller.errors import MeshStoppedError, RankDiedError
 from monarch_kernel.controller.events import HostLost, RankDied
 from monarch_kernel.controller.records import DeathInfo, HostInfo, RankInfo, RankState
-from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Header
 from monarch_kernel.wire.osutil import describe_exit
 
@@ -40,7 +39,7 @@ class Supervisor:
         for host in mesh.hosts:
             if host.lost:
                 continue
-            mesh.transport.send_host(host.index, {"k": K.HEARTBEAT})
+            mesh.transport.heartbeat(host.index)
             code = host.handle.exit_code() if host.handle is not None else None
             if code is not None:
                 mesh.receiver.post(

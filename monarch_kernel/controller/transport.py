@@ -13,6 +13,17 @@ A multi-rank message goes once per host to the host agent, which fans it out, wh
 payload is large or many ranks of that host are targeted; otherwise it goes to each rank
 directly. Per-rank sequence numbers (header ``q``) keep delivery FIFO whichever path is
 taken.
+
+Flow control (a send never blocks): every message is sent without blocking. When a
+peer's queue is full (a busy rank has not read its inbox: ZeroMQ holds about
+``SNDHWM`` + ``RCVHWM`` messages), the message goes to a per-peer *backlog* in the
+controller instead, and every later message for that peer queues behind it (FIFO). The
+I/O thread retries backlogs every :data:`FLUSH_INTERVAL` until they drain. So heartbeats,
+deaths and the other ranks and meshes keep flowing while one rank is busy. The backlogs
+are bounded (:data:`MAX_BACKLOG_MESSAGES`, :data:`MAX_BACKLOG_BYTES`): past that, a caller
+that sends waits (interruptibly: Ctrl-C and stopping the mesh release it) until there is
+room, or gets :class:`BackpressureError` if it asked not to wait. The thread that holds
+the receive token never waits (it must keep reading the replies that drain the ranks).
 """
 
 from __future__ import annotations
@@ -23,11 +34,13 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import zmq
 
-from monarch_kernel.controller.errors import MeshStartError
+from monarch_kernel.controller.errors import MeshStartError, MeshStoppedError, MonarchError
 from monarch_kernel.controller.records import RankInfo
 from monarch_kernel.controller.sigint import DeferSigint
 from monarch_kernel.wire import Codec
@@ -42,10 +55,23 @@ FANOUT_MIN_BYTES = 256 * 1024
 #: ... or when at least this many ranks of one host are targeted.
 FANOUT_MIN_RANKS = 8
 
+#: How often the I/O thread retries sending to peers whose queues were full.
+FLUSH_INTERVAL = 0.002
+#: Bounds on what the controller keeps queued for peers with full queues; past either,
+#: senders wait for room.
+MAX_BACKLOG_MESSAGES = 100_000
+MAX_BACKLOG_BYTES = 256 * 1024 * 1024
+
+_NOBLOCK = int(zmq.NOBLOCK)
+
 #: Routing ids of the inproc sockets that wake the thread receiving on the recv socket
 #: (a message from them only means "look at your conditions again").
 WAKE_ID = b"mk-wake"
 SIGINT_ID = b"mk-sigint"
+
+
+class BackpressureError(MonarchError):
+    """The controller's queues for busy ranks are full and the caller asked not to wait."""
 
 
 class Transport:
@@ -90,16 +116,26 @@ class Transport:
         self._wake_lock = threading.Lock()
         self._wake_sock = _wake_socket(ctx, WAKE_ID, wake_addr)
         self._sigint_sock = _wake_socket(ctx, SIGINT_ID, wake_addr)  # main thread only
+        # Flow control (see the module docstring); the backlogs change under send_lock.
+        self._backlog: dict[bytes, deque[tuple[list[Any], int]]] = {}
+        self.backlog_messages = 0
+        self.backlog_bytes = 0
+        self._room = threading.Condition()
+        self._closed = False
 
     # -- sending -----------------------------------------------------------------------
     def send_host(self, host: int, header: Header, payload: bytes = b"") -> None:
         """Send to host agent ``host`` (lost messages to a gone agent are dropped)."""
         frames = self.codec.encode(header, payload)
         with self.send_lock, DeferSigint():
-            try:
-                wire_send(self.send_sock, frames, [b"h%d" % host])
-            except zmq.ZMQError as exc:
-                log.debug("send to host %s failed: %s", host, exc)
+            self._deliver(b"h%d" % host, frames, len(payload))
+
+    def heartbeat(self, host: int) -> None:
+        """A heartbeat to host agent ``host``, unless it has not read what was sent."""
+        ident = b"h%d" % host
+        with self.send_lock:
+            if ident not in self._backlog:
+                self._deliver(ident, self.codec.encode({"k": K.HEARTBEAT}), 0)
 
     def send(
         self,
@@ -108,16 +144,16 @@ class Transport:
         payload: bytes = b"",
         buffers: Sequence[Buffer] = (),
     ) -> None:
-        """Send one message to ``ranks``' main threads (in order, FIFO per rank)."""
+        """Send one message to ``ranks``' main threads (in order, FIFO per rank); never
+        blocks (callers make room first: :meth:`wait_for_room`)."""
         with self.send_lock, DeferSigint():
             if len(ranks) == 1:
                 r = ranks[0]
                 header["q"] = self.next_seq[r]
                 self.next_seq[r] += 1
-                self._send_frames(r, self.codec.encode(header, payload, buffers))
-                self._ranks[r].bytes_out += len(payload) + (
-                    sum(memoryview(b).nbytes for b in buffers) if buffers else 0
-                )
+                size = len(payload) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0)
+                self._deliver(b"r%d" % r, self.codec.encode(header, payload, buffers), size)
+                self._ranks[r].bytes_out += size
                 return
             size = len(payload) + sum(memoryview(b).nbytes for b in buffers)
             by_host: dict[int, list[int]] = {}
@@ -128,15 +164,11 @@ class Transport:
             for host, group in by_host.items():
                 if len(group) > 1 and (size >= FANOUT_MIN_BYTES or len(group) >= FANOUT_MIN_RANKS):
                     h = dict(header, d=group, f=1, q=[self._take_seq(r) for r in group])
-                    frames = self.codec.encode(h, payload, buffers)
-                    try:
-                        wire_send(self.send_sock, frames, [b"h%d" % host])
-                    except zmq.ZMQError as exc:
-                        log.debug("fan-out to host %s failed: %s", host, exc)
+                    self._deliver(b"h%d" % host, self.codec.encode(h, payload, buffers), size)
                 else:
                     for r in group:
                         h = dict(header, q=self._take_seq(r))
-                        self._send_frames(r, self.codec.encode(h, payload, buffers))
+                        self._deliver(b"r%d" % r, self.codec.encode(h, payload, buffers), size)
 
     def _take_seq(self, r: int) -> int:
         q = self.next_seq[r]
@@ -144,26 +176,103 @@ class Transport:
         return q
 
     def reset_seq(self, rank: int) -> None:
-        """A restarted rank counts its messages from 0 again."""
+        """A restarted rank counts its messages from 0 again; what was queued for its
+        previous incarnation is dropped."""
         with self.send_lock:
             self.next_seq[rank] = 0
-
-    def _send_frames(self, rank: int, frames: list[bytes | memoryview]) -> None:
-        try:
-            wire_send(self.send_sock, frames, [b"r%d" % rank])
-        except zmq.ZMQError as exc:
-            # The rank's connection is gone; its death report (pushed by its host agent)
-            # fails whatever waits on it.
-            log.debug("send to rank %s failed: %s", rank, exc)
+            self._drop(b"r%d" % rank)
+            self._drop(b"c%d" % rank)
 
     def send_control(self, rank: int, header: Header, payload: bytes = b"") -> None:
         """Send to a rank's control thread (served even while its main thread is busy)."""
         frames = self.codec.encode(header, payload)
         with self.send_lock, DeferSigint():
+            self._deliver(b"c%d" % rank, frames, len(payload))
+
+    # -- flow control --------------------------------------------------------------------
+    def _deliver(self, ident: bytes, frames: list[Any], size: int) -> None:
+        """Send now, or queue behind what ``ident`` has not taken yet (send_lock held)."""
+        queue = self._backlog.get(ident)
+        if queue is None:
             try:
-                wire_send(self.send_sock, frames, [b"c%d" % rank])
+                wire_send(self.send_sock, frames, [ident], _NOBLOCK)
+                return
+            except zmq.Again:  # its queue is full: keep it here, retried by the I/O thread
+                queue = self._backlog[ident] = deque()
+                self.wake()
             except zmq.ZMQError as exc:
-                log.debug("control send to rank %s failed: %s", rank, exc)
+                # Not connected (any more): a dead rank's death report, pushed by its host
+                # agent, fails whatever waits on it.
+                log.debug("mesh %s: send to %r failed: %s", self.name, ident, exc)
+                return
+        queue.append((frames, size))
+        self.backlog_messages += 1
+        self.backlog_bytes += size
+
+    @property
+    def backlogged(self) -> bool:
+        """Whether some peer has messages waiting in the controller."""
+        return bool(self._backlog)
+
+    def flush(self) -> bool:
+        """Send what backlogged peers can take now; True while some is still queued."""
+        if not self._backlog:
+            return False
+        sent = False
+        with self.send_lock:
+            for ident, queue in list(self._backlog.items()):
+                while queue:
+                    frames, size = queue[0]
+                    try:
+                        wire_send(self.send_sock, frames, [ident], _NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except zmq.ZMQError as exc:
+                        log.debug("mesh %s: %r is gone: %s", self.name, ident, exc)
+                        self._drop(ident)
+                        break
+                    queue.popleft()
+                    self.backlog_messages -= 1
+                    self.backlog_bytes -= size
+                    sent = True
+                if not queue:
+                    self._backlog.pop(ident, None)
+            left = bool(self._backlog)
+        if sent:
+            with self._room:
+                self._room.notify_all()
+        return left
+
+    def _drop(self, ident: bytes) -> None:
+        queue = self._backlog.pop(ident, None)
+        if queue:
+            self.backlog_messages -= len(queue)
+            self.backlog_bytes -= sum(size for _, size in queue)
+
+    def _full(self) -> bool:
+        return (
+            self.backlog_messages >= MAX_BACKLOG_MESSAGES or self.backlog_bytes >= MAX_BACKLOG_BYTES
+        )
+
+    def wait_for_room(self, wait: bool = True) -> None:
+        """Return when the backlogs are under their bounds (at once, almost always).
+
+        Interruptible: the wait is in short slices, so Ctrl-C raises in the main thread,
+        and closing the transport (stopping the mesh) raises ``MeshStoppedError``.
+        """
+        if not self._full():
+            return
+        if not wait:
+            raise BackpressureError(
+                f"mesh {self.name!r}: {self.backlog_messages} messages "
+                f"({self.backlog_bytes / 2**20:.0f} MiB) wait for busy ranks to read them; "
+                "wait for results (.get()) before sending more, or send with waiting allowed"
+            )
+        with self._room:
+            while self._full() and not self._closed:
+                self._room.wait(0.1)
+        if self._closed:
+            raise MeshStoppedError(f"mesh {self.name!r} was stopped while this call waited")
 
     def probe(self, identities: list[bytes], timeout: float = 10.0) -> None:
         """Wait until the send socket can route to ``identities``.
@@ -207,6 +316,12 @@ class Transport:
     # -- closing -------------------------------------------------------------------------
     def close(self) -> None:
         """Close every socket and remove the private directory (nobody receives now)."""
+        with self._room:
+            self._closed = True
+            self._room.notify_all()
+        with self.send_lock:
+            self._backlog.clear()
+            self.backlog_messages = self.backlog_bytes = 0
         for sock in (self.send_sock, self.recv_sock, self._wake_sock, self._sigint_sock):
             sock.close(0)
         self._remove_ipc_dir()

@@ -190,15 +190,21 @@ def _as_buffer(frame: Any) -> memoryview:
     return buf if buf is not None else memoryview(frame)
 
 
-def send(sock: Any, frames: list[Any], prefix: list[bytes] | None = None) -> None:
-    """Send ``frames`` on a zmq socket, zero-copy for large buffers."""
+def send(sock: Any, frames: list[Any], prefix: list[bytes] | None = None, flags: int = 0) -> None:
+    """Send ``frames`` on a zmq socket, zero-copy for large buffers.
+
+    ``flags=zmq.NOBLOCK``: raise ``zmq.Again`` instead of blocking when the peer's queue
+    is full. A ROUTER decides that on the first (identity) frame, so either the whole
+    message goes or none of it does.
+    """
+    more = _SNDMORE | flags
     if prefix:
         for p in prefix:
-            _send(sock, p, _SNDMORE)
+            _send(sock, p, more)
     last = len(frames) - 1
     for i, f in enumerate(frames):
         size = len(f) if f.__class__ is bytes else memoryview(f).nbytes
-        _send(sock, f, 0 if i == last else _SNDMORE, size < ZERO_COPY_THRESHOLD)
+        _send(sock, f, flags if i == last else more, size < ZERO_COPY_THRESHOLD)
 
 
 _EVENTS = int(zmq.EVENTS)
