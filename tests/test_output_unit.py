@@ -42,8 +42,13 @@ def clock(monkeypatch):
 
 
 @pytest.fixture
-def make(clock):
-    """``make(ranks, mode, label)`` -> (CellOutput, list of emitted (stream, text))."""
+def make(clock, monkeypatch):
+    """``make(ranks, mode, label)`` -> (CellOutput, list of emitted (stream, text)).
+
+    Lines go out as soon as they are ready (no minimum time between two messages: the
+    throttle has tests of its own below).
+    """
+    monkeypatch.setattr(output, "EMIT_INTERVAL", 0.0)
 
     def make(ranks=(0, 1, 2, 3), mode="collapse", label=True):
         emitted: list[tuple[str, str]] = []
@@ -253,3 +258,42 @@ def test_rank_mode_keeps_streams_apart_within_a_block(make):
 def test_unknown_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown output grouping 'lines'; use one of collapse"):
         CellOutput(lambda name, text: None, [0], "lines")
+
+
+# -- throughput: few messages, nothing lost silently -------------------------------------
+
+
+def test_a_flood_goes_out_as_few_messages(clock):
+    emitted: list[tuple[str, str]] = []
+    out = CellOutput(lambda name, text: emitted.append((name, text)), [0], "order")
+    output._active.discard(out)
+    out.feed(0, "stdout", "first\n")
+    assert emitted == [("stdout", "[0] first\n")]  # after a quiet spell: at once
+    for i in range(1000):
+        out.feed(0, "stdout", f"line {i}\n")
+    assert len(emitted) == 1  # within the interval: held back ...
+    clock.advance(output.EMIT_INTERVAL)
+    out.flush()  # ... until the flusher's next turn: one message for all of them
+    assert len(emitted) == 2 and emitted[1][1].count("\n") == 1000
+
+
+def test_output_past_the_rate_is_elided_counted_and_pointed_at_the_logs(clock, monkeypatch):
+    monkeypatch.setattr(output, "RATE_BYTES", 100)
+    monkeypatch.setattr(output, "BURST_BYTES", 100)
+    emitted: list[tuple[str, str]] = []
+    out = CellOutput(
+        lambda name, text: emitted.append((name, text)), [0], "order", logs="/tmp/x/rank0.log"
+    )
+    output._active.discard(out)
+    for i in range(50):
+        out.feed(0, "stdout", f"line {i:04d}\n")  # 14 bytes labelled: 7 fit in 100
+    out.close()
+    shown = "".join(t for n, t in emitted if n == "stdout").count("\n")
+    note = "".join(t for n, t in emitted if n == "stderr")
+    assert shown == out.shown == 7 and out.elided == 43
+    assert "43 lines elided" in note and "/tmp/x/rank0.log" in note
+    clock.advance(10)  # the allowance refills with time
+    out2 = CellOutput(lambda name, text: emitted.append((name, text)), [0], "order")
+    output._active.discard(out2)
+    out2.feed(0, "stdout", "again\n")
+    assert emitted[-1] == ("stdout", "[0] again\n")

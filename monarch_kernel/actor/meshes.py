@@ -13,7 +13,7 @@ from monarch_kernel.controller.errors import ActorError
 from monarch_kernel.controller.future import Future
 from monarch_kernel.controller.mesh import MeshRuntime
 from monarch_kernel.controller.records import ActorSpec
-from monarch_kernel.controller.registry import MeshNameTaken, registry
+from monarch_kernel.controller.registry import registry
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.shape import Shape, SliceError
 from monarch_kernel.wire import SerializationError, dumps
@@ -60,21 +60,22 @@ class HostMesh:
         per_host = dict(per_host or {"gpus": 1})
         if "hosts" in per_host:
             raise ValueError("per_host must not contain 'hosts'; use host_mesh(hosts=N)")
-        try:
-            runtime = MeshRuntime(
-                name or registry.auto_name("procs"),
-                per_host,
-                self.hosts,
-                self.launcher,
-                env=env,
-                backend=self.backend,
-            )
-        except MeshNameTaken as exc:
-            raise ValueError(str(exc)) from None
+        runtime = MeshRuntime(  # MeshNameTaken (a ValueError) if a live mesh has the name
+            name or registry.auto_name("procs"),
+            per_host,
+            self.hosts,
+            self.launcher,
+            env=env,
+            backend=self.backend,
+        )
         procs = ProcMesh(runtime)
-        if on_starting is not None:
-            on_starting(procs)
-        runtime.start(timeout=timeout)
+        try:
+            if on_starting is not None:
+                on_starting(procs)
+            runtime.start(timeout=timeout)  # stops the mesh itself if it fails
+        except BaseException:
+            runtime.stop()
+            raise
         return procs
 
     def __repr__(self) -> str:
@@ -151,8 +152,7 @@ class ProcMesh(_MeshView):
         ranks = self._shape.ranks()
         header = {"k": K.SPAWN_ACTOR, "a": name}
         _gather(self._runtime, ranks, header, payload, buffers, self._shape, f"spawn {name}").get()
-        spec = ActorSpec(name, payload, tuple(buffers), frozenset(ranks))
-        self._runtime.actors[name] = spec
+        self._runtime.remember_actor(ActorSpec(name, payload, tuple(buffers), frozenset(ranks)))
         return ActorMesh(self, name, actor_class, self._shape)
 
     def ping(self) -> Future[ValueMesh]:
@@ -278,7 +278,7 @@ class ActorMesh(_MeshView):
         """Remove this actor from its ranks."""
         header = {"k": K.STOP_ACTOR, "a": self._name}
         _gather(self._runtime, self._ranks, header, b"", (), self._shape, "").get()
-        self._runtime.actors.pop(self._name, None)
+        self._runtime.forget_actor(self._name, self._ranks)
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name!r} ({self._class.__name__}) {self._shape.describe()}>"
@@ -290,6 +290,7 @@ class EndpointRef:
     def __init__(self, mesh: ActorMesh, method: str):
         self._mesh = mesh
         self._method = method
+        self._what = f"{mesh._name}.{method}"  # for RequestStarted: built once, not per call
 
     @property
     def _where(self) -> str:
@@ -301,8 +302,7 @@ class EndpointRef:
     def _request(self, rank: int, payload: bytes, buffers: Sequence[Buffer]) -> Future[Any]:
         rt = self._mesh._runtime
         one = One(rt.wait_for)
-        what = f"{self._mesh._name}.{self._method}"
-        rt.request([rank], self._header(), payload, buffers, one, what=what, waited=True)
+        rt.request([rank], self._header(), payload, buffers, one, what=self._what, waited=True)
         return one.future
 
     def _payload(
@@ -317,7 +317,7 @@ class EndpointRef:
         """Call every rank; the future gives a ValueMesh (or one grouped ActorError)."""
         payload, buffers = self._payload(args, kwargs)
         mesh = self._mesh
-        what = f"{mesh._name}.{self._method}"
+        what = self._what
         return _gather(
             mesh._runtime, mesh._ranks, self._header(), payload, buffers, mesh._shape, what
         )
@@ -354,8 +354,7 @@ class EndpointRef:
         payload, buffers = self._payload(args, kwargs)
         mesh = self._mesh
         each = Each(mesh._ranks)
-        what = f"{mesh._name}.{self._method}"
-        mesh._runtime.request(mesh._ranks, self._header(), payload, buffers, each, what=what)
+        mesh._runtime.request(mesh._ranks, self._header(), payload, buffers, each, what=self._what)
         return each.in_order_of_answers()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

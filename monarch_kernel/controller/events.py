@@ -10,16 +10,21 @@ Two ways to listen:
 
 * **the mesh's event bus** (``runtime.events``, an :class:`EventBus`): ``subscribe(fn,
   EventType, ...)`` for every event of those types on that mesh, ``unsubscribe(fn)`` to
-  stop. Listeners run on whichever controller thread received the message (the I/O
-  thread, or a caller receiving its own reply), so they must be quick and must never
+  stop. Listeners run on the thread that caused the event: for what arrives in a
+  message (output, replies, deaths ...) the thread holding the receive token (the I/O
+  thread, or a caller receiving its own reply); for :class:`RequestStarted` and the
+  IDLE -> BUSY change, the caller's thread; for phase changes and a stop, the thread
+  that started or stopped the mesh. So they must be quick, thread-safe and must never
   block: append to a queue and return.
 * **a request's observer** (a :class:`RequestObserver` given to ``runtime.request``):
   told of that request's replies and of ranks it lost, and nothing else. This is how
   futures complete without a dictionary look-up per event on the hot path.
 
-For one request, the order is: :class:`RequestStarted` (after it was sent), then per
-rank either :class:`ReplyReceived`/:class:`RequestFailed` or that rank's
-:class:`RankDied` (whose ``requests`` name it). :class:`StreamOutput` and
+For one request, the order is: :class:`RequestStarted` (just before it is sent), then
+per rank either :class:`ReplyReceived`/:class:`RequestFailed` or that rank's
+:class:`RankDied` (whose ``requests`` name it; a stop ends the live ranks with a
+``RankDied`` in state STOPPED). Listeners hear of a reply or a death before the
+request's caller does. :class:`StreamOutput` and
 :class:`MetricReported` tagged with the request id arrive before the rank's reply
 (ranks flush their output before they answer).
 """
@@ -80,7 +85,7 @@ class MeshPhaseChanged:
 
 @dataclass(frozen=True, slots=True)
 class RequestStarted:
-    """A request was sent to ``ranks``. ``what`` is what a person calls it:
+    """A request is being sent to ``ranks``. ``what`` is what a person calls it:
     ``cell 5``, ``counters.incr``, ``spawn counters`` (empty for control requests)."""
 
     mesh: str

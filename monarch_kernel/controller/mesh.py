@@ -17,6 +17,7 @@ and adds the mesh-wide operations: start, request, signal, restart, stop.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -42,9 +43,9 @@ from monarch_kernel.controller.records import (
     RankInfo,
     RankState,
 )
-from monarch_kernel.controller.registry import registry
+from monarch_kernel.controller.registry import MeshSummary, registry
 from monarch_kernel.controller.requests import RequestTable, new_request_id
-from monarch_kernel.controller.streams import StreamRouter
+from monarch_kernel.controller.streams import RankLogs, StreamRouter
 from monarch_kernel.controller.supervision import Supervisor
 from monarch_kernel.controller.transport import Transport
 from monarch_kernel.launchers.base import HostConfig, Launcher
@@ -106,6 +107,7 @@ class MeshRuntime:
         self.actors: dict[str, ActorSpec] = {}
         self.events = EventBus()
         self.output = StreamRouter(self.events)
+        self.logs = RankLogs(self.events, name, self.run_id)
         self.requests = RequestTable(name, self.ranks, self.events)
         self._cv = threading.Condition()
         self._common: Header = {}
@@ -115,7 +117,7 @@ class MeshRuntime:
                 bind = "ipc" if launcher.same_machine else "127.0.0.1"
             self.transport = Transport(name, self.codec, self.ranks, bind)
         except BaseException:
-            registry.discard(self)
+            registry.forget(self)
             raise
         self.supervisor = Supervisor(self)
         self.inbound = Inbound(self)
@@ -256,6 +258,9 @@ class MeshRuntime:
         header["w"] = 1
         kind = RequestKind.of(header["k"], control)
         self.requests.add(rid, ranks, observer, kind)
+        if self.state.ended:  # stop() ran since check_alive: it cannot have failed this one
+            self.requests.fail_request(rid, MeshStoppedError(f"mesh {self.name!r} is stopped"))
+            return rid
         if self.events.wants(RequestStarted):
             self.events.emit(RequestStarted(self.name, rid, tuple(ranks), kind, what))
         if control:
@@ -314,6 +319,22 @@ class MeshRuntime:
             by_host.setdefault(self.ranks[r].host, []).append(r)
         return by_host
 
+    # -- actors to re-create on restart ------------------------------------------------
+    def remember_actor(self, spec: ActorSpec) -> None:
+        """``spec`` was spawned: re-create it on its ranks when they restart."""
+        self.actors[spec.name] = spec
+
+    def forget_actor(self, name: str, ranks: Sequence[int]) -> None:
+        """Actor ``name`` was stopped on ``ranks``: do not re-create it there."""
+        spec = self.actors.get(name)
+        if spec is None:
+            return
+        left = spec.ranks - set(ranks)
+        if left:
+            self.actors[name] = dataclasses.replace(spec, ranks=frozenset(left))
+        else:
+            del self.actors[name]
+
     def death_text(self, info: RankInfo) -> str:
         """Why ``info``'s rank is not running, with its last output lines."""
         return self.supervisor.death_text(info)
@@ -359,12 +380,12 @@ class MeshRuntime:
         for host in self.hosts:
             if host.handle is not None:
                 host.handle.wait_or_kill(max(0.5, deadline - time.monotonic()))
+        for info in self.ranks:  # each rank's end is told, with the requests it fails
+            if info.alive:
+                self.supervisor.rank_died(info, {"reason": "the mesh was stopped", "expected": 1})
         self.requests.fail_all(
             lambda: MeshStoppedError(f"mesh {self.name!r} was stopped while this call was running")
         )
-        for info in self.ranks:
-            if info.alive:
-                self.requests.set_state(info, RankState.STOPPED)
         with self._cv:
             self.state = MeshPhase.STOPPED  # nothing runs any more; what is left is local
         self.receiver.stop()
@@ -373,6 +394,7 @@ class MeshRuntime:
             if host.handle is not None:
                 host.handle.cleanup()
         registry.discard(self)
+        self.logs.close()
         self._emit_phase()
 
     def _set_phase(self, phase: MeshPhase) -> None:
@@ -383,6 +405,19 @@ class MeshRuntime:
     def _emit_phase(self) -> None:
         if self.events.wants(MeshPhaseChanged):
             self.events.emit(MeshPhaseChanged(self.name, self.state))
+
+    def summary(self) -> MeshSummary:
+        """This mesh as one row of the ``%mesh`` table."""
+        alive = sum(1 for r in self.ranks if r.alive)
+        return MeshSummary(
+            self.name,
+            self.shape.describe(),
+            self.backend,
+            alive,
+            self.world,
+            self.state,
+            self.started_at,
+        )
 
     def __repr__(self) -> str:
         return f"<MeshRuntime {self.name!r} {self.shape.describe()} {self.state}>"

@@ -83,7 +83,7 @@ class Receiver:
         self._io.start()
 
     @property
-    def on_receiving_thread(self) -> bool:
+    def on_receiving_thread(self) -> bool:  # used by MeshRuntime's flow control
         """Whether the calling thread holds the receive token now."""
         return self._reader == threading.get_ident()
 
@@ -132,7 +132,7 @@ class Receiver:
         cost more wake-ups than it saves on this call, so the I/O thread serves it and
         hands the token over afterwards (see ``_serve``): the next call finds it free.
         """
-        while True:
+        while self._running:  # once stopped, nobody receives (the future is failed)
             if self._recv_lock.acquire(blocking=False):
                 self._reader = threading.get_ident()
                 return True
@@ -144,6 +144,7 @@ class Receiver:
                     return False  # a caller receives: it (or the I/O thread after it) serves us
             # Released in between, or taken and not yet named: let its holder run, retry.
             time.sleep(0)
+        return False
 
     def _give_token(self) -> None:
         with self._io_cv:

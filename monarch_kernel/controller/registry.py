@@ -2,8 +2,8 @@
 
 Every mesh registers itself when it is created (by ``%mesh``, ``spawn_procs`` or
 anything else) and leaves when it stops, so ``%mesh`` lists them all and shutdown
-stops them all. Holding a mesh here keeps it alive until it is stopped. The last few
-stopped meshes are remembered too, so that the table says what became of them.
+stops them all. Holding a mesh here keeps it alive until it is stopped. Of the last few
+stopped meshes a one-line summary is kept, so that the table says what became of them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import atexit
 import logging
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from monarch_kernel.controller.records import MeshPhase
 
 if TYPE_CHECKING:
     from monarch_kernel.controller.mesh import MeshRuntime
@@ -22,6 +25,19 @@ log = logging.getLogger("monarch_kernel.controller")
 
 #: Stopped meshes remembered for the ``%mesh`` table.
 RECENTLY_STOPPED = 16
+
+
+@dataclass(frozen=True)
+class MeshSummary:
+    """One row of the ``%mesh`` table."""
+
+    name: str
+    shape: str
+    backend: str
+    alive: int
+    world: int
+    state: MeshPhase
+    started_at: float
 
 
 class MeshNameTaken(ValueError):
@@ -35,7 +51,7 @@ class MeshRegistry:
         self._lock = threading.Lock()
         self._meshes: dict[str, MeshRuntime] = {}
         self._counters: dict[str, int] = {}
-        self._stopped: deque[MeshRuntime] = deque(maxlen=RECENTLY_STOPPED)
+        self._stopped: deque[MeshSummary] = deque(maxlen=RECENTLY_STOPPED)
 
     def add(self, mesh: MeshRuntime) -> None:
         """Register ``mesh``; its name must not be taken by a live mesh."""
@@ -53,7 +69,21 @@ class MeshRegistry:
         with self._lock:
             if self._meshes.get(mesh.name) is mesh:
                 del self._meshes[mesh.name]
-                self._stopped.append(mesh)
+                self._stopped.append(mesh.summary())
+
+    def forget(self, mesh: MeshRuntime) -> None:
+        """Forget ``mesh`` without a trace (it never got as far as starting)."""
+        with self._lock:
+            if self._meshes.get(mesh.name) is mesh:
+                del self._meshes[mesh.name]
+
+    def stopped(self, name: str) -> MeshSummary | None:
+        """The summary of the last stopped mesh called ``name``, if it is remembered."""
+        with self._lock:
+            for summary in reversed(self._stopped):
+                if summary.name == name:
+                    return summary
+        return None
 
     def get(self, name: str) -> MeshRuntime | None:
         with self._lock:
@@ -64,11 +94,11 @@ class MeshRegistry:
         with self._lock:
             return [m for m in self._meshes.values() if not m.state.ended]
 
-    def listed(self) -> list[MeshRuntime]:
+    def listed(self) -> list[MeshSummary]:
         """What ``%mesh`` shows: the live meshes and the recently stopped ones (unless
         a live mesh took their name), oldest first."""
         with self._lock:
-            current = list(self._meshes.values())  # live, or still stopping
+            current = [m.summary() for m in self._meshes.values()]  # live, or stopping
             taken = {m.name for m in current}
             gone = [m for m in self._stopped if m.name not in taken]
         latest = {m.name: m for m in gone}  # one row per name: its last incarnation

@@ -65,9 +65,6 @@ class RequestTable:
     def __bool__(self) -> bool:
         return bool(self._pending)
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
     def add(self, rid: str, ranks: list[int], observer: RequestObserver, kind: RequestKind) -> None:
         """Register request ``rid`` before it is sent."""
         self._pending[rid] = Pending(rid, ranks, observer, kind)
@@ -82,7 +79,7 @@ class RequestTable:
                     info.state = RankState.BUSY
                     flipped.append(info)
         for info in flipped:
-            self._announce(info, RankState.IDLE)
+            self._announce(info, RankState.BUSY, RankState.IDLE)
 
     def on_result(self, rank: int, rid: str, msg: Message) -> None:
         """``rank`` answered ``rid`` (token holder only)."""
@@ -101,7 +98,7 @@ class RequestTable:
                 if flip:
                     info.state = RankState.IDLE
             if flip:
-                self._announce(info, RankState.BUSY)
+                self._announce(info, RankState.IDLE, RankState.BUSY)
         reply = Reply(rank, msg)
         # Listeners hear of it before the caller does: whoever looks when the caller's
         # future completes (a test, the dashboard) finds the event already delivered.
@@ -113,19 +110,38 @@ class RequestTable:
             events.emit(RequestFailed(self._mesh, rank, rid, pending.kind, reply.report))
         pending.observer.on_reply(reply)
 
-    def fail_rank(self, rank: int, error: BaseException) -> tuple[str, ...]:
-        """``rank`` will never answer: fail its part of every request; the ids failed."""
-        failed = []
+    def take_rank(self, rank: int) -> list[Pending]:
+        """``rank`` will never answer: take it out of every request that waits on it and
+        return those requests (the caller tells their observers, with :meth:`lose`)."""
+        taken = []
         for rid, pending in list(self._pending.items()):
             if rank in pending.waiting:
                 pending.waiting.discard(rank)
                 if not pending.waiting:
                     self._pending.pop(rid, None)
-                failed.append(rid)
-                pending.observer.on_lost(rank, error)
+                taken.append(pending)
         with self._count_lock:
             self._ranks[rank].outstanding = 0
-        return tuple(failed)
+        return taken
+
+    @staticmethod
+    def lose(rank: int, taken: list[Pending], error: BaseException) -> None:
+        """Tell the observers of ``taken`` that ``rank`` will never answer."""
+        for pending in taken:
+            pending.observer.on_lost(rank, error)
+
+    def fail_rank(self, rank: int, error: BaseException) -> tuple[str, ...]:
+        """``rank`` will never answer: fail its part of every request; the ids failed."""
+        taken = self.take_rank(rank)
+        self.lose(rank, taken, error)
+        return tuple(p.id for p in taken)
+
+    def fail_request(self, rid: str, error: BaseException) -> None:
+        """Fail every rank ``rid`` still waits on (it was registered as the mesh stopped)."""
+        pending = self._pending.pop(rid, None)
+        if pending is not None:
+            for r in list(pending.waiting):
+                pending.observer.on_lost(r, error)
 
     def fail_all(self, error: Callable[[], BaseException]) -> None:
         """Fail every rank of every request (the mesh stopped)."""
@@ -138,9 +154,9 @@ class RequestTable:
             for info in self._ranks:
                 info.outstanding = 0
 
-    def _announce(self, info: RankInfo, previous: RankState) -> None:
+    def _announce(self, info: RankInfo, state: RankState, previous: RankState) -> None:
         if self._events.wants(RankStateChanged):
-            self._events.emit(RankStateChanged(self._mesh, info.rank, info.state, previous))
+            self._events.emit(RankStateChanged(self._mesh, info.rank, state, previous))
 
     def set_state(self, info: RankInfo, state: RankState, announce: bool = True) -> RankState:
         """Move ``info`` to ``state`` (atomic with the IDLE/BUSY flips); returns the
@@ -149,5 +165,5 @@ class RequestTable:
         with self._count_lock:
             previous, info.state = info.state, state
         if announce and previous is not state:
-            self._announce(info, previous)
+            self._announce(info, state, previous)
         return previous

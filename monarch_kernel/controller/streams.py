@@ -1,4 +1,5 @@
-"""Where rank output goes: to the sink of the request that printed it, else a default.
+"""Where rank output goes: to the sink of the request that printed it, else a default;
+and, all of it, to a log file per rank.
 
 A :class:`StreamRouter` listens to a mesh's :class:`StreamOutput` and
 :class:`FaultReported` events. Whoever starts a request and wants its output (the
@@ -7,13 +8,20 @@ kernel's ``%%remote``, for the cell that ran it) routes the request id to a sink
 Output of unrouted requests (actor calls, fire-and-forget work, threads a cell left
 running) goes to the default sink, which prints ``[rank N] line`` on this process's
 stdout/stderr (in a kernel: under the cell that is running).
+
+A :class:`RankLogs` keeps every byte a rank printed in ``<log dir>/<mesh>-<id>/rankN.log``
+(``$MONARCH_KERNEL_LOG_DIR``, by default ``monarch_kernel-logs`` in the temp directory),
+so output the notebook elides is never lost; the files stay after the mesh stops.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
+from typing import TextIO
 
 from monarch_kernel.controller.events import EventBus, FaultReported, MeshEvent, StreamOutput
 
@@ -35,19 +43,17 @@ class StreamRouter:
 
     def __init__(self, events: EventBus, default: Sink = print_sink):
         self.default: Sink = default
+        # Single dict operations (atomic under the GIL): no lock on the receiving path.
         self._routes: dict[str, Sink] = {}
-        self._lock = threading.Lock()
         events.subscribe(self._on_event, StreamOutput, FaultReported)
 
     def route(self, request: str, sink: Sink) -> None:
         """Send output tagged with ``request`` to ``sink`` from now on."""
-        with self._lock:
-            self._routes[request] = sink
+        self._routes[request] = sink
 
     def unroute(self, request: str) -> None:
         """Stop routing ``request``'s output (later lines go to the default sink)."""
-        with self._lock:
-            self._routes.pop(request, None)
+        self._routes.pop(request, None)
 
     def _on_event(self, event: MeshEvent) -> None:
         if isinstance(event, StreamOutput):
@@ -61,3 +67,52 @@ class StreamRouter:
                 f"unhandled {r.get('type')} in {r.get('where')} (fire-and-forget): "
                 f"{r.get('message')}\n",
             )
+
+
+def log_root() -> str:
+    """Where rank logs go: ``$MONARCH_KERNEL_LOG_DIR`` or the temp directory."""
+    return os.environ.get("MONARCH_KERNEL_LOG_DIR") or os.path.join(
+        tempfile.gettempdir(), "monarch_kernel-logs"
+    )
+
+
+class RankLogs:
+    """Appends each rank's output (both streams, as printed) to its own log file."""
+
+    def __init__(self, events: EventBus, mesh: str, run_id: str):
+        self.directory = os.path.join(log_root(), f"{mesh}-{run_id}")
+        self._files: dict[int, TextIO] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        events.subscribe(self._on_event, StreamOutput)
+
+    def path(self, rank: int) -> str:
+        """The log file of ``rank`` (it exists once the rank printed something)."""
+        return os.path.join(self.directory, f"rank{rank}.log")
+
+    def _on_event(self, event: MeshEvent) -> None:
+        if not isinstance(event, StreamOutput):
+            return
+        with self._lock:
+            if self._closed:
+                return
+            f = self._files.get(event.rank)
+            if f is None:
+                try:
+                    os.makedirs(self.directory, mode=0o700, exist_ok=True)
+                    f = open(self.path(event.rank), "a", encoding="utf-8", buffering=1)
+                except OSError:
+                    return  # no log (disk full, read-only): the notebook output still flows
+                self._files[event.rank] = f
+            try:
+                f.write(event.text)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Close the files (they stay on disk)."""
+        with self._lock:
+            self._closed = True
+            files, self._files = self._files, {}
+        for f in files.values():
+            f.close()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from monarch_kernel.controller.errors import MeshStoppedError, RankDiedError
 from monarch_kernel.controller.events import HostLost, RankDied
-from monarch_kernel.controller.records import DeathInfo, HostInfo, RankInfo, RankState
+from monarch_kernel.controller.records import GONE, DeathInfo, HostInfo, RankInfo, RankState
 from monarch_kernel.wire.codec import Header
 from monarch_kernel.wire.osutil import describe_exit
 
@@ -66,6 +66,8 @@ class Supervisor:
     def rank_died(self, info: RankInfo, report: Header) -> None:
         """``info``'s rank ended (``report``: a ``rank_exit`` header or a reason)."""
         mesh = self._mesh
+        if info.state in GONE:
+            return  # told already (a stop and its exit report, say)
         expected = bool(report.get("expected"))
         state = RankState.STOPPED if expected or mesh.state.ended else RankState.DEAD
         mesh.requests.set_state(info, state, announce=False)
@@ -87,9 +89,12 @@ class Supervisor:
             )
         else:
             error = RankDiedError(self.death_text(info), info.death, mesh.name)
-        failed = mesh.requests.fail_rank(info.rank, error)
+        taken = mesh.requests.take_rank(info.rank)
+        # Listeners hear of the death before the callers whose requests it fails.
         if mesh.events.wants(RankDied):
+            failed = tuple(p.id for p in taken)
             mesh.events.emit(RankDied(mesh.name, info.rank, state, info.death, failed))
+        mesh.requests.lose(info.rank, taken, error)
         mesh.notify()
 
     def death_text(self, info: RankInfo) -> str:

@@ -9,7 +9,10 @@ the work and publishes on IOPub with it (ipykernel's IOPub socket is thread-safe
 from __future__ import annotations
 
 import sys
+import threading
+import time
 import uuid
+from collections import deque
 from typing import Any
 
 
@@ -59,28 +62,60 @@ class LiveText:
     """A block of text under a cell that keeps growing after the cell has finished.
 
     Used for ``--bg`` output: frontends drop plain stream messages for a finished cell,
-    but apply display updates by display id at any time.
+    but apply display updates by display id at any time. An update replaces the whole
+    block, so the block keeps only its last :attr:`MAX_LINES` lines (with a line saying
+    how many earlier ones are in the logs) and is re-sent at most every
+    :attr:`MIN_INTERVAL` seconds: a flood costs a few small updates a second.
     """
 
-    MAX_LINES = 2000
+    MAX_LINES = 200
+    MIN_INTERVAL = 0.25
 
-    def __init__(self, channel: CellChannel, title: str = ""):
+    def __init__(self, channel: CellChannel, title: str = "", logs: str = ""):
         self.channel = channel
         self.display_id = f"mk-{uuid.uuid4().hex[:12]}"
-        self.lines: list[str] = [title] if title else []
+        self.title = title
+        self.logs = logs
+        self.lines: deque[str] = deque(maxlen=self.MAX_LINES)
+        self.dropped = 0  # lines no longer shown (all are in the logs)
+        self._lock = threading.Lock()
+        self._sent = 0.0
+        self._timer: threading.Timer | None = None
         self.channel.display(self._data(), self.display_id)
 
     def _data(self) -> dict[str, Any]:
-        return {"text/plain": "\n".join(self.lines)}
+        head = [self.title] if self.title else []
+        if self.dropped:
+            where = f" (all output: {self.logs})" if self.logs else ""
+            head.append(f"[... {self.dropped:,} earlier lines not shown{where}]")
+        return {"text/plain": "\n".join([*head, *self.lines])}
 
     def emit(self, name: str, text: str) -> None:
-        self.lines.extend(text.rstrip("\n").split("\n"))
-        del self.lines[: -self.MAX_LINES]
-        self.channel.display(self._data(), self.display_id, update=True)
+        new = text.rstrip("\n").split("\n")
+        with self._lock:
+            overflow = len(self.lines) + len(new) - self.MAX_LINES
+            if overflow > 0:
+                self.dropped += overflow
+            self.lines.extend(new)
+        self._update()
 
     def set_title(self, title: str) -> None:
-        if self.lines:
-            self.lines[0] = title
-        else:
-            self.lines.append(title)
-        self.channel.display(self._data(), self.display_id, update=True)
+        self.title = title
+        self._update(now=True)
+
+    def _update(self, now: bool = False) -> None:
+        """Send the block, or schedule it if one was sent less than MIN_INTERVAL ago."""
+        with self._lock:
+            wait = self._sent + self.MIN_INTERVAL - time.monotonic()
+            if not now and wait > 0:
+                if self._timer is None:
+                    self._timer = threading.Timer(wait, self._update, kwargs={"now": True})
+                    self._timer.daemon = True
+                    self._timer.start()
+                return
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._sent = time.monotonic()
+            data = self._data()
+        self.channel.display(data, self.display_id, update=True)

@@ -20,7 +20,7 @@ from monarch_kernel.controller.errors import ActorError
 from monarch_kernel.controller.registry import registry
 from monarch_kernel.kernel.args import Parser, mesh_parser, remote_parser, split_args
 from monarch_kernel.kernel.channel import CellChannel, LiveText
-from monarch_kernel.kernel.hints import REMOTE_ERRORS, show_remote_error
+from monarch_kernel.kernel.hints import REMOTE_ERRORS, notebook_text, show_remote_error
 from monarch_kernel.kernel.output import CellOutput
 from monarch_kernel.kernel.remote import RemoteJob
 from monarch_kernel.kernel.table import MeshTable
@@ -95,6 +95,9 @@ class MeshMagics(Magics):
         if args[0] == "stop":
             if len(args) != 2:
                 raise UsageError("usage: %mesh stop NAME")
+            if registry.get(args[1]) is None and registry.stopped(args[1]) is not None:
+                print(f"mesh {args[1]!r} is already stopped")
+                return None
             self._existing(args[1]).stop()
             print(f"mesh {args[1]!r} stopped")
             return None
@@ -105,6 +108,10 @@ class MeshMagics(Magics):
     def _existing(self, name: str) -> ProcMesh:
         runtime = registry.get(name)
         if runtime is None:
+            if registry.stopped(name) is not None:
+                raise UsageError(
+                    f"mesh {name!r} is stopped; create it again with %mesh {name} --gpus N"
+                )
             raise UsageError(f"no mesh named {name!r}; {self._live_hint()}")
         return ProcMesh(runtime)
 
@@ -161,7 +168,7 @@ class MeshMagics(Magics):
 
                 show(old)
                 return None
-            old.stop()
+            old.stop()  # the same name with another shape: this one replaces it
         try:
             hosts = host_mesh(hosts=opts.hosts, backend=opts.backend)
         except ValueError as exc:
@@ -183,7 +190,7 @@ class MeshMagics(Magics):
                 timeout=opts.timeout,
                 on_starting=show_while_starting,
             )
-        except ValueError as exc:  # e.g. the name is taken by a mesh made in a cell
+        except ValueError as exc:  # bad options, or another thread took the name meanwhile
             raise UsageError(str(exc)) from None
         finally:
             for p in shown:
@@ -201,7 +208,8 @@ class MeshMagics(Magics):
     def _run_on(self, procs: ProcMesh, code: str) -> ValueMesh:
         """Run ``code`` on every rank with output under the current cell; wait for it."""
         label = procs.runtime.world > 1
-        output = CellOutput(CellChannel().stream, procs.ranks(), "collapse", label)
+        logs = procs.runtime.logs.directory
+        output = CellOutput(CellChannel().stream, procs.ranks(), "collapse", label, logs)
         job = RemoteJob(procs, code, self._next_cell(), output)
         job.start()
         return job.wait()
@@ -235,9 +243,10 @@ class MeshMagics(Magics):
         channel = CellChannel()
         label = procs.runtime.world > 1
         cell_id = self._next_cell()
+        logs = procs.runtime.logs.directory
         if opts.bg:
-            live = LiveText(channel, f"[bg cell {cell_id} on {procs.name}: running]")
-            output = CellOutput(live.emit, ranks, opts.group_outputs, label)
+            live = LiveText(channel, f"[bg cell {cell_id} on {procs.name}: running]", logs)
+            output = CellOutput(live.emit, ranks, opts.group_outputs, label, logs)
             job = RemoteJob(
                 procs,
                 cell,
@@ -249,7 +258,7 @@ class MeshMagics(Magics):
                 header=header,
             )
         else:
-            output = CellOutput(channel.stream, ranks, opts.group_outputs, label)
+            output = CellOutput(channel.stream, ranks, opts.group_outputs, label, logs)
             job = RemoteJob(procs, cell, cell_id, output, ranks, shape, header=header)
         try:
             job.start()
@@ -352,7 +361,7 @@ def _report_bg(job: RemoteJob, live: LiveText, out: str | None, shell: Any) -> N
         values = job.future.get()
     except BaseException as exc:  # shown under the cell
         live.set_title(f"[bg cell {job.cell} on {job.procs.name}: failed after {took:.1f}s]")
-        live.emit("stderr", str(exc))
+        live.emit("stderr", notebook_text(exc))
         return
     if out:
         shell.user_ns[out] = values

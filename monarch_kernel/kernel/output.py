@@ -8,9 +8,11 @@ kernel binds to the cell that ran the code (see :mod:`monarch_kernel.kernel.remo
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +22,14 @@ Emit = Callable[[str, str], None]
 
 #: How long a line waits for the same line from the other ranks before it is shown.
 COLLAPSE_WINDOW = 0.05
+#: While output keeps coming, it goes to the notebook at most this often (as few stream
+#: messages as ipykernel sends); the first lines after a quiet spell go at once.
+EMIT_INTERVAL = 0.05
+#: What the notebook is sent of one cell's output at most, in bytes a second (a burst of
+#: :data:`BURST_BYTES` first). Past it lines are elided, counted and pointed at the
+#: per-rank logs, which always have everything. ``$MONARCH_KERNEL_OUTPUT_RATE`` sets it.
+RATE_BYTES = int(os.environ.get("MONARCH_KERNEL_OUTPUT_RATE", 4 * 1024 * 1024))
+BURST_BYTES = 2 * RATE_BYTES
 MODES = ("collapse", "order", "rank")
 
 
@@ -36,20 +46,38 @@ class CellOutput:
 
     ``mode``: ``collapse`` (default) merges identical lines from several ranks;
     ``order`` shows each line as it arrives; ``rank`` holds everything and shows one
-    block per rank when :meth:`close` is called.
+    block per rank when :meth:`close` is called. ``logs``: where the full output is
+    (named when lines are elided).
     """
 
-    def __init__(self, emit: Emit, ranks: list[int], mode: str = "collapse", label: bool = True):
+    def __init__(
+        self,
+        emit: Emit,
+        ranks: list[int],
+        mode: str = "collapse",
+        label: bool = True,
+        logs: str = "",
+    ):
         if mode not in MODES:
             raise ValueError(f"unknown output grouping {mode!r}; use one of {', '.join(MODES)}")
         self._emit = emit
         self._ranks = set(ranks)
         self._mode = mode
         self._label = label
+        self._logs = logs
         self._lock = threading.Lock()
         self._partial: dict[tuple[int, str], str] = {}
-        self._pending: list[_Line] = []
+        self._pending: deque[_Line] = deque()
+        # (stream, text) -> pending lines with that text, oldest first (collapse mode)
+        self._index: dict[tuple[str, str], list[_Line]] = {}
         self._by_rank: dict[int, list[tuple[str, str]]] = {}
+        self._last_emit = float("-inf")
+        self._allowance = float(BURST_BYTES)
+        self._refilled = time.monotonic()
+        #: Lines shown, and lines elided (not sent to the notebook; they are in the logs).
+        self.shown = 0
+        self.elided = 0
+        self._elided_since_note = 0
         _active.add(self)
 
     def feed(self, rank: int, name: str, text: str) -> None:
@@ -61,17 +89,26 @@ class CellOutput:
             now = time.monotonic()
             for line in lines:
                 self._add(rank, name, line, now)
-        self.flush()
+            due = now - self._last_emit >= EMIT_INTERVAL
+        if due:
+            self.flush()
 
     def _add(self, rank: int, name: str, line: str, now: float) -> None:
         if self._mode == "rank":
             self._by_rank.setdefault(rank, []).append((name, line))
             return
         if self._mode == "collapse":
-            for entry in self._pending:
-                if entry.name == name and entry.text == line and rank not in entry.ranks:
+            same = self._index.get((name, line))
+            if same is None:
+                same = self._index[(name, line)] = []
+            for entry in same:
+                if rank not in entry.ranks:
                     entry.ranks.add(rank)
                     return
+            entry = _Line(name, line, now, {rank})
+            same.append(entry)
+            self._pending.append(entry)
+            return
         self._pending.append(_Line(name, line, now, {rank}))
 
     def flush(self, force: bool = False) -> None:
@@ -79,8 +116,9 @@ class CellOutput:
         out: list[tuple[str, str]] = []
         with self._lock:
             now = time.monotonic()
-            while self._pending:
-                entry = self._pending[0]
+            pending = self._pending
+            while pending:
+                entry = pending[0]
                 ready = (
                     force
                     or self._mode == "order"
@@ -89,9 +127,49 @@ class CellOutput:
                 )
                 if not ready:
                     break
-                self._pending.pop(0)
+                pending.popleft()
+                if self._mode == "collapse":
+                    key = (entry.name, entry.text)
+                    same = self._index[key]
+                    same.remove(entry)  # the oldest: index 0
+                    if not same:
+                        del self._index[key]
                 out.append((entry.name, self._labelled(entry.ranks, entry.text)))
+            if out or force:
+                out = self._within_budget(out, now, force)
+                if out:
+                    self._last_emit = now
         self._send(out)
+
+    def _within_budget(
+        self, lines: list[tuple[str, str]], now: float, closing: bool
+    ) -> list[tuple[str, str]]:
+        """The lines the notebook can be sent now; count the rest as elided (lock held)."""
+        self._allowance = min(
+            float(BURST_BYTES), self._allowance + (now - self._refilled) * RATE_BYTES
+        )
+        self._refilled = now
+        kept: list[tuple[str, str]] = []
+        for name, text in lines:
+            size = len(text)
+            if size <= self._allowance:
+                self._allowance -= size
+                kept.append((name, text))
+            else:
+                self._elided_since_note += 1
+        self.shown += len(kept)
+        self.elided += len(lines) - len(kept)
+        if self._elided_since_note and (kept or closing):
+            where = f"; every line is in {self._logs}" if self._logs else ""
+            kept.append(
+                (
+                    "stderr",
+                    f"[... {self._elided_since_note:,} lines elided: more output than the "
+                    f"notebook is sent ({RATE_BYTES / 2**20:.0f} MiB/s){where}]\n",
+                )
+            )
+            self._elided_since_note = 0
+        return kept
 
     def _labelled(self, ranks: set[int], text: str) -> str:
         return f"[{format_ranks(sorted(ranks))}] {text}\n" if self._label else text + "\n"
@@ -121,7 +199,10 @@ class CellOutput:
                     blocks.append((name, self._labelled({rank}, line)))
             self._by_rank.clear()
         self.flush(force=True)
-        self._send(blocks)
+        if blocks:
+            with self._lock:
+                blocks = self._within_budget(blocks, time.monotonic(), True)
+            self._send(blocks)
         _active.discard(self)
 
 

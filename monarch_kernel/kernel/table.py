@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 
-from monarch_kernel.controller.mesh import MeshRuntime
+from monarch_kernel.controller.registry import MeshSummary
 
 COLUMNS = ("mesh", "shape", "backend", "alive", "state")
 
@@ -13,13 +13,10 @@ class MeshTable:
     """``%mesh`` with no arguments: the live meshes (those made by ``%mesh`` and by
     ``spawn_procs`` alike), as text and as HTML."""
 
-    def __init__(self, meshes: list[MeshRuntime]):
-        self.rows: list[tuple[str, ...]] = []
-        for rt in meshes:
-            alive = sum(1 for r in rt.ranks if r.alive)
-            self.rows.append(
-                (rt.name, rt.shape.describe(), rt.backend, f"{alive}/{rt.world}", str(rt.state))
-            )
+    def __init__(self, meshes: list[MeshSummary]):
+        self.rows: list[tuple[str, ...]] = [
+            (m.name, m.shape, m.backend, f"{m.alive}/{m.world}", str(m.state)) for m in meshes
+        ]
 
     def __repr__(self) -> str:
         if not self.rows:

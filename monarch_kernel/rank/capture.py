@@ -1,9 +1,12 @@
 """Capture of a rank's stdout/stderr at Python and file-descriptor level.
 
-Python-level writes go straight to the controller, tagged with the request the main
-thread is serving. Writes to fd 1/2 (C extensions, subprocesses) go through a pipe and
-a reader thread. Everything is also appended (unbuffered) to the rank's log file so the
-host agent can report the last lines of a rank that died without warning.
+Python-level writes go to the controller, tagged with the request the main thread is
+serving, batched as ipykernel's ``iostream`` batches: a line after a quiet spell goes at
+once, while a flood goes as one message per :data:`BATCH_INTERVAL` (or per
+:data:`BATCH_BYTES`), so printing costs the rank a message per batch, not per line.
+Writes to fd 1/2 (C extensions, subprocesses) go through a pipe and a reader thread.
+Everything is also appended to the rank's log file so the host agent can report the
+last lines of a rank that died without warning.
 """
 
 from __future__ import annotations
@@ -21,6 +24,43 @@ from monarch_kernel.rank import context
 
 Sink = Callable[[str, str, "str | None"], None]  # (stream name, text, request id)
 
+#: While output keeps coming, a stream sends at most one message per interval ...
+BATCH_INTERVAL = 0.01
+#: ... unless this much is waiting.
+BATCH_BYTES = 64 * 1024
+
+
+class _Flusher:
+    """Sends the batches of streams that wait for their interval to pass (one thread,
+    asleep while no stream waits)."""
+
+    def __init__(self) -> None:
+        self._due = threading.Event()
+        self._streams: list[RankStream] = []
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def add(self, stream: RankStream) -> None:
+        with self._lock:
+            self._streams.append(stream)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mk-out-batch", daemon=True)
+                self._thread.start()
+
+    def arm(self) -> None:
+        self._due.set()
+
+    def _run(self) -> None:
+        while True:
+            self._due.wait()
+            time.sleep(BATCH_INTERVAL)
+            self._due.clear()  # a write after this arms the next round
+            for stream in list(self._streams):
+                stream.flush_batch()
+
+
+_flusher = _Flusher()
+
 
 class RankStream(io.TextIOBase):
     """A line-buffered text stream that forwards complete lines to ``sink``."""
@@ -30,7 +70,11 @@ class RankStream(io.TextIOBase):
         self._sink = sink
         self._log_fd = log_fd
         self._buf: list[str] = []
+        self._size = 0
+        self._last = 0.0  # when a batch last went
+        self._armed = False  # a batch waits for the flusher
         self._lock = threading.Lock()
+        _flusher.add(self)
 
     def writable(self) -> bool:
         return True
@@ -52,19 +96,34 @@ class RankStream(io.TextIOBase):
             return 0
         with self._lock:
             self._buf.append(text)
+            self._size += len(text)
             if "\n" in text or "\r" in text:
-                self._flush_locked()
+                now = time.monotonic()
+                if self._size >= BATCH_BYTES or now - self._last >= BATCH_INTERVAL:
+                    self._flush_locked(now)
+                elif not self._armed:
+                    self._armed = True
+                    _flusher.arm()
         return len(text)
 
     def flush(self) -> None:
         with self._lock:
-            self._flush_locked()
+            self._flush_locked(time.monotonic())
 
-    def _flush_locked(self) -> None:
+    def flush_batch(self) -> None:
+        """The flusher's call: send the batch if one waits for its interval."""
+        with self._lock:
+            if self._armed:
+                self._flush_locked(time.monotonic())
+
+    def _flush_locked(self, now: float) -> None:
+        self._armed = False
         if not self._buf:
             return
         data = "".join(self._buf)
         self._buf.clear()
+        self._size = 0
+        self._last = now
         try:
             os.write(self._log_fd, data.encode("utf-8", "replace"))
         except OSError:

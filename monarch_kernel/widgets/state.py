@@ -116,7 +116,6 @@ class MeshState:
         self.errored: dict[int, str] = {}  # rank -> request id whose failure it shows
         self.interrupted: dict[int, str] = {}  # rank -> request id it was interrupted in
         self.errors = IncidentLog()
-        self.faults_seen = 0
         self.mesh_state: MeshPhase = runtime.state
         # throughput
         self.rates: dict[int, tuple[float, float]] = {}
@@ -258,7 +257,6 @@ class MeshState:
             self.errors.add_report(rid, rank, report, "exception")
 
     def _on_fault(self, ev: FaultReported, now: float) -> None:
-        self.faults_seen += 1
         self.last_event[ev.rank] = now
         self.errored[ev.rank] = self.errors.add_fault(ev.rank, ev.report)
 
