@@ -169,3 +169,77 @@ def test_kernel_interrupt_releases_a_cell_waiting_for_room(kernel):
     r = kernel.run("log.check.call_one().get(timeout=60)", timeout=120)  # behind the backlog
     count, ordered = eval(r.text)
     assert ordered and count >= MAX_BACKLOG_MESSAGES, r.text
+
+
+FLOOD = 50_000  # lines per rank; 4 ranks
+
+
+def _elided(text: str) -> int:
+    import re
+
+    return sum(int(n.replace(",", "")) for n in re.findall(r"\[\.\.\. ([\d,]+) lines elided", text))
+
+
+def test_a_flood_of_output_is_all_accounted_for_and_logged(kernel):
+    r = kernel.run("%mesh flood --gpus 4")
+    assert "ready" in r.stdout, r.error_text
+    r = kernel.run(
+        f"%%remote flood\nimport os\nrank = int(os.environ['RANK'])\n"
+        f"for i in range({FLOOD}):\n    print(f'r{{rank}} line {{i}}')",
+        timeout=180,
+    )
+    assert not r.errors, r.error_text
+    shown = [line for line in r.stdout.splitlines() if " line " in line]
+    messages = sum(1 for name, _ in r.streams)
+    print(f"{len(shown)} lines shown in {messages} stream messages, {_elided(r.stderr)} elided")
+    assert len(shown) + _elided(r.stderr) == 4 * FLOOD
+    assert len(set(shown)) == len(shown)  # nothing twice
+    assert messages < 4 * FLOOD / 100  # batched, not a message per line
+    r = kernel.run("[flood.runtime.logs.path(i) for i in range(4)]")
+    for rank, path in enumerate(eval(r.text)):
+        with open(path) as f:
+            lines = [line for line in f if line.startswith(f"r{rank} line ")]
+        assert len(lines) == FLOOD, path
+
+
+def test_bg_flood_keeps_the_kernel_responsive(kernel):
+    if "flood" not in kernel.run("%mesh").text:
+        assert "ready" in kernel.run("%mesh flood --gpus 4").stdout
+    msg_id = kernel.submit(
+        f"%%remote flood --bg\nimport os\nrank = int(os.environ['RANK'])\n"
+        f"for i in range({FLOOD}):\n    print(f'bg r{{rank}} line {{i}}')\n'done'"
+    )
+    kernel.collect(msg_id)
+    latencies = []
+    while True:
+        t0 = time.perf_counter()
+        r = kernel.run("1+1")
+        latencies.append(time.perf_counter() - t0)
+        assert r.text == "2"
+        if "done in" in _bg_block(kernel, msg_id) or len(latencies) > 2000:
+            break
+    median = statistics.median(latencies)
+    print(f"1+1 during a 4 x {FLOOD}-line --bg flood: median {median * 1e3:.1f} ms")
+    assert median < 0.1
+    block = _bg_block(kernel, msg_id)
+    import re
+
+    hidden = int(re.search(r"\[\.\.\. ([\d,]+) earlier lines", block).group(1).replace(",", ""))
+    visible = [line for line in block.splitlines() if " line " in line]
+    assert hidden + len(visible) + _elided(block) == 4 * FLOOD, block[:500]
+
+
+def _bg_block(kernel: Kernel, msg_id: str) -> str:
+    """The latest text of the --bg cell's live block (display updates land as 'other')."""
+    while True:
+        try:
+            msg = kernel.kc.get_iopub_msg(timeout=0.01)
+        except Exception:
+            break
+        kernel.other.append(msg)
+    text = ""
+    for msg in kernel.other:
+        if msg["msg_type"] in ("display_data", "update_display_data"):
+            if msg["parent_header"].get("msg_id") == msg_id:
+                text = msg["content"]["data"].get("text/plain", "")
+    return text

@@ -8,12 +8,16 @@ host agent of every mesh.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Any
 
 from ipykernel.ipkernel import IPythonKernel
 
 from monarch_kernel import __version__
+
+#: The kernel process's GIL switch interval (seconds); see ``MonarchKernel.__init__``.
+SWITCH_INTERVAL = 0.001
 
 
 class MonarchKernel(IPythonKernel):
@@ -26,6 +30,11 @@ class MonarchKernel(IPythonKernel):
         from monarch_kernel.kernel.magics import load_ipython_extension
 
         load_ipython_extension(self.shell)
+        # The controller's threads (receiving rank output, the dashboard) share the GIL
+        # with the cell the user runs; with Python's default 5 ms switch interval each
+        # hand-over of the GIL to the shell costs up to 5 ms, and answering a request
+        # takes a dozen. 1 ms keeps the notebook responsive while ranks flood output.
+        sys.setswitchinterval(SWITCH_INTERVAL)
         if os.environ.get("MONARCH_KERNEL_PREWARM", "1") != "0":
             threading.Thread(target=self._prewarm, name="mk-prewarm", daemon=True).start()
 

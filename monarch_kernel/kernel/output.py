@@ -172,7 +172,12 @@ class CellOutput:
         return kept
 
     def _labelled(self, ranks: set[int], text: str) -> str:
-        return f"[{format_ranks(sorted(ranks))}] {text}\n" if self._label else text + "\n"
+        if not self._label:
+            return text + "\n"
+        if len(ranks) == 1:  # the common case in a flood
+            for r in ranks:
+                return f"[{r}] {text}\n"
+        return f"[{format_ranks(sorted(ranks))}] {text}\n"
 
     def _send(self, lines: list[tuple[str, str]]) -> None:
         # Consecutive lines of one stream go out as one message.
