@@ -165,6 +165,23 @@ def measure_calls(
             rec.value(f"call_{n}", median(xs))
 
 
+#: Row 3b: calls kept in flight to one rank (all issued, then all awaited).
+PIPELINED = 1000
+
+
+def measure_pipelined(s: Settings, rec: Recorder, run_batch: Callable[[int], object]) -> None:
+    """Row 3b: calls/s with :data:`PIPELINED` calls to one rank in flight at once
+    (``run_batch(n)`` issues n no-op calls without waiting, then waits for all)."""
+    with rec.guard("pipe"):
+        run_batch(100)  # warm-up
+        times = []
+        for _ in range(3 if s.quick else 7):
+            t0 = time.perf_counter()
+            run_batch(PIPELINED)
+            times.append(time.perf_counter() - t0)
+        rec.value("pipe", PIPELINED / median(times))
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

@@ -22,6 +22,7 @@ from bench.common import (
     Recorder,
     Settings,
     measure_calls,
+    measure_pipelined,
     measure_tensor,
     median,
     no_prewarm_ready_rows,
@@ -158,6 +159,10 @@ def micro(s: Settings, rec: Recorder, actors: Any) -> None:
             dt = time.perf_counter() - t0
             assert counts == [s.bcast_k] * s.bcast_ranks, counts
             rec.value("bcast", s.bcast_k * s.bcast_ranks / dt)
+    if s.wants("pipe"):
+        measure_pipelined(
+            s, rec, lambda n: [f.get() for f in [one.ping.call_one() for _ in range(n)]]
+        )
     if s.wants("tensor"):
         for mib in s.tensor_mib:
             t = tensor_of(mib)

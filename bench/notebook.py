@@ -1,5 +1,6 @@
-"""Rows 6 (notebook path): a trivial ``%%remote`` cell on 4 ranks and the delay from a
-rank's ``print`` to the notebook, through a real monarch kernel (jupyter_client)."""
+"""Rows 6 (notebook path): a trivial ``%%remote`` cell on 4 ranks, the delay from a
+rank's ``print`` to the notebook, and a print flood from one rank next to the same
+prints in plain ipykernel, through real kernels (jupyter_client)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 from bench.common import Recorder, Settings, median, sample
 
 PRINTS = 200
+#: Lines of the print-flood row.
+FLOOD_LINES = 100_000
 
 
 class _Client:
@@ -57,6 +60,23 @@ def _print_delays(k: _Client, magic: str, prints: int) -> list[float]:
     return delays
 
 
+def _lines_per_s(k: _Client, magic: str, lines: int) -> float:
+    """Lines a second from a cell printing ``lines`` lines to the client (all must come)."""
+    got = [0]
+
+    def on_iopub(m: dict) -> None:
+        if m["msg_type"] == "stream":
+            got[0] += m["content"]["text"].count(" flood ")
+
+    code = f"{magic}\nfor i in range({lines}):\n    print(f'line {{i}} flood ')"
+    t0 = time.perf_counter()
+    k.run(code.lstrip("\n"), on_iopub)
+    dt = time.perf_counter() - t0
+    if got[0] != lines:
+        raise RuntimeError(f"{got[0]} of {lines} flood lines reached the client")
+    return lines / dt
+
+
 def ours(s: Settings, rec: Recorder) -> None:
     from monarch_kernel.kernel.install import install
 
@@ -73,6 +93,17 @@ def ours(s: Settings, rec: Recorder) -> None:
         rec.value("remote_1", median(xs))
         delays = _print_delays(k, "%%remote b --ranks 0", PRINTS)
         rec.value("print_delay", median(delays[10:]))
+        lines = FLOOD_LINES // (5 if s.quick else 1)
+        with rec.guard("lines_remote", "lines_ipykernel", "lines_ratio"):
+            ours_rate = _lines_per_s(k, "%%remote b --ranks 0", lines)
+            plain = _Client("python3")
+            try:
+                plain_rate = _lines_per_s(plain, "", lines)
+            finally:
+                plain.stop()
+            rec.value("lines_remote", ours_rate)
+            rec.value("lines_ipykernel", plain_rate)
+            rec.value("lines_ratio", ours_rate / plain_rate)
         k.run("%mesh stop b")
     finally:
         k.stop()

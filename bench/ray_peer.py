@@ -27,6 +27,7 @@ from bench.common import (
     Settings,
     big_skip,
     measure_calls,
+    measure_pipelined,
     measure_tensor,
     median,
     no_prewarm_ready_rows,
@@ -155,6 +156,8 @@ def micro(s: Settings, rec: Recorder, actors: list[Any]) -> None:
             dt = time.perf_counter() - t0
             assert counts == [s.bcast_k] * s.bcast_ranks, counts
             rec.value("bcast", s.bcast_k * s.bcast_ranks / dt)
+    if s.wants("pipe"):
+        measure_pipelined(s, rec, lambda n: ray.get([one.ping.remote() for _ in range(n)]))
     if s.wants("tensor"):
         for mib in s.tensor_mib:
             with rec.guard(f"tensor_{mib}"):

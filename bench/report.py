@@ -50,6 +50,7 @@ def rows(s: Settings) -> list[Row]:
             "higher",
         )
     )
+    out.append(Row("pipe", "3. pipelined calls to one rank, 1,000 in flight", "calls/s", "higher"))
     for mib in s.tensor_mib:
         out.append(
             Row(f"tensor_{mib}", f"4. {mib} MiB tensor controller -> rank", "MiB/s", "higher")
@@ -86,6 +87,18 @@ def rows(s: Settings) -> list[Row]:
     out.append(Row("remote_1", "6. trivial %%remote cell on 1 rank (%px for ipyparallel)", "ms"))
     out.append(Row("remote_4", "6. trivial %%remote cell on 4 ranks (%px for ipyparallel)", "ms"))
     out.append(Row("print_delay", "6. rank print -> notebook output", "ms"))
+    out.append(
+        Row(
+            "lines_remote",
+            "6. print flood: lines/s from one rank to the notebook",
+            "lines/s",
+            "higher",
+        )
+    )
+    out.append(
+        Row("lines_ipykernel", "6. print flood: same lines in plain ipykernel", "lines/s", "higher")
+    )
+    out.append(Row("lines_ratio", "6. print flood, ours ÷ plain ipykernel", "x", "higher"))
     out.append(Row("death", "7. rank death noticed (SIGKILL -> future raises)", "ms"))
     out.append(Row("interrupt", "7. interrupt -> running call stopped", "ms"))
     out.append(Row("ddp_mesh_sps", "8. DDP steps/s, 2 ranks in a mesh", "steps/s", "higher"))
@@ -96,7 +109,17 @@ def rows(s: Settings) -> list[Row]:
     return out
 
 
-SCALE = {"us": 1e6, "ms": 1e3, "s": 1.0, "MiB/s": 1.0, "msg/s": 1.0, "steps/s": 1.0, "x": 1.0}
+SCALE = {
+    "us": 1e6,
+    "ms": 1e3,
+    "s": 1.0,
+    "MiB/s": 1.0,
+    "msg/s": 1.0,
+    "calls/s": 1.0,
+    "lines/s": 1.0,
+    "steps/s": 1.0,
+    "x": 1.0,
+}
 
 
 def fmt(value: float, unit: str) -> str:

@@ -119,6 +119,10 @@ class Worker(Actor):
             os.kill(os.getpid(), 9)
 
     @endpoint
+    def exit_silently(self) -> None:
+        os._exit(3)  # silently
+
+    @endpoint
     def pid(self) -> int:
         return os.getpid()
 

@@ -105,3 +105,19 @@ def test_stopped_mesh_gives_clear_errors():
         procs.spawn("again", Worker)
     procs.stop()  # idempotent
     assert not any(pid_alive(p) for p in pids)
+
+
+def test_last_output_of_a_dead_rank_is_its_own_from_the_call_it_died_in(mesh):
+    workers = mesh.spawn("w2", Worker)
+    workers.slice(gpus=1).say.call_one("an earlier call's line").get(timeout=5)
+    with pytest.raises(RankDiedError) as err:
+        workers.slice(gpus=1).die.call_one("exit").get(timeout=5)
+    text = str(err.value)
+    assert "about to die by exit" in text  # what it printed in this call
+    assert "an earlier call's line" not in text  # not what an earlier call printed
+    mesh.restart()
+    workers.slice(gpus=1).say.call_one("said before").get(timeout=5)
+    with pytest.raises(RankDiedError) as err:
+        workers.slice(gpus=1).exit_silently.call_one().get(timeout=5)
+    assert "said before" not in str(err.value)
+    assert "no output in what it was running" in str(err.value)

@@ -72,7 +72,11 @@ class Supervisor:
         state = RankState.STOPPED if expected or mesh.state.ended else RankState.DEAD
         mesh.requests.set_state(info, state, announce=False)
         host = mesh.hosts[info.host]
-        tail = tuple(report.get("tail") or ()) or tuple(info.tail)[-DEATH_TAIL:]
+        # The host agent's tail holds what the rank printed in the request it died in
+        # (from its log, crash dumps included); without one (a lost host), the last
+        # lines the controller saw.
+        host_tail = report.get("tail")
+        tail = tuple(host_tail) if host_tail is not None else tuple(info.tail)[-DEATH_TAIL:]
         info.death = DeathInfo(
             rank=info.rank,
             host=host.hostname or f"host {info.host}",
@@ -115,6 +119,8 @@ class Supervisor:
         text = f"rank {info.rank} of mesh {mesh.name!r} (host {host}, pid {pid}) died: {how}"
         if tail:
             text += "\nlast output lines:\n  " + "\n  ".join(tail[-DEATH_TAIL:])
+        elif d is not None and not d.reason:
+            text += "\n(no output in what it was running)"
         if info.state is RankState.DEAD:
             text += f"\nRestart it with ProcMesh.restart(ranks=[{info.rank}])."
         return text

@@ -28,7 +28,7 @@ import zmq
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import send as wire_send
-from monarch_kernel.wire.osutil import die_with_parent, tail_lines
+from monarch_kernel.wire.osutil import die_with_parent, request_tail
 
 log = logging.getLogger("monarch_kernel.host")
 
@@ -288,7 +288,7 @@ class HostAgent:
                     "pid": ev["pid"],
                     "code": ev["code"],
                     "sig": ev["signal"],
-                    "tail": tail_lines(log_path),
+                    "tail": request_tail(log_path),
                     "expected": rank in self.expected_exits,
                 }
             )

@@ -22,9 +22,13 @@ Emit = Callable[[str, str], None]
 
 #: How long a line waits for the same line from the other ranks before it is shown.
 COLLAPSE_WINDOW = 0.05
-#: While output keeps coming, it goes to the notebook at most this often (as few stream
-#: messages as ipykernel sends); the first lines after a quiet spell go at once.
-EMIT_INTERVAL = 0.05
+#: Stream messages a cell's output may send at once, one as it comes (a burst of
+#: :data:`EMIT_BURST`, then :data:`EMIT_RATE` a second); past that, output waits for the
+#: flusher's next turn (every :data:`EMIT_INTERVAL`) and goes as one message. So a print
+#: goes out at once, and a flood of lines is a few messages a second, not one per line.
+EMIT_BURST = 20
+EMIT_RATE = 200.0
+EMIT_INTERVAL = 0.005
 #: What the notebook is sent of one cell's output at most, in bytes a second (a burst of
 #: :data:`BURST_BYTES` first). Past it lines are elided, counted and pointed at the
 #: per-rank logs, which always have everything. ``$MONARCH_KERNEL_OUTPUT_RATE`` sets it.
@@ -71,7 +75,8 @@ class CellOutput:
         # (stream, text) -> pending lines with that text, oldest first (collapse mode)
         self._index: dict[tuple[str, str], list[_Line]] = {}
         self._by_rank: dict[int, list[tuple[str, str]]] = {}
-        self._last_emit = float("-inf")
+        self._tokens = float(EMIT_BURST)
+        self._refilled_tokens = time.monotonic()
         self._allowance = float(BURST_BYTES)
         self._refilled = time.monotonic()
         #: Lines shown, and lines elided (not sent to the notebook; they are in the logs).
@@ -89,9 +94,15 @@ class CellOutput:
             now = time.monotonic()
             for line in lines:
                 self._add(rank, name, line, now)
-            due = now - self._last_emit >= EMIT_INTERVAL
+            self._tokens = min(
+                float(EMIT_BURST), self._tokens + (now - self._refilled_tokens) * EMIT_RATE
+            )
+            self._refilled_tokens = now
+            due = self._tokens >= 1.0
         if due:
             self.flush()
+        if self._pending:  # lines held back (no message left now, or the collapse window)
+            _due.set()  # the flusher's next turn sends them
 
     def _add(self, rank: int, name: str, line: str, now: float) -> None:
         if self._mode == "rank":
@@ -138,7 +149,7 @@ class CellOutput:
             if out or force:
                 out = self._within_budget(out, now, force)
                 if out:
-                    self._last_emit = now
+                    self._tokens = max(0.0, self._tokens - 1.0)
         self._send(out)
 
     def _within_budget(
@@ -212,16 +223,24 @@ class CellOutput:
 
 
 _active: weakref.WeakSet[CellOutput] = weakref.WeakSet()
+#: Set when some output waits for the flusher (asleep while nothing waits).
+_due = threading.Event()
 
 
 def _flusher() -> None:
     while True:
-        time.sleep(COLLAPSE_WINDOW / 2)
+        _due.wait()
+        time.sleep(EMIT_INTERVAL)
+        _due.clear()
+        waiting = False
         for out in list(_active):
             try:
                 out.flush()
+                waiting = waiting or bool(out._pending)
             except Exception:  # pragma: no cover - never kill the flusher
                 pass
+        if waiting:  # lines still wait for other ranks' copies (the collapse window)
+            _due.set()
 
 
 threading.Thread(target=_flusher, name="mk-output-flusher", daemon=True).start()

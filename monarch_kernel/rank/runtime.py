@@ -36,7 +36,7 @@ from monarch_kernel.wire import Codec, Message, SerializationError, WireError, d
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.codec import send as wire_send
-from monarch_kernel.wire.osutil import die_with_parent
+from monarch_kernel.wire.osutil import REQUEST_END, REQUEST_START, die_with_parent
 from monarch_kernel.wire.serialize import What
 
 log = logging.getLogger("monarch_kernel.rank")
@@ -252,11 +252,15 @@ class Rank:
         except (KeyError, TypeError):  # unknown (or unhashable) kind
             handler = self._unknown
         context.current_request = h.get("i")
+        if request is not None:
+            _mark(self.log_fd, _START)  # what it prints from here on is this request's
         try:
             handler(msg, request)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+            if request is not None:
+                _mark(self.log_fd, _END)
             if self.cancelled:
                 self.cancelled.discard(context.current_request)
             context.current_request = None
@@ -403,6 +407,18 @@ def _ignore(msg: Message) -> None:
 
 
 STATS_INTERVAL = 1.0
+
+
+_START = (REQUEST_START + "\n").encode()
+_END = (REQUEST_END + "\n").encode()
+
+
+def _mark(fd: int, marker: bytes) -> None:
+    """A request boundary in the rank's log (see ``osutil.request_tail``)."""
+    try:
+        os.write(fd, marker)
+    except OSError:
+        pass
 
 
 def _rss() -> int:

@@ -51,6 +51,27 @@ def tail_lines(path: str, n: int = 20, max_bytes: int = 16384) -> list[str]:
     return lines[-n:]
 
 
+#: Written by a rank to its log when it starts and ends serving a request, so that the
+#: output of a rank that died can be cut to what it printed in the request it died in.
+#: (\x02 starts them: unlike \x1c-\x1e it is no line break for str.splitlines.)
+REQUEST_START = "\x02mk-request-start"
+REQUEST_END = "\x02mk-request-end"
+
+
+def request_tail(path: str, n: int = 20) -> list[str]:
+    """A dead rank's last output lines, from its log: if it died serving a request,
+    only what it printed since that request started (possibly nothing); if it died
+    idle, its last lines. Markers are never shown."""
+    lines = tail_lines(path, n=10_000)
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i] == REQUEST_START:
+            lines = lines[i + 1 :]
+            break
+        if lines[i] == REQUEST_END:
+            break
+    return [line for line in lines if line not in (REQUEST_START, REQUEST_END)][-n:]
+
+
 def _noise(line: str) -> bool:
     """Frames of our own runtime and faulthandler's module list, in a crash dump."""
     stripped = line.strip()
