@@ -243,3 +243,24 @@ def _bg_block(kernel: Kernel, msg_id: str) -> str:
             if msg["parent_header"].get("msg_id") == msg_id:
                 text = msg["content"]["data"].get("text/plain", "")
     return text
+
+
+def test_fanned_out_broadcasts_to_busy_ranks_never_stall_their_host_agent():
+    procs = this_host().spawn_procs(per_host={"gpus": 8})  # 8 ranks: broadcasts fan out
+    try:
+        rt = procs.runtime
+        log = procs.spawn("log", Counter)
+        busy = procs.spawn("busy", Worker)
+        naps = busy.sleep.call(4, "while broadcasts pile up")
+        for r in range(8):
+            wait_for_rank_line(procs, r, "sleeping while broadcasts pile up")
+        for i in range(5_000):  # more than the ranks' inboxes hold: the agent queues
+            log.record.broadcast(i)
+        seen = rt.hosts[0].last_seen
+        # the agent still answers heartbeats while its ranks cannot take more
+        wait_until(lambda: rt.hosts[0].last_seen > seen, timeout=3, what="a heartbeat")
+        naps.get(timeout=60)
+        logs = log.get_log.call().get(timeout=60)
+        assert all(v == list(range(5_000)) for v in logs.values())
+    finally:
+        procs.stop()

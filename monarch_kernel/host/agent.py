@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -96,6 +97,9 @@ class HostAgent:
         self.private_dir = tempfile.mkdtemp(prefix="mk-host-")  # mode 0700
         self.template = Template(self.private_dir)
         self.pids: dict[int, int] = {}  # rank -> pid
+        # Fanned-out messages a busy rank has not taken yet (its inbox is full), in order:
+        # forwarding never blocks, so this loop keeps reading the controller's heartbeats.
+        self.backlog: dict[int, deque[list[Any]]] = {}
         self.greeted: set[int] = set()  # ranks that said hello and still wait for ours
         self.expected_exits: set[int] = set()
         self.cfg: dict[str, Any] = {}
@@ -153,7 +157,10 @@ class HostAgent:
         last_rx = last_hb = time.monotonic()
         while True:
             # While a rank waits for our hello, retry it every few milliseconds.
-            events = dict(poller.poll(2 if self.greeted else int(HEARTBEAT_INTERVAL * 500)))
+            quick = self.greeted or self.backlog
+            events = dict(poller.poll(2 if quick else int(HEARTBEAT_INTERVAL * 500)))
+            if self.backlog:
+                self.flush_backlog()
             now = time.monotonic()
             if self.template.event_r in events:
                 for ev in self.template.events():
@@ -204,6 +211,39 @@ class HostAgent:
                 continue
             self.greeted.discard(r)
 
+    def forward(self, rank: int, frames: list[Any]) -> None:
+        """Pass a fanned-out message to ``rank``'s inbox, or queue it behind what it has
+        not taken yet (never blocks)."""
+        queue = self.backlog.get(rank)
+        if queue is None:
+            try:
+                self.fan.send_multipart([b"r%d" % rank, *frames], copy=False, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:  # its inbox is full: it is busy
+                queue = self.backlog[rank] = deque()
+            except zmq.ZMQError:  # rank not connected (dead or starting); its
+                return  # death or readiness is reported separately
+        queue.append(frames)
+        if len(queue) % 100_000 == 0:
+            log.warning("host %s: %d messages wait for busy rank %s", self.host, len(queue), rank)
+
+    def flush_backlog(self) -> None:
+        """Hand queued messages to the ranks that can take them now."""
+        for rank, queue in list(self.backlog.items()):
+            while queue:
+                try:
+                    self.fan.send_multipart(
+                        [b"r%d" % rank, *queue[0]], copy=False, flags=zmq.NOBLOCK
+                    )
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:  # it is gone
+                    queue.clear()
+                    break
+                queue.popleft()
+            if not queue:
+                del self.backlog[rank]
+
     def on_message(self, frames: list[Any]) -> str | None:
         try:
             msg = self.codec.decode(frames)
@@ -213,12 +253,8 @@ class HostAgent:
         h = msg.header
         if h.get("f"):
             for r in h["d"]:
-                if r not in self.pids:
-                    continue
-                try:
-                    self.fan.send_multipart([b"r%d" % r, *frames], copy=False)
-                except zmq.ZMQError:  # rank not connected (dead or starting); its
-                    pass  # death or readiness is reported separately
+                if r in self.pids:
+                    self.forward(r, frames)
             return None
         kind = h["k"]
         try:
@@ -279,6 +315,7 @@ class HostAgent:
             rank = ev["rank"]
             if self.pids.get(rank) == ev["pid"]:
                 del self.pids[rank]
+                self.backlog.pop(rank, None)  # a restarted rank starts afresh
             log_path = os.path.join(self.private_dir, f"rank{rank}.log")
             self.send(
                 {
