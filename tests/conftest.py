@@ -75,6 +75,17 @@ def procs4():
     assert not left, f"mesh left processes behind: {[p.pid for p in left]}"
 
 
+@pytest.fixture
+def mesh2():
+    """A fresh 2-rank local mesh for one test, stopped after it (the test's own ranks
+    are checked for orphans by ``no_orphans``)."""
+    from monarch_kernel.actor import this_host
+
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    yield procs
+    procs.stop()
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -48,6 +48,14 @@ class Result:
         return "\n".join("\n".join(e["traceback"]) for e in self.errors)
 
 
+def kernel_with_mesh(name: str, gpus: int) -> Kernel:
+    """A monarch kernel in which ``%mesh NAME --gpus N`` is ready."""
+    k = Kernel()
+    r = k.run(f"%mesh {name} --gpus {gpus}")
+    assert "ready" in r.stdout, r.stderr + r.error_text
+    return k
+
+
 class Kernel:
     """A live monarch kernel; ``run(code)`` returns what that cell produced."""
 

@@ -9,7 +9,6 @@ import pytest
 from actors import Worker
 from helpers import wait_for_rank_line, wait_until
 
-from monarch_kernel.actor import this_host
 from monarch_kernel.controller.errors import ActorError, RankDiedError
 from monarch_kernel.controller.events import (
     EventBus,
@@ -27,10 +26,8 @@ from monarch_kernel.controller.records import RankState
 
 
 @pytest.fixture
-def mesh():
-    procs = this_host().spawn_procs(per_host={"gpus": 2})
-    yield procs
-    procs.stop()
+def mesh(mesh2):
+    return mesh2
 
 
 def test_a_call_is_started_answered_and_moves_ranks_busy_then_idle(mesh):

@@ -8,14 +8,12 @@ import time
 import pytest
 from conftest import pid_alive
 from helpers import wait_until
-from kernel_client import Kernel
+from kernel_client import Kernel, kernel_with_mesh
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = Kernel()
-    r = k.run("%mesh m --gpus 4")
-    assert "ready" in r.stdout, r.stderr + r.error_text
+    k = kernel_with_mesh("m", 4)
     yield k
     k.shutdown_and_check()
 

@@ -11,7 +11,7 @@ import time
 import pytest
 from actors import Counter, Worker
 from helpers import wait_for_rank_line, wait_until
-from kernel_client import Kernel
+from kernel_client import Kernel, kernel_with_mesh
 
 from monarch_kernel.actor import this_host
 from monarch_kernel.controller.transport import MAX_BACKLOG_MESSAGES
@@ -20,10 +20,8 @@ N = 100_000
 
 
 @pytest.fixture
-def mesh():
-    procs = this_host().spawn_procs(per_host={"gpus": 2})
-    yield procs
-    procs.stop()
+def mesh(mesh2):
+    return mesh2
 
 
 def test_pipelined_calls_and_broadcasts_to_a_busy_rank_all_arrive_in_order(mesh):
@@ -89,9 +87,7 @@ def test_ctrl_c_releases_a_caller_waiting_for_room(mesh):
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = Kernel()
-    r = k.run("%mesh m --gpus 2")
-    assert "ready" in r.stdout, r.stderr + r.error_text
+    k = kernel_with_mesh("m", 2)
     yield k
     k.shutdown_and_check()
 

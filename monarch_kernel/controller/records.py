@@ -19,7 +19,14 @@ from monarch_kernel.wire.reports import RankStats
 TAIL_LINES = 50
 
 
-class RankState(str, Enum):
+class _TextEnum(str, Enum):
+    """A ``str`` enum that prints as its value (``idle``, not ``RankState.IDLE``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class RankState(_TextEnum):
     """Life cycle of one rank, as the controller sees it.
 
     ``STARTING -> IDLE <-> BUSY``; any live state ``-> DEAD`` (it died unasked) or
@@ -34,24 +41,18 @@ class RankState(str, Enum):
     DEAD = "dead"
     STOPPED = "stopped"
 
-    def __str__(self) -> str:
-        return self.value
-
 
 #: States of a rank that no longer runs.
 GONE = frozenset({RankState.DEAD, RankState.STOPPED})
 
 
-class MeshPhase(str, Enum):
+class MeshPhase(_TextEnum):
     """Life cycle of a whole mesh: ``STARTING -> RUNNING -> STOPPING -> STOPPED``."""
 
     STARTING = "starting"
     RUNNING = "running"
     STOPPING = "stopping"
     STOPPED = "stopped"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def ended(self) -> bool:
