@@ -45,6 +45,23 @@ class _Line:
     ranks: set[int] = field(default_factory=set)
 
 
+class _Bucket:
+    """A token bucket: ``level`` up to ``burst``, refilled at ``rate`` a second."""
+
+    __slots__ = ("burst", "rate", "level", "at")
+
+    def __init__(self, burst: float, rate: float):
+        self.burst, self.rate = float(burst), float(rate)
+        self.level = self.burst
+        self.at = time.monotonic()
+
+    def refill(self, now: float) -> float:
+        """Add what accrued since the last refill; returns the level."""
+        self.level = min(self.burst, self.level + (now - self.at) * self.rate)
+        self.at = now
+        return self.level
+
+
 class CellOutput:
     """Groups and labels the output of one cell's ranks.
 
@@ -75,10 +92,8 @@ class CellOutput:
         # (stream, text) -> pending lines with that text, oldest first (collapse mode)
         self._index: dict[tuple[str, str], list[_Line]] = {}
         self._by_rank: dict[int, list[tuple[str, str]]] = {}
-        self._tokens = float(EMIT_BURST)
-        self._refilled_tokens = time.monotonic()
-        self._allowance = float(BURST_BYTES)
-        self._refilled = time.monotonic()
+        self._messages = _Bucket(EMIT_BURST, EMIT_RATE)  # stream messages sent at once
+        self._bytes = _Bucket(BURST_BYTES, RATE_BYTES)  # bytes the notebook is sent
         #: Lines shown, and lines elided (not sent to the notebook; they are in the logs).
         self.shown = 0
         self.elided = 0
@@ -94,11 +109,7 @@ class CellOutput:
             now = time.monotonic()
             for line in lines:
                 self._add(rank, name, line, now)
-            self._tokens = min(
-                float(EMIT_BURST), self._tokens + (now - self._refilled_tokens) * EMIT_RATE
-            )
-            self._refilled_tokens = now
-            due = self._tokens >= 1.0
+            due = self._messages.refill(now) >= 1.0
         if due:
             self.flush()
         if self._pending:  # lines held back (no message left now, or the collapse window)
@@ -149,22 +160,20 @@ class CellOutput:
             if out or force:
                 out = self._within_budget(out, now, force)
                 if out:
-                    self._tokens = max(0.0, self._tokens - 1.0)
+                    self._messages.level = max(0.0, self._messages.level - 1.0)
         self._send(out)
 
     def _within_budget(
         self, lines: list[tuple[str, str]], now: float, closing: bool
     ) -> list[tuple[str, str]]:
         """The lines the notebook can be sent now; count the rest as elided (lock held)."""
-        self._allowance = min(
-            float(BURST_BYTES), self._allowance + (now - self._refilled) * RATE_BYTES
-        )
-        self._refilled = now
+        budget = self._bytes
+        budget.refill(now)
         kept: list[tuple[str, str]] = []
         for name, text in lines:
             size = len(text)
-            if size <= self._allowance:
-                self._allowance -= size
+            if size <= budget.level:
+                budget.level -= size
                 kept.append((name, text))
             else:
                 self._elided_since_note += 1
