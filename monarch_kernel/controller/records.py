@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from monarch_kernel.launchers.base import HostHandle
+from monarch_kernel.wire.osutil import describe_exit
 from monarch_kernel.wire.reports import RankStats
 
 #: Whole output lines kept per rank (for death reports and the dashboard).
@@ -71,6 +72,15 @@ class DeathInfo:
     reason: str | None = None  #: why, when it was not an exit (e.g. its host was lost)
     tail: tuple[str, ...] = ()  #: its last output lines
     time: float = 0.0  #: ``time.time()`` when the controller learnt of it
+
+    @property
+    def how(self) -> str:
+        """``exit code 7``, ``killed by SIGKILL``, or the reason supervision gave."""
+        if self.reason:
+            return self.reason
+        if self.code is None and not self.signal:
+            return "exited"
+        return describe_exit(self.code, self.signal)
 
 
 @dataclass

@@ -16,7 +16,6 @@ from monarch_kernel.controller.errors import MeshStoppedError, RankDiedError
 from monarch_kernel.controller.events import HostLost, RankDied
 from monarch_kernel.controller.records import GONE, DeathInfo, HostInfo, RankInfo, RankState
 from monarch_kernel.wire.codec import Header
-from monarch_kernel.wire.osutil import describe_exit
 
 if TYPE_CHECKING:
     from monarch_kernel.controller.mesh import MeshRuntime
@@ -110,12 +109,8 @@ class Supervisor:
             how, host, pid, tail = "is not running", info.hostname, info.pid, ()
         else:
             host, pid, tail = d.host, d.pid, d.tail
-            if d.reason:
-                how = d.reason
-            elif info.state is RankState.STOPPED:
-                how = "was stopped"
-            else:
-                how = describe_exit(d.code, d.signal)
+            stopped = info.state is RankState.STOPPED and not d.reason
+            how = "was stopped" if stopped else d.how
         text = f"rank {info.rank} of mesh {mesh.name!r} (host {host}, pid {pid}) died: {how}"
         if tail:
             text += "\nlast output lines:\n  " + "\n  ".join(tail[-DEATH_TAIL:])

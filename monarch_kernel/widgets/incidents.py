@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from monarch_kernel.controller.records import DeathInfo
-from monarch_kernel.wire.osutil import describe_exit
 from monarch_kernel.wire.reports import FailureReport
 
 MAX_INCIDENTS = 30
@@ -60,15 +59,6 @@ class Incident:
     @property
     def ranks(self) -> list[int]:
         return sorted({r for e in self.entries for r in e.ranks})
-
-
-def describe_death(death: DeathInfo) -> str:
-    """``exit code 7``, ``killed by SIGKILL``, or the reason supervision gave."""
-    if death.reason:
-        return death.reason
-    if death.code is None and not death.signal:
-        return "exited"
-    return describe_exit(death.code, death.signal)
 
 
 class IncidentLog:
@@ -148,7 +138,7 @@ class IncidentLog:
         tail = death.tail[-DEATH_TAIL:]
         detail = "last output lines:\n" + "\n".join(tail) if tail else "(no output)"
         entry_key = ("death", death.code, death.signal, death.reason)
-        title = f"died: {describe_death(death)}"
+        title = f"died: {death.how}"
         self._add(key, entry_key, "death", title, detail, death.rank, t, death.host)
 
     def _add(

@@ -42,7 +42,6 @@ from monarch_kernel.widgets.incidents import (
     ErrorEntry,
     Incident,
     IncidentLog,
-    describe_death,
 )
 from monarch_kernel.widgets.series import SERIES_CAP, Series
 from monarch_kernel.wire.reports import RankStats
@@ -357,7 +356,7 @@ class MeshState:
             elif rank in self.interrupted:
                 what = f"interrupted: {last}" if last else "interrupted"
         elif state is RankState.DEAD:
-            what = describe_death(info.death) if info.death is not None else "dead"
+            what = info.death.how if info.death is not None else "dead"
         elif state is RankState.STOPPED:
             what = "stopped"
         else:  # starting
