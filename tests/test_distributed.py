@@ -18,6 +18,21 @@ def _losses(text: str) -> list[float]:
     return [float(v) for v in re.findall(r"step \d+ loss ([0-9.]+)", text)]
 
 
+def _torchrun_reference() -> subprocess.CompletedProcess[str]:
+    """The reference losses from plain torchrun (not our code).
+
+    Retried once: on a loaded 2-core CI machine gloo itself has aborted a worker
+    (SIGABRT in torch's own teardown, seen once in ~300 runs); that says nothing about
+    the mesh under test, which gets no retry.
+    """
+    cmd = [*TORCHRUN, "--nproc-per-node", "4", str(SCRIPTS / "ddp_train.py")]
+    for _ in range(2):
+        ref = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=SCRIPTS)
+        if ref.returncode == 0:
+            break
+    return ref
+
+
 @pytest.fixture(scope="module")
 def kernel():
     k = Kernel()
@@ -26,14 +41,8 @@ def kernel():
 
 
 def test_ddp_in_cells_matches_torchrun(kernel):
-    ref = subprocess.run(
-        [*TORCHRUN, "--nproc-per-node", "4", str(SCRIPTS / "ddp_train.py")],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=SCRIPTS,
-    )
-    assert ref.returncode == 0, ref.stderr[-2000:]
+    ref = _torchrun_reference()
+    assert ref.returncode == 0, ref.stderr[-4000:]
     expected = _losses(ref.stdout)
     assert len(expected) == 20
 
