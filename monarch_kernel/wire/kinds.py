@@ -67,7 +67,15 @@ kind              keys
                   ``log`` before it forks the rank.
 ``signal_ranks``  ``d`` (its ranks to signal), ``sig`` int (signal number, e.g. SIGINT)
 ``kill_ranks``    ``d``: SIGKILL them; their ``rank_exit`` reports say ``expected``
-``stop``          (no keys) stop every rank, report their exits, exit
+``stop``          ``grace`` float (seconds, default 3): ask every rank to exit cleanly
+                  (SIGTERM: ``atexit`` handlers, finalizers, ``destroy_process_group``),
+                  SIGKILL those still running after ``grace``, report their exits, exit
+``dump_stacks``   ``d`` (its ranks), ``i`` (the controller's ``stacks`` request): make
+                  each rank dump its threads' stacks with ``faulthandler`` (signal-safe:
+                  works while the rank is stuck in C code holding the GIL) and answer
+                  each with a ``res`` for ``i`` on the rank's behalf (``h`` set)
+``new_port``      ``i`` str: answer with a ``port`` (a free port on this host, for a new
+                  torch.distributed rendezvous when a process group is re-formed)
 ``hb``            (no keys) controller heartbeat; any message resets the agent's silence
                   timer (``hb_timeout`` in its configuration, 10 s by default)
 ``hello``         (no keys) connection probe, ignored
@@ -84,7 +92,8 @@ kind              keys
                   (the address other hosts reach it at: ``advertise`` from its
                   configuration, default 127.0.0.1); ``port`` int (a free port, used as
                   MASTER_PORT when this is host 0). Sent once, first
-``hb``            ``h``: heartbeat, once a second
+``hb``            ``h``: heartbeat, every 0.5 s
+``port``          ``h``, ``i`` (the ``new_port`` request), ``port`` int: a free port
 ``rank_started``  ``h``, ``r``, ``pid`` int: the template forked rank ``r``
 ``rank_exit``     ``h``, ``r``, ``pid`` int; ``code`` int | None (exit status, None if
                   killed by a signal); ``sig`` int | None (the signal that killed it);
@@ -145,6 +154,13 @@ kind              keys and payload
                   it runs user code for it now) or to skip when it comes (then answered
                   with a "cancelled before it started" error if it wants a reply).
                   No reply to the cancel itself
+``stacks``        ``i``, ``w``. Reply value: ``tuple[ThreadStack, ...]`` (every thread's
+                  Python stack now; see ``wire.stacks``)
+``abort_pg``      (no keys) abort the default torch.distributed process group, if any:
+                  peers blocked in a collective with this rank are released with an error
+``input_reply``   ``n`` int (the ``input`` request answered), and ``v`` str (the line
+                  typed) or ``e`` str (why there is none: the rank's ``input()`` raises
+                  EOFError with it)
 ``hello``         (no keys) the controller's connection probe, ignored
 ================  =======================================================================
 
@@ -165,6 +181,9 @@ kind              keys and payload
                   ``dict[str, float]`` from ``monarch_kernel.report(...)``
 ``fault``         (no ``i``) Payload: pickled failure report of fire-and-forget work
                   (a message without ``w``, or a control handler failing without ``i``)
+``input``         ``i`` (the request being served, or None), ``n`` int (serial, per
+                  rank), ``p`` str (the prompt), ``pw`` int (1 for ``getpass``: do not
+                  echo). The rank's ``input()`` blocks until an ``input_reply``
 ``stats``         Payload: pickled ``{"rss": int, "time": float, "bytes_out": int,
                   "bytes_in": int}`` plus ``"gpu_mem": int`` once CUDA is initialised;
                   once a second, from the control thread
@@ -183,7 +202,9 @@ file holding them), ``"ok"``, or ``"err"`` with ``error`` str.
 SPAWN_RANKS = "spawn_ranks"
 SIGNAL_RANKS = "signal_ranks"
 KILL_RANKS = "kill_ranks"
-STOP = "stop"
+STOP = "stop"  # header "grace": seconds ranks get to exit cleanly
+DUMP_STACKS = "dump_stacks"
+NEW_PORT = "new_port"
 HEARTBEAT = "hb"  # also host agent -> controller (with "h")
 #: Connection probe: proves a ROUTER peer is routable before real messages go to it.
 HELLO = "hello"
@@ -192,6 +213,7 @@ HELLO = "hello"
 HOST_READY = "host_ready"
 RANK_STARTED = "rank_started"
 RANK_EXIT = "rank_exit"
+PORT = "port"
 
 # controller -> rank (ordered, main thread)
 SPAWN_ACTOR = "spawn_actor"
@@ -204,6 +226,9 @@ PUSH = "push"
 PULL = "pull"
 PING = "ping"
 CANCEL = "cancel"  # header "c": the request to interrupt (running) or skip (not started)
+STACKS = "stacks"
+ABORT_PG = "abort_pg"
+INPUT_REPLY = "input_reply"
 
 # rank -> controller
 READY = "ready"
@@ -211,4 +236,5 @@ RESULT = "res"
 STREAM = "out"
 METRIC = "metric"
 FAULT = "fault"
+INPUT = "input"
 STATS = "stats"  # once a second from each rank: memory and data-plane byte counters
