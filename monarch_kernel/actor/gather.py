@@ -19,8 +19,9 @@ import threading
 from collections.abc import Callable, Iterator
 
 from monarch_kernel.actor.value_mesh import ValueMesh
-from monarch_kernel.controller.errors import ActorError, actor_error
+from monarch_kernel.controller.errors import ActorError, RankDiedError, actor_error
 from monarch_kernel.controller.events import Reply
+from monarch_kernel.controller.failures import Incident
 from monarch_kernel.controller.future import Future, Waiter
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire.reports import FailureReport
@@ -36,7 +37,13 @@ def reply_value(reply: Reply, total: int) -> object:
 
 
 class Gather:
-    """Collects one reply per rank of ``ranks``; the future gives a ValueMesh."""
+    """Collects one reply per rank of ``ranks``; the future gives a ValueMesh.
+
+    The request fails only once every rank answered or was lost: when one rank fails,
+    the mesh's failure policy releases the others (see
+    :mod:`monarch_kernel.controller.failures`), and the error names the root cause
+    (the first failure) and what was done to the others.
+    """
 
     def __init__(
         self,
@@ -50,6 +57,9 @@ class Gather:
         self.shape = shape or Shape(("ranks",), (len(ranks),))
         self._index = {r: i for i, r in enumerate(ranks)}
         self._replies: list[Reply | None] = [None] * len(ranks)
+        self._lost: dict[int, BaseException] = {}
+        self._failed_order: list[int] = []  #: failing ranks, in the order they failed
+        self._incident: Incident | None = None
         self._remaining = len(ranks)
         self._lock = threading.Lock()
         self._error_class = error_class
@@ -60,34 +70,97 @@ class Gather:
     def on_reply(self, reply: Reply) -> None:
         with self._lock:
             self._replies[self._index[reply.rank]] = reply
+            if not reply.ok:
+                self._failed_order.append(reply.rank)
             self._remaining -= 1
             complete = self._remaining == 0
         if complete:
             self.future.set_result(None)
 
     def on_lost(self, rank: int, error: BaseException) -> None:
-        self.future.set_exception(error)
+        with self._lock:
+            if rank in self._lost or self._replies[self._index[rank]] is not None:
+                return
+            self._lost[rank] = error
+            self._failed_order.append(rank)
+            self._remaining -= 1
+            complete = self._remaining == 0
+        if complete:
+            self.future.set_result(None)
+
+    def on_incident(self, incident: Incident) -> None:
+        """The failure policy opened an incident for this request (see module doc)."""
+        self._incident = incident
 
     # -- results ---------------------------------------------------------------------------
     def answered(self, rank: int) -> bool:
-        """Whether ``rank`` has replied."""
-        return self._replies[self._index[rank]] is not None
+        """Whether ``rank`` has replied (or was lost)."""
+        return self._replies[self._index[rank]] is not None or rank in self._lost
 
     def _finish(self, _: object) -> ValueMesh[object]:
-        values: list[object] = []
-        failures: list[FailureReport] = []
+        if self._failed_order:
+            raise self._error()
         name = self._value_name
+        values: list[object] = []
         for r, reply in zip(self.ranks, self._replies):
             assert reply is not None
-            if reply.ok:
-                values.append(reply.value(_naming(name, r)))
-            else:
-                assert reply.report is not None
-                failures.append(reply.report)
-                values.append(None)
-        if failures:
-            raise actor_error(failures, len(self.ranks), self._error_class)
+            values.append(reply.value(_naming(name, r)))
         return ValueMesh(self.shape, values)
+
+    def _error(self) -> BaseException:
+        """One error for the whole request: the root cause (first failure) first."""
+        incident = self._incident
+        if incident is not None:
+            # Its thread notes how the last ranks were released just after they answer.
+            incident.settled.wait(5.0)
+        released = set(incident.released) if incident is not None else set()
+        if incident is not None and incident.root_rank in self._index:
+            root = incident.root_rank
+        else:
+            root = self._failed_order[0]
+        order = [root] + [r for r in self._failed_order if r != root]
+        note = incident.summary() if incident is not None else ""
+        root_loss = self._lost.get(root)
+        if root_loss is not None:  # a death (or a stop) is the root cause
+            others = [r for r in order[1:] if r not in released]
+            text = str(root_loss)
+            if others:
+                text += f"\nalso failed: rank(s) {', '.join(map(str, others))}"
+            if note:
+                text += "\n" + note
+            if isinstance(root_loss, RankDiedError):
+                return type(root_loss)(text, root_loss.death, root_loss.mesh)
+            return type(root_loss)(text) if note or others else root_loss
+        reports: list[FailureReport] = []
+        for r in order:
+            reply = self._replies[self._index[r]]
+            if reply is not None and reply.report is not None:
+                if r == root or r not in released:
+                    reports.append(reply.report)
+            elif r in self._lost and r not in released:
+                reports.append(_lost_report(r, self._lost[r]))
+        error = actor_error(reports, len(self.ranks), self._error_class, note)
+        error.failures.extend(  # every rank's report stays available to code
+            reply.report
+            for r in order
+            if r in released
+            and r != root
+            and (reply := self._replies[self._index[r]]) is not None
+            and reply.report is not None
+        )
+        return error
+
+
+def _lost_report(rank: int, error: BaseException) -> FailureReport:
+    """A lost rank as a failure report (it died, or the mesh stopped)."""
+    text = str(error)
+    return {
+        "type": type(error).__name__,
+        "message": text.split("\n", 1)[0],
+        "traceback": text + "\n",
+        "where": "",
+        "rank": rank,
+    }
 
 
 def _naming(name: str, rank: int) -> Callable[[], str]:

@@ -10,9 +10,10 @@ from monarch_kernel.actor.actor import Actor, endpoints_of
 from monarch_kernel.actor.gather import Each, Gather, One
 from monarch_kernel.actor.value_mesh import ValueMesh
 from monarch_kernel.controller.errors import ActorError
+from monarch_kernel.controller.failures import DEFAULT_GRACE
 from monarch_kernel.controller.future import Future
-from monarch_kernel.controller.mesh import MeshRuntime
-from monarch_kernel.controller.records import ActorSpec
+from monarch_kernel.controller.mesh import DEFAULT_STOP_GRACE, MeshRuntime
+from monarch_kernel.controller.records import ActorSpec, FailurePolicy, RecoveryReport
 from monarch_kernel.controller.registry import registry
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.shape import Shape, SliceError
@@ -49,6 +50,8 @@ class HostMesh:
         env: dict[str, str] | None = None,
         timeout: float = 120.0,
         on_starting: Callable[[ProcMesh], object] | None = None,
+        on_failure: str = "restart",
+        grace: float = DEFAULT_GRACE,
     ) -> ProcMesh:
         """Start ``per_host`` ranks on every host; returns when all are ready.
 
@@ -56,10 +59,20 @@ class HostMesh:
         ``{"hosts": H, "gpus": 4}`` on H hosts. ``name`` must not be taken by a live
         mesh (default: ``procs0``, ``procs1`` ...). ``on_starting(procs)`` is called
         before the ranks start (the kernel shows the dashboard there).
+
+        ``on_failure`` (``restart``, ``stop`` or ``continue``) is what the mesh does when
+        a rank dies or fails a call the other ranks still run; ``grace`` is how long
+        (seconds) those others get to finish before they are released. See
+        :class:`~monarch_kernel.controller.records.FailurePolicy`.
         """
         per_host = dict(per_host or {"gpus": 1})
         if "hosts" in per_host:
             raise ValueError("per_host must not contain 'hosts'; use host_mesh(hosts=N)")
+        try:
+            policy = FailurePolicy(on_failure)
+        except ValueError:
+            choices = ", ".join(p.value for p in FailurePolicy)
+            raise ValueError(f"on_failure must be one of {choices}; got {on_failure!r}") from None
         runtime = MeshRuntime(  # MeshNameTaken (a ValueError) if a live mesh has the name
             name or registry.auto_name("procs"),
             per_host,
@@ -67,6 +80,8 @@ class HostMesh:
             self.launcher,
             env=env,
             backend=self.backend,
+            on_failure=policy,
+            grace=grace,
         )
         procs = ProcMesh(runtime)
         try:
@@ -203,27 +218,26 @@ class ProcMesh(_MeshView):
             [r for r in self._shape.ranks() if self._runtime.ranks[r].alive], signal.SIGINT
         )
 
-    def restart(self, ranks: list[int] | None = None, timeout: float = 60.0) -> None:
-        """Restart ``ranks`` (default: the dead ones) and re-create their actors."""
+    def restart(self, ranks: list[int] | None = None, timeout: float = 120.0) -> RecoveryReport:
+        """Restart in place: bring ``ranks`` (default: the dead ones) back and re-form
+        the mesh as it was: the torch process group (if the ranks had one) on every
+        rank, actors and setup cells on the restarted ranks. Returns what was done
+        (``print(report.describe(name))`` says it in words)."""
         rt = self._runtime
         if ranks is None:
             ranks = [r for r in self._shape.ranks() if not rt.ranks[r].alive]
         for r in ranks:
             if not 0 <= r < rt.world:
                 raise SliceError(f"rank {r} out of range: mesh {rt.name!r} has {rt.world} ranks")
-        if not ranks:
-            return
-        rt.restart_ranks(ranks, timeout)
-        for spec in list(rt.actors.values()):
-            targets = [r for r in ranks if r in spec.ranks]
-            if targets:
-                header = {"k": K.SPAWN_ACTOR, "a": spec.name}
-                what = f"spawn {spec.name}"
-                _gather(rt, targets, header, spec.payload, spec.buffers, None, what).get()
+        rt.wait_recovered()  # an automatic restart may be under way
+        return rt.recover(ranks, timeout)
 
-    def stop(self) -> Future[None]:
-        """Stop every rank and host agent of the whole mesh (not only this slice)."""
-        self._runtime.stop()
+    def stop(self, grace: float = DEFAULT_STOP_GRACE) -> Future[None]:
+        """Stop every rank and host agent of the whole mesh (not only this slice).
+
+        Ranks get ``grace`` seconds to exit cleanly (``atexit`` handlers, finalizers,
+        ``destroy_process_group``) before they are killed."""
+        self._runtime.stop(grace=grace)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

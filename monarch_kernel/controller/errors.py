@@ -96,9 +96,13 @@ def _span(run: list[int]) -> str:
 
 
 def actor_error(
-    failures: list[FailureReport], total: int, error_class: type[ActorError] = ActorError
+    failures: list[FailureReport],
+    total: int,
+    error_class: type[ActorError] = ActorError,
+    note: str = "",
 ) -> ActorError:
-    """One grouped :class:`ActorError` (or ``error_class``) for the failures of one call."""
+    """One grouped :class:`ActorError` (or ``error_class``) for the failures of one call;
+    ``note`` (what was done to the other ranks) follows the grouped lines."""
     groups = group_failures(failures)
     lines = []
     for f, ranks in groups:
@@ -109,6 +113,8 @@ def actor_error(
             f" {f['message']}"
         )
     first = groups[0][0]
+    if note:
+        lines.append(note)
     text = "\n".join(lines)
     text += f"\n\nRemote traceback (rank {first['rank']}, root cause):\n{first['traceback']}"
     if first.get("tensors"):

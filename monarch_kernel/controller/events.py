@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from monarch_kernel.controller.records import DeathInfo, MeshPhase, RankState
+from monarch_kernel.controller.records import DeathInfo, MeshPhase, RankState, RecoveryReport
 from monarch_kernel.wire import Message, loads
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.reports import FailureReport, RankStats
@@ -188,6 +188,27 @@ class StatsReported:
     time: float
 
 
+@dataclass(frozen=True, slots=True)
+class MeshRecovered:
+    """Ranks were restarted in place and the mesh re-formed (see ``report``)."""
+
+    mesh: str
+    report: RecoveryReport
+
+
+@dataclass(frozen=True, slots=True)
+class InputRequested:
+    """User code on ``rank`` called ``input()`` (or ``getpass``) while serving
+    ``request``: answer with ``MeshRuntime.answer_input(rank, serial, ...)``."""
+
+    mesh: str
+    rank: int
+    request: str | None
+    serial: int
+    prompt: str
+    password: bool
+
+
 MeshEvent = (
     MeshPhaseChanged
     | RequestStarted
@@ -200,6 +221,8 @@ MeshEvent = (
     | RankDied
     | HostLost
     | StatsReported
+    | MeshRecovered
+    | InputRequested
 )
 
 EVENT_TYPES: tuple[type[MeshEvent], ...] = (
@@ -214,6 +237,8 @@ EVENT_TYPES: tuple[type[MeshEvent], ...] = (
     RankDied,
     HostLost,
     StatsReported,
+    MeshRecovered,
+    InputRequested,
 )
 
 Listener = Callable[[MeshEvent], None]

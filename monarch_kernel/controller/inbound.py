@@ -18,6 +18,7 @@ import zmq
 
 from monarch_kernel.controller.events import (
     FaultReported,
+    InputRequested,
     MetricReported,
     StatsReported,
     StreamOutput,
@@ -37,6 +38,13 @@ log = logging.getLogger("monarch_kernel.controller")
 PARTIAL_MAX = 4096
 
 Handler = Callable[[Header, Message], None]
+
+#: Why a rank's ``input()`` gets no line when nothing in the notebook waits to answer.
+NO_READER = (
+    "nothing in the notebook can answer input() now: only a foreground cell reads "
+    "input from the notebook (not --bg cells or actor endpoints); pass the value in "
+    "with %push or as an argument"
+)
 
 
 class Inbound:
@@ -58,6 +66,8 @@ class Inbound:
             K.RANK_EXIT: self._on_rank_exit,
             K.HEARTBEAT: self._on_heartbeat,
             K.HOST_READY: self._on_host_ready,
+            K.PORT: self._on_port,
+            K.INPUT: self._on_input,
         }
 
     def handle(self, frames: list[zmq.Frame]) -> None:
@@ -116,6 +126,16 @@ class Inbound:
         report["rank"] = h["r"]
         self._mesh.events.emit(FaultReported(self._mesh.name, h["r"], report))
 
+    def _on_input(self, h: Header, msg: Message) -> None:
+        mesh = self._mesh
+        event = InputRequested(
+            mesh.name, h["r"], h.get("i"), h["n"], str(h.get("p", "")), bool(h.get("pw"))
+        )
+        if mesh.events.wants(InputRequested):
+            mesh.events.emit(event)
+        else:  # nobody can answer: the rank's input() raises EOFError at once
+            mesh.answer_input(event.rank, event.serial, error=NO_READER)
+
     # -- ranks ---------------------------------------------------------------------------
     def _on_ready(self, h: Header, msg: Message) -> None:
         mesh = self._mesh
@@ -138,6 +158,9 @@ class Inbound:
     # -- hosts ---------------------------------------------------------------------------
     def _on_heartbeat(self, h: Header, msg: Message) -> None:
         self._mesh.hosts[h["h"]].last_seen = time.monotonic()
+
+    def _on_port(self, h: Header, msg: Message) -> None:
+        self._mesh.port_received(h["i"], h["port"])
 
     def _on_host_ready(self, h: Header, msg: Message) -> None:
         mesh = self._mesh

@@ -25,23 +25,35 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from monarch_kernel.controller.errors import MeshStartError, MeshStoppedError, RankDiedError
+from monarch_kernel.controller.errors import (
+    MeshStartError,
+    MeshStoppedError,
+    RankDiedError,
+    format_ranks,
+)
 from monarch_kernel.controller.events import (
     EventBus,
     MeshPhaseChanged,
+    MeshRecovered,
+    Reply,
     RequestKind,
     RequestObserver,
     RequestStarted,
 )
+from monarch_kernel.controller.failures import DEFAULT_GRACE, FailureHandler
+from monarch_kernel.controller.future import Future
 from monarch_kernel.controller.inbound import Inbound
 from monarch_kernel.controller.receiver import Awaitable, Receiver
 from monarch_kernel.controller.records import (
     GONE,
     ActorSpec,
+    FailurePolicy,
     HostInfo,
     MeshPhase,
     RankInfo,
     RankState,
+    RecoveryReport,
+    SetupCell,
 )
 from monarch_kernel.controller.registry import MeshSummary, registry
 from monarch_kernel.controller.requests import RequestTable, new_request_id
@@ -50,11 +62,16 @@ from monarch_kernel.controller.supervision import Supervisor
 from monarch_kernel.controller.transport import Transport
 from monarch_kernel.launchers.base import HostConfig, Launcher
 from monarch_kernel.shape import Shape
-from monarch_kernel.wire import Codec
+from monarch_kernel.wire import Codec, dumps
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header, new_key
 
 __all__ = ["MeshRuntime", "new_request_id"]
+
+#: Seconds without a host agent's heartbeat (sent every 0.5 s) before it is lost.
+DEFAULT_HB_TIMEOUT = 2.5
+#: Seconds ranks get to exit cleanly on a stop (atexit, finalizers) before SIGKILL.
+DEFAULT_STOP_GRACE = 3.0
 
 
 class MeshRuntime:
@@ -72,15 +89,20 @@ class MeshRuntime:
         hosts: int,
         launcher: Launcher,
         env: dict[str, str] | None = None,
-        hb_timeout: float = 10.0,
+        hb_timeout: float = DEFAULT_HB_TIMEOUT,
         bind: str | None = None,
         backend: str | None = None,
+        on_failure: FailurePolicy = FailurePolicy.RESTART,
+        grace: float = DEFAULT_GRACE,
     ):
         """``bind``: where the controller's sockets listen: a host address (tcp on a
         random port), a full ``tcp://`` or ``ipc://`` endpoint, or ``"ipc"`` for unix
         sockets in a private (0700) directory. By default ``"ipc"`` when every host is
         on this machine (the local launcher), else ``127.0.0.1``.
+        ``on_failure`` and ``grace``: see :mod:`~monarch_kernel.controller.failures`.
         """
+        if grace < 0:
+            raise ValueError(f"grace must be >= 0 seconds, got {grace}")
         if hosts < 1:
             raise ValueError(f"a mesh needs at least one host, got hosts={hosts}")
         extent = ({"hosts": hosts} if hosts > 1 else {}) | dict(per_host)
@@ -105,6 +127,13 @@ class MeshRuntime:
         self.hosts = [HostInfo(h) for h in range(hosts)]
         #: Actors spawned on this mesh, re-created on restarted ranks.
         self.actors: dict[str, ActorSpec] = {}
+        #: Cells re-run on restarted ranks (after the process group is re-formed).
+        self.setup_cells: list[SetupCell] = []
+        #: Backend of the ranks' torch.distributed process group, once one was seen.
+        self.pg_backend: str | None = None
+        self.last_recovery: RecoveryReport | None = None
+        self._recovery_thread: int | None = None
+        self._ports: dict[str, int] = {}
         self.events = EventBus()
         self.output = StreamRouter(self.events)
         self.logs = RankLogs(self.events, name, self.run_id)
@@ -124,6 +153,7 @@ class MeshRuntime:
         self.receiver = Receiver(
             name, self.transport, self.inbound.handle, self.supervisor.tick, self.requests.__bool__
         )
+        self.failures = FailureHandler(self, FailurePolicy(on_failure), grace)
 
     # -- start-up --------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> None:
@@ -251,13 +281,15 @@ class MeshRuntime:
         ``wait``: when the controller's queues for busy ranks are full, wait for room
         (interruptibly) rather than raise ``BackpressureError``.
         """
+        if self.state is MeshPhase.RECOVERING and not control:
+            self.wait_recovered()
         self.check_alive(ranks)
         self._make_room(wait)
         rid = request_id or new_request_id()
         header["i"] = rid
         header["w"] = 1
         kind = RequestKind.of(header["k"], control)
-        self.requests.add(rid, ranks, observer, kind)
+        self.requests.add(rid, ranks, observer, kind, what)
         if self.state.ended:  # stop() ran since check_alive: it cannot have failed this one
             self.requests.fail_request(rid, MeshStoppedError(f"mesh {self.name!r} is stopped"))
             return rid
@@ -275,6 +307,23 @@ class MeshRuntime:
         if not waited:
             self.receiver.ensure_reader()
         return rid
+
+    def wait_recovered(self, timeout: float | None = None) -> None:
+        """Block (interruptibly) while the mesh restarts ranks after a failure.
+
+        The thread doing the restart, and the receiving thread (whose replies it
+        waits for), never wait here.
+        """
+        me = threading.get_ident()
+        if me == self._recovery_thread or self.receiver.on_receiving_thread:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self.state is MeshPhase.RECOVERING:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise MeshStartError(f"mesh {self.name!r} is still restarting ranks")
+                self._cv.wait(0.1 if left is None else min(left, 0.1))
 
     def _fail_gone(self, rank: int) -> None:
         info = self.ranks[rank]
@@ -299,6 +348,19 @@ class MeshRuntime:
         if not self.receiver.on_receiving_thread:
             self.transport.wait_for_room(wait)
 
+    def answer_input(
+        self, rank: int, serial: int, line: str | None = None, error: str | None = None
+    ) -> None:
+        """Answer rank ``rank``'s ``input()`` number ``serial``: with ``line``, or make
+        it raise EOFError with ``error``."""
+        header: Header = {"k": K.INPUT_REPLY, "n": serial}
+        if error is not None:
+            header["e"] = error
+        else:
+            header["v"] = line or ""
+        if self.ranks[rank].alive:
+            self.transport.send_control(rank, header)
+
     def send_control(self, rank: int, header: Header, payload: bytes = b"") -> None:
         """Send to a rank's control thread (served even while its main thread is busy)."""
         self.transport.send_control(rank, header, payload)
@@ -307,6 +369,12 @@ class MeshRuntime:
         """A :class:`~monarch_kernel.controller.future.Future`'s waiter: receive replies
         in the calling thread while it waits (see :mod:`.receiver`)."""
         self.receiver.wait_for(fut, timeout)
+
+    def kill_ranks(self, ranks: Sequence[int]) -> None:
+        """SIGKILL ``ranks`` through their host agents (their exits are reported as
+        expected, unless a ``kill_reason`` was set on them: then they are DEAD)."""
+        for host, group in self._by_host(list(ranks)).items():
+            self.transport.send_host(host, {"k": K.KILL_RANKS, "d": group})
 
     def signal_ranks(self, ranks: list[int], sig: int) -> None:
         """Send ``sig`` to ``ranks`` through their host agents."""
@@ -339,44 +407,236 @@ class MeshRuntime:
         """Why ``info``'s rank is not running, with its last output lines."""
         return self.supervisor.death_text(info)
 
-    # -- restart ---------------------------------------------------------------------
+    # -- restart in place ------------------------------------------------------------
+    def remember_setup(self, cell: SetupCell) -> None:
+        """Re-run ``cell`` on ranks when they restart (after the process group)."""
+        self.setup_cells.append(cell)
+
     def restart_ranks(self, ranks: list[int], timeout: float = 60.0) -> None:
-        """Kill (if alive) and start again the given ranks on their hosts."""
+        """Kill (if alive) and start again the given ranks on their hosts; hosts that
+        were lost get a new host agent first.
+
+        Never leaves a rank STARTING: a rank that does not come up in time is marked
+        DEAD (with why) and a :class:`MeshStartError` says which.
+        """
         self.check_alive([])
         deadline = time.monotonic() + timeout
+        for host in {self.ranks[r].host for r in ranks}:
+            if self.hosts[host].lost:
+                self._relaunch_host(self.hosts[host], deadline)
         alive = [r for r in ranks if self.ranks[r].alive]
-        for host, group in self._by_host(alive).items():
-            self.transport.send_host(host, {"k": K.KILL_RANKS, "d": group})
+        self.kill_ranks(alive)
         self._wait(lambda: all(not self.ranks[r].alive for r in ranks), deadline, "rank exits")
         infos = [self.ranks[r] for r in ranks]
         for info in infos:
             self.transport.reset_seq(info.rank)
             info.restarts += 1
             info.tail.clear()
+            info.kill_reason = None
         for host in {i.host for i in infos}:
             self._spawn_ranks([i for i in infos if i.host == host])
-        self._wait(
-            lambda: all(self.ranks[r].state is not RankState.STARTING for r in ranks),
-            deadline,
-            "restarted ranks",
-        )
+        try:
+            self._wait(
+                lambda: all(self.ranks[r].state is not RankState.STARTING for r in ranks),
+                deadline,
+                "restarted ranks",
+            )
+        except BaseException as exc:
+            late = [r for r in ranks if self.ranks[r].state is RankState.STARTING]
+            for r in late:  # never left "starting": it failed to start
+                self.receiver.post(
+                    self.supervisor.rank_died,
+                    self.ranks[r],
+                    {"reason": f"did not start again ({exc})"},
+                )
+            self.receiver.ensure_reader()
+            raise
         dead = [self.ranks[r] for r in ranks if not self.ranks[r].alive]
         if dead:
             raise MeshStartError(
                 "ranks died while restarting:\n" + "\n".join(self.death_text(r) for r in dead)
             )
 
+    def _relaunch_host(self, host: HostInfo, deadline: float) -> None:
+        """Start a new host agent in place of lost ``host`` (its ranks are dead)."""
+        old = host.handle
+        if old is not None:
+            old.wait_or_kill(0.1)  # a frozen agent: kill it (its ranks die with it)
+            old.cleanup()
+        host.ready, host.lost, host.last_seen = False, None, time.monotonic()
+        (host.handle,) = self.launcher.start_hosts([self._host_config(host.index)])
+        self._wait(lambda: host.ready, deadline, f"host agent {host.index} (started again)")
+
+    def new_port(self, host: int = 0, timeout: float = 10.0) -> int:
+        """A free port on ``host`` (for a new torch.distributed rendezvous)."""
+        rid = new_request_id()
+        self.transport.send_host(host, {"k": K.NEW_PORT, "i": rid})
+        self.receiver.ensure_reader()
+        deadline = time.monotonic() + timeout
+        self._wait(lambda: rid in self._ports, deadline, f"a free port from host {host}")
+        return self._ports.pop(rid)
+
+    def port_received(self, rid: str, port: int) -> None:
+        """A host agent answered :meth:`new_port` (receiving thread)."""
+        self._ports[rid] = port
+        self.notify()
+
+    def recover(
+        self,
+        ranks: Sequence[int] | None = None,
+        timeout: float = 120.0,
+        reason: str = "",
+    ) -> RecoveryReport:
+        """Restart in place: bring ``ranks`` (default: the dead ones) back and re-form
+        the mesh as it was created.
+
+        In order: the ranks are restarted (their hosts too, if lost); the torch
+        process group, if the ranks had one, is re-created on every rank with a new
+        rendezvous; actors are re-created and setup cells re-run on the restarted
+        ranks. New requests wait meanwhile. Returns what was done; problems while
+        re-forming (a setup cell that raised) are in the report, a rank that cannot
+        start raises :class:`MeshStartError` (and is left DEAD, never STARTING).
+        """
+        self.check_alive([])
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        targets = sorted(
+            set(ranks) if ranks is not None else {r.rank for r in self.ranks if not r.alive}
+        )
+        self._set_phase(MeshPhase.RECOVERING)
+        self._recovery_thread = threading.get_ident()
+        problems: list[str] = []
+        backend = None
+        try:
+            self._learn_process_group([r.rank for r in self.ranks if r.alive])
+            if targets:
+                self.restart_ranks(targets, max(1.0, deadline - time.monotonic()))
+            if self.pg_backend is not None:
+                backend = self._reform_process_group(deadline, problems)
+            actors = self._respawn_actors(targets, deadline, problems)
+            setups = self._rerun_setup(targets, deadline, problems) if targets else ()
+        finally:
+            self._recovery_thread = None
+            if not self.state.ended:
+                self._set_phase(MeshPhase.RUNNING)
+        report = RecoveryReport(
+            tuple(targets),
+            backend,
+            actors,
+            setups,
+            time.monotonic() - t0,
+            tuple(problems),
+            reason,
+        )
+        self.last_recovery = report
+        if self.events.wants(MeshRecovered):
+            self.events.emit(MeshRecovered(self.name, report))
+        return report
+
+    def _learn_process_group(self, ranks: list[int]) -> None:
+        """Ask live ranks whether they had a process group (and its backend)."""
+        if not ranks:
+            return
+        collect = _Collect(ranks)
+        self.request(ranks, {"k": K.PING}, b"", (), collect, control=True)
+        try:
+            collect.future.get(5.0)
+        except TimeoutError:
+            pass  # what answered is enough to know
+        for reply in list(collect.replies):
+            if reply.ok:
+                info = reply.value("ping")
+                pg = info.get("pg") if isinstance(info, dict) else None
+                if pg:
+                    self.pg_backend = str(pg)
+
+    def _reform_process_group(self, deadline: float, problems: list[str]) -> str | None:
+        live = [r.rank for r in self.ranks if r.alive]
+        if len(live) != self.world:
+            problems.append(
+                f"process group not re-formed: rank(s) {format_ranks(self._dead())} are dead"
+            )
+            return None
+        port = self.new_port(0)
+        addr = self.hosts[0].addr
+        self._common["master_port"] = port
+        code = (
+            "from monarch_kernel.rank.distributed import reform_process_group as _mk_reform\n"
+            f"_mk_reform({addr!r}, {port}, {self.pg_backend!r})\n"
+            "del _mk_reform\n"
+        )
+        failed = self._run_cell(live, code, "restart: process group", (), deadline)
+        if failed:
+            problems.append(f"re-forming the process group failed: {failed}")
+            return None
+        return self.pg_backend
+
+    def _respawn_actors(
+        self, targets: list[int], deadline: float, problems: list[str]
+    ) -> tuple[str, ...]:
+        done = []
+        for spec in list(self.actors.values()):
+            on = [r for r in targets if r in spec.ranks and self.ranks[r].alive]
+            if not on:
+                continue
+            collect = _Collect(on)
+            header = {"k": K.SPAWN_ACTOR, "a": spec.name}
+            self.request(on, header, spec.payload, spec.buffers, collect, what=f"spawn {spec.name}")
+            failed = collect.wait(deadline)
+            if failed:
+                problems.append(f"re-creating actor {spec.name!r} failed: {failed}")
+            else:
+                done.append(spec.name)
+        return tuple(done)
+
+    def _rerun_setup(
+        self, targets: list[int], deadline: float, problems: list[str]
+    ) -> tuple[str, ...]:
+        done = []
+        on = [r for r in targets if self.ranks[r].alive]
+        for cell in list(self.setup_cells):
+            failed = self._run_cell(on, cell.code, cell.label, cell.header, deadline)
+            if failed:
+                problems.append(f"setup cell {cell.label} failed: {failed}")
+                break  # later setup cells likely need this one
+            done.append(cell.label)
+        return tuple(done)
+
+    def _run_cell(
+        self,
+        ranks: list[int],
+        code: str,
+        label: str,
+        header: Sequence[str],
+        deadline: float,
+    ) -> str:
+        """Run ``code`` as a cell on ``ranks``; '' or what went wrong."""
+        if not ranks:
+            return ""
+        payload, buffers = dumps({"code": code, "cell": label, "header": list(header)}, "cell")
+        collect = _Collect(ranks)
+        self.request(ranks, {"k": K.EXEC}, payload, buffers, collect, what=f"cell {label}")
+        return collect.wait(deadline)
+
+    def _dead(self) -> list[int]:
+        return [r.rank for r in self.ranks if not r.alive]
+
     # -- stopping --------------------------------------------------------------------
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop every rank and host agent of this mesh; idempotent."""
+    def stop(self, timeout: float = 10.0, grace: float = DEFAULT_STOP_GRACE) -> None:
+        """Stop every rank and host agent of this mesh; idempotent.
+
+        Ranks are asked to exit cleanly (``atexit`` handlers, finalizers,
+        ``destroy_process_group``) and killed if still running after ``grace`` seconds.
+        """
         with self._cv:
             if self.state.ended:
                 return
             self.state = MeshPhase.STOPPING
+            self._cv.notify_all()  # requests waiting for a recovery give up
         self._emit_phase()
         for host in self.hosts:
-            self.transport.send_host(host.index, {"k": K.STOP})
-        deadline = time.monotonic() + timeout
+            self.transport.send_host(host.index, {"k": K.STOP, "grace": float(grace)})
+        deadline = time.monotonic() + timeout + grace
         for host in self.hosts:
             if host.handle is not None:
                 host.handle.wait_or_kill(max(0.5, deadline - time.monotonic()))
@@ -421,3 +681,43 @@ class MeshRuntime:
 
     def __repr__(self) -> str:
         return f"<MeshRuntime {self.name!r} {self.shape.describe()} {self.state}>"
+
+
+class _Collect:
+    """Observer of the controller's own requests (re-forming a mesh): all replies."""
+
+    def __init__(self, ranks: list[int]):
+        self._left = len(ranks)
+        self._lock = threading.Lock()
+        self.replies: list[Reply] = []
+        self.lost: list[str] = []
+        self.future: Future[None] = Future()
+
+    def on_reply(self, reply: Reply) -> None:
+        with self._lock:
+            self.replies.append(reply)
+            self._left -= 1
+            done = self._left == 0
+        if done:
+            self.future.set_result(None)
+
+    def on_lost(self, rank: int, error: BaseException) -> None:
+        with self._lock:
+            self.lost.append(f"rank {rank}: {str(error).splitlines()[0]}")
+            self._left -= 1
+            done = self._left == 0
+        if done:
+            self.future.set_result(None)
+
+    def wait(self, deadline: float) -> str:
+        """'' when every rank succeeded, else a one-line summary of what failed."""
+        try:
+            self.future.get(max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            return "no answer in time"
+        problems = list(self.lost)
+        for reply in self.replies:
+            if not reply.ok and reply.report is not None:
+                rep = reply.report
+                problems.append(f"rank {reply.rank}: {rep.get('type')}: {rep.get('message')}")
+        return "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")

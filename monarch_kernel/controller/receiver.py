@@ -36,7 +36,7 @@ from monarch_kernel.wire.codec import recv as wire_recv
 
 log = logging.getLogger("monarch_kernel.controller")
 
-HEARTBEAT_INTERVAL = 1.0
+HEARTBEAT_INTERVAL = 0.5
 #: After a caller stopped receiving (and no reply is owed to anyone), the I/O thread
 #: waits this long before it takes the receive token back, so that a loop of calls
 #: never has to wake it. Only unsolicited messages (streams of fire-and-forget work,

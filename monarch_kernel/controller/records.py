@@ -48,16 +48,40 @@ GONE = frozenset({RankState.DEAD, RankState.STOPPED})
 
 
 class MeshPhase(_TextEnum):
-    """Life cycle of a whole mesh: ``STARTING -> RUNNING -> STOPPING -> STOPPED``."""
+    """Life cycle of a whole mesh: ``STARTING -> RUNNING -> STOPPING -> STOPPED``, with
+    ``RUNNING <-> RECOVERING`` while ranks are restarted and the mesh is re-formed
+    (process group, actors, setup cells); new requests wait for ``RUNNING``."""
 
     STARTING = "starting"
     RUNNING = "running"
+    RECOVERING = "recovering"
     STOPPING = "stopping"
     STOPPED = "stopped"
 
     @property
     def ended(self) -> bool:
         return self in (MeshPhase.STOPPING, MeshPhase.STOPPED)
+
+
+class FailurePolicy(_TextEnum):
+    """What a mesh does when a rank dies, or fails a request the other ranks still run.
+
+    In every case the survivors still running the failed request are released after a
+    grace period (their process group is aborted, then they are interrupted), so the
+    request fails with one error instead of hanging in a collective. Then:
+
+    * ``RESTART`` (the default): survivors that could not be released are killed; dead
+      ranks are restarted and the mesh re-formed as it was (process group, actors,
+      setup cells). A notebook keeps its state on every rank that did not die.
+    * ``STOP``: the whole mesh stops (torchrun's behaviour without restarts).
+    * ``CONTINUE``: nothing is killed or restarted; survivors that could not be
+      released are left running (inspect them with ``%mesh stacks``), dead ranks stay
+      dead until restarted by hand.
+    """
+
+    RESTART = "restart"
+    STOP = "stop"
+    CONTINUE = "continue"
 
 
 @dataclass(frozen=True)
@@ -104,6 +128,8 @@ class RankInfo:
     outstanding: int = 0
     #: ``time.monotonic()`` of its last ready or stats message.
     last_seen: float = 0.0
+    #: Why the controller is killing it (a failure policy), for its death report.
+    kill_reason: str | None = None
     #: Latest once-a-second report from the rank.
     stats: RankStats = field(default_factory=lambda: RankStats())
     #: Control-plane bytes the controller sent to / received from this rank.
@@ -138,3 +164,54 @@ class ActorSpec:
     payload: bytes
     buffers: tuple[memoryview | bytes, ...]
     ranks: frozenset[int]
+
+
+@dataclass(frozen=True)
+class SetupCell:
+    """A ``%%remote NAME --setup`` cell: re-run on ranks when they restart."""
+
+    code: str
+    label: str  #: the cell's label in tracebacks (its prompt number)
+    header: tuple[str, ...] = ()  #: the magic line(s) above the code
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """What one restart in place did (``MeshRuntime.recover``)."""
+
+    restarted: tuple[int, ...]
+    #: The re-formed process group's backend (None: there was no process group).
+    process_group: str | None
+    actors: tuple[str, ...]  #: actors re-created on the restarted ranks
+    setup_cells: tuple[str, ...]  #: labels of the setup cells re-run on them
+    seconds: float
+    #: What went wrong while re-forming (a setup cell raised ...); empty if nothing.
+    problems: tuple[str, ...] = ()
+    reason: str = ""
+
+    def describe(self, mesh: str) -> str:
+        """Which ranks restarted, what was re-run, and what state was lost."""
+        from monarch_kernel.controller.errors import format_ranks
+
+        if not self.restarted and self.process_group is None:
+            return f"mesh {mesh!r}: nothing to restart (no dead ranks)"
+        parts = []
+        if self.restarted:
+            parts.append(f"restarted rank(s) {format_ranks(list(self.restarted))}")
+        if self.process_group is not None:
+            parts.append(f"re-formed the process group ({self.process_group}) on all ranks")
+        if self.actors:
+            parts.append(f"re-created actor(s) {', '.join(self.actors)}")
+        if self.setup_cells:
+            parts.append(f"re-ran setup cell(s) {', '.join(self.setup_cells)}")
+        text = f"mesh {mesh!r}: " + "; ".join(parts) + f" in {self.seconds:.2f}s"
+        if self.reason:
+            text += f" ({self.reason})"
+        if self.restarted:
+            text += (
+                "\nlost on the restarted rank(s): variables and imports not made by setup "
+                "cells, and GPU memory contents"
+            )
+        for problem in self.problems:
+            text += f"\nproblem: {problem}"
+        return text

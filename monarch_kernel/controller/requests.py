@@ -39,15 +39,22 @@ def new_request_id() -> str:
 class Pending:
     """An outstanding request: which ranks still owe a reply, and whom to tell."""
 
-    __slots__ = ("id", "waiting", "observer", "kind")
+    __slots__ = ("id", "ranks", "waiting", "observer", "kind", "what")
 
     def __init__(
-        self, request_id: str, ranks: list[int], observer: RequestObserver, kind: RequestKind
+        self,
+        request_id: str,
+        ranks: list[int],
+        observer: RequestObserver,
+        kind: RequestKind,
+        what: str = "",
     ):
         self.id = request_id
+        self.ranks = ranks
         self.waiting = set(ranks)
         self.observer = observer
         self.kind = kind
+        self.what = what
 
 
 class RequestTable:
@@ -58,6 +65,9 @@ class RequestTable:
         self._ranks = ranks
         self._events = events
         self._pending: dict[str, Pending] = {}
+        #: Ranks given up on (still running a request whose caller was told they failed):
+        #: their late answer only makes them IDLE again.
+        self._abandoned: dict[str, set[int]] = {}
         # Callers add requests while the token holder takes answers off: the per-rank
         # counts and the IDLE/BUSY flips they imply change under this lock.
         self._count_lock = threading.Lock()
@@ -65,9 +75,16 @@ class RequestTable:
     def __bool__(self) -> bool:
         return bool(self._pending)
 
-    def add(self, rid: str, ranks: list[int], observer: RequestObserver, kind: RequestKind) -> None:
+    def add(
+        self,
+        rid: str,
+        ranks: list[int],
+        observer: RequestObserver,
+        kind: RequestKind,
+        what: str = "",
+    ) -> None:
         """Register request ``rid`` before it is sent."""
-        self._pending[rid] = Pending(rid, ranks, observer, kind)
+        self._pending[rid] = Pending(rid, ranks, observer, kind, what)
         if kind is RequestKind.CONTROL:
             return
         flipped = []
@@ -85,20 +102,18 @@ class RequestTable:
         """``rank`` answered ``rid`` (token holder only)."""
         pending = self._pending.get(rid)
         if pending is None or rank not in pending.waiting:
+            if rank in self._abandoned.get(rid, ()):
+                self._abandoned[rid].discard(rank)
+                if not self._abandoned[rid]:
+                    del self._abandoned[rid]
+                self._answered(self._ranks[rank])
             return  # a late answer to a request that already failed
         waiting = pending.waiting
         waiting.discard(rank)
         if not waiting:
             del self._pending[rid]
         if pending.kind is not RequestKind.CONTROL:
-            info = self._ranks[rank]
-            with self._count_lock:
-                left = info.outstanding = max(0, info.outstanding - 1)
-                flip = not left and info.state is RankState.BUSY
-                if flip:
-                    info.state = RankState.IDLE
-            if flip:
-                self._announce(info, RankState.IDLE, RankState.BUSY)
+            self._answered(self._ranks[rank])
         reply = Reply(rank, msg)
         # Listeners hear of it before the caller does: whoever looks when the caller's
         # future completes (a test, the dashboard) finds the event already delivered.
@@ -110,6 +125,39 @@ class RequestTable:
             events.emit(RequestFailed(self._mesh, rank, rid, pending.kind, reply.report))
         pending.observer.on_reply(reply)
 
+    def _answered(self, info: RankInfo) -> None:
+        with self._count_lock:
+            left = info.outstanding = max(0, info.outstanding - 1)
+            flip = not left and info.state is RankState.BUSY
+            if flip:
+                info.state = RankState.IDLE
+        if flip:
+            self._announce(info, RankState.IDLE, RankState.BUSY)
+
+    def get(self, rid: str) -> Pending | None:
+        """Request ``rid`` if it is still outstanding."""
+        return self._pending.get(rid)
+
+    def waiting(self, rid: str) -> frozenset[int]:
+        """The ranks ``rid`` still waits on (empty once it is complete)."""
+        pending = self._pending.get(rid)
+        return frozenset(pending.waiting) if pending is not None else frozenset()
+
+    def abandon(self, rid: str, ranks: set[int], error: BaseException) -> None:
+        """Give up on ``ranks``' answers to ``rid`` (they still run it): their part of
+        the request fails with ``error``; they stay BUSY until they do answer."""
+        pending = self._pending.get(rid)
+        if pending is None:
+            return
+        gone = pending.waiting & ranks
+        pending.waiting -= gone
+        if not pending.waiting:
+            del self._pending[rid]
+        if pending.kind is not RequestKind.CONTROL:
+            self._abandoned.setdefault(rid, set()).update(gone)
+        for r in sorted(gone):
+            pending.observer.on_lost(r, error)
+
     def take_rank(self, rank: int) -> list[Pending]:
         """``rank`` will never answer: take it out of every request that waits on it and
         return those requests (the caller tells their observers, with :meth:`lose`)."""
@@ -120,6 +168,10 @@ class RequestTable:
                 if not pending.waiting:
                     self._pending.pop(rid, None)
                 taken.append(pending)
+        for rid, ranks in list(self._abandoned.items()):
+            ranks.discard(rank)
+            if not ranks:
+                del self._abandoned[rid]
         with self._count_lock:
             self._ranks[rank].outstanding = 0
         return taken

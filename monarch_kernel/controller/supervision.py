@@ -9,6 +9,7 @@ ranks die with that cause. Everything here runs on the thread holding the receiv
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ class Supervisor:
         self._mesh = mesh
 
     def tick(self, now: float) -> None:
-        """About once a second (I/O thread): heartbeat every host, notice lost ones."""
+        """Twice a second (I/O thread): heartbeat every host, notice lost ones."""
         mesh = self._mesh
         if mesh.state.ended:
             return
@@ -55,6 +56,10 @@ class Supervisor:
             return
         mesh = self._mesh
         host.lost = why
+        if host.handle is not None:
+            # A frozen (or partitioned) agent may still run its ranks: end it, so that
+            # they die with it rather than run on unsupervised.
+            threading.Thread(target=host.handle.wait_or_kill, args=(0.1,), daemon=True).start()
         if mesh.events.wants(HostLost):
             mesh.events.emit(HostLost(mesh.name, host.index, why))
         for info in mesh.ranks:
@@ -68,6 +73,10 @@ class Supervisor:
         if info.state in GONE:
             return  # told already (a stop and its exit report, say)
         expected = bool(report.get("expected"))
+        if info.kill_reason and not mesh.state.ended:  # killed by the failure policy
+            report = dict(report, reason=info.kill_reason)
+            expected = False
+            info.kill_reason = None
         state = RankState.STOPPED if expected or mesh.state.ended else RankState.DEAD
         mesh.requests.set_state(info, state, announce=False)
         host = mesh.hosts[info.host]

@@ -31,6 +31,13 @@ def mesh_parser() -> Parser:
     p.add_argument("--env", action="append", default=[], metavar="K=V")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--dist", action="store_true", help="init_process_group on every rank")
+    p.add_argument("--on-failure", default="restart", choices=("restart", "stop", "continue"))
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=1.0,
+        help="seconds before survivors of a failure are released",
+    )
     return p
 
 
@@ -42,6 +49,7 @@ def remote_parser() -> Parser:
     p.add_argument("--bg", action="store_true")
     p.add_argument("--group-outputs", default="collapse", choices=MODES)
     p.add_argument("-o", "--out", default=None, metavar="NAME")
+    p.add_argument("--setup", action="store_true", help="re-run this cell on restarted ranks")
     return p
 
 

@@ -17,10 +17,18 @@ from monarch_kernel.controller.errors import (
     MeshStoppedError,
     RankDiedError,
 )
+from monarch_kernel.kernel.remote import RemoteInterrupted
 from monarch_kernel.wire.serialize import SerializationError
 
 #: Errors shown as their message only (no local traceback of our internals).
-REMOTE_ERRORS = (ActorError, RankDiedError, MeshStoppedError, MeshStartError, SerializationError)
+REMOTE_ERRORS = (
+    ActorError,
+    RankDiedError,
+    MeshStoppedError,
+    MeshStartError,
+    SerializationError,
+    RemoteInterrupted,
+)
 
 _RESTART_API = re.compile(r"Restart it with ProcMesh\.restart\(ranks=\[(\d+)\]\)\.")
 _STOPPED = re.compile(r"mesh '(\w+)' is stopped; create a new mesh")

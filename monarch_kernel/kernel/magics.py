@@ -16,7 +16,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
 from monarch_kernel.actor import ActorMesh, ProcMesh, ValueMesh, host_mesh
-from monarch_kernel.controller.errors import ActorError
+from monarch_kernel.controller.errors import ActorError, MeshStartError
+from monarch_kernel.controller.records import MeshPhase, SetupCell
 from monarch_kernel.controller.registry import registry
 from monarch_kernel.kernel.args import Parser, mesh_parser, remote_parser, split_args
 from monarch_kernel.kernel.channel import CellChannel, LiveText
@@ -131,10 +132,11 @@ class MeshMagics(Magics):
                 ranks = parse_ranks(opts.ranks, len(mesh))
             except SliceError as exc:
                 raise UsageError(str(exc)) from None
-        t0 = time.monotonic()
-        mesh.restart(ranks)
-        which = "dead ranks" if ranks is None else f"ranks {opts.ranks}"
-        print(f"mesh {opts.name!r}: restarted {which} in {time.monotonic() - t0:.2f}s")
+        try:
+            report = mesh.restart(ranks)
+        except MeshStartError as exc:
+            raise UsageError(f"%mesh restart {opts.name}: {notebook_text(exc)}") from None
+        print(report.describe(opts.name).replace("setup cells", "%%remote --setup cells"))
 
     def _create(self, args: list[str]) -> None:
         opts = mesh_parser().parse_args(args)
@@ -189,6 +191,8 @@ class MeshMagics(Magics):
                 env=env,
                 timeout=opts.timeout,
                 on_starting=show_while_starting,
+                on_failure=opts.on_failure,
+                grace=opts.grace,
             )
         except ValueError as exc:  # bad options, or another thread took the name meanwhile
             raise UsageError(str(exc)) from None
@@ -232,6 +236,11 @@ class MeshMagics(Magics):
         opts = remote_parser().parse_args(split_args(line))
         procs = self._resolve(opts.target)
         ranks, shape = procs.ranks(), procs.shape
+        if opts.setup and (opts.ranks is not None or opts.bg or len(ranks) != procs.runtime.world):
+            raise UsageError(
+                "%%remote --setup runs on the whole mesh, in the foreground (it is re-run on "
+                "restarted ranks); drop --ranks/--bg or the slice"
+            )
         if opts.ranks is not None:
             try:
                 picked = parse_ranks(opts.ranks, len(ranks))
@@ -240,6 +249,7 @@ class MeshMagics(Magics):
             procs, ranks, shape = _select(procs, picked)
         if not cell.strip():
             return None
+        _wait_for_recovery(procs)
         channel = CellChannel()
         label = procs.runtime.world > 1
         cell_id = self._next_cell()
@@ -269,6 +279,8 @@ class MeshMagics(Magics):
         if opts.bg:
             return job
         values = job.wait()
+        if opts.setup:
+            _remember_setup(procs, cell, cell_id, header)
         if opts.out:
             self._user_ns[opts.out] = values
         if all(v is None for v in values.values()):
@@ -353,6 +365,26 @@ def _select(procs: ProcMesh, picked: list[int]) -> tuple[ProcMesh, list[int], Sh
         return view, view.ranks(), view.shape
     ranks = [procs.ranks()[i] for i in picked]
     return procs, ranks, Shape(("ranks",), (len(ranks),))
+
+
+def _wait_for_recovery(procs: ProcMesh) -> None:
+    """Say so when a cell waits for the mesh to restart ranks after a failure."""
+    rt = procs.runtime
+    if rt.state is not MeshPhase.RECOVERING:
+        return
+    print(f"mesh {procs.name!r} is restarting ranks after a failure; this cell waits for it")
+    rt.wait_recovered()
+    if rt.last_recovery is not None:
+        print(rt.last_recovery.describe(procs.name))
+
+
+def _remember_setup(procs: ProcMesh, code: str, cell_id: str, header: list[str]) -> None:
+    """Register a ``--setup`` cell (once per distinct code) to re-run on restarts."""
+    rt = procs.runtime
+    if any(c.code == code for c in rt.setup_cells):
+        return
+    rt.remember_setup(SetupCell(code, cell_id, tuple(header)))
+    print(f"mesh {procs.name!r}: setup cell {cell_id} registered (re-run on restarted ranks)")
 
 
 def _report_bg(job: RemoteJob, live: LiveText, out: str | None, shell: Any) -> None:

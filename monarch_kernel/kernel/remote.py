@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import getpass
+import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from monarch_kernel.actor import ProcMesh, ValueMesh
 from monarch_kernel.actor.gather import Gather
-from monarch_kernel.controller.errors import ActorError
+from monarch_kernel.controller.errors import ActorError, MonarchError, format_ranks
+from monarch_kernel.controller.events import InputRequested, MeshEvent
 from monarch_kernel.controller.future import Future
-from monarch_kernel.controller.mesh import new_request_id
+from monarch_kernel.controller.mesh import MeshRuntime, new_request_id
 from monarch_kernel.kernel.output import CellOutput
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import dumps
@@ -25,6 +29,49 @@ INTERRUPT_WAIT = 3.0
 
 class RemoteCellError(ActorError):
     """A ``%%remote`` cell failed on one or more ranks (grouped, root cause first)."""
+
+
+class RemoteInterrupted(MonarchError):
+    """The stop button (or Ctrl-C) interrupted a ``%%remote`` cell; says where each
+    rank was, or which ranks did not stop."""
+
+
+class InputRouter:
+    """Answers ranks' ``input()`` calls: those of a foreground cell go to the cell that
+    waits for it (which asks the notebook), any other gets a clear EOFError at once.
+
+    One per mesh, subscribed to its :class:`InputRequested` events.
+    """
+
+    _routers: weakref.WeakKeyDictionary[MeshRuntime, InputRouter] = weakref.WeakKeyDictionary()
+
+    def __init__(self, runtime: MeshRuntime):
+        self._runtime = runtime
+        self._cells: dict[str, queue.Queue[InputRequested | None]] = {}
+        runtime.events.subscribe(self._on_event, InputRequested)
+
+    @classmethod
+    def of(cls, runtime: MeshRuntime) -> InputRouter:
+        router = cls._routers.get(runtime)
+        if router is None:
+            router = cls._routers[runtime] = cls(runtime)
+        return router
+
+    def listen(self, request_id: str, inbox: queue.Queue[InputRequested | None]) -> None:
+        self._cells[request_id] = inbox
+
+    def forget(self, request_id: str) -> None:
+        self._cells.pop(request_id, None)
+
+    def _on_event(self, event: MeshEvent) -> None:  # receiving thread: never blocks
+        assert isinstance(event, InputRequested)
+        inbox = self._cells.get(event.request or "")
+        if inbox is None:
+            from monarch_kernel.controller.inbound import NO_READER
+
+            self._runtime.answer_input(event.rank, event.serial, error=NO_READER)
+        else:
+            inbox.put(event)
 
 
 class RemoteJob:
@@ -68,6 +115,8 @@ class RemoteJob:
         )
         self.future: Future[ValueMesh[object]] = self._gather.future
         self._closing = threading.Lock()  # held for good once the output is closed
+        #: Wakes :meth:`wait`: a rank's input() to answer, or None when the job is done.
+        self._inbox: queue.Queue[InputRequested | None] = queue.Queue()
 
     def start(self) -> RemoteJob:
         spec = {"code": self.code, "cell": self.cell, "header": self.header}
@@ -75,6 +124,9 @@ class RemoteJob:
         rt = self.procs.runtime
         if self.output is not None:
             rt.output.route(self.request_id, self.output.feed)
+        router = InputRouter.of(rt)
+        if self.on_finished is None:  # a foreground cell: it answers its ranks' input()
+            router.listen(self.request_id, self._inbox)
         self.future.add_done_callback(self._on_done)
         try:
             rt.request(
@@ -88,12 +140,15 @@ class RemoteJob:
             )
         except BaseException:
             rt.output.unroute(self.request_id)
+            router.forget(self.request_id)
             raise
         return self
 
     def _on_done(self, _: Future[ValueMesh[object]]) -> None:
         """Every rank answered or one was lost (a controller thread: never sleep here)."""
         self.finished = time.time()
+        InputRouter.of(self.procs.runtime).forget(self.request_id)
+        self._inbox.put(None)
         # Close the output and report after a short grace, on a timer thread.
         threading.Timer(OUTPUT_GRACE, self._after_finish).start()
 
@@ -114,22 +169,71 @@ class RemoteJob:
         return self.future.done()
 
     def wait(self, timeout: float | None = None) -> ValueMesh:
-        """Block until every rank finished; Ctrl-C / the stop button interrupts the ranks."""
+        """Block until every rank finished; Ctrl-C / the stop button interrupts the ranks
+        (then :class:`RemoteInterrupted` says where they were). Meanwhile the ranks'
+        ``input()`` calls are answered from the notebook (in this, the cell's thread)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             try:
-                return self.future.get(timeout)
+                while not self.future.done():
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    try:
+                        event = self._inbox.get(timeout=0.2 if left is None else min(left, 0.2))
+                    except queue.Empty:
+                        continue
+                    if event is not None:
+                        self._answer(event)
+                return self.future.get(0 if deadline is not None else None)
             finally:
                 if self.future.done():
                     self._close_output()
         except KeyboardInterrupt:
-            self.cancel()
-            try:
-                self.future.get(INTERRUPT_WAIT)
-            except BaseException:  # the interrupt is what we report
-                pass
-            raise
+            raise self._interrupted() from None
 
     result = wait
+
+    def _answer(self, event: InputRequested) -> None:
+        """Ask the notebook for the line a rank's input() waits for."""
+        rt = self.procs.runtime
+        prompt = f"[rank {event.rank}] {event.prompt}"
+        try:
+            line = getpass.getpass(prompt) if event.password else input(prompt)
+        except KeyboardInterrupt:
+            rt.answer_input(event.rank, event.serial, error="interrupted")
+            raise
+        except Exception as exc:  # e.g. the front-end does not accept input
+            rt.answer_input(
+                event.rank, event.serial, error=f"the notebook cannot give input: {exc}"
+            )
+        else:
+            rt.answer_input(event.rank, event.serial, line=line)
+
+    def _interrupted(self) -> RemoteInterrupted:
+        """Interrupt the ranks; the short message the stop button shows."""
+        self.cancel()
+        head = f"interrupted cell {self.cell} on mesh {self.procs.name!r}"
+        try:
+            self.future.get(INTERRUPT_WAIT)
+        except TimeoutError:
+            stuck = [r for r in self.ranks if not self._gather.answered(r)]
+            spec = ",".join(map(str, stuck))
+            name = self.procs.name
+            return RemoteInterrupted(
+                f"{head}: rank(s) {format_ranks(stuck)} did not stop within "
+                f"{INTERRUPT_WAIT:.0f}s (stuck in C code or a collective?). See where with "
+                f"%mesh stacks {name} --ranks {spec}; kill and restart them with "
+                f"%mesh restart {name} --ranks {spec}."
+            )
+        except ActorError as exc:
+            return RemoteInterrupted(f"{head}\n{exc}")
+        except BaseException as exc:
+            return RemoteInterrupted(f"{head}\n{exc}")
+        finally:
+            if self.future.done():
+                self._close_output()
+        return RemoteInterrupted(f"{head}: every rank had finished it already")
 
     def cancel(self) -> None:
         """Raise KeyboardInterrupt in the ranks still running this cell."""

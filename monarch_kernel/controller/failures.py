@@ -1,0 +1,306 @@
+"""Failure policy: a failed rank never leaves the others hanging.
+
+The hang this module exists for: one rank raises (or dies) while the other ranks of the
+same request wait for it inside a collective, so their part of the request never ends
+and neither does the cell. When a rank fails a request (an error reply) or dies while
+other ranks still run that request, an :class:`Incident` is opened and, after a short
+grace (the others may simply finish), the ranks still running it are released, each
+step only if the previous one was not enough:
+
+1. **abort the process group** on every live rank of the request: with gloo, the idle
+   failed rank closing its connections releases peers blocked in a collective with it
+   (measured: ~20 ms); with NCCL, aborting is how a stuck communicator is freed;
+2. **interrupt** them (KeyboardInterrupt in the user code they run);
+3. **kill** them (``restart`` and ``stop`` policies) or leave them running and give up
+   on their answer (``continue``).
+
+The request then fails with one error that names the root cause (the first failure)
+and says what was done to the others (:meth:`Incident.summary`, which the request's
+observer appends). Finally the mesh's :class:`~.records.FailurePolicy` is applied:
+``restart`` restarts dead ranks and re-forms the mesh in the background (new requests
+wait for it), ``stop`` stops the mesh. Deaths outside any request get the same policy.
+
+Invariants: at most one incident per request; the release steps run on the incident's
+own thread and change the request table only through ``Receiver.post`` (the receiving
+thread owns it); recovery runs on one thread at a time and coalesces deaths that
+arrive while it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from monarch_kernel.controller.errors import RankDiedError, format_ranks
+from monarch_kernel.controller.events import RankDied, RequestFailed, RequestKind
+from monarch_kernel.controller.records import FailurePolicy, RankState
+from monarch_kernel.wire import kinds as K
+
+if TYPE_CHECKING:
+    from monarch_kernel.controller.mesh import MeshRuntime
+
+log = logging.getLogger("monarch_kernel.controller")
+
+#: Seconds the survivors of a failed request get to finish on their own.
+DEFAULT_GRACE = 1.0
+#: Seconds each release step (abort, interrupt, kill) is given before the next one.
+STEP_WAIT = 0.5
+
+
+class ReleasedError(RankDiedError):
+    """A rank's part of a request was given up on by the failure policy (it was still
+    running it after another rank failed); the message says what was done to it."""
+
+
+@dataclass
+class Incident:
+    """One request's failure, and what the failure policy did about it.
+
+    Written by the incident's thread; read (``summary``) when the request's error is
+    built, after every rank of the request was accounted for and ``settled`` is set.
+    """
+
+    request: str
+    what: str  #: how people call the request: ``cell 5``, ``trainer.step``
+    root_rank: int
+    cause: str  #: ``raised ValueError`` / ``died (killed by SIGKILL)``
+    policy: FailurePolicy
+    grace: float
+    opened: float = field(default_factory=time.monotonic)
+    #: rank -> how it was released (``process group aborted``, ``interrupted`` ...).
+    released: dict[int, str] = field(default_factory=dict)
+    #: What happens next (restart, stop), decided when the release ends.
+    outcome: str = ""
+    #: The release changed the mesh (process group aborted, ranks killed): the policy
+    #: must run when it ends.
+    needs_policy: bool = False
+    #: Set when the release is over and this record is final.
+    settled: threading.Event = field(default_factory=threading.Event)
+
+    def summary(self) -> str:
+        """What was done to the other ranks, for the request's error (empty if none)."""
+        if not self.released:
+            return self.outcome
+        by_how: dict[str, list[int]] = {}
+        for rank, how in self.released.items():
+            by_how.setdefault(how, []).append(rank)
+        ranks = format_ranks(list(self.released))
+        plural = "ranks" if len(self.released) > 1 else "rank"
+        text = (
+            f"{plural} {ranks} were still running {self.what or 'it'} {self.grace:.1f}s after "
+            f"rank {self.root_rank} {self.cause} (waiting for it in a collective?); "
+            + "; ".join(f"{how}: {format_ranks(rs)}" for how, rs in by_how.items())
+            + "."
+        )
+        return text + (" " + self.outcome if self.outcome else "")
+
+
+@runtime_checkable
+class IncidentObserver(Protocol):
+    """A request observer that wants to know of its request's incident (to name the
+    root cause and append :meth:`Incident.summary` to the error it builds)."""
+
+    def on_incident(self, incident: Incident) -> None: ...
+
+
+class FailureHandler:
+    """Applies one mesh's failure policy (see the module docstring)."""
+
+    def __init__(self, mesh: MeshRuntime, policy: FailurePolicy, grace: float):
+        self._mesh = mesh
+        self.policy = policy
+        self.grace = grace
+        self._lock = threading.Lock()
+        self._incidents: dict[str, Incident] = {}
+        self._recovery_due = False
+        self._recovering = False
+        mesh.events.subscribe(self._on_event, RequestFailed, RankDied)
+
+    # -- noticing (receiving thread: quick, never blocks) --------------------------------
+    def _on_event(self, event: object) -> None:
+        if isinstance(event, RequestFailed):
+            if event.kind is not RequestKind.CONTROL:
+                report = event.report
+                self._open(event.request, event.rank, f"raised {report.get('type', 'an error')}")
+        elif isinstance(event, RankDied):
+            if event.state is not RankState.DEAD or self._mesh.state.ended:
+                return  # stopped on purpose (a stop, or killed by this very policy)
+            cause = f"died ({event.death.how})"
+            for rid in event.requests:
+                self._open(rid, event.rank, cause)
+            self._death()
+
+    def _open(self, rid: str, rank: int, cause: str) -> None:
+        requests = self._mesh.requests
+        pending = requests.get(rid)
+        if pending is None or not pending.waiting or pending.kind is RequestKind.CONTROL:
+            return  # complete already: nobody is left waiting for the failed rank
+        with self._lock:
+            if rid in self._incidents:
+                return
+            incident = Incident(rid, pending.what, rank, cause, self.policy, self.grace)
+            if cause.startswith("died"):
+                incident.outcome = self._plan()
+            self._incidents[rid] = incident
+        if isinstance(pending.observer, IncidentObserver):
+            pending.observer.on_incident(incident)
+        threading.Thread(
+            target=self._release, args=(incident,), name=f"mk-incident-{rid}", daemon=True
+        ).start()
+
+    def _death(self) -> None:
+        """A rank died: apply the policy once its requests' incidents are released."""
+        if self.policy is FailurePolicy.CONTINUE:
+            return
+        with self._lock:
+            if self._incidents:  # the last incident to end applies it
+                self._recovery_due = True
+                return
+        self._apply_policy()
+
+    # -- releasing (the incident's own thread) -------------------------------------------
+    def _release(self, incident: Incident) -> None:
+        try:
+            self._release_steps(incident)
+        except Exception:  # never let a failed release wedge the request
+            log.exception("mesh %s: releasing request %s failed", self._mesh.name, incident.request)
+            self._give_up(incident, "left running (the release failed; see the kernel log)")
+        finally:
+            incident.settled.set()
+            with self._lock:
+                self._incidents.pop(incident.request, None)
+                if incident.needs_policy:
+                    self._recovery_due = True
+                due = self._recovery_due and not self._incidents
+                if due:
+                    self._recovery_due = False
+            if due:
+                self._apply_policy()
+
+    def _release_steps(self, incident: Incident) -> None:
+        mesh = self._mesh
+        rid = incident.request
+        if self._settled(rid, incident.opened + self.grace):
+            return
+        pending = mesh.requests.get(rid)
+        live = [r for r in (pending.ranks if pending else ()) if mesh.ranks[r].alive]
+        # 1. abort the process group everywhere: the failed rank closing its
+        # connections is what releases its peers (gloo); aborting elsewhere is harmless.
+        incident.needs_policy = self.policy is not FailurePolicy.CONTINUE
+        before = set(mesh.requests.waiting(rid))
+        for r in live:
+            mesh.send_control(r, {"k": K.ABORT_PG})
+        self._settled(rid, time.monotonic() + STEP_WAIT)
+        self._note(incident, before, "released by aborting the process group")
+        # 2. interrupt what they run
+        before = set(mesh.requests.waiting(rid))
+        for r in before:
+            mesh.send_control(r, {"k": K.CANCEL, "c": rid})
+        self._settled(rid, time.monotonic() + STEP_WAIT)
+        self._note(incident, before, "interrupted")
+        stuck = set(mesh.requests.waiting(rid))
+        if self.policy is FailurePolicy.CONTINUE:
+            incident.outcome = (
+                "The process group (if any) was aborted: restart the mesh to re-form it."
+            )
+        else:
+            incident.outcome = self._plan(extra=stuck)
+        if not stuck:
+            return
+        # 3. kill them, or leave them running
+        if self.policy is FailurePolicy.CONTINUE:
+            self._give_up(incident, "left running (--on-failure continue; see %mesh stacks)")
+            return
+        reason = (
+            f"killed by the failure policy: still running {incident.what or 'a request'} "
+            f"{time.monotonic() - incident.opened:.1f}s after rank {incident.root_rank} "
+            f"{incident.cause}"
+        )
+        for r in stuck:
+            incident.released[r] = "killed (stuck even after an interrupt)"
+            mesh.ranks[r].kill_reason = reason
+        mesh.kill_ranks(sorted(stuck))
+        self._settled(rid, time.monotonic() + 5.0)
+
+    def _settled(self, rid: str, until: float) -> bool:
+        """Wait until ``rid`` waits on nobody (True) or ``until`` passes (False)."""
+        requests = self._mesh.requests
+        while requests.waiting(rid):
+            if time.monotonic() >= until or self._mesh.state.ended:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _note(self, incident: Incident, before: set[int], how: str) -> None:
+        """Ranks that stopped running the request during a step were released by it."""
+        for r in before - self._mesh.requests.waiting(incident.request):
+            incident.released.setdefault(r, how)
+
+    def _give_up(self, incident: Incident, how: str) -> None:
+        mesh = self._mesh
+        rid = incident.request
+        stuck = set(mesh.requests.waiting(rid))
+        for r in stuck:
+            incident.released[r] = how
+        error = ReleasedError(
+            f"rank(s) {format_ranks(sorted(stuck))} of mesh {mesh.name!r} still run "
+            f"{incident.what or 'the request'}: {how}",
+            None,
+            mesh.name,
+        )
+        mesh.receiver.post(mesh.requests.abandon, rid, stuck, error)
+        self._settled(rid, time.monotonic() + 2.0)
+
+    def _plan(self, extra: set[int] | None = None) -> str:
+        """What the policy will do next, as a sentence for the error."""
+        mesh = self._mesh
+        dead = {r.rank for r in mesh.ranks if r.state is RankState.DEAD} | (extra or set())
+        if self.policy is FailurePolicy.STOP:
+            return f"--on-failure stop: stopping mesh {mesh.name!r}."
+        if self.policy is FailurePolicy.RESTART:
+            if dead:
+                return (
+                    f"--on-failure restart: restarting rank(s) {format_ranks(sorted(dead))} "
+                    "and re-forming the mesh; the next request waits for it."
+                )
+            return (
+                "--on-failure restart: re-forming the process group; the next request waits for it."
+            )
+        return ""
+
+    # -- the policy ------------------------------------------------------------------------
+    def _apply_policy(self) -> None:
+        """Restart or stop, on a thread of its own (one at a time)."""
+        if self.policy is FailurePolicy.CONTINUE or self._mesh.state.ended:
+            return
+        with self._lock:
+            if self._recovering:
+                self._recovery_due = True
+                return
+            self._recovering = True
+        threading.Thread(target=self._recover, name="mk-recover", daemon=True).start()
+
+    def _recover(self) -> None:
+        mesh = self._mesh
+        try:
+            while True:
+                if mesh.state.ended:
+                    return
+                if self.policy is FailurePolicy.STOP:
+                    mesh.stop()
+                    return
+                try:
+                    mesh.recover(reason="after a failure (--on-failure restart)")
+                except Exception:
+                    log.exception("mesh %s: automatic restart failed", mesh.name)
+                with self._lock:
+                    if not self._recovery_due:
+                        self._recovering = False
+                        return
+                    self._recovery_due = False
+        finally:
+            with self._lock:
+                self._recovering = False
