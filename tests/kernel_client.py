@@ -44,6 +44,15 @@ class Result:
         return self.results[-1]["data"].get("text/plain", "") if self.results else ""
 
     @property
+    def shown(self) -> str:
+        """The text/plain the cell shows as its value: the execute_result, or the last
+        display (objects that update themselves, like a ``--bg`` job, are displays)."""
+        if self.results:
+            return self.text
+        shown = [d for d in self.displays if d["type"] == "display_data"]
+        return shown[-1]["data"].get("text/plain", "") if shown else ""
+
+    @property
     def error_text(self) -> str:
         return "\n".join("\n".join(e["traceback"]) for e in self.errors)
 

@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING
 
 from monarch_kernel.controller.errors import MeshStoppedError, RankDiedError
 from monarch_kernel.controller.events import HostLost, RankDied
-from monarch_kernel.controller.records import GONE, DeathInfo, HostInfo, RankInfo, RankState
+from monarch_kernel.controller.records import (
+    GONE,
+    DeathInfo,
+    FailurePolicy,
+    HostInfo,
+    RankInfo,
+    RankState,
+)
 from monarch_kernel.wire.codec import Header
 
 if TYPE_CHECKING:
@@ -126,5 +133,8 @@ class Supervisor:
         elif d is not None and not d.reason:
             text += "\n(no output in what it was running)"
         if info.state is RankState.DEAD:
-            text += f"\nRestart it with ProcMesh.restart(ranks=[{info.rank}])."
+            if mesh.failures.policy is FailurePolicy.RESTART:
+                text += "\nThe failure policy (restart) restarts it now; requests wait for it."
+            else:
+                text += f"\nRestart it with ProcMesh.restart(ranks=[{info.rank}])."
         return text

@@ -8,6 +8,7 @@ host agent of every mesh.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 from typing import Any
@@ -29,7 +30,7 @@ class MonarchKernel(IPythonKernel):
         super().__init__(**kwargs)
         from monarch_kernel.kernel.magics import load_ipython_extension
 
-        load_ipython_extension(self.shell)
+        self._magics = load_ipython_extension(self.shell)
         # The controller's threads (receiving rank output, the dashboard) share the GIL
         # with the cell the user runs; with Python's default 5 ms switch interval each
         # hand-over of the GIL to the shell costs up to 5 ms, and answering a request
@@ -37,6 +38,16 @@ class MonarchKernel(IPythonKernel):
         sys.setswitchinterval(SWITCH_INTERVAL)
         if os.environ.get("MONARCH_KERNEL_PREWARM", "1") != "0":
             threading.Thread(target=self._prewarm, name="mk-prewarm", daemon=True).start()
+
+    def post_handler_hook(self) -> None:
+        """Between cells ipykernel ignores SIGINT (the stop button); we use it to stop
+        running ``--bg`` cells instead, so the button always does something."""
+        super().post_handler_hook()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._interrupt_while_idle)
+
+    def _interrupt_while_idle(self, signum: int, frame: Any) -> None:
+        self._magics.cancel_background_jobs("the stop button was pressed while no cell ran")
 
     @staticmethod
     def _prewarm() -> None:

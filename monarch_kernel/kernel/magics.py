@@ -287,6 +287,12 @@ class MeshMagics(Magics):
             return None
         return values
 
+    def cancel_background_jobs(self, why: str) -> None:
+        """Interrupt every running ``--bg`` cell (their output blocks say ``why``)."""
+        for job in self.jobs:
+            if not job.done():
+                job.cancel(why)
+
     # -- %torchrun --------------------------------------------------------------------
     @line_magic
     def torchrun(self, line: str) -> None:
@@ -392,7 +398,11 @@ def _report_bg(job: RemoteJob, live: LiveText, out: str | None, shell: Any) -> N
     try:
         values = job.future.get()
     except BaseException as exc:  # shown under the cell
-        live.set_title(f"[bg cell {job.cell} on {job.procs.name}: failed after {took:.1f}s]")
+        if job.cancelled:
+            title = f"cancelled after {took:.1f}s ({job.cancelled})"
+        else:
+            title = f"failed after {took:.1f}s"
+        live.set_title(f"[bg cell {job.cell} on {job.procs.name}: {title}]")
         live.emit("stderr", notebook_text(exc))
         return
     if out:
@@ -408,7 +418,7 @@ def _dashboard(procs: ProcMesh) -> Any:
     return dashboard(procs)
 
 
-def load_ipython_extension(ipython: Any) -> None:
+def load_ipython_extension(ipython: Any) -> MeshMagics:
     """Register the magics (``%load_ext monarch_kernel``)."""
     from monarch_kernel.actor.meshes import set_dashboard_factory
 
@@ -417,6 +427,7 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(magics)
     ipython.set_custom_exc(REMOTE_ERRORS, show_remote_error)
     ipython.user_ns.setdefault("_monarch_magics", magics)
+    return magics
 
 
 def stop_all_meshes() -> None:

@@ -117,6 +117,8 @@ class RemoteJob:
         self._closing = threading.Lock()  # held for good once the output is closed
         #: Wakes :meth:`wait`: a rank's input() to answer, or None when the job is done.
         self._inbox: queue.Queue[InputRequested | None] = queue.Queue()
+        self.cancelled = ""  #: why it was cancelled (empty if it was not)
+        self._display_ids: list[str] = []
 
     def start(self) -> RemoteJob:
         spec = {"code": self.code, "cell": self.cell, "header": self.header}
@@ -154,6 +156,10 @@ class RemoteJob:
 
     def _after_finish(self) -> None:
         self._close_output()
+        try:
+            self._update_displays()
+        except Exception:  # the kernel may be shutting down
+            pass
         if self.on_finished is not None:
             self.on_finished(self)
 
@@ -235,10 +241,12 @@ class RemoteJob:
                 self._close_output()
         return RemoteInterrupted(f"{head}: every rank had finished it already")
 
-    def cancel(self) -> None:
-        """Raise KeyboardInterrupt in the ranks still running this cell."""
+    def cancel(self, why: str = "") -> None:
+        """Raise KeyboardInterrupt in the ranks still running this cell (``why`` is
+        shown in a ``--bg`` cell's output)."""
         if self.done():
             return
+        self.cancelled = why or "cancelled"
         rt = self.procs.runtime
         running = [r for r in self.ranks if not self._gather.answered(r) and rt.ranks[r].alive]
         for r in running:  # interrupts it if running, skips it if not started yet
@@ -247,8 +255,26 @@ class RemoteJob:
     @property
     def state(self) -> str:
         if not self.done():
-            return "running"
+            return "cancelling" if self.cancelled else "running"
+        if self.cancelled and self.future.exception() is not None:
+            return "cancelled"
         return "failed" if self.future.exception() is not None else "done"
+
+    def _ipython_display_(self) -> None:
+        """Shown in a cell: a line that keeps its state up to date until it ends."""
+        from IPython.display import display
+
+        handle = display({"text/plain": repr(self)}, raw=True, display_id=True)
+        if handle is not None and not self.done():
+            self._display_ids.append(handle.display_id)
+
+    def _update_displays(self) -> None:
+        if not self._display_ids:
+            return
+        from IPython.display import update_display
+
+        for display_id in self._display_ids:
+            update_display({"text/plain": repr(self)}, raw=True, display_id=display_id)
 
     def __repr__(self) -> str:
         took = f" in {self.finished - self.started:.1f}s" if self.finished else ""
