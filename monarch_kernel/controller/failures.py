@@ -169,7 +169,6 @@ class FailureHandler:
             log.exception("mesh %s: releasing request %s failed", self._mesh.name, incident.request)
             self._give_up(incident, "left running (the release failed; see the kernel log)")
         finally:
-            incident.settled.set()
             with self._lock:
                 self._incidents.pop(incident.request, None)
                 if incident.needs_policy:
@@ -177,8 +176,9 @@ class FailureHandler:
                 due = self._recovery_due and not self._incidents
                 if due:
                     self._recovery_due = False
-            if due:
+            if due:  # before the caller hears: its next request must wait for it
                 self._apply_policy()
+            incident.settled.set()
 
     def _release_steps(self, incident: Incident) -> None:
         mesh = self._mesh
@@ -276,6 +276,8 @@ class FailureHandler:
         """Restart or stop, on a thread of its own (one at a time)."""
         if self.policy is FailurePolicy.CONTINUE or self._mesh.state.ended:
             return
+        if self.policy is FailurePolicy.RESTART:
+            self._mesh.begin_recovery()  # requests sent from now on wait for it
         with self._lock:
             if self._recovering:
                 self._recovery_due = True

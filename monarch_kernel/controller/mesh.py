@@ -503,7 +503,7 @@ class MeshRuntime:
         targets = sorted(
             set(ranks) if ranks is not None else {r.rank for r in self.ranks if not r.alive}
         )
-        self._set_phase(MeshPhase.RECOVERING)
+        self.begin_recovery()
         self._recovery_thread = threading.get_ident()
         problems: list[str] = []
         backend = None
@@ -532,6 +532,14 @@ class MeshRuntime:
         if self.events.wants(MeshRecovered):
             self.events.emit(MeshRecovered(self.name, report))
         return report
+
+    def begin_recovery(self) -> None:
+        """Mark the mesh RECOVERING now (a restart follows on another thread)."""
+        with self._cv:
+            if self.state is not MeshPhase.RUNNING:
+                return
+            self.state = MeshPhase.RECOVERING
+        self._emit_phase()
 
     def _learn_process_group(self, ranks: list[int]) -> None:
         """Ask live ranks whether they had a process group (and its backend)."""
