@@ -123,6 +123,10 @@ def run(s: Settings, rec: Recorder) -> None:
 
         with rec.guard("plain_cell", "remote_4", "remote_1", "print_delay"):
             notebook.ours(s, rec)
+    if s.wants("fault"):
+        from bench import faults
+
+        faults.ours(s, rec)
     if s.wants("ddp"):
         from bench import ddp
 
