@@ -31,6 +31,7 @@ def mesh_parser() -> Parser:
     p.add_argument("--env", action="append", default=[], metavar="K=V")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--dist", action="store_true", help="init_process_group on every rank")
+    p.add_argument("--force", action="store_true", help="replace a notebook variable of that name")
     return p
 
 
