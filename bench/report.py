@@ -104,9 +104,7 @@ def rows(s: Settings) -> list[Row]:
     out.append(
         Row("death_collective", "7. rank SIGKILLed inside all_reduce -> call on 4 raises", "ms")
     )
-    out.append(
-        Row("raise_collective", "7. rank raises, 3 wait in all_reduce -> call raises", "ms")
-    )
+    out.append(Row("raise_collective", "7. rank raises, 3 wait in all_reduce -> call raises", "ms"))
     out.append(Row("restart_1of4", "7. restart 1 rank of 4 + re-form process group", "s"))
     out.append(Row("ddp_mesh_sps", "8. DDP steps/s, 2 ranks in a mesh", "steps/s", "higher"))
     out.append(

@@ -80,3 +80,88 @@ def test_unbalanced_input_is_a_usage_error(line):
 def test_closing_bracket_first_is_unbalanced():
     with pytest.raises(UsageError):
         split_args("a) (b")
+
+
+# -- %mesh NAME: what the name may replace, and --force --------------------------------
+def test_mesh_parser_force_flag():
+    from monarch_kernel.kernel.args import mesh_parser
+
+    assert mesh_parser().parse_args(["m", "--gpus", "2"]).force is False
+    assert mesh_parser().parse_args(["m", "--gpus", "2", "--force"]).force is True
+
+
+def _magics(user_ns=None, hidden=()):
+    from types import SimpleNamespace
+
+    from monarch_kernel.kernel.magics import MeshMagics
+
+    shell = SimpleNamespace(
+        user_ns=dict(user_ns or {}), user_ns_hidden=dict.fromkeys(hidden), displayhook=None
+    )
+    return MeshMagics(shell)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["get_ipython", "In", "Out", "exit", "quit", "display", "open", "_", "__", "___"]
+    + ["_i", "_ii", "_iii", "_i7", "_7", "_ih", "_oh", "_dh", "__name__", "_hidden_by_shell"],
+)
+def test_ipython_names_are_refused_even_with_force(name):
+    magics = _magics(hidden=["_hidden_by_shell"])
+    for force in (False, True):
+        with pytest.raises(UsageError, match="is one of IPython's own names"):
+            magics._check_name(name, force)
+
+
+@pytest.mark.parametrize("name", ["m", "_private", "__x", "_i7x", "trainers", "ih"])
+def test_free_names_are_taken(name):
+    _magics()._check_name(name, False)
+
+
+def test_user_variables_and_builtins_need_force():
+    import numpy
+
+    magics = _magics({"model": [1], "cfg": None, "np": numpy, "n": 3})
+    for name, holds in [("model", "a list"), ("cfg", "None"), ("np", "the module numpy")]:
+        with pytest.raises(UsageError) as err:
+            magics._check_name(name, False)
+        assert str(err.value) == (
+            f"%mesh {name}: {name!r} already holds {holds} in the notebook; pick another "
+            "mesh name, or add --force to replace it"
+        )
+        magics._check_name(name, True)
+    with pytest.raises(UsageError, match="'n' already holds an int"):
+        magics._check_name("n", False)
+    with pytest.raises(UsageError, match="'len' is a Python builtin"):
+        magics._check_name("len", False)
+    magics._check_name("len", True)
+
+
+def test_a_name_holding_a_mesh_is_fine():
+    from types import SimpleNamespace
+
+    from monarch_kernel.actor import ProcMesh
+    from monarch_kernel.shape import Shape
+
+    mesh = ProcMesh(SimpleNamespace(shape=Shape.from_extent({"gpus": 2})))
+    _magics({"m": mesh})._check_name("m", False)  # re-created, or "already running"
+
+
+# -- cell labels ---------------------------------------------------------------------
+def _running_cell(count, store_history=True):
+    from types import SimpleNamespace
+
+    info = SimpleNamespace(store_history=store_history)
+    return SimpleNamespace(exec_result=SimpleNamespace(execution_count=count, info=info))
+
+
+def test_cell_labels_follow_the_prompt_number():
+    magics = _magics()
+    assert magics._next_cell() == "#1"  # outside a cell
+    magics.shell.execution_count = 8  # IPython 9: already the *next* prompt's number
+    magics.shell.displayhook = _running_cell(7)
+    assert [magics._next_cell() for _ in range(3)] == ["7", "7.2", "7.3"]
+    magics.shell.displayhook = _running_cell(8)
+    assert magics._next_cell() == "8"
+    magics.shell.displayhook = _running_cell(9, store_history=False)  # silent: no number
+    assert magics._next_cell() == "#6"

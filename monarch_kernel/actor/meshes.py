@@ -58,7 +58,9 @@ class HostMesh:
         ``per_host={"gpus": 4}`` gives a mesh with dims ``{"gpus": 4}`` on one host, or
         ``{"hosts": H, "gpus": 4}`` on H hosts. ``name`` must not be taken by a live
         mesh (default: ``procs0``, ``procs1`` ...). ``on_starting(procs)`` is called
-        before the ranks start (the kernel shows the dashboard there).
+        before the ranks start (the kernel shows the dashboard there). More ranks than
+        the backend can hold (with those of this controller's other meshes on it) is a
+        ValueError before anything starts (see ``Launcher.check_capacity``).
 
         ``on_failure`` (``restart``, ``stop`` or ``continue``) is what the mesh does when
         a rank dies or fails a call the other ranks still run; ``grace`` is how long
@@ -73,6 +75,8 @@ class HostMesh:
         except ValueError:
             choices = ", ".join(p.value for p in FailurePolicy)
             raise ValueError(f"on_failure must be one of {choices}; got {on_failure!r}") from None
+        running = sum(m.world for m in registry.live() if m.launcher is self.launcher)
+        self.launcher.check_capacity(self.hosts * len(Shape.from_extent(per_host)), running)
         runtime = MeshRuntime(  # MeshNameTaken (a ValueError) if a live mesh has the name
             name or registry.auto_name("procs"),
             per_host,

@@ -38,6 +38,7 @@ def mesh_parser() -> Parser:
         default=1.0,
         help="seconds before survivors of a failure are released",
     )
+    p.add_argument("--force", action="store_true", help="replace a notebook variable of that name")
     return p
 
 

@@ -7,16 +7,23 @@ points at the cell's lines, never a traceback of our internals.
 
 from __future__ import annotations
 
+import builtins
 import keyword
+import re
 import shlex
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
-from monarch_kernel.actor import ActorMesh, ProcMesh, ValueMesh, host_mesh
+from monarch_kernel.actor import ActorMesh, HostMesh, ProcMesh, ValueMesh, host_mesh
 from monarch_kernel.controller.errors import ActorError, MeshStartError
+from monarch_kernel.controller.mesh import MeshRuntime
 from monarch_kernel.controller.records import MeshPhase, SetupCell
 from monarch_kernel.controller.registry import registry
 from monarch_kernel.kernel.args import Parser, mesh_parser, remote_parser, split_args
@@ -30,6 +37,14 @@ from monarch_kernel.shape import Shape, SliceError, parse_ranks
 __all__ = ["MeshMagics", "load_ipython_extension", "split_args", "stop_all_meshes"]
 
 INIT_DIST = "import torch.distributed as _mk_dist\n_mk_dist.init_process_group()\n"
+
+#: Names IPython itself keeps in the notebook's namespace: a mesh bound to one of them
+#: breaks the notebook (``get_ipython`` is what every magic line calls), so ``%mesh``
+#: never takes them, ``--force`` or not. Besides these: the shell's ``user_ns_hidden``.
+IPYTHON_NAMES = frozenset({"get_ipython", "In", "Out", "exit", "quit", "display", "open"})
+#: IPython's history and output-cache names: ``_``, ``__``, ``___``, ``_i``, ``_ii``,
+#: ``_iii``, ``_iN``, ``_N``, ``_ih``, ``_oh``, ``_dh``, and dunders (``__name__`` ...).
+_IPYTHON_NAME = re.compile(r"_{1,3}|_i{1,3}|_i?\d+|_[ido]h|__\w+__")
 
 
 @magics_class
@@ -76,10 +91,49 @@ class MeshMagics(Magics):
             return f"live meshes: {', '.join(live)}"
         return "create one with %mesh NAME --gpus 4"
 
+    #: (prompt number, cells run on ranks from it so far); see :meth:`_next_cell`.
+    _prompt_runs: tuple[int, int] = (0, 0)
+
     def _next_cell(self) -> str:
-        count = getattr(self.shell, "execution_count", None)
+        """The label of the next cell run on ranks (``<remote cell N>`` in tracebacks,
+        ``cell N`` on the dashboard): the number of the prompt it runs from, as the user
+        sees it (``In [N]``, the execute reply's ``execution_count``). More runs from
+        the same prompt (``%mesh --dist``'s set-up and a ``%remote`` line, a loop of
+        ``%remote``) are ``N.2``, ``N.3`` ...; outside a numbered prompt ``#k``."""
         self._cell += 1
-        return f"{count}" if count else f"#{self._cell}"
+        count = _prompt_number(self.shell)
+        if count is None:
+            return f"#{self._cell}"
+        prompt, runs = self._prompt_runs
+        runs = runs + 1 if prompt == count else 1
+        self._prompt_runs = (count, runs)
+        return f"{count}" if runs == 1 else f"{count}.{runs}"
+
+    def _check_name(self, name: str, force: bool) -> None:
+        """Refuse a mesh name that would replace something of the notebook's: IPython's
+        own names always, a Python builtin or a variable that holds something other than
+        a mesh unless ``force``. A name that holds a mesh (running or stopped) is fine."""
+        assert self.shell is not None
+        hidden = getattr(self.shell, "user_ns_hidden", {})
+        if name in IPYTHON_NAMES or name in hidden or _IPYTHON_NAME.fullmatch(name):
+            raise UsageError(
+                f"%mesh {name}: {name!r} is one of IPython's own names; a mesh bound to it "
+                "would break the notebook. Pick another mesh name"
+            )
+        ns = self._user_ns
+        if name in ns:
+            value = ns[name]
+            if isinstance(value, ProcMesh) or force:
+                return
+            raise UsageError(
+                f"%mesh {name}: {name!r} already holds {_describe(value)} in the notebook; "
+                "pick another mesh name, or add --force to replace it"
+            )
+        if name in vars(builtins) and not force:
+            raise UsageError(
+                f"%mesh {name}: {name!r} is a Python builtin, which a mesh of that name "
+                "would hide in the notebook; pick another mesh name, or add --force"
+            )
 
     # -- %mesh -----------------------------------------------------------------------
     @line_magic
@@ -143,6 +197,7 @@ class MeshMagics(Magics):
         name = opts.name
         if not name.isidentifier() or keyword.iskeyword(name):
             raise UsageError(f"mesh name {name!r} must be a Python identifier (e.g. trainers)")
+        self._check_name(name, opts.force)
         if opts.gpus is None:
             raise UsageError(f"how many ranks? e.g. %mesh {name} --gpus 4")
         if opts.gpus < 1 or opts.hosts < 1:
@@ -170,11 +225,14 @@ class MeshMagics(Magics):
 
                 show(old)
                 return None
-            old.stop()  # the same name with another shape: this one replaces it
         try:
             hosts = host_mesh(hosts=opts.hosts, backend=opts.backend)
+            # before the mesh of this name is replaced: a refused one leaves it running
+            _check_capacity(hosts, opts.hosts * opts.gpus, replacing=old_runtime)
         except ValueError as exc:
-            raise UsageError(str(exc)) from None
+            raise UsageError(f"%mesh {name}: {exc}") from None
+        if old is not None:
+            old.stop()  # the same name with another shape: this one replaces it
         from monarch_kernel.widgets import refresh, show  # ipywidgets: imported late
 
         shown: list[ProcMesh] = []
@@ -185,17 +243,25 @@ class MeshMagics(Magics):
 
         t0 = time.monotonic()
         try:
-            procs = hosts.spawn_procs(
-                {"gpus": opts.gpus},
-                name=name,
-                env=env,
-                timeout=opts.timeout,
-                on_starting=show_while_starting,
-                on_failure=opts.on_failure,
-                grace=opts.grace,
-            )
+            with _interrupt_once():
+                procs = hosts.spawn_procs(
+                    {"gpus": opts.gpus},
+                    name=name,
+                    env=env,
+                    timeout=opts.timeout,
+                    on_starting=show_while_starting,
+                    on_failure=opts.on_failure,
+                    grace=opts.grace,
+                )
         except ValueError as exc:  # bad options, or another thread took the name meanwhile
-            raise UsageError(str(exc)) from None
+            raise UsageError(f"%mesh {name}: {exc}") from None
+        except KeyboardInterrupt:  # the stop button: spawn_procs stopped what it started
+            for p in shown:
+                p.stop()  # idempotent; in case the interrupt came before spawn_procs' own
+            raise MeshStartError(
+                f"mesh {name!r}: start interrupted; the ranks and host agents it had "
+                "started are stopped"
+            ) from None
         finally:
             for p in shown:
                 refresh(p)
@@ -356,6 +422,61 @@ class MeshMagics(Magics):
                 f"%pull failed on ranks {exc.ranks}: {first['message']}; "
                 "define it there with %%remote or %push first"
             ) from None
+
+
+def _prompt_number(shell: Any) -> int | None:
+    """The number of the prompt running now, as shown (``In [N]``), or None outside one.
+
+    Not ``shell.execution_count``: IPython 9 increments that when a cell starts (8 did
+    when it ended), so inside a cell it is one ahead. The running cell's ExecutionResult,
+    which the display hook holds while the cell runs, has the number shown; a cell run
+    without history (``silent``, ``store_history=False``) gets none.
+    """
+    result = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    if result is None or not result.info.store_history:
+        return None
+    count = result.execution_count
+    return count if isinstance(count, int) else None
+
+
+def _describe(value: Any) -> str:
+    """``a list``, ``an int``, ``the module numpy``: what a notebook name holds."""
+    if value is None:
+        return "None"
+    if isinstance(value, type(builtins)):
+        return f"the module {value.__name__}"
+    kind = type(value).__name__
+    return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
+
+
+def _check_capacity(hosts: HostMesh, ranks: int, replacing: MeshRuntime | None) -> None:
+    """``hosts.launcher.check_capacity`` for a new mesh of ``ranks`` ranks that replaces
+    ``replacing`` (whose ranks will be gone by then); as ``spawn_procs`` checks it."""
+    running = sum(
+        m.world for m in registry.live() if m.launcher is hosts.launcher and m is not replacing
+    )
+    hosts.launcher.check_capacity(ranks, running)
+
+
+@contextmanager
+def _interrupt_once() -> Iterator[None]:
+    """The first Ctrl-C (the notebook's stop button) raises KeyboardInterrupt as usual;
+    further ones are ignored until the block ends, so that pressing stop again while an
+    interrupted mesh start stops what it started cannot leave half of it running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def first(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _select(procs: ProcMesh, picked: list[int]) -> tuple[ProcMesh, list[int], Shape]:

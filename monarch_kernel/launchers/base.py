@@ -66,6 +66,12 @@ class Launcher(Protocol):
         can then carry the control plane)."""
         ...
 
+    def check_capacity(self, ranks: int, running: int = 0) -> None:
+        """Raise ValueError, naming the limit and how to change it, if this backend
+        cannot hold ``ranks`` more ranks besides the ``running`` ones this controller
+        already has on it. Called before a mesh starts anything."""
+        ...
+
     def start_hosts(self, configs: list[HostConfig]) -> list[HostHandle]:
         """Start one host agent per config; return at once (they connect back)."""
         ...

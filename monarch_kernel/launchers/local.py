@@ -4,6 +4,10 @@ Each agent is started in its own session (so the kernel's SIGINT never reaches r
 that are not running the interrupted cell) and dies with the controller (parent-death
 signal plus heartbeats). Agents can be pre-warmed: started before a mesh asks for
 them, so the template has already imported torch when ``%mesh`` runs.
+
+Every rank of every local mesh runs on this machine, so the backend refuses a mesh that
+would take more ranks than the machine can hold (:meth:`LocalLauncher.check_capacity`)
+before it starts anything: ``--gpus 10000`` is an error, not ten thousand forks.
 """
 
 from __future__ import annotations
@@ -19,10 +23,56 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import psutil
+
 from monarch_kernel.launchers.base import HostConfig, HostHandle
 from monarch_kernel.wire.osutil import tail_lines
 
 T = TypeVar("T")
+
+#: Environment variable that, when set, replaces the computed limit on the ranks that
+#: local meshes may run at once (read at each check: ``%env`` in a notebook works).
+MAX_RANKS_ENV = "MONARCH_KERNEL_MAX_LOCAL_RANKS"
+#: Ranks per CPU the limit allows (at least :data:`MIN_CPU_RANKS`): ranks mostly wait
+#: (for a GPU, a collective, the next cell), so a CPU serves many.
+RANKS_PER_CPU = 32
+MIN_CPU_RANKS = 64
+#: Memory budgeted per rank: an idle rank forked from the warm template (torch imported)
+#: costs about 40 MB (PSS); the rest is room for what the user's code keeps.
+RANK_MEMORY = 128 << 20
+CGROUP = "/sys/fs/cgroup/"
+
+
+def available_memory() -> int:
+    """Bytes of memory this process's processes can still take: what the machine has
+    available, or less where a cgroup (container) limit leaves less."""
+    available = psutil.virtual_memory().available
+    for limit_file, usage_file in (
+        ("memory.max", "memory.current"),  # cgroup v2
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),  # cgroup v1
+    ):
+        try:
+            with open(CGROUP + limit_file) as f, open(CGROUP + usage_file) as g:
+                limit, usage = f.read().strip(), int(g.read())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():  # else "max": no limit
+            available = min(available, max(0, int(limit) - usage))
+    return available
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        return os.cpu_count() or 1
+
+
+def rank_limit(cpus: int, memory: int) -> int:
+    """Ranks a machine with ``cpus`` CPUs and ``memory`` bytes available holds at once:
+    ``min(max(64, 32 × cpus), memory ÷ 128 MiB)``, at least 1."""
+    return max(1, min(max(MIN_CPU_RANKS, RANKS_PER_CPU * cpus), memory // RANK_MEMORY))
 
 
 class LocalHost:
@@ -160,6 +210,39 @@ class LocalLauncher:
             host.configure(cfg)
             hosts.append(host)
         return hosts
+
+    def check_capacity(self, ranks: int, running: int = 0) -> None:
+        """Raise ValueError if this machine cannot hold ``ranks`` more ranks besides the
+        ``running`` ones of this controller's local meshes.
+
+        The limit is ``min(max(64, 32 × CPUs), available memory ÷ 128 MiB)`` (at least
+        1; see :func:`rank_limit`), or the value of ``$MONARCH_KERNEL_MAX_LOCAL_RANKS``
+        when that is set. Nothing is started before the check, so a refused mesh costs
+        nothing.
+        """
+        override = os.environ.get(MAX_RANKS_ENV, "").strip()
+        if override:
+            try:
+                limit = int(override)
+            except ValueError:
+                limit = 0
+            if limit < 1:
+                raise ValueError(
+                    f"{MAX_RANKS_ENV}={override!r} is not a positive whole number of ranks"
+                )
+            why = f"set by {MAX_RANKS_ENV}"
+        else:
+            cpus, memory = cpu_count(), available_memory()
+            limit = rank_limit(cpus, memory)
+            why = f"{cpus} CPUs, {memory / (1 << 30):.1f} GiB of memory available"
+        if running + ranks <= limit:
+            return
+        held = f"; {running} already run in other meshes" if running else ""
+        raise ValueError(
+            f"{ranks} ranks are more than the local backend allows: local meshes may run "
+            f"at most {limit} ranks at once on this machine ({why}){held}. Use fewer ranks, "
+            f"or set the environment variable {MAX_RANKS_ENV}=N to change the limit"
+        )
 
     def shutdown(self) -> None:
         """Stop pre-warmed agents that were never used."""
