@@ -87,7 +87,7 @@ class MeshMagics(Magics):
 
         ``%mesh NAME --gpus 4 [--hosts 2] [--backend local] [--env K=V]``,
         ``%mesh`` (table of live meshes), ``%mesh stop NAME``,
-        ``%mesh restart NAME [--ranks 2,3]``.
+        ``%mesh restart NAME [--ranks 2,3]``, ``%mesh stacks NAME [--ranks 0,3]``.
         """
         args = shlex.split(line)
         if not args:
