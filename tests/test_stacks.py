@@ -229,12 +229,15 @@ def test_mesh_stacks_magic_and_the_dashboard_button(kernel):
     )
     assert not r.errors, r.error_text
     kernel.run("%mesh stacks m")  # warm up: the first view imports its modules
-    r = wait_until(
-        lambda: (res := kernel.run("%mesh stacks m")) and "stuck_here" in res.text and res,
-        timeout=15,
-        what="rank 2 in stuck_here",
-    )
-    assert "ranks 0-1, 3 (3 of 4)" in r.text and "rank 2 (1 of 4)" in r.text, r.text
+    seen: list[str] = []
+
+    def settled():  # rank 2 in stuck_here, the others back to idle (done with the cell)
+        res = kernel.run("%mesh stacks m")
+        seen.append(res.text)
+        return "stuck_here" in res.text and "ranks 0-1, 3 (3 of 4)" in res.text and res
+
+    r = wait_until(settled, timeout=15, what="the stacks to settle", detail=lambda: seen[-1])
+    assert "rank 2 (1 of 4)" in r.text, r.text
     assert "<< odd one out" in r.text and "idle (waiting for work)" in r.text
     html = r.results[-1]["data"]["text/html"]
     assert "odd one out" in html and "stuck_here" in html
