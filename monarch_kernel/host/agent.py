@@ -34,6 +34,8 @@ from monarch_kernel.wire.osutil import die_with_parent, request_tail
 log = logging.getLogger("monarch_kernel.host")
 
 HEARTBEAT_INTERVAL = 1.0
+#: The longest a ``dump_stacks`` holds up the agent's loop, waiting for the dumps.
+STACKS_WAIT = 0.3
 
 
 def free_port() -> int:
@@ -112,6 +114,7 @@ class HostAgent:
             K.STOP: self.on_stop,
             K.HEARTBEAT: self.on_ignored,
             K.HELLO: self.on_ignored,
+            K.DUMP_STACKS: self.on_dump_stacks,
         }
 
     def configure(self, cfg: dict[str, Any]) -> None:
@@ -305,6 +308,50 @@ class HostAgent:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
+
+    def on_dump_stacks(self, h: dict[str, Any]) -> None:
+        """DUMP_STACKS: make the local ranks ``d`` dump their stacks (faulthandler, on
+        ``STACKS_SIGNAL``) and answer request ``i`` for each, on its behalf (``h`` set).
+
+        Waits at most ``STACKS_WAIT`` in all (the dumps take microseconds, so this loop's
+        heartbeats never suffer); a rank that wrote nothing by then gets no answer.
+        """
+        import pickle
+
+        from monarch_kernel.wire.stacks import STACKS_SIGNAL, parse_faulthandler, stacks_path
+
+        files: dict[int, str] = {}
+        for r in h["d"]:
+            pid = self.pids.get(r)
+            if not pid:
+                continue
+            path = stacks_path(os.path.join(self.private_dir, f"rank{r}.log"), pid)
+            try:  # absent until the rank registered its handler: never signal it before
+                os.truncate(path, 0)
+                os.kill(pid, STACKS_SIGNAL)
+            except OSError:
+                continue
+            files[r] = path
+        sizes = dict.fromkeys(files, -1)
+        deadline = time.monotonic() + STACKS_WAIT
+        while files:
+            time.sleep(0.01)
+            last = time.monotonic() >= deadline
+            for r, path in list(files.items()):
+                try:
+                    size = os.path.getsize(path)
+                except OSError:
+                    del files[r]
+                    continue
+                if size and (size == sizes[r] or last):  # written, and stopped growing
+                    del files[r]
+                    with open(path, errors="replace") as f:
+                        threads = parse_faulthandler(f.read())
+                    header = {"k": K.RESULT, "i": h["i"], "r": r, "ok": 1, "h": self.host}
+                    self.send(header, pickle.dumps(threads))
+                sizes[r] = size
+            if last:
+                break
 
     def on_template_event(self, ev: dict[str, Any]) -> str | None:
         e = ev["e"]

@@ -142,7 +142,7 @@ class MeshMagics(Magics):
 
         ``%mesh NAME --gpus 4 [--hosts 2] [--backend local] [--env K=V]``,
         ``%mesh`` (table of live meshes), ``%mesh stop NAME``,
-        ``%mesh restart NAME [--ranks 2,3]``.
+        ``%mesh restart NAME [--ranks 2,3]``, ``%mesh stacks NAME [--ranks 0,3]``.
         """
         args = shlex.split(line)
         if not args:
@@ -158,6 +158,8 @@ class MeshMagics(Magics):
             return None
         if args[0] == "restart":
             return self._restart(args[1:])
+        if args[0] == "stacks":
+            return self._stacks(args[1:])
         return self._create(args)
 
     def _existing(self, name: str) -> ProcMesh:
@@ -191,6 +193,27 @@ class MeshMagics(Magics):
         except MeshStartError as exc:
             raise UsageError(f"%mesh restart {opts.name}: {notebook_text(exc)}") from None
         print(report.describe(opts.name).replace("setup cells", "%%remote --setup cells"))
+
+    def _stacks(self, args: list[str]) -> Any:
+        """``%mesh stacks NAME [--ranks 0,3]``: every thread's Python stack on each rank
+        now, ranks with identical stacks grouped, the odd ones out highlighted."""
+        p = Parser(prog="%mesh stacks", add_help=False)
+        p.add_argument("name")
+        p.add_argument("--ranks", default=None)
+        p.add_argument("--timeout", type=float, default=1.0)
+        opts = p.parse_args(args)
+        mesh = self._existing(opts.name)
+        if mesh.stopped:
+            raise UsageError(f"mesh {opts.name!r} is stopped; there are no stacks to show")
+        ranks = None
+        if opts.ranks is not None:
+            try:
+                ranks = parse_ranks(opts.ranks, len(mesh))
+            except SliceError as exc:
+                raise UsageError(str(exc)) from None
+        from monarch_kernel.widgets.stacks_view import mesh_stacks  # ipywidgets: late
+
+        return mesh_stacks(mesh.runtime, ranks, opts.timeout)
 
     def _create(self, args: list[str]) -> None:
         opts = mesh_parser().parse_args(args)

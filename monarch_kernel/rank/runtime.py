@@ -90,6 +90,7 @@ class Rank:
         self._control_handlers: dict[str, ControlHandler] = {
             K.HELLO: _ignore,  # the controller's connection probe
             K.CANCEL: self._cancel,
+            K.STACKS: self._stacks,
             K.PUSH: self._push,
             K.PULL: self._pull,
             K.PING: self._ping,
@@ -382,6 +383,12 @@ class Rank:
         if context.current_request == target and self.in_user_code:
             os.kill(os.getpid(), signal.SIGINT)  # raises in the main thread
 
+    def _stacks(self, msg: Message) -> None:
+        """STACKS: reply every other thread's Python stack (``wire.stacks``)."""
+        from monarch_kernel.wire.stacks import capture_stacks
+
+        self.reply(msg.header["i"], capture_stacks(threading.get_ident()), "stacks")
+
     def _push(self, msg: Message) -> None:
         """PUSH: set the pickled ``{name: value}`` in the namespace; reply the names."""
         values = loads(msg.payload, msg.buffers, "pushed values")
@@ -430,6 +437,23 @@ def _rss() -> int:
         return 0
 
 
+def _register_stacks_dump(log_path: str) -> None:
+    """Dump every thread's stack on ``STACKS_SIGNAL`` (the host agent's ``dump_stacks``;
+    signal-safe, works while C code holds the GIL). The file gets its name only once the
+    handler is in place: the agent signals only ranks whose file exists."""
+    import faulthandler
+
+    from monarch_kernel.wire.stacks import STACKS_SIGNAL, stacks_path
+
+    path = stacks_path(log_path, os.getpid())
+    try:
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
+        os.rename(path + ".tmp", path)
+    except (OSError, AttributeError, ValueError, RuntimeError) as exc:  # no fallback, then
+        log.warning("rank stacks cannot be dumped with faulthandler: %s", exc)
+
+
 def run_forked(cfg: dict[str, Any], template_pid: int) -> None:
     """Entry point of a freshly forked rank (called by the host template); never returns."""
     code = 0
@@ -439,6 +463,7 @@ def run_forked(cfg: dict[str, Any], template_pid: int) -> None:
         import faulthandler
 
         faulthandler.enable(file=log_fd, all_threads=False)
+        _register_stacks_dump(cfg["log"])
         cfg.setdefault("hostname", socket.gethostname())
         env.apply(cfg)
         # Same working directory and import path as the controller, so classes that

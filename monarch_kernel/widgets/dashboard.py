@@ -118,11 +118,28 @@ class Dashboard(W.VBox):
         self.status_html = W.HTML()
         self.charts = W.HTML()
         self.errors = W.HTML()
+        self.stacks_button = W.Button(
+            description="Stacks",
+            icon="list",
+            tooltip="Every rank's Python stacks now, grouped; the odd ones out highlighted",
+            layout=W.Layout(width="auto"),
+        )
+        self.stacks_button.on_click(lambda _b: self.show_stacks())
+        prefer_frontend_subshell(self.stacks_button)
+        self.stacks_html = W.HTML()  # filled by the Stacks button
         buttons = W.HBox(
-            [self.interrupt_button, self.restart_button, self.stop_button, self.status_html]
+            [
+                self.interrupt_button,
+                self.stacks_button,
+                self.restart_button,
+                self.stop_button,
+                self.status_html,
+            ]
         )
         body = W.Box([grid, self.detail], layout=W.Layout(display="flex", flex_flow="row wrap"))
-        super().__init__([self.css, self.header, buttons, body, self.charts, self.errors])
+        super().__init__(
+            [self.css, self.header, buttons, self.stacks_html, body, self.charts, self.errors]
+        )
         self.add_class("mk-dash")
         for w in (*self.tiles, self.interrupt_button, self.restart_button, self.stop_button):
             prefer_frontend_subshell(w)
@@ -205,6 +222,32 @@ class Dashboard(W.VBox):
             return
         self._procs().interrupt()
         self._set_status(f"interrupt sent to ranks {format_ranks(alive)}")
+
+    def show_stacks(self) -> None:
+        """Show every rank's Python stacks now, grouped, under the buttons (collected on
+        a worker thread, in about a second at most; see ``%mesh stacks``)."""
+        from monarch_kernel.widgets.stacks_view import mesh_stacks
+
+        rt = self.runtime
+        if rt.state.ended:
+            self._set_status("the mesh is stopped: no stacks to show")
+            return
+
+        def work() -> None:
+            try:
+                view = mesh_stacks(rt)
+            except Exception as exc:  # shown in the dashboard
+                self._set_status(f"stacks failed: {exc}".split("\n")[0])
+                return
+            with self._lock:
+                self._put(self.stacks_html, value=view._repr_html_())
+            odd = view.odd_ranks
+            self._set_status(
+                f"stacks of {len(view.stacks)} ranks in {view.elapsed:.2f}s"
+                + (f"; odd ones out: ranks {format_ranks(odd)}" if odd else "")
+            )
+
+        self._run_action(work, "collecting stacks…")
 
     def restart(self, ranks: list[int] | None = None) -> None:
         """Restart ``ranks`` (default: the selected rank if it is dead, else every dead
@@ -367,6 +410,7 @@ class Dashboard(W.VBox):
             restart_label = f"Restart dead ranks ({len(dead)})" if dead else "Restart dead ranks"
         confirming = now < self._confirm_stop_until
         sent = self._put(self.interrupt_button, disabled=stopped)
+        sent += self._put(self.stacks_button, disabled=stopped)
         sent += self._put(
             self.restart_button, disabled=stopped or not dead, description=restart_label
         )

@@ -1,0 +1,170 @@
+"""Collect every selected rank's Python stacks now: the data behind ``%mesh stacks``.
+
+First each rank's control thread is asked (``stacks``); it answers in milliseconds
+unless C code holds the rank's GIL. After :data:`FALLBACK_AFTER` the host agents of the
+ranks still silent are asked to make them dump their stacks with ``faulthandler``
+(``dump_stacks``, same request id: the agent answers on the rank's behalf, and the
+request table keeps whichever answer comes first). At ``timeout`` a rank still silent
+gets an error instead of stacks; a dead rank gets the reason of its death. Never raises
+for one rank and never waits longer than ``timeout``.
+"""
+
+from __future__ import annotations
+
+import linecache
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from monarch_kernel.controller.errors import MeshStoppedError, RankDiedError
+from monarch_kernel.controller.events import Reply
+from monarch_kernel.controller.records import GONE
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.stacks import Frame, RankStacks, ThreadStack
+
+if TYPE_CHECKING:
+    from monarch_kernel.controller.mesh import MeshRuntime
+
+__all__ = ["FALLBACK_AFTER", "collect_stacks"]
+
+#: Seconds to wait for the ranks' control threads before the faulthandler fallback.
+FALLBACK_AFTER = 0.3
+
+
+class _Collector:
+    """The request's observer: keeps each rank's first answer (runs on the receiving
+    thread, so it only stores and wakes the caller)."""
+
+    def __init__(self, ranks: Sequence[int]):
+        self.waiting = set(ranks)
+        self.replies: dict[int, Reply] = {}
+        self.lost: dict[int, BaseException] = {}
+        self.cv = threading.Condition()
+
+    def on_reply(self, reply: Reply) -> None:
+        with self.cv:
+            if reply.rank in self.waiting:
+                self.waiting.discard(reply.rank)
+                self.replies[reply.rank] = reply
+                self.cv.notify_all()
+
+    def on_lost(self, rank: int, error: BaseException) -> None:
+        with self.cv:
+            if rank in self.waiting:
+                self.waiting.discard(rank)
+                self.lost[rank] = error
+                self.cv.notify_all()
+
+    def wait(self, until: float) -> set[int]:
+        """Wait until every rank answered or ``until`` (monotonic); the ranks left."""
+        with self.cv:
+            while self.waiting and (left := until - time.monotonic()) > 0:
+                self.cv.wait(left)
+            return set(self.waiting)
+
+
+def collect_stacks(
+    mesh: MeshRuntime, ranks: Sequence[int], timeout: float = 1.0
+) -> list[RankStacks]:
+    """Every thread's stack of each of ``ranks`` now, in the order of ``ranks``."""
+    t0 = time.monotonic()
+    ranks = list(dict.fromkeys(ranks))
+    done: dict[int, RankStacks] = {}
+    if mesh.state.ended:
+        for r in ranks:
+            done[r] = _failed(mesh, r, f"mesh {mesh.name!r} is stopped")
+        return [done[r] for r in ranks]
+    for r in ranks:
+        if mesh.ranks[r].state in GONE:
+            done[r] = _failed(mesh, r, mesh.death_text(mesh.ranks[r]))
+    live = [r for r in ranks if r not in done]
+    collector = _Collector(live)
+    rid = None
+    if live:
+        try:
+            rid = mesh.request(
+                live, {"k": K.STACKS}, b"", (), collector, control=True, what="stacks"
+            )
+        except (RankDiedError, MeshStoppedError) as exc:  # it died or stopped just now
+            for r in live:
+                info = mesh.ranks[r]
+                why = mesh.death_text(info) if info.state in GONE else str(exc)
+                done[r] = _failed(mesh, r, why)
+            live = []
+    asked_agent: set[int] = set()
+    if live:
+        silent = collector.wait(t0 + min(FALLBACK_AFTER, timeout))
+        if silent and rid is not None:
+            asked_agent = silent
+            for host, group in _by_host(mesh, sorted(silent)).items():
+                mesh.transport.send_host(host, {"k": K.DUMP_STACKS, "d": group, "i": rid})
+            silent = collector.wait(t0 + timeout)
+    with collector.cv:
+        replies, lost = dict(collector.replies), dict(collector.lost)
+        collector.waiting.clear()  # what comes from now on is ignored
+    if rid is not None and len(replies) + len(lost) < len(live):
+        # Forget the request (on the receiving thread): late answers are dropped.
+        mesh.receiver.post(mesh.requests.fail_request, rid, TimeoutError("stacks: too late"))
+    for r in live:
+        if r in replies:
+            done[r] = _answered(mesh, replies[r])
+        elif r in lost:
+            info = mesh.ranks[r]
+            why = mesh.death_text(info) if info.state in GONE else str(lost[r])
+            done[r] = _failed(mesh, r, why)
+        else:
+            how = (
+                "its control thread did not answer, and its host agent got no faulthandler "
+                "dump from it"
+                if r in asked_agent
+                else "its control thread did not answer"
+            )
+            done[r] = _failed(mesh, r, f"no answer in {timeout:g}s ({how})")
+    return [done[r] for r in ranks]
+
+
+def _by_host(mesh: MeshRuntime, ranks: list[int]) -> dict[int, list[int]]:
+    by_host: dict[int, list[int]] = {}
+    for r in ranks:
+        by_host.setdefault(mesh.ranks[r].host, []).append(r)
+    return by_host
+
+
+def _failed(mesh: MeshRuntime, rank: int, error: str) -> RankStacks:
+    info = mesh.ranks[rank]
+    return RankStacks(rank, info.hostname, info.pid, (), "none", error)
+
+
+def _answered(mesh: MeshRuntime, reply: Reply) -> RankStacks:
+    r = reply.rank
+    info = mesh.ranks[r]
+    if not reply.ok:
+        report = reply.report or {}
+        error = f"{report.get('type', 'Error')}: {report.get('message', '')}"
+        return RankStacks(r, info.hostname, info.pid, (), "none", error)
+    try:
+        threads = reply.value(f"stacks of rank {r}")
+    except Exception as exc:  # an answer we cannot read is one bad rank, not a failure
+        return RankStacks(r, info.hostname, info.pid, (), "none", str(exc))
+    if not isinstance(threads, tuple) or not all(isinstance(t, ThreadStack) for t in threads):
+        return RankStacks(r, info.hostname, info.pid, (), "none", "unreadable stacks")
+    # The host agent answers for the ranks it made dump with faulthandler (header "h").
+    if reply.message.header.get("h") is not None:
+        return RankStacks(r, info.hostname, info.pid, _with_lines(threads), "faulthandler")
+    return RankStacks(r, info.hostname, info.pid, threads, "python")
+
+
+def _with_lines(threads: tuple[ThreadStack, ...]) -> tuple[ThreadStack, ...]:
+    """faulthandler gives no source lines: read them here where the files exist (the
+    same environment on every host, as a rule)."""
+
+    def line(f: Frame) -> Frame:
+        if f.line or f.filename.startswith("<") or f.lineno <= 0:
+            return f
+        text = linecache.getline(f.filename, f.lineno).strip()
+        return Frame(f.filename, f.lineno, f.function, text) if text else f
+
+    return tuple(
+        ThreadStack(t.name, t.ident, t.main, tuple(line(f) for f in t.frames)) for t in threads
+    )
