@@ -94,6 +94,9 @@ kind              keys
                   MASTER_PORT when this is host 0). Sent once, first
 ``hb``            ``h``: heartbeat, every 0.5 s
 ``port``          ``h``, ``i`` (the ``new_port`` request), ``port`` int: a free port
+``res``           ``h``, ``i`` (the controller's ``stacks`` request), ``r``, ``ok`` = 1:
+                  the answer to ``dump_stacks`` on rank ``r``'s behalf; payload the
+                  pickled ``tuple[ThreadStack, ...]`` parsed from faulthandler's dump
 ``rank_started``  ``h``, ``r``, ``pid`` int: the template forked rank ``r``
 ``rank_exit``     ``h``, ``r``, ``pid`` int; ``code`` int | None (exit status, None if
                   killed by a signal); ``sig`` int | None (the signal that killed it);
