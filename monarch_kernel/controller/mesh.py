@@ -370,6 +370,14 @@ class MeshRuntime:
         in the calling thread while it waits (see :mod:`.receiver`)."""
         self.receiver.wait_for(fut, timeout)
 
+    def cancel_request(self, request_id: str) -> list[int]:
+        """Interrupt request ``request_id`` on the ranks still running it (skip it on
+        those that have not started it); returns those ranks (empty: it is done)."""
+        running = [r for r in sorted(self.requests.waiting(request_id)) if self.ranks[r].alive]
+        for r in running:
+            self.transport.send_control(r, {"k": K.CANCEL, "c": request_id})
+        return running
+
     def kill_ranks(self, ranks: Sequence[int]) -> None:
         """SIGKILL ``ranks`` through their host agents (their exits are reported as
         expected, unless a ``kill_reason`` was set on them: then they are DEAD)."""
