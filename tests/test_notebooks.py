@@ -57,3 +57,21 @@ def test_magics_load_in_a_plain_ipython_kernel():
     _execute(nb, "python3")
     assert "[0-1] hi" in _text(nb.cells[2])
     assert "{gpus=1}: '1'" in _text(nb.cells[2])
+
+
+def test_faults_notebook_kills_restarts_and_finds_a_stuck_rank():
+    nb = _execute(nbformat.read(NOTEBOOKS / "04-faults.ipynb", as_version=4), "monarch")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "ready in" in _text(code[0])
+    assert "setup cell" in _text(code[1])
+    died = _text(code[5])
+    assert "rank 2 of mesh 'faults'" in died and "killed by SIGKILL" in died, died
+    resumed = _text(code[6])
+    assert "resuming after step" in resumed and "step 59 loss" in resumed, resumed
+    stacks = _text(code[8])
+    assert "odd one out" in stacks and "time.sleep(60)" in stacks, stacks
+    released = _text(code[9])
+    assert "KeyboardInterrupt in the cell on rank 3 of 4" in released, released
+    assert "released by aborting the process group: 0-2" in released
+    assert "{gpus=3}: 4.0" in _text(code[10])
+    assert "stopped" in _text(code[11])
