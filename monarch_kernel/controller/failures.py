@@ -267,7 +267,8 @@ class FailureHandler:
                     "and re-forming the mesh; the next request waits for it."
                 )
             return (
-                "--on-failure restart: re-forming the process group; the next request waits for it."
+                "--on-failure restart: re-forming the process group (if the ranks had one); "
+                "the next request waits for it."
             )
         return ""
 

@@ -221,6 +221,8 @@ class MeshRuntime:
     def _wait(self, cond: Callable[[], bool], deadline: float, what: str) -> None:
         with self._cv:
             while not cond():
+                if self.state.ended:
+                    raise MeshStoppedError(f"mesh {self.name!r} was stopped during: {what}")
                 self._check_hosts_started(what)
                 left = deadline - time.monotonic()
                 if left <= 0:
