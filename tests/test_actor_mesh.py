@@ -150,7 +150,7 @@ def test_constructor_failure_is_reported(procs4):
 def test_unpicklable_argument_and_result(workers):
     with pytest.raises(SerializationError, match="argument 0 of Worker.echo.*lock"):
         workers.echo.call(threading.Lock())
-    with pytest.raises(ActorError, match="result of Worker.unpicklable on rank 0 cannot be"):
+    with pytest.raises(ActorError, match="on rank 0 of 1.*result of Worker.unpicklable cannot be"):
         workers.slice(gpus=0).unpicklable.call_one().get()
     assert workers.echo.call(1).get().values() == [1] * 4
 

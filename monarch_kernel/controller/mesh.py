@@ -70,6 +70,8 @@ __all__ = ["MeshRuntime", "new_request_id"]
 
 #: Seconds without a host agent's heartbeat (sent every 0.5 s) before it is lost.
 DEFAULT_HB_TIMEOUT = 2.5
+#: Seconds a host agent waits for a silent controller before it shuts down.
+AGENT_SILENCE_TIMEOUT = 10.0
 #: Seconds ranks get to exit cleanly on a stop (atexit, finalizers) before SIGKILL.
 DEFAULT_STOP_GRACE = 3.0
 
@@ -197,7 +199,10 @@ class MeshRuntime:
 
     def _host_config(self, h: int) -> HostConfig:
         t = self.transport
-        return HostConfig(h, self.key.hex(), t.send_addr, t.recv_addr, self.hb_timeout, self.name)
+        # The agent's own patience with a silent controller is longer than ours with it:
+        # a controller busy for a few seconds (a large unpickle) must not lose its hosts.
+        silence = max(AGENT_SILENCE_TIMEOUT, 4 * self.hb_timeout)
+        return HostConfig(h, self.key.hex(), t.send_addr, t.recv_addr, silence, self.name)
 
     def _spawn_ranks(self, ranks: list[RankInfo]) -> None:
         specs = []

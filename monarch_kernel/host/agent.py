@@ -33,7 +33,11 @@ from monarch_kernel.wire.osutil import die_with_parent, request_tail
 
 log = logging.getLogger("monarch_kernel.host")
 
-HEARTBEAT_INTERVAL = 1.0
+#: Seconds between the agent's heartbeats (the controller declares a host lost after a
+#: few seconds of silence); also the longest its message loop ever waits.
+HEARTBEAT_INTERVAL = 0.5
+#: Seconds ranks get to exit cleanly when ``stop`` does not say (its ``grace``).
+DEFAULT_GRACE = 3.0
 #: The longest a ``dump_stacks`` holds up the agent's loop, waiting for the dumps.
 STACKS_WAIT = 0.3
 
@@ -81,13 +85,15 @@ class Template:
             out.append(json.loads(line))
         return out
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, grace: float = DEFAULT_GRACE) -> None:
+        """Ask the template to stop its ranks (SIGTERM, then SIGKILL after ``grace``
+        seconds) and exit; kill it if it has not exited a while after that."""
         try:
-            self.command(op="exit")
+            self.command(op="exit", grace=grace)
         except OSError:
             pass
         try:
-            self.proc.wait(timeout)
+            self.proc.wait(grace + 5.0)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -104,6 +110,7 @@ class HostAgent:
         self.backlog: dict[int, deque[list[Any]]] = {}
         self.greeted: set[int] = set()  # ranks that said hello and still wait for ours
         self.expected_exits: set[int] = set()
+        self.stop_grace = DEFAULT_GRACE  # the controller's ``stop`` may say otherwise
         self.cfg: dict[str, Any] = {}
         #: Handlers of the controller's messages by kind (forwarded ones, with header
         #: ``f``, never get here): ``handler(header)``; "stop" ends the message loop.
@@ -112,6 +119,7 @@ class HostAgent:
             K.SIGNAL_RANKS: self.on_signal_ranks,
             K.KILL_RANKS: self.on_kill_ranks,
             K.STOP: self.on_stop,
+            K.NEW_PORT: self.on_new_port,
             K.HEARTBEAT: self.on_ignored,
             K.HELLO: self.on_ignored,
             K.DUMP_STACKS: self.on_dump_stacks,
@@ -142,6 +150,16 @@ class HostAgent:
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         wire_send(self.out, self.codec.encode(header, payload))
 
+    def send_heartbeat(self) -> None:
+        """A heartbeat never blocks the loop: if the controller does not take what we
+        send (its queue is full), it hears from us once it does."""
+        try:
+            wire_send(
+                self.out, self.codec.encode({"k": K.HEARTBEAT, "h": self.host}), flags=zmq.NOBLOCK
+            )
+        except zmq.Again:
+            pass
+
     def run(self) -> None:
         self.send(
             {
@@ -161,6 +179,7 @@ class HostAgent:
         while True:
             # While a rank waits for our hello, retry it every few milliseconds.
             quick = self.greeted or self.backlog
+            # Never wait longer than half a heartbeat interval, so heartbeats go on time.
             events = dict(poller.poll(2 if quick else int(HEARTBEAT_INTERVAL * 500)))
             if self.backlog:
                 self.flush_backlog()
@@ -182,8 +201,9 @@ class HostAgent:
                         break
                     if self.on_message(frames) == "stop":
                         return
+            now = time.monotonic()
             if now - last_hb >= HEARTBEAT_INTERVAL:
-                self.send({"k": K.HEARTBEAT, "h": self.host})
+                self.send_heartbeat()
                 last_hb = now
             if now - last_rx > self.hb_timeout:
                 log.error(
@@ -209,8 +229,8 @@ class HostAgent:
         hello = self.codec.encode({"k": K.HELLO})
         for r in list(self.greeted):
             try:
-                self.fan.send_multipart([b"r%d" % r, *hello])
-            except zmq.ZMQError:  # its inbox has not connected yet
+                self.fan.send_multipart([b"r%d" % r, *hello], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:  # its inbox has not connected yet (or is full)
                 continue
             self.greeted.discard(r)
 
@@ -294,8 +314,19 @@ class HostAgent:
         self.signal(h["d"], signal.SIGKILL)
 
     def on_stop(self, h: dict[str, Any]) -> str:
-        """STOP: leave the message loop (``shutdown`` then stops the ranks)."""
+        """STOP: leave the message loop (``shutdown`` then stops the ranks, giving them
+        ``grace`` seconds to exit cleanly)."""
+        try:
+            self.stop_grace = max(0.0, float(h.get("grace", DEFAULT_GRACE)))
+        except (TypeError, ValueError):
+            self.stop_grace = DEFAULT_GRACE
+        self.expected_exits.update(self.pids)
         return "stop"
+
+    def on_new_port(self, h: dict[str, Any]) -> None:
+        """NEW_PORT: answer request ``i`` with a free port on this host (the rendezvous
+        of a re-formed process group)."""
+        self.send({"k": K.PORT, "h": self.host, "i": h.get("i"), "port": free_port()})
 
     def on_ignored(self, h: dict[str, Any]) -> None:
         """HEARTBEAT and HELLO: receiving anything already counts as a heartbeat."""
@@ -386,7 +417,7 @@ class HostAgent:
         # Already on our way out: a SIGTERM now (the controller dying) must not cut the
         # clean-up short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        self.template.stop()
+        self.template.stop(self.stop_grace)
         # Report the exits the template emitted while stopping, then say goodbye.
         try:
             os.set_blocking(self.template.event_r, False)

@@ -18,6 +18,10 @@ import time
 
 from monarch_kernel.wire.osutil import die_with_parent
 
+#: Seconds ranks get to exit cleanly on SIGTERM before they are killed (the ``stop``
+#: message's ``grace`` when it has none).
+DEFAULT_GRACE = 3.0
+
 #: Modules imported before the first fork so every rank starts with them loaded.
 PREIMPORT = ("zmq", "cloudpickle", "monarch_kernel.rank.runtime", "torch")
 
@@ -42,6 +46,7 @@ class Template:
         self.children: dict[int, int] = {}  # pid -> rank
         self.run_ids: set[str] = set()  # meshes whose shared-memory files we clean up
         self.buf = b""
+        self.grace = DEFAULT_GRACE
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         signal.set_wakeup_fd(self.wake_w)
@@ -78,11 +83,11 @@ class Template:
                 while b"\n" in self.buf:
                     line, self.buf = self.buf.split(b"\n", 1)
                     if self.handle(json.loads(line)) == "exit":
-                        self.shutdown()
+                        self.shutdown(self.grace)
                         return
 
-    def shutdown(self) -> None:
-        self.stop_children()
+    def shutdown(self, grace: float = DEFAULT_GRACE) -> None:
+        self.stop_children(grace)
         from monarch_kernel.rank.dataplane import cleanup_shm
 
         for run_id in self.run_ids:
@@ -93,6 +98,7 @@ class Template:
         if op == "fork":
             self.fork(cmd["cfg"])
         elif op == "exit":
+            self.grace = float(cmd.get("grace", DEFAULT_GRACE))
             return "exit"
         return None
 
@@ -131,7 +137,10 @@ class Template:
             sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
             self.emit(e="exit", rank=rank, pid=pid, code=code, signal=sig)
 
-    def stop_children(self, grace: float = 1.0) -> None:
+    def stop_children(self, grace: float = DEFAULT_GRACE) -> None:
+        """SIGTERM every rank (they exit cleanly: ``atexit`` handlers, finalizers,
+        ``destroy_process_group``), wait up to ``grace`` seconds, SIGKILL the rest;
+        each exit is emitted."""
         for pid in list(self.children):
             try:
                 os.kill(pid, signal.SIGTERM)

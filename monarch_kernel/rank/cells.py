@@ -52,6 +52,7 @@ def run_cell(rank: Any, msg: Message, request: str | None) -> None:
         rank.run_user(eval, body, ns)
         result = rank.run_user(eval, value, ns) if value is not None else None
     except (Exception, KeyboardInterrupt) as exc:  # to the caller; SystemExit ends the rank
+        # (like a script: sys.exit(n) exits with n, see ``runtime.run_forked``)
         rank.reply_error(request, exc, "the cell")
         return
     finally:
@@ -61,4 +62,5 @@ def run_cell(rank: Any, msg: Message, request: str | None) -> None:
         sys.stderr.flush()
         capture.flush_fds()
     if request:
-        rank.reply(request, result, f"value of the cell's last expression on rank {rank.rank}")
+        # The same text on every rank: the controller groups identical failures.
+        rank.reply(request, result, "value of the cell's last expression", "the cell")

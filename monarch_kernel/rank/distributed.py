@@ -3,12 +3,127 @@
 Installed in the warm template before any rank is forked, so user code that does
 ``dist.init_process_group()`` (with or without arguments) a second time keeps the
 existing process group instead of failing.
+
+Also what the rank and the controller need to take a process group down and form it
+again after a failure: :func:`abort_process_group` (the ``abort_pg`` control message),
+:func:`reform_process_group` (run on every rank as cell code), and :func:`state` (in
+the ``ping`` reply). None of them imports torch: without torch they do nothing.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import threading
+from datetime import timedelta
 from typing import Any
+
+#: Held while the default group is aborted, destroyed or formed again (an abort comes
+#: on a thread of its own, a re-form on the main thread).
+_lock = threading.RLock()
+
+#: Backend of the last process group this rank initialised (kept after an abort or a
+#: destroy, so that a re-form uses the same one); None if it never had one.
+last_backend: str | None = None
+
+
+def _dist() -> Any:
+    """``torch.distributed`` if it is imported and usable here, else None."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available():
+        return None
+    return dist
+
+
+def is_initialized() -> bool:
+    """Whether this rank has a live default process group (without importing torch)."""
+    dist = _dist()
+    return dist is not None and dist.is_initialized()
+
+
+def state() -> tuple[str | None, bool]:
+    """``(backend of the last process group or None, whether a group is live now)``."""
+    global last_backend
+    dist = _dist()
+    live = dist is not None and dist.is_initialized()
+    if live and last_backend is None:  # initialised around our wrapper
+        try:
+            last_backend = str(dist.get_backend())
+        except Exception:
+            pass
+    return last_backend, live
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group if there is one."""
+    dist = _dist()
+    with _lock:
+        if dist is not None and dist.is_initialized():
+            state()  # remember its backend
+            dist.destroy_process_group()
+
+
+def abort_process_group() -> bool:
+    """Abort the default process group (and every other group) if there is one.
+
+    Aborting closes this rank's connections, so peers blocked in a collective with it
+    are released with an error. Afterwards no group is initialised here, so a re-form
+    can initialise again. Returns whether there was a group to abort.
+    """
+    dist = _dist()
+    with _lock:
+        if dist is None or not dist.is_initialized():
+            return False
+        state()  # remember its backend
+        import torch.distributed.distributed_c10d as c10d
+
+        abort = getattr(c10d, "_abort_process_group", None)
+        try:
+            if abort is not None:
+                abort()
+        finally:
+            if dist.is_initialized():  # no abort here, or it left the default group
+                dist.destroy_process_group()
+        return True
+
+
+def reform_process_group(
+    master_addr: str, master_port: int, backend: str | None = None, timeout_s: float = 60
+) -> str:
+    """Form this rank's default process group again, at a fresh rendezvous address.
+
+    Run on every rank of the mesh (the controller sends it as cell code): destroys the
+    current default group if any, then initialises a new one with ``backend`` (default:
+    the backend of the last group, else gloo), this rank's ``RANK`` and ``WORLD_SIZE``
+    and the rendezvous ``master_addr:master_port``. Returns the backend.
+    """
+    import torch.distributed as dist
+
+    global last_backend
+    with _lock:
+        try:
+            destroy_process_group()
+        except Exception:  # a broken group is what we replace
+            if dist.is_initialized():
+                try:
+                    import torch.distributed.distributed_c10d as c10d
+
+                    c10d._abort_process_group()
+                except Exception:
+                    pass
+        chosen = backend or last_backend or "gloo"
+        os.environ["MASTER_ADDR"] = str(master_addr)
+        os.environ["MASTER_PORT"] = str(int(master_port))
+        init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
+        init(
+            chosen,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timedelta(seconds=timeout_s),
+        )
+        last_backend = chosen
+    return chosen
 
 
 def install_idempotent_init() -> None:
@@ -25,9 +140,15 @@ def install_idempotent_init() -> None:
 
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> None:
+        global last_backend
         if dist.is_initialized():
             return None  # the notebook twist: re-running the init cell keeps the group
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        try:
+            last_backend = str(dist.get_backend())
+        except Exception:
+            pass
+        return result
 
     init_process_group.__monarch_idempotent__ = True  # type: ignore[attr-defined]
     dist.init_process_group = init_process_group

@@ -70,6 +70,10 @@ class Rank:
         self.next_seq = 0
         self.held: dict[int, Message] = {}
         self.in_user_code = False
+        #: A signal (SIGINT/SIGTERM) that came while the main thread was sending: raised
+        #: once that send is over, so a multipart message is never cut in half.
+        self.pending_signal: int | None = None
+        self.terminating = False  # SIGTERM: the rank is on its way out (see _on_sigterm)
         self.cancelled: set[str] = set()  # requests cancelled before or while they ran
         self.loop: asyncio.AbstractEventLoop | None = None
         self.parent = os.getppid()
@@ -94,7 +98,12 @@ class Rank:
             K.PUSH: self._push,
             K.PULL: self._pull,
             K.PING: self._ping,
+            K.ABORT_PG: self._abort_pg,
+            K.INPUT_REPLY: self._input_reply,
         }
+        from monarch_kernel.rank.stdin import InputBridge
+
+        self.stdin = InputBridge(self)
 
     def _dealer(self, ident: bytes, addr: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
@@ -107,6 +116,8 @@ class Rank:
     def send(self, header: dict[str, Any], payload: bytes = b"", buffers: Any = ()) -> None:
         with self.out_lock:
             wire_send(self.out, self.codec.encode(header, payload, buffers))
+        if self.pending_signal is not None:  # a signal came while the main thread sent
+            self._raise_pending()
 
     def _stream(self, name: str, text: str, request: str | None) -> None:
         self.send({"k": K.STREAM, "r": self.rank, "i": request, "n": name}, text.encode())
@@ -123,11 +134,16 @@ class Rank:
         header = {"k": K.METRIC, "r": self.rank, "i": context.current_request}
         self.send(header, pickle.dumps(clean))
 
-    def reply(self, request: str, value: Any, what: What) -> None:
+    def reply(self, request: str, value: Any, what: What, where: What | None = None) -> None:
+        """Send ``value`` as the result of ``request``; ``what`` names it in the error if
+        it does not pickle (the same on every rank, so that the controller groups the
+        failures of several ranks into one line), ``where`` is the report's ``where``
+        (default: ``what``)."""
         try:
             payload, buffers = dumps(value, what)
         except SerializationError as exc:
-            self.reply_error(request, exc, what if isinstance(what, str) else what())
+            at = what if where is None else where
+            self.reply_error(request, exc, at if isinstance(at, str) else at())
             return
         self.send({"k": K.RESULT, "i": request, "r": self.rank, "ok": 1}, payload, buffers)
 
@@ -145,6 +161,8 @@ class Rank:
         sys.stdout = capture.RankStream("stdout", self._stream, self.log_fd)
         sys.stderr = capture.RankStream("stderr", self._stream, self.log_fd)
         signal.signal(signal.SIGINT, self._on_sigint)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.stdin.install()
         device = "cpu"
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
@@ -188,9 +206,35 @@ class Rank:
             greet.close()
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
-        # Only user code is interrupted; a SIGINT while we send or wait is ignored so a
-        # multipart message is never cut in half.
+        # Only user code is interrupted; a SIGINT while we wait is ignored, one while user
+        # code sends (prints) is raised when that send is over, so that a multipart
+        # message is never cut in half.
         if self.in_user_code:
+            if _sending(frame):
+                self.pending_signal = signal.SIGINT
+                return
+            raise KeyboardInterrupt
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM (the mesh stops): leave by SystemExit from wherever the main thread is
+        (idle in its receive loop or in user code), so that ``run_forked`` runs the
+        clean-up (``destroy_process_group``, ``atexit`` handlers). Deferred while the
+        main thread is in the middle of sending a message."""
+        if _sending(frame):
+            self.pending_signal = signal.SIGTERM
+            return
+        self.terminating = True
+        raise RankTerminated(TERMINATED_CODE)
+
+    def _raise_pending(self) -> None:
+        """Raise the signal deferred while the main thread was sending (in the main
+        thread only: other threads send too)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        sig, self.pending_signal = self.pending_signal, None
+        if sig == signal.SIGTERM:
+            self._on_sigterm(sig, None)
+        elif sig == signal.SIGINT and self.in_user_code:
             raise KeyboardInterrupt
 
     # -- main loop -------------------------------------------------------------------
@@ -291,8 +335,13 @@ class Rank:
         try:
             cls, args, kwargs = loads(msg.payload, msg.buffers, f"constructor of actor {name!r}")
             self.actors[name] = self.run_user(cls, *args, **kwargs)
-        except (Exception, KeyboardInterrupt) as exc:  # to the caller; SystemExit ends the rank
+        except (Exception, KeyboardInterrupt) as exc:  # to the caller
             self.reply_error(request, exc, f"{getattr(cls, '__name__', name)}.__init__")
+            return
+        except BaseException as exc:  # SystemExit ...: that actor is stopped, not the rank
+            if self.terminating:
+                raise
+            self._actor_stopped(request, exc, name, cls, "constructor", "__init__")
             return
         if request:
             self.reply(request, None, f"spawn of {name}")
@@ -323,11 +372,35 @@ class Rank:
                 raise LookupError(f"no actor {name!r} on rank {self.rank} (was it stopped?)")
             args, kwargs = loads(msg.payload, msg.buffers, lambda: f"arguments of {where()}")
             result = self.run_user(getattr(actor, method), *args, **kwargs)
-        except (Exception, KeyboardInterrupt) as exc:  # to the caller; SystemExit ends the rank
+        except (Exception, KeyboardInterrupt) as exc:  # to the caller
             self.reply_error(request, exc, where())
             return
+        except BaseException as exc:  # SystemExit ...: that actor is stopped, not the rank
+            if self.terminating:
+                raise
+            self._actor_stopped(request, exc, name, type(actor), "endpoint", method)
+            return
         if request:
-            self.reply(request, result, lambda: f"result of {where()} on rank {self.rank}")
+            self.reply(request, result, lambda: f"result of {where()}", where)
+
+    def _actor_stopped(
+        self, request: str | None, exc: BaseException, name: str, cls: Any, what: str, method: str
+    ) -> None:
+        """User code of actor ``name`` raised a BaseException that is no Exception (say
+        SystemExit): like Monarch, only that actor stops; the rank and its other actors
+        keep running."""
+        self.actors.pop(name, None)
+        cls_name = getattr(cls, "__name__", "?")
+        report = exception_report(exc, f"{cls_name}.{method}")
+        report["message"] = (
+            f"actor {name!r} ({cls_name}) was stopped: its {what} raised {exc!r}; "
+            "other actors on this rank keep running"
+        )
+        report["host"] = self.cfg["hostname"]
+        if request is None:
+            self.send({"k": K.FAULT, "r": self.rank}, pickle.dumps(report))
+        else:
+            self.send({"k": K.RESULT, "i": request, "r": self.rank, "ok": 0}, pickle.dumps(report))
 
     # -- control thread --------------------------------------------------------------
     def _control_loop(self) -> None:
@@ -402,18 +475,72 @@ class Rank:
         if missing:
             raise NameError(f"name {missing[0]!r} is not defined on rank {self.rank}")
         values = [self.namespace[n] for n in names]
-        self.reply(msg.header["i"], values, f"pulled {', '.join(names)} on rank {self.rank}")
+        self.reply(msg.header["i"], values, f"pulled {', '.join(names)}")
 
     def _ping(self, msg: Message) -> None:
-        """PING: reply this rank's pid and its count of rejected (forged) messages."""
-        self.reply(msg.header["i"], {"pid": os.getpid(), "rejected": self.codec.rejected}, "ping")
+        """PING: reply this rank's pid, its count of rejected (forged) messages, the
+        backend of its last torch.distributed process group (``pg``) and whether that
+        group is live now (``pg_live``)."""
+        from monarch_kernel.rank import distributed
+
+        backend, live = distributed.state()
+        value = {
+            "pid": os.getpid(),
+            "rejected": self.codec.rejected,
+            "pg": backend,
+            "pg_live": live,
+        }
+        self.reply(msg.header["i"], value, "ping")
+
+    def _abort_pg(self, msg: Message) -> None:
+        """ABORT_PG: abort the default process group (releases peers blocked in a
+        collective with this rank); fire and forget, errors go to the log. It runs on a
+        thread of its own and is waited for at most ABORT_WAIT seconds (so that a ping
+        right after it sees the group gone), so a backend slow to abort never holds up
+        pings, cancels and stack dumps for long."""
+        from monarch_kernel.rank import distributed
+
+        def abort() -> None:
+            try:
+                distributed.abort_process_group()
+            except Exception:
+                log.exception("rank %s: aborting the process group failed", self.rank)
+
+        thread = threading.Thread(target=abort, name="mk-abort-pg", daemon=True)
+        thread.start()
+        thread.join(ABORT_WAIT)
+
+    def _input_reply(self, msg: Message) -> None:
+        """INPUT_REPLY: the notebook's answer to an ``input()`` waiting on this rank."""
+        self.stdin.answer(msg.header)
 
 
 def _ignore(msg: Message) -> None:
     """A control message that needs nothing done (HELLO)."""
 
 
+#: Exit status of a rank that ended on SIGTERM without running user clean-up to the end
+#: (it normally ends killed by SIGTERM itself, after the clean-up; see ``run_forked``).
+TERMINATED_CODE = 128 + signal.SIGTERM
+
+
+class RankTerminated(SystemExit):
+    """Raised in the main thread by SIGTERM: the rank exits (it never stops an actor)."""
+
+
+def _sending(frame: Any) -> bool:
+    """Whether ``frame`` (where a signal found the main thread) is inside ``Rank.send``."""
+    code = Rank.send.__code__
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 STATS_INTERVAL = 1.0
+#: How long the control thread waits for an abort of the process group to finish.
+ABORT_WAIT = 1.0
 
 
 _START = (REQUEST_START + "\n").encode()
@@ -455,8 +582,16 @@ def _register_stacks_dump(log_path: str) -> None:
 
 
 def run_forked(cfg: dict[str, Any], template_pid: int) -> None:
-    """Entry point of a freshly forked rank (called by the host template); never returns."""
+    """Entry point of a freshly forked rank (called by the host template); never returns.
+
+    The rank ends like a Python script: ``sys.exit()`` (or ``sys.exit(None)``) with code
+    0, ``sys.exit(n)`` with ``n``, ``sys.exit("message")`` with 1 and the message on
+    stderr, an uncaught exception with 1 and its traceback. Then the process group is
+    destroyed, ``atexit`` handlers run and the streams are flushed (see :func:`_clean_up`).
+    A rank stopped by SIGTERM does all that and then ends killed by SIGTERM.
+    """
     code = 0
+    terminated = False
     try:
         die_with_parent(signal.SIGKILL, expected_parent=template_pid)
         log_fd = os.open(cfg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -472,12 +607,74 @@ def run_forked(cfg: dict[str, Any], template_pid: int) -> None:
             os.chdir(cfg["cwd"])
         sys.path.extend(p for p in cfg.get("sys_path", ()) if p not in sys.path)
         Rank(cfg, log_fd).run()
+    except RankTerminated:
+        terminated = True
+        code = TERMINATED_CODE
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = _exit_code(exc.code)
     except BaseException:
         import traceback
 
         traceback.print_exc()
         code = 1
     finally:
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the clean-up is not cut short
+            runtime = context._runtime
+            terminated = terminated or bool(getattr(runtime, "terminating", False))
+            _clean_up()
+        except BaseException:  # nothing may keep the rank from exiting
+            pass
+        if terminated:  # stopped: end as the signal asked (the host agent sees SIGTERM)
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+            except BaseException:
+                pass
         os._exit(code)
+
+
+def _exit_code(code: object) -> int:
+    """The exit status of ``SystemExit(code)``, as Python gives it to a script."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        sys.stderr.write(f"{code}\n")
+    except Exception:
+        pass
+    return 1
+
+
+#: How long the exit path waits for ``destroy_process_group`` (it may hang on a peer).
+DESTROY_TIMEOUT = 1.0
+
+
+def _clean_up() -> None:
+    """What a Python process does on its way out, which ``os._exit`` skips: tear down
+    the process group (bounded), run ``atexit`` handlers, flush the streams."""
+    from monarch_kernel.rank import distributed
+
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            distributed.destroy_process_group()
+        except Exception:
+            pass
+        finally:
+            done.set()
+
+    if distributed.is_initialized():
+        threading.Thread(target=destroy, name="mk-destroy-pg", daemon=True).start()
+        done.wait(DESTROY_TIMEOUT)
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    capture.flush_fds()
