@@ -114,8 +114,11 @@ class Gather:
             # Its thread notes how the last ranks were released just after they answer.
             incident.settled.wait(5.0)
         released = set(incident.released) if incident is not None else set()
+        deaths = [r for r in self._failed_order if isinstance(self._lost.get(r), RankDiedError)]
         if incident is not None and incident.root_rank in self._index:
             root = incident.root_rank
+        elif deaths:  # peers fail at once when a rank dies; its death is the cause
+            root = deaths[0]
         else:
             root = self._failed_order[0]
         order = [root] + [r for r in self._failed_order if r != root]

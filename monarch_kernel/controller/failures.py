@@ -139,7 +139,15 @@ class FailureHandler:
         if pending is None or not pending.waiting or pending.kind is RequestKind.CONTROL:
             return  # complete already: nobody is left waiting for the failed rank
         with self._lock:
-            if rid in self._incidents:
+            known = self._incidents.get(rid)
+            if known is not None:
+                # A death reported a moment after a peer's error is the root cause: peers
+                # in a collective with a rank that dies fail at once (connection closed),
+                # often before its host agent's exit report arrives.
+                young = time.monotonic() - known.opened < max(self.grace, 0.5)
+                if cause.startswith("died") and not known.cause.startswith("died") and young:
+                    known.root_rank, known.cause = rank, cause
+                    known.outcome = self._plan()
                 return
             incident = Incident(rid, pending.what, rank, cause, self.policy, self.grace)
             if cause.startswith("died"):
