@@ -72,6 +72,8 @@ def test_faults_notebook_kills_restarts_and_finds_a_stuck_rank():
     assert "odd one out" in stacks and "time.sleep(60)" in stacks, stacks
     released = _text(code[9])
     assert "KeyboardInterrupt in the cell on rank 3 of 4" in released, released
-    assert "released by aborting the process group: 0-2" in released
+    # ranks blocked in gloo's all_reduce are released by the abort, or else killed
+    assert "ranks 0-2 were still running" in released
+    assert "released by aborting the process group" in released or "killed" in released
     assert "{gpus=3}: 4.0" in _text(code[10])
     assert "stopped" in _text(code[11])

@@ -88,9 +88,9 @@ class Incident:
         for rank, how in self.released.items():
             by_how.setdefault(how, []).append(rank)
         ranks = format_ranks(list(self.released))
-        plural = "ranks" if len(self.released) > 1 else "rank"
+        who = f"ranks {ranks} were" if len(self.released) > 1 else f"rank {ranks} was"
         text = (
-            f"{plural} {ranks} were still running {self.what or 'it'} {self.grace:.1f}s after "
+            f"{who} still running {self.what or 'it'} {self.grace:.1f}s after "
             f"rank {self.root_rank} {self.cause} (waiting for it in a collective?); "
             + "; ".join(f"{how}: {format_ranks(rs)}" for how, rs in by_how.items())
             + "."

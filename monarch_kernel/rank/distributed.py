@@ -49,7 +49,7 @@ def state() -> tuple[str | None, bool]:
     live = dist is not None and dist.is_initialized()
     if live and last_backend is None:  # initialised around our wrapper
         try:
-            last_backend = str(dist.get_backend())
+            last_backend = _backend_name(dist)
         except Exception:
             pass
     return last_backend, live
@@ -112,7 +112,9 @@ def reform_process_group(
                     c10d._abort_process_group()
                 except Exception:
                     pass
-        chosen = backend or last_backend or "gloo"
+        chosen = backend or last_backend
+        if chosen in (None, "undefined"):
+            chosen = None  # torch's default for the devices it has (gloo / nccl)
         os.environ["MASTER_ADDR"] = str(master_addr)
         os.environ["MASTER_PORT"] = str(int(master_port))
         init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
@@ -122,8 +124,17 @@ def reform_process_group(
             world_size=int(os.environ["WORLD_SIZE"]),
             timeout=timedelta(seconds=timeout_s),
         )
-        last_backend = chosen
-    return chosen
+        last_backend = _backend_name(dist)
+    return last_backend or "default"
+
+
+def _backend_name(dist: Any) -> str:
+    """``gloo``, ``nccl`` or ``cpu:gloo,cuda:nccl`` for the default process group."""
+    try:
+        config = str(dist.get_backend_config())
+    except Exception:
+        config = ""
+    return config or str(dist.get_backend())
 
 
 def install_idempotent_init() -> None:
@@ -145,7 +156,7 @@ def install_idempotent_init() -> None:
             return None  # the notebook twist: re-running the init cell keeps the group
         result = original(*args, **kwargs)
         try:
-            last_backend = str(dist.get_backend())
+            last_backend = _backend_name(dist)
         except Exception:
             pass
         return result
