@@ -8,7 +8,9 @@ and free ports from the host agent; one grouped error for unpicklable results;
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import getpass
 import os
 import signal
 import time
@@ -29,6 +31,7 @@ from monarch_kernel.actor import (
     endpoint,
     this_host,
 )
+from monarch_kernel.controller.events import InputRequested
 from monarch_kernel.host.agent import free_port
 from monarch_kernel.kernel.remote import RemoteJob
 from monarch_kernel.wire import kinds as K
@@ -105,6 +108,24 @@ def intercept(procs: ProcMesh, kind: str, keep: bool = False) -> Iterator[list[d
             handlers.pop(kind, None)
         else:
             handlers[kind] = before
+
+
+@contextlib.contextmanager
+def input_requests(procs: ProcMesh) -> Iterator[list[dict[str, Any]]]:
+    """The ranks' input() calls while the block runs, as the controller announces them
+    (InputRequested), in the keys of the wire's ``input`` header."""
+    seen: list[dict[str, Any]] = []
+
+    def record(e: Any) -> None:
+        seen.append(
+            {"r": e.rank, "i": e.request, "n": e.serial, "p": e.prompt, "pw": int(e.password)}
+        )
+
+    procs.runtime.events.subscribe(record, InputRequested)
+    try:
+        yield seen
+    finally:
+        procs.runtime.events.unsubscribe(record)
 
 
 @pytest.fixture
@@ -235,17 +256,17 @@ def test_stop_kills_a_rank_that_ignores_sigterm_after_the_grace():
 
 
 def test_host_agent_heartbeats_twice_a_second_and_answers_new_port(procs4):
-    with intercept(procs4, K.HEARTBEAT) as beats, intercept(procs4, K.PORT) as ports:
-        time.sleep(2.2)
-        procs4.runtime.transport.send_host(0, {"k": K.NEW_PORT, "i": "port-1"})
-        wait_until(lambda: ports, timeout=5, what="the host agent's port answer")
-    times = [b["_at"] for b in beats]
-    assert len(times) >= 3, times
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    assert max(gaps) < 0.8, gaps
-    (answer,) = ports
-    assert answer["h"] == 0 and answer["i"] == "port-1"
-    assert isinstance(answer["port"], int) and 0 < answer["port"] < 65536
+    host = procs4.runtime.hosts[0]
+    seen = [host.last_seen]
+    end = time.monotonic() + 2.2
+    while time.monotonic() < end:  # when the controller last heard the agent
+        if host.last_seen != seen[-1]:
+            seen.append(host.last_seen)
+        time.sleep(0.02)
+    gaps = [b - a for a, b in zip(seen, seen[1:])]
+    assert len(seen) >= 4 and max(gaps) < 0.8, gaps
+    port = procs4.runtime.new_port(0)
+    assert isinstance(port, int) and 0 < port < 65536
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -270,43 +291,57 @@ def test_unpicklable_results_of_many_ranks_are_one_grouped_error(procs4):
 # -- input() -----------------------------------------------------------------------------
 
 
-def test_input_getpass_and_stdin_are_asked_of_the_notebook(procs4):
+def test_input_getpass_and_stdin_are_asked_of_the_notebook(procs4, monkeypatch):
+    """A foreground cell's job answers its ranks' input() with the notebook's input()
+    (here the test's stand-in for a person typing), in the cell's own thread."""
     rank1 = procs4.slice(gpus=1)
-    with intercept(procs4, K.INPUT) as asked:
+    typed: list[str] = []
+    prompts: list[str] = []
 
-        def answer(**reply: Any) -> dict[str, Any]:
-            wait_until(lambda: asked, timeout=10, what="the rank's input request")
-            h = asked.pop()
-            procs4.runtime.send_control(1, {"k": K.INPUT_REPLY, "n": h["n"], **reply})
-            return h
+    def person(prompt: str = "") -> str:
+        prompts.append(prompt)
+        line = typed.pop(0)
+        if line == "<refuse>":
+            raise EOFError("this notebook does not take input")
+        if line == "<slow>":
+            time.sleep(1.0)
+            return "too late"
+        return line
 
+    monkeypatch.setattr(builtins, "input", person)
+    monkeypatch.setattr(getpass, "getpass", person)
+    with input_requests(procs4) as asked:
+        typed.append("bob")
         job = start_cell(rank1, "print('before', flush=True)\nname = input('name? ')\nname.upper()")
-        h = answer(v="bob")
-        assert (h["r"], h["i"], h["p"], h["pw"]) == (1, job.request_id, "name? ", 0)
         assert job.wait(10).values() == ["BOB"]
+        h = asked.pop()
+        assert (h["r"], h["i"], h["p"], h["pw"]) == (1, job.request_id, "name? ", 0)
+        assert prompts.pop() == "[rank 1] name? "
 
+        typed.append("<refuse>")
         job = start_cell(rank1, "import getpass\ngetpass.getpass()")
-        h = answer(e="this notebook does not take input")
-        assert (h["p"], h["pw"]) == ("Password: ", 1)
         with pytest.raises(ActorError, match="EOFError.*this notebook does not take input"):
             job.wait(10)
+        h = asked.pop()
+        assert (h["p"], h["pw"]) == ("Password: ", 1)
 
+        typed.append("a line")
         job = start_cell(rank1, "import sys\nsys.stdin.isatty(), sys.stdin.readline()")
-        h = answer(v="a line")
-        assert h["p"] == ""
         assert job.wait(10).values() == [(False, "a line\n")]
+        assert asked.pop()["p"] == ""
 
-        # cancelled while it waits: KeyboardInterrupt, the rank lives on
+        # cancelled while it waits (nobody waits on the job to answer): the rank lives on
         pid = rank1.ping().get(timeout=10).values()[0]["pid"]
         job = start_cell(rank1, "input('waiting> ')")
         wait_until(lambda: asked, timeout=10, what="the rank's input request")
         job.cancel()
         with pytest.raises(ActorError, match="KeyboardInterrupt"):
-            job.wait(10)
+            job.future.get(10)
         assert rank1.ping().get(timeout=10).values()[0]["pid"] == pid
         asked.clear()
 
-        # no answer at all: EOFError after the timeout
+        # an answer that comes too late: EOFError after the rank's timeout
+        typed.append("<slow>")
         job = start_cell(
             rank1,
             "import monarch_kernel.rank.stdin as s\ns.INPUT_TIMEOUT = 0.3\n"

@@ -130,11 +130,13 @@ def reform_process_group(
 
 def _backend_name(dist: Any) -> str:
     """``gloo``, ``nccl`` or ``cpu:gloo,cuda:nccl`` for the default process group."""
-    try:
-        config = str(dist.get_backend_config())
-    except Exception:
-        config = ""
-    return config or str(dist.get_backend())
+    name = str(dist.get_backend())
+    if name == "undefined":  # initialised without a backend: one per device type
+        try:
+            name = str(dist.get_backend_config())
+        except Exception:
+            pass
+    return name
 
 
 def install_idempotent_init() -> None:
