@@ -144,7 +144,7 @@ class Dashboard(W.VBox):
                 description="Cancel",
                 icon="times",
                 tooltip="Interrupt this job on the ranks still running it",
-                layout=W.Layout(width="auto"),
+                layout=W.Layout(width="auto", flex="0 0 auto"),
             )
             cancel.on_click(lambda _b, i=i: self._cancel_slot(i))
             self.job_labels.append(label)
@@ -155,6 +155,9 @@ class Dashboard(W.VBox):
         self.jobs_box = W.VBox(
             [self.jobs_title, *self.job_rows], layout=W.Layout(display="none", margin="0 0 2px")
         )
+        for b in (self.interrupt_button, self.stacks_button, self.restart_button, self.stop_button):
+            b.layout.flex = "0 0 auto"  # a long status wraps; the buttons keep their labels
+        self.status_html.layout.flex = "1 1 auto"
         buttons = W.HBox(
             [
                 self.interrupt_button,

@@ -169,9 +169,9 @@ class Recovery:
             what = "re-formed the process group"
         else:
             what = "nothing to restart"
-        text = f"recovered: {what} in {rep.seconds:.1f}s"
+        text = f"recovered: {what} in {rep.seconds:.2f}s"
         if rep.reason:
-            text += f" ({rep.reason})"
+            text += f", {rep.reason}"
         if rep.problems:
             text += f"; {len(rep.problems)} problem(s), see below"
         return text
