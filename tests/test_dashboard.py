@@ -106,6 +106,27 @@ class WidgetKernel(Kernel):
                 return comm_id, m
         raise KeyError(label)
 
+    def cancel_button(self, mesh: str, what: str) -> str:
+        """The comm id of the Cancel button of the running job ``what`` (``cell 12``)."""
+        for comm_id in self._dashboard(mesh)["_all"]:
+            m = self.models[comm_id]
+            if (
+                m.get("_model_name") == "ButtonModel"
+                and m.get("description") == "Cancel"
+                and f"Cancel {what}:" in m.get("tooltip", "")
+                and not m.get("disabled")
+            ):
+                return comm_id
+        raise KeyError(what)
+
+    def job_row(self, mesh: str, what: str) -> str:
+        """The running-jobs row of ``what`` ("" when it is not listed)."""
+        for comm_id in self._dashboard(mesh)["_all"]:
+            value = self.models[comm_id].get("value", "")
+            if isinstance(value, str) and 'class="mk-job"' in value and f"<b>{what}</b>" in value:
+                return value
+        return ""
+
     def click(self, comm_id: str, subshell_id: str | None = None) -> None:
         msg = self.kc.session.msg(
             "comm_msg",
@@ -157,7 +178,8 @@ class WidgetKernel(Kernel):
 @pytest.fixture(scope="module")
 def kernel():
     k = WidgetKernel()
-    r = k.run("%mesh m --gpus 4")
+    # --on-failure continue: a dead rank stays dead until restarted (from the dashboard)
+    r = k.run("%mesh m --gpus 4 --on-failure continue")
     assert "ready" in r.stdout, r.stderr + r.error_text
     k.first = r
     yield k
@@ -262,6 +284,9 @@ def test_busy_tile_names_the_endpoint(kernel):
         lambda: "sleepers.nap" in kernel.tiles("m")[1]["description"], what="endpoint name"
     )
     assert kernel.tile_state("m", 0) == "idle"
+    # ... and the running-jobs list has it (calls once they ran half a second)
+    kernel.wait_for(lambda: kernel.job_row("m", "sleepers.nap"), what="the call listed")
+    assert "running on rank 1 · " in kernel.job_row("m", "sleepers.nap")
     assert kernel.run("fut.get()").text == "2.0"
     kernel.wait_for(lambda: kernel.tile_state("m", 1) == "idle", what="idle again")
     assert "last: sleepers.nap" in kernel.tiles("m")[1]["description"]
@@ -328,6 +353,80 @@ def test_dead_rank_shows_exit_and_output_then_restart_button(kernel):
     assert kernel.button("m", "Restart dead ranks")[1]["disabled"]
     r = kernel.run("%remote m int(__import__('os').environ['RANK'])")
     assert "{gpus=2}: 2" in r.text
+
+
+def test_cancel_a_bg_cell_from_the_running_jobs(kernel):
+    """A ``--bg`` cell is listed while it runs (on which ranks, for how long); its
+    Cancel button interrupts it on the ranks still running it, and it leaves the list."""
+    r = kernel.run(
+        "%%remote m --bg\nimport os, time\n"
+        "if os.environ['RANK'] != '0':\n"
+        "    for _ in range(600):\n"
+        "        time.sleep(0.1)\n"
+    )
+    assert "running" in r.shown, r.error_text
+    what = "cell " + re.search(r"RemoteJob cell (\S+) on", r.shown).group(1)
+    # rank 0 finished at once: the row names the ranks still running it, and its time runs
+    kernel.wait_for(
+        lambda: "running on ranks 1-3 (1 of 4 done) · 1s" in kernel.job_row("m", what),
+        what="the job listed, with its live time",
+    )
+    rid = re.search(r'data-request="(\w+)"', kernel.job_row("m", what)).group(1)
+    kernel.click(kernel.cancel_button("m", what))
+    kernel.wait_for(
+        lambda: f"cancelled {what} on ranks 1-3" in kernel.html("m", "mk-status"),
+        what="the status",
+    )
+    kernel.wait_for(lambda: not kernel.job_row("m", what), what="the job to leave the list")
+    kernel.wait_for(
+        lambda: all(kernel.tile_state("m", i) == "idle" for i in range(4)), what="idle again"
+    )
+    incident = kernel.html("m", "mk-errors").split('class="mk-incident"')[1]
+    assert what in incident and "KeyboardInterrupt" in incident and "ranks 1-3" in incident
+    # cancelling it again: it had finished
+    r = kernel.run(f"from monarch_kernel.widgets import dashboard\ndashboard(m).cancel({rid!r})")
+    assert not r.errors, r.error_text
+    kernel.wait_for(
+        lambda: f"{what} had finished" in kernel.html("m", "mk-status"), what="had finished"
+    )
+    assert kernel.run("%remote m 'alive'").text.count("'alive'") == 4
+
+
+def test_recovery_shows_the_phase_and_what_was_lost(kernel):
+    """While ranks restart in place the header says so; MeshRecovered's report (which
+    ranks restarted, what was re-run, what state was lost) shows in the incident area."""
+    start = time.time()
+    r = kernel.run(
+        "from monarch_kernel.controller.records import SetupCell\n"
+        "m.runtime.remember_setup(SetupCell('import time\\ntime.sleep(0.8)', 'slow-setup'))\n"
+        "try:\n"
+        "    _rep = m.restart([1])\n"
+        "finally:\n"
+        "    m.runtime.setup_cells[:] = [c for c in m.runtime.setup_cells"
+        " if c.label != 'slow-setup']\n"
+        "print(_rep.describe('m'))"
+    )
+    assert "restarted rank(s) 1" in r.stdout, r.stdout + r.error_text
+
+    def newest_recovery() -> str:
+        return kernel.html("m", "mk-errors").split('class="mk-recovery"')[1]
+
+    kernel.wait_for(lambda: "recovered · rank 1 of 4" in newest_recovery(), what="the report")
+    assert "Errors and recoveries (newest first)" in kernel.html("m", "mk-errors")
+    recovery = newest_recovery()
+    assert "restarted rank(s) 1" in recovery and "re-ran setup cell(s) slow-setup" in recovery
+    assert "lost on the restarted rank(s): variables and imports" in recovery
+    kernel.wait_for(
+        lambda: "restarted ranks 1 in" in kernel.html("m", "mk-status"), what="the status"
+    )
+    # the header showed the phase while the setup cell was re-run
+    head_id = next(
+        c for c in kernel._dashboard("m")["_all"] if "mk-head" in kernel.models[c].get("value", "")
+    )
+    shown = [u["value"] for t, u in kernel.history[head_id] if t >= start and "value" in u]
+    assert any("recovering: restarting ranks" in v and "mk-phase-recovering" in v for v in shown)
+    kernel.wait_for(lambda: "· running ·" in kernel.html("m", "mk-head"), what="running again")
+    assert kernel.tiles("m")[1]["description"].startswith("rank 1 · idle")
 
 
 def test_interrupt_button_works_while_a_cell_is_busy(kernel):
@@ -470,5 +569,42 @@ def test_64_ranks_reporting_every_10ms_in_process():
         assert dash.compact and dash.tiles[5].description.startswith("5 idle")
         assert 'data-label="mean of 64"' in dash.charts.value
         assert "<b>64/64</b> alive" in dash.header.value
+    finally:
+        procs.stop()
+
+
+def test_a_dead_rank_restarted_by_the_policy_in_process():
+    """Under ``--on-failure restart`` a rank that dies mid-job: the job leaves the list,
+    the header says the mesh is recovering, and the report says what was restarted."""
+    import os
+    import signal
+
+    from monarch_kernel.actor import this_host
+    from monarch_kernel.controller.records import SetupCell
+    from monarch_kernel.kernel.remote import RemoteJob
+    from monarch_kernel.widgets import dashboard
+
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="auto", grace=0.5)
+    try:
+        dash = dashboard(procs)
+        heads: list[str] = []
+        dash.header.observe(lambda change: heads.append(change["new"]), names="value")
+        loop = "import time\nfor _ in range(600):\n    time.sleep(0.1)\n"
+        job = RemoteJob(procs, loop, "9", None).start()
+        wait_until(lambda: dash.job_labels[0].value, timeout=10, what="the job listed")
+        assert "<b>cell 9</b> · running on ranks 0-1 · " in dash.job_labels[0].value
+        assert not dash.cancel_buttons[0].disabled and dash.jobs_box.layout.display == "flex"
+        # a setup cell that takes a while: the recovery is long enough to be seen
+        procs.runtime.remember_setup(SetupCell("import time\ntime.sleep(0.8)", "slow-setup"))
+        os.kill(procs.runtime.ranks[1].pid, signal.SIGKILL)
+        wait_until(lambda: dash.state.recovery_count == 1, timeout=30, what="the recovery")
+        wait_until(lambda: "recovered: restarted ranks 1" in dash.status, what="the status")
+        assert any("recovering: restarting" in h and "mk-phase-recovering" in h for h in heads)
+        wait_until(lambda: "mk-recovery" in dash.errors.value, what="the report")
+        assert "restarted rank(s) 1" in dash.errors.value and "slow-setup" in dash.errors.value
+        assert "lost on the restarted rank(s)" in dash.errors.value
+        assert job.done() and not dash.state.jobs
+        wait_until(lambda: dash.jobs_box.layout.display == "none", what="the list hidden")
+        assert dash.job_labels[0].value == "" and dash.cancel_buttons[0].disabled
     finally:
         procs.stop()

@@ -9,11 +9,11 @@ Threads:
 * the dashboard's updater thread wakes every ``interval`` seconds (0.25 s: at most four
   updates a second), folds the queued events in, renders each part and sends only the
   widgets whose value changed (each widget's changes as one comm message);
-* button clicks arrive on whichever thread the kernel handles the comm message on: a
-  subshell thread when the frontend sends comms over subshells (JupyterLab >= 4.4 with
-  ipykernel >= 7), so they work while a cell is busy; else the main thread, after the
-  running cell. They only record the request; slow actions (restart, stop) run on a
-  worker thread.
+* button clicks (Cancel included) arrive on whichever thread the kernel handles the comm
+  message on: a subshell thread when the frontend sends comms over subshells (JupyterLab
+  >= 4.4 with ipykernel >= 7), so they work while a cell is busy; else the main thread,
+  after the running cell. They only record the request; slow actions (restart, stop, cancel)
+  run on a worker thread.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from monarch_kernel.controller.errors import format_ranks
 from monarch_kernel.controller.records import MeshPhase, RankState
 from monarch_kernel.widgets import render
 from monarch_kernel.widgets.display import Display, prefer_frontend_subshell
-from monarch_kernel.widgets.state import MeshState, TileView
+from monarch_kernel.widgets.state import MAX_JOBS, MeshState, TileView
 
 if TYPE_CHECKING:
     from monarch_kernel.actor.meshes import ProcMesh
@@ -45,7 +45,8 @@ CONFIRM_S = 4.0  # the stop button asks for a second click within this time
 
 
 class Dashboard(W.VBox):
-    """Live view of one process mesh: header, rank tiles, charts, errors, buttons.
+    """Live view of one process mesh: header, buttons, running jobs (each with a Cancel
+    button), rank tiles, charts, errors and recoveries.
 
     Create it with :func:`monarch_kernel.widgets.dashboard`; display it like any widget.
     Frontends without widget support show a static HTML snapshot instead.
@@ -74,6 +75,8 @@ class Dashboard(W.VBox):
         self._last_charts = 0.0
         self._chart_key: tuple[int, int] = (-1, -1)
         self._error_key = -1
+        self._recoveries_seen = 0
+        self._phase_seen = runtime.state
         n = runtime.world
         self.compact = n > render.FULL_TILES_MAX
         self.columns = render.grid_columns(self.state)
@@ -127,6 +130,34 @@ class Dashboard(W.VBox):
         self.stacks_button.on_click(lambda _b: self.show_stacks())
         prefer_frontend_subshell(self.stacks_button)
         self.stacks_html = W.HTML()  # filled by the Stacks button
+        # Running jobs: a fixed pool of rows (hidden when unused). A job keeps its row
+        # while it runs, so rows do not move under the pointer; each row's Cancel
+        # cancels the job shown in it.
+        self.jobs_title = W.HTML()
+        self.job_labels: list[W.HTML] = []
+        self.cancel_buttons: list[W.Button] = []
+        self.job_rows: list[W.HBox] = []
+        self._job_slots: list[str | None] = [None] * MAX_JOBS
+        for i in range(MAX_JOBS):
+            label = W.HTML()
+            cancel = W.Button(
+                description="Cancel",
+                icon="times",
+                tooltip="Interrupt this job on the ranks still running it",
+                layout=W.Layout(width="auto", flex="0 0 auto"),
+            )
+            cancel.on_click(lambda _b, i=i: self._cancel_slot(i))
+            self.job_labels.append(label)
+            self.cancel_buttons.append(cancel)
+            self.job_rows.append(
+                W.HBox([label, cancel], layout=W.Layout(display="none", align_items="center"))
+            )
+        self.jobs_box = W.VBox(
+            [self.jobs_title, *self.job_rows], layout=W.Layout(display="none", margin="0 0 2px")
+        )
+        for b in (self.interrupt_button, self.stacks_button, self.restart_button, self.stop_button):
+            b.layout.flex = "0 0 auto"  # a long status wraps; the buttons keep their labels
+        self.status_html.layout.flex = "1 1 auto"
         buttons = W.HBox(
             [
                 self.interrupt_button,
@@ -138,10 +169,25 @@ class Dashboard(W.VBox):
         )
         body = W.Box([grid, self.detail], layout=W.Layout(display="flex", flex_flow="row wrap"))
         super().__init__(
-            [self.css, self.header, buttons, self.stacks_html, body, self.charts, self.errors]
+            [
+                self.css,
+                self.header,
+                buttons,
+                self.jobs_box,
+                self.stacks_html,
+                body,
+                self.charts,
+                self.errors,
+            ]
         )
         self.add_class("mk-dash")
-        for w in (*self.tiles, self.interrupt_button, self.restart_button, self.stop_button):
+        for w in (
+            *self.tiles,
+            *self.cancel_buttons,
+            self.interrupt_button,
+            self.restart_button,
+            self.stop_button,
+        ):
             prefer_frontend_subshell(w)
         self.state.attach()
         self._tick()
@@ -223,6 +269,40 @@ class Dashboard(W.VBox):
         self._procs().interrupt()
         self._set_status(f"interrupt sent to ranks {format_ranks(alive)}")
 
+    def _cancel_slot(self, slot: int) -> None:
+        """The Cancel button of row ``slot``: cancel the job it shows."""
+        rid = self._job_slots[slot]
+        if rid is None:
+            self._set_status("that job had finished")
+            return
+        self.cancel(rid)
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a running job (a ``%%remote`` cell, ``--bg`` ones included, or an
+        actor call): interrupt it on the ranks still running it and skip it where it has
+        not started yet (``MeshRuntime.cancel_request``), on a worker thread; the status
+        line says what was done."""
+        what = self.state.errors.what(request_id) or f"request {request_id}"
+        rt = self.runtime
+        if rt.state.ended:
+            self._set_status(f"the mesh is stopped: {what} is not running")
+            return
+
+        def work() -> None:
+            try:
+                ranks = rt.cancel_request(request_id)
+            except Exception as exc:  # shown in the dashboard
+                self._set_status(f"cancel of {what} failed: {exc}".split("\n")[0])
+                return
+            if not ranks:
+                self._set_status(f"{what} had finished")
+                return
+            self.state.cancelling.add(request_id)  # its row says so until it ends
+            many = "ranks" if len(ranks) > 1 else "rank"
+            self._set_status(f"cancelled {what} on {many} {format_ranks(ranks)}")
+
+        self._run_action(work, f"cancelling {what}…")
+
     def show_stacks(self) -> None:
         """Show every rank's Python stacks now, grouped, under the buttons (collected on
         a worker thread, in about a second at most; see ``%mesh stacks``)."""
@@ -266,11 +346,15 @@ class Dashboard(W.VBox):
         def work() -> None:
             t0 = time.monotonic()
             try:
-                self._procs().restart(ranks)
+                report = self._procs().restart(ranks)
             except Exception as exc:  # shown in the dashboard
                 self._set_status(f"restart of ranks {label} failed: {exc}".split("\n")[0])
             else:
-                self._set_status(f"restarted ranks {label} in {time.monotonic() - t0:.1f}s")
+                n = len(report.problems)
+                problems = f"; {n} problem(s), see below" if n else ""
+                self._set_status(
+                    f"restarted ranks {label} in {time.monotonic() - t0:.1f}s{problems}"
+                )
 
         self._run_action(work, f"restarting ranks {label}…")
 
@@ -338,6 +422,7 @@ class Dashboard(W.VBox):
     def _tick_locked(self) -> None:
         st = self.state
         st.drain()
+        self._note_phase()
         now = time.monotonic()
         if now - self._last_sample >= 1.0:
             self._last_sample = now
@@ -373,12 +458,59 @@ class Dashboard(W.VBox):
         if st.error_version != self._error_key:
             self._error_key = st.error_version
             sent += self._put(self.errors, value=render.errors_html(st))
+        sent += self._put_jobs(now)
         sent += self._put_buttons(views, now)
         if sent:
             self._last_flush = time.monotonic()
             self.flushes += 1
             self.messages += sent
             self.flush_times.append(time.time())
+
+    def _note_phase(self) -> None:
+        """Say in the status line when the mesh starts recovering and what a recovery
+        did (one the Restart button asked for says so itself)."""
+        st = self.state
+        if st.mesh_state is not self._phase_seen:
+            self._phase_seen = st.mesh_state
+            if st.mesh_state is MeshPhase.RECOVERING:
+                self._set_status("recovering: restarting ranks…")
+        if st.recovery_count > self._recoveries_seen:
+            self._recoveries_seen = st.recovery_count
+            self._set_status(st.recoveries[0].summary)
+
+    def _put_jobs(self, now: float) -> int:
+        """The running jobs: each keeps its row while it is listed; new ones take free
+        rows; a row's Cancel cancels the job it shows."""
+        st = self.state
+        shown = st.jobs_view(now) if st.jobs else []
+        by_id = {job.request: job for job in shown}
+        slots = self._job_slots
+        for i, rid in enumerate(slots):
+            if rid is not None and rid not in by_id:
+                slots[i] = None
+        placed = set(slots)
+        for job in shown:
+            if job.request not in placed:
+                slots[slots.index(None)] = job.request
+        sent = self._put(self.jobs_title, value=render.jobs_title_html(st, shown))
+        sent += self._put(self.jobs_box.layout, display="flex" if shown else "none")
+        for i, rid in enumerate(slots):
+            row = self.job_rows[i]
+            if rid is None or rid not in by_id:
+                sent += self._put(row.layout, display="none")
+                sent += self._put(self.job_labels[i], value="")
+                sent += self._put(self.cancel_buttons[i], disabled=True)
+                continue
+            job = by_id[rid]
+            sent += self._put(self.job_labels[i], value=render.job_html(job))
+            sent += self._put(  # still enabled while cancelling: a second try may help
+                self.cancel_buttons[i],
+                disabled=False,
+                tooltip=f"Cancel {job.what}: interrupt it on the {job.ranks.split(' (')[0]} "
+                "still running it",
+            )
+            sent += self._put(row.layout, display="flex")
+        return sent
 
     def _put(self, widget: W.Widget, **values: Any) -> int:
         changed = {k: v for k, v in values.items() if getattr(widget, k) != v}

@@ -84,6 +84,10 @@ class IncidentLog:
         if incident is not None and not incident.what:
             incident.what = what
 
+    def what(self, request: str) -> str:
+        """What ``request`` was named (``cell 5``), if it is still remembered; else ""."""
+        return self._request_what.get(request, "")
+
     def newest_named(self, requests: Sequence[str]) -> str | None:
         """The newest of ``requests`` that was named (work, not a control message)."""
         for rid in reversed(requests):

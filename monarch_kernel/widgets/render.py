@@ -12,10 +12,11 @@ import time
 from typing import Any
 
 from monarch_kernel.controller.errors import format_ranks
+from monarch_kernel.controller.records import MeshPhase
 from monarch_kernel.widgets import charts
 from monarch_kernel.widgets.fmt import rate_text
 from monarch_kernel.widgets.incidents import Incident
-from monarch_kernel.widgets.state import MeshState, TileView
+from monarch_kernel.widgets.state import JobView, MeshState, Recovery, TileView, duration
 
 #: state -> (background, border)
 COLORS = {
@@ -53,6 +54,11 @@ CSS = """
 .mk-dash .mk-incident { border-left: 3px solid #ea580c; padding-left: 6px; margin: 4px 0; }
 .mk-dash .mk-charts svg { margin: 2px 6px 2px 0; }
 .mk-dash .mk-muted { color: #6b7280; }
+.mk-dash .mk-phase { border-radius: 8px; padding: 0 6px; font-weight: bold; }
+.mk-dash .mk-recovery { border-left: 3px solid #2563eb; padding-left: 6px; margin: 4px 0; }
+.mk-dash .mk-jobs { margin: 2px 0; }
+.mk-dash .mk-job { font-family: var(--jp-code-font-family, monospace); font-size: 11px;
+  line-height: 28px; margin-right: 6px; }
 </style>
 """
 
@@ -105,15 +111,35 @@ def tile_tooltip(v: TileView) -> str:
     return "\n".join(parts)
 
 
-def _duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    if h:
-        return f"{h}h {m:02d}m"
-    if m:
-        return f"{m}m {s:02d}s"
-    return f"{s}s"
+#: phase -> (background, border) of its badge in the header; other phases are plain text.
+PHASE_COLORS = {
+    MeshPhase.RECOVERING: ("#fef3c7", "#d97706"),
+    MeshPhase.STOPPING: ("#f3f4f6", "#9ca3af"),
+}
+
+
+def phase_text(st: MeshState, views: list[TileView]) -> str:
+    """The mesh's phase in words: ``running``, or what it does while it recovers
+    (``recovering: restarting ranks 1, 3…``)."""
+    phase = st.mesh_state
+    if phase is MeshPhase.RECOVERING:
+        starting = [v.rank for v in views if v.state == "starting"]
+        if starting:
+            many = "ranks" if len(starting) > 1 else "rank"
+            return f"recovering: restarting {many} {format_ranks(starting)}…"
+        return "recovering: restarting ranks…"
+    return phase.value
+
+
+def phase_html(st: MeshState, views: list[TileView]) -> str:
+    text = esc(phase_text(st, views))
+    colors = PHASE_COLORS.get(st.mesh_state)
+    if colors is None:
+        return text
+    return (
+        f'<span class="mk-phase mk-phase-{st.mesh_state.value}" '
+        f'style="background:{colors[0]};border:1px solid {colors[1]}">{text}</span>'
+    )
 
 
 def header_html(st: MeshState, views: list[TileView], status: str = "") -> str:
@@ -130,13 +156,31 @@ def header_html(st: MeshState, views: list[TileView], status: str = "") -> str:
         if n
     )
     r_in, r_out = st.total_rate
-    up = _duration(time.time() - rt.started_at)
+    up = duration(time.time() - rt.started_at)
     status_html = f' · <span class="mk-muted">{esc(status)}</span>' if status else ""
     return (
         f'<div class="mk-head"><b style="font-size:14px">{esc(rt.name)}</b> · '
         f"{esc(rt.shape.describe())} · {esc(rt.backend)} · "
-        f"{esc(st.mesh_state.value)} · up {up} · <b>{alive}/{rt.world}</b> alive · "
+        f"{phase_html(st, views)} · up {up} · <b>{alive}/{rt.world}</b> alive · "
         f"transfer in {rate_text(r_in)} / out {rate_text(r_out)}{status_html}<br>{chips}</div>"
+    )
+
+
+def jobs_title_html(st: MeshState, shown: list[JobView]) -> str:
+    """The line above the running-jobs rows (empty when nothing runs)."""
+    if not shown:
+        return ""
+    more = st.jobs_more
+    extra = f' <span class="mk-muted">(+{more} more not listed)</span>' if more > 0 else ""
+    return f'<div class="mk-sec mk-jobs">Running jobs{extra}</div>'
+
+
+def job_html(job: JobView) -> str:
+    """One running job: what, on which ranks, for how long."""
+    state = ' <span class="mk-muted">cancelling…</span>' if job.cancelling else ""
+    return (
+        f'<span class="mk-job" data-request="{esc(job.request)}"><b>{esc(job.what)}</b> · '
+        f"running on {esc(job.ranks)} · {esc(job.elapsed)}{state}</span>"
     )
 
 
@@ -170,18 +214,42 @@ def detail_html(st: MeshState, rank: int | None, view: TileView | None) -> str:
 
 
 def errors_html(st: MeshState, limit: int = 8) -> str:
-    if not st.incidents:
+    """The incident area: error incidents and restarts in place, newest first."""
+    recoveries = list(st.recoveries)
+    if not st.incidents and not recoveries:
         return (
             '<div class="mk-errors"><div class="mk-sec">Errors</div>'
             '<div class="mk-muted">none</div></div>'
         )
-    parts = ['<div class="mk-errors"><div class="mk-sec">Errors (newest first)</div>']
-    for n, inc in enumerate(st.incidents[:limit]):
-        parts.append(_incident_html(st, inc, open_first=(n == 0)))
-    if len(st.incidents) > limit:
-        parts.append(f'<div class="mk-muted">{len(st.incidents) - limit} older not shown</div>')
+    title = "Errors and recoveries" if recoveries else "Errors"
+    parts = [f'<div class="mk-errors"><div class="mk-sec">{title} (newest first)</div>']
+    items: list[tuple[float, Incident | Recovery]] = [(inc.last, inc) for inc in st.incidents]
+    items += [(rec.time, rec) for rec in recoveries]
+    items.sort(key=lambda item: item[0], reverse=True)
+    first_incident = True
+    for _, item in items[:limit]:
+        if isinstance(item, Recovery):
+            parts.append(_recovery_html(st, item))
+        else:
+            parts.append(_incident_html(st, item, open_first=first_incident))
+            first_incident = False
+    if len(items) > limit:
+        parts.append(f'<div class="mk-muted">{len(items) - limit} older not shown</div>')
     parts.append("</div>")
     return "".join(parts)
+
+
+def _recovery_html(st: MeshState, rec: Recovery) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(rec.time))
+    restarted = list(rec.report.restarted)
+    who = ""
+    if restarted:
+        many = "ranks" if len(restarted) > 1 else "rank"
+        who = f" · {many} {format_ranks(restarted)} of {st.rt.world}"
+    return (
+        f'<div class="mk-recovery"><div><b>{when}</b> · recovered{who}</div>'
+        f"<pre>{esc(rec.text)}</pre></div>"
+    )
 
 
 def _incident_html(st: MeshState, inc: Incident, open_first: bool) -> str:
@@ -293,11 +361,21 @@ def snapshot_html(st: MeshState, views: list[TileView], columns: int) -> str:
     return (
         '<div class="mk-dash-static" style="font-family:sans-serif;font-size:12px">'
         + header_html(st, views)
+        + jobs_snapshot_html(st)
         + f'<table style="border-collapse:separate;border-spacing:3px">{"".join(rows)}</table>'
         + charts_html(st)
         + errors_html(st)
         + "</div>"
     )
+
+
+def jobs_snapshot_html(st: MeshState) -> str:
+    """The running jobs, for the static snapshot (no buttons there)."""
+    shown = st.jobs_view()
+    if not shown:
+        return ""
+    rows = "".join(f"<div>{job_html(job)}</div>" for job in shown)
+    return jobs_title_html(st, shown) + rows
 
 
 def snapshot_text(st: MeshState, views: list[TileView]) -> str:
@@ -306,12 +384,16 @@ def snapshot_text(st: MeshState, views: list[TileView]) -> str:
     alive = sum(1 for v in views if v.state not in ("dead", "stopped"))
     lines = [
         f"Mesh {rt.name!r} {rt.shape.describe()} ({rt.backend}, "
-        f"{st.mesh_state.value}): {alive}/{rt.world} alive, "
-        f"up {_duration(time.time() - rt.started_at)}"
+        f"{phase_text(st, views)}): {alive}/{rt.world} alive, "
+        f"up {duration(time.time() - rt.started_at)}"
     ]
     for v in views:
         extra = " ".join(x for x in (v.what, f"step {v.step}" if v.step else "", v.mem) if x)
         lines.append(f"  rank {v.rank:<3} {v.state:<8} {extra}".rstrip())
+    for job in st.jobs_view():
+        lines.append(f"  running: {job.text}")
+    if st.recoveries:
+        lines.append(f"  {st.recoveries[0].summary}")
     for inc in st.incidents[:3]:
         e = inc.entries[0]
         lines.append(f"  error: {e.title} on ranks {format_ranks(inc.ranks)}")

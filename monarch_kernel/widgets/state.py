@@ -22,20 +22,23 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any, cast
 
+from monarch_kernel.controller.errors import format_ranks
 from monarch_kernel.controller.events import (
     FaultReported,
     MeshEvent,
     MeshPhaseChanged,
+    MeshRecovered,
     MetricReported,
     RankDied,
     RankStateChanged,
+    ReplyReceived,
     RequestFailed,
     RequestKind,
     RequestStarted,
     StatsReported,
     StreamOutput,
 )
-from monarch_kernel.controller.records import MeshPhase, RankState
+from monarch_kernel.controller.records import MeshPhase, RankState, RecoveryReport
 from monarch_kernel.widgets.fmt import age, human_bytes, num, rate_text
 from monarch_kernel.widgets.inbox import EventInbox
 from monarch_kernel.widgets.incidents import (
@@ -54,7 +57,10 @@ __all__ = [
     "SUBSCRIBED",
     "ErrorEntry",
     "Incident",
+    "Job",
+    "JobView",
     "MeshState",
+    "Recovery",
     "Series",
     "TileView",
     "rate_text",
@@ -64,18 +70,34 @@ MAX_METRICS = 12
 RATE_SAMPLES = 120  # throughput history, one sample a second
 OUTPUT_LINES = 20
 
-#: The events the dashboard listens to. Replies are not among them: a rank's IDLE/BUSY
-#: state is the controller's, and successful replies change nothing else shown.
+#: Requests listed as running jobs: ``%%remote`` cells and actor calls (not spawns,
+#: actor stops or control messages, which are over in moments or not work at all).
+JOB_KINDS = frozenset({RequestKind.CELL, RequestKind.CALL})
+#: Running jobs shown (the newest); older ones are counted, not listed.
+MAX_JOBS = 5
+#: Running requests tracked at most (a flood of outstanding calls drops the oldest).
+MAX_TRACKED_JOBS = 4096
+#: Actor calls are listed once they have run this long (cells at once): a training loop
+#: of short calls would otherwise make the list flicker at every update.
+CALL_MIN_AGE = 0.5
+#: Recoveries (restarts in place) remembered for the incident area.
+MAX_RECOVERIES = 10
+
+#: The events the dashboard listens to. Replies are among them only to tell when a
+#: running job is over on a rank (one dict look-up each when folded); a rank's IDLE/BUSY
+#: state is the controller's.
 SUBSCRIBED: tuple[type[MeshEvent], ...] = (
     MeshPhaseChanged,
     RequestStarted,
     StreamOutput,
     MetricReported,
+    ReplyReceived,
     RequestFailed,
     FaultReported,
     RankStateChanged,
     RankDied,
     StatsReported,
+    MeshRecovered,
 )
 
 
@@ -98,6 +120,75 @@ class TileView:
     restarts: int
 
 
+@dataclass
+class Job:
+    """A request running on the mesh that a person would call a job: a ``%%remote``
+    cell or an actor call. ``running``: the ranks that have not answered it yet and
+    were not lost (it leaves the list when that is empty)."""
+
+    request: str
+    kind: RequestKind
+    what: str
+    ranks: tuple[int, ...]
+    running: set[int]
+    started: float  #: ``time.monotonic()`` when it was sent
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One row of the running-jobs list; compared between ticks to send deltas only."""
+
+    request: str
+    what: str
+    kind: str  # cell | call
+    ranks: str  # "ranks 0-3", "rank 1 (3 of 4 done)"
+    elapsed: str  # "12s", "3m 05s"
+    cancelling: bool
+
+    @property
+    def text(self) -> str:
+        state = " · cancelling…" if self.cancelling else ""
+        return f"{self.what} · running on {self.ranks} · {self.elapsed}{state}"
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A restart in place (:class:`MeshRecovered`), as the dashboard shows it."""
+
+    time: float  #: ``time.time()`` when the dashboard learnt of it
+    report: RecoveryReport
+    text: str  #: ``report.describe(mesh)``: ranks restarted, what was re-run, what was lost
+
+    @property
+    def summary(self) -> str:
+        """One line for the status: ``recovered: restarted ranks 1 in 1.2s``."""
+        rep = self.report
+        if rep.restarted:
+            what = f"restarted ranks {format_ranks(list(rep.restarted))}"
+        elif rep.process_group is not None:
+            what = "re-formed the process group"
+        else:
+            what = "nothing to restart"
+        text = f"recovered: {what} in {rep.seconds:.2f}s"
+        if rep.reason:
+            text += f", {rep.reason}"
+        if rep.problems:
+            text += f"; {len(rep.problems)} problem(s), see below"
+        return text
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``3m 05s``, ``2h 01m``."""
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    if h:
+        return f"{h}h {m:02d}m"
+    if m:
+        return f"{m}m {s:02d}s"
+    return f"{s}s"
+
+
 class MeshState:
     """Aggregated, throttle-friendly view of one mesh for the dashboard."""
 
@@ -116,6 +207,14 @@ class MeshState:
         self.interrupted: dict[int, str] = {}  # rank -> request id it was interrupted in
         self.errors = IncidentLog()
         self.mesh_state: MeshPhase = runtime.state
+        #: Running jobs by request id, oldest first (see :meth:`jobs_view`).
+        self.jobs: dict[str, Job] = {}
+        #: Request ids a Cancel was sent for (written by the dashboard's action thread).
+        self.cancelling: set[str] = set()
+        self.jobs_more = 0  #: running jobs the last :meth:`jobs_view` left out
+        #: Restarts in place, newest first; ``recovery_count`` counts them all.
+        self.recoveries: deque[Recovery] = deque(maxlen=MAX_RECOVERIES)
+        self.recovery_count = 0
         # throughput
         self.rates: dict[int, tuple[float, float]] = {}
         self.total_rate: tuple[float, float] = (0.0, 0.0)
@@ -161,7 +260,8 @@ class MeshState:
 
     @property
     def error_version(self) -> int:
-        return self.errors.version
+        """Changes whenever the incident area changes (errors, or a recovery)."""
+        return self.errors.version + self.recovery_count
 
     # -- the updater side ------------------------------------------------------------
     def drain(self) -> int:
@@ -184,7 +284,22 @@ class MeshState:
                 popleft_values = queue.popleft
                 self._fold_metrics(rank, [popleft_values() for _ in range(k)], now)
                 n += k
+        if self.jobs:
+            self._prune_jobs()
         return n
+
+    def _prune_jobs(self) -> None:
+        """Take out of the jobs the ranks the controller says run nothing now (idle,
+        dead or stopped). The events say when a rank is done with a job; this catches
+        what they cannot: a rank given up on (its late answer is no event), a stop.
+        Sound because a rank is BUSY before its :class:`RequestStarted` is emitted, and
+        stays BUSY until every request sent to it was answered or lost."""
+        ranks = self.rt.ranks
+        busy = (RankState.BUSY, RankState.STARTING)
+        for rid, job in list(self.jobs.items()):
+            job.running = {r for r in job.running if ranks[r].state in busy}
+            if not job.running:
+                self._end_job(rid)
 
     def _fold_metrics(self, rank: int, vals: list[dict[str, float]], now: float) -> None:
         self.last_event[rank] = now
@@ -224,10 +339,69 @@ class MeshState:
     def _on_phase(self, ev: MeshPhaseChanged, now: float) -> None:
         self.mesh_state = ev.phase
 
+    def _on_recovered(self, ev: MeshRecovered, now: float) -> None:
+        self.recoveries.appendleft(Recovery(time.time(), ev.report, ev.report.describe(ev.mesh)))
+        self.recovery_count += 1
+
+    # -- running jobs ------------------------------------------------------------------
+    def _end_job(self, rid: str) -> None:
+        self.jobs.pop(rid, None)
+        self.cancelling.discard(rid)
+
+    def _job_done_on(self, rid: str, rank: int) -> None:
+        job = self.jobs.get(rid)
+        if job is not None:
+            job.running.discard(rank)
+            if not job.running:
+                self._end_job(rid)
+
+    def _on_reply(self, ev: ReplyReceived, now: float) -> None:
+        if self.jobs:
+            self._job_done_on(ev.request, ev.rank)
+
+    def jobs_view(self, now: float | None = None, limit: int = MAX_JOBS) -> list[JobView]:
+        """The newest ``limit`` running jobs, oldest first (cells at once, actor calls
+        once they ran :data:`CALL_MIN_AGE` seconds); :attr:`jobs_more` counts the
+        others that would be listed."""
+        now = time.monotonic() if now is None else now
+        listed: list[Job] = []
+        more = 0
+        for job in reversed(list(self.jobs.values())):
+            if job.kind is RequestKind.CALL and now - job.started < CALL_MIN_AGE:
+                continue
+            if len(listed) < limit:
+                listed.append(job)
+            else:
+                more += 1
+        self.jobs_more = more
+        shown = []
+        for job in reversed(listed):
+            running = sorted(job.running)
+            ranks = f"{'ranks' if len(running) > 1 else 'rank'} {format_ranks(running)}"
+            done = len(job.ranks) - len(running)
+            if done:
+                ranks += f" ({done} of {len(job.ranks)} done)"
+            shown.append(
+                JobView(
+                    request=job.request,
+                    what=job.what or job.kind.value,
+                    kind=job.kind.value,
+                    ranks=ranks,
+                    elapsed=duration(now - job.started),
+                    cancelling=job.request in self.cancelling,
+                )
+            )
+        return shown
+
     def _on_started(self, ev: RequestStarted, now: float) -> None:
         if ev.kind is RequestKind.CONTROL:  # push/pull/ping: not work a rank is busy with
             return
         rid, what = ev.request, ev.what
+        if ev.kind in JOB_KINDS and ev.ranks:
+            jobs = self.jobs
+            jobs[rid] = Job(rid, ev.kind, what, ev.ranks, set(ev.ranks), now)
+            if len(jobs) > MAX_TRACKED_JOBS:
+                self._end_job(next(iter(jobs)))
         self.errors.name_request(rid, what)
         for r in ev.ranks:
             if what:
@@ -247,6 +421,7 @@ class MeshState:
         if ev.kind is RequestKind.CONTROL:  # e.g. pull() of a name a rank lacks
             return
         rank, rid, report = ev.rank, ev.request, ev.report
+        self._job_done_on(rid, rank)
         self.last_event[rank] = now
         if report.get("type") == "KeyboardInterrupt":
             self.interrupted[rank] = rid  # where it was interrupted is still worth a look
@@ -266,6 +441,11 @@ class MeshState:
             self.interrupted.pop(ev.rank, None)
 
     def _on_died(self, ev: RankDied, now: float) -> None:
+        # A process that ended runs nothing: every job is over on it (not only those
+        # ``ev.requests`` names: requests given up on earlier are not among them).
+        for rid, job in list(self.jobs.items()):
+            if ev.rank in job.running:
+                self._job_done_on(rid, ev.rank)
         self.errored.pop(ev.rank, None)
         self.interrupted.pop(ev.rank, None)
         if ev.state is RankState.DEAD:  # not stopped on purpose: an incident
@@ -407,10 +587,12 @@ class MeshState:
 _HANDLERS: dict[type[MeshEvent], Callable[[MeshState, Any, float], None]] = {
     MeshPhaseChanged: MeshState._on_phase,
     RequestStarted: MeshState._on_started,
+    ReplyReceived: MeshState._on_reply,
     StreamOutput: MeshState._on_stream,
     StatsReported: MeshState._on_stats,
     RequestFailed: MeshState._on_failed,
     FaultReported: MeshState._on_fault,
     RankStateChanged: MeshState._on_rank_state,
     RankDied: MeshState._on_died,
+    MeshRecovered: MeshState._on_recovered,
 }
