@@ -72,7 +72,7 @@ def _notebook(path: Path) -> None:
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "monarch", "display_name": "Monarch", "language": "python"}
     nb.cells = [
-        nbformat.v4.new_code_cell("%mesh demo --gpus 4"),
+        nbformat.v4.new_code_cell("%mesh demo --gpus 4 --on-failure continue"),
         nbformat.v4.new_code_cell(LOOP),
         nbformat.v4.new_code_cell(KILL),
         nbformat.v4.new_code_cell("%%remote demo\nimport time\ntime.sleep(60)"),
