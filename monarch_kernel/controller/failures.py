@@ -11,8 +11,10 @@ step only if the previous one was not enough:
    failed rank closing its connections releases peers blocked in a collective with it
    (measured: ~20 ms); with NCCL, aborting is how a stuck communicator is freed;
 2. **interrupt** them (KeyboardInterrupt in the user code they run);
-3. **kill** them (``restart`` and ``stop`` policies) or leave them running and give up
-   on their answer (``continue``).
+3. **kill** them.
+
+Under the ``continue`` policy none of this happens: the request fails after the grace
+and the others run on (inspect them with ``%mesh stacks``).
 
 The request then fails with one error that names the root cause (the first failure)
 and says what was done to the others (:meth:`Incident.summary`, which the request's
@@ -193,11 +195,16 @@ class FailureHandler:
         rid = incident.request
         if self._settled(rid, incident.opened + self.grace):
             return
+        if self.policy is FailurePolicy.CONTINUE:
+            # Nothing is done to them: the request fails now, they run on (and can be
+            # inspected with %mesh stacks, interrupted, or restarted by hand).
+            self._give_up(incident, "left running (on_failure='continue')")
+            return
         pending = mesh.requests.get(rid)
         live = [r for r in (pending.ranks if pending else ()) if mesh.ranks[r].alive]
         # 1. abort the process group everywhere: the failed rank closing its
         # connections is what releases its peers (gloo); aborting elsewhere is harmless.
-        incident.needs_policy = self.policy is not FailurePolicy.CONTINUE
+        incident.needs_policy = True
         before = set(mesh.requests.waiting(rid))
         for r in live:
             mesh.send_control(r, {"k": K.ABORT_PG})
@@ -210,18 +217,10 @@ class FailureHandler:
         self._settled(rid, time.monotonic() + STEP_WAIT)
         self._note(incident, before, "interrupted")
         stuck = set(mesh.requests.waiting(rid))
-        if self.policy is FailurePolicy.CONTINUE:
-            incident.outcome = (
-                "The process group (if any) was aborted: restart the mesh to re-form it."
-            )
-        else:
-            incident.outcome = self._plan(extra=stuck)
+        incident.outcome = self._plan(extra=stuck)
         if not stuck:
             return
-        # 3. kill them, or leave them running
-        if self.policy is FailurePolicy.CONTINUE:
-            self._give_up(incident, "left running (--on-failure continue; see %mesh stacks)")
-            return
+        # 3. kill them
         reason = (
             f"killed by the failure policy: still running {incident.what or 'a request'} "
             f"{time.monotonic() - incident.opened:.1f}s after rank {incident.root_rank} "
@@ -267,15 +266,15 @@ class FailureHandler:
         mesh = self._mesh
         dead = {r.rank for r in mesh.ranks if r.state is RankState.DEAD} | (extra or set())
         if self.policy is FailurePolicy.STOP:
-            return f"--on-failure stop: stopping mesh {mesh.name!r}."
+            return f"on_failure='stop': stopping mesh {mesh.name!r}."
         if self.policy is FailurePolicy.RESTART:
             if dead:
                 return (
-                    f"--on-failure restart: restarting rank(s) {format_ranks(sorted(dead))} "
+                    f"on_failure='restart': restarting rank(s) {format_ranks(sorted(dead))} "
                     "and re-forming the mesh; the next request waits for it."
                 )
             return (
-                "--on-failure restart: re-forming the process group (if the ranks had one); "
+                "on_failure='restart': re-forming the process group (if the ranks had one); "
                 "the next request waits for it."
             )
         return ""
@@ -304,7 +303,7 @@ class FailureHandler:
                     mesh.stop()
                     return
                 try:
-                    mesh.recover(reason="after a failure (--on-failure restart)")
+                    mesh.recover(reason="after a failure, on_failure='restart'")
                 except Exception:
                     log.exception("mesh %s: automatic restart failed", mesh.name)
                 with self._lock:

@@ -66,17 +66,17 @@ class MeshPhase(_TextEnum):
 class FailurePolicy(_TextEnum):
     """What a mesh does when a rank dies, or fails a request the other ranks still run.
 
-    In every case the survivors still running the failed request are released after a
-    grace period (their process group is aborted, then they are interrupted), so the
-    request fails with one error instead of hanging in a collective. Then:
+    In every case the failed request fails with one error after a grace period instead
+    of waiting for ranks that may hang in a collective. Then:
 
-    * ``RESTART`` (the default): survivors that could not be released are killed; dead
-      ranks are restarted and the mesh re-formed as it was (process group, actors,
-      setup cells). A notebook keeps its state on every rank that did not die.
-    * ``STOP``: the whole mesh stops (torchrun's behaviour without restarts).
-    * ``CONTINUE``: nothing is killed or restarted; survivors that could not be
-      released are left running (inspect them with ``%mesh stacks``), dead ranks stay
-      dead until restarted by hand.
+    * ``RESTART`` (the default): the survivors still running it are released (their
+      process group is aborted, then they are interrupted, then killed); dead ranks are
+      restarted and the mesh re-formed as it was (process group, actors, setup cells).
+      A notebook keeps its state on every rank that did not die.
+    * ``STOP``: survivors are released as above, then the whole mesh stops (torchrun's
+      behaviour without restarts).
+    * ``CONTINUE``: nothing is done to the other ranks: they run on (inspect them with
+      ``%mesh stacks``), dead ranks stay dead until restarted by hand.
     """
 
     RESTART = "restart"

@@ -34,9 +34,17 @@ _RESTART_API = re.compile(r"Restart it with ProcMesh\.restart\(ranks=\[(\d+)\]\)
 _STOPPED = re.compile(r"mesh '(\w+)' is stopped; create a new mesh")
 
 
+_POLICY = re.compile(r"on_failure='(\w+)'")
+
+
+def notebook_words(text: str) -> str:
+    """Python-API terms of a controller message in the notebook's: the magics' flags."""
+    return _POLICY.sub(r"--on-failure \1", text).replace("setup cells", "%%remote --setup cells")
+
+
 def notebook_text(error: BaseException) -> str:
     """``str(error)`` with Python-API remedies replaced by the magics that do the same."""
-    text = str(error)
+    text = notebook_words(str(error))
     if isinstance(error, RankDiedError) and error.mesh:
         name = error.mesh
         text = _RESTART_API.sub(

@@ -28,7 +28,12 @@ from monarch_kernel.controller.records import MeshPhase, SetupCell
 from monarch_kernel.controller.registry import registry
 from monarch_kernel.kernel.args import Parser, mesh_parser, remote_parser, split_args
 from monarch_kernel.kernel.channel import CellChannel, LiveText
-from monarch_kernel.kernel.hints import REMOTE_ERRORS, notebook_text, show_remote_error
+from monarch_kernel.kernel.hints import (
+    REMOTE_ERRORS,
+    notebook_text,
+    notebook_words,
+    show_remote_error,
+)
 from monarch_kernel.kernel.output import CellOutput
 from monarch_kernel.kernel.remote import RemoteJob
 from monarch_kernel.kernel.table import MeshTable
@@ -192,7 +197,7 @@ class MeshMagics(Magics):
             report = mesh.restart(ranks)
         except MeshStartError as exc:
             raise UsageError(f"%mesh restart {opts.name}: {notebook_text(exc)}") from None
-        print(report.describe(opts.name).replace("setup cells", "%%remote --setup cells"))
+        print(notebook_words(report.describe(opts.name)))
 
     def _stacks(self, args: list[str]) -> Any:
         """``%mesh stacks NAME [--ranks 0,3]``: every thread's Python stack on each rank
@@ -525,7 +530,7 @@ def _wait_for_recovery(procs: ProcMesh) -> None:
     print(f"mesh {procs.name!r} is restarting ranks after a failure; this cell waits for it")
     rt.wait_recovered()
     if rt.last_recovery is not None:
-        print(rt.last_recovery.describe(procs.name))
+        print(notebook_words(rt.last_recovery.describe(procs.name)))
 
 
 def _remember_setup(procs: ProcMesh, code: str, cell_id: str, header: list[str]) -> None:
