@@ -274,3 +274,31 @@ def test_exit_code_and_atexit_on_stop(kernel, tmp_path):
     kernel.run("%mesh stop fs")
     for rank in (0, 1):
         assert (tmp_path / f"exit-{rank}").read_text() == "bye"
+
+
+def test_a_failed_restart_is_a_clear_error_and_never_leaves_ranks_starting():
+    from monarch_kernel.actor import MeshStartError, this_host
+    from monarch_kernel.controller.records import RankState
+
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, on_failure="continue")
+    agent = procs.runtime.hosts[0].pid
+    try:
+        os.kill(procs.runtime.ranks[1].pid, signal.SIGKILL)
+        wait_until(lambda: not procs.runtime.ranks[1].alive, timeout=10, what="rank 1 dead")
+        os.kill(agent, signal.SIGSTOP)  # the spawn waits in its inbox: too late
+        try:
+            with pytest.raises(MeshStartError, match="restarted ranks not ready in time"):
+                procs.restart([1], timeout=1.0)
+        finally:
+            os.kill(agent, signal.SIGCONT)
+        info = procs.runtime.ranks[1]
+        wait_until(lambda: info.state is RankState.DEAD, timeout=10, what="rank 1 dead")
+        assert "did not start" in (info.death.reason or "")
+        time.sleep(1.0)  # a late ready message does not bring it back
+        assert info.state is RankState.DEAD
+        r = procs.slice(gpus=0).ping().get(timeout=10)  # the live rank stays usable
+        assert r.values()[0]["pid"] > 0
+        procs.restart([1])  # and a restart with time to spare works
+        assert procs.runtime.ranks[1].state is RankState.IDLE
+    finally:
+        procs.stop()

@@ -118,12 +118,12 @@ def test_kernel_answers_while_a_busy_rank_is_flooded(kernel):
     assert not kernel.run(SETUP).errors
     r = kernel.run(
         f"nap = log.nap.call_one(20)\n"
-        f"def flood():\n"
+        f"def send_flood():\n"
         f"    futs = [log.record.call_one(i) for i in range({N})]\n"
         f"    for i in range({N}):\n"
         f"        log.record.broadcast({N} + i)\n"
         f"    [f.get() for f in futs[-10:]]\n"
-        f"flooder = threading.Thread(target=flood)\n"
+        f"flooder = threading.Thread(target=send_flood)\n"
         f"flooder.start()"
     )
     assert not r.errors, r.error_text

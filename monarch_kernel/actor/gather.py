@@ -115,12 +115,12 @@ class Gather:
             incident.settled.wait(5.0)
         released = set(incident.released) if incident is not None else set()
         deaths = [r for r in self._failed_order if isinstance(self._lost.get(r), RankDiedError)]
-        if incident is not None and incident.root_rank in self._index:
-            root = incident.root_rank
+        if incident is not None and incident.released and incident.root_rank in self._index:
+            root = incident.root_rank  # the others were stuck waiting for it
         elif deaths:  # peers fail at once when a rank dies; its death is the cause
             root = deaths[0]
-        else:
-            root = self._failed_order[0]
+        else:  # failures at about the same time: the lowest rank, for a stable message
+            root = min(self._failed_order, key=self._index.__getitem__)
         order = [root] + [r for r in self._failed_order if r != root]
         note = incident.summary() if incident is not None else ""
         root_loss = self._lost.get(root)

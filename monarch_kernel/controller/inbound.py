@@ -140,6 +140,10 @@ class Inbound:
     def _on_ready(self, h: Header, msg: Message) -> None:
         mesh = self._mesh
         info = self._ranks[h["r"]]
+        if info.state is not RankState.STARTING:
+            # Declared dead while it started (too late): it must not run unsupervised.
+            mesh.kill_ranks([info.rank])
+            return
         mesh.transport.probe([b"r%d" % info.rank, b"c%d" % info.rank])
         info.pid, info.hostname, info.device = h["pid"], h["host"], h["dev"]
         info.last_seen = time.monotonic()

@@ -457,12 +457,14 @@ class MeshRuntime:
                 "restarted ranks",
             )
         except BaseException as exc:
+            # Never left "starting": a late rank is declared dead now (and killed, so
+            # that it does not come up unsupervised later).
             late = [r for r in ranks if self.ranks[r].state is RankState.STARTING]
-            for r in late:  # never left "starting": it failed to start
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.kill_ranks(late)
+            for r in late:
                 self.receiver.post(
-                    self.supervisor.rank_died,
-                    self.ranks[r],
-                    {"reason": f"did not start again ({exc})"},
+                    self.supervisor.rank_died, self.ranks[r], {"reason": f"did not start: {why}"}
                 )
             self.receiver.ensure_reader()
             raise

@@ -151,8 +151,11 @@ kind              keys and payload
                   Reply value: the sorted names
 ``pull``          Payload: pickled ``list[str]`` of names. Reply value: their values, in
                   that order (NameError if one is missing)
-``ping``          (no payload) Reply value: ``{"pid": int, "rejected": int}`` (messages
-                  the rank's codec dropped as forged or malformed)
+``ping``          (no payload) Reply value: ``{"pid": int, "rejected": int, "pg": str |
+                  None, "pg_live": bool}``: ``rejected`` counts messages the rank's codec
+                  dropped as forged or malformed; ``pg`` is the backend of the last
+                  process group initialised on the rank (kept after an abort), ``pg_live``
+                  whether one is initialised now
 ``cancel``        ``c`` str: the request id to interrupt (SIGINT in the main thread if
                   it runs user code for it now) or to skip when it comes (then answered
                   with a "cancelled before it started" error if it wants a reply).
