@@ -356,7 +356,14 @@ def how_measured(s: Settings) -> list[str]:
         "7. Death: SIGKILL one rank's pid from the controller while a call waits on it; time "
         "until that call's future raises. Interrupt: while an endpoint runs `time.sleep(30)`, "
         "ours `procs.interrupt()`, ipyparallel `Client.send_signal(SIGINT)` (through its "
-        "nanny), Ray `ray.cancel(ref)`; time until the future raises.",
+        "nanny), Ray `ray.cancel(ref)`; time until the future raises. Failures inside a "
+        "collective (ours only; the peers have no failure policy to compare): 4 ranks with a "
+        "gloo process group, grace 0.5 s. Death: one rank is SIGKILLed while all 4 loop over "
+        "`all_reduce`; time until the call on all 4 raises. Raise: one rank raises before "
+        "`all_reduce` while 3 enter it; time until the call raises (the grace, then the "
+        "process group is aborted). Restart: `procs.restart([1])` of a live rank: kill it, "
+        "start it again, re-form the process group on all 4 (new rendezvous), re-create its "
+        "actor.",
     ]
     if big:
         lines[1] += (
