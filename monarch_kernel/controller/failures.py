@@ -48,8 +48,10 @@ log = logging.getLogger("monarch_kernel.controller")
 
 #: Seconds the survivors of a failed request get to finish on their own.
 DEFAULT_GRACE = 1.0
-#: Seconds each release step (abort, interrupt, kill) is given before the next one.
+#: Seconds each release step (abort, interrupt) is given before the next one.
 STEP_WAIT = 0.5
+#: Seconds for killed ranks' deaths to be reported before the request gives up on them.
+KILL_WAIT = 5.0
 
 
 class ReleasedError(RankDiedError):
@@ -230,7 +232,8 @@ class FailureHandler:
             incident.released[r] = "killed (stuck even after an interrupt)"
             mesh.ranks[r].kill_reason = reason
         mesh.kill_ranks(sorted(stuck))
-        self._settled(rid, time.monotonic() + 5.0)
+        if not self._settled(rid, time.monotonic() + KILL_WAIT):  # their host is stuck too
+            self._give_up(incident, "left running (could not be killed; its host is lost?)")
 
     def _settled(self, rid: str, until: float) -> bool:
         """Wait until ``rid`` waits on nobody (True) or ``until`` passes (False)."""

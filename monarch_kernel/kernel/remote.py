@@ -46,7 +46,9 @@ class InputRouter:
     _routers: weakref.WeakKeyDictionary[MeshRuntime, InputRouter] = weakref.WeakKeyDictionary()
 
     def __init__(self, runtime: MeshRuntime):
-        self._runtime = runtime
+        # Weak: the runtime's event bus holds this router, and the map of routers is
+        # keyed by the runtime (a strong reference back would keep it alive forever).
+        self._runtime = weakref.ref(runtime)
         self._cells: dict[str, queue.Queue[InputRequested | None]] = {}
         runtime.events.subscribe(self._on_event, InputRequested)
 
@@ -66,11 +68,12 @@ class InputRouter:
     def _on_event(self, event: MeshEvent) -> None:  # receiving thread: never blocks
         assert isinstance(event, InputRequested)
         inbox = self._cells.get(event.request or "")
-        if inbox is None:
+        runtime = self._runtime()
+        if inbox is None and runtime is not None:
             from monarch_kernel.controller.inbound import NO_READER
 
-            self._runtime.answer_input(event.rank, event.serial, error=NO_READER)
-        else:
+            runtime.answer_input(event.rank, event.serial, error=NO_READER)
+        elif inbox is not None:
             inbox.put(event)
 
 
