@@ -302,3 +302,97 @@ def test_a_failed_restart_is_a_clear_error_and_never_leaves_ranks_starting():
         assert procs.runtime.ranks[1].state is RankState.IDLE
     finally:
         procs.stop()
+
+
+def _gil_held_for(seconds: float) -> float:
+    """Hold the GIL in C code (a builtin sum) for about ``seconds``; returns how long."""
+    t0 = time.perf_counter()
+    sum(range(2_000_000))
+    per_item = (time.perf_counter() - t0) / 2_000_000
+    t0 = time.perf_counter()
+    sum(range(int(seconds / per_item)))
+    return time.perf_counter() - t0
+
+
+def test_controller_stall_does_not_lose_hosts_and_a_restart_loop_is_capped():
+    from monarch_kernel.actor import this_host
+    from monarch_kernel.controller.records import MeshPhase, RankState, SetupCell
+
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        rt = procs.runtime
+        held = _gil_held_for(3.5)  # longer than the 2.5 s heartbeat timeout
+        time.sleep(1.0)
+        print(f"\ncontroller held the GIL for {held:.1f}s")
+        assert all(not h.lost for h in rt.hosts) and all(r.restarts == 0 for r in rt.ranks)
+        # a setup cell that kills the rank: restarted a few times, then left dead
+        rt.remember_setup(SetupCell("import os\nif os.environ['RANK'] == '1': os._exit(3)", "s"))
+        os.kill(rt.ranks[1].pid, signal.SIGKILL)
+        wait_until(
+            lambda: (
+                rt.state is MeshPhase.RUNNING
+                and rt.ranks[1].state is RankState.DEAD
+                and rt.ranks[1].restarts >= 3
+            ),
+            timeout=30,
+            what="the restart policy to give up on rank 1",
+        )
+        time.sleep(1.0)
+        assert rt.ranks[1].restarts == 3 and rt.ranks[1].state is RankState.DEAD
+        assert "left dead" in procs.runtime.death_text(rt.ranks[1])
+        assert procs.slice(gpus=0).ping().get(timeout=10).values()[0]["pid"] > 0
+    finally:
+        procs.stop()
+
+
+def test_control_requests_wait_for_a_restart_and_two_lost_hosts_come_back():
+    from monarch_kernel.actor import host_mesh
+    from monarch_kernel.controller.records import SetupCell
+
+    procs = host_mesh(hosts=2).spawn_procs(per_host={"gpus": 1}, on_failure="continue")
+    try:
+        rt = procs.runtime
+        for host in rt.hosts:
+            os.kill(host.pid, signal.SIGKILL)
+        wait_until(lambda: all(h.lost for h in rt.hosts), timeout=10, what="both hosts lost")
+        procs.restart()  # both hosts are started again, then their ranks
+        assert [r.state for r in rt.ranks] == ["idle", "idle"]
+        # a ping while a rank restarts waits for it instead of being dropped
+        rt.remember_setup(SetupCell("import time\ntime.sleep(1.0)", "slow"))
+        os.kill(rt.ranks[1].pid, signal.SIGKILL)
+        wait_until(lambda: not rt.ranks[1].alive, timeout=10, what="rank 1 dead")
+        import threading
+
+        threading.Thread(target=procs.restart, daemon=True).start()
+        wait_until(lambda: rt.state == "recovering", timeout=10, what="the restart to begin")
+        pids = procs.ping().get(timeout=30).values()
+        assert all(p["pid"] > 0 for p in pids)
+    finally:
+        procs.stop()
+
+
+def test_interrupting_a_cell_is_not_a_fault_even_under_the_stop_policy():
+    from monarch_kernel.actor import ActorError, this_host
+    from monarch_kernel.kernel.remote import RemoteJob
+
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, on_failure="stop", grace=0.3)
+    try:
+        code = (
+            "import os, signal, time\n"
+            "print('in', flush=True)\n"
+            "if os.environ['RANK'] == '1':  # deaf to interrupts, as if stuck in C code\n"
+            "    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\n"
+            "time.sleep(30)"
+        )
+        job = RemoteJob(procs, code, "t", None).start()
+        wait_until(lambda: all("in" in r.tail for r in procs.runtime.ranks), timeout=10)
+        job.cancel()
+        with pytest.raises(ActorError) as err:
+            job.future.get(timeout=15)
+        text = str(err.value)
+        assert "rank 0 was interrupted" in text and "killed" in text, text
+        procs.runtime.wait_recovered(30)
+        assert procs.runtime.state == "running"  # not stopped: a person asked for it
+        assert [r.state for r in procs.runtime.ranks] == ["idle", "idle"]
+    finally:
+        procs.stop()

@@ -19,7 +19,12 @@ import threading
 from collections.abc import Callable, Iterator
 
 from monarch_kernel.actor.value_mesh import ValueMesh
-from monarch_kernel.controller.errors import ActorError, RankDiedError, actor_error
+from monarch_kernel.controller.errors import (
+    ActorError,
+    RankDiedError,
+    actor_error,
+    format_ranks,
+)
 from monarch_kernel.controller.events import Reply
 from monarch_kernel.controller.failures import Incident
 from monarch_kernel.controller.future import Future, Waiter
@@ -128,7 +133,7 @@ class Gather:
             others = [r for r in order[1:] if r not in released]
             text = str(root_loss)
             if others:
-                text += f"\nalso failed: rank(s) {', '.join(map(str, others))}"
+                text += f"\nalso failed: rank(s) {format_ranks(others)}"
             if note:
                 text += "\n" + note
             if isinstance(root_loss, RankDiedError):

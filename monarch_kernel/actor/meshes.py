@@ -228,12 +228,14 @@ class ProcMesh(_MeshView):
         rank, actors and setup cells on the restarted ranks. Returns what was done
         (``print(report.describe(name))`` says it in words)."""
         rt = self._runtime
-        if ranks is None:
-            ranks = [r for r in self._shape.ranks() if not rt.ranks[r].alive]
-        for r in ranks:
+        for r in ranks or ():
             if not 0 <= r < rt.world:
                 raise SliceError(f"rank {r} out of range: mesh {rt.name!r} has {rt.world} ranks")
-        rt.wait_recovered()  # an automatic restart may be under way
+        if ranks is None and len(self._shape) == rt.world:
+            return rt.recover(None, timeout)  # the dead ones, once a restart under way ends
+        if ranks is None:
+            rt.wait_recovered()  # an automatic restart may be bringing them back
+            ranks = [r for r in self._shape.ranks() if not rt.ranks[r].alive]
         return rt.recover(ranks, timeout)
 
     def stop(self, grace: float = DEFAULT_STOP_GRACE) -> Future[None]:

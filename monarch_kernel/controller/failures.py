@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from monarch_kernel.controller.errors import RankDiedError, format_ranks
 from monarch_kernel.controller.events import RankDied, RequestFailed, RequestKind
-from monarch_kernel.controller.records import FailurePolicy, RankState
+from monarch_kernel.controller.records import FailurePolicy, MeshPhase, RankState
 from monarch_kernel.wire import kinds as K
 
 if TYPE_CHECKING:
@@ -52,6 +52,10 @@ DEFAULT_GRACE = 1.0
 STEP_WAIT = 0.5
 #: Seconds for killed ranks' deaths to be reported before the request gives up on them.
 KILL_WAIT = 5.0
+#: Automatic restarts of one rank allowed within RESTART_WINDOW seconds; a rank that
+#: keeps dying (a setup cell that kills it, a bad machine) is then left dead.
+MAX_RESTARTS = 3
+RESTART_WINDOW = 60.0
 
 
 class ReleasedError(RankDiedError):
@@ -71,7 +75,6 @@ class Incident:
     what: str  #: how people call the request: ``cell 5``, ``trainer.step``
     root_rank: int
     cause: str  #: ``raised ValueError`` / ``died (killed by SIGKILL)``
-    policy: FailurePolicy
     grace: float
     opened: float = field(default_factory=time.monotonic)
     #: rank -> how it was released (``process group aborted``, ``interrupted`` ...).
@@ -81,6 +84,8 @@ class Incident:
     #: The release changed the mesh (process group aborted, ranks killed): the policy
     #: must run when it ends.
     needs_policy: bool = False
+    #: A person interrupted the request: not a fault (a stop policy does not stop).
+    cancelled: bool = False
     #: Set when the release is over and this record is final.
     settled: threading.Event = field(default_factory=threading.Event)
 
@@ -121,10 +126,22 @@ class FailureHandler:
         self._incidents: dict[str, Incident] = {}
         self._recovery_due = False
         self._recovering = False
+        #: A request interrupted by a person was released: re-form, even under "stop".
+        self._restart_not_stop = False
+        #: rank -> times (monotonic) it was restarted automatically, within the window.
+        self._restarts: dict[int, list[float]] = {}
         mesh.events.subscribe(self._on_event, RequestFailed, RankDied)
+
+    def gave_up_on(self, rank: int) -> bool:
+        """Whether ``rank`` died too often to be restarted automatically again."""
+        now = time.monotonic()
+        recent = [t for t in self._restarts.get(rank, ()) if now - t < RESTART_WINDOW]
+        return len(recent) >= MAX_RESTARTS
 
     # -- noticing (receiving thread: quick, never blocks) --------------------------------
     def _on_event(self, event: object) -> None:
+        if self._mesh.state not in (MeshPhase.RUNNING, MeshPhase.RECOVERING):
+            return  # starting (start() reports its own failures) or stopping
         if isinstance(event, RequestFailed):
             if event.kind is not RequestKind.CONTROL:
                 report = event.report
@@ -142,6 +159,8 @@ class FailureHandler:
         pending = requests.get(rid)
         if pending is None or not pending.waiting or pending.kind is RequestKind.CONTROL:
             return  # complete already: nobody is left waiting for the failed rank
+        if pending.internal:
+            return  # re-forming the mesh: the restart reports its own problems
         with self._lock:
             known = self._incidents.get(rid)
             if known is not None:
@@ -153,7 +172,10 @@ class FailureHandler:
                     known.root_rank, known.cause = rank, cause
                     known.outcome = self._plan()
                 return
-            incident = Incident(rid, pending.what, rank, cause, self.policy, self.grace)
+            if pending.cancelled:
+                cause = "was interrupted"
+            incident = Incident(rid, pending.what, rank, cause, self.grace)
+            incident.cancelled = pending.cancelled
             if cause.startswith("died"):
                 incident.outcome = self._plan()
             self._incidents[rid] = incident
@@ -178,6 +200,8 @@ class FailureHandler:
         try:
             self._release_steps(incident)
         except Exception:  # never let a failed release wedge the request
+            if self._mesh.state.ended:
+                return  # stopped meanwhile: the stop failed the request
             log.exception("mesh %s: releasing request %s failed", self._mesh.name, incident.request)
             self._give_up(incident, "left running (the release failed; see the kernel log)")
         finally:
@@ -188,6 +212,8 @@ class FailureHandler:
                 due = self._recovery_due and not self._incidents
                 if due:
                     self._recovery_due = False
+                if incident.cancelled:
+                    self._restart_not_stop = True
             if due:  # before the caller hears: its next request must wait for it
                 self._apply_policy()
             incident.settled.set()
@@ -268,7 +294,8 @@ class FailureHandler:
         """What the policy will do next, as a sentence for the error."""
         mesh = self._mesh
         dead = {r.rank for r in mesh.ranks if r.state is RankState.DEAD} | (extra or set())
-        if self.policy is FailurePolicy.STOP:
+        dead = {r for r in dead if not self.gave_up_on(r)}
+        if self.policy is FailurePolicy.STOP and not self._restart_not_stop:
             return f"on_failure='stop': stopping mesh {mesh.name!r}."
         if self.policy is FailurePolicy.RESTART:
             if dead:
@@ -287,7 +314,7 @@ class FailureHandler:
         """Restart or stop, on a thread of its own (one at a time)."""
         if self.policy is FailurePolicy.CONTINUE or self._mesh.state.ended:
             return
-        if self.policy is FailurePolicy.RESTART:
+        if self._restarting():
             self._mesh.begin_recovery()  # requests sent from now on wait for it
         with self._lock:
             if self._recovering:
@@ -296,19 +323,32 @@ class FailureHandler:
             self._recovering = True
         threading.Thread(target=self._recover, name="mk-recover", daemon=True).start()
 
+    def _restarting(self) -> bool:
+        """Restart (not stop): the policy, or a person interrupted what failed."""
+        return self.policy is FailurePolicy.RESTART or self._restart_not_stop
+
     def _recover(self) -> None:
         mesh = self._mesh
         try:
             while True:
                 if mesh.state.ended:
                     return
-                if self.policy is FailurePolicy.STOP:
+                if not self._restarting():
                     mesh.stop()
                     return
+                self._restart_not_stop = False
+                given_up = frozenset(r.rank for r in mesh.ranks if self.gave_up_on(r.rank))
+                dead = [r.rank for r in mesh.ranks if not r.alive and r.rank not in given_up]
+                now = time.monotonic()
+                for r in dead:
+                    self._restarts[r] = [
+                        t for t in self._restarts.get(r, ()) if now - t < RESTART_WINDOW
+                    ] + [now]
                 try:
-                    mesh.recover(reason="after a failure, on_failure='restart'")
-                except Exception:
-                    log.exception("mesh %s: automatic restart failed", mesh.name)
+                    mesh.recover(reason="after a failure, on_failure='restart'", skip=given_up)
+                except Exception as exc:
+                    if not mesh.state.ended:
+                        log.warning("mesh %s: automatic restart failed: %s", mesh.name, exc)
                 with self._lock:
                     if not self._recovery_due:
                         self._recovering = False

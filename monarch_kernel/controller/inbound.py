@@ -39,11 +39,11 @@ PARTIAL_MAX = 4096
 
 Handler = Callable[[Header, Message], None]
 
-#: Why a rank's ``input()`` gets no line when nothing in the notebook waits to answer.
+#: Why a rank's ``input()`` gets no line when nobody waits to answer it.
 NO_READER = (
-    "nothing in the notebook can answer input() now: only a foreground cell reads "
-    "input from the notebook (not --bg cells or actor endpoints); pass the value in "
-    "with %push or as an argument"
+    "nothing can answer input() here: only a foreground cell's job reads input for its "
+    "ranks (not background jobs or actor endpoints); pass the value as an argument or "
+    "push it to the ranks"
 )
 
 
@@ -117,6 +117,8 @@ class Inbound:
         info = self._ranks[h["r"]]
         info.stats = stats
         info.last_seen = time.monotonic()
+        if "pg" in stats:
+            self._mesh.pg_backend = stats["pg"]
         events = self._mesh.events
         if events.wants(StatsReported):
             events.emit(StatsReported(self._mesh.name, h["r"], stats, time.time()))
@@ -140,6 +142,8 @@ class Inbound:
     def _on_ready(self, h: Header, msg: Message) -> None:
         mesh = self._mesh
         info = self._ranks[h["r"]]
+        if h.get("rc", info.restarts) != info.restarts:
+            return  # an earlier incarnation, late: the current one is what we wait for
         if info.state is not RankState.STARTING:
             # Declared dead while it started (too late): it must not run unsupervised.
             mesh.kill_ranks([info.rank])

@@ -70,6 +70,8 @@ __all__ = ["MeshRuntime", "new_request_id"]
 
 #: Seconds without a host agent's heartbeat (sent every 0.5 s) before it is lost.
 DEFAULT_HB_TIMEOUT = 2.5
+#: Longest a request waits for a restart in place (which has its own deadlines) to end.
+RECOVERY_WAIT = 600.0
 #: Seconds a host agent waits for a silent controller before it shuts down.
 AGENT_SILENCE_TIMEOUT = 10.0
 #: Seconds ranks get to exit cleanly on a stop (atexit, finalizers) before SIGKILL.
@@ -134,6 +136,9 @@ class MeshRuntime:
         #: Backend of the ranks' torch.distributed process group, once one was seen.
         self.pg_backend: str | None = None
         self.last_recovery: RecoveryReport | None = None
+        #: Why the last restart in place failed (None if it did not).
+        self.recovery_error: str | None = None
+        self._recover_lock = threading.Lock()
         self._recovery_thread: int | None = None
         self._ports: dict[str, int] = {}
         self.events = EventBus()
@@ -223,22 +228,28 @@ class MeshRuntime:
                 ranks[0].host, {"k": K.SPAWN_RANKS, "ranks": specs, "common": self._common}
             )
 
-    def _wait(self, cond: Callable[[], bool], deadline: float, what: str) -> None:
+    def _wait(
+        self,
+        cond: Callable[[], bool],
+        deadline: float,
+        what: str,
+        hosts: Sequence[HostInfo] | None = None,
+        hint: str = "check the host agents' logs or raise the start timeout",
+    ) -> None:
+        """Wait until ``cond()``; fail if the mesh stops, one of ``hosts`` (default:
+        all) exits or is lost, or ``deadline`` passes."""
         with self._cv:
             while not cond():
                 if self.state.ended:
                     raise MeshStoppedError(f"mesh {self.name!r} was stopped during: {what}")
-                self._check_hosts_started(what)
+                self._check_hosts_started(what, self.hosts if hosts is None else hosts)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise MeshStartError(
-                        f"mesh {self.name!r}: {what} not ready in time; "
-                        "check the host agents' logs or raise the start timeout"
-                    )
+                    raise MeshStartError(f"mesh {self.name!r}: {what} not ready in time; {hint}")
                 self._cv.wait(min(left, 0.2))
 
-    def _check_hosts_started(self, what: str) -> None:
-        for host in self.hosts:
+    def _check_hosts_started(self, what: str, hosts: Sequence[HostInfo]) -> None:
+        for host in hosts:
             handle = host.handle
             if handle is not None and handle.exit_code() is not None:
                 raise MeshStartError(
@@ -276,6 +287,7 @@ class MeshRuntime:
         waited: bool = False,
         request_id: str | None = None,
         wait: bool = True,
+        internal: bool = False,
     ) -> str:
         """Send a request expecting one reply per rank; ``observer`` hears of each.
 
@@ -286,17 +298,18 @@ class MeshRuntime:
         asked to receive at once. ``request_id``: one from :func:`new_request_id`,
         when the caller must know it before the request is sent (to route its output).
         ``wait``: when the controller's queues for busy ranks are full, wait for room
-        (interruptibly) rather than raise ``BackpressureError``.
+        (interruptibly) rather than raise ``BackpressureError``. ``internal``: sent by
+        the controller itself while it re-forms the mesh (no failure policy applies).
         """
-        if self.state is MeshPhase.RECOVERING and not control:
-            self.wait_recovered()
+        if self.state is MeshPhase.RECOVERING:  # restarting ranks cannot take it yet
+            self.wait_recovered(RECOVERY_WAIT)
         self.check_alive(ranks)
         self._make_room(wait)
         rid = request_id or new_request_id()
         header["i"] = rid
         header["w"] = 1
         kind = RequestKind.of(header["k"], control)
-        self.requests.add(rid, ranks, observer, kind, what)
+        self.requests.add(rid, ranks, observer, kind, what, internal)
         if self.state.ended:  # stop() ran since check_alive: it cannot have failed this one
             self.requests.fail_request(rid, MeshStoppedError(f"mesh {self.name!r} is stopped"))
             return rid
@@ -329,7 +342,9 @@ class MeshRuntime:
             while self.state is MeshPhase.RECOVERING:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise MeshStartError(f"mesh {self.name!r} is still restarting ranks")
+                    raise MeshStartError(
+                        f"mesh {self.name!r} is still restarting ranks after {timeout:.0f}s"
+                    )
                 self._cv.wait(0.1 if left is None else min(left, 0.1))
 
     def _fail_gone(self, rank: int) -> None:
@@ -380,6 +395,9 @@ class MeshRuntime:
     def cancel_request(self, request_id: str) -> list[int]:
         """Interrupt request ``request_id`` on the ranks still running it (skip it on
         those that have not started it); returns those ranks (empty: it is done)."""
+        pending = self.requests.get(request_id)
+        if pending is not None:
+            pending.cancelled = True
         running = [r for r in sorted(self.requests.waiting(request_id)) if self.ranks[r].alive]
         for r in running:
             self.transport.send_control(r, {"k": K.CANCEL, "c": request_id})
@@ -436,25 +454,32 @@ class MeshRuntime:
         """
         self.check_alive([])
         deadline = time.monotonic() + timeout
-        for host in {self.ranks[r].host for r in ranks}:
-            if self.hosts[host].lost:
-                self._relaunch_host(self.hosts[host], deadline)
+        involved = [self.hosts[h] for h in sorted({self.ranks[r].host for r in ranks})]
+        lost = [h for h in involved if h.lost]
+        for lost_host in lost:  # all at once: each takes a moment to start
+            self._relaunch_host(lost_host)
+        self._wait(
+            lambda: all(h.ready for h in lost), deadline, "host agents (started again)", lost
+        )
         alive = [r for r in ranks if self.ranks[r].alive]
         self.kill_ranks(alive)
-        self._wait(lambda: all(not self.ranks[r].alive for r in ranks), deadline, "rank exits")
+        self._wait(
+            lambda: all(not self.ranks[r].alive for r in ranks), deadline, "rank exits", involved
+        )
         infos = [self.ranks[r] for r in ranks]
         for info in infos:
             self.transport.reset_seq(info.rank)
             info.restarts += 1
             info.tail.clear()
             info.kill_reason = None
-        for host in {i.host for i in infos}:
-            self._spawn_ranks([i for i in infos if i.host == host])
+        for index in {i.host for i in infos}:
+            self._spawn_ranks([i for i in infos if i.host == index])
         try:
             self._wait(
                 lambda: all(self.ranks[r].state is not RankState.STARTING for r in ranks),
                 deadline,
                 "restarted ranks",
+                involved,
             )
         except BaseException as exc:
             # Never left "starting": a late rank is declared dead now (and killed, so
@@ -474,7 +499,7 @@ class MeshRuntime:
                 "ranks died while restarting:\n" + "\n".join(self.death_text(r) for r in dead)
             )
 
-    def _relaunch_host(self, host: HostInfo, deadline: float) -> None:
+    def _relaunch_host(self, host: HostInfo) -> None:
         """Start a new host agent in place of lost ``host`` (its ranks are dead)."""
         old = host.handle
         if old is not None:
@@ -482,7 +507,6 @@ class MeshRuntime:
             old.cleanup()
         host.ready, host.lost, host.last_seen = False, None, time.monotonic()
         (host.handle,) = self.launcher.start_hosts([self._host_config(host.index)])
-        self._wait(lambda: host.ready, deadline, f"host agent {host.index} (started again)")
 
     def new_port(self, host: int = 0, timeout: float = 10.0) -> int:
         """A free port on ``host`` (for a new torch.distributed rendezvous)."""
@@ -490,7 +514,13 @@ class MeshRuntime:
         self.transport.send_host(host, {"k": K.NEW_PORT, "i": rid})
         self.receiver.ensure_reader()
         deadline = time.monotonic() + timeout
-        self._wait(lambda: rid in self._ports, deadline, f"a free port from host {host}")
+        self._wait(
+            lambda: rid in self._ports,
+            deadline,
+            f"a free port from host {host}",
+            [self.hosts[host]],
+            "its host agent did not answer",
+        )
         return self._ports.pop(rid)
 
     def port_received(self, rid: str, port: int) -> None:
@@ -503,49 +533,60 @@ class MeshRuntime:
         ranks: Sequence[int] | None = None,
         timeout: float = 120.0,
         reason: str = "",
+        skip: frozenset[int] = frozenset(),
     ) -> RecoveryReport:
-        """Restart in place: bring ``ranks`` (default: the dead ones) back and re-form
-        the mesh as it was created.
+        """Restart in place: bring ``ranks`` (default: the dead ones but ``skip``) back
+        and re-form the mesh as it was created.
 
         In order: the ranks are restarted (their hosts too, if lost); the torch
         process group, if the ranks had one, is re-created on every rank with a new
         rendezvous; actors are re-created and setup cells re-run on the restarted
-        ranks. New requests wait meanwhile. Returns what was done; problems while
-        re-forming (a setup cell that raised) are in the report, a rank that cannot
-        start raises :class:`MeshStartError` (and is left DEAD, never STARTING).
+        ranks. New requests wait meanwhile; one restart runs at a time (a second
+        caller waits for the first, then restarts what is still dead). Returns what
+        was done; problems while re-forming (a setup cell that raised) are in the
+        report, a rank that cannot start raises :class:`MeshStartError` (and is left
+        DEAD, never STARTING).
         """
-        self.check_alive([])
-        t0 = time.monotonic()
-        deadline = t0 + timeout
-        targets = sorted(
-            set(ranks) if ranks is not None else {r.rank for r in self.ranks if not r.alive}
-        )
-        self.begin_recovery()
-        self._recovery_thread = threading.get_ident()
-        problems: list[str] = []
-        backend = None
-        try:
-            self._learn_process_group([r.rank for r in self.ranks if r.alive])
-            if targets:
-                self.restart_ranks(targets, max(1.0, deadline - time.monotonic()))
-            if self.pg_backend is not None:
-                backend = self._reform_process_group(deadline, problems)
-            actors = self._respawn_actors(targets, deadline, problems)
-            setups = self._rerun_setup(targets, deadline, problems) if targets else ()
-        finally:
-            self._recovery_thread = None
-            if not self.state.ended:
-                self._set_phase(MeshPhase.RUNNING)
-        report = RecoveryReport(
-            tuple(targets),
-            backend,
-            actors,
-            setups,
-            time.monotonic() - t0,
-            tuple(problems),
-            reason,
-        )
-        self.last_recovery = report
+        with self._recover_lock:
+            self.check_alive([])
+            t0 = time.monotonic()
+            deadline = t0 + timeout
+            if ranks is None:
+                ranks = [r.rank for r in self.ranks if not r.alive and r.rank not in skip]
+            targets = sorted(set(ranks))
+            self.begin_recovery()
+            self._recovery_thread = threading.get_ident()
+            self.recovery_error = None
+            problems: list[str] = []
+            backend = None
+            try:
+                broken = self._learn_process_group([r.rank for r in self.ranks if r.alive])
+                if targets:
+                    self.restart_ranks(targets, max(1.0, deadline - time.monotonic()))
+                if self.pg_backend is not None and (targets or broken):
+                    backend = self._reform_process_group(deadline, problems)
+                actors = self._respawn_actors(targets, deadline, problems)
+                setups = self._rerun_setup(targets, deadline, problems) if targets else ()
+            except BaseException as exc:
+                self.recovery_error = str(exc).splitlines()[0] if str(exc) else repr(exc)
+                raise
+            finally:
+                self._recovery_thread = None
+                with self._cv:  # a stop meanwhile wins
+                    if self.state is MeshPhase.RECOVERING:
+                        self.state = MeshPhase.RUNNING
+                        self._cv.notify_all()
+                self._emit_phase()
+            report = RecoveryReport(
+                tuple(targets),
+                backend,
+                actors,
+                setups,
+                time.monotonic() - t0,
+                tuple(problems),
+                reason,
+            )
+            self.last_recovery = report
         if self.events.wants(MeshRecovered):
             self.events.emit(MeshRecovered(self.name, report))
         return report
@@ -558,22 +599,22 @@ class MeshRuntime:
             self.state = MeshPhase.RECOVERING
         self._emit_phase()
 
-    def _learn_process_group(self, ranks: list[int]) -> None:
-        """Ask live ranks whether they had a process group (and its backend)."""
+    def _learn_process_group(self, ranks: list[int]) -> bool:
+        """Ask live ranks about their process group; True if one of them had one that
+        is gone now (aborted, or broken by a dead peer): it must be re-formed."""
         if not ranks:
-            return
+            return False
         collect = _Collect(ranks)
-        self.request(ranks, {"k": K.PING}, b"", (), collect, control=True)
-        try:
-            collect.future.get(5.0)
-        except TimeoutError:
-            pass  # what answered is enough to know
+        rid = self.request(ranks, {"k": K.PING}, b"", (), collect, control=True, internal=True)
+        self._finish(collect, rid, time.monotonic() + 5.0)
+        broken = False
         for reply in list(collect.replies):
             if reply.ok:
                 info = reply.value("ping")
-                pg = info.get("pg") if isinstance(info, dict) else None
-                if pg:
-                    self.pg_backend = str(pg)
+                if isinstance(info, dict) and info.get("pg"):
+                    self.pg_backend = str(info["pg"])
+                    broken = broken or not info.get("pg_live")
+        return broken
 
     def _reform_process_group(self, deadline: float, problems: list[str]) -> str | None:
         live = [r.rank for r in self.ranks if r.alive]
@@ -606,8 +647,16 @@ class MeshRuntime:
                 continue
             collect = _Collect(on)
             header = {"k": K.SPAWN_ACTOR, "a": spec.name}
-            self.request(on, header, spec.payload, spec.buffers, collect, what=f"spawn {spec.name}")
-            failed = collect.wait(deadline)
+            rid = self.request(
+                on,
+                header,
+                spec.payload,
+                spec.buffers,
+                collect,
+                what=f"spawn {spec.name}",
+                internal=True,
+            )
+            failed = self._finish(collect, rid, deadline)
             if failed:
                 problems.append(f"re-creating actor {spec.name!r} failed: {failed}")
             else:
@@ -640,8 +689,21 @@ class MeshRuntime:
             return ""
         payload, buffers = dumps({"code": code, "cell": label, "header": list(header)}, "cell")
         collect = _Collect(ranks)
-        self.request(ranks, {"k": K.EXEC}, payload, buffers, collect, what=f"cell {label}")
-        return collect.wait(deadline)
+        rid = self.request(
+            ranks, {"k": K.EXEC}, payload, buffers, collect, what=f"cell {label}", internal=True
+        )
+        return self._finish(collect, rid, deadline)
+
+    def _finish(self, collect: _Collect, rid: str, deadline: float) -> str:
+        """Wait for one of the controller's own requests; on timeout, cancel it and give
+        up on it, so that it neither runs later nor keeps its ranks BUSY."""
+        failed = collect.wait(deadline)
+        if collect.future.done():
+            return failed
+        self.cancel_request(rid)
+        error = MeshStartError(f"mesh {self.name!r}: no answer in time while re-forming it")
+        self.receiver.post(self.requests.abandon, rid, set(self.requests.waiting(rid)), error)
+        return failed
 
     def _dead(self) -> list[int]:
         return [r.rank for r in self.ranks if not r.alive]

@@ -39,7 +39,7 @@ def new_request_id() -> str:
 class Pending:
     """An outstanding request: which ranks still owe a reply, and whom to tell."""
 
-    __slots__ = ("id", "ranks", "waiting", "observer", "kind", "what")
+    __slots__ = ("id", "ranks", "waiting", "observer", "kind", "what", "internal", "cancelled")
 
     def __init__(
         self,
@@ -48,6 +48,7 @@ class Pending:
         observer: RequestObserver,
         kind: RequestKind,
         what: str = "",
+        internal: bool = False,
     ):
         self.id = request_id
         self.ranks = ranks
@@ -55,6 +56,10 @@ class Pending:
         self.observer = observer
         self.kind = kind
         self.what = what
+        #: Sent by the controller itself (re-forming a mesh): no failure policy applies.
+        self.internal = internal
+        #: A person interrupted it (cancel, the stop button): its failures are not faults.
+        self.cancelled = False
 
 
 class RequestTable:
@@ -82,9 +87,10 @@ class RequestTable:
         observer: RequestObserver,
         kind: RequestKind,
         what: str = "",
+        internal: bool = False,
     ) -> None:
         """Register request ``rid`` before it is sent."""
-        self._pending[rid] = Pending(rid, ranks, observer, kind, what)
+        self._pending[rid] = Pending(rid, ranks, observer, kind, what, internal)
         if kind is RequestKind.CONTROL:
             return
         flipped = []

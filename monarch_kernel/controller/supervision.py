@@ -28,6 +28,8 @@ from monarch_kernel.wire.codec import Header
 if TYPE_CHECKING:
     from monarch_kernel.controller.mesh import MeshRuntime
 
+#: A gap between ticks longer than this (seconds) means the controller itself stalled.
+STALL = 1.5
 #: Output lines of a dead rank shown in its error.
 DEATH_TAIL = 20
 
@@ -37,13 +39,20 @@ class Supervisor:
 
     def __init__(self, mesh: MeshRuntime):
         self._mesh = mesh
+        self._last_tick = time.monotonic()
 
     def tick(self, now: float) -> None:
         """Twice a second (I/O thread): heartbeat every host, notice lost ones."""
         mesh = self._mesh
         if mesh.state.ended:
             return
+        stalled = now - self._last_tick > STALL
+        self._last_tick = now
         for host in mesh.hosts:
+            if stalled:
+                # This process did not run for a while (a long computation holding the
+                # GIL, a swapped-out kernel): the silence was ours, not the hosts'.
+                host.last_seen = max(host.last_seen, now)
             if host.lost:
                 continue
             mesh.transport.heartbeat(host.index)
@@ -133,8 +142,13 @@ class Supervisor:
         elif d is not None and not d.reason:
             text += "\n(no output in what it was running)"
         if info.state is RankState.DEAD:
-            if mesh.failures.policy is FailurePolicy.RESTART:
+            policy = mesh.failures.policy
+            if policy is FailurePolicy.RESTART and not mesh.failures.gave_up_on(info.rank):
                 text += "\nThe failure policy (restart) restarts it now; requests wait for it."
+            elif policy is FailurePolicy.STOP:
+                text += "\nThe failure policy (stop) stops the mesh."
             else:
+                if policy is FailurePolicy.RESTART:
+                    text += "\nIt kept dying when restarted, so it was left dead."
                 text += f"\nRestart it with ProcMesh.restart(ranks=[{info.rank}])."
         return text

@@ -528,8 +528,11 @@ def _wait_for_recovery(procs: ProcMesh) -> None:
     if rt.state is not MeshPhase.RECOVERING:
         return
     print(f"mesh {procs.name!r} is restarting ranks after a failure; this cell waits for it")
+    before = rt.last_recovery
     rt.wait_recovered()
-    if rt.last_recovery is not None:
+    if rt.recovery_error is not None:
+        print(f"mesh {procs.name!r}: the restart failed: {notebook_words(rt.recovery_error)}")
+    elif rt.last_recovery is not None and rt.last_recovery is not before:
         print(notebook_words(rt.last_recovery.describe(procs.name)))
 
 

@@ -250,10 +250,9 @@ class RemoteJob:
         if self.done():
             return
         self.cancelled = why or "cancelled"
-        rt = self.procs.runtime
-        running = [r for r in self.ranks if not self._gather.answered(r) and rt.ranks[r].alive]
-        for r in running:  # interrupts it if running, skips it if not started yet
-            rt.send_control(r, {"k": K.CANCEL, "c": self.request_id})
+        # Interrupts it where it runs, skips it where it has not started; marked as a
+        # person's doing, so the failure policy does not treat it as a fault.
+        self.procs.runtime.cancel_request(self.request_id)
 
     @property
     def state(self) -> str:

@@ -16,7 +16,6 @@ import functools
 import os
 import sys
 import threading
-from datetime import timedelta
 from typing import Any
 
 #: Held while the default group is aborted, destroyed or formed again (an abort comes
@@ -88,15 +87,16 @@ def abort_process_group() -> bool:
         return True
 
 
-def reform_process_group(
-    master_addr: str, master_port: int, backend: str | None = None, timeout_s: float = 60
-) -> str:
+def reform_process_group(master_addr: str, master_port: int, backend: str | None = None) -> str:
     """Form this rank's default process group again, at a fresh rendezvous address.
 
     Run on every rank of the mesh (the controller sends it as cell code): destroys the
     current default group if any, then initialises a new one with ``backend`` (default:
-    the backend of the last group, else gloo), this rank's ``RANK`` and ``WORLD_SIZE``
-    and the rendezvous ``master_addr:master_port``. Returns the backend.
+    the backend of the last group, else torch's default for the devices), this rank's
+    ``RANK`` and ``WORLD_SIZE`` and the rendezvous ``master_addr:master_port``, with
+    torch's default timeout (it also bounds every collective, so no shorter one here:
+    the controller gives up on a rendezvous that does not complete by itself). Returns
+    the backend.
     """
     import torch.distributed as dist
 
@@ -122,7 +122,6 @@ def reform_process_group(
             chosen,
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
-            timeout=timedelta(seconds=timeout_s),
         )
         last_backend = _backend_name(dist)
     return last_backend or "default"

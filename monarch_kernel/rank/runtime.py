@@ -177,6 +177,7 @@ class Rank:
                 "pid": os.getpid(),
                 "host": self.cfg["hostname"],
                 "dev": device,
+                "rc": self.cfg.get("restart_count", 0),
             }
         )
 
@@ -429,6 +430,11 @@ class Rank:
         from monarch_kernel.rank.dataplane import counters
 
         stats: dict[str, Any] = {"rss": _rss(), "time": time.time(), **counters()}
+        if "torch.distributed" in sys.modules:  # so a restart can re-form the group
+            from monarch_kernel.rank import distributed
+
+            if distributed.last_backend:
+                stats["pg"] = distributed.last_backend
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             stats["gpu_mem"] = torch.cuda.memory_allocated()

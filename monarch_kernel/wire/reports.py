@@ -44,3 +44,4 @@ class RankStats(TypedDict, total=False):
     bytes_in: int  #: data-plane bytes received (rank-to-rank tensors)
     bytes_out: int  #: data-plane bytes sent
     time: float  #: ``time.time()`` on the rank
+    pg: str  #: backend of the last torch process group initialised on the rank, if any
