@@ -249,6 +249,17 @@ def test_input_in_a_cell_is_asked_in_the_notebook(kernel):
     kernel.kc.input("ada")
     r = kernel.collect(msg_id)
     assert "'ada'" in r.text, r.error_text
+    # the cell fails while the notebook still asks (rank 1 raised): the prompt is
+    # withdrawn, the cell ends with the error instead of waiting for a person
+    msg_id = kernel.kc.execute(
+        "%%remote fi\nimport os, time\nif os.environ['RANK'] == '0':\n    input('never? ')\n"
+        "else:\n    time.sleep(0.5)\n    raise ValueError('rank 1 gave up')",
+        allow_stdin=True,
+    )
+    assert kernel.kc.get_stdin_msg(timeout=30)["content"]["prompt"] == "[rank 0] never? "
+    r = kernel.collect(msg_id, timeout=30)  # nobody answers
+    assert "ValueError" in r.error_text and "rank 1 gave up" in r.error_text, r.error_text
+    assert kernel.run("%remote fi 1").text.endswith("1)")
     # a --bg cell cannot ask: a clear EOFError, and the rank lives on
     r = kernel.run("%%remote fi --bg\ninput('x? ')")
     r = kernel.run("_.wait()", timeout=30)

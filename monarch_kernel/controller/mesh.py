@@ -288,6 +288,7 @@ class MeshRuntime:
         request_id: str | None = None,
         wait: bool = True,
         internal: bool = False,
+        during_restart: bool = False,
     ) -> str:
         """Send a request expecting one reply per rank; ``observer`` hears of each.
 
@@ -300,8 +301,10 @@ class MeshRuntime:
         ``wait``: when the controller's queues for busy ranks are full, wait for room
         (interruptibly) rather than raise ``BackpressureError``. ``internal``: sent by
         the controller itself while it re-forms the mesh (no failure policy applies).
+        ``during_restart``: send it even while ranks restart (what goes to a starting
+        rank is lost: only for callers that cope with silent ranks).
         """
-        if self.state is MeshPhase.RECOVERING:  # restarting ranks cannot take it yet
+        if self.state is MeshPhase.RECOVERING and not during_restart:
             self.wait_recovered(RECOVERY_WAIT)
         self.check_alive(ranks)
         self._make_room(wait)
@@ -606,7 +609,7 @@ class MeshRuntime:
             return False
         collect = _Collect(ranks)
         rid = self.request(ranks, {"k": K.PING}, b"", (), collect, control=True, internal=True)
-        self._finish(collect, rid, time.monotonic() + 5.0)
+        self._finish(collect, rid, time.monotonic() + 2.0)  # a rank stuck holding the GIL
         broken = False
         for reply in list(collect.replies):
             if reply.ok:

@@ -84,7 +84,14 @@ def collect_stacks(
     if live:
         try:
             rid = mesh.request(
-                live, {"k": K.STACKS}, b"", (), collector, control=True, what="stacks"
+                live,
+                {"k": K.STACKS},
+                b"",
+                (),
+                collector,
+                control=True,
+                what="stacks",
+                during_restart=True,  # a diagnosis never waits; silent ranks are reported
             )
         except (RankDiedError, MeshStoppedError) as exc:  # it died or stopped just now
             for r in live:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import queue
+import signal
 import threading
 import time
 import weakref
@@ -121,6 +122,10 @@ class RemoteJob:
         #: Wakes :meth:`wait`: a rank's input() to answer, or None when the job is done.
         self._inbox: queue.Queue[InputRequested | None] = queue.Queue()
         self.cancelled = ""  #: why it was cancelled (empty if it was not)
+        #: The thread blocked in the notebook's input() for a rank, if one is.
+        self._asking: int | None = None
+        #: The job ended while that thread waited for a person: it was interrupted.
+        self._input_abandoned = False
         self._display_ids: list[str] = []
 
     def start(self) -> RemoteJob:
@@ -154,6 +159,10 @@ class RemoteJob:
         self.finished = time.time()
         InputRouter.of(self.procs.runtime).forget(self.request_id)
         self._inbox.put(None)
+        asking = self._asking
+        if asking is not None:  # nobody needs that answer any more: stop asking
+            self._input_abandoned = True
+            signal.pthread_kill(asking, signal.SIGINT)
         # Close the output and report after a short grace, on a timer thread.
         threading.Timer(OUTPUT_GRACE, self._after_finish).start()
 
@@ -199,6 +208,8 @@ class RemoteJob:
                 if self.future.done():
                     self._close_output()
         except KeyboardInterrupt:
+            if self._input_abandoned and self.future.done():
+                return self.future.get(0)  # our own interrupt of a stale input() prompt
             raise self._interrupted() from None
 
     result = wait
@@ -207,9 +218,14 @@ class RemoteJob:
         """Ask the notebook for the line a rank's input() waits for."""
         rt = self.procs.runtime
         prompt = f"[rank {event.rank}] {event.prompt}"
+        self._asking = threading.get_ident()
         try:
+            if self.future.done():
+                return
             line = getpass.getpass(prompt) if event.password else input(prompt)
         except KeyboardInterrupt:
+            if self._input_abandoned:
+                return  # the job ended while we asked: the wait loop sees it is done
             rt.answer_input(event.rank, event.serial, error="interrupted")
             raise
         except Exception as exc:  # e.g. the front-end does not accept input
@@ -218,6 +234,8 @@ class RemoteJob:
             )
         else:
             rt.answer_input(event.rank, event.serial, line=line)
+        finally:
+            self._asking = None
 
     def _interrupted(self) -> RemoteInterrupted:
         """Interrupt the ranks; the short message the stop button shows."""
