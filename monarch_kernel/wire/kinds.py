@@ -176,7 +176,9 @@ Rank -> controller (``r<R>`` -> ``recv`` ROUTER; every one carries ``r``)
 kind              keys and payload
 ================  =======================================================================
 ``ready``         ``pid`` int, ``host`` str (hostname), ``dev`` str (``cpu`` or
-                  ``cuda:N``): started, greeted by its host agent, taking work
+                  ``cuda:N``), ``rc`` int (its ``restart_count``: a late ``ready`` of an
+                  earlier incarnation is ignored): started, greeted by its host agent,
+                  taking work
 ``res``           ``i`` (the request answered), ``ok`` int: 1 = payload is the pickled
                   value (buffers out of band, sizes in ``b``); 0 = payload is a pickled
                   failure report (a dict: type, message, traceback, line, tensors,
@@ -191,8 +193,9 @@ kind              keys and payload
                   rank), ``p`` str (the prompt), ``pw`` int (1 for ``getpass``: do not
                   echo). The rank's ``input()`` blocks until an ``input_reply``
 ``stats``         Payload: pickled ``{"rss": int, "time": float, "bytes_out": int,
-                  "bytes_in": int}`` plus ``"gpu_mem": int`` once CUDA is initialised;
-                  once a second, from the control thread
+                  "bytes_in": int}`` plus ``"gpu_mem": int`` once CUDA is initialised
+                  and ``"pg": str`` (the backend) once a process group was; once a
+                  second, from the control thread
 ================  =======================================================================
 
 Rank <-> rank data plane (not control messages)
