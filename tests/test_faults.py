@@ -407,3 +407,34 @@ def test_interrupting_a_cell_is_not_a_fault_even_under_the_stop_policy():
         assert [r.state for r in procs.runtime.ranks] == ["idle", "idle"]
     finally:
         procs.stop()
+
+
+def _execute_in_cell(kernel: Kernel, code: str, cell_id: str) -> str:
+    """An execute_request as JupyterLab sends it, with the notebook cell's id."""
+    content = {
+        "code": code,
+        "silent": False,
+        "store_history": True,
+        "user_expressions": {},
+        "allow_stdin": False,
+        "stop_on_error": True,
+    }
+    msg = kernel.kc.session.msg("execute_request", content, metadata={"cellId": cell_id})
+    kernel.kc.shell_channel.send(msg)
+    return msg["header"]["msg_id"]
+
+
+def test_setup_cells_are_listed_replaced_by_cell_id_and_cleared(kernel):
+    _start(kernel, "fc --gpus 2")
+    kernel.collect(_execute_in_cell(kernel, "%%remote fc --setup\nA = 1", "cell-a"))
+    kernel.run("%%remote fc --setup\nB = 2")
+    r = kernel.collect(_execute_in_cell(kernel, "%%remote fc --setup\nA = 10", "cell-a"))
+    assert "replaces its earlier version" in r.stdout, r.stdout + r.error_text
+    r = kernel.run("%mesh setup fc")
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("cell ")]
+    assert [ln.split(": ", 1)[1] for ln in lines] == ["A = 10", "B = 2"], r.stdout
+    r = kernel.run("%mesh restart fc --ranks 1\n%remote fc A + B")
+    assert "re-ran setup cell(s)" in r.stdout and "{gpus=1}: 12" in r.text, r.stdout
+    r = kernel.run("%mesh setup fc --clear")
+    assert "forgot 2 setup cell(s)" in r.stdout
+    kernel.run("%mesh stop fc")

@@ -448,6 +448,11 @@ class MeshRuntime:
         """Re-run ``cell`` on ranks when they restart (after the process group)."""
         self.setup_cells.append(cell)
 
+    def forget_setup(self) -> list[SetupCell]:
+        """Re-run no setup cell on restarts any more; returns those forgotten."""
+        cells, self.setup_cells = self.setup_cells, []
+        return cells
+
     def restart_ranks(self, ranks: list[int], timeout: float = 60.0) -> None:
         """Kill (if alive) and start again the given ranks on their hosts; hosts that
         were lost get a new host agent first.
@@ -729,7 +734,9 @@ class MeshRuntime:
         deadline = time.monotonic() + timeout + grace
         for host in self.hosts:
             if host.handle is not None:
-                host.handle.wait_or_kill(max(0.5, deadline - time.monotonic()))
+                # An agent that never said it was ready cannot have heard the stop.
+                wait = deadline - time.monotonic() if host.ready else 0.0
+                host.handle.wait_or_kill(max(0.5 if host.ready else 0.0, wait))
         for info in self.ranks:  # each rank's end is told, with the requests it fails
             if info.alive:
                 self.supervisor.rank_died(info, {"reason": "the mesh was stopped", "expected": 1})

@@ -173,6 +173,7 @@ class SetupCell:
     code: str
     label: str  #: the cell's label in tracebacks (its prompt number)
     header: tuple[str, ...] = ()  #: the magic line(s) above the code
+    key: str | None = None  #: the notebook cell it came from (its id), if known
 
 
 @dataclass(frozen=True)

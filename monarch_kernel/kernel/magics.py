@@ -59,6 +59,7 @@ class MeshMagics(Magics):
     def __init__(self, shell: Any):
         super().__init__(shell)
         self.jobs: list[RemoteJob] = []
+        self._cell_key: str | None = None  #: the running notebook cell's id, if sent
         self._cell = 0
 
     # -- helpers -------------------------------------------------------------------
@@ -163,6 +164,8 @@ class MeshMagics(Magics):
             return None
         if args[0] == "restart":
             return self._restart(args[1:])
+        if args[0] == "setup":
+            return self._setup(args[1:])
         if args[0] == "stacks":
             return self._stacks(args[1:])
         return self._create(args)
@@ -176,6 +179,26 @@ class MeshMagics(Magics):
                 )
             raise UsageError(f"no mesh named {name!r}; {self._live_hint()}")
         return ProcMesh(runtime)
+
+    def _setup(self, args: list[str]) -> None:
+        """``%mesh setup NAME [--clear]``: the setup cells re-run on restarted ranks."""
+        p = Parser(prog="%mesh setup", add_help=False)
+        p.add_argument("name")
+        p.add_argument("--clear", action="store_true")
+        opts = p.parse_args(args)
+        rt = self._existing(opts.name).runtime
+        if opts.clear:
+            gone = rt.forget_setup()
+            print(f"mesh {opts.name!r}: forgot {len(gone)} setup cell(s)")
+            return
+        if not rt.setup_cells:
+            print(
+                f"mesh {opts.name!r} has no setup cells (register one with %%remote NAME --setup)"
+            )
+            return
+        for cell in rt.setup_cells:
+            first = cell.code.strip().splitlines()[0] if cell.code.strip() else ""
+            print(f"cell {cell.label}: {first[:70]}")
 
     def _restart(self, args: list[str]) -> None:
         p = Parser(prog="%mesh restart", add_help=False)
@@ -374,12 +397,17 @@ class MeshMagics(Magics):
             return job
         values = job.wait()
         if opts.setup:
-            _remember_setup(procs, cell, cell_id, header)
+            _remember_setup(procs, cell, cell_id, header, self._cell_key)
         if opts.out:
             self._user_ns[opts.out] = values
         if all(v is None for v in values.values()):
             return None
         return values
+
+    def before_cell(self, info: Any) -> None:
+        """IPython's pre_run_cell hook: remember the notebook cell's id (JupyterLab and
+        Notebook 7 send one), which keys ``--setup`` cells."""
+        self._cell_key = getattr(info, "cell_id", None)
 
     def cancel_background_jobs(self, why: str) -> None:
         """Interrupt every running ``--bg`` cell (their output blocks say ``why``)."""
@@ -536,13 +564,21 @@ def _wait_for_recovery(procs: ProcMesh) -> None:
         print(notebook_words(rt.last_recovery.describe(procs.name)))
 
 
-def _remember_setup(procs: ProcMesh, code: str, cell_id: str, header: list[str]) -> None:
-    """Register a ``--setup`` cell (once per distinct code) to re-run on restarts."""
+def _remember_setup(
+    procs: ProcMesh, code: str, label: str, header: list[str], key: str | None
+) -> None:
+    """Register a ``--setup`` cell to re-run on restarts. ``key``: the notebook cell's id
+    when the front-end sends one: running an edited setup cell again replaces it."""
     rt = procs.runtime
     if any(c.code == code for c in rt.setup_cells):
         return
-    rt.remember_setup(SetupCell(code, cell_id, tuple(header)))
-    print(f"mesh {procs.name!r}: setup cell {cell_id} registered (re-run on restarted ranks)")
+    cell = SetupCell(code, label, tuple(header), key)
+    if key is not None and any(c.key == key for c in rt.setup_cells):
+        rt.setup_cells = [cell if c.key == key else c for c in rt.setup_cells]
+        print(f"mesh {procs.name!r}: setup cell {label} replaces its earlier version")
+        return
+    rt.remember_setup(cell)
+    print(f"mesh {procs.name!r}: setup cell {label} registered (re-run on restarted ranks)")
 
 
 def _report_bg(job: RemoteJob, live: LiveText, out: str | None, shell: Any) -> None:
@@ -579,6 +615,7 @@ def load_ipython_extension(ipython: Any) -> MeshMagics:
     ipython.register_magics(magics)
     ipython.set_custom_exc(REMOTE_ERRORS, show_remote_error)
     ipython.user_ns.setdefault("_monarch_magics", magics)
+    ipython.events.register("pre_run_cell", magics.before_cell)
     return magics
 
 
