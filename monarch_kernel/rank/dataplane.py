@@ -48,6 +48,10 @@ SHM_MIN_BYTES = 1024 * 1024
 #: this long, and at most :data:`NONCE_MAX` nonces are.
 NONCE_WINDOW = 120.0
 NONCE_MAX = 65536
+_REFUSED = (
+    "refused a replayed or stale data-plane request "
+    f"(or clocks more than {NONCE_WINDOW:.0f} s apart)"
+)
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 _counters = {"bytes_out": 0, "bytes_in": 0, "replays_refused": 0}
 
@@ -343,10 +347,7 @@ class _Server:
             h = msg.header
             if not self.nonces.admit(h.get("n"), h.get("t")):
                 _counters["replays_refused"] += 1
-                reply: tuple[dict[str, Any], tuple] = (
-                    {"k": "err", "error": "refused a replayed or stale data-plane request"},
-                    (),
-                )
+                reply: tuple[dict[str, Any], tuple] = ({"k": "err", "error": _REFUSED}, ())
             else:
                 try:
                     reply = self._handle(h)
@@ -489,7 +490,12 @@ def _client() -> _Client:
 
 
 def share(tensor: Any) -> TensorRef:
-    """Keep ``tensor`` in this rank and return a handle other ranks can ``get()``."""
+    """Keep ``tensor`` in this rank and return a handle other ranks can ``get()``.
+
+    On a host with other ranks, a CPU (or CUDA) tensor of :data:`SHM_MIN_BYTES` or more
+    is copied once into shared memory now, so that ranks of this host map it without a
+    copy: they see the tensor as it was at this call. Other tensors are kept as they are
+    and sent as they are when asked for."""
     global _server
     import torch
 
