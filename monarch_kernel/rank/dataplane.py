@@ -228,7 +228,11 @@ class _Server:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.ipc = f"ipc://{_private_dir(cfg)}/dp{self.rank}-{os.getpid()}"
+        name = f"dp{self.rank}-{os.getpid()}"
+        path = os.path.join(_private_dir(cfg), name)
+        if len(path) > 100:  # a unix socket path is at most 107 bytes
+            path = os.path.join(tempfile.mkdtemp(prefix="mk-dp-", dir="/tmp"), name)
+        self.ipc = f"ipc://{path}"
         self.sock.bind(self.ipc)
         self.address = ""
         if world > per_host:  # other hosts: TCP on this host's own address only
