@@ -1,5 +1,6 @@
-"""Row 4 (rank -> rank): tensors pulled straight from the owning rank, on the same
-machine (shared memory) and over TCP, against raw ZeroMQ and memcpy in the same run."""
+"""Row 4 (rank -> rank): tensors pulled straight from the owning rank, from a rank of
+the same host (shared memory) and from a rank of another host (TCP), in one mesh of two
+local host agents (two hosts on this machine, as a host is a host agent)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ class Holder(Actor):
 
         import monarch_kernel
 
-        return monarch_kernel.share(torch.ones(mib * MiB // 4))
+        t = torch.ones(mib * MiB // 4)
+        t0 = time.perf_counter()
+        ref = monarch_kernel.share(t)
+        return ref, time.perf_counter() - t0
 
     @endpoint
     def pull_timed(self, ref, transport: str) -> float:
@@ -31,23 +35,28 @@ class Holder(Actor):
 
 
 def ours(s: Settings, rec: Recorder) -> None:
-    from monarch_kernel.actor import this_host
+    from monarch_kernel.actor import host_mesh
 
-    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    procs = host_mesh(hosts=2).spawn_procs(per_host={"gpus": 2})
     try:
         holders = procs.spawn("holders", Holder)
-        owner, reader = holders.slice(gpus=0), holders.slice(gpus=1)
+        owner = holders.slice(hosts=0, gpus=0)
+        readers = {"shm": holders.slice(hosts=0, gpus=1), "tcp": holders.slice(hosts=1, gpus=0)}
         for mib in s.tensor_mib:
             iters, warm = tensor_iters(mib)
+            shares = []
             for transport in ("shm", "tcp"):
                 key = f"r2r_{transport}_{mib}"
                 with rec.guard(key):
                     xs = []
                     for i in range(iters + warm):
-                        ref = owner.share_fresh.call_one(mib).get()
-                        took = reader.pull_timed.call_one(ref, transport).get()
+                        ref, shared = owner.share_fresh.call_one(mib).get()
+                        took = readers[transport].pull_timed.call_one(ref, transport).get()
                         if i >= warm:
                             xs.append(took)
+                            shares.append(shared)
                     rec.value(key, mib * MiB / median(xs) / MiB)
+            with rec.guard(f"r2r_share_{mib}"):
+                rec.value(f"r2r_share_{mib}", mib * MiB / median(shares) / MiB)
     finally:
         procs.stop()

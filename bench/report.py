@@ -76,7 +76,20 @@ def rows(s: Settings) -> list[Row]:
             )
         )
         out.append(
-            Row(f"r2r_tcp_{mib}", f"4. {mib} MiB tensor rank -> rank over TCP", "MiB/s", "higher")
+            Row(
+                f"r2r_tcp_{mib}",
+                f"4. {mib} MiB tensor rank -> rank, other host (TCP)",
+                "MiB/s",
+                "higher",
+            )
+        )
+        out.append(
+            Row(
+                f"r2r_share_{mib}",
+                f"4. {mib} MiB `share()` (one copy into shared memory)",
+                "MiB/s",
+                "higher",
+            )
         )
     out.append(Row("init", "5. cluster/runtime init (ray.init)", "s"))
     for n in s.ready_sizes:
@@ -344,7 +357,11 @@ def how_measured(s: Settings) -> list[str]:
         f"messages delivered (K × {s.bcast_ranks}) / total time.",
         "4. A call whose argument is a float32 tensor of that size and which returns its byte "
         "count, on one rank; floor: one zero-copy raw ZeroMQ send of the same bytes and a tiny "
-        "ack; memcpy: `torch.clone` in the controller process (allocation included).",
+        "ack; memcpy: `torch.clone` in the controller process (allocation included). "
+        "Rank -> rank: in a mesh of 2 local host agents × 2 ranks, rank 0 `share()`s a fresh "
+        "tensor and a rank times `ref.get()` (the owner's data mapped from shared memory "
+        "for a rank of its host, pulled over TCP loopback for a rank of the other host); "
+        "`share()` is timed in the owner (the one copy a same-host get then saves).",
         "5. From nothing to every rank having answered a call that imports torch "
         "(`spawn_procs` + `spawn` + call; Ray: actor creation after `ray.init`, which has its "
         "own row; ipyparallel: `Cluster.start_and_connect_sync` + `apply_sync`). Cold: no "

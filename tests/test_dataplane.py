@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 
+import psutil
 import pytest
 import torch
 from actors import DataActor
 
-from monarch_kernel.actor import ActorError, host_mesh
+from monarch_kernel.actor import Actor, ActorError, endpoint, host_mesh
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +29,19 @@ def test_tensor_moves_rank_to_rank(mesh22, transport):
     ref = actors.slice(hosts=0, gpus=0).share_arange.call_one(n).get()
     assert ref.owner == 0 and ref.nbytes == 4 * n and ref.shape == (n,)
     expected = float(torch.arange(n, dtype=torch.float64).sum())
-    total, shape = actors.slice(hosts=1, gpus=1).pull.call_one(ref, transport).get()
+    reader = actors.slice(hosts=0 if transport == "shm" else 1, gpus=1)
+    total, shape = reader.pull.call_one(ref, transport).get()
     assert shape == [n] and total == expected
-    # every rank can pull the same ref, also the owner itself
-    sums = actors.pull.call(ref, transport).get().values()
-    assert sums == [(expected, [n])] * 4
+    # every rank can pull the same ref, also the owner itself; shared memory only on
+    # the owner's host (a host is a host agent, even on one machine)
+    if transport == "shm":
+        sums = actors.slice(hosts=0).pull.call(ref, transport).get().values()
+        assert sums == [(expected, [n])] * 2
+        with pytest.raises(ActorError, match="on another host"):
+            actors.slice(hosts=1, gpus=0).pull.call_one(ref, transport).get()
+    else:
+        sums = actors.pull.call(ref, transport).get().values()
+        assert sums == [(expected, [n])] * 4
 
 
 def test_bytes_are_counted_per_rank(mesh22):
@@ -66,5 +75,161 @@ def test_shared_memory_copy_is_private_and_writable(mesh22):
     writers = mesh22.spawn("writers", ShmWriter)
     ref = actors.slice(hosts=0, gpus=0).share_arange.call_one(1000).get()
     base = float(torch.arange(1000, dtype=torch.float64).sum())
-    assert writers.slice(hosts=1, gpus=0).pull_and_bump.call_one(ref).get() == base + 1000
-    assert actors.slice(hosts=1, gpus=1).pull.call_one(ref, "shm").get() == (base, [1000])
+    assert writers.slice(hosts=0, gpus=1).pull_and_bump.call_one(ref).get() == base + 1000
+    assert actors.slice(hosts=0, gpus=0).pull.call_one(ref, "shm").get() == (base, [1000])
+
+
+class Probe(Actor):
+    """Looks at the data plane from inside a rank: its sockets, its shm files, replays."""
+
+    @endpoint
+    def listening(self) -> list[tuple[str, int]]:
+        """The TCP/UDP addresses this rank process listens on."""
+        me = psutil.Process()
+        return [
+            (c.laddr.ip, c.laddr.port)
+            for c in me.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+
+    @endpoint
+    def share_big(self, n: int):
+        import monarch_kernel
+
+        return monarch_kernel.share(torch.arange(n, dtype=torch.float32))
+
+    @endpoint
+    def pull_sum(self, ref, transport: str = "auto") -> float:
+        return float(ref.get(transport).double().sum())
+
+    @endpoint
+    def pull_bump(self, ref) -> float:
+        t = ref.get()
+        t += 1  # copy-on-write: the owner's copy must not change
+        return float(t.double().sum())
+
+    @endpoint
+    def counters(self) -> dict:
+        from monarch_kernel.rank.dataplane import counters
+
+        return counters()
+
+    @endpoint
+    def release(self, ref) -> None:
+        ref.release()
+
+    @endpoint
+    def replay(self, ref, address: str) -> list[str]:
+        """Send one signed fetch twice (as an eavesdropper who captured it would), and a
+        fetch without a nonce; what the owner answered to each."""
+        import zmq
+
+        from monarch_kernel.rank.dataplane import _client
+
+        client = _client()
+        captured = client.frames({"op": "fetch", "id": ref.id})
+        unsigned_nonce = client.codec.encode({"k": "req", "op": "fetch", "id": ref.id})
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        answers = []
+        try:
+            for frames in (captured, list(captured), unsigned_nonce):
+                sock.send_multipart(frames)
+                assert sock.poll(10_000), "no answer from the owner"
+                msg = client.codec.decode(sock.recv_multipart())
+                answers.append(msg.header.get("error") or msg.header["k"])
+        finally:
+            sock.close()
+        return answers
+
+
+def _shm_files(run_id: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"mk-{run_id}-")]
+
+
+@pytest.fixture(scope="module")
+def mesh12():
+    procs = host_mesh(hosts=1).spawn_procs(per_host={"gpus": 2})
+    yield procs
+    procs.stop()
+    leftovers = _shm_files(procs.runtime.run_id)
+    assert not leftovers, f"shared-memory files left behind: {leftovers}"
+
+
+def test_one_host_uses_ipc_and_shared_memory_no_tcp(mesh12):
+    probes = mesh12.spawn("probe1", Probe)
+    n = 1_000_000  # 4 MB: placed in shared memory at share time
+    ref = probes.slice(gpus=0).share_big.call_one(n).get()
+    assert ref.address == "" and ref.ipc.startswith("ipc://")
+    sock_dir = os.path.dirname(ref.ipc[len("ipc://") :])
+    assert os.stat(sock_dir).st_mode & 0o777 == 0o700
+    assert ref.shm and os.path.exists(ref.shm)
+    assert os.stat(ref.shm).st_mode & 0o777 == 0o600
+    expected = float(torch.arange(n, dtype=torch.float64).sum())
+    reader = probes.slice(gpus=1)
+    assert reader.pull_sum.call_one(ref, "auto").get() == expected
+    assert reader.pull_sum.call_one(ref, "tcp").get() == expected  # the unix socket
+    # no rank of a one-host mesh listens on TCP (any local user could connect to it)
+    assert list(probes.listening.call().get().values()) == [[], []]
+    before = probes.slice(gpus=0).counters.call_one().get()["bytes_out"]
+    assert reader.pull_bump.call_one(ref).get() == expected + n  # a private copy
+    assert reader.pull_sum.call_one(ref, "shm").get() == expected  # owner's unchanged
+    # got by mapping the file placed at share time: the owner serves no bytes
+    assert probes.slice(gpus=0).counters.call_one().get()["bytes_out"] == before
+    probes.slice(gpus=0).release.call_one(ref).get()
+    assert not os.path.exists(ref.shm)
+    with pytest.raises(ActorError, match="released or never shared by rank 0"):
+        reader.pull_sum.call_one(ref).get()
+
+
+def test_other_host_goes_through_tcp(mesh22):
+    probes = mesh22.spawn("probe2", Probe)
+    n = 1_000_000
+    owner = probes.slice(hosts=0, gpus=0)
+    ref = owner.share_big.call_one(n).get()
+    assert ref.address.startswith("tcp://127.0.0.1:") and ref.shm
+    port = int(ref.address.rsplit(":", 1)[1])
+    # bound to the host's address, not to every interface
+    assert ("127.0.0.1", port) in owner.listening.call_one().get()
+    assert ("0.0.0.0", port) not in owner.listening.call_one().get()
+    before = owner.counters.call_one().get()["bytes_out"]
+    expected = float(torch.arange(n, dtype=torch.float64).sum())
+    assert probes.slice(hosts=1, gpus=0).pull_sum.call_one(ref).get() == expected
+    assert owner.counters.call_one().get()["bytes_out"] - before == 4 * n  # over the socket
+    with pytest.raises(ActorError, match="on another host"):
+        probes.slice(hosts=1, gpus=1).pull_sum.call_one(ref, "shm").get()
+
+
+def test_replayed_fetch_is_refused_and_counted(mesh22):
+    probes = mesh22.spawn("probe3", Probe)
+    owner = probes.slice(hosts=0, gpus=1)
+    ref = owner.share_big.call_one(1000).get()
+    before = owner.counters.call_one().get()["replays_refused"]
+    other_host, same_host = probes.slice(hosts=1, gpus=0), probes.slice(hosts=0, gpus=0)
+    for reader, address in ((other_host, ref.address), (same_host, ref.ipc)):
+        first, again, no_nonce = reader.replay.call_one(ref, address).get()
+        assert first == "data"
+        assert "replayed" in again and "replayed" in no_nonce
+    assert owner.counters.call_one().get()["replays_refused"] - before == 4
+    # the owner keeps serving honest requests
+    expected = float(torch.arange(1000, dtype=torch.float64).sum())
+    assert probes.slice(hosts=1, gpus=1).pull_sum.call_one(ref).get() == expected
+
+
+def test_nonces_are_bounded_and_expire():
+    import time
+
+    from monarch_kernel.rank.dataplane import _Nonces
+
+    nonces = _Nonces(window=60.0, limit=3)
+    now = time.time()
+    assert nonces.admit("a" * 32, now)
+    assert not nonces.admit("a" * 32, now)  # replay
+    assert not nonces.admit("b" * 32, now - 61)  # stale
+    assert not nonces.admit("c" * 32, now + 61)  # from the future
+    assert not nonces.admit("short", now) and not nonces.admit(None, now)
+    for i in range(5):
+        assert nonces.admit(f"{i}" * 32, now + i / 100)
+    assert len(nonces.seen) == 3
+    assert not nonces.admit("a" * 32, now)  # forgotten, but older than what was dropped

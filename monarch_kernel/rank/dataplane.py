@@ -1,15 +1,25 @@
 """The data plane: tensors move rank to rank directly, never through the controller.
 
-Inside a rank, :func:`share` keeps a tensor where it is and returns a small picklable
+Inside a rank, :func:`share` keeps a tensor and returns a small picklable
 :class:`TensorRef` (in the spirit of Monarch's RDMA buffers). The ref travels through
 the controller like any value (an endpoint argument, ``%push``/``%pull``); the receiver
-calls :meth:`TensorRef.get` and pulls the bytes straight from the owner:
+calls :meth:`TensorRef.get` and pulls the bytes straight from the owner.
 
-* same machine: through a shared-memory file the owner fills once (``/dev/shm``);
-* another machine: over the owner's ZeroMQ data socket, zero-copy on both ends.
+A rank's host is its host agent (not its machine: two host agents on one box are two
+hosts). Between ranks of one host:
 
-Requests to a data socket are signed with the mesh key like every control message.
-Bytes moved are counted per rank (:func:`counters`) for the dashboard.
+* a CPU tensor of :data:`SHM_MIN_BYTES` or more, shared on a host with other ranks, is
+  placed in a shared-memory file (``/dev/shm``, mode 0600) once, at :func:`share` time
+  (a snapshot: later in-place changes to the original are not seen), and ``get()`` maps
+  that file copy-on-write without copying it and without asking the owner;
+* everything else goes over the owner's data socket, a unix socket (``ipc://``) in the
+  host agent's private 0700 directory: no TCP listener for other local users to reach.
+
+Between hosts, over TCP, bound to the host's own address (never ``0.0.0.0``); a mesh on
+one host has no TCP listener at all. Requests are signed with the mesh key like every
+control message, and carry a random nonce and a timestamp: a replayed (or stale) request
+is refused and counted (``replays_refused`` in :func:`counters`). Bytes moved are counted
+per rank for the dashboard.
 """
 
 from __future__ import annotations
@@ -18,7 +28,10 @@ import itertools
 import mmap
 import os
 import socket
+import tempfile
 import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,32 +40,41 @@ import zmq
 from monarch_kernel.wire import Codec, WireError
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
-#: Below this size a shared-memory file costs more than it saves: ``auto`` uses TCP.
-SHM_MIN_BYTES = 4 * 1024 * 1024
-_counters = {"bytes_out": 0, "bytes_in": 0}
+#: CPU tensors this size or larger are placed in shared memory at ``share()`` time (when
+#: the host has other ranks) and ``auto`` gets them through it; smaller ones go over the
+#: data socket (a shared-memory file costs more than it saves there).
+SHM_MIN_BYTES = 1024 * 1024
+#: A request older than this (by the sender's clock) is refused; its nonce is remembered
+#: this long, and at most :data:`NONCE_MAX` nonces are.
+NONCE_WINDOW = 120.0
+NONCE_MAX = 65536
+_REFUSED = (
+    "refused a replayed or stale data-plane request "
+    f"(or clocks more than {NONCE_WINDOW:.0f} s apart)"
+)
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+_counters = {"bytes_out": 0, "bytes_in": 0, "replays_refused": 0}
 
 
 def counters() -> dict[str, int]:
-    """Bytes this rank served to and pulled from other ranks over the data plane."""
+    """Bytes this rank served to and pulled from other ranks over the data plane, and
+    how many replayed or stale requests it refused."""
     return dict(_counters)
-
-
-def _machine_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 @dataclass(frozen=True)
 class TensorRef:
-    """A handle on a tensor held by another rank. ``get()`` pulls a copy of it."""
+    """A handle on a tensor held by another rank. ``get()`` pulls a copy of it.
+
+    ``address`` is the owner's TCP data socket (empty in a mesh of one host), ``ipc``
+    its unix socket for ranks of its own host, ``shm`` the shared-memory file holding
+    the tensor (empty unless it was placed there at share time)."""
 
     owner: int
+    host: int
     address: str
-    machine: str
+    ipc: str
+    shm: str
     key_id: str
     id: int
     dtype: str
@@ -62,14 +84,15 @@ class TensorRef:
 
     def get(self, transport: str = "auto") -> Any:
         """A new tensor with the owner's data (on this rank's CUDA device if it has one
-        and the source was on CUDA). ``transport``: ``auto``, ``shm`` or ``tcp``."""
+        and the source was on CUDA). ``transport``: ``auto``, ``shm`` (ranks of one host
+        only) or ``tcp`` (the owner's data socket: unix socket on the same host, TCP
+        from another)."""
         import torch
 
         dtype = getattr(torch, self.dtype)
-        use_shm = transport == "shm" or (transport == "auto" and self.nbytes >= SHM_MIN_BYTES)
-        if self.nbytes and use_shm and self._local(transport):
-            # Same machine: map the owner's shared-memory copy privately (copy-on-write),
-            # no second copy. The mapping outlives the owner's release of the file.
+        if self.nbytes and self._use_shm(transport):
+            # Same host: map the owner's shared-memory file privately (copy-on-write),
+            # no copy. The mapping outlives the owner's release of the file.
             raw = _client().map_shm(self)
             dst = raw.view(dtype).reshape(self.shape)
             _counters["bytes_in"] += self.nbytes
@@ -89,37 +112,100 @@ class TensorRef:
                 f"read_into needs a contiguous tensor of {self.nbytes} bytes "
                 f"(shape {self.shape}, {self.dtype}); got {tuple(dst.shape)} {dst.dtype}"
             )
-        if transport not in ("auto", "shm", "tcp"):
-            raise ValueError(f"transport must be auto, shm or tcp, not {transport!r}")
-        local = self._local(transport)
+        use_shm = self._use_shm(transport)
         target = dst if dst.device.type == "cpu" else torch.empty_like(dst, device="cpu")
         raw = target.view(-1).view(torch.uint8) if self.nbytes else None
         if raw is not None:
-            if transport == "shm" or (
-                transport == "auto" and local and self.nbytes >= SHM_MIN_BYTES
-            ):
+            if use_shm:
                 _client().read_shm(self, raw)
             else:
-                _client().read_tcp(self, raw)
+                _client().read_socket(self, raw)
             _counters["bytes_in"] += self.nbytes
         if target is not dst:
             dst.copy_(target)
         return dst
 
-    def _local(self, transport: str) -> bool:
-        """Whether shared memory can be used (same machine); an error if it was asked
-        for and cannot be."""
-        local = self.machine == _machine_id() and SHM_DIR is not None
+    def same_host(self) -> bool:
+        """Whether the owner is a rank of this rank's host (host agent)."""
+        cfg = _cfg()
+        return self.key_id == cfg["run_id"] and self.host == int(cfg.get("host", 0))
+
+    def _use_shm(self, transport: str) -> bool:
+        """Whether to go through shared memory; an error if it was asked for and cannot."""
+        if transport not in ("auto", "shm", "tcp"):
+            raise ValueError(f"transport must be auto, shm or tcp, not {transport!r}")
+        if transport == "tcp":
+            return False
+        local = SHM_DIR is not None and self.same_host()
         if transport == "shm" and not local:
             raise ValueError(
-                f"rank {self.owner} is on another machine; shared memory is not "
-                "possible, use transport='tcp'"
+                f"rank {self.owner} is on another host (host {self.host}); shared memory "
+                "is only used between ranks of one host, use transport='tcp'"
             )
-        return local
+        return local and (transport == "shm" or bool(self.shm) or self.nbytes >= SHM_MIN_BYTES)
 
     def release(self) -> None:
-        """Tell the owner it may drop the tensor (and its shared-memory copy)."""
+        """Tell the owner it may drop the tensor (and its shared-memory file)."""
         _client().request(self, {"op": "release", "id": self.id})
+
+
+class _Nonces:
+    """Admits each (nonce, time) once: a request must be recent and its nonce unseen.
+    Bounded: when more than ``limit`` are remembered the oldest are forgotten and
+    nothing as old as them is admitted any more."""
+
+    def __init__(self, window: float = NONCE_WINDOW, limit: int = NONCE_MAX):
+        self.window, self.limit = window, limit
+        self.seen: OrderedDict[str, float] = OrderedDict()
+        self.floor = 0.0
+
+    def admit(self, nonce: Any, sent: Any) -> bool:
+        now = time.time()
+        if not isinstance(nonce, str) or len(nonce) < 16 or nonce in self.seen:
+            return False
+        if not isinstance(sent, (int, float)) or isinstance(sent, bool):
+            return False
+        if sent <= max(self.floor, now - self.window) or sent > now + self.window:
+            return False
+        self.seen[nonce] = float(sent)
+        while self.seen:
+            oldest, t = next(iter(self.seen.items()))
+            if len(self.seen) > self.limit:
+                self.floor = max(self.floor, t)
+            elif t >= now - self.window:
+                break
+            del self.seen[oldest]
+        return True
+
+
+def _private_dir(cfg: dict[str, Any]) -> str:
+    """The host agent's private 0700 directory (where rank logs live), else our own."""
+    log = cfg.get("log")
+    if log:
+        d = os.path.dirname(log)
+        st = os.stat(d)
+        if st.st_uid == os.getuid() and st.st_mode & 0o077 == 0:
+            return d
+    return tempfile.mkdtemp(prefix="mk-dp-")  # mode 0700
+
+
+def _host_addr(cfg: dict[str, Any]) -> str:
+    """The address this host is reached at by the others: the one it advertised, else
+    the local address of the route to the controller (loopback if it is on this box)."""
+    for key in ("advertise", "host_addr"):
+        if cfg.get(key):
+            return str(cfg[key])
+    peer = ""
+    recv = str(cfg.get("recv", ""))
+    if recv.startswith("tcp://"):
+        peer = recv[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    elif cfg.get("master_addr"):
+        peer = str(cfg["master_addr"])
+    if not peer or peer.startswith("127.") or peer in ("localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(peer), 9))  # no packet is sent
+        return str(s.getsockname()[0])
 
 
 class _Server:
@@ -129,34 +215,57 @@ class _Server:
         self.codec = Codec(bytes.fromhex(cfg["key"]))
         self.key_id = cfg["run_id"]
         self.rank = cfg["rank"]
+        self.host = int(cfg.get("host", 0))
+        world = int(cfg.get("world_size", 1))
+        per_host = int(cfg.get("local_world_size", world))
+        # Other ranks on this host: large tensors go to shared memory at share time.
+        self.shm_at_share = SHM_DIR is not None and per_host > 1
         self.tensors: dict[int, Any] = {}
         self.shm: dict[int, str] = {}
         self.ids = itertools.count(1)
         self.lock = threading.Lock()
+        self.nonces = _Nonces()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
-        local = cfg.get("master_addr", "127.0.0.1").startswith("127.")
-        host = "127.0.0.1" if local else "0.0.0.0"
-        port = self.sock.bind_to_random_port(f"tcp://{host}")
-        advertise = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
-        self.address = f"tcp://{advertise}:{port}"
+        self.sock.setsockopt(zmq.LINGER, 0)
+        name = f"dp{self.rank}-{os.getpid()}"
+        path = os.path.join(_private_dir(cfg), name)
+        if len(path) > 100:  # a unix socket path is at most 107 bytes
+            path = os.path.join(tempfile.mkdtemp(prefix="mk-dp-", dir="/tmp"), name)
+        self.ipc = f"ipc://{path}"
+        self.sock.bind(self.ipc)
+        self.address = ""
+        if world > per_host:  # other hosts: TCP on this host's own address only
+            addr = _host_addr(cfg)
+            port = self.sock.bind_to_random_port(f"tcp://{addr}")
+            self.address = f"tcp://{addr}:{port}"
         self.shm_prefix = f"mk-{cfg['run_id']}-r{self.rank}-"
         threading.Thread(target=self._serve, name="mk-dataplane", daemon=True).start()
 
     def share(self, tensor: Any) -> TensorRef:
         t = tensor.detach()
         cuda = t.is_cuda
-        if cuda or not t.is_contiguous():
-            t = t.cpu().contiguous()
+        nbytes = t.numel() * t.element_size()
         with self.lock:
             ident = next(self.ids)
+        shm = ""
+        if self.shm_at_share and nbytes >= SHM_MIN_BYTES:
+            placed = self._place_in_shm(ident, t)
+            if placed is not None:
+                t, shm = placed
+        if not shm and (cuda or not t.is_contiguous()):
+            t = t.cpu().contiguous()
+        with self.lock:
             self.tensors[ident] = t
+            if shm:
+                self.shm[ident] = os.path.basename(shm)
         dtype = str(t.dtype).removeprefix("torch.")
-        nbytes = t.numel() * t.element_size()
         return TensorRef(
             self.rank,
+            self.host,
             self.address,
-            _machine_id(),
+            self.ipc,
+            shm,
             self.key_id,
             ident,
             dtype,
@@ -164,6 +273,36 @@ class _Server:
             nbytes,
             cuda,
         )
+
+    def _place_in_shm(self, ident: int, src: Any) -> tuple[Any, str] | None:
+        """Copy ``src`` once into a new shared-memory file; the tensor over it and its
+        path, or None if shared memory is short (the tensor then stays where it is)."""
+        import torch
+
+        assert SHM_DIR is not None
+        nbytes = src.numel() * src.element_size()
+        free = os.statvfs(SHM_DIR)
+        if free.f_bavail * free.f_frsize < 2 * nbytes:
+            return None  # the file's pages are taken during the copy: leave room
+        path = os.path.join(SHM_DIR, f"{self.shm_prefix}{ident}")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            # Faulting pages in during the copy beats preallocating (fallocate + populate
+            # zeroes and maps them first): one pass over the memory.
+            os.ftruncate(fd, nbytes)
+            m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            return None
+        os.close(fd)
+        try:
+            dst = torch.frombuffer(m, dtype=src.dtype).reshape(src.shape)  # keeps m alive
+            dst.copy_(src)
+        except Exception:  # a dtype frombuffer cannot view: keep the tensor as it is
+            os.unlink(path)
+            return None
+        return dst, path
 
     def _raw(self, ident: int) -> Any:
         import torch
@@ -174,6 +313,8 @@ class _Server:
         return t.view(-1).view(torch.uint8).numpy() if t.numel() else b""
 
     def _shm_path(self, ident: int) -> str:
+        """The tensor's shared-memory file, written now if it was not placed there at
+        share time (a small tensor asked for with ``transport='shm'``)."""
         assert SHM_DIR is not None  # only asked for when shared memory is usable
         with self.lock:
             name = self.shm.get(ident)
@@ -207,10 +348,15 @@ class _Server:
                 msg = self.codec.decode(frames)
             except WireError:
                 continue  # forged or malformed: dropped, counted by the codec
-            try:
-                reply = self._handle(msg.header)
-            except Exception as exc:  # goes back to the requester
-                reply = ({"k": "err", "error": str(exc)}, ())
+            h = msg.header
+            if not self.nonces.admit(h.get("n"), h.get("t")):
+                _counters["replays_refused"] += 1
+                reply: tuple[dict[str, Any], tuple] = ({"k": "err", "error": _REFUSED}, ())
+            else:
+                try:
+                    reply = self._handle(h)
+                except Exception as exc:  # goes back to the requester
+                    reply = ({"k": "err", "error": str(exc)}, ())
             header, buffers = reply
             self.sock.send_multipart([ident, *self.codec.encode(header, b"", buffers)], copy=False)
 
@@ -245,10 +391,20 @@ class _Client:
             socks[address] = sock
         return sock
 
+    def frames(self, header: dict[str, Any]) -> list[Any]:
+        """A signed request: a fresh nonce and the time make it good for one use."""
+        header = dict(header, k="req", n=os.urandom(16).hex(), t=time.time())
+        return self.codec.encode(header)
+
     def request(self, ref: TensorRef, header: dict[str, Any], timeout: float = 60.0) -> Any:
-        header = dict(header, k="req")
-        sock = self._socket(ref.address)
-        sock.send_multipart(self.codec.encode(header))
+        if ref.same_host():
+            address = ref.ipc
+        elif ref.address:
+            address = ref.address
+        else:
+            raise RuntimeError(f"rank {ref.owner} is on another host and has no TCP data socket")
+        sock = self._socket(address)
+        sock.send_multipart(self.frames(header))
         if not sock.poll(int(timeout * 1000)):
             raise TimeoutError(
                 f"rank {ref.owner} did not answer a data-plane request in {timeout}s "
@@ -259,29 +415,41 @@ class _Client:
             raise RuntimeError(f"rank {ref.owner}: {msg.header['error']}")
         return msg
 
-    def read_tcp(self, ref: TensorRef, raw: Any) -> None:
+    def read_socket(self, ref: TensorRef, raw: Any) -> None:
         import torch
 
         msg = self.request(ref, {"op": "fetch", "id": ref.id})
         raw.copy_(torch.frombuffer(msg.buffers[0], dtype=torch.uint8))
 
+    def _open_shm(self, ref: TensorRef) -> int:
+        path = ref.shm or self.request(ref, {"op": "shm", "id": ref.id}).header["path"]
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise RuntimeError(
+                f"rank {ref.owner}: tensor {ref.id} was released or never shared by "
+                f"rank {ref.owner}"
+            ) from None
+
     def map_shm(self, ref: TensorRef) -> Any:
-        """A uint8 tensor over a private, pre-faulted mapping of the owner's shm copy."""
+        """A uint8 tensor over a private (copy-on-write) mapping of the owner's shared
+        memory file; its page tables are filled without copying the pages."""
         import torch
 
-        path = self.request(ref, {"op": "shm", "id": ref.id}).header["path"]
-        fd = os.open(path, os.O_RDONLY)
+        fd = self._open_shm(ref)
         try:
-            flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-            m = mmap.mmap(fd, ref.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            prot = mmap.PROT_READ | mmap.PROT_WRITE
+            m = mmap.mmap(fd, ref.nbytes, flags=mmap.MAP_PRIVATE, prot=prot)
         finally:
             os.close(fd)
+        try:
+            m.madvise(_MADV_POPULATE_READ)  # map the shared pages now; a write copies one
+        except OSError:
+            pass  # older kernel: pages are mapped on first touch
         return torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
 
     def read_shm(self, ref: TensorRef, raw: Any) -> None:
-
-        path = self.request(ref, {"op": "shm", "id": ref.id}).header["path"]
-        fd = os.open(path, os.O_RDONLY)
+        fd = self._open_shm(ref)
         try:
             # One kernel copy from the shared pages straight into the destination.
             _read_all(fd, memoryview(raw.numpy()).cast("B"))
@@ -326,7 +494,12 @@ def _client() -> _Client:
 
 
 def share(tensor: Any) -> TensorRef:
-    """Keep ``tensor`` in this rank and return a handle other ranks can ``get()``."""
+    """Keep ``tensor`` in this rank and return a handle other ranks can ``get()``.
+
+    On a host with other ranks, a CPU (or CUDA) tensor of :data:`SHM_MIN_BYTES` or more
+    is copied once into shared memory now, so that ranks of this host map it without a
+    copy: they see the tensor as it was at this call. Other tensors are kept as they are
+    and sent as they are when asked for."""
     global _server
     import torch
 
