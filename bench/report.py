@@ -86,7 +86,7 @@ def rows(s: Settings) -> list[Row]:
         out.append(
             Row(
                 f"r2r_share_{mib}",
-                f"4. {mib} MiB `share()` (one copy into shared memory)",
+                f"4. {mib} MiB `share()` (storage moved into shared memory in place)",
                 "MiB/s",
                 "higher",
             )
@@ -361,7 +361,8 @@ def how_measured(s: Settings) -> list[str]:
         "Rank -> rank: in a mesh of 2 local host agents × 2 ranks, rank 0 `share()`s a fresh "
         "tensor and a rank times `ref.get()` (the owner's data mapped from shared memory "
         "for a rank of its host, pulled over TCP loopback for a rank of the other host); "
-        "`share()` is timed in the owner (the one copy a same-host get then saves).",
+        "`share()` is timed in the owner (the one copy, in place, that a same-host get then "
+        "saves; `get()` sees the owner's tensor as it is at get time on every path).",
         "5. From nothing to every rank having answered a call that imports torch "
         "(`spawn_procs` + `spawn` + call; Ray: actor creation after `ray.init`, which has its "
         "own row; ipyparallel: `Cluster.start_and_connect_sync` + `apply_sync`). Cold: no "

@@ -22,7 +22,12 @@ def report(**metrics: float) -> None:
 def share(tensor):  # torch is imported lazily
     """Inside a rank: keep ``tensor`` here and return a :class:`TensorRef` that another
     rank turns into a copy with ``ref.get()``, pulled directly from this rank (shared
-    memory on the same machine, ZeroMQ across machines)."""
+    memory on the same machine, ZeroMQ across machines).
+
+    ``get()`` returns the owner's tensor as it is when ``get()`` runs, whatever the path:
+    this rank's in-place changes after ``share()`` are seen (``share`` keeps the tensor
+    itself, not a snapshot; a large CPU tensor has its storage moved into shared memory
+    in place). The receiver's tensor is a private copy: its writes never reach here."""
     from monarch_kernel.rank.dataplane import share as _share
 
     return _share(tensor)

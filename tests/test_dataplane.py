@@ -82,6 +82,9 @@ def test_shared_memory_copy_is_private_and_writable(mesh22):
 class Probe(Actor):
     """Looks at the data plane from inside a rank: its sockets, its shm files, replays."""
 
+    def __init__(self):
+        self.kept = {}
+
     @endpoint
     def listening(self) -> list[tuple[str, int]]:
         """The TCP/UDP addresses this rank process listens on."""
@@ -97,6 +100,21 @@ class Probe(Actor):
         import monarch_kernel
 
         return monarch_kernel.share(torch.arange(n, dtype=torch.float32))
+
+    @endpoint
+    def share_kept(self, n: int, view: str = ""):
+        """Share a tensor of ``n`` floats (or a view of one) and keep it to change later."""
+        import monarch_kernel
+
+        t = torch.zeros(n, dtype=torch.float32)
+        if view == "strided":  # not contiguous: served over the socket
+            t = torch.zeros(2 * n, dtype=torch.float32)[::2]
+        self.kept[n] = t
+        return monarch_kernel.share(t)
+
+    @endpoint
+    def bump_kept(self, n: int, by: float) -> None:
+        self.kept[n].add_(by)  # in place, after share()
 
     @endpoint
     def pull_sum(self, ref, transport: str = "auto") -> float:
@@ -178,7 +196,8 @@ def test_one_host_uses_ipc_and_shared_memory_no_tcp(mesh12):
     # got by mapping the file placed at share time: the owner serves no bytes
     assert probes.slice(gpus=0).counters.call_one().get()["bytes_out"] == before
     probes.slice(gpus=0).release.call_one(ref).get()
-    assert not os.path.exists(ref.shm)
+    # the owner's descriptor is closed (its number may be reused, never the inode)
+    assert not os.path.exists(ref.shm) or os.stat(ref.shm).st_ino != ref.shm_ino
     with pytest.raises(ActorError, match="released or never shared by rank 0"):
         reader.pull_sum.call_one(ref).get()
 
@@ -233,3 +252,31 @@ def test_nonces_are_bounded_and_expire():
         assert nonces.admit(f"{i}" * 32, now + i / 100)
     assert len(nonces.seen) == 3
     assert not nonces.admit("a" * 32, now)  # forgotten, but older than what was dropped
+
+
+@pytest.mark.parametrize("view", ["", "strided"])
+def test_get_sees_the_owners_tensor_as_it_is_at_get_time(mesh22, view):
+    """Same host (shared memory, or the socket for a tensor that cannot move there) and
+    other host (TCP): a change the owner makes in place after share() is seen by get()."""
+    probes = mesh22.spawn(f"probe_live{view}", Probe)
+    n = 512 * 1024  # 2 MiB of float32
+    owner = probes.slice(hosts=0, gpus=0)
+    ref = owner.share_kept.call_one(n, view).get()
+    assert bool(ref.shm) == (view == "")  # moved into shared memory in place, or not
+    same_host, other_host = probes.slice(hosts=0, gpus=1), probes.slice(hosts=1, gpus=0)
+    assert same_host.pull_sum.call_one(ref).get() == 0.0
+    owner.bump_kept.call_one(n, 1.0).get()
+    transports = ["auto", "shm", "tcp"]
+    for transport in transports:
+        assert same_host.pull_sum.call_one(ref, transport).get() == float(n)
+    assert other_host.pull_sum.call_one(ref).get() == float(n)
+    # a receiver's writes stay private; the owner keeps changing and every path sees it
+    assert same_host.pull_bump.call_one(ref).get() == 2.0 * n
+    owner.bump_kept.call_one(n, 2.0).get()
+    for transport in transports:
+        assert same_host.pull_sum.call_one(ref, transport).get() == 3.0 * n
+    assert other_host.pull_sum.call_one(ref).get() == 3.0 * n
+    owner.release.call_one(ref).get()
+    for reader in (same_host, other_host):
+        with pytest.raises(ActorError, match="released or never shared by rank 0"):
+            reader.pull_sum.call_one(ref).get()

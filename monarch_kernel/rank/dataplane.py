@@ -8,12 +8,17 @@ calls :meth:`TensorRef.get` and pulls the bytes straight from the owner.
 A rank's host is its host agent (not its machine: two host agents on one box are two
 hosts). Between ranks of one host:
 
-* a CPU tensor of :data:`SHM_MIN_BYTES` or more, shared on a host with other ranks, is
-  placed in a shared-memory file (``/dev/shm``, mode 0600) once, at :func:`share` time
-  (a snapshot: later in-place changes to the original are not seen), and ``get()`` maps
-  that file copy-on-write without copying it and without asking the owner;
+* a contiguous CPU tensor of :data:`SHM_MIN_BYTES` or more that owns its whole storage,
+  shared on a host with other ranks, has its storage moved into shared memory in place at
+  :func:`share` time (torch's ``share_memory_``: one copy; the owner's tensor, and every
+  view of it, then lives there), and ``get()`` maps that memory copy-on-write (through
+  ``/proc/<owner pid>/fd/N``, mode 0600) without copying it and without asking the owner;
 * everything else goes over the owner's data socket, a unix socket (``ipc://``) in the
   host agent's private 0700 directory: no TCP listener for other local users to reach.
+
+Whatever the path, ``get()`` returns the owner's tensor as it is when ``get()`` runs:
+the owner's in-place changes made after ``share()`` are seen (never a snapshot taken at
+share time), and the receiver's copy is private (its writes never reach the owner).
 
 Between hosts, over TCP, bound to the host's own address (never ``0.0.0.0``); a mesh on
 one host has no TCP listener at all. Requests are signed with the mesh key like every
@@ -67,8 +72,10 @@ class TensorRef:
     """A handle on a tensor held by another rank. ``get()`` pulls a copy of it.
 
     ``address`` is the owner's TCP data socket (empty in a mesh of one host), ``ipc``
-    its unix socket for ranks of its own host, ``shm`` the shared-memory file holding
-    the tensor (empty unless it was placed there at share time)."""
+    its unix socket for ranks of its own host, ``shm`` the path of the shared memory the
+    owner's tensor lives in (empty unless it was moved there at share time) and
+    ``shm_ino`` its inode (the path is a file descriptor of the owner's, which is closed
+    at release: a reused descriptor is told apart by its inode)."""
 
     owner: int
     host: int
@@ -81,19 +88,27 @@ class TensorRef:
     shape: tuple[int, ...]
     nbytes: int
     cuda: bool
+    shm_ino: int = 0
 
     def get(self, transport: str = "auto") -> Any:
-        """A new tensor with the owner's data (on this rank's CUDA device if it has one
-        and the source was on CUDA). ``transport``: ``auto``, ``shm`` (ranks of one host
-        only) or ``tcp`` (the owner's data socket: unix socket on the same host, TCP
-        from another)."""
+        """A new tensor with the owner's data as it is now (on this rank's CUDA device if
+        it has one and the source was on CUDA); a private copy. ``transport``: ``auto``,
+        ``shm`` (ranks of one host only) or ``tcp`` (the owner's data socket: unix socket
+        on the same host, TCP from another)."""
         import torch
 
         dtype = getattr(torch, self.dtype)
+        raw = None
         if self.nbytes and self._use_shm(transport):
-            # Same host: map the owner's shared-memory file privately (copy-on-write),
-            # no copy. The mapping outlives the owner's release of the file.
-            raw = _client().map_shm(self)
+            # Same host: map the owner's shared memory privately (copy-on-write), no
+            # copy. The mapping outlives the owner's release of it.
+            try:
+                raw = _client().map_shm(self)
+            except PermissionError:
+                if transport == "shm":
+                    raise
+                # /proc/<pid>/fd of the owner not openable here: its socket, same data
+        if raw is not None:
             dst = raw.view(dtype).reshape(self.shape)
             _counters["bytes_in"] += self.nbytes
         else:
@@ -117,8 +132,13 @@ class TensorRef:
         raw = target.view(-1).view(torch.uint8) if self.nbytes else None
         if raw is not None:
             if use_shm:
-                _client().read_shm(self, raw)
-            else:
+                try:
+                    _client().read_shm(self, raw)
+                except PermissionError:
+                    if transport == "shm":
+                        raise
+                    use_shm = False  # the owner's socket then: the same data
+            if not use_shm:
                 _client().read_socket(self, raw)
             _counters["bytes_in"] += self.nbytes
         if target is not dst:
@@ -142,10 +162,12 @@ class TensorRef:
                 f"rank {self.owner} is on another host (host {self.host}); shared memory "
                 "is only used between ranks of one host, use transport='tcp'"
             )
-        return local and (transport == "shm" or bool(self.shm) or self.nbytes >= SHM_MIN_BYTES)
+        # auto: only where the owner's tensor lives in shared memory (else its socket)
+        return local and (transport == "shm" or bool(self.shm))
 
     def release(self) -> None:
-        """Tell the owner it may drop the tensor (and its shared-memory file)."""
+        """Tell the owner it may drop the tensor (its shared memory is no longer offered;
+        the owner's tensor itself stays where it is)."""
         _client().request(self, {"op": "release", "id": self.id})
 
 
@@ -218,10 +240,11 @@ class _Server:
         self.host = int(cfg.get("host", 0))
         world = int(cfg.get("world_size", 1))
         per_host = int(cfg.get("local_world_size", world))
-        # Other ranks on this host: large tensors go to shared memory at share time.
+        # Other ranks on this host: large tensors move to shared memory at share time.
         self.shm_at_share = SHM_DIR is not None and per_host > 1
         self.tensors: dict[int, Any] = {}
-        self.shm: dict[int, str] = {}
+        self.shm_fds: dict[int, int] = {}  # our own descriptor of a tensor's shared memory
+        self.seq = itertools.count(1)
         self.ids = itertools.count(1)
         self.lock = threading.Lock()
         self.nonces = _Nonces()
@@ -243,22 +266,21 @@ class _Server:
         threading.Thread(target=self._serve, name="mk-dataplane", daemon=True).start()
 
     def share(self, tensor: Any) -> TensorRef:
+        # The owner's tensor itself is kept (never a copy): get() sees it as it is then.
         t = tensor.detach()
-        cuda = t.is_cuda
         nbytes = t.numel() * t.element_size()
         with self.lock:
             ident = next(self.ids)
-        shm = ""
+        shm, ino, fd = "", 0, -1
         if self.shm_at_share and nbytes >= SHM_MIN_BYTES:
-            placed = self._place_in_shm(ident, t)
+            placed = self._move_to_shm(t, nbytes)
             if placed is not None:
-                t, shm = placed
-        if not shm and (cuda or not t.is_contiguous()):
-            t = t.cpu().contiguous()
+                fd, ino = placed
+                shm = f"/proc/{os.getpid()}/fd/{fd}"
         with self.lock:
             self.tensors[ident] = t
-            if shm:
-                self.shm[ident] = os.path.basename(shm)
+            if fd >= 0:
+                self.shm_fds[ident] = fd
         dtype = str(t.dtype).removeprefix("torch.")
         return TensorRef(
             self.rank,
@@ -271,75 +293,74 @@ class _Server:
             dtype,
             tuple(t.shape),
             nbytes,
-            cuda,
+            t.is_cuda,
+            ino,
         )
 
-    def _place_in_shm(self, ident: int, src: Any) -> tuple[Any, str] | None:
-        """Copy ``src`` once into a new shared-memory file; the tensor over it and its
-        path, or None if shared memory is short (the tensor then stays where it is)."""
-        import torch
-
+    @staticmethod
+    def _move_to_shm(t: Any, nbytes: int) -> tuple[int, int] | None:
+        """Move ``t``'s storage into shared memory in place (every tensor over that
+        storage follows); our own descriptor of it and its inode, or None where it
+        cannot be (not CPU, not contiguous, a part of a bigger storage, shared memory
+        short): such a tensor is served over the socket, as it is at get() time."""
+        if t.device.type != "cpu" or not t.is_contiguous() or t.storage_offset() != 0:
+            return None
+        storage = t.untyped_storage()
+        if storage.nbytes() != nbytes:
+            return None
         assert SHM_DIR is not None
-        nbytes = src.numel() * src.element_size()
-        free = os.statvfs(SHM_DIR)
-        if free.f_bavail * free.f_frsize < 2 * nbytes:
-            return None  # the file's pages are taken during the copy: leave room
-        path = os.path.join(SHM_DIR, f"{self.shm_prefix}{ident}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        if not storage.is_shared():
+            free = os.statvfs(SHM_DIR)
+            if free.f_bavail * free.f_frsize < 2 * nbytes:
+                return None  # leave room for others
         try:
-            # Faulting pages in during the copy beats preallocating (fallocate + populate
-            # zeroes and maps them first): one pass over the memory.
-            os.ftruncate(fd, nbytes)
-            m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError:
-            os.close(fd)
-            os.unlink(path)
+            # torch's share_memory_ with the file-descriptor strategy: the data is
+            # copied once into an unlinked shm file (0600) and the storage's data pointer
+            # swapped to it; a no-op for a storage already there.
+            torch_fd, _size = storage._share_fd_cpu_()
+            fd = os.dup(torch_fd)
+        except (RuntimeError, OSError, AttributeError):
             return None
-        os.close(fd)
-        try:
-            dst = torch.frombuffer(m, dtype=src.dtype).reshape(src.shape)  # keeps m alive
-            dst.copy_(src)
-        except Exception:  # a dtype frombuffer cannot view: keep the tensor as it is
-            os.unlink(path)
-            return None
-        return dst, path
+        return fd, os.fstat(fd).st_ino
 
     def _raw(self, ident: int) -> Any:
+        """The tensor's bytes as they are now (copied to the CPU and made contiguous
+        first if it is not already so)."""
         import torch
 
         t = self.tensors.get(ident)
         if t is None:
             raise KeyError(f"tensor {ident} was released or never shared by rank {self.rank}")
-        return t.view(-1).view(torch.uint8).numpy() if t.numel() else b""
+        if not t.numel():
+            return b""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.cpu().contiguous()
+        return t.view(-1).view(torch.uint8).numpy()
 
-    def _shm_path(self, ident: int) -> str:
-        """The tensor's shared-memory file, written now if it was not placed there at
-        share time (a small tensor asked for with ``transport='shm'``)."""
+    def _shm_copy(self, ident: int) -> str:
+        """A fresh shared-memory file with the tensor's bytes as they are now, for a
+        tensor not in shared memory asked for with ``transport='shm'``; the receiver
+        unlinks it once opened (the host agent removes any left at mesh stop)."""
         assert SHM_DIR is not None  # only asked for when shared memory is usable
-        with self.lock:
-            name = self.shm.get(ident)
-            if name is None:
-                raw = self._raw(ident)
-                name = f"{self.shm_prefix}{ident}"
-                path = os.path.join(SHM_DIR, name)
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-                try:
-                    _write_all(fd, memoryview(raw).cast("B"))
-                finally:
-                    os.close(fd)
-                self.shm[ident] = name
-                _counters["bytes_out"] += len(raw)
-        return os.path.join(SHM_DIR, name)
+        raw = self._raw(ident)
+        path = os.path.join(SHM_DIR, f"{self.shm_prefix}{ident}-{next(self.seq)}")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        try:
+            _write_all(fd, memoryview(raw).cast("B"))
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        _counters["bytes_out"] += len(raw)
+        return path
 
     def release(self, ident: int) -> None:
         with self.lock:
             self.tensors.pop(ident, None)
-            name = self.shm.pop(ident, None)
-        if name and SHM_DIR is not None:
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                pass
+            fd = self.shm_fds.pop(ident, None)
+        if fd is not None:
+            os.close(fd)  # the path in the ref no longer opens (torch keeps its own fd)
 
     def _serve(self) -> None:
         while True:
@@ -367,7 +388,7 @@ class _Server:
             _counters["bytes_out"] += len(raw)
             return {"k": "data"}, (raw,) if len(raw) else ()
         if op == "shm":
-            return {"k": "shm", "path": self._shm_path(ident)}, ()
+            return {"k": "shm", "path": self._shm_copy(ident)}, ()
         if op == "release":
             self.release(ident)
             return {"k": "ok"}, ()
@@ -422,18 +443,31 @@ class _Client:
         raw.copy_(torch.frombuffer(msg.buffers[0], dtype=torch.uint8))
 
     def _open_shm(self, ref: TensorRef) -> int:
-        path = ref.shm or self.request(ref, {"op": "shm", "id": ref.id}).header["path"]
+        """A read-only descriptor of the owner's shared memory holding the tensor: the
+        one it lives in, else a copy made now for this request."""
+        released = RuntimeError(
+            f"rank {ref.owner}: tensor {ref.id} was released or never shared by rank {ref.owner}"
+        )
+        if ref.shm:
+            try:
+                fd = os.open(ref.shm, os.O_RDONLY)
+            except FileNotFoundError:
+                raise released from None
+            st = os.fstat(fd)
+            if st.st_ino != ref.shm_ino or st.st_size < ref.nbytes:
+                os.close(fd)  # the owner's descriptor was closed and its number reused
+                raise released
+            return fd
+        path = self.request(ref, {"op": "shm", "id": ref.id}).header["path"]
         try:
             return os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise RuntimeError(
-                f"rank {ref.owner}: tensor {ref.id} was released or never shared by "
-                f"rank {ref.owner}"
-            ) from None
+        finally:
+            os.unlink(path)  # a copy for this request only
 
     def map_shm(self, ref: TensorRef) -> Any:
         """A uint8 tensor over a private (copy-on-write) mapping of the owner's shared
-        memory file; its page tables are filled without copying the pages."""
+        memory; its page tables are filled without copying the pages (a page is copied
+        here once either side writes it; until then it shows the owner's data)."""
         import torch
 
         fd = self._open_shm(ref)
@@ -496,10 +530,13 @@ def _client() -> _Client:
 def share(tensor: Any) -> TensorRef:
     """Keep ``tensor`` in this rank and return a handle other ranks can ``get()``.
 
-    On a host with other ranks, a CPU (or CUDA) tensor of :data:`SHM_MIN_BYTES` or more
-    is copied once into shared memory now, so that ranks of this host map it without a
-    copy: they see the tensor as it was at this call. Other tensors are kept as they are
-    and sent as they are when asked for."""
+    The tensor itself is kept, not a copy: ``get()`` returns the owner's tensor as it is
+    when ``get()`` runs (in-place changes made here after this call are seen, on every
+    path), as a private copy. On a host with other ranks, a contiguous CPU tensor of
+    :data:`SHM_MIN_BYTES` or more that owns its whole storage has that storage moved into
+    shared memory now, in place (one copy; this tensor and its views then live there, and
+    the storage can no longer be resized), so that ranks of this host map it without a
+    copy. Other tensors are sent when asked for."""
     global _server
     import torch
 
