@@ -10,17 +10,46 @@ A message on the wire is ``[header, signature, payload, *buffers]``:
 * ``payload``: a pickle (see :mod:`monarch_kernel.wire.serialize`);
 * ``buffers``: out-of-band pickle-5 buffers (tensor and array data), sent zero-copy.
 
-:meth:`Codec.decode` checks the signature **before** anything is parsed or unpickled;
-a message that fails is dropped and counted in :attr:`Codec.rejected`.
+:meth:`Codec.decode` checks, in this order and before anything is parsed or unpickled,
+the frame count (at most ``3 + MAX_BUFFERS``), the header size (at most
+:data:`MAX_HEADER`) and the signature's length, then the signature; only then is the
+header parsed, the buffer frames matched against its sizes (``b``) and the message
+checked against replay. A message that fails any check is dropped and counted in
+:attr:`Codec.rejected` (replays also in :attr:`Codec.replayed`). The payload is never
+unpickled here: the callers unpickle a decoded (verified) message's payload.
+
+Replay protection. Every encoded header carries, inside the signed part, the sender's
+nonce ``sn`` (random, 64 bits, one per :class:`Codec` instance, i.e. per process side;
+renewed in a forked child) and a counter ``sc`` (0, 1, 2 ... per nonce). The decoder
+keeps, per nonce, the highest counter seen and a :data:`REPLAY_WINDOW`-bit bitmap of
+the counters below it (IPsec style: several threads encode concurrently, so messages
+may arrive slightly out of order): a counter seen before, or older than the window, is
+dropped. At most :data:`MAX_SENDERS` nonces are remembered (least recently seen
+evicted). The window is per receiving codec: a message may legitimately reach several
+receivers (a fan-out reaches every rank of a host byte for byte), so a copy captured
+on its way to one receiver is not refused by a receiver that never saw it. See
+SECURITY.md.
+
+Sizes. :func:`max_message` (``MONARCH_KERNEL_MAX_MESSAGE``, bytes, default 8 GiB) is
+set as ``ZMQ_MAXMSGSIZE`` on every socket that receives from a peer
+(:func:`limit_size`): libzmq drops the connection of a peer that announces a larger
+frame before it allocates it. :meth:`Codec.encode` refuses to build a frame above it
+(a clear error at the sender instead of a silently dropped connection).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import logging
 import marshal
+import os
 import pickle
+import secrets
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +74,52 @@ _SNDMORE = int(zmq.SNDMORE)
 
 #: Buffers smaller than this are copied into the zmq message (cheaper than zero-copy).
 ZERO_COPY_THRESHOLD = 64 * 1024
+
+#: Most out-of-band buffer frames in one message (``serialize.dumps`` keeps further
+#: buffers in the pickle).
+MAX_BUFFERS = 1024
+#: Most frames in one message: header, signature, payload and the buffers.
+MAX_FRAMES = 3 + MAX_BUFFERS
+#: Largest header (marshal bytes). Headers are a few hundred bytes; a ``spawn_ranks``
+#: for many ranks with a large ``--env`` a few KiB.
+MAX_HEADER = 64 * 1024
+#: Length of an HMAC-SHA256 signature.
+SIGNATURE_SIZE = 32
+#: Counters remembered below the highest one per sender (replay window, bits).
+REPLAY_WINDOW = 1024
+_WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
+#: Senders (nonces) whose replay windows one codec remembers.
+MAX_SENDERS = 4096
+
+#: Environment variable: largest frame (bytes) a socket accepts from a peer.
+MAX_MESSAGE_ENV = "MONARCH_KERNEL_MAX_MESSAGE"
+#: Its default: 8 GiB. Tensors travel as one buffer frame each, so this is the largest
+#: tensor (or pickled payload) one message can carry; raise it for bigger ones.
+DEFAULT_MAX_MESSAGE = 8 << 30
+
+
+def max_message() -> int:
+    """The largest frame accepted from a peer (``MONARCH_KERNEL_MAX_MESSAGE``, bytes;
+    suffixes K, M, G allowed; default 8 GiB)."""
+    raw = os.environ.get(MAX_MESSAGE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_MESSAGE
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(raw[-1].upper(), 1)
+    try:
+        value = int(raw[:-1] if scale != 1 else raw) * scale
+    except ValueError:
+        raise ValueError(
+            f"{MAX_MESSAGE_ENV}={raw!r} is not a size in bytes (e.g. 8589934592 or 8G)"
+        ) from None
+    if value < MAX_HEADER:
+        raise ValueError(f"{MAX_MESSAGE_ENV}={raw!r} is below {MAX_HEADER} bytes")
+    return value
+
+
+def limit_size(sock: Any) -> None:
+    """Set ``ZMQ_MAXMSGSIZE`` on a socket that receives from peers: a peer announcing a
+    larger frame is disconnected before the frame is allocated."""
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message())
 
 
 #: A decoded header: plain marshal-able values under the short keys documented in
@@ -82,8 +157,23 @@ def new_key() -> bytes:
     return secrets.token_bytes(32)
 
 
+_live_codecs: weakref.WeakSet[Codec] = weakref.WeakSet()
+
+
+def _renew_nonces() -> None:  # in a forked child: never encode under the parent's nonce
+    for codec in list(_live_codecs):
+        codec._new_sender()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_nonces)
+
+
 class Codec:
-    """Signs outgoing frames and verifies incoming ones with one mesh key."""
+    """Signs outgoing frames and verifies incoming ones with one mesh key.
+
+    Thread-safe: several threads may encode and decode with one codec.
+    """
 
     def __init__(self, key: bytes):
         if not key:
@@ -92,9 +182,22 @@ class Codec:
             self._mac = _hmac_new(key, digestmod="sha256")
         else:  # pragma: no cover
             self._mac = hmac.new(key, digestmod=hashlib.sha256)
+        #: Messages dropped: malformed, forged, oversized or replayed.
         self.rejected = 0
+        #: Of those, signed messages dropped as replays (duplicate or too old a counter).
+        self.replayed = 0
         self.bytes_out = 0
         self.bytes_in = 0
+        self.max_message = max_message()
+        # per sender nonce: [highest counter seen, bitmap of the counters below it]
+        self._windows: OrderedDict[int, list[int]] = OrderedDict()
+        self._window_lock = threading.Lock()
+        self._new_sender()
+        _live_codecs.add(self)
+
+    def _new_sender(self) -> None:
+        self.nonce = secrets.randbits(64)
+        self._counter = itertools.count()
 
     def _sign(self, header: bytes, payload: bytes | memoryview) -> bytes:
         mac = self._mac.copy()
@@ -106,21 +209,43 @@ class Codec:
     def encode(
         self, header: Header, payload: bytes = b"", buffers: Sequence[Buffer] = ()
     ) -> list[Any]:
-        """Frames for ``header`` + ``payload`` + zero-copy ``buffers``."""
+        """Frames for ``header`` + ``payload`` + zero-copy ``buffers``.
+
+        Sets ``sn``/``sc`` (and ``b`` when there are buffers) in ``header``. Raises
+        WireError for a message no peer would accept (too many buffers, too large a
+        header or frame).
+        """
         size = len(payload)
+        limit = self.max_message
         if buffers:
             header["b"] = sizes = [memoryview(b).nbytes for b in buffers]
             size += sum(sizes)
+            if len(sizes) > MAX_BUFFERS or max(sizes) > limit:
+                raise WireError(_too_big(sizes, limit))
+        if len(payload) > limit:
+            raise WireError(_too_big([len(payload)], limit))
+        header["sn"] = self.nonce
+        header["sc"] = next(self._counter)
         hb = marshal.dumps(header, MARSHAL_VERSION)
+        if len(hb) > MAX_HEADER:
+            raise WireError(f"message header of {len(hb)} bytes exceeds {MAX_HEADER} bytes")
         self.bytes_out += len(hb) + size
         return [hb, self._sign(hb, payload), payload, *buffers]
 
     def decode(self, frames: list[Any]) -> Message:
-        """Verify and split ``frames`` (bytes or zmq Frames); raise WireError if forged."""
-        if len(frames) < 3:
+        """Verify and split ``frames`` (bytes or zmq Frames); raise WireError if forged,
+        malformed, oversized or replayed. Nothing is unpickled."""
+        n = len(frames)
+        if n < 3 or n > MAX_FRAMES:
             self.rejected += 1
-            raise WireError(f"malformed message: {len(frames)} frames, expected at least 3")
+            raise WireError(f"malformed message: {n} frames, expected 3 to {MAX_FRAMES}")
         hb, sig, payload = frames[0], frames[1], frames[2]
+        if len(hb) > MAX_HEADER or len(sig) != SIGNATURE_SIZE:
+            self.rejected += 1
+            raise WireError(
+                f"malformed message: header of {len(hb)} bytes (at most {MAX_HEADER}), "
+                f"signature of {len(sig)} bytes (expected {SIGNATURE_SIZE})"
+            )
         if hb.__class__ is not bytes:
             hb, sig = _as_bytes(hb), _as_bytes(sig)
         if payload.__class__ is not bytes:
@@ -131,12 +256,55 @@ class Codec:
         try:
             header = _load_header(hb)
             sizes = header.get("b")
-            buffers = _check_buffers(sizes, frames[3:]) if sizes or len(frames) > 3 else []
-        except (ValueError, TypeError) as exc:
+            buffers = _check_buffers(sizes, frames[3:]) if sizes or n > 3 else []
+            fresh = self._fresh(header["sn"], header["sc"])
+        except (ValueError, TypeError, KeyError) as exc:
             self.rejected += 1
-            raise WireError(f"malformed message: {exc}") from None
+            raise WireError(f"malformed message: {exc!r}") from None
+        if not fresh:
+            self.rejected += 1
+            self.replayed += 1
+            raise WireError("replayed message (its sender's counter was seen before)")
         self.bytes_in += len(hb) + len(payload) + (sum(sizes) if sizes else 0)
         return Message(header, payload, buffers)
+
+    def _fresh(self, nonce: Any, count: Any) -> bool:
+        """Record counter ``count`` of sender ``nonce``; False if seen or too old."""
+        if type(nonce) is not int or type(count) is not int or count < 0:
+            raise ValueError("bad sender nonce or counter")
+        windows = self._windows
+        lock = self._window_lock
+        lock.acquire()
+        try:
+            w = windows.get(nonce)
+            if w is None:
+                if len(windows) >= MAX_SENDERS:
+                    windows.popitem(last=False)
+                windows[nonce] = [count, 1]
+                return True
+            windows.move_to_end(nonce)
+            top = w[0]
+            if count > top:
+                shift = count - top
+                w[0] = count
+                w[1] = ((w[1] << shift) | 1) & _WINDOW_MASK if shift < REPLAY_WINDOW else 1
+                return True
+            behind = top - count
+            if behind >= REPLAY_WINDOW or (w[1] >> behind) & 1:
+                return False
+            w[1] |= 1 << behind
+            return True
+        finally:
+            lock.release()
+
+
+def _too_big(sizes: list[int], limit: int) -> str:
+    if len(sizes) > MAX_BUFFERS:
+        return f"a message carries at most {MAX_BUFFERS} buffers, not {len(sizes)}"
+    return (
+        f"a frame of {max(sizes)} bytes exceeds the {limit}-byte limit on messages "
+        f"({MAX_MESSAGE_ENV}); raise it on every process of the mesh to send it"
+    )
 
 
 def _check_buffers(sizes: Any, frames: list[Any]) -> list[memoryview]:
