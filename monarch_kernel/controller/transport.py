@@ -282,9 +282,11 @@ class Transport:
         A peer announces itself on the receive socket; its connection to the send socket
         is made independently and may lag by a moment. Nothing is sent to it before.
         """
-        frames = self.codec.encode({"k": K.HELLO})
         deadline = time.monotonic() + timeout
         for ident in identities:
+            # one encoding per identity: r<R> and c<R> are one process, whose codec
+            # drops a second copy of the same signed message as a replay
+            frames = self.codec.encode({"k": K.HELLO})
             while True:
                 with self.send_lock, DeferSigint():
                     try:
