@@ -21,14 +21,16 @@ unpickled here: the callers unpickle a decoded (verified) message's payload.
 Replay protection. Every encoded header carries, inside the signed part, the sender's
 nonce ``sn`` (random, 64 bits, one per :class:`Codec` instance, i.e. per process side;
 renewed in a forked child) and a counter ``sc`` (0, 1, 2 ... per nonce). The decoder
-keeps, per nonce, the highest counter seen and a :data:`REPLAY_WINDOW`-bit bitmap of
-the counters below it (IPsec style: several threads encode concurrently, so messages
-may arrive slightly out of order): a counter seen before, or older than the window, is
-dropped. At most :data:`MAX_SENDERS` nonces are remembered (least recently seen
-evicted). The window is per receiving codec: a message may legitimately reach several
-receivers (a fan-out reaches every rank of a host byte for byte), so a copy captured
-on its way to one receiver is not refused by a receiver that never saw it. See
-SECURITY.md.
+remembers, per nonce, which counters it has seen (a bit per counter in 64-bit chunks,
+:data:`MAX_CHUNKS` chunks at most, above a floor below which everything is refused) and
+drops a counter seen before. Messages may arrive out of order (several threads encode
+concurrently; a rank receives the controller's messages on three paths), and a receiver
+sees only its share of a sender's counters, so the bound is on the messages this
+receiver decoded, not on counter distance. At most :data:`MAX_SENDERS` nonces are
+remembered (least recently seen evicted). The state is per receiving codec: a message
+may legitimately reach several receivers (a fan-out reaches every rank of a host byte
+for byte), so a copy captured on its way to one receiver is not refused by a receiver
+that never saw it. See SECURITY.md.
 
 Sizes. :func:`max_message` (``MONARCH_KERNEL_MAX_MESSAGE``, bytes, default 8 GiB) is
 set as ``ZMQ_MAXMSGSIZE`` on every socket that receives from a peer
@@ -85,9 +87,20 @@ MAX_FRAMES = 3 + MAX_BUFFERS
 MAX_HEADER = 64 * 1024
 #: Length of an HMAC-SHA256 signature.
 SIGNATURE_SIZE = 32
-#: Counters remembered below the highest one per sender (replay window, bits).
-REPLAY_WINDOW = 1024
-_WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
+#: Replay state per sender: counters are remembered in 64-bit chunks (bit ``c & 63`` of
+#: chunk ``c >> 6``) above a floor (counters below it are refused). Leading chunks whose
+#: counters were all seen are folded into the floor, so a sender whose counters a
+#: receiver sees densely (a rank's messages to the controller) costs a chunk or two.
+#: One seen sparsely (the controller's counter is shared by all its destinations)
+#: takes up to a chunk per message: at most this many chunks per sender, the oldest
+#: forgotten first (the floor rises over it). A message held back on one path (e.g. in
+#: a busy rank's inbox) is refused only once this receiver has decoded this many newer
+#: messages from the same sender on other paths.
+MAX_CHUNKS = 2048
+#: Counters before a new sender's first one that are still accepted (once each): it
+#: may come on one path while earlier ones are on their way on another.
+_FIRST_SLACK = 1024
+_FULL = (1 << 64) - 1
 #: Senders (nonces) whose replay windows one codec remembers.
 MAX_SENDERS = 4096
 
@@ -189,8 +202,9 @@ class Codec:
         self.bytes_out = 0
         self.bytes_in = 0
         self.max_message = max_message()
-        # per sender nonce: [highest counter seen, bitmap of the counters below it]
-        self._windows: OrderedDict[int, list[int]] = OrderedDict()
+        # per sender nonce: [floor, {chunk: 64-bit word}]: counters below floor and
+        # those whose bit is set were seen (or are too old)
+        self._windows: OrderedDict[int, list[Any]] = OrderedDict()
         self._window_lock = threading.Lock()
         self._new_sender()
         _live_codecs.add(self)
@@ -257,10 +271,49 @@ class Codec:
             header = _load_header(hb)
             sizes = header.get("b")
             buffers = _check_buffers(sizes, frames[3:]) if sizes or n > 3 else []
-            fresh = self._fresh(header["sn"], header["sc"])
+            nonce = header["sn"]
+            count = header["sc"]
+            if type(nonce) is not int or type(count) is not int or count < 0:
+                raise ValueError("bad sender nonce or counter")
         except (ValueError, TypeError, KeyError) as exc:
             self.rejected += 1
             raise WireError(f"malformed message: {exc!r}") from None
+        # Replay check (inline: this is the hot path); see MAX_CHUNKS.
+        lock = self._window_lock
+        lock.acquire()
+        try:
+            windows = self._windows
+            w = windows.get(nonce)
+            if w is None:
+                if len(windows) >= MAX_SENDERS:
+                    windows.popitem(last=False)
+                # [floor, chunks, first counter seen, counters seen before that one]
+                w = windows[nonce] = [count & ~63, OrderedDict(), count, set()]
+            else:
+                windows.move_to_end(nonce)
+            if count < w[2]:  # sent before the first one seen: up to _FIRST_SLACK, once
+                pre = w[3]
+                fresh = count >= w[2] - _FIRST_SLACK and count not in pre
+                if fresh:
+                    pre.add(count)
+            elif count < w[0]:
+                fresh = False
+            else:
+                chunks = w[1]
+                key = count >> 6
+                bit = 1 << (count & 63)
+                word = chunks.get(key, 0)
+                fresh = not word & bit
+                if fresh:
+                    chunks[key] = word = word | bit
+                    if word == _FULL or w[2] > key << 6:
+                        _compact(w)
+                    if len(chunks) > MAX_CHUNKS:  # forget the oldest chunk
+                        old = chunks.popitem(last=False)[0]
+                        if (old + 1) << 6 > w[0]:
+                            w[0] = (old + 1) << 6
+        finally:
+            lock.release()
         if not fresh:
             self.rejected += 1
             self.replayed += 1
@@ -268,34 +321,22 @@ class Codec:
         self.bytes_in += len(hb) + len(payload) + (sum(sizes) if sizes else 0)
         return Message(header, payload, buffers)
 
-    def _fresh(self, nonce: Any, count: Any) -> bool:
-        """Record counter ``count`` of sender ``nonce``; False if seen or too old."""
-        if type(nonce) is not int or type(count) is not int or count < 0:
-            raise ValueError("bad sender nonce or counter")
-        windows = self._windows
-        lock = self._window_lock
-        lock.acquire()
-        try:
-            w = windows.get(nonce)
-            if w is None:
-                if len(windows) >= MAX_SENDERS:
-                    windows.popitem(last=False)
-                windows[nonce] = [count, 1]
-                return True
-            windows.move_to_end(nonce)
-            top = w[0]
-            if count > top:
-                shift = count - top
-                w[0] = count
-                w[1] = ((w[1] << shift) | 1) & _WINDOW_MASK if shift < REPLAY_WINDOW else 1
-                return True
-            behind = top - count
-            if behind >= REPLAY_WINDOW or (w[1] >> behind) & 1:
-                return False
-            w[1] |= 1 << behind
-            return True
-        finally:
-            lock.release()
+
+def _compact(w: list[Any]) -> None:
+    """Raise a sender's floor over its leading chunks whose counters were all seen
+    (counters before the first one seen are tracked apart): a dense sender keeps a chunk
+    or two. A chunk with a counter missing (a message held back on another path) stops
+    it, so such a message is never refused for being late."""
+    floor, chunks, start, _ = w
+    key = floor >> 6
+    while True:
+        base = key << 6
+        below = 0 if start <= base else _FULL if start >= base + 64 else (1 << (start - base)) - 1
+        if chunks.get(key, 0) | below != _FULL:
+            break
+        chunks.pop(key, None)
+        key += 1
+    w[0] = key << 6
 
 
 def _too_big(sizes: list[int], limit: int) -> str:
