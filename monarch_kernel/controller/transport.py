@@ -45,7 +45,7 @@ from monarch_kernel.controller.records import RankInfo
 from monarch_kernel.controller.sigint import DeferSigint
 from monarch_kernel.wire import Codec
 from monarch_kernel.wire import kinds as K
-from monarch_kernel.wire.codec import Buffer, Header
+from monarch_kernel.wire.codec import Buffer, Header, limit_size
 from monarch_kernel.wire.codec import send as wire_send
 
 log = logging.getLogger("monarch_kernel.controller")
@@ -91,9 +91,11 @@ class Transport:
         self.send_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.send_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank reuses its id
         self.send_sock.setsockopt(zmq.LINGER, 0)
+        limit_size(self.send_sock)  # peers never send here: bound what one can queue
         self.recv_sock = ctx.socket(zmq.ROUTER)
         self.recv_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.recv_sock.setsockopt(zmq.LINGER, 0)
+        limit_size(self.recv_sock)  # ZMQ_MAXMSGSIZE: no frame above it is allocated
         self._ipc_dir = _private_ipc_dir() if bind == "ipc" else None
         try:
             if self._ipc_dir is not None:
@@ -280,9 +282,11 @@ class Transport:
         A peer announces itself on the receive socket; its connection to the send socket
         is made independently and may lag by a moment. Nothing is sent to it before.
         """
-        frames = self.codec.encode({"k": K.HELLO})
         deadline = time.monotonic() + timeout
         for ident in identities:
+            # one encoding per identity: r<R> and c<R> are one process, whose codec
+            # drops a second copy of the same signed message as a replay
+            frames = self.codec.encode({"k": K.HELLO})
             while True:
                 with self.send_lock, DeferSigint():
                     try:

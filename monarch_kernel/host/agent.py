@@ -28,6 +28,7 @@ import zmq
 
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.osutil import die_with_parent, request_tail
 
@@ -134,14 +135,17 @@ class HostAgent:
         ident = f"h{self.host}".encode()
         self.inbox = self.ctx.socket(zmq.DEALER)
         self.inbox.setsockopt(zmq.IDENTITY, ident)
+        limit_size(self.inbox)  # ZMQ_MAXMSGSIZE: no frame above it is allocated
         self.inbox.connect(cfg["send"])
         self.out = self.ctx.socket(zmq.DEALER)
         self.out.setsockopt(zmq.IDENTITY, ident)
         self.out.setsockopt(zmq.LINGER, 2000)
+        limit_size(self.out)
         self.out.connect(cfg["recv"])
         self.fan = self.ctx.socket(zmq.ROUTER)
         self.fan.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.fan.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        limit_size(self.fan)
         self.fan_addr = f"ipc://{self.private_dir}/fan"
         self.fan.bind(self.fan_addr)
         self.master_port = free_port()

@@ -34,6 +34,7 @@ from monarch_kernel.rank.errors import exception_report
 from monarch_kernel.shape import Point
 from monarch_kernel.wire import Codec, Message, SerializationError, WireError, dumps, loads
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.osutil import REQUEST_END, REQUEST_START, die_with_parent
@@ -109,6 +110,7 @@ class Rank:
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.IDENTITY, ident)
         s.setsockopt(zmq.LINGER, 1000)
+        limit_size(s)  # ZMQ_MAXMSGSIZE: no frame above it is allocated
         s.connect(addr)
         return s
 
@@ -191,11 +193,11 @@ class Rank:
         """
         greet = self._dealer(f"g{self.rank}".encode(), self.cfg["fanout"])
         greet.setsockopt(zmq.LINGER, 0)
-        hello = self.codec.encode({"k": K.HELLO, "r": self.rank})
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
-                greet.send_multipart(hello)
+                # encoded afresh each time: the agent drops a replayed (identical) one
+                greet.send_multipart(self.codec.encode({"k": K.HELLO, "r": self.rank}))
                 while self.inbox.poll(100):
                     msg = self._decode(wire_recv(self.inbox))
                     if msg is not None and msg.kind == K.HELLO:

@@ -3,7 +3,16 @@
 Every control message is multipart ``[header, signature, payload, *buffers]``.
 """
 
-from monarch_kernel.wire.codec import Codec, Message, WireError
+from monarch_kernel.wire.codec import Codec, Message, WireError, limit_size, max_message
 from monarch_kernel.wire.serialize import SerializationError, dumps, loads
 
-__all__ = ["Codec", "Message", "WireError", "SerializationError", "dumps", "loads"]
+__all__ = [
+    "Codec",
+    "Message",
+    "WireError",
+    "SerializationError",
+    "dumps",
+    "limit_size",
+    "loads",
+    "max_message",
+]

@@ -10,17 +10,48 @@ A message on the wire is ``[header, signature, payload, *buffers]``:
 * ``payload``: a pickle (see :mod:`monarch_kernel.wire.serialize`);
 * ``buffers``: out-of-band pickle-5 buffers (tensor and array data), sent zero-copy.
 
-:meth:`Codec.decode` checks the signature **before** anything is parsed or unpickled;
-a message that fails is dropped and counted in :attr:`Codec.rejected`.
+:meth:`Codec.decode` checks, in this order and before anything is parsed or unpickled,
+the frame count (at most ``3 + MAX_BUFFERS``), the header size (at most
+:data:`MAX_HEADER`) and the signature's length, then the signature; only then is the
+header parsed, the buffer frames matched against its sizes (``b``) and the message
+checked against replay. A message that fails any check is dropped and counted in
+:attr:`Codec.rejected` (replays also in :attr:`Codec.replayed`). The payload is never
+unpickled here: the callers unpickle a decoded (verified) message's payload.
+
+Replay protection. Every encoded header carries, inside the signed part, the sender's
+nonce ``sn`` (random, 64 bits, one per :class:`Codec` instance, i.e. per process side;
+renewed in a forked child) and a counter ``sc`` (0, 1, 2 ... per nonce). The decoder
+remembers, per nonce, which counters it has seen (a bit per counter in 64-bit chunks,
+:data:`MAX_CHUNKS` chunks at most, above a floor below which everything is refused) and
+drops a counter seen before. Messages may arrive out of order (several threads encode
+concurrently; a rank receives the controller's messages on three paths), and a receiver
+sees only its share of a sender's counters, so the bound is on the messages this
+receiver decoded, not on counter distance. At most :data:`MAX_SENDERS` nonces are
+remembered (least recently seen evicted). The state is per receiving codec: a message
+may legitimately reach several receivers (a fan-out reaches every rank of a host byte
+for byte), so a copy captured on its way to one receiver is not refused by a receiver
+that never saw it. See SECURITY.md.
+
+Sizes. :func:`max_message` (``MONARCH_KERNEL_MAX_MESSAGE``, bytes, default 8 GiB) is
+set as ``ZMQ_MAXMSGSIZE`` on every socket that receives from a peer
+(:func:`limit_size`): libzmq drops the connection of a peer that announces a larger
+frame before it allocates it. :meth:`Codec.encode` refuses to build a frame above it
+(a clear error at the sender instead of a silently dropped connection).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import logging
 import marshal
+import os
 import pickle
+import secrets
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +76,63 @@ _SNDMORE = int(zmq.SNDMORE)
 
 #: Buffers smaller than this are copied into the zmq message (cheaper than zero-copy).
 ZERO_COPY_THRESHOLD = 64 * 1024
+
+#: Most out-of-band buffer frames in one message (``serialize.dumps`` keeps further
+#: buffers in the pickle).
+MAX_BUFFERS = 1024
+#: Most frames in one message: header, signature, payload and the buffers.
+MAX_FRAMES = 3 + MAX_BUFFERS
+#: Largest header (marshal bytes). Headers are a few hundred bytes; a ``spawn_ranks``
+#: for many ranks with a large ``--env`` a few KiB.
+MAX_HEADER = 64 * 1024
+#: Length of an HMAC-SHA256 signature.
+SIGNATURE_SIZE = 32
+#: Replay state per sender: counters are remembered in 64-bit chunks (bit ``c & 63`` of
+#: chunk ``c >> 6``) above a floor (counters below it are refused). Leading chunks whose
+#: counters were all seen are folded into the floor, so a sender whose counters a
+#: receiver sees densely (a rank's messages to the controller) costs a chunk or two.
+#: One seen sparsely (the controller's counter is shared by all its destinations)
+#: takes up to a chunk per message: at most this many chunks per sender, the oldest
+#: forgotten first (the floor rises over it). A message held back on one path (e.g. in
+#: a busy rank's inbox) is refused only once this receiver has decoded this many newer
+#: messages from the same sender on other paths.
+MAX_CHUNKS = 2048
+#: Counters before a new sender's first one that are still accepted (once each): it
+#: may come on one path while earlier ones are on their way on another.
+_FIRST_SLACK = 1024
+_FULL = (1 << 64) - 1
+#: Senders (nonces) whose replay windows one codec remembers.
+MAX_SENDERS = 4096
+
+#: Environment variable: largest frame (bytes) a socket accepts from a peer.
+MAX_MESSAGE_ENV = "MONARCH_KERNEL_MAX_MESSAGE"
+#: Its default: 8 GiB. Tensors travel as one buffer frame each, so this is the largest
+#: tensor (or pickled payload) one message can carry; raise it for bigger ones.
+DEFAULT_MAX_MESSAGE = 8 << 30
+
+
+def max_message() -> int:
+    """The largest frame accepted from a peer (``MONARCH_KERNEL_MAX_MESSAGE``, bytes;
+    suffixes K, M, G allowed; default 8 GiB)."""
+    raw = os.environ.get(MAX_MESSAGE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_MESSAGE
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(raw[-1].upper(), 1)
+    try:
+        value = int(raw[:-1] if scale != 1 else raw) * scale
+    except ValueError:
+        raise ValueError(
+            f"{MAX_MESSAGE_ENV}={raw!r} is not a size in bytes (e.g. 8589934592 or 8G)"
+        ) from None
+    if value < MAX_HEADER:
+        raise ValueError(f"{MAX_MESSAGE_ENV}={raw!r} is below {MAX_HEADER} bytes")
+    return value
+
+
+def limit_size(sock: Any) -> None:
+    """Set ``ZMQ_MAXMSGSIZE`` on a socket that receives from peers: a peer announcing a
+    larger frame is disconnected before the frame is allocated."""
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message())
 
 
 #: A decoded header: plain marshal-able values under the short keys documented in
@@ -82,8 +170,23 @@ def new_key() -> bytes:
     return secrets.token_bytes(32)
 
 
+_live_codecs: weakref.WeakSet[Codec] = weakref.WeakSet()
+
+
+def _renew_nonces() -> None:  # in a forked child: never encode under the parent's nonce
+    for codec in list(_live_codecs):
+        codec._new_sender()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_nonces)
+
+
 class Codec:
-    """Signs outgoing frames and verifies incoming ones with one mesh key."""
+    """Signs outgoing frames and verifies incoming ones with one mesh key.
+
+    Thread-safe: several threads may encode and decode with one codec.
+    """
 
     def __init__(self, key: bytes):
         if not key:
@@ -92,9 +195,23 @@ class Codec:
             self._mac = _hmac_new(key, digestmod="sha256")
         else:  # pragma: no cover
             self._mac = hmac.new(key, digestmod=hashlib.sha256)
+        #: Messages dropped: malformed, forged, oversized or replayed.
         self.rejected = 0
+        #: Of those, signed messages dropped as replays (duplicate or too old a counter).
+        self.replayed = 0
         self.bytes_out = 0
         self.bytes_in = 0
+        self.max_message = max_message()
+        # per sender nonce: [floor, {chunk: 64-bit word}]: counters below floor and
+        # those whose bit is set were seen (or are too old)
+        self._windows: OrderedDict[int, list[Any]] = OrderedDict()
+        self._window_lock = threading.Lock()
+        self._new_sender()
+        _live_codecs.add(self)
+
+    def _new_sender(self) -> None:
+        self.nonce = secrets.randbits(64)
+        self._counter = itertools.count()
 
     def _sign(self, header: bytes, payload: bytes | memoryview) -> bytes:
         mac = self._mac.copy()
@@ -106,21 +223,43 @@ class Codec:
     def encode(
         self, header: Header, payload: bytes = b"", buffers: Sequence[Buffer] = ()
     ) -> list[Any]:
-        """Frames for ``header`` + ``payload`` + zero-copy ``buffers``."""
+        """Frames for ``header`` + ``payload`` + zero-copy ``buffers``.
+
+        Sets ``sn``/``sc`` (and ``b`` when there are buffers) in ``header``. Raises
+        WireError for a message no peer would accept (too many buffers, too large a
+        header or frame).
+        """
         size = len(payload)
+        limit = self.max_message
         if buffers:
             header["b"] = sizes = [memoryview(b).nbytes for b in buffers]
             size += sum(sizes)
+            if len(sizes) > MAX_BUFFERS or max(sizes) > limit:
+                raise WireError(_too_big(sizes, limit))
+        if len(payload) > limit:
+            raise WireError(_too_big([len(payload)], limit))
+        header["sn"] = self.nonce
+        header["sc"] = next(self._counter)
         hb = marshal.dumps(header, MARSHAL_VERSION)
+        if len(hb) > MAX_HEADER:
+            raise WireError(f"message header of {len(hb)} bytes exceeds {MAX_HEADER} bytes")
         self.bytes_out += len(hb) + size
         return [hb, self._sign(hb, payload), payload, *buffers]
 
     def decode(self, frames: list[Any]) -> Message:
-        """Verify and split ``frames`` (bytes or zmq Frames); raise WireError if forged."""
-        if len(frames) < 3:
+        """Verify and split ``frames`` (bytes or zmq Frames); raise WireError if forged,
+        malformed, oversized or replayed. Nothing is unpickled."""
+        n = len(frames)
+        if n < 3 or n > MAX_FRAMES:
             self.rejected += 1
-            raise WireError(f"malformed message: {len(frames)} frames, expected at least 3")
+            raise WireError(f"malformed message: {n} frames, expected 3 to {MAX_FRAMES}")
         hb, sig, payload = frames[0], frames[1], frames[2]
+        if len(hb) > MAX_HEADER or len(sig) != SIGNATURE_SIZE:
+            self.rejected += 1
+            raise WireError(
+                f"malformed message: header of {len(hb)} bytes (at most {MAX_HEADER}), "
+                f"signature of {len(sig)} bytes (expected {SIGNATURE_SIZE})"
+            )
         if hb.__class__ is not bytes:
             hb, sig = _as_bytes(hb), _as_bytes(sig)
         if payload.__class__ is not bytes:
@@ -131,12 +270,82 @@ class Codec:
         try:
             header = _load_header(hb)
             sizes = header.get("b")
-            buffers = _check_buffers(sizes, frames[3:]) if sizes or len(frames) > 3 else []
-        except (ValueError, TypeError) as exc:
+            buffers = _check_buffers(sizes, frames[3:]) if sizes or n > 3 else []
+            nonce = header["sn"]
+            count = header["sc"]
+            if type(nonce) is not int or type(count) is not int or count < 0:
+                raise ValueError("bad sender nonce or counter")
+        except (ValueError, TypeError, KeyError) as exc:
             self.rejected += 1
-            raise WireError(f"malformed message: {exc}") from None
+            raise WireError(f"malformed message: {exc!r}") from None
+        # Replay check (inline: this is the hot path); see MAX_CHUNKS.
+        lock = self._window_lock
+        lock.acquire()
+        try:
+            windows = self._windows
+            w = windows.get(nonce)
+            if w is None:
+                if len(windows) >= MAX_SENDERS:
+                    windows.popitem(last=False)
+                # [floor, chunks, first counter seen, counters seen before that one]
+                w = windows[nonce] = [count & ~63, OrderedDict(), count, set()]
+            else:
+                windows.move_to_end(nonce)
+            if count < w[2]:  # sent before the first one seen: up to _FIRST_SLACK, once
+                pre = w[3]
+                fresh = count >= w[2] - _FIRST_SLACK and count not in pre
+                if fresh:
+                    pre.add(count)
+            elif count < w[0]:
+                fresh = False
+            else:
+                chunks = w[1]
+                key = count >> 6
+                bit = 1 << (count & 63)
+                word = chunks.get(key, 0)
+                fresh = not word & bit
+                if fresh:
+                    chunks[key] = word = word | bit
+                    if word == _FULL or w[2] > key << 6:
+                        _compact(w)
+                    if len(chunks) > MAX_CHUNKS:  # forget the oldest chunk
+                        old = chunks.popitem(last=False)[0]
+                        if (old + 1) << 6 > w[0]:
+                            w[0] = (old + 1) << 6
+        finally:
+            lock.release()
+        if not fresh:
+            self.rejected += 1
+            self.replayed += 1
+            raise WireError("replayed message (its sender's counter was seen before)")
         self.bytes_in += len(hb) + len(payload) + (sum(sizes) if sizes else 0)
         return Message(header, payload, buffers)
+
+
+def _compact(w: list[Any]) -> None:
+    """Raise a sender's floor over its leading chunks whose counters were all seen
+    (counters before the first one seen are tracked apart): a dense sender keeps a chunk
+    or two. A chunk with a counter missing (a message held back on another path) stops
+    it, so such a message is never refused for being late."""
+    floor, chunks, start, _ = w
+    key = floor >> 6
+    while True:
+        base = key << 6
+        below = 0 if start <= base else _FULL if start >= base + 64 else (1 << (start - base)) - 1
+        if chunks.get(key, 0) | below != _FULL:
+            break
+        chunks.pop(key, None)
+        key += 1
+    w[0] = key << 6
+
+
+def _too_big(sizes: list[int], limit: int) -> str:
+    if len(sizes) > MAX_BUFFERS:
+        return f"a message carries at most {MAX_BUFFERS} buffers, not {len(sizes)}"
+    return (
+        f"a frame of {max(sizes)} bytes exceeds the {limit}-byte limit on messages "
+        f"({MAX_MESSAGE_ENV}); raise it on every process of the mesh to send it"
+    )
 
 
 def _check_buffers(sizes: Any, frames: list[Any]) -> list[memoryview]:

@@ -26,7 +26,14 @@ key    type             meaning
 ``k``  str              the kind (constants below); in every header (the codec drops a header
                         without it)
 ``b``  list[int]        byte size of each out-of-band buffer frame after the payload; set by
-                        ``Codec.encode`` only when there are buffers, checked by ``decode``
+                        ``Codec.encode`` only when there are buffers (at most 1024), checked
+                        by ``decode``
+``sn`` int              sender nonce: random 64 bits per ``Codec`` instance (per process
+                        side; renewed in a forked child). Set by ``Codec.encode`` in every
+                        header; with ``sc`` the replay protection (``decode`` drops a
+                        repeated or too old counter of a nonce, counted in ``replayed``)
+``sc`` int              the sender's message counter (0, 1, 2 ... per ``sn``); set by
+                        ``Codec.encode`` in every header
 ``i``  str | None       request id, unique per controller process. Controller -> rank: set
                         by ``MeshRuntime.request`` (absent from fire-and-forget
                         ``broadcast`` sends). Rank -> controller: the request that a reply,
@@ -153,7 +160,7 @@ kind              keys and payload
                   that order (NameError if one is missing)
 ``ping``          (no payload) Reply value: ``{"pid": int, "rejected": int, "pg": str |
                   None, "pg_live": bool}``: ``rejected`` counts messages the rank's codec
-                  dropped as forged or malformed; ``pg`` is the backend of the last
+                  dropped (forged, malformed or replayed); ``pg`` is the backend of the last
                   process group initialised on the rank (kept after an abort), ``pg_live``
                   whether one is initialised now
 ``cancel``        ``c`` str: the request id to interrupt (SIGINT in the main thread if

@@ -16,6 +16,8 @@ from typing import Any
 
 import cloudpickle
 
+from monarch_kernel.wire.codec import MAX_BUFFERS
+
 PROTOCOL = 5
 #: Buffers below this size are cheaper inside the pickle than as frames of their own.
 OUT_OF_BAND_MIN = 8192
@@ -121,8 +123,9 @@ def dumps(obj: Any, what: What = "value") -> tuple[bytes, list[pickle.PickleBuff
     buffers: list[pickle.PickleBuffer] = []
 
     def _keep_out_of_band(buf: pickle.PickleBuffer) -> bool:
-        # Small buffers stay in the pickle (returning True means in-band).
-        if buf.raw().nbytes < OUT_OF_BAND_MIN:
+        # Small buffers stay in the pickle (returning True means in-band), and so do
+        # those beyond the most one message carries (codec.MAX_BUFFERS).
+        if buf.raw().nbytes < OUT_OF_BAND_MIN or len(buffers) >= MAX_BUFFERS:
             return True
         buffers.append(buf)
         return False
