@@ -43,6 +43,7 @@ from typing import Any
 import zmq
 
 from monarch_kernel.wire import Codec, WireError
+from monarch_kernel.wire.codec import limit_size
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 #: CPU tensors this size or larger are placed in shared memory at ``share()`` time (when
@@ -251,6 +252,7 @@ class _Server:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        limit_size(self.sock)
         name = f"dp{self.rank}-{os.getpid()}"
         path = os.path.join(_private_dir(cfg), name)
         if len(path) > 100:  # a unix socket path is at most 107 bytes
@@ -408,6 +410,7 @@ class _Client:
         if sock is None:
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            limit_size(sock)
             sock.connect(address)
             socks[address] = sock
         return sock
