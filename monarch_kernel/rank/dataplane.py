@@ -249,6 +249,7 @@ class _Server:
         self.ids = itertools.count(1)
         self.lock = threading.Lock()
         self.nonces = _Nonces()
+        self._replays_seen = 0  # the codec's count of replays, already counted by us
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -369,8 +370,11 @@ class _Server:
             ident, *frames = self.sock.recv_multipart(copy=False)
             try:
                 msg = self.codec.decode(frames)
-            except WireError:
-                continue  # forged or malformed: dropped, counted by the codec
+            except WireError:  # forged, malformed or replayed: dropped, counted by the codec
+                if self.codec.replayed != self._replays_seen:  # a byte-for-byte replay
+                    _counters["replays_refused"] += self.codec.replayed - self._replays_seen
+                    self._replays_seen = self.codec.replayed
+                continue
             h = msg.header
             if not self.nonces.admit(h.get("n"), h.get("t")):
                 _counters["replays_refused"] += 1
