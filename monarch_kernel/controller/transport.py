@@ -36,6 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -70,6 +71,76 @@ WAKE_ID = b"mk-wake"
 SIGINT_ID = b"mk-sigint"
 
 
+#: Environment variable with the ports the controller may bind on tcp (``30000-30100``),
+#: for clusters whose firewalls open only a range.
+PORTS_ENV = "MONARCH_KERNEL_PORTS"
+
+
+@dataclass
+class Curve:
+    """A mesh's CurveZMQ server keypair and the client public keys its ZAP handler admits
+    (z85, as ``zmq.curve_keypair`` gives them). Only keys the controller handed out (one
+    per host agent, shared by that host's ranks) are in ``allowed``."""
+
+    public: bytes
+    secret: bytes
+    allowed: set[bytes] = field(default_factory=set)
+    #: Connections refused by the ZAP handler (unknown client keys).
+    refused: int = 0
+
+    @classmethod
+    def new(cls) -> Curve:
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP: admit ``key`` only if the controller handed it out."""
+        if key in self.allowed:
+            return True
+        self.refused += 1
+        log.warning("ZAP %s refused a connection with an unknown CURVE key", domain)
+        return False
+
+
+_auth_lock = threading.Lock()
+_authenticator: Any = None
+
+
+def zap(domain: str, provider: Any) -> None:
+    """Register ``provider`` (``callback(domain, key) -> bool``) for ZAP ``domain`` with
+    the one authenticator of the shared context, started on first use; ``None`` removes
+    the domain."""
+    global _authenticator
+    with _auth_lock:
+        if _authenticator is None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            _authenticator = ThreadAuthenticator(zmq.Context.instance(), log=log)
+            _authenticator.start()
+        if provider is None:
+            _authenticator.credentials_providers.pop(domain, None)
+        else:
+            _authenticator.configure_curve_callback(domain, credentials_provider=provider)
+
+
+def curve_server(sock: zmq.Socket[bytes], curve: Curve | Any, domain: str) -> None:
+    """Make ``sock`` a CURVE server whose clients are admitted by ``curve.callback``."""
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+    sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+    zap(domain, curve)
+
+
+def is_loopback(bind: str) -> bool:
+    """Whether ``bind`` (a host address or a ``tcp://`` endpoint) is a loopback address."""
+    host = bind.removeprefix("tcp://")
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.startswith("127.") or host in ("localhost", "::1")
+
+
 class BackpressureError(MonarchError):
     """The controller's queues for busy ranks are full and the caller asked not to wait."""
 
@@ -78,9 +149,13 @@ class Transport:
     """Sockets, addresses and send paths of one mesh's controller side."""
 
     def __init__(self, name: str, codec: Codec, ranks: list[RankInfo], bind: str):
-        """``bind``: a host address (tcp on a random port), a full ``tcp://`` or
-        ``ipc://`` endpoint, or ``"ipc"`` for unix sockets in a private (0700)
-        directory (falls back to tcp on 127.0.0.1 where unix sockets are unusable)."""
+        """``bind``: a host address (tcp on a random port, within ``$MONARCH_KERNEL_PORTS``
+        when set), a full ``tcp://`` or ``ipc://`` endpoint, or ``"ipc"`` for unix
+        sockets in a private (0700) directory (falls back to tcp on 127.0.0.1 where unix
+        sockets are unusable).
+
+        Every tcp socket is a CURVE server with a fresh per-mesh keypair (:attr:`curve`);
+        a ZAP handler admits only the client keys added to ``curve.allowed``."""
         self.name = name
         self.codec = codec
         self._ranks = ranks
@@ -95,6 +170,13 @@ class Transport:
         self.recv_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.recv_sock.setsockopt(zmq.LINGER, 0)
         self._ipc_dir = _private_ipc_dir() if bind == "ipc" else None
+        #: The mesh's CURVE keys when it listens on tcp (None on unix sockets).
+        self.curve: Curve | None = None
+        self._zap_domain = f"mk-{name}-{id(self):x}"
+        if self._ipc_dir is None:
+            self.curve = Curve.new()
+            for sock in (self.send_sock, self.recv_sock):
+                curve_server(sock, self.curve, self._zap_domain)
         try:
             if self._ipc_dir is not None:
                 self.send_addr = _bind(self.send_sock, f"ipc://{self._ipc_dir}/send")
@@ -324,6 +406,8 @@ class Transport:
             self.backlog_messages = self.backlog_bytes = 0
         for sock in (self.send_sock, self.recv_sock, self._wake_sock, self._sigint_sock):
             sock.close(0)
+        if self.curve is not None:
+            zap(self._zap_domain, None)
         self._remove_ipc_dir()
 
     def _remove_ipc_dir(self) -> None:
@@ -351,9 +435,38 @@ def _private_ipc_dir() -> str | None:
     return path
 
 
+def port_range() -> tuple[int, int] | None:
+    """The ports ``$MONARCH_KERNEL_PORTS`` (``LOW-HIGH``, inclusive) allows, if set."""
+    raw = os.environ.get(PORTS_ENV, "").strip()
+    if not raw:
+        return None
+    low, _, high = raw.partition("-")
+    try:
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise MeshStartError(f"{PORTS_ENV}={raw!r} is not a port range like 30000-30100") from None
+    if not 0 < lo <= hi < 65536:
+        raise MeshStartError(f"{PORTS_ENV}={raw!r} is not a port range like 30000-30100")
+    return lo, hi
+
+
+def bind_port(sock: zmq.Socket[bytes], host: str) -> int:
+    """Bind ``sock`` on ``host`` at a free port (within ``$MONARCH_KERNEL_PORTS``)."""
+    ports = port_range()
+    if ports is None:
+        return sock.bind_to_random_port(f"tcp://{host}")
+    lo, hi = ports
+    for port in range(lo, hi + 1):
+        try:
+            sock.bind(f"tcp://{host}:{port}")
+            return port
+        except zmq.ZMQError:
+            continue
+    raise zmq.ZMQError(zmq.EADDRINUSE, f"no free port in {PORTS_ENV}={lo}-{hi}")
+
+
 def _bind(sock: zmq.Socket[bytes], host: str) -> str:
     if host.startswith(("ipc://", "tcp://")):
         sock.bind(host)
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    port = sock.bind_to_random_port(f"tcp://{host}")
-    return f"tcp://{host}:{port}"
+    return f"tcp://{host}:{bind_port(sock, host)}"

@@ -22,6 +22,12 @@ class HostConfig:
     recv: str  #: the controller's endpoint that receives from them
     hb_timeout: float  #: seconds without a controller heartbeat before the agent exits
     mesh: str  #: the mesh's name (for logs)
+    #: CurveZMQ keys (z85) when the controller listens on tcp: its public key, and the
+    #: keypair this host agent and its ranks connect with (admitted by the controller's
+    #: ZAP handler). Empty on unix sockets. Never on a command line.
+    curve_server: str = ""
+    curve_public: str = ""
+    curve_secret: str = ""
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
