@@ -1,0 +1,263 @@
+"""The ``join`` backend across emulated machines (network namespaces, see ``netns.py``).
+
+Three namespace hosts run ``python -m monarch_kernel.host --join ... --token ...`` as
+shown by the launcher; the controller (this process) listens on the bridge address.
+Every tcp socket is CURVE; only keys handed out through a join are admitted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+import pytest
+import zmq
+from netns import NetHosts, netns_hosts_fixture
+
+import monarch_kernel
+from monarch_kernel.actor import Actor, endpoint, host_mesh
+from monarch_kernel.controller.errors import MeshStartError, MonarchError
+
+COMMAND = re.compile(r"python -m monarch_kernel\.host --join (\S+) --token (\S+)")
+
+
+class Probe(Actor):
+    @endpoint
+    def info(self) -> dict[str, str]:
+        import socket
+
+        keys = ("MASTER_ADDR", "NODE_RANK", "GROUP_RANK", "GLOO_SOCKET_IFNAME", "RANK")
+        env = {k: os.environ.get(k, "") for k in keys}
+        return {"hostname": socket.gethostname(), **env}
+
+    @endpoint
+    def all_reduce(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=30))
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t)
+        return float(t.item())
+
+
+@pytest.fixture(scope="module")
+def net():
+    yield from netns_hosts_fixture(3)
+
+
+def _agent_env() -> dict[str, str]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(monarch_kernel.__file__)))
+    path = os.environ.get("PYTHONPATH", "")
+    return dict(os.environ, PYTHONPATH=root + (os.pathsep + path if path else ""))
+
+
+class Joiner:
+    """Plays the people who run the shown command on each machine."""
+
+    def __init__(self, net: NetHosts):
+        self.net = net
+        self.lines: list[str] = []
+        self.agents: dict[int, psutil.Popen] = {}
+        self.logs: dict[int, str] = {}
+        self.cv = threading.Condition()
+
+    def progress(self, text: str) -> None:
+        with self.cv:
+            self.lines.append(text)
+            for line in text.splitlines():
+                m = re.match(r"\s*host (\d+): (python .*)", line)
+                if m:
+                    threading.Thread(
+                        target=self.run, args=(int(m.group(1)), m.group(2)), daemon=True
+                    ).start()
+
+    def run(self, host: int, command: str) -> None:
+        url, token = COMMAND.search(command).groups()  # type: ignore[union-attr]
+        fd, log = tempfile.mkstemp(prefix=f"join-host{host}-", suffix=".log")
+        proc = self.net.popen(
+            host,
+            [sys.executable, "-m", "monarch_kernel.host", "--join", url, "--token", token],
+            stdout=fd,
+            stderr=fd,
+            env=_agent_env(),
+            cwd=os.getcwd(),
+        )
+        os.close(fd)
+        with self.cv:
+            self.agents[host], self.logs[host] = proc, log  # type: ignore[assignment]
+
+
+@pytest.fixture(scope="module")
+def joined(net):
+    joiner = Joiner(net)
+    launcher_opts = {"bind": net.gateway, "on_progress": joiner.progress}
+    t0 = time.monotonic()
+    procs = host_mesh(hosts=3, backend="join", **launcher_opts).spawn_procs(
+        {"gpus": 2}, timeout=60, on_failure="continue"
+    )
+    print(f"\n3 joined hosts x 2 ranks up in {time.monotonic() - t0:.1f}s")
+    yield procs, joiner
+    procs.stop()
+    procs.runtime.launcher.shutdown()
+
+
+def test_join_shows_commands_and_progress(joined, net):
+    procs, joiner = joined
+    assert procs.extent == {"hosts": 3, "gpus": 2}
+    text = "\n".join(joiner.lines)
+    commands = COMMAND.findall(text)
+    assert len(commands) == 3
+    assert all(url.startswith(f"tcp://{net.gateway}:") for url, _ in commands)
+    assert len({token for _, token in commands}) == 3  # one credential per host
+    assert "3/3 hosts joined" in text
+    for i, h in enumerate(net.hosts):
+        assert f"from {h.addr}" in text, (i, text)
+
+
+def test_ranks_run_on_their_own_machines(joined, net):
+    procs, _ = joined
+    infos = procs.spawn("probe", Probe).info.call().get(timeout=30)
+    master = net.hosts[0].addr
+    for point, info in infos.items():
+        h = point["hosts"]
+        assert info["hostname"] == net.hosts[h].name
+        assert info["NODE_RANK"] == info["GROUP_RANK"] == str(h)
+        assert info["MASTER_ADDR"] == master
+        assert info["GLOO_SOCKET_IFNAME"] == "eth0"
+    rt = procs.runtime
+    assert [h.addr for h in rt.hosts] == [h.addr for h in net.hosts]
+
+
+def test_cell_across_hosts(joined, net):
+    procs, _ = joined
+    rt = procs.runtime
+    code = "import socket\nwhere = socket.gethostname() + ':' + str(__import__('os').getpid())"
+    failed = rt._run_cell(list(range(6)), code, "[1]", [], time.monotonic() + 30)
+    assert failed == ""
+    where = procs.pull("where")
+    names = [v.split(":")[0] for v in where.values()]
+    assert names == [h.name for h in net.hosts for _ in range(2)]
+
+
+def test_gloo_all_reduce_across_hosts(joined):
+    procs, _ = joined
+    probes = procs.spawn("reduce", Probe)
+    assert probes.all_reduce.call().get(timeout=60).values() == [21.0] * 6
+
+
+def test_no_key_on_any_command_line(joined):
+    procs, joiner = joined
+    rt = procs.runtime
+    launcher = rt.launcher
+    secrets_ = [rt.key.hex()]
+    for (mesh, _), slot in launcher._latest.items():
+        if mesh == rt.name:
+            secrets_ += [slot.cfg.key, slot.cfg.curve_secret]
+    assert all(secrets_)
+    pids = []
+    for agent in joiner.agents.values():
+        p = psutil.Process(agent.pid)
+        pids += [p.pid] + [c.pid for c in p.children(recursive=True)]
+    pids += [r.pid for r in rt.ranks if r.pid]
+    assert len(set(pids)) >= 3 + 6
+    for pid in set(pids):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().decode(errors="replace")
+        for s in secrets_:
+            assert s not in cmdline, pid
+
+
+def test_unknown_curve_key_is_refused(joined):
+    procs, _ = joined
+    rt = procs.runtime
+    curve = rt.transport.curve
+    assert curve is not None
+    before = curve.refused
+    ctx = zmq.Context()
+    try:
+        public, secret = zmq.curve_keypair()
+        intruder = ctx.socket(zmq.DEALER)
+        intruder.setsockopt(zmq.IDENTITY, b"h0")  # pretends to be host 0
+        intruder.setsockopt(zmq.CURVE_SERVERKEY, curve.public)
+        intruder.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        intruder.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        intruder.setsockopt(zmq.LINGER, 0)
+        intruder.connect(rt.transport.send_addr.replace("0.0.0.0", "127.0.0.1"))
+        intruder.connect(rt.transport.recv_addr.replace("0.0.0.0", "127.0.0.1"))
+        intruder.send(b"junk", zmq.NOBLOCK) if intruder.poll(0, zmq.POLLOUT) else None
+        deadline = time.monotonic() + 5
+        while curve.refused == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert curve.refused > before
+        assert not intruder.poll(500)  # nothing meant for host 0 reached it
+        # A plain (no CURVE) client gets nowhere either.
+        plain = ctx.socket(zmq.DEALER)
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(rt.transport.send_addr)
+        assert not plain.poll(300)
+    finally:
+        ctx.destroy(0)
+    # ... and the mesh keeps working.
+    assert len(procs.spawn("after", Probe).info.call().get(timeout=30)) == 6
+
+
+def test_bad_and_used_tokens_are_refused(joined):
+    procs, joiner = joined
+    launcher = procs.runtime.launcher
+    url, token = COMMAND.findall("\n".join(joiner.lines))[0]
+    server = zmq.utils.z85.encode(bytes.fromhex(token.rsplit("-", 1)[1]))
+    ctx = zmq.Context()
+    try:
+        for attempt in (token, "0-" + "0" * 32 + "-" + token.rsplit("-", 1)[1]):
+            s = ctx.socket(zmq.DEALER)
+            public, secret = zmq.curve_keypair()
+            s.setsockopt(zmq.CURVE_SERVERKEY, server)
+            s.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            s.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(url)
+            s.send(attempt.encode())
+            assert s.poll(5000)
+            reply = s.recv_json()
+            assert "error" in reply and "cfg" not in reply
+    finally:
+        ctx.destroy(0)
+    assert launcher.refused >= 2
+
+
+def test_missing_hosts_are_named(net):
+    """Nobody runs the command: the error names the missing hosts and the command."""
+    lines: list[str] = []
+    with pytest.raises(MeshStartError) as err:
+        host_mesh(hosts=2, backend="join", bind=net.gateway, on_progress=lines.append).spawn_procs(
+            {"gpus": 1}, timeout=2
+        )
+    text = str(err.value)
+    assert "hosts 0, 1 did not join" in text
+    assert "--join tcp://" in text and "--token" in text
+
+
+def test_killed_host_agent_is_reported(joined, net):
+    """Last: kills host 2's agent; its ranks are reported dead naming the host."""
+    procs, joiner = joined
+    rt = procs.runtime
+    t0 = time.monotonic()
+    joiner.agents[2].kill()
+    while rt.hosts[2].lost is None and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    assert rt.hosts[2].lost, "host 2 was never declared lost"
+    assert took < 4.0, took
+    with pytest.raises(MonarchError) as err:
+        procs.spawn("late", Probe).info.call().get(timeout=10)
+    print("\nkilled host:", rt.hosts[2].lost, "|", str(err.value).splitlines()[0])
+    assert "host 2" in str(err.value) or net.hosts[2].name in str(err.value), str(err.value)
+    alive = procs.slice(hosts=0).spawn("alive", Probe).info.call().get(timeout=10)
+    assert len(alive) == 2
