@@ -232,8 +232,10 @@ def test_bad_and_used_tokens_are_refused(joined):
     assert launcher.refused >= 2
 
 
-def test_missing_hosts_are_named(net):
-    """Nobody runs the command: the error names the missing hosts and the command."""
+def test_missing_hosts_are_named(net, monkeypatch):
+    """Nobody runs the command: the error names the missing hosts and the command; the
+    ports come from $MONARCH_KERNEL_PORTS."""
+    monkeypatch.setenv("MONARCH_KERNEL_PORTS", "31000-31050")
     lines: list[str] = []
     with pytest.raises(MeshStartError) as err:
         host_mesh(hosts=2, backend="join", bind=net.gateway, on_progress=lines.append).spawn_procs(
@@ -242,6 +244,20 @@ def test_missing_hosts_are_named(net):
     text = str(err.value)
     assert "hosts 0, 1 did not join" in text
     assert "--join tcp://" in text and "--token" in text
+    port = int(COMMAND.search(text).group(1).rsplit(":", 1)[1])  # type: ignore[union-attr]
+    assert 31000 <= port <= 31050
+
+
+def test_mesh_magic_takes_bind_and_advertise():
+    from monarch_kernel.kernel.args import mesh_parser
+
+    opts = mesh_parser().parse_args(
+        ["m", "--gpus", "2", "--hosts", "4", "--backend", "join", "--bind", "0.0.0.0"]
+        + ["--advertise", "10.1.2.3"]
+    )
+    assert (opts.backend, opts.bind, opts.advertise) == ("join", "0.0.0.0", "10.1.2.3")
+    with pytest.raises(ValueError, match="loopback"):
+        host_mesh(hosts=2, backend="join", bind="0.0.0.0", advertise="127.0.0.1")
 
 
 def test_killed_host_agent_is_reported(joined, net):

@@ -63,7 +63,7 @@ def default_advertise() -> str:
         for a in addrs:
             if a.family == socket.AF_INET and not is_loopback(a.address):
                 return str(a.address)
-    raise RuntimeError(
+    raise ValueError(
         "found no non-loopback address to advertise; pass advertise=ADDR (--advertise)"
     )
 
