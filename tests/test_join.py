@@ -260,6 +260,31 @@ def test_mesh_magic_takes_bind_and_advertise():
         host_mesh(hosts=2, backend="join", bind="0.0.0.0", advertise="127.0.0.1")
 
 
+def test_frozen_host_is_lost_and_told_to_exit(joined, net):
+    """SIGSTOP host 1's agent: lost within 3 s naming the host; once it runs again it
+    reads the controller's stop and exits with its ranks."""
+    import signal
+
+    procs, joiner = joined
+    rt = procs.runtime
+    agent = joiner.agents[1]
+    ranks = [psutil.Process(r.pid) for r in rt.ranks if r.host == 1 and r.pid]
+    t0 = time.monotonic()
+    os.kill(agent.pid, signal.SIGSTOP)
+    try:
+        while rt.hosts[1].lost is None and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        assert rt.hosts[1].lost, "host 1 was never declared lost"
+        assert took < 3.5, took
+        assert all("host agent 1 lost" in rt.death_text(r) for r in rt.ranks if r.host == 1)
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    agent.wait(10)
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive
+
+
 def test_killed_host_agent_is_reported(joined, net):
     """Last: kills host 2's agent; its ranks are reported dead naming the host."""
     procs, joiner = joined
@@ -272,7 +297,7 @@ def test_killed_host_agent_is_reported(joined, net):
     assert rt.hosts[2].lost, "host 2 was never declared lost"
     assert took < 4.0, took
     with pytest.raises(MonarchError) as err:
-        procs.spawn("late", Probe).info.call().get(timeout=10)
+        procs.slice(hosts=2).spawn("late", Probe).info.call().get(timeout=10)
     print("\nkilled host:", rt.hosts[2].lost, "|", str(err.value).splitlines()[0])
     assert "host 2" in str(err.value) or net.hosts[2].name in str(err.value), str(err.value)
     alive = procs.slice(hosts=0).spawn("alive", Probe).info.call().get(timeout=10)

@@ -179,6 +179,7 @@ class MeshRuntime:
             handles = self.launcher.start_hosts(configs)
             for host, handle in zip(self.hosts, handles):
                 host.handle = handle
+                self._adopt(host)
             try:
                 self._wait(lambda: all(h.ready for h in self.hosts), deadline, "host agents")
             except MeshStartError as exc:
@@ -216,6 +217,16 @@ class MeshRuntime:
             self.stop()
             raise
         self._set_phase(MeshPhase.RUNNING)
+
+    def _adopt(self, host: HostInfo) -> None:
+        """Let a handle on a remote agent (no pid to kill) tell it to exit."""
+        if hasattr(host.handle, "tell_exit"):
+            index = host.index
+
+            def tell_exit() -> None:
+                self.transport.send_host(index, {"k": K.STOP, "grace": 0.0})
+
+            setattr(host.handle, "tell_exit", tell_exit)  # noqa: B010
 
     def _host_config(self, h: int) -> HostConfig:
         t = self.transport
@@ -540,6 +551,7 @@ class MeshRuntime:
             old.cleanup()
         host.ready, host.lost, host.last_seen = False, None, time.monotonic()
         (host.handle,) = self.launcher.start_hosts([self._host_config(host.index)])
+        self._adopt(host)
 
     def new_port(self, host: int = 0, timeout: float = 10.0) -> int:
         """A free port on ``host`` (for a new torch.distributed rendezvous)."""

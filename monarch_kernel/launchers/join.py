@@ -85,6 +85,9 @@ class JoinHost:
         self._launcher = launcher
         self._slot = slot
         self.command = command
+        #: Set by the mesh: tells the agent to exit (a ``stop`` over the control plane);
+        #: a frozen or partitioned agent that comes back reads it and exits.
+        self.tell_exit: Callable[[], object] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -103,7 +106,13 @@ class JoinHost:
         return f"(not joined yet; run on that machine: {self.command})"
 
     def wait_or_kill(self, timeout: float) -> None:
-        """Nothing to do here: the controller's ``stop`` (or its silence) ends the agent."""
+        """The agent is on another machine: tell it to exit (it also exits when the
+        controller falls silent)."""
+        if self.tell_exit is not None:
+            try:
+                self.tell_exit()
+            except Exception:  # the mesh's sockets are closed: it is stopping anyway
+                pass
 
     def cleanup(self) -> None:
         self._slot.used = True  # the token can no longer be used
