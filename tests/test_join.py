@@ -49,7 +49,7 @@ class Probe(Actor):
 
 @pytest.fixture(scope="module")
 def net():
-    yield from netns_hosts_fixture(3)
+    yield from netns_hosts_fixture(4)  # host 3 never joins (the outsider)
 
 
 def _agent_env() -> dict[str, str]:
@@ -117,7 +117,7 @@ def test_join_shows_commands_and_progress(joined, net):
     assert all(url.startswith(f"tcp://{net.gateway}:") for url, _ in commands)
     assert len({token for _, token in commands}) == 3  # one credential per host
     assert "3/3 hosts joined" in text
-    for i, h in enumerate(net.hosts):
+    for i, h in enumerate(net.hosts[:3]):
         assert f"from {h.addr}" in text, (i, text)
 
 
@@ -132,7 +132,7 @@ def test_ranks_run_on_their_own_machines(joined, net):
         assert info["MASTER_ADDR"] == master
         assert info["GLOO_SOCKET_IFNAME"] == "eth0"
     rt = procs.runtime
-    assert [h.addr for h in rt.hosts] == [h.addr for h in net.hosts]
+    assert [h.addr for h in rt.hosts] == [h.addr for h in net.hosts[:3]]
 
 
 def test_cell_across_hosts(joined, net):
@@ -143,7 +143,7 @@ def test_cell_across_hosts(joined, net):
     assert failed == ""
     where = procs.pull("where")
     names = [v.split(":")[0] for v in where.values()]
-    assert names == [h.name for h in net.hosts for _ in range(2)]
+    assert names == [h.name for h in net.hosts[:3] for _ in range(2)]
 
 
 def test_gloo_all_reduce_across_hosts(joined):
@@ -206,6 +206,56 @@ def test_unknown_curve_key_is_refused(joined):
         ctx.destroy(0)
     # ... and the mesh keeps working.
     assert len(procs.spawn("after", Probe).info.call().get(timeout=30)) == 6
+
+
+INTRUDER = """
+import socket, sys, time, zmq
+server, send, recv = sys.argv[1].encode(), sys.argv[2], sys.argv[3]
+ctx = zmq.Context()
+got = 0
+for curve in (True, False):
+    for ident in (b"h0", b"r0", b"c0"):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, ident)
+        s.setsockopt(zmq.LINGER, 0)
+        if curve:
+            public, secret = zmq.curve_keypair()
+            s.setsockopt(zmq.CURVE_SERVERKEY, server)
+            s.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            s.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        s.connect(send)
+        s.connect(recv)
+        got += bool(s.poll(400))
+host, port = recv.removeprefix("tcp://").rsplit(":", 1)
+with socket.create_connection((host, int(port)), timeout=5) as raw:  # junk bytes
+    raw.sendall(bytes([255]) * 4096)
+print("received", got)
+"""
+
+
+def test_outsider_namespace_gets_nothing(joined, net):
+    """From a machine that never joined: random CURVE keys and plain clients, claiming
+    host 0's and rank 0's identities, receive nothing; the mesh keeps working."""
+    import subprocess
+
+    procs, _ = joined
+    rt = procs.runtime
+    curve = rt.transport.curve
+    assert curve is not None
+    before = curve.refused
+    args = [curve.public.decode(), rt.transport.send_addr, rt.transport.recv_addr]
+    args = [a.replace("0.0.0.0", net.gateway) for a in args]
+    proc = net.popen(
+        3,
+        [sys.executable, "-c", INTRUDER, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=_agent_env(),
+    )
+    out = proc.communicate(timeout=30)[0].decode()
+    assert proc.returncode == 0 and "received 0" in out, out
+    assert curve.refused >= before + 3
+    assert len(procs.spawn("after2", Probe).info.call().get(timeout=30)) == 6
 
 
 def test_bad_and_used_tokens_are_refused(joined):
@@ -272,12 +322,13 @@ def test_frozen_host_is_lost_and_told_to_exit(joined, net):
     t0 = time.monotonic()
     os.kill(agent.pid, signal.SIGSTOP)
     try:
-        while rt.hosts[1].lost is None and time.monotonic() - t0 < 10:
+        mine = [r for r in rt.ranks if r.host == 1]
+        while any(r.alive for r in mine) and time.monotonic() - t0 < 10:
             time.sleep(0.05)
         took = time.monotonic() - t0
         assert rt.hosts[1].lost, "host 1 was never declared lost"
         assert took < 3.5, took
-        assert all("host agent 1 lost" in rt.death_text(r) for r in rt.ranks if r.host == 1)
+        assert all("host agent 1 lost" in rt.death_text(r) for r in mine)
     finally:
         os.kill(agent.pid, signal.SIGCONT)
     agent.wait(10)
