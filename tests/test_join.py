@@ -258,28 +258,49 @@ def test_outsider_namespace_gets_nothing(joined, net):
     assert len(procs.spawn("after2", Probe).info.call().get(timeout=30)) == 6
 
 
-def test_bad_and_used_tokens_are_refused(joined):
-    procs, joiner = joined
-    launcher = procs.runtime.launcher
-    url, token = COMMAND.findall("\n".join(joiner.lines))[0]
-    server = zmq.utils.z85.encode(bytes.fromhex(token.rsplit("-", 1)[1]))
+def test_tokens_are_single_use_and_checked(net):
+    """A token works once; a wrong secret and a second use are refused; the join
+    endpoint closes once every token is used."""
+    from monarch_kernel.launchers.base import HostConfig
+    from monarch_kernel.launchers.join import JoinLauncher
+
+    lines: list[str] = []
+    launcher = JoinLauncher(bind=net.gateway, on_progress=lines.append)
+    cfgs = [HostConfig(h, "ab" * 32, "tcp://x:1", "tcp://x:2", 10.0, "t") for h in (0, 1)]
+    launcher.start_hosts(cfgs)
+    (url, token0), (_, token1) = COMMAND.findall(lines[0])
+    server = zmq.utils.z85.encode(bytes.fromhex(token0.rsplit("-", 1)[1]))
+    forged = "0-" + "0" * 32 + "-" + token0.rsplit("-", 1)[1]
     ctx = zmq.Context()
+
+    def ask(token: str) -> dict[str, object]:
+        s = ctx.socket(zmq.DEALER)
+        public, secret = zmq.curve_keypair()
+        s.setsockopt(zmq.CURVE_SERVERKEY, server)
+        s.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        s.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(url)
+        s.send(token.encode())
+        try:
+            return s.recv_json() if s.poll(5000) else {"timeout": True}  # type: ignore[return-value]
+        finally:
+            s.close(0)
+
     try:
-        for attempt in (token, "0-" + "0" * 32 + "-" + token.rsplit("-", 1)[1]):
-            s = ctx.socket(zmq.DEALER)
-            public, secret = zmq.curve_keypair()
-            s.setsockopt(zmq.CURVE_SERVERKEY, server)
-            s.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            s.setsockopt(zmq.CURVE_SECRETKEY, secret)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(url)
-            s.send(attempt.encode())
-            assert s.poll(5000)
-            reply = s.recv_json()
-            assert "error" in reply and "cfg" not in reply
+        assert "error" in ask(forged)
+        first = ask(token0)
+        assert first["cfg"]["host"] == 0 and first["cfg"]["key"] == "ab" * 32  # type: ignore[index]
+        assert "used already" in str(ask(token0)["error"])
+        assert launcher.refused == 2
+        assert "1/2 hosts joined" in "\n".join(lines)
+        assert ask(token1)["cfg"]["host"] == 1  # type: ignore[index]
+        assert launcher._thread is not None
+        launcher._thread.join(2)
+        assert not launcher._thread.is_alive()  # every token used: the endpoint closed
     finally:
+        launcher.shutdown()
         ctx.destroy(0)
-    assert launcher.refused >= 2
 
 
 def test_missing_hosts_are_named(net, monkeypatch):

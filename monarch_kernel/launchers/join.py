@@ -164,10 +164,12 @@ class JoinLauncher:
         (self.on_progress or print)(line)
 
     def _endpoint(self) -> None:
-        """Bind the join endpoint once (a CURVE server; any client key may *ask*, only a
-        valid token gets an answer)."""
+        """Bind the join endpoint unless it is open (a CURVE server; any client key may
+        *ask*, only a valid token gets an answer). It closes itself once every token it
+        issued is used or void (lock held)."""
         if self._sock is not None:
             return
+        self._stop = threading.Event()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -177,7 +179,9 @@ class JoinLauncher:
         port = bind_port(sock, self.bind or "0.0.0.0")
         self._sock = sock
         self.url = f"tcp://{self.advertise}:{port}"
-        self._thread = threading.Thread(target=self._serve, name="mk-join", daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, args=(sock, self._domain, self._stop), name="mk-join", daemon=True
+        )
         self._thread.start()
 
     # ZAP for the join endpoint: every client key may ask (the token is the credential).
@@ -226,15 +230,18 @@ class JoinLauncher:
         which = ", ".join(map(str, hosts))
         return f"hosts {which} did not join; run on each machine:\n" + "\n".join(cmds)
 
-    def _serve(self) -> None:
-        sock = self._sock
-        assert sock is not None
+    def _serve(self, sock: zmq.Socket[bytes], domain: str, stop: threading.Event) -> None:
         try:
-            while not self._stop.is_set():
+            while not stop.is_set():
                 self._serve_one(sock)
+                with self._lock:
+                    if all(s.used for s in self._slots.values()):
+                        if self._sock is sock:
+                            self._sock = None  # the next start_hosts binds a new one
+                        return
         finally:
             sock.close(0)
-            zap(self._domain, None)
+            zap(domain, None)
 
     def _serve_one(self, sock: zmq.Socket[bytes]) -> None:
         try:
@@ -268,14 +275,17 @@ class JoinLauncher:
             slot.used, slot.joined_from = True, peer
             mesh = slot.cfg.mesh
             group = [s for (m, _), s in self._latest.items() if m == mesh]
-            done = sum(s.used for s in group)
+            done = sum(s.joined_from is not None for s in group)
             host = slot.cfg.host
             line = f"mesh {mesh!r}: {done}/{len(group)} hosts joined (host {host} from {peer})"
             return {"cfg": slot.cfg.to_json()}, line
 
     def shutdown(self) -> None:
         """Close the join endpoint (tokens not used yet become useless)."""
+        with self._lock:
+            for slot in self._slots.values():
+                slot.used = True
+            self._sock = None
         self._stop.set()
         if self._thread is not None:
             self._thread.join(1)
-        self._sock = None
