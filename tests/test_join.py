@@ -135,6 +135,22 @@ def test_ranks_run_on_their_own_machines(joined, net):
     assert [h.addr for h in rt.hosts] == [h.addr for h in net.hosts[:3]]
 
 
+def test_large_broadcast_fans_out_through_the_agents(joined):
+    """A large payload goes once per host to its agent (its fan-out socket is CURVE
+    too), in order."""
+    import torch
+    from actors import Counter, Worker
+
+    procs, _ = joined
+    big = torch.arange(100_000, dtype=torch.float32)  # 400 KB: over the fan-out size
+    counters = procs.spawn("fan", Counter)
+    for i in range(5):
+        counters.record.broadcast(i, big)
+    assert all(log == list(range(5)) for log in counters.get_log.call().get(timeout=30).values())
+    expected = float(big.double().sum())
+    assert procs.spawn("sum", Worker).checksum.call(big).get(timeout=30).values() == [expected] * 6
+
+
 def test_cell_across_hosts(joined, net):
     procs, _ = joined
     rt = procs.runtime
