@@ -347,6 +347,29 @@ def test_mesh_magic_takes_bind_and_advertise():
         host_mesh(hosts=2, backend="join", bind="0.0.0.0", advertise="127.0.0.1")
 
 
+def test_mesh_magic_join_in_a_kernel(net):
+    """``%mesh j --backend join``: the cell shows the command per host and the progress
+    while it waits; ``%%remote`` then runs on both machines."""
+    from kernel_client import Kernel
+
+    k = Kernel(env={"PYTHONPATH": _agent_env()["PYTHONPATH"]})
+    joiner = Joiner(net)
+    try:
+        mid = k.submit(f"%mesh j --backend join --hosts 2 --gpus 1 --bind {net.gateway}")
+        k.wait_for_output(mid, "host 1: python -m monarch_kernel.host --join", timeout=60)
+        joiner.progress(k.output_so_far(mid)[0])  # the people run the shown commands
+        r = k.collect(mid, timeout=60)
+        assert "ready" in r.stdout, r.stdout + r.stderr + r.error_text
+        assert "2/2 hosts joined" in r.stdout, r.stdout
+        r = k.run("%%remote j\nimport socket\nprint('on', socket.gethostname())", timeout=60)
+        out = r.stdout
+        assert f"on {net.hosts[0].name}" in out and f"on {net.hosts[1].name}" in out, out
+    finally:
+        k.shutdown_and_check()
+        for agent in joiner.agents.values():
+            agent.wait(10)
+
+
 def test_frozen_host_is_lost_and_told_to_exit(joined, net):
     """SIGSTOP host 1's agent: lost within 3 s naming the host; once it runs again it
     reads the controller's stop and exits with its ranks."""
