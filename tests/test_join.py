@@ -310,6 +310,9 @@ def test_tokens_are_single_use_and_checked(net):
         assert "used already" in str(ask(token0)["error"])
         assert launcher.refused == 2
         assert "1/2 hosts joined" in "\n".join(lines)
+        why = launcher.describe_missing("t", [0, 1])
+        assert "host 0 joined from 10.77." in why and "never connected to tcp://x:1" in why
+        assert "hosts 1 did not join" in why and "--token " in why
         assert ask(token1)["cfg"]["host"] == 1  # type: ignore[index]
         assert launcher._thread is not None
         launcher._thread.join(2)

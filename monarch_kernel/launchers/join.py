@@ -225,10 +225,20 @@ class JoinLauncher:
     def describe_missing(self, mesh: str, hosts: list[int]) -> str:
         """Which hosts of ``mesh`` never joined, and the command each still needs."""
         with self._lock:
-            slots = [self._latest.get((mesh, h)) for h in hosts]
-            cmds = [f"  host {s.cfg.host}: {self.command(s)}" for s in slots if s is not None]
-        which = ", ".join(map(str, hosts))
-        return f"hosts {which} did not join; run on each machine:\n" + "\n".join(cmds)
+            slots = [s for h in hosts if (s := self._latest.get((mesh, h))) is not None]
+            joined = [s for s in slots if s.joined_from]
+            waiting = [s for s in slots if not s.joined_from]
+            out = [
+                f"host {s.cfg.host} joined from {s.joined_from} but never connected to "
+                f"{s.cfg.send} / {s.cfg.recv} (a firewall? open those ports, or pick them "
+                "with MONARCH_KERNEL_PORTS=LOW-HIGH)"
+                for s in joined
+            ]
+            if waiting:
+                which = ", ".join(str(s.cfg.host) for s in waiting)
+                out.append(f"hosts {which} did not join; run on each machine:")
+                out += [f"  host {s.cfg.host}: {self.command(s)}" for s in waiting]
+        return "\n".join(out)
 
     def _serve(self, sock: zmq.Socket[bytes], domain: str, stop: threading.Event) -> None:
         try:
