@@ -36,7 +36,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -44,6 +43,7 @@ import zmq
 from monarch_kernel.controller.errors import MeshStartError, MeshStoppedError, MonarchError
 from monarch_kernel.controller.records import RankInfo
 from monarch_kernel.controller.sigint import DeferSigint
+from monarch_kernel.launchers.base import Curve, bind_port, curve_server, zap
 from monarch_kernel.wire import Codec
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header
@@ -69,76 +69,6 @@ _NOBLOCK = int(zmq.NOBLOCK)
 #: (a message from them only means "look at your conditions again").
 WAKE_ID = b"mk-wake"
 SIGINT_ID = b"mk-sigint"
-
-
-#: Environment variable with the ports the controller may bind on tcp (``30000-30100``),
-#: for clusters whose firewalls open only a range.
-PORTS_ENV = "MONARCH_KERNEL_PORTS"
-
-
-@dataclass
-class Curve:
-    """A mesh's CurveZMQ server keypair and the client public keys its ZAP handler admits
-    (z85, as ``zmq.curve_keypair`` gives them). Only keys the controller handed out (one
-    per host agent, shared by that host's ranks) are in ``allowed``."""
-
-    public: bytes
-    secret: bytes
-    allowed: set[bytes] = field(default_factory=set)
-    #: Connections refused by the ZAP handler (unknown client keys).
-    refused: int = 0
-
-    @classmethod
-    def new(cls) -> Curve:
-        public, secret = zmq.curve_keypair()
-        return cls(public, secret)
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        """ZAP: admit ``key`` only if the controller handed it out."""
-        if key in self.allowed:
-            return True
-        self.refused += 1
-        log.warning("ZAP %s refused a connection with an unknown CURVE key", domain)
-        return False
-
-
-_auth_lock = threading.Lock()
-_authenticator: Any = None
-
-
-def zap(domain: str, provider: Any) -> None:
-    """Register ``provider`` (``callback(domain, key) -> bool``) for ZAP ``domain`` with
-    the one authenticator of the shared context, started on first use; ``None`` removes
-    the domain."""
-    global _authenticator
-    with _auth_lock:
-        if _authenticator is None:
-            from zmq.auth.thread import ThreadAuthenticator
-
-            _authenticator = ThreadAuthenticator(zmq.Context.instance(), log=log)
-            _authenticator.start()
-        if provider is None:
-            _authenticator.credentials_providers.pop(domain, None)
-        else:
-            _authenticator.configure_curve_callback(domain, credentials_provider=provider)
-
-
-def curve_server(sock: zmq.Socket[bytes], curve: Curve | Any, domain: str) -> None:
-    """Make ``sock`` a CURVE server whose clients are admitted by ``curve.callback``."""
-    sock.setsockopt(zmq.CURVE_SERVER, 1)
-    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
-    sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
-    zap(domain, curve)
-
-
-def is_loopback(bind: str) -> bool:
-    """Whether ``bind`` (a host address or a ``tcp://`` endpoint) is a loopback address."""
-    host = bind.removeprefix("tcp://")
-    if host.startswith("["):
-        host = host[1:].partition("]")[0]
-    elif host.count(":") == 1:
-        host = host.partition(":")[0]
-    return host.startswith("127.") or host in ("localhost", "::1")
 
 
 class BackpressureError(MonarchError):
@@ -185,7 +115,7 @@ class Transport:
                 bind = "127.0.0.1" if bind == "ipc" else bind
                 self.send_addr = _bind(self.send_sock, bind)
                 self.recv_addr = _bind(self.recv_sock, bind)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, ValueError) as exc:  # ValueError: a bad $MONARCH_KERNEL_PORTS
             self.send_sock.close()
             self.recv_sock.close()
             self._remove_ipc_dir()
@@ -433,36 +363,6 @@ def _private_ipc_dir() -> str | None:
         os.rmdir(path)
         return None
     return path
-
-
-def port_range() -> tuple[int, int] | None:
-    """The ports ``$MONARCH_KERNEL_PORTS`` (``LOW-HIGH``, inclusive) allows, if set."""
-    raw = os.environ.get(PORTS_ENV, "").strip()
-    if not raw:
-        return None
-    low, _, high = raw.partition("-")
-    try:
-        lo, hi = int(low), int(high or low)
-    except ValueError:
-        raise MeshStartError(f"{PORTS_ENV}={raw!r} is not a port range like 30000-30100") from None
-    if not 0 < lo <= hi < 65536:
-        raise MeshStartError(f"{PORTS_ENV}={raw!r} is not a port range like 30000-30100")
-    return lo, hi
-
-
-def bind_port(sock: zmq.Socket[bytes], host: str) -> int:
-    """Bind ``sock`` on ``host`` at a free port (within ``$MONARCH_KERNEL_PORTS``)."""
-    ports = port_range()
-    if ports is None:
-        return sock.bind_to_random_port(f"tcp://{host}")
-    lo, hi = ports
-    for port in range(lo, hi + 1):
-        try:
-            sock.bind(f"tcp://{host}:{port}")
-            return port
-        except zmq.ZMQError:
-            continue
-    raise zmq.ZMQError(zmq.EADDRINUSE, f"no free port in {PORTS_ENV}={lo}-{hi}")
 
 
 def _bind(sock: zmq.Socket[bytes], host: str) -> str:

@@ -33,14 +33,15 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.utils.z85
 
-from monarch_kernel.controller.transport import (
+from monarch_kernel.launchers.base import (
     Curve,
+    HostConfig,
+    HostHandle,
     bind_port,
     curve_server,
     is_loopback,
     zap,
 )
-from monarch_kernel.launchers.base import HostConfig, HostHandle
 
 #: Seconds a join token stays valid.
 TOKEN_TTL = 900.0
