@@ -416,3 +416,11 @@ def test_killed_host_agent_is_reported(joined, net):
     assert "host 2" in str(err.value) or net.hosts[2].name in str(err.value), str(err.value)
     alive = procs.slice(hosts=0).spawn("alive", Probe).info.call().get(timeout=10)
     assert len(alive) == 2
+
+
+def test_source_address_and_interface():
+    from monarch_kernel.host.agent import interface_of, source_address
+
+    assert source_address("tcp://127.0.0.1:9") == "127.0.0.1"
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("192.0.2.77") is None

@@ -127,6 +127,16 @@ class HostAgent:
         }
 
     def configure(self, cfg: dict[str, Any]) -> None:
+        send = str(cfg.get("send", ""))
+        if not cfg.get("advertise") and send.startswith("tcp://"):
+            # Any launcher on other machines: our address is the one we reach the
+            # controller from (MASTER_ADDR, and the interface gloo/NCCL use).
+            try:
+                addr = source_address(send)
+            except (OSError, ValueError):
+                addr = ""
+            if addr and not addr.startswith("127.") and addr != "::1":
+                cfg = dict(cfg, advertise=addr)
         self.cfg = cfg
         self.host = int(cfg["host"])
         self.codec = Codec(bytes.fromhex(cfg["key"]))
