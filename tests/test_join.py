@@ -47,6 +47,38 @@ class Probe(Actor):
         return float(t.item())
 
 
+def _ddp_data(rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+
+
+class Trainer(Actor):
+    @endpoint
+    def train(self, steps: int) -> list[float]:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _ddp_data(dist.get_rank())
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+
 @pytest.fixture(scope="module")
 def net():
     yield from netns_hosts_fixture(4)  # host 3 never joins (the outsider)
@@ -166,6 +198,33 @@ def test_gloo_all_reduce_across_hosts(joined):
     procs, _ = joined
     probes = procs.spawn("reduce", Probe)
     assert probes.all_reduce.call().get(timeout=60).values() == [21.0] * 6
+
+
+def test_ddp_across_hosts_matches_one_process(joined):
+    """DDP over gloo across the three machines: every rank's losses are those of one
+    process that averages the six ranks' gradients itself."""
+    import torch
+
+    procs, _ = joined
+    steps = 4
+    got = procs.spawn("ddp", Trainer).train.call(steps).get(timeout=60).values()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    data = [_ddp_data(r) for r in range(6)]
+    expected: list[list[float]] = [[] for _ in range(6)]
+    for _ in range(steps):
+        grads = []
+        for r, (x, y) in enumerate(data):
+            model.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            expected[r].append(loss.item())
+            grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p -= 0.1 * sum(g[i] for g in grads) / 6
+    for r in range(6):
+        assert got[r] == pytest.approx(expected[r], rel=1e-5, abs=1e-6), r
 
 
 def test_no_key_on_any_command_line(joined):
