@@ -25,6 +25,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
+import zmq
+
 from monarch_kernel.controller.errors import (
     MeshStartError,
     MeshStoppedError,
@@ -96,13 +98,17 @@ class MeshRuntime:
         hb_timeout: float = DEFAULT_HB_TIMEOUT,
         bind: str | None = None,
         backend: str | None = None,
+        advertise: str | None = None,
         on_failure: FailurePolicy = FailurePolicy.RESTART,
         grace: float = DEFAULT_GRACE,
     ):
         """``bind``: where the controller's sockets listen: a host address (tcp on a
         random port), a full ``tcp://`` or ``ipc://`` endpoint, or ``"ipc"`` for unix
         sockets in a private (0700) directory. By default ``"ipc"`` when every host is
-        on this machine (the local launcher), else ``127.0.0.1``.
+        on this machine (the local launcher), else the launcher's ``bind`` attribute if it
+        has one, else ``127.0.0.1``. ``advertise``: the address host agents connect to
+        when it differs from the bound one (a wildcard bind; default: the launcher's
+        ``advertise`` attribute). Tcp sockets are CURVE servers (see ``Transport``).
         ``on_failure`` and ``grace``: see :mod:`~monarch_kernel.controller.failures`.
         """
         if grace < 0:
@@ -141,6 +147,7 @@ class MeshRuntime:
         self._recover_lock = threading.Lock()
         self._recovery_thread: int | None = None
         self._ports: dict[str, int] = {}
+        self._client_keys: dict[int, bytes] = {}
         self.events = EventBus()
         self.output = StreamRouter(self.events)
         self.logs = RankLogs(self.events, name, self.run_id)
@@ -150,7 +157,8 @@ class MeshRuntime:
         registry.add(self)  # before any socket exists: a taken name costs nothing
         try:
             if bind is None:
-                bind = "ipc" if launcher.same_machine else "127.0.0.1"
+                bind = "ipc" if launcher.same_machine else getattr(launcher, "bind", "127.0.0.1")
+            self.advertise = advertise or getattr(launcher, "advertise", None)
             self.transport = Transport(name, self.codec, self.ranks, bind)
         except BaseException:
             registry.forget(self)
@@ -171,7 +179,15 @@ class MeshRuntime:
             handles = self.launcher.start_hosts(configs)
             for host, handle in zip(self.hosts, handles):
                 host.handle = handle
-            self._wait(lambda: all(h.ready for h in self.hosts), deadline, "host agents")
+                self._adopt(host)
+            try:
+                self._wait(lambda: all(h.ready for h in self.hosts), deadline, "host agents")
+            except MeshStartError as exc:
+                missing = [h.index for h in self.hosts if not h.ready]
+                describe = getattr(self.launcher, "describe_missing", None)
+                if missing and describe is not None:
+                    raise MeshStartError(f"{exc}\n{describe(self.name, missing)}") from None
+                raise
             master = self.hosts[0]
             self._common = {
                 "labels": list(self.shape.labels),
@@ -202,12 +218,37 @@ class MeshRuntime:
             raise
         self._set_phase(MeshPhase.RUNNING)
 
+    def _adopt(self, host: HostInfo) -> None:
+        """Let a handle on a remote agent (no pid to kill) tell it to exit."""
+        if hasattr(host.handle, "tell_exit"):
+            index = host.index
+
+            def tell_exit() -> None:
+                self.transport.send_host(index, {"k": K.STOP, "grace": 0.0})
+
+            setattr(host.handle, "tell_exit", tell_exit)  # noqa: B010
+
     def _host_config(self, h: int) -> HostConfig:
         t = self.transport
         # The agent's own patience with a silent controller is longer than ours with it:
         # a controller busy for a few seconds (a large unpickle) must not lose its hosts.
         silence = max(AGENT_SILENCE_TIMEOUT, 4 * self.hb_timeout)
-        return HostConfig(h, self.key.hex(), t.send_addr, t.recv_addr, silence, self.name)
+        send, recv = t.send_addr, t.recv_addr
+        if self.advertise and send.startswith("tcp://"):
+            send = f"tcp://{self.advertise}:{send.rsplit(':', 1)[1]}"
+            recv = f"tcp://{self.advertise}:{recv.rsplit(':', 1)[1]}"
+        curve: tuple[str, str, str] = ("", "", "")
+        if t.curve is not None:
+            # One client keypair per host agent (its ranks use it too); a relaunched
+            # host gets a new one and the old one is no longer admitted.
+            public, secret = zmq.curve_keypair()
+            old = self._client_keys.get(h)
+            if old is not None:
+                t.curve.allowed.discard(old)
+            self._client_keys[h] = public
+            t.curve.allowed.add(public)
+            curve = (t.curve.public.decode(), public.decode(), secret.decode())
+        return HostConfig(h, self.key.hex(), send, recv, silence, self.name, *curve)
 
     def _spawn_ranks(self, ranks: list[RankInfo]) -> None:
         specs = []
@@ -515,6 +556,7 @@ class MeshRuntime:
             old.cleanup()
         host.ready, host.lost, host.last_seen = False, None, time.monotonic()
         (host.handle,) = self.launcher.start_hosts([self._host_config(host.index)])
+        self._adopt(host)
 
     def new_port(self, host: int = 0, timeout: float = 10.0) -> int:
         """A free port on ``host`` (for a new torch.distributed rendezvous)."""

@@ -43,6 +43,7 @@ import zmq
 from monarch_kernel.controller.errors import MeshStartError, MeshStoppedError, MonarchError
 from monarch_kernel.controller.records import RankInfo
 from monarch_kernel.controller.sigint import DeferSigint
+from monarch_kernel.launchers.base import Curve, bind_port, curve_server, zap
 from monarch_kernel.wire import Codec
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
@@ -78,9 +79,13 @@ class Transport:
     """Sockets, addresses and send paths of one mesh's controller side."""
 
     def __init__(self, name: str, codec: Codec, ranks: list[RankInfo], bind: str):
-        """``bind``: a host address (tcp on a random port), a full ``tcp://`` or
-        ``ipc://`` endpoint, or ``"ipc"`` for unix sockets in a private (0700)
-        directory (falls back to tcp on 127.0.0.1 where unix sockets are unusable)."""
+        """``bind``: a host address (tcp on a random port, within ``$MONARCH_KERNEL_PORTS``
+        when set), a full ``tcp://`` or ``ipc://`` endpoint, or ``"ipc"`` for unix
+        sockets in a private (0700) directory (falls back to tcp on 127.0.0.1 where unix
+        sockets are unusable).
+
+        Every tcp socket is a CURVE server with a fresh per-mesh keypair (:attr:`curve`);
+        a ZAP handler admits only the client keys added to ``curve.allowed``."""
         self.name = name
         self.codec = codec
         self._ranks = ranks
@@ -97,6 +102,13 @@ class Transport:
         self.recv_sock.setsockopt(zmq.LINGER, 0)
         limit_size(self.recv_sock)  # ZMQ_MAXMSGSIZE: no frame above it is allocated
         self._ipc_dir = _private_ipc_dir() if bind == "ipc" else None
+        #: The mesh's CURVE keys when it listens on tcp (None on unix sockets).
+        self.curve: Curve | None = None
+        self._zap_domain = f"mk-{name}-{id(self):x}"
+        if self._ipc_dir is None:
+            self.curve = Curve.new()
+            for sock in (self.send_sock, self.recv_sock):
+                curve_server(sock, self.curve, self._zap_domain)
         try:
             if self._ipc_dir is not None:
                 self.send_addr = _bind(self.send_sock, f"ipc://{self._ipc_dir}/send")
@@ -105,7 +117,7 @@ class Transport:
                 bind = "127.0.0.1" if bind == "ipc" else bind
                 self.send_addr = _bind(self.send_sock, bind)
                 self.recv_addr = _bind(self.recv_sock, bind)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, ValueError) as exc:  # ValueError: a bad $MONARCH_KERNEL_PORTS
             self.send_sock.close()
             self.recv_sock.close()
             self._remove_ipc_dir()
@@ -328,6 +340,8 @@ class Transport:
             self.backlog_messages = self.backlog_bytes = 0
         for sock in (self.send_sock, self.recv_sock, self._wake_sock, self._sigint_sock):
             sock.close(0)
+        if self.curve is not None:
+            zap(self._zap_domain, None)
         self._remove_ipc_dir()
 
     def _remove_ipc_dir(self) -> None:
@@ -359,5 +373,4 @@ def _bind(sock: zmq.Socket[bytes], host: str) -> str:
     if host.startswith(("ipc://", "tcp://")):
         sock.bind(host)
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    port = sock.bind_to_random_port(f"tcp://{host}")
-    return f"tcp://{host}:{port}"
+    return f"tcp://{host}:{bind_port(sock, host)}"

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+import zmq.utils.z85
 
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire import kinds as K
@@ -127,6 +128,16 @@ class HostAgent:
         }
 
     def configure(self, cfg: dict[str, Any]) -> None:
+        send = str(cfg.get("send", ""))
+        if not cfg.get("advertise") and send.startswith("tcp://"):
+            # Any launcher on other machines: our address is the one we reach the
+            # controller from (MASTER_ADDR, and the interface gloo/NCCL use).
+            try:
+                addr = source_address(send)
+            except (OSError, ValueError):
+                addr = ""
+            if addr and not addr.startswith("127.") and addr != "::1":
+                cfg = dict(cfg, advertise=addr)
         self.cfg = cfg
         self.host = int(cfg["host"])
         self.codec = Codec(bytes.fromhex(cfg["key"]))
@@ -136,20 +147,34 @@ class HostAgent:
         self.inbox = self.ctx.socket(zmq.DEALER)
         self.inbox.setsockopt(zmq.IDENTITY, ident)
         limit_size(self.inbox)  # ZMQ_MAXMSGSIZE: no frame above it is allocated
+        self.curve_client(self.inbox)
         self.inbox.connect(cfg["send"])
         self.out = self.ctx.socket(zmq.DEALER)
         self.out.setsockopt(zmq.IDENTITY, ident)
         self.out.setsockopt(zmq.LINGER, 2000)
         limit_size(self.out)
+        self.curve_client(self.out)
         self.out.connect(cfg["recv"])
         self.fan = self.ctx.socket(zmq.ROUTER)
         self.fan.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.fan.setsockopt(zmq.ROUTER_HANDOVER, 1)
         limit_size(self.fan)
+        if cfg.get("curve_secret"):  # ranks' sockets are CURVE clients: ours must match
+            self.fan.setsockopt(zmq.CURVE_SERVER, 1)
+            self.fan.setsockopt(zmq.CURVE_SECRETKEY, cfg["curve_secret"].encode())
         self.fan_addr = f"ipc://{self.private_dir}/fan"
         self.fan.bind(self.fan_addr)
         self.master_port = free_port()
         self.hostname = cfg.get("hostname") or socket.gethostname()
+        #: The network interface that owns our advertised address (gloo and NCCL use it).
+        self.ifname = interface_of(cfg["advertise"]) if cfg.get("advertise") else None
+
+    def curve_client(self, sock: zmq.Socket[bytes]) -> None:
+        """Make ``sock`` a CURVE client of the controller when the mesh uses CURVE."""
+        if self.cfg.get("curve_secret"):
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self.cfg["curve_server"].encode())
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.cfg["curve_public"].encode())
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.cfg["curve_secret"].encode())
 
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         wire_send(self.out, self.codec.encode(header, payload))
@@ -300,6 +325,7 @@ class HostAgent:
             recv=self.cfg["recv"],
             fanout=self.fan_addr,
             hostname=self.hostname,
+            **self.rank_secrets(),
         )
         for spec in h["ranks"]:
             cfg = dict(common, **spec)
@@ -307,6 +333,14 @@ class HostAgent:
             if os.path.exists(cfg["log"]):
                 os.unlink(cfg["log"])
             self.template.command(op="fork", cfg=cfg)
+
+    def rank_secrets(self) -> dict[str, Any]:
+        """What ranks need besides the mesh key: the CURVE keys (through the template's
+        pipe, never a command line) and the interface gloo/NCCL should use."""
+        out: dict[str, Any] = {k: self.cfg[k] for k in CURVE_FIELDS if self.cfg.get(k)}
+        if self.ifname:
+            out["ifname"] = self.ifname
+        return out
 
     def on_signal_ranks(self, h: dict[str, Any]) -> None:
         """SIGNAL_RANKS: send signal ``sig`` to the local ranks ``d``."""
@@ -448,6 +482,85 @@ class HostAgent:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+CURVE_FIELDS = ("curve_server", "curve_public", "curve_secret")
+
+
+def interface_of(addr: str) -> str | None:
+    """The name of the network interface that owns IPv4/IPv6 address ``addr``."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == addr for a in addrs):
+            return name
+    return None
+
+
+def source_address(url: str) -> str:
+    """The local address this machine uses to reach ``tcp://HOST:PORT`` (no packet is
+    sent: a UDP socket is only routed)."""
+    host, _, port = url.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, int(port)))
+        return str(s.getsockname()[0])
+
+
+def join(url: str, token: str, timeout: float = 30.0) -> dict[str, Any]:
+    """Fetch this host's configuration from the controller's join endpoint ``url`` with
+    single-use ``token`` (``HOST-SECRET-SERVERKEY``) over CURVE (the server key is in
+    the token; our keypair is throw-away). Exits with a message naming the address on
+    failure."""
+    try:
+        server = zmq.utils.z85.encode(bytes.fromhex(token.rsplit("-", 1)[1]))
+    except (IndexError, ValueError):
+        sys.exit(f"monarch host: malformed --token {token[:8]}...")
+    try:
+        advertise = source_address(url)
+    except (OSError, ValueError) as exc:
+        sys.exit(f"monarch host: cannot reach {url}: {exc}")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    public, secret = zmq.curve_keypair()
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    sock.connect(url)
+    sock.send(token.encode())
+    try:
+        if not sock.poll(int(timeout * 1000)):
+            sys.exit(
+                f"monarch host: no answer from the controller at {url} within {timeout:.0f}s "
+                f"(this machine reaches it from {advertise}); check the address and firewall"
+            )
+        reply = json.loads(sock.recv())
+    finally:
+        sock.close(0)
+    if "error" in reply:
+        sys.exit(f"monarch host: the controller at {url} refused to join: {reply['error']}")
+    cfg: dict[str, Any] = reply["cfg"]
+    cfg.setdefault("advertise", advertise)
+    return cfg
+
+
+def _parse_args(argv: list[str]) -> tuple[str | None, str | None]:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m monarch_kernel.host",
+        description="A monarch_kernel host agent. Without options it reads its "
+        "configuration from stdin or $MONARCH_KERNEL_HOST_CONFIG (launchers); with "
+        "--join it joins a mesh of the join backend.",
+    )
+    p.add_argument("--join", metavar="tcp://ADDR:PORT", help="the controller's join endpoint")
+    p.add_argument("--token", help="the single-use credential the notebook shows")
+    opts = p.parse_args(argv)
+    if bool(opts.join) != bool(opts.token):
+        p.error("--join and --token go together")
+    return opts.join, opts.token
+
+
 def _read_config() -> dict[str, Any]:
     raw = os.environ.pop("MONARCH_KERNEL_HOST_CONFIG", None)
     if raw is None:
@@ -459,13 +572,15 @@ def _read_config() -> dict[str, Any]:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="[monarch host] %(message)s")
-    parent = os.environ.get("MONARCH_KERNEL_PARENT_PID")
-    die_with_parent(signal.SIGTERM, int(parent) if parent else None)
+    url, token = _parse_args(sys.argv[1:])
+    parent = None if url else os.environ.get("MONARCH_KERNEL_PARENT_PID")
+    if not url:  # a joined agent outlives the shell that started it (heartbeats end it)
+        die_with_parent(signal.SIGTERM, int(parent) if parent else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     agent = HostAgent(int(parent) if parent else None)
     try:
-        agent.configure(_read_config())
+        agent.configure(join(url, token or "") if url else _read_config())
         agent.run()
     except SystemExit:
         pass

@@ -28,6 +28,13 @@ def mesh_parser() -> Parser:
     p.add_argument("--gpus", type=int, default=None, help="ranks per host")
     p.add_argument("--hosts", type=int, default=1)
     p.add_argument("--backend", default="local")
+    p.add_argument("--bind", default=None, help="join backend: address to listen on (default: all)")
+    p.add_argument(
+        "--advertise",
+        default=None,
+        help="join backend: address the hosts connect to (default: this machine's address "
+        "on its default route)",
+    )
     p.add_argument("--env", action="append", default=[], metavar="K=V")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--dist", action="store_true", help="init_process_group on every rank")

@@ -277,7 +277,9 @@ class MeshMagics(Magics):
                 show(old)
                 return None
         try:
-            hosts = host_mesh(hosts=opts.hosts, backend=opts.backend)
+            options = {k: v for k in ("bind", "advertise") if (v := getattr(opts, k))}
+            # join: the one-line command per host and "2/4 hosts joined" print here
+            hosts = host_mesh(hosts=opts.hosts, backend=opts.backend, **options)
             # before the mesh of this name is replaced: a refused one leaves it running
             _check_capacity(hosts, opts.hosts * opts.gpus, replacing=old_runtime)
         except ValueError as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from monarch_kernel.launchers.base import HostConfig, HostHandle, Launcher
 
-BACKENDS = ("local",)
+BACKENDS = ("local", "join")
 
 __all__ = ["BACKENDS", "HostConfig", "HostHandle", "Launcher", "get_launcher"]
 
@@ -22,4 +22,8 @@ def get_launcher(backend: str, **options: object) -> Launcher:
             raise ValueError(f"the local backend takes no options, got {', '.join(options)}")
 
         return LocalLauncher.shared()
+    if backend == "join":
+        from monarch_kernel.launchers.join import JoinLauncher
+
+        return JoinLauncher(**options)  # type: ignore[arg-type]
     raise ValueError(f"unknown backend {backend!r}; available backends: {', '.join(BACKENDS)}")

@@ -8,8 +8,15 @@ The controller talks to launchers only through these protocols.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Protocol, runtime_checkable
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import zmq
+
+log = logging.getLogger("monarch_kernel.launchers")
 
 
 @dataclass(frozen=True)
@@ -22,6 +29,12 @@ class HostConfig:
     recv: str  #: the controller's endpoint that receives from them
     hb_timeout: float  #: seconds without a controller heartbeat before the agent exits
     mesh: str  #: the mesh's name (for logs)
+    #: CurveZMQ keys (z85) when the controller listens on tcp: its public key, and the
+    #: keypair this host agent and its ranks connect with (admitted by the controller's
+    #: ZAP handler). Empty on unix sockets. Never on a command line.
+    curve_server: str = ""
+    curve_public: str = ""
+    curve_secret: str = ""
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -79,3 +92,104 @@ class Launcher(Protocol):
     def shutdown(self) -> None:
         """Release what the launcher holds beyond single meshes (pre-warmed agents)."""
         ...
+
+
+# -- network security shared by the controller's sockets and the join endpoint -----------
+#: Environment variable with the ports the controller may bind on tcp (``30000-30100``),
+#: for clusters whose firewalls open only a range.
+PORTS_ENV = "MONARCH_KERNEL_PORTS"
+
+
+@dataclass
+class Curve:
+    """A mesh's CurveZMQ server keypair and the client public keys its ZAP handler admits
+    (z85, as ``zmq.curve_keypair`` gives them). Only keys the controller handed out (one
+    per host agent, shared by that host's ranks) are in ``allowed``."""
+
+    public: bytes
+    secret: bytes
+    allowed: set[bytes] = field(default_factory=set)
+    #: Connections refused by the ZAP handler (unknown client keys).
+    refused: int = 0
+
+    @classmethod
+    def new(cls) -> Curve:
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP: admit ``key`` only if the controller handed it out."""
+        if key in self.allowed:
+            return True
+        self.refused += 1
+        log.warning("ZAP %s refused a connection with an unknown CURVE key", domain)
+        return False
+
+
+_auth_lock = threading.Lock()
+_authenticator: Any = None
+
+
+def zap(domain: str, provider: Any) -> None:
+    """Register ``provider`` (``callback(domain, key) -> bool``) for ZAP ``domain`` with
+    the one authenticator of the shared context, started on first use; ``None`` removes
+    the domain."""
+    global _authenticator
+    with _auth_lock:
+        if _authenticator is None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            _authenticator = ThreadAuthenticator(zmq.Context.instance(), log=log)
+            _authenticator.start()
+        if provider is None:
+            _authenticator.credentials_providers.pop(domain, None)
+        else:
+            _authenticator.configure_curve_callback(domain, credentials_provider=provider)
+
+
+def curve_server(sock: zmq.Socket[bytes], curve: Curve | Any, domain: str) -> None:
+    """Make ``sock`` a CURVE server whose clients are admitted by ``curve.callback``."""
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+    sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+    zap(domain, curve)
+
+
+def is_loopback(bind: str) -> bool:
+    """Whether ``bind`` (a host address or a ``tcp://`` endpoint) is a loopback address."""
+    host = bind.removeprefix("tcp://")
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.startswith("127.") or host in ("localhost", "::1")
+
+
+def port_range() -> tuple[int, int] | None:
+    """The ports ``$MONARCH_KERNEL_PORTS`` (``LOW-HIGH``, inclusive) allows, if set."""
+    raw = os.environ.get(PORTS_ENV, "").strip()
+    if not raw:
+        return None
+    low, _, high = raw.partition("-")
+    try:
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise ValueError(f"{PORTS_ENV}={raw!r} is not a port range like 30000-30100") from None
+    if not 0 < lo <= hi < 65536:
+        raise ValueError(f"{PORTS_ENV}={raw!r} is not a port range like 30000-30100")
+    return lo, hi
+
+
+def bind_port(sock: zmq.Socket[bytes], host: str) -> int:
+    """Bind ``sock`` on ``host`` at a free port (within ``$MONARCH_KERNEL_PORTS``)."""
+    ports = port_range()
+    if ports is None:
+        return sock.bind_to_random_port(f"tcp://{host}")
+    lo, hi = ports
+    for port in range(lo, hi + 1):
+        try:
+            sock.bind(f"tcp://{host}:{port}")
+            return port
+        except zmq.ZMQError:
+            continue
+    raise zmq.ZMQError(zmq.EADDRINUSE, f"no free port in {PORTS_ENV}={lo}-{hi}")

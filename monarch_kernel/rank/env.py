@@ -31,6 +31,8 @@ def torchrun_env(cfg: dict[str, Any]) -> dict[str, str]:
         "LT_DEVICES": local_world,
         "LT_NUM_NODES": nodes,
     }
+    if cfg.get("ifname"):  # hosts on other machines: the interface the host joined on
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = cfg["ifname"]
     return {k: str(v) for k, v in env.items()}
 
 

@@ -62,7 +62,7 @@ class Rank:
         self.ctx = zmq.Context()
         ident = f"r{self.rank}".encode()
         self.inbox = self._dealer(ident, cfg["send"])
-        self.inbox.connect(cfg["fanout"])
+        self._connect(self.inbox, cfg["fanout"])
         self.out = self._dealer(ident, cfg["recv"])
         self.ctl = self._dealer(f"c{self.rank}".encode(), cfg["send"])
         self.out_lock = threading.Lock()
@@ -111,8 +111,20 @@ class Rank:
         s.setsockopt(zmq.IDENTITY, ident)
         s.setsockopt(zmq.LINGER, 1000)
         limit_size(s)  # ZMQ_MAXMSGSIZE: no frame above it is allocated
-        s.connect(addr)
+        self._connect(s, addr)
         return s
+
+    def _connect(self, s: zmq.Socket, addr: str) -> None:
+        """Connect ``s`` to ``addr``; as a CURVE client (the host's keypair) when the mesh
+        uses CURVE: the controller's key for its tcp sockets, the host agent's own public
+        key for its fan-out socket."""
+        secret = self.cfg.get("curve_secret")
+        if secret:
+            s.setsockopt(zmq.CURVE_PUBLICKEY, self.cfg["curve_public"].encode())
+            s.setsockopt(zmq.CURVE_SECRETKEY, secret.encode())
+            server = self.cfg["curve_server"] if addr.startswith("tcp://") else None
+            s.setsockopt(zmq.CURVE_SERVERKEY, (server or self.cfg["curve_public"]).encode())
+        s.connect(addr)
 
     # -- sending ---------------------------------------------------------------------
     def send(self, header: dict[str, Any], payload: bytes = b"", buffers: Any = ()) -> None:

@@ -1,0 +1,136 @@
+"""Emulated machines for tests: Linux network namespaces on one box.
+
+:func:`make_hosts` creates a bridge (``10.77.X.1/24``, X random) and, per host, a
+network namespace with a veth into the bridge, its own address (``10.77.X.(10+i)``), an
+``/etc/netns/<ns>/hosts`` file and, for the processes it starts, its own hostname
+(``unshare --uts``). :meth:`NetHosts.close` kills only the processes it started, then
+deletes the veths (synchronous), the namespaces, the bridge and the ``/etc/netns`` dirs.
+
+Needs root and iproute2; :func:`netns_hosts_fixture` skips (with the reason printed)
+otherwise. Traffic stays between the namespaces it created and the bridge.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+
+def unavailable() -> str | None:
+    """Why network-namespace hosts cannot be made here (None: they can)."""
+    if os.geteuid() != 0:
+        return "network-namespace hosts need root"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"network-namespace hosts need `{tool}` (iproute2 / util-linux)"
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@dataclass
+class NetHost:
+    index: int
+    ns: str
+    name: str  #: its hostname (inside its UTS namespace)
+    addr: str
+    veth: str
+
+
+@dataclass
+class NetHosts:
+    """The emulated machines; :meth:`popen` starts a process on one of them."""
+
+    bridge: str
+    gateway: str  #: the bridge's address (this process's address as the hosts see it)
+    hosts: list[NetHost]
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def popen(self, host: int, cmd: Sequence[str], **kw: object) -> subprocess.Popen[bytes]:
+        """Run ``cmd`` on host ``host`` (its netns, its own hostname)."""
+        h = self.hosts[host]
+        script = 'hostname "$0"; exec "$@"'
+        argv = ["ip", "netns", "exec", h.ns, "unshare", "--uts", "sh", "-c", script, h.name]
+        proc = subprocess.Popen([*argv, *cmd], **kw)  # type: ignore[call-overload]
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.procs:  # only what we started
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        for h in self.hosts:
+            subprocess.run(["ip", "link", "del", h.veth], capture_output=True)
+        for h in self.hosts:
+            subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{h.ns}", ignore_errors=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+def make_hosts(n: int) -> NetHosts:
+    """Create ``n`` emulated machines (see the module docstring)."""
+    x = random.randrange(2, 250)
+    tag = f"mk{x}{os.getpid() % 10000}"
+    bridge = f"{tag}br"[:15]
+    net = NetHosts(bridge, f"10.77.{x}.1", [])
+    try:
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("addr", "add", f"{net.gateway}/24", "dev", bridge)
+        _ip("link", "set", bridge, "up")
+        for i in range(n):
+            ns, veth, peer = f"{tag}h{i}", f"{tag}v{i}"[:15], f"{tag}p{i}"[:15]
+            h = NetHost(i, ns, f"node{i}-{x}", f"10.77.{x}.{10 + i}", veth)
+            net.hosts.append(h)
+            _ip("netns", "add", ns)
+            _ip("link", "add", veth, "type", "veth", "peer", "name", peer)
+            _ip("link", "set", veth, "master", bridge)
+            _ip("link", "set", veth, "up")
+            _ip("link", "set", peer, "netns", ns)
+            _ip("-n", ns, "link", "set", peer, "name", "eth0")
+            _ip("-n", ns, "addr", "add", f"{h.addr}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        # Every host knows every other by name (and back: reverse lookups work).
+        table = "127.0.0.1 localhost\n" + "".join(f"{h.addr} {h.name}\n" for h in net.hosts)
+        for h in net.hosts:
+            os.makedirs(f"/etc/netns/{h.ns}", exist_ok=True)
+            with open(f"/etc/netns/{h.ns}/hosts", "w") as f:
+                f.write(table)
+    except BaseException:
+        net.close()
+        raise
+    return net
+
+
+def netns_hosts_fixture(n: int) -> Iterator[NetHosts]:
+    """Body of a pytest fixture: ``n`` hosts, removed afterwards; skips with a reason."""
+    why = unavailable()
+    if why is not None:
+        print(f"skipping: {why}")
+        pytest.skip(why)
+    try:
+        net = make_hosts(n)
+    except subprocess.CalledProcessError as exc:
+        reason = f"cannot create network namespaces: {exc.stderr.decode(errors='replace')}"
+        print(f"skipping: {reason}")
+        pytest.skip(reason)
+    try:
+        yield net
+    finally:
+        net.close()
