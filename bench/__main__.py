@@ -22,7 +22,19 @@ from bench.report import PEERS, markdown, results_json
 from bench.runner import PeerRun, run_peer
 
 ORDER = ["zmq", "ours", "monarch", "ray", "ipp"]
-BENCHES = ["rtt", "calln", "bcast", "pipe", "tensor", "r2r", "ready", "cells", "fault", "ddp"]
+BENCHES = [
+    "rtt",
+    "calln",
+    "bcast",
+    "pipe",
+    "tensor",
+    "r2r",
+    "ready",
+    "cells",
+    "fault",
+    "ddp",
+    "xhost",
+]
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 

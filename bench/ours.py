@@ -1,7 +1,8 @@
 """monarch_kernel: the actor API (``from monarch_kernel.actor import ...``), local backend.
 
 Settings: defaults (local launcher, unix sockets in a private directory, HMAC-signed
-messages). Ranks are forked from the host agent's warm template, which imports torch once.
+messages). Ranks are forked from the host agent's warm template, which imports torch once. The
+cross-host rows use the ``join`` backend across network namespaces (bench/crosshost.py).
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ def run(s: Settings, rec: Recorder) -> None:
         from bench import faults
 
         faults.ours(s, rec)
+    if s.wants("xhost"):
+        from bench import crosshost
+
+        with rec.guard(*crosshost.ROWS):
+            crosshost.run(s, rec)
     if s.wants("ddp"):
         from bench import ddp
 

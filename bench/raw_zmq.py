@@ -26,10 +26,15 @@ from bench.common import (
 )
 
 
-def serve() -> None:
+def serve(addr: str = "127.0.0.1", curve_secret: bytes | None = None) -> None:
+    """Print the port, then answer commands until ``q``. ``curve_secret`` (Z85): be a
+    CURVE server with that key (no ZAP handler: any client key is admitted)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    if curve_secret is not None:
+        sock.curve_server = True
+        sock.curve_secretkey = curve_secret
+    port = sock.bind_to_random_port(f"tcp://{addr}")
     print(port, flush=True)
     count = 0
     while True:
@@ -166,4 +171,9 @@ def memcpy_rate(mib: int) -> float:
 
 
 if __name__ == "__main__":
-    serve()
+    # ``python -m bench.raw_zmq [ADDR]``; a CURVE secret key comes in $BENCH_CURVE_SECRET
+    # (bench/crosshost.py), never on the command line.
+    import os
+
+    secret = os.environ.get("BENCH_CURVE_SECRET")
+    serve(*sys.argv[1:2], curve_secret=secret.encode() if secret else None)

@@ -124,6 +124,22 @@ def rows(s: Settings) -> list[Row]:
         Row("ddp_torchrun_sps", "8. DDP steps/s, same script under torchrun", "steps/s", "higher")
     )
     out.append(Row("ddp_ratio", "8. DDP throughput, mesh ÷ torchrun", "x", "higher"))
+    out += [
+        Row("xhost_rtt", "9. call round trip, controller -> rank on another netns host", "us"),
+        Row("xhost_zmq_rtt", "9. raw ZeroMQ round trip over the same veth, plain", "us"),
+        Row("xhost_zmq_curve_rtt", "9. raw ZeroMQ round trip over the same veth, CURVE", "us"),
+        Row("xhost_rtt_ratio", "9. cross-host round trip, ours ÷ raw CURVE", "x"),
+        Row("xhost_r2r_64", "9. 64 MiB tensor rank -> rank across netns hosts", "MiB/s", "higher"),
+        Row("xhost_zmq_64", "9. raw ZeroMQ 64 MiB over the same veth, plain", "MiB/s", "higher"),
+        Row(
+            "xhost_zmq_curve_64",
+            "9. raw ZeroMQ 64 MiB over the same veth, CURVE",
+            "MiB/s",
+            "higher",
+        ),
+        Row("xhost_r2r_ratio", "9. cross-host 64 MiB, ours ÷ raw CURVE", "x", "higher"),
+        Row("xhost_r2r_plain_ratio", "9. cross-host 64 MiB, ours ÷ raw plain", "x", "higher"),
+    ]
     return out
 
 
@@ -382,6 +398,18 @@ def how_measured(s: Settings) -> list[str]:
         "process group is aborted). Restart: `procs.restart([1])` of a live rank: kill it, "
         "start it again, re-form the process group on all 4 (new rendezvous), re-create its "
         "actor.",
+        "9. Across machines (ours only, run as root): two emulated machines, Linux network "
+        "namespaces with a veth each into a bridge (`tests/netns.py`). Ours: a `join` mesh of "
+        "the 2 hosts × 1 rank, its host agents started in the namespaces with the commands the "
+        "launcher shows, the controller in the root namespace on the bridge address; every "
+        "control socket over tcp is CURVE. Round trip: `call_one().get()` of a no-op on host 0. "
+        "64 MiB: as in 4 (rank -> rank), the rank on host 0 `share()`s, the rank on host 1 "
+        "times `ref.get('tcp')`; that data-plane socket is not CURVE (signed requests, the "
+        "bytes in the clear), so ours ÷ raw plain is the like-for-like ratio there. Raw "
+        "ZeroMQ: `bench.raw_zmq`'s echo server in namespace host 0, a DEALER in the root "
+        "namespace: a 1-byte round trip, and one zero-copy 64 MiB send plus a tiny ack; CURVE: "
+        "`zmq.curve_keypair()` keys on both ends, no ZAP handler. Ratios come from the same "
+        "worker process, one after the other.",
     ]
     if big:
         lines[1] += (

@@ -1,0 +1,180 @@
+"""Cross-host rows ("xhost"): two emulated machines (Linux network namespaces joined by a
+bridge, ``tests/netns.py``), ours over the ``join`` backend against raw ZeroMQ over the same
+veths, plain and CURVE. Our control sockets over tcp are CURVE, so raw CURVE is the fair
+floor for the round trip; the rank -> rank data-plane socket is not CURVE (yet), so for the
+64 MiB row both ratios are recorded.
+
+Needs root (namespaces); otherwise every row says so. Everything created here is removed
+here: the namespace processes by PID and the namespaces, veths and bridge through
+:meth:`NetHosts.close`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+
+import zmq
+
+from bench.common import MiB, Recorder, Settings, median, sample, tensor_iters
+
+ROWS = [
+    "xhost_rtt",
+    "xhost_r2r_64",
+    "xhost_zmq_rtt",
+    "xhost_zmq_curve_rtt",
+    "xhost_zmq_64",
+    "xhost_zmq_curve_64",
+    "xhost_rtt_ratio",
+    "xhost_r2r_ratio",
+    "xhost_r2r_plain_ratio",
+]
+MIB = 64
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# tests/netns.py builds the emulated machines for the test suite; it is imported from
+# there (tests/ is not a package) rather than copied, so bench and tests share one builder.
+TESTS = os.path.join(REPO, "tests")
+COMMAND = re.compile(r"\s*host (\d+): python -m monarch_kernel\.host --join (\S+) --token (\S+)")
+
+
+def unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "n/a: needs root for network namespaces"
+    if TESTS not in sys.path:
+        sys.path.insert(0, TESTS)
+    from netns import unavailable as why
+
+    reason = why()
+    return f"n/a: {reason}" if reason else None
+
+
+def _env() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH", "")
+    return dict(os.environ, PYTHONPATH=REPO + (os.pathsep + path if path else ""))
+
+
+def run(s: Settings, rec: Recorder) -> None:
+    why = unavailable()
+    if why:
+        for key in ROWS:
+            rec.note(key, why)
+        return
+    from netns import make_hosts
+
+    net = make_hosts(2)
+    try:
+        with rec.guard("xhost_zmq_rtt", "xhost_zmq_64"):
+            raw(s, rec, net, curve=False)
+        with rec.guard("xhost_zmq_curve_rtt", "xhost_zmq_curve_64"):
+            raw(s, rec, net, curve=True)
+        with rec.guard("xhost_rtt", "xhost_r2r_64"):
+            ours(s, rec, net)
+        for mine, floor, key in (
+            ("xhost_rtt", "xhost_zmq_curve_rtt", "xhost_rtt_ratio"),
+            ("xhost_r2r_64", "xhost_zmq_curve_64", "xhost_r2r_ratio"),
+            ("xhost_r2r_64", "xhost_zmq_64", "xhost_r2r_plain_ratio"),
+        ):
+            a, b = rec.data.get(mine, {}), rec.data.get(floor, {})
+            if "value" in a and "value" in b and b["value"] > 0:
+                rec.value(key, a["value"] / b["value"])
+    finally:
+        net.close()
+
+
+def raw(s: Settings, rec: Recorder, net, curve: bool) -> None:
+    """``bench.raw_zmq``'s echo server on namespace host 0, a DEALER in this (root)
+    namespace connecting over the bridge and host 0's veth."""
+    from bench.raw_zmq import one_way_rate
+
+    env = _env()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve:
+        public, secret = zmq.curve_keypair()
+        env["BENCH_CURVE_SECRET"] = secret.decode()
+        sock.curve_serverkey = public
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    host = net.hosts[0]
+    proc = net.popen(
+        0,
+        [sys.executable, "-m", "bench.raw_zmq", host.addr],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+    )
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        sock.connect(f"tcp://{host.addr}:{port}")
+
+        def ping() -> None:
+            sock.send(b"p")
+            sock.recv()
+
+        tag = "xhost_zmq_curve" if curve else "xhost_zmq"
+        rec.value(f"{tag}_rtt", median(sample(ping, s.rtt_iters, s.warmup, s.loop_budget_s)))
+        rec.value(f"{tag}_{MIB}", one_way_rate(sock, MIB))
+        sock.send(b"q")
+        proc.wait(5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        ctx.destroy(linger=0)
+
+
+class Joiner:
+    """Runs the join command the launcher shows for each host, on that namespace host."""
+
+    def __init__(self, net):
+        self.net = net
+        self.lock = threading.Lock()
+
+    def progress(self, text: str) -> None:
+        for line in text.splitlines():
+            m = COMMAND.match(line)
+            if m:
+                host, url, token = int(m.group(1)), m.group(2), m.group(3)
+                cmd = [sys.executable, "-m", "monarch_kernel.host", "--join", url]
+                with self.lock:  # NetHosts.popen appends to a shared list
+                    self.net.popen(
+                        host,
+                        [*cmd, "--token", token],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                        env=_env(),
+                        cwd=REPO,
+                    )
+
+
+def ours(s: Settings, rec: Recorder, net) -> None:
+    """A join mesh of the two namespace hosts × 1 rank, the controller (this process) in
+    the root namespace on the bridge address."""
+    from bench.ours import Bench
+    from bench.r2r import Holder
+    from monarch_kernel.actor import host_mesh
+
+    mesh = host_mesh(hosts=2, backend="join", bind=net.gateway, on_progress=Joiner(net).progress)
+    procs = mesh.spawn_procs({"gpus": 1}, timeout=90)
+    try:
+        one = procs.spawn("bench", Bench).slice(hosts=0, gpus=0)
+        xs = sample(lambda: one.ping.call_one().get(), s.rtt_iters, s.warmup, s.loop_budget_s)
+        rec.value("xhost_rtt", median(xs))
+
+        holders = procs.spawn("holders", Holder)
+        owner, reader = holders.slice(hosts=0, gpus=0), holders.slice(hosts=1, gpus=0)
+        iters, warm = tensor_iters(MIB)
+        took = []
+        for i in range(iters + warm):
+            ref, _ = owner.share_fresh.call_one(MIB).get()
+            t = reader.pull_timed.call_one(ref, "tcp").get(timeout=60)
+            if i >= warm:
+                took.append(t)
+        rec.value(f"xhost_r2r_{MIB}", MIB * MiB / median(took) / MiB)
+    finally:
+        procs.stop()
+        procs.runtime.launcher.shutdown()
