@@ -7,6 +7,7 @@ Every tcp socket is CURVE; only keys handed out through a join are admitted.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -331,6 +332,86 @@ def test_outsider_namespace_gets_nothing(joined, net):
     assert proc.returncode == 0 and "received 0" in out, out
     assert curve.refused >= before + 3
     assert len(procs.spawn("after2", Probe).info.call().get(timeout=30)) == 6
+
+
+IMPOSTOR = """
+import json, sys, time, zmq
+from monarch_kernel.launchers.base import ident_tag
+from monarch_kernel.wire import Codec
+from monarch_kernel.wire import kinds as K
+cfg = json.loads(sys.stdin.read())
+ctx = zmq.Context()
+own = ident_tag(cfg["curve_secret"])  # what host 1's key lets it compute
+socks = []
+for ident in (b"r0", b"c0", b"h0", b"r0" + own, b"c0" + own, b"h0" + own):
+    for addr in (cfg["send"], cfg["recv"]):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, ident)
+        s.setsockopt(zmq.LINGER, 1000)
+        s.setsockopt(zmq.CURVE_SERVERKEY, cfg["curve_server"].encode())
+        s.setsockopt(zmq.CURVE_PUBLICKEY, cfg["curve_public"].encode())
+        s.setsockopt(zmq.CURVE_SECRETKEY, cfg["curve_secret"].encode())
+        s.connect(addr)
+        socks.append((ident, addr, s))
+codec = Codec(bytes.fromhex(cfg["key"]))  # a host holds the mesh key: signatures pass
+time.sleep(1)
+for ident, addr, s in socks:
+    if addr == cfg["recv"]:
+        s.send_multipart(codec.encode({"k": K.HEARTBEAT, "h": 0}))
+        s.send_multipart(codec.encode({"k": K.RANK_STARTED, "r": 0, "pid": 1}))
+print("ready", flush=True)
+sys.stdin.close()
+got = []
+deadline = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < deadline:
+    for ident, addr, s in socks:
+        if s.poll(0):
+            s.recv_multipart()
+            got.append(ident.decode(errors="replace"))
+    time.sleep(0.01)
+print("received", len(got), got, flush=True)
+"""
+
+
+def test_other_hosts_key_cannot_take_a_ranks_identity(joined, net):
+    """From a joined machine (host 1's key and the mesh key): DEALERs claiming rank 0's
+    and host 0's routing ids (bare, or with the tag host 1's key gives) get nothing meant
+    for them while rank 0 keeps answering calls; signed messages they send claiming host
+    0 or rank 0 are dropped and counted."""
+    import subprocess
+
+    procs, _ = joined
+    rt = procs.runtime
+    host = next(h for h in range(3) if rt.ranks[0].host != h)  # a host without rank 0
+    pid0 = rt.ranks[0].pid
+    cfg = dict(rt.launcher._latest[(rt.name, host)].cfg.to_json())
+    cfg["send"], cfg["recv"] = (
+        a.replace("0.0.0.0", net.gateway) for a in (rt.transport.send_addr, rt.transport.recv_addr)
+    )
+    before = rt.transport.impostors
+    proc = net.popen(
+        host,
+        [sys.executable, "-c", IMPOSTOR, "4"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=_agent_env(),
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps(cfg).encode())
+    proc.stdin.close()
+    assert b"ready" in proc.stdout.readline()
+    # While the impostor listens: calls to rank 0 (main thread and control) still work.
+    for i in range(3):
+        assert len(procs.spawn(f"imp{i}", Probe).info.call().get(timeout=30)) == 6
+    out = proc.stdout.read().decode()
+    assert proc.wait(timeout=30) == 0 and "received 0" in out, out
+    deadline = time.monotonic() + 5
+    while rt.transport.impostors < before + 12 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rt.transport.impostors >= before + 12  # 6 borrowed identities x 2 messages
+    assert rt.ranks[0].pid == pid0  # the forged RANK_STARTED for rank 0 was not taken
+    assert len(procs.ping().get(timeout=10)) == 6
 
 
 def test_tokens_are_single_use_and_checked(net):

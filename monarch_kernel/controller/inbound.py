@@ -71,7 +71,15 @@ class Inbound:
         }
 
     def handle(self, frames: list[zmq.Frame]) -> None:
-        """Verify, decode and dispatch one message ``[identity, *wire frames]``."""
+        """Verify, decode and dispatch one message ``[identity, *wire frames]``.
+
+        On a CURVE mesh the connection's key (ZAP user id) must be the key of the host
+        that the routing id, and the header's sender rank or host, belong to: a peer
+        of one host posing as another is dropped (before decoding) and counted."""
+        transport = self._mesh.transport
+        origin = transport.sender_host(frames)
+        if origin is None:
+            return
         try:
             msg = self._codec.decode(frames[1:])
         except WireError as exc:
@@ -81,6 +89,9 @@ class Inbound:
             return
         h = msg.header
         sender = h.get("r")
+        if origin >= 0 and not self._from_host(origin, sender, h.get("h")):
+            transport.impostor(f"header (rank {sender!r}, host {h.get('h')!r})")
+            return
         if sender is not None and 0 <= sender < self._world:
             self._ranks[sender].bytes_in += msg.nbytes
         handler = self._handlers.get(h["k"])
@@ -88,6 +99,14 @@ class Inbound:
             log.warning("mesh %s: unknown message kind %r", self._mesh.name, h["k"])
             return
         handler(h, msg)
+
+    def _from_host(self, host: int, rank: object, claimed: object) -> bool:
+        """Whether the header's sender rank and host (where present) are on ``host``."""
+        if rank is not None and not (
+            isinstance(rank, int) and 0 <= rank < self._world and self._ranks[rank].host == host
+        ):
+            return False
+        return claimed is None or claimed == host
 
     # -- requests ------------------------------------------------------------------------
     def _on_result(self, h: Header, msg: Message) -> None:
@@ -148,7 +167,8 @@ class Inbound:
             # Declared dead while it started (too late): it must not run unsupervised.
             mesh.kill_ranks([info.rank])
             return
-        mesh.transport.probe([b"r%d" % info.rank, b"c%d" % info.rank])
+        t = mesh.transport
+        t.probe([t.rank_id(info.rank), t.rank_id(info.rank, b"c")])
         info.pid, info.hostname, info.device = h["pid"], h["host"], h["dev"]
         info.last_seen = time.monotonic()
         mesh.requests.set_state(info, RankState.IDLE)
@@ -175,7 +195,7 @@ class Inbound:
         host = mesh.hosts[h["h"]]
         host.pid, host.hostname = h["pid"], h["host"]
         host.addr, host.port = h["addr"], h["port"]
-        mesh.transport.probe([b"h%d" % host.index])
+        mesh.transport.probe([mesh.transport.host_id(host.index)])
         host.ready = True
         host.last_seen = time.monotonic()
         mesh.notify()

@@ -25,8 +25,6 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-import zmq
-
 from monarch_kernel.controller.errors import (
     MeshStartError,
     MeshStoppedError,
@@ -147,7 +145,6 @@ class MeshRuntime:
         self._recover_lock = threading.Lock()
         self._recovery_thread: int | None = None
         self._ports: dict[str, int] = {}
-        self._client_keys: dict[int, bytes] = {}
         self.events = EventBus()
         self.output = StreamRouter(self.events)
         self.logs = RankLogs(self.events, name, self.run_id)
@@ -237,17 +234,9 @@ class MeshRuntime:
         if self.advertise and send.startswith("tcp://"):
             send = f"tcp://{self.advertise}:{send.rsplit(':', 1)[1]}"
             recv = f"tcp://{self.advertise}:{recv.rsplit(':', 1)[1]}"
-        curve: tuple[str, str, str] = ("", "", "")
-        if t.curve is not None:
-            # One client keypair per host agent (its ranks use it too); a relaunched
-            # host gets a new one and the old one is no longer admitted.
-            public, secret = zmq.curve_keypair()
-            old = self._client_keys.get(h)
-            if old is not None:
-                t.curve.allowed.discard(old)
-            self._client_keys[h] = public
-            t.curve.allowed.add(public)
-            curve = (t.curve.public.decode(), public.decode(), secret.decode())
+        # One client keypair per host agent (its ranks use it too); a relaunched host
+        # gets a new one and the old one is no longer admitted.
+        curve = t.admit_host(h)
         return HostConfig(h, self.key.hex(), send, recv, silence, self.name, *curve)
 
     def _spawn_ranks(self, ranks: list[RankInfo]) -> None:

@@ -43,7 +43,7 @@ import zmq
 from monarch_kernel.controller.errors import MeshStartError, MeshStoppedError, MonarchError
 from monarch_kernel.controller.records import RankInfo
 from monarch_kernel.controller.sigint import DeferSigint
-from monarch_kernel.launchers.base import Curve, bind_port, curve_server, zap
+from monarch_kernel.launchers.base import Curve, bind_port, curve_server, ident_tag, zap
 from monarch_kernel.wire import Codec
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
@@ -105,6 +105,15 @@ class Transport:
         #: The mesh's CURVE keys when it listens on tcp (None on unix sockets).
         self.curve: Curve | None = None
         self._zap_domain = f"mk-{name}-{id(self):x}"
+        #: Per host: the suffix of its routing ids (:func:`ident_tag` of its CURVE secret;
+        #: empty on unix sockets), and the host each admitted client key (z85, the ZAP
+        #: user id) was handed to.
+        self._tags: dict[int, bytes] = {}
+        self._key_host: dict[str, int] = {}
+        #: Messages dropped because the authenticated key (ZAP user id) was not the key of
+        #: the host their routing id or header claims (a peer posing as another host).
+        self.impostors = 0
+        self._impostor_logged = False
         if self._ipc_dir is None:
             self.curve = Curve.new()
             for sock in (self.send_sock, self.recv_sock):
@@ -137,16 +146,78 @@ class Transport:
         self._room = threading.Condition()
         self._closed = False
 
+    # -- identities --------------------------------------------------------------------
+    def admit_host(self, host: int) -> tuple[str, str, str]:
+        """A fresh CURVE client keypair for host agent ``host`` (its ranks use it too),
+        admitted by the ZAP handler; a previous one of that host is no longer admitted.
+        Returns ``(server public, client public, client secret)`` (z85), or empty
+        strings on unix sockets."""
+        if self.curve is None:
+            return ("", "", "")
+        public, secret = zmq.curve_keypair()
+        for key, h in list(self._key_host.items()):
+            if h == host:
+                del self._key_host[key]
+                self.curve.allowed.discard(key.encode())
+        self._key_host[public.decode()] = host
+        self._tags[host] = ident_tag(secret)
+        self.curve.allowed.add(public)
+        return (self.curve.public.decode(), public.decode(), secret.decode())
+
+    def host_id(self, host: int) -> bytes:
+        """Routing id of host agent ``host`` (``h<H>`` + its host's tag)."""
+        return b"h%d" % host + self._tags.get(host, b"")
+
+    def rank_id(self, rank: int, kind: bytes = b"r") -> bytes:
+        """Routing id of ``rank``'s inbox (``r``) or control socket (``c``)."""
+        return kind + b"%d" % rank + self._tags.get(self._ranks[rank].host, b"")
+
+    def sender_host(self, frames: list[zmq.Frame]) -> int | None:
+        """On a CURVE mesh, the host whose key authenticated the connection a message
+        ``[identity, *frames]`` came on, if its routing id belongs to that host; None
+        (the message is counted in :attr:`impostors` and must be dropped) otherwise.
+        -1 on unix sockets (nothing to check: the user only)."""
+        if self.curve is None:
+            return -1
+        ident = frames[0].bytes
+        user = frames[-1].get("User-Id") if len(frames) > 1 else None
+        host = self._key_host.get(user) if isinstance(user, str) else None
+        if host is not None and ident in (self.host_id(host), *self._rank_ids(ident, host)):
+            return host
+        self.impostor(f"routing id {ident[:40]!r} on a connection of host {host}")
+        return None
+
+    def _rank_ids(self, ident: bytes, host: int) -> tuple[bytes, ...]:
+        kind, rest = ident[:1], ident[1:].partition(b".")[0]
+        if kind not in (b"r", b"c") or not rest.isdigit():
+            return ()
+        rank = int(rest)
+        if not 0 <= rank < len(self._ranks) or self._ranks[rank].host != host:
+            return ()
+        return (self.rank_id(rank, kind),)
+
+    def impostor(self, what: str) -> None:
+        """Count a message dropped because it claims another host's identity."""
+        self.impostors += 1
+        if not self._impostor_logged:
+            self._impostor_logged = True
+            log.warning(
+                "mesh %s dropped a message whose %s does not belong to its CURVE key "
+                "(counted in impostors; logged once)",
+                self.name,
+                what,
+            )
+
     # -- sending -----------------------------------------------------------------------
     def send_host(self, host: int, header: Header, payload: bytes = b"") -> None:
         """Send to host agent ``host`` (lost messages to a gone agent are dropped)."""
         frames = self.codec.encode(header, payload)
         with self.send_lock, DeferSigint():
-            self._deliver(b"h%d" % host, frames, len(payload))
+            self._deliver(self.host_id(host), frames, len(payload))
 
     def heartbeat(self, host: int) -> None:
         """A heartbeat to host agent ``host``, unless it has not read what was sent."""
-        ident = b"h%d" % host
+        ident = self.host_id(host)
         with self.send_lock:
             if ident not in self._backlog:
                 self._deliver(ident, self.codec.encode({"k": K.HEARTBEAT}), 0)
@@ -166,7 +237,7 @@ class Transport:
                 header["q"] = self.next_seq[r]
                 self.next_seq[r] += 1
                 size = len(payload) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0)
-                self._deliver(b"r%d" % r, self.codec.encode(header, payload, buffers), size)
+                self._deliver(self.rank_id(r), self.codec.encode(header, payload, buffers), size)
                 self._ranks[r].bytes_out += size
                 return
             size = len(payload) + sum(memoryview(b).nbytes for b in buffers)
@@ -178,11 +249,11 @@ class Transport:
             for host, group in by_host.items():
                 if len(group) > 1 and (size >= FANOUT_MIN_BYTES or len(group) >= FANOUT_MIN_RANKS):
                     h = dict(header, d=group, f=1, q=[self._take_seq(r) for r in group])
-                    self._deliver(b"h%d" % host, self.codec.encode(h, payload, buffers), size)
+                    self._deliver(self.host_id(host), self.codec.encode(h, payload, buffers), size)
                 else:
                     for r in group:
                         h = dict(header, q=self._take_seq(r))
-                        self._deliver(b"r%d" % r, self.codec.encode(h, payload, buffers), size)
+                        self._deliver(self.rank_id(r), self.codec.encode(h, payload, buffers), size)
 
     def _take_seq(self, r: int) -> int:
         q = self.next_seq[r]
@@ -194,14 +265,14 @@ class Transport:
         previous incarnation is dropped."""
         with self.send_lock:
             self.next_seq[rank] = 0
-            self._drop(b"r%d" % rank)
-            self._drop(b"c%d" % rank)
+            self._drop(self.rank_id(rank))
+            self._drop(self.rank_id(rank, b"c"))
 
     def send_control(self, rank: int, header: Header, payload: bytes = b"") -> None:
         """Send to a rank's control thread (served even while its main thread is busy)."""
         frames = self.codec.encode(header, payload)
         with self.send_lock, DeferSigint():
-            self._deliver(b"c%d" % rank, frames, len(payload))
+            self._deliver(self.rank_id(rank, b"c"), frames, len(payload))
 
     # -- flow control --------------------------------------------------------------------
     def _deliver(self, ident: bytes, frames: list[Any], size: int) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 import zmq.utils.z85
 
+from monarch_kernel.launchers.base import ident_tag
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import limit_size
@@ -143,7 +144,9 @@ class HostAgent:
         self.codec = Codec(bytes.fromhex(cfg["key"]))
         self.hb_timeout = float(cfg.get("hb_timeout", 10.0))
         self.ctx = zmq.Context()
-        ident = f"h{self.host}".encode()
+        #: Suffix of our ranks' routing ids and ours (launchers.base.ident_tag).
+        self.tag = ident_tag(cfg.get("curve_secret", ""))
+        ident = b"h%d" % self.host + self.tag
         self.inbox = self.ctx.socket(zmq.DEALER)
         self.inbox.setsockopt(zmq.IDENTITY, ident)
         limit_size(self.inbox)  # ZMQ_MAXMSGSIZE: no frame above it is allocated
@@ -258,7 +261,7 @@ class HostAgent:
         hello = self.codec.encode({"k": K.HELLO})
         for r in list(self.greeted):
             try:
-                self.fan.send_multipart([b"r%d" % r, *hello], flags=zmq.NOBLOCK)
+                self.fan.send_multipart([b"r%d" % r + self.tag, *hello], flags=zmq.NOBLOCK)
             except zmq.ZMQError:  # its inbox has not connected yet (or is full)
                 continue
             self.greeted.discard(r)
@@ -269,7 +272,9 @@ class HostAgent:
         queue = self.backlog.get(rank)
         if queue is None:
             try:
-                self.fan.send_multipart([b"r%d" % rank, *frames], copy=False, flags=zmq.NOBLOCK)
+                self.fan.send_multipart(
+                    [b"r%d" % rank + self.tag, *frames], copy=False, flags=zmq.NOBLOCK
+                )
                 return
             except zmq.Again:  # its inbox is full: it is busy
                 queue = self.backlog[rank] = deque()
@@ -285,7 +290,7 @@ class HostAgent:
             while queue:
                 try:
                     self.fan.send_multipart(
-                        [b"r%d" % rank, *queue[0]], copy=False, flags=zmq.NOBLOCK
+                        [b"r%d" % rank + self.tag, *queue[0]], copy=False, flags=zmq.NOBLOCK
                     )
                 except zmq.Again:
                     break

@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from monarch_kernel.launchers.base import ident_tag
 from monarch_kernel.rank import capture, context, env
 from monarch_kernel.rank.errors import exception_report
 from monarch_kernel.shape import Point
@@ -60,11 +61,14 @@ class Rank:
         self.log_fd = log_fd
         self.codec = Codec(bytes.fromhex(cfg["key"]))
         self.ctx = zmq.Context()
-        ident = f"r{self.rank}".encode()
+        # Routing ids carry a tag only this host's key holders can compute (see
+        # launchers.base.ident_tag): another host's peer cannot take them over.
+        tag = ident_tag(cfg.get("curve_secret", ""))
+        ident = b"r%d" % self.rank + tag
         self.inbox = self._dealer(ident, cfg["send"])
         self._connect(self.inbox, cfg["fanout"])
         self.out = self._dealer(ident, cfg["recv"])
-        self.ctl = self._dealer(f"c{self.rank}".encode(), cfg["send"])
+        self.ctl = self._dealer(b"c%d" % self.rank + tag, cfg["send"])
         self.out_lock = threading.Lock()
         self.actors: dict[str, Any] = {}
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
