@@ -336,7 +336,7 @@ def test_outsider_namespace_gets_nothing(joined, net):
 
 IMPOSTOR = """
 import json, sys, time, zmq
-from monarch_kernel.launchers.base import ident_tag
+from monarch_kernel.wire.identity import ident_tag
 from monarch_kernel.wire import Codec
 from monarch_kernel.wire import kinds as K
 cfg = json.loads(sys.stdin.read())

@@ -765,9 +765,7 @@ class MeshRuntime:
         deadline = time.monotonic() + timeout + grace
         for host in self.hosts:
             if host.handle is not None:
-                # An agent that never said it was ready cannot have heard the stop.
-                wait = deadline - time.monotonic() if host.ready else 0.0
-                host.handle.wait_or_kill(max(0.5 if host.ready else 0.0, wait))
+                host.handle.wait_or_kill(max(0.5, deadline - time.monotonic()))
         for info in self.ranks:  # each rank's end is told, with the requests it fails
             if info.alive:
                 self.supervisor.rank_died(info, {"reason": "the mesh was stopped", "expected": 1})

@@ -27,11 +27,11 @@ from typing import Any
 import zmq
 import zmq.utils.z85
 
-from monarch_kernel.launchers.base import ident_tag
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import send as wire_send
+from monarch_kernel.wire.identity import ident_tag
 from monarch_kernel.wire.osutil import die_with_parent, request_tail
 
 log = logging.getLogger("monarch_kernel.host")

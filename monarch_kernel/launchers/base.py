@@ -8,7 +8,6 @@ The controller talks to launchers only through these protocols.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -146,17 +145,6 @@ def zap(domain: str, provider: Any) -> None:
             _authenticator.credentials_providers.pop(domain, None)
         else:
             _authenticator.configure_curve_callback(domain, credentials_provider=provider)
-
-
-def ident_tag(curve_secret: str | bytes) -> bytes:
-    """The suffix of every routing id (``r3`` + tag) a host agent and its ranks use on
-    a CURVE mesh: derived from that host's CURVE secret key, which only the host and the
-    controller (that made it) know, so no peer of another host can claim these ids.
-    Empty without CURVE (unix sockets: the user only)."""
-    if not curve_secret:
-        return b""
-    raw = curve_secret.encode() if isinstance(curve_secret, str) else curve_secret
-    return b"." + hashlib.blake2s(raw, digest_size=12, person=b"mk-ident").hexdigest().encode()
 
 
 def curve_server(sock: zmq.Socket[bytes], curve: Curve | Any, domain: str) -> None:

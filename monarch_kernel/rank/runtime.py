@@ -29,7 +29,6 @@ from typing import Any
 
 import zmq
 
-from monarch_kernel.launchers.base import ident_tag
 from monarch_kernel.rank import capture, context, env
 from monarch_kernel.rank.errors import exception_report
 from monarch_kernel.shape import Point
@@ -38,6 +37,7 @@ from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.codec import send as wire_send
+from monarch_kernel.wire.identity import ident_tag
 from monarch_kernel.wire.osutil import REQUEST_END, REQUEST_START, die_with_parent
 from monarch_kernel.wire.serialize import What
 
