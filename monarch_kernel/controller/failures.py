@@ -16,16 +16,20 @@ step only if the previous one was not enough:
 Under the ``continue`` policy none of this happens: the request fails after the grace
 and the others run on (inspect them with ``%mesh stacks``).
 
-The request then fails with one error that names the root cause (the first failure)
-and says what was done to the others (:meth:`Incident.summary`, which the request's
-observer appends). Finally the mesh's :class:`~.records.FailurePolicy` is applied:
-``restart`` restarts dead ranks and re-forms the mesh in the background (new requests
-wait for it), ``stop`` stops the mesh. Deaths outside any request get the same policy.
+The request then fails with one error that names the root cause (the failure the
+others waited for; a death wins over its peers' connection errors) and says what was
+done to the others (:meth:`Incident.summary`, which the request's observer appends).
+Finally the mesh's :class:`~.records.FailurePolicy` is applied: ``restart`` restarts
+dead ranks and re-forms the mesh in the background (new requests wait for it), at most
+``MAX_RESTARTS`` times per rank in ``RESTART_WINDOW``; ``stop`` stops the mesh. Deaths
+outside any request get the same policy. A request a person interrupted is not a fault:
+its release may re-form the mesh, never stop it. The controller's own requests (while it
+re-forms a mesh) get no incident.
 
 Invariants: at most one incident per request; the release steps run on the incident's
 own thread and change the request table only through ``Receiver.post`` (the receiving
 thread owns it); recovery runs on one thread at a time and coalesces deaths that
-arrive while it runs.
+arrive while it runs; nothing acts while the mesh starts or stops.
 """
 
 from __future__ import annotations
