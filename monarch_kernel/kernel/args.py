@@ -7,6 +7,8 @@ from typing import NoReturn
 
 from IPython.core.error import UsageError
 
+from monarch_kernel.controller.failures import DEFAULT_GRACE
+from monarch_kernel.controller.records import FailurePolicy
 from monarch_kernel.kernel.output import MODES
 
 
@@ -38,11 +40,15 @@ def mesh_parser() -> Parser:
     p.add_argument("--env", action="append", default=[], metavar="K=V")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--dist", action="store_true", help="init_process_group on every rank")
-    p.add_argument("--on-failure", default="restart", choices=("restart", "stop", "continue"))
+    p.add_argument(
+        "--on-failure",
+        default=FailurePolicy.RESTART.value,
+        choices=[policy.value for policy in FailurePolicy],
+    )
     p.add_argument(
         "--grace",
         type=float,
-        default=1.0,
+        default=DEFAULT_GRACE,
         help="seconds before survivors of a failure are released",
     )
     p.add_argument("--force", action="store_true", help="replace a notebook variable of that name")

@@ -210,12 +210,7 @@ class MeshMagics(Magics):
             raise UsageError(
                 f"mesh {opts.name!r} is stopped; create it again with %mesh {opts.name} --gpus N"
             )
-        ranks = None
-        if opts.ranks is not None:
-            try:
-                ranks = parse_ranks(opts.ranks, len(mesh))
-            except SliceError as exc:
-                raise UsageError(str(exc)) from None
+        ranks = _ranks_option(opts.ranks, len(mesh))
         try:
             report = mesh.restart(ranks)
         except MeshStartError as exc:
@@ -233,12 +228,7 @@ class MeshMagics(Magics):
         mesh = self._existing(opts.name)
         if mesh.stopped:
             raise UsageError(f"mesh {opts.name!r} is stopped; there are no stacks to show")
-        ranks = None
-        if opts.ranks is not None:
-            try:
-                ranks = parse_ranks(opts.ranks, len(mesh))
-            except SliceError as exc:
-                raise UsageError(str(exc)) from None
+        ranks = _ranks_option(opts.ranks, len(mesh))
         from monarch_kernel.widgets.stacks_view import mesh_stacks  # ipywidgets: late
 
         return mesh_stacks(mesh.runtime, ranks, opts.timeout)
@@ -360,11 +350,8 @@ class MeshMagics(Magics):
                 "%%remote --setup runs on the whole mesh, in the foreground (it is re-run on "
                 "restarted ranks); drop --ranks/--bg or the slice"
             )
-        if opts.ranks is not None:
-            try:
-                picked = parse_ranks(opts.ranks, len(ranks))
-            except SliceError as exc:
-                raise UsageError(str(exc)) from None
+        picked = _ranks_option(opts.ranks, len(ranks))
+        if picked is not None:
             procs, ranks, shape = _select(procs, picked)
         if not cell.strip():
             return None
@@ -535,6 +522,17 @@ def _interrupt_once() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _ranks_option(spec: str | None, size: int) -> list[int] | None:
+    """A ``--ranks`` value as flat positions ``< size`` (None when not given); a bad one is
+    a one-line UsageError."""
+    if spec is None:
+        return None
+    try:
+        return parse_ranks(spec, size)
+    except SliceError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _select(procs: ProcMesh, picked: list[int]) -> tuple[ProcMesh, list[int], Shape]:
