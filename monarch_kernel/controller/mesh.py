@@ -237,7 +237,9 @@ class MeshRuntime:
         # One client keypair per host agent (its ranks use it too); a relaunched host
         # gets a new one and the old one is no longer admitted.
         curve = t.admit_host(h)
-        return HostConfig(h, self.key.hex(), send, recv, silence, self.name, *curve)
+        return HostConfig(
+            h, self.key.hex(), send, recv, silence, self.name, *curve, ranks=self.per_host
+        )
 
     def _spawn_ranks(self, ranks: list[RankInfo]) -> None:
         specs = []

@@ -559,8 +559,14 @@ def _parse_args(argv: list[str]) -> tuple[str | None, str | None]:
         "--join it joins a mesh of the join backend.",
     )
     p.add_argument("--join", metavar="tcp://ADDR:PORT", help="the controller's join endpoint")
-    p.add_argument("--token", help="the single-use credential the notebook shows")
+    p.add_argument(
+        "--token",
+        help="the single-use credential the notebook shows (default: "
+        "$MONARCH_KERNEL_JOIN_TOKEN, which keeps it off the command line)",
+    )
     opts = p.parse_args(argv)
+    if opts.join and not opts.token:
+        opts.token = os.environ.pop("MONARCH_KERNEL_JOIN_TOKEN", None)
     if bool(opts.join) != bool(opts.token):
         p.error("--join and --token go together")
     return opts.join, opts.token
@@ -578,8 +584,10 @@ def _read_config() -> dict[str, Any]:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="[monarch host] %(message)s")
     url, token = _parse_args(sys.argv[1:])
-    parent = None if url else os.environ.get("MONARCH_KERNEL_PARENT_PID")
-    if not url:  # a joined agent outlives the shell that started it (heartbeats end it)
+    # A joined agent outlives the shell that started it (heartbeats end it), unless the
+    # engine that started it asks it to die with it (a Ray actor, a Slurm step).
+    parent = os.environ.get("MONARCH_KERNEL_PARENT_PID")
+    if not url or parent:
         die_with_parent(signal.SIGTERM, int(parent) if parent else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -23,6 +23,11 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message or self.format_usage())
 
 
+#: ``%mesh`` options handed to the backend's launcher (each backend refuses the ones it
+#: does not take, naming them).
+ENGINE_OPTIONS = ("bind", "advertise", "address", "partition", "time", "account", "machine")
+
+
 def mesh_parser() -> Parser:
     """``%mesh NAME --gpus N ...``."""
     p = Parser(prog="%mesh", add_help=False)
@@ -36,6 +41,13 @@ def mesh_parser() -> Parser:
         default=None,
         help="join backend: address the hosts connect to (default: this machine's address "
         "on its default route)",
+    )
+    p.add_argument("--address", default=None, help="ray backend: the cluster (default: auto)")
+    p.add_argument("--partition", default=None, help="slurm backend: partition to allocate in")
+    p.add_argument("--time", default=None, help="slurm backend: time limit of the allocation")
+    p.add_argument("--account", default=None, help="slurm backend: account to charge")
+    p.add_argument(
+        "--machine", default=None, help="lightning backend: machine type (e.g. H100_X_8)"
     )
     p.add_argument("--env", action="append", default=[], metavar="K=V")
     p.add_argument("--timeout", type=float, default=120.0)

@@ -26,7 +26,13 @@ from monarch_kernel.controller.errors import ActorError, MeshStartError
 from monarch_kernel.controller.mesh import MeshRuntime
 from monarch_kernel.controller.records import MeshPhase, SetupCell
 from monarch_kernel.controller.registry import registry
-from monarch_kernel.kernel.args import Parser, mesh_parser, remote_parser, split_args
+from monarch_kernel.kernel.args import (
+    ENGINE_OPTIONS,
+    Parser,
+    mesh_parser,
+    remote_parser,
+    split_args,
+)
 from monarch_kernel.kernel.channel import CellChannel, LiveText
 from monarch_kernel.kernel.hints import (
     REMOTE_ERRORS,
@@ -267,7 +273,7 @@ class MeshMagics(Magics):
                 show(old)
                 return None
         try:
-            options = {k: v for k in ("bind", "advertise") if (v := getattr(opts, k))}
+            options = {k: v for k in ENGINE_OPTIONS if (v := getattr(opts, k))}
             # join: the one-line command per host and "2/4 hosts joined" print here
             hosts = host_mesh(hosts=opts.hosts, backend=opts.backend, **options)
             # before the mesh of this name is replaced: a refused one leaves it running

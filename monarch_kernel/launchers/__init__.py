@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from monarch_kernel.launchers.base import HostConfig, HostHandle, Launcher
 
-BACKENDS = ("local", "join")
+BACKENDS = ("local", "join", "ray", "slurm", "lightning")
 
 __all__ = ["BACKENDS", "HostConfig", "HostHandle", "Launcher", "get_launcher"]
 
@@ -26,4 +26,16 @@ def get_launcher(backend: str, **options: object) -> Launcher:
         from monarch_kernel.launchers.join import JoinLauncher
 
         return JoinLauncher(**options)  # type: ignore[arg-type]
+    if backend == "ray":
+        from monarch_kernel.launchers.ray_engine import RayLauncher
+
+        return RayLauncher(**options)  # type: ignore[arg-type]
+    if backend == "slurm":
+        from monarch_kernel.launchers.slurm_engine import SlurmLauncher
+
+        return SlurmLauncher(**options)  # type: ignore[arg-type]
+    if backend == "lightning":
+        from monarch_kernel.launchers.lightning_engine import LightningLauncher
+
+        return LightningLauncher(**options)  # type: ignore[arg-type]
     raise ValueError(f"unknown backend {backend!r}; available backends: {', '.join(BACKENDS)}")

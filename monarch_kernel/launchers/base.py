@@ -35,6 +35,8 @@ class HostConfig:
     curve_server: str = ""
     curve_public: str = ""
     curve_secret: str = ""
+    #: Ranks this host will run (engines reserve as many GPUs on the machine).
+    ranks: int = 1
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)

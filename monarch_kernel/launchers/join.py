@@ -69,6 +69,11 @@ def default_advertise() -> str:
     )
 
 
+#: Environment variable that carries a join token instead of ``--token`` (engines pass
+#: it this way so it is on no command line).
+TOKEN_ENV = "MONARCH_KERNEL_JOIN_TOKEN"
+
+
 @dataclass
 class _Slot:
     cfg: HostConfig
@@ -76,6 +81,11 @@ class _Slot:
     expires: float
     joined_from: str | None = None
     used: bool = False
+    #: The secret of the group token that may claim this slot (engines that run one
+    #: command on every machine), else None.
+    group: str | None = None
+    #: Whether its command was shown to the user (else an engine runs it).
+    shown: bool = False
 
 
 class JoinHost:
@@ -96,7 +106,19 @@ class JoinHost:
 
     @property
     def joined(self) -> bool:
-        return self._slot.used
+        return self._slot.joined_from is not None
+
+    @property
+    def host(self) -> int:
+        return self._slot.cfg.host
+
+    def status(self) -> str:
+        """One line for the dashboard: joined from where, or the command still to run."""
+        if self._slot.joined_from:
+            return f"joined from {self._slot.joined_from}"
+        if self._slot.used:
+            return "stopped before it joined"
+        return f"waiting; run on that machine: {self.command}"
 
     def exit_code(self) -> int | None:
         return None
@@ -131,6 +153,9 @@ class JoinLauncher:
     on_progress: Callable[[str], object] | None = None
     allow_loopback: bool = False
     name: str = "join"
+    #: The interpreter in the command shown (another machine's ``python``); engines on a
+    #: shared file system pass ``sys.executable``.
+    python: str = "python"
     _lock: threading.Lock = field(default_factory=threading.Lock)
     #: Issued tokens by secret, and the latest slot of each (mesh, host).
     _slots: dict[str, _Slot] = field(default_factory=dict)
@@ -193,27 +218,67 @@ class JoinLauncher:
     def callback(self, domain: str, key: bytes) -> bool:
         return True
 
-    def command(self, slot: _Slot) -> str:
+    def token(self, slot: _Slot) -> str:
+        """``HOST-SECRET-SERVERKEY`` (``gN-SECRET-SERVERKEY`` for a group of N)."""
         key = zmq.utils.z85.decode(self._curve.public).hex()
-        token = f"{slot.cfg.host}-{slot.secret}-{key}"
-        return f"python -m monarch_kernel.host --join {self.url} --token {token}"
+        if slot.group is not None:
+            size = sum(s.group == slot.group for s in self._slots.values())
+            return f"g{size}-{slot.group}-{key}"
+        return f"{slot.cfg.host}-{slot.secret}-{key}"
+
+    def command(self, slot: _Slot, with_token: bool = True) -> str:
+        """The line to run on a machine; ``with_token=False`` leaves the token out (it
+        then goes in ``$MONARCH_KERNEL_JOIN_TOKEN``)."""
+        line = f"{self.python} -m monarch_kernel.host --join {self.url}"
+        return f"{line} --token {self.token(slot)}" if with_token else line
+
+    def _issue(self, configs: list[HostConfig], group: str | None) -> list[_Slot]:
+        """New slots for ``configs`` (lock held); a host started again voids its old one."""
+        self._endpoint()
+        now = time.monotonic()
+        slots = []
+        for cfg in configs:
+            slot = _Slot(cfg, secrets.token_hex(16), now + self.ttl, group=group)
+            old = self._latest.get((cfg.mesh, cfg.host))
+            if old is not None:
+                old.used = True
+            self._slots[slot.secret] = self._latest[(cfg.mesh, cfg.host)] = slot
+            slots.append(slot)
+        return slots
+
+    def start_group(self, configs: list[HostConfig]) -> tuple[list[JoinHost], str, str]:
+        """For engines that run one command on every machine (``srun``, a multi-machine
+        Lightning job): one *group* token that admits ``len(configs)`` hosts, each taking
+        the next host index not joined yet. Returns the handles, the command without the
+        token and the token (pass it in :data:`TOKEN_ENV`). Shows nothing."""
+        with self._lock:
+            slots = self._issue(configs, secrets.token_hex(16))
+            command = self.command(slots[0], with_token=False) if slots else ""
+            token = self.token(slots[0]) if slots else ""
+            handles = [JoinHost(self, s, f"{command} (token in ${TOKEN_ENV})") for s in slots]
+        return handles, command, token
+
+    def start_each(self, configs: list[HostConfig]) -> tuple[list[JoinHost], str, list[str]]:
+        """For engines that start each host themselves (a Ray actor per bundle): a token
+        per host. Returns the handles, the command without the token, the tokens (pass
+        each in :data:`TOKEN_ENV`). Shows nothing."""
+        with self._lock:
+            slots = self._issue(configs, None)
+            command = self.command(slots[0], with_token=False) if slots else ""
+            tokens = [self.token(s) for s in slots]
+            handles = [JoinHost(self, s, f"{command} (token in ${TOKEN_ENV})") for s in slots]
+        return handles, command, tokens
 
     def start_hosts(self, configs: list[HostConfig]) -> list[HostHandle]:
         """Issue a token per config, show the commands, and return at once; the hosts
         are admitted as they join (progress goes to ``on_progress``)."""
         with self._lock:
-            self._endpoint()
-            now = time.monotonic()
             handles: list[HostHandle] = []
             lines = []
-            for cfg in configs:
-                slot = _Slot(cfg, secrets.token_hex(16), now + self.ttl)
-                old = self._latest.get((cfg.mesh, cfg.host))
-                if old is not None:
-                    old.used = True  # a host started again: its old token is void
-                self._slots[slot.secret] = self._latest[(cfg.mesh, cfg.host)] = slot
+            for slot in self._issue(configs, None):
+                slot.shown = True
                 handles.append(JoinHost(self, slot, self.command(slot)))
-                lines.append(f"  host {cfg.host}: {self.command(slot)}")
+                lines.append(f"  host {slot.cfg.host}: {self.command(slot)}")
         mesh = configs[0].mesh if configs else ""
         lines.insert(
             0,
@@ -237,8 +302,11 @@ class JoinLauncher:
             ]
             if waiting:
                 which = ", ".join(str(s.cfg.host) for s in waiting)
-                out.append(f"hosts {which} did not join; run on each machine:")
-                out += [f"  host {s.cfg.host}: {self.command(s)}" for s in waiting]
+                if all(s.shown for s in waiting):
+                    out.append(f"hosts {which} did not join; run on each machine:")
+                    out += [f"  host {s.cfg.host}: {self.command(s)}" for s in waiting]
+                else:
+                    out.append(f"hosts {which} did not join")
         return "\n".join(out)
 
     def _serve(self, sock: zmq.Socket[bytes], domain: str, stop: threading.Event) -> None:
@@ -270,16 +338,36 @@ class JoinLauncher:
         if line:
             self._progress(line)
 
+    def _claim(self, token: str) -> _Slot | None:
+        """The slot ``token`` names (lock held): its own, or for a group token the
+        first one of the group nobody took yet (else a used one, for the error)."""
+        head, _, rest = token.partition("-")
+        secret = rest.partition("-")[0]
+        if head.startswith("g"):
+            group = [s for s in self._slots.values() if s.group is not None]
+            group = [s for s in group if hmac.compare_digest(s.group or "", secret)]
+            group.sort(key=lambda s: s.cfg.host)
+            free = [s for s in group if not s.used]
+            return (free or group or [None])[0]
+        slot = self._slots.get(secret)
+        if slot is None or slot.group is not None:
+            return None
+        return slot if hmac.compare_digest(slot.secret, secret) else None
+
     def _admit(self, token: str, peer: str) -> tuple[dict[str, object], str | None]:
         with self._lock:
-            secret = token.partition("-")[2].partition("-")[0]
-            slot = self._slots.get(secret)
-            if slot is None or not hmac.compare_digest(slot.secret, secret):
+            slot = self._claim(token)
+            if slot is None:
                 self.refused += 1
                 return {"error": "invalid token"}, None
             if slot.used:
                 self.refused += 1
-                return {"error": "this token was used already"}, None
+                what = (
+                    "every host of this group joined already"
+                    if slot.group
+                    else ("this token was used already")
+                )
+                return {"error": what}, None
             if time.monotonic() > slot.expires:
                 self.refused += 1
                 return {"error": "this token expired; create the mesh again"}, None
