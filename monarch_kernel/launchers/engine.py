@@ -60,6 +60,11 @@ class Allocation(ABC):
         """How machine ``i`` of the allocation is doing, in a few words (must not block:
         engines update it from their own threads)."""
 
+    def notice(self) -> str | None:
+        """A warning the dashboard shows while the mesh lives (e.g. that an idle Studio
+        going to sleep ends it), else None."""
+        return None
+
     def failure(self) -> str | None:
         """Why the allocation can no longer produce its hosts (the engine refused, the
         job ended), else None. Must not block."""
@@ -94,6 +99,9 @@ class EngineHost:
         if self._join.joined:
             return self._join.status()
         return self._alloc.status(self._index)
+
+    def notice(self) -> str | None:
+        return self._alloc.notice()
 
     def exit_code(self) -> int | None:
         """1 once the engine says this host cannot come (it then fails the start)."""
