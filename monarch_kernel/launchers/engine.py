@@ -150,7 +150,7 @@ class EngineLauncher(ABC):
             name=self.name,
         )
         self.advertise = self.join.advertise
-        _live.add(self)
+        _live[id(self)] = weakref.ref(self)
 
     def python(self) -> str:
         """The interpreter the machines run the agent with (default: this one, for
@@ -227,11 +227,14 @@ def _release(alloc: Allocation) -> None:
         log.exception("releasing %r failed", alloc)
 
 
-_live: weakref.WeakSet[EngineLauncher] = weakref.WeakSet()
+#: Every engine launcher made in this process, by id (dataclasses are unhashable).
+_live: dict[int, weakref.ref[EngineLauncher]] = {}
 
 
 @atexit.register
 def _release_all() -> None:
     """Kernel exit: nothing an engine started for us stays reserved."""
-    for launcher in list(_live):
-        launcher.shutdown()
+    for ref in list(_live.values()):
+        launcher = ref()
+        if launcher is not None:
+            launcher.shutdown()
