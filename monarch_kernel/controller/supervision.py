@@ -71,6 +71,9 @@ class Supervisor:
         if host.lost:
             return
         mesh = self._mesh
+        where = [w for w in (host.hostname, host.addr) if w and w != "127.0.0.1"]
+        if where:  # name the machine: "node3 at 10.0.0.13"
+            why = f"{why} ({' at '.join(dict.fromkeys(where))})"
         host.lost = why
         if host.handle is not None:
             # A frozen (or partitioned) agent may still run its ranks: end it, so that

@@ -195,3 +195,20 @@ def bind_port(sock: zmq.Socket[bytes], host: str) -> int:
         except zmq.ZMQError:
             continue
     raise zmq.ZMQError(zmq.EADDRINUSE, f"no free port in {PORTS_ENV}={lo}-{hi}")
+
+
+def address_towards(host: str) -> str | None:
+    """The local address this machine uses to reach ``host`` (an engine's head node: the
+    machines it runs on most likely reach us at that address too), or None when there is
+    no route or it is a loopback address. No packet is sent: a UDP socket is only routed."""
+    import socket
+
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            addr = str(s.getsockname()[0])
+    except OSError:
+        return None
+    return None if is_loopback(addr) else addr

@@ -1,0 +1,187 @@
+"""A real two-node Ray cluster for tests: the head on this namespace's bridge address,
+a second raylet inside a network-namespace host (``tests/netns.py``).
+
+Both run ``ray start ... --block`` as processes this module starts, so teardown stops
+exactly those (never ``ray stop``, which stops every Ray process of the machine).
+Starting takes ~15 s: one cluster per test session (:func:`ray_cluster_fixture`).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from netns import NetHosts, make_hosts, unavailable
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+#: Ray reads these in every process it starts: no usage stats, and token authentication
+#: with a token made for this test session (Ray 2.59+ turns token auth on by default for
+#: some clusters; one explicit setting on every node and driver avoids a mismatch, and
+#: leaves ~/.ray alone). The driver (this process) must carry them too: see ``driver_env``.
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DISABLE_DOCKER_CPU_WARNING": "1",
+    "RAY_AUTH_MODE": "token",
+    "RAY_AUTH_TOKEN": secrets.token_hex(32),
+}
+
+
+@dataclass
+class RayCluster:
+    """A running cluster: ``address`` is the head's GCS (``IP:PORT``)."""
+
+    net: NetHosts
+    address: str
+    head_ip: str
+    worker_ip: str
+    head: subprocess.Popen[bytes]
+    worker: subprocess.Popen[bytes]
+    temp_dir: str
+
+    def kill_worker(self) -> None:
+        """The namespace node crashes: SIGKILL to every process in its namespace at
+        once (raylet, Ray workers, our host agent and ranks)."""
+        ns = self.net.hosts[0].ns
+        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+        for pid in out.stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _common(ip: str) -> list[str]:
+    return [
+        f"--node-ip-address={ip}",
+        "--num-cpus=1",
+        "--object-store-memory=200000000",
+        "--disable-usage-stats",
+        "--block",
+    ]
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+    """``ray start --block`` stops the node's processes when it is terminated."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the node's processes share its group
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def start_cluster() -> RayCluster:
+    net = make_hosts(1)
+    env = {**os.environ, **RAY_ENV}
+    head_ip = net.gateway
+    port = _free_port(head_ip)
+    temp_dir = tempfile.mkdtemp(prefix="mk-ray-")
+    head = subprocess.Popen(
+        [RAY, "start", "--head", f"--port={port}", "--include-dashboard=false"]
+        + [f"--temp-dir={temp_dir}"]
+        + _common(head_ip),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    address = f"{head_ip}:{port}"
+    worker_ip = net.hosts[0].addr
+    worker = None
+    try:
+        _wait_nodes(address, 1, head)
+        script = 'hostname "$0"; exec "$@"'
+        argv = ["ip", "netns", "exec", net.hosts[0].ns, "unshare", "--uts", "sh", "-c", script]
+        worker = subprocess.Popen(
+            [*argv, net.hosts[0].name, RAY, "start", f"--address={address}", *_common(worker_ip)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        _wait_nodes(address, 2, worker)
+    except BaseException:
+        for p in (worker, head):
+            if p is not None:
+                _stop(p)
+        net.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    return RayCluster(net, address, head_ip, worker_ip, head, worker, temp_dir)
+
+
+def alive_nodes(address: str) -> int:
+    """Alive nodes, asked in a subprocess (this process's own ``ray.init`` stays free)."""
+    code = f"import ray; ray.init(address={address!r}, logging_level='ERROR'); "
+    code += "print(sum(n['Alive'] for n in ray.nodes()))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **RAY_ENV},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    try:
+        return int(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return 0
+
+
+def _wait_nodes(address: str, n: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with code {proc.returncode}")
+        if alive_nodes(address) >= n:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the Ray cluster at {address} did not reach {n} nodes in {timeout}s")
+
+
+def stop_cluster(cluster: RayCluster) -> None:
+    _stop(cluster.worker)
+    _stop(cluster.head)
+    cluster.net.close()
+    shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+
+
+def ray_cluster_fixture() -> Iterator[RayCluster]:
+    """Body of a session fixture; skips (with the reason printed) without root or Ray."""
+    why = unavailable()
+    if why is None and not os.path.exists(RAY):
+        why = "Ray is not installed (pip install 'monarch_kernel[ray]')"
+    if why is not None:
+        print(f"skipping: {why}")
+        pytest.skip(why)
+    cluster = start_cluster()
+    try:
+        yield cluster
+    finally:
+        stop_cluster(cluster)
