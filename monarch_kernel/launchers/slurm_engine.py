@@ -248,10 +248,13 @@ class SlurmAllocation(Allocation):
                     self._changed.notify_all()
         code = proc.wait()
         with self._lock:
-            released = self._released
+            released, phase = self._released, self.phase
         if not released:
             text = _tail("\n".join(seen)) or "(no output)"
-            self._fail(f"salloc exited (code {code}) before the mesh stopped:\n{text}")
+            if phase is Phase.REQUESTING:
+                self._fail(f"salloc refused the allocation (exit {code}):\n{text}")
+            else:
+                self._fail(f"salloc exited (code {code}) before the mesh stopped:\n{text}")
 
     def _step_thread(self) -> None:
         """srun gets its own thread: it dies with the thread that started it."""
