@@ -14,6 +14,7 @@ installed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -195,7 +196,9 @@ def test_too_many_nodes_is_a_clear_error(cluster):
 
 
 def test_salloc_refusal_shows_its_error(cluster):
-    with pytest.raises((ValueError, MonarchError), match=r"(?s)salloc refused the allocation.*Invalid --time"):
+    with pytest.raises(
+        (ValueError, MonarchError), match=r"(?s)salloc refused the allocation.*Invalid --time"
+    ):
         host_mesh(
             hosts=2, backend="slurm", advertise=cluster.net.gateway, time="not-a-time"
         ).spawn_procs({"gpus": 1}, timeout=30)
@@ -237,3 +240,46 @@ def test_dead_controller_is_a_clear_error(cluster, monkeypatch, tmp_path):
     took = time.monotonic() - t0
     print(f"\ndead controller reported in {took:.1f}s")
     assert took < 15
+
+
+def test_kernel_mesh_on_slurm_and_a_killed_kernel_frees_its_job(cluster):
+    """``%mesh --backend slurm`` in a real kernel; ``%mesh stop`` ends the job; a kernel
+    killed with SIGKILL frees its job too (salloc's holder reads a pipe from the kernel)."""
+    from kernel_client import Kernel
+
+    gw = cluster.net.gateway
+    k = Kernel(env={"SLURM_CONF": cluster.conf, "PYTHONPATH": os.environ["PYTHONPATH"]})
+    try:
+        r = k.run(f"%mesh m --backend slurm --hosts 2 --gpus 1 --advertise {gw}", timeout=90)
+        assert "ready" in r.stdout, r.stdout + r.stderr + r.error_text
+        assert cluster.run("squeue", "-h", "-o", "%T %D").stdout.split() == ["RUNNING", "2"]
+        r = k.run("%%remote m\nimport socket\nprint('on', socket.gethostname())", timeout=60)
+        assert not r.errors, r.error_text
+        for node in cluster.nodes:
+            assert f"on {node}" in r.stdout, r.stdout
+        r = k.run("%mesh stop m", timeout=60)
+        assert not r.errors, r.error_text
+        wait_until(lambda: not cluster.jobs(), timeout=15, what="the job to end after stop")
+
+        r = k.run(f"%mesh m2 --backend slurm --hosts 2 --gpus 1 --advertise {gw}", timeout=90)
+        assert "ready" in r.stdout, r.stdout + r.stderr + r.error_text
+        assert len(cluster.jobs()) == 1
+        pids = k.pids()
+        os.kill(pids[0], 9)  # the kernel dies without any clean-up of its own
+        wait_until(lambda: not cluster.jobs(), timeout=20, what="the killed kernel's job to end")
+        wait_until(lambda: not agents_on_nodes(cluster), timeout=15, what="the agents to exit")
+        from conftest import pid_alive
+
+        def alive() -> list[str]:
+            out = []
+            for p in pids:
+                if pid_alive(p):
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        out.append(" ".join(psutil.Process(p).cmdline())[:100])
+            return out
+
+        wait_until(lambda: not alive(), timeout=15, what="the kernel's processes", detail=alive)
+    finally:
+        k.kc.stop_channels()
+        k.km.shutdown_kernel(now=True)
+    assert_all_gone(cluster)

@@ -122,14 +122,16 @@ def _die_with_parent() -> None:
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
-def _popen(argv: list[str], env: dict[str, str], **kw: object) -> subprocess.Popen[bytes]:
+def _popen(
+    argv: list[str], env: dict[str, str], die_with_us: bool, **kw: object
+) -> subprocess.Popen[bytes]:
     """A Slurm client in its own session (a Ctrl-C meant for the kernel does not reach
-    it), which gets SIGTERM when the thread that started it ends."""
+    it); with ``die_with_us`` it gets SIGTERM when the thread that started it ends."""
     return subprocess.Popen(  # type: ignore[call-overload]
         argv,
         env=env,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=_die_with_parent if die_with_us else None,
         **kw,
     )
 
@@ -214,9 +216,12 @@ class SlurmAllocation(Allocation):
     def _run_salloc(self) -> None:
         assert self._salloc_argv is not None
         try:
+            # No parent-death signal for salloc: a SIGTERM leaves it waiting after its
+            # job ended (seen with 22.05). Its holder's pipe frees the job instead.
             proc = _popen(
                 self._salloc_argv,
                 self._env,
+                False,
                 stdin=subprocess.PIPE,  # the holder's stdin: closed when the kernel exits
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
@@ -289,6 +294,7 @@ class SlurmAllocation(Allocation):
                 proc = _popen(
                     self.srun_argv(),
                     self._env,
+                    True,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
