@@ -221,9 +221,14 @@ def start_cluster(n: int = 2, cpus: int = 2) -> SlurmCluster:
                 ["install", "-d", "-o", "munge", "-g", "munge", "/run/munge"], check=True
             )
             munged = _which("munged") or "munged"
+            # As the munge user, in the foreground, started directly (not through
+            # runuser, which forks): the PID we keep is munged's, and we reap it.
             cluster.procs.append(
                 subprocess.Popen(
-                    ["runuser", "-u", "munge", "--", munged, "-F"],
+                    [munged, "-F"],
+                    user="munge",
+                    group="munge",
+                    extra_groups=[],
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )

@@ -99,7 +99,9 @@ def assert_all_gone(cluster: SlurmCluster) -> None:
     left = wait_no_orphans()
     assert not left, [" ".join(p.cmdline())[:80] for p in left]
     slurm_clients = [
-        p for p in psutil.Process().children(recursive=True) if p.name() in ("srun", "salloc")
+        " ".join(p.cmdline())
+        for p in psutil.Process().children(recursive=True)
+        if p.name() in ("srun", "salloc") or "scancel" in " ".join(p.cmdline())  # watchdog
     ]
     assert not slurm_clients, slurm_clients
 

@@ -6,12 +6,14 @@ Two cases, told apart by ``$SLURM_JOB_ID`` in the kernel's environment:
   the agents run as one job step, ``srun --jobid $SLURM_JOB_ID --nodes H --ntasks H
   --ntasks-per-node=1 --overlap ...``. The user's job is theirs: we only ever stop our
   step, never cancel the job.
-* **Outside one**: ``salloc --nodes H --ntasks-per-node=1 --job-name mk-<mesh> cat``
-  reserves the nodes. ``cat`` is a *holder*: salloc keeps the allocation while its command
-  runs, and ``cat`` reads a pipe from the kernel, so when the kernel exits (or is killed)
-  the pipe closes, ``cat`` ends and salloc gives the nodes back. Once the job is granted,
-  the step is started as above with ``--jobid`` of that job. A GPU cluster (gpu GRES in
-  ``sinfo``) is asked for ``--gpus-per-node G``; a CPU cluster is asked for no GPUs.
+* **Outside one**: ``salloc --no-shell --nodes H --ntasks-per-node=1 --job-name
+  mk-<mesh>`` reserves the nodes, then the step is started as above with ``--jobid`` of
+  that job. A *watchdog* (a small ``sh``, in its own session) holds a pipe from the kernel
+  and cancels the job when the pipe closes: on release, and when the kernel exits or is
+  killed, so a dead kernel never keeps nodes. (Not ``salloc CMD`` with a holder command:
+  salloc 22.05 was seen spinning forever in ``waitpid`` after its job ended that way.)
+  A GPU cluster (gpu GRES in ``sinfo``) is asked for ``--gpus-per-node G``; a CPU
+  cluster is asked for no GPUs.
 
 ``srun`` runs the same command on every node, so the hosts share one *group* join token
 (each agent takes the next host slot; see :meth:`~.join.JoinLauncher.start_group`),
@@ -50,6 +52,13 @@ CLIENT_TIMEOUT = 20.0
 GRANT_WAIT = 30.0
 #: Seconds release gives our step to end by itself (its agents were told to exit).
 STEP_GRACE = 3.0
+
+#: The job's watchdog (``sh -c``), started in its own session so it outlives a killed
+#: kernel: it reads the job id from the kernel's pipe, waits for that pipe to close
+#: (release, or the kernel dying) and cancels the job. ``salloc --no-shell`` leaves a
+#: job that nothing else would end before its time limit.
+WATCHDOG = 'read -r job || exit 0; cat >/dev/null; exec scancel "$job"'
+_QUIET: dict[str, int] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
 
 _GRANTED = re.compile(r"Granted job allocation (\d+)")
 _PENDING = re.compile(r"(?:Pending job allocation|job) (\d+)(?: queued)?")
@@ -160,6 +169,7 @@ class SlurmAllocation(Allocation):
         self._failure: str | None = None
         self._released = False
         self._salloc: subprocess.Popen[bytes] | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
         self._srun: subprocess.Popen[bytes] | None = None
         # The step's name, unique, so release can find and cancel exactly our step.
         self.step_name = f"mk-{command.mesh}-{secrets.token_hex(3)}"
@@ -216,13 +226,20 @@ class SlurmAllocation(Allocation):
     def _run_salloc(self) -> None:
         assert self._salloc_argv is not None
         try:
-            # No parent-death signal for salloc: a SIGTERM leaves it waiting after its
-            # job ended (seen with 22.05). Its holder's pipe frees the job instead.
+            # The watchdog first: from the moment the job exists, a kernel that dies
+            # (its end of the pipe closes) gets it cancelled.
+            watchdog = _popen(
+                ["sh", "-c", WATCHDOG], self._env, False, stdin=subprocess.PIPE, **_QUIET
+            )
+            with self._lock:
+                self._watchdog = watchdog
+            # salloc --no-shell waits while the job is pending (a SIGTERM then withdraws
+            # the request: it dies with this thread) and exits once it is granted.
             proc = _popen(
                 self._salloc_argv,
                 self._env,
-                False,
-                stdin=subprocess.PIPE,  # the holder's stdin: closed when the kernel exits
+                True,
+                stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
             )
@@ -231,9 +248,6 @@ class SlurmAllocation(Allocation):
             return
         with self._lock:
             self._salloc = proc
-            released = self._released
-        if released:  # released while starting: let it go at once
-            self._close_holder()
         assert proc.stderr is not None
         seen: list[str] = []
         for raw in proc.stderr:
@@ -241,6 +255,7 @@ class SlurmAllocation(Allocation):
             seen.append(line)
             m = _GRANTED.search(line)
             if m:
+                self._arm_watchdog(m.group(1))
                 with self._changed:
                     self.job, self.phase = m.group(1), Phase.GRANTED
                     self._changed.notify_all()
@@ -248,6 +263,7 @@ class SlurmAllocation(Allocation):
                 continue
             m = _PENDING.search(line)
             if m and self.phase is Phase.REQUESTING:
+                self._arm_watchdog(m.group(1))
                 with self._changed:
                     self.job, self.phase = m.group(1), Phase.PENDING
                     self._changed.notify_all()
@@ -258,8 +274,18 @@ class SlurmAllocation(Allocation):
             text = _tail("\n".join(seen)) or "(no output)"
             if phase is Phase.REQUESTING:
                 self._fail(f"salloc refused the allocation (exit {code}):\n{text}")
-            else:
-                self._fail(f"salloc exited (code {code}) before the mesh stopped:\n{text}")
+            elif code != 0:  # --no-shell: exit 0 once granted is the normal case
+                self._fail(f"salloc failed (exit {code}):\n{text}")
+
+    def _arm_watchdog(self, job: str) -> None:
+        """Tell the watchdog which job to cancel when its pipe closes."""
+        with self._lock:
+            dog = self._watchdog
+            if dog is None or dog.stdin is None or self.job == job:
+                return
+            with contextlib.suppress(OSError, ValueError):
+                dog.stdin.write(f"{job}\n".encode())
+                dog.stdin.flush()
 
     def _step_thread(self) -> None:
         """srun gets its own thread: it dies with the thread that started it."""
@@ -334,11 +360,12 @@ class SlurmAllocation(Allocation):
             return ""
 
     # -- release ---------------------------------------------------------------------
-    def _close_holder(self) -> None:
-        proc = self._salloc
-        if proc is not None and proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
+    def _close_watchdog(self) -> None:
+        with self._lock:
+            dog = self._watchdog
+        if dog is not None and dog.stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                dog.stdin.close()
 
     def _cancel_step(self) -> None:
         """scancel our step only (found by its unique name), never the user's job."""
@@ -366,7 +393,7 @@ class SlurmAllocation(Allocation):
                 return
             self._released = True
             self.phase = Phase.RELEASED
-            srun, salloc = self._srun, self._salloc
+            srun, salloc, dog = self._srun, self._salloc, self._watchdog
             self._changed.notify_all()
         if srun is not None:
             try:
@@ -384,8 +411,8 @@ class SlurmAllocation(Allocation):
                     capture_output=True,
                     timeout=CLIENT_TIMEOUT,
                 )
-        self._close_holder()
-        for proc in (srun, salloc):
+        self._close_watchdog()  # it cancels the job too (harmless twice) and exits
+        for proc in (srun, salloc, dog):
             if proc is None:
                 continue
             _end(proc)
@@ -473,6 +500,4 @@ class SlurmLauncher(EngineLauncher):
             argv.append(f"--partition={self.partition}")
         if self.account:
             argv.append(f"--account={self.account}")
-        # The holder: salloc keeps the allocation while it runs; it reads the pipe from
-        # this process and ends when that closes (release, or this kernel dying).
-        return [*argv, "cat"]
+        return [*argv, "--no-shell"]
