@@ -63,7 +63,7 @@ def run(s: Settings, rec: Recorder) -> None:
     from slurm_cluster import start_cluster
 
     t0 = time.perf_counter()
-    cluster = start_cluster(2)
+    cluster = start_cluster(2, gpus=2)  # as the tests: 2 counted GPUs per node
     rec.value("slurm_cluster_up", time.perf_counter() - t0)
     # The launcher and the agents srun starts read these from this process's environment.
     saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "PYTHONPATH")}

@@ -21,6 +21,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -131,7 +132,7 @@ def _free_port_pair() -> int:
     raise RuntimeError("found no two free consecutive ports")
 
 
-def _conf(d: str, net: NetHosts, port: int, partition: str, cpus: int) -> str:
+def _conf(d: str, net: NetHosts, port: int, partition: str, cpus: int, gpus: int) -> str:
     """slurm.conf for the namespace hosts (see docs/REFERENCE "More than one machine")."""
     ctl = socket.gethostname()
     lines = [
@@ -164,9 +165,15 @@ def _conf(d: str, net: NetHosts, port: int, partition: str, cpus: int) -> str:
         f"SlurmctldLogFile={d}/slurmctld.log",
         f"SlurmdLogFile={d}/slurmd-%n.log",
     ]
+    gres = ""
+    if gpus:
+        # Counted GPUs without device files (gres.conf: Name=gpu Count=N): Slurm schedules
+        # and checks them like real ones; nothing here touches a device.
+        lines.append("GresTypes=gpu")
+        gres = f" Gres=gpu:{gpus}"
     for h in net.hosts:
         lines.append(
-            f"NodeName={h.name} NodeAddr={h.addr} CPUs={cpus} RealMemory=2000 State=UNKNOWN"
+            f"NodeName={h.name} NodeAddr={h.addr} CPUs={cpus} RealMemory=2000{gres} State=UNKNOWN"
         )
     lines.append(f"PartitionName={partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
     return "\n".join(lines) + "\n"
@@ -201,8 +208,9 @@ def _wait(what: str, ok: object, timeout: float, cluster: SlurmCluster) -> None:
     raise RuntimeError(f"timed out waiting for {what}\n{cluster.log('slurmctld.log')[-2000:]}")
 
 
-def start_cluster(n: int = 2, cpus: int = 2) -> SlurmCluster:
-    """Start a cluster of ``n`` namespace nodes (see the module docstring)."""
+def start_cluster(n: int = 2, cpus: int = 2, gpus: int = 0) -> SlurmCluster:
+    """Start a cluster of ``n`` namespace nodes (see the module docstring), each with
+    ``gpus`` counted gpu GRES (0: a CPU cluster, no GRES)."""
     net = make_hosts(n)
     d = tempfile.mkdtemp(prefix="mk-slurm-")
     os.chmod(d, 0o755)  # slurmstepd and the jobs read the conf as root, but be plain
@@ -215,7 +223,14 @@ def start_cluster(n: int = 2, cpus: int = 2) -> SlurmCluster:
         for h in net.hosts:  # slurmd does not create its %n spool dir
             os.makedirs(os.path.join(d, "spool", h.name))
         with open(conf, "w") as f:
-            f.write(_conf(d, net, _free_port_pair(), partition, cpus))
+            f.write(_conf(d, net, _free_port_pair(), partition, cpus, gpus))
+        if gpus:  # slurmd reads gres.conf from the directory of slurm.conf
+            # slurmd counts a node's GPUs by their device files: character devices with
+            # the NVIDIA major number, made here and never opened (no driver needed).
+            for g in range(gpus):
+                os.mknod(os.path.join(d, f"nvidia{g}"), 0o600 | stat.S_IFCHR, os.makedev(195, g))
+            with open(os.path.join(d, "gres.conf"), "w") as f:
+                f.write(f"AutoDetect=off\nName=gpu File={d}/nvidia[0-{gpus - 1}]\n")
         if not _munge_running(env):
             subprocess.run(
                 ["install", "-d", "-o", "munge", "-g", "munge", "/run/munge"], check=True
@@ -266,7 +281,7 @@ def start_cluster(n: int = 2, cpus: int = 2) -> SlurmCluster:
     return cluster
 
 
-def slurm_cluster_fixture(n: int = 2) -> Iterator[SlurmCluster]:
+def slurm_cluster_fixture(n: int = 2, gpus: int = 0) -> Iterator[SlurmCluster]:
     """Body of a pytest fixture: a cluster of ``n`` nodes, removed afterwards; skips
     with the reason printed when it cannot be made here."""
     why = unavailable()
@@ -274,7 +289,7 @@ def slurm_cluster_fixture(n: int = 2) -> Iterator[SlurmCluster]:
         print(f"skipping: {why}")
         pytest.skip(why)
     try:
-        cluster = start_cluster(n)
+        cluster = start_cluster(n, gpus=gpus)
     except subprocess.CalledProcessError as exc:
         reason = f"cannot start a Slurm cluster here: {exc}"
         print(f"skipping: {reason}")

@@ -5,10 +5,11 @@ namespace, one slurmd per emulated machine, real salloc/srun/sbatch; nothing is 
   gloo all_reduce across them; after stop no job, agent or rank is left;
 * a mesh made inside an ``sbatch`` job (``$SLURM_JOB_ID`` set: srun in that job);
 * bad input fails fast with a clear message (no Slurm, dead controller, too many
-  nodes, salloc refusing);
+  nodes or GPUs, salloc refusing);
 * the kernel: ``%mesh --backend slurm`` then ``%%remote`` across the nodes.
 
-The cluster starts once per module (about 1.5 s); skipped when not root or Slurm is not
+The cluster (2 nodes with 2 counted GPUs each: gpu GRES backed by device files, no
+driver) starts once per module (about 1.5 s); skipped when not root or Slurm is not
 installed.
 """
 
@@ -33,6 +34,9 @@ import monarch_kernel
 from monarch_kernel.actor import Actor, endpoint, host_mesh
 from monarch_kernel.controller.errors import MonarchError
 
+#: Counted GPUs per node (device files without a driver): the launcher asks a cluster
+#: with gpu GRES for ``--gpus-per-node``, and refuses more than the nodes have.
+GPUS = 2
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(monarch_kernel.__file__)))
 
 
@@ -61,7 +65,7 @@ class Probe(Actor):
 def cluster() -> Iterator[SlurmCluster]:
     """The cluster, and this process's environment pointing at it (the launcher reads
     ``$SLURM_CONF``; the agents srun starts import this checkout)."""
-    for c in slurm_cluster_fixture(2):
+    for c in slurm_cluster_fixture(2, gpus=GPUS):
         saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "PYTHONPATH")}
         os.environ["SLURM_CONF"] = c.conf
         path = os.environ.get("PYTHONPATH", "")
@@ -113,9 +117,9 @@ def test_salloc_mesh_across_two_nodes(cluster):
     print(f"\n2 Slurm nodes x 2 ranks up in {time.monotonic() - t0:.1f}s")
     try:
         # Our job holds both nodes while the mesh lives.
-        squeue = cluster.run("squeue", "-h", "-o", "%j %D %T").stdout.split()
-        assert len(squeue) == 3 and squeue[0] == f"mk-{procs.name}", squeue
-        assert squeue[1:] == ["2", "RUNNING"], squeue
+        squeue = cluster.run("squeue", "-h", "-o", "%j %D %T %b").stdout.split()
+        assert len(squeue) == 4 and squeue[0] == f"mk-{procs.name}", squeue
+        assert squeue[1:] == ["2", "RUNNING", "gres:gpu:2"], squeue
         # The token is in srun's environment, on no command line.
         for p in psutil.Process().children(recursive=True):
             if p.name() == "srun":
@@ -194,6 +198,15 @@ def test_too_many_nodes_is_a_clear_error(cluster):
             {"gpus": 1}, timeout=30
         )
     assert time.monotonic() - t0 < 10
+    assert not cluster.jobs()
+
+
+def test_more_gpus_than_the_nodes_have_is_a_clear_error(cluster):
+    match = r"asks for 3 GPUs per host but the nodes of .* have at most 2 GPUs"
+    with pytest.raises((ValueError, MonarchError), match=match):
+        host_mesh(hosts=2, backend="slurm", advertise=cluster.net.gateway).spawn_procs(
+            {"gpus": GPUS + 1}, timeout=30
+        )
     assert not cluster.jobs()
 
 
