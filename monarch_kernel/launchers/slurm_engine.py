@@ -433,8 +433,8 @@ def _end(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
             continue
 
 
-# eq=False: launchers are identities (EngineLauncher keeps live ones in a WeakSet, which
-# needs them hashable; a dataclass with eq=True is not).
+# eq=False: a launcher is an identity (two with the same options are still two sets of
+# allocations), and stays hashable.
 @dataclass(eq=False)
 class SlurmLauncher(EngineLauncher):
     """Starts the hosts of a mesh with ``srun`` on a Slurm allocation (see the module
