@@ -64,6 +64,17 @@ class NetHosts:
         self.procs.append(proc)
         return proc
 
+    def popen_nsenter(self, host: int, cmd: Sequence[str], **kw: object) -> subprocess.Popen[bytes]:
+        """Like :meth:`popen`, but enters the namespace with ``nsenter --net`` instead of
+        ``ip netns exec``: the latter also remounts ``/sys``, which hides the cgroup
+        hierarchy (slurmd then fails with "Unable to initialize cgroup plugin")."""
+        h = self.hosts[host]
+        script = 'hostname "$0"; exec "$@"'
+        argv = ["nsenter", f"--net=/run/netns/{h.ns}", "unshare", "--uts", "sh", "-c", script]
+        proc = subprocess.Popen([*argv, h.name, *cmd], **kw)  # type: ignore[call-overload]
+        self.procs.append(proc)
+        return proc
+
     def close(self) -> None:
         for proc in self.procs:  # only what we started
             if proc.poll() is None:
