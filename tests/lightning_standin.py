@@ -33,8 +33,8 @@ from netns import NetHosts
 
 os.environ["LIGHTNING_DISABLE_VERSION_CHECK"] = "1"  # before the SDK's import: no internet
 
-from lightning_sdk import Machine  # noqa: E402
-from lightning_sdk.status import Status  # noqa: E402
+from lightning_sdk import Machine
+from lightning_sdk.status import Status
 
 #: The project's root: a Studio has the project installed; here its checkout is imported.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -188,7 +188,7 @@ class Job:
                 if self._stopping:
                     return
                 assert sub._rank is not None
-                log = open(os.path.join(self.log_dir, f"{sub._name}.log"), "wb")  # noqa: SIM115
+                log = open(os.path.join(self.log_dir, f"{sub._name}.log"), "wb")
                 try:
                     sub._proc = self.hosts.popen(
                         sub._rank,

@@ -154,7 +154,9 @@ class LightningJob(Allocation):
             seen.append(f"{s} at {ip}" if ip and s == "Running" else s)
         with self._lock:
             self._state, self._machines = state, seen
-        return state in ENDED or (len(seen) == self.n and all(s.startswith("Running") for s in seen))
+        return state in ENDED or (
+            len(seen) == self.n and all(s.startswith("Running") for s in seen)
+        )
 
     def _poll(self) -> None:
         while not self._stop.is_set():
