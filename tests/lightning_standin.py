@@ -39,6 +39,9 @@ from lightning_sdk.status import Status
 #: The project's root: a Studio has the project installed; here its checkout is imported.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+#: The system part of a machine's PATH (``ip``/``unshare`` of the namespace wrapper too).
+SYSTEM_PATH = ("/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+
 ENDED = (Status.Stopped, Status.Completed, Status.Failed)
 
 
@@ -76,6 +79,8 @@ class Job:
     boot: ClassVar[float] = 0.5
     #: Where the logs of the machines go (removed by ``close``).
     log_dir: ClassVar[str] = ""
+    #: Overrides of the Studio's environment (e.g. a ``PATH`` without its ``python``).
+    studio_env: ClassVar[dict[str, str]] = {}
     #: Every job started, in order (for the tests to inspect).
     started: ClassVar[list[Job]]
 
@@ -168,10 +173,11 @@ class Job:
         env = {
             # The Studio's environment: its interpreter first on PATH, the project
             # installed (here: importable from the checkout), then the job's env.
-            "PATH": os.pathsep.join([os.path.dirname(sys.executable), "/usr/bin", "/bin"]),
+            "PATH": os.pathsep.join([os.path.dirname(sys.executable), *SYSTEM_PATH]),
             "HOME": os.environ.get("HOME", "/root"),
             "PYTHONPATH": ROOT,
             "LIGHTNING_CLOUD_SPACE_ID": os.environ.get("LIGHTNING_CLOUD_SPACE_ID", "standin"),
+            **self.studio_env,
             **self.spec["env"],
         }
         # A machine reports Running (with its address) while its environment still
@@ -297,11 +303,23 @@ class Job:
         return f"https://lightning.ai/stand-in/jobs/{self._name}"
 
 
-def make_sdk(net: NetHosts, startup: float = 1.0, boot: float = 0.5) -> types.SimpleNamespace:
+def make_sdk(
+    net: NetHosts,
+    startup: float = 1.0,
+    boot: float = 0.5,
+    studio_env: dict[str, str] | None = None,
+) -> types.SimpleNamespace:
     """An SDK object (``Job``, ``Machine``, ``Studio``) whose jobs run on ``net``;
     ``sdk.close()`` stops every job it started and removes its logs."""
     log_dir = tempfile.mkdtemp(prefix="mk-lightning-standin-")
-    attrs = {"hosts": net, "startup": startup, "boot": boot, "log_dir": log_dir, "started": []}
+    attrs = {
+        "hosts": net,
+        "startup": startup,
+        "boot": boot,
+        "studio_env": dict(studio_env or {}),
+        "log_dir": log_dir,
+        "started": [],
+    }
     job_cls = type("Job", (Job,), attrs)
 
     def close() -> None:

@@ -189,6 +189,28 @@ def test_kernel_exit_stops_the_job(sdk):
     assert not wait_no_orphans()
 
 
+def test_a_failed_job_fails_the_start_at_once(net, monkeypatch):
+    """A job that ends before its machines join (here: a Studio whose environment has no
+    ``python``) fails the mesh start with the job's name and logs, not a timeout."""
+    from monarch_kernel.controller.errors import MeshStartError
+
+    monkeypatch.setenv("LIGHTNING_CLOUD_SPACE_ID", "standin-studio")
+    sdk = make_sdk(net, startup=0.3, boot=0.1, studio_env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(
+            MeshStartError, match=r"Lightning job mk-broken-\w+ is Failed; its logs"
+        ):
+            _start(sdk, "broken")
+        assert time.monotonic() - t0 < 15
+        (job,) = sdk.Job.started
+        assert "python: command not found" in sdk.logs(job)
+        assert job.stop_calls >= 1  # released although it had ended
+    finally:
+        sdk.close()
+    assert not wait_no_orphans()
+
+
 def test_no_credentials_is_one_clear_error(no_credentials):
     with pytest.raises(ValueError, match=r"^no Lightning credentials: .*Studio.*LIGHTNING_API_KEY"):
         get_launcher("lightning", machine="H100_X_8", sdk=lightning_sdk)
