@@ -314,3 +314,46 @@ def test_studio_notebook_runs_outside_a_studio(monkeypatch):
     assert sum(skipped in t for t in texts) == 2, texts
     assert any("[0-1] hello from every rank" in t for t in texts), texts
     assert any("stopped" in t for t in texts), texts
+
+
+def test_magic_errors_in_the_kernel():
+    """``%mesh --backend lightning`` in the kernel: one clear error per bad input, and
+    nothing reaches the SDK's network code (each is raised before)."""
+    import nbformat
+    from kernel_client import ensure_kernelspec
+    from nbclient import NotebookClient
+
+    setup = (
+        "import os\n"
+        "for k in ('LIGHTNING_CLOUD_SPACE_ID', 'LIGHTNING_API_KEY', 'LIGHTNING_AUTH_TOKEN'):\n"
+        "    os.environ.pop(k, None)\n"
+        "os.environ['LIGHTNING_CREDENTIAL_PATH'] = '/nonexistent/credentials.json'"
+    )
+    cells = [
+        setup,
+        "%mesh big --backend lightning --hosts 2 --machine H100_X_8 --gpus 8",
+        "os.environ['LIGHTNING_API_KEY'] = 'not-a-real-key'",
+        "%mesh big --backend lightning --hosts 2 --machine H100_X_9 --gpus 8",
+        "%mesh big --backend lightning --hosts 2 --gpus 8",
+    ]
+    ensure_kernelspec()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    NotebookClient(nb, kernel_name="monarch", timeout=60, allow_errors=True).execute()
+
+    def text(cell) -> str:
+        out = []
+        for o in cell.get("outputs", []):
+            if o.output_type == "stream":
+                out.append(o.text)
+            elif o.output_type == "error":
+                out.append(f"{o.ename}: {o.evalue}")
+            elif o.output_type in ("execute_result", "display_data"):
+                out.append(o.data.get("text/plain", ""))
+        return "\n".join(out)
+
+    no_creds, unknown, missing = (text(nb.cells[i]) for i in (1, 3, 4))
+    assert no_creds.count("no Lightning credentials") == 1, no_creds
+    assert "unknown Lightning machine type 'H100_X_9'; one of:" in unknown, unknown
+    assert "H100_X_8" in unknown
+    assert "the lightning backend needs --machine TYPE" in missing, missing

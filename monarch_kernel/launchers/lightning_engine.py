@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import secrets
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -71,12 +72,25 @@ class LightningSDK(Protocol):
 def import_sdk() -> LightningSDK:
     """The installed ``lightning_sdk``, imported without its internet version check."""
     os.environ["LIGHTNING_DISABLE_VERSION_CHECK"] = "1"
+    stderr = sys.stderr
+    try:
+        stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        # Its import asks ``os.isatty(sys.stderr.fileno())`` (to quiet tqdm), which fails
+        # where a kernel's stderr is a stream without a file descriptor: show it the
+        # process's own stderr for that moment.
+        sys.stderr = sys.__stderr__ or open(os.devnull, "w")
     try:
         module: Any = importlib.import_module("lightning_sdk")
     except ImportError:
         raise ValueError(
             "the lightning backend needs lightning-sdk: pip install 'monarch-kernel[lightning]'"
         ) from None
+    finally:
+        if sys.stderr is not stderr:
+            if sys.stderr is not sys.__stderr__:
+                sys.stderr.close()
+            sys.stderr = stderr
     sdk: LightningSDK = module
     return sdk
 
