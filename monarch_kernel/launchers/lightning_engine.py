@@ -20,6 +20,11 @@ local backend's.
 ``lightning-sdk`` is an optional extra (``pip install monarch-kernel[lightning]``). Its
 import checks PyPI for a newer version unless ``LIGHTNING_DISABLE_VERSION_CHECK=1``, which
 this module sets first: a kernel must not call the internet to start a mesh.
+
+The machines connect to the controller at ``advertise`` (default: this Studio's address
+on its default route); where the job's machines cannot reach it, pass ``--advertise``.
+Host slot ``i`` shows machine ``i``'s status until some machine joins it (with a group
+token a machine takes whichever slot is free, so the two may differ).
 """
 
 from __future__ import annotations
