@@ -122,7 +122,10 @@ class EngineHost:
         self._owner._release_host(self._alloc, self)
 
 
-@dataclass
+# eq=False: a launcher is an identity, kept in the WeakSet ``_live``, so it must stay
+# hashable (a dataclass with eq=True sets __hash__ to None). Subclasses declare
+# ``@dataclass(eq=False)`` too, for the same reason.
+@dataclass(eq=False)
 class EngineLauncher(ABC):
     """A :class:`~.base.Launcher` that has an engine run the join command per machine.
 
