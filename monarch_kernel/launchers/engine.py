@@ -122,9 +122,8 @@ class EngineHost:
         self._owner._release_host(self._alloc, self)
 
 
-# eq=False: a launcher is an identity, kept in the WeakSet ``_live``, so it must stay
-# hashable (a dataclass with eq=True sets __hash__ to None). Subclasses declare
-# ``@dataclass(eq=False)`` too, for the same reason.
+# eq=False: a launcher is an identity (it owns allocations), not a value; two with the
+# same options are still two launchers.
 @dataclass(eq=False)
 class EngineLauncher(ABC):
     """A :class:`~.base.Launcher` that has an engine run the join command per machine.

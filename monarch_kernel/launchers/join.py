@@ -348,7 +348,7 @@ class JoinLauncher:
             group = [s for s in group if hmac.compare_digest(s.group or "", secret)]
             group.sort(key=lambda s: s.cfg.host)
             free = [s for s in group if not s.used]
-            return (free or group or [None])[0]
+            return (free or group)[0] if group else None
         slot = self._slots.get(secret)
         if slot is None or slot.group is not None:
             return None
