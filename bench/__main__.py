@@ -34,6 +34,7 @@ BENCHES = [
     "fault",
     "ddp",
     "xhost",
+    "engines",
 ]
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

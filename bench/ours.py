@@ -133,6 +133,10 @@ def run(s: Settings, rec: Recorder) -> None:
 
         with rec.guard(*crosshost.ROWS):
             crosshost.run(s, rec)
+    if s.wants("engines"):
+        from bench import engines
+
+        engines.run(s, rec)
     if s.wants("ddp"):
         from bench import ddp
 

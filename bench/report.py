@@ -139,6 +139,13 @@ def rows(s: Settings) -> list[Row]:
         ),
         Row("xhost_r2r_ratio", "9. cross-host 64 MiB, ours ÷ raw CURVE", "x", "higher"),
         Row("xhost_r2r_plain_ratio", "9. cross-host 64 MiB, ours ÷ raw plain", "x", "higher"),
+        Row("ray_cluster_up", "10. two-node Ray cluster up (head + namespace node)", "s"),
+        Row("ray_ready_2x1", "10. %mesh --backend ray --hosts 2 -> ready mesh", "s"),
+        Row("ray_actors_2", "10. Ray's own: STRICT_SPREAD group + 2 actors answered", "s"),
+        Row("ray_ready_ratio", "10. ready 2-host mesh on Ray, ours ÷ Ray's own actors", "x"),
+        Row("slurm_cluster_up", "10. Slurm up (slurmctld + 2 namespace slurmd)", "s"),
+        Row("slurm_ready_2x1", "10. %mesh --backend slurm --hosts 2 --gpus 1 -> ready", "s"),
+        Row("slurm_ready_2x2", "10. %mesh --backend slurm --hosts 2 --gpus 2 -> ready", "s"),
     ]
     return out
 

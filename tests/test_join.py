@@ -152,6 +152,11 @@ def test_join_shows_commands_and_progress(joined, net):
     assert "3/3 hosts joined" in text
     for i, h in enumerate(net.hosts[:3]):
         assert f"from {h.addr}" in text, (i, text)
+    from monarch_kernel.widgets import render
+
+    pane = render.hosts_html(procs.runtime)  # the dashboard's hosts pane
+    assert "3/3 hosts joined" in pane and "mk-cmd" not in pane
+    assert all(f"joined from {h.addr}" in pane for h in net.hosts[:3]), pane
 
 
 def test_ranks_run_on_their_own_machines(joined, net):
@@ -465,12 +470,23 @@ def test_tokens_are_single_use_and_checked(net):
 def test_missing_hosts_are_named(net, monkeypatch):
     """Nobody runs the command: the error names the missing hosts and the command; the
     ports come from $MONARCH_KERNEL_PORTS."""
+    from monarch_kernel.widgets import render
+
     monkeypatch.setenv("MONARCH_KERNEL_PORTS", "31000-31050")
     lines: list[str] = []
+    shown: list[str] = []
+
+    def dashboard_while_waiting(procs) -> None:
+        # what the dashboard's hosts pane shows a second into the wait
+        threading.Timer(1.0, lambda: shown.append(render.hosts_html(procs.runtime))).start()
+
     with pytest.raises(MeshStartError) as err:
         host_mesh(hosts=2, backend="join", bind=net.gateway, on_progress=lines.append).spawn_procs(
-            {"gpus": 1}, timeout=2
+            {"gpus": 1}, timeout=2, on_starting=dashboard_while_waiting
         )
+    (pane,) = shown
+    assert "0/2 hosts joined" in pane
+    assert pane.count('<code class="mk-cmd">') == 2 and "--token" in pane
     text = str(err.value)
     assert "hosts 0, 1 did not join" in text
     assert "--join tcp://" in text and "--token" in text

@@ -69,6 +69,26 @@ class HostHandle(Protocol):
 
 
 @runtime_checkable
+class RemoteHostHandle(HostHandle, Protocol):
+    """A host agent on another machine that joins by itself (join and the engines): the
+    dashboard shows how each is doing until it has joined."""
+
+    @property
+    def joined(self) -> bool:
+        """Whether the agent presented its credential and got its configuration."""
+        ...
+
+    def status(self) -> str:
+        """A few words: what to run, what the engine is doing, where it joined from.
+        Never blocks."""
+        ...
+
+    def notice(self) -> str | None:
+        """A warning to show while the mesh lives (e.g. a Studio's idle sleep), or None."""
+        ...
+
+
+@runtime_checkable
 class Launcher(Protocol):
     """Starts host agents for meshes."""
 

@@ -120,6 +120,9 @@ class JoinHost:
             return "stopped before it joined"
         return f"waiting; run on that machine: {self.command}"
 
+    def notice(self) -> str | None:
+        return None
+
     def exit_code(self) -> int | None:
         return None
 

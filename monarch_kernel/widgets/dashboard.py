@@ -93,6 +93,7 @@ class Dashboard(W.VBox):
         self._views: list[TileView] = []  # what each tile shows (empty before the first tick)
         self.css = W.HTML(render.CSS)
         self.header = W.HTML()
+        self.hosts_html = W.HTML()  # machines still joining (join and engine backends)
         grid = W.GridBox(
             self.tiles,
             layout=W.Layout(
@@ -172,6 +173,7 @@ class Dashboard(W.VBox):
             [
                 self.css,
                 self.header,
+                self.hosts_html,
                 buttons,
                 self.jobs_box,
                 self.stacks_html,
@@ -445,6 +447,7 @@ class Dashboard(W.VBox):
             views.append(view)
         self._views = views
         sent += self._put(self.header, value=render.header_html(st, views))
+        sent += self._put(self.hosts_html, value=render.hosts_html(self.runtime))
         sel = self.selected
         sent += self._put(
             self.detail,

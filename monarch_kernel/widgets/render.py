@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from monarch_kernel.controller.errors import format_ranks
 from monarch_kernel.controller.records import MeshPhase
@@ -17,6 +17,9 @@ from monarch_kernel.widgets import charts
 from monarch_kernel.widgets.fmt import rate_text
 from monarch_kernel.widgets.incidents import Incident
 from monarch_kernel.widgets.state import JobView, MeshState, Recovery, TileView, duration
+
+if TYPE_CHECKING:
+    from monarch_kernel.controller.mesh import MeshRuntime
 
 #: state -> (background, border)
 COLORS = {
@@ -35,6 +38,11 @@ CSS = """
 <style>
 .mk-dash { font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px; color: #111827; }
 .mk-dash .mk-head { padding: 4px 2px; line-height: 1.6; }
+.mk-dash .mk-hosts { padding: 2px; line-height: 1.5; }
+.mk-dash .mk-host.mk-wait { color: #92400e; }
+.mk-dash .mk-host.mk-bad { color: #b91c1c; }
+.mk-dash .mk-cmd { user-select: all; background: #f3f4f6; padding: 0 4px; word-break: break-all; }
+.mk-dash .mk-notice { color: #92400e; }
 .mk-dash .mk-chip { display: inline-block; }
 .mk-dash .mk-tile { white-space: pre-line !important; text-align: left !important;
   line-height: 1.35 !important; padding: 4px 6px !important; border-radius: 6px !important;
@@ -164,6 +172,34 @@ def header_html(st: MeshState, views: list[TileView], status: str = "") -> str:
         f"{phase_html(st, views)} · up {up} · <b>{alive}/{rt.world}</b> alive · "
         f"transfer in {rate_text(r_in)} / out {rate_text(r_out)}{status_html}<br>{chips}</div>"
     )
+
+
+def hosts_html(rt: MeshRuntime) -> str:
+    """Machines that join by themselves (join backend, Ray, Slurm, Lightning): "2/4 hosts
+    joined", then one line per host (the command still to run, what the engine is doing,
+    where it joined from, or why it was lost) and any notice. Empty for local meshes."""
+    from monarch_kernel.launchers.base import RemoteHostHandle
+
+    handles = [(h, h.handle) for h in rt.hosts if isinstance(h.handle, RemoteHostHandle)]
+    if not handles:
+        return ""
+    joined = sum(1 for _, hd in handles if hd.joined)
+    rows = []
+    for host, hd in handles:
+        if host.lost:
+            text, cls = f"lost: {host.lost}", "mk-bad"
+        else:
+            text, cls = hd.status(), "" if hd.joined else "mk-wait"
+        if not hd.joined and "run on that machine: " in text:
+            head, _, cmd = text.partition("run on that machine: ")
+            body = f'{esc(head)}run on that machine: <code class="mk-cmd">{esc(cmd)}</code>'
+        else:
+            body = esc(text)
+        rows.append(f'<div class="mk-host {cls}">host {host.index}: {body}</div>')
+    notices = dict.fromkeys(n for _, hd in handles if (n := hd.notice()))
+    notes = "".join(f'<div class="mk-notice">⚠ {esc(n)}</div>' for n in notices)
+    title = f"{joined}/{len(handles)} hosts joined"
+    return f'<div class="mk-sec mk-hosts"><b>{title}</b>{"".join(rows)}{notes}</div>'
 
 
 def jobs_title_html(st: MeshState, shown: list[JobView]) -> str:
