@@ -31,6 +31,8 @@ ROWS = [
     "xhost_rtt_ratio",
     "xhost_r2r_ratio",
     "xhost_r2r_plain_ratio",
+    "xhost_r2r_64_enc",
+    "xhost_r2r_enc_ratio",
 ]
 MIB = 64
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,12 +72,13 @@ def run(s: Settings, rec: Recorder) -> None:
             raw(s, rec, net, curve=False)
         with rec.guard("xhost_zmq_curve_rtt", "xhost_zmq_curve_64"):
             raw(s, rec, net, curve=True)
-        with rec.guard("xhost_rtt", "xhost_r2r_64"):
+        with rec.guard("xhost_rtt", "xhost_r2r_64", "xhost_r2r_64_enc"):
             ours(s, rec, net)
         for mine, floor, key in (
             ("xhost_rtt", "xhost_zmq_curve_rtt", "xhost_rtt_ratio"),
             ("xhost_r2r_64", "xhost_zmq_curve_64", "xhost_r2r_ratio"),
             ("xhost_r2r_64", "xhost_zmq_64", "xhost_r2r_plain_ratio"),
+            ("xhost_r2r_64_enc", "xhost_zmq_curve_64", "xhost_r2r_enc_ratio"),
         ):
             a, b = rec.data.get(mine, {}), rec.data.get(floor, {})
             if "value" in a and "value" in b and b["value"] > 0:
@@ -155,7 +158,6 @@ def ours(s: Settings, rec: Recorder, net) -> None:
     """A join mesh of the two namespace hosts × 1 rank, the controller (this process) in
     the root namespace on the bridge address."""
     from bench.ours import Bench
-    from bench.r2r import Holder
     from monarch_kernel.actor import host_mesh
 
     mesh = host_mesh(hosts=2, backend="join", bind=net.gateway, on_progress=Joiner(net).progress)
@@ -165,16 +167,32 @@ def ours(s: Settings, rec: Recorder, net) -> None:
         xs = sample(lambda: one.ping.call_one().get(), s.rtt_iters, s.warmup, s.loop_budget_s)
         rec.value("xhost_rtt", median(xs))
 
-        holders = procs.spawn("holders", Holder)
-        owner, reader = holders.slice(hosts=0, gpus=0), holders.slice(hosts=1, gpus=0)
-        iters, warm = tensor_iters(MIB)
-        took = []
-        for i in range(iters + warm):
-            ref, _ = owner.share_fresh.call_one(MIB).get()
-            t = reader.pull_timed.call_one(ref, "tcp").get(timeout=60)
-            if i >= warm:
-                took.append(t)
-        rec.value(f"xhost_r2r_{MIB}", MIB * MiB / median(took) / MiB)
+        rec.value(f"xhost_r2r_{MIB}", r2r_rate(procs))
     finally:
         procs.stop()
         procs.runtime.launcher.shutdown()
+    # The same with the data plane encrypted (MONARCH_KERNEL_ENCRYPT_DATA=1).
+    mesh = host_mesh(hosts=2, backend="join", bind=net.gateway, on_progress=Joiner(net).progress)
+    env = {"MONARCH_KERNEL_ENCRYPT_DATA": "1"}
+    procs = mesh.spawn_procs({"gpus": 1}, timeout=90, env=env)
+    try:
+        rec.value(f"xhost_r2r_{MIB}_enc", r2r_rate(procs))
+    finally:
+        procs.stop()
+        procs.runtime.launcher.shutdown()
+
+
+def r2r_rate(procs) -> float:
+    """MiB/s of a fresh 64 MiB tensor pulled by host 1's rank from host 0's (median)."""
+    from bench.r2r import Holder
+
+    holders = procs.spawn("holders", Holder)
+    owner, reader = holders.slice(hosts=0, gpus=0), holders.slice(hosts=1, gpus=0)
+    iters, warm = tensor_iters(MIB)
+    took = []
+    for i in range(iters + warm):
+        ref, _ = owner.share_fresh.call_one(MIB).get()
+        t = reader.pull_timed.call_one(ref, "tcp").get(timeout=60)
+        if i >= warm:
+            took.append(t)
+    return MIB * MiB / median(took) / MiB

@@ -283,3 +283,43 @@ def test_get_sees_the_owners_tensor_as_it_is_at_get_time(mesh22, view):
     for reader in (same_host, other_host):
         with pytest.raises(ActorError, match="released or never shared by rank 0"):
             reader.pull_sum.call_one(ref).get()
+
+
+class PlainPeek(Actor):
+    """A reader that tries the owner's TCP data socket without CURVE."""
+
+    @endpoint
+    def plain_fetch(self, ref) -> str:
+        """A correctly signed fetch over a plain (unencrypted) connection."""
+        import zmq
+
+        from monarch_kernel.rank.dataplane import _client
+
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(ref.address)
+        try:
+            sock.send_multipart(_client().frames({"op": "fetch", "id": ref.id}))
+            return "answered" if sock.poll(1500) else "no answer"
+        finally:
+            sock.close()
+
+
+def test_encrypted_data_plane_between_hosts():
+    """MONARCH_KERNEL_ENCRYPT_DATA=1: the TCP data socket is a CURVE server (its key in
+    the ref); tensors still arrive whole, a plain connection gets nothing, and ranks of
+    the owner's host keep the unencrypted unix socket."""
+    env = {"MONARCH_KERNEL_ENCRYPT_DATA": "1"}
+    procs = host_mesh(hosts=2).spawn_procs(per_host={"gpus": 2}, env=env)
+    try:
+        probes = procs.spawn("probe_enc", Probe)
+        n = 1_000_000
+        ref = probes.slice(hosts=0, gpus=0).share_big.call_one(n).get()
+        assert ref.address.startswith("tcp://") and len(ref.curve_key) == 40
+        expected = float(torch.arange(n, dtype=torch.float64).sum())
+        assert probes.slice(hosts=1, gpus=0).pull_sum.call_one(ref, "tcp").get() == expected
+        assert probes.slice(hosts=0, gpus=1).pull_sum.call_one(ref, "tcp").get() == expected
+        peek = procs.spawn("peek", PlainPeek)
+        assert peek.slice(hosts=1, gpus=1).plain_fetch.call_one(ref).get() == "no answer"
+    finally:
+        procs.stop()

@@ -50,6 +50,10 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 #: the host has other ranks) and ``auto`` gets them through it; smaller ones go over the
 #: data socket (a shared-memory file costs more than it saves there).
 SHM_MIN_BYTES = 1024 * 1024
+#: Set to 1 in the ranks' environment (``%mesh ... --env MONARCH_KERNEL_ENCRYPT_DATA=1``)
+#: to encrypt rank-to-rank tensors between hosts with CurveZMQ (2-3x slower for big
+#: tensors on this kind of machine). Requests are signed and carry a nonce either way.
+ENCRYPT_ENV = "MONARCH_KERNEL_ENCRYPT_DATA"
 #: A request older than this (by the sender's clock) is refused; its nonce is remembered
 #: this long, and at most :data:`NONCE_MAX` nonces are.
 NONCE_WINDOW = 120.0
@@ -90,6 +94,8 @@ class TensorRef:
     nbytes: int
     cuda: bool
     shm_ino: int = 0
+    #: The owner's CURVE public key (z85) when its TCP data socket is encrypted.
+    curve_key: str = ""
 
     def get(self, transport: str = "auto") -> Any:
         """A new tensor with the owner's data as it is now (on this rank's CUDA device if
@@ -261,9 +267,23 @@ class _Server:
         self.ipc = f"ipc://{path}"
         self.sock.bind(self.ipc)
         self.address = ""
+        self.curve_public = ""
+        self.tcp: zmq.Socket[bytes] | None = None
         if world > per_host:  # other hosts: TCP on this host's own address only
             addr = _host_addr(cfg)
-            port = self.sock.bind_to_random_port(f"tcp://{addr}")
+            tcp = self.sock
+            if os.environ.get(ENCRYPT_ENV, "").lower() in ("1", "true", "yes"):
+                # A socket of its own: ranks of this host keep the unencrypted ipc one.
+                # The keypair is this process's; admission stays the signed, nonce'd
+                # request (any key may connect and ask, only the mesh key is answered).
+                tcp = self.tcp = self.ctx.socket(zmq.ROUTER)
+                tcp.setsockopt(zmq.LINGER, 0)
+                limit_size(tcp)
+                public, secret = zmq.curve_keypair()
+                tcp.setsockopt(zmq.CURVE_SERVER, 1)
+                tcp.setsockopt(zmq.CURVE_SECRETKEY, secret)
+                self.curve_public = public.decode()
+            port = tcp.bind_to_random_port(f"tcp://{addr}")
             self.address = f"tcp://{addr}:{port}"
         self.shm_prefix = f"mk-{cfg['run_id']}-r{self.rank}-"
         threading.Thread(target=self._serve, name="mk-dataplane", daemon=True).start()
@@ -298,6 +318,7 @@ class _Server:
             nbytes,
             t.is_cuda,
             ino,
+            self.curve_public,
         )
 
     @staticmethod
@@ -366,26 +387,35 @@ class _Server:
             os.close(fd)  # the path in the ref no longer opens (torch keeps its own fd)
 
     def _serve(self) -> None:
+        socks = [self.sock] + ([self.tcp] if self.tcp is not None else [])
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
         while True:
-            ident, *frames = self.sock.recv_multipart(copy=False)
+            for sock, _ in poller.poll():
+                self._serve_one(sock)
+
+    def _serve_one(self, sock: zmq.Socket[bytes]) -> None:
+        """Answer one request waiting on ``sock``."""
+        ident, *frames = sock.recv_multipart(copy=False)
+        try:
+            msg = self.codec.decode(frames)
+        except WireError:  # forged, malformed or replayed: dropped, counted by the codec
+            if self.codec.replayed != self._replays_seen:  # a byte-for-byte replay
+                _counters["replays_refused"] += self.codec.replayed - self._replays_seen
+                self._replays_seen = self.codec.replayed
+            return
+        h = msg.header
+        if not self.nonces.admit(h.get("n"), h.get("t")):
+            _counters["replays_refused"] += 1
+            reply: tuple[dict[str, Any], tuple] = ({"k": "err", "error": _REFUSED}, ())
+        else:
             try:
-                msg = self.codec.decode(frames)
-            except WireError:  # forged, malformed or replayed: dropped, counted by the codec
-                if self.codec.replayed != self._replays_seen:  # a byte-for-byte replay
-                    _counters["replays_refused"] += self.codec.replayed - self._replays_seen
-                    self._replays_seen = self.codec.replayed
-                continue
-            h = msg.header
-            if not self.nonces.admit(h.get("n"), h.get("t")):
-                _counters["replays_refused"] += 1
-                reply: tuple[dict[str, Any], tuple] = ({"k": "err", "error": _REFUSED}, ())
-            else:
-                try:
-                    reply = self._handle(h)
-                except Exception as exc:  # goes back to the requester
-                    reply = ({"k": "err", "error": str(exc)}, ())
-            header, buffers = reply
-            self.sock.send_multipart([ident, *self.codec.encode(header, b"", buffers)], copy=False)
+                reply = self._handle(h)
+            except Exception as exc:  # goes back to the requester
+                reply = ({"k": "err", "error": str(exc)}, ())
+        header, buffers = reply
+        sock.send_multipart([ident, *self.codec.encode(header, b"", buffers)], copy=False)
 
     def _handle(self, h: dict[str, Any]) -> tuple[dict[str, Any], tuple]:
         op, ident = h.get("op"), int(h.get("id", 0))
@@ -408,15 +438,22 @@ class _Client:
         self.codec = Codec(bytes.fromhex(cfg["key"]))
         self.local = threading.local()
 
-    def _socket(self, address: str) -> zmq.Socket:
+    def _socket(self, address: str, curve_key: str = "") -> zmq.Socket:
+        """This thread's socket to ``address`` (a CURVE client of ``curve_key`` if set,
+        with a throw-away keypair)."""
         socks = self.local.__dict__.setdefault("socks", {})
-        sock = socks.get(address)
+        sock = socks.get((address, curve_key))
         if sock is None:
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             limit_size(sock)
+            if curve_key:
+                public, secret = zmq.curve_keypair()
+                sock.setsockopt(zmq.CURVE_SERVERKEY, curve_key.encode())
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
             sock.connect(address)
-            socks[address] = sock
+            socks[(address, curve_key)] = sock
         return sock
 
     def frames(self, header: dict[str, Any]) -> list[Any]:
@@ -426,12 +463,12 @@ class _Client:
 
     def request(self, ref: TensorRef, header: dict[str, Any], timeout: float = 60.0) -> Any:
         if ref.same_host():
-            address = ref.ipc
+            address, curve_key = ref.ipc, ""
         elif ref.address:
-            address = ref.address
+            address, curve_key = ref.address, ref.curve_key
         else:
             raise RuntimeError(f"rank {ref.owner} is on another host and has no TCP data socket")
-        sock = self._socket(address)
+        sock = self._socket(address, curve_key)
         sock.send_multipart(self.frames(header))
         if not sock.poll(int(timeout * 1000)):
             raise TimeoutError(
