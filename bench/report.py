@@ -145,7 +145,7 @@ def rows(s: Settings) -> list[Row]:
             "MiB/s",
             "higher",
         ),
-        Row("xhost_r2r_enc_ratio", "9. encrypted cross-host 64 MiB, ours ÷ raw CURVE", "x", "higher"),
+        Row("xhost_r2r_enc_ratio", "9. encrypted 64 MiB, ours ÷ raw CURVE", "x", "higher"),
         Row("ray_cluster_up", "10. two-node Ray cluster up (head + namespace node)", "s"),
         Row("ray_ready_2x1", "10. %mesh --backend ray --hosts 2 -> ready mesh", "s"),
         Row("ray_actors_2", "10. Ray's own: STRICT_SPREAD group + 2 actors answered", "s"),
