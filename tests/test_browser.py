@@ -189,11 +189,40 @@ def _tiles(page) -> list[str]:
     return page.locator(".mk-dash .mk-tile").all_inner_texts()
 
 
+LOSS = '.mk-dash .mk-uplot[data-chart="metric:loss"]'
+
+#: The colours an element shows, as RGBA bytes: a 1x1 canvas paints the computed CSS
+#: colour (whatever syntax the browser computes it to, color-mix included).
+COLORS_JS = """(el) => {
+  const cs = getComputedStyle(el);
+  const ctx = document.createElement('canvas').getContext('2d', {willReadFrequently: true});
+  const rgba = (c) => { ctx.clearRect(0, 0, 1, 1); ctx.fillStyle = c; ctx.fillRect(0, 0, 1, 1);
+                        return Array.from(ctx.getImageData(0, 0, 1, 1).data); };
+  return {fg: rgba(cs.color), bg: rgba(cs.backgroundColor), raw: [cs.color, cs.backgroundColor]};
+}"""
+
+
+def _luminance(rgb: list[int]) -> float:
+    def lin(c: float) -> float:
+        c /= 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (lin(c) for c in rgb[:3])
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast(fg: list[int], bg: list[int]) -> float:
+    """WCAG contrast ratio of two opaque colours."""
+    a, b = sorted((_luminance(fg), _luminance(bg)), reverse=True)
+    return (a + 0.05) / (b + 0.05)
+
+
 def _last_step(page) -> float:
-    line = page.locator('.mk-dash svg[data-chart="metric:loss"] polyline.mk-line').first
-    if line.count() == 0:
+    chart = page.locator(LOSS).first
+    if chart.count() == 0:
         return -1.0
-    return float(line.get_attribute("data-last-x"))
+    last = chart.get_attribute("data-last-x") or ""
+    return float(last) if last else -1.0
 
 
 def test_dashboard_in_jupyterlab(lab):
@@ -225,8 +254,9 @@ def test_dashboard_in_jupyterlab(lab):
                 "document.querySelectorAll('.mk-dash .mk-tile.mk-s-busy').length === 4",
                 timeout=30_000,
             )
-            page.locator('.mk-dash svg[data-chart="metric:loss"] polyline.mk-line').first.wait_for(
-                timeout=30_000
+            page.wait_for_function(
+                f"(document.querySelector('{LOSS}') || {{dataset: {{}}}}).dataset.series === '4'",
+                timeout=30_000,
             )
             steps, tile_texts = [], []
             for _ in range(4):
@@ -236,8 +266,10 @@ def test_dashboard_in_jupyterlab(lab):
             assert len(set(steps)) >= 3 and steps == sorted(steps), steps
             assert tile_texts[0] != tile_texts[-1], "tiles did not change while training"
             assert all("busy" in t and "step" in t for t in tile_texts[-1]), tile_texts[-1]
-            chart = page.locator('.mk-dash svg[data-chart="metric:loss"]')
-            assert chart.is_visible() and chart.locator("polyline.mk-line").count() == 4
+            chart = page.locator(LOSS)
+            assert chart.is_visible() and chart.get_attribute("data-series") == "4"
+            # tick labels on both axes
+            assert chart.locator(".u-axis").count() == 2
             page.screenshot(path=str(ARTIFACTS / "page-training.png"))
 
             # Rank 3 is killed mid-training: its tile and the errors panel say so at once,
@@ -265,10 +297,22 @@ def test_dashboard_in_jupyterlab(lab):
                 timeout=60_000,
             )
             page.wait_for_function(  # charts refresh at most twice a second
-                "document.querySelector('.mk-dash svg[data-chart=\"metric:loss\"] polyline')"
-                ".getAttribute('data-last-x') === '159'",
-                timeout=10_000,
+                f"document.querySelector('{LOSS}').dataset.lastX === '159'", timeout=10_000
             )
+            # The loss chart: log scale, and a value per rank under the pointer.
+            chart.locator("button.mk-scale").click()
+            page.wait_for_function(
+                f"document.querySelector('{LOSS} button.mk-scale').dataset.scale === 'log'",
+                timeout=5_000,
+            )
+            box = chart.locator(".u-over").bounding_box()
+            page.mouse.move(box["x"] + box["width"] * 0.3, box["y"] + box["height"] / 2)
+            readout = chart.locator(".mk-readout")
+            page.wait_for_function(
+                f"document.querySelector('{LOSS} .mk-readout').dataset.hover === '1'",
+                timeout=5_000,
+            )
+            assert re.search(r"step \d+: r0 [\d.]+", readout.inner_text()), readout.inner_text()
             dash.screenshot(path=str(ARTIFACTS / "dashboard-done.png"))
             page.locator(".mk-dash .mk-tile").nth(3).click()  # select it: "Restart rank 3"
             page.locator(".mk-dash button", has_text="Restart rank 3").click()
@@ -293,6 +337,22 @@ def test_dashboard_in_jupyterlab(lab):
             assert time.monotonic() - t0 < 10
             page.locator(".mk-dash .mk-status", has_text="interrupt sent").wait_for(timeout=5000)
             page.screenshot(path=str(ARTIFACTS / "page-interrupted.png"))
+
+            # JupyterLab Dark: tile text stays legible (WCAG AA: contrast >= 4.5:1).
+            page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Theme$")).hover()
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^JupyterLab Dark$")).click()
+            page.wait_for_function("document.body.dataset.jpThemeLight === 'false'", timeout=15_000)
+            time.sleep(1.0)  # the theme's CSS variables apply
+            for i in range(4):
+                tile = page.locator(".mk-dash .mk-tile").nth(i)
+                c = tile.evaluate(COLORS_JS)
+                ratio = contrast(c["fg"], c["bg"])
+                assert c["bg"][3] == 255 and ratio >= 4.5, (i, ratio, c)
+            for pane in (".mk-dash .mk-errors pre", ".mk-dash .mk-detail pre"):
+                c = page.locator(pane).first.evaluate(COLORS_JS)
+                assert contrast(c["fg"], c["bg"]) >= 4.5, (pane, c)
+            dash.screenshot(path=str(ARTIFACTS / "dashboard-dark.png"))
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / "failure.png"))
             raise

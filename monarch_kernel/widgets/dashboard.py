@@ -508,8 +508,6 @@ class Dashboard(W.VBox):
                 chart_id=chart_id,
                 title=name,
                 x_label="step",
-                # losses span decades: log from the start; other metrics linear
-                log="loss" in name,
             )
         self.live_charts[chart_id] = chart
         return chart

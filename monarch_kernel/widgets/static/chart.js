@@ -207,7 +207,9 @@ function render({ model, el }) {
       scales: { x: { time: false }, y: { distr: model.get("log") ? 3 : 1 } },
       axes: [
         { ...axis, label: model.get("x_label"), labelSize: 14, size: 32 },
-        { ...axis, size: 54, values: (u, vals) => vals.map((v) => fmt(v)) },
+        // wide enough for the longest tick label (so "500 KB/s" is never cut)
+        { ...axis, values: (u, vals) => vals.map((v) => fmt(v)),
+          size: (u, vals) => (vals ? Math.max(...vals.map((v) => String(v).length)) : 4) * 6.5 + 16 },
       ],
       series: [{ label: model.get("x_label") || "x" }, ...series],
       bands: bands(series),
