@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import keyword
 import re
+import reprlib
 import shlex
 import signal
 import threading
@@ -26,6 +27,7 @@ from monarch_kernel.controller.errors import ActorError, MeshStartError
 from monarch_kernel.controller.mesh import MeshRuntime
 from monarch_kernel.controller.records import MeshPhase, SetupCell
 from monarch_kernel.controller.registry import registry
+from monarch_kernel.kernel import help as _help
 from monarch_kernel.kernel.args import (
     ENGINE_OPTIONS,
     Parser,
@@ -454,6 +456,9 @@ class MeshMagics(Magics):
             except Exception as exc:
                 raise UsageError(f"cannot evaluate {expr!r}: {exc!r}") from None
         procs.push(**values)
+        # say what was set: a silent success reads like nothing happened
+        what = ", ".join(f"{k}={reprlib.repr(v)}" for k, v in values.items())
+        print(f"pushed to {tokens[0]} ({len(procs)} ranks): {what}")
 
     @line_magic
     def pull(self, line: str) -> ValueMesh | dict[str, ValueMesh]:
@@ -473,6 +478,18 @@ class MeshMagics(Magics):
                 f"%pull failed on ranks {exc.ranks}: {first['message']}; "
                 "define it there with %%remote or %push first"
             ) from None
+
+
+# ``%mesh?`` and friends: plain-text pages listing every option (built from the parsers)
+_help.set_docs(
+    MeshMagics,
+    {
+        "mesh": _help.mesh_help,
+        "remote": _help.remote_help,
+        "push": lambda: _help.PUSH_HELP,
+        "pull": lambda: _help.PULL_HELP,
+    },
+)
 
 
 def _prompt_number(shell: Any) -> int | None:
@@ -622,6 +639,7 @@ def load_ipython_extension(ipython: Any) -> MeshMagics:
     ipython.set_custom_exc(REMOTE_ERRORS, show_remote_error)
     ipython.user_ns.setdefault("_monarch_magics", magics)
     ipython.events.register("pre_run_cell", magics.before_cell)
+    _help.install(ipython)  # Tab completion of mesh names and options
     return magics
 
 
