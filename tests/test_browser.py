@@ -35,7 +35,10 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts"
+#: The prebuilt JupyterLab extension (``make setup`` builds it from labextension/).
+LABEXT = ROOT / "monarch_kernel" / "labextension"
 TOKEN = "monarch-browser-test"
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
@@ -80,6 +83,38 @@ def _notebook(path: Path) -> None:
     nbformat.write(nb, path)
 
 
+def _sidebar_notebook(path: Path) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "monarch", "display_name": "Monarch", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_code_cell("%mesh side --gpus 2 --on-failure continue"),
+        nbformat.v4.new_code_cell(
+            "import os, signal\nos.kill(side.runtime.ranks[1].pid, signal.SIGKILL)"
+        ),
+        nbformat.v4.new_code_cell("%mesh stop side"),
+    ]
+    nbformat.write(nb, path)
+
+
+def lab_env(tmp_path: Path) -> dict[str, str]:
+    """Environment for a JupyterLab that loads our prebuilt extension from this checkout
+    (through JUPYTER_PATH: nothing is installed into the shared environment)."""
+    if not (LABEXT / "package.json").exists():
+        pytest.fail("the JupyterLab extension is not built: run `make setup`")
+    data = tmp_path / "jupyter-data"
+    (data / "labextensions").mkdir(parents=True, exist_ok=True)
+    link = data / "labextensions" / "monarch-kernel-labextension"
+    if not link.exists():
+        link.symlink_to(LABEXT, target_is_directory=True)
+    old = os.environ.get("JUPYTER_PATH")
+    return {
+        **os.environ,
+        "JUPYTER_PATH": str(data) + (os.pathsep + old if old else ""),
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+    }
+
+
 @pytest.fixture
 def lab(tmp_path):
     """A JupyterLab server on 127.0.0.1 serving a fresh notebook; shut down after."""
@@ -87,6 +122,7 @@ def lab(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     _notebook(root / "demo.ipynb")
+    _sidebar_notebook(root / "sidebar.ipynb")
     settings = tmp_path / "settings"
     settings.mkdir()
     (settings / "overrides.json").write_text(
@@ -107,11 +143,7 @@ def lab(tmp_path):
         json.dumps({"disabledExtensions": {"ipyparallel-labextension": True}})
     )
     port = _free_port()
-    env = {
-        **os.environ,
-        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
-        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-    }
+    env = lab_env(tmp_path)
     log = open(tmp_path / "lab.log", "wb")
     proc = subprocess.Popen(
         [
@@ -355,6 +387,78 @@ def test_dashboard_in_jupyterlab(lab):
             dash.screenshot(path=str(ARTIFACTS / "dashboard-dark.png"))
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / "failure.png"))
+            raise
+        finally:
+            browser.close()
+
+
+def test_labextension_is_listed_enabled(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "jupyter", "labextension", "list"],
+        env=lab_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    text = out.stdout + out.stderr
+    assert re.search(r"monarch-kernel-labextension v\S+ .*enabled.*OK", text), text
+
+
+def _status(page) -> str:
+    return page.locator(".mk-lab-status").inner_text()
+
+
+def test_sidebar_and_status_bar_follow_a_mesh(lab):
+    """The Meshes sidebar and the status bar item, fed over the kernel's comm: a mesh
+    appears when created, turns red when a rank is killed, goes when stopped."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    with playwright_sync.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        try:
+            page.goto(f"{lab}/lab/tree/sidebar.ipynb?token={TOKEN}")
+            page.locator(".jp-StatusBar-TextItem", has_text=re.compile(r"\| Idle")).first.wait_for(
+                timeout=60_000
+            )
+            status = page.locator(".mk-lab-status")
+            status.wait_for(timeout=30_000)
+            page.wait_for_function(
+                "document.querySelector('.mk-lab-status').textContent.includes('no meshes')",
+                timeout=30_000,
+            )
+            _run_cell(page, 0)
+            page.wait_for_function(
+                "document.querySelector('.mk-lab-status').textContent.includes('side 2/2')",
+                timeout=30_000,
+            )
+            assert re.search(r"⬢ side 2/2 · [\d.]+ [KMG]?B/s", _status(page)), _status(page)
+            status.click()  # opens the sidebar
+            mesh = page.locator('.mk-lab-sidebar .mk-lab-mesh[data-mesh="side"]')
+            mesh.wait_for(timeout=10_000)
+            page.wait_for_function(
+                "document.querySelectorAll('.mk-lab-mesh .mk-lab-rank.mk-lab-s-idle').length === 2",
+                timeout=10_000,
+            )
+            assert "gpus=2 · local" in mesh.inner_text()
+            assert "mk-lab-bad" not in (status.get_attribute("class") or "")
+            page.screenshot(path=str(ARTIFACTS / "sidebar-running.png"))
+
+            _run_cell(page, 1)  # rank 1 killed: red in the grid and in the status bar
+            page.locator(".mk-lab-mesh .mk-lab-rank.mk-lab-s-dead").wait_for(timeout=10_000)
+            page.locator(".mk-lab-status.mk-lab-bad").wait_for(timeout=10_000)
+            assert "side 1/2" in _status(page)
+            assert mesh.locator("button", has_text="Restart dead").is_enabled()
+            page.screenshot(path=str(ARTIFACTS / "sidebar-dead.png"))
+
+            _run_cell(page, 2)  # stopped: the mesh leaves the sidebar and the status bar
+            mesh.wait_for(state="detached", timeout=15_000)
+            page.wait_for_function(
+                "document.querySelector('.mk-lab-status').textContent.includes('no meshes')",
+                timeout=10_000,
+            )
+            page.screenshot(path=str(ARTIFACTS / "sidebar-stopped.png"))
+        except BaseException:
+            page.screenshot(path=str(ARTIFACTS / "failure-sidebar.png"))
             raise
         finally:
             browser.close()

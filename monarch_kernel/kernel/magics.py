@@ -640,6 +640,9 @@ def load_ipython_extension(ipython: Any) -> MeshMagics:
     ipython.user_ns.setdefault("_monarch_magics", magics)
     ipython.events.register("pre_run_cell", magics.before_cell)
     _help.install(ipython)  # Tab completion of mesh names and options
+    from monarch_kernel.kernel import lab
+
+    lab.install(ipython)  # the JupyterLab extension's Meshes sidebar and status bar item
     return magics
 
 
