@@ -7,6 +7,7 @@ values a browser would render, and the rate at which they arrive.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import re
 import time
@@ -628,3 +629,51 @@ def test_a_dead_rank_restarted_by_the_policy_in_process():
         assert dash.job_labels[0].value == "" and dash.cancel_buttons[0].disabled
     finally:
         procs.stop()
+
+
+def test_series_hands_the_live_chart_each_point_once():
+    from monarch_kernel.widgets.series import FRESH_CAP, Series
+
+    s = Series()
+    s.extend([0.0, 1.0], [5.0, 4.0])
+    s.extend([2.0], [3.0])
+    assert s.take_fresh() == (0, [0.0, 1.0, 2.0], [5.0, 4.0, 3.0])
+    assert s.take_fresh() == (3, [], [])
+    s.extend([0.0], [6.0])  # a new run: the chart is told where it starts (index 3)
+    assert s.take_fresh() == (3, [0.0], [6.0])
+    big = Series()  # nobody takes them: only the newest FRESH_CAP are held
+    xs = [float(i) for i in range(FRESH_CAP + 10)]
+    big.extend(xs, xs)
+    start, fx, _ = big.take_fresh()
+    assert start == 10 and len(fx) == FRESH_CAP and fx[0] == 10.0
+
+
+def test_a_run_that_starts_again_is_not_joined_to_the_last():
+    from monarch_kernel.widgets import charts
+
+    runs = charts.runs([0, 1, 2, 0, 1], [9, 8, 7, 9, 8])
+    assert runs == [([0, 1, 2], [9, 8, 7]), ([0, 1], [9, 8])]
+    svg = charts.line_chart("loss", [("r0", [0, 1, 2, 0, 1], [9, 8, 7, 9, 8])])
+    assert svg.count('class="mk-old-run"') == 1 and svg.count('class="mk-line"') == 1
+    assert 'data-last-x="1" data-last-y="8" data-points="2"' in svg
+
+
+def test_tile_text_is_cut_at_words_and_fits_the_tile():
+    from monarch_kernel.widgets import render
+    from monarch_kernel.widgets.state import TileView
+
+    assert render.clip("short") == "short"
+    cut = render.clip("interrupted: cell 12 of a notebook with long names")
+    assert len(cut) <= render.TILE_CHARS and cut.endswith("…")
+    assert cut == "interrupted: cell 12 of…"  # whole words only
+    view = TileView(
+        rank=3, state="busy", what="RemoteJob cell 12 calling an_endpoint_with_a_long_name",
+        coords="gpus=3", host="a-very-long-hostname.cluster.example.com", pid="123456",
+        device="cuda:3", mem="GPU 1.2 GB", step="1200", seen="<1s", rate_in=1.5e9,
+        rate_out=2e6, restarts=0,
+    )  # fmt: skip
+    lines = render.tile_text(view, compact=False).split("\n")
+    assert all(len(line) <= render.TILE_CHARS for line in lines), lines
+    assert lines[2].endswith("· pid 123456")  # the host is what gets cut
+    dead = render.tile_text(dataclasses.replace(view, state="dead"), compact=False)
+    assert "in 1.5 GB/s" not in dead  # no transfer rate on a rank that is not up
