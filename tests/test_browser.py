@@ -88,6 +88,12 @@ def _sidebar_notebook(path: Path) -> None:
     nb.metadata["kernelspec"] = {"name": "monarch", "display_name": "Monarch", "language": "python"}
     nb.cells = [
         nbformat.v4.new_code_cell("%mesh side --gpus 2 --on-failure continue"),
+        # two runs, the second starting again at step 0
+        nbformat.v4.new_code_cell(
+            "%%remote side\nimport monarch_kernel\nfor run in range(2):\n"
+            "    for step in range(20):\n"
+            "        monarch_kernel.report(step=step, loss=1.0 / (step + 1) + run)"
+        ),
         nbformat.v4.new_code_cell(
             "import os, signal\nos.kill(side.runtime.ranks[1].pid, signal.SIGKILL)"
         ),
@@ -415,6 +421,9 @@ def test_sidebar_and_status_bar_follow_a_mesh(lab):
     with playwright_sync.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
+        console: list[str] = []  # kept with the screenshots when the test fails
+        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
         try:
             page.goto(f"{lab}/lab/tree/sidebar.ipynb?token={TOKEN}")
             page.locator(".jp-StatusBar-TextItem", has_text=re.compile(r"\| Idle")).first.wait_for(
@@ -441,16 +450,36 @@ def test_sidebar_and_status_bar_follow_a_mesh(lab):
             )
             assert "gpus=2 · local" in mesh.inner_text()
             assert "mk-lab-bad" not in (status.get_attribute("class") or "")
+
+            # A run that starts again at step 0 is a new line, not joined to the old one.
+            _run_cell(page, 1)
+            page.wait_for_function(
+                f"(document.querySelector('{LOSS}') || {{dataset: {{}}}}).dataset.series === '4'",
+                timeout=20_000,
+            )
+            legend = page.locator(f"{LOSS} .mk-readout").inner_text()
+            assert "r0 run 1" in legend and "r0 run 2" in legend, legend
             page.screenshot(path=str(ARTIFACTS / "sidebar-running.png"))
 
-            _run_cell(page, 1)  # rank 1 killed: red in the grid and in the status bar
+            _run_cell(page, 2)  # rank 1 killed: red in the grid and in the status bar
             page.locator(".mk-lab-mesh .mk-lab-rank.mk-lab-s-dead").wait_for(timeout=10_000)
             page.locator(".mk-lab-status.mk-lab-bad").wait_for(timeout=10_000)
             assert "side 1/2" in _status(page)
-            assert mesh.locator("button", has_text="Restart dead").is_enabled()
             page.screenshot(path=str(ARTIFACTS / "sidebar-dead.png"))
+            # the sidebar's button restarts it: green again, the status bar no longer red
+            mesh.locator("button", has_text="Restart dead").click()
+            page.wait_for_function(
+                "document.querySelectorAll('.mk-lab-mesh .mk-lab-rank.mk-lab-s-idle').length === 2",
+                timeout=30_000,
+            )
+            page.wait_for_function(
+                "!document.querySelector('.mk-lab-status').classList.contains('mk-lab-bad')",
+                timeout=10_000,
+            )
+            assert "side 2/2" in _status(page)
+            page.locator(".mk-lab-notice", has_text="restarted ranks 1").wait_for(timeout=10_000)
 
-            _run_cell(page, 2)  # stopped: the mesh leaves the sidebar and the status bar
+            _run_cell(page, 3)  # stopped: the mesh leaves the sidebar and the status bar
             mesh.wait_for(state="detached", timeout=15_000)
             page.wait_for_function(
                 "document.querySelector('.mk-lab-status').textContent.includes('no meshes')",
@@ -459,6 +488,7 @@ def test_sidebar_and_status_bar_follow_a_mesh(lab):
             page.screenshot(path=str(ARTIFACTS / "sidebar-stopped.png"))
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / "failure-sidebar.png"))
+            (ARTIFACTS / "failure-sidebar-console.txt").write_text("\n".join(console))
             raise
         finally:
             browser.close()

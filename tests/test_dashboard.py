@@ -284,6 +284,30 @@ def test_busy_tiles_and_live_metrics_from_a_bg_loop(kernel):
     assert r.text == str([(steps, True)] * 4), r.text + r.error_text
 
 
+def test_a_chart_view_that_opens_later_gets_the_whole_history(kernel):
+    """The front end asks for the history when a view opens ("sync"); the kernel answers
+    with every kept point and each series' count (appends that overlap it are dropped)."""
+    kernel.run(
+        "%%remote m\nimport monarch_kernel\nfor run in range(2):\n"
+        "    for step in range(20):\n"
+        "        monarch_kernel.report(step=step, acc=step / 20 + run)"
+    )
+    kernel.wait_for(lambda: kernel.chart_points("m", "metric:acc"), what="acc chart")
+    comm_id = next(
+        cid
+        for cid in kernel._dashboard("m")["_all"]
+        if kernel.models[cid].get("chart_id") == "metric:acc"
+    )
+    msg = kernel.kc.session.msg(
+        "comm_msg", {"comm_id": comm_id, "data": {"method": "custom", "content": {"type": "sync"}}}
+    )
+    kernel.kc.shell_channel.send(msg)
+    kernel.wait_for(lambda: any(m["type"] == "reset" for m in kernel.custom[comm_id]), what="reset")
+    reset = next(m for m in kernel.custom[comm_id] if m["type"] == "reset")
+    r0 = next(s for s in reset["series"] if s["key"] == "r0")
+    assert r0["count"] == 40 and r0["x"] == [float(i) for i in range(20)] * 2
+
+
 def test_busy_tile_names_the_endpoint(kernel):
     r = kernel.run(
         "import time\nfrom monarch_kernel.actor import Actor, endpoint\n"

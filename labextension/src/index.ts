@@ -1,8 +1,9 @@
 // JupyterLab side of monarch_kernel: a Meshes sidebar, a status bar item and palette
 // commands. The kernel pushes every mesh's state over the comm target
 // "monarch_kernel.meshes" (see monarch_kernel/kernel/lab.py): this extension opens one
-// comm per running monarch kernel and only listens; it never polls the kernel, needs no
-// extra port and no server extension.
+// comm per monarch kernel that an open notebook or console uses, on that notebook's own
+// connection, and listens; it never polls the kernel, needs no extra port and no server
+// extension.
 
 import {
   ILabShell,
@@ -58,16 +59,36 @@ export function rateText(bps: number): string {
   return `${Math.round(bps)} B/s`;
 }
 
-/** The comms to every running monarch kernel and the meshes each reported. */
+/** What the model needs of a notebook's (or console's) session context. */
+interface ISessionLike {
+  session: { kernel: Kernel.IKernelConnection | null } | null;
+  kernelChanged: { connect: (fn: () => void) => void };
+  ready: Promise<void>;
+}
+
+/** The comms to every monarch kernel that an open notebook or console talks to, and
+ * the meshes each reported.
+ *
+ * The comm is opened on the notebook's own kernel connection: that connection already
+ * handles the kernel's comms (the widgets'). A second connection of our own would see
+ * every widget comm the kernel opens, know no target for it, and close it. */
 class MeshModel {
   readonly changed = new Set<() => void>();
   private comms = new Map<string, Kernel.IComm>();
   private states = new Map<string, IState>();
+  private contexts = new Set<ISessionLike>();
 
-  constructor(private app: JupyterFrontEnd) {
-    const kernels = app.serviceManager.kernels;
-    kernels.runningChanged.connect(() => this.sync());
-    void kernels.ready.then(() => this.sync());
+  constructor(shell: ILabShell) {
+    const scan = () => {
+      for (const widget of shell.widgets('main')) {
+        const ctx = (widget as unknown as { sessionContext?: ISessionLike }).sessionContext;
+        if (ctx && !this.contexts.has(ctx)) {
+          this.watch(ctx, widget);
+        }
+      }
+    };
+    shell.layoutModified.connect(scan);
+    scan();
   }
 
   /** Every mesh of every monarch kernel, with the kernel it lives in. */
@@ -87,7 +108,10 @@ class MeshModel {
 
   /** Ask the kernel `kernel` to act on mesh `mesh`. */
   act(kernel: string, mesh: string, action: string): void {
-    this.comms.get(kernel)?.send({ action, mesh });
+    const comm = this.comms.get(kernel);
+    if (comm && !comm.isDisposed) {
+      comm.send({ action, mesh });
+    }
   }
 
   private emit(): void {
@@ -96,42 +120,43 @@ class MeshModel {
     }
   }
 
-  /** Open a comm to each new monarch kernel; forget kernels that went away. */
-  private sync(): void {
-    const running = [...this.app.serviceManager.kernels.running()].filter(
-      m => m.name === KERNEL_NAME
-    );
-    const ids = new Set(running.map(m => m.id));
-    for (const id of [...this.comms.keys()]) {
-      if (!ids.has(id)) {
+  private watch(ctx: ISessionLike, widget: Widget): void {
+    this.contexts.add(ctx);
+    const attach = () => this.attach(ctx.session?.kernel ?? null);
+    ctx.kernelChanged.connect(attach);
+    void ctx.ready.then(attach);
+    widget.disposed.connect(() => {
+      this.contexts.delete(ctx);
+      const id = ctx.session?.kernel?.id;
+      if (id) {
+        // its connection goes with it: another widget on that kernel takes over
         this.comms.delete(id);
         this.states.delete(id);
+        for (const other of this.contexts) {
+          this.attach(other.session?.kernel ?? null);
+        }
+        this.emit();
       }
-    }
-    for (const model of running) {
-      if (!this.comms.has(model.id)) {
-        this.connect(model);
-      }
-    }
-    this.emit();
+    });
   }
 
-  private connect(model: Kernel.IModel): void {
-    const kernel = this.app.serviceManager.kernels.connectTo({
-      model,
-      handleComms: true
-    });
+  /** Open our comm on `kernel` (once per kernel), and again after a restart. */
+  private attach(kernel: Kernel.IKernelConnection | null): void {
+    if (!kernel || kernel.name !== KERNEL_NAME || this.comms.has(kernel.id)) {
+      return;
+    }
+    const id = kernel.id;
     const open = () => {
       const comm = kernel.createComm(TARGET);
       comm.onMsg = msg => {
-        this.states.set(model.id, msg.content.data as unknown as IState);
+        this.states.set(id, msg.content.data as unknown as IState);
         this.emit();
       };
       comm.onClose = () => {
-        this.states.delete(model.id);
+        this.states.delete(id);
         this.emit();
       };
-      this.comms.set(model.id, comm);
+      this.comms.set(id, comm);
       comm.open({});
     };
     // a restarted kernel forgets its comms: open a new one once it is back
@@ -139,7 +164,7 @@ class MeshModel {
     kernel.statusChanged.connect((_k, status) => {
       if (status === 'restarting' || status === 'autorestarting') {
         restarting = true;
-        this.states.delete(model.id);
+        this.states.delete(id);
         this.emit();
       } else if (restarting && status === 'idle') {
         restarting = false;
@@ -153,6 +178,9 @@ class MeshModel {
 /** The Meshes sidebar: each mesh's shape, backend, a host x rank grid in state colours,
  * its transfer rate and actions. */
 class MeshSidebar extends Widget {
+  /** A line of our own under the meshes (e.g. why a button did nothing). */
+  hint = '';
+
   constructor(private model: MeshModel) {
     super();
     this.id = SIDEBAR_ID;
@@ -180,7 +208,7 @@ class MeshSidebar extends Widget {
     for (const { kernel, mesh } of meshes) {
       node.appendChild(this.meshNode(kernel, mesh));
     }
-    for (const notice of this.model.notices()) {
+    for (const notice of [...this.model.notices(), this.hint].filter(n => n)) {
       const p = document.createElement('p');
       p.className = 'mk-lab-notice';
       p.textContent = notice;
@@ -246,21 +274,26 @@ class MeshSidebar extends Widget {
     button('Stop', 'Stop every rank of this mesh', () =>
       this.model.act(kernel, mesh.name, 'stop')
     );
-    button('Dashboard', 'Scroll to this mesh’s dashboard', () => showDashboard(mesh.name));
+    button('Dashboard', 'Scroll to this mesh’s dashboard', () => {
+      if (!showDashboard(mesh.name)) {
+        this.hint = `No dashboard of ${mesh.name} is open: run ${mesh.name}.dashboard() in a cell.`;
+        this.render();
+      }
+    });
     box.appendChild(actions);
     return box;
   }
 }
 
-/** Scroll the mesh's dashboard (in an open notebook) into view. */
-function showDashboard(name: string): void {
+/** Scroll the mesh's dashboard (in an open notebook) into view; false if none is. */
+function showDashboard(name: string): boolean {
   for (const head of document.querySelectorAll('.mk-dash .mk-head b')) {
     if (head.textContent === name) {
       head.scrollIntoView({ behavior: 'smooth', block: 'start' });
-      return;
+      return true;
     }
   }
-  window.alert(`No dashboard of ${name} is open; run ${name}.dashboard() in a cell.`);
+  return false;
 }
 
 /** `⬢ trainers 4/4 · 1.2 GB/s`, red when a rank is dead; a click opens the sidebar. */
@@ -304,7 +337,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
     statusBar: IStatusBar | null,
     palette: ICommandPalette | null
   ) => {
-    const model = new MeshModel(app);
+    const model = new MeshModel(shell);
     const sidebar = new MeshSidebar(model);
     shell.add(sidebar, 'left', { rank: 900 });
     const open = () => shell.activateById(SIDEBAR_ID);

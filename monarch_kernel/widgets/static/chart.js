@@ -280,10 +280,14 @@ function render({ model, el }) {
   smoothBox.addEventListener("change", () => { if (plot) { plot.destroy(); plot = null; } redraw(); });
   model.on("change:log", () => { if (plot) { plot.destroy(); plot = null; } redraw(); });
   plotEl.addEventListener("dblclick", () => { zoomed = false; });
+  // the axes take the theme's colours when the plot is made: remake it on a theme change
+  const themeWatch = new MutationObserver(() => { if (plot) { plot.destroy(); plot = null; } schedule(); });
+  themeWatch.observe(document.body, { attributes: true, attributeFilter: ["data-jp-theme-name"] });
   model.on("msg:custom", onMsg);
   redraw();
   model.send({ type: "sync" });
   return () => {
+    themeWatch.disconnect();
     model.off("msg:custom", onMsg);
     if (timer != null) clearTimeout(timer);
     if (plot) plot.destroy();
