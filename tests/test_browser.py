@@ -376,21 +376,28 @@ def test_dashboard_in_jupyterlab(lab):
             page.locator(".mk-dash .mk-status", has_text="interrupt sent").wait_for(timeout=5000)
             page.screenshot(path=str(ARTIFACTS / "page-interrupted.png"))
 
-            # JupyterLab Dark: tile text stays legible (WCAG AA: contrast >= 4.5:1).
-            page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
-            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Theme$")).hover()
-            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^JupyterLab Dark$")).click()
-            page.wait_for_function("document.body.dataset.jpThemeLight === 'false'", timeout=15_000)
-            time.sleep(1.0)  # the theme's CSS variables apply
-            for i in range(4):
-                tile = page.locator(".mk-dash .mk-tile").nth(i)
-                c = tile.evaluate(COLORS_JS)
-                ratio = contrast(c["fg"], c["bg"])
-                assert c["bg"][3] == 255 and ratio >= 4.5, (i, ratio, c)
-            for pane in (".mk-dash .mk-errors pre", ".mk-dash .mk-detail pre"):
-                c = page.locator(pane).first.evaluate(COLORS_JS)
-                assert contrast(c["fg"], c["bg"]) >= 4.5, (pane, c)
-            dash.screenshot(path=str(ARTIFACTS / "dashboard-dark.png"))
+            # Dark themes: tile text and panes stay legible (WCAG AA: contrast >= 4.5:1).
+            for theme, shot in (
+                ("JupyterLab Dark", "dashboard-dark.png"),
+                ("JupyterLab Dark High Contrast", "dashboard-high-contrast.png"),
+            ):
+                page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
+                page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Theme$")).hover()
+                item = page.locator(".lm-Menu-itemLabel", has_text=re.compile(f"^{theme}$"))
+                item.click()
+                page.wait_for_function(
+                    f"document.body.dataset.jpThemeName === {theme!r}", timeout=15_000
+                )
+                time.sleep(1.0)  # the theme's CSS variables apply
+                for i in range(4):
+                    tile = page.locator(".mk-dash .mk-tile").nth(i)
+                    c = tile.evaluate(COLORS_JS)
+                    ratio = contrast(c["fg"], c["bg"])
+                    assert c["bg"][3] == 255 and ratio >= 4.5, (theme, i, ratio, c)
+                for pane in (".mk-dash .mk-errors pre", ".mk-dash .mk-detail pre"):
+                    c = page.locator(pane).first.evaluate(COLORS_JS)
+                    assert contrast(c["fg"], c["bg"]) >= 4.5, (theme, pane, c)
+                dash.screenshot(path=str(ARTIFACTS / shot))
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / "failure.png"))
             raise

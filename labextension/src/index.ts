@@ -102,6 +102,11 @@ class MeshModel {
     return out;
   }
 
+  /** Whether any monarch kernel is connected (else the status item hides). */
+  connected(): boolean {
+    return this.comms.size > 0;
+  }
+
   notices(): string[] {
     return [...this.states.values()].map(s => s.notice).filter(n => n);
   }
@@ -158,6 +163,7 @@ class MeshModel {
       };
       this.comms.set(id, comm);
       comm.open({});
+      this.emit();
     };
     // a restarted kernel forgets its comms: open a new one once it is back
     let restarting = false;
@@ -311,6 +317,8 @@ class MeshStatus extends Widget {
   }
 
   render(): void {
+    // only where a monarch kernel is in use: other notebooks get no status item
+    this.setHidden(!this.model.connected());
     const meshes = this.model.meshes();
     const dead = meshes.some(m => m.mesh.dead > 0);
     this.toggleClass('mk-lab-bad', dead);

@@ -72,8 +72,8 @@ CSS = (
   background: color-mix(in srgb, var(--mk-c) 16%, var(--jp-layout-color1, #fff)) !important; }
 .mk-dash .mk-tile.mk-s-starting { border-style: dashed !important; }
 .mk-dash .mk-tile.mk-s-stopped { opacity: 0.75; }
-.mk-dash .mk-tile.mk-selected { outline: 3px solid var(--jp-ui-font-color1, #111827);
-  outline-offset: 1px; }
+.mk-dash .mk-tile.mk-selected { outline: 2px solid var(--jp-ui-font-color1, #111827);
+  outline-offset: -5px; }
 .mk-dash .mk-detail pre, .mk-dash .mk-errors pre { background: var(--jp-layout-color2, #f9fafb);
   color: var(--jp-content-font-color1, #111827); border: 1px solid var(--jp-border-color2, #e5e7eb);
   padding: 4px 6px; margin: 2px 0 6px; max-height: 180px; overflow: auto; font-size: 11px;
