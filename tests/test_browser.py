@@ -90,10 +90,12 @@ def _sidebar_notebook(path: Path) -> None:
         nbformat.v4.new_code_cell("%mesh side --gpus 2 --on-failure continue"),
         # two runs, the second starting again at step 0
         nbformat.v4.new_code_cell(
-            "%%remote side\nimport monarch_kernel\nfor run in range(2):\n"
-            "    for step in range(20):\n"
-            "        monarch_kernel.report(step=step, loss=1.0 / (step + 1) + run)"
+            "%%remote side\nimport os, monarch_kernel\nr = int(os.environ['RANK'])\n"
+            "for run in range(2):\n    for step in range(20):\n"
+            "        monarch_kernel.report(step=step, loss=1.0 / (step + 1) + run + 0.3 * r)"
         ),
+        # many ranks are drawn as their mean with a min/max band (here from 2 on)
+        nbformat.v4.new_code_cell("side.dashboard().live_charts['metric:loss'].max_lines = 1"),
         nbformat.v4.new_code_cell(
             "import os, signal\nos.kill(side.runtime.ranks[1].pid, signal.SIGKILL)"
         ),
@@ -467,8 +469,17 @@ def test_sidebar_and_status_bar_follow_a_mesh(lab):
             legend = page.locator(f"{LOSS} .mk-readout").inner_text()
             assert "r0 run 1" in legend and "r0 run 2" in legend, legend
             page.screenshot(path=str(ARTIFACTS / "sidebar-running.png"))
+            _run_cell(page, 2)
+            page.wait_for_function(
+                f"document.querySelector('{LOSS} .mk-readout').textContent.includes('mean of 2')",
+                timeout=10_000,
+            )
+            legend = page.locator(f"{LOSS} .mk-readout").inner_text()
+            assert legend == "mean of 2 · max · min", legend
+            assert page.locator(f"{LOSS}").get_attribute("data-series") == "3"
+            page.locator(LOSS).screenshot(path=str(ARTIFACTS / "chart-band.png"))
 
-            _run_cell(page, 2)  # rank 1 killed: red in the grid and in the status bar
+            _run_cell(page, 3)  # rank 1 killed: red in the grid and in the status bar
             page.locator(".mk-lab-mesh .mk-lab-rank.mk-lab-s-dead").wait_for(timeout=10_000)
             page.locator(".mk-lab-status.mk-lab-bad").wait_for(timeout=10_000)
             assert "side 1/2" in _status(page)
@@ -486,7 +497,7 @@ def test_sidebar_and_status_bar_follow_a_mesh(lab):
             assert "side 2/2" in _status(page)
             page.locator(".mk-lab-notice", has_text="restarted ranks 1").wait_for(timeout=10_000)
 
-            _run_cell(page, 3)  # stopped: the mesh leaves the sidebar and the status bar
+            _run_cell(page, 4)  # stopped: the mesh leaves the sidebar and the status bar
             mesh.wait_for(state="detached", timeout=15_000)
             page.wait_for_function(
                 "document.querySelector('.mk-lab-status').textContent.includes('no meshes')",

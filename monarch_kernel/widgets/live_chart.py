@@ -70,6 +70,8 @@ if AVAILABLE:
         x_label = traitlets.Unicode("step").tag(sync=True)
         unit = traitlets.Unicode("").tag(sync=True)
         log = traitlets.Bool(False).tag(sync=True)
+        #: More series than this are drawn as their mean with a min/max band.
+        max_lines = traitlets.Int(8).tag(sync=True)
 
         def __init__(
             self, snapshot: Callable[[], list[Points]], *, log: bool = False, **kwargs: Any

@@ -12,7 +12,6 @@
 const PALETTE = [
   "#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777",
 ];
-const MAX_LINES = 8; // more series than this: mean with a min/max band
 const CAP = 3000; // points kept per run before every other one is dropped
 const MAX_RUNS = 4; // runs kept per series (older runs are dropped)
 const REDRAW_MS = 250; // at most four redraws a second
@@ -128,7 +127,8 @@ function render({ model, el }) {
       if (log) out = out.map((y) => (y != null && y > 0 ? y : null));
       return out;
     };
-    if (entries.length <= MAX_LINES) {
+    // more series than max_lines: mean with a min/max band
+    if (entries.length <= model.get("max_lines")) {
       for (const e of entries) {
         const color = PALETTE[e.idx % PALETTE.length];
         e.runs.forEach((run, ri) => {
@@ -279,6 +279,7 @@ function render({ model, el }) {
   });
   smoothBox.addEventListener("change", () => { if (plot) { plot.destroy(); plot = null; } redraw(); });
   model.on("change:log", () => { if (plot) { plot.destroy(); plot = null; } redraw(); });
+  model.on("change:max_lines", () => { if (plot) { plot.destroy(); plot = null; } redraw(); });
   plotEl.addEventListener("dblclick", () => { zoomed = false; });
   // the axes take the theme's colours when the plot is made: remake it on a theme change
   const themeWatch = new MutationObserver(() => { if (plot) { plot.destroy(); plot = null; } schedule(); });
