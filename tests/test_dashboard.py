@@ -701,3 +701,30 @@ def test_tile_text_is_cut_at_words_and_fits_the_tile():
     assert lines[2].endswith("· pid 123456")  # the host is what gets cut
     dead = render.tile_text(dataclasses.replace(view, state="dead"), compact=False)
     assert "in 1.5 GB/s" not in dead  # no transfer rate on a rank that is not up
+
+
+def test_svg_charts_when_live_charts_are_off(monkeypatch):
+    """``MONARCH_KERNEL_CHARTS=svg`` (or no anywidget): the static SVG charts, live."""
+    from monarch_kernel.actor import this_host
+    from monarch_kernel.kernel.remote import RemoteJob
+    from monarch_kernel.widgets import live_chart
+    from monarch_kernel.widgets.dashboard import Dashboard
+
+    monkeypatch.setattr(live_chart, "AVAILABLE", False)
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="svgcharts")
+    try:
+        dash = Dashboard(procs.runtime, start=False)
+        code = (
+            "import monarch_kernel\nfor i in range(5):\n"
+            "    monarch_kernel.report(step=i, loss=1 / (i + 1))"
+        )
+        RemoteJob(procs, code, "loop", None).start().wait(timeout=30)
+        wait_until(
+            lambda: dash.update() or 'data-chart="metric:loss"' in dash.charts.value,
+            timeout=10,
+            what="svg loss chart",
+        )
+        assert dash.live_charts == {} and dash.charts_box.children == ()
+        dash.close()
+    finally:
+        procs.stop()

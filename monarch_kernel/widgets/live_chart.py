@@ -7,12 +7,13 @@ drag to zoom, optional smoothing, starts a new line when a series' x goes back (
 started again at step 0) and draws many ranks as their mean with a min/max band.
 
 uPlot's built JS and CSS are vendored in ``static/uplot`` (MIT licence file included):
-nothing is fetched at runtime. Without anywidget (:data:`AVAILABLE` false) the dashboard
-keeps its static SVG charts.
+nothing is fetched at runtime. Without anywidget, or with ``MONARCH_KERNEL_CHARTS=svg``
+(:data:`AVAILABLE` false), the dashboard keeps its static SVG charts.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from functools import cache
 from importlib import resources
@@ -22,7 +23,9 @@ try:
     import anywidget
     import traitlets
 
-    AVAILABLE = True
+    # MONARCH_KERNEL_CHARTS=svg keeps the static SVG charts: for a frontend that shows
+    # core ipywidgets but cannot load anywidget's front end
+    AVAILABLE = os.environ.get("MONARCH_KERNEL_CHARTS", "").lower() != "svg"
 except ImportError:  # pragma: no cover - anywidget is a dependency; be safe anyway
     AVAILABLE = False
 
