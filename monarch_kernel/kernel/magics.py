@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import keyword
+import os
 import re
 import shlex
 import signal
@@ -319,6 +320,11 @@ class MeshMagics(Magics):
             f"mesh {name!r}: {procs.shape.describe()} ({opts.backend}) ready in "
             f"{time.monotonic() - t0:.2f}s"
         )
+        if opts.backend == "local" and os.environ.get("LIGHTNING_CLOUD_SPACE_ID"):
+            print(
+                f"mesh {name!r} runs on this Lightning Studio's own machine; an idle Studio "
+                "goes to sleep and that ends the mesh (keep it active while you use it)"
+            )
         if opts.dist:
             self._run_on(procs, INIT_DIST)
             print(f"mesh {name!r}: torch.distributed process group initialised")
