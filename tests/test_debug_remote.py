@@ -1,0 +1,209 @@
+"""Debugging ranks from the notebook (issue 16), through a real kernel and jupyter_client:
+``breakpoint()`` in a ``%%remote`` cell answered on the stdin channel (``input_request``),
+several paused ranks attached in turn or cast to, post-mortem with ``%debug_remote``,
+``detach``, the timeout of a forgotten breakpoint, the stop button while a rank is
+paused, and a breakpoint in an endpoint attached to later."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+from kernel_client import Kernel, Result
+
+from monarch_kernel.launchers.local import MAX_RANKS_ENV
+
+#: The cell of most tests: ranks 1 and 3 of 4 stop at line 7 (the line after the
+#: breakpoint; line 1 is the %%remote line).
+CELL = """%%remote m
+import os
+rank = int(os.environ["RANK"])
+x = rank * 10
+if rank in (1, 3):
+    breakpoint()
+y = x + 1
+y"""
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel(env={MAX_RANKS_ENV: "4"})
+    r = k.run("%mesh m --gpus 4")
+    assert "ready" in r.stdout, r.stderr + r.error_text
+    yield k
+    k.shutdown_and_check()
+
+
+def prompt(k: Kernel, timeout: float = 30) -> str:
+    """The next input_request's prompt (the kernel asks on the stdin channel)."""
+    return k.kc.get_stdin_msg(timeout=timeout)["content"]["prompt"]
+
+
+def drive(
+    k: Kernel, code: str, answers: list[str], timeout: float = 60, think: float = 0.0
+) -> tuple[Result, list]:
+    """Run ``code``, answering each input_request with the next of ``answers`` (after
+    ``think`` seconds the first time, as a person would); the cell's result and the
+    prompts asked."""
+    msg_id = k.kc.execute(code, allow_stdin=True)
+    prompts = []
+    for i, line in enumerate(answers):
+        prompts.append(prompt(k))
+        if i == 0:
+            time.sleep(think)
+        k.kc.input(line)
+    return k.collect(msg_id, timeout=timeout), prompts
+
+
+def no_more_prompts(k: Kernel) -> None:
+    with pytest.raises(queue.Empty):
+        k.kc.get_stdin_msg(timeout=0.2)
+
+
+def test_breakpoint_on_two_of_four_ranks_inspect_step_continue(kernel):
+    t0 = time.monotonic()
+    r, prompts = drive(kernel, CELL, ["p x", "n", "p y", "c", "p x", "c"])
+    first = 1 if prompts[0] == "[rank 1] (Pdb) " else 3  # whichever stopped first
+    other = 4 - first
+    assert prompts == [f"[rank {first}] (Pdb) "] * 4 + [f"[rank {other}] (Pdb) "] * 2, prompts
+    out = r.stdout
+    assert "rank 1 stopped at cell line 7" in out and "rank 3 stopped at cell line 7" in out
+    assert "-> y = x + 1" in out  # pdb's own listing of where it stopped
+    lines = out.splitlines()
+    # p x, p y on the first, then p x on the other
+    assert {str(first * 10), str(first * 10 + 1), str(other * 10)} <= set(lines), out
+    assert f"-- attached to rank {other} (stopped at cell line 7) --" in out
+    # every rank finished the cell; the paused ones with what they computed
+    assert r.text == "ValueMesh(gpus=4; {gpus=0}: 1, {gpus=1}: 11, {gpus=2}: 21, {gpus=3}: 31)"
+    assert not r.errors, r.error_text
+    no_more_prompts(kernel)
+    assert time.monotonic() - t0 < 30
+    # the mesh is fine afterwards: no trace function left behind, no stop in the next cell
+    assert kernel.run("%remote m y").text.endswith("{gpus=3}: 31)")
+
+
+def test_cast_to_several_ranks_groups_identical_answers(kernel):
+    # rank 3 stops a little after rank 1 (and before the first command is cast)
+    late = "    import time; time.sleep(rank / 10)\n    breakpoint()"
+    code = CELL.replace("    breakpoint()", late)
+    answers = ["@all p type(x).__name__", "--ranks 0:4 p x", "@3", "p rank", "@all c"]
+    r, prompts = drive(kernel, code, answers, think=1.5)
+    assert prompts == ["[rank 1] (Pdb) "] * 3 + ["[rank 3] (Pdb) "] * 2, prompts
+    out = r.stdout
+    assert "[ranks 1, 3] 'int'" in out, out  # identical answers: one line
+    assert "[rank 1] 10\n[rank 3] 30\n" in out, out  # different ones: by rank
+    assert "(not paused: ranks 0, 2)" in out
+    assert "\n3\n" in out  # p rank on rank 3, after @3 attached it
+    assert "[ranks 1, 3] running on (continue)" in out, out
+    assert not r.errors and r.text.endswith("{gpus=3}: 31)"), r.error_text
+    assert "->None" not in out  # nothing left over from the last test's stop at a return
+    no_more_prompts(kernel)
+
+
+def test_detach_ignores_the_cells_later_breakpoints(kernel):
+    code = (
+        "%%remote m --ranks 2\ntotal = 0\nfor i in range(3):\n    breakpoint()\n"
+        "    total += i\ntotal"
+    )
+    r, prompts = drive(kernel, code, ["p i", "c", "p i", "detach"])
+    assert prompts == ["[rank 2] (Pdb) "] * 4
+    assert r.stdout.count("\n0\n") + r.stdout.startswith("0\n") >= 1 and "\n1\n" in r.stdout
+    assert r.text.endswith(": 3)"), r.text + r.error_text
+    no_more_prompts(kernel)
+    # detach lasts for that cell only: the next breakpoint stops again
+    r, prompts = drive(kernel, "%%remote m --ranks 2\nbreakpoint()\nz = 5\nz", ["c"])
+    assert prompts == ["[rank 2] (Pdb) "] and r.text.endswith(": 5)"), r.error_text
+
+
+def test_post_mortem_on_a_failed_rank(kernel):
+    r = kernel.run(
+        "%%remote m\nimport os\nrank = int(os.environ['RANK'])\n"
+        "def step(v):\n    scale = v - 20\n    return 100 / scale\nstep(rank * 10)"
+    )
+    assert "ZeroDivisionError" in r.error_text and "rank 2" in r.error_text, r.error_text
+    r, prompts = drive(kernel, "%debug_remote m --rank 2", ["p scale, v", "up", "p rank", "q"])
+    assert prompts == ["[rank 2] (Pdb) "] * 4, prompts
+    out = r.stdout
+    assert "rank 2 post-mortem debugger at cell line 6 in step" in out, out
+    assert "ZeroDivisionError: division by zero" in out
+    assert "(0, 20)" in out and "\n2\n" in out, out
+    assert not r.errors, r.error_text
+    # debugged: the frame is released
+    r = kernel.run("%debug_remote m --rank 2")
+    assert "nothing to debug on ranks 2" in r.stdout, r.stdout + r.error_text
+    # another failure, released by --clear (and by the next cell)
+    kernel.run("%%remote m --ranks 1\n1 / 0")
+    r = kernel.run("%debug_remote m --clear")
+    assert "released the failed frames kept on ranks 1" in r.stdout, r.stdout + r.error_text
+    kernel.run("%%remote m --ranks 1\n1 / 0")
+    kernel.run("%remote m 1")
+    r = kernel.run("%debug_remote m")
+    assert "nothing to debug on ranks 0-3" in r.stdout, r.stdout + r.error_text
+    # a bad option is a one-line usage error
+    r = kernel.run("%debug_remote m --ranks 9")
+    assert r.reply["status"] == "error" and r.reply["ename"] == "UsageError"
+
+
+def test_post_mortem_cast_to_several_failed_ranks(kernel):
+    r = kernel.run(
+        "%%remote m --ranks 0:2\nimport os\nlimit = 3\nraise ValueError(os.environ['RANK'])"
+    )
+    assert "ValueError" in r.error_text
+    answers = ["@all p limit", "@all q"]
+    r, prompts = drive(kernel, "%debug_remote m --ranks 0:2", answers, think=1.5)
+    assert "[ranks 0-1] 3" in r.stdout and "[ranks 0-1] quit the debugger" in r.stdout, r.stdout
+    assert not r.errors, r.error_text
+
+
+def test_a_forgotten_breakpoint_times_out(kernel):
+    kernel.run("%%remote m\nimport os\nos.environ['MONARCH_KERNEL_DEBUG_TIMEOUT'] = '1.5'")
+    try:
+        t0 = time.monotonic()
+        msg_id = kernel.kc.execute(
+            "%%remote m --ranks 1\nbreakpoint()\nafter = 'ran on'\nafter", allow_stdin=True
+        )
+        assert prompt(kernel) == "[rank 1] (Pdb) "  # nobody answers it
+        r = kernel.collect(msg_id, timeout=30)
+        took = time.monotonic() - t0
+        assert r.text.endswith(": 'ran on')"), r.error_text
+        assert "rank 1: running on (debugger timed out)" in r.stdout, r.stdout
+        assert "no debugger command in 1.5 s at cell line 3: detached, running on" in r.stderr
+        assert 1.5 <= took < 15, took
+    finally:
+        kernel.run("%%remote m\nos.environ.pop('MONARCH_KERNEL_DEBUG_TIMEOUT')")
+
+
+def test_interrupt_while_a_rank_is_paused(kernel):
+    msg_id = kernel.kc.execute(
+        "%%remote m\nimport os, time\nif os.environ['RANK'] == '0':\n    breakpoint()\n"
+        "    never = 1\nelse:\n    time.sleep(0.2)",
+        allow_stdin=True,
+    )
+    assert prompt(kernel) == "[rank 0] (Pdb) "
+    kernel.km.interrupt_kernel()
+    r = kernel.collect(msg_id, timeout=30)
+    assert r.reply["status"] == "error"
+    assert "interrupted cell" in r.error_text and "KeyboardInterrupt" in r.error_text, r.error_text
+    assert "rank 0" in r.error_text and "line 5" in r.error_text, r.error_text
+    no_more_prompts(kernel)
+    r = kernel.run("%remote m 'still here'")
+    assert r.text.endswith("{gpus=3}: 'still here')"), r.error_text
+
+
+def test_breakpoint_in_an_endpoint_is_attached_with_debug_remote(kernel):
+    r = kernel.run(
+        "from monarch_kernel.actor import Actor, endpoint\n"
+        "class Stepper(Actor):\n"
+        "    def __init__(self):\n        self.v = 0\n"
+        "    @endpoint\n"
+        "    def bump(self, by):\n        breakpoint()\n        self.v += by\n"
+        "        return self.v\n"
+        "steppers = m.spawn('steppers', Stepper)\n"
+        "fut = steppers.slice(gpus=2).bump.call_one(5)"
+    )
+    assert not r.errors, r.error_text
+    r, prompts = drive(kernel, "%debug_remote m", ["p by", "c"])
+    assert prompts == ["[rank 2] (Pdb) "] * 2, prompts
+    assert "rank 2 stopped at" in r.stdout and "\n5\n" in r.stdout, r.stdout + r.error_text
+    assert kernel.run("fut.get(timeout=10)").text == "5"
