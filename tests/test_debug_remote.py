@@ -207,3 +207,32 @@ def test_breakpoint_in_an_endpoint_is_attached_with_debug_remote(kernel):
     assert prompts == ["[rank 2] (Pdb) "] * 2, prompts
     assert "rank 2 stopped at" in r.stdout and "\n5\n" in r.stdout, r.stdout + r.error_text
     assert kernel.run("fut.get(timeout=10)").text == "5"
+
+
+def test_a_bg_cell_paused_shows_on_the_dashboard_until_attached(kernel):
+    r = kernel.run(
+        "from monarch_kernel.widgets.state import MeshState\n"
+        "from monarch_kernel.widgets import render\n"
+        "st = MeshState(m.runtime)\nst.attach()"
+    )
+    assert not r.errors, r.error_text
+    r = kernel.run("%%remote m --ranks 2 --bg\nimport time\nw = 7\nbreakpoint()\nw += 1\nw")
+    assert not r.errors, r.error_text
+    look = "st.drain(); v = st.tile(2); (v.state, v.what, st.tile_state(2), st.tile(0).state)"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        shown = kernel.run(look).text
+        if "paused" in shown:
+            break
+        time.sleep(0.2)
+    assert shown == "('paused', 'rank 2 stopped at cell line 5', 'paused', 'idle')", shown
+    header = kernel.run("render.header_html(st, [st.tile(i) for i in range(4)])").text
+    assert "1 paused" in header, header
+    r, prompts = drive(kernel, "%debug_remote m", ["p w", "c"])
+    assert prompts == ["[rank 2] (Pdb) "] * 2, prompts
+    assert "\n7\n" in r.stdout, r.stdout + r.error_text
+    r = kernel.run("%%remote m --ranks 2\nw", timeout=30)
+    assert r.text.endswith(": 8)"), r.text + r.error_text
+    shown = kernel.run(look).text
+    assert shown.startswith("('idle'"), shown
+    kernel.run("st.detach()")

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from monarch_kernel.controller.errors import format_ranks
 from monarch_kernel.controller.events import DebuggerResumed, InputRequested, MeshEvent
 from monarch_kernel.controller.mesh import MeshRuntime
+from monarch_kernel.controller.records import RankState
 from monarch_kernel.shape import Shape, SliceError, parse_ranks
 from monarch_kernel.wire import kinds as K
 
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 
 #: pdb commands after which the attached rank runs on (no prompt follows soon).
 RUN_ON = frozenset({"c", "cont", "continue", "detach", "q", "quit", "exit"})
+#: How long ``%debug_remote`` waits for a busy rank to stop at a breakpoint.
+PARK_WAIT = 2.0
 #: How long a cast waits for every rank's answer before it shows what it has.
 CAST_WAIT = 30.0
 #: What a rank did instead of answering a cast with a prompt.
@@ -297,7 +300,21 @@ def debug_remote(procs: ProcMesh, ranks: list[int], cell: str, clear: bool = Fal
 
     rt = procs.runtime
     router = InputRouter.of(rt)
-    if not clear and _attach_parked(rt, router, set(ranks)):
+    deadline = time.monotonic() + PARK_WAIT
+    while not clear:
+        if _attach_parked(rt, router, set(ranks)):
+            return
+        # a rank at work may be about to stop at a breakpoint (a call just sent)
+        if time.monotonic() > deadline or all(rt.ranks[r].state is not BUSY for r in ranks):
+            break
+        time.sleep(0.05)
+    # The post-mortem pdb runs on the rank's main thread: only idle ranks can serve it
+    # now (a busy one would make this cell wait for its work to end).
+    busy = [r for r in ranks if rt.ranks[r].state is not RankState.IDLE]
+    ranks = [r for r in ranks if rt.ranks[r].state is RankState.IDLE]
+    if busy:
+        print(f"(ranks {format_ranks(busy)} are not idle: skipped)")
+    if not ranks:
         return
     spec: dict[str, object] = {"x": 1} if clear else {}
     shape = Shape(("ranks",), (len(ranks),))
@@ -317,6 +334,9 @@ def debug_remote(procs: ProcMesh, ranks: list[int], cell: str, clear: bool = Fal
             "at a breakpoint, and their last cell or endpoint did not fail (or its frame was "
             "debugged or released already)"
         )
+
+
+BUSY = RankState.BUSY
 
 
 def _attach_parked(rt: MeshRuntime, router: InputRouter, ranks: set[int]) -> bool:
