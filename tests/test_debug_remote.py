@@ -111,8 +111,9 @@ def test_detach_ignores_the_cells_later_breakpoints(kernel):
     assert r.stdout.count("\n0\n") + r.stdout.startswith("0\n") >= 1 and "\n1\n" in r.stdout
     assert r.text.endswith(": 3)"), r.text + r.error_text
     no_more_prompts(kernel)
-    # detach lasts for that cell only: the next breakpoint stops again
-    r, prompts = drive(kernel, "%%remote m --ranks 2\nbreakpoint()\nz = 5\nz", ["c"])
+    # detach lasts for that cell only: the next breakpoint (or pdb.set_trace) stops again
+    code = "%%remote m --ranks 2\nimport pdb; pdb.set_trace()\nz = 5\nz"
+    r, prompts = drive(kernel, code, ["c"])
     assert prompts == ["[rank 2] (Pdb) "] and r.text.endswith(": 5)"), r.error_text
 
 
@@ -236,3 +237,24 @@ def test_a_bg_cell_paused_shows_on_the_dashboard_until_attached(kernel):
     shown = kernel.run(look).text
     assert shown.startswith("('idle'"), shown
     kernel.run("st.detach()")
+
+
+def test_a_front_end_without_input_detaches_the_paused_ranks(kernel):
+    msg_id = kernel.kc.execute(CELL, allow_stdin=False)
+    r = kernel.collect(msg_id, timeout=30)
+    assert "cannot answer a debugger prompt (StdinNotImplementedError" in r.stdout, r.stdout
+    assert "detached, running on" in r.stdout
+    assert r.text.endswith("{gpus=3}: 31)"), r.error_text
+
+
+def test_a_big_output_and_a_breakpoint_in_a_thread(kernel):
+    code = (
+        "%%remote m --ranks 0\nimport threading\nbig = 'x' * 200_000\nbox = []\n"
+        "def work():\n    inner = 41\n    breakpoint()\n    box.append(inner + 1)\n"
+        "t = threading.Thread(target=work)\nt.start()\nt.join()\nbox[0]"
+    )
+    r, prompts = drive(kernel, code, ["p inner", "c", "p len(big), big[:3]"][:2])
+    assert prompts == ["[rank 0] (Pdb) "] * 2 and "\n41\n" in r.stdout, r.stdout
+    assert r.text.endswith(": 42)"), r.error_text
+    r, _ = drive(kernel, "%%remote m --ranks 0\nbreakpoint()\nbig", ["p big", "c"])
+    assert "x" * 1000 in r.stdout and len(r.stdout) > 200_000, len(r.stdout)

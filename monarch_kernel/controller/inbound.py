@@ -161,7 +161,7 @@ class Inbound:
             str(h.get("p", "")),
             bool(h.get("pw")),
             debug,
-            str(h.get("o", "")) if debug else "",
+            bytes(msg.payload).decode("utf-8", "replace") if debug else "",
             str(h.get("at", "")) if debug else "",
             bool(h.get("pm")),
         )

@@ -173,6 +173,10 @@ class DebugConsole:
             print(f"rank {rank}: {_WHY.get(str(why), str(why))}", flush=True)
             self.current = None
             return
+        except Exception as exc:  # e.g. a front-end that cannot answer input requests
+            self.pending[rank] = event
+            self._cannot_ask(exc)
+            return
         self._drain()  # prompts that came while the person typed count for a cast
         target, command = _split_target(line)
         if target is None:
@@ -206,6 +210,16 @@ class DebugConsole:
                 return
             if not self.feed(event) and isinstance(event, InputRequested):
                 self.others.append(event)
+
+    def _cannot_ask(self, exc: Exception) -> None:
+        """The notebook cannot give input: every paused rank runs on (detached)."""
+        why = f"the notebook cannot answer a debugger prompt ({type(exc).__name__}: {exc})"
+        paused = sorted(self.pending)
+        for r, event in sorted(self.pending.items()):
+            self.runtime.answer_input(r, event.serial, error=why)
+        self.pending.clear()
+        self.current = None
+        print(f"ranks {format_ranks(paused)}: {why}; detached, running on", flush=True)
 
     def _targets(self, spec: str) -> list[int]:
         if spec == "all":

@@ -35,6 +35,8 @@ from monarch_kernel.wire import kinds as K
 #: Environment variable: seconds a paused rank waits for a debugger command.
 TIMEOUT_ENV = "MONARCH_KERNEL_DEBUG_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
+#: Most characters of debugger output sent with one prompt (a ``p`` of a huge value).
+MAX_OUTPUT = 1 << 20
 #: The prompt pdb shows (the kernel prefixes it with the rank).
 PROMPT = "(Pdb) "
 
@@ -151,8 +153,10 @@ def _exception_line(exc: BaseException) -> list[str]:
 
 
 def _in_user_code(frame: FrameType | None, rank: Any) -> bool:
-    """Whether ``frame`` runs under ``Rank.run_user`` (the cell or endpoint), or is
-    the cell's own frame."""
+    """Whether ``frame`` runs under ``Rank.run_user`` (the cell or endpoint) or in a
+    thread the user's code started (only the main thread runs the rank's machinery)."""
+    if threading.current_thread() is not threading.main_thread():
+        return True
     boundary = type(rank).run_user.__code__
     while frame is not None:
         if frame.f_code is boundary:
@@ -205,13 +209,18 @@ class RankPdb(pdb.Pdb):
         if self._post_mortem and frame is not None and self.curindex < len(self.stack):
             where = describe_where(frame, self.stack[self.curindex][1])
         timeout = debug_timeout()
-        extra = {"dbg": 1, "at": where, "o": text, "pm": int(self._post_mortem)}
+        if len(text) > MAX_OUTPUT:
+            cut = len(text) - MAX_OUTPUT
+            text = text[:MAX_OUTPUT] + f"\n... ({cut} more characters not shown)\n"
+        extra = {"dbg": 1, "at": where, "pm": int(self._post_mortem)}
 
         def sent(serial: int) -> None:
             owner.paused_serial = serial
 
         try:
-            return owner.rank.stdin.ask(self.prompt, extra=extra, timeout=timeout, on_sent=sent)
+            return owner.rank.stdin.ask(
+                self.prompt, extra=extra, timeout=timeout, on_sent=sent, payload=text.encode()
+            )
         except InputTimeout:
             # Nobody attached: run on (a forgotten breakpoint must not hold the mesh).
             owner.resumed("timeout")

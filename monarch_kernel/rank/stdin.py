@@ -61,12 +61,14 @@ class InputBridge:
         extra: dict[str, Any] | None = None,
         timeout: float | None = None,
         on_sent: Any = None,
+        payload: bytes = b"",
     ) -> str:
         """Send an ``input`` request and wait for the answer; EOFError if there is none.
 
-        ``extra`` adds header keys (a debugger prompt's ``dbg``, ``at``, ``o``),
+        ``extra`` adds header keys (a debugger prompt's ``dbg``, ``at``, ``pm``),
         ``timeout`` replaces :data:`INPUT_TIMEOUT`, ``on_sent(serial)`` is called once
-        the request is out (the debugger remembers which prompt to withdraw)."""
+        the request is out (the debugger remembers which prompt to withdraw),
+        ``payload`` goes with it (a debugger's output: too big for a header)."""
         answers: queue.Queue[dict[str, Any]] = queue.Queue(1)
         with self._lock:
             self._serial += 1
@@ -87,10 +89,15 @@ class InputBridge:
             }
             if extra:
                 header.update(extra)
-            rank.send(header)
+            rank.send(header, payload)
             if on_sent is not None:
                 on_sent(serial)
-            reply = self._wait(answers, INPUT_TIMEOUT if timeout is None else timeout)
+            try:
+                reply = self._wait(answers, INPUT_TIMEOUT if timeout is None else timeout)
+            except InputTimeout as exc:
+                if extra:  # the debugger tells a timeout from other ends of input
+                    raise
+                raise EOFError(str(exc)) from None  # input() raises what Python's does
         finally:
             with self._lock:
                 self._waiting.pop(serial, None)

@@ -205,8 +205,9 @@ kind              keys and payload
                   rank), ``p`` str (the prompt), ``pw`` int (1 for ``getpass``: do not
                   echo). The rank's ``input()`` blocks until an ``input_reply``.
                   A debugger prompt (pdb waiting for a command) adds ``dbg`` int (1),
-                  ``at`` str (where it is stopped, e.g. ``cell line 7``), ``o`` str (what
-                  pdb printed since its last prompt) and ``pm`` int (1: post-mortem)
+                  ``at`` str (where it is stopped, e.g. ``cell line 7``) and ``pm`` int
+                  (1: post-mortem); its payload is what pdb printed since its last prompt
+                  (UTF-8, at most 1 MiB)
 ``resumed``       ``i``, ``n`` int (the debugger's last prompt serial: withdrawn if still
                   asked), ``why`` str (``continue``, ``detach``, ``quit``, ``timeout``,
                   ``interrupted``, ``done``): the rank's debugger lets it run on
