@@ -208,6 +208,25 @@ def test_breakpoint_in_an_endpoint_is_attached_with_debug_remote(kernel):
     assert prompts == ["[rank 2] (Pdb) "] * 2, prompts
     assert "rank 2 stopped at" in r.stdout and "\n5\n" in r.stdout, r.stdout + r.error_text
     assert kernel.run("fut.get(timeout=10)").text == "5"
+    # a cell blocked on the call's result: the notice says how to attach; interrupt it
+    msg_id = kernel.kc.execute("steppers.slice(gpus=2).bump.call_one(1).get()")
+    kernel.wait_for_output(msg_id, "[rank 2] stopped at", "%debug_remote m --rank 2")
+    kernel.km.interrupt_kernel()
+    r = kernel.collect(msg_id)
+    assert r.reply["status"] == "error", r
+    r, prompts = drive(kernel, "%debug_remote m --rank 2", ["p self.v", "c"])
+    assert "\n5\n" in r.stdout, r.stdout + r.error_text
+    assert "running on (continue)" not in r.stdout  # (one rank: no cast summary)
+    # an endpoint that fails: post-mortem on its frame
+    code = (
+        "class Failing(Actor):\n    @endpoint\n    def div(self, a):\n"
+        "        denominator = a - a\n        return a / denominator\n"
+        "failing = m.spawn('failing', Failing)\nfailing.div.call(3).get()"
+    )
+    r = kernel.run(code)
+    assert "ZeroDivisionError in Failing.div on ranks 0-3" in r.error_text, r.error_text
+    r, prompts = drive(kernel, "%debug_remote m --rank 3", ["p a, denominator", "q"])
+    assert "(3, 0)" in r.stdout and "in div" in r.stdout, r.stdout + r.error_text
 
 
 def test_a_bg_cell_paused_shows_on_the_dashboard_until_attached(kernel):

@@ -48,6 +48,12 @@ NO_READER = (
     "push it to the ranks"
 )
 
+#: Why a rank's ``breakpoint()`` runs on when nothing can attach to it.
+NO_DEBUGGER = (
+    "nothing can attach to it here (a notebook attaches through the monarch kernel: "
+    "%%remote cells, %debug_remote)"
+)
+
 
 class Inbound:
     """Handlers of every message kind the controller receives."""
@@ -170,7 +176,8 @@ class Inbound:
         if mesh.events.wants(InputRequested):
             mesh.events.emit(event)
         else:  # nobody can answer: the rank's input() raises EOFError at once
-            mesh.answer_input(event.rank, event.serial, error=NO_READER)
+            why = NO_DEBUGGER if debug else NO_READER
+            mesh.answer_input(event.rank, event.serial, error=why)
 
     def _on_resumed(self, h: Header, msg: Message) -> None:
         mesh = self._mesh

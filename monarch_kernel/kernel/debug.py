@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 RUN_ON = frozenset({"c", "cont", "continue", "detach", "q", "quit", "exit"})
 #: How long ``%debug_remote`` waits for a busy rank to stop at a breakpoint.
 PARK_WAIT = 2.0
+#: How long ``%debug_remote`` stays attached after the last paused rank ran on.
+ATTACH_GRACE = 0.5
 #: How long a cast waits for every rank's answer before it shows what it has.
 CAST_WAIT = 30.0
 #: What a rank did instead of answering a cast with a prompt.
@@ -362,16 +364,22 @@ def _attach_parked(rt: MeshRuntime, router: InputRouter, ranks: set[int]) -> boo
         return False
     console = DebugConsole(rt, inbox, lambda rank: rt.ranks[rank].alive)
     router.consoles.add(console)
+    idle_since: float | None = None
     try:
         while True:
             try:
-                event = inbox.get(timeout=0.2)
+                event = inbox.get(timeout=0.1)
             except queue.Empty:
                 event = None
             if event is not None:
                 console.feed(event)
             console.serve()
-            if not console.busy() and inbox.empty():
+            if console.busy() or not inbox.empty():
+                idle_since = None
+            elif idle_since is None:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > ATTACH_GRACE:
+                # (a rank that ran on may stop again at once: a breakpoint in a loop)
                 return True
     finally:
         router.consoles.discard(console)

@@ -404,6 +404,8 @@ class MeshMagics(Magics):
         """IPython's pre_run_cell hook: remember the notebook cell's id (JupyterLab and
         Notebook 7 send one), which keys ``--setup`` cells."""
         self._cell_key = getattr(info, "cell_id", None)
+        for rt in registry.live():  # meshes made with the actor API too: see InputRouter
+            InputRouter.of(rt)
 
     def cancel_background_jobs(self, why: str) -> None:
         """Interrupt every running ``--bg`` cell (their output blocks say ``why``)."""

@@ -90,6 +90,22 @@ class InputRouter:
     def detach(self) -> None:
         self._attached = None
 
+    def _notice(self, event: InputRequested) -> None:
+        """Say where the output of the paused work goes that its rank waits for us."""
+        runtime = self._runtime()
+        if runtime is None:
+            return
+        what = "post-mortem debugger" if event.post_mortem else "stopped"
+        text = (
+            f"{what} at {event.where}; nothing here waits on it: attach with "
+            f"%debug_remote {runtime.name} --rank {event.rank} (interrupt a cell blocked on "
+            "its result first)\n"
+        )
+        try:
+            runtime.output.sink_for(event.request)(event.rank, "stderr", text)
+        except Exception:  # a notice must never break the receiving thread
+            pass
+
     def _on_event(self, event: MeshEvent) -> None:  # receiving thread: never blocks
         if isinstance(event, DebuggerResumed):
             for console in list(self.consoles):
@@ -106,6 +122,8 @@ class InputRouter:
                 if attached is not None:
                     attached.put(event)
                 elif isinstance(event, InputRequested):
+                    if event.rank not in self.parked:
+                        self._notice(event)
                     self.parked[event.rank] = event
                 else:
                     parked = self.parked.get(event.rank)

@@ -234,6 +234,8 @@ class RankPdb(pdb.Pdb):
             if str(exc) == "interrupted":
                 raise KeyboardInterrupt from None
             owner.resumed("detach")
+            sys.stderr.write(f"rank {owner.rank.rank}: debugger at {where} detached: {exc}\n")
+            sys.stderr.flush()
             return "detach" if not self._post_mortem else "quit"
 
     def stop_here(self, frame: FrameType) -> bool:
