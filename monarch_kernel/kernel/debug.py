@@ -102,11 +102,11 @@ class DebugConsole:
             waiting = self.pending.get(event.rank)
             if waiting is not None and waiting.serial <= event.serial:
                 del self.pending[event.rank]
-            self.paused.discard(event.rank)
             if self.current == event.rank:
                 self.current = None
-            if event.why == "timeout":
+            if event.rank in self.paused and event.why == "timeout":  # (not said yet)
                 print(f"rank {event.rank}: {_WHY['timeout']}", flush=True)
+            self.paused.discard(event.rank)
             return True
         return False
 
@@ -174,6 +174,7 @@ class DebugConsole:
         except _Withdrawn as why:
             print(f"rank {rank}: {_WHY.get(str(why), str(why))}", flush=True)
             self.current = None
+            self.paused.discard(rank)
             return
         except Exception as exc:  # e.g. a front-end that cannot answer input requests
             self.pending[rank] = event
