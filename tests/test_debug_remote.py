@@ -277,3 +277,26 @@ def test_a_big_output_and_a_breakpoint_in_a_thread(kernel):
     assert r.text.endswith(": 42)"), r.error_text
     r, _ = drive(kernel, "%%remote m --ranks 0\nbreakpoint()\nbig", ["p big", "c"])
     assert "x" * 1000 in r.stdout and len(r.stdout) > 200_000, len(r.stdout)
+
+
+def test_all_four_ranks_stepped_together(kernel):
+    code = CELL.replace("if rank in (1, 3):", "if True:")
+    answers = ["@all n", "@all p y", "@0:2 c", "@all c"]
+    r, prompts = drive(kernel, code, answers, think=1.5)
+    out = r.stdout
+    assert "[ranks 0-3]\n--Return--\n> <remote cell" in out, out  # one answer for 4 ranks
+    assert "[rank 0] 1\n[rank 1] 11\n[rank 2] 21\n[rank 3] 31\n" in out, out
+    assert "[ranks 0-1] running on (continue)" in out, out
+    assert "[ranks 2-3] running on (continue)" in out, out
+    assert r.text.endswith("{gpus=3}: 31)"), r.error_text
+    no_more_prompts(kernel)
+
+
+def test_prompt_targets_and_grouping():
+    from monarch_kernel.kernel.debug import _grouped, _split_target
+
+    assert _split_target("p x") == (None, "p x")
+    assert _split_target("@all p x") == ("all", "p x")
+    assert _split_target("@3") == ("3", "")
+    assert _split_target("--ranks 0:4 n") == ("0:4", "n")
+    assert _grouped({3: "a", 0: "a", 1: "b"}) == [("a", [0, 3]), ("b", [1])]
