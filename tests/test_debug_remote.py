@@ -300,3 +300,28 @@ def test_prompt_targets_and_grouping():
     assert _split_target("@3") == ("3", "")
     assert _split_target("--ranks 0:4 n") == ("0:4", "n")
     assert _grouped({3: "a", 0: "a", 1: "b"}) == [("a", [0, 3]), ("b", [1])]
+
+
+def test_attached_with_debug_remote_timeout_and_interrupt(kernel):
+    kernel.run("%%remote m\nimport os\nos.environ['MONARCH_KERNEL_DEBUG_TIMEOUT'] = '1.5'")
+    try:
+        # nobody answers the attached prompt: the rank runs on, the magic ends
+        kernel.run("%%remote m --ranks 1 --bg\nbreakpoint()\nlate = 1")
+        msg_id = kernel.kc.execute("%debug_remote m --rank 1", allow_stdin=True)
+        assert prompt(kernel) == "[rank 1] (Pdb) "
+        r = kernel.collect(msg_id, timeout=30)
+        assert "rank 1: running on (debugger timed out)" in r.stdout, r.stdout + r.error_text
+        assert kernel.run("%%remote m --ranks 1\nlate", timeout=30).text.endswith(": 1)")
+        # the stop button while attached: the paused work is interrupted where it stood
+        kernel.run("%%remote m\nos.environ['MONARCH_KERNEL_DEBUG_TIMEOUT'] = '60'")
+        kernel.run("%%remote m --ranks 1 --bg\nbreakpoint()\nnever = 1")
+        msg_id = kernel.kc.execute("%debug_remote m --rank 1", allow_stdin=True)
+        assert prompt(kernel) == "[rank 1] (Pdb) "
+        kernel.km.interrupt_kernel()
+        r = kernel.collect(msg_id, timeout=30)
+        assert r.reply["status"] == "error" and "KeyboardInterrupt" in r.error_text, r
+        r = kernel.run("_monarch_magics.jobs[-1].wait(timeout=10)")
+        assert "KeyboardInterrupt" in r.error_text and "line 3" in r.error_text, r.error_text
+        assert kernel.run("%remote m 'alive'").text.endswith("{gpus=3}: 'alive')")
+    finally:
+        kernel.run("%%remote m\nos.environ.pop('MONARCH_KERNEL_DEBUG_TIMEOUT')")
