@@ -325,3 +325,14 @@ def test_attached_with_debug_remote_timeout_and_interrupt(kernel):
         assert kernel.run("%remote m 'alive'").text.endswith("{gpus=3}: 'alive')")
     finally:
         kernel.run("%%remote m\nos.environ.pop('MONARCH_KERNEL_DEBUG_TIMEOUT')")
+
+
+def test_pythonbreakpoint_0_turns_breakpoints_off(kernel):
+    code = (
+        "%%remote m --ranks 0\nimport os\nos.environ['PYTHONBREAKPOINT'] = '0'\nbreakpoint()\n"
+        "os.environ.pop('PYTHONBREAKPOINT')\n'ran through'"
+    )
+    msg_id = kernel.kc.execute(code, allow_stdin=True)
+    r = kernel.collect(msg_id, timeout=30)
+    assert r.text.endswith(": 'ran through')"), r.error_text
+    no_more_prompts(kernel)

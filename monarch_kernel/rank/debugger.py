@@ -94,6 +94,8 @@ class RankDebugger:
     def _trace(self, frame: FrameType, header: str | None = None) -> None:
         if self.detached or getattr(self._active, "pdb", None) is not None:
             return  # detached, or already inside this thread's debugger (a `!breakpoint()`)
+        if os.environ.get("PYTHONBREAKPOINT") == "0":
+            return  # breakpoints turned off, as Python's own hook does
         self.used = True
         debugger = RankPdb(self, post_mortem=False)
         if header is not None:
@@ -138,6 +140,10 @@ class RankDebugger:
         self.used = False
         if isinstance(getattr(sys.gettrace(), "__self__", None), RankPdb):
             sys.settrace(None)
+            frame: FrameType | None = sys._getframe()
+            while frame is not None:  # set_trace hooked the rank's own long-lived frames
+                frame.f_trace = None
+                frame = frame.f_back
         # pdb notes a frame's return value in its locals: at a cell's top level those
         # are the rank's namespace, where it would stay
         for name in ("__return__", "__exception__"):
