@@ -336,3 +336,13 @@ def test_pythonbreakpoint_0_turns_breakpoints_off(kernel):
     r = kernel.collect(msg_id, timeout=30)
     assert r.text.endswith(": 'ran through')"), r.error_text
     no_more_prompts(kernel)
+
+
+def test_break_command_and_quit(kernel):
+    code = "%%remote m --ranks 0\nbreakpoint()\na = 1\nb = 2\nc = a + b\nc"
+    r, prompts = drive(kernel, code, ["b 5", "c", "p a, b", "c"])
+    assert "Breakpoint 1 at <remote cell" in r.stdout and "(1, 2)" in r.stdout, r.stdout
+    assert r.text.endswith(": 3)"), r.error_text
+    r, prompts = drive(kernel, code, ["q"])
+    assert r.reply["status"] == "error" and "BdbQuit" in r.error_text, r.error_text
+    assert kernel.run("%%remote m --ranks 0\n'after quit'").text.endswith("'after quit')")
