@@ -26,11 +26,12 @@ COLORS = {
     "starting": ("#e5e7eb", "#9ca3af"),
     "idle": ("#dcfce7", "#16a34a"),
     "busy": ("#dbeafe", "#2563eb"),
+    "paused": ("#fef9c3", "#ca8a04"),  # a debugger holds the rank
     "error": ("#ffedd5", "#ea580c"),
     "dead": ("#fee2e2", "#dc2626"),
     "stopped": ("#f3f4f6", "#9ca3af"),
 }
-STATES = ("starting", "idle", "busy", "error", "dead", "stopped")
+STATES = ("starting", "idle", "busy", "paused", "error", "dead", "stopped")
 #: Meshes up to this many ranks get full tiles; bigger ones compact tiles.
 FULL_TILES_MAX = 16
 
@@ -51,6 +52,7 @@ CSS = """
 .mk-dash .mk-tile.mk-s-starting { border: 2px dashed #9ca3af !important; }
 .mk-dash .mk-tile.mk-s-idle { border-color: #16a34a !important; }
 .mk-dash .mk-tile.mk-s-busy { border-color: #2563eb !important; }
+.mk-dash .mk-tile.mk-s-paused { border-color: #ca8a04 !important; }
 .mk-dash .mk-tile.mk-s-error { border-color: #ea580c !important; }
 .mk-dash .mk-tile.mk-s-dead { border-color: #dc2626 !important; }
 .mk-dash .mk-tile.mk-s-stopped { border-color: #9ca3af !important; opacity: 0.7; }
@@ -76,7 +78,7 @@ esc = html.escape
 def tile_text(v: TileView, compact: bool) -> str:
     """The text on a tile (one fact per line; the tooltip has everything)."""
     if compact:
-        second = v.what if v.state in ("busy", "error", "dead") else ""
+        second = v.what if v.state in ("busy", "paused", "error", "dead") else ""
         if v.step:
             second = f"step {v.step}" if not second else f"{second[:10]} · {v.step}"
         return f"{v.rank} {v.state}\n{second[:22]}"
