@@ -418,12 +418,23 @@ def how_measured(s: Settings) -> list[str]:
         "launcher shows, the controller in the root namespace on the bridge address; every "
         "control socket over tcp is CURVE. Round trip: `call_one().get()` of a no-op on host 0. "
         "64 MiB: as in 4 (rank -> rank), the rank on host 0 `share()`s, the rank on host 1 "
-        "times `ref.get('tcp')`; that data-plane socket is not CURVE (signed requests, the "
-        "bytes in the clear), so ours ÷ raw plain is the like-for-like ratio there. Raw "
+        "times `ref.get('tcp')`; by default that data-plane socket is not CURVE (signed "
+        "requests, the bytes in the clear), so ours ÷ raw plain is the like-for-like ratio "
+        "there; the encrypted row is a second mesh with `MONARCH_KERNEL_ENCRYPT_DATA=1` (a "
+        "CURVE data socket), compared with raw CURVE. Raw "
         "ZeroMQ: `bench.raw_zmq`'s echo server in namespace host 0, a DEALER in the root "
         "namespace: a 1-byte round trip, and one zero-copy 64 MiB send plus a tiny ack; CURVE: "
         "`zmq.curve_keypair()` keys on both ends, no ZAP handler. Ratios come from the same "
         "worker process, one after the other.",
+        "10. Engines (ours only, run as root). Ray: the test suite's two-node Ray cluster "
+        "(`tests/ray_cluster.py`: the head on the bridge address, a raylet in a namespace "
+        "host). Ours: `host_mesh(hosts=2, backend='ray').spawn_procs({'gpus': 1})` until an "
+        "actor on both ranks answered a call that imports torch (placement group, an agent "
+        "actor per bundle, join, ranks); Ray's own: a `STRICT_SPREAD` group of 2 bundles and "
+        "an actor in each until both answered a no-op. Slurm: slurmctld here and a slurmd in "
+        "each of 2 namespace hosts (`tests/slurm_cluster.py`); `salloc`, the `srun` step of "
+        "join commands, ranks ready as above. Medians of 3 fresh starts, each stopped "
+        "before the next.",
     ]
     if big:
         lines[1] += (

@@ -26,11 +26,12 @@ COLORS = {
     "starting": ("#e5e7eb", "#9ca3af"),
     "idle": ("#dcfce7", "#16a34a"),
     "busy": ("#dbeafe", "#2563eb"),
+    "paused": ("#fef9c3", "#ca8a04"),  # a debugger holds the rank
     "error": ("#ffedd5", "#ea580c"),
     "dead": ("#fee2e2", "#dc2626"),
     "stopped": ("#f3f4f6", "#9ca3af"),
 }
-STATES = ("starting", "idle", "busy", "error", "dead", "stopped")
+STATES = ("starting", "idle", "busy", "paused", "error", "dead", "stopped")
 #: Meshes up to this many ranks get full tiles; bigger ones compact tiles.
 FULL_TILES_MAX = 16
 
@@ -40,6 +41,8 @@ STATE_VARS = {
     "starting": "var(--jp-border-color1, #9ca3af)",
     "idle": "var(--jp-success-color1, #16a34a)",
     "busy": "var(--jp-brand-color1, #2563eb)",
+    # JupyterLab's themes have no yellow: a fixed one (it only tints, text stays legible)
+    "paused": "#ca8a04",
     "error": "var(--jp-warn-color1, #ea580c)",
     "dead": "var(--jp-error-color1, #dc2626)",
     "stopped": "var(--jp-border-color1, #9ca3af)",
@@ -110,7 +113,7 @@ esc = html.escape
 #: cut at a word boundary with an ellipsis, never mid-word and never spilling out.
 TILE_CHARS = 25
 #: Tile states a rank is up and answering in (the header's "alive" count).
-UP_STATES = ("idle", "busy", "error")
+UP_STATES = ("idle", "busy", "paused", "error")
 
 
 def clip(text: str, n: int = TILE_CHARS) -> str:
@@ -127,7 +130,7 @@ def clip(text: str, n: int = TILE_CHARS) -> str:
 def tile_text(v: TileView, compact: bool) -> str:
     """The text on a tile (one fact per line; the tooltip has everything)."""
     if compact:
-        second = v.what if v.state in ("busy", "error", "dead") else ""
+        second = v.what if v.state in ("busy", "paused", "error", "dead") else ""
         if v.step:
             second = f"step {v.step}" if not second else f"{second[:10]} · {v.step}"
         return f"{v.rank} {v.state}\n{clip(second, 14)}"
