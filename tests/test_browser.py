@@ -353,6 +353,22 @@ def test_dashboard_in_jupyterlab(lab):
                 timeout=5_000,
             )
             assert re.search(r"step \d+: r0 [\d.]+", readout.inner_text()), readout.inner_text()
+            # drag to zoom into steps ~40-120; a double-click shows the whole run again
+            full = chart.get_attribute("data-x-range")
+            y = box["y"] + box["height"] / 2
+            page.mouse.move(box["x"] + box["width"] * 0.25, y)
+            page.mouse.down()
+            page.mouse.move(box["x"] + box["width"] * 0.75, y, steps=5)
+            page.mouse.up()
+            page.wait_for_function(
+                f"document.querySelector('{LOSS}').dataset.xRange !== {full!r}", timeout=5_000
+            )
+            lo, hi = (float(v) for v in chart.get_attribute("data-x-range").split(".."))
+            assert 20 < lo < hi < 140, (lo, hi)
+            page.mouse.dblclick(box["x"] + box["width"] / 2, y)
+            page.wait_for_function(
+                f"document.querySelector('{LOSS}').dataset.xRange === {full!r}", timeout=5_000
+            )
             dash.screenshot(path=str(ARTIFACTS / "dashboard-done.png"))
             page.locator(".mk-dash .mk-tile").nth(3).click()  # select it: "Restart rank 3"
             page.locator(".mk-dash button", has_text="Restart rank 3").click()
@@ -458,6 +474,15 @@ def test_sidebar_and_status_bar_follow_a_mesh(lab):
                 timeout=10_000,
             )
             assert "gpus=2 · local" in mesh.inner_text()
+            # its Dashboard button scrolls to the dashboard in the notebook
+            scroller = page.locator(".jp-NotebookPanel .jp-WindowedPanel-outer").first
+            head = page.locator(".mk-dash .mk-head").first
+            scroller.evaluate("e => { e.scrollTop = e.scrollHeight; }")
+            wait_until(lambda: head.bounding_box()["y"] < 0, timeout=5, what="scrolled away")
+            mesh.locator("button", has_text="Dashboard").click()
+            wait_until(
+                lambda: 0 <= head.bounding_box()["y"] < 300, timeout=5, what="dashboard in view"
+            )
             assert "mk-lab-bad" not in (status.get_attribute("class") or "")
 
             # A run that starts again at step 0 is a new line, not joined to the old one.

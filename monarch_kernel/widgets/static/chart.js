@@ -216,6 +216,10 @@ function render({ model, el }) {
       hooks: {
         setCursor: [(u) => showReadout(u)],
         setSelect: [(u) => { if (u.select.width > 0) zoomed = true; }],
+        // the x range shown, for tests and for people reading the DOM
+        setScale: [(u, key) => {
+          if (key === "x") root.dataset.xRange = `${fmtNum(u.scales.x.min)}..${fmtNum(u.scales.x.max)}`;
+        }],
       },
     };
   }
