@@ -7,11 +7,13 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum |
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup lab test bench lint clean
+.PHONY: setup lab test bench lint clean labextension
 
-# The JupyterLab extension (labextension/, TypeScript), prebuilt into the package:
-# jlpm ships with JupyterLab, node is the only other tool it needs. A wheel carries the
-# built files, so its users run no npm step.
+# The JupyterLab extension (labextension/, TypeScript) is prebuilt by the package build itself
+# (hatch-jupyter-builder, see pyproject.toml): `pip install -e .` (or `pip install .`, or a
+# wheel) builds it into monarch_kernel/labextension/ and installs it into the environment's
+# share/jupyter/labextensions/; node is the only tool it needs besides the Python build deps.
+# YARN_ENABLE_IMMUTABLE_INSTALLS: that build uses the committed yarn.lock as it is.
 LABEXT := monarch_kernel/labextension/package.json
 LABEXT_SRC := $(wildcard labextension/src/*.ts labextension/style/*) \
 	labextension/package.json labextension/yarn.lock labextension/tsconfig.json
@@ -22,12 +24,16 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	YARN_ENABLE_IMMUTABLE_INSTALLS=true $(PIP) install -q -e '.[test]'
 	$(PY) -m monarch_kernel install --sys-prefix
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-$(LABEXT): $(LABEXT_SRC) $(STAMP)
+# Development: rebuild the extension after editing labextension/ (no reinstall needed);
+# `monarch_kernel install --sys-prefix` copies it into the environment again.
+labextension: $(LABEXT)
+
+$(LABEXT): $(LABEXT_SRC) | $(STAMP)
 	cd labextension && CI=true $(CURDIR)/$(VENV)/bin/jlpm install --immutable
 	cd labextension && PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(CURDIR)/$(VENV)/bin/jlpm build
 	$(PY) -m monarch_kernel install --sys-prefix
@@ -53,5 +59,5 @@ lint: setup
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache test-artifacts monarch_kernel/labextension \
+	rm -rf $(VENV) *.egg-info build dist .pytest_cache test-artifacts monarch_kernel/labextension \
 		labextension/node_modules labextension/lib labextension/tsconfig.tsbuildinfo
