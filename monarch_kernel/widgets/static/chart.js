@@ -88,7 +88,8 @@ function render({ model, el }) {
   function add(s) {
     let entry = store.get(s.key);
     if (!entry || s.reset) {
-      entry = { label: s.label, dash: !!s.dash, group: s.group || "", idx: entry ? entry.idx : store.size,
+      entry = { key: s.key, label: s.label, dash: !!s.dash, group: s.group || "",
+        idx: entry ? entry.idx : store.size,
         runs: [{ x: [], y: [] }], count: 0 };
       store.set(s.key, entry);
     }
@@ -121,7 +122,9 @@ function render({ model, el }) {
     const log = model.get("log");
     const tables = [];
     const series = [];
-    const entries = [...store.values()];
+    // in rank order ("r2" before "r10"), whichever rank's points came first
+    const entries = [...store.values()].sort((a, b) =>
+      String(a.key).localeCompare(String(b.key), undefined, { numeric: true }));
     const clean = (ys) => {
       let out = smooth ? ema(ys, 0.15) : ys;
       if (log) out = out.map((y) => (y != null && y > 0 ? y : null));
