@@ -170,6 +170,7 @@ class Inbound:
         t = mesh.transport
         t.probe([t.rank_id(info.rank), t.rank_id(info.rank, b"c")])
         info.pid, info.hostname, info.device = h["pid"], h["host"], h["dev"]
+        info.peer_addr = str(h.get("pa") or "")
         info.last_seen = time.monotonic()
         mesh.requests.set_state(info, RankState.IDLE)
         mesh.notify()

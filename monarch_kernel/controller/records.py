@@ -119,6 +119,9 @@ class RankInfo:
     pid: int | None = None
     hostname: str = ""
     device: str = ""
+    #: Where other ranks of this machine call its actors directly (its inbox's unix
+    #: socket, from its ready message); empty until it is ready.
+    peer_addr: str = ""
     restarts: int = 0
     death: DeathInfo | None = None
     #: Its last whole output lines (stdout and stderr), and the unfinished line per stream.

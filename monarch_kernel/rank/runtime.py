@@ -67,6 +67,15 @@ class Rank:
         ident = b"r%d" % self.rank + tag
         self.inbox = self._dealer(ident, cfg["send"])
         self._connect(self.inbox, cfg["fanout"])
+        #: Actor calls from other ranks (rank to rank, not through the controller) arrive
+        #: on the inbox too: it also listens on a unix socket in the host's private
+        #: directory, so the main thread still blocks on one socket. Those messages are
+        #: signed with this mesh's key like every other and carry no sequence number
+        #: (FIFO per sender comes from the connection); replies go to the caller's
+        #: reply socket named in the request (header ``rt``).
+        self.peer_addr = _bind_peer(self.inbox, cfg, self.rank)
+        self.peer_routes: dict[str, str] = {}  # request id -> caller's reply address
+        self._peer_out: dict[str, zmq.Socket] = {}
         self.out = self._dealer(ident, cfg["recv"])
         self.ctl = self._dealer(b"c%d" % self.rank + tag, cfg["send"])
         self.out_lock = threading.Lock()
@@ -163,7 +172,25 @@ class Rank:
             at = what if where is None else where
             self.reply_error(request, exc, at if isinstance(at, str) else at())
             return
-        self.send({"k": K.RESULT, "i": request, "r": self.rank, "ok": 1}, payload, buffers)
+        self._result({"k": K.RESULT, "i": request, "r": self.rank, "ok": 1}, payload, buffers)
+
+    def _result(self, header: dict[str, Any], payload: bytes, buffers: Any = ()) -> None:
+        """Send a reply: to the controller, or to the calling rank for a peer call."""
+        route = self.peer_routes.pop(header["i"], None) if self.peer_routes else None
+        if route is None:
+            self.send(header, payload, buffers)
+            return
+        sock = self._peer_out.get(route)
+        if sock is None:
+            sock = self._peer_out[route] = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDTIMEO, PEER_SEND_TIMEOUT_MS)  # a caller gone: not stuck
+            sock.connect(route)
+        try:
+            with self.out_lock:
+                wire_send(sock, self.codec.encode(header, payload, buffers))
+        except zmq.Again:
+            log.warning("rank %s: peer caller at %s is gone; reply dropped", self.rank, route)
 
     def reply_error(self, request: str | None, exc: BaseException, where: str) -> None:
         report = exception_report(exc, where)
@@ -171,7 +198,9 @@ class Rank:
         if request is None:  # fire-and-forget: goes to supervision
             self.send({"k": K.FAULT, "r": self.rank}, pickle.dumps(report))
         else:
-            self.send({"k": K.RESULT, "i": request, "r": self.rank, "ok": 0}, pickle.dumps(report))
+            self._result(
+                {"k": K.RESULT, "i": request, "r": self.rank, "ok": 0}, pickle.dumps(report)
+            )
 
     # -- startup ---------------------------------------------------------------------
     def start(self) -> None:
@@ -196,6 +225,7 @@ class Rank:
                 "host": self.cfg["hostname"],
                 "dev": device,
                 "rc": self.cfg.get("restart_count", 0),
+                "pa": self.peer_addr,
             }
         )
 
@@ -307,6 +337,9 @@ class Rank:
         if kind == K.HELLO:  # the connection probe: nothing to run, nothing to flush
             return
         request = h.get("i") if h.get("w") else None
+        route = h.get("rt")
+        if route is not None and request is not None:  # a call from another rank
+            self.peer_routes[request] = route
         if request is not None and request in self.cancelled:
             self.cancelled.discard(request)
             self.reply_error(request, KeyboardInterrupt("cancelled before it started"), kind)
@@ -419,7 +452,9 @@ class Rank:
         if request is None:
             self.send({"k": K.FAULT, "r": self.rank}, pickle.dumps(report))
         else:
-            self.send({"k": K.RESULT, "i": request, "r": self.rank, "ok": 0}, pickle.dumps(report))
+            self._result(
+                {"k": K.RESULT, "i": request, "r": self.rank, "ok": 0}, pickle.dumps(report)
+            )
 
     # -- control thread --------------------------------------------------------------
     def _control_loop(self) -> None:
@@ -563,6 +598,25 @@ def _sending(frame: Any) -> bool:
 
 
 STATS_INTERVAL = 1.0
+#: How long a reply to a calling rank may wait for that rank's socket (it may be gone).
+PEER_SEND_TIMEOUT_MS = 5000
+
+
+def _bind_peer(sock: zmq.Socket, cfg: dict[str, Any], rank: int) -> str:
+    """Bind ``sock`` (the inbox) to a unix socket in the host agent's private (0700)
+    directory, for actor calls from other ranks of this machine; its address."""
+    from monarch_kernel.rank.dataplane import _private_dir
+
+    path = os.path.join(_private_dir(cfg), f"pr{rank}-{os.getpid()}")
+    if len(path) > 100:  # a unix socket path is at most 107 bytes
+        import tempfile
+
+        path = os.path.join(tempfile.mkdtemp(prefix="mk-pr-", dir="/tmp"), f"pr{rank}")
+    addr = f"ipc://{path}"
+    sock.bind(addr)
+    return addr
+
+
 #: How long the control thread waits for an abort of the process group to finish.
 ABORT_WAIT = 1.0
 

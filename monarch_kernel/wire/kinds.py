@@ -144,6 +144,23 @@ kind              keys and payload
 ``hello``         (no keys, no ``q``) the controller's connection probe, ignored
 ================  =======================================================================
 
+Rank -> rank, actor calls (caller's DEALER -> the callee's inbox, main thread)
+------------------------------------------------------------------------------
+A rank holding a mesh reference (an ``ActorMesh`` passed to it) calls the target ranks
+directly: ``call``, ``spawn_actor`` and ``stop_actor`` as above, signed with the
+*target* mesh's key (carried by the reference), sent to the target rank's inbox, which
+also listens on a unix socket (``pa`` of its ``ready``). No ``q`` (FIFO per caller comes
+from its connection), ``i`` (a ``p``-prefixed id unique in the caller) and ``w`` when a
+reply is wanted, and:
+
+=====  =====  ==================================================================
+key    type   meaning
+=====  =====  ==================================================================
+``rt`` str    the caller's reply address (a bound PULL socket): the ``res`` for
+              ``i`` goes there (signed with the target's key), not to the
+              controller; output and faults still go to the target's controller
+=====  =====  ==================================================================
+
 Controller -> rank control thread (``send`` ROUTER -> ``c<R>``; unordered)
 --------------------------------------------------------------------------
 Served by ``Rank._control`` while the main thread runs user code. No ``q``.
@@ -184,8 +201,9 @@ kind              keys and payload
 ================  =======================================================================
 ``ready``         ``pid`` int, ``host`` str (hostname), ``dev`` str (``cpu`` or
                   ``cuda:N``), ``rc`` int (its ``restart_count``: a late ``ready`` of an
-                  earlier incarnation is ignored): started, greeted by its host agent,
-                  taking work
+                  earlier incarnation is ignored), ``pa`` str (the unix socket its inbox
+                  also listens on, for actor calls from other ranks): started, greeted
+                  by its host agent, taking work
 ``res``           ``i`` (the request answered), ``ok`` int: 1 = payload is the pickled
                   value (buffers out of band, sizes in ``b``); 0 = payload is a pickled
                   failure report (a dict: type, message, traceback, line, tensors,

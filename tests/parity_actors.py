@@ -1,0 +1,129 @@
+"""Actor classes of the Monarch-parity tests (importable by ranks through sys.path)."""
+
+from __future__ import annotations
+
+import os
+
+from monarch_kernel.actor import Actor, current_rank, endpoint
+
+
+class Generator(Actor):
+    """Produces values; asks its trainer for weights (calls back across meshes)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.trainer = None
+
+    @endpoint
+    def attach(self, trainer) -> str:
+        self.trainer = trainer
+        return type(trainer).__name__
+
+    @endpoint
+    def generate(self, x: int) -> dict:
+        return {"rank": current_rank().rank, "pid": os.getpid(), "y": x * 10 + self.version}
+
+    @endpoint
+    def refresh(self) -> int:
+        self.version = self.trainer.weights_version.call_one().get()
+        return self.version
+
+    @endpoint
+    def fail(self, msg: str) -> None:
+        try:
+            raise KeyError(msg)
+        except KeyError as exc:
+            raise ValueError("generation failed") from exc
+
+    @endpoint
+    def crash(self) -> None:
+        os._exit(7)
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class Trainer(Actor):
+    """Holds generators (an ActorMesh given to its constructor) and drives them."""
+
+    def __init__(self, generators) -> None:
+        self.generators = generators
+        self.version = 1
+
+    @endpoint
+    def weights_version(self) -> int:
+        return self.version
+
+    @endpoint
+    def step(self, x: int) -> list:
+        self.version += 1
+        return [v["y"] for v in self.generators.generate.call(x).get().values()]
+
+    @endpoint
+    def one(self, x: int) -> dict:
+        return self.generators.slice(gpus=1).generate.call_one(x).get()
+
+    @endpoint
+    async def step_async(self, x: int) -> list:
+        vm = await self.generators.generate.call(x)
+        return [v["y"] for v in vm.values()]
+
+    @endpoint
+    def stream(self, x: int) -> list:
+        return sorted(f.get()["y"] for f in self.generators.generate.stream(x))
+
+    @endpoint
+    def choose(self, x: int) -> int:
+        return self.generators.generate.choose(x).get()["y"]
+
+    @endpoint
+    def broadcast(self) -> None:
+        self.generators.refresh.broadcast()
+
+    @endpoint
+    def wire_back(self, me) -> list:
+        """Give the generators a reference to ``me`` (this trainer mesh) and make
+        them call back into it."""
+        names = self.generators.attach.call(me).get().values()
+        return names
+
+    @endpoint
+    def refresh_all(self) -> list:
+        return self.generators.refresh.call().get().values()
+
+    @endpoint
+    def failing(self) -> str:
+        try:
+            self.generators.fail.call("boom").get()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    @endpoint
+    def call_crashing(self) -> str:
+        try:
+            self.generators.slice(gpus=0).crash.call_one().get(timeout=10)
+        except Exception as exc:
+            return type(exc).__name__
+        return "no error"
+
+    @endpoint
+    def spawn_on(self, procs) -> list:
+        helpers = procs.spawn("helpers", Generator)
+        out = helpers.generate.call(1).get().values()
+        helpers.stop().get()
+        return [v["y"] for v in out]
+
+    @endpoint
+    def dims(self) -> dict:
+        g = self.generators
+        return {"len": len(g), "size": g.size(), "extent": g.extent}
+
+    @endpoint
+    def ping_pong(self, n: int) -> int:
+        total = 0
+        gen = self.generators.slice(gpus=0)
+        for i in range(n):
+            total += gen.generate.call_one(i).get()["y"]
+        return total

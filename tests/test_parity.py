@@ -1,0 +1,154 @@
+"""Monarch parity: meshes passed to actors, rank-to-rank calls, and Monarch's API names."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from parity_actors import Generator, Trainer
+
+from monarch_kernel.actor import ActorError, SliceError, this_host
+from monarch_kernel.actor.peer import RemoteActorMesh
+
+
+@pytest.fixture(scope="module")
+def two_meshes():
+    """Two separate 2-rank meshes: generators and trainers."""
+    gprocs = this_host().spawn_procs(per_host={"gpus": 2}, name="gens")
+    tprocs = this_host().spawn_procs(per_host={"gpus": 2}, name="trainers")
+    yield gprocs, tprocs
+    tprocs.stop()
+    gprocs.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(two_meshes):
+    gprocs, tprocs = two_meshes
+    gens = gprocs.spawn("gen", Generator)
+    trainers = tprocs.spawn("trainer", Trainer, gens)  # a mesh as a spawn argument
+    return gens, trainers
+
+
+def test_mesh_passed_to_spawn_is_callable_on_the_other_mesh(pair):
+    gens, trainers = pair
+    assert trainers.step.call(3).get().values() == [[30, 30], [30, 30]]
+    one = trainers.slice(gpus=0).one.call_one(4).get()
+    assert one["rank"] == 1 and one["y"] == 40
+
+
+def test_every_adverb_from_a_rank(pair):
+    gens, trainers = pair
+    t0 = trainers.slice(gpus=0)
+    assert t0.step_async.call_one(2).get() == [20, 20]
+    assert t0.stream.call_one(5).get() == [50, 50]
+    assert t0.choose.call_one(6).get() == 60
+    assert t0.dims.call_one().get() == {"len": 2, "size": 2, "extent": {"gpus": 2}}
+
+
+def test_generator_and_trainer_call_each_other(pair):
+    gens, trainers = pair
+    t0 = trainers.slice(gpus=0)
+    # trainer 0 hands the generators a reference to the trainer mesh (slice of one)...
+    assert t0.wire_back.call_one(trainers.slice(gpus=0)).get() == ["RemoteActorMesh"] * 2
+    # ...and they call back into it, while the trainer calls them.
+    versions = trainers.slice(gpus=1).refresh_all.call_one().get()
+    assert len(versions) == 2 and all(v >= 1 for v in versions)
+    # broadcast from a rank (fire and forget): the generators refresh from trainer 0
+    t0.broadcast.call_one().get()
+    assert gens.refresh.call().get().values() == [versions[0]] * 2
+
+
+def test_calls_go_rank_to_rank_not_through_the_controller(pair):
+    gens, trainers = pair
+    before = _controller_requests(gens)
+    trainers.slice(gpus=0).ping_pong.call_one(20).get()
+    assert _controller_requests(gens) == before  # no request to the generators' ranks
+
+
+def _controller_requests(mesh) -> int:
+    rt = mesh._runtime
+    return sum(info.bytes_out for info in rt.ranks)
+
+
+def test_remote_error_keeps_its_chain(pair):
+    gens, trainers = pair
+    text = trainers.slice(gpus=0).failing.call_one().get()
+    assert text.startswith("ActorError") and "generation failed" in text
+    assert "KeyError" in text  # the cause is shown (raise ... from ...)
+    with pytest.raises(ActorError) as info:
+        gens.fail.call("x").get()
+    assert "caused by KeyError: 'x'" in str(info.value)
+    assert "direct cause" in str(info.value)
+    assert info.value.failures[0]["causes"] == [{"type": "KeyError", "message": "'x'"}]
+
+
+def test_spawn_on_a_proc_mesh_passed_to_an_actor(pair, two_meshes):
+    gprocs, _ = two_meshes
+    gens, trainers = pair
+    assert trainers.slice(gpus=0).spawn_on.call_one(gprocs).get() == [10, 10]
+
+
+def test_mesh_returned_to_the_controller_is_its_own_mesh(two_meshes):
+    gprocs, _ = two_meshes
+    from monarch_kernel.actor.meshes import ActorMesh
+    from monarch_kernel.actor.peer import _rebuild_actor_mesh
+
+    gens = gprocs.spawn("g2", Generator)
+    fn, args = gens.__reduce__()
+    back = fn(*args)
+    assert isinstance(back, ActorMesh) and fn is _rebuild_actor_mesh
+    assert back.generate.call(1).get().values()[0]["y"] == 10
+    assert isinstance(RemoteActorMesh(*args), RemoteActorMesh)
+
+
+def test_stop_returns_a_future_and_size_flatten(two_meshes):
+    gprocs, _ = two_meshes
+    g = gprocs.spawn("g3", Generator)
+    assert gprocs.size() == 2 and gprocs.size("gpus") == 2
+    flat = gprocs.flatten("all")
+    assert flat.extent == {"all": 2}
+    assert g.flatten("x").generate.call(1).get().extent == {"x": 2}
+    assert gprocs.slice(gpus=1).flatten("x").ranks() == [1]
+    with pytest.raises(SliceError, match="no dimension"):
+        flat.slice(gpus=0)
+    fut = g.stop()
+    assert fut.get() is None
+    with pytest.raises(ActorError, match="no actor"):
+        g.generate.call(1).get()
+    gprocs.logging_option(stream_to_client=True, aggregate_window_sec=None)
+
+
+def test_death_of_a_target_fails_the_peer_call(mesh2):
+    gens = mesh2.spawn("gdie", Generator)
+    tprocs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        trainer = tprocs.spawn("t", Trainer, gens)
+        t0 = time.monotonic()
+        assert trainer.call_crashing.call_one().get() == "RankDiedError"
+        assert time.monotonic() - t0 < 5
+    finally:
+        tprocs.stop()
+
+
+def test_hosts_in_per_host_and_bootstrap():
+    procs = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 1}, bootstrap=_set_flag)
+    try:
+        assert procs.extent == {"hosts": 2, "gpus": 1}
+        g = procs.spawn("g", _FlagReader)
+        assert g.flag.call().get().values() == ["set", "set"]
+    finally:
+        procs.stop()
+
+
+def _set_flag() -> None:
+    os.environ["MK_BOOTSTRAPPED"] = "set"
+
+
+from monarch_kernel.actor import Actor, endpoint  # noqa: E402
+
+
+class _FlagReader(Actor):
+    @endpoint
+    def flag(self) -> str:
+        return os.environ.get("MK_BOOTSTRAPPED", "")
