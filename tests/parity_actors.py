@@ -127,3 +127,109 @@ class Trainer(Actor):
         for i in range(n):
             total += gen.generate.call_one(i).get()["y"]
         return total
+
+
+class Introspect(Actor):
+    """context(), current_actor_name(), this_proc(), explicit response ports."""
+
+    def __init__(self, start: int = 0) -> None:
+        from monarch_kernel.actor import current_actor_name
+
+        self.born_as = current_actor_name()
+        self.v = start
+
+    @endpoint
+    def who(self) -> dict:
+        from monarch_kernel.actor import context, current_actor_name
+
+        ctx = context()
+        return {
+            "name": current_actor_name(),
+            "born_as": self.born_as,
+            "rank": ctx.actor_instance.rank.rank,
+            "message_rank": dict(ctx.message_rank),
+        }
+
+    @endpoint
+    def value(self) -> int:
+        return self.v
+
+    @endpoint
+    def child(self) -> list:
+        """Spawn a child on this very process and call it (inline, no deadlock)."""
+        from monarch_kernel.actor import this_proc
+
+        kid = this_proc().spawn("kid", Introspect, 41)
+        v = kid.value.call_one().get()
+        vm = kid.value.call().get()
+        return [v, vm.values(), os.getpid() == kid.pid_of.call_one().get()]
+
+    @endpoint
+    def pid_of(self) -> int:
+        return os.getpid()
+
+    @endpoint(explicit_response_port=True)
+    def later(self, port, x: int) -> None:
+        import threading
+        import time
+
+        def answer() -> None:
+            time.sleep(0.05)
+            if x < 0:
+                port.exception(ValueError(f"negative: {x}"))
+            else:
+                port.send(x * 2)
+
+        threading.Thread(target=answer).start()
+
+    @endpoint
+    def send_to(self, port, n: int) -> None:
+        for i in range(n):
+            port.send((current_rank().rank, i))
+
+
+class Supervisor(Actor):
+    """A level of a supervision tree: owns the child mesh it spawns on given procs."""
+
+    def __init__(self, handles: bool) -> None:
+        self.handles = handles
+        self.seen: list[dict] = []
+        self.child = None
+
+    def __supervise__(self, failure) -> bool:
+        self.seen.append(
+            {
+                "actor": failure.actor_name,
+                "mesh": failure.mesh_name,
+                "message": failure.failure["message"],
+                "path": list(failure.path),
+            }
+        )
+        return self.handles
+
+    @endpoint
+    def spawn_child(self, procs, handles: bool, grand_procs=None, grand_handles=False) -> str:
+        self.child = procs.spawn("sup_child", Supervisor, handles)
+        if grand_procs is not None:
+            self.child.spawn_child.call(grand_procs, grand_handles).get()
+        return "ok"
+
+    @endpoint
+    def break_child(self) -> None:
+        self.child.boom.broadcast()  # nobody waits: the failure goes to supervision
+
+    @endpoint
+    def break_grandchild(self) -> None:
+        self.child.break_child.call().get()
+
+    @endpoint
+    def boom(self) -> None:
+        raise RuntimeError("leaf failed")
+
+    @endpoint
+    def seen_failures(self) -> list:
+        return self.seen
+
+    @endpoint
+    def child_seen(self) -> list:
+        return self.child.seen_failures.call().get().values()

@@ -152,3 +152,137 @@ class _FlagReader(Actor):
     @endpoint
     def flag(self) -> str:
         return os.environ.get("MK_BOOTSTRAPPED", "")
+
+
+# -- Monarch's runtime helpers -----------------------------------------------------------
+from parity_actors import Introspect  # noqa: E402
+
+from monarch_kernel.actor import (  # noqa: E402
+    Accumulator,
+    Channel,
+    context,
+    current_actor_name,
+    get_or_spawn_controller,
+    this_proc,
+)
+
+
+@pytest.fixture(scope="module")
+def intro(two_meshes):
+    gprocs, _ = two_meshes
+    return gprocs.spawn("intro", Introspect, 5)
+
+
+def test_context_and_actor_name(intro):
+    vm = intro.who.call().get()
+    first = vm.values()[0]
+    assert first["name"] == "gens/intro[0]" and first["born_as"] == "gens/intro[0]"
+    assert [v["rank"] for v in vm.values()] == [0, 1]
+    assert vm.values()[1]["message_rank"] == {"gpus": 1}
+    assert current_actor_name() == "client"
+    assert context().actor_instance.rank.rank == 0
+
+
+def test_this_proc_spawn_and_call_on_own_rank(intro):
+    assert intro.child.call().get().values() == [[41, [41], True]] * 2
+
+
+def test_explicit_response_port(intro):
+    assert intro.later.call(4).get().values() == [8, 8]
+    assert intro.slice(gpus=1).later.call_one(3).get() == 6
+    with pytest.raises(ActorError, match="negative: -1"):
+        intro.later.call(-1).get()
+
+
+def test_channel_port_passed_to_actors(intro):
+    port, receiver = Channel.open()
+    intro.send_to.call(port, 3).get()
+    got = sorted(receiver.recv().get(timeout=10) for _ in range(6))
+    assert got == [(r, i) for r in (0, 1) for i in range(3)]
+
+
+def test_accumulator(intro):
+    acc = Accumulator(intro.value, 100, lambda a, v: a + v)
+    assert acc.accumulate().get() == 110
+
+
+def test_get_or_spawn_controller_is_a_singleton():
+    try:
+        a = get_or_spawn_controller("ctrl", Introspect, 7).get()
+        b = get_or_spawn_controller("ctrl", Introspect, 99).get()
+        assert a.value.call_one().get() == 7 and b.value.call_one().get() == 7
+        assert len(a) == 1 and this_proc().size() == 1
+    finally:
+        this_proc().stop()
+
+
+# -- supervision ---------------------------------------------------------------------------
+from parity_actors import Supervisor  # noqa: E402
+
+import monarch_kernel.actor as actor_api  # noqa: E402
+from monarch_kernel.actor import MeshFailure  # noqa: E402
+
+
+@pytest.fixture
+def tree_meshes():
+    meshes = [this_host().spawn_procs(per_host={"gpus": 1}, name=n) for n in ("top", "mid", "leaf")]
+    yield meshes
+    for m in meshes:
+        m.stop()
+
+
+@pytest.fixture
+def hooked(monkeypatch):
+    got: list[MeshFailure] = []
+    monkeypatch.setattr(actor_api, "unhandled_fault_hook", got.append)
+    return got
+
+
+def _wait(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("mid_handles,top_handles", [(True, False), (False, True), (False, False)])
+def test_supervision_tree_three_levels(tree_meshes, hooked, mid_handles, top_handles):
+    top_procs, mid_procs, leaf_procs = tree_meshes
+    top = top_procs.spawn("sup_top", Supervisor, top_handles)
+    top.spawn_child.call(mid_procs, mid_handles, leaf_procs, False).get()
+    top.break_grandchild.call().get()  # the leaf fails under broadcast, from mid
+    if mid_handles:
+        assert _wait(lambda: top.child_seen.call_one().get() != [[]])
+        (mid_seen,) = top.child_seen.call_one().get()
+        assert mid_seen[0]["mesh"] == "leaf" and mid_seen[0]["actor"] == "sup_child"
+        assert "leaf failed" in mid_seen[0]["message"] and mid_seen[0]["path"] == []
+        time.sleep(0.3)
+        assert top.seen_failures.call_one().get() == [] and hooked == []
+    elif top_handles:
+        assert _wait(lambda: top.seen_failures.call_one().get() != [])
+        (seen,) = top.seen_failures.call_one().get()
+        # unhandled by mid, it is a failure of mid's mesh (caused by the leaf's)
+        assert seen["mesh"] == "mid" and seen["actor"] == "sup_child"
+        assert "leaf failed" in seen["message"] and seen["path"] == ["mid/sup_child[0]"]
+        assert top.child_seen.call_one().get()[0][0]["mesh"] == "leaf"  # mid saw it too
+        time.sleep(0.3)
+        assert hooked == []
+    else:
+        assert _wait(lambda: bool(hooked))
+        failure = hooked[0]
+        assert isinstance(failure, MeshFailure) and failure.mesh_name == "top"
+        assert failure.actor_name == "sup_top"
+        assert "leaf failed" in failure.report()
+        assert "mid/sup_child[0] -> top/sup_top[0]" in failure.failure["message"]
+
+
+def test_broadcast_failure_reaches_the_hook(two_meshes, hooked):
+    gprocs, _ = two_meshes
+    g = gprocs.spawn("gfail", Generator)
+    g.fail.broadcast("x")
+    assert _wait(lambda: len(hooked) >= 2)
+    assert {f.rank for f in hooked} == {0, 1}
+    assert all(f.mesh_name == "gens" and "generation failed" in f.report() for f in hooked)
+    assert all(f.actor_name == "gfail" for f in hooked)

@@ -6,6 +6,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from monarch_kernel.rank.context import EXPLICIT_PORT_ATTR
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 _ENDPOINT_ATTR = "__monarch_endpoint__"
@@ -23,13 +25,19 @@ def endpoint(fn: F | None = None, **options: Any) -> F:
     """Mark a method of an :class:`Actor` as callable from the controller.
 
     Inside the actor, the method stays an ordinary method (``self.incr(1)`` works).
-    Options are accepted for Monarch compatibility (e.g. ``propagate=``) and ignored.
+    ``explicit_response_port=True`` (Monarch's): the method takes a :class:`Port` as its
+    first argument after ``self`` and answers by ``port.send(value)`` (or
+    ``port.exception(exc)``), now or later from any thread; what it returns is ignored.
+    Other options are accepted for Monarch compatibility (e.g. ``propagate=``) and ignored.
     """
+    explicit = bool(options.get("explicit_response_port", False))
 
     def mark(f: F) -> F:
         if not callable(f):
             raise TypeError(f"@endpoint decorates methods, not {type(f).__name__}")
         setattr(f, _ENDPOINT_ATTR, True)
+        if explicit:
+            setattr(f, EXPLICIT_PORT_ATTR, True)
         return f
 
     return mark(fn) if fn is not None else mark  # type: ignore[return-value]

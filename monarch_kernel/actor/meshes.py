@@ -104,6 +104,9 @@ class HostMesh:
             grace=grace,
         )
         procs = ProcMesh(runtime)
+        from monarch_kernel.actor.api import _watch  # (api imports this module)
+
+        _watch(runtime)
         try:
             if on_starting is not None:
                 on_starting(procs)

@@ -21,8 +21,11 @@ machine raises a clear error when called (see README, differences from Monarch).
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import itertools
 import os
+import pickle
 import random
 import socket
 import tempfile
@@ -81,6 +84,7 @@ class PeerClient:
         self.codecs: dict[str, Codec] = {}
         self.socks: dict[str, zmq.Socket] = {}  # peer address -> DEALER (sent under lock)
         self.pending: dict[str, _Pending] = {}
+        self.ports: dict[str, RequestObserver] = {}  # open channels: every message
         self.ids = itertools.count()
         self.prefix = f"p{os.getpid()}-{os.urandom(3).hex()}-"
         d = tempfile.mkdtemp(prefix="mk-peer-")  # mode 0700: only we can connect
@@ -137,6 +141,16 @@ class PeerClient:
         codec = self.codec(ref.key)
         ranks = list(ranks)
         addrs = [_addr(ref, r) for r in ranks]
+        rt = context._runtime
+        if rt is not None and rt.peer_addr in addrs and _on_main_thread():
+            # A call to this very rank from its own busy main thread would wait for
+            # itself: actors of one rank share its thread, so it runs here, inline.
+            i = addrs.index(rt.peer_addr)
+            self.request(ref, ranks[:i] + ranks[i + 1 :], header, payload, buffers, observer)
+            _inline(rt, ranks[i], header, payload, buffers, observer)
+            return
+        if not ranks:
+            return
         with self.lock:
             rid = None
             if observer is not None:
@@ -151,6 +165,11 @@ class PeerClient:
                 if rid is not None:
                     self.pending.pop(rid, None)
                 raise
+
+    def open_port(self, port_id: str, observer: RequestObserver) -> None:
+        """Deliver every message sent to ``port_id`` to ``observer`` (a channel)."""
+        with self.lock:
+            self.ports[port_id] = observer
 
     # -- the reply thread -----------------------------------------------------------
     def _serve(self, wake_in: zmq.Socket) -> None:
@@ -186,6 +205,10 @@ class PeerClient:
             return  # forged or malformed: dropped before anything is unpickled
         h = msg.header
         rank = h.get("r")
+        port = self.ports.get(h.get("i"))  # type: ignore[arg-type]
+        if port is not None:
+            port.on_reply(Reply(rank, msg))  # type: ignore[arg-type]
+            return
         with self.lock:
             p = self.pending.get(h.get("i"))  # type: ignore[arg-type]
             if p is None or rank not in p.left:
@@ -213,6 +236,77 @@ class PeerClient:
             p.observer.on_lost(
                 r, RankDiedError(f"rank {r} died (or its mesh stopped) during an actor call")
             )
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _inline(
+    rt: Any,
+    rank: int,
+    header: dict[str, Any],
+    payload: bytes,
+    buffers: Sequence[Buffer],
+    observer: RequestObserver | None,
+) -> None:
+    """Serve a call to this rank now, on this thread (see :meth:`PeerClient.request`)."""
+    from monarch_kernel.rank.errors import exception_report
+    from monarch_kernel.wire import Message, loads
+
+    kind, name = header["k"], header.get("a", "")
+    previous = context.current_actor
+    try:
+        if kind == K.SPAWN_ACTOR:
+            cls, args, kwargs = loads(payload, buffers, f"constructor of actor {name!r}")
+            if header.get("oa"):
+                rt.owners[name] = {"oa": header["oa"], "ox": header["ox"], "on": header["on"]}
+            context.current_actor = name
+            rt.actors[name] = cls(*args, **kwargs)
+            value: Any = None
+        elif kind == K.STOP_ACTOR:
+            rt.actors.pop(name, None)
+            rt.owners.pop(name, None)
+            value = None
+        else:
+            actor = rt.actors.get(name)
+            if actor is None:
+                raise LookupError(f"no actor {name!r} on rank {rank} (was it stopped?)")
+            args, kwargs = loads(payload, buffers, "arguments")
+            context.current_actor = name
+            value = getattr(actor, header["m"])(*args, **kwargs)
+            if inspect.isawaitable(value):
+                value = _run_coroutine(value)
+        out, bufs = dumps(value, "result")
+        reply = Message({"k": K.RESULT, "r": rank, "ok": 1}, out, list(bufs))
+    except Exception as exc:
+        report = exception_report(exc, f"{name}.{header.get('m', kind)}")
+        reply = Message({"k": K.RESULT, "r": rank, "ok": 0}, pickle.dumps(report))
+        if observer is None:  # fire and forget: to supervision, as from the runtime
+            rt.reply_error(None, exc, f"{name}.{header.get('m', kind)}")
+    finally:
+        context.current_actor = previous
+    if observer is not None:
+        observer.on_reply(Reply(rank, reply))
+
+
+def _run_coroutine(aw: Any) -> Any:
+    """Run an async endpoint of this rank to completion from synchronous code."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(aw)
+        finally:
+            loop.close()
+    close = getattr(aw, "close", None)
+    if close is not None:
+        close()
+    raise RuntimeError(
+        "an async endpoint cannot call an async endpoint of an actor on its own rank "
+        "(actors of one rank share its thread); make one of them synchronous"
+    )
 
 
 _client: PeerClient | None = None
@@ -313,7 +407,11 @@ class RemoteProcMesh(_RemoteView):
         payload, buffers = dumps((actor_class, args, kwargs), f"constructor of {name!r}")
         ranks = self._ref.shape.ranks()
         gather = Gather(ranks, self._ref.shape, None)
-        header = {"k": K.SPAWN_ACTOR, "a": name}
+        header: dict[str, Any] = {"k": K.SPAWN_ACTOR, "a": name}
+        rt = context._runtime
+        if rt is not None and context.current_actor:
+            # Spawned by an actor: it owns the new mesh and supervises it.
+            header.update(oa=rt.peer_addr, ox=rt.cfg["key"], on=context.current_actor)
         client().request(self._ref, ranks, header, payload, buffers, gather)
         gather.future.get()
         return RemoteActorMesh(self._ref, name, actor_class)

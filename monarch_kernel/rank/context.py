@@ -14,6 +14,11 @@ _point: Point = Point({}, 0)
 _extent: dict[str, int] = {}
 _runtime: Any = None  # the running rank.runtime.Rank, set in rank processes only
 current_request: str | None = None  # id of the message the main thread is serving
+#: Set (by ``@endpoint(explicit_response_port=True)``) on endpoint functions that take a
+#: response port as their first argument.
+EXPLICIT_PORT_ATTR = "__monarch_explicit_port__"
+#: Name of the actor whose endpoint (or constructor) the main thread is running, if any.
+current_actor: str | None = None
 
 
 def install(point: Point, extent: dict[str, int], runtime: Any) -> None:

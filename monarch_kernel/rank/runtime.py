@@ -76,6 +76,10 @@ class Rank:
         self.peer_addr = _bind_peer(self.inbox, cfg, self.rank)
         self.peer_routes: dict[str, str] = {}  # request id -> caller's reply address
         self._peer_out: dict[str, zmq.Socket] = {}
+        #: actor name -> its owner (header keys ``oa``, ``ox``, ``on``, ``or`` of the
+        #: spawn): an actor spawned by an actor of some rank; see ``rank.supervise``.
+        self.owners: dict[str, dict[str, Any]] = {}
+        self._peer_codecs: dict[str, Codec] = {}
         self.out = self._dealer(ident, cfg["recv"])
         self.ctl = self._dealer(b"c%d" % self.rank + tag, cfg["send"])
         self.out_lock = threading.Lock()
@@ -102,6 +106,7 @@ class Rank:
             K.SPAWN_ACTOR: self._spawn_actor,
             K.EXEC: self._exec,
             K.STOP_ACTOR: self._stop_actor,
+            K.SUPERVISE: self._supervise,
         }
         #: Control-thread handlers: ``handler(msg)``; what they raise is sent back as an
         #: error reply to the request (header ``i``), or as a fault if there is none.
@@ -196,11 +201,72 @@ class Rank:
         report = exception_report(exc, where)
         report["host"] = self.cfg["hostname"]
         if request is None:  # fire-and-forget: goes to supervision
-            self.send({"k": K.FAULT, "r": self.rank}, pickle.dumps(report))
+            self.fault(report, context.current_actor)
         else:
             self._result(
                 {"k": K.RESULT, "i": request, "r": self.rank, "ok": 0}, pickle.dumps(report)
             )
+
+    def fault(self, report: dict[str, Any], actor: str | None, path: tuple[str, ...] = ()) -> None:
+        """A failure nobody waits for: to the owner of ``actor`` if an actor spawned it
+        (its ``__supervise__``), else to the controller (``unhandled_fault_hook``)."""
+        owner = self.owners.get(actor) if actor else None
+        if actor:  # the failing actor at this level (its owner sees it as the failure)
+            report = dict(report, actor=actor)
+        if owner is None:
+            if path:
+                report = dict(
+                    report,
+                    message=f"{report.get('message', '')} (not handled by {' -> '.join(path)})",
+                )
+            self.send({"k": K.FAULT, "r": self.rank}, pickle.dumps(report))
+            return
+        mesh = str(self.cfg.get("mesh", self.cfg.get("run_id", "")))
+        body = {"mesh": mesh, "actor": actor, "rank": self.rank, "report": report, "path": path}
+        header = {"k": K.SUPERVISE, "on": owner["on"]}
+        addr, key = owner["oa"], owner["ox"]
+        codec = self._peer_codecs.get(key)
+        if codec is None:
+            codec = self._peer_codecs[key] = Codec(bytes.fromhex(key))
+        sock = self._peer_out.get("d" + addr)
+        if sock is None:
+            sock = self._peer_out["d" + addr] = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDTIMEO, PEER_SEND_TIMEOUT_MS)
+            sock.connect(addr)
+        try:
+            with self.out_lock:
+                wire_send(sock, codec.encode(header, pickle.dumps(body)))
+        except zmq.Again:  # the owner is gone: the controller hears of it instead
+            self.send({"k": K.FAULT, "r": self.rank}, pickle.dumps(report))
+
+    def _supervise(self, msg: Message, request: str | None) -> None:
+        """SUPERVISE: a mesh owned by actor ``on`` of this rank failed; its
+        ``__supervise__(failure)`` handles it (returns True) or it goes on up."""
+        from monarch_kernel.rank.supervise import MeshFailure
+
+        body = pickle.loads(msg.payload)
+        owner_name = msg.header["on"]
+        owner = self.actors.get(owner_name)
+        failure = MeshFailure(
+            body["mesh"], body["actor"], body["rank"], body["report"], tuple(body["path"])
+        )
+        handled = False
+        supervise = getattr(owner, "__supervise__", None)
+        if supervise is not None:
+            context.current_actor = owner_name
+            try:
+                handled = bool(self.run_user(supervise, failure))
+            except Exception as exc:  # __supervise__ itself failed: its owner is told
+                self.fault(
+                    exception_report(exc, f"{type(owner).__name__}.__supervise__"), owner_name
+                )
+            finally:
+                context.current_actor = None
+        if not handled:
+            mesh = str(self.cfg.get("mesh", self.cfg.get("run_id", "")))
+            me = f"{mesh}/{owner_name}[{self.rank}]"
+            self.fault(body["report"], owner_name, (*failure.path, me))
 
     # -- startup ---------------------------------------------------------------------
     def start(self) -> None:
@@ -384,8 +450,15 @@ class Rank:
         """SPAWN_ACTOR: construct actor ``a`` from the pickled ``(cls, args, kwargs)``."""
         name = msg.header["a"]
         cls = None
+        owner = msg.header.get("oa")
+        if owner:  # spawned by an actor of some rank: its failures go to that owner
+            h = msg.header
+            self.owners[name] = {"oa": owner, "ox": h["ox"], "on": h["on"]}
+        else:
+            self.owners.pop(name, None)
         try:
             cls, args, kwargs = loads(msg.payload, msg.buffers, f"constructor of actor {name!r}")
+            context.current_actor = name
             self.actors[name] = self.run_user(cls, *args, **kwargs)
         except (Exception, KeyboardInterrupt) as exc:  # to the caller
             self.reply_error(request, exc, f"{getattr(cls, '__name__', name)}.__init__")
@@ -395,6 +468,8 @@ class Rank:
                 raise
             self._actor_stopped(request, exc, name, cls, "constructor", "__init__")
             return
+        finally:
+            context.current_actor = None
         if request:
             self.reply(request, None, f"spawn of {name}")
 
@@ -407,6 +482,7 @@ class Rank:
     def _stop_actor(self, msg: Message, request: str | None) -> None:
         """STOP_ACTOR: forget actor ``a`` (no error if it is not there)."""
         self.actors.pop(msg.header.get("a", ""), None)
+        self.owners.pop(msg.header.get("a", ""), None)
         if request:
             self.reply(request, None, "stop")
 
@@ -423,7 +499,14 @@ class Rank:
             if actor is None:
                 raise LookupError(f"no actor {name!r} on rank {self.rank} (was it stopped?)")
             args, kwargs = loads(msg.payload, msg.buffers, lambda: f"arguments of {where()}")
-            result = self.run_user(getattr(actor, method), *args, **kwargs)
+            context.current_actor = name
+            fn = getattr(actor, method)
+            if getattr(fn, context.EXPLICIT_PORT_ATTR, False):
+                # @endpoint(explicit_response_port=True): the endpoint answers through
+                # the port it is given (now or later, from any thread); no reply here.
+                self.run_user(fn, ResponsePort(self, request, where), *args, **kwargs)
+                return
+            result = self.run_user(fn, *args, **kwargs)
         except (Exception, KeyboardInterrupt) as exc:  # to the caller
             self.reply_error(request, exc, where())
             return
@@ -432,6 +515,8 @@ class Rank:
                 raise
             self._actor_stopped(request, exc, name, type(actor), "endpoint", method)
             return
+        finally:
+            context.current_actor = None
         if request:
             self.reply(request, result, lambda: f"result of {where()}", where)
 
@@ -450,7 +535,7 @@ class Rank:
         )
         report["host"] = self.cfg["hostname"]
         if request is None:
-            self.send({"k": K.FAULT, "r": self.rank}, pickle.dumps(report))
+            self.fault(report, name)
         else:
             self._result(
                 {"k": K.RESULT, "i": request, "r": self.rank, "ok": 0}, pickle.dumps(report)
@@ -572,6 +657,34 @@ class Rank:
     def _input_reply(self, msg: Message) -> None:
         """INPUT_REPLY: the notebook's answer to an ``input()`` waiting on this rank."""
         self.stdin.answer(msg.header)
+
+
+class ResponsePort:
+    """Where an endpoint declared with ``explicit_response_port=True`` sends its answer
+    (Monarch's ``Port``): ``send(value)`` or ``exception(exc)``, once, from any thread.
+    For a fire-and-forget call (``broadcast``) a value goes nowhere and an exception to
+    supervision."""
+
+    def __init__(self, runtime: Rank, request: str | None, where: Callable[[], str]):
+        self._runtime = runtime
+        self._request = request
+        self._where = where
+        self._sent = False
+
+    def send(self, value: Any) -> None:
+        if self._claim() and self._request is not None:
+            self._runtime.reply(self._request, value, lambda: f"result of {self._where()}")
+
+    def exception(self, exc: BaseException) -> None:
+        if self._claim():
+            self._runtime.reply_error(self._request, exc, self._where())
+
+    def _claim(self) -> bool:
+        """The first answer wins (a request gets one reply); later ones are dropped."""
+        if self._sent:
+            return False
+        self._sent = True
+        return True
 
 
 def _ignore(msg: Message) -> None:

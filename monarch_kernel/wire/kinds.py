@@ -67,9 +67,10 @@ kind              keys
                   ``common``: dict shared by those ranks: ``labels`` list[str] and
                   ``sizes`` list[int] (mesh dims), ``world_size`` int, ``local_world_size``
                   int, ``master_addr`` str, ``master_port`` int (torch.distributed
-                  rendezvous: rank 0's host), ``run_id`` str, ``env`` dict[str, str] (user
-                  ``--env``), ``sys_path`` list[str], ``cwd`` str (the controller's import
-                  path and working directory). The agent merges each spec over ``common``
+                  rendezvous: rank 0's host), ``run_id`` str, ``mesh`` str (its name),
+                  ``env`` dict[str, str] (user ``--env``), ``sys_path`` list[str], ``cwd``
+                  str (the controller's import path and working directory). The agent
+                  merges each spec over ``common``
                   and adds ``key``, ``send``, ``recv``, ``fanout``, ``hostname`` and
                   ``log`` before it forks the rank.
 ``signal_ranks``  ``d`` (its ranks to signal), ``sig`` int (signal number, e.g. SIGINT)
@@ -158,8 +159,19 @@ key    type   meaning
 =====  =====  ==================================================================
 ``rt`` str    the caller's reply address (a bound PULL socket): the ``res`` for
               ``i`` goes there (signed with the target's key), not to the
-              controller; output and faults still go to the target's controller
+              controller; output still goes to the target's controller
+``oa`` str    ``spawn_actor`` from an actor: the owner's inbox (peer address);
+              with ``ox`` str (the owner mesh's key, hex) and ``on`` str (the
+              owner actor's name). The new actor's unanswered failures go to
+              the owner as ``supervise`` instead of to the controller as ``fault``
 =====  =====  ==================================================================
+
+``supervise`` (rank -> its owner's inbox, signed with the owner's key; no ``i``):
+``on`` str (the owner actor). Payload: pickled ``{"mesh", "actor", "rank", "report",
+"path"}`` (the failed mesh, actor and rank, the failure report, the owners that did
+not handle it). The owner's ``__supervise__(MeshFailure)`` runs on its main thread;
+unless it returns True the failure goes on to the owner's owner, or to its controller
+as a ``fault``.
 
 Controller -> rank control thread (``send`` ROUTER -> ``c<R>``; unordered)
 --------------------------------------------------------------------------
@@ -254,6 +266,7 @@ SPAWN_ACTOR = "spawn_actor"
 CALL = "call"
 EXEC = "exec"
 STOP_ACTOR = "stop_actor"
+SUPERVISE = "supervise"  # rank -> owner rank's inbox: a failure of a mesh it owns
 
 # controller -> rank control thread (unordered, served while the main thread is busy)
 PUSH = "push"

@@ -37,6 +37,7 @@ class FailureReport(TypedDict, total=False):
     #: the exceptions before this one in its chain (``raise X from Y``, or raised while
     #: handling another), root cause first: ``{"type": ..., "message": ...}`` each
     causes: list[dict[str, str]]
+    actor: str  #: the actor whose failure nobody waited for (``fault`` reports)
 
 
 class RankStats(TypedDict, total=False):
