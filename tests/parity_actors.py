@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from monarch_kernel.actor import Actor, current_rank, endpoint
+from monarch_kernel.actor import concurrent_endpoint as endpoint_concurrent
 
 
 class Generator(Actor):
@@ -233,3 +234,31 @@ class Supervisor(Actor):
     @endpoint
     def child_seen(self) -> list:
         return self.child.seen_failures.call().get().values()
+
+
+class Concurrent(Actor):
+    """Concurrent endpoints: a later call finishes while an earlier one still awaits."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.gate = None
+        self.asyncio = asyncio
+
+    @endpoint_concurrent
+    async def wait_gate(self) -> str:
+        if self.gate is None:
+            self.gate = self.asyncio.Event()
+        await self.gate.wait()
+        return "released"
+
+    @endpoint_concurrent
+    async def open_gate(self) -> str:
+        while self.gate is None:
+            await self.asyncio.sleep(0.01)
+        self.gate.set()
+        return "opened"
+
+    @endpoint_concurrent
+    async def fails(self) -> None:
+        raise ValueError("async boom")

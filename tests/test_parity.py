@@ -286,3 +286,15 @@ def test_broadcast_failure_reaches_the_hook(two_meshes, hooked):
     assert {f.rank for f in hooked} == {0, 1}
     assert all(f.mesh_name == "gens" and "generation failed" in f.report() for f in hooked)
     assert all(f.actor_name == "gfail" for f in hooked)
+
+
+def test_concurrent_endpoints(two_meshes):
+    from parity_actors import Concurrent
+
+    gprocs, _ = two_meshes
+    c = gprocs.slice(gpus=0).spawn("conc", Concurrent)
+    waiting = c.wait_gate.call_one()  # awaits a gate that only the next call opens
+    assert c.open_gate.call_one().get(timeout=10) == "opened"
+    assert waiting.get(timeout=10) == "released"
+    with pytest.raises(ActorError, match="async boom"):
+        c.fails.call_one().get(timeout=10)

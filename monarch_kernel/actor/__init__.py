@@ -18,7 +18,7 @@ A Monarch user's actor code runs after changing only the import line::
     counters.incr.call(2).get()          # ValueMesh, one value per rank
 """
 
-from monarch_kernel.actor.actor import Actor, endpoint
+from monarch_kernel.actor.actor import Actor, concurrent_endpoint, endpoint
 from monarch_kernel.actor.api import (
     Accumulator,
     Channel,
@@ -76,6 +76,7 @@ __all__ = [
     "Shape",
     "SliceError",
     "ValueMesh",
+    "concurrent_endpoint",
     "context",
     "current_actor_name",
     "current_rank",

@@ -185,14 +185,14 @@ class Rank:
         if route is None:
             self.send(header, payload, buffers)
             return
-        sock = self._peer_out.get(route)
-        if sock is None:
-            sock = self._peer_out[route] = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.setsockopt(zmq.SNDTIMEO, PEER_SEND_TIMEOUT_MS)  # a caller gone: not stuck
-            sock.connect(route)
         try:
-            with self.out_lock:
+            with self.out_lock:  # replies may come from any thread (response ports)
+                sock = self._peer_out.get(route)
+                if sock is None:
+                    sock = self._peer_out[route] = self.ctx.socket(zmq.PUSH)
+                    sock.setsockopt(zmq.LINGER, 1000)
+                    sock.setsockopt(zmq.SNDTIMEO, PEER_SEND_TIMEOUT_MS)  # caller gone: not stuck
+                    sock.connect(route)
                 wire_send(sock, self.codec.encode(header, payload, buffers))
         except zmq.Again:
             log.warning("rank %s: peer caller at %s is gone; reply dropped", self.rank, route)
