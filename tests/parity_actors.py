@@ -201,6 +201,7 @@ class Supervisor(Actor):
         self.seen.append(
             {
                 "actor": failure.actor_name,
+                "type": failure.failure.get("type"),
                 "mesh": failure.mesh_name,
                 "message": failure.failure["message"],
                 "path": list(failure.path),
@@ -226,6 +227,22 @@ class Supervisor(Actor):
     @endpoint
     def boom(self) -> None:
         raise RuntimeError("leaf failed")
+
+    @endpoint
+    def die(self) -> None:
+        os._exit(9)
+
+    @endpoint
+    def kill_child(self) -> None:
+        self.child.die.broadcast()
+
+    @endpoint
+    def spawn_bad(self, procs) -> str:
+        try:
+            procs.spawn("bad_child", BadChild)
+        except Exception as exc:
+            return type(exc).__name__
+        return "spawned"
 
     @endpoint
     def seen_failures(self) -> list:
@@ -262,3 +279,8 @@ class Concurrent(Actor):
     @endpoint_concurrent
     async def fails(self) -> None:
         raise ValueError("async boom")
+
+
+class BadChild(Actor):
+    def __init__(self) -> None:
+        raise OSError("no such dataset")

@@ -298,3 +298,22 @@ def test_concurrent_endpoints(two_meshes):
     assert waiting.get(timeout=10) == "released"
     with pytest.raises(ActorError, match="async boom"):
         c.fails.call_one().get(timeout=10)
+
+
+def test_owner_is_told_of_a_child_rank_death_and_init_failure(tree_meshes, hooked):
+    top_procs, _, leaf_procs = tree_meshes
+    top = top_procs.spawn("sup_top", Supervisor, True)
+    top.spawn_child.call(leaf_procs, False).get()
+    top.kill_child.call().get()  # the child's rank dies (os._exit)
+    assert _wait(lambda: top.seen_failures.call_one().get() != [])
+    (seen,) = top.seen_failures.call_one().get()
+    assert seen["type"] == "RankDied" and seen["mesh"] == "leaf" and seen["actor"] == "sup_child"
+    assert "exit code 9" in seen["message"], seen
+    leaf_procs.runtime.wait_recovered()
+    # a constructor that raises: the spawn fails in the owner, and its supervision hears
+    assert top.spawn_bad.call_one(leaf_procs).get() == "ActorError"
+    assert _wait(lambda: len(top.seen_failures.call_one().get()) == 2)
+    bad = top.seen_failures.call_one().get()[1]
+    assert bad["actor"] == "bad_child" and bad["type"] == "OSError"
+    time.sleep(0.3)
+    assert hooked == []  # handled by the owner: not at the root

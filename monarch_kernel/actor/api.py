@@ -127,6 +127,30 @@ def unhandled_fault_hook(failure: MeshFailure) -> None:
     the controller (a notebook kernel)."""
 
 
+def tell_owner(
+    owner: dict[str, str], mesh: str, actor: str, rank: int, report: dict[str, Any]
+) -> None:
+    """Send the owner actor of ``actor`` a ``supervise`` message (see rank.supervise);
+    never blocks (it runs on the controller's receiving thread)."""
+    import pickle
+
+    body = {"mesh": mesh, "actor": actor, "rank": rank, "report": report, "path": ()}
+    frames = _codec(owner["ox"]).encode({"k": K.SUPERVISE, "on": owner["on"]}, pickle.dumps(body))
+    with _push_lock:
+        sock = _owners.get(owner["oa"])
+        if sock is None:
+            sock = _owners[owner["oa"]] = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(owner["oa"])
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("the owner of %s/%s is gone; its death is not reported", mesh, actor)
+
+
+_owners: dict[str, zmq.Socket] = {}
+
+
 def _watch(runtime: Any) -> None:
     """Hand a controller mesh's unanswered failures and deaths to the fault hook."""
     from monarch_kernel.controller.events import FaultReported, RankDied
@@ -141,6 +165,12 @@ def _watch(runtime: Any) -> None:
         elif isinstance(event, RankDied) and event.state is RankState.DEAD:
             d = event.death
             report = {"type": "RankDied", "message": f"rank {d.rank} on {d.host}: {d.how}"}
+            info = runtime.ranks[event.rank]
+            owned, info.owners = info.owners, {}
+            for actor, owner in owned.items():  # their owners supervise them
+                tell_owner(owner, name, actor, event.rank, report)
+            if owned:
+                return
             failure = MeshFailure(name, "", event.rank, report)
         else:
             return

@@ -61,6 +61,7 @@ class Inbound:
             K.METRIC: self._on_metric,
             K.STATS: self._on_stats,
             K.FAULT: self._on_fault,
+            K.OWNED: self._on_owned,
             K.READY: self._on_ready,
             K.RANK_STARTED: self._on_rank_started,
             K.RANK_EXIT: self._on_rank_exit,
@@ -146,6 +147,10 @@ class Inbound:
         report: FailureReport = pickle.loads(msg.payload)
         report["rank"] = h["r"]
         self._mesh.events.emit(FaultReported(self._mesh.name, h["r"], report))
+
+    def _on_owned(self, h: Header, msg: Message) -> None:
+        owner: dict[str, str] = pickle.loads(msg.payload)
+        self._ranks[h["r"]].owners[str(h["a"])] = owner
 
     def _on_input(self, h: Header, msg: Message) -> None:
         mesh = self._mesh

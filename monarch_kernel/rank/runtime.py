@@ -461,7 +461,10 @@ class Rank:
             context.current_actor = name
             self.actors[name] = self.run_user(cls, *args, **kwargs)
         except (Exception, KeyboardInterrupt) as exc:  # to the caller
-            self.reply_error(request, exc, f"{getattr(cls, '__name__', name)}.__init__")
+            where = f"{getattr(cls, '__name__', name)}.__init__"
+            self.reply_error(request, exc, where)
+            if request is not None and name in self.owners:  # and to its owner
+                self.fault(exception_report(exc, where), name)
             return
         except BaseException as exc:  # SystemExit ...: that actor is stopped, not the rank
             if self.terminating:
@@ -470,6 +473,9 @@ class Rank:
             return
         finally:
             context.current_actor = None
+        owner = self.owners.get(name)
+        if owner is not None:  # the controller tells the owner if this rank dies
+            self.send({"k": K.OWNED, "r": self.rank, "a": name}, pickle.dumps(owner))
         if request:
             self.reply(request, None, f"spawn of {name}")
 

@@ -224,6 +224,10 @@ kind              keys and payload
                   ``stderr``). Payload: the text, UTF-8 (not pickled)
 ``metric``        ``i`` (the request being served, or None). Payload: pickled
                   ``dict[str, float]`` from ``monarch_kernel.report(...)``
+``owned``         ``a`` str: actor ``a`` of this rank was spawned by an actor of another
+                  rank, its owner. Payload: pickled ``{"oa", "ox", "on"}`` (as in
+                  ``spawn_actor`` from a rank). If this rank dies, the controller sends
+                  the owner a ``supervise`` for it
 ``fault``         (no ``i``) Payload: pickled failure report of fire-and-forget work
                   (a message without ``w``, or a control handler failing without ``i``)
 ``input``         ``i`` (the request being served, or None), ``n`` int (serial, per
@@ -267,6 +271,7 @@ CALL = "call"
 EXEC = "exec"
 STOP_ACTOR = "stop_actor"
 SUPERVISE = "supervise"  # rank -> owner rank's inbox: a failure of a mesh it owns
+OWNED = "owned"  # rank -> controller: actor ``a`` here is owned by an actor elsewhere
 
 # controller -> rank control thread (unordered, served while the main thread is busy)
 PUSH = "push"
