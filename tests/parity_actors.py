@@ -284,3 +284,10 @@ class Concurrent(Actor):
 class BadChild(Actor):
     def __init__(self) -> None:
         raise OSError("no such dataset")
+
+
+class Stopper(Actor):
+    @endpoint
+    def stop_mesh(self, procs) -> str:
+        procs.stop().get(timeout=30)
+        return "stopped"

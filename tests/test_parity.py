@@ -317,3 +317,17 @@ def test_owner_is_told_of_a_child_rank_death_and_init_failure(tree_meshes, hooke
     assert bad["actor"] == "bad_child" and bad["type"] == "OSError"
     time.sleep(0.3)
     assert hooked == []  # handled by the owner: not at the root
+
+
+def test_a_rank_stops_a_proc_mesh_it_was_given(mesh2):
+    from parity_actors import Stopper
+
+    victim = this_host().spawn_procs(per_host={"gpus": 1}, name="victim")
+    try:
+        stopper = mesh2.slice(gpus=0).spawn("stopper", Stopper)
+        assert stopper.stop_mesh.call_one(victim).get(timeout=60) == "stopped"
+        assert victim.stopped
+        with pytest.raises(ActorError, match="cannot stop itself"):
+            stopper.stop_mesh.call_one(mesh2).get(timeout=60)
+    finally:
+        victim.stop()

@@ -166,6 +166,13 @@ class PeerClient:
                     self.pending.pop(rid, None)
                 raise
 
+    def expect(self, observer: RequestObserver, rank: int) -> str:
+        """A request id whose one reply (from ``rank``) goes to ``observer``."""
+        with self.lock:
+            rid = self.prefix + str(next(self.ids))
+            self.pending[rid] = _Pending(observer, [rank], [""])
+        return rid
+
     def open_port(self, port_id: str, observer: RequestObserver) -> None:
         """Deliver every message sent to ``port_id`` to ``observer`` (a channel)."""
         with self.lock:
@@ -415,6 +422,21 @@ class RemoteProcMesh(_RemoteView):
         client().request(self._ref, ranks, header, payload, buffers, gather)
         gather.future.get()
         return RemoteActorMesh(self._ref, name, actor_class)
+
+    def stop(self, grace: float = 3.0) -> Future[None]:
+        """Stop the whole process mesh (as ``ProcMesh.stop`` in the controller does):
+        asked of this rank's controller, which owns every mesh; the future completes
+        once it is stopped. A mesh cannot be stopped from one of its own ranks."""
+        rt = context._runtime
+        if rt is None:
+            raise RuntimeError("a mesh reference is stopped from a rank")
+        c = client()
+        c.codec(rt.cfg["key"])  # the controller answers with our mesh's key
+        one = One(None)
+        rid = c.expect(one, 0)
+        req = {"mesh": self._ref.mesh, "key": self._ref.key, "grace": grace, "rt": c.reply_addr}
+        rt.send({"k": K.STOP_MESH, "r": rt.rank}, pickle.dumps(dict(req, id=rid)))
+        return then(one.future, lambda _: None)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return RemoteProcMesh, (self._ref,)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import pickle
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -62,6 +63,7 @@ class Inbound:
             K.STATS: self._on_stats,
             K.FAULT: self._on_fault,
             K.OWNED: self._on_owned,
+            K.STOP_MESH: self._on_stop_mesh,
             K.READY: self._on_ready,
             K.RANK_STARTED: self._on_rank_started,
             K.RANK_EXIT: self._on_rank_exit,
@@ -152,6 +154,14 @@ class Inbound:
         owner: dict[str, str] = pickle.loads(msg.payload)
         self._ranks[h["r"]].owners[str(h["a"])] = owner
 
+    def _on_stop_mesh(self, h: Header, msg: Message) -> None:
+        """A rank holding a reference to a mesh stops it (on a thread of its own: a
+        stop waits for the ranks to exit, and this is the receiving thread)."""
+        req: dict[str, Any] = pickle.loads(msg.payload)
+        threading.Thread(
+            target=stop_for_rank, args=(self._mesh, h["r"], req), name="mk-stop", daemon=True
+        ).start()
+
     def _on_input(self, h: Header, msg: Message) -> None:
         mesh = self._mesh
         event = InputRequested(
@@ -205,3 +215,37 @@ class Inbound:
         host.ready = True
         host.last_seen = time.monotonic()
         mesh.notify()
+
+
+def stop_for_rank(requester: MeshRuntime, rank: int, req: dict[str, Any]) -> None:
+    """Stop the mesh ``req`` names if its key matches; answer the rank's reply socket."""
+    import hmac
+
+    from monarch_kernel.controller.registry import registry
+
+    target = registry.get(str(req.get("mesh")))
+    error = ""
+    if target is None or not hmac.compare_digest(target.key.hex(), str(req.get("key"))):
+        error = f"no mesh {req.get('mesh')!r} with that key in this controller"
+    elif target is requester:
+        error = "a mesh cannot stop itself from one of its own ranks"
+    else:
+        try:
+            target.stop(grace=float(req.get("grace", 3.0)))
+        except Exception as exc:  # reported to the rank that asked
+            error = f"stopping mesh {req.get('mesh')!r} failed: {exc}"
+    header: dict[str, Any] = {"k": K.RESULT, "i": req.get("id"), "r": 0, "ok": 0 if error else 1}
+    if error:
+        payload = pickle.dumps({"type": "RuntimeError", "message": error, "where": "stop"})
+    else:
+        payload = pickle.dumps(None)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    try:
+        sock.connect(str(req.get("rt")))
+        sock.send_multipart(requester.codec.encode(header, payload), zmq.NOBLOCK)
+    except zmq.ZMQError:
+        log.warning("could not tell rank %s that mesh %r stopped", rank, req.get("mesh"))
+    finally:
+        sock.close()

@@ -224,6 +224,11 @@ kind              keys and payload
                   ``stderr``). Payload: the text, UTF-8 (not pickled)
 ``metric``        ``i`` (the request being served, or None). Payload: pickled
                   ``dict[str, float]`` from ``monarch_kernel.report(...)``
+``stop_mesh``     (no keys) Payload: pickled ``{"mesh", "key", "grace", "rt", "id"}``:
+                  stop process mesh ``mesh`` of this controller (``key``, its key in hex,
+                  must match: only a holder of a reference may), then send a ``res``
+                  for ``id`` (signed with the sender's mesh key) to ``rt``, the
+                  sender's reply socket
 ``owned``         ``a`` str: actor ``a`` of this rank was spawned by an actor of another
                   rank, its owner. Payload: pickled ``{"oa", "ox", "on"}`` (as in
                   ``spawn_actor`` from a rank). If this rank dies, the controller sends
@@ -272,6 +277,7 @@ EXEC = "exec"
 STOP_ACTOR = "stop_actor"
 SUPERVISE = "supervise"  # rank -> owner rank's inbox: a failure of a mesh it owns
 OWNED = "owned"  # rank -> controller: actor ``a`` here is owned by an actor elsewhere
+STOP_MESH = "stop_mesh"  # rank -> controller: stop a mesh it holds a reference to
 
 # controller -> rank control thread (unordered, served while the main thread is busy)
 PUSH = "push"
