@@ -179,6 +179,11 @@ def test_context_and_actor_name(intro):
     assert first["name"] == "gens/intro[0]" and first["born_as"] == "gens/intro[0]"
     assert [v["rank"] for v in vm.values()] == [0, 1]
     assert vm.values()[1]["message_rank"] == {"gpus": 1}
+    # called on a slice: the message rank is the point within that slice
+    (only,) = intro.slice(gpus=1).who.call().get().values()
+    assert only["rank"] == 1 and only["message_rank"] == {}
+    (kept,) = intro.slice(gpus=slice(1, 2)).who.call().get().values()
+    assert kept["message_rank"] == {"gpus": 0}
     assert current_actor_name() == "client"
     assert context().actor_instance.rank.rank == 0
 

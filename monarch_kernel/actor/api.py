@@ -60,9 +60,10 @@ class Context:
 
     @property
     def message_rank(self) -> Point:
-        """This rank's point in its process mesh (see README: Monarch gives the point
-        within the slice the message was sent to)."""
-        return self.actor_instance.rank
+        """This rank's point within the slice the current message was sent to (its
+        ``.rank`` the index in that slice); ``actor_instance.rank`` is its point in
+        the whole process mesh."""
+        return rank_context.message_rank()
 
 
 def context() -> Context:

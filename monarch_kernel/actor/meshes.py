@@ -380,13 +380,18 @@ class EndpointRef:
         self._mesh = mesh
         self._method = method
         self._what = f"{mesh._name}.{method}"  # for RequestStarted: built once, not per call
+        #: The slice called, when it is not the whole mesh (``context().message_rank``).
+        self._slice = slice_header(mesh._shape, mesh._runtime.shape)
 
     @property
     def _where(self) -> str:
         return f"{self._mesh._class.__name__}.{self._method}"
 
     def _header(self) -> Header:
-        return {"k": K.CALL, "a": self._mesh._name, "m": self._method}
+        header: Header = {"k": K.CALL, "a": self._mesh._name, "m": self._method}
+        if self._slice is not None:
+            header["sl"] = self._slice
+        return header
 
     def _request(self, rank: int, payload: bytes, buffers: Sequence[Buffer]) -> Future[Any]:
         rt = self._mesh._runtime
@@ -461,6 +466,13 @@ class _Bootstrap(Actor):
 
 
 # -- helpers ---------------------------------------------------------------------------
+
+
+def slice_header(shape: Shape, whole: Shape | None) -> list[Any] | None:
+    """Header value ``sl`` of calls to ``shape`` (None when it is the ``whole`` mesh)."""
+    if whole is not None and shape == whole:
+        return None
+    return [list(shape.labels), list(shape.sizes), list(shape.strides), shape.offset]
 
 
 def _dump_call(

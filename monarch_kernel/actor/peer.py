@@ -496,7 +496,13 @@ class RemoteEndpoint:
     def __init__(self, mesh: RemoteActorMesh, method: str):
         self._mesh = mesh
         self._method = method
-        self._header = {"k": K.CALL, "a": mesh._name, "m": method}
+        sh = mesh._ref.shape
+        self._header = {
+            "k": K.CALL,
+            "a": mesh._name,
+            "m": method,
+            "sl": [list(sh.labels), list(sh.sizes), list(sh.strides), sh.offset],
+        }
 
     def _payload(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bytes, Any]:
         what = f"arguments of {self._mesh._class.__name__}.{self._method}"

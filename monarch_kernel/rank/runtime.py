@@ -506,6 +506,7 @@ class Rank:
                 raise LookupError(f"no actor {name!r} on rank {self.rank} (was it stopped?)")
             args, kwargs = loads(msg.payload, msg.buffers, lambda: f"arguments of {where()}")
             context.current_actor = name
+            context.current_slice = h.get("sl")
             fn = getattr(actor, method)
             if getattr(fn, context.EXPLICIT_PORT_ATTR, False):
                 # @endpoint(explicit_response_port=True): the endpoint answers through
@@ -523,6 +524,7 @@ class Rank:
             return
         finally:
             context.current_actor = None
+            context.current_slice = None
         if request:
             self.reply(request, result, lambda: f"result of {where()}", where)
 

@@ -135,7 +135,9 @@ kind              keys and payload
 ================  =======================================================================
 ``spawn_actor``   ``a`` str (actor name). Payload: pickled ``(cls, args, kwargs)``.
                   Reply value: None
-``call``          ``a`` str (actor name), ``m`` str (endpoint method name). Payload:
+``call``          ``a`` str (actor name), ``m`` str (endpoint method name), ``sl`` list
+                  (only when the call is to a slice: its labels, sizes, strides and
+                  offset, for ``context().message_rank``). Payload:
                   pickled ``(args, kwargs)``. Reply value: what the endpoint returned
                   (awaited if a coroutine)
 ``exec``          (no keys) Payload: pickled ``{"code": str, "cell": str, "header":
