@@ -41,6 +41,15 @@ class Generator(Actor):
         os._exit(7)
 
     @endpoint
+    def share_ones(self, n: int):
+        import torch
+
+        import monarch_kernel
+
+        self.kept = torch.ones(n)
+        return monarch_kernel.share(self.kept)
+
+    @endpoint
     def pid(self) -> int:
         return os.getpid()
 
@@ -115,6 +124,12 @@ class Trainer(Actor):
         out = helpers.generate.call(1).get().values()
         helpers.stop().get()
         return [v["y"] for v in out]
+
+    @endpoint
+    def pull_weights(self, n: int, transport: str = "auto") -> float:
+        """Rank-to-rank tensor across meshes: a generator shares, this trainer pulls."""
+        ref = self.generators.slice(gpus=0).share_ones.call_one(n).get()
+        return float(ref.get(transport).sum())
 
     @endpoint
     def dims(self) -> dict:

@@ -336,3 +336,13 @@ def test_a_rank_stops_a_proc_mesh_it_was_given(mesh2):
             stopper.stop_mesh.call_one(mesh2).get(timeout=60)
     finally:
         victim.stop()
+
+
+@pytest.mark.parametrize(
+    "n,transport",
+    [(1000, "auto"), (1 << 19, "auto"), (1 << 19, "tcp")],
+    ids=["socket", "shm", "tcp"],
+)
+def test_tensor_rank_to_rank_across_meshes(pair, n, transport):
+    gens, trainers = pair
+    assert trainers.slice(gpus=1).pull_weights.call_one(n, transport).get() == float(n)
