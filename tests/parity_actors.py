@@ -306,3 +306,29 @@ class Stopper(Actor):
     def stop_mesh(self, procs) -> str:
         procs.stop().get(timeout=30)
         return "stopped"
+
+
+class PingPong(Actor):
+    """Monarch's ping-pong pattern: async endpoints, each mesh holds the other, and a
+    rank talks to the rank at its own coordinates (``slice(**current_rank())``)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.got: list[str] = []
+
+    @endpoint
+    async def init(self, other) -> None:
+        self.peer = other.slice(**current_rank())
+        self.me = current_rank().rank
+
+    @endpoint
+    async def send(self, msg: str) -> None:
+        await self.peer.recv.call(f"{self.label}:{self.me} says {msg}")
+
+    @endpoint
+    async def recv(self, msg: str) -> None:
+        self.got.append(msg)
+
+    @endpoint
+    async def received(self) -> list:
+        return self.got

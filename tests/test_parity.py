@@ -346,3 +346,22 @@ def test_a_rank_stops_a_proc_mesh_it_was_given(mesh2):
 def test_tensor_rank_to_rank_across_meshes(pair, n, transport):
     gens, trainers = pair
     assert trainers.slice(gpus=1).pull_weights.call_one(n, transport).get() == float(n)
+
+
+def test_monarch_ping_pong_pattern(two_meshes):
+    import asyncio
+
+    from parity_actors import PingPong
+
+    gprocs, tprocs = two_meshes
+    a = gprocs.spawn("ping_a", PingPong, "a")
+    b = tprocs.spawn("ping_b", PingPong, "b")
+
+    async def main() -> None:
+        await asyncio.gather(a.init.call(b), b.init.call(a))
+        await a.send.call("ping")
+        await b.send.call("pong")
+
+    asyncio.run(main())
+    assert b.received.call().get().values() == [["a:0 says ping"], ["a:1 says ping"]]
+    assert a.received.call().get().values() == [["b:0 says pong"], ["b:1 says pong"]]
