@@ -332,3 +332,26 @@ class PingPong(Actor):
     @endpoint
     async def received(self) -> list:
         return self.got
+
+
+class Relay(Actor):
+    """Bounces a message between two meshes, each hop awaiting the next: the chain only
+    ends if a rank keeps serving calls while its endpoint awaits."""
+
+    def __init__(self) -> None:
+        self.mine = None
+        self.count = 0
+
+    @endpoint
+    async def remember(self, mine) -> None:
+        self.mine = mine
+
+    @endpoint
+    async def bounce(self, ttl: int, back) -> None:
+        self.count += 1
+        if ttl:
+            await back.bounce.call(ttl - 1, self.mine)
+
+    @endpoint
+    async def seen(self) -> int:
+        return self.count

@@ -365,3 +365,21 @@ def test_monarch_ping_pong_pattern(two_meshes):
     asyncio.run(main())
     assert b.received.call().get().values() == [["a:0 says ping"], ["a:1 says ping"]]
     assert a.received.call().get().values() == [["b:0 says pong"], ["b:1 says pong"]]
+
+
+def test_call_chain_bouncing_between_two_meshes(two_meshes):
+    import asyncio
+
+    from parity_actors import Relay
+
+    gprocs, tprocs = two_meshes
+    left = gprocs.slice(gpus=0).spawn("relay_l", Relay)
+    right = tprocs.slice(gpus=0).spawn("relay_r", Relay)
+
+    async def main() -> tuple[int, int]:
+        await left.remember.call(left)
+        await right.remember.call(right)
+        await right.bounce.call(9, left)  # right, left, right ... 10 hops
+        return await left.seen.call_one(), await right.seen.call_one()
+
+    assert asyncio.run(main()) == (5, 5)

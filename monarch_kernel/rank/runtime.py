@@ -15,6 +15,7 @@ that order whichever path they came by (FIFO per sender).
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import os
@@ -87,6 +88,8 @@ class Rank:
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
         self.next_seq = 0
         self.held: dict[int, Message] = {}
+        #: Controller messages read by ``_pump`` while an async endpoint awaited.
+        self.deferred: collections.deque[Message] = collections.deque()
         self.in_user_code = False
         #: A signal (SIGINT/SIGTERM) that came while the main thread was sending: raised
         #: once that send is over, so a multipart message is never cut in half.
@@ -356,9 +359,12 @@ class Rank:
     def run(self) -> None:
         self.start()
         inbox = self.inbox
+        deferred = self.deferred
         while True:
             try:
                 self._receive(wire_recv(inbox))
+                while deferred:  # controller messages read while an endpoint awaited
+                    self._accept(deferred.popleft())
             except KeyboardInterrupt:
                 continue
 
@@ -432,19 +438,50 @@ class Rank:
         log.warning("rank %s: unknown message kind %r", self.rank, msg.header["k"])
 
     def run_user(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Call user code with interrupts enabled; await it if it is a coroutine."""
+        """Call user code with interrupts enabled; await it if it is a coroutine.
+
+        While a coroutine awaits, calls from other ranks keep being served (see
+        :meth:`_pump`); one that arrives then and is itself a coroutine becomes a task
+        on the running loop, returned as :class:`_Running` (answered when it ends)."""
+        outer = self.in_user_code
         self.in_user_code = True
         try:
             if self.cancelled and context.current_request in self.cancelled:
                 raise KeyboardInterrupt("cancelled")
             result = fn(*args, **kwargs)
             if result.__class__ not in _NOT_AWAITABLE and inspect.isawaitable(result):
-                if self.loop is None:
-                    self.loop = asyncio.new_event_loop()
-                result = self.loop.run_until_complete(result)
+                loop = self.loop
+                if loop is None:
+                    loop = self.loop = asyncio.new_event_loop()
+                    loop.add_reader(int(self.inbox.getsockopt(zmq.FD)), self._pump)
+                if loop.is_running():  # served while another endpoint awaits
+                    return _Running(loop.create_task(_as_coroutine(result)))
+                loop.call_soon(self._pump)  # anything that came before the reader saw it
+                result = loop.run_until_complete(result)
             return result
         finally:
-            self.in_user_code = False
+            self.in_user_code = outer
+
+    def _pump(self) -> None:
+        """Serve the inbox while an async endpoint awaits (on the rank's event loop).
+
+        Calls from other ranks run now: an actor awaiting a call to another mesh that
+        calls back into this one (ping-pong across meshes) must not wait for itself.
+        Messages from the controller (sequenced) are kept for after the endpoint, so
+        that the notebook's calls stay one at a time, in order."""
+        inbox = self.inbox
+        while int(inbox.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            msg = self._decode(inbox.recv_multipart(zmq.NOBLOCK, copy=False))
+            if msg is None:
+                continue
+            if msg.header.get("q") is not None:
+                self.deferred.append(msg)
+                continue
+            saved = (context.current_request, context.current_actor, context.current_slice)
+            try:
+                self._accept(msg)
+            finally:
+                context.current_request, context.current_actor, context.current_slice = saved
 
     def _spawn_actor(self, msg: Message, request: str | None) -> None:
         """SPAWN_ACTOR: construct actor ``a`` from the pickled ``(cls, args, kwargs)``."""
@@ -514,6 +551,11 @@ class Rank:
                 self.run_user(fn, ResponsePort(self, request, where), *args, **kwargs)
                 return
             result = self.run_user(fn, *args, **kwargs)
+            if isinstance(result, _Running):  # answered when its task ends
+                result.task.add_done_callback(
+                    lambda task: self._finish(request, task, name, where, actor)
+                )
+                return
         except (Exception, KeyboardInterrupt) as exc:  # to the caller
             self.reply_error(request, exc, where())
             return
@@ -527,6 +569,31 @@ class Rank:
             context.current_slice = None
         if request:
             self.reply(request, result, lambda: f"result of {where()}", where)
+
+    def _finish(
+        self,
+        request: str | None,
+        task: asyncio.Task[Any],
+        name: str,
+        where: Callable[[], str],
+        actor: Any,
+    ) -> None:
+        """Answer a call that ran as a task (see :meth:`run_user`)."""
+        saved = context.current_actor
+        context.current_actor = name
+        try:
+            if task.cancelled():
+                self.reply_error(request, KeyboardInterrupt("cancelled"), where())
+                return
+            exc = task.exception()
+            if isinstance(exc, (Exception, KeyboardInterrupt)):
+                self.reply_error(request, exc, where())
+            elif exc is not None:
+                self._actor_stopped(request, exc, name, type(actor), "endpoint", where())
+            elif request:
+                self.reply(request, task.result(), lambda: f"result of {where()}", where)
+        finally:
+            context.current_actor = saved
 
     def _actor_stopped(
         self, request: str | None, exc: BaseException, name: str, cls: Any, what: str, method: str
@@ -702,6 +769,19 @@ def _ignore(msg: Message) -> None:
 #: Exit status of a rank that ended on SIGTERM without running user clean-up to the end
 #: (it normally ends killed by SIGTERM itself, after the clean-up; see ``run_forked``).
 TERMINATED_CODE = 128 + signal.SIGTERM
+
+
+class _Running:
+    """An async endpoint started as a task while another one awaited."""
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: asyncio.Task[Any]):
+        self.task = task
+
+
+async def _as_coroutine(aw: Any) -> Any:
+    return await aw
 
 
 class RankTerminated(SystemExit):
