@@ -383,3 +383,13 @@ def test_call_chain_bouncing_between_two_meshes(two_meshes):
         return await left.seen.call_one(), await right.seen.call_one()
 
     assert asyncio.run(main()) == (5, 5)
+
+
+def test_sync_call_cycle_between_two_meshes(pair):
+    """Trainer 0 (sync endpoint, blocked in .get()) calls the generators, which call
+    trainer 0 back: it serves that call while it waits."""
+    gens, trainers = pair
+    t0 = trainers.slice(gpus=0)
+    t0.wire_back.call_one(t0).get()
+    versions = t0.refresh_all.call_one().get(timeout=30)
+    assert len(versions) == 2 and versions[0] == versions[1] >= 1

@@ -245,6 +245,13 @@ class PeerClient:
             )
 
 
+def _waiter() -> Any:
+    """What a future of a peer call runs before it blocks: in a rank, serve calls from
+    other ranks while the main thread waits (see ``Rank.serve_until``)."""
+    rt = context._runtime
+    return rt.serve_until if rt is not None else None
+
+
 def _on_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
@@ -413,7 +420,7 @@ class RemoteProcMesh(_RemoteView):
         """Construct ``actor_class(*args, **kwargs)`` on every rank of this mesh."""
         payload, buffers = dumps((actor_class, args, kwargs), f"constructor of {name!r}")
         ranks = self._ref.shape.ranks()
-        gather = Gather(ranks, self._ref.shape, None)
+        gather = Gather(ranks, self._ref.shape, _waiter())
         header: dict[str, Any] = {"k": K.SPAWN_ACTOR, "a": name}
         rt = context._runtime
         if rt is not None and context.current_actor:
@@ -432,7 +439,7 @@ class RemoteProcMesh(_RemoteView):
             raise RuntimeError("a mesh reference is stopped from a rank")
         c = client()
         c.codec(rt.cfg["key"])  # the controller answers with our mesh's key
-        one = One(None)
+        one = One(_waiter())
         rid = c.expect(one, 0)
         req = {"mesh": self._ref.mesh, "key": self._ref.key, "grace": grace, "rt": c.reply_addr}
         rt.send({"k": K.STOP_MESH, "r": rt.rank}, pickle.dumps(dict(req, id=rid)))
@@ -475,7 +482,7 @@ class RemoteActorMesh(_RemoteView):
     def stop(self) -> Future[None]:
         """Remove this actor from its ranks (the future completes when it is gone)."""
         ranks = self._ref.shape.ranks()
-        gather = Gather(ranks, self._ref.shape, None)
+        gather = Gather(ranks, self._ref.shape, _waiter())
         header = {"k": K.STOP_ACTOR, "a": self._name}
         client().request(self._ref, ranks, header, b"", (), gather)
         return then(gather.future, lambda _: None)
@@ -517,7 +524,7 @@ class RemoteEndpoint:
 
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh]:
         ranks = self._mesh._ref.shape.ranks()
-        gather = Gather(ranks, self._mesh._ref.shape, None)
+        gather = Gather(ranks, self._mesh._ref.shape, _waiter())
         self._send(ranks, args, kwargs, gather)
         return gather.future
 
@@ -529,12 +536,12 @@ class RemoteEndpoint:
                 f"{self._mesh._class.__name__}.{self._method} is on {len(ranks)} ranks; "
                 "slice it first or use call()"
             )
-        one = One(None)
+        one = One(_waiter())
         self._send(ranks, args, kwargs, one)
         return one.future
 
     def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
-        one = One(None)
+        one = One(_waiter())
         self._send([random.choice(self._mesh._ref.shape.ranks())], args, kwargs, one)
         return one.future
 
@@ -543,7 +550,7 @@ class RemoteEndpoint:
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
         ranks = self._mesh._ref.shape.ranks()
-        each = Each(ranks)
+        each = Each(ranks, _waiter())
         self._send(ranks, args, kwargs, each)
         return each.in_order_of_answers()
 

@@ -88,6 +88,7 @@ class Rank:
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
         self.next_seq = 0
         self.held: dict[int, Message] = {}
+        self._wake: tuple[int, int, zmq.Poller] | None = None  # see serve_until
         #: Controller messages read by ``_pump`` while an async endpoint awaited.
         self.deferred: collections.deque[Message] = collections.deque()
         self.in_user_code = False
@@ -461,6 +462,44 @@ class Rank:
             return result
         finally:
             self.in_user_code = outer
+
+    def serve_until(self, fut: Any, timeout: float | None) -> None:
+        """Before the main thread blocks on a call to another rank (``.get()`` in a sync
+        endpoint): serve calls from other ranks until ``fut`` is done (or ``timeout``
+        passes), so that a call cycle between meshes (A calls B, which calls A back)
+        does not wait for itself. Other threads just block."""
+        if timeout == 0 or fut.done() or threading.current_thread() is not threading.main_thread():
+            return
+        if self._wake is None:  # a pipe the future's completion writes to, polled with the inbox
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            poller = zmq.Poller()
+            poller.register(self.inbox, zmq.POLLIN)
+            poller.register(r, zmq.POLLIN)
+            self._wake = (r, w, poller)
+        r, w, poller = self._wake
+
+        def wake(_: Any) -> None:
+            try:
+                os.write(w, b".")
+            except BlockingIOError:  # full: a wake-up is pending anyway
+                pass
+
+        fut.add_done_callback(wake)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not fut.done():
+            left = None if deadline is None else int((deadline - time.monotonic()) * 1000)
+            if left is not None and left <= 0:
+                return
+            events = dict(poller.poll(left))
+            if r in events:
+                try:
+                    os.read(r, 4096)
+                except BlockingIOError:
+                    pass
+            if self.inbox in events:
+                self._pump()
 
     def _pump(self) -> None:
         """Serve the inbox while an async endpoint awaits (on the rank's event loop).
