@@ -393,3 +393,17 @@ def test_sync_call_cycle_between_two_meshes(pair):
     t0.wire_back.call_one(t0).get()
     versions = t0.refresh_all.call_one().get(timeout=30)
     assert len(versions) == 2 and versions[0] == versions[1] >= 1
+
+
+def test_value_mesh_monarch_methods():
+    from monarch_kernel.actor import ValueMesh
+    from monarch_kernel.shape import Shape
+
+    vm = ValueMesh(Shape(("hosts", "gpus"), (2, 3)), list(range(6)))
+    assert vm.get(4) == 4 and vm.size() == 6 and vm.size("gpus") == 3
+    assert vm.size(["hosts", "gpus"]) == 6 and vm.sizes == {"hosts": 2, "gpus": 3}
+    assert vm.slice(hosts=1).values() == [3, 4, 5] and vm.slice(hosts=1).extent == {"gpus": 3}
+    assert vm.slice(gpus=slice(1, 3)).values() == [1, 2, 4, 5]
+    assert vm.slice(hosts=1).slice(gpus=2).values() == [5]
+    assert vm.flatten("all").extent == {"all": 6} and vm.flatten("all").values() == vm.values()
+    assert vm.rename(gpus="tp").extent == {"hosts": 2, "tp": 3}
