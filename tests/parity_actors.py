@@ -355,3 +355,24 @@ class Relay(Actor):
     @endpoint
     async def seen(self) -> int:
         return self.count
+
+
+class Registry(Actor):
+    """A singleton that actors look up with get_or_spawn_controller."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+
+    @endpoint
+    def add(self, item) -> list:
+        self.items.append(item)
+        return list(self.items)
+
+
+class Registrant(Actor):
+    @endpoint
+    def register(self) -> list:
+        from monarch_kernel.actor import get_or_spawn_controller
+
+        registry = get_or_spawn_controller("registry", Registry).get()
+        return registry.add.call_one(current_rank().rank).get()

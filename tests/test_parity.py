@@ -407,3 +407,19 @@ def test_value_mesh_monarch_methods():
     assert vm.slice(hosts=1).slice(gpus=2).values() == [5]
     assert vm.flatten("all").extent == {"all": 6} and vm.flatten("all").values() == vm.values()
     assert vm.rename(gpus="tp").extent == {"hosts": 2, "tp": 3}
+
+
+def test_get_or_spawn_controller_from_actors(two_meshes):
+    from parity_actors import Registrant, Registry
+
+    gprocs, tprocs = two_meshes
+    try:
+        a = gprocs.spawn("registrant_a", Registrant)
+        b = tprocs.slice(gpus=1).spawn("registrant_b", Registrant)
+        first = a.register.call().get().values()
+        second = b.register.call_one().get()
+        assert sorted(max(first, key=len)) == [0, 1] and len(second) == 3  # one singleton
+        mine = get_or_spawn_controller("registry", Registry).get()
+        assert len(mine.add.call_one("controller").get()) == 4
+    finally:
+        this_proc().stop()

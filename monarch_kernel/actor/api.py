@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -16,13 +17,15 @@ from typing import Any, Generic, TypeVar
 
 import zmq
 
-from monarch_kernel.actor.peer import MeshRef, RemoteProcMesh, client, then
+from monarch_kernel.actor.gather import One
+from monarch_kernel.actor.peer import MeshRef, RemoteProcMesh, _waiter, client, then
 from monarch_kernel.controller.future import Future
+from monarch_kernel.controller.inbound import ASK_HANDLERS
 from monarch_kernel.rank import context as rank_context
 from monarch_kernel.rank.runtime import ResponsePort
 from monarch_kernel.rank.supervise import MeshFailure
 from monarch_kernel.shape import Point, Shape
-from monarch_kernel.wire import Codec, dumps
+from monarch_kernel.wire import Codec, dumps, loads
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import new_key
 
@@ -193,11 +196,18 @@ _controllers_lock = threading.Lock()
 def get_or_spawn_controller(name: str, cls: type, *args: Any, **kwargs: Any) -> Future[Any]:
     """The singleton actor ``name`` of this controller, spawned (with ``cls(*args,
     **kwargs)``) on :func:`this_proc` the first time; a future of its one-point mesh."""
-    if rank_context.in_rank():
-        raise NotImplementedError(
-            "get_or_spawn_controller() is called in the controller (pass the controller "
-            "actor to the actors that need it)"
-        )
+    if rank_context.in_rank():  # asked of the controller, which owns the singletons
+        rt = rank_context._runtime
+        call, buffers = dumps((name, cls, args, kwargs), f"get_or_spawn_controller({name!r})")
+        if buffers:
+            raise TypeError("get_or_spawn_controller() arguments must pickle in-band")
+        c = client()
+        c.codec(rt.cfg["key"])  # the controller answers with this mesh's key
+        one = One(_waiter())
+        rid = c.expect(one, 0)
+        req = {"op": "get_or_spawn_controller", "id": rid, "rt": c.reply_addr, "call": call}
+        rt.send({"k": K.ASK, "r": rt.rank}, pickle.dumps(req))
+        return one.future
     with _controllers_lock:
         mesh = _controllers.get(name)
         if mesh is None or mesh._runtime.state == "stopped":
@@ -205,6 +215,16 @@ def get_or_spawn_controller(name: str, cls: type, *args: Any, **kwargs: Any) -> 
     fut: Future[Any] = Future()
     fut.set_result(mesh)
     return fut
+
+
+def _ask_get_or_spawn(requester: Any, req: dict[str, Any]) -> Any:
+    """A rank's ``get_or_spawn_controller``, run in the controller: the actor mesh
+    (pickled back to the rank as a live reference)."""
+    name, cls, args, kwargs = loads(req["call"], (), "get_or_spawn_controller arguments")
+    return get_or_spawn_controller(name, cls, *args, **kwargs).get()
+
+
+ASK_HANDLERS["get_or_spawn_controller"] = _ask_get_or_spawn
 
 
 # -- accumulator ------------------------------------------------------------------------

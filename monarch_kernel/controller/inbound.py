@@ -64,6 +64,7 @@ class Inbound:
             K.FAULT: self._on_fault,
             K.OWNED: self._on_owned,
             K.STOP_MESH: self._on_stop_mesh,
+            K.ASK: self._on_ask,
             K.READY: self._on_ready,
             K.RANK_STARTED: self._on_rank_started,
             K.RANK_EXIT: self._on_rank_exit,
@@ -162,6 +163,14 @@ class Inbound:
             target=stop_for_rank, args=(self._mesh, h["r"], req), name="mk-stop", daemon=True
         ).start()
 
+    def _on_ask(self, h: Header, msg: Message) -> None:
+        """An operation of the actor API asked by a rank (see ``ASK_HANDLERS``); on a
+        thread of its own, as it may start a mesh."""
+        req: dict[str, Any] = pickle.loads(msg.payload)
+        threading.Thread(
+            target=answer_ask, args=(self._mesh, h["r"], req), name="mk-ask", daemon=True
+        ).start()
+
     def _on_input(self, h: Header, msg: Message) -> None:
         mesh = self._mesh
         event = InputRequested(
@@ -217,6 +226,44 @@ class Inbound:
         mesh.notify()
 
 
+#: ``op -> handler(requester mesh, request) -> result`` for ``ask`` messages, registered
+#: by the actor layer (the controller never imports it).
+ASK_HANDLERS: dict[str, Callable[[MeshRuntime, dict[str, Any]], object]] = {}
+
+
+def answer_ask(requester: MeshRuntime, rank: int, req: dict[str, Any]) -> None:
+    """Run the asked operation and answer the rank's reply socket."""
+    from monarch_kernel.wire import dumps
+
+    handler = ASK_HANDLERS.get(str(req.get("op")))
+    buffers: Any = ()
+    try:
+        if handler is None:
+            raise LookupError(f"unknown operation {req.get('op')!r}")
+        payload, buffers = dumps(handler(requester, req), "answer to a rank")
+        ok = 1
+    except Exception as exc:  # reported to the rank that asked
+        payload = pickle.dumps({"type": type(exc).__name__, "message": str(exc), "where": "ask"})
+        ok, buffers = 0, ()
+    _answer(requester, rank, req, ok, payload, buffers)
+
+
+def _answer(
+    requester: MeshRuntime, rank: int, req: dict[str, Any], ok: int, payload: bytes, buffers: Any
+) -> None:
+    header: dict[str, Any] = {"k": K.RESULT, "i": req.get("id"), "r": 0, "ok": ok}
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    try:
+        sock.connect(str(req.get("rt")))
+        sock.send_multipart(requester.codec.encode(header, payload, buffers), zmq.NOBLOCK)
+    except zmq.ZMQError:
+        log.warning("could not answer rank %s of mesh %r", rank, requester.name)
+    finally:
+        sock.close()
+
+
 def stop_for_rank(requester: MeshRuntime, rank: int, req: dict[str, Any]) -> None:
     """Stop the mesh ``req`` names if its key matches; answer the rank's reply socket."""
     import hmac
@@ -234,18 +281,8 @@ def stop_for_rank(requester: MeshRuntime, rank: int, req: dict[str, Any]) -> Non
             target.stop(grace=float(req.get("grace", 3.0)))
         except Exception as exc:  # reported to the rank that asked
             error = f"stopping mesh {req.get('mesh')!r} failed: {exc}"
-    header: dict[str, Any] = {"k": K.RESULT, "i": req.get("id"), "r": 0, "ok": 0 if error else 1}
     if error:
         payload = pickle.dumps({"type": "RuntimeError", "message": error, "where": "stop"})
     else:
         payload = pickle.dumps(None)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 2000)
-    try:
-        sock.connect(str(req.get("rt")))
-        sock.send_multipart(requester.codec.encode(header, payload), zmq.NOBLOCK)
-    except zmq.ZMQError:
-        log.warning("could not tell rank %s that mesh %r stopped", rank, req.get("mesh"))
-    finally:
-        sock.close()
+    _answer(requester, rank, req, 0 if error else 1, payload, ())

@@ -231,6 +231,11 @@ kind              keys and payload
                   must match: only a holder of a reference may), then send a ``res``
                   for ``id`` (signed with the sender's mesh key) to ``rt``, the
                   sender's reply socket
+``ask``           (no keys) Payload: pickled ``{"op", "rt", "id", ...}``: run operation
+                  ``op`` of the actor API in the controller (``get_or_spawn_controller``:
+                  ``call``, the pickled ``(name, cls, args, kwargs)``) and send its
+                  pickled result (or a failure report) as a ``res`` for ``id`` to ``rt``,
+                  signed with the sender's mesh key
 ``owned``         ``a`` str: actor ``a`` of this rank was spawned by an actor of another
                   rank, its owner. Payload: pickled ``{"oa", "ox", "on"}`` (as in
                   ``spawn_actor`` from a rank). If this rank dies, the controller sends
@@ -280,6 +285,7 @@ STOP_ACTOR = "stop_actor"
 SUPERVISE = "supervise"  # rank -> owner rank's inbox: a failure of a mesh it owns
 OWNED = "owned"  # rank -> controller: actor ``a`` here is owned by an actor elsewhere
 STOP_MESH = "stop_mesh"  # rank -> controller: stop a mesh it holds a reference to
+ASK = "ask"  # rank -> controller: an operation of the actor API (get_or_spawn_controller)
 
 # controller -> rank control thread (unordered, served while the main thread is busy)
 PUSH = "push"
