@@ -9,7 +9,14 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: setup lab test bench lint clean
 
-setup: $(STAMP)
+# The JupyterLab extension (labextension/, TypeScript), prebuilt into the package:
+# jlpm ships with JupyterLab, node is the only other tool it needs. A wheel carries the
+# built files, so its users run no npm step.
+LABEXT := monarch_kernel/labextension/package.json
+LABEXT_SRC := $(wildcard labextension/src/*.ts labextension/style/*) \
+	labextension/package.json labextension/yarn.lock labextension/tsconfig.json
+
+setup: $(STAMP) $(LABEXT)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +25,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q -e '.[test]'
 	$(PY) -m monarch_kernel install --sys-prefix
 	rm -f $(VENV)/.installed-*
+	touch $@
+
+$(LABEXT): $(LABEXT_SRC) $(STAMP)
+	cd labextension && CI=true $(CURDIR)/$(VENV)/bin/jlpm install --immutable
+	cd labextension && PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(CURDIR)/$(VENV)/bin/jlpm build
+	$(PY) -m monarch_kernel install --sys-prefix
 	touch $@
 
 # JupyterLab refuses to run as root without --allow-root (containers, cloud studios).
@@ -40,4 +53,5 @@ lint: setup
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache test-artifacts
+	rm -rf $(VENV) *.egg-info .pytest_cache test-artifacts monarch_kernel/labextension \
+		labextension/node_modules labextension/lib labextension/tsconfig.tsbuildinfo

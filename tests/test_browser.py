@@ -35,7 +35,10 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts"
+#: The prebuilt JupyterLab extension (``make setup`` builds it from labextension/).
+LABEXT = ROOT / "monarch_kernel" / "labextension"
 TOKEN = "monarch-browser-test"
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
@@ -80,6 +83,46 @@ def _notebook(path: Path) -> None:
     nbformat.write(nb, path)
 
 
+def _sidebar_notebook(path: Path) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "monarch", "display_name": "Monarch", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_code_cell("%mesh side --gpus 2 --on-failure continue"),
+        # two runs, the second starting again at step 0
+        nbformat.v4.new_code_cell(
+            "%%remote side\nimport os, monarch_kernel\nr = int(os.environ['RANK'])\n"
+            "for run in range(2):\n    for step in range(20):\n"
+            "        monarch_kernel.report(step=step, loss=1.0 / (step + 1) + run + 0.3 * r)"
+        ),
+        # many ranks are drawn as their mean with a min/max band (here from 2 on)
+        nbformat.v4.new_code_cell("side.dashboard().live_charts['metric:loss'].max_lines = 1"),
+        nbformat.v4.new_code_cell(
+            "import os, signal\nos.kill(side.runtime.ranks[1].pid, signal.SIGKILL)"
+        ),
+        nbformat.v4.new_code_cell("%mesh stop side"),
+    ]
+    nbformat.write(nb, path)
+
+
+def lab_env(tmp_path: Path) -> dict[str, str]:
+    """Environment for a JupyterLab that loads our prebuilt extension from this checkout
+    (through JUPYTER_PATH: nothing is installed into the shared environment)."""
+    if not (LABEXT / "package.json").exists():
+        pytest.fail("the JupyterLab extension is not built: run `make setup`")
+    data = tmp_path / "jupyter-data"
+    (data / "labextensions").mkdir(parents=True, exist_ok=True)
+    link = data / "labextensions" / "monarch-kernel-labextension"
+    if not link.exists():
+        link.symlink_to(LABEXT, target_is_directory=True)
+    old = os.environ.get("JUPYTER_PATH")
+    return {
+        **os.environ,
+        "JUPYTER_PATH": str(data) + (os.pathsep + old if old else ""),
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+    }
+
+
 @pytest.fixture
 def lab(tmp_path):
     """A JupyterLab server on 127.0.0.1 serving a fresh notebook; shut down after."""
@@ -87,6 +130,7 @@ def lab(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     _notebook(root / "demo.ipynb")
+    _sidebar_notebook(root / "sidebar.ipynb")
     settings = tmp_path / "settings"
     settings.mkdir()
     (settings / "overrides.json").write_text(
@@ -107,11 +151,7 @@ def lab(tmp_path):
         json.dumps({"disabledExtensions": {"ipyparallel-labextension": True}})
     )
     port = _free_port()
-    env = {
-        **os.environ,
-        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
-        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-    }
+    env = lab_env(tmp_path)
     log = open(tmp_path / "lab.log", "wb")
     proc = subprocess.Popen(
         [
@@ -189,11 +229,40 @@ def _tiles(page) -> list[str]:
     return page.locator(".mk-dash .mk-tile").all_inner_texts()
 
 
+LOSS = '.mk-dash .mk-uplot[data-chart="metric:loss"]'
+
+#: The colours an element shows, as RGBA bytes: a 1x1 canvas paints the computed CSS
+#: colour (whatever syntax the browser computes it to, color-mix included).
+COLORS_JS = """(el) => {
+  const cs = getComputedStyle(el);
+  const ctx = document.createElement('canvas').getContext('2d', {willReadFrequently: true});
+  const rgba = (c) => { ctx.clearRect(0, 0, 1, 1); ctx.fillStyle = c; ctx.fillRect(0, 0, 1, 1);
+                        return Array.from(ctx.getImageData(0, 0, 1, 1).data); };
+  return {fg: rgba(cs.color), bg: rgba(cs.backgroundColor), raw: [cs.color, cs.backgroundColor]};
+}"""
+
+
+def _luminance(rgb: list[int]) -> float:
+    def lin(c: float) -> float:
+        c /= 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (lin(c) for c in rgb[:3])
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast(fg: list[int], bg: list[int]) -> float:
+    """WCAG contrast ratio of two opaque colours."""
+    a, b = sorted((_luminance(fg), _luminance(bg)), reverse=True)
+    return (a + 0.05) / (b + 0.05)
+
+
 def _last_step(page) -> float:
-    line = page.locator('.mk-dash svg[data-chart="metric:loss"] polyline.mk-line').first
-    if line.count() == 0:
+    chart = page.locator(LOSS).first
+    if chart.count() == 0:
         return -1.0
-    return float(line.get_attribute("data-last-x"))
+    last = chart.get_attribute("data-last-x") or ""
+    return float(last) if last else -1.0
 
 
 def test_dashboard_in_jupyterlab(lab):
@@ -225,8 +294,9 @@ def test_dashboard_in_jupyterlab(lab):
                 "document.querySelectorAll('.mk-dash .mk-tile.mk-s-busy').length === 4",
                 timeout=30_000,
             )
-            page.locator('.mk-dash svg[data-chart="metric:loss"] polyline.mk-line').first.wait_for(
-                timeout=30_000
+            page.wait_for_function(
+                f"(document.querySelector('{LOSS}') || {{dataset: {{}}}}).dataset.series === '4'",
+                timeout=30_000,
             )
             steps, tile_texts = [], []
             for _ in range(4):
@@ -236,8 +306,10 @@ def test_dashboard_in_jupyterlab(lab):
             assert len(set(steps)) >= 3 and steps == sorted(steps), steps
             assert tile_texts[0] != tile_texts[-1], "tiles did not change while training"
             assert all("busy" in t and "step" in t for t in tile_texts[-1]), tile_texts[-1]
-            chart = page.locator('.mk-dash svg[data-chart="metric:loss"]')
-            assert chart.is_visible() and chart.locator("polyline.mk-line").count() == 4
+            chart = page.locator(LOSS)
+            assert chart.is_visible() and chart.get_attribute("data-series") == "4"
+            # tick labels on both axes
+            assert chart.locator(".u-axis").count() == 2
             page.screenshot(path=str(ARTIFACTS / "page-training.png"))
 
             # Rank 3 is killed mid-training: its tile and the errors panel say so at once,
@@ -265,9 +337,37 @@ def test_dashboard_in_jupyterlab(lab):
                 timeout=60_000,
             )
             page.wait_for_function(  # charts refresh at most twice a second
-                "document.querySelector('.mk-dash svg[data-chart=\"metric:loss\"] polyline')"
-                ".getAttribute('data-last-x') === '159'",
-                timeout=10_000,
+                f"document.querySelector('{LOSS}').dataset.lastX === '159'", timeout=10_000
+            )
+            # The loss chart: log scale, and a value per rank under the pointer.
+            chart.locator("button.mk-scale").click()
+            page.wait_for_function(
+                f"document.querySelector('{LOSS} button.mk-scale').dataset.scale === 'log'",
+                timeout=5_000,
+            )
+            box = chart.locator(".u-over").bounding_box()
+            page.mouse.move(box["x"] + box["width"] * 0.3, box["y"] + box["height"] / 2)
+            readout = chart.locator(".mk-readout")
+            page.wait_for_function(
+                f"document.querySelector('{LOSS} .mk-readout').dataset.hover === '1'",
+                timeout=5_000,
+            )
+            assert re.search(r"step \d+: r0 [\d.]+", readout.inner_text()), readout.inner_text()
+            # drag to zoom into steps ~40-120; a double-click shows the whole run again
+            full = chart.get_attribute("data-x-range")
+            y = box["y"] + box["height"] / 2
+            page.mouse.move(box["x"] + box["width"] * 0.25, y)
+            page.mouse.down()
+            page.mouse.move(box["x"] + box["width"] * 0.75, y, steps=5)
+            page.mouse.up()
+            page.wait_for_function(
+                f"document.querySelector('{LOSS}').dataset.xRange !== {full!r}", timeout=5_000
+            )
+            lo, hi = (float(v) for v in chart.get_attribute("data-x-range").split(".."))
+            assert 20 < lo < hi < 140, (lo, hi)
+            page.mouse.dblclick(box["x"] + box["width"] / 2, y)
+            page.wait_for_function(
+                f"document.querySelector('{LOSS}').dataset.xRange === {full!r}", timeout=5_000
             )
             dash.screenshot(path=str(ARTIFACTS / "dashboard-done.png"))
             page.locator(".mk-dash .mk-tile").nth(3).click()  # select it: "Restart rank 3"
@@ -293,8 +393,145 @@ def test_dashboard_in_jupyterlab(lab):
             assert time.monotonic() - t0 < 10
             page.locator(".mk-dash .mk-status", has_text="interrupt sent").wait_for(timeout=5000)
             page.screenshot(path=str(ARTIFACTS / "page-interrupted.png"))
+
+            # Dark themes: tile text and panes stay legible (WCAG AA: contrast >= 4.5:1).
+            for theme, shot in (
+                ("JupyterLab Dark", "dashboard-dark.png"),
+                ("JupyterLab Dark High Contrast", "dashboard-high-contrast.png"),
+            ):
+                page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
+                page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Theme$")).hover()
+                item = page.locator(".lm-Menu-itemLabel", has_text=re.compile(f"^{theme}$"))
+                item.click()
+                page.wait_for_function(
+                    f"document.body.dataset.jpThemeName === {theme!r}", timeout=15_000
+                )
+                time.sleep(1.0)  # the theme's CSS variables apply
+                for i in range(4):
+                    tile = page.locator(".mk-dash .mk-tile").nth(i)
+                    c = tile.evaluate(COLORS_JS)
+                    ratio = contrast(c["fg"], c["bg"])
+                    assert c["bg"][3] == 255 and ratio >= 4.5, (theme, i, ratio, c)
+                for pane in (".mk-dash .mk-errors pre", ".mk-dash .mk-detail pre"):
+                    c = page.locator(pane).first.evaluate(COLORS_JS)
+                    assert contrast(c["fg"], c["bg"]) >= 4.5, (theme, pane, c)
+                dash.screenshot(path=str(ARTIFACTS / shot))
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / "failure.png"))
+            raise
+        finally:
+            browser.close()
+
+
+def test_labextension_is_listed_enabled(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "jupyter", "labextension", "list"],
+        env=lab_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    text = out.stdout + out.stderr
+    assert re.search(r"monarch-kernel-labextension v\S+ .*enabled.*OK", text), text
+
+
+def _status(page) -> str:
+    return page.locator(".mk-lab-status").inner_text()
+
+
+def test_sidebar_and_status_bar_follow_a_mesh(lab):
+    """The Meshes sidebar and the status bar item, fed over the kernel's comm: a mesh
+    appears when created, turns red when a rank is killed, goes when stopped."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    with playwright_sync.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        console: list[str] = []  # kept with the screenshots when the test fails
+        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+        try:
+            page.goto(f"{lab}/lab/tree/sidebar.ipynb?token={TOKEN}")
+            page.locator(".jp-StatusBar-TextItem", has_text=re.compile(r"\| Idle")).first.wait_for(
+                timeout=60_000
+            )
+            status = page.locator(".mk-lab-status")
+            status.wait_for(timeout=30_000)
+            page.wait_for_function(
+                "document.querySelector('.mk-lab-status').textContent.includes('no meshes')",
+                timeout=30_000,
+            )
+            _run_cell(page, 0)
+            page.wait_for_function(
+                "document.querySelector('.mk-lab-status').textContent.includes('side 2/2')",
+                timeout=30_000,
+            )
+            assert re.search(r"⬢ side 2/2 · [\d.]+ [KMG]?B/s", _status(page)), _status(page)
+            status.click()  # opens the sidebar
+            mesh = page.locator('.mk-lab-sidebar .mk-lab-mesh[data-mesh="side"]')
+            mesh.wait_for(timeout=10_000)
+            page.wait_for_function(
+                "document.querySelectorAll('.mk-lab-mesh .mk-lab-rank.mk-lab-s-idle').length === 2",
+                timeout=10_000,
+            )
+            assert "gpus=2 · local" in mesh.inner_text()
+            # its Dashboard button scrolls to the dashboard in the notebook
+            scroller = page.locator(".jp-NotebookPanel .jp-WindowedPanel-outer").first
+            head = page.locator(".mk-dash .mk-head").first
+            scroller.evaluate("e => { e.scrollTop = e.scrollHeight; }")
+            wait_until(lambda: head.bounding_box()["y"] < 0, timeout=5, what="scrolled away")
+            mesh.locator("button", has_text="Dashboard").click()
+            wait_until(
+                lambda: 0 <= head.bounding_box()["y"] < 300, timeout=5, what="dashboard in view"
+            )
+            assert "mk-lab-bad" not in (status.get_attribute("class") or "")
+
+            # A run that starts again at step 0 is a new line, not joined to the old one.
+            _run_cell(page, 1)
+            page.wait_for_function(
+                f"(document.querySelector('{LOSS}') || {{dataset: {{}}}}).dataset.series === '4'",
+                timeout=20_000,
+            )
+            legend = page.locator(f"{LOSS} .mk-readout").inner_text()
+            assert "r0 run 1" in legend and "r0 run 2" in legend, legend
+            page.screenshot(path=str(ARTIFACTS / "sidebar-running.png"))
+            _run_cell(page, 2)
+            page.wait_for_function(
+                f"document.querySelector('{LOSS} .mk-readout').textContent.includes('mean of 2')",
+                timeout=10_000,
+            )
+            legend = page.locator(f"{LOSS} .mk-readout").inner_text()
+            assert legend == "mean of 2 · max · min", legend
+            assert page.locator(f"{LOSS}").get_attribute("data-series") == "3"
+            page.locator(LOSS).screenshot(path=str(ARTIFACTS / "chart-band.png"))
+
+            _run_cell(page, 3)  # rank 1 killed: red in the grid and in the status bar
+            page.locator(".mk-lab-mesh .mk-lab-rank.mk-lab-s-dead").wait_for(timeout=10_000)
+            page.locator(".mk-lab-status.mk-lab-bad").wait_for(timeout=10_000)
+            assert "side 1/2" in _status(page)
+            page.screenshot(path=str(ARTIFACTS / "sidebar-dead.png"))
+            # the sidebar's button restarts it: green again, the status bar no longer red
+            mesh.locator("button", has_text="Restart dead").click()
+            page.wait_for_function(
+                "document.querySelectorAll('.mk-lab-mesh .mk-lab-rank.mk-lab-s-idle').length === 2",
+                timeout=30_000,
+            )
+            page.wait_for_function(
+                "!document.querySelector('.mk-lab-status').classList.contains('mk-lab-bad')",
+                timeout=10_000,
+            )
+            assert "side 2/2" in _status(page)
+            page.locator(".mk-lab-notice", has_text="restarted ranks 1").wait_for(timeout=10_000)
+
+            _run_cell(page, 4)  # stopped: the mesh leaves the sidebar and the status bar
+            mesh.wait_for(state="detached", timeout=15_000)
+            page.wait_for_function(
+                "document.querySelector('.mk-lab-status').textContent.includes('no meshes')",
+                timeout=10_000,
+            )
+            page.screenshot(path=str(ARTIFACTS / "sidebar-stopped.png"))
+        except BaseException:
+            page.screenshot(path=str(ARTIFACTS / "failure-sidebar.png"))
+            (ARTIFACTS / "failure-sidebar-console.txt").write_text("\n".join(console))
             raise
         finally:
             browser.close()

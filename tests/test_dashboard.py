@@ -7,6 +7,7 @@ values a browser would render, and the rate at which they arrive.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import re
 import time
@@ -34,6 +35,8 @@ class WidgetKernel(Kernel):
         super().__init__()
         self.models: dict[str, dict[str, Any]] = {}
         self.history: dict[str, list[tuple[float, dict[str, Any]]]] = defaultdict(list)
+        #: custom messages (a live chart's appends) per widget model
+        self.custom: dict[str, list[dict[str, Any]]] = defaultdict(list)
         get = self.kc.get_iopub_msg
 
         def get_and_mirror(timeout: float | None = None) -> dict[str, Any]:
@@ -55,6 +58,8 @@ class WidgetKernel(Kernel):
             if data.get("method") == "update":
                 self.models[c["comm_id"]].update(data["state"])
                 self.history[c["comm_id"]].append((when, dict(data["state"])))
+            elif data.get("method") == "custom":
+                self.custom[c["comm_id"]].append(data["content"])
 
     def pump(self, seconds: float) -> None:
         """Read IOPub for ``seconds`` (widget updates sent from the dashboard thread)."""
@@ -98,6 +103,18 @@ class WidgetKernel(Kernel):
             if isinstance(value, str) and marker in value:
                 return value
         raise KeyError(marker)
+
+    def chart_points(self, mesh: str, chart_id: str) -> dict[str, list[tuple[int, float]]]:
+        """Series key -> ``(arrival index, x)`` of every point the live chart ``chart_id``
+        of ``mesh`` was sent (appends, in order)."""
+        for comm_id in self._dashboard(mesh)["_all"]:
+            if self.models[comm_id].get("chart_id") == chart_id:
+                out: dict[str, list[tuple[int, float]]] = defaultdict(list)
+                for msg in self.custom[comm_id]:
+                    for s in msg["series"]:
+                        out[s["key"]] += [(s["start"] + i, x) for i, x in enumerate(s["x"])]
+                return out
+        raise KeyError(chart_id)
 
     def button(self, mesh: str, label: str) -> tuple[str, dict[str, Any]]:
         for comm_id in self._dashboard(mesh)["_all"]:
@@ -242,9 +259,8 @@ def test_busy_tiles_and_live_metrics_from_a_bg_loop(kernel):
     seen_steps = []
 
     def chart_step() -> float:
-        chart = kernel.html("m", 'data-chart="metric:loss"')
-        last = re.findall(r'data-label="r0" data-last-x="([\d.]+)"', chart)
-        return float(last[0]) if last else -1
+        points = kernel.chart_points("m", "metric:loss").get("r0")
+        return points[-1][1] if points else -1
 
     kernel.wait_for(lambda: chart_step() >= 0, what="loss chart")
     while chart_step() < steps - 1:
@@ -255,8 +271,10 @@ def test_busy_tiles_and_live_metrics_from_a_bg_loop(kernel):
         lambda: all(kernel.tile_state("m", i) == "idle" for i in range(4)), what="idle again"
     )
     assert f"step {steps - 1}" in kernel.tiles("m")[2]["description"]
-    chart = kernel.html("m", 'data-chart="metric:loss"')
-    assert all(f'data-label="r{i}"' in chart for i in range(4))
+    # the live chart was sent every point once, in order (appends only)
+    sent = kernel.chart_points("m", "metric:loss")
+    assert sorted(sent) == [f"r{i}" for i in range(4)]
+    assert all(pts == [(i, float(i)) for i in range(steps)] for pts in sent.values()), sent
     # every report arrived, in order, on every rank
     r = kernel.run(
         "from monarch_kernel.widgets import dashboard\n_d = dashboard(m)\n"
@@ -264,6 +282,30 @@ def test_busy_tiles_and_live_metrics_from_a_bg_loop(kernel):
         " for _, s in sorted(_d.state.metrics['loss'].items())]"
     )
     assert r.text == str([(steps, True)] * 4), r.text + r.error_text
+
+
+def test_a_chart_view_that_opens_later_gets_the_whole_history(kernel):
+    """The front end asks for the history when a view opens ("sync"); the kernel answers
+    with every kept point and each series' count (appends that overlap it are dropped)."""
+    kernel.run(
+        "%%remote m\nimport monarch_kernel\nfor run in range(2):\n"
+        "    for step in range(20):\n"
+        "        monarch_kernel.report(step=step, acc=step / 20 + run)"
+    )
+    kernel.wait_for(lambda: kernel.chart_points("m", "metric:acc"), what="acc chart")
+    comm_id = next(
+        cid
+        for cid in kernel._dashboard("m")["_all"]
+        if kernel.models[cid].get("chart_id") == "metric:acc"
+    )
+    msg = kernel.kc.session.msg(
+        "comm_msg", {"comm_id": comm_id, "data": {"method": "custom", "content": {"type": "sync"}}}
+    )
+    kernel.kc.shell_channel.send(msg)
+    kernel.wait_for(lambda: any(m["type"] == "reset" for m in kernel.custom[comm_id]), what="reset")
+    reset = next(m for m in kernel.custom[comm_id] if m["type"] == "reset")
+    r0 = next(s for s in reset["series"] if s["key"] == "r0")
+    assert r0["count"] == 40 and r0["x"] == [float(i) for i in range(20)] * 2
 
 
 def test_busy_tile_names_the_endpoint(kernel):
@@ -567,7 +609,10 @@ def test_64_ranks_reporting_every_10ms_in_process():
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
         assert gaps and min(gaps) >= 0.24, gaps
         assert dash.compact and dash.tiles[5].description.startswith("5 idle")
-        assert 'data-label="mean of 64"' in dash.charts.value
+        # the live chart got every rank's points; the static fallback draws the band
+        assert sorted(dash.live_charts) == ["metric:loss", "throughput"]
+        assert all(s.fresh_x == [] and s.fresh_at == steps for s in series.values())
+        assert 'data-label="mean of 64"' in dash.snapshot()[0]
         assert "<b>64/64</b> alive" in dash.header.value
     finally:
         procs.stop()
@@ -606,5 +651,80 @@ def test_a_dead_rank_restarted_by_the_policy_in_process():
         assert job.done() and not dash.state.jobs
         wait_until(lambda: dash.jobs_box.layout.display == "none", what="the list hidden")
         assert dash.job_labels[0].value == "" and dash.cancel_buttons[0].disabled
+    finally:
+        procs.stop()
+
+
+def test_series_hands_the_live_chart_each_point_once():
+    from monarch_kernel.widgets.series import FRESH_CAP, Series
+
+    s = Series()
+    s.extend([0.0, 1.0], [5.0, 4.0])
+    s.extend([2.0], [3.0])
+    assert s.take_fresh() == (0, [0.0, 1.0, 2.0], [5.0, 4.0, 3.0])
+    assert s.take_fresh() == (3, [], [])
+    s.extend([0.0], [6.0])  # a new run: the chart is told where it starts (index 3)
+    assert s.take_fresh() == (3, [0.0], [6.0])
+    big = Series()  # nobody takes them: only the newest FRESH_CAP are held
+    xs = [float(i) for i in range(FRESH_CAP + 10)]
+    big.extend(xs, xs)
+    start, fx, _ = big.take_fresh()
+    assert start == 10 and len(fx) == FRESH_CAP and fx[0] == 10.0
+
+
+def test_a_run_that_starts_again_is_not_joined_to_the_last():
+    from monarch_kernel.widgets import charts
+
+    runs = charts.runs([0, 1, 2, 0, 1], [9, 8, 7, 9, 8])
+    assert runs == [([0, 1, 2], [9, 8, 7]), ([0, 1], [9, 8])]
+    svg = charts.line_chart("loss", [("r0", [0, 1, 2, 0, 1], [9, 8, 7, 9, 8])])
+    assert svg.count('class="mk-old-run"') == 1 and svg.count('class="mk-line"') == 1
+    assert 'data-last-x="1" data-last-y="8" data-points="2"' in svg
+
+
+def test_tile_text_is_cut_at_words_and_fits_the_tile():
+    from monarch_kernel.widgets import render
+    from monarch_kernel.widgets.state import TileView
+
+    assert render.clip("short") == "short"
+    cut = render.clip("interrupted: cell 12 of a notebook with long names")
+    assert len(cut) <= render.TILE_CHARS and cut.endswith("…")
+    assert cut == "interrupted: cell 12 of…"  # whole words only
+    view = TileView(
+        rank=3, state="busy", what="RemoteJob cell 12 calling an_endpoint_with_a_long_name",
+        coords="gpus=3", host="a-very-long-hostname.cluster.example.com", pid="123456",
+        device="cuda:3", mem="GPU 1.2 GB", step="1200", seen="<1s", rate_in=1.5e9,
+        rate_out=2e6, restarts=0,
+    )  # fmt: skip
+    lines = render.tile_text(view, compact=False).split("\n")
+    assert all(len(line) <= render.TILE_CHARS for line in lines), lines
+    assert lines[2].endswith("· pid 123456")  # the host is what gets cut
+    dead = render.tile_text(dataclasses.replace(view, state="dead"), compact=False)
+    assert "in 1.5 GB/s" not in dead  # no transfer rate on a rank that is not up
+
+
+def test_svg_charts_when_live_charts_are_off(monkeypatch):
+    """``MONARCH_KERNEL_CHARTS=svg`` (or no anywidget): the static SVG charts, live."""
+    from monarch_kernel.actor import this_host
+    from monarch_kernel.kernel.remote import RemoteJob
+    from monarch_kernel.widgets import live_chart
+    from monarch_kernel.widgets.dashboard import Dashboard
+
+    monkeypatch.setattr(live_chart, "AVAILABLE", False)
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="svgcharts")
+    try:
+        dash = Dashboard(procs.runtime, start=False)
+        code = (
+            "import monarch_kernel\nfor i in range(5):\n"
+            "    monarch_kernel.report(step=i, loss=1 / (i + 1))"
+        )
+        RemoteJob(procs, code, "loop", None).start().wait(timeout=30)
+        wait_until(
+            lambda: dash.update() or 'data-chart="metric:loss"' in dash.charts.value,
+            timeout=10,
+            what="svg loss chart",
+        )
+        assert dash.live_charts == {} and dash.charts_box.children == ()
+        dash.close()
     finally:
         procs.stop()

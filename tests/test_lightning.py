@@ -357,3 +357,18 @@ def test_magic_errors_in_the_kernel():
     assert "unknown Lightning machine type 'H100_X_9'; one of:" in unknown, unknown
     assert "H100_X_8" in unknown
     assert "the lightning backend needs --machine TYPE" in missing, missing
+
+
+def test_local_mesh_inside_a_studio_warns_about_idle_sleep():
+    """Inside a Studio (``LIGHTNING_CLOUD_SPACE_ID`` set) ``%mesh NAME --gpus N`` is the
+    local backend on the Studio's machine, and says that an idle Studio ends it."""
+    from kernel_client import Kernel
+
+    k = Kernel(env={"LIGHTNING_CLOUD_SPACE_ID": "studio-test"})
+    try:
+        r = k.run("%mesh studio --gpus 1")
+        assert "(local) ready" in r.stdout, r.stderr + r.error_text
+        assert "Lightning Studio's own machine" in r.stdout and "idle Studio" in r.stdout
+        k.run("%mesh stop studio")
+    finally:
+        k.shutdown()

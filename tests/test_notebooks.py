@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -37,7 +38,9 @@ def test_quickstart_runs_with_the_monarch_kernel():
     assert "ready in" in _text(code[0])
     assert "[0-3] hello from every rank" in _text(code[1])
     assert "{gpus=3}: (3," in _text(code[1])
-    norms = _text(code[2])
+    pushed = _text(code[2])
+    assert pushed.startswith("pushed to trainers (4 ranks): scale=10"), pushed
+    norms = pushed.splitlines()[-1]
     assert norms.startswith("[") and norms.count(",") == 3
     assert "ValueMesh(gpus=4; {gpus=0}: 2" in _text(code[3])
     assert _text(code[4]) == "3"
@@ -77,6 +80,27 @@ def test_faults_notebook_kills_restarts_and_finds_a_stuck_rank():
     assert "released by aborting the process group" in released or "killed" in released
     assert "{gpus=3}: 4.0" in _text(code[10])
     assert "stopped" in _text(code[11])
+
+
+def test_live_training_notebook_trains_pushes_and_resumes():
+    """02-live-training: a tiny GPT trained with DDP on 4 ranks in a --bg loop, the
+    learning rate lowered with %push mid-run, then resumed from the checkpoint."""
+    nb = _execute(nbformat.read(NOTEBOOKS / "02-live-training.ipynb", as_version=4), "monarch")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "ready in" in _text(code[0]) and "process group initialised" in _text(code[0])
+    widgets = [
+        o
+        for o in code[0].outputs
+        if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+    ]
+    assert widgets, "no live dashboard under the %mesh cell"
+    assert "vocabulary of" in _text(code[2])
+    assert "pushed to gpt (4 ranks): lr=0.001" in _text(code[4])
+    seen = re.search(r"\{0\.003: 0, 0\.001: (\d+)\}", _text(code[5]))
+    assert seen and 0 < int(seen.group(1)) < 200, _text(code[5])  # changed mid-run
+    assert _text(code[6]).count(": 200") == 4  # every rank resumed after step 199
+    assert _text(code[7]).startswith("[0] the cat ")
+    assert "stopped" in _text(code[8])
 
 
 def test_actors_notebook_meshes_passed_supervision_and_r2r():

@@ -178,6 +178,32 @@ def test_ray_notebook_runs_against_the_test_cluster(cluster: RayCluster):
     assert not _our_groups()
 
 
+def test_killed_kernel_leaves_no_group_and_no_process(cluster: RayCluster):
+    """A kernel SIGKILLed with a live Ray mesh: Ray removes the placement group and the
+    actors its driver owned, and the agents and ranks go with them."""
+    import json
+
+    from helpers import wait_until
+    from kernel_client import Kernel
+
+    k = Kernel()
+    try:
+        r = k.run("%mesh rk --backend ray --hosts 2 --gpus 1", timeout=120)
+        assert "(ray) ready" in r.stdout, r.stdout + r.stderr + r.error_text
+        code = "import json; rt = rk.runtime\n"
+        code += "print(json.dumps([h.pid for h in rt.hosts] + [x.pid for x in rt.ranks]))"
+        pids = json.loads(k.run(code).stdout.strip().splitlines()[-1])
+        assert len(pids) == 4 and all(pids), pids
+        assert len(_our_groups()) == 1
+        os.kill(k.pids()[0], 9)  # the kernel dies without any clean-up of its own
+        wait_until(lambda: not _our_groups(), timeout=30, what="Ray to remove the group")
+        left = _gone(pids, timeout=20)
+        assert not left, f"agents or ranks left after the kernel died: {left}"
+    finally:
+        k.kc.stop_channels()
+        k.km.shutdown_kernel(now=True)
+
+
 def test_killed_ray_node_loses_its_host_naming_it(cluster: RayCluster):
     """Last: stop the second Ray node. Its host is declared lost within 3 s, its ranks
     dead with the host named; with on_failure="stop" the mesh then stops."""

@@ -207,6 +207,38 @@ class InputRequested:
     serial: int
     prompt: str
     password: bool
+    #: A debugger prompt (pdb on the rank waits for a command), not an ``input()``.
+    debug: bool = False
+    #: What the debugger printed since its last prompt (where it stopped, a variable ...).
+    output: str = ""
+    #: Where the rank is stopped, e.g. ``cell line 7`` (debugger prompts only).
+    where: str = ""
+    #: The debugger is a post-mortem one (``%debug_remote``), not a breakpoint.
+    post_mortem: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DebuggerPaused:
+    """A rank's debugger waits for a command (a breakpoint or a post-mortem): its
+    main thread is paused at ``where`` until it is continued, detached or times out."""
+
+    mesh: str
+    rank: int
+    request: str | None
+    where: str
+
+
+@dataclass(frozen=True, slots=True)
+class DebuggerResumed:
+    """A rank's debugger let it run on: ``why`` is ``continue``, ``detach``, ``quit``,
+    ``timeout``, ``interrupted`` or ``done``; its prompt number ``serial`` (if asked)
+    needs no answer any more."""
+
+    mesh: str
+    rank: int
+    request: str | None
+    serial: int
+    why: str
 
 
 MeshEvent = (
@@ -223,6 +255,8 @@ MeshEvent = (
     | StatsReported
     | MeshRecovered
     | InputRequested
+    | DebuggerPaused
+    | DebuggerResumed
 )
 
 EVENT_TYPES: tuple[type[MeshEvent], ...] = (
@@ -239,6 +273,8 @@ EVENT_TYPES: tuple[type[MeshEvent], ...] = (
     StatsReported,
     MeshRecovered,
     InputRequested,
+    DebuggerPaused,
+    DebuggerResumed,
 )
 
 Listener = Callable[[MeshEvent], None]

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from monarch_kernel.controller.events import (
+    DebuggerPaused,
+    DebuggerResumed,
     FaultReported,
     InputRequested,
     MetricReported,
@@ -47,6 +49,12 @@ NO_READER = (
     "push it to the ranks"
 )
 
+#: Why a rank's ``breakpoint()`` runs on when nothing can attach to it.
+NO_DEBUGGER = (
+    "nothing can attach to it here (a notebook attaches through the monarch kernel: "
+    "%%remote cells, %debug_remote)"
+)
+
 
 class Inbound:
     """Handlers of every message kind the controller receives."""
@@ -72,6 +80,7 @@ class Inbound:
             K.HOST_READY: self._on_host_ready,
             K.PORT: self._on_port,
             K.INPUT: self._on_input,
+            K.RESUMED: self._on_resumed,
         }
 
     def handle(self, frames: list[zmq.Frame]) -> None:
@@ -173,13 +182,32 @@ class Inbound:
 
     def _on_input(self, h: Header, msg: Message) -> None:
         mesh = self._mesh
+        debug = bool(h.get("dbg"))
         event = InputRequested(
-            mesh.name, h["r"], h.get("i"), h["n"], str(h.get("p", "")), bool(h.get("pw"))
+            mesh.name,
+            h["r"],
+            h.get("i"),
+            h["n"],
+            str(h.get("p", "")),
+            bool(h.get("pw")),
+            debug,
+            bytes(msg.payload).decode("utf-8", "replace") if debug else "",
+            str(h.get("at", "")) if debug else "",
+            bool(h.get("pm")),
         )
+        if debug and mesh.events.wants(DebuggerPaused):
+            mesh.events.emit(DebuggerPaused(mesh.name, event.rank, event.request, event.where))
         if mesh.events.wants(InputRequested):
             mesh.events.emit(event)
         else:  # nobody can answer: the rank's input() raises EOFError at once
-            mesh.answer_input(event.rank, event.serial, error=NO_READER)
+            why = NO_DEBUGGER if debug else NO_READER
+            mesh.answer_input(event.rank, event.serial, error=why)
+
+    def _on_resumed(self, h: Header, msg: Message) -> None:
+        mesh = self._mesh
+        if mesh.events.wants(DebuggerResumed):
+            why = str(h.get("why", ""))
+            mesh.events.emit(DebuggerResumed(mesh.name, h["r"], h.get("i"), h.get("n", 0), why))
 
     # -- ranks ---------------------------------------------------------------------------
     def _on_ready(self, h: Header, msg: Message) -> None:

@@ -55,6 +55,11 @@ class StreamRouter:
         """Stop routing ``request``'s output (later lines go to the default sink)."""
         self._routes.pop(request, None)
 
+    def sink_for(self, request: str | None) -> Sink:
+        """Where output of ``request`` goes now (for notices about it)."""
+        sink = self._routes.get(request) if request else None
+        return sink or self.default
+
     def _on_event(self, event: MeshEvent) -> None:
         if isinstance(event, StreamOutput):
             sink = self._routes.get(event.request) if event.request else None

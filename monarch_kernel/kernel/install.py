@@ -5,11 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 KERNEL_NAME = "monarch"
 DISPLAY_NAME = "Monarch (Python 3)"
+#: The JupyterLab extension (labextension/), built into the package by ``make setup``.
+LABEXTENSION = "monarch-kernel-labextension"
+LABEXTENSION_BUILT = Path(__file__).resolve().parent.parent / "labextension"
 
 
 def kernel_json() -> dict:
@@ -33,6 +38,21 @@ def install(user: bool = False, prefix: str | None = None) -> str:
         return KernelSpecManager().install_kernel_spec(d, KERNEL_NAME, user=user, prefix=prefix)
 
 
+def install_labextension(prefix: str) -> str | None:
+    """Copy the prebuilt JupyterLab extension to ``PREFIX/share/jupyter/labextensions``
+    (where JupyterLab finds prebuilt extensions); returns where, or None when this
+    checkout has none built (a wheel installs it there by itself)."""
+    if not (LABEXTENSION_BUILT / "package.json").exists():
+        return None
+    target = Path(prefix) / "share" / "jupyter" / "labextensions" / LABEXTENSION
+    if target.is_symlink() or target.is_file():
+        target.unlink()
+    elif target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(LABEXTENSION_BUILT, target)
+    return str(target)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m monarch_kernel install",
@@ -46,3 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     prefix = sys.prefix if args.sys_prefix else args.prefix
     path = install(user=args.user, prefix=prefix)
     print(f"installed kernelspec {KERNEL_NAME!r} ({DISPLAY_NAME}) in {path}")
+    if prefix is not None:  # the extension goes with an environment, not a user
+        ext = install_labextension(prefix)
+        if ext is not None:
+            print(f"installed JupyterLab extension {LABEXTENSION} in {ext}")

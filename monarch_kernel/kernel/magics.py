@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import builtins
 import keyword
+import os
 import re
+import reprlib
 import shlex
 import signal
 import threading
@@ -26,6 +28,7 @@ from monarch_kernel.controller.errors import ActorError, MeshStartError
 from monarch_kernel.controller.mesh import MeshRuntime
 from monarch_kernel.controller.records import MeshPhase, SetupCell
 from monarch_kernel.controller.registry import registry
+from monarch_kernel.kernel import help as _help
 from monarch_kernel.kernel.args import (
     ENGINE_OPTIONS,
     Parser,
@@ -41,7 +44,7 @@ from monarch_kernel.kernel.hints import (
     show_remote_error,
 )
 from monarch_kernel.kernel.output import CellOutput
-from monarch_kernel.kernel.remote import RemoteJob
+from monarch_kernel.kernel.remote import InputRouter, RemoteJob
 from monarch_kernel.kernel.table import MeshTable
 from monarch_kernel.shape import Shape, SliceError, parse_ranks
 
@@ -315,10 +318,16 @@ class MeshMagics(Magics):
             for p in shown:
                 refresh(p)
         self._user_ns[name] = procs
+        InputRouter.of(procs.runtime)  # parks breakpoints of endpoints for %debug_remote
         print(
             f"mesh {name!r}: {procs.shape.describe()} ({opts.backend}) ready in "
             f"{time.monotonic() - t0:.2f}s"
         )
+        if opts.backend == "local" and os.environ.get("LIGHTNING_CLOUD_SPACE_ID"):
+            print(
+                f"mesh {name!r} runs on this Lightning Studio's own machine; an idle Studio "
+                "goes to sleep and that ends the mesh (keep it active while you use it)"
+            )
         if opts.dist:
             self._run_on(procs, INIT_DIST)
             print(f"mesh {name!r}: torch.distributed process group initialised")
@@ -403,12 +412,35 @@ class MeshMagics(Magics):
         """IPython's pre_run_cell hook: remember the notebook cell's id (JupyterLab and
         Notebook 7 send one), which keys ``--setup`` cells."""
         self._cell_key = getattr(info, "cell_id", None)
+        for rt in registry.live():  # meshes made with the actor API too: see InputRouter
+            InputRouter.of(rt)
 
     def cancel_background_jobs(self, why: str) -> None:
         """Interrupt every running ``--bg`` cell (their output blocks say ``why``)."""
         for job in self.jobs:
             if not job.done():
                 job.cancel(why)
+
+    # -- %debug_remote ----------------------------------------------------------------
+    @line_magic
+    def debug_remote(self, line: str) -> None:
+        """``%debug_remote NAME [--rank R | --ranks 0:4] [--clear]``: attach to the ranks
+        paused at a breakpoint nobody attached to, else a post-mortem pdb on the frame
+        where each rank's last ``%%remote`` cell or endpoint failed (``--clear``: only
+        release those frames). See :mod:`monarch_kernel.kernel.debug`."""
+        from monarch_kernel.kernel.debug import debug_remote
+
+        p = Parser(prog="%debug_remote", add_help=False)
+        p.add_argument("target")
+        p.add_argument("--rank", "--ranks", dest="ranks", default=None)
+        p.add_argument("--clear", action="store_true", help="release the kept frames")
+        opts = p.parse_args(split_args(line))
+        procs = self._resolve(opts.target)
+        ranks = procs.ranks()
+        picked = _ranks_option(opts.ranks, len(ranks))
+        if picked is not None:
+            ranks = [ranks[i] for i in picked]
+        debug_remote(procs, ranks, self._next_cell(), opts.clear)
 
     # -- %torchrun --------------------------------------------------------------------
     @line_magic
@@ -454,6 +486,9 @@ class MeshMagics(Magics):
             except Exception as exc:
                 raise UsageError(f"cannot evaluate {expr!r}: {exc!r}") from None
         procs.push(**values)
+        # say what was set: a silent success reads like nothing happened
+        what = ", ".join(f"{k}={reprlib.repr(v)}" for k, v in values.items())
+        print(f"pushed to {tokens[0]} ({len(procs)} ranks): {what}")
 
     @line_magic
     def pull(self, line: str) -> ValueMesh | dict[str, ValueMesh]:
@@ -473,6 +508,18 @@ class MeshMagics(Magics):
                 f"%pull failed on ranks {exc.ranks}: {first['message']}; "
                 "define it there with %%remote or %push first"
             ) from None
+
+
+# ``%mesh?`` and friends: plain-text pages listing every option (built from the parsers)
+_help.set_docs(
+    MeshMagics,
+    {
+        "mesh": _help.mesh_help,
+        "remote": _help.remote_help,
+        "push": lambda: _help.PUSH_HELP,
+        "pull": lambda: _help.PULL_HELP,
+    },
+)
 
 
 def _prompt_number(shell: Any) -> int | None:
@@ -622,6 +669,10 @@ def load_ipython_extension(ipython: Any) -> MeshMagics:
     ipython.set_custom_exc(REMOTE_ERRORS, show_remote_error)
     ipython.user_ns.setdefault("_monarch_magics", magics)
     ipython.events.register("pre_run_cell", magics.before_cell)
+    _help.install(ipython)  # Tab completion of mesh names and options
+    from monarch_kernel.kernel import lab
+
+    lab.install(ipython)  # the JupyterLab extension's Meshes sidebar and status bar item
     return magics
 
 

@@ -87,6 +87,11 @@ class CellOutput:
         self._label = label
         self._logs = logs
         self._lock = threading.Lock()
+        # Held from taking a batch until it is emitted: batches leave in the order they
+        # were taken, and close() returns only after every batch taken before it left (a
+        # flusher thread descheduled between the two would otherwise emit after the cell
+        # went idle, and the notebook would miss those lines).
+        self._send_lock = threading.Lock()
         self._partial: dict[tuple[int, str], str] = {}
         self._pending: deque[_Line] = deque()
         # (stream, text) -> pending lines with that text, oldest first (collapse mode)
@@ -135,6 +140,10 @@ class CellOutput:
 
     def flush(self, force: bool = False) -> None:
         """Emit lines that are complete (all ranks) or waited long enough."""
+        with self._send_lock:
+            self._flush_sending(force)
+
+    def _flush_sending(self, force: bool) -> None:
         out: list[tuple[str, str]] = []
         with self._lock:
             now = time.monotonic()
@@ -223,11 +232,12 @@ class CellOutput:
                 for name, line in self._by_rank[rank]:
                     blocks.append((name, self._labelled({rank}, line)))
             self._by_rank.clear()
-        self.flush(force=True)
-        if blocks:
-            with self._lock:
-                blocks = self._within_budget(blocks, time.monotonic(), True)
-            self._send(blocks)
+        with self._send_lock:
+            self._flush_sending(force=True)
+            if blocks:
+                with self._lock:
+                    blocks = self._within_budget(blocks, time.monotonic(), True)
+                self._send(blocks)
         _active.discard(self)
 
 

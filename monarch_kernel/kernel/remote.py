@@ -13,9 +13,10 @@ from collections.abc import Callable
 from monarch_kernel.actor import ProcMesh, ValueMesh
 from monarch_kernel.actor.gather import Gather
 from monarch_kernel.controller.errors import ActorError, MonarchError, format_ranks
-from monarch_kernel.controller.events import InputRequested, MeshEvent
+from monarch_kernel.controller.events import DebuggerResumed, InputRequested, MeshEvent
 from monarch_kernel.controller.future import Future
 from monarch_kernel.controller.mesh import MeshRuntime, new_request_id
+from monarch_kernel.kernel.debug import DebugConsole
 from monarch_kernel.kernel.output import CellOutput
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import dumps
@@ -41,7 +42,9 @@ class InputRouter:
     """Answers ranks' ``input()`` calls: those of a foreground cell go to the cell that
     waits for it (which asks the notebook), any other gets a clear EOFError at once.
 
-    One per mesh, subscribed to its :class:`InputRequested` events.
+    Debugger prompts nobody waits for (a ``--bg`` cell's, an endpoint's) are *parked*
+    until ``%debug_remote`` attaches to them (the rank stays paused meanwhile, up to its
+    debugger timeout). One per mesh, subscribed to its input and debugger events.
     """
 
     _routers: weakref.WeakKeyDictionary[MeshRuntime, InputRouter] = weakref.WeakKeyDictionary()
@@ -50,8 +53,15 @@ class InputRouter:
         # Weak: the runtime's event bus holds this router, and the map of routers is
         # keyed by the runtime (a strong reference back would keep it alive forever).
         self._runtime = weakref.ref(runtime)
-        self._cells: dict[str, queue.Queue[InputRequested | None]] = {}
-        runtime.events.subscribe(self._on_event, InputRequested)
+        self._cells: dict[str, queue.Queue[MeshEvent | None]] = {}
+        #: rank -> its parked debugger prompt (nobody waits to answer it)
+        self.parked: dict[int, InputRequested] = {}
+        #: ``%debug_remote``'s queue while it is attached to parked prompts
+        self._attached: queue.Queue[MeshEvent | None] | None = None
+        #: consoles asking the notebook now (withdrawn when their rank runs on)
+        self.consoles: set[DebugConsole] = set()
+        self._lock = threading.Lock()
+        runtime.events.subscribe(self._on_event, InputRequested, DebuggerResumed)
 
     @classmethod
     def of(cls, runtime: MeshRuntime) -> InputRouter:
@@ -60,22 +70,71 @@ class InputRouter:
             router = cls._routers[runtime] = cls(runtime)
         return router
 
-    def listen(self, request_id: str, inbox: queue.Queue[InputRequested | None]) -> None:
+    def listen(self, request_id: str, inbox: queue.Queue[MeshEvent | None]) -> None:
         self._cells[request_id] = inbox
 
     def forget(self, request_id: str) -> None:
         self._cells.pop(request_id, None)
 
-    def _on_event(self, event: MeshEvent) -> None:  # receiving thread: never blocks
-        assert isinstance(event, InputRequested)
-        inbox = self._cells.get(event.request or "")
+    def attach(self, inbox: queue.Queue[MeshEvent | None], ranks: set[int]) -> int:
+        """Send the parked prompts of ``ranks``, and every later debugger event nobody
+        else waits for, to ``inbox`` (``%debug_remote``); how many were parked."""
+        with self._lock:
+            self._attached = inbox
+            moved = [e for r, e in sorted(self.parked.items()) if r in ranks]
+            for e in moved:
+                del self.parked[e.rank]
+                inbox.put(e)
+        return len(moved)
+
+    def detach(self) -> None:
+        self._attached = None
+
+    def _notice(self, event: InputRequested) -> None:
+        """Say where the output of the paused work goes that its rank waits for us."""
         runtime = self._runtime()
-        if inbox is None and runtime is not None:
+        if runtime is None:
+            return
+        what = "post-mortem debugger" if event.post_mortem else "stopped"
+        text = (
+            f"{what} at {event.where}; nothing here waits on it: attach with "
+            f"%debug_remote {runtime.name} --rank {event.rank} (interrupt a cell blocked on "
+            "its result first)\n"
+        )
+        try:
+            runtime.output.sink_for(event.request)(event.rank, "stderr", text)
+        except Exception:  # a notice must never break the receiving thread
+            pass
+
+    def _on_event(self, event: MeshEvent) -> None:  # receiving thread: never blocks
+        if isinstance(event, DebuggerResumed):
+            for console in list(self.consoles):
+                console.withdraw(event)
+        assert isinstance(event, (InputRequested, DebuggerResumed))
+        inbox = self._cells.get(event.request or "")
+        if inbox is not None:
+            inbox.put(event)
+            return
+        debug = isinstance(event, DebuggerResumed) or event.debug
+        if debug:
+            with self._lock:
+                attached = self._attached
+                if attached is not None:
+                    attached.put(event)
+                elif isinstance(event, InputRequested):
+                    if event.rank not in self.parked:
+                        self._notice(event)
+                    self.parked[event.rank] = event
+                else:
+                    parked = self.parked.get(event.rank)
+                    if parked is not None and parked.serial <= event.serial:
+                        del self.parked[event.rank]
+            return
+        runtime = self._runtime()
+        if runtime is not None:
             from monarch_kernel.controller.inbound import NO_READER
 
             runtime.answer_input(event.rank, event.serial, error=NO_READER)
-        elif inbox is not None:
-            inbox.put(event)
 
 
 class RemoteJob:
@@ -100,6 +159,8 @@ class RemoteJob:
         shape: Shape | None = None,
         on_finished: Callable[[RemoteJob], None] | None = None,
         header: list[str] | None = None,
+        kind: str = K.EXEC,
+        spec: dict[str, object] | None = None,
     ):
         self.procs = procs
         self.code = code
@@ -109,6 +170,10 @@ class RemoteJob:
         self.shape = shape or procs.shape
         self.on_finished = on_finished
         self.header = header or []
+        #: The message kind sent (``exec``: a cell; ``debug``: a post-mortem) and, for
+        #: kinds other than ``exec``, its header keys.
+        self.kind = kind
+        self.spec = spec or {}
         self.started = time.time()
         self.finished: float | None = None
         self.request_id = new_request_id()
@@ -120,7 +185,9 @@ class RemoteJob:
         self.future: Future[ValueMesh[object]] = self._gather.future
         self._closing = threading.Lock()  # held for good once the output is closed
         #: Wakes :meth:`wait`: a rank's input() to answer, or None when the job is done.
-        self._inbox: queue.Queue[InputRequested | None] = queue.Queue()
+        self._inbox: queue.Queue[MeshEvent | None] = queue.Queue()
+        #: Serves the ranks' debugger prompts (breakpoints, post-mortem) while it waits.
+        self.debug = DebugConsole(procs.runtime, self._inbox, self._running)
         self.cancelled = ""  #: why it was cancelled (empty if it was not)
         #: The thread blocked in the notebook's input() for a rank, if one is.
         self._asking: int | None = None
@@ -129,8 +196,13 @@ class RemoteJob:
         self._display_ids: list[str] = []
 
     def start(self) -> RemoteJob:
-        spec = {"code": self.code, "cell": self.cell, "header": self.header}
-        payload, buffers = dumps(spec, "cell")
+        header: dict[str, object] = {"k": self.kind}
+        if self.kind == K.EXEC:
+            spec = {"code": self.code, "cell": self.cell, "header": self.header}
+            payload, buffers = dumps(spec, "cell")
+        else:
+            header.update(self.spec)
+            payload, buffers = b"", []
         rt = self.procs.runtime
         if self.output is not None:
             rt.output.route(self.request_id, self.output.feed)
@@ -141,7 +213,7 @@ class RemoteJob:
         try:
             rt.request(
                 self.ranks,
-                {"k": K.EXEC},
+                header,
                 payload,
                 buffers,
                 self._gather,
@@ -163,6 +235,7 @@ class RemoteJob:
         if asking is not None:  # nobody needs that answer any more: stop asking
             self._input_abandoned = True
             signal.pthread_kill(asking, signal.SIGINT)
+        self.debug.abandon()  # a debugger prompt, likewise
         # Close the output and report after a short grace, on a timer thread.
         threading.Timer(OUTPUT_GRACE, self._after_finish).start()
 
@@ -200,9 +273,10 @@ class RemoteJob:
                     try:
                         event = self._inbox.get(timeout=0.2 if left is None else min(left, 0.2))
                     except queue.Empty:
-                        continue
-                    if event is not None:
-                        self._answer(event)
+                        event = None
+                    self._handle(event)
+                    if self.debug.pending:
+                        self._serve_debugger()
                 return self.future.get(0 if deadline is not None else None)
             finally:
                 if self.future.done():
@@ -213,6 +287,31 @@ class RemoteJob:
             raise self._interrupted() from None
 
     result = wait
+
+    def _running(self, rank: int) -> bool:
+        return not self.future.done() and not self._gather.answered(rank)
+
+    def _handle(self, event: MeshEvent | None) -> None:
+        if event is None:
+            return
+        if self.debug.feed(event):
+            return
+        assert isinstance(event, InputRequested)
+        self._answer(event)
+
+    def _serve_debugger(self) -> None:
+        """Serve the ranks' debugger prompts (in this, the cell's thread)."""
+        if self.output is not None:
+            self.output.flush(force=True)  # what the ranks printed comes first
+        router = InputRouter.of(self.procs.runtime)
+        router.consoles.add(self.debug)
+        try:
+            self.debug.serve()
+            for event in self.debug.others:
+                self._answer(event)
+            self.debug.others.clear()
+        finally:
+            router.consoles.discard(self.debug)
 
     def _answer(self, event: InputRequested) -> None:
         """Ask the notebook for the line a rank's input() waits for."""

@@ -47,12 +47,14 @@ def run_cell(rank: Any, msg: Message, request: str | None) -> None:
     lines = [h + "\n" for h in header] + code.splitlines(True)
     linecache.cache[filename] = (len(code), None, lines, filename)
     ns = rank.namespace
+    rank.debugger.last_failure = None  # a new cell releases the last failure's frames
     try:
         body, value = compile_cell(code, filename, len(header) + 1)
         rank.run_user(eval, body, ns)
         result = rank.run_user(eval, value, ns) if value is not None else None
     except (Exception, KeyboardInterrupt) as exc:  # to the caller; SystemExit ends the rank
         # (like a script: sys.exit(n) exits with n, see ``runtime.run_forked``)
+        rank.debugger.keep_failure(exc)  # for %debug_remote (post-mortem)
         rank.reply_error(request, exc, "the cell")
         return
     finally:

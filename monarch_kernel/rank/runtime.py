@@ -111,6 +111,7 @@ class Rank:
             K.EXEC: self._exec,
             K.STOP_ACTOR: self._stop_actor,
             K.SUPERVISE: self._supervise,
+            K.DEBUG: self._debug,
         }
         #: Control-thread handlers: ``handler(msg)``; what they raise is sent back as an
         #: error reply to the request (header ``i``), or as a fault if there is none.
@@ -127,6 +128,9 @@ class Rank:
         from monarch_kernel.rank.stdin import InputBridge
 
         self.stdin = InputBridge(self)
+        from monarch_kernel.rank.debugger import RankDebugger
+
+        self.debugger = RankDebugger(self)
 
     def _dealer(self, ident: bytes, addr: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
@@ -280,6 +284,7 @@ class Rank:
         signal.signal(signal.SIGINT, self._on_sigint)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self.stdin.install()
+        self.debugger.install()
         device = "cpu"
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
@@ -433,6 +438,8 @@ class Rank:
                 _mark(self.log_fd, _END)
             if self.cancelled:
                 self.cancelled.discard(context.current_request)
+            if self.debugger.used:
+                self.debugger.end_of_request()
             context.current_request = None
 
     def _unknown(self, msg: Message, request: str | None) -> None:
@@ -561,6 +568,22 @@ class Rank:
 
         run_cell(self, msg, request)
 
+    def _debug(self, msg: Message, request: str | None) -> None:
+        """DEBUG: a post-mortem pdb on the last failure (``x``: only release it)."""
+        debugger = self.debugger
+        if msg.header.get("x"):
+            had = debugger.last_failure is not None
+            debugger.last_failure = None
+            result = had
+        else:
+            try:
+                result = self.run_user(debugger.post_mortem)
+            except (Exception, KeyboardInterrupt) as exc:  # interrupted, or pdb failed
+                self.reply_error(request, exc, "the post-mortem debugger")
+                return
+        if request:
+            self.reply(request, result, "debug")
+
     def _stop_actor(self, msg: Message, request: str | None) -> None:
         """STOP_ACTOR: forget actor ``a`` (no error if it is not there)."""
         self.actors.pop(msg.header.get("a", ""), None)
@@ -596,6 +619,7 @@ class Rank:
                 )
                 return
         except (Exception, KeyboardInterrupt) as exc:  # to the caller
+            self.debugger.keep_failure(exc)  # for %debug_remote (post-mortem)
             self.reply_error(request, exc, where())
             return
         except BaseException as exc:  # SystemExit ...: that actor is stopped, not the rank

@@ -54,8 +54,21 @@ class InputBridge:
         """``getpass.getpass()``: like ``input()``, but the notebook hides what is typed."""
         return self.ask(str(prompt), password=True)
 
-    def ask(self, prompt: str, password: bool = False) -> str:
-        """Send an ``input`` request and wait for the answer; EOFError if there is none."""
+    def ask(
+        self,
+        prompt: str,
+        password: bool = False,
+        extra: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        on_sent: Any = None,
+        payload: bytes = b"",
+    ) -> str:
+        """Send an ``input`` request and wait for the answer; EOFError if there is none.
+
+        ``extra`` adds header keys (a debugger prompt's ``dbg``, ``at``, ``pm``),
+        ``timeout`` replaces :data:`INPUT_TIMEOUT`, ``on_sent(serial)`` is called once
+        the request is out (the debugger remembers which prompt to withdraw),
+        ``payload`` goes with it (a debugger's output: too big for a header)."""
         answers: queue.Queue[dict[str, Any]] = queue.Queue(1)
         with self._lock:
             self._serial += 1
@@ -66,17 +79,25 @@ class InputBridge:
             # What was printed before the prompt arrives before it.
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
-            rank.send(
-                {
-                    "k": K.INPUT,
-                    "r": rank.rank,
-                    "i": context.current_request,
-                    "n": serial,
-                    "p": prompt,
-                    "pw": int(password),
-                }
-            )
-            reply = self._wait(answers)
+            header = {
+                "k": K.INPUT,
+                "r": rank.rank,
+                "i": context.current_request,
+                "n": serial,
+                "p": prompt,
+                "pw": int(password),
+            }
+            if extra:
+                header.update(extra)
+            rank.send(header, payload)
+            if on_sent is not None:
+                on_sent(serial)
+            try:
+                reply = self._wait(answers, INPUT_TIMEOUT if timeout is None else timeout)
+            except InputTimeout as exc:
+                if extra:  # the debugger tells a timeout from other ends of input
+                    raise
+                raise EOFError(str(exc)) from None  # input() raises what Python's does
         finally:
             with self._lock:
                 self._waiting.pop(serial, None)
@@ -84,13 +105,12 @@ class InputBridge:
             raise EOFError(str(reply["e"]))
         return str(reply.get("v", ""))
 
-    def _wait(self, answers: queue.Queue[dict[str, Any]]) -> dict[str, Any]:
-        timeout = INPUT_TIMEOUT
+    def _wait(self, answers: queue.Queue[dict[str, Any]], timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise EOFError(
+                raise InputTimeout(
                     f"input() on rank {self._rank.rank}: no answer from the notebook "
                     f"in {timeout:g} s"
                 )
@@ -110,6 +130,10 @@ class InputBridge:
                 waiting.put_nowait(header)
             except queue.Full:  # answered twice: the first answer counts
                 pass
+
+
+class InputTimeout(EOFError):
+    """Nobody answered in time (a debugger prompt continues the rank then)."""
 
 
 class RankStdin(io.TextIOBase):

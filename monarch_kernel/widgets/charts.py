@@ -79,6 +79,19 @@ def band(
     )
 
 
+def runs(xs: Sequence[float], ys: Sequence[float]) -> list[tuple[list[float], list[float]]]:
+    """Split a series where x goes back (a training run that started again at step 0):
+    each run is drawn on its own, never joined to the previous one."""
+    out: list[tuple[list[float], list[float]]] = []
+    start = 0
+    for i in range(1, len(xs)):
+        if xs[i] < xs[i - 1]:
+            out.append((list(xs[start:i]), list(ys[start:i])))
+            start = i
+    out.append((list(xs[start:]), list(ys[start:])))
+    return out
+
+
 def _fmt(v: float) -> str:
     if v == 0:
         return "0"
@@ -169,9 +182,16 @@ def line_chart(
             'fill-opacity="0.18" stroke="none"/>'
         )
     legend_x = pad_l + 4 + len(title) * 6.5 + 8
-    for label, xs, ys, col, dash in drawn:
-        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys) if math.isfinite(y))
+    for label, all_xs, all_ys, col, dash in drawn:
+        *old, (xs, ys) = runs(all_xs, all_ys)
         style = ' stroke-dasharray="4 2"' if dash else ""
+        for oxs, oys in old:  # earlier runs: faded, behind the current one
+            pts = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(oxs, oys) if math.isfinite(y))
+            out.append(
+                f'<polyline class="mk-old-run" points="{pts}" fill="none" stroke="{col}" '
+                f'stroke-opacity="0.35" stroke-width="1"{style}/>'
+            )
+        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys) if math.isfinite(y))
         out.append(
             f'<polyline class="mk-line" data-label="{esc(label)}" data-last-x="{xs[-1]:g}" '
             f'data-last-y="{ys[-1]:g}" data-points="{len(xs)}" points="{coords}" fill="none" '

@@ -30,7 +30,7 @@ import ipywidgets as W
 
 from monarch_kernel.controller.errors import format_ranks
 from monarch_kernel.controller.records import MeshPhase, RankState
-from monarch_kernel.widgets import render
+from monarch_kernel.widgets import live_chart, render
 from monarch_kernel.widgets.display import Display, prefer_frontend_subshell
 from monarch_kernel.widgets.state import MAX_JOBS, MeshState, TileView
 
@@ -80,7 +80,8 @@ class Dashboard(W.VBox):
         n = runtime.world
         self.compact = n > render.FULL_TILES_MAX
         self.columns = render.grid_columns(self.state)
-        width, height = (104, 44) if self.compact else (172, 108)
+        # a full tile holds render.TILE_CHARS characters a line at the tile font
+        width, height = (104, 44) if self.compact else (184, 108)
         self.chart_interval = 0.5 if n <= 8 else 1.0
         self.tile_text_period = max(1.0, n / 32)  # compact tiles: seconds between texts
         tile_layout = W.Layout(width=f"{width}px", height=f"{height}px", margin="0")
@@ -100,6 +101,9 @@ class Dashboard(W.VBox):
                 grid_template_columns=f"repeat({self.columns}, {width}px)",
                 grid_gap="4px",
                 margin="2px 8px 4px 0",
+                # rows keep the tiles' height when the detail pane beside the grid is
+                # taller (stretched rows left a blank gap between tiles)
+                align_content="flex-start",
             ),
         )
         self.detail = W.HTML(layout=W.Layout(flex="1 1 320px", min_width="300px"))
@@ -120,7 +124,16 @@ class Dashboard(W.VBox):
         self.restart_button.on_click(lambda _b: self.restart())
         self.stop_button.on_click(lambda _b: self.stop())
         self.status_html = W.HTML()
+        # Charts: live uPlot charts (appends only) when anywidget is there, else the
+        # static SVG charts in one HTML widget. ``charts`` holds the hint (no metrics yet)
+        # in the first case, the SVG in the second.
         self.charts = W.HTML()
+        self.live_charts: dict[str, live_chart.LiveChart] = {}
+        self._rate_sent = 0  # transfer samples sent to the live chart
+        self._rate_t0: float | None = None
+        self.charts_box = W.Box(layout=W.Layout(display="flex", flex_flow="row wrap"))
+        if live_chart.AVAILABLE:
+            self.charts_box.children = (self._new_chart("throughput"),)
         self.errors = W.HTML()
         self.stacks_button = W.Button(
             description="Stacks",
@@ -168,7 +181,10 @@ class Dashboard(W.VBox):
                 self.status_html,
             ]
         )
-        body = W.Box([grid, self.detail], layout=W.Layout(display="flex", flex_flow="row wrap"))
+        body = W.Box(
+            [grid, self.detail],
+            layout=W.Layout(display="flex", flex_flow="row wrap", align_items="flex-start"),
+        )
         super().__init__(
             [
                 self.css,
@@ -178,6 +194,7 @@ class Dashboard(W.VBox):
                 self.jobs_box,
                 self.stacks_html,
                 body,
+                self.charts_box,
                 self.charts,
                 self.errors,
             ]
@@ -457,7 +474,10 @@ class Dashboard(W.VBox):
         if chart_key != self._chart_key and now - self._last_charts >= self.chart_interval:
             self._chart_key = chart_key
             self._last_charts = now
-            sent += self._put(self.charts, value=render.charts_html(st))
+            if live_chart.AVAILABLE:
+                sent += self._append_charts()
+            else:
+                sent += self._put(self.charts, value=render.charts_html(st))
         if st.error_version != self._error_key:
             self._error_key = st.error_version
             sent += self._put(self.errors, value=render.errors_html(st))
@@ -468,6 +488,112 @@ class Dashboard(W.VBox):
             self.flushes += 1
             self.messages += sent
             self.flush_times.append(time.time())
+
+    # -- live charts -------------------------------------------------------------------
+    def _new_chart(self, chart_id: str) -> live_chart.LiveChart:
+        """A live chart: ``throughput`` (transfer rates) or ``metric:NAME``."""
+        if chart_id == "throughput":
+            per_rank = self.state.per_rank_bytes
+            chart = live_chart.LiveChart(
+                self._rate_snapshot,
+                chart_id=chart_id,
+                title="transfer" + ("" if per_rank else " (mesh total)"),
+                x_label="s",
+                unit="B/s",
+            )
+        else:
+            name = chart_id.split(":", 1)[1]
+            chart = live_chart.LiveChart(
+                lambda: self._metric_snapshot(name),
+                chart_id=chart_id,
+                title=name,
+                x_label="step",
+            )
+        self.live_charts[chart_id] = chart
+        return chart
+
+    def _append_charts(self) -> int:
+        """Send each live chart the points that arrived since the last update (one
+        message per chart that has new points); new metrics get a chart."""
+        st = self.state
+        sent = 0
+        new = [n for n in st.metrics if f"metric:{n}" not in self.live_charts]
+        if new:
+            added = tuple(self._new_chart(f"metric:{n}") for n in new)
+            self.charts_box.children = (*self.charts_box.children, *added)
+            sent += 1
+        for name, per_rank in list(st.metrics.items()):
+            batch: list[live_chart.Points] = []
+            for rank, series in sorted(per_rank.items()):
+                start, xs, ys = series.take_fresh()
+                if xs:
+                    key = f"r{rank}"
+                    batch.append({"key": key, "label": key, "start": start, "x": xs, "y": ys})
+            if batch:
+                self.live_charts[f"metric:{name}"].append(batch)
+                sent += 1
+        rates = self._rate_points(self._rate_sent)
+        self._rate_sent = st.samples
+        if rates:
+            self.live_charts["throughput"].append(rates)
+            sent += 1
+        hint = "" if st.metrics else render.metrics_hint()
+        return sent + self._put(self.charts, value=hint)
+
+    def _metric_snapshot(self, name: str) -> list[live_chart.Points]:
+        """Every kept point of metric ``name`` (a chart view that just opened)."""
+        with self._lock:
+            out: list[live_chart.Points] = []
+            for rank, series in sorted(self.state.metrics.get(name, {}).items()):
+                xs, ys = series.arrays()
+                key = f"r{rank}"
+                out.append(
+                    {"key": key, "label": key, "start": 0, "count": series.count, "x": xs, "y": ys}
+                )
+            return out
+
+    def _rate_snapshot(self) -> list[live_chart.Points]:
+        with self._lock:
+            return self._rate_points(0, reset=True)
+
+    def _rate_points(self, since: int, reset: bool = False) -> list[live_chart.Points]:
+        """Transfer rates (bytes/s) of samples ``since`` on (sample numbers count from
+        the first): per rank in and out, or the mesh totals."""
+        st = self.state
+        hist = list(st.rate_history)
+        first = st.samples - len(hist)  # sample number of hist[0]
+        start = max(since, first)
+        rows = hist[start - first :]
+        if not rows:
+            return []
+        if self._rate_t0 is None:
+            self._rate_t0 = rows[0][0]
+        xs = [t - self._rate_t0 for t, _, _ in rows]
+        out: list[live_chart.Points] = []
+
+        def put(key: str, group: str, ys: list[float]) -> None:
+            out.append(
+                {
+                    "key": key,
+                    "label": key,
+                    "group": group,
+                    "dash": group == "out",
+                    "start": start,
+                    "x": xs,
+                    "y": ys,
+                }
+            )
+            if reset:
+                out[-1]["count"] = st.samples
+
+        for idx, direction in ((0, "in"), (1, "out")):
+            if st.per_rank_bytes:
+                for r in range(self.runtime.world):
+                    ys = [rates[r][idx] if r in rates else 0.0 for _, rates, _ in rows]
+                    put(f"r{r} {direction}", direction, ys)
+            else:
+                put(direction, direction, [tot[idx] for _, _, tot in rows])
+        return out
 
     def _note_phase(self) -> None:
         """Say in the status line when the mesh starts recovering and what a recovery
@@ -533,7 +659,6 @@ class Dashboard(W.VBox):
             tooltip=render.tile_tooltip(v),
             _dom_classes=classes,
         )
-        sent += self._put(tile.style, button_color=render.COLORS[v.state][0])
         return sent
 
     def _put_buttons(self, views: list[TileView], now: float) -> int:

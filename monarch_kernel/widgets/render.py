@@ -26,66 +26,122 @@ COLORS = {
     "starting": ("#e5e7eb", "#9ca3af"),
     "idle": ("#dcfce7", "#16a34a"),
     "busy": ("#dbeafe", "#2563eb"),
+    "paused": ("#fef9c3", "#ca8a04"),  # a debugger holds the rank
     "error": ("#ffedd5", "#ea580c"),
     "dead": ("#fee2e2", "#dc2626"),
     "stopped": ("#f3f4f6", "#9ca3af"),
 }
-STATES = ("starting", "idle", "busy", "error", "dead", "stopped")
+STATES = ("starting", "idle", "busy", "paused", "error", "dead", "stopped")
 #: Meshes up to this many ranks get full tiles; bigger ones compact tiles.
 FULL_TILES_MAX = 16
 
-CSS = """
+#: state -> the JupyterLab CSS variable of its colour (light, dark and high-contrast
+#: themes each define these), with a fallback for frontends without JupyterLab's theme.
+STATE_VARS = {
+    "starting": "var(--jp-border-color1, #9ca3af)",
+    "idle": "var(--jp-success-color1, #16a34a)",
+    "busy": "var(--jp-brand-color1, #2563eb)",
+    # JupyterLab's themes have no yellow: a fixed one (it only tints, text stays legible)
+    "paused": "#ca8a04",
+    "error": "var(--jp-warn-color1, #ea580c)",
+    "dead": "var(--jp-error-color1, #dc2626)",
+    "stopped": "var(--jp-border-color1, #9ca3af)",
+}
+
+# Every colour of the live dashboard comes from JupyterLab's theme variables (--jp-*), so
+# light, dark and high-contrast themes are all legible: text is the theme's font colour on
+# the theme's layout colour, and a state only tints a tile's background (at most 16%) and
+# colours its border. The fallbacks after each variable are for frontends without them.
+CSS = (
+    """
 <style>
-.mk-dash { font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px; color: #111827; }
+.mk-dash { font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px;
+  color: var(--jp-ui-font-color1, #111827); }
 .mk-dash .mk-head { padding: 4px 2px; line-height: 1.6; }
 .mk-dash .mk-hosts { padding: 2px; line-height: 1.5; }
-.mk-dash .mk-host.mk-wait { color: #92400e; }
-.mk-dash .mk-host.mk-bad { color: #b91c1c; }
-.mk-dash .mk-cmd { user-select: all; background: #f3f4f6; padding: 0 4px; word-break: break-all; }
-.mk-dash .mk-notice { color: #92400e; }
-.mk-dash .mk-chip { display: inline-block; }
-.mk-dash .mk-tile { white-space: pre-line !important; text-align: left !important;
+.mk-dash .mk-host.mk-wait, .mk-dash .mk-notice { color: var(--jp-warn-color0, #92400e); }
+.mk-dash .mk-host.mk-bad { color: var(--jp-error-color0, #b91c1c); }
+.mk-dash .mk-cmd { user-select: all; background: var(--jp-layout-color2, #f3f4f6);
+  color: var(--jp-content-font-color1, #111827); padding: 0 4px; word-break: break-all; }
+.mk-dash .mk-chip { display: inline-block; border-radius: 8px; padding: 0 6px;
+  margin-right: 4px; font-size: 11px; border: 1px solid var(--mk-c);
+  background: color-mix(in srgb, var(--mk-c) 16%, var(--jp-layout-color1, #fff)); }
+.mk-dash .mk-tile { white-space: pre !important; text-align: left !important;
   line-height: 1.35 !important; padding: 4px 6px !important; border-radius: 6px !important;
-  border: 2px solid transparent !important; overflow: hidden; font-size: 11px;
-  font-family: var(--jp-code-font-family, monospace); box-shadow: none !important; }
-.mk-dash .mk-tile.mk-s-starting { border: 2px dashed #9ca3af !important; }
-.mk-dash .mk-tile.mk-s-idle { border-color: #16a34a !important; }
-.mk-dash .mk-tile.mk-s-busy { border-color: #2563eb !important; }
-.mk-dash .mk-tile.mk-s-error { border-color: #ea580c !important; }
-.mk-dash .mk-tile.mk-s-dead { border-color: #dc2626 !important; }
-.mk-dash .mk-tile.mk-s-stopped { border-color: #9ca3af !important; opacity: 0.7; }
-.mk-dash .mk-tile.mk-selected { outline: 3px solid #111827; outline-offset: 1px; }
-.mk-dash .mk-detail pre, .mk-dash .mk-errors pre { background: #f9fafb; border: 1px solid #e5e7eb;
+  border: 2px solid var(--mk-c) !important; overflow: hidden; text-overflow: clip;
+  font-size: 11px; font-family: var(--jp-code-font-family, monospace);
+  box-shadow: none !important; color: var(--jp-ui-font-color1, #111827) !important;
+  background: var(--jp-layout-color2, #f3f4f6) !important;
+  background: color-mix(in srgb, var(--mk-c) 16%, var(--jp-layout-color1, #fff)) !important; }
+.mk-dash .mk-tile.mk-s-starting { border-style: dashed !important; }
+.mk-dash .mk-tile.mk-s-stopped { opacity: 0.75; }
+.mk-dash .mk-tile.mk-selected { outline: 2px solid var(--jp-ui-font-color1, #111827);
+  outline-offset: -5px; }
+.mk-dash .mk-detail pre, .mk-dash .mk-errors pre { background: var(--jp-layout-color2, #f9fafb);
+  color: var(--jp-content-font-color1, #111827); border: 1px solid var(--jp-border-color2, #e5e7eb);
   padding: 4px 6px; margin: 2px 0 6px; max-height: 180px; overflow: auto; font-size: 11px;
-  white-space: pre-wrap; }
+  white-space: pre-wrap; overflow-wrap: anywhere; }
+.mk-dash .mk-detail { overflow-wrap: anywhere; }
+.mk-dash summary { cursor: pointer; }
 .mk-dash .mk-sec { font-weight: bold; margin: 6px 0 2px; }
-.mk-dash .mk-incident { border-left: 3px solid #ea580c; padding-left: 6px; margin: 4px 0; }
+.mk-dash .mk-incident { border-left: 3px solid var(--jp-warn-color1, #ea580c);
+  padding-left: 6px; margin: 4px 0; }
+.mk-dash .mk-root { background: var(--jp-error-color1, #dc2626); color: #fff;
+  border-radius: 4px; padding: 0 4px; margin-right: 4px; font-size: 10px; }
+.mk-dash .mk-root.mk-interrupt { background: var(--jp-layout-color3, #6b7280);
+  color: var(--jp-ui-font-color0, #fff); }
 .mk-dash .mk-charts svg { margin: 2px 6px 2px 0; }
-.mk-dash .mk-muted { color: #6b7280; }
-.mk-dash .mk-phase { border-radius: 8px; padding: 0 6px; font-weight: bold; }
-.mk-dash .mk-recovery { border-left: 3px solid #2563eb; padding-left: 6px; margin: 4px 0; }
+.mk-dash .mk-muted { color: var(--jp-ui-font-color2, #6b7280); }
+.mk-dash .mk-phase { border-radius: 8px; padding: 0 6px; font-weight: bold;
+  border: 1px solid var(--mk-c);
+  background: color-mix(in srgb, var(--mk-c) 16%, var(--jp-layout-color1, #fff)); }
+.mk-dash .mk-phase-recovering { --mk-c: var(--jp-warn-color1, #d97706); }
+.mk-dash .mk-phase-stopping { --mk-c: var(--jp-border-color1, #9ca3af); }
+.mk-dash .mk-recovery { border-left: 3px solid var(--jp-brand-color1, #2563eb);
+  padding-left: 6px; margin: 4px 0; }
 .mk-dash .mk-jobs { margin: 2px 0; }
 .mk-dash .mk-job { font-family: var(--jp-code-font-family, monospace); font-size: 11px;
   line-height: 28px; margin-right: 6px; }
-</style>
 """
+    + "".join(f".mk-dash .mk-s-{s} {{ --mk-c: {v}; }}\n" for s, v in STATE_VARS.items())
+    + "</style>\n"
+)
 
 esc = html.escape
+
+#: Characters on one line of a full tile (its width at the tile font); longer facts are
+#: cut at a word boundary with an ellipsis, never mid-word and never spilling out.
+TILE_CHARS = 25
+#: Tile states a rank is up and answering in (the header's "alive" count).
+UP_STATES = ("idle", "busy", "paused", "error")
+
+
+def clip(text: str, n: int = TILE_CHARS) -> str:
+    """``text`` in at most ``n`` characters: whole words and ``…`` when it is longer."""
+    if len(text) <= n:
+        return text
+    cut = text[: n - 1]
+    space = cut.rfind(" ")
+    if space >= n // 2:  # a word boundary not too far back
+        cut = cut[:space]
+    return cut.rstrip(" ·,:;") + "…"
 
 
 def tile_text(v: TileView, compact: bool) -> str:
     """The text on a tile (one fact per line; the tooltip has everything)."""
     if compact:
-        second = v.what if v.state in ("busy", "error", "dead") else ""
+        second = v.what if v.state in ("busy", "paused", "error", "dead") else ""
         if v.step:
             second = f"step {v.step}" if not second else f"{second[:10]} · {v.step}"
-        return f"{v.rank} {v.state}\n{second[:22]}"
+        return f"{v.rank} {v.state}\n{clip(second, 14)}"
     # multi-dim meshes: the position too, e.g. "rank 5 (1,1)" for hosts=1, gpus=1
     where = ""
     if v.coords.count("=") > 1:
         where = " (" + ",".join(c.split("=")[1] for c in v.coords.split(", ")) + ")"
-    lines = [f"rank {v.rank}{where} · {v.state}", v.what[:26] or " "]
-    lines.append(" · ".join(x for x in (v.host, f"pid {v.pid}" if v.pid else "") if x))
+    lines = [f"rank {v.rank}{where} · {v.state}", v.what or " "]
+    # the pid matters more than a long host name: the host is what gets clipped
+    pid = f" · pid {v.pid}" if v.pid else ""
+    lines.append(clip(v.host, TILE_CHARS - len(pid)) + pid)
     lines.append(" · ".join(x for x in (v.device, v.mem) if x) or " ")
     lines.append(
         " · ".join(
@@ -93,9 +149,9 @@ def tile_text(v: TileView, compact: bool) -> str:
         )
         or " "
     )
-    if v.rate_in is not None or v.rate_out is not None:
+    if v.state in UP_STATES and (v.rate_in is not None or v.rate_out is not None):
         lines.append(f"in {rate_text(v.rate_in)} · out {rate_text(v.rate_out)}")
-    return "\n".join(lines)
+    return "\n".join(clip(line) for line in lines)
 
 
 def tile_tooltip(v: TileView) -> str:
@@ -119,11 +175,8 @@ def tile_tooltip(v: TileView) -> str:
     return "\n".join(parts)
 
 
-#: phase -> (background, border) of its badge in the header; other phases are plain text.
-PHASE_COLORS = {
-    MeshPhase.RECOVERING: ("#fef3c7", "#d97706"),
-    MeshPhase.STOPPING: ("#f3f4f6", "#9ca3af"),
-}
+#: Phases shown as a badge in the header (coloured by the CSS); others are plain text.
+PHASE_BADGES = (MeshPhase.RECOVERING, MeshPhase.STOPPING)
 
 
 def phase_text(st: MeshState, views: list[TileView]) -> str:
@@ -141,37 +194,42 @@ def phase_text(st: MeshState, views: list[TileView]) -> str:
 
 def phase_html(st: MeshState, views: list[TileView]) -> str:
     text = esc(phase_text(st, views))
-    colors = PHASE_COLORS.get(st.mesh_state)
-    if colors is None:
+    if st.mesh_state not in PHASE_BADGES:
         return text
-    return (
-        f'<span class="mk-phase mk-phase-{st.mesh_state.value}" '
-        f'style="background:{colors[0]};border:1px solid {colors[1]}">{text}</span>'
-    )
+    return f'<span class="mk-phase mk-phase-{st.mesh_state.value}">{text}</span>'
 
 
 def header_html(st: MeshState, views: list[TileView], status: str = "") -> str:
     rt = st.rt
-    alive = sum(1 for v in views if v.state not in ("dead", "stopped"))
+    # "alive" counts the ranks whose tiles say they are up, so the header never says
+    # 4/4 while tiles still say "starting"
+    alive = alive_count(views)
     counts = {s: 0 for s in STATES}
     for v in views:
         counts[v.state] += 1
     chips = "".join(
-        f'<span class="mk-chip" style="background:{COLORS[s][0]};border:1px solid {COLORS[s][1]};'
-        'border-radius:8px;padding:0 6px;margin-right:4px;font-size:11px">'
-        f"{n} {s}</span>"
+        f'<span class="mk-chip mk-s-{s}" style="border:1px solid {COLORS[s][1]}">{n} {s}</span>'
         for s, n in counts.items()
         if n
     )
-    r_in, r_out = st.total_rate
     up = duration(time.time() - rt.started_at)
     status_html = f' · <span class="mk-muted">{esc(status)}</span>' if status else ""
+    if rt.state.ended:  # a stopped mesh moves no data: no stale rate
+        transfer = ""
+    else:
+        r_in, r_out = st.total_rate
+        transfer = f" · transfer in {rate_text(r_in)} / out {rate_text(r_out)}"
     return (
         f'<div class="mk-head"><b style="font-size:14px">{esc(rt.name)}</b> · '
         f"{esc(rt.shape.describe())} · {esc(rt.backend)} · "
-        f"{phase_html(st, views)} · up {up} · <b>{alive}/{rt.world}</b> alive · "
-        f"transfer in {rate_text(r_in)} / out {rate_text(r_out)}{status_html}<br>{chips}</div>"
+        f"{phase_html(st, views)} · up {up} · <b>{alive}/{rt.world}</b> alive"
+        f"{transfer}{status_html}<br>{chips}</div>"
     )
+
+
+def alive_count(views: list[TileView]) -> int:
+    """Ranks that are up (idle, busy or failed a request), as their tiles show them."""
+    return sum(1 for v in views if v.state in UP_STATES)
 
 
 def hosts_html(rt: MeshRuntime) -> str:
@@ -301,11 +359,8 @@ def _incident_html(st: MeshState, inc: Incident, open_first: bool) -> str:
         root = ""
         if i == 0:
             badge = "interrupted" if e.kind == "interrupt" else "root cause"
-            bg = "#6b7280" if e.kind == "interrupt" else "#dc2626"
-            root = (
-                f'<span class="mk-root mk-{e.kind}" style="background:{bg};color:#fff;'
-                f'border-radius:4px;padding:0 4px;margin-right:4px;font-size:10px">{badge}</span>'
-            )
+            root = f'<span class="mk-root mk-{e.kind}">{badge}</span>'
+
         who = f"{'ranks' if len(e.ranks) > 1 else 'rank'} {format_ranks(e.ranks)}"
         hosts = f" on {', '.join(e.hosts)}" if e.hosts else ""
         body.append(
@@ -368,14 +423,17 @@ def throughput_chart(st: MeshState) -> str:
     return charts.line_chart(title, lines, chart_id="throughput", dashed=dashed, x_label="s")
 
 
+def metrics_hint() -> str:
+    """What to do to see metric charts (shown until a rank reports one)."""
+    return (
+        '<div class="mk-muted">Call <code>monarch_kernel.report(step=i, loss=...)</code> '
+        "inside a rank to chart metrics here.</div>"
+    )
+
+
 def charts_html(st: MeshState) -> str:
     parts = [throughput_chart(st), *metric_charts(st)]
-    hint = ""
-    if not st.metrics:
-        hint = (
-            '<div class="mk-muted">Call <code>monarch_kernel.report(step=i, loss=...)</code> '
-            "inside a rank to chart metrics here.</div>"
-        )
+    hint = "" if st.metrics else metrics_hint()
     return (
         f'<div class="mk-charts" style="display:flex;flex-wrap:wrap">{"".join(parts)}</div>{hint}'
     )
@@ -388,14 +446,16 @@ def snapshot_html(st: MeshState, views: list[TileView], columns: int) -> str:
         bg, border = COLORS[v.state]
         text = esc(tile_text(v, compact=len(views) > FULL_TILES_MAX)).replace("\n", "<br>")
         cells.append(
-            f'<td style="background:{bg};border:2px solid {border};padding:3px 5px;'
-            f'font-family:monospace;font-size:11px;vertical-align:top">{text}</td>'
+            f'<td style="background:{bg};color:#111827;border:2px solid {border};'
+            f'padding:3px 5px;font-family:monospace;font-size:11px;vertical-align:top">{text}</td>'
         )
     rows = [
         "<tr>" + "".join(cells[i : i + columns]) + "</tr>" for i in range(0, len(cells), columns)
     ]
     return (
-        '<div class="mk-dash-static" style="font-family:sans-serif;font-size:12px">'
+        # light colours of its own: legible whatever the theme of the page showing it
+        '<div class="mk-dash-static" style="font-family:sans-serif;font-size:12px;'
+        'background:#fff;color:#111827;padding:4px">'
         + header_html(st, views)
         + jobs_snapshot_html(st)
         + f'<table style="border-collapse:separate;border-spacing:3px">{"".join(rows)}</table>'
@@ -417,7 +477,7 @@ def jobs_snapshot_html(st: MeshState) -> str:
 def snapshot_text(st: MeshState, views: list[TileView]) -> str:
     """The plain-text view: one line per rank."""
     rt = st.rt
-    alive = sum(1 for v in views if v.state not in ("dead", "stopped"))
+    alive = alive_count(views)
     lines = [
         f"Mesh {rt.name!r} {rt.shape.describe()} ({rt.backend}, "
         f"{phase_text(st, views)}): {alive}/{rt.world} alive, "

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from monarch_kernel.controller.errors import format_ranks
 from monarch_kernel.controller.events import (
+    DebuggerPaused,
+    DebuggerResumed,
     FaultReported,
     MeshEvent,
     MeshPhaseChanged,
@@ -98,6 +100,8 @@ SUBSCRIBED: tuple[type[MeshEvent], ...] = (
     RankDied,
     StatsReported,
     MeshRecovered,
+    DebuggerPaused,
+    DebuggerResumed,
 )
 
 
@@ -106,7 +110,7 @@ class TileView:
     """Everything one tile shows; compared between ticks to send deltas only."""
 
     rank: int
-    state: str  # starting | idle | busy | error | dead | stopped
+    state: str  # starting | idle | busy | paused | error | dead | stopped
     what: str
     coords: str
     host: str
@@ -229,6 +233,8 @@ class MeshState:
         self.local_stats: dict[int, RankStats] = {}  # psutil fallback for local ranks
         self._next_memory = 0.0
         self.attached = False
+        #: rank -> where its debugger holds it (``cell line 7``), while paused
+        self.paused: dict[int, str] = {}
 
     # -- the controller side ---------------------------------------------------------
     def attach(self) -> None:
@@ -336,6 +342,12 @@ class MeshState:
                 series.extend(xs, cast(list[float], ys))
         self.metric_version += 1
 
+    def _on_paused(self, ev: DebuggerPaused, now: float) -> None:
+        self.paused[ev.rank] = ev.where
+
+    def _on_resumed(self, ev: DebuggerResumed, now: float) -> None:
+        self.paused.pop(ev.rank, None)
+
     def _on_phase(self, ev: MeshPhaseChanged, now: float) -> None:
         self.mesh_state = ev.phase
 
@@ -356,6 +368,8 @@ class MeshState:
                 self._end_job(rid)
 
     def _on_reply(self, ev: ReplyReceived, now: float) -> None:
+        if self.paused:
+            self.paused.pop(ev.rank, None)  # its work is over: no debugger holds it
         if self.jobs:
             self._job_done_on(ev.request, ev.rank)
 
@@ -515,6 +529,8 @@ class MeshState:
         state = self.rt.ranks[rank].state
         if state is RankState.IDLE and rank in self.errored:
             return "error"
+        if state is RankState.BUSY and rank in self.paused:
+            return "paused"
         return state.value
 
     def tile(self, rank: int, now: float | None = None) -> TileView:
@@ -524,7 +540,10 @@ class MeshState:
         info = rt.ranks[rank]
         state = info.state
         shown = state.value
-        if state is RankState.BUSY:
+        if state is RankState.BUSY and rank in self.paused:
+            shown = "paused"
+            what = f"rank {rank} stopped at {self.paused[rank]}"
+        elif state is RankState.BUSY:
             what = self.what.get(rank, "")
         elif state is RankState.IDLE:
             last = self.what.get(rank)
@@ -595,4 +614,6 @@ _HANDLERS: dict[type[MeshEvent], Callable[[MeshState, Any, float], None]] = {
     RankStateChanged: MeshState._on_rank_state,
     RankDied: MeshState._on_died,
     MeshRecovered: MeshState._on_recovered,
+    DebuggerPaused: MeshState._on_paused,
+    DebuggerResumed: MeshState._on_resumed,
 }

@@ -144,6 +144,10 @@ kind              keys and payload
                   list[str]}`` (the cell's code, its label in tracebacks, the magic lines
                   above the code). Reply value: the cell's last expression, or None
 ``stop_actor``    ``a`` str: forget that actor. Reply value: None
+``debug``         ``x`` int (1: only release the kept failure). Open a post-mortem pdb
+                  on the frame where the rank's last cell or endpoint failed (its prompts
+                  come as ``input`` with ``dbg``); reply value: True if there was a kept
+                  failure (now released), False if there was none
 ``hello``         (no keys, no ``q``) the controller's connection probe, ignored
 ================  =======================================================================
 
@@ -204,7 +208,8 @@ kind              keys and payload
                   peers blocked in a collective with this rank are released with an error
 ``input_reply``   ``n`` int (the ``input`` request answered), and ``v`` str (the line
                   typed) or ``e`` str (why there is none: the rank's ``input()`` raises
-                  EOFError with it)
+                  EOFError with it; a debugger prompt takes ``e`` = ``interrupted`` as
+                  KeyboardInterrupt and any other ``e`` as ``detach``)
 ``hello``         (no keys) the controller's connection probe, ignored
 ================  =======================================================================
 
@@ -244,7 +249,14 @@ kind              keys and payload
                   (a message without ``w``, or a control handler failing without ``i``)
 ``input``         ``i`` (the request being served, or None), ``n`` int (serial, per
                   rank), ``p`` str (the prompt), ``pw`` int (1 for ``getpass``: do not
-                  echo). The rank's ``input()`` blocks until an ``input_reply``
+                  echo). The rank's ``input()`` blocks until an ``input_reply``.
+                  A debugger prompt (pdb waiting for a command) adds ``dbg`` int (1),
+                  ``at`` str (where it is stopped, e.g. ``cell line 7``) and ``pm`` int
+                  (1: post-mortem); its payload is what pdb printed since its last prompt
+                  (UTF-8, at most 1 MiB)
+``resumed``       ``i``, ``n`` int (the debugger's last prompt serial: withdrawn if still
+                  asked), ``why`` str (``continue``, ``detach``, ``quit``, ``timeout``,
+                  ``interrupted``, ``done``): the rank's debugger lets it run on
 ``stats``         Payload: pickled ``{"rss": int, "time": float, "bytes_out": int,
                   "bytes_in": int}`` plus ``"gpu_mem": int`` once CUDA is initialised
                   and ``"pg": str`` (the backend) once a process group was; once a
@@ -286,6 +298,7 @@ SUPERVISE = "supervise"  # rank -> owner rank's inbox: a failure of a mesh it ow
 OWNED = "owned"  # rank -> controller: actor ``a`` here is owned by an actor elsewhere
 STOP_MESH = "stop_mesh"  # rank -> controller: stop a mesh it holds a reference to
 ASK = "ask"  # rank -> controller: an operation of the actor API (get_or_spawn_controller)
+DEBUG = "debug"  # post-mortem pdb on the rank's last failure (header "x": only release it)
 
 # controller -> rank control thread (unordered, served while the main thread is busy)
 PUSH = "push"
@@ -303,4 +316,5 @@ STREAM = "out"
 METRIC = "metric"
 FAULT = "fault"
 INPUT = "input"
+RESUMED = "resumed"  # the rank's debugger let it run on (header "why")
 STATS = "stats"  # once a second from each rank: memory and data-plane byte counters
