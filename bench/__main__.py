@@ -35,6 +35,7 @@ BENCHES = [
     "ddp",
     "xhost",
     "engines",
+    "a2a",
 ]
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

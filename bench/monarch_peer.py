@@ -128,6 +128,10 @@ def run(s: Settings, rec: Recorder) -> None:
             measure_calls(s, rec, s.big_ns, lambda n: gathered(actors, n))
         finally:
             procs.stop().get()
+    if s.wants("a2a"):
+        from bench import a2a
+
+        a2a.run(s, rec, Actor, endpoint, this_host, lambda p: p.stop().get())
     if s.wants("ready"):
 
         def start_stop(n: int) -> float:

@@ -119,6 +119,10 @@ def run(s: Settings, rec: Recorder) -> None:
         from bench import r2r
 
         r2r.ours(s, rec)
+    if s.wants("a2a"):
+        from bench import a2a
+
+        a2a.run(s, rec, Actor, endpoint, this_host, lambda p: p.stop())
     if s.wants("cells"):
         from bench import notebook
 

@@ -153,6 +153,8 @@ def rows(s: Settings) -> list[Row]:
         Row("slurm_cluster_up", "10. Slurm up (slurmctld + 2 namespace slurmd)", "s"),
         Row("slurm_ready_2x1", "10. %mesh --backend slurm --hosts 2 --gpus 1 -> ready", "s"),
         Row("slurm_ready_2x2", "10. %mesh --backend slurm --hosts 2 --gpus 2 -> ready", "s"),
+        Row("a2a", "11. actor -> actor call round trip across meshes (rank to rank)", "us"),
+        Row("a2a_p99", "11. actor -> actor call round trip, p99", "us"),
     ]
     return out
 
@@ -435,6 +437,11 @@ def how_measured(s: Settings) -> list[str]:
         "each of 2 namespace hosts (`tests/slurm_cluster.py`); `salloc`, the `srun` step of "
         "join commands, ranks ready as above. Medians of 3 fresh starts, each stopped "
         "before the next.",
+        "11. Actor to actor (ours and Monarch, the same code, bench/a2a.py): two meshes of one "
+        "rank; the caller actor gets the target actor mesh as a constructor argument and "
+        "times `call_one().get()` of a no-op on it inside its own rank (sync endpoint), so "
+        "the controller is not on the path. Ours: the call goes to the target rank's inbox "
+        "over a unix socket, the reply to the caller's reply socket (one hop each way).",
     ]
     if big:
         lines[1] += (

@@ -14,7 +14,7 @@ import pytest
 from conftest import pid_alive
 from helpers import WaitTimeout, wait_until
 
-from monarch_kernel.actor import MeshStartError, this_host
+from monarch_kernel.actor import MeshStartError, host_mesh, this_host
 from monarch_kernel.launchers import get_launcher
 
 CONTROLLER = textwrap.dedent(
@@ -68,8 +68,10 @@ def test_controller_exit_without_stop_cleans_up():
 def test_bad_per_host_is_rejected():
     with pytest.raises(ValueError, match="positive int"):
         this_host().spawn_procs(per_host={"gpus": 0})
+    # "hosts" is a dimension name like any other on one host (as in Monarch), but not
+    # on a mesh of several hosts, which adds its own hosts dimension
     with pytest.raises(ValueError, match="must not contain 'hosts'"):
-        this_host().spawn_procs(per_host={"hosts": 2, "gpus": 1})
+        host_mesh(hosts=2).spawn_procs(per_host={"hosts": 2, "gpus": 1})
 
 
 def test_unknown_backend_is_a_clear_error():

@@ -101,3 +101,21 @@ def test_live_training_notebook_trains_pushes_and_resumes():
     assert _text(code[6]).count(": 200") == 4  # every rank resumed after step 199
     assert _text(code[7]).startswith("[0] the cat ")
     assert "stopped" in _text(code[8])
+
+
+def test_actors_notebook_meshes_passed_supervision_and_r2r():
+    nb = _execute(nbformat.read(NOTEBOOKS / "03-actors.ipynb", as_version=4), "monarch")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    adverbs = _text(code[1])
+    assert "call_one   21" in adverbs and "choose     True" in adverbs, adverbs
+    assert "stream     [40, 41]" in adverbs and "broadcast  [7, 7]" in adverbs, adverbs
+    assert "accumulate 101" in adverbs, adverbs
+    assert "{'gpus': 2} 2 {'all': 2}" in _text(code[2])
+    passed = _text(code[3])
+    assert "[20, 21]" in passed and "versions after a step: [1, 1]" in passed, passed
+    assert "rank-to-rank tensors: 1000.0" in passed, passed  # 1000 ones, from rank 1
+    chained = _text(code[4])
+    assert "RuntimeError" in chained and "caused by KeyError: 'weights'" in chained, chained
+    assert "manager handled:" in _text(code[5]) and "could not load weights" in _text(code[5])
+    assert "unhandled, at the root: [0, 1] RuntimeError" in _text(code[6])
+    assert "stopped" in _text(code[7])

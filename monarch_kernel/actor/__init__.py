@@ -18,7 +18,21 @@ A Monarch user's actor code runs after changing only the import line::
     counters.incr.call(2).get()          # ValueMesh, one value per rank
 """
 
-from monarch_kernel.actor.actor import Actor, endpoint
+from monarch_kernel.actor.actor import Actor, concurrent_endpoint, endpoint
+from monarch_kernel.actor.api import (
+    Accumulator,
+    Channel,
+    Context,
+    Instance,
+    MeshFailure,
+    Port,
+    PortReceiver,
+    context,
+    current_actor_name,
+    get_or_spawn_controller,
+    this_proc,
+    unhandled_fault_hook,
+)
 from monarch_kernel.actor.meshes import (
     ActorMesh,
     HostMesh,
@@ -40,24 +54,37 @@ from monarch_kernel.shape import Point, Shape, SliceError
 from monarch_kernel.wire.serialize import SerializationError
 
 __all__ = [
+    "Accumulator",
     "Actor",
     "ActorError",
     "ActorMesh",
+    "Channel",
+    "Context",
     "Future",
     "HostMesh",
+    "Instance",
+    "MeshFailure",
     "MeshStartError",
     "MeshStoppedError",
     "MonarchError",
     "Point",
+    "Port",
+    "PortReceiver",
     "ProcMesh",
     "RankDiedError",
     "SerializationError",
     "Shape",
     "SliceError",
     "ValueMesh",
+    "concurrent_endpoint",
+    "context",
+    "current_actor_name",
     "current_rank",
     "current_size",
     "endpoint",
+    "get_or_spawn_controller",
     "host_mesh",
     "this_host",
+    "this_proc",
+    "unhandled_fault_hook",
 ]

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from monarch_kernel.rank.context import EXPLICIT_PORT_ATTR
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -23,16 +28,68 @@ def endpoint(fn: F | None = None, **options: Any) -> F:
     """Mark a method of an :class:`Actor` as callable from the controller.
 
     Inside the actor, the method stays an ordinary method (``self.incr(1)`` works).
-    Options are accepted for Monarch compatibility (e.g. ``propagate=``) and ignored.
+    ``explicit_response_port=True`` (Monarch's): the method takes a :class:`Port` as its
+    first argument after ``self`` and answers by ``port.send(value)`` (or
+    ``port.exception(exc)``), now or later from any thread; what it returns is ignored.
+    Other options are accepted for Monarch compatibility (e.g. ``propagate=``) and ignored.
     """
+    explicit = bool(options.get("explicit_response_port", False))
 
     def mark(f: F) -> F:
         if not callable(f):
             raise TypeError(f"@endpoint decorates methods, not {type(f).__name__}")
         setattr(f, _ENDPOINT_ATTR, True)
+        if explicit:
+            setattr(f, EXPLICIT_PORT_ATTR, True)
         return f
 
     return mark(fn) if fn is not None else mark  # type: ignore[return-value]
+
+
+def concurrent_endpoint(fn: F | None = None, **options: Any) -> F:
+    """Monarch's ``@concurrent_endpoint``: an ``async def`` endpoint whose calls run as
+    tasks on the rank's concurrent event loop (a thread of its own, shared by the
+    concurrent endpoints of every actor of the rank), so the actor takes its next
+    message while earlier calls still await. Calls start in the order they arrive;
+    ordinary endpoints keep running on the rank's main thread meanwhile (guard shared
+    state accordingly)."""
+
+    def mark(f: F) -> F:
+        if not inspect.iscoroutinefunction(f):
+            raise TypeError(f"@concurrent_endpoint needs an async def method, not {f!r}")
+
+        @functools.wraps(f)
+        def start(self: Any, port: Any, *args: Any, **kwargs: Any) -> None:
+            fut = asyncio.run_coroutine_threadsafe(f(self, *args, **kwargs), _concurrent_loop())
+
+            def done(task: Any) -> None:
+                exc = task.exception()
+                if exc is None:
+                    port.send(task.result())
+                else:
+                    port.exception(exc)
+
+            fut.add_done_callback(done)
+
+        setattr(start, _ENDPOINT_ATTR, True)
+        setattr(start, EXPLICIT_PORT_ATTR, True)
+        return start  # type: ignore[return-value]
+
+    return mark(fn) if fn is not None else mark  # type: ignore[return-value]
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _concurrent_loop() -> asyncio.AbstractEventLoop:
+    """This process's event loop for concurrent endpoints, on a daemon thread."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="mk-concurrent", daemon=True).start()
+        return _loop
 
 
 def endpoints_of(cls: type) -> dict[str, Callable[..., Any]]:

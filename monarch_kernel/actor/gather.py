@@ -198,9 +198,9 @@ def _value_of_one(reply: Reply) -> object:
 class Each:
     """One future per rank, handed out in the order the ranks answer."""
 
-    def __init__(self, ranks: list[int]):
+    def __init__(self, ranks: list[int], waiter: Waiter | None = None):
         total = len(ranks)
-        self._futures = {r: Future(lambda reply: reply_value(reply, total)) for r in ranks}
+        self._futures = {r: Future(lambda reply: reply_value(reply, total), waiter) for r in ranks}
         self._done: queue.Queue[Future[object]] = queue.Queue()
         for fut in self._futures.values():
             fut.add_done_callback(self._done.put)

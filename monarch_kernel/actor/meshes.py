@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from monarch_kernel.actor.actor import Actor, endpoints_of
 from monarch_kernel.actor.gather import Each, Gather, One
+from monarch_kernel.actor.peer import (
+    _rebuild_actor_mesh,
+    _rebuild_proc_mesh,
+    _size,
+    mesh_ref,
+    then,
+)
 from monarch_kernel.actor.value_mesh import ValueMesh
 from monarch_kernel.controller.errors import ActorError
 from monarch_kernel.controller.failures import DEFAULT_GRACE
@@ -52,6 +60,7 @@ class HostMesh:
         on_starting: Callable[[ProcMesh], object] | None = None,
         on_failure: str = "restart",
         grace: float = DEFAULT_GRACE,
+        bootstrap: Callable[[], object] | None = None,
     ) -> ProcMesh:
         """Start ``per_host`` ranks on every host; returns when all are ready.
 
@@ -66,10 +75,17 @@ class HostMesh:
         a rank dies or fails a call the other ranks still run; ``grace`` is how long
         (seconds) those others get to finish before they are released. See
         :class:`~monarch_kernel.controller.records.FailurePolicy`.
+
+        ``bootstrap`` (Monarch's): a picklable function called with no arguments on
+        every rank once it started, before this returns (set up the environment,
+        import things); what it raises fails the spawn.
         """
         per_host = dict(per_host or {"gpus": 1})
-        if "hosts" in per_host:
-            raise ValueError("per_host must not contain 'hosts'; use host_mesh(hosts=N)")
+        if "hosts" in per_host and self.hosts > 1:
+            raise ValueError(
+                f"per_host must not contain 'hosts' on a mesh of {self.hosts} hosts "
+                "(the hosts dimension is added for you)"
+            )
         try:
             policy = FailurePolicy(on_failure)
         except ValueError:
@@ -88,10 +104,15 @@ class HostMesh:
             grace=grace,
         )
         procs = ProcMesh(runtime)
+        from monarch_kernel.actor.api import _watch  # (api imports this module)
+
+        _watch(runtime)
         try:
             if on_starting is not None:
                 on_starting(procs)
             runtime.start(timeout=timeout)  # stops the mesh itself if it fails
+            if bootstrap is not None:
+                procs.spawn("_bootstrap", _Bootstrap, bootstrap).stop().get()
         except BaseException:
             runtime.stop()
             raise
@@ -132,6 +153,21 @@ class _MeshView:
     def __len__(self) -> int:
         return len(self._shape)
 
+    def size(self, dim: str | Sequence[str] | None = None) -> int:
+        """Number of ranks: of the whole mesh, or the product of the named dims' sizes."""
+        return _size(self._shape, dim)
+
+    def _flat_shape(self, name: str) -> Shape:
+        """This mesh's ranks as one dimension ``name`` (row-major order)."""
+        sh = self._shape
+        flat = Shape((name,), (len(sh),), (1,), sh.offset)
+        if flat.ranks() != sh.ranks():
+            raise SliceError(
+                f"cannot flatten {sh.describe()}: its ranks are not contiguous "
+                "(a slice with a step or over an inner dimension)"
+            )
+        return flat
+
     def ranks(self) -> list[int]:
         """Global ranks of this (sliced) mesh, in row-major order."""
         return self._shape.ranks()
@@ -157,6 +193,26 @@ class ProcMesh(_MeshView):
 
     def slice(self, **dims: Any) -> ProcMesh:
         return ProcMesh(self._runtime, self._sliced_shape(dims))
+
+    def flatten(self, name: str) -> ProcMesh:
+        """The same ranks as one dimension called ``name``."""
+        return ProcMesh(self._runtime, self._flat_shape(name))
+
+    def logging_option(
+        self,
+        stream_to_client: bool = True,
+        aggregate_window_sec: int | None = 3,
+        level: int = logging.INFO,
+    ) -> None:
+        """Monarch's switch for forwarding rank output to the client. Here rank output
+        always streams to the cell that caused it, batched and never aggregated across
+        ranks, so the options are accepted and have no effect."""
+        if not isinstance(stream_to_client, bool):
+            raise TypeError("stream_to_client must be a bool")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Passed to an actor: a live handle there (monarch_kernel.actor.peer).
+        return _rebuild_proc_mesh, (mesh_ref(self._runtime, self._shape),)
 
     def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> ActorMesh:
         """Construct ``actor_class(*args, **kwargs)`` on every rank of this mesh."""
@@ -294,11 +350,24 @@ class ActorMesh(_MeshView):
     def slice(self, **dims: Any) -> ActorMesh:
         return ActorMesh(self._procs, self._name, self._class, self._sliced_shape(dims))
 
-    def stop(self) -> None:
-        """Remove this actor from its ranks."""
+    def flatten(self, name: str) -> ActorMesh:
+        """The same actors as one dimension called ``name``."""
+        return ActorMesh(self._procs, self._name, self._class, self._flat_shape(name))
+
+    def stop(self) -> Future[None]:
+        """Remove this actor from its ranks; the future completes once it is gone
+        (``.get()`` or ``await`` it, as in Monarch)."""
         header = {"k": K.STOP_ACTOR, "a": self._name}
-        _gather(self._runtime, self._ranks, header, b"", (), self._shape, "").get()
-        self._runtime.forget_actor(self._name, self._ranks)
+        ranks, name, rt = self._ranks, self._name, self._runtime
+
+        def forget(_: object) -> None:
+            rt.forget_actor(name, ranks)
+
+        return then(_gather(rt, ranks, header, b"", (), self._shape, ""), forget)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Passed to an actor: a live handle there (monarch_kernel.actor.peer).
+        return _rebuild_actor_mesh, (mesh_ref(self._runtime, self._shape), self._name, self._class)
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name!r} ({self._class.__name__}) {self._shape.describe()}>"
@@ -311,13 +380,18 @@ class EndpointRef:
         self._mesh = mesh
         self._method = method
         self._what = f"{mesh._name}.{method}"  # for RequestStarted: built once, not per call
+        #: The slice called, when it is not the whole mesh (``context().message_rank``).
+        self._slice = slice_header(mesh._shape, mesh._runtime.shape)
 
     @property
     def _where(self) -> str:
         return f"{self._mesh._class.__name__}.{self._method}"
 
     def _header(self) -> Header:
-        return {"k": K.CALL, "a": self._mesh._name, "m": self._method}
+        header: Header = {"k": K.CALL, "a": self._mesh._name, "m": self._method}
+        if self._slice is not None:
+            header["sl"] = self._slice
+        return header
 
     def _request(self, rank: int, payload: bytes, buffers: Sequence[Buffer]) -> Future[Any]:
         rt = self._mesh._runtime
@@ -384,7 +458,21 @@ class EndpointRef:
         )
 
 
+class _Bootstrap(Actor):
+    """Runs ``spawn_procs(bootstrap=fn)``'s function on each rank (then is stopped)."""
+
+    def __init__(self, fn: Callable[[], object]):
+        fn()
+
+
 # -- helpers ---------------------------------------------------------------------------
+
+
+def slice_header(shape: Shape, whole: Shape | None) -> list[Any] | None:
+    """Header value ``sl`` of calls to ``shape`` (None when it is the ``whole`` mesh)."""
+    if whole is not None and shape == whole:
+        return None
+    return [list(shape.labels), list(shape.sizes), list(shape.strides), shape.offset]
 
 
 def _dump_call(

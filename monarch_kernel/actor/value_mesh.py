@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Generic, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any, Generic, TypeVar
 
 from monarch_kernel.shape import Point, Shape
 
@@ -48,6 +48,42 @@ class ValueMesh(Generic[T]):
 
     def __getitem__(self, index: int) -> T:
         return self._values[index]
+
+    def get(self, rank: int) -> T:
+        """The value at linear position ``rank`` (0 .. len-1), as Monarch's."""
+        return self._values[rank]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._shape.extent
+
+    def size(self, dim: str | Sequence[str] | None = None) -> int:
+        """Number of values: all, or the product of the named dims' sizes."""
+        if dim is None:
+            return len(self._values)
+        n = 1
+        for d in [dim] if isinstance(dim, str) else dim:
+            n *= self._shape.extent[d]
+        return n
+
+    def slice(self, **dims: Any) -> ValueMesh[T]:
+        """The values of a slice (ints drop a dim, Python slices keep it)."""
+        index = {r: i for i, r in enumerate(self._shape.ranks())}
+        sub = self._shape.slice(**dims)
+        return ValueMesh(sub, [self._values[index[r]] for r in sub.ranks()])
+
+    def flatten(self, name: str) -> ValueMesh[T]:
+        """The same values along one dimension ``name``."""
+        return ValueMesh(Shape((name,), (len(self._values),)), self._values)
+
+    def rename(self, **names: str) -> ValueMesh[T]:
+        """Rename dims: ``vm.rename(gpus="tp")``."""
+        sh = self._shape
+        for old in names:
+            if old not in sh.labels:
+                raise KeyError(f"no dimension {old!r} (dimensions: {list(sh.labels)})")
+        labels = tuple(names.get(label, label) for label in sh.labels)
+        return ValueMesh(Shape(labels, sh.sizes, sh.strides, sh.offset), self._values)
 
     def __eq__(self, other: object) -> bool:
         return (

@@ -113,6 +113,10 @@ def actor_error(
             f" {f['message']}"
         )
     first = groups[0][0]
+    causes = first.get("causes") or []
+    if causes:  # the root cause, which the grouped line (the last exception) hides
+        root = causes[0]
+        lines.append(f"caused by {root['type']}: {root['message']}")
     if note:
         lines.append(note)
     text = "\n".join(lines)

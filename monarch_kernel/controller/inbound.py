@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import pickle
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -69,6 +70,9 @@ class Inbound:
             K.METRIC: self._on_metric,
             K.STATS: self._on_stats,
             K.FAULT: self._on_fault,
+            K.OWNED: self._on_owned,
+            K.STOP_MESH: self._on_stop_mesh,
+            K.ASK: self._on_ask,
             K.READY: self._on_ready,
             K.RANK_STARTED: self._on_rank_started,
             K.RANK_EXIT: self._on_rank_exit,
@@ -156,6 +160,26 @@ class Inbound:
         report["rank"] = h["r"]
         self._mesh.events.emit(FaultReported(self._mesh.name, h["r"], report))
 
+    def _on_owned(self, h: Header, msg: Message) -> None:
+        owner: dict[str, str] = pickle.loads(msg.payload)
+        self._ranks[h["r"]].owners[str(h["a"])] = owner
+
+    def _on_stop_mesh(self, h: Header, msg: Message) -> None:
+        """A rank holding a reference to a mesh stops it (on a thread of its own: a
+        stop waits for the ranks to exit, and this is the receiving thread)."""
+        req: dict[str, Any] = pickle.loads(msg.payload)
+        threading.Thread(
+            target=stop_for_rank, args=(self._mesh, h["r"], req), name="mk-stop", daemon=True
+        ).start()
+
+    def _on_ask(self, h: Header, msg: Message) -> None:
+        """An operation of the actor API asked by a rank (see ``ASK_HANDLERS``); on a
+        thread of its own, as it may start a mesh."""
+        req: dict[str, Any] = pickle.loads(msg.payload)
+        threading.Thread(
+            target=answer_ask, args=(self._mesh, h["r"], req), name="mk-ask", daemon=True
+        ).start()
+
     def _on_input(self, h: Header, msg: Message) -> None:
         mesh = self._mesh
         debug = bool(h.get("dbg"))
@@ -198,6 +222,7 @@ class Inbound:
         t = mesh.transport
         t.probe([t.rank_id(info.rank), t.rank_id(info.rank, b"c")])
         info.pid, info.hostname, info.device = h["pid"], h["host"], h["dev"]
+        info.peer_addr = str(h.get("pa") or "")
         info.last_seen = time.monotonic()
         mesh.requests.set_state(info, RankState.IDLE)
         mesh.notify()
@@ -227,3 +252,65 @@ class Inbound:
         host.ready = True
         host.last_seen = time.monotonic()
         mesh.notify()
+
+
+#: ``op -> handler(requester mesh, request) -> result`` for ``ask`` messages, registered
+#: by the actor layer (the controller never imports it).
+ASK_HANDLERS: dict[str, Callable[[MeshRuntime, dict[str, Any]], object]] = {}
+
+
+def answer_ask(requester: MeshRuntime, rank: int, req: dict[str, Any]) -> None:
+    """Run the asked operation and answer the rank's reply socket."""
+    from monarch_kernel.wire import dumps
+
+    handler = ASK_HANDLERS.get(str(req.get("op")))
+    buffers: Any = ()
+    try:
+        if handler is None:
+            raise LookupError(f"unknown operation {req.get('op')!r}")
+        payload, buffers = dumps(handler(requester, req), "answer to a rank")
+        ok = 1
+    except Exception as exc:  # reported to the rank that asked
+        payload = pickle.dumps({"type": type(exc).__name__, "message": str(exc), "where": "ask"})
+        ok, buffers = 0, ()
+    _answer(requester, rank, req, ok, payload, buffers)
+
+
+def _answer(
+    requester: MeshRuntime, rank: int, req: dict[str, Any], ok: int, payload: bytes, buffers: Any
+) -> None:
+    header: dict[str, Any] = {"k": K.RESULT, "i": req.get("id"), "r": 0, "ok": ok}
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    try:
+        sock.connect(str(req.get("rt")))
+        sock.send_multipart(requester.codec.encode(header, payload, buffers), zmq.NOBLOCK)
+    except zmq.ZMQError:
+        log.warning("could not answer rank %s of mesh %r", rank, requester.name)
+    finally:
+        sock.close()
+
+
+def stop_for_rank(requester: MeshRuntime, rank: int, req: dict[str, Any]) -> None:
+    """Stop the mesh ``req`` names if its key matches; answer the rank's reply socket."""
+    import hmac
+
+    from monarch_kernel.controller.registry import registry
+
+    target = registry.get(str(req.get("mesh")))
+    error = ""
+    if target is None or not hmac.compare_digest(target.key.hex(), str(req.get("key"))):
+        error = f"no mesh {req.get('mesh')!r} with that key in this controller"
+    elif target is requester:
+        error = "a mesh cannot stop itself from one of its own ranks"
+    else:
+        try:
+            target.stop(grace=float(req.get("grace", 3.0)))
+        except Exception as exc:  # reported to the rank that asked
+            error = f"stopping mesh {req.get('mesh')!r} failed: {exc}"
+    if error:
+        payload = pickle.dumps({"type": "RuntimeError", "message": error, "where": "stop"})
+    else:
+        payload = pickle.dumps(None)
+    _answer(requester, rank, req, 0 if error else 1, payload, ())

@@ -194,6 +194,7 @@ class MeshRuntime:
                 "master_addr": master.addr,
                 "master_port": master.port,
                 "run_id": self.run_id,
+                "mesh": self.name,
                 "env": self.env,
                 "sys_path": [p for p in sys.path if p],
                 "cwd": os.getcwd(),

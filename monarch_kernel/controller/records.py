@@ -119,6 +119,12 @@ class RankInfo:
     pid: int | None = None
     hostname: str = ""
     device: str = ""
+    #: Where other ranks of this machine call its actors directly (its inbox's unix
+    #: socket, from its ready message); empty until it is ready.
+    peer_addr: str = ""
+    #: Actors on it that an actor of another rank spawned: name -> the owner (its
+    #: inbox ``oa``, mesh key ``ox``, actor name ``on``), told if this rank dies.
+    owners: dict[str, dict[str, str]] = field(default_factory=dict)
     restarts: int = 0
     death: DeathInfo | None = None
     #: Its last whole output lines (stdout and stderr), and the unfinished line per stream.

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -96,6 +96,11 @@ class TensorRef:
     shm_ino: int = 0
     #: The owner's CURVE public key (z85) when its TCP data socket is encrypted.
     curve_key: str = ""
+    #: The owner's machine (hostname) and its mesh's key (hex), so that a rank of
+    #: another mesh of that machine can ask it (over its unix socket) too. The key
+    #: travels like a mesh reference's (inside signed control messages); not shown.
+    machine: str = ""
+    mesh_key: str = field(default="", repr=False)
 
     def get(self, transport: str = "auto") -> Any:
         """A new tensor with the owner's data as it is now (on this rank's CUDA device if
@@ -153,9 +158,12 @@ class TensorRef:
         return dst
 
     def same_host(self) -> bool:
-        """Whether the owner is a rank of this rank's host (host agent)."""
+        """Whether the owner is a rank of this rank's host (host agent), or a rank of
+        another mesh on this machine (reached over its unix socket as well)."""
         cfg = _cfg()
-        return self.key_id == cfg["run_id"] and self.host == int(cfg.get("host", 0))
+        if self.key_id == cfg["run_id"]:
+            return self.host == int(cfg.get("host", 0))
+        return bool(self.machine) and self.machine == cfg.get("hostname")
 
     def _use_shm(self, transport: str) -> bool:
         """Whether to go through shared memory; an error if it was asked for and cannot."""
@@ -243,6 +251,8 @@ class _Server:
     def __init__(self, cfg: dict[str, Any]):
         self.codec = Codec(bytes.fromhex(cfg["key"]))
         self.key_id = cfg["run_id"]
+        self.key_hex = str(cfg["key"])
+        self.machine = str(cfg.get("hostname") or socket.gethostname())
         self.rank = cfg["rank"]
         self.host = int(cfg.get("host", 0))
         world = int(cfg.get("world_size", 1))
@@ -319,6 +329,8 @@ class _Server:
             t.is_cuda,
             ino,
             self.curve_public,
+            self.machine,
+            self.key_hex,
         )
 
     @staticmethod
@@ -436,6 +448,8 @@ class _Client:
 
     def __init__(self, cfg: dict[str, Any]):
         self.codec = Codec(bytes.fromhex(cfg["key"]))
+        self.run_id = cfg["run_id"]
+        self.others: dict[str, Codec] = {}  # other meshes' keys -> their codecs
         self.local = threading.local()
 
     def _socket(self, address: str, curve_key: str = "") -> zmq.Socket:
@@ -456,10 +470,19 @@ class _Client:
             socks[(address, curve_key)] = sock
         return sock
 
-    def frames(self, header: dict[str, Any]) -> list[Any]:
+    def codec_for(self, ref: TensorRef) -> Codec:
+        """The key requests to ``ref``'s owner are signed with: its mesh's."""
+        if ref.key_id == self.run_id or not ref.mesh_key:
+            return self.codec
+        codec = self.others.get(ref.mesh_key)
+        if codec is None:
+            codec = self.others[ref.mesh_key] = Codec(bytes.fromhex(ref.mesh_key))
+        return codec
+
+    def frames(self, header: dict[str, Any], codec: Codec | None = None) -> list[Any]:
         """A signed request: a fresh nonce and the time make it good for one use."""
         header = dict(header, k="req", n=os.urandom(16).hex(), t=time.time())
-        return self.codec.encode(header)
+        return (codec or self.codec).encode(header)
 
     def request(self, ref: TensorRef, header: dict[str, Any], timeout: float = 60.0) -> Any:
         if ref.same_host():
@@ -469,13 +492,14 @@ class _Client:
         else:
             raise RuntimeError(f"rank {ref.owner} is on another host and has no TCP data socket")
         sock = self._socket(address, curve_key)
-        sock.send_multipart(self.frames(header))
+        codec = self.codec_for(ref)
+        sock.send_multipart(self.frames(header, codec))
         if not sock.poll(int(timeout * 1000)):
             raise TimeoutError(
                 f"rank {ref.owner} did not answer a data-plane request in {timeout}s "
                 "(is it alive and its mesh still running?)"
             )
-        msg = self.codec.decode(sock.recv_multipart(copy=False))
+        msg = codec.decode(sock.recv_multipart(copy=False))
         if msg.header.get("k") == "err":
             raise RuntimeError(f"rank {ref.owner}: {msg.header['error']}")
         return msg

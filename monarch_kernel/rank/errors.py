@@ -50,15 +50,52 @@ def _drop_trailing_internal(tb: TracebackType | None) -> list[TracebackType]:
     return entries
 
 
-def exception_report(exc: BaseException, where: str = "") -> dict[str, Any]:
-    """A picklable, plain-data description of ``exc`` raised inside a rank."""
+_CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
+_CONTEXT = "\nDuring handling of the above exception, another exception occurred:\n\n"
+
+
+def _format_one(exc: BaseException) -> tuple[str, traceback.StackSummary, list[TracebackType]]:
+    """``exc``'s own traceback text (user frames only), its frames and entries."""
     tb = _user_tb(exc.__traceback__) or exc.__traceback__
     entries = _drop_trailing_internal(tb)
     frames = traceback.StackSummary.extract((e.tb_frame, e.tb_lineno) for e in entries)
-    last = entries[-1] if entries else None
-    tensors = describe_tensors(last.tb_frame.f_locals) if last is not None else []
     text = "Traceback (most recent call last):\n" if frames else ""
     text += "".join(frames.format()) + "".join(traceback.format_exception_only(type(exc), exc))
+    return text, frames, entries
+
+
+def _chain(exc: BaseException) -> list[tuple[BaseException, str]]:
+    """The exceptions before ``exc`` in its chain (``raise X from Y``, or raised while
+    handling another), oldest first, each with the line that links it to the next:
+    Python's own order, so the root cause is shown first, as in a local traceback."""
+    out: list[tuple[BaseException, str]] = []
+    seen = {id(exc)}
+    cur: BaseException | None = exc
+    while cur is not None and len(out) < 8:
+        if cur.__cause__ is not None:
+            prev, link = cur.__cause__, _CAUSE
+        elif cur.__context__ is not None and not cur.__suppress_context__:
+            prev, link = cur.__context__, _CONTEXT
+        else:
+            break
+        if id(prev) in seen:
+            break
+        seen.add(id(prev))
+        out.append((prev, link))
+        cur = prev
+    out.reverse()
+    return out
+
+
+def exception_report(exc: BaseException, where: str = "") -> dict[str, Any]:
+    """A picklable, plain-data description of ``exc`` raised inside a rank, with its
+    chain of causes (``causes``: type and message of each, root cause first)."""
+    text, frames, entries = _format_one(exc)
+    chain = _chain(exc)
+    if chain:
+        text = "".join(_format_one(e)[0] + link for e, link in chain) + text
+    last = entries[-1] if entries else None
+    tensors = describe_tensors(last.tb_frame.f_locals) if last is not None else []
     line = None
     for fs in reversed(frames):
         if not _is_internal(fs.filename):
@@ -80,4 +117,5 @@ def exception_report(exc: BaseException, where: str = "") -> dict[str, Any]:
         "tensors": tensors,
         "where": where,
         "exception": pickled,
+        "causes": [{"type": type(e).__name__, "message": str(e)} for e, _ in chain],
     }

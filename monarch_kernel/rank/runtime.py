@@ -15,6 +15,7 @@ that order whichever path they came by (FIFO per sender).
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import os
@@ -67,6 +68,19 @@ class Rank:
         ident = b"r%d" % self.rank + tag
         self.inbox = self._dealer(ident, cfg["send"])
         self._connect(self.inbox, cfg["fanout"])
+        #: Actor calls from other ranks (rank to rank, not through the controller) arrive
+        #: on the inbox too: it also listens on a unix socket in the host's private
+        #: directory, so the main thread still blocks on one socket. Those messages are
+        #: signed with this mesh's key like every other and carry no sequence number
+        #: (FIFO per sender comes from the connection); replies go to the caller's
+        #: reply socket named in the request (header ``rt``).
+        self.peer_addr = _bind_peer(self.inbox, cfg, self.rank)
+        self.peer_routes: dict[str, str] = {}  # request id -> caller's reply address
+        self._peer_out: dict[str, zmq.Socket] = {}
+        #: actor name -> its owner (header keys ``oa``, ``ox``, ``on``, ``or`` of the
+        #: spawn): an actor spawned by an actor of some rank; see ``rank.supervise``.
+        self.owners: dict[str, dict[str, Any]] = {}
+        self._peer_codecs: dict[str, Codec] = {}
         self.out = self._dealer(ident, cfg["recv"])
         self.ctl = self._dealer(b"c%d" % self.rank + tag, cfg["send"])
         self.out_lock = threading.Lock()
@@ -74,6 +88,9 @@ class Rank:
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
         self.next_seq = 0
         self.held: dict[int, Message] = {}
+        self._wake: tuple[int, int, zmq.Poller] | None = None  # see serve_until
+        #: Controller messages read by ``_pump`` while an async endpoint awaited.
+        self.deferred: collections.deque[Message] = collections.deque()
         self.in_user_code = False
         #: A signal (SIGINT/SIGTERM) that came while the main thread was sending: raised
         #: once that send is over, so a multipart message is never cut in half.
@@ -93,6 +110,7 @@ class Rank:
             K.SPAWN_ACTOR: self._spawn_actor,
             K.EXEC: self._exec,
             K.STOP_ACTOR: self._stop_actor,
+            K.SUPERVISE: self._supervise,
             K.DEBUG: self._debug,
         }
         #: Control-thread handlers: ``handler(msg)``; what they raise is sent back as an
@@ -167,15 +185,96 @@ class Rank:
             at = what if where is None else where
             self.reply_error(request, exc, at if isinstance(at, str) else at())
             return
-        self.send({"k": K.RESULT, "i": request, "r": self.rank, "ok": 1}, payload, buffers)
+        self._result({"k": K.RESULT, "i": request, "r": self.rank, "ok": 1}, payload, buffers)
+
+    def _result(self, header: dict[str, Any], payload: bytes, buffers: Any = ()) -> None:
+        """Send a reply: to the controller, or to the calling rank for a peer call."""
+        route = self.peer_routes.pop(header["i"], None) if self.peer_routes else None
+        if route is None:
+            self.send(header, payload, buffers)
+            return
+        try:
+            with self.out_lock:  # replies may come from any thread (response ports)
+                sock = self._peer_out.get(route)
+                if sock is None:
+                    sock = self._peer_out[route] = self.ctx.socket(zmq.PUSH)
+                    sock.setsockopt(zmq.LINGER, 1000)
+                    sock.setsockopt(zmq.SNDTIMEO, PEER_SEND_TIMEOUT_MS)  # caller gone: not stuck
+                    sock.connect(route)
+                wire_send(sock, self.codec.encode(header, payload, buffers))
+        except zmq.Again:
+            log.warning("rank %s: peer caller at %s is gone; reply dropped", self.rank, route)
 
     def reply_error(self, request: str | None, exc: BaseException, where: str) -> None:
         report = exception_report(exc, where)
         report["host"] = self.cfg["hostname"]
         if request is None:  # fire-and-forget: goes to supervision
-            self.send({"k": K.FAULT, "r": self.rank}, pickle.dumps(report))
+            self.fault(report, context.current_actor)
         else:
-            self.send({"k": K.RESULT, "i": request, "r": self.rank, "ok": 0}, pickle.dumps(report))
+            self._result(
+                {"k": K.RESULT, "i": request, "r": self.rank, "ok": 0}, pickle.dumps(report)
+            )
+
+    def fault(self, report: dict[str, Any], actor: str | None, path: tuple[str, ...] = ()) -> None:
+        """A failure nobody waits for: to the owner of ``actor`` if an actor spawned it
+        (its ``__supervise__``), else to the controller (``unhandled_fault_hook``)."""
+        owner = self.owners.get(actor) if actor else None
+        if actor:  # the failing actor at this level (its owner sees it as the failure)
+            report = dict(report, actor=actor)
+        if owner is None:
+            if path:
+                report = dict(
+                    report,
+                    message=f"{report.get('message', '')} (not handled by {' -> '.join(path)})",
+                )
+            self.send({"k": K.FAULT, "r": self.rank}, pickle.dumps(report))
+            return
+        mesh = str(self.cfg.get("mesh", self.cfg.get("run_id", "")))
+        body = {"mesh": mesh, "actor": actor, "rank": self.rank, "report": report, "path": path}
+        header = {"k": K.SUPERVISE, "on": owner["on"]}
+        addr, key = owner["oa"], owner["ox"]
+        codec = self._peer_codecs.get(key)
+        if codec is None:
+            codec = self._peer_codecs[key] = Codec(bytes.fromhex(key))
+        sock = self._peer_out.get("d" + addr)
+        if sock is None:
+            sock = self._peer_out["d" + addr] = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDTIMEO, PEER_SEND_TIMEOUT_MS)
+            sock.connect(addr)
+        try:
+            with self.out_lock:
+                wire_send(sock, codec.encode(header, pickle.dumps(body)))
+        except zmq.Again:  # the owner is gone: the controller hears of it instead
+            self.send({"k": K.FAULT, "r": self.rank}, pickle.dumps(report))
+
+    def _supervise(self, msg: Message, request: str | None) -> None:
+        """SUPERVISE: a mesh owned by actor ``on`` of this rank failed; its
+        ``__supervise__(failure)`` handles it (returns True) or it goes on up."""
+        from monarch_kernel.rank.supervise import MeshFailure
+
+        body = pickle.loads(msg.payload)
+        owner_name = msg.header["on"]
+        owner = self.actors.get(owner_name)
+        failure = MeshFailure(
+            body["mesh"], body["actor"], body["rank"], body["report"], tuple(body["path"])
+        )
+        handled = False
+        supervise = getattr(owner, "__supervise__", None)
+        if supervise is not None:
+            context.current_actor = owner_name
+            try:
+                handled = bool(self.run_user(supervise, failure))
+            except Exception as exc:  # __supervise__ itself failed: its owner is told
+                self.fault(
+                    exception_report(exc, f"{type(owner).__name__}.__supervise__"), owner_name
+                )
+            finally:
+                context.current_actor = None
+        if not handled:
+            mesh = str(self.cfg.get("mesh", self.cfg.get("run_id", "")))
+            me = f"{mesh}/{owner_name}[{self.rank}]"
+            self.fault(body["report"], owner_name, (*failure.path, me))
 
     # -- startup ---------------------------------------------------------------------
     def start(self) -> None:
@@ -201,6 +300,7 @@ class Rank:
                 "host": self.cfg["hostname"],
                 "dev": device,
                 "rc": self.cfg.get("restart_count", 0),
+                "pa": self.peer_addr,
             }
         )
 
@@ -265,9 +365,12 @@ class Rank:
     def run(self) -> None:
         self.start()
         inbox = self.inbox
+        deferred = self.deferred
         while True:
             try:
                 self._receive(wire_recv(inbox))
+                while deferred:  # controller messages read while an endpoint awaited
+                    self._accept(deferred.popleft())
             except KeyboardInterrupt:
                 continue
 
@@ -312,6 +415,9 @@ class Rank:
         if kind == K.HELLO:  # the connection probe: nothing to run, nothing to flush
             return
         request = h.get("i") if h.get("w") else None
+        route = h.get("rt")
+        if route is not None and request is not None:  # a call from another rank
+            self.peer_routes[request] = route
         if request is not None and request in self.cancelled:
             self.cancelled.discard(request)
             self.reply_error(request, KeyboardInterrupt("cancelled before it started"), kind)
@@ -340,35 +446,119 @@ class Rank:
         log.warning("rank %s: unknown message kind %r", self.rank, msg.header["k"])
 
     def run_user(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Call user code with interrupts enabled; await it if it is a coroutine."""
+        """Call user code with interrupts enabled; await it if it is a coroutine.
+
+        While a coroutine awaits, calls from other ranks keep being served (see
+        :meth:`_pump`); one that arrives then and is itself a coroutine becomes a task
+        on the running loop, returned as :class:`_Running` (answered when it ends)."""
+        outer = self.in_user_code
         self.in_user_code = True
         try:
             if self.cancelled and context.current_request in self.cancelled:
                 raise KeyboardInterrupt("cancelled")
             result = fn(*args, **kwargs)
             if result.__class__ not in _NOT_AWAITABLE and inspect.isawaitable(result):
-                if self.loop is None:
-                    self.loop = asyncio.new_event_loop()
-                result = self.loop.run_until_complete(result)
+                loop = self.loop
+                if loop is None:
+                    loop = self.loop = asyncio.new_event_loop()
+                    loop.add_reader(int(self.inbox.getsockopt(zmq.FD)), self._pump)
+                if loop.is_running():  # served while another endpoint awaits
+                    return _Running(loop.create_task(_as_coroutine(result)))
+                loop.call_soon(self._pump)  # anything that came before the reader saw it
+                result = loop.run_until_complete(result)
             return result
         finally:
-            self.in_user_code = False
+            self.in_user_code = outer
+
+    def serve_until(self, fut: Any, timeout: float | None) -> None:
+        """Before the main thread blocks on a call to another rank (``.get()`` in a sync
+        endpoint): serve calls from other ranks until ``fut`` is done (or ``timeout``
+        passes), so that a call cycle between meshes (A calls B, which calls A back)
+        does not wait for itself. Other threads just block."""
+        if timeout == 0 or fut.done() or threading.current_thread() is not threading.main_thread():
+            return
+        if self._wake is None:  # a pipe the future's completion writes to, polled with the inbox
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            poller = zmq.Poller()
+            poller.register(self.inbox, zmq.POLLIN)
+            poller.register(r, zmq.POLLIN)
+            self._wake = (r, w, poller)
+        r, w, poller = self._wake
+
+        def wake(_: Any) -> None:
+            try:
+                os.write(w, b".")
+            except BlockingIOError:  # full: a wake-up is pending anyway
+                pass
+
+        fut.add_done_callback(wake)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not fut.done():
+            left = None if deadline is None else int((deadline - time.monotonic()) * 1000)
+            if left is not None and left <= 0:
+                return
+            events = dict(poller.poll(left))
+            if r in events:
+                try:
+                    os.read(r, 4096)
+                except BlockingIOError:
+                    pass
+            if self.inbox in events:
+                self._pump()
+
+    def _pump(self) -> None:
+        """Serve the inbox while an async endpoint awaits (on the rank's event loop).
+
+        Calls from other ranks run now: an actor awaiting a call to another mesh that
+        calls back into this one (ping-pong across meshes) must not wait for itself.
+        Messages from the controller (sequenced) are kept for after the endpoint, so
+        that the notebook's calls stay one at a time, in order."""
+        inbox = self.inbox
+        while int(inbox.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            msg = self._decode(inbox.recv_multipart(zmq.NOBLOCK, copy=False))
+            if msg is None:
+                continue
+            if msg.header.get("q") is not None:
+                self.deferred.append(msg)
+                continue
+            saved = (context.current_request, context.current_actor, context.current_slice)
+            try:
+                self._accept(msg)
+            finally:
+                context.current_request, context.current_actor, context.current_slice = saved
 
     def _spawn_actor(self, msg: Message, request: str | None) -> None:
         """SPAWN_ACTOR: construct actor ``a`` from the pickled ``(cls, args, kwargs)``."""
         name = msg.header["a"]
         cls = None
+        owner = msg.header.get("oa")
+        if owner:  # spawned by an actor of some rank: its failures go to that owner
+            h = msg.header
+            self.owners[name] = {"oa": owner, "ox": h["ox"], "on": h["on"]}
+        else:
+            self.owners.pop(name, None)
         try:
             cls, args, kwargs = loads(msg.payload, msg.buffers, f"constructor of actor {name!r}")
+            context.current_actor = name
             self.actors[name] = self.run_user(cls, *args, **kwargs)
         except (Exception, KeyboardInterrupt) as exc:  # to the caller
-            self.reply_error(request, exc, f"{getattr(cls, '__name__', name)}.__init__")
+            where = f"{getattr(cls, '__name__', name)}.__init__"
+            self.reply_error(request, exc, where)
+            if request is not None and name in self.owners:  # and to its owner
+                self.fault(exception_report(exc, where), name)
             return
         except BaseException as exc:  # SystemExit ...: that actor is stopped, not the rank
             if self.terminating:
                 raise
             self._actor_stopped(request, exc, name, cls, "constructor", "__init__")
             return
+        finally:
+            context.current_actor = None
+        owner = self.owners.get(name)
+        if owner is not None:  # the controller tells the owner if this rank dies
+            self.send({"k": K.OWNED, "r": self.rank, "a": name}, pickle.dumps(owner))
         if request:
             self.reply(request, None, f"spawn of {name}")
 
@@ -397,6 +587,7 @@ class Rank:
     def _stop_actor(self, msg: Message, request: str | None) -> None:
         """STOP_ACTOR: forget actor ``a`` (no error if it is not there)."""
         self.actors.pop(msg.header.get("a", ""), None)
+        self.owners.pop(msg.header.get("a", ""), None)
         if request:
             self.reply(request, None, "stop")
 
@@ -413,7 +604,20 @@ class Rank:
             if actor is None:
                 raise LookupError(f"no actor {name!r} on rank {self.rank} (was it stopped?)")
             args, kwargs = loads(msg.payload, msg.buffers, lambda: f"arguments of {where()}")
-            result = self.run_user(getattr(actor, method), *args, **kwargs)
+            context.current_actor = name
+            context.current_slice = h.get("sl")
+            fn = getattr(actor, method)
+            if getattr(fn, context.EXPLICIT_PORT_ATTR, False):
+                # @endpoint(explicit_response_port=True): the endpoint answers through
+                # the port it is given (now or later, from any thread); no reply here.
+                self.run_user(fn, ResponsePort(self, request, where), *args, **kwargs)
+                return
+            result = self.run_user(fn, *args, **kwargs)
+            if isinstance(result, _Running):  # answered when its task ends
+                result.task.add_done_callback(
+                    lambda task: self._finish(request, task, name, where, actor)
+                )
+                return
         except (Exception, KeyboardInterrupt) as exc:  # to the caller
             self.debugger.keep_failure(exc)  # for %debug_remote (post-mortem)
             self.reply_error(request, exc, where())
@@ -423,8 +627,36 @@ class Rank:
                 raise
             self._actor_stopped(request, exc, name, type(actor), "endpoint", method)
             return
+        finally:
+            context.current_actor = None
+            context.current_slice = None
         if request:
             self.reply(request, result, lambda: f"result of {where()}", where)
+
+    def _finish(
+        self,
+        request: str | None,
+        task: asyncio.Task[Any],
+        name: str,
+        where: Callable[[], str],
+        actor: Any,
+    ) -> None:
+        """Answer a call that ran as a task (see :meth:`run_user`)."""
+        saved = context.current_actor
+        context.current_actor = name
+        try:
+            if task.cancelled():
+                self.reply_error(request, KeyboardInterrupt("cancelled"), where())
+                return
+            exc = task.exception()
+            if isinstance(exc, (Exception, KeyboardInterrupt)):
+                self.reply_error(request, exc, where())
+            elif exc is not None:
+                self._actor_stopped(request, exc, name, type(actor), "endpoint", where())
+            elif request:
+                self.reply(request, task.result(), lambda: f"result of {where()}", where)
+        finally:
+            context.current_actor = saved
 
     def _actor_stopped(
         self, request: str | None, exc: BaseException, name: str, cls: Any, what: str, method: str
@@ -441,9 +673,11 @@ class Rank:
         )
         report["host"] = self.cfg["hostname"]
         if request is None:
-            self.send({"k": K.FAULT, "r": self.rank}, pickle.dumps(report))
+            self.fault(report, name)
         else:
-            self.send({"k": K.RESULT, "i": request, "r": self.rank, "ok": 0}, pickle.dumps(report))
+            self._result(
+                {"k": K.RESULT, "i": request, "r": self.rank, "ok": 0}, pickle.dumps(report)
+            )
 
     # -- control thread --------------------------------------------------------------
     def _control_loop(self) -> None:
@@ -563,6 +797,34 @@ class Rank:
         self.stdin.answer(msg.header)
 
 
+class ResponsePort:
+    """Where an endpoint declared with ``explicit_response_port=True`` sends its answer
+    (Monarch's ``Port``): ``send(value)`` or ``exception(exc)``, once, from any thread.
+    For a fire-and-forget call (``broadcast``) a value goes nowhere and an exception to
+    supervision."""
+
+    def __init__(self, runtime: Rank, request: str | None, where: Callable[[], str]):
+        self._runtime = runtime
+        self._request = request
+        self._where = where
+        self._sent = False
+
+    def send(self, value: Any) -> None:
+        if self._claim() and self._request is not None:
+            self._runtime.reply(self._request, value, lambda: f"result of {self._where()}")
+
+    def exception(self, exc: BaseException) -> None:
+        if self._claim():
+            self._runtime.reply_error(self._request, exc, self._where())
+
+    def _claim(self) -> bool:
+        """The first answer wins (a request gets one reply); later ones are dropped."""
+        if self._sent:
+            return False
+        self._sent = True
+        return True
+
+
 def _ignore(msg: Message) -> None:
     """A control message that needs nothing done (HELLO)."""
 
@@ -570,6 +832,19 @@ def _ignore(msg: Message) -> None:
 #: Exit status of a rank that ended on SIGTERM without running user clean-up to the end
 #: (it normally ends killed by SIGTERM itself, after the clean-up; see ``run_forked``).
 TERMINATED_CODE = 128 + signal.SIGTERM
+
+
+class _Running:
+    """An async endpoint started as a task while another one awaited."""
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: asyncio.Task[Any]):
+        self.task = task
+
+
+async def _as_coroutine(aw: Any) -> Any:
+    return await aw
 
 
 class RankTerminated(SystemExit):
@@ -587,6 +862,25 @@ def _sending(frame: Any) -> bool:
 
 
 STATS_INTERVAL = 1.0
+#: How long a reply to a calling rank may wait for that rank's socket (it may be gone).
+PEER_SEND_TIMEOUT_MS = 5000
+
+
+def _bind_peer(sock: zmq.Socket, cfg: dict[str, Any], rank: int) -> str:
+    """Bind ``sock`` (the inbox) to a unix socket in the host agent's private (0700)
+    directory, for actor calls from other ranks of this machine; its address."""
+    from monarch_kernel.rank.dataplane import _private_dir
+
+    path = os.path.join(_private_dir(cfg), f"pr{rank}-{os.getpid()}")
+    if len(path) > 100:  # a unix socket path is at most 107 bytes
+        import tempfile
+
+        path = os.path.join(tempfile.mkdtemp(prefix="mk-pr-", dir="/tmp"), f"pr{rank}")
+    addr = f"ipc://{path}"
+    sock.bind(addr)
+    return addr
+
+
 #: How long the control thread waits for an abort of the process group to finish.
 ABORT_WAIT = 1.0
 

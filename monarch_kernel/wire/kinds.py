@@ -67,9 +67,10 @@ kind              keys
                   ``common``: dict shared by those ranks: ``labels`` list[str] and
                   ``sizes`` list[int] (mesh dims), ``world_size`` int, ``local_world_size``
                   int, ``master_addr`` str, ``master_port`` int (torch.distributed
-                  rendezvous: rank 0's host), ``run_id`` str, ``env`` dict[str, str] (user
-                  ``--env``), ``sys_path`` list[str], ``cwd`` str (the controller's import
-                  path and working directory). The agent merges each spec over ``common``
+                  rendezvous: rank 0's host), ``run_id`` str, ``mesh`` str (its name),
+                  ``env`` dict[str, str] (user ``--env``), ``sys_path`` list[str], ``cwd``
+                  str (the controller's import path and working directory). The agent
+                  merges each spec over ``common``
                   and adds ``key``, ``send``, ``recv``, ``fanout``, ``hostname`` and
                   ``log`` before it forks the rank.
 ``signal_ranks``  ``d`` (its ranks to signal), ``sig`` int (signal number, e.g. SIGINT)
@@ -134,7 +135,9 @@ kind              keys and payload
 ================  =======================================================================
 ``spawn_actor``   ``a`` str (actor name). Payload: pickled ``(cls, args, kwargs)``.
                   Reply value: None
-``call``          ``a`` str (actor name), ``m`` str (endpoint method name). Payload:
+``call``          ``a`` str (actor name), ``m`` str (endpoint method name), ``sl`` list
+                  (only when the call is to a slice: its labels, sizes, strides and
+                  offset, for ``context().message_rank``). Payload:
                   pickled ``(args, kwargs)``. Reply value: what the endpoint returned
                   (awaited if a coroutine)
 ``exec``          (no keys) Payload: pickled ``{"code": str, "cell": str, "header":
@@ -147,6 +150,34 @@ kind              keys and payload
                   failure (now released), False if there was none
 ``hello``         (no keys, no ``q``) the controller's connection probe, ignored
 ================  =======================================================================
+
+Rank -> rank, actor calls (caller's DEALER -> the callee's inbox, main thread)
+------------------------------------------------------------------------------
+A rank holding a mesh reference (an ``ActorMesh`` passed to it) calls the target ranks
+directly: ``call``, ``spawn_actor`` and ``stop_actor`` as above, signed with the
+*target* mesh's key (carried by the reference), sent to the target rank's inbox, which
+also listens on a unix socket (``pa`` of its ``ready``). No ``q`` (FIFO per caller comes
+from its connection), ``i`` (a ``p``-prefixed id unique in the caller) and ``w`` when a
+reply is wanted, and:
+
+=====  =====  ==================================================================
+key    type   meaning
+=====  =====  ==================================================================
+``rt`` str    the caller's reply address (a bound PULL socket): the ``res`` for
+              ``i`` goes there (signed with the target's key), not to the
+              controller; output still goes to the target's controller
+``oa`` str    ``spawn_actor`` from an actor: the owner's inbox (peer address);
+              with ``ox`` str (the owner mesh's key, hex) and ``on`` str (the
+              owner actor's name). The new actor's unanswered failures go to
+              the owner as ``supervise`` instead of to the controller as ``fault``
+=====  =====  ==================================================================
+
+``supervise`` (rank -> its owner's inbox, signed with the owner's key; no ``i``):
+``on`` str (the owner actor). Payload: pickled ``{"mesh", "actor", "rank", "report",
+"path"}`` (the failed mesh, actor and rank, the failure report, the owners that did
+not handle it). The owner's ``__supervise__(MeshFailure)`` runs on its main thread;
+unless it returns True the failure goes on to the owner's owner, or to its controller
+as a ``fault``.
 
 Controller -> rank control thread (``send`` ROUTER -> ``c<R>``; unordered)
 --------------------------------------------------------------------------
@@ -189,8 +220,9 @@ kind              keys and payload
 ================  =======================================================================
 ``ready``         ``pid`` int, ``host`` str (hostname), ``dev`` str (``cpu`` or
                   ``cuda:N``), ``rc`` int (its ``restart_count``: a late ``ready`` of an
-                  earlier incarnation is ignored): started, greeted by its host agent,
-                  taking work
+                  earlier incarnation is ignored), ``pa`` str (the unix socket its inbox
+                  also listens on, for actor calls from other ranks): started, greeted
+                  by its host agent, taking work
 ``res``           ``i`` (the request answered), ``ok`` int: 1 = payload is the pickled
                   value (buffers out of band, sizes in ``b``); 0 = payload is a pickled
                   failure report (a dict: type, message, traceback, line, tensors,
@@ -199,6 +231,20 @@ kind              keys and payload
                   ``stderr``). Payload: the text, UTF-8 (not pickled)
 ``metric``        ``i`` (the request being served, or None). Payload: pickled
                   ``dict[str, float]`` from ``monarch_kernel.report(...)``
+``stop_mesh``     (no keys) Payload: pickled ``{"mesh", "key", "grace", "rt", "id"}``:
+                  stop process mesh ``mesh`` of this controller (``key``, its key in hex,
+                  must match: only a holder of a reference may), then send a ``res``
+                  for ``id`` (signed with the sender's mesh key) to ``rt``, the
+                  sender's reply socket
+``ask``           (no keys) Payload: pickled ``{"op", "rt", "id", ...}``: run operation
+                  ``op`` of the actor API in the controller (``get_or_spawn_controller``:
+                  ``call``, the pickled ``(name, cls, args, kwargs)``) and send its
+                  pickled result (or a failure report) as a ``res`` for ``id`` to ``rt``,
+                  signed with the sender's mesh key
+``owned``         ``a`` str: actor ``a`` of this rank was spawned by an actor of another
+                  rank, its owner. Payload: pickled ``{"oa", "ox", "on"}`` (as in
+                  ``spawn_actor`` from a rank). If this rank dies, the controller sends
+                  the owner a ``supervise`` for it
 ``fault``         (no ``i``) Payload: pickled failure report of fire-and-forget work
                   (a message without ``w``, or a control handler failing without ``i``)
 ``input``         ``i`` (the request being served, or None), ``n`` int (serial, per
@@ -248,6 +294,10 @@ SPAWN_ACTOR = "spawn_actor"
 CALL = "call"
 EXEC = "exec"
 STOP_ACTOR = "stop_actor"
+SUPERVISE = "supervise"  # rank -> owner rank's inbox: a failure of a mesh it owns
+OWNED = "owned"  # rank -> controller: actor ``a`` here is owned by an actor elsewhere
+STOP_MESH = "stop_mesh"  # rank -> controller: stop a mesh it holds a reference to
+ASK = "ask"  # rank -> controller: an operation of the actor API (get_or_spawn_controller)
 DEBUG = "debug"  # post-mortem pdb on the rank's last failure (header "x": only release it)
 
 # controller -> rank control thread (unordered, served while the main thread is busy)

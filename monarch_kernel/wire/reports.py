@@ -34,6 +34,10 @@ class FailureReport(TypedDict, total=False):
     exception: bytes | None  #: the pickled exception, when it pickles
     host: str  #: the rank's hostname
     rank: int  #: the global rank (set by the controller on receipt)
+    #: the exceptions before this one in its chain (``raise X from Y``, or raised while
+    #: handling another), root cause first: ``{"type": ..., "message": ...}`` each
+    causes: list[dict[str, str]]
+    actor: str  #: the actor whose failure nobody waited for (``fault`` reports)
 
 
 class RankStats(TypedDict, total=False):

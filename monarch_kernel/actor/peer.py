@@ -1,0 +1,617 @@
+"""Mesh references that live in ranks: an ``ActorMesh`` or ``ProcMesh`` passed to an actor.
+
+A mesh pickles (as an endpoint or spawn argument) into a :class:`MeshRef`: the target
+mesh's name, key, shape and each rank's peer address (the unix socket its inbox also
+listens on). Unpickled in a rank it is a :class:`RemoteActorMesh` / :class:`RemoteProcMesh`
+with the same API (adverbs, slicing, spawn, stop); unpickled back in the controller that
+owns the mesh it is the controller's own mesh object again.
+
+Calls from a rank go straight to the target ranks (one hop, the same signed messages the
+controller sends; see ``wire.kinds``, "Rank -> rank"), never through the controller, so
+actor-to-actor traffic does not queue behind the notebook. Replies come back to this
+process's reply socket and are matched to their requests by a thread of its own, which
+also watches the connections to the target ranks: a target that dies fails its calls at
+once with :class:`RankDiedError`, as calls from the controller do.
+
+The reference carries the target mesh's key: it travels only inside signed control
+messages (CURVE-encrypted across machines), like everything else a rank is given. Peer
+calls reach ranks on the caller's machine (unix sockets); a reference to ranks on another
+machine raises a clear error when called (see README, differences from Monarch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import os
+import pickle
+import random
+import socket
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.utils.monitor
+
+from monarch_kernel.actor.actor import endpoints_of
+from monarch_kernel.actor.gather import Each, Gather, One
+from monarch_kernel.actor.value_mesh import ValueMesh
+from monarch_kernel.controller.errors import RankDiedError
+from monarch_kernel.controller.events import Reply, RequestObserver
+from monarch_kernel.controller.future import Future
+from monarch_kernel.rank import context
+from monarch_kernel.shape import Shape
+from monarch_kernel.wire import Codec, SerializationError, WireError, dumps
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import Buffer, limit_size
+from monarch_kernel.wire.codec import recv as wire_recv
+
+
+@dataclass(frozen=True)
+class MeshRef:
+    """What a mesh reference holds: enough to reach the mesh's ranks directly."""
+
+    mesh: str  #: the process mesh's name
+    key: str  #: its signing key (hex)
+    addrs: tuple[str, ...]  #: peer address of each global rank ("" if not ready)
+    hosts: tuple[str, ...]  #: hostname of each global rank's machine
+    shape: Shape  #: the (sliced) shape referred to
+
+
+# -- the client: one per process -------------------------------------------------------
+
+
+class _Pending:
+    __slots__ = ("observer", "ranks", "addrs", "left")
+
+    def __init__(self, observer: RequestObserver, ranks: list[int], addrs: list[str]):
+        self.observer = observer
+        self.ranks = ranks
+        self.addrs = addrs
+        self.left = set(ranks)
+
+
+class PeerClient:
+    """Sends actor calls to other ranks and routes their replies to futures."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.lock = threading.Lock()
+        self.codecs: dict[str, Codec] = {}
+        self.socks: dict[str, zmq.Socket] = {}  # peer address -> DEALER (sent under lock)
+        self.pending: dict[str, _Pending] = {}
+        self.ports: dict[str, RequestObserver] = {}  # open channels: every message
+        self.ids = itertools.count()
+        self.prefix = f"p{os.getpid()}-{os.urandom(3).hex()}-"
+        d = tempfile.mkdtemp(prefix="mk-peer-")  # mode 0700: only we can connect
+        self.reply_addr = f"ipc://{d}/r"
+        self.replies = self.ctx.socket(zmq.PULL)
+        self.replies.setsockopt(zmq.LINGER, 0)
+        limit_size(self.replies)
+        self.replies.bind(self.reply_addr)
+        # New monitor sockets are handed to the reply thread through ``wake``.
+        self.wake_addr = f"inproc://mk-peer-wake-{id(self)}"
+        wake_in = self.ctx.socket(zmq.PAIR)
+        wake_in.bind(self.wake_addr)
+        self.wake = self.ctx.socket(zmq.PAIR)
+        self.wake.connect(self.wake_addr)
+        self.new_monitors: list[tuple[str, zmq.Socket]] = []
+        threading.Thread(
+            target=self._serve, args=(wake_in,), name="mk-peer-replies", daemon=True
+        ).start()
+
+    def codec(self, key: str) -> Codec:
+        codec = self.codecs.get(key)
+        if codec is None:
+            codec = self.codecs[key] = Codec(bytes.fromhex(key))
+        return codec
+
+    def _socket(self, addr: str, rank: int) -> zmq.Socket:
+        sock = self.socks.get(addr)
+        if sock is not None:
+            return sock
+        path = addr.removeprefix("ipc://")
+        if not addr.startswith("ipc://") or not os.path.exists(path):
+            raise RankDiedError(f"rank {rank} is not running (no peer socket at {addr})")
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        limit_size(sock)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(addr)
+        self.socks[addr] = sock
+        self.new_monitors.append((addr, monitor))
+        self.wake.send(b"")
+        return sock
+
+    def request(
+        self,
+        ref: MeshRef,
+        ranks: Sequence[int],
+        header: dict[str, Any],
+        payload: bytes,
+        buffers: Sequence[Buffer],
+        observer: RequestObserver | None,
+    ) -> None:
+        """Send ``header`` + payload to each of ``ranks`` of ``ref``'s mesh; the replies
+        go to ``observer`` (None: fire and forget)."""
+        codec = self.codec(ref.key)
+        ranks = list(ranks)
+        addrs = [_addr(ref, r) for r in ranks]
+        rt = context._runtime
+        if rt is not None and rt.peer_addr in addrs and _on_main_thread():
+            # A call to this very rank from its own busy main thread would wait for
+            # itself: actors of one rank share its thread, so it runs here, inline.
+            i = addrs.index(rt.peer_addr)
+            self.request(ref, ranks[:i] + ranks[i + 1 :], header, payload, buffers, observer)
+            _inline(rt, ranks[i], header, payload, buffers, observer)
+            return
+        if not ranks:
+            return
+        with self.lock:
+            rid = None
+            if observer is not None:
+                rid = self.prefix + str(next(self.ids))
+                header = dict(header, i=rid, w=1, rt=self.reply_addr)
+                self.pending[rid] = _Pending(observer, ranks, addrs)
+            frames = codec.encode(header, payload, buffers)
+            try:
+                for r, addr in zip(ranks, addrs):
+                    self._socket(addr, r).send_multipart(frames, copy=False)
+            except BaseException:
+                if rid is not None:
+                    self.pending.pop(rid, None)
+                raise
+
+    def expect(self, observer: RequestObserver, rank: int) -> str:
+        """A request id whose one reply (from ``rank``) goes to ``observer``."""
+        with self.lock:
+            rid = self.prefix + str(next(self.ids))
+            self.pending[rid] = _Pending(observer, [rank], [""])
+        return rid
+
+    def open_port(self, port_id: str, observer: RequestObserver) -> None:
+        """Deliver every message sent to ``port_id`` to ``observer`` (a channel)."""
+        with self.lock:
+            self.ports[port_id] = observer
+
+    # -- the reply thread -----------------------------------------------------------
+    def _serve(self, wake_in: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(self.replies, zmq.POLLIN)
+        poller.register(wake_in, zmq.POLLIN)
+        monitors: dict[zmq.Socket, str] = {}
+        while True:
+            for sock, _ in poller.poll():
+                if sock is self.replies:
+                    self._on_reply(wire_recv(sock))
+                elif sock is wake_in:
+                    wake_in.recv()
+                    with self.lock:
+                        fresh, self.new_monitors = self.new_monitors, []
+                    for addr, mon in fresh:
+                        monitors[mon] = addr
+                        poller.register(mon, zmq.POLLIN)
+                else:
+                    event = zmq.utils.monitor.recv_monitor_message(sock)
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        self._on_disconnect(monitors[sock])
+
+    def _on_reply(self, frames: list[Any]) -> None:
+        msg = None
+        for codec in list(self.codecs.values()):  # a handful of keys: try each
+            try:
+                msg = codec.decode(frames)
+                break
+            except WireError:
+                continue
+        if msg is None:
+            return  # forged or malformed: dropped before anything is unpickled
+        h = msg.header
+        rank = h.get("r")
+        port = self.ports.get(h.get("i"))  # type: ignore[arg-type]
+        if port is not None:
+            port.on_reply(Reply(rank, msg))  # type: ignore[arg-type]
+            return
+        with self.lock:
+            p = self.pending.get(h.get("i"))  # type: ignore[arg-type]
+            if p is None or rank not in p.left:
+                return
+            p.left.discard(rank)
+            if not p.left:
+                del self.pending[h["i"]]
+        p.observer.on_reply(Reply(rank, msg))
+
+    def _on_disconnect(self, addr: str) -> None:
+        """A target rank's connection closed: it died (or its mesh stopped)."""
+        lost: list[tuple[_Pending, int]] = []
+        with self.lock:
+            sock = self.socks.pop(addr, None)
+            for rid, p in list(self.pending.items()):
+                for r, a in zip(p.ranks, p.addrs):
+                    if a == addr and r in p.left:
+                        p.left.discard(r)
+                        lost.append((p, r))
+                if not p.left:
+                    del self.pending[rid]
+        if sock is not None:
+            sock.close(0)
+        for p, r in lost:
+            p.observer.on_lost(
+                r, RankDiedError(f"rank {r} died (or its mesh stopped) during an actor call")
+            )
+
+
+def _waiter() -> Any:
+    """What a future of a peer call runs before it blocks: in a rank, serve calls from
+    other ranks while the main thread waits (see ``Rank.serve_until``)."""
+    rt = context._runtime
+    return rt.serve_until if rt is not None else None
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _inline(
+    rt: Any,
+    rank: int,
+    header: dict[str, Any],
+    payload: bytes,
+    buffers: Sequence[Buffer],
+    observer: RequestObserver | None,
+) -> None:
+    """Serve a call to this rank now, on this thread (see :meth:`PeerClient.request`)."""
+    from monarch_kernel.rank.errors import exception_report
+    from monarch_kernel.wire import Message, loads
+
+    kind, name = header["k"], header.get("a", "")
+    previous = context.current_actor
+    try:
+        if kind == K.SPAWN_ACTOR:
+            cls, args, kwargs = loads(payload, buffers, f"constructor of actor {name!r}")
+            if header.get("oa"):
+                rt.owners[name] = {"oa": header["oa"], "ox": header["ox"], "on": header["on"]}
+            context.current_actor = name
+            rt.actors[name] = cls(*args, **kwargs)
+            value: Any = None
+        elif kind == K.STOP_ACTOR:
+            rt.actors.pop(name, None)
+            rt.owners.pop(name, None)
+            value = None
+        else:
+            actor = rt.actors.get(name)
+            if actor is None:
+                raise LookupError(f"no actor {name!r} on rank {rank} (was it stopped?)")
+            args, kwargs = loads(payload, buffers, "arguments")
+            context.current_actor = name
+            value = getattr(actor, header["m"])(*args, **kwargs)
+            if inspect.isawaitable(value):
+                value = _run_coroutine(value)
+        out, bufs = dumps(value, "result")
+        reply = Message({"k": K.RESULT, "r": rank, "ok": 1}, out, list(bufs))
+    except Exception as exc:
+        report = exception_report(exc, f"{name}.{header.get('m', kind)}")
+        reply = Message({"k": K.RESULT, "r": rank, "ok": 0}, pickle.dumps(report))
+        if observer is None:  # fire and forget: to supervision, as from the runtime
+            rt.reply_error(None, exc, f"{name}.{header.get('m', kind)}")
+    finally:
+        context.current_actor = previous
+    if observer is not None:
+        observer.on_reply(Reply(rank, reply))
+
+
+def _run_coroutine(aw: Any) -> Any:
+    """Run an async endpoint of this rank to completion from synchronous code."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(aw)
+        finally:
+            loop.close()
+    close = getattr(aw, "close", None)
+    if close is not None:
+        close()
+    raise RuntimeError(
+        "an async endpoint cannot call an async endpoint of an actor on its own rank "
+        "(actors of one rank share its thread); make one of them synchronous"
+    )
+
+
+_client: PeerClient | None = None
+_client_lock = threading.Lock()
+
+
+def client() -> PeerClient:
+    global _client
+    with _client_lock:
+        if _client is None or _client_pid != os.getpid():
+            _set_client(PeerClient())
+        assert _client is not None
+        return _client
+
+
+_client_pid = 0
+
+
+def _set_client(c: PeerClient) -> None:
+    global _client, _client_pid
+    _client, _client_pid = c, os.getpid()
+
+
+def _addr(ref: MeshRef, rank: int) -> str:
+    addr = ref.addrs[rank] if rank < len(ref.addrs) else ""
+    if not addr:
+        raise RankDiedError(f"rank {rank} of mesh {ref.mesh!r} is not running")
+    if ref.hosts[rank] != socket.gethostname():
+        raise NotImplementedError(
+            f"rank {rank} of mesh {ref.mesh!r} runs on machine {ref.hosts[rank]!r}; "
+            "rank-to-rank actor calls "
+            "reach ranks of this machine only (call it from the controller)"
+        )
+    return addr
+
+
+# -- the handles ------------------------------------------------------------------------
+
+
+class _RemoteView:
+    _ref: MeshRef
+
+    @property
+    def shape(self) -> Shape:
+        return self._ref.shape
+
+    @property
+    def extent(self) -> dict[str, int]:
+        return self._ref.shape.extent
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._ref.shape.extent
+
+    def size(self, dim: str | Sequence[str] | None = None) -> int:
+        return _size(self._ref.shape, dim)
+
+    def __len__(self) -> int:
+        return len(self._ref.shape)
+
+    def ranks(self) -> list[int]:
+        return self._ref.shape.ranks()
+
+    def _sliced(self, dims: dict[str, Any]) -> MeshRef:
+        r = self._ref
+        return MeshRef(r.mesh, r.key, r.addrs, r.hosts, r.shape.slice(**dims))
+
+
+def _size(shape: Shape, dim: str | Sequence[str] | None) -> int:
+    """Monarch's ``size()``: all ranks, or the product of the named dims' sizes."""
+    if dim is None:
+        return len(shape)
+    dims = [dim] if isinstance(dim, str) else list(dim)
+    extent = shape.extent
+    n = 1
+    for d in dims:
+        if d not in extent:
+            raise KeyError(f"mesh has no dimension {d!r} (dimensions: {list(extent)})")
+        n *= extent[d]
+    return n
+
+
+class RemoteProcMesh(_RemoteView):
+    """A process mesh seen from a rank: slice it and spawn actors on it."""
+
+    def __init__(self, ref: MeshRef):
+        self._ref = ref
+
+    @property
+    def name(self) -> str:
+        return self._ref.mesh
+
+    def slice(self, **dims: Any) -> RemoteProcMesh:
+        return RemoteProcMesh(self._sliced(dims))
+
+    def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> RemoteActorMesh:
+        """Construct ``actor_class(*args, **kwargs)`` on every rank of this mesh."""
+        payload, buffers = dumps((actor_class, args, kwargs), f"constructor of {name!r}")
+        ranks = self._ref.shape.ranks()
+        gather = Gather(ranks, self._ref.shape, _waiter())
+        header: dict[str, Any] = {"k": K.SPAWN_ACTOR, "a": name}
+        rt = context._runtime
+        if rt is not None and context.current_actor:
+            # Spawned by an actor: it owns the new mesh and supervises it.
+            header.update(oa=rt.peer_addr, ox=rt.cfg["key"], on=context.current_actor)
+        client().request(self._ref, ranks, header, payload, buffers, gather)
+        gather.future.get()
+        return RemoteActorMesh(self._ref, name, actor_class)
+
+    def stop(self, grace: float = 3.0) -> Future[None]:
+        """Stop the whole process mesh (as ``ProcMesh.stop`` in the controller does):
+        asked of this rank's controller, which owns every mesh; the future completes
+        once it is stopped. A mesh cannot be stopped from one of its own ranks."""
+        rt = context._runtime
+        if rt is None:
+            raise RuntimeError("a mesh reference is stopped from a rank")
+        c = client()
+        c.codec(rt.cfg["key"])  # the controller answers with our mesh's key
+        one = One(_waiter())
+        rid = c.expect(one, 0)
+        req = {"mesh": self._ref.mesh, "key": self._ref.key, "grace": grace, "rt": c.reply_addr}
+        rt.send({"k": K.STOP_MESH, "r": rt.rank}, pickle.dumps(dict(req, id=rid)))
+        return then(one.future, lambda _: None)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return RemoteProcMesh, (self._ref,)
+
+    def __repr__(self) -> str:
+        return f"<ProcMesh {self.name!r} {self._ref.shape.describe()} (reference)>"
+
+
+class RemoteActorMesh(_RemoteView):
+    """An actor mesh seen from a rank: the same adverbs as in the controller."""
+
+    def __init__(self, ref: MeshRef, name: str, actor_class: type):
+        self._ref = ref
+        self._name = name
+        self._class = actor_class
+        self._endpoints = endpoints_of(actor_class)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def __getattr__(self, attr: str) -> RemoteEndpoint:
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        if attr not in self._endpoints:
+            eps = ", ".join(sorted(self._endpoints)) or "none"
+            raise AttributeError(
+                f"{self._class.__name__} has no endpoint {attr!r} (endpoints: {eps})"
+            )
+        ref = self.__dict__[attr] = RemoteEndpoint(self, attr)
+        return ref
+
+    def slice(self, **dims: Any) -> RemoteActorMesh:
+        return RemoteActorMesh(self._sliced(dims), self._name, self._class)
+
+    def stop(self) -> Future[None]:
+        """Remove this actor from its ranks (the future completes when it is gone)."""
+        ranks = self._ref.shape.ranks()
+        gather = Gather(ranks, self._ref.shape, _waiter())
+        header = {"k": K.STOP_ACTOR, "a": self._name}
+        client().request(self._ref, ranks, header, b"", (), gather)
+        return then(gather.future, lambda _: None)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_actor_mesh, (self._ref, self._name, self._class)
+
+    def __repr__(self) -> str:
+        return (
+            f"<ActorMesh {self._name!r} ({self._class.__name__}) "
+            f"{self._ref.shape.describe()} (reference)>"
+        )
+
+
+class RemoteEndpoint:
+    """One endpoint of a mesh reference, with Monarch's adverbs."""
+
+    def __init__(self, mesh: RemoteActorMesh, method: str):
+        self._mesh = mesh
+        self._method = method
+        sh = mesh._ref.shape
+        self._header = {
+            "k": K.CALL,
+            "a": mesh._name,
+            "m": method,
+            "sl": [list(sh.labels), list(sh.sizes), list(sh.strides), sh.offset],
+        }
+
+    def _payload(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bytes, Any]:
+        what = f"arguments of {self._mesh._class.__name__}.{self._method}"
+        try:
+            return dumps((args, kwargs), what)
+        except SerializationError:
+            raise
+
+    def _send(self, ranks: list[int], args: Any, kwargs: Any, obs: Any) -> None:
+        payload, buffers = self._payload(args, kwargs)
+        client().request(self._mesh._ref, ranks, self._header, payload, buffers, obs)
+
+    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh]:
+        ranks = self._mesh._ref.shape.ranks()
+        gather = Gather(ranks, self._mesh._ref.shape, _waiter())
+        self._send(ranks, args, kwargs, gather)
+        return gather.future
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        ranks = self._mesh._ref.shape.ranks()
+        if len(ranks) != 1:
+            raise ValueError(
+                f"call_one() needs a mesh of exactly one rank, but "
+                f"{self._mesh._class.__name__}.{self._method} is on {len(ranks)} ranks; "
+                "slice it first or use call()"
+            )
+        one = One(_waiter())
+        self._send(ranks, args, kwargs, one)
+        return one.future
+
+    def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        one = One(_waiter())
+        self._send([random.choice(self._mesh._ref.shape.ranks())], args, kwargs, one)
+        return one.future
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+        self._send(self._mesh._ref.shape.ranks(), args, kwargs, None)
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
+        ranks = self._mesh._ref.shape.ranks()
+        each = Each(ranks, _waiter())
+        self._send(ranks, args, kwargs, each)
+        return each.in_order_of_answers()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"call an endpoint through an adverb: {self._method}.call(...), .call_one(...), "
+            ".broadcast(...), .choose(...) or .stream(...)"
+        )
+
+
+def then(fut: Future[Any], fn: Any) -> Future[Any]:
+    """A future of ``fn(fut's value)`` (``fut``'s error, if it fails)."""
+    out: Future[Any] = Future(lambda done: fn(done.get()))
+
+    def done(f: Future[Any]) -> None:
+        out.set_result(f)
+
+    fut.add_done_callback(done)
+    return out
+
+
+# -- pickling --------------------------------------------------------------------------
+
+
+def _rebuild_actor_mesh(ref: MeshRef, name: str, actor_class: type) -> Any:
+    """Unpickle an actor mesh reference: the controller's own mesh where it is owned."""
+    local = _local_procs(ref)
+    if local is not None:
+        from monarch_kernel.actor.meshes import ActorMesh
+
+        return ActorMesh(local, name, actor_class, ref.shape)
+    return RemoteActorMesh(ref, name, actor_class)
+
+
+def _rebuild_proc_mesh(ref: MeshRef) -> Any:
+    local = _local_procs(ref)
+    if local is not None:
+        from monarch_kernel.actor.meshes import ProcMesh
+
+        return ProcMesh(local.runtime, ref.shape)
+    return RemoteProcMesh(ref)
+
+
+def _local_procs(ref: MeshRef) -> Any:
+    """The controller's ProcMesh for ``ref`` (None in a rank, or not owned here)."""
+    if context.in_rank():
+        return None
+    from monarch_kernel.actor.meshes import ProcMesh
+    from monarch_kernel.controller.registry import registry
+
+    for rt in registry.live():
+        if rt.name == ref.mesh and rt.key.hex() == ref.key:
+            return ProcMesh(rt)
+    return None
+
+
+def mesh_ref(runtime: Any, shape: Shape) -> MeshRef:
+    """A reference to ``shape`` of the mesh run by ``runtime`` (a MeshRuntime)."""
+    addrs = tuple(info.peer_addr for info in runtime.ranks)
+    hosts = tuple(info.hostname for info in runtime.ranks)
+    return MeshRef(runtime.name, runtime.key.hex(), addrs, hosts, shape)
+
+
+__all__ = ["MeshRef", "RemoteActorMesh", "RemoteEndpoint", "RemoteProcMesh"]

@@ -1,0 +1,60 @@
+"""Monarch's supervision inside ranks: ``MeshFailure`` and who is told of a failure.
+
+An actor that spawns an actor mesh from a rank *owns* it. A failure of that mesh with
+nobody waiting for an answer (an exception under ``broadcast``, an actor stopped by
+``SystemExit``) goes to the owner's ``__supervise__(failure)``, on the owner's own rank
+and thread, instead of to the controller. ``__supervise__`` returns True when it handled
+the failure; otherwise (or if the owner has none, or it raises) the failure goes on to
+the owner's own owner, and in the end to the controller, whose
+``unhandled_fault_hook`` gets it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MeshFailure(Exception):
+    """A failure of a mesh, as given to ``__supervise__`` and ``unhandled_fault_hook``.
+
+    ``mesh_name``: the process mesh; ``actor_name``: the actor that failed (empty for a
+    rank death); ``rank``: the global rank in that mesh; ``failure``: the report (type,
+    message, traceback, where ...); ``path``: the owners it went through, innermost
+    first (actor ids that did not handle it)."""
+
+    def __init__(
+        self,
+        mesh_name: str,
+        actor_name: str,
+        rank: int,
+        failure: dict[str, Any],
+        path: tuple[str, ...] = (),
+    ):
+        self.mesh_name = mesh_name
+        self.actor_name = actor_name
+        self.rank = rank
+        self.failure = dict(failure)
+        self.path = tuple(path)
+        super().__init__(self.report())
+
+    @property
+    def mesh(self) -> str:
+        return self.mesh_name
+
+    def report(self) -> str:
+        """The failure in words, with the remote traceback."""
+        f = self.failure
+        who = f"actor {self.actor_name!r} on " if self.actor_name else ""
+        text = (
+            f"{who}rank {self.rank} of mesh {self.mesh_name!r} failed: "
+            f"{f.get('type', 'Error')}: {f.get('message', '')}"
+        )
+        if self.path:
+            text += f"\n(not handled by: {' -> '.join(self.path)})"
+        tb = f.get("traceback")
+        if tb:
+            text += "\n" + str(tb).rstrip()
+        return text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return MeshFailure, (self.mesh_name, self.actor_name, self.rank, self.failure, self.path)
