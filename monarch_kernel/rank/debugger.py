@@ -24,6 +24,7 @@ import os
 import pdb
 import sys
 import threading
+import time
 from types import FrameType, TracebackType
 from typing import IO, Any, cast
 
@@ -71,6 +72,8 @@ class RankDebugger:
         self.detached = False
         #: The exception of the last failed cell or endpoint (kept for post-mortem).
         self.last_failure: BaseException | None = None
+        #: Failures before this time (monotonic) are not kept (an abort just happened).
+        self.keep_after = 0.0
         #: The serial of the prompt asked last by a debugger that has not resumed yet.
         self.paused_serial: int | None = None
         #: A debugger ran during this request (its trace function is removed at the end).
@@ -118,7 +121,10 @@ class RankDebugger:
         return True
 
     def keep_failure(self, exc: BaseException) -> None:
-        """Remember ``exc`` (its frames) for ``%debug_remote``; the last one per rank."""
+        """Remember ``exc`` (its frames) for ``%debug_remote``; the last one per rank.
+        Not right after the process group was aborted (see ``Rank._abort_pg``)."""
+        if time.monotonic() < self.keep_after:
+            return
         self.last_failure = exc
 
     # -- leaving ---------------------------------------------------------------------

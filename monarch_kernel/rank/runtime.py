@@ -782,6 +782,12 @@ class Rank:
         pings, cancels and stack dumps for long."""
         from monarch_kernel.rank import distributed
 
+        # A failure the abort causes (a collective released with an error) is not kept
+        # for post-mortem: its frames hold the aborted group's pending work, and while
+        # they live the group cannot be destroyed (the ranks would stay in a dead group).
+        self.debugger.last_failure = None
+        self.debugger.keep_after = time.monotonic() + ABORT_KEEP_PAUSE
+
         def abort() -> None:
             try:
                 distributed.abort_process_group()
@@ -883,6 +889,8 @@ def _bind_peer(sock: zmq.Socket, cfg: dict[str, Any], rank: int) -> str:
 
 #: How long the control thread waits for an abort of the process group to finish.
 ABORT_WAIT = 1.0
+#: Seconds after an ABORT_PG during which failures are not kept for post-mortem.
+ABORT_KEEP_PAUSE = 5.0
 
 
 _START = (REQUEST_START + "\n").encode()
