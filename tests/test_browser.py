@@ -474,15 +474,6 @@ def test_sidebar_and_status_bar_follow_a_mesh(lab):
                 timeout=10_000,
             )
             assert "gpus=2 · local" in mesh.inner_text()
-            # its Dashboard button scrolls to the dashboard in the notebook
-            scroller = page.locator(".jp-NotebookPanel .jp-WindowedPanel-outer").first
-            head = page.locator(".mk-dash .mk-head").first
-            scroller.evaluate("e => { e.scrollTop = e.scrollHeight; }")
-            wait_until(lambda: head.bounding_box()["y"] < 0, timeout=5, what="scrolled away")
-            mesh.locator("button", has_text="Dashboard").click()
-            wait_until(
-                lambda: 0 <= head.bounding_box()["y"] < 300, timeout=5, what="dashboard in view"
-            )
             assert "mk-lab-bad" not in (status.get_attribute("class") or "")
 
             # A run that starts again at step 0 is a new line, not joined to the old one.
@@ -521,6 +512,16 @@ def test_sidebar_and_status_bar_follow_a_mesh(lab):
             )
             assert "side 2/2" in _status(page)
             page.locator(".mk-lab-notice", has_text="restarted ranks 1").wait_for(timeout=10_000)
+
+            # its Dashboard button shows the dashboard in a new cell below the active one
+            # (the stop cell, index 4, stays where it is: the new cell goes below it)
+            heads = page.locator(".mk-dash .mk-head b", has_text="side")
+            before = heads.count()
+            mesh.locator("button", has_text="Dashboard").click()
+            wait_until(lambda: heads.count() == before + 1, timeout=20, what="a new dashboard")
+            only = re.compile(r"^side\.dashboard\(\)$")
+            new_cell = page.locator(".jp-Cell .cm-content", has_text=only)
+            assert new_cell.count() == 1
 
             _run_cell(page, 4)  # stopped: the mesh leaves the sidebar and the status bar
             mesh.wait_for(state="detached", timeout=15_000)

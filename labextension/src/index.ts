@@ -187,7 +187,10 @@ class MeshSidebar extends Widget {
   /** A line of our own under the meshes (e.g. why a button did nothing). */
   hint = '';
 
-  constructor(private model: MeshModel) {
+  constructor(
+    private model: MeshModel,
+    private newDashboardCell: (kernel: string, mesh: string) => Promise<boolean>
+  ) {
     super();
     this.id = SIDEBAR_ID;
     this.addClass('mk-lab-sidebar');
@@ -280,15 +283,48 @@ class MeshSidebar extends Widget {
     button('Stop', 'Stop every rank of this mesh', () =>
       this.model.act(kernel, mesh.name, 'stop')
     );
-    button('Dashboard', 'Scroll to this mesh’s dashboard', () => {
-      if (!showDashboard(mesh.name)) {
-        this.hint = `No dashboard of ${mesh.name} is open: run ${mesh.name}.dashboard() in a cell.`;
-        this.render();
-      }
+    button('Dashboard', 'Show this mesh’s dashboard in a new cell below the active one', () => {
+      void this.newDashboardCell(kernel, mesh.name).then(added => {
+        if (!added && !showDashboard(mesh.name)) {
+          this.hint = `Open the notebook that uses ${mesh.name}, then click again (or run ${mesh.name}.dashboard() in a cell).`;
+          this.render();
+        }
+      });
     });
     box.appendChild(actions);
     return box;
   }
+}
+
+/** What is used of a notebook panel (the notebook package is not a dependency). */
+interface INotebookLike {
+  content?: {
+    activeCell?: { model: { sharedModel: { setSource(source: string): void } } } | null;
+  };
+  sessionContext?: { session?: { kernel?: { id: string } | null } | null };
+}
+
+/** In the current notebook, if its kernel is ``kernel``: a new cell below the active one
+ * that shows ``mesh``'s dashboard (``mesh.dashboard()``), run at once. False when the
+ * current main-area widget is not that kernel's notebook. Uses the notebook extension's
+ * own commands, so no notebook package is needed here. */
+async function dashboardInNewCell(
+  app: JupyterFrontEnd,
+  kernel: string,
+  mesh: string
+): Promise<boolean> {
+  const panel = app.shell.currentWidget as unknown as INotebookLike | null;
+  if (!panel?.content || panel?.sessionContext?.session?.kernel?.id !== kernel) {
+    return false;
+  }
+  await app.commands.execute('notebook:insert-cell-below');
+  const cell = panel.content.activeCell;
+  if (!cell) {
+    return false;
+  }
+  cell.model.sharedModel.setSource(`${mesh}.dashboard()`);
+  await app.commands.execute('notebook:run-cell');
+  return true;
 }
 
 /** Scroll the mesh's dashboard (in an open notebook) into view; false if none is. */
@@ -346,7 +382,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
     palette: ICommandPalette | null
   ) => {
     const model = new MeshModel(shell);
-    const sidebar = new MeshSidebar(model);
+    const sidebar = new MeshSidebar(model, (kernel, mesh) =>
+      dashboardInNewCell(app, kernel, mesh)
+    );
     shell.add(sidebar, 'left', { rank: 900 });
     const open = () => shell.activateById(SIDEBAR_ID);
     if (statusBar) {
