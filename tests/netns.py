@@ -17,6 +17,7 @@ import random
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -54,12 +55,21 @@ class NetHosts:
     gateway: str  #: the bridge's address (this process's address as the hosts see it)
     hosts: list[NetHost]
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    #: The hosts' temporary directory (``$TMPDIR`` of what :meth:`popen` starts), as
+    #: another machine's /tmp: what a killed agent leaves there goes with :meth:`close`.
+    tmp: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="mk-netns-tmp-"))
+
+    def _env(self, kw: dict[str, object]) -> None:
+        env = dict(kw.get("env") or os.environ)  # type: ignore[call-overload]
+        env.setdefault("TMPDIR", self.tmp)
+        kw["env"] = env
 
     def popen(self, host: int, cmd: Sequence[str], **kw: object) -> subprocess.Popen[bytes]:
         """Run ``cmd`` on host ``host`` (its netns, its own hostname)."""
         h = self.hosts[host]
         script = 'hostname "$0"; exec "$@"'
         argv = ["ip", "netns", "exec", h.ns, "unshare", "--uts", "sh", "-c", script, h.name]
+        self._env(kw)
         proc = subprocess.Popen([*argv, *cmd], **kw)  # type: ignore[call-overload]
         self.procs.append(proc)
         return proc
@@ -92,6 +102,7 @@ class NetHosts:
             subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
             shutil.rmtree(f"/etc/netns/{h.ns}", ignore_errors=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def make_hosts(n: int) -> NetHosts:

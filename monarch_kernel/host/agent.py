@@ -105,7 +105,10 @@ class Template:
 class HostAgent:
     def __init__(self, controller_pid: int | None = None) -> None:
         self.controller_pid = controller_pid
-        self.private_dir = tempfile.mkdtemp(prefix="mk-host-")  # mode 0700
+        # mode 0700; the local launcher makes it (and removes it if we are killed)
+        self.private_dir = os.environ.pop("MONARCH_KERNEL_HOST_DIR", "") or tempfile.mkdtemp(
+            prefix="mk-host-"
+        )
         self.template = Template(self.private_dir)
         self.pids: dict[int, int] = {}  # rank -> pid
         # Fanned-out messages a busy rank has not taken yet (its inbox is full), in order:
@@ -474,6 +477,12 @@ class HostAgent:
             self.ctx.destroy(linger=500)
             self.remove_dead_controller_sockets()
         shutil.rmtree(self.private_dir, ignore_errors=True)
+        # A controller killed outright never ran its atexit: its local launcher's
+        # directory (which holds our private one) goes with its agents.
+        launch = os.path.dirname(self.private_dir)
+        dead = self.controller_pid is not None and os.getppid() != self.controller_pid
+        if dead and os.path.basename(launch).startswith("mk-launch-"):
+            shutil.rmtree(launch, ignore_errors=True)
 
     def remove_dead_controller_sockets(self) -> None:
         """A controller killed outright leaves its unix sockets' private directory

@@ -12,6 +12,7 @@ before it starts anything: ``--gpus 10000`` is an error, not ten thousand forks.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -78,9 +79,12 @@ def rank_limit(cpus: int, memory: int) -> int:
 class LocalHost:
     """Handle on one local host agent process (a :class:`~.base.HostHandle`)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], log_path: str):
+    def __init__(self, proc: subprocess.Popen[bytes], log_path: str, private_dir: str = ""):
         self.proc = proc
         self.log_path = log_path
+        #: The agent's private (0700) directory, made here so that it is removed even
+        #: when the agent is killed outright (its own clean-up never runs then).
+        self.private_dir = private_dir
         self._pid = proc.pid
 
     @property
@@ -120,6 +124,8 @@ class LocalHost:
             os.unlink(self.log_path)
         except OSError:
             pass
+        if self.private_dir and self.proc.poll() is not None:  # never under a live agent
+            shutil.rmtree(self.private_dir, ignore_errors=True)
 
 
 class LocalLauncher:
@@ -138,6 +144,9 @@ class LocalLauncher:
         # so every agent is started from this one long-lived thread.
         self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]]] = queue.Queue()
         threading.Thread(target=self._spawner, name="mk-local-launcher", daemon=True).start()
+        # At interpreter exit the directory (agents' logs and private dirs) goes too; the
+        # agents remove it themselves when this process is killed outright.
+        atexit.register(shutil.rmtree, self._dir, ignore_errors=True)
 
     @classmethod
     def shared(cls) -> LocalLauncher:
@@ -165,7 +174,12 @@ class LocalLauncher:
         if not os.path.isdir(self._dir):  # removed by shutdown(); the launcher lives on
             self._dir = tempfile.mkdtemp(prefix="mk-launch-")
         fd, log_path = tempfile.mkstemp(prefix="host-", suffix=".log", dir=self._dir)
-        env = dict(os.environ, MONARCH_KERNEL_PARENT_PID=str(os.getpid()))
+        private_dir = tempfile.mkdtemp(prefix="h-", dir=self._dir)  # mode 0700
+        env = dict(
+            os.environ,
+            MONARCH_KERNEL_PARENT_PID=str(os.getpid()),
+            MONARCH_KERNEL_HOST_DIR=private_dir,
+        )
         env.pop("MONARCH_KERNEL_HOST_CONFIG", None)
         try:
             proc = subprocess.Popen(
@@ -179,7 +193,7 @@ class LocalLauncher:
             )
         finally:
             os.close(fd)
-        return LocalHost(proc, log_path)
+        return LocalHost(proc, log_path, private_dir)
 
     def prewarm(self, count: int = 1) -> None:
         """Start ``count`` host agents now so the next mesh finds torch imported."""
