@@ -119,6 +119,12 @@ class Recorder:
     def has(self, key: str) -> bool:
         return key in self.data
 
+    def ratio(self, key: str, num: str, den: str) -> None:
+        """Record ``num ÷ den`` as ``key`` when both were measured (and ``den`` > 0)."""
+        a, b = self.data.get(num, {}), self.data.get(den, {})
+        if "value" in a and "value" in b and b["value"] > 0:
+            self.value(key, a["value"] / b["value"])
+
     @contextmanager
     def guard(self, *keys: str) -> Iterator[None]:
         """Run a benchmark; on failure, note the error on every key it did not fill."""

@@ -80,9 +80,7 @@ def run(s: Settings, rec: Recorder) -> None:
             ("xhost_r2r_64", "xhost_zmq_64", "xhost_r2r_plain_ratio"),
             ("xhost_r2r_64_enc", "xhost_zmq_curve_64", "xhost_r2r_enc_ratio"),
         ):
-            a, b = rec.data.get(mine, {}), rec.data.get(floor, {})
-            if "value" in a and "value" in b and b["value"] > 0:
-                rec.value(key, a["value"] / b["value"])
+            rec.ratio(key, mine, floor)
     finally:
         net.close()
 

@@ -26,20 +26,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(REPO, "tests")
 
 
-def ours_ready() -> float:
-    from bench.ours import Bench
-    from monarch_kernel.actor import host_mesh
-
-    t0 = time.perf_counter()
-    procs = host_mesh(hosts=2, backend="ray").spawn_procs({"gpus": 1}, timeout=90)
-    try:
-        assert all(procs.spawn("bench", Bench).ready.call().get(timeout=60).values())
-        return time.perf_counter() - t0
-    finally:
-        procs.stop()
-        procs.runtime.launcher.shutdown()
-
-
 def ray_actors() -> float:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -81,35 +67,29 @@ def run(s: Settings, rec: Recorder) -> None:
         for key in ROWS:
             rec.note(key, f"n/a: {why}")
         return
+    from helpers import patched_environ, pythonpath_with
     from ray_cluster import RAY_ENV, start_cluster, stop_cluster
 
-    saved = {k: os.environ.get(k) for k in (*RAY_ENV, "RAY_ADDRESS", "PYTHONPATH")}
+    from bench.ours import mesh_ready_seconds
+
     t0 = time.perf_counter()
     cluster = start_cluster()
     rec.value("ray_cluster_up", time.perf_counter() - t0)
-    path = os.environ.get("PYTHONPATH", "")
-    os.environ.update(RAY_ENV, RAY_ADDRESS=cluster.address)
-    os.environ["PYTHONPATH"] = REPO + (os.pathsep + path if path else "")
+    env = {**RAY_ENV, "RAY_ADDRESS": cluster.address, "PYTHONPATH": pythonpath_with(REPO)}
     try:
-        import ray
+        with patched_environ(env):
+            import ray
 
-        reps = 1 if s.quick else REPS
-        with rec.guard("ray_ready_2x1"):
-            xs = [ours_ready() for _ in range(reps)]
-            rec.value("ray_ready_2x1", median(xs), samples=xs)
-        with rec.guard("ray_actors_2"):
-            ys = [ray_actors() for _ in range(reps)]
-            rec.value("ray_actors_2", median(ys), samples=ys)
-        a, b = rec.data.get("ray_ready_2x1", {}), rec.data.get("ray_actors_2", {})
-        if "value" in a and "value" in b and b["value"] > 0:
-            rec.value("ray_ready_ratio", a["value"] / b["value"])
-        ray.shutdown()
+            reps = 1 if s.quick else REPS
+            with rec.guard("ray_ready_2x1"):
+                xs = [mesh_ready_seconds("ray", 1) for _ in range(reps)]
+                rec.value("ray_ready_2x1", median(xs), samples=xs)
+            with rec.guard("ray_actors_2"):
+                ys = [ray_actors() for _ in range(reps)]
+                rec.value("ray_actors_2", median(ys), samples=ys)
+            rec.ratio("ray_ready_ratio", "ray_ready_2x1", "ray_actors_2")
+            ray.shutdown()
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         stop_cluster(cluster)
 
 

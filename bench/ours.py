@@ -68,6 +68,23 @@ class Bench(Actor):
         return "slept"
 
 
+def mesh_ready_seconds(backend: str, per_host: int, **options: object) -> float:
+    """Seconds from ``spawn_procs`` on 2 hosts of ``backend`` to every rank having
+    answered :meth:`Bench.ready` (torch imported); the mesh and launcher are stopped."""
+    from monarch_kernel.actor import host_mesh
+
+    t0 = time.perf_counter()
+    procs = host_mesh(hosts=2, backend=backend, **options).spawn_procs(
+        {"gpus": per_host}, timeout=90
+    )
+    try:
+        assert all(procs.spawn("bench", Bench).ready.call().get(timeout=60).values())
+        return time.perf_counter() - t0
+    finally:
+        procs.stop()
+        procs.runtime.launcher.shutdown()
+
+
 def ready_mesh(n: int) -> tuple[ProcMesh, ActorMesh]:
     """A mesh of ``n`` ranks with an actor on each that has answered with torch imported."""
     procs = this_host().spawn_procs(per_host={"gpus": n})

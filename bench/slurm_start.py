@@ -38,19 +38,9 @@ def unavailable() -> str | None:
 
 def time_slurm_ready(advertise: str, per_host: int) -> float:
     """Seconds from the ``spawn_procs`` call to a ready 2-host mesh (then stopped)."""
-    from bench.ours import Bench
-    from monarch_kernel.actor import host_mesh
+    from bench.ours import mesh_ready_seconds
 
-    t0 = time.perf_counter()
-    procs = host_mesh(hosts=2, backend="slurm", advertise=advertise).spawn_procs(
-        {"gpus": per_host}, timeout=90
-    )
-    try:
-        assert all(procs.spawn("bench", Bench).ready.call().get(timeout=60).values())
-        return time.perf_counter() - t0
-    finally:
-        procs.stop()
-        procs.runtime.launcher.shutdown()
+    return mesh_ready_seconds("slurm", per_host, advertise=advertise)
 
 
 def run(s: Settings, rec: Recorder) -> None:
@@ -65,24 +55,19 @@ def run(s: Settings, rec: Recorder) -> None:
     t0 = time.perf_counter()
     cluster = start_cluster(2, gpus=2)  # as the tests: 2 counted GPUs per node
     rec.value("slurm_cluster_up", time.perf_counter() - t0)
+    from helpers import patched_environ, pythonpath_with
+
     # The launcher and the agents srun starts read these from this process's environment.
-    saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "PYTHONPATH")}
-    path = os.environ.get("PYTHONPATH", "")
-    os.environ["SLURM_CONF"] = cluster.conf
-    os.environ["PYTHONPATH"] = REPO + (os.pathsep + path if path else "")
+    env = {"SLURM_CONF": cluster.conf, "PYTHONPATH": pythonpath_with(REPO)}
     try:
-        for per_host in (1, 2):
-            key = f"slurm_ready_2x{per_host}"
-            with rec.guard(key):
-                reps = 1 if s.quick else REPS
-                xs = [time_slurm_ready(cluster.net.gateway, per_host) for _ in range(reps)]
-                rec.value(key, median(xs), samples=xs)
+        with patched_environ(env):
+            for per_host in (1, 2):
+                key = f"slurm_ready_2x{per_host}"
+                with rec.guard(key):
+                    reps = 1 if s.quick else REPS
+                    xs = [time_slurm_ready(cluster.net.gateway, per_host) for _ in range(reps)]
+                    rec.value(key, median(xs), samples=xs)
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         cluster.close()
 
 

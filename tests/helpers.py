@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -64,3 +66,24 @@ def wait_for_rank_line(procs: Any, rank: int, text: str, timeout: float = 15.0) 
         what=f"rank {rank} to print {text!r}",
         detail=lambda: f"its last lines: {lines()[-5:]}",
     )
+
+
+@contextmanager
+def patched_environ(values: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` in this process's environment; put back what was there after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def pythonpath_with(first: str) -> str:
+    """``$PYTHONPATH`` with ``first`` in front (processes started from it import there)."""
+    path = os.environ.get("PYTHONPATH", "")
+    return first + (os.pathsep + path if path else "")

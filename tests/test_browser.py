@@ -206,6 +206,16 @@ def lab(tmp_path):
     shutil.copy(tmp_path / "lab.log", ARTIFACTS / "lab.log")
 
 
+def open_notebook(page, base: str, name: str) -> None:
+    """Open notebook ``name`` of the server at ``base`` and wait until its kernel is
+    attached (the toolbar says idle before that, and Shift+Enter is then dropped: the
+    status bar's "| Idle" is what counts)."""
+    page.goto(f"{base}/lab/tree/{name}?token={TOKEN}")
+    page.locator(".jp-StatusBar-TextItem", has_text=re.compile(r"\| Idle")).first.wait_for(
+        timeout=60_000
+    )
+
+
 def _run_cell(page, index: int) -> None:
     """Run cell ``index`` with Shift+Enter, making sure it is the active cell first
     (outputs above it may still be growing and move it)."""
@@ -271,11 +281,7 @@ def test_dashboard_in_jupyterlab(lab):
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 1800})
         try:
-            page.goto(f"{lab}/lab/tree/demo.ipynb?token={TOKEN}")
-            # The toolbar says idle before the kernel is attached: wait for the status bar.
-            page.locator(".jp-StatusBar-TextItem", has_text=re.compile(r"\| Idle")).first.wait_for(
-                timeout=60_000
-            )
+            open_notebook(page, lab, "demo.ipynb")
             _run_cell(page, 0)
             dash = page.locator(".mk-dash").first
             dash.wait_for(timeout=30_000)
@@ -450,10 +456,7 @@ def test_sidebar_and_status_bar_follow_a_mesh(lab):
         page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
         page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
         try:
-            page.goto(f"{lab}/lab/tree/sidebar.ipynb?token={TOKEN}")
-            page.locator(".jp-StatusBar-TextItem", has_text=re.compile(r"\| Idle")).first.wait_for(
-                timeout=60_000
-            )
+            open_notebook(page, lab, "sidebar.ipynb")
             status = page.locator(".mk-lab-status")
             status.wait_for(timeout=30_000)
             page.wait_for_function(

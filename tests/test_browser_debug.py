@@ -7,7 +7,6 @@ JupyterLab's own input box shows the rank's pdb prompt, ``p x`` prints the varia
 from __future__ import annotations
 
 import json
-import re
 import urllib.request
 
 import nbformat
@@ -18,6 +17,7 @@ from test_browser import (  # noqa: F401 - pytestmark and the fixture are used b
     CHROMIUM_ARGS,
     TOKEN,
     _run_cell,
+    open_notebook,
     playwright_sync,
     pytestmark,
 )
@@ -66,10 +66,7 @@ def test_one_breakpoint_session_in_jupyterlab(jupyterlab):  # noqa: F811 - the f
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 1400})
         try:
-            page.goto(f"{lab}/lab/tree/debug.ipynb?token={TOKEN}")
-            page.locator(".jp-StatusBar-TextItem", has_text=re.compile(r"\| Idle")).first.wait_for(
-                timeout=60_000
-            )
+            open_notebook(page, lab, "debug.ipynb")
             _run_cell(page, 0)
             page.locator(".mk-dash").first.wait_for(timeout=60_000)
             page.wait_for_function(

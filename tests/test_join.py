@@ -55,6 +55,29 @@ def _ddp_data(rank: int):
     return torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
 
 
+def one_process_ddp_losses(world: int, steps: int) -> list[list[float]]:
+    """Each rank's losses as :class:`Trainer` gives them, computed in one process that
+    averages the ``world`` ranks' gradients itself (what DDP over gloo must match)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    data = [_ddp_data(r) for r in range(world)]
+    expected: list[list[float]] = [[] for _ in range(world)]
+    for _ in range(steps):
+        grads = []
+        for r, (x, y) in enumerate(data):
+            model.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            expected[r].append(loss.item())
+            grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p -= 0.1 * sum(g[i] for g in grads) / world
+    return expected
+
+
 class Trainer(Actor):
     @endpoint
     def train(self, steps: int) -> list[float]:
@@ -209,26 +232,10 @@ def test_gloo_all_reduce_across_hosts(joined):
 def test_ddp_across_hosts_matches_one_process(joined):
     """DDP over gloo across the three machines: every rank's losses are those of one
     process that averages the six ranks' gradients itself."""
-    import torch
-
     procs, _ = joined
     steps = 4
     got = procs.spawn("ddp", Trainer).train.call(steps).get(timeout=60).values()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    data = [_ddp_data(r) for r in range(6)]
-    expected: list[list[float]] = [[] for _ in range(6)]
-    for _ in range(steps):
-        grads = []
-        for r, (x, y) in enumerate(data):
-            model.zero_grad()
-            loss = ((model(x) - y) ** 2).mean()
-            loss.backward()
-            expected[r].append(loss.item())
-            grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
-        with torch.no_grad():
-            for i, p in enumerate(model.parameters()):
-                p -= 0.1 * sum(g[i] for g in grads) / 6
+    expected = one_process_ddp_losses(6, steps)
     for r in range(6):
         assert got[r] == pytest.approx(expected[r], rel=1e-5, abs=1e-6), r
 

@@ -18,8 +18,9 @@ import nbclient
 import nbformat
 import psutil
 import pytest
+from helpers import patched_environ, wait_until
 from ray_cluster import RAY_ENV, RayCluster, ray_cluster_fixture
-from test_join import Probe, Trainer, _ddp_data
+from test_join import Probe, Trainer, one_process_ddp_losses
 
 from monarch_kernel.actor import host_mesh
 
@@ -28,22 +29,16 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 @pytest.fixture(scope="module")
 def cluster():
-    saved = {k: os.environ.get(k) for k in (*RAY_ENV, "RAY_ADDRESS")}
     # This process is the Ray driver (the controller), as a kernel would be; the kernels
     # the notebook test starts inherit the address and the token.
     for c in ray_cluster_fixture():
-        os.environ.update(RAY_ENV, RAY_ADDRESS=c.address)
-        try:
-            yield c
-        finally:
-            import ray
+        with patched_environ({**RAY_ENV, "RAY_ADDRESS": c.address}):
+            try:
+                yield c
+            finally:
+                import ray
 
-            ray.shutdown()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+                ray.shutdown()
 
 
 def _our_groups() -> list[dict]:
@@ -78,8 +73,6 @@ def _running(pid: int) -> bool:
 def test_two_host_mesh_runs_ddp_across_ray_nodes(cluster: RayCluster):
     """One bundle per Ray node (STRICT_SPREAD), a host agent in each; DDP over gloo
     across the two nodes gives the losses of one process averaging the 4 ranks."""
-    import torch
-
     t0 = time.monotonic()
     procs = host_mesh(hosts=2, backend="ray").spawn_procs({"gpus": 2}, name="ray2", timeout=90)
     ready = time.monotonic() - t0
@@ -101,21 +94,7 @@ def test_two_host_mesh_runs_ddp_across_ray_nodes(cluster: RayCluster):
 
         steps = 3
         got = procs.spawn("ddp", Trainer).train.call(steps).get(timeout=60).values()
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 1)
-        data = [_ddp_data(r) for r in range(4)]
-        expected: list[list[float]] = [[] for _ in range(4)]
-        for _ in range(steps):
-            grads = []
-            for r, (x, y) in enumerate(data):
-                model.zero_grad()
-                loss = ((model(x) - y) ** 2).mean()
-                loss.backward()
-                expected[r].append(loss.item())
-                grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
-            with torch.no_grad():
-                for i, p in enumerate(model.parameters()):
-                    p -= 0.1 * sum(g[i] for g in grads) / 4
+        expected = one_process_ddp_losses(4, steps)
         for r in range(4):
             assert got[r] == pytest.approx(expected[r], rel=1e-5, abs=1e-6), r
     finally:
@@ -183,7 +162,6 @@ def test_killed_kernel_leaves_no_group_and_no_process(cluster: RayCluster):
     actors its driver owned, and the agents and ranks go with them."""
     import json
 
-    from helpers import wait_until
     from kernel_client import Kernel
 
     k = Kernel()

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 from conftest import wait_no_orphans
-from helpers import wait_until
+from helpers import patched_environ, pythonpath_with, wait_until
 from slurm_cluster import SlurmCluster, slurm_cluster_fixture
 
 import monarch_kernel
@@ -66,19 +66,9 @@ def cluster() -> Iterator[SlurmCluster]:
     """The cluster, and this process's environment pointing at it (the launcher reads
     ``$SLURM_CONF``; the agents srun starts import this checkout)."""
     for c in slurm_cluster_fixture(2, gpus=GPUS):
-        saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "PYTHONPATH")}
-        os.environ["SLURM_CONF"] = c.conf
-        path = os.environ.get("PYTHONPATH", "")
-        os.environ["PYTHONPATH"] = REPO + (os.pathsep + path if path else "")
-        c.env = dict(os.environ)
-        try:
+        with patched_environ({"SLURM_CONF": c.conf, "PYTHONPATH": pythonpath_with(REPO)}):
+            c.env = dict(os.environ)
             yield c
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def agents_on_nodes(cluster: SlurmCluster) -> list[psutil.Process]:
