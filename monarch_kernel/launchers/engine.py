@@ -181,11 +181,7 @@ class EngineLauncher(ABC):
     def start_hosts(self, configs: list[HostConfig]) -> list[HostHandle]:
         if not configs:
             return []
-        if self.per_host_tokens:
-            joins, line, tokens = self.join.start_each(configs)
-        else:
-            joins, line, token = self.join.start_group(configs)
-            tokens = [token]
+        joins, line, tokens = self.join.start_for_engine(configs, group=not self.per_host_tokens)
         command = JoinCommand(line.split(), tokens, configs[0].mesh, [c.host for c in configs])
         try:
             alloc = self.allocate(command, configs)

@@ -249,26 +249,19 @@ class JoinLauncher:
             slots.append(slot)
         return slots
 
-    def start_group(self, configs: list[HostConfig]) -> tuple[list[JoinHost], str, str]:
-        """For engines that run one command on every machine (``srun``, a multi-machine
-        Lightning job): one *group* token that admits ``len(configs)`` hosts, each taking
-        the next host index not joined yet. Returns the handles, the command without the
-        token and the token (pass it in :data:`TOKEN_ENV`). Shows nothing."""
+    def start_for_engine(
+        self, configs: list[HostConfig], group: bool
+    ) -> tuple[list[JoinHost], str, list[str]]:
+        """Slots for an engine to start (nothing is shown). ``group``: for engines that
+        run one command on every machine (``srun``, a multi-machine Lightning job), one
+        *group* token that admits ``len(configs)`` hosts, each taking the next host index
+        not joined yet; else a token per host (a Ray actor per bundle). Returns the
+        handles, the command without the token, and the tokens (one for a group; pass
+        each in :data:`TOKEN_ENV`)."""
         with self._lock:
-            slots = self._issue(configs, secrets.token_hex(16))
+            slots = self._issue(configs, secrets.token_hex(16) if group else None)
             command = self.command(slots[0], with_token=False) if slots else ""
-            token = self.token(slots[0]) if slots else ""
-            handles = [JoinHost(self, s, f"{command} (token in ${TOKEN_ENV})") for s in slots]
-        return handles, command, token
-
-    def start_each(self, configs: list[HostConfig]) -> tuple[list[JoinHost], str, list[str]]:
-        """For engines that start each host themselves (a Ray actor per bundle): a token
-        per host. Returns the handles, the command without the token, the tokens (pass
-        each in :data:`TOKEN_ENV`). Shows nothing."""
-        with self._lock:
-            slots = self._issue(configs, None)
-            command = self.command(slots[0], with_token=False) if slots else ""
-            tokens = [self.token(s) for s in slots]
+            tokens = [self.token(s) for s in (slots[:1] if group else slots)]
             handles = [JoinHost(self, s, f"{command} (token in ${TOKEN_ENV})") for s in slots]
         return handles, command, tokens
 

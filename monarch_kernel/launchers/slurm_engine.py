@@ -16,7 +16,7 @@ Two cases, told apart by ``$SLURM_JOB_ID`` in the kernel's environment:
   cluster is asked for no GPUs.
 
 ``srun`` runs the same command on every node, so the hosts share one *group* join token
-(each agent takes the next host slot; see :meth:`~.join.JoinLauncher.start_group`),
+(each agent takes the next host slot; see :meth:`~.join.JoinLauncher.start_for_engine`),
 passed in srun's environment, never on a command line. The interpreter is this one
 (``sys.executable``): cluster nodes share the file system.
 
