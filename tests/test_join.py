@@ -117,8 +117,12 @@ def _agent_env() -> dict[str, str]:
 class Joiner:
     """Plays the people who run the shown command on each machine."""
 
-    def __init__(self, net: NetHosts):
+    def __init__(self, net: NetHosts, first: int = 0, env: dict[str, str] | None = None):
+        """Host ``i`` of a mesh runs on namespace host ``first + i``, with ``env``
+        (default: this repository on ``$PYTHONPATH``)."""
         self.net = net
+        self.first = first
+        self.env = env or _agent_env()
         self.lines: list[str] = []
         self.agents: dict[int, psutil.Popen] = {}
         self.logs: dict[int, str] = {}
@@ -136,13 +140,13 @@ class Joiner:
 
     def run(self, host: int, command: str) -> None:
         url, token = COMMAND.search(command).groups()  # type: ignore[union-attr]
-        fd, log = tempfile.mkstemp(prefix=f"join-host{host}-", suffix=".log")
+        fd, log = tempfile.mkstemp(prefix=f"join-host{host}-", suffix=".log", dir=self.net.tmp)
         proc = self.net.popen(
-            host,
+            self.first + host,
             [sys.executable, "-m", "monarch_kernel.host", "--join", url, "--token", token],
             stdout=fd,
             stderr=fd,
-            env=_agent_env(),
+            env=self.env,
             cwd=os.getcwd(),
         )
         os.close(fd)

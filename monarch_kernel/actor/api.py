@@ -8,7 +8,6 @@ import logging
 import os
 import pickle
 import queue
-import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -25,9 +24,10 @@ from monarch_kernel.rank import context as rank_context
 from monarch_kernel.rank.runtime import ResponsePort
 from monarch_kernel.rank.supervise import MeshFailure
 from monarch_kernel.shape import Point, Shape
-from monarch_kernel.wire import Codec, dumps, loads
+from monarch_kernel.wire import Codec, dumps, loads, peer_address
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import new_key
+from monarch_kernel.wire.peer_address import PeerAddress
 
 log = logging.getLogger("monarch_kernel.actor")
 R = TypeVar("R")
@@ -102,11 +102,11 @@ def this_proc() -> Any:
     if rt is not None:
         cfg = rt.cfg
         world = int(cfg.get("world_size", rt.rank + 1))
-        addrs = tuple(rt.peer_addr if r == rt.rank else "" for r in range(world))
-        hosts = tuple(socket.gethostname() for _ in range(world))
+        none = PeerAddress("")
+        addrs = tuple(rt.peer if r == rt.rank else none for r in range(world))
         shape = Shape((), (), (), rt.rank)
         mesh = str(cfg.get("mesh", cfg.get("run_id", "mesh")))
-        return RemoteProcMesh(MeshRef(mesh, cfg["key"], addrs, hosts, shape))
+        return RemoteProcMesh(MeshRef(mesh, cfg["key"], addrs, shape))
     with _this_proc_lock:
         if _this_proc is None or _this_proc.stopped:
             from monarch_kernel.actor.meshes import this_host
@@ -141,18 +141,25 @@ def tell_owner(
     body = {"mesh": mesh, "actor": actor, "rank": rank, "report": report, "path": ()}
     frames = _codec(owner["ox"]).encode({"k": K.SUPERVISE, "on": owner["on"]}, pickle.dumps(body))
     with _push_lock:
-        sock = _owners.get(owner["oa"])
-        if sock is None:
-            sock = _owners[owner["oa"]] = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(owner["oa"])
         try:
+            addr = PeerAddress.decode(owner["oa"])
+            sock = _owners.get(addr)
+            if sock is None:
+                sock = zmq.Context.instance().socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                peer_address.connect(sock, addr)
+                _owners[addr] = sock
             sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("the owner of %s/%s is gone; its death is not reported", mesh, actor)
+        except (zmq.Again, ConnectionError, ValueError) as exc:
+            log.warning(
+                "the owner of %s/%s is unreachable (%s); its death is not reported",
+                mesh,
+                actor,
+                exc,
+            )
 
 
-_owners: dict[str, zmq.Socket] = {}
+_owners: dict[PeerAddress, zmq.Socket] = {}
 
 
 def _watch(runtime: Any) -> None:
@@ -205,7 +212,7 @@ def get_or_spawn_controller(name: str, cls: type, *args: Any, **kwargs: Any) -> 
         c.codec(rt.cfg["key"])  # the controller answers with this mesh's key
         one = One(_waiter())
         rid = c.expect(one, 0)
-        req = {"op": "get_or_spawn_controller", "id": rid, "rt": c.reply_addr, "call": call}
+        req = {"op": "get_or_spawn_controller", "id": rid, "rt": c.reply.encode(), "call": call}
         rt.send({"k": K.ASK, "r": rt.rank}, pickle.dumps(req))
         return one.future
     with _controllers_lock:
@@ -274,12 +281,13 @@ class Accumulator(Generic[R, A]):
 class Port(Generic[R]):
     """The sending end of a channel (Monarch's ``Port``): ``send(value)`` delivers to
     the :class:`PortReceiver` it was opened with, in order; ``exception(exc)`` makes
-    that receiver's ``recv()`` raise. Picklable: pass it to actors on this machine.
+    that receiver's ``recv()`` raise. Picklable: pass it to actors, on this machine or
+    (where the receiving process takes TCP, see ``actor.peer.client``) on others.
 
     An endpoint declared ``@endpoint(explicit_response_port=True)`` is given a port of
     the same interface, which answers the call."""
 
-    def __init__(self, addr: str, key: str, port_id: str, rank: int | None = None):
+    def __init__(self, addr: PeerAddress, key: str, port_id: str, rank: int | None = None):
         self._addr = addr
         self._key = key
         self._id = port_id
@@ -308,7 +316,7 @@ class Port(Generic[R]):
 
 
 _codecs: dict[str, Codec] = {}
-_pushes: dict[tuple[int, str], zmq.Socket] = {}
+_pushes: dict[tuple[int, PeerAddress], zmq.Socket] = {}
 _push_lock = threading.Lock()
 
 
@@ -319,15 +327,25 @@ def _codec(key: str) -> Codec:
     return codec
 
 
-def _push(addr: str) -> zmq.Socket:
+def _push(addr: PeerAddress) -> zmq.Socket:
     with _push_lock:
         sock = _pushes.get((os.getpid(), addr))
         if sock is None:
             sock = zmq.Context.instance().socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)
-            sock.connect(addr)
+            try:
+                peer_address.connect(sock, addr, _here())
+            except BaseException:
+                sock.close(0)
+                raise
             _pushes[(os.getpid(), addr)] = sock
         return sock
+
+
+def _here() -> str:
+    """This process's machine as peer addresses name it."""
+    rt = rank_context._runtime
+    return str(rt.cfg["hostname"]) if rt is not None else peer_address.this_machine()
 
 
 class _PortQueue:
@@ -394,7 +412,7 @@ class Channel(Generic[R]):
         port_id = f"{c.prefix}port{next(_port_ids)}"
         q = _PortQueue()
         c.open_port(port_id, q)
-        return Port(c.reply_addr, key, port_id), PortReceiver(q)
+        return Port(c.reply, key, port_id), PortReceiver(q)
 
 
 _key: str | None = None

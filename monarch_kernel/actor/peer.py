@@ -13,10 +13,15 @@ process's reply socket and are matched to their requests by a thread of its own,
 also watches the connections to the target ranks: a target that dies fails its calls at
 once with :class:`RankDiedError`, as calls from the controller do.
 
+Each target rank is reached where it listens (:mod:`monarch_kernel.wire.peer_address`):
+its unix socket from the same machine, its CURVE TCP socket from another (ranks of meshes
+that span machines take those). Replies come back the same way to this process's reply
+socket. A target on another machine that dies, or whose machine vanishes, fails its calls
+as one on this machine does (the connection drops, or its heartbeats stop); one that
+cannot be reached at all fails them after :data:`CONNECT_TIMEOUT` seconds.
+
 The reference carries the target mesh's key: it travels only inside signed control
-messages (CURVE-encrypted across machines), like everything else a rank is given. Peer
-calls reach ranks on the caller's machine (unix sockets); a reference to ranks on another
-machine raises a clear error when called (see README, differences from Monarch).
+messages (CURVE-encrypted across machines), like everything else a rank is given.
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ import itertools
 import os
 import pickle
 import random
-import socket
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,10 +50,22 @@ from monarch_kernel.controller.events import Reply, RequestObserver
 from monarch_kernel.controller.future import Future
 from monarch_kernel.rank import context
 from monarch_kernel.shape import Shape
-from monarch_kernel.wire import Codec, SerializationError, WireError, dumps
+from monarch_kernel.wire import Codec, SerializationError, WireError, dumps, peer_address
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
+from monarch_kernel.wire.peer_address import PeerAddress
+
+#: Seconds a first connection to a rank may take before its calls fail (it is not
+#: running, or its machine cannot be reached from here).
+CONNECT_TIMEOUT = 5.0
+#: Monitor events that mean a connection to a target rank is gone or refused.
+_LOST = {
+    zmq.EVENT_DISCONNECTED: "its connection closed",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the encrypted handshake failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the encrypted handshake failed (protocol)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its listener refused our key",
+}
 
 
 @dataclass(frozen=True)
@@ -57,8 +74,7 @@ class MeshRef:
 
     mesh: str  #: the process mesh's name
     key: str  #: its signing key (hex)
-    addrs: tuple[str, ...]  #: peer address of each global rank ("" if not ready)
-    hosts: tuple[str, ...]  #: hostname of each global rank's machine
+    addrs: tuple[PeerAddress, ...]  #: where each global rank listens (false: not ready)
     shape: Shape  #: the (sliced) shape referred to
 
 
@@ -69,6 +85,7 @@ class _Pending:
     __slots__ = ("observer", "ranks", "addrs", "left")
 
     def __init__(self, observer: RequestObserver, ranks: list[int], addrs: list[str]):
+        """``addrs``: the route each of ``ranks`` was sent on (see ``_on_lost``)."""
         self.observer = observer
         self.ranks = ranks
         self.addrs = addrs
@@ -87,12 +104,19 @@ class PeerClient:
         self.ports: dict[str, RequestObserver] = {}  # open channels: every message
         self.ids = itertools.count()
         self.prefix = f"p{os.getpid()}-{os.urandom(3).hex()}-"
+        rt = context._runtime
+        self.machine = str(rt.cfg["hostname"]) if rt is not None else peer_address.this_machine()
         d = tempfile.mkdtemp(prefix="mk-peer-")  # mode 0700: only we can connect
-        self.reply_addr = f"ipc://{d}/r"
         self.replies = self.ctx.socket(zmq.PULL)
         self.replies.setsockopt(zmq.LINGER, 0)
         limit_size(self.replies)
-        self.replies.bind(self.reply_addr)
+        #: Where replies to this process go: its unix socket and, where ranks of other
+        #: machines may answer, a CURVE TCP socket (see :func:`_reply_tcp_host`).
+        tcp_host = _reply_tcp_host()
+        domain = _admit_any_key() if tcp_host and rt is None else ""
+        self.reply = peer_address.bind(self.replies, f"{d}/r", tcp_host, self.machine, domain)
+        #: route -> when its first connection must be up (see CONNECT_TIMEOUT)
+        self.connecting: dict[str, float] = {}
         # New monitor sockets are handed to the reply thread through ``wake``.
         self.wake_addr = f"inproc://mk-peer-wake-{id(self)}"
         wake_in = self.ctx.socket(zmq.PAIR)
@@ -110,20 +134,25 @@ class PeerClient:
             codec = self.codecs[key] = Codec(bytes.fromhex(key))
         return codec
 
-    def _socket(self, addr: str, rank: int) -> zmq.Socket:
-        sock = self.socks.get(addr)
+    def _socket(self, addr: PeerAddress, route: str, rank: int) -> zmq.Socket:
+        """The DEALER connected to ``route`` (``addr``'s route from here); call under
+        ``lock``."""
+        sock = self.socks.get(route)
         if sock is not None:
             return sock
-        path = addr.removeprefix("ipc://")
-        if not addr.startswith("ipc://") or not os.path.exists(path):
-            raise RankDiedError(f"rank {rank} is not running (no peer socket at {addr})")
+        if route.startswith("ipc://") and not os.path.exists(route.removeprefix("ipc://")):
+            raise RankDiedError(f"rank {rank} is not running (no peer socket at {route})")
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         limit_size(sock)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(addr)
-        self.socks[addr] = sock
-        self.new_monitors.append((addr, monitor))
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_MONITOR_STOPPED
+        for event in _LOST:
+            events |= event
+        monitor = sock.get_monitor_socket(events)
+        peer_address.connect(sock, addr, self.machine)
+        self.socks[route] = sock
+        self.connecting[route] = time.monotonic() + CONNECT_TIMEOUT
+        self.new_monitors.append((route, monitor))
         self.wake.send(b"")
         return sock
 
@@ -142,25 +171,26 @@ class PeerClient:
         ranks = list(ranks)
         addrs = [_addr(ref, r) for r in ranks]
         rt = context._runtime
-        if rt is not None and rt.peer_addr in addrs and _on_main_thread():
+        if rt is not None and rt.peer in addrs and _on_main_thread():
             # A call to this very rank from its own busy main thread would wait for
             # itself: actors of one rank share its thread, so it runs here, inline.
-            i = addrs.index(rt.peer_addr)
+            i = addrs.index(rt.peer)
             self.request(ref, ranks[:i] + ranks[i + 1 :], header, payload, buffers, observer)
             _inline(rt, ranks[i], header, payload, buffers, observer)
             return
         if not ranks:
             return
+        routes = [_route(ref, r, a, self.machine) for r, a in zip(ranks, addrs)]
         with self.lock:
             rid = None
             if observer is not None:
                 rid = self.prefix + str(next(self.ids))
-                header = dict(header, i=rid, w=1, rt=self.reply_addr)
-                self.pending[rid] = _Pending(observer, ranks, addrs)
+                header = dict(header, i=rid, w=1, rt=self.reply.encode())
+                self.pending[rid] = _Pending(observer, ranks, routes)
             frames = codec.encode(header, payload, buffers)
             try:
-                for r, addr in zip(ranks, addrs):
-                    self._socket(addr, r).send_multipart(frames, copy=False)
+                for r, addr, route in zip(ranks, addrs, routes):
+                    self._socket(addr, route, r).send_multipart(frames, copy=False)
             except BaseException:
                 if rid is not None:
                     self.pending.pop(rid, None)
@@ -185,20 +215,33 @@ class PeerClient:
         poller.register(wake_in, zmq.POLLIN)
         monitors: dict[zmq.Socket, str] = {}
         while True:
-            for sock, _ in poller.poll():
+            timeout = 500 if self.connecting else None  # first connections under way
+            for sock, _ in poller.poll(timeout):
                 if sock is self.replies:
                     self._on_reply(wire_recv(sock))
                 elif sock is wake_in:
                     wake_in.recv()
                     with self.lock:
                         fresh, self.new_monitors = self.new_monitors, []
-                    for addr, mon in fresh:
-                        monitors[mon] = addr
+                    for route, mon in fresh:
+                        monitors[mon] = route
                         poller.register(mon, zmq.POLLIN)
                 else:
-                    event = zmq.utils.monitor.recv_monitor_message(sock)
-                    if event["event"] == zmq.EVENT_DISCONNECTED:
-                        self._on_disconnect(monitors[sock])
+                    event = zmq.utils.monitor.recv_monitor_message(sock)["event"]
+                    route = monitors[sock]
+                    if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        with self.lock:
+                            self.connecting.pop(route, None)
+                    elif event in _LOST:
+                        self._on_lost(route, _LOST[event])
+                    elif event == zmq.EVENT_MONITOR_STOPPED:  # its socket was closed
+                        poller.unregister(sock)
+                        del monitors[sock]
+                        sock.close(0)
+            now = time.monotonic()
+            late = [r for r, deadline in list(self.connecting.items()) if deadline < now]
+            for route in late:
+                self._on_lost(route, f"no connection within {CONNECT_TIMEOUT:g}s")
 
     def _on_reply(self, frames: list[Any]) -> None:
         msg = None
@@ -225,14 +268,17 @@ class PeerClient:
                 del self.pending[h["i"]]
         p.observer.on_reply(Reply(rank, msg))
 
-    def _on_disconnect(self, addr: str) -> None:
-        """A target rank's connection closed: it died (or its mesh stopped)."""
+    def _on_lost(self, route: str, why: str) -> None:
+        """The connection to a target rank at ``route`` is gone (``why``): it died, its
+        mesh stopped or its machine cannot be reached. Its calls fail; the next call
+        connects afresh."""
         lost: list[tuple[_Pending, int]] = []
         with self.lock:
-            sock = self.socks.pop(addr, None)
+            sock = self.socks.pop(route, None)
+            self.connecting.pop(route, None)
             for rid, p in list(self.pending.items()):
                 for r, a in zip(p.ranks, p.addrs):
-                    if a == addr and r in p.left:
+                    if a == route and r in p.left:
                         p.left.discard(r)
                         lost.append((p, r))
                 if not p.left:
@@ -241,7 +287,11 @@ class PeerClient:
             sock.close(0)
         for p, r in lost:
             p.observer.on_lost(
-                r, RankDiedError(f"rank {r} died (or its mesh stopped) during an actor call")
+                r,
+                RankDiedError(
+                    f"rank {r} died, its mesh stopped or its machine cannot be reached "
+                    f"during an actor call ({why}; at {route})"
+                ),
             )
 
 
@@ -328,9 +378,15 @@ _client_lock = threading.Lock()
 
 
 def client() -> PeerClient:
+    """This process's client (made on first use, again after a fork). In the controller
+    a client made before any mesh of another machine existed takes replies on this
+    machine only; once one exists the next caller gets a new client that takes them
+    over TCP too (the old one keeps serving the channels it opened)."""
     global _client
     with _client_lock:
         if _client is None or _client_pid != os.getpid():
+            _set_client(PeerClient())
+        elif not _client.reply.tcp and not context.in_rank() and _reply_tcp_host():
             _set_client(PeerClient())
         assert _client is not None
         return _client
@@ -344,17 +400,68 @@ def _set_client(c: PeerClient) -> None:
     _client, _client_pid = c, os.getpid()
 
 
-def _addr(ref: MeshRef, rank: int) -> str:
-    addr = ref.addrs[rank] if rank < len(ref.addrs) else ""
+def _addr(ref: MeshRef, rank: int) -> PeerAddress:
+    addr = ref.addrs[rank] if rank < len(ref.addrs) else None
     if not addr:
         raise RankDiedError(f"rank {rank} of mesh {ref.mesh!r} is not running")
-    if ref.hosts[rank] != socket.gethostname():
-        raise NotImplementedError(
-            f"rank {rank} of mesh {ref.mesh!r} runs on machine {ref.hosts[rank]!r}; "
-            "rank-to-rank actor calls "
-            "reach ranks of this machine only (call it from the controller)"
-        )
     return addr
+
+
+def _route(ref: MeshRef, rank: int, addr: PeerAddress, here: str) -> str:
+    try:
+        return addr.route(here)
+    except ConnectionError as exc:
+        raise ConnectionError(
+            f"rank {rank} of mesh {ref.mesh!r} cannot be reached from this rank: {exc}"
+        ) from None
+
+
+def _reply_tcp_host() -> str:
+    """The address this process takes replies from other machines on ("" if none).
+
+    In a rank of a mesh that spans machines: the address its own peer socket listens
+    on. In the controller: the local address of the route to the machine of a rank that
+    listens on TCP (a mesh of another machine), if there is one when the client is made
+    (see :func:`client`)."""
+    rt = context._runtime
+    if rt is not None:
+        return _tcp_host(rt.peer.tcp)
+    from monarch_kernel.controller.registry import registry
+
+    for mesh in registry.live():
+        for info in mesh.ranks:
+            if info.peer.tcp and info.peer.machine != peer_address.this_machine():
+                try:
+                    return peer_address.source_address_towards(_tcp_host(info.peer.tcp))
+                except OSError:
+                    continue
+    return ""
+
+
+#: The ZAP domain of the controller's reply socket (see :func:`_admit_any_key`).
+REPLY_ZAP_DOMAIN = "mk-peer-replies"
+
+
+class _AnyKey:
+    """ZAP provider admitting every CURVE client key (see ``wire.peer_address``:
+    admission to a peer socket is the signed message, the key only encrypts)."""
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return True
+
+
+def _admit_any_key() -> str:
+    """The controller runs a ZAP handler for its meshes' sockets, which refuses keys of
+    domains it does not know: register the reply socket's domain with it."""
+    from monarch_kernel.launchers.base import zap
+
+    zap(REPLY_ZAP_DOMAIN, _AnyKey())
+    return REPLY_ZAP_DOMAIN
+
+
+def _tcp_host(tcp: str) -> str:
+    """``host`` of ``tcp://host:port`` ("" for "")."""
+    return tcp.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]") if tcp else ""
 
 
 # -- the handles ------------------------------------------------------------------------
@@ -386,7 +493,7 @@ class _RemoteView:
 
     def _sliced(self, dims: dict[str, Any]) -> MeshRef:
         r = self._ref
-        return MeshRef(r.mesh, r.key, r.addrs, r.hosts, r.shape.slice(**dims))
+        return MeshRef(r.mesh, r.key, r.addrs, r.shape.slice(**dims))
 
 
 def _size(shape: Shape, dim: str | Sequence[str] | None) -> int:
@@ -425,7 +532,7 @@ class RemoteProcMesh(_RemoteView):
         rt = context._runtime
         if rt is not None and context.current_actor:
             # Spawned by an actor: it owns the new mesh and supervises it.
-            header.update(oa=rt.peer_addr, ox=rt.cfg["key"], on=context.current_actor)
+            header.update(oa=rt.peer.encode(), ox=rt.cfg["key"], on=context.current_actor)
         client().request(self._ref, ranks, header, payload, buffers, gather)
         gather.future.get()
         return RemoteActorMesh(self._ref, name, actor_class)
@@ -441,7 +548,8 @@ class RemoteProcMesh(_RemoteView):
         c.codec(rt.cfg["key"])  # the controller answers with our mesh's key
         one = One(_waiter())
         rid = c.expect(one, 0)
-        req = {"mesh": self._ref.mesh, "key": self._ref.key, "grace": grace, "rt": c.reply_addr}
+        req = {"mesh": self._ref.mesh, "key": self._ref.key, "grace": grace}
+        req["rt"] = c.reply.encode()
         rt.send({"k": K.STOP_MESH, "r": rt.rank}, pickle.dumps(dict(req, id=rid)))
         return then(one.future, lambda _: None)
 
@@ -609,9 +717,8 @@ def _local_procs(ref: MeshRef) -> Any:
 
 def mesh_ref(runtime: Any, shape: Shape) -> MeshRef:
     """A reference to ``shape`` of the mesh run by ``runtime`` (a MeshRuntime)."""
-    addrs = tuple(info.peer_addr for info in runtime.ranks)
-    hosts = tuple(info.hostname for info in runtime.ranks)
-    return MeshRef(runtime.name, runtime.key.hex(), addrs, hosts, shape)
+    addrs = tuple(info.peer for info in runtime.ranks)
+    return MeshRef(runtime.name, runtime.key.hex(), addrs, shape)
 
 
 __all__ = ["MeshRef", "RemoteActorMesh", "RemoteEndpoint", "RemoteProcMesh"]

@@ -27,9 +27,10 @@ from monarch_kernel.controller.events import (
     StreamOutput,
 )
 from monarch_kernel.controller.records import RankState
-from monarch_kernel.wire import Message, WireError
+from monarch_kernel.wire import Message, WireError, peer_address
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Header
+from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import FailureReport, RankStats
 
 if TYPE_CHECKING:
@@ -222,7 +223,10 @@ class Inbound:
         t = mesh.transport
         t.probe([t.rank_id(info.rank), t.rank_id(info.rank, b"c")])
         info.pid, info.hostname, info.device = h["pid"], h["host"], h["dev"]
-        info.peer_addr = str(h.get("pa") or "")
+        try:
+            info.peer = PeerAddress.decode(h.get("pa"))
+        except ValueError:  # not from a rank of this version: no peer calls to it
+            info.peer = PeerAddress(info.hostname)
         info.last_seen = time.monotonic()
         mesh.requests.set_state(info, RankState.IDLE)
         mesh.notify()
@@ -284,10 +288,10 @@ def _answer(
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 2000)
     try:
-        sock.connect(str(req.get("rt")))
+        peer_address.connect(sock, PeerAddress.decode(req.get("rt")))
         sock.send_multipart(requester.codec.encode(header, payload, buffers), zmq.NOBLOCK)
-    except zmq.ZMQError:
-        log.warning("could not answer rank %s of mesh %r", rank, requester.name)
+    except (zmq.ZMQError, ConnectionError, ValueError) as exc:
+        log.warning("could not answer rank %s of mesh %r: %s", rank, requester.name, exc)
     finally:
         sock.close()
 

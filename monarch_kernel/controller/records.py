@@ -14,6 +14,7 @@ from enum import Enum
 
 from monarch_kernel.launchers.base import HostHandle
 from monarch_kernel.wire.osutil import describe_exit
+from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import RankStats
 
 #: Whole output lines kept per rank (for death reports and the dashboard).
@@ -119,9 +120,10 @@ class RankInfo:
     pid: int | None = None
     hostname: str = ""
     device: str = ""
-    #: Where other ranks of this machine call its actors directly (its inbox's unix
-    #: socket, from its ready message); empty until it is ready.
-    peer_addr: str = ""
+    #: Where other ranks call its actors directly (its inbox's unix socket and, in a
+    #: mesh that spans machines, CURVE TCP socket; from its ready message); empty
+    #: (false) until it is ready.
+    peer: PeerAddress = PeerAddress("")
     #: Actors on it that an actor of another rank spawned: name -> the owner (its
     #: inbox ``oa``, mesh key ``ox``, actor name ``on``), told if this rank dies.
     owners: dict[str, dict[str, str]] = field(default_factory=dict)

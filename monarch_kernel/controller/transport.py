@@ -43,12 +43,13 @@ import zmq
 from monarch_kernel.controller.errors import MeshStartError, MeshStoppedError, MonarchError
 from monarch_kernel.controller.records import RankInfo
 from monarch_kernel.controller.sigint import DeferSigint
-from monarch_kernel.launchers.base import Curve, bind_port, curve_server, zap
+from monarch_kernel.launchers.base import Curve, curve_server, zap
 from monarch_kernel.wire import Codec
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.identity import ident_tag
+from monarch_kernel.wire.ports import bind_port
 
 log = logging.getLogger("monarch_kernel.controller")
 

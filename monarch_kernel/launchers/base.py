@@ -9,7 +9,6 @@ The controller talks to launchers only through these protocols.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -117,9 +116,6 @@ class Launcher(Protocol):
 
 
 # -- network security shared by the controller's sockets and the join endpoint -----------
-#: Environment variable with the ports the controller may bind on tcp (``30000-30100``),
-#: for clusters whose firewalls open only a range.
-PORTS_ENV = "MONARCH_KERNEL_PORTS"
 
 
 @dataclass
@@ -185,36 +181,6 @@ def is_loopback(bind: str) -> bool:
     elif host.count(":") == 1:
         host = host.partition(":")[0]
     return host.startswith("127.") or host in ("localhost", "::1")
-
-
-def port_range() -> tuple[int, int] | None:
-    """The ports ``$MONARCH_KERNEL_PORTS`` (``LOW-HIGH``, inclusive) allows, if set."""
-    raw = os.environ.get(PORTS_ENV, "").strip()
-    if not raw:
-        return None
-    low, _, high = raw.partition("-")
-    try:
-        lo, hi = int(low), int(high or low)
-    except ValueError:
-        raise ValueError(f"{PORTS_ENV}={raw!r} is not a port range like 30000-30100") from None
-    if not 0 < lo <= hi < 65536:
-        raise ValueError(f"{PORTS_ENV}={raw!r} is not a port range like 30000-30100")
-    return lo, hi
-
-
-def bind_port(sock: zmq.Socket[bytes], host: str) -> int:
-    """Bind ``sock`` on ``host`` at a free port (within ``$MONARCH_KERNEL_PORTS``)."""
-    ports = port_range()
-    if ports is None:
-        return sock.bind_to_random_port(f"tcp://{host}")
-    lo, hi = ports
-    for port in range(lo, hi + 1):
-        try:
-            sock.bind(f"tcp://{host}:{port}")
-            return port
-        except zmq.ZMQError:
-            continue
-    raise zmq.ZMQError(zmq.EADDRINUSE, f"no free port in {PORTS_ENV}={lo}-{hi}")
 
 
 def address_towards(host: str) -> str | None:

@@ -37,11 +37,11 @@ from monarch_kernel.launchers.base import (
     Curve,
     HostConfig,
     HostHandle,
-    bind_port,
     curve_server,
     is_loopback,
     zap,
 )
+from monarch_kernel.wire.ports import bind_port
 
 #: Seconds a join token stays valid.
 TOKEN_TTL = 900.0

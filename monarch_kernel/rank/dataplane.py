@@ -20,8 +20,10 @@ Whatever the path, ``get()`` returns the owner's tensor as it is when ``get()`` 
 the owner's in-place changes made after ``share()`` are seen (never a snapshot taken at
 share time), and the receiver's copy is private (its writes never reach the owner).
 
-Between hosts, over TCP, bound to the host's own address (never ``0.0.0.0``); a mesh on
-one host has no TCP listener at all. Requests are signed with the mesh key like every
+Between hosts, over TCP, bound to the host's own address (never ``0.0.0.0``); a mesh of
+the local backend (one machine, no CURVE) has no TCP listener at all, the ranks of a mesh
+started by a multi-machine backend have one (ranks of other meshes on other machines may
+fetch from them). Requests are signed with the mesh key like every
 control message, and carry a random nonce and a timestamp: a replayed (or stale) request
 is refused and counted (``replays_refused`` in :func:`counters`). Bytes moved are counted
 per rank for the dashboard.
@@ -44,6 +46,7 @@ import zmq
 
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire.codec import limit_size
+from monarch_kernel.wire.ports import bind_port
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 #: CPU tensors this size or larger are placed in shared memory at ``share()`` time (when
@@ -226,7 +229,7 @@ def _private_dir(cfg: dict[str, Any]) -> str:
     return tempfile.mkdtemp(prefix="mk-dp-")  # mode 0700
 
 
-def _host_addr(cfg: dict[str, Any]) -> str:
+def host_addr(cfg: dict[str, Any]) -> str:
     """The address this host is reached at by the others: the one it advertised, else
     the local address of the route to the controller (loopback if it is on this box)."""
     for key in ("advertise", "host_addr"):
@@ -279,8 +282,10 @@ class _Server:
         self.address = ""
         self.curve_public = ""
         self.tcp: zmq.Socket[bytes] | None = None
-        if world > per_host:  # other hosts: TCP on this host's own address only
-            addr = _host_addr(cfg)
+        # Other hosts of this mesh, or ranks of other meshes on other machines (a mesh
+        # whose sockets use CURVE may be called from them): TCP on this host's address.
+        if world > per_host or cfg.get("curve_secret"):
+            addr = host_addr(cfg)
             tcp = self.sock
             if os.environ.get(ENCRYPT_ENV, "").lower() in ("1", "true", "yes"):
                 # A socket of its own: ranks of this host keep the unencrypted ipc one.
@@ -293,7 +298,7 @@ class _Server:
                 tcp.setsockopt(zmq.CURVE_SERVER, 1)
                 tcp.setsockopt(zmq.CURVE_SECRETKEY, secret)
                 self.curve_public = public.decode()
-            port = tcp.bind_to_random_port(f"tcp://{addr}")
+            port = bind_port(tcp, addr)
             self.address = f"tcp://{addr}:{port}"
         self.shm_prefix = f"mk-{cfg['run_id']}-r{self.rank}-"
         threading.Thread(target=self._serve, name="mk-dataplane", daemon=True).start()
@@ -490,7 +495,11 @@ class _Client:
         elif ref.address:
             address, curve_key = ref.address, ref.curve_key
         else:
-            raise RuntimeError(f"rank {ref.owner} is on another host and has no TCP data socket")
+            raise RuntimeError(
+                f"rank {ref.owner} is on machine {ref.machine!r} and has no TCP data socket "
+                "(its mesh was started by the local backend, reachable from its own machine "
+                "only); start it with a multi-machine backend (join, ray, slurm, lightning)"
+            )
         sock = self._socket(address, curve_key)
         codec = self.codec_for(ref)
         sock.send_multipart(self.frames(header, codec))

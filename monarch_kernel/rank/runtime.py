@@ -33,13 +33,22 @@ import zmq
 from monarch_kernel.rank import capture, context, env
 from monarch_kernel.rank.errors import exception_report
 from monarch_kernel.shape import Point
-from monarch_kernel.wire import Codec, Message, SerializationError, WireError, dumps, loads
+from monarch_kernel.wire import (
+    Codec,
+    Message,
+    SerializationError,
+    WireError,
+    dumps,
+    loads,
+    peer_address,
+)
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.identity import ident_tag
 from monarch_kernel.wire.osutil import REQUEST_END, REQUEST_START, die_with_parent
+from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.serialize import What
 
 log = logging.getLogger("monarch_kernel.rank")
@@ -66,17 +75,21 @@ class Rank:
         # launchers.base.ident_tag): another host's peer cannot take them over.
         tag = ident_tag(cfg.get("curve_secret", ""))
         ident = b"r%d" % self.rank + tag
-        self.inbox = self._dealer(ident, cfg["send"])
-        self._connect(self.inbox, cfg["fanout"])
         #: Actor calls from other ranks (rank to rank, not through the controller) arrive
         #: on the inbox too: it also listens on a unix socket in the host's private
-        #: directory, so the main thread still blocks on one socket. Those messages are
-        #: signed with this mesh's key like every other and carry no sequence number
-        #: (FIFO per sender comes from the connection); replies go to the caller's
-        #: reply socket named in the request (header ``rt``).
-        self.peer_addr = _bind_peer(self.inbox, cfg, self.rank)
-        self.peer_routes: dict[str, str] = {}  # request id -> caller's reply address
-        self._peer_out: dict[str, zmq.Socket] = {}
+        #: directory and, in a mesh that spans machines, on a CURVE TCP socket, so the
+        #: main thread still blocks on one socket. Those messages are signed with this
+        #: mesh's key like every other and carry no sequence number (FIFO per sender
+        #: comes from the connection); replies go to the caller's reply socket named in
+        #: the request (header ``rt``). The peer endpoints are bound before the
+        #: controller connections: see ``wire.peer_address`` (options per endpoint).
+        self.inbox = self._dealer(ident, None)
+        self.peer = _bind_peer(self.inbox, cfg, self.rank)
+        self._connect(self.inbox, cfg["send"])
+        self._connect(self.inbox, cfg["fanout"])
+        #: request id -> the calling rank's reply address (a peer call)
+        self.peer_routes: dict[str, PeerAddress] = {}
+        self._peer_out: dict[tuple[int, PeerAddress], zmq.Socket] = {}
         #: actor name -> its owner (header keys ``oa``, ``ox``, ``on``, ``or`` of the
         #: spawn): an actor spawned by an actor of some rank; see ``rank.supervise``.
         self.owners: dict[str, dict[str, Any]] = {}
@@ -132,12 +145,13 @@ class Rank:
 
         self.debugger = RankDebugger(self)
 
-    def _dealer(self, ident: bytes, addr: str) -> zmq.Socket:
+    def _dealer(self, ident: bytes, addr: str | None) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.IDENTITY, ident)
         s.setsockopt(zmq.LINGER, 1000)
         limit_size(s)  # ZMQ_MAXMSGSIZE: no frame above it is allocated
-        self._connect(s, addr)
+        if addr is not None:
+            self._connect(s, addr)
         return s
 
     def _connect(self, s: zmq.Socket, addr: str) -> None:
@@ -195,15 +209,25 @@ class Rank:
             return
         try:
             with self.out_lock:  # replies may come from any thread (response ports)
-                sock = self._peer_out.get(route)
-                if sock is None:
-                    sock = self._peer_out[route] = self.ctx.socket(zmq.PUSH)
-                    sock.setsockopt(zmq.LINGER, 1000)
-                    sock.setsockopt(zmq.SNDTIMEO, PEER_SEND_TIMEOUT_MS)  # caller gone: not stuck
-                    sock.connect(route)
+                sock = self._peer_socket(zmq.PUSH, route)
                 wire_send(sock, self.codec.encode(header, payload, buffers))
-        except zmq.Again:
-            log.warning("rank %s: peer caller at %s is gone; reply dropped", self.rank, route)
+        except (zmq.Again, ConnectionError) as exc:
+            log.warning(
+                "rank %s: peer caller at %s is gone (%s); reply dropped", self.rank, route, exc
+            )
+
+    def _peer_socket(self, kind: int, addr: PeerAddress) -> zmq.Socket:
+        """A socket (PUSH for replies, DEALER for supervision) connected to another
+        process's peer address, kept for the next message; call under ``out_lock``."""
+        key = (kind, addr)
+        sock = self._peer_out.get(key)
+        if sock is None:
+            sock = self.ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDTIMEO, PEER_SEND_TIMEOUT_MS)  # peer gone: not stuck
+            peer_address.connect(sock, addr, self.peer.machine)
+            self._peer_out[key] = sock
+        return sock
 
     def reply_error(self, request: str | None, exc: BaseException, where: str) -> None:
         report = exception_report(exc, where)
@@ -232,21 +256,16 @@ class Rank:
         mesh = str(self.cfg.get("mesh", self.cfg.get("run_id", "")))
         body = {"mesh": mesh, "actor": actor, "rank": self.rank, "report": report, "path": path}
         header = {"k": K.SUPERVISE, "on": owner["on"]}
-        addr, key = owner["oa"], owner["ox"]
+        key = owner["ox"]
         codec = self._peer_codecs.get(key)
         if codec is None:
             codec = self._peer_codecs[key] = Codec(bytes.fromhex(key))
-        sock = self._peer_out.get("d" + addr)
-        if sock is None:
-            sock = self._peer_out["d" + addr] = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.setsockopt(zmq.SNDTIMEO, PEER_SEND_TIMEOUT_MS)
-            sock.connect(addr)
         try:
             with self.out_lock:
+                sock = self._peer_socket(zmq.DEALER, PeerAddress.decode(owner["oa"]))
                 wire_send(sock, codec.encode(header, pickle.dumps(body)))
-        except zmq.Again:  # the owner is gone: the controller hears of it instead
-            self.send({"k": K.FAULT, "r": self.rank}, pickle.dumps(report))
+        except (zmq.Again, ConnectionError, ValueError):  # the owner is gone (unreachable):
+            self.send({"k": K.FAULT, "r": self.rank}, pickle.dumps(report))  # the controller
 
     def _supervise(self, msg: Message, request: str | None) -> None:
         """SUPERVISE: a mesh owned by actor ``on`` of this rank failed; its
@@ -300,7 +319,7 @@ class Rank:
                 "host": self.cfg["hostname"],
                 "dev": device,
                 "rc": self.cfg.get("restart_count", 0),
-                "pa": self.peer_addr,
+                "pa": self.peer.encode(),
             }
         )
 
@@ -417,7 +436,10 @@ class Rank:
         request = h.get("i") if h.get("w") else None
         route = h.get("rt")
         if route is not None and request is not None:  # a call from another rank
-            self.peer_routes[request] = route
+            try:
+                self.peer_routes[request] = PeerAddress.decode(route)
+            except ValueError:
+                log.warning("rank %s: request %s names no reply address", self.rank, request)
         if request is not None and request in self.cancelled:
             self.cancelled.discard(request)
             self.reply_error(request, KeyboardInterrupt("cancelled before it started"), kind)
@@ -872,19 +894,19 @@ STATS_INTERVAL = 1.0
 PEER_SEND_TIMEOUT_MS = 5000
 
 
-def _bind_peer(sock: zmq.Socket, cfg: dict[str, Any], rank: int) -> str:
-    """Bind ``sock`` (the inbox) to a unix socket in the host agent's private (0700)
-    directory, for actor calls from other ranks of this machine; its address."""
-    from monarch_kernel.rank.dataplane import _private_dir
+def _bind_peer(sock: zmq.Socket, cfg: dict[str, Any], rank: int) -> PeerAddress:
+    """Bind ``sock`` (the inbox) for actor calls from other ranks: a unix socket in the
+    host agent's private (0700) directory and, when the mesh may span machines (its
+    sockets use CURVE), a CURVE TCP socket on this host's address."""
+    from monarch_kernel.rank.dataplane import _private_dir, host_addr
 
     path = os.path.join(_private_dir(cfg), f"pr{rank}-{os.getpid()}")
     if len(path) > 100:  # a unix socket path is at most 107 bytes
         import tempfile
 
         path = os.path.join(tempfile.mkdtemp(prefix="mk-pr-", dir="/tmp"), f"pr{rank}")
-    addr = f"ipc://{path}"
-    sock.bind(addr)
-    return addr
+    tcp_host = host_addr(cfg) if cfg.get("curve_secret") else ""
+    return peer_address.bind(sock, path, tcp_host, machine=str(cfg["hostname"]))
 
 
 #: How long the control thread waits for an abort of the process group to finish.

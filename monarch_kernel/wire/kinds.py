@@ -156,17 +156,23 @@ Rank -> rank, actor calls (caller's DEALER -> the callee's inbox, main thread)
 A rank holding a mesh reference (an ``ActorMesh`` passed to it) calls the target ranks
 directly: ``call``, ``spawn_actor`` and ``stop_actor`` as above, signed with the
 *target* mesh's key (carried by the reference), sent to the target rank's inbox, which
-also listens on a unix socket (``pa`` of its ``ready``). No ``q`` (FIFO per caller comes
-from its connection), ``i`` (a ``p``-prefixed id unique in the caller) and ``w`` when a
-reply is wanted, and:
+also listens for peers (``pa`` of its ``ready``): on a unix socket for callers of its
+machine and, in a mesh of a multi-machine backend, on a CURVE TCP socket for others.
+No ``q`` (FIFO per caller comes from its connection), ``i`` (a ``p``-prefixed id unique
+in the caller) and ``w`` when a reply is wanted, and:
+
+A *peer address* (``pa``, ``rt``, ``oa``) is a list of four str, ``[machine, ipc, tcp,
+curve]`` (:class:`~monarch_kernel.wire.peer_address.PeerAddress`): the hostname, the
+``ipc://`` address (same machine), the ``tcp://`` address or "" and that listener's
+CURVE public key (z85) or "".
 
 =====  =====  ==================================================================
 key    type   meaning
 =====  =====  ==================================================================
-``rt`` str    the caller's reply address (a bound PULL socket): the ``res`` for
+``rt`` addr   the caller's reply address (a bound PULL socket): the ``res`` for
               ``i`` goes there (signed with the target's key), not to the
               controller; output still goes to the target's controller
-``oa`` str    ``spawn_actor`` from an actor: the owner's inbox (peer address);
+``oa`` addr   ``spawn_actor`` from an actor: the owner's inbox (peer address);
               with ``ox`` str (the owner mesh's key, hex) and ``on`` str (the
               owner actor's name). The new actor's unanswered failures go to
               the owner as ``supervise`` instead of to the controller as ``fault``
@@ -220,7 +226,7 @@ kind              keys and payload
 ================  =======================================================================
 ``ready``         ``pid`` int, ``host`` str (hostname), ``dev`` str (``cpu`` or
                   ``cuda:N``), ``rc`` int (its ``restart_count``: a late ``ready`` of an
-                  earlier incarnation is ignored), ``pa`` str (the unix socket its inbox
+                  earlier incarnation is ignored), ``pa`` (the peer address its inbox
                   also listens on, for actor calls from other ranks): started, greeted
                   by its host agent, taking work
 ``res``           ``i`` (the request answered), ``ok`` int: 1 = payload is the pickled

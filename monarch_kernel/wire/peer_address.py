@@ -1,0 +1,154 @@
+"""Where a process is reached by its peers: a unix socket on its own machine and, for
+other machines, a CURVE-encrypted TCP socket.
+
+Ranks take actor calls from other ranks, and callers take the replies, on sockets they
+bind themselves (not through the controller). A :class:`PeerAddress` names such a socket
+for every machine: :func:`bind` makes one and :func:`connect` reaches one, choosing the
+unix socket from the same machine (no encryption: the socket lives in a 0700 directory)
+and TCP with CURVE from another (the address carries the listener's public key).
+
+Invariants (relied on by :func:`bind`):
+
+* libzmq copies a socket's options into each endpoint when it is bound or connected, so
+  one socket can be a plain unix listener, a CURVE server on TCP and a CURVE client of
+  the controller at once, provided each is set up in that order with its own options.
+* A TCP peer listener admits any CURVE client key: admission is the signed, nonce'd
+  message (``Codec``), exactly as on the controller's sockets for replies. The key only
+  keeps the traffic private and makes sure the caller talks to the listener it was told.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from monarch_kernel.wire.ports import bind_port
+
+#: Heartbeats on TCP peer connections: a machine that vanishes (no RST) is noticed in
+#: about ``PEER_HEARTBEAT_TIMEOUT_MS`` and the connection's calls fail.
+PEER_HEARTBEAT_IVL_MS = 1000
+PEER_HEARTBEAT_TIMEOUT_MS = 4000
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """How to reach one process's peer socket."""
+
+    machine: str  #: the hostname of the machine it runs on
+    ipc: str = ""  #: ``ipc://`` address, usable on ``machine`` only ("" if none)
+    tcp: str = ""  #: ``tcp://host:port`` for other machines ("" if it takes none)
+    curve: str = ""  #: the TCP listener's CURVE public key (z85)
+
+    def encode(self) -> list[str]:
+        """As a header value (see ``wire.kinds``: ``pa``, ``rt``, ``oa``)."""
+        return [self.machine, self.ipc, self.tcp, self.curve]
+
+    @classmethod
+    def decode(cls, value: object) -> PeerAddress:
+        """The inverse of :meth:`encode`; a bare string is a unix address on this
+        machine (what a process that takes no TCP calls may still send)."""
+        if isinstance(value, str):
+            return cls(this_machine(), ipc=value)
+        if isinstance(value, (list, tuple)) and len(value) == 4:
+            if all(isinstance(v, str) for v in value):
+                return cls(*value)
+        raise ValueError(f"not a peer address: {value!r}")
+
+    def __bool__(self) -> bool:
+        return bool(self.ipc or self.tcp)
+
+    def route(self, here: str | None = None) -> str:
+        """The address to connect to from machine ``here`` (default: this one).
+
+        Raises :class:`ConnectionError` saying why when there is none: a process that
+        listens on its own machine only, called from another."""
+        here = here or this_machine()
+        if self.machine == here and self.ipc:
+            return self.ipc
+        if self.tcp:
+            return self.tcp
+        raise ConnectionError(
+            f"it runs on machine {self.machine!r} and listens there only (a mesh started "
+            f"by the local backend); this is {here!r}. Start it with a multi-machine "
+            "backend (join, ray, slurm, lightning) to reach it from other machines"
+        )
+
+
+def this_machine() -> str:
+    """This machine's name as peer addresses carry it: its hostname (what ranks report
+    in ``ready`` and the controller records)."""
+    return socket.gethostname()
+
+
+def bind(
+    sock: zmq.Socket,
+    ipc_path: str,
+    tcp_host: str = "",
+    machine: str = "",
+    zap_domain: str = "",
+) -> PeerAddress:
+    """Bind ``sock`` for peers: plain on the unix socket ``ipc_path``, and a CURVE server
+    (a fresh keypair) on a free TCP port of ``tcp_host`` (within
+    ``$MONARCH_KERNEL_PORTS``) when it is given. ``zap_domain``: where the process runs
+    a ZAP handler (the controller), the domain under which it admits any client key.
+
+    Must run before any other CURVE option is set on ``sock`` (see the module's
+    invariants); leaves the socket with no security mechanism set, so the caller then
+    configures its own connections as it likes."""
+    ipc = f"ipc://{ipc_path}"
+    sock.bind(ipc)
+    tcp = public = ""
+    if tcp_host:
+        pub, secret = zmq.curve_keypair()
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        if zap_domain:
+            sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain.encode())
+        host = f"[{tcp_host}]" if ":" in tcp_host else tcp_host
+        port = bind_port(sock, host)
+        sock.setsockopt(zmq.CURVE_SERVER, 0)  # back to NULL for what comes next
+        tcp, public = f"tcp://{host}:{port}", pub.decode()
+    return PeerAddress(machine or this_machine(), ipc, tcp, public)
+
+
+@functools.cache
+def _client_keys() -> tuple[bytes, bytes]:
+    """This process's CURVE client keypair for peer connections (any key is admitted,
+    so one per process, made on first use)."""
+    return zmq.curve_keypair()
+
+
+def connect(sock: zmq.Socket, addr: PeerAddress, here: str | None = None) -> str:
+    """Connect ``sock`` to ``addr`` (see :meth:`PeerAddress.route`); over TCP as a CURVE
+    client of its listener, with heartbeats. Returns the address connected to."""
+    route = addr.route(here)
+    if route.startswith("tcp://"):
+        if not addr.curve:
+            raise ConnectionError(f"peer address {route} has no CURVE key: refusing plain TCP")
+        public, secret = _client_keys()
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, addr.curve.encode())
+        sock.setsockopt(zmq.HEARTBEAT_IVL, PEER_HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, PEER_HEARTBEAT_TIMEOUT_MS)
+    sock.connect(route)
+    return route
+
+
+def routes(addrs: Sequence[PeerAddress], here: str | None = None) -> list[str]:
+    """The route to each of ``addrs`` from ``here`` (raises as :meth:`PeerAddress.route`)."""
+    return [a.route(here) for a in addrs]
+
+
+def source_address_towards(host: str) -> str:
+    """The local address of the route to ``host`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 9))
+        return str(s.getsockname()[0])
+
+
+__all__ = ["PeerAddress", "bind", "connect", "routes", "source_address_towards", "this_machine"]

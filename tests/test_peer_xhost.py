@@ -1,0 +1,223 @@
+"""Actor calls rank to rank between meshes on different machines (network namespaces).
+
+Two meshes of the ``join`` backend, each on its own emulated machine: ``gens`` on
+namespace host 0, ``trainers`` on host 1 (host 2 is an outsider). A trainer holding
+the generator mesh calls it directly over the generators' CURVE TCP peer sockets; the
+generators call back; tensors, errors, deaths and supervision cross the machines as
+they do on one. Every test checks the calls really went rank to rank (the controller
+never saw them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from helpers import pythonpath_with, wait_until
+from netns import netns_hosts_fixture
+from parity_actors import Generator, Introspect, Supervisor, Trainer
+from test_join import Joiner, _agent_env
+
+from monarch_kernel.actor import ActorError, Channel, host_mesh, this_host
+from monarch_kernel.wire import kinds as K
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def net():
+    yield from netns_hosts_fixture(3)
+
+
+def _join_mesh(net, first: int, name: str, ranks: int = 2):
+    env = _agent_env()
+    env["PYTHONPATH"] = pythonpath_with(TESTS + os.pathsep + env["PYTHONPATH"])
+    joiner = Joiner(net, first=first, env=env)
+    mesh = host_mesh(hosts=1, backend="join", bind=net.gateway, on_progress=joiner.progress)
+    procs = mesh.spawn_procs({"gpus": ranks}, name=name, timeout=60, on_failure="continue")
+    return procs, joiner
+
+
+@pytest.fixture(scope="module")
+def machines(net):
+    gprocs, gjoin = _join_mesh(net, 0, "xgens")
+    tprocs, tjoin = _join_mesh(net, 1, "xtrainers")
+    pids = [r.pid for p in (gprocs, tprocs) for r in p.runtime.ranks]
+    yield gprocs, tprocs
+    for procs in (tprocs, gprocs):
+        procs.stop()
+        procs.runtime.launcher.shutdown()
+    for joiner in (gjoin, tjoin):
+        for agent in joiner.agents.values():
+            agent.wait(10)
+    assert not [p for p in pids if p and psutil.pid_exists(p)], "ranks left running"
+
+
+@pytest.fixture(scope="module")
+def pair(machines):
+    gprocs, tprocs = machines
+    gens = gprocs.spawn("gen", Generator)
+    trainers = tprocs.spawn("trainer", Trainer, gens)
+    return gens, trainers
+
+
+def _controller_calls(procs) -> int:
+    """Bytes the controller has sent to the ranks of ``procs`` (peer calls never count)."""
+    return sum(info.bytes_out for info in procs.runtime.ranks)
+
+
+def test_meshes_run_on_their_own_machines(machines, net):
+    gprocs, tprocs = machines
+    g = {r.hostname for r in gprocs.runtime.ranks}
+    t = {r.hostname for r in tprocs.runtime.ranks}
+    assert g == {net.hosts[0].name} and t == {net.hosts[1].name}
+    # each rank listens for peers on its machine's address, encrypted (a CURVE key)
+    for procs, host in ((gprocs, net.hosts[0]), (tprocs, net.hosts[1])):
+        for info in procs.runtime.ranks:
+            assert info.peer.tcp.startswith(f"tcp://{host.addr}:"), info.peer
+            assert len(info.peer.curve) == 40 and info.peer.machine == host.name
+
+
+def test_calls_cross_machines_rank_to_rank(pair, machines):
+    gens, trainers = pair
+    gprocs, _ = machines
+    before = _controller_calls(gprocs)
+    assert trainers.step.call(3).get(timeout=30).values() == [[30, 30], [30, 30]]
+    t0 = trainers.slice(gpus=0)
+    assert t0.step_async.call_one(2).get(timeout=30) == [20, 20]
+    assert t0.stream.call_one(5).get(timeout=30) == [50, 50]
+    assert t0.choose.call_one(6).get(timeout=30) == 60
+    assert t0.ping_pong.call_one(50).get(timeout=30) == sum(i * 10 for i in range(50))
+    assert _controller_calls(gprocs) == before, "a peer call went through the controller"
+
+
+def test_callbacks_across_machines(pair):
+    """The generators (machine 0) get a reference to a trainer (machine 1) and call it
+    back while that trainer is itself waiting on them."""
+    gens, trainers = pair
+    t0 = trainers.slice(gpus=0)
+    assert t0.wire_back.call_one(trainers.slice(gpus=0)).get(timeout=30) == ["RemoteActorMesh"] * 2
+    versions = trainers.slice(gpus=1).refresh_all.call_one().get(timeout=30)
+    assert len(versions) == 2 and all(v >= 1 for v in versions)
+
+
+def test_error_chain_across_machines(pair):
+    _, trainers = pair
+    text = trainers.slice(gpus=0).failing.call_one().get(timeout=30)
+    assert "ValueError" in text and "generation failed" in text and "KeyError" in text, text
+
+
+def test_tensor_across_machines(pair):
+    """A generator shares a tensor; the trainer on the other machine pulls it over the
+    generator's TCP data socket (a one-host mesh of a multi-machine backend has one)."""
+    _, trainers = pair
+    assert trainers.slice(gpus=0).pull_weights.call_one(1 << 16).get(timeout=30) == 1 << 16
+
+
+def test_spawn_on_a_mesh_of_another_machine(pair, machines):
+    gprocs, _ = machines
+    _, trainers = pair
+    assert trainers.slice(gpus=1).spawn_on.call_one(gprocs).get(timeout=30) == [10, 10]
+
+
+def test_channel_port_across_machines(machines):
+    """A port opened in the controller, given to actors on another machine."""
+    gprocs, _ = machines
+    intro = gprocs.spawn("intro", Introspect)
+    port, receiver = Channel.open()
+    intro.send_to.call(port, 3).get(timeout=30)
+    got = sorted(receiver.recv().get(timeout=10) for _ in range(6))
+    assert got == sorted((r, i) for r in range(2) for i in range(3))
+
+
+def test_supervision_across_machines(machines):
+    """The owner (machine 0) of a child mesh (machine 1) hears of its failure."""
+    gprocs, tprocs = machines
+    top = gprocs.spawn("xsup", Supervisor, True)
+    assert top.slice(gpus=0).spawn_child.call_one(tprocs.slice(gpus=0), False).get(30) == "ok"
+    top.slice(gpus=0).break_child.call_one().get(timeout=30)
+    seen = wait_until(
+        lambda: top.slice(gpus=0).seen_failures.call_one().get(timeout=30),
+        timeout=15,
+        what="the owner on the other machine told",
+    )
+    assert seen[0]["type"] == "RuntimeError" and "leaf failed" in seen[0]["message"], seen
+
+
+def test_local_mesh_cannot_be_called_from_another_machine(machines):
+    """A mesh of the local backend listens on its own machine only: a rank of another
+    machine given it gets a clear error naming why and what to do."""
+    _, tprocs = machines
+    local = this_host().spawn_procs(per_host={"gpus": 1}, name="xlocal")
+    try:
+        gens = local.spawn("lgen", Generator)
+        trainer = tprocs.slice(gpus=0).spawn("ltrainer", Trainer, gens)
+        with pytest.raises(ActorError) as err:
+            trainer.step.call_one(1).get(timeout=30)
+        text = str(err.value)
+        assert "local backend" in text and "multi-machine backend" in text, text
+    finally:
+        local.stop()
+
+
+def test_outsiders_get_nothing_from_a_peer_socket(machines, net):
+    """From the outsider machine: plain TCP to a rank's peer socket gets no handshake;
+    CURVE with the listener's key but a wrong mesh key is dropped unanswered; the rank
+    keeps serving."""
+    gprocs, _ = machines
+    info = gprocs.runtime.ranks[0]
+    marker = os.path.join(net.tmp, "peer-forged")
+    script = f"""
+import zmq, pickle, sys
+sys.path[:0] = {[TESTS, os.path.dirname(TESTS)]!r}
+from monarch_kernel.wire import Codec, dumps
+ctx = zmq.Context()
+forged = Codec(b"x" * 32).encode(
+    {{"k": {K.EXEC!r}, "i": "o1", "w": 1}},
+    *dumps("open({marker!r}, 'w').write('pwned')", "code"),
+)
+plain = ctx.socket(zmq.DEALER); plain.connect({info.peer.tcp!r}); plain.send_multipart(forged)
+curve = ctx.socket(zmq.DEALER)
+pub, sec = zmq.curve_keypair()
+curve.curve_publickey, curve.curve_secretkey = pub, sec
+curve.curve_serverkey = {info.peer.curve!r}.encode()
+curve.connect({info.peer.tcp!r}); curve.send_multipart(forged)
+print("answered" if curve.poll(2000) or plain.poll(100) else "nothing")
+"""
+    out = subprocess.run(
+        ["ip", "netns", "exec", net.hosts[2].ns, sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.strip() == "nothing", out.stdout + out.stderr
+    assert not os.path.exists(marker)
+    g = gprocs.spawn("still", Generator)
+    assert g.generate.call(1).get(timeout=30).values()[0]["y"] == 10
+
+
+def test_frozen_machine_fails_peer_calls(machines, net):
+    """Last: the generator ranks' processes stop (SIGSTOP: a machine that vanishes, no
+    connection reset); a trainer's call to them fails within the peer heartbeat timeout
+    instead of waiting forever."""
+    gprocs, tprocs = machines
+    gens = gprocs.spawn("frozen", Generator)
+    trainer = tprocs.slice(gpus=0).spawn("waiting", Trainer, gens)
+    assert trainer.step.call_one(1).get(timeout=30) == [10, 10]  # connected to both
+    pids = [r.pid for r in gprocs.runtime.ranks]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        text = trainer.call_crashing.call_one().get(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    print(f"\nfrozen peer machine noticed after {took:.1f}s")
+    assert text == "RankDiedError" and took < 20, (text, took)
