@@ -43,7 +43,7 @@ def wait_no_orphans(keep: set[int] = frozenset(), timeout: float = ORPHAN_GRACE)
 
 #: Module-scoped fixtures that own long-lived processes; their ranks may legitimately be
 #: restarted inside a test, so those tests are checked when the module's fixture ends.
-SHARED_FIXTURES = {"kernel", "procs4", "mesh22", "workers", "two_meshes"}
+SHARED_FIXTURES = {"kernel", "procs4", "mesh22", "workers", "two_meshes", "machines"}
 
 
 @pytest.fixture(autouse=True)

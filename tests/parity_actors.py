@@ -232,6 +232,11 @@ class Supervisor(Actor):
         return "ok"
 
     @endpoint
+    def stop_child(self) -> str:
+        self.child.stop().get(timeout=30)
+        return "stopped"
+
+    @endpoint
     def break_child(self) -> None:
         self.child.boom.broadcast()  # nobody waits: the failure goes to supervision
 

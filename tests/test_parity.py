@@ -324,6 +324,28 @@ def test_owner_is_told_of_a_child_rank_death_and_init_failure(tree_meshes, hooke
     assert hooked == []  # handled by the owner: not at the root
 
 
+def test_actors_spawned_by_a_rank_come_back_when_it_restarts(tree_meshes, hooked):
+    """A restart in place re-creates the actors other ranks spawned on the restarted
+    rank (with their owner, who supervises them again); one stopped from a rank is not
+    re-created."""
+    top_procs, _, leaf_procs = tree_meshes
+    top = top_procs.spawn("sup_top", Supervisor, True)
+    top.spawn_child.call(leaf_procs, False).get()
+    old_pid = leaf_procs.runtime.ranks[0].pid
+    report = leaf_procs.restart([0])
+    assert leaf_procs.runtime.ranks[0].pid != old_pid
+    assert "sup_child" in report.actors, report
+    assert top.child_seen.call_one().get(timeout=10) == [[]]  # the owner reaches it
+    top.break_child.call().get()
+    assert _wait(lambda: top.seen_failures.call_one().get() != [])
+    (seen,) = top.seen_failures.call_one().get()
+    assert seen["actor"] == "sup_child" and "leaf failed" in seen["message"], seen
+    assert hooked == []  # its owner handled it, as before the restart
+    assert top.stop_child.call_one().get(timeout=30) == "stopped"
+    report = leaf_procs.restart([0])
+    assert "sup_child" not in report.actors, report
+
+
 def test_a_rank_stops_a_proc_mesh_it_was_given(mesh2):
     from parity_actors import Stopper
 

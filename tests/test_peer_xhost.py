@@ -16,8 +16,8 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
+from conftest import project_processes, wait_no_orphans
 from helpers import pythonpath_with, wait_until
 from netns import netns_hosts_fixture
 from parity_actors import Generator, Introspect, Supervisor, Trainer
@@ -45,9 +45,9 @@ def _join_mesh(net, first: int, name: str, ranks: int = 2):
 
 @pytest.fixture(scope="module")
 def machines(net):
+    before = {p.pid for p in project_processes()}
     gprocs, gjoin = _join_mesh(net, 0, "xgens")
     tprocs, tjoin = _join_mesh(net, 1, "xtrainers")
-    pids = [r.pid for p in (gprocs, tprocs) for r in p.runtime.ranks]
     yield gprocs, tprocs
     for procs in (tprocs, gprocs):
         procs.stop()
@@ -55,7 +55,8 @@ def machines(net):
     for joiner in (gjoin, tjoin):
         for agent in joiner.agents.values():
             agent.wait(10)
-    assert not [p for p in pids if p and psutil.pid_exists(p)], "ranks left running"
+    left = wait_no_orphans(keep=before)
+    assert not left, f"ranks or agents left running: {[p.pid for p in left]}"
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +148,21 @@ def test_supervision_across_machines(machines):
         what="the owner on the other machine told",
     )
     assert seen[0]["type"] == "RuntimeError" and "leaf failed" in seen[0]["message"], seen
+
+
+def test_references_survive_a_restart_of_their_rank(pair, machines):
+    """A restarted rank listens where it did (same port, same CURVE key): the trainers'
+    reference to it works on without being handed out again."""
+    gprocs, _ = machines
+    gens, trainers = pair
+    before = gprocs.runtime.ranks[0]
+    old_pid, old_peer = before.pid, before.peer
+    report = gprocs.restart([0])
+    assert "gen" in report.actors
+    after = gprocs.runtime.ranks[0]
+    assert after.pid != old_pid and after.peer == old_peer
+    ys = trainers.slice(gpus=0).step.call_one(2).get(timeout=30)
+    assert ys[0] == 20  # the re-created generator (version 0) on the new process
 
 
 def test_local_mesh_cannot_be_called_from_another_machine(machines):

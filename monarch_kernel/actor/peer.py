@@ -327,10 +327,12 @@ def _inline(
                 rt.owners[name] = {"oa": header["oa"], "ox": header["ox"], "on": header["on"]}
             context.current_actor = name
             rt.actors[name] = cls(*args, **kwargs)
+            rt.tell_peer_actor(name, header, payload, buffers)
             value: Any = None
         elif kind == K.STOP_ACTOR:
             rt.actors.pop(name, None)
             rt.owners.pop(name, None)
+            rt.tell_peer_actor(name, None)
             value = None
         else:
             actor = rt.actors.get(name)

@@ -26,7 +26,7 @@ from monarch_kernel.controller.events import (
     StatsReported,
     StreamOutput,
 )
-from monarch_kernel.controller.records import RankState
+from monarch_kernel.controller.records import ActorSpec, RankState
 from monarch_kernel.wire import Message, WireError, peer_address
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Header
@@ -72,6 +72,7 @@ class Inbound:
             K.STATS: self._on_stats,
             K.FAULT: self._on_fault,
             K.OWNED: self._on_owned,
+            K.PEER_ACTOR: self._on_peer_actor,
             K.STOP_MESH: self._on_stop_mesh,
             K.ASK: self._on_ask,
             K.READY: self._on_ready,
@@ -164,6 +165,26 @@ class Inbound:
     def _on_owned(self, h: Header, msg: Message) -> None:
         owner: dict[str, str] = pickle.loads(msg.payload)
         self._ranks[h["r"]].owners[str(h["a"])] = owner
+
+    def _on_peer_actor(self, h: Header, msg: Message) -> None:
+        """A rank spawned (or stopped) an actor on rank ``r`` directly: remember it
+        (forget it) so that a restart of ``r`` re-creates it (see ``wire.kinds``)."""
+        mesh, rank, name = self._mesh, int(h["r"]), str(h["a"])
+        if not h.get("x"):
+            mesh.forget_actor(name, [rank])
+            return
+        owner: dict[str, Any] | None = {k: h[k] for k in ("oa", "ox", "on") if k in h} or None
+        payload = bytes(msg.payload)
+        buffers = tuple(bytes(b) for b in msg.buffers)  # the frames are not kept
+        spec = mesh.actors.get(name)
+        ranks = frozenset({rank})
+        if spec is not None and (spec.payload, spec.buffers, spec.owner) == (
+            payload,
+            buffers,
+            owner,
+        ):
+            ranks |= spec.ranks  # the same spawn, reported by another of its ranks
+        mesh.remember_actor(ActorSpec(name, payload, buffers, ranks, owner))
 
     def _on_stop_mesh(self, h: Header, msg: Message) -> None:
         """A rank holding a reference to a mesh stops it (on a thread of its own: a

@@ -24,6 +24,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
 
 from monarch_kernel.controller.errors import (
     MeshStartError,
@@ -247,15 +250,20 @@ class MeshRuntime:
         for r in ranks:
             r.death, r.pid = None, None
             self.requests.set_state(r, RankState.STARTING)
-            specs.append(
-                {
-                    "rank": r.rank,
-                    "local_rank": r.local_rank,
-                    "coords": list(r.coords),
-                    "host": r.host,
-                    "restart_count": r.restarts,
-                }
-            )
+            spec: dict[str, Any] = {
+                "rank": r.rank,
+                "local_rank": r.local_rank,
+                "coords": list(r.coords),
+                "host": r.host,
+                "restart_count": r.restarts,
+            }
+            if self.transport.curve is not None:  # peers of other machines may call it
+                if not r.peer_secret:
+                    r.peer_secret = zmq.curve_keypair()[1].decode()
+                spec["peer_secret"] = r.peer_secret
+                if r.peer.tcp:
+                    spec["peer_port"] = int(r.peer.tcp.rsplit(":", 1)[1])
+            specs.append(spec)
         if specs:
             self.transport.send_host(
                 ranks[0].host, {"k": K.SPAWN_RANKS, "ranks": specs, "common": self._common}
@@ -688,7 +696,7 @@ class MeshRuntime:
             if not on:
                 continue
             collect = _Collect(on)
-            header = {"k": K.SPAWN_ACTOR, "a": spec.name}
+            header = {"k": K.SPAWN_ACTOR, "a": spec.name, **(spec.owner or {})}
             rid = self.request(
                 on,
                 header,

@@ -11,6 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from monarch_kernel.launchers.base import HostHandle
 from monarch_kernel.wire.osutil import describe_exit
@@ -124,6 +125,9 @@ class RankInfo:
     #: mesh that spans machines, CURVE TCP socket; from its ready message); empty
     #: (false) until it is ready.
     peer: PeerAddress = PeerAddress("")
+    #: The CURVE secret key (z85) of its TCP peer socket in a mesh that may span
+    #: machines, made once: a restarted rank keeps its key (and asks for its port).
+    peer_secret: str = ""
     #: Actors on it that an actor of another rank spawned: name -> the owner (its
     #: inbox ``oa``, mesh key ``ox``, actor name ``on``), told if this rank dies.
     owners: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -172,6 +176,9 @@ class ActorSpec:
     payload: bytes
     buffers: tuple[memoryview | bytes, ...]
     ranks: frozenset[int]
+    #: The owner actor when an actor of some rank spawned it (header keys ``oa``,
+    #: ``ox``, ``on``): the re-created actor is supervised by it again.
+    owner: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

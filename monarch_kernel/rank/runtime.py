@@ -581,8 +581,28 @@ class Rank:
         owner = self.owners.get(name)
         if owner is not None:  # the controller tells the owner if this rank dies
             self.send({"k": K.OWNED, "r": self.rank, "a": name}, pickle.dumps(owner))
+        if msg.header.get("q") is None:  # from a rank: the controller re-creates it too
+            self.tell_peer_actor(name, msg.header, msg.payload, msg.buffers)
         if request:
             self.reply(request, None, f"spawn of {name}")
+
+    def tell_peer_actor(
+        self,
+        name: str,
+        spawn: dict[str, Any] | None,
+        payload: bytes | memoryview = b"",
+        buffers: Any = (),
+    ) -> None:
+        """Tell the controller that a rank-to-rank message spawned actor ``name`` here
+        (``spawn``: that message's header, with its payload and buffers) or stopped it
+        (``spawn`` None): it re-creates on a restart what it knows of."""
+        header: dict[str, Any] = {"k": K.PEER_ACTOR, "r": self.rank, "a": name, "x": 0}
+        if spawn is not None:
+            header["x"] = 1
+            for key in ("oa", "ox", "on"):
+                if spawn.get(key):
+                    header[key] = spawn[key]
+        self.send(header, bytes(payload), buffers)
 
     def _exec(self, msg: Message, request: str | None) -> None:
         """EXEC: run a ``%%remote`` cell in the rank's namespace."""
@@ -608,8 +628,11 @@ class Rank:
 
     def _stop_actor(self, msg: Message, request: str | None) -> None:
         """STOP_ACTOR: forget actor ``a`` (no error if it is not there)."""
-        self.actors.pop(msg.header.get("a", ""), None)
-        self.owners.pop(msg.header.get("a", ""), None)
+        name = str(msg.header.get("a", ""))
+        self.actors.pop(name, None)
+        self.owners.pop(name, None)
+        if msg.header.get("q") is None:  # from a rank: not to be re-created any more
+            self.tell_peer_actor(name, None)
         if request:
             self.reply(request, None, "stop")
 
@@ -900,13 +923,22 @@ def _bind_peer(sock: zmq.Socket, cfg: dict[str, Any], rank: int) -> PeerAddress:
     sockets use CURVE), a CURVE TCP socket on this host's address."""
     from monarch_kernel.rank.dataplane import _private_dir, host_addr
 
-    path = os.path.join(_private_dir(cfg), f"pr{rank}-{os.getpid()}")
+    # The same path (and TCP port and key, see the controller's rank specs) after a
+    # restart: references to this rank held by other ranks reach it again.
+    path = os.path.join(_private_dir(cfg), f"pr{rank}")
     if len(path) > 100:  # a unix socket path is at most 107 bytes
         import tempfile
 
         path = os.path.join(tempfile.mkdtemp(prefix="mk-pr-", dir="/tmp"), f"pr{rank}")
     tcp_host = host_addr(cfg) if cfg.get("curve_secret") else ""
-    return peer_address.bind(sock, path, tcp_host, machine=str(cfg["hostname"]))
+    return peer_address.bind(
+        sock,
+        path,
+        tcp_host,
+        machine=str(cfg["hostname"]),
+        secret=str(cfg.get("peer_secret") or ""),
+        port=int(cfg.get("peer_port") or 0),
+    )
 
 
 #: How long the control thread waits for an abort of the process group to finish.

@@ -63,7 +63,10 @@ kind              keys
 ================  =======================================================================
 ``spawn_ranks``   ``ranks``: list[dict], one per rank to fork on this host, with
                   ``rank`` int (global), ``local_rank`` int, ``coords`` list[int] (the
-                  rank's point in the mesh), ``host`` int, ``restart_count`` int.
+                  rank's point in the mesh), ``host`` int, ``restart_count`` int; on a
+                  CURVE mesh ``peer_secret`` str (its TCP peer socket's CURVE secret,
+                  the same for every incarnation) and, after its first start,
+                  ``peer_port`` int (the port to listen on again if it is free).
                   ``common``: dict shared by those ranks: ``labels`` list[str] and
                   ``sizes`` list[int] (mesh dims), ``world_size`` int, ``local_world_size``
                   int, ``master_addr`` str, ``master_port`` int (torch.distributed
@@ -251,6 +254,11 @@ kind              keys and payload
                   rank, its owner. Payload: pickled ``{"oa", "ox", "on"}`` (as in
                   ``spawn_actor`` from a rank). If this rank dies, the controller sends
                   the owner a ``supervise`` for it
+``peer_actor``    ``a`` str, ``x`` int: another rank (or this one) spawned (``x`` 1) or
+                  stopped (``x`` 0) actor ``a`` here with a rank-to-rank message; for a
+                  spawn, the payload and buffers are the spawn's (and ``oa``/``ox``/``on``
+                  its owner, if an actor spawned it): the controller re-creates the actor
+                  when this rank restarts, as it does actors it spawned itself
 ``fault``         (no ``i``) Payload: pickled failure report of fire-and-forget work
                   (a message without ``w``, or a control handler failing without ``i``)
 ``input``         ``i`` (the request being served, or None), ``n`` int (serial, per
@@ -302,6 +310,7 @@ EXEC = "exec"
 STOP_ACTOR = "stop_actor"
 SUPERVISE = "supervise"  # rank -> owner rank's inbox: a failure of a mesh it owns
 OWNED = "owned"  # rank -> controller: actor ``a`` here is owned by an actor elsewhere
+PEER_ACTOR = "peer_actor"  # rank -> controller: a rank spawned (stopped) actor ``a`` here
 STOP_MESH = "stop_mesh"  # rank -> controller: stop a mesh it holds a reference to
 ASK = "ask"  # rank -> controller: an operation of the actor API (get_or_spawn_controller)
 DEBUG = "debug"  # post-mortem pdb on the rank's last failure (header "x": only release it)

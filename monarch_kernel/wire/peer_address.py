@@ -90,11 +90,16 @@ def bind(
     tcp_host: str = "",
     machine: str = "",
     zap_domain: str = "",
+    secret: str = "",
+    port: int = 0,
 ) -> PeerAddress:
     """Bind ``sock`` for peers: plain on the unix socket ``ipc_path``, and a CURVE server
-    (a fresh keypair) on a free TCP port of ``tcp_host`` (within
-    ``$MONARCH_KERNEL_PORTS``) when it is given. ``zap_domain``: where the process runs
-    a ZAP handler (the controller), the domain under which it admits any client key.
+    on a TCP port of ``tcp_host`` when it is given: with the keypair of ``secret`` (z85;
+    a fresh one if empty), on ``port`` if it is free, else on a free port (within
+    ``$MONARCH_KERNEL_PORTS``). A rank restarted with its previous ``secret`` and
+    ``port`` is reached again by references to it made before the restart.
+    ``zap_domain``: where the process runs a ZAP handler (the controller), the domain
+    under which it admits any client key.
 
     Must run before any other CURVE option is set on ``sock`` (see the module's
     invariants); leaves the socket with no security mechanism set, so the caller then
@@ -103,13 +108,22 @@ def bind(
     sock.bind(ipc)
     tcp = public = ""
     if tcp_host:
-        pub, secret = zmq.curve_keypair()
+        if secret:
+            keys = zmq.curve_public(secret.encode()), secret.encode()
+        else:
+            keys = zmq.curve_keypair()
+        pub = keys[0]
         sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys[1])
         if zap_domain:
             sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain.encode())
         host = f"[{tcp_host}]" if ":" in tcp_host else tcp_host
-        port = bind_port(sock, host)
+        try:
+            if not port:
+                raise zmq.ZMQError(zmq.EADDRINUSE)
+            sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError:  # taken meanwhile (or none asked for): any free one
+            port = bind_port(sock, host)
         sock.setsockopt(zmq.CURVE_SERVER, 0)  # back to NULL for what comes next
         tcp, public = f"tcp://{host}:{port}", pub.decode()
     return PeerAddress(machine or this_machine(), ipc, tcp, public)
