@@ -239,7 +239,8 @@ class PeerClient:
                         del monitors[sock]
                         sock.close(0)
             now = time.monotonic()
-            late = [r for r, deadline in list(self.connecting.items()) if deadline < now]
+            with self.lock:
+                late = [r for r, deadline in self.connecting.items() if deadline < now]
             for route in late:
                 self._on_lost(route, f"no connection within {CONNECT_TIMEOUT:g}s")
 
