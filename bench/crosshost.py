@@ -2,7 +2,9 @@
 bridge, ``tests/netns.py``), ours over the ``join`` backend against raw ZeroMQ over the same
 veths, plain and CURVE. Our control sockets over tcp are CURVE, so raw CURVE is the fair
 floor for the round trip; the rank -> rank data-plane socket is not CURVE (yet), so for the
-64 MiB row both ratios are recorded.
+64 MiB row both ratios are recorded. Actor -> actor across machines: row 11's caller and
+target (bench/a2a.py) on two one-host ``join`` meshes, one per namespace host, the call
+going over the target rank's CURVE TCP peer socket; compared with the raw CURVE round trip.
 
 Needs root (namespaces); otherwise every row says so. Everything created here is removed
 here: the namespace processes by PID and the namespaces, veths and bridge through
@@ -19,7 +21,7 @@ import threading
 
 import zmq
 
-from bench.common import MiB, Recorder, Settings, median, sample, tensor_iters
+from bench.common import MiB, Recorder, Settings, median, p99, sample, tensor_iters
 
 ROWS = [
     "xhost_rtt",
@@ -33,6 +35,9 @@ ROWS = [
     "xhost_r2r_plain_ratio",
     "xhost_r2r_64_enc",
     "xhost_r2r_enc_ratio",
+    "xhost_a2a",
+    "xhost_a2a_p99",
+    "xhost_a2a_ratio",
 ]
 MIB = 64
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,11 +79,14 @@ def run(s: Settings, rec: Recorder) -> None:
             raw(s, rec, net, curve=True)
         with rec.guard("xhost_rtt", "xhost_r2r_64", "xhost_r2r_64_enc"):
             ours(s, rec, net)
+        with rec.guard("xhost_a2a", "xhost_a2a_p99"):
+            actor_to_actor(s, rec, net)
         for mine, floor, key in (
             ("xhost_rtt", "xhost_zmq_curve_rtt", "xhost_rtt_ratio"),
             ("xhost_r2r_64", "xhost_zmq_curve_64", "xhost_r2r_ratio"),
             ("xhost_r2r_64", "xhost_zmq_64", "xhost_r2r_plain_ratio"),
             ("xhost_r2r_64_enc", "xhost_zmq_curve_64", "xhost_r2r_enc_ratio"),
+            ("xhost_a2a", "xhost_zmq_curve_rtt", "xhost_a2a_ratio"),
         ):
             rec.ratio(key, mine, floor)
     finally:
@@ -129,11 +137,14 @@ def raw(s: Settings, rec: Recorder, net, curve: bool) -> None:
 
 
 class Joiner:
-    """Runs the join command the launcher shows for each host, on that namespace host."""
+    """Runs the join command the launcher shows for each host: host ``i`` of the mesh on
+    namespace host ``first + i``."""
 
-    def __init__(self, net):
+    def __init__(self, net, first: int = 0):
         self.net = net
+        self.first = first
         self.lock = threading.Lock()
+        self.agents: list[subprocess.Popen[bytes]] = []
 
     def progress(self, text: str) -> None:
         for line in text.splitlines():
@@ -142,14 +153,28 @@ class Joiner:
                 host, url, token = int(m.group(1)), m.group(2), m.group(3)
                 cmd = [sys.executable, "-m", "monarch_kernel.host", "--join", url]
                 with self.lock:  # NetHosts.popen appends to a shared list
-                    self.net.popen(
-                        host,
+                    agent = self.net.popen(
+                        self.first + host,
                         [*cmd, "--token", token],
                         stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL,
                         env=_env(),
                         cwd=REPO,
                     )
+                    self.agents.append(agent)
+
+    def stop(self, procs) -> None:
+        """Stop the mesh and its launcher, then give the agents time to exit by themselves
+        (removing their temporary dirs) before :meth:`NetHosts.close` kills what is left."""
+        try:
+            procs.stop()
+            procs.runtime.launcher.shutdown()
+        finally:
+            for agent in self.agents:
+                try:
+                    agent.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
 
 
 def ours(s: Settings, rec: Recorder, net) -> None:
@@ -158,7 +183,8 @@ def ours(s: Settings, rec: Recorder, net) -> None:
     from bench.ours import Bench
     from monarch_kernel.actor import host_mesh
 
-    mesh = host_mesh(hosts=2, backend="join", bind=net.gateway, on_progress=Joiner(net).progress)
+    joiner = Joiner(net)
+    mesh = host_mesh(hosts=2, backend="join", bind=net.gateway, on_progress=joiner.progress)
     procs = mesh.spawn_procs({"gpus": 1}, timeout=90)
     try:
         one = procs.spawn("bench", Bench).slice(hosts=0, gpus=0)
@@ -167,17 +193,47 @@ def ours(s: Settings, rec: Recorder, net) -> None:
 
         rec.value(f"xhost_r2r_{MIB}", r2r_rate(procs))
     finally:
-        procs.stop()
-        procs.runtime.launcher.shutdown()
+        joiner.stop(procs)
     # The same with the data plane encrypted (MONARCH_KERNEL_ENCRYPT_DATA=1).
-    mesh = host_mesh(hosts=2, backend="join", bind=net.gateway, on_progress=Joiner(net).progress)
+    joiner = Joiner(net)
+    mesh = host_mesh(hosts=2, backend="join", bind=net.gateway, on_progress=joiner.progress)
     env = {"MONARCH_KERNEL_ENCRYPT_DATA": "1"}
     procs = mesh.spawn_procs({"gpus": 1}, timeout=90, env=env)
     try:
         rec.value(f"xhost_r2r_{MIB}_enc", r2r_rate(procs))
     finally:
-        procs.stop()
-        procs.runtime.launcher.shutdown()
+        joiner.stop(procs)
+
+
+def actor_to_actor(s: Settings, rec: Recorder, net) -> None:
+    """Row 11 across machines: the targets on a one-host join mesh on namespace host 1,
+    the caller (holding them) on another on host 0; timed inside the caller's rank."""
+    from bench.a2a import make_classes
+    from monarch_kernel.actor import Actor, endpoint, host_mesh
+
+    Target, Caller = make_classes(Actor, endpoint)
+    meshes = []  # (procs, joiner): the targets' mesh, then the caller's
+    try:
+        for first, name in ((1, "xa2a_targets"), (0, "xa2a_caller")):
+            joiner = Joiner(net, first=first)
+            mesh = host_mesh(hosts=1, backend="join", bind=net.gateway, on_progress=joiner.progress)
+            meshes.append((mesh.spawn_procs({"gpus": 1}, name=name, timeout=90), joiner))
+        (tprocs, _), (cprocs, _) = meshes
+        targets = tprocs.spawn("xa2a_target", Target)
+        caller = cprocs.spawn("xa2a_caller", Caller, targets)
+        sent = controller_bytes(tprocs)
+        xs = caller.loop.call_one(s.rtt_iters, s.warmup, s.loop_budget_s).get(timeout=120)
+        assert controller_bytes(tprocs) == sent, "a caller's call went through the controller"
+        rec.value("xhost_a2a", median(xs), calls=len(xs))
+        rec.value("xhost_a2a_p99", p99(xs))
+    finally:
+        for procs, joiner in reversed(meshes):
+            joiner.stop(procs)
+
+
+def controller_bytes(procs) -> int:
+    """Bytes the controller has sent to the ranks of ``procs`` (peer calls never count)."""
+    return sum(info.bytes_out for info in procs.runtime.ranks)
 
 
 def r2r_rate(procs) -> float:

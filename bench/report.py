@@ -146,6 +146,9 @@ def rows(s: Settings) -> list[Row]:
             "higher",
         ),
         Row("xhost_r2r_enc_ratio", "9. encrypted 64 MiB, ours ÷ raw CURVE", "x", "higher"),
+        Row("xhost_a2a", "9. actor -> actor round trip across netns hosts (rank to rank)", "us"),
+        Row("xhost_a2a_p99", "9. actor -> actor across netns hosts, p99", "us"),
+        Row("xhost_a2a_ratio", "9. actor -> actor across netns hosts, ours ÷ raw CURVE", "x"),
         Row("ray_cluster_up", "10. two-node Ray cluster up (head + namespace node)", "s"),
         Row("ray_ready_2x1", "10. %mesh --backend ray --hosts 2 -> ready mesh", "s"),
         Row("ray_actors_2", "10. Ray's own: STRICT_SPREAD group + 2 actors answered", "s"),
@@ -426,8 +429,13 @@ def how_measured(s: Settings) -> list[str]:
         "CURVE data socket), compared with raw CURVE. Raw "
         "ZeroMQ: `bench.raw_zmq`'s echo server in namespace host 0, a DEALER in the root "
         "namespace: a 1-byte round trip, and one zero-copy 64 MiB send plus a tiny ack; CURVE: "
-        "`zmq.curve_keypair()` keys on both ends, no ZAP handler. Ratios come from the same "
-        "worker process, one after the other.",
+        "`zmq.curve_keypair()` keys on both ends, no ZAP handler. Actor -> actor: row 11's "
+        "code (bench/a2a.py) on two one-host `join` meshes, the targets on host 1, the "
+        "caller on host 0; the caller's `call_one().get()` goes to the target rank's CURVE "
+        "TCP peer socket, timed inside the caller's rank (checked: the controller sent the "
+        "target rank nothing meanwhile), and is compared with the raw CURVE round trip "
+        "(root namespace -> host 0: one veth fewer than host 0 -> host 1). Ratios "
+        "come from the same worker process, one after the other.",
         "10. Engines (ours only, run as root). Ray: the test suite's two-node Ray cluster "
         "(`tests/ray_cluster.py`: the head on the bridge address, a raylet in a namespace "
         "host). Ours: `host_mesh(hosts=2, backend='ray').spawn_procs({'gpus': 1})` until an "
