@@ -27,11 +27,13 @@ messages (CURVE-encrypted across machines), like everything else a rank is given
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
 import itertools
 import os
 import pickle
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -106,7 +108,6 @@ class PeerClient:
         self.prefix = f"p{os.getpid()}-{os.urandom(3).hex()}-"
         rt = context._runtime
         self.machine = str(rt.cfg["hostname"]) if rt is not None else peer_address.this_machine()
-        d = tempfile.mkdtemp(prefix="mk-peer-")  # mode 0700: only we can connect
         self.replies = self.ctx.socket(zmq.PULL)
         self.replies.setsockopt(zmq.LINGER, 0)
         limit_size(self.replies)
@@ -114,7 +115,7 @@ class PeerClient:
         #: machines may answer, a CURVE TCP socket (see :func:`_reply_tcp_host`).
         tcp_host = _reply_tcp_host()
         domain = _admit_any_key() if tcp_host and rt is None else ""
-        self.reply = peer_address.bind(self.replies, f"{d}/r", tcp_host, self.machine, domain)
+        self.reply = peer_address.bind(self.replies, _reply_path(), tcp_host, self.machine, domain)
         #: route -> when its first connection must be up (see CONNECT_TIMEOUT)
         self.connecting: dict[str, float] = {}
         # New monitor sockets are handed to the reply thread through ``wake``.
@@ -417,6 +418,30 @@ def _route(ref: MeshRef, rank: int, addr: PeerAddress, here: str) -> str:
         raise ConnectionError(
             f"rank {rank} of mesh {ref.mesh!r} cannot be reached from this rank: {exc}"
         ) from None
+
+
+def _reply_path() -> str:
+    """A unix socket path for replies, in a 0700 directory (only we can connect): in a
+    rank the host agent's private one (removed with the agent), else a temporary one
+    removed at exit."""
+    rt = context._runtime
+    if rt is not None:
+        from monarch_kernel.rank.dataplane import private_dir
+
+        path = os.path.join(private_dir(rt.cfg), f"c{rt.rank}-{os.getpid()}")
+        if len(path) <= 100:  # a unix socket path is at most 107 bytes
+            atexit.register(_unlink, path)
+            return path
+    d = tempfile.mkdtemp(prefix="mk-peer-")
+    atexit.register(shutil.rmtree, d, True)
+    return os.path.join(d, "r")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _reply_tcp_host() -> str:

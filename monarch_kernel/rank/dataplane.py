@@ -31,9 +31,11 @@ per rank for the dashboard.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import mmap
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -218,15 +220,23 @@ class _Nonces:
         return True
 
 
-def _private_dir(cfg: dict[str, Any]) -> str:
-    """The host agent's private 0700 directory (where rank logs live), else our own."""
+def private_dir(cfg: dict[str, Any]) -> str:
+    """The host agent's private 0700 directory (where rank logs live), else our own
+    (made once, removed at exit)."""
+    global _own_dir
     log = cfg.get("log")
     if log:
         d = os.path.dirname(log)
         st = os.stat(d)
         if st.st_uid == os.getuid() and st.st_mode & 0o077 == 0:
             return d
-    return tempfile.mkdtemp(prefix="mk-dp-")  # mode 0700
+    if _own_dir is None:
+        _own_dir = tempfile.mkdtemp(prefix="mk-dp-")  # mode 0700
+        atexit.register(shutil.rmtree, _own_dir, True)
+    return _own_dir
+
+
+_own_dir: str | None = None
 
 
 def host_addr(cfg: dict[str, Any]) -> str:
@@ -274,7 +284,7 @@ class _Server:
         self.sock.setsockopt(zmq.LINGER, 0)
         limit_size(self.sock)
         name = f"dp{self.rank}-{os.getpid()}"
-        path = os.path.join(_private_dir(cfg), name)
+        path = os.path.join(private_dir(cfg), name)
         if len(path) > 100:  # a unix socket path is at most 107 bytes
             path = os.path.join(tempfile.mkdtemp(prefix="mk-dp-", dir="/tmp"), name)
         self.ipc = f"ipc://{path}"

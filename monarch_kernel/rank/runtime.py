@@ -921,11 +921,11 @@ def _bind_peer(sock: zmq.Socket, cfg: dict[str, Any], rank: int) -> PeerAddress:
     """Bind ``sock`` (the inbox) for actor calls from other ranks: a unix socket in the
     host agent's private (0700) directory and, when the mesh may span machines (its
     sockets use CURVE), a CURVE TCP socket on this host's address."""
-    from monarch_kernel.rank.dataplane import _private_dir, host_addr
+    from monarch_kernel.rank.dataplane import host_addr, private_dir
 
     # The same path (and TCP port and key, see the controller's rank specs) after a
     # restart: references to this rank held by other ranks reach it again.
-    path = os.path.join(_private_dir(cfg), f"pr{rank}")
+    path = os.path.join(private_dir(cfg), f"pr{rank}")
     if len(path) > 100:  # a unix socket path is at most 107 bytes
         import tempfile
 
