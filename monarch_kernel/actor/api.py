@@ -1,5 +1,6 @@
 """Monarch's runtime helpers: ``context()``, ``current_actor_name()``, ``this_proc()``,
-``Accumulator``, ``Channel``/``Port``/``PortReceiver`` and ``get_or_spawn_controller``."""
+``Accumulator``, ``Channel``/``Port``/``PortReceiver``/``RankedPortReceiver`` and
+``get_or_spawn_controller``."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import zmq
 
 from monarch_kernel.actor.gather import One
 from monarch_kernel.actor.peer import MeshRef, RemoteProcMesh, _waiter, client, then
+from monarch_kernel.controller.events import Reply
 from monarch_kernel.controller.future import Future
 from monarch_kernel.controller.inbound import ASK_HANDLERS
 from monarch_kernel.rank import context as rank_context
@@ -284,6 +286,11 @@ class Port(Generic[R]):
     that receiver's ``recv()`` raise. Picklable: pass it to actors, on this machine or
     (where the receiving process takes TCP, see ``actor.peer.client``) on others.
 
+    Each message carries the rank that sent it, which a :class:`RankedPortReceiver`
+    (``Channel.open_ranked()``) hands out with the value: sent from a rank, its point
+    in the slice of the call it is serving (Monarch's ``context().message_rank``; its
+    global rank outside of a call); sent from the controller, none.
+
     An endpoint declared ``@endpoint(explicit_response_port=True)`` is given a port of
     the same interface, which answers the call."""
 
@@ -294,18 +301,32 @@ class Port(Generic[R]):
         self._rank = rank
 
     def send(self, obj: R) -> None:
+        """Send ``obj`` to the receiver (in order with this sender's other messages)."""
         payload, buffers = dumps(obj, "value sent to a port")
         self._deliver({"ok": 1}, payload, buffers)
 
     def exception(self, exc: BaseException) -> None:
+        """Make the receiver's next ``recv()`` raise ``exc`` (as an ``ActorError``)."""
         import pickle
 
         from monarch_kernel.rank.errors import exception_report
 
         self._deliver({"ok": 0}, pickle.dumps(exception_report(exc, "port")), ())
 
+    def _sender_rank(self) -> int | None:
+        """The rank this message is from: the one the port was made for, else the
+        sending rank's message rank; None in the controller (no rank)."""
+        if self._rank is not None:
+            return self._rank
+        if rank_context.in_rank():
+            return rank_context.message_rank().rank
+        return None
+
     def _deliver(self, extra: dict[str, Any], payload: bytes, buffers: Any) -> None:
-        header = {"k": K.RESULT, "i": self._id, "r": self._rank or 0, **extra}
+        header: dict[str, Any] = {"k": K.RESULT, "i": self._id, **extra}
+        rank = self._sender_rank()
+        if rank is not None:
+            header["r"] = rank
         frames = _codec(self._key).encode(header, payload, buffers)
         sock = _push(self._addr)
         with _push_lock:
@@ -352,9 +373,9 @@ class _PortQueue:
     """Observer of a channel's messages: queued for :meth:`PortReceiver.recv`."""
 
     def __init__(self) -> None:
-        self.items: queue.Queue[Any] = queue.Queue()
+        self.items: queue.Queue[Reply | BaseException] = queue.Queue()
 
-    def on_reply(self, reply: Any) -> None:
+    def on_reply(self, reply: Reply) -> None:
         self.items.put(reply)
 
     def on_lost(self, rank: int, error: BaseException) -> None:
@@ -367,7 +388,13 @@ class PortReceiver(Generic[R]):
     def __init__(self, q: _PortQueue):
         self._q = q
 
+    def _process(self, reply: Reply) -> R:
+        """What ``recv()`` gives for one message (raises what the sender sent with
+        ``Port.exception``)."""
+        return cast(R, _value(reply))
+
     def recv(self) -> Future[R]:
+        """A future of the next message's value, in the order they arrive."""
         fut: Future[R] = Future()
         q = self._q
 
@@ -377,7 +404,7 @@ class PortReceiver(Generic[R]):
                 fut.set_exception(item)
                 return
             try:
-                fut.set_result(_value(item))
+                fut.set_result(self._process(item))
             except BaseException as exc:
                 fut.set_exception(exc)
 
@@ -387,12 +414,36 @@ class PortReceiver(Generic[R]):
             threading.Thread(target=wait, name="mk-port-recv", daemon=True).start()
         return fut
 
+    def ranked(self) -> RankedPortReceiver[R]:
+        """A receiver of the same channel whose ``recv()`` gives ``(rank, value)``
+        (both take from the same messages)."""
+        return RankedPortReceiver(self._q)
+
     def __iter__(self) -> Iterator[R]:
         while True:
             yield self.recv().get()
 
 
-def _value(reply: Any) -> Any:
+class RankedPortReceiver(PortReceiver[tuple[int, R]]):
+    """The receiving end of a channel opened with ``Channel.open_ranked()`` (Monarch's
+    ``RankedPortReceiver``): ``recv()`` is a future of ``(rank, value)``, ``rank`` the
+    sender's (see :class:`Port`). A message sent from the controller has no rank: its
+    ``recv()`` raises ValueError, as in Monarch."""
+
+    def __init__(self, q: _PortQueue):
+        super().__init__(q)
+
+    def _process(self, reply: Reply) -> tuple[int, R]:
+        rank: int | None = reply.rank
+        if rank is None:
+            raise ValueError(
+                "a ranked port receiver got a message without a rank (sent from the "
+                "controller, not from an actor on a rank)"
+            )
+        return rank, cast(R, _value(reply))
+
+
+def _value(reply: Reply) -> object:
     from monarch_kernel.actor.gather import reply_value
 
     return reply_value(reply, 1)
@@ -402,10 +453,14 @@ _port_ids = itertools.count()
 
 
 class Channel(Generic[R]):
-    """Monarch's ``Channel``: ``port, receiver = Channel.open()``."""
+    """Monarch's ``Channel``: ``port, receiver = Channel.open()``; pass ``port`` to
+    actors, read what they send with ``receiver.recv()``."""
 
     @staticmethod
     def open(once: bool = False) -> tuple[Port[R], PortReceiver[R]]:
+        """A new channel: its port (picklable) and its receiver (stays here).
+        ``once`` is accepted for Monarch's signature; the port is not limited to one
+        message."""
         c = client()
         key = _channel_key()
         c.codec(key)  # replies signed with it are accepted by the reply thread
@@ -413,6 +468,15 @@ class Channel(Generic[R]):
         q = _PortQueue()
         c.open_port(port_id, q)
         return Port(c.reply, key, port_id), PortReceiver(q)
+
+    @staticmethod
+    def open_ranked(once: bool = False) -> tuple[Port[R], RankedPortReceiver[R]]:
+        """Like :meth:`open`, but the receiver's ``recv()`` gives ``(rank, value)``
+        (Monarch's ``Channel.open_ranked``): which rank sent each value."""
+        port: Port[R]
+        receiver: PortReceiver[R]
+        port, receiver = Channel.open(once)
+        return port, receiver.ranked()
 
 
 _key: str | None = None
@@ -438,6 +502,7 @@ __all__ = [
     "MeshFailure",
     "Port",
     "PortReceiver",
+    "RankedPortReceiver",
     "ResponsePort",
     "context",
     "current_actor_name",

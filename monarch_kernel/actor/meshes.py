@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -41,7 +43,16 @@ def set_dashboard_factory(factory: Callable[[ProcMesh], Any]) -> None:
 
 
 class HostMesh:
-    """A set of hosts (machines) on which process meshes are spawned."""
+    """A set of hosts (machines) on which process meshes are spawned.
+
+    Its dimensions are the ones :meth:`spawn_procs` puts ahead of ``per_host``'s:
+    ``{"hosts": H}`` on H > 1 hosts, none on one host (like Monarch's ``this_host()``,
+    a zero-dimensional mesh of one host); ``size()``, ``sizes``, ``extent`` and
+    ``len()`` read them as on a process mesh.
+
+    :meth:`shutdown` stops every process mesh spawned from it and releases its launcher;
+    as in Monarch, ``async with hosts:`` shuts it down on exit.
+    """
 
     def __init__(self, hosts: int = 1, backend: str = "local", **launcher_options: Any):
         if not isinstance(hosts, int) or hosts < 1:
@@ -49,6 +60,38 @@ class HostMesh:
         self.hosts = hosts
         self.backend = backend
         self.launcher = get_launcher(backend, **launcher_options)
+        self._lock = threading.Lock()
+        #: Meshes spawned from this host mesh (the ones :meth:`shutdown` stops); stopped
+        #: ones are dropped at the next spawn.
+        self._spawned: list[MeshRuntime] = []
+        self._shut_down = False
+
+    # -- shape (Monarch's MeshTrait, read-only) ------------------------------------------
+
+    @property
+    def shape(self) -> Shape:
+        """``hosts`` as one dimension, or no dimension for a single host."""
+        if self.hosts == 1:
+            return Shape((), ())
+        return Shape(("hosts",), (self.hosts,))
+
+    @property
+    def extent(self) -> dict[str, int]:
+        return self.shape.extent
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self.shape.extent
+
+    def __len__(self) -> int:
+        return self.hosts
+
+    def size(self, dim: str | Sequence[str] | None = None) -> int:
+        """Number of hosts: all of them, or the product of the named dims' sizes (the
+        only dim is ``hosts``, on a mesh of more than one host); KeyError for others."""
+        return _size(self.shape, dim)
+
+    # -- process meshes ------------------------------------------------------------------
 
     def spawn_procs(
         self,
@@ -79,7 +122,10 @@ class HostMesh:
         ``bootstrap`` (Monarch's): a picklable function called with no arguments on
         every rank once it started, before this returns (set up the environment,
         import things); what it raises fails the spawn.
+
+        A host mesh that was shut down spawns nothing: RuntimeError.
         """
+        self._check_open()
         per_host = dict(per_host or {"gpus": 1})
         if "hosts" in per_host and self.hosts > 1:
             raise ValueError(
@@ -93,16 +139,20 @@ class HostMesh:
             raise ValueError(f"on_failure must be one of {choices}; got {on_failure!r}") from None
         running = sum(m.world for m in registry.live() if m.launcher is self.launcher)
         self.launcher.check_capacity(self.hosts * len(Shape.from_extent(per_host)), running)
-        runtime = MeshRuntime(  # MeshNameTaken (a ValueError) if a live mesh has the name
-            name or registry.auto_name("procs"),
-            per_host,
-            self.hosts,
-            self.launcher,
-            env=env,
-            backend=self.backend,
-            on_failure=policy,
-            grace=grace,
-        )
+        with self._lock:  # registered before it starts: a shutdown from now on stops it
+            self._check_open()
+            runtime = MeshRuntime(  # MeshNameTaken (a ValueError) if a live mesh has it
+                name or registry.auto_name("procs"),
+                per_host,
+                self.hosts,
+                self.launcher,
+                env=env,
+                backend=self.backend,
+                on_failure=policy,
+                grace=grace,
+            )
+            self._spawned = [m for m in self._spawned if not m.state.ended]
+            self._spawned.append(runtime)
         procs = ProcMesh(runtime)
         from monarch_kernel.actor.api import _watch  # (api imports this module)
 
@@ -118,13 +168,67 @@ class HostMesh:
             raise
         return procs
 
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise RuntimeError(
+                f"HostMesh(hosts={self.hosts}, backend={self.backend!r}) was shut down: it "
+                "spawns no more process meshes; make a new one (this_host() or host_mesh())"
+            )
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    def shutdown(self, grace: float = DEFAULT_STOP_GRACE) -> Future[None]:
+        """Stop every process mesh spawned from this host mesh (every rank and host
+        agent; ranks get ``grace`` seconds to exit cleanly, as in ``ProcMesh.stop``) and
+        release its launcher (allocations of the ray, slurm, lightning or join
+        backends; the local backend's launcher is shared by all local host meshes and
+        stays). Later ``spawn_procs`` calls raise RuntimeError.
+
+        Done when this returns; the future (Monarch's ``shutdown()`` returns one) is
+        already complete. Shutting down again does nothing."""
+        with self._lock:
+            first = not self._shut_down
+            self._shut_down = True
+            spawned, self._spawned = self._spawned, []
+        errors: list[BaseException] = []
+        for runtime in spawned:
+            try:
+                runtime.stop(grace=grace)
+            except Exception as exc:  # the other meshes still stop
+                errors.append(exc)
+        if first and self.backend != "local":
+            self.launcher.shutdown()  # made for this host mesh alone (get_launcher)
+        if errors:
+            raise errors[0]
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    async def __aenter__(self) -> HostMesh:
+        self._check_open()
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        await asyncio.to_thread(self.shutdown)
+
     def __repr__(self) -> str:
-        return f"HostMesh(hosts={self.hosts}, backend={self.backend!r})"
+        gone = ", shut down" if self._shut_down else ""
+        return f"HostMesh(hosts={self.hosts}, backend={self.backend!r}{gone})"
+
+
+_this_host: HostMesh | None = None
+_this_host_lock = threading.Lock()
 
 
 def this_host() -> HostMesh:
-    """The machine this controller runs on."""
-    return HostMesh(1, "local")
+    """The machine this controller runs on: the same host mesh every time (so that
+    ``this_host().shutdown()`` stops the process meshes spawned from it), a new one
+    once that was shut down."""
+    global _this_host
+    with _this_host_lock:
+        if _this_host is None or _this_host._shut_down:
+            _this_host = HostMesh(1, "local")
+        return _this_host
 
 
 def host_mesh(hosts: int = 1, backend: str = "local", **options: Any) -> HostMesh:
