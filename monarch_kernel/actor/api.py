@@ -149,7 +149,11 @@ def tell_owner(
             if sock is None:
                 sock = zmq.Context.instance().socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
-                peer_address.connect(sock, addr)
+                try:
+                    peer_address.connect(sock, addr)
+                except BaseException:  # unreachable from here: no socket kept
+                    sock.close(0)
+                    raise
                 _owners[addr] = sock
             sock.send_multipart(frames, zmq.NOBLOCK)
         except (zmq.Again, ConnectionError, ValueError) as exc:

@@ -225,7 +225,11 @@ class Rank:
             sock = self.ctx.socket(kind)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDTIMEO, PEER_SEND_TIMEOUT_MS)  # peer gone: not stuck
-            peer_address.connect(sock, addr, self.peer.machine)
+            try:
+                peer_address.connect(sock, addr, self.peer.machine)
+            except BaseException:  # unreachable from here: no socket kept
+                sock.close(0)
+                raise
             self._peer_out[key] = sock
         return sock
 
