@@ -359,18 +359,12 @@ def _push(addr: PeerAddress) -> zmq.Socket:
             sock = zmq.Context.instance().socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)
             try:
-                peer_address.connect(sock, addr, _here())
+                peer_address.connect(sock, addr)
             except BaseException:
                 sock.close(0)
                 raise
             _pushes[(os.getpid(), addr)] = sock
         return sock
-
-
-def _here() -> str:
-    """This process's machine as peer addresses name it."""
-    rt = rank_context._runtime
-    return str(rt.cfg["hostname"]) if rt is not None else peer_address.this_machine()
 
 
 class _PortQueue:

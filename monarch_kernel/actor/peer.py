@@ -56,6 +56,7 @@ from monarch_kernel.wire import Codec, SerializationError, WireError, dumps, pee
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
+from monarch_kernel.wire.netaddr import route_source
 from monarch_kernel.wire.peer_address import PeerAddress
 
 #: Seconds a first connection to a rank may take before its calls fail (it is not
@@ -107,7 +108,7 @@ class PeerClient:
         self.ids = itertools.count()
         self.prefix = f"p{os.getpid()}-{os.urandom(3).hex()}-"
         rt = context._runtime
-        self.machine = str(rt.cfg["hostname"]) if rt is not None else peer_address.this_machine()
+        self.machine = peer_address.this_machine()  # a rank's too: its agent's hostname
         self.replies = self.ctx.socket(zmq.PULL)
         self.replies.setsockopt(zmq.LINGER, 0)
         limit_size(self.replies)
@@ -453,14 +454,14 @@ def _reply_tcp_host() -> str:
     (see :func:`client`)."""
     rt = context._runtime
     if rt is not None:
-        return _tcp_host(rt.peer.tcp)
+        return rt.peer.tcp_host
     from monarch_kernel.controller.registry import registry
 
     for mesh in registry.live():
         for info in mesh.ranks:
             if info.peer.tcp and info.peer.machine != peer_address.this_machine():
                 try:
-                    return peer_address.source_address_towards(_tcp_host(info.peer.tcp))
+                    return route_source(info.peer.tcp_host)
                 except OSError:
                     continue
     return ""
@@ -485,11 +486,6 @@ def _admit_any_key() -> str:
 
     zap(REPLY_ZAP_DOMAIN, _AnyKey())
     return REPLY_ZAP_DOMAIN
-
-
-def _tcp_host(tcp: str) -> str:
-    """``host`` of ``tcp://host:port`` ("" for "")."""
-    return tcp.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]") if tcp else ""
 
 
 # -- the handles ------------------------------------------------------------------------

@@ -262,7 +262,7 @@ class MeshRuntime:
                     r.peer_secret = zmq.curve_keypair()[1].decode()
                 spec["peer_secret"] = r.peer_secret
                 if r.peer.tcp:
-                    spec["peer_port"] = int(r.peer.tcp.rsplit(":", 1)[1])
+                    spec["peer_port"] = r.peer.tcp_port
             specs.append(spec)
         if specs:
             self.transport.send_host(

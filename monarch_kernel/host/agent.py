@@ -32,6 +32,7 @@ from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.identity import ident_tag
+from monarch_kernel.wire.netaddr import route_source
 from monarch_kernel.wire.osutil import die_with_parent, request_tail
 
 log = logging.getLogger("monarch_kernel.host")
@@ -513,11 +514,7 @@ def source_address(url: str) -> str:
     """The local address this machine uses to reach ``tcp://HOST:PORT`` (no packet is
     sent: a UDP socket is only routed)."""
     host, _, port = url.removeprefix("tcp://").rpartition(":")
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect((host, int(port)))
-        return str(s.getsockname()[0])
+    return route_source(host, int(port))
 
 
 def join(url: str, token: str, timeout: float = 30.0) -> dict[str, Any]:

@@ -15,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import zmq
 
+from monarch_kernel.wire.netaddr import is_loopback, route_source
+
 log = logging.getLogger("monarch_kernel.launchers")
 
 
@@ -173,28 +175,12 @@ def curve_server(sock: zmq.Socket[bytes], curve: Curve | Any, domain: str) -> No
     zap(domain, curve)
 
 
-def is_loopback(bind: str) -> bool:
-    """Whether ``bind`` (a host address or a ``tcp://`` endpoint) is a loopback address."""
-    host = bind.removeprefix("tcp://")
-    if host.startswith("["):
-        host = host[1:].partition("]")[0]
-    elif host.count(":") == 1:
-        host = host.partition(":")[0]
-    return host.startswith("127.") or host in ("localhost", "::1")
-
-
 def address_towards(host: str) -> str | None:
     """The local address this machine uses to reach ``host`` (an engine's head node: the
     machines it runs on most likely reach us at that address too), or None when there is
-    no route or it is a loopback address. No packet is sent: a UDP socket is only routed."""
-    import socket
-
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    no route or it is a loopback address."""
     try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            addr = str(s.getsockname()[0])
+        addr = route_source(host)
     except OSError:
         return None
     return None if is_loopback(addr) else addr

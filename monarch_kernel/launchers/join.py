@@ -38,9 +38,9 @@ from monarch_kernel.launchers.base import (
     HostConfig,
     HostHandle,
     curve_server,
-    is_loopback,
     zap,
 )
+from monarch_kernel.wire.netaddr import is_loopback, route_source
 from monarch_kernel.wire.ports import bind_port
 
 #: Seconds a join token stays valid.
@@ -51,11 +51,9 @@ def default_advertise() -> str:
     """The address other machines most likely reach this one at: the source address of
     the default route (no packet is sent), else the first non-loopback IPv4 address."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only routed, never contacted
-            addr = str(s.getsockname()[0])
-            if not is_loopback(addr):
-                return addr
+        addr = route_source("192.0.2.1")  # TEST-NET-1: only routed, never contacted
+        if not is_loopback(addr):
+            return addr
     except OSError:
         pass
     import psutil

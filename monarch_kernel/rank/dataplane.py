@@ -48,6 +48,7 @@ import zmq
 
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire.codec import limit_size
+from monarch_kernel.wire.netaddr import is_loopback, route_source
 from monarch_kernel.wire.ports import bind_port
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -251,11 +252,9 @@ def host_addr(cfg: dict[str, Any]) -> str:
         peer = recv[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
     elif cfg.get("master_addr"):
         peer = str(cfg["master_addr"])
-    if not peer or peer.startswith("127.") or peer in ("localhost", "::1"):
+    if not peer or is_loopback(peer):
         return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(peer), 9))  # no packet is sent
-        return str(s.getsockname()[0])
+    return route_source(peer)
 
 
 class _Server:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import socket
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -49,10 +48,7 @@ class PeerAddress:
 
     @classmethod
     def decode(cls, value: object) -> PeerAddress:
-        """The inverse of :meth:`encode`; a bare string is a unix address on this
-        machine (what a process that takes no TCP calls may still send)."""
-        if isinstance(value, str):
-            return cls(this_machine(), ipc=value)
+        """The inverse of :meth:`encode` (ValueError for anything else)."""
         if isinstance(value, (list, tuple)) and len(value) == 4:
             if all(isinstance(v, str) for v in value):
                 return cls(*value)
@@ -60,6 +56,16 @@ class PeerAddress:
 
     def __bool__(self) -> bool:
         return bool(self.ipc or self.tcp)
+
+    @property
+    def tcp_host(self) -> str:
+        """The host of :attr:`tcp` ("" if it takes no TCP)."""
+        return self.tcp.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def tcp_port(self) -> int:
+        """The port of :attr:`tcp` (0 if it takes no TCP)."""
+        return int(self.tcp.rsplit(":", 1)[1]) if self.tcp else 0
 
     def route(self, here: str | None = None) -> str:
         """The address to connect to from machine ``here`` (default: this one).
@@ -153,16 +159,4 @@ def connect(sock: zmq.Socket, addr: PeerAddress, here: str | None = None) -> str
     return route
 
 
-def routes(addrs: Sequence[PeerAddress], here: str | None = None) -> list[str]:
-    """The route to each of ``addrs`` from ``here`` (raises as :meth:`PeerAddress.route`)."""
-    return [a.route(here) for a in addrs]
-
-
-def source_address_towards(host: str) -> str:
-    """The local address of the route to ``host`` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(host), 9))
-        return str(s.getsockname()[0])
-
-
-__all__ = ["PeerAddress", "bind", "connect", "routes", "source_address_towards", "this_machine"]
+__all__ = ["PeerAddress", "bind", "connect", "this_machine"]
