@@ -14,10 +14,8 @@ here: the namespace processes by PID and the namespaces, veths and bridge throug
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-import threading
 
 import zmq
 
@@ -44,7 +42,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tests/netns.py builds the emulated machines for the test suite; it is imported from
 # there (tests/ is not a package) rather than copied, so bench and tests share one builder.
 TESTS = os.path.join(REPO, "tests")
-COMMAND = re.compile(r"\s*host (\d+): python -m monarch_kernel\.host --join (\S+) --token (\S+)")
 
 
 def unavailable() -> str | None:
@@ -56,11 +53,6 @@ def unavailable() -> str | None:
 
     reason = why()
     return f"n/a: {reason}" if reason else None
-
-
-def _env() -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH", "")
-    return dict(os.environ, PYTHONPATH=REPO + (os.pathsep + path if path else ""))
 
 
 def run(s: Settings, rec: Recorder) -> None:
@@ -96,9 +88,11 @@ def run(s: Settings, rec: Recorder) -> None:
 def raw(s: Settings, rec: Recorder, net, curve: bool) -> None:
     """``bench.raw_zmq``'s echo server on namespace host 0, a DEALER in this (root)
     namespace connecting over the bridge and host 0's veth."""
+    from netns import agent_env
+
     from bench.raw_zmq import one_way_rate
 
-    env = _env()
+    env = agent_env()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -136,50 +130,11 @@ def raw(s: Settings, rec: Recorder, net, curve: bool) -> None:
         ctx.destroy(linger=0)
 
 
-class Joiner:
-    """Runs the join command the launcher shows for each host: host ``i`` of the mesh on
-    namespace host ``first + i``."""
-
-    def __init__(self, net, first: int = 0):
-        self.net = net
-        self.first = first
-        self.lock = threading.Lock()
-        self.agents: list[subprocess.Popen[bytes]] = []
-
-    def progress(self, text: str) -> None:
-        for line in text.splitlines():
-            m = COMMAND.match(line)
-            if m:
-                host, url, token = int(m.group(1)), m.group(2), m.group(3)
-                cmd = [sys.executable, "-m", "monarch_kernel.host", "--join", url]
-                with self.lock:  # NetHosts.popen appends to a shared list
-                    agent = self.net.popen(
-                        self.first + host,
-                        [*cmd, "--token", token],
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                        env=_env(),
-                        cwd=REPO,
-                    )
-                    self.agents.append(agent)
-
-    def stop(self, procs) -> None:
-        """Stop the mesh and its launcher, then give the agents time to exit by themselves
-        (removing their temporary dirs) before :meth:`NetHosts.close` kills what is left."""
-        try:
-            procs.stop()
-            procs.runtime.launcher.shutdown()
-        finally:
-            for agent in self.agents:
-                try:
-                    agent.wait(10)
-                except subprocess.TimeoutExpired:
-                    pass
-
-
 def ours(s: Settings, rec: Recorder, net) -> None:
     """A join mesh of the two namespace hosts × 1 rank, the controller (this process) in
     the root namespace on the bridge address."""
+    from netns import Joiner
+
     from bench.ours import Bench
     from monarch_kernel.actor import host_mesh
 
@@ -208,6 +163,9 @@ def ours(s: Settings, rec: Recorder, net) -> None:
 def actor_to_actor(s: Settings, rec: Recorder, net) -> None:
     """Row 11 across machines: the targets on a one-host join mesh on namespace host 1,
     the caller (holding them) on another on host 0; timed inside the caller's rank."""
+    from helpers import controller_bytes
+    from netns import Joiner
+
     from bench.a2a import make_classes
     from monarch_kernel.actor import Actor, endpoint, host_mesh
 
@@ -221,19 +179,14 @@ def actor_to_actor(s: Settings, rec: Recorder, net) -> None:
         (tprocs, _), (cprocs, _) = meshes
         targets = tprocs.spawn("xa2a_target", Target)
         caller = cprocs.spawn("xa2a_caller", Caller, targets)
-        sent = controller_bytes(tprocs)
+        sent = controller_bytes(tprocs.runtime)
         xs = caller.loop.call_one(s.rtt_iters, s.warmup, s.loop_budget_s).get(timeout=120)
-        assert controller_bytes(tprocs) == sent, "a caller's call went through the controller"
+        assert controller_bytes(tprocs.runtime) == sent, "a call went through the controller"
         rec.value("xhost_a2a", median(xs), calls=len(xs))
         rec.value("xhost_a2a_p99", p99(xs))
     finally:
         for procs, joiner in reversed(meshes):
             joiner.stop(procs)
-
-
-def controller_bytes(procs) -> int:
-    """Bytes the controller has sent to the ranks of ``procs`` (peer calls never count)."""
-    return sum(info.bytes_out for info in procs.runtime.ranks)
 
 
 def r2r_rate(procs) -> float:

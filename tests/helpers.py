@@ -87,3 +87,9 @@ def pythonpath_with(first: str) -> str:
     """``$PYTHONPATH`` with ``first`` in front (processes started from it import there)."""
     path = os.environ.get("PYTHONPATH", "")
     return first + (os.pathsep + path if path else "")
+
+
+def controller_bytes(runtime: Any) -> int:
+    """Bytes the controller has sent to the ranks of the mesh ``runtime`` runs (a
+    rank-to-rank call never adds to it)."""
+    return sum(info.bytes_out for info in runtime.ranks)

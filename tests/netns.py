@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -156,3 +160,70 @@ def netns_hosts_fixture(n: int) -> Iterator[NetHosts]:
         yield net
     finally:
         net.close()
+
+
+#: This repository (the agents that :class:`Joiner` starts import monarch_kernel from it).
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The command the join launcher shows for each host.
+COMMAND = re.compile(r"python -m monarch_kernel\.host --join (\S+) --token (\S+)")
+
+
+def agent_env(*first: str) -> dict[str, str]:
+    """This environment with ``first`` (paths) and this repository on ``$PYTHONPATH``."""
+    path = os.environ.get("PYTHONPATH", "")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([*first, REPO, *([path] if path else [])]))
+
+
+class Joiner:
+    """Plays the people who run the command the join launcher shows on each machine:
+    pass :meth:`progress` as the launcher's ``on_progress``; host ``i`` of the mesh then
+    runs on namespace host ``first + i``, with ``env`` (default: :func:`agent_env`), its
+    output in a log under ``net.tmp``."""
+
+    def __init__(self, net: NetHosts, first: int = 0, env: dict[str, str] | None = None):
+        self.net = net
+        self.first = first
+        self.env = env or agent_env()
+        self.lines: list[str] = []
+        self.agents: dict[int, subprocess.Popen[bytes]] = {}
+        self.logs: dict[int, str] = {}
+        self.cv = threading.Condition()
+
+    def progress(self, text: str) -> None:
+        with self.cv:
+            self.lines.append(text)
+            for line in text.splitlines():
+                m = re.match(r"\s*host (\d+): (python .*)", line)
+                if m:
+                    threading.Thread(
+                        target=self.run, args=(int(m.group(1)), m.group(2)), daemon=True
+                    ).start()
+
+    def run(self, host: int, command: str) -> None:
+        url, token = COMMAND.search(command).groups()  # type: ignore[union-attr]
+        fd, log = tempfile.mkstemp(prefix=f"join-host{host}-", suffix=".log", dir=self.net.tmp)
+        proc = self.net.popen(
+            self.first + host,
+            [sys.executable, "-m", "monarch_kernel.host", "--join", url, "--token", token],
+            stdout=fd,
+            stderr=fd,
+            env=self.env,
+            cwd=os.getcwd(),
+        )
+        os.close(fd)
+        with self.cv:
+            self.agents[host], self.logs[host] = proc, log
+
+    def stop(self, procs: Any) -> None:
+        """Stop the mesh ``procs`` and its launcher, then give the agents time to exit by
+        themselves (removing their temporary dirs) before :meth:`NetHosts.close` kills
+        what is left."""
+        try:
+            procs.stop()
+            procs.runtime.launcher.shutdown()
+        finally:
+            for agent in list(self.agents.values()):
+                try:
+                    agent.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass

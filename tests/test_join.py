@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
-import tempfile
 import threading
 import time
 
 import psutil
 import pytest
 import zmq
-from netns import NetHosts, netns_hosts_fixture
+from netns import COMMAND, Joiner, agent_env, netns_hosts_fixture
 
-import monarch_kernel
 from monarch_kernel.actor import Actor, endpoint, host_mesh
 from monarch_kernel.controller.errors import MeshStartError, MonarchError
-
-COMMAND = re.compile(r"python -m monarch_kernel\.host --join (\S+) --token (\S+)")
 
 
 class Probe(Actor):
@@ -106,52 +101,6 @@ class Trainer(Actor):
 @pytest.fixture(scope="module")
 def net():
     yield from netns_hosts_fixture(4)  # host 3 never joins (the outsider)
-
-
-def _agent_env() -> dict[str, str]:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(monarch_kernel.__file__)))
-    path = os.environ.get("PYTHONPATH", "")
-    return dict(os.environ, PYTHONPATH=root + (os.pathsep + path if path else ""))
-
-
-class Joiner:
-    """Plays the people who run the shown command on each machine."""
-
-    def __init__(self, net: NetHosts, first: int = 0, env: dict[str, str] | None = None):
-        """Host ``i`` of a mesh runs on namespace host ``first + i``, with ``env``
-        (default: this repository on ``$PYTHONPATH``)."""
-        self.net = net
-        self.first = first
-        self.env = env or _agent_env()
-        self.lines: list[str] = []
-        self.agents: dict[int, psutil.Popen] = {}
-        self.logs: dict[int, str] = {}
-        self.cv = threading.Condition()
-
-    def progress(self, text: str) -> None:
-        with self.cv:
-            self.lines.append(text)
-            for line in text.splitlines():
-                m = re.match(r"\s*host (\d+): (python .*)", line)
-                if m:
-                    threading.Thread(
-                        target=self.run, args=(int(m.group(1)), m.group(2)), daemon=True
-                    ).start()
-
-    def run(self, host: int, command: str) -> None:
-        url, token = COMMAND.search(command).groups()  # type: ignore[union-attr]
-        fd, log = tempfile.mkstemp(prefix=f"join-host{host}-", suffix=".log", dir=self.net.tmp)
-        proc = self.net.popen(
-            self.first + host,
-            [sys.executable, "-m", "monarch_kernel.host", "--join", url, "--token", token],
-            stdout=fd,
-            stderr=fd,
-            env=self.env,
-            cwd=os.getcwd(),
-        )
-        os.close(fd)
-        with self.cv:
-            self.agents[host], self.logs[host] = proc, log  # type: ignore[assignment]
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +291,7 @@ def test_outsider_namespace_gets_nothing(joined, net):
         [sys.executable, "-c", INTRUDER, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=_agent_env(),
+        env=agent_env(),
     )
     out = proc.communicate(timeout=30)[0].decode()
     assert proc.returncode == 0 and "received 0" in out, out
@@ -411,7 +360,7 @@ def test_other_hosts_key_cannot_take_a_ranks_identity(joined, net):
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=_agent_env(),
+        env=agent_env(),
     )
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(json.dumps(cfg).encode())
@@ -522,7 +471,7 @@ def test_mesh_magic_join_in_a_kernel(net):
     while it waits; ``%%remote`` then runs on both machines."""
     from kernel_client import Kernel
 
-    k = Kernel(env={"PYTHONPATH": _agent_env()["PYTHONPATH"]})
+    k = Kernel(env={"PYTHONPATH": agent_env()["PYTHONPATH"]})
     joiner = Joiner(net)
     try:
         mid = k.submit(f"%mesh j --backend join --hosts 2 --gpus 1 --bind {net.gateway}")

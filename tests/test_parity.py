@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+from helpers import controller_bytes
 from parity_actors import Generator, Trainer
 
 from monarch_kernel.actor import ActorError, SliceError, this_host
@@ -61,14 +62,9 @@ def test_generator_and_trainer_call_each_other(pair):
 
 def test_calls_go_rank_to_rank_not_through_the_controller(pair):
     gens, trainers = pair
-    before = _controller_requests(gens)
+    before = controller_bytes(gens._runtime)
     trainers.slice(gpus=0).ping_pong.call_one(20).get()
-    assert _controller_requests(gens) == before  # no request to the generators' ranks
-
-
-def _controller_requests(mesh) -> int:
-    rt = mesh._runtime
-    return sum(info.bytes_out for info in rt.ranks)
+    assert controller_bytes(gens._runtime) == before  # no request to the generators' ranks
 
 
 def test_remote_error_keeps_its_chain(pair):

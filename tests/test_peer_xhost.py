@@ -18,10 +18,9 @@ import time
 
 import pytest
 from conftest import project_processes, wait_no_orphans
-from helpers import pythonpath_with, wait_until
-from netns import netns_hosts_fixture
+from helpers import controller_bytes, wait_until
+from netns import Joiner, agent_env, netns_hosts_fixture
 from parity_actors import Generator, Introspect, Supervisor, Trainer
-from test_join import Joiner, _agent_env
 
 from monarch_kernel.actor import ActorError, Channel, host_mesh, this_host
 from monarch_kernel.wire import kinds as K
@@ -35,9 +34,7 @@ def net():
 
 
 def _join_mesh(net, first: int, name: str, ranks: int = 2):
-    env = _agent_env()
-    env["PYTHONPATH"] = pythonpath_with(TESTS + os.pathsep + env["PYTHONPATH"])
-    joiner = Joiner(net, first=first, env=env)
+    joiner = Joiner(net, first=first, env=agent_env(TESTS))
     mesh = host_mesh(hosts=1, backend="join", bind=net.gateway, on_progress=joiner.progress)
     procs = mesh.spawn_procs({"gpus": ranks}, name=name, timeout=60, on_failure="continue")
     return procs, joiner
@@ -49,12 +46,8 @@ def machines(net):
     gprocs, gjoin = _join_mesh(net, 0, "xgens")
     tprocs, tjoin = _join_mesh(net, 1, "xtrainers")
     yield gprocs, tprocs
-    for procs in (tprocs, gprocs):
-        procs.stop()
-        procs.runtime.launcher.shutdown()
-    for joiner in (gjoin, tjoin):
-        for agent in joiner.agents.values():
-            agent.wait(10)
+    tjoin.stop(tprocs)
+    gjoin.stop(gprocs)
     left = wait_no_orphans(keep=before)
     assert not left, f"ranks or agents left running: {[p.pid for p in left]}"
 
@@ -65,11 +58,6 @@ def pair(machines):
     gens = gprocs.spawn("gen", Generator)
     trainers = tprocs.spawn("trainer", Trainer, gens)
     return gens, trainers
-
-
-def _controller_calls(procs) -> int:
-    """Bytes the controller has sent to the ranks of ``procs`` (peer calls never count)."""
-    return sum(info.bytes_out for info in procs.runtime.ranks)
 
 
 def test_meshes_run_on_their_own_machines(machines, net):
@@ -87,14 +75,14 @@ def test_meshes_run_on_their_own_machines(machines, net):
 def test_calls_cross_machines_rank_to_rank(pair, machines):
     gens, trainers = pair
     gprocs, _ = machines
-    before = _controller_calls(gprocs)
+    before = controller_bytes(gprocs.runtime)
     assert trainers.step.call(3).get(timeout=30).values() == [[30, 30], [30, 30]]
     t0 = trainers.slice(gpus=0)
     assert t0.step_async.call_one(2).get(timeout=30) == [20, 20]
     assert t0.stream.call_one(5).get(timeout=30) == [50, 50]
     assert t0.choose.call_one(6).get(timeout=30) == 60
     assert t0.ping_pong.call_one(50).get(timeout=30) == sum(i * 10 for i in range(50))
-    assert _controller_calls(gprocs) == before, "a peer call went through the controller"
+    assert controller_bytes(gprocs.runtime) == before, "a peer call went through the controller"
 
 
 def test_callbacks_across_machines(pair):
