@@ -147,13 +147,7 @@ def tell_owner(
             addr = PeerAddress.decode(owner["oa"])
             sock = _owners.get(addr)
             if sock is None:
-                sock = zmq.Context.instance().socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                try:
-                    peer_address.connect(sock, addr)
-                except BaseException:  # unreachable from here: no socket kept
-                    sock.close(0)
-                    raise
+                sock = peer_address.open_socket(zmq.Context.instance(), zmq.DEALER, addr, 0)
                 _owners[addr] = sock
             sock.send_multipart(frames, zmq.NOBLOCK)
         except (zmq.Again, ConnectionError, ValueError) as exc:
@@ -356,13 +350,7 @@ def _push(addr: PeerAddress) -> zmq.Socket:
     with _push_lock:
         sock = _pushes.get((os.getpid(), addr))
         if sock is None:
-            sock = zmq.Context.instance().socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 1000)
-            try:
-                peer_address.connect(sock, addr)
-            except BaseException:
-                sock.close(0)
-                raise
+            sock = peer_address.open_socket(zmq.Context.instance(), zmq.PUSH, addr, 1000)
             _pushes[(os.getpid(), addr)] = sock
         return sock
 

@@ -222,14 +222,10 @@ class Rank:
         key = (kind, addr)
         sock = self._peer_out.get(key)
         if sock is None:
-            sock = self.ctx.socket(kind)
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.setsockopt(zmq.SNDTIMEO, PEER_SEND_TIMEOUT_MS)  # peer gone: not stuck
-            try:
-                peer_address.connect(sock, addr, self.peer.machine)
-            except BaseException:  # unreachable from here: no socket kept
-                sock.close(0)
-                raise
+            # a send timeout: a caller or owner that is gone does not block us
+            sock = peer_address.open_socket(
+                self.ctx, kind, addr, 1000, PEER_SEND_TIMEOUT_MS, self.peer.machine
+            )
             self._peer_out[key] = sock
         return sock
 

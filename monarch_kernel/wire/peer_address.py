@@ -159,4 +159,25 @@ def connect(sock: zmq.Socket, addr: PeerAddress, here: str | None = None) -> str
     return route
 
 
-__all__ = ["PeerAddress", "bind", "connect", "this_machine"]
+def open_socket(
+    ctx: zmq.Context,
+    kind: int,
+    addr: PeerAddress,
+    linger_ms: int,
+    send_timeout_ms: int = -1,
+    here: str | None = None,
+) -> zmq.Socket:
+    """A new socket of ``kind`` connected to ``addr`` (see :func:`connect`); closed
+    again, and the error raised, when ``addr`` cannot be reached from here."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
+    try:
+        connect(sock, addr, here)
+    except BaseException:
+        sock.close(0)
+        raise
+    return sock
+
+
+__all__ = ["PeerAddress", "bind", "connect", "open_socket", "this_machine"]
