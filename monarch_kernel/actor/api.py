@@ -18,7 +18,8 @@ from typing import Any, Generic, TypeVar, cast
 import zmq
 
 from monarch_kernel.actor.gather import One
-from monarch_kernel.actor.peer import MeshRef, RemoteProcMesh, _waiter, client, then
+from monarch_kernel.actor.peer import RemoteProcMesh, _waiter, then
+from monarch_kernel.actor.peer_client import MeshRef, client
 from monarch_kernel.controller.events import Reply
 from monarch_kernel.controller.future import Future
 from monarch_kernel.controller.inbound import ASK_HANDLERS
@@ -282,7 +283,7 @@ class Port(Generic[R]):
     """The sending end of a channel (Monarch's ``Port``): ``send(value)`` delivers to
     the :class:`PortReceiver` it was opened with, in order; ``exception(exc)`` makes
     that receiver's ``recv()`` raise. Picklable: pass it to actors, on this machine or
-    (where the receiving process takes TCP, see ``actor.peer.client``) on others.
+    (where the receiving process takes TCP, see ``actor.peer_client.client``) on others.
 
     Each message carries the rank that sent it, which a :class:`RankedPortReceiver`
     (``Channel.open_ranked()``) hands out with the value: sent from a rank, its point

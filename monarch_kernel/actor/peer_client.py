@@ -1,0 +1,471 @@
+"""The client side of rank-to-rank actor calls: one :class:`PeerClient` per process.
+
+It sends actor calls (signed with the *target* mesh's key) straight to the target
+ranks' inboxes and matches their replies, which come back to this process's reply
+socket, to the futures waiting for them; a thread of its own reads the replies and
+watches the connections, so a target that dies, or whose machine vanishes, fails its
+calls as it would from the controller (:class:`RankDiedError`).
+
+Each target rank is reached where it listens (:mod:`monarch_kernel.wire.peer_address`):
+its unix socket from the same machine, its CURVE TCP socket from another (ranks of meshes
+that span machines take those). Replies come back the same way to this process's reply
+socket. A target on another machine that dies, or whose machine vanishes, fails its calls
+as one on this machine does (the connection drops, or its heartbeats stop); one that
+cannot be reached at all fails them after :data:`CONNECT_TIMEOUT` seconds.
+
+The handles that use it (``RemoteActorMesh`` ...) are in :mod:`monarch_kernel.actor.peer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import inspect
+import itertools
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.utils.monitor
+
+from monarch_kernel.controller.errors import RankDiedError
+from monarch_kernel.controller.events import Reply, RequestObserver
+from monarch_kernel.rank import context
+from monarch_kernel.shape import Shape
+from monarch_kernel.wire import Codec, WireError, dumps, peer_address
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import Buffer, limit_size
+from monarch_kernel.wire.codec import recv as wire_recv
+from monarch_kernel.wire.netaddr import route_source
+from monarch_kernel.wire.peer_address import PeerAddress
+
+#: Seconds a first connection to a rank may take before its calls fail (it is not
+#: running, or its machine cannot be reached from here).
+CONNECT_TIMEOUT = 5.0
+#: Monitor events that mean a connection to a target rank is gone or refused.
+_LOST = {
+    zmq.EVENT_DISCONNECTED: "its connection closed",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the encrypted handshake failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the encrypted handshake failed (protocol)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its listener refused our key",
+}
+
+
+@dataclass(frozen=True)
+class MeshRef:
+    """What a mesh reference holds: enough to reach the mesh's ranks directly."""
+
+    mesh: str  #: the process mesh's name
+    key: str  #: its signing key (hex)
+    addrs: tuple[PeerAddress, ...]  #: where each global rank listens (false: not ready)
+    shape: Shape  #: the (sliced) shape referred to
+
+
+# -- the client: one per process -------------------------------------------------------
+
+
+class _Pending:
+    __slots__ = ("observer", "ranks", "addrs", "left")
+
+    def __init__(self, observer: RequestObserver, ranks: list[int], addrs: list[str]):
+        """``addrs``: the route each of ``ranks`` was sent on (see ``_on_lost``)."""
+        self.observer = observer
+        self.ranks = ranks
+        self.addrs = addrs
+        self.left = set(ranks)
+
+
+class PeerClient:
+    """Sends actor calls to other ranks and routes their replies to futures."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.lock = threading.Lock()
+        self.codecs: dict[str, Codec] = {}
+        self.socks: dict[str, zmq.Socket] = {}  # peer address -> DEALER (sent under lock)
+        self.pending: dict[str, _Pending] = {}
+        self.ports: dict[str, RequestObserver] = {}  # open channels: every message
+        self.ids = itertools.count()
+        self.prefix = f"p{os.getpid()}-{os.urandom(3).hex()}-"
+        rt = context._runtime
+        self.machine = peer_address.this_machine()  # a rank's too: its agent's hostname
+        self.replies = self.ctx.socket(zmq.PULL)
+        self.replies.setsockopt(zmq.LINGER, 0)
+        limit_size(self.replies)
+        #: Where replies to this process go: its unix socket and, where ranks of other
+        #: machines may answer, a CURVE TCP socket (see :func:`_reply_tcp_host`).
+        tcp_host = _reply_tcp_host()
+        domain = _admit_any_key() if tcp_host and rt is None else ""
+        self.reply = peer_address.bind(self.replies, _reply_path(), tcp_host, self.machine, domain)
+        #: route -> when its first connection must be up (see CONNECT_TIMEOUT)
+        self.connecting: dict[str, float] = {}
+        # New monitor sockets are handed to the reply thread through ``wake``.
+        self.wake_addr = f"inproc://mk-peer-wake-{id(self)}"
+        wake_in = self.ctx.socket(zmq.PAIR)
+        wake_in.bind(self.wake_addr)
+        self.wake = self.ctx.socket(zmq.PAIR)
+        self.wake.connect(self.wake_addr)
+        self.new_monitors: list[tuple[str, zmq.Socket]] = []
+        threading.Thread(
+            target=self._serve, args=(wake_in,), name="mk-peer-replies", daemon=True
+        ).start()
+
+    def codec(self, key: str) -> Codec:
+        codec = self.codecs.get(key)
+        if codec is None:
+            codec = self.codecs[key] = Codec(bytes.fromhex(key))
+        return codec
+
+    def _socket(self, addr: PeerAddress, route: str, rank: int) -> zmq.Socket:
+        """The DEALER connected to ``route`` (``addr``'s route from here); call under
+        ``lock``."""
+        sock = self.socks.get(route)
+        if sock is not None:
+            return sock
+        if route.startswith("ipc://") and not os.path.exists(route.removeprefix("ipc://")):
+            raise RankDiedError(f"rank {rank} is not running (no peer socket at {route})")
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        limit_size(sock)
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_MONITOR_STOPPED
+        for event in _LOST:
+            events |= event
+        monitor = sock.get_monitor_socket(events)
+        peer_address.connect(sock, addr, self.machine)
+        self.socks[route] = sock
+        self.connecting[route] = time.monotonic() + CONNECT_TIMEOUT
+        self.new_monitors.append((route, monitor))
+        self.wake.send(b"")
+        return sock
+
+    def request(
+        self,
+        ref: MeshRef,
+        ranks: Sequence[int],
+        header: dict[str, Any],
+        payload: bytes,
+        buffers: Sequence[Buffer],
+        observer: RequestObserver | None,
+    ) -> None:
+        """Send ``header`` + payload to each of ``ranks`` of ``ref``'s mesh; the replies
+        go to ``observer`` (None: fire and forget)."""
+        codec = self.codec(ref.key)
+        ranks = list(ranks)
+        addrs = [_addr(ref, r) for r in ranks]
+        rt = context._runtime
+        if rt is not None and rt.peer in addrs and _on_main_thread():
+            # A call to this very rank from its own busy main thread would wait for
+            # itself: actors of one rank share its thread, so it runs here, inline.
+            i = addrs.index(rt.peer)
+            self.request(ref, ranks[:i] + ranks[i + 1 :], header, payload, buffers, observer)
+            _inline(rt, ranks[i], header, payload, buffers, observer)
+            return
+        if not ranks:
+            return
+        routes = [_route(ref, r, a, self.machine) for r, a in zip(ranks, addrs)]
+        with self.lock:
+            rid = None
+            if observer is not None:
+                rid = self.prefix + str(next(self.ids))
+                header = dict(header, i=rid, w=1, rt=self.reply.encode())
+                self.pending[rid] = _Pending(observer, ranks, routes)
+            frames = codec.encode(header, payload, buffers)
+            try:
+                for r, addr, route in zip(ranks, addrs, routes):
+                    self._socket(addr, route, r).send_multipart(frames, copy=False)
+            except BaseException:
+                if rid is not None:
+                    self.pending.pop(rid, None)
+                raise
+
+    def expect(self, observer: RequestObserver, rank: int) -> str:
+        """A request id whose one reply (from ``rank``) goes to ``observer``."""
+        with self.lock:
+            rid = self.prefix + str(next(self.ids))
+            self.pending[rid] = _Pending(observer, [rank], [""])
+        return rid
+
+    def open_port(self, port_id: str, observer: RequestObserver) -> None:
+        """Deliver every message sent to ``port_id`` to ``observer`` (a channel)."""
+        with self.lock:
+            self.ports[port_id] = observer
+
+    # -- the reply thread -----------------------------------------------------------
+    def _serve(self, wake_in: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(self.replies, zmq.POLLIN)
+        poller.register(wake_in, zmq.POLLIN)
+        monitors: dict[zmq.Socket, str] = {}
+        while True:
+            timeout = 500 if self.connecting else None  # first connections under way
+            for sock, _ in poller.poll(timeout):
+                if sock is self.replies:
+                    self._on_reply(wire_recv(sock))
+                elif sock is wake_in:
+                    wake_in.recv()
+                    with self.lock:
+                        fresh, self.new_monitors = self.new_monitors, []
+                    for route, mon in fresh:
+                        monitors[mon] = route
+                        poller.register(mon, zmq.POLLIN)
+                else:
+                    event = zmq.utils.monitor.recv_monitor_message(sock)["event"]
+                    route = monitors[sock]
+                    if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        with self.lock:
+                            self.connecting.pop(route, None)
+                    elif event in _LOST:
+                        self._on_lost(route, _LOST[event])
+                    elif event == zmq.EVENT_MONITOR_STOPPED:  # its socket was closed
+                        poller.unregister(sock)
+                        del monitors[sock]
+                        sock.close(0)
+            now = time.monotonic()
+            with self.lock:
+                late = [r for r, deadline in self.connecting.items() if deadline < now]
+            for route in late:
+                self._on_lost(route, f"no connection within {CONNECT_TIMEOUT:g}s")
+
+    def _on_reply(self, frames: list[Any]) -> None:
+        msg = None
+        for codec in list(self.codecs.values()):  # a handful of keys: try each
+            try:
+                msg = codec.decode(frames)
+                break
+            except WireError:
+                continue
+        if msg is None:
+            return  # forged or malformed: dropped before anything is unpickled
+        h = msg.header
+        rank = h.get("r")
+        port = self.ports.get(h.get("i"))  # type: ignore[arg-type]
+        if port is not None:
+            port.on_reply(Reply(rank, msg))  # type: ignore[arg-type]
+            return
+        with self.lock:
+            p = self.pending.get(h.get("i"))  # type: ignore[arg-type]
+            if p is None or rank not in p.left:
+                return
+            p.left.discard(rank)
+            if not p.left:
+                del self.pending[h["i"]]
+        p.observer.on_reply(Reply(rank, msg))
+
+    def _on_lost(self, route: str, why: str) -> None:
+        """The connection to a target rank at ``route`` is gone (``why``): it died, its
+        mesh stopped or its machine cannot be reached. Its calls fail; the next call
+        connects afresh."""
+        lost: list[tuple[_Pending, int]] = []
+        with self.lock:
+            sock = self.socks.pop(route, None)
+            self.connecting.pop(route, None)
+            for rid, p in list(self.pending.items()):
+                for r, a in zip(p.ranks, p.addrs):
+                    if a == route and r in p.left:
+                        p.left.discard(r)
+                        lost.append((p, r))
+                if not p.left:
+                    del self.pending[rid]
+        if sock is not None:
+            sock.close(0)
+        for p, r in lost:
+            p.observer.on_lost(
+                r,
+                RankDiedError(
+                    f"rank {r} died, its mesh stopped or its machine cannot be reached "
+                    f"during an actor call ({why}; at {route})"
+                ),
+            )
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _inline(
+    rt: Any,
+    rank: int,
+    header: dict[str, Any],
+    payload: bytes,
+    buffers: Sequence[Buffer],
+    observer: RequestObserver | None,
+) -> None:
+    """Serve a call to this rank now, on this thread (see :meth:`PeerClient.request`)."""
+    from monarch_kernel.rank.errors import exception_report
+    from monarch_kernel.wire import Message, loads
+
+    kind, name = header["k"], header.get("a", "")
+    previous = context.current_actor
+    try:
+        if kind == K.SPAWN_ACTOR:
+            cls, args, kwargs = loads(payload, buffers, f"constructor of actor {name!r}")
+            if header.get("oa"):
+                rt.owners[name] = {"oa": header["oa"], "ox": header["ox"], "on": header["on"]}
+            context.current_actor = name
+            rt.actors[name] = cls(*args, **kwargs)
+            rt.tell_peer_actor(name, header, payload, buffers)
+            value: Any = None
+        elif kind == K.STOP_ACTOR:
+            rt.actors.pop(name, None)
+            rt.owners.pop(name, None)
+            rt.tell_peer_actor(name, None)
+            value = None
+        else:
+            actor = rt.actors.get(name)
+            if actor is None:
+                raise LookupError(f"no actor {name!r} on rank {rank} (was it stopped?)")
+            args, kwargs = loads(payload, buffers, "arguments")
+            context.current_actor = name
+            value = getattr(actor, header["m"])(*args, **kwargs)
+            if inspect.isawaitable(value):
+                value = _run_coroutine(value)
+        out, bufs = dumps(value, "result")
+        reply = Message({"k": K.RESULT, "r": rank, "ok": 1}, out, list(bufs))
+    except Exception as exc:
+        report = exception_report(exc, f"{name}.{header.get('m', kind)}")
+        reply = Message({"k": K.RESULT, "r": rank, "ok": 0}, pickle.dumps(report))
+        if observer is None:  # fire and forget: to supervision, as from the runtime
+            rt.reply_error(None, exc, f"{name}.{header.get('m', kind)}")
+    finally:
+        context.current_actor = previous
+    if observer is not None:
+        observer.on_reply(Reply(rank, reply))
+
+
+def _run_coroutine(aw: Any) -> Any:
+    """Run an async endpoint of this rank to completion from synchronous code."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(aw)
+        finally:
+            loop.close()
+    close = getattr(aw, "close", None)
+    if close is not None:
+        close()
+    raise RuntimeError(
+        "an async endpoint cannot call an async endpoint of an actor on its own rank "
+        "(actors of one rank share its thread); make one of them synchronous"
+    )
+
+
+_client: PeerClient | None = None
+_client_lock = threading.Lock()
+
+
+def client() -> PeerClient:
+    """This process's client (made on first use, again after a fork). In the controller
+    a client made before any mesh of another machine existed takes replies on this
+    machine only; once one exists the next caller gets a new client that takes them
+    over TCP too (the old one keeps serving the channels it opened)."""
+    global _client
+    with _client_lock:
+        if _client is None or _client_pid != os.getpid():
+            _set_client(PeerClient())
+        elif not _client.reply.tcp and not context.in_rank() and _reply_tcp_host():
+            _set_client(PeerClient())
+        assert _client is not None
+        return _client
+
+
+_client_pid = 0
+
+
+def _set_client(c: PeerClient) -> None:
+    global _client, _client_pid
+    _client, _client_pid = c, os.getpid()
+
+
+def _addr(ref: MeshRef, rank: int) -> PeerAddress:
+    addr = ref.addrs[rank] if rank < len(ref.addrs) else None
+    if not addr:
+        raise RankDiedError(f"rank {rank} of mesh {ref.mesh!r} is not running")
+    return addr
+
+
+def _route(ref: MeshRef, rank: int, addr: PeerAddress, here: str) -> str:
+    try:
+        return addr.route(here)
+    except ConnectionError as exc:
+        raise ConnectionError(
+            f"rank {rank} of mesh {ref.mesh!r} cannot be reached from this rank: {exc}"
+        ) from None
+
+
+def _reply_path() -> str:
+    """A unix socket path for replies, in a 0700 directory (only we can connect): in a
+    rank the host agent's private one (removed with the agent), else a temporary one
+    removed at exit."""
+    rt = context._runtime
+    if rt is not None:
+        from monarch_kernel.rank.dataplane import private_dir
+
+        path = os.path.join(private_dir(rt.cfg), f"c{rt.rank}-{os.getpid()}")
+        if len(path) <= 100:  # a unix socket path is at most 107 bytes
+            atexit.register(_unlink, path)
+            return path
+    d = tempfile.mkdtemp(prefix="mk-peer-")
+    atexit.register(shutil.rmtree, d, True)
+    return os.path.join(d, "r")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _reply_tcp_host() -> str:
+    """The address this process takes replies from other machines on ("" if none).
+
+    In a rank of a mesh that spans machines: the address its own peer socket listens
+    on. In the controller: the local address of the route to the machine of a rank that
+    listens on TCP (a mesh of another machine), if there is one when the client is made
+    (see :func:`client`)."""
+    rt = context._runtime
+    if rt is not None:
+        return rt.peer.tcp_host
+    from monarch_kernel.controller.registry import registry
+
+    for mesh in registry.live():
+        for info in mesh.ranks:
+            if info.peer.tcp and info.peer.machine != peer_address.this_machine():
+                try:
+                    return route_source(info.peer.tcp_host)
+                except OSError:
+                    continue
+    return ""
+
+
+#: The ZAP domain of the controller's reply socket (see :func:`_admit_any_key`).
+REPLY_ZAP_DOMAIN = "mk-peer-replies"
+
+
+class _AnyKey:
+    """ZAP provider admitting every CURVE client key (see ``wire.peer_address``:
+    admission to a peer socket is the signed message, the key only encrypts)."""
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return True
+
+
+def _admit_any_key() -> str:
+    """The controller runs a ZAP handler for its meshes' sockets, which refuses keys of
+    domains it does not know: register the reply socket's domain with it."""
+    from monarch_kernel.launchers.base import zap
+
+    zap(REPLY_ZAP_DOMAIN, _AnyKey())
+    return REPLY_ZAP_DOMAIN
+
+
+__all__ = ["CONNECT_TIMEOUT", "MeshRef", "PeerClient", "client"]
