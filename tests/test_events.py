@@ -9,7 +9,7 @@ import pytest
 from actors import Worker
 from helpers import wait_for_rank_line, wait_until
 
-from monarch_kernel.controller.errors import ActorError, RankDiedError
+from monarch_kernel.calls.errors import ActorError, RankDiedError
 from monarch_kernel.controller.events import (
     EventBus,
     MeshEvent,

@@ -8,7 +8,7 @@ import threading
 import pytest
 from helpers import wait_until
 
-from monarch_kernel.controller.future import Future
+from monarch_kernel.calls.future import Future
 
 
 def complete_soon(fn, *args) -> threading.Thread:

@@ -19,7 +19,7 @@ import zmq
 from netns import COMMAND, Joiner, agent_env, netns_hosts_fixture
 
 from monarch_kernel.actor import Actor, endpoint, host_mesh
-from monarch_kernel.controller.errors import MeshStartError, MonarchError
+from monarch_kernel.calls.errors import MeshStartError, MonarchError
 
 
 class Probe(Actor):

@@ -1,9 +1,10 @@
 """The layering of DESIGN.md, checked on the source: a layer imports only those below it.
 
-``shape``/``wire`` <- ``launchers`` <- ``controller``/``rank``/``host`` <- ``actor`` <-
-``kernel``/``widgets``. ``rank``/``host`` sit on ``wire`` and ``shape`` only (they never
-import the controller, the actor API, the kernel or the widgets); the actor API reads the
-rank's context (``current_rank()`` in user code on a rank).
+``shape``/``wire`` <- ``calls`` <- ``rank``/``host``/``launchers`` <- ``controller`` <-
+``actor`` <- ``kernel``/``widgets``. ``rank``/``host`` sit on ``calls``, ``wire`` and
+``shape`` only (they never import the controller, the actor API, the kernel or the
+widgets); the actor API reads the rank's context (``current_rank()`` in user code on a
+rank).
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ BASE = {"shape", "wire"}
 ALLOWED: dict[str, set[str]] = {
     "shape": BASE,
     "wire": BASE,
-    "rank": BASE | {"rank"},
-    "host": BASE | {"rank", "host"},
-    "launchers": BASE | {"launchers"},
-    "controller": BASE | {"launchers", "controller"},
-    "actor": BASE | {"launchers", "controller", "rank", "actor"},
-    "kernel": BASE | {"launchers", "controller", "rank", "actor", "kernel", "widgets"},
-    "widgets": BASE | {"launchers", "controller", "rank", "actor", "widgets"},
+    "calls": BASE | {"calls"},
+    "rank": BASE | {"calls", "rank"},
+    "host": BASE | {"calls", "rank", "host"},
+    "launchers": BASE | {"calls", "launchers"},
+    "controller": BASE | {"calls", "launchers", "controller"},
+    "actor": BASE | {"calls", "launchers", "controller", "rank", "actor"},
+    "kernel": BASE | {"calls", "launchers", "controller", "rank", "actor", "kernel", "widgets"},
+    "widgets": BASE | {"calls", "launchers", "controller", "rank", "actor", "widgets"},
 }
 
 

@@ -192,7 +192,7 @@ def test_kernel_exit_stops_the_job(sdk):
 def test_a_failed_job_fails_the_start_at_once(net, monkeypatch):
     """A job that ends before its machines join (here: a Studio whose environment has no
     ``python``) fails the mesh start with the job's name and logs, not a timeout."""
-    from monarch_kernel.controller.errors import MeshStartError
+    from monarch_kernel.calls.errors import MeshStartError
 
     monkeypatch.setenv("LIGHTNING_CLOUD_SPACE_ID", "standin-studio")
     sdk = make_sdk(net, startup=0.3, boot=0.1, studio_env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})

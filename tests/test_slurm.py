@@ -32,7 +32,7 @@ from slurm_cluster import SlurmCluster, slurm_cluster_fixture
 
 import monarch_kernel
 from monarch_kernel.actor import Actor, endpoint, host_mesh
-from monarch_kernel.controller.errors import MonarchError
+from monarch_kernel.calls.errors import MonarchError
 
 #: Counted GPUs per node (device files without a driver): the launcher asks a cluster
 #: with gpu GRES for ``--gpus-per-node``, and refuses more than the nodes have.

@@ -41,15 +41,15 @@ from monarch_kernel.actor.meshes import (
     host_mesh,
     this_host,
 )
-from monarch_kernel.actor.value_mesh import ValueMesh
-from monarch_kernel.controller.errors import (
+from monarch_kernel.calls.errors import (
     ActorError,
     MeshStartError,
     MeshStoppedError,
     MonarchError,
     RankDiedError,
 )
-from monarch_kernel.controller.future import Future
+from monarch_kernel.calls.future import Future
+from monarch_kernel.calls.value_mesh import ValueMesh
 from monarch_kernel.rank.context import current_rank, current_size
 from monarch_kernel.shape import Point, Shape, SliceError
 from monarch_kernel.wire.serialize import SerializationError

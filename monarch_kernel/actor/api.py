@@ -17,11 +17,11 @@ from typing import Any, Generic, TypeVar, cast
 
 import zmq
 
-from monarch_kernel.actor.gather import One
 from monarch_kernel.actor.peer import RemoteProcMesh, _waiter, then
 from monarch_kernel.actor.peer_client import MeshRef, client
-from monarch_kernel.controller.events import Reply
-from monarch_kernel.controller.future import Future
+from monarch_kernel.calls.future import Future
+from monarch_kernel.calls.gather import One
+from monarch_kernel.calls.reply import Reply
 from monarch_kernel.controller.inbound import ASK_HANDLERS
 from monarch_kernel.rank import context as rank_context
 from monarch_kernel.rank.runtime import ResponsePort
@@ -431,7 +431,7 @@ class RankedPortReceiver(PortReceiver[tuple[int, R]]):
 
 
 def _value(reply: Reply) -> object:
-    from monarch_kernel.actor.gather import reply_value
+    from monarch_kernel.calls.gather import reply_value
 
     return reply_value(reply, 1)
 

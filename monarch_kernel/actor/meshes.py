@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from monarch_kernel.actor.actor import Actor, endpoints_of
-from monarch_kernel.actor.gather import Each, Gather, One
 from monarch_kernel.actor.peer import (
     _rebuild_actor_mesh,
     _rebuild_proc_mesh,
@@ -18,12 +17,14 @@ from monarch_kernel.actor.peer import (
     mesh_ref,
     then,
 )
-from monarch_kernel.actor.value_mesh import ValueMesh
-from monarch_kernel.controller.errors import ActorError
+from monarch_kernel.calls.errors import ActorError
+from monarch_kernel.calls.future import Future
+from monarch_kernel.calls.gather import Each, Gather, One
+from monarch_kernel.calls.requester import ActorSpec
+from monarch_kernel.calls.value_mesh import ValueMesh
 from monarch_kernel.controller.failures import DEFAULT_GRACE
-from monarch_kernel.controller.future import Future
 from monarch_kernel.controller.mesh import DEFAULT_STOP_GRACE, MeshRuntime
-from monarch_kernel.controller.records import ActorSpec, FailurePolicy, RecoveryReport
+from monarch_kernel.controller.records import FailurePolicy, RecoveryReport
 from monarch_kernel.controller.registry import registry
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.shape import Shape, SliceError

@@ -24,10 +24,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from monarch_kernel.actor.actor import endpoints_of
-from monarch_kernel.actor.gather import Each, Gather, One
 from monarch_kernel.actor.peer_client import MeshRef, client
-from monarch_kernel.actor.value_mesh import ValueMesh
-from monarch_kernel.controller.future import Future
+from monarch_kernel.calls.future import Future
+from monarch_kernel.calls.gather import Each, Gather, One
+from monarch_kernel.calls.value_mesh import ValueMesh
 from monarch_kernel.rank import context
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import SerializationError, dumps

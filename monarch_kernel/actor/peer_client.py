@@ -35,8 +35,8 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
-from monarch_kernel.controller.errors import RankDiedError
-from monarch_kernel.controller.events import Reply, RequestObserver
+from monarch_kernel.calls.errors import RankDiedError
+from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.rank import context
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import Codec, WireError, dumps, peer_address

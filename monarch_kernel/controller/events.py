@@ -16,9 +16,9 @@ Two ways to listen:
   IDLE -> BUSY change, the caller's thread; for phase changes and a stop, the thread
   that started or stopped the mesh. So they must be quick, thread-safe and must never
   block: append to a queue and return.
-* **a request's observer** (a :class:`RequestObserver` given to ``runtime.request``):
-  told of that request's replies and of ranks it lost, and nothing else. This is how
-  futures complete without a dictionary look-up per event on the hot path.
+* **a request's observer** (a :class:`~monarch_kernel.calls.reply.RequestObserver` given
+  to ``runtime.request``): told of that request's replies and of ranks it lost, and
+  nothing else. This is how futures complete without a dictionary look-up per event on the hot path.
 
 For one request, the order is: :class:`RequestStarted` (just before it is sent), then
 per rank either :class:`ReplyReceived`/:class:`RequestFailed` or that rank's
@@ -32,18 +32,15 @@ request's caller does. :class:`StreamOutput` and
 from __future__ import annotations
 
 import logging
-import pickle
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
 
-from monarch_kernel.controller.records import DeathInfo, MeshPhase, RankState, RecoveryReport
-from monarch_kernel.wire import Message, loads
+from monarch_kernel.calls.errors import DeathInfo
+from monarch_kernel.controller.records import MeshPhase, RankState, RecoveryReport
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.reports import FailureReport, RankStats
-from monarch_kernel.wire.serialize import What
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -333,49 +330,3 @@ class EventBus:
                 listener(event)
             except Exception:
                 log.exception("mesh event listener %r failed on %r", listener, event)
-
-
-# -- replies -----------------------------------------------------------------------------
-
-
-class Reply:
-    """One rank's answer to a request, decoded once.
-
-    ``ok``: the request succeeded; :meth:`value` unpickles the result (in the thread
-    that asks, so not on the receiving thread). Otherwise ``report`` is the failure,
-    already unpickled on receipt (small, and rare) so that the request's observer and
-    the :class:`RequestFailed` event share the same object.
-    """
-
-    __slots__ = ("rank", "ok", "message", "report")
-
-    def __init__(self, rank: int, message: Message):
-        self.rank = rank
-        self.message = message
-        self.ok = bool(message.header.get("ok"))
-        self.report: FailureReport | None = None
-        if not self.ok:
-            try:
-                report: FailureReport = pickle.loads(message.payload)
-            except Exception as exc:  # a report we cannot read is still a failure
-                report = {"type": "Error", "message": f"unreadable error report: {exc}"}
-            report["rank"] = rank
-            report.setdefault("where", "")
-            report.setdefault("traceback", "")
-            self.report = report
-
-    def value(self, what: What) -> object:
-        """The result (``what`` names it in an error if it cannot be unpickled)."""
-        msg = self.message
-        return loads(msg.payload, msg.buffers, what)
-
-
-class RequestObserver(Protocol):
-    """What a request tells its caller. Both methods run on a controller thread
-    (the receiving one), once per rank of the request; they must not block."""
-
-    def on_reply(self, reply: Reply) -> None:
-        """``reply.rank`` answered (successfully or with a failure report)."""
-
-    def on_lost(self, rank: int, error: BaseException) -> None:
-        """``rank`` will never answer: it died or the mesh stopped (``error`` says which)."""

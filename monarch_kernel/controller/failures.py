@@ -38,9 +38,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
-from monarch_kernel.controller.errors import RankDiedError, format_ranks
+from monarch_kernel.calls.errors import RankDiedError, format_ranks
+from monarch_kernel.calls.reply import IncidentObserver
 from monarch_kernel.controller.events import RankDied, RequestFailed, RequestKind
 from monarch_kernel.controller.records import FailurePolicy, MeshPhase, RankState
 from monarch_kernel.wire import kinds as K
@@ -109,14 +110,6 @@ class Incident:
             + "."
         )
         return text + (" " + self.outcome if self.outcome else "")
-
-
-@runtime_checkable
-class IncidentObserver(Protocol):
-    """A request observer that wants to know of its request's incident (to name the
-    root cause and append :meth:`Incident.summary` to the error it builds)."""
-
-    def on_incident(self, incident: Incident) -> None: ...
 
 
 class FailureHandler:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from monarch_kernel.calls.requester import ActorSpec
 from monarch_kernel.controller.events import (
     DebuggerPaused,
     DebuggerResumed,
@@ -26,7 +27,7 @@ from monarch_kernel.controller.events import (
     StatsReported,
     StreamOutput,
 )
-from monarch_kernel.controller.records import ActorSpec, RankState
+from monarch_kernel.controller.records import RankState
 from monarch_kernel.wire import Message, WireError, peer_address
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Header

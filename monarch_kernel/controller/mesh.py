@@ -28,28 +28,27 @@ from typing import Any
 
 import zmq
 
-from monarch_kernel.controller.errors import (
+from monarch_kernel.calls.errors import (
     MeshStartError,
     MeshStoppedError,
     RankDiedError,
     format_ranks,
 )
+from monarch_kernel.calls.future import Future
+from monarch_kernel.calls.reply import Reply, RequestObserver
+from monarch_kernel.calls.requester import ActorSpec
 from monarch_kernel.controller.events import (
     EventBus,
     MeshPhaseChanged,
     MeshRecovered,
-    Reply,
     RequestKind,
-    RequestObserver,
     RequestStarted,
 )
 from monarch_kernel.controller.failures import DEFAULT_GRACE, FailureHandler
-from monarch_kernel.controller.future import Future
 from monarch_kernel.controller.inbound import Inbound
 from monarch_kernel.controller.receiver import Awaitable, Receiver
 from monarch_kernel.controller.records import (
     GONE,
-    ActorSpec,
     FailurePolicy,
     HostInfo,
     MeshPhase,
@@ -432,7 +431,7 @@ class MeshRuntime:
         self.transport.send_control(rank, header, payload)
 
     def wait_for(self, fut: Awaitable, timeout: float | None) -> None:
-        """A :class:`~monarch_kernel.controller.future.Future`'s waiter: receive replies
+        """A :class:`~monarch_kernel.calls.future.Future`'s waiter: receive replies
         in the calling thread while it waits (see :mod:`.receiver`)."""
         self.receiver.wait_for(fut, timeout)
 

@@ -45,7 +45,7 @@ READER_GRACE = 0.02
 
 
 class Awaitable(Protocol):
-    """What a caller waits for (a :class:`~monarch_kernel.controller.future.Future`)."""
+    """What a caller waits for (a :class:`~monarch_kernel.calls.future.Future`)."""
 
     def done(self) -> bool: ...
 

@@ -11,10 +11,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
+from monarch_kernel.calls.errors import DeathInfo, format_ranks
 from monarch_kernel.launchers.base import HostHandle
-from monarch_kernel.wire.osutil import describe_exit
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import RankStats
 
@@ -86,29 +85,6 @@ class FailurePolicy(_TextEnum):
     CONTINUE = "continue"
 
 
-@dataclass(frozen=True)
-class DeathInfo:
-    """How a rank ended: pushed by its host agent, or decided by supervision."""
-
-    rank: int
-    host: str  #: hostname (or ``host N`` before the host said its name)
-    pid: int | None
-    code: int | None = None  #: exit code, if it exited
-    signal: int | None = None  #: the signal that killed it, if one did
-    reason: str | None = None  #: why, when it was not an exit (e.g. its host was lost)
-    tail: tuple[str, ...] = ()  #: its last output lines
-    time: float = 0.0  #: ``time.time()`` when the controller learnt of it
-
-    @property
-    def how(self) -> str:
-        """``exit code 7``, ``killed by SIGKILL``, or the reason supervision gave."""
-        if self.reason:
-            return self.reason
-        if self.code is None and not self.signal:
-            return "exited"
-        return describe_exit(self.code, self.signal)
-
-
 @dataclass
 class RankInfo:
     """What the controller knows about one rank."""
@@ -169,19 +145,6 @@ class HostInfo:
 
 
 @dataclass(frozen=True)
-class ActorSpec:
-    """How an actor mesh was spawned, to spawn it again on restarted ranks."""
-
-    name: str
-    payload: bytes
-    buffers: tuple[memoryview | bytes, ...]
-    ranks: frozenset[int]
-    #: The owner actor when an actor of some rank spawned it (header keys ``oa``,
-    #: ``ox``, ``on``): the re-created actor is supervised by it again.
-    owner: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True)
 class SetupCell:
     """A ``%%remote NAME --setup`` cell: re-run on ranks when they restart."""
 
@@ -207,7 +170,6 @@ class RecoveryReport:
 
     def describe(self, mesh: str) -> str:
         """Which ranks restarted, what was re-run, and what state was lost."""
-        from monarch_kernel.controller.errors import format_ranks
 
         if not self.restarted and self.process_group is None:
             return f"mesh {mesh!r}: nothing to restart (no dead ranks)"

@@ -15,14 +15,13 @@ import threading
 import uuid
 from collections.abc import Callable
 
+from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.controller.events import (
     EventBus,
     RankStateChanged,
-    Reply,
     ReplyReceived,
     RequestFailed,
     RequestKind,
-    RequestObserver,
 )
 from monarch_kernel.controller.records import RankInfo, RankState
 from monarch_kernel.wire import Message

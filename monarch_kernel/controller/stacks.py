@@ -17,8 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from monarch_kernel.controller.errors import MeshStoppedError, RankDiedError
-from monarch_kernel.controller.events import Reply
+from monarch_kernel.calls.errors import MeshStoppedError, RankDiedError
+from monarch_kernel.calls.reply import Reply
 from monarch_kernel.controller.records import GONE
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.stacks import Frame, RankStacks, ThreadStack

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from monarch_kernel.controller.errors import MeshStoppedError, RankDiedError
+from monarch_kernel.calls.errors import MeshStoppedError, RankDiedError
 from monarch_kernel.controller.events import HostLost, RankDied
 from monarch_kernel.controller.records import (
     GONE,

@@ -40,7 +40,7 @@ from typing import Any
 
 import zmq
 
-from monarch_kernel.controller.errors import MeshStartError, MeshStoppedError, MonarchError
+from monarch_kernel.calls.errors import MeshStartError, MeshStoppedError, MonarchError
 from monarch_kernel.controller.records import RankInfo
 from monarch_kernel.controller.sigint import DeferSigint
 from monarch_kernel.launchers.base import Curve, curve_server, zap

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from monarch_kernel.controller.errors import format_ranks
+from monarch_kernel.calls.errors import format_ranks
 from monarch_kernel.controller.events import DebuggerResumed, InputRequested, MeshEvent
 from monarch_kernel.controller.mesh import MeshRuntime
 from monarch_kernel.controller.records import RankState

@@ -11,7 +11,7 @@ import re
 from types import TracebackType
 from typing import Any
 
-from monarch_kernel.controller.errors import (
+from monarch_kernel.calls.errors import (
     ActorError,
     MeshStartError,
     MeshStoppedError,

@@ -24,7 +24,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
 from monarch_kernel.actor import ActorMesh, HostMesh, ProcMesh, ValueMesh, host_mesh
-from monarch_kernel.controller.errors import ActorError, MeshStartError
+from monarch_kernel.calls.errors import ActorError, MeshStartError
 from monarch_kernel.controller.mesh import MeshRuntime
 from monarch_kernel.controller.records import MeshPhase, SetupCell
 from monarch_kernel.controller.registry import registry

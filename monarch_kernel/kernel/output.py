@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from monarch_kernel.controller.errors import format_ranks
+from monarch_kernel.calls.errors import format_ranks
 
 Emit = Callable[[str, str], None]
 

@@ -11,10 +11,10 @@ import weakref
 from collections.abc import Callable
 
 from monarch_kernel.actor import ProcMesh, ValueMesh
-from monarch_kernel.actor.gather import Gather
-from monarch_kernel.controller.errors import ActorError, MonarchError, format_ranks
+from monarch_kernel.calls.errors import ActorError, MonarchError, format_ranks
+from monarch_kernel.calls.future import Future
+from monarch_kernel.calls.gather import Gather
 from monarch_kernel.controller.events import DebuggerResumed, InputRequested, MeshEvent
-from monarch_kernel.controller.future import Future
 from monarch_kernel.controller.mesh import MeshRuntime, new_request_id
 from monarch_kernel.kernel.debug import DebugConsole
 from monarch_kernel.kernel.output import CellOutput
@@ -145,7 +145,7 @@ class RemoteJob:
     interrupts the ranks still running it.
 
     The cell is one request: its replies are gathered by the actor API's
-    :class:`~monarch_kernel.actor.gather.Gather`, and its output is routed (by request
+    :class:`~monarch_kernel.calls.gather.Gather`, and its output is routed (by request
     id) to this job's :class:`CellOutput` through the mesh's stream router.
     """
 

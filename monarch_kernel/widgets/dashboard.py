@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as W
 
-from monarch_kernel.controller.errors import format_ranks
+from monarch_kernel.calls.errors import format_ranks
 from monarch_kernel.controller.records import MeshPhase, RankState
 from monarch_kernel.widgets import live_chart, render
 from monarch_kernel.widgets.display import Display, prefer_frontend_subshell

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from monarch_kernel.controller.records import DeathInfo
+from monarch_kernel.calls.errors import DeathInfo
 from monarch_kernel.wire.reports import FailureReport
 
 MAX_INCIDENTS = 30

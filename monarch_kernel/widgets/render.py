@@ -11,7 +11,7 @@ import html
 import time
 from typing import TYPE_CHECKING, Any
 
-from monarch_kernel.controller.errors import format_ranks
+from monarch_kernel.calls.errors import format_ranks
 from monarch_kernel.controller.records import MeshPhase
 from monarch_kernel.widgets import charts
 from monarch_kernel.widgets.fmt import rate_text

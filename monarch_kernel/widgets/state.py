@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any, cast
 
-from monarch_kernel.controller.errors import format_ranks
+from monarch_kernel.calls.errors import format_ranks
 from monarch_kernel.controller.events import (
     DebuggerPaused,
     DebuggerResumed,

@@ -1,7 +1,7 @@
 """Turning replies into results: the one gather path of the actor API and ``%%remote``.
 
 Each class here is a :class:`~monarch_kernel.controller.events.RequestObserver` that
-completes a :class:`~monarch_kernel.controller.future.Future`:
+completes a :class:`~monarch_kernel.calls.future.Future`:
 
 * :class:`Gather`: every rank of a request -> a :class:`ValueMesh`, or one grouped
   :class:`ActorError` (identical failures grouped, root cause first);
@@ -18,16 +18,15 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 
-from monarch_kernel.actor.value_mesh import ValueMesh
-from monarch_kernel.controller.errors import (
+from monarch_kernel.calls.errors import (
     ActorError,
     RankDiedError,
     actor_error,
     format_ranks,
 )
-from monarch_kernel.controller.events import Reply
-from monarch_kernel.controller.failures import Incident
-from monarch_kernel.controller.future import Future, Waiter
+from monarch_kernel.calls.future import Future, Waiter
+from monarch_kernel.calls.reply import IncidentView, Reply
+from monarch_kernel.calls.value_mesh import ValueMesh
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire.reports import FailureReport
 
@@ -64,7 +63,7 @@ class Gather:
         self._replies: list[Reply | None] = [None] * len(ranks)
         self._lost: dict[int, BaseException] = {}
         self._failed_order: list[int] = []  #: failing ranks, in the order they failed
-        self._incident: Incident | None = None
+        self._incident: IncidentView | None = None
         self._remaining = len(ranks)
         self._lock = threading.Lock()
         self._error_class = error_class
@@ -93,7 +92,7 @@ class Gather:
         if complete:
             self.future.set_result(None)
 
-    def on_incident(self, incident: Incident) -> None:
+    def on_incident(self, incident: IncidentView) -> None:
         """The failure policy opened an incident for this request (see module doc)."""
         self._incident = incident
 

@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 import pickle
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
+from monarch_kernel.wire.osutil import describe_exit
 from monarch_kernel.wire.reports import FailureReport
 
-if TYPE_CHECKING:
-    from monarch_kernel.controller.records import DeathInfo
+
+@dataclass(frozen=True)
+class DeathInfo:
+    """How a rank ended: pushed by its host agent, or decided by supervision."""
+
+    rank: int
+    host: str  #: hostname (or ``host N`` before the host said its name)
+    pid: int | None
+    code: int | None = None  #: exit code, if it exited
+    signal: int | None = None  #: the signal that killed it, if one did
+    reason: str | None = None  #: why, when it was not an exit (e.g. its host was lost)
+    tail: tuple[str, ...] = ()  #: its last output lines
+    time: float = 0.0  #: ``time.time()`` when the controller learnt of it
+
+    @property
+    def how(self) -> str:
+        """``exit code 7``, ``killed by SIGKILL``, or the reason supervision gave."""
+        if self.reason:
+            return self.reason
+        if self.code is None and not self.signal:
+            return "exited"
+        return describe_exit(self.code, self.signal)
 
 
 class MonarchError(Exception):

@@ -1,0 +1,86 @@
+"""What a request hands back to its caller: one :class:`Reply` per rank, told to the
+request's :class:`RequestObserver`.
+
+Both sides of a call use these: the notebook's controller (``MeshRuntime``) and a rank
+calling another mesh (``actor.peer_client``) decode the answers of the ranks they asked
+into ``Reply`` objects and hand them to the request's observer, which completes a
+:class:`~monarch_kernel.calls.future.Future` (see :mod:`monarch_kernel.calls.gather`).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from typing import Protocol, runtime_checkable
+
+from monarch_kernel.wire import Message, loads
+from monarch_kernel.wire.reports import FailureReport
+from monarch_kernel.wire.serialize import What
+
+
+class Reply:
+    """One rank's answer to a request, decoded once.
+
+    ``ok``: the request succeeded; :meth:`value` unpickles the result (in the thread
+    that asks, so not on the receiving thread). Otherwise ``report`` is the failure,
+    already unpickled on receipt (small, and rare) so that the request's observer and
+    the :class:`RequestFailed` event share the same object.
+    """
+
+    __slots__ = ("rank", "ok", "message", "report")
+
+    def __init__(self, rank: int, message: Message):
+        self.rank = rank
+        self.message = message
+        self.ok = bool(message.header.get("ok"))
+        self.report: FailureReport | None = None
+        if not self.ok:
+            try:
+                report: FailureReport = pickle.loads(message.payload)
+            except Exception as exc:  # a report we cannot read is still a failure
+                report = {"type": "Error", "message": f"unreadable error report: {exc}"}
+            report["rank"] = rank
+            report.setdefault("where", "")
+            report.setdefault("traceback", "")
+            self.report = report
+
+    def value(self, what: What) -> object:
+        """The result (``what`` names it in an error if it cannot be unpickled)."""
+        msg = self.message
+        return loads(msg.payload, msg.buffers, what)
+
+
+class RequestObserver(Protocol):
+    """What a request tells its caller. Both methods run on a controller thread
+    (the receiving one), once per rank of the request; they must not block."""
+
+    def on_reply(self, reply: Reply) -> None:
+        """``reply.rank`` answered (successfully or with a failure report)."""
+
+    def on_lost(self, rank: int, error: BaseException) -> None:
+        """``rank`` will never answer: it died or the mesh stopped (``error`` says which)."""
+
+
+class IncidentView(Protocol):
+    """What the observer of a failed request may read of the incident the mesh's failure
+    policy opened for it (the controller's ``failures.Incident``): which rank was the
+    root cause, how the others were released, and a summary for the error."""
+
+    @property
+    def root_rank(self) -> int: ...
+
+    @property
+    def released(self) -> dict[int, str]: ...
+
+    @property
+    def settled(self) -> threading.Event: ...
+
+    def summary(self) -> str: ...
+
+
+@runtime_checkable
+class IncidentObserver(Protocol):
+    """A request observer that wants to know of its request's incident (to name the
+    root cause and append :meth:`IncidentView.summary` to the error it builds)."""
+
+    def on_incident(self, incident: IncidentView) -> None: ...
