@@ -20,7 +20,7 @@ from monarch_kernel.actor.peer import (
 from monarch_kernel.calls.errors import ActorError
 from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.gather import Each, Gather, One
-from monarch_kernel.calls.requester import ActorSpec
+from monarch_kernel.calls.requester import ActorSpec, CallOptions
 from monarch_kernel.calls.value_mesh import ValueMesh
 from monarch_kernel.controller.failures import DEFAULT_GRACE
 from monarch_kernel.controller.mesh import DEFAULT_STOP_GRACE, MeshRuntime
@@ -501,7 +501,8 @@ class EndpointRef:
     def _request(self, rank: int, payload: bytes, buffers: Sequence[Buffer]) -> Future[Any]:
         rt = self._mesh._runtime
         one = One(rt.wait_for)
-        rt.request([rank], self._header(), payload, buffers, one, what=self._what, waited=True)
+        options = CallOptions(what=self._what, waited=True)
+        rt.request([rank], self._header(), payload, buffers, one, options)
         return one.future
 
     def _payload(
@@ -553,7 +554,8 @@ class EndpointRef:
         payload, buffers = self._payload(args, kwargs)
         mesh = self._mesh
         each = Each(mesh._ranks)
-        mesh._runtime.request(mesh._ranks, self._header(), payload, buffers, each, what=self._what)
+        options = CallOptions(what=self._what)
+        mesh._runtime.request(mesh._ranks, self._header(), payload, buffers, each, options)
         return each.in_order_of_answers()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -607,7 +609,8 @@ def _gather(
 ) -> Future[ValueMesh[Any]]:
     """Send a request to ``ranks``; the future gives a ValueMesh (or a grouped error)."""
     gather = Gather(ranks, shape, rt.wait_for)
-    rt.request(ranks, header, payload, buffers, gather, what=what, control=control, waited=True)
+    options = CallOptions(what=what, control=control, waited=True)
+    rt.request(ranks, header, payload, buffers, gather, options)
     return gather.future
 
 

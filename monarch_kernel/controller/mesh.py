@@ -34,9 +34,9 @@ from monarch_kernel.calls.errors import (
     RankDiedError,
     format_ranks,
 )
-from monarch_kernel.calls.future import Future
+from monarch_kernel.calls.future import Future, Waiter
 from monarch_kernel.calls.reply import Reply, RequestObserver
-from monarch_kernel.calls.requester import ActorSpec
+from monarch_kernel.calls.requester import PLAIN, ActorSpec, CallOptions, MeshRef
 from monarch_kernel.controller.events import (
     EventBus,
     MeshPhaseChanged,
@@ -78,6 +78,8 @@ RECOVERY_WAIT = 600.0
 AGENT_SILENCE_TIMEOUT = 10.0
 #: Seconds ranks get to exit cleanly on a stop (atexit, finalizers) before SIGKILL.
 DEFAULT_STOP_GRACE = 3.0
+#: The controller's own questions to ranks' control threads while it re-forms a mesh.
+_INTERNAL_CONTROL = CallOptions(control=True, internal=True)
 
 
 class MeshRuntime:
@@ -321,38 +323,25 @@ class MeshRuntime:
         payload: bytes,
         buffers: Sequence[Buffer],
         observer: RequestObserver,
-        *,
-        what: str = "",
-        control: bool = False,
-        waited: bool = False,
+        options: CallOptions = PLAIN,
         request_id: str | None = None,
-        wait: bool = True,
-        internal: bool = False,
-        during_restart: bool = False,
     ) -> str:
         """Send a request expecting one reply per rank; ``observer`` hears of each.
 
-        ``what``: how people call it (``cell 5``, ``counters.incr``), for the
-        :class:`RequestStarted` event. ``control``: to the ranks' control threads
-        (served while they are busy). ``waited``: the caller will block in
-        :meth:`wait_for` (receiving the replies itself); otherwise the I/O thread is
-        asked to receive at once. ``request_id``: one from :func:`new_request_id`,
-        when the caller must know it before the request is sent (to route its output).
-        ``wait``: when the controller's queues for busy ranks are full, wait for room
-        (interruptibly) rather than raise ``BackpressureError``. ``internal``: sent by
-        the controller itself while it re-forms the mesh (no failure policy applies).
-        ``during_restart``: send it even while ranks restart (what goes to a starting
-        rank is lost: only for callers that cope with silent ranks).
+        ``options`` says how (see :class:`~monarch_kernel.calls.requester.CallOptions`).
+        ``request_id``: one from :func:`new_request_id`, when the caller must know it
+        before the request is sent (to route its output).
         """
-        if self.state is MeshPhase.RECOVERING and not during_restart:
+        if self.state is MeshPhase.RECOVERING and not options.during_restart:
             self.wait_recovered(RECOVERY_WAIT)
         self.check_alive(ranks)
-        self._make_room(wait)
+        self._make_room(options.wait_for_room)
         rid = request_id or new_request_id()
         header["i"] = rid
         header["w"] = 1
+        control, what = options.control, options.what
         kind = RequestKind.of(header["k"], control)
-        self.requests.add(rid, ranks, observer, kind, what, internal)
+        self.requests.add(rid, ranks, observer, kind, what, options.internal)
         if self.state.ended:  # stop() ran since check_alive: it cannot have failed this one
             self.requests.fail_request(rid, MeshStoppedError(f"mesh {self.name!r} is stopped"))
             return rid
@@ -367,7 +356,7 @@ class MeshRuntime:
         for r in ranks:
             if self.ranks[r].state in GONE:
                 self.receiver.post(self._fail_gone, r)
-        if not waited:
+        if not options.waited:
             self.receiver.ensure_reader()
         return rid
 
@@ -434,6 +423,42 @@ class MeshRuntime:
         """A :class:`~monarch_kernel.calls.future.Future`'s waiter: receive replies
         in the calling thread while it waits (see :mod:`.receiver`)."""
         self.receiver.wait_for(fut, timeout)
+
+    # -- the rest of the Requester protocol (calls.requester) ----------------------------
+    @property
+    def waiter(self) -> Waiter:
+        """Futures of this mesh's requests receive their replies while they wait."""
+        return self.wait_for
+
+    def choose(self, ranks: list[int]) -> int:
+        """The least busy live rank of ``ranks`` (``choose()``)."""
+        alive = [r for r in ranks if self.ranks[r].alive]
+        if not alive:
+            self.check_alive(ranks)
+        return min(alive, key=lambda r: self.ranks[r].outstanding)
+
+    def actor_spawned(self, spec: ActorSpec) -> None:
+        """``spec`` was spawned: re-create it on its ranks when they restart."""
+        self.remember_actor(spec)
+
+    def actor_stopped(self, name: str, ranks: list[int]) -> None:
+        """Actor ``name`` was stopped on ``ranks``: not re-created there any more."""
+        self.forget_actor(name, ranks)
+
+    def reference(self) -> MeshRef:
+        """A reference to this mesh that ranks can call it through (rank to rank)."""
+        return MeshRef(self.name, self.key.hex(), tuple(i.peer for i in self.ranks), self.shape)
+
+    def stop_mesh(self, grace: float) -> Future[None]:
+        """:meth:`stop`, as a completed future (Monarch's ``stop()`` returns one)."""
+        self.stop(grace=grace)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def spawn_header(self) -> dict[str, Any]:
+        """The notebook owns no actors: no owner fields on what it spawns."""
+        return {}
 
     def cancel_request(self, request_id: str) -> list[int]:
         """Interrupt request ``request_id`` on the ranks still running it (skip it on
@@ -654,7 +679,7 @@ class MeshRuntime:
         if not ranks:
             return False
         collect = _Collect(ranks)
-        rid = self.request(ranks, {"k": K.PING}, b"", (), collect, control=True, internal=True)
+        rid = self.request(ranks, {"k": K.PING}, b"", (), collect, _INTERNAL_CONTROL)
         self._finish(collect, rid, time.monotonic() + 2.0)  # a rank stuck holding the GIL
         broken = False
         for reply in list(collect.replies):
@@ -702,8 +727,7 @@ class MeshRuntime:
                 spec.payload,
                 spec.buffers,
                 collect,
-                what=f"spawn {spec.name}",
-                internal=True,
+                CallOptions(what=f"spawn {spec.name}", internal=True),
             )
             failed = self._finish(collect, rid, deadline)
             if failed:
@@ -738,9 +762,8 @@ class MeshRuntime:
             return ""
         payload, buffers = dumps({"code": code, "cell": label, "header": list(header)}, "cell")
         collect = _Collect(ranks)
-        rid = self.request(
-            ranks, {"k": K.EXEC}, payload, buffers, collect, what=f"cell {label}", internal=True
-        )
+        options = CallOptions(what=f"cell {label}", internal=True)
+        rid = self.request(ranks, {"k": K.EXEC}, payload, buffers, collect, options)
         return self._finish(collect, rid, deadline)
 
     def _finish(self, collect: _Collect, rid: str, deadline: float) -> str:

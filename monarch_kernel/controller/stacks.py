@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from monarch_kernel.calls.errors import MeshStoppedError, RankDiedError
 from monarch_kernel.calls.reply import Reply
+from monarch_kernel.calls.requester import CallOptions
 from monarch_kernel.controller.records import GONE
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.stacks import Frame, RankStacks, ThreadStack
@@ -30,6 +31,8 @@ __all__ = ["FALLBACK_AFTER", "collect_stacks"]
 
 #: Seconds to wait for the ranks' control threads before the faulthandler fallback.
 FALLBACK_AFTER = 0.3
+#: A diagnosis never waits for a restart; silent ranks are reported as such.
+_STACKS = CallOptions(what="stacks", control=True, during_restart=True)
 
 
 class _Collector:
@@ -89,9 +92,7 @@ def collect_stacks(
                 b"",
                 (),
                 collector,
-                control=True,
-                what="stacks",
-                during_restart=True,  # a diagnosis never waits; silent ranks are reported
+                _STACKS,
             )
         except (RankDiedError, MeshStoppedError) as exc:  # it died or stopped just now
             for r in live:

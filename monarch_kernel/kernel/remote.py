@@ -14,6 +14,7 @@ from monarch_kernel.actor import ProcMesh, ValueMesh
 from monarch_kernel.calls.errors import ActorError, MonarchError, format_ranks
 from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.gather import Gather
+from monarch_kernel.calls.requester import CallOptions
 from monarch_kernel.controller.events import DebuggerResumed, InputRequested, MeshEvent
 from monarch_kernel.controller.mesh import MeshRuntime, new_request_id
 from monarch_kernel.kernel.debug import DebugConsole
@@ -217,8 +218,8 @@ class RemoteJob:
                 payload,
                 buffers,
                 self._gather,
-                what=f"cell {self.cell}",
-                request_id=self.request_id,
+                CallOptions(what=f"cell {self.cell}"),
+                self.request_id,
             )
         except BaseException:
             rt.output.unroute(self.request_id)
