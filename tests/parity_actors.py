@@ -18,7 +18,8 @@ class Generator(Actor):
     @endpoint
     def attach(self, trainer) -> str:
         self.trainer = trainer
-        return type(trainer).__name__
+        # The same mesh class as in the notebook, over the rank-side requester.
+        return f"{type(trainer).__name__}/{type(trainer._requester).__name__}"
 
     @endpoint
     def generate(self, x: int) -> dict:

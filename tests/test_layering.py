@@ -71,3 +71,130 @@ def test_module_imports_only_lower_layers(path):
 
 def test_every_layer_is_known():
     assert {_layer(p) for p in MODULES} <= set(ALLOWED)
+
+
+# -- what a rank loads ------------------------------------------------------------------
+
+#: Modules a rank process may load: everything but the controller's side. A rank that
+#: runs actors and calls other meshes loads ``monarch_kernel.actor``, never ``controller/``
+#: or ``launchers/`` (``actor.hosts``, which starts meshes, is imported on first use only).
+RANK_SIDE_LAYERS = {"shape", "wire", "calls", "rank", "host"}
+RANK_SIDE_ACTOR = {"__init__", "actor", "api", "channels", "meshes", "peer", "peer_client"}
+CONTROLLER_ONLY = {"controller", "launchers"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+ALL_MODULES = sorted(PACKAGE.rglob("*.py"))
+MODULE_NAMES = {_module_name(p) for p in ALL_MODULES}
+
+
+def _imports(path: Path, with_type_checking: bool) -> set[tuple[str, int]]:
+    """Package modules ``path`` imports anywhere (functions included), as
+    ``(module, line)``; ``from pkg import mod`` counts as importing ``pkg.mod``. Imports
+    under ``if TYPE_CHECKING:`` count only ``with_type_checking``."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip: set[int] = set()
+    if not with_type_checking:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets = [
+                f"{node.module}.{a.name}"
+                if f"{node.module}.{a.name}" in MODULE_NAMES
+                else node.module
+                for a in node.names
+            ]
+        else:
+            continue
+        found |= {(t, node.lineno) for t in targets if t in MODULE_NAMES}
+    return found
+
+
+def _rank_side(path: Path) -> bool:
+    layer = _layer(path)
+    if layer == "actor":
+        return path.stem in RANK_SIDE_ACTOR
+    return layer in RANK_SIDE_LAYERS
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in MODULES if _rank_side(p)], ids=lambda p: str(p.relative_to(PACKAGE))
+)
+def test_rank_side_modules_never_import_the_controller(path):
+    # Anywhere in the module, even in a function: the controller and the launchers.
+    bad = sorted(
+        (line, mod)
+        for mod, line in _imports(path, with_type_checking=False)
+        if mod.split(".")[1] in CONTROLLER_ONLY
+    )
+    # At import time: the controller's part of the actor API (its functions may import
+    # it on their controller-only branches; tests/test_mesh_sides.py checks a rank's
+    # sys.modules after it used every adverb).
+    tree = ast.parse(path.read_text(), str(path))
+    bad += sorted(
+        (node.lineno, node.module)
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        and node.module
+        and node.module.startswith("monarch_kernel.actor.")
+        and node.module.rsplit(".", 1)[-1] not in RANK_SIDE_ACTOR
+    )
+    assert not bad, f"{path.relative_to(PACKAGE)} (loaded by ranks) imports {bad}"
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), over every
+    import in the package: module level, in functions and under TYPE_CHECKING."""
+    graph = {
+        _module_name(p): sorted({m for m, _ in _imports(p, with_type_checking=True)})
+        for p in ALL_MODULES
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, ()):
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_inside_the_package():
+    assert _cycles() == []

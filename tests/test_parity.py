@@ -10,7 +10,7 @@ from helpers import controller_bytes
 from parity_actors import Generator, Trainer
 
 from monarch_kernel.actor import ActorError, SliceError, this_host
-from monarch_kernel.actor.peer import RemoteActorMesh
+from monarch_kernel.actor.meshes import procs_of
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_generator_and_trainer_call_each_other(pair):
     gens, trainers = pair
     t0 = trainers.slice(gpus=0)
     # trainer 0 hands the generators a reference to the trainer mesh (slice of one)...
-    assert t0.wire_back.call_one(trainers.slice(gpus=0)).get() == ["RemoteActorMesh"] * 2
+    assert t0.wire_back.call_one(trainers.slice(gpus=0)).get() == ["ActorMesh/PeerRequester"] * 2
     # ...and they call back into it, while the trainer calls them.
     versions = trainers.slice(gpus=1).refresh_all.call_one().get()
     assert len(versions) == 2 and all(v >= 1 for v in versions)
@@ -62,9 +62,9 @@ def test_generator_and_trainer_call_each_other(pair):
 
 def test_calls_go_rank_to_rank_not_through_the_controller(pair):
     gens, trainers = pair
-    before = controller_bytes(gens._runtime)
+    before = controller_bytes(procs_of(gens).runtime)
     trainers.slice(gpus=0).ping_pong.call_one(20).get()
-    assert controller_bytes(gens._runtime) == before  # no request to the generators' ranks
+    assert controller_bytes(procs_of(gens).runtime) == before  # no request to the generators' ranks
 
 
 def test_remote_error_keeps_its_chain(pair):
@@ -87,15 +87,14 @@ def test_spawn_on_a_proc_mesh_passed_to_an_actor(pair, two_meshes):
 
 def test_mesh_returned_to_the_controller_is_its_own_mesh(two_meshes):
     gprocs, _ = two_meshes
-    from monarch_kernel.actor.meshes import ActorMesh
-    from monarch_kernel.actor.peer import _rebuild_actor_mesh
+    from monarch_kernel.actor.meshes import ActorMesh, rebuild_actor_mesh
 
     gens = gprocs.spawn("g2", Generator)
     fn, args = gens.__reduce__()
     back = fn(*args)
-    assert isinstance(back, ActorMesh) and fn is _rebuild_actor_mesh
+    assert isinstance(back, ActorMesh) and fn is rebuild_actor_mesh
     assert back.generate.call(1).get().values()[0]["y"] == 10
-    assert isinstance(RemoteActorMesh(*args), RemoteActorMesh)
+    assert back.runtime is gprocs.runtime  # the controller's own runtime, not a peer one
 
 
 def test_stop_returns_a_future_and_size_flatten(two_meshes):

@@ -16,7 +16,7 @@ from monarch_kernel.actor import (
     host_mesh,
     this_host,
 )
-from monarch_kernel.actor import meshes as meshes_mod
+from monarch_kernel.actor import hosts as hosts_mod
 from monarch_kernel.launchers.local import LocalLauncher
 
 # -- Channel.open_ranked ----------------------------------------------------------------
@@ -156,7 +156,7 @@ class _CountingLauncher:
 
 def test_shutdown_releases_a_launcher_of_its_own_only_once(monkeypatch):
     counting = _CountingLauncher()
-    monkeypatch.setattr(meshes_mod, "get_launcher", lambda backend, **o: counting)
+    monkeypatch.setattr(hosts_mod, "get_launcher", lambda backend, **o: counting)
     hosts = HostMesh(1, "counting")
     procs = hosts.spawn_procs(per_host={"gpus": 1})
     hosts.shutdown()
@@ -165,5 +165,5 @@ def test_shutdown_releases_a_launcher_of_its_own_only_once(monkeypatch):
     # the local backend's launcher is shared by every local host mesh: it stays
     shared = LocalLauncher.shared()
     monkeypatch.setattr(shared, "shutdown", lambda: pytest.fail("shared launcher released"))
-    monkeypatch.setattr(meshes_mod, "get_launcher", lambda backend, **o: shared)
+    monkeypatch.setattr(hosts_mod, "get_launcher", lambda backend, **o: shared)
     HostMesh(1, "local").shutdown()

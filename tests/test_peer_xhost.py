@@ -90,7 +90,10 @@ def test_callbacks_across_machines(pair):
     back while that trainer is itself waiting on them."""
     gens, trainers = pair
     t0 = trainers.slice(gpus=0)
-    assert t0.wire_back.call_one(trainers.slice(gpus=0)).get(timeout=30) == ["RemoteActorMesh"] * 2
+    assert (
+        t0.wire_back.call_one(trainers.slice(gpus=0)).get(timeout=30)
+        == ["ActorMesh/PeerRequester"] * 2
+    )
     versions = trainers.slice(gpus=1).refresh_all.call_one().get(timeout=30)
     assert len(versions) == 2 and all(v >= 1 for v in versions)
 

@@ -347,7 +347,7 @@ def test_fuzz_decode_mutated_signed_messages(data):
 # -- a real mesh -----------------------------------------------------------------------
 def test_no_key_and_wrong_key(workers):
     procs, _ = workers
-    rt = procs._runtime
+    rt = procs.runtime
     controller = rt.codec
     before = controller.rejected
     ranks_before = _rank_rejected(procs)
@@ -373,7 +373,7 @@ def test_no_key_and_wrong_key(workers):
 
 def test_replayed_messages_are_dropped_and_counted(workers):
     procs, _ = workers
-    rt = procs._runtime
+    rt = procs.runtime
     controller = rt.codec
     rejected, replayed = controller.rejected, controller.replayed
     s = _attacker(rt.transport.recv_addr)
@@ -398,7 +398,7 @@ def test_replayed_messages_are_dropped_and_counted(workers):
 
 def test_truncated_malformed_and_too_many_frames(workers):
     procs, _ = workers
-    rt = procs._runtime
+    rt = procs.runtime
     controller = rt.codec
     before = controller.rejected
     ok = [bytes(f) for f in controller.encode({"k": "hb", "h": 0}, b"payload")]
@@ -446,7 +446,7 @@ def _rss_after_big_frame(target: psutil.Process, addr: str) -> int:
 
 def test_oversized_frame_drops_the_connection(workers):
     procs, _ = workers
-    rt = procs._runtime
+    rt = procs.runtime
     agent, fan = _agent()
     grew = _rss_after_big_frame(agent, fan)
     assert grew < 64 << 20, f"host agent grew {grew >> 20} MiB"
@@ -457,7 +457,7 @@ def test_oversized_frame_drops_the_connection(workers):
 
 def test_ten_thousand_random_messages(workers):
     procs, _ = workers
-    rt = procs._runtime
+    rt = procs.runtime
     controller = rt.codec
     before = controller.rejected
     rnd = random.Random(12)

@@ -16,31 +16,28 @@ A Monarch user's actor code runs after changing only the import line::
     procs = this_host().spawn_procs(per_host={"gpus": 4})
     counters = procs.spawn("counters", Counter, 0)
     counters.incr.call(2).get()          # ValueMesh, one value per rank
+
+``HostMesh``, ``host_mesh`` and ``this_host`` (which start meshes, and so need the
+controller) are imported on first use: a rank that only defines and calls actors never
+loads the controller or the launchers.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from monarch_kernel.actor.actor import Actor, concurrent_endpoint, endpoint
 from monarch_kernel.actor.api import (
     Accumulator,
-    Channel,
     Context,
     Instance,
     MeshFailure,
-    Port,
-    PortReceiver,
-    RankedPortReceiver,
     context,
     current_actor_name,
     get_or_spawn_controller,
     this_proc,
     unhandled_fault_hook,
 )
-from monarch_kernel.actor.meshes import (
-    ActorMesh,
-    HostMesh,
-    ProcMesh,
-    host_mesh,
-    this_host,
-)
+from monarch_kernel.actor.channels import Channel, Port, PortReceiver, RankedPortReceiver
+from monarch_kernel.actor.meshes import ActorMesh, EndpointRef, ProcMesh
 from monarch_kernel.calls.errors import (
     ActorError,
     MeshStartError,
@@ -54,6 +51,21 @@ from monarch_kernel.rank.context import current_rank, current_size
 from monarch_kernel.shape import Point, Shape, SliceError
 from monarch_kernel.wire.serialize import SerializationError
 
+if TYPE_CHECKING:
+    from monarch_kernel.actor.hosts import HostMesh, host_mesh, this_host
+
+#: Names served by :mod:`monarch_kernel.actor.hosts`, imported when first asked for.
+_FROM_HOSTS = frozenset({"HostMesh", "host_mesh", "this_host"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_HOSTS:
+        from monarch_kernel.actor import hosts
+
+        return getattr(hosts, name)
+    raise AttributeError(f"module 'monarch_kernel.actor' has no attribute {name!r}")
+
+
 __all__ = [
     "Accumulator",
     "Actor",
@@ -61,6 +73,7 @@ __all__ = [
     "ActorMesh",
     "Channel",
     "Context",
+    "EndpointRef",
     "Future",
     "HostMesh",
     "Instance",

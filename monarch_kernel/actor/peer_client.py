@@ -13,7 +13,7 @@ socket. A target on another machine that dies, or whose machine vanishes, fails 
 as one on this machine does (the connection drops, or its heartbeats stop); one that
 cannot be reached at all fails them after :data:`CONNECT_TIMEOUT` seconds.
 
-The handles that use it (``RemoteActorMesh`` ...) are in :mod:`monarch_kernel.actor.peer`.
+Mesh handles in a rank reach it through :class:`~monarch_kernel.actor.peer.PeerRequester`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import itertools
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -37,8 +37,8 @@ import zmq.utils.monitor
 
 from monarch_kernel.calls.errors import RankDiedError
 from monarch_kernel.calls.reply import Reply, RequestObserver
+from monarch_kernel.calls.requester import MeshRef
 from monarch_kernel.rank import context
-from monarch_kernel.shape import Shape
 from monarch_kernel.wire import Codec, WireError, dumps, peer_address
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, limit_size
@@ -56,16 +56,6 @@ _LOST = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the encrypted handshake failed (protocol)",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its listener refused our key",
 }
-
-
-@dataclass(frozen=True)
-class MeshRef:
-    """What a mesh reference holds: enough to reach the mesh's ranks directly."""
-
-    mesh: str  #: the process mesh's name
-    key: str  #: its signing key (hex)
-    addrs: tuple[PeerAddress, ...]  #: where each global rank listens (false: not ready)
-    shape: Shape  #: the (sliced) shape referred to
 
 
 # -- the client: one per process -------------------------------------------------------
@@ -153,9 +143,10 @@ class PeerClient:
         payload: bytes,
         buffers: Sequence[Buffer],
         observer: RequestObserver | None,
-    ) -> None:
+    ) -> str:
         """Send ``header`` + payload to each of ``ranks`` of ``ref``'s mesh; the replies
-        go to ``observer`` (None: fire and forget)."""
+        go to ``observer`` (None: fire and forget). Returns the request id ('' for fire
+        and forget, or when the only target was served inline)."""
         codec = self.codec(ref.key)
         ranks = list(ranks)
         addrs = [_addr(ref, r) for r in ranks]
@@ -164,14 +155,15 @@ class PeerClient:
             # A call to this very rank from its own busy main thread would wait for
             # itself: actors of one rank share its thread, so it runs here, inline.
             i = addrs.index(rt.peer)
-            self.request(ref, ranks[:i] + ranks[i + 1 :], header, payload, buffers, observer)
+            others = ranks[:i] + ranks[i + 1 :]
+            rid = self.request(ref, others, header, payload, buffers, observer)
             _inline(rt, ranks[i], header, payload, buffers, observer)
-            return
+            return rid
         if not ranks:
-            return
+            return ""
         routes = [_route(ref, r, a, self.machine) for r, a in zip(ranks, addrs)]
         with self.lock:
-            rid = None
+            rid = ""
             if observer is not None:
                 rid = self.prefix + str(next(self.ids))
                 header = dict(header, i=rid, w=1, rt=self.reply.encode())
@@ -181,9 +173,10 @@ class PeerClient:
                 for r, addr, route in zip(ranks, addrs, routes):
                     self._socket(addr, route, r).send_multipart(frames, copy=False)
             except BaseException:
-                if rid is not None:
+                if rid:
                     self.pending.pop(rid, None)
                 raise
+        return rid
 
     def expect(self, observer: RequestObserver, rank: int) -> str:
         """A request id whose one reply (from ``rank``) goes to ``observer``."""
@@ -434,10 +427,12 @@ def _reply_tcp_host() -> str:
     (see :func:`client`)."""
     rt = context._runtime
     if rt is not None:
-        return rt.peer.tcp_host
-    from monarch_kernel.controller.registry import registry
-
-    for mesh in registry.live():
+        return str(rt.peer.tcp_host)
+    # In the controller (a rank never loads it): its meshes, if it has started any.
+    registry_module = sys.modules.get("monarch_kernel.controller.registry")
+    if registry_module is None:
+        return ""
+    for mesh in registry_module.registry.live():
         for info in mesh.ranks:
             if info.peer.tcp and info.peer.machine != peer_address.this_machine():
                 try:
@@ -461,10 +456,12 @@ class _AnyKey:
 
 def _admit_any_key() -> str:
     """The controller runs a ZAP handler for its meshes' sockets, which refuses keys of
-    domains it does not know: register the reply socket's domain with it."""
-    from monarch_kernel.launchers.base import zap
-
-    zap(REPLY_ZAP_DOMAIN, _AnyKey())
+    domains it does not know: register the reply socket's domain with it (loaded with the
+    meshes of other machines this is for; never in a rank)."""
+    launchers = sys.modules.get("monarch_kernel.launchers.base")
+    if launchers is None:
+        return ""
+    launchers.zap(REPLY_ZAP_DOMAIN, _AnyKey())
     return REPLY_ZAP_DOMAIN
 
 

@@ -163,3 +163,15 @@ class Future(Generic[T]):
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<Future {state}>"
+
+
+def then(fut: Future[Any], fn: Callable[[Any], T]) -> Future[T]:
+    """A future of ``fn(fut's value)`` (``fut``'s error, if it fails); ``fn`` runs in the
+    thread that asks for the result."""
+    out: Future[T] = Future(lambda done: fn(done.get()))
+
+    def done(f: Future[Any]) -> None:
+        out.set_result(f)
+
+    fut.add_done_callback(done)
+    return out

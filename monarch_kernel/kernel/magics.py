@@ -23,7 +23,9 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
-from monarch_kernel.actor import ActorMesh, HostMesh, ProcMesh, ValueMesh, host_mesh
+from monarch_kernel.actor import ActorMesh, ProcMesh, ValueMesh
+from monarch_kernel.actor.hosts import HostMesh, host_mesh
+from monarch_kernel.actor.meshes import procs_of
 from monarch_kernel.calls.errors import ActorError, MeshStartError
 from monarch_kernel.controller.mesh import MeshRuntime
 from monarch_kernel.controller.records import MeshPhase, SetupCell
@@ -89,7 +91,7 @@ class MeshMagics(Magics):
         except Exception as exc:
             raise UsageError(f"cannot evaluate mesh {target!r}: {exc}") from None
         if isinstance(obj, ActorMesh):
-            obj = ProcMesh(obj._runtime, obj.shape)
+            obj = procs_of(obj)
         if not isinstance(obj, ProcMesh):
             raise UsageError(
                 f"{target!r} is a {type(obj).__name__}, not a mesh; {self._live_hint()}"
@@ -428,7 +430,7 @@ class MeshMagics(Magics):
         paused at a breakpoint nobody attached to, else a post-mortem pdb on the frame
         where each rank's last ``%%remote`` cell or endpoint failed (``--clear``: only
         release those frames). See :mod:`monarch_kernel.kernel.debug`."""
-        from monarch_kernel.kernel.debug import debug_remote
+        from monarch_kernel.kernel.debug_remote import debug_remote
 
         p = Parser(prog="%debug_remote", add_help=False)
         p.add_argument("target")

@@ -10,7 +10,7 @@ One dashboard per mesh: this package keeps the map (weakly keyed by the mesh's
 
 from __future__ import annotations
 
-from monarch_kernel.actor.meshes import ActorMesh, ProcMesh, set_dashboard_factory
+from monarch_kernel.actor.meshes import ActorMesh, ProcMesh, procs_of, set_dashboard_factory
 from monarch_kernel.controller.mesh import MeshRuntime
 from monarch_kernel.widgets.dashboard import UPDATE_INTERVAL, Dashboard, dashboard_of, existing
 from monarch_kernel.widgets.state import MeshState
@@ -27,7 +27,7 @@ def _runtime_of(mesh: Mesh) -> MeshRuntime:
     if isinstance(mesh, ProcMesh):
         return mesh.runtime
     if isinstance(mesh, ActorMesh):
-        return mesh._runtime  # the actor layer's own handle (ActorMesh has no public one)
+        return procs_of(mesh).runtime
     raise TypeError(f"not a mesh: {mesh!r} (a ProcMesh, ActorMesh or MeshRuntime)")
 
 

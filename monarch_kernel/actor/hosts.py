@@ -1,0 +1,321 @@
+"""Where meshes start: host meshes (``this_host()``, ``host_mesh()``) and
+``spawn_procs``, the controller's side of the actor API.
+
+This is the only part of :mod:`monarch_kernel.actor` that reaches the controller and the
+launchers; ``monarch_kernel.actor`` imports it on first use of one of its names, so a rank
+that only uses actors never loads it (see ``tests/test_layering.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from monarch_kernel.actor.actor import Actor
+from monarch_kernel.actor.channels import tell_owner
+from monarch_kernel.actor.meshes import STOP_GRACE, ActorMesh, ProcMesh, _size
+from monarch_kernel.calls.future import Future
+from monarch_kernel.controller.events import FaultReported, MeshEvent, RankDied
+from monarch_kernel.controller.failures import DEFAULT_GRACE
+from monarch_kernel.controller.inbound import ASK_HANDLERS
+from monarch_kernel.controller.mesh import MeshRuntime
+from monarch_kernel.controller.records import FailurePolicy, RankState
+from monarch_kernel.controller.registry import registry
+from monarch_kernel.launchers import get_launcher
+from monarch_kernel.rank.supervise import MeshFailure
+from monarch_kernel.shape import Shape
+from monarch_kernel.wire import loads
+
+log = logging.getLogger("monarch_kernel.actor")
+
+
+class HostMesh:
+    """A set of hosts (machines) on which process meshes are spawned.
+
+    Its dimensions are the ones :meth:`spawn_procs` puts ahead of ``per_host``'s:
+    ``{"hosts": H}`` on H > 1 hosts, none on one host (like Monarch's ``this_host()``,
+    a zero-dimensional mesh of one host); ``size()``, ``sizes``, ``extent`` and
+    ``len()`` read them as on a process mesh.
+
+    :meth:`shutdown` stops every process mesh spawned from it and releases its launcher;
+    as in Monarch, ``async with hosts:`` shuts it down on exit.
+    """
+
+    def __init__(self, hosts: int = 1, backend: str = "local", **launcher_options: Any):
+        if not isinstance(hosts, int) or hosts < 1:
+            raise ValueError(f"hosts must be a positive int, got {hosts!r}")
+        self.hosts = hosts
+        self.backend = backend
+        self.launcher = get_launcher(backend, **launcher_options)
+        self._lock = threading.Lock()
+        #: Meshes spawned from this host mesh (the ones :meth:`shutdown` stops); stopped
+        #: ones are dropped at the next spawn.
+        self._spawned: list[MeshRuntime] = []
+        self._shut_down = False
+
+    # -- shape (Monarch's MeshTrait, read-only) ------------------------------------------
+
+    @property
+    def shape(self) -> Shape:
+        """``hosts`` as one dimension, or no dimension for a single host."""
+        if self.hosts == 1:
+            return Shape((), ())
+        return Shape(("hosts",), (self.hosts,))
+
+    @property
+    def extent(self) -> dict[str, int]:
+        return self.shape.extent
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self.shape.extent
+
+    def __len__(self) -> int:
+        return self.hosts
+
+    def size(self, dim: str | Sequence[str] | None = None) -> int:
+        """Number of hosts: all of them, or the product of the named dims' sizes (the
+        only dim is ``hosts``, on a mesh of more than one host); KeyError for others."""
+        return _size(self.shape, dim)
+
+    # -- process meshes ------------------------------------------------------------------
+
+    def spawn_procs(
+        self,
+        per_host: dict[str, int] | None = None,
+        *,
+        name: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 120.0,
+        on_starting: Callable[[ProcMesh], object] | None = None,
+        on_failure: str = "restart",
+        grace: float = DEFAULT_GRACE,
+        bootstrap: Callable[[], object] | None = None,
+    ) -> ProcMesh:
+        """Start ``per_host`` ranks on every host; returns when all are ready.
+
+        ``per_host={"gpus": 4}`` gives a mesh with dims ``{"gpus": 4}`` on one host, or
+        ``{"hosts": H, "gpus": 4}`` on H hosts. ``name`` must not be taken by a live
+        mesh (default: ``procs0``, ``procs1`` ...). ``on_starting(procs)`` is called
+        before the ranks start (the kernel shows the dashboard there). More ranks than
+        the backend can hold (with those of this controller's other meshes on it) is a
+        ValueError before anything starts (see ``Launcher.check_capacity``).
+
+        ``on_failure`` (``restart``, ``stop`` or ``continue``) is what the mesh does when
+        a rank dies or fails a call the other ranks still run; ``grace`` is how long
+        (seconds) those others get to finish before they are released. See
+        :class:`~monarch_kernel.controller.records.FailurePolicy`.
+
+        ``bootstrap`` (Monarch's): a picklable function called with no arguments on
+        every rank once it started, before this returns (set up the environment,
+        import things); what it raises fails the spawn.
+
+        A host mesh that was shut down spawns nothing: RuntimeError.
+        """
+        self._check_open()
+        per_host = dict(per_host or {"gpus": 1})
+        if "hosts" in per_host and self.hosts > 1:
+            raise ValueError(
+                f"per_host must not contain 'hosts' on a mesh of {self.hosts} hosts "
+                "(the hosts dimension is added for you)"
+            )
+        try:
+            policy = FailurePolicy(on_failure)
+        except ValueError:
+            choices = ", ".join(p.value for p in FailurePolicy)
+            raise ValueError(f"on_failure must be one of {choices}; got {on_failure!r}") from None
+        running = sum(m.world for m in registry.live() if m.launcher is self.launcher)
+        self.launcher.check_capacity(self.hosts * len(Shape.from_extent(per_host)), running)
+        with self._lock:  # registered before it starts: a shutdown from now on stops it
+            self._check_open()
+            runtime = MeshRuntime(  # MeshNameTaken (a ValueError) if a live mesh has it
+                name or registry.auto_name("procs"),
+                per_host,
+                self.hosts,
+                self.launcher,
+                env=env,
+                backend=self.backend,
+                on_failure=policy,
+                grace=grace,
+            )
+            self._spawned = [m for m in self._spawned if not m.state.ended]
+            self._spawned.append(runtime)
+        procs = ProcMesh(runtime)
+        watch_faults(runtime)
+        try:
+            if on_starting is not None:
+                on_starting(procs)
+            runtime.start(timeout=timeout)  # stops the mesh itself if it fails
+            if bootstrap is not None:
+                procs.spawn("_bootstrap", _Bootstrap, bootstrap).stop().get()
+        except BaseException:
+            runtime.stop()
+            raise
+        return procs
+
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise RuntimeError(
+                f"HostMesh(hosts={self.hosts}, backend={self.backend!r}) was shut down: it "
+                "spawns no more process meshes; make a new one (this_host() or host_mesh())"
+            )
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    def shutdown(self, grace: float = STOP_GRACE) -> Future[None]:
+        """Stop every process mesh spawned from this host mesh (every rank and host
+        agent; ranks get ``grace`` seconds to exit cleanly, as in ``ProcMesh.stop``) and
+        release its launcher (allocations of the ray, slurm, lightning or join
+        backends; the local backend's launcher is shared by all local host meshes and
+        stays). Later ``spawn_procs`` calls raise RuntimeError.
+
+        Done when this returns; the future (Monarch's ``shutdown()`` returns one) is
+        already complete. Shutting down again does nothing."""
+        with self._lock:
+            first = not self._shut_down
+            self._shut_down = True
+            spawned, self._spawned = self._spawned, []
+        errors: list[BaseException] = []
+        for runtime in spawned:
+            try:
+                runtime.stop(grace=grace)
+            except Exception as exc:  # the other meshes still stop
+                errors.append(exc)
+        if first and self.backend != "local":
+            self.launcher.shutdown()  # made for this host mesh alone (get_launcher)
+        if errors:
+            raise errors[0]
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    async def __aenter__(self) -> HostMesh:
+        self._check_open()
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    def __repr__(self) -> str:
+        gone = ", shut down" if self._shut_down else ""
+        return f"HostMesh(hosts={self.hosts}, backend={self.backend!r}{gone})"
+
+
+_this_host: HostMesh | None = None
+_this_host_lock = threading.Lock()
+
+
+def this_host() -> HostMesh:
+    """The machine this controller runs on: the same host mesh every time (so that
+    ``this_host().shutdown()`` stops the process meshes spawned from it), a new one
+    once that was shut down."""
+    global _this_host
+    with _this_host_lock:
+        if _this_host is None or _this_host._shut_down:
+            _this_host = HostMesh(1, "local")
+        return _this_host
+
+
+def host_mesh(hosts: int = 1, backend: str = "local", **options: Any) -> HostMesh:
+    """A mesh of ``hosts`` hosts from ``backend`` (``local`` emulates hosts on this machine)."""
+    return HostMesh(hosts, backend, **options)
+
+
+class _Bootstrap(Actor):
+    """Runs ``spawn_procs(bootstrap=fn)``'s function on each rank (then is stopped)."""
+
+    def __init__(self, fn: Callable[[], object]):
+        fn()
+
+
+# -- supervision at the root ------------------------------------------------------------
+
+
+def watch_faults(runtime: MeshRuntime) -> None:
+    """Hand a controller mesh's unanswered failures and deaths to the fault hook
+    (``monarch_kernel.actor.unhandled_fault_hook``); deaths of actors that an actor of
+    another rank owns go to their owner instead."""
+    name = runtime.name
+
+    def on_event(event: MeshEvent) -> None:
+        if isinstance(event, FaultReported):
+            actor = str(event.report.get("actor", ""))
+            failure = MeshFailure(name, actor, event.rank, dict(event.report))
+        elif isinstance(event, RankDied) and event.state is RankState.DEAD:
+            d = event.death
+            report = {"type": "RankDied", "message": f"rank {d.rank} on {d.host}: {d.how}"}
+            info = runtime.ranks[event.rank]
+            owned, info.owners = info.owners, {}
+            for actor, owner in owned.items():  # their owners supervise them
+                tell_owner(owner, name, actor, event.rank, report)
+            if owned:
+                return
+            failure = MeshFailure(name, "", event.rank, report)
+        else:
+            return
+        # The package's attribute (a user may replace it), read when a failure comes.
+        hook = getattr(sys.modules.get("monarch_kernel.actor"), "unhandled_fault_hook", None)
+        if hook is None:
+            return
+        try:
+            hook(failure)
+        except Exception:  # a user's hook never takes the controller down
+            log.exception("unhandled_fault_hook raised")
+
+    runtime.events.subscribe(on_event, FaultReported, RankDied)
+
+
+# -- what the controller process itself runs ----------------------------------------------
+
+_client_proc: ProcMesh | None = None
+_client_proc_lock = threading.Lock()
+
+
+def client_proc() -> ProcMesh:
+    """``this_proc()`` in the controller, which runs no actors itself: a one-rank process
+    mesh on this machine, started on first use and kept (Monarch spawns such actors in
+    the client process)."""
+    global _client_proc
+    with _client_proc_lock:
+        if _client_proc is None or _client_proc.stopped:
+            _client_proc = this_host().spawn_procs(per_host={"procs": 1}, name="this_proc")
+        return _client_proc.slice(procs=0)
+
+
+_singletons: dict[str, ActorMesh] = {}
+_singletons_lock = threading.Lock()
+
+
+def controller_singleton(
+    name: str, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> ActorMesh:
+    """``get_or_spawn_controller`` in the controller: actor ``name``, spawned on
+    :func:`client_proc` the first time (again once its mesh was stopped)."""
+    with _singletons_lock:
+        mesh = _singletons.get(name)
+        if mesh is None or mesh._procs.stopped:
+            mesh = _singletons[name] = client_proc().spawn(name, cls, *args, **kwargs)
+        return mesh
+
+
+def _ask_get_or_spawn(asker: MeshRuntime, req: dict[str, Any]) -> ActorMesh:
+    """A rank's ``get_or_spawn_controller``, run in the controller: the actor mesh
+    (pickled back to the rank as a live reference)."""
+    name, cls, args, kwargs = loads(req["call"], (), "get_or_spawn_controller arguments")
+    return controller_singleton(name, cls, args, kwargs)
+
+
+ASK_HANDLERS["get_or_spawn_controller"] = _ask_get_or_spawn
+
+__all__ = [
+    "HostMesh",
+    "client_proc",
+    "controller_singleton",
+    "host_mesh",
+    "this_host",
+    "watch_faults",
+]
