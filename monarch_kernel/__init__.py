@@ -6,6 +6,8 @@ The public actor API lives in :mod:`monarch_kernel.actor`. Inside a rank,
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
 
@@ -19,7 +21,7 @@ def report(**metrics: float) -> None:
     context.report(metrics)
 
 
-def share(tensor):  # torch is imported lazily
+def share(tensor: Any) -> Any:  # torch is imported lazily (a TensorRef)
     """Inside a rank: keep ``tensor`` here and return a :class:`TensorRef` that another
     rank turns into a copy with ``ref.get()``, pulled directly from this rank (shared
     memory on the same machine, ZeroMQ across machines).
@@ -33,7 +35,7 @@ def share(tensor):  # torch is imported lazily
     return _share(tensor)
 
 
-def load_ipython_extension(ipython):  # pragma: no cover - thin shim, tested via the kernel
+def load_ipython_extension(ipython: Any) -> None:  # pragma: no cover - thin shim
     """``%load_ext monarch_kernel``: register the magics in a plain IPython kernel."""
     from monarch_kernel.kernel.magics import load_ipython_extension as _load
 

@@ -15,7 +15,7 @@ class SliceError(ValueError):
     """A slice named a dimension that does not exist or an index out of range."""
 
 
-class Point(Mapping):
+class Point(Mapping[str, int]):
     """One position in a mesh: a mapping ``dim -> index`` plus ``.rank`` (flat index).
 
     ``.rank`` is the position's flat index within the mesh it belongs to (for
@@ -55,7 +55,7 @@ class Point(Mapping):
         inner = ", ".join(f"{k}={v}" for k, v in self._coords.items())
         return f"Point({inner}; rank={self.rank})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Point], tuple[dict[str, int], int]]:
         return Point, (self._coords, self.rank)
 
 

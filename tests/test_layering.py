@@ -1,4 +1,5 @@
-"""The layering of DESIGN.md, checked on the source: a layer imports only those below it.
+"""The layering of docs/architecture.md, checked on the source: a layer imports only
+those below it.
 
 ``shape``/``wire`` <- ``calls`` <- ``rank``/``host``/``launchers`` <- ``controller`` <-
 ``actor`` <- ``kernel``/``widgets``. ``rank``/``host`` sit on ``calls``, ``wire`` and

@@ -21,7 +21,7 @@ import pickle
 import random
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from monarch_kernel.actor.peer_client import client
 from monarch_kernel.calls.future import Future, Waiter, then
@@ -134,7 +134,7 @@ def attach(ref: MeshRef) -> Requester:
     if registry_module is not None and not context.in_rank():
         for rt in registry_module.registry.live():
             if rt.name == ref.mesh and rt.key.hex() == ref.key:
-                return rt
+                return cast(Requester, rt)
     return PeerRequester(ref)
 
 

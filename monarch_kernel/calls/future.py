@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -98,7 +98,7 @@ class Future(Generic[T]):
                         self._error = exc
         if self._error is not None:
             raise self._error
-        return self._value
+        return cast(T, self._value)
 
     result = get
 
@@ -144,12 +144,12 @@ class Future(Generic[T]):
         elif self._waiter is not None:
             self._waiter(self, 0)  # nobody may block in get(): make sure replies are read
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, T]:
         if not self.done():
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
 
-            def wake(_: Future) -> None:
+            def wake(_: Future[T]) -> None:
                 def resolve() -> None:
                     if not waiter.done():
                         waiter.set_result(None)

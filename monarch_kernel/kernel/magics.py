@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
@@ -77,7 +77,7 @@ class MeshMagics(Magics):
     @property
     def _user_ns(self) -> dict[str, Any]:
         assert self.shell is not None  # magics are always registered with a shell
-        return self.shell.user_ns
+        return cast(dict[str, Any], self.shell.user_ns)
 
     def _resolve(self, target: str) -> ProcMesh:
         """``NAME`` or an expression such as ``NAME.slice(gpus=0)`` -> a ProcMesh view."""

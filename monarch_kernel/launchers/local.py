@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import psutil
 
@@ -47,7 +47,7 @@ CGROUP = "/sys/fs/cgroup/"
 def available_memory() -> int:
     """Bytes of memory this process's processes can still take: what the machine has
     available, or less where a cgroup (container) limit leaves less."""
-    available = psutil.virtual_memory().available
+    available = int(psutil.virtual_memory().available)
     for limit_file, usage_file in (
         ("memory.max", "memory.current"),  # cgroup v2
         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),  # cgroup v1
@@ -168,7 +168,7 @@ class LocalLauncher:
         value, error = out.get()
         if error is not None:
             raise error
-        return value
+        return cast(T, value)
 
     def _start_agent(self) -> LocalHost:
         if not os.path.isdir(self._dir):  # removed by shutdown(); the launcher lives on

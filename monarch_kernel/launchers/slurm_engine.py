@@ -136,7 +136,7 @@ def _popen(
 ) -> subprocess.Popen[bytes]:
     """A Slurm client in its own session (a Ctrl-C meant for the kernel does not reach
     it); with ``die_with_us`` it gets SIGTERM when the thread that started it ends."""
-    return subprocess.Popen(  # type: ignore[call-overload]
+    return subprocess.Popen(  # type: ignore[call-overload,no-any-return]
         argv,
         env=env,
         start_new_session=True,

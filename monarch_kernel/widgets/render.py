@@ -189,7 +189,7 @@ def phase_text(st: MeshState, views: list[TileView]) -> str:
             many = "ranks" if len(starting) > 1 else "rank"
             return f"recovering: restarting {many} {format_ranks(starting)}…"
         return "recovering: restarting ranks…"
-    return phase.value
+    return str(phase.value)
 
 
 def phase_html(st: MeshState, views: list[TileView]) -> str:
