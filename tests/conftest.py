@@ -12,6 +12,23 @@ __all__ = ["WaitTimeout", "pid_alive", "project_processes", "wait_no_orphans", "
 
 ORPHAN_GRACE = 10.0
 
+#: The test lanes (markers registered in pyproject.toml; README "Fast lane"). Every test is in
+#: exactly one: a module sets ``pytestmark``, a module that mixes kinds marks its ``unit``
+#: tests one by one, and a test with no lane marker is in ``local``.
+LANES = ("unit", "local", "cluster", "browser")
+#: Modules not (yet) carrying their own lane marker: test_layering.py (pure AST checks).
+UNMARKED_LANES = {"test_layering.py": "unit"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        lanes = {m.name for m in item.iter_markers() if m.name in LANES}
+        if len(lanes) > 1:
+            raise pytest.UsageError(f"{item.nodeid} is in more than one lane: {sorted(lanes)}")
+        if not lanes:
+            item.add_marker(UNMARKED_LANES.get(item.path.name, "local"))
+
 
 def project_processes() -> list[psutil.Process]:
     """Host agents, templates and ranks of ours that are alive on this machine

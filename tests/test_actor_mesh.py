@@ -20,6 +20,8 @@ from monarch_kernel.actor import (
     endpoint,
 )
 
+pytestmark = pytest.mark.local
+
 
 @pytest.fixture(scope="module")
 def workers(procs4):

@@ -43,6 +43,7 @@ TOKEN = "monarch-browser-test"
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 pytestmark = [
+    pytest.mark.browser,
     pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium"),
     pytest.mark.timeout(240),
 ]

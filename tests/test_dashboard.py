@@ -566,6 +566,7 @@ def test_dashboard_again_and_stop_button(kernel):
 # -- without a kernel: the model and the charts -----------------------------------------
 
 
+@pytest.mark.unit
 def test_series_keeps_order_and_bounds_memory():
     from monarch_kernel.widgets.state import SERIES_CAP, Series
 
@@ -587,6 +588,7 @@ def test_series_keeps_order_and_bounds_memory():
     assert big.arrays()[0][-1] == 99_999.0  # the latest point is always drawn
 
 
+@pytest.mark.unit
 def test_many_ranks_chart_as_mean_with_band():
     from monarch_kernel.widgets import charts
 
@@ -676,6 +678,7 @@ def test_a_dead_rank_restarted_by_the_policy_in_process():
         procs.stop()
 
 
+@pytest.mark.unit
 def test_series_hands_the_live_chart_each_point_once():
     from monarch_kernel.widgets.series import FRESH_CAP, Series
 
@@ -693,6 +696,7 @@ def test_series_hands_the_live_chart_each_point_once():
     assert start == 10 and len(fx) == FRESH_CAP and fx[0] == 10.0
 
 
+@pytest.mark.unit
 def test_a_run_that_starts_again_is_not_joined_to_the_last():
     from monarch_kernel.widgets import charts
 
@@ -703,6 +707,7 @@ def test_a_run_that_starts_again_is_not_joined_to_the_last():
     assert 'data-last-x="1" data-last-y="8" data-points="2"' in svg
 
 
+@pytest.mark.unit
 def test_tile_text_is_cut_at_words_and_fits_the_tile():
     from monarch_kernel.widgets import render
     from monarch_kernel.widgets.state import TileView

@@ -13,6 +13,8 @@ from helpers import wait_for_rank_line
 
 from monarch_kernel.actor import MeshStoppedError, RankDiedError, this_host
 
+pytestmark = pytest.mark.local
+
 
 @pytest.fixture
 def mesh():

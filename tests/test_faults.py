@@ -16,6 +16,8 @@ import pytest
 from helpers import wait_until
 from kernel_client import Kernel
 
+pytestmark = pytest.mark.local
+
 
 @pytest.fixture(scope="module")
 def kernel():

@@ -10,6 +10,8 @@ from helpers import wait_until
 
 from monarch_kernel.calls.future import Future
 
+pytestmark = pytest.mark.unit
+
 
 def complete_soon(fn, *args) -> threading.Thread:
     """Run ``fn(*args)`` in another thread (as the controller's I/O thread would)."""

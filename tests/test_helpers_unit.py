@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from helpers import WaitTimeout, wait_until
 
+pytestmark = pytest.mark.unit
+
 
 def test_returns_the_first_true_value():
     values = iter([0, None, [], "ready"])

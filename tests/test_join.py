@@ -21,6 +21,8 @@ from netns import COMMAND, Joiner, agent_env, netns_hosts_fixture
 from monarch_kernel.actor import Actor, endpoint, host_mesh
 from monarch_kernel.calls.errors import MeshStartError, MonarchError
 
+pytestmark = pytest.mark.cluster
+
 
 class Probe(Actor):
     @endpoint

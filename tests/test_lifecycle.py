@@ -65,6 +65,7 @@ def test_controller_exit_without_stop_cleans_up():
     assert _wait_gone(pids, 5.0) == []
 
 
+@pytest.mark.unit
 def test_bad_per_host_is_rejected():
     with pytest.raises(ValueError, match="positive int"):
         this_host().spawn_procs(per_host={"gpus": 0})
@@ -74,6 +75,7 @@ def test_bad_per_host_is_rejected():
         host_mesh(hosts=2).spawn_procs(per_host={"hosts": 2, "gpus": 1})
 
 
+@pytest.mark.unit
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown backend 'nope'.*local"):
         get_launcher("nope")

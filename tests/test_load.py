@@ -16,6 +16,8 @@ from kernel_client import Kernel, kernel_with_mesh
 from monarch_kernel.actor import this_host
 from monarch_kernel.controller.transport import MAX_BACKLOG_MESSAGES
 
+pytestmark = pytest.mark.local
+
 N = 100_000
 
 

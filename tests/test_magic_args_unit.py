@@ -7,6 +7,8 @@ from IPython.core.error import UsageError
 
 from monarch_kernel.kernel.magics import split_args
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     "line,tokens",

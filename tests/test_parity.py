@@ -413,6 +413,7 @@ def test_sync_call_cycle_between_two_meshes(pair):
     assert len(versions) == 2 and versions[0] == versions[1] >= 1
 
 
+@pytest.mark.unit
 def test_value_mesh_monarch_methods():
     from monarch_kernel.actor import ValueMesh
     from monarch_kernel.shape import Shape

@@ -77,6 +77,7 @@ def test_ranked_channel_opened_in_a_rank(senders):
 # -- HostMesh size / shutdown -----------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_host_mesh_size_sizes_extent():
     one = host_mesh(1)
     assert (one.size(), len(one), one.sizes, one.extent) == (1, 1, {}, {})

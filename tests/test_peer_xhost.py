@@ -25,6 +25,8 @@ from parity_actors import Generator, Introspect, Supervisor, Trainer
 from monarch_kernel.actor import ActorError, Channel, host_mesh, this_host
 from monarch_kernel.wire import kinds as K
 
+pytestmark = pytest.mark.cluster
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -36,6 +36,8 @@ from monarch_kernel.host.agent import free_port
 from monarch_kernel.kernel.remote import RemoteJob
 from monarch_kernel.wire import kinds as K
 
+pytestmark = pytest.mark.local
+
 
 class Stopper(Actor):
     """Raises BaseExceptions that are no Exception."""

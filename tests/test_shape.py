@@ -2,6 +2,8 @@ import pytest
 
 from monarch_kernel.shape import Point, Shape, SliceError, parse_ranks
 
+pytestmark = pytest.mark.unit
+
 
 def test_slice_int_drops_dim_and_slice_keeps_it():
     s = Shape.from_extent({"hosts": 2, "gpus": 4})

@@ -34,6 +34,8 @@ import monarch_kernel
 from monarch_kernel.actor import Actor, endpoint, host_mesh
 from monarch_kernel.calls.errors import MonarchError
 
+pytestmark = pytest.mark.cluster
+
 #: Counted GPUs per node (device files without a driver): the launcher asks a cluster
 #: with gpu GRES for ``--gpus-per-node``, and refuses more than the nodes have.
 GPUS = 2
