@@ -10,6 +10,7 @@ it a torch tensor is pickled through torch's own reducer, which copies).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -82,10 +83,8 @@ def kill(actors: list[Any]) -> None:
         ray.kill(a)
     procs = []
     for pid in pids:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(procs, timeout=10)
 
 

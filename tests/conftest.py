@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import psutil
@@ -51,10 +52,8 @@ def wait_no_orphans(keep: set[int] = frozenset(), timeout: float = ORPHAN_GRACE)
     def left() -> list[psutil.Process]:
         return [p for p in project_processes() if p.pid not in keep]
 
-    try:
+    with contextlib.suppress(WaitTimeout):
         wait_until(lambda: not left(), timeout=timeout, what="our processes to exit")
-    except WaitTimeout:
-        pass
     return left()
 
 

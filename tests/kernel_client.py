@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import time
@@ -131,10 +132,8 @@ class Kernel:
         The messages read meanwhile are kept: ``collect(msg_id)`` still sees them."""
 
         def shown() -> bool:
-            try:
+            with contextlib.suppress(queue.Empty):
                 self._ahead.append(self.kc.get_iopub_msg(timeout=0.05))
-            except queue.Empty:
-                pass
             seen = self.output_so_far(msg_id)
             return all(any(t in s for s in seen) for t in texts)
 

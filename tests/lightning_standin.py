@@ -194,8 +194,7 @@ class Job:
                 if self._stopping:
                     return
                 assert sub._rank is not None
-                log = open(os.path.join(self.log_dir, f"{sub._name}.log"), "wb")
-                try:
+                with open(os.path.join(self.log_dir, f"{sub._name}.log"), "wb") as log:
                     sub._proc = self.hosts.popen(
                         sub._rank,
                         ["bash", "-c", script],
@@ -205,8 +204,6 @@ class Job:
                         stderr=subprocess.STDOUT,
                         start_new_session=True,  # stop() ends the whole machine's tree
                     )
-                finally:
-                    log.close()
             threading.Thread(target=sub._watch, daemon=True).start()
 
     def _watch(self) -> None:

@@ -95,8 +95,7 @@ class Trainer(Actor):
     def wire_back(self, me) -> list:
         """Give the generators a reference to ``me`` (this trainer mesh) and make
         them call back into it."""
-        names = self.generators.attach.call(me).get().values()
-        return names
+        return self.generators.attach.call(me).get().values()
 
     @endpoint
     def refresh_all(self) -> list:

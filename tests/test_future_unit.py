@@ -46,7 +46,7 @@ def test_set_exception_is_raised_by_get_and_returned_by_exception():
     assert fut.set_exception(error) is True
     assert fut.done()
     for _ in range(2):
-        with pytest.raises(ValueError) as err:
+        with pytest.raises(ValueError, match="remote failure") as err:
             fut.get()
         assert err.value is error
     assert fut.exception() is error

@@ -130,7 +130,7 @@ def test_check_capacity_limit_and_override(monkeypatch):
 
 @pytest.mark.unit
 def test_available_memory_is_positive():
-    assert 0 < local.available_memory()
+    assert local.available_memory() > 0
 
 
 # -- prompt numbers ------------------------------------------------------------------

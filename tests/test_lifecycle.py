@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -40,10 +41,8 @@ def _start_controller(hosts: int, tail: str) -> tuple[subprocess.Popen, list[int
 
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     """Wait up to ``timeout`` for ``pids`` to exit; return those still alive."""
-    try:
+    with contextlib.suppress(WaitTimeout):
         wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=timeout, what="exit")
-    except WaitTimeout:
-        pass
     return [p for p in pids if pid_alive(p)]
 
 
