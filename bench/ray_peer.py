@@ -71,7 +71,7 @@ class Bench:
 
 
 def ready_actors(n: int) -> list[Any]:
-    actors = [Bench.remote() for _ in range(n)]
+    actors = [Bench.remote() for _ in range(n)]  # type: ignore[attr-defined]  # ray.remote
     assert all(ray.get([a.ready.remote() for a in actors]))
     return actors
 
@@ -107,7 +107,7 @@ def body(s: Settings, rec: Recorder) -> None:
             rec.value("ready_4_cold", t4)
             rec.value("stop_4", timed(lambda: kill(four)))
     t0 = time.perf_counter()
-    actors = [Bench.remote() for _ in range(s.max_n)]
+    actors = [Bench.remote() for _ in range(s.max_n)]  # type: ignore[attr-defined]  # ray.remote
     ray.get([a.ping.remote() for a in actors])
     t_main = time.perf_counter() - t0
     for n in s.big_ns:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Container
 
 import psutil
 import pytest
@@ -46,7 +47,7 @@ def project_processes() -> list[psutil.Process]:
     return out
 
 
-def wait_no_orphans(keep: set[int] = frozenset(), timeout: float = ORPHAN_GRACE) -> list:
+def wait_no_orphans(keep: Container[int] = frozenset(), timeout: float = ORPHAN_GRACE) -> list:
     """Wait up to ``timeout`` for our processes (but ``keep``) to exit; return those left."""
 
     def left() -> list[psutil.Process]:

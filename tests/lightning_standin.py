@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import types
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from netns import NetHosts
 
@@ -317,7 +317,7 @@ def make_sdk(
         "log_dir": log_dir,
         "started": [],
     }
-    job_cls = type("Job", (Job,), attrs)
+    job_cls = cast("type[Job]", type("Job", (Job,), attrs))
 
     def close() -> None:
         for job in job_cls.started:

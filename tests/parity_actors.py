@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from monarch_kernel.actor import Actor, current_rank, endpoint
 from monarch_kernel.actor import concurrent_endpoint as endpoint_concurrent
@@ -13,7 +14,7 @@ class Generator(Actor):
 
     def __init__(self) -> None:
         self.version = 0
-        self.trainer = None
+        self.trainer: Any = None
 
     @endpoint
     def attach(self, trainer) -> str:
@@ -209,7 +210,7 @@ class Supervisor(Actor):
     def __init__(self, handles: bool) -> None:
         self.handles = handles
         self.seen: list[dict] = []
-        self.child = None
+        self.child: Any = None
 
     def __supervise__(self, failure) -> bool:
         self.seen.append(
@@ -278,7 +279,7 @@ class Concurrent(Actor):
     def __init__(self) -> None:
         import asyncio
 
-        self.gate = None
+        self.gate: asyncio.Event | None = None
         self.asyncio = asyncio
 
     @endpoint_concurrent

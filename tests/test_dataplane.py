@@ -148,7 +148,7 @@ class Probe(Actor):
         client = _client()
         captured = client.frames({"op": "fetch", "id": ref.id})
         unsigned_nonce = client.codec.encode({"k": "req", "op": "fetch", "id": ref.id})
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         answers = []
@@ -297,7 +297,7 @@ class PlainPeek(Actor):
 
         from monarch_kernel.rank.dataplane import _client
 
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(ref.address)
         try:

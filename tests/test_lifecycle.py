@@ -17,6 +17,7 @@ from helpers import WaitTimeout, wait_until
 
 from monarch_kernel.actor import MeshStartError, host_mesh, this_host
 from monarch_kernel.launchers import get_launcher
+from monarch_kernel.launchers.local import LocalLauncher
 
 CONTROLLER = textwrap.dedent(
     """
@@ -34,6 +35,7 @@ CONTROLLER = textwrap.dedent(
 def _start_controller(hosts: int, tail: str) -> tuple[subprocess.Popen, list[int]]:
     code = CONTROLLER.format(hosts=hosts, tail=tail)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line, "controller script failed to start a mesh"
     return proc, json.loads(line)
@@ -87,6 +89,7 @@ def test_start_timeout_is_reported_and_cleaned_up():
 
 def test_launcher_works_after_shutdown():
     launcher = get_launcher("local")
+    assert isinstance(launcher, LocalLauncher)
     launcher.prewarm(1)
     launcher.shutdown()  # e.g. a kernel's shutdown path; the shared launcher is reused after
     procs = this_host().spawn_procs(per_host={"gpus": 1})
@@ -95,6 +98,7 @@ def test_launcher_works_after_shutdown():
 
 def test_prewarmed_host_agent_is_used():
     launcher = get_launcher("local")
+    assert isinstance(launcher, LocalLauncher)
     launcher.prewarm(1)
     assert launcher.pooled() == 1
     t0 = time.monotonic()

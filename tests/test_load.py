@@ -227,7 +227,9 @@ def test_bg_flood_keeps_the_kernel_responsive(kernel):
     block = _bg_block(kernel, msg_id)
     import re
 
-    hidden = int(re.search(r"\[\.\.\. ([\d,]+) earlier lines", block).group(1).replace(",", ""))
+    m = re.search(r"\[\.\.\. ([\d,]+) earlier lines", block)
+    assert m, block[:500]
+    hidden = int(m.group(1).replace(",", ""))
     visible = [line for line in block.splitlines() if " line " in line]
     assert hidden + len(visible) + _elided(block) == 4 * FLOOD, block[:500]
 

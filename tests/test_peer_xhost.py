@@ -120,7 +120,7 @@ def test_channel_port_across_machines(machines):
     """A port opened in the controller, given to actors on another machine."""
     gprocs, _ = machines
     intro = gprocs.spawn("intro", Introspect)
-    port, receiver = Channel.open()
+    port, receiver = Channel[tuple[int, int]].open()
     intro.send_to.call(port, 3).get(timeout=30)
     got = sorted(receiver.recv().get(timeout=10) for _ in range(6))
     assert got == sorted((r, i) for r in range(2) for i in range(3))

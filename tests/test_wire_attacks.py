@@ -82,7 +82,7 @@ def _rank_rejected(procs) -> list[int]:
 
 
 def _attacker(addr: str, ident: bytes = b"attacker") -> zmq.Socket:
-    s = zmq.Context.instance().socket(zmq.DEALER)
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.IDENTITY, ident)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(addr)
