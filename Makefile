@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum |
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup lab test bench lint clean labextension
+.PHONY: setup lab test test-fast test-unit bench lint clean labextension
 
 # The JupyterLab extension (labextension/, TypeScript) is prebuilt by the package build itself
 # (hatch-jupyter-builder, see pyproject.toml): `pip install -e .` (or `pip install .`, or a
@@ -48,6 +48,14 @@ lab: setup
 # Lint first: CI enforces style and types before the (slower) tests run.
 test: lint
 	$(PY) -m pytest
+
+# The lanes (pytest markers, README "Fast lane"), without lint: test-fast is everything
+# that needs no cluster and no browser (unit + local), test-unit the pure-Python tests.
+test-fast: setup
+	$(PY) -m pytest -m "not cluster and not browser"
+
+test-unit: setup
+	$(PY) -m pytest -m unit
 
 bench: setup
 	$(PIP) install -q -e '.[test,bench]'

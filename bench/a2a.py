@@ -13,16 +13,16 @@ from bench.common import Recorder, Settings, median, p99
 
 
 def make_classes(Actor: Any, endpoint: Any) -> tuple[type, type]:
-    class Target(Actor):  # type: ignore[misc, valid-type]
-        @endpoint  # type: ignore[misc]
+    class Target(Actor):
+        @endpoint
         def ping(self) -> int:
             return 0
 
-    class Caller(Actor):  # type: ignore[misc, valid-type]
+    class Caller(Actor):
         def __init__(self, targets: Any) -> None:
             self.one = targets.slice(gpus=0)
 
-        @endpoint  # type: ignore[misc]
+        @endpoint
         def loop(self, iters: int, warmup: int, budget: float) -> list[float]:
             ping = self.one.ping
             for _ in range(warmup):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 from bench.common import Recorder, Settings, median
 
@@ -38,7 +39,7 @@ def ray_actors() -> float:
     t0 = time.perf_counter()
     pg = placement_group([{"CPU": 1.0}] * 2, strategy="STRICT_SPREAD")
     ray.get(pg.ready(), timeout=60)
-    echo = ray.remote(num_cpus=0)(Echo)
+    echo: Any = ray.remote(num_cpus=0)(Echo)  # an actor class (ray's types say otherwise)
     actors = [
         echo.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)

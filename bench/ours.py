@@ -7,6 +7,7 @@ cross-host rows use the ``join`` backend across network namespaces (bench/crossh
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -233,8 +234,10 @@ def death_time(actors: ActorMesh, timeout: float) -> float:
 
 def ready_rows(s: Settings, rec: Recorder) -> None:
     from monarch_kernel.launchers import get_launcher
+    from monarch_kernel.launchers.local import LocalLauncher
 
     launcher = get_launcher("local")
+    assert isinstance(launcher, LocalLauncher)
 
     def cold(n: int) -> float:
         t, procs = time_ready(n)
@@ -251,7 +254,7 @@ def ready_rows(s: Settings, rec: Recorder) -> None:
             with rec.guard(f"ready_{n}_cold"):
                 rec.value(f"ready_{n}_cold", cold(n))
         with rec.guard(f"ready_{n}_warm"):
-            xs = repeat_ready(lambda n=n: warm(n), s.ready_reps, budget_s=20.0)
+            xs = repeat_ready(functools.partial(warm, n), s.ready_reps, budget_s=20.0)
             rec.value(f"ready_{n}_warm", median(xs), samples=xs)
     launcher.shutdown()
 

@@ -145,7 +145,7 @@ def one_way_rate(sock: zmq.Socket, mib: int) -> float:
     import torch
 
     t = torch.ones(mib * MiB // 4)
-    data = memoryview(t.numpy()).cast("B")
+    data = t.numpy().data.cast("B")
 
     def send() -> None:
         sock.send_multipart([b"d", data], copy=False)
@@ -176,4 +176,5 @@ if __name__ == "__main__":
     import os
 
     secret = os.environ.get("BENCH_CURVE_SECRET")
-    serve(*sys.argv[1:2], curve_secret=secret.encode() if secret else None)
+    addr = sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1"
+    serve(addr, curve_secret=secret.encode() if secret else None)

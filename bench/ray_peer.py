@@ -10,6 +10,7 @@ it a torch tensor is pickled through torch's own reducer, which copies).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -70,7 +71,7 @@ class Bench:
 
 
 def ready_actors(n: int) -> list[Any]:
-    actors = [Bench.remote() for _ in range(n)]
+    actors = [Bench.remote() for _ in range(n)]  # type: ignore[attr-defined]  # ray.remote
     assert all(ray.get([a.ready.remote() for a in actors]))
     return actors
 
@@ -82,10 +83,8 @@ def kill(actors: list[Any]) -> None:
         ray.kill(a)
     procs = []
     for pid in pids:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(procs, timeout=10)
 
 
@@ -108,7 +107,7 @@ def body(s: Settings, rec: Recorder) -> None:
             rec.value("ready_4_cold", t4)
             rec.value("stop_4", timed(lambda: kill(four)))
     t0 = time.perf_counter()
-    actors = [Bench.remote() for _ in range(s.max_n)]
+    actors = [Bench.remote() for _ in range(s.max_n)]  # type: ignore[attr-defined]  # ray.remote
     ray.get([a.ping.remote() for a in actors])
     t_main = time.perf_counter() - t0
     for n in s.big_ns:

@@ -207,8 +207,8 @@ def table(runs: dict[str, PeerRun], s: Settings) -> tuple[str, list[str]]:
     for row in rows(s):
         if row.static:
             if "ours" in runs:
-                cells = [row.static] + ["—"] * (len(present) - 1 + len(ratio_to))
-                lines.append("| " + " | ".join([row.label, *cells]) + " |")
+                filler = ["—"] * (len(present) - 1 + len(ratio_to))
+                lines.append("| " + " | ".join([row.label, row.static, *filler]) + " |")
             continue
         cells: list[str] = []
         values: dict[str, float] = {}

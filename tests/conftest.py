@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Container
 
 import psutil
 import pytest
@@ -11,6 +13,23 @@ from helpers import WaitTimeout, wait_until
 __all__ = ["WaitTimeout", "pid_alive", "project_processes", "wait_no_orphans", "wait_until"]
 
 ORPHAN_GRACE = 10.0
+
+#: The test lanes (markers registered in pyproject.toml; README "Fast lane"). Every test is in
+#: exactly one: a module sets ``pytestmark``, a module that mixes kinds marks its ``unit``
+#: tests one by one, and a test with no lane marker is in ``local``.
+LANES = ("unit", "local", "cluster", "browser")
+#: Modules not (yet) carrying their own lane marker: test_layering.py (pure AST checks).
+UNMARKED_LANES = {"test_layering.py": "unit"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        lanes = {m.name for m in item.iter_markers() if m.name in LANES}
+        if len(lanes) > 1:
+            raise pytest.UsageError(f"{item.nodeid} is in more than one lane: {sorted(lanes)}")
+        if not lanes:
+            item.add_marker(UNMARKED_LANES.get(item.path.name, "local"))
 
 
 def project_processes() -> list[psutil.Process]:
@@ -28,16 +47,14 @@ def project_processes() -> list[psutil.Process]:
     return out
 
 
-def wait_no_orphans(keep: set[int] = frozenset(), timeout: float = ORPHAN_GRACE) -> list:
+def wait_no_orphans(keep: Container[int] = frozenset(), timeout: float = ORPHAN_GRACE) -> list:
     """Wait up to ``timeout`` for our processes (but ``keep``) to exit; return those left."""
 
     def left() -> list[psutil.Process]:
         return [p for p in project_processes() if p.pid not in keep]
 
-    try:
+    with contextlib.suppress(WaitTimeout):
         wait_until(lambda: not left(), timeout=timeout, what="our processes to exit")
-    except WaitTimeout:
-        pass
     return left()
 
 

@@ -16,7 +16,7 @@ class WaitTimeout(AssertionError):
 
 
 def wait_until(
-    cond: Callable[[], T],
+    cond: Callable[[], T | None],
     timeout: float = 10.0,
     interval: float = 0.05,
     what: str = "",
@@ -81,6 +81,12 @@ def patched_environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def kill(pid: int | None, sig: int) -> None:
+    """``os.kill`` for a pid the controller records (``None`` until the process is up)."""
+    assert pid is not None, "the process has no pid yet"
+    os.kill(pid, sig)
 
 
 def pythonpath_with(first: str) -> str:

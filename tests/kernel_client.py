@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import time
@@ -10,6 +11,7 @@ from typing import Any
 
 from helpers import wait_until
 from jupyter_client.manager import start_new_kernel
+from jupyter_client.provisioning import LocalProvisioner
 
 
 def ensure_kernelspec() -> None:
@@ -70,8 +72,7 @@ class Kernel:
 
     def __init__(self, name: str = "monarch", env: dict[str, str] | None = None):
         ensure_kernelspec()
-        kw = {"env": {**os.environ, **(env or {})}}
-        self.km, self.kc = start_new_kernel(kernel_name=name, **kw)
+        self.km, self.kc = start_new_kernel(kernel_name=name, env={**os.environ, **(env or {})})
         self.other: list[dict[str, Any]] = []  # iopub messages for other cells
         # iopub messages read ahead by wait_for_output, not yet seen by collect()
         self._ahead: list[dict[str, Any]] = []
@@ -131,10 +132,8 @@ class Kernel:
         The messages read meanwhile are kept: ``collect(msg_id)`` still sees them."""
 
         def shown() -> bool:
-            try:
+            with contextlib.suppress(queue.Empty):
                 self._ahead.append(self.kc.get_iopub_msg(timeout=0.05))
-            except queue.Empty:
-                pass
             seen = self.output_so_far(msg_id)
             return all(any(t in s for s in seen) for t in texts)
 
@@ -150,7 +149,9 @@ class Kernel:
         """Process ids of the kernel and everything it started."""
         import psutil
 
-        root = psutil.Process(self.km.provisioner.process.pid)
+        provisioner = self.km.provisioner
+        assert isinstance(provisioner, LocalProvisioner) and provisioner.process, provisioner
+        root = psutil.Process(provisioner.process.pid)
         return [root.pid] + [p.pid for p in root.children(recursive=True)]
 
     def shutdown(self) -> None:

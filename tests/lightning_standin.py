@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import types
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from netns import NetHosts
 
@@ -194,8 +194,7 @@ class Job:
                 if self._stopping:
                     return
                 assert sub._rank is not None
-                log = open(os.path.join(self.log_dir, f"{sub._name}.log"), "wb")
-                try:
+                with open(os.path.join(self.log_dir, f"{sub._name}.log"), "wb") as log:
                     sub._proc = self.hosts.popen(
                         sub._rank,
                         ["bash", "-c", script],
@@ -205,8 +204,6 @@ class Job:
                         stderr=subprocess.STDOUT,
                         start_new_session=True,  # stop() ends the whole machine's tree
                     )
-                finally:
-                    log.close()
             threading.Thread(target=sub._watch, daemon=True).start()
 
     def _watch(self) -> None:
@@ -320,7 +317,7 @@ def make_sdk(
         "log_dir": log_dir,
         "started": [],
     }
-    job_cls = type("Job", (Job,), attrs)
+    job_cls = cast("type[Job]", type("Job", (Job,), attrs))
 
     def close() -> None:
         for job in job_cls.started:

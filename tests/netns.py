@@ -12,6 +12,7 @@ otherwise. Traffic stays between the namespaces it created and the bridge.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -92,14 +93,10 @@ class NetHosts:
     def close(self) -> None:
         for proc in self.procs:  # only what we started
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
         for h in self.hosts:
             subprocess.run(["ip", "link", "del", h.veth], capture_output=True)
         for h in self.hosts:
@@ -223,7 +220,5 @@ class Joiner:
             procs.runtime.launcher.shutdown()
         finally:
             for agent in list(self.agents.values()):
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     agent.wait(10)
-                except subprocess.TimeoutExpired:
-                    pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from monarch_kernel.actor import Actor, current_rank, endpoint
 from monarch_kernel.actor import concurrent_endpoint as endpoint_concurrent
@@ -13,7 +14,7 @@ class Generator(Actor):
 
     def __init__(self) -> None:
         self.version = 0
-        self.trainer = None
+        self.trainer: Any = None
 
     @endpoint
     def attach(self, trainer) -> str:
@@ -96,8 +97,7 @@ class Trainer(Actor):
     def wire_back(self, me) -> list:
         """Give the generators a reference to ``me`` (this trainer mesh) and make
         them call back into it."""
-        names = self.generators.attach.call(me).get().values()
-        return names
+        return self.generators.attach.call(me).get().values()
 
     @endpoint
     def refresh_all(self) -> list:
@@ -211,7 +211,7 @@ class Supervisor(Actor):
     def __init__(self, handles: bool) -> None:
         self.handles = handles
         self.seen: list[dict] = []
-        self.child = None
+        self.child: Any = None
 
     def __supervise__(self, failure) -> bool:
         self.seen.append(
@@ -280,7 +280,7 @@ class Concurrent(Actor):
     def __init__(self) -> None:
         import asyncio
 
-        self.gate = None
+        self.gate: asyncio.Event | None = None
         self.asyncio = asyncio
 
     @endpoint_concurrent

@@ -8,6 +8,7 @@ Starting takes ~15 s: one cluster per test session (:func:`ray_cluster_fixture`)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -54,10 +55,8 @@ class RayCluster:
         ns = self.net.hosts[0].ns
         out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
         for pid in out.stdout.split():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def _free_port(host: str) -> int:
@@ -79,22 +78,14 @@ def _common(ip: str) -> list[str]:
 def _stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
     """``ray start --block`` stops the node's processes when it is terminated."""
     if proc.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # the node's processes share its group
-    except ProcessLookupError:
-        pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def start_cluster() -> RayCluster:

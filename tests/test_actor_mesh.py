@@ -20,6 +20,8 @@ from monarch_kernel.actor import (
     endpoint,
 )
 
+pytestmark = pytest.mark.local
+
 
 @pytest.fixture(scope="module")
 def workers(procs4):
@@ -247,7 +249,7 @@ def test_forged_messages_are_dropped_and_counted(procs4, workers):
     # a forged message sent straight to the controller's receive socket
     import zmq
 
-    s = zmq.Context.instance().socket(zmq.DEALER)
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     s.connect(rt.transport.recv_addr)
     s.send_multipart(evil.encode({"k": "res", "i": "x", "r": 0, "ok": 1}, b"junk"))
     s.send_multipart([b"garbage"])

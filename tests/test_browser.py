@@ -43,6 +43,7 @@ TOKEN = "monarch-browser-test"
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 pytestmark = [
+    pytest.mark.browser,
     pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium"),
     pytest.mark.timeout(240),
 ]
@@ -152,30 +153,31 @@ def lab(tmp_path):
     )
     port = _free_port()
     env = lab_env(tmp_path)
-    log = open(tmp_path / "lab.log", "wb")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jupyter",
-            "lab",
-            "--no-browser",
-            "--allow-root",
-            "--ip",
-            "127.0.0.1",
-            f"--port={port}",
-            f"--IdentityProvider.token={TOKEN}",
-            f"--ServerApp.root_dir={root}",
-            f"--LabApp.app_settings_dir={settings}",
-            f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
-            "--ServerApp.terminals_enabled=False",
-            "--ServerApp.jpserver_extensions",
-            "ipyparallel=False",
-        ],  # fmt: skip
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    # JupyterLab writes to its own copy of the descriptor: ours is closed at once
+    with open(tmp_path / "lab.log", "wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jupyter",
+                "lab",
+                "--no-browser",
+                "--allow-root",
+                "--ip",
+                "127.0.0.1",
+                f"--port={port}",
+                f"--IdentityProvider.token={TOKEN}",
+                f"--ServerApp.root_dir={root}",
+                f"--LabApp.app_settings_dir={settings}",
+                f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
+                "--ServerApp.terminals_enabled=False",
+                "--ServerApp.jpserver_extensions",
+                "ipyparallel=False",
+            ],  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     base = f"http://127.0.0.1:{port}"
 
     def answers() -> bool:
@@ -190,7 +192,6 @@ def lab(tmp_path):
     try:
         wait_until(answers, timeout=60, interval=0.2, what="JupyterLab to answer")
     except WaitTimeout as exc:
-        log.close()
         pytest.fail(f"JupyterLab did not start ({exc}):\n" + (tmp_path / "lab.log").read_text())
     yield base
     req = urllib.request.Request(
@@ -202,7 +203,6 @@ def lab(tmp_path):
     except (OSError, subprocess.TimeoutExpired):
         proc.terminate()
         proc.wait(10)
-    log.close()
     shutil.copy(tmp_path / "lab.log", ARTIFACTS / "lab.log")
 
 

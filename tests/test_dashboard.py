@@ -15,8 +15,8 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
-from helpers import wait_until
-from kernel_client import Kernel
+from helpers import kill, wait_until
+from kernel_client import Kernel, Result
 
 THROTTLE = 0.25  # the dashboard's update interval (seconds)
 
@@ -31,6 +31,9 @@ def _safe(cond: Any) -> bool:
 class WidgetKernel(Kernel):
     """A kernel client that mirrors every ipywidgets model the kernel opens."""
 
+    #: what the module's ``%mesh`` cell produced (set by the ``kernel`` fixture)
+    first: Result
+
     def __init__(self) -> None:
         super().__init__()
         self.models: dict[str, dict[str, Any]] = {}
@@ -44,7 +47,7 @@ class WidgetKernel(Kernel):
             self.feed(m)
             return m
 
-        self.kc.get_iopub_msg = get_and_mirror
+        self.kc.get_iopub_msg = get_and_mirror  # type: ignore[method-assign]  # mirror every read
 
     def feed(self, m: dict[str, Any]) -> None:
         t, c = m["msg_type"], m["content"]
@@ -88,7 +91,9 @@ class WidgetKernel(Kernel):
         out = {}
         for ref in grid["children"]:
             tile = self.models[ref.removeprefix("IPY_MODEL_")]
-            rank = int(re.match(r"(?:rank )?(\d+)", tile["description"]).group(1))
+            m = re.match(r"(?:rank )?(\d+)", tile["description"])
+            assert m, tile["description"]
+            rank = int(m.group(1))
             out[rank] = tile
         return out
 
@@ -262,7 +267,9 @@ def test_busy_tiles_and_live_metrics_from_a_bg_loop(kernel):
         "    time.sleep(0.01)\n"
     )
     assert "running" in r.shown, r.error_text
-    cell = re.search(r"RemoteJob cell (\S+) on", r.shown).group(1)
+    m = re.search(r"RemoteJob cell (\S+) on", r.shown)
+    assert m, r.shown
+    cell = m.group(1)
     kernel.wait_for(
         lambda: all(kernel.tile_state("m", i) == "busy" for i in range(4)), what="busy tiles"
     )
@@ -428,13 +435,18 @@ def test_cancel_a_bg_cell_from_the_running_jobs(kernel):
         "        time.sleep(0.1)\n"
     )
     assert "running" in r.shown, r.error_text
-    what = "cell " + re.search(r"RemoteJob cell (\S+) on", r.shown).group(1)
+    m = re.search(r"RemoteJob cell (\S+) on", r.shown)
+    assert m, r.shown
+    what = "cell " + m.group(1)
     # rank 0 finished at once: the row names the ranks still running it, and its time runs
     kernel.wait_for(
         lambda: "running on ranks 1-3 (1 of 4 done) · 1s" in kernel.job_row("m", what),
         what="the job listed, with its live time",
     )
-    rid = re.search(r'data-request="(\w+)"', kernel.job_row("m", what)).group(1)
+    row = kernel.job_row("m", what)
+    found = re.search(r'data-request="(\w+)"', row)
+    assert found, row
+    rid = found.group(1)
     kernel.click(kernel.cancel_button("m", what))
     kernel.wait_for(
         lambda: f"cancelled {what} on ranks 1-3" in kernel.html("m", "mk-status"),
@@ -566,6 +578,7 @@ def test_dashboard_again_and_stop_button(kernel):
 # -- without a kernel: the model and the charts -----------------------------------------
 
 
+@pytest.mark.unit
 def test_series_keeps_order_and_bounds_memory():
     from monarch_kernel.widgets.state import SERIES_CAP, Series
 
@@ -587,6 +600,7 @@ def test_series_keeps_order_and_bounds_memory():
     assert big.arrays()[0][-1] == 99_999.0  # the latest point is always drawn
 
 
+@pytest.mark.unit
 def test_many_ranks_chart_as_mean_with_band():
     from monarch_kernel.widgets import charts
 
@@ -642,7 +656,6 @@ def test_64_ranks_reporting_every_10ms_in_process():
 def test_a_dead_rank_restarted_by_the_policy_in_process():
     """Under ``--on-failure restart`` a rank that dies mid-job: the job leaves the list,
     the header says the mesh is recovering, and the report says what was restarted."""
-    import os
     import signal
 
     from monarch_kernel.actor import this_host
@@ -662,7 +675,7 @@ def test_a_dead_rank_restarted_by_the_policy_in_process():
         assert not dash.cancel_buttons[0].disabled and dash.jobs_box.layout.display == "flex"
         # a setup cell that takes a while: the recovery is long enough to be seen
         procs.runtime.remember_setup(SetupCell("import time\ntime.sleep(0.8)", "slow-setup"))
-        os.kill(procs.runtime.ranks[1].pid, signal.SIGKILL)
+        kill(procs.runtime.ranks[1].pid, signal.SIGKILL)
         wait_until(lambda: dash.state.recovery_count == 1, timeout=30, what="the recovery")
         wait_until(lambda: "recovered: restarted ranks 1" in dash.status, what="the status")
         assert any("recovering: restarting" in h and "mk-phase-recovering" in h for h in heads)
@@ -676,6 +689,7 @@ def test_a_dead_rank_restarted_by_the_policy_in_process():
         procs.stop()
 
 
+@pytest.mark.unit
 def test_series_hands_the_live_chart_each_point_once():
     from monarch_kernel.widgets.series import FRESH_CAP, Series
 
@@ -693,6 +707,7 @@ def test_series_hands_the_live_chart_each_point_once():
     assert start == 10 and len(fx) == FRESH_CAP and fx[0] == 10.0
 
 
+@pytest.mark.unit
 def test_a_run_that_starts_again_is_not_joined_to_the_last():
     from monarch_kernel.widgets import charts
 
@@ -703,6 +718,7 @@ def test_a_run_that_starts_again_is_not_joined_to_the_last():
     assert 'data-last-x="1" data-last-y="8" data-points="2"' in svg
 
 
+@pytest.mark.unit
 def test_tile_text_is_cut_at_words_and_fits_the_tile():
     from monarch_kernel.widgets import render
     from monarch_kernel.widgets.state import TileView
@@ -740,11 +756,12 @@ def test_svg_charts_when_live_charts_are_off(monkeypatch):
             "    monarch_kernel.report(step=i, loss=1 / (i + 1))"
         )
         RemoteJob(procs, code, "loop", None).start().wait(timeout=30)
-        wait_until(
-            lambda: dash.update() or 'data-chart="metric:loss"' in dash.charts.value,
-            timeout=10,
-            what="svg loss chart",
-        )
+
+        def charted() -> bool:
+            dash.update()
+            return 'data-chart="metric:loss"' in dash.charts.value
+
+        wait_until(charted, timeout=10, what="svg loss chart")
         assert dash.live_charts == {} and dash.charts_box.children == ()
         dash.close()
     finally:

@@ -61,6 +61,7 @@ def test_released_tensor_gives_a_clear_error(mesh22):
         actors.slice(hosts=1, gpus=0).pull.call_one(ref, "tcp").get()
 
 
+@pytest.mark.unit
 def test_share_outside_a_rank_is_a_clear_error():
     import monarch_kernel
 
@@ -147,7 +148,7 @@ class Probe(Actor):
         client = _client()
         captured = client.frames({"op": "fetch", "id": ref.id})
         unsigned_nonce = client.codec.encode({"k": "req", "op": "fetch", "id": ref.id})
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         answers = []
@@ -239,6 +240,7 @@ def test_replayed_fetch_is_refused_and_counted(mesh22):
     assert probes.slice(hosts=1, gpus=1).pull_sum.call_one(ref).get() == expected
 
 
+@pytest.mark.unit
 def test_nonces_are_bounded_and_expire():
     import time
 
@@ -295,7 +297,7 @@ class PlainPeek(Actor):
 
         from monarch_kernel.rank.dataplane import _client
 
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(ref.address)
         try:

@@ -13,6 +13,8 @@ from helpers import wait_for_rank_line
 
 from monarch_kernel.actor import MeshStoppedError, RankDiedError, this_host
 
+pytestmark = pytest.mark.local
+
 
 @pytest.fixture
 def mesh():
@@ -42,6 +44,7 @@ def test_sigkill_mid_call_fails_future_within_one_second(mesh):
     assert "rank 2 of mesh" in text and f"pid {pids[2]}" in text
     assert "killed by SIGKILL" in text
     assert "sleeping" in text  # its last output lines
+    assert err.value.death is not None
     assert err.value.death.signal == signal.SIGKILL
     # the gather fails once the others were released (interrupted after the grace)
     with pytest.raises(RankDiedError, match="rank 2") as err:

@@ -292,6 +292,7 @@ def test_all_four_ranks_stepped_together(kernel):
     no_more_prompts(kernel)
 
 
+@pytest.mark.unit
 def test_prompt_targets_and_grouping():
     from monarch_kernel.kernel.debug import _grouped, _split_target
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from kernel_client import Kernel
 
+pytestmark = pytest.mark.local
+
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 

@@ -103,6 +103,7 @@ def test_unsubscribe_and_phase_changes(mesh):
     assert [e.phase for e in phases if isinstance(e, MeshPhaseChanged)] == ["stopping", "stopped"]
 
 
+@pytest.mark.unit
 def test_a_failing_listener_does_not_stop_the_others():
     bus = EventBus()
     got: list[MeshEvent] = []

@@ -7,14 +7,17 @@ case makes (and stops) its own mesh, and the kernel's shutdown is checked for or
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import time
 
 import pytest
-from helpers import wait_until
+from helpers import kill, wait_until
 from kernel_client import Kernel
+
+pytestmark = pytest.mark.local
 
 
 @pytest.fixture(scope="module")
@@ -169,10 +172,8 @@ def test_host_agent_frozen_then_killed(kernel):
             what="host 1 to be declared lost",
         )
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(agents[1], signal.SIGCONT)
-        except ProcessLookupError:
-            pass
     took = events[0][0] - t0
     print(f"\nfrozen host agent declared lost after {took:.2f}s")
     assert "no heartbeat" in events[0][2]
@@ -294,16 +295,17 @@ def test_a_failed_restart_is_a_clear_error_and_never_leaves_ranks_starting():
     procs = this_host().spawn_procs(per_host={"gpus": 2}, on_failure="continue")
     agent = procs.runtime.hosts[0].pid
     try:
-        os.kill(procs.runtime.ranks[1].pid, signal.SIGKILL)
+        kill(procs.runtime.ranks[1].pid, signal.SIGKILL)
         wait_until(lambda: not procs.runtime.ranks[1].alive, timeout=10, what="rank 1 dead")
-        os.kill(agent, signal.SIGSTOP)  # the spawn waits in its inbox: too late
+        kill(agent, signal.SIGSTOP)  # the spawn waits in its inbox: too late
         try:
             with pytest.raises(MeshStartError, match="restarted ranks not ready in time"):
                 procs.restart([1], timeout=1.0)
         finally:
-            os.kill(agent, signal.SIGCONT)
+            kill(agent, signal.SIGCONT)
         info = procs.runtime.ranks[1]
         wait_until(lambda: info.state is RankState.DEAD, timeout=10, what="rank 1 dead")
+        assert info.death is not None
         assert "did not start" in (info.death.reason or "")
         time.sleep(1.0)  # a late ready message does not bring it back
         assert info.state is RankState.DEAD
@@ -338,7 +340,7 @@ def test_controller_stall_does_not_lose_hosts_and_a_restart_loop_is_capped():
         assert all(not h.lost for h in rt.hosts) and all(r.restarts == 0 for r in rt.ranks)
         # a setup cell that kills the rank: restarted a few times, then left dead
         rt.remember_setup(SetupCell("import os\nif os.environ['RANK'] == '1': os._exit(3)", "s"))
-        os.kill(rt.ranks[1].pid, signal.SIGKILL)
+        kill(rt.ranks[1].pid, signal.SIGKILL)
         wait_until(
             lambda: (
                 rt.state is MeshPhase.RUNNING
@@ -364,13 +366,13 @@ def test_control_requests_wait_for_a_restart_and_two_lost_hosts_come_back():
     try:
         rt = procs.runtime
         for host in rt.hosts:
-            os.kill(host.pid, signal.SIGKILL)
+            kill(host.pid, signal.SIGKILL)
         wait_until(lambda: all(h.lost for h in rt.hosts), timeout=10, what="both hosts lost")
         procs.restart()  # both hosts are started again, then their ranks
         assert [r.state for r in rt.ranks] == ["idle", "idle"]
         # a ping while a rank restarts waits for it instead of being dropped
         rt.remember_setup(SetupCell("import time\ntime.sleep(1.0)", "slow"))
-        os.kill(rt.ranks[1].pid, signal.SIGKILL)
+        kill(rt.ranks[1].pid, signal.SIGKILL)
         wait_until(lambda: not rt.ranks[1].alive, timeout=10, what="rank 1 dead")
         import threading
 

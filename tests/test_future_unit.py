@@ -10,6 +10,8 @@ from helpers import wait_until
 
 from monarch_kernel.calls.future import Future
 
+pytestmark = pytest.mark.unit
+
 
 def complete_soon(fn, *args) -> threading.Thread:
     """Run ``fn(*args)`` in another thread (as the controller's I/O thread would)."""
@@ -44,7 +46,7 @@ def test_set_exception_is_raised_by_get_and_returned_by_exception():
     assert fut.set_exception(error) is True
     assert fut.done()
     for _ in range(2):
-        with pytest.raises(ValueError) as err:
+        with pytest.raises(ValueError, match="remote failure") as err:
             fut.get()
         assert err.value is error
     assert fut.exception() is error

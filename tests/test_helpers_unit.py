@@ -3,12 +3,16 @@ with a message naming what it waited for and for how long."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from helpers import WaitTimeout, wait_until
 
+pytestmark = pytest.mark.unit
+
 
 def test_returns_the_first_true_value():
-    values = iter([0, None, [], "ready"])
+    values: Iterator[object] = iter([0, None, [], "ready"])
     assert wait_until(lambda: next(values), timeout=5, interval=0) == "ready"
 
 

@@ -21,6 +21,8 @@ from netns import COMMAND, Joiner, agent_env, netns_hosts_fixture
 from monarch_kernel.actor import Actor, endpoint, host_mesh
 from monarch_kernel.calls.errors import MeshStartError, MonarchError
 
+pytestmark = pytest.mark.cluster
+
 
 class Probe(Actor):
     @endpoint
@@ -69,7 +71,7 @@ def one_process_ddp_losses(world: int, steps: int) -> list[list[float]]:
             grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
         with torch.no_grad():
             for i, p in enumerate(model.parameters()):
-                p -= 0.1 * sum(g[i] for g in grads) / world
+                p.sub_(0.1 * sum(g[i] for g in grads) / world)
     return expected
 
 

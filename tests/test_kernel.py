@@ -10,6 +10,8 @@ from conftest import pid_alive
 from helpers import wait_until
 from kernel_client import Kernel, kernel_with_mesh
 
+pytestmark = pytest.mark.local
+
 
 @pytest.fixture(scope="module")
 def kernel():

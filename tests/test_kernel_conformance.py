@@ -5,7 +5,10 @@ from __future__ import annotations
 import unittest
 
 import jupyter_kernel_test as jkt
+import pytest
 from kernel_client import ensure_kernelspec
+
+pytestmark = pytest.mark.local
 
 ensure_kernelspec()
 

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 from kernel_client import kernel_with_mesh
 
+pytestmark = pytest.mark.local
+
 
 @pytest.fixture(scope="module")
 def kernel():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from helpers import WaitTimeout, wait_until
 
 from monarch_kernel.actor import MeshStartError, host_mesh, this_host
 from monarch_kernel.launchers import get_launcher
+from monarch_kernel.launchers.local import LocalLauncher
 
 CONTROLLER = textwrap.dedent(
     """
@@ -33,6 +35,7 @@ CONTROLLER = textwrap.dedent(
 def _start_controller(hosts: int, tail: str) -> tuple[subprocess.Popen, list[int]]:
     code = CONTROLLER.format(hosts=hosts, tail=tail)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line, "controller script failed to start a mesh"
     return proc, json.loads(line)
@@ -40,10 +43,8 @@ def _start_controller(hosts: int, tail: str) -> tuple[subprocess.Popen, list[int
 
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     """Wait up to ``timeout`` for ``pids`` to exit; return those still alive."""
-    try:
+    with contextlib.suppress(WaitTimeout):
         wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=timeout, what="exit")
-    except WaitTimeout:
-        pass
     return [p for p in pids if pid_alive(p)]
 
 
@@ -65,6 +66,7 @@ def test_controller_exit_without_stop_cleans_up():
     assert _wait_gone(pids, 5.0) == []
 
 
+@pytest.mark.unit
 def test_bad_per_host_is_rejected():
     with pytest.raises(ValueError, match="positive int"):
         this_host().spawn_procs(per_host={"gpus": 0})
@@ -74,6 +76,7 @@ def test_bad_per_host_is_rejected():
         host_mesh(hosts=2).spawn_procs(per_host={"hosts": 2, "gpus": 1})
 
 
+@pytest.mark.unit
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown backend 'nope'.*local"):
         get_launcher("nope")
@@ -86,6 +89,7 @@ def test_start_timeout_is_reported_and_cleaned_up():
 
 def test_launcher_works_after_shutdown():
     launcher = get_launcher("local")
+    assert isinstance(launcher, LocalLauncher)
     launcher.prewarm(1)
     launcher.shutdown()  # e.g. a kernel's shutdown path; the shared launcher is reused after
     procs = this_host().spawn_procs(per_host={"gpus": 1})
@@ -94,6 +98,7 @@ def test_launcher_works_after_shutdown():
 
 def test_prewarmed_host_agent_is_used():
     launcher = get_launcher("local")
+    assert isinstance(launcher, LocalLauncher)
     launcher.prewarm(1)
     assert launcher.pooled() == 1
     t0 = time.monotonic()

@@ -26,6 +26,8 @@ from monarch_kernel.launchers import get_launcher
 from monarch_kernel.launchers.join import TOKEN_ENV
 from monarch_kernel.launchers.lightning_engine import find_credentials, machine_types
 
+pytestmark = pytest.mark.cluster
+
 os.environ["LIGHTNING_DISABLE_VERSION_CHECK"] = "1"
 lightning_sdk = pytest.importorskip("lightning_sdk")
 from lightning_standin import Job, Studio, make_sdk  # noqa: E402

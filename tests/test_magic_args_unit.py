@@ -7,6 +7,8 @@ from IPython.core.error import UsageError
 
 from monarch_kernel.kernel.magics import split_args
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     "line,tokens",
@@ -143,7 +145,8 @@ def test_a_name_holding_a_mesh_is_fine():
     from monarch_kernel.actor import ProcMesh
     from monarch_kernel.shape import Shape
 
-    mesh = ProcMesh(SimpleNamespace(shape=Shape.from_extent({"gpus": 2})))
+    runtime = SimpleNamespace(shape=Shape.from_extent({"gpus": 2}))  # only its shape is read
+    mesh = ProcMesh(runtime)  # type: ignore[arg-type]
     _magics({"m": mesh})._check_name("m", False)  # re-created, or "already running"
 
 

@@ -8,6 +8,8 @@ from actors import Counter, Worker
 
 from monarch_kernel.actor import host_mesh
 
+pytestmark = pytest.mark.local
+
 
 @pytest.fixture(scope="module")
 def mesh22():

@@ -6,8 +6,11 @@ import re
 from pathlib import Path
 
 import nbformat
+import pytest
 from kernel_client import ensure_kernelspec
 from nbclient import NotebookClient
+
+pytestmark = pytest.mark.local
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 

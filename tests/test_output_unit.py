@@ -14,6 +14,8 @@ import pytest
 from monarch_kernel.kernel import output
 from monarch_kernel.kernel.output import COLLAPSE_WINDOW, CellOutput
 
+pytestmark = pytest.mark.unit
+
 #: Comfortably longer than the window a line waits for the same line from other ranks.
 PAST_WINDOW = 1.5 * COLLAPSE_WINDOW
 

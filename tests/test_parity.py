@@ -195,14 +195,14 @@ def test_explicit_response_port(intro):
 
 
 def test_channel_port_passed_to_actors(intro):
-    port, receiver = Channel.open()
+    port, receiver = Channel[tuple[int, int]].open()
     intro.send_to.call(port, 3).get()
     got = sorted(receiver.recv().get(timeout=10) for _ in range(6))
     assert got == [(r, i) for r in (0, 1) for i in range(3)]
 
 
 def test_accumulator(intro):
-    acc = Accumulator(intro.value, 100, lambda a, v: a + v)
+    acc: Accumulator[int, int] = Accumulator(intro.value, 100, lambda a, v: a + v)
     assert acc.accumulate().get() == 110
 
 
@@ -412,6 +412,7 @@ def test_sync_call_cycle_between_two_meshes(pair):
     assert len(versions) == 2 and versions[0] == versions[1] >= 1
 
 
+@pytest.mark.unit
 def test_value_mesh_monarch_methods():
     from monarch_kernel.actor import ValueMesh
     from monarch_kernel.shape import Shape
@@ -435,7 +436,8 @@ def test_get_or_spawn_controller_from_actors(two_meshes):
         b = tprocs.slice(gpus=1).spawn("registrant_b", Registrant)
         first = a.register.call().get().values()
         second = b.register.call_one().get()
-        assert sorted(max(first, key=len)) == [0, 1] and len(second) == 3  # one singleton
+        longest = max(first, key=len)
+        assert sorted(longest) == [0, 1] and len(second) == 3  # one singleton
         mine = get_or_spawn_controller("registry", Registry).get()
         assert len(mine.add.call_one("controller").get()) == 4
     finally:

@@ -12,6 +12,7 @@ from monarch_kernel.actor import (
     ActorError,
     Channel,
     HostMesh,
+    ProcMesh,
     RankedPortReceiver,
     host_mesh,
     this_host,
@@ -77,6 +78,7 @@ def test_ranked_channel_opened_in_a_rank(senders):
 # -- HostMesh size / shutdown -----------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_host_mesh_size_sizes_extent():
     one = host_mesh(1)
     assert (one.size(), len(one), one.sizes, one.extent) == (1, 1, {}, {})
@@ -127,7 +129,7 @@ def test_this_host_shutdown_stops_its_meshes_then_a_new_one_follows():
 
 
 def test_async_with_shuts_the_host_mesh_down():
-    async def main() -> tuple[HostMesh, object]:
+    async def main() -> tuple[HostMesh, ProcMesh]:
         async with host_mesh(1) as hosts:
             procs = hosts.spawn_procs(per_host={"gpus": 1})
             assert await procs.spawn("s", Sender).pid.call_one() > 0

@@ -25,6 +25,8 @@ from parity_actors import Generator, Introspect, Supervisor, Trainer
 from monarch_kernel.actor import ActorError, Channel, host_mesh, this_host
 from monarch_kernel.wire import kinds as K
 
+pytestmark = pytest.mark.cluster
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -121,7 +123,7 @@ def test_channel_port_across_machines(machines):
     """A port opened in the controller, given to actors on another machine."""
     gprocs, _ = machines
     intro = gprocs.spawn("intro", Introspect)
-    port, receiver = Channel.open()
+    port, receiver = Channel[tuple[int, int]].open()
     intro.send_to.call(port, 3).get(timeout=30)
     got = sorted(receiver.recv().get(timeout=10) for _ in range(6))
     assert got == sorted((r, i) for r in range(2) for i in range(3))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import getpass
 import os
 import signal
@@ -35,6 +36,8 @@ from monarch_kernel.controller.events import InputRequested
 from monarch_kernel.host.agent import free_port
 from monarch_kernel.kernel.remote import RemoteJob
 from monarch_kernel.wire import kinds as K
+
+pytestmark = pytest.mark.local
 
 
 class Stopper(Actor):
@@ -84,6 +87,10 @@ def run_cell(procs: ProcMesh, code: str, timeout: float = 30) -> list[Any]:
 
 def start_cell(procs: ProcMesh, code: str) -> RemoteJob:
     return RemoteJob(procs, code, "t", None).start()
+
+
+def _is_busy(procs: ProcMesh, rank: int) -> bool:
+    return procs.runtime.ranks[rank].state == "busy"
 
 
 @contextlib.contextmanager
@@ -372,7 +379,7 @@ def test_abort_releases_peers_and_the_group_reforms(procs4):
     # every rank (what the controller does when a rank fails), they are released
     stuck = start_cell(procs4.slice(gpus=slice(0, 3)), sum_code)
     for r in range(3):
-        wait_until(lambda r=r: procs4.runtime.ranks[r].state == "busy", timeout=10)
+        wait_until(functools.partial(_is_busy, procs4, r), timeout=10)
     time.sleep(0.2)  # inside all_reduce by now
     assert not stuck.done()
     t0 = time.monotonic()

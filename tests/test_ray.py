@@ -24,6 +24,8 @@ from test_join import Probe, Trainer, one_process_ddp_losses
 
 from monarch_kernel.actor import host_mesh
 
+pytestmark = pytest.mark.cluster
+
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 

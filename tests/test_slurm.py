@@ -34,6 +34,8 @@ import monarch_kernel
 from monarch_kernel.actor import Actor, endpoint, host_mesh
 from monarch_kernel.calls.errors import MonarchError
 
+pytestmark = pytest.mark.cluster
+
 #: Counted GPUs per node (device files without a driver): the launcher asks a cluster
 #: with gpu GRES for ``--gpus-per-node``, and refuses more than the nodes have.
 GPUS = 2
@@ -231,7 +233,8 @@ def test_no_slurm_on_path_is_a_clear_error(cluster, monkeypatch):
 def test_dead_controller_is_a_clear_error(cluster, monkeypatch, tmp_path):
     """A conf whose controller port nobody listens on: sinfo's own error, at once (this
     conf asks the client to retry for 2 s, as a short MessageTimeout does)."""
-    conf = open(cluster.conf).read()
+    with open(cluster.conf) as f:
+        conf = f.read()
     conf = re.sub(r"SlurmctldPort=\d+", "SlurmctldPort=9", conf)
     conf = re.sub(r"MessageTimeout=\d+", "MessageTimeout=2", conf)
     dead = tmp_path / "slurm.conf"

@@ -77,6 +77,7 @@ def _main(rs: RankStacks) -> ThreadStack:
 # -- no ranks --------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_faulthandler_dump_parses_like_a_python_capture(tmp_path):
     release = threading.Event()
 
@@ -110,6 +111,7 @@ def test_faulthandler_dump_parses_like_a_python_capture(tmp_path):
     assert all(t.ident != threading.get_ident() for t in captured)  # the capturer skipped
 
 
+@pytest.mark.unit
 def test_grouping_marks_the_odd_ones_out():
     def rank(r: int, *functions: str) -> RankStacks:
         frames = tuple(Frame("/u/train.py", i + 1, fn, f"{fn}()") for i, fn in enumerate(functions))

@@ -9,6 +9,8 @@ import torch
 from monarch_kernel.wire import Codec, SerializationError, WireError, dumps, loads
 from monarch_kernel.wire.codec import new_key
 
+pytestmark = pytest.mark.unit
+
 
 class _Tripwire:
     """Unpickling this creates a file: proof that a payload was (not) unpickled."""

@@ -82,7 +82,7 @@ def _rank_rejected(procs) -> list[int]:
 
 
 def _attacker(addr: str, ident: bytes = b"attacker") -> zmq.Socket:
-    s = zmq.Context.instance().socket(zmq.DEALER)
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.IDENTITY, ident)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(addr)
@@ -112,6 +112,7 @@ def _wait_rejected(codec: Codec, target: int, timeout: float = 20.0) -> None:
 
 
 # -- decoder, no mesh ----------------------------------------------------------------
+@pytest.mark.unit
 def test_nothing_unpickled_before_the_signature():
     good, evil = Codec(new_key()), Codec(new_key())
     with pytest.raises(WireError, match="signature"):
@@ -122,6 +123,7 @@ def test_nothing_unpickled_before_the_signature():
     assert good.rejected == 1
 
 
+@pytest.mark.unit
 def test_replay_window():
     enc, dec = Codec(b"k" * 32), Codec(b"k" * 32)
     msgs = [enc.encode({"k": "hb"}) for _ in range(3000)]
@@ -146,6 +148,7 @@ def test_replay_window():
     dec.decode(other.encode({"k": "hb"}))
 
 
+@pytest.mark.unit
 def test_sparse_sender_held_back_message_survives():
     """A receiver that sees one in ten of a sender's counters (like a rank, of the
     controller's), with one message held back while many newer ones arrive."""
@@ -163,6 +166,7 @@ def test_sparse_sender_held_back_message_survives():
             dec.decode(m)
 
 
+@pytest.mark.unit
 def test_dense_sender_held_back_message_survives():
     """Compaction never passes a counter not seen yet (a message held back on another
     path, like a busy rank's inbox while its control thread reads on)."""
@@ -179,6 +183,7 @@ def test_dense_sender_held_back_message_survives():
     assert len(dec._windows[enc.nonce][1]) <= 3  # compacted again once it came
 
 
+@pytest.mark.unit
 def test_concurrent_encoders_and_decoders_lose_nothing():
     import threading
 
@@ -218,6 +223,7 @@ def test_concurrent_encoders_and_decoders_lose_nothing():
     assert dec.replayed == 500
 
 
+@pytest.mark.unit
 def test_replay_state_is_bounded():
     dec = Codec(b"k" * 32)
     first = Codec(b"k" * 32)
@@ -228,6 +234,7 @@ def test_replay_state_is_bounded():
     assert first.nonce not in dec._windows  # least recently seen evicted
 
 
+@pytest.mark.unit
 def test_unsigned_counter_or_nonce_is_refused():
     codec = Codec(b"k" * 32)
     for header in ({"k": "hb"}, {"k": "hb", "sn": 1}, {"k": "hb", "sn": "x", "sc": 1}):
@@ -250,6 +257,7 @@ def test_forked_child_gets_a_new_nonce():
     os.close(w)
 
 
+@pytest.mark.unit
 def test_bounds_checked_before_anything(monkeypatch):
     codec = Codec(b"k" * 32)
     ok = codec.encode({"k": "hb"})
@@ -273,6 +281,7 @@ def test_bounds_checked_before_anything(monkeypatch):
         codec.decode(sizes)
 
 
+@pytest.mark.unit
 def test_encode_refuses_what_no_peer_accepts(monkeypatch):
     monkeypatch.setenv(C.MAX_MESSAGE_ENV, "1M")
     codec = Codec(b"k" * 32)
@@ -289,6 +298,7 @@ def test_encode_refuses_what_no_peer_accepts(monkeypatch):
         C.max_message()
 
 
+@pytest.mark.unit
 def test_many_buffers_travel_in_band_beyond_the_limit():
     import numpy as np
 
@@ -304,6 +314,7 @@ def test_many_buffers_travel_in_band_beyond_the_limit():
 _frames = st.lists(st.binary(max_size=300), max_size=8)
 
 
+@pytest.mark.unit
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(frames=_frames)
 def test_fuzz_decode_random_frames(frames):
@@ -318,6 +329,7 @@ def test_fuzz_decode_random_frames(frames):
 _SIGNED = Codec(b"k" * 32)
 
 
+@pytest.mark.unit
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzz_decode_mutated_signed_messages(data):
