@@ -19,7 +19,7 @@ ORPHAN_GRACE = 10.0
 #: tests one by one, and a test with no lane marker is in ``local``.
 LANES = ("unit", "local", "cluster", "browser")
 #: Modules not (yet) carrying their own lane marker: test_layering.py (pure AST checks).
-UNMARKED_LANES = {"test_layering.py": "unit"}
+UNMARKED_LANES: dict[str, str] = {}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker

@@ -115,18 +115,25 @@ OPS: dict[str, Callable[[ProcMesh, ActorMesh, ActorMesh], Any]] = {
     "error_bad_slice": lambda p, m, s: m.slice(gpus=5),
     "error_unknown_dim": lambda p, m, s: m.size("hosts"),
 }
+
+
+def _shadow_ops(ep: str) -> dict[str, Callable[[ProcMesh, ActorMesh, ActorMesh], Any]]:
+    """Every adverb through endpoint ``ep`` of the shadowing actor."""
+
+    def one_rank(s: ActorMesh, gpus: int) -> Any:
+        return getattr(ActorMesh.slice(s, gpus=gpus), ep)
+
+    return {
+        f"shadow_{ep}_call": lambda p, m, s: _values(getattr(s, ep).call().get()),
+        f"shadow_{ep}_call_one": lambda p, m, s: one_rank(s, 1).call_one().get(),
+        f"shadow_{ep}_choose": lambda p, m, s: one_rank(s, 0).choose().get(),
+        f"shadow_{ep}_stream": lambda p, m, s: sorted(f.get() for f in getattr(s, ep).stream()),
+        f"shadow_{ep}_broadcast": lambda p, m, s: _shadow_broadcast(s, ep),
+    }
+
+
 for _ep in SHADOWED:
-    OPS[f"shadow_{_ep}_call"] = lambda p, m, s, ep=_ep: _values(getattr(s, ep).call().get())
-    OPS[f"shadow_{_ep}_call_one"] = lambda p, m, s, ep=_ep: (
-        getattr(ActorMesh.slice(s, gpus=1), ep).call_one().get()
-    )
-    OPS[f"shadow_{_ep}_choose"] = lambda p, m, s, ep=_ep: (
-        getattr(ActorMesh.slice(s, gpus=0), ep).choose().get()
-    )
-    OPS[f"shadow_{_ep}_stream"] = lambda p, m, s, ep=_ep: sorted(
-        f.get() for f in getattr(s, ep).stream()
-    )
-    OPS[f"shadow_{_ep}_broadcast"] = lambda p, m, s, ep=_ep: _shadow_broadcast(s, ep)
+    OPS.update(_shadow_ops(_ep))
 OPS["shadowed_mesh_attributes_through_the_class"] = lambda p, m, s: [
     ActorMesh.size(s),
     ActorMesh.name(s),

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 PACKAGE = Path(__file__).resolve().parent.parent / "monarch_kernel"
 
 BASE = {"shape", "wire"}

@@ -146,7 +146,7 @@ def test_a_name_holding_a_mesh_is_fine():
     from monarch_kernel.shape import Shape
 
     runtime = SimpleNamespace(shape=Shape.from_extent({"gpus": 2}))  # only its shape is read
-    mesh = ProcMesh(runtime)  # type: ignore[arg-type]
+    mesh = ProcMesh(runtime)
     _magics({"m": mesh})._check_name("m", False)  # re-created, or "already running"
 
 

@@ -11,6 +11,8 @@ from monarch_kernel.actor import ActorMesh, this_host
 from monarch_kernel.actor.peer import PeerRequester
 from monarch_kernel.controller.mesh import MeshRuntime
 
+pytestmark = pytest.mark.local
+
 
 @pytest.fixture(scope="module")
 def two_meshes():
