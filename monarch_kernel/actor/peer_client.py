@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import inspect
 import itertools
 import os
@@ -362,9 +363,15 @@ def client() -> PeerClient:
     over TCP too (the old one keeps serving the channels it opened)."""
     global _client
     with _client_lock:
-        if _client is None or _client_pid != os.getpid():
-            _set_client(PeerClient())
-        elif not _client.reply.tcp and not context.in_rank() and _reply_tcp_host():
+        stale = _client is None or _client_pid != os.getpid()
+        # A controller's client without TCP replies, now that a mesh of another machine is up.
+        local_only = (
+            _client is not None
+            and not _client.reply.tcp
+            and not context.in_rank()
+            and bool(_reply_tcp_host())
+        )
+        if stale or local_only:
             _set_client(PeerClient())
         assert _client is not None
         return _client
@@ -412,10 +419,8 @@ def _reply_path() -> str:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
 
 
 def _reply_tcp_host() -> str:

@@ -276,7 +276,7 @@ class MeshMagics(Magics):
                 from monarch_kernel.widgets import show
 
                 show(old)
-                return None
+                return
         try:
             options = {k: v for k in ENGINE_OPTIONS if (v := getattr(opts, k))}
             # join: the one-line command per host and "2/4 hosts joined" print here
@@ -333,7 +333,7 @@ class MeshMagics(Magics):
         if opts.dist:
             self._run_on(procs, INIT_DIST)
             print(f"mesh {name!r}: torch.distributed process group initialised")
-        return None
+        return
 
     def _run_on(self, procs: ProcMesh, code: str) -> ValueMesh:
         """Run ``code`` on every rank with output under the current cell; wait for it."""

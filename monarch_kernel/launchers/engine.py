@@ -167,7 +167,7 @@ class EngineLauncher(ABC):
 
     def check_capacity(self, ranks: int, running: int = 0) -> None:
         """The engine checks what it can hold when it allocates."""
-        return None
+        return
 
     def _progress(self, line: str) -> None:
         log.info("%s", line)

@@ -21,6 +21,7 @@ Ports come from ``$MONARCH_KERNEL_PORTS`` (``30000-30100``) when set, else any f
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import secrets
@@ -325,10 +326,8 @@ class JoinLauncher:
             return
         peer = str(frame.get("Peer-Address") or "?")
         reply, line = self._admit(bytes(frame.bytes).decode(errors="replace"), peer)
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             sock.send_multipart([ident.bytes, json.dumps(reply).encode()])
-        except zmq.ZMQError:
-            pass
         if line:
             self._progress(line)
 

@@ -84,7 +84,7 @@ def import_sdk() -> LightningSDK:
         # Its import asks ``os.isatty(sys.stderr.fileno())`` (to quiet tqdm), which fails
         # where a kernel's stderr is a stream without a file descriptor: show it the
         # process's own stderr for that moment.
-        sys.stderr = sys.__stderr__ or open(os.devnull, "w")
+        sys.stderr = sys.__stderr__ or open(os.devnull, "w")  # noqa: SIM115 (put back below)
     try:
         module: Any = importlib.import_module("lightning_sdk")
     except ImportError:

@@ -13,6 +13,7 @@ before it starts anything: ``--gpus 10000`` is an error, not ten thousand forks.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import queue
@@ -116,14 +117,10 @@ class LocalHost:
 
     def cleanup(self) -> None:
         if self.proc.stdin is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.proc.stdin.close()
-            except OSError:
-                pass
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.log_path)
-        except OSError:
-            pass
         if self.private_dir and self.proc.poll() is not None:  # never under a live agent
             shutil.rmtree(self.private_dir, ignore_errors=True)
 

@@ -17,6 +17,7 @@ Ray is an optional extra (``pip install monarch_kernel[ray]``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -106,10 +107,8 @@ class AgentRunner:
                 self.proc.wait(timeout)
             except Exception:
                 self.proc.kill()
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.log)
-        except OSError:
-            pass
 
 
 @dataclass
@@ -188,14 +187,10 @@ class RayAllocation(Allocation):
                 ray.get(actor.stop.remote(), timeout=5)
             except Exception:
                 pass  # the node is gone, or the actor is: kill it anyway
-            try:
+            with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
-        try:
+        with contextlib.suppress(Exception):
             ray.util.remove_placement_group(self._pg)
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         return f"RayAllocation({self._label})"

@@ -653,13 +653,12 @@ class Dashboard(W.VBox):
     def _put_tile(self, r: int, v: TileView) -> int:
         tile = self.tiles[r]
         classes = ("mk-tile", f"mk-s-{v.state}") + (("mk-selected",) if r == self.selected else ())
-        sent = self._put(
+        return self._put(
             tile,
             description=render.tile_text(v, self.compact),
             tooltip=render.tile_tooltip(v),
             _dom_classes=classes,
         )
-        return sent
 
     def _put_buttons(self, views: list[TileView], now: float) -> int:
         stopped = self.runtime.state.ended

@@ -204,7 +204,7 @@ def header_html(st: MeshState, views: list[TileView], status: str = "") -> str:
     # "alive" counts the ranks whose tiles say they are up, so the header never says
     # 4/4 while tiles still say "starting"
     alive = alive_count(views)
-    counts = {s: 0 for s in STATES}
+    counts = dict.fromkeys(STATES, 0)
     for v in views:
         counts[v.state] += 1
     chips = "".join(
