@@ -82,7 +82,17 @@ def test_every_layer_is_known():
 #: runs actors and calls other meshes loads ``monarch_kernel.actor``, never ``controller/``
 #: or ``launchers/`` (``actor.hosts``, which starts meshes, is imported on first use only).
 RANK_SIDE_LAYERS = {"shape", "wire", "calls", "rank", "host"}
-RANK_SIDE_ACTOR = {"__init__", "actor", "api", "channels", "meshes", "peer", "peer_client"}
+RANK_SIDE_ACTOR = {
+    "__init__",
+    "actor",
+    "api",
+    "channels",
+    "endpoints",
+    "meshes",
+    "peer",
+    "peer_client",
+    "peer_inline",
+}
 CONTROLLER_ONLY = {"controller", "launchers"}
 
 

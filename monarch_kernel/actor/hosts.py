@@ -123,14 +123,34 @@ class HostMesh:
                 f"per_host must not contain 'hosts' on a mesh of {self.hosts} hosts "
                 "(the hosts dimension is added for you)"
             )
-        try:
-            policy = FailurePolicy(on_failure)
-        except ValueError:
-            choices = ", ".join(p.value for p in FailurePolicy)
-            raise ValueError(f"on_failure must be one of {choices}; got {on_failure!r}") from None
+        policy = _failure_policy(on_failure)
         running = sum(m.world for m in registry.live() if m.launcher is self.launcher)
         self.launcher.check_capacity(self.hosts * len(Shape.from_extent(per_host)), running)
-        with self._lock:  # registered before it starts: a shutdown from now on stops it
+        runtime = self._new_runtime(name, per_host, env, policy, grace)
+        procs = ProcMesh(runtime)
+        watch_faults(runtime)
+        try:
+            if on_starting is not None:
+                on_starting(procs)
+            runtime.start(timeout=timeout)  # stops the mesh itself if it fails
+            if bootstrap is not None:
+                procs.spawn("_bootstrap", _Bootstrap, bootstrap).stop().get()
+        except BaseException:
+            runtime.stop()
+            raise
+        return procs
+
+    def _new_runtime(
+        self,
+        name: str | None,
+        per_host: dict[str, int],
+        env: dict[str, str] | None,
+        policy: FailurePolicy,
+        grace: float,
+    ) -> MeshRuntime:
+        """The controller side of a new mesh, registered here before it starts (a
+        shutdown from then on stops it)."""
+        with self._lock:
             self._check_open()
             runtime = MeshRuntime(  # MeshNameTaken (a ValueError) if a live mesh has it
                 name or registry.auto_name("procs"),
@@ -144,18 +164,7 @@ class HostMesh:
             )
             self._spawned = [m for m in self._spawned if not m.state.ended]
             self._spawned.append(runtime)
-        procs = ProcMesh(runtime)
-        watch_faults(runtime)
-        try:
-            if on_starting is not None:
-                on_starting(procs)
-            runtime.start(timeout=timeout)  # stops the mesh itself if it fails
-            if bootstrap is not None:
-                procs.spawn("_bootstrap", _Bootstrap, bootstrap).stop().get()
-        except BaseException:
-            runtime.stop()
-            raise
-        return procs
+        return runtime
 
     def _check_open(self) -> None:
         if self._shut_down:
@@ -203,6 +212,14 @@ class HostMesh:
     def __repr__(self) -> str:
         gone = ", shut down" if self._shut_down else ""
         return f"HostMesh(hosts={self.hosts}, backend={self.backend!r}{gone})"
+
+
+def _failure_policy(on_failure: str) -> FailurePolicy:
+    try:
+        return FailurePolicy(on_failure)
+    except ValueError:
+        choices = ", ".join(p.value for p in FailurePolicy)
+        raise ValueError(f"on_failure must be one of {choices}; got {on_failure!r}") from None
 
 
 _this_host: HostMesh | None = None

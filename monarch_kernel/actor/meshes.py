@@ -22,18 +22,18 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 from monarch_kernel.actor.actor import Actor, endpoints_of
+from monarch_kernel.actor.endpoints import ActorTarget, EndpointRef, dump_call, gather
 from monarch_kernel.actor.peer import attach
 from monarch_kernel.calls.errors import ActorError
 from monarch_kernel.calls.future import Future, then
-from monarch_kernel.calls.gather import Each, Gather, One
 from monarch_kernel.calls.requester import ActorSpec, CallOptions, MeshRef, Requester
 from monarch_kernel.calls.value_mesh import ValueMesh
 from monarch_kernel.shape import Shape, SliceError
-from monarch_kernel.wire import SerializationError, dumps
+from monarch_kernel.wire import dumps
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header
 
@@ -317,8 +317,9 @@ class ActorMesh(MeshView):
         self._shape = shape
         self._ranks = shape.ranks()  # shapes never change: computed once, never mutated
         self._endpoints = endpoints_of(actor_class)
+        self._target = ActorTarget(self._requester, name, actor_class, shape, self._ranks)
         for ep in self._endpoints.keys() & _SHADOWABLE:
-            self.__dict__[ep] = EndpointRef(self, ep)  # the endpoint wins
+            self.__dict__[ep] = EndpointRef(self._target, ep)  # the endpoint wins
 
     @mesh_attribute
     def name(self) -> str:
@@ -334,7 +335,7 @@ class ActorMesh(MeshView):
                 f"{self._class.__name__} has no endpoint {attr!r} (endpoints: {eps}); "
                 "mark methods with @endpoint"
             )
-        ref = self.__dict__[attr] = EndpointRef(self, attr)  # later lookups skip this
+        ref = self.__dict__[attr] = EndpointRef(self._target, attr)  # later lookups skip this
         return ref
 
     def slice(self, **dims: Any) -> ActorMesh:
@@ -371,139 +372,6 @@ class ActorMesh(MeshView):
 _SHADOWABLE = frozenset(n for n in dir(ActorMesh) if not n.startswith("_"))
 #: Requests to the ranks' control threads (push, pull, ping), whose caller waits.
 _CONTROL = CallOptions(control=True, waited=True)
-
-
-class EndpointRef:
-    """One endpoint of an actor mesh, with Monarch's adverbs."""
-
-    def __init__(self, mesh: ActorMesh, method: str):
-        self._mesh = mesh
-        self._method = method
-        self._requester = mesh._requester
-        what = f"{mesh._name}.{method}"  # for RequestStarted: built once, not per call
-        self._waited = CallOptions(what=what, waited=True)
-        self._streamed = CallOptions(what=what)
-        self._base: Header = {"k": K.CALL, "a": mesh._name, "m": method}
-        # The slice called, when it is not the whole mesh (``context().message_rank``).
-        sl = slice_header(mesh._shape, self._requester.shape)
-        if sl is not None:
-            self._base["sl"] = sl
-
-    @property
-    def _where(self) -> str:
-        return f"{self._mesh._class.__name__}.{self._method}"
-
-    def _header(self) -> Header:
-        return dict(self._base)  # a fresh one per call: the requester adds the request id
-
-    def _request(self, rank: int, payload: bytes, buffers: Sequence[Buffer]) -> Future[Any]:
-        requester = self._requester
-        one = One(requester.waiter)
-        requester.request([rank], self._header(), payload, buffers, one, self._waited)
-        return one.future
-
-    def _payload(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[bytes, Sequence[Buffer]]:
-        try:
-            return dumps((args, kwargs))
-        except SerializationError:
-            return dump_call((args, kwargs), args, kwargs, self._where)  # names the culprit
-
-    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[Any]]:
-        """Call every rank; the future gives a ValueMesh (or one grouped ActorError)."""
-        payload, buffers = self._payload(args, kwargs)
-        mesh = self._mesh
-        return gather(
-            self._requester,
-            mesh._ranks,
-            self._header(),
-            payload,
-            buffers,
-            mesh._shape,
-            self._waited,
-        )
-
-    def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
-        """Call the single rank of a one-point mesh; the future gives its value."""
-        ranks = self._mesh._ranks
-        if len(ranks) != 1:
-            shape = self._mesh._shape
-            raise ValueError(
-                f"call_one() needs a mesh of exactly one rank, but {self._where} is on "
-                f"{len(ranks)} ranks ({shape.describe()}); slice it first, e.g. "
-                f".slice({shape.labels[-1]}=0), or use call()"
-            )
-        payload, buffers = self._payload(args, kwargs)
-        return self._request(ranks[0], payload, buffers)
-
-    def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
-        """Call one rank: the least busy live one (in the notebook), any one (in a rank)."""
-        rank = self._requester.choose(self._mesh._ranks)
-        payload, buffers = self._payload(args, kwargs)
-        return self._request(rank, payload, buffers)
-
-    def broadcast(self, *args: Any, **kwargs: Any) -> None:
-        """Fire and forget on every rank; exceptions go to the mesh's supervision."""
-        payload, buffers = self._payload(args, kwargs)
-        self._requester.send(self._mesh._ranks, self._header(), payload, buffers)
-
-    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
-        """Call every rank; yield one future per rank in the order they answer."""
-        payload, buffers = self._payload(args, kwargs)
-        ranks = self._mesh._ranks
-        each = Each(ranks, self._requester.waiter)
-        self._requester.request(ranks, self._header(), payload, buffers, each, self._streamed)
-        return each.in_order_of_answers()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(
-            f"call an endpoint through an adverb: {self._method}.call(...), .call_one(...), "
-            ".broadcast(...), .choose(...) or .stream(...)"
-        )
-
-    def __repr__(self) -> str:
-        return f"<endpoint {self._where} of {self._mesh!r}>"
-
-
-# -- helpers ---------------------------------------------------------------------------
-
-
-def slice_header(shape: Shape, whole: Shape | None) -> list[Any] | None:
-    """Header value ``sl`` of calls to ``shape`` (None when it is the ``whole`` mesh)."""
-    if whole is not None and shape == whole:
-        return None
-    return [list(shape.labels), list(shape.sizes), list(shape.strides), shape.offset]
-
-
-def dump_call(
-    obj: object, args: tuple[Any, ...], kwargs: dict[str, Any], what: str
-) -> tuple[bytes, list[Any]]:
-    """Pickle a call's arguments; an error names the argument that does not pickle."""
-    try:
-        return dumps(obj, what)
-    except SerializationError:
-        pass
-    for i, a in enumerate(args):
-        dumps(a, f"argument {i} of {what}")
-    for k, v in kwargs.items():
-        dumps(v, f"argument {k!r} of {what}")
-    return dumps(obj, what)  # the class itself (raises with its own message)
-
-
-def gather(
-    requester: Requester,
-    ranks: list[int],
-    header: Header,
-    payload: bytes,
-    buffers: Sequence[Buffer],
-    shape: Shape | None,
-    options: CallOptions,
-) -> Future[ValueMesh[Any]]:
-    """Send a request to ``ranks``; the future gives a ValueMesh (or a grouped error)."""
-    g = Gather(ranks, shape, requester.waiter)
-    requester.request(ranks, header, payload, buffers, g, options)
-    return g.future
 
 
 def procs_of(mesh: ActorMesh) -> ProcMesh:

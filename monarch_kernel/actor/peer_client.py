@@ -18,13 +18,10 @@ Mesh handles in a rank reach it through :class:`~monarch_kernel.actor.peer.PeerR
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
-import inspect
 import itertools
 import os
-import pickle
 import shutil
 import sys
 import tempfile
@@ -36,12 +33,12 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
+from monarch_kernel.actor.peer_inline import on_main_thread, serve_inline
 from monarch_kernel.calls.errors import RankDiedError
 from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.calls.requester import MeshRef
 from monarch_kernel.rank import context
-from monarch_kernel.wire import Codec, WireError, dumps, peer_address
-from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire import Codec, WireError, peer_address
 from monarch_kernel.wire.codec import Buffer, limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.netaddr import route_source
@@ -152,13 +149,13 @@ class PeerClient:
         ranks = list(ranks)
         addrs = [_addr(ref, r) for r in ranks]
         rt = context._runtime
-        if rt is not None and rt.peer in addrs and _on_main_thread():
+        if rt is not None and rt.peer in addrs and on_main_thread():
             # A call to this very rank from its own busy main thread would wait for
             # itself: actors of one rank share its thread, so it runs here, inline.
             i = addrs.index(rt.peer)
             others = ranks[:i] + ranks[i + 1 :]
             rid = self.request(ref, others, header, payload, buffers, observer)
-            _inline(rt, ranks[i], header, payload, buffers, observer)
+            serve_inline(rt, ranks[i], header, payload, buffers, observer)
             return rid
         if not ranks:
             return ""
@@ -277,79 +274,6 @@ class PeerClient:
                     f"during an actor call ({why}; at {route})"
                 ),
             )
-
-
-def _on_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
-def _inline(
-    rt: Any,
-    rank: int,
-    header: dict[str, Any],
-    payload: bytes,
-    buffers: Sequence[Buffer],
-    observer: RequestObserver | None,
-) -> None:
-    """Serve a call to this rank now, on this thread (see :meth:`PeerClient.request`)."""
-    from monarch_kernel.rank.errors import exception_report
-    from monarch_kernel.wire import Message, loads
-
-    kind, name = header["k"], header.get("a", "")
-    previous = context.current_actor
-    try:
-        if kind == K.SPAWN_ACTOR:
-            cls, args, kwargs = loads(payload, buffers, f"constructor of actor {name!r}")
-            if header.get("oa"):
-                rt.owners[name] = {"oa": header["oa"], "ox": header["ox"], "on": header["on"]}
-            context.current_actor = name
-            rt.actors[name] = cls(*args, **kwargs)
-            rt.tell_peer_actor(name, header, payload, buffers)
-            value: Any = None
-        elif kind == K.STOP_ACTOR:
-            rt.actors.pop(name, None)
-            rt.owners.pop(name, None)
-            rt.tell_peer_actor(name, None)
-            value = None
-        else:
-            actor = rt.actors.get(name)
-            if actor is None:
-                raise LookupError(f"no actor {name!r} on rank {rank} (was it stopped?)")
-            args, kwargs = loads(payload, buffers, "arguments")
-            context.current_actor = name
-            value = getattr(actor, header["m"])(*args, **kwargs)
-            if inspect.isawaitable(value):
-                value = _run_coroutine(value)
-        out, bufs = dumps(value, "result")
-        reply = Message({"k": K.RESULT, "r": rank, "ok": 1}, out, list(bufs))
-    except Exception as exc:
-        report = exception_report(exc, f"{name}.{header.get('m', kind)}")
-        reply = Message({"k": K.RESULT, "r": rank, "ok": 0}, pickle.dumps(report))
-        if observer is None:  # fire and forget: to supervision, as from the runtime
-            rt.reply_error(None, exc, f"{name}.{header.get('m', kind)}")
-    finally:
-        context.current_actor = previous
-    if observer is not None:
-        observer.on_reply(Reply(rank, reply))
-
-
-def _run_coroutine(aw: Any) -> Any:
-    """Run an async endpoint of this rank to completion from synchronous code."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        loop = asyncio.new_event_loop()
-        try:
-            return loop.run_until_complete(aw)
-        finally:
-            loop.close()
-    close = getattr(aw, "close", None)
-    if close is not None:
-        close()
-    raise RuntimeError(
-        "an async endpoint cannot call an async endpoint of an actor on its own rank "
-        "(actors of one rank share its thread); make one of them synchronous"
-    )
 
 
 _client: PeerClient | None = None

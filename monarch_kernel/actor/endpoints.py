@@ -1,0 +1,155 @@
+"""Endpoints of an actor mesh and Monarch's adverbs on them (``call``, ``call_one``,
+``choose``, ``broadcast``, ``stream``), sent through the mesh's
+:class:`~monarch_kernel.calls.requester.Requester` and gathered by
+:mod:`monarch_kernel.calls.gather`: the same code in the notebook and in ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from monarch_kernel.calls.future import Future
+from monarch_kernel.calls.gather import Each, Gather, One
+from monarch_kernel.calls.requester import CallOptions, Requester
+from monarch_kernel.calls.value_mesh import ValueMesh
+from monarch_kernel.shape import Shape
+from monarch_kernel.wire import SerializationError, dumps
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import Buffer, Header
+
+
+@dataclass(frozen=True)
+class ActorTarget:
+    """Which actors an endpoint reference calls: actor ``name`` (of ``actor_class``) on the
+    ranks of ``shape`` of the mesh that ``requester`` reaches."""
+
+    requester: Requester
+    name: str
+    actor_class: type
+    shape: Shape
+    ranks: list[int]
+
+
+class EndpointRef:
+    """One endpoint of an actor mesh, with Monarch's adverbs."""
+
+    def __init__(self, target: ActorTarget, method: str):
+        self._target = target
+        self._method = method
+        self._requester = target.requester
+        self._ranks = target.ranks
+        self._where = f"{target.actor_class.__name__}.{method}"
+        what = f"{target.name}.{method}"  # for RequestStarted: built once, not per call
+        self._waited = CallOptions(what=what, waited=True)
+        self._streamed = CallOptions(what=what)
+        self._base: Header = {"k": K.CALL, "a": target.name, "m": method}
+        # The slice called, when it is not the whole mesh (``context().message_rank``).
+        sl = slice_header(target.shape, self._requester.shape)
+        if sl is not None:
+            self._base["sl"] = sl
+
+    def _header(self) -> Header:
+        return dict(self._base)  # a fresh one per call: the requester adds the request id
+
+    def _request(self, rank: int, payload: bytes, buffers: Sequence[Buffer]) -> Future[Any]:
+        requester = self._requester
+        one = One(requester.waiter)
+        requester.request([rank], self._header(), payload, buffers, one, self._waited)
+        return one.future
+
+    def _payload(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[bytes, Sequence[Buffer]]:
+        try:
+            return dumps((args, kwargs))
+        except SerializationError:
+            return dump_call((args, kwargs), args, kwargs, self._where)  # names the culprit
+
+    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[Any]]:
+        """Call every rank; the future gives a ValueMesh (or one grouped ActorError)."""
+        payload, buffers = self._payload(args, kwargs)
+        header = self._header()
+        shape = self._target.shape
+        return gather(self._requester, self._ranks, header, payload, buffers, shape, self._waited)
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Call the single rank of a one-point mesh; the future gives its value."""
+        ranks = self._ranks
+        if len(ranks) != 1:
+            shape = self._target.shape
+            raise ValueError(
+                f"call_one() needs a mesh of exactly one rank, but {self._where} is on "
+                f"{len(ranks)} ranks ({shape.describe()}); slice it first, e.g. "
+                f".slice({shape.labels[-1]}=0), or use call()"
+            )
+        payload, buffers = self._payload(args, kwargs)
+        return self._request(ranks[0], payload, buffers)
+
+    def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Call one rank: the least busy live one (in the notebook), any one (in a rank)."""
+        rank = self._requester.choose(self._ranks)
+        payload, buffers = self._payload(args, kwargs)
+        return self._request(rank, payload, buffers)
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+        """Fire and forget on every rank; exceptions go to the mesh's supervision."""
+        payload, buffers = self._payload(args, kwargs)
+        self._requester.send(self._ranks, self._header(), payload, buffers)
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
+        """Call every rank; yield one future per rank in the order they answer."""
+        payload, buffers = self._payload(args, kwargs)
+        ranks = self._ranks
+        each = Each(ranks, self._requester.waiter)
+        self._requester.request(ranks, self._header(), payload, buffers, each, self._streamed)
+        return each.in_order_of_answers()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"call an endpoint through an adverb: {self._method}.call(...), .call_one(...), "
+            ".broadcast(...), .choose(...) or .stream(...)"
+        )
+
+    def __repr__(self) -> str:
+        return f"<endpoint {self._where} of actor mesh {self._target.name!r}>"
+
+
+def slice_header(shape: Shape, whole: Shape | None) -> list[Any] | None:
+    """Header value ``sl`` of calls to ``shape`` (None when it is the ``whole`` mesh)."""
+    if whole is not None and shape == whole:
+        return None
+    return [list(shape.labels), list(shape.sizes), list(shape.strides), shape.offset]
+
+
+def dump_call(
+    obj: object, args: tuple[Any, ...], kwargs: dict[str, Any], what: str
+) -> tuple[bytes, list[Any]]:
+    """Pickle a call's arguments; an error names the argument that does not pickle."""
+    try:
+        return dumps(obj, what)
+    except SerializationError:
+        pass
+    for i, a in enumerate(args):
+        dumps(a, f"argument {i} of {what}")
+    for k, v in kwargs.items():
+        dumps(v, f"argument {k!r} of {what}")
+    return dumps(obj, what)  # the class itself (raises with its own message)
+
+
+def gather(
+    requester: Requester,
+    ranks: list[int],
+    header: Header,
+    payload: bytes,
+    buffers: Sequence[Buffer],
+    shape: Shape | None,
+    options: CallOptions,
+) -> Future[ValueMesh[Any]]:
+    """Send a request to ``ranks``; the future gives a ValueMesh (or a grouped error)."""
+    g = Gather(ranks, shape, requester.waiter)
+    requester.request(ranks, header, payload, buffers, g, options)
+    return g.future
+
+
+__all__ = ["ActorTarget", "EndpointRef", "dump_call", "gather", "slice_header"]
