@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 
 from monarch_kernel.rank import capture, context, env
+from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.rank.errors import exception_report
 from monarch_kernel.shape import Point
 from monarch_kernel.wire import (
@@ -1004,7 +1005,7 @@ def run_forked(cfg: dict[str, Any], template_pid: int) -> None:
         faulthandler.enable(file=log_fd, all_threads=False)
         _register_stacks_dump(cfg["log"])
         cfg.setdefault("hostname", socket.gethostname())
-        env.apply(cfg)
+        env.apply(RankConfig.from_json(cfg))
         # Same working directory and import path as the controller, so classes that
         # pickle by reference (defined in the user's modules) import here too.
         if cfg.get("cwd") and os.path.isdir(cfg["cwd"]):
