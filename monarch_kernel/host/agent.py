@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -27,6 +28,7 @@ import zmq.utils.z85
 
 from monarch_kernel.host.config import AgentConfig
 from monarch_kernel.host.main import interface_of, main, source_address
+from monarch_kernel.host.stacks import dump_stacks
 from monarch_kernel.host.template_handle import DEFAULT_GRACE, Template
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.wire import Codec, WireError
@@ -354,48 +356,13 @@ class HostAgent:
 
     def on_dump_stacks(self, h: H.AnyHeader) -> None:
         """DUMP_STACKS: make the local ranks ``d`` dump their stacks (faulthandler, on
-        ``STACKS_SIGNAL``) and answer request ``i`` for each, on its behalf (``h`` set).
-
-        Waits at most ``STACKS_WAIT`` in all (the dumps take microseconds, so this loop's
-        heartbeats never suffer); a rank that wrote nothing by then gets no answer.
-        """
-        import pickle
-
-        from monarch_kernel.wire.stacks import STACKS_SIGNAL, parse_faulthandler, stacks_path
-
+        ``STACKS_SIGNAL``) and answer request ``i`` for each, on its behalf (``h`` set);
+        see :func:`monarch_kernel.host.stacks.dump_stacks`."""
         assert isinstance(h, H.DumpStacks)
-        files: dict[int, str] = {}
-        for r in h.targets:
-            pid = self.pids.get(r)
-            if not pid:
-                continue
-            path = stacks_path(os.path.join(self.private_dir, f"rank{r}.log"), pid)
-            try:  # absent until the rank registered its handler: never signal it before
-                os.truncate(path, 0)
-                os.kill(pid, STACKS_SIGNAL)
-            except OSError:
-                continue
-            files[r] = path
-        sizes = dict.fromkeys(files, -1)
-        deadline = time.monotonic() + STACKS_WAIT
-        while files:
-            time.sleep(0.01)
-            last = time.monotonic() >= deadline
-            for r, path in list(files.items()):
-                try:
-                    size = os.path.getsize(path)
-                except OSError:
-                    del files[r]
-                    continue
-                if size and (size == sizes[r] or last):  # written, and stopped growing
-                    del files[r]
-                    with open(path, errors="replace") as f:
-                        threads = parse_faulthandler(f.read())
-                    header = H.Result(request=h.request, ok=True, rank=r, host=self.host)
-                    self.send(header.encode(), pickle.dumps(threads))
-                sizes[r] = size
-            if last:
-                break
+        logs = {r: os.path.join(self.private_dir, f"rank{r}.log") for r in h.targets}
+        for r, threads in dump_stacks(self.pids, logs, STACKS_WAIT):
+            header = H.Result(request=h.request, ok=True, rank=r, host=self.host)
+            self.send(header.encode(), pickle.dumps(threads))
 
     def on_template_event(self, ev: dict[str, Any]) -> str | None:
         e = ev["e"]
