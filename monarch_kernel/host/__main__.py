@@ -1,4 +1,4 @@
-from monarch_kernel.host.agent import main
+from monarch_kernel.host.main import main
 
 if __name__ == "__main__":
     main()

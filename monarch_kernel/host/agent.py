@@ -10,38 +10,40 @@ multi-rank messages out to its local ranks, and exits when the controller disapp
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import pickle
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import zmq
 import zmq.utils.z85
 
+from monarch_kernel.host.config import AgentConfig
+from monarch_kernel.host.main import interface_of, main, source_address
+from monarch_kernel.host.stacks import dump_stacks
+from monarch_kernel.host.template_handle import DEFAULT_GRACE, Template
+from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.wire import Codec, WireError
+from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.identity import ident_tag
-from monarch_kernel.wire.netaddr import route_source
-from monarch_kernel.wire.osutil import die_with_parent, request_tail
+from monarch_kernel.wire.osutil import request_tail
 
 log = logging.getLogger("monarch_kernel.host")
 
 #: Seconds between the agent's heartbeats (the controller declares a host lost after a
 #: few seconds of silence); also the longest its message loop ever waits.
 HEARTBEAT_INTERVAL = 0.5
-#: Seconds ranks get to exit cleanly when ``stop`` does not say (its ``grace``).
-DEFAULT_GRACE = 3.0
 #: The longest a ``dump_stacks`` holds up the agent's loop, waiting for the dumps.
 STACKS_WAIT = 0.3
 
@@ -49,58 +51,8 @@ STACKS_WAIT = 0.3
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-class Template:
-    """Handle on the warm template process (see :mod:`monarch_kernel.host.template`)."""
-
-    def __init__(self, private_dir: str):
-        cmd_r, self.cmd_w = os.pipe()
-        self.event_r, ev_w = os.pipe()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "monarch_kernel.host.template",
-                str(cmd_r),
-                str(ev_w),
-                str(os.getpid()),
-            ],
-            pass_fds=(cmd_r, ev_w),
-            stdin=subprocess.DEVNULL,
-            cwd=os.getcwd(),
-        )
-        os.close(cmd_r)
-        os.close(ev_w)
-        self.buf = b""
-
-    def command(self, **cmd: Any) -> None:
-        os.write(self.cmd_w, (json.dumps(cmd) + "\n").encode())
-
-    def events(self) -> list[dict[str, Any]]:
-        data = os.read(self.event_r, 65536)
-        if not data:
-            return [{"e": "template_exit", "code": self.proc.wait()}]
-        self.buf += data
-        out = []
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            out.append(json.loads(line))
-        return out
-
-    def stop(self, grace: float = DEFAULT_GRACE) -> None:
-        """Ask the template to stop its ranks (SIGTERM, then SIGKILL after ``grace``
-        seconds) and exit; kill it if it has not exited a while after that."""
-        try:
-            self.command(op="exit", grace=grace)
-        except OSError:
-            pass
-        try:
-            self.proc.wait(grace + 5.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        port: int = s.getsockname()[1]
+        return port
 
 
 class HostAgent:
@@ -118,10 +70,10 @@ class HostAgent:
         self.greeted: set[int] = set()  # ranks that said hello and still wait for ours
         self.expected_exits: set[int] = set()
         self.stop_grace = DEFAULT_GRACE  # the controller's ``stop`` may say otherwise
-        self.cfg: dict[str, Any] = {}
+        self.cfg: AgentConfig | None = None
         #: Handlers of the controller's messages by kind (forwarded ones, with header
         #: ``f``, never get here): ``handler(header)``; "stop" ends the message loop.
-        self.handlers: dict[str, Callable[[dict[str, Any]], str | None]] = {
+        self.handlers: dict[str, Callable[[H.AnyHeader], str | None]] = {
             K.SPAWN_RANKS: self.on_spawn_ranks,
             K.SIGNAL_RANKS: self.on_signal_ranks,
             K.KILL_RANKS: self.on_kill_ranks,
@@ -132,9 +84,10 @@ class HostAgent:
             K.DUMP_STACKS: self.on_dump_stacks,
         }
 
-    def configure(self, cfg: dict[str, Any]) -> None:
-        send = str(cfg.get("send", ""))
-        if not cfg.get("advertise") and send.startswith("tcp://"):
+    def configure(self, cfg: AgentConfig) -> None:
+        """Connect to the controller and bind the fan-out socket, as ``cfg`` says."""
+        send = cfg.send
+        if not cfg.advertise and send.startswith("tcp://"):
             # Any launcher on other machines: our address is the one we reach the
             # controller from (MASTER_ADDR, and the interface gloo/NCCL use).
             try:
@@ -142,71 +95,73 @@ class HostAgent:
             except (OSError, ValueError):
                 addr = ""
             if addr and not addr.startswith("127.") and addr != "::1":
-                cfg = dict(cfg, advertise=addr)
+                cfg = replace(cfg, advertise=addr)
         self.cfg = cfg
-        self.host = int(cfg["host"])
-        self.codec = Codec(bytes.fromhex(cfg["key"]))
-        self.hb_timeout = float(cfg.get("hb_timeout", 10.0))
+        self.host = cfg.host
+        self.codec = Codec(bytes.fromhex(cfg.key))
+        self.hb_timeout = cfg.hb_timeout
         self.ctx = zmq.Context()
         #: Suffix of our ranks' routing ids and ours (launchers.base.ident_tag).
-        self.tag = ident_tag(cfg.get("curve_secret", ""))
+        self.tag = ident_tag(cfg.curve_secret)
         ident = b"h%d" % self.host + self.tag
         self.inbox = self.ctx.socket(zmq.DEALER)
         self.inbox.setsockopt(zmq.IDENTITY, ident)
         limit_size(self.inbox)  # ZMQ_MAXMSGSIZE: no frame above it is allocated
         self.curve_client(self.inbox)
-        self.inbox.connect(cfg["send"])
+        self.inbox.connect(cfg.send)
         self.out = self.ctx.socket(zmq.DEALER)
         self.out.setsockopt(zmq.IDENTITY, ident)
         self.out.setsockopt(zmq.LINGER, 2000)
         limit_size(self.out)
         self.curve_client(self.out)
-        self.out.connect(cfg["recv"])
+        self.out.connect(cfg.recv)
         self.fan = self.ctx.socket(zmq.ROUTER)
         self.fan.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.fan.setsockopt(zmq.ROUTER_HANDOVER, 1)
         limit_size(self.fan)
-        if cfg.get("curve_secret"):  # ranks' sockets are CURVE clients: ours must match
+        if cfg.curve_secret:  # ranks' sockets are CURVE clients: ours must match
             self.fan.setsockopt(zmq.CURVE_SERVER, 1)
-            self.fan.setsockopt(zmq.CURVE_SECRETKEY, cfg["curve_secret"].encode())
+            self.fan.setsockopt(zmq.CURVE_SECRETKEY, cfg.curve_secret.encode())
         self.fan_addr = f"ipc://{self.private_dir}/fan"
         self.fan.bind(self.fan_addr)
         self.master_port = free_port()
-        self.hostname = cfg.get("hostname") or socket.gethostname()
+        self.hostname = cfg.hostname or socket.gethostname()
         #: The network interface that owns our advertised address (gloo and NCCL use it).
-        self.ifname = interface_of(cfg["advertise"]) if cfg.get("advertise") else None
+        self.ifname = interface_of(cfg.advertise) if cfg.advertise else None
 
     def curve_client(self, sock: zmq.Socket[bytes]) -> None:
         """Make ``sock`` a CURVE client of the controller when the mesh uses CURVE."""
-        if self.cfg.get("curve_secret"):
-            sock.setsockopt(zmq.CURVE_SERVERKEY, self.cfg["curve_server"].encode())
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.cfg["curve_public"].encode())
-            sock.setsockopt(zmq.CURVE_SECRETKEY, self.cfg["curve_secret"].encode())
+        cfg = self.cfg
+        if cfg is not None and cfg.curve_secret:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, cfg.curve_server.encode())
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, cfg.curve_public.encode())
+            sock.setsockopt(zmq.CURVE_SECRETKEY, cfg.curve_secret.encode())
 
-    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+    def send(self, header: H.WireHeader, payload: bytes = b"") -> None:
+        """Send a message to the controller."""
         wire_send(self.out, self.codec.encode(header, payload))
 
     def send_heartbeat(self) -> None:
         """A heartbeat never blocks the loop: if the controller does not take what we
         send (its queue is full), it hears from us once it does."""
         try:
-            wire_send(
-                self.out, self.codec.encode({"k": K.HEARTBEAT, "h": self.host}), flags=zmq.NOBLOCK
-            )
+            heartbeat = H.Heartbeat(host=self.host).encode()
+            wire_send(self.out, self.codec.encode(heartbeat), flags=zmq.NOBLOCK)
         except zmq.Again:
             pass
 
     def run(self) -> None:
-        self.send(
-            {
-                "k": K.HOST_READY,
-                "h": self.host,
-                "pid": os.getpid(),
-                "host": self.hostname,
-                "addr": self.cfg.get("advertise", "127.0.0.1"),
-                "port": self.master_port,
-            }
+        """Say ready, then serve the controller, the template and the ranks' greetings
+        until told to stop (or the controller falls silent)."""
+        assert self.cfg is not None, "configure() first"
+        ready = H.HostReady(
+            host=self.host,
+            pid=os.getpid(),
+            hostname=self.hostname,
+            addr=self.cfg.advertise or "127.0.0.1",
+            port=self.master_port,
         )
+        self.send(ready.encode())
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.template.event_r, zmq.POLLIN)
@@ -254,15 +209,20 @@ class HostAgent:
         except WireError as exc:
             log.warning("host %s dropped a greeting: %s", self.host, exc)
             return
-        if msg.kind == K.HELLO and isinstance(msg.header.get("r"), int):
-            self.greeted.add(msg.header["r"])
+        try:
+            hello = H.decode(msg.header)
+        except H.HeaderError as exc:
+            log.warning("host %s dropped a greeting: %s", self.host, exc)
+            return
+        if isinstance(hello, H.Hello) and isinstance(hello.rank, int):
+            self.greeted.add(hello.rank)
 
     def answer_greetings(self) -> None:
         """Say hello to the inbox of every greeting rank that is routable by now.
 
         Arriving there tells the rank that fanned-out messages can reach it.
         """
-        hello = self.codec.encode({"k": K.HELLO})
+        hello = self.codec.encode(H.Hello().encode())
         for r in list(self.greeted):
             try:
                 self.fan.send_multipart([b"r%d" % r + self.tag, *hello], flags=zmq.NOBLOCK)
@@ -312,8 +272,8 @@ class HostAgent:
             log.warning("host %s dropped a message: %s", self.host, exc)
             return None
         h = msg.header
-        if h.get("f"):
-            for r in h["d"]:
+        if h.get("f"):  # a fan-out: the frames go on unchanged, whatever their kind
+            for r in H.OtherOrdered.decode(h).targets or ():
                 if r in self.pids:
                     self.forward(r, frames)
             return None
@@ -323,62 +283,69 @@ class HostAgent:
         except (KeyError, TypeError):  # unknown (or unhashable) kind
             log.warning("host %s: unknown message kind %r", self.host, kind)
             return None
-        return handler(h)
+        try:
+            header = H.decode(h)
+        except H.HeaderError as exc:
+            log.warning("host %s dropped a message: %s", self.host, exc)
+            return None
+        return handler(header)
 
-    def on_spawn_ranks(self, h: dict[str, Any]) -> None:
-        """SPAWN_RANKS: fork one rank per spec in ``ranks`` (each merged over ``common``)."""
-        common = dict(h["common"])
-        common.update(
-            key=self.cfg["key"],
-            send=self.cfg["send"],
-            recv=self.cfg["recv"],
-            fanout=self.fan_addr,
-            hostname=self.hostname,
-            **self.rank_secrets(),
-        )
-        for spec in h["ranks"]:
-            cfg = dict(common, **spec)
-            cfg["log"] = os.path.join(self.private_dir, f"rank{spec['rank']}.log")
-            if os.path.exists(cfg["log"]):
-                os.unlink(cfg["log"])
-            self.template.command(op="fork", cfg=cfg)
+    def on_spawn_ranks(self, h: H.AnyHeader) -> None:
+        """SPAWN_RANKS: fork one rank per spec in ``ranks`` (each merged over ``common``
+        and over what this agent adds: see :meth:`rank_part`)."""
+        assert isinstance(h, H.SpawnRanks)
+        agent = self.rank_part()
+        for spec in h.ranks:
+            log_path = os.path.join(self.private_dir, f"rank{spec['rank']}.log")
+            cfg = RankConfig.build(spec, h.common, dict(agent, log=log_path))
+            if os.path.exists(cfg.log):
+                os.unlink(cfg.log)
+            self.template.command(op="fork", cfg=cfg.to_json())
 
-    def rank_secrets(self) -> dict[str, Any]:
-        """What ranks need besides the mesh key: the CURVE keys (through the template's
-        pipe, never a command line) and the interface gloo/NCCL should use."""
-        out: dict[str, Any] = {k: self.cfg[k] for k in CURVE_FIELDS if self.cfg.get(k)}
+    def rank_part(self) -> dict[str, str]:
+        """What ranks get from this agent: the mesh key, the controller's addresses,
+        the fan-out socket, the hostname, the CURVE keys (through the template's pipe,
+        never a command line) and the interface gloo/NCCL should use."""
+        assert self.cfg is not None
+        out = dict(self.cfg.rank_part(), fanout=self.fan_addr, hostname=self.hostname)
         if self.ifname:
             out["ifname"] = self.ifname
         return out
 
-    def on_signal_ranks(self, h: dict[str, Any]) -> None:
+    def on_signal_ranks(self, h: H.AnyHeader) -> None:
         """SIGNAL_RANKS: send signal ``sig`` to the local ranks ``d``."""
-        self.signal(h["d"], int(h["sig"]))
+        assert isinstance(h, H.SignalRanks)
+        self.signal(h.targets, int(h.signal))
 
-    def on_kill_ranks(self, h: dict[str, Any]) -> None:
+    def on_kill_ranks(self, h: H.AnyHeader) -> None:
         """KILL_RANKS: SIGKILL the local ranks ``d``; their exits are reported as expected."""
-        self.expected_exits.update(r for r in h["d"] if r in self.pids)
-        self.signal(h["d"], signal.SIGKILL)
+        assert isinstance(h, H.KillRanks)
+        self.expected_exits.update(r for r in h.targets if r in self.pids)
+        self.signal(h.targets, signal.SIGKILL)
 
-    def on_stop(self, h: dict[str, Any]) -> str:
+    def on_stop(self, h: H.AnyHeader) -> str:
         """STOP: leave the message loop (``shutdown`` then stops the ranks, giving them
         ``grace`` seconds to exit cleanly)."""
+        assert isinstance(h, H.Stop)
         try:
-            self.stop_grace = max(0.0, float(h.get("grace", DEFAULT_GRACE)))
+            grace = DEFAULT_GRACE if h.grace is None else h.grace
+            self.stop_grace = max(0.0, float(grace))
         except (TypeError, ValueError):
             self.stop_grace = DEFAULT_GRACE
         self.expected_exits.update(self.pids)
         return "stop"
 
-    def on_new_port(self, h: dict[str, Any]) -> None:
+    def on_new_port(self, h: H.AnyHeader) -> None:
         """NEW_PORT: answer request ``i`` with a free port on this host (the rendezvous
         of a re-formed process group)."""
-        self.send({"k": K.PORT, "h": self.host, "i": h.get("i"), "port": free_port()})
+        assert isinstance(h, H.NewPort)
+        self.send(H.Port(host=self.host, request=h.request, port=free_port()).encode())
 
-    def on_ignored(self, h: dict[str, Any]) -> None:
+    def on_ignored(self, h: H.AnyHeader) -> None:
         """HEARTBEAT and HELLO: receiving anything already counts as a heartbeat."""
 
     def signal(self, ranks: list[int], sig: int) -> None:
+        """Send ``sig`` to those of ``ranks`` that run here."""
         for r in ranks:
             pid = self.pids.get(r)
             if pid:
@@ -387,73 +354,38 @@ class HostAgent:
                 except ProcessLookupError:
                     pass
 
-    def on_dump_stacks(self, h: dict[str, Any]) -> None:
+    def on_dump_stacks(self, h: H.AnyHeader) -> None:
         """DUMP_STACKS: make the local ranks ``d`` dump their stacks (faulthandler, on
-        ``STACKS_SIGNAL``) and answer request ``i`` for each, on its behalf (``h`` set).
-
-        Waits at most ``STACKS_WAIT`` in all (the dumps take microseconds, so this loop's
-        heartbeats never suffer); a rank that wrote nothing by then gets no answer.
-        """
-        import pickle
-
-        from monarch_kernel.wire.stacks import STACKS_SIGNAL, parse_faulthandler, stacks_path
-
-        files: dict[int, str] = {}
-        for r in h["d"]:
-            pid = self.pids.get(r)
-            if not pid:
-                continue
-            path = stacks_path(os.path.join(self.private_dir, f"rank{r}.log"), pid)
-            try:  # absent until the rank registered its handler: never signal it before
-                os.truncate(path, 0)
-                os.kill(pid, STACKS_SIGNAL)
-            except OSError:
-                continue
-            files[r] = path
-        sizes = dict.fromkeys(files, -1)
-        deadline = time.monotonic() + STACKS_WAIT
-        while files:
-            time.sleep(0.01)
-            last = time.monotonic() >= deadline
-            for r, path in list(files.items()):
-                try:
-                    size = os.path.getsize(path)
-                except OSError:
-                    del files[r]
-                    continue
-                if size and (size == sizes[r] or last):  # written, and stopped growing
-                    del files[r]
-                    with open(path, errors="replace") as f:
-                        threads = parse_faulthandler(f.read())
-                    header = {"k": K.RESULT, "i": h["i"], "r": r, "ok": 1, "h": self.host}
-                    self.send(header, pickle.dumps(threads))
-                sizes[r] = size
-            if last:
-                break
+        ``STACKS_SIGNAL``) and answer request ``i`` for each, on its behalf (``h`` set);
+        see :func:`monarch_kernel.host.stacks.dump_stacks`."""
+        assert isinstance(h, H.DumpStacks)
+        logs = {r: os.path.join(self.private_dir, f"rank{r}.log") for r in h.targets}
+        for r, threads in dump_stacks(self.pids, logs, STACKS_WAIT):
+            header = H.Result(request=h.request, ok=True, rank=r, host=self.host)
+            self.send(header.encode(), pickle.dumps(threads))
 
     def on_template_event(self, ev: dict[str, Any]) -> str | None:
         e = ev["e"]
         if e == "forked":
             self.pids[ev["rank"]] = ev["pid"]
-            self.send({"k": K.RANK_STARTED, "h": self.host, "r": ev["rank"], "pid": ev["pid"]})
+            started = H.RankStarted(host=self.host, rank=ev["rank"], pid=ev["pid"])
+            self.send(started.encode())
         elif e == "exit":
             rank = ev["rank"]
             if self.pids.get(rank) == ev["pid"]:
                 del self.pids[rank]
                 self.backlog.pop(rank, None)  # a restarted rank starts afresh
             log_path = os.path.join(self.private_dir, f"rank{rank}.log")
-            self.send(
-                {
-                    "k": K.RANK_EXIT,
-                    "h": self.host,
-                    "r": rank,
-                    "pid": ev["pid"],
-                    "code": ev["code"],
-                    "sig": ev["signal"],
-                    "tail": request_tail(log_path),
-                    "expected": rank in self.expected_exits,
-                }
+            exit_ = H.RankExit(
+                host=self.host,
+                rank=rank,
+                pid=ev["pid"],
+                code=ev["code"],
+                signal=ev["signal"],
+                tail=request_tail(log_path),
+                expected=rank in self.expected_exits,
             )
+            self.send(exit_.encode())
             self.expected_exits.discard(rank)
         elif e == "template_exit":
             log.error("host %s: template exited (%s)", self.host, ev.get("code"))
@@ -474,7 +406,7 @@ class HostAgent:
                     self.on_template_event(ev)
         except (OSError, ValueError):
             pass
-        if self.cfg:
+        if self.cfg is not None:
             self.ctx.destroy(linger=500)
             self.remove_dead_controller_sockets()
         shutil.rmtree(self.private_dir, ignore_errors=True)
@@ -488,7 +420,7 @@ class HostAgent:
     def remove_dead_controller_sockets(self) -> None:
         """A controller killed outright leaves its unix sockets' private directory
         behind; the agents it started remove it (never while the controller lives)."""
-        addr = str(self.cfg.get("send", ""))
+        addr = self.cfg.send if self.cfg is not None else ""
         folder = os.path.dirname(addr.removeprefix("ipc://"))
         if not (addr.startswith("ipc://") and os.path.basename(folder).startswith("mk-mesh-")):
             return
@@ -497,115 +429,4 @@ class HostAgent:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-CURVE_FIELDS = ("curve_server", "curve_public", "curve_secret")
-
-
-def interface_of(addr: str) -> str | None:
-    """The name of the network interface that owns IPv4/IPv6 address ``addr``."""
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == addr for a in addrs):
-            return name
-    return None
-
-
-def source_address(url: str) -> str:
-    """The local address this machine uses to reach ``tcp://HOST:PORT`` (no packet is
-    sent: a UDP socket is only routed)."""
-    host, _, port = url.removeprefix("tcp://").rpartition(":")
-    return route_source(host, int(port))
-
-
-def join(url: str, token: str, timeout: float = 30.0) -> dict[str, Any]:
-    """Fetch this host's configuration from the controller's join endpoint ``url`` with
-    single-use ``token`` (``HOST-SECRET-SERVERKEY``) over CURVE (the server key is in
-    the token; our keypair is throw-away). Exits with a message naming the address on
-    failure."""
-    try:
-        server = zmq.utils.z85.encode(bytes.fromhex(token.rsplit("-", 1)[1]))
-    except (IndexError, ValueError):
-        sys.exit(f"monarch host: malformed --token {token[:8]}...")
-    try:
-        advertise = source_address(url)
-    except (OSError, ValueError) as exc:
-        sys.exit(f"monarch host: cannot reach {url}: {exc}")
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    public, secret = zmq.curve_keypair()
-    sock.setsockopt(zmq.CURVE_SERVERKEY, server)
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-    sock.connect(url)
-    sock.send(token.encode())
-    try:
-        if not sock.poll(int(timeout * 1000)):
-            sys.exit(
-                f"monarch host: no answer from the controller at {url} within {timeout:.0f}s "
-                f"(this machine reaches it from {advertise}); check the address and firewall"
-            )
-        reply = json.loads(sock.recv())
-    finally:
-        sock.close(0)
-    if "error" in reply:
-        sys.exit(f"monarch host: the controller at {url} refused to join: {reply['error']}")
-    cfg: dict[str, Any] = reply["cfg"]
-    cfg.setdefault("advertise", advertise)
-    return cfg
-
-
-def _parse_args(argv: list[str]) -> tuple[str | None, str | None]:
-    import argparse
-
-    p = argparse.ArgumentParser(
-        prog="python -m monarch_kernel.host",
-        description="A monarch_kernel host agent. Without options it reads its "
-        "configuration from stdin or $MONARCH_KERNEL_HOST_CONFIG (launchers); with "
-        "--join it joins a mesh of the join backend.",
-    )
-    p.add_argument("--join", metavar="tcp://ADDR:PORT", help="the controller's join endpoint")
-    p.add_argument(
-        "--token",
-        help="the single-use credential the notebook shows (default: "
-        "$MONARCH_KERNEL_JOIN_TOKEN, which keeps it off the command line)",
-    )
-    opts = p.parse_args(argv)
-    if opts.join and not opts.token:
-        opts.token = os.environ.pop("MONARCH_KERNEL_JOIN_TOKEN", None)
-    if bool(opts.join) != bool(opts.token):
-        p.error("--join and --token go together")
-    return opts.join, opts.token
-
-
-def _read_config() -> dict[str, Any]:
-    raw = os.environ.pop("MONARCH_KERNEL_HOST_CONFIG", None)
-    if raw is None:
-        raw = sys.stdin.readline()
-        if not raw.strip():
-            sys.exit(0)  # the launcher went away before configuring us
-    return json.loads(raw)
-
-
-def main() -> None:
-    logging.basicConfig(level=logging.WARNING, format="[monarch host] %(message)s")
-    url, token = _parse_args(sys.argv[1:])
-    # A joined agent outlives the shell that started it (heartbeats end it), unless the
-    # engine that started it asks it to die with it (a Ray actor, a Slurm step).
-    parent = os.environ.get("MONARCH_KERNEL_PARENT_PID")
-    if not url or parent:
-        die_with_parent(signal.SIGTERM, int(parent) if parent else None)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    agent = HostAgent(int(parent) if parent else None)
-    try:
-        agent.configure(join(url, token or "") if url else _read_config())
-        agent.run()
-    except SystemExit:
-        pass
-    finally:
-        agent.shutdown()
-
-
-if __name__ == "__main__":
-    main()
+__all__ = ["HostAgent", "free_port", "interface_of", "main", "source_address"]

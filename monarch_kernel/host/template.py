@@ -15,7 +15,9 @@ import select
 import signal
 import sys
 import time
+from typing import Any
 
+from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.wire.osutil import die_with_parent
 
 #: Seconds ranks get to exit cleanly on SIGTERM before they are killed (the ``stop``
@@ -93,16 +95,18 @@ class Template:
         for run_id in self.run_ids:
             cleanup_shm(run_id)
 
-    def handle(self, cmd: dict) -> str | None:
+    def handle(self, cmd: dict[str, Any]) -> str | None:
+        """One command from the host agent: ``fork`` a rank, or ``exit``."""
         op = cmd["op"]
         if op == "fork":
-            self.fork(cmd["cfg"])
+            self.fork(RankConfig.from_json(cmd["cfg"]))
         elif op == "exit":
             self.grace = float(cmd.get("grace", DEFAULT_GRACE))
             return "exit"
         return None
 
-    def fork(self, cfg: dict) -> None:
+    def fork(self, cfg: RankConfig) -> None:
+        """Fork the rank ``cfg`` describes; its exit is reaped and emitted later."""
         parent = os.getpid()
         pid = os.fork()
         if pid == 0:
@@ -118,9 +122,9 @@ class Template:
                 run_forked(cfg, parent)
             finally:
                 os._exit(1)
-        self.children[pid] = cfg["rank"]
-        self.run_ids.add(cfg["run_id"])
-        self.emit(e="forked", rank=cfg["rank"], pid=pid)
+        self.children[pid] = cfg.rank
+        self.run_ids.add(cfg.run_id)
+        self.emit(e="forked", rank=cfg.rank, pid=pid)
 
     def reap(self) -> None:
         while self.children:

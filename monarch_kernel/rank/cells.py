@@ -13,7 +13,11 @@ import sys
 from typing import Any
 
 from monarch_kernel.rank import capture
+from monarch_kernel.rank.actors import UserCode
+from monarch_kernel.rank.debugger import RankDebugger
+from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.wire import Message, loads
+from monarch_kernel.wire import headers as H
 
 
 def cell_filename(cell: str) -> str:
@@ -38,31 +42,60 @@ def compile_cell(code: str, filename: str, first_line: int = 1) -> tuple[Any, An
     return body, value
 
 
-def run_cell(rank: Any, msg: Message, request: str | None) -> None:
-    spec = loads(msg.payload, msg.buffers, "cell")
-    code: str = spec["code"]
-    header: list[str] = spec.get("header", [])  # the magic's line(s) above the code
-    filename = cell_filename(spec.get("cell", "?"))
-    # Register the source as the user sees the cell, so tracebacks show its lines.
-    lines = [h + "\n" for h in header] + code.splitlines(True)
-    linecache.cache[filename] = (len(code), None, lines, filename)
-    ns = rank.namespace
-    rank.debugger.last_failure = None  # a new cell releases the last failure's frames
-    try:
-        body, value = compile_cell(code, filename, len(header) + 1)
-        rank.run_user(eval, body, ns)
-        result = rank.run_user(eval, value, ns) if value is not None else None
-    except (Exception, KeyboardInterrupt) as exc:  # to the caller; SystemExit ends the rank
-        # (like a script: sys.exit(n) exits with n, see ``runtime.run_forked``)
-        rank.debugger.keep_failure(exc)  # for %debug_remote (post-mortem)
-        rank.reply_error(request, exc, "the cell")
-        return
-    finally:
-        # Complete lines are already sent; send partial ones (and what C code wrote to
-        # fd 1/2) before the result, so no output trails the cell's value.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        capture.flush_fds()
-    if request:
-        # The same text on every rank: the controller groups identical failures.
-        rank.reply(request, result, "value of the cell's last expression", "the cell")
+class Cells:
+    """The handlers of ``exec`` (a ``%%remote`` cell) and ``debug`` (post-mortem pdb)."""
+
+    def __init__(
+        self, namespace: dict[str, Any], debugger: RankDebugger, user: UserCode, outbox: Outbox
+    ):
+        self.namespace = namespace
+        self.debugger = debugger
+        self.user = user
+        self.outbox = outbox
+
+    def exec(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
+        """EXEC: run a ``%%remote`` cell in the rank's namespace."""
+        spec = loads(msg.payload, msg.buffers, "cell")
+        code: str = spec["code"]
+        header: list[str] = spec.get("header", [])  # the magic's line(s) above the code
+        filename = cell_filename(spec.get("cell", "?"))
+        # Register the source as the user sees the cell, so tracebacks show its lines.
+        lines = [h + "\n" for h in header] + code.splitlines(True)
+        linecache.cache[filename] = (len(code), None, lines, filename)
+        ns = self.namespace
+        self.debugger.last_failure = None  # a new cell releases the last failure's frames
+        try:
+            body, value = compile_cell(code, filename, len(header) + 1)
+            self.user.run_user(eval, body, ns)
+            result = self.user.run_user(eval, value, ns) if value is not None else None
+        except (Exception, KeyboardInterrupt) as exc:  # to the caller; SystemExit ends the
+            # rank (like a script: sys.exit(n) exits with n, see ``rank.forked``)
+            self.debugger.keep_failure(exc)  # for %debug_remote (post-mortem)
+            self.outbox.reply_error(request, exc, "the cell")
+            return
+        finally:
+            # Complete lines are already sent; send partial ones (and what C code wrote to
+            # fd 1/2) before the result, so no output trails the cell's value.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            capture.flush_fds()
+        if request:
+            # The same text on every rank: the controller groups identical failures.
+            self.outbox.reply(request, result, "value of the cell's last expression", "the cell")
+
+    def debug(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
+        """DEBUG: a post-mortem pdb on the last failure (``x``: only release it)."""
+        assert isinstance(hdr, H.Debug)
+        debugger = self.debugger
+        if hdr.release_only:
+            had = debugger.last_failure is not None
+            debugger.last_failure = None
+            result: Any = had
+        else:
+            try:
+                result = self.user.run_user(debugger.post_mortem)
+            except (Exception, KeyboardInterrupt) as exc:  # interrupted, or pdb failed
+                self.outbox.reply_error(request, exc, "the post-mortem debugger")
+                return
+        if request:
+            self.outbox.reply(request, result, "debug")

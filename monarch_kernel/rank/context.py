@@ -6,13 +6,92 @@ mesh of size 1 and :func:`report` does nothing.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from monarch_kernel.shape import Point, Shape
 
+if TYPE_CHECKING:
+    from monarch_kernel.rank.config import RankConfig
+    from monarch_kernel.wire.codec import Buffer
+    from monarch_kernel.wire.headers import Owner, SpawnActor
+    from monarch_kernel.wire.peer_address import PeerAddress
+
+
+class RankServices(Protocol):
+    """What the layers above use of the rank they run in (the actor API: mesh handles,
+    rank-to-rank calls, channels, the data plane). Implemented by
+    :class:`monarch_kernel.rank.runtime.Rank`; get it with :func:`services`."""
+
+    @property
+    def rank(self) -> int:
+        """This rank's global (flat) rank."""
+        ...
+
+    @property
+    def config(self) -> RankConfig:
+        """The rank's configuration."""
+        ...
+
+    @property
+    def cfg(self) -> RankConfig:
+        """Transitional name of :attr:`config` (actor/ reads ``rt.cfg["key"]``)."""
+        ...
+
+    @property
+    def key(self) -> str:
+        """The mesh's signing key, hex."""
+        ...
+
+    @property
+    def peer(self) -> PeerAddress:
+        """The address this rank's inbox listens on for calls from other ranks."""
+        ...
+
+    @property
+    def actors(self) -> dict[str, Any]:
+        """This rank's actors by name."""
+        ...
+
+    @property
+    def owners(self) -> dict[str, Owner]:
+        """Actor name -> the actor that owns it (spawned it from some rank)."""
+        ...
+
+    def send(
+        self, header: dict[str, Any], payload: bytes = b"", buffers: Sequence[Buffer] = ()
+    ) -> None:
+        """Send a message (a wire header: ``headers.X(...).encode()``) to the controller."""
+        ...
+
+    def report(self, metrics: Mapping[str, Any]) -> None:
+        """``monarch_kernel.report(...)``: numbers for the dashboard."""
+        ...
+
+    def reply_error(self, request: str | None, exc: BaseException, where: str) -> None:
+        """Answer ``request`` with the failure ``exc``, or send it to supervision."""
+        ...
+
+    def tell_peer_actor(
+        self,
+        name: str,
+        spawn: SpawnActor | dict[str, Any] | None,
+        payload: bytes | memoryview = b"",
+        buffers: Sequence[Buffer] = (),
+    ) -> None:
+        """Tell the controller a rank-to-rank message spawned (``spawn``: its header) or
+        stopped (None) actor ``name`` here."""
+        ...
+
+    def serve_until(self, fut: Any, timeout: float | None) -> None:
+        """Serve calls from other ranks until ``fut`` is done or ``timeout`` passed."""
+        ...
+
+
 _point: Point = Point({}, 0)
 _extent: dict[str, int] = {}
-_runtime: Any = None  # the running rank.runtime.Rank, set in rank processes only
+#: The running rank (set in rank processes only). Read :func:`services` instead.
+_runtime: Any = None
 current_request: str | None = None  # id of the message the main thread is serving
 #: Set (by ``@endpoint(explicit_response_port=True)``) on endpoint functions that take a
 #: response port as their first argument.
@@ -24,9 +103,16 @@ current_slice: Any = None
 current_actor: str | None = None
 
 
-def install(point: Point, extent: dict[str, int], runtime: Any) -> None:
+def install(point: Point, extent: dict[str, int], runtime: RankServices) -> None:
+    """Called once by the rank: where it is, and its services."""
     global _point, _extent, _runtime
     _point, _extent, _runtime = point, dict(extent), runtime
+
+
+def services() -> RankServices | None:
+    """The services of the rank this code runs in; None outside a rank."""
+    runtime: RankServices | None = _runtime
+    return runtime
 
 
 def current_rank() -> Point:
@@ -55,9 +141,12 @@ def message_rank() -> Point:
 
 
 def in_rank() -> bool:
+    """Whether this code runs in a rank process."""
     return _runtime is not None
 
 
 def report(metrics: dict[str, Any]) -> None:
-    if _runtime is not None:
-        _runtime.report(metrics)
+    """Send numbers to the dashboard (nothing outside a rank)."""
+    runtime = services()
+    if runtime is not None:
+        runtime.report(metrics)

@@ -31,7 +31,7 @@ from typing import IO, Any, cast
 from monarch_kernel.rank import context
 from monarch_kernel.rank.errors import _user_tb
 from monarch_kernel.rank.stdin import InputTimeout
-from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire import headers as H
 
 #: Environment variable: seconds a paused rank waits for a debugger command.
 TIMEOUT_ENV = "MONARCH_KERNEL_DEBUG_TIMEOUT"
@@ -134,9 +134,8 @@ class RankDebugger:
         if serial is None:
             return
         rank = self.rank
-        rank.send(
-            {"k": K.RESUMED, "r": rank.rank, "i": context.current_request, "n": serial, "why": why}
-        )
+        header = H.Resumed(rank=rank.rank, request=context.current_request, serial=serial, why=why)
+        rank.send(header.encode())
 
     def end_of_request(self) -> None:
         """The request is over: no trace function may outlive it (a ``next`` past the
@@ -224,15 +223,19 @@ class RankPdb(pdb.Pdb):
         if len(text) > MAX_OUTPUT:
             cut = len(text) - MAX_OUTPUT
             text = text[:MAX_OUTPUT] + f"\n... ({cut} more characters not shown)\n"
-        extra = {"dbg": 1, "at": where, "pm": int(self._post_mortem)}
 
         def sent(serial: int) -> None:
             owner.paused_serial = serial
 
         try:
-            return owner.rank.stdin.ask(
-                self.prompt, extra=extra, timeout=timeout, on_sent=sent, payload=text.encode()
+            command: str = owner.rank.stdin.ask(
+                self.prompt,
+                debugger=(where, self._post_mortem),
+                timeout=timeout,
+                on_sent=sent,
+                payload=text.encode(),
             )
+            return command
         except InputTimeout:
             # Nobody attached: run on (a forgotten breakpoint must not hold the mesh).
             owner.resumed("timeout")

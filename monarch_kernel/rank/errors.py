@@ -8,6 +8,8 @@ import traceback
 from types import TracebackType
 from typing import Any
 
+from monarch_kernel.wire.reports import FailureReport, SourceLine
+
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -87,7 +89,7 @@ def _chain(exc: BaseException) -> list[tuple[BaseException, str]]:
     return out
 
 
-def exception_report(exc: BaseException, where: str = "") -> dict[str, Any]:
+def exception_report(exc: BaseException, where: str = "") -> FailureReport:
     """A picklable, plain-data description of ``exc`` raised inside a rank, with its
     chain of causes (``causes``: type and message of each, root cause first)."""
     text, frames, entries = _format_one(exc)
@@ -96,10 +98,10 @@ def exception_report(exc: BaseException, where: str = "") -> dict[str, Any]:
         text = "".join(_format_one(e)[0] + link for e, link in chain) + text
     last = entries[-1] if entries else None
     tensors = describe_tensors(last.tb_frame.f_locals) if last is not None else []
-    line = None
+    line: SourceLine | None = None
     for fs in reversed(frames):
         if not _is_internal(fs.filename):
-            line = {"file": fs.filename, "line": fs.lineno, "func": fs.name, "code": fs.line}
+            line = SourceLine(file=fs.filename, line=fs.lineno or 0, func=fs.name, code=fs.line)
             break
     try:
         import pickle

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from monarch_kernel.rank import context
-from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire import headers as H
 
 #: Seconds an ``input()`` waits for the notebook's answer before it raises EOFError.
 INPUT_TIMEOUT = 600.0
@@ -37,7 +37,7 @@ class InputBridge:
         self._rank = rank
         self._lock = threading.Lock()
         self._serial = 0
-        self._waiting: dict[int, queue.Queue[dict[str, Any]]] = {}
+        self._waiting: dict[int, queue.Queue[H.InputReply]] = {}
 
     def install(self) -> None:
         """Route ``input()``, ``getpass.getpass()`` and ``sys.stdin`` through the notebook."""
@@ -58,18 +58,19 @@ class InputBridge:
         self,
         prompt: str,
         password: bool = False,
-        extra: dict[str, Any] | None = None,
+        debugger: tuple[str, bool] | None = None,
         timeout: float | None = None,
         on_sent: Any = None,
         payload: bytes = b"",
     ) -> str:
         """Send an ``input`` request and wait for the answer; EOFError if there is none.
 
-        ``extra`` adds header keys (a debugger prompt's ``dbg``, ``at``, ``pm``),
+        ``debugger`` makes it a debugger prompt: where it stopped, and whether
+        post-mortem (header ``dbg``, ``at``, ``pm``),
         ``timeout`` replaces :data:`INPUT_TIMEOUT`, ``on_sent(serial)`` is called once
         the request is out (the debugger remembers which prompt to withdraw),
         ``payload`` goes with it (a debugger's output: too big for a header)."""
-        answers: queue.Queue[dict[str, Any]] = queue.Queue(1)
+        answers: queue.Queue[H.InputReply] = queue.Queue(1)
         with self._lock:
             self._serial += 1
             serial = self._serial
@@ -79,33 +80,33 @@ class InputBridge:
             # What was printed before the prompt arrives before it.
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
-            header = {
-                "k": K.INPUT,
-                "r": rank.rank,
-                "i": context.current_request,
-                "n": serial,
-                "p": prompt,
-                "pw": int(password),
-            }
-            if extra:
-                header.update(extra)
-            rank.send(header, payload)
+            header = H.Input(
+                rank=rank.rank,
+                request=context.current_request,
+                serial=serial,
+                prompt=prompt,
+                password=password,
+                debugger=debugger is not None,
+                where=debugger[0] if debugger is not None else None,
+                post_mortem=debugger[1] if debugger is not None else None,
+            )
+            rank.send(header.encode(), payload)
             if on_sent is not None:
                 on_sent(serial)
             try:
                 reply = self._wait(answers, INPUT_TIMEOUT if timeout is None else timeout)
             except InputTimeout as exc:
-                if extra:  # the debugger tells a timeout from other ends of input
+                if debugger is not None:  # the debugger tells a timeout from other ends of input
                     raise
                 raise EOFError(str(exc)) from None  # input() raises what Python's does
         finally:
             with self._lock:
                 self._waiting.pop(serial, None)
-        if "e" in reply:
-            raise EOFError(str(reply["e"]))
-        return str(reply.get("v", ""))
+        if reply.error is not None:
+            raise EOFError(str(reply.error))
+        return str(reply.value or "")
 
-    def _wait(self, answers: queue.Queue[dict[str, Any]], timeout: float) -> dict[str, Any]:
+    def _wait(self, answers: queue.Queue[H.InputReply], timeout: float) -> H.InputReply:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -121,13 +122,13 @@ class InputBridge:
                 continue
 
     # -- the control thread's side ---------------------------------------------------
-    def answer(self, header: dict[str, Any]) -> None:
+    def answer(self, reply: H.InputReply) -> None:
         """An ``input_reply``: wake the ``input()`` waiting for it (if it still waits)."""
         with self._lock:
-            waiting = self._waiting.get(header.get("n"))  # type: ignore[arg-type]
+            waiting = self._waiting.get(reply.serial)
         if waiting is not None:
             try:
-                waiting.put_nowait(header)
+                waiting.put_nowait(reply)
             except queue.Full:  # answered twice: the first answer counts
                 pass
 

@@ -156,7 +156,9 @@ class Message:
 
     @property
     def kind(self) -> str:
-        return self.header["k"]
+        """The message's kind (header ``k``)."""
+        kind: str = self.header["k"]
+        return kind
 
     @property
     def nbytes(self) -> int:
@@ -373,7 +375,8 @@ def _as_bytes(frame: Any) -> bytes:
         return frame
     if isinstance(frame, (bytearray, memoryview)):
         return bytes(frame)
-    return frame.bytes  # zmq.Frame
+    data: bytes = frame.bytes  # zmq.Frame
+    return data
 
 
 def _payload_of(frame: Any) -> bytes | bytearray | memoryview:
@@ -386,7 +389,8 @@ def _payload_of(frame: Any) -> bytes | bytearray | memoryview:
     if isinstance(frame, (bytearray, memoryview)):
         return frame
     if len(frame) < ZERO_COPY_THRESHOLD:
-        return frame.bytes
+        data: bytes = frame.bytes
+        return data
     return _as_buffer(frame)
 
 

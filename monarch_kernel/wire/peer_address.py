@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -177,7 +178,8 @@ def open_socket(
     except BaseException:
         sock.close(0)
         raise
-    return sock
+    opened: zmq.Socket[Any] = sock
+    return opened
 
 
 __all__ = ["PeerAddress", "bind", "connect", "open_socket", "this_machine"]

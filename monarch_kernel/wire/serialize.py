@@ -40,7 +40,9 @@ def _describe(what: What) -> str:
     return what if isinstance(what, str) else what()
 
 
-def _rebuild_tensor(data: Any, dtype_name: str, shape: tuple, cuda: bool, requires_grad: bool):
+def _rebuild_tensor(
+    data: Any, dtype_name: str, shape: tuple[int, ...], cuda: bool, requires_grad: bool
+) -> Any:
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -55,7 +57,7 @@ def _rebuild_tensor(data: Any, dtype_name: str, shape: tuple, cuda: bool, requir
     return t
 
 
-def _reduce_tensor(t: Any):
+def _reduce_tensor(t: Any) -> Any:
     import torch
 
     if t.is_sparse or t.layout != torch.strided or t.is_quantized or t.is_nested:
@@ -76,7 +78,7 @@ def _reduce_tensor(t: Any):
     return _rebuild_tensor, args
 
 
-def _rebuild_parameter(*args: Any):
+def _rebuild_parameter(*args: Any) -> Any:
     import torch
 
     t = _rebuild_tensor(*args)
@@ -84,7 +86,7 @@ def _rebuild_parameter(*args: Any):
 
 
 class _Pickler(cloudpickle.Pickler):
-    def reducer_override(self, obj: Any):
+    def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             try:

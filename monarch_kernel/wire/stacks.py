@@ -72,7 +72,7 @@ class ThreadStack:
     @property
     def idle(self) -> bool:
         """The main thread waits for work in the rank's receive loop."""
-        return self.main and _innermost_own(self.frames) == ("rank/runtime.py", "run")
+        return self.main and _innermost_own(self.frames) == ("rank/inbox.py", "run")
 
     @property
     def internal(self) -> bool:

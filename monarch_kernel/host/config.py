@@ -1,0 +1,59 @@
+"""A host agent's configuration: what its launcher (or the join endpoint) told it."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+log = logging.getLogger("monarch_kernel.host")
+
+#: The CURVE keys the agent passes on to its ranks when set.
+CURVE_FIELDS = ("curve_server", "curve_public", "curve_secret")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentConfig:
+    """The JSON line of ``launchers.base.HostConfig`` (plus ``advertise`` from a join)."""
+
+    host: int  #: index of this host in the mesh
+    key: str  #: the mesh's HMAC key, hex
+    send: str  #: the controller's endpoint that sends to hosts and ranks
+    recv: str  #: the controller's endpoint that receives from them
+    hb_timeout: float = 10.0  #: seconds of controller silence before the agent exits
+    mesh: str = ""
+    curve_server: str = ""
+    curve_public: str = ""
+    curve_secret: str = ""
+    ranks: int = 1
+    advertise: str = ""  #: the address other hosts reach this one at ("" : loopback)
+    hostname: str = ""  #: this machine's name (default: ``socket.gethostname()``)
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> AgentConfig:
+        """Build from the JSON form; keys this agent does not know are ignored (logged:
+        a newer controller may say more)."""
+        unknown = raw.keys() - _NAMES
+        if unknown:
+            log.debug("host agent configuration: ignoring keys %s", sorted(unknown))
+        values = {k: v for k, v in raw.items() if k in _NAMES and v is not None}
+        try:
+            values["host"] = int(values["host"])
+            values["hb_timeout"] = float(values.get("hb_timeout", 10.0))
+            values["ranks"] = int(values.get("ranks", 1))
+        except KeyError as exc:
+            raise ValueError(f"host agent configuration: missing key {exc.args[0]!r}") from None
+        cfg = cls(**values)
+        return cfg if cfg.hostname else replace(cfg, hostname=socket.gethostname())
+
+    def rank_part(self) -> dict[str, str]:
+        """What the agent adds to its ranks' configurations from its own: the mesh key,
+        the controller's addresses, the hostname, the CURVE keys when set."""
+        out = {"key": self.key, "send": self.send, "recv": self.recv, "hostname": self.hostname}
+        out.update({k: getattr(self, k) for k in CURVE_FIELDS if getattr(self, k)})
+        return out
+
+
+_NAMES = frozenset(f.name for f in fields(AgentConfig))

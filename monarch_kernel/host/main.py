@@ -1,0 +1,132 @@
+"""Starting a host agent (``python -m monarch_kernel.host``): its configuration from
+stdin, ``$MONARCH_KERNEL_HOST_CONFIG`` or a controller's join endpoint; the addresses
+and interface it is reached at."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import zmq
+import zmq.utils.z85
+
+from monarch_kernel.host.config import AgentConfig
+from monarch_kernel.wire.netaddr import route_source
+from monarch_kernel.wire.osutil import die_with_parent
+
+
+def interface_of(addr: str) -> str | None:
+    """The name of the network interface that owns IPv4/IPv6 address ``addr``."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == addr for a in addrs):
+            return str(name)
+    return None
+
+
+def source_address(url: str) -> str:
+    """The local address this machine uses to reach ``tcp://HOST:PORT`` (no packet is
+    sent: a UDP socket is only routed)."""
+    host, _, port = url.removeprefix("tcp://").rpartition(":")
+    return route_source(host, int(port))
+
+
+def join(url: str, token: str, timeout: float = 30.0) -> dict[str, Any]:
+    """Fetch this host's configuration from the controller's join endpoint ``url`` with
+    single-use ``token`` (``HOST-SECRET-SERVERKEY``) over CURVE (the server key is in
+    the token; our keypair is throw-away). Exits with a message naming the address on
+    failure."""
+    try:
+        server = zmq.utils.z85.encode(bytes.fromhex(token.rsplit("-", 1)[1]))
+    except (IndexError, ValueError):
+        sys.exit(f"monarch host: malformed --token {token[:8]}...")
+    try:
+        advertise = source_address(url)
+    except (OSError, ValueError) as exc:
+        sys.exit(f"monarch host: cannot reach {url}: {exc}")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    public, secret = zmq.curve_keypair()
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    sock.connect(url)
+    sock.send(token.encode())
+    try:
+        if not sock.poll(int(timeout * 1000)):
+            sys.exit(
+                f"monarch host: no answer from the controller at {url} within {timeout:.0f}s "
+                f"(this machine reaches it from {advertise}); check the address and firewall"
+            )
+        reply = json.loads(sock.recv())
+    finally:
+        sock.close(0)
+    if "error" in reply:
+        sys.exit(f"monarch host: the controller at {url} refused to join: {reply['error']}")
+    cfg: dict[str, Any] = reply["cfg"]
+    cfg.setdefault("advertise", advertise)
+    return cfg
+
+
+def _parse_args(argv: list[str]) -> tuple[str | None, str | None]:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m monarch_kernel.host",
+        description="A monarch_kernel host agent. Without options it reads its "
+        "configuration from stdin or $MONARCH_KERNEL_HOST_CONFIG (launchers); with "
+        "--join it joins a mesh of the join backend.",
+    )
+    p.add_argument("--join", metavar="tcp://ADDR:PORT", help="the controller's join endpoint")
+    p.add_argument(
+        "--token",
+        help="the single-use credential the notebook shows (default: "
+        "$MONARCH_KERNEL_JOIN_TOKEN, which keeps it off the command line)",
+    )
+    opts = p.parse_args(argv)
+    if opts.join and not opts.token:
+        opts.token = os.environ.pop("MONARCH_KERNEL_JOIN_TOKEN", None)
+    if bool(opts.join) != bool(opts.token):
+        p.error("--join and --token go together")
+    return opts.join, opts.token
+
+
+def _read_config() -> dict[str, Any]:
+    """The launcher's configuration: ``$MONARCH_KERNEL_HOST_CONFIG`` or a line of stdin."""
+    raw = os.environ.pop("MONARCH_KERNEL_HOST_CONFIG", None)
+    if raw is None:
+        raw = sys.stdin.readline()
+        if not raw.strip():
+            sys.exit(0)  # the launcher went away before configuring us
+    cfg: dict[str, Any] = json.loads(raw)
+    return cfg
+
+
+def main() -> None:
+    """Run a host agent until its controller stops it or goes away."""
+    logging.basicConfig(level=logging.WARNING, format="[monarch host] %(message)s")
+    url, token = _parse_args(sys.argv[1:])
+    # A joined agent outlives the shell that started it (heartbeats end it), unless the
+    # engine that started it asks it to die with it (a Ray actor, a Slurm step).
+    parent = os.environ.get("MONARCH_KERNEL_PARENT_PID")
+    if not url or parent:
+        die_with_parent(signal.SIGTERM, int(parent) if parent else None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    from monarch_kernel.host.agent import HostAgent
+
+    agent = HostAgent(int(parent) if parent else None)
+    try:
+        raw = join(url, token or "") if url else _read_config()
+        agent.configure(AgentConfig.from_json(raw))
+        agent.run()
+    except SystemExit:
+        pass
+    finally:
+        agent.shutdown()

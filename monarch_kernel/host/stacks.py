@@ -1,0 +1,57 @@
+"""Stacks of ranks stuck where their control thread cannot answer (C code holding the
+GIL): the host agent makes them dump every thread with ``faulthandler``."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Mapping
+
+from monarch_kernel.wire.stacks import (
+    STACKS_SIGNAL,
+    ThreadStack,
+    parse_faulthandler,
+    stacks_path,
+)
+
+
+def dump_stacks(
+    pids: Mapping[int, int], logs: Mapping[int, str], wait: float
+) -> Iterator[tuple[int, tuple[ThreadStack, ...]]]:
+    """Signal each rank of ``logs`` (rank -> its log path) that runs (``pids``: rank ->
+    pid) to dump its stacks, and yield ``(rank, threads)`` for each dump as it is
+    complete (written, and no longer growing).
+
+    Waits at most ``wait`` seconds in all (the dumps take microseconds, so the agent's
+    heartbeats never suffer); a rank that wrote nothing by then yields nothing.
+    """
+    files: dict[int, str] = {}
+    for r, log in logs.items():
+        pid = pids.get(r)
+        if not pid:
+            continue
+        path = stacks_path(log, pid)
+        try:  # absent until the rank registered its handler: never signal it before
+            os.truncate(path, 0)
+            os.kill(pid, STACKS_SIGNAL)
+        except OSError:
+            continue
+        files[r] = path
+    sizes = dict.fromkeys(files, -1)
+    deadline = time.monotonic() + wait
+    while files:
+        time.sleep(0.01)
+        last = time.monotonic() >= deadline
+        for r, path in list(files.items()):
+            try:
+                size = os.path.getsize(path)
+            except OSError:
+                del files[r]
+                continue
+            if size and (size == sizes[r] or last):  # written, and stopped growing
+                del files[r]
+                with open(path, errors="replace") as f:
+                    yield r, parse_faulthandler(f.read())
+            sizes[r] = size
+        if last:
+            break

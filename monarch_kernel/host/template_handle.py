@@ -1,0 +1,64 @@
+"""The host agent's handle on its warm template process (:mod:`monarch_kernel.host.template`):
+commands down one pipe, events up another, one JSON line each."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+#: Seconds ranks get to exit cleanly when ``stop`` does not say (its ``grace``).
+DEFAULT_GRACE = 3.0
+
+
+class Template:
+    """Handle on the warm template process (see :mod:`monarch_kernel.host.template`)."""
+
+    def __init__(self, private_dir: str):
+        cmd_r, self.cmd_w = os.pipe()
+        self.event_r, ev_w = os.pipe()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "monarch_kernel.host.template",
+                str(cmd_r),
+                str(ev_w),
+                str(os.getpid()),
+            ],
+            pass_fds=(cmd_r, ev_w),
+            stdin=subprocess.DEVNULL,
+            cwd=os.getcwd(),
+        )
+        os.close(cmd_r)
+        os.close(ev_w)
+        self.buf = b""
+
+    def command(self, **cmd: Any) -> None:
+        os.write(self.cmd_w, (json.dumps(cmd) + "\n").encode())
+
+    def events(self) -> list[dict[str, Any]]:
+        data = os.read(self.event_r, 65536)
+        if not data:
+            return [{"e": "template_exit", "code": self.proc.wait()}]
+        self.buf += data
+        out = []
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            out.append(json.loads(line))
+        return out
+
+    def stop(self, grace: float = DEFAULT_GRACE) -> None:
+        """Ask the template to stop its ranks (SIGTERM, then SIGKILL after ``grace``
+        seconds) and exit; kill it if it has not exited a while after that."""
+        try:
+            self.command(op="exit", grace=grace)
+        except OSError:
+            pass
+        try:
+            self.proc.wait(grace + 5.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

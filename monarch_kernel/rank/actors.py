@@ -1,0 +1,275 @@
+"""The actors of a rank: spawn, stop and call them (on the main thread, in order), their
+owners (supervision), and what the controller is told of actors other ranks made here.
+
+An actor spawned by an actor (header ``oa``/``ox``/``on``) is *owned*: its failures
+nobody waits for go to the owner (:mod:`monarch_kernel.rank.supervise`). A spawn or stop
+that came from another rank (no sequence number) is reported to the controller
+(``peer_actor``), which re-creates such actors when the rank restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from monarch_kernel.rank import context
+from monarch_kernel.rank.errors import exception_report
+from monarch_kernel.rank.outbox import Outbox
+from monarch_kernel.rank.signals import MainThread
+from monarch_kernel.wire import Message, loads
+from monarch_kernel.wire import headers as H
+from monarch_kernel.wire.codec import Buffer
+
+
+class Running:
+    """An async endpoint started as a task while another one awaited (see
+    :meth:`monarch_kernel.rank.inbox.Inbox.run_user`)."""
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: asyncio.Task[Any]):
+        self.task = task
+
+
+class UserCode(Protocol):
+    """How user code is run (``Inbox.run_user``) and its failure kept (the debugger)."""
+
+    def run_user(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn`` with interrupts enabled; await it if it is a coroutine."""
+        ...
+
+    def keep_failure(self, exc: BaseException) -> None:
+        """Remember ``exc`` for a post-mortem (``%debug_remote``)."""
+        ...
+
+
+class ActorHost:
+    """The actors of one rank, by name, and their owners."""
+
+    def __init__(
+        self,
+        rank: int,
+        outbox: Outbox,
+        main: MainThread,
+        user: UserCode,
+        owners: dict[str, H.Owner],
+    ):
+        self.rank = rank
+        self.outbox = outbox
+        self.main = main
+        self.user = user
+        self.actors: dict[str, Any] = {}
+        #: actor name -> its owner: an actor spawned by an actor of some rank (shared
+        #: with the outbox, which sends such an actor's failures to its owner)
+        self.owners = owners
+
+    def spawn(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
+        """SPAWN_ACTOR: construct actor ``a`` from the pickled ``(cls, args, kwargs)``."""
+        assert isinstance(hdr, H.SpawnActor)
+        name = hdr.actor
+        cls = None
+        if hdr.owner is not None:  # spawned by an actor of some rank: its failures go there
+            self.owners[name] = hdr.owner
+        else:
+            self.owners.pop(name, None)
+        try:
+            cls, args, kwargs = loads(msg.payload, msg.buffers, f"constructor of actor {name!r}")
+            context.current_actor = name
+            self.actors[name] = self.user.run_user(cls, *args, **kwargs)
+        except (Exception, KeyboardInterrupt) as exc:  # to the caller
+            where = f"{getattr(cls, '__name__', name)}.__init__"
+            self.outbox.reply_error(request, exc, where)
+            if request is not None and name in self.owners:  # and to its owner
+                self.outbox.fault(exception_report(exc, where), name)
+            return
+        except BaseException as exc:  # SystemExit ...: that actor is stopped, not the rank
+            if self.main.terminating:
+                raise
+            self.stopped(request, exc, name, cls, "constructor", "__init__")
+            return
+        finally:
+            context.current_actor = None
+        owner = self.owners.get(name)
+        if owner is not None:  # the controller tells the owner if this rank dies
+            owned = H.Owned(rank=self.rank, actor=name).encode()
+            self.outbox.send(owned, pickle.dumps(owner.encode()))
+        if hdr.seq is None:  # from a rank: the controller re-creates it too
+            self.tell_peer_actor(name, hdr, msg.payload, msg.buffers)
+        if request:
+            self.outbox.reply(request, None, f"spawn of {name}")
+
+    def tell_peer_actor(
+        self,
+        name: str,
+        spawn: H.SpawnActor | H.WireHeader | None,
+        payload: bytes | memoryview = b"",
+        buffers: Sequence[Buffer] = (),
+    ) -> None:
+        """Tell the controller that a rank-to-rank message spawned actor ``name`` here
+        (``spawn``: that message's header, with its payload and buffers) or stopped it
+        (``spawn`` None): it re-creates on a restart what it knows of. (``spawn`` may
+        still be the wire dict: actor/peer_client.py passes it so.)"""
+        if isinstance(spawn, dict):
+            spawn = H.SpawnActor.decode(spawn)
+        owner = spawn.owner if spawn is not None else None
+        header = H.PeerActor(rank=self.rank, actor=name, spawned=spawn is not None, owner=owner)
+        self.outbox.send(header.encode(), bytes(payload), buffers)
+
+    def stop(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
+        """STOP_ACTOR: forget actor ``a`` (no error if it is not there)."""
+        assert isinstance(hdr, H.StopActor)
+        name = str(hdr.actor)
+        self.actors.pop(name, None)
+        self.owners.pop(name, None)
+        if hdr.seq is None:  # from a rank: not to be re-created any more
+            self.tell_peer_actor(name, None)
+        if request:
+            self.outbox.reply(request, None, "stop")
+
+    def call(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
+        """CALL: run endpoint ``m`` of actor ``a`` with the pickled ``(args, kwargs)``.
+
+        Kept in one piece (the hot path of every actor call): the endpoint's result is
+        answered here, or by its response port, or when its task ends."""
+        assert isinstance(hdr, H.Call)
+        name, method = hdr.actor, hdr.method
+        actor = self.actors.get(name)
+
+        def where() -> str:  # only errors need it: not formatted on the hot path
+            return f"{type(actor).__name__ if actor is not None else name}.{method}"
+
+        try:
+            if actor is None:
+                raise LookupError(f"no actor {name!r} on rank {self.rank} (was it stopped?)")
+            args, kwargs = loads(msg.payload, msg.buffers, lambda: f"arguments of {where()}")
+            context.current_actor = name
+            context.current_slice = hdr.slice
+            fn = getattr(actor, method)
+            if getattr(fn, context.EXPLICIT_PORT_ATTR, False):
+                # @endpoint(explicit_response_port=True): the endpoint answers through
+                # the port it is given (now or later, from any thread); no reply here.
+                self.user.run_user(fn, ResponsePort(self.outbox, request, where), *args, **kwargs)
+                return
+            result = self.user.run_user(fn, *args, **kwargs)
+            if isinstance(result, Running):  # answered when its task ends
+                result.task.add_done_callback(
+                    lambda task: self.finish(request, task, name, where, actor)
+                )
+                return
+        except (Exception, KeyboardInterrupt) as exc:  # to the caller
+            self.user.keep_failure(exc)  # for %debug_remote (post-mortem)
+            self.outbox.reply_error(request, exc, where())
+            return
+        except BaseException as exc:  # SystemExit ...: that actor is stopped, not the rank
+            if self.main.terminating:
+                raise
+            self.stopped(request, exc, name, type(actor), "endpoint", method)
+            return
+        finally:
+            context.current_actor = None
+            context.current_slice = None
+        if request:
+            self.outbox.reply(request, result, lambda: f"result of {where()}", where)
+
+    def finish(
+        self,
+        request: str | None,
+        task: asyncio.Task[Any],
+        name: str,
+        where: Callable[[], str],
+        actor: Any,
+    ) -> None:
+        """Answer a call that ran as a task (see :class:`Running`)."""
+        saved = context.current_actor
+        context.current_actor = name
+        try:
+            if task.cancelled():
+                self.outbox.reply_error(request, KeyboardInterrupt("cancelled"), where())
+                return
+            exc = task.exception()
+            if isinstance(exc, (Exception, KeyboardInterrupt)):
+                self.outbox.reply_error(request, exc, where())
+            elif exc is not None:
+                self.stopped(request, exc, name, type(actor), "endpoint", where())
+            elif request:
+                self.outbox.reply(request, task.result(), lambda: f"result of {where()}", where)
+        finally:
+            context.current_actor = saved
+
+    def stopped(
+        self, request: str | None, exc: BaseException, name: str, cls: Any, what: str, method: str
+    ) -> None:
+        """User code of actor ``name`` raised a BaseException that is no Exception (say
+        SystemExit): like Monarch, only that actor stops; the rank and its other actors
+        keep running."""
+        self.actors.pop(name, None)
+        cls_name = getattr(cls, "__name__", "?")
+        report = exception_report(exc, f"{cls_name}.{method}")
+        report["message"] = (
+            f"actor {name!r} ({cls_name}) was stopped: its {what} raised {exc!r}; "
+            "other actors on this rank keep running"
+        )
+        report["host"] = self.outbox.hostname
+        if request is None:
+            self.outbox.fault(report, name)
+        else:
+            self.outbox.fail(request, report)
+
+    def supervise(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
+        """SUPERVISE: a mesh owned by actor ``on`` of this rank failed; its
+        ``__supervise__(failure)`` handles it (returns True) or it goes on up."""
+        from monarch_kernel.rank.supervise import MeshFailure
+
+        assert isinstance(hdr, H.Supervise)
+        body = pickle.loads(msg.payload)
+        owner_name = hdr.owner_name
+        owner = self.actors.get(owner_name)
+        failure = MeshFailure(
+            body["mesh"], body["actor"], body["rank"], body["report"], tuple(body["path"])
+        )
+        handled = False
+        supervise = getattr(owner, "__supervise__", None)
+        if supervise is not None:
+            context.current_actor = owner_name
+            try:
+                handled = bool(self.user.run_user(supervise, failure))
+            except Exception as exc:  # __supervise__ itself failed: its owner is told
+                where = f"{type(owner).__name__}.__supervise__"
+                self.outbox.fault(exception_report(exc, where), owner_name)
+            finally:
+                context.current_actor = None
+        if not handled:
+            me = f"{self.outbox.mesh}/{owner_name}[{self.rank}]"
+            self.outbox.fault(body["report"], owner_name, (*failure.path, me))
+
+
+class ResponsePort:
+    """Where an endpoint declared with ``explicit_response_port=True`` sends its answer
+    (Monarch's ``Port``): ``send(value)`` or ``exception(exc)``, once, from any thread.
+    For a fire-and-forget call (``broadcast``) a value goes nowhere and an exception to
+    supervision."""
+
+    def __init__(self, outbox: Outbox, request: str | None, where: Callable[[], str]):
+        self._outbox = outbox
+        self._request = request
+        self._where = where
+        self._sent = False
+
+    def send(self, value: Any) -> None:
+        """Answer the call with ``value``."""
+        if self._claim() and self._request is not None:
+            self._outbox.reply(self._request, value, lambda: f"result of {self._where()}")
+
+    def exception(self, exc: BaseException) -> None:
+        """Answer the call with the failure ``exc``."""
+        if self._claim():
+            self._outbox.reply_error(self._request, exc, self._where())
+
+    def _claim(self) -> bool:
+        """The first answer wins (a request gets one reply); later ones are dropped."""
+        if self._sent:
+            return False
+        self._sent = True
+        return True

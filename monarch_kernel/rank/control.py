@@ -1,0 +1,243 @@
+"""A rank's control thread: what the controller asks while user code runs on the main
+thread (``push``, ``pull``, ``ping``, ``cancel``, ``stacks``, ``abort_pg``,
+``input_reply``), and the once-a-second ``stats``. It also ends the rank when its host
+agent is gone."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import zmq
+
+from monarch_kernel.rank import context
+from monarch_kernel.rank.outbox import Outbox
+from monarch_kernel.rank.signals import MainThread
+from monarch_kernel.wire import Codec, Message, WireError, loads
+from monarch_kernel.wire import headers as H
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import recv as wire_recv
+
+log = logging.getLogger("monarch_kernel.rank")
+
+STATS_INTERVAL = 1.0
+#: How long the control thread waits for an abort of the process group to finish.
+ABORT_WAIT = 1.0
+#: Seconds after an ABORT_PG during which failures are not kept for post-mortem.
+ABORT_KEEP_PAUSE = 5.0
+
+#: A control-thread handler: ``handler(msg)``.
+ControlHandler = Callable[[Message], None]
+
+
+class FailureKeeper(Protocol):
+    """The rank's debugger, as far as the control thread touches it."""
+
+    last_failure: BaseException | None
+    keep_after: float
+
+
+class InputAnswers(Protocol):
+    """The rank's ``input()`` bridge, as far as the control thread touches it."""
+
+    def answer(self, reply: H.InputReply) -> None:
+        """Wake the ``input()`` waiting for ``reply``."""
+        ...
+
+
+class ControlThread:
+    """Serves the rank's control socket ``ctl`` on a thread of its own."""
+
+    def __init__(
+        self,
+        rank: int,
+        ctl: zmq.Socket[bytes],
+        codec: Codec,
+        outbox: Outbox,
+        main: MainThread,
+        namespace: dict[str, Any],
+        debugger: FailureKeeper,
+        stdin: InputAnswers,
+    ):
+        self.rank = rank
+        self.ctl = ctl
+        self.codec = codec
+        self.outbox = outbox
+        self.main = main
+        self.namespace = namespace
+        self.debugger = debugger
+        self.stdin = stdin
+        self.parent = os.getppid()
+        #: Handlers by kind: what they raise is sent back as an error reply to the
+        #: request (header ``i``), or as a fault if there is none.
+        self.handlers: dict[str, ControlHandler] = {
+            K.HELLO: _ignore,  # the controller's connection probe
+            K.CANCEL: self.cancel,
+            K.STACKS: self.stacks,
+            K.PUSH: self.push,
+            K.PULL: self.pull,
+            K.PING: self.ping,
+            K.ABORT_PG: self.abort_pg,
+            K.INPUT_REPLY: self.input_reply,
+        }
+
+    def start(self) -> None:
+        """Start serving (a daemon thread)."""
+        threading.Thread(target=self.loop, name="rank-control", daemon=True).start()
+
+    def loop(self) -> None:
+        """Serve control messages; send stats once a second; exit with the agent."""
+        poller = zmq.Poller()
+        poller.register(self.ctl, zmq.POLLIN)
+        next_stats = 0.0
+        while True:
+            if os.getppid() != self.parent:  # our host agent is gone
+                os._exit(3)
+            if time.monotonic() >= next_stats:
+                next_stats = time.monotonic() + STATS_INTERVAL
+                self.send_stats()
+            if not poller.poll(int(STATS_INTERVAL * 1000)):
+                continue
+            try:
+                msg = self.codec.decode(wire_recv(self.ctl))
+            except WireError as exc:
+                log.warning("rank %s dropped a control message: %s", self.rank, exc)
+                continue
+            try:
+                self.handle(msg)
+            except Exception as exc:
+                request = msg.header.get("i")
+                self.outbox.reply_error(
+                    request if isinstance(request, str) else None, exc, msg.kind
+                )
+
+    def handle(self, msg: Message) -> None:
+        """Handle one control message; unknown kinds are ignored."""
+        try:
+            handler = self.handlers[msg.header["k"]]
+        except (KeyError, TypeError):  # unknown (or unhashable) kind
+            return
+        handler(msg)
+
+    def send_stats(self) -> None:
+        """The once-a-second ``stats``: memory, data-plane bytes, process group."""
+        from monarch_kernel.rank.dataplane import counters
+
+        stats: dict[str, object] = {"rss": _rss(), "time": time.time(), **counters()}
+        if "torch.distributed" in sys.modules:  # so a restart can re-form the group
+            from monarch_kernel.rank import distributed
+
+            if distributed.last_backend:
+                stats["pg"] = distributed.last_backend
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            stats["gpu_mem"] = torch.cuda.memory_allocated()
+        try:
+            self.outbox.send(
+                H.RankNotice(kind=K.STATS, rank=self.rank).encode(), pickle.dumps(stats)
+            )
+        except zmq.ZMQError:
+            pass
+
+    def cancel(self, msg: Message) -> None:
+        """CANCEL: interrupt request ``c`` if it runs now, skip it if it has not started."""
+        target = H.Cancel.decode(msg.header).target
+        cancelled = self.main.cancelled
+        cancelled.add(target)  # skipped if it has not started yet
+        if len(cancelled) > 1000:  # cancels of requests that never came
+            cancelled.pop()
+        if context.current_request == target and self.main.in_user_code:
+            os.kill(os.getpid(), signal.SIGINT)  # raises in the main thread
+
+    def _request(self, msg: Message) -> str:
+        """The id of the request ``msg`` (asked once the work is done, as the handlers
+        always did: a push without one still sets the names, then fails)."""
+        request = H.ControlRequest.decode(msg.header).request
+        if request is None:
+            raise H.HeaderError(f"{msg.kind!r} header: missing key 'i'")
+        return request
+
+    def stacks(self, msg: Message) -> None:
+        """STACKS: reply every other thread's Python stack (``wire.stacks``)."""
+        from monarch_kernel.wire.stacks import capture_stacks
+
+        stacks = capture_stacks(threading.get_ident())
+        self.outbox.reply(self._request(msg), stacks, "stacks")
+
+    def push(self, msg: Message) -> None:
+        """PUSH: set the pickled ``{name: value}`` in the namespace; reply the names."""
+        values = loads(msg.payload, msg.buffers, "pushed values")
+        self.namespace.update(values)
+        self.outbox.reply(self._request(msg), sorted(values), "push")
+
+    def pull(self, msg: Message) -> None:
+        """PULL: reply the values of the pickled list of names, in that order."""
+        names = loads(msg.payload, msg.buffers, "pull request")
+        missing = [n for n in names if n not in self.namespace]
+        if missing:
+            raise NameError(f"name {missing[0]!r} is not defined on rank {self.rank}")
+        values = [self.namespace[n] for n in names]
+        self.outbox.reply(self._request(msg), values, f"pulled {', '.join(names)}")
+
+    def ping(self, msg: Message) -> None:
+        """PING: reply this rank's pid, its count of rejected (forged) messages, the
+        backend of its last torch.distributed process group (``pg``) and whether that
+        group is live now (``pg_live``)."""
+        from monarch_kernel.rank import distributed
+
+        backend, live = distributed.state()
+        value = {
+            "pid": os.getpid(),
+            "rejected": self.codec.rejected,
+            "pg": backend,
+            "pg_live": live,
+        }
+        self.outbox.reply(self._request(msg), value, "ping")
+
+    def abort_pg(self, msg: Message) -> None:
+        """ABORT_PG: abort the default process group (releases peers blocked in a
+        collective with this rank); fire and forget, errors go to the log. It runs on a
+        thread of its own and is waited for at most ABORT_WAIT seconds (so that a ping
+        right after it sees the group gone), so a backend slow to abort never holds up
+        pings, cancels and stack dumps for long."""
+        from monarch_kernel.rank import distributed
+
+        # A failure the abort causes (a collective released with an error) is not kept
+        # for post-mortem: its frames hold the aborted group's pending work, and while
+        # they live the group cannot be destroyed (the ranks would stay in a dead group).
+        self.debugger.last_failure = None
+        self.debugger.keep_after = time.monotonic() + ABORT_KEEP_PAUSE
+
+        def abort() -> None:
+            try:
+                distributed.abort_process_group()
+            except Exception:
+                log.exception("rank %s: aborting the process group failed", self.rank)
+
+        thread = threading.Thread(target=abort, name="mk-abort-pg", daemon=True)
+        thread.start()
+        thread.join(ABORT_WAIT)
+
+    def input_reply(self, msg: Message) -> None:
+        """INPUT_REPLY: the notebook's answer to an ``input()`` waiting on this rank."""
+        self.stdin.answer(H.InputReply.decode(msg.header))
+
+
+def _ignore(msg: Message) -> None:
+    """A control message that needs nothing done (HELLO)."""
+
+
+def _rss() -> int:
+    """Resident memory of this process in bytes (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

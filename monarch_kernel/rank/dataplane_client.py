@@ -1,0 +1,166 @@
+"""The receiver's side of the data plane: signed requests to a tensor's owner, over its
+socket or through the shared memory the tensor lives in."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from monarch_kernel.rank.config import RankConfig
+from monarch_kernel.rank.dataplane_common import read_all
+
+if TYPE_CHECKING:
+    from monarch_kernel.rank.dataplane_ref import TensorRef
+from monarch_kernel.wire import Codec
+from monarch_kernel.wire.codec import limit_size
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+
+
+class Client:
+    """The receiver's side: one socket per owner address and thread."""
+
+    def __init__(self, cfg: RankConfig):
+        self.codec = Codec(bytes.fromhex(cfg.key))
+        self.run_id = cfg.run_id
+        self.others: dict[str, Codec] = {}  # other meshes' keys -> their codecs
+        self.local = threading.local()
+
+    def _socket(self, address: str, curve_key: str = "") -> zmq.Socket:
+        """This thread's socket to ``address`` (a CURVE client of ``curve_key`` if set,
+        with a throw-away keypair)."""
+        socks = self.local.__dict__.setdefault("socks", {})
+        sock = socks.get((address, curve_key))
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            limit_size(sock)
+            if curve_key:
+                public, secret = zmq.curve_keypair()
+                sock.setsockopt(zmq.CURVE_SERVERKEY, curve_key.encode())
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            sock.connect(address)
+            socks[(address, curve_key)] = sock
+        found: zmq.Socket[bytes] = sock
+        return found
+
+    def codec_for(self, ref: TensorRef) -> Codec:
+        """The key requests to ``ref``'s owner are signed with: its mesh's."""
+        if ref.key_id == self.run_id or not ref.mesh_key:
+            return self.codec
+        codec = self.others.get(ref.mesh_key)
+        if codec is None:
+            codec = self.others[ref.mesh_key] = Codec(bytes.fromhex(ref.mesh_key))
+        return codec
+
+    def frames(self, header: dict[str, Any], codec: Codec | None = None) -> list[Any]:
+        """A signed request: a fresh nonce and the time make it good for one use."""
+        header = dict(header, k="req", n=os.urandom(16).hex(), t=time.time())
+        return (codec or self.codec).encode(header)
+
+    def request(self, ref: TensorRef, header: dict[str, Any], timeout: float = 60.0) -> Any:
+        if ref.same_host():
+            address, curve_key = ref.ipc, ""
+        elif ref.address:
+            address, curve_key = ref.address, ref.curve_key
+        else:
+            raise RuntimeError(
+                f"rank {ref.owner} is on machine {ref.machine!r} and has no TCP data socket "
+                "(its mesh was started by the local backend, reachable from its own machine "
+                "only); start it with a multi-machine backend (join, ray, slurm, lightning)"
+            )
+        sock = self._socket(address, curve_key)
+        codec = self.codec_for(ref)
+        sock.send_multipart(self.frames(header, codec))
+        if not sock.poll(int(timeout * 1000)):
+            raise TimeoutError(
+                f"rank {ref.owner} did not answer a data-plane request in {timeout}s "
+                "(is it alive and its mesh still running?)"
+            )
+        msg = codec.decode(sock.recv_multipart(copy=False))
+        if msg.header.get("k") == "err":
+            raise RuntimeError(f"rank {ref.owner}: {msg.header['error']}")
+        return msg
+
+    def read_socket(self, ref: TensorRef, raw: Any) -> None:
+        import torch
+
+        msg = self.request(ref, {"op": "fetch", "id": ref.id})
+        raw.copy_(torch.frombuffer(msg.buffers[0], dtype=torch.uint8))
+
+    def _open_shm(self, ref: TensorRef) -> int:
+        """A read-only descriptor of the owner's shared memory holding the tensor: the
+        one it lives in, else a copy made now for this request."""
+        released = RuntimeError(
+            f"rank {ref.owner}: tensor {ref.id} was released or never shared by rank {ref.owner}"
+        )
+        if ref.shm:
+            try:
+                fd = os.open(ref.shm, os.O_RDONLY)
+            except FileNotFoundError:
+                raise released from None
+            st = os.fstat(fd)
+            if st.st_ino != ref.shm_ino or st.st_size < ref.nbytes:
+                os.close(fd)  # the owner's descriptor was closed and its number reused
+                raise released
+            return fd
+        path = self.request(ref, {"op": "shm", "id": ref.id}).header["path"]
+        try:
+            return os.open(path, os.O_RDONLY)
+        finally:
+            os.unlink(path)  # a copy for this request only
+
+    def map_shm(self, ref: TensorRef) -> Any:
+        """A uint8 tensor over a private (copy-on-write) mapping of the owner's shared
+        memory; its page tables are filled without copying the pages (a page is copied
+        here once either side writes it; until then it shows the owner's data)."""
+        import torch
+
+        fd = self._open_shm(ref)
+        try:
+            prot = mmap.PROT_READ | mmap.PROT_WRITE
+            m = mmap.mmap(fd, ref.nbytes, flags=mmap.MAP_PRIVATE, prot=prot)
+        finally:
+            os.close(fd)
+        try:
+            m.madvise(_MADV_POPULATE_READ)  # map the shared pages now; a write copies one
+        except OSError:
+            pass  # older kernel: pages are mapped on first touch
+        return torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
+
+    def read_shm(self, ref: TensorRef, raw: Any) -> None:
+        fd = self._open_shm(ref)
+        try:
+            # One kernel copy from the shared pages straight into the destination.
+            read_all(fd, memoryview(raw.numpy()).cast("B"))
+        finally:
+            os.close(fd)
+
+
+_client: Client | None = None
+_init_lock = threading.Lock()
+
+
+def rank_config() -> RankConfig:
+    """The configuration of the rank this runs in (the data plane is used in ranks only)."""
+    from monarch_kernel.rank import context
+
+    runtime = context.services()
+    if runtime is None:
+        raise RuntimeError("the data plane is used inside ranks (in %%remote cells or actors)")
+    return runtime.config
+
+
+def client() -> Client:
+    """This rank's data-plane client (made on first use)."""
+    global _client
+    with _init_lock:
+        if _client is None:
+            _client = Client(rank_config())
+        return _client

@@ -1,0 +1,83 @@
+"""What both sides of the data plane share: limits, byte counters, where its sockets
+live (the host agent's private directory) and the address other hosts reach."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+
+from monarch_kernel.rank.config import RankConfig
+from monarch_kernel.wire.netaddr import is_loopback, route_source
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+#: CPU tensors this size or larger are placed in shared memory at ``share()`` time (when
+#: the host has other ranks) and ``auto`` gets them through it; smaller ones go over the
+#: data socket (a shared-memory file costs more than it saves there).
+SHM_MIN_BYTES = 1024 * 1024
+#: Set to 1 in the ranks' environment (``%mesh ... --env MONARCH_KERNEL_ENCRYPT_DATA=1``)
+#: to encrypt rank-to-rank tensors between hosts with CurveZMQ (2-3x slower for big
+#: tensors on this kind of machine). Requests are signed and carry a nonce either way.
+ENCRYPT_ENV = "MONARCH_KERNEL_ENCRYPT_DATA"
+#: A request older than this (by the sender's clock) is refused; its nonce is remembered
+#: this long, and at most :data:`NONCE_MAX` nonces are.
+NONCE_WINDOW = 120.0
+NONCE_MAX = 65536
+counters_ = {"bytes_out": 0, "bytes_in": 0, "replays_refused": 0}
+
+
+def counters() -> dict[str, int]:
+    """Bytes this rank served to and pulled from other ranks over the data plane, and
+    how many replayed or stale requests it refused."""
+    return dict(counters_)
+
+
+def private_dir(cfg: RankConfig) -> str:
+    """The host agent's private 0700 directory (where rank logs live), else our own
+    (made once, removed at exit)."""
+    global _own_dir
+    log = cfg.log
+    if log:
+        d = os.path.dirname(log)
+        st = os.stat(d)
+        if st.st_uid == os.getuid() and st.st_mode & 0o077 == 0:
+            return d
+    if _own_dir is None:
+        _own_dir = tempfile.mkdtemp(prefix="mk-dp-")  # mode 0700
+        atexit.register(shutil.rmtree, _own_dir, True)
+    return _own_dir
+
+
+_own_dir: str | None = None
+
+
+def host_addr(cfg: RankConfig) -> str:
+    """The address this host is reached at by the others: the local address of the
+    route to the controller (loopback if it is on this box)."""
+    peer = ""
+    recv = cfg.recv
+    if recv.startswith("tcp://"):
+        peer = recv[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    elif cfg.master_addr:
+        peer = cfg.master_addr
+    if not peer or is_loopback(peer):
+        return "127.0.0.1"
+    return route_source(peer)
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    """Write all of ``data`` to ``fd``."""
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done:])
+
+
+def read_all(fd: int, out: memoryview) -> None:
+    """Fill ``out`` from ``fd``; EOFError if it ends first."""
+    done = 0
+    while done < len(out):
+        n = os.readv(fd, [out[done:]])
+        if n == 0:
+            raise EOFError("shared-memory copy is shorter than the tensor")
+        done += n

@@ -1,0 +1,132 @@
+"""The entry point of a freshly forked rank (:func:`run_forked`) and its way out."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+from monarch_kernel.rank import capture, context, env
+from monarch_kernel.rank.config import RankConfig
+from monarch_kernel.rank.signals import TERMINATED_CODE, RankTerminated
+from monarch_kernel.wire.osutil import die_with_parent
+
+log = logging.getLogger("monarch_kernel.rank")
+
+#: How long the exit path waits for ``destroy_process_group`` (it may hang on a peer).
+DESTROY_TIMEOUT = 1.0
+
+
+def run_forked(cfg: RankConfig, template_pid: int) -> None:
+    """Entry point of a freshly forked rank (called by the host template); never returns.
+
+    The rank ends like a Python script: ``sys.exit()`` (or ``sys.exit(None)``) with code
+    0, ``sys.exit(n)`` with ``n``, ``sys.exit("message")`` with 1 and the message on
+    stderr, an uncaught exception with 1 and its traceback. Then the process group is
+    destroyed, ``atexit`` handlers run and the streams are flushed (see :func:`_clean_up`).
+    A rank stopped by SIGTERM does all that and then ends killed by SIGTERM.
+    """
+    code = 0
+    terminated = False
+    try:
+        die_with_parent(signal.SIGKILL, expected_parent=template_pid)
+        log_fd = os.open(cfg.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        import faulthandler
+
+        faulthandler.enable(file=log_fd, all_threads=False)
+        _register_stacks_dump(cfg.log)
+        env.apply(cfg)
+        # Same working directory and import path as the controller, so classes that
+        # pickle by reference (defined in the user's modules) import here too.
+        if cfg.cwd and os.path.isdir(cfg.cwd):
+            os.chdir(cfg.cwd)
+        sys.path.extend(p for p in cfg.sys_path if p not in sys.path)
+        from monarch_kernel.rank.runtime import Rank
+
+        Rank(cfg, log_fd).run()
+    except RankTerminated:
+        terminated = True
+        code = TERMINATED_CODE
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the clean-up is not cut short
+            runtime = context._runtime
+            terminated = terminated or bool(getattr(runtime, "terminating", False))
+            _clean_up()
+        except BaseException:  # nothing may keep the rank from exiting
+            pass
+        if terminated:  # stopped: end as the signal asked (the host agent sees SIGTERM)
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+            except BaseException:
+                pass
+        os._exit(code)
+
+
+def _register_stacks_dump(log_path: str) -> None:
+    """Dump every thread's stack on ``STACKS_SIGNAL`` (the host agent's ``dump_stacks``;
+    signal-safe, works while C code holds the GIL). The file gets its name only once the
+    handler is in place: the agent signals only ranks whose file exists."""
+    import faulthandler
+
+    from monarch_kernel.wire.stacks import STACKS_SIGNAL, stacks_path
+
+    path = stacks_path(log_path, os.getpid())
+    try:
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
+        os.rename(path + ".tmp", path)
+    except (OSError, AttributeError, ValueError, RuntimeError) as exc:  # no fallback, then
+        log.warning("rank stacks cannot be dumped with faulthandler: %s", exc)
+
+
+def _exit_code(code: object) -> int:
+    """The exit status of ``SystemExit(code)``, as Python gives it to a script."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        sys.stderr.write(f"{code}\n")
+    except Exception:
+        pass
+    return 1
+
+
+def _clean_up() -> None:
+    """What a Python process does on its way out, which ``os._exit`` skips: tear down
+    the process group (bounded), run ``atexit`` handlers, flush the streams."""
+    from monarch_kernel.rank import distributed
+
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            distributed.destroy_process_group()
+        except Exception:
+            pass
+        finally:
+            done.set()
+
+    if distributed.is_initialized():
+        threading.Thread(target=destroy, name="mk-destroy-pg", daemon=True).start()
+        done.wait(DESTROY_TIMEOUT)
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    capture.flush_fds()

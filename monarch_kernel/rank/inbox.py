@@ -1,0 +1,348 @@
+"""A rank's inbox: its sockets to the controller and its host agent, in-order delivery by
+sequence number, the table of main-thread handlers, and serving the inbox while user
+code waits (an async endpoint awaiting, a sync one blocked on a call to another rank).
+
+The inbox is one DEALER connected to the controller (direct messages) and to the host
+agent's fan-out socket (messages to several ranks), and bound to a peer address (calls
+from other ranks), so the main thread blocks in one plain receive. Messages from the
+controller carry a per-rank sequence number ``q`` and are handled strictly in that order
+whichever path they came by; messages from other ranks carry none (FIFO per caller
+comes from its connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import zmq
+
+from monarch_kernel.rank import context
+from monarch_kernel.rank.actors import Running
+from monarch_kernel.rank.config import RankConfig
+from monarch_kernel.rank.outbox import Outbox
+from monarch_kernel.rank.signals import MainThread
+from monarch_kernel.wire import Codec, Message, WireError, peer_address
+from monarch_kernel.wire import headers as H
+from monarch_kernel.wire.codec import limit_size
+from monarch_kernel.wire.codec import recv as wire_recv
+from monarch_kernel.wire.osutil import REQUEST_END, REQUEST_START
+from monarch_kernel.wire.peer_address import PeerAddress
+
+log = logging.getLogger("monarch_kernel.rank")
+
+#: Result types that skip the (slower) awaitable check.
+_NOT_AWAITABLE = frozenset({int, float, str, bytes, bool, type(None), list, dict, tuple})
+
+#: A main-thread handler: ``handler(msg, header, request)``, where ``request`` is the
+#: request id when the sender waits for a reply (header ``w``), else None.
+Handler = Callable[[Message, H.Ordered, str | None], None]
+
+
+class RequestEnd(Protocol):
+    """What ends with every request (the debugger: no trace may outlive it)."""
+
+    used: bool
+
+    def end_of_request(self) -> None:
+        """The request is over."""
+        ...
+
+
+def dealer(ctx: zmq.Context[zmq.Socket[bytes]], ident: bytes) -> zmq.Socket[bytes]:
+    """A DEALER with routing id ``ident``, its frame size limited."""
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, ident)
+    s.setsockopt(zmq.LINGER, 1000)
+    limit_size(s)  # ZMQ_MAXMSGSIZE: no frame above it is allocated
+    return s
+
+
+def connect(s: zmq.Socket[bytes], addr: str, cfg: RankConfig) -> None:
+    """Connect ``s`` to ``addr``; as a CURVE client (the host's keypair) when the mesh
+    uses CURVE: the controller's key for its tcp sockets, the host agent's own public
+    key for its fan-out socket."""
+    if cfg.curve_secret:
+        s.setsockopt(zmq.CURVE_PUBLICKEY, cfg.curve_public.encode())
+        s.setsockopt(zmq.CURVE_SECRETKEY, cfg.curve_secret.encode())
+        server = cfg.curve_server if addr.startswith("tcp://") else None
+        s.setsockopt(zmq.CURVE_SERVERKEY, (server or cfg.curve_public).encode())
+    s.connect(addr)
+
+
+def bind_peer(sock: zmq.Socket[bytes], cfg: RankConfig) -> PeerAddress:
+    """Bind ``sock`` (the inbox) for actor calls from other ranks: a unix socket in the
+    host agent's private (0700) directory and, when the mesh may span machines (its
+    sockets use CURVE), a CURVE TCP socket on this host's address."""
+    from monarch_kernel.rank.dataplane import host_addr, private_dir
+
+    # The same path (and TCP port and key, see the controller's rank specs) after a
+    # restart: references to this rank held by other ranks reach it again.
+    path = os.path.join(private_dir(cfg), f"pr{cfg.rank}")
+    if len(path) > 100:  # a unix socket path is at most 107 bytes
+        import tempfile
+
+        path = os.path.join(tempfile.mkdtemp(prefix="mk-pr-", dir="/tmp"), f"pr{cfg.rank}")
+    tcp_host = host_addr(cfg) if cfg.curve_secret else ""
+    return peer_address.bind(
+        sock, path, tcp_host, machine=cfg.hostname, secret=cfg.peer_secret, port=cfg.peer_port
+    )
+
+
+class Inbox:
+    """The main thread's message loop (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: RankConfig,
+        sock: zmq.Socket[bytes],
+        codec: Codec,
+        main: MainThread,
+        outbox: Outbox,
+        log_fd: int,
+    ):
+        self.cfg = cfg
+        self.rank = cfg.rank
+        self.sock = sock
+        self.codec = codec
+        self.main = main
+        self.outbox = outbox
+        self.log_fd = log_fd
+        #: Ordered handlers by kind (``hello`` never gets to them): see :data:`Handler`.
+        self.handlers: dict[str, Handler] = {}
+        #: Told at the end of every request (set by the rank: its debugger).
+        self.request_end: RequestEnd | None = None
+        self.next_seq = 0
+        self.held: dict[int, tuple[Message, H.Ordered]] = {}
+        #: Controller messages read by :meth:`pump` while an async endpoint awaited.
+        self.deferred: collections.deque[tuple[Message, H.Ordered]] = collections.deque()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._wake: tuple[int, int, zmq.Poller] | None = None  # see serve_until
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve the inbox forever (the main thread, once the rank started)."""
+        inbox = self.sock
+        deferred = self.deferred
+        while True:
+            try:
+                self.receive(wire_recv(inbox))
+                while deferred:  # controller messages read while an endpoint awaited
+                    self.accept(*deferred.popleft())
+            except KeyboardInterrupt:
+                continue
+
+    def receive(self, frames: list[Any]) -> None:
+        """Verify, decode and handle one message (in order)."""
+        msg = self.decode(frames)
+        if msg is not None:
+            self.accept(msg, H.decode_ordered(msg.header))
+
+    def decode(self, frames: list[Any]) -> Message | None:
+        """The verified message, None (logged) if it is forged or malformed."""
+        try:
+            return self.codec.decode(frames)
+        except WireError as exc:
+            log.warning("rank %s dropped a message: %s", self.rank, exc)
+            return None
+
+    def greet_host(self, timeout: float = 30.0) -> None:
+        """Wait until the host agent can fan messages out to our inbox.
+
+        We say hello from a throw-away socket; the agent answers with a hello sent to
+        our inbox's routing id, which arrives once that connection is up. The greeting
+        is repeated: an answer may go to the connection of an earlier incarnation of
+        this rank that the agent has not dropped yet.
+        """
+        greet = dealer(self.sock.context, f"g{self.rank}".encode())
+        connect(greet, self.cfg.fanout, self.cfg)
+        greet.setsockopt(zmq.LINGER, 0)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                # encoded afresh each time: the agent drops a replayed (identical) one
+                greet.send_multipart(self.codec.encode(H.Hello(rank=self.rank).encode()))
+                while self.sock.poll(100):
+                    msg = self.decode(wire_recv(self.sock))
+                    if msg is None:
+                        continue
+                    hdr = H.decode_ordered(msg.header)
+                    if isinstance(hdr, H.Hello):
+                        return
+                    self.accept(msg, hdr)
+            raise RuntimeError(f"rank {self.rank}: host agent did not answer in {timeout}s")
+        finally:
+            greet.close()
+
+    def accept(self, msg: Message, hdr: H.Ordered) -> None:
+        """Dispatch ``msg`` in sequence order (held back while earlier ones are missing)."""
+        seq = hdr.seq_for(self.rank)
+        if seq is None:
+            self.dispatch(msg, hdr)
+            return
+        if seq != self.next_seq:
+            if seq > self.next_seq:
+                self.held[seq] = (msg, hdr)
+            return  # already handled, or a fan-out that does not name us (-1)
+        self.dispatch(msg, hdr)
+        self.next_seq += 1
+        while self.next_seq in self.held:
+            self.dispatch(*self.held.pop(self.next_seq))
+            self.next_seq += 1
+
+    def dispatch(self, msg: Message, hdr: H.Ordered) -> None:
+        """Handle one ordered message on the main thread (see ``self.handlers``)."""
+        if isinstance(hdr, H.Hello):  # the connection probe: nothing to run, to flush
+            return
+        request = hdr.request if hdr.wants_reply else None
+        if hdr.reply_to is not None and request is not None:  # a call from another rank
+            try:
+                self.outbox.peer_routes[request] = PeerAddress.decode(hdr.reply_to)
+            except ValueError:
+                log.warning("rank %s: request %s names no reply address", self.rank, request)
+        cancelled = self.main.cancelled
+        if request is not None and request in cancelled:
+            cancelled.discard(request)
+            stop = KeyboardInterrupt("cancelled before it started")
+            self.outbox.reply_error(request, stop, msg.kind)
+            return
+        handler = self.handlers.get(hdr.KIND) or self._other
+        context.current_request = hdr.request
+        if request is not None:
+            _mark(self.log_fd, _START)  # what it prints from here on is this request's
+        try:
+            handler(msg, hdr, request)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if request is not None:
+                _mark(self.log_fd, _END)
+            if cancelled:
+                cancelled.discard(context.current_request)
+            ended = self.request_end
+            if ended is not None and ended.used:
+                ended.end_of_request()
+            context.current_request = None
+
+    def _other(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
+        """A kind this rank does not serve on its main thread, or a malformed header:
+        logged, and (malformed, with a reply wanted) answered with the error."""
+        error = hdr.error if isinstance(hdr, H.OtherOrdered) else ""
+        if not error:
+            log.warning("rank %s: unknown message kind %r", self.rank, msg.header["k"])
+            return
+        log.warning("rank %s: malformed message: %s", self.rank, error)
+        if request is not None:
+            self.outbox.reply_error(request, H.HeaderError(error), str(msg.header.get("k")))
+
+    # -- while user code waits -------------------------------------------------------
+    def run_user(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call user code with interrupts enabled; await it if it is a coroutine.
+
+        While a coroutine awaits, calls from other ranks keep being served (see
+        :meth:`pump`); one that arrives then and is itself a coroutine becomes a task
+        on the running loop, returned as :class:`~monarch_kernel.rank.actors.Running`
+        (answered when it ends)."""
+        main = self.main
+        outer = main.in_user_code
+        main.in_user_code = True
+        try:
+            if main.cancelled and context.current_request in main.cancelled:
+                raise KeyboardInterrupt("cancelled")
+            result = fn(*args, **kwargs)
+            if result.__class__ not in _NOT_AWAITABLE and inspect.isawaitable(result):
+                loop = self.loop
+                if loop is None:
+                    loop = self.loop = asyncio.new_event_loop()
+                    loop.add_reader(int(self.sock.getsockopt(zmq.FD)), self.pump)
+                if loop.is_running():  # served while another endpoint awaits
+                    return Running(loop.create_task(_as_coroutine(result)))
+                loop.call_soon(self.pump)  # anything that came before the reader saw it
+                result = loop.run_until_complete(result)
+            return result
+        finally:
+            main.in_user_code = outer
+
+    def serve_until(self, fut: Any, timeout: float | None) -> None:
+        """Before the main thread blocks on a call to another rank (``.get()`` in a sync
+        endpoint): serve calls from other ranks until ``fut`` is done (or ``timeout``
+        passes), so that a call cycle between meshes (A calls B, which calls A back)
+        does not wait for itself. Other threads just block."""
+        if timeout == 0 or fut.done() or threading.current_thread() is not threading.main_thread():
+            return
+        if self._wake is None:  # a pipe the future's completion writes to, polled with the inbox
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            poller = zmq.Poller()
+            poller.register(self.sock, zmq.POLLIN)
+            poller.register(r, zmq.POLLIN)
+            self._wake = (r, w, poller)
+        r, w, poller = self._wake
+
+        def wake(_: Any) -> None:
+            try:
+                os.write(w, b".")
+            except BlockingIOError:  # full: a wake-up is pending anyway
+                pass
+
+        fut.add_done_callback(wake)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not fut.done():
+            left = None if deadline is None else int((deadline - time.monotonic()) * 1000)
+            if left is not None and left <= 0:
+                return
+            events = dict(poller.poll(left))
+            if r in events:
+                try:
+                    os.read(r, 4096)
+                except BlockingIOError:
+                    pass
+            if self.sock in events:
+                self.pump()
+
+    def pump(self) -> None:
+        """Serve the inbox while an async endpoint awaits (on the rank's event loop).
+
+        Calls from other ranks run now: an actor awaiting a call to another mesh that
+        calls back into this one (ping-pong across meshes) must not wait for itself.
+        Messages from the controller (sequenced) are kept for after the endpoint, so
+        that the notebook's calls stay one at a time, in order."""
+        inbox = self.sock
+        while int(inbox.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            msg = self.decode(inbox.recv_multipart(zmq.NOBLOCK, copy=False))
+            if msg is None:
+                continue
+            hdr = H.decode_ordered(msg.header)
+            if hdr.seq is not None:
+                self.deferred.append((msg, hdr))
+                continue
+            saved = (context.current_request, context.current_actor, context.current_slice)
+            try:
+                self.accept(msg, hdr)
+            finally:
+                context.current_request, context.current_actor, context.current_slice = saved
+
+
+async def _as_coroutine(aw: Any) -> Any:
+    return await aw
+
+
+_START = (REQUEST_START + "\n").encode()
+_END = (REQUEST_END + "\n").encode()
+
+
+def _mark(fd: int, marker: bytes) -> None:
+    """A request boundary in the rank's log (see ``osutil.request_tail``)."""
+    try:
+        os.write(fd, marker)
+    except OSError:
+        pass

@@ -1,0 +1,187 @@
+"""Everything a rank sends: to its controller (results, output, metrics, faults) over
+one socket shared by its threads, and to other processes' peer addresses (the reply to
+a rank-to-rank call, a failure to the actor that owns the failed one)."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import zmq
+
+from monarch_kernel.rank import context
+from monarch_kernel.rank.errors import exception_report
+from monarch_kernel.rank.signals import MainThread
+from monarch_kernel.wire import Codec, SerializationError, dumps, peer_address
+from monarch_kernel.wire import headers as H
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import Buffer
+from monarch_kernel.wire.codec import send as wire_send
+from monarch_kernel.wire.peer_address import PeerAddress
+from monarch_kernel.wire.reports import FailureReport
+from monarch_kernel.wire.serialize import What
+
+log = logging.getLogger("monarch_kernel.rank")
+
+#: How long a reply to a calling rank may wait for that rank's socket (it may be gone).
+PEER_SEND_TIMEOUT_MS = 5000
+
+
+class Outbox:
+    """A rank's sending side (thread-safe: every send is under one lock).
+
+    ``owners`` is the actors' owners (actor name -> :class:`~wire.headers.Owner`),
+    kept by :class:`~monarch_kernel.rank.actors.ActorHost`: a failure of an owned
+    actor goes to its owner, not to the controller."""
+
+    def __init__(
+        self,
+        rank: int,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        out: zmq.Socket[bytes],
+        codec: Codec,
+        main: MainThread,
+        owners: Mapping[str, H.Owner],
+        hostname: str,
+        mesh: str,
+    ):
+        self.rank = rank
+        self.ctx = ctx
+        self.out = out
+        self.codec = codec
+        self.main = main
+        self.owners = owners
+        self.hostname = hostname
+        self.mesh = mesh
+        self.lock = threading.Lock()
+        #: request id -> the calling rank's reply address (a peer call)
+        self.peer_routes: dict[str, PeerAddress] = {}
+        self._peer_out: dict[tuple[int, PeerAddress], zmq.Socket[bytes]] = {}
+        self._peer_codecs: dict[str, Codec] = {}
+        self.machine = ""  # this rank's machine, set once its peer socket is bound
+
+    def send(
+        self, header: H.WireHeader, payload: bytes = b"", buffers: Sequence[Buffer] = ()
+    ) -> None:
+        """Send a message to the controller (any thread)."""
+        with self.lock:
+            wire_send(self.out, self.codec.encode(header, payload, buffers))
+        if self.main.pending_signal is not None:  # a signal came while the main thread sent
+            self.main.raise_pending()
+
+    def stream(self, name: str, text: str, request: str | None) -> None:
+        """Output of stream ``name`` (captured) during ``request``."""
+        self.send(H.Stream(rank=self.rank, request=request, name=name).encode(), text.encode())
+
+    def report(self, metrics: Mapping[str, Any]) -> None:
+        """``monarch_kernel.report(...)``: numbers for the dashboard."""
+        clean = {}
+        for key, value in metrics.items():
+            try:
+                clean[key] = float(value)
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"report({key}=...) needs a number, got {type(value).__name__}"
+                ) from None
+        header = H.Metric(rank=self.rank, request=context.current_request)
+        self.send(header.encode(), pickle.dumps(clean))
+
+    def reply(self, request: str, value: Any, what: What, where: What | None = None) -> None:
+        """Send ``value`` as the result of ``request``; ``what`` names it in the error if
+        it does not pickle (the same on every rank, so that the controller groups the
+        failures of several ranks into one line), ``where`` is the report's ``where``
+        (default: ``what``)."""
+        try:
+            payload, buffers = dumps(value, what)
+        except SerializationError as exc:
+            at = what if where is None else where
+            self.reply_error(request, exc, at if isinstance(at, str) else at())
+            return
+        self.result(H.Result(request=request, ok=True, rank=self.rank), payload, buffers)
+
+    def reply_error(self, request: str | None, exc: BaseException, where: str) -> None:
+        """Send the failure ``exc`` (at ``where``) as the result of ``request``, or to
+        supervision (:meth:`fault`) when nobody waits for one."""
+        report = exception_report(exc, where)
+        report["host"] = self.hostname
+        if request is None:  # fire-and-forget: goes to supervision
+            self.fault(report, context.current_actor)
+        else:
+            self.fail(request, report)
+
+    def fail(self, request: str, report: FailureReport) -> None:
+        """Send the failure ``report`` as the result of ``request``."""
+        self.result(H.Result(request=request, ok=False, rank=self.rank), pickle.dumps(report))
+
+    def result(self, header: H.Result, payload: bytes, buffers: Sequence[Buffer] = ()) -> None:
+        """Send a reply: to the controller, or to the calling rank for a peer call."""
+        route = self.peer_routes.pop(header.request, None) if self.peer_routes else None  # type: ignore[arg-type]
+        if route is None:
+            self.send(header.encode(), payload, buffers)
+            return
+        try:
+            with self.lock:  # replies may come from any thread (response ports)
+                sock = self._peer_socket(zmq.PUSH, route)
+                wire_send(sock, self.codec.encode(header.encode(), payload, buffers))
+        except (zmq.Again, ConnectionError) as exc:
+            log.warning(
+                "rank %s: peer caller at %s is gone (%s); reply dropped", self.rank, route, exc
+            )
+
+    def _peer_socket(self, kind: int, addr: PeerAddress) -> zmq.Socket[bytes]:
+        """A socket (PUSH for replies, DEALER for supervision) connected to another
+        process's peer address, kept for the next message; call under ``lock``."""
+        key = (kind, addr)
+        sock = self._peer_out.get(key)
+        if sock is None:
+            # a send timeout: a caller or owner that is gone does not block us
+            sock = peer_address.open_socket(
+                self.ctx, kind, addr, 1000, PEER_SEND_TIMEOUT_MS, self.machine
+            )
+            self._peer_out[key] = sock
+        return sock
+
+    def fault(self, report: FailureReport, actor: str | None, path: tuple[str, ...] = ()) -> None:
+        """A failure nobody waits for: to the owner of ``actor`` if an actor spawned it
+        (its ``__supervise__``), else to the controller (``unhandled_fault_hook``)."""
+        owner = _owner(self.owners.get(actor)) if actor else None
+        if actor:  # the failing actor at this level (its owner sees it as the failure)
+            report = report.copy()
+            report["actor"] = actor
+        if owner is None:
+            if path:
+                handled = " -> ".join(path)
+                message = f"{report.get('message', '')} (not handled by {handled})"
+                report = report.copy()
+                report["message"] = message
+            self.send(H.RankNotice(kind=K.FAULT, rank=self.rank).encode(), pickle.dumps(report))
+            return
+        body = {
+            "mesh": self.mesh,
+            "actor": actor,
+            "rank": self.rank,
+            "report": report,
+            "path": path,
+        }
+        codec = self._peer_codecs.get(owner.key)
+        if codec is None:
+            codec = self._peer_codecs[owner.key] = Codec(bytes.fromhex(owner.key))
+        try:
+            with self.lock:
+                sock = self._peer_socket(zmq.DEALER, PeerAddress.decode(owner.address))
+                header = H.Supervise(owner_name=owner.name).encode()
+                wire_send(sock, codec.encode(header, pickle.dumps(body)))
+        except (zmq.Again, ConnectionError, ValueError):  # the owner is gone (unreachable):
+            fault = H.RankNotice(kind=K.FAULT, rank=self.rank).encode()
+            self.send(fault, pickle.dumps(report))  # the controller
+
+
+def _owner(owner: Any) -> H.Owner | None:
+    """An owner as kept: actor/peer_client.py's inline spawn still stores the wire dict
+    (``oa``/``ox``/``on``) until it uses :class:`~wire.headers.Owner`."""
+    if owner is None or isinstance(owner, H.Owner):
+        return owner
+    return H.Owner.decode(owner)
