@@ -22,6 +22,7 @@ from monarch_kernel.rank.runtime import ResponsePort
 from monarch_kernel.rank.supervise import MeshFailure
 from monarch_kernel.shape import Point, Shape
 from monarch_kernel.wire import dumps
+from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.peer_address import PeerAddress
 
@@ -67,12 +68,12 @@ class Context:
 
 def context() -> Context:
     """Information about the actor running this code (the client in the controller)."""
-    rt = rank_context._runtime
-    if rt is None:
+    svc = rank_context.services()
+    if svc is None:
         point = Point({}, 0)
         return Context(Instance(point, "client", "client", "client"))
     point = rank_context.current_rank()
-    mesh = rt.cfg.get("mesh", rt.cfg.get("run_id", "mesh"))
+    mesh = svc.config.mesh_name or "mesh"
     proc = f"{mesh}[{point.rank}]"
     name = rank_context.current_actor or ""
     return Context(Instance(point, f"{mesh}/{name}[{point.rank}]", proc, name))
@@ -89,17 +90,15 @@ def this_proc() -> ProcMesh:
     In a rank: its own process (an actor spawned here lives in this rank). In the
     controller, which runs no actors itself, a one-rank process mesh on this machine,
     started on first use and kept (Monarch spawns such actors in the client process)."""
-    global _this_proc
-    rt = rank_context._runtime
-    if rt is not None:
-        cfg = rt.cfg
-        world = int(cfg.get("world_size", rt.rank + 1))
+    svc = rank_context.services()
+    if svc is not None:
+        cfg = svc.config
+        world = cfg.world_size
         none = PeerAddress("")
-        addrs = tuple(rt.peer if r == rt.rank else none for r in range(world))
-        whole = Shape.from_extent(dict(zip(cfg["labels"], cfg["sizes"])))
-        mesh = str(cfg.get("mesh", cfg.get("run_id", "mesh")))
-        ref = MeshRef(mesh, cfg["key"], addrs, whole)
-        return ProcMesh(PeerRequester(ref), Shape((), (), (), rt.rank))
+        addrs = tuple(svc.peer if r == svc.rank else none for r in range(world))
+        whole = Shape.from_extent(dict(zip(cfg.labels, cfg.sizes)))
+        ref = MeshRef(cfg.mesh_name or "mesh", cfg.key, addrs, whole)
+        return ProcMesh(PeerRequester(ref), Shape((), (), (), svc.rank))
     from monarch_kernel.actor.hosts import client_proc
 
     return client_proc()
@@ -128,16 +127,17 @@ def get_or_spawn_controller(name: str, cls: type, *args: Any, **kwargs: Any) -> 
     """The singleton actor ``name`` of this controller, spawned (with ``cls(*args,
     **kwargs)``) on :func:`this_proc` the first time; a future of its one-point mesh."""
     if rank_context.in_rank():  # asked of the controller, which owns the singletons
-        rt = rank_context._runtime
+        svc = rank_context.services()
+        assert svc is not None  # in_rank()
         call, buffers = dumps((name, cls, args, kwargs), f"get_or_spawn_controller({name!r})")
         if buffers:
             raise TypeError("get_or_spawn_controller() arguments must pickle in-band")
         c = client()
-        c.codec(rt.cfg["key"])  # the controller answers with this mesh's key
+        c.codec(svc.key)  # the controller answers with this mesh's key
         one = One(rank_waiter())
         rid = c.expect(one, 0)
         req = {"op": "get_or_spawn_controller", "id": rid, "rt": c.reply.encode(), "call": call}
-        rt.send({"k": K.ASK, "r": rt.rank}, pickle.dumps(req))
+        svc.send(H.RankNotice(kind=K.ASK, rank=svc.rank).encode(), pickle.dumps(req))
         return one.future
     from monarch_kernel.actor.hosts import controller_singleton
 

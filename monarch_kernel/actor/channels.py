@@ -221,9 +221,9 @@ def _channel_key() -> str:
     """The key channel messages to this process are signed with: its mesh's key in a
     rank; a random one made once in the controller."""
     global _key
-    rt = rank_context._runtime
-    if rt is not None:
-        return str(rt.cfg["key"])
+    svc = rank_context.services()
+    if svc is not None:
+        return svc.key
     if _key is None:
         _key = new_key().hex()
     return _key

@@ -15,7 +15,7 @@ from monarch_kernel.calls.requester import CallOptions, Requester
 from monarch_kernel.calls.value_mesh import ValueMesh
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import SerializationError, dumps
-from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire import headers as H
 from monarch_kernel.wire.codec import Buffer, Header
 
 
@@ -43,11 +43,9 @@ class EndpointRef:
         what = f"{target.name}.{method}"  # for RequestStarted: built once, not per call
         self._waited = CallOptions(what=what, waited=True)
         self._streamed = CallOptions(what=what)
-        self._base: Header = {"k": K.CALL, "a": target.name, "m": method}
         # The slice called, when it is not the whole mesh (``context().message_rank``).
         sl = slice_header(target.shape, self._requester.shape)
-        if sl is not None:
-            self._base["sl"] = sl
+        self._base = H.Call(actor=target.name, method=method, slice=sl).encode()
 
     def _header(self) -> Header:
         return dict(self._base)  # a fresh one per call: the requester adds the request id

@@ -34,6 +34,7 @@ from monarch_kernel.calls.requester import ActorSpec, CallOptions, MeshRef, Requ
 from monarch_kernel.calls.value_mesh import ValueMesh
 from monarch_kernel.shape import Shape, SliceError
 from monarch_kernel.wire import dumps
+from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header
 
@@ -207,7 +208,7 @@ class ProcMesh(MeshView):
         what = f"constructor arguments of actor {name!r} ({actor_class.__name__})"
         payload, buffers = dump_call((actor_class, args, kwargs), args, kwargs, what)
         ranks = self._shape.ranks()
-        header: Header = {"k": K.SPAWN_ACTOR, "a": name, **self._requester.spawn_header()}
+        header = H.SpawnActor(actor=name, owner=self._requester.spawn_owner()).encode()
         options = CallOptions(what=f"spawn {name}", waited=True)
         self._gather(ranks, header, payload, buffers, options).get()
         spec = ActorSpec(name, payload, tuple(buffers), frozenset(ranks))

@@ -21,7 +21,7 @@ import pickle
 import random
 import sys
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import cast
 
 from monarch_kernel.actor.peer_client import client
 from monarch_kernel.calls.future import Future, Waiter, then
@@ -30,6 +30,7 @@ from monarch_kernel.calls.reply import RequestObserver
 from monarch_kernel.calls.requester import PLAIN, ActorSpec, CallOptions, MeshRef, Requester
 from monarch_kernel.rank import context
 from monarch_kernel.shape import Shape
+from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header
 
@@ -37,8 +38,8 @@ from monarch_kernel.wire.codec import Buffer, Header
 def rank_waiter() -> Waiter | None:
     """What a future of a peer call runs before it blocks: in a rank, serve calls from
     other ranks while the main thread waits (see ``Rank.serve_until``)."""
-    rt = context._runtime
-    return rt.serve_until if rt is not None else None
+    svc = context.services()
+    return svc.serve_until if svc is not None else None
 
 
 class PeerRequester:
@@ -100,24 +101,25 @@ class PeerRequester:
     def stop_mesh(self, grace: float) -> Future[None]:
         """Asked of this rank's controller, which owns every mesh; the future completes
         once it is stopped."""
-        rt = context._runtime
-        if rt is None:
+        svc = context.services()
+        if svc is None:
             raise RuntimeError("a mesh reference is stopped from a rank")
         c = client()
-        c.codec(rt.cfg["key"])  # the controller answers with our mesh's key
+        c.codec(svc.key)  # the controller answers with our mesh's key
         one = One(rank_waiter())
         rid = c.expect(one, 0)
         req = {"mesh": self._ref.mesh, "key": self._ref.key, "grace": grace}
         req["rt"] = c.reply.encode()
-        rt.send({"k": K.STOP_MESH, "r": rt.rank}, pickle.dumps(dict(req, id=rid)))
+        notice = H.RankNotice(kind=K.STOP_MESH, rank=svc.rank)
+        svc.send(notice.encode(), pickle.dumps(dict(req, id=rid)))
         return then(one.future, lambda _: None)
 
-    def spawn_header(self) -> dict[str, Any]:
-        rt = context._runtime
-        if rt is not None and context.current_actor:
+    def spawn_owner(self) -> H.Owner | None:
+        svc = context.services()
+        if svc is not None and context.current_actor:
             # Spawned by an actor: it owns the new mesh and supervises it.
-            return {"oa": rt.peer.encode(), "ox": rt.cfg["key"], "on": context.current_actor}
-        return {}
+            return H.Owner(address=svc.peer.encode(), key=svc.key, name=context.current_actor)
+        return None
 
     def __repr__(self) -> str:
         return f"<PeerRequester {self._ref.mesh!r}>"

@@ -82,7 +82,7 @@ class PeerClient:
         self.ports: dict[str, RequestObserver] = {}  # open channels: every message
         self.ids = itertools.count()
         self.prefix = f"p{os.getpid()}-{os.urandom(3).hex()}-"
-        rt = context._runtime
+        rt = context.services()
         self.machine = peer_address.this_machine()  # a rank's too: its agent's hostname
         self.replies = self.ctx.socket(zmq.PULL)
         self.replies.setsockopt(zmq.LINGER, 0)
@@ -148,7 +148,7 @@ class PeerClient:
         codec = self.codec(ref.key)
         ranks = list(ranks)
         addrs = [_addr(ref, r) for r in ranks]
-        rt = context._runtime
+        rt = context.services()
         if rt is not None and rt.peer in addrs and on_main_thread():
             # A call to this very rank from its own busy main thread would wait for
             # itself: actors of one rank share its thread, so it runs here, inline.
@@ -329,11 +329,11 @@ def _reply_path() -> str:
     """A unix socket path for replies, in a 0700 directory (only we can connect): in a
     rank the host agent's private one (removed with the agent), else a temporary one
     removed at exit."""
-    rt = context._runtime
+    rt = context.services()
     if rt is not None:
         from monarch_kernel.rank.dataplane import private_dir
 
-        path = os.path.join(private_dir(rt.cfg), f"c{rt.rank}-{os.getpid()}")
+        path = os.path.join(private_dir(rt.config), f"c{rt.rank}-{os.getpid()}")
         if len(path) <= 100:  # a unix socket path is at most 107 bytes
             atexit.register(_unlink, path)
             return path
@@ -354,9 +354,9 @@ def _reply_tcp_host() -> str:
     on. In the controller: the local address of the route to the machine of a rank that
     listens on TCP (a mesh of another machine), if there is one when the client is made
     (see :func:`client`)."""
-    rt = context._runtime
+    rt = context.services()
     if rt is not None:
-        return str(rt.peer.tcp_host)
+        return rt.peer.tcp_host
     # In the controller (a rank never loads it): its meshes, if it has started any.
     registry_module = sys.modules.get("monarch_kernel.controller.registry")
     if registry_module is None:

@@ -12,10 +12,12 @@ from typing import Any
 
 from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.rank import context
+from monarch_kernel.rank.context import RankServices
 from monarch_kernel.rank.errors import exception_report
 from monarch_kernel.wire import Message, dumps, loads
+from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
-from monarch_kernel.wire.codec import Buffer
+from monarch_kernel.wire.codec import Buffer, Header
 
 
 def on_main_thread() -> bool:
@@ -24,9 +26,9 @@ def on_main_thread() -> bool:
 
 
 def serve_inline(
-    rt: Any,
+    rt: RankServices,
     rank: int,
-    header: dict[str, Any],
+    header: Header,
     payload: bytes,
     buffers: Sequence[Buffer],
     observer: RequestObserver | None,
@@ -37,12 +39,13 @@ def serve_inline(
     previous = context.current_actor
     try:
         if kind == K.SPAWN_ACTOR:
+            spawn = H.SpawnActor.decode(header)
             cls, args, kwargs = loads(payload, buffers, f"constructor of actor {name!r}")
-            if header.get("oa"):
-                rt.owners[name] = {"oa": header["oa"], "ox": header["ox"], "on": header["on"]}
+            if spawn.owner is not None:
+                rt.owners[name] = spawn.owner
             context.current_actor = name
             rt.actors[name] = cls(*args, **kwargs)
-            rt.tell_peer_actor(name, header, payload, buffers)
+            rt.tell_peer_actor(name, spawn, payload, buffers)
             value: Any = None
         elif kind == K.STOP_ACTOR:
             rt.actors.pop(name, None)
@@ -59,10 +62,11 @@ def serve_inline(
             if inspect.isawaitable(value):
                 value = _run_coroutine(value)
         out, bufs = dumps(value, "result")
-        reply = Message({"k": K.RESULT, "r": rank, "ok": 1}, out, list(bufs))
+        reply = Message(H.Result(request=None, ok=True, rank=rank).encode(), out, list(bufs))
     except Exception as exc:
         report = exception_report(exc, f"{name}.{header.get('m', kind)}")
-        reply = Message({"k": K.RESULT, "r": rank, "ok": 0}, pickle.dumps(report))
+        failed = H.Result(request=None, ok=False, rank=rank).encode()
+        reply = Message(failed, pickle.dumps(report))
         if observer is None:  # fire and forget: to supervision, as from the runtime
             rt.reply_error(None, exc, f"{name}.{header.get('m', kind)}")
     finally:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from monarch_kernel.calls.future import Future, Waiter
 from monarch_kernel.calls.reply import RequestObserver
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire.codec import Buffer, Header
+from monarch_kernel.wire.headers import Owner
 from monarch_kernel.wire.peer_address import PeerAddress
 
 
@@ -58,9 +59,9 @@ class ActorSpec:
     payload: bytes
     buffers: tuple[Buffer, ...]
     ranks: frozenset[int]
-    #: The owner actor when an actor of some rank spawned it (header keys ``oa``,
-    #: ``ox``, ``on``): the re-created actor is supervised by it again.
-    owner: dict[str, str] | None = field(default=None)
+    #: The owner actor when an actor of some rank spawned it: the re-created actor is
+    #: supervised by it again.
+    owner: Owner | None = field(default=None)
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class Requester(Protocol):
         """Stop every rank and host agent of the whole mesh."""
         ...
 
-    def spawn_header(self) -> dict[str, Any]:
-        """Extra header fields of a ``spawn`` sent from here (a rank's actor names itself
-        as the owner of what it spawns); empty in the notebook."""
+    def spawn_owner(self) -> Owner | None:
+        """The owner of actors spawned from here: the actor of this rank that spawns
+        them (it supervises them); None in the notebook."""
         ...

@@ -31,6 +31,7 @@ from monarch_kernel.controller.records import RankState
 from monarch_kernel.wire import Message, WireError, peer_address
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Header
+from monarch_kernel.wire.headers import Owner
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import FailureReport, RankStats
 
@@ -174,7 +175,7 @@ class Inbound:
         if not h.get("x"):
             mesh.forget_actor(name, [rank])
             return
-        owner: dict[str, Any] | None = {k: h[k] for k in ("oa", "ox", "on") if k in h} or None
+        owner = Owner.decode(h)
         payload = bytes(msg.payload)
         buffers = tuple(bytes(b) for b in msg.buffers)  # the frames are not kept
         spec = mesh.actors.get(name)

@@ -67,6 +67,7 @@ from monarch_kernel.shape import Shape
 from monarch_kernel.wire import Codec, dumps
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header, new_key
+from monarch_kernel.wire.headers import Owner, SpawnActor
 
 __all__ = ["MeshRuntime", "new_request_id"]
 
@@ -456,9 +457,9 @@ class MeshRuntime:
         fut.set_result(None)
         return fut
 
-    def spawn_header(self) -> dict[str, Any]:
-        """The notebook owns no actors: no owner fields on what it spawns."""
-        return {}
+    def spawn_owner(self) -> Owner | None:
+        """The notebook owns no actors: nothing it spawns has an owner."""
+        return None
 
     def cancel_request(self, request_id: str) -> list[int]:
         """Interrupt request ``request_id`` on the ranks still running it (skip it on
@@ -720,7 +721,7 @@ class MeshRuntime:
             if not on:
                 continue
             collect = _Collect(on)
-            header = {"k": K.SPAWN_ACTOR, "a": spec.name, **(spec.owner or {})}
+            header = SpawnActor(actor=spec.name, owner=spec.owner).encode()
             rid = self.request(
                 on,
                 header,

@@ -92,7 +92,7 @@ def this_machine() -> str:
 
 
 def bind(
-    sock: zmq.Socket,
+    sock: zmq.Socket[bytes],
     ipc_path: str,
     tcp_host: str = "",
     machine: str = "",
@@ -143,7 +143,7 @@ def _client_keys() -> tuple[bytes, bytes]:
     return zmq.curve_keypair()
 
 
-def connect(sock: zmq.Socket, addr: PeerAddress, here: str | None = None) -> str:
+def connect(sock: zmq.Socket[bytes], addr: PeerAddress, here: str | None = None) -> str:
     """Connect ``sock`` to ``addr`` (see :meth:`PeerAddress.route`); over TCP as a CURVE
     client of its listener, with heartbeats. Returns the address connected to."""
     route = addr.route(here)
@@ -161,13 +161,13 @@ def connect(sock: zmq.Socket, addr: PeerAddress, here: str | None = None) -> str
 
 
 def open_socket(
-    ctx: zmq.Context,
+    ctx: zmq.Context[zmq.Socket[bytes]],
     kind: int,
     addr: PeerAddress,
     linger_ms: int,
     send_timeout_ms: int = -1,
     here: str | None = None,
-) -> zmq.Socket:
+) -> zmq.Socket[bytes]:
     """A new socket of ``kind`` connected to ``addr`` (see :func:`connect`); closed
     again, and the error raised, when ``addr`` cannot be reached from here."""
     sock = ctx.socket(kind)

@@ -85,7 +85,7 @@ def _rebuild_parameter(*args: Any) -> Any:
     return torch.nn.Parameter(t, requires_grad=t.requires_grad)
 
 
-class _Pickler(cloudpickle.Pickler):
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
