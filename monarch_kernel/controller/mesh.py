@@ -23,6 +23,7 @@ operation it names it in a small protocol that this class implements.
 
 from __future__ import annotations
 
+import atexit
 import time
 import uuid
 from collections.abc import Sequence
@@ -46,8 +47,9 @@ from monarch_kernel.controller.records import (
     RankInfo,
     RecoveryReport,
     SetupCell,
+    by_host,
 )
-from monarch_kernel.controller.registry import MeshSummary, registry
+from monarch_kernel.controller.registry import MeshRegistry, MeshSummary
 from monarch_kernel.controller.requests import RequestTable, new_request_id
 from monarch_kernel.controller.restart import Restarter
 from monarch_kernel.controller.startup import Starter
@@ -60,7 +62,7 @@ from monarch_kernel.wire import Codec
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header, new_key
 
-__all__ = ["MeshRuntime", "new_request_id"]
+__all__ = ["MeshRuntime", "new_request_id", "registry"]
 
 #: Seconds without a host agent's heartbeat (sent every 0.5 s) before it is lost.
 DEFAULT_HB_TIMEOUT = 2.5
@@ -130,29 +132,53 @@ class MeshRuntime:
         self.output = StreamRouter(self.events)
         self.logs = RankLogs(self.events, name, self.run_id)
         self.requests = RequestTable(name, self.ranks, self.events)
+        self._open(launcher, bind, advertise)
+        self._wire(FailurePolicy(on_failure), grace)
+
+    def _open(self, launcher: Launcher, bind: str | None, advertise: str | None) -> None:
+        """Register the mesh, then bind its sockets (see ``__init__`` for ``bind``)."""
         registry.add(self)  # before any socket exists: a taken name costs nothing
         try:
             if bind is None:
                 bind = "ipc" if launcher.same_machine else getattr(launcher, "bind", "127.0.0.1")
             self.advertise: str | None = advertise or getattr(launcher, "advertise", None)
-            self.transport = Transport(name, self.codec, self.ranks, bind)
+            self.transport = Transport(self.name, self.codec, self.ranks, bind)
         except BaseException:
             registry.forget(self)
             raise
-        self._wire(FailurePolicy(on_failure), grace)
 
     def _wire(self, policy: FailurePolicy, grace: float) -> None:
         """Make the parts, each with the siblings it uses; start receiving last."""
-        self.supervisor = Supervisor(self)
-        self.inbound = Inbound(self)
-        self.receiver = Receiver(
+        # The receiver is made first (the others post work to it) and started last,
+        # once every part that handles messages and ticks exists.
+        self.receiver = Receiver(self.name, self.transport, self.requests.__bool__)
+        self.failures = FailureHandler(
             self.name,
-            self.transport,
-            self.inbound.handle,
-            self.supervisor.tick,
-            self.requests.__bool__,
+            policy,
+            grace,
+            actions=self,
+            ranks=self.ranks,
+            requests=self.requests,
+            events=self.events,
+            lifecycle=self.lifecycle,
+            post=self.receiver.post,
         )
-        self.failures = FailureHandler(self, policy, grace)
+        self.supervisor = Supervisor(
+            self.name,
+            ranks=self.ranks,
+            hosts=self.hosts,
+            lifecycle=self.lifecycle,
+            transport=self.transport,
+            requests=self.requests,
+            events=self.events,
+            post=self.receiver.post,
+            restarts=self.failures,
+            hb_timeout=self.hb_timeout,
+        )
+        self._wire_restarts()
+
+    def _wire_restarts(self) -> None:
+        """Make start-up, restart in place and the message handlers; start receiving."""
         self.starter = Starter(
             self,
             transport=self.transport,
@@ -176,23 +202,25 @@ class MeshRuntime:
             events=self.events,
             rank_died=self.supervisor.rank_died,
         )
+        self.inbound = Inbound(
+            self,
+            ranks=self.ranks,
+            hosts=self.hosts,
+            transport=self.transport,
+            requests=self.requests,
+            events=self.events,
+            recipe=self.recipe,
+            notify=self.lifecycle.notify,
+            rank_died=self.supervisor.rank_died,
+            port_received=self.restarter.port_received,
+            find_mesh=registry.get,
+        )
+        self.receiver.start(self.inbound.handle, self.supervisor.tick)
 
     @property
     def state(self) -> MeshPhase:
         """The mesh's phase (see :class:`~.records.MeshPhase`)."""
         return self.lifecycle.phase
-
-    def notify(self) -> None:
-        """Wake threads waiting for ranks or hosts to change state (start, restart)."""
-        self.lifecycle.notify()
-
-    @property
-    def pg_backend(self) -> str | None:
-        return self.recipe.pg_backend
-
-    @pg_backend.setter
-    def pg_backend(self, backend: str | None) -> None:
-        self.recipe.pg_backend = backend
 
     # -- start-up --------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> None:
@@ -353,19 +381,13 @@ class MeshRuntime:
     def kill_ranks(self, ranks: Sequence[int]) -> None:
         """SIGKILL ``ranks`` through their host agents (their exits are reported as
         expected, unless a ``kill_reason`` was set on them: then they are DEAD)."""
-        for host, group in self._by_host(list(ranks)).items():
+        for host, group in by_host(self.ranks, ranks).items():
             self.transport.send_host(host, {"k": K.KILL_RANKS, "d": group})
 
     def signal_ranks(self, ranks: list[int], sig: int) -> None:
         """Send ``sig`` to ``ranks`` through their host agents."""
-        for host, group in self._by_host(ranks).items():
+        for host, group in by_host(self.ranks, ranks).items():
             self.transport.send_host(host, {"k": K.SIGNAL_RANKS, "d": group, "sig": int(sig)})
-
-    def _by_host(self, ranks: list[int]) -> dict[int, list[int]]:
-        by_host: dict[int, list[int]] = {}
-        for r in ranks:
-            by_host.setdefault(self.ranks[r].host, []).append(r)
-        return by_host
 
     def death_text(self, info: RankInfo) -> str:
         """Why ``info``'s rank is not running, with its last output lines."""
@@ -426,10 +448,6 @@ class MeshRuntime:
         """Kill and start again ``ranks`` (see :meth:`.restart.Restarter.restart_ranks`)."""
         self.restarter.restart_ranks(ranks, timeout)
 
-    def begin_recovery(self) -> None:
-        """Mark the mesh RECOVERING now (a restart follows on another thread)."""
-        self.lifecycle.begin_recovery()
-
     def wait_recovered(self, timeout: float | None = None) -> None:
         """Block (interruptibly) while the mesh restarts ranks after a failure (never
         on the restarting or the receiving thread)."""
@@ -438,10 +456,6 @@ class MeshRuntime:
     def new_port(self, host: int = 0, timeout: float = 10.0) -> int:
         """A free port on ``host`` (for a new torch.distributed rendezvous)."""
         return self.restarter.new_port(host, timeout)
-
-    def port_received(self, rid: str, port: int) -> None:
-        """A host agent answered :meth:`new_port` (receiving thread)."""
-        self.restarter.port_received(rid, port)
 
     def _run_cell(
         self, ranks: list[int], code: str, label: str, header: Sequence[str], deadline: float
@@ -496,3 +510,13 @@ class MeshRuntime:
 
     def __repr__(self) -> str:
         return f"<MeshRuntime {self.name!r} {self.shape.describe()} {self.state}>"
+
+
+#: The kernel's one registry of live meshes (one kernel = one controller): every
+#: ``MeshRuntime`` registers itself when it is created and leaves when it stops.
+registry: MeshRegistry[MeshRuntime] = MeshRegistry()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    registry.stop_all(timeout=3)

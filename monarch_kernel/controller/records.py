@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -130,6 +130,14 @@ class RankInfo:
     @property
     def alive(self) -> bool:
         return self.state not in GONE
+
+
+def by_host(ranks: Sequence[RankInfo], which: Iterable[int]) -> dict[int, list[int]]:
+    """The ranks ``which`` grouped by the index of their host (in the order given)."""
+    groups: dict[int, list[int]] = {}
+    for r in which:
+        groups.setdefault(ranks[r].host, []).append(r)
+    return groups
 
 
 @dataclass
