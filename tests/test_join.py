@@ -171,7 +171,7 @@ def test_cell_across_hosts(joined, net):
     procs, _ = joined
     rt = procs.runtime
     code = "import socket\nwhere = socket.gethostname() + ':' + str(__import__('os').getpid())"
-    failed = rt._run_cell(list(range(6)), code, "[1]", [], time.monotonic() + 30)
+    failed = rt.restarter.run_cell(list(range(6)), code, "[1]", [], time.monotonic() + 30)
     assert failed == ""
     where = procs.pull("where")
     names = [v.split(":")[0] for v in where.values()]

@@ -138,7 +138,7 @@ def test_two_machine_mesh_through_a_job(sdk, net):
         assert notice is not None and "goes to sleep" in notice and job.name in notice
         # A cell across the hosts: every rank on its own machine, with the Studio's python.
         code = "import socket, sys\nwhere = (socket.gethostname(), sys.executable)"
-        assert rt._run_cell(list(range(4)), code, "[1]", [], time.monotonic() + 30) == ""
+        assert rt.restarter.run_cell(list(range(4)), code, "[1]", [], time.monotonic() + 30) == ""
         where = procs.pull("where").values()
         names = [w[0] for w in where]
         # Each machine takes the next free host slot (one group token): any order.

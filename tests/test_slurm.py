@@ -142,7 +142,8 @@ procs = host_mesh(hosts=2, backend="slurm").spawn_procs({"gpus": 1}, timeout=60)
 try:
     names = procs.ping().get(timeout=30)
     code = "import socket\\nwhere = socket.gethostname()"
-    failed = procs.runtime._run_cell([0, 1], code, "[1]", [], __import__("time").monotonic() + 30)
+    deadline = __import__("time").monotonic() + 30
+    failed = procs.runtime.restarter.run_cell([0, 1], code, "[1]", [], deadline)
     where = list(procs.pull("where").values())
     with open(sys.argv[1], "w") as f:
         json.dump({"where": where, "failed": failed, "controller": socket.gethostname()}, f)

@@ -19,12 +19,11 @@ from monarch_kernel.actor.actor import Actor
 from monarch_kernel.actor.channels import tell_owner
 from monarch_kernel.actor.meshes import STOP_GRACE, ActorMesh, ProcMesh, _size
 from monarch_kernel.calls.future import Future
+from monarch_kernel.controller.asks import ASK_HANDLERS, AskingMesh
 from monarch_kernel.controller.events import FaultReported, MeshEvent, RankDied
 from monarch_kernel.controller.failures import DEFAULT_GRACE
-from monarch_kernel.controller.inbound import ASK_HANDLERS
-from monarch_kernel.controller.mesh import MeshRuntime
+from monarch_kernel.controller.mesh import MeshRuntime, registry
 from monarch_kernel.controller.records import FailurePolicy, RankState
-from monarch_kernel.controller.registry import registry
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.rank.supervise import MeshFailure
 from monarch_kernel.shape import Shape
@@ -319,7 +318,7 @@ def controller_singleton(
         return mesh
 
 
-def _ask_get_or_spawn(asker: MeshRuntime, req: dict[str, Any]) -> ActorMesh:
+def _ask_get_or_spawn(asker: AskingMesh, req: dict[str, Any]) -> ActorMesh:
     """A rank's ``get_or_spawn_controller``, run in the controller: the actor mesh
     (pickled back to the rank as a live reference)."""
     name, cls, args, kwargs = loads(req["call"], (), "get_or_spawn_controller arguments")

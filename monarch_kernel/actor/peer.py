@@ -132,7 +132,7 @@ def attach(ref: MeshRef) -> Requester:
     """The requester of an unpickled mesh handle: the controller's own runtime where it
     owns ``ref``'s mesh, else a :class:`PeerRequester`."""
     # Looked up only where the controller is loaded: a rank never imports it.
-    registry_module = sys.modules.get("monarch_kernel.controller.registry")
+    registry_module = sys.modules.get("monarch_kernel.controller.mesh")
     if registry_module is not None and not context.in_rank():
         for rt in registry_module.registry.live():
             if rt.name == ref.mesh and rt.key.hex() == ref.key:

@@ -358,7 +358,7 @@ def _reply_tcp_host() -> str:
     if rt is not None:
         return rt.peer.tcp_host
     # In the controller (a rank never loads it): its meshes, if it has started any.
-    registry_module = sys.modules.get("monarch_kernel.controller.registry")
+    registry_module = sys.modules.get("monarch_kernel.controller.mesh")
     if registry_module is None:
         return ""
     for mesh in registry_module.registry.live():

@@ -37,17 +37,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from monarch_kernel.calls.errors import RankDiedError, format_ranks
 from monarch_kernel.calls.reply import IncidentObserver
-from monarch_kernel.controller.events import RankDied, RequestFailed, RequestKind
-from monarch_kernel.controller.records import FailurePolicy, MeshPhase, RankState
+from monarch_kernel.controller.events import EventBus, RankDied, RequestFailed, RequestKind
+from monarch_kernel.controller.phase import MeshLifecycle
+from monarch_kernel.controller.records import (
+    FailurePolicy,
+    MeshPhase,
+    RankInfo,
+    RankState,
+    RecoveryReport,
+)
+from monarch_kernel.controller.requests import RequestTable
 from monarch_kernel.wire import kinds as K
-
-if TYPE_CHECKING:
-    from monarch_kernel.controller.mesh import MeshRuntime
+from monarch_kernel.wire.codec import Header
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -112,11 +119,45 @@ class Incident:
         return text + (" " + self.outcome if self.outcome else "")
 
 
+class PolicyActions(Protocol):
+    """What the failure policy does to its mesh (``MeshRuntime`` provides it)."""
+
+    def send_control(self, rank: int, header: Header, payload: bytes = b"") -> None: ...
+    def kill_ranks(self, ranks: Sequence[int]) -> None: ...
+    def stop(self, timeout: float = ..., grace: float = ...) -> None: ...
+    def recover(
+        self,
+        ranks: Sequence[int] | None = None,
+        timeout: float = ...,
+        reason: str = "",
+        skip: frozenset[int] = frozenset(),
+    ) -> RecoveryReport: ...
+
+
 class FailureHandler:
     """Applies one mesh's failure policy (see the module docstring)."""
 
-    def __init__(self, mesh: MeshRuntime, policy: FailurePolicy, grace: float):
-        self._mesh = mesh
+    def __init__(
+        self,
+        name: str,
+        policy: FailurePolicy,
+        grace: float,
+        *,
+        actions: PolicyActions,
+        ranks: list[RankInfo],
+        requests: RequestTable,
+        events: EventBus,
+        lifecycle: MeshLifecycle,
+        post: Callable[..., None],
+    ):
+        """``post``: ``Receiver.post`` (the request table changes on the thread holding
+        the receive token)."""
+        self._name = name
+        self._actions = actions
+        self._ranks = ranks
+        self._requests = requests
+        self._lifecycle = lifecycle
+        self._post = post
         self.policy = policy
         self.grace = grace
         self._lock = threading.Lock()
@@ -127,7 +168,7 @@ class FailureHandler:
         self._restart_not_stop = False
         #: rank -> times (monotonic) it was restarted automatically, within the window.
         self._restarts: dict[int, list[float]] = {}
-        mesh.events.subscribe(self._on_event, RequestFailed, RankDied)
+        events.subscribe(self._on_event, RequestFailed, RankDied)
 
     def gave_up_on(self, rank: int) -> bool:
         """Whether ``rank`` died too often to be restarted automatically again."""
@@ -137,14 +178,14 @@ class FailureHandler:
 
     # -- noticing (receiving thread: quick, never blocks) --------------------------------
     def _on_event(self, event: object) -> None:
-        if self._mesh.state not in (MeshPhase.RUNNING, MeshPhase.RECOVERING):
+        if self._lifecycle.phase not in (MeshPhase.RUNNING, MeshPhase.RECOVERING):
             return  # starting (start() reports its own failures) or stopping
         if isinstance(event, RequestFailed):
             if event.kind is not RequestKind.CONTROL:
                 report = event.report
                 self._open(event.request, event.rank, f"raised {report.get('type', 'an error')}")
         elif isinstance(event, RankDied):
-            if event.state is not RankState.DEAD or self._mesh.state.ended:
+            if event.state is not RankState.DEAD or self._lifecycle.phase.ended:
                 return  # stopped on purpose (a stop, or killed by this very policy)
             cause = f"died ({event.death.how})"
             for rid in event.requests:
@@ -152,7 +193,7 @@ class FailureHandler:
             self._death()
 
     def _open(self, rid: str, rank: int, cause: str) -> None:
-        requests = self._mesh.requests
+        requests = self._requests
         pending = requests.get(rid)
         if pending is None or not pending.waiting or pending.kind is RequestKind.CONTROL:
             return  # complete already: nobody is left waiting for the failed rank
@@ -197,9 +238,9 @@ class FailureHandler:
         try:
             self._release_steps(incident)
         except Exception:  # never let a failed release wedge the request
-            if self._mesh.state.ended:
+            if self._lifecycle.phase.ended:
                 return  # stopped meanwhile: the stop failed the request
-            log.exception("mesh %s: releasing request %s failed", self._mesh.name, incident.request)
+            log.exception("mesh %s: releasing request %s failed", self._name, incident.request)
             self._give_up(incident, "left running (the release failed; see the kernel log)")
         finally:
             with self._lock:
@@ -216,7 +257,6 @@ class FailureHandler:
             incident.settled.set()
 
     def _release_steps(self, incident: Incident) -> None:
-        mesh = self._mesh
         rid = incident.request
         if self._settled(rid, incident.opened + self.grace):
             return
@@ -225,23 +265,23 @@ class FailureHandler:
             # inspected with %mesh stacks, interrupted, or restarted by hand).
             self._give_up(incident, "left running (on_failure='continue')")
             return
-        pending = mesh.requests.get(rid)
-        live = [r for r in (pending.ranks if pending else ()) if mesh.ranks[r].alive]
+        pending = self._requests.get(rid)
+        live = [r for r in (pending.ranks if pending else ()) if self._ranks[r].alive]
         # 1. abort the process group everywhere: the failed rank closing its
         # connections is what releases its peers (gloo); aborting elsewhere is harmless.
         incident.needs_policy = True
-        before = set(mesh.requests.waiting(rid))
+        before = set(self._requests.waiting(rid))
         for r in live:
-            mesh.send_control(r, {"k": K.ABORT_PG})
+            self._actions.send_control(r, {"k": K.ABORT_PG})
         self._settled(rid, time.monotonic() + STEP_WAIT)
         self._note(incident, before, "released by aborting the process group")
         # 2. interrupt what they run
-        before = set(mesh.requests.waiting(rid))
+        before = set(self._requests.waiting(rid))
         for r in before:
-            mesh.send_control(r, {"k": K.CANCEL, "c": rid})
+            self._actions.send_control(r, {"k": K.CANCEL, "c": rid})
         self._settled(rid, time.monotonic() + STEP_WAIT)
         self._note(incident, before, "interrupted")
-        stuck = set(mesh.requests.waiting(rid))
+        stuck = set(self._requests.waiting(rid))
         incident.outcome = self._plan(extra=stuck)
         if not stuck:
             return
@@ -253,47 +293,45 @@ class FailureHandler:
         )
         for r in stuck:
             incident.released[r] = "killed (stuck even after an interrupt)"
-            mesh.ranks[r].kill_reason = reason
-        mesh.kill_ranks(sorted(stuck))
+            self._ranks[r].kill_reason = reason
+        self._actions.kill_ranks(sorted(stuck))
         if not self._settled(rid, time.monotonic() + KILL_WAIT):  # their host is stuck too
             self._give_up(incident, "left running (could not be killed; its host is lost?)")
 
     def _settled(self, rid: str, until: float) -> bool:
         """Wait until ``rid`` waits on nobody (True) or ``until`` passes (False)."""
-        requests = self._mesh.requests
+        requests = self._requests
         while requests.waiting(rid):
-            if time.monotonic() >= until or self._mesh.state.ended:
+            if time.monotonic() >= until or self._lifecycle.phase.ended:
                 return False
             time.sleep(0.01)
         return True
 
     def _note(self, incident: Incident, before: set[int], how: str) -> None:
         """Ranks that stopped running the request during a step were released by it."""
-        for r in before - self._mesh.requests.waiting(incident.request):
+        for r in before - self._requests.waiting(incident.request):
             incident.released.setdefault(r, how)
 
     def _give_up(self, incident: Incident, how: str) -> None:
-        mesh = self._mesh
         rid = incident.request
-        stuck = set(mesh.requests.waiting(rid))
+        stuck = set(self._requests.waiting(rid))
         for r in stuck:
             incident.released[r] = how
         error = ReleasedError(
-            f"rank(s) {format_ranks(sorted(stuck))} of mesh {mesh.name!r} still run "
+            f"rank(s) {format_ranks(sorted(stuck))} of mesh {self._name!r} still run "
             f"{incident.what or 'the request'}: {how}",
             None,
-            mesh.name,
+            self._name,
         )
-        mesh.receiver.post(mesh.requests.abandon, rid, stuck, error)
+        self._post(self._requests.abandon, rid, stuck, error)
         self._settled(rid, time.monotonic() + 2.0)
 
     def _plan(self, extra: set[int] | None = None) -> str:
         """What the policy will do next, as a sentence for the error."""
-        mesh = self._mesh
-        dead = {r.rank for r in mesh.ranks if r.state is RankState.DEAD} | (extra or set())
+        dead = {r.rank for r in self._ranks if r.state is RankState.DEAD} | (extra or set())
         dead = {r for r in dead if not self.gave_up_on(r)}
         if self.policy is FailurePolicy.STOP and not self._restart_not_stop:
-            return f"on_failure='stop': stopping mesh {mesh.name!r}."
+            return f"on_failure='stop': stopping mesh {self._name!r}."
         if self.policy is FailurePolicy.RESTART:
             if dead:
                 return (
@@ -309,10 +347,10 @@ class FailureHandler:
     # -- the policy ------------------------------------------------------------------------
     def _apply_policy(self) -> None:
         """Restart or stop, on a thread of its own (one at a time)."""
-        if self.policy is FailurePolicy.CONTINUE or self._mesh.state.ended:
+        if self.policy is FailurePolicy.CONTINUE or self._lifecycle.phase.ended:
             return
         if self._restarting():
-            self._mesh.begin_recovery()  # requests sent from now on wait for it
+            self._lifecycle.begin_recovery()  # requests sent from now on wait for it
         with self._lock:
             if self._recovering:
                 self._recovery_due = True
@@ -325,27 +363,28 @@ class FailureHandler:
         return self.policy is FailurePolicy.RESTART or self._restart_not_stop
 
     def _recover(self) -> None:
-        mesh = self._mesh
         try:
             while True:
-                if mesh.state.ended:
+                if self._lifecycle.phase.ended:
                     return
                 if not self._restarting():
-                    mesh.stop()
+                    self._actions.stop()
                     return
                 self._restart_not_stop = False
-                given_up = frozenset(r.rank for r in mesh.ranks if self.gave_up_on(r.rank))
-                dead = [r.rank for r in mesh.ranks if not r.alive and r.rank not in given_up]
+                given_up = frozenset(r.rank for r in self._ranks if self.gave_up_on(r.rank))
+                dead = [r.rank for r in self._ranks if not r.alive and r.rank not in given_up]
                 now = time.monotonic()
                 for r in dead:
                     self._restarts[r] = [
                         t for t in self._restarts.get(r, ()) if now - t < RESTART_WINDOW
                     ] + [now]
                 try:
-                    mesh.recover(reason="after a failure, on_failure='restart'", skip=given_up)
+                    self._actions.recover(
+                        reason="after a failure, on_failure='restart'", skip=given_up
+                    )
                 except Exception as exc:
-                    if not mesh.state.ended:
-                        log.warning("mesh %s: automatic restart failed: %s", mesh.name, exc)
+                    if not self._lifecycle.phase.ended:
+                        log.warning("mesh %s: automatic restart failed: %s", self._name, exc)
                 with self._lock:
                     if not self._recovery_due:
                         self._recovering = False

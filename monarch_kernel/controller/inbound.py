@@ -12,31 +12,41 @@ import logging
 import pickle
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import zmq
 
 from monarch_kernel.calls.requester import ActorSpec
+from monarch_kernel.controller.asks import (
+    ASK_HANDLERS,
+    AskingMesh,
+    StoppableMesh,
+    StopRequest,
+    answer_ask,
+    stop_for_rank,
+)
 from monarch_kernel.controller.events import (
     DebuggerPaused,
     DebuggerResumed,
+    EventBus,
     FaultReported,
     InputRequested,
     MetricReported,
     StatsReported,
     StreamOutput,
 )
-from monarch_kernel.controller.records import RankState
-from monarch_kernel.wire import Message, WireError, peer_address
+from monarch_kernel.controller.records import HostInfo, MeshRecipe, RankInfo, RankState
+from monarch_kernel.controller.requests import RequestTable
+from monarch_kernel.controller.transport import Transport
+from monarch_kernel.wire import Codec, Message, WireError
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Header
 from monarch_kernel.wire.headers import Owner
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import FailureReport, RankStats
 
-if TYPE_CHECKING:
-    from monarch_kernel.controller.mesh import MeshRuntime
+__all__ = ["ASK_HANDLERS", "NO_DEBUGGER", "NO_READER", "Inbound", "RankFacingMesh"]
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -59,14 +69,51 @@ NO_DEBUGGER = (
 )
 
 
+class RankFacingMesh(AskingMesh, Protocol):
+    """The mesh operations handlers use (``MeshRuntime`` provides them); the mesh is
+    also what the actor API's ``ask`` handlers are given."""
+
+    def kill_ranks(self, ranks: Sequence[int]) -> None: ...
+    def answer_input(
+        self, rank: int, serial: int, line: str | None = None, error: str | None = None
+    ) -> None: ...
+
+
 class Inbound:
     """Handlers of every message kind the controller receives."""
 
-    def __init__(self, mesh: MeshRuntime):
+    def __init__(
+        self,
+        mesh: RankFacingMesh,
+        *,
+        ranks: list[RankInfo],
+        hosts: list[HostInfo],
+        transport: Transport,
+        requests: RequestTable,
+        events: EventBus,
+        recipe: MeshRecipe,
+        notify: Callable[[], None],
+        rank_died: Callable[[RankInfo, Header], None],
+        port_received: Callable[[str, int], None],
+        find_mesh: Callable[[str], StoppableMesh | None],
+    ):
+        """``notify``: wake threads waiting for ranks and hosts (``MeshLifecycle``);
+        ``rank_died``: ``Supervisor.rank_died``; ``port_received``: the answer to
+        ``Restarter.new_port``; ``find_mesh``: a live mesh by name (the registry)."""
         self._mesh = mesh
-        self._codec = mesh.codec
-        self._ranks = mesh.ranks
-        self._world = mesh.world
+        self._name = mesh.name
+        self._codec: Codec = mesh.codec
+        self._ranks = ranks
+        self._hosts = hosts
+        self._world = len(ranks)
+        self._transport = transport
+        self._requests = requests
+        self._events = events
+        self._recipe = recipe
+        self._notify = notify
+        self._rank_died = rank_died
+        self._port_received = port_received
+        self._find_mesh = find_mesh
         self._handlers: dict[str, Handler] = {
             K.RESULT: self._on_result,
             K.STREAM: self._on_stream,
@@ -93,16 +140,14 @@ class Inbound:
         On a CURVE mesh the connection's key (ZAP user id) must be the key of the host
         that the routing id, and the header's sender rank or host, belong to: a peer
         of one host posing as another is dropped (before decoding) and counted."""
-        transport = self._mesh.transport
+        transport = self._transport
         origin = transport.sender_host(frames)
         if origin is None:
             return
         try:
             msg = self._codec.decode(frames[1:])
         except WireError as exc:
-            log.warning(
-                "mesh %s dropped a message from %r: %s", self._mesh.name, frames[0].bytes, exc
-            )
+            log.warning("mesh %s dropped a message from %r: %s", self._name, frames[0].bytes, exc)
             return
         h = msg.header
         sender = h.get("r")
@@ -113,7 +158,7 @@ class Inbound:
             self._ranks[sender].bytes_in += msg.nbytes
         handler = self._handlers.get(h["k"])
         if handler is None:
-            log.warning("mesh %s: unknown message kind %r", self._mesh.name, h["k"])
+            log.warning("mesh %s: unknown message kind %r", self._name, h["k"])
             return
         handler(h, msg)
 
@@ -127,7 +172,7 @@ class Inbound:
 
     # -- requests ------------------------------------------------------------------------
     def _on_result(self, h: Header, msg: Message) -> None:
-        self._mesh.requests.on_result(h["r"], h["i"], msg)
+        self._requests.on_result(h["r"], h["i"], msg)
 
     def _on_stream(self, h: Header, msg: Message) -> None:
         rank, name = h["r"], h["n"]
@@ -138,15 +183,15 @@ class Inbound:
         *lines, rest = buf.split("\n")
         info.tail.extend(lines)
         info.partial[name] = rest[-PARTIAL_MAX:]
-        events = self._mesh.events
+        events = self._events
         if events.wants(StreamOutput):
-            events.emit(StreamOutput(self._mesh.name, rank, h.get("i"), name, text))
+            events.emit(StreamOutput(self._name, rank, h.get("i"), name, text))
 
     def _on_metric(self, h: Header, msg: Message) -> None:
-        events = self._mesh.events
+        events = self._events
         if events.wants(MetricReported):
             values: dict[str, float] = pickle.loads(msg.payload)
-            events.emit(MetricReported(self._mesh.name, h["r"], h.get("i"), values, time.time()))
+            events.emit(MetricReported(self._name, h["r"], h.get("i"), values, time.time()))
 
     def _on_stats(self, h: Header, msg: Message) -> None:
         stats: RankStats = pickle.loads(msg.payload)
@@ -154,15 +199,15 @@ class Inbound:
         info.stats = stats
         info.last_seen = time.monotonic()
         if "pg" in stats:
-            self._mesh.pg_backend = stats["pg"]
-        events = self._mesh.events
+            self._recipe.pg_backend = stats["pg"]
+        events = self._events
         if events.wants(StatsReported):
-            events.emit(StatsReported(self._mesh.name, h["r"], stats, time.time()))
+            events.emit(StatsReported(self._name, h["r"], stats, time.time()))
 
     def _on_fault(self, h: Header, msg: Message) -> None:
         report: FailureReport = pickle.loads(msg.payload)
         report["rank"] = h["r"]
-        self._mesh.events.emit(FaultReported(self._mesh.name, h["r"], report))
+        self._events.emit(FaultReported(self._name, h["r"], report))
 
     def _on_owned(self, h: Header, msg: Message) -> None:
         owner: dict[str, str] = pickle.loads(msg.payload)
@@ -171,14 +216,14 @@ class Inbound:
     def _on_peer_actor(self, h: Header, msg: Message) -> None:
         """A rank spawned (or stopped) an actor on rank ``r`` directly: remember it
         (forget it) so that a restart of ``r`` re-creates it (see ``wire.kinds``)."""
-        mesh, rank, name = self._mesh, int(h["r"]), str(h["a"])
+        recipe, rank, name = self._recipe, int(h["r"]), str(h["a"])
         if not h.get("x"):
-            mesh.forget_actor(name, [rank])
+            recipe.forget_actor(name, [rank])
             return
         owner = Owner.decode(h)
         payload = bytes(msg.payload)
         buffers = tuple(bytes(b) for b in msg.buffers)  # the frames are not kept
-        spec = mesh.actors.get(name)
+        spec = recipe.actors.get(name)
         ranks = frozenset({rank})
         if spec is not None and (spec.payload, spec.buffers, spec.owner) == (
             payload,
@@ -186,15 +231,14 @@ class Inbound:
             owner,
         ):
             ranks |= spec.ranks  # the same spawn, reported by another of its ranks
-        mesh.remember_actor(ActorSpec(name, payload, buffers, ranks, owner))
+        recipe.remember_actor(ActorSpec(name, payload, buffers, ranks, owner))
 
     def _on_stop_mesh(self, h: Header, msg: Message) -> None:
         """A rank holding a reference to a mesh stops it (on a thread of its own: a
         stop waits for the ranks to exit, and this is the receiving thread)."""
-        req: dict[str, Any] = pickle.loads(msg.payload)
-        threading.Thread(
-            target=stop_for_rank, args=(self._mesh, h["r"], req), name="mk-stop", daemon=True
-        ).start()
+        req: StopRequest = pickle.loads(msg.payload)
+        args = (self._mesh, h["r"], req, self._find_mesh)
+        threading.Thread(target=stop_for_rank, args=args, name="mk-stop", daemon=True).start()
 
     def _on_ask(self, h: Header, msg: Message) -> None:
         """An operation of the actor API asked by a rank (see ``ASK_HANDLERS``); on a
@@ -205,10 +249,10 @@ class Inbound:
         ).start()
 
     def _on_input(self, h: Header, msg: Message) -> None:
-        mesh = self._mesh
+        events = self._events
         debug = bool(h.get("dbg"))
         event = InputRequested(
-            mesh.name,
+            self._name,
             h["r"],
             h.get("i"),
             h["n"],
@@ -219,31 +263,29 @@ class Inbound:
             str(h.get("at", "")) if debug else "",
             bool(h.get("pm")),
         )
-        if debug and mesh.events.wants(DebuggerPaused):
-            mesh.events.emit(DebuggerPaused(mesh.name, event.rank, event.request, event.where))
-        if mesh.events.wants(InputRequested):
-            mesh.events.emit(event)
+        if debug and events.wants(DebuggerPaused):
+            events.emit(DebuggerPaused(self._name, event.rank, event.request, event.where))
+        if events.wants(InputRequested):
+            events.emit(event)
         else:  # nobody can answer: the rank's input() raises EOFError at once
             why = NO_DEBUGGER if debug else NO_READER
-            mesh.answer_input(event.rank, event.serial, error=why)
+            self._mesh.answer_input(event.rank, event.serial, error=why)
 
     def _on_resumed(self, h: Header, msg: Message) -> None:
-        mesh = self._mesh
-        if mesh.events.wants(DebuggerResumed):
+        if self._events.wants(DebuggerResumed):
             why = str(h.get("why", ""))
-            mesh.events.emit(DebuggerResumed(mesh.name, h["r"], h.get("i"), h.get("n", 0), why))
+            self._events.emit(DebuggerResumed(self._name, h["r"], h.get("i"), h.get("n", 0), why))
 
     # -- ranks ---------------------------------------------------------------------------
     def _on_ready(self, h: Header, msg: Message) -> None:
-        mesh = self._mesh
         info = self._ranks[h["r"]]
         if h.get("rc", info.restarts) != info.restarts:
             return  # an earlier incarnation, late: the current one is what we wait for
         if info.state is not RankState.STARTING:
             # Declared dead while it started (too late): it must not run unsupervised.
-            mesh.kill_ranks([info.rank])
+            self._mesh.kill_ranks([info.rank])
             return
-        t = mesh.transport
+        t = self._transport
         t.probe([t.rank_id(info.rank), t.rank_id(info.rank, b"c")])
         info.pid, info.hostname, info.device = h["pid"], h["host"], h["dev"]
         try:
@@ -251,8 +293,8 @@ class Inbound:
         except ValueError:  # not from a rank of this version: no peer calls to it
             info.peer = PeerAddress(info.hostname)
         info.last_seen = time.monotonic()
-        mesh.requests.set_state(info, RankState.IDLE)
-        mesh.notify()
+        self._requests.set_state(info, RankState.IDLE)
+        self._notify()
 
     def _on_rank_started(self, h: Header, msg: Message) -> None:
         self._ranks[h["r"]].pid = h["pid"]
@@ -261,83 +303,20 @@ class Inbound:
         info = self._ranks[h["r"]]
         if info.pid not in (None, h["pid"]) and info.state is not RankState.STARTING:
             return  # a stale report about an earlier incarnation
-        self._mesh.supervisor.rank_died(info, h)
+        self._rank_died(info, h)
 
     # -- hosts ---------------------------------------------------------------------------
     def _on_heartbeat(self, h: Header, msg: Message) -> None:
-        self._mesh.hosts[h["h"]].last_seen = time.monotonic()
+        self._hosts[h["h"]].last_seen = time.monotonic()
 
     def _on_port(self, h: Header, msg: Message) -> None:
-        self._mesh.port_received(h["i"], h["port"])
+        self._port_received(h["i"], h["port"])
 
     def _on_host_ready(self, h: Header, msg: Message) -> None:
-        mesh = self._mesh
-        host = mesh.hosts[h["h"]]
+        host = self._hosts[h["h"]]
         host.pid, host.hostname = h["pid"], h["host"]
         host.addr, host.port = h["addr"], h["port"]
-        mesh.transport.probe([mesh.transport.host_id(host.index)])
+        self._transport.probe([self._transport.host_id(host.index)])
         host.ready = True
         host.last_seen = time.monotonic()
-        mesh.notify()
-
-
-#: ``op -> handler(requester mesh, request) -> result`` for ``ask`` messages, registered
-#: by the actor layer (the controller never imports it).
-ASK_HANDLERS: dict[str, Callable[[MeshRuntime, dict[str, Any]], object]] = {}
-
-
-def answer_ask(requester: MeshRuntime, rank: int, req: dict[str, Any]) -> None:
-    """Run the asked operation and answer the rank's reply socket."""
-    from monarch_kernel.wire import dumps
-
-    handler = ASK_HANDLERS.get(str(req.get("op")))
-    buffers: Any = ()
-    try:
-        if handler is None:
-            raise LookupError(f"unknown operation {req.get('op')!r}")
-        payload, buffers = dumps(handler(requester, req), "answer to a rank")
-        ok = 1
-    except Exception as exc:  # reported to the rank that asked
-        payload = pickle.dumps({"type": type(exc).__name__, "message": str(exc), "where": "ask"})
-        ok, buffers = 0, ()
-    _answer(requester, rank, req, ok, payload, buffers)
-
-
-def _answer(
-    requester: MeshRuntime, rank: int, req: dict[str, Any], ok: int, payload: bytes, buffers: Any
-) -> None:
-    header: dict[str, Any] = {"k": K.RESULT, "i": req.get("id"), "r": 0, "ok": ok}
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 2000)
-    try:
-        peer_address.connect(sock, PeerAddress.decode(req.get("rt")))
-        sock.send_multipart(requester.codec.encode(header, payload, buffers), zmq.NOBLOCK)
-    except (zmq.ZMQError, ConnectionError, ValueError) as exc:
-        log.warning("could not answer rank %s of mesh %r: %s", rank, requester.name, exc)
-    finally:
-        sock.close()
-
-
-def stop_for_rank(requester: MeshRuntime, rank: int, req: dict[str, Any]) -> None:
-    """Stop the mesh ``req`` names if its key matches; answer the rank's reply socket."""
-    import hmac
-
-    from monarch_kernel.controller.registry import registry
-
-    target = registry.get(str(req.get("mesh")))
-    error = ""
-    if target is None or not hmac.compare_digest(target.key.hex(), str(req.get("key"))):
-        error = f"no mesh {req.get('mesh')!r} with that key in this controller"
-    elif target is requester:
-        error = "a mesh cannot stop itself from one of its own ranks"
-    else:
-        try:
-            target.stop(grace=float(req.get("grace", 3.0)))
-        except Exception as exc:  # reported to the rank that asked
-            error = f"stopping mesh {req.get('mesh')!r} failed: {exc}"
-    if error:
-        payload = pickle.dumps({"type": "RuntimeError", "message": error, "where": "stop"})
-    else:
-        payload = pickle.dumps(None)
-    _answer(requester, rank, req, 0 if error else 1, payload, ())
+        self._notify()

@@ -50,25 +50,22 @@ class Awaitable(Protocol):
     def done(self) -> bool: ...
 
 
+def _not_started(_: object) -> None:
+    raise RuntimeError("the receiver was not started")
+
+
 class Receiver:
     """The receive token and the I/O thread of one mesh."""
 
-    def __init__(
-        self,
-        name: str,
-        transport: Transport,
-        handle: Callable[[list[zmq.Frame]], None],
-        tick: Callable[[float], None],
-        owed: Callable[[], bool],
-    ):
-        """``handle(frames)`` handles one message; ``tick(now)`` runs about once a
-        second on the I/O thread; ``owed()`` tells whether replies are still owed to
-        anybody (then the I/O thread receives when a caller leaves)."""
+    def __init__(self, name: str, transport: Transport, owed: Callable[[], bool]):
+        """``owed()`` tells whether replies are still owed to anybody (then the I/O
+        thread receives when a caller leaves). Nothing is received before :meth:`start`;
+        work posted before it runs once it started."""
         self.name = name
         self._transport = transport
         self._sock = transport.recv_sock
-        self._handle = handle
-        self._tick = tick
+        self._handle: Callable[[list[zmq.Frame]], None] = _not_started
+        self._tick: Callable[[float], None] = _not_started
         self._owed = owed
         self._recv_lock = threading.Lock()
         self._reader: int | None = None  # ident of the thread holding the token
@@ -80,6 +77,14 @@ class Receiver:
         self._running = True
         self._rcvtimeo = -1
         self._io = threading.Thread(target=self._io_loop, name=f"mesh-{name}-io", daemon=True)
+
+    def start(
+        self, handle: Callable[[list[zmq.Frame]], None], tick: Callable[[float], None]
+    ) -> None:
+        """Start the I/O thread: ``handle(frames)`` handles one message; ``tick(now)``
+        runs about twice a second on the I/O thread. Called once, when the parts that
+        handle messages exist (they post work here, so they are made after this)."""
+        self._handle, self._tick = handle, tick
         self._io.start()
 
     @property
@@ -291,7 +296,7 @@ class Receiver:
         self._transport.wake()
         with self._io_cv:
             self._io_cv.notify_all()
-        if self._io.ident != me:
+        if self._io.ident not in (None, me):  # None: never started
             self._io.join(5)
         # A caller receiving in another thread returns now.
         if self._reader != me and not self._recv_lock.acquire(timeout=5):

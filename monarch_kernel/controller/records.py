@@ -7,12 +7,15 @@ token (see :mod:`monarch_kernel.controller.receiver`) or under the mesh's condit
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from monarch_kernel.calls.errors import DeathInfo, format_ranks
+from monarch_kernel.calls.requester import ActorSpec
 from monarch_kernel.launchers.base import HostHandle
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import RankStats
@@ -129,6 +132,14 @@ class RankInfo:
         return self.state not in GONE
 
 
+def by_host(ranks: Sequence[RankInfo], which: Iterable[int]) -> dict[int, list[int]]:
+    """The ranks ``which`` grouped by the index of their host (in the order given)."""
+    groups: dict[int, list[int]] = {}
+    for r in which:
+        groups.setdefault(ranks[r].host, []).append(r)
+    return groups
+
+
 @dataclass
 class HostInfo:
     """What the controller knows about one host agent."""
@@ -152,6 +163,49 @@ class SetupCell:
     label: str  #: the cell's label in tracebacks (its prompt number)
     header: tuple[str, ...] = ()  #: the magic line(s) above the code
     key: str | None = None  #: the notebook cell it came from (its id), if known
+
+
+@dataclass
+class MeshRecipe:
+    """What a restart in place re-creates on restarted ranks, as it was learnt: actors
+    spawned on the mesh, ``--setup`` cells, and the backend of the ranks' process group.
+
+    Written by callers spawning or stopping actors, by the receiving thread (actors that
+    ranks spawned on each other, the process group seen in stats) and by the restart;
+    each write replaces one entry or the whole list (no read-modify-write across threads
+    is relied on).
+    """
+
+    #: Actors spawned on this mesh, re-created on restarted ranks.
+    actors: dict[str, ActorSpec] = field(default_factory=dict)
+    #: Cells re-run on restarted ranks (after the process group is re-formed).
+    setup_cells: list[SetupCell] = field(default_factory=list)
+    #: Backend of the ranks' torch.distributed process group, once one was seen.
+    pg_backend: str | None = None
+
+    def remember_actor(self, spec: ActorSpec) -> None:
+        """``spec`` was spawned: re-create it on its ranks when they restart."""
+        self.actors[spec.name] = spec
+
+    def forget_actor(self, name: str, ranks: Sequence[int]) -> None:
+        """Actor ``name`` was stopped on ``ranks``: do not re-create it there."""
+        spec = self.actors.get(name)
+        if spec is None:
+            return
+        left = spec.ranks - set(ranks)
+        if left:
+            self.actors[name] = dataclasses.replace(spec, ranks=frozenset(left))
+        else:
+            del self.actors[name]
+
+    def remember_setup(self, cell: SetupCell) -> None:
+        """Re-run ``cell`` on ranks when they restart (after the process group)."""
+        self.setup_cells.append(cell)
+
+    def forget_setup(self) -> list[SetupCell]:
+        """Re-run no setup cell on restarts any more; returns those forgotten."""
+        cells, self.setup_cells = self.setup_cells, []
+        return cells
 
 
 @dataclass(frozen=True)

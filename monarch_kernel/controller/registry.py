@@ -1,24 +1,24 @@
-"""The kernel's one registry of live meshes, by name.
+"""A registry of live meshes, by name: :class:`MeshRegistry`.
 
 Every mesh registers itself when it is created (by ``%mesh``, ``spawn_procs`` or
 anything else) and leaves when it stops, so ``%mesh`` lists them all and shutdown
 stops them all. Holding a mesh here keeps it alive until it is stopped. Of the last few
 stopped meshes a one-line summary is kept, so that the table says what became of them.
+
+The kernel's one registry, of ``MeshRuntime`` objects, is
+:data:`monarch_kernel.controller.mesh.registry` (next to the class that registers
+itself in it); this module only knows what it needs of a mesh (:class:`Registered`).
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from monarch_kernel.controller.records import MeshPhase
-
-if TYPE_CHECKING:
-    from monarch_kernel.controller.mesh import MeshRuntime
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -44,16 +44,30 @@ class MeshNameTaken(ValueError):
     """A live mesh already has that name."""
 
 
-class MeshRegistry:
+class Registered(Protocol):
+    """What the registry needs of a mesh."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def state(self) -> MeshPhase: ...
+    def summary(self) -> MeshSummary: ...
+    def stop(self, timeout: float = ..., grace: float = ...) -> None: ...
+
+
+M = TypeVar("M", bound=Registered)
+
+
+class MeshRegistry(Generic[M]):
     """Live meshes by name (insertion order)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._meshes: dict[str, MeshRuntime] = {}
+        self._meshes: dict[str, M] = {}
         self._counters: dict[str, int] = {}
         self._stopped: deque[MeshSummary] = deque(maxlen=RECENTLY_STOPPED)
 
-    def add(self, mesh: MeshRuntime) -> None:
+    def add(self, mesh: M) -> None:
         """Register ``mesh``; its name must not be taken by a live mesh."""
         with self._lock:
             old = self._meshes.get(mesh.name)
@@ -64,14 +78,14 @@ class MeshRegistry:
                 )
             self._meshes[mesh.name] = mesh
 
-    def discard(self, mesh: MeshRuntime) -> None:
+    def discard(self, mesh: M) -> None:
         """Forget ``mesh`` (when it stopped)."""
         with self._lock:
             if self._meshes.get(mesh.name) is mesh:
                 del self._meshes[mesh.name]
                 self._stopped.append(mesh.summary())
 
-    def forget(self, mesh: MeshRuntime) -> None:
+    def forget(self, mesh: M) -> None:
         """Forget ``mesh`` without a trace (it never got as far as starting)."""
         with self._lock:
             if self._meshes.get(mesh.name) is mesh:
@@ -85,11 +99,12 @@ class MeshRegistry:
                     return summary
         return None
 
-    def get(self, name: str) -> MeshRuntime | None:
+    def get(self, name: str) -> M | None:
+        """The live (or stopping) mesh called ``name``, if any."""
         with self._lock:
             return self._meshes.get(name)
 
-    def live(self) -> list[MeshRuntime]:
+    def live(self) -> list[M]:
         """Every registered mesh that has not stopped, oldest first."""
         with self._lock:
             return [m for m in self._meshes.values() if not m.state.ended]
@@ -106,6 +121,7 @@ class MeshRegistry:
         return sorted(shown, key=lambda m: m.started_at)
 
     def names(self) -> list[str]:
+        """Names of the live meshes, oldest first."""
         return [m.name for m in self.live()]
 
     def auto_name(self, prefix: str) -> str:
@@ -125,12 +141,3 @@ class MeshRegistry:
                 mesh.stop(timeout=timeout)
             except Exception:  # pragma: no cover - best effort on the way out
                 log.exception("stopping mesh %s failed", mesh.name)
-
-
-#: The registry of this process (one kernel = one controller).
-registry = MeshRegistry()
-
-
-@atexit.register
-def _stop_all_at_exit() -> None:
-    registry.stop_all(timeout=3)

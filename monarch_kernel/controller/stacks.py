@@ -15,24 +15,55 @@ import linecache
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from monarch_kernel.calls.errors import MeshStoppedError, RankDiedError
-from monarch_kernel.calls.reply import Reply
-from monarch_kernel.calls.requester import CallOptions
-from monarch_kernel.controller.records import GONE
+from monarch_kernel.calls.reply import Reply, RequestObserver
+from monarch_kernel.calls.requester import PLAIN, CallOptions
+from monarch_kernel.controller.receiver import Receiver
+from monarch_kernel.controller.records import GONE, MeshPhase, RankInfo, by_host
+from monarch_kernel.controller.requests import RequestTable
+from monarch_kernel.controller.transport import Transport
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import Buffer, Header
 from monarch_kernel.wire.stacks import Frame, RankStacks, ThreadStack
 
-if TYPE_CHECKING:
-    from monarch_kernel.controller.mesh import MeshRuntime
-
-__all__ = ["FALLBACK_AFTER", "collect_stacks"]
+__all__ = ["FALLBACK_AFTER", "StacksMesh", "collect_stacks"]
 
 #: Seconds to wait for the ranks' control threads before the faulthandler fallback.
 FALLBACK_AFTER = 0.3
 #: A diagnosis never waits for a restart; silent ranks are reported as such.
 _STACKS = CallOptions(what="stacks", control=True, during_restart=True)
+
+
+class StacksMesh(Protocol):
+    """What collecting stacks uses of a mesh (a ``MeshRuntime``): it sends one control
+    request, asks host agents directly for the silent ranks, and forgets the request
+    on the receiving thread when it gives up on it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def state(self) -> MeshPhase: ...
+    @property
+    def ranks(self) -> list[RankInfo]: ...
+    @property
+    def transport(self) -> Transport: ...
+    @property
+    def receiver(self) -> Receiver: ...
+    @property
+    def requests(self) -> RequestTable: ...
+    def death_text(self, info: RankInfo) -> str: ...
+    def request(
+        self,
+        ranks: list[int],
+        header: Header,
+        payload: bytes,
+        buffers: Sequence[Buffer],
+        observer: RequestObserver,
+        options: CallOptions = PLAIN,
+        request_id: str | None = None,
+    ) -> str: ...
 
 
 class _Collector:
@@ -68,7 +99,7 @@ class _Collector:
 
 
 def collect_stacks(
-    mesh: MeshRuntime, ranks: Sequence[int], timeout: float = 1.0
+    mesh: StacksMesh, ranks: Sequence[int], timeout: float = 1.0
 ) -> list[RankStacks]:
     """Every thread's stack of each of ``ranks`` now, in the order of ``ranks``."""
     t0 = time.monotonic()
@@ -86,14 +117,7 @@ def collect_stacks(
     rid = None
     if live:
         try:
-            rid = mesh.request(
-                live,
-                {"k": K.STACKS},
-                b"",
-                (),
-                collector,
-                _STACKS,
-            )
+            rid = mesh.request(live, {"k": K.STACKS}, b"", (), collector, _STACKS)
         except (RankDiedError, MeshStoppedError) as exc:  # it died or stopped just now
             for r in live:
                 info = mesh.ranks[r]
@@ -105,7 +129,7 @@ def collect_stacks(
         silent = collector.wait(t0 + min(FALLBACK_AFTER, timeout))
         if silent and rid is not None:
             asked_agent = silent
-            for host, group in _by_host(mesh, sorted(silent)).items():
+            for host, group in by_host(mesh.ranks, sorted(silent)).items():
                 mesh.transport.send_host(host, {"k": K.DUMP_STACKS, "d": group, "i": rid})
             silent = collector.wait(t0 + timeout)
     with collector.cv:
@@ -115,36 +139,38 @@ def collect_stacks(
         # Forget the request (on the receiving thread): late answers are dropped.
         mesh.receiver.post(mesh.requests.fail_request, rid, TimeoutError("stacks: too late"))
     for r in live:
-        if r in replies:
-            done[r] = _answered(mesh, replies[r])
-        elif r in lost:
-            info = mesh.ranks[r]
-            why = mesh.death_text(info) if info.state in GONE else str(lost[r])
-            done[r] = _failed(mesh, r, why)
-        else:
-            how = (
-                "its control thread did not answer, and its host agent got no faulthandler "
-                "dump from it"
-                if r in asked_agent
-                else "its control thread did not answer"
-            )
-            done[r] = _failed(mesh, r, f"no answer in {timeout:g}s ({how})")
+        done[r] = _outcome(mesh, r, replies, lost, r in asked_agent, timeout)
     return [done[r] for r in ranks]
 
 
-def _by_host(mesh: MeshRuntime, ranks: list[int]) -> dict[int, list[int]]:
-    by_host: dict[int, list[int]] = {}
-    for r in ranks:
-        by_host.setdefault(mesh.ranks[r].host, []).append(r)
-    return by_host
+def _outcome(
+    mesh: StacksMesh,
+    r: int,
+    replies: dict[int, Reply],
+    lost: dict[int, BaseException],
+    asked_agent: bool,
+    timeout: float,
+) -> RankStacks:
+    """Rank ``r``'s stacks: its answer, why it was lost, or that it stayed silent."""
+    if r in replies:
+        return _answered(mesh, replies[r])
+    if r in lost:
+        info = mesh.ranks[r]
+        return _failed(mesh, r, mesh.death_text(info) if info.state in GONE else str(lost[r]))
+    how = (
+        "its control thread did not answer, and its host agent got no faulthandler dump from it"
+        if asked_agent
+        else "its control thread did not answer"
+    )
+    return _failed(mesh, r, f"no answer in {timeout:g}s ({how})")
 
 
-def _failed(mesh: MeshRuntime, rank: int, error: str) -> RankStacks:
+def _failed(mesh: StacksMesh, rank: int, error: str) -> RankStacks:
     info = mesh.ranks[rank]
     return RankStacks(rank, info.hostname, info.pid, (), "none", error)
 
 
-def _answered(mesh: MeshRuntime, reply: Reply) -> RankStacks:
+def _answered(mesh: StacksMesh, reply: Reply) -> RankStacks:
     r = reply.rank
     info = mesh.ranks[r]
     if not reply.ok:

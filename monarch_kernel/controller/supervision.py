@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from monarch_kernel.calls.errors import MeshStoppedError, RankDiedError
-from monarch_kernel.controller.events import HostLost, RankDied
+from monarch_kernel.controller.events import EventBus, HostLost, RankDied
+from monarch_kernel.controller.phase import MeshLifecycle
 from monarch_kernel.controller.records import (
     GONE,
     DeathInfo,
@@ -23,10 +25,9 @@ from monarch_kernel.controller.records import (
     RankInfo,
     RankState,
 )
+from monarch_kernel.controller.requests import RequestTable
+from monarch_kernel.controller.transport import Transport
 from monarch_kernel.wire.codec import Header
-
-if TYPE_CHECKING:
-    from monarch_kernel.controller.mesh import MeshRuntime
 
 #: A gap between ticks longer than this (seconds) means the controller itself stalled.
 STALL = 1.5
@@ -34,43 +35,71 @@ STALL = 1.5
 DEATH_TAIL = 20
 
 
+#: ``Receiver.post``: run a function on the thread holding the receive token.
+Post = Callable[..., None]
+
+
+class RestartPolicy(Protocol):
+    """What a death report says about what happens next (the ``FailureHandler``)."""
+
+    @property
+    def policy(self) -> FailurePolicy: ...
+    def gave_up_on(self, rank: int) -> bool: ...
+
+
 class Supervisor:
     """Turns exits, silence and lost hosts into dead ranks and failed requests."""
 
-    def __init__(self, mesh: MeshRuntime):
-        self._mesh = mesh
+    def __init__(
+        self,
+        name: str,
+        *,
+        ranks: list[RankInfo],
+        hosts: list[HostInfo],
+        lifecycle: MeshLifecycle,
+        transport: Transport,
+        requests: RequestTable,
+        events: EventBus,
+        post: Post,
+        restarts: RestartPolicy,
+        hb_timeout: float,
+    ):
+        self._name = name
+        self._ranks = ranks
+        self._hosts = hosts
+        self._lifecycle = lifecycle
+        self._transport = transport
+        self._requests = requests
+        self._events = events
+        self._post = post
+        self._restarts = restarts
+        self._hb_timeout = hb_timeout
         self._last_tick = time.monotonic()
 
     def tick(self, now: float) -> None:
         """Twice a second (I/O thread): heartbeat every host, notice lost ones."""
-        mesh = self._mesh
-        if mesh.state.ended:
+        if self._lifecycle.phase.ended:
             return
         stalled = now - self._last_tick > STALL
         self._last_tick = now
-        for host in mesh.hosts:
+        for host in self._hosts:
             if stalled:
                 # This process did not run for a while (a long computation holding the
                 # GIL, a swapped-out kernel): the silence was ours, not the hosts'.
                 host.last_seen = max(host.last_seen, now)
             if host.lost:
                 continue
-            mesh.transport.heartbeat(host.index)
+            self._transport.heartbeat(host.index)
             code = host.handle.exit_code() if host.handle is not None else None
             if code is not None:
-                mesh.receiver.post(
-                    self.host_lost, host, f"host agent process exited with code {code}"
-                )
-            elif host.ready and now - host.last_seen > mesh.hb_timeout:
-                mesh.receiver.post(
-                    self.host_lost, host, f"no heartbeat for {now - host.last_seen:.1f}s"
-                )
+                self._post(self.host_lost, host, f"host agent process exited with code {code}")
+            elif host.ready and now - host.last_seen > self._hb_timeout:
+                self._post(self.host_lost, host, f"no heartbeat for {now - host.last_seen:.1f}s")
 
     def host_lost(self, host: HostInfo, why: str) -> None:
         """``host`` is gone: its live ranks die with that cause."""
         if host.lost:
             return
-        mesh = self._mesh
         where = [w for w in (host.hostname, host.addr) if w and w != "127.0.0.1"]
         if where:  # name the machine: "node3 at 10.0.0.13"
             why = f"{why} ({' at '.join(dict.fromkeys(where))})"
@@ -79,26 +108,26 @@ class Supervisor:
             # A frozen (or partitioned) agent may still run its ranks: end it, so that
             # they die with it rather than run on unsupervised.
             threading.Thread(target=host.handle.wait_or_kill, args=(0.1,), daemon=True).start()
-        if mesh.events.wants(HostLost):
-            mesh.events.emit(HostLost(mesh.name, host.index, why))
-        for info in mesh.ranks:
+        if self._events.wants(HostLost):
+            self._events.emit(HostLost(self._name, host.index, why))
+        for info in self._ranks:
             if info.host == host.index and info.alive:
                 self.rank_died(info, {"reason": f"host agent {host.index} lost: {why}"})
-        mesh.notify()
+        self._lifecycle.notify()
 
     def rank_died(self, info: RankInfo, report: Header) -> None:
         """``info``'s rank ended (``report``: a ``rank_exit`` header or a reason)."""
-        mesh = self._mesh
         if info.state in GONE:
             return  # told already (a stop and its exit report, say)
+        ended = self._lifecycle.phase.ended
         expected = bool(report.get("expected"))
-        if info.kill_reason and not mesh.state.ended:  # killed by the failure policy
+        if info.kill_reason and not ended:  # killed by the failure policy
             report = dict(report, reason=info.kill_reason)
             expected = False
             info.kill_reason = None
-        state = RankState.STOPPED if expected or mesh.state.ended else RankState.DEAD
-        mesh.requests.set_state(info, state, announce=False)
-        host = mesh.hosts[info.host]
+        state = RankState.STOPPED if expected or ended else RankState.DEAD
+        self._requests.set_state(info, state, announce=False)
+        host = self._hosts[info.host]
         # The host agent's tail holds what the rank printed in the request it died in
         # (from its log, crash dumps included); without one (a lost host), the last
         # lines the controller saw.
@@ -114,23 +143,22 @@ class Supervisor:
             tail=tail,
             time=time.time(),
         )
-        if mesh.state.ended:
+        if ended:
             error: BaseException = MeshStoppedError(
-                f"mesh {mesh.name!r} was stopped while this call was running"
+                f"mesh {self._name!r} was stopped while this call was running"
             )
         else:
-            error = RankDiedError(self.death_text(info), info.death, mesh.name)
-        taken = mesh.requests.take_rank(info.rank)
+            error = RankDiedError(self.death_text(info), info.death, self._name)
+        taken = self._requests.take_rank(info.rank)
         # Listeners hear of the death before the callers whose requests it fails.
-        if mesh.events.wants(RankDied):
+        if self._events.wants(RankDied):
             failed = tuple(p.id for p in taken)
-            mesh.events.emit(RankDied(mesh.name, info.rank, state, info.death, failed))
-        mesh.requests.lose(info.rank, taken, error)
-        mesh.notify()
+            self._events.emit(RankDied(self._name, info.rank, state, info.death, failed))
+        self._requests.lose(info.rank, taken, error)
+        self._lifecycle.notify()
 
     def death_text(self, info: RankInfo) -> str:
         """``rank 2 of mesh 'm' (host h, pid 123) died: killed by SIGKILL`` + last lines."""
-        mesh = self._mesh
         d = info.death
         tail: tuple[str, ...]
         if d is None:
@@ -139,14 +167,14 @@ class Supervisor:
             host, pid, tail = d.host, d.pid, d.tail
             stopped = info.state is RankState.STOPPED and not d.reason
             how = "was stopped" if stopped else d.how
-        text = f"rank {info.rank} of mesh {mesh.name!r} (host {host}, pid {pid}) died: {how}"
+        text = f"rank {info.rank} of mesh {self._name!r} (host {host}, pid {pid}) died: {how}"
         if tail:
             text += "\nlast output lines:\n  " + "\n  ".join(tail[-DEATH_TAIL:])
         elif d is not None and not d.reason:
             text += "\n(no output in what it was running)"
         if info.state is RankState.DEAD:
-            policy = mesh.failures.policy
-            if policy is FailurePolicy.RESTART and not mesh.failures.gave_up_on(info.rank):
+            policy = self._restarts.policy
+            if policy is FailurePolicy.RESTART and not self._restarts.gave_up_on(info.rank):
                 text += "\nThe failure policy (restart) restarts it now; requests wait for it."
             elif policy is FailurePolicy.STOP:
                 text += "\nThe failure policy (stop) stops the mesh."

@@ -36,7 +36,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
 import zmq
 
@@ -116,18 +115,32 @@ class Transport:
         #: the host their routing id or header claims (a peer posing as another host).
         self.impostors = 0
         self._impostor_logged = False
+        self.send_addr, self.recv_addr = self._bind(bind)
+        wake_addr = f"inproc://mk-wake-{id(self)}"
+        self.recv_sock.bind(wake_addr)
+        self._wake_lock = threading.Lock()
+        self._wake_sock = _wake_socket(ctx, WAKE_ID, wake_addr)
+        self._sigint_sock = _wake_socket(ctx, SIGINT_ID, wake_addr)  # main thread only
+        # Flow control (see the module docstring); the backlogs change under send_lock.
+        self._backlog: dict[bytes, deque[tuple[list[Buffer], int]]] = {}
+        self.backlog_messages = 0
+        self.backlog_bytes = 0
+        self._room = threading.Condition()
+        self._closed = False
+
+    def _bind(self, bind: str) -> tuple[str, str]:
+        """Bind both ROUTERs (CURVE servers on tcp); their addresses. On failure the
+        sockets are closed and :class:`MeshStartError` says why."""
         if self._ipc_dir is None:
             self.curve = Curve.new()
             for sock in (self.send_sock, self.recv_sock):
                 curve_server(sock, self.curve, self._zap_domain)
         try:
             if self._ipc_dir is not None:
-                self.send_addr = _bind(self.send_sock, f"ipc://{self._ipc_dir}/send")
-                self.recv_addr = _bind(self.recv_sock, f"ipc://{self._ipc_dir}/recv")
-            else:
-                bind = "127.0.0.1" if bind == "ipc" else bind
-                self.send_addr = _bind(self.send_sock, bind)
-                self.recv_addr = _bind(self.recv_sock, bind)
+                send_addr = _bind(self.send_sock, f"ipc://{self._ipc_dir}/send")
+                return send_addr, _bind(self.recv_sock, f"ipc://{self._ipc_dir}/recv")
+            bind = "127.0.0.1" if bind == "ipc" else bind
+            return _bind(self.send_sock, bind), _bind(self.recv_sock, bind)
         except (zmq.ZMQError, ValueError) as exc:  # ValueError: a bad $MONARCH_KERNEL_PORTS
             self.send_sock.close()
             self.recv_sock.close()
@@ -136,17 +149,6 @@ class Transport:
                 f"cannot bind the controller sockets on {bind}: {exc}. "
                 "Pick another address or free the port."
             ) from None
-        wake_addr = f"inproc://mk-wake-{id(self)}"
-        self.recv_sock.bind(wake_addr)
-        self._wake_lock = threading.Lock()
-        self._wake_sock = _wake_socket(ctx, WAKE_ID, wake_addr)
-        self._sigint_sock = _wake_socket(ctx, SIGINT_ID, wake_addr)  # main thread only
-        # Flow control (see the module docstring); the backlogs change under send_lock.
-        self._backlog: dict[bytes, deque[tuple[list[Any], int]]] = {}
-        self.backlog_messages = 0
-        self.backlog_bytes = 0
-        self._room = threading.Condition()
-        self._closed = False
 
     # -- identities --------------------------------------------------------------------
     def admit_host(self, host: int) -> tuple[str, str, str]:
@@ -277,7 +279,7 @@ class Transport:
             self._deliver(self.rank_id(rank, b"c"), frames, len(payload))
 
     # -- flow control --------------------------------------------------------------------
-    def _deliver(self, ident: bytes, frames: list[Any], size: int) -> None:
+    def _deliver(self, ident: bytes, frames: list[Buffer], size: int) -> None:
         """Send now, or queue behind what ``ident`` has not taken yet (send_lock held)."""
         queue = self._backlog.get(ident)
         if queue is None:

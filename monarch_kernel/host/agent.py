@@ -27,7 +27,7 @@ import zmq
 import zmq.utils.z85
 
 from monarch_kernel.host.config import AgentConfig
-from monarch_kernel.host.main import interface_of, main, source_address
+from monarch_kernel.host.netinfo import interface_of, source_address
 from monarch_kernel.host.stacks import dump_stacks
 from monarch_kernel.host.template_handle import DEFAULT_GRACE, Template
 from monarch_kernel.rank.config import RankConfig
@@ -429,4 +429,4 @@ class HostAgent:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["HostAgent", "free_port", "interface_of", "main", "source_address"]
+__all__ = ["HostAgent", "free_port", "interface_of", "source_address"]

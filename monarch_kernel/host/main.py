@@ -15,25 +15,8 @@ import zmq
 import zmq.utils.z85
 
 from monarch_kernel.host.config import AgentConfig
-from monarch_kernel.wire.netaddr import route_source
+from monarch_kernel.host.netinfo import source_address
 from monarch_kernel.wire.osutil import die_with_parent
-
-
-def interface_of(addr: str) -> str | None:
-    """The name of the network interface that owns IPv4/IPv6 address ``addr``."""
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == addr for a in addrs):
-            return str(name)
-    return None
-
-
-def source_address(url: str) -> str:
-    """The local address this machine uses to reach ``tcp://HOST:PORT`` (no packet is
-    sent: a UDP socket is only routed)."""
-    host, _, port = url.removeprefix("tcp://").rpartition(":")
-    return route_source(host, int(port))
 
 
 def join(url: str, token: str, timeout: float = 30.0) -> dict[str, Any]:

@@ -117,7 +117,7 @@ class Template:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.default_int_handler)
-                from monarch_kernel.rank.runtime import run_forked
+                from monarch_kernel.rank.forked import run_forked
 
                 run_forked(cfg, parent)
             finally:

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from monarch_kernel.controller.registry import registry
+from monarch_kernel.controller.mesh import registry
 from monarch_kernel.kernel.args import Parser, mesh_parser, remote_parser
 from monarch_kernel.launchers import BACKENDS
 

@@ -20,9 +20,8 @@ from typing import Any
 
 from monarch_kernel.actor import ProcMesh
 from monarch_kernel.controller.events import MeshPhaseChanged, RankDied, RankStateChanged
-from monarch_kernel.controller.mesh import MeshRuntime
+from monarch_kernel.controller.mesh import MeshRuntime, registry
 from monarch_kernel.controller.records import RankState
-from monarch_kernel.controller.registry import registry
 
 log = logging.getLogger("monarch_kernel.lab")
 

@@ -27,9 +27,8 @@ from monarch_kernel.actor import ActorMesh, ProcMesh, ValueMesh
 from monarch_kernel.actor.hosts import HostMesh, host_mesh
 from monarch_kernel.actor.meshes import procs_of
 from monarch_kernel.calls.errors import ActorError, MeshStartError
-from monarch_kernel.controller.mesh import MeshRuntime
+from monarch_kernel.controller.mesh import MeshRuntime, registry
 from monarch_kernel.controller.records import MeshPhase, SetupCell
-from monarch_kernel.controller.registry import registry
 from monarch_kernel.kernel import help as _help
 from monarch_kernel.kernel.args import (
     ENGINE_OPTIONS,

@@ -7,15 +7,12 @@ import mmap
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
 from monarch_kernel.rank.config import RankConfig
-from monarch_kernel.rank.dataplane_common import read_all
-
-if TYPE_CHECKING:
-    from monarch_kernel.rank.dataplane_ref import TensorRef
+from monarch_kernel.rank.dataplane_common import SharedTensor, read_all
 from monarch_kernel.wire import Codec
 from monarch_kernel.wire.codec import limit_size
 
@@ -50,7 +47,7 @@ class Client:
         found: zmq.Socket[bytes] = sock
         return found
 
-    def codec_for(self, ref: TensorRef) -> Codec:
+    def codec_for(self, ref: SharedTensor) -> Codec:
         """The key requests to ``ref``'s owner are signed with: its mesh's."""
         if ref.key_id == self.run_id or not ref.mesh_key:
             return self.codec
@@ -64,7 +61,7 @@ class Client:
         header = dict(header, k="req", n=os.urandom(16).hex(), t=time.time())
         return (codec or self.codec).encode(header)
 
-    def request(self, ref: TensorRef, header: dict[str, Any], timeout: float = 60.0) -> Any:
+    def request(self, ref: SharedTensor, header: dict[str, Any], timeout: float = 60.0) -> Any:
         if ref.same_host():
             address, curve_key = ref.ipc, ""
         elif ref.address:
@@ -88,13 +85,13 @@ class Client:
             raise RuntimeError(f"rank {ref.owner}: {msg.header['error']}")
         return msg
 
-    def read_socket(self, ref: TensorRef, raw: Any) -> None:
+    def read_socket(self, ref: SharedTensor, raw: Any) -> None:
         import torch
 
         msg = self.request(ref, {"op": "fetch", "id": ref.id})
         raw.copy_(torch.frombuffer(msg.buffers[0], dtype=torch.uint8))
 
-    def _open_shm(self, ref: TensorRef) -> int:
+    def _open_shm(self, ref: SharedTensor) -> int:
         """A read-only descriptor of the owner's shared memory holding the tensor: the
         one it lives in, else a copy made now for this request."""
         released = RuntimeError(
@@ -116,7 +113,7 @@ class Client:
         finally:
             os.unlink(path)  # a copy for this request only
 
-    def map_shm(self, ref: TensorRef) -> Any:
+    def map_shm(self, ref: SharedTensor) -> Any:
         """A uint8 tensor over a private (copy-on-write) mapping of the owner's shared
         memory; its page tables are filled without copying the pages (a page is copied
         here once either side writes it; until then it shows the owner's data)."""
@@ -134,7 +131,7 @@ class Client:
             pass  # older kernel: pages are mapped on first touch
         return torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
 
-    def read_shm(self, ref: TensorRef, raw: Any) -> None:
+    def read_shm(self, ref: SharedTensor, raw: Any) -> None:
         fd = self._open_shm(ref)
         try:
             # One kernel copy from the shared pages straight into the destination.

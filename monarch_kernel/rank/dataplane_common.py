@@ -7,6 +7,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from typing import Protocol
 
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.wire.netaddr import is_loopback, route_source
@@ -25,6 +26,46 @@ ENCRYPT_ENV = "MONARCH_KERNEL_ENCRYPT_DATA"
 NONCE_WINDOW = 120.0
 NONCE_MAX = 65536
 counters_ = {"bytes_out": 0, "bytes_in": 0, "replays_refused": 0}
+
+
+class SharedTensor(Protocol):
+    """What the data-plane client reads of a ``TensorRef`` (``dataplane_ref``), which
+    uses the client: named here so that neither module imports the other's."""
+
+    @property
+    def owner(self) -> int: ...
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def ipc(self) -> str: ...
+
+    @property
+    def shm(self) -> str: ...
+
+    @property
+    def shm_ino(self) -> int: ...
+
+    @property
+    def key_id(self) -> str: ...
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def curve_key(self) -> str: ...
+
+    @property
+    def machine(self) -> str: ...
+
+    @property
+    def mesh_key(self) -> str: ...
+
+    def same_host(self) -> bool: ...
 
 
 def counters() -> dict[str, int]:

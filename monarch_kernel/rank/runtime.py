@@ -31,7 +31,6 @@ from monarch_kernel.rank.cells import Cells
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.rank.control import ControlThread
 from monarch_kernel.rank.debugger import RankDebugger
-from monarch_kernel.rank.forked import run_forked
 from monarch_kernel.rank.inbox import Inbox, bind_peer, connect, dealer
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.signals import TERMINATED_CODE, MainThread, RankTerminated
@@ -44,7 +43,7 @@ from monarch_kernel.wire.codec import Buffer
 from monarch_kernel.wire.identity import ident_tag
 from monarch_kernel.wire.serialize import What
 
-__all__ = ["TERMINATED_CODE", "Rank", "RankTerminated", "ResponsePort", "run_forked"]
+__all__ = ["TERMINATED_CODE", "Rank", "RankTerminated", "ResponsePort"]
 
 
 class Rank:

@@ -1,0 +1,225 @@
+"""Starting a mesh's host agents and ranks, and waiting for them.
+
+:class:`Starter` builds each host agent's :class:`~monarch_kernel.launchers.base.HostConfig`,
+has the launcher start the agents, asks them to fork their ranks (``spawn_ranks``) and
+waits until every one is ready. A restart in place (:mod:`.restart`) uses the same
+pieces for single ranks and for host agents that were lost.
+
+Waiting happens on the mesh's condition (:class:`~.phase.MeshLifecycle`); the handlers
+that make hosts and ranks ready notify it. A wait fails as soon as the mesh stops, a
+host agent it depends on exits or is lost, or its deadline passes: start-up never hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import zmq
+
+from monarch_kernel.calls.errors import MeshStartError, MeshStoppedError
+from monarch_kernel.controller.phase import MeshLifecycle
+from monarch_kernel.controller.records import HostInfo, RankInfo, RankState
+from monarch_kernel.controller.requests import RequestTable
+from monarch_kernel.controller.transport import Transport
+from monarch_kernel.launchers.base import HostConfig, Launcher
+from monarch_kernel.shape import Shape
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import Header
+
+#: Seconds a host agent waits for a silent controller before it shuts down.
+AGENT_SILENCE_TIMEOUT = 10.0
+
+
+class MeshConfig(Protocol):
+    """What a mesh was created with (read only): all that start-up needs to know."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def shape(self) -> Shape: ...
+    @property
+    def world(self) -> int: ...
+    @property
+    def per_host(self) -> int: ...
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def env(self) -> dict[str, str]: ...
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def hb_timeout(self) -> float: ...
+    @property
+    def advertise(self) -> str | None: ...
+    @property
+    def launcher(self) -> Launcher: ...
+
+
+class Starter:
+    """Starts host agents and ranks of one mesh, and waits for them."""
+
+    def __init__(
+        self,
+        config: MeshConfig,
+        *,
+        transport: Transport,
+        ranks: list[RankInfo],
+        hosts: list[HostInfo],
+        requests: RequestTable,
+        lifecycle: MeshLifecycle,
+        death_text: Callable[[RankInfo], str],
+    ):
+        self._config = config
+        self._name = config.name
+        self._transport = transport
+        self._ranks = ranks
+        self._hosts = hosts
+        self._requests = requests
+        self._lifecycle = lifecycle
+        self._death_text = death_text
+        #: The ``common`` part of every ``spawn_ranks`` message (torchrun environment,
+        #: the rendezvous of rank 0's host ...); set once the host agents are ready.
+        self.common: Header = {}
+
+    def start(self, deadline: float) -> None:
+        """Start every host agent, then every rank; return when all ranks are ready.
+        Raises :class:`MeshStartError` (the caller stops what was started)."""
+        config = self._config
+        handles = config.launcher.start_hosts([self.host_config(h.index) for h in self._hosts])
+        for host, handle in zip(self._hosts, handles):
+            host.handle = handle
+            self.adopt(host)
+        try:
+            self.wait(lambda: all(h.ready for h in self._hosts), deadline, "host agents")
+        except MeshStartError as exc:
+            missing = [h.index for h in self._hosts if not h.ready]
+            describe = getattr(config.launcher, "describe_missing", None)
+            if missing and describe is not None:
+                raise MeshStartError(f"{exc}\n{describe(self._name, missing)}") from None
+            raise
+        master = self._hosts[0]
+        self.common = {
+            "labels": list(config.shape.labels),
+            "sizes": list(config.shape.sizes),
+            "world_size": config.world,
+            "local_world_size": config.per_host,
+            "master_addr": master.addr,
+            "master_port": master.port,
+            "run_id": config.run_id,
+            "mesh": self._name,
+            "env": config.env,
+            "sys_path": [p for p in sys.path if p],
+            "cwd": os.getcwd(),
+        }
+        for host in self._hosts:
+            self.spawn_ranks([r for r in self._ranks if r.host == host.index])
+        self.wait(
+            lambda: all(r.state is not RankState.STARTING for r in self._ranks),
+            deadline,
+            "ranks",
+        )
+        dead = [r for r in self._ranks if not r.alive]
+        if dead:
+            raise MeshStartError(
+                "ranks died while starting:\n" + "\n".join(self._death_text(r) for r in dead)
+            )
+
+    def adopt(self, host: HostInfo) -> None:
+        """Let a handle on a remote agent (no pid to kill) tell it to exit."""
+        if hasattr(host.handle, "tell_exit"):
+            index, transport = host.index, self._transport
+
+            def tell_exit() -> None:
+                transport.send_host(index, {"k": K.STOP, "grace": 0.0})
+
+            setattr(host.handle, "tell_exit", tell_exit)  # noqa: B010
+
+    def host_config(self, h: int) -> HostConfig:
+        """What host agent ``h`` needs to join (a fresh CURVE keypair every time)."""
+        config, t = self._config, self._transport
+        # The agent's own patience with a silent controller is longer than ours with it:
+        # a controller busy for a few seconds (a large unpickle) must not lose its hosts.
+        silence = max(AGENT_SILENCE_TIMEOUT, 4 * config.hb_timeout)
+        send, recv = t.send_addr, t.recv_addr
+        if config.advertise and send.startswith("tcp://"):
+            send = f"tcp://{config.advertise}:{send.rsplit(':', 1)[1]}"
+            recv = f"tcp://{config.advertise}:{recv.rsplit(':', 1)[1]}"
+        # One client keypair per host agent (its ranks use it too); a relaunched host
+        # gets a new one and the old one is no longer admitted.
+        curve = t.admit_host(h)
+        return HostConfig(
+            h, config.key.hex(), send, recv, silence, self._name, *curve, ranks=config.per_host
+        )
+
+    def relaunch_host(self, host: HostInfo) -> None:
+        """Start a new host agent in place of lost ``host`` (its ranks are dead)."""
+        old = host.handle
+        if old is not None:
+            old.wait_or_kill(0.1)  # a frozen agent: kill it (its ranks die with it)
+            old.cleanup()
+        host.ready, host.lost, host.last_seen = False, None, time.monotonic()
+        (host.handle,) = self._config.launcher.start_hosts([self.host_config(host.index)])
+        self.adopt(host)
+
+    def spawn_ranks(self, ranks: list[RankInfo]) -> None:
+        """Ask the host agent of ``ranks`` (all on one host) to fork them; each is
+        STARTING until its ``ready`` message (or its death) arrives."""
+        specs = []
+        for r in ranks:
+            r.death, r.pid = None, None
+            self._requests.set_state(r, RankState.STARTING)
+            spec: dict[str, Any] = {  # a header field (see wire.kinds: spawn_ranks)
+                "rank": r.rank,
+                "local_rank": r.local_rank,
+                "coords": list(r.coords),
+                "host": r.host,
+                "restart_count": r.restarts,
+            }
+            if self._transport.curve is not None:  # peers of other machines may call it
+                if not r.peer_secret:
+                    r.peer_secret = zmq.curve_keypair()[1].decode()
+                spec["peer_secret"] = r.peer_secret
+                if r.peer.tcp:
+                    spec["peer_port"] = r.peer.tcp_port
+            specs.append(spec)
+        if specs:
+            self._transport.send_host(
+                ranks[0].host, {"k": K.SPAWN_RANKS, "ranks": specs, "common": self.common}
+            )
+
+    def wait(
+        self,
+        cond: Callable[[], bool],
+        deadline: float,
+        what: str,
+        hosts: Sequence[HostInfo] | None = None,
+        hint: str = "check the host agents' logs or raise the start timeout",
+    ) -> None:
+        """Wait until ``cond()``; fail if the mesh stops, one of ``hosts`` (default:
+        all) exits or is lost, or ``deadline`` passes."""
+        lifecycle = self._lifecycle
+        with lifecycle.cv:
+            while not cond():
+                if lifecycle.phase.ended:
+                    raise MeshStoppedError(f"mesh {self._name!r} was stopped during: {what}")
+                self._check_hosts_started(what, self._hosts if hosts is None else hosts)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise MeshStartError(f"mesh {self._name!r}: {what} not ready in time; {hint}")
+                lifecycle.cv.wait(min(left, 0.2))
+
+    @staticmethod
+    def _check_hosts_started(what: str, hosts: Sequence[HostInfo]) -> None:
+        for host in hosts:
+            handle = host.handle
+            if handle is not None and handle.exit_code() is not None:
+                raise MeshStartError(
+                    f"host agent {host.index} exited (code {handle.exit_code()}) while "
+                    f"starting {what}:\n{handle.log_tail()}"
+                )
+            if host.lost:
+                raise MeshStartError(f"host agent {host.index} lost: {host.lost}")
