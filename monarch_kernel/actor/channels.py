@@ -10,7 +10,7 @@ import os
 import pickle
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar, cast
 
 import zmq
@@ -22,9 +22,10 @@ from monarch_kernel.calls.reply import Reply
 from monarch_kernel.rank import context as rank_context
 from monarch_kernel.rank.errors import exception_report
 from monarch_kernel.wire import Codec, dumps, peer_address
-from monarch_kernel.wire import kinds as K
-from monarch_kernel.wire.codec import new_key
+from monarch_kernel.wire import headers as H
+from monarch_kernel.wire.codec import Buffer, new_key
 from monarch_kernel.wire.peer_address import PeerAddress
+from monarch_kernel.wire.reports import FailureReport
 
 log = logging.getLogger("monarch_kernel.actor")
 R = TypeVar("R")
@@ -56,11 +57,11 @@ class Port(Generic[R]):
     def send(self, obj: R) -> None:
         """Send ``obj`` to the receiver (in order with this sender's other messages)."""
         payload, buffers = dumps(obj, "value sent to a port")
-        self._deliver({"ok": 1}, payload, buffers)
+        self._deliver(True, payload, buffers)
 
     def exception(self, exc: BaseException) -> None:
         """Make the receiver's next ``recv()`` raise ``exc`` (as an ``ActorError``)."""
-        self._deliver({"ok": 0}, pickle.dumps(exception_report(exc, "port")), ())
+        self._deliver(False, pickle.dumps(exception_report(exc, "port")), ())
 
     def _sender_rank(self) -> int | None:
         """The rank this message is from: the one the port was made for, else the
@@ -71,11 +72,8 @@ class Port(Generic[R]):
             return rank_context.message_rank().rank
         return None
 
-    def _deliver(self, extra: dict[str, Any], payload: bytes, buffers: Any) -> None:
-        header: dict[str, Any] = {"k": K.RESULT, "i": self._id, **extra}
-        rank = self._sender_rank()
-        if rank is not None:
-            header["r"] = rank
+    def _deliver(self, ok: bool, payload: bytes, buffers: Sequence[Buffer]) -> None:
+        header = H.Result(request=self._id, ok=ok, rank=self._sender_rank()).encode()
         frames = _codec(self._key).encode(header, payload, buffers)
         sock = _push(self._addr)
         with _push_lock:
@@ -232,16 +230,15 @@ def _channel_key() -> str:
 # -- supervision messages to owners ------------------------------------------------------
 
 
-def tell_owner(
-    owner: dict[str, str], mesh: str, actor: str, rank: int, report: dict[str, Any]
-) -> None:
+def tell_owner(owner: H.Owner, mesh: str, actor: str, rank: int, report: FailureReport) -> None:
     """Send the owner actor of ``actor`` a ``supervise`` message (see rank.supervise);
     never blocks (it runs on the controller's receiving thread)."""
     body = {"mesh": mesh, "actor": actor, "rank": rank, "report": report, "path": ()}
-    frames = _codec(owner["ox"]).encode({"k": K.SUPERVISE, "on": owner["on"]}, pickle.dumps(body))
+    header = H.Supervise(owner_name=owner.name).encode()
+    frames = _codec(owner.key).encode(header, pickle.dumps(body))
     with _push_lock:
         try:
-            addr = PeerAddress.decode(owner["oa"])
+            addr = PeerAddress.decode(owner.address)
             sock = _owners.get(addr)
             if sock is None:
                 sock = peer_address.open_socket(zmq.Context.instance(), zmq.DEALER, addr, 0)

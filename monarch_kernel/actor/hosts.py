@@ -28,6 +28,7 @@ from monarch_kernel.launchers import get_launcher
 from monarch_kernel.rank.supervise import MeshFailure
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import loads
+from monarch_kernel.wire.reports import FailureReport
 
 log = logging.getLogger("monarch_kernel.actor")
 
@@ -260,10 +261,11 @@ def watch_faults(runtime: MeshRuntime) -> None:
     def on_event(event: MeshEvent) -> None:
         if isinstance(event, FaultReported):
             actor = str(event.report.get("actor", ""))
-            failure = MeshFailure(name, actor, event.rank, dict(event.report))
+            failure = MeshFailure(name, actor, event.rank, event.report)
         elif isinstance(event, RankDied) and event.state is RankState.DEAD:
             d = event.death
-            report = {"type": "RankDied", "message": f"rank {d.rank} on {d.host}: {d.how}"}
+            message = f"rank {d.rank} on {d.host}: {d.how}"
+            report: FailureReport = {"type": "RankDied", "message": message}
             info = runtime.ranks[event.rank]
             owned, info.owners = info.owners, {}
             for actor, owner in owned.items():  # their owners supervise them

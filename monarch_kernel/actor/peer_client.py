@@ -39,7 +39,7 @@ from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.calls.requester import MeshRef
 from monarch_kernel.rank import context
 from monarch_kernel.wire import Codec, WireError, peer_address
-from monarch_kernel.wire.codec import Buffer, limit_size
+from monarch_kernel.wire.codec import Buffer, Header, limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.netaddr import route_source
 from monarch_kernel.wire.peer_address import PeerAddress
@@ -137,7 +137,7 @@ class PeerClient:
         self,
         ref: MeshRef,
         ranks: Sequence[int],
-        header: dict[str, Any],
+        header: Header,
         payload: bytes,
         buffers: Sequence[Buffer],
         observer: RequestObserver | None,

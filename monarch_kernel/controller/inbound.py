@@ -210,8 +210,9 @@ class Inbound:
         self._events.emit(FaultReported(self._name, h["r"], report))
 
     def _on_owned(self, h: Header, msg: Message) -> None:
-        owner: dict[str, str] = pickle.loads(msg.payload)
-        self._ranks[h["r"]].owners[str(h["a"])] = owner
+        owner = Owner.decode(pickle.loads(msg.payload))  # its wire form, pickled
+        if owner is not None:
+            self._ranks[h["r"]].owners[str(h["a"])] = owner
 
     def _on_peer_actor(self, h: Header, msg: Message) -> None:
         """A rank spawned (or stopped) an actor on rank ``r`` directly: remember it

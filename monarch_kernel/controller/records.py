@@ -17,6 +17,7 @@ from enum import Enum
 from monarch_kernel.calls.errors import DeathInfo, format_ranks
 from monarch_kernel.calls.requester import ActorSpec
 from monarch_kernel.launchers.base import HostHandle
+from monarch_kernel.wire.headers import Owner
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import RankStats
 
@@ -109,7 +110,7 @@ class RankInfo:
     peer_secret: str = ""
     #: Actors on it that an actor of another rank spawned: name -> the owner (its
     #: inbox ``oa``, mesh key ``ox``, actor name ``on``), told if this rank dies.
-    owners: dict[str, dict[str, str]] = field(default_factory=dict)
+    owners: dict[str, Owner] = field(default_factory=dict)
     restarts: int = 0
     death: DeathInfo | None = None
     #: Its last whole output lines (stdout and stderr), and the unfinished line per stream.

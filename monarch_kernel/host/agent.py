@@ -29,7 +29,7 @@ import zmq.utils.z85
 from monarch_kernel.host.config import AgentConfig
 from monarch_kernel.host.netinfo import interface_of, source_address
 from monarch_kernel.host.stacks import dump_stacks
-from monarch_kernel.host.template_handle import DEFAULT_GRACE, Template
+from monarch_kernel.host.template_handle import DEFAULT_GRACE, Template, TemplateEvent
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire import headers as H
@@ -364,7 +364,7 @@ class HostAgent:
             header = H.Result(request=h.request, ok=True, rank=r, host=self.host)
             self.send(header.encode(), pickle.dumps(threads))
 
-    def on_template_event(self, ev: dict[str, Any]) -> str | None:
+    def on_template_event(self, ev: TemplateEvent) -> str | None:
         e = ev["e"]
         if e == "forked":
             self.pids[ev["rank"]] = ev["pid"]

@@ -15,8 +15,8 @@ import select
 import signal
 import sys
 import time
-from typing import Any
 
+from monarch_kernel.host.template_handle import TemplateCommand
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.wire.osutil import die_with_parent
 
@@ -95,7 +95,7 @@ class Template:
         for run_id in self.run_ids:
             cleanup_shm(run_id)
 
-    def handle(self, cmd: dict[str, Any]) -> str | None:
+    def handle(self, cmd: TemplateCommand) -> str | None:
         """One command from the host agent: ``fork`` a rank, or ``exit``."""
         op = cmd["op"]
         if op == "fork":

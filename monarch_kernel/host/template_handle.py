@@ -7,10 +7,30 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, TypedDict
 
 #: Seconds ranks get to exit cleanly when ``stop`` does not say (its ``grace``).
 DEFAULT_GRACE = 3.0
+
+
+class TemplateEvent(TypedDict, total=False):
+    """One JSON line from the template: ``e`` is ``template_ready``, ``forked``, ``exit``
+    or ``template_exit``; the other keys are those of its kind."""
+
+    e: str
+    pid: int
+    rank: int
+    code: int | None
+    signal: int | None
+
+
+class TemplateCommand(TypedDict, total=False):
+    """One JSON line to the template: ``op`` is ``fork`` (with the rank's ``cfg``),
+    ``stop`` (with a ``grace``) or ``exit``."""
+
+    op: str
+    cfg: dict[str, object]
+    grace: float
 
 
 class Template:
@@ -39,7 +59,7 @@ class Template:
     def command(self, **cmd: Any) -> None:
         os.write(self.cmd_w, (json.dumps(cmd) + "\n").encode())
 
-    def events(self) -> list[dict[str, Any]]:
+    def events(self) -> list[TemplateEvent]:
         data = os.read(self.event_r, 65536)
         if not data:
             return [{"e": "template_exit", "code": self.proc.wait()}]

@@ -13,7 +13,7 @@ from monarch_kernel.shape import Point, Shape
 
 if TYPE_CHECKING:
     from monarch_kernel.rank.config import RankConfig
-    from monarch_kernel.wire.codec import Buffer
+    from monarch_kernel.wire.codec import Buffer, Header
     from monarch_kernel.wire.headers import Owner, SpawnActor
     from monarch_kernel.wire.peer_address import PeerAddress
 
@@ -58,9 +58,7 @@ class RankServices(Protocol):
         """Actor name -> the actor that owns it (spawned it from some rank)."""
         ...
 
-    def send(
-        self, header: dict[str, Any], payload: bytes = b"", buffers: Sequence[Buffer] = ()
-    ) -> None:
+    def send(self, header: Header, payload: bytes = b"", buffers: Sequence[Buffer] = ()) -> None:
         """Send a message (a wire header: ``headers.X(...).encode()``) to the controller."""
         ...
 

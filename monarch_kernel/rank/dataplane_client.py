@@ -14,7 +14,7 @@ import zmq
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.rank.dataplane_common import SharedTensor, read_all
 from monarch_kernel.wire import Codec
-from monarch_kernel.wire.codec import limit_size
+from monarch_kernel.wire.codec import Header, limit_size
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 
@@ -56,12 +56,12 @@ class Client:
             codec = self.others[ref.mesh_key] = Codec(bytes.fromhex(ref.mesh_key))
         return codec
 
-    def frames(self, header: dict[str, Any], codec: Codec | None = None) -> list[Any]:
+    def frames(self, header: Header, codec: Codec | None = None) -> list[Any]:
         """A signed request: a fresh nonce and the time make it good for one use."""
         header = dict(header, k="req", n=os.urandom(16).hex(), t=time.time())
         return (codec or self.codec).encode(header)
 
-    def request(self, ref: SharedTensor, header: dict[str, Any], timeout: float = 60.0) -> Any:
+    def request(self, ref: SharedTensor, header: Header, timeout: float = 60.0) -> Any:
         if ref.same_host():
             address, curve_key = ref.ipc, ""
         elif ref.address:

@@ -28,7 +28,7 @@ from monarch_kernel.rank.dataplane_common import (
 )
 from monarch_kernel.rank.dataplane_ref import TensorRef
 from monarch_kernel.wire import Codec, WireError
-from monarch_kernel.wire.codec import limit_size
+from monarch_kernel.wire.codec import Buffer, Header, limit_size
 from monarch_kernel.wire.ports import bind_port
 
 _REFUSED = (
@@ -243,7 +243,7 @@ class Server:
         h = msg.header
         if not self.nonces.admit(h.get("n"), h.get("t")):
             counters_["replays_refused"] += 1
-            reply: tuple[dict[str, Any], tuple] = ({"k": "err", "error": _REFUSED}, ())
+            reply: tuple[Header, tuple[Buffer, ...]] = ({"k": "err", "error": _REFUSED}, ())
         else:
             try:
                 reply = self._handle(h)
@@ -252,7 +252,7 @@ class Server:
         header, buffers = reply
         sock.send_multipart([ident, *self.codec.encode(header, b"", buffers)], copy=False)
 
-    def _handle(self, h: dict[str, Any]) -> tuple[dict[str, Any], tuple]:
+    def _handle(self, h: Header) -> tuple[Header, tuple[Buffer, ...]]:
         op, ident = h.get("op"), int(h.get("id", 0))
         if op == "fetch":
             raw = self._raw(ident)

@@ -147,7 +147,7 @@ class Outbox:
     def fault(self, report: FailureReport, actor: str | None, path: tuple[str, ...] = ()) -> None:
         """A failure nobody waits for: to the owner of ``actor`` if an actor spawned it
         (its ``__supervise__``), else to the controller (``unhandled_fault_hook``)."""
-        owner = _owner(self.owners.get(actor)) if actor else None
+        owner = self.owners.get(actor) if actor else None
         if actor:  # the failing actor at this level (its owner sees it as the failure)
             report = report.copy()
             report["actor"] = actor
@@ -177,11 +177,3 @@ class Outbox:
         except (zmq.Again, ConnectionError, ValueError):  # the owner is gone (unreachable):
             fault = H.RankNotice(kind=K.FAULT, rank=self.rank).encode()
             self.send(fault, pickle.dumps(report))  # the controller
-
-
-def _owner(owner: Any) -> H.Owner | None:
-    """An owner as kept: actor/peer_client.py's inline spawn still stores the wire dict
-    (``oa``/``ox``/``on``) until it uses :class:`~wire.headers.Owner`."""
-    if owner is None or isinstance(owner, H.Owner):
-        return owner
-    return H.Owner.decode(owner)

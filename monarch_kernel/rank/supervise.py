@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from monarch_kernel.wire.reports import FailureReport
+
 
 class MeshFailure(Exception):
     """A failure of a mesh, as given to ``__supervise__`` and ``unhandled_fault_hook``.
@@ -27,13 +29,13 @@ class MeshFailure(Exception):
         mesh_name: str,
         actor_name: str,
         rank: int,
-        failure: dict[str, Any],
+        failure: FailureReport,
         path: tuple[str, ...] = (),
     ):
         self.mesh_name = mesh_name
         self.actor_name = actor_name
         self.rank = rank
-        self.failure = dict(failure)
+        self.failure: FailureReport = FailureReport(**failure)  # a copy of its own
         self.path = tuple(path)
         super().__init__(self.report())
 

@@ -358,7 +358,7 @@ def _check_buffers(sizes: Any, frames: list[Any]) -> list[memoryview]:
     return buffers
 
 
-def _load_header(hb: bytes) -> dict[str, Any]:
+def _load_header(hb: bytes) -> Header:
     # Only ever called on a header whose signature verified: marshal is not meant for
     # data from untrusted sources.
     try:

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, TypeAlias, TypeVar
 
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import Header
 
 #: A header on the wire: the one-letter keys of :mod:`monarch_kernel.wire.kinds`.
-WireHeader: TypeAlias = dict[str, Any]
+WireHeader: TypeAlias = Header
 #: A peer address on the wire (``PeerAddress.encode()``): ``[machine, ipc, tcp, curve]``.
 WireAddress: TypeAlias = list[str]
 
@@ -1092,7 +1093,7 @@ _CLASSES: tuple[Any, ...] = (
     RankExit,
 )
 #: kind -> the decoder of its header
-DECODERS: dict[str, Any] = {cls.KIND: cls.decode for cls in _CLASSES}
+DECODERS: dict[str, Callable[[WireHeader], Any]] = {cls.KIND: cls.decode for cls in _CLASSES}
 DECODERS.update(dict.fromkeys(ControlRequest.KINDS, ControlRequest.decode))
 DECODERS.update(dict.fromkeys(RankNotice.KINDS, RankNotice.decode))
 #: The kinds that go to a rank's inbox (its main thread, in ``q`` order).
