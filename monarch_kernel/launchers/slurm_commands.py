@@ -1,0 +1,222 @@
+"""Slurm's client commands, as the ``slurm`` backend uses them: probing the cluster
+(``sinfo``, ``squeue``), the ``salloc`` and ``srun`` command lines, ``scancel``, and
+starting a client process that ends with the thread that started it.
+
+Everything here is a plain function of its arguments (no state); the allocation that
+runs these commands and follows them is in :mod:`.slurm_allocation`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+
+#: Seconds a Slurm client command may take to answer (a dead controller makes sinfo
+#: retry for about 9 s before it gives up).
+CLIENT_TIMEOUT = 20.0
+
+_GPU = re.compile(r"gpu(?::[^:(,]+)?:(\d+)")
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node as ``sinfo`` shows it."""
+
+    name: str
+    gpus: int  #: gpu GRES count (0: none configured)
+
+
+def tail(text: str, n: int = 8) -> str:
+    """The last ``n`` non-blank lines of a client's output (what an error quotes)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n".join(lines[-n:])
+
+
+# -- probing the cluster ---------------------------------------------------------------
+def slurm_nodes(partition: str | None, env: dict[str, str]) -> list[Node]:
+    """The nodes Slurm would allocate from (``sinfo -N``), or ValueError that says why
+    Slurm cannot be asked (not installed, controller unreachable: sinfo's stderr)."""
+    sinfo = shutil.which("sinfo", path=env.get("PATH"))
+    if sinfo is None or shutil.which("salloc", path=env.get("PATH")) is None:
+        raise ValueError(
+            "the slurm backend needs Slurm's client commands (sinfo, salloc, srun) on PATH, "
+            "or a kernel started inside an allocation ($SLURM_JOB_ID); found no `sinfo`/"
+            "`salloc` here"
+        )
+    argv = [sinfo, "-h", "-N", "-o", "%N|%G"]
+    if partition:
+        argv += ["-p", partition]
+    try:
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=CLIENT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise ValueError(
+            f"the Slurm controller did not answer `{' '.join(argv)}` within {CLIENT_TIMEOUT:.0f} s"
+        ) from None
+    if out.returncode != 0:
+        raise ValueError(
+            f"cannot reach Slurm: `{' '.join(argv)}` failed (exit {out.returncode}):\n"
+            f"{tail(out.stderr) or '(no output)'}"
+        )
+    nodes: dict[str, Node] = {}
+    for line in out.stdout.splitlines():
+        name, _, gres = line.strip().partition("|")
+        if name:
+            gpus = sum(int(m.group(1)) for m in _GPU.finditer(gres))
+            nodes[name] = Node(name, gpus)  # a node in several partitions counts once
+    return list(nodes.values())
+
+
+def job_nodes(job: str | None, env: dict[str, str]) -> str:
+    """The node list of ``job`` (compact Slurm form), or "" when squeue cannot say."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(
+            ["squeue", "-h", "-j", str(job), "-o", "%N"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CLIENT_TIMEOUT,
+        )
+        return out.stdout.strip()
+    return ""
+
+
+# -- command lines ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class SallocOptions:
+    """salloc's options that the user chose (``%mesh --partition/--time/--account``)."""
+
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+
+
+def salloc_argv(mesh: str, hosts: int, gpus: int, options: SallocOptions) -> list[str]:
+    """salloc's command line for ``hosts`` nodes with ``gpus`` GPUs each (none on a CPU
+    cluster), after checking that the cluster has them (ValueError that says why not)."""
+    nodes = slurm_nodes(options.partition, dict(os.environ))
+    has_gpus = _check_cluster(nodes, options.partition, mesh, hosts, gpus)
+    argv = [
+        "salloc",
+        f"--nodes={hosts}",
+        "--ntasks-per-node=1",
+        f"--job-name=mk-{mesh}",
+    ]
+    if has_gpus:  # a CPU cluster has no gpu GRES to ask for
+        argv.append(f"--gpus-per-node={gpus}")
+    if options.time:
+        argv.append(f"--time={options.time}")
+    if options.partition:
+        argv.append(f"--partition={options.partition}")
+    if options.account:
+        argv.append(f"--account={options.account}")
+    return [*argv, "--no-shell"]
+
+
+def _check_cluster(
+    nodes: list[Node], partition: str | None, mesh: str, hosts: int, gpus: int
+) -> bool:
+    """ValueError unless ``nodes`` can hold ``hosts`` hosts of ``gpus`` GPUs; whether the
+    cluster has GPUs at all."""
+    where = f"partition {partition!r}" if partition else "this Slurm cluster"
+    if not nodes:
+        raise ValueError(f"{where} has no nodes (sinfo lists none)")
+    if hosts > len(nodes):
+        raise ValueError(
+            f"mesh {mesh!r} asks for {hosts} hosts but {where} has "
+            f"{len(nodes)} nodes ({', '.join(n.name for n in nodes)})"
+        )
+    has_gpus = any(n.gpus for n in nodes)
+    most = max(n.gpus for n in nodes)
+    if has_gpus and gpus > most:
+        raise ValueError(
+            f"mesh {mesh!r} asks for {gpus} GPUs per host but the nodes of "
+            f"{where} have at most {most} GPUs"
+        )
+    return has_gpus
+
+
+def srun_argv(job: str | None, hosts: int, step_name: str, command: list[str]) -> list[str]:
+    """srun's command line: ``command`` once on each of ``hosts`` nodes of ``job``, as a
+    step named ``step_name``."""
+    return [
+        "srun",
+        f"--jobid={job}",
+        f"--nodes={hosts}",
+        f"--ntasks={hosts}",
+        "--ntasks-per-node=1",
+        # Share the job's CPUs and memory with steps already running (the user's
+        # shell, the batch script): else the step waits for them to finish.
+        "--overlap",
+        f"--job-name={step_name}",
+        # One agent that ends must not take the others down: the controller decides.
+        "--kill-on-bad-exit=0",
+        *command,
+    ]
+
+
+# -- cancelling ------------------------------------------------------------------------
+def cancel_step(job: str | None, step_name: str, env: dict[str, str]) -> None:
+    """scancel the step of ``job`` named ``step_name`` only, never the job itself."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(
+            ["squeue", "-h", "-s", "-j", str(job), "-o", "%i %j"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CLIENT_TIMEOUT,
+        )
+        for line in out.stdout.splitlines():
+            step, _, name = line.strip().partition(" ")
+            if name == step_name:
+                subprocess.run(
+                    ["scancel", step], env=env, capture_output=True, timeout=CLIENT_TIMEOUT
+                )
+
+
+def cancel_job(job: str, env: dict[str, str]) -> None:
+    """scancel ``job`` (errors ignored: the watchdog cancels it too)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(["scancel", job], env=env, capture_output=True, timeout=CLIENT_TIMEOUT)
+
+
+# -- client processes ------------------------------------------------------------------
+# Loaded once here: the child of a fork in a threaded process must not dlopen.
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def popen(
+    argv: list[str], env: dict[str, str], die_with_us: bool, **kw: object
+) -> subprocess.Popen[bytes]:
+    """A Slurm client in its own session (a Ctrl-C meant for the kernel does not reach
+    it); with ``die_with_us`` it gets SIGTERM when the thread that started it ends."""
+    return subprocess.Popen(  # type: ignore[call-overload,no-any-return]
+        argv,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_die_with_parent if die_with_us else None,
+        **kw,
+    )
+
+
+def end(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
+    """Wait for ``proc``; SIGTERM, then SIGKILL, if it does not end."""
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+            return
+        except subprocess.TimeoutExpired:
+            continue
