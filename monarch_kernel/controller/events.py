@@ -289,7 +289,7 @@ class EventBus:
         self._subscribed: dict[Listener, frozenset[type[MeshEvent]]] = {}
         #: event type -> listeners, rebuilt (copy on write) by subscribe/unsubscribe,
         #: so emitting needs no lock.
-        self._by_type: dict[type[MeshEvent], tuple[Listener, ...]] = {t: () for t in EVENT_TYPES}
+        self._by_type: dict[type[MeshEvent], tuple[Listener, ...]] = dict.fromkeys(EVENT_TYPES, ())
 
     def subscribe(self, listener: Listener, *types: type[MeshEvent]) -> Listener:
         """Call ``listener(event)`` for every event of ``types`` (all types if none).
@@ -312,7 +312,7 @@ class EventBus:
                 self._rebuild()
 
     def _rebuild(self) -> None:
-        by_type: dict[type[MeshEvent], tuple[Listener, ...]] = {t: () for t in EVENT_TYPES}
+        by_type: dict[type[MeshEvent], tuple[Listener, ...]] = dict.fromkeys(EVENT_TYPES, ())
         for listener, types in self._subscribed.items():
             for t in types:
                 by_type[t] += (listener,)

@@ -105,7 +105,8 @@ class RankLogs:
             if f is None:
                 try:
                     os.makedirs(self.directory, mode=0o700, exist_ok=True)
-                    f = open(self.path(event.rank), "a", encoding="utf-8", buffering=1)
+                    # kept open until the mesh stops (close()), one file per rank
+                    f = open(self.path(event.rank), "a", encoding="utf-8", buffering=1)  # noqa: SIM115
                 except OSError:
                     return  # no log (disk full, read-only): the notebook output still flows
                 self._files[event.rank] = f

@@ -50,9 +50,12 @@ class PeerAddress:
     @classmethod
     def decode(cls, value: object) -> PeerAddress:
         """The inverse of :meth:`encode` (ValueError for anything else)."""
-        if isinstance(value, (list, tuple)) and len(value) == 4:
-            if all(isinstance(v, str) for v in value):
-                return cls(*value)
+        if (
+            isinstance(value, (list, tuple))
+            and len(value) == 4
+            and all(isinstance(v, str) for v in value)
+        ):
+            return cls(*value)
         raise ValueError(f"not a peer address: {value!r}")
 
     def __bool__(self) -> bool:

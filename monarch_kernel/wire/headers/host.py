@@ -1,0 +1,296 @@
+"""Headers between the controller and a host agent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.headers.base import (
+    CODEC_KEYS,
+    WireHeader,
+    check_keys,
+    missing_key,
+)
+
+# -- controller <-> host agent ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpawnRanks:
+    """``spawn_ranks``: fork one rank per spec of ``ranks``, each merged over
+    ``common`` (see :class:`monarch_kernel.rank.config.RankConfig`)."""
+
+    KIND: ClassVar[str] = K.SPAWN_RANKS
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"ranks", "common"}
+
+    ranks: list[WireHeader]
+    common: WireHeader
+
+    def encode(self) -> WireHeader:
+        return {"k": K.SPAWN_RANKS, "ranks": self.ranks, "common": self.common}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> SpawnRanks:
+        check_keys(cls, h)
+        try:
+            return cls(ranks=h["ranks"], common=h["common"])
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SignalRanks:
+    """``signal_ranks``: send signal ``sig`` to the host's ranks ``d``."""
+
+    KIND: ClassVar[str] = K.SIGNAL_RANKS
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"d", "sig"}
+
+    targets: list[int]
+    signal: int
+
+    def encode(self) -> WireHeader:
+        return {"k": K.SIGNAL_RANKS, "d": self.targets, "sig": self.signal}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> SignalRanks:
+        check_keys(cls, h)
+        try:
+            return cls(targets=h["d"], signal=h["sig"])
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KillRanks:
+    """``kill_ranks``: SIGKILL the host's ranks ``d`` (their exits are expected)."""
+
+    KIND: ClassVar[str] = K.KILL_RANKS
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"d"}
+
+    targets: list[int]
+
+    def encode(self) -> WireHeader:
+        return {"k": K.KILL_RANKS, "d": self.targets}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> KillRanks:
+        check_keys(cls, h)
+        try:
+            return cls(targets=h["d"])
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stop:
+    """``stop``: the host agent stops its ranks (``grace`` seconds to exit) and exits."""
+
+    KIND: ClassVar[str] = K.STOP
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"grace"}
+
+    grace: float | None = None  #: seconds (not checked here: the agent falls back)
+
+    def encode(self) -> WireHeader:
+        h: WireHeader = {"k": K.STOP}
+        if self.grace is not None:
+            h["grace"] = self.grace
+        return h
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> Stop:
+        check_keys(cls, h)
+        return cls(grace=h.get("grace"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DumpStacks:
+    """``dump_stacks``: answer request ``i`` with the stacks of ranks ``d``."""
+
+    KIND: ClassVar[str] = K.DUMP_STACKS
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"d", "i"}
+
+    targets: list[int]
+    request: str
+
+    def encode(self) -> WireHeader:
+        return {"k": K.DUMP_STACKS, "d": self.targets, "i": self.request}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> DumpStacks:
+        check_keys(cls, h)
+        try:
+            return cls(targets=h["d"], request=h["i"])
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewPort:
+    """``new_port``: answer request ``i`` with a free port of the host."""
+
+    KIND: ClassVar[str] = K.NEW_PORT
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"i"}
+
+    request: str | None
+
+    def encode(self) -> WireHeader:
+        return {"k": K.NEW_PORT, "i": self.request}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> NewPort:
+        check_keys(cls, h)
+        try:
+            return cls(request=h["i"])
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat:
+    """``hb``: from the controller (no keys) or from host agent ``h``."""
+
+    KIND: ClassVar[str] = K.HEARTBEAT
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"h"}
+
+    host: int | None = None
+
+    def encode(self) -> WireHeader:
+        return {"k": K.HEARTBEAT} if self.host is None else {"k": K.HEARTBEAT, "h": self.host}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> Heartbeat:
+        check_keys(cls, h)
+        return cls(host=h.get("h"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostReady:
+    """``host_ready``: host agent ``h`` is up (its pid, hostname, address, free port)."""
+
+    KIND: ClassVar[str] = K.HOST_READY
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"h", "pid", "host", "addr", "port"}
+
+    host: int
+    pid: int
+    hostname: str  #: ``host``
+    addr: str  #: the address other hosts reach it at
+    port: int  #: a free port (MASTER_PORT when this is host 0)
+
+    def encode(self) -> WireHeader:
+        return {
+            "k": K.HOST_READY,
+            "h": self.host,
+            "pid": self.pid,
+            "host": self.hostname,
+            "addr": self.addr,
+            "port": self.port,
+        }
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> HostReady:
+        check_keys(cls, h)
+        try:
+            return cls(
+                host=h["h"], pid=h["pid"], hostname=h["host"], addr=h["addr"], port=h["port"]
+            )
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Port:
+    """``port``: host agent ``h``'s answer to ``new_port`` request ``i``."""
+
+    KIND: ClassVar[str] = K.PORT
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"h", "i", "port"}
+
+    host: int
+    request: str | None
+    port: int
+
+    def encode(self) -> WireHeader:
+        return {"k": K.PORT, "h": self.host, "i": self.request, "port": self.port}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> Port:
+        check_keys(cls, h)
+        try:
+            return cls(host=h["h"], request=h["i"], port=h["port"])
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankStarted:
+    """``rank_started``: host agent ``h`` forked rank ``r`` as ``pid``."""
+
+    KIND: ClassVar[str] = K.RANK_STARTED
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"h", "r", "pid"}
+
+    host: int
+    rank: int
+    pid: int
+
+    def encode(self) -> WireHeader:
+        return {"k": K.RANK_STARTED, "h": self.host, "r": self.rank, "pid": self.pid}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> RankStarted:
+        check_keys(cls, h)
+        try:
+            return cls(host=h["h"], rank=h["r"], pid=h["pid"])
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankExit:
+    """``rank_exit``: rank ``r`` (``pid``) of host agent ``h`` ended."""
+
+    KIND: ClassVar[str] = K.RANK_EXIT
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {
+        "h",
+        "r",
+        "pid",
+        "code",
+        "sig",
+        "tail",
+        "expected",
+    }
+
+    host: int
+    rank: int
+    pid: int
+    code: int | None  #: exit status (None: killed by a signal)
+    signal: int | None  #: ``sig``: the signal that killed it
+    tail: list[str] = field(default_factory=list)  #: its last output lines
+    expected: bool = False  #: the exit was asked for
+
+    def encode(self) -> WireHeader:
+        return {
+            "k": K.RANK_EXIT,
+            "h": self.host,
+            "r": self.rank,
+            "pid": self.pid,
+            "code": self.code,
+            "sig": self.signal,
+            "tail": self.tail,
+            "expected": self.expected,
+        }
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> RankExit:
+        check_keys(cls, h)
+        try:
+            return cls(
+                host=h["h"],
+                rank=h["r"],
+                pid=h["pid"],
+                code=h["code"],
+                signal=h["sig"],
+                tail=h["tail"],
+                expected=h["expected"],
+            )
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None

@@ -1,0 +1,320 @@
+"""Headers of messages to a rank's inbox (its main thread, in ``q`` order): from the
+controller, and from other ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.headers.base import (
+    CODEC_KEYS,
+    WireAddress,
+    WireHeader,
+    check_keys,
+    maker,
+    missing_key,
+)
+
+# -- ordered messages (controller -> rank main thread; rank -> rank) -------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ordered:
+    """What every message to a rank's inbox may carry besides its kind's own keys."""
+
+    KIND: ClassVar[str] = ""
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"i", "w", "q", "f", "d", "rt"}
+
+    request: str | None = None  #: ``i``: the request id
+    wants_reply: bool = False  #: ``w``: the sender waits for a ``res``
+    seq: int | list[int] | None = None  #: ``q``: sequence number (a list with ``f``)
+    fanout: bool = False  #: ``f``: the host agent forwards it to ``targets``
+    targets: list[int] | None = None  #: ``d``: the target ranks of a fan-out
+    reply_to: WireAddress | None = None  #: ``rt``: a calling rank's reply address
+
+    def _put(self, h: WireHeader) -> WireHeader:
+        if self.request is not None:
+            h["i"] = self.request
+        if self.wants_reply:
+            h["w"] = 1
+        if self.seq is not None:
+            h["q"] = self.seq
+        if self.fanout:
+            h["f"] = 1
+        if self.targets is not None:
+            h["d"] = self.targets
+        if self.reply_to is not None:
+            h["rt"] = self.reply_to
+        return h
+
+    def seq_for(self, rank: int) -> int | None:
+        """This message's sequence number at ``rank`` (None: unordered; -1: a fan-out
+        that does not name ``rank``)."""
+        seq = self.seq
+        if isinstance(seq, list):
+            try:
+                return seq[(self.targets or []).index(rank)]
+            except (ValueError, IndexError):
+                return -1
+        return seq
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OtherOrdered(Ordered):
+    """An inbox message of an unknown kind, or a malformed one (``error`` says why):
+    only its envelope was read, so that its sequence number is still taken."""
+
+    kind: str = ""
+    error: str = ""
+
+    @classmethod
+    def decode(cls, h: WireHeader, error: str = "") -> OtherOrdered:
+        """The envelope of any header (no key is required; a bad one reads as None)."""
+        seq, targets, route = h.get("q"), h.get("d"), h.get("rt")
+        return cls(
+            kind=str(h.get("k")),
+            error=error,
+            request=h.get("i") if isinstance(h.get("i"), str) else None,
+            wants_reply=bool(h.get("w")),
+            seq=seq if isinstance(seq, (int, list)) else None,
+            fanout=bool(h.get("f")),
+            targets=targets if isinstance(targets, list) else None,
+            reply_to=route if isinstance(route, list) else None,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Owner:
+    """The actor that owns a spawned actor (``oa``, ``ox``, ``on``): its rank's inbox,
+    its mesh's key (hex) and its name."""
+
+    address: WireAddress
+    key: str
+    name: str
+
+    def encode(self) -> WireHeader:
+        """The three keys, as in a ``spawn_actor`` header and an ``owned`` payload."""
+        return {"oa": self.address, "ox": self.key, "on": self.name}
+
+    @staticmethod
+    def decode(h: WireHeader) -> Owner | None:
+        """The owner named in ``h``, None if ``oa`` is absent or empty."""
+        address = h.get("oa")
+        if not address:
+            return None
+        return Owner(address=address, key=h["ox"], name=h["on"])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpawnActor(Ordered):
+    """``spawn_actor``: construct actor ``a`` (owned by ``oa``/``ox``/``on`` if set)."""
+
+    KIND: ClassVar[str] = K.SPAWN_ACTOR
+    KEYS: ClassVar[frozenset[str]] = Ordered.KEYS | {"a", "oa", "ox", "on"}
+
+    actor: str
+    owner: Owner | None = None
+
+    def encode(self) -> WireHeader:
+        h: WireHeader = {"k": K.SPAWN_ACTOR, "a": self.actor}
+        if self.owner is not None:
+            h.update(oa=self.owner.address, ox=self.owner.key, on=self.owner.name)
+        return self._put(h)
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> SpawnActor:
+        check_keys(cls, h)
+        try:
+            return _SpawnActor(
+                h.get("i"),
+                bool(h.get("w")),
+                h.get("q"),
+                bool(h.get("f")),
+                h.get("d"),
+                h.get("rt"),
+                h["a"],
+                Owner.decode(h) if "oa" in h else None,
+            )
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Call(Ordered):
+    """``call``: endpoint ``m`` of actor ``a`` (``sl``: the slice it was sent to)."""
+
+    KIND: ClassVar[str] = K.CALL
+    KEYS: ClassVar[frozenset[str]] = Ordered.KEYS | {"a", "m", "sl"}
+
+    actor: str
+    method: str
+    slice: list[Any] | None = None  #: labels, sizes, strides, offset
+
+    def encode(self) -> WireHeader:
+        h: WireHeader = {"k": K.CALL, "a": self.actor, "m": self.method}
+        if self.slice is not None:
+            h["sl"] = self.slice
+        return self._put(h)
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> Call:
+        check_keys(cls, h)
+        try:
+            return _Call(
+                h.get("i"),
+                bool(h.get("w")),
+                h.get("q"),
+                bool(h.get("f")),
+                h.get("d"),
+                h.get("rt"),
+                h["a"],
+                h["m"],
+                h.get("sl"),
+            )
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Exec(Ordered):
+    """``exec``: run a ``%%remote`` cell (all in the payload)."""
+
+    KIND: ClassVar[str] = K.EXEC
+
+    def encode(self) -> WireHeader:
+        return self._put({"k": K.EXEC})
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> Exec:
+        check_keys(cls, h)
+        return _Exec(
+            h.get("i"), bool(h.get("w")), h.get("q"), bool(h.get("f")), h.get("d"), h.get("rt")
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopActor(Ordered):
+    """``stop_actor``: forget actor ``a``."""
+
+    KIND: ClassVar[str] = K.STOP_ACTOR
+    KEYS: ClassVar[frozenset[str]] = Ordered.KEYS | {"a"}
+
+    actor: str
+
+    def encode(self) -> WireHeader:
+        return self._put({"k": K.STOP_ACTOR, "a": self.actor})
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> StopActor:
+        check_keys(cls, h)
+        try:
+            return _StopActor(
+                h.get("i"),
+                bool(h.get("w")),
+                h.get("q"),
+                bool(h.get("f")),
+                h.get("d"),
+                h.get("rt"),
+                h["a"],
+            )
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Debug(Ordered):
+    """``debug``: post-mortem pdb on the last failure (``x``: only release it)."""
+
+    KIND: ClassVar[str] = K.DEBUG
+    KEYS: ClassVar[frozenset[str]] = Ordered.KEYS | {"x"}
+
+    release_only: bool = False
+
+    def encode(self) -> WireHeader:
+        h: WireHeader = {"k": K.DEBUG}
+        if self.release_only:
+            h["x"] = 1
+        return self._put(h)
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> Debug:
+        check_keys(cls, h)
+        return _Debug(
+            h.get("i"),
+            bool(h.get("w")),
+            h.get("q"),
+            bool(h.get("f")),
+            h.get("d"),
+            h.get("rt"),
+            bool(h.get("x")),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Supervise(Ordered):
+    """``supervise`` (rank -> its owner's inbox): a mesh owned by actor ``on`` failed."""
+
+    KIND: ClassVar[str] = K.SUPERVISE
+    KEYS: ClassVar[frozenset[str]] = Ordered.KEYS | {"on"}
+
+    owner_name: str
+
+    def encode(self) -> WireHeader:
+        return self._put({"k": K.SUPERVISE, "on": self.owner_name})
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> Supervise:
+        check_keys(cls, h)
+        try:
+            return _Supervise(
+                h.get("i"),
+                bool(h.get("w")),
+                h.get("q"),
+                bool(h.get("f")),
+                h.get("d"),
+                h.get("rt"),
+                h["on"],
+            )
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello(Ordered):
+    """``hello``: a connection probe (controller, host agent), or a starting rank's
+    greeting to its host agent (``r``)."""
+
+    KIND: ClassVar[str] = K.HELLO
+    KEYS: ClassVar[frozenset[str]] = Ordered.KEYS | {"r"}
+
+    rank: int | None = None
+
+    def encode(self) -> WireHeader:
+        h: WireHeader = {"k": K.HELLO}
+        if self.rank is not None:
+            h["r"] = self.rank
+        return self._put(h)
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> Hello:
+        check_keys(cls, h)
+        return _Hello(
+            h.get("i"),
+            bool(h.get("w")),
+            h.get("q"),
+            bool(h.get("f")),
+            h.get("d"),
+            h.get("rt"),
+            h.get("r"),
+        )
+
+
+#: The decoders' constructors (see ``base.maker``).
+_SpawnActor = maker(SpawnActor)
+_Call = maker(Call)
+_Exec = maker(Exec)
+_StopActor = maker(StopActor)
+_Debug = maker(Debug)
+_Supervise = maker(Supervise)
+_Hello = maker(Hello)
