@@ -18,6 +18,7 @@ Threads:
 
 from __future__ import annotations
 
+import html
 import logging
 import threading
 import time
@@ -30,8 +31,9 @@ import ipywidgets as W
 
 from monarch_kernel.calls.errors import format_ranks
 from monarch_kernel.controller.records import MeshPhase, RankState
-from monarch_kernel.widgets import live_chart, render
+from monarch_kernel.widgets import chart_pane, live_chart, panes, render, theme
 from monarch_kernel.widgets.display import Display, prefer_frontend_subshell
+from monarch_kernel.widgets.snapshot import snapshot_html, snapshot_text
 from monarch_kernel.widgets.state import MAX_JOBS, MeshState, TileView
 
 if TYPE_CHECKING:
@@ -92,7 +94,7 @@ class Dashboard(W.VBox):
             tile.on_click(lambda _b, r=r: self.select(r))
             self.tiles.append(tile)
         self._views: list[TileView] = []  # what each tile shows (empty before the first tick)
-        self.css = W.HTML(render.CSS)
+        self.css = W.HTML(theme.CSS)
         self.header = W.HTML()
         self.hosts_html = W.HTML()  # machines still joining (join and engine backends)
         grid = W.GridBox(
@@ -231,8 +233,8 @@ class Dashboard(W.VBox):
         with self._lock:
             views = self._views
             return (
-                render.snapshot_html(self.state, views, self.columns),
-                render.snapshot_text(self.state, views),
+                snapshot_html(self.state, views, self.columns),
+                snapshot_text(self.state, views),
             )
 
     def show(self) -> None:
@@ -468,7 +470,7 @@ class Dashboard(W.VBox):
         sel = self.selected
         sent += self._put(
             self.detail,
-            value=render.detail_html(st, sel, views[sel] if sel is not None else None),
+            value=panes.detail_html(st, sel, views[sel] if sel is not None else None),
         )
         chart_key = (st.metric_version, st.samples)
         if chart_key != self._chart_key and now - self._last_charts >= self.chart_interval:
@@ -477,10 +479,10 @@ class Dashboard(W.VBox):
             if live_chart.AVAILABLE:
                 sent += self._append_charts()
             else:
-                sent += self._put(self.charts, value=render.charts_html(st))
+                sent += self._put(self.charts, value=chart_pane.charts_html(st))
         if st.error_version != self._error_key:
             self._error_key = st.error_version
-            sent += self._put(self.errors, value=render.errors_html(st))
+            sent += self._put(self.errors, value=panes.errors_html(st))
         sent += self._put_jobs(now)
         sent += self._put_buttons(views, now)
         if sent:
@@ -537,7 +539,7 @@ class Dashboard(W.VBox):
         if rates:
             self.live_charts["throughput"].append(rates)
             sent += 1
-        hint = "" if st.metrics else render.metrics_hint()
+        hint = "" if st.metrics else chart_pane.metrics_hint()
         return sent + self._put(self.charts, value=hint)
 
     def _metric_snapshot(self, name: str) -> list[live_chart.Points]:
@@ -621,7 +623,7 @@ class Dashboard(W.VBox):
         for job in shown:
             if job.request not in placed:
                 slots[slots.index(None)] = job.request
-        sent = self._put(self.jobs_title, value=render.jobs_title_html(st, shown))
+        sent = self._put(self.jobs_title, value=panes.jobs_title_html(st, shown))
         sent += self._put(self.jobs_box.layout, display="flex" if shown else "none")
         for i, rid in enumerate(slots):
             row = self.job_rows[i]
@@ -631,7 +633,7 @@ class Dashboard(W.VBox):
                 sent += self._put(self.cancel_buttons[i], disabled=True)
                 continue
             job = by_id[rid]
-            sent += self._put(self.job_labels[i], value=render.job_html(job))
+            sent += self._put(self.job_labels[i], value=panes.job_html(job))
             sent += self._put(  # still enabled while cancelling: a second try may help
                 self.cancel_buttons[i],
                 disabled=False,
@@ -680,7 +682,7 @@ class Dashboard(W.VBox):
             button_style="danger" if confirming else "",
         )
         sent += self._put(
-            self.status_html, value=f'<span class="mk-status">{render.esc(self.status)}</span>'
+            self.status_html, value=f'<span class="mk-status">{html.escape(self.status)}</span>'
         )
         return sent
 
