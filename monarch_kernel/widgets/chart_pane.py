@@ -27,13 +27,13 @@ def _rate_unit(values: list[float]) -> tuple[float, str]:
 def throughput_chart(st: MeshState) -> str:
     """Transfer rates over time: per rank in (solid) and out (dashed), or the mesh total
     when the controller keeps no per-rank counters."""
-    hist = list(st.rate_history)
+    hist = list(st.throughput.history)
     if not hist:
         return charts.line_chart("transfer", [], chart_id="throughput")
     t0 = hist[0][0]
     raw: list[tuple[str, list[tuple[float, float]]]] = []
     dashed: list[bool] = []
-    if st.per_rank_bytes:
+    if st.throughput.per_rank_bytes:
         ranks = sorted({r for _, rates, _ in hist for r in rates})
         if len(ranks) <= charts.MAX_LINES // 2:
             for idx, direction in ((0, "in"), (1, "out")):
@@ -57,7 +57,7 @@ def throughput_chart(st: MeshState) -> str:
         dashed = [False, True]
     scale, unit = _rate_unit([y for _, pts in raw for _, y in pts])
     lines = [(label, [x for x, _ in pts], [y / scale for _, y in pts]) for label, pts in raw]
-    title = f"transfer {unit}" + ("" if st.per_rank_bytes else " (mesh total)")
+    title = f"transfer {unit}" + ("" if st.throughput.per_rank_bytes else " (mesh total)")
     return charts.line_chart(title, lines, chart_id="throughput", dashed=dashed, x_label="s")
 
 

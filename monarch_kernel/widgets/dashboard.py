@@ -33,8 +33,10 @@ from monarch_kernel.calls.errors import format_ranks
 from monarch_kernel.controller.records import MeshPhase, RankState
 from monarch_kernel.widgets import chart_pane, live_chart, panes, render, theme
 from monarch_kernel.widgets.display import Display, prefer_frontend_subshell
+from monarch_kernel.widgets.jobs import MAX_JOBS
 from monarch_kernel.widgets.snapshot import snapshot_html, snapshot_text
-from monarch_kernel.widgets.state import MAX_JOBS, MeshState, TileView
+from monarch_kernel.widgets.state import MeshState
+from monarch_kernel.widgets.views import TileView
 
 if TYPE_CHECKING:
     from monarch_kernel.actor.meshes import ProcMesh
@@ -318,7 +320,7 @@ class Dashboard(W.VBox):
             if not ranks:
                 self._set_status(f"{what} had finished")
                 return
-            self.state.cancelling.add(request_id)  # its row says so until it ends
+            self.state.running.cancelling.add(request_id)  # its row says so until it ends
             many = "ranks" if len(ranks) > 1 else "rank"
             self._set_status(f"cancelled {what} on {many} {format_ranks(ranks)}")
 
@@ -472,7 +474,7 @@ class Dashboard(W.VBox):
             self.detail,
             value=panes.detail_html(st, sel, views[sel] if sel is not None else None),
         )
-        chart_key = (st.metric_version, st.samples)
+        chart_key = (st.history.version, st.throughput.samples)
         if chart_key != self._chart_key and now - self._last_charts >= self.chart_interval:
             self._chart_key = chart_key
             self._last_charts = now
@@ -495,7 +497,7 @@ class Dashboard(W.VBox):
     def _new_chart(self, chart_id: str) -> live_chart.LiveChart:
         """A live chart: ``throughput`` (transfer rates) or ``metric:NAME``."""
         if chart_id == "throughput":
-            per_rank = self.state.per_rank_bytes
+            per_rank = self.state.throughput.per_rank_bytes
             chart = live_chart.LiveChart(
                 self._rate_snapshot,
                 chart_id=chart_id,
@@ -535,7 +537,7 @@ class Dashboard(W.VBox):
                 self.live_charts[f"metric:{name}"].append(batch)
                 sent += 1
         rates = self._rate_points(self._rate_sent)
-        self._rate_sent = st.samples
+        self._rate_sent = st.throughput.samples
         if rates:
             self.live_charts["throughput"].append(rates)
             sent += 1
@@ -562,8 +564,8 @@ class Dashboard(W.VBox):
         """Transfer rates (bytes/s) of samples ``since`` on (sample numbers count from
         the first): per rank in and out, or the mesh totals."""
         st = self.state
-        hist = list(st.rate_history)
-        first = st.samples - len(hist)  # sample number of hist[0]
+        hist = list(st.throughput.history)
+        first = st.throughput.samples - len(hist)  # sample number of hist[0]
         start = max(since, first)
         rows = hist[start - first :]
         if not rows:
@@ -586,10 +588,10 @@ class Dashboard(W.VBox):
                 }
             )
             if reset:
-                out[-1]["count"] = st.samples
+                out[-1]["count"] = st.throughput.samples
 
         for idx, direction in ((0, "in"), (1, "out")):
-            if st.per_rank_bytes:
+            if st.throughput.per_rank_bytes:
                 for r in range(self.runtime.world):
                     ys = [rates[r][idx] if r in rates else 0.0 for _, rates, _ in rows]
                     put(f"r{r} {direction}", direction, ys)
@@ -613,7 +615,7 @@ class Dashboard(W.VBox):
         """The running jobs: each keeps its row while it is listed; new ones take free
         rows; a row's Cancel cancels the job it shows."""
         st = self.state
-        shown = st.jobs_view(now) if st.jobs else []
+        shown = st.running.view(now) if st.running.jobs else []
         by_id = {job.request: job for job in shown}
         slots = self._job_slots
         for i, rid in enumerate(slots):

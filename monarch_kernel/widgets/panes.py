@@ -8,14 +8,15 @@ from html import escape as esc
 
 from monarch_kernel.calls.errors import format_ranks
 from monarch_kernel.widgets.incidents import Incident
-from monarch_kernel.widgets.state import JobView, MeshState, Recovery, TileView
+from monarch_kernel.widgets.state import MeshState
+from monarch_kernel.widgets.views import JobView, Recovery, TileView
 
 
 def jobs_title_html(st: MeshState, shown: list[JobView]) -> str:
     """The line above the running-jobs rows (empty when nothing runs)."""
     if not shown:
         return ""
-    more = st.jobs_more
+    more = st.running.more
     extra = f' <span class="mk-muted">(+{more} more not listed)</span>' if more > 0 else ""
     return f'<div class="mk-sec mk-jobs">Running jobs{extra}</div>'
 

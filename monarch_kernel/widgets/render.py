@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 
 from monarch_kernel.calls.errors import format_ranks
 from monarch_kernel.controller.records import MeshPhase
-from monarch_kernel.widgets.fmt import rate_text
-from monarch_kernel.widgets.state import MeshState, TileView, duration
+from monarch_kernel.widgets.fmt import duration, rate_text
+from monarch_kernel.widgets.state import MeshState
 from monarch_kernel.widgets.theme import COLORS, STATES
+from monarch_kernel.widgets.views import TileView
 
 if TYPE_CHECKING:
     from monarch_kernel.controller.mesh import MeshRuntime
@@ -134,7 +135,7 @@ def header_html(st: MeshState, views: list[TileView], status: str = "") -> str:
     if rt.state.ended:  # a stopped mesh moves no data: no stale rate
         transfer = ""
     else:
-        r_in, r_out = st.total_rate
+        r_in, r_out = st.throughput.total
         transfer = f" · transfer in {rate_text(r_in)} / out {rate_text(r_out)}"
     return (
         f'<div class="mk-head"><b style="font-size:14px">{esc(rt.name)}</b> · '

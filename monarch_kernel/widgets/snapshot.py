@@ -8,6 +8,7 @@ from html import escape as esc
 
 from monarch_kernel.calls.errors import format_ranks
 from monarch_kernel.widgets.chart_pane import charts_html
+from monarch_kernel.widgets.fmt import duration
 from monarch_kernel.widgets.panes import errors_html, job_html, jobs_title_html
 from monarch_kernel.widgets.render import (
     FULL_TILES_MAX,
@@ -16,8 +17,9 @@ from monarch_kernel.widgets.render import (
     phase_text,
     tile_text,
 )
-from monarch_kernel.widgets.state import MeshState, TileView, duration
+from monarch_kernel.widgets.state import MeshState
 from monarch_kernel.widgets.theme import COLORS
+from monarch_kernel.widgets.views import TileView
 
 
 def snapshot_html(st: MeshState, views: list[TileView], columns: int) -> str:
@@ -48,7 +50,7 @@ def snapshot_html(st: MeshState, views: list[TileView], columns: int) -> str:
 
 def jobs_snapshot_html(st: MeshState) -> str:
     """The running jobs, for the static snapshot (no buttons there)."""
-    shown = st.jobs_view()
+    shown = st.running.view()
     if not shown:
         return ""
     rows = "".join(f"<div>{job_html(job)}</div>" for job in shown)
@@ -67,7 +69,7 @@ def snapshot_text(st: MeshState, views: list[TileView]) -> str:
     for v in views:
         extra = " ".join(x for x in (v.what, f"step {v.step}" if v.step else "", v.mem) if x)
         lines.append(f"  rank {v.rank:<3} {v.state:<8} {extra}".rstrip())
-    for job in st.jobs_view():
+    for job in st.running.view():
         lines.append(f"  running: {job.text}")
     if st.recoveries:
         lines.append(f"  {st.recoveries[0].summary}")
