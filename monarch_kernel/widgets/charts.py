@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -103,6 +104,136 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}"
 
 
+#: Space around the plot area of a chart: left (y labels), right, top (title), bottom.
+PAD_L, PAD_R, PAD_T, PAD_B = 44, 8, 20, 16
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """One line as drawn: thinned points (or the band's mean), its colour and dash."""
+
+    label: str
+    xs: list[float]
+    ys: list[float]
+    color: str
+    dashed: bool
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A chart's plot area and value ranges: maps values to SVG coordinates."""
+
+    width: int
+    height: int
+    x0: float
+    x1: float
+    y0: float
+    y1: float
+
+    @property
+    def w(self) -> int:
+        return self.width - PAD_L - PAD_R
+
+    @property
+    def h(self) -> int:
+        return self.height - PAD_T - PAD_B
+
+    def sx(self, x: float) -> float:
+        return PAD_L + (x - self.x0) / (self.x1 - self.x0) * self.w
+
+    def sy(self, y: float) -> float:
+        return PAD_T + self.h - (y - self.y0) / (self.y1 - self.y0) * self.h
+
+    def points(self, xs: Sequence[float], ys: Sequence[float]) -> str:
+        """SVG ``points`` of the finite values."""
+        return " ".join(
+            f"{self.sx(x):.1f},{self.sy(y):.1f}" for x, y in zip(xs, ys) if math.isfinite(y)
+        )
+
+
+def _drawn_lines(
+    lines: Sequence[Line], dashed: Sequence[bool]
+) -> tuple[list[Drawn], list[tuple[float, float, float, float]]]:
+    """The lines to draw and, past :data:`MAX_LINES`, the band rows they are the mean of."""
+    if len(lines) > MAX_LINES:
+        rows = band([(xs, ys) for _, xs, ys in lines])
+        mean = Drawn(
+            f"mean of {len(lines)}", [r[0] for r in rows], [r[1] for r in rows], color(0), False
+        )
+        return [mean], rows
+    drawn = []
+    for i, (label, xs, ys) in enumerate(lines):
+        dash = bool(dashed[i]) if i < len(dashed) else False
+        tx, ty = _thin(xs, ys)
+        drawn.append(Drawn(label, tx, ty, color(i), dash))
+    return drawn, []
+
+
+def _frame(
+    drawn: list[Drawn], rows: list[tuple[float, float, float, float]], width: int, height: int
+) -> Frame | None:
+    """The ranges that hold every point (and the band); None when there is nothing."""
+    all_x = [x for d in drawn for x in d.xs]
+    all_y = [y for d in drawn for y in d.ys if math.isfinite(y)]
+    all_y += [v for _, _, lo, hi in rows for v in (lo, hi)]
+    if not all_x or not all_y:
+        return None
+    x0, x1 = min(all_x), max(all_x)
+    y0, y1 = min(all_y), max(all_y)
+    if x1 == x0:
+        x1 = x0 + 1
+    if y1 == y0:  # a flat line: a range around it, so it is drawn mid-height
+        y0, y1 = y0 - (abs(y0) * 0.1 or 1), y1 + (abs(y1) * 0.1 or 1)
+    return Frame(width, height, x0, x1, y0, y1)
+
+
+def _axes(f: Frame, unit: str, x_label: str) -> str:
+    """The two axes and their end labels (y: min and max; x: first, name, last)."""
+    esc = html.escape
+    w, h, height = f.w, f.h, f.height
+    return (
+        f'<line x1="{PAD_L}" y1="{PAD_T + h}" x2="{PAD_L + w}" y2="{PAD_T + h}" stroke="#9ca3af"/>'
+        f'<line x1="{PAD_L}" y1="{PAD_T}" x2="{PAD_L}" y2="{PAD_T + h}" stroke="#9ca3af"/>'
+        f'<text x="{PAD_L - 3}" y="{PAD_T + 4}" text-anchor="end" fill="#4b5563">'
+        f"{_fmt(f.y1)}{esc(unit)}</text>"
+        f'<text x="{PAD_L - 3}" y="{PAD_T + h}" text-anchor="end" fill="#4b5563">'
+        f"{_fmt(f.y0)}{esc(unit)}</text>"
+        f'<text x="{PAD_L}" y="{height - 3}" fill="#4b5563">{_fmt(f.x0)}</text>'
+        f'<text x="{PAD_L + w / 2:.0f}" y="{height - 3}" text-anchor="middle" fill="#9ca3af">'
+        f"{esc(x_label)}</text>"
+        f'<text x="{PAD_L + w}" y="{height - 3}" text-anchor="end" fill="#4b5563">'
+        f"{_fmt(f.x1)}</text>"
+    )
+
+
+def _band_svg(f: Frame, rows: list[tuple[float, float, float, float]]) -> str:
+    """The min/max band: along the maxima, back along the minima."""
+    upper = " ".join(f"{f.sx(x):.1f},{f.sy(hi):.1f}" for x, _, _, hi in rows)
+    lower = " ".join(f"{f.sx(x):.1f},{f.sy(lo):.1f}" for x, _, lo, _ in reversed(rows))
+    return (
+        f'<polygon class="mk-band" points="{upper} {lower}" fill="{color(0)}" '
+        'fill-opacity="0.18" stroke="none"/>'
+    )
+
+
+def _line_svg(f: Frame, d: Drawn) -> list[str]:
+    """One line: its earlier runs faded, behind the current one."""
+    esc = html.escape
+    *old, (xs, ys) = runs(d.xs, d.ys)
+    style = ' stroke-dasharray="4 2"' if d.dashed else ""
+    out = [
+        f'<polyline class="mk-old-run" points="{f.points(oxs, oys)}" fill="none" '
+        f'stroke="{d.color}" stroke-opacity="0.35" stroke-width="1"{style}/>'
+        for oxs, oys in old
+    ]
+    out.append(
+        f'<polyline class="mk-line" data-label="{esc(d.label)}" data-last-x="{xs[-1]:g}" '
+        f'data-last-y="{ys[-1]:g}" data-points="{len(xs)}" points="{f.points(xs, ys)}" '
+        f'fill="none" stroke="{d.color}" stroke-width="1.5"{style}/>'
+    )
+    return out
+
+
 def line_chart(
     title: str,
     lines: Sequence[Line],
@@ -116,91 +247,34 @@ def line_chart(
 ) -> str:
     """An SVG chart of ``lines`` (``(label, xs, ys)``); more than :data:`MAX_LINES`
     lines become their mean with a min/max band."""
-    pad_l, pad_r, pad_t, pad_b = 44, 8, 20, 16
-    w, h = width - pad_l - pad_r, height - pad_t - pad_b
     lines = [line for line in lines if len(line[1])]
-    aggregated = len(lines) > MAX_LINES
-    drawn: list[tuple[str, list[float], list[float], str, bool]] = []
-    rows: list[tuple[float, float, float, float]] = []
-    if aggregated:
-        rows = band([(xs, ys) for _, xs, ys in lines])
-        drawn.append(
-            (f"mean of {len(lines)}", [r[0] for r in rows], [r[1] for r in rows], color(0), False)
-        )
-    else:
-        for i, (label, xs, ys) in enumerate(lines):
-            dash = bool(dashed[i]) if i < len(dashed) else False
-            tx, ty = _thin(xs, ys)
-            drawn.append((label, tx, ty, color(i), dash))
-    all_x = [x for _, xs, _, _, _ in drawn for x in xs]
-    all_y = [y for _, _, ys, _, _ in drawn for y in ys if math.isfinite(y)]
-    all_y += [v for _, _, lo, hi in rows for v in (lo, hi)]
+    drawn, rows = _drawn_lines(lines, dashed)
     esc = html.escape
     out = [
         f'<svg class="mk-chart" data-chart="{esc(chart_id or title)}" width="{width}" '
         f'height="{height}" viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg" '
         'font-family="sans-serif" font-size="10">',
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="#fff" stroke="#e5e7eb"/>',
-        f'<text x="{pad_l}" y="13" font-weight="bold" fill="#111827">{esc(title)}</text>',
+        f'<text x="{PAD_L}" y="13" font-weight="bold" fill="#111827">{esc(title)}</text>',
     ]
-    if not all_x or not all_y:
+    f = _frame(drawn, rows, width, height)
+    if f is None:
+        h = height - PAD_T - PAD_B
         out.append(
-            f'<text x="{pad_l + 4}" y="{pad_t + h / 2:.0f}" fill="#9ca3af">waiting for data</text>'
+            f'<text x="{PAD_L + 4}" y="{PAD_T + h / 2:.0f}" fill="#9ca3af">waiting for data</text>'
         )
         out.append("</svg>")
         return "".join(out)
-    x0, x1 = min(all_x), max(all_x)
-    y0, y1 = min(all_y), max(all_y)
-    if x1 == x0:
-        x1 = x0 + 1
-    if y1 == y0:
-        y0, y1 = y0 - (abs(y0) * 0.1 or 1), y1 + (abs(y1) * 0.1 or 1)
-
-    def sx(x: float) -> float:
-        return pad_l + (x - x0) / (x1 - x0) * w
-
-    def sy(y: float) -> float:
-        return pad_t + h - (y - y0) / (y1 - y0) * h
-
-    out.append(
-        f'<line x1="{pad_l}" y1="{pad_t + h}" x2="{pad_l + w}" y2="{pad_t + h}" stroke="#9ca3af"/>'
-        f'<line x1="{pad_l}" y1="{pad_t}" x2="{pad_l}" y2="{pad_t + h}" stroke="#9ca3af"/>'
-        f'<text x="{pad_l - 3}" y="{pad_t + 4}" text-anchor="end" fill="#4b5563">'
-        f"{_fmt(y1)}{esc(unit)}</text>"
-        f'<text x="{pad_l - 3}" y="{pad_t + h}" text-anchor="end" fill="#4b5563">'
-        f"{_fmt(y0)}{esc(unit)}</text>"
-        f'<text x="{pad_l}" y="{height - 3}" fill="#4b5563">{_fmt(x0)}</text>'
-        f'<text x="{pad_l + w / 2:.0f}" y="{height - 3}" text-anchor="middle" fill="#9ca3af">'
-        f"{esc(x_label)}</text>"
-        f'<text x="{pad_l + w}" y="{height - 3}" text-anchor="end" fill="#4b5563">{_fmt(x1)}</text>'
-    )
+    out.append(_axes(f, unit, x_label))
     if rows:
-        upper = " ".join(f"{sx(x):.1f},{sy(hi):.1f}" for x, _, _, hi in rows)
-        lower = " ".join(f"{sx(x):.1f},{sy(lo):.1f}" for x, _, lo, _ in reversed(rows))
-        out.append(
-            f'<polygon class="mk-band" points="{upper} {lower}" fill="{color(0)}" '
-            'fill-opacity="0.18" stroke="none"/>'
-        )
-    legend_x = pad_l + 4 + len(title) * 6.5 + 8
-    for label, all_xs, all_ys, col, dash in drawn:
-        *old, (xs, ys) = runs(all_xs, all_ys)
-        style = ' stroke-dasharray="4 2"' if dash else ""
-        for oxs, oys in old:  # earlier runs: faded, behind the current one
-            pts = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(oxs, oys) if math.isfinite(y))
-            out.append(
-                f'<polyline class="mk-old-run" points="{pts}" fill="none" stroke="{col}" '
-                f'stroke-opacity="0.35" stroke-width="1"{style}/>'
-            )
-        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys) if math.isfinite(y))
-        out.append(
-            f'<polyline class="mk-line" data-label="{esc(label)}" data-last-x="{xs[-1]:g}" '
-            f'data-last-y="{ys[-1]:g}" data-points="{len(xs)}" points="{coords}" fill="none" '
-            f'stroke="{col}" stroke-width="1.5"{style}/>'
-        )
+        out.append(_band_svg(f, rows))
+    legend_x = PAD_L + 4 + len(title) * 6.5 + 8
+    for d in drawn:
+        out += _line_svg(f, d)
         if legend_x < width - 30:
-            out.append(f'<text x="{legend_x:.0f}" y="13" fill="{col}">{esc(label)}</text>')
-            legend_x += len(label) * 6 + 10
-    if aggregated:
+            out.append(f'<text x="{legend_x:.0f}" y="13" fill="{d.color}">{esc(d.label)}</text>')
+            legend_x += len(d.label) * 6 + 10
+    if len(lines) > MAX_LINES:
         out.append(f'<text x="{legend_x:.0f}" y="13" fill="#6b7280">band: min–max</text>')
     out.append("</svg>")
     return "".join(out)

@@ -13,7 +13,13 @@ Threads:
   message on: a subshell thread when the frontend sends comms over subshells (JupyterLab
   >= 4.4 with ipykernel >= 7), so they work while a cell is busy; else the main thread,
   after the running cell. They only record the request; slow actions (restart, stop, cancel)
-  run on a worker thread.
+  run on a worker thread (:mod:`~monarch_kernel.widgets.actions`).
+
+This module assembles the parts and runs the updater; each part owns its widgets and
+sends its own changes: :mod:`~monarch_kernel.widgets.tile_grid`,
+:mod:`~monarch_kernel.widgets.action_bar`, :mod:`~monarch_kernel.widgets.job_rows` and
+:mod:`~monarch_kernel.widgets.chart_area`; their HTML comes from
+:mod:`~monarch_kernel.widgets.render` and :mod:`~monarch_kernel.widgets.panes`.
 """
 
 from __future__ import annotations
@@ -23,25 +29,29 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as W
 
-from monarch_kernel.calls.errors import format_ranks
-from monarch_kernel.controller.records import MeshPhase, RankState
-from monarch_kernel.widgets import live_chart, render
-from monarch_kernel.widgets.display import Display, prefer_frontend_subshell
-from monarch_kernel.widgets.state import MAX_JOBS, MeshState, TileView
+from monarch_kernel.controller.records import MeshPhase
+from monarch_kernel.widgets import panes, render, theme
+from monarch_kernel.widgets.action_bar import ActionBar, BarView
+from monarch_kernel.widgets.actions import MeshActions
+from monarch_kernel.widgets.chart_area import ChartArea
+from monarch_kernel.widgets.delta import put
+from monarch_kernel.widgets.display import Display
+from monarch_kernel.widgets.job_rows import JobRows
+from monarch_kernel.widgets.snapshot import snapshot_html, snapshot_text
+from monarch_kernel.widgets.state import MeshState
+from monarch_kernel.widgets.tile_grid import TileGrid
+from monarch_kernel.widgets.views import TileView
 
 if TYPE_CHECKING:
-    from monarch_kernel.actor.meshes import ProcMesh
     from monarch_kernel.controller.mesh import MeshRuntime
 
 log = logging.getLogger("monarch_kernel.widgets")
 
 UPDATE_INTERVAL = 0.25  # seconds between two updates: at most 4 updates a second
-CONFIRM_S = 4.0  # the stop button asks for a second click within this time
 
 
 class Dashboard(W.VBox):
@@ -50,6 +60,11 @@ class Dashboard(W.VBox):
 
     Create it with :func:`monarch_kernel.widgets.dashboard`; display it like any widget.
     Frontends without widget support show a static HTML snapshot instead.
+
+    Its parts, top to bottom: the style sheet, :attr:`header`, :attr:`hosts_html`
+    (machines still joining), the :class:`ActionBar`, the :class:`JobRows`,
+    :attr:`stacks_html`, the :class:`TileGrid` with the selected rank's :attr:`detail`
+    beside it, the :class:`ChartArea` and the incident area (:attr:`errors`).
     """
 
     def __init__(self, runtime: MeshRuntime, interval: float = UPDATE_INTERVAL, start: bool = True):
@@ -65,149 +80,21 @@ class Dashboard(W.VBox):
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._closed = False
-        self._confirm_stop_until = 0.0
-        self._action: threading.Thread | None = None
         self._displays: list[Display] = []
         self._last_sample = 0.0
         self._last_flush = 0.0
         self._last_tiles = 0.0
         self._marked: int | None = None  # the tile shown as selected
-        self._last_charts = 0.0
-        self._chart_key: tuple[int, int] = (-1, -1)
         self._error_key = -1
         self._recoveries_seen = 0
         self._phase_seen = runtime.state
-        n = runtime.world
-        self.compact = n > render.FULL_TILES_MAX
-        self.columns = render.grid_columns(self.state)
-        # a full tile holds render.TILE_CHARS characters a line at the tile font
-        width, height = (104, 44) if self.compact else (184, 108)
-        self.chart_interval = 0.5 if n <= 8 else 1.0
-        self.tile_text_period = max(1.0, n / 32)  # compact tiles: seconds between texts
-        tile_layout = W.Layout(width=f"{width}px", height=f"{height}px", margin="0")
-        self.tiles: list[W.Button] = []
-        for r in range(n):
-            tile = W.Button(description=f"rank {r}", layout=tile_layout)
-            tile.add_class("mk-tile")
-            tile.on_click(lambda _b, r=r: self.select(r))
-            self.tiles.append(tile)
         self._views: list[TileView] = []  # what each tile shows (empty before the first tick)
-        self.css = W.HTML(render.CSS)
-        self.header = W.HTML()
-        self.hosts_html = W.HTML()  # machines still joining (join and engine backends)
-        grid = W.GridBox(
-            self.tiles,
-            layout=W.Layout(
-                grid_template_columns=f"repeat({self.columns}, {width}px)",
-                grid_gap="4px",
-                margin="2px 8px 4px 0",
-                # rows keep the tiles' height when the detail pane beside the grid is
-                # taller (stretched rows left a blank gap between tiles)
-                align_content="flex-start",
-            ),
-        )
-        self.detail = W.HTML(layout=W.Layout(flex="1 1 320px", min_width="300px"))
-        self.interrupt_button = W.Button(
-            description="Interrupt",
-            icon="stop",
-            tooltip="Raise KeyboardInterrupt in the user code every rank runs (SIGINT)",
-        )
-        self.restart_button = W.Button(
-            description="Restart dead ranks", icon="refresh", disabled=True
-        )
-        self.stop_button = W.Button(
-            description="Stop mesh", icon="power-off", tooltip="Stop every rank of this mesh"
-        )
-        for b in (self.interrupt_button, self.restart_button, self.stop_button):
-            b.layout.width = "auto"
-        self.interrupt_button.on_click(lambda _b: self.interrupt())
-        self.restart_button.on_click(lambda _b: self.restart())
-        self.stop_button.on_click(lambda _b: self.stop())
-        self.status_html = W.HTML()
-        # Charts: live uPlot charts (appends only) when anywidget is there, else the
-        # static SVG charts in one HTML widget. ``charts`` holds the hint (no metrics yet)
-        # in the first case, the SVG in the second.
-        self.charts = W.HTML()
-        self.live_charts: dict[str, live_chart.LiveChart] = {}
-        self._rate_sent = 0  # transfer samples sent to the live chart
-        self._rate_t0: float | None = None
-        self.charts_box = W.Box(layout=W.Layout(display="flex", flex_flow="row wrap"))
-        if live_chart.AVAILABLE:
-            self.charts_box.children = (self._new_chart("throughput"),)
-        self.errors = W.HTML()
-        self.stacks_button = W.Button(
-            description="Stacks",
-            icon="list",
-            tooltip="Every rank's Python stacks now, grouped; the odd ones out highlighted",
-            layout=W.Layout(width="auto"),
-        )
-        self.stacks_button.on_click(lambda _b: self.show_stacks())
-        prefer_frontend_subshell(self.stacks_button)
-        self.stacks_html = W.HTML()  # filled by the Stacks button
-        # Running jobs: a fixed pool of rows (hidden when unused). A job keeps its row
-        # while it runs, so rows do not move under the pointer; each row's Cancel
-        # cancels the job shown in it.
-        self.jobs_title = W.HTML()
-        self.job_labels: list[W.HTML] = []
-        self.cancel_buttons: list[W.Button] = []
-        self.job_rows: list[W.HBox] = []
-        self._job_slots: list[str | None] = [None] * MAX_JOBS
-        for i in range(MAX_JOBS):
-            label = W.HTML()
-            cancel = W.Button(
-                description="Cancel",
-                icon="times",
-                tooltip="Interrupt this job on the ranks still running it",
-                layout=W.Layout(width="auto", flex="0 0 auto"),
-            )
-            cancel.on_click(lambda _b, i=i: self._cancel_slot(i))
-            self.job_labels.append(label)
-            self.cancel_buttons.append(cancel)
-            self.job_rows.append(
-                W.HBox([label, cancel], layout=W.Layout(display="none", align_items="center"))
-            )
-        self.jobs_box = W.VBox(
-            [self.jobs_title, *self.job_rows], layout=W.Layout(display="none", margin="0 0 2px")
-        )
-        for b in (self.interrupt_button, self.stacks_button, self.restart_button, self.stop_button):
-            b.layout.flex = "0 0 auto"  # a long status wraps; the buttons keep their labels
-        self.status_html.layout.flex = "1 1 auto"
-        buttons = W.HBox(
-            [
-                self.interrupt_button,
-                self.stacks_button,
-                self.restart_button,
-                self.stop_button,
-                self.status_html,
-            ]
-        )
-        body = W.Box(
-            [grid, self.detail],
-            layout=W.Layout(display="flex", flex_flow="row wrap", align_items="flex-start"),
-        )
-        super().__init__(
-            [
-                self.css,
-                self.header,
-                self.hosts_html,
-                buttons,
-                self.jobs_box,
-                self.stacks_html,
-                body,
-                self.charts_box,
-                self.charts,
-                self.errors,
-            ]
-        )
+        self.compact = runtime.world > render.FULL_TILES_MAX
+        self.columns = render.grid_columns(self.state)
+        self.tile_text_period = max(1.0, runtime.world / 32)  # compact tiles: seconds between texts
+        self.actions = MeshActions(runtime, self.state, self._set_status, self._put_stacks)
+        super().__init__(self._build())
         self.add_class("mk-dash")
-        for w in (
-            *self.tiles,
-            *self.cancel_buttons,
-            self.interrupt_button,
-            self.restart_button,
-            self.stop_button,
-        ):
-            prefer_frontend_subshell(w)
         self.state.attach()
         self._tick()
         self._thread = threading.Thread(
@@ -215,6 +102,46 @@ class Dashboard(W.VBox):
         )
         if start:
             self._thread.start()
+
+    def _build(self) -> list[W.Widget]:
+        """Make the parts; returns the dashboard's children, top to bottom."""
+        self.grid = TileGrid(self.runtime.world, self.columns, self.compact, self.select)
+        self.bar = ActionBar()
+        self.bar.interrupt_button.on_click(lambda _b: self.interrupt())
+        self.bar.stacks_button.on_click(lambda _b: self.show_stacks())
+        self.bar.restart_button.on_click(lambda _b: self.restart())
+        self.bar.stop_button.on_click(lambda _b: self.stop())
+        self.jobs = JobRows(self._cancel_slot)
+        self.chart_area = ChartArea(self.state, self._lock)
+        # the parts' widgets under the names the tests, benches and notebooks read
+        self.tiles = self.grid.tiles
+        self.job_labels = self.jobs.labels
+        self.cancel_buttons = self.jobs.cancel_buttons
+        self.jobs_box = self.jobs.box
+        self.charts = self.chart_area.charts
+        self.charts_box = self.chart_area.box
+        self.live_charts = self.chart_area.live_charts
+        self.header = W.HTML()
+        self.hosts_html = W.HTML()  # machines still joining (join and engine backends)
+        self.stacks_html = W.HTML()  # filled by the Stacks button
+        self.detail = W.HTML(layout=W.Layout(flex="1 1 320px", min_width="300px"))
+        self.errors = W.HTML()
+        body = W.Box(
+            [self.grid.box, self.detail],
+            layout=W.Layout(display="flex", flex_flow="row wrap", align_items="flex-start"),
+        )
+        return [
+            W.HTML(theme.CSS),
+            self.header,
+            self.hosts_html,
+            self.bar.box,
+            self.jobs.box,
+            self.stacks_html,
+            body,
+            self.chart_area.box,
+            self.chart_area.charts,
+            self.errors,
+        ]
 
     # -- display -------------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any] | None:
@@ -231,8 +158,8 @@ class Dashboard(W.VBox):
         with self._lock:
             views = self._views
             return (
-                render.snapshot_html(self.state, views, self.columns),
-                render.snapshot_text(self.state, views),
+                snapshot_html(self.state, views, self.columns),
+                snapshot_text(self.state, views),
             )
 
     def show(self) -> None:
@@ -269,28 +196,21 @@ class Dashboard(W.VBox):
         self.selected = None if rank == self.selected else rank
         self._wake.set()
 
-    def _procs(self) -> ProcMesh:
-        from monarch_kernel.actor.meshes import ProcMesh
-
-        return ProcMesh(self.runtime)
-
     def _set_status(self, text: str) -> None:
         self.status = f"{time.strftime('%H:%M:%S')} {text}"
         self._wake.set()
 
+    def _put_stacks(self, html: str) -> None:
+        with self._lock:
+            put(self.stacks_html, value=html)
+
     def interrupt(self) -> None:
         """Send SIGINT to every live rank (KeyboardInterrupt in their user code)."""
-        rt = self.runtime
-        alive = [i.rank for i in rt.ranks if i.alive]
-        if rt.state.ended or not alive:
-            self._set_status("nothing to interrupt")
-            return
-        self._procs().interrupt()
-        self._set_status(f"interrupt sent to ranks {format_ranks(alive)}")
+        self.actions.interrupt()
 
     def _cancel_slot(self, slot: int) -> None:
         """The Cancel button of row ``slot``: cancel the job it shows."""
-        rid = self._job_slots[slot]
+        rid = self.jobs.slots[slot]
         if rid is None:
             self._set_status("that job had finished")
             return
@@ -301,107 +221,21 @@ class Dashboard(W.VBox):
         actor call): interrupt it on the ranks still running it and skip it where it has
         not started yet (``MeshRuntime.cancel_request``), on a worker thread; the status
         line says what was done."""
-        what = self.state.errors.what(request_id) or f"request {request_id}"
-        rt = self.runtime
-        if rt.state.ended:
-            self._set_status(f"the mesh is stopped: {what} is not running")
-            return
-
-        def work() -> None:
-            try:
-                ranks = rt.cancel_request(request_id)
-            except Exception as exc:  # shown in the dashboard
-                self._set_status(f"cancel of {what} failed: {exc}".split("\n")[0])
-                return
-            if not ranks:
-                self._set_status(f"{what} had finished")
-                return
-            self.state.cancelling.add(request_id)  # its row says so until it ends
-            many = "ranks" if len(ranks) > 1 else "rank"
-            self._set_status(f"cancelled {what} on {many} {format_ranks(ranks)}")
-
-        self._run_action(work, f"cancelling {what}…")
+        self.actions.cancel(request_id)
 
     def show_stacks(self) -> None:
         """Show every rank's Python stacks now, grouped, under the buttons (collected on
         a worker thread, in about a second at most; see ``%mesh stacks``)."""
-        from monarch_kernel.widgets.stacks_view import mesh_stacks
-
-        rt = self.runtime
-        if rt.state.ended:
-            self._set_status("the mesh is stopped: no stacks to show")
-            return
-
-        def work() -> None:
-            try:
-                view = mesh_stacks(rt)
-            except Exception as exc:  # shown in the dashboard
-                self._set_status(f"stacks failed: {exc}".split("\n")[0])
-                return
-            with self._lock:
-                self._put(self.stacks_html, value=view._repr_html_())
-            odd = view.odd_ranks
-            self._set_status(
-                f"stacks of {len(view.stacks)} ranks in {view.elapsed:.2f}s"
-                + (f"; odd ones out: ranks {format_ranks(odd)}" if odd else "")
-            )
-
-        self._run_action(work, "collecting stacks…")
+        self.actions.show_stacks()
 
     def restart(self, ranks: list[int] | None = None) -> None:
         """Restart ``ranks`` (default: the selected rank if it is dead, else every dead
         rank) on a worker thread."""
-        rt = self.runtime
-        if ranks is None:
-            dead = [i.rank for i in rt.ranks if i.state is RankState.DEAD]
-            if self.selected is not None and self.selected in dead:
-                dead = [self.selected]
-            ranks = dead
-        if not ranks:
-            self._set_status("no dead ranks to restart")
-            return
-        label = format_ranks(ranks)
-
-        def work() -> None:
-            t0 = time.monotonic()
-            try:
-                report = self._procs().restart(ranks)
-            except Exception as exc:  # shown in the dashboard
-                self._set_status(f"restart of ranks {label} failed: {exc}".split("\n")[0])
-            else:
-                n = len(report.problems)
-                problems = f"; {n} problem(s), see below" if n else ""
-                self._set_status(
-                    f"restarted ranks {label} in {time.monotonic() - t0:.1f}s{problems}"
-                )
-
-        self._run_action(work, f"restarting ranks {label}…")
+        self.actions.restart(ranks, self.selected)
 
     def stop(self, confirm: bool = True) -> None:
         """Stop the mesh; from the button the first click asks for a second one."""
-        if confirm and time.monotonic() > self._confirm_stop_until:
-            self._confirm_stop_until = time.monotonic() + CONFIRM_S
-            self._set_status("click Stop again to stop every rank")
-            return
-        self._confirm_stop_until = 0.0
-
-        def work() -> None:
-            try:
-                self.runtime.stop()
-            except Exception as exc:
-                self._set_status(f"stop failed: {exc}")
-            else:
-                self._set_status("mesh stopped")
-
-        self._run_action(work, "stopping the mesh…")
-
-    def _run_action(self, work: Callable[[], None], status: str) -> None:
-        if self._action is not None and self._action.is_alive():
-            self._set_status("still busy with the previous action")
-            return
-        self._set_status(status)
-        self._action = threading.Thread(target=work, name="mk-dashboard-action", daemon=True)
-        self._action.start()
+        self.actions.stop(confirm)
 
     # -- the updater -----------------------------------------------------------------
     def _run(self) -> None:
@@ -446,6 +280,32 @@ class Dashboard(W.VBox):
         if now - self._last_sample >= 1.0:
             self._last_sample = now
             st.sample()
+        views, sent = self._put_tiles(now)
+        sent += put(self.header, value=render.header_html(st, views))
+        sent += put(self.hosts_html, value=render.hosts_html(self.runtime))
+        sel = self.selected
+        sent += put(
+            self.detail,
+            value=panes.detail_html(st, sel, views[sel] if sel is not None else None),
+        )
+        sent += self.chart_area.put(now)
+        if st.error_version != self._error_key:
+            self._error_key = st.error_version
+            sent += put(self.errors, value=panes.errors_html(st))
+        sent += self.jobs.put(st, st.running.view(now) if st.running.jobs else [])
+        stopped = self.runtime.state.ended
+        confirming = self.actions.confirming(now)
+        sent += self.bar.put(BarView.of(views, stopped, sel, confirming, self.status))
+        if sent:
+            self._last_flush = time.monotonic()
+            self.flushes += 1
+            self.messages += sent
+            self.flush_times.append(time.time())
+
+    def _put_tiles(self, now: float) -> tuple[list[TileView], int]:
+        """Update the tiles that changed; returns what every tile shows and the
+        messages sent."""
+        st = self.state
         # Big meshes: a tile's colour follows its state at once, its text (step, last
         # heard) every second or two; that keeps 64 tiles to ~32 messages a second.
         full = not self.compact or now - self._last_tiles >= self.tile_text_period
@@ -460,140 +320,10 @@ class Dashboard(W.VBox):
             view = old_views[r] if r < len(old_views) else None
             if full or view is None or r in marked or view.state != st.tile_state(r):
                 view = st.tile(r, now)
-                sent += self._put_tile(r, view)
+                sent += self.grid.put(r, view, self.selected)
             views.append(view)
         self._views = views
-        sent += self._put(self.header, value=render.header_html(st, views))
-        sent += self._put(self.hosts_html, value=render.hosts_html(self.runtime))
-        sel = self.selected
-        sent += self._put(
-            self.detail,
-            value=render.detail_html(st, sel, views[sel] if sel is not None else None),
-        )
-        chart_key = (st.metric_version, st.samples)
-        if chart_key != self._chart_key and now - self._last_charts >= self.chart_interval:
-            self._chart_key = chart_key
-            self._last_charts = now
-            if live_chart.AVAILABLE:
-                sent += self._append_charts()
-            else:
-                sent += self._put(self.charts, value=render.charts_html(st))
-        if st.error_version != self._error_key:
-            self._error_key = st.error_version
-            sent += self._put(self.errors, value=render.errors_html(st))
-        sent += self._put_jobs(now)
-        sent += self._put_buttons(views, now)
-        if sent:
-            self._last_flush = time.monotonic()
-            self.flushes += 1
-            self.messages += sent
-            self.flush_times.append(time.time())
-
-    # -- live charts -------------------------------------------------------------------
-    def _new_chart(self, chart_id: str) -> live_chart.LiveChart:
-        """A live chart: ``throughput`` (transfer rates) or ``metric:NAME``."""
-        if chart_id == "throughput":
-            per_rank = self.state.per_rank_bytes
-            chart = live_chart.LiveChart(
-                self._rate_snapshot,
-                chart_id=chart_id,
-                title="transfer" + ("" if per_rank else " (mesh total)"),
-                x_label="s",
-                unit="B/s",
-            )
-        else:
-            name = chart_id.split(":", 1)[1]
-            chart = live_chart.LiveChart(
-                lambda: self._metric_snapshot(name),
-                chart_id=chart_id,
-                title=name,
-                x_label="step",
-            )
-        self.live_charts[chart_id] = chart
-        return chart
-
-    def _append_charts(self) -> int:
-        """Send each live chart the points that arrived since the last update (one
-        message per chart that has new points); new metrics get a chart."""
-        st = self.state
-        sent = 0
-        new = [n for n in st.metrics if f"metric:{n}" not in self.live_charts]
-        if new:
-            added = tuple(self._new_chart(f"metric:{n}") for n in new)
-            self.charts_box.children = (*self.charts_box.children, *added)
-            sent += 1
-        for name, per_rank in list(st.metrics.items()):
-            batch: list[live_chart.Points] = []
-            for rank, series in sorted(per_rank.items()):
-                start, xs, ys = series.take_fresh()
-                if xs:
-                    key = f"r{rank}"
-                    batch.append({"key": key, "label": key, "start": start, "x": xs, "y": ys})
-            if batch:
-                self.live_charts[f"metric:{name}"].append(batch)
-                sent += 1
-        rates = self._rate_points(self._rate_sent)
-        self._rate_sent = st.samples
-        if rates:
-            self.live_charts["throughput"].append(rates)
-            sent += 1
-        hint = "" if st.metrics else render.metrics_hint()
-        return sent + self._put(self.charts, value=hint)
-
-    def _metric_snapshot(self, name: str) -> list[live_chart.Points]:
-        """Every kept point of metric ``name`` (a chart view that just opened)."""
-        with self._lock:
-            out: list[live_chart.Points] = []
-            for rank, series in sorted(self.state.metrics.get(name, {}).items()):
-                xs, ys = series.arrays()
-                key = f"r{rank}"
-                out.append(
-                    {"key": key, "label": key, "start": 0, "count": series.count, "x": xs, "y": ys}
-                )
-            return out
-
-    def _rate_snapshot(self) -> list[live_chart.Points]:
-        with self._lock:
-            return self._rate_points(0, reset=True)
-
-    def _rate_points(self, since: int, reset: bool = False) -> list[live_chart.Points]:
-        """Transfer rates (bytes/s) of samples ``since`` on (sample numbers count from
-        the first): per rank in and out, or the mesh totals."""
-        st = self.state
-        hist = list(st.rate_history)
-        first = st.samples - len(hist)  # sample number of hist[0]
-        start = max(since, first)
-        rows = hist[start - first :]
-        if not rows:
-            return []
-        if self._rate_t0 is None:
-            self._rate_t0 = rows[0][0]
-        xs = [t - self._rate_t0 for t, _, _ in rows]
-        out: list[live_chart.Points] = []
-
-        def put(key: str, group: str, ys: list[float]) -> None:
-            out.append(
-                {
-                    "key": key,
-                    "label": key,
-                    "group": group,
-                    "dash": group == "out",
-                    "start": start,
-                    "x": xs,
-                    "y": ys,
-                }
-            )
-            if reset:
-                out[-1]["count"] = st.samples
-
-        for idx, direction in ((0, "in"), (1, "out")):
-            if st.per_rank_bytes:
-                for r in range(self.runtime.world):
-                    ys = [rates[r][idx] if r in rates else 0.0 for _, rates, _ in rows]
-                    put(f"r{r} {direction}", direction, ys)
-            else:
-                put(direction, direction, [tot[idx] for _, _, tot in rows])
-        return out
+        return views, sent
 
     def _note_phase(self) -> None:
         """Say in the status line when the mesh starts recovering and what a recovery
@@ -606,83 +336,6 @@ class Dashboard(W.VBox):
         if st.recovery_count > self._recoveries_seen:
             self._recoveries_seen = st.recovery_count
             self._set_status(st.recoveries[0].summary)
-
-    def _put_jobs(self, now: float) -> int:
-        """The running jobs: each keeps its row while it is listed; new ones take free
-        rows; a row's Cancel cancels the job it shows."""
-        st = self.state
-        shown = st.jobs_view(now) if st.jobs else []
-        by_id = {job.request: job for job in shown}
-        slots = self._job_slots
-        for i, rid in enumerate(slots):
-            if rid is not None and rid not in by_id:
-                slots[i] = None
-        placed = set(slots)
-        for job in shown:
-            if job.request not in placed:
-                slots[slots.index(None)] = job.request
-        sent = self._put(self.jobs_title, value=render.jobs_title_html(st, shown))
-        sent += self._put(self.jobs_box.layout, display="flex" if shown else "none")
-        for i, rid in enumerate(slots):
-            row = self.job_rows[i]
-            if rid is None or rid not in by_id:
-                sent += self._put(row.layout, display="none")
-                sent += self._put(self.job_labels[i], value="")
-                sent += self._put(self.cancel_buttons[i], disabled=True)
-                continue
-            job = by_id[rid]
-            sent += self._put(self.job_labels[i], value=render.job_html(job))
-            sent += self._put(  # still enabled while cancelling: a second try may help
-                self.cancel_buttons[i],
-                disabled=False,
-                tooltip=f"Cancel {job.what}: interrupt it on the {job.ranks.split(' (')[0]} "
-                "still running it",
-            )
-            sent += self._put(row.layout, display="flex")
-        return sent
-
-    def _put(self, widget: W.Widget, **values: Any) -> int:
-        changed = {k: v for k, v in values.items() if getattr(widget, k) != v}
-        if not changed:
-            return 0
-        with widget.hold_sync():
-            for k, v in changed.items():
-                setattr(widget, k, v)
-        return 1
-
-    def _put_tile(self, r: int, v: TileView) -> int:
-        tile = self.tiles[r]
-        classes = ("mk-tile", f"mk-s-{v.state}") + (("mk-selected",) if r == self.selected else ())
-        return self._put(
-            tile,
-            description=render.tile_text(v, self.compact),
-            tooltip=render.tile_tooltip(v),
-            _dom_classes=classes,
-        )
-
-    def _put_buttons(self, views: list[TileView], now: float) -> int:
-        stopped = self.runtime.state.ended
-        dead = [v.rank for v in views if v.state == "dead"]
-        if self.selected is not None and self.selected in dead:
-            restart_label = f"Restart rank {self.selected}"
-        else:
-            restart_label = f"Restart dead ranks ({len(dead)})" if dead else "Restart dead ranks"
-        confirming = now < self._confirm_stop_until
-        sent = self._put(self.interrupt_button, disabled=stopped)
-        sent += self._put(self.stacks_button, disabled=stopped)
-        sent += self._put(
-            self.restart_button, disabled=stopped or not dead, description=restart_label
-        )
-        sent += self._put(
-            self.stop_button,
-            disabled=stopped,
-            description="Click again to stop" if confirming else "Stop mesh",
-            button_style="danger" if confirming else "",
-        )
-        sent += self._put(
-            self.status_html, value=f'<span class="mk-status">{render.esc(self.status)}</span>'
-        )
-        return sent
 
     # -- teardown --------------------------------------------------------------------
     @property

@@ -37,3 +37,15 @@ def rate_text(bps: float | None) -> str:
     if bps >= 1e3:
         return f"{bps / 1e3:.0f} KB/s"
     return f"{bps:.0f} B/s"
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``3m 05s``, ``2h 01m``."""
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    if h:
+        return f"{h}h {m:02d}m"
+    if m:
+        return f"{m}m {s:02d}s"
+    return f"{s}s"

@@ -1,0 +1,155 @@
+"""The dashboard's charts: live uPlot charts (appends only) when anywidget is there, else
+the static SVG charts in one HTML widget.
+
+The live charts are sent only the points that arrived since the last update; a chart view
+that opens later asks for the whole history (a snapshot, taken under the dashboard's lock
+on whichever thread the request came in on)."""
+
+from __future__ import annotations
+
+import threading
+
+import ipywidgets as W
+
+from monarch_kernel.widgets import chart_pane, live_chart
+from monarch_kernel.widgets.delta import put
+from monarch_kernel.widgets.state import MeshState
+
+
+class ChartArea:
+    """The live charts' box, then ``charts``: the hint (no metrics yet) with live charts,
+    the SVG charts without."""
+
+    def __init__(self, state: MeshState, lock: threading.RLock) -> None:
+        self.state = state
+        self._lock = lock  # the dashboard's: snapshots read the state it updates
+        self.charts = W.HTML()
+        #: chart id (``throughput``, ``metric:NAME``) -> its live chart
+        self.live_charts: dict[str, live_chart.LiveChart] = {}
+        self.box = W.Box(layout=W.Layout(display="flex", flex_flow="row wrap"))
+        #: seconds between two chart updates (charts of many ranks cost more to draw)
+        self.interval = 0.5 if state.rt.world <= 8 else 1.0
+        self._key: tuple[int, int] = (-1, -1)  # (metric version, rate samples) last sent
+        self._last = 0.0
+        self._rate_sent = 0  # transfer samples sent to the live chart
+        self._rate_t0: float | None = None
+        if live_chart.AVAILABLE:
+            self.box.children = (self._new_chart("throughput"),)
+
+    def put(self, now: float) -> int:
+        """Bring the charts up to date if there is anything new and they were not
+        updated in the last :attr:`interval` seconds; returns the messages sent."""
+        st = self.state
+        key = (st.history.version, st.throughput.samples)
+        if key == self._key or now - self._last < self.interval:
+            return 0
+        self._key = key
+        self._last = now
+        if live_chart.AVAILABLE:
+            return self._append_charts()
+        return put(self.charts, value=chart_pane.charts_html(st))
+
+    def _new_chart(self, chart_id: str) -> live_chart.LiveChart:
+        """A live chart: ``throughput`` (transfer rates) or ``metric:NAME``."""
+        if chart_id == "throughput":
+            per_rank = self.state.throughput.per_rank_bytes
+            chart = live_chart.LiveChart(
+                self._rate_snapshot,
+                chart_id=chart_id,
+                title="transfer" + ("" if per_rank else " (mesh total)"),
+                x_label="s",
+                unit="B/s",
+            )
+        else:
+            name = chart_id.split(":", 1)[1]
+            chart = live_chart.LiveChart(
+                lambda: self._metric_snapshot(name),
+                chart_id=chart_id,
+                title=name,
+                x_label="step",
+            )
+        self.live_charts[chart_id] = chart
+        return chart
+
+    def _append_charts(self) -> int:
+        """Send each live chart the points that arrived since the last update (one
+        message per chart that has new points); new metrics get a chart."""
+        st = self.state
+        sent = 0
+        new = [n for n in st.metrics if f"metric:{n}" not in self.live_charts]
+        if new:
+            added = tuple(self._new_chart(f"metric:{n}") for n in new)
+            self.box.children = (*self.box.children, *added)
+            sent += 1
+        for name, per_rank in list(st.metrics.items()):
+            batch: list[live_chart.Points] = []
+            for rank, series in sorted(per_rank.items()):
+                start, xs, ys = series.take_fresh()
+                if xs:
+                    key = f"r{rank}"
+                    batch.append({"key": key, "label": key, "start": start, "x": xs, "y": ys})
+            if batch:
+                self.live_charts[f"metric:{name}"].append(batch)
+                sent += 1
+        rates = self._rate_points(self._rate_sent)
+        self._rate_sent = st.throughput.samples
+        if rates:
+            self.live_charts["throughput"].append(rates)
+            sent += 1
+        hint = "" if st.metrics else chart_pane.metrics_hint()
+        return sent + put(self.charts, value=hint)
+
+    def _metric_snapshot(self, name: str) -> list[live_chart.Points]:
+        """Every kept point of metric ``name`` (a chart view that just opened)."""
+        with self._lock:
+            out: list[live_chart.Points] = []
+            for rank, series in sorted(self.state.metrics.get(name, {}).items()):
+                xs, ys = series.arrays()
+                key = f"r{rank}"
+                out.append(
+                    {"key": key, "label": key, "start": 0, "count": series.count, "x": xs, "y": ys}
+                )
+            return out
+
+    def _rate_snapshot(self) -> list[live_chart.Points]:
+        """Every kept transfer sample (a chart view that just opened)."""
+        with self._lock:
+            return self._rate_points(0, reset=True)
+
+    def _rate_points(self, since: int, reset: bool = False) -> list[live_chart.Points]:
+        """Transfer rates (bytes/s) of samples ``since`` on (sample numbers count from
+        the first): per rank in and out, or the mesh totals."""
+        tp = self.state.throughput
+        hist = list(tp.history)
+        first = tp.samples - len(hist)  # sample number of hist[0]
+        start = max(since, first)
+        rows = hist[start - first :]
+        if not rows:
+            return []
+        if self._rate_t0 is None:
+            self._rate_t0 = rows[0].time
+        xs = [row.time - self._rate_t0 for row in rows]
+        out: list[live_chart.Points] = []
+
+        def add(key: str, group: str, ys: list[float]) -> None:
+            points: live_chart.Points = {
+                "key": key,
+                "label": key,
+                "group": group,
+                "dash": group == "out",
+                "start": start,
+                "x": xs,
+                "y": ys,
+            }
+            if reset:
+                points["count"] = tp.samples
+            out.append(points)
+
+        for idx, direction in ((0, "in"), (1, "out")):
+            if tp.per_rank_bytes:
+                for r in range(self.state.rt.world):
+                    ys = [row.per_rank[r][idx] if r in row.per_rank else 0.0 for row in rows]
+                    add(f"r{r} {direction}", direction, ys)
+            else:
+                add(direction, direction, [row.total[idx] for row in rows])
+        return out
