@@ -20,6 +20,7 @@ from netns import COMMAND, Joiner, agent_env, netns_hosts_fixture
 
 from monarch_kernel.actor import Actor, endpoint, host_mesh
 from monarch_kernel.calls.errors import MeshStartError, MonarchError
+from monarch_kernel.wire.kinds import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.cluster
 
@@ -396,7 +397,7 @@ def test_tokens_are_single_use_and_checked(net):
     forged = "0-" + "0" * 32 + "-" + token0.rsplit("-", 1)[1]
     ctx = zmq.Context()
 
-    def ask(token: str) -> dict[str, object]:
+    def ask(token: str, protocol: int | None = PROTOCOL_VERSION) -> dict[str, object]:
         s = ctx.socket(zmq.DEALER)
         public, secret = zmq.curve_keypair()
         s.setsockopt(zmq.CURVE_SERVERKEY, server)
@@ -404,7 +405,8 @@ def test_tokens_are_single_use_and_checked(net):
         s.setsockopt(zmq.CURVE_SECRETKEY, secret)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(url)
-        s.send(token.encode())
+        request = token if protocol is None else json.dumps({"token": token, "protocol": protocol})
+        s.send(request.encode())
         try:
             return s.recv_json() if s.poll(5000) else {"timeout": True}  # type: ignore[return-value]
         finally:
@@ -412,10 +414,16 @@ def test_tokens_are_single_use_and_checked(net):
 
     try:
         assert "error" in ask(forged)
+        # another version's host agent: refused before its (valid) token is used up
+        other = ask(token0, protocol=PROTOCOL_VERSION + 1)
+        assert "speaks protocol 2, the controller 1" in str(other["error"])
+        assert other["protocol"] == PROTOCOL_VERSION
+        assert "speaks protocol 0" in str(ask(token0, protocol=None)["error"])  # a bare token
         first = ask(token0)
+        assert first["protocol"] == PROTOCOL_VERSION
         assert first["cfg"]["host"] == 0 and first["cfg"]["key"] == "ab" * 32  # type: ignore[index]
         assert "used already" in str(ask(token0)["error"])
-        assert launcher.refused == 2
+        assert launcher.refused == 4
         assert "1/2 hosts joined" in "\n".join(lines)
         why = launcher.describe_missing("t", [0, 1])
         assert "host 0 joined from 10.77." in why and "never connected to tcp://x:1" in why

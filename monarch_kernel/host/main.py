@@ -16,6 +16,7 @@ import zmq.utils.z85
 
 from monarch_kernel.host.config import AgentConfig
 from monarch_kernel.host.netinfo import source_address
+from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.osutil import die_with_parent
 
 
@@ -40,7 +41,7 @@ def join(url: str, token: str, timeout: float = 30.0) -> dict[str, Any]:
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
     sock.connect(url)
-    sock.send(token.encode())
+    sock.send(json.dumps({"token": token, "protocol": K.PROTOCOL_VERSION}).encode())
     try:
         if not sock.poll(int(timeout * 1000)):
             sys.exit(
@@ -52,6 +53,12 @@ def join(url: str, token: str, timeout: float = 30.0) -> dict[str, Any]:
         sock.close(0)
     if "error" in reply:
         sys.exit(f"monarch host: the controller at {url} refused to join: {reply['error']}")
+    if reply.get("protocol") != K.PROTOCOL_VERSION:
+        sys.exit(
+            f"monarch host: the controller at {url} speaks protocol {reply.get('protocol')}, "
+            f"this host agent {K.PROTOCOL_VERSION}: install the same monarch_kernel version "
+            "on every machine"
+        )
     cfg: dict[str, Any] = reply["cfg"]
     cfg.setdefault("advertise", advertise)
     return cfg

@@ -41,6 +41,7 @@ from monarch_kernel.launchers.base import (
     curve_server,
     zap,
 )
+from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.netaddr import is_loopback, route_source
 from monarch_kernel.wire.ports import bind_port
 
@@ -325,7 +326,19 @@ class JoinLauncher:
         except (zmq.ZMQError, ValueError):
             return
         peer = str(frame.get("Peer-Address") or "?")
-        reply, line = self._admit(bytes(frame.bytes).decode(errors="replace"), peer)
+        token, protocol = _join_request(bytes(frame.bytes))
+        if protocol != K.PROTOCOL_VERSION:  # refused before the token is looked at
+            with self._lock:
+                self.refused += 1
+            reply: dict[str, object] = {
+                "error": f"this host agent speaks protocol {protocol}, the controller "
+                f"{K.PROTOCOL_VERSION}: install the same monarch_kernel version on every "
+                "machine"
+            }
+            line = None
+        else:
+            reply, line = self._admit(token, peer)
+        reply["protocol"] = K.PROTOCOL_VERSION
         with contextlib.suppress(zmq.ZMQError):
             sock.send_multipart([ident.bytes, json.dumps(reply).encode()])
         if line:
@@ -381,3 +394,17 @@ class JoinLauncher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(1)
+
+
+def _join_request(raw: bytes) -> tuple[str, int]:
+    """``(token, protocol)`` of a join request: ``{"token": ..., "protocol": N}``; a bare
+    token (a host agent from before the protocol had a version) is protocol 0."""
+    text = raw.decode(errors="replace")
+    try:
+        req = json.loads(text)
+    except ValueError:
+        return text, 0
+    if not isinstance(req, dict):
+        return text, 0
+    protocol = req.get("protocol", 0)
+    return str(req.get("token", "")), protocol if isinstance(protocol, int) else 0

@@ -333,3 +333,9 @@ FAULT = "fault"
 INPUT = "input"
 RESUMED = "resumed"  # the rank's debugger let it run on (header "why")
 STATS = "stats"  # once a second from each rank: memory and data-plane byte counters
+
+#: The version of this protocol (the kinds and keys above, and the join handshake). A
+#: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
+#: endpoint answers with its own and refuses a different one, so that machines with
+#: another monarch_kernel version fail at once with a clear error, not on a key later.
+PROTOCOL_VERSION = 1
