@@ -571,8 +571,16 @@ def test_dashboard_again_and_stop_button(kernel):
         lambda: all(kernel.tile_state("s", i) == "stopped" for i in range(4)), what="stopped"
     )
     assert kernel.button("s", "Interrupt")[1]["disabled"]
-    r = kernel.run("%mesh")
-    assert re.search(r"s\s+hosts=2 × gpus=2\s+local\s+0/4\s+stopped", r.text), r.text
+    # Each rank's tile turns "stopped" as its end is told; the mesh itself is "stopped"
+    # once its sockets are closed, a moment later ("stopping" until then).
+    listed = re.compile(r"s\s+hosts=2 × gpus=2\s+local\s+0/4\s+stopped")
+    wait_until(
+        lambda: listed.search(kernel.run("%mesh").text),
+        timeout=15,
+        interval=0.2,
+        what="%mesh lists mesh s as stopped",
+        detail=lambda: kernel.run("%mesh").text,
+    )
 
 
 # -- without a kernel: the model and the charts -----------------------------------------

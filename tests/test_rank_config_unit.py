@@ -72,16 +72,6 @@ def test_mesh_name_falls_back_to_the_run_id():
     assert RankConfig.build(SPEC, COMMON, AGENT).mesh_name == "trainers"
 
 
-def test_transitional_mapping_access():
-    """actor/ reads ``cfg["key"]`` and ``cfg.get(...)`` until it uses named fields."""
-    cfg = RankConfig.build(SPEC, dict(COMMON, mesh=""), AGENT)
-    assert cfg["key"] == cfg.key
-    assert cfg.get("mesh", cfg.get("run_id", "mesh")) == "run1"
-    assert cfg.get("world_size", 0) == 4 and cfg.get("nope", 5) == 5
-    with pytest.raises(KeyError):
-        cfg["nope"]
-
-
 def test_torchrun_env():
     env = torchrun_env(RankConfig.build(SPEC, COMMON, dict(AGENT, ifname="eth0")))
     assert env["RANK"] == "3" and env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == "4"

@@ -25,6 +25,7 @@ from monarch_kernel.wire import dumps
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.peer_address import PeerAddress
+from monarch_kernel.wire.reports import AskRequest
 
 log = logging.getLogger("monarch_kernel.actor")
 R = TypeVar("R")
@@ -136,7 +137,7 @@ def get_or_spawn_controller(name: str, cls: type, *args: Any, **kwargs: Any) -> 
         c.codec(svc.key)  # the controller answers with this mesh's key
         one = One(rank_waiter())
         rid = c.expect(one, 0)
-        req = {"op": "get_or_spawn_controller", "id": rid, "rt": c.reply.encode(), "call": call}
+        req = AskRequest(op="get_or_spawn_controller", id=rid, rt=c.reply.encode(), call=call)
         svc.send(H.RankNotice(kind=K.ASK, rank=svc.rank).encode(), pickle.dumps(req))
         return one.future
     from monarch_kernel.actor.hosts import controller_singleton

@@ -28,7 +28,7 @@ from monarch_kernel.launchers import get_launcher
 from monarch_kernel.rank.supervise import MeshFailure
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import loads
-from monarch_kernel.wire.reports import FailureReport
+from monarch_kernel.wire.reports import AskRequest, FailureReport
 
 log = logging.getLogger("monarch_kernel.actor")
 
@@ -320,7 +320,7 @@ def controller_singleton(
         return mesh
 
 
-def _ask_get_or_spawn(asker: AskingMesh, req: dict[str, Any]) -> ActorMesh:
+def _ask_get_or_spawn(asker: AskingMesh, req: AskRequest) -> ActorMesh:
     """A rank's ``get_or_spawn_controller``, run in the controller: the actor mesh
     (pickled back to the rank as a live reference)."""
     name, cls, args, kwargs = loads(req["call"], (), "get_or_spawn_controller arguments")

@@ -33,6 +33,7 @@ from monarch_kernel.shape import Shape
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header
+from monarch_kernel.wire.reports import StopRequest
 
 
 def rank_waiter() -> Waiter | None:
@@ -108,10 +109,11 @@ class PeerRequester:
         c.codec(svc.key)  # the controller answers with our mesh's key
         one = One(rank_waiter())
         rid = c.expect(one, 0)
-        req = {"mesh": self._ref.mesh, "key": self._ref.key, "grace": grace}
-        req["rt"] = c.reply.encode()
+        req = StopRequest(
+            mesh=self._ref.mesh, key=self._ref.key, grace=grace, rt=c.reply.encode(), id=rid
+        )
         notice = H.RankNotice(kind=K.STOP_MESH, rank=svc.rank)
-        svc.send(notice.encode(), pickle.dumps(dict(req, id=rid)))
+        svc.send(notice.encode(), pickle.dumps(req))
         return then(one.future, lambda _: None)
 
     def spawn_owner(self) -> H.Owner | None:

@@ -12,7 +12,7 @@ import hmac
 import logging
 import pickle
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypedDict
+from typing import Protocol
 
 import zmq
 
@@ -20,6 +20,7 @@ from monarch_kernel.wire import Codec, dumps, peer_address
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header
 from monarch_kernel.wire.peer_address import PeerAddress
+from monarch_kernel.wire.reports import AskRequest, StopRequest
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -41,23 +42,13 @@ class StoppableMesh(AskingMesh, Protocol):
     def stop(self, timeout: float = ..., grace: float = ...) -> None: ...
 
 
-class StopRequest(TypedDict, total=False):
-    """The payload of ``stop_mesh`` (see ``wire.kinds``); a rank may leave keys out."""
-
-    mesh: str  #: the process mesh to stop
-    key: str  #: its key, hex: only a holder of a reference may stop it
-    grace: float
-    rt: list[str]  #: the asking rank's reply socket (``PeerAddress.encode``)
-    id: str  #: the request id to answer
-
-
 #: ``op -> handler(requester mesh, request) -> result`` for ``ask`` messages, registered
 #: by the actor layer (the controller never imports it). The request is the ask's
 #: payload: ``{"op", "rt", "id"}`` and the operation's own keys.
-ASK_HANDLERS: dict[str, Callable[[AskingMesh, dict[str, Any]], object]] = {}
+ASK_HANDLERS: dict[str, Callable[[AskingMesh, AskRequest], object]] = {}
 
 
-def answer_ask(requester: AskingMesh, rank: int, req: dict[str, Any]) -> None:
+def answer_ask(requester: AskingMesh, rank: int, req: AskRequest) -> None:
     """Run the asked operation and answer the rank's reply socket."""
     handler = ASK_HANDLERS.get(str(req.get("op")))
     buffers: Sequence[Buffer] = ()

@@ -13,7 +13,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import zmq
 
@@ -22,7 +22,6 @@ from monarch_kernel.controller.asks import (
     ASK_HANDLERS,
     AskingMesh,
     StoppableMesh,
-    StopRequest,
     answer_ask,
     stop_for_rank,
 )
@@ -44,7 +43,7 @@ from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Header
 from monarch_kernel.wire.headers import Owner
 from monarch_kernel.wire.peer_address import PeerAddress
-from monarch_kernel.wire.reports import FailureReport, RankStats
+from monarch_kernel.wire.reports import AskRequest, FailureReport, RankStats, StopRequest
 
 __all__ = ["ASK_HANDLERS", "NO_DEBUGGER", "NO_READER", "Inbound", "RankFacingMesh"]
 
@@ -244,7 +243,7 @@ class Inbound:
     def _on_ask(self, h: Header, msg: Message) -> None:
         """An operation of the actor API asked by a rank (see ``ASK_HANDLERS``); on a
         thread of its own, as it may start a mesh."""
-        req: dict[str, Any] = pickle.loads(msg.payload)
+        req: AskRequest = pickle.loads(msg.payload)
         threading.Thread(
             target=answer_ask, args=(self._mesh, h["r"], req), name="mk-ask", daemon=True
         ).start()

@@ -281,7 +281,8 @@ class Restarter:
         port = self.new_port(0)
         addr = self._hosts[0].addr
         backend = self.recipe.pg_backend
-        self._starter.common["master_port"] = port  # ranks restarted later use it too
+        if self._starter.common is not None:  # ranks restarted later use it too
+            self._starter.common["master_port"] = port
         code = (
             "from monarch_kernel.rank.distributed import reform_process_group as _mk_reform\n"
             f"_mk_reform({addr!r}, {port}, {backend!r})\n"

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import zmq
 
@@ -28,7 +28,7 @@ from monarch_kernel.controller.transport import Transport
 from monarch_kernel.launchers.base import HostConfig, Launcher
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import kinds as K
-from monarch_kernel.wire.codec import Header
+from monarch_kernel.wire.headers import MeshCommon, RankSpec, SpawnRanks
 
 #: Seconds a host agent waits for a silent controller before it shuts down.
 AGENT_SILENCE_TIMEOUT = 10.0
@@ -83,7 +83,7 @@ class Starter:
         self._death_text = death_text
         #: The ``common`` part of every ``spawn_ranks`` message (torchrun environment,
         #: the rendezvous of rank 0's host ...); set once the host agents are ready.
-        self.common: Header = {}
+        self.common: MeshCommon | None = None
 
     def start(self, deadline: float) -> None:
         """Start every host agent, then every rank; return when all ranks are ready.
@@ -172,7 +172,7 @@ class Starter:
         for r in ranks:
             r.death, r.pid = None, None
             self._requests.set_state(r, RankState.STARTING)
-            spec: dict[str, Any] = {  # a header field (see wire.kinds: spawn_ranks)
+            spec: RankSpec = {  # a header field (see wire.kinds: spawn_ranks)
                 "rank": r.rank,
                 "local_rank": r.local_rank,
                 "coords": list(r.coords),
@@ -187,8 +187,9 @@ class Starter:
                     spec["peer_port"] = r.peer.tcp_port
             specs.append(spec)
         if specs:
+            assert self.common is not None  # set once the host agents are ready
             self._transport.send_host(
-                ranks[0].host, {"k": K.SPAWN_RANKS, "ranks": specs, "common": self.common}
+                ranks[0].host, SpawnRanks(ranks=specs, common=self.common).encode()
             )
 
     def wait(

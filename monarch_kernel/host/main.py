@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
 
 import zmq
 import zmq.utils.z85
@@ -17,10 +16,11 @@ import zmq.utils.z85
 from monarch_kernel.host.config import AgentConfig
 from monarch_kernel.host.netinfo import source_address
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.jsontypes import JsonObject
 from monarch_kernel.wire.osutil import die_with_parent
 
 
-def join(url: str, token: str, timeout: float = 30.0) -> dict[str, Any]:
+def join(url: str, token: str, timeout: float = 30.0) -> JsonObject:
     """Fetch this host's configuration from the controller's join endpoint ``url`` with
     single-use ``token`` (``HOST-SECRET-SERVERKEY``) over CURVE (the server key is in
     the token; our keypair is throw-away). Exits with a message naming the address on
@@ -59,7 +59,7 @@ def join(url: str, token: str, timeout: float = 30.0) -> dict[str, Any]:
             f"this host agent {K.PROTOCOL_VERSION}: install the same monarch_kernel version "
             "on every machine"
         )
-    cfg: dict[str, Any] = reply["cfg"]
+    cfg: JsonObject = reply["cfg"]
     cfg.setdefault("advertise", advertise)
     return cfg
 
@@ -87,14 +87,14 @@ def _parse_args(argv: list[str]) -> tuple[str | None, str | None]:
     return opts.join, opts.token
 
 
-def _read_config() -> dict[str, Any]:
+def _read_config() -> JsonObject:
     """The launcher's configuration: ``$MONARCH_KERNEL_HOST_CONFIG`` or a line of stdin."""
     raw = os.environ.pop("MONARCH_KERNEL_HOST_CONFIG", None)
     if raw is None:
         raw = sys.stdin.readline()
         if not raw.strip():
             sys.exit(0)  # the launcher went away before configuring us
-    cfg: dict[str, Any] = json.loads(raw)
+    cfg: JsonObject = json.loads(raw)
     return cfg
 
 

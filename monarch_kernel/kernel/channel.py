@@ -15,6 +15,8 @@ import uuid
 from collections import deque
 from typing import Any
 
+from monarch_kernel.wire.jsontypes import JsonObject, MimeBundle
+
 
 def current_kernel() -> Any:
     """The running ipykernel kernel, or None (plain Python / terminal IPython)."""
@@ -33,7 +35,7 @@ class CellChannel:
         self.kernel = kernel if kernel is not None else current_kernel()
         self.parent = self.kernel.get_parent("shell") if self.kernel is not None else None
 
-    def _send(self, msg_type: str, content: dict[str, Any]) -> None:
+    def _send(self, msg_type: str, content: JsonObject) -> None:
         k = self.kernel
         k.session.send(
             k.iopub_socket, msg_type, content, parent=self.parent, ident=k._topic(msg_type)
@@ -46,13 +48,13 @@ class CellChannel:
         self._send("stream", {"name": name, "text": text})
 
     def display(
-        self, data: dict[str, Any], display_id: str | None = None, update: bool = False
+        self, data: MimeBundle, display_id: str | None = None, update: bool = False
     ) -> None:
         if self.kernel is None:
             if not update:
                 print(data.get("text/plain", ""))
             return
-        content: dict[str, Any] = {"data": data, "metadata": {}}
+        content: JsonObject = {"data": data, "metadata": {}}
         if display_id:
             content["transient"] = {"display_id": display_id}
         self._send("update_display_data" if update else "display_data", content)
@@ -83,7 +85,7 @@ class LiveText:
         self._timer: threading.Timer | None = None
         self.channel.display(self._data(), self.display_id)
 
-    def _data(self) -> dict[str, Any]:
+    def _data(self) -> MimeBundle:
         head = [self.title] if self.title else []
         if self.dropped:
             where = f" (all output: {self.logs})" if self.logs else ""

@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol, TypedDict
 
 from monarch_kernel.actor import ProcMesh
 from monarch_kernel.controller.events import MeshPhaseChanged, RankDied, RankStateChanged
 from monarch_kernel.controller.mesh import MeshRuntime, registry
 from monarch_kernel.controller.records import RankState
+from monarch_kernel.wire.jsontypes import JsonObject
 
 log = logging.getLogger("monarch_kernel.lab")
 
@@ -32,14 +33,54 @@ PERIOD = 1.0
 WAKING = (RankStateChanged, RankDied, MeshPhaseChanged)
 
 
+class LabRank(TypedDict):
+    rank: int
+    state: str  #: a ``RankState`` value
+
+
+class LabHost(TypedDict):
+    index: int
+    name: str
+    ranks: list[LabRank]
+
+
+class LabMesh(TypedDict):
+    """One mesh as the sidebar shows it (see docs/architecture.md, the extension's comm)."""
+
+    name: str
+    shape: str
+    backend: str
+    phase: str
+    world: int
+    alive: int
+    dead: int
+    rate: int  #: the mesh's control-plane bytes/s
+    hosts: list[LabHost]
+
+
+class LabState(TypedDict):
+    """A ``kernel -> extension`` comm message."""
+
+    meshes: list[LabMesh]
+    notice: str
+
+
+class Comm(Protocol):
+    """What is used of an ipykernel comm (untyped there)."""
+
+    comm_id: str
+
+    def send(self, data: LabState) -> None: ...
+
+
 class LabPublisher:
     """Pushes every mesh's state to the comms the JupyterLab extension opened."""
 
     def __init__(self) -> None:
-        self._comms: dict[str, Any] = {}
+        self._comms: dict[str, Comm] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._last: dict[str, Any] | None = None
+        self._last: LabState | None = None
         self._counters: dict[str, tuple[float, int]] = {}  # mesh -> (time, bytes)
         self._rates: dict[str, float] = {}
         self._watched: set[str] = set()  # runtimes (by id) whose events wake us
@@ -62,7 +103,7 @@ class LabPublisher:
     def wake(self) -> None:
         self._wake.set()
 
-    def _on_msg(self, msg: dict[str, Any]) -> None:
+    def _on_msg(self, msg: JsonObject) -> None:
         data = msg.get("content", {}).get("data", {})
         action, name = data.get("action"), data.get("mesh")
         rt = registry.get(str(name))
@@ -111,14 +152,14 @@ class LabPublisher:
             comms = list(self._comms.values())
         if not comms:
             return
-        state = {"meshes": [self._mesh(rt) for rt in registry.live()], "notice": self._notice}
+        state = LabState(meshes=[self._mesh(rt) for rt in registry.live()], notice=self._notice)
         if state == self._last:
             return
         self._last = state
         for comm in comms:
             comm.send(state)
 
-    def _mesh(self, rt: MeshRuntime) -> dict[str, Any]:
+    def _mesh(self, rt: MeshRuntime) -> LabMesh:
         if str(id(rt)) not in self._watched:  # state changes wake the sender
             self._watched.add(str(id(rt)))
             rt.events.subscribe(lambda _ev: self._wake.set(), *WAKING)
@@ -128,9 +169,9 @@ class LabPublisher:
         self._counters[rt.name] = (now, total)
         if prev is not None and now > prev[0]:
             self._rates[rt.name] = max(0, total - prev[1]) / (now - prev[0])
-        hosts: dict[int, list[dict[str, Any]]] = {}
+        hosts: dict[int, list[LabRank]] = {}
         for info in rt.ranks:
-            hosts.setdefault(info.host, []).append({"rank": info.rank, "state": info.state.value})
+            hosts.setdefault(info.host, []).append(LabRank(rank=info.rank, state=info.state.value))
         return {
             "name": rt.name,
             "shape": rt.shape.describe(),
@@ -141,7 +182,7 @@ class LabPublisher:
             "dead": sum(1 for i in rt.ranks if i.state is RankState.DEAD),
             "rate": round(self._rates.get(rt.name, 0.0)),
             "hosts": [
-                {"index": h, "name": rt.hosts[h].hostname or f"host {h}", "ranks": ranks}
+                LabHost(index=h, name=rt.hosts[h].hostname or f"host {h}", ranks=ranks)
                 for h, ranks in sorted(hosts.items())
             ],
         }

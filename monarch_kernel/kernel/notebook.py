@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, cast
 
+from monarch_kernel.rank.context import UserNamespace
+
 
 class Notebook:
     """The IPython shell the magics are registered with, seen as the notebook.
@@ -24,9 +26,9 @@ class Notebook:
         self._prompt_runs: tuple[int, int] = (0, 0)
 
     @property
-    def user_ns(self) -> dict[str, Any]:
+    def user_ns(self) -> UserNamespace:
         """The notebook's namespace (read when asked: IPython may replace it)."""
-        return cast(dict[str, Any], self.shell.user_ns)
+        return cast(UserNamespace, self.shell.user_ns)
 
     @property
     def hidden(self) -> Mapping[str, object]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import reprlib
-from typing import Any
 
 from IPython.core.error import UsageError
 
@@ -11,9 +10,10 @@ from monarch_kernel.actor import ValueMesh
 from monarch_kernel.calls.errors import ActorError
 from monarch_kernel.kernel.args import split_args
 from monarch_kernel.kernel.targets import resolve
+from monarch_kernel.rank.context import UserNamespace
 
 
-def push(ns: dict[str, Any], line: str) -> None:
+def push(ns: UserNamespace, line: str) -> None:
     """``%push NAME lr=1e-4 cfg``: set names in every rank's namespace, each an
     expression or a variable of the notebook's namespace ``ns``."""
     tokens = split_args(line)
@@ -27,7 +27,7 @@ def push(ns: dict[str, Any], line: str) -> None:
     print(f"pushed to {tokens[0]} ({len(procs)} ranks): {what}")
 
 
-def _values(ns: dict[str, Any], tokens: list[str]) -> dict[str, object]:
+def _values(ns: UserNamespace, tokens: list[str]) -> dict[str, object]:
     """``name=expression`` and ``name`` tokens, evaluated in ``ns``."""
     values = {}
     for tok in tokens:
@@ -43,7 +43,7 @@ def _values(ns: dict[str, Any], tokens: list[str]) -> dict[str, object]:
     return values
 
 
-def pull(ns: dict[str, Any], line: str) -> ValueMesh | dict[str, ValueMesh]:
+def pull(ns: UserNamespace, line: str) -> ValueMesh | dict[str, ValueMesh]:
     """``%pull NAME x [y]``: read names from every rank's namespace -> ValueMesh (a dict
     of them for several names)."""
     tokens = split_args(line)

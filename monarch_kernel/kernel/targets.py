@@ -8,13 +8,13 @@ Every way this can go wrong is a one-line ``UsageError`` that says what to do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from IPython.core.error import UsageError
 
 from monarch_kernel.actor import ActorMesh, ProcMesh
 from monarch_kernel.actor.meshes import procs_of
 from monarch_kernel.controller.mesh import registry
+from monarch_kernel.rank.context import UserNamespace
 from monarch_kernel.shape import Shape, SliceError, parse_ranks
 
 
@@ -31,7 +31,7 @@ def stopped_error(name: str) -> UsageError:
     return UsageError(f"mesh {name!r} is stopped; create it again with %mesh {name} --gpus N")
 
 
-def resolve(ns: dict[str, Any], target: str) -> ProcMesh:
+def resolve(ns: UserNamespace, target: str) -> ProcMesh:
     """``NAME`` or an expression such as ``NAME.slice(gpus=0)``, evaluated in the
     notebook's namespace ``ns`` -> a ProcMesh view (an actor mesh gives its procs)."""
     if target.isidentifier() and target not in ns:

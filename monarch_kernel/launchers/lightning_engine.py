@@ -126,7 +126,7 @@ def find_credentials(environ: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
-def machine_types(sdk: LightningSDK) -> dict[str, Any]:
+def machine_types(sdk: LightningSDK) -> dict[str, object]:
     """The machine types the installed SDK knows, by name (``H100_X_8`` ...)."""
     cls = sdk.Machine
     return {k: v for k, v in vars(cls).items() if isinstance(v, cls)}

@@ -60,7 +60,7 @@ class ActorHost:
         self.outbox = outbox
         self.main = main
         self.user = user
-        self.actors: dict[str, Any] = {}
+        self.actors: dict[str, object] = {}
         #: actor name -> its owner: an actor spawned by an actor of some rank (shared
         #: with the outbox, which sends such an actor's failures to its owner)
         self.owners = owners
@@ -103,16 +103,13 @@ class ActorHost:
     def tell_peer_actor(
         self,
         name: str,
-        spawn: H.SpawnActor | H.WireHeader | None,
+        spawn: H.SpawnActor | None,
         payload: bytes | memoryview = b"",
         buffers: Sequence[Buffer] = (),
     ) -> None:
         """Tell the controller that a rank-to-rank message spawned actor ``name`` here
         (``spawn``: that message's header, with its payload and buffers) or stopped it
-        (``spawn`` None): it re-creates on a restart what it knows of. (``spawn`` may
-        still be the wire dict: actor/peer_client.py passes it so.)"""
-        if isinstance(spawn, dict):
-            spawn = H.SpawnActor.decode(spawn)
+        (``spawn`` None): it re-creates on a restart what it knows of."""
         owner = spawn.owner if spawn is not None else None
         header = H.PeerActor(rank=self.rank, actor=name, spawned=spawn is not None, owner=owner)
         self.outbox.send(header.encode(), bytes(payload), buffers)

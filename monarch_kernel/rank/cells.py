@@ -14,6 +14,7 @@ from typing import Any
 
 from monarch_kernel.rank import capture
 from monarch_kernel.rank.actors import UserCode
+from monarch_kernel.rank.context import UserNamespace
 from monarch_kernel.rank.debugger import RankDebugger
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.wire import Message, loads
@@ -46,7 +47,7 @@ class Cells:
     """The handlers of ``exec`` (a ``%%remote`` cell) and ``debug`` (post-mortem pdb)."""
 
     def __init__(
-        self, namespace: dict[str, Any], debugger: RankDebugger, user: UserCode, outbox: Outbox
+        self, namespace: UserNamespace, debugger: RankDebugger, user: UserCode, outbox: Outbox
     ):
         self.namespace = namespace
         self.debugger = debugger

@@ -10,9 +10,11 @@ the CURVE keys). :meth:`RankConfig.build` merges the three, :meth:`to_json` and
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from monarch_kernel.wire.jsontypes import JsonObject
 
 #: Keys the host agent passes on to its ranks from its own configuration when set.
 CURVE_FIELDS = ("curve_server", "curve_public", "curve_secret")
@@ -98,29 +100,13 @@ class RankConfig:
         values.setdefault("hostname", socket.gethostname())
         return cls(**values)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The flat dict form (JSON-encodable); ``from_json`` gives this record back."""
         out = asdict(self)
         for name in ("coords", "labels", "sizes", "sys_path"):
             out[name] = list(out[name])
         out["env"] = dict(self.env)
         return out
-
-    # Transitional: actor/ still reads ``rt.cfg["key"]`` and ``rt.cfg.get("mesh", ...)``
-    # (until it moves to named fields through ``rank.context.services()``).
-    def __getitem__(self, name: str) -> Any:
-        """Deprecated mapping access: ``cfg["key"]`` is ``cfg.key``."""
-        if name not in _NAMES:
-            raise KeyError(name)
-        return getattr(self, name)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        """Deprecated mapping access: the field ``name`` if it is set (not empty), else
-        ``default`` (as the dict this record replaced, which lacked unset keys)."""
-        if name not in _NAMES:
-            return default
-        value = getattr(self, name)
-        return value if value not in ("", None) else default
 
 
 def _str_tuple(value: Any) -> tuple[str, ...]:
@@ -136,7 +122,8 @@ def _env(value: Any) -> dict[str, str]:
 
 
 _NAMES = frozenset(f.name for f in fields(RankConfig))
-_CONVERT: dict[str, Any] = {f.name: str for f in fields(RankConfig)}
+#: field -> what turns its JSON value into the field's type
+_CONVERT: dict[str, Callable[[Any], object]] = {f.name: str for f in fields(RankConfig)}
 _CONVERT.update(
     rank=int,
     local_rank=int,

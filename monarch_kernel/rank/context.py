@@ -7,7 +7,7 @@ mesh of size 1 and :func:`report` does nothing.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from monarch_kernel.shape import Point, Shape
 
@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from monarch_kernel.wire.codec import Buffer, Header
     from monarch_kernel.wire.headers import Owner, SpawnActor
     from monarch_kernel.wire.peer_address import PeerAddress
+
+#: A namespace user code runs in: a rank's cell namespace, the notebook's ``user_ns``.
+UserNamespace: TypeAlias = dict[str, Any]
 
 
 class RankServices(Protocol):
@@ -34,11 +37,6 @@ class RankServices(Protocol):
         ...
 
     @property
-    def cfg(self) -> RankConfig:
-        """Transitional name of :attr:`config` (actor/ reads ``rt.cfg["key"]``)."""
-        ...
-
-    @property
     def key(self) -> str:
         """The mesh's signing key, hex."""
         ...
@@ -49,7 +47,7 @@ class RankServices(Protocol):
         ...
 
     @property
-    def actors(self) -> dict[str, Any]:
+    def actors(self) -> dict[str, object]:
         """This rank's actors by name."""
         ...
 
@@ -73,7 +71,7 @@ class RankServices(Protocol):
     def tell_peer_actor(
         self,
         name: str,
-        spawn: SpawnActor | dict[str, Any] | None,
+        spawn: SpawnActor | None,
         payload: bytes | memoryview = b"",
         buffers: Sequence[Buffer] = (),
     ) -> None:
@@ -143,7 +141,7 @@ def in_rank() -> bool:
     return _runtime is not None
 
 
-def report(metrics: dict[str, Any]) -> None:
+def report(metrics: Mapping[str, float]) -> None:
     """Send numbers to the dashboard (nothing outside a rank)."""
     runtime = services()
     if runtime is not None:

@@ -13,11 +13,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import zmq
 
 from monarch_kernel.rank import context
+from monarch_kernel.rank.context import UserNamespace
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Codec, Message, WireError, loads
@@ -62,7 +63,7 @@ class ControlThread:
         codec: Codec,
         outbox: Outbox,
         main: MainThread,
-        namespace: dict[str, Any],
+        namespace: UserNamespace,
         debugger: FailureKeeper,
         stdin: InputAnswers,
     ):

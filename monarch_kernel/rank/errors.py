@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Mapping
 from types import TracebackType
-from typing import Any
 
 from monarch_kernel.wire.reports import FailureReport, SourceLine
 
@@ -24,7 +24,7 @@ def _user_tb(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
-def describe_tensors(frame_locals: dict[str, Any], limit: int = 12) -> list[str]:
+def describe_tensors(frame_locals: Mapping[str, object], limit: int = 12) -> list[str]:
     """``name: shape (2, 3) float32 on cpu`` for each tensor/array local of a frame."""
     torch = sys.modules.get("torch")
     np = sys.modules.get("numpy")

@@ -29,6 +29,7 @@ from monarch_kernel.rank import capture, context
 from monarch_kernel.rank.actors import ActorHost, ResponsePort
 from monarch_kernel.rank.cells import Cells
 from monarch_kernel.rank.config import RankConfig
+from monarch_kernel.rank.context import UserNamespace
 from monarch_kernel.rank.control import ControlThread
 from monarch_kernel.rank.debugger import RankDebugger
 from monarch_kernel.rank.inbox import Inbox, bind_peer, connect, dealer
@@ -81,7 +82,7 @@ class Rank:
         )  # fmt: skip
         self.outbox.machine = self.peer.machine
         self.inbox = Inbox(cfg, inbox, self.codec, self.main, self.outbox, log_fd)
-        self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+        self.namespace: UserNamespace = {"__name__": "__main__", "__builtins__": __builtins__}
         point = Point(dict(zip(cfg.labels, cfg.coords)), self.rank)
         context.install(point, dict(zip(cfg.labels, cfg.sizes)), self)
         self.stdin = InputBridge(self)
@@ -106,11 +107,6 @@ class Rank:
         )  # fmt: skip
 
     # -- RankServices ------------------------------------------------------------------
-    @property
-    def cfg(self) -> RankConfig:
-        """The configuration (transitional name: ``config``)."""
-        return self.config
-
     @property
     def key(self) -> str:
         """The mesh's signing key, hex."""
@@ -142,7 +138,7 @@ class Rank:
     def tell_peer_actor(
         self,
         name: str,
-        spawn: H.SpawnActor | H.WireHeader | None,
+        spawn: H.SpawnActor | None,
         payload: bytes | memoryview = b"",
         buffers: Sequence[Buffer] = (),
     ) -> None:

@@ -45,6 +45,7 @@ from monarch_kernel.widgets.snapshot import snapshot_html, snapshot_text
 from monarch_kernel.widgets.state import MeshState
 from monarch_kernel.widgets.tile_grid import TileGrid
 from monarch_kernel.widgets.views import TileView
+from monarch_kernel.wire.jsontypes import MimeBundle
 
 if TYPE_CHECKING:
     from monarch_kernel.controller.mesh import MeshRuntime
@@ -144,8 +145,8 @@ class Dashboard(W.VBox):
         ]
 
     # -- display -------------------------------------------------------------------
-    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any] | None:
-        data: dict[str, Any] | None = super()._repr_mimebundle_(**kwargs)
+    def _repr_mimebundle_(self, **kwargs: Any) -> MimeBundle | None:
+        data: MimeBundle | None = super()._repr_mimebundle_(**kwargs)
         if data is None:
             return None
         html, text = self.snapshot()

@@ -12,6 +12,8 @@ from typing import Any
 
 import ipywidgets as W
 
+from monarch_kernel.wire.jsontypes import MimeBundle
+
 
 def prefer_frontend_subshell(widget: W.Widget) -> None:
     """Let the frontend's choice of subshell stand for messages to ``widget``.
@@ -43,7 +45,7 @@ class Display:
         except Exception:  # not in a kernel: nothing to refresh
             self.kernel = None
 
-    def update(self, data: dict[str, Any]) -> None:
+    def update(self, data: MimeBundle) -> None:
         k = self.kernel
         if k is None:
             return

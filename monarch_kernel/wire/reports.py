@@ -3,8 +3,9 @@
 A :class:`FailureReport` is what a rank sends (pickled, in a ``res`` message with
 ``ok=0`` or in a ``fault`` message) when user code raised; ``rank`` and ``host`` are
 filled in by whoever knows them. :class:`RankStats` is the once-a-second ``stats``
-payload. Both are plain dicts on the wire (cheap to pickle, nothing to import on the
-other side); these ``TypedDict`` s say which keys they carry.
+payload. :class:`AskRequest` and :class:`StopRequest` are what a rank asks of its
+controller (``ask``, ``stop_mesh``). All are plain dicts on the wire (cheap to pickle,
+nothing to import on the other side); these ``TypedDict`` s say which keys they carry.
 """
 
 from __future__ import annotations
@@ -49,3 +50,23 @@ class RankStats(TypedDict, total=False):
     bytes_out: int  #: data-plane bytes sent
     time: float  #: ``time.time()`` on the rank
     pg: str  #: backend of the last torch process group initialised on the rank, if any
+
+
+class AskRequest(TypedDict):
+    """The payload of ``ask``: an operation of the actor API a rank asks of its
+    controller (``get_or_spawn_controller``)."""
+
+    op: str  #: which operation (a key of ``controller.asks.ASK_HANDLERS``)
+    id: str  #: the request id to answer
+    rt: list[str]  #: the asking rank's reply socket (``PeerAddress.encode``)
+    call: bytes  #: the operation's arguments, pickled
+
+
+class StopRequest(TypedDict, total=False):
+    """The payload of ``stop_mesh`` (see ``wire.kinds``); a rank may leave keys out."""
+
+    mesh: str  #: the process mesh to stop
+    key: str  #: its key, hex: only a holder of a reference may stop it
+    grace: float
+    rt: list[str]  #: the asking rank's reply socket (``PeerAddress.encode``)
+    id: str  #: the request id to answer

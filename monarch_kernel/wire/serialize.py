@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
@@ -153,7 +153,7 @@ def loads(
         raise SerializationError(f"{_describe(what)} cannot be unpickled here: {exc!r}") from exc
 
 
-def find_unpicklable(values: dict[str, Any], what: str) -> None:
+def find_unpicklable(values: Mapping[str, object], what: str) -> None:
     """Raise SerializationError naming the first entry of ``values`` that cannot be pickled."""
     for name, value in values.items():
         dumps(value, f"{name} of {what}")

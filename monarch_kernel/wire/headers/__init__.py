@@ -45,9 +45,11 @@ from monarch_kernel.wire.headers.host import (
     Heartbeat,
     HostReady,
     KillRanks,
+    MeshCommon,
     NewPort,
     Port,
     RankExit,
+    RankSpec,
     RankStarted,
     SignalRanks,
     SpawnRanks,
@@ -171,6 +173,8 @@ def encode(header: AnyHeader) -> WireHeader:
 
 
 __all__ = [
+    "MeshCommon",
+    "RankSpec",
     "AnyHeader",
     "CODEC_KEYS",
     "Call",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, TypedDict
 
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.headers.base import (
@@ -16,6 +16,35 @@ from monarch_kernel.wire.headers.base import (
 # -- controller <-> host agent ------------------------------------------------------
 
 
+class RankSpec(TypedDict, total=False):
+    """One rank of a ``spawn_ranks`` message (fields of ``rank.config.RankConfig``); the
+    CURVE keys only where peers of other machines may call it."""
+
+    rank: int
+    local_rank: int
+    coords: list[int]
+    host: int
+    restart_count: int
+    peer_secret: str  #: the CURVE secret of its TCP peer socket
+    peer_port: int  #: the port it listened on before a restart
+
+
+class MeshCommon(TypedDict):
+    """The part of ``spawn_ranks`` that every rank of the mesh shares."""
+
+    labels: list[str]
+    sizes: list[int]
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    run_id: str
+    mesh: str
+    env: dict[str, str]
+    sys_path: list[str]
+    cwd: str
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SpawnRanks:
     """``spawn_ranks``: fork one rank per spec of ``ranks``, each merged over
@@ -24,8 +53,8 @@ class SpawnRanks:
     KIND: ClassVar[str] = K.SPAWN_RANKS
     KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"ranks", "common"}
 
-    ranks: list[WireHeader]
-    common: WireHeader
+    ranks: list[RankSpec]
+    common: MeshCommon
 
     def encode(self) -> WireHeader:
         return {"k": K.SPAWN_RANKS, "ranks": self.ranks, "common": self.common}
