@@ -13,7 +13,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import zmq
 
@@ -35,13 +35,13 @@ from monarch_kernel.controller.events import (
     StatsReported,
     StreamOutput,
 )
-from monarch_kernel.controller.records import HostInfo, MeshRecipe, RankInfo, RankState
+from monarch_kernel.controller.records import HostInfo, MeshRecipe, RankEnd, RankInfo, RankState
 from monarch_kernel.controller.requests import RequestTable
 from monarch_kernel.controller.transport import Transport
 from monarch_kernel.wire import Codec, Message, WireError
+from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Header
-from monarch_kernel.wire.headers import Owner
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import AskRequest, FailureReport, RankStats, StopRequest
 
@@ -53,6 +53,17 @@ log = logging.getLogger("monarch_kernel.controller")
 PARTIAL_MAX = 4096
 
 Handler = Callable[[Header, Message], None]
+T = TypeVar("T")
+
+
+def typed(decode: Callable[[Header], T], handler: Callable[[T, Message], None]) -> Handler:
+    """A handler of the wire header that hands ``handler`` its typed form."""
+
+    def handle(h: Header, msg: Message) -> None:
+        handler(decode(h), msg)
+
+    return handle
+
 
 #: Why a rank's ``input()`` gets no line when nobody waits to answer it.
 NO_READER = (
@@ -92,7 +103,7 @@ class Inbound:
         events: EventBus,
         recipe: MeshRecipe,
         notify: Callable[[], None],
-        rank_died: Callable[[RankInfo, Header], None],
+        rank_died: Callable[[RankInfo, RankEnd], None],
         port_received: Callable[[str, int], None],
         find_mesh: Callable[[str], StoppableMesh | None],
     ):
@@ -113,24 +124,25 @@ class Inbound:
         self._rank_died = rank_died
         self._port_received = port_received
         self._find_mesh = find_mesh
+        #: kind -> handler of the message with its typed header (``wire.headers``)
         self._handlers: dict[str, Handler] = {
-            K.RESULT: self._on_result,
-            K.STREAM: self._on_stream,
-            K.METRIC: self._on_metric,
-            K.STATS: self._on_stats,
-            K.FAULT: self._on_fault,
-            K.OWNED: self._on_owned,
-            K.PEER_ACTOR: self._on_peer_actor,
-            K.STOP_MESH: self._on_stop_mesh,
-            K.ASK: self._on_ask,
-            K.READY: self._on_ready,
-            K.RANK_STARTED: self._on_rank_started,
-            K.RANK_EXIT: self._on_rank_exit,
-            K.HEARTBEAT: self._on_heartbeat,
-            K.HOST_READY: self._on_host_ready,
-            K.PORT: self._on_port,
-            K.INPUT: self._on_input,
-            K.RESUMED: self._on_resumed,
+            K.RESULT: typed(H.Result.decode, self._on_result),
+            K.STREAM: typed(H.Stream.decode, self._on_stream),
+            K.METRIC: typed(H.Metric.decode, self._on_metric),
+            K.STATS: typed(H.RankNotice.decode, self._on_stats),
+            K.FAULT: typed(H.RankNotice.decode, self._on_fault),
+            K.OWNED: typed(H.Owned.decode, self._on_owned),
+            K.PEER_ACTOR: typed(H.PeerActor.decode, self._on_peer_actor),
+            K.STOP_MESH: typed(H.RankNotice.decode, self._on_stop_mesh),
+            K.ASK: typed(H.RankNotice.decode, self._on_ask),
+            K.READY: typed(H.Ready.decode, self._on_ready),
+            K.RANK_STARTED: typed(H.RankStarted.decode, self._on_rank_started),
+            K.RANK_EXIT: typed(H.RankExit.decode, self._on_rank_exit),
+            K.HEARTBEAT: typed(H.Heartbeat.decode, self._on_heartbeat),
+            K.HOST_READY: typed(H.HostReady.decode, self._on_host_ready),
+            K.PORT: typed(H.Port.decode, self._on_port),
+            K.INPUT: typed(H.Input.decode, self._on_input),
+            K.RESUMED: typed(H.Resumed.decode, self._on_resumed),
         }
 
     def handle(self, frames: list[zmq.Frame]) -> None:
@@ -159,7 +171,10 @@ class Inbound:
         if handler is None:
             log.warning("mesh %s: unknown message kind %r", self._name, h["k"])
             return
-        handler(h, msg)
+        try:
+            handler(h, msg)
+        except H.HeaderError as exc:  # signed by a sender of ours: another version?
+            log.warning("mesh %s dropped a message: %s", self._name, exc)
 
     def _from_host(self, host: int, rank: object, claimed: object) -> bool:
         """Whether the header's sender rank and host (where present) are on ``host``."""
@@ -170,11 +185,12 @@ class Inbound:
         return claimed is None or claimed == host
 
     # -- requests ------------------------------------------------------------------------
-    def _on_result(self, h: Header, msg: Message) -> None:
-        self._requests.on_result(h["r"], h["i"], msg)
+    def _on_result(self, h: H.Result, msg: Message) -> None:
+        if h.rank is not None and h.request is not None:
+            self._requests.on_result(h.rank, h.request, msg)
 
-    def _on_stream(self, h: Header, msg: Message) -> None:
-        rank, name = h["r"], h["n"]
+    def _on_stream(self, h: H.Stream, msg: Message) -> None:
+        rank, name = h.rank, h.name
         text = bytes(msg.payload).decode("utf-8", "replace")
         info = self._ranks[rank]
         # Keep whole lines for the death report and the dashboard.
@@ -184,43 +200,43 @@ class Inbound:
         info.partial[name] = rest[-PARTIAL_MAX:]
         events = self._events
         if events.wants(StreamOutput):
-            events.emit(StreamOutput(self._name, rank, h.get("i"), name, text))
+            events.emit(StreamOutput(self._name, rank, h.request, name, text))
 
-    def _on_metric(self, h: Header, msg: Message) -> None:
+    def _on_metric(self, h: H.Metric, msg: Message) -> None:
         events = self._events
         if events.wants(MetricReported):
             values: dict[str, float] = pickle.loads(msg.payload)
-            events.emit(MetricReported(self._name, h["r"], h.get("i"), values, time.time()))
+            events.emit(MetricReported(self._name, h.rank, h.request, values, time.time()))
 
-    def _on_stats(self, h: Header, msg: Message) -> None:
+    def _on_stats(self, h: H.RankNotice, msg: Message) -> None:
         stats: RankStats = pickle.loads(msg.payload)
-        info = self._ranks[h["r"]]
+        info = self._ranks[h.rank]
         info.stats = stats
         info.last_seen = time.monotonic()
         if "pg" in stats:
             self._recipe.pg_backend = stats["pg"]
         events = self._events
         if events.wants(StatsReported):
-            events.emit(StatsReported(self._name, h["r"], stats, time.time()))
+            events.emit(StatsReported(self._name, h.rank, stats, time.time()))
 
-    def _on_fault(self, h: Header, msg: Message) -> None:
+    def _on_fault(self, h: H.RankNotice, msg: Message) -> None:
         report: FailureReport = pickle.loads(msg.payload)
-        report["rank"] = h["r"]
-        self._events.emit(FaultReported(self._name, h["r"], report))
+        report["rank"] = h.rank
+        self._events.emit(FaultReported(self._name, h.rank, report))
 
-    def _on_owned(self, h: Header, msg: Message) -> None:
-        owner = Owner.decode(pickle.loads(msg.payload))  # its wire form, pickled
+    def _on_owned(self, h: H.Owned, msg: Message) -> None:
+        owner = H.Owner.decode(pickle.loads(msg.payload))  # its wire form, pickled
         if owner is not None:
-            self._ranks[h["r"]].owners[str(h["a"])] = owner
+            self._ranks[h.rank].owners[h.actor] = owner
 
-    def _on_peer_actor(self, h: Header, msg: Message) -> None:
+    def _on_peer_actor(self, h: H.PeerActor, msg: Message) -> None:
         """A rank spawned (or stopped) an actor on rank ``r`` directly: remember it
         (forget it) so that a restart of ``r`` re-creates it (see ``wire.kinds``)."""
-        recipe, rank, name = self._recipe, int(h["r"]), str(h["a"])
-        if not h.get("x"):
+        recipe, rank, name = self._recipe, h.rank, h.actor
+        if not h.spawned:
             recipe.forget_actor(name, [rank])
             return
-        owner = Owner.decode(h)
+        owner = h.owner
         payload = bytes(msg.payload)
         buffers = tuple(bytes(b) for b in msg.buffers)  # the frames are not kept
         spec = recipe.actors.get(name)
@@ -233,35 +249,35 @@ class Inbound:
             ranks |= spec.ranks  # the same spawn, reported by another of its ranks
         recipe.remember_actor(ActorSpec(name, payload, buffers, ranks, owner))
 
-    def _on_stop_mesh(self, h: Header, msg: Message) -> None:
+    def _on_stop_mesh(self, h: H.RankNotice, msg: Message) -> None:
         """A rank holding a reference to a mesh stops it (on a thread of its own: a
         stop waits for the ranks to exit, and this is the receiving thread)."""
         req: StopRequest = pickle.loads(msg.payload)
-        args = (self._mesh, h["r"], req, self._find_mesh)
+        args = (self._mesh, h.rank, req, self._find_mesh)
         threading.Thread(target=stop_for_rank, args=args, name="mk-stop", daemon=True).start()
 
-    def _on_ask(self, h: Header, msg: Message) -> None:
+    def _on_ask(self, h: H.RankNotice, msg: Message) -> None:
         """An operation of the actor API asked by a rank (see ``ASK_HANDLERS``); on a
         thread of its own, as it may start a mesh."""
         req: AskRequest = pickle.loads(msg.payload)
         threading.Thread(
-            target=answer_ask, args=(self._mesh, h["r"], req), name="mk-ask", daemon=True
+            target=answer_ask, args=(self._mesh, h.rank, req), name="mk-ask", daemon=True
         ).start()
 
-    def _on_input(self, h: Header, msg: Message) -> None:
+    def _on_input(self, h: H.Input, msg: Message) -> None:
         events = self._events
-        debug = bool(h.get("dbg"))
+        debug = h.debugger
         event = InputRequested(
             self._name,
-            h["r"],
-            h.get("i"),
-            h["n"],
-            str(h.get("p", "")),
-            bool(h.get("pw")),
+            h.rank,
+            h.request,
+            h.serial,
+            h.prompt,
+            h.password,
             debug,
             bytes(msg.payload).decode("utf-8", "replace") if debug else "",
-            str(h.get("at", "")) if debug else "",
-            bool(h.get("pm")),
+            (h.where or "") if debug else "",
+            bool(h.post_mortem),
         )
         if debug and events.wants(DebuggerPaused):
             events.emit(DebuggerPaused(self._name, event.rank, event.request, event.where))
@@ -271,15 +287,15 @@ class Inbound:
             why = NO_DEBUGGER if debug else NO_READER
             self._mesh.answer_input(event.rank, event.serial, error=why)
 
-    def _on_resumed(self, h: Header, msg: Message) -> None:
+    def _on_resumed(self, h: H.Resumed, msg: Message) -> None:
         if self._events.wants(DebuggerResumed):
-            why = str(h.get("why", ""))
-            self._events.emit(DebuggerResumed(self._name, h["r"], h.get("i"), h.get("n", 0), why))
+            resumed = DebuggerResumed(self._name, h.rank, h.request, h.serial, h.why)
+            self._events.emit(resumed)
 
     # -- ranks ---------------------------------------------------------------------------
-    def _on_ready(self, h: Header, msg: Message) -> None:
-        info = self._ranks[h["r"]]
-        if h.get("rc", info.restarts) != info.restarts:
+    def _on_ready(self, h: H.Ready, msg: Message) -> None:
+        info = self._ranks[h.rank]
+        if h.restart_count != info.restarts:
             return  # an earlier incarnation, late: the current one is what we wait for
         if info.state is not RankState.STARTING:
             # Declared dead while it started (too late): it must not run unsupervised.
@@ -287,35 +303,37 @@ class Inbound:
             return
         t = self._transport
         t.probe([t.rank_id(info.rank), t.rank_id(info.rank, b"c")])
-        info.pid, info.hostname, info.device = h["pid"], h["host"], h["dev"]
+        info.pid, info.hostname, info.device = h.pid, h.hostname, h.device
         try:
-            info.peer = PeerAddress.decode(h.get("pa"))
+            info.peer = PeerAddress.decode(h.peer)
         except ValueError:  # not from a rank of this version: no peer calls to it
             info.peer = PeerAddress(info.hostname)
         info.last_seen = time.monotonic()
         self._requests.set_state(info, RankState.IDLE)
         self._notify()
 
-    def _on_rank_started(self, h: Header, msg: Message) -> None:
-        self._ranks[h["r"]].pid = h["pid"]
+    def _on_rank_started(self, h: H.RankStarted, msg: Message) -> None:
+        self._ranks[h.rank].pid = h.pid
 
-    def _on_rank_exit(self, h: Header, msg: Message) -> None:
-        info = self._ranks[h["r"]]
-        if info.pid not in (None, h["pid"]) and info.state is not RankState.STARTING:
+    def _on_rank_exit(self, h: H.RankExit, msg: Message) -> None:
+        info = self._ranks[h.rank]
+        if info.pid not in (None, h.pid) and info.state is not RankState.STARTING:
             return  # a stale report about an earlier incarnation
-        self._rank_died(info, h)
+        self._rank_died(info, RankEnd.of_exit(h))
 
     # -- hosts ---------------------------------------------------------------------------
-    def _on_heartbeat(self, h: Header, msg: Message) -> None:
-        self._hosts[h["h"]].last_seen = time.monotonic()
+    def _on_heartbeat(self, h: H.Heartbeat, msg: Message) -> None:
+        if h.host is not None:
+            self._hosts[h.host].last_seen = time.monotonic()
 
-    def _on_port(self, h: Header, msg: Message) -> None:
-        self._port_received(h["i"], h["port"])
+    def _on_port(self, h: H.Port, msg: Message) -> None:
+        if h.request is not None:
+            self._port_received(h.request, h.port)
 
-    def _on_host_ready(self, h: Header, msg: Message) -> None:
-        host = self._hosts[h["h"]]
-        host.pid, host.hostname = h["pid"], h["host"]
-        host.addr, host.port = h["addr"], h["port"]
+    def _on_host_ready(self, h: H.HostReady, msg: Message) -> None:
+        host = self._hosts[h.host]
+        host.pid, host.hostname = h.pid, h.hostname
+        host.addr, host.port = h.addr, h.port
         self._transport.probe([self._transport.host_id(host.index)])
         host.ready = True
         host.last_seen = time.monotonic()

@@ -47,6 +47,7 @@ from monarch_kernel.controller.records import (
     HostInfo,
     MeshPhase,
     MeshRecipe,
+    RankEnd,
     RankInfo,
     RecoveryReport,
     SetupCell,
@@ -478,7 +479,7 @@ class MeshRuntime:
                 host.handle.wait_or_kill(max(0.5, deadline - time.monotonic()))
         for info in self.ranks:  # each rank's end is told, with the requests it fails
             if info.alive:
-                self.supervisor.rank_died(info, {"reason": "the mesh was stopped", "expected": 1})
+                self.supervisor.rank_died(info, RankEnd("the mesh was stopped", expected=True))
         self.requests.fail_all(
             lambda: MeshStoppedError(f"mesh {self.name!r} was stopped while this call was running")
         )

@@ -17,7 +17,7 @@ from enum import Enum
 from monarch_kernel.calls.errors import DeathInfo, format_ranks
 from monarch_kernel.calls.requester import ActorSpec
 from monarch_kernel.launchers.base import HostHandle
-from monarch_kernel.wire.headers import Owner
+from monarch_kernel.wire.headers import Owner, RankExit
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import RankStats
 
@@ -87,6 +87,30 @@ class FailurePolicy(_TextEnum):
     RESTART = "restart"
     STOP = "stop"
     CONTINUE = "continue"
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """Why a rank ended, as supervision is told: its host agent's exit report, or a
+    reason the controller decided (a lost host, a stop, a rank that did not start)."""
+
+    reason: str | None = None
+    expected: bool = False  #: the end was asked for (a stop): the rank is STOPPED
+    pid: int | None = None
+    code: int | None = None  #: exit status (None: killed by a signal)
+    signal: int | None = None
+    tail: tuple[str, ...] | None = None  #: its last output lines, from its host agent's log
+
+    @classmethod
+    def of_exit(cls, report: RankExit) -> RankEnd:
+        """The end a ``rank_exit`` message reports."""
+        return cls(
+            expected=report.expected,
+            pid=report.pid,
+            code=report.code,
+            signal=report.signal,
+            tail=tuple(report.tail),
+        )
 
 
 @dataclass

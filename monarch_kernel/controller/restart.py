@@ -31,6 +31,7 @@ from monarch_kernel.controller.receiver import Receiver
 from monarch_kernel.controller.records import (
     HostInfo,
     MeshRecipe,
+    RankEnd,
     RankInfo,
     RankState,
     RecoveryReport,
@@ -83,7 +84,7 @@ class Restarter:
         receiver: Receiver,
         requests: RequestTable,
         events: EventBus,
-        rank_died: Callable[[RankInfo, Header], None],
+        rank_died: Callable[[RankInfo, RankEnd], None],
     ):
         self._name = name
         self._mesh = mesh
@@ -231,8 +232,8 @@ class Restarter:
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         self._mesh.kill_ranks(late)
         for r in late:
-            report = {"reason": f"did not start: {why}"}
-            self._receiver.post(self._rank_died, self._ranks[r], report)
+            end = RankEnd(reason=f"did not start: {why}")
+            self._receiver.post(self._rank_died, self._ranks[r], end)
         self._receiver.ensure_reader()
 
     # -- the process group ---------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 from monarch_kernel.calls.errors import MeshStoppedError, RankDiedError
@@ -22,12 +23,12 @@ from monarch_kernel.controller.records import (
     DeathInfo,
     FailurePolicy,
     HostInfo,
+    RankEnd,
     RankInfo,
     RankState,
 )
 from monarch_kernel.controller.requests import RequestTable
 from monarch_kernel.controller.transport import Transport
-from monarch_kernel.wire.codec import Header
 
 #: A gap between ticks longer than this (seconds) means the controller itself stalled.
 STALL = 1.5
@@ -112,17 +113,17 @@ class Supervisor:
             self._events.emit(HostLost(self._name, host.index, why))
         for info in self._ranks:
             if info.host == host.index and info.alive:
-                self.rank_died(info, {"reason": f"host agent {host.index} lost: {why}"})
+                self.rank_died(info, RankEnd(reason=f"host agent {host.index} lost: {why}"))
         self._lifecycle.notify()
 
-    def rank_died(self, info: RankInfo, report: Header) -> None:
-        """``info``'s rank ended (``report``: a ``rank_exit`` header or a reason)."""
+    def rank_died(self, info: RankInfo, end: RankEnd) -> None:
+        """``info``'s rank ended (``end``: its exit report, or a reason)."""
         if info.state in GONE:
             return  # told already (a stop and its exit report, say)
         ended = self._lifecycle.phase.ended
-        expected = bool(report.get("expected"))
+        expected = end.expected
         if info.kill_reason and not ended:  # killed by the failure policy
-            report = dict(report, reason=info.kill_reason)
+            end = replace(end, reason=info.kill_reason)
             expected = False
             info.kill_reason = None
         state = RankState.STOPPED if expected or ended else RankState.DEAD
@@ -131,15 +132,14 @@ class Supervisor:
         # The host agent's tail holds what the rank printed in the request it died in
         # (from its log, crash dumps included); without one (a lost host), the last
         # lines the controller saw.
-        host_tail = report.get("tail")
-        tail = tuple(host_tail) if host_tail is not None else tuple(info.tail)[-DEATH_TAIL:]
+        tail = end.tail if end.tail is not None else tuple(info.tail)[-DEATH_TAIL:]
         info.death = DeathInfo(
             rank=info.rank,
             host=host.hostname or f"host {info.host}",
-            pid=report.get("pid", info.pid),
-            code=report.get("code"),
-            signal=report.get("sig"),
-            reason=report.get("reason"),
+            pid=end.pid if end.pid is not None else info.pid,
+            code=end.code,
+            signal=end.signal,
+            reason=end.reason,
             tail=tail,
             time=time.time(),
         )
