@@ -14,7 +14,7 @@ from monarch_kernel.wire.headers.base import (
     maker,
     missing_key,
 )
-from monarch_kernel.wire.headers.ordered import Ordered
+from monarch_kernel.wire.headers.ordered import Ordered, envelope
 
 # -- controller -> rank control thread ----------------------------------------------
 
@@ -40,12 +40,7 @@ class ControlRequest(Ordered):
                 f"{h.get('k')!r} header: unknown key(s) {sorted(h.keys() - cls.KEYS)}"
             )
         return _ControlRequest(
-            h.get("i"),
-            bool(h.get("w")),
-            h.get("q"),
-            bool(h.get("f")),
-            h.get("d"),
-            h.get("rt"),
+            *envelope(h),
             h["k"],
         )
 

@@ -60,6 +60,12 @@ class Ordered:
         return seq
 
 
+def envelope(h: WireHeader) -> tuple[Any, ...]:
+    """The :class:`Ordered` fields of ``h`` in declaration order: the first arguments of
+    every ordered kind's fast constructor (see ``base.maker``)."""
+    return h.get("i"), bool(h.get("w")), h.get("q"), bool(h.get("f")), h.get("d"), h.get("rt")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OtherOrdered(Ordered):
     """An inbox message of an unknown kind, or a malformed one (``error`` says why):
@@ -127,12 +133,7 @@ class SpawnActor(Ordered):
         check_keys(cls, h)
         try:
             return _SpawnActor(
-                h.get("i"),
-                bool(h.get("w")),
-                h.get("q"),
-                bool(h.get("f")),
-                h.get("d"),
-                h.get("rt"),
+                *envelope(h),
                 h["a"],
                 Owner.decode(h) if "oa" in h else None,
             )
@@ -162,12 +163,7 @@ class Call(Ordered):
         check_keys(cls, h)
         try:
             return _Call(
-                h.get("i"),
-                bool(h.get("w")),
-                h.get("q"),
-                bool(h.get("f")),
-                h.get("d"),
-                h.get("rt"),
+                *envelope(h),
                 h["a"],
                 h["m"],
                 h.get("sl"),
@@ -189,7 +185,7 @@ class Exec(Ordered):
     def decode(cls, h: WireHeader) -> Exec:
         check_keys(cls, h)
         return _Exec(
-            h.get("i"), bool(h.get("w")), h.get("q"), bool(h.get("f")), h.get("d"), h.get("rt")
+            *envelope(h),
         )
 
 
@@ -210,12 +206,7 @@ class StopActor(Ordered):
         check_keys(cls, h)
         try:
             return _StopActor(
-                h.get("i"),
-                bool(h.get("w")),
-                h.get("q"),
-                bool(h.get("f")),
-                h.get("d"),
-                h.get("rt"),
+                *envelope(h),
                 h["a"],
             )
         except KeyError as exc:
@@ -241,12 +232,7 @@ class Debug(Ordered):
     def decode(cls, h: WireHeader) -> Debug:
         check_keys(cls, h)
         return _Debug(
-            h.get("i"),
-            bool(h.get("w")),
-            h.get("q"),
-            bool(h.get("f")),
-            h.get("d"),
-            h.get("rt"),
+            *envelope(h),
             bool(h.get("x")),
         )
 
@@ -268,12 +254,7 @@ class Supervise(Ordered):
         check_keys(cls, h)
         try:
             return _Supervise(
-                h.get("i"),
-                bool(h.get("w")),
-                h.get("q"),
-                bool(h.get("f")),
-                h.get("d"),
-                h.get("rt"),
+                *envelope(h),
                 h["on"],
             )
         except KeyError as exc:
@@ -300,12 +281,7 @@ class Hello(Ordered):
     def decode(cls, h: WireHeader) -> Hello:
         check_keys(cls, h)
         return _Hello(
-            h.get("i"),
-            bool(h.get("w")),
-            h.get("q"),
-            bool(h.get("f")),
-            h.get("d"),
-            h.get("rt"),
+            *envelope(h),
             h.get("r"),
         )
 
