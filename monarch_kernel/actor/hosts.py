@@ -17,7 +17,7 @@ from typing import Any
 
 from monarch_kernel.actor.actor import Actor
 from monarch_kernel.actor.channels import tell_owner
-from monarch_kernel.actor.meshes import STOP_GRACE, ActorMesh, ProcMesh, _size
+from monarch_kernel.actor.meshes import STOP_GRACE, ActorMesh, ProcMesh, size_of
 from monarch_kernel.calls.future import Future
 from monarch_kernel.controller.asks import ASK_HANDLERS, AskingMesh
 from monarch_kernel.controller.events import FaultReported, MeshEvent, RankDied
@@ -80,7 +80,7 @@ class HostMesh:
     def size(self, dim: str | Sequence[str] | None = None) -> int:
         """Number of hosts: all of them, or the product of the named dims' sizes (the
         only dim is ``hosts``, on a mesh of more than one host); KeyError for others."""
-        return _size(self.shape, dim)
+        return size_of(self.shape, dim)
 
     # -- process meshes ------------------------------------------------------------------
 

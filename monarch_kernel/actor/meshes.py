@@ -85,7 +85,7 @@ class mesh_attribute(Generic[T]):
         return self._fget(obj)
 
 
-def _size(shape: Shape, dim: str | Sequence[str] | None) -> int:
+def size_of(shape: Shape, dim: str | Sequence[str] | None) -> int:
     """Monarch's ``size()``: all ranks, or the product of the named dims' sizes."""
     if dim is None:
         return len(shape)
@@ -130,7 +130,7 @@ class MeshView:
 
     def size(self, dim: str | Sequence[str] | None = None) -> int:
         """Number of ranks: of the whole mesh, or the product of the named dims' sizes."""
-        return _size(self._shape, dim)
+        return size_of(self._shape, dim)
 
     def ranks(self) -> list[int]:
         """Global ranks of this (sliced) mesh, in row-major order."""
