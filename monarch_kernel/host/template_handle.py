@@ -55,8 +55,13 @@ class Template:
         os.close(cmd_r)
         os.close(ev_w)
         self.buf = b""
+        #: It said ``template_ready`` (its imports are done), or was asked to fork a rank:
+        #: until either, a stop has nothing of its own to end gracefully.
+        self.engaged = False
 
     def command(self, **cmd: Any) -> None:
+        if cmd.get("op") == "fork":
+            self.engaged = True
         os.write(self.cmd_w, (json.dumps(cmd) + "\n").encode())
 
     def events(self) -> list[TemplateEvent]:
@@ -67,12 +72,21 @@ class Template:
         out = []
         while b"\n" in self.buf:
             line, self.buf = self.buf.split(b"\n", 1)
-            out.append(json.loads(line))
+            event: TemplateEvent = json.loads(line)
+            if event.get("e") == "template_ready":
+                self.engaged = True
+            out.append(event)
         return out
 
     def stop(self, grace: float = DEFAULT_GRACE) -> None:
         """Ask the template to stop its ranks (SIGTERM, then SIGKILL after ``grace``
-        seconds) and exit; kill it if it has not exited a while after that."""
+        seconds) and exit; kill it if it has not exited a while after that. One still
+        importing (a pre-warmed agent stopped early) is killed at once: it would read
+        the command only once torch is imported, seconds later, and has no rank yet."""
+        if not self.engaged:
+            self.proc.kill()
+            self.proc.wait()
+            return
         try:
             self.command(op="exit", grace=grace)
         except OSError:
