@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -39,6 +40,7 @@ class Future(Generic[T]):
         "_callbacks",
         "_blocked",
         "_waiter",
+        "_driver",
     )
 
     def __init__(self, finish: Callable[[Any], T] | None = None, waiter: Waiter | None = None):
@@ -54,6 +56,7 @@ class Future(Generic[T]):
         # acquire can then only leak that waiter's own lock.)
         self._blocked: list[Any] | None = None
         self._waiter = waiter
+        self._driver: Generator[Any, None, T] | None = None
 
     # -- completion ----------------------------------------------------------------
     def _complete(self, raw: Any = None, error: BaseException | None = None) -> bool:
@@ -160,9 +163,37 @@ class Future(Generic[T]):
             yield from waiter.__await__()
         return self.get()
 
+    # -- the coroutine protocol: asyncio.run(fut), asyncio.create_task(fut) ---------------
+    # Monarch's async methods (``logging_option``, ...) are coroutines; the futures that
+    # stand for them here can be driven the same way.
+
+    def _step(self, how: Callable[[Generator[Any, None, T]], Any]) -> Any:
+        if self._driver is None:
+            self._driver = self.__await__()
+        try:
+            return how(self._driver)
+        except BaseException:  # done (StopIteration) or failed: the next drive starts anew
+            self._driver = None
+            raise
+
+    def send(self, value: Any) -> Any:
+        """Drive the future as a coroutine (what an event loop's task does)."""
+        return self._step(lambda d: d.send(value))
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        exc = typ if val is None else val
+        return self._step(lambda d: d.throw(exc))
+
+    def close(self) -> None:
+        if self._driver is not None:
+            self._driver.close()
+
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<Future {state}>"
+
+
+collections.abc.Coroutine.register(Future)
 
 
 def then(fut: Future[Any], fn: Callable[[Any], T]) -> Future[T]:
