@@ -293,3 +293,58 @@ class _EnvOf(Actor):
     @endpoint
     def get(self) -> str:
         return os.environ.get("MK_JOB_ENV", "")
+
+
+# -- the failure model ------------------------------------------------------------------
+
+
+class Mortal(Actor):
+    @endpoint
+    def die(self) -> None:
+        os._exit(3)
+
+    @endpoint
+    def ok(self) -> int:
+        return current_rank().rank
+
+
+@pytest.mark.unit
+def test_mesh_failure_prints_as_monarch():
+    from monarch_kernel.actor import MeshFailure
+
+    f = MeshFailure("trainers", "t", 2, {"type": "ValueError", "message": "bad"})
+    assert str(f) == (
+        "MeshFailure(mesh_name=trainers, crashed_ranks=[2], event=Supervision event: "
+        "actor trainers/t[2] failed:\n  ValueError: bad)"
+    )
+    up = MeshFailure("mid", "c", 0, {"type": "ValueError", "message": "x"}, ("mid/c[0]",))
+    assert "The actor mid/c[0] and all its descendants have failed:" in str(up)
+    assert f.crashed_ranks == [2] and "ValueError: bad" in f.report()
+
+
+def test_calls_to_a_dead_actor_raise_supervision_error(monkeypatch):
+    import monarch_kernel.actor as actor_api
+    from monarch_kernel.actor import ActorError, SupervisionError
+
+    hooked: list[object] = []
+    monkeypatch.setattr(actor_api, "unhandled_fault_hook", hooked.append)
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, on_failure="continue")
+    try:
+        m = procs.spawn("mortal", Mortal)
+        with pytest.raises(SupervisionError) as info:
+            m.slice(gpus=1).die.call_one().get(timeout=30)
+        err = info.value
+        assert isinstance(err, ActorError) and isinstance(err, RuntimeError)
+        assert "rank 1" in str(err) and "exit code 3" in str(err)
+        with pytest.raises(SupervisionError, match="rank 1"):
+            m.ok.call().get(timeout=30)  # the whole mesh: rank 1 is gone
+        assert m.slice(gpus=0).ok.call_one().get(timeout=30) == 0  # the rest is usable
+        wait_until(lambda: hooked, timeout=10, what="the fault hook")
+        (failure,) = hooked  # once per failure
+        assert str(failure).startswith("MeshFailure(mesh_name=") and "crashed_ranks=[1]" in str(
+            failure
+        )
+    finally:
+        procs.stop()
+    with pytest.raises(SupervisionError, match="stopped"):
+        m.slice(gpus=0).ok.call_one().get(timeout=30)

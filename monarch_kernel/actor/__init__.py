@@ -45,6 +45,7 @@ from monarch_kernel.calls.errors import (
     MeshStoppedError,
     MonarchError,
     RankDiedError,
+    SupervisionError,
 )
 from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.value_mesh import ValueMesh
@@ -91,6 +92,7 @@ __all__ = [
     "SerializationError",
     "Shape",
     "SliceError",
+    "SupervisionError",
     "ValueMesh",
     "concurrent_endpoint",
     "context",
