@@ -348,3 +348,33 @@ def test_calls_to_a_dead_actor_raise_supervision_error(monkeypatch):
         procs.stop()
     with pytest.raises(SupervisionError, match="stopped"):
         m.slice(gpus=0).ok.call_one().get(timeout=30)
+
+
+# -- small names --------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_small_names_future_from_coro_and_generic_actor_mesh():
+    from monarch_kernel.actor import ActorMesh
+
+    async def add(a: int, b: int) -> int:
+        await asyncio.sleep(0.01)
+        return a + b
+
+    async def boom() -> None:
+        raise KeyError("k")
+
+    assert Future._from_coro(add(2, 3)).get(timeout=10) == 5
+    with pytest.raises(KeyError):
+        Future._from_coro(boom()).get(timeout=10)
+    assert Future._resolved(4).get() == 4
+    assert ActorMesh[Echo] is ActorMesh  # type: ignore[misc]
+
+
+def test_shutdown_context_stops_every_mesh():
+    from monarch_kernel.actor import shutdown_context
+
+    a = this_host().spawn_procs(per_host={"gpus": 1})
+    b = this_host().spawn_procs(per_host={"gpus": 1})
+    assert shutdown_context().get() is None
+    assert a.stopped and b.stopped

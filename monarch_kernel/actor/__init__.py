@@ -54,10 +54,18 @@ from monarch_kernel.shape import Point, Shape, SliceError
 from monarch_kernel.wire.serialize import SerializationError
 
 if TYPE_CHECKING:
-    from monarch_kernel.actor.hosts import HostMesh, host_mesh, hosts_from_config, this_host
+    from monarch_kernel.actor.hosts import (
+        HostMesh,
+        host_mesh,
+        hosts_from_config,
+        shutdown_context,
+        this_host,
+    )
 
 #: Names served by :mod:`monarch_kernel.actor.hosts`, imported when first asked for.
-_FROM_HOSTS = frozenset({"HostMesh", "host_mesh", "hosts_from_config", "this_host"})
+_FROM_HOSTS = frozenset(
+    {"HostMesh", "host_mesh", "hosts_from_config", "shutdown_context", "this_host"}
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -101,6 +109,7 @@ __all__ = [
     "current_size",
     "endpoint",
     "send",
+    "shutdown_context",
     "get_or_spawn_controller",
     "host_mesh",
     "hosts_from_config",

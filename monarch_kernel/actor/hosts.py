@@ -267,6 +267,27 @@ def hosts_from_config(name: str) -> HostMesh:
     return HostMesh(hosts, backend, **spec)
 
 
+def shutdown_context(host_timeout: float | None = None) -> Future[None]:
+    """Stop everything this controller started (Monarch's ``shutdown_context``): every
+    live process mesh (ranks get ``host_timeout`` seconds to exit cleanly, default
+    ``STOP_GRACE``) and the host meshes' launchers. Done when it returns; the future is
+    already complete. The process can start new meshes afterwards."""
+    grace = STOP_GRACE if host_timeout is None else host_timeout
+    errors: list[BaseException] = []
+    for runtime in registry.live():
+        try:
+            runtime.stop(grace=grace)
+        except Exception as exc:  # the others still stop
+            errors.append(exc)
+    with _this_host_lock:
+        host = _this_host
+    if host is not None:
+        host.shutdown(grace)
+    if errors:
+        raise errors[0]
+    return Future._resolved(None)
+
+
 class _Bootstrap(Actor):
     """Runs ``spawn_procs(bootstrap=fn)``'s function on each rank (then is stopped)."""
 
@@ -360,6 +381,7 @@ __all__ = [
     "controller_singleton",
     "host_mesh",
     "hosts_from_config",
+    "shutdown_context",
     "this_host",
     "watch_faults",
 ]

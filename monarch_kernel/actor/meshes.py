@@ -325,6 +325,11 @@ class ActorMesh(MeshView):
     Its endpoints are attributes (``counters.incr``); one named like a mesh attribute
     shadows it (see the module docstring)."""
 
+    def __class_getitem__(cls, item: Any) -> type[ActorMesh]:
+        """``ActorMesh[Counter]`` in annotations evaluated at run time (Monarch's
+        ``ActorMesh`` is generic): the class itself."""
+        return cls
+
     def __init__(self, procs: ProcMesh, name: str, actor_class: type, shape: Shape):
         self._procs = procs
         self._requester = procs._requester

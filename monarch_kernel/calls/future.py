@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
+import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar, cast
 
 T = TypeVar("T")
@@ -163,6 +164,30 @@ class Future(Generic[T]):
             yield from waiter.__await__()
         return self.get()
 
+    # -- Monarch's constructors --------------------------------------------------------
+    @classmethod
+    def _from_coro(cls, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """A future of ``coro``'s result (Monarch's ``Future._from_coro``): the coroutine
+        runs at once on this process's background event loop (a daemon thread)."""
+        fut: Future[T] = cls()
+
+        def done(task: concurrent.futures.Future[T]) -> None:
+            exc = task.exception()
+            if exc is None:
+                fut.set_result(task.result())
+            else:
+                fut.set_exception(exc)
+
+        asyncio.run_coroutine_threadsafe(coro, _background_loop()).add_done_callback(done)
+        return fut
+
+    @classmethod
+    def _resolved(cls, value: T) -> Future[T]:
+        """A future already completed with ``value``."""
+        fut: Future[T] = cls()
+        fut.set_result(value)
+        return fut
+
     # -- the coroutine protocol: asyncio.run(fut), asyncio.create_task(fut) ---------------
     # Monarch's async methods (``logging_option``, ...) are coroutines; the futures that
     # stand for them here can be driven the same way.
@@ -194,6 +219,19 @@ class Future(Generic[T]):
 
 
 collections.abc.Coroutine.register(Future)
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _background_loop() -> asyncio.AbstractEventLoop:
+    """This process's event loop for :meth:`Future._from_coro`, on a daemon thread."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="mk-future-loop", daemon=True).start()
+        return _loop
 
 
 def then(fut: Future[Any], fn: Callable[[Any], T]) -> Future[T]:
