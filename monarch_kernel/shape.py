@@ -7,7 +7,7 @@ that dim; slicing with a Python slice keeps it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 
@@ -15,18 +15,71 @@ class SliceError(ValueError):
     """A slice named a dimension that does not exist or an index out of range."""
 
 
+class Extent(Mapping[str, int]):
+    """The logical shape of a mesh: an ordered mapping ``dim -> size`` (Monarch's
+    ``Extent``), with ``labels``, ``sizes`` and ``nelements``; ``str()`` reads
+    ``{gpus: 4}``."""
+
+    __slots__ = ("labels", "sizes")
+
+    def __init__(self, labels: Sequence[str], sizes: Sequence[int]):
+        self.labels = list(labels)
+        self.sizes = [int(s) for s in sizes]
+        if len(self.labels) != len(self.sizes):
+            raise ValueError("labels and sizes differ in length")
+
+    def __getitem__(self, dim: str) -> int:
+        try:
+            return self.sizes[self.labels.index(dim)]
+        except ValueError:
+            raise KeyError(dim) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.labels)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def nelements(self) -> int:
+        """Number of points (the product of the sizes)."""
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Extent):
+            return self.labels == other.labels and self.sizes == other.sizes
+        return isinstance(other, Mapping) and dict(self.items()) == dict(other)
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.labels), tuple(self.sizes)))
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{k}: {v}" for k, v in zip(self.labels, self.sizes)) + "}"
+
+    def __reduce__(self) -> tuple[type[Extent], tuple[list[str], list[int]]]:
+        return Extent, (self.labels, self.sizes)
+
+
 class Point(Mapping[str, int]):
     """One position in a mesh: a mapping ``dim -> index`` plus ``.rank`` (flat index).
 
     ``.rank`` is the position's flat index within the mesh it belongs to (for
-    :func:`current_rank` that is the whole process mesh, i.e. the global rank).
+    :func:`current_rank` that is the whole process mesh, i.e. the global rank);
+    ``.extent`` the :class:`Extent` of that mesh (when known). ``str()`` is Monarch's
+    ``{'gpus': 3/4}``.
     """
 
-    __slots__ = ("_coords", "rank")
+    __slots__ = ("_coords", "rank", "_sizes")
 
-    def __init__(self, coords: Mapping[str, int], rank: int):
+    def __init__(self, coords: Mapping[str, int], rank: int, sizes: Sequence[int] | None = None):
         self._coords = dict(coords)
         self.rank = rank
+        self._sizes = None if sizes is None else tuple(int(s) for s in sizes)
+        if self._sizes is not None and len(self._sizes) != len(self._coords):
+            raise ValueError("a point needs one size per dimension")
 
     def __getitem__(self, dim: str) -> int:
         return self._coords[dim]
@@ -43,6 +96,15 @@ class Point(Mapping[str, int]):
         except KeyError:
             raise AttributeError(dim) from None
 
+    @property
+    def extent(self) -> Extent:
+        """The extent of the mesh this point belongs to (Monarch's ``Point.extent``)."""
+        if self._sizes is None:
+            if self._coords:
+                raise ValueError(f"the extent of {self!r} is not known")
+            return Extent([], [])
+        return Extent(list(self._coords), self._sizes)
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Point):
             return self._coords == other._coords and self.rank == other.rank
@@ -55,8 +117,16 @@ class Point(Mapping[str, int]):
         inner = ", ".join(f"{k}={v}" for k, v in self._coords.items())
         return f"Point({inner}; rank={self.rank})"
 
-    def __reduce__(self) -> tuple[type[Point], tuple[dict[str, int], int]]:
-        return Point, (self._coords, self.rank)
+    def __str__(self) -> str:
+        if self._sizes is None:
+            return "{" + ", ".join(f"{k!r}: {v}" for k, v in self._coords.items()) + "}"
+        parts = zip(self._coords.items(), self._sizes)
+        return "{" + ", ".join(f"{k!r}: {v}/{n}" for (k, v), n in parts) + "}"
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[Point], tuple[dict[str, int], int, tuple[int, ...] | None]]:
+        return Point, (self._coords, self.rank, self._sizes)
 
 
 class Shape:
@@ -131,7 +201,7 @@ class Shape:
     def points(self) -> list[Point]:
         pts = []
         for i, coords in enumerate(self._coords()):
-            pts.append(Point(dict(zip(self.labels, coords)), i))
+            pts.append(Point(dict(zip(self.labels, coords)), i, self.sizes))
         return pts
 
     def _coords(self) -> list[tuple[int, ...]]:

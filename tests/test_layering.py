@@ -28,9 +28,16 @@ ALLOWED: dict[str, set[str]] = {
     "host": BASE | {"calls", "rank", "host"},
     "launchers": BASE | {"calls", "launchers"},
     "controller": BASE | {"calls", "launchers", "controller"},
-    "actor": BASE | {"calls", "launchers", "controller", "rank", "actor"},
-    "kernel": BASE | {"calls", "launchers", "controller", "rank", "actor", "kernel", "widgets"},
-    "widgets": BASE | {"calls", "launchers", "controller", "rank", "actor", "widgets"},
+    "actor": BASE | {"calls", "launchers", "controller", "rank", "actor", "config"},
+    "kernel": BASE
+    | {"calls", "launchers", "controller", "rank", "actor", "kernel", "widgets", "config"},
+    "widgets": BASE | {"calls", "launchers", "controller", "rank", "actor", "widgets", "config"},
+    # Top-level modules: configuration (imports nothing of the package) and Monarch's
+    # modules beside the actor API (spmd, job, rdma: they sit on it).
+    "config": BASE | {"config"},
+    "spmd": BASE | {"calls", "rank", "actor", "config", "spmd"},
+    "job": BASE | {"calls", "launchers", "controller", "rank", "actor", "config", "job"},
+    "rdma": BASE | {"calls", "rank", "actor", "config", "rdma"},
 }
 
 
@@ -81,7 +88,7 @@ def test_every_layer_is_known():
 #: Modules a rank process may load: everything but the controller's side. A rank that
 #: runs actors and calls other meshes loads ``monarch_kernel.actor``, never ``controller/``
 #: or ``launchers/`` (``actor.hosts``, which starts meshes, is imported on first use only).
-RANK_SIDE_LAYERS = {"shape", "wire", "calls", "rank", "host"}
+RANK_SIDE_LAYERS = {"shape", "wire", "calls", "rank", "host", "config", "spmd", "rdma"}
 RANK_SIDE_ACTOR = {
     "__init__",
     "actor",

@@ -122,3 +122,16 @@ def test_actors_notebook_meshes_passed_supervision_and_r2r():
     assert "manager handled:" in _text(code[5]) and "could not load weights" in _text(code[5])
     assert "unhandled, at the root: [0, 1] RuntimeError" in _text(code[6])
     assert "stopped" in _text(code[7])
+
+
+def test_monarch_programs_notebook_job_actors_supervision_spmd():
+    nb = _execute(nbformat.read(NOTEBOOKS / "07-monarch-programs.ipynb", as_version=4), "monarch")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "{hosts: 2, gpus: 2} ['hosts', 'gpus']" in _text(code[0])
+    assert "[13, 13, 13, 13]" in _text(code[1]) and "14" in _text(code[1])
+    sup = _text(code[2])
+    assert "Failure received: MeshFailure(mesh_name=" in sup and "ValueError: bad batch" in sup
+    assert "SupervisionError: RankDiedError" in sup
+    spmd = _text(code[3])
+    assert "trained 4 ranks" in spmd and "[True, True, True, True]" in spmd
+    assert "job active: False | trainers stopped: True" in _text(code[4])

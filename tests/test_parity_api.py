@@ -81,7 +81,7 @@ def test_ranked_channel_opened_in_a_rank(senders):
 @pytest.mark.unit
 def test_host_mesh_size_sizes_extent():
     one = host_mesh(1)
-    assert (one.size(), len(one), one.sizes, one.extent) == (1, 1, {}, {})
+    assert (one.size(), len(one), one.sizes, dict(one.extent)) == (1, 1, {}, {})
     with pytest.raises(KeyError, match="hosts"):
         one.size("hosts")
     three = HostMesh(3)

@@ -37,6 +37,7 @@ from monarch_kernel.actor.api import (
     unhandled_fault_hook,
 )
 from monarch_kernel.actor.channels import Channel, Port, PortReceiver, RankedPortReceiver
+from monarch_kernel.actor.endpoints import send
 from monarch_kernel.actor.meshes import ActorMesh, EndpointRef, ProcMesh
 from monarch_kernel.calls.errors import (
     ActorError,
@@ -44,6 +45,7 @@ from monarch_kernel.calls.errors import (
     MeshStoppedError,
     MonarchError,
     RankDiedError,
+    SupervisionError,
 )
 from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.value_mesh import ValueMesh
@@ -52,10 +54,18 @@ from monarch_kernel.shape import Point, Shape, SliceError
 from monarch_kernel.wire.serialize import SerializationError
 
 if TYPE_CHECKING:
-    from monarch_kernel.actor.hosts import HostMesh, host_mesh, this_host
+    from monarch_kernel.actor.hosts import (
+        HostMesh,
+        host_mesh,
+        hosts_from_config,
+        shutdown_context,
+        this_host,
+    )
 
 #: Names served by :mod:`monarch_kernel.actor.hosts`, imported when first asked for.
-_FROM_HOSTS = frozenset({"HostMesh", "host_mesh", "this_host"})
+_FROM_HOSTS = frozenset(
+    {"HostMesh", "host_mesh", "hosts_from_config", "shutdown_context", "this_host"}
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -90,6 +100,7 @@ __all__ = [
     "SerializationError",
     "Shape",
     "SliceError",
+    "SupervisionError",
     "ValueMesh",
     "concurrent_endpoint",
     "context",
@@ -97,8 +108,11 @@ __all__ = [
     "current_rank",
     "current_size",
     "endpoint",
+    "send",
+    "shutdown_context",
     "get_or_spawn_controller",
     "host_mesh",
+    "hosts_from_config",
     "this_host",
     "this_proc",
     "unhandled_fault_hook",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,9 +117,10 @@ def unhandled_fault_hook(failure: MeshFailure) -> None:
         import monarch_kernel.actor as actor
         actor.unhandled_fault_hook = my_hook
 
-    The default does nothing more than what is shown already (the failure under the
-    running cell, the dead rank in the mesh's errors); unlike Monarch's, it never ends
-    the controller (a notebook kernel)."""
+    The default prints the failure on stderr (in a notebook: under the running cell)
+    and returns; unlike Monarch's, it never ends the controller (a notebook kernel).
+    It is called once per failure nobody handled."""
+    print(f"unhandled failure: {failure}", file=sys.stderr, flush=True)
 
 
 # -- controllers ------------------------------------------------------------------------

@@ -113,6 +113,51 @@ class EndpointRef:
         return f"<endpoint {self._where} of actor mesh {self._target.name!r}>"
 
 
+def send(
+    endpoint: EndpointRef,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    port: Any = None,
+    selection: str = "all",
+) -> None:
+    """Monarch's ``send``: call ``endpoint`` without waiting, on every actor of its mesh
+    (``selection="all"``) or on one, load-balanced (``"choose"``). Each actor's answer
+    goes to ``port`` (a :class:`~monarch_kernel.actor.channels.Port`: its receiver's
+    ``recv()`` gives the values, and raises an endpoint's exception); without a port
+    answers are dropped and exceptions go to supervision, as under ``broadcast``."""
+    if not isinstance(endpoint, EndpointRef):
+        raise TypeError(f"send() needs an endpoint of an actor mesh, got {endpoint!r}")
+    if selection not in ("all", "choose"):
+        raise ValueError(f"selection must be 'all' or 'choose', got {selection!r}")
+    args = tuple(args)
+    kwargs = dict(kwargs or {})
+    if port is None:
+        if selection == "all":
+            endpoint.broadcast(*args, **kwargs)
+            return
+        ref = endpoint
+        rank = ref._requester.choose(ref._ranks)
+        payload, buffers = ref._payload(args, kwargs)
+        ref._requester.send([rank], ref._header(), payload, buffers)
+        return
+    if not callable(getattr(port, "send", None)) or not callable(getattr(port, "exception", None)):
+        raise TypeError(f"port must be a Port (from Channel.open()), got {port!r}")
+    futures = [endpoint.choose(*args, **kwargs)] if selection == "choose" else None
+    if futures is None:
+        futures = list(endpoint.stream(*args, **kwargs))
+
+    def forward(fut: Future[Any]) -> None:
+        try:
+            value = fut.get()
+        except Exception as exc:
+            port.exception(exc)
+        else:
+            port.send(value)
+
+    for fut in futures:
+        fut.add_done_callback(forward)
+
+
 def slice_header(shape: Shape, whole: Shape | None) -> list[Any] | None:
     """Header value ``sl`` of calls to ``shape`` (None when it is the ``whole`` mesh)."""
     if whole is not None and shape == whole:
@@ -150,4 +195,4 @@ def gather(
     return g.future
 
 
-__all__ = ["ActorTarget", "EndpointRef", "dump_call", "gather", "slice_header"]
+__all__ = ["ActorTarget", "EndpointRef", "dump_call", "gather", "send", "slice_header"]

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from monarch_kernel import config
 from monarch_kernel.actor.actor import Actor
 from monarch_kernel.actor.channels import tell_owner
 from monarch_kernel.actor.meshes import STOP_GRACE, ActorMesh, ProcMesh, size_of
@@ -26,7 +27,7 @@ from monarch_kernel.controller.mesh import MeshRuntime, registry
 from monarch_kernel.controller.records import FailurePolicy, RankState
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.rank.supervise import MeshFailure
-from monarch_kernel.shape import Shape
+from monarch_kernel.shape import Extent, Shape
 from monarch_kernel.wire import loads
 from monarch_kernel.wire.reports import AskRequest, FailureReport
 
@@ -56,6 +57,9 @@ class HostMesh:
         #: ones are dropped at the next spawn.
         self._spawned: list[MeshRuntime] = []
         self._shut_down = False
+        #: Environment every process mesh spawned here gets (``spawn_procs(env=)`` adds
+        #: to it); a ``ProcessJob``'s ``env``.
+        self.default_env: dict[str, str] = {}
 
     # -- shape (Monarch's MeshTrait, read-only) ------------------------------------------
 
@@ -67,8 +71,13 @@ class HostMesh:
         return Shape(("hosts",), (self.hosts,))
 
     @property
-    def extent(self) -> dict[str, int]:
-        return self.shape.extent
+    def extent(self) -> Extent:
+        """``{hosts: H}`` (Monarch's ``Extent``), ``{}`` for one host."""
+        return Extent(self.shape.labels, self.shape.sizes)
+
+    @property
+    def _labels(self) -> list[str]:
+        return list(self.shape.labels)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -90,13 +99,14 @@ class HostMesh:
         *,
         name: str | None = None,
         env: dict[str, str] | None = None,
-        timeout: float = 120.0,
+        timeout: float | None = None,
         on_starting: Callable[[ProcMesh], object] | None = None,
         on_failure: str = "restart",
         grace: float = DEFAULT_GRACE,
         bootstrap: Callable[[], object] | None = None,
     ) -> ProcMesh:
-        """Start ``per_host`` ranks on every host; returns when all are ready.
+        """Start ``per_host`` ranks on every host; returns when all are ready (within
+        ``timeout`` seconds; default the configured ``host_spawn_ready_timeout``, 120 s).
 
         ``per_host={"gpus": 4}`` gives a mesh with dims ``{"gpus": 4}`` on one host, or
         ``{"hosts": H, "gpus": 4}`` on H hosts. ``name`` must not be taken by a live
@@ -117,6 +127,8 @@ class HostMesh:
         A host mesh that was shut down spawns nothing: RuntimeError.
         """
         self._check_open()
+        if timeout is None:
+            timeout = config.seconds(config.get("host_spawn_ready_timeout"))
         per_host = dict(per_host or {"gpus": 1})
         if "hosts" in per_host and self.hosts > 1:
             raise ValueError(
@@ -126,6 +138,7 @@ class HostMesh:
         policy = _failure_policy(on_failure)
         running = sum(m.world for m in registry.live() if m.launcher is self.launcher)
         self.launcher.check_capacity(self.hosts * len(Shape.from_extent(per_host)), running)
+        env = {**self.default_env, **(env or {})} or None
         runtime = self._new_runtime(name, per_host, env, policy, grace)
         procs = ProcMesh(runtime)
         watch_faults(runtime)
@@ -242,6 +255,39 @@ def host_mesh(hosts: int = 1, backend: str = "local", **options: Any) -> HostMes
     return HostMesh(hosts, backend, **options)
 
 
+def hosts_from_config(name: str) -> HostMesh:
+    """The host mesh ``name`` of this project's configuration (Monarch's): what
+    ``monarch_kernel.config.configure(host_meshes={name: {"hosts": N, "backend": B,
+    **launcher_options}})`` says, so that the same program runs on emulated hosts here
+    and on a cluster there; by default two emulated hosts on this machine, as in
+    Monarch."""
+    spec = dict(config.get("host_meshes").get(name) or {"hosts": 2, "backend": "local"})
+    hosts = spec.pop("hosts", 1)
+    backend = spec.pop("backend", "local")
+    return HostMesh(hosts, backend, **spec)
+
+
+def shutdown_context(host_timeout: float | None = None) -> Future[None]:
+    """Stop everything this controller started (Monarch's ``shutdown_context``): every
+    live process mesh (ranks get ``host_timeout`` seconds to exit cleanly, default
+    ``STOP_GRACE``) and the host meshes' launchers. Done when it returns; the future is
+    already complete. The process can start new meshes afterwards."""
+    grace = STOP_GRACE if host_timeout is None else host_timeout
+    errors: list[BaseException] = []
+    for runtime in registry.live():
+        try:
+            runtime.stop(grace=grace)
+        except Exception as exc:  # the others still stop
+            errors.append(exc)
+    with _this_host_lock:
+        host = _this_host
+    if host is not None:
+        host.shutdown(grace)
+    if errors:
+        raise errors[0]
+    return Future._resolved(None)
+
+
 class _Bootstrap(Actor):
     """Runs ``spawn_procs(bootstrap=fn)``'s function on each rank (then is stopped)."""
 
@@ -334,6 +380,8 @@ __all__ = [
     "client_proc",
     "controller_singleton",
     "host_mesh",
+    "hosts_from_config",
+    "shutdown_context",
     "this_host",
     "watch_faults",
 ]

@@ -32,7 +32,7 @@ from monarch_kernel.calls.errors import ActorError
 from monarch_kernel.calls.future import Future, then
 from monarch_kernel.calls.requester import ActorSpec, CallOptions, MeshRef, Requester
 from monarch_kernel.calls.value_mesh import ValueMesh
-from monarch_kernel.shape import Shape, SliceError
+from monarch_kernel.shape import Extent, Shape, SliceError
 from monarch_kernel.wire import dumps
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
@@ -111,9 +111,14 @@ class MeshView:
         return self._shape
 
     @mesh_attribute
-    def extent(self) -> dict[str, int]:
-        """Dimension -> size."""
-        return self._shape.extent
+    def extent(self) -> Extent:
+        """Dimension -> size, in order (Monarch's ``Extent``: ``str()`` is ``{gpus: 4}``)."""
+        return Extent(self._shape.labels, self._shape.sizes)
+
+    @property
+    def _labels(self) -> list[str]:
+        """The dimension names, in order (Monarch's ``MeshTrait._labels``)."""
+        return list(self._shape.labels)
 
     @mesh_attribute
     def sizes(self) -> dict[str, int]:
@@ -186,12 +191,22 @@ class ProcMesh(MeshView):
         stream_to_client: bool = True,
         aggregate_window_sec: int | None = 3,
         level: int = logging.INFO,
-    ) -> None:
+    ) -> Future[None]:
         """Monarch's switch for forwarding rank output to the client. Here rank output
         always streams to the cell that caused it, batched and never aggregated across
-        ranks, so the options are accepted and have no effect."""
+        ranks, so the options are checked and have no effect.
+
+        Monarch's is a coroutine: the completed future returned here can be awaited,
+        given to ``asyncio.run`` or read with ``.get()``."""
         if not isinstance(stream_to_client, bool):
             raise TypeError("stream_to_client must be a bool")
+        if level < 0 or level > 255:
+            raise ValueError(f"Invalid logging level: {level}")
+        if aggregate_window_sec is not None and not stream_to_client:
+            raise ValueError("aggregate_window_sec is only valid when stream_to_client is True")
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Passed to an actor: a live handle there (see monarch_kernel.actor.peer).
@@ -309,6 +324,11 @@ class ActorMesh(MeshView):
 
     Its endpoints are attributes (``counters.incr``); one named like a mesh attribute
     shadows it (see the module docstring)."""
+
+    def __class_getitem__(cls, item: Any) -> type[ActorMesh]:
+        """``ActorMesh[Counter]`` in annotations evaluated at run time (Monarch's
+        ``ActorMesh`` is generic): the class itself."""
+        return cls
 
     def __init__(self, procs: ProcMesh, name: str, actor_class: type, shape: Shape):
         self._procs = procs

@@ -36,25 +36,8 @@ class MonarchError(Exception):
     """Base class of monarch_kernel's errors."""
 
 
-class MeshStoppedError(MonarchError):
-    """The mesh was stopped (or its hosts are gone); spawn a new one."""
-
-
 class MeshStartError(MonarchError):
     """Ranks or host agents could not be started."""
-
-
-class RankDiedError(MonarchError):
-    """A rank a call was waiting on died. Names rank, host, pid, exit code or signal.
-
-    ``death`` holds the details (None when the rank was already gone before the call);
-    ``mesh`` is the mesh's name.
-    """
-
-    def __init__(self, message: str, death: DeathInfo | None = None, mesh: str = ""):
-        super().__init__(message)
-        self.death = death
-        self.mesh = mesh
 
 
 class ActorError(MonarchError):
@@ -83,6 +66,63 @@ class ActorError(MonarchError):
     @property
     def traceback(self) -> str:
         return self.failures[0]["traceback"] if self.failures else ""
+
+
+class SupervisionError(ActorError, RuntimeError):
+    """A call failed because its actor cannot answer any more: the actor, its process or
+    its mesh died or was stopped (Monarch's ``SupervisionError``; also a RuntimeError, as
+    Monarch's is). Its subclasses say which: :class:`RankDiedError` (the process died),
+    :class:`MeshStoppedError` (the mesh was stopped). ``endpoint``: the endpoint called,
+    when known."""
+
+    def __init__(
+        self,
+        message: str,
+        failures: list[FailureReport] | None = None,
+        exception: BaseException | None = None,
+        endpoint: str | None = None,
+    ):
+        if failures is None:
+            failures = [_gone_report(type(self).__name__, message, -1)]
+        super().__init__(message, failures, exception)
+        self.endpoint = endpoint
+
+
+class MeshStoppedError(SupervisionError):
+    """The mesh was stopped (or its hosts are gone); spawn a new one."""
+
+    def __init__(self, message: str, failures: list[FailureReport] | None = None):
+        super().__init__(message, failures)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (str(self), self.failures)
+
+
+class RankDiedError(SupervisionError):
+    """A rank a call was waiting on died. Names rank, host, pid, exit code or signal.
+
+    ``death`` holds the details (None when the rank was already gone before the call);
+    ``mesh`` is the mesh's name.
+    """
+
+    def __init__(self, message: str, death: DeathInfo | None = None, mesh: str = ""):
+        rank = death.rank if death is not None else -1
+        super().__init__(message, [_gone_report("RankDiedError", message, rank)])
+        self.death = death
+        self.mesh = mesh
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (str(self), self.death, self.mesh)
+
+
+def _gone_report(kind: str, message: str, rank: int) -> FailureReport:
+    return {
+        "type": kind,
+        "message": message.split("\n", 1)[0],
+        "traceback": "",
+        "where": "",
+        "rank": rank,
+    }
 
 
 def group_failures(failures: list[FailureReport]) -> list[tuple[FailureReport, list[int]]]:

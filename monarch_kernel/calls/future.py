@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import collections.abc
+import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar, cast
 
 T = TypeVar("T")
@@ -39,6 +41,7 @@ class Future(Generic[T]):
         "_callbacks",
         "_blocked",
         "_waiter",
+        "_driver",
     )
 
     def __init__(self, finish: Callable[[Any], T] | None = None, waiter: Waiter | None = None):
@@ -54,6 +57,7 @@ class Future(Generic[T]):
         # acquire can then only leak that waiter's own lock.)
         self._blocked: list[Any] | None = None
         self._waiter = waiter
+        self._driver: Generator[Any, None, T] | None = None
 
     # -- completion ----------------------------------------------------------------
     def _complete(self, raw: Any = None, error: BaseException | None = None) -> bool:
@@ -160,9 +164,74 @@ class Future(Generic[T]):
             yield from waiter.__await__()
         return self.get()
 
+    # -- Monarch's constructors --------------------------------------------------------
+    @classmethod
+    def _from_coro(cls, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """A future of ``coro``'s result (Monarch's ``Future._from_coro``): the coroutine
+        runs at once on this process's background event loop (a daemon thread)."""
+        fut: Future[T] = cls()
+
+        def done(task: concurrent.futures.Future[T]) -> None:
+            exc = task.exception()
+            if exc is None:
+                fut.set_result(task.result())
+            else:
+                fut.set_exception(exc)
+
+        asyncio.run_coroutine_threadsafe(coro, _background_loop()).add_done_callback(done)
+        return fut
+
+    @classmethod
+    def _resolved(cls, value: T) -> Future[T]:
+        """A future already completed with ``value``."""
+        fut: Future[T] = cls()
+        fut.set_result(value)
+        return fut
+
+    # -- the coroutine protocol: asyncio.run(fut), asyncio.create_task(fut) ---------------
+    # Monarch's async methods (``logging_option``, ...) are coroutines; the futures that
+    # stand for them here can be driven the same way.
+
+    def _step(self, how: Callable[[Generator[Any, None, T]], Any]) -> Any:
+        if self._driver is None:
+            self._driver = self.__await__()
+        try:
+            return how(self._driver)
+        except BaseException:  # done (StopIteration) or failed: the next drive starts anew
+            self._driver = None
+            raise
+
+    def send(self, value: Any) -> Any:
+        """Drive the future as a coroutine (what an event loop's task does)."""
+        return self._step(lambda d: d.send(value))
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        exc = typ if val is None else val
+        return self._step(lambda d: d.throw(exc))
+
+    def close(self) -> None:
+        if self._driver is not None:
+            self._driver.close()
+
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<Future {state}>"
+
+
+collections.abc.Coroutine.register(Future)
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _background_loop() -> asyncio.AbstractEventLoop:
+    """This process's event loop for :meth:`Future._from_coro`, on a daemon thread."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="mk-future-loop", daemon=True).start()
+        return _loop
 
 
 def then(fut: Future[Any], fn: Callable[[Any], T]) -> Future[T]:

@@ -94,6 +94,8 @@ class SallocOptions:
     partition: str | None = None
     time: str | None = None
     account: str | None = None
+    #: further salloc arguments, as given (``--qos=high``, ``--exclusive`` ...)
+    extra: tuple[str, ...] = ()
 
 
 def salloc_argv(mesh: str, hosts: int, gpus: int, options: SallocOptions) -> list[str]:
@@ -115,7 +117,7 @@ def salloc_argv(mesh: str, hosts: int, gpus: int, options: SallocOptions) -> lis
         argv.append(f"--partition={options.partition}")
     if options.account:
         argv.append(f"--account={options.account}")
-    return [*argv, "--no-shell"]
+    return [*argv, *options.extra, "--no-shell"]
 
 
 def _check_cluster(

@@ -79,6 +79,8 @@ class SlurmLauncher(EngineLauncher):
     partition: str | None = None
     time: str | None = None
     account: str | None = None
+    #: further salloc arguments when we allocate (``--qos=high``, ``--mem=64G`` ...)
+    salloc_args: tuple[str, ...] = ()
     name: str = "slurm"
     per_host_tokens: bool = False
 
@@ -93,7 +95,9 @@ class SlurmLauncher(EngineLauncher):
             _check_inside_job(command, job, hosts, env)
             alloc = SlurmAllocation(command, hosts, env, job, salloc=None)
         else:
-            options = SallocOptions(self.partition, self.time, self.account)
+            options = SallocOptions(
+                self.partition, self.time, self.account, tuple(self.salloc_args)
+            )
             salloc = salloc_argv(command.mesh, hosts, configs[0].ranks, options)
             alloc = SlurmAllocation(command, hosts, env, None, salloc)
         alloc.start()

@@ -126,6 +126,9 @@ class Inbox:
         self.deferred: collections.deque[tuple[Message, H.Ordered]] = collections.deque()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._wake: tuple[int, int, zmq.Poller] | None = None  # see serve_until
+        #: Completed by :meth:`pump` when a controller message comes while :meth:`idle`
+        #: runs the event loop for the actors' background tasks.
+        self._idle_stop: asyncio.Future[None] | None = None
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:
@@ -134,7 +137,13 @@ class Inbox:
         deferred = self.deferred
         while True:
             try:
-                self.receive(wire_recv(inbox))
+                loop = self.loop
+                if loop is not None and asyncio.all_tasks(loop):
+                    self.idle(loop)  # background tasks run until a message comes
+                    if not deferred and not int(inbox.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                        continue
+                if not deferred:
+                    self.receive(wire_recv(inbox))
                 while deferred:  # controller messages read while an endpoint awaited
                     self.accept(*deferred.popleft())
             except KeyboardInterrupt:
@@ -309,6 +318,33 @@ class Inbox:
             if self.sock in events:
                 self.pump()
 
+    def idle(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Between messages, run the actors' event loop while tasks they started
+        (``asyncio.create_task`` in an async endpoint) are pending, as Monarch's actors
+        do: until a message from the controller comes (calls from other ranks are served
+        meanwhile by :meth:`pump`) or no task is left."""
+        stop: asyncio.Future[None] = loop.create_future()
+        self._idle_stop = stop
+
+        def check() -> None:
+            if stop.done():
+                return
+            if len(asyncio.all_tasks(loop)) == 0 or self.deferred:
+                stop.set_result(None)
+            else:
+                loop.call_later(IDLE_CHECK, check)
+
+        loop.call_soon(self.pump)  # what came before the loop's reader looked
+        loop.call_soon(check)
+        main = self.main
+        outer = main.in_user_code
+        main.in_user_code = True  # the tasks are user code (interruptible)
+        try:
+            loop.run_until_complete(stop)
+        finally:
+            main.in_user_code = outer
+            self._idle_stop = None
+
     def pump(self) -> None:
         """Serve the inbox while an async endpoint awaits (on the rank's event loop).
 
@@ -324,12 +360,20 @@ class Inbox:
             hdr = H.decode_ordered(msg.header)
             if hdr.seq is not None:
                 self.deferred.append((msg, hdr))
+                stop = self._idle_stop
+                if stop is not None and not stop.done():
+                    stop.set_result(None)
                 continue
             saved = (context.current_request, context.current_actor, context.current_slice)
             try:
                 self.accept(msg, hdr)
             finally:
                 context.current_request, context.current_actor, context.current_slice = saved
+
+
+#: Seconds between looks, while :meth:`Inbox.idle` runs the event loop, at whether
+#: background tasks are left.
+IDLE_CHECK = 0.05
 
 
 async def _as_coroutine(aw: Any) -> Any:

@@ -83,7 +83,7 @@ class Rank:
         self.outbox.machine = self.peer.machine
         self.inbox = Inbox(cfg, inbox, self.codec, self.main, self.outbox, log_fd)
         self.namespace: UserNamespace = {"__name__": "__main__", "__builtins__": __builtins__}
-        point = Point(dict(zip(cfg.labels, cfg.coords)), self.rank)
+        point = Point(dict(zip(cfg.labels, cfg.coords)), self.rank, cfg.sizes)
         context.install(point, dict(zip(cfg.labels, cfg.sizes)), self)
         self.stdin = InputBridge(self)
         self.debugger = RankDebugger(self)

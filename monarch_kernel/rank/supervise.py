@@ -37,11 +37,36 @@ class MeshFailure(Exception):
         self.rank = rank
         self.failure: FailureReport = FailureReport(**failure)  # a copy of its own
         self.path = tuple(path)
-        super().__init__(self.report())
+        super().__init__(self._describe())
 
     @property
     def mesh(self) -> str:
         return self.mesh_name
+
+    @property
+    def crashed_ranks(self) -> list[int]:
+        """The ranks that failed (Monarch's name)."""
+        return [self.rank]
+
+    def _describe(self) -> str:
+        """Monarch's form: ``MeshFailure(mesh_name=..., crashed_ranks=[r], event=...)``;
+        a failure that went up through owners that did not handle it names the last of
+        them "and all its descendants"."""
+        f = self.failure
+        who = f"{self.mesh_name}/{self.actor_name}[{self.rank}]" if self.actor_name else ""
+        what = f"actor {who}" if who else f"rank {self.rank} of mesh {self.mesh_name}"
+        cause = f"{f.get('type', 'Error')}: {f.get('message', '')}"
+        if self.path:
+            event = (
+                f"The actor {self.path[-1]} and all its descendants have failed:\n"
+                f"  {what} failed: {cause}"
+            )
+        else:
+            event = f"Supervision event: {what} failed:\n  {cause}"
+        return (
+            f"MeshFailure(mesh_name={self.mesh_name}, crashed_ranks={self.crashed_ranks}, "
+            f"event={event})"
+        )
 
     def report(self) -> str:
         """The failure in words, with the remote traceback."""
