@@ -22,7 +22,7 @@ def kernel():
 
 def test_mesh_binds_name_and_lists_meshes(kernel):
     r = kernel.run("type(m).__name__, m.extent")
-    assert r.text == "('ProcMesh', {'gpus': 4})"
+    assert r.text == "('ProcMesh', {gpus: 4})"  # Monarch's Extent form
     r = kernel.run("%mesh")
     assert "m" in r.text and "gpus=4" in r.text and "4/4" in r.text
 

@@ -113,7 +113,7 @@ def test_actors_notebook_meshes_passed_supervision_and_r2r():
     assert "call_one   21" in adverbs and "choose     True" in adverbs, adverbs
     assert "stream     [40, 41]" in adverbs and "broadcast  [7, 7]" in adverbs, adverbs
     assert "accumulate 101" in adverbs, adverbs
-    assert "{'gpus': 2} 2 {'all': 2}" in _text(code[2])
+    assert "{gpus: 2} 2 {all: 2}" in _text(code[2])  # Monarch's Extent form
     passed = _text(code[3])
     assert "[20, 21]" in passed and "versions after a step: [1, 1]" in passed, passed
     assert "rank-to-rank tensors: 1000.0" in passed, passed  # 1000 ones, from rank 1
