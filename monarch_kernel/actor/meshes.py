@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
+from monarch_kernel import config
 from monarch_kernel.actor.actor import Actor, endpoints_of
 from monarch_kernel.actor.endpoints import ActorTarget, EndpointRef, dump_call, gather
 from monarch_kernel.actor.peer import attach
@@ -225,7 +226,20 @@ class ProcMesh(MeshView):
         ranks = self._shape.ranks()
         header = H.SpawnActor(actor=name, owner=self._requester.spawn_owner()).encode()
         options = CallOptions(what=f"spawn {name}", waited=True)
-        self._gather(ranks, header, payload, buffers, options).get()
+        constructed = self._gather(ranks, header, payload, buffers, options)
+        limit = config.seconds(config.get("actor_spawn_max_idle"))
+        try:
+            constructed.get(timeout=limit)
+        except TimeoutError:
+            if constructed.done():
+                raise
+            raise TimeoutError(
+                f"spawn of actor {name!r} on mesh {self.name!r}: {actor_class.__name__}"
+                f".__init__ had not returned within {limit:g}s on rank(s) "
+                f"{', '.join(map(str, ranks))} (the rank may still be running it, or "
+                "something before it; a slow constructor needs "
+                "configure(actor_spawn_max_idle=...))"
+            ) from None
         spec = ActorSpec(name, payload, tuple(buffers), frozenset(ranks))
         self._requester.actor_spawned(spec)
         return ActorMesh(self, name, actor_class, self._shape)
