@@ -7,7 +7,7 @@ import time
 
 import pytest
 from helpers import controller_bytes
-from parity_actors import Generator, Trainer
+from parity_actors import AsyncTrainer, Generator, Trainer
 
 from monarch_kernel.actor import ActorError, SliceError, this_host
 from monarch_kernel.actor.meshes import procs_of
@@ -38,10 +38,11 @@ def test_mesh_passed_to_spawn_is_callable_on_the_other_mesh(pair):
     assert one["rank"] == 1 and one["y"] == 40
 
 
-def test_every_adverb_from_a_rank(pair):
+def test_every_adverb_from_a_rank(pair, two_meshes):
     gens, trainers = pair
     t0 = trainers.slice(gpus=0)
-    assert t0.step_async.call_one(2).get() == [20, 20]
+    a0 = two_meshes[1].spawn("async_trainer", AsyncTrainer, gens).slice(gpus=0)
+    assert a0.step_async.call_one(2).get() == [20, 20]
     assert t0.stream.call_one(5).get() == [50, 50]
     assert t0.choose.call_one(6).get() == 60
     assert t0.dims.call_one().get() == {"len": 2, "size": 2, "extent": {"gpus": 2}}

@@ -45,6 +45,12 @@ class Owner(Actor):
         os._exit(3)
 
 
+class AsyncReader(Actor):
+    @endpoint
+    async def write(self, buf: RDMABuffer, value: int, k: int) -> None:
+        await buf.write_from(torch.full((k,), value, dtype=torch.uint8))
+
+
 class Reader(Actor):
     @endpoint
     def read_sum(self, buf: RDMABuffer) -> int:
@@ -53,8 +59,8 @@ class Reader(Actor):
         return int(dst.sum())
 
     @endpoint
-    async def write(self, buf: RDMABuffer, value: int, k: int) -> None:
-        await buf.write_from(torch.full((k,), value, dtype=torch.uint8))
+    def write(self, buf: RDMABuffer, value: int, k: int) -> None:
+        buf.write_from(torch.full((k,), value, dtype=torch.uint8)).get()
 
     @endpoint
     def drop(self, buf: RDMABuffer) -> None:
@@ -75,19 +81,27 @@ def _expected_sum(n: int) -> int:
 def two_meshes():
     a = this_host().spawn_procs(per_host={"gpus": 2})
     b = this_host().spawn_procs(per_host={"gpus": 1})
-    yield a.spawn("owner", Owner).slice(gpus=0), b.spawn("reader", Reader)
+    yield (
+        a.spawn("owner", Owner).slice(gpus=0),
+        b.spawn("reader", Reader),
+        b.spawn("ar", AsyncReader),
+    )
     a.stop()
     b.stop()
 
 
 @pytest.mark.parametrize("n", [1000, BIG], ids=["socket", "shm"])
 def test_read_and_write_between_two_meshes(two_meshes, n):
-    owner, reader = two_meshes
+    owner, reader, async_reader = two_meshes
     buf = owner.make.call_one(n).get()
     assert buf.size() == n and "rank 0" in buf.owner
     assert owner.in_shm.call_one(buf).get() is (n == BIG)
     assert reader.read_sum.call_one(buf).get() == _expected_sum(n)
     assert reader.read_memoryview.call_one(buf).get() == bytes([0, 1, 2, 3])
+    reader.write.call_one(buf, 9, 5).get()
+    assert owner.head.call_one(n, 7).get() == [9, 9, 9, 9, 9, 5, 6]
+    async_reader.write.call_one(buf, 8, 2).get()  # awaited in an async endpoint
+    assert owner.head.call_one(n, 3).get() == [8, 8, 9]
     reader.write.call_one(buf, 9, 5).get()
     assert owner.head.call_one(n, 7).get() == [9, 9, 9, 9, 9, 5, 6]  # the owner sees it
     # the controller reads it too
@@ -97,7 +111,7 @@ def test_read_and_write_between_two_meshes(two_meshes, n):
 
 
 def test_controller_buffer_written_by_a_rank(two_meshes):
-    _, reader = two_meshes
+    _, reader, _ = two_meshes
     mine = torch.zeros(64, dtype=torch.uint8)
     buf = RDMABuffer(mine)
     reader.write.call_one(buf, 4, 10).get()
@@ -107,7 +121,7 @@ def test_controller_buffer_written_by_a_rank(two_meshes):
 
 
 def test_drop_then_use_is_a_clear_error(two_meshes):
-    owner, reader = two_meshes
+    owner, reader, _ = two_meshes
     buf = owner.make.call_one(100).get()
     reader.drop.call_one(buf).get()
     with pytest.raises(ActorError, match="was dropped by its owner"):
@@ -135,7 +149,7 @@ def test_bad_sizes_and_types():
 
 
 def test_owner_dying_fails_the_future_clearly(two_meshes):
-    _, reader = two_meshes
+    _, reader, _ = two_meshes
     procs = this_host().spawn_procs(per_host={"gpus": 1}, on_failure="continue")
     try:
         owner = procs.spawn("mortal_owner", Owner)

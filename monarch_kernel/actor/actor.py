@@ -117,6 +117,33 @@ def _concurrent_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
+def check_endpoint_kinds(cls: type) -> None:
+    """Monarch's rule, checked at spawn: an actor's endpoints are all plain ``def`` or
+    all ``async def`` (a ``@concurrent_endpoint`` counts as async), and a sync actor's
+    ``__supervise__`` is sync too; a ValueError (Monarch's text) otherwise."""
+    sync, asynchronous = [], []
+    for name, fn in endpoints_of(cls).items():
+        if inspect.iscoroutinefunction(fn) or getattr(fn, CONCURRENT_ATTR, False):
+            asynchronous.append(name)
+        else:
+            sync.append(name)
+    why = (
+        "Synchronous endpoints cannot be mixed with async endpoints because they can cause "
+        "the asyncio loop to deadlock if they wait."
+    )
+    if sync and asynchronous:
+        raise ValueError(
+            f"{cls} mixes both async and sync endpoints. {why} "
+            f"sync: {sorted(sync)} async: {sorted(asynchronous)}"
+        )
+    supervise = getattr(cls, "__supervise__", None)
+    if sync and supervise is not None and inspect.iscoroutinefunction(supervise):
+        raise ValueError(
+            f"{cls} has sync endpoints, but an async __supervise__. Make sure __supervise__ "
+            f"is also synchronous. {why} sync: {sorted(sync)}"
+        )
+
+
 def endpoints_of(cls: type) -> dict[str, Callable[..., Any]]:
     """Endpoint name -> function for an actor class (including inherited ones)."""
     out = {}

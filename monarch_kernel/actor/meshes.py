@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 from monarch_kernel import config
-from monarch_kernel.actor.actor import Actor, endpoints_of
+from monarch_kernel.actor.actor import Actor, check_endpoint_kinds, endpoints_of
 from monarch_kernel.actor.endpoints import ActorTarget, EndpointRef, dump_call, gather
 from monarch_kernel.actor.peer import attach
 from monarch_kernel.calls.errors import ActorError
@@ -221,6 +221,7 @@ class ProcMesh(MeshView):
             raise TypeError(
                 f"spawn() needs a subclass of monarch_kernel.actor.Actor, got {actor_class!r}"
             )
+        check_endpoint_kinds(actor_class)  # before anything is sent, as Monarch
         what = f"constructor arguments of actor {name!r} ({actor_class.__name__})"
         payload, buffers = dump_call((actor_class, args, kwargs), args, kwargs, what)
         ranks = self._shape.ranks()
