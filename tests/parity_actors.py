@@ -266,11 +266,12 @@ class Supervisor(Actor):
 
     @endpoint
     def spawn_bad(self, procs) -> str:
+        bad = procs.spawn("bad_child", BadChild)  # returns, as Monarch's
         try:
-            procs.spawn("bad_child", BadChild)
+            bad.ping.call().get()
         except Exception as exc:
             return type(exc).__name__
-        return "spawned"
+        return "called"
 
     @endpoint
     def seen_failures(self) -> list:
@@ -312,6 +313,9 @@ class Concurrent(Actor):
 class BadChild(Actor):
     def __init__(self) -> None:
         raise OSError("no such dataset")
+
+    @endpoint
+    def ping(self) -> None: ...
 
 
 class Stopper(Actor):

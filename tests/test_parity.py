@@ -311,8 +311,8 @@ def test_owner_is_told_of_a_child_rank_death_and_init_failure(tree_meshes, hooke
     assert seen["type"] == "RankDied" and seen["mesh"] == "leaf" and seen["actor"] == "sup_child"
     assert "exit code 9" in seen["message"], seen
     leaf_procs.runtime.wait_recovered()
-    # a constructor that raises: the spawn fails in the owner, and its supervision hears
-    assert top.spawn_bad.call_one(leaf_procs).get() == "ActorError"
+    # a constructor that raises: calls to it fail in the owner, and its supervision hears
+    assert top.spawn_bad.call_one(leaf_procs).get() == "SupervisionError"
     assert _wait(lambda: len(top.seen_failures.call_one().get()) == 2)
     bad = top.seen_failures.call_one().get()[1]
     assert bad["actor"] == "bad_child" and bad["type"] == "OSError"

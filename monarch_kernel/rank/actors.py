@@ -61,7 +61,7 @@ class ActorHost:
         self.main = main
         self.user = user
         self.actors: dict[str, object] = {}
-        #: actors stopped by their own failure (abort(), SystemExit): name -> why
+        #: actors gone by their own failure (abort(), a constructor that raised): why
         self.gone: dict[str, str] = {}
         #: actor name -> its owner: an actor spawned by an actor of some rank (shared
         #: with the outbox, which sends such an actor's failures to its owner)
@@ -83,6 +83,10 @@ class ActorHost:
             self.gone.pop(name, None)
         except (Exception, KeyboardInterrupt) as exc:  # to the caller
             where = f"{getattr(cls, '__name__', name)}.__init__"
+            self.gone[name] = (
+                f"actor {name!r} failed in its constructor ({where} raised "
+                f"{type(exc).__name__}: {exc}); spawn it again"
+            )
             self.outbox.reply_error(request, exc, where)
             if request is not None and name in self.owners:  # and to its owner
                 self.outbox.fault(exception_report(exc, where), name)
@@ -220,7 +224,8 @@ class ActorHost:
                 "other actors on this rank keep running"
             )
         report["host"] = self.outbox.hostname
-        self.gone[name] = report["message"]
+        if isinstance(exc, ActorAborted):
+            self.gone[name] = report["message"]
         if request is None:
             self.outbox.fault(report, name)
         else:
