@@ -147,3 +147,31 @@ def test_finalizers_run_on_stop(tmp_path):
     for r in (0, 1):
         path = f"{base}.{r}"
         wait_until(partial(os.path.exists, path), timeout=10, what=f"rank {r}'s __del__")
+
+
+def test_a_constructor_failure_shows_under_the_spawning_cell():
+    from kernel_client import kernel_with_mesh
+
+    kernel = kernel_with_mesh("m", 2)
+    try:
+        r = kernel.run(
+            "from monarch_kernel.actor import Actor, endpoint, current_rank\n"
+            "class Picky(Actor):\n"
+            "    def __init__(self):\n"
+            "        if current_rank().rank == 1:\n"
+            "            raise KeyError('no dataset')\n"
+            "    @endpoint\n"
+            "    def ok(self):\n"
+            "        return 1\n"
+            "picky = m.spawn('picky', Picky)\n"
+            "'spawned'"
+        )
+        assert r.text == "'spawned'", r.error_text
+        assert "unhandled failure: MeshFailure(mesh_name=m, crashed_ranks=[1]" in r.stderr
+        assert "KeyError" in r.stderr and "no dataset" in r.stderr
+        r = kernel.run("picky.ok.call().get()")
+        assert "SupervisionError" in r.error_text and "Picky.__init__ raised KeyError" in (
+            r.error_text
+        ), r.error_text
+    finally:
+        kernel.shutdown_and_check()
