@@ -20,7 +20,7 @@ import pytest
 from conftest import project_processes, wait_no_orphans
 from helpers import controller_bytes, wait_until
 from netns import Joiner, agent_env, netns_hosts_fixture
-from parity_actors import Generator, Introspect, Supervisor, Trainer
+from parity_actors import AsyncTrainer, Generator, Introspect, Supervisor, Trainer
 
 from monarch_kernel.actor import ActorError, Channel, host_mesh, this_host
 from monarch_kernel.wire import kinds as K
@@ -80,7 +80,9 @@ def test_calls_cross_machines_rank_to_rank(pair, machines):
     before = controller_bytes(gprocs.runtime)
     assert trainers.step.call(3).get(timeout=30).values() == [[30, 30], [30, 30]]
     t0 = trainers.slice(gpus=0)
-    assert t0.step_async.call_one(2).get(timeout=30) == [20, 20]
+    _, tprocs = machines
+    a0 = tprocs.spawn("async_trainer", AsyncTrainer, gens).slice(gpus=0)
+    assert a0.step_async.call_one(2).get(timeout=30) == [20, 20]
     assert t0.stream.call_one(5).get(timeout=30) == [50, 50]
     assert t0.choose.call_one(6).get(timeout=30) == 60
     assert t0.ping_pong.call_one(50).get(timeout=30) == sum(i * 10 for i in range(50))
