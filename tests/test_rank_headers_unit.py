@@ -83,6 +83,17 @@ WIRE: list[dict] = [
     {"k": K.HEARTBEAT},
     {"k": K.HEARTBEAT, "h": 1},
     {"k": K.HOST_READY, "h": 0, "pid": 9, "host": "box", "addr": "127.0.0.1", "port": 2900},
+    {
+        "k": K.HOST_READY,
+        "h": 0,
+        "pid": 9,
+        "host": "box",
+        "addr": "127.0.0.1",
+        "port": 2900,
+        "desk": "ipc:///tmp/d/desk",
+    },
+    {"k": K.DETACH},
+    {"k": K.TAKEN_OVER, "h": 1, "by": [123, "box"]},
     {"k": K.PORT, "h": 0, "i": "5", "port": 2901},
     {"k": K.RANK_STARTED, "h": 0, "r": 1, "pid": 10},
     {

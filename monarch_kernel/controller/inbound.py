@@ -145,6 +145,11 @@ class Inbound:
             K.RESUMED: typed(H.Resumed.decode, self._on_resumed),
         }
 
+    def add_handler(self, kind: str, handler: Handler) -> None:
+        """Handle messages of ``kind`` with ``handler(header, message)`` (a feature
+        beside the core, such as detaching, adds its own kinds)."""
+        self._handlers[kind] = handler
+
     def handle(self, frames: list[zmq.Frame]) -> None:
         """Verify, decode and dispatch one message ``[identity, *wire frames]``.
 
@@ -333,7 +338,7 @@ class Inbound:
     def _on_host_ready(self, h: H.HostReady, msg: Message) -> None:
         host = self._hosts[h.host]
         host.pid, host.hostname = h.pid, h.hostname
-        host.addr, host.port = h.addr, h.port
+        host.addr, host.port, host.desk = h.addr, h.port, h.desk
         self._transport.probe([self._transport.host_id(host.index)])
         host.ready = True
         host.last_seen = time.monotonic()

@@ -21,14 +21,13 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from monarch_kernel.actor import ProcMesh, ValueMesh
 from monarch_kernel.controller.mesh import registry
 from monarch_kernel.kernel import help as _help
-from monarch_kernel.kernel import mesh_admin, push_pull, remote_cell
+from monarch_kernel.kernel import mesh_admin, mesh_detach, push_pull, remote_cell
 from monarch_kernel.kernel.args import Parser, split_args
 from monarch_kernel.kernel.hints import REMOTE_ERRORS, show_remote_error
 from monarch_kernel.kernel.mesh_create import create_mesh
 from monarch_kernel.kernel.mesh_names import check_mesh_name
 from monarch_kernel.kernel.notebook import Notebook
 from monarch_kernel.kernel.remote import InputRouter, RemoteJob
-from monarch_kernel.kernel.table import MeshTable
 from monarch_kernel.kernel.targets import ranks_option, resolve
 
 __all__ = ["MeshMagics", "load_ipython_extension", "split_args", "stop_all_meshes"]
@@ -57,15 +56,19 @@ class MeshMagics(Magics):
     def mesh(self, line: str) -> Any:
         """Create, list, stop or restart meshes.
 
-        ``%mesh NAME --gpus 4 [--hosts 2] [--backend local] [--env K=V]``,
-        ``%mesh`` (table of live meshes), ``%mesh stop NAME``,
+        ``%mesh NAME --gpus 4 [--hosts 2] [--backend local] [--env K=V] [--detachable]``,
+        ``%mesh`` (table of live meshes, and of detached ones to attach),
+        ``%mesh stop NAME``, ``%mesh attach NAME [--force]``,
         ``%mesh restart NAME [--ranks 2,3]``, ``%mesh stacks NAME [--ranks 0,3]``.
         """
         args = shlex.split(line)
         if not args:
-            return MeshTable(registry.listed())
+            return mesh_detach.listing()
         if args[0] == "stop":
-            return mesh_admin.stop_mesh(args[1:])
+            return mesh_detach.stop(args[1:])
+        if args[0] == "attach":
+            mesh_detach.attach_mesh(self.notebook, args[1:])
+            return None
         if args[0] == "restart":
             return mesh_admin.restart_mesh(args[1:])
         if args[0] == "setup":
@@ -183,5 +186,9 @@ def load_ipython_extension(ipython: Any) -> MeshMagics:
 
 
 def stop_all_meshes() -> None:
-    """Stop every live mesh of this kernel (shutdown and restart)."""
+    """Stop every live mesh of this kernel (shutdown and restart); detachable meshes
+    are let go instead (they run on for a kernel to attach)."""
+    from monarch_kernel.controller.detach import detach_all
+
+    detach_all()
     registry.stop_all(timeout=5)

@@ -14,6 +14,7 @@ import zmq
 
 from monarch_kernel.rank import context
 from monarch_kernel.rank.errors import exception_report
+from monarch_kernel.rank.link import ControllerLink
 from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Codec, SerializationError, dumps, peer_address
 from monarch_kernel.wire import headers as H
@@ -62,11 +63,18 @@ class Outbox:
         self._peer_out: dict[tuple[int, PeerAddress], zmq.Socket[bytes]] = {}
         self._peer_codecs: dict[str, Codec] = {}
         self.machine = ""  # this rank's machine, set once its peer socket is bound
+        #: A detachable mesh's rank: whether a controller is connected (else None).
+        self.link: ControllerLink | None = None
 
     def send(
         self, header: H.WireHeader, payload: bytes = b"", buffers: Sequence[Buffer] = ()
     ) -> None:
-        """Send a message to the controller (any thread)."""
+        """Send a message to the controller (any thread); in a detachable mesh with no
+        controller connected, the link keeps it or drops it instead."""
+        link = self.link
+        if link is not None and not link.connected:
+            link.divert(header, payload, buffers)
+            return
         with self.lock:
             wire_send(self.out, self.codec.encode(header, payload, buffers))
         if self.main.pending_signal is not None:  # a signal came while the main thread sent

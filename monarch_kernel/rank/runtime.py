@@ -33,6 +33,7 @@ from monarch_kernel.rank.context import UserNamespace
 from monarch_kernel.rank.control import ControlThread
 from monarch_kernel.rank.debugger import RankDebugger
 from monarch_kernel.rank.inbox import Inbox, bind_peer, connect, dealer
+from monarch_kernel.rank.link import ControllerLink
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.signals import TERMINATED_CODE, MainThread, RankTerminated
 from monarch_kernel.rank.stdin import InputBridge
@@ -105,6 +106,8 @@ class Rank:
             self.rank, ctl, self.codec, self.outbox, self.main, self.namespace,
             self.debugger, self.stdin,
         )  # fmt: skip
+        if cfg.detachable:  # the rank outlives its controller (before any thread sends)
+            self.outbox.link = self.control.link = ControllerLink(out)
 
     # -- RankServices ------------------------------------------------------------------
     @property

@@ -41,6 +41,7 @@ from monarch_kernel.wire.headers.from_rank import (
     Stream,
 )
 from monarch_kernel.wire.headers.host import (
+    Detach,
     DumpStacks,
     Heartbeat,
     HostReady,
@@ -54,6 +55,7 @@ from monarch_kernel.wire.headers.host import (
     SignalRanks,
     SpawnRanks,
     Stop,
+    TakenOver,
 )
 from monarch_kernel.wire.headers.ordered import (
     Call,
@@ -102,6 +104,8 @@ AnyHeader: TypeAlias = (
     | Port
     | RankStarted
     | RankExit
+    | Detach
+    | TakenOver
 )
 
 _CLASSES: tuple[Any, ...] = (
@@ -133,6 +137,8 @@ _CLASSES: tuple[Any, ...] = (
     Port,
     RankStarted,
     RankExit,
+    Detach,
+    TakenOver,
 )
 #: kind -> the decoder of its header
 DECODERS: dict[str, Callable[[WireHeader], Any]] = {cls.KIND: cls.decode for cls in _CLASSES}
@@ -182,6 +188,7 @@ __all__ = [
     "ControlRequest",
     "DECODERS",
     "Debug",
+    "Detach",
     "DumpStacks",
     "Exec",
     "HeaderError",
@@ -213,6 +220,7 @@ __all__ = [
     "StopActor",
     "Stream",
     "Supervise",
+    "TakenOver",
     "WireAddress",
     "WireHeader",
     "decode",
