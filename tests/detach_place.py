@@ -50,6 +50,17 @@ class Place:
         wait_until(lambda: not pid_alive(pid), timeout=10, what="the killed kernel to end")
         self.forget(k)
 
+    def restart(self, k: Kernel) -> None:
+        """``Restart Kernel``, as JupyterLab does it: through the kernel manager (a
+        shutdown request, then a new kernel process on the same connection)."""
+        old = self.kernel_pid(k)
+        k.km.restart_kernel(now=False)
+        wait_until(lambda: not pid_alive(old), timeout=30, what="the old kernel to exit")
+        k.kc.stop_channels()
+        k.kc = k.km.client()
+        k.kc.start_channels()
+        k.kc.wait_for_ready(timeout=60)
+
     def forget(self, k: Kernel) -> None:
         """Stop talking to a kernel that is gone (its manager cleans up after it)."""
         if k in self.kernels:

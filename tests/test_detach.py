@@ -70,14 +70,41 @@ def _all_ended(pids: list[int], timeout: float) -> None:
     )
 
 
-def test_killed_kernel_mesh_trains_on_and_a_new_kernel_takes_it_over(place):
-    k1 = place.kernel()
-    r = ok(k1, "%mesh dm --gpus 2 --detachable --keep 10m")
+ACTOR = """from monarch_kernel.actor import Actor, endpoint
+class Counter(Actor):
+    def __init__(self):
+        self.n = 0
+    @endpoint
+    def incr(self):
+        self.n += 1
+        return self.n
+counters = dm.spawn("counters", Counter)
+counters.incr.call().get()
+"""
+#: The loss series of rank 0 as the dashboard charts it: (first step, points).
+CHARTED = (
+    "st = dm.dashboard().state; st.drain(); pts = st.metrics['loss'][0].points(); "
+    "print('charted', pts[0][0], len(pts))"
+)
+
+
+def _start_training(place: Place):
+    """A kernel with mesh ``dm`` (setup cell, DDP model, an actor) training in the
+    background; the kernel and the ``--bg`` cell's message id."""
+    k = place.kernel()
+    r = ok(k, "%mesh dm --gpus 2 --detachable --keep 10m")
     assert "is detachable" in r.stdout and "%mesh attach dm" in r.stdout
-    ok(k1, SETUP)
-    ok(k1, MODEL)
-    job = k1.submit(LOOP)
-    k1.wait_for_output(job, "step 3 lr 0.1")
+    ok(k, SETUP)
+    ok(k, MODEL)
+    ok(k, ACTOR)
+    job = k.submit(LOOP)
+    k.wait_for_output(job, "step 3 lr 0.1")
+    wait_until(lambda: place.attach_file("dm")["jobs"], timeout=10, what="the job in the file")
+    return k
+
+
+def test_killed_kernel_mesh_trains_on_and_a_new_kernel_takes_it_over(place):
+    k1 = _start_training(place)
     path = place.attach_path("dm")
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     key = place.attach_file("dm")["key"]
@@ -94,16 +121,33 @@ def test_killed_kernel_mesh_trains_on_and_a_new_kernel_takes_it_over(place):
     k2 = place.kernel()
     listed = ok(k2, "%mesh").text
     assert re.search(r"dm\s+gpus=2\s+1\s+2/2", listed) and "detached" in listed, listed
-    assert "cell" in listed  # what runs on it: the --bg cell
-    r = ok(k2, "%mesh attach dm")
-    assert "attached mesh 'dm'" in r.stdout and "2/2 ranks running" in r.stdout, r.stdout
+    assert "cell 5" in listed  # what runs on it: the --bg cell
+    attach = k2.submit("jobs = %mesh attach dm")
+    k2.wait_for_output(attach, "attached mesh 'dm'")
+    at_attach = steps(log)
+    # live output resumes in the job's block under this cell
+    k2.wait_for_output(attach, f"step {at_attach + 5} lr 0.1")
+    r = k2.collect(attach)
+    assert not r.errors, r.error_text
+    assert "2/2 ranks running" in r.stdout and "actor meshes back: counters" in r.stdout
+    assert "printed while no kernel was attached" in r.stdout
+    shown = [int(n) for n in re.findall(r"^\[1\] step (\d+) lr 0.1$", r.stdout, re.M)]
+    assert len(shown) == 10 and min(shown) > at_kill and max(shown) <= at_attach, shown
+    assert "running" in ok(k2, "repr(jobs[0])").text
+    # the dashboard charts the whole run: from step 1, through the time without a kernel
+    charted = ok(k2, CHARTED).stdout.split()
+    assert charted[1] == "1.0" and int(charted[2]) >= at_attach - 1, charted
+
     pulled = [int(v) for v in re.findall(r"}: (\d+)", ok(k2, "%pull dm step").text)]
     assert len(pulled) == 2 and min(pulled) >= at_kill + 10, pulled
     ok(k2, "%push dm lr=0.5")
     wait_until(lambda: log_has(log, "lr 0.5"), timeout=30, what="the pushed lr in use")
     ok(k2, "%push dm stop=True")
+    ok(k2, "jobs[0].wait()")
+    assert "done in" in ok(k2, "repr(jobs[0])").text
     r = ok(k2, "%%remote dm\nstep > 0, lr, dist.get_world_size()")
     assert r.text.count("(True, 0.5, 2)") == 2, r.text
+    assert "{gpus=0}: 2" in ok(k2, "counters.incr.call().get()").text  # the actor's state
     # the failure policy and the --setup cell came back with the mesh
     assert "import torch, torch.distributed" in ok(k2, "%mesh setup dm").stdout
     killed = place.attach_file("dm")["ranks"][1]["pid"]
@@ -120,6 +164,62 @@ def test_killed_kernel_mesh_trains_on_and_a_new_kernel_takes_it_over(place):
     assert "stopped" in ok(k2, "%mesh stop dm").stdout
     _all_ended(pids, timeout=30)
     wait_until(lambda: not os.path.exists(path), timeout=10, what="the attach file to go")
+
+
+def test_restart_kernel_keeps_the_mesh_and_its_job(place):
+    k = _start_training(place)
+    pids = place.mesh_pids("dm")
+    place.restart(k)
+    assert all(pid_alive(p) for p in pids)
+    r = ok(k, "jobs = %mesh attach dm\nprint(repr(jobs[0]))")
+    assert "2/2 ranks running" in r.stdout and "cell 5 on dm ranks [0, 1]: running" in r.stdout
+    ok(k, "jobs[0].cancel()")
+    ok(k, "import contextlib\nwith contextlib.suppress(Exception):\n    jobs[0].wait(30)")
+    assert "cancelled" in ok(k, "repr(jobs[0])").text
+    ok(k, "%mesh stop dm")
+    _all_ended(pids, timeout=30)
+
+
+def test_failure_policy_works_while_detached(place):
+    k1 = place.kernel()
+    ok(k1, "%mesh dm --gpus 2 --detachable")
+    ok(k1, SETUP)
+    place.kill(k1)
+    rank1 = place.attach_file("dm")["ranks"][1]["pid"]
+    os.kill(rank1, 9)  # while no kernel holds the mesh
+    file = read_attach_file(place.attach_path("dm"))
+    client = DeskClient(file)
+    me = ControllerId.of_this_process()
+
+    def restarted():
+        status = client.ask(file.hosts[0], DeskRequest(DeskOp.STATUS, me), 5)
+        ranks = {s.rank: s for s in (status.ranks if status else ())}
+        return 1 in ranks and ranks[1].alive and ranks[1].restarts == 1
+
+    wait_until(restarted, timeout=30, what="its host agent to restart rank 1")
+    k2 = place.kernel()
+    r = ok(k2, "%mesh attach dm")
+    assert "rank 1 died while detached (killed by SIGKILL) and was restarted" in r.stdout
+    r = ok(k2, "%%remote dm\nlr")  # waits for the re-forming: the setup cell ran again
+    assert "{gpus=1}: 0.1" in r.text, r.text
+    pids = place.mesh_pids("dm")
+    ok(k2, "%mesh stop dm")
+    _all_ended(pids, timeout=30)
+
+
+def test_a_bg_job_says_it_is_failing_while_other_ranks_still_run_it(place):
+    k = place.kernel()
+    ok(k, "%mesh m --gpus 2 --on-failure continue")
+    job = k.submit(
+        "%%remote m --bg\nimport os, time\nif os.environ['RANK'] == '1':\n    1 / 0\n"
+        "while True:\n    time.sleep(0.05)"
+    )
+    k.wait_for_output(job, "failing: rank(s) 1 failed, the others still run")
+    ok(k, "j = _monarch_magics.jobs[-1]")
+    assert "failing: rank(s) 1 failed" in ok(k, "repr(j)").text
+    ok(k, "j.cancel()\nimport contextlib\nwith contextlib.suppress(Exception):\n    j.wait(30)")
+    assert ": failed" in ok(k, "repr(j)").text or "cancelled" in ok(k, "repr(j)").text
+    ok(k, "%mesh stop m")
 
 
 def test_mesh_stops_by_itself_once_keep_runs_out(place):

@@ -93,6 +93,7 @@ WIRE: list[dict] = [
         "desk": "ipc:///tmp/d/desk",
     },
     {"k": K.DETACH},
+    {"k": K.ATTACHED, "i": "a1", "w": 1},
     {"k": K.TAKEN_OVER, "h": 1, "by": [123, "box"]},
     {"k": K.PORT, "h": 0, "i": "5", "port": 2901},
     {"k": K.RANK_STARTED, "h": 0, "r": 1, "pid": 10},

@@ -13,6 +13,7 @@ mesh are told to supervision once the mesh runs, so the failure policy applies t
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from monarch_kernel.calls.errors import MeshStartError
 from monarch_kernel.controller import detach
@@ -29,7 +30,19 @@ from monarch_kernel.wire.peer_address import PeerAddress
 RECONNECT_TIMEOUT = 15.0
 
 
-def adopt(file: AttachFile, replies: dict[int, DeskReply]) -> MeshRuntime:
+@dataclass
+class Adopted:
+    """A mesh taken over, and the ranks whose fate must still be dealt with once the
+    caller follows the requests that were running (see ``attach.Attached.finish``)."""
+
+    runtime: MeshRuntime
+    #: Ranks that ended while no controller held the mesh, with how.
+    ended: list[tuple[int, RankEnd]] = field(default_factory=list)
+    #: Ranks their host agent restarted meanwhile (the failure policy): how each ended.
+    restarted: dict[int, RankStatus] = field(default_factory=dict)
+
+
+def adopt(file: AttachFile, replies: dict[int, DeskReply]) -> Adopted:
     """The running mesh of ``file``, now held here (``replies``: each host's answer to
     this controller's attach). MeshStartError if its ranks do not reconnect."""
     runtime = MeshRuntime(
@@ -48,22 +61,24 @@ def adopt(file: AttachFile, replies: dict[int, DeskReply]) -> MeshRuntime:
         runtime.transport.set_epoch(max(r.epoch for r in replies.values()))
         runtime.starter.common = file.common  # type: ignore[assignment]
         runtime.recipe.setup_cells = [detach.setup_cell(c) for c in file.setup_cells]
-        ended = _take_records(runtime, file, replies)
+        for record in file.actors:
+            runtime.remember_actor(detach.actor_spec(record))
+        adopted = Adopted(runtime)
+        for job in file.jobs:  # its output waits for its job to be followed (or not)
+            runtime.output.route(job.request, _held)
+        _take_records(adopted, file, replies)
         _wait_reconnected(runtime)
         runtime.lifecycle.set(MeshPhase.RUNNING)
     except BaseException:
         runtime.release("could not be attached")
         raise
-    for rank, end in ended:  # the failure policy applies to them now
-        runtime.receiver.post(runtime.supervisor.rank_died, runtime.ranks[rank], end)
     detach.enable(runtime)
-    return runtime
+    return adopted
 
 
-def _take_records(
-    runtime: MeshRuntime, file: AttachFile, replies: dict[int, DeskReply]
-) -> list[tuple[int, RankEnd]]:
-    """Fill the host and rank records; the ranks that ended, with how."""
+def _take_records(adopted: Adopted, file: AttachFile, replies: dict[int, DeskReply]) -> None:
+    """Fill the host and rank records; note the ranks that ended or were restarted."""
+    runtime = adopted.runtime
     now = time.monotonic()
     for entry in file.hosts:
         host = runtime.hosts[entry.index]
@@ -72,23 +87,30 @@ def _take_records(
         host.handle = AdoptedHost(entry.pid, entry.log, entry.private_dir)
         host.last_seen, host.ready = now, True
     statuses = {s.rank: s for reply in replies.values() for s in reply.ranks}
-    ended = []
     for rank in file.ranks:
         info = runtime.ranks[rank.rank]
+        status = statuses.get(rank.rank)
         info.hostname, info.device = rank.hostname, rank.device
-        info.peer_secret, info.restarts = rank.peer_secret, rank.restarts
+        info.peer_secret = rank.peer_secret
+        info.restarts = rank.restarts + (status.restarts if status is not None else 0)
         try:
             info.peer = PeerAddress.decode(rank.peer)
         except ValueError:
             info.peer = PeerAddress(rank.hostname)
-        status = statuses.get(rank.rank)
         info.pid = status.pid if status is not None else rank.pid
         info.last_seen = now
         if status is not None and status.alive:
             runtime.requests.set_state(info, RankState.IDLE)
+            if status.restarts:
+                adopted.restarted[rank.rank] = status
         else:
-            ended.append((rank.rank, _end(status, file.hosts[rank.host].rank_log(rank.rank))))
-    return ended
+            log = file.hosts[rank.host].rank_log(rank.rank)
+            adopted.ended.append((rank.rank, _end(status, log)))
+
+
+def _held(rank: int, stream: str, text: str) -> None:
+    """Where a running job's output goes until its handle is back (it is in the rank's
+    log, which the notebook shows a tail of): nowhere."""
 
 
 def _end(status: RankStatus | None, log: str) -> RankEnd:

@@ -20,7 +20,8 @@ from monarch_kernel.calls.errors import MonarchError
 from monarch_kernel.controller import attach_file
 from monarch_kernel.controller.adopt import adopt
 from monarch_kernel.controller.attach_file import AttachFile, AttachFileError, HostEntry
-from monarch_kernel.controller.mesh import MeshRuntime, registry
+from monarch_kernel.controller.mesh import registry
+from monarch_kernel.controller.takeover import Attached
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire.desk import (
     DESK,
@@ -30,7 +31,6 @@ from monarch_kernel.wire.desk import (
     DeskOp,
     DeskReply,
     DeskRequest,
-    describe_duration,
 )
 
 #: Seconds a desk gets to answer (an agent answers between two heartbeats).
@@ -100,39 +100,10 @@ def read_file(name: str | None, path: str | None = None) -> AttachFile:
         raise AttachError(str(exc)) from None
 
 
-@dataclass(frozen=True)
-class Attached:
-    """A mesh this controller took over, and what happened while nobody held it."""
-
-    runtime: MeshRuntime
-    detached_for: float | None  #: seconds it ran without a controller (None: it had one)
-    taken_from: ControllerId | None  #: the controller it was taken from (``force``)
-    ended: tuple[int, ...]  #: ranks that ended while no controller held it
-    refused: dict[str, int]  #: attach requests its agents refused so far, by why
-
-    def describe(self) -> str:
-        """One paragraph for the notebook."""
-        rt = self.runtime
-        alive = sum(1 for r in rt.ranks if r.alive)
-        text = f"attached mesh {rt.name!r}: {rt.shape.describe()} ({rt.backend}), "
-        if self.taken_from is not None:
-            text += f"taken over from {self.taken_from.describe()}, "
-        elif self.detached_for is not None:
-            text += f"after {describe_duration(self.detached_for)} without a kernel, "
-        text += f"{alive}/{rt.world} ranks running"
-        if self.ended:
-            text += f"; rank(s) {', '.join(map(str, self.ended))} ended while detached"
-        refused = {k: v for k, v in self.refused.items() if v}
-        if refused:
-            text += "\nattach requests refused so far: " + ", ".join(
-                f"{v} {k}" for k, v in sorted(refused.items())
-            )
-        return text
-
-
 def attach(name: str | None, *, path: str | None = None, force: bool = False) -> Attached:
     """Take over detached mesh ``name`` (or the one whose attach file is ``path``):
-    the running mesh, now held by this controller. AttachError saying why not."""
+    the running mesh, now held by this controller (call :meth:`Attached.finish` once
+    the jobs it returns are followed). AttachError saying why not."""
     file = read_file(name, path)
     live = registry.get(file.name)
     if live is not None and not live.state.ended:
@@ -146,7 +117,7 @@ def attach(name: str | None, *, path: str | None = None, force: bool = False) ->
         raise _refusal(file, replies)
     holders = [r.holder for r in accepted.values() if r.holder is not None]
     try:
-        runtime = adopt(file, accepted)
+        adopted = adopt(file, accepted)
     except BaseException:
         _release(client, accepted)
         raise
@@ -156,10 +127,10 @@ def attach(name: str | None, *, path: str | None = None, force: bool = False) ->
         for why, n in r.refused.items():
             refused[why] = refused.get(why, 0) + n
     return Attached(
-        runtime,
+        adopted,
+        file,
         time.time() - min(since) if since and not holders else None,
         holders[0] if holders else None,
-        tuple(sorted(s.rank for r in accepted.values() for s in r.ranks if not s.alive)),
         refused,
     )
 

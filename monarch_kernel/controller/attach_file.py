@@ -109,6 +109,35 @@ class RankEntry:
 
 
 @dataclass
+class JobRecord:
+    """A request the holder started that was still running when the file was written
+    (a ``%%remote`` cell: its handle comes back at attach)."""
+
+    request: str  #: the request id (the ranks answer it, whoever holds the mesh)
+    ranks: list[int]
+    kind: str  #: ``cell``, ``call`` ... (``controller.events.RequestKind``)
+    what: str  #: ``cell 7``
+    started: float  #: time.time()
+
+    @property
+    def cell(self) -> str:
+        """The cell's label (``7`` of ``cell 7``)."""
+        return self.what.removeprefix("cell ")
+
+
+@dataclass
+class ActorRecord:
+    """An actor mesh spawned on the mesh: re-created on restarted ranks, and its handle
+    comes back at attach. ``payload``/``buffers``: the spawn's, base64."""
+
+    name: str
+    payload: str
+    buffers: list[str]
+    ranks: list[int]
+    owner: dict[str, Any] | None = None  #: the owner actor's ``oa``/``ox``/``on``
+
+
+@dataclass
 class AttachFile:
     """The content of an attach file (see the module docstring)."""
 
@@ -131,14 +160,20 @@ class AttachFile:
     setup_cells: list[dict[str, Any]] = field(default_factory=list)
     hosts: list[HostEntry] = field(default_factory=list)
     ranks: list[RankEntry] = field(default_factory=list)
-    #: What ran on the mesh when the file was last written (``cell 7 (--bg)`` ...).
-    running: list[str] = field(default_factory=list)
+    #: What ran on the mesh when the file was last written.
+    jobs: list[JobRecord] = field(default_factory=list)
+    actors: list[ActorRecord] = field(default_factory=list)
     written: float = field(default_factory=time.time)
     version: int = FILE_VERSION
 
     @property
     def path(self) -> str:
         return file_for(self.name)
+
+    @property
+    def running(self) -> list[str]:
+        """What ran on the mesh (``cell 7`` ...), once each."""
+        return list(dict.fromkeys(j.what for j in self.jobs))
 
     def identity(self) -> MeshIdentity:
         """The key, run and addresses a controller that attaches takes over."""
@@ -194,6 +229,8 @@ def read(path: str) -> AttachFile:
         values["controller"] = ControllerId.from_json(raw["controller"])
         values["hosts"] = [HostEntry(**h) for h in raw["hosts"]]
         values["ranks"] = [RankEntry(**r) for r in raw["ranks"]]
+        values["jobs"] = [JobRecord(**j) for j in raw.get("jobs", ())]
+        values["actors"] = [ActorRecord(**a) for a in raw.get("actors", ())]
         return AttachFile(**values)
     except (KeyError, TypeError, ValueError) as exc:
         raise AttachFileError(f"the attach file {path} is damaged: {exc!r}") from None

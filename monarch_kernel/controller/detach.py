@@ -17,12 +17,20 @@ requests fail saying who took it. A mesh stopped on purpose removes its file.
 from __future__ import annotations
 
 import atexit
+import base64
 import logging
 import threading
 import time
 
+from monarch_kernel.calls.requester import ActorSpec
 from monarch_kernel.controller import attach_file
-from monarch_kernel.controller.attach_file import AttachFile, HostEntry, RankEntry
+from monarch_kernel.controller.attach_file import (
+    ActorRecord,
+    AttachFile,
+    HostEntry,
+    JobRecord,
+    RankEntry,
+)
 from monarch_kernel.controller.events import (
     MeshEvent,
     MeshPhaseChanged,
@@ -47,8 +55,8 @@ DETACHABLE_BACKENDS = ("local",)
 
 #: Seconds between the watcher's looks at what the attach file should say.
 WATCH_INTERVAL = 0.5
-#: Request kinds the file lists as running (not control requests: push, pull, ping).
-LISTED = frozenset({RequestKind.CELL, RequestKind.CALL, RequestKind.SPAWN})
+#: Request kinds the file lists as running: cells (calls come and go too fast to list).
+LISTED = frozenset({RequestKind.CELL})
 
 
 class Detacher:
@@ -57,9 +65,10 @@ class Detacher:
     def __init__(self, runtime: MeshRuntime):
         self.runtime = runtime
         self.released = False
-        self._started: dict[str, str] = {}  # request id -> what, while it may run
+        self._started: dict[str, JobRecord] = {}  # request id -> it, while it may run
         self._written: tuple[object, ...] | None = None
         self._lock = threading.Lock()
+        self._wake = threading.Event()  # a cell started: write the file now
 
     # -- the file --------------------------------------------------------------------
     def snapshot(self) -> AttachFile:
@@ -101,16 +110,22 @@ class Detacher:
                 )
                 for r in rt.ranks
             ],
-            running=self.running(),
+            jobs=self.jobs(),
+            actors=[_actor_record(spec) for spec in rt.actors.values()],
         )
 
-    def running(self) -> list[str]:
+    def jobs(self) -> list[JobRecord]:
         """What runs on the mesh now (the requests this controller started)."""
         requests = self.runtime.requests
         with self._lock:
             for rid in [rid for rid in self._started if requests.get(rid) is None]:
                 del self._started[rid]
-            return list(dict.fromkeys(self._started.values()))
+            return list(self._started.values())
+
+    def follow(self, record: JobRecord) -> None:
+        """List ``record`` (a request an earlier holder started) while it runs."""
+        with self._lock:
+            self._started[record.request] = record
 
     def save(self, force: bool = False) -> None:
         """Write the file if what it says changed (or ``force``)."""
@@ -119,7 +134,8 @@ class Detacher:
             [(h.pid, h.desk) for h in snap.hosts],
             [(r.pid, r.restarts, tuple(r.peer)) for r in snap.ranks],
             [c["code"] for c in snap.setup_cells],
-            snap.running,
+            [j.request for j in snap.jobs],
+            [(a.name, a.ranks) for a in snap.actors],
             snap.on_failure,
         )
         if not force and fingerprint == self._written:
@@ -134,8 +150,12 @@ class Detacher:
     def on_event(self, event: MeshEvent) -> None:
         if isinstance(event, RequestStarted):
             if event.kind in LISTED and event.what:
+                record = JobRecord(
+                    event.request, list(event.ranks), event.kind.value, event.what, time.time()
+                )
                 with self._lock:
-                    self._started[event.request] = event.what
+                    self._started[event.request] = record
+                self._wake.set()
         elif isinstance(event, MeshPhaseChanged) and event.phase is MeshPhase.STOPPED:
             if not self.released:  # stopped on purpose: nothing to attach to any more
                 self.snapshot().remove()
@@ -145,11 +165,12 @@ class Detacher:
         """Keep the file current while the mesh lives (a daemon thread)."""
         rt = self.runtime
         while not rt.state.ended:
+            self._wake.clear()
             try:
                 self.save()
             except OSError as exc:
                 log.warning("mesh %s: cannot write its attach file: %s", rt.name, exc)
-            time.sleep(WATCH_INTERVAL)
+            self._wake.wait(WATCH_INTERVAL)
 
     def on_taken_over(self, header: Header, msg: Message) -> None:
         """An agent says another kernel attached with ``--force`` (receiving thread)."""
@@ -209,6 +230,17 @@ def detacher_of(runtime: MeshRuntime) -> Detacher | None:
         return _detachers.get(id(runtime))
 
 
+def recipe_changed(runtime: MeshRuntime) -> None:
+    """``runtime``'s setup cells or actors changed: a detachable mesh's attach file says
+    so now (a kernel killed right after must not leave a file without them)."""
+    detacher = detacher_of(runtime)
+    if detacher is not None:
+        try:
+            detacher.save()
+        except OSError as exc:
+            log.warning("mesh %s: cannot write its attach file: %s", runtime.name, exc)
+
+
 def detach_all(why: str = "was detached: its kernel shut down") -> list[str]:
     """Let go of every detachable mesh this process holds; their names."""
     with _detachers_lock:
@@ -261,6 +293,28 @@ def _forget(detacher: Detacher) -> None:
 
 def _cell_json(cell: SetupCell) -> dict[str, object]:
     return {"code": cell.code, "label": cell.label, "header": list(cell.header), "key": cell.key}
+
+
+def _actor_record(spec: ActorSpec) -> ActorRecord:
+    owner = spec.owner.encode() if spec.owner is not None else None
+    return ActorRecord(
+        spec.name,
+        base64.b64encode(spec.payload).decode(),
+        [base64.b64encode(bytes(memoryview(b))).decode() for b in spec.buffers],
+        sorted(spec.ranks),
+        owner,
+    )
+
+
+def actor_spec(record: ActorRecord) -> ActorSpec:
+    """An actor mesh's spawn from its form in the attach file."""
+    return ActorSpec(
+        record.name,
+        base64.b64decode(record.payload),
+        tuple(base64.b64decode(b) for b in record.buffers),
+        frozenset(record.ranks),
+        H.Owner.decode(record.owner) if record.owner else None,
+    )
 
 
 def setup_cell(raw: dict[str, object]) -> SetupCell:

@@ -240,6 +240,11 @@ class MeshRuntime:
         self.receiver.start(self.inbound.handle, self.supervisor.tick)
 
     @property
+    def on_failure(self) -> str:
+        """The failure policy's name (``restart``, ``stop``, ``continue``)."""
+        return str(self.failures.policy)
+
+    @property
     def state(self) -> MeshPhase:
         """The mesh's phase (see :class:`~.records.MeshPhase`)."""
         return self.lifecycle.phase
@@ -307,6 +312,24 @@ class MeshRuntime:
         if not options.waited:
             self.receiver.ensure_reader()
         return rid
+
+    def follow_request(
+        self,
+        ranks: list[int],
+        request_id: str,
+        observer: RequestObserver,
+        kind: RequestKind,
+        what: str,
+    ) -> None:
+        """Follow a request an earlier controller of this (detachable) mesh sent: its
+        ranks answer it to this one now. Nothing is sent."""
+        self.requests.add(request_id, ranks, observer, kind, what, False)
+        if self.events.wants(RequestStarted):
+            self.events.emit(RequestStarted(self.name, request_id, tuple(ranks), kind, what))
+        for r in ranks:
+            if self.ranks[r].state in GONE:
+                self.receiver.post(self._fail_gone, r)
+        self.receiver.ensure_reader()
 
     def _fail_gone(self, rank: int) -> None:
         info = self.ranks[rank]

@@ -62,6 +62,8 @@ class MeshConfig(Protocol):
     def detach_keep(self) -> float: ...
     @property
     def attach_path(self) -> str: ...
+    @property
+    def on_failure(self) -> str: ...
 
 
 class Starter:
@@ -171,6 +173,7 @@ class Starter:
             controller_host=holder.hostname,
             controller_started=holder.started,
             attach_file=config.attach_path,
+            on_failure=config.on_failure,
         )
 
     def relaunch_host(self, host: HostInfo) -> None:

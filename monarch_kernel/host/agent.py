@@ -70,6 +70,7 @@ class HostAgent:
         # forwarding never blocks, so this loop keeps reading the controller's heartbeats.
         self.backlog: dict[int, deque[list[Any]]] = {}
         self.greeted: set[int] = set()  # ranks that said hello and still wait for ours
+        self.rank_cfgs: dict[int, RankConfig] = {}  # what each rank was forked with
         self.expected_exits: set[int] = set()
         self.stop_grace = DEFAULT_GRACE  # the controller's ``stop`` may say otherwise
         self.cfg: AgentConfig | None = None
@@ -331,6 +332,7 @@ class HostAgent:
             cfg = RankConfig.build(spec, h.common, dict(agent, log=log_path))
             if os.path.exists(cfg.log):
                 os.unlink(cfg.log)
+            self.rank_cfgs[cfg.rank] = cfg
             self.template.command(op="fork", cfg=cfg.to_json())
 
     def rank_part(self) -> dict[str, str]:
@@ -365,6 +367,15 @@ class HostAgent:
             self.stop_grace = DEFAULT_GRACE
         self.expected_exits.update(self.pids)
         return "stop"
+
+    def fork_again(self, rank: int) -> None:
+        """Start ``rank`` again while no controller holds the mesh (its failure
+        policy); it appends to its log and knows it starts with no controller."""
+        cfg = self.rank_cfgs.get(rank)
+        if cfg is not None:
+            cfg = replace(cfg, restart_count=cfg.restart_count + 1, detachable=2)
+            self.rank_cfgs[rank] = cfg
+            self.template.command(op="fork", cfg=cfg.to_json())
 
     def on_detach(self, h: H.AnyHeader) -> None:
         """DETACH: the controller of this detachable mesh leaves; the ranks run on."""
@@ -420,8 +431,11 @@ class HostAgent:
             if self.pids.get(rank) == ev["pid"]:
                 del self.pids[rank]
                 self.backlog.pop(rank, None)  # a restarted rank starts afresh
-            if self.desk is not None:
-                self.desk.rank_exited(rank, ev["pid"], ev["code"], ev["signal"])
+            desk, expected = self.desk, rank in self.expected_exits
+            if desk is not None and desk.rank_exited(
+                rank, ev["pid"], ev["code"], ev["signal"], expected
+            ):
+                self.fork_again(rank)
             log_path = os.path.join(self.private_dir, f"rank{rank}.log")
             exit_ = H.RankExit(
                 host=self.host,

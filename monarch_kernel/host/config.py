@@ -39,6 +39,8 @@ class AgentConfig:
     controller_started: float = 0.0
     #: The mesh's attach file, removed by the agent when it stops with no controller.
     attach_file: str = ""
+    #: The mesh's failure policy, applied by the agent while no controller holds it.
+    on_failure: str = ""
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> AgentConfig:

@@ -44,6 +44,9 @@ log = logging.getLogger("monarch_kernel.host")
 
 #: Seconds between looks at whether the holding controller's process still runs.
 HOLDER_CHECK_INTERVAL = 0.5
+#: Restarts of one rank an agent makes while no controller holds the mesh (a rank that
+#: keeps dying is left dead, as the controller's failure policy does).
+MAX_DETACHED_RESTARTS = 3
 
 
 def leave_launcher(private_dir: str) -> str:
@@ -84,6 +87,7 @@ class Desk:
 
     def __init__(self, cfg: AgentConfig, private_dir: str, ctx: zmq.Context[Any]):
         self.keep = cfg.detach_keep
+        self.policy = cfg.on_failure
         self.hb_timeout = cfg.hb_timeout
         self.codec = Codec(bytes.fromhex(cfg.key))
         self.sock = ctx.socket(zmq.ROUTER)
@@ -104,6 +108,8 @@ class Desk:
         self.refused: Counter[str] = Counter()
         #: Ranks that ended since the holder was lost (told to the next one at attach).
         self.ended: dict[int, RankStatus] = {}
+        #: rank -> times this agent restarted it since the holder was lost
+        self.restarts: dict[int, int] = {}
         self._holder_checked = 0.0
 
     # -- the clock -------------------------------------------------------------------
@@ -136,10 +142,23 @@ class Desk:
             return False
         return self.keep_until is not None and time.time() >= self.keep_until
 
-    def rank_exited(self, rank: int, pid: int, code: int | None, sig: int | None) -> None:
-        """A rank ended (recorded for the next controller while none holds the mesh)."""
-        if not self.attached:
-            self.ended[rank] = RankStatus(rank, pid, False, code, sig, time.time())
+    def rank_exited(
+        self, rank: int, pid: int, code: int | None, sig: int | None, expected: bool
+    ) -> bool:
+        """A rank ended: recorded for the next controller while none holds the mesh;
+        True when the failure policy (``restart``) says to start it again now."""
+        holder = self.holder
+        if self.attached and holder is not None and holder.alive() is False:
+            self.lose_controller(f"{holder.describe()} ended")  # before the clock noticed
+        if self.attached:
+            return False
+        n = self.restarts.get(rank, 0)
+        self.ended[rank] = RankStatus(rank, pid, False, code, sig, time.time(), n)
+        if expected or self.policy != "restart" or n >= MAX_DETACHED_RESTARTS:
+            return False
+        self.restarts[rank] = n + 1
+        log.warning("rank %s ended while detached; restarting it (failure policy)", rank)
+        return True
 
     # -- requests --------------------------------------------------------------------
     def serve(self, host: DeskHost) -> StopAsked | None:
@@ -217,6 +236,7 @@ class Desk:
         self.attached_at = time.monotonic()
         self.detached_since = self.keep_until = None
         self.ended.clear()
+        self.restarts.clear()
         log.warning("mesh attached by %s", by.describe())
         return reply
 
@@ -231,7 +251,12 @@ class Desk:
         ended while no controller held it)."""
         ranks = dict(self.ended)
         for rank, pid in (host.pids if host is not None else {}).items():
-            ranks[rank] = RankStatus(rank, pid, True)
+            last = self.ended.get(rank)
+            if last is not None and last.pid != pid:  # restarted: how it ended before
+                n = self.restarts.get(rank, 0)
+                ranks[rank] = RankStatus(rank, pid, True, last.code, last.signal, last.ended_at, n)
+            else:
+                ranks[rank] = RankStatus(rank, pid, True)
         return DeskReply(
             True,
             holder=self.holder if self.attached else None,

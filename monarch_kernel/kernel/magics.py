@@ -14,6 +14,7 @@ namespace and cell labels in :mod:`.notebook`.
 from __future__ import annotations
 
 import shlex
+import threading
 from typing import Any
 
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
@@ -32,6 +33,10 @@ from monarch_kernel.kernel.targets import ranks_option, resolve
 
 __all__ = ["MeshMagics", "load_ipython_extension", "split_args", "stop_all_meshes"]
 
+#: Seconds the stop button's interrupt of a detachable mesh's ``--bg`` cells waits for a
+#: shutdown request (``Restart Kernel`` interrupts first, then asks the kernel to stop).
+SHUTDOWN_WINDOW = 1.0
+
 
 @magics_class
 class MeshMagics(Magics):
@@ -41,6 +46,7 @@ class MeshMagics(Magics):
         super().__init__(shell)
         self.notebook = Notebook(shell)
         self.jobs: list[RemoteJob] = []  #: the ``%%remote`` jobs, the running ones kept
+        self.shutting_down = False  #: the kernel is shutting down (or restarting)
 
     def _next_cell(self) -> str:
         """The label of the next cell run on ranks; see :meth:`.Notebook.next_cell`."""
@@ -67,8 +73,9 @@ class MeshMagics(Magics):
         if args[0] == "stop":
             return mesh_detach.stop(args[1:])
         if args[0] == "attach":
-            mesh_detach.attach_mesh(self.notebook, args[1:])
-            return None
+            jobs = mesh_detach.attach_mesh(self.notebook, args[1:])
+            self.jobs += jobs or []  # the stop button interrupts them too
+            return jobs
         if args[0] == "restart":
             return mesh_admin.restart_mesh(args[1:])
         if args[0] == "setup":
@@ -103,9 +110,28 @@ class MeshMagics(Magics):
             InputRouter.of(rt)
 
     def cancel_background_jobs(self, why: str) -> None:
-        """Interrupt every running ``--bg`` cell (their output blocks say ``why``)."""
+        """Interrupt every running ``--bg`` cell (their output blocks say ``why``).
+
+        Those on detachable meshes a moment later, unless the kernel shuts down
+        meanwhile: a kernel manager interrupts the kernel before it restarts it, and
+        that must not stop the training the mesh outlives the kernel for."""
+        later = []
         for job in self.jobs:
             if not job.done():
+                if job.procs.runtime.detach_keep:
+                    later.append(job)
+                else:
+                    job.cancel(why)
+        if later:
+            timer = threading.Timer(
+                SHUTDOWN_WINDOW, self._cancel_unless_shutting_down, (later, why)
+            )
+            timer.daemon = True
+            timer.start()
+
+    def _cancel_unless_shutting_down(self, jobs: list[RemoteJob], why: str) -> None:
+        if not self.shutting_down:
+            for job in jobs:
                 job.cancel(why)
 
     # -- %debug_remote ----------------------------------------------------------------

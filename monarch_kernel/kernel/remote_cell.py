@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from IPython.core.error import UsageError
 
 from monarch_kernel.actor import ProcMesh, ValueMesh
+from monarch_kernel.controller.detach import recipe_changed
 from monarch_kernel.controller.records import MeshPhase, SetupCell
 from monarch_kernel.kernel.args import remote_parser, split_args
 from monarch_kernel.kernel.channel import CellChannel, LiveText
@@ -101,9 +102,10 @@ def start_remote(notebook: Notebook, req: RemoteRequest) -> RemoteJob:
             output,
             ranks,
             shape,
-            on_finished=lambda j: _report_bg(j, live, req.out, notebook),
+            on_finished=lambda j: report_bg(j, live, req.out, notebook),
             header=req.header,
         )
+        job.on_failing = lambda j: show_failing(j, live)
     else:
         output = CellOutput(channel.stream, ranks, req.group_outputs, label, logs)
         job = RemoteJob(procs, req.code, cell_id, output, ranks, shape, header=req.header)
@@ -153,13 +155,20 @@ def _remember_setup(
     cell = SetupCell(code, label, tuple(header), key)
     if key is not None and any(c.key == key for c in rt.setup_cells):
         rt.setup_cells = [cell if c.key == key else c for c in rt.setup_cells]
+        recipe_changed(rt)
         print(f"mesh {procs.name!r}: setup cell {label} replaces its earlier version")
         return
     rt.remember_setup(cell)
+    recipe_changed(rt)
     print(f"mesh {procs.name!r}: setup cell {label} registered (re-run on restarted ranks)")
 
 
-def _report_bg(job: RemoteJob, live: LiveText, out: str | None, notebook: Notebook) -> None:
+def show_failing(job: RemoteJob, live: LiveText) -> None:
+    """A ``--bg`` job's rank failed while the others still run it: its title says so."""
+    live.set_title(f"[bg cell {job.cell} on {job.procs.name}: {job.state}]")
+
+
+def report_bg(job: RemoteJob, live: LiveText, out: str | None, notebook: Notebook) -> None:
     """A ``--bg`` job ended: its block's title says how, and shows its values or error."""
     took = (job.finished or time.time()) - job.started
     try:

@@ -48,6 +48,9 @@ class HostConfig:
     controller_started: float = 0.0
     #: The mesh's attach file (a detachable mesh), removed when the agent stops unattached.
     attach_file: str = ""
+    #: The mesh's failure policy, which a detachable mesh's agent applies while no
+    #: controller holds the mesh (``restart``: it restarts a rank that dies).
+    on_failure: str = ""
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)

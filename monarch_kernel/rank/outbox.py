@@ -72,7 +72,7 @@ class Outbox:
         """Send a message to the controller (any thread); in a detachable mesh with no
         controller connected, the link keeps it or drops it instead."""
         link = self.link
-        if link is not None and not link.connected:
+        if link is not None and link.holds(header):
             link.divert(header, payload, buffers)
             return
         with self.lock:
@@ -95,6 +95,8 @@ class Outbox:
                     f"report({key}=...) needs a number, got {type(value).__name__}"
                 ) from None
         header = H.Metric(rank=self.rank, request=context.current_request)
+        if self.link is not None:  # a detachable mesh: kept for the next controller too
+            self.link.record(clean, context.current_request)
         self.send(header.encode(), pickle.dumps(clean))
 
     def reply(self, request: str, value: Any, what: What, where: What | None = None) -> None:

@@ -33,7 +33,7 @@ from monarch_kernel.rank.context import UserNamespace
 from monarch_kernel.rank.control import ControlThread
 from monarch_kernel.rank.debugger import RankDebugger
 from monarch_kernel.rank.inbox import Inbox, bind_peer, connect, dealer
-from monarch_kernel.rank.link import ControllerLink
+from monarch_kernel.rank.link import ControllerLink, serve_attached
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.signals import TERMINATED_CODE, MainThread, RankTerminated
 from monarch_kernel.rank.stdin import InputBridge
@@ -107,7 +107,10 @@ class Rank:
             self.debugger, self.stdin,
         )  # fmt: skip
         if cfg.detachable:  # the rank outlives its controller (before any thread sends)
-            self.outbox.link = self.control.link = ControllerLink(out)
+            # 2: started by its host agent while no controller held the mesh
+            link = ControllerLink(out, log_fd, connected=cfg.detachable != 2)
+            self.outbox.link = self.control.link = link
+            self.control.handlers[K.ATTACHED] = lambda msg: serve_attached(link, self.outbox, msg)
 
     # -- RankServices ------------------------------------------------------------------
     @property

@@ -133,6 +133,9 @@ class RankStatus:
     signal: int | None = None
     #: Seconds (since the epoch) it ended, when it ended while no controller held the mesh.
     ended_at: float | None = None
+    #: Times its host agent restarted it while no controller held the mesh (the mesh's
+    #: failure policy: ``restart``); ``code``/``signal``/``ended_at`` tell its last end.
+    restarts: int = 0
 
 
 @dataclass(frozen=True)

@@ -221,6 +221,11 @@ kind              keys and payload
                   No reply to the cancel itself
 ``stacks``        ``i``, ``w``. Reply value: ``tuple[ThreadStack, ...]`` (every thread's
                   Python stack now; see ``wire.stacks``)
+``attached``      ``i``, ``w`` (a rank of a detachable mesh, from a controller that took
+                  it over). Reply value: ``{"history": [(time, request, metrics), ...]
+                  (every ``report()`` kept, oldest first), "dropped": int (messages
+                  dropped while no controller was connected)}``; then the rank sends the
+                  results and faults it kept meanwhile, as it would have
 ``abort_pg``      (no keys) abort the default torch.distributed process group, if any:
                   peers blocked in a collective with this rank are released with an error
 ``input_reply``   ``n`` int (the ``input`` request answered), and ``v`` str (the line
@@ -342,6 +347,9 @@ PING = "ping"
 CANCEL = "cancel"  # header "c": the request to interrupt (running) or skip (not started)
 STACKS = "stacks"
 ABORT_PG = "abort_pg"
+#: A controller took a detachable mesh over: reply with the rank's metric history, then
+#: send what it kept while no controller was connected (results, faults).
+ATTACHED = "attached"
 INPUT_REPLY = "input_reply"
 
 # rank -> controller
