@@ -32,6 +32,7 @@ BENCHES = [
     "ready",
     "cells",
     "fault",
+    "detach",
     "ddp",
     "xhost",
     "engines",

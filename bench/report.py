@@ -119,6 +119,17 @@ def rows(s: Settings) -> list[Row]:
     )
     out.append(Row("raise_collective", "7. rank raises, 3 wait in all_reduce -> call raises", "ms"))
     out.append(Row("restart_1of4", "7. restart 1 rank of 4 + re-form process group", "s"))
+    out.append(Row("attach_dashboard", "7. %mesh attach -> dashboard with the whole history", "s"))
+    out.append(
+        Row(
+            "attached_sps",
+            "7. steps/s (report + print) with a kernel attached",
+            "steps/s",
+            "higher",
+        )
+    )
+    out.append(Row("detached_sps", "7. same loop while no kernel is attached", "steps/s", "higher"))
+    out.append(Row("detached_ratio", "7. steps/s detached ÷ attached", "x", "higher"))
     out.append(Row("ddp_mesh_sps", "8. DDP steps/s, 2 ranks in a mesh", "steps/s", "higher"))
     out.append(
         Row("ddp_torchrun_sps", "8. DDP steps/s, same script under torchrun", "steps/s", "higher")

@@ -81,10 +81,10 @@ class Counter(Actor):
 counters = dm.spawn("counters", Counter)
 counters.incr.call().get()
 """
-#: The loss series of rank 0 as the dashboard charts it: (first step, points).
+#: The loss series of rank 0 as the dashboard charts it: (first step, points reported).
 CHARTED = (
-    "st = dm.dashboard().state; st.drain(); pts = st.metrics['loss'][0].points(); "
-    "print('charted', pts[0][0], len(pts))"
+    "st = dm.dashboard().state; st.drain(); s = st.metrics['loss'][0]; "
+    "print('charted', s.points()[0][0], s.count)"
 )
 
 
@@ -220,6 +220,28 @@ def test_a_bg_job_says_it_is_failing_while_other_ranks_still_run_it(place):
     ok(k, "j.cancel()\nimport contextlib\nwith contextlib.suppress(Exception):\n    j.wait(30)")
     assert ": failed" in ok(k, "repr(j)").text or "cancelled" in ok(k, "repr(j)").text
     ok(k, "%mesh stop m")
+
+
+def test_a_fast_loop_never_blocks_when_its_kernel_dies(place):
+    """Tens of thousands of reports a second: nothing may wait for a kernel that is gone
+    (its queue fills in a millisecond, long before the rank hears it is gone, and a
+    send that waits for room there would wait forever)."""
+    k1 = place.kernel()
+    ok(k1, "%mesh df --gpus 1 --detachable --keep 5m")
+    k1.submit(
+        "%%remote df --bg\nimport monarch_kernel\nstep = 0\nwhile True:\n    step += 1\n"
+        "    for _ in range(100):\n        monarch_kernel.report(step=step)\n"
+        "    print(f'step {step} lr 0.1', flush=True)"
+    )
+    log = place.rank_log("df", 0)
+    wait_until(lambda: steps(log) > 100, timeout=60, what="the loop to run")
+    place.kill(k1)
+    at_kill = steps(log)
+    wait_until(lambda: steps(log) > at_kill + 2_000, timeout=60, what="2k steps with no kernel")
+    pids = place.mesh_pids("df")
+    k2 = place.kernel()
+    assert "mesh 'df' stopped" in ok(k2, "%mesh stop df").stdout
+    _all_ended(pids, timeout=30)
 
 
 def test_mesh_stops_by_itself_once_keep_runs_out(place):

@@ -29,6 +29,9 @@ log = logging.getLogger("monarch_kernel.rank")
 
 #: How long a reply to a calling rank may wait for that rank's socket (it may be gone).
 PEER_SEND_TIMEOUT_MS = 5000
+#: A detachable mesh's rank whose controller queue is full looks this often (ms) whether
+#: the controller went away meanwhile.
+ROOM_WAIT_MS = 50
 
 
 class Outbox:
@@ -72,13 +75,35 @@ class Outbox:
         """Send a message to the controller (any thread); in a detachable mesh with no
         controller connected, the link keeps it or drops it instead."""
         link = self.link
-        if link is not None and link.holds(header):
-            link.divert(header, payload, buffers)
-            return
-        with self.lock:
-            wire_send(self.out, self.codec.encode(header, payload, buffers))
+        if link is not None:
+            self._send_detachable(link, header, payload, buffers)
+        else:
+            with self.lock:
+                wire_send(self.out, self.codec.encode(header, payload, buffers))
         if self.main.pending_signal is not None:  # a signal came while the main thread sent
             self.main.raise_pending()
+
+    def _send_detachable(
+        self,
+        link: ControllerLink,
+        header: H.WireHeader,
+        payload: bytes,
+        buffers: Sequence[Buffer],
+    ) -> None:
+        """:meth:`send` in a detachable mesh: wait for room in the controller's queue as
+        a plain send does, but never past the controller's going away (the link then
+        takes the message): a full queue to a dead controller must not block the rank."""
+        frames = None
+        while not link.holds(header):
+            with self.lock:
+                if frames is None:
+                    frames = self.codec.encode(header, payload, buffers)
+                try:
+                    wire_send(self.out, frames, flags=zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    self.out.poll(ROOM_WAIT_MS, zmq.POLLOUT)
+        link.divert(header, payload, buffers)
 
     def stream(self, name: str, text: str, request: str | None) -> None:
         """Output of stream ``name`` (captured) during ``request``."""
