@@ -110,6 +110,19 @@ class Place:
         """Our temporary directories left in this place (``mk-*``)."""
         return sorted(n for n in os.listdir(self.tmp) if n.startswith("mk-"))
 
+    def describe_temp_dirs(self) -> str:
+        """What the left directories hold (their owners, the agents' logs' ends)."""
+        out = []
+        for name in self.temp_dirs():
+            for root, _, files in os.walk(os.path.join(self.tmp, name)):
+                for f in files:
+                    path = os.path.join(root, f)
+                    out.append(path)
+                    if f.endswith(".log") or f == ".mk-owners":
+                        with open(path, errors="replace") as fh:
+                            out.append("    " + fh.read()[-1500:].replace("\n", "\n    "))
+        return "\n".join(out)
+
     def close(self) -> tuple[list[str], list[str]]:
         """Shut the kernels down and stop the meshes they left detached; what was left
         (processes, temp dirs), cleaned up."""

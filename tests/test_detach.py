@@ -337,4 +337,9 @@ def test_killed_kernels_temp_dirs_are_removed(place):
     k2 = place.kernel()
     ok(k2, "%mesh m --gpus 1")
     place.kill(k2)
-    wait_until(lambda: not place.temp_dirs(), timeout=30, what="the temp dirs to be removed")
+    wait_until(
+        lambda: not place.temp_dirs(),
+        timeout=30,
+        what="the temp dirs to be removed",
+        detail=place.describe_temp_dirs,
+    )

@@ -156,3 +156,30 @@ def test_sweep_removes_dirs_whose_owners_are_all_gone(tmp_path):
     tempdirs.mark_owners(str(alive), [gone.pid, os.getpid()])
     assert tempdirs.sweep(str(tmp_path)) == [str(dead)]
     assert alive.exists() and unmarked.exists() and not dead.exists()
+
+
+def test_a_ranks_metric_history_spans_the_whole_run_in_bounded_memory(tmp_path):
+    import zmq
+
+    from monarch_kernel.rank import link
+
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.DEALER)
+    fd = os.open(tmp_path / "rank0.log", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        keeper = link.ControllerLink(out, fd)
+        total = 5 * link.HISTORY
+        for step in range(1, total + 1):
+            keeper.record({"step": float(step)}, None)
+        history = keeper.welcome()
+        steps = [values["step"] for _, _, values in history]
+        assert len(steps) <= link.HISTORY
+        assert steps[0] == 1.0 and steps[-1] >= total - 8  # from the start to (nearly) now
+        assert steps == sorted(steps)
+        gaps = {b - a for a, b in zip(steps, steps[1:])}
+        assert max(gaps) <= 8  # evenly thinned: no stretch of the run is missing
+        keeper.close()
+    finally:
+        os.close(fd)
+        out.close(0)
+        ctx.term()

@@ -45,8 +45,10 @@ KEEP_BYTES = 64 << 20
 #: Kinds kept while detached; every other kind (output, stats, metrics: those are in
 #: the history) is dropped.
 KEPT_KINDS = frozenset({K.RESULT, K.FAULT})
-#: ``report()`` calls kept per rank for the next controller's dashboard.
-HISTORY = 100_000
+#: ``report()`` calls kept per rank for the next controller's dashboard: past this many,
+#: every other one is dropped and only every other new one kept from then on (as the
+#: dashboard's own series thin), so the history spans the whole run in bounded memory.
+HISTORY = 20_000
 
 #: One ``report()``: when (time.time()), during which request, the values.
 Report = tuple[float, "str | None", dict[str, float]]
@@ -87,7 +89,9 @@ class ControllerLink:
         self.welcomed = connected
         self.dropped = 0  #: messages dropped while no controller was connected
         self.kept: deque[Kept] = deque(maxlen=KEEP_MESSAGES)
-        self.history: deque[Report] = deque(maxlen=HISTORY)
+        self.history: list[Report] = []
+        self._stride = 1  # keep every stride-th report (1 until the history was thinned)
+        self._reports = 0
         self._kept_bytes = 0
         self._lock = threading.Lock()
         if not connected:
@@ -123,7 +127,14 @@ class ControllerLink:
     def record(self, metrics: Mapping[str, float], request: str | None) -> None:
         """Keep a ``report()`` for the history."""
         with self._lock:
-            self.history.append((time.time(), request, dict(metrics)))
+            self._reports += 1
+            if self._reports % self._stride:
+                return
+            history = self.history
+            history.append((time.time(), request, dict(metrics)))
+            if len(history) >= HISTORY:
+                del history[1:-1:2]  # the first and the latest stay
+                self._stride *= 2
 
     def welcome(self) -> list[Report]:
         """The history, as the controller that asked for it gets it; metrics go live
