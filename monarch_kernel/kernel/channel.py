@@ -8,6 +8,7 @@ the work and publishes on IOPub with it (ipykernel's IOPub socket is thread-safe
 
 from __future__ import annotations
 
+import base64
 import sys
 import threading
 import time
@@ -48,16 +49,47 @@ class CellChannel:
         self._send("stream", {"name": name, "text": text})
 
     def display(
-        self, data: MimeBundle, display_id: str | None = None, update: bool = False
+        self,
+        data: MimeBundle,
+        display_id: str | None = None,
+        update: bool = False,
+        metadata: JsonObject | None = None,
     ) -> None:
+        """A display_data (``update``: an update_display_data of ``display_id``); binary
+        data (a rank's PNG) is sent base64-encoded, as Jupyter's protocol wants."""
         if self.kernel is None:
             if not update:
                 print(data.get("text/plain", ""))
             return
-        content: JsonObject = {"data": data, "metadata": {}}
+        if any(isinstance(v, (bytes, bytearray, memoryview)) for v in data.values()):
+            data = {
+                k: base64.b64encode(v).decode("ascii")
+                if isinstance(v, (bytes, bytearray, memoryview))
+                else v
+                for k, v in data.items()
+            }
+        content: JsonObject = {"data": data, "metadata": metadata or {}}
         if display_id:
             content["transient"] = {"display_id": display_id}
         self._send("update_display_data" if update else "display_data", content)
+
+    def show(
+        self, data: MimeBundle, metadata: JsonObject, display_id: str | None, update: bool
+    ) -> None:
+        """:meth:`display` in the argument order of a ``CellOutput``'s display sink."""
+        self.display(data, display_id, update, metadata)
+
+
+class _Bars:
+    """A bar block inside a :class:`LiveText` (its text changes in place)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def __str__(self) -> str:
+        return self.text
 
 
 class LiveText:
@@ -78,7 +110,8 @@ class LiveText:
         self.display_id = f"mk-{uuid.uuid4().hex[:12]}"
         self.title = title
         self.logs = logs
-        self.lines: deque[str] = deque(maxlen=self.MAX_LINES)
+        self.lines: deque[str | _Bars] = deque(maxlen=self.MAX_LINES)
+        self._bars: dict[str, _Bars] = {}  # bar blocks by display id
         self.dropped = 0  # lines no longer shown (all are in the logs)
         self._lock = threading.Lock()
         self._sent = 0.0
@@ -90,7 +123,26 @@ class LiveText:
         if self.dropped:
             where = f" (all output: {self.logs})" if self.logs else ""
             head.append(f"[... {self.dropped:,} earlier lines not shown{where}]")
-        return {"text/plain": "\n".join([*head, *self.lines])}
+        body = [str(line) for line in self.lines]
+        return {"text/plain": "\n".join([*head, *(line for line in body if line)])}
+
+    def show(
+        self, data: MimeBundle, metadata: JsonObject, display_id: str | None, update: bool
+    ) -> None:
+        """A ``CellOutput``'s display sink: bar blocks become part of this block (kept
+        up to date in place, like the rest of it); other displays go under the cell."""
+        marks = metadata.get("monarch_kernel")
+        if isinstance(marks, dict) and marks.get("bars") and display_id:
+            text = str(data.get("text/plain", ""))
+            with self._lock:
+                bars = self._bars.get(display_id)
+                if bars is None:
+                    bars = self._bars[display_id] = _Bars()
+                    self.lines.append(bars)
+                bars.text = text
+            self._update()
+            return
+        self.channel.display(data, display_id, update, metadata)
 
     def emit(self, name: str, text: str) -> None:
         new = text.rstrip("\n").split("\n")

@@ -1,12 +1,15 @@
 """Capture of a rank's stdout/stderr at Python and file-descriptor level.
 
 Python-level writes go to the controller, tagged with the request the main thread is
-serving, batched as ipykernel's ``iostream`` batches: a line after a quiet spell goes at
-once, while a flood goes as one message per :data:`BATCH_INTERVAL` (or per
-:data:`BATCH_BYTES`), so printing costs the rank a message per batch, not per line.
+serving, batched as ipykernel's ``iostream`` batches: a line (or a ``\r`` frame of a
+progress bar) after a quiet spell goes at once, while a flood goes as one message per
+:data:`BATCH_INTERVAL` (or per :data:`BATCH_BYTES`), so printing costs the rank a
+message per batch, not per line. Text without a newline (``print(..., end="")``, a bar's
+last frame) goes at most :data:`BATCH_INTERVAL` after it was written.
 Writes to fd 1/2 (C extensions, subprocesses) go through a pipe and a reader thread.
 Everything is also appended to the rank's log file so the host agent can report the
-last lines of a rank that died without warning.
+last lines of a rank that died without warning; once a stream used ``\r`` or escape
+sequences, its log gets each line's final state (a bar's last frame), not every frame.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from monarch_kernel.rank import context
+from monarch_kernel.wire.terminal import Terminal
 
 Sink = Callable[[str, str, "str | None"], None]  # (stream name, text, request id)
 
@@ -62,13 +66,43 @@ class _Flusher:
 _flusher = _Flusher()
 
 
+class _LogWriter:
+    """Appends one stream's text to the rank's log file: as it comes, until the stream
+    redraws lines (``\r``, escape sequences); from then on through a
+    :class:`~monarch_kernel.wire.terminal.Terminal`, so a bar's thousands of frames
+    are logged as its final line."""
+
+    __slots__ = ("fd", "term")
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.term: Terminal | None = None
+
+    def write(self, data: str) -> None:
+        term = self.term
+        if term is None:
+            if "\r" not in data and "\x1b" not in data:
+                self._put(data)
+                return
+            term = self.term = Terminal()
+        lines = term.feed(data)
+        if lines:
+            self._put("\n".join(lines) + "\n")
+
+    def _put(self, data: str) -> None:
+        try:
+            os.write(self.fd, data.encode("utf-8", "replace"))
+        except OSError:
+            pass
+
+
 class RankStream(io.TextIOBase):
     """A line-buffered text stream that forwards complete lines to ``sink``."""
 
     def __init__(self, name: str, sink: Sink, log_fd: int):
         self.name = name
         self._sink = sink
-        self._log_fd = log_fd
+        self._log = _LogWriter(log_fd)
         self._buf: list[str] = []
         self._size = 0
         self._last = 0.0  # when a batch last went
@@ -104,6 +138,9 @@ class RankStream(io.TextIOBase):
                 elif not self._armed:
                     self._armed = True
                     _flusher.arm()
+            elif not self._armed:  # part of a line: goes within BATCH_INTERVAL
+                self._armed = True
+                _flusher.arm()
         return len(text)
 
     def flush(self) -> None:
@@ -124,10 +161,7 @@ class RankStream(io.TextIOBase):
         self._buf.clear()
         self._size = 0
         self._last = now
-        try:
-            os.write(self._log_fd, data.encode("utf-8", "replace"))
-        except OSError:
-            pass
+        self._log.write(data)
         self._sink(self.name, data, context.current_request)
 
 
@@ -136,7 +170,7 @@ class FdCapture:
 
     def __init__(self, sink: Sink, log_fd: int):
         self._sink = sink
-        self._log_fd = log_fd
+        self._logs = {name: _LogWriter(log_fd) for name in ("stdout", "stderr")}
         self._threads: list[threading.Thread] = []
         self._read_fds: list[int] = []
         self._busy = 0  # readers between a read() and handing the text to the sink
@@ -178,12 +212,10 @@ class FdCapture:
             if not data:
                 return
             self._busy += 1
+            text = data.decode("utf-8", "replace")
+            self._logs[name].write(text)
             try:
-                os.write(self._log_fd, data)
-            except OSError:
-                pass
-            try:
-                self._sink(name, data.decode("utf-8", "replace"), context.current_request)
+                self._sink(name, text, context.current_request)
             finally:
                 self._busy -= 1
 
