@@ -231,24 +231,29 @@ class CellOutput:
                 same = self._index.get((DISPLAY, text))
                 if same is None:
                     same = self._index[(DISPLAY, text)] = []
-                for entry in same:
-                    if rank not in entry.ranks:
-                        entry.ranks.add(rank)
-                        assert isinstance(entry, _Display)
-                        self._last_display[rank] = entry.display_id
-                        return
-                did = f"mk-d-{uuid.uuid4().hex[:12]}"
-                entry = _Display(DISPLAY, text, now, {rank}, data, metadata, did, False, size)
-                same.append(entry)
+                joined: _Line | None = None
+                for other in same:
+                    if rank not in other.ranks:
+                        other.ranks.add(rank)
+                        joined = other
+                        break
+                entry: _Display | None = None
+                if isinstance(joined, _Display):
+                    self._last_display[rank] = joined.display_id
+                else:
+                    did = f"mk-d-{uuid.uuid4().hex[:12]}"
+                    entry = _Display(DISPLAY, text, now, {rank}, data, metadata, did, False, size)
+                    same.append(entry)
             else:
                 did = did or f"mk-d-{uuid.uuid4().hex[:12]}"
                 entry = _Display(DISPLAY, "", now, {rank}, data, metadata, did, update, size)
-            if not update:
-                self._last_display[rank] = did
-            if self._mode == "rank" and not update:
-                self._by_rank.setdefault(rank, []).append((DISPLAY, entry))
-            else:
-                self._pending.append(entry)
+            if entry is not None:
+                if not update:
+                    self._last_display[rank] = did
+                if self._mode == "rank" and not update:
+                    self._by_rank.setdefault(rank, []).append((DISPLAY, entry))
+                else:
+                    self._pending.append(entry)
         self.flush()
         if self._pending:
             _due.set()
