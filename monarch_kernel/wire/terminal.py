@@ -105,8 +105,12 @@ class Terminal:
         return any(row.text for row in self._rows)
 
     def live(self) -> list[Row]:
-        """The rows that may still change and have text, top to bottom."""
-        return [row for row in self._rows if row.text]
+        """The rows to show as live, top to bottom: bars (rows redrawn in place) and the
+        line the cursor is on (text without its newline yet). Whole lines kept live
+        below a bar (in case a nested bar moves back up) are not among them: they are
+        committed as lines."""
+        cur = self._cur
+        return [r for i, r in enumerate(self._rows) if r.text and (r.framed or i == cur)]
 
     def _new_row(self) -> Row:
         self._ids += 1
