@@ -18,8 +18,9 @@ A :class:`RankLogs` keeps every line a rank printed in ``<log dir>/<mesh>-<id>/r
 (``$MONARCH_KERNEL_LOG_DIR``, by default ``monarch_kernel-logs`` in the temp directory),
 so output the notebook elides is never lost; the files stay after the mesh stops. A
 progress bar's line is logged in its final state (each ``\r`` frame replaces the last,
-escape sequences dropped: :class:`~monarch_kernel.wire.terminal.Terminal`), not as
-thousands of frames; a rank's display is logged as its text.
+escape sequences dropped: :class:`~monarch_kernel.wire.terminal.Terminal`, used once a
+stream redraws a line), not as thousands of frames; a rank's display is logged as its
+MIME types and text.
 """
 
 from __future__ import annotations
@@ -160,10 +161,13 @@ class RankLogs:
             if event.text:
                 key = (event.rank, event.stream)
                 term = self._terms.get(key)
-                if term is None:
-                    term = self._terms[key] = Terminal()
-                lines = term.feed(event.text)
-                text = "\n".join(lines) + "\n" if lines else ""
+                if term is None and "\r" not in event.text and "\x1b" not in event.text:
+                    text = event.text  # as it came, until the stream redraws a line
+                else:
+                    if term is None:
+                        term = self._terms[key] = Terminal()
+                    lines = term.feed(event.text)
+                    text = "\n".join(lines) + "\n" if lines else ""
             else:
                 text = line
             try:

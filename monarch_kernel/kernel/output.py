@@ -59,6 +59,8 @@ BURST_BYTES = 2 * RATE_BYTES
 MODES = ("collapse", "order", "rank")
 #: A bar block is redrawn at most this often (at once after a quiet spell).
 BAR_INTERVAL = 0.01
+#: How long a line without its newline waits for it before it is shown as live.
+PARTIAL_WAIT = 0.05
 #: Rows a bar block holds before the next bar opens a new block.
 BLOCK_ROWS = 256
 #: The pseudo stream name of a display in the queue of lines.
@@ -151,6 +153,8 @@ class CellOutput:
         self._live: set[tuple[int, str]] = set()
         self._block: _Block | None = None
         self._bars_at = -1.0  # when the bar block was last drawn
+        #: id of a live row without its newline -> when it was first seen so
+        self._partial_since: dict[int, float] = {}
         #: per rank: the id of its last display, and whether it cleared its output since
         self._last_display: dict[int, str] = {}
         self._cleared: set[int] = set()
@@ -333,12 +337,28 @@ class CellOutput:
         block = self._block
         if block is None or len(block.rows) >= BLOCK_ROWS:
             block = self._block = _Block()
+        waiting: set[tuple[int, str]] = set()
         for key in sorted(self._live):
             for row in self._terms[key].live():
-                if not row.shown:
-                    row.shown = True
-                    block.rows.append((key[0], row))
-        self._live.clear()
+                if row.shown:
+                    continue
+                if not row.framed and not force:
+                    # a line without its newline yet: shown once it stayed so for a
+                    # while (a flood's batches end mid-line for a moment)
+                    since = self._partial_since.setdefault(id(row), now)
+                    if now - since < PARTIAL_WAIT:
+                        waiting.add(key)
+                        continue
+                self._partial_since.pop(id(row), None)
+                row.shown = True
+                block.rows.append((key[0], row))
+        self._live = waiting
+        if len(self._partial_since) > 1024:  # rows completed before they were shown
+            self._partial_since.clear()
+        if not block.rows:
+            if self._block is block and not block.opened:
+                self._block = None
+            return None
         text = self._render(block)
         if all(row.done for _, row in block.rows):
             self._block = None  # every row in it is final: the next bar opens a new one
