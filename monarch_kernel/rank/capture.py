@@ -14,10 +14,12 @@ sequences, its log gets each line's final state (a bar's last frame), not every 
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import io
 import os
 import struct
+import sys
 import termios
 import threading
 import time
@@ -43,6 +45,8 @@ class _Flusher:
         self._streams: list[RankStream] = []
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        #: Rounds run (woken by a waiting batch), for tests.
+        self.rounds = 0
 
     def add(self, stream: RankStream) -> None:
         with self._lock:
@@ -59,6 +63,7 @@ class _Flusher:
             self._due.wait()
             time.sleep(BATCH_INTERVAL)
             self._due.clear()  # a write after this arms the next round
+            self.rounds += 1
             for stream in list(self._streams):
                 stream.flush_batch()
 
@@ -107,6 +112,7 @@ class RankStream(io.TextIOBase):
         self._size = 0
         self._last = 0.0  # when a batch last went
         self._armed = False  # a batch waits for the flusher
+        self._partial_at = 0.0  # when the line the buffer ends in began (0: none)
         self._lock = threading.Lock()
         _flusher.add(self)
 
@@ -133,14 +139,18 @@ class RankStream(io.TextIOBase):
             self._size += len(text)
             if "\n" in text or "\r" in text:
                 now = time.monotonic()
+                self._partial_at = 0.0 if text[-1] == "\n" else now
                 if self._size >= BATCH_BYTES or now - self._last >= BATCH_INTERVAL:
                     self._flush_locked(now)
                 elif not self._armed:
                     self._armed = True
                     _flusher.arm()
-            elif not self._armed:  # part of a line: goes within BATCH_INTERVAL
-                self._armed = True
-                _flusher.arm()
+            else:  # part of a line (print writes its newline next): within BATCH_INTERVAL
+                if not self._partial_at:
+                    self._partial_at = time.monotonic()
+                if not self._armed:
+                    self._armed = True
+                    _flusher.arm()
         return len(text)
 
     def flush(self) -> None:
@@ -148,18 +158,35 @@ class RankStream(io.TextIOBase):
             self._flush_locked(time.monotonic())
 
     def flush_batch(self) -> None:
-        """The flusher's call: send the batch if one waits for its interval."""
+        """The flusher's call: send the batch if one waits for its interval. A line
+        begun less than :data:`BATCH_INTERVAL` ago is kept for its newline (the next
+        round sends it as it is then), so a flood's batches end at line ends."""
         with self._lock:
-            if self._armed:
-                self._flush_locked(time.monotonic())
+            if not self._armed:
+                return
+            now = time.monotonic()
+            if self._partial_at and now - self._partial_at < BATCH_INTERVAL:
+                data = "".join(self._buf)
+                cut = data.rfind("\n") + 1
+                if "\r" not in data[cut:]:  # (a bar's frame goes as it is)
+                    self._buf = [data[cut:]]
+                    self._size = len(data) - cut
+                    if cut:
+                        self._send(data[:cut], now)
+                    _flusher.arm()
+                    return
+            self._flush_locked(now)
 
     def _flush_locked(self, now: float) -> None:
         self._armed = False
-        if not self._buf:
-            return
-        data = "".join(self._buf)
-        self._buf.clear()
-        self._size = 0
+        self._partial_at = 0.0
+        if self._buf:
+            data = "".join(self._buf)
+            self._buf.clear()
+            self._size = 0
+            self._send(data, now)
+
+    def _send(self, data: str, now: float) -> None:
         self._last = now
         self._log.write(data)
         self._sink(self.name, data, context.current_request)
@@ -221,6 +248,54 @@ class FdCapture:
 
 
 _active: FdCapture | None = None
+_builtin_print = builtins.print
+
+
+def rank_print(
+    *args: object,
+    sep: str | None = " ",
+    end: str | None = "\n",
+    file: object = None,
+    flush: bool = False,
+) -> None:
+    """``print`` in a rank: to a :class:`RankStream`, its text in one write.
+
+    CPython's ``print`` writes each argument, separator and ``end`` apart, so every line
+    would first look like a line without its newline, which must go within
+    :data:`BATCH_INTERVAL` and so wakes the batching thread (a thread switch on the
+    path of every line printed after a quiet spell). One write of the whole text is the
+    ordinary line path: sent at once, nothing else woken. To any other file it is the
+    built-in ``print``."""
+    if file is None:
+        file = sys.stdout
+        if file is None:
+            return
+    if type(file) is not RankStream:
+        _builtin_print(*args, sep=sep, end=end, file=file, flush=flush)  # type: ignore[call-overload]
+        return
+    if sep is None:
+        sep = " "
+    elif not isinstance(sep, str):
+        raise TypeError(f"sep must be None or a string, not {type(sep).__name__}")
+    if end is None:
+        end = "\n"
+    elif not isinstance(end, str):
+        raise TypeError(f"end must be None or a string, not {type(end).__name__}")
+    if len(args) == 1:
+        file.write(str(args[0]) + end)
+    else:
+        file.write(sep.join([str(a) for a in args]) + end)
+    if flush:
+        file.flush()
+
+
+rank_print.__name__ = rank_print.__qualname__ = "print"
+
+
+def install_print() -> None:
+    """Make :func:`rank_print` the built-in ``print`` (in a rank, once its streams are
+    :class:`RankStream`)."""
+    builtins.print = rank_print
 
 
 def flush_fds() -> None:

@@ -166,6 +166,7 @@ class Rank:
         capture.FdCapture(stream, self.log_fd).start()
         sys.stdout = capture.RankStream("stdout", stream, self.log_fd)
         sys.stderr = capture.RankStream("stderr", stream, self.log_fd)
+        capture.install_print()  # a print's line in one write (see rank_print)
         display.install(self.outbox.display)  # IPython's display(), matplotlib figures
         self.main.install()
         self.stdin.install()
