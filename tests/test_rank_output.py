@@ -289,3 +289,43 @@ def test_display_id_updates_replace_in_place(kernel):
         "step 3 on rank 1",
     ]
     assert len({c["transient"]["display_id"] for c in shown}) == 2  # one per rank
+
+
+def test_bg_displays_stay_in_the_jobs_block_while_other_cells_run(kernel):
+    bg = kernel.submit(
+        "%%remote m --ranks 0:2 --bg\nimport time\n"
+        "from IPython.display import HTML, display\n"
+        "from monarch_kernel.actor import current_rank\n"
+        "r = current_rank().rank\n"
+        "time.sleep(1.0)  # its cell has finished by then\n"
+        "display(HTML(f'<b>html of rank {r}</b>'))\n"
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2, r]); plt.show()\n"
+        "h = display(HTML('step 0'), display_id='status')\n"
+        "for i in range(1, 3):\n    time.sleep(0.3)\n"
+        "    h.update(HTML(f'<i>step {i} of {r}</i>'))\n"
+        "print('loop over', flush=True)\n"
+    )
+    first = kernel.collect(bg)  # the cell returns at once, the job runs on
+    block = first.displays[0]["transient"]["display_id"]
+    other = kernel.run("import time\ntime.sleep(1.5)\nprint('other cell')")
+    assert other.stdout == "other cell\n" and not other.displays  # nothing leaked here
+    kernel.wait_for_output(bg, "loop over", "done in", timeout=30)
+    later = [m for m in [*kernel.other, *kernel._ahead] if m["parent_header"]["msg_id"] == bg]
+    # after its cell finished, the job only updated its own block (a new display_data
+    # for a finished cell is dropped by JupyterLab)
+    assert later and all(
+        m["msg_type"] == "update_display_data" and m["content"]["transient"]["display_id"] == block
+        for m in later
+    ), [(m["msg_type"], m["content"].get("transient")) for m in later]
+    final = later[-1]["content"]["data"]
+    page = final["text/html"]
+    assert "<b>html of rank 0</b>" in page and "<b>html of rank 1</b>" in page, page
+    assert page.count('<img src="data:image/png;base64,') in (1, 2), page  # (collapsed or not)
+    # each rank's display_id updated in place: only its last state is in the block
+    assert "<i>step 2 of 0</i>" in page and "<i>step 2 of 1</i>" in page
+    assert "step 0" not in page and "step 1 of" not in page
+    assert "] loop over" in page and "done in" in page
+    # the text version: the same block, displays as their text, labelled
+    assert re.search(r"^\[0\]:$", final["text/plain"], re.M), final["text/plain"]
+    no_junk_text = final["text/plain"] + page
+    assert not JUNK.search(no_junk_text)
