@@ -329,3 +329,26 @@ def test_bg_displays_stay_in_the_jobs_block_while_other_cells_run(kernel):
     assert re.search(r"^\[0\]:$", final["text/plain"], re.M), final["text/plain"]
     no_junk_text = final["text/plain"] + page
     assert not JUNK.search(no_junk_text)
+
+
+SPAWNED = """from monarch_kernel.actor import Actor, endpoint, this_host
+class Shower(Actor):
+    @endpoint
+    def show(self):
+        from IPython.display import HTML, display
+        display(HTML('<b>from an endpoint</b>'))
+        return 1
+procs = this_host().spawn_procs(per_host={"gpus": 1})
+try:
+    print(procs.spawn("shower", Shower).show.call_one().get())
+finally:
+    procs.stop()
+"""
+
+
+def test_endpoint_displays_of_a_mesh_made_in_the_cell_show_under_it(kernel):
+    r = run(kernel, SPAWNED)
+    shown = r.notebook()
+    displays = [c for kind, c in shown if kind == "display"]
+    assert [c["data"].get("text/html") for c in displays] == ["<b>from an endpoint</b>"], shown
+    assert "[rank 0]:\n" in "".join(text for kind, text in shown if kind == "stdout"), shown

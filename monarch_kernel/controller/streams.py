@@ -11,8 +11,9 @@ stdout/stderr (in a kernel: under the cell that is running).
 
 Rich displays (:class:`DisplayOutput`) are routed the same way, to the display sink
 given with the request's route (the cell's), else to :attr:`StreamRouter.default_display`
-(which the kernel sets: under the cell running when they come; by default their text is
-printed like a line).
+if a mesh set one, else to the process's :func:`set_unrouted_display` hook (which the
+kernel sets: under the cell running when they come, for every mesh however it was made),
+else their text is printed like a line.
 
 A :class:`RankLogs` keeps every line a rank printed in ``<log dir>/<mesh>-<id>/rankN.log``
 (``$MONARCH_KERNEL_LOG_DIR``, by default ``monarch_kernel-logs`` in the temp directory),
@@ -48,6 +49,18 @@ Sink = Callable[[int, str, str], None]
 DisplaySink = Callable[[DisplayOutput], None]
 
 
+#: Where displays no request routes go, in every mesh of this process (see the module's
+#: doc); the kernel layer sets it (a hook: this layer never imports the kernel).
+_unrouted_display: DisplaySink | None = None
+
+
+def set_unrouted_display(sink: DisplaySink | None) -> None:
+    """Show the displays of unrouted requests (endpoints, threads) of every mesh with
+    ``sink`` (None: as their text, printed like a line)."""
+    global _unrouted_display
+    _unrouted_display = sink
+
+
 def print_sink(rank: int, name: str, text: str) -> None:
     """Default output sink: ``[rank N] line`` on our stdout/stderr."""
     stream = sys.stderr if name == "stderr" else sys.stdout
@@ -61,8 +74,9 @@ class StreamRouter:
 
     def __init__(self, events: EventBus, default: Sink = print_sink):
         self.default: Sink = default
-        #: where displays of unrouted requests go (the kernel sets its own)
-        self.default_display: DisplaySink = self._print_display
+        #: where displays of unrouted requests go (None: the process's hook, see
+        #: :func:`set_unrouted_display`)
+        self.default_display: DisplaySink | None = None
         # Single dict operations (atomic under the GIL): no lock on the receiving path.
         self._routes: dict[str, Sink] = {}
         self._display_routes: dict[str, DisplaySink] = {}
@@ -100,7 +114,7 @@ class StreamRouter:
             show = self._display_routes.get(event.request) if event.request else None
             if show is None and event.request in self._routes:
                 show = self._print_display  # routed without a display sink
-            (show or self.default_display)(event)
+            (show or self.default_display or _unrouted_display or self._print_display)(event)
         elif isinstance(event, FaultReported):
             r = event.report
             self.default(

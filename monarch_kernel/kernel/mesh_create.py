@@ -27,7 +27,6 @@ from monarch_kernel.controller.mesh import MeshRuntime, registry
 from monarch_kernel.kernel.args import ENGINE_OPTIONS, mesh_parser
 from monarch_kernel.kernel.mesh_names import check_identifier, check_mesh_name
 from monarch_kernel.kernel.notebook import Notebook
-from monarch_kernel.kernel.output import show_unrouted
 from monarch_kernel.kernel.remote import InputRouter
 from monarch_kernel.kernel.remote_cell import run_on
 from monarch_kernel.shape import Shape
@@ -114,7 +113,6 @@ def create_mesh(notebook: Notebook, args: list[str]) -> None:
     procs, took = _spawn(hosts, req)
     notebook.user_ns[req.name] = procs
     InputRouter.of(procs.runtime)  # parks breakpoints of endpoints for %debug_remote
-    show_unrouted(procs.runtime)  # endpoints' displays: under the running cell
     print(f"mesh {req.name!r}: {procs.shape.describe()} ({req.backend}) ready in {took:.2f}s")
     if req.backend == "local" and os.environ.get("LIGHTNING_CLOUD_SPACE_ID"):
         print(

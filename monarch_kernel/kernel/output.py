@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 from monarch_kernel.calls.errors import format_ranks
 from monarch_kernel.controller.events import DisplayOutput
-from monarch_kernel.controller.mesh import MeshRuntime
 from monarch_kernel.wire.jsontypes import JsonObject, MimeBundle
 from monarch_kernel.wire.terminal import Row, Terminal
 
@@ -477,24 +476,22 @@ class CellOutput:
         _active.discard(self)
 
 
-def show_unrouted(runtime: MeshRuntime) -> None:
-    """Show displays of ``runtime``'s ranks that no cell routes (an actor endpoint's, a
-    thread's) under the cell running when they come, each labelled ``[rank N]:``, like
-    the lines of the default stream sink."""
+def show_unrouted(event: DisplayOutput) -> None:
+    """Show a display no cell routes (an actor endpoint's, a thread's) under the cell
+    running when it comes, labelled ``[rank N]:`` like the lines of the default stream
+    sink: the kernel's :func:`~monarch_kernel.controller.streams.set_unrouted_display`
+    hook, for every mesh (``%mesh``, ``spawn_procs`` in a cell, ...)."""
     from monarch_kernel.kernel.channel import CellChannel
 
-    def show(event: DisplayOutput) -> None:
-        if event.op not in ("display", "update"):
-            return  # clear_output outside a cell: nothing of its own to clear
-        channel = CellChannel()
-        did = f"{event.display_id}-r{event.rank}" if event.display_id else None
-        update = event.op == "update"
-        if not update:
-            channel.stream("stdout", f"[rank {event.rank}]:\n")
-        meta = {**event.metadata, "monarch_kernel": {"ranks": [event.rank]}}
-        channel.display(event.data, did, update, meta)
-
-    runtime.output.default_display = show
+    if event.op not in ("display", "update"):
+        return  # clear_output outside a cell: nothing of its own to clear
+    channel = CellChannel()
+    did = f"{event.display_id}-r{event.rank}" if event.display_id else None
+    update = event.op == "update"
+    if not update:
+        channel.stream("stdout", f"[rank {event.rank}]:\n")
+    meta = {**event.metadata, "monarch_kernel": {"ranks": [event.rank]}}
+    channel.display(event.data, did, update, meta)
 
 
 _active: weakref.WeakSet[CellOutput] = weakref.WeakSet()
