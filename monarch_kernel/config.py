@@ -8,6 +8,8 @@ Keys monarch_kernel acts on:
   emulated local hosts, as Monarch's).
 - ``host_spawn_ready_timeout``: how long ``spawn_procs`` waits for its ranks (a number of
   seconds or a humantime string such as ``"2m"``; default ``"120s"``).
+- ``actor_spawn_max_idle``: how long ``spawn()`` waits for the actors' constructors
+  (default ``"10m"``); then a TimeoutError naming the constructor and the ranks.
 
 Monarch's other keys (transports, log forwarding, message acks, RDMA tuning ...) are
 accepted and kept, so Monarch code that sets them runs, but they have no effect here
@@ -27,6 +29,7 @@ from typing import Any
 DEFAULTS: dict[str, Any] = {
     "host_meshes": {},
     "host_spawn_ready_timeout": "120s",
+    "actor_spawn_max_idle": "10m",
 }
 
 #: Monarch's configuration keys (``monarch.config.configure``'s documented ones): taken
@@ -64,7 +67,6 @@ MONARCH_KEYS = frozenset(
         "read_log_buffer",
         "force_file_log",
         "prefix_with_rank",
-        "actor_spawn_max_idle",
         "get_actor_state_max_idle",
         "supervision_watchdog_timeout",
         "proc_stop_max_idle",
@@ -97,7 +99,7 @@ def configure(**kwargs: Any) -> None:
                 f"unknown configuration key {key!r}; monarch_kernel's keys: "
                 f"{', '.join(sorted(DEFAULTS))} (and Monarch's own)"
             )
-        if key == "host_spawn_ready_timeout":
+        if key in ("host_spawn_ready_timeout", "actor_spawn_max_idle"):
             seconds(value)  # checked now, not when a mesh starts
         if key == "host_meshes":
             _check_host_meshes(value)

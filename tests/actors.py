@@ -149,6 +149,10 @@ class BadInit(Actor):
         if current_rank().rank == fail_rank:
             raise RuntimeError("constructor refused")
 
+    @endpoint
+    def ok(self) -> int:
+        return current_rank().rank
+
 
 class DataActor(Actor):
     """Shares tensors and pulls them from other ranks over the data plane."""

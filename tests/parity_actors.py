@@ -56,6 +56,18 @@ class Generator(Actor):
         return os.getpid()
 
 
+class AsyncTrainer(Actor):
+    """Awaits its generators (an actor's endpoints are all sync or all async)."""
+
+    def __init__(self, generators) -> None:
+        self.generators = generators
+
+    @endpoint
+    async def step_async(self, x: int) -> list:
+        vm = await self.generators.generate.call(x)
+        return [v["y"] for v in vm.values()]
+
+
 class Trainer(Actor):
     """Holds generators (an ActorMesh given to its constructor) and drives them."""
 
@@ -75,11 +87,6 @@ class Trainer(Actor):
     @endpoint
     def one(self, x: int) -> dict:
         return self.generators.slice(gpus=1).generate.call_one(x).get()
-
-    @endpoint
-    async def step_async(self, x: int) -> list:
-        vm = await self.generators.generate.call(x)
-        return [v["y"] for v in vm.values()]
 
     @endpoint
     def stream(self, x: int) -> list:
@@ -259,11 +266,12 @@ class Supervisor(Actor):
 
     @endpoint
     def spawn_bad(self, procs) -> str:
+        bad = procs.spawn("bad_child", BadChild)  # returns, as Monarch's
         try:
-            procs.spawn("bad_child", BadChild)
+            bad.ping.call().get()
         except Exception as exc:
             return type(exc).__name__
-        return "spawned"
+        return "called"
 
     @endpoint
     def seen_failures(self) -> list:
@@ -305,6 +313,9 @@ class Concurrent(Actor):
 class BadChild(Actor):
     def __init__(self) -> None:
         raise OSError("no such dataset")
+
+    @endpoint
+    def ping(self) -> None: ...
 
 
 class Stopper(Actor):

@@ -144,9 +144,25 @@ def test_error_lists_tensors_in_failing_frame(workers):
     assert "b: shape (4, 5) float32 on cpu" in text
 
 
-def test_constructor_failure_is_reported(procs4):
-    with pytest.raises(ActorError, match="RuntimeError in BadInit.__init__ on rank 2 of 4"):
-        procs4.spawn("bad", BadInit, 2)
+def test_constructor_failure_is_reported(procs4, monkeypatch):
+    """Monarch's way: spawn() returns, supervision hears of it (here the fault hook, in
+    the spawning thread), and calls raise SupervisionError naming the exception."""
+    import monarch_kernel.actor as actor_api
+    from monarch_kernel.actor import SupervisionError
+
+    hooked: list[object] = []
+    monkeypatch.setattr(actor_api, "unhandled_fault_hook", hooked.append)
+    bad = procs4.spawn("bad", BadInit, 2)
+    (failure,) = hooked
+    assert "crashed_ranks=[2]" in str(failure) and "constructor refused" in str(failure)
+    why = r"actor 'bad' \(BadInit\) of mesh .* failed in its constructor \(BadInit.__init__ "
+    why += r"raised RuntimeError: constructor refused\)"
+    with pytest.raises(SupervisionError, match=why):
+        bad.ok.call().get(timeout=30)
+    with pytest.raises(SupervisionError, match=why):
+        bad.slice(gpus=0).ok.call_one().get(timeout=30)  # every slice of it
+    good = procs4.spawn("bad", BadInit, -1)  # spawned again: a new actor mesh
+    assert good.ok.call().get(timeout=30).values() == [0, 1, 2, 3]
 
 
 def test_unpicklable_argument_and_result(workers):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 from helpers import controller_bytes
-from parity_actors import Generator, Trainer
+from parity_actors import AsyncTrainer, Generator, Trainer
 
 from monarch_kernel.actor import ActorError, SliceError, this_host
 from monarch_kernel.actor.meshes import procs_of
@@ -38,10 +38,11 @@ def test_mesh_passed_to_spawn_is_callable_on_the_other_mesh(pair):
     assert one["rank"] == 1 and one["y"] == 40
 
 
-def test_every_adverb_from_a_rank(pair):
+def test_every_adverb_from_a_rank(pair, two_meshes):
     gens, trainers = pair
     t0 = trainers.slice(gpus=0)
-    assert t0.step_async.call_one(2).get() == [20, 20]
+    a0 = two_meshes[1].spawn("async_trainer", AsyncTrainer, gens).slice(gpus=0)
+    assert a0.step_async.call_one(2).get() == [20, 20]
     assert t0.stream.call_one(5).get() == [50, 50]
     assert t0.choose.call_one(6).get() == 60
     assert t0.dims.call_one().get() == {"len": 2, "size": 2, "extent": {"gpus": 2}}
@@ -310,8 +311,8 @@ def test_owner_is_told_of_a_child_rank_death_and_init_failure(tree_meshes, hooke
     assert seen["type"] == "RankDied" and seen["mesh"] == "leaf" and seen["actor"] == "sup_child"
     assert "exit code 9" in seen["message"], seen
     leaf_procs.runtime.wait_recovered()
-    # a constructor that raises: the spawn fails in the owner, and its supervision hears
-    assert top.spawn_bad.call_one(leaf_procs).get() == "ActorError"
+    # a constructor that raises: calls to it fail in the owner, and its supervision hears
+    assert top.spawn_bad.call_one(leaf_procs).get() == "SupervisionError"
     assert _wait(lambda: len(top.seen_failures.call_one().get()) == 2)
     bad = top.seen_failures.call_one().get()[1]
     assert bad["actor"] == "bad_child" and bad["type"] == "OSError"

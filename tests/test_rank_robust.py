@@ -28,6 +28,7 @@ from monarch_kernel.actor import (
     ActorError,
     ProcMesh,
     RankDiedError,
+    SupervisionError,
     current_rank,
     endpoint,
     this_host,
@@ -181,9 +182,10 @@ def test_keyboard_interrupt_in_an_endpoint_keeps_the_actor(procs4):
 def test_base_exception_in_a_constructor_fails_the_spawn_not_the_rank(procs4):
     workers = procs4.spawn("w_ctor", Worker)
     pids = workers.pid.call().get().values()
-    with pytest.raises(ActorError) as err:
-        procs4.spawn("bad_ctor", Stopper, 3)
-    assert "SystemExit in Stopper.__init__ on rank 3 of 4" in str(err.value)
+    bad = procs4.spawn("bad_ctor", Stopper, 3)  # returns, as Monarch's
+    with pytest.raises(SupervisionError) as err:
+        bad.exit.call(0, []).get(timeout=10)
+    assert "Stopper.__init__ raised SystemExit" in str(err.value)
     assert "its constructor raised SystemExit(9)" in str(err.value)
     assert workers.pid.call().get(timeout=10).values() == pids
 

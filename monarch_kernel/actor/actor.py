@@ -14,6 +14,8 @@ from monarch_kernel.rank.context import EXPLICIT_PORT_ATTR
 F = TypeVar("F", bound=Callable[..., Any])
 
 _ENDPOINT_ATTR = "__monarch_endpoint__"
+#: Set on the functions ``@concurrent_endpoint`` makes.
+CONCURRENT_ATTR = "__monarch_concurrent__"
 
 
 class Actor:
@@ -46,36 +48,59 @@ def endpoint(fn: F | None = None, **options: Any) -> F:
     return mark(fn) if fn is not None else mark  # type: ignore[return-value]
 
 
-def concurrent_endpoint(fn: F | None = None, **options: Any) -> F:
+def concurrent_endpoint(
+    method: F | None = None,
+    *,
+    propagate: Any = None,
+    explicit_response_port: bool = False,
+    instrument: bool = True,
+) -> F:
     """Monarch's ``@concurrent_endpoint``: an ``async def`` endpoint whose calls run as
     tasks on the rank's concurrent event loop (a thread of its own, shared by the
     concurrent endpoints of every actor of the rank), so the actor takes its next
     message while earlier calls still await. Calls start in the order they arrive;
     ordinary endpoints keep running on the rank's main thread meanwhile (guard shared
-    state accordingly)."""
+    state accordingly).
+
+    It takes ``@endpoint``'s options itself: with ``explicit_response_port=True`` the
+    method gets the :class:`Port` after ``self`` and answers through it (what it returns
+    is ignored; an exception it raises goes to the caller). As in Monarch, a sync method
+    is a ``ValueError``, and so is stacking it over ``@endpoint`` (pass the options to
+    ``@concurrent_endpoint`` instead)."""
+    del propagate, instrument  # accepted as Monarch's
 
     def mark(f: F) -> F:
+        if getattr(f, _ENDPOINT_ATTR, False):
+            raise ValueError(
+                "concurrent_endpoint does not wrap @endpoint; pass endpoint options to "
+                "@concurrent_endpoint"
+            )
         if not inspect.iscoroutinefunction(f):
-            raise TypeError(f"@concurrent_endpoint needs an async def method, not {f!r}")
+            raise ValueError("concurrent_endpoint can only wrap async endpoints")
 
         @functools.wraps(f)
         def start(self: Any, port: Any, *args: Any, **kwargs: Any) -> None:
-            fut = asyncio.run_coroutine_threadsafe(f(self, *args, **kwargs), _concurrent_loop())
+            if explicit_response_port:
+                coro = f(self, port, *args, **kwargs)
+            else:
+                coro = f(self, *args, **kwargs)
+            fut = asyncio.run_coroutine_threadsafe(coro, _concurrent_loop())
 
             def done(task: Any) -> None:
                 exc = task.exception()
-                if exc is None:
-                    port.send(task.result())
-                else:
+                if exc is not None:
                     port.exception(exc)
+                elif not explicit_response_port:
+                    port.send(task.result())
 
             fut.add_done_callback(done)
 
         setattr(start, _ENDPOINT_ATTR, True)
         setattr(start, EXPLICIT_PORT_ATTR, True)
+        setattr(start, CONCURRENT_ATTR, True)  # an async endpoint (the kinds check)
         return start  # type: ignore[return-value]
 
-    return mark(fn) if fn is not None else mark  # type: ignore[return-value]
+    return mark(method) if method is not None else mark  # type: ignore[return-value]
 
 
 _loop: asyncio.AbstractEventLoop | None = None
@@ -90,6 +115,33 @@ def _concurrent_loop() -> asyncio.AbstractEventLoop:
             _loop = asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, name="mk-concurrent", daemon=True).start()
         return _loop
+
+
+def check_endpoint_kinds(cls: type) -> None:
+    """Monarch's rule, checked at spawn: an actor's endpoints are all plain ``def`` or
+    all ``async def`` (a ``@concurrent_endpoint`` counts as async), and a sync actor's
+    ``__supervise__`` is sync too; a ValueError (Monarch's text) otherwise."""
+    sync, asynchronous = [], []
+    for name, fn in endpoints_of(cls).items():
+        if inspect.iscoroutinefunction(fn) or getattr(fn, CONCURRENT_ATTR, False):
+            asynchronous.append(name)
+        else:
+            sync.append(name)
+    why = (
+        "Synchronous endpoints cannot be mixed with async endpoints because they can cause "
+        "the asyncio loop to deadlock if they wait."
+    )
+    if sync and asynchronous:
+        raise ValueError(
+            f"{cls} mixes both async and sync endpoints. {why} "
+            f"sync: {sorted(sync)} async: {sorted(asynchronous)}"
+        )
+    supervise = getattr(cls, "__supervise__", None)
+    if sync and supervise is not None and inspect.iscoroutinefunction(supervise):
+        raise ValueError(
+            f"{cls} has sync endpoints, but an async __supervise__. Make sure __supervise__ "
+            f"is also synchronous. {why} sync: {sorted(sync)}"
+        )
 
 
 def endpoints_of(cls: type) -> dict[str, Callable[..., Any]]:

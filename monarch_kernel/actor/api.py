@@ -19,6 +19,7 @@ from monarch_kernel.calls.future import Future, then
 from monarch_kernel.calls.gather import One
 from monarch_kernel.calls.requester import MeshRef
 from monarch_kernel.rank import context as rank_context
+from monarch_kernel.rank.errors import ActorAborted
 from monarch_kernel.rank.runtime import ResponsePort
 from monarch_kernel.rank.supervise import MeshFailure
 from monarch_kernel.shape import Point, Shape
@@ -52,6 +53,16 @@ class Instance:
     @property
     def proc(self) -> Any:
         return this_proc()
+
+    def abort(self, reason: str | None = None) -> None:
+        """Monarch's ``abort``: stop the running actor with a failure. Its current call
+        fails with ``reason``, later calls to it fail saying it aborted, and its creator's
+        supervision hears of it (``__supervise__`` of an owning actor, else the
+        controller's ``unhandled_fault_hook``); the rank and its other actors run on.
+        Raises (a BaseException): call it from the actor's endpoint, on its thread."""
+        if not rank_context.in_rank() or not self.name:
+            raise RuntimeError("abort() stops an actor: call it inside an actor's endpoint")
+        raise ActorAborted(reason)
 
 
 @dataclass(frozen=True)

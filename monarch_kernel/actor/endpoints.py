@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from monarch_kernel.calls.errors import SupervisionError
 from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.gather import Each, Gather, One
 from monarch_kernel.calls.requester import CallOptions, Requester
@@ -17,6 +18,10 @@ from monarch_kernel.shape import Shape
 from monarch_kernel.wire import SerializationError, dumps
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire.codec import Buffer, Header
+
+#: (mesh name, actor name) -> the error calls to that actor mesh raise: its constructor
+#: failed (``ProcMesh.spawn``); cleared when it is spawned again. In this process.
+failed_init: dict[tuple[str, str], SupervisionError] = {}
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,10 @@ class EndpointRef:
     def _payload(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[bytes, Sequence[Buffer]]:
+        if failed_init:  # (every adverb comes here first)
+            failed = failed_init.get((self._requester.name, self._target.name))
+            if failed is not None:
+                raise SupervisionError(str(failed), failed.failures, failed.exception, self._where)
         try:
             return dumps((args, kwargs))
         except SerializationError:

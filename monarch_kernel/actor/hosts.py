@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from monarch_kernel import config
 from monarch_kernel.actor.actor import Actor
 from monarch_kernel.actor.channels import tell_owner
 from monarch_kernel.actor.meshes import STOP_GRACE, ActorMesh, ProcMesh, size_of
+from monarch_kernel.actor.peer import PeerRequester
 from monarch_kernel.calls.future import Future
 from monarch_kernel.controller.asks import ASK_HANDLERS, AskingMesh
 from monarch_kernel.controller.events import FaultReported, MeshEvent, RankDied
@@ -368,9 +370,22 @@ def controller_singleton(
 
 def _ask_get_or_spawn(asker: AskingMesh, req: AskRequest) -> ActorMesh:
     """A rank's ``get_or_spawn_controller``, run in the controller: the actor mesh
-    (pickled back to the rank as a live reference)."""
+    (pickled back to the rank as a live reference).
+
+    The asker may be an actor of :func:`client_proc`'s own rank, awaiting this answer
+    in an endpoint: that rank keeps the controller's (sequenced) messages for after the
+    endpoint, so the singleton is spawned the way a rank spawns on another mesh (a peer
+    spawn, which the rank serves while the endpoint awaits)."""
     name, cls, args, kwargs = loads(req["call"], (), "get_or_spawn_controller arguments")
-    return controller_singleton(name, cls, args, kwargs)
+    with _singletons_lock:
+        mesh = _singletons.get(name)
+        if mesh is None or mesh._procs.stopped:
+            procs = client_proc()
+            peer = ProcMesh(PeerRequester(procs._requester.reference()), procs._shape)
+            spawned = peer.spawn(name, cls, *args, **kwargs)
+            # the controller's own handle on it (over the mesh's runtime)
+            mesh = _singletons[name] = pickle.loads(pickle.dumps(spawned))
+        return mesh
 
 
 ASK_HANDLERS["get_or_spawn_controller"] = _ask_get_or_spawn

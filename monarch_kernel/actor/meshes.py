@@ -25,10 +25,17 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
-from monarch_kernel.actor.actor import Actor, endpoints_of
-from monarch_kernel.actor.endpoints import ActorTarget, EndpointRef, dump_call, gather
+from monarch_kernel import config
+from monarch_kernel.actor.actor import Actor, check_endpoint_kinds, endpoints_of
+from monarch_kernel.actor.endpoints import (
+    ActorTarget,
+    EndpointRef,
+    dump_call,
+    failed_init,
+    gather,
+)
 from monarch_kernel.actor.peer import attach
-from monarch_kernel.calls.errors import ActorError
+from monarch_kernel.calls.errors import ActorError, SupervisionError
 from monarch_kernel.calls.future import Future, then
 from monarch_kernel.calls.requester import ActorSpec, CallOptions, MeshRef, Requester
 from monarch_kernel.calls.value_mesh import ValueMesh
@@ -37,6 +44,8 @@ from monarch_kernel.wire import dumps
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from monarch_kernel.controller.mesh import MeshRuntime
@@ -220,14 +229,58 @@ class ProcMesh(MeshView):
             raise TypeError(
                 f"spawn() needs a subclass of monarch_kernel.actor.Actor, got {actor_class!r}"
             )
+        check_endpoint_kinds(actor_class)  # before anything is sent, as Monarch
         what = f"constructor arguments of actor {name!r} ({actor_class.__name__})"
         payload, buffers = dump_call((actor_class, args, kwargs), args, kwargs, what)
         ranks = self._shape.ranks()
         header = H.SpawnActor(actor=name, owner=self._requester.spawn_owner()).encode()
         options = CallOptions(what=f"spawn {name}", waited=True)
-        self._gather(ranks, header, payload, buffers, options).get()
+        constructed = self._gather(ranks, header, payload, buffers, options)
+        limit = config.seconds(config.get("actor_spawn_max_idle"))
+        failed_init.pop((self.name, name), None)
+        try:
+            constructed.get(timeout=limit)
+        except SupervisionError:
+            raise  # the mesh or a rank is gone: nothing was constructed there
+        except ActorError as exc:
+            # Monarch's way: spawn() returns; the failure goes to supervision and later
+            # calls raise SupervisionError naming the constructor's exception.
+            return self._init_failed(name, actor_class, exc)
+        except TimeoutError:
+            if constructed.done():
+                raise
+            raise TimeoutError(
+                f"spawn of actor {name!r} on mesh {self.name!r}: {actor_class.__name__}"
+                f".__init__ had not returned within {limit:g}s on rank(s) "
+                f"{', '.join(map(str, ranks))} (the rank may still be running it, or "
+                "something before it; a slow constructor needs "
+                "configure(actor_spawn_max_idle=...))"
+            ) from None
         spec = ActorSpec(name, payload, tuple(buffers), frozenset(ranks))
         self._requester.actor_spawned(spec)
+        return ActorMesh(self, name, actor_class, self._shape)
+
+    def _init_failed(self, name: str, actor_class: type, exc: ActorError) -> ActorMesh:
+        """A constructor raised on some ranks: the actor mesh is failed (its calls raise
+        :class:`SupervisionError`), and supervision hears of it: the owning actor's
+        ``__supervise__`` (told by the target rank), else ``unhandled_fault_hook`` here."""
+        first = exc.failures[0] if exc.failures else None
+        why = f"{first['type']}: {first['message']}" if first else str(exc)
+        message = (
+            f"actor {name!r} ({actor_class.__name__}) of mesh {self.name!r} failed in its "
+            f"constructor ({actor_class.__name__}.__init__ raised {why}); spawn it again"
+        )
+        failed_init[(self.name, name)] = SupervisionError(message, exc.failures, exc)
+        if self._requester.spawn_owner() is None and first is not None:
+            from monarch_kernel.rank.supervise import MeshFailure
+
+            hook = getattr(sys.modules.get("monarch_kernel.actor"), "unhandled_fault_hook", None)
+            if hook is not None:
+                failure = MeshFailure(self.name, name, first.get("rank", -1), first)
+                try:
+                    hook(failure)
+                except Exception:
+                    log.exception("unhandled_fault_hook raised")
         return ActorMesh(self, name, actor_class, self._shape)
 
     def ping(self) -> Future[ValueMesh[Any]]:

@@ -60,38 +60,91 @@ def serve_inline(
             context.current_actor = name
             value = getattr(actor, header["m"])(*args, **kwargs)
             if inspect.isawaitable(value):
+                loop = _running_loop()
+                if loop is not None:
+                    # Called from an async endpoint (its loop runs): the callee runs as a
+                    # task of that loop, answered when it ends (the caller awaits it).
+                    task = loop.create_task(_awaited(value))
+                    task.add_done_callback(
+                        lambda t: _answer(rt, rank, name, header, kind, observer, t)
+                    )
+                    return
                 value = _run_coroutine(value)
         out, bufs = dumps(value, "result")
         reply = Message(H.Result(request=None, ok=True, rank=rank).encode(), out, list(bufs))
     except Exception as exc:
-        report = exception_report(exc, f"{name}.{header.get('m', kind)}")
-        failed = H.Result(request=None, ok=False, rank=rank).encode()
-        reply = Message(failed, pickle.dumps(report))
-        if observer is None:  # fire and forget: to supervision, as from the runtime
-            rt.reply_error(None, exc, f"{name}.{header.get('m', kind)}")
+        reply = _failed(rt, rank, name, header, kind, observer, exc)
     finally:
         context.current_actor = previous
     if observer is not None:
         observer.on_reply(Reply(rank, reply))
 
 
+def _failed(
+    rt: RankServices,
+    rank: int,
+    name: str,
+    header: Header,
+    kind: str,
+    observer: RequestObserver | None,
+    exc: Exception,
+) -> Message:
+    report = exception_report(exc, f"{name}.{header.get('m', kind)}")
+    failed = H.Result(request=None, ok=False, rank=rank).encode()
+    if observer is None:  # fire and forget: to supervision, as from the runtime
+        rt.reply_error(None, exc, f"{name}.{header.get('m', kind)}")
+    return Message(failed, pickle.dumps(report))
+
+
+def _answer(
+    rt: RankServices,
+    rank: int,
+    name: str,
+    header: Header,
+    kind: str,
+    observer: RequestObserver | None,
+    task: asyncio.Task[Any],
+) -> None:
+    """The reply of an inline call that ran as a task."""
+    exc = (
+        RuntimeError(f"{name}.{header.get('m', kind)} was cancelled")
+        if task.cancelled()
+        else task.exception()
+    )
+    if exc is None:
+        try:
+            out, bufs = dumps(task.result(), "result")
+        except Exception as error:
+            exc = error
+        else:
+            ok = H.Result(request=None, ok=True, rank=rank).encode()
+            reply = Message(ok, out, list(bufs))
+    if exc is not None:
+        if not isinstance(exc, Exception):
+            exc = RuntimeError(repr(exc))
+        reply = _failed(rt, rank, name, header, kind, observer, exc)
+    if observer is not None:
+        observer.on_reply(Reply(rank, reply))
+
+
+async def _awaited(aw: Any) -> Any:
+    return await aw
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def _run_coroutine(aw: Any) -> Any:
     """Run an async endpoint of this rank to completion from synchronous code."""
+    loop = asyncio.new_event_loop()
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        loop = asyncio.new_event_loop()
-        try:
-            return loop.run_until_complete(aw)
-        finally:
-            loop.close()
-    close = getattr(aw, "close", None)
-    if close is not None:
-        close()
-    raise RuntimeError(
-        "an async endpoint cannot call an async endpoint of an actor on its own rank "
-        "(actors of one rank share its thread); make one of them synchronous"
-    )
+        return loop.run_until_complete(aw)
+    finally:
+        loop.close()
 
 
 __all__ = ["on_main_thread", "serve_inline"]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pprint
+import textwrap
 from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
-from monarch_kernel.shape import Point, Shape
+from monarch_kernel.shape import Extent, Point, Shape
 
 T = TypeVar("T")
 
@@ -93,8 +95,20 @@ class ValueMesh(Generic[T]):
         )
 
     def __repr__(self) -> str:
-        body = ", ".join(f"{_coords(p)}: {v!r}" for p, v in self.items())
-        return f"ValueMesh({self._shape.describe()}; {body})"
+        """Monarch's form: the extent, then the ``(point, value)`` pairs, pretty-printed::
+
+        ValueMesh({gpus: 2}):
+          (({'gpus': 0/2}, 1), ({'gpus': 1/2}, 11))
+        """
+        pairs = tuple((_Shown(str(p)), v) for p, v in self.items())
+        extent = Extent(self._shape.labels, self._shape.sizes)
+        return f"ValueMesh({extent}):\n{textwrap.indent(pprint.pformat(pairs), '  ')}"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        """IPython's text form (a cell's result in the notebook): one compact line,
+        ``ValueMesh(gpus=2; {gpus=0}: 1, {gpus=1}: 11)``."""
+        body = ", ".join(f"{_coords(pt)}: {v!r}" for pt, v in self.items())
+        p.text(f"ValueMesh({self._shape.describe()}; {body})")
 
     def _repr_html_(self) -> str:
         import html
@@ -116,3 +130,15 @@ class ValueMesh(Generic[T]):
 
 def _coords(p: Point) -> str:
     return "{" + ", ".join(f"{k}={v}" for k, v in p.items()) + "}" if len(p) else "{}"
+
+
+class _Shown:
+    """Prints as the text it was given (a Point inside a pretty-printed tuple)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text

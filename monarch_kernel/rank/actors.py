@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from monarch_kernel.rank import context
-from monarch_kernel.rank.errors import exception_report
+from monarch_kernel.rank.errors import ActorAborted, exception_report
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Message, loads
@@ -61,6 +61,8 @@ class ActorHost:
         self.main = main
         self.user = user
         self.actors: dict[str, object] = {}
+        #: actors gone by their own failure (abort(), a constructor that raised): why
+        self.gone: dict[str, str] = {}
         #: actor name -> its owner: an actor spawned by an actor of some rank (shared
         #: with the outbox, which sends such an actor's failures to its owner)
         self.owners = owners
@@ -78,8 +80,13 @@ class ActorHost:
             cls, args, kwargs = loads(msg.payload, msg.buffers, f"constructor of actor {name!r}")
             context.current_actor = name
             self.actors[name] = self.user.run_user(cls, *args, **kwargs)
+            self.gone.pop(name, None)
         except (Exception, KeyboardInterrupt) as exc:  # to the caller
             where = f"{getattr(cls, '__name__', name)}.__init__"
+            self.gone[name] = (
+                f"actor {name!r} failed in its constructor ({where} raised "
+                f"{type(exc).__name__}: {exc}); spawn it again"
+            )
             self.outbox.reply_error(request, exc, where)
             if request is not None and name in self.owners:  # and to its owner
                 self.outbox.fault(exception_report(exc, where), name)
@@ -139,6 +146,8 @@ class ActorHost:
 
         try:
             if actor is None:
+                if name in self.gone:
+                    raise LookupError(self.gone[name])
                 raise LookupError(f"no actor {name!r} on rank {self.rank} (was it stopped?)")
             args, kwargs = loads(msg.payload, msg.buffers, lambda: f"arguments of {where()}")
             context.current_actor = name
@@ -204,15 +213,25 @@ class ActorHost:
         self.actors.pop(name, None)
         cls_name = getattr(cls, "__name__", "?")
         report = exception_report(exc, f"{cls_name}.{method}")
-        report["message"] = (
-            f"actor {name!r} ({cls_name}) was stopped: its {what} raised {exc!r}; "
-            "other actors on this rank keep running"
-        )
+        if isinstance(exc, ActorAborted):
+            report["message"] = (
+                f"actor {name!r} ({cls_name}) aborted: {exc.reason}; other actors on this "
+                "rank keep running"
+            )
+        else:
+            report["message"] = (
+                f"actor {name!r} ({cls_name}) was stopped: its {what} raised {exc!r}; "
+                "other actors on this rank keep running"
+            )
         report["host"] = self.outbox.hostname
+        if isinstance(exc, ActorAborted):
+            self.gone[name] = report["message"]
         if request is None:
             self.outbox.fault(report, name)
         else:
             self.outbox.fail(request, report)
+            if isinstance(exc, ActorAborted):  # Monarch: its creator's supervision too
+                self.outbox.fault(report, name)
 
     def supervise(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
         """SUPERVISE: a mesh owned by actor ``on`` of this rank failed; its

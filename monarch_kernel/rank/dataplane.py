@@ -82,15 +82,20 @@ def share(tensor: Any) -> TensorRef:
     shared memory now, in place (one copy; this tensor and its views then live there, and
     the storage can no longer be resized), so that ranks of this host map it without a
     copy. Other tensors are sent when asked for."""
-    global _server
     import torch
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"share() takes a torch.Tensor, got {type(tensor).__name__}")
+    return server().share(tensor)
+
+
+def server() -> Server:
+    """This process's data-plane server (made on first use)."""
+    global _server
     with _init_lock:
         if _server is None:
             _server = Server(rank_config())
-    return _server.share(tensor)
+        return _server
 
 
 def cleanup_shm(run_id: str) -> None:

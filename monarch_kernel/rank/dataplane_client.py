@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -17,6 +18,24 @@ from monarch_kernel.wire import Codec
 from monarch_kernel.wire.codec import Header, limit_size
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+#: How often a request waiting for an owner on this machine checks that it still lives.
+_DEATH_CHECK = 0.2
+
+
+class OwnerDiedError(ConnectionError):
+    """The rank that owns a shared tensor or RDMA buffer died before it answered."""
+
+
+def _dead(ref: SharedTensor, machine: str) -> bool:
+    """Whether the owner's process is known to be gone (on this machine only)."""
+    if not ref.pid or ref.machine != machine:
+        return False
+    try:
+        with open(f"/proc/{ref.pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
 
 
 class Client:
@@ -25,6 +44,7 @@ class Client:
     def __init__(self, cfg: RankConfig):
         self.codec = Codec(bytes.fromhex(cfg.key))
         self.run_id = cfg.run_id
+        self.machine = cfg.hostname or socket.gethostname()
         self.others: dict[str, Codec] = {}  # other meshes' keys -> their codecs
         self.local = threading.local()
 
@@ -61,7 +81,13 @@ class Client:
         header = dict(header, k="req", n=os.urandom(16).hex(), t=time.time())
         return (codec or self.codec).encode(header)
 
-    def request(self, ref: SharedTensor, header: Header, timeout: float = 60.0) -> Any:
+    def request(
+        self,
+        ref: SharedTensor,
+        header: Header,
+        timeout: float = 60.0,
+        buffers: tuple[Any, ...] = (),
+    ) -> Any:
         if ref.same_host():
             address, curve_key = ref.ipc, ""
         elif ref.address:
@@ -74,16 +100,32 @@ class Client:
             )
         sock = self._socket(address, curve_key)
         codec = self.codec_for(ref)
-        sock.send_multipart(self.frames(header, codec))
-        if not sock.poll(int(timeout * 1000)):
-            raise TimeoutError(
-                f"rank {ref.owner} did not answer a data-plane request in {timeout}s "
-                "(is it alive and its mesh still running?)"
-            )
+        header = dict(header, k="req", n=os.urandom(16).hex(), t=time.time())
+        sock.send_multipart(codec.encode(header, b"", buffers), copy=False)
+        deadline = time.monotonic() + timeout
+        # In slices: an owner on this machine that died is noticed at once (its pid).
+        while not sock.poll(int(min(_DEATH_CHECK, max(0.0, deadline - time.monotonic())) * 1000)):
+            if _dead(ref, self.machine):
+                self._forget(address, curve_key)  # a late answer must not reach another
+                raise OwnerDiedError(
+                    f"rank {ref.owner} (pid {ref.pid} on {ref.machine}), the owner, died "
+                    "before answering a data-plane request"
+                )
+            if time.monotonic() >= deadline:
+                self._forget(address, curve_key)
+                raise TimeoutError(
+                    f"rank {ref.owner} did not answer a data-plane request in {timeout}s "
+                    "(is it alive and its mesh still running?)"
+                )
         msg = codec.decode(sock.recv_multipart(copy=False))
         if msg.header.get("k") == "err":
             raise RuntimeError(f"rank {ref.owner}: {msg.header['error']}")
         return msg
+
+    def _forget(self, address: str, curve_key: str) -> None:
+        sock = self.local.__dict__.get("socks", {}).pop((address, curve_key), None)
+        if sock is not None:
+            sock.close(0)
 
     def read_socket(self, ref: SharedTensor, raw: Any) -> None:
         import torch
@@ -131,6 +173,31 @@ class Client:
             pass  # older kernel: pages are mapped on first touch
         return torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
 
+    def write_shm(self, ref: SharedTensor, data: memoryview) -> bool:
+        """Write ``data`` into the start of the owner's shared memory (an RDMA buffer that
+        lives there); False when it does not (then the owner's socket is used)."""
+        if not ref.shm:
+            return False
+        try:
+            fd = os.open(ref.shm, os.O_WRONLY)
+        except FileNotFoundError:
+            raise RuntimeError(
+                f"rank {ref.owner}: tensor {ref.id} was released or never shared by rank "
+                f"{ref.owner}"
+            ) from None
+        try:
+            if os.fstat(fd).st_ino != ref.shm_ino:
+                raise RuntimeError(
+                    f"rank {ref.owner}: tensor {ref.id} was released or never shared by rank "
+                    f"{ref.owner}"
+                )
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], done)
+        finally:
+            os.close(fd)
+        return True
+
     def read_shm(self, ref: SharedTensor, raw: Any) -> None:
         fd = self._open_shm(ref)
         try:
@@ -145,13 +212,36 @@ _init_lock = threading.Lock()
 
 
 def rank_config() -> RankConfig:
-    """The configuration of the rank this runs in (the data plane is used in ranks only)."""
+    """The configuration of the rank this runs in (the data plane is used in ranks; the
+    controller's process joins it for RDMA buffers, :func:`join_as_controller`)."""
     from monarch_kernel.rank import context
 
     runtime = context.services()
     if runtime is None:
+        if _controller_config is not None:
+            return _controller_config
         raise RuntimeError("the data plane is used inside ranks (in %%remote cells or actors)")
     return runtime.config
+
+
+_controller_config: RankConfig | None = None
+
+
+def join_as_controller() -> RankConfig:
+    """Let this process (not a rank: the controller) use the data plane, with a key of
+    its own: RDMA buffers it makes are reached over a unix socket (and shared memory)
+    by ranks of its machine."""
+    global _controller_config
+    with _init_lock:
+        if _controller_config is None:
+            _controller_config = RankConfig(
+                rank=-1,
+                local_world_size=2,  # other processes of this machine map its buffers
+                run_id=f"controller-{os.getpid()}-{os.urandom(4).hex()}",
+                key=os.urandom(32).hex(),
+                hostname=socket.gethostname(),
+            )
+        return _controller_config
 
 
 def client() -> Client:

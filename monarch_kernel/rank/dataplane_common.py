@@ -65,6 +65,9 @@ class SharedTensor(Protocol):
     @property
     def mesh_key(self) -> str: ...
 
+    @property
+    def pid(self) -> int: ...
+
     def same_host(self) -> bool: ...
 
 

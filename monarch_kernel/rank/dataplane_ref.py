@@ -38,6 +38,8 @@ class TensorRef:
     #: travels like a mesh reference's (inside signed control messages); not shown.
     machine: str = ""
     mesh_key: str = field(default="", repr=False)
+    #: The owner's process id: a reader on its machine notices at once that it died.
+    pid: int = 0
 
     def get(self, transport: str = "auto") -> Any:
         """A new tensor with the owner's data as it is now (on this rank's CUDA device if

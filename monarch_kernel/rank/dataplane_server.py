@@ -12,6 +12,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import numpy
 import zmq
 
 from monarch_kernel.rank.config import RankConfig
@@ -81,6 +82,7 @@ class Server:
         # Other ranks on this host: large tensors move to shared memory at share time.
         self.shm_at_share = SHM_DIR is not None and per_host > 1
         self.tensors: dict[int, Any] = {}
+        self.writable: set[int] = set()  # RDMA buffers (``monarch_kernel.rdma``)
         self.shm_fds: dict[int, int] = {}  # our own descriptor of a tensor's shared memory
         self.seq = itertools.count(1)
         self.ids = itertools.count(1)
@@ -121,7 +123,9 @@ class Server:
         self.shm_prefix = f"mk-{cfg.run_id}-r{self.rank}-"
         threading.Thread(target=self._serve, name="mk-dataplane", daemon=True).start()
 
-    def share(self, tensor: Any) -> TensorRef:
+    def share(self, tensor: Any, writable: bool = False) -> TensorRef:
+        """Offer ``tensor`` to other ranks (``writable``: an RDMA buffer, which they may
+        also write into)."""
         # The owner's tensor itself is kept (never a copy): get() sees it as it is then.
         t = tensor.detach()
         nbytes = t.numel() * t.element_size()
@@ -135,6 +139,8 @@ class Server:
                 shm = f"/proc/{os.getpid()}/fd/{fd}"
         with self.lock:
             self.tensors[ident] = t
+            if writable:
+                self.writable.add(ident)
             if fd >= 0:
                 self.shm_fds[ident] = fd
         dtype = str(t.dtype).removeprefix("torch.")
@@ -154,6 +160,7 @@ class Server:
             self.curve_public,
             self.machine,
             self.key_hex,
+            os.getpid(),
         )
 
     @staticmethod
@@ -217,6 +224,7 @@ class Server:
     def release(self, ident: int) -> None:
         with self.lock:
             self.tensors.pop(ident, None)
+            self.writable.discard(ident)
             fd = self.shm_fds.pop(ident, None)
         if fd is not None:
             os.close(fd)  # the path in the ref no longer opens (torch keeps its own fd)
@@ -246,14 +254,40 @@ class Server:
             reply: tuple[Header, tuple[Buffer, ...]] = ({"k": "err", "error": _REFUSED}, ())
         else:
             try:
-                reply = self._handle(h)
+                reply = self._handle(h, msg.buffers)
             except Exception as exc:  # goes back to the requester
                 reply = ({"k": "err", "error": str(exc)}, ())
         header, buffers = reply
         sock.send_multipart([ident, *self.codec.encode(header, b"", buffers)], copy=False)
 
-    def _handle(self, h: Header) -> tuple[Header, tuple[Buffer, ...]]:
+    def write(self, ident: int, data: Any) -> None:
+        """Copy ``data`` (bytes-like) into the start of RDMA buffer ``ident`` in place."""
+        import torch
+
+        with self.lock:
+            t = self.tensors.get(ident)
+            writable = ident in self.writable
+        if t is None:
+            raise KeyError(f"tensor {ident} was released or never shared by rank {self.rank}")
+        if not writable:
+            raise PermissionError(f"tensor {ident} of rank {self.rank} is read-only (share())")
+        src = memoryview(data).cast("B")
+        if len(src) > t.numel() * t.element_size():
+            raise ValueError(f"{len(src)} bytes do not fit in buffer {ident} of rank {self.rank}")
+        if len(src):
+            dst = t.view(-1).view(torch.uint8)[: len(src)]
+            data = numpy.frombuffer(src, dtype=numpy.uint8)
+            if dst.device.type == "cpu":
+                dst.numpy()[:] = data
+            else:
+                dst.copy_(torch.from_numpy(data.copy()))
+        counters_["bytes_in"] += len(src)
+
+    def _handle(self, h: Header, buffers: Any = ()) -> tuple[Header, tuple[Buffer, ...]]:
         op, ident = h.get("op"), int(h.get("id", 0))
+        if op == "write":
+            self.write(ident, buffers[0] if buffers else b"")
+            return {"k": "ok"}, ()
         if op == "fetch":
             raw = self._raw(ident)
             counters_["bytes_out"] += len(raw)

@@ -13,6 +13,17 @@ from monarch_kernel.wire.reports import FailureReport, SourceLine
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+class ActorAborted(BaseException):
+    """Raised by ``context().actor_instance.abort(reason)`` in an actor: that actor stops
+    with a failure (its caller and its creator's supervision are told); the rank and its
+    other actors keep running. A BaseException, so that ``except Exception`` in user code
+    does not swallow it."""
+
+    def __init__(self, reason: str | None = None):
+        super().__init__(reason or "abort() was called")
+        self.reason = reason or "abort() was called"
+
+
 def _is_internal(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_PKG_DIR + os.sep)
 

@@ -103,6 +103,24 @@ def _exit_code(code: object) -> int:
     return 1
 
 
+def _finalize_actors() -> None:
+    """Drop this rank's actors, newest first, so that their ``__del__`` runs (as when
+    Monarch stops a process mesh); ``os._exit`` would skip it."""
+    import gc
+
+    runtime = context._runtime
+    actors = getattr(runtime, "actors", None)
+    if not isinstance(actors, dict):
+        return
+    while actors:
+        _name, actor = actors.popitem()
+        try:
+            del actor
+        except BaseException:  # a failing __del__ is printed by Python, not raised
+            pass
+    gc.collect()
+
+
 def _clean_up() -> None:
     """What a Python process does on its way out, which ``os._exit`` skips: tear down
     the process group (bounded), run ``atexit`` handlers, flush the streams."""
@@ -121,6 +139,7 @@ def _clean_up() -> None:
     if distributed.is_initialized():
         threading.Thread(target=destroy, name="mk-destroy-pg", daemon=True).start()
         done.wait(DESTROY_TIMEOUT)
+    _finalize_actors()
     import atexit
 
     atexit._run_exitfuncs()

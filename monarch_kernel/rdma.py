@@ -1,0 +1,248 @@
+"""Monarch's ``monarch.rdma`` over the data plane: :class:`RDMABuffer`.
+
+An ``RDMABuffer(data)`` names memory of the process that made it (a rank, or the
+controller): a contiguous tensor or a writable memoryview, kept in place (never copied).
+It pickles into a small handle that travels like any value (an endpoint argument, a
+result), and whoever holds it reads the owner's bytes with ``read_into(dst)`` or writes
+them with ``write_from(src)``; both return a :class:`~monarch_kernel.calls.future.Future`
+(``.get()`` or ``await``) of None. ``drop()`` ends the offer.
+
+There is no RDMA hardware path: bytes move as :func:`monarch_kernel.share`'s do.
+Within a host a CPU buffer of ``SHM_MIN_BYTES`` or more that owns its storage lives in
+shared memory from the moment it is made (its storage is moved there in place), and
+readers and writers of the host copy straight from and into it without asking the owner;
+anything else goes over the owner's data socket (a unix socket on its machine, TCP or
+CURVE between machines), served by its ``mk-dataplane`` thread while the owner runs
+on. Requests are signed with the owner's mesh key and carry a nonce, as every data-plane
+request. A read or write waiting for an owner on its own machine fails at once when the
+owner dies (its pid); across machines after ``timeout``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import numpy
+
+from monarch_kernel.calls.future import Future
+from monarch_kernel.rank.dataplane_client import OwnerDiedError, client, join_as_controller
+from monarch_kernel.rank.dataplane_common import counters_
+from monarch_kernel.rank.dataplane_ref import TensorRef
+
+__all__ = [
+    "RDMAAction",
+    "RDMABuffer",
+    "RDMAError",
+    "get_rdma_backend",
+    "is_ibverbs_available",
+    "is_rdma_available",
+]
+
+#: What :func:`get_rdma_backend` and ``RDMABuffer.backend`` say.
+BACKEND = "dataplane"
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+class RDMAError(RuntimeError):
+    """A read or write of an RDMA buffer failed: dropped, owner gone, bad size."""
+
+
+def is_rdma_available() -> bool:
+    """Always True: buffers move over the data plane (shared memory, sockets)."""
+    return True
+
+
+def is_ibverbs_available() -> bool:
+    """False: no ibverbs path here."""
+    return False
+
+
+def get_rdma_backend() -> str:
+    return BACKEND
+
+
+def _in_process() -> None:
+    """Join the data plane from the controller's process (ranks are in it already)."""
+    from monarch_kernel.rank import context
+
+    if context.services() is None:
+        join_as_controller()
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    # A few threads of their own: a sync endpoint may block in .get() on the main thread
+    # (each thread keeps its own sockets to the owners it talked to).
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="mk-rdma")
+    return _pool
+
+
+def _as_bytes(data: Any, what: str) -> Any:
+    """A uint8 CPU tensor over ``data``'s memory (a contiguous tensor or memoryview)."""
+    import torch
+
+    if isinstance(data, torch.Tensor):
+        if not data.is_contiguous():
+            raise ValueError(f"{what} must be a contiguous tensor")
+        return data.detach().reshape(-1).view(torch.uint8)
+    if isinstance(data, (memoryview, bytearray)):
+        mv = memoryview(data)
+        if not mv.c_contiguous:
+            raise ValueError(f"{what} must be a c-contiguous memoryview")
+        if mv.readonly:
+            raise ValueError(f"{what} is a read-only memoryview")
+        mv = mv.cast("B")
+        if not len(mv):
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(mv, dtype=torch.uint8)
+    raise TypeError(f"{what} must be a torch.Tensor or a memoryview, not {type(data).__name__}")
+
+
+class RDMABuffer:
+    """Memory of this process that other processes read and write in place."""
+
+    def __init__(self, data: Any) -> None:
+        from monarch_kernel.rank.dataplane import server
+
+        raw = _as_bytes(data, "RDMABuffer data")
+        if not raw.numel():
+            raise ValueError("Cannot create RDMABuffer with size 0.")
+        _in_process()
+        self._ref: TensorRef = server().share(raw, writable=True)
+        self._dropped = False
+
+    @classmethod
+    def _rebuild(cls, ref: TensorRef) -> RDMABuffer:
+        buf = cls.__new__(cls)
+        buf._ref, buf._dropped = ref, False
+        return buf
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RDMABuffer._rebuild, (self._ref,))
+
+    @property
+    def backend(self) -> str:
+        return BACKEND
+
+    def size(self) -> int:
+        """The buffer's size in bytes."""
+        return self._ref.nbytes
+
+    @property
+    def owner(self) -> str:
+        """Who holds the memory: ``rank R (pid P on MACHINE)`` or the controller."""
+        ref = self._ref
+        who = "the controller" if ref.owner < 0 else f"rank {ref.owner}"
+        return f"{who} (pid {ref.pid} on {ref.machine})"
+
+    def __repr__(self) -> str:
+        state = ", dropped" if self._dropped else ""
+        return f"RDMABuffer({self.size()} bytes, owned by {self.owner}{state})"
+
+    # -- reads and writes ----------------------------------------------------------
+    def read_into(self, dst: Any, *, timeout: int = 60) -> Future[None]:
+        """Read the buffer into ``dst`` (a contiguous tensor or writable memoryview of at
+        least ``size()`` bytes; on CUDA through a CPU copy). A future of None."""
+        self._check()
+        target = dst
+        if hasattr(dst, "device") and dst.device.type != "cpu":
+            import torch
+
+            target = torch.empty(dst.numel() * dst.element_size(), dtype=torch.uint8)
+        raw = _as_bytes(target, "read_into's dst")
+        if raw.numel() < self.size():
+            raise ValueError(
+                f"read_into's dst has {raw.numel()} bytes; the buffer has {self.size()}"
+            )
+        raw = raw[: self.size()]
+
+        def read() -> None:
+            ref = self._ref
+            done = False
+            if ref._use_shm("auto"):
+                try:
+                    client().read_shm(ref, raw)
+                    done = True
+                except PermissionError:
+                    pass  # /proc/<pid>/fd of the owner not openable here: its socket
+            if not done:
+                msg = client().request(ref, {"op": "fetch", "id": ref.id}, timeout)
+                raw.numpy()[:] = numpy.frombuffer(msg.buffers[0], dtype=numpy.uint8)
+            counters_["bytes_in"] += ref.nbytes
+            if target is not dst:
+                dst.view(-1).view(raw.dtype)[: raw.numel()].copy_(raw)
+
+        return self._submit(read, "read")
+
+    def write_from(self, src: Any, *, timeout: int = 60) -> Future[None]:
+        """Write ``src`` (a contiguous tensor or memoryview of at most ``size()`` bytes)
+        into the start of the buffer, in the owner's memory. A future of None."""
+        self._check()
+        if hasattr(src, "device") and src.device.type != "cpu":
+            src = src.cpu()
+        if isinstance(src, (bytes, memoryview)) and memoryview(src).readonly:
+            data = memoryview(src).cast("B")  # only read from
+        else:
+            data = memoryview(_as_bytes(src, "write_from's src").numpy())
+        if len(data) > self.size():
+            raise ValueError(
+                f"write_from's src has {len(data)} bytes; the buffer has {self.size()}"
+            )
+
+        def write() -> None:
+            ref = self._ref
+            if not (ref.same_host() and client().write_shm(ref, data)):
+                client().request(ref, {"op": "write", "id": ref.id}, timeout, (data,))
+            counters_["bytes_out"] += len(data)
+
+        return self._submit(write, "write")
+
+    def drop(self) -> Future[None]:
+        """End the offer: the owner forgets the buffer (its memory stays the owner's), and
+        any later read or write, by any holder, raises :class:`RDMAError`."""
+        if self._dropped:
+            return Future._resolved(None)
+        self._dropped = True
+        ref = self._ref
+        return self._submit(lambda: client().request(ref, {"op": "release", "id": ref.id}), "drop")
+
+    # -- helpers -------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._dropped:
+            raise RDMAError(f"{self!r}: it was dropped and can no longer be read or written")
+        _in_process()
+
+    def _submit(self, work: Any, what: str) -> Future[None]:
+        fut: Future[None] = Future()
+
+        def run() -> None:
+            try:
+                work()
+            except OwnerDiedError as exc:
+                fut.set_exception(RDMAError(f"RDMABuffer {what} failed: {exc}"))
+            except RuntimeError as exc:
+                if "released or never shared" in str(exc):
+                    exc = RDMAError(
+                        f"{self!r} was dropped by its owner: it can no longer be read or written"
+                    )
+                fut.set_exception(exc)
+            except BaseException as exc:  # handed to whoever waits
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+
+        _executor().submit(run)
+        return fut
+
+
+class RDMAAction:
+    """Monarch's batched RDMA operations: not provided (use the buffer's methods)."""
+
+    def __init__(self) -> None:
+        raise NotImplementedError(
+            "RDMAAction is not provided by monarch_kernel: use RDMABuffer.read_into / "
+            "write_from (each returns a future; gather several with asyncio.gather)"
+        )

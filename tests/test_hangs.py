@@ -1,0 +1,102 @@
+"""Two hangs that now complete or fail clearly: ``get_or_spawn_controller`` awaited in an
+async endpoint (also of an actor on the controller's ``this_proc()``, the process the
+singleton is spawned on), and an actor whose ``__init__`` never returns after sending
+a handle of its process out (``spawn()`` fails with a TimeoutError naming it)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from monarch_kernel import config
+from monarch_kernel.actor import (
+    Actor,
+    endpoint,
+    get_or_spawn_controller,
+    shutdown_context,
+    this_host,
+    this_proc,
+)
+
+pytestmark = pytest.mark.local
+
+
+class Singleton(Actor):
+    @endpoint
+    async def ping(self) -> str:
+        return "pong"
+
+
+class Asker(Actor):
+    @endpoint
+    async def ask(self, name: str) -> str:
+        ctl = await get_or_spawn_controller(name, Singleton)
+        return await ctl.ping.call_one()
+
+
+@pytest.fixture
+def controller_procs():
+    yield
+    shutdown_context().get(timeout=60)  # this_proc()'s mesh and every other
+
+
+def test_get_or_spawn_controller_awaited_in_an_endpoint(controller_procs):
+    # on this_proc(): the very rank the singleton is spawned on awaits it
+    on_client = this_proc().spawn("asker_here", Asker)
+    assert on_client.ask.call_one("ctl_a").get(timeout=60) == "pong"
+    # from another mesh, for the same singleton and a new one (one rank at a time: two
+    # ranks awaiting one async endpoint of another mesh at once can lose a reply, a
+    # separate bug)
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    askers = procs.spawn("askers", Asker)
+    for gpu in (0, 1):
+        for name in ("ctl_a", "ctl_b"):
+            assert askers.slice(gpus=gpu).ask.call_one(name).get(timeout=60) == "pong"
+
+
+class Registry(Actor):
+    def __init__(self) -> None:
+        self.procs: Any = None
+
+    @endpoint
+    def register(self, procs) -> None:
+        self.procs = procs
+
+    @endpoint
+    def spawn_on_registered(self, limit: str) -> str:
+        config.configure(actor_spawn_max_idle=limit)
+        try:
+            self.procs.spawn("child", Singleton)
+        except TimeoutError as exc:
+            return str(exc)
+        return "spawned"
+
+
+class Stuck(Actor):
+    def __init__(self, registry) -> None:
+        registry.register.call_one(this_proc()).get()  # its handle goes out
+        threading.Event().wait()  # and __init__ never returns
+
+
+def test_an_init_that_never_returns_fails_spawn_clearly():
+    registry_procs = this_host().spawn_procs(per_host={"gpus": 1})
+    procs = this_host().spawn_procs(per_host={"gpus": 1}, grace=1.0)
+    try:
+        registry = registry_procs.spawn("registry", Registry)
+        with (
+            config.configured(actor_spawn_max_idle="2s"),
+            pytest.raises(
+                TimeoutError,
+                match=r"spawn of actor 'stuck' on mesh .*: "
+                r"Stuck\.__init__ had not returned within 2s on rank\(s\) 0",
+            ),
+        ):
+            procs.spawn("stuck", Stuck, registry)
+        # the handle it sent out: using it fails clearly too, not forever
+        text = registry.spawn_on_registered.call_one("2s").get(timeout=60)
+        assert "Singleton.__init__ had not returned within 2s" in text
+    finally:
+        procs.stop()
+        registry_procs.stop()
