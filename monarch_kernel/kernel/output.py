@@ -29,12 +29,12 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from monarch_kernel.calls.errors import format_ranks
 from monarch_kernel.controller.events import DisplayOutput
+from monarch_kernel.kernel.output_items import BarBlock, Bucket, Display, Line
 from monarch_kernel.wire.jsontypes import JsonObject, MimeBundle
-from monarch_kernel.wire.terminal import Row, Terminal
+from monarch_kernel.wire.terminal import Terminal
 
 Emit = Callable[[str, str], None]
 #: ``display(data, metadata, display_id, update)``: a display_data (or, ``update``, an
@@ -64,54 +64,6 @@ PARTIAL_WAIT = 0.05
 BLOCK_ROWS = 256
 #: The pseudo stream name of a display in the queue of lines.
 DISPLAY = "\0display"
-
-
-@dataclass
-class _Line:
-    name: str
-    text: str
-    first_seen: float
-    ranks: set[int] = field(default_factory=set)
-
-
-@dataclass
-class _Display(_Line):
-    """A rich display waiting in line (``text``: its bundle's key for collapsing)."""
-
-    data: MimeBundle = field(default_factory=dict)
-    metadata: JsonObject = field(default_factory=dict)
-    display_id: str = ""
-    update: bool = False
-    size: int = 0
-
-
-class _Block:
-    """The display of the bars live at one time (see the module's doc)."""
-
-    __slots__ = ("display_id", "rows", "sent", "opened")
-
-    def __init__(self) -> None:
-        self.display_id = f"mk-bars-{uuid.uuid4().hex[:12]}"
-        self.rows: list[tuple[int, Row]] = []  # (rank, row), in order of appearance
-        self.sent = ""  # the text last sent
-        self.opened = False  # its display_data went out
-
-
-class _Bucket:
-    """A token bucket: ``level`` up to ``burst``, refilled at ``rate`` a second."""
-
-    __slots__ = ("burst", "rate", "level", "at")
-
-    def __init__(self, burst: float, rate: float):
-        self.burst, self.rate = float(burst), float(rate)
-        self.level = self.burst
-        self.at = time.monotonic()
-
-    def refill(self, now: float) -> float:
-        """Add what accrued since the last refill; returns the level."""
-        self.level = min(self.burst, self.level + (now - self.at) * self.rate)
-        self.at = now
-        return self.level
 
 
 class CellOutput:
@@ -150,19 +102,20 @@ class CellOutput:
         self._terms: dict[tuple[int, str], Terminal] = {}
         #: terminals whose live rows changed since the bar block was last drawn
         self._live: set[tuple[int, str]] = set()
-        self._block: _Block | None = None
+        self._block: BarBlock | None = None
         self._bars_at = -1.0  # when the bar block was last drawn
         #: id of a live row without its newline -> when it was first seen so
         self._partial_since: dict[int, float] = {}
         #: per rank: the id of its last display, and whether it cleared its output since
         self._last_display: dict[int, str] = {}
         self._cleared: set[int] = set()
-        self._pending: deque[_Line] = deque()
+        self._pending: deque[Line] = deque()
         # (stream, text) -> pending lines with that text, oldest first (collapse mode)
-        self._index: dict[tuple[str, str], list[_Line]] = {}
-        self._by_rank: dict[int, list[tuple[str, str | _Display]]] = {}
-        self._messages = _Bucket(EMIT_BURST, EMIT_RATE)  # stream messages sent at once
-        self._bytes = _Bucket(BURST_BYTES, RATE_BYTES)  # bytes the notebook is sent
+        self._index: dict[tuple[str, str], list[Line]] = {}
+        self._by_rank: dict[int, list[tuple[str, str | Display]]] = {}
+        start = time.monotonic()
+        self._messages = Bucket(EMIT_BURST, EMIT_RATE, start)  # stream messages sent at once
+        self._bytes = Bucket(BURST_BYTES, RATE_BYTES, start)  # bytes the notebook is sent
         #: Lines shown, and lines elided (not sent to the notebook; they are in the logs).
         self.shown = 0
         self.elided = 0
@@ -218,7 +171,7 @@ class CellOutput:
                 self._cleared.add(rank)
                 last = self._last_display.get(rank)
                 if op == "clear" and last is not None:
-                    blank = _Display(DISPLAY, "", now, {rank}, {"text/plain": ""}, {}, last, True)
+                    blank = Display(DISPLAY, "", now, {rank}, {"text/plain": ""}, {}, last, True)
                     self._pending.append(blank)
                 return
             update = op == "update"
@@ -229,27 +182,13 @@ class CellOutput:
             else:
                 did = ""
             self._cleared.discard(rank)
+            entry: Display | None
             if not update and display_id is None and self._mode == "collapse":
-                text = key.hex() if len(key) <= 64 else str(hash(key))
-                same = self._index.get((DISPLAY, text))
-                if same is None:
-                    same = self._index[(DISPLAY, text)] = []
-                joined: _Line | None = None
-                for other in same:
-                    if rank not in other.ranks:
-                        other.ranks.add(rank)
-                        joined = other
-                        break
-                entry: _Display | None = None
-                if isinstance(joined, _Display):
-                    self._last_display[rank] = joined.display_id
-                else:
-                    did = f"mk-d-{uuid.uuid4().hex[:12]}"
-                    entry = _Display(DISPLAY, text, now, {rank}, data, metadata, did, False, size)
-                    same.append(entry)
+                entry = self._collapsed(rank, key, data, metadata, size, now)
+                did = entry.display_id if entry is not None else did
             else:
                 did = did or f"mk-d-{uuid.uuid4().hex[:12]}"
-                entry = _Display(DISPLAY, "", now, {rank}, data, metadata, did, update, size)
+                entry = Display(DISPLAY, "", now, {rank}, data, metadata, did, update, size)
             if entry is not None:
                 if not update:
                     self._last_display[rank] = did
@@ -260,6 +199,31 @@ class CellOutput:
         self.flush()
         if self._pending:
             _due.set()
+
+    def _collapsed(
+        self,
+        rank: int,
+        key: bytes,
+        data: MimeBundle,
+        metadata: JsonObject,
+        size: int,
+        now: float,
+    ) -> Display | None:
+        """A display of ``rank`` that may join an identical one of another rank (lock
+        held): None when it joined one (nothing new to send), else the new entry."""
+        text = key.hex() if len(key) <= 64 else str(hash(key))
+        same = self._index.get((DISPLAY, text))
+        if same is None:
+            same = self._index[(DISPLAY, text)] = []
+        for other in same:
+            if rank not in other.ranks and isinstance(other, Display):
+                other.ranks.add(rank)
+                self._last_display[rank] = other.display_id
+                return None
+        did = f"mk-d-{uuid.uuid4().hex[:12]}"
+        entry = Display(DISPLAY, text, now, {rank}, data, metadata, did, False, size)
+        same.append(entry)
+        return entry
 
     def _add(self, rank: int, name: str, line: str, now: float) -> None:
         if self._mode == "rank":
@@ -273,11 +237,11 @@ class CellOutput:
                 if rank not in entry.ranks:
                     entry.ranks.add(rank)
                     return
-            entry = _Line(name, line, now, {rank})
+            entry = Line(name, line, now, {rank})
             same.append(entry)
             self._pending.append(entry)
             return
-        self._pending.append(_Line(name, line, now, {rank}))
+        self._pending.append(Line(name, line, now, {rank}))
 
     def flush(self, force: bool = False) -> None:
         """Emit lines that are complete (all ranks) or waited long enough, and redraw
@@ -286,7 +250,7 @@ class CellOutput:
             self._flush_sending(force)
 
     def _flush_sending(self, force: bool) -> None:
-        out: list[tuple[str, str | _Display]] = []
+        out: list[tuple[str, str | Display]] = []
         with self._lock:
             now = time.monotonic()
             pending = self._pending
@@ -308,7 +272,7 @@ class CellOutput:
                         same.remove(entry)  # the oldest: index 0
                     if not same:
                         del self._index[key]
-                if isinstance(entry, _Display):
+                if isinstance(entry, Display):
                     if self._label and not entry.update:
                         out.append(("stdout", f"[{format_ranks(sorted(entry.ranks))}]:\n"))
                     out.append((DISPLAY, entry))
@@ -327,7 +291,7 @@ class CellOutput:
             self._display(data, {"monarch_kernel": {"bars": True}}, block.display_id, block.opened)
             block.opened = True
 
-    def _bars(self, now: float, force: bool) -> tuple[_Block, str] | None:
+    def _bars(self, now: float, force: bool) -> tuple[BarBlock, str] | None:
         """The bar block to draw now and its text, if it changed (lock held)."""
         if self._display is None or self._mode == "rank" or not self._live:
             return None
@@ -335,7 +299,7 @@ class CellOutput:
             return None  # the flusher's next turn
         block = self._block
         if block is None or len(block.rows) >= BLOCK_ROWS:
-            block = self._block = _Block()
+            block = self._block = BarBlock()
         waiting: set[tuple[int, str]] = set()
         for key in sorted(self._live):
             for row in self._terms[key].live():
@@ -367,7 +331,7 @@ class CellOutput:
         self._bars_at = now
         return block, text
 
-    def _render(self, block: _Block) -> str:
+    def _render(self, block: BarBlock) -> str:
         """One line per rank and bar (the k-th bar of each rank side by side), identical
         frames of several ranks on one line."""
         by_slot: dict[int, list[tuple[int, str]]] = {}
@@ -393,14 +357,14 @@ class CellOutput:
         return "\n".join(lines)
 
     def _within_budget(
-        self, lines: list[tuple[str, str | _Display]], now: float, closing: bool
-    ) -> list[tuple[str, str | _Display]]:
+        self, lines: list[tuple[str, str | Display]], now: float, closing: bool
+    ) -> list[tuple[str, str | Display]]:
         """The lines the notebook can be sent now; count the rest as elided (lock held)."""
         budget = self._bytes
         budget.refill(now)
-        kept: list[tuple[str, str | _Display]] = []
+        kept: list[tuple[str, str | Display]] = []
         for name, text in lines:
-            size = text.size if isinstance(text, _Display) else len(text)
+            size = text.size if isinstance(text, Display) else len(text)
             if size <= budget.level:
                 budget.level -= size
                 kept.append((name, text))
@@ -428,12 +392,12 @@ class CellOutput:
                 return f"[{r}] {text}\n"
         return f"[{format_ranks(sorted(ranks))}] {text}\n"
 
-    def _send(self, lines: list[tuple[str, str | _Display]]) -> None:
+    def _send(self, lines: list[tuple[str, str | Display]]) -> None:
         # Consecutive lines of one stream go out as one message.
         i = 0
         while i < len(lines):
             name, item = lines[i]
-            if isinstance(item, _Display):
+            if isinstance(item, Display):
                 assert self._display is not None
                 meta = dict(item.metadata)
                 meta["monarch_kernel"] = {"ranks": sorted(item.ranks)}
@@ -441,7 +405,7 @@ class CellOutput:
                 i += 1
                 continue
             j = i
-            while j < len(lines) and lines[j][0] == name and not isinstance(lines[j][1], _Display):
+            while j < len(lines) and lines[j][0] == name and not isinstance(lines[j][1], Display):
                 j += 1
             self._emit(name, "".join(str(text) for _, text in lines[i:j]))
             i = j
@@ -457,10 +421,10 @@ class CellOutput:
                 if term.settled:
                     term.settled.clear()
                     self._live.add((rank, name))
-            blocks: list[tuple[str, str | _Display]] = []
+            blocks: list[tuple[str, str | Display]] = []
             for rank in sorted(self._by_rank):
                 for name, item in self._by_rank[rank]:
-                    if isinstance(item, _Display):
+                    if isinstance(item, Display):
                         if self._label:
                             blocks.append(("stdout", f"[{rank}]:\n"))
                         blocks.append((DISPLAY, item))
