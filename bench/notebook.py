@@ -60,6 +60,27 @@ def _print_delays(k: _Client, magic: str, prints: int) -> list[float]:
     return delays
 
 
+def _bar_delays(k: _Client, magic: str, frames: int) -> list[float]:
+    """Seconds from a rank's progress-bar frame (``\\r``, no newline; timestamped) to
+    the notebook's redraw of the bar that shows it."""
+    delays: list[float] = []
+
+    def on_iopub(m: dict) -> None:
+        if m["msg_type"] in ("display_data", "update_display_data"):
+            now = time.time()
+            text = m["content"]["data"].get("text/plain", "")
+            if "@" in text:
+                delays.append(now - float(text.rsplit("@", 1)[1]))
+
+    k.run(
+        f"{magic}\nimport sys, time\nfor i in range({frames}):\n"
+        "    sys.stderr.write(f'\\rbar {i} @{time.time()!r}'); sys.stderr.flush()\n"
+        "    time.sleep(0.005)\nsys.stderr.write('\\n')",
+        on_iopub,
+    )
+    return delays
+
+
 def _lines_per_s(k: _Client, magic: str, lines: int) -> float:
     """Lines a second from a cell printing ``lines`` lines to the client (all must come)."""
     got = [0]
@@ -93,6 +114,9 @@ def ours(s: Settings, rec: Recorder) -> None:
         rec.value("remote_1", median(xs))
         delays = _print_delays(k, "%%remote b --ranks 0", PRINTS)
         rec.value("print_delay", median(delays[10:]))
+        with rec.guard("bar_delay"):
+            delays = _bar_delays(k, "%%remote b --ranks 0", PRINTS)
+            rec.value("bar_delay", median(delays[10:]))
         lines = FLOOD_LINES // (5 if s.quick else 1)
         with rec.guard("lines_remote", "lines_ipykernel", "lines_ratio"):
             ours_rate = _lines_per_s(k, "%%remote b --ranks 0", lines)

@@ -100,6 +100,7 @@ def rows(s: Settings) -> list[Row]:
     out.append(Row("remote_1", "6. trivial %%remote cell on 1 rank (%px for ipyparallel)", "ms"))
     out.append(Row("remote_4", "6. trivial %%remote cell on 4 ranks (%px for ipyparallel)", "ms"))
     out.append(Row("print_delay", "6. rank print -> notebook output", "ms"))
+    out.append(Row("bar_delay", "6. rank progress-bar frame (\\r) -> notebook bar redrawn", "ms"))
     out.append(
         Row(
             "lines_remote",

@@ -52,6 +52,8 @@ WIRE: list[dict] = [
     {"k": K.RESULT, "i": "7", "r": 2, "ok": 1, "h": 0},
     {"k": K.STREAM, "r": 1, "i": None, "n": "stdout"},
     {"k": K.STREAM, "r": 1, "i": "7", "n": "stderr"},
+    {"k": K.DISPLAY, "r": 1, "i": "7", "op": "display", "di": None},
+    {"k": K.DISPLAY, "r": 1, "i": None, "op": "update", "di": "progress"},
     {"k": K.METRIC, "r": 1, "i": "7"},
     {"k": K.FAULT, "r": 1},
     {"k": K.STATS, "r": 1},
@@ -148,6 +150,7 @@ REQUIRED = [
     (H.Ready, {"k": K.READY, "r": 1}, "pid"),
     (H.Result, {"k": K.RESULT, "i": "1"}, "ok"),
     (H.Stream, {"k": K.STREAM, "r": 1, "i": None}, "n"),
+    (H.Display, {"k": K.DISPLAY, "r": 1, "i": None, "di": None}, "op"),
     (H.RankExit, {"k": K.RANK_EXIT, "h": 0, "r": 1, "pid": 2}, "code"),
     (H.SpawnRanks, {"k": K.SPAWN_RANKS, "ranks": []}, "common"),
 ]

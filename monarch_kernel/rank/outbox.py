@@ -76,6 +76,14 @@ class Outbox:
         """Output of stream ``name`` (captured) during ``request``."""
         self.send(H.Stream(rank=self.rank, request=request, name=name).encode(), text.encode())
 
+    def display(self, op: str, display_id: str | None, payload: bytes) -> None:
+        """A rich display (``op``: ``display``, ``update``, ``clear``, ``clear_wait``)
+        made during the request being served (see :mod:`monarch_kernel.rank.display`)."""
+        header = H.Display(
+            rank=self.rank, request=context.current_request, op=op, display_id=display_id
+        )
+        self.send(header.encode(), payload)
+
     def report(self, metrics: Mapping[str, Any]) -> None:
         """``monarch_kernel.report(...)``: numbers for the dashboard."""
         clean = {}

@@ -238,6 +238,13 @@ kind              keys and payload
                   where, exception, host; see ``rank.errors.exception_report``)
 ``out``           ``i`` (the request being served, or None), ``n`` str (``stdout`` or
                   ``stderr``). Payload: the text, UTF-8 (not pickled)
+``display``       ``i`` (the request being served, or None), ``op`` str (``display``,
+                  ``update``, ``clear`` or ``clear_wait``: ``IPython.display``'s
+                  ``display``, ``update_display``, ``clear_output(wait=...)``), ``di``
+                  (the display id the rank gave, or None). Payload: pickled
+                  ``{"data": MIME bundle, "metadata": dict}`` (image bytes raw, not
+                  base64), bounded by the rank (``rank.display.MAX_BYTES``); empty for
+                  the clears
 ``metric``        ``i`` (the request being served, or None). Payload: pickled
                   ``dict[str, float]`` from ``monarch_kernel.report(...)``
 ``stop_mesh``     (no keys) Payload: pickled ``{"mesh", "key", "grace", "rt", "id"}``:
@@ -328,6 +335,7 @@ INPUT_REPLY = "input_reply"
 READY = "ready"
 RESULT = "res"
 STREAM = "out"
+DISPLAY = "display"  # a rich display (IPython's display(), a matplotlib figure)
 METRIC = "metric"
 FAULT = "fault"
 INPUT = "input"
@@ -338,4 +346,4 @@ STATS = "stats"  # once a second from each rank: memory and data-plane byte coun
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the ``display`` kind

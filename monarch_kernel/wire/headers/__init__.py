@@ -30,6 +30,7 @@ from monarch_kernel.wire.headers.control import (
     InputReply,
 )
 from monarch_kernel.wire.headers.from_rank import (
+    Display,
     Input,
     Metric,
     Owned,
@@ -85,6 +86,7 @@ AnyHeader: TypeAlias = (
     | Ready
     | Result
     | Stream
+    | Display
     | Metric
     | RankNotice
     | Owned
@@ -117,6 +119,7 @@ _CLASSES: tuple[Any, ...] = (
     Ready,
     Result,
     Stream,
+    Display,
     Metric,
     Owned,
     PeerActor,
@@ -212,6 +215,7 @@ __all__ = [
     "Stop",
     "StopActor",
     "Stream",
+    "Display",
     "Supervise",
     "WireAddress",
     "WireHeader",
