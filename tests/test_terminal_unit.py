@@ -58,6 +58,36 @@ def test_carriage_return_replaces_the_line():
     assert done + rest == ["step 2", "next", "more", "end"]
 
 
+def test_frames_printed_before_their_carriage_return_are_kept():
+    # print(f"progress {i}/5", end="\r"): each frame comes before its \r
+    term = Terminal()
+    for i in range(3):
+        assert term.feed(f"progress {i}/5\r") == []
+        (row,) = term.live()
+        assert row.text == f"progress {i}/5" and row.returned  # a frame, not a partial line
+    assert term.feed("\n") + term.feed("done\n") + term.close() == ["progress 2/5", "done"]
+    # lines ending in \r\n are lines
+    assert feed(["a\r\nb\r\n"]) == (["a", "b"], [], [])
+
+
+# What tqdm 4.70 writes for a bar at position 1 with nothing at position 0 (as every bar
+# is drawn once TQDM_POSITION=-1 is in the environment, which lightning_sdk's import
+# sets): down a row, the frame, back up. The row it starts on is committed (a blank
+# line) before the cursor comes back up to it.
+POSITION_1 = ["\n", "\rtrain 0/80", "\x1b[A"] + [
+    part for i in range(1, 11) for part in ("\n", f"\rtrain {i}/80", "\x1b[A")
+]
+
+
+@pytest.mark.parametrize("size", [None, 1])
+def test_a_bar_drawn_below_the_cursor_stays_one_row(size):
+    text = "".join(POSITION_1)
+    chunks = POSITION_1 if size is None else list(text)
+    done, live, _ = feed(chunks)
+    assert done == [""]  # the row above the bar
+    assert live == ["train 10/80"]  # redrawn in place, not one row per frame
+
+
 @pytest.mark.parametrize("size", [None, 1, 7])
 def test_nested_tqdm_bars_end_as_their_final_frames(size):
     chunks = [TQDM] if size is None else [TQDM[i : i + size] for i in range(0, len(TQDM), size)]
@@ -183,6 +213,37 @@ def test_a_new_bar_after_the_last_one_ended_opens_a_new_block(cell):
     out.close()
     assert notebook(displays) == ["epoch 1: 100%", "epoch 2: 50%"]
     assert streams == [("stdout", "validation done\n"), ("stderr", "x\ny\n")]
+
+
+def test_bars_below_the_cursor_are_one_line_per_rank_whatever_the_pace(cell):
+    """Four ranks draw a bar at position 1; rank 3 runs ahead. Each rank is on one line
+    (before: every rank's first frame stayed behind as a line of its own, so rank 3 was
+    in a collapsed ``[0-3]`` line and on a line of its own)."""
+    out, streams, displays = cell()
+    for rank in range(4):
+        for part in POSITION_1[:3]:
+            out.feed(rank, "stderr", part)
+    out.flush()
+    for part in POSITION_1[3:]:
+        out.feed(3, "stderr", part)
+        out.flush()
+    assert notebook(displays) == ["[0-2] train 0/80\n[3] train 10/80"]
+    assert streams == [("stderr", "[0-3] \n")]  # the blank row above the bars
+
+
+def test_a_frame_before_its_carriage_return_is_drawn_at_once(cell):
+    out, streams, displays = cell(ranks=(0, 1))
+    for r in (0, 1):  # print(f"step {i}", end="\r"): no newline to wait for
+        out.feed(r, "stdout", "step 1\r")
+    out.flush()  # at once: not held back as a line without its newline
+    assert notebook(displays) == ["[0-1] step 1"]
+    out.feed(1, "stdout", "step 2\r")
+    out.flush()
+    assert notebook(displays) == ["[0] step 1\n[1] step 2"]  # each rank's own line
+    out.feed(0, "stdout", "step 2\r\n")
+    out.feed(1, "stdout", "\n")
+    out.close()
+    assert notebook(displays) == ["[0-1] step 2"] and streams == []
 
 
 def test_plain_lines_never_open_a_block(cell):

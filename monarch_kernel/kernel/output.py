@@ -305,7 +305,7 @@ class CellOutput:
             for row in self._terms[key].live():
                 if row.shown:
                     continue
-                if not row.framed and not force:
+                if not (row.framed or row.returned) and not force:
                     # a line without its newline yet: shown once it stayed so for a
                     # while (a flood's batches end mid-line for a moment)
                     since = self._partial_since.setdefault(id(row), now)
@@ -345,10 +345,10 @@ class CellOutput:
         lines: list[str] = []
         for slot in sorted(by_slot):
             groups: dict[str, list[int]] = {}
-            for rank, text in by_slot[slot]:
+            for rank, text in sorted(by_slot[slot]):  # by rank: a stable order
                 key = text if self._mode == "collapse" else f"{rank}\0{text}"
                 groups.setdefault(key, []).append(rank)
-            for key, ranks in groups.items():
+            for key, ranks in sorted(groups.items(), key=lambda group: group[1][0]):
                 text = key.split("\0", 1)[-1]
                 if self._label:
                     lines.append(f"[{format_ranks(sorted(ranks))}] {text}")

@@ -40,13 +40,16 @@ MAX_ROW = 1 << 20
 class Row:
     """One line of a :class:`Terminal`'s screen."""
 
-    __slots__ = ("id", "text", "framed", "shown", "done")
+    __slots__ = ("id", "text", "framed", "returned", "shown", "done")
 
     def __init__(self, row_id: int, text: str = ""):
         self.id = row_id
         self.text = text
         #: Redrawn in place at least once (a bar's line).
         self.framed = False
+        #: The cursor went back to its start after its text (``print(..., end="\r")``):
+        #: a frame that its next one replaces, not a line still being written.
+        self.returned = False
         #: The owner showed it while it was live (the kernel's bar block).
         self.shown = False
         #: Committed: its text no longer changes.
@@ -89,7 +92,10 @@ class Terminal:
 
     def __init__(self) -> None:
         self._rows: list[Row] = []  # rows that may still change; the cursor is in them
-        self._cur = 0  # the cursor's row (index in _rows; == len(_rows): a new row)
+        # The cursor's row: an index in _rows (== len(_rows): a new row below them; < 0:
+        # a row above them, committed already: a bar drawn below the cursor's line, as
+        # tqdm's position=1 draws, moves up past the top of the live rows).
+        self._cur = 0
         self._fresh = False  # the next write replaces the cursor row's text
         self._cr = False  # ... because of a \r (the row is being redrawn)
         self._carry = ""  # an escape sequence cut off at the end of the last chunk
@@ -144,6 +150,7 @@ class Terminal:
                 if self._fresh:
                     if first:
                         row.text = first
+                        row.returned = False
                         self._fresh = False
                         row.framed = row.framed or self._cr
                         self._cr = False
@@ -201,10 +208,14 @@ class Terminal:
 
     def _write(self, s: str) -> None:
         rows = self._rows
-        if self._cur >= len(rows):
+        if self._cur < 0:  # onto a committed row: its text is final, write on a new one
+            rows.insert(0, self._new_row())
+            self._cur = 0
+        elif self._cur >= len(rows):
             rows.append(self._new_row())
             self._cur = len(rows) - 1
         row = rows[self._cur]
+        row.returned = False
         if self._fresh:
             row.text = s
             self._fresh = False
@@ -219,7 +230,8 @@ class Terminal:
         if self._cur >= len(rows):
             rows.append(self._new_row())
         self._cur += 1
-        self._fresh = self._cur < len(rows)  # onto a row already there: overwrite it
+        # onto a row already there: overwrite it
+        self._fresh = 0 <= self._cur < len(rows)
         self._cr = False
         self._since_up += 1
         if self._since_up > self._max_up:
@@ -260,20 +272,29 @@ class Terminal:
             if not first:
                 self._newline(out)
             first = False
-            if "\r" in line:  # the row is redrawn (framed) once text follows the \r
-                *_, line = line.split("\r")
-                self._fresh = True
-                self._cr = True
-            if line:
-                self._write(line)
-                if len(self._rows[self._cur].text) > MAX_ROW:
-                    self._newline(out)
+            # Each \r sends the cursor back to the row's start: what follows replaces
+            # the row (which is then framed: redrawn in place); text before it is
+            # written first (``print(..., end="\r")`` puts each frame before its \r).
+            for k, part in enumerate(line.split("\r")):
+                if k:
+                    self._carriage_return()
+                if part:
+                    self._write(part)
+                    if len(self._rows[self._cur].text) > MAX_ROW:
+                        self._newline(out)
+
+    def _carriage_return(self) -> None:
+        self._fresh = True
+        self._cr = True
+        rows = self._rows
+        if 0 <= self._cur < len(rows) and rows[self._cur].text:
+            rows[self._cur].returned = True
 
     def _control(self, m: re.Match[str], out: list[str]) -> None:
         token = m.group(0)
         if token == "\b":
             rows = self._rows
-            if self._cur < len(rows) and rows[self._cur].text and not self._fresh:
+            if 0 <= self._cur < len(rows) and rows[self._cur].text and not self._fresh:
                 rows[self._cur].text = rows[self._cur].text[:-1]
             return
         final = m.group(2)
@@ -287,14 +308,14 @@ class Terminal:
             return  # private modes (cursor hide/show, ...): dropped
         n = int(params.split(";")[0] or 1) if final in "ABEF" else 0
         rows = self._rows
-        if final in "AF":  # cursor up (F: and to the line's start)
-            target = max(0, self._cur - n)
-            if self._cur - target:
-                self._max_up = max(self._max_up, self._cur - target + (1 if final == "F" else 0))
-                self._since_up = 0
+        if final in "AF":  # cursor up (F: and to the line's start); above the live
+            # rows, the cursor is on a committed row (see _cur)
+            target = self._cur - n
+            self._max_up = max(self._max_up, n + (1 if final == "F" else 0))
+            self._since_up = 0
             self._cur = target
             self._fresh = final == "F"
-            if self._cur < len(rows):
+            if 0 <= self._cur < len(rows):
                 rows[self._cur].framed = True
         elif final in "BE":  # cursor down
             for _ in range(n):
@@ -304,18 +325,17 @@ class Terminal:
                     self._cur += 1
             self._fresh = final == "E" or self._fresh
         elif final == "K":  # erase in line
-            if self._cur < len(rows) and (params in ("2", "1") or self._fresh):
+            if 0 <= self._cur < len(rows) and (params in ("2", "1") or self._fresh):
                 rows[self._cur].text = ""  # (erasing to the end: we write at the end)
                 rows[self._cur].framed = True
         elif final == "J":  # erase in display: rows below the cursor (and its own)
             if params in ("", "0"):
-                for row in rows[self._cur + 1 :]:
+                for row in rows[max(0, self._cur + 1) :]:
                     row.text = ""
-                if self._cur < len(rows) and self._fresh:
+                if 0 <= self._cur < len(rows) and self._fresh:
                     rows[self._cur].text = ""
         elif final == "G" and (params or "1") == "1":  # to column 1: like \r
-            self._fresh = True
-            self._cr = True
+            self._carriage_return()
         # anything else (cursor right/left, scrolling regions, ...): dropped
 
     def close(self) -> list[str]:
