@@ -102,6 +102,9 @@ def rows(s: Settings) -> list[Row]:
     out.append(Row("print_delay", "6. rank print -> notebook output", "ms"))
     out.append(Row("bar_delay", "6. rank progress-bar frame (\\r) -> notebook bar redrawn", "ms"))
     out.append(
+        Row("bar_delay_ipykernel", "6. same bar frames in plain ipykernel -> stream", "ms")
+    )
+    out.append(
         Row(
             "lines_remote",
             "6. print flood: lines/s from one rank to the notebook",

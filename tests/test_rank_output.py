@@ -137,11 +137,16 @@ def ranks_of(label: str) -> list[int]:
     return ranks
 
 
-def test_carriage_return_counter_updates_in_place_with_labels(kernel):
+@pytest.mark.parametrize(
+    "frame",
+    ["print(f'\\rprogress {i}/5', end='')", "print(f'progress {i}/5', end='\\r')"],
+    ids=["cr-first", "end-cr"],
+)
+def test_carriage_return_counter_updates_in_place_with_labels(kernel, frame):
     r = run(
         kernel,
         "%%remote m --ranks 0:2\nimport time\nfor i in range(5):\n"
-        "    print(f'\\rprogress {i}/5', end='')\n    time.sleep(0.3)\nprint()\nprint('done')\n",
+        f"    {frame}\n    time.sleep(0.3)\nprint()\nprint('done')\n",
     )
     updates = bar_updates(r)
     texts = [text for _, text in updates]
