@@ -101,9 +101,7 @@ def rows(s: Settings) -> list[Row]:
     out.append(Row("remote_4", "6. trivial %%remote cell on 4 ranks (%px for ipyparallel)", "ms"))
     out.append(Row("print_delay", "6. rank print -> notebook output", "ms"))
     out.append(Row("bar_delay", "6. rank progress-bar frame (\\r) -> notebook bar redrawn", "ms"))
-    out.append(
-        Row("bar_delay_ipykernel", "6. same bar frames in plain ipykernel -> stream", "ms")
-    )
+    out.append(Row("bar_delay_ipykernel", "6. same bar frames in plain ipykernel -> stream", "ms"))
     out.append(
         Row(
             "lines_remote",
