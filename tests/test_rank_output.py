@@ -277,6 +277,21 @@ def test_html_image_and_figures_from_two_ranks_arrive_labelled(kernel):
     no_junk(r)
 
 
+def test_a_display_past_the_bound_is_a_note_saying_so(kernel):
+    r = run(
+        kernel,
+        "%%remote m --ranks 1\nimport base64\nimport monarch_kernel.rank.display as d\n"
+        "from IPython.display import Image, display\n"
+        "bound, d.MAX_BYTES = d.MAX_BYTES, 64  # as MONARCH_KERNEL_DISPLAY_MAX=64 would\n"
+        f"try:\n    display(Image(data=base64.b64decode({PNG!r})))\n"
+        "finally:\n    d.MAX_BYTES = bound\n",
+    )
+    displays = [c for kind, c in r.notebook() if kind == "display"]
+    assert len(displays) == 1 and list(displays[0]["data"]) == ["text/plain"], displays
+    note = displays[0]["data"]["text/plain"]
+    assert note.startswith("[display not shown: its image/png is") and "DISPLAY_MAX" in note
+
+
 def test_display_id_updates_replace_in_place(kernel):
     r = run(
         kernel,
@@ -334,6 +349,41 @@ def test_bg_displays_stay_in_the_jobs_block_while_other_cells_run(kernel):
     assert re.search(r"^\[0\]:$", final["text/plain"], re.M), final["text/plain"]
     no_junk_text = final["text/plain"] + page
     assert not JUNK.search(no_junk_text)
+
+
+def test_bg_bars_update_in_the_jobs_block_while_other_cells_run(kernel):
+    bg = kernel.submit(
+        "%%remote m --ranks 0:2 --bg\nimport time\nfrom tqdm.auto import tqdm\n"
+        "for i in tqdm(range(30), desc='bg'):\n    time.sleep(0.1)\n"
+    )
+    block = kernel.collect(bg).displays[0]["transient"]["display_id"]
+    seen = len(kernel.other)
+    other = kernel.run("import time\ntime.sleep(1.5)\nprint('other cell')")
+    assert other.stdout == "other cell\n" and not other.displays  # nothing leaked here
+    # while the other cell ran, the job's block was redrawn with its bars further along
+    during = [
+        m["content"]["data"]["text/plain"]
+        for m in kernel.other[seen:]
+        if m["parent_header"]["msg_id"] == bg and m["msg_type"] == "update_display_data"
+    ]
+    per_rank: dict[int, list[int]] = {0: [], 1: []}
+    for text in during:
+        for label, percent in re.findall(r"^(\[[\d, -]+\]) bg: +(\d+)%", text, re.M):
+            for rank in ranks_of(label):
+                per_rank[rank].append(int(percent))
+    for rank, progress in per_rank.items():  # each rank's bar further along, never back
+        assert len(set(progress)) >= 3 and progress == sorted(progress), (rank, during)
+    kernel.wait_for_output(bg, "done in", timeout=30)
+    final = [
+        m["content"]
+        for m in [*kernel.other, *kernel._ahead]
+        if m["parent_header"]["msg_id"] == bg and m["msg_type"] == "update_display_data"
+    ][-1]
+    assert final["transient"]["display_id"] == block
+    bars = [line for line in final["data"]["text/plain"].split("\n") if "bg:" in line]
+    assert sorted(r for line in bars for r in ranks_of(line.split("]")[0] + "]")) == [0, 1]
+    assert all(re.fullmatch(r"\[[\d, -]+\] bg: 100%\|█+\| 30/30 .*", line) for line in bars), bars
+    assert not JUNK.search(final["data"]["text/plain"])
 
 
 SPAWNED = """from monarch_kernel.actor import Actor, endpoint, this_host
