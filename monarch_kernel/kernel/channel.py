@@ -17,6 +17,7 @@ import uuid
 from collections import deque
 from typing import Any
 
+from monarch_kernel.controller.events import DisplayOutput
 from monarch_kernel.wire.jsontypes import JsonObject, MimeBundle
 from monarch_kernel.wire.terminal import strip_controls
 
@@ -252,3 +253,19 @@ class LiveText:
             self._sent = time.monotonic()
             data = self._data()
         self.channel.display(data, self.display_id, update=True)
+
+
+def show_unrouted(event: DisplayOutput) -> None:
+    """Show a display no cell routes (an actor endpoint's, a thread's) under the cell
+    running when it comes, labelled ``[rank N]:`` like the lines of the default stream
+    sink: the kernel's :func:`~monarch_kernel.controller.streams.set_unrouted_display`
+    hook, for every mesh (``%mesh``, ``spawn_procs`` in a cell, ...)."""
+    if event.op not in ("display", "update"):
+        return  # clear_output outside a cell: nothing of its own to clear
+    channel = CellChannel()
+    did = f"{event.display_id}-r{event.rank}" if event.display_id else None
+    update = event.op == "update"
+    if not update:
+        channel.stream("stdout", f"[rank {event.rank}]:\n")
+    meta = {**event.metadata, "monarch_kernel": {"ranks": [event.rank]}}
+    channel.display(event.data, did, update, meta)

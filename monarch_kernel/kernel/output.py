@@ -322,7 +322,7 @@ class CellOutput:
             if self._block is block and not block.opened:
                 self._block = None
             return None
-        text = self._render(block)
+        text = block.render(self._mode == "collapse", self._label)
         if all(row.done for _, row in block.rows):
             self._block = None  # every row in it is final: the next bar opens a new one
         if text == block.sent:
@@ -330,31 +330,6 @@ class CellOutput:
         block.sent = text
         self._bars_at = now
         return block, text
-
-    def _render(self, block: BarBlock) -> str:
-        """One line per rank and bar (the k-th bar of each rank side by side), identical
-        frames of several ranks on one line."""
-        by_slot: dict[int, list[tuple[int, str]]] = {}
-        seen: dict[int, int] = {}
-        for rank, row in block.rows:
-            slot = seen.get(rank, 0)
-            seen[rank] = slot + 1
-            text = row.text.rstrip()
-            if text:
-                by_slot.setdefault(slot, []).append((rank, text))
-        lines: list[str] = []
-        for slot in sorted(by_slot):
-            groups: dict[str, list[int]] = {}
-            for rank, text in sorted(by_slot[slot]):  # by rank: a stable order
-                key = text if self._mode == "collapse" else f"{rank}\0{text}"
-                groups.setdefault(key, []).append(rank)
-            for key, ranks in sorted(groups.items(), key=lambda group: group[1][0]):
-                text = key.split("\0", 1)[-1]
-                if self._label:
-                    lines.append(f"[{format_ranks(sorted(ranks))}] {text}")
-                else:
-                    lines.append(text)
-        return "\n".join(lines)
 
     def _within_budget(
         self, lines: list[tuple[str, str | Display]], now: float, closing: bool
@@ -438,24 +413,6 @@ class CellOutput:
                     blocks = self._within_budget(blocks, time.monotonic(), True)
                 self._send(blocks)
         _active.discard(self)
-
-
-def show_unrouted(event: DisplayOutput) -> None:
-    """Show a display no cell routes (an actor endpoint's, a thread's) under the cell
-    running when it comes, labelled ``[rank N]:`` like the lines of the default stream
-    sink: the kernel's :func:`~monarch_kernel.controller.streams.set_unrouted_display`
-    hook, for every mesh (``%mesh``, ``spawn_procs`` in a cell, ...)."""
-    from monarch_kernel.kernel.channel import CellChannel
-
-    if event.op not in ("display", "update"):
-        return  # clear_output outside a cell: nothing of its own to clear
-    channel = CellChannel()
-    did = f"{event.display_id}-r{event.rank}" if event.display_id else None
-    update = event.op == "update"
-    if not update:
-        channel.stream("stdout", f"[rank {event.rank}]:\n")
-    meta = {**event.metadata, "monarch_kernel": {"ranks": [event.rank]}}
-    channel.display(event.data, did, update, meta)
 
 
 _active: weakref.WeakSet[CellOutput] = weakref.WeakSet()

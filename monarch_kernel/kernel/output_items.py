@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from monarch_kernel.calls.errors import format_ranks
 from monarch_kernel.wire.jsontypes import JsonObject, MimeBundle
 from monarch_kernel.wire.terminal import Row
 
@@ -39,6 +40,28 @@ class BarBlock:
         self.rows: list[tuple[int, Row]] = []  # (rank, row), in order of appearance
         self.sent = ""  # the text last sent
         self.opened = False  # its display_data went out
+
+    def render(self, collapse: bool, label: bool) -> str:
+        """One line per rank and bar, the k-th bar of each rank side by side (rows
+        without text hold no place); ``collapse``: identical frames of several ranks on
+        one line; ``label``: each line starts with its ranks (``[0-3] ``)."""
+        by_slot: dict[int, list[tuple[int, str]]] = {}
+        seen: dict[int, int] = {}
+        for rank, row in self.rows:
+            text = row.text.rstrip()
+            if text:
+                slot = seen.get(rank, 0)
+                seen[rank] = slot + 1
+                by_slot.setdefault(slot, []).append((rank, text))
+        lines: list[str] = []
+        for slot in sorted(by_slot):
+            groups: dict[str, list[int]] = {}
+            for rank, text in sorted(by_slot[slot]):  # by rank: a stable order
+                groups.setdefault(text if collapse else f"{rank}\0{text}", []).append(rank)
+            for key, ranks in sorted(groups.items(), key=lambda group: group[1][0]):
+                text = key.split("\0", 1)[-1]
+                lines.append(f"[{format_ranks(ranks)}] {text}" if label else text)
+        return "\n".join(lines)
 
 
 class Bucket:
