@@ -227,8 +227,23 @@ def test_bars_below_the_cursor_are_one_line_per_rank_whatever_the_pace(cell):
     for part in POSITION_1[3:]:
         out.feed(3, "stderr", part)
         out.flush()
-    assert notebook(displays) == ["[0-2] train 0/80\n[3] train 10/80"]
+    assert notebook(displays) == ["[0] train 0/80\n[1] train 0/80\n[2] train 0/80\n[3] train 10/80"]
     assert streams == [("stderr", "[0-3] \n")]  # the blank row above the bars
+
+
+def test_a_bar_whose_frames_differed_stays_split_while_it_runs(cell):
+    out, streams, displays = cell(ranks=(0, 1))
+    drawn: list[str] = []
+    for frames in (("a", "a"), ("b", "c"), ("d", "d"), ("e", "e\n")):
+        for rank, frame in enumerate(frames):
+            out.feed(rank, "stderr", "\r" + frame)
+        out.flush()
+        drawn.append(notebook(displays)[0])
+    out.close()
+    # one line while identical; once split, a line per rank until the bar ends (the
+    # block does not jump between one and two lines with every frame)
+    assert drawn == ["[0-1] a", "[0] b\n[1] c", "[0] d\n[1] d", "[0] e\n[1] e"]
+    assert notebook(displays) == ["[0-1] e"]  # the final frames, the same: one line
 
 
 def test_a_frame_before_its_carriage_return_is_drawn_at_once(cell):

@@ -33,31 +33,41 @@ class Display(Line):
 class BarBlock:
     """The display of the bars live at one time (see the module's doc)."""
 
-    __slots__ = ("display_id", "rows", "sent", "opened")
+    __slots__ = ("display_id", "rows", "sent", "opened", "split")
 
     def __init__(self) -> None:
         self.display_id = f"mk-bars-{uuid.uuid4().hex[:12]}"
         self.rows: list[tuple[int, Row]] = []  # (rank, row), in order of appearance
         self.sent = ""  # the text last sent
         self.opened = False  # its display_data went out
+        self.split: set[int] = set()  # bar slots whose ranks' frames differed
 
     def render(self, collapse: bool, label: bool) -> str:
         """One line per rank and bar, the k-th bar of each rank side by side (rows
         without text hold no place); ``collapse``: identical frames of several ranks on
-        one line; ``label``: each line starts with its ranks (``[0-3] ``)."""
-        by_slot: dict[int, list[tuple[int, str]]] = {}
+        one line; ``label``: each line starts with its ranks (``[0-3] ``).
+
+        Once the ranks' frames of a bar differed, that bar stays one line per rank
+        while it runs (lines merging and splitting with every frame would make the
+        block jump); its final frames collapse again if they are the same."""
+        by_slot: dict[int, list[tuple[int, str, bool]]] = {}
         seen: dict[int, int] = {}
         for rank, row in self.rows:
             text = row.text.rstrip()
             if text:
                 slot = seen.get(rank, 0)
                 seen[rank] = slot + 1
-                by_slot.setdefault(slot, []).append((rank, text))
+                by_slot.setdefault(slot, []).append((rank, text, row.done))
         lines: list[str] = []
         for slot in sorted(by_slot):
+            entries = sorted(by_slot[slot])  # by rank: a stable order
+            if len({text for _, text, _ in entries}) > 1:
+                self.split.add(slot)
+            running = not all(done for _, _, done in entries)
+            merge = collapse and not (running and slot in self.split)
             groups: dict[str, list[int]] = {}
-            for rank, text in sorted(by_slot[slot]):  # by rank: a stable order
-                groups.setdefault(text if collapse else f"{rank}\0{text}", []).append(rank)
+            for rank, text, _ in entries:
+                groups.setdefault(text if merge else f"{rank}\0{text}", []).append(rank)
             for key, ranks in sorted(groups.items(), key=lambda group: group[1][0]):
                 text = key.split("\0", 1)[-1]
                 lines.append(f"[{format_ranks(ranks)}] {text}" if label else text)
