@@ -4,8 +4,9 @@ Python-level writes go to the controller, tagged with the request the main threa
 serving, batched as ipykernel's ``iostream`` batches: a line (or a ``\r`` frame of a
 progress bar) after a quiet spell goes at once, while a flood goes as one message per
 :data:`BATCH_INTERVAL` (or per :data:`BATCH_BYTES`), so printing costs the rank a
-message per batch, not per line. Text without a newline (``print(..., end="")``, a bar's
-last frame) goes at most :data:`BATCH_INTERVAL` after it was written.
+message per batch, not per line. Text without a newline (``print(..., end="")``) goes a
+few :data:`BATCH_INTERVAL` rounds after the writer stopped writing (a flood's batches
+end at line ends); a bar's frame (``\r``) goes as a line does.
 Writes to fd 1/2 (C extensions, subprocesses) go through a pipe and a reader thread.
 Everything is also appended to the rank's log file so the host agent can report the
 last lines of a rank that died without warning; once a stream used ``\r`` or escape
@@ -34,6 +35,10 @@ Sink = Callable[[str, str, "str | None"], None]  # (stream name, text, request i
 BATCH_INTERVAL = 0.01
 #: ... unless this much is waiting.
 BATCH_BYTES = 64 * 1024
+#: A line without its newline waits for it until the writer wrote nothing for this many
+#: of the flusher's rounds, or at most this many rounds (a writer adding to one line).
+IDLE_ROUNDS = 3
+HOLD_ROUNDS = 5
 
 
 class _Flusher:
@@ -113,6 +118,10 @@ class RankStream(io.TextIOBase):
         self._last = 0.0  # when a batch last went
         self._armed = False  # a batch waits for the flusher
         self._partial_at = 0.0  # when the line the buffer ends in began (0: none)
+        self._writes = 0  # writes so far, and as many as the flusher's last round saw
+        self._writes_seen = 0
+        self._held = 0  # rounds the line at the buffer's end was kept for its newline
+        self._idle = 0  # ... of which the last ones without a write
         self._lock = threading.Lock()
         _flusher.add(self)
 
@@ -137,9 +146,11 @@ class RankStream(io.TextIOBase):
         with self._lock:
             self._buf.append(text)
             self._size += len(text)
+            self._writes += 1
             if "\n" in text or "\r" in text:
                 now = time.monotonic()
                 self._partial_at = 0.0 if text[-1] == "\n" else now
+                self._held = self._idle = 0
                 if self._size >= BATCH_BYTES or now - self._last >= BATCH_INTERVAL:
                     self._flush_locked(now)
                 elif not self._armed:
@@ -148,6 +159,7 @@ class RankStream(io.TextIOBase):
             else:  # part of a line (print writes its newline next): within BATCH_INTERVAL
                 if not self._partial_at:
                     self._partial_at = time.monotonic()
+                    self._held = self._idle = 0
                 if not self._armed:
                     self._armed = True
                     _flusher.arm()
@@ -159,13 +171,26 @@ class RankStream(io.TextIOBase):
 
     def flush_batch(self) -> None:
         """The flusher's call: send the batch if one waits for its interval. A line
-        begun less than :data:`BATCH_INTERVAL` ago is kept for its newline (the next
-        round sends it as it is then), so a flood's batches end at line ends."""
+        still being written is kept for its newline (a later round sends it as it is
+        then), so a flood's batches end at line ends: kept while it is younger than
+        :data:`BATCH_INTERVAL`, else until the writer wrote nothing for
+        :data:`IDLE_ROUNDS` rounds (at most :data:`HOLD_ROUNDS`). Counted in rounds
+        and writes, not in time: under load the writer can wait for the CPU (or this
+        thread for the GIL) longer than the interval between a line's text and its
+        newline, and a line cut there is no line without its newline."""
         with self._lock:
             if not self._armed:
                 return
             now = time.monotonic()
-            if self._partial_at and now - self._partial_at < BATCH_INTERVAL:
+            busy = self._writes != self._writes_seen
+            self._writes_seen = self._writes
+            if self._partial_at:
+                self._held += 1
+                self._idle = 0 if busy else self._idle + 1
+            if self._partial_at and (
+                now - self._partial_at < BATCH_INTERVAL
+                or (self._idle < IDLE_ROUNDS and self._held < HOLD_ROUNDS)
+            ):
                 data = "".join(self._buf)
                 cut = data.rfind("\n") + 1
                 if "\r" not in data[cut:]:  # (a bar's frame goes as it is)
