@@ -166,6 +166,7 @@ class LiveText:
         self._rich: deque[_Shown] = deque()  # displays that keep their images, oldest first
         self.dropped = 0  # lines no longer shown (all are in the logs)
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # held from making a block until it is sent
         self._sent = 0.0
         self._timer: threading.Timer | None = None
         self.channel.display(self._data(), self.display_id)
@@ -239,20 +240,23 @@ class LiveText:
 
     def _update(self, now: bool = False) -> None:
         """Send the block, or schedule it if one was sent less than MIN_INTERVAL ago."""
-        with self._lock:
-            wait = self._sent + self.MIN_INTERVAL - time.monotonic()
-            if not now and wait > 0:
-                if self._timer is None:
-                    self._timer = threading.Timer(wait, self._update, kwargs={"now": True})
-                    self._timer.daemon = True
-                    self._timer.start()
-                return
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            self._sent = time.monotonic()
-            data = self._data()
-        self.channel.display(data, self.display_id, update=True)
+        # Blocks leave in the order they were made: the timer's send and another one
+        # (the job's last title) must not cross, or the notebook keeps the older block.
+        with self._send_lock:
+            with self._lock:
+                wait = self._sent + self.MIN_INTERVAL - time.monotonic()
+                if not now and wait > 0:
+                    if self._timer is None:
+                        self._timer = threading.Timer(wait, self._update, kwargs={"now": True})
+                        self._timer.daemon = True
+                        self._timer.start()
+                    return
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+                self._sent = time.monotonic()
+                data = self._data()
+            self.channel.display(data, self.display_id, update=True)
 
 
 def show_unrouted(event: DisplayOutput) -> None:
