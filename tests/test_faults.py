@@ -241,8 +241,11 @@ def test_actor_init_failure_and_base_exception_stop_only_that_actor(kernel):
     assert "was stopped" in r.error_text and "SystemExit" in r.error_text, r.error_text
     r = kernel.run("other.ping.call().get().values()")  # the rank and its other actor live
     assert "['pong', 'pong']" in r.text, r.error_text
-    r = kernel.run("ex.hello.call().get()")
-    assert "no actor 'ex'" in r.error_text
+    r = kernel.run("ex.hello.call().get()")  # later calls: SupervisionError saying why
+    assert (
+        "SupervisionError: Endpoint call ex.hello() failed, The actor fx/ex[0]" in (r.error_text)
+        and "was stopped: its endpoint raised SystemExit(3)" in r.error_text
+    ), r.error_text
     kernel.run("%mesh stop fx")
 
 

@@ -15,12 +15,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from monarch_kernel.rank import context
-from monarch_kernel.rank.errors import ActorAborted, exception_report
+from monarch_kernel.rank.errors import ActorAborted, ActorGoneError, exception_report
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Message, loads
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire.codec import Buffer
+from monarch_kernel.wire.reports import FailureReport
 
 
 class Running:
@@ -61,8 +62,9 @@ class ActorHost:
         self.main = main
         self.user = user
         self.actors: dict[str, object] = {}
-        #: actors gone by their own failure (abort(), a constructor that raised): why
-        self.gone: dict[str, str] = {}
+        #: actors gone by their own failure (abort(), a constructor that raised) or
+        #: stopped: why (calls to them raise it)
+        self.gone: dict[str, ActorGoneError] = {}
         #: actor name -> its owner: an actor spawned by an actor of some rank (shared
         #: with the outbox, which sends such an actor's failures to its owner)
         self.owners = owners
@@ -83,7 +85,7 @@ class ActorHost:
             self.gone.pop(name, None)
         except (Exception, KeyboardInterrupt) as exc:  # to the caller
             where = f"{getattr(cls, '__name__', name)}.__init__"
-            self.gone[name] = (
+            self.gone[name] = ActorGoneError(
                 f"actor {name!r} failed in its constructor ({where} raised "
                 f"{type(exc).__name__}: {exc}); spawn it again"
             )
@@ -125,7 +127,10 @@ class ActorHost:
         """STOP_ACTOR: forget actor ``a`` (no error if it is not there)."""
         assert isinstance(hdr, H.StopActor)
         name = str(hdr.actor)
-        self.actors.pop(name, None)
+        if self.actors.pop(name, None) is not None:
+            self.gone[name] = ActorGoneError(
+                f"actor {name!r} was stopped (its actor mesh's stop())", stopped=True
+            )
         self.owners.pop(name, None)
         if hdr.seq is None:  # from a rank: not to be re-created any more
             self.tell_peer_actor(name, None)
@@ -146,9 +151,10 @@ class ActorHost:
 
         try:
             if actor is None:
-                if name in self.gone:
-                    raise LookupError(self.gone[name])
-                raise LookupError(f"no actor {name!r} on rank {self.rank} (was it stopped?)")
+                gone = self.gone.get(name)
+                if gone is not None:
+                    raise ActorGoneError(str(gone), gone.stopped)
+                raise ActorGoneError(f"no actor {name!r} on rank {self.rank} (was it stopped?)")
             args, kwargs = loads(msg.payload, msg.buffers, lambda: f"arguments of {where()}")
             context.current_actor = name
             context.current_slice = hdr.slice
@@ -224,8 +230,7 @@ class ActorHost:
                 "other actors on this rank keep running"
             )
         report["host"] = self.outbox.hostname
-        if isinstance(exc, ActorAborted):
-            self.gone[name] = report["message"]
+        self.gone[name] = ActorGoneError(report["message"])
         if request is None:
             self.outbox.fault(report, name)
         else:
@@ -258,7 +263,9 @@ class ActorHost:
                 context.current_actor = None
         if not handled:
             me = f"{self.outbox.mesh}/{owner_name}[{self.rank}]"
-            self.outbox.fault(body["report"], owner_name, (*failure.path, me))
+            report = dict(body["report"])
+            report.setdefault("origin", failure.actor_id)  # who failed first, on the way up
+            self.outbox.fault(FailureReport(**report), owner_name, (*failure.path, me))
 
 
 class ResponsePort:
