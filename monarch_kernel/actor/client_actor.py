@@ -154,8 +154,12 @@ class LocalActor:
                                      self.gone.stopped if self.gone else False)  # fmt: skip
             args, kwargs = loads(work.payload, work.buffers, f"arguments of {where}")
             fn = getattr(self.instance, work.method)
-            if getattr(fn, EXPLICIT_PORT_ATTR, False):
-                fn(LocalPort(self, work, where), *args, **kwargs)  # answers through the port
+            if getattr(fn, EXPLICIT_PORT_ATTR, False):  # it answers through the port
+                port = LocalPort(self, work, where)
+                try:
+                    fn(port, *args, **kwargs)
+                except Exception as exc:  # it escaped the endpoint: the actor fails
+                    port.escaped(exc)
                 return
             result = fn(*args, **kwargs)
             if inspect.isawaitable(result):
@@ -211,6 +215,20 @@ class LocalActor:
             self._sink.fault(self, report)
         else:
             work.answer(False, pickle.dumps(report), ())
+
+    def failed_by(self, work: Work, exc: BaseException, where: str, answered: bool) -> None:
+        """``exc`` escaped an endpoint that answers through a response port and did not
+        answer (``answered``: it had): as in Monarch, the actor fails. The caller gets a
+        ``SupervisionError`` with it, supervision hears of it, later calls say why."""
+        self.instance = None
+        report = self._report(exc, where)
+        self.gone = ActorGoneError(
+            f"actor {self.name!r} ({self.class_name}) failed: {where} raised "
+            f"{type(exc).__name__}: {exc} without answering through its response port"
+        )
+        if work.answer is not None and not answered:
+            work.answer(False, pickle.dumps(FailureReport(**report, gone="failed")), ())
+        self._sink.fault(self, report)
 
     def _stopped(self, work: Work, exc: BaseException, where: str) -> None:
         """User code raised a BaseException that is no Exception (SystemExit, abort()):
@@ -293,6 +311,12 @@ class LocalPort:
         """Answer the call with the failure ``exc``."""
         if self._claim():
             self._actor.fail(self._work, exc, self._where)
+
+    def escaped(self, exc: BaseException) -> None:
+        """``exc`` escaped the endpoint (it was not sent with :meth:`exception`): as in
+        Monarch, the actor fails."""
+        answered = not self._claim()
+        self._actor.failed_by(self._work, exc, self._where, answered)
 
     def _claim(self) -> bool:
         with self._lock:  # the first answer wins (a call gets one); later ones are dropped

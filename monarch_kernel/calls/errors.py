@@ -178,6 +178,27 @@ def call_failed(error: BaseException, call: CallSite | None, rank: int | None) -
     return new
 
 
+#: The report ``type`` of a process that ended (a rank died): its message is Monarch's
+#: phrase for it, and the reason of the failure.
+PROCESS_ENDED = "RankDied"
+
+
+def failure_reason(f: FailureReport) -> str:
+    """Why an actor failed, as Monarch's supervision events say it: the remote traceback
+    ending with ``Type: message`` (or that line alone); the message alone for a process
+    that ended (``the process this actor was running on exited with ...``)."""
+    message = str(f.get("message", ""))
+    if f.get("type") == PROCESS_ENDED:
+        return message
+    line = f"{f.get('type', 'Error')}: {message}"
+    tb = str(f.get("traceback") or "").rstrip("\n")
+    if not tb:
+        return line
+    if tb.endswith(line):
+        return tb + "\n"
+    return f"{line}\n{tb}\n"
+
+
 def _gone_report(kind: str, message: str, rank: int) -> FailureReport:
     return {
         "type": kind,
@@ -272,10 +293,15 @@ def _gone_error(
     first, ranks = groups[0]
     rank = ranks[0]
     who = call.who(rank) if call is not None else f"on rank {rank}"
+    if first.get("type") == "ActorGoneError":  # its own traceback is ours: the words only
+        reason = str(first["message"])
+    else:  # it failed just now, by this exception (Monarch shows its traceback)
+        reason = failure_reason(first).rstrip("\n")
+    reason = "".join("  " + ln for ln in reason.splitlines(keepends=True))
     if gone == "stopped":
-        body = f"Supervision event: actor {who} has status:\n  stopped: {first['message']}"
+        body = f"Supervision event: actor {who} has status:\n  stopped: {reason.lstrip()}"
     else:
-        body = f"The actor {who} and all its descendants have failed:\n  {first['message']}"
+        body = f"The actor {who} and all its descendants have failed:\n{reason}"
     if len(ranks) > 1 or len(groups) > 1:
         body += f"\n(on rank(s) {format_ranks([r for _, rs in groups for r in rs])} of {total})"
     head = f"Endpoint call {call.label} failed, " if call is not None else ""

@@ -162,7 +162,12 @@ class ActorHost:
             if getattr(fn, context.EXPLICIT_PORT_ATTR, False):
                 # @endpoint(explicit_response_port=True): the endpoint answers through
                 # the port it is given (now or later, from any thread); no reply here.
-                self.user.run_user(fn, ResponsePort(self.outbox, request, where), *args, **kwargs)
+                port = ResponsePort(self.outbox, request, where, self._escape(name, actor))
+                try:
+                    self.user.run_user(fn, port, *args, **kwargs)
+                except Exception as exc:  # it escaped the endpoint: the actor fails
+                    self.user.keep_failure(exc)
+                    port.escaped(exc)
                 return
             result = self.user.run_user(fn, *args, **kwargs)
             if isinstance(result, Running):  # answered when its task ends
@@ -184,6 +189,35 @@ class ActorHost:
             context.current_slice = None
         if request:
             self.outbox.reply(request, result, lambda: f"result of {where()}", where)
+
+    def _escape(self, name: str, actor: object) -> Callable[[BaseException, str | None, str], None]:
+        """What a response port of actor ``name`` does with an exception that escaped its
+        endpoint (see :meth:`ResponsePort.escaped`)."""
+
+        def escaped(exc: BaseException, request: str | None, where: str) -> None:
+            self.failed_by(name, actor, exc, request, where)
+
+        return escaped
+
+    def failed_by(
+        self, name: str, actor: object, exc: BaseException, request: str | None, where: str
+    ) -> None:
+        """``exc`` escaped an endpoint that answers through a response port and did not
+        answer: as in Monarch, the actor fails. The caller (if it waits) gets a
+        ``SupervisionError`` with it, supervision hears of it (the owner's
+        ``__supervise__``, else the fault hook) and later calls say why. Any thread."""
+        report = exception_report(exc, where)
+        report["host"] = self.outbox.hostname
+        why = (
+            f"actor {name!r} ({type(actor).__name__}) failed: {where} raised "
+            f"{type(exc).__name__}: {exc} without answering through its response port"
+        )
+        if self.actors.get(name) is actor:
+            self.actors.pop(name, None)
+            self.gone[name] = ActorGoneError(why)
+        if request is not None:
+            self.outbox.fail(request, FailureReport(**report, gone="failed"))
+        self.outbox.fault(report, name)
 
     def finish(
         self,
@@ -274,10 +308,17 @@ class ResponsePort:
     For a fire-and-forget call (``broadcast``) a value goes nowhere and an exception to
     supervision."""
 
-    def __init__(self, outbox: Outbox, request: str | None, where: Callable[[], str]):
+    def __init__(
+        self,
+        outbox: Outbox,
+        request: str | None,
+        where: Callable[[], str],
+        on_escape: Callable[[BaseException, str | None, str], None] | None = None,
+    ):
         self._outbox = outbox
         self._request = request
         self._where = where
+        self._on_escape = on_escape
         self._sent = False
 
     def send(self, value: Any) -> None:
@@ -289,6 +330,16 @@ class ResponsePort:
         """Answer the call with the failure ``exc``."""
         if self._claim():
             self._outbox.reply_error(self._request, exc, self._where())
+
+    def escaped(self, exc: BaseException) -> None:
+        """``exc`` escaped the endpoint (it was not sent with :meth:`exception`): as in
+        Monarch, the actor fails (the caller, if not answered yet, gets it as a
+        ``SupervisionError``)."""
+        request = self._request if self._claim() else None
+        if self._on_escape is None:
+            self._outbox.reply_error(request, exc, self._where())
+            return
+        self._on_escape(exc, request, self._where())
 
     def _claim(self) -> bool:
         """The first answer wins (a request gets one reply); later ones are dropped."""

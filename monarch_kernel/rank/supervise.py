@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from monarch_kernel.calls.errors import PROCESS_ENDED, failure_reason
 from monarch_kernel.wire.reports import FailureReport
 
 
@@ -87,26 +88,8 @@ class MeshFailure(Exception):
         return MeshFailure, (self.mesh_name, self.actor_name, self.rank, self.failure, self.path)
 
 
-#: The report ``type`` of a process that ended (a rank died): its message is Monarch's
-#: phrase for it, and the reason of the failure.
-PROCESS_ENDED = "RankDied"
-
-
-def failure_reason(f: FailureReport) -> str:
-    """Why an actor failed, as Monarch's supervision events say it: the remote traceback
-    ending with ``Type: message`` (or that line alone); the message alone for a process
-    that ended (``the process this actor was running on exited with ...``)."""
-    message = str(f.get("message", ""))
-    if f.get("type") == PROCESS_ENDED:
-        return message
-    line = f"{f.get('type', 'Error')}: {message}"
-    tb = str(f.get("traceback") or "").rstrip("\n")
-    if not tb:
-        return line
-    if tb.endswith(line):
-        return tb + "\n"
-    return f"{line}\n{tb}\n"
-
-
 def _indent(text: str) -> str:
     return "".join("  " + ln if ln.strip() else ln for ln in text.splitlines(keepends=True))
+
+
+__all__ = ["PROCESS_ENDED", "MeshFailure", "failure_reason"]
