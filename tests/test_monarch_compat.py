@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import textwrap
@@ -191,6 +192,14 @@ def test_spmd_actor_sets_the_torchrun_environment_and_runs_a_script(tmp_path):
         ]
         with pytest.raises(Exception, match="No script or module specified"):
             spmd.main.call(addr, port, []).get()
+        # ["-m", module, *args], as torchrun: json.tool with its arguments, as __main__
+        src, dst = tmp_path / "in.json", tmp_path / "out.json"
+        src.write_text('{"b": 1, "a": [2]}')
+        one = spmd.slice(hosts=0, gpus=0)
+        assert one.main.call_one(addr, port, ["-m", "json.tool", str(src), str(dst)]).get()
+        assert json.loads(dst.read_text()) == {"b": 1, "a": [2]}
+        with pytest.raises(Exception, match="-m needs a module name"):
+            one.main.call_one(addr, port, ["-m"]).get()
     finally:
         procs.stop()
 
