@@ -19,11 +19,13 @@ from monarch_kernel.actor import (
     Actor,
     Channel,
     HostMesh,
+    SupervisionError,
     current_rank,
     endpoint,
     hosts_from_config,
     send,
     this_host,
+    this_proc,
 )
 from monarch_kernel.calls.future import Future
 from monarch_kernel.job import JobState, LocalJob, ProcessJob, SlurmJob
@@ -370,7 +372,7 @@ def test_mesh_failure_prints_as_monarch():
 
 def test_calls_to_a_dead_actor_raise_supervision_error(monkeypatch):
     import monarch_kernel.actor as actor_api
-    from monarch_kernel.actor import ActorError, SupervisionError
+    from monarch_kernel.actor import ActorError
 
     hooked: list[object] = []
     monkeypatch.setattr(actor_api, "unhandled_fault_hook", hooked.append)
@@ -439,5 +441,10 @@ def test_shutdown_context_stops_every_mesh():
 
     a = this_host().spawn_procs(per_host={"gpus": 1})
     b = this_host().spawn_procs(per_host={"gpus": 1})
+    here = this_proc()  # the controller's own process: its actors stop too
+    local = here.spawn("local", Echo)
     assert shutdown_context().get() is None
-    assert a.stopped and b.stopped
+    assert a.stopped and b.stopped and here.stopped
+    with pytest.raises(SupervisionError, match="Endpoint call local.echo"):
+        local.echo.call_one(1).get(timeout=30)
+    assert not this_proc().stopped  # a new one

@@ -236,11 +236,18 @@ def test_rdma_buffer_across_machines(machines, n):
     assert owner.head.call_one(n, 6).get(timeout=30) == [9, 9, 9, 9, 9, 5]
 
 
-def test_the_controllers_own_actors_are_reached_from_other_machines(machines):
+def test_the_controllers_own_actors_are_reached_from_other_machines(machines, monkeypatch):
     """``get_or_spawn_controller`` from ranks on another machine: the singleton runs in
-    the controller's process (``this_proc()``), reached over its CURVE TCP socket."""
+    the controller's process (``this_proc()``), reached over its CURVE TCP socket, also
+    when that process opened its socket before meshes of other machines ran."""
+    from monarch_kernel.actor import client_proc, client_server
+
     gprocs, _ = machines
-    this_proc().stop()  # a fresh one: it opens its socket for the machines now running
+    this_proc().stop()
+    with monkeypatch.context() as m:  # as if no mesh of another machine ran yet
+        m.setattr(client_proc, "reply_tcp_host", lambda: "")
+        m.setattr(client_server, "reply_tcp_host", lambda: "")
+        assert not this_proc()._requester.address().tcp  # type: ignore[attr-defined]
     ranks = gprocs.spawn("xranks", RankSide)
     try:
         for gpu in (0, 1):

@@ -31,6 +31,7 @@ from monarch_kernel.actor import peer
 from monarch_kernel.actor.channels import report_unhandled
 from monarch_kernel.actor.client_actor import Answer, LocalActor, Work
 from monarch_kernel.actor.client_server import PeerServer
+from monarch_kernel.actor.peer_client import reply_tcp_host
 from monarch_kernel.calls.errors import MeshStoppedError
 from monarch_kernel.calls.future import Future, Waiter
 from monarch_kernel.calls.reply import Reply, RequestObserver
@@ -66,6 +67,7 @@ class ClientProc:
         self._lock = threading.Lock()
         self._stopped = False
         self._server: PeerServer | None = None
+        self._old_servers: list[PeerServer] = []  # opened before meshes of other machines
         self._codecs: dict[str, Codec] = {}
         self._ids = itertools.count()
         self.hostname = socket.gethostname()
@@ -261,12 +263,19 @@ class ClientProc:
         return self._open_server().address
 
     def _open_server(self) -> PeerServer:
+        """The server, opened on first use; a new one (the old one serves on) once meshes
+        of other machines run and it takes no TCP, so that handles sent from then on
+        reach this process from those machines too."""
         with self._lock:
-            if self._server is None:
-                if self._stopped:
-                    raise MeshStoppedError(_STOPPED)
-                self._server = PeerServer(self, self._key)
-                peer.local_meshes[(CLIENT_PROC, self.key)] = self
+            server = self._server
+            if server is not None and (server.address.tcp or not reply_tcp_host()):
+                return server
+            if self._stopped:
+                raise MeshStoppedError(_STOPPED)
+            if server is not None:
+                self._old_servers.append(server)
+            self._server = PeerServer(self, self._key)
+            peer.local_meshes[(CLIENT_PROC, self.key)] = self
             return self._server
 
     # -- life -----------------------------------------------------------------------------
@@ -277,7 +286,8 @@ class ClientProc:
                 return
             self._stopped = True
             actors, self.actors = list(self.actors.values()), {}
-            server, self._server = self._server, None
+            servers = [*self._old_servers, *([self._server] if self._server else [])]
+            self._server, self._old_servers = None, []
         peer.local_meshes.pop((CLIENT_PROC, self.key), None)
         for actor in actors:
             actor.stop(None, contextvars.Context())
@@ -285,7 +295,7 @@ class ClientProc:
             actor.join(max(grace, 0.1))
         del actors
         gc.collect()  # the actors' __del__, as when a rank's process ends
-        if server is not None:
+        for server in servers:
             server.close()
 
     def __repr__(self) -> str:
