@@ -90,6 +90,9 @@ class LocalActor:
         self._sink = sink
         self._owner_of = owner_of
         self._loop = asyncio.new_event_loop()
+        #: set (under the lock) when the stop runs: nothing more is posted to the loop
+        self._closing = False
+        self._closing_lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name=f"mk-actor-{name}", daemon=True)
         self._thread.start()
 
@@ -98,6 +101,8 @@ class LocalActor:
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_forever()
+            # what was posted while the stop ran: its calls are answered (the actor is gone)
+            self._loop.run_until_complete(asyncio.sleep(0))
             tasks = asyncio.all_tasks(self._loop)
             for task in tasks:  # stopped: calls still awaiting are cancelled (and answered)
                 task.cancel()
@@ -113,7 +118,17 @@ class LocalActor:
         if threading.current_thread() is self._thread and not self._is_async(work.method):
             work.context.run(self._handle, work)
             return
-        self._loop.call_soon_threadsafe(work.context.run, self._handle, work)
+        if not self._post(work.context, self._handle, work):
+            work.context.run(self._handle, work)  # stopped: answered at once, that it is gone
+
+    def _post(self, context: contextvars.Context, fn: Callable[..., None], *args: Any) -> bool:
+        """Run ``fn(*args)`` on this actor's thread, in ``context``; False once it is
+        stopping (the thread takes nothing more)."""
+        with self._closing_lock:
+            if self._closing:
+                return False
+            self._loop.call_soon_threadsafe(context.run, fn, *args)
+            return True
 
     def stop(self, answer: Answer | None, context: contextvars.Context) -> None:
         """Forget the instance (its ``__del__`` runs once nothing else holds it), answer,
@@ -122,11 +137,14 @@ class LocalActor:
         def stop_here() -> None:
             self.instance = None
             self.gone = ActorGoneError(f"actor {self.name!r} was stopped", stopped=True)
+            with self._closing_lock:
+                self._closing = True
             if answer is not None:
                 _answer_value(answer, None, "stop")
             self._loop.stop()
 
-        self._loop.call_soon_threadsafe(context.run, stop_here)
+        if not self._post(context, stop_here) and answer is not None:
+            _answer_value(answer, None, "stop")  # stopped already
 
     def join(self, timeout: float) -> None:
         """Wait (at most ``timeout`` seconds) for the thread to end after :meth:`stop`."""
@@ -257,7 +275,8 @@ class LocalActor:
         """An actor this one owns failed: its ``__supervise__(failure)`` decides (True:
         handled); otherwise, or if it has none, the failure goes on up, through this
         actor's own owner."""
-        self._loop.call_soon_threadsafe(context.run, self._supervise, failure)
+        if not self._post(context, self._supervise, failure):
+            self._unhandled(failure)  # it is stopping: it goes on up
 
     def _supervise(self, failure: MeshFailure) -> None:
         local_context.enter(local_context.LocalRun(self.name, self.proc, self._owner))
