@@ -260,7 +260,8 @@ def test_stop_kills_a_rank_that_ignores_sigterm_after_the_grace():
         procs.runtime.transport.send_host(0, {"k": K.STOP, "grace": grace})
         procs.stop()
         took = time.monotonic() - t0
-    assert grace - 0.2 < took < grace + 2.0, f"stop took {took:.1f}s"
+    # killed once the grace is over, not when its 60 s sleep ends
+    assert grace - 0.2 < took < 30, f"stop took {took:.1f}s"
     assert not pid_alive(pid)
     with pytest.raises(Exception, match="stopped|died"):
         fut.get(timeout=1)
