@@ -24,6 +24,16 @@ class ActorAborted(BaseException):
         self.reason = reason or "abort() was called"
 
 
+class ActorGoneError(LookupError):
+    """A call reached a rank (or the controller's process) where its actor no longer
+    runs: it was stopped (``stopped``), or it aborted or its constructor failed. The
+    caller gets a ``SupervisionError`` (the report's ``gone`` says which)."""
+
+    def __init__(self, message: str, stopped: bool = False):
+        super().__init__(message)
+        self.stopped = stopped
+
+
 def _is_internal(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_PKG_DIR + os.sep)
 
@@ -121,7 +131,7 @@ def exception_report(exc: BaseException, where: str = "") -> FailureReport:
         pickle.loads(pickled)
     except Exception:
         pickled = None
-    return {
+    report: FailureReport = {
         "type": type(exc).__name__,
         "qualname": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "message": str(exc),
@@ -132,3 +142,6 @@ def exception_report(exc: BaseException, where: str = "") -> FailureReport:
         "exception": pickled,
         "causes": [{"type": type(e).__name__, "message": str(e)} for e, _ in chain],
     }
+    if isinstance(exc, ActorGoneError):
+        report["gone"] = "stopped" if exc.stopped else "failed"
+    return report
