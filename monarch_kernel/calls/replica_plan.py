@@ -36,6 +36,15 @@ class ReplicaDigest:
 
 
 @dataclass(frozen=True)
+class SyncReport:
+    """What copying the replicas' state did on one rank."""
+
+    nbytes: int  #: tensor bytes broadcast
+    seconds: float
+    after: ReplicaDigest  #: the rank's digest afterwards
+
+
+@dataclass(frozen=True)
 class ReplicaPlan:
     """What to do: nothing (``source`` None), or copy ``names`` from ``source``."""
 

@@ -100,8 +100,8 @@ def register() -> None:
 
 
 def groups() -> list[ReformableGroup]:
-    """This rank's live re-formable groups, oldest first."""
-    alive = [g for g in (r() for r in _groups) if g is not None]
+    """This rank's re-formable groups (not destroyed), oldest first."""
+    alive = [g for g in (r() for r in _groups) if g is not None and not g.destroyed]
     _groups[:] = [weakref.ref(g) for g in alive]
     return alive
 

@@ -160,6 +160,8 @@ class ReformableGroup(_ProcessGroup):
         self._coalescing: list[_Op] | None = None
         #: Times this group was formed (1 after the first rendezvous).
         self.generation = 0
+        #: ``destroy_process_group`` ended it: it is no group of the rank's any more.
+        self.destroyed = False
 
     # -- identity (torch calls these from C++ too) ---------------------------------------
     def getRank(self) -> int:
@@ -216,6 +218,7 @@ class ReformableGroup(_ProcessGroup):
 
     def shutdown(self) -> None:
         """``destroy_process_group``: abort, and drop the shared memory."""
+        self.destroyed = True
         self.abort("destroyed")
         self._pool.close()
 

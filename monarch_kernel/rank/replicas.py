@@ -23,11 +23,10 @@ import hashlib
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from types import FunctionType, ModuleType
 from typing import Any
 
-from monarch_kernel.calls.replica_plan import ObjectDigest, ReplicaDigest
+from monarch_kernel.calls.replica_plan import ObjectDigest, ReplicaDigest, SyncReport
 from monarch_kernel.rank.state_copy import broadcast_state
 
 _steps: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -40,7 +39,6 @@ def install_step_counter() -> None:
     global _installed
     if _installed:
         return
-    import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     def count(optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -204,15 +202,6 @@ def set_optimizer_steps(optimizer: Any, steps: int) -> None:
 
 
 # -- making replicas the same again -----------------------------------------------------
-@dataclass(frozen=True)
-class SyncReport:
-    """What :func:`sync_namespace` did on this rank."""
-
-    nbytes: int  #: tensor bytes broadcast
-    seconds: float
-    after: ReplicaDigest  #: this rank's digest afterwards
-
-
 def sync_namespace(namespace: Mapping[str, Any], names: Sequence[str], src: int) -> SyncReport:
     """Copy the training objects ``names`` (see :func:`find_training_state`) from rank
     ``src`` to this rank over the default process group; every rank calls it with the
