@@ -187,7 +187,7 @@ class Restarter:
         if targets:
             self.restart_ranks(targets, max(1.0, deadline - time.monotonic()))
         if self.recipe.pg_backend is not None and (targets or broken):
-            backend = self._reform_process_group(deadline, problems)
+            backend = self._reform_process_group(deadline, problems, subgroups=not targets)
         actors = self._respawn_actors(targets, deadline, problems)
         setups = self._rerun_setup(targets, deadline, problems) if targets else ()
         replicas = ""
@@ -288,7 +288,11 @@ class Restarter:
                     broken = broken or not info.get("pg_live")
         return broken
 
-    def _reform_process_group(self, deadline: float, problems: list[str]) -> str | None:
+    def _reform_process_group(
+        self, deadline: float, problems: list[str], subgroups: bool = True
+    ) -> str | None:
+        """Re-form the process group on every rank (``subgroups``: its ``new_group``
+        groups too; a restarted rank has none, so they cannot be)."""
         live = [r.rank for r in self._ranks if r.alive]
         if len(live) != self._world:
             dead = [r.rank for r in self._ranks if not r.alive]
@@ -301,7 +305,7 @@ class Restarter:
             self._starter.common["master_port"] = port
         code = (
             "from monarch_kernel.rank.distributed import reform_process_group as _mk_reform\n"
-            f"_mk_reform({addr!r}, {port}, {backend!r})\n"
+            f"_mk_reform({addr!r}, {port}, {backend!r}, subgroups={subgroups})\n"
             "del _mk_reform\n"
         )
         failed = self.run_cell(live, code, "restart: process group", (), deadline)

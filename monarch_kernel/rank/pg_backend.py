@@ -204,15 +204,22 @@ def _form(plans: list[_Plan], timeout_s: float) -> list[WorkerHandle]:
 
 
 def reform(
-    default: ReformableGroup, master_addr: str, master_port: int, rank: int, world_size: int
+    default: ReformableGroup,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    subgroups: bool = True,
 ) -> ReformResult:
     """Form every re-formable group of this rank again at the rendezvous
     ``master_addr:master_port`` (rank 0 serves it), as ``rank`` of ``world_size``.
 
-    Every rank of the mesh must call it (with the same address). The default group
-    becomes ``rank`` of ``world_size``; a ``new_group`` group keeps its ranks if the world
-    size is unchanged, else it is marked stale (its ops raise, saying to make it again).
-    Pending ops on the old workers fail with ``ProcessGroupAborted``.
+    Every rank of the mesh must call it (with the same address), or, on a rank that has
+    no group (restarted), ``init_process_group`` at that address: both join under the
+    same prefix. The default group becomes ``rank`` of ``world_size``; a ``new_group``
+    group keeps its ranks if ``subgroups`` and the world size is unchanged, else it is
+    marked stale (its ops raise, saying to make it again). Pending ops on the old
+    workers fail with ``ProcessGroupAborted``.
     """
     import torch.distributed as dist
 
@@ -227,22 +234,22 @@ def reform(
         timedelta(seconds=timeout),
         wait_for_workers=False,
     )
-    changed = world_size != default.size()
+    keep = subgroups and world_size == default.size()
     port = int(master_port)
-    # a fresh store each time: prefixes need not differ from earlier forms
-    plans = [_Plan(default, master_addr, port, f"mk/{default.group_id}/", rank, world_size)]
+    # A fresh store each time: the prefix is the one a restarted rank's first
+    # init_process_group uses on it (see _create).
+    plans = [_Plan(default, master_addr, port, f"mk/{default.group_id}/0/", rank, world_size)]
     stale = 0
     for group in groups():
         if group is default:
             continue
-        if changed:
+        if not keep:
             group.mark_stale(
-                "made by new_group before the mesh re-formed with a different world size; "
-                "call new_group again"
+                "made by new_group before the mesh re-formed with other ranks; call new_group again"
             )
             stale += 1
         else:
-            prefix = f"mk/{group.group_id}/"
+            prefix = f"mk/{group.group_id}/0/"
             plans.append(_Plan(group, master_addr, port, prefix, group.rank(), group.size()))
     handles = _form(plans, timeout)
     for plan, handle in zip(plans, handles):

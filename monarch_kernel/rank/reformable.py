@@ -147,6 +147,8 @@ class ReformableGroup(_ProcessGroup):
         self._rank, self._size = rank, size
         #: torch's name of the group (``0`` for the default one); prefixes rendezvous.
         self.group_id = group_id
+        self._group_name = group_id
+        self._group_desc = ""
         self.timeout_s = timeout_s
         #: Global ranks of a ``new_group`` group (None: the default group).
         self.global_ranks: tuple[int, ...] | None = None
@@ -184,6 +186,34 @@ class ReformableGroup(_ProcessGroup):
 
     def name(self) -> str:
         return BACKEND
+
+    # The name torch gives the group (functional collectives and DeviceMesh look groups
+    # up by it): the base class keeps it in its backends, and this group has none.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
 
     def __repr__(self) -> str:
         state = f"aborted: {self._aborted}" if self._aborted else f"{self.pending()} pending"
