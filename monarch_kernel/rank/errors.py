@@ -100,6 +100,24 @@ def _chain(exc: BaseException) -> list[tuple[BaseException, str]]:
     return out
 
 
+#: How torch's futures wrap an error raised in a ``then`` callback (how an aborted
+#: process group's errors reach C++ waiters such as DDP's backward): this prefix, the
+#: error, then the callback's Python stack after ``\n\nAt:\n``.
+_FUTURE_PREFIX = "Got the following error when running the callback: "
+
+
+def unwrap_future_error(text: str) -> str:
+    """``text`` with every future-callback wrapping removed (the error inside stays)."""
+    while _FUTURE_PREFIX in text:
+        head, _, rest = text.partition(_FUTURE_PREFIX)
+        inner, at, tail = rest.partition("\n\nAt:\n")
+        if at:  # the stack lines run to the first blank line or the end
+            _stack, _, tail = tail.partition("\n\n")
+            tail = "\n" + tail if tail else ""
+        text = head + inner + tail
+    return text
+
+
 def exception_report(exc: BaseException, where: str = "") -> FailureReport:
     """A picklable, plain-data description of ``exc`` raised inside a rank, with its
     chain of causes (``causes``: type and message of each, root cause first)."""
@@ -124,11 +142,13 @@ def exception_report(exc: BaseException, where: str = "") -> FailureReport:
     return {
         "type": type(exc).__name__,
         "qualname": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": str(exc),
-        "traceback": text,
+        "message": unwrap_future_error(str(exc)),
+        "traceback": unwrap_future_error(text),
         "line": line,
         "tensors": tensors,
         "where": where,
         "exception": pickled,
-        "causes": [{"type": type(e).__name__, "message": str(e)} for e, _ in chain],
+        "causes": [
+            {"type": type(e).__name__, "message": unwrap_future_error(str(e))} for e, _ in chain
+        ],
     }
