@@ -90,7 +90,7 @@ def _train_on(kernel: Kernel) -> None:
 
 
 @pytest.mark.parametrize(
-    ("where", "code"),
+    "where, code",
     [
         ("forward", "x = torch.randn(16, 12 if RANK == 2 else 16)\nddp(x).sum().backward()\n"),
         (
