@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import threading
 import time
 import weakref
@@ -226,6 +227,8 @@ def reform(
     global _store
     t0 = time.monotonic()
     timeout = default.timeout_s
+    if rank != 0:  # a store client that finds no server yet backs off for up to a second
+        _wait_listening(master_addr, int(master_port), timeout)
     store = dist.TCPStore(
         master_addr,
         int(master_port),
@@ -258,6 +261,18 @@ def reform(
     _update_world(default, store, world_size)
     keep_spare()
     return ReformResult(len(plans), stale, time.monotonic() - t0)
+
+
+def _wait_listening(host: str, port: int, timeout: float) -> None:
+    """Return once ``host:port`` accepts connections (rank 0 is serving the store), or
+    after ``timeout`` (the store's own connect then says what is wrong); interruptible."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.005)
 
 
 def _update_world(default: ReformableGroup, store: Any, world_size: int) -> None:

@@ -21,8 +21,9 @@ worker and the pending ops; ``_send_lock`` keeps ops in id order on the socket.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from monarch_kernel.rank.pg_adopt import Adopted, AdoptedStorages
 from monarch_kernel.rank.pg_protocol import (
     Done,
     Failed,
@@ -158,7 +160,9 @@ class ReformableGroup(_ProcessGroup):
         self._ops: dict[int, _Op] = {}
         self._next_op = 0
         self._aborted: str | None = "not formed yet"
-        self._pool = SlotPool()
+        ids = itertools.count()
+        self._pool = SlotPool(lambda: next(ids))
+        self._adopted = AdoptedStorages(lambda: next(ids))
         self._coalescing: list[_Op] | None = None
         #: Times this group was formed (1 after the first rendezvous).
         self.generation = 0
@@ -251,6 +255,8 @@ class ReformableGroup(_ProcessGroup):
         self.destroyed = True
         self.abort("destroyed")
         self._pool.close()
+        with self._lock:
+            self._adopted.clear()
 
     def attach(self, worker: WorkerHandle, rank: int, size: int) -> None:
         """Use ``worker`` (formed: it answered Ready) from now on, as ``rank`` of ``size``;
@@ -342,73 +348,98 @@ class ReformableGroup(_ProcessGroup):
         outs: Sequence[torch.Tensor] = (),
         value: object = None,
     ) -> _Work:
-        """Issue one op: lay its tensors out in a slot, copy ``ins`` in, send it; the
-        reader copies ``outs`` back when it is done."""
+        """Issue one op: place its tensors (in place, or copied into its slot), send it;
+        the reader copies the slot's ``outs`` back when it is done."""
         if self._aborted is not None:
-            err = ProcessGroupAborted(
+            error = ProcessGroupAborted(
                 f"{name} on an aborted process group ({self._aborted}); the mesh forms it "
                 "again when the failed cell ends (run the next cell)"
             )
             # a failed Work, not a raise: DDP's reducer then ends its backward cleanly
             op = _Op(name, None, [], None)
-            op.finish(err)
+            op.finish(error)
             return _Work(op)
-        refs: dict[int, TensorRef] = {}
-        total = 0
-
-        def place(t: torch.Tensor) -> TensorRef:
-            nonlocal total
-            ref = refs.get(id(t))
-            if ref is None:
-                _check_tensor(name, t)
-                ref = refs[id(t)] = TensorRef(total, dtype_name(t.dtype), tuple(t.shape))
-                total += aligned(t.numel() * t.element_size())
-            return ref
-
-        spec = _tree(args, place)
-        slot = self._pool.acquire(total) if refs else None
-        if slot is not None:
-            with torch.no_grad():
-                for t in ins:
-                    slot.view(refs[id(t)]).copy_(t)
-        op = _Op(name, slot, [(t, refs[id(t)]) for t in outs], value)
-        self._send(op, method, spec, opts)
+        with self._send_lock:  # ops reach the worker in the order they are issued
+            op, spec, regions = self._lay_out(name, args, ins, outs, value)
+            self._send(op, method, spec, opts, regions)
         if self._coalescing is not None:
             self._coalescing.append(op)
         return _Work(op)
 
-    def _send(self, op: _Op, method: str, spec: list[Any], opts: object) -> None:
-        slot = op.slot
-        with self._send_lock:
-            with self._lock:
-                worker = self._worker
-                if worker is None:
-                    error = ProcessGroupAborted(f"{op.name}: the process group was aborted")
-                else:
-                    op_id = self._next_op
-                    self._next_op += 1
-                    self._ops[op_id] = op
-                    new: tuple[tuple[int, int], ...] = ()
-                    if slot is not None and slot.id not in worker.known:
-                        worker.known.add(slot.id)
-                        new = ((slot.id, slot.size),)
-            if worker is None:  # aborted between the check and now
-                if slot is not None:
-                    self._pool.release(slot)
-                op.finish(error)
-                return
-            request = OpRequest(
-                op_id,
-                method,
-                tuple(spec),
-                encode_options(opts),
-                -1 if slot is None else slot.id,
-                new,
-            )
-            try:
-                worker.send(request, [slot.fd] if new and slot is not None else None)
-            except OSError:
-                pass  # killed meanwhile: abort() failed the op, or the reader will
+    def _lay_out(
+        self,
+        name: str,
+        args: list[Any],
+        ins: Sequence[torch.Tensor],
+        outs: Sequence[torch.Tensor],
+        value: object,
+    ) -> tuple[_Op, list[Any], list[tuple[int, int, int]]]:
+        """``(op, args with TensorRefs, regions (id, size, fd) it uses)``: each tensor in
+        an adopted storage, else in the op's slot (inputs copied in)."""
+        places: dict[int, tuple[Adopted | None, int]] = {}
+        tensors: list[torch.Tensor] = []
+        total = 0
+        for t in _tensors(args):
+            if id(t) in places:
+                continue
+            _check_tensor(name, t)
+            tensors.append(t)
+            adopted = self._adopted.place(t)
+            if adopted is None:
+                places[id(t)] = (None, total)
+                total += aligned(t.numel() * t.element_size())
+            else:
+                places[id(t)] = adopted
+        slot = self._pool.acquire(total) if total else None
+        regions = {} if slot is None else {slot.id: (slot.id, slot.size, slot.fd)}
+        refs: dict[int, TensorRef] = {}
+        for t in tensors:
+            region, offset = places[id(t)]
+            if region is not None:
+                regions[region.id] = (region.id, region.size, region.fd)
+            rid = region.id if region is not None else slot.id  # type: ignore[union-attr]
+            refs[id(t)] = TensorRef(rid, offset, dtype_name(t.dtype), tuple(t.shape))
+        copied = [t for t in tensors if places[id(t)][0] is None]
+        if slot is not None:
+            with torch.no_grad():
+                for t in ins:
+                    if places[id(t)][0] is None:
+                        slot.view(refs[id(t)]).copy_(t)
+        outputs = [(t, refs[id(t)]) for t in outs if any(t is c for c in copied)]
+        op = _Op(name, slot, outputs, value)
+        return op, _tree(args, lambda t: refs[id(t)]), list(regions.values())
+
+    def _send(
+        self,
+        op: _Op,
+        method: str,
+        spec: list[Any],
+        opts: object,
+        regions: list[tuple[int, int, int]],
+    ) -> None:
+        with self._lock:
+            worker = self._worker
+            if worker is not None:
+                op_id = self._next_op
+                self._next_op += 1
+                self._ops[op_id] = op
+                new = [r for r in regions if r[0] not in worker.known]
+                worker.known.update(r[0] for r in new)
+                dropped = [r for r in self._adopted.forget_dropped() if r in worker.known]
+                worker.known.difference_update(dropped)
+        if worker is None:  # aborted between the check and now
+            if op.slot is not None:
+                self._pool.release(op.slot)
+            op.finish(ProcessGroupAborted(f"{op.name}: the process group was aborted"))
+            return
+        new_regions = tuple((rid, size) for rid, size, _fd in new)
+        request = OpRequest(op_id, method, tuple(spec), encode_options(opts), new_regions)
+        try:
+            for region in dropped:
+                worker.send(Unmap(region))
+            worker.send(request, [fd for _rid, _size, fd in new] or None)
+        except OSError:
+            pass  # killed meanwhile: abort() failed the op, or the reader will
 
     # -- the collectives -------------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None) -> _Work:
@@ -627,6 +658,15 @@ def _check_tensor(op: str, t: torch.Tensor) -> None:
         )
     if t.layout != torch.strided:
         raise ValueError(f"{op}: {t.layout} tensors are not supported (dense tensors only)")
+
+
+def _tensors(args: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``args`` (nested lists and tuples), in order."""
+    if isinstance(args, torch.Tensor):
+        yield args
+    elif isinstance(args, (list, tuple)):
+        for a in args:
+            yield from _tensors(a)
 
 
 def _tree(args: Any, place: Callable[[torch.Tensor], TensorRef]) -> Any:
