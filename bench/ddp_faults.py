@@ -29,7 +29,10 @@ torch.manual_seed(0)
 plain = dist.new_group(backend="gloo")  # torch's own gloo, same ranks
 big = [torch.nn.Linear(2500, 2500) for _ in range(2)]
 big[1].load_state_dict(big[0].state_dict())
-on = {"mkgloo": DDP(big[0], bucket_cap_mb=25), "gloo": DDP(big[1], bucket_cap_mb=25, process_group=plain)}
+on = {
+    "mkgloo": DDP(big[0], bucket_cap_mb=25),
+    "gloo": DDP(big[1], bucket_cap_mb=25, process_group=plain),
+}
 x = torch.randn(8, 2500)
 
 def steps(name, n):
@@ -41,7 +44,9 @@ def steps(name, n):
     dist.barrier()
     return (time.perf_counter() - t0) / n
 
-small = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)))
+small = DDP(
+    torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+)
 opt = torch.optim.SGD(small.parameters(), lr=0.01)
 """
 
