@@ -73,7 +73,8 @@ def step_overhead(s: Settings, rec: Recorder, procs: ProcMesh) -> None:
     _run(procs, "steps('mkgloo', 2), steps('gloo', 2)")  # warm-up, buckets rebuilt
     for _ in range(blocks):
         for name in times:
-            times[name].append(max(_run(procs, f"steps({name!r}, {n})")))  # type: ignore[type-var]
+            per_rank = [float(v) for v in _run(procs, f"steps({name!r}, {n})")]  # type: ignore[arg-type]
+            times[name].append(max(per_rank))
     mine, theirs = median(times["mkgloo"]), median(times["gloo"])
     rec.value("ddp_step_mkgloo", mine, samples=times["mkgloo"])
     rec.value("ddp_step_gloo", theirs, samples=times["gloo"])

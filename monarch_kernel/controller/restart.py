@@ -144,6 +144,7 @@ class Restarter:
         that cannot start raises :class:`MeshStartError` (and is left DEAD, never
         STARTING).
         """
+        in_place_check = ranks is not None and not ranks  # []: nothing to restart
         with self._lock:
             self._mesh.check_alive([])
             t0 = time.monotonic()
@@ -173,7 +174,7 @@ class Restarter:
                 replicas,
             )
             self.last_recovery = report
-        if self._events.wants(MeshRecovered):
+        if self._events.wants(MeshRecovered) and (report.changed or not in_place_check):
             self._events.emit(MeshRecovered(self._name, report))
         return report
 

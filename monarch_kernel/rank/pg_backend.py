@@ -75,7 +75,7 @@ def enabled() -> bool:
     return os.environ.get(OPT_OUT, "1") not in ("0", "false", "no")
 
 
-def choose_backend(requested: object) -> object:
+def choose_backend(requested: Any) -> Any:
     """The backend ``init_process_group`` should use for ``requested``: ``mkgloo`` for
     gloo on CPU (or no backend named on a machine without CUDA), else ``requested``."""
     if not enabled():

@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ def default_group() -> ReformableGroup:
 # -- parity: every op as plain gloo computes it --------------------------------------------
 def ops(group: object, rank: int, world: int) -> dict[str, list[float]]:
     """Run every supported op on ``group``; name -> flattened results."""
-    g: dict[str, object] = {"group": group}
+    g: dict[str, Any] = {"group": group}
     out: dict[str, list[float]] = {}
 
     def base(n: int = 6, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -162,9 +163,13 @@ def blocked(call: object, late: int, reason: str) -> dict[str, object]:
         time.sleep(0.5)
         group.abort(reason)
         return {"left": "late rank", "seconds": 0.0, "error": ""}
-    timer = threading.Timer(
-        0.3, lambda: (setattr(timer, "at", time.monotonic()), group.abort(reason))
-    )
+    aborted_at: list[float] = []
+
+    def abort() -> None:
+        aborted_at.append(time.monotonic())
+        group.abort(reason)
+
+    timer = threading.Timer(0.3, abort)
     timer.start()
     try:
         call()  # type: ignore[operator]
@@ -172,7 +177,7 @@ def blocked(call: object, late: int, reason: str) -> dict[str, object]:
     except Exception as exc:
         left, error = type(exc).__name__, str(exc)
     timer.join()
-    return {"left": left, "seconds": time.monotonic() - timer.at, "error": error}  # type: ignore[attr-defined]
+    return {"left": left, "seconds": time.monotonic() - aborted_at[0], "error": error}
 
 
 def abort_and_reform() -> None:
