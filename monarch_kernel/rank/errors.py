@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Mapping
 from types import TracebackType
@@ -22,6 +23,10 @@ class ActorAborted(BaseException):
     def __init__(self, reason: str | None = None):
         super().__init__(reason or "abort() was called")
         self.reason = reason or "abort() was called"
+
+
+#: The waits a KeyboardInterrupt lands in (``Event.wait``): not the user's to read.
+_THREADING = os.path.abspath(threading.__file__)
 
 
 def _is_internal(filename: str) -> bool:
@@ -53,14 +58,19 @@ def describe_tensors(frame_locals: Mapping[str, object], limit: int = 12) -> lis
 
 def _drop_trailing_internal(tb: TracebackType | None) -> list[TracebackType]:
     """The traceback's entries, without internal frames at its end (e.g. the SIGINT
-    handler that raised KeyboardInterrupt inside the user's code)."""
+    handler that raised KeyboardInterrupt inside the user's code, or a collective's
+    wait in the process group, down to the lock it was waiting on)."""
     entries = []
     while tb is not None:
         entries.append(tb)
         tb = tb.tb_next
-    while len(entries) > 1 and _is_internal(entries[-1].tb_frame.f_code.co_filename):
+    while len(entries) > 1 and _trailing_noise(entries[-1].tb_frame.f_code.co_filename):
         entries.pop()
     return entries
+
+
+def _trailing_noise(filename: str) -> bool:
+    return _is_internal(filename) or os.path.abspath(filename) == _THREADING
 
 
 _CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
