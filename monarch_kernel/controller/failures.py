@@ -34,9 +34,10 @@ final, so the error says what was done: the process group is formed again if any
 aborted it (or left a collective pending), and the data-parallel replicas are compared
 and, if the ranks stopped at different points of a step, made the same again from the
 most advanced rank (``Restarter.recover``). That also runs, under every policy but
-``continue``, when a failed or interrupted request on a mesh with a process group
-released itself (nobody had to be aborted): ranks interrupted between two collectives
-can still hold different parameters.
+``continue``, when a failed or interrupted cell (or an endpoint call on a mesh with a
+process group) on several ranks released itself (nobody had to be aborted): ranks
+interrupted between two collectives can still hold different parameters. (On a mesh
+without a process group the check is one ping.)
 
 Invariants: at most one incident per request; the release steps run on the incident's
 own thread and change the request table only through ``Receiver.post`` (the receiving
@@ -104,6 +105,9 @@ class Incident:
     root_rank: int
     cause: str  #: ``raised ValueError`` / ``died (killed by SIGKILL)``
     grace: float
+    #: The ranks the request ran on, and what it was (a cell, an endpoint call ...).
+    ranks: tuple[int, ...] = ()
+    kind: RequestKind = RequestKind.CELL
     opened: float = field(default_factory=time.monotonic)
     #: rank -> how it was released (``process group aborted``, ``interrupted`` ...).
     released: dict[int, str] = field(default_factory=dict)
@@ -168,7 +172,8 @@ class FailureHandler:
         has_process_group: Callable[[], bool] = lambda: False,
     ):
         """``post``: ``Receiver.post`` (the request table changes on the thread holding
-        the receive token); ``has_process_group()``: whether the ranks formed one."""
+        the receive token); ``has_process_group()``: whether the ranks are known to have
+        formed one."""
         self._name = name
         self._actions = actions
         self._ranks = ranks
@@ -230,7 +235,9 @@ class FailureHandler:
                 return
             if pending.cancelled:
                 cause = "was interrupted"
-            incident = Incident(rid, pending.what, rank, cause, self.grace)
+            incident = Incident(
+                rid, pending.what, rank, cause, self.grace, tuple(pending.ranks), pending.kind
+            )
             incident.cancelled = pending.cancelled
             if cause.startswith("died"):
                 incident.outcome = self._plan()
@@ -372,13 +379,13 @@ class FailureHandler:
 
     # -- putting the mesh right in place ----------------------------------------------------
     def _check_due(self, incident: Incident) -> bool:
-        """A request that released itself still gets its replicas checked: on a mesh with
-        a process group, when it ran on several ranks (not under ``continue``)."""
-        if self.policy is FailurePolicy.CONTINUE or not self._has_process_group():
+        """A request that released itself still gets its process group and replicas
+        checked when it ran on several ranks (not under ``continue``): a cell always (the
+        check asks the ranks, a ping, whether they have a group: one made a moment ago is
+        not known here yet), an endpoint call when the ranks have a group."""
+        if self.policy is FailurePolicy.CONTINUE or len(incident.ranks) < 2:
             return False
-        pending = self._requests.get(incident.request)
-        ranks = pending.ranks if pending is not None else self._ranks
-        return len(ranks) > 1
+        return incident.kind is RequestKind.CELL or self._has_process_group()
 
     def _in_place(self) -> bool:
         """Nothing to restart, and the policy does not stop the mesh."""

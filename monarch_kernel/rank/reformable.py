@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from monarch_kernel.calls.errors import ProcessGroupAborted
 from monarch_kernel.rank.pg_adopt import Adopted, AdoptedStorages
 from monarch_kernel.rank.pg_protocol import (
     Done,
@@ -56,11 +57,6 @@ _d: Any = dist
 BACKEND = "mkgloo"
 #: How a peer's abort (or death) shows up in gloo's errors.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-class ProcessGroupAborted(RuntimeError):
-    """A collective was cut short because the process group was aborted (a failure on
-    another rank, or the stop button); the mesh forms the group again afterwards."""
 
 
 def _value(future: Any) -> Any:

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from monarch_kernel.rank import distributed, pg_backend, replicas
-from monarch_kernel.rank.reformable import ProcessGroupAborted, ReformableGroup
+from monarch_kernel.calls.errors import ProcessGroupAborted
+from monarch_kernel.rank.reformable import ReformableGroup
 
 
 def report(**values: object) -> None:
