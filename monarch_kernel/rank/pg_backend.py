@@ -287,3 +287,6 @@ def _update_world(default: ReformableGroup, store: Any, world_size: int) -> None
         world.pg_map[default] = (backend, dist.PrefixStore(f"{default.group_id}/", store))
     if default in world.pg_group_ranks:
         world.pg_group_ranks[default] = {i: i for i in range(world_size)}
+
+
+ReformableGroup.reformer = reform

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -139,6 +139,10 @@ def _flat(lists: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
 
 class ReformableGroup(_ProcessGroup):
     """A gloo process group in a disposable worker (see the module docstring)."""
+
+    #: Forms every group of the rank again (``pg_backend.reform``, which sets it: that
+    #: module makes groups, so this one cannot import it).
+    reformer: ClassVar[Callable[[ReformableGroup, str, int, int, int], object] | None] = None
 
     def __init__(self, rank: int, size: int, group_id: str, timeout_s: float):
         super().__init__(rank, size)
@@ -272,9 +276,9 @@ class ReformableGroup(_ProcessGroup):
         rendezvous ``master_addr:master_port`` (rank 0 serves a fresh TCPStore there) as
         ``rank`` of ``world_size``; every rank of the new world calls it. The object stays
         the same (DDP and the rest keep it); see :func:`.pg_backend.reform`."""
-        from monarch_kernel.rank import pg_backend
-
-        pg_backend.reform(self, master_addr, master_port, rank, world_size)
+        if ReformableGroup.reformer is None:
+            raise RuntimeError("configure(): monarch_kernel.rank.pg_backend is not loaded")
+        ReformableGroup.reformer(self, master_addr, master_port, rank, world_size)
 
     def mark_stale(self, why: str) -> None:
         """This group cannot be formed again (the world changed under it)."""

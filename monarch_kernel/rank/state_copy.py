@@ -84,7 +84,7 @@ def _all_agree(ok: bool, group: Any) -> bool:
 def _skeleton(obj: Any) -> Skeleton:
     import torch
 
-    from monarch_kernel.rank.replicas import optimizer_steps
+    from monarch_kernel.rank.opt_steps import optimizer_steps
 
     if isinstance(obj, torch.nn.Module):
         named = [*obj.named_parameters(), *obj.named_buffers()]
@@ -207,7 +207,7 @@ def _load(obj: Any, skeleton: Skeleton, tensors: list[Any]) -> None:
     """Put received state into ``obj`` (modules and tensors were filled in place)."""
     import torch
 
-    from monarch_kernel.rank import replicas
+    from monarch_kernel.rank.opt_steps import set_optimizer_steps
 
     kind, tree, steps = skeleton
     if kind != "state_dict":
@@ -224,4 +224,4 @@ def _load(obj: Any, skeleton: Skeleton, tensors: list[Any]) -> None:
 
     obj.load_state_dict(fill(tree))
     if steps is not None and isinstance(obj, torch.optim.Optimizer):
-        replicas.set_optimizer_steps(obj, steps)
+        set_optimizer_steps(obj, steps)

@@ -26,7 +26,11 @@ from monarch_kernel.rank.reformable import ReformableGroup
 
 
 def report(**values: object) -> None:
-    print("RESULT " + json.dumps({"rank": dist.get_rank(), **values}), flush=True)
+    """One ``RESULT`` line, written at once (4 ranks share the pipe: no interleaving
+    under PIPE_BUF bytes)."""
+    line = "RESULT " + json.dumps({"rank": dist.get_rank(), **values}) + "\n"
+    sys.stdout.flush()
+    os.write(1, line.encode())
 
 
 def default_group() -> ReformableGroup:
@@ -176,7 +180,7 @@ def blocked(call: object, late: int, reason: str) -> dict[str, object]:
         call()  # type: ignore[operator]
         left, error = "completed", ""
     except Exception as exc:
-        left, error = type(exc).__name__, str(exc)
+        left, error = type(exc).__name__, str(exc)[:400]
     timer.join()
     return {"left": left, "seconds": time.monotonic() - aborted_at[0], "error": error}
 
