@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from monarch_kernel.rank import distributed, pg_backend, replicas
 from monarch_kernel.calls.errors import ProcessGroupAborted
+from monarch_kernel.rank import distributed, pg_backend, replicas
 from monarch_kernel.rank.reformable import ReformableGroup
 
 
