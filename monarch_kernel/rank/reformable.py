@@ -3,8 +3,9 @@
 :class:`ReformableGroup` is a Python ``ProcessGroup`` (torch calls it from C++ too: DDP's
 reducer, ``broadcast_coalesced``). Its collectives run in a disposable worker process
 that holds a real gloo group (:mod:`.pg_worker`); tensors cross through shared memory
-(:mod:`.pg_shm`: one copy in, one copy out) and every op returns a :class:`_Work` whose
-torch Future a reader thread completes. So:
+(:mod:`.pg_shm`: one copy in, one copy out; buffers ops repeat, such as DDP's buckets,
+are used in place: :mod:`.pg_adopt`) and every op (:mod:`.pg_ops`) returns an
+:class:`~.pg_work.OpWork` whose torch Future a reader thread completes. So:
 
 * :meth:`ReformableGroup.abort` kills the worker and fails every pending op at once with
   :class:`ProcessGroupAborted`: a main thread blocked in a collective, even inside DDP's
@@ -24,8 +25,6 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from monarch_kernel.calls.errors import ProcessGroupAborted
 from monarch_kernel.rank.pg_adopt import Adopted, AdoptedStorages
+from monarch_kernel.rank.pg_ops import CollectiveOps
 from monarch_kernel.rank.pg_protocol import (
     Done,
     Failed,
@@ -44,14 +44,12 @@ from monarch_kernel.rank.pg_protocol import (
 )
 from monarch_kernel.rank.pg_shm import Slot, SlotPool, dtype_name
 from monarch_kernel.rank.pg_spawn import WorkerHandle
-from monarch_kernel.rank.pg_worker import EACH
+from monarch_kernel.rank.pg_work import OpWork, PendingOp
 
-# torch's stubs type the C++ methods as overloads that no Python override can match
-# (and miss the options classes); these are the classes and methods torch really calls
-# (see torch/csrc/distributed/c10d/PyProcessGroup.hpp, the trampoline).
+# torch's stubs type the C++ methods as overloads that no Python override can match;
+# these are the methods torch really calls (torch/csrc/distributed/c10d/PyProcessGroup.hpp,
+# the trampoline).
 _ProcessGroup: Any = dist.ProcessGroup
-_WorkBase: Any = dist.Work
-_d: Any = dist
 
 #: Name of the backend the group reports (``dist.get_backend()``).
 BACKEND = "mkgloo"
@@ -59,85 +57,7 @@ BACKEND = "mkgloo"
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def _value(future: Any) -> Any:
-    return future.value()
-
-
-@dataclass(eq=False)
-class _Op:
-    """One op in flight.
-
-    ``future`` (what ``get_future()`` gives) is a ``then`` of the future we complete:
-    torch's ``Future.set_exception`` from Python completes a future *successfully* with
-    the exception object as its value, which C++ waiters (DDP's reducer) take for the
-    result; a callback that raises is how an error reaches C++ as an error.
-    """
-
-    name: str
-    slot: Slot | None
-    outputs: list[tuple[torch.Tensor, TensorRef]]
-    value: object
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-    def __post_init__(self) -> None:
-        self._base: Any = torch.futures.Future()
-        self.future: Any = self._base.then(_value)
-
-    def finish(self, error: BaseException | None) -> None:
-        self.error = error
-        try:
-            if error is None:
-                self._base.set_result(self.value)
-            else:
-                self._base.set_exception(error)
-        finally:
-            self.done.set()
-
-
-class _Work(_WorkBase):
-    """What an op returns: ``wait()`` (interruptible), ``get_future()``."""
-
-    def __init__(self, op: _Op):
-        super().__init__()
-        self._op = op
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        seconds = None if timeout is None else timeout.total_seconds()
-        if seconds is None or seconds <= 0:  # torch's kNoTimeout is 0
-            while not self._op.done.wait(1.0):  # Ctrl-C lands between waits
-                pass
-        elif not self._op.done.wait(seconds):
-            raise RuntimeError(f"{self._op.name} did not complete within {seconds:.1f}s")
-        if self._op.error is not None:
-            raise self._op.error
-        return True
-
-    def get_future(self) -> Any:
-        return self._op.future
-
-    def is_completed(self) -> bool:
-        return self._op.done.is_set()
-
-    def is_success(self) -> bool:
-        return self._op.done.is_set() and self._op.error is None
-
-    def exception(self) -> BaseException | None:
-        return self._op.error
-
-    def result(self) -> Any:
-        self.wait()
-        return self._op.value
-
-    def synchronize(self) -> None:
-        self.wait()
-
-
-def _flat(lists: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-    return [t for inner in lists for t in inner]
-
-
-class ReformableGroup(_ProcessGroup):
+class ReformableGroup(CollectiveOps, _ProcessGroup):
     """A gloo process group in a disposable worker (see the module docstring)."""
 
     #: Forms every group of the rank again (``pg_backend.reform``, which sets it: that
@@ -157,13 +77,13 @@ class ReformableGroup(_ProcessGroup):
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._worker: WorkerHandle | None = None
-        self._ops: dict[int, _Op] = {}
+        self._ops: dict[int, PendingOp] = {}
         self._next_op = 0
         self._aborted: str | None = "not formed yet"
         ids = itertools.count()
         self._pool = SlotPool(lambda: next(ids))
         self._adopted = AdoptedStorages(lambda: next(ids))
-        self._coalescing: list[_Op] | None = None
+        self._coalescing: list[PendingOp] | None = None
         #: Times this group was formed (1 after the first rendezvous).
         self.generation = 0
         #: ``destroy_process_group`` ended it: it is no group of the rank's any more.
@@ -347,7 +267,7 @@ class ReformableGroup(_ProcessGroup):
         ins: Sequence[torch.Tensor] = (),
         outs: Sequence[torch.Tensor] = (),
         value: object = None,
-    ) -> _Work:
+    ) -> OpWork:
         """Issue one op: place its tensors (in place, or copied into its slot), send it;
         the reader copies the slot's ``outs`` back when it is done."""
         if self._aborted is not None:
@@ -356,15 +276,15 @@ class ReformableGroup(_ProcessGroup):
                 "again when the failed cell ends (run the next cell)"
             )
             # a failed Work, not a raise: DDP's reducer then ends its backward cleanly
-            op = _Op(name, None, [], None)
+            op = PendingOp(name, None, [], None)
             op.finish(error)
-            return _Work(op)
+            return OpWork(op)
         with self._send_lock:  # ops reach the worker in the order they are issued
             op, spec, regions = self._lay_out(name, args, ins, outs, value)
             self._send(op, method, spec, opts, regions)
         if self._coalescing is not None:
             self._coalescing.append(op)
-        return _Work(op)
+        return OpWork(op)
 
     def _lay_out(
         self,
@@ -373,7 +293,7 @@ class ReformableGroup(_ProcessGroup):
         ins: Sequence[torch.Tensor],
         outs: Sequence[torch.Tensor],
         value: object,
-    ) -> tuple[_Op, list[Any], list[tuple[int, int, int]]]:
+    ) -> tuple[PendingOp, list[Any], list[tuple[int, int, int]]]:
         """``(op, args with TensorRefs, regions (id, size, fd) it uses)``: each tensor in
         an adopted storage, else in the op's slot (inputs copied in)."""
         places: dict[int, tuple[Adopted | None, int]] = {}
@@ -406,12 +326,12 @@ class ReformableGroup(_ProcessGroup):
                     if places[id(t)][0] is None:
                         slot.view(refs[id(t)]).copy_(t)
         outputs = [(t, refs[id(t)]) for t in outs if any(t is c for c in copied)]
-        op = _Op(name, slot, outputs, value)
+        op = PendingOp(name, slot, outputs, value)
         return op, _tree(args, lambda t: refs[id(t)]), list(regions.values())
 
     def _send(
         self,
-        op: _Op,
+        op: PendingOp,
         method: str,
         spec: list[Any],
         opts: object,
@@ -440,212 +360,6 @@ class ReformableGroup(_ProcessGroup):
             worker.send(request, [fd for _rid, _size, fd in new] or None)
         except OSError:
             pass  # killed meanwhile: abort() failed the op, or the reader will
-
-    # -- the collectives -------------------------------------------------------------------
-    def allreduce(self, tensors: Any, opts: Any = None) -> _Work:
-        tensors = _as_list(tensors)
-        opts = _reduce_opts(opts, _d.AllreduceOptions)
-        return self._run("allreduce", "allreduce", [tensors], opts, tensors, tensors, tensors)
-
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
-        opts = _reduce_opts(opts, _d.AllreduceCoalescedOptions)
-        name = "allreduce_coalesced"
-        return self._run(name, name, [tensors], opts, tensors, tensors, tensors)
-
-    def broadcast(self, tensors: Any, opts: Any = None) -> _Work:
-        tensors = _as_list(tensors)
-        if opts is None or isinstance(opts, int):
-            root, opts = opts or 0, _d.BroadcastOptions()
-            opts.rootRank = root
-        root_here = opts.rootRank == self._rank
-        ins, outs = (tensors, []) if root_here else ([], tensors)
-        return self._run("broadcast", "broadcast", [tensors], opts, ins, outs, tensors)
-
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: Any, opts: Any = None) -> _Work:
-        inputs = _as_list(inputs)
-        opts = opts or _d.AllgatherOptions()
-        args = [outputs, inputs]
-        return self._run("allgather", "allgather", args, opts, inputs, _flat(outputs), outputs)
-
-    def allgather_coalesced(
-        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
-    ) -> _Work:
-        opts = opts or _d.AllgatherOptions()
-        name = "allgather_coalesced"
-        return self._run(name, name, [outputs, inputs], opts, inputs, _flat(outputs), outputs)
-
-    def all_gather_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> _Work:
-        opts = opts or _d.AllgatherOptions()
-        args = [output, input]
-        return self._run(
-            "all_gather_into_tensor", "_allgather_base", args, opts, [input], [output], [output]
-        )
-
-    _allgather_base = all_gather_single
-
-    def allgather_into_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> _Work:
-        opts = opts or _d.AllgatherOptions()
-        method = EACH + "_allgather_base"
-        return self._run(
-            "all_gather_into_tensor (coalesced)",
-            method,
-            [outputs, inputs],
-            opts,
-            inputs,
-            outputs,
-            outputs,
-        )
-
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
-
-    def reduce_scatter(
-        self, outputs: Any, inputs: list[list[torch.Tensor]], opts: Any = None
-    ) -> _Work:
-        outputs = _as_list(outputs)
-        opts = _reduce_opts(opts, _d.ReduceScatterOptions)
-        args = [outputs, inputs]
-        return self._run(
-            "reduce_scatter", "reduce_scatter", args, opts, _flat(inputs), outputs, outputs
-        )
-
-    def reduce_scatter_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> _Work:
-        opts = _reduce_opts(opts, _d.ReduceScatterOptions)
-        args = [output, input]
-        return self._run(
-            "reduce_scatter_tensor", "_reduce_scatter_base", args, opts, [input], [output], [output]
-        )
-
-    _reduce_scatter_base = reduce_scatter_single
-
-    def reduce_scatter_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> _Work:
-        opts = _reduce_opts(opts, _d.ReduceScatterOptions)
-        method = EACH + "_reduce_scatter_base"
-        return self._run(
-            "reduce_scatter_tensor (coalesced)",
-            method,
-            [outputs, inputs],
-            opts,
-            inputs,
-            outputs,
-            outputs,
-        )
-
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: Any = None,
-    ) -> _Work:
-        opts = opts or _d.AllToAllOptions()
-        args = [output, input, list(output_split_sizes), list(input_split_sizes)]
-        return self._run(
-            "all_to_all_single", "alltoall_base", args, opts, [input], [output], [output]
-        )
-
-    alltoall_base = all_to_all_single
-
-    def alltoall(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> _Work:
-        opts = opts or _d.AllToAllOptions()
-        return self._run(
-            "all_to_all", "alltoall", [outputs, inputs], opts, inputs, outputs, outputs
-        )
-
-    def barrier(self, opts: Any = None) -> _Work:
-        return self._run("barrier", "barrier", [], opts or _d.BarrierOptions())
-
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Work:
-        return self._run("send", "send", [tensors, dst, tag], None, tensors, [], tensors)
-
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _Work:
-        return self._run("recv", "recv", [tensors, src, tag], None, [], tensors, tensors)
-
-    def reduce(self, tensors: Any, opts: Any = None) -> _Work:
-        tensors = _as_list(tensors)
-        opts = _reduce_opts(opts, _d.ReduceOptions)
-        outs = tensors if opts.rootRank == self._rank else []
-        return self._run("reduce", "reduce", [tensors], opts, tensors, outs, tensors)
-
-    def gather(
-        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
-    ) -> _Work:
-        opts = opts or _d.GatherOptions()
-        return self._run(
-            "gather", "gather", [outputs, inputs], opts, inputs, _flat(outputs), outputs
-        )
-
-    def scatter(
-        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
-    ) -> _Work:
-        opts = opts or _d.ScatterOptions()
-        return self._run(
-            "scatter", "scatter", [outputs, inputs], opts, _flat(inputs), outputs, outputs
-        )
-
-    # -- coalescing (``dist._coalescing_manager`` with a device) ---------------------------
-    def _start_coalescing(self, device: Any = None) -> None:
-        self._coalescing = []
-
-    def _end_coalescing(self, device: Any = None) -> _Work:
-        ops, self._coalescing = self._coalescing or [], None
-        op = _Op("coalesced ops", None, [], None)
-        if not ops:
-            op.finish(None)
-            return _Work(op)
-        futures = torch.futures.collect_all([o.future for o in ops])
-
-        def settle(_: Any) -> None:
-            errors = [o.error for o in ops if o.error is not None]
-            op.finish(errors[0] if errors else None)
-
-        futures.add_done_callback(settle)
-        return _Work(op)
-
-    # -- what it does not do ---------------------------------------------------------------
-    def _unsupported(self, what: str) -> Callable[..., Any]:
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise NotImplementedError(
-                f"{what} is not supported by the mesh's re-formable gloo process group; "
-                "initialise with MONARCH_KERNEL_REFORMABLE_PG=0 for plain gloo"
-            )
-
-        return refuse
-
-    def monitored_barrier(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("monitored_barrier")()
-
-    def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("recv from any source")()
-
-    def split_group(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("split_group")()
-
-
-def _as_list(tensors: Any) -> list[torch.Tensor]:
-    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-
-
-def _reduce_opts(opts: Any, cls: Callable[[], Any]) -> Any:
-    """An options object from None, a ReduceOp, or an options object."""
-    if opts is None or not hasattr(opts, "timeout"):
-        made = cls()
-        if opts is not None:
-            made.reduceOp = opts if isinstance(opts, _d.ReduceOp) else _d.ReduceOp(opts)
-        return made
-    return opts
 
 
 def _check_tensor(op: str, t: torch.Tensor) -> None:
