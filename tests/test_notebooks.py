@@ -133,7 +133,10 @@ def test_monarch_programs_notebook_job_actors_supervision_spmd():
     assert "[13, 13, 13, 13]" in _text(code[1]) and "14" in _text(code[1])
     sup = _text(code[2])
     assert "Failure received: MeshFailure(mesh_name=" in sup and "ValueError: bad batch" in sup
-    assert "SupervisionError: RankDiedError" in sup
-    spmd = _text(code[3])
+    assert "SupervisionError: RankDiedError - Endpoint call mortal.die() failed, The actor " in sup
+    here = _text(code[3])  # this_proc() and a get_or_spawn_controller singleton, in the kernel
+    assert "tally runs in this kernel: True" in here and "total reported by the ranks: 10" in here
+    assert "this_proc() actor: 5" in here
+    spmd = _text(code[4])
     assert "trained 4 ranks" in spmd and "[True, True, True, True]" in spmd
-    assert "job active: False | trainers stopped: True" in _text(code[4])
+    assert "job active: False | trainers stopped: True" in _text(code[5])

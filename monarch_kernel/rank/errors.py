@@ -25,6 +25,16 @@ class ActorAborted(BaseException):
         self.reason = reason or "abort() was called"
 
 
+class ActorGoneError(LookupError):
+    """A call reached a rank (or the controller's process) where its actor no longer
+    runs: it was stopped (``stopped``), or it aborted or its constructor failed. The
+    caller gets a ``SupervisionError`` (the report's ``gone`` says which)."""
+
+    def __init__(self, message: str, stopped: bool = False):
+        super().__init__(message)
+        self.stopped = stopped
+
+
 #: The waits a KeyboardInterrupt lands in (``Event.wait``): not the user's to read.
 _THREADING = os.path.abspath(threading.__file__)
 
@@ -149,7 +159,7 @@ def exception_report(exc: BaseException, where: str = "") -> FailureReport:
         pickle.loads(pickled)
     except Exception:
         pickled = None
-    return {
+    report: FailureReport = {
         "type": type(exc).__name__,
         "qualname": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "message": unwrap_future_error(str(exc)),
@@ -162,3 +172,6 @@ def exception_report(exc: BaseException, where: str = "") -> FailureReport:
             {"type": type(e).__name__, "message": unwrap_future_error(str(e))} for e, _ in chain
         ],
     }
+    if isinstance(exc, ActorGoneError):
+        report["gone"] = "stopped" if exc.stopped else "failed"
+    return report
