@@ -126,7 +126,7 @@ def test_stop_button_at_random_moments_keeps_every_rank_and_identical_replicas(k
     seed = random.randrange(1 << 30)
     moments = random.Random(seed)
     print(f"\nrandom seed {seed}")
-    idle = []
+    idle, copied = [], 0
     for attempt in range(20):
         msg = kernel.submit(f"%%remote {MESH}\ntrain(10**6)")
         kernel.wait_for_output(msg, "training", timeout=60)
@@ -138,11 +138,15 @@ def test_stop_button_at_random_moments_keeps_every_rank_and_identical_replicas(k
         text = r.error_text
         assert "interrupted cell" in text, f"attempt {attempt}: {text}"
         assert "killed" not in text and "did not stop" not in text, f"attempt {attempt}: {text}"
+        copied += "copied to" in text
         pids, replicas = _state(kernel)
         assert pids == kernel.pids_before, f"attempt {attempt}: a rank was restarted"
         assert replicas == "identical", f"attempt {attempt}: {replicas}\n{text}"
     idle.sort()
-    print(f"stop button -> idle: median {idle[10]:.2f}s, max {idle[-1]:.2f}s (20 tries)")
+    print(
+        f"stop button -> idle: median {idle[10]:.2f}s, max {idle[-1]:.2f}s (20 tries; "
+        f"{copied} found the replicas different and copied them)"
+    )
     _train_on(kernel)
 
 
