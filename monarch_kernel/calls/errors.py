@@ -49,6 +49,14 @@ class MonarchError(Exception):
     """Base class of monarch_kernel's errors."""
 
 
+class ProcessGroupAborted(RuntimeError):
+    """A collective was cut short because the mesh aborted the rank's process group (a
+    failure on another rank, or the stop button); the mesh forms the group again.
+
+    Raised on ranks by the re-formable group (``rank/reformable.py``); defined here, with
+    no torch import, so that a controller can unpickle it without importing torch."""
+
+
 class MeshStartError(MonarchError):
     """Ranks or host agents could not be started."""
 

@@ -206,15 +206,19 @@ kind              keys and payload
                   None, "pg_live": bool}``: ``rejected`` counts messages the rank's codec
                   dropped (forged, malformed or replayed); ``pg`` is the backend of the last
                   process group initialised on the rank (kept after an abort), ``pg_live``
-                  whether one is initialised now
+                  whether one is initialised now and usable (a re-formable group that
+                  was aborted, or has a collective pending while the rank is idle, is
+                  not)
 ``cancel``        ``c`` str: the request id to interrupt (SIGINT in the main thread if
                   it runs user code for it now) or to skip when it comes (then answered
                   with a "cancelled before it started" error if it wants a reply).
                   No reply to the cancel itself
 ``stacks``        ``i``, ``w``. Reply value: ``tuple[ThreadStack, ...]`` (every thread's
                   Python stack now; see ``wire.stacks``)
-``abort_pg``      (no keys) abort the default torch.distributed process group, if any:
-                  peers blocked in a collective with this rank are released with an error
+``abort_pg``      ``why`` str (optional: what happened, for the errors of the collectives
+                  it cuts short). Abort the rank's torch.distributed process groups, if
+                  any: peers blocked in a collective with this rank are released with an
+                  error (re-formable groups stay, to be formed again)
 ``input_reply``   ``n`` int (the ``input`` request answered), and ``v`` str (the line
                   typed) or ``e`` str (why there is none: the rank's ``input()`` raises
                   EOFError with it; a debugger prompt takes ``e`` = ``interrupted`` as

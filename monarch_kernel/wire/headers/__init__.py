@@ -25,6 +25,7 @@ from typing import Any, TypeAlias
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.headers.base import CODEC_KEYS, HeaderError, WireAddress, WireHeader
 from monarch_kernel.wire.headers.control import (
+    AbortPg,
     Cancel,
     ControlRequest,
     InputReply,
@@ -81,6 +82,7 @@ AnyHeader: TypeAlias = (
     | Supervise
     | Hello
     | ControlRequest
+    | AbortPg
     | Cancel
     | InputReply
     | Ready
@@ -114,6 +116,7 @@ _CLASSES: tuple[Any, ...] = (
     Debug,
     Supervise,
     Hello,
+    AbortPg,
     Cancel,
     InputReply,
     Ready,
@@ -176,6 +179,7 @@ def encode(header: AnyHeader) -> WireHeader:
 
 
 __all__ = [
+    "AbortPg",
     "MeshCommon",
     "RankSpec",
     "AnyHeader",
