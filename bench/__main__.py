@@ -34,6 +34,7 @@ BENCHES = [
     "fault",
     "detach",
     "ddp",
+    "ddpfault",
     "xhost",
     "engines",
     "a2a",

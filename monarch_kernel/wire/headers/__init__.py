@@ -25,11 +25,13 @@ from typing import Any, TypeAlias
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.headers.base import CODEC_KEYS, HeaderError, WireAddress, WireHeader
 from monarch_kernel.wire.headers.control import (
+    AbortPg,
     Cancel,
     ControlRequest,
     InputReply,
 )
 from monarch_kernel.wire.headers.from_rank import (
+    Display,
     Input,
     Metric,
     Owned,
@@ -82,11 +84,13 @@ AnyHeader: TypeAlias = (
     | Supervise
     | Hello
     | ControlRequest
+    | AbortPg
     | Cancel
     | InputReply
     | Ready
     | Result
     | Stream
+    | Display
     | Metric
     | RankNotice
     | Owned
@@ -116,11 +120,13 @@ _CLASSES: tuple[Any, ...] = (
     Debug,
     Supervise,
     Hello,
+    AbortPg,
     Cancel,
     InputReply,
     Ready,
     Result,
     Stream,
+    Display,
     Metric,
     Owned,
     PeerActor,
@@ -179,6 +185,7 @@ def encode(header: AnyHeader) -> WireHeader:
 
 
 __all__ = [
+    "AbortPg",
     "MeshCommon",
     "RankSpec",
     "AnyHeader",
@@ -219,6 +226,7 @@ __all__ = [
     "Stop",
     "StopActor",
     "Stream",
+    "Display",
     "Supervise",
     "TakenOver",
     "WireAddress",
