@@ -39,6 +39,7 @@ from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.calls.requester import MeshRef
 from monarch_kernel.rank import context
 from monarch_kernel.wire import Codec, WireError, peer_address
+from monarch_kernel.wire.chunks import Assembler, encode_parts
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.netaddr import route_source
@@ -81,6 +82,8 @@ class PeerClient:
         self.pending: dict[str, _Pending] = {}
         self.ports: dict[str, RequestObserver] = {}  # open channels: every message
         self.ids = itertools.count()
+        #: Reassembles large replies and channel messages, which come in chunks.
+        self.assembler = Assembler()
         self.prefix = f"p{os.getpid()}-{os.urandom(3).hex()}-"
         rt = context.services()
         self.machine = peer_address.this_machine()  # a rank's too: its agent's hostname
@@ -166,10 +169,12 @@ class PeerClient:
                 rid = self.prefix + str(next(self.ids))
                 header = dict(header, i=rid, w=1, rt=self.reply.encode())
                 self.pending[rid] = _Pending(observer, ranks, routes)
-            frames = codec.encode(header, payload, buffers)
+            parts = encode_parts(codec, header, payload, buffers)  # large: in chunks
             try:
                 for r, addr, route in zip(ranks, addrs, routes):
-                    self._socket(addr, route, r).send_multipart(frames, copy=False)
+                    sock = self._socket(addr, route, r)
+                    for frames in parts:
+                        sock.send_multipart(frames, copy=False)
             except BaseException:
                 if rid:
                     self.pending.pop(rid, None)
@@ -229,11 +234,15 @@ class PeerClient:
         for codec in list(self.codecs.values()):  # a handful of keys: try each
             try:
                 msg = codec.decode(frames)
-                break
             except WireError:
                 continue
+            try:
+                msg = self.assembler.feed(codec, msg)  # a large value comes in chunks
+            except WireError:
+                msg = None
+            break
         if msg is None:
-            return  # forged or malformed: dropped before anything is unpickled
+            return  # forged, malformed or a part of a value still arriving
         h = msg.header
         rank = h.get("r")
         port = self.ports.get(h.get("i"))  # type: ignore[arg-type]

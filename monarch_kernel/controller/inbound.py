@@ -41,6 +41,7 @@ from monarch_kernel.controller.transport import Transport
 from monarch_kernel.wire import Codec, Message, WireError
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.chunks import Assembler
 from monarch_kernel.wire.codec import Header
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import AskRequest, FailureReport, RankStats, StopRequest
@@ -124,6 +125,7 @@ class Inbound:
         self._rank_died = rank_died
         self._port_received = port_received
         self._find_mesh = find_mesh
+        self._assembler = Assembler()
         #: kind -> handler of the message with its typed header (``wire.headers``)
         self._handlers: dict[str, Handler] = {
             K.RESULT: typed(H.Result.decode, self._on_result),
@@ -156,15 +158,21 @@ class Inbound:
         if origin is None:
             return
         try:
-            msg = self._codec.decode(frames[1:])
+            part = self._codec.decode(frames[1:])
+            h = part.header
+            sender = h.get("r")
+            if origin >= 0 and not self._from_host(origin, sender, h.get("h")):
+                transport.impostor(f"header (rank {sender!r}, host {h.get('h')!r})")
+                return
+            msg = self._assembler.feed(self._codec, part)  # a large value comes in chunks
         except WireError as exc:
             log.warning("mesh %s dropped a message from %r: %s", self._name, frames[0].bytes, exc)
             return
-        h = msg.header
-        sender = h.get("r")
-        if origin >= 0 and not self._from_host(origin, sender, h.get("h")):
-            transport.impostor(f"header (rank {sender!r}, host {h.get('h')!r})")
+        if msg is None:
             return
+        if msg.header is not h:  # the last chunk completed a stream: its start's header
+            h = msg.header
+            sender = h.get("r")
         if sender is not None and 0 <= sender < self._world:
             self._ranks[sender].bytes_in += msg.nbytes
         handler = self._handlers.get(h["k"])

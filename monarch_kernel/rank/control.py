@@ -24,6 +24,7 @@ from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Codec, Message, WireError, loads
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.chunks import Assembler
 from monarch_kernel.wire.codec import recv as wire_recv
 
 log = logging.getLogger("monarch_kernel.rank")
@@ -76,6 +77,8 @@ class ControlThread:
         self.debugger = debugger
         self.stdin = stdin
         self.parent = os.getppid()
+        #: Reassembles large pushed values, which come in chunks.
+        self.assembler = Assembler()
         #: Handlers by kind: what they raise is sent back as an error reply to the
         #: request (header ``i``), or as a fault if there is none.
         self.handlers: dict[str, ControlHandler] = {
@@ -107,9 +110,11 @@ class ControlThread:
             if not poller.poll(int(STATS_INTERVAL * 1000)):
                 continue
             try:
-                msg = self.codec.decode(wire_recv(self.ctl))
+                msg = self.assembler.receive(self.codec, wire_recv(self.ctl))
             except WireError as exc:
                 log.warning("rank %s dropped a control message: %s", self.rank, exc)
+                continue
+            if msg is None:  # a part of a large pushed value
                 continue
             try:
                 self.handle(msg)

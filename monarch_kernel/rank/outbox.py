@@ -18,11 +18,12 @@ from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Codec, SerializationError, dumps, peer_address
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.chunks import check_size, encode_parts
 from monarch_kernel.wire.codec import Buffer
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import FailureReport
-from monarch_kernel.wire.serialize import What
+from monarch_kernel.wire.serialize import ValueTooLargeError, What
 
 log = logging.getLogger("monarch_kernel.rank")
 
@@ -66,9 +67,12 @@ class Outbox:
     def send(
         self, header: H.WireHeader, payload: bytes = b"", buffers: Sequence[Buffer] = ()
     ) -> None:
-        """Send a message to the controller (any thread)."""
-        with self.lock:
-            wire_send(self.out, self.codec.encode(header, payload, buffers))
+        """Send a message to the controller (any thread); a large value as a stream of
+        chunks (:mod:`monarch_kernel.wire.chunks`)."""
+        parts = encode_parts(self.codec, header, payload, buffers)
+        for frames in parts:  # the lock per part: other threads' output flows meanwhile
+            with self.lock:
+                wire_send(self.out, frames)
         if self.main.pending_signal is not None:  # a signal came while the main thread sent
             self.main.raise_pending()
 
@@ -117,15 +121,23 @@ class Outbox:
         self.result(H.Result(request=request, ok=False, rank=self.rank), pickle.dumps(report))
 
     def result(self, header: H.Result, payload: bytes, buffers: Sequence[Buffer] = ()) -> None:
-        """Send a reply: to the controller, or to the calling rank for a peer call."""
+        """Send a reply: to the controller, or to the calling rank for a peer call. A
+        value above the bound on values is answered with that error instead."""
+        try:
+            check_size(header.encode(), payload, buffers)
+        except ValueTooLargeError as exc:  # the caller hears why, the rank lives on
+            self.fail(header.request or "", exception_report(exc, "reply"))
+            return
         route = self.peer_routes.pop(header.request, None) if self.peer_routes else None  # type: ignore[arg-type]
         if route is None:
             self.send(header.encode(), payload, buffers)
             return
         try:
+            parts = encode_parts(self.codec, header.encode(), payload, buffers)
             with self.lock:  # replies may come from any thread (response ports)
                 sock = self._peer_socket(zmq.PUSH, route)
-                wire_send(sock, self.codec.encode(header.encode(), payload, buffers))
+                for frames in parts:
+                    wire_send(sock, frames)
         except (zmq.Again, ConnectionError) as exc:
             log.warning(
                 "rank %s: peer caller at %s is gone (%s); reply dropped", self.rank, route, exc
