@@ -154,10 +154,7 @@ class Assembler:
         if not start and h["k"] != CHUNK:
             return msg
         try:
-            if start:
-                self._start(codec, msg)
-                return None
-            return self._chunk(codec, msg)
+            return self._start(codec, msg) if start else self._chunk(codec, msg)
         except WireError:
             codec.rejected += 1
             raise
@@ -167,7 +164,7 @@ class Assembler:
         """Streams being reassembled now."""
         return len(self._streams)
 
-    def _start(self, codec: Codec, msg: Message) -> None:
+    def _start(self, codec: Codec, msg: Message) -> Message | None:
         h = msg.header
         sizes, mac = h.pop("z"), h.pop("pm", None)
         if (
@@ -185,11 +182,14 @@ class Assembler:
             raise WireError(too_large(f"a streamed {h['k']!r} message", total, limit))
         stream = _Stream(codec, h, mac, [_allocate(n) for n in sizes])
         stream.skip_empty()
+        if stream.done:  # nothing to wait for (no sender of ours streams an empty value)
+            return self._complete(stream)
         with self._lock:
             self._forget_stale()
             while len(self._streams) >= MAX_STREAMS:
                 self._streams.popitem(last=False)
             self._streams[(id(codec), h["sn"], h["sc"])] = stream
+        return None
 
     def _forget_stale(self) -> None:
         cutoff = time.monotonic() - STALE_AFTER
