@@ -302,9 +302,12 @@ Rank <-> rank data plane (not control messages)
 -----------------------------------------------
 :mod:`monarch_kernel.rank.dataplane` signs its requests with the same codec, with its
 own kinds (literals there, not constants here): a request ``k`` = ``"req"`` with ``op``
-str (``fetch``, ``shm`` or ``release``) and ``id`` int (the shared tensor's id); a reply
-``"data"`` (the bytes as one buffer frame), ``"shm"`` with ``path`` str (a shared-memory
-file holding them), ``"ok"``, or ``"err"`` with ``error`` str.
+str (``fetch``, ``shm``, ``write`` or ``release``), ``id`` int (the shared tensor's id),
+``n`` str (a fresh nonce) and ``t`` float (the sender's time); a ``fetch`` names a range,
+``off`` int and ``len`` int (at most 4 MiB: a tensor comes a chunk per request), a
+``write`` its ``off`` and carries the bytes as one buffer frame; a reply ``"data"`` (the
+range's bytes as one buffer frame), ``"shm"`` with ``path`` str (a shared-memory file
+holding them), ``"ok"``, or ``"err"`` with ``error`` str.
 """
 
 # controller -> host agent

@@ -27,9 +27,10 @@ MAX_HEADER = 64 * 1024
 
 #: Environment variable: largest frame (bytes) a socket accepts from a peer.
 MAX_MESSAGE_ENV = "MONARCH_KERNEL_MAX_MESSAGE"
-#: Its default. Every value above a chunk travels in chunks, so no legitimate frame is
-#: larger than a chunk plus a header; the margin is for peers of another version.
-DEFAULT_MAX_MESSAGE = 8 << 30
+#: Its default: 64 MiB. Values above a chunk (4 MiB) travel in chunks, and the data
+#: plane fetches and writes tensors a chunk per request, so no legitimate frame is
+#: larger than a chunk plus a header: the margin is generous, the bound still tight.
+DEFAULT_MAX_MESSAGE = 64 << 20
 
 #: Bytes of one chunk of a streamed value on the wire (:mod:`monarch_kernel.wire.chunks`).
 CHUNK_SIZE = 4 << 20
