@@ -268,7 +268,9 @@ kind              keys and payload
                   sender's reply socket
 ``ask``           (no keys) Payload: pickled ``{"op", "rt", "id", ...}``: run operation
                   ``op`` of the actor API in the controller (``get_or_spawn_controller``:
-                  ``call``, the pickled ``(name, cls, args, kwargs)``) and send its
+                  ``call``, the pickled ``(name, cls, args, kwargs)``; ``where_is_rank``:
+                  ``call``, the pickled ``(mesh, key, rank, wait)``, answered with a
+                  ``RankLocation`` once that mesh is no longer restarting) and send its
                   pickled result (or a failure report) as a ``res`` for ``id`` to ``rt``,
                   signed with the sender's mesh key
 ``owned``         ``a`` str: actor ``a`` of this rank was spawned by an actor of another
