@@ -18,7 +18,7 @@ import pytest
 import torch
 from kernel_client import Kernel, kernel_with_mesh
 
-from monarch_kernel.actor import Actor, ActorError, endpoint, this_host
+from monarch_kernel.actor import Actor, ActorError, Channel, Port, endpoint, this_host
 
 pytestmark = pytest.mark.local
 
@@ -138,6 +138,10 @@ class Store(Actor):
         )
 
     @endpoint
+    def send_to(self, port: Port, n: int, seed: int) -> None:
+        port.send(_seeded(n, seed))
+
+    @endpoint
     def relay(self, other, n: int) -> tuple[bool, int]:
         """Send ``n`` bytes to ``other`` (a Store mesh of another mesh) and take ``n``
         back from it, rank to rank: whether it got ours, and the CRC of what it gave."""
@@ -165,6 +169,10 @@ def test_endpoint_argument_and_result_of_600_mib():
         assert back.shape == (600 * MIB,) and crc(back) == crc(_seeded(600 * MIB, 4))
         del back
         gc.collect()
+        # a channel message, pushed by the rank straight to the notebook's reply socket
+        port, receiver = Channel[torch.Tensor].open()
+        stores.slice(gpus=1).send_to.call_one(port, 200 * MIB, 6).get()
+        assert crc(receiver.recv().get(timeout=60)) == crc(_seeded(200 * MIB, 6))
     finally:
         procs.stop()
 

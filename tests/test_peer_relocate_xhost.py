@@ -66,11 +66,11 @@ def net():
 
 def test_old_handle_follows_a_host_relaunched_on_another_machine(net):
     ja, jb = Joiner(net, first=0), Relocating(net, first=1, spare=2)
-    a = host_mesh(hosts=1, backend="join", bind=net.gateway, on_progress=ja.progress)
-    a = a.spawn_procs({"gpus": 2}, timeout=60)
+    hosts_a = host_mesh(hosts=1, backend="join", bind=net.gateway, on_progress=ja.progress)
+    a = hosts_a.spawn_procs({"gpus": 2}, timeout=60)
     try:
-        b = host_mesh(hosts=1, backend="join", bind=net.gateway, on_progress=jb.progress)
-        b = b.spawn_procs({"gpus": 1}, timeout=60)  # restarts what dies (the default)
+        hosts_b = host_mesh(hosts=1, backend="join", bind=net.gateway, on_progress=jb.progress)
+        b = hosts_b.spawn_procs({"gpus": 1}, timeout=60)  # restarts what dies (the default)
         try:
             targets = b.spawn("targets", Target)
             talked = a.slice(gpus=0).spawn("talked", Holder, targets)
