@@ -155,6 +155,16 @@ def test_streams_kept_are_bounded(monkeypatch):
 
 
 @pytest.mark.unit
+def test_streams_of_a_sender_that_died_are_dropped():
+    enc, dec, asm = Codec(KEY), Codec(KEY), S.Assembler()
+    for rank in (1, 2):
+        payload, buffers = dumps(torch.ones(2 * MIB))
+        start = S.encode_parts(enc, {"k": "res", "r": rank}, payload, buffers)[0]
+        asm.receive(dec, [bytes(memoryview(f)) for f in start])
+    assert asm.forget(lambda h: h.get("r") == 1) == 1 and asm.pending == 1
+
+
+@pytest.mark.unit
 def test_sizes_and_the_configured_bound():
     assert L.parse_size("8G", "X") == 8 << 30 and L.parse_size("123", "X") == 123
     for bad in ("lots", "-1", "0", "1.5G"):

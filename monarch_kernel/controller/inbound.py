@@ -32,6 +32,7 @@ from monarch_kernel.controller.events import (
     FaultReported,
     InputRequested,
     MetricReported,
+    RankDied,
     StatsReported,
     StreamOutput,
 )
@@ -125,7 +126,10 @@ class Inbound:
         self._rank_died = rank_died
         self._port_received = port_received
         self._find_mesh = find_mesh
+        #: Large values from ranks arrive in chunks; a rank that dies mid-way leaves
+        #: its partial ones, dropped with it.
         self._assembler = Assembler()
+        events.subscribe(self._drop_partial, RankDied)
         #: kind -> handler of the message with its typed header (``wire.headers``)
         self._handlers: dict[str, Handler] = {
             K.RESULT: typed(H.Result.decode, self._on_result),
@@ -183,6 +187,10 @@ class Inbound:
             handler(h, msg)
         except H.HeaderError as exc:  # signed by a sender of ours: another version?
             log.warning("mesh %s dropped a message: %s", self._name, exc)
+
+    def _drop_partial(self, event: object) -> None:
+        if isinstance(event, RankDied):
+            self._assembler.forget(lambda h: h.get("r") == event.rank)
 
     def _from_host(self, host: int, rank: object, claimed: object) -> bool:
         """Whether the header's sender rank and host (where present) are on ``host``."""

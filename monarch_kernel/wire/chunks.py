@@ -30,7 +30,7 @@ import pickle
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +163,15 @@ class Assembler:
     def pending(self) -> int:
         """Streams being reassembled now."""
         return len(self._streams)
+
+    def forget(self, started_by: Callable[[Header], bool]) -> int:
+        """Drop the streams whose start header ``started_by`` accepts (their sender
+        died mid-way); how many."""
+        with self._lock:
+            gone = [k for k, s in self._streams.items() if started_by(s.header)]
+            for key in gone:
+                del self._streams[key]
+        return len(gone)
 
     def _start(self, codec: Codec, msg: Message) -> Message | None:
         h = msg.header
