@@ -139,6 +139,9 @@ class PeerClient:
             raise RankDiedError(f"rank {rank} is not running (no peer socket at {route})")
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # Never block a send under the client's lock (the reply thread takes it): a
+        # large value's many chunks queue as references to the caller's buffers.
+        sock.setsockopt(zmq.SNDHWM, 0)
         limit_size(sock)
         events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_MONITOR_STOPPED
         for event in _LOST:
