@@ -213,7 +213,7 @@ class PeerClient:
         with self.lock:
             self.ports[port_id] = observer
 
-    # -- the reply thread -----------------------------------------------------------
+    # -- where targets are ------------------------------------------------------------
     def _where(self, ref: MeshRef, rank: int) -> PeerAddress:
         """Where to call ``rank`` of ``ref``'s mesh: where its controller last said it
         is, else where the reference says; asked again (:func:`.peer_resolve.locate`)
@@ -251,6 +251,7 @@ class PeerClient:
             return os.path.exists(route.removeprefix("ipc://"))
         return True
 
+    # -- the reply thread -----------------------------------------------------------
     def _serve(self, wake_in: zmq.Socket) -> None:
         self._reply_ident = threading.get_ident()
         poller = zmq.Poller()
