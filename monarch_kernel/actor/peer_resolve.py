@@ -13,7 +13,8 @@ mesh where the rank is now (:func:`locate`: an ``ask`` of operation :data:`WHERE
 controller answers once the mesh is no longer restarting ranks, with a
 :class:`~monarch_kernel.wire.peer_address.RankLocation`: the rank's address now, or why
 it is gone. The client then calls it there, or fails the call with ``RankDiedError``
-saying why.
+saying why. A rank asking about a rank of its own mesh is answered at once (the restart
+may be waiting for the asking rank itself).
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def locate(
     if svc is None:
         return local_locator(ref.mesh, ref.key, rank, wait) if local_locator else None
     client.codec(svc.key)  # the controller answers signed with our own mesh's key
+    if ref.key == svc.key:
+        # A rank of the very mesh: its restart may be waiting for this rank (its
+        # controller's messages wait for the endpoint that asks): never wait for it.
+        wait = 0.0
     one = One(svc.serve_until)
     rid = client.expect(one, 0)
     call = pickle.dumps((ref.mesh, ref.key, rank, wait))

@@ -45,8 +45,10 @@ def locate_rank(mesh: LocatableMesh | None, name: str, rank: int, wait: float) -
     deadline = time.monotonic() + wait
     try:
         mesh.wait_recovered(wait)
-    except MeshStartError as exc:
-        return RankLocation(_NOWHERE, mesh.ranks[rank].restarts, False, str(exc))
+    except MeshStartError:
+        waited = f" (waited {wait:.0f}s)" if wait else ""
+        why = f"rank {rank} of mesh {name!r} is still being restarted{waited}"
+        return RankLocation(_NOWHERE, mesh.ranks[rank].restarts, False, why)
     info = mesh.ranks[rank]
     while info.state is RankState.STARTING and time.monotonic() < deadline:
         time.sleep(_STARTING_POLL)  # restarted by hand (not a recovery): until it is up
