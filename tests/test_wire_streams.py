@@ -1,7 +1,6 @@
-"""Streams of chunks (``wire/chunks.py``): exact reassembly, bounded frames, and what a
-forged, stray, reordered, tampered or oversized part can do (nothing but be dropped and
-counted), on the decoder alone and against a real mesh whose frame limit is far below
-the values it carries."""
+"""Streams of chunks (``wire/chunks.py``) on the decoder alone: exact reassembly,
+bounded frames, and what a forged, stray, reordered, tampered or oversized part can do
+(nothing but be dropped and counted). Against a real mesh: ``test_wire_streams_mesh.py``."""
 
 from __future__ import annotations
 
@@ -9,19 +8,17 @@ import os
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 import torch
-from actors import Counter
-from helpers import wait_until
 
 from monarch_kernel import config
-from monarch_kernel.actor import Actor, endpoint
 from monarch_kernel.wire import Codec, WireError, dumps, loads
 from monarch_kernel.wire import chunks as S
 from monarch_kernel.wire import codec as C
 from monarch_kernel.wire import limits as L
 from monarch_kernel.wire.serialize import ValueTooLargeError
+
+pytestmark = pytest.mark.unit
 
 MIB = 1 << 20
 KEY = b"k" * 32
@@ -41,7 +38,6 @@ def _feed_all(asm: S.Assembler, codec: Codec, parts: list[list]):
     return out[-1]
 
 
-@pytest.mark.unit
 def test_stream_reassembles_payload_and_buffers_exactly():
     value: dict[str, Any] = {
         "text": bytes(range(256)) * (24 * 1024),  # 6 MiB inside the pickle: the payload streams
@@ -61,7 +57,6 @@ def test_stream_reassembles_payload_and_buffers_exactly():
     assert msg.kind == "res" and dec.rejected == 0
 
 
-@pytest.mark.unit
 def test_small_messages_are_not_streamed():
     enc = Codec(KEY)
     payload, buffers = dumps(torch.ones(MIB - 256))  # just under 4 MiB: one message
@@ -70,7 +65,6 @@ def test_small_messages_are_not_streamed():
     assert len(S.encode_parts(enc, {"k": "res"}, payload, buffers)) == 4
 
 
-@pytest.mark.unit
 def test_start_above_the_bound_is_refused_before_allocating(monkeypatch):
     enc, dec, asm = Codec(KEY), Codec(KEY), S.Assembler()
     parts = _parts(enc, torch.ones(4 * MIB))  # 16 MiB
@@ -85,7 +79,6 @@ def test_start_above_the_bound_is_refused_before_allocating(monkeypatch):
         dumps(torch.ones(4 * MIB), "argument 'x' of f")
 
 
-@pytest.mark.unit
 def test_stray_reordered_and_forged_chunks_are_dropped():
     enc, dec, asm = Codec(KEY), Codec(KEY), S.Assembler()
     # the start, the payload's chunk, then the tensor's three chunks
@@ -111,7 +104,6 @@ def test_stray_reordered_and_forged_chunks_are_dropped():
     assert dec.rejected == 4 and other_dec.rejected == 1
 
 
-@pytest.mark.unit
 def test_tampered_payload_chunk_fails_its_signed_mac():
     enc, dec, asm = Codec(KEY), Codec(KEY), S.Assembler()
     parts = _parts(enc, b"p" * (6 * MIB))  # a payload of 6 MiB: start + 2 payload chunks
@@ -123,7 +115,6 @@ def test_tampered_payload_chunk_fails_its_signed_mac():
     assert dec.rejected == 1 and asm.pending == 0
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize(
     "sizes,payload",
     [
@@ -141,7 +132,6 @@ def test_malformed_starts_are_refused(sizes, payload):
     assert asm.pending == 0 and dec.rejected == 1
 
 
-@pytest.mark.unit
 def test_streams_kept_are_bounded(monkeypatch):
     monkeypatch.setattr(S, "MAX_STREAMS", 2)
     enc, dec, asm = Codec(KEY), Codec(KEY), S.Assembler()
@@ -154,7 +144,6 @@ def test_streams_kept_are_bounded(monkeypatch):
     assert asm.pending == 1
 
 
-@pytest.mark.unit
 def test_streams_of_a_sender_that_died_are_dropped():
     enc, dec, asm = Codec(KEY), Codec(KEY), S.Assembler()
     for rank in (1, 2):
@@ -164,7 +153,6 @@ def test_streams_of_a_sender_that_died_are_dropped():
     assert asm.forget(lambda h: h.get("r") == 1) == 1 and asm.pending == 1
 
 
-@pytest.mark.unit
 def test_sizes_and_the_configured_bound():
     assert L.parse_size("8G", "X") == 8 << 30 and L.parse_size("123", "X") == 123
     for bad in ("lots", "-1", "0", "1.5G"):
@@ -178,91 +166,3 @@ def test_sizes_and_the_configured_bound():
     with pytest.raises(ValueError, match="max_value_size"):
         config.configure(max_value_size="a lot")
     assert L.max_value() >= 1 << 30  # default: half the machine's memory, at least 1 GiB
-
-
-# -- a real mesh whose frames are limited to 64 MiB ----------------------------------------
-LIMIT = 64 * MIB
-
-
-class Bytes(Actor):
-    @endpoint
-    def size_and_sum(self, t: torch.Tensor) -> tuple[int, int]:
-        return t.numel(), int(t[:: 1 << 16].sum())
-
-    @endpoint
-    def make(self, n: int) -> torch.Tensor:
-        return torch.full((n,), 2, dtype=torch.uint8)
-
-    @endpoint
-    def rss(self) -> int:
-        return psutil.Process().memory_info().rss
-
-
-@pytest.fixture(scope="module")
-def workers():
-    """A 2-rank local mesh whose sockets refuse frames above 64 MiB (a shared fixture
-    name: the orphan check runs at its teardown)."""
-    from conftest import wait_no_orphans
-
-    from monarch_kernel.actor import this_host
-
-    old = os.environ.get(C.MAX_MESSAGE_ENV)
-    os.environ[C.MAX_MESSAGE_ENV] = str(LIMIT)
-    try:
-        procs = this_host().spawn_procs(per_host={"gpus": 2})
-    finally:
-        if old is None:
-            del os.environ[C.MAX_MESSAGE_ENV]
-        else:
-            os.environ[C.MAX_MESSAGE_ENV] = old
-    yield procs, procs.spawn("bytes", Bytes), procs.spawn("counter", Counter, 0)
-    procs.stop()
-    left = wait_no_orphans()
-    assert not left, f"mesh left processes behind: {[p.pid for p in left]}"
-
-
-def _rejected(procs) -> list[int]:
-    return [v["rejected"] for v in procs.ping().get().values()]
-
-
-def test_values_far_above_the_frame_limit_pass_in_chunks(workers):
-    procs, data, _ = workers
-    n = 200 * MIB  # > 3x the 64 MiB frame limit of every socket of this mesh
-    t = torch.full((n,), 1, dtype=torch.uint8)
-    assert data.size_and_sum.call(t).get().values() == [(n, n >> 16)] * 2  # fanned out
-    back = data.slice(gpus=1).make.call_one(n).get()
-    assert back.numel() == n and int(back[:: 1 << 16].sum()) == 2 * (n >> 16)
-    procs.push(pushed=t)
-    del t, back
-    pulled = procs.pull("pushed").values()
-    assert [x.numel() for x in pulled] == [n, n]
-    assert _rejected(procs) == [0, 0]
-
-
-def test_forged_stream_parts_at_a_rank_are_dropped(workers):
-    procs, data, counter = workers
-    rt = procs.runtime
-    before = _rejected(procs)
-    rss = data.slice(gpus=0).rss.call_one().get()
-    forged = [
-        # signed with the mesh key: a start announcing 1 TiB, far above the bound
-        rt.codec.encode({"k": "push", "i": "x", "w": 1, "z": [0, 1 << 40], "pm": b"m" * 32}),
-        # signed: chunks of a stream this rank never saw start
-        rt.codec.encode({"k": "ck", "st": 10**9, "x": 1, "o": 0}, b"", [b"c" * 1000]),
-        # no key: a start, and a chunk, signed with another
-        Codec(os.urandom(32)).encode({"k": "push", "z": [0, 4 << 20], "pm": b"m" * 32}),
-        Codec(os.urandom(32)).encode({"k": "ck", "st": 0, "x": 1, "o": 0}, b"", [b"c"]),
-        # signed, announcing nothing, with a MAC that cannot match: refused at once
-        rt.codec.encode({"k": "push", "i": "y", "w": 1, "z": [0], "pm": b"m" * 32}),
-    ]
-    for frames in forged:
-        with rt.transport.send_lock:
-            rt.transport.send_sock.send_multipart([b"c0", *frames])
-    wait_until(
-        lambda: _rejected(procs)[0] >= before[0] + 5,
-        what="rank 0 to drop the forged parts",
-        detail=lambda: _rejected(procs),
-    )
-    assert data.slice(gpus=0).rss.call_one().get() - rss < 64 * MIB  # nothing allocated
-    before_value = counter.value.call().get().values()
-    assert counter.incr.call(1).get().values() == [v + 1 for v in before_value]
