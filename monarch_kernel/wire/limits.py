@@ -38,6 +38,9 @@ CHUNK_SIZE = 4 << 20
 #: checked against :func:`max_value`; smaller ones never are).
 STREAM_ABOVE = CHUNK_SIZE
 
+#: The smallest frame limit that still lets chunks through.
+MIN_MAX_MESSAGE = CHUNK_SIZE + MAX_HEADER
+
 #: Environment variable: largest value (bytes) one message may carry, streamed.
 MAX_VALUE_ENV = "MONARCH_KERNEL_MAX_VALUE"
 #: Its default, as a fraction of this machine's physical memory.
@@ -68,8 +71,11 @@ def max_message() -> int:
     if not raw:
         return DEFAULT_MAX_MESSAGE
     value = parse_size(raw, MAX_MESSAGE_ENV)
-    if value < MAX_HEADER:
-        raise ValueError(f"{MAX_MESSAGE_ENV}={raw!r} is below {MAX_HEADER} bytes")
+    if value < MIN_MAX_MESSAGE:
+        raise ValueError(
+            f"{MAX_MESSAGE_ENV}={raw!r} is below {describe_size(MIN_MAX_MESSAGE)}: values "
+            f"travel in chunks of {describe_size(CHUNK_SIZE)} plus a header; set at least 5M"
+        )
     return value
 
 
