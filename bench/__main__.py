@@ -33,6 +33,7 @@ BENCHES = [
     "cells",
     "fault",
     "ddp",
+    "ddpfault",
     "xhost",
     "engines",
     "a2a",

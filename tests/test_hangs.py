@@ -1,7 +1,7 @@
 """Two hangs that now complete or fail clearly: ``get_or_spawn_controller`` awaited in an
-async endpoint (also of an actor on the controller's ``this_proc()``, the process the
-singleton is spawned on), and an actor whose ``__init__`` never returns after sending
-a handle of its process out (``spawn()`` fails with a TimeoutError naming it)."""
+async endpoint (also of an actor on the controller's ``this_proc()``, the controller's own
+process, where the singleton lives), and an actor whose ``__init__`` never returns after
+sending a handle of its process out (``spawn()`` fails with a TimeoutError naming it)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def controller_procs():
 
 
 def test_get_or_spawn_controller_awaited_in_an_endpoint(controller_procs):
-    # on this_proc(): the very rank the singleton is spawned on awaits it
+    # on this_proc(): an actor of the controller's own process, where the singleton lives
     on_client = this_proc().spawn("asker_here", Asker)
     assert on_client.ask.call_one("ctl_a").get(timeout=60) == "pong"
     # from another mesh, for the same singleton and a new one: both ranks at once

@@ -28,6 +28,7 @@ from monarch_kernel.controller.asks import (
 from monarch_kernel.controller.events import (
     DebuggerPaused,
     DebuggerResumed,
+    DisplayOutput,
     EventBus,
     FaultReported,
     InputRequested,
@@ -46,6 +47,7 @@ from monarch_kernel.wire.chunks import Assembler
 from monarch_kernel.wire.codec import Header
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import AskRequest, FailureReport, RankStats, StopRequest
+from monarch_kernel.wire.terminal import strip_controls
 
 __all__ = ["ASK_HANDLERS", "NO_DEBUGGER", "NO_READER", "Inbound", "RankFacingMesh"]
 
@@ -134,6 +136,7 @@ class Inbound:
         self._handlers: dict[str, Handler] = {
             K.RESULT: typed(H.Result.decode, self._on_result),
             K.STREAM: typed(H.Stream.decode, self._on_stream),
+            K.DISPLAY: typed(H.Display.decode, self._on_display),
             K.METRIC: typed(H.Metric.decode, self._on_metric),
             K.STATS: typed(H.RankNotice.decode, self._on_stats),
             K.FAULT: typed(H.RankNotice.decode, self._on_fault),
@@ -209,14 +212,34 @@ class Inbound:
         rank, name = h.rank, h.name
         text = bytes(msg.payload).decode("utf-8", "replace")
         info = self._ranks[rank]
-        # Keep whole lines for the death report and the dashboard.
+        # Keep whole lines for the death report and the dashboard (a bar's line: its
+        # last frame, without escape sequences).
         buf = info.partial.get(name, "") + text
         *lines, rest = buf.split("\n")
+        if "\r" in buf or "\x1b" in buf:
+            lines = [strip_controls(line) for line in lines]
+            rest = strip_controls(rest)
         info.tail.extend(lines)
         info.partial[name] = rest[-PARTIAL_MAX:]
         events = self._events
         if events.wants(StreamOutput):
             events.emit(StreamOutput(self._name, rank, h.request, name, text))
+
+    def _on_display(self, h: H.Display, msg: Message) -> None:
+        events = self._events
+        if not events.wants(DisplayOutput):
+            return
+        payload = bytes(msg.payload)
+        body = pickle.loads(payload) if payload else {}
+        data, metadata = body.get("data") or {}, body.get("metadata") or {}
+        if not isinstance(data, dict) or not isinstance(metadata, dict):
+            log.warning("rank %s: a display that is not a MIME bundle, dropped", h.rank)
+            return
+        events.emit(
+            DisplayOutput(
+                self._name, h.rank, h.request, h.op, data, metadata, h.display_id, payload
+            )
+        )
 
     def _on_metric(self, h: H.Metric, msg: Message) -> None:
         events = self._events

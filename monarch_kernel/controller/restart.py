@@ -3,9 +3,12 @@
 :meth:`Restarter.recover` runs the steps in order: restart the ranks (their host agents
 too, if lost); re-create the torch process group on every rank with a new rendezvous if
 the ranks had one; re-create actors and re-run ``--setup`` cells on the restarted ranks
-(what a :class:`~.records.MeshRecipe` remembers). Each step is a request of the
-controller's own (``internal``: no failure policy applies to it), waited for with a
-deadline and cancelled if it runs past it.
+(what a :class:`~.records.MeshRecipe` remembers). With no rank to restart (an
+in-place recovery after a failure or an interrupt in a collective loop), the process
+group is re-formed only if a rank's is broken, and then the data-parallel replicas are
+compared and made the same again (:func:`.replica_check.make_replicas_consistent`). Each
+step is a request of the controller's own (``internal``: no failure policy applies to
+it), waited for with a deadline and cancelled if it runs past it.
 
 Invariants: one restart runs at a time (``_lock``); while one runs the mesh is
 RECOVERING and new requests wait for it (:meth:`Restarter.wait_recovered`), except
@@ -36,6 +39,7 @@ from monarch_kernel.controller.records import (
     RankState,
     RecoveryReport,
 )
+from monarch_kernel.controller.replica_check import make_replicas_consistent
 from monarch_kernel.controller.requests import RequestTable, new_request_id
 from monarch_kernel.controller.startup import Starter
 from monarch_kernel.controller.transport import Transport
@@ -134,6 +138,7 @@ class Restarter:
         that cannot start raises :class:`MeshStartError` (and is left DEAD, never
         STARTING).
         """
+        in_place_check = ranks is not None and not ranks  # []: nothing to restart
         with self._lock:
             self._mesh.check_alive([])
             t0 = time.monotonic()
@@ -145,7 +150,7 @@ class Restarter:
             self.recovery_error = None
             problems: list[str] = []
             try:
-                backend, actors, setups = self._reform(targets, t0 + timeout, problems)
+                backend, actors, setups, replicas = self._reform(targets, t0 + timeout, problems)
             except BaseException as exc:
                 self.recovery_error = str(exc).splitlines()[0] if str(exc) else repr(exc)
                 raise
@@ -160,25 +165,32 @@ class Restarter:
                 time.monotonic() - t0,
                 tuple(problems),
                 reason,
+                replicas,
             )
             self.last_recovery = report
-        if self._events.wants(MeshRecovered):
+        if self._events.wants(MeshRecovered) and (report.changed or not in_place_check):
             self._events.emit(MeshRecovered(self._name, report))
         return report
 
     def _reform(
         self, targets: list[int], deadline: float, problems: list[str]
-    ) -> tuple[str | None, tuple[str, ...], tuple[str, ...]]:
-        """The steps of :meth:`recover`: (process group backend, actors, setup cells)."""
+    ) -> tuple[str | None, tuple[str, ...], tuple[str, ...], str]:
+        """The steps of :meth:`recover`: (process group backend, actors, setup cells,
+        what the replica check did)."""
         backend = None
         broken = self._learn_process_group([r.rank for r in self._ranks if r.alive])
         if targets:
             self.restart_ranks(targets, max(1.0, deadline - time.monotonic()))
         if self.recipe.pg_backend is not None and (targets or broken):
-            backend = self._reform_process_group(deadline, problems)
+            backend = self._reform_process_group(deadline, problems, subgroups=not targets)
         actors = self._respawn_actors(targets, deadline, problems)
         setups = self._rerun_setup(targets, deadline, problems) if targets else ()
-        return backend, actors, setups
+        replicas = ""
+        live = [r.rank for r in self._ranks if r.alive]
+        checkable = not targets and not problems and len(live) == self._world
+        if self.recipe.pg_backend is not None and checkable:
+            replicas = make_replicas_consistent(self.run_values, live, deadline, problems)
+        return backend, actors, setups, replicas
 
     # -- restarting ranks ----------------------------------------------------------------
     def restart_ranks(self, ranks: list[int], timeout: float = 60.0) -> None:
@@ -273,7 +285,11 @@ class Restarter:
                     broken = broken or not info.get("pg_live")
         return broken
 
-    def _reform_process_group(self, deadline: float, problems: list[str]) -> str | None:
+    def _reform_process_group(
+        self, deadline: float, problems: list[str], subgroups: bool = True
+    ) -> str | None:
+        """Re-form the process group on every rank (``subgroups``: its ``new_group``
+        groups too; a restarted rank has none, so they cannot be)."""
         live = [r.rank for r in self._ranks if r.alive]
         if len(live) != self._world:
             dead = [r.rank for r in self._ranks if not r.alive]
@@ -286,7 +302,7 @@ class Restarter:
             self._starter.common["master_port"] = port
         code = (
             "from monarch_kernel.rank.distributed import reform_process_group as _mk_reform\n"
-            f"_mk_reform({addr!r}, {port}, {backend!r})\n"
+            f"_mk_reform({addr!r}, {port}, {backend!r}, subgroups={subgroups})\n"
             "del _mk_reform\n"
         )
         failed = self.run_cell(live, code, "restart: process group", (), deadline)
@@ -350,6 +366,22 @@ class Restarter:
         options = CallOptions(what=f"cell {label}", internal=True)
         rid = self._mesh.request(ranks, {"k": K.EXEC}, payload, buffers, collect, options)
         return self._finish(collect, rid, deadline)
+
+    def run_values(
+        self, ranks: list[int], code: str, label: str, deadline: float
+    ) -> tuple[dict[int, object], str]:
+        """Run ``code`` as a cell on ``ranks``: (rank -> the value of its last
+        expression, '' or what went wrong)."""
+        payload, buffers = dumps({"code": code, "cell": label, "header": []}, "cell")
+        collect = _Collect(ranks)
+        options = CallOptions(what=f"cell {label}", internal=True)
+        rid = self._mesh.request(ranks, {"k": K.EXEC}, payload, buffers, collect, options)
+        failed = self._finish(collect, rid, deadline)
+        values: dict[int, object] = {}
+        if not failed:
+            for reply in collect.replies:
+                values[reply.rank] = reply.value(label)
+        return values, failed
 
     def _finish(self, collect: _Collect, rid: str, deadline: float) -> str:
         """Wait for one of the controller's own requests; on timeout, cancel it and give

@@ -168,8 +168,11 @@ def _dashboard(procs: ProcMesh) -> Any:
 def load_ipython_extension(ipython: Any) -> MeshMagics:
     """Register the magics (``%load_ext monarch_kernel``)."""
     from monarch_kernel.actor.meshes import set_dashboard_factory
+    from monarch_kernel.controller.streams import set_unrouted_display
+    from monarch_kernel.kernel.channel import show_unrouted
 
     set_dashboard_factory(_dashboard)  # ProcMesh.dashboard(), importing ipywidgets late
+    set_unrouted_display(show_unrouted)  # every mesh's endpoint displays: under the cell
     magics = MeshMagics(ipython)
     ipython.register_magics(magics)
     ipython.set_custom_exc(REMOTE_ERRORS, show_remote_error)

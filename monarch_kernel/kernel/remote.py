@@ -206,7 +206,7 @@ class RemoteJob:
             payload, buffers = b"", []
         rt = self.procs.runtime
         if self.output is not None:
-            rt.output.route(self.request_id, self.output.feed)
+            rt.output.route(self.request_id, self.output.feed, self.output.show_event)
         router = InputRouter.of(rt)
         if self.on_finished is None:  # a foreground cell: it answers its ranks' input()
             router.listen(self.request_id, self._inbox)

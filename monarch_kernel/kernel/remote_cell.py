@@ -31,7 +31,8 @@ def run_on(notebook: Notebook, procs: ProcMesh, code: str) -> ValueMesh:
     """Run ``code`` on every rank with output under the current cell; wait for it."""
     label = procs.runtime.world > 1
     logs = procs.runtime.logs.directory
-    output = CellOutput(CellChannel().stream, procs.ranks(), "collapse", label, logs)
+    channel = CellChannel()
+    output = CellOutput(channel.stream, procs.ranks(), "collapse", label, logs, channel.show)
     job = RemoteJob(procs, code, notebook.next_cell(), output)
     job.start()
     return job.wait()
@@ -93,7 +94,7 @@ def start_remote(notebook: Notebook, req: RemoteRequest) -> RemoteJob:
     logs = procs.runtime.logs.directory
     if req.bg:
         live = LiveText(channel, f"[bg cell {cell_id} on {procs.name}: running]", logs)
-        output = CellOutput(live.emit, ranks, req.group_outputs, label, logs)
+        output = CellOutput(live.emit, ranks, req.group_outputs, label, logs, live.show)
         job = RemoteJob(
             procs,
             req.code,
@@ -105,7 +106,7 @@ def start_remote(notebook: Notebook, req: RemoteRequest) -> RemoteJob:
             header=req.header,
         )
     else:
-        output = CellOutput(channel.stream, ranks, req.group_outputs, label, logs)
+        output = CellOutput(channel.stream, ranks, req.group_outputs, label, logs, channel.show)
         job = RemoteJob(procs, req.code, cell_id, output, ranks, shape, header=req.header)
     try:
         job.start()

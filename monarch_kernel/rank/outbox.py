@@ -80,6 +80,14 @@ class Outbox:
         """Output of stream ``name`` (captured) during ``request``."""
         self.send(H.Stream(rank=self.rank, request=request, name=name).encode(), text.encode())
 
+    def display(self, op: str, display_id: str | None, payload: bytes) -> None:
+        """A rich display (``op``: ``display``, ``update``, ``clear``, ``clear_wait``)
+        made during the request being served (see :mod:`monarch_kernel.rank.display`)."""
+        header = H.Display(
+            rank=self.rank, request=context.current_request, op=op, display_id=display_id
+        )
+        self.send(header.encode(), payload)
+
     def report(self, metrics: Mapping[str, Any]) -> None:
         """``monarch_kernel.report(...)``: numbers for the dashboard."""
         clean = {}
@@ -163,12 +171,11 @@ class Outbox:
         if actor:  # the failing actor at this level (its owner sees it as the failure)
             report = report.copy()
             report["actor"] = actor
+            report.setdefault("origin", f"{self.mesh}/{actor}[{self.rank}]")
         if owner is None:
-            if path:
-                handled = " -> ".join(path)
-                message = f"{report.get('message', '')} (not handled by {handled})"
+            if path:  # the owners that did not handle it (see ``MeshFailure``)
                 report = report.copy()
-                report["message"] = message
+                report["path"] = list(path)
             self.send(H.RankNotice(kind=K.FAULT, rank=self.rank).encode(), pickle.dumps(report))
             return
         body = {

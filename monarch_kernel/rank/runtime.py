@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from monarch_kernel.rank import capture, context
+from monarch_kernel.rank import capture, context, display
 from monarch_kernel.rank.actors import ActorHost, ResponsePort
 from monarch_kernel.rank.cells import Cells
 from monarch_kernel.rank.config import RankConfig
@@ -166,6 +166,8 @@ class Rank:
         capture.FdCapture(stream, self.log_fd).start()
         sys.stdout = capture.RankStream("stdout", stream, self.log_fd)
         sys.stderr = capture.RankStream("stderr", stream, self.log_fd)
+        capture.install_print()  # a print's line in one write (see rank_print)
+        display.install(self.outbox.display)  # IPython's display(), matplotlib figures
         self.main.install()
         self.stdin.install()
         self.debugger.install()

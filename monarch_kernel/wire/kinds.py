@@ -227,15 +227,19 @@ kind              keys and payload
                   None, "pg_live": bool}``: ``rejected`` counts messages the rank's codec
                   dropped (forged, malformed or replayed); ``pg`` is the backend of the last
                   process group initialised on the rank (kept after an abort), ``pg_live``
-                  whether one is initialised now
+                  whether one is initialised now and usable (a re-formable group that
+                  was aborted, or has a collective pending while the rank is idle, is
+                  not)
 ``cancel``        ``c`` str: the request id to interrupt (SIGINT in the main thread if
                   it runs user code for it now) or to skip when it comes (then answered
                   with a "cancelled before it started" error if it wants a reply).
                   No reply to the cancel itself
 ``stacks``        ``i``, ``w``. Reply value: ``tuple[ThreadStack, ...]`` (every thread's
                   Python stack now; see ``wire.stacks``)
-``abort_pg``      (no keys) abort the default torch.distributed process group, if any:
-                  peers blocked in a collective with this rank are released with an error
+``abort_pg``      ``why`` str (optional: what happened, for the errors of the collectives
+                  it cuts short). Abort the rank's torch.distributed process groups, if
+                  any: peers blocked in a collective with this rank are released with an
+                  error (re-formable groups stay, to be formed again)
 ``input_reply``   ``n`` int (the ``input`` request answered), and ``v`` str (the line
                   typed) or ``e`` str (why there is none: the rank's ``input()`` raises
                   EOFError with it; a debugger prompt takes ``e`` = ``interrupted`` as
@@ -259,6 +263,13 @@ kind              keys and payload
                   where, exception, host; see ``rank.errors.exception_report``)
 ``out``           ``i`` (the request being served, or None), ``n`` str (``stdout`` or
                   ``stderr``). Payload: the text, UTF-8 (not pickled)
+``display``       ``i`` (the request being served, or None), ``op`` str (``display``,
+                  ``update``, ``clear`` or ``clear_wait``: ``IPython.display``'s
+                  ``display``, ``update_display``, ``clear_output(wait=...)``), ``di``
+                  (the display id the rank gave, or None). Payload: pickled
+                  ``{"data": MIME bundle, "metadata": dict}`` (image bytes raw, not
+                  base64), bounded by the rank (``rank.display.MAX_BYTES``); empty for
+                  the clears
 ``metric``        ``i`` (the request being served, or None). Payload: pickled
                   ``dict[str, float]`` from ``monarch_kernel.report(...)``
 ``stop_mesh``     (no keys) Payload: pickled ``{"mesh", "key", "grace", "rt", "id"}``:
@@ -356,6 +367,7 @@ INPUT_REPLY = "input_reply"
 READY = "ready"
 RESULT = "res"
 STREAM = "out"
+DISPLAY = "display"  # a rich display (IPython's display(), a matplotlib figure)
 METRIC = "metric"
 FAULT = "fault"
 INPUT = "input"
@@ -366,4 +378,4 @@ STATS = "stats"  # once a second from each rank: memory and data-plane byte coun
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 2  # 2: large values travel as streams of chunks
+PROTOCOL_VERSION = 3  # 2: the ``display`` kind; 3: large values travel as streams of chunks

@@ -25,11 +25,13 @@ from typing import Any, TypeAlias
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.headers.base import CODEC_KEYS, HeaderError, WireAddress, WireHeader
 from monarch_kernel.wire.headers.control import (
+    AbortPg,
     Cancel,
     ControlRequest,
     InputReply,
 )
 from monarch_kernel.wire.headers.from_rank import (
+    Display,
     Input,
     Metric,
     Owned,
@@ -80,11 +82,13 @@ AnyHeader: TypeAlias = (
     | Supervise
     | Hello
     | ControlRequest
+    | AbortPg
     | Cancel
     | InputReply
     | Ready
     | Result
     | Stream
+    | Display
     | Metric
     | RankNotice
     | Owned
@@ -112,11 +116,13 @@ _CLASSES: tuple[Any, ...] = (
     Debug,
     Supervise,
     Hello,
+    AbortPg,
     Cancel,
     InputReply,
     Ready,
     Result,
     Stream,
+    Display,
     Metric,
     Owned,
     PeerActor,
@@ -173,6 +179,7 @@ def encode(header: AnyHeader) -> WireHeader:
 
 
 __all__ = [
+    "AbortPg",
     "MeshCommon",
     "RankSpec",
     "AnyHeader",
@@ -212,6 +219,7 @@ __all__ = [
     "Stop",
     "StopActor",
     "Stream",
+    "Display",
     "Supervise",
     "WireAddress",
     "WireHeader",
