@@ -10,6 +10,13 @@ Keys monarch_kernel acts on:
   seconds or a humantime string such as ``"2m"``; default ``"120s"``).
 - ``actor_spawn_max_idle``: how long ``spawn()`` waits for the actors' constructors
   (default ``"10m"``); then a TimeoutError naming the constructor and the ranks.
+- ``max_value_size``: the largest value one message carries (``%push``/``%pull``, an
+  endpoint's arguments or result, a cell's result), in bytes or with a K, M, G, T suffix
+  (``"16G"``); default half of the machine's memory. Set in this process's environment
+  as ``MONARCH_KERNEL_MAX_VALUE`` (what :mod:`monarch_kernel.wire.limits` reads), so that
+  meshes started afterwards on this machine inherit it; give other machines the same
+  with ``--env MONARCH_KERNEL_MAX_VALUE=16G``. A larger value fails with an error naming
+  the bound.
 
 Monarch's other keys (transports, log forwarding, message acks, RDMA tuning ...) are
 accepted and kept, so Monarch code that sets them runs, but they have no effect here
@@ -20,16 +27,20 @@ neither knows is a ValueError naming it.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-#: Keys we act on, with their defaults.
+from monarch_kernel.wire.limits import MAX_VALUE_ENV, parse_size
+
+#: Keys we act on, with their defaults (``max_value_size``: None, the wire's default).
 DEFAULTS: dict[str, Any] = {
     "host_meshes": {},
     "host_spawn_ready_timeout": "120s",
     "actor_spawn_max_idle": "10m",
+    "max_value_size": None,
 }
 
 #: Monarch's configuration keys (``monarch.config.configure``'s documented ones): taken
@@ -103,8 +114,33 @@ def configure(**kwargs: Any) -> None:
             seconds(value)  # checked now, not when a mesh starts
         if key == "host_meshes":
             _check_host_meshes(value)
+        if key == "max_value_size" and value is not None:
+            parse_size(str(value), "max_value_size")  # checked now
     with _lock:
         _runtime.update(kwargs)
+        _apply_env()
+
+
+def _apply_env() -> None:
+    """Mirror ``max_value_size`` into this process's environment (call under _lock);
+    the variable's value from before the first configure() comes back once the key is
+    no longer configured."""
+    global _env_before
+    value = _runtime.get("max_value_size")
+    if value is not None:
+        if _env_before is _UNSET:
+            _env_before = os.environ.get(MAX_VALUE_ENV)
+        os.environ[MAX_VALUE_ENV] = str(parse_size(str(value), "max_value_size"))
+    elif _env_before is not _UNSET:
+        if _env_before is None:
+            os.environ.pop(MAX_VALUE_ENV, None)
+        else:
+            os.environ[MAX_VALUE_ENV] = str(_env_before)
+        _env_before = _UNSET
+
+
+_UNSET = object()
+_env_before: object = _UNSET
 
 
 def get_global_config() -> dict[str, Any]:
@@ -123,6 +159,7 @@ def clear_runtime_config() -> None:
     """Forget everything :func:`configure` set."""
     with _lock:
         _runtime.clear()
+        _apply_env()
 
 
 @contextlib.contextmanager
@@ -137,6 +174,7 @@ def configured(**overrides: Any) -> Iterator[dict[str, Any]]:
         with _lock:
             _runtime.clear()
             _runtime.update(saved)
+            _apply_env()
 
 
 def get(key: str) -> Any:

@@ -23,8 +23,6 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-import numpy
-
 from monarch_kernel.calls.future import Future
 from monarch_kernel.rank.dataplane_client import OwnerDiedError, client, join_as_controller
 from monarch_kernel.rank.dataplane_common import counters_
@@ -169,8 +167,7 @@ class RDMABuffer:
                 except PermissionError:
                     pass  # /proc/<pid>/fd of the owner not openable here: its socket
             if not done:
-                msg = client().request(ref, {"op": "fetch", "id": ref.id}, timeout)
-                raw.numpy()[:] = numpy.frombuffer(msg.buffers[0], dtype=numpy.uint8)
+                client().read_socket(ref, raw, timeout)
             counters_["bytes_in"] += ref.nbytes
             if target is not dst:
                 dst.view(-1).view(raw.dtype)[: raw.numel()].copy_(raw)
@@ -195,7 +192,7 @@ class RDMABuffer:
         def write() -> None:
             ref = self._ref
             if not (ref.same_host() and client().write_shm(ref, data)):
-                client().request(ref, {"op": "write", "id": ref.id}, timeout, (data,))
+                client().write_socket(ref, data, timeout)
             counters_["bytes_out"] += len(data)
 
         return self._submit(write, "write")

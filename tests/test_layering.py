@@ -100,6 +100,8 @@ RANK_SIDE_ACTOR = {
     "peer",
     "peer_client",
     "peer_inline",
+    "peer_reply",
+    "peer_resolve",
 }
 CONTROLLER_ONLY = {"controller", "launchers"}
 

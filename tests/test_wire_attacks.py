@@ -283,18 +283,21 @@ def test_bounds_checked_before_anything(monkeypatch):
 
 @pytest.mark.unit
 def test_encode_refuses_what_no_peer_accepts(monkeypatch):
-    monkeypatch.setenv(C.MAX_MESSAGE_ENV, "1M")
+    monkeypatch.setenv(C.MAX_MESSAGE_ENV, "8M")
     codec = Codec(b"k" * 32)
     with pytest.raises(WireError, match="MONARCH_KERNEL_MAX_MESSAGE"):
-        codec.encode({"k": "res"}, b"", [bytes(2 << 20)])
+        codec.encode({"k": "res"}, b"", [bytes(9 << 20)])
     with pytest.raises(WireError, match="MONARCH_KERNEL_MAX_MESSAGE"):
-        codec.encode({"k": "res"}, bytes(2 << 20))
+        codec.encode({"k": "res"}, bytes(9 << 20))
     with pytest.raises(WireError, match="at most 1024 buffers"):
         codec.encode({"k": "res"}, b"", [b"x"] * 1025)
     with pytest.raises(WireError, match="header"):
         codec.encode({"k": "res", "x": "y" * C.MAX_HEADER})
     monkeypatch.setenv(C.MAX_MESSAGE_ENV, "lots")
     with pytest.raises(ValueError, match="not a size"):
+        C.max_message()
+    monkeypatch.setenv(C.MAX_MESSAGE_ENV, "1M")  # below a chunk: streams could not pass
+    with pytest.raises(ValueError, match="in chunks of 4.0 MiB plus a header; set at least"):
         C.max_message()
 
 

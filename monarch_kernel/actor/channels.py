@@ -24,6 +24,7 @@ from monarch_kernel.rank import context as rank_context
 from monarch_kernel.rank.errors import exception_report
 from monarch_kernel.wire import Codec, dumps, peer_address
 from monarch_kernel.wire import headers as H
+from monarch_kernel.wire.chunks import encode_parts
 from monarch_kernel.wire.codec import Buffer, new_key
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import FailureReport
@@ -75,10 +76,11 @@ class Port(Generic[R]):
 
     def _deliver(self, ok: bool, payload: bytes, buffers: Sequence[Buffer]) -> None:
         header = H.Result(request=self._id, ok=ok, rank=self._sender_rank()).encode()
-        frames = _codec(self._key).encode(header, payload, buffers)
+        parts = encode_parts(_codec(self._key), header, payload, buffers)  # large: chunks
         sock = _push(self._addr)
         with _push_lock:
-            sock.send_multipart(frames, copy=False)
+            for frames in parts:
+                sock.send_multipart(frames, copy=False)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return Port, (self._addr, self._key, self._id, self._rank)

@@ -28,9 +28,10 @@ from typing import Any, Protocol
 import zmq
 
 from monarch_kernel.actor.client_actor import Answer
-from monarch_kernel.actor.peer_client import admit_any_key, reply_tcp_host
+from monarch_kernel.actor.peer_reply import admit_any_key, reply_tcp_host
 from monarch_kernel.wire import Codec, WireError, peer_address
 from monarch_kernel.wire import headers as H
+from monarch_kernel.wire.chunks import Assembler, encode_parts
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.codec import send as wire_send
@@ -67,6 +68,7 @@ class PeerServer:
     def __init__(self, served: Served, key: bytes):
         self._served = served
         self.codec = Codec(key)
+        self._assembler = Assembler()  # large arguments come in chunks
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -101,9 +103,11 @@ class PeerServer:
 
     def _receive(self, frames: list[Any]) -> None:
         try:
-            msg = self.codec.decode(frames)
+            msg = self._assembler.receive(self.codec, frames)
         except WireError as exc:  # forged or malformed: dropped before anything is unpickled
             log.warning("the controller's process dropped a message: %s", exc)
+            return
+        if msg is None:  # a part of a large value still arriving in chunks
             return
         hdr = H.decode_ordered(msg.header)
         try:
@@ -126,14 +130,15 @@ class PeerServer:
     ) -> None:  # fmt: skip
         """Send one message to another process's peer address (``kind``: PUSH for an
         answer, DEALER for a ``supervise`` message); raises what sending raises."""
-        frames = codec.encode(header, payload, buffers)
+        parts = encode_parts(codec, header, payload, buffers)  # a large value: in chunks
         with self._lock:
             sock = self._out.get((kind, to))
             if sock is None:
                 ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
                 sock = peer_address.open_socket(ctx, kind, to, 1000, SEND_TIMEOUT_MS)
                 self._out[(kind, to)] = sock
-            wire_send(sock, frames)
+            for frames in parts:
+                wire_send(sock, frames)
 
     def close(self) -> None:
         """Stop taking messages and close the sockets."""

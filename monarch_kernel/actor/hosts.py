@@ -9,12 +9,14 @@ that only uses actors never loads it (see ``tests/test_layering.py``).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from monarch_kernel import config
+from monarch_kernel.actor import peer_resolve
 from monarch_kernel.actor.actor import Actor
 from monarch_kernel.actor.channels import report_unhandled, tell_owner
 from monarch_kernel.actor.client_proc import ClientProc
@@ -27,10 +29,12 @@ from monarch_kernel.controller.events import FaultReported, MeshEvent, RankDied
 from monarch_kernel.controller.failures import DEFAULT_GRACE
 from monarch_kernel.controller.mesh import MeshRuntime, registry
 from monarch_kernel.controller.records import FailurePolicy, RankState
+from monarch_kernel.controller.whereabouts import locate_rank
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.rank.supervise import PROCESS_ENDED, MeshFailure
 from monarch_kernel.shape import Extent, Shape
 from monarch_kernel.wire import loads
+from monarch_kernel.wire.peer_address import RankLocation
 from monarch_kernel.wire.reports import AskRequest, FailureReport
 
 log = logging.getLogger("monarch_kernel.actor")
@@ -409,6 +413,25 @@ def _ask_proc_mesh(asker: AskingMesh, req: AskRequest) -> ProcMesh:
 
 ASK_HANDLERS["get_or_spawn_controller"] = _ask_get_or_spawn
 ASK_HANDLERS["proc_mesh"] = _ask_proc_mesh
+
+
+def where_is(mesh: str, key: str, rank: int, wait: float) -> RankLocation:
+    """Where rank ``rank`` of this controller's mesh ``mesh`` (if ``key`` is its key) is
+    now (see ``actor/peer_resolve.py``)."""
+    runtime = registry.get(mesh)
+    if runtime is not None and not hmac.compare_digest(runtime.key.hex(), key):
+        runtime = None  # only a holder of a reference may ask
+    return locate_rank(runtime, mesh, rank, wait)
+
+
+def _ask_where(asker: AskingMesh, req: AskRequest) -> RankLocation:
+    """A rank's question where a rank of a mesh it holds a reference to is now."""
+    mesh, key, rank, wait = loads(req["call"], (), "where_is_rank arguments")
+    return where_is(str(mesh), str(key), int(rank), min(float(wait), peer_resolve.LOCATE_WAIT))
+
+
+ASK_HANDLERS[peer_resolve.WHERE] = _ask_where
+peer_resolve.local_locator = where_is  # this process asks itself
 
 __all__ = [
     "HostMesh",

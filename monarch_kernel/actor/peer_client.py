@@ -18,13 +18,8 @@ Mesh handles in a rank reach it through :class:`~monarch_kernel.actor.peer.PeerR
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import itertools
 import os
-import shutil
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -34,14 +29,16 @@ import zmq
 import zmq.utils.monitor
 
 from monarch_kernel.actor.peer_inline import on_main_thread, serve_inline
+from monarch_kernel.actor.peer_reply import admit_any_key, reply_path, reply_tcp_host
+from monarch_kernel.actor.peer_resolve import gone, locate
 from monarch_kernel.calls.errors import RankDiedError
 from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.calls.requester import MeshRef
 from monarch_kernel.rank import context
 from monarch_kernel.wire import Codec, WireError, peer_address
+from monarch_kernel.wire.chunks import Assembler, encode_parts
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
-from monarch_kernel.wire.netaddr import route_source
 from monarch_kernel.wire.peer_address import PeerAddress
 
 #: Seconds a first connection to a rank may take before its calls fail (it is not
@@ -60,14 +57,25 @@ _LOST = {
 
 
 class _Pending:
-    __slots__ = ("observer", "ranks", "addrs", "left")
+    __slots__ = ("observer", "ranks", "addrs", "left", "rid", "ref", "parts")
 
-    def __init__(self, observer: RequestObserver, ranks: list[int], addrs: list[str]):
-        """``addrs``: the route each of ``ranks`` was sent on (see ``_on_lost``)."""
+    def __init__(
+        self,
+        observer: RequestObserver,
+        ranks: list[int],
+        addrs: list[str],
+        rid: str = "",
+        ref: MeshRef | None = None,
+        parts: Sequence[list[Any]] = (),
+    ):
+        """``addrs``: the route each of ``ranks`` was sent on (see ``_on_lost``);
+        ``ref`` and ``parts``: the mesh and the messages, sent again where a rank is
+        now if its connection never came up (it moved: :mod:`.peer_resolve`)."""
         self.observer = observer
         self.ranks = ranks
         self.addrs = addrs
         self.left = set(ranks)
+        self.rid, self.ref, self.parts = rid, ref, parts
 
 
 class PeerClient:
@@ -81,6 +89,16 @@ class PeerClient:
         self.pending: dict[str, _Pending] = {}
         self.ports: dict[str, RequestObserver] = {}  # open channels: every message
         self.ids = itertools.count()
+        #: Reassembles large replies and channel messages, which come in chunks.
+        self.assembler = Assembler()
+        #: Where ranks are that moved since the references to them were made, as their
+        #: controller said: (mesh key, rank) -> address (see :mod:`.peer_resolve`).
+        self.moved: dict[tuple[str, int], PeerAddress] = {}
+        #: Targets whose connection was lost: where they are is asked before the next call.
+        self.stale: set[tuple[str, int]] = set()
+        #: route -> the targets (mesh key, rank) called through it
+        self.route_targets: dict[str, set[tuple[str, int]]] = {}
+        self._reply_ident = 0  # the reply thread's (it never waits for an answer itself)
         self.prefix = f"p{os.getpid()}-{os.urandom(3).hex()}-"
         rt = context.services()
         self.machine = peer_address.this_machine()  # a rank's too: its agent's hostname
@@ -88,10 +106,10 @@ class PeerClient:
         self.replies.setsockopt(zmq.LINGER, 0)
         limit_size(self.replies)
         #: Where replies to this process go: its unix socket and, where ranks of other
-        #: machines may answer, a CURVE TCP socket (see :func:`reply_tcp_host`).
+        #: machines may answer, a CURVE TCP socket (see :func:`.peer_reply.reply_tcp_host`).
         tcp_host = reply_tcp_host()
         domain = admit_any_key() if tcp_host and rt is None else ""
-        self.reply = peer_address.bind(self.replies, _reply_path(), tcp_host, self.machine, domain)
+        self.reply = peer_address.bind(self.replies, reply_path(), tcp_host, self.machine, domain)
         #: route -> when its first connection must be up (see CONNECT_TIMEOUT)
         self.connecting: dict[str, float] = {}
         # New monitor sockets are handed to the reply thread through ``wake``.
@@ -121,6 +139,9 @@ class PeerClient:
             raise RankDiedError(f"rank {rank} is not running (no peer socket at {route})")
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # Never block a send under the client's lock (the reply thread takes it): a
+        # large value's many chunks queue as references to the caller's buffers.
+        sock.setsockopt(zmq.SNDHWM, 0)
         limit_size(sock)
         events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_MONITOR_STOPPED
         for event in _LOST:
@@ -147,7 +168,7 @@ class PeerClient:
         and forget, or when the only target was served inline)."""
         codec = self.codec(ref.key)
         ranks = list(ranks)
-        addrs = [_addr(ref, r) for r in ranks]
+        addrs = [self._where(ref, r) for r in ranks]
         rt = context.services()
         if rt is not None and rt.peer in addrs and on_main_thread():
             # A call to this very rank from its own busy main thread would wait for
@@ -165,11 +186,15 @@ class PeerClient:
             if observer is not None:
                 rid = self.prefix + str(next(self.ids))
                 header = dict(header, i=rid, w=1, rt=self.reply.encode())
-                self.pending[rid] = _Pending(observer, ranks, routes)
-            frames = codec.encode(header, payload, buffers)
+            parts = encode_parts(codec, header, payload, buffers)  # large: in chunks
+            if observer is not None:
+                self.pending[rid] = _Pending(observer, ranks, routes, rid, ref, parts)
             try:
                 for r, addr, route in zip(ranks, addrs, routes):
-                    self._socket(addr, route, r).send_multipart(frames, copy=False)
+                    self.route_targets.setdefault(route, set()).add((ref.key, r))
+                    sock = self._socket(addr, route, r)
+                    for frames in parts:
+                        sock.send_multipart(frames, copy=False)
             except BaseException:
                 if rid:
                     self.pending.pop(rid, None)
@@ -188,8 +213,47 @@ class PeerClient:
         with self.lock:
             self.ports[port_id] = observer
 
+    # -- where targets are ------------------------------------------------------------
+    def _where(self, ref: MeshRef, rank: int) -> PeerAddress:
+        """Where to call ``rank`` of ``ref``'s mesh: where its controller last said it
+        is, else where the reference says; asked again (:func:`.peer_resolve.locate`)
+        when its connection was lost or cannot be made, as it may have moved.
+        RankDiedError when it is gone."""
+        target = (ref.key, rank)
+        addr = self.moved.get(target) or (ref.addrs[rank] if rank < len(ref.addrs) else None)
+        addr = addr or PeerAddress("")
+        if target not in self.stale and self._reachable(addr):
+            return addr
+        # The reply thread reads the answer itself: it never waits for one.
+        where = None if threading.get_ident() == self._reply_ident else locate(self, ref, rank)
+        if where is None:  # nobody to ask: the reference's address, as it is
+            if addr:
+                return addr
+            raise RankDiedError(f"rank {rank} of mesh {ref.mesh!r} is not running")
+        error = gone(ref, rank, where)
+        if error is not None:
+            raise error
+        with self.lock:
+            self.moved[target] = where.address
+            self.stale.discard(target)
+        return where.address
+
+    def _reachable(self, addr: PeerAddress) -> bool:
+        """Whether ``addr`` may be connected to from here (an existing connection, or a
+        unix socket whose file exists, or TCP)."""
+        if not addr:
+            return False
+        try:
+            route = addr.route(self.machine)
+        except ConnectionError:
+            return False
+        if route.startswith("ipc://") and route not in self.socks:
+            return os.path.exists(route.removeprefix("ipc://"))
+        return True
+
     # -- the reply thread -----------------------------------------------------------
     def _serve(self, wake_in: zmq.Socket) -> None:
+        self._reply_ident = threading.get_ident()
         poller = zmq.Poller()
         poller.register(self.replies, zmq.POLLIN)
         poller.register(wake_in, zmq.POLLIN)
@@ -229,11 +293,15 @@ class PeerClient:
         for codec in list(self.codecs.values()):  # a handful of keys: try each
             try:
                 msg = codec.decode(frames)
-                break
             except WireError:
                 continue
+            try:
+                msg = self.assembler.feed(codec, msg)  # a large value comes in chunks
+            except WireError:
+                msg = None
+            break
         if msg is None:
-            return  # forged or malformed: dropped before anything is unpickled
+            return  # forged, malformed or a part of a value still arriving
         h = msg.header
         rank = h.get("r")
         port = self.ports.get(h.get("i"))  # type: ignore[arg-type]
@@ -251,12 +319,14 @@ class PeerClient:
 
     def _on_lost(self, route: str, why: str) -> None:
         """The connection to a target rank at ``route`` is gone (``why``): it died, its
-        mesh stopped or its machine cannot be reached. Its calls fail; the next call
-        connects afresh."""
+        mesh stopped or its machine cannot be reached. Its calls fail, unless the
+        connection never came up (nothing reached the rank): those are sent again where
+        the rank is now, if it moved. The next call asks where its targets are."""
         lost: list[tuple[_Pending, int]] = []
         with self.lock:
             sock = self.socks.pop(route, None)
-            self.connecting.pop(route, None)
+            never_connected = self.connecting.pop(route, None) is not None
+            self.stale |= self.route_targets.pop(route, set())
             for rid, p in list(self.pending.items()):
                 for r, a in zip(p.ranks, p.addrs):
                     if a == route and r in p.left:
@@ -266,14 +336,49 @@ class PeerClient:
                     del self.pending[rid]
         if sock is not None:
             sock.close(0)
+        if never_connected and lost:  # asking where they are waits: not on this thread
+            args = (lost, route, why)
+            threading.Thread(
+                target=self._send_elsewhere, args=args, name="mk-peer-relocate", daemon=True
+            ).start()
+            return
         for p, r in lost:
-            p.observer.on_lost(
-                r,
-                RankDiedError(
-                    f"rank {r} died, its mesh stopped or its machine cannot be reached "
-                    f"during an actor call ({why}; at {route})"
-                ),
-            )
+            p.observer.on_lost(r, _lost(r, route, why))
+
+    def _send_elsewhere(self, lost: list[tuple[_Pending, int]], route: str, why: str) -> None:
+        """Send calls that never reached their rank (at ``route``) to where it is now;
+        fail those whose rank is gone or did not move."""
+        for p, r in lost:
+            try:
+                error = self._resend(p, r, route)
+            except (RankDiedError, ConnectionError) as exc:
+                error = exc if isinstance(exc, RankDiedError) else RankDiedError(str(exc))
+            if error is not None:
+                p.observer.on_lost(r, error)
+
+    def _resend(self, p: _Pending, rank: int, old_route: str) -> RankDiedError | None:
+        if p.ref is None or not p.parts:
+            return _lost(rank, old_route, "no connection")
+        addr = self._where(p.ref, rank)
+        route = _route(p.ref, rank, addr, self.machine)
+        if route == old_route:
+            return _lost(rank, old_route, f"no connection within {CONNECT_TIMEOUT:g}s")
+        with self.lock:
+            p.addrs = [route if r == rank else a for r, a in zip(p.ranks, p.addrs)]
+            p.left.add(rank)
+            self.pending[p.rid] = p
+            self.route_targets.setdefault(route, set()).add((p.ref.key, rank))
+            sock = self._socket(addr, route, rank)
+            for frames in p.parts:
+                sock.send_multipart(frames, copy=False)
+        return None
+
+
+def _lost(rank: int, route: str, why: str) -> RankDiedError:
+    return RankDiedError(
+        f"rank {rank} died, its mesh stopped or its machine cannot be reached "
+        f"during an actor call ({why}; at {route})"
+    )
 
 
 _client: PeerClient | None = None
@@ -309,13 +414,6 @@ def _set_client(c: PeerClient) -> None:
     _client, _client_pid = c, os.getpid()
 
 
-def _addr(ref: MeshRef, rank: int) -> PeerAddress:
-    addr = ref.addrs[rank] if rank < len(ref.addrs) else None
-    if not addr:
-        raise RankDiedError(f"rank {rank} of mesh {ref.mesh!r} is not running")
-    return addr
-
-
 def _route(ref: MeshRef, rank: int, addr: PeerAddress, here: str) -> str:
     try:
         return addr.route(here)
@@ -325,73 +423,4 @@ def _route(ref: MeshRef, rank: int, addr: PeerAddress, here: str) -> str:
         ) from None
 
 
-def _reply_path() -> str:
-    """A unix socket path for replies, in a 0700 directory (only we can connect): in a
-    rank the host agent's private one (removed with the agent), else a temporary one
-    removed at exit."""
-    rt = context.services()
-    if rt is not None:
-        from monarch_kernel.rank.dataplane import private_dir
-
-        path = os.path.join(private_dir(rt.config), f"c{rt.rank}-{os.getpid()}")
-        if len(path) <= 100:  # a unix socket path is at most 107 bytes
-            atexit.register(_unlink, path)
-            return path
-    d = tempfile.mkdtemp(prefix="mk-peer-")
-    atexit.register(shutil.rmtree, d, True)
-    return os.path.join(d, "r")
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
-
-def reply_tcp_host() -> str:
-    """The address this process takes replies from other machines on ("" if none).
-
-    In a rank of a mesh that spans machines: the address its own peer socket listens
-    on. In the controller: the local address of the route to the machine of a rank that
-    listens on TCP (a mesh of another machine), if there is one when the client is made
-    (see :func:`client`)."""
-    rt = context.services()
-    if rt is not None:
-        return rt.peer.tcp_host
-    # In the controller (a rank never loads it): its meshes, if it has started any.
-    registry_module = sys.modules.get("monarch_kernel.controller.mesh")
-    if registry_module is None:
-        return ""
-    for mesh in registry_module.registry.live():
-        for info in mesh.ranks:
-            if info.peer.tcp and info.peer.machine != peer_address.this_machine():
-                try:
-                    return route_source(info.peer.tcp_host)
-                except OSError:
-                    continue
-    return ""
-
-
-#: The ZAP domain of the controller's reply socket (see :func:`admit_any_key`).
-REPLY_ZAP_DOMAIN = "mk-peer-replies"
-
-
-class _AnyKey:
-    """ZAP provider admitting every CURVE client key (see ``wire.peer_address``:
-    admission to a peer socket is the signed message, the key only encrypts)."""
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return True
-
-
-def admit_any_key() -> str:
-    """The controller runs a ZAP handler for its meshes' sockets, which refuses keys of
-    domains it does not know: register the reply socket's domain with it (loaded with the
-    meshes of other machines this is for; never in a rank)."""
-    launchers = sys.modules.get("monarch_kernel.launchers.base")
-    if launchers is None:
-        return ""
-    launchers.zap(REPLY_ZAP_DOMAIN, _AnyKey())
-    return REPLY_ZAP_DOMAIN
-
-
-__all__ = ["CONNECT_TIMEOUT", "MeshRef", "PeerClient", "admit_any_key", "client", "reply_tcp_host"]
+__all__ = ["CONNECT_TIMEOUT", "MeshRef", "PeerClient", "client"]

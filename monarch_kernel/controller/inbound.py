@@ -33,6 +33,7 @@ from monarch_kernel.controller.events import (
     FaultReported,
     InputRequested,
     MetricReported,
+    RankDied,
     StatsReported,
     StreamOutput,
 )
@@ -42,6 +43,7 @@ from monarch_kernel.controller.transport import Transport
 from monarch_kernel.wire import Codec, Message, WireError
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.chunks import Assembler
 from monarch_kernel.wire.codec import Header
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import AskRequest, FailureReport, RankStats, StopRequest
@@ -126,6 +128,10 @@ class Inbound:
         self._rank_died = rank_died
         self._port_received = port_received
         self._find_mesh = find_mesh
+        #: Large values from ranks arrive in chunks; a rank that dies mid-way leaves
+        #: its partial ones, dropped with it.
+        self._assembler = Assembler()
+        events.subscribe(self._drop_partial, RankDied)
         #: kind -> handler of the message with its typed header (``wire.headers``)
         self._handlers: dict[str, Handler] = {
             K.RESULT: typed(H.Result.decode, self._on_result),
@@ -164,15 +170,21 @@ class Inbound:
         if origin is None:
             return
         try:
-            msg = self._codec.decode(frames[1:])
+            part = self._codec.decode(frames[1:])
+            h = part.header
+            sender = h.get("r")
+            if origin >= 0 and not self._from_host(origin, sender, h.get("h")):
+                transport.impostor(f"header (rank {sender!r}, host {h.get('h')!r})")
+                return
+            msg = self._assembler.feed(self._codec, part)  # a large value comes in chunks
         except WireError as exc:
             log.warning("mesh %s dropped a message from %r: %s", self._name, frames[0].bytes, exc)
             return
-        h = msg.header
-        sender = h.get("r")
-        if origin >= 0 and not self._from_host(origin, sender, h.get("h")):
-            transport.impostor(f"header (rank {sender!r}, host {h.get('h')!r})")
+        if msg is None:
             return
+        if msg.header is not h:  # the last chunk completed a stream: its start's header
+            h = msg.header
+            sender = h.get("r")
         if sender is not None and 0 <= sender < self._world:
             self._ranks[sender].bytes_in += msg.nbytes
         handler = self._handlers.get(h["k"])
@@ -183,6 +195,10 @@ class Inbound:
             handler(h, msg)
         except H.HeaderError as exc:  # signed by a sender of ours: another version?
             log.warning("mesh %s dropped a message: %s", self._name, exc)
+
+    def _drop_partial(self, event: object) -> None:
+        if isinstance(event, RankDied):
+            self._assembler.forget(lambda h: h.get("r") == event.rank)
 
     def _from_host(self, host: int, rank: object, claimed: object) -> bool:
         """Whether the header's sender rank and host (where present) are on ``host``."""

@@ -65,6 +65,7 @@ from monarch_kernel.launchers.base import Launcher
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import Codec
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.chunks import check_size
 from monarch_kernel.wire.codec import Buffer, Header, new_key
 from monarch_kernel.wire.headers import Owner
 
@@ -286,6 +287,7 @@ class MeshRuntime:
         ``request_id``: one from :func:`new_request_id`, when the caller must know it
         before the request is sent (to route its output).
         """
+        check_size(header, payload, buffers)  # before it is a request that waits
         if self.lifecycle.phase is MeshPhase.RECOVERING and not options.during_restart:
             self.restarter.wait_recovered(RECOVERY_WAIT)
         self.check_alive(ranks)
@@ -303,7 +305,7 @@ class MeshRuntime:
             self.events.emit(RequestStarted(self.name, rid, tuple(ranks), kind, what))
         if control:
             for r in ranks:
-                self.transport.send_control(r, header, payload)
+                self.transport.send_control(r, header, payload, buffers)
         else:
             self.transport.send(ranks, header, payload, buffers)
         # A rank may have died between the check and the send; fail it now if so.
@@ -346,6 +348,7 @@ class MeshRuntime:
     ) -> None:
         """Fire and forget: send to ``ranks``' main threads (FIFO per rank); errors go to
         supervision (:class:`FaultReported`). Flow control as for :meth:`request`."""
+        check_size(header, payload, buffers)
         self.check_alive(ranks)
         self._make_room(wait)
         self.transport.send(ranks, header, payload, buffers)

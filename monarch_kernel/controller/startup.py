@@ -30,6 +30,7 @@ from monarch_kernel.shape import Shape
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.desk import ControllerId
 from monarch_kernel.wire.headers import MeshCommon, RankSpec, SpawnRanks
+from monarch_kernel.wire.limits import inherited_env
 
 #: Seconds a host agent waits for a silent controller before it shuts down.
 AGENT_SILENCE_TIMEOUT = 10.0
@@ -118,7 +119,8 @@ class Starter:
             "master_port": master.port,
             "run_id": config.run_id,
             "mesh": self._name,
-            "env": config.env,
+            # the ranks take on this process's bound on values unless --env sets theirs
+            "env": {**inherited_env(), **config.env},
             "sys_path": [p for p in sys.path if p],
             "cwd": os.getcwd(),
         }

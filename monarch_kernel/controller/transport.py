@@ -46,6 +46,7 @@ from monarch_kernel.controller.sigint import DeferSigint
 from monarch_kernel.launchers.base import Curve, curve_server, zap
 from monarch_kernel.wire import Codec
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.chunks import encode_parts, frames_size
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.identity import ident_tag
@@ -263,17 +264,17 @@ class Transport:
         buffers: Sequence[Buffer] = (),
     ) -> None:
         """Send one message to ``ranks``' main threads (in order, FIFO per rank); never
-        blocks (callers make room first: :meth:`wait_for_room`)."""
+        blocks (callers make room first: :meth:`wait_for_room`). A large one goes as a
+        stream of chunks (:mod:`monarch_kernel.wire.chunks`)."""
         with self.send_lock, DeferSigint():
             if len(ranks) == 1:
                 r = ranks[0]
-                header["q"] = self.next_seq[r]
-                self.next_seq[r] += 1
-                size = len(payload) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0)
-                self._deliver(self.rank_id(r), self.codec.encode(header, payload, buffers), size)
-                self._ranks[r].bytes_out += size
+                header["q"] = self._take_seq(r)
+                self._ranks[r].bytes_out += self._deliver_parts(
+                    self.rank_id(r), encode_parts(self.codec, header, payload, buffers)
+                )
                 return
-            size = len(payload) + sum(memoryview(b).nbytes for b in buffers)
+            size = len(payload) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0)
             by_host: dict[int, list[int]] = {}
             for r in ranks:
                 info = self._ranks[r]
@@ -282,11 +283,24 @@ class Transport:
             for host, group in by_host.items():
                 if len(group) > 1 and (size >= FANOUT_MIN_BYTES or len(group) >= FANOUT_MIN_RANKS):
                     h = dict(header, d=group, f=1, q=[self._take_seq(r) for r in group])
-                    self._deliver(self.host_id(host), self.codec.encode(h, payload, buffers), size)
+                    route = {"f": 1, "d": group}
+                    parts = encode_parts(self.codec, h, payload, buffers, route)
+                    self._deliver_parts(self.host_id(host), parts)
                 else:
                     for r in group:
                         h = dict(header, q=self._take_seq(r))
-                        self._deliver(self.rank_id(r), self.codec.encode(h, payload, buffers), size)
+                        parts = encode_parts(self.codec, h, payload, buffers)
+                        self._deliver_parts(self.rank_id(r), parts)
+
+    def _deliver_parts(self, ident: bytes, parts: list[list[Buffer]]) -> int:
+        """Deliver a message's parts (one, or a stream's start and chunks) in order;
+        their size in bytes (send_lock held)."""
+        total = 0
+        for frames in parts:
+            size = frames_size(frames)
+            self._deliver(ident, frames, size)
+            total += size
+        return total
 
     def _take_seq(self, r: int) -> int:
         q = self.next_seq[r]
@@ -313,11 +327,14 @@ class Transport:
             self._drop(self.rank_id(rank))
             self._drop(self.rank_id(rank, b"c"))
 
-    def send_control(self, rank: int, header: Header, payload: bytes = b"") -> None:
-        """Send to a rank's control thread (served even while its main thread is busy)."""
-        frames = self.codec.encode(header, payload)
+    def send_control(
+        self, rank: int, header: Header, payload: bytes = b"", buffers: Sequence[Buffer] = ()
+    ) -> None:
+        """Send to a rank's control thread (served even while its main thread is busy);
+        a large value as a stream of chunks."""
+        parts = encode_parts(self.codec, header, payload, buffers)
         with self.send_lock, DeferSigint():
-            self._deliver(self.rank_id(rank, b"c"), frames, len(payload))
+            self._ranks[rank].bytes_out += self._deliver_parts(self.rank_id(rank, b"c"), parts)
 
     # -- flow control --------------------------------------------------------------------
     def _deliver(self, ident: bytes, frames: list[Buffer], size: int) -> None:

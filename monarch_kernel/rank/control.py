@@ -25,6 +25,7 @@ from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Codec, Message, WireError, loads
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.chunks import Assembler
 from monarch_kernel.wire.codec import recv as wire_recv
 
 log = logging.getLogger("monarch_kernel.rank")
@@ -79,6 +80,8 @@ class ControlThread:
         self.parent = os.getppid()
         #: A detachable mesh's rank: the controller link whose events this thread reads.
         self.link: ControllerLink | None = None
+        #: Reassembles large pushed values, which come in chunks.
+        self.assembler = Assembler()
         #: Handlers by kind: what they raise is sent back as an error reply to the
         #: request (header ``i``), or as a fault if there is none.
         self.handlers: dict[str, ControlHandler] = {
@@ -116,9 +119,11 @@ class ControlThread:
             if self.ctl not in ready:
                 continue
             try:
-                msg = self.codec.decode(wire_recv(self.ctl))
+                msg = self.assembler.receive(self.codec, wire_recv(self.ctl))
             except WireError as exc:
                 log.warning("rank %s dropped a control message: %s", self.rank, exc)
+                continue
+            if msg is None:  # a part of a large pushed value
                 continue
             try:
                 self.handle(msg)

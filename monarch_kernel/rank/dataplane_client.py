@@ -16,6 +16,7 @@ from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.rank.dataplane_common import SharedTensor, read_all
 from monarch_kernel.wire import Codec
 from monarch_kernel.wire.codec import Header, limit_size
+from monarch_kernel.wire.limits import CHUNK_SIZE
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 #: How often a request waiting for an owner on this machine checks that it still lives.
@@ -127,11 +128,27 @@ class Client:
         if sock is not None:
             sock.close(0)
 
-    def read_socket(self, ref: SharedTensor, raw: Any) -> None:
-        import torch
+    def read_socket(self, ref: SharedTensor, raw: Any, timeout: float = 60.0) -> None:
+        """Fill ``raw`` (a contiguous uint8 CPU tensor of ``ref.nbytes``) from the owner's
+        socket, one chunk per request: every frame stays small (``wire.limits``)."""
+        view = memoryview(raw.numpy()).cast("B")
+        for off in range(0, ref.nbytes, CHUNK_SIZE):
+            n = min(CHUNK_SIZE, ref.nbytes - off)
+            msg = self.request(ref, {"op": "fetch", "id": ref.id, "off": off, "len": n}, timeout)
+            data = memoryview(msg.buffers[0]).cast("B") if msg.buffers else memoryview(b"")
+            if data.nbytes != n:
+                raise RuntimeError(
+                    f"rank {ref.owner}: tensor {ref.id} sent {data.nbytes} bytes at offset "
+                    f"{off}, not {n} (was it resized?)"
+                )
+            view[off : off + n] = data
 
-        msg = self.request(ref, {"op": "fetch", "id": ref.id})
-        raw.copy_(torch.frombuffer(msg.buffers[0], dtype=torch.uint8))
+    def write_socket(self, ref: SharedTensor, data: memoryview, timeout: float = 60.0) -> None:
+        """Write ``data`` into the start of the owner's buffer over its socket, one chunk
+        per request."""
+        for off in range(0, max(len(data), 1), CHUNK_SIZE):
+            part = data[off : off + CHUNK_SIZE]
+            self.request(ref, {"op": "write", "id": ref.id, "off": off}, timeout, (part,))
 
     def _open_shm(self, ref: SharedTensor) -> int:
         """A read-only descriptor of the owner's shared memory holding the tensor: the

@@ -30,6 +30,7 @@ from monarch_kernel.rank.dataplane_common import (
 from monarch_kernel.rank.dataplane_ref import TensorRef
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
+from monarch_kernel.wire.limits import CHUNK_SIZE
 from monarch_kernel.wire.ports import bind_port
 
 _REFUSED = (
@@ -84,6 +85,9 @@ class Server:
         self.tensors: dict[int, Any] = {}
         self.writable: set[int] = set()  # RDMA buffers (``monarch_kernel.rdma``)
         self.shm_fds: dict[int, int] = {}  # our own descriptor of a tensor's shared memory
+        #: CPU copies of tensors that are not contiguous CPU tensors, while a reader
+        #: fetches them range by range (see ``_raw``)
+        self.staged: dict[int, Any] = {}
         self.seq = itertools.count(1)
         self.ids = itertools.count(1)
         self.lock = threading.Lock()
@@ -189,9 +193,10 @@ class Server:
             return None
         return fd, os.fstat(fd).st_ino
 
-    def _raw(self, ident: int) -> Any:
-        """The tensor's bytes as they are now (copied to the CPU and made contiguous
-        first if it is not already so)."""
+    def _raw(self, ident: int, staged: bool = False) -> Any:
+        """The tensor's bytes as they are now. One that is not a contiguous CPU tensor is
+        copied there first, once per reader: the copy is kept (``staged``) for the
+        reader's further ranges, until its last one."""
         import torch
 
         t = self.tensors.get(ident)
@@ -199,9 +204,12 @@ class Server:
             raise KeyError(f"tensor {ident} was released or never shared by rank {self.rank}")
         if not t.numel():
             return b""
-        if t.device.type != "cpu" or not t.is_contiguous():
-            t = t.cpu().contiguous()
-        return t.view(-1).view(torch.uint8).numpy()
+        if t.device.type == "cpu" and t.is_contiguous():
+            return t.view(-1).view(torch.uint8).numpy()
+        copy = self.staged.get(ident) if staged else None
+        if copy is None:
+            copy = self.staged[ident] = t.cpu().contiguous().view(-1).view(torch.uint8).numpy()
+        return copy
 
     def _shm_copy(self, ident: int) -> str:
         """A fresh shared-memory file with the tensor's bytes as they are now, for a
@@ -224,6 +232,7 @@ class Server:
     def release(self, ident: int) -> None:
         with self.lock:
             self.tensors.pop(ident, None)
+            self.staged.pop(ident, None)
             self.writable.discard(ident)
             fd = self.shm_fds.pop(ident, None)
         if fd is not None:
@@ -260,8 +269,8 @@ class Server:
         header, buffers = reply
         sock.send_multipart([ident, *self.codec.encode(header, b"", buffers)], copy=False)
 
-    def write(self, ident: int, data: Any) -> None:
-        """Copy ``data`` (bytes-like) into the start of RDMA buffer ``ident`` in place."""
+    def write(self, ident: int, data: Any, off: int = 0) -> None:
+        """Copy ``data`` (bytes-like) into RDMA buffer ``ident`` at byte ``off``, in place."""
         import torch
 
         with self.lock:
@@ -272,10 +281,12 @@ class Server:
         if not writable:
             raise PermissionError(f"tensor {ident} of rank {self.rank} is read-only (share())")
         src = memoryview(data).cast("B")
-        if len(src) > t.numel() * t.element_size():
-            raise ValueError(f"{len(src)} bytes do not fit in buffer {ident} of rank {self.rank}")
+        if off < 0 or off + len(src) > t.numel() * t.element_size():
+            raise ValueError(
+                f"{len(src)} bytes at offset {off} do not fit in buffer {ident} of rank {self.rank}"
+            )
         if len(src):
-            dst = t.view(-1).view(torch.uint8)[: len(src)]
+            dst = t.view(-1).view(torch.uint8)[off : off + len(src)]
             data = numpy.frombuffer(src, dtype=numpy.uint8)
             if dst.device.type == "cpu":
                 dst.numpy()[:] = data
@@ -286,15 +297,33 @@ class Server:
     def _handle(self, h: Header, buffers: Any = ()) -> tuple[Header, tuple[Buffer, ...]]:
         op, ident = h.get("op"), int(h.get("id", 0))
         if op == "write":
-            self.write(ident, buffers[0] if buffers else b"")
+            self.write(ident, buffers[0] if buffers else b"", _int(h, "off", 0))
             return {"k": "ok"}, ()
         if op == "fetch":
-            raw = self._raw(ident)
-            counters_["bytes_out"] += len(raw)
-            return {"k": "data"}, (raw,) if len(raw) else ()
+            off = _int(h, "off", 0)
+            raw = self._raw(ident, staged=off > 0)
+            n = _int(h, "len", len(raw) - off)
+            if not (0 <= off <= len(raw) and 0 <= n <= CHUNK_SIZE and off + n <= len(raw)):
+                raise ValueError(
+                    f"bad range: {n} bytes at offset {off} of tensor {ident} "
+                    f"({len(raw)} bytes; at most {CHUNK_SIZE} per request)"
+                )
+            if off + n == len(raw):
+                self.staged.pop(ident, None)  # the last range: the reader is done
+            part = raw[off : off + n]
+            counters_["bytes_out"] += len(part)
+            return {"k": "data"}, (part,) if len(part) else ()
         if op == "shm":
             return {"k": "shm", "path": self._shm_copy(ident)}, ()
         if op == "release":
             self.release(ident)
             return {"k": "ok"}, ()
         raise ValueError(f"unknown data-plane request {op!r}")
+
+
+def _int(h: Header, key: str, default: int) -> int:
+    """Header ``key`` as an int (``default`` when absent); ValueError if not one."""
+    value = h.get(key, default)
+    if type(value) is not int:
+        raise ValueError(f"data-plane request key {key!r} must be an int, not {value!r}")
+    return value

@@ -32,6 +32,7 @@ from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Codec, Message, WireError, peer_address
 from monarch_kernel.wire import headers as H
+from monarch_kernel.wire.chunks import Assembler
 from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.kinds import SEQ_EPOCH
@@ -130,6 +131,8 @@ class Inbox:
         #: Completed by :meth:`pump` when a controller message comes while :meth:`idle`
         #: runs the event loop for the actors' background tasks.
         self._idle_stop: asyncio.Future[None] | None = None
+        #: Reassembles large values (calls' arguments) that come in chunks.
+        self.assembler = Assembler()
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:
@@ -157,9 +160,10 @@ class Inbox:
             self.accept(msg, H.decode_ordered(msg.header))
 
     def decode(self, frames: list[Any]) -> Message | None:
-        """The verified message, None (logged) if it is forged or malformed."""
+        """The verified message, None (logged) if it is forged or malformed, or while
+        it is a part of a large value still arriving in chunks."""
         try:
-            return self.codec.decode(frames)
+            return self.assembler.receive(self.codec, frames)
         except WireError as exc:
             log.warning("rank %s dropped a message: %s", self.rank, exc)
             return None

@@ -19,11 +19,12 @@ from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Codec, SerializationError, dumps, peer_address
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.chunks import check_size, encode_parts
 from monarch_kernel.wire.codec import Buffer
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import FailureReport
-from monarch_kernel.wire.serialize import What
+from monarch_kernel.wire.serialize import ValueTooLargeError, What
 
 log = logging.getLogger("monarch_kernel.rank")
 
@@ -72,38 +73,44 @@ class Outbox:
     def send(
         self, header: H.WireHeader, payload: bytes = b"", buffers: Sequence[Buffer] = ()
     ) -> None:
-        """Send a message to the controller (any thread); in a detachable mesh with no
-        controller connected, the link keeps it or drops it instead."""
+        """Send a message to the controller (any thread); a large value as a stream of
+        chunks (:mod:`monarch_kernel.wire.chunks`). In a detachable mesh with no
+        controller connected, the link keeps the message or drops it instead."""
+        parts = encode_parts(self.codec, header, payload, buffers)
         link = self.link
         if link is not None:
-            self._send_detachable(link, header, payload, buffers)
+            self._send_detachable(link, parts, header, payload, buffers)
         else:
-            with self.lock:
-                wire_send(self.out, self.codec.encode(header, payload, buffers))
+            for frames in parts:  # the lock per part: other threads' output flows meanwhile
+                with self.lock:
+                    wire_send(self.out, frames)
         if self.main.pending_signal is not None:  # a signal came while the main thread sent
             self.main.raise_pending()
 
     def _send_detachable(
         self,
         link: ControllerLink,
+        parts: list[list[Any]],
         header: H.WireHeader,
         payload: bytes,
         buffers: Sequence[Buffer],
     ) -> None:
         """:meth:`send` in a detachable mesh: wait for room in the controller's queue as
         a plain send does, but never past the controller's going away (the link then
-        takes the message): a full queue to a dead controller must not block the rank."""
-        frames = None
-        while not link.holds(header):
-            with self.lock:
-                if frames is None:
-                    frames = self.codec.encode(header, payload, buffers)
-                try:
-                    wire_send(self.out, frames, flags=zmq.NOBLOCK)
+        takes the whole message, even part-way through a stream: the controller that
+        went away drops its partial stream): a full queue to a dead controller must
+        not block the rank."""
+        for frames in parts:
+            while True:
+                if link.holds(header):
+                    link.divert(header, payload, buffers)
                     return
-                except zmq.Again:
-                    self.out.poll(ROOM_WAIT_MS, zmq.POLLOUT)
-        link.divert(header, payload, buffers)
+                with self.lock:
+                    try:
+                        wire_send(self.out, frames, flags=zmq.NOBLOCK)
+                        break
+                    except zmq.Again:
+                        self.out.poll(ROOM_WAIT_MS, zmq.POLLOUT)
 
     def stream(self, name: str, text: str, request: str | None) -> None:
         """Output of stream ``name`` (captured) during ``request``."""
@@ -160,15 +167,23 @@ class Outbox:
         self.result(H.Result(request=request, ok=False, rank=self.rank), pickle.dumps(report))
 
     def result(self, header: H.Result, payload: bytes, buffers: Sequence[Buffer] = ()) -> None:
-        """Send a reply: to the controller, or to the calling rank for a peer call."""
+        """Send a reply: to the controller, or to the calling rank for a peer call. A
+        value above the bound on values is answered with that error instead."""
+        try:
+            check_size(header.encode(), payload, buffers)
+        except ValueTooLargeError as exc:  # the caller hears why, the rank lives on
+            self.fail(header.request or "", exception_report(exc, "reply"))
+            return
         route = self.peer_routes.pop(header.request, None) if self.peer_routes else None  # type: ignore[arg-type]
         if route is None:
             self.send(header.encode(), payload, buffers)
             return
         try:
+            parts = encode_parts(self.codec, header.encode(), payload, buffers)
             with self.lock:  # replies may come from any thread (response ports)
                 sock = self._peer_socket(zmq.PUSH, route)
-                wire_send(sock, self.codec.encode(header.encode(), payload, buffers))
+                for frames in parts:
+                    wire_send(sock, frames)
         except (zmq.Again, ConnectionError) as exc:
             log.warning(
                 "rank %s: peer caller at %s is gone (%s); reply dropped", self.rank, route, exc

@@ -32,11 +32,13 @@ may legitimately reach several receivers (a fan-out reaches every rank of a host
 for byte), so a copy captured on its way to one receiver is not refused by a receiver
 that never saw it. See SECURITY.md.
 
-Sizes. :func:`max_message` (``MONARCH_KERNEL_MAX_MESSAGE``, bytes, default 8 GiB) is
-set as ``ZMQ_MAXMSGSIZE`` on every socket that receives from a peer
-(:func:`limit_size`): libzmq drops the connection of a peer that announces a larger
-frame before it allocates it. :meth:`Codec.encode` refuses to build a frame above it
-(a clear error at the sender instead of a silently dropped connection).
+Sizes (:mod:`monarch_kernel.wire.limits`). :func:`max_message` is set as
+``ZMQ_MAXMSGSIZE`` on every socket that receives from a peer (:func:`limit_size`):
+libzmq drops the connection of a peer that announces a larger frame before it
+allocates it. :meth:`Codec.encode` refuses to build a frame above it (a clear error at
+the sender instead of a silently dropped connection). Values larger than a chunk travel
+as a stream of bounded messages (:mod:`monarch_kernel.wire.chunks`), so no legitimate
+frame comes near the limit.
 """
 
 from __future__ import annotations
@@ -58,6 +60,13 @@ from typing import Any
 
 import zmq
 from zmq.backend import Socket as _BaseSocket
+
+# Re-exported: the limits lived here first, and tests and callers import them from here.
+from monarch_kernel.wire.limits import DEFAULT_MAX_MESSAGE as DEFAULT_MAX_MESSAGE
+from monarch_kernel.wire.limits import MAX_HEADER as MAX_HEADER
+from monarch_kernel.wire.limits import MAX_MESSAGE_ENV as MAX_MESSAGE_ENV
+from monarch_kernel.wire.limits import limit_size as limit_size
+from monarch_kernel.wire.limits import max_message as max_message
 
 try:  # the C HMAC object behind hmac.HMAC: copy/update/digest without Python frames
     from _hashlib import hmac_new as _hmac_new
@@ -82,9 +91,6 @@ ZERO_COPY_THRESHOLD = 64 * 1024
 MAX_BUFFERS = 1024
 #: Most frames in one message: header, signature, payload and the buffers.
 MAX_FRAMES = 3 + MAX_BUFFERS
-#: Largest header (marshal bytes). Headers are a few hundred bytes; a ``spawn_ranks``
-#: for many ranks with a large ``--env`` a few KiB.
-MAX_HEADER = 64 * 1024
 #: Length of an HMAC-SHA256 signature.
 SIGNATURE_SIZE = 32
 #: Replay state per sender: counters are remembered in 64-bit chunks (bit ``c & 63`` of
@@ -103,37 +109,6 @@ _FIRST_SLACK = 1024
 _FULL = (1 << 64) - 1
 #: Senders (nonces) whose replay windows one codec remembers.
 MAX_SENDERS = 4096
-
-#: Environment variable: largest frame (bytes) a socket accepts from a peer.
-MAX_MESSAGE_ENV = "MONARCH_KERNEL_MAX_MESSAGE"
-#: Its default: 8 GiB. Tensors travel as one buffer frame each, so this is the largest
-#: tensor (or pickled payload) one message can carry; raise it for bigger ones.
-DEFAULT_MAX_MESSAGE = 8 << 30
-
-
-def max_message() -> int:
-    """The largest frame accepted from a peer (``MONARCH_KERNEL_MAX_MESSAGE``, bytes;
-    suffixes K, M, G allowed; default 8 GiB)."""
-    raw = os.environ.get(MAX_MESSAGE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_MESSAGE
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(raw[-1].upper(), 1)
-    try:
-        value = int(raw[:-1] if scale != 1 else raw) * scale
-    except ValueError:
-        raise ValueError(
-            f"{MAX_MESSAGE_ENV}={raw!r} is not a size in bytes (e.g. 8589934592 or 8G)"
-        ) from None
-    if value < MAX_HEADER:
-        raise ValueError(f"{MAX_MESSAGE_ENV}={raw!r} is below {MAX_HEADER} bytes")
-    return value
-
-
-def limit_size(sock: Any) -> None:
-    """Set ``ZMQ_MAXMSGSIZE`` on a socket that receives from peers: a peer announcing a
-    larger frame is disconnected before the frame is allocated."""
-    sock.setsockopt(zmq.MAXMSGSIZE, max_message())
-
 
 #: A decoded header: plain marshal-able values under the short keys documented in
 #: :mod:`monarch_kernel.wire.kinds`.
@@ -219,6 +194,14 @@ class Codec:
         mac = self._mac.copy()
         mac.update(len(header).to_bytes(4, "little"))
         mac.update(header)
+        mac.update(payload)
+        return mac.digest()
+
+    def payload_mac(self, payload: Buffer) -> bytes:
+        """The HMAC of a streamed payload, sent in its signed start header (the length
+        prefix, impossible for a header, keeps it apart from message signatures)."""
+        mac = self._mac.copy()
+        mac.update(b"\xff\xff\xff\xff")
         mac.update(payload)
         return mac.digest()
 

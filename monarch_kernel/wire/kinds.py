@@ -56,6 +56,27 @@ key    type             meaning
                         to each of its ranks in ``d``
 =====  ===============  ========================================================================
 
+Large values: streams (any direction that carries values)
+---------------------------------------------------------
+A message whose payload and buffers total more than 4 MiB goes as a stream
+(:mod:`monarch_kernel.wire.chunks`): a *start*, the message's own header with an empty
+payload and no buffers plus the keys below, then its *chunks* (kind ``ck``), in order on
+the same connection. The receiver hands the whole message on once the last chunk is in.
+Sent by the controller (ordered, control and fanned-out messages), by ranks (results,
+replies to peer calls, channel messages) and by peer callers (calls to other ranks).
+
+=====  ===========  ========================================================================
+key    type         meaning
+=====  ===========  ========================================================================
+``z``  list[int]    start: byte size of the payload, then of each buffer (at most 1 + 1024
+                    sections, their total at most ``MONARCH_KERNEL_MAX_VALUE``)
+``pm`` bytes        start: HMAC-SHA256 of the payload (``Codec.payload_mac``)
+``st`` int          chunk: the start's ``sc`` (with the sender's ``sn``: the stream)
+``x``  int          chunk: the section (0 the payload, 1... the buffers)
+``o``  int          chunk: the offset of its one buffer frame (at most 4 MiB) in the section;
+                    a fanned-out stream's chunks also carry its ``f`` and ``d``
+=====  ===========  ========================================================================
+
 Controller -> host agent (``send`` ROUTER -> ``h<H>``)
 ------------------------------------------------------
 ================  =======================================================================
@@ -271,7 +292,9 @@ kind              keys and payload
                   sender's reply socket
 ``ask``           (no keys) Payload: pickled ``{"op", "rt", "id", ...}``: run operation
                   ``op`` of the actor API in the controller (``get_or_spawn_controller``:
-                  ``call``, the pickled ``(name, cls, args, kwargs)``) and send its
+                  ``call``, the pickled ``(name, cls, args, kwargs)``; ``where_is_rank``:
+                  ``call``, the pickled ``(mesh, key, rank, wait)``, answered with a
+                  ``RankLocation`` once that mesh is no longer restarting) and send its
                   pickled result (or a failure report) as a ``res`` for ``id`` to ``rt``,
                   signed with the sender's mesh key
 ``owned``         ``a`` str: actor ``a`` of this rank was spawned by an actor of another
@@ -305,9 +328,12 @@ Rank <-> rank data plane (not control messages)
 -----------------------------------------------
 :mod:`monarch_kernel.rank.dataplane` signs its requests with the same codec, with its
 own kinds (literals there, not constants here): a request ``k`` = ``"req"`` with ``op``
-str (``fetch``, ``shm`` or ``release``) and ``id`` int (the shared tensor's id); a reply
-``"data"`` (the bytes as one buffer frame), ``"shm"`` with ``path`` str (a shared-memory
-file holding them), ``"ok"``, or ``"err"`` with ``error`` str.
+str (``fetch``, ``shm``, ``write`` or ``release``), ``id`` int (the shared tensor's id),
+``n`` str (a fresh nonce) and ``t`` float (the sender's time); a ``fetch`` names a range,
+``off`` int and ``len`` int (at most 4 MiB: a tensor comes a chunk per request), a
+``write`` its ``off`` and carries the bytes as one buffer frame; a reply ``"data"`` (the
+range's bytes as one buffer frame), ``"shm"`` with ``path`` str (a shared-memory file
+holding them), ``"ok"``, or ``"err"`` with ``error`` str.
 """
 
 # controller -> host agent
@@ -323,6 +349,8 @@ DETACH = "detach"
 HEARTBEAT = "hb"  # also host agent -> controller (with "h")
 #: Connection probe: proves a ROUTER peer is routable before real messages go to it.
 HELLO = "hello"
+#: A chunk of a large value's stream (any direction; see "Large values" above).
+CHUNK = "ck"
 
 # host agent -> controller
 HOST_READY = "host_ready"
@@ -378,4 +406,4 @@ STATS = "stats"  # once a second from each rank: memory and data-plane byte coun
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 2  # 2: the ``display`` kind
+PROTOCOL_VERSION = 3  # 2: the ``display`` kind; 3: large values travel as streams of chunks

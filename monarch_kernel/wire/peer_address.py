@@ -88,6 +88,18 @@ class PeerAddress:
         )
 
 
+@dataclass(frozen=True)
+class RankLocation:
+    """Where a rank of a mesh is now, as the mesh's controller knows it: the answer a
+    process holding an old reference gets when it asks (the rank may have restarted on
+    a host agent relaunched elsewhere since the reference was made)."""
+
+    address: PeerAddress  #: its peer address now (false when it is not running)
+    incarnation: int  #: how many times it was restarted
+    alive: bool
+    why: str = ""  #: when not alive: why (its death, or its mesh stopped), a sentence
+
+
 def this_machine() -> str:
     """This machine's name as peer addresses carry it: its hostname (what ranks report
     in ``ready`` and the controller records)."""
@@ -185,4 +197,4 @@ def open_socket(
     return opened
 
 
-__all__ = ["PeerAddress", "bind", "connect", "open_socket", "this_machine"]
+__all__ = ["PeerAddress", "RankLocation", "bind", "connect", "open_socket", "this_machine"]

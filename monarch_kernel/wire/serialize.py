@@ -17,6 +17,7 @@ from typing import Any
 import cloudpickle
 
 from monarch_kernel.wire.codec import MAX_BUFFERS
+from monarch_kernel.wire.limits import STREAM_ABOVE, max_value, too_large
 
 PROTOCOL = 5
 #: Buffers below this size are cheaper inside the pickle than as frames of their own.
@@ -29,6 +30,11 @@ _PLAIN_MAX_ITEMS = 16
 
 class SerializationError(TypeError):
     """A value could not be pickled or unpickled; the message says which one and why."""
+
+
+class ValueTooLargeError(SerializationError):
+    """A value is larger than the bound on one value (``limits.max_value``); the message
+    names the bound and how to raise it."""
 
 
 #: What a value is, for error messages: a string, or a function that makes one (so that
@@ -119,7 +125,10 @@ def dumps(obj: Any, what: What = "value") -> tuple[bytes, list[pickle.PickleBuff
     """
     try:
         if _is_plain(obj):
-            return pickle.dumps(obj, PROTOCOL), []
+            plain = pickle.dumps(obj, PROTOCOL)
+            if len(plain) > STREAM_ABOVE:
+                _check_size(len(plain), what)
+            return plain, []
     except RecursionError:  # absurdly nested: let cloudpickle say what it makes of it
         pass
     buffers: list[pickle.PickleBuffer] = []
@@ -140,7 +149,17 @@ def dumps(obj: Any, what: What = "value") -> tuple[bytes, list[pickle.PickleBuff
             f"{_describe(what)} cannot be pickled ({type(obj).__name__}): {exc}. "
             "Send plain data, tensors or picklable objects instead."
         ) from exc
-    return f.getvalue(), buffers
+    payload = f.getvalue()
+    size = len(payload) + sum(memoryview(b).nbytes for b in buffers)
+    if size > STREAM_ABOVE:
+        _check_size(size, what)
+    return payload, buffers
+
+
+def _check_size(size: int, what: What) -> None:
+    limit = max_value()
+    if size > limit:
+        raise ValueTooLargeError(too_large(_describe(what), size, limit))
 
 
 def loads(
