@@ -17,6 +17,8 @@ from monarch_kernel.calls.gather import Gather
 from monarch_kernel.calls.requester import CallOptions
 from monarch_kernel.controller.events import DebuggerResumed, InputRequested, MeshEvent
 from monarch_kernel.controller.mesh import MeshRuntime, new_request_id
+from monarch_kernel.kernel import dap_requests
+from monarch_kernel.kernel.dap_relay import DapRelay
 from monarch_kernel.kernel.debug import DebugConsole
 from monarch_kernel.kernel.output import CellOutput
 from monarch_kernel.shape import Shape
@@ -138,6 +140,10 @@ class InputRouter:
             runtime.answer_input(event.rank, event.serial, error=NO_READER)
 
 
+def _is_debugger_event(event: MeshEvent) -> bool:
+    return isinstance(event, DebuggerResumed) or (isinstance(event, InputRequested) and event.debug)
+
+
 class RemoteJob:
     """One ``%%remote`` execution. ``--bg`` returns it at once.
 
@@ -195,11 +201,14 @@ class RemoteJob:
         #: The job ended while that thread waited for a person: it was interrupted.
         self._input_abandoned = False
         self._display_ids: list[str] = []
+        #: The notebook's visual debugger, when it drives this cell's ranks.
+        self.dap: DapRelay | None = None
 
     def start(self) -> RemoteJob:
         header: dict[str, object] = {"k": self.kind}
         if self.kind == K.EXEC:
-            spec = {"code": self.code, "cell": self.cell, "header": self.header}
+            spec: dict[str, object] = {"code": self.code, "cell": self.cell, "header": self.header}
+            self._start_visual_debugger(spec)
             payload, buffers = dumps(spec, "cell")
         else:
             header.update(self.spec)
@@ -227,6 +236,17 @@ class RemoteJob:
             raise
         return self
 
+    def _start_visual_debugger(self, spec: dict[str, object]) -> None:
+        """With the notebook's debugger on, a foreground cell goes with its gutter
+        breakpoints, and its ranks' debugger prompts go to the panel (not to pdb's)."""
+        remote = dap_requests.current()
+        if remote is None or self.on_finished is not None or not self.header:
+            return
+        path, lines = remote.breaks_for_current_cell()
+        spec["dap"] = lines
+        remote.relay.begin(self.procs.runtime, path)
+        self.dap = remote.relay
+
     def _on_done(self, _: Future[ValueMesh[object]]) -> None:
         """Every rank answered or one was lost (a controller thread: never sleep here)."""
         self.finished = time.time()
@@ -237,6 +257,8 @@ class RemoteJob:
             self._input_abandoned = True
             signal.pthread_kill(asking, signal.SIGINT)
         self.debug.abandon()  # a debugger prompt, likewise
+        if self.dap is not None:
+            self.dap.end()
         # Close the output and report after a short grace, on a timer thread.
         threading.Timer(OUTPUT_GRACE, self._after_finish).start()
 
@@ -294,6 +316,9 @@ class RemoteJob:
 
     def _handle(self, event: MeshEvent | None) -> None:
         if event is None:
+            return
+        if self.dap is not None and _is_debugger_event(event):
+            self.dap.feed(event)
             return
         if self.debug.feed(event):
             return
