@@ -16,6 +16,7 @@ class DapClient:
         self.k = kernel
         self.seq = 0
         self.events: list[dict[str, Any]] = []
+        self.info: dict[str, Any] = {}
 
     def request(self, command: str, timeout: float = 30, **arguments: Any) -> dict[str, Any]:
         """Send one DAP request; its reply's content (``success``, ``body``...)."""
@@ -36,6 +37,12 @@ class DapClient:
         return dict(reply.get("body", {}))
 
     def _pump(self, timeout: float) -> None:
+        # (events that came while Kernel.collect read a cell's messages are kept there)
+        kept = [m for m in self.k.other if m["msg_type"] == "debug_event"]
+        if kept:
+            self.k.other[:] = [m for m in self.k.other if m["msg_type"] != "debug_event"]
+            self.events.extend(m["content"] for m in kept)
+            return
         try:
             m = self.k.kc.get_iopub_msg(timeout=timeout)
         except queue.Empty:

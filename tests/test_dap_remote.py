@@ -6,8 +6,6 @@ steps one rank and continues every rank."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from dap_client import DapClient
 from ipykernel.compiler import murmur2_x86
@@ -36,15 +34,23 @@ def kernel():
     k.shutdown_and_check()
 
 
+@pytest.fixture(scope="module")
+def session(kernel):
+    """One debugger session for the module, as one JupyterLab page keeps it (ipykernel 7.4
+    cannot initialize again after a disconnect: the last test disconnects)."""
+    dap = DapClient(kernel)
+    dap.info = dap.start()
+    return dap
+
+
 def test_kernel_info_advertises_the_debugger(kernel):
     kernel.kc.kernel_info()
     reply = kernel.kc.get_shell_msg(timeout=30)
     assert "debugger" in reply["content"].get("supported_features", [])
 
 
-def test_breakpoint_stops_four_ranks_inspect_step_continue(kernel):
-    dap = DapClient(kernel)
-    info = dap.start()
+def test_breakpoint_stops_four_ranks_inspect_step_continue(kernel, session):
+    dap, info = session, session.info
     assert info["hashMethod"] == "Murmur2"
     path = dap.ok("dumpCell", code=CELL)["sourcePath"]
     # the path JupyterLab computes itself from debugInfo (a reloaded page finds its cells)
@@ -97,11 +103,70 @@ def test_breakpoint_stops_four_ranks_inspect_step_continue(kernel):
     assert result.reply["status"] == "ok", result.error_text
     assert "11" in result.text and "31" in result.text
     assert [t for t in dap.ok("threads")["threads"] if t["id"] in tids] == []
+    dap.ok("setBreakpoints", source={"path": path}, breakpoints=[])
+
+
+#: Rank 2 fails in ``boom`` (line 5) with ``v == 0``.
+FAILING = """%%remote m
+import os
+rank = int(os.environ["RANK"])
+def boom(v):
+    return 1 / v
+boom(rank - 2)"""
+
+
+def test_exception_breakpoint_stops_the_failing_rank_post_mortem(kernel, session):
+    dap = session
+    dap.ok("setExceptionBreakpoints", filters=["uncaught"])
+    dap.ok("configurationDone")
+    msg_id = kernel.kc.execute(FAILING)
+    stopped = dap.wait_events("stopped", 1)[0]["body"]
+    assert stopped["reason"] == "exception" and "ZeroDivisionError" in stopped["text"]
+    tid = stopped["threadId"]
+    names = {t["id"]: t["name"] for t in dap.ok("threads")["threads"]}
+    assert names[tid] == "rank 2 · MainThread"
+    top = dap.ok("stackTrace", threadId=tid)["stackFrames"][0]
+    assert (top["name"], top["line"]) == ("boom", 5)
+    assert dap.ok("evaluate", expression="v", frameId=top["id"])["result"] == "0"
+    rich = dap.ok("richInspectVariables", variableName="v", frameId=top["id"])
+    assert rich["data"]["text/plain"] == "0"
+    cell_frame = dap.ok("stackTrace", threadId=tid)["stackFrames"][1]
+    dap.ok(
+        "copyToGlobals",
+        srcVariableName="rank",
+        dstVariableName="failed_rank",
+        srcFrameId=cell_frame["id"],
+    )
+    dap.ok("continue", threadId=tid)
+    result = kernel.collect(msg_id)
+    assert result.reply["status"] == "error" and "ZeroDivisionError" in result.error_text
+    assert kernel.run("failed_rank").text == "2"
+    dap.ok("setExceptionBreakpoints", filters=[])
+
+
+def test_the_stop_button_ends_a_paused_cell(kernel, session):
+    dap = session
+    path = dap.ok("dumpCell", code=CELL)["sourcePath"]
+    dap.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 5}])
+    dap.ok("configurationDone")
+    msg_id = kernel.kc.execute(CELL)
+    tids = {e["body"]["threadId"] for e in dap.wait_events("stopped", 4)}
+    kernel.km.interrupt_kernel()
+    result = kernel.collect(msg_id)
+    assert result.reply["status"] == "error" and "interrupted" in result.error_text
+    # the panel is told every paused rank runs on (one by one, or all at once)
+    resumed: set[int] = set()
+    while not tids <= resumed:
+        body = dap.wait_events("continued", 1)[0]["body"]
+        resumed |= tids if body["allThreadsContinued"] else {body["threadId"]}
+    assert [t for t in dap.ok("threads")["threads"] if t["name"].startswith("rank ")] == []
+
+
+def test_disconnect_forgets_the_breakpoints(kernel, session):
+    dap = session
+    path = dap.ok("dumpCell", code=CELL)["sourcePath"]
+    dap.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 5}])
     dap.ok("disconnect", restart=False, terminateDebuggee=True)
-
-
-def test_without_the_debugger_breakpoints_use_pdb_prompts(kernel):
-    # after disconnect the cell's gutter breakpoints are gone: it runs through
-    r = kernel.run(CELL)
+    r = kernel.run(CELL)  # runs through: no breakpoint, no debugger
     assert r.reply["status"] == "ok" and "31" in r.text, r.error_text
-    assert os.environ.get("PYTHONBREAKPOINT") != "0"
+    assert r.reply["status"] == "ok" and "31" in r.text, r.error_text

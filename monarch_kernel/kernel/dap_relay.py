@@ -118,9 +118,9 @@ class DapRelay:
                     del self.paused[event.rank]
                 self._waiting.discard(event.rank)
                 self._cond.notify_all()
-            if paused is not None and event.why in ("timeout", "interrupted"):
-                body = {"threadId": thread_id(event.rank), "allThreadsContinued": False}
-                self.event("continued", body)
+            if paused is not None:  # (not by a request of ours: those popped it)
+                resumed = {"threadId": thread_id(event.rank), "allThreadsContinued": False}
+                self.event("continued", resumed)
             return
         assert isinstance(event, InputRequested)
         try:
@@ -137,10 +137,14 @@ class DapRelay:
             stepped = event.rank in self._stepping
             self._stepping.discard(event.rank)
         reason = "step" if stepped else ("exception" if event.post_mortem else "breakpoint")
-        self.event(
-            "stopped",
-            {"reason": reason, "threadId": thread_id(event.rank), "allThreadsStopped": False},
-        )
+        body: dict[str, Any] = {
+            "reason": reason,
+            "threadId": thread_id(event.rank),
+            "allThreadsStopped": False,
+        }
+        if state.get("exception"):
+            body["text"] = body["description"] = state["exception"]
+        self.event("stopped", body)
 
     # -- requests (the control thread) ----------------------------------------------
     def query(self, rank: int, command: str, arguments: dict[str, Any]) -> dict[str, Any]:

@@ -68,6 +68,7 @@ class RemoteDebugger:
         publish: Callable[[dict[str, Any]], None],
         started: Callable[[], bool],
         cell_path: Callable[[str], str],
+        user_ns: dict[str, Any] | None = None,
     ) -> None:
         global _current
         self.relay = DapRelay(publish)
@@ -77,6 +78,10 @@ class RemoteDebugger:
         self.breakpoints: dict[str, list[int]] = {}
         #: The source of the cell the shell runs now.
         self.current_code = ""
+        #: The exception filters set (any: a failing rank stops post-mortem).
+        self.exception_filters: list[str] = []
+        #: The notebook's namespace (``copyToGlobals`` copies a rank's value into it).
+        self.user_ns = user_ns if user_ns is not None else {}
         _current = self
 
     # -- the cell being run ---------------------------------------------------------
@@ -96,7 +101,15 @@ class RemoteDebugger:
             if command == "disconnect":
                 self.relay.run_on(self.relay.paused_ranks(), "c")
                 self.breakpoints.clear()
+                self.exception_filters = []
                 return None
+            if command == "setExceptionBreakpoints":  # (debugpy gets them too)
+                self.exception_filters = list(args.get("filters") or [])
+                return None
+            if command == "richInspectVariables" and is_tagged(args.get("frameId")):
+                return self._rich_inspect(request, args)
+            if command == "copyToGlobals" and is_tagged(args.get("srcFrameId")):
+                return self._copy_to_globals(request, args)
             key = {"stackTrace": "threadId", "scopes": "frameId"}.get(command, "")
             key = key or {"variables": "variablesReference", "evaluate": "frameId"}.get(command, "")
             if command in RUN_COMMANDS:
@@ -179,6 +192,24 @@ class RemoteDebugger:
             "continued", {"threadId": thread_id(rank), "allThreadsContinued": everyone}
         )
         return response(request, {"allThreadsContinued": everyone} if everyone else {})
+
+    def _rich_inspect(self, request: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+        """A variable of a rank's frame, as text (the rank's objects stay there)."""
+        rank, frame = untag(int(args["frameId"]))
+        name = str(args.get("variableName", ""))
+        got = self.relay.query(rank, "evaluate", {"expression": name, "frameId": frame})
+        return response(request, {"data": {"text/plain": got["result"]}, "metadata": {}})
+
+    def _copy_to_globals(self, request: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+        """A rank's variable copied into the notebook's namespace (pickled by the rank)."""
+        import base64
+        import pickle
+
+        rank, frame = untag(int(args["srcFrameId"]))
+        query = {"srcVariableName": args["srcVariableName"], "srcFrameId": frame}
+        got = self.relay.query(rank, "copyToGlobals", query)
+        self.user_ns[str(args["dstVariableName"])] = pickle.loads(base64.b64decode(got["pickled"]))
+        return response(request)
 
     @staticmethod
     def _tag_ref(rank: int, ref: object) -> int:

@@ -49,7 +49,8 @@ class MonarchKernel(IPythonKernel):
             debugger = getattr(self, "debugger", None)
             return bool(debugger is not None and debugger.is_started)
 
-        return RemoteDebugger(self._publish_debug_event, started, get_file_name)
+        user_ns = self.shell.user_ns if self.shell is not None else None
+        return RemoteDebugger(self._publish_debug_event, started, get_file_name, user_ns)
 
     async def do_debug_request(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The visual debugger: requests about ranks are answered by the remote

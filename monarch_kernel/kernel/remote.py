@@ -244,8 +244,14 @@ class RemoteJob:
             return
         path, lines = remote.breaks_for_current_cell()
         spec["dap"] = lines
+        spec["dap_exc"] = bool(remote.exception_filters)
         remote.relay.begin(self.procs.runtime, path)
         self.dap = remote.relay
+
+    def _end_visual_debugger(self) -> None:
+        """(The cell's thread, which publishes the panel's events.) No rank is paused."""
+        if self.dap is not None:
+            self.dap.end()
 
     def _on_done(self, _: Future[ValueMesh[object]]) -> None:
         """Every rank answered or one was lost (a controller thread: never sleep here)."""
@@ -257,8 +263,6 @@ class RemoteJob:
             self._input_abandoned = True
             signal.pthread_kill(asking, signal.SIGINT)
         self.debug.abandon()  # a debugger prompt, likewise
-        if self.dap is not None:
-            self.dap.end()
         # Close the output and report after a short grace, on a timer thread.
         threading.Timer(OUTPUT_GRACE, self._after_finish).start()
 
@@ -304,6 +308,7 @@ class RemoteJob:
             finally:
                 if self.future.done():
                     self._close_output()
+                    self._end_visual_debugger()
         except KeyboardInterrupt:
             if self._input_abandoned and self.future.done():
                 return self.future.get(0)  # our own interrupt of a stale input() prompt
@@ -385,6 +390,7 @@ class RemoteJob:
         finally:
             if self.future.done():
                 self._close_output()
+                self._end_visual_debugger()
         return RemoteInterrupted(f"{head}: every rank had finished it already")
 
     def cancel(self, why: str = "") -> None:

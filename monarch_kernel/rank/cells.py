@@ -75,6 +75,8 @@ class Cells:
             result = self.user.run_user(eval, value, ns) if value is not None else None
         except (Exception, KeyboardInterrupt) as exc:  # to the caller; SystemExit ends the
             # rank (like a script: sys.exit(n) exits with n, see ``rank.forked``)
+            if spec.get("dap_exc") and not isinstance(exc, KeyboardInterrupt):
+                DapPdb(self.debugger, post_mortem=True).stop_at_failure(exc)  # the panel's
             self.debugger.keep_failure(exc)  # for %debug_remote (post-mortem)
             self.outbox.reply_error(request, exc, "the cell")
             return

@@ -12,13 +12,17 @@ index in pdb's stack, a variables reference an index into this pause's table.
 
 from __future__ import annotations
 
+import base64
 import json
+import pickle
 import sys
+import traceback
 from types import FrameType
 from typing import Any
 
 from monarch_kernel.rank.dap_values import Values
 from monarch_kernel.rank.debugger import RankDebugger, RankPdb, describe_where
+from monarch_kernel.rank.errors import _user_tb
 
 #: A prompt's answer that is a query (JSON follows), not a pdb command.
 QUERY_MARK = "\x1edap "
@@ -27,10 +31,11 @@ QUERY_MARK = "\x1edap "
 class DapPdb(RankPdb):
     """pdb whose prompts carry JSON state and answer DAP queries (module docstring)."""
 
-    def __init__(self, owner: RankDebugger) -> None:
-        super().__init__(owner, post_mortem=False)
+    def __init__(self, owner: RankDebugger, post_mortem: bool = False) -> None:
+        super().__init__(owner, post_mortem=post_mortem)
         self._values = Values()
         self._reply: dict[str, Any] | None = None
+        self._exception = ""
         self._boundary = type(owner.rank).run_user.__code__
 
     def arm(self, filename: str, lines: list[int], frame: FrameType) -> list[int]:
@@ -46,6 +51,16 @@ class DapPdb(RankPdb):
         sys.settrace(self.trace_dispatch)
         return set_lines
 
+    def stop_at_failure(self, exc: BaseException) -> None:
+        """Stop post-mortem in the frames of ``exc`` (an exception breakpoint)."""
+        tb = _user_tb(exc.__traceback__) or exc.__traceback__
+        self._exception = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        self.reset()
+        try:
+            self.interaction(None, tb)
+        finally:
+            self._owner.resumed("done")
+
     # -- prompts -----------------------------------------------------------------------
     def prompt_text(self) -> str:
         text = super().prompt_text()  # (pdb's own lines: not shown by the panel)
@@ -56,6 +71,7 @@ class DapPdb(RankPdb):
             "stack": self._stack(),
             "reply": reply,
             "text": text[-2000:],
+            "exception": self._exception,
         }
         return json.dumps(state)
 
@@ -112,4 +128,8 @@ class DapPdb(RankPdb):
         if command == "evaluate":
             frame = self._frame(int(args["frameId"]))
             return values.evaluate(str(args["expression"]), frame)
+        if command == "copyToGlobals":  # the value itself, for the notebook's namespace
+            frame = self._frame(int(args["srcFrameId"]))
+            value = eval(str(args["srcVariableName"]), frame.f_globals, frame.f_locals)
+            return {"pickled": base64.b64encode(pickle.dumps(value)).decode()}
         raise ValueError(f"the rank's debugger does not answer {command!r}")
