@@ -106,6 +106,10 @@ class RemoteDebugger:
             if command == "setExceptionBreakpoints":  # (debugpy gets them too)
                 self.exception_filters = list(args.get("filters") or [])
                 return None
+            if command == "threads" and self.relay.paused_ranks():
+                # the kernel's own threads run the waiting cell (none is stopped): only
+                # the ranks' are listed, without asking debugpy (tens of ms)
+                return self.after(request, response(request, {"threads": []}))
             if command == "richInspectVariables" and is_tagged(args.get("frameId")):
                 return self._rich_inspect(request, args)
             if command == "copyToGlobals" and is_tagged(args.get("srcFrameId")):
@@ -136,7 +140,10 @@ class RemoteDebugger:
     def after(self, request: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
         """The kernel's own reply, with the ranks' part added."""
         command = request.get("command", "")
-        if command == "threads":
+        if command == "threads" and not any(
+            str(t.get("name", "")).startswith("rank ")
+            for t in (reply or {}).get("body", {}).get("threads", [])
+        ):
             reply = reply or response(request, {"threads": []})
             threads = reply.setdefault("body", {}).setdefault("threads", [])
             for rank in self.relay.paused_ranks():
