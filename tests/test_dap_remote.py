@@ -97,6 +97,11 @@ def test_breakpoint_stops_four_ranks_inspect_step_continue(kernel, session):
     assert frames[0]["line"] == 6
     assert dap.ok("evaluate", expression="x", frameId=frames[0]["id"])["result"] == "10"
 
+    refused = dap.request("pause", threadId=by_rank[0])
+    assert not refused["success"] and "breakpoint()" in refused["message"]
+    # the cell's source, as the panel's editor asks for it
+    assert dap.ok("source", source={"path": path})["content"] == CELL
+
     reply = dap.ok("continue", threadId=by_rank[1])
     assert reply["allThreadsContinued"] is True
     result = kernel.collect(msg_id)

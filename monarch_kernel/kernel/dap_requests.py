@@ -110,6 +110,12 @@ class RemoteDebugger:
                 # the kernel's own threads run the waiting cell (none is stopped): only
                 # the ranks' are listed, without asking debugpy (tens of ms)
                 return self.after(request, response(request, {"threads": []}))
+            if command == "pause" and is_tagged(args.get("threadId")):
+                return failure(
+                    request,
+                    "pausing a running rank is not supported: set a gutter breakpoint in "
+                    "the %%remote cell or call breakpoint() there, then run it again",
+                )
             if command == "richInspectVariables" and is_tagged(args.get("frameId")):
                 return self._rich_inspect(request, args)
             if command == "copyToGlobals" and is_tagged(args.get("srcFrameId")):
