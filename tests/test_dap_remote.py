@@ -71,6 +71,7 @@ def test_breakpoint_stops_four_ranks_inspect_step_continue(kernel, session):
     assert threads[by_rank[3]] == "rank 3 · MainThread"
 
     frames = dap.ok("stackTrace", threadId=by_rank[1])["stackFrames"]
+    assert [f["name"] for f in frames] == ["<module>"]  # the rank's own frames are hidden
     top = frames[0]
     assert (top["line"], top["source"]["path"]) == (5, path)
     scopes = dap.ok("scopes", frameId=top["id"])["scopes"]
@@ -78,6 +79,7 @@ def test_breakpoint_stops_four_ranks_inspect_step_continue(kernel, session):
     variables = {v["name"]: v for v in dap.ok("variables", variablesReference=ref)["variables"]}
     assert variables["rank"]["value"] == "1"
     assert variables["t"]["value"] == "shape=(2, 3) dtype=torch.float32 device=cpu"
+    assert variables["t"]["type"] == "Tensor [2, 3] torch.float32 cpu"
     fields = dap.ok("variables", variablesReference=variables["t"]["variablesReference"])
     assert {v["name"]: v["value"] for v in fields["variables"]}["shape"] == "(2, 3)"
     assert "x" not in variables  # line 5 has not run yet

@@ -175,15 +175,18 @@ class DapRelay:
     def run_on(self, ranks: list[int], command: str) -> list[int]:
         """Send pdb's ``command`` to the paused ``ranks``; those it was sent to."""
         sent = []
-        with self._cond:
-            runtime = self.runtime
-            targets = [(r, self.paused.pop(r)) for r in ranks if r in self.paused]
-            if command != "c":
-                self._stepping.update(r for r, _ in targets)
-        for rank, paused in targets:
-            if runtime is not None:
-                runtime.answer_input(rank, paused.event.serial, line=command)
-                sent.append(rank)
+        for rank in ranks:
+            # after a query in flight (its answer is the prompt to answer: the one we
+            # have may be answered already)
+            with self._rank_locks.setdefault(rank, threading.Lock()):
+                with self._cond:
+                    runtime = self.runtime
+                    paused = self.paused.pop(rank, None)
+                    if command != "c" and paused is not None:
+                        self._stepping.add(rank)
+                if paused is not None and runtime is not None:
+                    runtime.answer_input(rank, paused.event.serial, line=command)
+                    sent.append(rank)
         return sent
 
     def paused_ranks(self) -> list[int]:

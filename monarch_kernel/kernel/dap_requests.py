@@ -82,7 +82,13 @@ class RemoteDebugger:
         self.exception_filters: list[str] = []
         #: The notebook's namespace (``copyToGlobals`` copies a rank's value into it).
         self.user_ns = user_ns if user_ns is not None else {}
+        self._deferred: Callable[[], object] | None = None
         _current = self
+
+    def take_deferred(self) -> Callable[[], object] | None:
+        """What must run once the last reply is sent (ranks told to run on)."""
+        deferred, self._deferred = self._deferred, None
+        return deferred
 
     # -- the cell being run ---------------------------------------------------------
     def breaks_for_current_cell(self) -> tuple[str, list[int]]:
@@ -198,12 +204,14 @@ class RemoteDebugger:
         shows); ``next``/``stepIn``/``stepOut`` that rank alone."""
         command = RUN_COMMANDS[request["command"]]
         everyone = command == "c"
-        ranks = self.relay.paused_ranks() if everyone else [rank]
-        if not self.relay.run_on(ranks, command):
+        paused = self.relay.paused_ranks()
+        ranks = paused if everyone else [rank]
+        if rank not in paused:
             raise RankNotPaused(f"rank {rank} is not paused (it ran on)")
-        self.relay.event(
-            "continued", {"threadId": thread_id(rank), "allThreadsContinued": everyone}
-        )
+        # Sent once the reply is out (``take_deferred``): JupyterLab marks the thread as
+        # running when the reply comes, so a step's ``stopped`` must come after it. No
+        # ``continued`` event: the front end updates itself from the reply.
+        self._deferred = lambda: self.relay.run_on(ranks, command)
         return response(request, {"allThreadsContinued": everyone} if everyone else {})
 
     def _rich_inspect(self, request: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:

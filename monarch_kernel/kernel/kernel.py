@@ -61,6 +61,10 @@ class MonarchKernel(IPythonKernel):
         reply = await asyncio.to_thread(remote.handle, msg)
         if reply is None:
             reply = await super().do_debug_request(msg)
+        deferred = remote.take_deferred()
+        if deferred is not None:  # after ipykernel sent this reply (no await in between)
+            loop = asyncio.get_running_loop()
+            loop.call_soon(lambda: loop.run_in_executor(None, deferred))
         return remote.after(msg, reply)
 
     async def do_execute(self, code: str, *args: Any, **kwargs: Any) -> Any:

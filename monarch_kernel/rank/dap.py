@@ -26,6 +26,10 @@ from monarch_kernel.rank.errors import _user_tb
 
 #: A prompt's answer that is a query (JSON follows), not a pdb command.
 QUERY_MARK = "\x1edap "
+#: A frame id is the pause's number and the frame's index in pdb's stack (below 2**10);
+#: the kernel tags it with the rank in 24 bits.
+FRAME_BITS = 10
+MAX_PAUSES = 1 << (24 - FRAME_BITS)
 
 
 class DapPdb(RankPdb):
@@ -36,7 +40,7 @@ class DapPdb(RankPdb):
         self._values = Values()
         self._reply: dict[str, Any] | None = None
         self._exception = ""
-        self._boundary = type(owner.rank).run_user.__code__
+        self._pause = 0
 
     def arm(self, filename: str, lines: list[int], frame: FrameType) -> list[int]:
         """Trace the code run below ``frame``, stopping only at ``lines`` of ``filename``
@@ -79,13 +83,21 @@ class DapPdb(RankPdb):
         """The user's frames, innermost first (the rank's own machinery left out)."""
         frames = []
         start = 0
-        for i, (frame, _) in enumerate(self.stack):
-            if frame.f_code is self._boundary:
+        for i, (frame, _) in enumerate(self.stack):  # the rank's call into user code
+            module = str(frame.f_globals.get("__name__", ""))
+            if frame.f_code.co_name == "run_user" and module.startswith("monarch_kernel."):
                 start = i + 1
         for i in range(len(self.stack) - 1, start - 1, -1):
             frame, line = self.stack[i]
             code = frame.f_code
-            frames.append({"id": i, "name": code.co_name, "file": code.co_filename, "line": line})
+            frames.append(
+                {
+                    "id": self._pause << FRAME_BITS | i,
+                    "name": code.co_name,
+                    "file": code.co_filename,
+                    "line": line,
+                }
+            )
         return frames
 
     def precmd(self, line: str) -> str:
@@ -96,6 +108,9 @@ class DapPdb(RankPdb):
     def onecmd(self, line: str) -> bool:
         if not line.startswith(QUERY_MARK):
             self._values.clear()  # the rank runs on: this pause's references end
+            # new frame ids for the next pause: a front end refreshes a frame's scopes
+            # only when its id changes
+            self._pause = (self._pause + 1) % MAX_PAUSES
             return bool(super().onecmd(line))
         try:
             query = json.loads(line[len(QUERY_MARK) :])
@@ -105,8 +120,9 @@ class DapPdb(RankPdb):
         return False
 
     # -- queries -----------------------------------------------------------------------
-    def _frame(self, index: int) -> FrameType:
-        if not 0 <= index < len(self.stack):
+    def _frame(self, frame_id: int) -> FrameType:
+        index = frame_id & ((1 << FRAME_BITS) - 1)
+        if frame_id >> FRAME_BITS != self._pause or not 0 <= index < len(self.stack):
             raise LookupError(f"no frame {index} on this rank's stack (it ran on?)")
         return self.stack[index][0]
 

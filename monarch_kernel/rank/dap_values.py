@@ -60,10 +60,13 @@ class Values:
         plain = (int, float, str, bytes, bool, type(None), _ValuesText)
         if not expandable and not isinstance(value, plain):
             expandable = bool(getattr(value, "__dict__", None))
+        kind = type(value).__name__
+        if is_tensor(value):  # (the panel shows an expandable value's type, not its value)
+            kind = f"{kind} {list(value.shape)} {value.dtype} {getattr(value, 'device', 'cpu')}"
         return {
             "name": name,
             "value": summary(value),
-            "type": type(value).__name__,
+            "type": kind,
             "variablesReference": self.ref(value) if expandable else 0,
         }
 
