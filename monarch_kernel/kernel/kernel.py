@@ -7,6 +7,7 @@ host agent of every mesh, but detachable meshes, which it lets go of (they run o
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ from typing import Any
 from ipykernel.ipkernel import IPythonKernel
 
 from monarch_kernel import __version__
+from monarch_kernel.kernel.dap_requests import RemoteDebugger
 
 #: The kernel process's GIL switch interval (seconds); see ``MonarchKernel.__init__``.
 SWITCH_INTERVAL = 0.001
@@ -31,6 +33,7 @@ class MonarchKernel(IPythonKernel):
         from monarch_kernel.kernel.magics import load_ipython_extension
 
         self._magics = load_ipython_extension(self.shell)
+        self._remote_debugger = self._make_remote_debugger()
         # The controller's threads (receiving rank output, the dashboard) share the GIL
         # with the cell the user runs; with Python's default 5 ms switch interval each
         # hand-over of the GIL to the shell costs up to 5 ms, and answering a request
@@ -38,6 +41,37 @@ class MonarchKernel(IPythonKernel):
         sys.setswitchinterval(SWITCH_INTERVAL)
         if os.environ.get("MONARCH_KERNEL_PREWARM", "1") != "0":
             threading.Thread(target=self._prewarm, name="mk-prewarm", daemon=True).start()
+
+    def _make_remote_debugger(self) -> RemoteDebugger:
+        from ipykernel.compiler import get_file_name
+
+        def started() -> bool:
+            debugger = getattr(self, "debugger", None)
+            return bool(debugger is not None and debugger.is_started)
+
+        user_ns = self.shell.user_ns if self.shell is not None else None
+        return RemoteDebugger(self._publish_debug_event, started, get_file_name, user_ns)
+
+    async def do_debug_request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The visual debugger: requests about ranks are answered by the remote
+        debugger (:mod:`.dap_requests`), the others by ipykernel's (this process)."""
+        remote = self._remote_debugger
+        # (off the event loop: a query waits for a rank's answer, and the loop of the
+        # control channel must keep serving meanwhile)
+        reply = await asyncio.to_thread(remote.handle, msg)
+        if reply is None:
+            reply = await super().do_debug_request(msg)
+        deferred = remote.take_deferred()
+        if deferred is not None:  # after ipykernel sent this reply (no await in between)
+            loop = asyncio.get_running_loop()
+            loop.call_soon(lambda: loop.run_in_executor(None, deferred))
+        return remote.after(msg, reply)
+
+    async def do_execute(self, code: str, *args: Any, **kwargs: Any) -> Any:
+        # the source as the front end has it: a %%remote cell's gutter breakpoints are
+        # keyed by the dumped file of exactly this text
+        self._remote_debugger.current_code = code
+        return await super().do_execute(code, *args, **kwargs)
 
     def post_handler_hook(self) -> None:
         """Between cells ipykernel ignores SIGINT (the stop button); we use it to stop

@@ -25,6 +25,8 @@ from monarch_kernel.controller.events import (
 )
 from monarch_kernel.controller.mesh import MeshRuntime, new_request_id
 from monarch_kernel.controller.takeover import Attached
+from monarch_kernel.kernel import dap_requests
+from monarch_kernel.kernel.dap_relay import DapRelay
 from monarch_kernel.kernel.debug import DebugConsole
 from monarch_kernel.kernel.output import CellOutput
 from monarch_kernel.shape import Shape
@@ -146,6 +148,10 @@ class InputRouter:
             runtime.answer_input(event.rank, event.serial, error=NO_READER)
 
 
+def _is_debugger_event(event: MeshEvent) -> bool:
+    return isinstance(event, DebuggerResumed) or (isinstance(event, InputRequested) and event.debug)
+
+
 class RemoteJob:
     """One ``%%remote`` execution. ``--bg`` returns it at once.
 
@@ -206,11 +212,14 @@ class RemoteJob:
         #: Told when a rank fails while the others still run it (a ``--bg`` block's
         #: title says so at once).
         self.on_failing: Callable[[RemoteJob], None] | None = None
+        #: The notebook's visual debugger, when it drives this cell's ranks.
+        self.dap: DapRelay | None = None
 
     def start(self) -> RemoteJob:
         header: dict[str, object] = {"k": self.kind}
         if self.kind == K.EXEC:
-            spec = {"code": self.code, "cell": self.cell, "header": self.header}
+            spec: dict[str, object] = {"code": self.code, "cell": self.cell, "header": self.header}
+            self._start_visual_debugger(spec)
             payload, buffers = dumps(spec, "cell")
         else:
             header.update(self.spec)
@@ -271,6 +280,23 @@ class RemoteJob:
         except Exception:  # never break the receiving thread
             pass
 
+    def _start_visual_debugger(self, spec: dict[str, object]) -> None:
+        """With the notebook's debugger on, a foreground cell goes with its gutter
+        breakpoints, and its ranks' debugger prompts go to the panel (not to pdb's)."""
+        remote = dap_requests.current()
+        if remote is None or self.on_finished is not None or not self.header:
+            return
+        path, lines = remote.breaks_for_current_cell()
+        spec["dap"] = lines
+        spec["dap_exc"] = bool(remote.exception_filters)
+        remote.relay.begin(self.procs.runtime, path)
+        self.dap = remote.relay
+
+    def _end_visual_debugger(self) -> None:
+        """(The cell's thread, which publishes the panel's events.) No rank is paused."""
+        if self.dap is not None:
+            self.dap.end()
+
     def _on_done(self, _: Future[ValueMesh[object]]) -> None:
         """Every rank answered or one was lost (a controller thread: never sleep here)."""
         self.finished = time.time()
@@ -327,6 +353,7 @@ class RemoteJob:
             finally:
                 if self.future.done():
                     self._close_output()
+                    self._end_visual_debugger()
         except KeyboardInterrupt:
             if self._input_abandoned and self.future.done():
                 return self.future.get(0)  # our own interrupt of a stale input() prompt
@@ -339,6 +366,9 @@ class RemoteJob:
 
     def _handle(self, event: MeshEvent | None) -> None:
         if event is None:
+            return
+        if self.dap is not None and _is_debugger_event(event):
+            self.dap.feed(event)
             return
         if self.debug.feed(event):
             return
@@ -405,6 +435,7 @@ class RemoteJob:
         finally:
             if self.future.done():
                 self._close_output()
+                self._end_visual_debugger()
         return RemoteInterrupted(f"{head}: every rank had finished it already")
 
     def cancel(self, why: str = "") -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from monarch_kernel.rank import capture, display
 from monarch_kernel.rank.actors import UserCode
 from monarch_kernel.rank.context import UserNamespace
+from monarch_kernel.rank.dap import DapPdb
 from monarch_kernel.rank.debugger import RankDebugger
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.wire import Message, loads
@@ -67,10 +68,15 @@ class Cells:
         self.debugger.last_failure = None  # a new cell releases the last failure's frames
         try:
             body, value = compile_cell(code, filename, len(header) + 1)
+            breaks = spec.get("dap")  # the notebook's visual debugger is on: its breakpoints
+            if breaks is not None:
+                DapPdb(self.debugger).arm(filename, [int(n) for n in breaks], sys._getframe())
             self.user.run_user(eval, body, ns)
             result = self.user.run_user(eval, value, ns) if value is not None else None
         except (Exception, KeyboardInterrupt) as exc:  # to the caller; SystemExit ends the
             # rank (like a script: sys.exit(n) exits with n, see ``rank.forked``)
+            if spec.get("dap_exc") and not isinstance(exc, KeyboardInterrupt):
+                DapPdb(self.debugger, post_mortem=True).stop_at_failure(exc)  # the panel's
             self.debugger.keep_failure(exc)  # for %debug_remote (post-mortem)
             self.outbox.reply_error(request, exc, "the cell")
             return

@@ -19,12 +19,14 @@ paused frame (pdb's own loop would swallow it).
 
 from __future__ import annotations
 
+import bdb
 import io
 import os
 import pdb
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import IO, Any, cast
 
@@ -78,6 +80,9 @@ class RankDebugger:
         self.paused_serial: int | None = None
         #: A debugger ran during this request (its trace function is removed at the end).
         self.used = False
+        #: Set while the request is driven by the notebook's visual debugger (DAP):
+        #: makes the debugger that ``breakpoint()`` stops in (a ``rank.dap.DapPdb``).
+        self.dap: Callable[[RankDebugger], RankPdb] | None = None
         self._active = threading.local()
 
     def install(self) -> None:
@@ -100,10 +105,15 @@ class RankDebugger:
         if os.environ.get("PYTHONBREAKPOINT") == "0":
             return  # breakpoints turned off, as Python's own hook does
         self.used = True
-        debugger = RankPdb(self, post_mortem=False)
+        debugger = self._new_pdb()
         if header is not None:
             debugger.message(header)
         debugger.set_trace(frame)
+
+    def _new_pdb(self) -> RankPdb:
+        if self.dap is not None:
+            return self.dap(self)
+        return RankPdb(self, post_mortem=False)
 
     def post_mortem(self) -> bool:
         """Debug the kept failure (on the main thread, as user code); False if none."""
@@ -154,6 +164,9 @@ class RankDebugger:
         for name in ("__return__", "__exception__"):
             self.rank.namespace.pop(name, None)
         self.detached = False
+        if self.dap is not None:
+            self.dap = None
+            bdb.Breakpoint.clearBreakpoints()  # (class-wide: a later pdb must not see them)
         self.resumed("done")
 
 
@@ -209,11 +222,7 @@ class RankPdb(pdb.Pdb):
 
     def ask(self) -> str:
         """Send pdb's output and prompt to the notebook; the command it answers."""
-        text = self._out.getvalue()
-        self._out.seek(0)
-        self._out.truncate()
-        if text.endswith(self.prompt):  # the kernel shows the prompt with the input box
-            text = text[: -len(self.prompt)]
+        text = self.prompt_text()
         owner = self._owner
         frame = self.curframe
         where = describe_where(frame, frame.f_lineno) if frame is not None else "?"
@@ -252,6 +261,15 @@ class RankPdb(pdb.Pdb):
             sys.stderr.write(f"rank {owner.rank.rank}: debugger at {where} detached: {exc}\n")
             sys.stderr.flush()
             return "detach" if not self._post_mortem else "quit"
+
+    def prompt_text(self) -> str:
+        """What goes with the prompt: pdb's output since the last one."""
+        text = self._out.getvalue()
+        self._out.seek(0)
+        self._out.truncate()
+        if text.endswith(self.prompt):  # the kernel shows the prompt with the input box
+            text = text[: -len(self.prompt)]
+        return text
 
     def stop_here(self, frame: FrameType) -> bool:
         # Only in user code: once a ``next`` leaves the cell or endpoint, the rank's own
