@@ -311,6 +311,8 @@ def watch_faults(runtime: MeshRuntime) -> None:
             actor = str(event.report.get("actor", ""))
             failure = MeshFailure(name, actor, event.rank, event.report)
         elif isinstance(event, RankDied) and event.state is RankState.DEAD:
+            if event.claimed:
+                return  # its training state is recovered from peers: handled
             d = event.death
             message = f"rank {d.rank} on {d.host}: {d.how}"
             report: FailureReport = {"type": "RankDied", "message": message}

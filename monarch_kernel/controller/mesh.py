@@ -39,6 +39,9 @@ from monarch_kernel.calls.requester import PLAIN, ActorSpec, CallOptions, MeshRe
 from monarch_kernel.controller.events import EventBus, RequestKind, RequestStarted
 from monarch_kernel.controller.failures import DEFAULT_GRACE, FailureHandler
 from monarch_kernel.controller.inbound import Inbound
+from monarch_kernel.controller.peer_mesh import PeerMesh
+from monarch_kernel.controller.peer_recovery import PeerRecovery
+from monarch_kernel.controller.peer_round import Recovery
 from monarch_kernel.controller.phase import MeshLifecycle
 from monarch_kernel.controller.receiver import Awaitable, Receiver
 from monarch_kernel.controller.records import (
@@ -168,6 +171,13 @@ class MeshRuntime:
             lifecycle=self.lifecycle,
             post=self.receiver.post,
         )
+        self.peers = PeerRecovery(
+            self.name,
+            ranks=self.ranks,
+            requests=self.requests,
+            policy=self.failures,
+            make_runner=self._peer_runner,
+        )
         self.supervisor = Supervisor(
             self.name,
             ranks=self.ranks,
@@ -179,6 +189,7 @@ class MeshRuntime:
             post=self.receiver.post,
             restarts=self.failures,
             hb_timeout=self.hb_timeout,
+            claim=self.peers.claim,
         )
         self._wire_restarts()
 
@@ -219,8 +230,27 @@ class MeshRuntime:
             rank_died=self.supervisor.rank_died,
             port_received=self.restarter.port_received,
             find_mesh=registry.get,
+            on_train=self.peers.on_notice,
+        )
+        self.peer_mesh = PeerMesh(
+            self.name,
+            self,
+            ranks=self.ranks,
+            hosts=self.hosts,
+            recipe=self.recipe,
+            restarter=self.restarter,
+            transport=self.transport,
+            requests=self.requests,
+            events=self.events,
+            post=self.receiver.post,
         )
         self.receiver.start(self.inbound.handle, self.supervisor.tick)
+
+    def _peer_runner(
+        self, rid: str, payload: bytes, buffers: Sequence[Buffer], dead: int
+    ) -> Recovery:
+        """A recovery from peers of request ``rid`` (``controller.peer_recovery``)."""
+        return Recovery(rid, payload, buffers, dead, self.peer_mesh, self.peers.finished)
 
     @property
     def state(self) -> MeshPhase:
@@ -273,6 +303,8 @@ class MeshRuntime:
         control, what = options.control, options.what
         kind = RequestKind.of(header["k"], control)
         self.requests.add(rid, ranks, observer, kind, what, options.internal)
+        if kind is RequestKind.CELL and not options.internal:  # re-sent if a rank dies
+            self.peers.remember_cell(rid, payload, buffers)
         if self.lifecycle.phase.ended:  # stop() ran since check_alive: it did not fail this
             self.requests.fail_request(rid, MeshStoppedError(f"mesh {self.name!r} is stopped"))
             return rid

@@ -246,6 +246,9 @@ class RecoveryReport:
     #: What went wrong while re-forming (a setup cell raised ...); empty if nothing.
     problems: tuple[str, ...] = ()
     reason: str = ""
+    #: A recovery from peers: what died, the state copied, the step resumed (then the
+    #: restarted ranks lost nothing declared in their TrainingState).
+    peer_state: str = ""
 
     def describe(self, mesh: str) -> str:
         """Which ranks restarted, what was re-run, and what state was lost."""
@@ -264,7 +267,9 @@ class RecoveryReport:
         text = f"mesh {mesh!r}: " + "; ".join(parts) + f" in {self.seconds:.2f}s"
         if self.reason:
             text += f" ({self.reason})"
-        if self.restarted:
+        if self.peer_state:
+            text += f"\n{self.peer_state}"
+        elif self.restarted:
             text += (
                 "\nlost on the restarted rank(s): variables and imports not made by setup "
                 "cells, and GPU memory contents"

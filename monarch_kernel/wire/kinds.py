@@ -219,6 +219,9 @@ kind              keys and payload
                   typed) or ``e`` str (why there is none: the rank's ``input()`` raises
                   EOFError with it; a debugger prompt takes ``e`` = ``interrupted`` as
                   KeyboardInterrupt and any other ``e`` as ``detach``)
+``train``         ``i``, ``w``. Payload: a pickled ``rank.train_park.Order`` for a rank
+                  parked at a training step boundary (``reform``, ``offer``, ``load``,
+                  ``resume``, ``raise``) or restarted (``expect``). Reply value: per order
 ``hello``         (no keys) the controller's connection probe, ignored
 ================  =======================================================================
 
@@ -271,6 +274,9 @@ kind              keys and payload
 ``resumed``       ``i``, ``n`` int (the debugger's last prompt serial: withdrawn if still
                   asked), ``why`` str (``continue``, ``detach``, ``quit``, ``timeout``,
                   ``interrupted``, ``done``): the rank's debugger lets it run on
+``train``         Payload: a pickled ``rank.train_park.Notice``: the rank runs steps of a
+                  ``TrainingState`` in a request, is parked at a step boundary, or
+                  loaded a replica's state
 ``stats``         Payload: pickled ``{"rss": int, "time": float, "bytes_out": int,
                   "bytes_in": int}`` plus ``"gpu_mem": int`` once CUDA is initialised
                   and ``"pg": str`` (the backend) once a process group was; once a
@@ -323,6 +329,10 @@ CANCEL = "cancel"  # header "c": the request to interrupt (running) or skip (not
 STACKS = "stacks"
 ABORT_PG = "abort_pg"
 INPUT_REPLY = "input_reply"
+#: Both ways: controller -> a rank's control thread, an order to a rank parked at a
+#: training step boundary (``rank.train_park.Order``); rank -> controller, a notice
+#: about its training (``rank.train_park.Notice``). Payload pickled.
+TRAIN = "train"
 
 # rank -> controller
 READY = "ready"

@@ -26,7 +26,9 @@ class ControlRequest(Ordered):
 
     KIND: ClassVar[str] = ""  #: one of KINDS: see ``kind``
     KEYS: ClassVar[frozenset[str]] = Ordered.KEYS
-    KINDS: ClassVar[frozenset[str]] = frozenset({K.PUSH, K.PULL, K.PING, K.STACKS, K.ABORT_PG})
+    KINDS: ClassVar[frozenset[str]] = frozenset(
+        {K.PUSH, K.PULL, K.PING, K.STACKS, K.ABORT_PG, K.TRAIN}
+    )
 
     kind: str
 

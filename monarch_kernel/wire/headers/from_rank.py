@@ -146,7 +146,7 @@ class RankNotice:
 
     KIND: ClassVar[str] = ""  #: one of KINDS: see ``kind``
     KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"r"}
-    KINDS: ClassVar[frozenset[str]] = frozenset({K.FAULT, K.STATS, K.STOP_MESH, K.ASK})
+    KINDS: ClassVar[frozenset[str]] = frozenset({K.FAULT, K.STATS, K.STOP_MESH, K.ASK, K.TRAIN})
 
     kind: str
     rank: int

@@ -1,0 +1,161 @@
+"""State from peers: a rank killed mid-training is replaced without a checkpoint.
+
+A real kernel, 4 ranks, gloo, ``%mesh NAME --gpus 4 --dist``, a foreground training
+loop over a ``TrainingState``. The test SIGKILLs one rank by pid while the loop runs;
+the cell must complete with the survivors' processes untouched, the same parameters on
+every rank, no file written, and the per-step losses of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+from kernel_client import Kernel
+
+pytestmark = pytest.mark.local
+
+STEPS = 60
+
+SETUP = """\
+%%remote {mesh} --setup
+import os, time, hashlib, torch, torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from monarch_kernel.training import TrainingState
+RANK = int(os.environ["RANK"])
+RESTARTED = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+class Batches:
+    "A deterministic stream of batches, different per rank; its position is its state."
+    def __init__(self):
+        self.pos = 0
+    def next(self):
+        g = torch.Generator().manual_seed(1000 * self.pos + RANK)
+        self.pos += 1
+        x = torch.randn(8, 16, generator=g)
+        return x, x[:, :4] * 2 - 1
+    def state_dict(self):
+        return {{"pos": self.pos}}
+    def load_state_dict(self, s):
+        self.pos = s["pos"]
+
+def fresh():
+    torch.manual_seed(0)
+    model = (torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, opt, Batches()
+
+def digest(model):
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+model, opt, batches = fresh()
+bodies = 0  # step bodies run on this rank (not part of the state: counts redone steps)
+"""
+
+TRAIN = """\
+%%remote {mesh}
+losses = []
+state = TrainingState(model=model, optimizer=opt, data=batches, extra={{"losses": losses}})
+while state.step < {steps}:
+    with state.stepping():
+        bodies += 1
+        x, y = batches.next()
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= 4
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(round(total.item() / 4, 7))
+        opt.step()
+        if RANK == 0:
+            print(f"step {{state.step}}", flush=True)
+    time.sleep({pause})
+(digest(model), state.step, bodies, losses)
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    work = tmp_path_factory.mktemp("peer-state")
+    k = Kernel()
+    r = k.run(f"import os; os.chdir({str(work)!r})")  # the ranks start here
+    assert not r.errors, r.error_text
+    k.work = work  # type: ignore[attr-defined]
+    yield k
+    k.shutdown_and_check()
+
+
+def _start(kernel: Kernel, mesh: str) -> None:
+    r = kernel.run(f"%mesh {mesh} --gpus 4 --dist", timeout=120)
+    assert "ready" in r.stdout, r.stderr + r.error_text
+    r = kernel.run(f"%%remote {mesh}\nimport datetime, torch.distributed as dist\ndist.destroy_process_group()\ndist.init_process_group('gloo', timeout=datetime.timedelta(seconds=3))", timeout=120)
+    assert not r.errors, r.error_text
+    r = kernel.run(SETUP.format(mesh=mesh), timeout=120)
+    assert not r.errors, r.error_text
+
+
+def _pids(kernel: Kernel, mesh: str) -> list[int]:
+    r = kernel.run(f"%remote {mesh} __import__('os').getpid()")
+    assert not r.errors, r.error_text
+    return [int(p) for p in re.findall(r": (\d+)", r.text)]
+
+
+def _outcome(kernel: Kernel, mesh: str) -> list[tuple[str, int, int, list[float]]]:
+    """Each rank's (digest, step, bodies run, losses) of the last training cell."""
+    r = kernel.run(
+        f"_mk_out = %pull {mesh} _mk_result\n[v for v in _mk_out.values()]", timeout=60
+    )
+    assert not r.errors, r.error_text
+    return eval(r.results[0]["data"]["text/plain"])  # noqa: S307 - our own repr
+
+
+def _train(kernel: Kernel, mesh: str, pause: float) -> str:
+    code = TRAIN.format(mesh=mesh, steps=STEPS, pause=pause)
+    return kernel.submit(code.replace("(digest(model)", "_mk_result = (digest(model)"))
+
+
+def _reference(kernel: Kernel, mesh: str) -> list[float]:
+    """Losses of an uninterrupted run from fresh state on the same mesh."""
+    r = kernel.run(f"%remote {mesh} model, opt, batches = fresh(); bodies = 0", timeout=60)
+    assert not r.errors, r.error_text
+    r = kernel.collect(_train(kernel, mesh, 0.0), timeout=120)
+    assert not r.errors, r.error_text
+    runs = _outcome(kernel, mesh)
+    assert len({run[0] for run in runs}) == 1, runs
+    return runs[0][3]
+
+
+def test_sigkill_mid_training_is_recovered_from_a_peer(kernel):
+    mesh = "ps"
+    _start(kernel, mesh)
+    pids = _pids(kernel, mesh)
+    cell = _train(kernel, mesh, 0.05)
+    kernel.wait_for_output(cell, "step 20", timeout=60)
+    os.kill(pids[2], signal.SIGKILL)
+    r = kernel.collect(cell, timeout=120)
+    assert not r.errors, r.error_text + r.stdout + r.stderr
+    text = r.stdout + r.stderr
+    assert "rank 2 died (killed by SIGKILL) at step" in text, text
+    assert "copied from rank" in text and "resumed at step" in text, text
+    runs = _outcome(kernel, mesh)
+    assert len({run[0] for run in runs}) == 1, f"replicas differ: {runs}"
+    assert all(run[1] == STEPS for run in runs)
+    survivors = [runs[r] for r in (0, 1, 3)]
+    assert all(STEPS <= run[2] <= STEPS + 1 for run in survivors), "more than one step lost"
+    after = _pids(kernel, mesh)
+    assert [after[r] for r in (0, 1, 3)] == [pids[r] for r in (0, 1, 3)]
+    assert after[2] != pids[2]
+    assert not list(kernel.work.iterdir()), "a file was written"  # no checkpoint
+    losses = runs[0][3]
+    assert runs[2][3] == losses  # the restarted rank has the history too
+    assert losses == _reference(kernel, mesh)
+    kernel.run(f"%mesh stop {mesh}")
