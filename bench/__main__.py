@@ -32,6 +32,7 @@ BENCHES = [
     "ready",
     "cells",
     "fault",
+    "peerstate",
     "ddp",
     "xhost",
     "engines",

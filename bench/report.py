@@ -119,6 +119,18 @@ def rows(s: Settings) -> list[Row]:
     )
     out.append(Row("raise_collective", "7. rank raises, 3 wait in all_reduce -> call raises", "ms"))
     out.append(Row("restart_1of4", "7. restart 1 rank of 4 + re-form process group", "s"))
+    out += [
+        Row(
+            "peer_first_step", "7. SIGKILL -> first step done, 100M params, state from a peer", "s"
+        ),
+        Row("peer_recovery", "7. SIGKILL -> survivors resume (state from a peer)", "s"),
+        Row("peer_step", "7. one training step of that model (4 ranks, for scale)", "s"),
+        Row("peer_state_gbps", "7. state transfer from the peer", "GB/s", "higher"),
+        Row("peer_raw_gbps", "7. raw data plane, same bytes, same ranks", "GB/s", "higher"),
+        Row("peer_steps_lost", "7. steps lost (state from a peer)", "steps"),
+        Row("disk_first_step", "7. SIGKILL -> first step done, disk checkpoint", "s"),
+        Row("disk_steps_lost", "7. steps lost (disk checkpoint every 10 steps)", "steps"),
+    ]
     out.append(Row("ddp_mesh_sps", "8. DDP steps/s, 2 ranks in a mesh", "steps/s", "higher"))
     out.append(
         Row("ddp_torchrun_sps", "8. DDP steps/s, same script under torchrun", "steps/s", "higher")
@@ -172,6 +184,8 @@ SCALE = {
     "lines/s": 1.0,
     "steps/s": 1.0,
     "x": 1.0,
+    "GB/s": 1.0,
+    "steps": 1.0,
 }
 
 

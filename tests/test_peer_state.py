@@ -18,6 +18,12 @@ from kernel_client import Kernel
 pytestmark = pytest.mark.local
 
 STEPS = 60
+# TEMPORARY until the re-formable process group lands: plain gloo with a short timeout
+SHORT_TIMEOUT = """\
+import datetime, torch.distributed as dist
+dist.destroy_process_group()
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
+"""
 
 SETUP = """\
 %%remote {mesh} --setup
@@ -27,6 +33,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from monarch_kernel.training import TrainingState
 RANK = int(os.environ["RANK"])
 RESTARTED = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+PIDS = {pids!r}
+
+def pid_of(rank):
+    return int(open(os.path.join(PIDS, f"pid{{rank}}")).read())
 
 class Batches:
     "A deterministic stream of batches, different per rank; its position is its state."
@@ -55,7 +65,10 @@ def digest(model):
     return h.hexdigest()[:16]
 
 model, opt, batches = fresh()
-bodies = 0  # step bodies run on this rank (not part of the state: counts redone steps)
+bodies = 0
+if PIDS:  # where the tests that kill a second rank find the others' pids
+    open(os.path.join(PIDS, f"pid{{RANK}}"), "w").write(str(os.getpid()))
+{extra}  # step bodies run on this rank (not part of the state: counts redone steps)
 """
 
 TRAIN = """\
@@ -94,12 +107,12 @@ def kernel(tmp_path_factory):
     k.shutdown_and_check()
 
 
-def _start(kernel: Kernel, mesh: str) -> None:
+def _start(kernel: Kernel, mesh: str, pids: str = "", extra: str = "") -> None:
     r = kernel.run(f"%mesh {mesh} --gpus 4 --dist", timeout=120)
     assert "ready" in r.stdout, r.stderr + r.error_text
-    r = kernel.run(f"%%remote {mesh}\nimport datetime, torch.distributed as dist\ndist.destroy_process_group()\ndist.init_process_group('gloo', timeout=datetime.timedelta(seconds=3))", timeout=120)
+    r = kernel.run(f"%%remote {mesh}\n{SHORT_TIMEOUT}", timeout=120)
     assert not r.errors, r.error_text
-    r = kernel.run(SETUP.format(mesh=mesh), timeout=120)
+    r = kernel.run(SETUP.format(mesh=mesh, pids=pids, extra=extra), timeout=120)
     assert not r.errors, r.error_text
 
 
@@ -111,11 +124,9 @@ def _pids(kernel: Kernel, mesh: str) -> list[int]:
 
 def _outcome(kernel: Kernel, mesh: str) -> list[tuple[str, int, int, list[float]]]:
     """Each rank's (digest, step, bodies run, losses) of the last training cell."""
-    r = kernel.run(
-        f"_mk_out = %pull {mesh} _mk_result\n[v for v in _mk_out.values()]", timeout=60
-    )
+    r = kernel.run(f"_mk_out = %pull {mesh} _mk_result\n[v for v in _mk_out.values()]", timeout=60)
     assert not r.errors, r.error_text
-    return eval(r.results[0]["data"]["text/plain"])  # noqa: S307 - our own repr
+    return eval(r.results[0]["data"]["text/plain"])
 
 
 def _train(kernel: Kernel, mesh: str, pause: float) -> str:
@@ -158,4 +169,71 @@ def test_sigkill_mid_training_is_recovered_from_a_peer(kernel):
     losses = runs[0][3]
     assert runs[2][3] == losses  # the restarted rank has the history too
     assert losses == _reference(kernel, mesh)
+    kernel.run(f"%mesh stop {mesh}")
+
+
+def _check_recovered(kernel: Kernel, mesh: str, pids: list[int], restarted: set[int]) -> None:
+    """Every rank at the last step with the same parameters and the losses of an
+    uninterrupted run; the ranks not restarted kept their processes."""
+    runs = _outcome(kernel, mesh)
+    assert len({run[0] for run in runs}) == 1, f"replicas differ: {runs}"
+    assert all(run[1] == STEPS for run in runs)
+    after = _pids(kernel, mesh)
+    for r in range(4):
+        assert (after[r] == pids[r]) == (r not in restarted), (r, pids, after)
+    losses = runs[0][3]
+    assert all(run[3] == losses for run in runs)
+    assert losses == _reference(kernel, mesh)
+
+
+# The restarted rank 2 kills rank 3 while its set-up cell runs again (the others are
+# parked, the process group was just re-formed): a second death during the recovery.
+KILL_DURING_SETUP = """if RESTARTED == 1 and RANK == 2:
+    os.kill(pid_of(3), 9)
+"""
+
+
+def test_a_second_death_during_the_recovery_is_recovered_too(kernel, tmp_path):
+    mesh = "ps2"
+    _start(kernel, mesh, str(tmp_path), KILL_DURING_SETUP)
+    pids = _pids(kernel, mesh)
+    cell = _train(kernel, mesh, 0.05)
+    kernel.wait_for_output(cell, "step 10", timeout=60)
+    os.kill(pids[2], signal.SIGKILL)
+    r = kernel.collect(cell, timeout=180)
+    assert not r.errors, r.error_text + r.stdout + r.stderr
+    text = r.stdout + r.stderr
+    assert "rank 2 died (killed by SIGKILL); rank 3 died (killed by SIGKILL) at step" in text
+    _check_recovered(kernel, mesh, pids, {2, 3})
+    kernel.run(f"%mesh stop {mesh}")
+
+
+# The restarted rank kills the replica that offered it its state just before it pulls
+# the state: the sending peer dies during the transfer.
+KILL_THE_SOURCE = """killed_source = False
+_load = TrainingState.load
+def load_after_killing_the_source(self, offer):
+    global killed_source
+    if RESTARTED == 1 and RANK == 2 and not killed_source:
+        killed_source = True
+        os.kill(pid_of(offer.source), 9)
+        time.sleep(0.5)
+    return _load(self, offer)
+TrainingState.load = load_after_killing_the_source
+"""
+
+
+def test_the_sending_peer_dying_mid_transfer_is_replaced_by_another(kernel, tmp_path):
+    mesh = "ps3"
+    _start(kernel, mesh, str(tmp_path), KILL_THE_SOURCE)
+    pids = _pids(kernel, mesh)
+    cell = _train(kernel, mesh, 0.05)
+    kernel.wait_for_output(cell, "step 10", timeout=60)
+    os.kill(pids[2], signal.SIGKILL)
+    r = kernel.collect(cell, timeout=180)
+    assert not r.errors, r.error_text + r.stdout + r.stderr
+    text = r.stdout + r.stderr
+    assert "rank 2 died (killed by SIGKILL); rank 0 died (killed by SIGKILL) at step" in text
+    assert "copied from rank 1" in text, text
+    _check_recovered(kernel, mesh, pids, {0, 2})
     kernel.run(f"%mesh stop {mesh}")
