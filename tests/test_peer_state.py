@@ -116,7 +116,7 @@ def _start(kernel: Kernel, mesh: str, pids: str = "", extra: str = "") -> None:
     assert not r.errors, r.error_text
 
 
-def _pids(kernel: Kernel, mesh: str) -> list[int]:
+def pids_of(kernel: Kernel, mesh: str) -> list[int]:
     r = kernel.run(f"%remote {mesh} __import__('os').getpid()")
     assert not r.errors, r.error_text
     return [int(p) for p in re.findall(r": (\d+)", r.text)]
@@ -129,7 +129,7 @@ def _outcome(kernel: Kernel, mesh: str) -> list[tuple[str, int, int, list[float]
     return eval(r.results[0]["data"]["text/plain"])
 
 
-def _train(kernel: Kernel, mesh: str, pause: float) -> str:
+def train(kernel: Kernel, mesh: str, pause: float) -> str:
     code = TRAIN.format(mesh=mesh, steps=STEPS, pause=pause)
     return kernel.submit(code.replace("(digest(model)", "_mk_result = (digest(model)"))
 
@@ -138,7 +138,7 @@ def _reference(kernel: Kernel, mesh: str) -> list[float]:
     """Losses of an uninterrupted run from fresh state on the same mesh."""
     r = kernel.run(f"%remote {mesh} model, opt, batches = fresh(); bodies = 0", timeout=60)
     assert not r.errors, r.error_text
-    r = kernel.collect(_train(kernel, mesh, 0.0), timeout=120)
+    r = kernel.collect(train(kernel, mesh, 0.0), timeout=120)
     assert not r.errors, r.error_text
     runs = _outcome(kernel, mesh)
     assert len({run[0] for run in runs}) == 1, runs
@@ -148,8 +148,8 @@ def _reference(kernel: Kernel, mesh: str) -> list[float]:
 def test_sigkill_mid_training_is_recovered_from_a_peer(kernel):
     mesh = "ps"
     _start(kernel, mesh)
-    pids = _pids(kernel, mesh)
-    cell = _train(kernel, mesh, 0.05)
+    pids = pids_of(kernel, mesh)
+    cell = train(kernel, mesh, 0.05)
     kernel.wait_for_output(cell, "step 20", timeout=60)
     os.kill(pids[2], signal.SIGKILL)
     r = kernel.collect(cell, timeout=120)
@@ -162,7 +162,7 @@ def test_sigkill_mid_training_is_recovered_from_a_peer(kernel):
     assert all(run[1] == STEPS for run in runs)
     survivors = [runs[r] for r in (0, 1, 3)]
     assert all(STEPS <= run[2] <= STEPS + 1 for run in survivors), "more than one step lost"
-    after = _pids(kernel, mesh)
+    after = pids_of(kernel, mesh)
     assert [after[r] for r in (0, 1, 3)] == [pids[r] for r in (0, 1, 3)]
     assert after[2] != pids[2]
     assert not list(kernel.work.iterdir()), "a file was written"  # no checkpoint
@@ -172,13 +172,13 @@ def test_sigkill_mid_training_is_recovered_from_a_peer(kernel):
     kernel.run(f"%mesh stop {mesh}")
 
 
-def _check_recovered(kernel: Kernel, mesh: str, pids: list[int], restarted: set[int]) -> None:
+def check_recovered(kernel: Kernel, mesh: str, pids: list[int], restarted: set[int]) -> None:
     """Every rank at the last step with the same parameters and the losses of an
     uninterrupted run; the ranks not restarted kept their processes."""
     runs = _outcome(kernel, mesh)
     assert len({run[0] for run in runs}) == 1, f"replicas differ: {runs}"
     assert all(run[1] == STEPS for run in runs)
-    after = _pids(kernel, mesh)
+    after = pids_of(kernel, mesh)
     for r in range(4):
         assert (after[r] == pids[r]) == (r not in restarted), (r, pids, after)
     losses = runs[0][3]
@@ -196,15 +196,15 @@ KILL_DURING_SETUP = """if RESTARTED == 1 and RANK == 2:
 def test_a_second_death_during_the_recovery_is_recovered_too(kernel, tmp_path):
     mesh = "ps2"
     _start(kernel, mesh, str(tmp_path), KILL_DURING_SETUP)
-    pids = _pids(kernel, mesh)
-    cell = _train(kernel, mesh, 0.05)
+    pids = pids_of(kernel, mesh)
+    cell = train(kernel, mesh, 0.05)
     kernel.wait_for_output(cell, "step 10", timeout=60)
     os.kill(pids[2], signal.SIGKILL)
     r = kernel.collect(cell, timeout=180)
     assert not r.errors, r.error_text + r.stdout + r.stderr
     text = r.stdout + r.stderr
     assert "rank 2 died (killed by SIGKILL); rank 3 died (killed by SIGKILL) at step" in text
-    _check_recovered(kernel, mesh, pids, {2, 3})
+    check_recovered(kernel, mesh, pids, {2, 3})
     kernel.run(f"%mesh stop {mesh}")
 
 
@@ -226,8 +226,8 @@ TrainingState.load = load_after_killing_the_source
 def test_the_sending_peer_dying_mid_transfer_is_replaced_by_another(kernel, tmp_path):
     mesh = "ps3"
     _start(kernel, mesh, str(tmp_path), KILL_THE_SOURCE)
-    pids = _pids(kernel, mesh)
-    cell = _train(kernel, mesh, 0.05)
+    pids = pids_of(kernel, mesh)
+    cell = train(kernel, mesh, 0.05)
     kernel.wait_for_output(cell, "step 10", timeout=60)
     os.kill(pids[2], signal.SIGKILL)
     r = kernel.collect(cell, timeout=180)
@@ -235,5 +235,5 @@ def test_the_sending_peer_dying_mid_transfer_is_replaced_by_another(kernel, tmp_
     text = r.stdout + r.stderr
     assert "rank 2 died (killed by SIGKILL); rank 0 died (killed by SIGKILL) at step" in text
     assert "copied from rank 1" in text, text
-    _check_recovered(kernel, mesh, pids, {0, 2})
+    check_recovered(kernel, mesh, pids, {0, 2})
     kernel.run(f"%mesh stop {mesh}")
