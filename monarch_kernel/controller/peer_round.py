@@ -308,6 +308,9 @@ class Recovery:
     def _offer(self, epoch: int) -> Offered:
         with self._cond:
             held = [(-n.step, r) for r, n in self.parked.items() if n.has_state]
+            why = [n.error for n in self.parked.values() if n.error.startswith("sharded:")]
+        if why:
+            raise _GiveUp(f"the training state {why[0].removeprefix('sharded: ')}")
         if not held:
             raise _GiveUp("no live replica holds the training state")
         source = min(held)[1]

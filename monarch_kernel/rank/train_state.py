@@ -68,6 +68,20 @@ def is_peer_failure(exc: BaseException) -> bool:
     return any(word in text for word in PEER_FAILURE_WORDS)
 
 
+def sharded_part(model: Any) -> str:
+    """The name of a parameter or buffer of ``model`` that is a *shard* (a ``DTensor``
+    with a ``Shard`` placement, as FSDP2 makes), or '' when every tensor is whole. A
+    sharded rank's state exists on no other rank unless the mesh keeps replicas of each
+    shard, so it cannot be taken from a peer."""
+    if model is None:
+        return ""
+    for name, value in model.state_dict().items():
+        placements = getattr(value, "placements", None)
+        if placements and any(type(p).__name__ == "Shard" for p in placements):
+            return str(name)
+    return ""
+
+
 def _has_state_dict(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
@@ -264,7 +278,15 @@ class _Step:
             # The failed collective's frames hold its pending work; the process group
             # cannot be re-formed while they live.
             traceback.clear_frames(tb)
-        order = park(state, request, f"{type(exc).__name__}: {exc}".splitlines()[0])
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        shard = sharded_part(state.model)
+        if shard:  # no peer holds this rank's shard: say so, the recovery gives up
+            why = (
+                f"sharded: its model is sharded (FSDP2: {shard!r} is a shard), so another "
+                "rank holds no replica of its state; recovering from peers needs a replica "
+                "of each shard (HSDP-style)"
+            )
+        order = park(state, request, why, has_state=not shard)
         return order.op == "resume"
 
     def _restore(self) -> None:
