@@ -69,6 +69,7 @@ from monarch_kernel.wire import Codec
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header, new_key
 from monarch_kernel.wire.headers import Owner
+from monarch_kernel.wire.train_msgs import Order
 
 __all__ = ["MeshRuntime", "new_request_id", "registry"]
 
@@ -177,6 +178,7 @@ class MeshRuntime:
             requests=self.requests,
             policy=self.failures,
             make_runner=self._peer_runner,
+            raise_parked=self._peer_raise,
         )
         self.supervisor = Supervisor(
             self.name,
@@ -251,6 +253,10 @@ class MeshRuntime:
     ) -> Recovery:
         """A recovery from peers of request ``rid`` (``controller.peer_recovery``)."""
         return Recovery(rid, payload, buffers, dead, self.peer_mesh, self.peers.finished)
+
+    def _peer_raise(self, rid: str, ranks: list[int], why: str) -> None:
+        """Ranks parked at a step boundary with no recovery to wait for raise."""
+        self.peer_mesh.ask_ranks(ranks, Order("raise", rid, why=why))
 
     @property
     def state(self) -> MeshPhase:

@@ -46,6 +46,10 @@ log = logging.getLogger("monarch_kernel.controller")
 KEPT_CELLS = 64
 #: Times one request may be recovered from peers (deaths claimed) before it fails.
 MAX_RECOVERIES = 4
+#: Seconds ranks parked at a step boundary wait for a death to be claimed (a peer's
+#: death is reported by its host agent a moment after the collective failed); without
+#: one they are told to raise the step's error (it was not a death: a hung peer ...).
+PARK_ALONE = 2.0
 
 
 class PolicyView(Protocol):
@@ -66,6 +70,8 @@ class RecoveryRunner(Protocol):
 
 #: ``(request id, cell payload, buffers, first dead rank) -> a runner``.
 RunnerFactory = Callable[[str, bytes, Sequence[Buffer], int], RecoveryRunner]
+#: ``(request id, parked ranks, why)``: tell them to leave the boundary and raise.
+RaiseParked = Callable[[str, list[int], str], None]
 
 
 class PeerRecovery:
@@ -79,12 +85,17 @@ class PeerRecovery:
         requests: RequestTable,
         policy: PolicyView,
         make_runner: RunnerFactory,
+        raise_parked: RaiseParked,
     ):
         self._name = name
         self._ranks = ranks
         self._requests = requests
         self._policy = policy
         self._make_runner = make_runner
+        self._raise_parked = raise_parked
+        #: request id -> rank -> its ``parked`` notice (kept for a recovery that starts
+        #: after it: the notice often comes before the death's report)
+        self._parked: dict[str, dict[int, Notice]] = {}
         self._lock = threading.Lock()
         #: request id -> its cell's (payload, buffers), the last KEPT_CELLS cells.
         self._cells: OrderedDict[str, tuple[bytes, tuple[Buffer, ...]]] = OrderedDict()
@@ -108,12 +119,33 @@ class PeerRecovery:
         notice = pickle.loads(payload)
         if not isinstance(notice, Notice):
             return
+        rid = notice.request
+        alone = False
         with self._lock:
             if notice.event == "active":
-                self._active.setdefault(notice.request, set()).add(rank)
-            runner = self._running.get(notice.request)
+                self._active.setdefault(rid, set()).add(rank)
+            elif notice.event == "parked":
+                parked = self._parked.setdefault(rid, {})
+                alone = not parked and rid not in self._running
+                parked[rank] = notice
+            runner = self._running.get(rid)
         if runner is not None:
             runner.notice(rank, notice)
+        elif alone:
+            timer = threading.Timer(PARK_ALONE, self._unclaimed, (rid,))
+            timer.daemon = True
+            timer.start()
+
+    def _unclaimed(self, rid: str) -> None:
+        """Ranks of ``rid`` parked and no death was claimed: they raise (timer thread)."""
+        with self._lock:
+            if rid in self._running:
+                return
+            parked = sorted(self._parked.pop(rid, {}))
+        if parked:
+            self._raise_parked(
+                rid, parked, "no rank died: the collective failed for another reason"
+            )
 
     def claim(self, rank: int) -> frozenset[str]:
         """``rank`` died (receiving thread): the requests whose part of it is kept
@@ -141,6 +173,8 @@ class PeerRecovery:
                     payload, buffers = self._cells[rid]
                     runner = self._make_runner(rid, payload, buffers, rank)
                     self._running[rid] = runner
+                    for r, notice in self._parked.get(rid, {}).items():
+                        runner.notice(r, notice)  # parked before the death was reported
                     runner.start()
                 else:
                     runner.add_dead(rank)
@@ -151,6 +185,7 @@ class PeerRecovery:
         """A recovery ended (its thread)."""
         with self._lock:
             self._running.pop(rid, None)
+            self._parked.pop(rid, None)
 
     def recovering(self, rid: str) -> bool:
         """Whether request ``rid`` is being recovered from peers now."""

@@ -267,8 +267,9 @@ class Recovery:
 
     def _reform(self, epoch: int) -> None:
         addr, port = self._mesh.rendezvous()
-        with self._cond:
-            parked, fresh = sorted(self.parked), sorted(self.fresh)
+        with self._cond:  # new ranks that run the cell already are parked: an order
+            parked = sorted(self.parked)
+            fresh = sorted(r for r, s in self.fresh.items() if s != "sent")
         fut = self._mesh.ask_ranks(parked, Order("reform", self.rid, addr, port))
         failed = self._mesh.run_internal(
             fresh,
