@@ -18,12 +18,6 @@ from kernel_client import Kernel
 pytestmark = pytest.mark.local
 
 STEPS = 60
-# TEMPORARY until the re-formable process group lands: plain gloo with a short timeout
-SHORT_TIMEOUT = """\
-import datetime, torch.distributed as dist
-dist.destroy_process_group()
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
-"""
 
 SETUP = """\
 %%remote {mesh} --setup
@@ -54,7 +48,7 @@ class Batches:
 
 def fresh():
     torch.manual_seed(0)
-    model = (torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)))
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     return model, opt, Batches()
 
@@ -82,9 +76,6 @@ while state.step < {steps}:
         loss = F.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= 4
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(round(total.item() / 4, 7))
@@ -110,8 +101,6 @@ def kernel(tmp_path_factory):
 def _start(kernel: Kernel, mesh: str, pids: str = "", extra: str = "") -> None:
     r = kernel.run(f"%mesh {mesh} --gpus 4 --dist", timeout=120)
     assert "ready" in r.stdout, r.stderr + r.error_text
-    r = kernel.run(f"%%remote {mesh}\n{SHORT_TIMEOUT}", timeout=120)
-    assert not r.errors, r.error_text
     r = kernel.run(SETUP.format(mesh=mesh, pids=pids, extra=extra), timeout=120)
     assert not r.errors, r.error_text
 

@@ -15,7 +15,7 @@ import signal
 import pytest
 from kernel_client import Kernel
 from netns import Joiner, agent_env, netns_hosts_fixture
-from test_peer_state import SETUP, SHORT_TIMEOUT, STEPS, check_recovered, pids_of, train
+from test_peer_state import SETUP, STEPS, check_recovered, pids_of, train
 
 pytestmark = pytest.mark.cluster
 
@@ -38,8 +38,6 @@ def test_sigkill_on_another_machine_is_recovered_from_a_peer_there(net, tmp_path
         joiner.progress(k.output_so_far(mid)[0])  # the people run the shown commands
         r = k.collect(mid, timeout=120)
         assert "ready" in r.stdout, r.stdout + r.stderr + r.error_text
-        r = k.run(f"%%remote {mesh}\n{SHORT_TIMEOUT}", timeout=120)
-        assert not r.errors, r.error_text
         r = k.run(SETUP.format(mesh=mesh, pids="", extra=""), timeout=120)
         assert not r.errors, r.error_text
         pids = pids_of(k, mesh)

@@ -43,6 +43,7 @@ WIRE: list[dict] = [
     {"k": K.PING, "i": "1", "w": 1},
     {"k": K.STACKS, "i": "1", "w": 1},
     {"k": K.ABORT_PG},
+    {"k": K.ABORT_PG, "why": "rank 2 raised ValueError"},
     {"k": K.CANCEL, "c": "12"},
     {"k": K.INPUT_REPLY, "n": 2, "v": "yes"},
     {"k": K.INPUT_REPLY, "n": 2, "e": "interrupted"},

@@ -30,6 +30,11 @@ from monarch_kernel.calls.value_mesh import ValueMesh
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire.reports import FailureReport
 
+#: Seconds a failed request's error waits for its incident to be settled: the release
+#: of the other ranks and, when nothing died, the mesh put right in place (process
+#: group re-formed, replicas made the same), which the error then reports.
+SETTLE_WAIT = 65.0
+
 
 def reply_value(reply: Reply, total: int) -> object:
     """The value of one rank's reply, or its failure raised as an :class:`ActorError`."""
@@ -116,7 +121,7 @@ class Gather:
         incident = self._incident
         if incident is not None:
             # Its thread notes how the last ranks were released just after they answer.
-            incident.settled.wait(5.0)
+            incident.settled.wait(SETTLE_WAIT)
         released = set(incident.released) if incident is not None else set()
         deaths = [r for r in self._failed_order if isinstance(self._lost.get(r), RankDiedError)]
         if incident is not None and incident.released and incident.root_rank in self._index:

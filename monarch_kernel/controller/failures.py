@@ -7,11 +7,14 @@ other ranks still run that request, an :class:`Incident` is opened and, after a 
 grace (the others may simply finish), the ranks still running it are released, each
 step only if the previous one was not enough:
 
-1. **abort the process group** on every live rank of the request: with gloo, the idle
-   failed rank closing its connections releases peers blocked in a collective with it
-   (measured: ~20 ms); with NCCL, aborting is how a stuck communicator is freed;
+1. **abort the process group** on every live rank of the request: the re-formable
+   group (gloo on CPU, ``rank/reformable.py``) kills its worker and fails the pending
+   collectives, so a rank blocked in one, even inside DDP's backward, is released in
+   milliseconds and keeps its state; with plain gloo the idle failed rank closing its
+   connections releases its peers; with NCCL, aborting is how a stuck communicator is
+   freed;
 2. **interrupt** them (KeyboardInterrupt in the user code they run);
-3. **kill** them.
+3. **kill** them: only a rank stuck in native code gets here, and the error names it.
 
 Under the ``continue`` policy none of this happens: the request fails after the grace
 and the others run on (inspect them with ``%mesh stacks``).
@@ -25,6 +28,15 @@ dead ranks and re-forms the mesh in the background (new requests wait for it), a
 outside any request get the same policy. A request a person interrupted is not a fault:
 its release may re-form the mesh, never stop it. The controller's own requests (while it
 re-forms a mesh) get no incident.
+
+When no rank died, the mesh is put right *in place* before the request's error is
+final, so the error says what was done: the process group is formed again if any rank
+aborted it (or left a collective pending), and the data-parallel replicas are compared
+and, if the ranks stopped at different points of a step, made the same again from the
+most advanced rank (``Restarter.recover``). That also runs, under every policy but
+``continue``, when a failed or interrupted request on a mesh with a process group
+released itself (nobody had to be aborted): ranks interrupted between two collectives
+can still hold different parameters.
 
 Invariants: at most one incident per request; the release steps run on the incident's
 own thread and change the request table only through ``Receiver.post`` (the receiving
@@ -55,6 +67,7 @@ from monarch_kernel.controller.records import (
 from monarch_kernel.controller.requests import RequestTable
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Header
+from monarch_kernel.wire.headers import AbortPg
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -64,6 +77,9 @@ DEFAULT_GRACE = 1.0
 STEP_WAIT = 0.5
 #: Seconds for killed ranks' deaths to be reported before the request gives up on them.
 KILL_WAIT = 5.0
+#: Seconds an in-place recovery (re-form the process group, compare and copy replicas)
+#: may take before the request's error is given without saying how it ended.
+IN_PLACE_WAIT = 60.0
 #: Automatic restarts of one rank allowed within RESTART_WINDOW seconds; a rank that
 #: keeps dying (a setup cell that kills it, a bad machine) is then left dead.
 MAX_RESTARTS = 3
@@ -149,15 +165,17 @@ class FailureHandler:
         events: EventBus,
         lifecycle: MeshLifecycle,
         post: Callable[..., None],
+        has_process_group: Callable[[], bool] = lambda: False,
     ):
         """``post``: ``Receiver.post`` (the request table changes on the thread holding
-        the receive token)."""
+        the receive token); ``has_process_group()``: whether the ranks formed one."""
         self._name = name
         self._actions = actions
         self._ranks = ranks
         self._requests = requests
         self._lifecycle = lifecycle
         self._post = post
+        self._has_process_group = has_process_group
         self.policy = policy
         self.grace = grace
         self._lock = threading.Lock()
@@ -254,7 +272,10 @@ class FailureHandler:
                     self._recovery_due = False
                 if incident.cancelled:
                     self._restart_not_stop = True
-            if due:  # before the caller hears: its next request must wait for it
+            # before the caller hears: its next request must wait for it
+            if (due or self._check_due(incident)) and self._in_place():
+                self._recover_in_place(incident)
+            elif due:
                 self._apply_policy()
             incident.settled.set()
 
@@ -269,12 +290,14 @@ class FailureHandler:
             return
         pending = self._requests.get(rid)
         live = [r for r in (pending.ranks if pending else ()) if self._ranks[r].alive]
-        # 1. abort the process group everywhere: the failed rank closing its
-        # connections is what releases its peers (gloo); aborting elsewhere is harmless.
+        # 1. abort the process group everywhere: a re-formable group releases the rank
+        # at once; with plain gloo the failed rank closing its connections is what
+        # releases its peers; aborting elsewhere is harmless.
         incident.needs_policy = True
         before = set(self._requests.waiting(rid))
+        why = AbortPg(why=f"rank {incident.root_rank} {incident.cause}").encode()
         for r in live:
-            self._actions.send_control(r, {"k": K.ABORT_PG})
+            self._actions.send_control(r, why)
         self._settled(rid, time.monotonic() + STEP_WAIT)
         self._note(incident, before, "released by aborting the process group")
         # 2. interrupt what they run
@@ -294,7 +317,10 @@ class FailureHandler:
             f"{incident.cause}"
         )
         for r in stuck:
-            incident.released[r] = "killed (stuck even after an interrupt)"
+            incident.released[r] = (
+                "killed (stuck in native code: neither aborting the process group nor an "
+                "interrupt released it)"
+            )
             self._ranks[r].kill_reason = reason
         self._actions.kill_ranks(sorted(stuck))
         if not self._settled(rid, time.monotonic() + KILL_WAIT):  # their host is stuck too
@@ -345,6 +371,53 @@ class FailureHandler:
                 "the next request waits for it."
             )
         return ""
+
+    # -- putting the mesh right in place ----------------------------------------------------
+    def _check_due(self, incident: Incident) -> bool:
+        """A request that released itself still gets its replicas checked: on a mesh with
+        a process group, when it ran on several ranks (not under ``continue``)."""
+        if self.policy is FailurePolicy.CONTINUE or not self._has_process_group():
+            return False
+        pending = self._requests.get(incident.request)
+        ranks = pending.ranks if pending is not None else self._ranks
+        return len(ranks) > 1
+
+    def _in_place(self) -> bool:
+        """Nothing to restart, and the policy does not stop the mesh."""
+        if self._lifecycle.phase.ended or self.policy is FailurePolicy.CONTINUE:
+            return False
+        if not self._restarting() and self.policy is FailurePolicy.STOP:
+            return False
+        return all(r.alive for r in self._ranks)
+
+    def _recover_in_place(self, incident: Incident) -> None:
+        """Re-form the process group if it broke and make the replicas the same, on this
+        (the incident's) thread; the request's error then says what was done."""
+        with self._lock:
+            if self._recovering:  # a restart runs: it re-forms the group too
+                self._recovery_due = True
+                return
+            self._recovering = True
+            self._restart_not_stop = False
+        self._lifecycle.begin_recovery()  # requests sent from now on wait for it
+        try:
+            how = (
+                "the interrupt"
+                if incident.cancelled
+                else (f"rank {incident.root_rank} {incident.cause}")
+            )
+            report = self._actions.recover([], timeout=IN_PLACE_WAIT, reason=f"after {how}")
+            incident.outcome = report.describe(self._name, in_place=True)
+        except Exception as exc:
+            if not self._lifecycle.phase.ended:
+                log.warning("mesh %s: re-forming in place failed: %s", self._name, exc)
+                incident.outcome = f"re-forming the mesh in place failed: {exc}"
+        finally:
+            with self._lock:
+                self._recovering = False
+                again, self._recovery_due = self._recovery_due, False
+            if again:  # a death while it ran
+                self._apply_policy()
 
     # -- the policy ------------------------------------------------------------------------
     def _apply_policy(self) -> None:

@@ -171,6 +171,7 @@ class MeshRuntime:
             events=self.events,
             lifecycle=self.lifecycle,
             post=self.receiver.post,
+            has_process_group=lambda: self.recipe.pg_backend is not None,
         )
         self.peers = PeerRecovery(
             self.name,

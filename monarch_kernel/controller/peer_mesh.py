@@ -27,6 +27,7 @@ from monarch_kernel.controller.restart import Restarter
 from monarch_kernel.controller.transport import Transport
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header
+from monarch_kernel.wire.headers.control import AbortPg
 from monarch_kernel.wire.train_msgs import Order
 
 _ORDER = CallOptions(control=True, internal=True, during_restart=True)
@@ -132,7 +133,8 @@ class PeerMesh:
     def abort_groups(self, ranks: Sequence[int]) -> None:
         for r in ranks:
             if self.ranks[r].alive:
-                self._sends.send_control(r, {"k": K.ABORT_PG})
+                why = "another rank died in the training step"
+                self._sends.send_control(r, AbortPg(why=why).encode())
 
     def resend_cell(self, rid: str, rank: int, payload: bytes, buffers: Sequence[Buffer]) -> None:
         """Send the cell of request ``rid`` to ``rank`` again (a restarted rank): its

@@ -246,30 +246,45 @@ class RecoveryReport:
     #: What went wrong while re-forming (a setup cell raised ...); empty if nothing.
     problems: tuple[str, ...] = ()
     reason: str = ""
+<<<<<<< HEAD
     #: A recovery from peers: what died, the state copied, the step resumed (then the
     #: restarted ranks lost nothing declared in their TrainingState).
     peer_state: str = ""
+=======
+    #: What the replica check found and did (``replicas identical``; empty: no check).
+    replicas: str = ""
+>>>>>>> wt-pg
 
-    def describe(self, mesh: str) -> str:
-        """Which ranks restarted, what was re-run, and what state was lost."""
-
-        if not self.restarted and self.process_group is None:
-            return f"mesh {mesh!r}: nothing to restart (no dead ranks)"
+    def describe(self, mesh: str, in_place: bool = False) -> str:
+        """Which ranks restarted, what was re-run, and what state was lost; ``in_place``
+        (no rank was to restart): only what was done, or nothing when all was well."""
+        if not self.restarted and self.process_group is None and not self.problems:
+            if self.replicas:
+                return f"mesh {mesh!r}: {self.replicas}"
+            return "" if in_place else f"mesh {mesh!r}: nothing to restart (no dead ranks)"
         parts = []
         if self.restarted:
             parts.append(f"restarted rank(s) {format_ranks(list(self.restarted))}")
         if self.process_group is not None:
-            parts.append(f"re-formed the process group ({self.process_group}) on all ranks")
+            where = "in place" if in_place else "on all ranks"
+            parts.append(f"re-formed the process group ({self.process_group}) {where}")
         if self.actors:
             parts.append(f"re-created actor(s) {', '.join(self.actors)}")
         if self.setup_cells:
             parts.append(f"re-ran setup cell(s) {', '.join(self.setup_cells)}")
+        parts = parts or ["checked the process group and the replicas"]
         text = f"mesh {mesh!r}: " + "; ".join(parts) + f" in {self.seconds:.2f}s"
         if self.reason:
             text += f" ({self.reason})"
+<<<<<<< HEAD
         if self.peer_state:
             text += f"\n{self.peer_state}"
         elif self.restarted:
+=======
+        if self.replicas:
+            text += f"; {self.replicas}"
+        if self.restarted:
+>>>>>>> wt-pg
             text += (
                 "\nlost on the restarted rank(s): variables and imports not made by setup "
                 "cells, and GPU memory contents"

@@ -3,9 +3,12 @@
 :meth:`Restarter.recover` runs the steps in order: restart the ranks (their host agents
 too, if lost); re-create the torch process group on every rank with a new rendezvous if
 the ranks had one; re-create actors and re-run ``--setup`` cells on the restarted ranks
-(what a :class:`~.records.MeshRecipe` remembers). Each step is a request of the
-controller's own (``internal``: no failure policy applies to it), waited for with a
-deadline and cancelled if it runs past it.
+(what a :class:`~.records.MeshRecipe` remembers). With no rank to restart (an
+in-place recovery after a failure or an interrupt in a collective loop), the process
+group is re-formed only if a rank's is broken, and then the data-parallel replicas are
+compared and made the same again (:meth:`Restarter.make_replicas_consistent`). Each
+step is a request of the controller's own (``internal``: no failure policy applies to
+it), waited for with a deadline and cancelled if it runs past it.
 
 Invariants: one restart runs at a time (``_lock``); while one runs the mesh is
 RECOVERING and new requests wait for it (:meth:`Restarter.wait_recovered`), except
@@ -23,6 +26,13 @@ from typing import Protocol
 
 from monarch_kernel.calls.errors import MeshStartError, format_ranks
 from monarch_kernel.calls.future import Future
+from monarch_kernel.calls.replica_plan import (
+    ReplicaDigest,
+    ReplicaPlan,
+    SyncReport,
+    describe,
+    plan_sync,
+)
 from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.calls.requester import PLAIN, CallOptions
 from monarch_kernel.controller.events import EventBus, MeshRecovered
@@ -145,7 +155,7 @@ class Restarter:
             self.recovery_error = None
             problems: list[str] = []
             try:
-                backend, actors, setups = self._reform(targets, t0 + timeout, problems)
+                backend, actors, setups, replicas = self._reform(targets, t0 + timeout, problems)
             except BaseException as exc:
                 self.recovery_error = str(exc).splitlines()[0] if str(exc) else repr(exc)
                 raise
@@ -160,6 +170,7 @@ class Restarter:
                 time.monotonic() - t0,
                 tuple(problems),
                 reason,
+                replicas,
             )
             self.last_recovery = report
         if self._events.wants(MeshRecovered):
@@ -168,8 +179,9 @@ class Restarter:
 
     def _reform(
         self, targets: list[int], deadline: float, problems: list[str]
-    ) -> tuple[str | None, tuple[str, ...], tuple[str, ...]]:
-        """The steps of :meth:`recover`: (process group backend, actors, setup cells)."""
+    ) -> tuple[str | None, tuple[str, ...], tuple[str, ...], str]:
+        """The steps of :meth:`recover`: (process group backend, actors, setup cells,
+        what the replica check did)."""
         backend = None
         broken = self._learn_process_group([r.rank for r in self._ranks if r.alive])
         if targets:
@@ -178,7 +190,10 @@ class Restarter:
             backend = self._reform_process_group(deadline, problems)
         actors = self._respawn_actors(targets, deadline, problems)
         setups = self._rerun_setup(targets, deadline, problems) if targets else ()
-        return backend, actors, setups
+        replicas = ""
+        if self.recipe.pg_backend is not None and not targets and not problems:
+            replicas = self.make_replicas_consistent(deadline, problems)
+        return backend, actors, setups, replicas
 
     # -- restarting ranks ----------------------------------------------------------------
     def restart_ranks(self, ranks: list[int], timeout: float = 60.0) -> None:
@@ -295,6 +310,39 @@ class Restarter:
             return None
         return backend
 
+    # -- replicas ------------------------------------------------------------------------
+    def make_replicas_consistent(self, deadline: float, problems: list[str]) -> str:
+        """Compare the data-parallel training objects of every rank (a digest of each);
+        if they differ, copy the most advanced rank's state to the others over the
+        process group, and check again. What was done, in one line ('' when the ranks
+        hold no such objects)."""
+        live = [r.rank for r in self._ranks if r.alive]
+        if len(live) != self._world:
+            return ""
+        call = "__import__('monarch_kernel.rank.replicas', fromlist=['_'])."
+        digests, failed = self.run_values(
+            live, call + "digest_namespace(globals())", "restart: compare replicas", deadline
+        )
+        if failed:
+            problems.append(f"comparing the replicas failed: {failed}")
+            return ""
+        plan = plan_sync([d for d in digests.values() if isinstance(d, ReplicaDigest)])
+        if plan.source is None:
+            return describe(plan)
+        code = call + f"sync_namespace(globals(), {list(plan.names)!r}, {plan.source})"
+        reports, failed = self.run_values(live, code, "restart: copy replicas", deadline)
+        if failed:
+            problems.append(f"{plan.why}; copying rank {plan.source}'s state failed: {failed}")
+            return ""
+        return self._synced(plan, [r for r in reports.values() if isinstance(r, SyncReport)])
+
+    @staticmethod
+    def _synced(plan: ReplicaPlan, reports: list[SyncReport]) -> str:
+        after = plan_sync([r.after for r in reports])
+        nbytes = max((r.nbytes for r in reports), default=0)
+        seconds = max((r.seconds for r in reports), default=0.0)
+        return describe(plan, nbytes, seconds, after=after.source is None)
+
     # -- actors and setup cells ----------------------------------------------------------
     def _respawn_actors(
         self, targets: list[int], deadline: float, problems: list[str]
@@ -350,6 +398,22 @@ class Restarter:
         options = CallOptions(what=f"cell {label}", internal=True)
         rid = self._mesh.request(ranks, {"k": K.EXEC}, payload, buffers, collect, options)
         return self._finish(collect, rid, deadline)
+
+    def run_values(
+        self, ranks: list[int], code: str, label: str, deadline: float
+    ) -> tuple[dict[int, object], str]:
+        """Run ``code`` as a cell on ``ranks``: (rank -> the value of its last
+        expression, '' or what went wrong)."""
+        payload, buffers = dumps({"code": code, "cell": label, "header": []}, "cell")
+        collect = _Collect(ranks)
+        options = CallOptions(what=f"cell {label}", internal=True)
+        rid = self._mesh.request(ranks, {"k": K.EXEC}, payload, buffers, collect, options)
+        failed = self._finish(collect, rid, deadline)
+        values: dict[int, object] = {}
+        if not failed:
+            for reply in collect.replies:
+                values[reply.rank] = reply.value(label)
+        return values, failed
 
     def _finish(self, collect: _Collect, rid: str, deadline: float) -> str:
         """Wait for one of the controller's own requests; on timeout, cancel it and give

@@ -157,6 +157,12 @@ class ControlThread:
             cancelled.pop()
         if context.current_request == target and self.main.in_user_code:
             os.kill(os.getpid(), signal.SIGINT)  # raises in the main thread
+            if "monarch_kernel.rank.pg_backend" in sys.modules:
+                # A main thread waiting in C++ for a collective (DDP's backward) takes no
+                # interrupt, and its peers are being interrupted: release it.
+                from monarch_kernel.rank import distributed
+
+                distributed.release_collectives("interrupted")
 
     def _request(self, msg: Message) -> str:
         """The id of the request ``msg`` (asked once the work is done, as the handlers
@@ -211,6 +217,7 @@ class ControlThread:
         pings, cancels and stack dumps for long."""
         from monarch_kernel.rank import distributed
 
+        why = H.AbortPg.decode(msg.header).why
         # A failure the abort causes (a collective released with an error) is not kept
         # for post-mortem: its frames hold the aborted group's pending work, and while
         # they live the group cannot be destroyed (the ranks would stay in a dead group).
@@ -219,7 +226,7 @@ class ControlThread:
 
         def abort() -> None:
             try:
-                distributed.abort_process_group()
+                distributed.abort_process_group(why)
             except Exception:
                 log.exception("rank %s: aborting the process group failed", self.rank)
 

@@ -120,7 +120,7 @@ def release_peers() -> None:
 
     def abort() -> None:
         try:
-            distributed.abort_process_group()
+            distributed.abort_process_group("a peer failed in the training step")
         except Exception:  # a group broken beyond aborting is re-formed all the same
             pass
 

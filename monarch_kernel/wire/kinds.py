@@ -213,8 +213,10 @@ kind              keys and payload
                   No reply to the cancel itself
 ``stacks``        ``i``, ``w``. Reply value: ``tuple[ThreadStack, ...]`` (every thread's
                   Python stack now; see ``wire.stacks``)
-``abort_pg``      (no keys) abort the default torch.distributed process group, if any:
-                  peers blocked in a collective with this rank are released with an error
+``abort_pg``      ``why`` str (optional: what happened, for the errors of the collectives
+                  it cuts short). Abort the rank's torch.distributed process groups, if
+                  any: peers blocked in a collective with this rank are released with an
+                  error (re-formable groups stay, to be formed again)
 ``input_reply``   ``n`` int (the ``input`` request answered), and ``v`` str (the line
                   typed) or ``e`` str (why there is none: the rank's ``input()`` raises
                   EOFError with it; a debugger prompt takes ``e`` = ``interrupted`` as

@@ -25,6 +25,7 @@ from typing import Any, TypeAlias
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.headers.base import CODEC_KEYS, HeaderError, WireAddress, WireHeader
 from monarch_kernel.wire.headers.control import (
+    AbortPg,
     Cancel,
     ControlRequest,
     InputReply,
@@ -80,6 +81,7 @@ AnyHeader: TypeAlias = (
     | Supervise
     | Hello
     | ControlRequest
+    | AbortPg
     | Cancel
     | InputReply
     | Ready
@@ -112,6 +114,7 @@ _CLASSES: tuple[Any, ...] = (
     Debug,
     Supervise,
     Hello,
+    AbortPg,
     Cancel,
     InputReply,
     Ready,
@@ -173,6 +176,7 @@ def encode(header: AnyHeader) -> WireHeader:
 
 
 __all__ = [
+    "AbortPg",
     "MeshCommon",
     "RankSpec",
     "AnyHeader",

@@ -21,14 +21,12 @@ from monarch_kernel.wire.headers.ordered import Ordered, envelope
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ControlRequest(Ordered):
-    """``push``, ``pull``, ``ping``, ``stacks``, ``abort_pg``: a request to a rank's
-    control thread (``kind``; all it needs is in the payload)."""
+    """``push``, ``pull``, ``ping``, ``stacks``: a request to a rank's control thread
+    (``kind``; all it needs is in the payload)."""
 
     KIND: ClassVar[str] = ""  #: one of KINDS: see ``kind``
     KEYS: ClassVar[frozenset[str]] = Ordered.KEYS
-    KINDS: ClassVar[frozenset[str]] = frozenset(
-        {K.PUSH, K.PULL, K.PING, K.STACKS, K.ABORT_PG, K.TRAIN}
-    )
+    KINDS: ClassVar[frozenset[str]] = frozenset({K.PUSH, K.PULL, K.PING, K.STACKS, K.TRAIN})
 
     kind: str
 
@@ -66,6 +64,31 @@ class Cancel:
             return cls(target=h["c"])
         except KeyError as exc:
             raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AbortPg:
+    """``abort_pg``: abort the rank's process group; ``why`` goes into the errors of the
+    collectives it cuts short (``rank 2 raised ValueError``)."""
+
+    KIND: ClassVar[str] = K.ABORT_PG
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"why"}
+
+    why: str = ""
+
+    def encode(self) -> WireHeader:
+        h: WireHeader = {"k": K.ABORT_PG}
+        if self.why:
+            h["why"] = self.why
+        return h
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> AbortPg:
+        check_keys(cls, h)
+        why = h.get("why", "")
+        if not isinstance(why, str):
+            raise HeaderError(f"'abort_pg' header: 'why' must be a string, got {why!r}")
+        return cls(why=why)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

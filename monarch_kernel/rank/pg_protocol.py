@@ -1,0 +1,147 @@
+"""What a rank and its process-group worker say to each other (one Unix SOCK_SEQPACKET
+socket per worker: one message per send, file descriptors ride along with SCM_RIGHTS).
+
+The rank sends :class:`Configure` (join a rendezvous), :class:`OpRequest` (run one
+collective on tensors laid out in a shared-memory slot) and :class:`Unmap` (a slot is
+gone); the worker answers :class:`Ready` / :class:`ConfigFailed` once, then
+:class:`Done` / :class:`Failed` per op, in the order ops complete. Messages are pickled
+NamedTuples: both ends run the same code (the worker is forked from the rank).
+
+Tensors never travel in a message: an op's tensors are packed into one slot (see
+:mod:`.pg_shm`) and named by :class:`TensorRef`; options objects travel as
+``(class name, {field: value})`` with reduce ops by name (:func:`encode_options`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, NamedTuple
+
+#: Largest message either side sends (op descriptions are small: tensors are in slots).
+MAX_MESSAGE = 1 << 16
+#: Most file descriptors that ride along with one message.
+MAX_FDS = 64
+#: Slot offsets are aligned to this many bytes.
+ALIGN = 64
+
+
+class TensorRef(NamedTuple):
+    """A contiguous tensor inside an op's slot."""
+
+    offset: int
+    dtype: str  #: ``float32`` (a ``torch`` attribute name)
+    shape: tuple[int, ...]
+
+
+class Configure(NamedTuple):
+    """Join the rendezvous at ``host:port`` (a TCPStore) under ``prefix`` as ``rank`` of
+    ``size``; ``env`` is set first (``GLOO_SOCKET_IFNAME`` ...)."""
+
+    host: str
+    port: int
+    prefix: str
+    rank: int
+    size: int
+    timeout_s: float
+    env: dict[str, str]
+
+
+class OpRequest(NamedTuple):
+    """Run ``method`` of the worker's group with ``args`` (TensorRef leaves resolved in
+    slot ``slot``) and the options ``options``; ``new_slots`` are ``(id, size)`` of the
+    slots whose descriptors come with this message, in order."""
+
+    op_id: int
+    method: str
+    args: tuple[Any, ...]
+    options: tuple[str, dict[str, Any]] | None
+    slot: int
+    new_slots: tuple[tuple[int, int], ...]
+
+
+class Unmap(NamedTuple):
+    """Slot ``slot`` is freed by the rank: unmap it."""
+
+    slot: int
+
+
+class Ready(NamedTuple):
+    """The worker's group is formed."""
+
+
+class ConfigFailed(NamedTuple):
+    """The worker could not form its group."""
+
+    error: str
+
+
+class Done(NamedTuple):
+    """Op ``op_id`` completed; its outputs are in its slot."""
+
+    op_id: int
+
+
+class Failed(NamedTuple):
+    """Op ``op_id`` failed in the worker (``error``: ``Type: message``)."""
+
+    op_id: int
+    error: str
+
+
+def encode_options(opts: object) -> tuple[str, dict[str, Any]] | None:
+    """``(class name, fields)`` of a torch.distributed options object (None for None)."""
+    if opts is None:
+        return None
+    fields: dict[str, Any] = {}
+    for name in dir(opts):
+        if name.startswith("_"):
+            continue
+        value = getattr(opts, name)
+        if value is None or callable(value):
+            continue
+        if name == "reduceOp":
+            value = _op_name(value)
+        elif isinstance(value, datetime.timedelta) and value.total_seconds() <= 0:
+            continue  # "no timeout": the group's own default applies
+        elif not isinstance(value, (int, float, str, bool, list, tuple, datetime.timedelta)):
+            if name == "device":
+                value = str(value)
+            else:
+                continue  # tensors (rootTensor index is an int), opaque objects
+        fields[name] = value
+    return type(opts).__name__, fields
+
+
+def _op_name(op: object) -> str:
+    """``SUM`` for ``ReduceOp.SUM``, ``ReduceOp(ReduceOp.SUM)`` and its RedOpType."""
+    inner = getattr(op, "op", op)
+    name = getattr(inner, "name", None)
+    if not isinstance(name, str):
+        raise ValueError(f"unsupported reduce op {op!r}")
+    if name == "PREMUL_SUM":
+        raise ValueError("ReduceOp.PREMUL_SUM is not supported by the gloo process group")
+    return name
+
+
+def decode_options(spec: tuple[str, dict[str, Any]] | None) -> object:
+    """The options object :func:`encode_options` described (in the worker)."""
+    if spec is None:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    cls_name, fields = spec
+    cls = getattr(dist, cls_name, None) or getattr(torch._C._distributed_c10d, cls_name)
+    opts = cls()
+    for name, value in fields.items():
+        if name == "reduceOp":
+            value = dist.ReduceOp(getattr(dist.ReduceOp, value))
+        elif name == "device":
+            value = torch.device(value)
+        setattr(opts, name, value)
+    return opts
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to :data:`ALIGN`."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
