@@ -48,7 +48,8 @@ class Batches:
 
 def fresh():
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)))
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model = DDP(net)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     return model, opt, Batches()
 

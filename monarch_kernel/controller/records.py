@@ -246,14 +246,11 @@ class RecoveryReport:
     #: What went wrong while re-forming (a setup cell raised ...); empty if nothing.
     problems: tuple[str, ...] = ()
     reason: str = ""
-<<<<<<< HEAD
+    #: What the replica check found and did (``replicas identical``; empty: no check).
+    replicas: str = ""
     #: A recovery from peers: what died, the state copied, the step resumed (then the
     #: restarted ranks lost nothing declared in their TrainingState).
     peer_state: str = ""
-=======
-    #: What the replica check found and did (``replicas identical``; empty: no check).
-    replicas: str = ""
->>>>>>> wt-pg
 
     def describe(self, mesh: str, in_place: bool = False) -> str:
         """Which ranks restarted, what was re-run, and what state was lost; ``in_place``
@@ -276,15 +273,11 @@ class RecoveryReport:
         text = f"mesh {mesh!r}: " + "; ".join(parts) + f" in {self.seconds:.2f}s"
         if self.reason:
             text += f" ({self.reason})"
-<<<<<<< HEAD
+        if self.replicas:
+            text += f"; {self.replicas}"
         if self.peer_state:
             text += f"\n{self.peer_state}"
         elif self.restarted:
-=======
-        if self.replicas:
-            text += f"; {self.replicas}"
-        if self.restarted:
->>>>>>> wt-pg
             text += (
                 "\nlost on the restarted rank(s): variables and imports not made by setup "
                 "cells, and GPU memory contents"
