@@ -124,6 +124,8 @@ class StateOffer:
     small: bytes
     nbytes: int  #: bytes of tensors offered
     made: float = field(default_factory=time.time)
+    #: The DDP model's gradient buckets (``train_pg.bucket_layout``), None if not DDP.
+    layout: list[list[int]] | None = None
 
     def refs(self) -> list[TensorRef]:
         """Every tensor handle in the offer."""

@@ -36,6 +36,7 @@ from monarch_kernel.rank.train_parts import (
     set_rng_state,
     share_tree,
 )
+from monarch_kernel.rank.train_pg import adopt_layout, bucket_layout
 from monarch_kernel.wire.train_msgs import Notice
 
 #: Words in an error's text that say a collective failed because of a peer (a dead
@@ -195,13 +196,16 @@ class TrainingState:
         model = share_tree(self.model.state_dict(), share, count) if self.model else None
         optim = share_tree(self.optimizer.state_dict(), share, count) if self.optimizer else None
         rank = context.current_rank().rank
-        return StateOffer(rank, self.step, model, optim, self._small(), count[0])
+        offer = StateOffer(rank, self.step, model, optim, self._small(), count[0])
+        offer.layout = bucket_layout(self.model)
+        return offer
 
     def load(self, offer: StateOffer) -> Notice:
         """Take ``offer``'s state (pulled from its rank now); what was loaded."""
         t0 = time.monotonic()
         if self.model is not None and offer.model is not None:
             load_model(self.model, offer.model)
+            adopt_layout(self.model, offer.layout)
         if self.optimizer is not None and offer.optimizer is not None:
             self.optimizer.load_state_dict(fetch_tree(offer.optimizer, []))
         self._load_small(offer.small)
