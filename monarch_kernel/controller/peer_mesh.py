@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pickle
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -165,6 +164,5 @@ class PeerMesh:
             "a rank died in a training step",
             peer_state=text,
         )
+        self._restarter.last_recovery = report  # what MeshRuntime.last_recovery says
         events.emit(MeshRecovered(self.name, report))
-        self.last_text = text
-        self.last_time = time.time()

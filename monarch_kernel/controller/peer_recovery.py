@@ -104,6 +104,8 @@ class PeerRecovery:
         #: request id -> its recovery in progress.
         self._running: dict[str, RecoveryRunner] = {}
         self._counts: dict[str, int] = {}
+        #: The last recovery that ended (its ``phases``: seconds per step, for the bench).
+        self.last: RecoveryRunner | None = None
 
     # -- what the mesh tells it -----------------------------------------------------------
     def remember_cell(self, rid: str, payload: bytes, buffers: Sequence[Buffer]) -> None:
@@ -184,7 +186,7 @@ class PeerRecovery:
     def finished(self, rid: str) -> None:
         """A recovery ended (its thread)."""
         with self._lock:
-            self._running.pop(rid, None)
+            self.last = self._running.pop(rid, None) or self.last
             self._parked.pop(rid, None)
 
     def recovering(self, rid: str) -> bool:

@@ -199,6 +199,16 @@ class Recovery:
         finally:
             self.phases[phase] = self.phases.get(phase, 0.0) + time.monotonic() - t0
 
+    def _watch(self, fut: Future[list[Reply]]) -> Future[list[Reply]]:
+        """``fut``, which wakes :meth:`_wait` when it completes."""
+
+        def wake(_: object) -> None:
+            with self._cond:
+                self._cond.notify_all()
+
+        fut.add_done_callback(wake)
+        return fut
+
     def _check(self, epoch: int) -> None:
         if self._epoch != epoch:
             raise _Broken()
@@ -252,7 +262,7 @@ class Recovery:
     def _ask(self, ranks: Sequence[int], order: Order, epoch: int, what: str) -> list[Reply]:
         """An order to parked ranks; their replies (a failed one gives up, unless a rank
         died meanwhile: then the next round)."""
-        fut = self._mesh.ask_ranks(ranks, order)
+        fut = self._watch(self._mesh.ask_ranks(ranks, order))
         until = time.monotonic() + STEP_WAIT
         if not self._wait(fut.done, epoch, until):
             raise _GiveUp(f"no answer to {what} from rank(s) {format_ranks(list(ranks))}")
@@ -270,7 +280,7 @@ class Recovery:
         with self._cond:  # new ranks that run the cell already are parked: an order
             parked = sorted(self.parked)
             fresh = sorted(r for r, s in self.fresh.items() if s != "sent")
-        fut = self._mesh.ask_ranks(parked, Order("reform", self.rid, addr, port))
+        fut = self._watch(self._mesh.ask_ranks(parked, Order("reform", self.rid, addr, port)))
         failed = self._mesh.run_internal(
             fresh,
             _REFORM.format(addr=addr, port=port),
@@ -297,7 +307,9 @@ class Recovery:
         steps += [(c.code, c.label) for c in self._mesh.setup_cells_now()]
         steps += [(_LOCAL.format(on=False), "recovery: collectives")]
         for code, label in steps:
+            t0 = time.monotonic()
             failed = self._mesh.run_internal(todo, code, label, deadline)
+            self.phases[f"setup {label}"] = time.monotonic() - t0
             self._check(epoch)
             if failed:
                 raise _GiveUp(f"setup cell {label} failed on the restarted rank: {failed}")
