@@ -31,6 +31,7 @@ import time
 from bench.common import Recorder, Settings
 
 MESH = "pb"
+DISK_MESH = "pd"
 CKPT_EVERY = 10
 #: Rows this module fills (``rec.guard`` them together).
 ROWS = (
@@ -38,6 +39,7 @@ ROWS = (
     "peer_recovery",
     "peer_step",
     "peer_state_gbps",
+    "peer_state_gb",
     "peer_raw_gbps",
     "peer_steps_lost",
     "disk_first_step",
@@ -45,7 +47,7 @@ ROWS = (
 )
 
 SETUP = """\
-%%remote pb --setup
+%%remote {mesh} --setup
 import os, time, torch, torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -59,7 +61,8 @@ def build():
     for _ in range(DEPTH):
         layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()]
     model = DDP(torch.nn.Sequential(*layers), gradient_as_bucket_view=True)
-    return model, torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    return model, opt, Batches()
 
 class Batches:
     def __init__(self):
@@ -80,11 +83,11 @@ def step_once(model, opt, batches):
     loss.backward()
     opt.step()
 
-model, opt, batches = build()
+{build_now}
 """
 
 TRAIN = """\
-%%remote pb
+%%remote {mesh}
 state = TrainingState(model=model, optimizer=opt, data=batches)
 bodies = 0
 while state.step < {steps}:
@@ -97,25 +100,31 @@ bodies - state.step
 """
 
 DISK = """\
-%%remote pb
+%%remote {mesh}
 model, opt, batches = build()
-state = TrainingState(model=model, optimizer=opt, data=batches)
-if os.path.exists(CKPT):
-    state.load_state_dict(torch.load(CKPT, weights_only=False))
+step = 0
+if os.path.exists(CKPT):  # what a training script does today: resume from the last one
+    ckpt = torch.load(CKPT, weights_only=False)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    batches.load_state_dict(ckpt["data"])
+    step = ckpt["step"]
     if RANK == 0:
-        print(f"resumed {{state.step}}", flush=True)
-while state.step < {steps}:
-    with state.stepping():
-        step_once(model, opt, batches)
+        print(f"resumed {{step}}", flush=True)
+while step < {steps}:
+    step_once(model, opt, batches)
+    step += 1
     if RANK == 0:
-        print(f"done {{state.step}} {{time.time()!r}}", flush=True)
-        if state.step % {every} == 0:
-            torch.save(state.state_dict(), CKPT + ".tmp")
+        print(f"done {{step}} {{time.time()!r}}", flush=True)
+        if step % {every} == 0:
+            ckpt = {{"model": model.state_dict(), "opt": opt.state_dict(),
+                    "data": batches.state_dict(), "step": step}}
+            torch.save(ckpt, CKPT + ".tmp")
             os.replace(CKPT + ".tmp", CKPT)
 """
 
 RAW = """\
-%%remote pb
+%%remote {mesh}
 import monarch_kernel
 nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
 nbytes += sum(
@@ -127,7 +136,7 @@ ref = monarch_kernel.share(blob) if RANK == 0 else None
 """
 
 READ = """\
-%%remote pb --ranks 2
+%%remote {mesh} --ranks 2
 dst = torch.empty(ref.shape, dtype=torch.float32)
 t0 = time.perf_counter()
 ref.read_into(dst)
@@ -168,14 +177,19 @@ class _Kernel:
                 text.append(c["data"].get("text/plain", ""))
             elif kind == "error":
                 text.append("\n".join(c["traceback"]))
-            elif kind == "status" and c["execution_state"] == "idle" and until is None:
+            elif kind == "status" and c["execution_state"] == "idle":
+                if until is not None and until not in "".join(text):
+                    raise RuntimeError(f"cell ended before {until!r}: {''.join(text)[-1500:]}")
                 return "".join(text)
             if until is not None and until in "".join(text):
                 return "".join(text)
         raise TimeoutError(f"cell did not show {until!r} in {timeout:.0f}s: {''.join(text)[-800:]}")
 
     def run(self, code: str, timeout: float = 600) -> str:
-        return self.read(self.start(code), None, timeout)
+        text = self.read(self.start(code), None, timeout)
+        if "Traceback" in text or "Error in the cell" in text:
+            raise RuntimeError(f"cell failed: {text[-1500:]}")
+        return text
 
     def stop(self) -> None:
         self.kc.stop_channels()
@@ -186,8 +200,8 @@ def _done(text: str) -> dict[int, float]:
     return {int(s): float(t) for s, t in re.findall(r"done (\d+) ([0-9.]+)", text)}
 
 
-def _pids(k: _Kernel) -> list[int]:
-    text = k.run(f"%remote {MESH} __import__('os').getpid()")
+def _pids(k: _Kernel, mesh: str) -> list[int]:
+    text = k.run(f"%remote {mesh} __import__('os').getpid()")
     return [int(p) for p in re.findall(r": (\d+)", text)]
 
 
@@ -200,8 +214,8 @@ def _kill_at(k: _Kernel, cell: str, step: int, pid: int) -> tuple[float, str]:
 
 
 def peers_run(k: _Kernel, steps: int, rec: Recorder) -> None:
-    pids = _pids(k)
-    cell = k.start(TRAIN.format(steps=steps))
+    pids = _pids(k, MESH)
+    cell = k.start(TRAIN.format(mesh=MESH, steps=steps))
     t_kill, text = _kill_at(k, cell, 4, pids[2])
     done = _done(text)
     got = re.search(r"copied from rank \d+ in ([0-9.]+) s; resumed at step (\d+)", text)
@@ -218,11 +232,11 @@ def peers_run(k: _Kernel, steps: int, rec: Recorder) -> None:
     load_s = float(got.group(1))
     nbytes = _state_bytes(k)
     rec.value("peer_state_gbps", nbytes / load_s / 1e9)
-    rec.note("peer_state_gbps", f"{nbytes / 1e9:.2f} GB of state in {load_s:.2f} s")
+    rec.value("peer_state_gb", nbytes / 1e9)
 
 
 def _state_bytes(k: _Kernel) -> int:
-    text = k.run(RAW)
+    text = k.run(RAW.format(mesh=MESH))
     if "Error" in text:
         raise RuntimeError(text)
     text = k.run(f"%%remote {MESH} --ranks 0\nnbytes")
@@ -232,41 +246,54 @@ def _state_bytes(k: _Kernel) -> int:
 def raw_rate(k: _Kernel, rec: Recorder) -> None:
     """The same bytes through the data plane, rank 0 -> rank 2, in the same mesh."""
     k.run(f"ref = {MESH}.pull('ref').item(gpus=0)\n%push {MESH} ref")
-    text = k.run(READ)
+    text = k.run(READ.format(mesh=MESH))
     nbytes, secs = (float(x) for x in re.findall(r"\(([0-9.e+]+), ([0-9.e-]+)\)", text)[0])
     rec.value("peer_raw_gbps", nbytes / secs / 1e9)
     k.run(f"%%remote {MESH}\nblob = ref = None")
 
 
-def disk_run(k: _Kernel, steps: int, rec: Recorder, ckpt: str) -> None:
-    k.run(f"%push {MESH} CKPT={ckpt!r}")
-    pids = _pids(k)
-    cell = k.start(DISK.format(steps=steps, every=CKPT_EVERY))
+def disk_run(k: _Kernel, rec: Recorder, ckpt: str) -> None:
+    """The same kill with what a training script does today: a checkpoint on disk every
+    CKPT_EVERY steps, the mesh's usual restart, and the cell run again to resume."""
+    k.run(f"%push {DISK_MESH} CKPT={ckpt!r}")
+    pids = _pids(k, DISK_MESH)
     kill_step = CKPT_EVERY + CKPT_EVERY // 2
+    cell = k.start(DISK.format(mesh=DISK_MESH, steps=kill_step + 10, every=CKPT_EVERY))
     t_kill, _text = _kill_at(k, cell, kill_step, pids[2])
-    k.run(f"%push {MESH} CKPT={ckpt!r}")  # the restarted rank lost it
-    text = k.run(DISK.format(steps=kill_step + 3, every=CKPT_EVERY))
+    k.run(f"%push {DISK_MESH} CKPT={ckpt!r}")  # the restarted rank lost it
+    text = k.run(DISK.format(mesh=DISK_MESH, steps=kill_step + 3, every=CKPT_EVERY))
     resumed = int(re.findall(r"resumed (\d+)", text)[0])
     first = min(_done(text).values()) - t_kill
     rec.value("disk_first_step", first)
     rec.value("disk_steps_lost", kill_step + 1 - resumed)
 
 
+def _mesh(k: _Kernel, mesh: str, width: int, build_now: bool) -> None:
+    k.run(f"%mesh {mesh} --gpus 4 --dist", timeout=300)
+    now = "model, opt, batches = build()" if build_now else ""
+    k.run(SETUP.format(mesh=mesh, width=width, depth=6, build_now=now), timeout=600)
+
+
 def ours(s: Settings, rec: Recorder) -> None:
-    width, depth = 4096, 6  # 6 x (4096 x 4096 + 4096) = 100.7M parameters
-    steps = 8 if s.quick else 10
+    # 6 x (4096 x 4096 + 4096) = 100.7M parameters (MK_BENCH_PEER_WIDTH: a smaller trial)
+    width = int(os.environ.get("MK_BENCH_PEER_WIDTH", "4096"))
+    steps = 8 if width >= 1024 else 100  # a small trial model steps fast: more of them
     work = tempfile.mkdtemp(prefix="mk-bench-peer-")
     k = _Kernel()
     try:
         k.run(f"import os; os.chdir({work!r})")
-        k.run(f"%mesh {MESH} --gpus 4 --dist", timeout=300)
-        k.run(SETUP.format(width=width, depth=depth), timeout=600)
-        with rec.guard(*ROWS[:6]):
+        # The model is built in the set-up cell: a restarted rank builds it again there
+        # (its collectives answered locally) before it takes a peer's state.
+        _mesh(k, MESH, width, build_now=True)
+        with rec.guard(*ROWS[:7]):
             peers_run(k, steps, rec)
             raw_rate(k, rec)
-        with rec.guard(*ROWS[6:]):
-            disk_run(k, CKPT_EVERY * 2 + 4, rec, os.path.join(work, "ckpt.pt"))
         k.run(f"%mesh stop {MESH}")
+        # Today's way builds it in the training cell, which the usual restart runs again.
+        _mesh(k, DISK_MESH, width, build_now=False)
+        with rec.guard(*ROWS[7:]):
+            disk_run(k, rec, os.path.join(work, "ckpt.pt"))
+        k.run(f"%mesh stop {DISK_MESH}")
     finally:
         k.stop()
         shutil.rmtree(work, ignore_errors=True)

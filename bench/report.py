@@ -125,6 +125,7 @@ def rows(s: Settings) -> list[Row]:
         ),
         Row("peer_recovery", "7. SIGKILL -> survivors resume (state from a peer)", "s"),
         Row("peer_step", "7. one training step of that model (4 ranks, for scale)", "s"),
+        Row("peer_state_gb", "7. state copied from the peer (params + momentum)", "GB"),
         Row("peer_state_gbps", "7. state transfer from the peer", "GB/s", "higher"),
         Row("peer_raw_gbps", "7. raw data plane, same bytes, same ranks", "GB/s", "higher"),
         Row("peer_steps_lost", "7. steps lost (state from a peer)", "steps"),
@@ -185,6 +186,7 @@ SCALE = {
     "steps/s": 1.0,
     "x": 1.0,
     "GB/s": 1.0,
+    "GB": 1.0,
     "steps": 1.0,
 }
 

@@ -135,16 +135,11 @@ def reform(addr: str, port: int) -> None:
     """Join the process group's new rendezvous at ``addr:port`` (the world as before).
 
     The default group is re-formed in place (``distributed.reform_process_group``: the
-    user objects that hold it keep working). A restarted rank has no group yet: it first
-    makes a group of its own alone, of the kind ``init_process_group`` makes here (the
-    re-formable one on CPU), so that it then joins the same rendezvous as the others
-    (a group made directly at the rendezvous would be of another kind, or meet the
-    others under another name).
+    user objects that hold it keep working; a restarted rank first makes one alone, see
+    :func:`form_alone`).
     """
     from monarch_kernel.rank import distributed
 
-    if not distributed.is_initialized():
-        _alone()
     distributed.reform_process_group(addr, port)
 
 
@@ -206,8 +201,14 @@ def adopt_layout(model: Any, layout: list[list[int]] | None) -> bool:
     return True
 
 
-def _alone() -> None:
-    """A default process group of this rank alone (a world of one)."""
+def form_alone() -> None:
+    """Make a default process group of this rank alone (a world of one), of the kind
+    ``init_process_group`` makes here (the re-formable one on CPU).
+
+    For a restarted rank about to join the others' new rendezvous: they re-form their
+    groups in place, and a group made directly at that rendezvous would be of another
+    kind (plain gloo) or meet them under another name, and wait forever; re-forming
+    this one joins them as one of theirs."""
     global _store
     from datetime import timedelta
 
