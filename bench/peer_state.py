@@ -226,7 +226,11 @@ def peers_run(k: _Kernel, steps: int, rec: Recorder) -> None:
     resumed = int(got.group(2))
     first = min(t for s, t in done.items() if s > resumed) - t_kill
     rec.value("peer_first_step", first)
-    rec.value("peer_recovery", float(took.group(1)))
+    phases = k.run(
+        f"print({{k: round(v, 3) for k, v in {MESH}.runtime.peers.last.phases.items()}})"
+    )
+    rec.value("peer_recovery", float(took.group(1)), phases=phases.strip())
+    print(f"  phases: {phases.strip()}", flush=True)
     rec.value("peer_step", done[3] - done[2])
     rec.value("peer_steps_lost", max(int(x) for x in lost))
     load_s = float(got.group(1))
@@ -289,6 +293,8 @@ def ours(s: Settings, rec: Recorder) -> None:
             peers_run(k, steps, rec)
             raw_rate(k, rec)
         k.run(f"%mesh stop {MESH}")
+        if os.environ.get("MK_BENCH_PEER_ONLY"):  # a trial of the recovery alone
+            return
         # Today's way builds it in the training cell, which the usual restart runs again.
         _mesh(k, DISK_MESH, width, build_now=False)
         with rec.guard(*ROWS[7:]):

@@ -41,7 +41,6 @@ from monarch_kernel.controller.failures import DEFAULT_GRACE, FailureHandler
 from monarch_kernel.controller.inbound import Inbound
 from monarch_kernel.controller.peer_mesh import PeerMesh
 from monarch_kernel.controller.peer_recovery import PeerRecovery
-from monarch_kernel.controller.peer_round import Recovery
 from monarch_kernel.controller.phase import MeshLifecycle
 from monarch_kernel.controller.receiver import Awaitable, Receiver
 from monarch_kernel.controller.records import (
@@ -69,7 +68,6 @@ from monarch_kernel.wire import Codec
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header, new_key
 from monarch_kernel.wire.headers import Owner
-from monarch_kernel.wire.train_msgs import Order
 
 __all__ = ["MeshRuntime", "new_request_id", "registry"]
 
@@ -178,8 +176,11 @@ class MeshRuntime:
             ranks=self.ranks,
             requests=self.requests,
             policy=self.failures,
-            make_runner=self._peer_runner,
-            raise_parked=self._peer_raise,
+            # the PeerMesh is made with the restart parts, later: looked up when used
+            make_runner=lambda rid, payload, buffers, dead: self.peer_mesh.runner(
+                rid, payload, buffers, dead, self.peers.finished
+            ),
+            raise_parked=lambda rid, ranks, why: self.peer_mesh.raise_parked(rid, ranks, why),
         )
         self.supervisor = Supervisor(
             self.name,
@@ -248,16 +249,6 @@ class MeshRuntime:
             post=self.receiver.post,
         )
         self.receiver.start(self.inbound.handle, self.supervisor.tick)
-
-    def _peer_runner(
-        self, rid: str, payload: bytes, buffers: Sequence[Buffer], dead: int
-    ) -> Recovery:
-        """A recovery from peers of request ``rid`` (``controller.peer_recovery``)."""
-        return Recovery(rid, payload, buffers, dead, self.peer_mesh, self.peers.finished)
-
-    def _peer_raise(self, rid: str, ranks: list[int], why: str) -> None:
-        """Ranks parked at a step boundary with no recovery to wait for raise."""
-        self.peer_mesh.ask_ranks(ranks, Order("raise", rid, why=why))
 
     @property
     def state(self) -> MeshPhase:

@@ -14,6 +14,7 @@ from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.calls.requester import CallOptions
 from monarch_kernel.controller.events import EventBus, MeshRecovered, StreamOutput
+from monarch_kernel.controller.peer_round import Recovery
 from monarch_kernel.controller.records import (
     HostInfo,
     MeshRecipe,
@@ -109,6 +110,21 @@ class PeerMesh:
         self._requests = requests
         self._events = events
         self._post = post
+
+    def runner(
+        self,
+        rid: str,
+        payload: bytes,
+        buffers: Sequence[Buffer],
+        dead: int,
+        on_done: Callable[[str], None],
+    ) -> Recovery:
+        """A recovery from peers of request ``rid`` whose rank ``dead`` died."""
+        return Recovery(rid, payload, buffers, dead, self, on_done)
+
+    def raise_parked(self, rid: str, ranks: list[int], why: str) -> None:
+        """Ranks parked at a step boundary with no recovery to wait for raise."""
+        self.ask_ranks(ranks, Order("raise", rid, why=why))
 
     def ask_ranks(self, ranks: Sequence[int], order: Order) -> Future[list[Reply]]:
         replies = Replies(len(ranks))
