@@ -184,8 +184,11 @@ class Recovery:
         self._timed("park", self._wait_parked, ranks, epoch)
         self._timed("restart", self._restart, epoch)
         self._timed("reform", self._reform, epoch)
+        # The replica shares its state (moving it into shared memory takes a while for a
+        # big model) while the new rank runs its set-up cells: they overlap.
+        offering = self._start_offer()
         self._timed("setup", self._setup, epoch)
-        offered = self._timed("offer", self._offer, epoch)
+        offered = self._timed("offer", self._offer, offering, epoch)
         self._timed("load", self._load_behind, offered, epoch)
         transfer = self._timed("cell", self._send_cell, offered, epoch)
         self._timed("resume", self._resume, epoch)
@@ -262,15 +265,17 @@ class Recovery:
     def _ask(self, ranks: Sequence[int], order: Order, epoch: int, what: str) -> list[Reply]:
         """An order to parked ranks; their replies (a failed one gives up, unless a rank
         died meanwhile: then the next round)."""
-        fut = self._watch(self._mesh.ask_ranks(ranks, order))
-        until = time.monotonic() + STEP_WAIT
-        if not self._wait(fut.done, epoch, until):
-            raise _GiveUp(f"no answer to {what} from rank(s) {format_ranks(list(ranks))}")
+        return self._replies(self._watch(self._mesh.ask_ranks(ranks, order)), epoch, what)
+
+    def _replies(self, fut: Future[list[Reply]], epoch: int, what: str) -> list[Reply]:
+        """The replies of an order (see :meth:`_ask`)."""
+        if not self._wait(fut.done, epoch, time.monotonic() + STEP_WAIT):
+            raise _GiveUp(f"no answer to {what} in {STEP_WAIT:.0f}s")
         replies = fut.get()
         bad = [r for r in replies if not r.ok]
         if bad:
-            time.sleep(0.2)  # a death that caused it is reported a moment later
-            self._check(epoch)
+            # a death that caused it is reported a moment later: then the next round
+            self._wait(lambda: False, epoch, time.monotonic() + 0.5)
             rep = bad[0].report or {}
             raise _GiveUp(f"{what} failed on rank {bad[0].rank}: {rep.get('message', '?')}")
         return replies
@@ -318,7 +323,9 @@ class Recovery:
                 if r in self.fresh:
                     self.fresh[r] = "ready"
 
-    def _offer(self, epoch: int) -> Offered:
+    def _start_offer(self) -> Future[list[Reply]]:
+        """Ask the parked replica at the latest step (the lowest rank among them) to
+        share its state; its answer comes later (:meth:`_offer`)."""
         with self._cond:
             held = [(-n.step, r) for r, n in self.parked.items() if n.has_state]
             why = [n.error for n in self.parked.values() if n.error.startswith("sharded:")]
@@ -326,8 +333,10 @@ class Recovery:
             raise _GiveUp(f"the training state {why[0].removeprefix('sharded: ')}")
         if not held:
             raise _GiveUp("no live replica holds the training state")
-        source = min(held)[1]
-        reply = self._ask([source], Order("offer", self.rid), epoch, "sharing the state")[0]
+        return self._watch(self._mesh.ask_ranks([min(held)[1]], Order("offer", self.rid)))
+
+    def _offer(self, offering: Future[list[Reply]], epoch: int) -> Offered:
+        reply = self._replies(offering, epoch, "sharing the state")[0]
         offered = reply.value("offer")
         assert isinstance(offered, Offered)
         return offered
@@ -366,7 +375,7 @@ class Recovery:
         ):
             raise _GiveUp(f"rank(s) {format_ranks(ready)} did not reach their first step")
         if any(r not in self.loaded for r in ready):  # its load failed: the source died?
-            self._wait(lambda: False, epoch, time.monotonic() + 2.0)
+            self._wait(lambda: False, epoch, time.monotonic() + 2.0)  # its death, if so
             raise _GiveUp("the restarted rank could not load the replica's state")
         return self.loaded[ready[-1]]
 
