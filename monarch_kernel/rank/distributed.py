@@ -148,7 +148,7 @@ def reform_process_group(master_addr: str, master_port: int, backend: str | None
     os.environ["MASTER_ADDR"] = str(master_addr)
     os.environ["MASTER_PORT"] = str(int(master_port))
     if not is_initialized():  # a restarted rank: join the rendezvous as the others do
-        from monarch_kernel.rank.train_pg import form_alone
+        from monarch_kernel.rank.pg_alone import form_alone
 
         form_alone()
     default = _default_reformable()

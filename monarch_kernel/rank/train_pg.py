@@ -136,14 +136,11 @@ def reform(addr: str, port: int) -> None:
 
     The default group is re-formed in place (``distributed.reform_process_group``: the
     user objects that hold it keep working; a restarted rank first makes one alone, see
-    :func:`form_alone`).
+    :func:`monarch_kernel.rank.pg_alone.form_alone`).
     """
     from monarch_kernel.rank import distributed
 
     distributed.reform_process_group(addr, port)
-
-
-_store: Any = None
 
 
 def bucket_layout(model: Any) -> list[list[int]] | None:
@@ -199,20 +196,3 @@ def adopt_layout(model: Any, layout: list[list[int]] | None) -> bool:
         if model.logger is not None:
             model.logger._set_static_graph()
     return True
-
-
-def form_alone() -> None:
-    """Make a default process group of this rank alone (a world of one), of the kind
-    ``init_process_group`` makes here (the re-formable one on CPU).
-
-    For a restarted rank about to join the others' new rendezvous: they re-form their
-    groups in place, and a group made directly at that rendezvous would be of another
-    kind (plain gloo) or meet them under another name, and wait forever; re-forming
-    this one joins them as one of theirs."""
-    global _store
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    _store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=60))
-    dist.init_process_group("gloo", store=_store, rank=0, world_size=1)
