@@ -34,6 +34,7 @@ BENCHES = [
     "fault",
     "peerstate",
     "ddp",
+    "ddpfault",
     "xhost",
     "engines",
     "a2a",

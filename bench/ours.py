@@ -168,6 +168,10 @@ def run(s: Settings, rec: Recorder) -> None:
 
         with rec.guard("ddp_mesh_sps", "ddp_torchrun_sps", "ddp_ratio"):
             ddp.ours(s, rec)
+    if s.wants("ddpfault"):
+        from bench import ddp_faults
+
+        ddp_faults.ours(s, rec)
 
 
 def gathered(actors: ActorMesh, n: int) -> Callable[[], object]:

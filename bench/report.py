@@ -137,6 +137,12 @@ def rows(s: Settings) -> list[Row]:
         Row("ddp_torchrun_sps", "8. DDP steps/s, same script under torchrun", "steps/s", "higher")
     )
     out.append(Row("ddp_ratio", "8. DDP throughput, mesh ÷ torchrun", "x", "higher"))
+    out.append(Row("ddp_stop_idle", "8. stop button -> every rank idle, DDP loop on 4 ranks", "ms"))
+    out.append(
+        Row("ddp_step_mkgloo", "8. DDP step, 25 MB bucket, 4 ranks, re-formable group", "ms")
+    )
+    out.append(Row("ddp_step_gloo", "8. DDP step, 25 MB bucket, 4 ranks, torch's gloo", "ms"))
+    out.append(Row("ddp_step_overhead", "8. DDP step, re-formable ÷ torch's gloo", "x"))
     out += [
         Row("xhost_rtt", "9. call round trip, controller -> rank on another netns host", "us"),
         Row("xhost_zmq_rtt", "9. raw ZeroMQ round trip over the same veth, plain", "us"),

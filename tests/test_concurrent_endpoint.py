@@ -1,12 +1,14 @@
 """``@concurrent_endpoint`` as Monarch's: calls overlap (shown by two calls that each
 wait for the other), ``explicit_response_port=True``, inherited endpoints, and Monarch's
-``ValueError`` for a sync method or a stack over ``@endpoint``."""
+``ValueError`` for a sync method or a stack over ``@endpoint``; an exception escaping an
+endpoint that answers through its port fails the actor (Monarch's rule)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from helpers import wait_until
 
 from monarch_kernel.actor import Actor, Port, concurrent_endpoint, endpoint
 
@@ -83,3 +85,64 @@ def test_monarch_value_errors():
             @concurrent_endpoint
             @endpoint
             async def f(self) -> None: ...
+
+
+class Escapes(Actor):
+    @concurrent_endpoint(explicit_response_port=True)
+    async def boom(self, port: Port, x: int) -> None:
+        await asyncio.sleep(0)
+        raise ValueError(f"escaped {x}")  # not sent through the port
+
+    @concurrent_endpoint
+    async def ok(self) -> int:
+        return 1
+
+
+class SyncEscapes(Actor):
+    @endpoint(explicit_response_port=True)
+    def boom(self, port: Port, x: int) -> None:
+        raise ValueError(f"escaped {x}")
+
+    @endpoint
+    def ok(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("cls", [Escapes, SyncEscapes])
+@pytest.mark.parametrize("where", ["rank", "controller"])
+def test_an_exception_escaping_a_port_endpoint_fails_the_actor(mesh2, monkeypatch, cls, where):
+    """Monarch's rule: an endpoint that answers through its port and raises instead fails
+    the actor: the caller gets a SupervisionError, supervision hears of it, later calls
+    raise SupervisionError saying why (in a rank and in the controller's own process)."""
+    import monarch_kernel.actor as actor_api
+    from monarch_kernel.actor import SupervisionError, this_proc
+
+    hooked: list[object] = []
+    monkeypatch.setattr(actor_api, "unhandled_fault_hook", hooked.append)
+    procs = mesh2.slice(gpus=0) if where == "rank" else this_proc()
+    try:
+        actors = procs.spawn("escapes", cls)
+        who = f"{procs.name}/escapes[0]"
+        with pytest.raises(SupervisionError) as info:
+            actors.boom.call_one(1).get(timeout=30)
+        text = str(info.value)
+        assert text.startswith(
+            f"Endpoint call escapes.boom() failed, The actor {who} and all its descendants "
+            "have failed:\n  Traceback (most recent call last):\n"
+        ) and text.endswith("  ValueError: escaped 1"), text
+        wait_until(lambda: hooked, timeout=10, what="the fault hook")
+        (failure,) = hooked
+        assert str(failure).startswith(
+            f"MeshFailure(mesh_name={procs.name}, crashed_ranks=[0], event=Supervision "
+            f"event: actor {who} failed:\n  Traceback (most recent call last):\n"
+        ) and str(failure).endswith("  ValueError: escaped 1\n)"), str(failure)
+        with pytest.raises(SupervisionError) as info:
+            actors.ok.call_one().get(timeout=30)
+        assert str(info.value) == (
+            f"Endpoint call escapes.ok() failed, The actor {who} and all its descendants have "
+            f"failed:\n  actor 'escapes' ({cls.__name__}) failed: {cls.__name__}.boom raised "
+            "ValueError: escaped 1 without answering through its response port"
+        )
+    finally:
+        if where == "controller":
+            this_proc().stop()

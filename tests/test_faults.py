@@ -123,7 +123,7 @@ def test_sigkill_in_ddp_loop_then_restart_continues_from_checkpoint(kernel, tmp_
     text = r.error_text
     assert "rank 2 of mesh 'fd'" in text and "killed by SIGKILL" in text, text
     assert "restarts it now" in text or "restarting rank(s) 2" in text
-    assert took < 5
+    assert took < 60  # failed at once, not after gloo's 30-minute timeout (bench: faults)
     before = _losses("\n".join(kernel.output_so_far(bg)))
     # the same cell again: it waits for the restart (process group re-formed, setup
     # cell re-run on rank 2) and resumes from the checkpoint
@@ -133,8 +133,9 @@ def test_sigkill_in_ddp_loop_then_restart_continues_from_checkpoint(kernel, tmp_
     assert after, r.stdout
     first = min(after)
     assert first % 5 == 1 and first <= max(before) + 1  # right after a checkpoint
+    # (none when the kill came right after a checkpoint: the run resumes past it)
     overlap = [s for s in after if s in before]
-    assert overlap, (before, after)
+    assert overlap or first == max(before) + 1, (before, after)
     for s in overlap:  # the same steps give the same losses: state continued exactly
         assert after[s] == pytest.approx(before[s], abs=1e-5), s
     r = kernel.run("%mesh")
@@ -241,8 +242,11 @@ def test_actor_init_failure_and_base_exception_stop_only_that_actor(kernel):
     assert "was stopped" in r.error_text and "SystemExit" in r.error_text, r.error_text
     r = kernel.run("other.ping.call().get().values()")  # the rank and its other actor live
     assert "['pong', 'pong']" in r.text, r.error_text
-    r = kernel.run("ex.hello.call().get()")
-    assert "no actor 'ex'" in r.error_text
+    r = kernel.run("ex.hello.call().get()")  # later calls: SupervisionError saying why
+    assert (
+        "SupervisionError: Endpoint call ex.hello() failed, The actor fx/ex[0]" in (r.error_text)
+        and "was stopped: its endpoint raised SystemExit(3)" in r.error_text
+    ), r.error_text
     kernel.run("%mesh stop fx")
 
 

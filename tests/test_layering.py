@@ -96,6 +96,7 @@ RANK_SIDE_ACTOR = {
     "api",
     "channels",
     "endpoints",
+    "local_context",
     "meshes",
     "peer",
     "peer_client",

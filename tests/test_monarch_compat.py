@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import textwrap
 
 import pytest
@@ -17,11 +19,13 @@ from monarch_kernel.actor import (
     Actor,
     Channel,
     HostMesh,
+    SupervisionError,
     current_rank,
     endpoint,
     hosts_from_config,
     send,
     this_host,
+    this_proc,
 )
 from monarch_kernel.calls.future import Future
 from monarch_kernel.job import JobState, LocalJob, ProcessJob, SlurmJob
@@ -190,6 +194,14 @@ def test_spmd_actor_sets_the_torchrun_environment_and_runs_a_script(tmp_path):
         ]
         with pytest.raises(Exception, match="No script or module specified"):
             spmd.main.call(addr, port, []).get()
+        # ["-m", module, *args], as torchrun: json.tool with its arguments, as __main__
+        src, dst = tmp_path / "in.json", tmp_path / "out.json"
+        src.write_text('{"b": 1, "a": [2]}')
+        one = spmd.slice(hosts=0, gpus=0)
+        assert one.main.call_one(addr, port, ["-m", "json.tool", str(src), str(dst)]).get()
+        assert json.loads(dst.read_text()) == {"b": 1, "a": [2]}
+        with pytest.raises(Exception, match="-m needs a module name"):
+            one.main.call_one(addr, port, ["-m"]).get()
     finally:
         procs.stop()
 
@@ -310,44 +322,97 @@ class Mortal(Actor):
 
 @pytest.mark.unit
 def test_mesh_failure_prints_as_monarch():
+    # The forms Monarch 0.7 prints (str(), report()), with this project's actor ids.
     from monarch_kernel.actor import MeshFailure
 
-    f = MeshFailure("trainers", "t", 2, {"type": "ValueError", "message": "bad"})
+    tb = (
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 3, in fail\n'
+        '    raise ValueError("bad")\n'
+        "ValueError: bad\n"
+    )
+    f = MeshFailure("trainers", "t", 2, {"type": "ValueError", "message": "bad", "traceback": tb})
     assert str(f) == (
         "MeshFailure(mesh_name=trainers, crashed_ranks=[2], event=Supervision event: "
-        "actor trainers/t[2] failed:\n  ValueError: bad)"
+        "actor trainers/t[2] failed:\n"
+        "  Traceback (most recent call last):\n"
+        '    File "x.py", line 3, in fail\n'
+        '      raise ValueError("bad")\n'
+        "  ValueError: bad\n"
+        ")"
     )
-    up = MeshFailure("mid", "c", 0, {"type": "ValueError", "message": "x"}, ("mid/c[0]",))
-    assert "The actor mid/c[0] and all its descendants have failed:" in str(up)
-    assert f.crashed_ranks == [2] and "ValueError: bad" in f.report()
+    assert f.report() == (
+        "The actor trainers/t[2] and all its descendants have failed:\n"
+        "  Traceback (most recent call last):\n"
+        '    File "x.py", line 3, in fail\n'
+        '      raise ValueError("bad")\n'
+        "  ValueError: bad\n"
+    )
+    assert f.crashed_ranks == [2] and f.mesh_name == "trainers"
+    # went up through an owner that did not handle it: the owner failed, naming its child
+    up = MeshFailure(
+        "mid", "p", 0, {"type": "ValueError", "message": "x", "origin": "leaf/c[1]"}, ("mid/p[0]",)
+    )
+    assert str(up) == (
+        "MeshFailure(mesh_name=mid, crashed_ranks=[0], event=Supervision event: actor mid/p[0] "
+        "failed because it did not handle a supervision event from its child. The child's "
+        "event was:\n  Supervision event: actor leaf/c[1] failed:\n    ValueError: x)"
+    )
+    assert up.report() == (
+        "The actor leaf/c[1] and all its descendants have failed:\n  ValueError: x"
+    )
+    gone = "the process this actor was running on exited with non-zero code 3 (rank 1 on host h)"
+    died = MeshFailure("m", "", 1, {"type": "RankDied", "message": gone})
+    assert str(died) == (
+        f"MeshFailure(mesh_name=m, crashed_ranks=[1], event=Supervision event: actor m[1] "
+        f"failed:\n  {gone})"
+    )
+    assert died.report() == f"The actor m[1] and all its descendants have failed:\n  {gone}"
 
 
 def test_calls_to_a_dead_actor_raise_supervision_error(monkeypatch):
     import monarch_kernel.actor as actor_api
-    from monarch_kernel.actor import ActorError, SupervisionError
+    from monarch_kernel.actor import ActorError
 
     hooked: list[object] = []
     monkeypatch.setattr(actor_api, "unhandled_fault_hook", hooked.append)
     procs = this_host().spawn_procs(per_host={"gpus": 2}, on_failure="continue")
     try:
         m = procs.spawn("mortal", Mortal)
+        name = procs.name
         with pytest.raises(SupervisionError) as info:
             m.slice(gpus=1).die.call_one().get(timeout=30)
         err = info.value
         assert isinstance(err, ActorError) and isinstance(err, RuntimeError)
-        assert "rank 1" in str(err) and "exit code 3" in str(err)
-        with pytest.raises(SupervisionError, match="rank 1"):
+        gone = "the process this actor was running on exited with non-zero code 3"
+        # Monarch's words first, then ours (rank, host, pid, exit code, last output)
+        assert str(err).startswith(
+            f"Endpoint call mortal.die() failed, The actor {name}/mortal[1] and all its "
+            f"descendants have failed:\n  {gone}\nrank 1 of mesh {name!r} (host "
+        ), str(err)
+        assert "exit code 3" in str(err) and err.endpoint == "mortal.die()"
+        with pytest.raises(SupervisionError) as info:
             m.ok.call().get(timeout=30)  # the whole mesh: rank 1 is gone
+        assert str(info.value).startswith(
+            f"Endpoint call mortal.ok() failed, The actor {name}/mortal[1] and all its "
+            f"descendants have failed:\n  {gone}\n"
+        ), str(info.value)
         assert m.slice(gpus=0).ok.call_one().get(timeout=30) == 0  # the rest is usable
         wait_until(lambda: hooked, timeout=10, what="the fault hook")
         (failure,) = hooked  # once per failure
-        assert str(failure).startswith("MeshFailure(mesh_name=") and "crashed_ranks=[1]" in str(
-            failure
-        )
+        assert re.fullmatch(
+            rf"MeshFailure\(mesh_name={name}, crashed_ranks=\[1\], event=Supervision event: "
+            rf"actor {name}\[1\] failed:\n  {gone} \(rank 1 on host \S+\)\)",
+            str(failure),
+        ), str(failure)
     finally:
         procs.stop()
-    with pytest.raises(SupervisionError, match="stopped"):
+    with pytest.raises(SupervisionError) as info:
         m.slice(gpus=0).ok.call_one().get(timeout=30)
+    assert str(info.value) == (
+        f"Endpoint call mortal.ok() failed, Supervision event: actor {name}/mortal[0] has "
+        f"status:\n  stopped: mesh {name!r} is stopped; create a new mesh"
+    )
 
 
 # -- small names --------------------------------------------------------------------------
@@ -376,5 +441,10 @@ def test_shutdown_context_stops_every_mesh():
 
     a = this_host().spawn_procs(per_host={"gpus": 1})
     b = this_host().spawn_procs(per_host={"gpus": 1})
+    here = this_proc()  # the controller's own process: its actors stop too
+    local = here.spawn("local", Echo)
     assert shutdown_context().get() is None
-    assert a.stopped and b.stopped
+    assert a.stopped and b.stopped and here.stopped
+    with pytest.raises(SupervisionError, match="Endpoint call local.echo"):
+        local.echo.call_one(1).get(timeout=30)
+    assert not this_proc().stopped  # a new one

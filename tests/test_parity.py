@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import pytest
 from helpers import controller_bytes
 from parity_actors import AsyncTrainer, Generator, Trainer
 
-from monarch_kernel.actor import ActorError, SliceError, this_host
+from monarch_kernel.actor import ActorError, SliceError, SupervisionError, this_host
 from monarch_kernel.actor.meshes import procs_of
 
 
@@ -110,8 +111,12 @@ def test_stop_returns_a_future_and_size_flatten(two_meshes):
         flat.slice(gpus=0)
     fut = g.stop()
     assert fut.get() is None
-    with pytest.raises(ActorError, match="no actor"):
+    with pytest.raises(SupervisionError) as info:  # Monarch's error and words
         g.generate.call(1).get()
+    assert str(info.value) == (
+        "Endpoint call g3.generate() failed, Supervision event: actor gens/g3[0] has status:\n"
+        "  stopped: actor 'g3' was stopped (its actor mesh's stop())\n(on rank(s) 0-1 of 2)"
+    )
     gprocs.logging_option(stream_to_client=True, aggregate_window_sec=None)
 
 
@@ -275,8 +280,23 @@ def test_supervision_tree_three_levels(tree_meshes, hooked, mid_handles, top_han
         failure = hooked[0]
         assert isinstance(failure, MeshFailure) and failure.mesh_name == "top"
         assert failure.actor_name == "sup_top"
-        assert "leaf failed" in failure.report()
-        assert "mid/sup_child[0] -> top/sup_top[0]" in failure.failure["message"]
+        assert failure.path == ("mid/sup_child[0]", "top/sup_top[0]")
+        # Monarch's forms: the top actor failed as it did not handle its child's failure,
+        # which did not handle the leaf's; report() names the actor that failed first
+        nested = (
+            "MeshFailure(mesh_name=top, crashed_ranks=[0], event=Supervision event: actor "
+            "top/sup_top[0] failed because it did not handle a supervision event from its "
+            "child. The child's event was:\n  Supervision event: actor mid/sup_child[0] "
+            "failed because it did not handle a supervision event from its child. The "
+            "child's event was:\n    Supervision event: actor leaf/sup_child[0] failed:\n"
+            "      Traceback (most recent call last):\n"
+        )
+        assert str(failure).startswith(nested), str(failure)
+        assert str(failure).endswith("      RuntimeError: leaf failed\n)"), str(failure)
+        assert failure.report().startswith(
+            "The actor leaf/sup_child[0] and all its descendants have failed:\n"
+            "  Traceback (most recent call last):\n"
+        )
 
 
 def test_broadcast_failure_reaches_the_hook(two_meshes, hooked):
@@ -309,7 +329,10 @@ def test_owner_is_told_of_a_child_rank_death_and_init_failure(tree_meshes, hooke
     assert _wait(lambda: top.seen_failures.call_one().get() != [])
     (seen,) = top.seen_failures.call_one().get()
     assert seen["type"] == "RankDied" and seen["mesh"] == "leaf" and seen["actor"] == "sup_child"
-    assert "exit code 9" in seen["message"], seen
+    assert seen["message"] == (  # Monarch's words, then which rank and host
+        f"the process this actor was running on exited with non-zero code 9 (rank 0 on host "
+        f"{socket.gethostname()})"
+    ), seen
     leaf_procs.runtime.wait_recovered()
     # a constructor that raises: calls to it fail in the owner, and its supervision hears
     assert top.spawn_bad.call_one(leaf_procs).get() == "SupervisionError"

@@ -17,12 +17,22 @@ import sys
 import time
 
 import pytest
+import torch
 from conftest import project_processes, wait_no_orphans
 from helpers import controller_bytes, wait_until
 from netns import Joiner, agent_env, netns_hosts_fixture
 from parity_actors import AsyncTrainer, Generator, Introspect, Supervisor, Trainer
+from test_rdma import BIG, Owner, Reader
+from test_this_proc import Counter, RankSide
 
-from monarch_kernel.actor import ActorError, Channel, host_mesh, this_host
+from monarch_kernel.actor import (
+    ActorError,
+    Channel,
+    get_or_spawn_controller,
+    host_mesh,
+    this_host,
+    this_proc,
+)
 from monarch_kernel.wire import kinds as K
 
 pytestmark = pytest.mark.cluster
@@ -210,6 +220,44 @@ print("answered" if curve.poll(2000) or plain.poll(100) else "nothing")
     assert not os.path.exists(marker)
     g = gprocs.spawn("still", Generator)
     assert g.generate.call(1).get(timeout=30).values()[0]["y"] == 10
+
+
+@pytest.mark.parametrize("n", [1000, BIG], ids=["small", "in_shm"])
+def test_rdma_buffer_across_machines(machines, n):
+    """A buffer of a rank on machine 0, read and written in place by a rank on machine
+    1: over the owner's CURVE TCP data socket (shared memory is of one machine only)."""
+    gprocs, tprocs = machines
+    owner = gprocs.spawn("rdma_owner", Owner).slice(gpus=0)
+    reader = tprocs.spawn("rdma_reader", Reader).slice(gpus=0)
+    buf = owner.make.call_one(n).get(timeout=30)
+    expected = int(torch.arange(n, dtype=torch.int64).remainder(251).sum())
+    assert reader.read_sum.call_one(buf).get(timeout=30) == expected
+    reader.write.call_one(buf, 9, 5).get(timeout=30)
+    assert owner.head.call_one(n, 6).get(timeout=30) == [9, 9, 9, 9, 9, 5]
+
+
+def test_the_controllers_own_actors_are_reached_from_other_machines(machines, monkeypatch):
+    """``get_or_spawn_controller`` from ranks on another machine: the singleton runs in
+    the controller's process (``this_proc()``), reached over its CURVE TCP socket, also
+    when that process opened its socket before meshes of other machines ran."""
+    from monarch_kernel.actor import client_proc, client_server
+
+    gprocs, _ = machines
+    this_proc().stop()
+    with monkeypatch.context() as m:  # as if no mesh of another machine ran yet
+        m.setattr(client_proc, "reply_tcp_host", lambda: "")
+        m.setattr(client_server, "reply_tcp_host", lambda: "")
+        assert not this_proc()._requester.address().tcp  # type: ignore[attr-defined]
+    ranks = gprocs.spawn("xranks", RankSide)
+    try:
+        for gpu in (0, 1):
+            pid, seen = ranks.slice(gpus=gpu).register.call_one().get(timeout=30)
+            assert pid == os.getpid() and seen[-1] == gpu
+        assert this_proc()._requester.address().tcp  # type: ignore[attr-defined]
+        mine = get_or_spawn_controller("counter", Counter).get()
+        assert mine.add.call_one("here").get(timeout=30)[1] == [0, 1, "here"]
+    finally:
+        this_proc().stop()
 
 
 def test_frozen_machine_fails_peer_calls(machines, net):

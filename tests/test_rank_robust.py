@@ -159,8 +159,13 @@ def test_base_exception_in_an_endpoint_stops_only_that_actor(procs4):
     # the rank lives on, with its other actors; the stopped actor is gone on rank 1 only
     assert workers.pid.call().get(timeout=10).values() == pids
     assert workers.slice(gpus=1).echo.call_one("still here").get(timeout=10) == "still here"
-    with pytest.raises(ActorError, match="no actor 's' on rank 1 \\(was it stopped\\?\\)"):
+    with pytest.raises(SupervisionError) as gone:  # later calls say why it is gone
         stoppers.slice(gpus=1).calls_so_far.call_one().get(timeout=10)
+    assert str(gone.value).startswith(
+        f"Endpoint call s.calls_so_far() failed, The actor {procs4.name}/s[1] and all its "
+        "descendants have failed:\n  actor 's' (Stopper) was stopped: its endpoint raised "
+        "SystemExit(3)"
+    ), str(gone.value)
     assert stoppers.slice(gpus=0).calls_so_far.call_one().get(timeout=10) == 1
     # a custom BaseException on two ranks: one grouped error, both actors stopped
     with pytest.raises(ActorError) as err:
@@ -255,7 +260,8 @@ def test_stop_kills_a_rank_that_ignores_sigterm_after_the_grace():
         procs.runtime.transport.send_host(0, {"k": K.STOP, "grace": grace})
         procs.stop()
         took = time.monotonic() - t0
-    assert grace - 0.2 < took < grace + 2.0, f"stop took {took:.1f}s"
+    # killed once the grace is over, not when its 60 s sleep ends
+    assert grace - 0.2 < took < 30, f"stop took {took:.1f}s"
     assert not pid_alive(pid)
     with pytest.raises(Exception, match="stopped|died"):
         fut.get(timeout=1)
@@ -387,11 +393,17 @@ def test_abort_releases_peers_and_the_group_reforms(procs4):
     t0 = time.monotonic()
     for r in range(4):
         procs4.runtime.send_control(r, {"k": K.ABORT_PG})
-    with pytest.raises(ActorError, match="RuntimeError in the cell on rank.*closed by peer"):
+    # the group is re-formable (gloo on CPU): the abort fails the pending collective
+    with pytest.raises(
+        ActorError,
+        match="ProcessGroupAborted in the cell on ranks 0-2.*the mesh aborted the process group",
+    ):
         stuck.wait(10)
     assert time.monotonic() - t0 < 3
+    # the failure policy formed the group again in place (no rank was restarted)
+    procs4.runtime.wait_recovered(30)
     pings = procs4.ping().get(timeout=10).values()
-    assert [(p["pg"], p["pg_live"]) for p in pings] == [("gloo", False)] * 4
+    assert [(p["pg"], p["pg_live"]) for p in pings] == [("gloo", True)] * 4
     # re-form on every rank at a fresh port, then collectives work again
     port = free_port()
     backends = run_cell(

@@ -32,7 +32,9 @@ def endpoint(fn: F | None = None, **options: Any) -> F:
     Inside the actor, the method stays an ordinary method (``self.incr(1)`` works).
     ``explicit_response_port=True`` (Monarch's): the method takes a :class:`Port` as its
     first argument after ``self`` and answers by ``port.send(value)`` (or
-    ``port.exception(exc)``), now or later from any thread; what it returns is ignored.
+    ``port.exception(exc)``), now or later from any thread; what it returns is ignored,
+    and an exception it raises (not sent with ``port.exception``) fails the actor, as in
+    Monarch: the caller gets a ``SupervisionError``, supervision hears of it.
     Other options are accepted for Monarch compatibility (e.g. ``propagate=``) and ignored.
     """
     explicit = bool(options.get("explicit_response_port", False))
@@ -64,9 +66,11 @@ def concurrent_endpoint(
 
     It takes ``@endpoint``'s options itself: with ``explicit_response_port=True`` the
     method gets the :class:`Port` after ``self`` and answers through it (what it returns
-    is ignored; an exception it raises goes to the caller). As in Monarch, a sync method
-    is a ``ValueError``, and so is stacking it over ``@endpoint`` (pass the options to
-    ``@concurrent_endpoint`` instead)."""
+    is ignored; an exception it raises instead of sending it with ``port.exception``
+    fails the actor, as in Monarch: the caller gets a ``SupervisionError`` and
+    supervision hears of it). Without it, an exception goes to the caller. As in
+    Monarch, a sync method is a ``ValueError``, and so is stacking it over ``@endpoint``
+    (pass the options to ``@concurrent_endpoint`` instead)."""
     del propagate, instrument  # accepted as Monarch's
 
     def mark(f: F) -> F:
@@ -88,7 +92,11 @@ def concurrent_endpoint(
 
             def done(task: Any) -> None:
                 exc = task.exception()
-                if exc is not None:
+                if exc is not None and explicit_response_port:
+                    # Not sent through the port: as in Monarch, the actor fails.
+                    escaped = getattr(port, "escaped", None)
+                    (escaped or port.exception)(exc)
+                elif exc is not None:
                     port.exception(exc)
                 elif not explicit_response_port:
                     port.send(task.result())

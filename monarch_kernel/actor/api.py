@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from monarch_kernel.actor import local_context
 from monarch_kernel.actor.meshes import ProcMesh
 from monarch_kernel.actor.peer import PeerRequester, rank_waiter
 from monarch_kernel.actor.peer_client import client
@@ -51,18 +52,36 @@ class Instance:
     name: str
 
     @property
-    def proc(self) -> Any:
+    def proc(self) -> ProcMesh:
+        """This actor's own process, a one-point process mesh (:func:`this_proc`)."""
         return this_proc()
+
+    @property
+    def proc_mesh(self) -> ProcMesh:
+        """The whole process mesh this actor runs on (Monarch's): in a rank, every rank
+        of its mesh (asked of the controller once); in the controller, its own process
+        (:func:`this_proc`)."""
+        if not rank_context.in_rank():
+            return this_proc()
+        global _whole_mesh
+        if _whole_mesh is None:
+            _whole_mesh = _ask_controller("proc_mesh", ()).get()
+        return _whole_mesh
 
     def abort(self, reason: str | None = None) -> None:
         """Monarch's ``abort``: stop the running actor with a failure. Its current call
         fails with ``reason``, later calls to it fail saying it aborted, and its creator's
         supervision hears of it (``__supervise__`` of an owning actor, else the
-        controller's ``unhandled_fault_hook``); the rank and its other actors run on.
+        controller's ``unhandled_fault_hook``); its process and other actors run on.
         Raises (a BaseException): call it from the actor's endpoint, on its thread."""
-        if not rank_context.in_rank() or not self.name:
+        in_actor = rank_context.in_rank() and self.name
+        if not in_actor and local_context.current() is None:
             raise RuntimeError("abort() stops an actor: call it inside an actor's endpoint")
         raise ActorAborted(reason)
+
+
+#: A rank's whole process mesh (``Instance.proc_mesh``), once asked for.
+_whole_mesh: ProcMesh | None = None
 
 
 @dataclass(frozen=True)
@@ -80,10 +99,15 @@ class Context:
 
 
 def context() -> Context:
-    """Information about the actor running this code (the client in the controller)."""
+    """Information about the actor running this code (the client in the controller,
+    outside of the actors of its own process)."""
     svc = rank_context.services()
     if svc is None:
         point = Point({}, 0)
+        local = local_context.current()
+        if local is not None:  # an actor of the controller's own process (this_proc())
+            proc = f"{local.proc}[0]"
+            return Context(Instance(point, f"{local.proc}/{local.actor}[0]", proc, local.actor))
         return Context(Instance(point, "client", "client", "client"))
     point = rank_context.current_rank()
     mesh = svc.config.mesh_name or "mesh"
@@ -101,8 +125,8 @@ def this_proc() -> ProcMesh:
     """This process as a one-point process mesh: spawn actors on it.
 
     In a rank: its own process (an actor spawned here lives in this rank). In the
-    controller, which runs no actors itself, a one-rank process mesh on this machine,
-    started on first use and kept (Monarch spawns such actors in the client process)."""
+    controller: the controller's own process, as in Monarch's client: its actors run
+    here, each on a thread of its own (see :mod:`monarch_kernel.actor.client_proc`)."""
     svc = rank_context.services()
     if svc is not None:
         cfg = svc.config
@@ -141,23 +165,29 @@ def get_or_spawn_controller(name: str, cls: type, *args: Any, **kwargs: Any) -> 
     """The singleton actor ``name`` of this controller, spawned (with ``cls(*args,
     **kwargs)``) on :func:`this_proc` the first time; a future of its one-point mesh."""
     if rank_context.in_rank():  # asked of the controller, which owns the singletons
-        svc = rank_context.services()
-        assert svc is not None  # in_rank()
-        call, buffers = dumps((name, cls, args, kwargs), f"get_or_spawn_controller({name!r})")
-        if buffers:
-            raise TypeError("get_or_spawn_controller() arguments must pickle in-band")
-        c = client()
-        c.codec(svc.key)  # the controller answers with this mesh's key
-        one = One(rank_waiter())
-        rid = c.expect(one, 0)
-        req = AskRequest(op="get_or_spawn_controller", id=rid, rt=c.reply.encode(), call=call)
-        svc.send(H.RankNotice(kind=K.ASK, rank=svc.rank).encode(), pickle.dumps(req))
-        return one.future
+        return _ask_controller("get_or_spawn_controller", (name, cls, args, kwargs))
     from monarch_kernel.actor.hosts import controller_singleton
 
     fut: Future[Any] = Future()
     fut.set_result(controller_singleton(name, cls, args, kwargs))
     return fut
+
+
+def _ask_controller(op: str, arguments: tuple[Any, ...]) -> Future[Any]:
+    """Ask this rank's controller for operation ``op`` of the actor API (see
+    ``controller.asks``); the future gives its answer."""
+    svc = rank_context.services()
+    assert svc is not None  # asked in ranks only
+    call, buffers = dumps(arguments, f"arguments of {op}()")
+    if buffers:
+        raise TypeError(f"{op}() arguments must pickle in-band")
+    c = client()
+    c.codec(svc.key)  # the controller answers with this mesh's key
+    one = One(rank_waiter())
+    rid = c.expect(one, 0)
+    req = AskRequest(op=op, id=rid, rt=c.reply.encode(), call=call)
+    svc.send(H.RankNotice(kind=K.ASK, rank=svc.rank).encode(), pickle.dumps(req))
+    return one.future
 
 
 # -- accumulator ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import logging
 import os
 import pickle
 import queue
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar, cast
@@ -256,4 +257,24 @@ def tell_owner(owner: H.Owner, mesh: str, actor: str, rank: int, report: Failure
 _owners: dict[PeerAddress, zmq.Socket] = {}
 
 
-__all__ = ["Channel", "Port", "PortReceiver", "RankedPortReceiver", "tell_owner"]
+def report_unhandled(failure: Exception) -> None:
+    """Hand a failure nobody handled to the controller's fault hook: the package's
+    ``unhandled_fault_hook`` attribute, read now (a user may have replaced it). What the
+    hook raises is logged: a user's hook never takes the controller down."""
+    hook = getattr(sys.modules.get("monarch_kernel.actor"), "unhandled_fault_hook", None)
+    if hook is None:
+        return
+    try:
+        hook(failure)
+    except Exception:
+        log.exception("unhandled_fault_hook raised")
+
+
+__all__ = [
+    "Channel",
+    "Port",
+    "PortReceiver",
+    "RankedPortReceiver",
+    "report_unhandled",
+    "tell_owner",
+]

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from monarch_kernel.calls.errors import SupervisionError
+from monarch_kernel.calls.errors import CallSite, SupervisionError, call_failed
 from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.gather import Each, Gather, One
 from monarch_kernel.calls.requester import CallOptions, Requester
@@ -46,6 +46,7 @@ class EndpointRef:
         self._ranks = target.ranks
         self._where = f"{target.actor_class.__name__}.{method}"
         what = f"{target.name}.{method}"  # for RequestStarted: built once, not per call
+        self._call = CallSite(self._requester.name, target.name, method)
         self._waited = CallOptions(what=what, waited=True)
         self._streamed = CallOptions(what=what)
         # The slice called, when it is not the whole mesh (``context().message_rank``).
@@ -57,8 +58,11 @@ class EndpointRef:
 
     def _request(self, rank: int, payload: bytes, buffers: Sequence[Buffer]) -> Future[Any]:
         requester = self._requester
-        one = One(requester.waiter)
-        requester.request([rank], self._header(), payload, buffers, one, self._waited)
+        one = One(requester.waiter, self._call)
+        try:
+            requester.request([rank], self._header(), payload, buffers, one, self._waited)
+        except SupervisionError as exc:  # refused at once: the rank or the mesh is gone
+            raise call_failed(exc, self._call, rank) from None
         return one.future
 
     def _payload(
@@ -67,7 +71,9 @@ class EndpointRef:
         if failed_init:  # (every adverb comes here first)
             failed = failed_init.get((self._requester.name, self._target.name))
             if failed is not None:
-                raise SupervisionError(str(failed), failed.failures, failed.exception, self._where)
+                label = self._call.label
+                text = f"Endpoint call {label} failed, {failed}"
+                raise SupervisionError(text, failed.failures, failed.exception, label)
         try:
             return dumps((args, kwargs))
         except SerializationError:
@@ -78,7 +84,11 @@ class EndpointRef:
         payload, buffers = self._payload(args, kwargs)
         header = self._header()
         shape = self._target.shape
-        return gather(self._requester, self._ranks, header, payload, buffers, shape, self._waited)
+        requester, ranks, options = self._requester, self._ranks, self._waited
+        try:
+            return gather(requester, ranks, header, payload, buffers, shape, options, self._call)
+        except SupervisionError as exc:  # refused at once: a rank or the mesh is gone
+            raise call_failed(exc, self._call, None) from None
 
     def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """Call the single rank of a one-point mesh; the future gives its value."""
@@ -102,14 +112,20 @@ class EndpointRef:
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Fire and forget on every rank; exceptions go to the mesh's supervision."""
         payload, buffers = self._payload(args, kwargs)
-        self._requester.send(self._ranks, self._header(), payload, buffers)
+        try:
+            self._requester.send(self._ranks, self._header(), payload, buffers)
+        except SupervisionError as exc:  # refused at once: a rank or the mesh is gone
+            raise call_failed(exc, self._call, None) from None
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
         """Call every rank; yield one future per rank in the order they answer."""
         payload, buffers = self._payload(args, kwargs)
         ranks = self._ranks
-        each = Each(ranks, self._requester.waiter)
-        self._requester.request(ranks, self._header(), payload, buffers, each, self._streamed)
+        each = Each(ranks, self._requester.waiter, self._call)
+        try:
+            self._requester.request(ranks, self._header(), payload, buffers, each, self._streamed)
+        except SupervisionError as exc:  # refused at once: a rank or the mesh is gone
+            raise call_failed(exc, self._call, None) from None
         return each.in_order_of_answers()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -197,9 +213,11 @@ def gather(
     buffers: Sequence[Buffer],
     shape: Shape | None,
     options: CallOptions,
+    call: CallSite | None = None,
 ) -> Future[ValueMesh[Any]]:
-    """Send a request to ``ranks``; the future gives a ValueMesh (or a grouped error)."""
-    g = Gather(ranks, shape, requester.waiter)
+    """Send a request to ``ranks``; the future gives a ValueMesh (or a grouped error;
+    ``call``: the endpoint call it is, see :class:`CallSite`)."""
+    g = Gather(ranks, shape, requester.waiter, call=call)
     requester.request(ranks, header, payload, buffers, g, options)
     return g.future
 

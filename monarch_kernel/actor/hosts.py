@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from monarch_kernel import config
 from monarch_kernel.actor.actor import Actor
-from monarch_kernel.actor.channels import tell_owner
+from monarch_kernel.actor.channels import report_unhandled, tell_owner
+from monarch_kernel.actor.client_proc import ClientProc
 from monarch_kernel.actor.meshes import STOP_GRACE, ActorMesh, ProcMesh, size_of
-from monarch_kernel.actor.peer import PeerRequester
 from monarch_kernel.calls.future import Future
 from monarch_kernel.controller.asks import ASK_HANDLERS, AskingMesh
 from monarch_kernel.controller.events import FaultReported, MeshEvent, RankDied
@@ -28,7 +26,7 @@ from monarch_kernel.controller.failures import DEFAULT_GRACE
 from monarch_kernel.controller.mesh import MeshRuntime, registry
 from monarch_kernel.controller.records import FailurePolicy, RankState
 from monarch_kernel.launchers import get_launcher
-from monarch_kernel.rank.supervise import MeshFailure
+from monarch_kernel.rank.supervise import PROCESS_ENDED, MeshFailure
 from monarch_kernel.shape import Extent, Shape
 from monarch_kernel.wire import loads
 from monarch_kernel.wire.reports import AskRequest, FailureReport
@@ -87,6 +85,12 @@ class HostMesh:
 
     def __len__(self) -> int:
         return self.hosts
+
+    @property
+    def is_fake_in_process(self) -> bool:
+        """Monarch's flag for a host mesh emulated inside the client process: False, as
+        in Monarch 0.7 (this one's ranks are processes of their own)."""
+        return False
 
     def size(self, dim: str | Sequence[str] | None = None) -> int:
         """Number of hosts: all of them, or the product of the named dims' sizes (the
@@ -285,6 +289,7 @@ def shutdown_context(host_timeout: float | None = None) -> Future[None]:
         host = _this_host
     if host is not None:
         host.shutdown(grace)
+    _stop_client_proc(grace)  # the actors of this process (this_proc())
     if errors:
         raise errors[0]
     return Future._resolved(None)
@@ -309,13 +314,14 @@ def watch_faults(runtime: MeshRuntime) -> None:
     def on_event(event: MeshEvent) -> None:
         if isinstance(event, FaultReported):
             actor = str(event.report.get("actor", ""))
-            failure = MeshFailure(name, actor, event.rank, event.report)
+            path = tuple(event.report.get("path") or ())
+            failure = MeshFailure(name, actor, event.rank, event.report, path)
         elif isinstance(event, RankDied) and event.state is RankState.DEAD:
             if event.claimed:
                 return  # its training state is recovered from peers: handled
             d = event.death
-            message = f"rank {d.rank} on {d.host}: {d.how}"
-            report: FailureReport = {"type": "RankDied", "message": message}
+            message = f"{d.process_phrase} (rank {d.rank} on host {d.host})"
+            report: FailureReport = {"type": PROCESS_ENDED, "message": message}
             info = runtime.ranks[event.rank]
             owned, info.owners = info.owners, {}
             for actor, owner in owned.items():  # their owners supervise them
@@ -325,36 +331,38 @@ def watch_faults(runtime: MeshRuntime) -> None:
             failure = MeshFailure(name, "", event.rank, report)
         else:
             return
-        # The package's attribute (a user may replace it), read when a failure comes.
-        hook = getattr(sys.modules.get("monarch_kernel.actor"), "unhandled_fault_hook", None)
-        if hook is None:
-            return
-        try:
-            hook(failure)
-        except Exception:  # a user's hook never takes the controller down
-            log.exception("unhandled_fault_hook raised")
+        report_unhandled(failure)
 
     runtime.events.subscribe(on_event, FaultReported, RankDied)
 
 
 # -- what the controller process itself runs ----------------------------------------------
 
-_client_proc: ProcMesh | None = None
+_client_proc: ClientProc | None = None
 _client_proc_lock = threading.Lock()
 
 
 def client_proc() -> ProcMesh:
-    """``this_proc()`` in the controller, which runs no actors itself: a one-rank process
-    mesh on this machine, started on first use and kept (Monarch spawns such actors in
-    the client process)."""
+    """``this_proc()`` in the controller: the controller's own process, whose actors run
+    here on threads of their own (as Monarch runs them in the client process); a new one
+    once it was stopped (``this_proc().stop()``, ``shutdown_context()``)."""
     global _client_proc
     with _client_proc_lock:
         if _client_proc is None or _client_proc.stopped:
-            _client_proc = this_host().spawn_procs(per_host={"procs": 1}, name="this_proc")
-        return _client_proc.slice(procs=0)
+            _client_proc = ClientProc()
+        return ProcMesh(_client_proc)
+
+
+def _stop_client_proc(grace: float) -> None:
+    with _client_proc_lock:
+        proc = _client_proc
+    if proc is not None:
+        proc.stop(grace)
 
 
 _singletons: dict[str, ActorMesh] = {}
+#: One lock per singleton name: a singleton's constructor may ask for another one.
+_singleton_locks: dict[str, threading.Lock] = {}
 _singletons_lock = threading.Lock()
 
 
@@ -362,8 +370,10 @@ def controller_singleton(
     name: str, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ActorMesh:
     """``get_or_spawn_controller`` in the controller: actor ``name``, spawned on
-    :func:`client_proc` the first time (again once its mesh was stopped)."""
+    :func:`client_proc` the first time (again once that was stopped)."""
     with _singletons_lock:
+        lock = _singleton_locks.setdefault(name, threading.Lock())
+    with lock:
         mesh = _singletons.get(name)
         if mesh is None or mesh._procs.stopped:
             mesh = _singletons[name] = client_proc().spawn(name, cls, *args, **kwargs)
@@ -372,25 +382,22 @@ def controller_singleton(
 
 def _ask_get_or_spawn(asker: AskingMesh, req: AskRequest) -> ActorMesh:
     """A rank's ``get_or_spawn_controller``, run in the controller: the actor mesh
-    (pickled back to the rank as a live reference).
-
-    The asker may be an actor of :func:`client_proc`'s own rank, awaiting this answer
-    in an endpoint: that rank keeps the controller's (sequenced) messages for after the
-    endpoint, so the singleton is spawned the way a rank spawns on another mesh (a peer
-    spawn, which the rank serves while the endpoint awaits)."""
+    (pickled back to the rank as a live reference to the controller's process)."""
     name, cls, args, kwargs = loads(req["call"], (), "get_or_spawn_controller arguments")
-    with _singletons_lock:
-        mesh = _singletons.get(name)
-        if mesh is None or mesh._procs.stopped:
-            procs = client_proc()
-            peer = ProcMesh(PeerRequester(procs._requester.reference()), procs._shape)
-            spawned = peer.spawn(name, cls, *args, **kwargs)
-            # the controller's own handle on it (over the mesh's runtime)
-            mesh = _singletons[name] = pickle.loads(pickle.dumps(spawned))
-        return mesh
+    return controller_singleton(name, cls, args, kwargs)
+
+
+def _ask_proc_mesh(asker: AskingMesh, req: AskRequest) -> ProcMesh:
+    """A rank's ``context().actor_instance.proc_mesh``: its whole mesh (pickled back as a
+    live reference)."""
+    for runtime in registry.live():
+        if runtime is asker:
+            return ProcMesh(runtime)
+    raise LookupError(f"mesh {asker.name!r} is not running")
 
 
 ASK_HANDLERS["get_or_spawn_controller"] = _ask_get_or_spawn
+ASK_HANDLERS["proc_mesh"] = _ask_proc_mesh
 
 __all__ = [
     "HostMesh",

@@ -22,11 +22,14 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 from monarch_kernel import config
+from monarch_kernel.actor import local_context
 from monarch_kernel.actor.actor import Actor, check_endpoint_kinds, endpoints_of
+from monarch_kernel.actor.channels import report_unhandled
 from monarch_kernel.actor.endpoints import (
     ActorTarget,
     EndpointRef,
@@ -39,6 +42,7 @@ from monarch_kernel.calls.errors import ActorError, SupervisionError
 from monarch_kernel.calls.future import Future, then
 from monarch_kernel.calls.requester import ActorSpec, CallOptions, MeshRef, Requester
 from monarch_kernel.calls.value_mesh import ValueMesh
+from monarch_kernel.rank.supervise import MeshFailure, failure_reason
 from monarch_kernel.shape import Extent, Shape, SliceError
 from monarch_kernel.wire import dumps
 from monarch_kernel.wire import headers as H
@@ -233,7 +237,9 @@ class ProcMesh(MeshView):
         what = f"constructor arguments of actor {name!r} ({actor_class.__name__})"
         payload, buffers = dump_call((actor_class, args, kwargs), args, kwargs, what)
         ranks = self._shape.ranks()
-        header = H.SpawnActor(actor=name, owner=self._requester.spawn_owner()).encode()
+        # Spawned by an actor (of a rank, or of the controller's own process): it owns them.
+        owner = local_context.owner() or self._requester.spawn_owner()
+        header = H.SpawnActor(actor=name, owner=owner).encode()
         options = CallOptions(what=f"spawn {name}", waited=True)
         constructed = self._gather(ranks, header, payload, buffers, options)
         limit = config.seconds(config.get("actor_spawn_max_idle"))
@@ -245,7 +251,7 @@ class ProcMesh(MeshView):
         except ActorError as exc:
             # Monarch's way: spawn() returns; the failure goes to supervision and later
             # calls raise SupervisionError naming the constructor's exception.
-            return self._init_failed(name, actor_class, exc)
+            return self._init_failed(name, actor_class, exc, owner is None)
         except TimeoutError:
             if constructed.done():
                 raise
@@ -260,27 +266,27 @@ class ProcMesh(MeshView):
         self._requester.actor_spawned(spec)
         return ActorMesh(self, name, actor_class, self._shape)
 
-    def _init_failed(self, name: str, actor_class: type, exc: ActorError) -> ActorMesh:
+    def _init_failed(
+        self, name: str, actor_class: type, exc: ActorError, unowned: bool
+    ) -> ActorMesh:
         """A constructor raised on some ranks: the actor mesh is failed (its calls raise
-        :class:`SupervisionError`), and supervision hears of it: the owning actor's
-        ``__supervise__`` (told by the target rank), else ``unhandled_fault_hook`` here."""
+        :class:`SupervisionError`, in Monarch's words), and supervision hears of it: the
+        owning actor's ``__supervise__`` (told by the target rank), else
+        ``unhandled_fault_hook`` here (``unowned``)."""
         first = exc.failures[0] if exc.failures else None
-        why = f"{first['type']}: {first['message']}" if first else str(exc)
-        message = (
-            f"actor {name!r} ({actor_class.__name__}) of mesh {self.name!r} failed in its "
-            f"constructor ({actor_class.__name__}.__init__ raised {why}); spawn it again"
-        )
+        cls = actor_class.__name__
+        if first is None:
+            message = f"actor {name!r} ({cls}) failed in its constructor: {exc}"
+        else:
+            who = f"{self.name}/{name}[{first.get('rank', -1)}]"
+            reason = textwrap.indent(failure_reason(first).rstrip("\n"), "  ")
+            message = (
+                f"The actor {who} and all its descendants have failed:\n{reason}\n"
+                f"({cls}.__init__ raised {first['type']}: {first['message']}; spawn it again)"
+            )
         failed_init[(self.name, name)] = SupervisionError(message, exc.failures, exc)
-        if self._requester.spawn_owner() is None and first is not None:
-            from monarch_kernel.rank.supervise import MeshFailure
-
-            hook = getattr(sys.modules.get("monarch_kernel.actor"), "unhandled_fault_hook", None)
-            if hook is not None:
-                failure = MeshFailure(self.name, name, first.get("rank", -1), first)
-                try:
-                    hook(failure)
-                except Exception:
-                    log.exception("unhandled_fault_hook raised")
+        if unowned and first is not None:
+            report_unhandled(MeshFailure(self.name, name, first.get("rank", -1), first))
         return ActorMesh(self, name, actor_class, self._shape)
 
     def ping(self) -> Future[ValueMesh[Any]]:
@@ -361,14 +367,16 @@ class ProcMesh(MeshView):
         """Whether the mesh was stopped (False for a reference in a rank: not known)."""
         try:
             return self._controller("stopped").state == "stopped"
-        except RuntimeError:
-            return False
+        except RuntimeError:  # the controller's own process says so itself
+            return bool(getattr(self._requester, "stopped", False))
 
     def __repr__(self) -> str:
         try:
             state = str(self._controller("state").state)
         except RuntimeError:
             state = "reference"
+            if hasattr(self._requester, "stopped"):  # the controller's own process
+                state = "this process" + (", stopped" if self.stopped else "")
         return f"<ProcMesh {self.name!r} {self._shape.describe()} ({state})>"
 
 

@@ -130,9 +130,17 @@ class PeerRequester:
 # -- re-attaching ---------------------------------------------------------------------
 
 
+#: Meshes this very process serves (the controller's ``this_proc()``, see
+#: ``actor.client_proc``), by (name, key hex): a handle on them unpickled here is theirs.
+local_meshes: dict[tuple[str, str], Requester] = {}
+
+
 def attach(ref: MeshRef) -> Requester:
-    """The requester of an unpickled mesh handle: the controller's own runtime where it
-    owns ``ref``'s mesh, else a :class:`PeerRequester`."""
+    """The requester of an unpickled mesh handle: this process's own mesh, or the
+    controller's own runtime where it owns ``ref``'s mesh, else a :class:`PeerRequester`."""
+    local = local_meshes.get((ref.mesh, ref.key))
+    if local is not None:
+        return local
     # Looked up only where the controller is loaded: a rank never imports it.
     registry_module = sys.modules.get("monarch_kernel.controller.mesh")
     if registry_module is not None and not context.in_rank():
@@ -142,4 +150,4 @@ def attach(ref: MeshRef) -> Requester:
     return PeerRequester(ref)
 
 
-__all__ = ["PeerRequester", "attach", "rank_waiter"]
+__all__ = ["PeerRequester", "attach", "local_meshes", "rank_waiter"]

@@ -88,9 +88,9 @@ class PeerClient:
         self.replies.setsockopt(zmq.LINGER, 0)
         limit_size(self.replies)
         #: Where replies to this process go: its unix socket and, where ranks of other
-        #: machines may answer, a CURVE TCP socket (see :func:`_reply_tcp_host`).
-        tcp_host = _reply_tcp_host()
-        domain = _admit_any_key() if tcp_host and rt is None else ""
+        #: machines may answer, a CURVE TCP socket (see :func:`reply_tcp_host`).
+        tcp_host = reply_tcp_host()
+        domain = admit_any_key() if tcp_host and rt is None else ""
         self.reply = peer_address.bind(self.replies, _reply_path(), tcp_host, self.machine, domain)
         #: route -> when its first connection must be up (see CONNECT_TIMEOUT)
         self.connecting: dict[str, float] = {}
@@ -293,7 +293,7 @@ def client() -> PeerClient:
             _client is not None
             and not _client.reply.tcp
             and not context.in_rank()
-            and bool(_reply_tcp_host())
+            and bool(reply_tcp_host())
         )
         if stale or local_only:
             _set_client(PeerClient())
@@ -347,7 +347,7 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
-def _reply_tcp_host() -> str:
+def reply_tcp_host() -> str:
     """The address this process takes replies from other machines on ("" if none).
 
     In a rank of a mesh that spans machines: the address its own peer socket listens
@@ -371,7 +371,7 @@ def _reply_tcp_host() -> str:
     return ""
 
 
-#: The ZAP domain of the controller's reply socket (see :func:`_admit_any_key`).
+#: The ZAP domain of the controller's reply socket (see :func:`admit_any_key`).
 REPLY_ZAP_DOMAIN = "mk-peer-replies"
 
 
@@ -383,7 +383,7 @@ class _AnyKey:
         return True
 
 
-def _admit_any_key() -> str:
+def admit_any_key() -> str:
     """The controller runs a ZAP handler for its meshes' sockets, which refuses keys of
     domains it does not know: register the reply socket's domain with it (loaded with the
     meshes of other machines this is for; never in a rank)."""
@@ -394,4 +394,4 @@ def _admit_any_key() -> str:
     return REPLY_ZAP_DOMAIN
 
 
-__all__ = ["CONNECT_TIMEOUT", "MeshRef", "PeerClient", "client"]
+__all__ = ["CONNECT_TIMEOUT", "MeshRef", "PeerClient", "admit_any_key", "client", "reply_tcp_host"]

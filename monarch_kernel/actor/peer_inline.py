@@ -13,7 +13,7 @@ from typing import Any
 from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.rank import context
 from monarch_kernel.rank.context import RankServices
-from monarch_kernel.rank.errors import exception_report
+from monarch_kernel.rank.errors import ActorGoneError, exception_report
 from monarch_kernel.wire import Message, dumps, loads
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
@@ -55,7 +55,7 @@ def serve_inline(
         else:
             actor = rt.actors.get(name)
             if actor is None:
-                raise LookupError(f"no actor {name!r} on rank {rank} (was it stopped?)")
+                raise ActorGoneError(f"no actor {name!r} on rank {rank} (was it stopped?)")
             args, kwargs = loads(payload, buffers, "arguments")
             context.current_actor = name
             value = getattr(actor, header["m"])(*args, **kwargs)

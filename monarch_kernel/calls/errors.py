@@ -31,9 +31,30 @@ class DeathInfo:
             return "exited"
         return describe_exit(self.code, self.signal)
 
+    @property
+    def process_phrase(self) -> str:
+        """Monarch's words for it: ``the process this actor was running on exited with
+        non-zero code 3`` (``was killed by SIGKILL``, ``is gone: <reason>``)."""
+        gone = "the process this actor was running on"
+        if self.reason:
+            return f"{gone} is gone: {self.reason}"
+        if self.signal:
+            return f"{gone} was {describe_exit(None, self.signal)}"
+        if self.code:
+            return f"{gone} exited with non-zero code {self.code}"
+        return f"{gone} exited"
+
 
 class MonarchError(Exception):
     """Base class of monarch_kernel's errors."""
+
+
+class ProcessGroupAborted(RuntimeError):
+    """A collective was cut short because the mesh aborted the rank's process group (a
+    failure on another rank, or the stop button); the mesh forms the group again.
+
+    Raised on ranks by the re-formable group (``rank/reformable.py``); defined here, with
+    no torch import, so that a controller can unpickle it without importing torch."""
 
 
 class MeshStartError(MonarchError):
@@ -115,6 +136,77 @@ class RankDiedError(SupervisionError):
         return type(self), (str(self), self.death, self.mesh)
 
 
+@dataclass(frozen=True)
+class CallSite:
+    """The endpoint call an error belongs to: actor ``actor`` of process mesh ``mesh``,
+    endpoint ``method``. A :class:`SupervisionError` of a call says it in Monarch's
+    words (``Endpoint call actor.method() failed, ...``); see :func:`call_failed`."""
+
+    mesh: str
+    actor: str
+    method: str
+
+    @property
+    def label(self) -> str:
+        """``actor.method()``, as Monarch names an endpoint call."""
+        return f"{self.actor}.{self.method}()"
+
+    def who(self, rank: int | None) -> str:
+        """The called actor on ``rank``: ``mesh/actor[rank]`` (``context()``'s actor id;
+        ``mesh/actor`` when the rank is not known)."""
+        return f"{self.mesh}/{self.actor}" + ("" if rank is None else f"[{rank}]")
+
+
+def call_failed(error: BaseException, call: CallSite | None, rank: int | None) -> BaseException:
+    """``error`` (a call to ``rank`` could not be answered) as the failure of ``call``:
+    a :class:`SupervisionError` gets Monarch's text, ``Endpoint call a.m() failed,``
+    then ``The actor X and all its descendants have failed:`` and why (a process that
+    ended), or ``Supervision event: actor X has status: stopped`` (a stopped mesh),
+    followed by this project's own details (host, pid, last output lines). Others are
+    returned as they are."""
+    if call is None or not isinstance(error, SupervisionError) or error.endpoint:
+        return error
+    head = f"Endpoint call {call.label} failed, "
+    new: SupervisionError
+    if isinstance(error, RankDiedError) and error.death is not None:
+        rank = error.death.rank  # the rank that died (the call may be to several)
+    if isinstance(error, RankDiedError):
+        d = error.death
+        phrase = (
+            d.process_phrase if d is not None else "the process this actor was running on is gone"
+        )
+        body = f"The actor {call.who(rank)} and all its descendants have failed:\n  {phrase}"
+        new = RankDiedError(f"{head}{body}\n{error}", error.death, error.mesh)
+    elif isinstance(error, MeshStoppedError):
+        body = f"Supervision event: actor {call.who(rank)} has status:\n  stopped: {error}"
+        new = MeshStoppedError(f"{head}{body}", error.failures)
+    else:
+        new = SupervisionError(f"{head}{error}", error.failures, error.exception)
+    new.endpoint = call.label
+    return new
+
+
+#: The report ``type`` of a process that ended (a rank died): its message is Monarch's
+#: phrase for it, and the reason of the failure.
+PROCESS_ENDED = "RankDied"
+
+
+def failure_reason(f: FailureReport) -> str:
+    """Why an actor failed, as Monarch's supervision events say it: the remote traceback
+    ending with ``Type: message`` (or that line alone); the message alone for a process
+    that ended (``the process this actor was running on exited with ...``)."""
+    message = str(f.get("message", ""))
+    if f.get("type") == PROCESS_ENDED:
+        return message
+    line = f"{f.get('type', 'Error')}: {message}"
+    tb = str(f.get("traceback") or "").rstrip("\n")
+    if not tb:
+        return line
+    if tb.endswith(line):
+        return tb + "\n"
+    return f"{line}\n{tb}\n"
+
+
 def _gone_report(kind: str, message: str, rank: int) -> FailureReport:
     return {
         "type": kind,
@@ -161,10 +253,17 @@ def actor_error(
     total: int,
     error_class: type[ActorError] = ActorError,
     note: str = "",
+    call: CallSite | None = None,
 ) -> ActorError:
     """One grouped :class:`ActorError` (or ``error_class``) for the failures of one call;
-    ``note`` (what was done to the other ranks) follows the grouped lines."""
+    ``note`` (what was done to the other ranks) follows the grouped lines. When the root
+    cause is an actor that no longer runs (report ``gone``: stopped, aborted, its
+    constructor failed) it is a :class:`SupervisionError`, in Monarch's words for
+    ``call``."""
     groups = group_failures(failures)
+    gone = groups[0][0].get("gone")
+    if gone and error_class is ActorError:
+        return _gone_error(groups, total, str(gone), call)
     lines = []
     for f, ranks in groups:
         plural = "ranks" if len(ranks) > 1 else "rank"
@@ -192,3 +291,27 @@ def actor_error(
         except Exception:
             exc = None
     return error_class(text, failures, exc)
+
+
+def _gone_error(
+    groups: list[tuple[FailureReport, list[int]]], total: int, gone: str, call: CallSite | None
+) -> SupervisionError:
+    """The calls reached ranks where the actor no longer runs (``gone``: ``stopped`` or
+    ``failed``): Monarch's ``Endpoint call a.m() failed, ...`` naming the first."""
+    first, ranks = groups[0]
+    rank = ranks[0]
+    who = call.who(rank) if call is not None else f"on rank {rank}"
+    if first.get("type") == "ActorGoneError":  # its own traceback is ours: the words only
+        reason = str(first["message"])
+    else:  # it failed just now, by this exception (Monarch shows its traceback)
+        reason = failure_reason(first).rstrip("\n")
+    reason = "".join("  " + ln for ln in reason.splitlines(keepends=True))
+    if gone == "stopped":
+        body = f"Supervision event: actor {who} has status:\n  stopped: {reason.lstrip()}"
+    else:
+        body = f"The actor {who} and all its descendants have failed:\n{reason}"
+    if len(ranks) > 1 or len(groups) > 1:
+        body += f"\n(on rank(s) {format_ranks([r for _, rs in groups for r in rs])} of {total})"
+    head = f"Endpoint call {call.label} failed, " if call is not None else ""
+    failures = [f for f, _ in groups]
+    return SupervisionError(head + body, failures, None, call.label if call else None)

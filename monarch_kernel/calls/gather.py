@@ -20,8 +20,10 @@ from collections.abc import Callable, Iterator
 
 from monarch_kernel.calls.errors import (
     ActorError,
+    CallSite,
     RankDiedError,
     actor_error,
+    call_failed,
     format_ranks,
 )
 from monarch_kernel.calls.future import Future, Waiter
@@ -36,13 +38,14 @@ from monarch_kernel.wire.reports import FailureReport
 SETTLE_WAIT = 65.0
 
 
-def reply_value(reply: Reply, total: int) -> object:
-    """The value of one rank's reply, or its failure raised as an :class:`ActorError`."""
+def reply_value(reply: Reply, total: int, call: CallSite | None = None) -> object:
+    """The value of one rank's reply, or its failure raised as an :class:`ActorError`
+    (of endpoint call ``call``, when it is one)."""
     if reply.ok:
         rank = reply.rank
         return reply.value(lambda: f"result from rank {rank}")
     assert reply.report is not None
-    raise actor_error([reply.report], total)
+    raise actor_error([reply.report], total, call=call)
 
 
 class Gather:
@@ -61,6 +64,7 @@ class Gather:
         waiter: Waiter | None,
         error_class: type[ActorError] = ActorError,
         value_name: str = "result",
+        call: CallSite | None = None,
     ):
         self.ranks = ranks
         self.shape = shape or Shape(("ranks",), (len(ranks),))
@@ -73,6 +77,7 @@ class Gather:
         self._lock = threading.Lock()
         self._error_class = error_class
         self._value_name = value_name
+        self._call = call  # the endpoint call, for Monarch's text of a SupervisionError
         self.future: Future[ValueMesh[object]] = Future(self._finish, waiter)
 
     # -- observer (receiving thread) -----------------------------------------------------
@@ -141,8 +146,10 @@ class Gather:
             if note:
                 text += "\n" + note
             if isinstance(root_loss, RankDiedError):
-                return type(root_loss)(text, root_loss.death, root_loss.mesh)
-            return type(root_loss)(text) if note or others else root_loss
+                error: BaseException = type(root_loss)(text, root_loss.death, root_loss.mesh)
+            else:
+                error = type(root_loss)(text) if note or others else root_loss
+            return call_failed(error, self._call, root)
         reports: list[FailureReport] = []
         for r in order:
             reply = self._replies[self._index[r]]
@@ -151,8 +158,8 @@ class Gather:
                     reports.append(reply.report)
             elif r in self._lost and r not in released:
                 reports.append(_lost_report(r, self._lost[r]))
-        error = actor_error(reports, len(self.ranks), self._error_class, note)
-        error.failures.extend(  # every rank's report stays available to code
+        failed = actor_error(reports, len(self.ranks), self._error_class, note, self._call)
+        failed.failures.extend(  # every rank's report stays available to code
             reply.report
             for r in order
             if r in released
@@ -160,7 +167,7 @@ class Gather:
             and (reply := self._replies[self._index[r]]) is not None
             and reply.report is not None
         )
-        return error
+        return failed
 
 
 def _lost_report(rank: int, error: BaseException) -> FailureReport:
@@ -181,18 +188,21 @@ def _naming(name: str, rank: int) -> Callable[[], str]:
 
 
 class One:
-    """The reply of a single rank; the future gives its value."""
+    """The reply of a single rank; the future gives its value (``call``: the endpoint
+    call it answers, for Monarch's text of a ``SupervisionError``)."""
 
-    __slots__ = ("future",)
+    __slots__ = ("future", "_call")
 
-    def __init__(self, waiter: Waiter | None):
-        self.future: Future[object] = Future(_value_of_one, waiter)
+    def __init__(self, waiter: Waiter | None, call: CallSite | None = None):
+        self._call = call
+        finish = _value_of_one if call is None else lambda reply: reply_value(reply, 1, call)
+        self.future: Future[object] = Future(finish, waiter)
 
     def on_reply(self, reply: Reply) -> None:
         self.future.set_result(reply)
 
     def on_lost(self, rank: int, error: BaseException) -> None:
-        self.future.set_exception(error)
+        self.future.set_exception(call_failed(error, self._call, rank))
 
 
 def _value_of_one(reply: Reply) -> object:
@@ -202,9 +212,14 @@ def _value_of_one(reply: Reply) -> object:
 class Each:
     """One future per rank, handed out in the order the ranks answer."""
 
-    def __init__(self, ranks: list[int], waiter: Waiter | None = None):
+    def __init__(
+        self, ranks: list[int], waiter: Waiter | None = None, call: CallSite | None = None
+    ):
         total = len(ranks)
-        self._futures = {r: Future(lambda reply: reply_value(reply, total), waiter) for r in ranks}
+        self._call = call
+        self._futures = {
+            r: Future(lambda reply: reply_value(reply, total, call), waiter) for r in ranks
+        }
         self._done: queue.Queue[Future[object]] = queue.Queue()
         for fut in self._futures.values():
             fut.add_done_callback(self._done.put)
@@ -213,7 +228,7 @@ class Each:
         self._futures[reply.rank].set_result(reply)
 
     def on_lost(self, rank: int, error: BaseException) -> None:
-        self._futures[rank].set_exception(error)
+        self._futures[rank].set_exception(call_failed(error, self._call, rank))
 
     def in_order_of_answers(self) -> Iterator[Future[object]]:
         for _ in self._futures:

@@ -63,7 +63,7 @@ class RequestObserver(Protocol):
 
 class IncidentView(Protocol):
     """What the observer of a failed request may read of the incident the mesh's failure
-    policy opened for it (the controller's ``failures.Incident``): which rank was the
+    policy opened for it (the controller's ``incident.Incident``): which rank was the
     root cause, how the others were released, and a summary for the error."""
 
     @property

@@ -34,9 +34,10 @@ final, so the error says what was done: the process group is formed again if any
 aborted it (or left a collective pending), and the data-parallel replicas are compared
 and, if the ranks stopped at different points of a step, made the same again from the
 most advanced rank (``Restarter.recover``). That also runs, under every policy but
-``continue``, when a failed or interrupted request on a mesh with a process group
-released itself (nobody had to be aborted): ranks interrupted between two collectives
-can still hold different parameters.
+``continue``, when a failed or interrupted cell (or an endpoint call on a mesh with a
+process group) on several ranks released itself (nobody had to be aborted): ranks
+interrupted between two collectives can still hold different parameters. (On a mesh
+without a process group the check is one ping.)
 
 Invariants: at most one incident per request; the release steps run on the incident's
 own thread and change the request table only through ``Receiver.post`` (the receiving
@@ -50,12 +51,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
-from monarch_kernel.calls.errors import RankDiedError, format_ranks
+from monarch_kernel.calls.errors import format_ranks
 from monarch_kernel.calls.reply import IncidentObserver
 from monarch_kernel.controller.events import EventBus, RankDied, RequestFailed, RequestKind
+from monarch_kernel.controller.incident import Incident, ReleasedError
 from monarch_kernel.controller.phase import MeshLifecycle
 from monarch_kernel.controller.records import (
     FailurePolicy,
@@ -84,55 +85,6 @@ IN_PLACE_WAIT = 60.0
 #: keeps dying (a setup cell that kills it, a bad machine) is then left dead.
 MAX_RESTARTS = 3
 RESTART_WINDOW = 60.0
-
-
-class ReleasedError(RankDiedError):
-    """A rank's part of a request was given up on by the failure policy (it was still
-    running it after another rank failed); the message says what was done to it."""
-
-
-@dataclass
-class Incident:
-    """One request's failure, and what the failure policy did about it.
-
-    Written by the incident's thread; read (``summary``) when the request's error is
-    built, after every rank of the request was accounted for and ``settled`` is set.
-    """
-
-    request: str
-    what: str  #: how people call the request: ``cell 5``, ``trainer.step``
-    root_rank: int
-    cause: str  #: ``raised ValueError`` / ``died (killed by SIGKILL)``
-    grace: float
-    opened: float = field(default_factory=time.monotonic)
-    #: rank -> how it was released (``process group aborted``, ``interrupted`` ...).
-    released: dict[int, str] = field(default_factory=dict)
-    #: What happens next (restart, stop), decided when the release ends.
-    outcome: str = ""
-    #: The release changed the mesh (process group aborted, ranks killed): the policy
-    #: must run when it ends.
-    needs_policy: bool = False
-    #: A person interrupted the request: not a fault (a stop policy does not stop).
-    cancelled: bool = False
-    #: Set when the release is over and this record is final.
-    settled: threading.Event = field(default_factory=threading.Event)
-
-    def summary(self) -> str:
-        """What was done to the other ranks, for the request's error (empty if none)."""
-        if not self.released:
-            return self.outcome
-        by_how: dict[str, list[int]] = {}
-        for rank, how in self.released.items():
-            by_how.setdefault(how, []).append(rank)
-        ranks = format_ranks(list(self.released))
-        who = f"ranks {ranks} were" if len(self.released) > 1 else f"rank {ranks} was"
-        text = (
-            f"{who} still running {self.what or 'it'} {self.grace:.1f}s after "
-            f"rank {self.root_rank} {self.cause} (waiting for it in a collective?); "
-            + "; ".join(f"{how}: {format_ranks(rs)}" for how, rs in by_how.items())
-            + "."
-        )
-        return text + (" " + self.outcome if self.outcome else "")
 
 
 class PolicyActions(Protocol):
@@ -168,7 +120,8 @@ class FailureHandler:
         has_process_group: Callable[[], bool] = lambda: False,
     ):
         """``post``: ``Receiver.post`` (the request table changes on the thread holding
-        the receive token); ``has_process_group()``: whether the ranks formed one."""
+        the receive token); ``has_process_group()``: whether the ranks are known to have
+        formed one."""
         self._name = name
         self._actions = actions
         self._ranks = ranks
@@ -232,7 +185,9 @@ class FailureHandler:
                 return
             if pending.cancelled:
                 cause = "was interrupted"
-            incident = Incident(rid, pending.what, rank, cause, self.grace)
+            incident = Incident(
+                rid, pending.what, rank, cause, self.grace, tuple(pending.ranks), pending.kind
+            )
             incident.cancelled = pending.cancelled
             if cause.startswith("died"):
                 incident.outcome = self._plan()
@@ -374,13 +329,13 @@ class FailureHandler:
 
     # -- putting the mesh right in place ----------------------------------------------------
     def _check_due(self, incident: Incident) -> bool:
-        """A request that released itself still gets its replicas checked: on a mesh with
-        a process group, when it ran on several ranks (not under ``continue``)."""
-        if self.policy is FailurePolicy.CONTINUE or not self._has_process_group():
+        """A request that released itself still gets its process group and replicas
+        checked when it ran on several ranks (not under ``continue``): a cell always (the
+        check asks the ranks, a ping, whether they have a group: one made a moment ago is
+        not known here yet), an endpoint call when the ranks have a group."""
+        if self.policy is FailurePolicy.CONTINUE or len(incident.ranks) < 2:
             return False
-        pending = self._requests.get(incident.request)
-        ranks = pending.ranks if pending is not None else self._ranks
-        return len(ranks) > 1
+        return incident.kind is RequestKind.CELL or self._has_process_group()
 
     def _in_place(self) -> bool:
         """Nothing to restart, and the policy does not stop the mesh."""

@@ -252,6 +252,12 @@ class RecoveryReport:
     #: restarted ranks lost nothing declared in their TrainingState).
     peer_state: str = ""
 
+    @property
+    def changed(self) -> bool:
+        """Whether it did anything worth telling (not just found all well)."""
+        copied = bool(self.replicas) and self.replicas != "replicas identical"
+        return bool(self.restarted or self.process_group or self.problems or copied)
+
     def describe(self, mesh: str, in_place: bool = False) -> str:
         """Which ranks restarted, what was re-run, and what state was lost; ``in_place``
         (no rank was to restart): only what was done, or nothing when all was well."""

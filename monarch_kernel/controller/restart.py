@@ -6,7 +6,7 @@ the ranks had one; re-create actors and re-run ``--setup`` cells on the restarte
 (what a :class:`~.records.MeshRecipe` remembers). With no rank to restart (an
 in-place recovery after a failure or an interrupt in a collective loop), the process
 group is re-formed only if a rank's is broken, and then the data-parallel replicas are
-compared and made the same again (:meth:`Restarter.make_replicas_consistent`). Each
+compared and made the same again (:func:`.replica_check.make_replicas_consistent`). Each
 step is a request of the controller's own (``internal``: no failure policy applies to
 it), waited for with a deadline and cancelled if it runs past it.
 
@@ -26,13 +26,6 @@ from typing import Protocol
 
 from monarch_kernel.calls.errors import MeshStartError, format_ranks
 from monarch_kernel.calls.future import Future
-from monarch_kernel.calls.replica_plan import (
-    ReplicaDigest,
-    ReplicaPlan,
-    SyncReport,
-    describe,
-    plan_sync,
-)
 from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.calls.requester import PLAIN, CallOptions
 from monarch_kernel.controller.events import EventBus, MeshRecovered
@@ -46,6 +39,7 @@ from monarch_kernel.controller.records import (
     RankState,
     RecoveryReport,
 )
+from monarch_kernel.controller.replica_check import make_replicas_consistent
 from monarch_kernel.controller.requests import RequestTable, new_request_id
 from monarch_kernel.controller.startup import Starter
 from monarch_kernel.controller.transport import Transport
@@ -144,6 +138,7 @@ class Restarter:
         that cannot start raises :class:`MeshStartError` (and is left DEAD, never
         STARTING).
         """
+        in_place_check = ranks is not None and not ranks  # []: nothing to restart
         with self._lock:
             self._mesh.check_alive([])
             t0 = time.monotonic()
@@ -173,7 +168,7 @@ class Restarter:
                 replicas,
             )
             self.last_recovery = report
-        if self._events.wants(MeshRecovered):
+        if self._events.wants(MeshRecovered) and (report.changed or not in_place_check):
             self._events.emit(MeshRecovered(self._name, report))
         return report
 
@@ -187,12 +182,14 @@ class Restarter:
         if targets:
             self.restart_ranks(targets, max(1.0, deadline - time.monotonic()))
         if self.recipe.pg_backend is not None and (targets or broken):
-            backend = self._reform_process_group(deadline, problems)
+            backend = self._reform_process_group(deadline, problems, subgroups=not targets)
         actors = self._respawn_actors(targets, deadline, problems)
         setups = self._rerun_setup(targets, deadline, problems) if targets else ()
         replicas = ""
-        if self.recipe.pg_backend is not None and not targets and not problems:
-            replicas = self.make_replicas_consistent(deadline, problems)
+        live = [r.rank for r in self._ranks if r.alive]
+        checkable = not targets and not problems and len(live) == self._world
+        if self.recipe.pg_backend is not None and checkable:
+            replicas = make_replicas_consistent(self.run_values, live, deadline, problems)
         return backend, actors, setups, replicas
 
     # -- restarting ranks ----------------------------------------------------------------
@@ -288,7 +285,11 @@ class Restarter:
                     broken = broken or not info.get("pg_live")
         return broken
 
-    def _reform_process_group(self, deadline: float, problems: list[str]) -> str | None:
+    def _reform_process_group(
+        self, deadline: float, problems: list[str], subgroups: bool = True
+    ) -> str | None:
+        """Re-form the process group on every rank (``subgroups``: its ``new_group``
+        groups too; a restarted rank has none, so they cannot be)."""
         live = [r.rank for r in self._ranks if r.alive]
         if len(live) != self._world:
             dead = [r.rank for r in self._ranks if not r.alive]
@@ -301,7 +302,7 @@ class Restarter:
             self._starter.common["master_port"] = port
         code = (
             "from monarch_kernel.rank.distributed import reform_process_group as _mk_reform\n"
-            f"_mk_reform({addr!r}, {port}, {backend!r})\n"
+            f"_mk_reform({addr!r}, {port}, {backend!r}, subgroups={subgroups})\n"
             "del _mk_reform\n"
         )
         failed = self.run_cell(live, code, "restart: process group", (), deadline)
@@ -309,39 +310,6 @@ class Restarter:
             problems.append(f"re-forming the process group failed: {failed}")
             return None
         return backend
-
-    # -- replicas ------------------------------------------------------------------------
-    def make_replicas_consistent(self, deadline: float, problems: list[str]) -> str:
-        """Compare the data-parallel training objects of every rank (a digest of each);
-        if they differ, copy the most advanced rank's state to the others over the
-        process group, and check again. What was done, in one line ('' when the ranks
-        hold no such objects)."""
-        live = [r.rank for r in self._ranks if r.alive]
-        if len(live) != self._world:
-            return ""
-        call = "__import__('monarch_kernel.rank.replicas', fromlist=['_'])."
-        digests, failed = self.run_values(
-            live, call + "digest_namespace(globals())", "restart: compare replicas", deadline
-        )
-        if failed:
-            problems.append(f"comparing the replicas failed: {failed}")
-            return ""
-        plan = plan_sync([d for d in digests.values() if isinstance(d, ReplicaDigest)])
-        if plan.source is None:
-            return describe(plan)
-        code = call + f"sync_namespace(globals(), {list(plan.names)!r}, {plan.source})"
-        reports, failed = self.run_values(live, code, "restart: copy replicas", deadline)
-        if failed:
-            problems.append(f"{plan.why}; copying rank {plan.source}'s state failed: {failed}")
-            return ""
-        return self._synced(plan, [r for r in reports.values() if isinstance(r, SyncReport)])
-
-    @staticmethod
-    def _synced(plan: ReplicaPlan, reports: list[SyncReport]) -> str:
-        after = plan_sync([r.after for r in reports])
-        nbytes = max((r.nbytes for r in reports), default=0)
-        seconds = max((r.seconds for r in reports), default=0.0)
-        return describe(plan, nbytes, seconds, after=after.source is None)
 
     # -- actors and setup cells ----------------------------------------------------------
     def _respawn_actors(

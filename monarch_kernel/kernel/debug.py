@@ -75,6 +75,8 @@ class DebugConsole:
     _shown: set[tuple[int, int]] = field(default_factory=set)
     _asking: tuple[int, int, int] | None = None  # rank, serial, thread id
     _withdrawn: str = ""
+    #: Guards ``_asking`` and ``_withdrawn`` (read by other threads to interrupt).
+    _ask_lock: threading.Lock = field(default_factory=threading.Lock)
     _last_asked: int | None = None
 
     # -- events (the cell's thread) ---------------------------------------------------
@@ -101,16 +103,26 @@ class DebugConsole:
 
     def withdraw(self, event: DebuggerResumed) -> None:
         """(Any thread.) The rank ran on: stop asking for its prompt if we ask now."""
-        asking = self._asking
-        if asking is not None and asking[0] == event.rank and asking[1] <= event.serial:
-            self._withdrawn = event.why
-            signal.pthread_kill(asking[2], signal.SIGINT)
+        self._stop_asking(event.why, event.rank, event.serial)
 
     def abandon(self) -> None:
         """(Any thread.) The work being debugged is over: stop asking."""
-        asking = self._asking
-        if asking is not None:
-            self._withdrawn = "done"
+        self._stop_asking("done")
+
+    def _stop_asking(self, why: str, rank: int | None = None, serial: int = 0) -> None:
+        """Interrupt the prompt being asked (of ``rank``, up to ``serial``), once.
+
+        The first reason wins: a rank that timed out and then finished its cell is
+        reported as timed out (the later ``done`` is a consequence), and a second
+        interrupt never lands in the asking thread after it left ``input()``.
+        """
+        with self._ask_lock:
+            asking = self._asking
+            if asking is None or self._withdrawn:
+                return
+            if rank is not None and (asking[0] != rank or asking[1] > serial):
+                return
+            self._withdrawn = why
             signal.pthread_kill(asking[2], signal.SIGINT)
 
     # -- serving ---------------------------------------------------------------------
@@ -219,8 +231,9 @@ class DebugConsole:
         return parse_ranks(spec, self.runtime.world)
 
     def _input(self, event: InputRequested, prompt: str) -> str:
-        self._withdrawn = ""
-        self._asking = (event.rank, event.serial, threading.get_ident())
+        with self._ask_lock:
+            self._withdrawn = ""
+            self._asking = (event.rank, event.serial, threading.get_ident())
         try:
             return input(prompt)
         except KeyboardInterrupt:
@@ -229,7 +242,8 @@ class DebugConsole:
             self.runtime.answer_input(event.rank, event.serial, error="interrupted")
             raise
         finally:
-            self._asking = None
+            with self._ask_lock:
+                self._asking = None
 
     def cast(self, ranks: list[int], command: str) -> None:
         """Send ``command`` to the paused ``ranks``; show their answers grouped."""

@@ -15,12 +15,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from monarch_kernel.rank import context
-from monarch_kernel.rank.errors import ActorAborted, exception_report
+from monarch_kernel.rank.errors import ActorAborted, ActorGoneError, exception_report
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Message, loads
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire.codec import Buffer
+from monarch_kernel.wire.reports import FailureReport
 
 
 class Running:
@@ -61,8 +62,9 @@ class ActorHost:
         self.main = main
         self.user = user
         self.actors: dict[str, object] = {}
-        #: actors gone by their own failure (abort(), a constructor that raised): why
-        self.gone: dict[str, str] = {}
+        #: actors gone by their own failure (abort(), a constructor that raised) or
+        #: stopped: why (calls to them raise it)
+        self.gone: dict[str, ActorGoneError] = {}
         #: actor name -> its owner: an actor spawned by an actor of some rank (shared
         #: with the outbox, which sends such an actor's failures to its owner)
         self.owners = owners
@@ -83,7 +85,7 @@ class ActorHost:
             self.gone.pop(name, None)
         except (Exception, KeyboardInterrupt) as exc:  # to the caller
             where = f"{getattr(cls, '__name__', name)}.__init__"
-            self.gone[name] = (
+            self.gone[name] = ActorGoneError(
                 f"actor {name!r} failed in its constructor ({where} raised "
                 f"{type(exc).__name__}: {exc}); spawn it again"
             )
@@ -125,7 +127,10 @@ class ActorHost:
         """STOP_ACTOR: forget actor ``a`` (no error if it is not there)."""
         assert isinstance(hdr, H.StopActor)
         name = str(hdr.actor)
-        self.actors.pop(name, None)
+        if self.actors.pop(name, None) is not None:
+            self.gone[name] = ActorGoneError(
+                f"actor {name!r} was stopped (its actor mesh's stop())", stopped=True
+            )
         self.owners.pop(name, None)
         if hdr.seq is None:  # from a rank: not to be re-created any more
             self.tell_peer_actor(name, None)
@@ -146,9 +151,10 @@ class ActorHost:
 
         try:
             if actor is None:
-                if name in self.gone:
-                    raise LookupError(self.gone[name])
-                raise LookupError(f"no actor {name!r} on rank {self.rank} (was it stopped?)")
+                gone = self.gone.get(name)
+                if gone is not None:
+                    raise ActorGoneError(str(gone), gone.stopped)
+                raise ActorGoneError(f"no actor {name!r} on rank {self.rank} (was it stopped?)")
             args, kwargs = loads(msg.payload, msg.buffers, lambda: f"arguments of {where()}")
             context.current_actor = name
             context.current_slice = hdr.slice
@@ -156,7 +162,12 @@ class ActorHost:
             if getattr(fn, context.EXPLICIT_PORT_ATTR, False):
                 # @endpoint(explicit_response_port=True): the endpoint answers through
                 # the port it is given (now or later, from any thread); no reply here.
-                self.user.run_user(fn, ResponsePort(self.outbox, request, where), *args, **kwargs)
+                port = ResponsePort(self.outbox, request, where, self._escape(name, actor))
+                try:
+                    self.user.run_user(fn, port, *args, **kwargs)
+                except Exception as exc:  # it escaped the endpoint: the actor fails
+                    self.user.keep_failure(exc)
+                    port.escaped(exc)
                 return
             result = self.user.run_user(fn, *args, **kwargs)
             if isinstance(result, Running):  # answered when its task ends
@@ -178,6 +189,35 @@ class ActorHost:
             context.current_slice = None
         if request:
             self.outbox.reply(request, result, lambda: f"result of {where()}", where)
+
+    def _escape(self, name: str, actor: object) -> Callable[[BaseException, str | None, str], None]:
+        """What a response port of actor ``name`` does with an exception that escaped its
+        endpoint (see :meth:`ResponsePort.escaped`)."""
+
+        def escaped(exc: BaseException, request: str | None, where: str) -> None:
+            self.failed_by(name, actor, exc, request, where)
+
+        return escaped
+
+    def failed_by(
+        self, name: str, actor: object, exc: BaseException, request: str | None, where: str
+    ) -> None:
+        """``exc`` escaped an endpoint that answers through a response port and did not
+        answer: as in Monarch, the actor fails. The caller (if it waits) gets a
+        ``SupervisionError`` with it, supervision hears of it (the owner's
+        ``__supervise__``, else the fault hook) and later calls say why. Any thread."""
+        report = exception_report(exc, where)
+        report["host"] = self.outbox.hostname
+        why = (
+            f"actor {name!r} ({type(actor).__name__}) failed: {where} raised "
+            f"{type(exc).__name__}: {exc} without answering through its response port"
+        )
+        if self.actors.get(name) is actor:
+            self.actors.pop(name, None)
+            self.gone[name] = ActorGoneError(why)
+        if request is not None:
+            self.outbox.fail(request, FailureReport(**report, gone="failed"))
+        self.outbox.fault(report, name)
 
     def finish(
         self,
@@ -224,8 +264,7 @@ class ActorHost:
                 "other actors on this rank keep running"
             )
         report["host"] = self.outbox.hostname
-        if isinstance(exc, ActorAborted):
-            self.gone[name] = report["message"]
+        self.gone[name] = ActorGoneError(report["message"])
         if request is None:
             self.outbox.fault(report, name)
         else:
@@ -258,7 +297,9 @@ class ActorHost:
                 context.current_actor = None
         if not handled:
             me = f"{self.outbox.mesh}/{owner_name}[{self.rank}]"
-            self.outbox.fault(body["report"], owner_name, (*failure.path, me))
+            report = dict(body["report"])
+            report.setdefault("origin", failure.actor_id)  # who failed first, on the way up
+            self.outbox.fault(FailureReport(**report), owner_name, (*failure.path, me))
 
 
 class ResponsePort:
@@ -267,10 +308,17 @@ class ResponsePort:
     For a fire-and-forget call (``broadcast``) a value goes nowhere and an exception to
     supervision."""
 
-    def __init__(self, outbox: Outbox, request: str | None, where: Callable[[], str]):
+    def __init__(
+        self,
+        outbox: Outbox,
+        request: str | None,
+        where: Callable[[], str],
+        on_escape: Callable[[BaseException, str | None, str], None] | None = None,
+    ):
         self._outbox = outbox
         self._request = request
         self._where = where
+        self._on_escape = on_escape
         self._sent = False
 
     def send(self, value: Any) -> None:
@@ -282,6 +330,16 @@ class ResponsePort:
         """Answer the call with the failure ``exc``."""
         if self._claim():
             self._outbox.reply_error(self._request, exc, self._where())
+
+    def escaped(self, exc: BaseException) -> None:
+        """``exc`` escaped the endpoint (it was not sent with :meth:`exception`): as in
+        Monarch, the actor fails (the caller, if not answered yet, gets it as a
+        ``SupervisionError``)."""
+        request = self._request if self._claim() else None
+        if self._on_escape is None:
+            self._outbox.reply_error(request, exc, self._where())
+            return
+        self._on_escape(exc, request, self._where())
 
     def _claim(self) -> bool:
         """The first answer wins (a request gets one reply); later ones are dropped."""

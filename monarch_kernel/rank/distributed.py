@@ -131,16 +131,21 @@ def release_collectives(reason: str) -> int:
     return len(busy)
 
 
-def reform_process_group(master_addr: str, master_port: int, backend: str | None = None) -> str:
+def reform_process_group(
+    master_addr: str, master_port: int, backend: str | None = None, subgroups: bool = True
+) -> str:
     """Form this rank's default process group again, at a fresh rendezvous address.
 
-    Run on every rank of the mesh (the controller sends it as cell code): destroys the
-    current default group if any, then initialises a new one with ``backend`` (default:
-    the backend of the last group, else torch's default for the devices), this rank's
-    ``RANK`` and ``WORLD_SIZE`` and the rendezvous ``master_addr:master_port``, with
-    torch's default timeout (it also bounds every collective, so no shorter one here:
-    the controller gives up on a rendezvous that does not complete by itself). Returns
-    the backend.
+    Run on every rank of the mesh (the controller sends it as cell code). A re-formable
+    default group is formed again in place (the same object; with ``subgroups`` its
+    ``new_group`` groups too, else they are marked stale: a restarted rank has none to
+    join) and the DDP objects on it are repaired. Otherwise the current default group is
+    destroyed if any and a new one initialised with ``backend`` (default: the backend of
+    the last group, else torch's default for the devices; gloo on CPU gives a
+    re-formable group that joins the same rendezvous), this rank's ``RANK`` and
+    ``WORLD_SIZE`` and the rendezvous ``master_addr:master_port``, with torch's default
+    timeout (it also bounds every collective, so no shorter one here: the controller
+    gives up on a rendezvous that does not complete by itself). Returns the backend.
     """
     import torch.distributed as dist
 
@@ -157,7 +162,7 @@ def reform_process_group(master_addr: str, master_port: int, backend: str | None
 
         with _lock:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            default.configure(master_addr, int(master_port), rank, world)
+            pg_backend.reform(default, master_addr, int(master_port), rank, world, subgroups)
             replicas.repair_ddp(pg_backend.groups())
         last_backend = "gloo"
         return last_backend
@@ -175,6 +180,10 @@ def reform_process_group(master_addr: str, master_port: int, backend: str | None
         chosen = backend or last_backend
         if chosen in (None, "undefined"):
             chosen = None  # torch's default for the devices it has (gloo / nccl)
+        if "monarch_kernel.rank.pg_backend" in sys.modules:  # installed: gloo re-formable
+            from monarch_kernel.rank import pg_backend
+
+            chosen = pg_backend.choose_backend(chosen)
         init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
         init(
             chosen,

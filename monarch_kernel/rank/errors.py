@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Mapping
 from types import TracebackType
@@ -22,6 +23,20 @@ class ActorAborted(BaseException):
     def __init__(self, reason: str | None = None):
         super().__init__(reason or "abort() was called")
         self.reason = reason or "abort() was called"
+
+
+class ActorGoneError(LookupError):
+    """A call reached a rank (or the controller's process) where its actor no longer
+    runs: it was stopped (``stopped``), or it aborted or its constructor failed. The
+    caller gets a ``SupervisionError`` (the report's ``gone`` says which)."""
+
+    def __init__(self, message: str, stopped: bool = False):
+        super().__init__(message)
+        self.stopped = stopped
+
+
+#: The waits a KeyboardInterrupt lands in (``Event.wait``): not the user's to read.
+_THREADING = os.path.abspath(threading.__file__)
 
 
 def _is_internal(filename: str) -> bool:
@@ -53,14 +68,19 @@ def describe_tensors(frame_locals: Mapping[str, object], limit: int = 12) -> lis
 
 def _drop_trailing_internal(tb: TracebackType | None) -> list[TracebackType]:
     """The traceback's entries, without internal frames at its end (e.g. the SIGINT
-    handler that raised KeyboardInterrupt inside the user's code)."""
+    handler that raised KeyboardInterrupt inside the user's code, or a collective's
+    wait in the process group, down to the lock it was waiting on)."""
     entries = []
     while tb is not None:
         entries.append(tb)
         tb = tb.tb_next
-    while len(entries) > 1 and _is_internal(entries[-1].tb_frame.f_code.co_filename):
+    while len(entries) > 1 and _trailing_noise(entries[-1].tb_frame.f_code.co_filename):
         entries.pop()
     return entries
+
+
+def _trailing_noise(filename: str) -> bool:
+    return _is_internal(filename) or os.path.abspath(filename) == _THREADING
 
 
 _CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
@@ -100,6 +120,24 @@ def _chain(exc: BaseException) -> list[tuple[BaseException, str]]:
     return out
 
 
+#: How torch's futures wrap an error raised in a ``then`` callback (how an aborted
+#: process group's errors reach C++ waiters such as DDP's backward): this prefix, the
+#: error, then the callback's Python stack after ``\n\nAt:\n``.
+_FUTURE_PREFIX = "Got the following error when running the callback: "
+
+
+def unwrap_future_error(text: str) -> str:
+    """``text`` with every future-callback wrapping removed (the error inside stays)."""
+    while _FUTURE_PREFIX in text:
+        head, _, rest = text.partition(_FUTURE_PREFIX)
+        inner, at, tail = rest.partition("\n\nAt:\n")
+        if at:  # the stack lines run to the first blank line or the end
+            _stack, _, tail = tail.partition("\n\n")
+            tail = "\n" + tail if tail else ""
+        text = head + inner + tail
+    return text
+
+
 def exception_report(exc: BaseException, where: str = "") -> FailureReport:
     """A picklable, plain-data description of ``exc`` raised inside a rank, with its
     chain of causes (``causes``: type and message of each, root cause first)."""
@@ -121,14 +159,19 @@ def exception_report(exc: BaseException, where: str = "") -> FailureReport:
         pickle.loads(pickled)
     except Exception:
         pickled = None
-    return {
+    report: FailureReport = {
         "type": type(exc).__name__,
         "qualname": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": str(exc),
-        "traceback": text,
+        "message": unwrap_future_error(str(exc)),
+        "traceback": unwrap_future_error(text),
         "line": line,
         "tensors": tensors,
         "where": where,
         "exception": pickled,
-        "causes": [{"type": type(e).__name__, "message": str(e)} for e, _ in chain],
+        "causes": [
+            {"type": type(e).__name__, "message": unwrap_future_error(str(e))} for e, _ in chain
+        ],
     }
+    if isinstance(exc, ActorGoneError):
+        report["gone"] = "stopped" if exc.stopped else "failed"
+    return report

@@ -138,7 +138,7 @@ class Inbox:
         while True:
             try:
                 loop = self.loop
-                if loop is not None and asyncio.all_tasks(loop):
+                if loop is not None and _work_left(loop):
                     self.idle(loop)  # background tasks run until a message comes
                     if not deferred and not int(inbox.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                         continue
@@ -329,7 +329,7 @@ class Inbox:
         def check() -> None:
             if stop.done():
                 return
-            if len(asyncio.all_tasks(loop)) == 0 or self.deferred:
+            if not _work_left(loop) or self.deferred:
                 stop.set_result(None)
             else:
                 loop.call_later(IDLE_CHECK, check)
@@ -374,6 +374,15 @@ class Inbox:
 #: Seconds between looks, while :meth:`Inbox.idle` runs the event loop, at whether
 #: background tasks are left.
 IDLE_CHECK = 0.05
+
+
+def _work_left(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether the actors' event loop has something left to run: a pending task, or a
+    callback already queued. The second matters: a task that ended in the very last
+    step of ``run_until_complete`` (a second call served while the first awaited) is
+    no longer in ``all_tasks``, but its done callback, which sends its reply, is still
+    queued; without another turn of the loop that caller would wait forever."""
+    return bool(asyncio.all_tasks(loop)) or bool(getattr(loop, "_ready", None))
 
 
 async def _as_coroutine(aw: Any) -> Any:

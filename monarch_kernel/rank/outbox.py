@@ -151,12 +151,11 @@ class Outbox:
         if actor:  # the failing actor at this level (its owner sees it as the failure)
             report = report.copy()
             report["actor"] = actor
+            report.setdefault("origin", f"{self.mesh}/{actor}[{self.rank}]")
         if owner is None:
-            if path:
-                handled = " -> ".join(path)
-                message = f"{report.get('message', '')} (not handled by {handled})"
+            if path:  # the owners that did not handle it (see ``MeshFailure``)
                 report = report.copy()
-                report["message"] = message
+                report["path"] = list(path)
             self.send(H.RankNotice(kind=K.FAULT, rank=self.rank).encode(), pickle.dumps(report))
             return
         body = {

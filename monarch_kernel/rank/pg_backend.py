@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import threading
 import time
 import weakref
@@ -74,7 +75,7 @@ def enabled() -> bool:
     return os.environ.get(OPT_OUT, "1") not in ("0", "false", "no")
 
 
-def choose_backend(requested: object) -> object:
+def choose_backend(requested: Any) -> Any:
     """The backend ``init_process_group`` should use for ``requested``: ``mkgloo`` for
     gloo on CPU (or no backend named on a machine without CUDA), else ``requested``."""
     if not enabled():
@@ -204,21 +205,30 @@ def _form(plans: list[_Plan], timeout_s: float) -> list[WorkerHandle]:
 
 
 def reform(
-    default: ReformableGroup, master_addr: str, master_port: int, rank: int, world_size: int
+    default: ReformableGroup,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    subgroups: bool = True,
 ) -> ReformResult:
     """Form every re-formable group of this rank again at the rendezvous
     ``master_addr:master_port`` (rank 0 serves it), as ``rank`` of ``world_size``.
 
-    Every rank of the mesh must call it (with the same address). The default group
-    becomes ``rank`` of ``world_size``; a ``new_group`` group keeps its ranks if the world
-    size is unchanged, else it is marked stale (its ops raise, saying to make it again).
-    Pending ops on the old workers fail with ``ProcessGroupAborted``.
+    Every rank of the mesh must call it (with the same address), or, on a rank that has
+    no group (restarted), ``init_process_group`` at that address: both join under the
+    same prefix. The default group becomes ``rank`` of ``world_size``; a ``new_group``
+    group keeps its ranks if ``subgroups`` and the world size is unchanged, else it is
+    marked stale (its ops raise, saying to make it again). Pending ops on the old
+    workers fail with ``ProcessGroupAborted``.
     """
     import torch.distributed as dist
 
     global _store
     t0 = time.monotonic()
     timeout = default.timeout_s
+    if rank != 0:  # a store client that finds no server yet backs off for up to a second
+        _wait_listening(master_addr, int(master_port), timeout)
     store = dist.TCPStore(
         master_addr,
         int(master_port),
@@ -227,22 +237,22 @@ def reform(
         timedelta(seconds=timeout),
         wait_for_workers=False,
     )
-    changed = world_size != default.size()
+    keep = subgroups and world_size == default.size()
     port = int(master_port)
-    # a fresh store each time: prefixes need not differ from earlier forms
-    plans = [_Plan(default, master_addr, port, f"mk/{default.group_id}/", rank, world_size)]
+    # A fresh store each time: the prefix is the one a restarted rank's first
+    # init_process_group uses on it (see _create).
+    plans = [_Plan(default, master_addr, port, f"mk/{default.group_id}/0/", rank, world_size)]
     stale = 0
     for group in groups():
         if group is default:
             continue
-        if changed:
+        if not keep:
             group.mark_stale(
-                "made by new_group before the mesh re-formed with a different world size; "
-                "call new_group again"
+                "made by new_group before the mesh re-formed with other ranks; call new_group again"
             )
             stale += 1
         else:
-            prefix = f"mk/{group.group_id}/"
+            prefix = f"mk/{group.group_id}/0/"
             plans.append(_Plan(group, master_addr, port, prefix, group.rank(), group.size()))
     handles = _form(plans, timeout)
     for plan, handle in zip(plans, handles):
@@ -251,6 +261,18 @@ def reform(
     _update_world(default, store, world_size)
     keep_spare()
     return ReformResult(len(plans), stale, time.monotonic() - t0)
+
+
+def _wait_listening(host: str, port: int, timeout: float) -> None:
+    """Return once ``host:port`` accepts connections (rank 0 is serving the store), or
+    after ``timeout`` (the store's own connect then says what is wrong); interruptible."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.005)
 
 
 def _update_world(default: ReformableGroup, store: Any, world_size: int) -> None:
@@ -265,3 +287,6 @@ def _update_world(default: ReformableGroup, store: Any, world_size: int) -> None
         world.pg_map[default] = (backend, dist.PrefixStore(f"{default.group_id}/", store))
     if default in world.pg_group_ranks:
         world.pg_group_ranks[default] = {i: i for i in range(world_size)}
+
+
+ReformableGroup.reformer = reform

@@ -7,8 +7,9 @@ gone); the worker answers :class:`Ready` / :class:`ConfigFailed` once, then
 :class:`Done` / :class:`Failed` per op, in the order ops complete. Messages are pickled
 NamedTuples: both ends run the same code (the worker is forked from the rank).
 
-Tensors never travel in a message: an op's tensors are packed into one slot (see
-:mod:`.pg_shm`) and named by :class:`TensorRef`; options objects travel as
+Tensors never travel in a message: they lie in shared-memory regions, an op's own slot
+(:mod:`.pg_shm`) or a user storage used in place (:mod:`.pg_adopt`), named by
+:class:`TensorRef`; options objects travel as
 ``(class name, {field: value})`` with reduce ops by name (:func:`encode_options`).
 """
 
@@ -26,8 +27,10 @@ ALIGN = 64
 
 
 class TensorRef(NamedTuple):
-    """A contiguous tensor inside an op's slot."""
+    """A contiguous tensor inside a shared-memory region (an op's slot, or a user
+    storage the worker uses in place) at byte ``offset``."""
 
+    region: int
     offset: int
     dtype: str  #: ``float32`` (a ``torch`` attribute name)
     shape: tuple[int, ...]
@@ -48,21 +51,20 @@ class Configure(NamedTuple):
 
 class OpRequest(NamedTuple):
     """Run ``method`` of the worker's group with ``args`` (TensorRef leaves resolved in
-    slot ``slot``) and the options ``options``; ``new_slots`` are ``(id, size)`` of the
-    slots whose descriptors come with this message, in order."""
+    their regions) and the options ``options``; ``new_regions`` are ``(id, size)`` of the
+    regions whose descriptors come with this message, in order."""
 
     op_id: int
     method: str
     args: tuple[Any, ...]
     options: tuple[str, dict[str, Any]] | None
-    slot: int
-    new_slots: tuple[tuple[int, int], ...]
+    new_regions: tuple[tuple[int, int], ...]
 
 
 class Unmap(NamedTuple):
-    """Slot ``slot`` is freed by the rank: unmap it."""
+    """Region ``region`` is gone on the rank's side: unmap it."""
 
-    slot: int
+    region: int
 
 
 class Ready(NamedTuple):

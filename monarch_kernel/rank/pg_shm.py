@@ -15,6 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.rank.pg_protocol import TensorRef
@@ -53,7 +54,7 @@ class Slot:
         self.data: Any = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def view(self, ref: TensorRef) -> Any:
-        """The tensor ``ref`` names inside this slot."""
+        """The tensor ``ref`` names inside this region."""
         dtype = torch_dtype(ref.dtype)
         count = 1
         for d in ref.shape:
@@ -75,19 +76,22 @@ class Slot:
 
 
 def map_slot(slot_id: int, size: int, fd: int) -> Slot:
-    """Map a slot whose descriptor came from the rank (in the worker)."""
+    """Map a region (a slot, or an adopted storage) whose descriptor came from the rank
+    (in the worker)."""
     return Slot(slot_id, size, fd)
 
 
 class SlotPool:
     """The rank's slots: acquire one per op, release it when the op completed."""
 
-    def __init__(self, cache_bytes: int = DEFAULT_CACHE):
+    def __init__(self, next_id: Callable[[], int], cache_bytes: int = DEFAULT_CACHE):
+        """``next_id()``: a region id never used before (slots share ids with adopted
+        storages)."""
         self._cache_bytes = cache_bytes
         self._lock = threading.Lock()
         self._free: dict[int, list[Slot]] = {}  # size -> free slots of that size
         self._free_bytes = 0
-        self._next_id = 0
+        self._next_id = next_id
         self._closed = False
 
     @staticmethod
@@ -106,8 +110,7 @@ class SlotPool:
             if free:
                 self._free_bytes -= size
                 return free.pop()
-            slot_id = self._next_id
-            self._next_id += 1
+        slot_id = self._next_id()
         fd = os.memfd_create(f"mk-pg-slot-{slot_id}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)

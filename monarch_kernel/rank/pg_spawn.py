@@ -76,14 +76,16 @@ class WorkerHandle:
         ready, _, _ = select.select([self._pidfd], [], [], 0)
         return not ready
 
-    def kill(self) -> None:
-        """End the worker now (SIGKILL) and close our end (idempotent)."""
+    def kill(self, wait: float = 1.0) -> None:
+        """End the worker now (SIGKILL), wait up to ``wait`` seconds until it is gone (it
+        may be writing into user tensors it uses in place), close our end (idempotent)."""
         if self.closed:
             return
         self.closed = True
         try:
             if self._pidfd is not None:
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                select.select([self._pidfd], [], [], wait)
         except OSError:
             pass
         try:

@@ -76,7 +76,7 @@ class _Worker:
             elif isinstance(msg, Configure):
                 self.configure(msg)
             elif isinstance(msg, Unmap):
-                slot = self.slots.pop(msg.slot, None)
+                slot = self.slots.pop(msg.region, None)
                 if slot is not None:
                     slot.close()
 
@@ -97,13 +97,12 @@ class _Worker:
         self.send(Ready())
 
     def run(self, req: OpRequest, fds: list[int]) -> None:
-        for (slot_id, size), fd in zip(req.new_slots, fds):
-            self.slots[slot_id] = map_slot(slot_id, size, fd)
+        for (region, size), fd in zip(req.new_regions, fds):
+            self.slots[region] = map_slot(region, size, fd)
         try:
             if self.pg is None:
                 raise RuntimeError("the worker has no process group (not configured)")
-            slot = self.slots.get(req.slot)
-            args = _resolve(req.args, slot)
+            args = _resolve(req.args, self.slots)
             opts = decode_options(req.options)
             future = self._start(req.method, args, opts)
         except Exception as exc:
@@ -137,14 +136,15 @@ class _Worker:
         self.send(Done(op_id))
 
 
-def _resolve(tree: Any, slot: Slot | None) -> Any:
-    """``tree`` with every TensorRef replaced by its view in ``slot``."""
+def _resolve(tree: Any, regions: dict[int, Slot]) -> Any:
+    """``tree`` with every TensorRef replaced by its view in its region."""
     if isinstance(tree, TensorRef):
-        if slot is None:
-            raise RuntimeError("an op names tensors but came without a slot")
-        return slot.view(tree)
+        region = regions.get(tree.region)
+        if region is None:
+            raise RuntimeError(f"an op names region {tree.region}, which was never sent")
+        return region.view(tree)
     if isinstance(tree, (list, tuple)):
-        return [_resolve(t, slot) for t in tree]
+        return [_resolve(t, regions) for t in tree]
     return tree
 
 

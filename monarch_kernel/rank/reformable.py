@@ -3,8 +3,9 @@
 :class:`ReformableGroup` is a Python ``ProcessGroup`` (torch calls it from C++ too: DDP's
 reducer, ``broadcast_coalesced``). Its collectives run in a disposable worker process
 that holds a real gloo group (:mod:`.pg_worker`); tensors cross through shared memory
-(:mod:`.pg_shm`: one copy in, one copy out) and every op returns a :class:`_Work` whose
-torch Future a reader thread completes. So:
+(:mod:`.pg_shm`: one copy in, one copy out; buffers ops repeat, such as DDP's buckets,
+are used in place: :mod:`.pg_adopt`) and every op (:mod:`.pg_ops`) returns an
+:class:`~.pg_work.OpWork` whose torch Future a reader thread completes. So:
 
 * :meth:`ReformableGroup.abort` kills the worker and fails every pending op at once with
   :class:`ProcessGroupAborted`: a main thread blocked in a collective, even inside DDP's
@@ -21,15 +22,17 @@ worker and the pending ops; ``_send_lock`` keeps ops in id order on the socket.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
+from monarch_kernel.calls.errors import ProcessGroupAborted
+from monarch_kernel.rank.pg_adopt import Adopted, AdoptedStorages
+from monarch_kernel.rank.pg_ops import CollectiveOps
 from monarch_kernel.rank.pg_protocol import (
     Done,
     Failed,
@@ -41,14 +44,12 @@ from monarch_kernel.rank.pg_protocol import (
 )
 from monarch_kernel.rank.pg_shm import Slot, SlotPool, dtype_name
 from monarch_kernel.rank.pg_spawn import WorkerHandle
-from monarch_kernel.rank.pg_worker import EACH
+from monarch_kernel.rank.pg_work import OpWork, PendingOp
 
-# torch's stubs type the C++ methods as overloads that no Python override can match
-# (and miss the options classes); these are the classes and methods torch really calls
-# (see torch/csrc/distributed/c10d/PyProcessGroup.hpp, the trampoline).
+# torch's stubs type the C++ methods as overloads that no Python override can match;
+# these are the methods torch really calls (torch/csrc/distributed/c10d/PyProcessGroup.hpp,
+# the trampoline).
 _ProcessGroup: Any = dist.ProcessGroup
-_WorkBase: Any = dist.Work
-_d: Any = dist
 
 #: Name of the backend the group reports (``dist.get_backend()``).
 BACKEND = "mkgloo"
@@ -56,108 +57,33 @@ BACKEND = "mkgloo"
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-class ProcessGroupAborted(RuntimeError):
-    """A collective was cut short because the process group was aborted (a failure on
-    another rank, or the stop button); the mesh forms the group again afterwards."""
-
-
-def _value(future: Any) -> Any:
-    return future.value()
-
-
-@dataclass(eq=False)
-class _Op:
-    """One op in flight.
-
-    ``future`` (what ``get_future()`` gives) is a ``then`` of the future we complete:
-    torch's ``Future.set_exception`` from Python completes a future *successfully* with
-    the exception object as its value, which C++ waiters (DDP's reducer) take for the
-    result; a callback that raises is how an error reaches C++ as an error.
-    """
-
-    name: str
-    slot: Slot | None
-    outputs: list[tuple[torch.Tensor, TensorRef]]
-    value: object
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-    def __post_init__(self) -> None:
-        self._base: Any = torch.futures.Future()
-        self.future: Any = self._base.then(_value)
-
-    def finish(self, error: BaseException | None) -> None:
-        self.error = error
-        try:
-            if error is None:
-                self._base.set_result(self.value)
-            else:
-                self._base.set_exception(error)
-        finally:
-            self.done.set()
-
-
-class _Work(_WorkBase):
-    """What an op returns: ``wait()`` (interruptible), ``get_future()``."""
-
-    def __init__(self, op: _Op):
-        super().__init__()
-        self._op = op
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        seconds = None if timeout is None else timeout.total_seconds()
-        if seconds is None or seconds <= 0:  # torch's kNoTimeout is 0
-            while not self._op.done.wait(1.0):  # Ctrl-C lands between waits
-                pass
-        elif not self._op.done.wait(seconds):
-            raise RuntimeError(f"{self._op.name} did not complete within {seconds:.1f}s")
-        if self._op.error is not None:
-            raise self._op.error
-        return True
-
-    def get_future(self) -> Any:
-        return self._op.future
-
-    def is_completed(self) -> bool:
-        return self._op.done.is_set()
-
-    def is_success(self) -> bool:
-        return self._op.done.is_set() and self._op.error is None
-
-    def exception(self) -> BaseException | None:
-        return self._op.error
-
-    def result(self) -> Any:
-        self.wait()
-        return self._op.value
-
-    def synchronize(self) -> None:
-        self.wait()
-
-
-def _flat(lists: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-    return [t for inner in lists for t in inner]
-
-
-class ReformableGroup(_ProcessGroup):
+class ReformableGroup(CollectiveOps, _ProcessGroup):
     """A gloo process group in a disposable worker (see the module docstring)."""
+
+    #: Forms every group of the rank again (``pg_backend.reform``, which sets it: that
+    #: module makes groups, so this one cannot import it).
+    reformer: ClassVar[Callable[[ReformableGroup, str, int, int, int], object] | None] = None
 
     def __init__(self, rank: int, size: int, group_id: str, timeout_s: float):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         #: torch's name of the group (``0`` for the default one); prefixes rendezvous.
         self.group_id = group_id
+        self._group_name = group_id
+        self._group_desc = ""
         self.timeout_s = timeout_s
         #: Global ranks of a ``new_group`` group (None: the default group).
         self.global_ranks: tuple[int, ...] | None = None
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._worker: WorkerHandle | None = None
-        self._ops: dict[int, _Op] = {}
+        self._ops: dict[int, PendingOp] = {}
         self._next_op = 0
         self._aborted: str | None = "not formed yet"
-        self._pool = SlotPool()
-        self._coalescing: list[_Op] | None = None
+        ids = itertools.count()
+        self._pool = SlotPool(lambda: next(ids))
+        self._adopted = AdoptedStorages(lambda: next(ids))
+        self._coalescing: list[PendingOp] | None = None
         #: Times this group was formed (1 after the first rendezvous).
         self.generation = 0
         #: ``destroy_process_group`` ended it: it is no group of the rank's any more.
@@ -184,6 +110,34 @@ class ReformableGroup(_ProcessGroup):
 
     def name(self) -> str:
         return BACKEND
+
+    # The name torch gives the group (functional collectives and DeviceMesh look groups
+    # up by it): the base class keeps it in its backends, and this group has none.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
 
     def __repr__(self) -> str:
         state = f"aborted: {self._aborted}" if self._aborted else f"{self.pending()} pending"
@@ -221,6 +175,8 @@ class ReformableGroup(_ProcessGroup):
         self.destroyed = True
         self.abort("destroyed")
         self._pool.close()
+        with self._lock:
+            self._adopted.clear()
 
     def attach(self, worker: WorkerHandle, rank: int, size: int) -> None:
         """Use ``worker`` (formed: it answered Ready) from now on, as ``rank`` of ``size``;
@@ -240,9 +196,9 @@ class ReformableGroup(_ProcessGroup):
         rendezvous ``master_addr:master_port`` (rank 0 serves a fresh TCPStore there) as
         ``rank`` of ``world_size``; every rank of the new world calls it. The object stays
         the same (DDP and the rest keep it); see :func:`.pg_backend.reform`."""
-        from monarch_kernel.rank import pg_backend
-
-        pg_backend.reform(self, master_addr, master_port, rank, world_size)
+        if ReformableGroup.reformer is None:
+            raise RuntimeError("configure(): monarch_kernel.rank.pg_backend is not loaded")
+        ReformableGroup.reformer(self, master_addr, master_port, rank, world_size)
 
     def mark_stale(self, why: str) -> None:
         """This group cannot be formed again (the world changed under it)."""
@@ -311,280 +267,99 @@ class ReformableGroup(_ProcessGroup):
         ins: Sequence[torch.Tensor] = (),
         outs: Sequence[torch.Tensor] = (),
         value: object = None,
-    ) -> _Work:
-        """Issue one op: lay its tensors out in a slot, copy ``ins`` in, send it; the
-        reader copies ``outs`` back when it is done."""
+    ) -> OpWork:
+        """Issue one op: place its tensors (in place, or copied into its slot), send it;
+        the reader copies the slot's ``outs`` back when it is done."""
         if self._aborted is not None:
-            err = ProcessGroupAborted(
+            error = ProcessGroupAborted(
                 f"{name} on an aborted process group ({self._aborted}); the mesh forms it "
                 "again when the failed cell ends (run the next cell)"
             )
             # a failed Work, not a raise: DDP's reducer then ends its backward cleanly
-            op = _Op(name, None, [], None)
-            op.finish(err)
-            return _Work(op)
-        refs: dict[int, TensorRef] = {}
+            op = PendingOp(name, None, [], None)
+            op.finish(error)
+            return OpWork(op)
+        with self._send_lock:  # ops reach the worker in the order they are issued
+            op, spec, regions = self._lay_out(name, args, ins, outs, value)
+            self._send(op, method, spec, opts, regions)
+        if self._coalescing is not None:
+            self._coalescing.append(op)
+        return OpWork(op)
+
+    def _lay_out(
+        self,
+        name: str,
+        args: list[Any],
+        ins: Sequence[torch.Tensor],
+        outs: Sequence[torch.Tensor],
+        value: object,
+    ) -> tuple[PendingOp, list[Any], list[tuple[int, int, int]]]:
+        """``(op, args with TensorRefs, regions (id, size, fd) it uses)``: each tensor in
+        an adopted storage, else in the op's slot (inputs copied in)."""
+        places: dict[int, tuple[Adopted | None, int]] = {}
+        tensors: list[torch.Tensor] = []
         total = 0
-
-        def place(t: torch.Tensor) -> TensorRef:
-            nonlocal total
-            ref = refs.get(id(t))
-            if ref is None:
-                _check_tensor(name, t)
-                ref = refs[id(t)] = TensorRef(total, dtype_name(t.dtype), tuple(t.shape))
+        for t in _tensors(args):
+            if id(t) in places:
+                continue
+            _check_tensor(name, t)
+            tensors.append(t)
+            adopted = self._adopted.place(t)
+            if adopted is None:
+                places[id(t)] = (None, total)
                 total += aligned(t.numel() * t.element_size())
-            return ref
-
-        spec = _tree(args, place)
-        slot = self._pool.acquire(total) if refs else None
+            else:
+                places[id(t)] = adopted
+        slot = self._pool.acquire(total) if total else None
+        regions = {} if slot is None else {slot.id: (slot.id, slot.size, slot.fd)}
+        refs: dict[int, TensorRef] = {}
+        for t in tensors:
+            region, offset = places[id(t)]
+            if region is not None:
+                regions[region.id] = (region.id, region.size, region.fd)
+            rid = region.id if region is not None else slot.id  # type: ignore[union-attr]
+            refs[id(t)] = TensorRef(rid, offset, dtype_name(t.dtype), tuple(t.shape))
+        copied = [t for t in tensors if places[id(t)][0] is None]
         if slot is not None:
             with torch.no_grad():
                 for t in ins:
-                    slot.view(refs[id(t)]).copy_(t)
-        op = _Op(name, slot, [(t, refs[id(t)]) for t in outs], value)
-        self._send(op, method, spec, opts)
-        if self._coalescing is not None:
-            self._coalescing.append(op)
-        return _Work(op)
+                    if places[id(t)][0] is None:
+                        slot.view(refs[id(t)]).copy_(t)
+        outputs = [(t, refs[id(t)]) for t in outs if any(t is c for c in copied)]
+        op = PendingOp(name, slot, outputs, value)
+        return op, _tree(args, lambda t: refs[id(t)]), list(regions.values())
 
-    def _send(self, op: _Op, method: str, spec: list[Any], opts: object) -> None:
-        slot = op.slot
-        with self._send_lock:
-            with self._lock:
-                worker = self._worker
-                if worker is None:
-                    error = ProcessGroupAborted(f"{op.name}: the process group was aborted")
-                else:
-                    op_id = self._next_op
-                    self._next_op += 1
-                    self._ops[op_id] = op
-                    new: tuple[tuple[int, int], ...] = ()
-                    if slot is not None and slot.id not in worker.known:
-                        worker.known.add(slot.id)
-                        new = ((slot.id, slot.size),)
-            if worker is None:  # aborted between the check and now
-                if slot is not None:
-                    self._pool.release(slot)
-                op.finish(error)
-                return
-            request = OpRequest(
-                op_id,
-                method,
-                tuple(spec),
-                encode_options(opts),
-                -1 if slot is None else slot.id,
-                new,
-            )
-            try:
-                worker.send(request, [slot.fd] if new and slot is not None else None)
-            except OSError:
-                pass  # killed meanwhile: abort() failed the op, or the reader will
-
-    # -- the collectives -------------------------------------------------------------------
-    def allreduce(self, tensors: Any, opts: Any = None) -> _Work:
-        tensors = _as_list(tensors)
-        opts = _reduce_opts(opts, _d.AllreduceOptions)
-        return self._run("allreduce", "allreduce", [tensors], opts, tensors, tensors, tensors)
-
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
-        opts = _reduce_opts(opts, _d.AllreduceCoalescedOptions)
-        name = "allreduce_coalesced"
-        return self._run(name, name, [tensors], opts, tensors, tensors, tensors)
-
-    def broadcast(self, tensors: Any, opts: Any = None) -> _Work:
-        tensors = _as_list(tensors)
-        if opts is None or isinstance(opts, int):
-            root, opts = opts or 0, _d.BroadcastOptions()
-            opts.rootRank = root
-        root_here = opts.rootRank == self._rank
-        ins, outs = (tensors, []) if root_here else ([], tensors)
-        return self._run("broadcast", "broadcast", [tensors], opts, ins, outs, tensors)
-
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: Any, opts: Any = None) -> _Work:
-        inputs = _as_list(inputs)
-        opts = opts or _d.AllgatherOptions()
-        args = [outputs, inputs]
-        return self._run("allgather", "allgather", args, opts, inputs, _flat(outputs), outputs)
-
-    def allgather_coalesced(
-        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
-    ) -> _Work:
-        opts = opts or _d.AllgatherOptions()
-        name = "allgather_coalesced"
-        return self._run(name, name, [outputs, inputs], opts, inputs, _flat(outputs), outputs)
-
-    def all_gather_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> _Work:
-        opts = opts or _d.AllgatherOptions()
-        args = [output, input]
-        return self._run(
-            "all_gather_into_tensor", "_allgather_base", args, opts, [input], [output], [output]
-        )
-
-    _allgather_base = all_gather_single
-
-    def allgather_into_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> _Work:
-        opts = opts or _d.AllgatherOptions()
-        method = EACH + "_allgather_base"
-        return self._run(
-            "all_gather_into_tensor (coalesced)",
-            method,
-            [outputs, inputs],
-            opts,
-            inputs,
-            outputs,
-            outputs,
-        )
-
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
-
-    def reduce_scatter(
-        self, outputs: Any, inputs: list[list[torch.Tensor]], opts: Any = None
-    ) -> _Work:
-        outputs = _as_list(outputs)
-        opts = _reduce_opts(opts, _d.ReduceScatterOptions)
-        args = [outputs, inputs]
-        return self._run(
-            "reduce_scatter", "reduce_scatter", args, opts, _flat(inputs), outputs, outputs
-        )
-
-    def reduce_scatter_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> _Work:
-        opts = _reduce_opts(opts, _d.ReduceScatterOptions)
-        args = [output, input]
-        return self._run(
-            "reduce_scatter_tensor", "_reduce_scatter_base", args, opts, [input], [output], [output]
-        )
-
-    _reduce_scatter_base = reduce_scatter_single
-
-    def reduce_scatter_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> _Work:
-        opts = _reduce_opts(opts, _d.ReduceScatterOptions)
-        method = EACH + "_reduce_scatter_base"
-        return self._run(
-            "reduce_scatter_tensor (coalesced)",
-            method,
-            [outputs, inputs],
-            opts,
-            inputs,
-            outputs,
-            outputs,
-        )
-
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
-
-    def all_to_all_single(
+    def _send(
         self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: Any = None,
-    ) -> _Work:
-        opts = opts or _d.AllToAllOptions()
-        args = [output, input, list(output_split_sizes), list(input_split_sizes)]
-        return self._run(
-            "all_to_all_single", "alltoall_base", args, opts, [input], [output], [output]
-        )
-
-    alltoall_base = all_to_all_single
-
-    def alltoall(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> _Work:
-        opts = opts or _d.AllToAllOptions()
-        return self._run(
-            "all_to_all", "alltoall", [outputs, inputs], opts, inputs, outputs, outputs
-        )
-
-    def barrier(self, opts: Any = None) -> _Work:
-        return self._run("barrier", "barrier", [], opts or _d.BarrierOptions())
-
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Work:
-        return self._run("send", "send", [tensors, dst, tag], None, tensors, [], tensors)
-
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _Work:
-        return self._run("recv", "recv", [tensors, src, tag], None, [], tensors, tensors)
-
-    def reduce(self, tensors: Any, opts: Any = None) -> _Work:
-        tensors = _as_list(tensors)
-        opts = _reduce_opts(opts, _d.ReduceOptions)
-        outs = tensors if opts.rootRank == self._rank else []
-        return self._run("reduce", "reduce", [tensors], opts, tensors, outs, tensors)
-
-    def gather(
-        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
-    ) -> _Work:
-        opts = opts or _d.GatherOptions()
-        return self._run(
-            "gather", "gather", [outputs, inputs], opts, inputs, _flat(outputs), outputs
-        )
-
-    def scatter(
-        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
-    ) -> _Work:
-        opts = opts or _d.ScatterOptions()
-        return self._run(
-            "scatter", "scatter", [outputs, inputs], opts, _flat(inputs), outputs, outputs
-        )
-
-    # -- coalescing (``dist._coalescing_manager`` with a device) ---------------------------
-    def _start_coalescing(self, device: Any = None) -> None:
-        self._coalescing = []
-
-    def _end_coalescing(self, device: Any = None) -> _Work:
-        ops, self._coalescing = self._coalescing or [], None
-        op = _Op("coalesced ops", None, [], None)
-        if not ops:
-            op.finish(None)
-            return _Work(op)
-        futures = torch.futures.collect_all([o.future for o in ops])
-
-        def settle(_: Any) -> None:
-            errors = [o.error for o in ops if o.error is not None]
-            op.finish(errors[0] if errors else None)
-
-        futures.add_done_callback(settle)
-        return _Work(op)
-
-    # -- what it does not do ---------------------------------------------------------------
-    def _unsupported(self, what: str) -> Callable[..., Any]:
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise NotImplementedError(
-                f"{what} is not supported by the mesh's re-formable gloo process group; "
-                "initialise with MONARCH_KERNEL_REFORMABLE_PG=0 for plain gloo"
-            )
-
-        return refuse
-
-    def monitored_barrier(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("monitored_barrier")()
-
-    def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("recv from any source")()
-
-    def split_group(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("split_group")()
-
-
-def _as_list(tensors: Any) -> list[torch.Tensor]:
-    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-
-
-def _reduce_opts(opts: Any, cls: Callable[[], Any]) -> Any:
-    """An options object from None, a ReduceOp, or an options object."""
-    if opts is None or not hasattr(opts, "timeout"):
-        made = cls()
-        if opts is not None:
-            made.reduceOp = opts if isinstance(opts, _d.ReduceOp) else _d.ReduceOp(opts)
-        return made
-    return opts
+        op: PendingOp,
+        method: str,
+        spec: list[Any],
+        opts: object,
+        regions: list[tuple[int, int, int]],
+    ) -> None:
+        with self._lock:
+            worker = self._worker
+            if worker is not None:
+                op_id = self._next_op
+                self._next_op += 1
+                self._ops[op_id] = op
+                new = [r for r in regions if r[0] not in worker.known]
+                worker.known.update(r[0] for r in new)
+                dropped = [r for r in self._adopted.forget_dropped() if r in worker.known]
+                worker.known.difference_update(dropped)
+        if worker is None:  # aborted between the check and now
+            if op.slot is not None:
+                self._pool.release(op.slot)
+            op.finish(ProcessGroupAborted(f"{op.name}: the process group was aborted"))
+            return
+        new_regions = tuple((rid, size) for rid, size, _fd in new)
+        request = OpRequest(op_id, method, tuple(spec), encode_options(opts), new_regions)
+        try:
+            for region in dropped:
+                worker.send(Unmap(region))
+            worker.send(request, [fd for _rid, _size, fd in new] or None)
+        except OSError:
+            pass  # killed meanwhile: abort() failed the op, or the reader will
 
 
 def _check_tensor(op: str, t: torch.Tensor) -> None:
@@ -597,6 +372,15 @@ def _check_tensor(op: str, t: torch.Tensor) -> None:
         )
     if t.layout != torch.strided:
         raise ValueError(f"{op}: {t.layout} tensors are not supported (dense tensors only)")
+
+
+def _tensors(args: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``args`` (nested lists and tuples), in order."""
+    if isinstance(args, torch.Tensor):
+        yield args
+    elif isinstance(args, (list, tuple)):
+        for a in args:
+            yield from _tensors(a)
 
 
 def _tree(args: Any, place: Callable[[torch.Tensor], TensorRef]) -> Any:

@@ -21,45 +21,16 @@ from __future__ import annotations
 
 import hashlib
 import time
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from types import FunctionType, ModuleType
 from typing import Any
 
 from monarch_kernel.calls.replica_plan import ObjectDigest, ReplicaDigest, SyncReport
+from monarch_kernel.rank import opt_steps
+from monarch_kernel.rank.opt_steps import optimizer_steps
 from monarch_kernel.rank.state_copy import broadcast_state
 
-_steps: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-_ddps: weakref.WeakSet[Any] = weakref.WeakSet()
-_installed = False
-
-
-def install_step_counter() -> None:
-    """Count ``opt.step()`` per optimizer, and remember every DDP object (idempotent)."""
-    global _installed
-    if _installed:
-        return
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    def count(optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        _steps[optimizer] = _steps.get(optimizer, 0) + 1
-
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    register_optimizer_step_post_hook(count)
-    original = DDP.__init__
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        _ddps.add(self)
-
-    DDP.__init__ = init  # type: ignore[method-assign]
-    _installed = True
-
-
-def optimizer_steps(optimizer: Any) -> int:
-    """How many times ``optimizer.step()`` ran on this rank (0 if never)."""
-    return _steps.get(optimizer, 0)
+install_step_counter = opt_steps.install
 
 
 # -- finding the training state ---------------------------------------------------------
@@ -196,11 +167,6 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def set_optimizer_steps(optimizer: Any, steps: int) -> None:
-    """Set the ``opt.step()`` count (a copied optimizer takes its source's count)."""
-    _steps[optimizer] = steps
-
-
 # -- making replicas the same again -----------------------------------------------------
 def sync_namespace(namespace: Mapping[str, Any], names: Sequence[str], src: int) -> SyncReport:
     """Copy the training objects ``names`` (see :func:`find_training_state`) from rank
@@ -223,7 +189,7 @@ def repair_ddp(groups: Sequence[Any]) -> int:
     Returns how many were reset."""
     ids = {id(g) for g in groups}
     repaired = 0
-    for ddp in list(_ddps):
+    for ddp in list(opt_steps.ddps):
         if id(getattr(ddp, "process_group", None)) in ids:
             ddp._update_process_group(ddp.process_group)
             repaired += 1

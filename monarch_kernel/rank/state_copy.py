@@ -48,12 +48,23 @@ def broadcast_state(objects: Sequence[Any], src: int, group: Any = None) -> int:
     box: list[Any] = [[_skeleton(o) for o in objects] if me == src else None]
     dist.broadcast_object_list(box, group=group, group_src=src)
     skeletons: list[Skeleton] = box[0]
-    if len(skeletons) != len(objects):
-        raise ValueError(
-            f"broadcast_state: rank {src} sent the state of {len(skeletons)} objects, "
-            f"this rank has {len(objects)}"
-        )
-    targets = [_targets(o, s, me == src) for o, s in zip(objects, skeletons)]
+    problem = ""
+    try:
+        if len(skeletons) != len(objects):
+            raise ValueError(
+                f"rank {src} sent the state of {len(skeletons)} objects, this rank has "
+                f"{len(objects)}"
+            )
+        targets = [_targets(o, s, me == src) for o, s in zip(objects, skeletons)]
+    except ValueError as exc:
+        problem, targets = str(exc), []
+    # Every rank learns whether all can take the state before any data moves (a rank
+    # that raised alone would leave the others waiting in the broadcasts).
+    fine = _all_agree(not problem, group)
+    if problem:
+        raise ValueError(f"broadcast_state: {problem}")
+    if not fine:
+        raise ValueError("broadcast_state: another rank's objects do not match the source's")
     nbytes = _broadcast_tensors([t for ts in targets for t in ts], src, group)
     if me != src:
         for obj, skeleton, tensors in zip(objects, skeletons, targets):
@@ -61,10 +72,19 @@ def broadcast_state(objects: Sequence[Any], src: int, group: Any = None) -> int:
     return nbytes
 
 
+def _all_agree(ok: bool, group: Any) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
 def _skeleton(obj: Any) -> Skeleton:
     import torch
 
-    from monarch_kernel.rank.replicas import optimizer_steps
+    from monarch_kernel.rank.opt_steps import optimizer_steps
 
     if isinstance(obj, torch.nn.Module):
         named = [*obj.named_parameters(), *obj.named_buffers()]
@@ -105,13 +125,13 @@ def _targets(obj: Any, skeleton: Skeleton, is_src: bool) -> list[Any]:
                 set(theirs) - {n for n, _ in mine}
             )
             raise ValueError(
-                f"broadcast_state: the model differs from the source rank's ({len(tree)} "
-                f"tensors there, {len(mine)} here; first difference: {diff[:1]})"
+                f"the model differs from the source rank's ({len(tree)} tensors there, "
+                f"{len(mine)} here; first difference: {diff[:1]})"
             )
         return [t.detach() for _, t in named]
     if kind == "tensor":
         if _meta(0, obj) != tree:
-            raise ValueError(f"broadcast_state: tensor {tuple(obj.shape)} here, {tree.shape} there")
+            raise ValueError(f"a tensor of shape {tuple(obj.shape)} here, {tree.shape} there")
         return [obj.detach()]
     metas = sorted(_metas(tree), key=lambda m: m.index)
     if is_src:
@@ -187,7 +207,7 @@ def _load(obj: Any, skeleton: Skeleton, tensors: list[Any]) -> None:
     """Put received state into ``obj`` (modules and tensors were filled in place)."""
     import torch
 
-    from monarch_kernel.rank import replicas
+    from monarch_kernel.rank.opt_steps import set_optimizer_steps
 
     kind, tree, steps = skeleton
     if kind != "state_dict":
@@ -204,4 +224,4 @@ def _load(obj: Any, skeleton: Skeleton, tensors: list[Any]) -> None:
 
     obj.load_state_dict(fill(tree))
     if steps is not None and isinstance(obj, torch.optim.Optimizer):
-        replicas.set_optimizer_steps(obj, steps)
+        set_optimizer_steps(obj, steps)

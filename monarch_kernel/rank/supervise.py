@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from monarch_kernel.calls.errors import PROCESS_ENDED, failure_reason
 from monarch_kernel.wire.reports import FailureReport
 
 
@@ -48,40 +49,47 @@ class MeshFailure(Exception):
         """The ranks that failed (Monarch's name)."""
         return [self.rank]
 
-    def _describe(self) -> str:
-        """Monarch's form: ``MeshFailure(mesh_name=..., crashed_ranks=[r], event=...)``;
-        a failure that went up through owners that did not handle it names the last of
-        them "and all its descendants"."""
-        f = self.failure
-        who = f"{self.mesh_name}/{self.actor_name}[{self.rank}]" if self.actor_name else ""
-        what = f"actor {who}" if who else f"rank {self.rank} of mesh {self.mesh_name}"
-        cause = f"{f.get('type', 'Error')}: {f.get('message', '')}"
-        if self.path:
+    @property
+    def actor_id(self) -> str:
+        """This failure's actor, ``mesh/actor[rank]`` (``mesh[rank]`` for a process)."""
+        if self.actor_name:
+            return f"{self.mesh_name}/{self.actor_name}[{self.rank}]"
+        return f"{self.mesh_name}[{self.rank}]"
+
+    def _event(self) -> str:
+        """Monarch's supervision event: the actor that failed first, then each owner on
+        the way up that did not handle it (``path``), each wrapping its child's event."""
+        levels = [str(self.failure.get("origin") or self.actor_id), *self.path]
+        event = f"Supervision event: actor {levels[0]} failed:\n" + _indent(
+            failure_reason(self.failure)
+        )
+        for owner in levels[1:]:
             event = (
-                f"The actor {self.path[-1]} and all its descendants have failed:\n"
-                f"  {what} failed: {cause}"
+                f"Supervision event: actor {owner} failed because it did not handle a "
+                f"supervision event from its child. The child's event was:\n{_indent(event)}"
             )
-        else:
-            event = f"Supervision event: {what} failed:\n  {cause}"
+        return event
+
+    def _describe(self) -> str:
+        """Monarch's form: ``MeshFailure(mesh_name=..., crashed_ranks=[r], event=...)``."""
         return (
             f"MeshFailure(mesh_name={self.mesh_name}, crashed_ranks={self.crashed_ranks}, "
-            f"event={event})"
+            f"event={self._event()})"
         )
 
     def report(self) -> str:
-        """The failure in words, with the remote traceback."""
-        f = self.failure
-        who = f"actor {self.actor_name!r} on " if self.actor_name else ""
-        text = (
-            f"{who}rank {self.rank} of mesh {self.mesh_name!r} failed: "
-            f"{f.get('type', 'Error')}: {f.get('message', '')}"
-        )
-        if self.path:
-            text += f"\n(not handled by: {' -> '.join(self.path)})"
-        tb = f.get("traceback")
-        if tb:
-            text += "\n" + str(tb).rstrip()
-        return text
+        """The failure in words (Monarch's): ``The actor X and all its descendants have
+        failed:`` and why, with the remote traceback; X is the actor that failed first."""
+        leaf = str(self.failure.get("origin") or self.actor_id)
+        text = f"The actor {leaf} and all its descendants have failed:\n"
+        return text + _indent(failure_reason(self.failure))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return MeshFailure, (self.mesh_name, self.actor_name, self.rank, self.failure, self.path)
+
+
+def _indent(text: str) -> str:
+    return "".join("  " + ln if ln.strip() else ln for ln in text.splitlines(keepends=True))
+
+
+__all__ = ["PROCESS_ENDED", "MeshFailure", "failure_reason"]

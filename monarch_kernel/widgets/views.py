@@ -62,11 +62,15 @@ class Recovery:
             what = f"restarted ranks {format_ranks(list(rep.restarted))}"
         elif rep.process_group is not None:
             what = "re-formed the process group"
+        elif rep.replicas:
+            what = "compared the replicas"
         else:
             what = "nothing to restart"
         text = f"recovered: {what} in {rep.seconds:.2f}s"
         if rep.reason:
             text += f", {rep.reason}"
+        if rep.replicas:  # what differed and what was copied, or "replicas identical"
+            text += f"; {rep.replicas}"
         if rep.problems:
             text += f"; {len(rep.problems)} problem(s), see below"
         return text

@@ -206,7 +206,9 @@ kind              keys and payload
                   None, "pg_live": bool}``: ``rejected`` counts messages the rank's codec
                   dropped (forged, malformed or replayed); ``pg`` is the backend of the last
                   process group initialised on the rank (kept after an abort), ``pg_live``
-                  whether one is initialised now
+                  whether one is initialised now and usable (a re-formable group that
+                  was aborted, or has a collective pending while the rank is idle, is
+                  not)
 ``cancel``        ``c`` str: the request id to interrupt (SIGINT in the main thread if
                   it runs user code for it now) or to skip when it comes (then answered
                   with a "cancelled before it started" error if it wants a reply).

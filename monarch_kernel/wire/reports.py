@@ -39,6 +39,16 @@ class FailureReport(TypedDict, total=False):
     #: handling another), root cause first: ``{"type": ..., "message": ...}`` each
     causes: list[dict[str, str]]
     actor: str  #: the actor whose failure nobody waited for (``fault`` reports)
+    #: ``mesh/actor[rank]`` of the actor that failed first, as a failure goes up through
+    #: owners that did not handle it (``fault`` reports; see ``MeshFailure``)
+    origin: str
+    #: the call failed because its actor no longer runs there: ``stopped``, or
+    #: ``failed`` (it aborted, its constructor raised); the caller raises
+    #: ``SupervisionError``
+    gone: str
+    #: the owners a failure went up through that did not handle it, innermost first
+    #: (``fault`` reports that reach the controller; see ``MeshFailure.path``)
+    path: list[str]
 
 
 class RankStats(TypedDict, total=False):

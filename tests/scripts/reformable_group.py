@@ -1,0 +1,321 @@
+"""Checks of the re-formable process group on real processes, run under torchrun:
+``python -m torch.distributed.run --nproc-per-node 4 reformable_group.py SCENARIO``.
+
+Each rank prints ``RESULT {json}`` lines that tests/test_reformable_pg.py reads. The
+group comes from a plain ``dist.init_process_group("gloo")`` after the rank-side
+install (as in a mesh's warm template).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from monarch_kernel.calls.errors import ProcessGroupAborted
+from monarch_kernel.rank import distributed, pg_backend, replicas
+from monarch_kernel.rank.reformable import ReformableGroup
+
+
+def report(**values: object) -> None:
+    """One ``RESULT`` line, written at once (4 ranks share the pipe: no interleaving
+    under PIPE_BUF bytes)."""
+    line = "RESULT " + json.dumps({"rank": dist.get_rank(), **values}) + "\n"
+    sys.stdout.flush()
+    os.write(1, line.encode())
+
+
+def default_group() -> ReformableGroup:
+    group = dist.distributed_c10d._get_default_group()
+    assert isinstance(group, ReformableGroup), type(group)
+    return group
+
+
+# -- parity: every op as plain gloo computes it --------------------------------------------
+def ops(group: object, rank: int, world: int) -> dict[str, list[float]]:
+    """Run every supported op on ``group``; name -> flattened results."""
+    g: dict[str, Any] = {"group": group}
+    out: dict[str, list[float]] = {}
+
+    def base(n: int = 6, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (torch.arange(n, dtype=torch.float64) * (rank + 1) + rank).to(dtype)
+
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT):
+        t = base()
+        dist.all_reduce(t, op=op, **g)
+        out[f"all_reduce {op}"] = t.tolist()
+    t = base(dtype=torch.bfloat16)
+    dist.all_reduce(t, **g)
+    out["all_reduce bf16"] = t.float().tolist()
+    t = base(12).view(3, 4).t()  # a non-contiguous view, reduced in place
+    dist.all_reduce(t, **g)
+    out["all_reduce strided"] = t.reshape(-1).tolist()
+    t = torch.tensor(float(rank))
+    work = dist.all_reduce(t, async_op=True, **g)
+    work.wait()
+    out["all_reduce async 0-dim"] = [t.item()]
+    t = base()
+    dist.broadcast(t, src=world - 1, **g)
+    out["broadcast"] = t.tolist()
+    gathered = [torch.zeros(6) for _ in range(world)]
+    dist.all_gather(gathered, base(), **g)
+    out["all_gather"] = torch.cat(gathered).tolist()
+    flat = torch.zeros(6 * world)
+    dist.all_gather_into_tensor(flat, base(), **g)
+    out["all_gather_into_tensor"] = flat.tolist()
+    result = torch.zeros(2)
+    dist.reduce_scatter(result, [base(2) + i for i in range(world)], **g)
+    out["reduce_scatter"] = result.tolist()
+    result = torch.zeros(3)
+    dist.reduce_scatter_tensor(result, base(3 * world), **g)
+    out["reduce_scatter_tensor"] = result.tolist()
+    sizes_in = [rank + 1] * world  # uneven: rank r sends r + 1 values to each
+    inp = base(sum(sizes_in))
+    sizes_out = [r + 1 for r in range(world)]
+    res = torch.zeros(sum(sizes_out))
+    dist.all_to_all_single(res, inp, sizes_out, sizes_in, **g)
+    out["all_to_all_single uneven"] = res.tolist()
+    outs = [torch.zeros(2) for _ in range(world)]
+    dist.all_to_all(outs, [base(2) + i for i in range(world)], **g)
+    out["all_to_all"] = torch.cat(outs).tolist()
+    t = base()
+    dist.reduce(t, dst=1, **g)
+    out["reduce"] = t.tolist() if rank == 1 else []
+    gather_list = [torch.zeros(6) for _ in range(world)] if rank == 0 else None
+    dist.gather(base(), gather_list, dst=0, **g)
+    out["gather"] = torch.cat(gather_list).tolist() if gather_list else []
+    t = torch.zeros(6)
+    dist.scatter(t, [base() + i for i in range(world)] if rank == 0 else None, src=0, **g)
+    out["scatter"] = t.tolist()
+    ring = torch.zeros(6)
+    if rank % 2 == 0:
+        dist.send(base(), dst=(rank + 1) % world, **g)
+        dist.recv(ring, src=(rank - 1) % world, **g)
+    else:
+        dist.recv(ring, src=(rank - 1) % world, **g)
+        dist.send(base(), dst=(rank + 1) % world, **g)
+    out["send/recv ring"] = ring.tolist()
+    dist.barrier(**g)
+    objs: list[object] = [{"from": rank}]
+    dist.broadcast_object_list(objs, src=2, **g)
+    out["broadcast_object_list"] = [float(objs[0]["from"])]  # type: ignore[index]
+    # the fast path (allreduce_coalesced); with a device (torch's gloo has none such),
+    # each op on its own between _start_coalescing and _end_coalescing
+    for device in (None, torch.device("cpu") if group is None else None):
+        many = [base(3) for _ in range(3)]
+        with dist._coalescing_manager(device=device, **g):
+            for t in many:
+                dist.all_reduce(t, **g)
+        name = "coalesced all_reduce" + (" (device)" if device is not None else "")
+        out[name] = torch.cat(many).tolist()
+    if group is not None:  # the reference for the device form is the fast path's
+        out["coalesced all_reduce (device)"] = out["coalesced all_reduce"]
+    return out
+
+
+def parity() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plain = dist.new_group(backend="gloo")  # torch's own gloo, for the reference
+    mine = ops(None, rank, world)
+    theirs = ops(plain, rank, world)
+    report(
+        group=type(default_group()).__name__,
+        plain=type(plain).__name__,
+        backend=str(dist.get_backend()),
+        ops=sorted(mine),
+        differ=[name for name in mine if mine[name] != theirs[name]],
+    )
+    refused = {}
+    for what, call in {
+        "cuda": lambda: default_group().allreduce([torch.zeros(1, device="meta")]),
+        "recv from any source": lambda: dist.recv(torch.zeros(1)),
+    }.items():
+        try:
+            call()
+            refused[what] = ""
+        except (ValueError, NotImplementedError, RuntimeError) as exc:
+            refused[what] = f"{type(exc).__name__}: {exc}"
+    report(refused=refused)
+    dist.destroy_process_group()
+
+
+# -- abort and re-form ----------------------------------------------------------------------
+def exchange_port(rank: int) -> int:
+    """A free port rank 0 picked, through torch's rendezvous store (alive after aborts)."""
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            store.set("mk-test-port", str(s.getsockname()[1]))
+    return int(store.get("mk-test-port"))
+
+
+def blocked(call: object, late: int, reason: str) -> dict[str, object]:
+    """Every rank but ``late`` runs ``call`` (it blocks: ``late`` never joins) and aborts
+    its group 0.3 s later; how each left it."""
+    rank = dist.get_rank()
+    group = default_group()
+    if rank == late:
+        time.sleep(0.5)
+        group.abort(reason)
+        return {"left": "late rank", "seconds": 0.0, "error": ""}
+    aborted_at: list[float] = []
+
+    def abort() -> None:
+        aborted_at.append(time.monotonic())
+        group.abort(reason)
+
+    timer = threading.Timer(0.3, abort)
+    timer.start()
+    try:
+        call()  # type: ignore[operator]
+        left, error = "completed", ""
+    except Exception as exc:
+        left, error = type(exc).__name__, str(exc)[:400]
+    timer.join()
+    return {"left": left, "seconds": time.monotonic() - aborted_at[0], "error": error}
+
+
+def abort_and_reform() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = default_group()
+    pair = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(3):  # past DDP's bucket rebuild
+        opt.zero_grad()
+        ddp(torch.randn(8, 16)).sum().backward()
+        opt.step()
+    t = torch.ones(1)
+    collective = blocked(lambda: dist.all_reduce(t), 3, "rank 3 raised ValueError")
+    after = ""
+    try:
+        dist.all_reduce(torch.ones(1))
+    except ProcessGroupAborted as exc:
+        after = str(exc)
+    report(collective=collective, after_abort=after, pid=os.getpid())
+    port = exchange_port(rank)
+    t0 = time.monotonic()
+    group.configure(os.environ["MASTER_ADDR"], port, rank, world)
+    reform_s = time.monotonic() - t0
+    x = torch.full((1,), float(rank))
+    dist.all_reduce(x)
+    y = torch.ones(1)
+    if rank < 2:
+        dist.all_reduce(y, group=pair)
+    # a backward (C++ waiting on the future) cut short by the abort
+    backward = blocked(lambda: ddp(torch.randn(8, 16)).sum().backward(), 2, "interrupted")
+    group.configure(os.environ["MASTER_ADDR"], exchange_port(rank), rank, world)
+    repaired = replicas.repair_ddp(pg_backend.groups())
+    for _ in range(3):
+        opt.zero_grad()
+        ddp(torch.randn(8, 16)).sum().backward()
+        opt.step()
+    digest = replicas.digest(ddp)[0]
+    digests: list[object] = [None] * world
+    dist.all_gather_object(digests, digest)
+    report(
+        same_object=dist.distributed_c10d._get_default_group() is group,
+        reform_seconds=reform_s,
+        default_sum=x.item(),
+        pair_sum=y.item() if rank < 2 else None,
+        backward=backward,
+        repaired=repaired,
+        replicas_identical=len(set(digests)) == 1,
+        generation=group.generation,
+        pid=os.getpid(),
+    )
+    dist.destroy_process_group()
+
+
+def worker_death() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = default_group()
+    t = torch.ones(1)
+    if rank == 1:  # its worker dies while it waits in a collective
+        killer = threading.Timer(0.3, lambda: os.kill(group._worker.pid, 9))  # type: ignore[union-attr]
+        killer.start()
+    t0 = time.monotonic()
+    try:
+        if rank == 3:  # never joins: releases its peers as the mesh would, by an abort
+            time.sleep(1.0)
+            group.abort("rank 3 skipped the collective")
+            raise RuntimeError("rank 3 skipped the collective")
+        dist.all_reduce(t)
+        error = ""
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    report(error=error, seconds=time.monotonic() - t0, aborted=group.aborted or "")
+    group.configure(os.environ["MASTER_ADDR"], exchange_port(rank), rank, world)
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    report(after=x.item())
+    dist.destroy_process_group()
+
+
+# -- state copy ----------------------------------------------------------------------------
+def state_copy() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ddp = DDP(
+        torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2)
+        )
+    )
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for i in range(3):
+        opt.zero_grad()
+        ddp(torch.randn(4, 8)).sum().backward()
+        if rank < 2 or i < 2:  # ranks 2-3 skip the last opt.step()
+            opt.step()
+            sched.step()
+    ns = {"ddp": ddp, "opt": opt, "sched": sched}
+    before = replicas.digest_namespace(ns)
+    digests: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, before)
+    from monarch_kernel.calls.replica_plan import describe, plan_sync
+
+    plan = plan_sync(digests)  # type: ignore[arg-type]
+    sync = replicas.sync_namespace(ns, plan.names, plan.source or 0)
+    dist.all_gather_object(digests, sync.after)
+    after = plan_sync(digests)  # type: ignore[arg-type]
+    mismatch = ""
+    try:  # rank 1 holds another model: every rank refuses, none hangs
+        other = torch.nn.Linear(8, 3 if rank == 1 else 2)
+        replicas.broadcast_state([other], src=0)
+    except ValueError as exc:
+        mismatch = str(exc)
+    report(
+        text=describe(plan, sync.nbytes, sync.seconds, after.source is None),
+        source=plan.source,
+        targets=list(plan.targets),
+        steps=replicas.optimizer_steps(opt),
+        lr=opt.param_groups[0]["lr"],
+        identical=after.source is None,
+        mismatch=mismatch,
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    distributed.install_idempotent_init()
+    {
+        "parity": parity,
+        "abort": abort_and_reform,
+        "worker_death": worker_death,
+        "state": state_copy,
+    }[sys.argv[1]]()

@@ -1,0 +1,99 @@
+"""The re-formable process group without a kernel: 4 real processes under torchrun, each
+with its group's worker process (tests/scripts/reformable_group.py does the work and
+prints what it saw; these tests judge it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.local
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "reformable_group.py"
+WORLD = 4
+
+
+def _run(scenario: str) -> dict[int, list[dict]]:
+    """Run one scenario on 4 ranks; rank -> its RESULT records, in order."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD)]
+    proc = subprocess.run(
+        [*cmd, str(SCRIPT), scenario], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results: dict[int, list[dict]] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            record = json.loads(line[len("RESULT ") :])
+            results.setdefault(record["rank"], []).append(record)
+    assert sorted(results) == list(range(WORLD)), proc.stdout[-3000:]
+    return results
+
+
+def test_every_op_computes_what_plain_gloo_computes():
+    results = _run("parity")
+    for rank, (ops, refused) in results.items():
+        assert ops["group"] == "ReformableGroup" and ops["backend"] == "mkgloo", ops
+        assert ops["plain"] == "ProcessGroup"  # the reference is torch's own gloo
+        assert len(ops["ops"]) >= 20, ops["ops"]
+        assert ops["differ"] == [], f"rank {rank}: {ops['differ']}"
+        cuda = refused["refused"]["cuda"]
+        assert "carries CPU tensors" in cuda and "nccl" in cuda, cuda
+        anysource = refused["refused"]["recv from any source"]
+        assert anysource.startswith("NotImplementedError") and "not supported" in anysource
+
+
+def test_abort_releases_a_blocked_collective_and_backward_then_the_same_group_reforms():
+    results = _run("abort")
+    for rank in range(WORLD):
+        first, second = results[rank]
+        assert first["pid"] == second["pid"]  # nothing was restarted
+        blocked = first["collective"]
+        if rank != 3:  # rank 3 never joined: the others were blocked until the abort
+            assert blocked["left"] == "ProcessGroupAborted", blocked
+            assert "rank 3 raised ValueError" in blocked["error"]
+            assert blocked["seconds"] < 0.5, blocked
+        assert "aborted process group" in first["after_abort"]
+        assert second["same_object"] and second["generation"] == 3
+        assert second["default_sum"] == sum(range(WORLD))
+        assert second["pair_sum"] == (2.0 if rank < 2 else None)  # a new_group group
+        backward = second["backward"]
+        if rank != 2:  # DDP's backward, waiting in C++ on the future, was released
+            assert "ProcessGroupAborted: the mesh aborted the process group" in backward["error"]
+            assert backward["seconds"] < 0.5, backward
+        assert second["repaired"] == 1
+        assert second["replicas_identical"], second
+
+
+def test_a_dead_worker_fails_its_ops_clearly_and_the_group_reforms():
+    results = _run("worker_death")
+    died, after = results[1]
+    assert (
+        died["error"].startswith("ProcessGroupAborted") and "worker process died" in died["error"]
+    )
+    for rank in (0, 2):  # its peers: gloo's connection error, with what it means
+        error = results[rank][0]["error"]
+        assert "Connection closed by peer" in error, error
+        assert "another rank aborted its process group, or died" in error
+    assert all(results[r][-1]["after"] == WORLD for r in range(WORLD))
+
+
+def test_broadcast_state_makes_diverged_replicas_identical():
+    results = _run("state")
+    for rank, (record,) in results.items():
+        assert record["source"] == 0 and record["targets"] == [2, 3]
+        assert record["text"].startswith(
+            "ranks 2-3 had not run opt.step() of the interrupted step; parameters and "
+            "optimizer state of rank 0 copied to ranks 2-3 ("
+        ), record["text"]
+        assert record["text"].endswith("replicas identical")
+        assert record["identical"] and record["steps"] == 3
+        assert record["lr"] == pytest.approx(0.01 * 0.5**3)  # the scheduler came along
+        # a model that differs on rank 1: every rank refuses before data moves
+        if rank == 1:
+            assert "the model differs from the source rank's" in record["mismatch"]
+        else:
+            assert "another rank's objects do not match" in record["mismatch"]
