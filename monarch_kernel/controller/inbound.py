@@ -145,7 +145,7 @@ class Inbound:
             K.PORT: typed(H.Port.decode, self._on_port),
             K.INPUT: typed(H.Input.decode, self._on_input),
             K.RESUMED: typed(H.Resumed.decode, self._on_resumed),
-            K.TRAIN: typed(H.RankNotice.decode, self._on_train),
+            K.TRAIN_NOTICE: typed(H.RankNotice.decode, self._on_train),
         }
 
     def handle(self, frames: list[zmq.Frame]) -> None:

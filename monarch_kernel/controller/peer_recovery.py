@@ -1,7 +1,7 @@
 """Training that survives a dead rank: the controller's side of state from peers.
 
 Ranks that run steps of a ``TrainingState`` (``monarch_kernel.training``) say so once
-per request (a ``train`` notice, ``active``). When such a rank dies while the request
+per request (a ``train_notice``, ``active``). When such a rank dies while the request
 runs and the mesh's policy is ``restart``, its death is *claimed* here instead of
 failing its part of the request: the request keeps waiting for that rank, the failure
 policy leaves the mesh alone (``RankDied.claimed``), and a recovery thread
@@ -117,7 +117,7 @@ class PeerRecovery:
                 self._active.pop(old, None)
 
     def on_notice(self, rank: int, payload: bytes) -> None:
-        """A rank's ``train`` notice (receiving thread)."""
+        """A rank's ``train_notice`` (receiving thread)."""
         notice = pickle.loads(payload)
         if not isinstance(notice, Notice):
             return

@@ -16,7 +16,7 @@ controller's orders. They come as ``train`` control messages (payload: a pickled
 
 A restarted rank is told ``expect`` (an offer to load when its first step starts) on
 its control thread before the cell is sent to it again. Notices go back to the
-controller as ``train`` rank messages (payload: a pickled :class:`Notice`).
+controller as ``train_notice`` messages (payload: a pickled :class:`Notice`).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def tell(notice: Notice) -> None:
     services = context.services()
     if services is None:
         return
-    header = H.RankNotice(kind=K.TRAIN, rank=services.rank).encode()
+    header = H.RankNotice(kind=K.TRAIN_NOTICE, rank=services.rank).encode()
     services.send(header, pickle.dumps(notice))
 
 

@@ -223,7 +223,7 @@ kind              keys and payload
                   typed) or ``e`` str (why there is none: the rank's ``input()`` raises
                   EOFError with it; a debugger prompt takes ``e`` = ``interrupted`` as
                   KeyboardInterrupt and any other ``e`` as ``detach``)
-``train``         ``i``, ``w``. Payload: a pickled ``rank.train_park.Order`` for a rank
+``train``         ``i``, ``w``. Payload: a pickled ``wire.train_msgs.Order`` for a rank
                   parked at a training step boundary (``reform``, ``offer``, ``load``,
                   ``resume``, ``raise``) or restarted (``expect``). Reply value: per order
 ``hello``         (no keys) the controller's connection probe, ignored
@@ -278,7 +278,7 @@ kind              keys and payload
 ``resumed``       ``i``, ``n`` int (the debugger's last prompt serial: withdrawn if still
                   asked), ``why`` str (``continue``, ``detach``, ``quit``, ``timeout``,
                   ``interrupted``, ``done``): the rank's debugger lets it run on
-``train``         Payload: a pickled ``rank.train_park.Notice``: the rank runs steps of a
+``train_notice``  Payload: a pickled ``wire.train_msgs.Notice``: the rank runs steps of a
                   ``TrainingState`` in a request, is parked at a step boundary, or
                   loaded a replica's state
 ``stats``         Payload: pickled ``{"rss": int, "time": float, "bytes_out": int,
@@ -333,9 +333,7 @@ CANCEL = "cancel"  # header "c": the request to interrupt (running) or skip (not
 STACKS = "stacks"
 ABORT_PG = "abort_pg"
 INPUT_REPLY = "input_reply"
-#: Both ways: controller -> a rank's control thread, an order to a rank parked at a
-#: training step boundary (``rank.train_park.Order``); rank -> controller, a notice
-#: about its training (``rank.train_park.Notice``). Payload pickled.
+#: An order to a rank parked at a training step boundary (``wire.train_msgs.Order``).
 TRAIN = "train"
 
 # rank -> controller
@@ -347,6 +345,8 @@ FAULT = "fault"
 INPUT = "input"
 RESUMED = "resumed"  # the rank's debugger let it run on (header "why")
 STATS = "stats"  # once a second from each rank: memory and data-plane byte counters
+#: What a rank tells about its training (``wire.train_msgs.Notice``).
+TRAIN_NOTICE = "train_notice"
 
 #: The version of this protocol (the kinds and keys above, and the join handshake). A
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
