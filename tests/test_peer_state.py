@@ -227,3 +227,40 @@ def test_the_sending_peer_dying_mid_transfer_is_replaced_by_another(kernel, tmp_
     assert "copied from rank 1" in text, text
     check_recovered(kernel, mesh, pids, {0, 2})
     kernel.run(f"%mesh stop {mesh}")
+
+
+RAISE_AT = """\
+%%remote {mesh}
+losses = []
+state = TrainingState(model=model, optimizer=opt, data=batches, extra={{"losses": losses}})
+while state.step < {steps}:
+    with state.stepping():
+        x, y = batches.next()
+        if RANK == 1 and state.step == 5:
+            raise ValueError("bad batch on rank 1")
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
+
+def test_a_rank_that_raises_releases_the_parked_ranks_at_the_boundary(kernel):
+    """A Python error on one rank (not a death): the others, parked at the step boundary
+    by their failed collective, raise at once; nobody is killed, every rank is at the
+    same step with the same parameters, and the same objects train on."""
+    mesh = "ps4"
+    _start(kernel, mesh)
+    pids = pids_of(kernel, mesh)
+    r = kernel.run(RAISE_AT.format(mesh=mesh, steps=10), timeout=120)
+    text = r.error_text
+    assert "ValueError in the cell on rank 1 of 4" in text and "bad batch on rank 1" in text
+    assert "killed" not in text, text
+    r = kernel.run(f"%remote {mesh} (state.step, digest(model))")
+    assert not r.errors, r.error_text
+    assert r.text.count("(5, '") == 4 and len(set(re.findall(r"'(\w+)'", r.text))) == 1, r.text
+    r = kernel.run(TRAIN.format(mesh=mesh, steps=12, pause=0.0).replace("losses = []\n", ""))
+    assert not r.errors, r.error_text
+    assert r.text.count(", 12, ") == 4 and len(set(re.findall(r"'(\w+)'", r.text))) == 1
+    assert pids_of(kernel, mesh) == pids
+    kernel.run(f"%mesh stop {mesh}")

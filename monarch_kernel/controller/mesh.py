@@ -181,6 +181,7 @@ class MeshRuntime:
                 rid, payload, buffers, dead, self.peers.finished
             ),
             raise_parked=lambda rid, ranks, why: self.peer_mesh.raise_parked(rid, ranks, why),
+            events=self.events,
         )
         self.supervisor = Supervisor(
             self.name,

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from monarch_kernel.controller.events import RequestKind
+from monarch_kernel.controller.events import EventBus, RequestFailed, RequestKind
 from monarch_kernel.controller.records import FailurePolicy, RankInfo
 from monarch_kernel.controller.requests import RequestTable
 from monarch_kernel.wire.codec import Buffer
@@ -63,6 +63,7 @@ class RecoveryRunner(Protocol):
     """Runs one request's recovery (``peer_round.Recovery``)."""
 
     def add_dead(self, rank: int) -> None: ...
+    def fail(self, why: str) -> None: ...
     def notice(self, rank: int, notice: object) -> None: ...
     def start(self) -> None: ...
     def involves(self, rank: int) -> bool: ...
@@ -86,6 +87,7 @@ class PeerRecovery:
         policy: PolicyView,
         make_runner: RunnerFactory,
         raise_parked: RaiseParked,
+        events: EventBus,
     ):
         self._name = name
         self._ranks = ranks
@@ -104,6 +106,7 @@ class PeerRecovery:
         #: request id -> its recovery in progress.
         self._running: dict[str, RecoveryRunner] = {}
         self._counts: dict[str, int] = {}
+        events.subscribe(self._on_failed, RequestFailed)
         #: The last recovery that ended (its ``phases``: seconds per step, for the bench).
         self.last: RecoveryRunner | None = None
 
@@ -137,6 +140,21 @@ class PeerRecovery:
             timer = threading.Timer(PARK_ALONE, self._unclaimed, (rid,))
             timer.daemon = True
             timer.start()
+
+    def _on_failed(self, event: object) -> None:
+        """A rank raised in a request (receiving thread): ranks of it parked at a step
+        boundary raise too, and a recovery of it gives up (that rank will not park)."""
+        if not isinstance(event, RequestFailed) or event.kind is not RequestKind.CELL:
+            return
+        rid = event.request
+        why = f"rank {event.rank} raised {event.report.get('type', 'an error')}"
+        with self._lock:
+            runner = self._running.get(rid)
+            parked = [] if runner is not None else sorted(self._parked.pop(rid, {}))
+        if runner is not None:
+            runner.fail(why)
+        elif parked:
+            self._raise_parked(rid, parked, why)
 
     def _unclaimed(self, rid: str) -> None:
         """Ranks of ``rid`` parked and no death was claimed: they raise (timer thread)."""

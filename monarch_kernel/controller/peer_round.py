@@ -119,6 +119,8 @@ class Recovery:
         self.causes: dict[int, str] = {}
         self._cause(first_dead)
         self._t0 = time.monotonic()
+        #: Why the recovery cannot go on (a rank raised), once known.
+        self._failure = ""
         #: seconds spent in each phase (all rounds together)
         self.phases: dict[str, float] = {}
 
@@ -141,6 +143,12 @@ class Recovery:
             self.parked.pop(rank, None)
             self.loaded.pop(rank, None)
             self._epoch += 1
+            self._cond.notify_all()
+
+    def fail(self, why: str) -> None:
+        """A rank of the request raised instead of parking: no recovery is possible."""
+        with self._cond:
+            self._failure = why
             self._cond.notify_all()
 
     def notice(self, rank: int, notice: object) -> None:
@@ -213,6 +221,8 @@ class Recovery:
         return fut
 
     def _check(self, epoch: int) -> None:
+        if self._failure:
+            raise _GiveUp(self._failure)
         if self._epoch != epoch:
             raise _Broken()
 
