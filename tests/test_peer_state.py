@@ -264,3 +264,34 @@ def test_a_rank_that_raises_releases_the_parked_ranks_at_the_boundary(kernel):
     assert r.text.count(", 12, ") == 4 and len(set(re.findall(r"'(\w+)'", r.text))) == 1
     assert pids_of(kernel, mesh) == pids
     kernel.run(f"%mesh stop {mesh}")
+
+
+def test_the_dashboard_says_what_the_recovery_did(tmp_path):
+    from test_dashboard import WidgetKernel
+
+    k = WidgetKernel()
+    mesh = "pw"
+    try:
+        r = k.run(f"import os; os.chdir({str(tmp_path)!r})")
+        assert not r.errors, r.error_text
+        _start(k, mesh)
+        pids = pids_of(k, mesh)
+        cell = train(k, mesh, 0.05)
+        k.wait_for_output(cell, "step 10", timeout=60)
+        os.kill(pids[2], signal.SIGKILL)
+        r = k.collect(cell, timeout=120)
+        assert not r.errors, r.error_text
+
+        def errors() -> str:
+            return k.html(mesh, "mk-errors")
+
+        k.wait_for(lambda: "copied from rank 0" in errors(), what="the recovery's report")
+        assert "rank 2 died (killed by SIGKILL) at step" in errors(), errors()
+        assert "lost on the restarted rank(s)" not in errors()  # nothing declared was lost
+        k.wait_for(
+            lambda: "recovered: restarted ranks 2 in" in k.html(mesh, "mk-status"),
+            what="the status line",
+        )
+        k.run(f"%mesh stop {mesh}")
+    finally:
+        k.shutdown_and_check()
