@@ -295,3 +295,39 @@ def test_the_dashboard_says_what_the_recovery_did(tmp_path):
         k.run(f"%mesh stop {mesh}")
     finally:
         k.shutdown_and_check()
+
+
+LONE = """\
+%%remote {mesh} --ranks 0
+import os, time, torch
+from monarch_kernel.training import TrainingState
+model = torch.nn.Linear(4, 1)
+state = TrainingState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+while state.step < 10_000:
+    with state.stepping():
+        model(torch.ones(1, 4)).sum().backward()
+        state.optimizer.step()
+        if state.step == 20:
+            print("step 20", flush=True)
+        time.sleep(0.01)
+"""
+
+
+def test_with_no_replica_the_cell_says_the_state_is_lost(kernel):
+    """A rank whose state exists nowhere else (its cell ran on it alone) dies: the cell
+    fails saying so, and the rank is restarted as the failure policy would."""
+    mesh = "pn"
+    r = kernel.run(f"%mesh {mesh} --gpus 2", timeout=120)
+    assert "ready" in r.stdout, r.stderr + r.error_text
+    pids = pids_of(kernel, mesh)
+    cell = kernel.submit(LONE.format(mesh=mesh))
+    kernel.wait_for_output(cell, "step 20", timeout=60)
+    os.kill(pids[0], signal.SIGKILL)
+    r = kernel.collect(cell, timeout=120)
+    text = r.error_text
+    assert "training state could not be recovered from peers" in text, text
+    assert "no live replica holds the training state" in text, text
+    assert "the state of rank(s) 0" in text, text
+    after = pids_of(kernel, mesh)
+    assert after[0] != pids[0] and after[1] == pids[1]
+    kernel.run(f"%mesh stop {mesh}")

@@ -5,6 +5,7 @@ and the dashboard."""
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from monarch_kernel.wire.headers.control import AbortPg
 from monarch_kernel.wire.train_msgs import Order
 
 _ORDER = CallOptions(control=True, internal=True, during_restart=True)
+log = logging.getLogger("monarch_kernel.controller")
 
 
 class MeshSends(Protocol):
@@ -47,6 +49,13 @@ class MeshSends(Protocol):
         request_id: str | None = None,
     ) -> str: ...
     def send_control(self, rank: int, header: Header, payload: bytes = b"") -> None: ...
+    def recover(
+        self,
+        ranks: Sequence[int] | None = None,
+        timeout: float = ...,
+        reason: str = "",
+        skip: frozenset[int] = frozenset(),
+    ) -> RecoveryReport: ...
 
 
 class Replies:
@@ -139,6 +148,10 @@ class PeerMesh:
     def restart_ranks(self, ranks: list[int], timeout: float = 60.0) -> None:
         self._restarter.restart_ranks(ranks, timeout)
 
+    def has_process_group(self) -> bool:
+        """Whether the ranks had a torch.distributed process group (to re-form)."""
+        return self._recipe.pg_backend is not None
+
     def rendezvous(self) -> tuple[str, int]:
         return self._hosts[0].addr, self._restarter.new_port(0)
 
@@ -157,6 +170,14 @@ class PeerMesh:
         self._requests.rejoin(rid, rank)
         header: Header = {"k": K.EXEC, "i": rid, "w": 1}
         self._transport.send([rank], header, payload, buffers)
+
+    def restart_dead(self, reason: str) -> None:
+        """A recovery from peers gave up: restart the dead ranks the usual way (restart
+        in place: process group, actors, set-up cells), as the failure policy would."""
+        try:
+            self._sends.recover(reason=reason)
+        except Exception as exc:
+            log.warning("mesh %s: restarting after a failed recovery failed: %s", self.name, exc)
 
     def lose_part(self, rid: str, rank: int, error: BaseException) -> None:
         self._post(self._requests.abandon, rid, {rank}, error)

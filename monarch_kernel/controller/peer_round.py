@@ -67,6 +67,8 @@ class RoundMesh(Protocol):
     def recovered(
         self, rid: str, text: str, restarted: tuple[int, ...], seconds: float
     ) -> None: ...
+    def restart_dead(self, reason: str) -> None: ...
+    def has_process_group(self) -> bool: ...
 
 
 T = TypeVar("T")
@@ -291,10 +293,17 @@ class Recovery:
         return replies
 
     def _reform(self, epoch: int) -> None:
+        """Every rank of the mesh joins the process group's new rendezvous: parked ranks
+        by an order, the others (new ranks, ranks not in the request) as a cell."""
+        if not self._mesh.has_process_group():
+            return
         addr, port = self._mesh.rendezvous()
         with self._cond:  # new ranks that run the cell already are parked: an order
             parked = sorted(self.parked)
             fresh = sorted(r for r, s in self.fresh.items() if s != "sent")
+        ranks = self._mesh.request_ranks(self.rid) or []
+        idle = [i.rank for i in self._mesh.ranks if i.alive and i.rank not in ranks]
+        fresh = sorted(set(fresh) | set(idle))
         fut = self._watch(self._mesh.ask_ranks(parked, Order("reform", self.rid, addr, port)))
         failed = self._mesh.run_internal(
             fresh,
@@ -430,3 +439,7 @@ class Recovery:
                 fut.get(5.0)
             except Exception:
                 pass
+        with self._cond:
+            dead = sorted(self.dead)
+        if dead:  # the failure policy left them to this recovery: restart them now
+            self._mesh.restart_dead(f"rank(s) {format_ranks(dead)} died; {why}")
