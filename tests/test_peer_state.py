@@ -331,3 +331,49 @@ def test_with_no_replica_the_cell_says_the_state_is_lost(kernel):
     after = pids_of(kernel, mesh)
     assert after[0] != pids[0] and after[1] == pids[1]
     kernel.run(f"%mesh stop {mesh}")
+
+
+SHARDED = """\
+%%remote {mesh} --setup
+import os, time, torch
+from torch.distributed.fsdp import fully_shard
+from monarch_kernel.training import TrainingState
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+fully_shard(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+"""
+
+SHARDED_TRAIN = """\
+%%remote {mesh}
+state = TrainingState(model=model, optimizer=opt)
+while state.step < 10_000:
+    with state.stepping():
+        model(torch.ones(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if state.step == 20:
+            print("step 20", flush=True)
+        time.sleep(0.01)
+"""
+
+
+def test_a_sharded_model_fails_clearly_naming_the_shard(kernel):
+    """FSDP2 over the whole world: the dead rank's shard exists nowhere else; the cell
+    fails saying so (and which parameter is a shard), the survivors are not killed."""
+    mesh = "pf"
+    r = kernel.run(f"%mesh {mesh} --gpus 2 --dist", timeout=120)
+    assert "ready" in r.stdout, r.stderr + r.error_text
+    r = kernel.run(SHARDED.format(mesh=mesh), timeout=120)
+    assert not r.errors, r.error_text
+    pids = pids_of(kernel, mesh)
+    cell = kernel.submit(SHARDED_TRAIN.format(mesh=mesh))
+    kernel.wait_for_output(cell, "step 20", timeout=60)
+    os.kill(pids[1], signal.SIGKILL)
+    r = kernel.collect(cell, timeout=120)
+    text = r.error_text
+    assert "could not be recovered from peers: the model is sharded" in text, text
+    assert "parameter '0.weight' is a shard" in text and "HSDP" in text, text
+    assert "the state of rank(s) 1" in text, text
+    assert pids_of(kernel, mesh)[0] == pids[0]  # the survivor kept its process
+    kernel.run(f"%mesh stop {mesh}")

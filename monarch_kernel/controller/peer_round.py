@@ -349,7 +349,7 @@ class Recovery:
             held = [(-n.step, r) for r, n in self.parked.items() if n.has_state]
             why = [n.error for n in self.parked.values() if n.error.startswith("sharded:")]
         if why:
-            raise _GiveUp(f"the training state {why[0].removeprefix('sharded: ')}")
+            raise _GiveUp(why[0].removeprefix("sharded: "))
         if not held:
             raise _GiveUp("no live replica holds the training state")
         return self._watch(self._mesh.ask_ranks([min(held)[1]], Order("offer", self.rid)))

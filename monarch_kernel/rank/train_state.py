@@ -286,9 +286,9 @@ class _Step:
         shard = sharded_part(state.model)
         if shard:  # no peer holds this rank's shard: say so, the recovery gives up
             why = (
-                f"sharded: its model is sharded (FSDP2: {shard!r} is a shard), so another "
-                "rank holds no replica of its state; recovering from peers needs a replica "
-                "of each shard (HSDP-style)"
+                f"sharded: the model is sharded (FSDP2: parameter {shard!r} is a shard) and "
+                "no rank holds a replica of another rank's shard; recovering from peers "
+                "needs a replica of each shard (HSDP-style)"
             )
         order = park(state, request, why, has_state=not shard)
         return order.op == "resume"
