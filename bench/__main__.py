@@ -33,6 +33,7 @@ BENCHES = [
     "cells",
     "fault",
     "peerstate",
+    "detach",
     "ddp",
     "ddpfault",
     "xhost",

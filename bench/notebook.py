@@ -60,6 +60,33 @@ def _print_delays(k: _Client, magic: str, prints: int) -> list[float]:
     return delays
 
 
+def _bar_delays(k: _Client, magic: str, frames: int) -> list[float]:
+    """Seconds from a progress-bar frame (``\\r``, no newline; timestamped) written on a
+    rank to the notebook's redraw of the bar that shows it (our bar display), or written
+    in a plain ipykernel cell (``magic`` empty) to the stream message that carries it."""
+    delays: list[float] = []
+
+    def on_iopub(m: dict) -> None:
+        if m["msg_type"] in ("display_data", "update_display_data"):
+            text = m["content"]["data"].get("text/plain", "")
+        elif m["msg_type"] == "stream":
+            text = m["content"]["text"]
+        else:
+            return
+        now = time.time()
+        for frame in text.split("\r"):
+            if "@" in frame:
+                delays.append(now - float(frame.rsplit("@", 1)[1].split()[0]))
+
+    k.run(
+        f"{magic}\nimport sys, time\nfor i in range({frames}):\n"
+        "    sys.stderr.write(f'\\rbar {i} @{time.time()!r}'); sys.stderr.flush()\n"
+        "    time.sleep(0.005)\nsys.stderr.write('\\n')",
+        on_iopub,
+    )
+    return delays
+
+
 def _lines_per_s(k: _Client, magic: str, lines: int) -> float:
     """Lines a second from a cell printing ``lines`` lines to the client (all must come)."""
     got = [0]
@@ -93,11 +120,17 @@ def ours(s: Settings, rec: Recorder) -> None:
         rec.value("remote_1", median(xs))
         delays = _print_delays(k, "%%remote b --ranks 0", PRINTS)
         rec.value("print_delay", median(delays[10:]))
+        with rec.guard("bar_delay"):
+            delays = _bar_delays(k, "%%remote b --ranks 0", PRINTS)
+            rec.value("bar_delay", median(delays[10:]))
         lines = FLOOD_LINES // (5 if s.quick else 1)
-        with rec.guard("lines_remote", "lines_ipykernel", "lines_ratio"):
-            ours_rate = _lines_per_s(k, "%%remote b --ranks 0", lines)
+        with rec.guard("bar_delay_ipykernel", "lines_remote", "lines_ipykernel", "lines_ratio"):
             plain = _Client("python3")
             try:
+                with rec.guard("bar_delay_ipykernel"):
+                    delays = _bar_delays(plain, "", PRINTS)
+                    rec.value("bar_delay_ipykernel", median(delays[10:]))
+                ours_rate = _lines_per_s(k, "%%remote b --ranks 0", lines)
                 plain_rate = _lines_per_s(plain, "", lines)
             finally:
                 plain.stop()

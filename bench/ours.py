@@ -163,6 +163,10 @@ def run(s: Settings, rec: Recorder) -> None:
         from bench import engines
 
         engines.run(s, rec)
+    if s.wants("detach"):
+        from bench import detach
+
+        detach.ours(s, rec)
     if s.wants("ddp"):
         from bench import ddp
 

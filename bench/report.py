@@ -100,6 +100,8 @@ def rows(s: Settings) -> list[Row]:
     out.append(Row("remote_1", "6. trivial %%remote cell on 1 rank (%px for ipyparallel)", "ms"))
     out.append(Row("remote_4", "6. trivial %%remote cell on 4 ranks (%px for ipyparallel)", "ms"))
     out.append(Row("print_delay", "6. rank print -> notebook output", "ms"))
+    out.append(Row("bar_delay", "6. rank progress-bar frame (\\r) -> notebook bar redrawn", "ms"))
+    out.append(Row("bar_delay_ipykernel", "6. same bar frames in plain ipykernel -> stream", "ms"))
     out.append(
         Row(
             "lines_remote",
@@ -132,6 +134,17 @@ def rows(s: Settings) -> list[Row]:
         Row("disk_first_step", "7. SIGKILL -> first step done, disk checkpoint", "s"),
         Row("disk_steps_lost", "7. steps lost (disk checkpoint every 10 steps)", "steps"),
     ]
+    out.append(Row("attach_dashboard", "7. %mesh attach -> dashboard with the whole history", "s"))
+    out.append(
+        Row(
+            "attached_sps",
+            "7. steps/s (report + print) with a kernel attached",
+            "steps/s",
+            "higher",
+        )
+    )
+    out.append(Row("detached_sps", "7. same loop while no kernel is attached", "steps/s", "higher"))
+    out.append(Row("detached_ratio", "7. steps/s detached ÷ attached", "x", "higher"))
     out.append(Row("ddp_mesh_sps", "8. DDP steps/s, 2 ranks in a mesh", "steps/s", "higher"))
     out.append(
         Row("ddp_torchrun_sps", "8. DDP steps/s, same script under torchrun", "steps/s", "higher")

@@ -35,6 +35,16 @@ def share(tensor: Any) -> Any:  # torch is imported lazily (a TensorRef)
     return _share(tensor)
 
 
+def attach(name: str | None = None, *, force: bool = False, path: str | None = None) -> Any:
+    """Take over the ``--detachable`` mesh ``name`` that another kernel (since gone, or
+    with ``force``: still there, and told) left running: returns its ``ProcMesh``,
+    with the ranks' namespaces, failure policy and ``--setup`` cells as they were.
+    ``%mesh attach NAME`` does the same in a notebook and binds ``NAME``."""
+    from monarch_kernel.actor.attach import attach as _attach
+
+    return _attach(name, force=force, path=path)
+
+
 def load_ipython_extension(ipython: Any) -> None:  # pragma: no cover - thin shim
     """``%load_ext monarch_kernel``: register the magics in a plain IPython kernel."""
     from monarch_kernel.kernel.magics import load_ipython_extension as _load

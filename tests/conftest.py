@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Container
 
 import psutil
@@ -20,6 +21,29 @@ ORPHAN_GRACE = 10.0
 LANES = ("unit", "local", "cluster", "browser")
 #: Modules not (yet) carrying their own lane marker: test_layering.py (pure AST checks).
 UNMARKED_LANES: dict[str, str] = {}
+
+
+#: tqdm's settings in this process's environment when the session started. Kernels that
+#: tests start inherit the environment, and so do their ranks: a module whose import
+#: changes these (lightning_sdk's import sets TQDM_POSITION and TQDM_MININTERVAL) would
+#: change how every later test's progress bars are drawn.
+TQDM_AT_START = {k: v for k, v in os.environ.items() if k.startswith("TQDM_")}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    changed = {k for k, v in os.environ.items() if k.startswith("TQDM_")} | set(TQDM_AT_START)
+    changed = {k for k in changed if os.environ.get(k) != TQDM_AT_START.get(k)}
+    for name in changed:
+        if name in TQDM_AT_START:
+            os.environ[name] = TQDM_AT_START[name]
+        else:
+            del os.environ[name]
+    if changed:
+        warnings.warn(
+            f"a test module's import changed {', '.join(sorted(changed))} in the environment; "
+            "put back (import lightning_sdk with lightning_engine.import_sdk)",
+            stacklevel=1,
+        )
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 import torch
@@ -241,11 +240,11 @@ def test_streams_reach_the_caller(workers, capsys):
 
 
 def test_ping_answers_while_busy(procs4, workers):
-    fut = workers.slice(gpus=0).sleep.call_one(1.0)
-    t0 = time.monotonic()
+    fut = workers.slice(gpus=0).sleep.call_one(4.0)
     pings = procs4.ping().get(timeout=5)
-    assert time.monotonic() - t0 < 0.9 and not fut.done()
+    assert not fut.done()  # answered while rank 0 still sleeps
     assert all(p["rejected"] == 0 for p in pings.values())
+    fut.get(timeout=30)
     assert fut.get(timeout=5) == "slept"
 
 

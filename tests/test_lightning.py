@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -24,12 +25,17 @@ from netns import netns_hosts_fixture
 from monarch_kernel.actor import host_mesh
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.launchers.join import TOKEN_ENV
-from monarch_kernel.launchers.lightning_engine import find_credentials, machine_types
+from monarch_kernel.launchers.lightning_engine import find_credentials, import_sdk, machine_types
 
 pytestmark = pytest.mark.cluster
 
-os.environ["LIGHTNING_DISABLE_VERSION_CHECK"] = "1"
-lightning_sdk = pytest.importorskip("lightning_sdk")
+# Imported as the backend imports it: lightning_sdk's own import would set TQDM_POSITION
+# and TQDM_MININTERVAL in this process's environment at collection, and every kernel a
+# later test starts (and its ranks) would draw tqdm bars once a second, a row down.
+try:
+    lightning_sdk: Any = import_sdk()  # the module (the tests read more of it than the backend)
+except ValueError:
+    pytest.skip("needs lightning-sdk", allow_module_level=True)
 from lightning_standin import Job, Studio, make_sdk  # noqa: E402
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"

@@ -156,3 +156,20 @@ def test_fault_tolerant_training_notebook_recovers_a_killed_rank_from_a_peer():
     assert re.search(r"state of [0-9.]+ KB copied from rank \d in [0-9.]+ s", done), done
     same = _text(code[5])
     assert same.count("same process") == 3 and "rank 2: restarted" in same, same
+
+
+def test_detach_notebook_takes_over_a_killed_kernels_mesh():
+    nb = _execute(nbformat.read(NOTEBOOKS / "09-detach.ipynb", as_version=4), "monarch")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "the first kernel was killed" in _text(code[0])
+    listed = _text(code[1])
+    assert re.search(r"train\s+gpus=2\s+1\s+2/2", listed) and "detached" in listed, listed
+    attached = _text(code[2])
+    assert "attached mesh 'train'" in attached and "2/2 ranks running" in attached, attached
+    assert "printed while no kernel was attached" in attached
+    assert "<RemoteJob cell 3 on train ranks [0, 1]: running>" in attached
+    pulled = _text(code[3])
+    assert "pushed to train (2 ranks): lr=0.5" in pulled and "0.5" in pulled.splitlines()[-1]
+    waited = _text(code[4])
+    assert "ValueMesh({gpus: 2})" in waited and ": done in" in waited, waited
+    assert "mesh 'train' stopped" in _text(code[5])

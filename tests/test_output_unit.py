@@ -7,11 +7,13 @@ taken off the background flusher, so what is emitted (and when) is deterministic
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from monarch_kernel.kernel import output
+from monarch_kernel.kernel.channel import LiveText
 from monarch_kernel.kernel.output import COLLAPSE_WINDOW, CellOutput
 
 pytestmark = pytest.mark.unit
@@ -301,3 +303,34 @@ def test_output_past_the_rate_is_elided_counted_and_pointed_at_the_logs(clock, m
     output._active.discard(out2)
     out2.feed(0, "stdout", "again\n")
     assert emitted[-1] == ("stdout", "[0] again\n")
+
+
+class GatedChannel:
+    """Where a ``LiveText`` sends its block (a ``CellChannel``'s ``display``): records
+    each block's text; the first update waits at the gate (a send that is slow to leave)."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.gate = threading.Event()
+        self.waiting = threading.Event()
+
+    def display(self, data, display_id=None, update=False, metadata=None) -> None:
+        if update and not self.waiting.is_set():
+            self.waiting.set()
+            self.gate.wait(10)
+        self.sent.append(data["text/plain"])
+
+
+def test_a_live_blocks_updates_leave_in_the_order_they_were_made():
+    channel = GatedChannel()
+    live = LiveText(channel, "[bg cell 1: running]")  # type: ignore[arg-type]
+    first = threading.Thread(target=live.emit, args=("stdout", "[0] loop over\n"))
+    first.start()  # made the block with the line, now slow to send it
+    assert channel.waiting.wait(10)
+    last = threading.Thread(target=live.set_title, args=("[bg cell 1: done in 1.0s]",))
+    last.start()
+    last.join(0.5)  # it may not overtake the block made before it
+    channel.gate.set()
+    first.join(10)
+    last.join(10)
+    assert channel.sent[-1] == "[bg cell 1: done in 1.0s]\n[0] loop over"

@@ -127,7 +127,7 @@ def test_death_of_a_target_fails_the_peer_call(mesh2):
         trainer = tprocs.spawn("t", Trainer, gens)
         t0 = time.monotonic()
         assert trainer.call_crashing.call_one().get() == "RankDiedError"
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 30
     finally:
         tprocs.stop()
 

@@ -205,7 +205,7 @@ def test_killed_ray_node_loses_its_host_naming_it(cluster: RayCluster):
         assert f"host agent {lost.index} lost" in text, text
         assert f"{lost.hostname} at {cluster.worker_ip}" in text, text
         print(f"host on the killed Ray node reported after {took:.2f}s: {text}")
-        assert took < 3.5, (took, text, lost.lost)
+        assert took < 15, (took, text, lost.lost)
     finally:
         procs.stop()  # the failure policy may be stopping it in another thread already
     deadline = time.monotonic() + 15

@@ -228,7 +228,7 @@ def test_no_slurm_on_path_is_a_clear_error(cluster, monkeypatch):
         host_mesh(hosts=2, backend="slurm", advertise=cluster.net.gateway).spawn_procs(
             {"gpus": 1}, timeout=30
         )
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 10
 
 
 def test_dead_controller_is_a_clear_error(cluster, monkeypatch, tmp_path):

@@ -194,7 +194,7 @@ def test_a_rank_stuck_in_c_holding_the_gil_shows_through_faulthandler(procs3):
 
     view = wait_until(stuck_view, timeout=10, what="rank 1 to hold the GIL in C")
     print(f"\nstacks of 3 ranks, one through faulthandler: {view.elapsed * 1000:.0f} ms")
-    assert view.elapsed < 1.0
+    assert view.elapsed < 3.0
     assert [g.ranks for g in view.groups] == [(0, 2), (1,)] and view.odd_ranks == [1]
     stuck = view.stacks[1]
     assert stuck.error is None and _main(stuck).name == "MainThread"
@@ -208,7 +208,7 @@ def test_a_rank_stuck_in_c_holding_the_gil_shows_through_faulthandler(procs3):
     view = mesh_stacks(procs3.runtime)
     dead = view.stacks[2]
     assert dead.source == "none" and "died: exit code 3" in (dead.error or "")
-    assert view.stacks[1].source == "faulthandler" and view.elapsed < 1.0
+    assert view.stacks[1].source == "faulthandler" and view.elapsed < 3.0
 
 
 # -- through the kernel ----------------------------------------------------------------

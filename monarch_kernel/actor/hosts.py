@@ -21,6 +21,8 @@ from monarch_kernel.actor.client_proc import ClientProc
 from monarch_kernel.actor.meshes import STOP_GRACE, ActorMesh, ProcMesh, size_of
 from monarch_kernel.calls.future import Future
 from monarch_kernel.controller.asks import ASK_HANDLERS, AskingMesh
+from monarch_kernel.controller.detach import detach_option
+from monarch_kernel.controller.detach import enable as enable_detach
 from monarch_kernel.controller.events import FaultReported, MeshEvent, RankDied
 from monarch_kernel.controller.failures import DEFAULT_GRACE
 from monarch_kernel.controller.mesh import MeshRuntime, registry
@@ -110,6 +112,8 @@ class HostMesh:
         on_failure: str = "restart",
         grace: float = DEFAULT_GRACE,
         bootstrap: Callable[[], object] | None = None,
+        detachable: bool = False,
+        keep: float | str | None = None,
     ) -> ProcMesh:
         """Start ``per_host`` ranks on every host; returns when all are ready (within
         ``timeout`` seconds; default the configured ``host_spawn_ready_timeout``, 120 s).
@@ -130,6 +134,10 @@ class HostMesh:
         every rank once it started, before this returns (set up the environment,
         import things); what it raises fails the spawn.
 
+        ``detachable``: the ranks outlive this controller, for ``keep`` (seconds or
+        ``"2h"``; default 2 hours) without one; another kernel takes the mesh over with
+        ``monarch_kernel.attach(name)`` (see :mod:`monarch_kernel.controller.detach`).
+
         A host mesh that was shut down spawns nothing: RuntimeError.
         """
         self._check_open()
@@ -142,10 +150,11 @@ class HostMesh:
                 "(the hosts dimension is added for you)"
             )
         policy = _failure_policy(on_failure)
+        detach_keep = detach_option(self.backend, name, detachable, keep)
         running = sum(m.world for m in registry.live() if m.launcher is self.launcher)
         self.launcher.check_capacity(self.hosts * len(Shape.from_extent(per_host)), running)
         env = {**self.default_env, **(env or {})} or None
-        runtime = self._new_runtime(name, per_host, env, policy, grace)
+        runtime = self._new_runtime(name, per_host, env, policy, grace, detach_keep)
         procs = ProcMesh(runtime)
         watch_faults(runtime)
         try:
@@ -154,6 +163,8 @@ class HostMesh:
             runtime.start(timeout=timeout)  # stops the mesh itself if it fails
             if bootstrap is not None:
                 procs.spawn("_bootstrap", _Bootstrap, bootstrap).stop().get()
+            if detach_keep:
+                enable_detach(runtime)
         except BaseException:
             runtime.stop()
             raise
@@ -166,6 +177,7 @@ class HostMesh:
         env: dict[str, str] | None,
         policy: FailurePolicy,
         grace: float,
+        detach_keep: float = 0.0,
     ) -> MeshRuntime:
         """The controller side of a new mesh, registered here before it starts (a
         shutdown from then on stops it)."""
@@ -180,6 +192,7 @@ class HostMesh:
                 backend=self.backend,
                 on_failure=policy,
                 grace=grace,
+                detach_keep=detach_keep,
             )
             self._spawned = [m for m in self._spawned if not m.state.ended]
             self._spawned.append(runtime)

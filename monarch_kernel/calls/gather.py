@@ -107,6 +107,12 @@ class Gather:
         self._incident = incident
 
     # -- results ---------------------------------------------------------------------------
+    @property
+    def failed(self) -> list[int]:
+        """The ranks that failed (an error reply, or lost) so far, in that order."""
+        with self._lock:
+            return list(self._failed_order)
+
     def answered(self, rank: int) -> bool:
         """Whether ``rank`` has replied (or was lost)."""
         return self._replies[self._index[rank]] is not None or rank in self._lost

@@ -40,6 +40,7 @@ from enum import Enum
 from monarch_kernel.calls.errors import DeathInfo
 from monarch_kernel.controller.records import MeshPhase, RankState, RecoveryReport
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.jsontypes import JsonObject, MimeBundle
 from monarch_kernel.wire.reports import FailureReport, RankStats
 
 log = logging.getLogger("monarch_kernel.controller")
@@ -102,6 +103,22 @@ class StreamOutput:
     request: str | None
     stream: str
     text: str
+
+
+@dataclass(frozen=True, slots=True)
+class DisplayOutput:
+    """A rich display a rank made while running ``request``: ``op`` is ``display``,
+    ``update`` (of the rank's ``display_id``), ``clear`` or ``clear_wait``; ``data`` is
+    the MIME bundle (image bytes raw), ``key`` equal for equal bundles."""
+
+    mesh: str
+    rank: int
+    request: str | None
+    op: str
+    data: MimeBundle
+    metadata: JsonObject
+    display_id: str | None
+    key: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +262,7 @@ MeshEvent = (
     MeshPhaseChanged
     | RequestStarted
     | StreamOutput
+    | DisplayOutput
     | MetricReported
     | ReplyReceived
     | RequestFailed
@@ -263,6 +281,7 @@ EVENT_TYPES: tuple[type[MeshEvent], ...] = (
     MeshPhaseChanged,
     RequestStarted,
     StreamOutput,
+    DisplayOutput,
     MetricReported,
     ReplyReceived,
     RequestFailed,

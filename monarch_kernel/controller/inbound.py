@@ -28,6 +28,7 @@ from monarch_kernel.controller.asks import (
 from monarch_kernel.controller.events import (
     DebuggerPaused,
     DebuggerResumed,
+    DisplayOutput,
     EventBus,
     FaultReported,
     InputRequested,
@@ -44,6 +45,7 @@ from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Header
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import AskRequest, FailureReport, RankStats, StopRequest
+from monarch_kernel.wire.terminal import strip_controls
 
 __all__ = ["ASK_HANDLERS", "NO_DEBUGGER", "NO_READER", "Inbound", "RankFacingMesh"]
 
@@ -130,6 +132,7 @@ class Inbound:
         self._handlers: dict[str, Handler] = {
             K.RESULT: typed(H.Result.decode, self._on_result),
             K.STREAM: typed(H.Stream.decode, self._on_stream),
+            K.DISPLAY: typed(H.Display.decode, self._on_display),
             K.METRIC: typed(H.Metric.decode, self._on_metric),
             K.STATS: typed(H.RankNotice.decode, self._on_stats),
             K.FAULT: typed(H.RankNotice.decode, self._on_fault),
@@ -147,6 +150,11 @@ class Inbound:
             K.RESUMED: typed(H.Resumed.decode, self._on_resumed),
             K.TRAIN_NOTICE: typed(H.RankNotice.decode, self._on_train),
         }
+
+    def add_handler(self, kind: str, handler: Handler) -> None:
+        """Handle messages of ``kind`` with ``handler(header, message)`` (a feature
+        beside the core, such as detaching, adds its own kinds)."""
+        self._handlers[kind] = handler
 
     def handle(self, frames: list[zmq.Frame]) -> None:
         """Verify, decode and dispatch one message ``[identity, *wire frames]``.
@@ -196,14 +204,34 @@ class Inbound:
         rank, name = h.rank, h.name
         text = bytes(msg.payload).decode("utf-8", "replace")
         info = self._ranks[rank]
-        # Keep whole lines for the death report and the dashboard.
+        # Keep whole lines for the death report and the dashboard (a bar's line: its
+        # last frame, without escape sequences).
         buf = info.partial.get(name, "") + text
         *lines, rest = buf.split("\n")
+        if "\r" in buf or "\x1b" in buf:
+            lines = [strip_controls(line) for line in lines]
+            rest = strip_controls(rest)
         info.tail.extend(lines)
         info.partial[name] = rest[-PARTIAL_MAX:]
         events = self._events
         if events.wants(StreamOutput):
             events.emit(StreamOutput(self._name, rank, h.request, name, text))
+
+    def _on_display(self, h: H.Display, msg: Message) -> None:
+        events = self._events
+        if not events.wants(DisplayOutput):
+            return
+        payload = bytes(msg.payload)
+        body = pickle.loads(payload) if payload else {}
+        data, metadata = body.get("data") or {}, body.get("metadata") or {}
+        if not isinstance(data, dict) or not isinstance(metadata, dict):
+            log.warning("rank %s: a display that is not a MIME bundle, dropped", h.rank)
+            return
+        events.emit(
+            DisplayOutput(
+                self._name, h.rank, h.request, h.op, data, metadata, h.display_id, payload
+            )
+        )
 
     def _on_metric(self, h: H.Metric, msg: Message) -> None:
         events = self._events
@@ -341,7 +369,7 @@ class Inbound:
     def _on_host_ready(self, h: H.HostReady, msg: Message) -> None:
         host = self._hosts[h.host]
         host.pid, host.hostname = h.pid, h.hostname
-        host.addr, host.port = h.addr, h.port
+        host.addr, host.port, host.desk = h.addr, h.port, h.desk
         self._transport.probe([self._transport.host_id(host.index)])
         host.ready = True
         host.last_seen = time.monotonic()

@@ -36,6 +36,7 @@ from monarch_kernel.calls.errors import MeshStoppedError, RankDiedError
 from monarch_kernel.calls.future import Future, Waiter
 from monarch_kernel.calls.reply import RequestObserver
 from monarch_kernel.calls.requester import PLAIN, ActorSpec, CallOptions, MeshRef
+from monarch_kernel.controller.attach_file import MeshIdentity, file_for
 from monarch_kernel.controller.events import EventBus, RequestKind, RequestStarted
 from monarch_kernel.controller.failures import DEFAULT_GRACE, FailureHandler
 from monarch_kernel.controller.inbound import Inbound
@@ -100,6 +101,8 @@ class MeshRuntime:
         advertise: str | None = None,
         on_failure: FailurePolicy = FailurePolicy.RESTART,
         grace: float = DEFAULT_GRACE,
+        detach_keep: float = 0.0,
+        identity: MeshIdentity | None = None,
     ):
         """``bind``: where the controller's sockets listen: a host address (tcp on a
         random port), a full ``tcp://`` or ``ipc://`` endpoint, or ``"ipc"`` for unix
@@ -109,6 +112,10 @@ class MeshRuntime:
         when it differs from the bound one (a wildcard bind; default: the launcher's
         ``advertise`` attribute). Tcp sockets are CURVE servers (see ``Transport``).
         ``on_failure`` and ``grace``: see :mod:`~monarch_kernel.controller.failures`.
+        ``detach_keep`` > 0: a detachable mesh, whose agents and ranks run on that many
+        seconds without a controller (:mod:`~monarch_kernel.controller.detach`);
+        ``identity``: take over such a mesh (its key, run and addresses) instead of
+        making a new one (:mod:`~monarch_kernel.controller.adopt`).
         """
         if grace < 0:
             raise ValueError(f"grace must be >= 0 seconds, got {grace}")
@@ -124,10 +131,13 @@ class MeshRuntime:
         self.env = dict(env or {})
         self.hb_timeout = hb_timeout
         self.world = len(self.shape)
-        self.started_at = time.time()
-        self.run_id = uuid.uuid4().hex[:12]
-        self.key = new_key()
+        self.started_at = identity.started_at if identity else time.time()
+        self.run_id = identity.run_id if identity else uuid.uuid4().hex[:12]
+        self.key = identity.key if identity else new_key()
         self.codec = Codec(self.key)
+        self.detach_keep = detach_keep
+        #: A detachable mesh's attach file (see ``controller.attach_file``), else "".
+        self.attach_path = file_for(name) if detach_keep > 0 else ""
         self.ranks = [
             RankInfo(r, r // self.per_host, r % self.per_host, c)
             for r, c in enumerate(self.shape._coords())
@@ -139,17 +149,24 @@ class MeshRuntime:
         self.output = StreamRouter(self.events)
         self.logs = RankLogs(self.events, name, self.run_id)
         self.requests = RequestTable(name, self.ranks, self.events)
-        self._open(launcher, bind, advertise)
+        self._open(launcher, bind, advertise, identity)
         self._wire(FailurePolicy(on_failure), grace)
 
-    def _open(self, launcher: Launcher, bind: str | None, advertise: str | None) -> None:
+    def _open(
+        self,
+        launcher: Launcher,
+        bind: str | None,
+        advertise: str | None,
+        identity: MeshIdentity | None = None,
+    ) -> None:
         """Register the mesh, then bind its sockets (see ``__init__`` for ``bind``)."""
         registry.add(self)  # before any socket exists: a taken name costs nothing
         try:
             if bind is None:
                 bind = "ipc" if launcher.same_machine else getattr(launcher, "bind", "127.0.0.1")
             self.advertise: str | None = advertise or getattr(launcher, "advertise", None)
-            self.transport = Transport(self.name, self.codec, self.ranks, bind)
+            reuse = identity.endpoints if identity else None
+            self.transport = Transport(self.name, self.codec, self.ranks, bind, reuse)
         except BaseException:
             registry.forget(self)
             raise
@@ -252,6 +269,11 @@ class MeshRuntime:
         self.receiver.start(self.inbound.handle, self.supervisor.tick)
 
     @property
+    def on_failure(self) -> str:
+        """The failure policy's name (``restart``, ``stop``, ``continue``)."""
+        return str(self.failures.policy)
+
+    @property
     def state(self) -> MeshPhase:
         """The mesh's phase (see :class:`~.records.MeshPhase`)."""
         return self.lifecycle.phase
@@ -321,6 +343,24 @@ class MeshRuntime:
         if not options.waited:
             self.receiver.ensure_reader()
         return rid
+
+    def follow_request(
+        self,
+        ranks: list[int],
+        request_id: str,
+        observer: RequestObserver,
+        kind: RequestKind,
+        what: str,
+    ) -> None:
+        """Follow a request an earlier controller of this (detachable) mesh sent: its
+        ranks answer it to this one now. Nothing is sent."""
+        self.requests.add(request_id, ranks, observer, kind, what, False)
+        if self.events.wants(RequestStarted):
+            self.events.emit(RequestStarted(self.name, request_id, tuple(ranks), kind, what))
+        for r in ranks:
+            if self.ranks[r].state in GONE:
+                self.receiver.post(self._fail_gone, r)
+        self.receiver.ensure_reader()
 
     def _fail_gone(self, rank: int) -> None:
         info = self.ranks[rank]
@@ -524,6 +564,23 @@ class MeshRuntime:
         registry.discard(self)
         self.logs.close()
         self.lifecycle.announce()
+
+    def release(self, why: str) -> bool:
+        """Let go of a detachable mesh without stopping it (its kernel shuts down, or
+        another kernel took it over): requests fail saying ``why`` ("was detached ..."),
+        the sockets close but their directory stays for the next controller, and the
+        ranks and agents run on. False if the mesh had ended already. Not on the
+        receiving thread (it waits for that thread to end)."""
+        if not self.lifecycle.begin_stop():
+            return False
+        self.requests.fail_all(lambda: MeshStoppedError(f"mesh {self.name!r} {why}"))
+        self.lifecycle.set(MeshPhase.STOPPED, announce=False)
+        self.receiver.stop()
+        self.transport.close(keep_addresses=True)
+        registry.discard(self)
+        self.logs.close()
+        self.lifecycle.announce()
+        return True
 
     def summary(self) -> MeshSummary:
         """This mesh as one row of the ``%mesh`` table."""

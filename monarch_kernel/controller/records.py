@@ -178,6 +178,7 @@ class HostInfo:
     ready: bool = False
     lost: str | None = None  #: why it was declared lost (None while it is fine)
     last_seen: float = field(default_factory=time.monotonic)
+    desk: str = ""  #: a detachable mesh's agent: its attach desk (``wire.desk``)
 
 
 @dataclass(frozen=True)

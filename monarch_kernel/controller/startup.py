@@ -28,6 +28,7 @@ from monarch_kernel.controller.transport import Transport
 from monarch_kernel.launchers.base import HostConfig, Launcher
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.desk import ControllerId
 from monarch_kernel.wire.headers import MeshCommon, RankSpec, SpawnRanks
 
 #: Seconds a host agent waits for a silent controller before it shuts down.
@@ -57,6 +58,12 @@ class MeshConfig(Protocol):
     def advertise(self) -> str | None: ...
     @property
     def launcher(self) -> Launcher: ...
+    @property
+    def detach_keep(self) -> float: ...
+    @property
+    def attach_path(self) -> str: ...
+    @property
+    def on_failure(self) -> str: ...
 
 
 class Starter:
@@ -151,8 +158,22 @@ class Starter:
         # One client keypair per host agent (its ranks use it too); a relaunched host
         # gets a new one and the old one is no longer admitted.
         curve = t.admit_host(h)
+        holder = ControllerId.of_this_process()
         return HostConfig(
-            h, config.key.hex(), send, recv, silence, self._name, *curve, ranks=config.per_host
+            h,
+            config.key.hex(),
+            send,
+            recv,
+            silence,
+            self._name,
+            *curve,
+            ranks=config.per_host,
+            detach_keep=config.detach_keep,
+            controller_pid=holder.pid,
+            controller_host=holder.hostname,
+            controller_started=holder.started,
+            attach_file=config.attach_path,
+            on_failure=config.on_failure,
         )
 
     def relaunch_host(self, host: HostInfo) -> None:

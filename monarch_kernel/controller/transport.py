@@ -36,6 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import zmq
 
@@ -49,6 +50,7 @@ from monarch_kernel.wire.codec import Buffer, Header, limit_size
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.identity import ident_tag
 from monarch_kernel.wire.ports import bind_port
+from monarch_kernel.wire.tempdirs import mark_owners
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -76,20 +78,42 @@ class BackpressureError(MonarchError):
     """The controller's queues for busy ranks are full and the caller asked not to wait."""
 
 
+@dataclass(frozen=True)
+class Endpoints:
+    """Where an earlier controller of a detachable mesh listened: a controller that
+    attaches binds the same unix sockets (its ranks and agents reconnect by themselves)."""
+
+    send: str
+    recv: str
+    ipc_dir: str | None  #: the private directory holding them (removed on a stop)
+
+
 class Transport:
     """Sockets, addresses and send paths of one mesh's controller side."""
 
-    def __init__(self, name: str, codec: Codec, ranks: list[RankInfo], bind: str):
+    def __init__(
+        self,
+        name: str,
+        codec: Codec,
+        ranks: list[RankInfo],
+        bind: str,
+        reuse: Endpoints | None = None,
+    ):
         """``bind``: a host address (tcp on a random port, within ``$MONARCH_KERNEL_PORTS``
         when set), a full ``tcp://`` or ``ipc://`` endpoint, or ``"ipc"`` for unix
         sockets in a private (0700) directory (falls back to tcp on 127.0.0.1 where unix
         sockets are unusable).
 
         Every tcp socket is a CURVE server with a fresh per-mesh keypair (:attr:`curve`);
-        a ZAP handler admits only the client keys added to ``curve.allowed``."""
+        a ZAP handler admits only the client keys added to ``curve.allowed``.
+
+        ``reuse``: bind the unix sockets an earlier controller of this (detachable)
+        mesh listened on."""
         self.name = name
         self.codec = codec
         self._ranks = ranks
+        #: Where this controller's sequence numbers start (see ``wire.kinds.SEQ_EPOCH``).
+        self.seq_base = 0
         self.next_seq = [0] * len(ranks)
         self.send_lock = threading.Lock()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -102,7 +126,7 @@ class Transport:
         self.recv_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.recv_sock.setsockopt(zmq.LINGER, 0)
         limit_size(self.recv_sock)  # ZMQ_MAXMSGSIZE: no frame above it is allocated
-        self._ipc_dir = _private_ipc_dir() if bind == "ipc" else None
+        self._ipc_dir = reuse.ipc_dir if reuse else _private_ipc_dir() if bind == "ipc" else None
         #: The mesh's CURVE keys when it listens on tcp (None on unix sockets).
         self.curve: Curve | None = None
         self._zap_domain = f"mk-{name}-{id(self):x}"
@@ -115,7 +139,7 @@ class Transport:
         #: the host their routing id or header claims (a peer posing as another host).
         self.impostors = 0
         self._impostor_logged = False
-        self.send_addr, self.recv_addr = self._bind(bind)
+        self.send_addr, self.recv_addr = self._bind(bind, reuse)
         wake_addr = f"inproc://mk-wake-{id(self)}"
         self.recv_sock.bind(wake_addr)
         self._wake_lock = threading.Lock()
@@ -128,14 +152,18 @@ class Transport:
         self._room = threading.Condition()
         self._closed = False
 
-    def _bind(self, bind: str) -> tuple[str, str]:
+    def _bind(self, bind: str, reuse: Endpoints | None = None) -> tuple[str, str]:
         """Bind both ROUTERs (CURVE servers on tcp); their addresses. On failure the
         sockets are closed and :class:`MeshStartError` says why."""
-        if self._ipc_dir is None:
+        if self._ipc_dir is None and reuse is None:
             self.curve = Curve.new()
             for sock in (self.send_sock, self.recv_sock):
                 curve_server(sock, self.curve, self._zap_domain)
         try:
+            if reuse is not None:  # an earlier controller's unix sockets
+                self.send_sock.bind(reuse.send)
+                self.recv_sock.bind(reuse.recv)
+                return reuse.send, reuse.recv
             if self._ipc_dir is not None:
                 send_addr = _bind(self.send_sock, f"ipc://{self._ipc_dir}/send")
                 return send_addr, _bind(self.recv_sock, f"ipc://{self._ipc_dir}/recv")
@@ -144,7 +172,8 @@ class Transport:
         except (zmq.ZMQError, ValueError) as exc:  # ValueError: a bad $MONARCH_KERNEL_PORTS
             self.send_sock.close()
             self.recv_sock.close()
-            self._remove_ipc_dir()
+            if reuse is None:
+                self._remove_ipc_dir()
             raise MeshStartError(
                 f"cannot bind the controller sockets on {bind}: {exc}. "
                 "Pick another address or free the port."
@@ -264,11 +293,23 @@ class Transport:
         self.next_seq[r] = q + 1
         return q
 
-    def reset_seq(self, rank: int) -> None:
-        """A restarted rank counts its messages from 0 again; what was queued for its
-        previous incarnation is dropped."""
+    def set_epoch(self, epoch: int) -> None:
+        """Number this controller's messages from ``epoch * SEQ_EPOCH`` (the ``epoch``-th
+        controller to attach to a detachable mesh; before anything is sent)."""
         with self.send_lock:
-            self.next_seq[rank] = 0
+            self.seq_base = epoch * K.SEQ_EPOCH
+            self.next_seq = [self.seq_base] * len(self.next_seq)
+
+    @property
+    def ipc_dir(self) -> str | None:
+        """The private directory of the unix sockets (None on tcp)."""
+        return self._ipc_dir
+
+    def reset_seq(self, rank: int) -> None:
+        """A restarted rank counts its messages from the base again; what was queued
+        for its previous incarnation is dropped."""
+        with self.send_lock:
+            self.next_seq[rank] = self.seq_base
             self._drop(self.rank_id(rank))
             self._drop(self.rank_id(rank, b"c"))
 
@@ -363,8 +404,9 @@ class Transport:
         if self._closed:
             raise MeshStoppedError(f"mesh {self.name!r} was stopped while this call waited")
 
-    def probe(self, identities: list[bytes], timeout: float = 10.0) -> None:
-        """Wait until the send socket can route to ``identities``.
+    def probe(self, identities: list[bytes], timeout: float = 10.0) -> bool:
+        """Wait until the send socket can route to ``identities`` (False: some could
+        not be reached in ``timeout`` seconds).
 
         A peer announces itself on the receive socket; its connection to the send socket
         is made independently and may lag by a moment. Nothing is sent to it before.
@@ -383,8 +425,9 @@ class Transport:
                         pass
                 if time.monotonic() > deadline:
                     log.warning("mesh %s: peer %r is not reachable", self.name, ident)
-                    return
+                    return False
                 time.sleep(0.001)
+        return True
 
     # -- waking the receiving thread -----------------------------------------------------
     def wake(self) -> None:
@@ -405,8 +448,10 @@ class Transport:
             pass
 
     # -- closing -------------------------------------------------------------------------
-    def close(self) -> None:
-        """Close every socket and remove the private directory (nobody receives now)."""
+    def close(self, keep_addresses: bool = False) -> None:
+        """Close every socket and remove the private directory (nobody receives now);
+        ``keep_addresses``: keep the directory (a detachable mesh's next controller
+        binds there)."""
         with self._room:
             self._closed = True
             self._room.notify_all()
@@ -417,7 +462,8 @@ class Transport:
             sock.close(0)
         if self.curve is not None:
             zap(self._zap_domain, None)
-        self._remove_ipc_dir()
+        if not keep_addresses:
+            self._remove_ipc_dir()
 
     def _remove_ipc_dir(self) -> None:
         if self._ipc_dir is not None:
@@ -441,6 +487,7 @@ def _private_ipc_dir() -> str | None:
     if len(path) > 90:  # unix socket paths are limited to about 100 bytes
         os.rmdir(path)
         return None
+    mark_owners(path, [os.getpid()])  # swept once its owners are gone (wire.tempdirs)
     return path
 
 

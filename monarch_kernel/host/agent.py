@@ -27,6 +27,7 @@ import zmq
 import zmq.utils.z85
 
 from monarch_kernel.host.config import AgentConfig
+from monarch_kernel.host.desk import Desk, StopAsked, leave_launcher
 from monarch_kernel.host.netinfo import interface_of, source_address
 from monarch_kernel.host.stacks import dump_stacks
 from monarch_kernel.host.template_handle import DEFAULT_GRACE, Template, TemplateEvent
@@ -36,6 +37,7 @@ from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import send as wire_send
+from monarch_kernel.wire.desk import ControllerId
 from monarch_kernel.wire.identity import ident_tag
 from monarch_kernel.wire.osutil import request_tail
 
@@ -68,9 +70,14 @@ class HostAgent:
         # forwarding never blocks, so this loop keeps reading the controller's heartbeats.
         self.backlog: dict[int, deque[list[Any]]] = {}
         self.greeted: set[int] = set()  # ranks that said hello and still wait for ours
+        self.rank_cfgs: dict[int, RankConfig] = {}  # what each rank was forked with
         self.expected_exits: set[int] = set()
         self.stop_grace = DEFAULT_GRACE  # the controller's ``stop`` may say otherwise
         self.cfg: AgentConfig | None = None
+        #: A detachable mesh's holder, clock and attach desk (None: not detachable).
+        self.desk: Desk | None = None
+        #: Where the local launcher put us (a detachable agent moves out of it).
+        self.launch_dir = os.path.dirname(self.private_dir)
         #: Handlers of the controller's messages by kind (forwarded ones, with header
         #: ``f``, never get here): ``handler(header)``; "stop" ends the message loop.
         self.handlers: dict[str, Callable[[H.AnyHeader], str | None]] = {
@@ -82,6 +89,7 @@ class HostAgent:
             K.HEARTBEAT: self.on_ignored,
             K.HELLO: self.on_ignored,
             K.DUMP_STACKS: self.on_dump_stacks,
+            K.DETACH: self.on_detach,
         }
 
     def configure(self, cfg: AgentConfig) -> None:
@@ -101,6 +109,9 @@ class HostAgent:
         self.codec = Codec(bytes.fromhex(cfg.key))
         self.hb_timeout = cfg.hb_timeout
         self.ctx = zmq.Context()
+        if cfg.detach_keep > 0:  # outlive the controller (see host/desk.py)
+            self.private_dir = leave_launcher(self.private_dir)
+            self.desk = Desk(cfg, self.private_dir, self.ctx)
         #: Suffix of our ranks' routing ids and ours (launchers.base.ident_tag).
         self.tag = ident_tag(cfg.curve_secret)
         ident = b"h%d" % self.host + self.tag
@@ -129,6 +140,14 @@ class HostAgent:
         #: The network interface that owns our advertised address (gloo and NCCL use it).
         self.ifname = interface_of(cfg.advertise) if cfg.advertise else None
 
+    def tell_taken_over(self, by: ControllerId) -> None:
+        """Tell the controller holding the mesh that ``by`` took it over."""
+        try:
+            header = H.TakenOver(host=self.host, by=(by.pid, by.hostname)).encode()
+            wire_send(self.out, self.codec.encode(header), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
     def curve_client(self, sock: zmq.Socket[bytes]) -> None:
         """Make ``sock`` a CURVE client of the controller when the mesh uses CURVE."""
         cfg = self.cfg
@@ -138,7 +157,10 @@ class HostAgent:
             sock.setsockopt(zmq.CURVE_SECRETKEY, cfg.curve_secret.encode())
 
     def send(self, header: H.WireHeader, payload: bytes = b"") -> None:
-        """Send a message to the controller."""
+        """Send a message to the controller (none while a detachable mesh has none:
+        what happens meanwhile is told at the next attach)."""
+        if self.desk is not None and not self.desk.attached:
+            return
         wire_send(self.out, self.codec.encode(header, payload))
 
     def send_heartbeat(self) -> None:
@@ -160,12 +182,16 @@ class HostAgent:
             hostname=self.hostname,
             addr=self.cfg.advertise or "127.0.0.1",
             port=self.master_port,
+            desk=self.desk.address if self.desk is not None else "",
         )
         self.send(ready.encode())
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.template.event_r, zmq.POLLIN)
         poller.register(self.fan, zmq.POLLIN)
+        desk = self.desk
+        if desk is not None:
+            poller.register(desk.sock, zmq.POLLIN)
         last_rx = last_hb = time.monotonic()
         while True:
             # While a rank waits for our hello, retry it every few milliseconds.
@@ -192,11 +218,17 @@ class HostAgent:
                         break
                     if self.on_message(frames) == "stop":
                         return
+            if desk is not None and desk.sock in events and self.on_desk(desk):
+                return
             now = time.monotonic()
-            if now - last_hb >= HEARTBEAT_INTERVAL:
+            if now - last_hb >= HEARTBEAT_INTERVAL and (desk is None or desk.attached):
                 self.send_heartbeat()
                 last_hb = now
-            if now - last_rx > self.hb_timeout:
+            if desk is not None:
+                if desk.expired(now, now - max(last_rx, desk.attached_at)):
+                    log.error("host %s: no controller attached in time, stopping", self.host)
+                    return
+            elif now - last_rx > self.hb_timeout:
                 log.error(
                     "host %s: controller silent for %.0fs, shutting down", self.host, now - last_rx
                 )
@@ -300,6 +332,7 @@ class HostAgent:
             cfg = RankConfig.build(spec, h.common, dict(agent, log=log_path))
             if os.path.exists(cfg.log):
                 os.unlink(cfg.log)
+            self.rank_cfgs[cfg.rank] = cfg
             self.template.command(op="fork", cfg=cfg.to_json())
 
     def rank_part(self) -> dict[str, str]:
@@ -334,6 +367,29 @@ class HostAgent:
             self.stop_grace = DEFAULT_GRACE
         self.expected_exits.update(self.pids)
         return "stop"
+
+    def fork_again(self, rank: int) -> None:
+        """Start ``rank`` again while no controller holds the mesh (its failure
+        policy); it appends to its log and knows it starts with no controller."""
+        cfg = self.rank_cfgs.get(rank)
+        if cfg is not None:
+            cfg = replace(cfg, restart_count=cfg.restart_count + 1, detachable=2)
+            self.rank_cfgs[rank] = cfg
+            self.template.command(op="fork", cfg=cfg.to_json())
+
+    def on_detach(self, h: H.AnyHeader) -> None:
+        """DETACH: the controller of this detachable mesh leaves; the ranks run on."""
+        if self.desk is not None:
+            self.desk.lose_controller("the kernel detached")
+
+    def on_desk(self, desk: Desk) -> bool:
+        """Answer the desk's requests; True when one stops the mesh."""
+        asked = desk.serve(self)
+        if not isinstance(asked, StopAsked):
+            return False
+        self.stop_grace = max(0.0, asked.grace)
+        self.expected_exits.update(self.pids)
+        return True
 
     def on_new_port(self, h: H.AnyHeader) -> None:
         """NEW_PORT: answer request ``i`` with a free port on this host (the rendezvous
@@ -375,6 +431,11 @@ class HostAgent:
             if self.pids.get(rank) == ev["pid"]:
                 del self.pids[rank]
                 self.backlog.pop(rank, None)  # a restarted rank starts afresh
+            desk, expected = self.desk, rank in self.expected_exits
+            if desk is not None and desk.rank_exited(
+                rank, ev["pid"], ev["code"], ev["signal"], expected
+            ):
+                self.fork_again(rank)
             log_path = os.path.join(self.private_dir, f"rank{rank}.log")
             exit_ = H.RankExit(
                 host=self.host,
@@ -406,13 +467,15 @@ class HostAgent:
                     self.on_template_event(ev)
         except (OSError, ValueError):
             pass
+        if self.desk is not None and self.cfg is not None:
+            self.desk.close(self.cfg)
         if self.cfg is not None:
             self.ctx.destroy(linger=500)
             self.remove_dead_controller_sockets()
         shutil.rmtree(self.private_dir, ignore_errors=True)
         # A controller killed outright never ran its atexit: its local launcher's
         # directory (which holds our private one) goes with its agents.
-        launch = os.path.dirname(self.private_dir)
+        launch = self.launch_dir
         dead = self.controller_pid is not None and os.getppid() != self.controller_pid
         if dead and os.path.basename(launch).startswith("mk-launch-"):
             shutil.rmtree(launch, ignore_errors=True)
@@ -421,6 +484,8 @@ class HostAgent:
         """A controller killed outright leaves its unix sockets' private directory
         behind; the agents it started remove it (never while the controller lives)."""
         addr = self.cfg.send if self.cfg is not None else ""
+        if self.desk is not None:  # a detachable mesh's sockets outlive their controller
+            return
         folder = os.path.dirname(addr.removeprefix("ipc://"))
         if not (addr.startswith("ipc://") and os.path.basename(folder).startswith("mk-mesh-")):
             return

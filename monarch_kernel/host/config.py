@@ -30,6 +30,17 @@ class AgentConfig:
     ranks: int = 1
     advertise: str = ""  #: the address other hosts reach this one at ("" : loopback)
     hostname: str = ""  #: this machine's name (default: ``socket.gethostname()``)
+    #: A ``--detachable`` mesh: seconds the agent keeps its ranks running without a
+    #: controller (0: not detachable, the agent exits with its controller).
+    detach_keep: float = 0.0
+    #: The controller that started the mesh (a detachable mesh's first holder).
+    controller_pid: int = 0
+    controller_host: str = ""
+    controller_started: float = 0.0
+    #: The mesh's attach file, removed by the agent when it stops with no controller.
+    attach_file: str = ""
+    #: The mesh's failure policy, applied by the agent while no controller holds it.
+    on_failure: str = ""
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> AgentConfig:
@@ -43,6 +54,9 @@ class AgentConfig:
             values["host"] = int(values["host"])
             values["hb_timeout"] = float(values.get("hb_timeout", 10.0))
             values["ranks"] = int(values.get("ranks", 1))
+            for name in ("detach_keep", "controller_started"):
+                values[name] = float(values.get(name, 0.0))
+            values["controller_pid"] = int(values.get("controller_pid", 0))
         except KeyError as exc:
             raise ValueError(f"host agent configuration: missing key {exc.args[0]!r}") from None
         cfg = cls(**values)
@@ -53,6 +67,8 @@ class AgentConfig:
         the controller's addresses, the hostname, the CURVE keys when set."""
         out = {"key": self.key, "send": self.send, "recv": self.recv, "hostname": self.hostname}
         out.update({k: getattr(self, k) for k in CURVE_FIELDS if getattr(self, k)})
+        if self.detach_keep > 0:
+            out["detachable"] = "1"
         return out
 
 

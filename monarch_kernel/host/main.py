@@ -112,11 +112,14 @@ def main() -> None:
     from monarch_kernel.host.agent import HostAgent
 
     agent = HostAgent(int(parent) if parent else None)
+    code: object = None
     try:
         raw = join(url, token or "") if url else _read_config()
         agent.configure(AgentConfig.from_json(raw))
         agent.run()
-    except SystemExit:
-        pass
+    except SystemExit as exc:
+        code = exc.code  # SIGTERM (0), or a refused join (why, as a message)
     finally:
         agent.shutdown()
+    if code not in (None, 0):
+        raise SystemExit(code)  # a message is printed to stderr, and the exit status is 1

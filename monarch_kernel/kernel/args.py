@@ -64,6 +64,17 @@ def mesh_parser() -> Parser:
         help="seconds before survivors of a failure are released",
     )
     p.add_argument("--force", action="store_true", help="replace a notebook variable of that name")
+    p.add_argument(
+        "--detachable",
+        action="store_true",
+        help="the ranks outlive this kernel; another kernel takes them over with %%mesh attach",
+    )
+    p.add_argument(
+        "--keep",
+        default=None,
+        metavar="DURATION",
+        help="--detachable: how long the ranks run on without a kernel (e.g. 30m, 2h; default 2h)",
+    )
     return p
 
 

@@ -2,7 +2,7 @@
 
 At start-up it pre-warms one local host agent in the background (so torch is already
 imported when the first ``%mesh`` runs); on shutdown or restart it stops every rank and
-host agent of every mesh.
+host agent of every mesh, but detachable meshes, which it lets go of (they run on).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class MonarchKernel(IPythonKernel):
         from monarch_kernel.kernel.magics import stop_all_meshes
         from monarch_kernel.launchers.local import LocalLauncher
 
+        self._magics.shutting_down = True  # a pending stop of --bg cells does not happen
         stop_all_meshes()
         if LocalLauncher._shared is not None:
             LocalLauncher._shared.shutdown()

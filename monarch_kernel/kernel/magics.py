@@ -14,6 +14,7 @@ namespace and cell labels in :mod:`.notebook`.
 from __future__ import annotations
 
 import shlex
+import threading
 from typing import Any
 
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
@@ -21,17 +22,20 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from monarch_kernel.actor import ProcMesh, ValueMesh
 from monarch_kernel.controller.mesh import registry
 from monarch_kernel.kernel import help as _help
-from monarch_kernel.kernel import mesh_admin, push_pull, remote_cell
+from monarch_kernel.kernel import mesh_admin, mesh_detach, push_pull, remote_cell
 from monarch_kernel.kernel.args import Parser, split_args
 from monarch_kernel.kernel.hints import REMOTE_ERRORS, show_remote_error
 from monarch_kernel.kernel.mesh_create import create_mesh
 from monarch_kernel.kernel.mesh_names import check_mesh_name
 from monarch_kernel.kernel.notebook import Notebook
 from monarch_kernel.kernel.remote import InputRouter, RemoteJob
-from monarch_kernel.kernel.table import MeshTable
 from monarch_kernel.kernel.targets import ranks_option, resolve
 
 __all__ = ["MeshMagics", "load_ipython_extension", "split_args", "stop_all_meshes"]
+
+#: Seconds the stop button's interrupt of a detachable mesh's ``--bg`` cells waits for a
+#: shutdown request (``Restart Kernel`` interrupts first, then asks the kernel to stop).
+SHUTDOWN_WINDOW = 1.0
 
 
 @magics_class
@@ -42,6 +46,7 @@ class MeshMagics(Magics):
         super().__init__(shell)
         self.notebook = Notebook(shell)
         self.jobs: list[RemoteJob] = []  #: the ``%%remote`` jobs, the running ones kept
+        self.shutting_down = False  #: the kernel is shutting down (or restarting)
 
     def _next_cell(self) -> str:
         """The label of the next cell run on ranks; see :meth:`.Notebook.next_cell`."""
@@ -57,15 +62,20 @@ class MeshMagics(Magics):
     def mesh(self, line: str) -> Any:
         """Create, list, stop or restart meshes.
 
-        ``%mesh NAME --gpus 4 [--hosts 2] [--backend local] [--env K=V]``,
-        ``%mesh`` (table of live meshes), ``%mesh stop NAME``,
+        ``%mesh NAME --gpus 4 [--hosts 2] [--backend local] [--env K=V] [--detachable]``,
+        ``%mesh`` (table of live meshes, and of detached ones to attach),
+        ``%mesh stop NAME``, ``%mesh attach NAME [--force]``,
         ``%mesh restart NAME [--ranks 2,3]``, ``%mesh stacks NAME [--ranks 0,3]``.
         """
         args = shlex.split(line)
         if not args:
-            return MeshTable(registry.listed())
+            return mesh_detach.listing()
         if args[0] == "stop":
-            return mesh_admin.stop_mesh(args[1:])
+            return mesh_detach.stop(args[1:])
+        if args[0] == "attach":
+            jobs = mesh_detach.attach_mesh(self.notebook, args[1:])
+            self.jobs += jobs or []  # the stop button interrupts them too
+            return jobs
         if args[0] == "restart":
             return mesh_admin.restart_mesh(args[1:])
         if args[0] == "setup":
@@ -100,9 +110,28 @@ class MeshMagics(Magics):
             InputRouter.of(rt)
 
     def cancel_background_jobs(self, why: str) -> None:
-        """Interrupt every running ``--bg`` cell (their output blocks say ``why``)."""
+        """Interrupt every running ``--bg`` cell (their output blocks say ``why``).
+
+        Those on detachable meshes a moment later, unless the kernel shuts down
+        meanwhile: a kernel manager interrupts the kernel before it restarts it, and
+        that must not stop the training the mesh outlives the kernel for."""
+        later = []
         for job in self.jobs:
             if not job.done():
+                if job.procs.runtime.detach_keep:
+                    later.append(job)
+                else:
+                    job.cancel(why)
+        if later:
+            timer = threading.Timer(
+                SHUTDOWN_WINDOW, self._cancel_unless_shutting_down, (later, why)
+            )
+            timer.daemon = True
+            timer.start()
+
+    def _cancel_unless_shutting_down(self, jobs: list[RemoteJob], why: str) -> None:
+        if not self.shutting_down:
+            for job in jobs:
                 job.cancel(why)
 
     # -- %debug_remote ----------------------------------------------------------------
@@ -168,8 +197,11 @@ def _dashboard(procs: ProcMesh) -> Any:
 def load_ipython_extension(ipython: Any) -> MeshMagics:
     """Register the magics (``%load_ext monarch_kernel``)."""
     from monarch_kernel.actor.meshes import set_dashboard_factory
+    from monarch_kernel.controller.streams import set_unrouted_display
+    from monarch_kernel.kernel.channel import show_unrouted
 
     set_dashboard_factory(_dashboard)  # ProcMesh.dashboard(), importing ipywidgets late
+    set_unrouted_display(show_unrouted)  # every mesh's endpoint displays: under the cell
     magics = MeshMagics(ipython)
     ipython.register_magics(magics)
     ipython.set_custom_exc(REMOTE_ERRORS, show_remote_error)
@@ -183,5 +215,9 @@ def load_ipython_extension(ipython: Any) -> MeshMagics:
 
 
 def stop_all_meshes() -> None:
-    """Stop every live mesh of this kernel (shutdown and restart)."""
+    """Stop every live mesh of this kernel (shutdown and restart); detachable meshes
+    are let go instead (they run on for a kernel to attach)."""
+    from monarch_kernel.controller.detach import detach_all
+
+    detach_all()
     registry.stop_all(timeout=5)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from IPython.core.error import UsageError
 
 from monarch_kernel.calls.errors import MeshStartError
+from monarch_kernel.controller.detach import recipe_changed
 from monarch_kernel.controller.mesh import registry
 from monarch_kernel.kernel.args import Parser
 from monarch_kernel.kernel.hints import notebook_text, notebook_words
@@ -58,6 +59,7 @@ def show_setup(args: list[str]) -> None:
     rt = existing(opts.name).runtime
     if opts.clear:
         gone = rt.forget_setup()
+        recipe_changed(rt)
         print(f"mesh {opts.name!r}: forgot {len(gone)} setup cell(s)")
         return
     if not rt.setup_cells:

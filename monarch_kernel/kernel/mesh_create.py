@@ -25,11 +25,13 @@ from monarch_kernel.actor.hosts import HostMesh, host_mesh
 from monarch_kernel.calls.errors import MeshStartError
 from monarch_kernel.controller.mesh import MeshRuntime, registry
 from monarch_kernel.kernel.args import ENGINE_OPTIONS, mesh_parser
+from monarch_kernel.kernel.mesh_detach import check_detached_name, detachable_note
 from monarch_kernel.kernel.mesh_names import check_identifier, check_mesh_name
 from monarch_kernel.kernel.notebook import Notebook
 from monarch_kernel.kernel.remote import InputRouter
 from monarch_kernel.kernel.remote_cell import run_on
 from monarch_kernel.shape import Shape
+from monarch_kernel.wire.desk import parse_duration
 
 #: What ``%mesh --dist`` runs on every rank once the mesh is up.
 INIT_DIST = "import torch.distributed as _mk_dist\n_mk_dist.init_process_group()\n"
@@ -50,6 +52,8 @@ class MeshRequest:
     on_failure: str
     grace: float
     dist: bool
+    detachable: bool = False
+    keep: str | None = None  #: ``--keep``, as written (checked by ``spawn_procs``)
 
     @classmethod
     def parse(cls, args: list[str], notebook: Notebook) -> MeshRequest:
@@ -63,6 +67,7 @@ class MeshRequest:
             raise UsageError(f"how many ranks? e.g. %mesh {name} --gpus 4")
         if opts.gpus < 1 or opts.hosts < 1:
             raise UsageError("--gpus and --hosts must be at least 1")
+        _check_keep(name, opts.detachable, opts.keep)
         return cls(
             name=name,
             gpus=opts.gpus,
@@ -74,6 +79,8 @@ class MeshRequest:
             on_failure=opts.on_failure,
             grace=opts.grace,
             dist=opts.dist,
+            detachable=opts.detachable,
+            keep=opts.keep,
         )
 
     @property
@@ -85,6 +92,20 @@ class MeshRequest:
         """Whether the running ``mesh`` is what this request asks for (same shape, same
         environment): then ``%mesh`` keeps it instead of starting another."""
         return mesh.extent == Shape.from_extent(self.extent).extent and mesh.runtime.env == self.env
+
+
+def _check_keep(name: str, detachable: bool, keep: str | None) -> None:
+    """``--keep`` goes with ``--detachable`` and is a duration (``30m``, ``2h`` ...)."""
+    if keep is None:
+        return
+    if not detachable:
+        raise UsageError(
+            f"--keep is for detachable meshes: %mesh {name} ... --detachable --keep {keep}"
+        )
+    try:
+        parse_duration(keep)
+    except ValueError as exc:
+        raise UsageError(f"--keep: {exc}") from None
 
 
 def _env_option(items: list[str]) -> dict[str, str]:
@@ -107,6 +128,8 @@ def create_mesh(notebook: Notebook, args: list[str]) -> None:
     if old is not None and not old.stopped and req.matches(old):
         _keep_running(notebook, req.name, old)
         return
+    if req.detachable:
+        check_detached_name(req.name)
     hosts = _reserve_hosts(req, replacing=old_runtime)
     if old is not None:
         old.stop()  # the same name with another shape: this one replaces it
@@ -114,6 +137,8 @@ def create_mesh(notebook: Notebook, args: list[str]) -> None:
     notebook.user_ns[req.name] = procs
     InputRouter.of(procs.runtime)  # parks breakpoints of endpoints for %debug_remote
     print(f"mesh {req.name!r}: {procs.shape.describe()} ({req.backend}) ready in {took:.2f}s")
+    if req.detachable:
+        print(detachable_note(procs))
     if req.backend == "local" and os.environ.get("LIGHTNING_CLOUD_SPACE_ID"):
         print(
             f"mesh {req.name!r} runs on this Lightning Studio's own machine; an idle Studio "
@@ -177,6 +202,8 @@ def _spawn(hosts: HostMesh, req: MeshRequest) -> tuple[ProcMesh, float]:
                 on_starting=show_while_starting,
                 on_failure=req.on_failure,
                 grace=req.grace,
+                detachable=req.detachable,
+                keep=req.keep,
             )
     except ValueError as exc:  # bad options, or another thread took the name meanwhile
         raise UsageError(f"%mesh {req.name}: {exc}") from None

@@ -15,8 +15,16 @@ from monarch_kernel.calls.errors import ActorError, MonarchError, format_ranks
 from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.gather import Gather
 from monarch_kernel.calls.requester import CallOptions
-from monarch_kernel.controller.events import DebuggerResumed, InputRequested, MeshEvent
+from monarch_kernel.controller.attach_file import JobRecord
+from monarch_kernel.controller.events import (
+    DebuggerResumed,
+    InputRequested,
+    MeshEvent,
+    RankDied,
+    RequestFailed,
+)
 from monarch_kernel.controller.mesh import MeshRuntime, new_request_id
+from monarch_kernel.controller.takeover import Attached
 from monarch_kernel.kernel.debug import DebugConsole
 from monarch_kernel.kernel.output import CellOutput
 from monarch_kernel.shape import Shape
@@ -195,6 +203,9 @@ class RemoteJob:
         #: The job ended while that thread waited for a person: it was interrupted.
         self._input_abandoned = False
         self._display_ids: list[str] = []
+        #: Told when a rank fails while the others still run it (a ``--bg`` block's
+        #: title says so at once).
+        self.on_failing: Callable[[RemoteJob], None] | None = None
 
     def start(self) -> RemoteJob:
         header: dict[str, object] = {"k": self.kind}
@@ -206,11 +217,13 @@ class RemoteJob:
             payload, buffers = b"", []
         rt = self.procs.runtime
         if self.output is not None:
-            rt.output.route(self.request_id, self.output.feed)
+            rt.output.route(self.request_id, self.output.feed, self.output.show_event)
         router = InputRouter.of(rt)
         if self.on_finished is None:  # a foreground cell: it answers its ranks' input()
             router.listen(self.request_id, self._inbox)
         self.future.add_done_callback(self._on_done)
+        if self.on_finished is not None:
+            rt.events.subscribe(self._on_failure, RequestFailed, RankDied)
         try:
             rt.request(
                 self.ranks,
@@ -227,6 +240,37 @@ class RemoteJob:
             raise
         return self
 
+    def resume(self, attached: Attached, job: JobRecord) -> RemoteJob:
+        """Follow ``job``, a cell an earlier kernel started on the mesh this one took
+        over (``%mesh attach``): its output and its result come here now."""
+        self.request_id, self.started = job.request, job.started
+        rt = self.procs.runtime
+        if self.output is not None:
+            rt.output.route(self.request_id, self.output.feed)
+        self.future.add_done_callback(self._on_done)
+        rt.events.subscribe(self._on_failure, RequestFailed, RankDied)
+        attached.follow(job, self._gather)
+        return self
+
+    def _on_failure(self, event: MeshEvent) -> None:
+        """A rank failed or died (receiving thread): if it was running this job, show
+        the job's state once the failure is recorded (the work posted runs after it)."""
+        ours = (
+            event.request == self.request_id
+            if isinstance(event, RequestFailed)
+            else isinstance(event, RankDied) and self.request_id in event.requests
+        )
+        if ours and not self.done():
+            self.procs.runtime.receiver.post(self._failing)
+
+    def _failing(self) -> None:
+        try:
+            self._update_displays()
+            if self.on_failing is not None and not self.done():
+                self.on_failing(self)
+        except Exception:  # never break the receiving thread
+            pass
+
     def _on_done(self, _: Future[ValueMesh[object]]) -> None:
         """Every rank answered or one was lost (a controller thread: never sleep here)."""
         self.finished = time.time()
@@ -241,6 +285,7 @@ class RemoteJob:
         threading.Timer(OUTPUT_GRACE, self._after_finish).start()
 
     def _after_finish(self) -> None:
+        self.procs.runtime.events.unsubscribe(self._on_failure)
         self._close_output()
         try:
             self._update_displays()
@@ -374,8 +419,15 @@ class RemoteJob:
 
     @property
     def state(self) -> str:
+        """``running``, ``failing: rank(s) 1 failed, the others still run``,
+        ``cancelling``, then ``done``, ``failed`` or ``cancelled``."""
         if not self.done():
-            return "cancelling" if self.cancelled else "running"
+            if self.cancelled:
+                return "cancelling"
+            failed = self._gather.failed
+            if failed:
+                return f"failing: rank(s) {format_ranks(failed)} failed, the others still run"
+            return "running"
         if self.cancelled and self.future.exception() is not None:
             return "cancelled"
         return "failed" if self.future.exception() is not None else "done"

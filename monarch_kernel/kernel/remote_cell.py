@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from IPython.core.error import UsageError
 
 from monarch_kernel.actor import ProcMesh, ValueMesh
+from monarch_kernel.controller.detach import recipe_changed
 from monarch_kernel.controller.records import MeshPhase, SetupCell
 from monarch_kernel.kernel.args import remote_parser, split_args
 from monarch_kernel.kernel.channel import CellChannel, LiveText
@@ -31,7 +32,8 @@ def run_on(notebook: Notebook, procs: ProcMesh, code: str) -> ValueMesh:
     """Run ``code`` on every rank with output under the current cell; wait for it."""
     label = procs.runtime.world > 1
     logs = procs.runtime.logs.directory
-    output = CellOutput(CellChannel().stream, procs.ranks(), "collapse", label, logs)
+    channel = CellChannel()
+    output = CellOutput(channel.stream, procs.ranks(), "collapse", label, logs, channel.show)
     job = RemoteJob(procs, code, notebook.next_cell(), output)
     job.start()
     return job.wait()
@@ -93,7 +95,7 @@ def start_remote(notebook: Notebook, req: RemoteRequest) -> RemoteJob:
     logs = procs.runtime.logs.directory
     if req.bg:
         live = LiveText(channel, f"[bg cell {cell_id} on {procs.name}: running]", logs)
-        output = CellOutput(live.emit, ranks, req.group_outputs, label, logs)
+        output = CellOutput(live.emit, ranks, req.group_outputs, label, logs, live.show)
         job = RemoteJob(
             procs,
             req.code,
@@ -101,11 +103,12 @@ def start_remote(notebook: Notebook, req: RemoteRequest) -> RemoteJob:
             output,
             ranks,
             shape,
-            on_finished=lambda j: _report_bg(j, live, req.out, notebook),
+            on_finished=lambda j: report_bg(j, live, req.out, notebook),
             header=req.header,
         )
+        job.on_failing = lambda j: show_failing(j, live)
     else:
-        output = CellOutput(channel.stream, ranks, req.group_outputs, label, logs)
+        output = CellOutput(channel.stream, ranks, req.group_outputs, label, logs, channel.show)
         job = RemoteJob(procs, req.code, cell_id, output, ranks, shape, header=req.header)
     try:
         job.start()
@@ -153,13 +156,20 @@ def _remember_setup(
     cell = SetupCell(code, label, tuple(header), key)
     if key is not None and any(c.key == key for c in rt.setup_cells):
         rt.setup_cells = [cell if c.key == key else c for c in rt.setup_cells]
+        recipe_changed(rt)
         print(f"mesh {procs.name!r}: setup cell {label} replaces its earlier version")
         return
     rt.remember_setup(cell)
+    recipe_changed(rt)
     print(f"mesh {procs.name!r}: setup cell {label} registered (re-run on restarted ranks)")
 
 
-def _report_bg(job: RemoteJob, live: LiveText, out: str | None, notebook: Notebook) -> None:
+def show_failing(job: RemoteJob, live: LiveText) -> None:
+    """A ``--bg`` job's rank failed while the others still run it: its title says so."""
+    live.set_title(f"[bg cell {job.cell} on {job.procs.name}: {job.state}]")
+
+
+def report_bg(job: RemoteJob, live: LiveText, out: str | None, notebook: Notebook) -> None:
     """A ``--bg`` job ended: its block's title says how, and shows its values or error."""
     took = (job.finished or time.time()) - job.started
     try:

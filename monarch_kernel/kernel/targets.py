@@ -13,6 +13,7 @@ from IPython.core.error import UsageError
 
 from monarch_kernel.actor import ActorMesh, ProcMesh
 from monarch_kernel.actor.meshes import procs_of
+from monarch_kernel.controller.detach import released_why
 from monarch_kernel.controller.mesh import registry
 from monarch_kernel.rank.context import UserNamespace
 from monarch_kernel.shape import Shape, SliceError, parse_ranks
@@ -27,7 +28,10 @@ def live_hint() -> str:
 
 
 def stopped_error(name: str) -> UsageError:
-    """The error for a magic on the stopped mesh ``name``."""
+    """The error for a magic on the stopped mesh ``name`` (or one another kernel took)."""
+    why = released_why(name)
+    if why is not None:
+        return UsageError(f"mesh {name!r} {why}; it runs on there, not in this kernel")
     return UsageError(f"mesh {name!r} is stopped; create it again with %mesh {name} --gpus N")
 
 

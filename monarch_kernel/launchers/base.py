@@ -38,6 +38,19 @@ class HostConfig:
     curve_secret: str = ""
     #: Ranks this host will run (engines reserve as many GPUs on the machine).
     ranks: int = 1
+    #: A ``--detachable`` mesh: seconds the agent and its ranks run on without a
+    #: controller (0: the agent exits with its controller, the default).
+    detach_keep: float = 0.0
+    #: The controller starting it (pid, hostname, process start time): a detachable
+    #: mesh's agent knows its holder is gone as soon as that process is.
+    controller_pid: int = 0
+    controller_host: str = ""
+    controller_started: float = 0.0
+    #: The mesh's attach file (a detachable mesh), removed when the agent stops unattached.
+    attach_file: str = ""
+    #: The mesh's failure policy, which a detachable mesh's agent applies while no
+    #: controller holds the mesh (``restart``: it restarts a rank that dies).
+    on_failure: str = ""
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)

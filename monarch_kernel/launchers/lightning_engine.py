@@ -19,7 +19,11 @@ local backend's.
 
 ``lightning-sdk`` is an optional extra (``pip install monarch-kernel[lightning]``). Its
 import checks PyPI for a newer version unless ``LIGHTNING_DISABLE_VERSION_CHECK=1``, which
-this module sets first: a kernel must not call the internet to start a mesh.
+this module sets first: a kernel must not call the internet to start a mesh. Its import
+also sets ``TQDM_POSITION=-1`` and ``TQDM_MININTERVAL=1`` in the environment when stderr
+is no terminal (a kernel's never is); every rank started later would inherit them and
+draw its progress bars once a second, a row below the cursor. :func:`import_sdk` puts
+those variables back as they were.
 
 The machines connect to the controller at ``advertise`` (default: this Studio's address
 on its default route); where the job's machines cannot reach it, pass ``--advertise``.
@@ -74,9 +78,26 @@ class LightningSDK(Protocol):
     Studio: Any
 
 
+#: What ``lightning_sdk``'s import sets in the environment (for tqdm in log files).
+SDK_SETS = ("TQDM_POSITION", "TQDM_MININTERVAL")
+
+
 def import_sdk() -> LightningSDK:
-    """The installed ``lightning_sdk``, imported without its internet version check."""
+    """The installed ``lightning_sdk``, imported without its internet version check and
+    without changing the environment ranks inherit (see the module's doc)."""
     os.environ["LIGHTNING_DISABLE_VERSION_CHECK"] = "1"
+    before = {name: os.environ.get(name) for name in SDK_SETS}
+    try:
+        return _import_sdk()
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _import_sdk() -> LightningSDK:
     stderr = sys.stderr
     try:
         stderr.fileno()

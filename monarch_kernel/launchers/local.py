@@ -29,6 +29,7 @@ import psutil
 
 from monarch_kernel.launchers.base import HostConfig, HostHandle
 from monarch_kernel.wire.osutil import tail_lines
+from monarch_kernel.wire.tempdirs import mark_owners, sweep
 
 T = TypeVar("T")
 
@@ -134,7 +135,7 @@ class LocalLauncher:
     _shared: LocalLauncher | None = None
 
     def __init__(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="mk-launch-")
+        self._dir = self._new_dir()
         self._pool: list[LocalHost] = []
         self._pool_lock = threading.Lock()
         # Linux's parent-death signal fires when the *thread* that forked a child exits,
@@ -144,6 +145,16 @@ class LocalLauncher:
         # At interpreter exit the directory (agents' logs and private dirs) goes too; the
         # agents remove it themselves when this process is killed outright.
         atexit.register(shutil.rmtree, self._dir, ignore_errors=True)
+        # What earlier kernels killed outright left behind (their agents were gone too).
+        threading.Thread(target=sweep, name="mk-sweep", daemon=True).start()
+
+    @staticmethod
+    def _new_dir() -> str:
+        """The agents' directory (logs, private dirs), owned by this process and,
+        as they start, by the agents (``wire.tempdirs``)."""
+        path = tempfile.mkdtemp(prefix="mk-launch-")
+        mark_owners(path, [os.getpid()])
+        return path
 
     @classmethod
     def shared(cls) -> LocalLauncher:
@@ -169,7 +180,7 @@ class LocalLauncher:
 
     def _start_agent(self) -> LocalHost:
         if not os.path.isdir(self._dir):  # removed by shutdown(); the launcher lives on
-            self._dir = tempfile.mkdtemp(prefix="mk-launch-")
+            self._dir = self._new_dir()
         fd, log_path = tempfile.mkstemp(prefix="host-", suffix=".log", dir=self._dir)
         private_dir = tempfile.mkdtemp(prefix="h-", dir=self._dir)  # mode 0700
         env = dict(
@@ -190,6 +201,7 @@ class LocalLauncher:
             )
         finally:
             os.close(fd)
+        mark_owners(self._dir, [proc.pid])
         return LocalHost(proc, log_path, private_dir)
 
     def prewarm(self, count: int = 1) -> None:

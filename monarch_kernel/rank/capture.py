@@ -1,26 +1,33 @@
 """Capture of a rank's stdout/stderr at Python and file-descriptor level.
 
 Python-level writes go to the controller, tagged with the request the main thread is
-serving, batched as ipykernel's ``iostream`` batches: a line after a quiet spell goes at
-once, while a flood goes as one message per :data:`BATCH_INTERVAL` (or per
-:data:`BATCH_BYTES`), so printing costs the rank a message per batch, not per line.
+serving, batched as ipykernel's ``iostream`` batches: a line (or a ``\r`` frame of a
+progress bar) after a quiet spell goes at once, while a flood goes as one message per
+:data:`BATCH_INTERVAL` (or per :data:`BATCH_BYTES`), so printing costs the rank a
+message per batch, not per line. Text without a newline (``print(..., end="")``) goes a
+few :data:`BATCH_INTERVAL` rounds after the writer stopped writing (a flood's batches
+end at line ends); a bar's frame (``\r``) goes as a line does.
 Writes to fd 1/2 (C extensions, subprocesses) go through a pipe and a reader thread.
 Everything is also appended to the rank's log file so the host agent can report the
-last lines of a rank that died without warning.
+last lines of a rank that died without warning; once a stream used ``\r`` or escape
+sequences, its log gets each line's final state (a bar's last frame), not every frame.
 """
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import io
 import os
 import struct
+import sys
 import termios
 import threading
 import time
 from collections.abc import Callable
 
 from monarch_kernel.rank import context
+from monarch_kernel.wire.terminal import Terminal
 
 Sink = Callable[[str, str, "str | None"], None]  # (stream name, text, request id)
 
@@ -28,6 +35,10 @@ Sink = Callable[[str, str, "str | None"], None]  # (stream name, text, request i
 BATCH_INTERVAL = 0.01
 #: ... unless this much is waiting.
 BATCH_BYTES = 64 * 1024
+#: A line without its newline waits for it until the writer wrote nothing for this many
+#: of the flusher's rounds, or at most this many rounds (a writer adding to one line).
+IDLE_ROUNDS = 3
+HOLD_ROUNDS = 5
 
 
 class _Flusher:
@@ -39,6 +50,8 @@ class _Flusher:
         self._streams: list[RankStream] = []
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        #: Rounds run (woken by a waiting batch), for tests.
+        self.rounds = 0
 
     def add(self, stream: RankStream) -> None:
         with self._lock:
@@ -55,11 +68,42 @@ class _Flusher:
             self._due.wait()
             time.sleep(BATCH_INTERVAL)
             self._due.clear()  # a write after this arms the next round
+            self.rounds += 1
             for stream in list(self._streams):
                 stream.flush_batch()
 
 
 _flusher = _Flusher()
+
+
+class _LogWriter:
+    """Appends one stream's text to the rank's log file: as it comes, until the stream
+    redraws lines (``\r``, escape sequences); from then on through a
+    :class:`~monarch_kernel.wire.terminal.Terminal`, so a bar's thousands of frames
+    are logged as its final line."""
+
+    __slots__ = ("fd", "term")
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.term: Terminal | None = None
+
+    def write(self, data: str) -> None:
+        term = self.term
+        if term is None:
+            if "\r" not in data and "\x1b" not in data:
+                self._put(data)
+                return
+            term = self.term = Terminal()
+        lines = term.feed(data)
+        if lines:
+            self._put("\n".join(lines) + "\n")
+
+    def _put(self, data: str) -> None:
+        try:
+            os.write(self.fd, data.encode("utf-8", "replace"))
+        except OSError:
+            pass
 
 
 class RankStream(io.TextIOBase):
@@ -68,11 +112,16 @@ class RankStream(io.TextIOBase):
     def __init__(self, name: str, sink: Sink, log_fd: int):
         self.name = name
         self._sink = sink
-        self._log_fd = log_fd
+        self._log = _LogWriter(log_fd)
         self._buf: list[str] = []
         self._size = 0
         self._last = 0.0  # when a batch last went
         self._armed = False  # a batch waits for the flusher
+        self._partial_at = 0.0  # when the line the buffer ends in began (0: none)
+        self._writes = 0  # writes so far, and as many as the flusher's last round saw
+        self._writes_seen = 0
+        self._held = 0  # rounds the line at the buffer's end was kept for its newline
+        self._idle = 0  # ... of which the last ones without a write
         self._lock = threading.Lock()
         _flusher.add(self)
 
@@ -97,11 +146,21 @@ class RankStream(io.TextIOBase):
         with self._lock:
             self._buf.append(text)
             self._size += len(text)
+            self._writes += 1
             if "\n" in text or "\r" in text:
                 now = time.monotonic()
+                self._partial_at = 0.0 if text[-1] == "\n" else now
+                self._held = self._idle = 0
                 if self._size >= BATCH_BYTES or now - self._last >= BATCH_INTERVAL:
                     self._flush_locked(now)
                 elif not self._armed:
+                    self._armed = True
+                    _flusher.arm()
+            else:  # part of a line (print writes its newline next): within BATCH_INTERVAL
+                if not self._partial_at:
+                    self._partial_at = time.monotonic()
+                    self._held = self._idle = 0
+                if not self._armed:
                     self._armed = True
                     _flusher.arm()
         return len(text)
@@ -111,23 +170,50 @@ class RankStream(io.TextIOBase):
             self._flush_locked(time.monotonic())
 
     def flush_batch(self) -> None:
-        """The flusher's call: send the batch if one waits for its interval."""
+        """The flusher's call: send the batch if one waits for its interval. A line
+        still being written is kept for its newline (a later round sends it as it is
+        then), so a flood's batches end at line ends: kept while it is younger than
+        :data:`BATCH_INTERVAL`, else until the writer wrote nothing for
+        :data:`IDLE_ROUNDS` rounds (at most :data:`HOLD_ROUNDS`). Counted in rounds
+        and writes, not in time: under load the writer can wait for the CPU (or this
+        thread for the GIL) longer than the interval between a line's text and its
+        newline, and a line cut there is no line without its newline."""
         with self._lock:
-            if self._armed:
-                self._flush_locked(time.monotonic())
+            if not self._armed:
+                return
+            now = time.monotonic()
+            busy = self._writes != self._writes_seen
+            self._writes_seen = self._writes
+            if self._partial_at:
+                self._held += 1
+                self._idle = 0 if busy else self._idle + 1
+            if self._partial_at and (
+                now - self._partial_at < BATCH_INTERVAL
+                or (self._idle < IDLE_ROUNDS and self._held < HOLD_ROUNDS)
+            ):
+                data = "".join(self._buf)
+                cut = data.rfind("\n") + 1
+                if "\r" not in data[cut:]:  # (a bar's frame goes as it is)
+                    self._buf = [data[cut:]]
+                    self._size = len(data) - cut
+                    if cut:
+                        self._send(data[:cut], now)
+                    _flusher.arm()
+                    return
+            self._flush_locked(now)
 
     def _flush_locked(self, now: float) -> None:
         self._armed = False
-        if not self._buf:
-            return
-        data = "".join(self._buf)
-        self._buf.clear()
-        self._size = 0
+        self._partial_at = 0.0
+        if self._buf:
+            data = "".join(self._buf)
+            self._buf.clear()
+            self._size = 0
+            self._send(data, now)
+
+    def _send(self, data: str, now: float) -> None:
         self._last = now
-        try:
-            os.write(self._log_fd, data.encode("utf-8", "replace"))
-        except OSError:
-            pass
+        self._log.write(data)
         self._sink(self.name, data, context.current_request)
 
 
@@ -136,7 +222,7 @@ class FdCapture:
 
     def __init__(self, sink: Sink, log_fd: int):
         self._sink = sink
-        self._log_fd = log_fd
+        self._logs = {name: _LogWriter(log_fd) for name in ("stdout", "stderr")}
         self._threads: list[threading.Thread] = []
         self._read_fds: list[int] = []
         self._busy = 0  # readers between a read() and handing the text to the sink
@@ -178,17 +264,63 @@ class FdCapture:
             if not data:
                 return
             self._busy += 1
+            text = data.decode("utf-8", "replace")
+            self._logs[name].write(text)
             try:
-                os.write(self._log_fd, data)
-            except OSError:
-                pass
-            try:
-                self._sink(name, data.decode("utf-8", "replace"), context.current_request)
+                self._sink(name, text, context.current_request)
             finally:
                 self._busy -= 1
 
 
 _active: FdCapture | None = None
+_builtin_print = builtins.print
+
+
+def rank_print(
+    *args: object,
+    sep: str | None = " ",
+    end: str | None = "\n",
+    file: object = None,
+    flush: bool = False,
+) -> None:
+    """``print`` in a rank: to a :class:`RankStream`, its text in one write.
+
+    CPython's ``print`` writes each argument, separator and ``end`` apart, so every line
+    would first look like a line without its newline, which must go within
+    :data:`BATCH_INTERVAL` and so wakes the batching thread (a thread switch on the
+    path of every line printed after a quiet spell). One write of the whole text is the
+    ordinary line path: sent at once, nothing else woken. To any other file it is the
+    built-in ``print``."""
+    if file is None:
+        file = sys.stdout
+        if file is None:
+            return
+    if type(file) is not RankStream:
+        _builtin_print(*args, sep=sep, end=end, file=file, flush=flush)  # type: ignore[call-overload]
+        return
+    if sep is None:
+        sep = " "
+    elif not isinstance(sep, str):
+        raise TypeError(f"sep must be None or a string, not {type(sep).__name__}")
+    if end is None:
+        end = "\n"
+    elif not isinstance(end, str):
+        raise TypeError(f"end must be None or a string, not {type(end).__name__}")
+    if len(args) == 1:
+        file.write(str(args[0]) + end)
+    else:
+        file.write(sep.join([str(a) for a in args]) + end)
+    if flush:
+        file.flush()
+
+
+rank_print.__name__ = rank_print.__qualname__ = "print"
+
+
+def install_print() -> None:
+    """Make :func:`rank_print` the built-in ``print`` (in a rank, once its streams are
+    :class:`RankStream`)."""
+    builtins.print = rank_print
 
 
 def flush_fds() -> None:

@@ -12,7 +12,7 @@ import linecache
 import sys
 from typing import Any
 
-from monarch_kernel.rank import capture
+from monarch_kernel.rank import capture, display
 from monarch_kernel.rank.actors import UserCode
 from monarch_kernel.rank.context import UserNamespace
 from monarch_kernel.rank.debugger import RankDebugger
@@ -75,8 +75,15 @@ class Cells:
             self.outbox.reply_error(request, exc, "the cell")
             return
         finally:
-            # Complete lines are already sent; send partial ones (and what C code wrote to
-            # fd 1/2) before the result, so no output trails the cell's value.
+            # Figures the cell left open are shown (as the inline backend does); complete
+            # lines are already sent; send partial ones (and what C code wrote to fd 1/2)
+            # before the result, so no output trails the cell's value.
+            try:
+                display.after_cell()
+            except Exception as exc:  # a figure that fails to draw: say so, go on
+                print(
+                    f"monarch_kernel: showing the cell's figures failed: {exc!r}", file=sys.stderr
+                )
             sys.stdout.flush()
             sys.stderr.flush()
             capture.flush_fds()

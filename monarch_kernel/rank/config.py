@@ -59,6 +59,9 @@ class RankConfig:
     curve_public: str = ""  #: this host's CURVE keypair (its ranks use it too)
     curve_secret: str = ""
     ifname: str = ""  #: the network interface gloo/NCCL use ("" : their choice)
+    #: 1 in a ``--detachable`` mesh: the rank outlives its controller (it watches its
+    #: connection and keeps what it would send while none is attached).
+    detachable: int = 0
 
     @property
     def mesh_name(self) -> str:
@@ -133,6 +136,7 @@ _CONVERT.update(
     world_size=int,
     local_world_size=int,
     master_port=int,
+    detachable=int,
     coords=_int_tuple,
     labels=_str_tuple,
     sizes=_int_tuple,

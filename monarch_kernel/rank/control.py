@@ -19,6 +19,7 @@ import zmq
 
 from monarch_kernel.rank import context
 from monarch_kernel.rank.context import UserNamespace
+from monarch_kernel.rank.link import ControllerLink
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Codec, Message, WireError, loads
@@ -76,6 +77,8 @@ class ControlThread:
         self.debugger = debugger
         self.stdin = stdin
         self.parent = os.getppid()
+        #: A detachable mesh's rank: the controller link whose events this thread reads.
+        self.link: ControllerLink | None = None
         #: Handlers by kind: what they raise is sent back as an error reply to the
         #: request (header ``i``), or as a fault if there is none.
         self.handlers: dict[str, ControlHandler] = {
@@ -98,6 +101,9 @@ class ControlThread:
         """Serve control messages; send stats once a second; exit with the agent."""
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
+        link = self.link
+        if link is not None:
+            poller.register(link.monitor, zmq.POLLIN)
         next_stats = 0.0
         while True:
             if os.getppid() != self.parent:  # our host agent is gone
@@ -105,7 +111,10 @@ class ControlThread:
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + STATS_INTERVAL
                 self.send_stats()
-            if not poller.poll(int(STATS_INTERVAL * 1000)):
+            ready = dict(poller.poll(int(STATS_INTERVAL * 1000)))
+            if link is not None and link.monitor in ready:
+                link.watch()
+            if self.ctl not in ready:
                 continue
             try:
                 msg = self.codec.decode(wire_recv(self.ctl))

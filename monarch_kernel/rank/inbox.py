@@ -34,6 +34,7 @@ from monarch_kernel.wire import Codec, Message, WireError, peer_address
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
+from monarch_kernel.wire.kinds import SEQ_EPOCH
 from monarch_kernel.wire.osutil import REQUEST_END, REQUEST_START
 from monarch_kernel.wire.peer_address import PeerAddress
 
@@ -198,14 +199,24 @@ class Inbox:
             self.dispatch(msg, hdr)
             return
         if seq != self.next_seq:
-            if seq > self.next_seq:
-                self.held[seq] = (msg, hdr)
-            return  # already handled, or a fan-out that does not name us (-1)
+            if seq >= (self.next_seq // SEQ_EPOCH + 1) * SEQ_EPOCH:
+                self._new_epoch(seq)  # a later controller attached: count from its base
+            if seq != self.next_seq:
+                if seq > self.next_seq:
+                    self.held[seq] = (msg, hdr)
+                return  # already handled, or a fan-out that does not name us (-1)
         self.dispatch(msg, hdr)
         self.next_seq += 1
         while self.next_seq in self.held:
             self.dispatch(*self.held.pop(self.next_seq))
             self.next_seq += 1
+
+    def _new_epoch(self, seq: int) -> None:
+        """Messages of a later controller of a detachable mesh came: those of earlier
+        ones not handled yet (their sender is gone) are dropped."""
+        base = seq - seq % SEQ_EPOCH
+        self.next_seq = base
+        self.held = {q: m for q, m in self.held.items() if q >= base}
 
     def dispatch(self, msg: Message, hdr: H.Ordered) -> None:
         """Handle one ordered message on the main thread (see ``self.handlers``)."""

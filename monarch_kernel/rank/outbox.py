@@ -14,6 +14,7 @@ import zmq
 
 from monarch_kernel.rank import context
 from monarch_kernel.rank.errors import exception_report
+from monarch_kernel.rank.link import ControllerLink
 from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Codec, SerializationError, dumps, peer_address
 from monarch_kernel.wire import headers as H
@@ -28,6 +29,9 @@ log = logging.getLogger("monarch_kernel.rank")
 
 #: How long a reply to a calling rank may wait for that rank's socket (it may be gone).
 PEER_SEND_TIMEOUT_MS = 5000
+#: A detachable mesh's rank whose controller queue is full looks this often (ms) whether
+#: the controller went away meanwhile.
+ROOM_WAIT_MS = 50
 
 
 class Outbox:
@@ -62,19 +66,56 @@ class Outbox:
         self._peer_out: dict[tuple[int, PeerAddress], zmq.Socket[bytes]] = {}
         self._peer_codecs: dict[str, Codec] = {}
         self.machine = ""  # this rank's machine, set once its peer socket is bound
+        #: A detachable mesh's rank: whether a controller is connected (else None).
+        self.link: ControllerLink | None = None
 
     def send(
         self, header: H.WireHeader, payload: bytes = b"", buffers: Sequence[Buffer] = ()
     ) -> None:
-        """Send a message to the controller (any thread)."""
-        with self.lock:
-            wire_send(self.out, self.codec.encode(header, payload, buffers))
+        """Send a message to the controller (any thread); in a detachable mesh with no
+        controller connected, the link keeps it or drops it instead."""
+        link = self.link
+        if link is not None:
+            self._send_detachable(link, header, payload, buffers)
+        else:
+            with self.lock:
+                wire_send(self.out, self.codec.encode(header, payload, buffers))
         if self.main.pending_signal is not None:  # a signal came while the main thread sent
             self.main.raise_pending()
+
+    def _send_detachable(
+        self,
+        link: ControllerLink,
+        header: H.WireHeader,
+        payload: bytes,
+        buffers: Sequence[Buffer],
+    ) -> None:
+        """:meth:`send` in a detachable mesh: wait for room in the controller's queue as
+        a plain send does, but never past the controller's going away (the link then
+        takes the message): a full queue to a dead controller must not block the rank."""
+        frames = None
+        while not link.holds(header):
+            with self.lock:
+                if frames is None:
+                    frames = self.codec.encode(header, payload, buffers)
+                try:
+                    wire_send(self.out, frames, flags=zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    self.out.poll(ROOM_WAIT_MS, zmq.POLLOUT)
+        link.divert(header, payload, buffers)
 
     def stream(self, name: str, text: str, request: str | None) -> None:
         """Output of stream ``name`` (captured) during ``request``."""
         self.send(H.Stream(rank=self.rank, request=request, name=name).encode(), text.encode())
+
+    def display(self, op: str, display_id: str | None, payload: bytes) -> None:
+        """A rich display (``op``: ``display``, ``update``, ``clear``, ``clear_wait``)
+        made during the request being served (see :mod:`monarch_kernel.rank.display`)."""
+        header = H.Display(
+            rank=self.rank, request=context.current_request, op=op, display_id=display_id
+        )
+        self.send(header.encode(), payload)
 
     def report(self, metrics: Mapping[str, Any]) -> None:
         """``monarch_kernel.report(...)``: numbers for the dashboard."""
@@ -87,6 +128,8 @@ class Outbox:
                     f"report({key}=...) needs a number, got {type(value).__name__}"
                 ) from None
         header = H.Metric(rank=self.rank, request=context.current_request)
+        if self.link is not None:  # a detachable mesh: kept for the next controller too
+            self.link.record(clean, context.current_request)
         self.send(header.encode(), pickle.dumps(clean))
 
     def reply(self, request: str, value: Any, what: What, where: What | None = None) -> None:

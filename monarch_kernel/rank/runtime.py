@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from monarch_kernel.rank import capture, context
+from monarch_kernel.rank import capture, context, display
 from monarch_kernel.rank.actors import ActorHost, ResponsePort
 from monarch_kernel.rank.cells import Cells
 from monarch_kernel.rank.config import RankConfig
@@ -33,6 +33,7 @@ from monarch_kernel.rank.context import UserNamespace
 from monarch_kernel.rank.control import ControlThread
 from monarch_kernel.rank.debugger import RankDebugger
 from monarch_kernel.rank.inbox import Inbox, bind_peer, connect, dealer
+from monarch_kernel.rank.link import ControllerLink, serve_attached
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.signals import TERMINATED_CODE, MainThread, RankTerminated
 from monarch_kernel.rank.stdin import InputBridge
@@ -105,6 +106,11 @@ class Rank:
             self.rank, ctl, self.codec, self.outbox, self.main, self.namespace,
             self.debugger, self.stdin,
         )  # fmt: skip
+        if cfg.detachable:  # the rank outlives its controller (before any thread sends)
+            # 2: started by its host agent while no controller held the mesh
+            link = ControllerLink(out, log_fd, connected=cfg.detachable != 2)
+            self.outbox.link = self.control.link = link
+            self.control.handlers[K.ATTACHED] = lambda msg: serve_attached(link, self.outbox, msg)
 
     # -- RankServices ------------------------------------------------------------------
     @property
@@ -166,6 +172,8 @@ class Rank:
         capture.FdCapture(stream, self.log_fd).start()
         sys.stdout = capture.RankStream("stdout", stream, self.log_fd)
         sys.stderr = capture.RankStream("stderr", stream, self.log_fd)
+        capture.install_print()  # a print's line in one write (see rank_print)
+        display.install(self.outbox.display)  # IPython's display(), matplotlib figures
         self.main.install()
         self.stdin.install()
         self.debugger.install()

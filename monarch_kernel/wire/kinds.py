@@ -90,6 +90,10 @@ kind              keys
 ``hb``            (no keys) controller heartbeat; any message resets the agent's silence
                   timer (``hb_timeout`` in its configuration, 10 s by default)
 ``hello``         (no keys) connection probe, ignored
+``detach``        (no keys) a ``--detachable`` mesh's controller leaves without stopping
+                  it: the agent keeps its ranks running, sends nothing more, and stops
+                  them only when no controller attached within its ``detach_keep``
+                  seconds (see :mod:`monarch_kernel.wire.desk` for attaching)
 (any ordered      with ``f`` = 1, ``d`` (its ranks among the targets) and ``q`` (list);
 rank kind)        relayed to the ranks' inboxes, never interpreted by the agent
 ================  =======================================================================
@@ -102,7 +106,9 @@ kind              keys
 ``host_ready``    ``h``; ``pid`` int (agent process); ``host`` str (hostname); ``addr`` str
                   (the address other hosts reach it at: ``advertise`` from its
                   configuration, default 127.0.0.1); ``port`` int (a free port, used as
-                  MASTER_PORT when this is host 0). Sent once, first
+                  MASTER_PORT when this is host 0); ``desk`` str (a detachable mesh's
+                  agent: its attach desk's address, :mod:`monarch_kernel.wire.desk`).
+                  Sent once, first
 ``hb``            ``h``: heartbeat, every 0.5 s
 ``port``          ``h``, ``i`` (the ``new_port`` request), ``port`` int: a free port
 ``res``           ``h``, ``i`` (the controller's ``stacks`` request), ``r``, ``ok`` = 1:
@@ -114,6 +120,8 @@ kind              keys
                   ``tail`` list[str] (last lines of the rank's log: what it printed
                   before dying); ``expected`` bool (the exit was asked for: ``kill_ranks``
                   or the agent shutting down)
+``taken_over``    ``h``, ``by`` list (``[pid, hostname]`` of the kernel that attached
+                  with ``--force``): the receiving controller no longer holds the mesh
 ================  =======================================================================
 
 ``reason`` is never sent: the controller fills it in (str) for ranks it declares dead
@@ -215,6 +223,11 @@ kind              keys and payload
                   No reply to the cancel itself
 ``stacks``        ``i``, ``w``. Reply value: ``tuple[ThreadStack, ...]`` (every thread's
                   Python stack now; see ``wire.stacks``)
+``attached``      ``i``, ``w`` (a rank of a detachable mesh, from a controller that took
+                  it over). Reply value: ``{"history": [(time, request, metrics), ...]
+                  (every ``report()`` kept, oldest first), "dropped": int (messages
+                  dropped while no controller was connected)}``; then the rank sends the
+                  results and faults it kept meanwhile, as it would have
 ``abort_pg``      ``why`` str (optional: what happened, for the errors of the collectives
                   it cuts short). Abort the rank's torch.distributed process groups, if
                   any: peers blocked in a collective with this rank are released with an
@@ -245,6 +258,13 @@ kind              keys and payload
                   where, exception, host; see ``rank.errors.exception_report``)
 ``out``           ``i`` (the request being served, or None), ``n`` str (``stdout`` or
                   ``stderr``). Payload: the text, UTF-8 (not pickled)
+``display``       ``i`` (the request being served, or None), ``op`` str (``display``,
+                  ``update``, ``clear`` or ``clear_wait``: ``IPython.display``'s
+                  ``display``, ``update_display``, ``clear_output(wait=...)``), ``di``
+                  (the display id the rank gave, or None). Payload: pickled
+                  ``{"data": MIME bundle, "metadata": dict}`` (image bytes raw, not
+                  base64), bounded by the rank (``rank.display.MAX_BYTES``); empty for
+                  the clears
 ``metric``        ``i`` (the request being served, or None). Payload: pickled
                   ``dict[str, float]`` from ``monarch_kernel.report(...)``
 ``stop_mesh``     (no keys) Payload: pickled ``{"mesh", "key", "grace", "rt", "id"}``:
@@ -303,6 +323,9 @@ KILL_RANKS = "kill_ranks"
 STOP = "stop"  # header "grace": seconds ranks get to exit cleanly
 DUMP_STACKS = "dump_stacks"
 NEW_PORT = "new_port"
+#: A detachable mesh's controller leaves (its kernel shuts down): the agent keeps its
+#: ranks running, without a controller, for the mesh's ``keep`` seconds.
+DETACH = "detach"
 HEARTBEAT = "hb"  # also host agent -> controller (with "h")
 #: Connection probe: proves a ROUTER peer is routable before real messages go to it.
 HELLO = "hello"
@@ -312,6 +335,15 @@ HOST_READY = "host_ready"
 RANK_STARTED = "rank_started"
 RANK_EXIT = "rank_exit"
 PORT = "port"
+#: To the controller holding a detachable mesh: another one took it over (``%mesh attach
+#: --force``); header ``by``: ``[pid, hostname]`` of the new one.
+TAKEN_OVER = "taken_over"
+
+#: Sequence numbers (header ``q``) of the ``n``-th controller to hold a detachable mesh
+#: start at ``n * SEQ_EPOCH``: a rank that sees a number of a later epoch knows an
+#: earlier controller is gone and counts on from there (what that one sent and the rank
+#: has not handled yet is dropped).
+SEQ_EPOCH = 1 << 40
 
 # controller -> rank (ordered, main thread)
 SPAWN_ACTOR = "spawn_actor"
@@ -332,6 +364,9 @@ PING = "ping"
 CANCEL = "cancel"  # header "c": the request to interrupt (running) or skip (not started)
 STACKS = "stacks"
 ABORT_PG = "abort_pg"
+#: A controller took a detachable mesh over: reply with the rank's metric history, then
+#: send what it kept while no controller was connected (results, faults).
+ATTACHED = "attached"
 INPUT_REPLY = "input_reply"
 #: An order to a rank parked at a training step boundary (``wire.train_msgs.Order``).
 TRAIN = "train"
@@ -340,6 +375,7 @@ TRAIN = "train"
 READY = "ready"
 RESULT = "res"
 STREAM = "out"
+DISPLAY = "display"  # a rich display (IPython's display(), a matplotlib figure)
 METRIC = "metric"
 FAULT = "fault"
 INPUT = "input"
@@ -352,4 +388,4 @@ TRAIN_NOTICE = "train_notice"
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the ``display`` kind

@@ -56,6 +56,10 @@ def tail_lines(path: str, n: int = 20, max_bytes: int = 16384) -> list[str]:
 #: (\x02 starts them: unlike \x1c-\x1e it is no line break for str.splitlines.)
 REQUEST_START = "\x02mk-request-start"
 REQUEST_END = "\x02mk-request-end"
+#: Written by a rank of a detachable mesh when its controller goes away and when one is
+#: connected again, so that the next controller shows what it printed meanwhile.
+DETACHED_MARK = "\x02mk-detached"
+ATTACHED_MARK = "\x02mk-attached"
 
 
 def request_tail(path: str, n: int = 20) -> list[str]:
@@ -72,9 +76,30 @@ def request_tail(path: str, n: int = 20) -> list[str]:
     return [line for line in lines if line not in (REQUEST_START, REQUEST_END)][-n:]
 
 
+def printed_since_detached(path: str, n: int = 20, max_bytes: int = 1 << 20) -> list[str]:
+    """A rank's last ``n`` output lines printed since its controller last went away
+    (from its log; empty if it never did, or printed nothing since)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    at = text.rfind(DETACHED_MARK)
+    if at < 0:
+        return []
+    after = text[at + len(DETACHED_MARK) :].split(ATTACHED_MARK)[0]
+    marks = (REQUEST_START, REQUEST_END)
+    lines = [ln for ln in after.splitlines() if ln and ln not in marks and not _noise(ln)]
+    return lines[-n:]
+
+
 def _noise(line: str) -> bool:
     """Frames of our own runtime and faulthandler's module list, in a crash dump."""
     stripped = line.strip()
+    if stripped in (DETACHED_MARK, ATTACHED_MARK):
+        return True
     return stripped.startswith("Extension modules:") or (
         stripped.startswith("File ") and ("/monarch_kernel/" in line or "<frozen runpy>" in line)
     )

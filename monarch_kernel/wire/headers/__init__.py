@@ -31,6 +31,7 @@ from monarch_kernel.wire.headers.control import (
     InputReply,
 )
 from monarch_kernel.wire.headers.from_rank import (
+    Display,
     Input,
     Metric,
     Owned,
@@ -42,6 +43,7 @@ from monarch_kernel.wire.headers.from_rank import (
     Stream,
 )
 from monarch_kernel.wire.headers.host import (
+    Detach,
     DumpStacks,
     Heartbeat,
     HostReady,
@@ -55,6 +57,7 @@ from monarch_kernel.wire.headers.host import (
     SignalRanks,
     SpawnRanks,
     Stop,
+    TakenOver,
 )
 from monarch_kernel.wire.headers.ordered import (
     Call,
@@ -87,6 +90,7 @@ AnyHeader: TypeAlias = (
     | Ready
     | Result
     | Stream
+    | Display
     | Metric
     | RankNotice
     | Owned
@@ -104,6 +108,8 @@ AnyHeader: TypeAlias = (
     | Port
     | RankStarted
     | RankExit
+    | Detach
+    | TakenOver
 )
 
 _CLASSES: tuple[Any, ...] = (
@@ -120,6 +126,7 @@ _CLASSES: tuple[Any, ...] = (
     Ready,
     Result,
     Stream,
+    Display,
     Metric,
     Owned,
     PeerActor,
@@ -136,6 +143,8 @@ _CLASSES: tuple[Any, ...] = (
     Port,
     RankStarted,
     RankExit,
+    Detach,
+    TakenOver,
 )
 #: kind -> the decoder of its header
 DECODERS: dict[str, Callable[[WireHeader], Any]] = {cls.KIND: cls.decode for cls in _CLASSES}
@@ -186,6 +195,7 @@ __all__ = [
     "ControlRequest",
     "DECODERS",
     "Debug",
+    "Detach",
     "DumpStacks",
     "Exec",
     "HeaderError",
@@ -216,7 +226,9 @@ __all__ = [
     "Stop",
     "StopActor",
     "Stream",
+    "Display",
     "Supervise",
+    "TakenOver",
     "WireAddress",
     "WireHeader",
     "decode",

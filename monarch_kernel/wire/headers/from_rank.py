@@ -118,6 +118,41 @@ class Stream:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Display:
+    """``display``: a rich display (or an update, or a clear) rank ``r`` made while
+    serving request ``i``."""
+
+    KIND: ClassVar[str] = K.DISPLAY
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"r", "i", "op", "di"}
+    OPS: ClassVar[frozenset[str]] = frozenset({"display", "update", "clear", "clear_wait"})
+
+    rank: int
+    request: str | None  #: always on the wire (None while idle)
+    op: str  #: ``display``, ``update``, ``clear`` or ``clear_wait``
+    display_id: str | None  #: the rank's own display id (always on the wire)
+
+    def encode(self) -> WireHeader:
+        return {
+            "k": K.DISPLAY,
+            "r": self.rank,
+            "i": self.request,
+            "op": self.op,
+            "di": self.display_id,
+        }
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> Display:
+        check_keys(cls, h)
+        try:
+            op = h["op"]
+            if op not in cls.OPS:
+                raise HeaderError(f"display: unknown op {op!r}")
+            return _Display(h["r"], h["i"], op, h["di"])
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Metric:
     """``metric``: numbers ``report()`` ed by rank ``r`` during request ``i``."""
 
@@ -306,4 +341,5 @@ class Resumed:
 #: The decoders' constructors (see ``base.maker``).
 _Result = maker(Result)
 _Stream = maker(Stream)
+_Display = maker(Display)
 _Metric = maker(Metric)

@@ -8,6 +8,7 @@ from typing import ClassVar, TypedDict
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.headers.base import (
     CODEC_KEYS,
+    HeaderError,
     WireHeader,
     check_keys,
     missing_key,
@@ -195,19 +196,21 @@ class Heartbeat:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HostReady:
-    """``host_ready``: host agent ``h`` is up (its pid, hostname, address, free port)."""
+    """``host_ready``: host agent ``h`` is up (its pid, hostname, address, free port;
+    a detachable mesh's agent also its attach desk)."""
 
     KIND: ClassVar[str] = K.HOST_READY
-    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"h", "pid", "host", "addr", "port"}
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"h", "pid", "host", "addr", "port", "desk"}
 
     host: int
     pid: int
     hostname: str  #: ``host``
     addr: str  #: the address other hosts reach it at
     port: int  #: a free port (MASTER_PORT when this is host 0)
+    desk: str = ""  #: its attach desk's address (a detachable mesh), else ""
 
     def encode(self) -> WireHeader:
-        return {
+        h: WireHeader = {
             "k": K.HOST_READY,
             "h": self.host,
             "pid": self.pid,
@@ -215,16 +218,66 @@ class HostReady:
             "addr": self.addr,
             "port": self.port,
         }
+        if self.desk:
+            h["desk"] = self.desk
+        return h
 
     @classmethod
     def decode(cls, h: WireHeader) -> HostReady:
         check_keys(cls, h)
         try:
             return cls(
-                host=h["h"], pid=h["pid"], hostname=h["host"], addr=h["addr"], port=h["port"]
+                host=h["h"],
+                pid=h["pid"],
+                hostname=h["host"],
+                addr=h["addr"],
+                port=h["port"],
+                desk=h.get("desk", ""),
             )
         except KeyError as exc:
             raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Detach:
+    """``detach``: the controller of a detachable mesh leaves; the agent keeps the ranks."""
+
+    KIND: ClassVar[str] = K.DETACH
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS
+
+    def encode(self) -> WireHeader:
+        return {"k": K.DETACH}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> Detach:
+        check_keys(cls, h)
+        return cls()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TakenOver:
+    """``taken_over``: host agent ``h`` tells its old controller that another took the
+    mesh over (``by``: that one's pid and hostname)."""
+
+    KIND: ClassVar[str] = K.TAKEN_OVER
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"h", "by"}
+
+    host: int
+    by: tuple[int, str]
+
+    def encode(self) -> WireHeader:
+        return {"k": K.TAKEN_OVER, "h": self.host, "by": list(self.by)}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> TakenOver:
+        check_keys(cls, h)
+        try:
+            pid, hostname = h["by"]
+            return cls(host=h["h"], by=(int(pid), str(hostname)))
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+        except (TypeError, ValueError):
+            raise HeaderError(f"'taken_over' header: bad 'by' {h.get('by')!r}") from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,138 @@
+"""Taking over a detachable mesh: the controller side of a mesh another controller made.
+
+:func:`adopt` builds the :class:`~.mesh.MeshRuntime` of an attach file whose host agents
+accepted this controller (their desks' answers): the same key and run, the same unix
+sockets bound again (the ranks and agents reconnect by themselves), sequence numbers of
+the next epoch (``wire.kinds.SEQ_EPOCH``: a rank drops what the earlier controller sent
+and it never ran), the records of hosts and ranks as their agents report them, the
+failure policy and the ``--setup`` cells. Ranks that ended while no controller held the
+mesh are told to supervision once the mesh runs, so the failure policy applies to them
+(``restart`` restarts them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from monarch_kernel.calls.errors import MeshStartError
+from monarch_kernel.controller import detach
+from monarch_kernel.controller.attach_file import AttachFile
+from monarch_kernel.controller.mesh import MeshRuntime
+from monarch_kernel.controller.records import FailurePolicy, MeshPhase, RankEnd, RankState
+from monarch_kernel.launchers import get_launcher
+from monarch_kernel.launchers.adopted import AdoptedHost
+from monarch_kernel.wire.desk import DeskReply, RankStatus
+from monarch_kernel.wire.osutil import request_tail
+from monarch_kernel.wire.peer_address import PeerAddress
+
+#: Seconds the ranks and agents get to reconnect to the controller's sockets.
+RECONNECT_TIMEOUT = 15.0
+
+
+@dataclass
+class Adopted:
+    """A mesh taken over, and the ranks whose fate must still be dealt with once the
+    caller follows the requests that were running (see ``attach.Attached.finish``)."""
+
+    runtime: MeshRuntime
+    #: Ranks that ended while no controller held the mesh, with how.
+    ended: list[tuple[int, RankEnd]] = field(default_factory=list)
+    #: Ranks their host agent restarted meanwhile (the failure policy): how each ended.
+    restarted: dict[int, RankStatus] = field(default_factory=dict)
+
+
+def adopt(file: AttachFile, replies: dict[int, DeskReply]) -> Adopted:
+    """The running mesh of ``file``, now held here (``replies``: each host's answer to
+    this controller's attach). MeshStartError if its ranks do not reconnect."""
+    runtime = MeshRuntime(
+        file.name,
+        dict(file.per_host),
+        file.n_hosts,
+        get_launcher(file.backend),
+        env=dict(file.env),
+        backend=file.backend,
+        on_failure=FailurePolicy(file.on_failure),
+        grace=file.grace,
+        detach_keep=file.keep,
+        identity=file.identity(),
+    )
+    try:
+        runtime.transport.set_epoch(max(r.epoch for r in replies.values()))
+        runtime.starter.common = file.common  # type: ignore[assignment]
+        runtime.recipe.setup_cells = [detach.setup_cell(c) for c in file.setup_cells]
+        for record in file.actors:
+            runtime.remember_actor(detach.actor_spec(record))
+        adopted = Adopted(runtime)
+        for job in file.jobs:  # its output waits for its job to be followed (or not)
+            runtime.output.route(job.request, _held)
+        _take_records(adopted, file, replies)
+        _wait_reconnected(runtime)
+        runtime.lifecycle.set(MeshPhase.RUNNING)
+    except BaseException:
+        runtime.release("could not be attached")
+        raise
+    detach.enable(runtime)
+    return adopted
+
+
+def _take_records(adopted: Adopted, file: AttachFile, replies: dict[int, DeskReply]) -> None:
+    """Fill the host and rank records; note the ranks that ended or were restarted."""
+    runtime = adopted.runtime
+    now = time.monotonic()
+    for entry in file.hosts:
+        host = runtime.hosts[entry.index]
+        host.pid, host.hostname, host.desk = entry.pid, entry.hostname, entry.desk
+        host.addr, host.port = entry.addr, entry.port
+        host.handle = AdoptedHost(entry.pid, entry.log, entry.private_dir)
+        host.last_seen, host.ready = now, True
+    statuses = {s.rank: s for reply in replies.values() for s in reply.ranks}
+    for rank in file.ranks:
+        info = runtime.ranks[rank.rank]
+        status = statuses.get(rank.rank)
+        info.hostname, info.device = rank.hostname, rank.device
+        info.peer_secret = rank.peer_secret
+        info.restarts = rank.restarts + (status.restarts if status is not None else 0)
+        try:
+            info.peer = PeerAddress.decode(rank.peer)
+        except ValueError:
+            info.peer = PeerAddress(rank.hostname)
+        info.pid = status.pid if status is not None else rank.pid
+        info.last_seen = now
+        if status is not None and status.alive:
+            runtime.requests.set_state(info, RankState.IDLE)
+            if status.restarts:
+                adopted.restarted[rank.rank] = status
+        else:
+            log = file.hosts[rank.host].rank_log(rank.rank)
+            adopted.ended.append((rank.rank, _end(status, log)))
+
+
+def _held(rank: int, stream: str, text: str) -> None:
+    """Where a running job's output goes until its handle is back (it is in the rank's
+    log, which the notebook shows a tail of): nowhere."""
+
+
+def _end(status: RankStatus | None, log: str) -> RankEnd:
+    """How a rank that ended while detached ended (its last lines from its log)."""
+    if status is None:
+        return RankEnd(reason="its host agent does not know it (it ended unseen)")
+    return RankEnd(
+        pid=status.pid, code=status.code, signal=status.signal, tail=tuple(request_tail(log))
+    )
+
+
+def _wait_reconnected(runtime: MeshRuntime) -> None:
+    """Wait until every live rank and every agent can be sent to (they reconnect to
+    the sockets this controller bound again)."""
+    t = runtime.transport
+    idents = [t.host_id(h.index) for h in runtime.hosts]
+    for info in runtime.ranks:
+        if info.state is RankState.IDLE:
+            idents += [t.rank_id(info.rank), t.rank_id(info.rank, b"c")]
+    if not t.probe(idents, timeout=RECONNECT_TIMEOUT):
+        raise MeshStartError(
+            f"mesh {runtime.name!r}: its ranks did not reconnect within "
+            f"{RECONNECT_TIMEOUT:.0f}s (is the kernel that held it still running and "
+            "stuck? stop that kernel, then attach again)"
+        )

@@ -1,0 +1,252 @@
+"""Detachable meshes seen from a controller that does not hold them: list them, attach
+to one (take it over), stop one.
+
+Everything goes through the host agents' desks (:mod:`monarch_kernel.wire.desk`), with
+what the mesh's attach file (:mod:`.attach_file`) says: a request signed with the
+mesh's key, one answer per agent. An agent that does not answer is gone; a mesh none of
+whose agents answers has ended (its ``--keep`` ran out, or it was stopped), and its
+file is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from monarch_kernel.calls.errors import MonarchError
+from monarch_kernel.controller import attach_file
+from monarch_kernel.controller.adopt import adopt
+from monarch_kernel.controller.attach_file import AttachFile, AttachFileError, HostEntry
+from monarch_kernel.controller.mesh import registry
+from monarch_kernel.controller.takeover import Attached
+from monarch_kernel.wire import Codec, WireError
+from monarch_kernel.wire.desk import (
+    DESK,
+    DESK_REPLY,
+    FORGED_REPLY,
+    ControllerId,
+    DeskOp,
+    DeskReply,
+    DeskRequest,
+)
+
+#: Seconds a desk gets to answer (an agent answers between two heartbeats).
+DESK_TIMEOUT = 5.0
+#: ... when only asked how the mesh is (``%mesh`` lists detached meshes).
+STATUS_TIMEOUT = 1.0
+
+
+class AttachError(MonarchError):
+    """A detached mesh cannot be attached or stopped (the message says why and what to do)."""
+
+
+class DeskClient:
+    """Asks the desks of one mesh's host agents."""
+
+    def __init__(self, file: AttachFile):
+        self.file = file
+        self.codec = Codec(bytes.fromhex(file.key))
+
+    def ask(self, host: HostEntry, req: DeskRequest, timeout: float) -> DeskReply | None:
+        """Host ``host``'s answer; None if it does not answer (its agent is gone)."""
+        if host.desk.startswith("ipc://") and not os.path.exists(host.desk[6:]):
+            return None  # the agent removed its directory on its way out
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(host.desk)
+            sock.send_multipart(self.codec.encode({"k": DESK}, req.to_json()))
+            if not sock.poll(int(timeout * 1000)):
+                return None
+            frames = sock.recv_multipart()
+        finally:
+            sock.close(0)
+        if frames == [FORGED_REPLY]:
+            return DeskReply(False, FORGED_REPLY.decode())
+        try:
+            msg = self.codec.decode(frames)
+            if msg.header.get("k") != DESK_REPLY:
+                raise WireError("not a desk reply")
+            return DeskReply.from_json(bytes(msg.payload))
+        except (WireError, ValueError) as exc:
+            return DeskReply(False, f"a malformed answer from host {host.index}: {exc}")
+
+    def ask_all(
+        self, op: DeskOp, *, force: bool = False, grace: float = 3.0, timeout: float = DESK_TIMEOUT
+    ) -> dict[int, DeskReply | None]:
+        """Every host's answer to ``op`` (asked as this process)."""
+        me = ControllerId.of_this_process()
+        return {
+            h.index: self.ask(h, DeskRequest(op, me, force, grace), timeout)
+            for h in self.file.hosts
+        }
+
+
+def read_file(name: str | None, path: str | None = None) -> AttachFile:
+    """The attach file of detached mesh ``name`` (or at ``path``); AttachError if none."""
+    where = path or attach_file.file_for(name or "")
+    try:
+        return attach_file.read(where)
+    except AttachFileError as exc:
+        if path is None and not os.path.exists(where):
+            raise AttachError(
+                f"no detached mesh named {name!r} on this machine for this user "
+                f"(no {where}); %mesh lists the meshes you can attach"
+            ) from None
+        raise AttachError(str(exc)) from None
+
+
+def attach(name: str | None, *, path: str | None = None, force: bool = False) -> Attached:
+    """Take over detached mesh ``name`` (or the one whose attach file is ``path``):
+    the running mesh, now held by this controller (call :meth:`Attached.finish` once
+    the jobs it returns are followed). AttachError saying why not."""
+    file = read_file(name, path)
+    live = registry.get(file.name)
+    if live is not None and not live.state.ended:
+        raise AttachError(f"mesh {file.name!r} is already attached to this kernel")
+    client = DeskClient(file)
+    replies = client.ask_all(DeskOp.ATTACH, force=force)
+    accepted = {h: r for h, r in replies.items() if r is not None and r.ok}
+    if len(accepted) < len(replies):
+        if accepted:
+            _release(client, accepted)
+        raise _refusal(file, replies)
+    holders = [r.holder for r in accepted.values() if r.holder is not None]
+    try:
+        adopted = adopt(file, accepted)
+    except BaseException:
+        _release(client, accepted)
+        raise
+    since = [r.detached_since for r in accepted.values() if r.detached_since is not None]
+    refused: dict[str, int] = {}
+    for r in accepted.values():
+        for why, n in r.refused.items():
+            refused[why] = refused.get(why, 0) + n
+    return Attached(
+        adopted,
+        file,
+        time.time() - min(since) if since and not holders else None,
+        holders[0] if holders else None,
+        refused,
+    )
+
+
+def _release(client: DeskClient, accepted: dict[int, DeskReply]) -> None:
+    """Undo an attach the agents in ``accepted`` took."""
+    me = ControllerId.of_this_process()
+    for host in client.file.hosts:
+        if host.index in accepted:
+            client.ask(host, DeskRequest(DeskOp.RELEASE, me), DESK_TIMEOUT)
+
+
+def _refusal(file: AttachFile, replies: dict[int, DeskReply | None]) -> AttachError:
+    """Why the agents did not all accept (the file goes when none answers)."""
+    name = file.name
+    if all(r is None for r in replies.values()):
+        file.remove()
+        return AttachError(
+            f"mesh {name!r} has ended: none of its host agents answers (it was stopped, or "
+            f"no kernel attached within its --keep); its attach file was removed"
+        )
+    for r in replies.values():
+        if r is not None and not r.ok:
+            return AttachError(f"cannot attach mesh {name!r}: {r.error}")
+    gone = [h for h, r in replies.items() if r is None]
+    return AttachError(
+        f"cannot attach mesh {name!r}: host agent(s) {gone} do not answer; "
+        f"stop the mesh with %mesh stop {name}"
+    )
+
+
+def stop_detached(
+    name: str | None, *, path: str | None = None, force: bool = False, grace: float = 3.0
+) -> str:
+    """Stop detached mesh ``name`` (or the one whose attach file is ``path``) without
+    attaching to it; what was done, in words. AttachError if it cannot."""
+    file = read_file(name, path)
+    name = file.name
+    client = DeskClient(file)
+    replies = client.ask_all(DeskOp.STOP, force=force, grace=grace)
+    refused = [r for r in replies.values() if r is not None and not r.ok]
+    if refused:
+        raise AttachError(f"cannot stop mesh {name!r}: {refused[0].error}")
+    deadline = time.monotonic() + grace + 10.0
+    pids = [h.pid for h in file.hosts if replies.get(h.index) is not None]
+    while time.monotonic() < deadline and any(_runs(h) for h in file.hosts):
+        time.sleep(0.05)
+    left = [h.pid for h in file.hosts if _runs(h)]
+    file.remove()
+    if file.ipc_dir and os.path.basename(file.ipc_dir).startswith("mk-mesh-") and not left:
+        import shutil
+
+        shutil.rmtree(file.ipc_dir, ignore_errors=True)
+    if left:
+        raise AttachError(f"mesh {name!r}: host agent(s) {left} did not exit in time")
+    return f"mesh {name!r} stopped ({len(pids)} host agent(s) answered)"
+
+
+def _runs(host: HostEntry) -> bool:
+    return os.path.exists(host.desk.removeprefix("ipc://"))
+
+
+@dataclass(frozen=True)
+class DetachedMesh:
+    """One row of ``%mesh``'s list of detached meshes."""
+
+    name: str
+    shape: str
+    hosts: int
+    alive: int
+    world: int
+    age: float  #: seconds since the mesh started
+    detached_for: float | None  #: seconds without a controller (None: one holds it)
+    keep_left: float | None  #: seconds before it stops by itself
+    holder: ControllerId | None
+    running: tuple[str, ...]
+
+
+def list_detached() -> list[DetachedMesh]:
+    """The detachable meshes of this user on this machine that this kernel does not
+    hold, as their agents report them; files of meshes that ended are removed."""
+    rows = []
+    for path in attach_file.all_files():
+        try:
+            file = attach_file.read(path)
+        except AttachFileError:
+            continue
+        live = registry.get(file.name)
+        if live is not None and not live.state.ended:
+            continue
+        replies = DeskClient(file).ask_all(DeskOp.STATUS, timeout=STATUS_TIMEOUT)
+        answers = [r for r in replies.values() if r is not None and r.ok]
+        if not answers:
+            file.remove()
+            continue
+        rows.append(_row(file, answers))
+    return rows
+
+
+def _row(file: AttachFile, answers: list[DeskReply]) -> DetachedMesh:
+    now = time.time()
+    since = [r.detached_since for r in answers if r.detached_since is not None]
+    until = [r.keep_until for r in answers if r.keep_until is not None]
+    holders = [r.holder for r in answers if r.holder is not None]
+    world = len(file.ranks)
+    alive = sum(1 for r in answers for s in r.ranks if s.alive)
+    dims = ({"hosts": file.n_hosts} if file.n_hosts > 1 else {}) | file.per_host
+    return DetachedMesh(
+        name=file.name,
+        shape=" × ".join(f"{k}={v}" for k, v in dims.items()),
+        hosts=file.n_hosts,
+        alive=alive,
+        world=world,
+        age=now - file.created,
+        detached_for=now - min(since) if since and not holders else None,
+        keep_left=min(until) - now if until and not holders else None,
+        holder=holders[0] if holders else None,
+        running=tuple(file.running),
+    )

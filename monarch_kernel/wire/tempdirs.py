@@ -1,0 +1,95 @@
+"""Our temporary directories know who owns them, so that none outlives its owners.
+
+A controller's sockets (``mk-mesh-*``), a local launcher's agents (``mk-launch-*``) and
+a detachable mesh's agent (``mk-detached-*``) each live in a private directory under the
+temporary directory. Their owners remove them on the way out; a process killed outright
+cannot, so each directory carries a small file naming its owner processes (pid and
+start time, so that a recycled pid is not taken for an owner). :func:`sweep` (run by
+the next kernel) removes the directories of this user whose owners are all gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+
+#: The file, in each directory, that names its owners: ``[[pid, start time], ...]``.
+OWNERS = ".mk-owners"
+#: The directories :func:`sweep` looks at (by name prefix).
+SWEPT = ("mk-launch-", "mk-mesh-", "mk-detached-")
+
+
+def _started(pid: int) -> float | None:
+    try:
+        import psutil
+
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return float(proc.create_time())
+    except Exception:  # psutil.Error: gone (or not ours to look at)
+        return None
+
+
+def mark_owners(path: str, pids: Iterable[int]) -> None:
+    """Add ``pids`` (running processes) to the owners of directory ``path``."""
+    owners = _read(path)
+    known = {pid for pid, _ in owners}
+    for pid in pids:
+        started = _started(pid)
+        if started is not None and pid not in known:
+            owners.append((pid, started))
+    tmp = os.path.join(path, OWNERS + ".tmp")
+    with contextlib.suppress(OSError):
+        with open(tmp, "w") as f:
+            json.dump(owners, f)
+        os.replace(tmp, os.path.join(path, OWNERS))
+
+
+def _read(path: str) -> list[tuple[int, float]]:
+    try:
+        with open(os.path.join(path, OWNERS)) as f:
+            return [(int(pid), float(started)) for pid, started in json.load(f)]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def owned_by_nobody(path: str) -> bool:
+    """Whether ``path`` names owners and none of them runs any more."""
+    owners = _read(path)
+    if not owners:
+        return False  # not ours to judge (made by another version, or being made)
+    for pid, started in owners:
+        now = _started(pid)
+        if now is not None and abs(now - started) < 1.0:
+            return False
+    return True
+
+
+def sweep(root: str | None = None) -> list[str]:
+    """Remove this user's directories under ``root`` (default: the temporary
+    directory) whose owners are all gone; the removed paths."""
+    root = root or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        if not name.startswith(SWEPT):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.lstat(path).st_uid != uid or not os.path.isdir(path):
+                continue
+        except OSError:
+            continue
+        if owned_by_nobody(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

@@ -1,0 +1,185 @@
+"""The pieces of detachable meshes that need no mesh: durations, the desk's messages,
+the attach file, the temp-dir ownership marks."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from monarch_kernel.controller import attach_file
+from monarch_kernel.controller.attach_file import AttachFile, AttachFileError, HostEntry
+from monarch_kernel.controller.detach import detach_option
+from monarch_kernel.wire import tempdirs
+from monarch_kernel.wire.desk import (
+    ControllerId,
+    DeskOp,
+    DeskReply,
+    DeskRequest,
+    RankStatus,
+    describe_duration,
+    parse_duration,
+)
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    "text, seconds", [("90", 90), ("90s", 90), ("30m", 1800), ("2h", 7200), ("1.5d", 129600)]
+)
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "h", "-2h", "0", "2x", "inf", "nanh"])
+def test_bad_durations_say_how_to_write_one(text):
+    with pytest.raises(ValueError, match="write e.g. 90s, 30m, 2h or 1d"):
+        parse_duration(text)
+
+
+def test_durations_read_short():
+    assert [describe_duration(s) for s in (5, 600, 7200, 5400 + 7200)] == [
+        "5s",
+        "10m",
+        "2h",
+        "3h30m",
+    ]
+
+
+def test_detach_options_are_checked_before_anything_starts():
+    assert detach_option("local", "m", False, None) == 0.0
+    assert detach_option("local", "m", True, None) == 7200.0
+    assert detach_option("local", "m", True, "30m") == 1800.0
+    with pytest.raises(ValueError, match="pass detachable=True"):
+        detach_option("local", "m", False, "30m")
+    with pytest.raises(ValueError, match="local backend"):
+        detach_option("ray", "m", True, None)
+    with pytest.raises(ValueError, match="needs a name"):
+        detach_option("local", None, True, None)
+    with pytest.raises(ValueError, match="letters, digits"):
+        detach_option("local", "a/b", True, None)
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        detach_option("local", "m", True, -5)
+
+
+def test_desk_messages_round_trip_and_refuse_garbage():
+    me = ControllerId(123, "box", 1000.5)
+    req = DeskRequest(DeskOp.ATTACH, me, force=True, grace=1.0)
+    assert DeskRequest.from_json(req.to_json()) == req
+    reply = DeskReply(
+        True,
+        holder=me,
+        detached_since=5.0,
+        keep_until=65.0,
+        epoch=2,
+        ranks=(RankStatus(0, 77, True), RankStatus(1, 78, False, None, 9, 6.0)),
+        refused={"forged": 1},
+    )
+    assert DeskReply.from_json(reply.to_json()) == reply
+    for bad in (b"{", b'{"op": "dance"}', b"[]"):
+        with pytest.raises(ValueError, match="malformed desk request"):
+            DeskRequest.from_json(bad)
+    with pytest.raises(ValueError, match="malformed desk reply"):
+        DeskReply.from_json(b'{"error": "no ok"}')
+
+
+def test_this_process_is_alive_and_a_recycled_pid_is_not_its_holder():
+    me = ControllerId.of_this_process()
+    assert me.alive() is True
+    assert ControllerId(me.pid, me.hostname, me.started - 100).alive() is False
+    assert ControllerId(me.pid, "another-machine").alive() is None
+
+
+def _file(name: str) -> AttachFile:
+    return AttachFile(
+        name=name,
+        run_id="r1",
+        key="00" * 32,
+        created=1.0,
+        keep=60.0,
+        backend="local",
+        per_host={"gpus": 2},
+        n_hosts=1,
+        controller=ControllerId(1, "box", 2.0),
+        send="ipc:///x/send",
+        recv="ipc:///x/recv",
+        ipc_dir="/x",
+        env={},
+        on_failure="restart",
+        grace=3.0,
+        common={"world_size": 2},
+        hosts=[HostEntry(0, 10, "box", "127.0.0.1", 2900, "ipc:///tmp/mk-detached-q/desk")],
+    )
+
+
+def test_attach_file_is_private_and_reads_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    f = _file("m")
+    f.write()
+    assert f.path == str(tmp_path / "monarch-mesh-m.json")
+    assert stat.S_IMODE(os.stat(f.path).st_mode) == 0o600
+    back = attach_file.read(f.path)
+    assert back == f
+    assert back.hosts[0].rank_log(1) == "/tmp/mk-detached-q/rank1.log"
+    assert attach_file.all_files() == [f.path]
+    other = _file("m")
+    other.run_id = "r2"
+    other.remove()  # another run's: left alone
+    assert os.path.exists(f.path)
+    f.remove()
+    assert not os.path.exists(f.path)
+
+
+def test_attach_file_errors_name_the_problem(tmp_path, monkeypatch):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    with pytest.raises(AttachFileError, match="no attach file"):
+        attach_file.read(str(tmp_path / "nope.json"))
+    (tmp_path / "v.json").write_text('{"version": 99}')
+    with pytest.raises(AttachFileError, match="version 99; this monarch_kernel reads version 1"):
+        attach_file.read(str(tmp_path / "v.json"))
+    (tmp_path / "d.json").write_text('{"version": 1, "name": "m"}')
+    with pytest.raises(AttachFileError, match="damaged"):
+        attach_file.read(str(tmp_path / "d.json"))
+
+
+def test_sweep_removes_dirs_whose_owners_are_all_gone(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead, alive, unmarked = (tmp_path / f"mk-launch-{n}" for n in ("dead", "alive", "none"))
+    for d in (dead, alive, unmarked):
+        d.mkdir()
+    tempdirs.mark_owners(str(dead), [os.getpid()])  # marked while its owner ran ...
+    (dead / tempdirs.OWNERS).write_text(f"[[{gone.pid}, 1.0]]")  # ... which is gone now
+    tempdirs.mark_owners(str(alive), [gone.pid, os.getpid()])
+    assert tempdirs.sweep(str(tmp_path)) == [str(dead)]
+    assert alive.exists() and unmarked.exists() and not dead.exists()
+
+
+def test_a_ranks_metric_history_spans_the_whole_run_in_bounded_memory(tmp_path):
+    import zmq
+
+    from monarch_kernel.rank import link
+
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.DEALER)
+    fd = os.open(tmp_path / "rank0.log", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        keeper = link.ControllerLink(out, fd)
+        total = 5 * link.HISTORY
+        for step in range(1, total + 1):
+            keeper.record({"step": float(step)}, None)
+        history = keeper.welcome()
+        steps = [values["step"] for _, _, values in history]
+        assert len(steps) <= link.HISTORY
+        assert steps[0] == 1.0 and steps[-1] >= total - 8  # from the start to (nearly) now
+        assert steps == sorted(steps)
+        gaps = {b - a for a, b in zip(steps, steps[1:])}
+        assert max(gaps) <= 8  # evenly thinned: no stretch of the run is missing
+        keeper.close()
+    finally:
+        os.close(fd)
+        out.close(0)
+        ctx.term()
