@@ -32,6 +32,7 @@ BENCHES = [
     "ready",
     "cells",
     "fault",
+    "peerstate",
     "detach",
     "ddp",
     "ddpfault",

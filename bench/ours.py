@@ -150,6 +150,10 @@ def run(s: Settings, rec: Recorder) -> None:
         from bench import faults
 
         faults.ours(s, rec)
+    if s.wants("peerstate"):
+        from bench import peer_state
+
+        peer_state.ours(s, rec)
     if s.wants("xhost"):
         from bench import crosshost
 

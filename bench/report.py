@@ -121,6 +121,19 @@ def rows(s: Settings) -> list[Row]:
     )
     out.append(Row("raise_collective", "7. rank raises, 3 wait in all_reduce -> call raises", "ms"))
     out.append(Row("restart_1of4", "7. restart 1 rank of 4 + re-form process group", "s"))
+    out += [
+        Row(
+            "peer_first_step", "7. SIGKILL -> first step done, 100M params, state from a peer", "s"
+        ),
+        Row("peer_recovery", "7. SIGKILL -> survivors resume (state from a peer)", "s"),
+        Row("peer_step", "7. one training step of that model (4 ranks, for scale)", "s"),
+        Row("peer_state_gb", "7. state copied from the peer (params + momentum)", "GB"),
+        Row("peer_state_gbps", "7. state transfer from the peer", "GB/s", "higher"),
+        Row("peer_raw_gbps", "7. raw data plane, same bytes, same ranks", "GB/s", "higher"),
+        Row("peer_steps_lost", "7. steps lost (state from a peer)", "steps"),
+        Row("disk_first_step", "7. SIGKILL -> first step done, disk checkpoint", "s"),
+        Row("disk_steps_lost", "7. steps lost (disk checkpoint every 10 steps)", "steps"),
+    ]
     out.append(Row("attach_dashboard", "7. %mesh attach -> dashboard with the whole history", "s"))
     out.append(
         Row(
@@ -191,6 +204,9 @@ SCALE = {
     "lines/s": 1.0,
     "steps/s": 1.0,
     "x": 1.0,
+    "GB/s": 1.0,
+    "GB": 1.0,
+    "steps": 1.0,
 }
 
 
@@ -435,7 +451,18 @@ def how_measured(s: Settings) -> list[str]:
         "`all_reduce` while 3 enter it; time until the call raises (the grace, then the "
         "process group is aborted). Restart: `procs.restart([1])` of a live rank: kill it, "
         "start it again, re-form the process group on all 4 (new rendezvous), re-create its "
-        "actor.",
+        "actor. State from a peer (`bench/peer_state.py`, through a real kernel): 4 ranks, "
+        "DDP over gloo, a 100.7M-parameter MLP (6 x 4096^2) with SGD + momentum in a "
+        "foreground `TrainingState` loop; rank 2 is SIGKILLed after step 4. First step done: "
+        "from the kill to the first step completed after the recovery (the redone step "
+        "included; one step's time is its own row); survivors resume: the controller's "
+        "figure from the claimed death to the survivors leaving the step boundary. Transfer: "
+        "the new rank's load of the replica's state (parameters copied into its own, momentum "
+        "mapped copy-on-write from the replica's shared memory) ÷ its seconds; raw data "
+        "plane: the same number of bytes, one shared tensor `read_into` a fresh tensor, "
+        "between the same ranks. Disk checkpoint: the same kill in today's loop (a "
+        "`torch.save` every 10 steps on rank 0); the cell fails, the mesh restarts rank 2, "
+        "and the cell run again loads the checkpoint on every rank.",
         "9. Across machines (ours only, run as root): two emulated machines, Linux network "
         "namespaces with a veth each into a bridge (`tests/netns.py`). Ours: a `join` mesh of "
         "the 2 hosts × 1 rank, its host agents started in the namespaces with the commands the "

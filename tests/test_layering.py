@@ -38,6 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     "spmd": BASE | {"calls", "rank", "actor", "config", "spmd"},
     "job": BASE | {"calls", "launchers", "controller", "rank", "actor", "config", "job"},
     "rdma": BASE | {"calls", "rank", "actor", "config", "rdma"},
+    "training": BASE | {"calls", "rank", "training"},
 }
 
 

@@ -142,6 +142,22 @@ def test_monarch_programs_notebook_job_actors_supervision_spmd():
     assert "job active: False | trainers stopped: True" in _text(code[5])
 
 
+def test_fault_tolerant_training_notebook_recovers_a_killed_rank_from_a_peer():
+    path = NOTEBOOKS / "08-fault-tolerant-training.ipynb"
+    nb = _execute(nbformat.read(path, as_version=4), "monarch")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "ready in" in _text(code[0])
+    assert "killed rank 2" in _text(code[3])
+    done = _text(code[4])
+    assert "Error" not in done, done
+    assert "(300, '" in done, done
+    said = re.search(r"rank 2 died \(killed by SIGKILL\) at step (\d+); restarted", done)
+    assert said and int(said.group(1)) >= 100, done
+    assert re.search(r"state of [0-9.]+ KB copied from rank \d in [0-9.]+ s", done), done
+    same = _text(code[5])
+    assert same.count("same process") == 3 and "rank 2: restarted" in same, same
+
+
 def test_detach_notebook_takes_over_a_killed_kernels_mesh():
     nb = _execute(nbformat.read(NOTEBOOKS / "09-detach.ipynb", as_version=4), "monarch")
     code = [c for c in nb.cells if c.cell_type == "code"]

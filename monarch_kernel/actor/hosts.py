@@ -334,6 +334,8 @@ def watch_faults(runtime: MeshRuntime) -> None:
             path = tuple(event.report.get("path") or ())
             failure = MeshFailure(name, actor, event.rank, event.report, path)
         elif isinstance(event, RankDied) and event.state is RankState.DEAD:
+            if event.claimed:
+                return  # its training state is recovered from peers: handled
             d = event.death
             message = f"{d.process_phrase} (rank {d.rank} on host {d.host})"
             report: FailureReport = {"type": PROCESS_ENDED, "message": message}

@@ -181,6 +181,9 @@ class RankDied:
     state: RankState
     death: DeathInfo
     requests: tuple[str, ...]
+    #: Its training state is recovered from peers: requests it ran wait for a restarted
+    #: rank (see ``controller.peer_recovery``), the failure policy leaves it alone.
+    claimed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,6 +158,8 @@ class FailureHandler:
         elif isinstance(event, RankDied):
             if event.state is not RankState.DEAD or self._lifecycle.phase.ended:
                 return  # stopped on purpose (a stop, or killed by this very policy)
+            if event.claimed:
+                return  # recovered from peers (controller.peer_recovery), not here
             cause = f"died ({event.death.how})"
             for rid in event.requests:
                 self._open(rid, event.rank, cause)

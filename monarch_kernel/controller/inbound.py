@@ -110,6 +110,7 @@ class Inbound:
         rank_died: Callable[[RankInfo, RankEnd], None],
         port_received: Callable[[str, int], None],
         find_mesh: Callable[[str], StoppableMesh | None],
+        on_train: Callable[[int, bytes], None] | None = None,
     ):
         """``notify``: wake threads waiting for ranks and hosts (``MeshLifecycle``);
         ``rank_died``: ``Supervisor.rank_died``; ``port_received``: the answer to
@@ -132,6 +133,7 @@ class Inbound:
         #: its partial ones, dropped with it.
         self._assembler = Assembler()
         events.subscribe(self._drop_partial, RankDied)
+        self._on_train_notice = on_train
         #: kind -> handler of the message with its typed header (``wire.headers``)
         self._handlers: dict[str, Handler] = {
             K.RESULT: typed(H.Result.decode, self._on_result),
@@ -152,6 +154,7 @@ class Inbound:
             K.PORT: typed(H.Port.decode, self._on_port),
             K.INPUT: typed(H.Input.decode, self._on_input),
             K.RESUMED: typed(H.Resumed.decode, self._on_resumed),
+            K.TRAIN_NOTICE: typed(H.RankNotice.decode, self._on_train),
         }
 
     def add_handler(self, kind: str, handler: Handler) -> None:
@@ -292,6 +295,11 @@ class Inbound:
         ):
             ranks |= spec.ranks  # the same spawn, reported by another of its ranks
         recipe.remember_actor(ActorSpec(name, payload, buffers, ranks, owner))
+
+    def _on_train(self, h: H.RankNotice, msg: Message) -> None:
+        """A rank's training notice (``controller.peer_recovery``)."""
+        if self._on_train_notice is not None:
+            self._on_train_notice(h.rank, bytes(msg.payload))
 
     def _on_stop_mesh(self, h: H.RankNotice, msg: Message) -> None:
         """A rank holding a reference to a mesh stops it (on a thread of its own: a

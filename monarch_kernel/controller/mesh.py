@@ -40,6 +40,8 @@ from monarch_kernel.controller.attach_file import MeshIdentity, file_for
 from monarch_kernel.controller.events import EventBus, RequestKind, RequestStarted
 from monarch_kernel.controller.failures import DEFAULT_GRACE, FailureHandler
 from monarch_kernel.controller.inbound import Inbound
+from monarch_kernel.controller.peer_mesh import PeerMesh
+from monarch_kernel.controller.peer_recovery import PeerRecovery
 from monarch_kernel.controller.phase import MeshLifecycle
 from monarch_kernel.controller.receiver import Awaitable, Receiver
 from monarch_kernel.controller.records import (
@@ -187,6 +189,18 @@ class MeshRuntime:
             post=self.receiver.post,
             has_process_group=lambda: self.recipe.pg_backend is not None,
         )
+        self.peers = PeerRecovery(
+            self.name,
+            ranks=self.ranks,
+            requests=self.requests,
+            policy=self.failures,
+            # the PeerMesh is made with the restart parts, later: looked up when used
+            make_runner=lambda rid, payload, buffers, dead: self.peer_mesh.runner(
+                rid, payload, buffers, dead, self.peers.finished
+            ),
+            raise_parked=lambda rid, ranks, why: self.peer_mesh.raise_parked(rid, ranks, why),
+            events=self.events,
+        )
         self.supervisor = Supervisor(
             self.name,
             ranks=self.ranks,
@@ -198,6 +212,7 @@ class MeshRuntime:
             post=self.receiver.post,
             restarts=self.failures,
             hb_timeout=self.hb_timeout,
+            claim=self.peers.claim,
         )
         self._wire_restarts()
 
@@ -238,6 +253,19 @@ class MeshRuntime:
             rank_died=self.supervisor.rank_died,
             port_received=self.restarter.port_received,
             find_mesh=registry.get,
+            on_train=self.peers.on_notice,
+        )
+        self.peer_mesh = PeerMesh(
+            self.name,
+            self,
+            ranks=self.ranks,
+            hosts=self.hosts,
+            recipe=self.recipe,
+            restarter=self.restarter,
+            transport=self.transport,
+            requests=self.requests,
+            events=self.events,
+            post=self.receiver.post,
         )
         self.receiver.start(self.inbound.handle, self.supervisor.tick)
 
@@ -298,6 +326,8 @@ class MeshRuntime:
         control, what = options.control, options.what
         kind = RequestKind.of(header["k"], control)
         self.requests.add(rid, ranks, observer, kind, what, options.internal)
+        if kind is RequestKind.CELL and not options.internal:  # re-sent if a rank dies
+            self.peers.remember_cell(rid, payload, buffers)
         if self.lifecycle.phase.ended:  # stop() ran since check_alive: it did not fail this
             self.requests.fail_request(rid, MeshStoppedError(f"mesh {self.name!r} is stopped"))
             return rid

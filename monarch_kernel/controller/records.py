@@ -249,6 +249,9 @@ class RecoveryReport:
     reason: str = ""
     #: What the replica check found and did (``replicas identical``; empty: no check).
     replicas: str = ""
+    #: A recovery from peers: what died, the state copied, the step resumed (then the
+    #: restarted ranks lost nothing declared in their TrainingState).
+    peer_state: str = ""
 
     @property
     def changed(self) -> bool:
@@ -279,7 +282,9 @@ class RecoveryReport:
             text += f" ({self.reason})"
         if self.replicas:
             text += f"; {self.replicas}"
-        if self.restarted:
+        if self.peer_state:
+            text += f"\n{self.peer_state}"
+        elif self.restarted:
             text += (
                 "\nlost on the restarted rank(s): variables and imports not made by setup "
                 "cells, and GPU memory contents"

@@ -163,12 +163,13 @@ class RequestTable:
         for r in sorted(gone):
             pending.observer.on_lost(r, error)
 
-    def take_rank(self, rank: int) -> list[Pending]:
+    def take_rank(self, rank: int, keep: frozenset[str] = frozenset()) -> list[Pending]:
         """``rank`` will never answer: take it out of every request that waits on it and
-        return those requests (the caller tells their observers, with :meth:`lose`)."""
+        return those requests (the caller tells their observers, with :meth:`lose`).
+        Requests in ``keep`` go on waiting for it (a restarted rank answers them)."""
         taken = []
         for rid, pending in list(self._pending.items()):
-            if rank in pending.waiting:
+            if rank in pending.waiting and rid not in keep:
                 pending.waiting.discard(rank)
                 if not pending.waiting:
                     self._pending.pop(rid, None)
@@ -180,6 +181,21 @@ class RequestTable:
         with self._count_lock:
             self._ranks[rank].outstanding = 0
         return taken
+
+    def rejoin(self, rid: str, rank: int) -> None:
+        """A restarted ``rank`` runs request ``rid`` again (it kept waiting for it)."""
+        pending = self._pending.get(rid)
+        if pending is None:
+            return
+        pending.waiting.add(rank)
+        info = self._ranks[rank]
+        with self._count_lock:
+            info.outstanding += 1
+            flip = info.state is RankState.IDLE
+            if flip:
+                info.state = RankState.BUSY
+        if flip:
+            self._announce(info, RankState.BUSY, RankState.IDLE)
 
     @staticmethod
     def lose(rank: int, taken: list[Pending], error: BaseException) -> None:

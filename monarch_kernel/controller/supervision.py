@@ -64,7 +64,10 @@ class Supervisor:
         post: Post,
         restarts: RestartPolicy,
         hb_timeout: float,
+        claim: Callable[[int], frozenset[str]] | None = None,
     ):
+        """``claim``: ``PeerRecovery.claim`` (requests that keep waiting for a dead rank
+        whose training state is recovered from peers)."""
         self._name = name
         self._ranks = ranks
         self._hosts = hosts
@@ -75,6 +78,7 @@ class Supervisor:
         self._post = post
         self._restarts = restarts
         self._hb_timeout = hb_timeout
+        self._claim = claim
         self._last_tick = time.monotonic()
 
     def tick(self, now: float) -> None:
@@ -149,11 +153,15 @@ class Supervisor:
             )
         else:
             error = RankDiedError(self.death_text(info), info.death, self._name)
-        taken = self._requests.take_rank(info.rank)
+        keep = frozenset[str]()
+        if self._claim is not None and state is RankState.DEAD:
+            keep = self._claim(info.rank)
+        taken = self._requests.take_rank(info.rank, keep)
         # Listeners hear of the death before the callers whose requests it fails.
         if self._events.wants(RankDied):
             failed = tuple(p.id for p in taken)
-            self._events.emit(RankDied(self._name, info.rank, state, info.death, failed))
+            dead = RankDied(self._name, info.rank, state, info.death, failed, bool(keep))
+            self._events.emit(dead)
         self._requests.lose(info.rank, taken, error)
         self._lifecycle.notify()
 

@@ -26,6 +26,13 @@ DEFAULT_GRACE = 3.0
 
 #: Modules imported before the first fork so every rank starts with them loaded.
 PREIMPORT = ("zmq", "cloudpickle", "monarch_kernel.rank.runtime", "torch")
+#: Modules imported once the template has been idle for LATE_IDLE seconds, so that ranks
+#: forked later (restarted ones) have them: the first ``DistributedDataParallel(...)``
+#: in a process imports ``torch._dynamo`` (about 1-2 s), which a rank restarted in the
+#: middle of training would otherwise pay before it can rejoin. Set
+#: ``MONARCH_KERNEL_PREIMPORT_LATE`` (comma-separated; empty: none) to change it.
+PREIMPORT_LATE = "torch._dynamo"
+LATE_IDLE = 1.0
 
 
 def _preimport() -> None:
@@ -39,6 +46,15 @@ def _preimport() -> None:
         from monarch_kernel.rank.distributed import install_idempotent_init
 
         install_idempotent_init()
+
+
+def _import_quietly(names: list[str]) -> None:
+    """Import ``names``; one that fails to import is skipped."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
 
 
 class Template:
@@ -65,10 +81,17 @@ class Template:
 
     def run(self) -> None:
         self.emit(e="template_ready", pid=os.getpid())
+        late = os.environ.get("MONARCH_KERNEL_PREIMPORT_LATE", PREIMPORT_LATE)
+        pending = [m for m in late.split(",") if m] if "torch" in sys.modules else []
         while True:
             try:
-                ready, _, _ = select.select([self.cmd_fd, self.wake_r], [], [])
+                wait = LATE_IDLE if pending else None
+                ready, _, _ = select.select([self.cmd_fd, self.wake_r], [], [], wait)
             except InterruptedError:
+                continue
+            if not ready:  # idle: import what later forks should find loaded
+                _import_quietly(pending)
+                pending = []
                 continue
             if self.wake_r in ready:
                 try:

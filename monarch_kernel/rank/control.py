@@ -93,6 +93,7 @@ class ControlThread:
             K.PING: self.ping,
             K.ABORT_PG: self.abort_pg,
             K.INPUT_REPLY: self.input_reply,
+            K.TRAIN: self.train,
         }
 
     def start(self) -> None:
@@ -246,6 +247,13 @@ class ControlThread:
         thread = threading.Thread(target=abort, name="mk-abort-pg", daemon=True)
         thread.start()
         thread.join(ABORT_WAIT)
+
+    def train(self, msg: Message) -> None:
+        """TRAIN: an order for the main thread parked at a training step boundary (see
+        ``rank.train_park``)."""
+        from monarch_kernel.rank import train_park
+
+        train_park.on_control(msg, self.outbox)
 
     def input_reply(self, msg: Message) -> None:
         """INPUT_REPLY: the notebook's answer to an ``input()`` waiting on this rank."""

@@ -152,6 +152,10 @@ def reform_process_group(
     global last_backend
     os.environ["MASTER_ADDR"] = str(master_addr)
     os.environ["MASTER_PORT"] = str(int(master_port))
+    if not is_initialized():  # a restarted rank: join the rendezvous as the others do
+        from monarch_kernel.rank.pg_alone import form_alone
+
+        form_alone()
     default = _default_reformable()
     if default is not None:
         from monarch_kernel.rank import pg_backend, replicas

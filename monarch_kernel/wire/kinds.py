@@ -257,6 +257,9 @@ kind              keys and payload
                   typed) or ``e`` str (why there is none: the rank's ``input()`` raises
                   EOFError with it; a debugger prompt takes ``e`` = ``interrupted`` as
                   KeyboardInterrupt and any other ``e`` as ``detach``)
+``train``         ``i``, ``w``. Payload: a pickled ``wire.train_msgs.Order`` for a rank
+                  parked at a training step boundary (``reform``, ``offer``, ``load``,
+                  ``resume``, ``raise``) or restarted (``expect``). Reply value: per order
 ``hello``         (no keys) the controller's connection probe, ignored
 ================  =======================================================================
 
@@ -318,6 +321,9 @@ kind              keys and payload
 ``resumed``       ``i``, ``n`` int (the debugger's last prompt serial: withdrawn if still
                   asked), ``why`` str (``continue``, ``detach``, ``quit``, ``timeout``,
                   ``interrupted``, ``done``): the rank's debugger lets it run on
+``train_notice``  Payload: a pickled ``wire.train_msgs.Notice``: the rank runs steps of a
+                  ``TrainingState`` in a request, is parked at a step boundary, or
+                  loaded a replica's state
 ``stats``         Payload: pickled ``{"rss": int, "time": float, "bytes_out": int,
                   "bytes_in": int}`` plus ``"gpu_mem": int`` once CUDA is initialised
                   and ``"pg": str`` (the backend) once a process group was; once a
@@ -390,6 +396,8 @@ ABORT_PG = "abort_pg"
 #: send what it kept while no controller was connected (results, faults).
 ATTACHED = "attached"
 INPUT_REPLY = "input_reply"
+#: An order to a rank parked at a training step boundary (``wire.train_msgs.Order``).
+TRAIN = "train"
 
 # rank -> controller
 READY = "ready"
@@ -401,9 +409,12 @@ FAULT = "fault"
 INPUT = "input"
 RESUMED = "resumed"  # the rank's debugger let it run on (header "why")
 STATS = "stats"  # once a second from each rank: memory and data-plane byte counters
+#: What a rank tells about its training (``wire.train_msgs.Notice``).
+TRAIN_NOTICE = "train_notice"
 
 #: The version of this protocol (the kinds and keys above, and the join handshake). A
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 3  # 2: the ``display`` kind; 3: large values travel as streams of chunks
+PROTOCOL_VERSION = 4  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
+# 4: the ``train`` and ``train_notice`` kinds (state from peers)

@@ -26,7 +26,9 @@ class ControlRequest(Ordered):
 
     KIND: ClassVar[str] = ""  #: one of KINDS: see ``kind``
     KEYS: ClassVar[frozenset[str]] = Ordered.KEYS
-    KINDS: ClassVar[frozenset[str]] = frozenset({K.PUSH, K.PULL, K.PING, K.STACKS, K.ATTACHED})
+    KINDS: ClassVar[frozenset[str]] = frozenset(
+        {K.PUSH, K.PULL, K.PING, K.STACKS, K.ATTACHED, K.TRAIN}
+    )
 
     kind: str
 

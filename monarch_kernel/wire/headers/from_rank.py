@@ -181,7 +181,9 @@ class RankNotice:
 
     KIND: ClassVar[str] = ""  #: one of KINDS: see ``kind``
     KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"r"}
-    KINDS: ClassVar[frozenset[str]] = frozenset({K.FAULT, K.STATS, K.STOP_MESH, K.ASK})
+    KINDS: ClassVar[frozenset[str]] = frozenset(
+        {K.FAULT, K.STATS, K.STOP_MESH, K.ASK, K.TRAIN_NOTICE}
+    )
 
     kind: str
     rank: int
