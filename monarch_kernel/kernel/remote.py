@@ -270,7 +270,13 @@ class RemoteJob:
             else isinstance(event, RankDied) and self.request_id in event.requests
         )
         if ours and not self.done():
-            self.procs.runtime.receiver.post(self._failing)
+            # Posted: it runs once the failure is recorded; on a thread of its own, as
+            # updating the displays must never hold up the receiving thread (the failure
+            # policy's release waits on it).
+            self.procs.runtime.receiver.post(self._start_failing)
+
+    def _start_failing(self) -> None:
+        threading.Thread(target=self._failing, name="mk-job-failing", daemon=True).start()
 
     def _failing(self) -> None:
         try:
