@@ -21,6 +21,7 @@ import time
 
 from monarch_kernel.rank.pg_protocol import MAX_FDS, MAX_MESSAGE
 from monarch_kernel.rank.pg_worker import run_child, serve
+from monarch_kernel.wire.osutil import die_with_parent
 
 
 class WorkerHandle:
@@ -130,6 +131,8 @@ class Spawner:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
+            # (No parent-death signal here: it would follow the forking *thread*, which
+            # may be a short-lived one; the zygote leaves when the rank's end closes.)
             ours.close()
             run_child(_zygote, theirs)
         theirs.close()
@@ -148,8 +151,12 @@ def _zygote(sock: socket.socket) -> None:
         if not request:
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        zygote = os.getpid()
         pid = os.fork()
         if pid == 0:
+            # A worker blocked inside a gloo collective would otherwise live on until
+            # gloo's own timeout once its rank (and so its zygote) is gone.
+            die_with_parent(signal.SIGKILL, expected_parent=zygote)
             sock.close()
             ours.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
