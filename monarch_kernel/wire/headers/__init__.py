@@ -43,6 +43,7 @@ from monarch_kernel.wire.headers.from_rank import (
     Stream,
 )
 from monarch_kernel.wire.headers.host import (
+    Chunk,
     Detach,
     DumpStacks,
     Heartbeat,
@@ -104,6 +105,7 @@ AnyHeader: TypeAlias = (
     | DumpStacks
     | NewPort
     | Heartbeat
+    | Chunk
     | HostReady
     | Port
     | RankStarted
@@ -139,6 +141,7 @@ _CLASSES: tuple[Any, ...] = (
     DumpStacks,
     NewPort,
     Heartbeat,
+    Chunk,
     HostReady,
     Port,
     RankStarted,
@@ -199,6 +202,7 @@ __all__ = [
     "DumpStacks",
     "Exec",
     "HeaderError",
+    "Chunk",
     "Heartbeat",
     "Hello",
     "HostReady",

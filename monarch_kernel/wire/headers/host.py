@@ -195,6 +195,37 @@ class Heartbeat:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Chunk:
+    """``ck``: a part of a large value's stream (``wire.chunks``): stream ``st``,
+    section ``x`` at byte offset ``o``; a fan-out's chunk also carries its route
+    (``f``, ``d``). Read by the receiving loop's assembler, before any other decoding."""
+
+    KIND: ClassVar[str] = K.CHUNK
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"st", "x", "o", "f", "d"}
+
+    stream: str
+    section: int
+    offset: int
+    fanout: int | None = None
+    targets: object = None
+
+    def encode(self) -> WireHeader:
+        h: WireHeader = {"k": K.CHUNK, "st": self.stream, "x": self.section, "o": self.offset}
+        if self.fanout is not None:
+            h["f"] = self.fanout
+        if self.targets is not None:
+            h["d"] = self.targets
+        return h
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> Chunk:
+        check_keys(cls, h)
+        return cls(
+            stream=h["st"], section=h["x"], offset=h["o"], fanout=h.get("f"), targets=h.get("d")
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class HostReady:
     """``host_ready``: host agent ``h`` is up (its pid, hostname, address, free port;
     a detachable mesh's agent also its attach desk)."""
