@@ -33,12 +33,14 @@ BENCHES = [
     "cells",
     "fault",
     "peerstate",
+    "elastic",
     "detach",
     "ddp",
     "ddpfault",
     "xhost",
     "engines",
     "a2a",
+    "dap",
 ]
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

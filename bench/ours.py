@@ -141,6 +141,10 @@ def run(s: Settings, rec: Recorder) -> None:
         from bench import a2a
 
         a2a.run(s, rec, Actor, endpoint, this_host, lambda p: p.stop())
+    if s.wants("dap"):
+        from bench import dap_panel
+
+        dap_panel.ours(s, rec)
     if s.wants("cells"):
         from bench import notebook
 
@@ -154,6 +158,10 @@ def run(s: Settings, rec: Recorder) -> None:
         from bench import peer_state
 
         peer_state.ours(s, rec)
+    if s.wants("elastic"):
+        from bench import elastic
+
+        elastic.ours(s, rec)
     if s.wants("xhost"):
         from bench import crosshost
 

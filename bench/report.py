@@ -133,6 +133,10 @@ def rows(s: Settings) -> list[Row]:
         Row("peer_steps_lost", "7. steps lost (state from a peer)", "steps"),
         Row("disk_first_step", "7. SIGKILL -> first step done, disk checkpoint", "s"),
         Row("disk_steps_lost", "7. steps lost (disk checkpoint every 10 steps)", "steps"),
+        Row("elastic_grow", "7. grow 2 -> 4 ranks mid-training, 100 MB model: pause", "s"),
+        Row("elastic_grow_gap", "7. grow 2 -> 4: longest gap between two steps", "s"),
+        Row("elastic_shrink", "7. shrink 4 -> 3 ranks mid-training: pause", "s"),
+        Row("elastic_restarted", "7. survivors restarted by grow + shrink", "ranks"),
     ]
     out.append(Row("attach_dashboard", "7. %mesh attach -> dashboard with the whole history", "s"))
     out.append(
@@ -190,6 +194,12 @@ def rows(s: Settings) -> list[Row]:
         Row("slurm_ready_2x2", "10. %mesh --backend slurm --hosts 2 --gpus 2 -> ready", "s"),
         Row("a2a", "11. actor -> actor call round trip across meshes (rank to rank)", "us"),
         Row("a2a_p99", "11. actor -> actor call round trip, p99", "us"),
+        Row("dap_panel_ipykernel", "12. stopped -> Debugger panel filled, plain ipykernel", "ms"),
+        Row("dap_panel_4", "12. stopped -> Debugger panel filled, %%remote on 4 ranks", "ms"),
+        Row("dap_panel_ratio", "12. panel filled, 4 ranks ÷ plain ipykernel (local cell)", "x"),
+        Row("dap_panel_64", "12. stopped -> Debugger panel filled, 64 ranks paused", "ms"),
+        Row("dap_threads_64", "12. DAP threads, 64 ranks paused", "ms"),
+        Row("dap_stack_64", "12. DAP stackTrace, 64 ranks paused", "ms"),
     ]
     return out
 
@@ -207,6 +217,7 @@ SCALE = {
     "GB/s": 1.0,
     "GB": 1.0,
     "steps": 1.0,
+    "ranks": 1.0,
 }
 
 
@@ -462,7 +473,14 @@ def how_measured(s: Settings) -> list[str]:
         "plane: the same number of bytes, one shared tensor `read_into` a fresh tensor, "
         "between the same ranks. Disk checkpoint: the same kill in today's loop (a "
         "`torch.save` every 10 steps on rank 0); the cell fails, the mesh restarts rank 2, "
-        "and the cell run again loads the checkpoint on every rank.",
+        "and the cell run again loads the checkpoint on every rank. Elastic "
+        "(`bench/elastic.py`, through a real kernel): 2 ranks, DDP over gloo, a 25.2M-parameter "
+        "MLP (6 x 2048^2, 100 MB) with SGD + momentum in a `--bg` `TrainingState` loop; "
+        "`%mesh grow eb --ranks +2`, then `%mesh shrink eb --ranks 3`. Pause: the "
+        "controller's figure from telling the ranks to hold at a step boundary until they "
+        "resumed (new ranks are started and run the setup cell before it, while the loop "
+        "trains on); gap: the longest time between two consecutive steps of rank 0 over "
+        "the whole run; survivors restarted: pids before and after.",
         "9. Across machines (ours only, run as root): two emulated machines, Linux network "
         "namespaces with a veth each into a bridge (`tests/netns.py`). Ours: a `join` mesh of "
         "the 2 hosts × 1 rank, its host agents started in the namespaces with the commands the "
@@ -496,6 +514,13 @@ def how_measured(s: Settings) -> list[str]:
         "times `call_one().get()` of a no-op on it inside its own rank (sync endpoint), so "
         "the controller is not on the path. Ours: the call goes to the target rank's inbox "
         "over a unix socket, the reply to the caller's reply socket (one hop each way).",
+        "12. Visual debugger (ours; plain ipykernel as the peer, bench/dap_panel.py): a real "
+        "kernel and a client speaking the debug protocol as JupyterLab's Debugger panel does; "
+        "a gutter breakpoint inside a loop; for each `stopped` event, the time from sending "
+        "`stackTrace` to the reply of the last `variables` (`scopes` of the top frame, then "
+        "`variables` of every scope), then `continue`. Plain ipykernel: a local cell, "
+        "debugpy. Ours: a `%%remote` cell, every rank's stop timed (4 ranks: each loop "
+        "iteration; 64 ranks: one). Medians.",
     ]
     if big:
         lines[1] += (

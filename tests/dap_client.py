@@ -52,6 +52,12 @@ class DapClient:
         else:
             self.k._ahead.append(m)
 
+    def drop_events(self) -> None:
+        """Forget the events seen so far (those of earlier cells)."""
+        self._pump(0.05)
+        self.k.other[:] = [m for m in self.k.other if m["msg_type"] != "debug_event"]
+        self.events.clear()
+
     def wait_events(self, name: str, count: int, timeout: float = 60) -> list[dict[str, Any]]:
         """Wait until ``count`` events ``name`` were seen (not taken before); take them."""
         deadline = time.monotonic() + timeout

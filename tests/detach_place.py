@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import re
 import shutil
 import signal
@@ -34,7 +35,11 @@ class Place:
         return {"TMPDIR": self.tmp, "JUPYTER_RUNTIME_DIR": self.runtime}
 
     def kernel(self) -> Kernel:
-        k = Kernel(env=self.env)
+        return self.kernel_with(self.env)
+
+    def kernel_with(self, env: dict[str, str]) -> Kernel:
+        """A kernel with ``env`` (this place's, plus what a test adds)."""
+        k = Kernel(env=dict(env, **self.env))
         self.kernels.append(k)
         return k
 
@@ -56,6 +61,9 @@ class Place:
         old = self.kernel_pid(k)
         k.km.restart_kernel(now=False)
         wait_until(lambda: not pid_alive(old), timeout=30, what="the old kernel to exit")
+        with contextlib.suppress(queue.Empty):  # what it sent last (for k.other)
+            while True:
+                k.other.append(k.kc.get_iopub_msg(timeout=1))
         k.kc.stop_channels()
         k.kc = k.km.client()
         k.kc.start_channels()
@@ -87,7 +95,8 @@ class Place:
         """The log rank ``rank`` writes itself (everything it prints)."""
         f = self.attach_file(name)
         host = f["hosts"][f["ranks"][rank]["host"]]
-        return os.path.join(os.path.dirname(host["desk"].removeprefix("ipc://")), f"rank{rank}.log")
+        folder = host.get("dir") or os.path.dirname(host["desk"].removeprefix("ipc://"))
+        return os.path.join(folder, f"rank{rank}.log")
 
     def processes(self) -> list[psutil.Process]:
         """Processes of this user that run with this place's TMPDIR (every process its

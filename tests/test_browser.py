@@ -8,6 +8,7 @@ restart button brings it back, and the Interrupt button stops a busy foreground 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,7 +18,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -72,37 +75,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _notebook(path: Path) -> None:
+def monarch_notebook(sources: list[str]) -> nbformat.NotebookNode:
+    """A notebook of the ``monarch`` kernel with one code cell per source."""
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "monarch", "display_name": "Monarch", "language": "python"}
-    nb.cells = [
-        nbformat.v4.new_code_cell("%mesh demo --gpus 4 --on-failure continue"),
-        nbformat.v4.new_code_cell(LOOP),
-        nbformat.v4.new_code_cell(KILL),
-        nbformat.v4.new_code_cell("%%remote demo\nimport time\ntime.sleep(60)"),
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    return nb
+
+
+def upload_notebook(base: str, name: str, sources: list[str]) -> None:
+    """Put a notebook of ``sources`` into the server's root through its contents API."""
+    content = monarch_notebook(sources)
+    body = json.dumps({"type": "notebook", "format": "json", "content": content}).encode()
+    req = urllib.request.Request(
+        f"{base}/api/contents/{name}",
+        data=body,
+        method="PUT",
+        headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"},
+    )
+    urllib.request.urlopen(req, timeout=10)
+
+
+def _notebook(path: Path) -> None:
+    sources = [
+        "%mesh demo --gpus 4 --on-failure continue",
+        LOOP,
+        KILL,
+        "%%remote demo\nimport time\ntime.sleep(60)",
     ]
-    nbformat.write(nb, path)
+    nbformat.write(monarch_notebook(sources), path)
 
 
 def _sidebar_notebook(path: Path) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "monarch", "display_name": "Monarch", "language": "python"}
-    nb.cells = [
-        nbformat.v4.new_code_cell("%mesh side --gpus 2 --on-failure continue"),
+    sources = [
+        "%mesh side --gpus 2 --on-failure continue",
         # two runs, the second starting again at step 0
-        nbformat.v4.new_code_cell(
-            "%%remote side\nimport os, monarch_kernel\nr = int(os.environ['RANK'])\n"
-            "for run in range(2):\n    for step in range(20):\n"
-            "        monarch_kernel.report(step=step, loss=1.0 / (step + 1) + run + 0.3 * r)"
-        ),
+        "%%remote side\nimport os, monarch_kernel\nr = int(os.environ['RANK'])\n"
+        "for run in range(2):\n    for step in range(20):\n"
+        "        monarch_kernel.report(step=step, loss=1.0 / (step + 1) + run + 0.3 * r)",
         # many ranks are drawn as their mean with a min/max band (here from 2 on)
-        nbformat.v4.new_code_cell("side.dashboard().live_charts['metric:loss'].max_lines = 1"),
-        nbformat.v4.new_code_cell(
-            "import os, signal\nos.kill(side.runtime.ranks[1].pid, signal.SIGKILL)"
-        ),
-        nbformat.v4.new_code_cell("%mesh stop side"),
+        "side.dashboard().live_charts['metric:loss'].max_lines = 1",
+        "import os, signal\nos.kill(side.runtime.ranks[1].pid, signal.SIGKILL)",
+        "%mesh stop side",
     ]
-    nbformat.write(nb, path)
+    nbformat.write(monarch_notebook(sources), path)
 
 
 def lab_env(tmp_path: Path) -> dict[str, str]:
@@ -204,6 +220,18 @@ def lab(tmp_path):
         proc.terminate()
         proc.wait(10)
     shutil.copy(tmp_path / "lab.log", ARTIFACTS / "lab.log")
+
+
+@contextlib.contextmanager
+def chromium_page(width: int, height: int) -> Iterator[Any]:
+    """A page of Debian's Chromium (through Playwright) of ``width`` × ``height``; the
+    browser is closed after."""
+    with playwright_sync.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser.new_page(viewport={"width": width, "height": height})
+        finally:
+            browser.close()
 
 
 def open_notebook(page, base: str, name: str) -> None:

@@ -1,29 +1,25 @@
 """JupyterLab's Debugger panel on a ``%%remote`` cell, in a real JupyterLab (Debian's
 Chromium through Playwright): turn the debugger on, click the gutter on a line of the cell
 that only rank 1 runs, run it; the Callstack panel shows rank 1's frame and the Variables
-panel a tensor's shape; Next steps rank 1 (its variables refresh); the stop button ends
-the paused cell. Not covered yet: clicking Continue here sends no ``continue`` request
-(the kernel-level tests cover ``continue``). The screenshot
-goes to ``docs/debugger-panel.png``. Uses the JupyterLab fixture of ``test_browser.py``."""
+panel a tensor's shape; the Callstack toolbar's Next steps rank 1 (its variables refresh)
+and its Continue runs the cell to its end. The screenshot goes to
+``docs/debugger-panel.png``. Uses the JupyterLab fixture of ``test_browser.py``."""
 
 from __future__ import annotations
 
-import json
 import shutil
-import urllib.request
 from pathlib import Path
 
-import nbformat
 from helpers import wait_until
 from test_browser import (  # noqa: F401 - pytestmark and the fixture are used by pytest
     ARTIFACTS,
     CHROMIUM,
     CHROMIUM_ARGS,
-    TOKEN,
     _run_cell,
     open_notebook,
     playwright_sync,
     pytestmark,
+    upload_notebook,
 )
 from test_browser import lab as jupyterlab  # noqa: F401 - the fixture, by this name
 
@@ -40,30 +36,16 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def _upload(base: str, name: str) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "monarch", "display_name": "Monarch", "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell("%mesh dbg --gpus 2"), nbformat.v4.new_code_cell(CELL)]
-    body = json.dumps({"type": "notebook", "format": "json", "content": nb}).encode()
-    req = urllib.request.Request(
-        f"{base}/api/contents/{name}",
-        data=body,
-        method="PUT",
-        headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"},
+    upload_notebook(
+        base,
+        name,
+        ["%mesh dbg --gpus 2", CELL],
     )
-    urllib.request.urlopen(req, timeout=10)
 
 
-def _interrupt_kernel(base: str) -> None:
-    """The stop button, through the server's REST API (the notebook's only kernel)."""
-    auth = {"Authorization": f"token {TOKEN}"}
-    with urllib.request.urlopen(
-        urllib.request.Request(f"{base}/api/kernels", headers=auth), timeout=10
-    ) as r:
-        kernel = json.loads(r.read())[0]["id"]
-    req = urllib.request.Request(
-        f"{base}/api/kernels/{kernel}/interrupt", data=b"", method="POST", headers=auth
-    )
-    urllib.request.urlopen(req, timeout=10)
+def _cell_finished(cell) -> bool:
+    """Whether the cell's prompt shows its execution count (``[*]`` while it runs)."""
+    return "*" not in cell.locator(".jp-InputPrompt").inner_text()
 
 
 def _click_gutter(page, cell, line: int) -> None:
@@ -108,21 +90,36 @@ def test_gutter_breakpoint_in_a_remote_cell_shows_in_the_panel(jupyterlab):  # n
             assert "run_user" not in frames.all_inner_texts()[-1]  # the rank's own frames: hidden
             assert frames.first.inner_text().split()[0] == "<module>"
             page.screenshot(path=str(ARTIFACTS / "debugger-panel.png"))
-            page.locator("button[title^='Next']:visible").first.click()
+            # the Callstack panel's own toolbar buttons (jp-button; the paused overlay on
+            # the notebook has plain buttons of the same titles)
+            page.locator("jp-button[title^='Next']").first.click()
             wait_until(
                 lambda: "x" in [r.split()[0] for r in variables.inner_text().splitlines() if r],
                 timeout=30,
                 what="rank 1 to step past line 6 (x is shown)",
                 detail=lambda: variables.inner_text(),
             )
-            # (Continue in the browser is not covered yet: see the module docstring)
-            _interrupt_kernel(lab)
+            assert frames.first.inner_text().endswith(":7")  # the cell line it stopped on
+            continue_button = page.locator("jp-button[title^='Continue']").first
+            wait_until(continue_button.is_enabled, timeout=10, what="Continue to be enabled")
+            continue_button.click()
             out = cell.locator(".jp-OutputArea")
             wait_until(
-                lambda: "interrupted" in out.inner_text(),
+                lambda: "rank 1 done" in out.inner_text() and _cell_finished(cell),
                 timeout=30,
-                what="the stop button to end the paused cell",
+                what="Continue to run the cell to its end",
                 detail=lambda: out.inner_text(),
+            )
+            assert "rank 0 done" in out.inner_text() and "Interrupt" not in out.inner_text()
+            wait_until(
+                lambda: frames.count() == 0,
+                timeout=10,
+                what="the Callstack panel to empty once the ranks ran on",
+            )
+            wait_until(
+                lambda: page.locator(".jp-DebuggerPausedOverlay").count() == 0,
+                timeout=10,
+                what="the 'Paused in Debugger' overlay to go",
             )
             shutil.copy(ARTIFACTS / "debugger-panel.png", DOCS / "debugger-panel.png")
         except BaseException:

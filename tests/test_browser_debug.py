@@ -6,20 +6,16 @@ JupyterLab's own input box shows the rank's pdb prompt, ``p x`` prints the varia
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
-import nbformat
 from helpers import wait_until
 from test_browser import (  # noqa: F401 - pytestmark and the fixture are used by pytest
     ARTIFACTS,
     CHROMIUM,
     CHROMIUM_ARGS,
-    TOKEN,
     _run_cell,
     open_notebook,
     playwright_sync,
     pytestmark,
+    upload_notebook,
 )
 from test_browser import lab as jupyterlab  # noqa: F401 - the fixture, by this name
 
@@ -33,21 +29,15 @@ print("y is", y)
 
 def _upload(base: str, name: str) -> None:
     """Put a notebook into the server's root through its contents API."""
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "monarch", "display_name": "Monarch", "language": "python"}
-    nb.cells = [
-        nbformat.v4.new_code_cell("%mesh dbg --gpus 2"),
-        nbformat.v4.new_code_cell(CELL),
-        nbformat.v4.new_code_cell("%mesh stop dbg"),
-    ]
-    body = json.dumps({"type": "notebook", "format": "json", "content": nb}).encode()
-    req = urllib.request.Request(
-        f"{base}/api/contents/{name}",
-        data=body,
-        method="PUT",
-        headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"},
+    upload_notebook(
+        base,
+        name,
+        [
+            "%mesh dbg --gpus 2",
+            CELL,
+            "%mesh stop dbg",
+        ],
     )
-    urllib.request.urlopen(req, timeout=10)
 
 
 def _answer(page, text: str) -> None:

@@ -8,21 +8,18 @@ figure drawn on rank 1 shows as an image under its cell. Uses the JupyterLab fix
 
 from __future__ import annotations
 
-import json
 import re
-import urllib.request
 
-import nbformat
 from helpers import wait_until
 from test_browser import (  # noqa: F401 - pytestmark and the fixture are used by pytest
     ARTIFACTS,
     CHROMIUM,
     CHROMIUM_ARGS,
-    TOKEN,
     _run_cell,
     open_notebook,
     playwright_sync,
     pytestmark,
+    upload_notebook,
 )
 from test_browser import lab as jupyterlab  # noqa: F401 - the fixture, by this name
 
@@ -48,22 +45,16 @@ JUNK = re.compile(r"\x1b|\r|\[\?25[lh]|\[\d*[ABJK]\b")
 
 def _upload(base: str, name: str) -> None:
     """Put a notebook into the server's root through its contents API."""
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "monarch", "display_name": "Monarch", "language": "python"}
-    nb.cells = [
-        nbformat.v4.new_code_cell("%mesh out --gpus 4"),
-        nbformat.v4.new_code_cell(BARS),
-        nbformat.v4.new_code_cell(FIGURE),
-        nbformat.v4.new_code_cell("%mesh stop out"),
-    ]
-    body = json.dumps({"type": "notebook", "format": "json", "content": nb}).encode()
-    req = urllib.request.Request(
-        f"{base}/api/contents/{name}",
-        data=body,
-        method="PUT",
-        headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"},
+    upload_notebook(
+        base,
+        name,
+        [
+            "%mesh out --gpus 4",
+            BARS,
+            FIGURE,
+            "%mesh stop out",
+        ],
     )
-    urllib.request.urlopen(req, timeout=10)
 
 
 def _ranks(label: str) -> list[int]:

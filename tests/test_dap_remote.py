@@ -99,17 +99,31 @@ def test_breakpoint_stops_four_ranks_inspect_step_continue(kernel, session):
     assert frames[0]["line"] == 6
     assert dap.ok("evaluate", expression="x", frameId=frames[0]["id"])["result"] == "10"
 
+    # the modules a rank loaded (the one named, else the one JupyterLab shows)
+    first = dap.ok("modules", threadId=by_rank[2], moduleCount=5)
+    assert len(first["modules"]) == 5 and first["totalModules"] > 5
+    listed = dap.ok("modules")["modules"]
+    names = {m["name"] for m in listed}
+    assert "torch" in names and "ipykernel.kernelbase" not in names  # the rank's, not ours
+    assert all(m["path"].endswith(".py") for m in listed)
+
     refused = dap.request("pause", threadId=by_rank[0])
     assert not refused["success"] and "breakpoint()" in refused["message"]
     # the cell's source, as the panel's editor asks for it
     assert dap.ok("source", source={"path": path})["content"] == CELL
 
-    reply = dap.ok("continue", threadId=by_rank[1])
+    # as JupyterLab's Continue button sends it: the thread id it has left once it forgot
+    # the stopped one (1 when none); every paused rank runs on
+    reply = dap.ok("continue", threadId=1)
     assert reply["allThreadsContinued"] is True
+    # JupyterLab's "Paused in Debugger" overlay goes on this event
+    continued = dap.wait_events("continued", 1)[0]["body"]
+    assert continued == {"threadId": by_rank[1], "allThreadsContinued": True}
     result = kernel.collect(msg_id)
     assert result.reply["status"] == "ok", result.error_text
     assert "11" in result.text and "31" in result.text
     assert [t for t in dap.ok("threads")["threads"] if t["id"] in tids] == []
+    assert "ipykernel.kernelbase" in {m["name"] for m in dap.ok("modules")["modules"]}
     dap.ok("setBreakpoints", source={"path": path}, breakpoints=[])
 
 
@@ -151,11 +165,106 @@ def test_exception_breakpoint_stops_the_failing_rank_post_mortem(kernel, session
     dap.ok("setExceptionBreakpoints", filters=[])
 
 
+#: Actors defined in the notebook; line 8 runs on every rank with ``v`` and ``rank`` set,
+#: line 14 in an async endpoint.
+ACTOR = """from monarch_kernel.actor import Actor, endpoint
+
+class Scaler(Actor):
+    @endpoint
+    def scale(self, v):
+        import os
+        rank = int(os.environ["RANK"])
+        out = v * (rank + 1)
+        return out
+
+class Later(Actor):
+    @endpoint
+    async def later(self, v):
+        w = v + 1
+        return w"""
+
+
+def test_breakpoint_in_an_endpoint_defined_in_the_notebook(kernel, session):
+    dap = session
+    path = dap.ok("dumpCell", code=ACTOR)["sourcePath"]
+    # a cell the kernel runs itself: debugpy gets the breakpoint, and the ranks too
+    dap.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 8}])
+    dap.ok("configurationDone")
+    assert kernel.run(ACTOR).reply["status"] == "ok"
+    r = kernel.run("scalers, laters = m.spawn('scalers', Scaler), m.spawn('laters', Later)")
+    assert r.reply["status"] == "ok", r.error_text
+    msg_id = kernel.kc.execute("scalers.scale.call(2).get()")
+    stopped = dap.wait_events("stopped", 4)
+    tids = {e["body"]["threadId"] for e in stopped}
+    names = {t["id"]: t["name"] for t in dap.ok("threads")["threads"] if t["id"] in tids}
+    by_rank = {int(n.split()[1]): i for i, n in names.items()}
+    assert sorted(by_rank) == [0, 1, 2, 3]
+    assert names[by_rank[2]] == "rank 2 · MainThread (mesh m)"
+    top = dap.ok("stackTrace", threadId=by_rank[2])["stackFrames"][0]
+    assert (top["name"], top["line"], top["source"]["path"]) == ("scale", 8, path)
+    scopes = dap.ok("scopes", frameId=top["id"])["scopes"]
+    ref = next(s["variablesReference"] for s in scopes if s["name"] == "Locals")
+    listed = dap.ok("variables", variablesReference=ref)["variables"]
+    local = {v["name"]: v["value"] for v in listed}
+    assert (local["v"], local["rank"]) == ("2", "2") and "out" not in local
+    dap.ok("next", threadId=by_rank[2])
+    step = dap.wait_events("stopped", 1)[0]["body"]
+    assert (step["threadId"], step["reason"]) == (by_rank[2], "step")
+    top = dap.ok("stackTrace", threadId=by_rank[2])["stackFrames"][0]
+    assert top["line"] == 9
+    assert dap.ok("evaluate", expression="out", frameId=top["id"])["result"] == "6"
+    assert dap.ok("continue", threadId=1)["allThreadsContinued"] is True  # as JupyterLab
+    result = kernel.collect(msg_id)
+    assert result.reply["status"] == "ok", result.error_text
+    assert all(f"{{gpus={r}}}: {2 * (r + 1)}" in result.text for r in range(4)), result.text
+    # an async endpoint stops the same way
+    dap.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 14}])
+    msg_id = kernel.kc.execute("laters.later.call(4).get()")
+    stopped = dap.wait_events("stopped", 4)
+    top = dap.ok("stackTrace", threadId=stopped[0]["body"]["threadId"])["stackFrames"][0]
+    assert (top["name"], top["line"]) == ("later", 14)
+    assert dap.ok("evaluate", expression="v", frameId=top["id"])["result"] == "4"
+    dap.ok("continue", threadId=1)
+    assert kernel.collect(msg_id).reply["status"] == "ok"
+    dap.ok("setBreakpoints", source={"path": path}, breakpoints=[])
+    r = kernel.run("scalers.scale.call(3).get()")  # no breakpoint any more: runs through
+    assert r.reply["status"] == "ok" and "12" in r.text, r.error_text
+
+
+#: A background cell; line 5 runs on rank 1 only.
+BG = """%%remote m --bg
+import os
+rank = int(os.environ["RANK"])
+if rank == 1:
+    z = rank * 7
+rank"""
+
+
+def test_breakpoint_in_a_bg_cell_leaves_the_notebook_usable(kernel, session):
+    dap = session
+    path = dap.ok("dumpCell", code=BG)["sourcePath"]
+    dap.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 5}])
+    dap.ok("configurationDone")
+    assert kernel.run(BG).reply["status"] == "ok"
+    assert kernel.run("job = _").reply["status"] == "ok"
+    tid = dap.wait_events("stopped", 1)[0]["body"]["threadId"]
+    assert kernel.run("6 * 7").text == "42"  # the kernel is free while rank 1 is paused
+    assert kernel.run("job.done()").text == "False"
+    top = dap.ok("stackTrace", threadId=tid)["stackFrames"][0]
+    assert (top["line"], top["source"]["path"]) == (5, path)
+    assert dap.ok("evaluate", expression="rank", frameId=top["id"])["result"] == "1"
+    dap.ok("continue", threadId=1)
+    r = kernel.run("print(sorted(job.wait(timeout=60).values()))")
+    assert r.reply["status"] == "ok" and "[0, 1, 2, 3]" in r.stdout, r.error_text
+    dap.ok("setBreakpoints", source={"path": path}, breakpoints=[])
+
+
 def test_the_stop_button_ends_a_paused_cell(kernel, session):
     dap = session
     path = dap.ok("dumpCell", code=CELL)["sourcePath"]
     dap.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 5}])
     dap.ok("configurationDone")
+    dap.drop_events()  # (the continued events of the cells before)
     msg_id = kernel.kc.execute(CELL)
     tids = {e["body"]["threadId"] for e in dap.wait_events("stopped", 4)}
     kernel.km.interrupt_kernel()

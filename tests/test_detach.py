@@ -38,8 +38,8 @@ torch.manual_seed(0)
 model = DDP(torch.nn.Linear(4, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 """
-LOOP = """%%remote dm --bg
-import time, monarch_kernel
+#: A DDP loop's body that reads ``lr`` and ``stop`` each step (test_detach_join too).
+LOOP_BODY = """import time, monarch_kernel
 while not stop:
     step += 1
     for group in opt.param_groups:
@@ -50,6 +50,7 @@ while not stop:
     print(f"step {step} lr {lr}", flush=True)
     time.sleep(0.05)
 """
+LOOP = "%%remote dm --bg\n" + LOOP_BODY
 
 
 @pytest.fixture
@@ -171,6 +172,15 @@ def test_restart_kernel_keeps_the_mesh_and_its_job(place):
     pids = place.mesh_pids("dm")
     place.restart(k)
     assert all(pid_alive(p) for p in pids)
+    # the dashboard the old kernel showed is replaced by its last state, saying why
+    retired = [
+        m["content"]["data"]
+        for m in k.other
+        if m["msg_type"] == "update_display_data" and "mk-dash-retired" in str(m["content"])
+    ]
+    assert len(retired) == 1 and set(retired[0]) == {"text/html", "text/plain"}, k.other[-3:]
+    assert "mesh 'dm' runs on" in retired[0]["text/plain"]
+    assert "%mesh attach dm" in retired[0]["text/html"] and "rank 1" in retired[0]["text/plain"]
     r = ok(k, "jobs = %mesh attach dm\nprint(repr(jobs[0]))")
     assert "2/2 ranks running" in r.stdout and "cell 5 on dm ranks [0, 1]: running" in r.stdout
     ok(k, "jobs[0].cancel()")

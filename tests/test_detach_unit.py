@@ -55,7 +55,8 @@ def test_detach_options_are_checked_before_anything_starts():
     assert detach_option("local", "m", True, "30m") == 1800.0
     with pytest.raises(ValueError, match="pass detachable=True"):
         detach_option("local", "m", False, "30m")
-    with pytest.raises(ValueError, match="local backend"):
+    assert detach_option("join", "m", True, "1h") == 3600.0
+    with pytest.raises(ValueError, match="local or join backend in this version, not 'ray'"):
         detach_option("ray", "m", True, None)
     with pytest.raises(ValueError, match="needs a name"):
         detach_option("local", None, True, None)
@@ -138,11 +139,25 @@ def test_attach_file_errors_name_the_problem(tmp_path, monkeypatch):
     with pytest.raises(AttachFileError, match="no attach file"):
         attach_file.read(str(tmp_path / "nope.json"))
     (tmp_path / "v.json").write_text('{"version": 99}')
+    os.chmod(tmp_path / "v.json", 0o600)
     with pytest.raises(AttachFileError, match="version 99; this monarch_kernel reads version 1"):
         attach_file.read(str(tmp_path / "v.json"))
     (tmp_path / "d.json").write_text('{"version": 1, "name": "m"}')
+    os.chmod(tmp_path / "d.json", 0o600)
     with pytest.raises(AttachFileError, match="damaged"):
         attach_file.read(str(tmp_path / "d.json"))
+    os.chmod(tmp_path / "d.json", 0o640)  # copied without its mode: others may read the key
+    with pytest.raises(AttachFileError, match=r"readable or writable by others \(mode 640\)"):
+        attach_file.read(str(tmp_path / "d.json"))
+    os.chmod(tmp_path / "d.json", 0o600)
+    if os.geteuid() == 0:  # only root can give a file away
+        os.chown(tmp_path / "d.json", 4321, -1)
+        with pytest.raises(AttachFileError, match="belongs to another user"):
+            attach_file.read(str(tmp_path / "d.json"))
+    (tmp_path / "u.json").write_text("{")
+    os.chmod(tmp_path / "u.json", 0o000)  # unreadable (root reads it anyway: then damaged)
+    with pytest.raises(AttachFileError, match="cannot read the attach file"):
+        attach_file.read(str(tmp_path / "u.json"))
 
 
 def test_sweep_removes_dirs_whose_owners_are_all_gone(tmp_path):
@@ -183,3 +198,34 @@ def test_a_ranks_metric_history_spans_the_whole_run_in_bounded_memory(tmp_path):
         os.close(fd)
         out.close(0)
         ctx.term()
+
+
+def test_the_shared_local_launcher_is_made_once_under_contention(tmp_path, monkeypatch):
+    """The kernel's pre-warm thread and the first ``%mesh`` ask for the shared launcher
+    at about the same time: one launcher (one ``mk-launch-*`` directory) must come of it.
+    Two left one directory owned by the kernel alone, which no agent removed when the
+    kernel was killed (test_detach's test_killed_kernels_temp_dirs_are_removed failed
+    about once in twelve runs)."""
+    import tempfile
+    import threading
+
+    from monarch_kernel.launchers.local import LocalLauncher
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(LocalLauncher, "_shared", None)
+    start = threading.Barrier(8)
+    got: list[LocalLauncher] = []
+
+    def ask() -> None:
+        start.wait()
+        got.append(LocalLauncher.shared())
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(got) == 8 and len({id(x) for x in got}) == 1
+    made = [n for n in os.listdir(tmp_path) if n.startswith("mk-launch-")]
+    assert len(made) == 1, made
+    got[0].shutdown()

@@ -103,6 +103,7 @@ RANK_SIDE_ACTOR = {
     "peer_inline",
     "peer_reply",
     "peer_resolve",
+    "resize",
 }
 CONTROLLER_ONLY = {"controller", "launchers"}
 

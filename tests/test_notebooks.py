@@ -156,6 +156,11 @@ def test_fault_tolerant_training_notebook_recovers_a_killed_rank_from_a_peer():
     assert re.search(r"state of [0-9.]+ KB copied from rank \d in [0-9.]+ s", done), done
     same = _text(code[5])
     assert same.count("same process") == 3 and "rank 2: restarted" in same, same
+    grown = _text(code[8])
+    assert re.search(r"world size 4 → 6 at step \d+; state of .* copied to ranks 4-5", grown), grown
+    assert "world size 6 → 4 at step" in _text(code[9]), _text(code[9])
+    done = _text(code[10])
+    assert "Error" not in done and "(500, 4, '" in done, done
 
 
 def test_detach_notebook_takes_over_a_killed_kernels_mesh():

@@ -42,6 +42,7 @@ WIRE: list[dict] = [
     {"k": K.PULL, "i": "1", "w": 1},
     {"k": K.PING, "i": "1", "w": 1},
     {"k": K.TRAIN, "i": "1", "w": 1},
+    {"k": K.DAP_BREAKS, "i": "1", "w": 1},
     {"k": K.STACKS, "i": "1", "w": 1},
     {"k": K.ABORT_PG},
     {"k": K.ABORT_PG, "why": "rank 2 raised ValueError"},

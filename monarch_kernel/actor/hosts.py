@@ -21,14 +21,15 @@ from monarch_kernel.actor.actor import Actor
 from monarch_kernel.actor.channels import report_unhandled, tell_owner
 from monarch_kernel.actor.client_proc import ClientProc
 from monarch_kernel.actor.meshes import STOP_GRACE, ActorMesh, ProcMesh, size_of
+from monarch_kernel.actor.resize import resized
 from monarch_kernel.calls.future import Future
 from monarch_kernel.controller.asks import ASK_HANDLERS, AskingMesh
 from monarch_kernel.controller.detach import detach_option
 from monarch_kernel.controller.detach import enable as enable_detach
-from monarch_kernel.controller.events import FaultReported, MeshEvent, RankDied
+from monarch_kernel.controller.events import FaultReported, MeshEvent, MeshResized, RankDied
 from monarch_kernel.controller.failures import DEFAULT_GRACE
 from monarch_kernel.controller.mesh import MeshRuntime, registry
-from monarch_kernel.controller.records import FailurePolicy, RankState
+from monarch_kernel.controller.records import FailurePolicy, RankState, parse_policy
 from monarch_kernel.controller.whereabouts import locate_rank
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.rank.supervise import PROCESS_ENDED, MeshFailure
@@ -153,12 +154,14 @@ class HostMesh:
                 f"per_host must not contain 'hosts' on a mesh of {self.hosts} hosts "
                 "(the hosts dimension is added for you)"
             )
-        policy = _failure_policy(on_failure)
+        policy, minimum = _failure_policy(on_failure)
         detach_keep = detach_option(self.backend, name, detachable, keep)
         running = sum(m.world for m in registry.live() if m.launcher is self.launcher)
         self.launcher.check_capacity(self.hosts * len(Shape.from_extent(per_host)), running)
         env = {**self.default_env, **(env or {})} or None
         runtime = self._new_runtime(name, per_host, env, policy, grace, detach_keep)
+        runtime.shrink_min = minimum
+        runtime.events.subscribe(lambda _ev: resized(runtime), MeshResized)
         procs = ProcMesh(runtime)
         watch_faults(runtime)
         try:
@@ -250,12 +253,9 @@ class HostMesh:
         return f"HostMesh(hosts={self.hosts}, backend={self.backend!r}{gone})"
 
 
-def _failure_policy(on_failure: str) -> FailurePolicy:
-    try:
-        return FailurePolicy(on_failure)
-    except ValueError:
-        choices = ", ".join(p.value for p in FailurePolicy)
-        raise ValueError(f"on_failure must be one of {choices}; got {on_failure!r}") from None
+def _failure_policy(on_failure: str) -> tuple[FailurePolicy, int]:
+    """The policy and the smallest size a ``shrink`` may leave (``shrink:2``)."""
+    return parse_policy(on_failure)
 
 
 _this_host: HostMesh | None = None

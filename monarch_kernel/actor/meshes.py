@@ -38,6 +38,7 @@ from monarch_kernel.actor.endpoints import (
     gather,
 )
 from monarch_kernel.actor.peer import attach
+from monarch_kernel.actor.resize import follow, resized
 from monarch_kernel.calls.errors import ActorError, SupervisionError
 from monarch_kernel.calls.future import Future, then
 from monarch_kernel.calls.requester import ActorSpec, CallOptions, MeshRef, Requester
@@ -185,11 +186,36 @@ class ProcMesh(MeshView):
     def __init__(self, requester: Requester, shape: Shape | None = None):
         self._requester = requester
         self._shape = shape or requester.shape
+        follow(self, requester, self._shape)
+
+    def _take_shape(self, shape: Shape) -> None:
+        self._shape = shape
 
     @property
     def name(self) -> str:
         """The mesh's name (as given to ``%mesh`` or ``spawn_procs``)."""
         return self._requester.name
+
+    def grow(
+        self, ranks: int | str | None = None, hosts: int | str | None = None, timeout: float = 120.0
+    ) -> Any:
+        """Add ``ranks`` ranks (a mesh on one host) or ``hosts`` hosts to the running
+        mesh; survivors keep their processes and state. While a ``--bg`` cell runs a
+        ``TrainingState`` loop it happens at a step boundary and the new ranks join it
+        with a live replica's state. Returns a report (``print(report.describe())``)."""
+        rt = self._controller("grow()")
+        report = rt.grow(_plus(ranks), _plus(hosts), timeout)
+        resized(self._requester)
+        return report
+
+    def shrink(
+        self, ranks: int | str | None = None, hosts: int | str | None = None, timeout: float = 120.0
+    ) -> Any:
+        """Keep ``ranks`` ranks (0 .. ranks-1) or ``hosts`` hosts; the others stop."""
+        rt = self._controller("shrink()")
+        report = rt.shrink(_text(ranks), _text(hosts), timeout)
+        resized(self._requester)
+        return report
 
     def slice(self, **dims: Any) -> ProcMesh:
         """The ranks at ``dims`` (ints or slices), e.g. ``procs.slice(gpus=0)``."""
@@ -397,11 +423,18 @@ class ActorMesh(MeshView):
         self._name = name
         self._class = actor_class
         self._shape = shape
-        self._ranks = shape.ranks()  # shapes never change: computed once, never mutated
+        # computed once; changed in place only when the whole mesh grows or shrinks
+        self._ranks = shape.ranks()
         self._endpoints = endpoints_of(actor_class)
         self._target = ActorTarget(self._requester, name, actor_class, shape, self._ranks)
         for ep in self._endpoints.keys() & _SHADOWABLE:
             self.__dict__[ep] = EndpointRef(self._target, ep)  # the endpoint wins
+        follow(self, self._requester, shape)
+
+    def _take_shape(self, shape: Shape) -> None:
+        self._shape = shape
+        self._ranks[:] = shape.ranks()  # endpoint references share this list
+        object.__setattr__(self._target, "shape", shape)  # and read the target's shape
 
     @mesh_attribute
     def name(self) -> str:
@@ -454,6 +487,17 @@ class ActorMesh(MeshView):
 _SHADOWABLE = frozenset(n for n in dir(ActorMesh) if not n.startswith("_"))
 #: Requests to the ranks' control threads (push, pull, ping), whose caller waits.
 _CONTROL = CallOptions(control=True, waited=True)
+
+
+def _plus(n: int | str | None) -> str | None:
+    """``2`` -> ``"+2"`` (a count to add); strings as given."""
+    if n is None or isinstance(n, str):
+        return n
+    return f"+{n}" if n >= 0 else str(n)
+
+
+def _text(n: int | str | None) -> str | None:
+    return None if n is None else str(n)
 
 
 def procs_of(mesh: ActorMesh) -> ProcMesh:

@@ -102,6 +102,38 @@ class Gather:
         if complete:
             self.future.set_result(None)
 
+    # -- the mesh grew or shrank while the request ran (``controller.elastic``) -----------
+    def add_rank(self, rank: int, shape: Shape | None = None) -> None:
+        """``rank`` joined the request (a new rank of a grown mesh runs it too); the
+        result's shape becomes ``shape`` (default: the ranks, flat)."""
+        with self._lock:
+            if rank in self._index:
+                return
+            self._index[rank] = len(self.ranks)
+            self.ranks.append(rank)
+            self._replies.append(None)
+            self._remaining += 1
+            self.shape = shape or Shape(("ranks",), (len(self.ranks),))
+
+    def drop_rank(self, rank: int, shape: Shape | None = None) -> None:
+        """``rank`` left the request (removed from a shrunk mesh): its answer is not
+        part of the result (``shape``: the result's new shape, default flat)."""
+        with self._lock:
+            i = self._index.pop(rank, None)
+            if i is None:
+                return
+            reply = self._replies.pop(i)
+            self.ranks.pop(i)
+            self._index = {r: j for j, r in enumerate(self.ranks)}
+            if reply is None and rank not in self._lost:
+                self._remaining -= 1
+            self._lost.pop(rank, None)
+            self._failed_order = [r for r in self._failed_order if r != rank]
+            self.shape = shape or Shape(("ranks",), (len(self.ranks),))
+            complete = self._remaining == 0 and bool(self.ranks)
+        if complete:
+            self.future.set_result(None)
+
     def on_incident(self, incident: IncidentView) -> None:
         """The failure policy opened an incident for this request (see module doc)."""
         self._incident = incident

@@ -17,11 +17,14 @@ from dataclasses import dataclass, field
 
 from monarch_kernel.calls.errors import MeshStartError
 from monarch_kernel.controller import detach
-from monarch_kernel.controller.attach_file import AttachFile
+from monarch_kernel.controller.attach_file import AttachFile, HostEntry
+from monarch_kernel.controller.held_output import HeldOutput
 from monarch_kernel.controller.mesh import MeshRuntime
 from monarch_kernel.controller.records import FailurePolicy, MeshPhase, RankEnd, RankState
 from monarch_kernel.launchers import get_launcher
-from monarch_kernel.launchers.adopted import AdoptedHost
+from monarch_kernel.launchers.adopted import AdoptedHost, RemoteAdoptedHost
+from monarch_kernel.launchers.base import HostHandle
+from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.desk import DeskReply, RankStatus
 from monarch_kernel.wire.osutil import request_tail
 from monarch_kernel.wire.peer_address import PeerAddress
@@ -40,6 +43,8 @@ class Adopted:
     ended: list[tuple[int, RankEnd]] = field(default_factory=list)
     #: Ranks their host agent restarted meanwhile (the failure policy): how each ended.
     restarted: dict[int, RankStatus] = field(default_factory=dict)
+    #: The output of each job left running, kept until the job is followed.
+    held: dict[str, HeldOutput] = field(default_factory=dict)
 
 
 def adopt(file: AttachFile, replies: dict[int, DeskReply]) -> Adopted:
@@ -65,7 +70,8 @@ def adopt(file: AttachFile, replies: dict[int, DeskReply]) -> Adopted:
             runtime.remember_actor(detach.actor_spec(record))
         adopted = Adopted(runtime)
         for job in file.jobs:  # its output waits for its job to be followed (or not)
-            runtime.output.route(job.request, _held)
+            adopted.held[job.request] = HeldOutput()
+            runtime.output.route(job.request, adopted.held[job.request])
         _take_records(adopted, file, replies)
         _wait_reconnected(runtime)
         runtime.lifecycle.set(MeshPhase.RUNNING)
@@ -84,7 +90,8 @@ def _take_records(adopted: Adopted, file: AttachFile, replies: dict[int, DeskRep
         host = runtime.hosts[entry.index]
         host.pid, host.hostname, host.desk = entry.pid, entry.hostname, entry.desk
         host.addr, host.port = entry.addr, entry.port
-        host.handle = AdoptedHost(entry.pid, entry.log, entry.private_dir)
+        host.handle = _handle(runtime, entry)
+        host.dir = entry.dir
         host.last_seen, host.ready = now, True
     statuses = {s.rank: s for reply in replies.values() for s in reply.ranks}
     for rank in file.ranks:
@@ -108,9 +115,14 @@ def _take_records(adopted: Adopted, file: AttachFile, replies: dict[int, DeskRep
             adopted.ended.append((rank.rank, _end(status, log)))
 
 
-def _held(rank: int, stream: str, text: str) -> None:
-    """Where a running job's output goes until its handle is back (it is in the rank's
-    log, which the notebook shows a tail of): nowhere."""
+def _handle(runtime: MeshRuntime, entry: HostEntry) -> HostHandle:
+    """A handle on a host agent this controller did not start."""
+    if not entry.desk.startswith("tcp://"):
+        return AdoptedHost(entry.pid, entry.log, entry.private_dir)
+    handle = RemoteAdoptedHost(entry.desk, entry.hostname)
+    index, transport = entry.index, runtime.transport
+    handle.tell_exit = lambda: transport.send_host(index, {"k": K.STOP, "grace": 0.0})
+    return handle
 
 
 def _end(status: RankStatus | None, log: str) -> RankEnd:

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 
 import zmq
 
-from monarch_kernel.calls.errors import MonarchError
+from monarch_kernel.calls.errors import MeshStartError, MonarchError
 from monarch_kernel.controller import attach_file
 from monarch_kernel.controller.adopt import adopt
 from monarch_kernel.controller.attach_file import AttachFile, AttachFileError, HostEntry
 from monarch_kernel.controller.mesh import registry
 from monarch_kernel.controller.takeover import Attached
+from monarch_kernel.launchers.adopted import desk_listens
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire.desk import (
     DESK,
@@ -57,6 +58,12 @@ class DeskClient:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        keys = self.file.curve_keys()
+        if host.desk.startswith("tcp://") and keys is not None:
+            # The desk serves with its agent's key and admits the controller's only.
+            sock.setsockopt(zmq.CURVE_SERVERKEY, host.curve_public.encode())
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public.encode())
+            sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret.encode())
         try:
             sock.connect(host.desk)
             sock.send_multipart(self.codec.encode({"k": DESK}, req.to_json()))
@@ -87,10 +94,11 @@ class DeskClient:
 
 
 def read_file(name: str | None, path: str | None = None) -> AttachFile:
-    """The attach file of detached mesh ``name`` (or at ``path``); AttachError if none."""
+    """The attach file of detached mesh ``name`` (or at ``path``, a copy from another
+    machine: then of mesh ``name`` if given); AttachError if none."""
     where = path or attach_file.file_for(name or "")
     try:
-        return attach_file.read(where)
+        file = attach_file.read(where)
     except AttachFileError as exc:
         if path is None and not os.path.exists(where):
             raise AttachError(
@@ -98,6 +106,12 @@ def read_file(name: str | None, path: str | None = None) -> AttachFile:
                 f"(no {where}); %mesh lists the meshes you can attach"
             ) from None
         raise AttachError(str(exc)) from None
+    if name is not None and file.name != name:
+        raise AttachError(
+            f"{where} is the attach file of mesh {file.name!r}, not {name!r}: attach it as "
+            f"%mesh attach {file.name} --from {where}"
+        )
+    return file
 
 
 def attach(name: str | None, *, path: str | None = None, force: bool = False) -> Attached:
@@ -114,10 +128,13 @@ def attach(name: str | None, *, path: str | None = None, force: bool = False) ->
     if len(accepted) < len(replies):
         if accepted:
             _release(client, accepted)
-        raise _refusal(file, replies)
+        raise _refusal(file, replies, own=path is None)
     holders = [r.holder for r in accepted.values() if r.holder is not None]
     try:
         adopted = adopt(file, accepted)
+    except MeshStartError as exc:  # its addresses cannot be bound, or no rank came back
+        _release(client, accepted)
+        raise AttachError(f"cannot attach mesh {file.name!r}: {exc}") from None
     except BaseException:
         _release(client, accepted)
         raise
@@ -143,14 +160,20 @@ def _release(client: DeskClient, accepted: dict[int, DeskReply]) -> None:
             client.ask(host, DeskRequest(DeskOp.RELEASE, me), DESK_TIMEOUT)
 
 
-def _refusal(file: AttachFile, replies: dict[int, DeskReply | None]) -> AttachError:
-    """Why the agents did not all accept (the file goes when none answers)."""
+def _refusal(
+    file: AttachFile, replies: dict[int, DeskReply | None], own: bool = True
+) -> AttachError:
+    """Why the agents did not all accept (``own``: ``file`` is the one in this
+    machine's runtime directory, which goes when no agent answers; a copy given with
+    ``--from`` is left alone, as it may be a stale or forged one)."""
     name = file.name
     if all(r is None for r in replies.values()):
-        file.remove()
+        if own:
+            file.remove()
         return AttachError(
-            f"mesh {name!r} has ended: none of its host agents answers (it was stopped, or "
-            f"no kernel attached within its --keep); its attach file was removed"
+            f"mesh {name!r} has ended, or its host agents cannot be reached from here: none "
+            f"answers (it was stopped, no kernel attached within its --keep, or the file's "
+            f"keys are not the mesh's)" + ("; its attach file was removed" if own else "")
         )
     for r in replies.values():
         if r is not None and not r.ok:
@@ -190,6 +213,10 @@ def stop_detached(
 
 
 def _runs(host: HostEntry) -> bool:
+    """Whether ``host``'s agent still runs: its desk's unix socket is there, or (on
+    another machine) its tcp port takes connections."""
+    if host.desk.startswith("tcp://"):
+        return desk_listens(host.desk)
     return os.path.exists(host.desk.removeprefix("ipc://"))
 
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from monarch_kernel.controller.transport import Endpoints
+from monarch_kernel.controller.transport import CurveKeys, Endpoints
 from monarch_kernel.wire.desk import ControllerId
 
 #: Version of the file's layout (a kernel refuses a file of another version).
@@ -78,12 +78,16 @@ class HostEntry:
     hostname: str
     addr: str
     port: int
-    desk: str  #: its attach desk (``ipc://DIR/desk``: DIR holds its ranks' logs)
+    desk: str  #: its attach desk (``ipc://DIR/desk``, or ``tcp://ADDR:PORT`` on a tcp mesh)
+    dir: str = ""  #: its private directory (default: the desk's, on unix sockets)
+    #: On a tcp mesh: the agent's CURVE public key (z85), which its desk serves with.
+    curve_public: str = ""
 
     @property
     def private_dir(self) -> str:
-        """The agent's private directory (its ranks' logs, its own log)."""
-        return os.path.dirname(self.desk.removeprefix("ipc://"))
+        """The agent's private directory (its ranks' logs, its own log), on the
+        agent's machine."""
+        return self.dir or os.path.dirname(self.desk.removeprefix("ipc://"))
 
     def rank_log(self, rank: int) -> str:
         """The log file rank ``rank`` of this host writes (everything it prints)."""
@@ -163,6 +167,8 @@ class AttachFile:
     #: What ran on the mesh when the file was last written.
     jobs: list[JobRecord] = field(default_factory=list)
     actors: list[ActorRecord] = field(default_factory=list)
+    #: A tcp mesh's CURVE keys (``transport.CurveKeys`` as JSON); None on unix sockets.
+    curve: dict[str, Any] | None = None
     written: float = field(default_factory=time.time)
     version: int = FILE_VERSION
 
@@ -181,8 +187,16 @@ class AttachFile:
             bytes.fromhex(self.key),
             self.run_id,
             self.created,
-            Endpoints(self.send, self.recv, self.ipc_dir),
+            Endpoints(self.send, self.recv, self.ipc_dir, self.curve_keys()),
         )
+
+    def curve_keys(self) -> CurveKeys | None:
+        """The tcp mesh's CURVE keys (None on unix sockets)."""
+        raw = self.curve
+        if raw is None:
+            return None
+        hosts = {int(h): (str(v[0]), str(v[1])) for h, v in dict(raw["hosts"]).items()}
+        return CurveKeys(str(raw["public"]), str(raw["secret"]), hosts)
 
     def write(self) -> None:
         """Write atomically, readable by this user only."""
@@ -208,15 +222,26 @@ class AttachFile:
             _unlink(self.path)
 
 
+def curve_json(keys: CurveKeys | None) -> dict[str, Any] | None:
+    """``keys`` as the file holds them."""
+    if keys is None:
+        return None
+    hosts = {str(h): list(v) for h, v in keys.hosts.items()}
+    return {"public": keys.public, "secret": keys.secret, "hosts": hosts}
+
+
 def read(path: str) -> AttachFile:
     """The attach file at ``path`` (AttachFileError saying why it cannot be used)."""
     try:
         with open(path) as f:
-            raw = json.load(f)
+            why = _not_private(path, os.fstat(f.fileno()))
+            raw = None if why else json.load(f)
     except FileNotFoundError:
         raise AttachFileError(f"no attach file at {path}") from None
     except (OSError, ValueError) as exc:
         raise AttachFileError(f"cannot read the attach file {path}: {exc}") from None
+    if why:
+        raise AttachFileError(why)
     if not isinstance(raw, dict) or raw.get("version") != FILE_VERSION:
         version = raw.get("version") if isinstance(raw, dict) else None
         raise AttachFileError(
@@ -234,6 +259,24 @@ def read(path: str) -> AttachFile:
         return AttachFile(**values)
     except (KeyError, TypeError, ValueError) as exc:
         raise AttachFileError(f"the attach file {path} is damaged: {exc!r}") from None
+
+
+def _not_private(path: str, st: os.stat_result) -> str:
+    """Why a file someone else could have written or read is refused ("" if it is
+    not): it holds the mesh's key, and a forged one could point this kernel at someone
+    else's sockets."""
+    if st.st_uid != os.getuid():
+        return (
+            f"the attach file {path} belongs to another user (uid {st.st_uid}); attach only "
+            "from your own files"
+        )
+    if st.st_mode & 0o077:
+        return (
+            f"the attach file {path} is readable or writable by others "
+            f"(mode {st.st_mode & 0o777:o}); it holds the mesh's key: copy it with its mode "
+            f"kept (scp -p) or chmod 600 it, then attach again"
+        )
+    return ""
 
 
 def all_files() -> list[str]:

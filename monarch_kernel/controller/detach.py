@@ -38,7 +38,7 @@ from monarch_kernel.controller.events import (
     RequestStarted,
 )
 from monarch_kernel.controller.mesh import MeshRuntime
-from monarch_kernel.controller.records import MeshPhase, SetupCell
+from monarch_kernel.controller.records import HostInfo, MeshPhase, SetupCell
 from monarch_kernel.wire import Message
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
@@ -51,7 +51,7 @@ log = logging.getLogger("monarch_kernel.controller")
 #: How long a detachable mesh runs on without a controller unless told (``--keep``).
 DEFAULT_KEEP = 2 * 3600.0
 #: Backends whose meshes can be detachable in this version.
-DETACHABLE_BACKENDS = ("local",)
+DETACHABLE_BACKENDS = ("local", "join")
 
 #: Seconds between the watcher's looks at what the attach file should say.
 WATCH_INTERVAL = 0.5
@@ -76,6 +76,7 @@ class Detacher:
         rt = self.runtime
         common = dict(rt.starter.common or {})
         skip = 1 if rt.n_hosts > 1 else 0  # the hosts dim is not per host
+        keys = rt.transport.curve_keys()
         return AttachFile(
             name=rt.name,
             run_id=rt.run_id,
@@ -94,9 +95,7 @@ class Detacher:
             grace=rt.failures.grace,
             common=common,
             setup_cells=[_cell_json(c) for c in rt.setup_cells],
-            hosts=[
-                HostEntry(h.index, h.pid or 0, h.hostname, h.addr, h.port, h.desk) for h in rt.hosts
-            ],
+            hosts=[_host_entry(h, keys.hosts if keys else {}) for h in rt.hosts],
             ranks=[
                 RankEntry(
                     r.rank,
@@ -112,6 +111,7 @@ class Detacher:
             ],
             jobs=self.jobs(),
             actors=[_actor_record(spec) for spec in rt.actors.values()],
+            curve=attach_file.curve_json(keys),
         )
 
     def jobs(self) -> list[JobRecord]:
@@ -266,7 +266,7 @@ def detach_option(
         return 0.0
     if backend not in DETACHABLE_BACKENDS:
         raise ValueError(
-            f"a detachable mesh runs on the {', '.join(DETACHABLE_BACKENDS)} backend in this "
+            f"a detachable mesh runs on the {' or '.join(DETACHABLE_BACKENDS)} backend in this "
             f"version, not {backend!r}"
         )
     if name is None:
@@ -284,6 +284,11 @@ def keep_seconds(keep: float | str) -> float:
     if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not keep > 0:
         raise ValueError(f"keep must be a positive number of seconds or e.g. '2h', got {keep!r}")
     return float(keep)
+
+
+def _host_entry(h: HostInfo, keys: dict[int, tuple[str, str]]) -> HostEntry:
+    public = keys.get(h.index, ("", ""))[0]
+    return HostEntry(h.index, h.pid or 0, h.hostname, h.addr, h.port, h.desk, h.dir, public)
 
 
 def _forget(detacher: Detacher) -> None:

@@ -214,6 +214,17 @@ class MeshRecovered:
 
 
 @dataclass(frozen=True, slots=True)
+class MeshResized:
+    """The mesh grew or shrank from ``before`` to ``after`` ranks (``%mesh grow``);
+    ``text`` says what happened."""
+
+    mesh: str
+    before: int
+    after: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class InputRequested:
     """User code on ``rank`` called ``input()`` (or ``getpass``) while serving
     ``request``: answer with ``MeshRuntime.answer_input(rank, serial, ...)``."""
@@ -272,6 +283,7 @@ MeshEvent = (
     | HostLost
     | StatsReported
     | MeshRecovered
+    | MeshResized
     | InputRequested
     | DebuggerPaused
     | DebuggerResumed
@@ -291,6 +303,7 @@ EVENT_TYPES: tuple[type[MeshEvent], ...] = (
     HostLost,
     StatsReported,
     MeshRecovered,
+    MeshResized,
     InputRequested,
     DebuggerPaused,
     DebuggerResumed,

@@ -100,6 +100,7 @@ class PolicyActions(Protocol):
         reason: str = "",
         skip: frozenset[int] = frozenset(),
     ) -> RecoveryReport: ...
+    def shrink_dead(self) -> bool: ...
 
 
 class FailureHandler:
@@ -315,6 +316,12 @@ class FailureHandler:
         dead = {r for r in dead if not self.gave_up_on(r)}
         if self.policy is FailurePolicy.STOP and not self._restart_not_stop:
             return f"on_failure='stop': stopping mesh {self._name!r}."
+        if self.policy is FailurePolicy.SHRINK and dead:
+            return (
+                f"on_failure='shrink': going on without rank(s) {format_ranks(sorted(dead))} "
+                "(restarted instead if they are not the last ones or the mesh is at its "
+                "minimum size)."
+            )
         if self.policy is FailurePolicy.RESTART:
             if dead:
                 return (
@@ -379,6 +386,14 @@ class FailureHandler:
         """Restart or stop, on a thread of its own (one at a time)."""
         if self.policy is FailurePolicy.CONTINUE or self._lifecycle.phase.ended:
             return
+        if self.policy is FailurePolicy.SHRINK and not self._restart_not_stop:
+            with self._lock:
+                if self._recovering:
+                    self._recovery_due = True
+                    return
+                self._recovering = True
+            threading.Thread(target=self._shrink, name="mk-shrink", daemon=True).start()
+            return
         if self._restarting():
             self._lifecycle.begin_recovery()  # requests sent from now on wait for it
         with self._lock:
@@ -387,6 +402,21 @@ class FailureHandler:
                 return
             self._recovering = True
         threading.Thread(target=self._recover, name="mk-recover", daemon=True).start()
+
+    def _shrink(self) -> None:
+        """``shrink``: go on without the dead ranks; where that cannot be done (not the
+        last ranks, the minimum size), restart them as ``restart`` would."""
+        try:
+            done = self._actions.shrink_dead()
+        except Exception as exc:
+            log.warning("mesh %s: shrinking after a failure failed: %s", self._name, exc)
+            done = False
+        with self._lock:
+            self._recovering = False
+            again, self._recovery_due = self._recovery_due, False
+            self._restart_not_stop = not done
+        if again or not done:
+            self._apply_policy()
 
     def _restarting(self) -> bool:
         """Restart (not stop): the policy, or a person interrupted what failed."""

@@ -188,6 +188,8 @@ class Inbound:
         if msg.header is not h:  # the last chunk completed a stream: its start's header
             h = msg.header
             sender = h.get("r")
+        if isinstance(sender, int) and not 0 <= sender < self._world:
+            return  # a rank removed from the mesh (``%mesh shrink``), late: not ours now
         if sender is not None and 0 <= sender < self._world:
             self._ranks[sender].bytes_in += msg.nbytes
         handler = self._handlers.get(h["k"])
@@ -385,7 +387,7 @@ class Inbound:
     def _on_host_ready(self, h: H.HostReady, msg: Message) -> None:
         host = self._hosts[h.host]
         host.pid, host.hostname = h.pid, h.hostname
-        host.addr, host.port, host.desk = h.addr, h.port, h.desk
+        host.addr, host.port, host.desk, host.dir = h.addr, h.port, h.desk, h.dir
         self._transport.probe([self._transport.host_id(host.index)])
         host.ready = True
         host.last_seen = time.monotonic()

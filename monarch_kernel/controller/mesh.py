@@ -37,6 +37,8 @@ from monarch_kernel.calls.future import Future, Waiter
 from monarch_kernel.calls.reply import RequestObserver
 from monarch_kernel.calls.requester import PLAIN, ActorSpec, CallOptions, MeshRef
 from monarch_kernel.controller.attach_file import MeshIdentity, file_for
+from monarch_kernel.controller.elastic import Resizer
+from monarch_kernel.controller.elastic_plan import ResizeReport
 from monarch_kernel.controller.events import EventBus, RequestKind, RequestStarted
 from monarch_kernel.controller.failures import DEFAULT_GRACE, FailureHandler
 from monarch_kernel.controller.inbound import Inbound
@@ -137,6 +139,8 @@ class MeshRuntime:
         self.key = identity.key if identity else new_key()
         self.codec = Codec(self.key)
         self.detach_keep = detach_keep
+        #: The smallest world size ``on_failure='shrink:N'`` may leave.
+        self.shrink_min = 1
         #: A detachable mesh's attach file (see ``controller.attach_file``), else "".
         self.attach_path = file_for(name) if detach_keep > 0 else ""
         self.ranks = [
@@ -195,8 +199,9 @@ class MeshRuntime:
             requests=self.requests,
             policy=self.failures,
             # the PeerMesh is made with the restart parts, later: looked up when used
-            make_runner=lambda rid, payload, buffers, dead: self.peer_mesh.runner(
-                rid, payload, buffers, dead, self.peers.finished
+            make_runner=lambda rid, payload, buffers, dead: (
+                self.resizer.runner_for_death(rid, payload, buffers, dead, self.peers.finished)
+                or self.peer_mesh.runner(rid, payload, buffers, dead, self.peers.finished)
             ),
             raise_parked=lambda rid, ranks, why: self.peer_mesh.raise_parked(rid, ranks, why),
             events=self.events,
@@ -266,6 +271,12 @@ class MeshRuntime:
             requests=self.requests,
             events=self.events,
             post=self.receiver.post,
+        )
+        self.resizer = Resizer(
+            self,
+            lambda: sum(
+                m.world for m in registry.live() if m.launcher is self.launcher and m is not self
+            ),
         )
         self.receiver.start(self.inbound.handle, self.supervisor.tick)
 
@@ -526,6 +537,22 @@ class MeshRuntime:
     def restart_ranks(self, ranks: list[int], timeout: float = 60.0) -> None:
         """Kill and start again ``ranks`` (see :meth:`.restart.Restarter.restart_ranks`)."""
         self.restarter.restart_ranks(ranks, timeout)
+
+    def grow(
+        self, ranks: str | None = None, hosts: str | None = None, timeout: float = 120.0
+    ) -> ResizeReport:
+        """Add ranks (``"+2"``) or hosts (``"+1"``): see :mod:`.elastic`."""
+        return self.resizer.grow(ranks, hosts, timeout)
+
+    def shrink(
+        self, ranks: str | None = None, hosts: str | None = None, timeout: float = 120.0
+    ) -> ResizeReport:
+        """Keep ``ranks`` ranks or ``hosts`` hosts (from the end): see :mod:`.elastic`."""
+        return self.resizer.shrink(ranks, hosts, timeout)
+
+    def shrink_dead(self) -> bool:
+        """``on_failure='shrink'``: go on without the dead ranks (see :mod:`.elastic`)."""
+        return self.resizer.shrink_dead()
 
     def wait_recovered(self, timeout: float | None = None) -> None:
         """Block (interruptibly) while the mesh restarts ranks after a failure (never

@@ -170,7 +170,7 @@ class PeerRecovery:
     def claim(self, rank: int) -> frozenset[str]:
         """``rank`` died (receiving thread): the requests whose part of it is kept
         waiting for a restarted rank (its death is recovered from peers)."""
-        if self._policy.policy is not FailurePolicy.RESTART:
+        if self._policy.policy not in (FailurePolicy.RESTART, FailurePolicy.SHRINK):
             return frozenset()
         claimed = set()
         with self._lock:
@@ -200,6 +200,34 @@ class PeerRecovery:
                     runner.add_dead(rank)
                 claimed.add(rid)
         return frozenset(claimed)
+
+    def begin(self, rid: str, runner: RecoveryRunner) -> str:
+        """Run ``runner`` (a resize of the mesh at a step boundary: ``controller.
+        elastic``) for request ``rid``: its ranks' notices go to it. '' if it started,
+        else why not (a recovery of that request runs)."""
+        with self._lock:
+            if rid in self._running:
+                return "a recovery from peers is in progress; try again when it is done"
+            self._running[rid] = runner
+            self._parked.pop(rid, None)
+        runner.start()
+        return ""
+
+    def training_requests(self) -> list[str]:
+        """Requests whose ranks run ``TrainingState`` steps and are still running."""
+        with self._lock:
+            active = list(self._active)
+        return [rid for rid in active if self._requests.get(rid) is not None]
+
+    def trains(self, rid: str) -> frozenset[int]:
+        """The ranks that said they run training steps in ``rid``."""
+        with self._lock:
+            return frozenset(self._active.get(rid, ()))
+
+    def cell(self, rid: str) -> tuple[bytes, tuple[Buffer, ...]] | None:
+        """The cell payload of request ``rid`` (to send it to new ranks), if kept."""
+        with self._lock:
+            return self._cells.get(rid)
 
     def finished(self, rid: str) -> None:
         """A recovery ended (its thread)."""

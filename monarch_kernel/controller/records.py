@@ -82,11 +82,36 @@ class FailurePolicy(_TextEnum):
       behaviour without restarts).
     * ``CONTINUE``: nothing is done to the other ranks: they run on (inspect them with
       ``%mesh stacks``), dead ranks stay dead until restarted by hand.
+    * ``SHRINK`` (``shrink:N``: not below N ranks): the mesh goes on without the dead
+      rank (the last one, or the last host's), at a step boundary of a ``TrainingState``
+      loop or between cells (``controller.elastic``); a death elsewhere, or below N
+      ranks, is restarted as under ``RESTART``.
     """
 
     RESTART = "restart"
     STOP = "stop"
     CONTINUE = "continue"
+    SHRINK = "shrink"
+
+
+def parse_policy(text: str) -> tuple[FailurePolicy, int]:
+    """``restart`` -> (RESTART, 1); ``shrink:2`` -> (SHRINK, 2): the policy and the
+    smallest world size a shrink may leave. ValueError (saying the choices) if bad."""
+    name, _, minimum = str(text).partition(":")
+    choices = ", ".join(p.value for p in FailurePolicy)
+    try:
+        policy = FailurePolicy(name)
+    except ValueError:
+        raise ValueError(
+            f"on_failure must be one of {choices} (shrink:N keeps at least N ranks); got {text!r}"
+        ) from None
+    if not minimum:
+        return policy, 1
+    if policy is not FailurePolicy.SHRINK or not minimum.isdigit() or int(minimum) < 1:
+        raise ValueError(
+            f"on_failure={text!r}: only shrink takes a minimum size, a whole number >= 1 (shrink:2)"
+        )
+    return policy, int(minimum)
 
 
 @dataclass(frozen=True)
@@ -179,6 +204,7 @@ class HostInfo:
     lost: str | None = None  #: why it was declared lost (None while it is fine)
     last_seen: float = field(default_factory=time.monotonic)
     desk: str = ""  #: a detachable mesh's agent: its attach desk (``wire.desk``)
+    dir: str = ""  #: ... and its private directory (its ranks' logs)
 
 
 @dataclass(frozen=True)

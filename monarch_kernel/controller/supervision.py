@@ -186,6 +186,8 @@ class Supervisor:
                 text += "\nThe failure policy (restart) restarts it now; requests wait for it."
             elif policy is FailurePolicy.STOP:
                 text += "\nThe failure policy (stop) stops the mesh."
+            elif policy is FailurePolicy.SHRINK:
+                text += "\nThe failure policy (shrink) goes on without it if it can."
             else:
                 if policy is FailurePolicy.RESTART:
                     text += "\nIt kept dying when restarted, so it was left dead."

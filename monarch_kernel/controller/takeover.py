@@ -29,6 +29,7 @@ from monarch_kernel.controller.adopt import Adopted
 from monarch_kernel.controller.attach_file import AttachFile, JobRecord
 from monarch_kernel.controller.events import MetricReported, RequestKind
 from monarch_kernel.controller.mesh import MeshRuntime
+from monarch_kernel.controller.streams import Sink
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.desk import ControllerId, RankStatus, describe_duration
 from monarch_kernel.wire.osutil import describe_exit, printed_since_detached
@@ -109,9 +110,15 @@ class Attached:
     def restarted(self) -> dict[int, RankStatus]:
         return self.adopted.restarted
 
-    def follow(self, job: JobRecord, observer: RequestObserver) -> None:
-        """Follow ``job`` (the ranks' answers go to ``observer``); before :meth:`finish`."""
+    def follow(self, job: JobRecord, observer: RequestObserver, output: Sink | None = None) -> None:
+        """Follow ``job`` (the ranks' answers go to ``observer``, its output to
+        ``output``, from the first line printed after the attach); before :meth:`finish`."""
         rt = self.runtime
+        held = self.adopted.held.get(job.request)
+        if output is not None and held is not None:
+            held.forward_to(output)
+        elif output is not None:
+            rt.output.route(job.request, output)
         kind = RequestKind(job.kind)
         rt.follow_request(job.ranks, job.request, observer, kind, job.what)
         detacher = detach.detacher_of(rt)

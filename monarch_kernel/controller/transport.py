@@ -80,13 +80,30 @@ class BackpressureError(MonarchError):
 
 
 @dataclass(frozen=True)
+class CurveKeys:
+    """A CURVE mesh's keys, as a controller that attaches takes them over: the server
+    keypair, and per host the client key it admits and the routing-id tag (z85/str)."""
+
+    public: str
+    secret: str
+    hosts: dict[int, tuple[str, str]]  #: host -> (its client public key, its ident tag)
+
+
+@dataclass(frozen=True)
 class Endpoints:
     """Where an earlier controller of a detachable mesh listened: a controller that
-    attaches binds the same unix sockets (its ranks and agents reconnect by themselves)."""
+    attaches binds the same sockets (unix sockets, or tcp addresses with the same CURVE
+    keys), and its ranks and agents reconnect by themselves."""
 
     send: str
     recv: str
     ipc_dir: str | None  #: the private directory holding them (removed on a stop)
+    curve: CurveKeys | None = None  #: a tcp mesh's keys
+
+
+#: Seconds a controller that attaches to a tcp mesh retries binding its addresses (the
+#: kernel it took the mesh from with ``--force`` closes them a moment later).
+REBIND_TIMEOUT = 10.0
 
 
 class Transport:
@@ -156,14 +173,14 @@ class Transport:
     def _bind(self, bind: str, reuse: Endpoints | None = None) -> tuple[str, str]:
         """Bind both ROUTERs (CURVE servers on tcp); their addresses. On failure the
         sockets are closed and :class:`MeshStartError` says why."""
-        if self._ipc_dir is None and reuse is None:
-            self.curve = Curve.new()
+        if self._ipc_dir is None and (reuse is None or reuse.curve is not None):
+            self.curve = Curve.new() if reuse is None else self._take_keys(reuse)
             for sock in (self.send_sock, self.recv_sock):
                 curve_server(sock, self.curve, self._zap_domain)
         try:
-            if reuse is not None:  # an earlier controller's unix sockets
-                self.send_sock.bind(reuse.send)
-                self.recv_sock.bind(reuse.recv)
+            if reuse is not None:  # an earlier controller's sockets
+                _rebind(self.send_sock, reuse.send)
+                _rebind(self.recv_sock, reuse.recv)
                 return reuse.send, reuse.recv
             if self._ipc_dir is not None:
                 send_addr = _bind(self.send_sock, f"ipc://{self._ipc_dir}/send")
@@ -175,10 +192,34 @@ class Transport:
             self.recv_sock.close()
             if reuse is None:
                 self._remove_ipc_dir()
+            elif getattr(exc, "errno", None) == zmq.EADDRNOTAVAIL:
+                raise MeshStartError(
+                    f"the mesh's hosts connect to its controller at {reuse.send}, an address "
+                    "this machine does not have: attach from the machine whose kernel held "
+                    "it (or one that took over its address)"
+                ) from None
             raise MeshStartError(
                 f"cannot bind the controller sockets on {bind}: {exc}. "
                 "Pick another address or free the port."
             ) from None
+
+    def _take_keys(self, reuse: Endpoints) -> Curve:
+        """The CURVE state of an earlier controller (keys, admitted hosts, tags)."""
+        keys = reuse.curve
+        assert keys is not None
+        curve = Curve(keys.public.encode(), keys.secret.encode())
+        for host, (public, tag) in keys.hosts.items():
+            curve.allowed.add(public.encode())
+            self._key_host[public] = host
+            self._tags[host] = tag.encode()
+        return curve
+
+    def curve_keys(self) -> CurveKeys | None:
+        """This mesh's CURVE keys for its attach file (None on unix sockets)."""
+        if self.curve is None:
+            return None
+        hosts = {h: (key, self._tags.get(h, b"").decode()) for key, h in self._key_host.items()}
+        return CurveKeys(self.curve.public.decode(), self.curve.secret.decode(), hosts)
 
     # -- identities --------------------------------------------------------------------
     def admit_host(self, host: int) -> tuple[str, str, str]:
@@ -506,6 +547,20 @@ def _private_ipc_dir() -> str | None:
         return None
     mark_owners(path, [os.getpid()])  # swept once its owners are gone (wire.tempdirs)
     return path
+
+
+def _rebind(sock: zmq.Socket[bytes], addr: str) -> None:
+    """Bind ``addr``, an earlier controller's; a tcp port it still holds (it is being
+    told it was taken over) is retried for :data:`REBIND_TIMEOUT` seconds."""
+    deadline = time.monotonic() + REBIND_TIMEOUT
+    while True:
+        try:
+            sock.bind(addr)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
 
 
 def _bind(sock: zmq.Socket[bytes], host: str) -> str:

@@ -39,6 +39,7 @@ from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.desk import ControllerId
 from monarch_kernel.wire.identity import ident_tag
+from monarch_kernel.wire.key_gate import KeyGate, close_gates, guard
 from monarch_kernel.wire.osutil import request_tail
 
 log = logging.getLogger("monarch_kernel.host")
@@ -72,6 +73,12 @@ class HostAgent:
         self.greeted: set[int] = set()  # ranks that said hello and still wait for ours
         self.rank_cfgs: dict[int, RankConfig] = {}  # what each rank was forked with
         self.expected_exits: set[int] = set()
+        #: Forks asked of the template and not reported yet, per rank, in order: whether
+        #: a KILL_RANKS came for it meanwhile. The fork is asynchronous, so a kill that
+        #: comes first (a restart that timed out) must wait for the pid, or that late
+        #: incarnation would run on unsupervised and fight the next one for its inbox.
+        self.forking: dict[int, deque[bool]] = {}
+        self.unborn: set[int] = set()  # pids of those, killed at once
         self.stop_grace = DEFAULT_GRACE  # the controller's ``stop`` may say otherwise
         self.cfg: AgentConfig | None = None
         #: A detachable mesh's holder, clock and attach desk (None: not detachable).
@@ -126,13 +133,14 @@ class HostAgent:
         limit_size(self.out)
         self.curve_client(self.out)
         self.out.connect(cfg.recv)
+        if self.desk is not None:
+            self.desk.watch_link(self.out)
         self.fan = self.ctx.socket(zmq.ROUTER)
         self.fan.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.fan.setsockopt(zmq.ROUTER_HANDOVER, 1)
         limit_size(self.fan)
-        if cfg.curve_secret:  # ranks' sockets are CURVE clients: ours must match
-            self.fan.setsockopt(zmq.CURVE_SERVER, 1)
-            self.fan.setsockopt(zmq.CURVE_SECRETKEY, cfg.curve_secret.encode())
+        if cfg.curve_secret:  # ranks' sockets are CURVE clients (our key): ours must match
+            guard(self.fan, cfg.curve_secret, KeyGate([cfg.curve_public]), "mk-fan")
         self.fan_addr = f"ipc://{self.private_dir}/fan"
         self.fan.bind(self.fan_addr)
         self.master_port = free_port()
@@ -183,6 +191,7 @@ class HostAgent:
             addr=self.cfg.advertise or "127.0.0.1",
             port=self.master_port,
             desk=self.desk.address if self.desk is not None else "",
+            dir=self.desk.dir if self.desk is not None else "",
         )
         self.send(ready.encode())
         poller = zmq.Poller()
@@ -192,6 +201,8 @@ class HostAgent:
         desk = self.desk
         if desk is not None:
             poller.register(desk.sock, zmq.POLLIN)
+            if desk.monitor is not None:
+                poller.register(desk.monitor, zmq.POLLIN)
         last_rx = last_hb = time.monotonic()
         while True:
             # While a rank waits for our hello, retry it every few milliseconds.
@@ -218,6 +229,8 @@ class HostAgent:
                         break
                     if self.on_message(frames) == "stop":
                         return
+            if desk is not None and desk.monitor in events:
+                desk.on_link()
             if desk is not None and desk.sock in events and self.on_desk(desk):
                 return
             now = time.monotonic()
@@ -333,7 +346,12 @@ class HostAgent:
             if os.path.exists(cfg.log):
                 os.unlink(cfg.log)
             self.rank_cfgs[cfg.rank] = cfg
-            self.template.command(op="fork", cfg=cfg.to_json())
+            self.fork(cfg)
+
+    def fork(self, cfg: RankConfig) -> None:
+        """Ask the template to fork ``cfg``'s rank (its pid comes as a "forked" event)."""
+        self.forking.setdefault(cfg.rank, deque()).append(False)
+        self.template.command(op="fork", cfg=cfg.to_json())
 
     def rank_part(self) -> dict[str, str]:
         """What ranks get from this agent: the mesh key, the controller's addresses,
@@ -355,6 +373,10 @@ class HostAgent:
         assert isinstance(h, H.KillRanks)
         self.expected_exits.update(r for r in h.targets if r in self.pids)
         self.signal(h.targets, signal.SIGKILL)
+        for r in h.targets:  # and each incarnation still being forked, once it is
+            pending = self.forking.get(r)
+            if pending:
+                self.forking[r] = deque(True for _ in pending)
 
     def on_stop(self, h: H.AnyHeader) -> str:
         """STOP: leave the message loop (``shutdown`` then stops the ranks, giving them
@@ -375,7 +397,7 @@ class HostAgent:
         if cfg is not None:
             cfg = replace(cfg, restart_count=cfg.restart_count + 1, detachable=2)
             self.rank_cfgs[rank] = cfg
-            self.template.command(op="fork", cfg=cfg.to_json())
+            self.fork(cfg)
 
     def on_detach(self, h: H.AnyHeader) -> None:
         """DETACH: the controller of this detachable mesh leaves; the ranks run on."""
@@ -423,11 +445,19 @@ class HostAgent:
     def on_template_event(self, ev: TemplateEvent) -> str | None:
         e = ev["e"]
         if e == "forked":
+            pending = self.forking.get(ev["rank"])
+            if pending and pending.popleft():  # killed before it was forked: the
+                self.unborn.add(ev["pid"])  # controller never hears of it
+                os.kill(ev["pid"], signal.SIGKILL)
+                return None
             self.pids[ev["rank"]] = ev["pid"]
             started = H.RankStarted(host=self.host, rank=ev["rank"], pid=ev["pid"])
             self.send(started.encode())
         elif e == "exit":
             rank = ev["rank"]
+            if ev["pid"] in self.unborn:
+                self.unborn.discard(ev["pid"])
+                return None
             if self.pids.get(rank) == ev["pid"]:
                 del self.pids[rank]
                 self.backlog.pop(rank, None)  # a restarted rank starts afresh
@@ -470,6 +500,7 @@ class HostAgent:
         if self.desk is not None and self.cfg is not None:
             self.desk.close(self.cfg)
         if self.cfg is not None:
+            close_gates(self.ctx)
             self.ctx.destroy(linger=500)
             self.remove_dead_controller_sockets()
         shutil.rmtree(self.private_dir, ignore_errors=True)

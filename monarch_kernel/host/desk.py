@@ -37,6 +37,7 @@ from monarch_kernel.wire.desk import (
     DeskRequest,
     RankStatus,
 )
+from monarch_kernel.wire.key_gate import KeyGate, close_gates, guard
 from monarch_kernel.wire.osutil import die_with_parent
 from monarch_kernel.wire.tempdirs import mark_owners
 
@@ -90,11 +91,17 @@ class Desk:
         self.policy = cfg.on_failure
         self.hb_timeout = cfg.hb_timeout
         self.codec = Codec(bytes.fromhex(cfg.key))
+        self.ctx = ctx
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         limit_size(self.sock)
-        self.address = f"ipc://{private_dir}/desk"
-        self.sock.bind(self.address)
+        #: The agent's private directory (its ranks' logs), told with the desk.
+        self.dir = private_dir
+        self.address = self._bind(cfg, private_dir)
+        #: Whether the agent's connection to the controller is up (a socket monitor
+        #: on it: see :meth:`watch_link`); True until told otherwise.
+        self.link_up = True
+        self.monitor: zmq.Socket[Any] | None = None
         self.holder: ControllerId | None = None
         if cfg.controller_pid:
             host = cfg.controller_host or cfg.hostname
@@ -111,6 +118,44 @@ class Desk:
         #: rank -> times this agent restarted it since the holder was lost
         self.restarts: dict[int, int] = {}
         self._holder_checked = 0.0
+
+    def _bind(self, cfg: AgentConfig, private_dir: str) -> str:
+        """Bind the desk: a unix socket in ``private_dir`` on a mesh of unix sockets;
+        on a tcp (CURVE) mesh a CURVE server on the address the agent is reached at,
+        with the agent's keypair, admitting the controller's key only (the one in the
+        attach file: a kernel that attaches uses it), so another machine can attach."""
+        if not cfg.curve_secret:
+            address = f"ipc://{private_dir}/desk"
+            self.sock.bind(address)
+            return address
+        self.gate = KeyGate([cfg.curve_server])
+        guard(self.sock, cfg.curve_secret, self.gate, f"mk-desk-{cfg.mesh}")
+        where = cfg.advertise or "127.0.0.1"
+        port = self.sock.bind_to_random_port(f"tcp://{where}")
+        return f"tcp://{where}:{port}"
+
+    def watch_link(self, out: zmq.Socket[Any]) -> zmq.Socket[Any]:
+        """Follow the agent's connection to the controller (``out``); the monitor
+        socket to poll (:meth:`on_link` reads it). On tcp a killed kernel's connection
+        closes at once: a kernel that attaches then need not wait for the silence."""
+        events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        self.monitor = out.get_monitor_socket(events)
+        return self.monitor
+
+    def on_link(self) -> None:
+        """Read the monitor's events (see :meth:`watch_link`)."""
+        import zmq.utils.monitor
+
+        assert self.monitor is not None
+        while True:
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.link_up = False
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.link_up = True
 
     # -- the clock -------------------------------------------------------------------
     def lose_controller(self, why: str, silence: float = 0.0) -> None:
@@ -226,6 +271,9 @@ class Desk:
         if holder.alive() is False:  # it just died; the clock has not noticed yet
             self.lose_controller(f"{holder.describe()} ended")
             return None
+        if holder.alive() is None and not self.link_up:  # on another machine
+            self.lose_controller(f"the connection to {holder.describe()} closed")
+            return None
         return holder
 
     def _attach(self, host: DeskHost, by: ControllerId) -> DeskReply:
@@ -272,6 +320,9 @@ class Desk:
         """Close the desk; stopping with no controller attached, remove what the
         controller would have: its sockets' directory and the attach file."""
         self.sock.close(0)
+        if self.monitor is not None:
+            self.monitor.close(0)
+        close_gates(self.ctx)
         if self.attached:
             return  # the holder stopped us: it cleans up after itself
         folder = os.path.dirname(cfg.send.removeprefix("ipc://"))

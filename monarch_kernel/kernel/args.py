@@ -8,7 +8,7 @@ from typing import NoReturn
 from IPython.core.error import UsageError
 
 from monarch_kernel.controller.failures import DEFAULT_GRACE
-from monarch_kernel.controller.records import FailurePolicy
+from monarch_kernel.controller.records import FailurePolicy, parse_policy
 from monarch_kernel.kernel.output import MODES
 
 
@@ -55,7 +55,10 @@ def mesh_parser() -> Parser:
     p.add_argument(
         "--on-failure",
         default=FailurePolicy.RESTART.value,
-        choices=[policy.value for policy in FailurePolicy],
+        type=_policy,
+        metavar="{" + ",".join(policy.value for policy in FailurePolicy) + "[:N]}",
+        help="when a rank dies or fails: restart it, stop the mesh, continue, or shrink "
+        "the mesh without it (shrink:N: not below N ranks)",
     )
     p.add_argument(
         "--grace",
@@ -76,6 +79,15 @@ def mesh_parser() -> Parser:
         help="--detachable: how long the ranks run on without a kernel (e.g. 30m, 2h; default 2h)",
     )
     return p
+
+
+def _policy(text: str) -> str:
+    """``--on-failure``: a policy name, or ``shrink:N``."""
+    try:
+        parse_policy(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def remote_parser() -> Parser:

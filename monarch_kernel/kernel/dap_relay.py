@@ -8,16 +8,19 @@ rank: JupyterLab keeps only the thread of the event it saw), answers queries by 
 them to that rank as the answer of its prompt and waiting for the next one, and resumes
 ranks with pdb's commands.
 
-Ids of every rank share one session: a rank's thread, frames and variables references
-are :func:`tag`-ged with the rank, far above the ids of the kernel's own debugger
-(debugpy's), so a request names which rank it is for.
+Ranks paused in an actor endpoint defined in the notebook (no cell waits for them: the
+mesh's input router hands their prompts here) join the same session, whichever mesh they
+are on. Ids of every rank share one session: a paused rank's thread, frames and
+variables references are :func:`tag`-ged with its *key* (its mesh's slot and its rank,
+:meth:`DapRelay.key_of`), far above the ids of the kernel's own debugger (debugpy's),
+so a request names which rank it is for.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,6 +34,12 @@ SHIFT = 24
 QUERY_MARK = "\x1edap "
 #: Seconds a query waits for the rank's answer.
 QUERY_WAIT = 30.0
+#: Bits of a key that are the rank (the mesh's slot is above them).
+RANK_BITS = 16
+#: The prompt of a rank's visual-debugger pdb (as :data:`monarch_kernel.rank.dap.PROMPT`).
+PROMPT = "(dap) "
+#: Cells whose file names are kept (their frames shown as their dumped files).
+CELLS_KEPT = 256
 #: pdb's command for each DAP request that runs a rank on.
 RUN_COMMANDS = {"continue": "c", "next": "n", "stepIn": "s", "stepOut": "r"}
 
@@ -55,7 +64,9 @@ def thread_id(rank: int) -> int:
 
 
 class Answerer(Protocol):
-    """What the relay needs of a mesh: answering a rank's prompt."""
+    """What the relay needs of a mesh: its name, answering a rank's prompt."""
+
+    name: str
 
     def answer_input(
         self, rank: int, serial: int, line: str | None = None, error: str | None = None
@@ -73,17 +84,21 @@ class Paused:
     event: InputRequested
     stack: list[dict[str, Any]]
     where: str
+    runtime: Answerer
+    #: Paused in the debugged cell (else in an endpoint nobody waits for).
+    cell: bool = True
 
 
 @dataclass
 class DapRelay:
-    """The ranks of the debugged cell (module docstring). ``publish`` sends a DAP event
-    to the front end (IOPub ``debug_event``)."""
+    """The paused ranks of the debugged cell and of endpoints (module docstring), by
+    key. ``publish`` sends a DAP event to the front end (IOPub ``debug_event``)."""
 
     publish: Callable[[dict[str, Any]], None]
     runtime: Answerer | None = None
-    #: The dumped cell's path (what JupyterLab shows the cell's frames as).
-    cell_path: str = ""
+    #: A cell's file on the ranks (``<remote cell 5>``) -> its dumped path (what
+    #: JupyterLab shows its frames as); the last :data:`CELLS_KEPT` cells debugged.
+    cell_paths: dict[str, str] = field(default_factory=dict)
     paused: dict[int, Paused] = field(default_factory=dict)
     _querying: dict[int, dict[str, Any] | None] = field(default_factory=dict)
     _waiting: set[int] = field(default_factory=set)
@@ -91,55 +106,112 @@ class DapRelay:
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _rank_locks: dict[int, threading.Lock] = field(default_factory=dict)
     _seq: int = 0
+    #: The key of the last ``stopped`` event (the thread JupyterLab shows).
+    _last_stopped: int | None = None
+    #: mesh name -> its slot (the high bits of its ranks' keys), in order of first pause
+    _slots: dict[str, int] = field(default_factory=dict)
+    #: Keys a ``stopped`` event announced, with no ``continued`` since (-> of the cell)
+    _announced: dict[int, bool] = field(default_factory=dict)
+
+    def key_of(self, mesh: str, rank: int) -> int:
+        """The key of ``rank`` of mesh ``mesh`` (a thread of the session)."""
+        with self._cond:
+            slot = self._slots.setdefault(mesh, len(self._slots))
+        return slot << RANK_BITS | rank
+
+    def thread_name(self, key: int) -> str:
+        """``rank 3 · MainThread``; an endpoint's pause names its mesh too."""
+        with self._cond:
+            paused = self.paused.get(key)
+        rank = key & ((1 << RANK_BITS) - 1)
+        if paused is None or paused.cell:
+            return f"rank {rank} · MainThread"
+        return f"rank {rank} · MainThread (mesh {paused.runtime.name})"
 
     # -- the debugged cell (its thread) ---------------------------------------------
-    def begin(self, runtime: Answerer, cell_path: str) -> None:
+    def name_cell(self, filename: str, path: str) -> None:
+        """The frames of a cell run with the visual debugger (``filename`` on the ranks)
+        show as its dumped file ``path``."""
         with self._cond:
-            self.runtime, self.cell_path = runtime, cell_path
-            self.paused.clear()
+            self.cell_paths.pop(filename, None)
+            self.cell_paths[filename] = path
+            while len(self.cell_paths) > CELLS_KEPT:
+                del self.cell_paths[next(iter(self.cell_paths))]
+
+    def begin(self, runtime: Answerer) -> None:
+        """A foreground cell of ``runtime`` starts: its ranks' prompts come through
+        :meth:`feed` from its thread."""
+        with self._cond:
+            self.runtime = runtime
+            for key in [k for k, p in self.paused.items() if p.cell]:
+                del self.paused[key]
             self._stepping.clear()
 
     def end(self) -> None:
-        """The cell is over: no rank is paused any more."""
+        """The cell is over: none of its ranks is paused any more."""
         with self._cond:
-            had = bool(self.paused)
-            self.paused.clear()
-            self._waiting.clear()
+            ended = {k for k, p in self.paused.items() if p.cell}
+            for key in ended:
+                del self.paused[key]
+            self._waiting -= ended
             self._cond.notify_all()
-        if had:
-            self.event("continued", {"threadId": 0, "allThreadsContinued": True})
+            ended |= {k for k, cell in self._announced.items() if cell}
+        self._ran_on(ended, every=True)
 
-    def feed(self, event: MeshEvent) -> None:
-        """A rank's debugger prompt or resumption (the cell's thread)."""
+    def _ran_on(self, keys: Iterable[int], every: bool) -> None:
+        """Tell the front end that these announced ranks run on: one ``continued`` event
+        naming the thread JupyterLab shows (it forgets that one, and its "Paused in
+        Debugger" overlay goes); ``every``: no rank of the session is paused."""
+        with self._cond:
+            gone = sorted(k for k in keys if k in self._announced)
+            for key in gone:
+                del self._announced[key]
+            last = self._last_stopped
+        if gone:
+            shown = last if last in gone else gone[0]
+            self.event("continued", {"threadId": thread_id(shown), "allThreadsContinued": every})
+
+    def feed(self, event: MeshEvent, endpoint: Answerer | None = None) -> None:
+        """A rank's debugger prompt or resumption: of the cell (the cell's thread), or of
+        an endpoint on mesh ``endpoint`` (its input router, the receiving thread)."""
+        runtime = endpoint or self.runtime
+        if runtime is None:
+            return
+        assert isinstance(event, (InputRequested, DebuggerResumed))
+        key = self.key_of(runtime.name, event.rank)
         if isinstance(event, DebuggerResumed):
             with self._cond:
-                paused = self.paused.get(event.rank)
+                paused = self.paused.get(key)
                 if paused is not None and paused.event.serial <= event.serial:
-                    del self.paused[event.rank]
-                self._waiting.discard(event.rank)
+                    del self.paused[key]
+                self._waiting.discard(key)
+                self._stepping.discard(key)  # (a step that ran off the cell or endpoint)
                 self._cond.notify_all()
-            if paused is not None:  # (not by a request of ours: those popped it)
-                resumed = {"threadId": thread_id(event.rank), "allThreadsContinued": False}
-                self.event("continued", resumed)
+                running = key not in self.paused
+            if running:
+                self._ran_on([key], every=False)
             return
-        assert isinstance(event, InputRequested)
         try:
             state = json.loads(event.output)
         except ValueError:  # not a visual-debugger prompt (cannot happen on one rank)
             state = {"stack": [], "where": event.where, "reply": None}
         with self._cond:
-            self.paused[event.rank] = Paused(event, state.get("stack", []), state.get("where", ""))
-            if event.rank in self._waiting:
-                self._waiting.discard(event.rank)
-                self._querying[event.rank] = state.get("reply")
+            self.paused[key] = Paused(
+                event, state.get("stack", []), state.get("where", ""), runtime, endpoint is None
+            )
+            if key in self._waiting:
+                self._waiting.discard(key)
+                self._querying[key] = state.get("reply")
                 self._cond.notify_all()
                 return
-            stepped = event.rank in self._stepping
-            self._stepping.discard(event.rank)
+            stepped = key in self._stepping
+            self._stepping.discard(key)
+            self._last_stopped = key
+            self._announced[key] = endpoint is None
         reason = "step" if stepped else ("exception" if event.post_mortem else "breakpoint")
         body: dict[str, Any] = {
             "reason": reason,
-            "threadId": thread_id(event.rank),
+            "threadId": thread_id(key),
             "allThreadsStopped": False,
         }
         if state.get("exception"):
@@ -147,22 +219,22 @@ class DapRelay:
         self.event("stopped", body)
 
     # -- requests (the control thread) ----------------------------------------------
-    def query(self, rank: int, command: str, arguments: dict[str, Any]) -> dict[str, Any]:
-        """Ask paused rank ``rank`` (``scopes``, ``variables``, ``evaluate``); the body."""
-        lock = self._rank_locks.setdefault(rank, threading.Lock())
-        with lock:
+    def query(self, key: int, command: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Ask the paused rank of ``key`` (``scopes``, ``variables``, ``evaluate``); the
+        body of its answer."""
+        rank = key & ((1 << RANK_BITS) - 1)
+        with self._rank_locks.setdefault(key, threading.Lock()):
             with self._cond:
-                paused = self.paused.get(rank)
-                runtime = self.runtime
-                if paused is None or runtime is None:
+                paused = self.paused.get(key)
+                if paused is None:
                     raise RankNotPaused(f"rank {rank} is not paused (it ran on)")
-                self._waiting.add(rank)
+                self._waiting.add(key)
             line = QUERY_MARK + json.dumps({"command": command, "arguments": arguments})
-            runtime.answer_input(rank, paused.event.serial, line=line)
+            paused.runtime.answer_input(rank, paused.event.serial, line=line)
             with self._cond:
-                got = self._cond.wait_for(lambda: rank not in self._waiting, QUERY_WAIT)
-                self._waiting.discard(rank)
-                reply = self._querying.pop(rank, None)
+                got = self._cond.wait_for(lambda: key not in self._waiting, QUERY_WAIT)
+                self._waiting.discard(key)
+                reply = self._querying.pop(key, None)
             if not got:
                 raise TimeoutError(f"rank {rank} did not answer {command} in {QUERY_WAIT:g} s")
             if reply is None:
@@ -172,32 +244,49 @@ class DapRelay:
             body: dict[str, Any] = reply["body"]
             return body
 
-    def run_on(self, ranks: list[int], command: str) -> list[int]:
-        """Send pdb's ``command`` to the paused ``ranks``; those it was sent to."""
+    def run_on(self, keys: list[int], command: str) -> list[int]:
+        """Send pdb's ``command`` to the paused ranks of ``keys``; the keys it was sent to."""
         sent = []
-        for rank in ranks:
+        for key in keys:
             # after a query in flight (its answer is the prompt to answer: the one we
             # have may be answered already)
-            with self._rank_locks.setdefault(rank, threading.Lock()):
+            with self._rank_locks.setdefault(key, threading.Lock()):
                 with self._cond:
-                    runtime = self.runtime
-                    paused = self.paused.pop(rank, None)
+                    paused = self.paused.pop(key, None)
                     if command != "c" and paused is not None:
-                        self._stepping.add(rank)
-                if paused is not None and runtime is not None:
-                    runtime.answer_input(rank, paused.event.serial, line=command)
-                    sent.append(rank)
+                        self._stepping.add(key)
+                if paused is not None:
+                    rank = key & ((1 << RANK_BITS) - 1)
+                    paused.runtime.answer_input(rank, paused.event.serial, line=command)
+                    sent.append(key)
+        if command == "c":  # (a step stops again soon: its own stopped event says so)
+            with self._cond:
+                every = not self.paused
+            self._ran_on(sent, every)
         return sent
 
-    def paused_ranks(self) -> list[int]:
+    def shown_key(self) -> int | None:
+        """The key of the paused rank JupyterLab shows (its last ``stopped`` event)."""
+        with self._cond:
+            if self._last_stopped in self.paused:
+                return self._last_stopped
+            return min(self.paused, default=None)
+
+    def owns(self, key: int) -> bool:
+        """Whether the rank of ``key`` is paused here, or was told to step by us."""
+        with self._cond:
+            return key in self.paused or key in self._stepping or key in self._announced
+
+    def paused_keys(self) -> list[int]:
+        """The keys of the paused ranks (cell and endpoints)."""
         with self._cond:
             return sorted(self.paused)
 
-    def stack_of(self, rank: int) -> list[dict[str, Any]]:
+    def stack_of(self, key: int) -> list[dict[str, Any]]:
         with self._cond:
-            paused = self.paused.get(rank)
+            paused = self.paused.get(key)
         if paused is None:
-            raise RankNotPaused(f"rank {rank} is not paused (it ran on)")
+            raise RankNotPaused(f"rank {key & ((1 << RANK_BITS) - 1)} is not paused (it ran on)")
         return paused.stack
 
     def event(self, name: str, body: dict[str, Any]) -> None:

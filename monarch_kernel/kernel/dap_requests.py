@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from monarch_kernel.kernel.dap_endpoints import EndpointBreakpoints
 from monarch_kernel.kernel.dap_relay import (
     RUN_COMMANDS,
     DapRelay,
@@ -60,7 +61,8 @@ class RemoteDebugger:
     """Answers the DAP requests about ranks (module docstring).
 
     ``started()`` tells whether the front end's debugger is on (ipykernel's state);
-    ``cell_path(code)`` is the dumped file of a cell's source (JupyterLab's hash).
+    ``cell_path(code)`` is the dumped file of a cell's source (JupyterLab's hash);
+    ``kernel_stopped()`` whether the kernel's own code is stopped (debugpy's threads).
     """
 
     def __init__(
@@ -69,11 +71,14 @@ class RemoteDebugger:
         started: Callable[[], bool],
         cell_path: Callable[[str], str],
         user_ns: dict[str, Any] | None = None,
+        kernel_stopped: Callable[[], bool] = lambda: False,
     ) -> None:
         global _current
         self.relay = DapRelay(publish)
         self.started = started
         self.cell_path = cell_path
+        #: Whether the kernel's own debugger (debugpy) has a stopped thread.
+        self.kernel_stopped = kernel_stopped
         #: dumped cell path -> its gutter breakpoints (cell lines, ``%%remote`` is 1)
         self.breakpoints: dict[str, list[int]] = {}
         #: The source of the cell the shell runs now.
@@ -82,6 +87,8 @@ class RemoteDebugger:
         self.exception_filters: list[str] = []
         #: The notebook's namespace (``copyToGlobals`` copies a rank's value into it).
         self.user_ns = user_ns if user_ns is not None else {}
+        #: Breakpoints in the kernel's own cells, for the endpoints they define.
+        self.endpoints = EndpointBreakpoints()
         self._deferred: Callable[[], object] | None = None
         _current = self
 
@@ -105,14 +112,16 @@ class RemoteDebugger:
             if command == "setBreakpoints":
                 return self._set_breakpoints(request, args)
             if command == "disconnect":
-                self.relay.run_on(self.relay.paused_ranks(), "c")
+                self.relay.run_on(self.relay.paused_keys(), "c")
                 self.breakpoints.clear()
                 self.exception_filters = []
+                self.endpoints.clear()
+                self.endpoints.sync()
                 return None
             if command == "setExceptionBreakpoints":  # (debugpy gets them too)
                 self.exception_filters = list(args.get("filters") or [])
                 return None
-            if command == "threads" and self.relay.paused_ranks():
+            if command == "threads" and self.relay.paused_keys():
                 # the kernel's own threads run the waiting cell (none is stopped): only
                 # the ranks' are listed, without asking debugpy (tens of ms)
                 return self.after(request, response(request, {"threads": []}))
@@ -126,25 +135,31 @@ class RemoteDebugger:
                 return self._rich_inspect(request, args)
             if command == "copyToGlobals" and is_tagged(args.get("srcFrameId")):
                 return self._copy_to_globals(request, args)
+            if command == "modules":
+                return self._modules(request, args)
+            if command == "continue" and self._continues_every_rank(args):
+                shown = self.relay.shown_key()
+                if shown is not None:  # (else they ran on meanwhile: debugpy's)
+                    return self._run_on(request, shown)
             key = {"stackTrace": "threadId", "scopes": "frameId"}.get(command, "")
             key = key or {"variables": "variablesReference", "evaluate": "frameId"}.get(command, "")
             if command in RUN_COMMANDS:
                 key = "threadId"
             if not key or not is_tagged(args.get(key)):
                 return None
-            rank, local = untag(int(args[key]))
+            who, local = untag(int(args[key]))
             if command == "stackTrace":
-                return response(request, self._stack_trace(rank))
+                return response(request, self._stack_trace(who))
             if command in RUN_COMMANDS:
-                return self._run_on(request, rank)
+                return self._run_on(request, who)
             if command == "variables":
-                body = self.relay.query(rank, command, {"variablesReference": local})
+                body = self.relay.query(who, command, {"variablesReference": local})
                 for v in body.get("variables", []):
-                    v["variablesReference"] = self._tag_ref(rank, v.get("variablesReference"))
+                    v["variablesReference"] = self._tag_ref(who, v.get("variablesReference"))
                 return response(request, body)
-            body = self.relay.query(rank, command, {**args, key: local})
+            body = self.relay.query(who, command, {**args, key: local})
             for item in body.get("scopes", [body]):
-                item["variablesReference"] = self._tag_ref(rank, item.get("variablesReference"))
+                item["variablesReference"] = self._tag_ref(who, item.get("variablesReference"))
             return response(request, body)
         except (RankNotPaused, TimeoutError, ValueError) as exc:
             return failure(request, str(exc))
@@ -158,23 +173,31 @@ class RemoteDebugger:
         ):
             reply = reply or response(request, {"threads": []})
             threads = reply.setdefault("body", {}).setdefault("threads", [])
-            for rank in self.relay.paused_ranks():
-                threads.append({"id": thread_id(rank), "name": f"rank {rank} · MainThread"})
+            for key in self.relay.paused_keys():
+                threads.append({"id": thread_id(key), "name": self.relay.thread_name(key)})
+        elif command == "modules" and "success" not in reply:
+            # (ipykernel 7.4 answers the kernel's own modules with a bare body)
+            reply = response(request, reply.get("body", {}))
         elif command == "debugInfo" and reply.get("success"):
             body = reply.setdefault("body", {})
             listed = body.setdefault("breakpoints", [])
             for path, lines in self.breakpoints.items():
                 listed.append({"source": path, "breakpoints": [{"line": n} for n in lines]})
             stopped = body.setdefault("stoppedThreads", [])
-            stopped.extend(thread_id(r) for r in self.relay.paused_ranks())
+            stopped.extend(thread_id(r) for r in self.relay.paused_keys())
         return reply
 
     def _set_breakpoints(
         self, request: dict[str, Any], args: dict[str, Any]
     ) -> dict[str, Any] | None:
         path = str((args.get("source") or {}).get("path", ""))
-        if not path or not _dumped_remote_cell(path):
-            return None  # the kernel's own cell: debugpy's
+        if not path:
+            return None
+        if not _dumped_remote_cell(path):
+            # the kernel's own cell: debugpy's, and the ranks' for the endpoints it defines
+            self.endpoints.set(path, [int(b["line"]) for b in args.get("breakpoints") or []])
+            self.endpoints.sync()
+            return None
         lines = [int(b["line"]) for b in args.get("breakpoints") or []]
         self.breakpoints[path] = lines
         if not lines:
@@ -182,15 +205,36 @@ class RemoteDebugger:
         listed = [{"verified": True, "line": n, "source": {"path": path}} for n in lines]
         return response(request, {"breakpoints": listed})
 
-    def _stack_trace(self, rank: int) -> dict[str, Any]:
+    def _continues_every_rank(self, args: dict[str, Any]) -> bool:
+        """A ``continue`` naming no rank's thread while ranks are paused and the kernel's
+        own code is not: JupyterLab's Continue button sends the thread id it has *after*
+        forgetting the stopped one (``1`` when none is left), so the ranks are meant."""
+        if is_tagged(args.get("threadId")) or not self.relay.paused_keys():
+            return False
+        return not self.kernel_stopped()
+
+    def _modules(self, request: dict[str, Any], args: dict[str, Any]) -> dict[str, Any] | None:
+        """The modules of a paused rank: the one ``threadId`` names (an argument of ours),
+        else the one JupyterLab shows; None (the kernel's own) when no rank is paused."""
+        thread = args.get("threadId")
+        if isinstance(thread, int) and is_tagged(thread):
+            who = untag(thread)[0]
+        else:
+            shown = self.relay.shown_key()
+            if shown is None or self.kernel_stopped():
+                return None
+            who = shown
+        query: dict[str, Any] = {k: args[k] for k in ("startModule", "moduleCount") if k in args}
+        return response(request, self.relay.query(who, "modules", query))
+
+    def _stack_trace(self, who: int) -> dict[str, Any]:
         frames = []
-        for f in self.relay.stack_of(rank):
+        for f in self.relay.stack_of(who):
             path = f["file"]
-            if path.startswith("<remote cell") and self.relay.cell_path:
-                path = self.relay.cell_path
+            path = self.relay.cell_paths.get(path, path)
             frames.append(
                 {
-                    "id": tag(rank, f["id"]),
+                    "id": tag(who, f["id"]),
                     "name": f["name"],
                     "line": f["line"],
                     "column": 1,
@@ -199,26 +243,26 @@ class RemoteDebugger:
             )
         return {"stackFrames": frames, "totalFrames": len(frames)}
 
-    def _run_on(self, request: dict[str, Any], rank: int) -> dict[str, Any]:
+    def _run_on(self, request: dict[str, Any], who: int) -> dict[str, Any]:
         """``continue`` resumes every paused rank (JupyterLab resumes only the thread it
         shows); ``next``/``stepIn``/``stepOut`` that rank alone."""
         command = RUN_COMMANDS[request["command"]]
         everyone = command == "c"
-        paused = self.relay.paused_ranks()
-        ranks = paused if everyone else [rank]
-        if rank not in paused:
-            raise RankNotPaused(f"rank {rank} is not paused (it ran on)")
+        paused = self.relay.paused_keys()
+        keys = paused if everyone else [who]
+        if who not in paused:
+            raise RankNotPaused(f"{self.relay.thread_name(who)} is not paused (it ran on)")
         # Sent once the reply is out (``take_deferred``): JupyterLab marks the thread as
-        # running when the reply comes, so a step's ``stopped`` must come after it. No
-        # ``continued`` event: the front end updates itself from the reply.
-        self._deferred = lambda: self.relay.run_on(ranks, command)
+        # running when the reply comes, so a step's ``stopped`` must come after it; a
+        # ``continue`` is followed by a ``continued`` event (JupyterLab's overlay goes).
+        self._deferred = lambda: self.relay.run_on(keys, command)
         return response(request, {"allThreadsContinued": everyone} if everyone else {})
 
     def _rich_inspect(self, request: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
         """A variable of a rank's frame, as text (the rank's objects stay there)."""
-        rank, frame = untag(int(args["frameId"]))
+        who, frame = untag(int(args["frameId"]))
         name = str(args.get("variableName", ""))
-        got = self.relay.query(rank, "evaluate", {"expression": name, "frameId": frame})
+        got = self.relay.query(who, "evaluate", {"expression": name, "frameId": frame})
         return response(request, {"data": {"text/plain": got["result"]}, "metadata": {}})
 
     def _copy_to_globals(self, request: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
@@ -226,15 +270,15 @@ class RemoteDebugger:
         import base64
         import pickle
 
-        rank, frame = untag(int(args["srcFrameId"]))
+        who, frame = untag(int(args["srcFrameId"]))
         query = {"srcVariableName": args["srcVariableName"], "srcFrameId": frame}
-        got = self.relay.query(rank, "copyToGlobals", query)
+        got = self.relay.query(who, "copyToGlobals", query)
         self.user_ns[str(args["dstVariableName"])] = pickle.loads(base64.b64decode(got["pickled"]))
         return response(request)
 
     @staticmethod
-    def _tag_ref(rank: int, ref: object) -> int:
-        return tag(rank, ref) if isinstance(ref, int) and ref > 0 else 0
+    def _tag_ref(who: int, ref: object) -> int:
+        return tag(who, ref) if isinstance(ref, int) and ref > 0 else 0
 
 
 def _dumped_remote_cell(path: str) -> bool:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from monarch_kernel.controller.mesh import registry
+from monarch_kernel.controller.records import FailurePolicy
 from monarch_kernel.kernel.args import Parser, mesh_parser, remote_parser
 from monarch_kernel.launchers import BACKENDS
 
@@ -22,6 +23,8 @@ MESH_COMMANDS: dict[str, tuple[str, ...]] = {
     "restart": ("--ranks",),
     "setup": ("--clear",),
     "stacks": ("--ranks", "--timeout"),
+    "grow": ("--ranks", "--gpus", "--hosts", "--timeout"),
+    "shrink": ("--ranks", "--gpus", "--hosts", "--timeout"),
 }
 
 
@@ -133,6 +136,8 @@ def _values(parser: Parser, option: str) -> list[str] | None:
     """The values option ``option`` takes, if it has a known set (None: free text)."""
     if option == "--backend":
         return list(BACKENDS)
+    if option == "--on-failure":  # free text (shrink:N), completed with the policies
+        return [p.value for p in FailurePolicy]
     for action in parser._actions:
         if option in action.option_strings:
             if action.choices:

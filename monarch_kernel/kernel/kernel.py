@@ -49,8 +49,14 @@ class MonarchKernel(IPythonKernel):
             debugger = getattr(self, "debugger", None)
             return bool(debugger is not None and debugger.is_started)
 
+        def kernel_stopped() -> bool:
+            debugger = getattr(self, "debugger", None)
+            return bool(debugger is not None and debugger.stopped_threads)
+
         user_ns = self.shell.user_ns if self.shell is not None else None
-        return RemoteDebugger(self._publish_debug_event, started, get_file_name, user_ns)
+        return RemoteDebugger(
+            self._publish_debug_event, started, get_file_name, user_ns, kernel_stopped
+        )
 
     async def do_debug_request(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The visual debugger: requests about ranks are answered by the remote
@@ -70,7 +76,10 @@ class MonarchKernel(IPythonKernel):
     async def do_execute(self, code: str, *args: Any, **kwargs: Any) -> Any:
         # the source as the front end has it: a %%remote cell's gutter breakpoints are
         # keyed by the dumped file of exactly this text
-        self._remote_debugger.current_code = code
+        remote = self._remote_debugger
+        remote.current_code = code
+        if remote.endpoints.table:  # a mesh made since the breakpoints were set gets them
+            await asyncio.to_thread(remote.endpoints.sync)
         return await super().do_execute(code, *args, **kwargs)
 
     def post_handler_hook(self) -> None:
@@ -99,6 +108,17 @@ class MonarchKernel(IPythonKernel):
 
         self._magics.shutting_down = True  # a pending stop of --bg cells does not happen
         stop_all_meshes()
+        _retire_dashboards()  # after: their snapshots show the meshes let go or stopped
         if LocalLauncher._shared is not None:
             LocalLauncher._shared.shutdown()
         return super().do_shutdown(restart)
+
+
+def _retire_dashboards() -> None:
+    """Leave a static snapshot in place of every dashboard shown (``widgets.retire``);
+    only if the widgets were ever loaded."""
+    if "monarch_kernel.widgets.dashboard" not in sys.modules:
+        return
+    from monarch_kernel.widgets.retire import retire_all
+
+    retire_all()

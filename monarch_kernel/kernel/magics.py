@@ -22,7 +22,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from monarch_kernel.actor import ProcMesh, ValueMesh
 from monarch_kernel.controller.mesh import registry
 from monarch_kernel.kernel import help as _help
-from monarch_kernel.kernel import mesh_admin, mesh_detach, push_pull, remote_cell
+from monarch_kernel.kernel import mesh_admin, mesh_detach, mesh_resize, push_pull, remote_cell
 from monarch_kernel.kernel.args import Parser, split_args
 from monarch_kernel.kernel.hints import REMOTE_ERRORS, show_remote_error
 from monarch_kernel.kernel.mesh_create import create_mesh
@@ -65,7 +65,8 @@ class MeshMagics(Magics):
         ``%mesh NAME --gpus 4 [--hosts 2] [--backend local] [--env K=V] [--detachable]``,
         ``%mesh`` (table of live meshes, and of detached ones to attach),
         ``%mesh stop NAME``, ``%mesh attach NAME [--force]``,
-        ``%mesh restart NAME [--ranks 2,3]``, ``%mesh stacks NAME [--ranks 0,3]``.
+        ``%mesh restart NAME [--ranks 2,3]``, ``%mesh stacks NAME [--ranks 0,3]``,
+        ``%mesh grow NAME --ranks +2 | --hosts +1``, ``%mesh shrink NAME --ranks 3 | --hosts 1``.
         """
         args = shlex.split(line)
         if not args:
@@ -82,6 +83,8 @@ class MeshMagics(Magics):
             return mesh_admin.show_setup(args[1:])
         if args[0] == "stacks":
             return mesh_admin.show_stacks(args[1:])
+        if args[0] in ("grow", "shrink"):
+            return mesh_resize.resize_mesh(args[0], args[1:])
         return create_mesh(self.notebook, args)
 
     # -- %%remote / %remote ------------------------------------------------------------

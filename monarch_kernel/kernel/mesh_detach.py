@@ -61,7 +61,9 @@ def attach_mesh(notebook: Notebook, args: list[str]) -> list[RemoteJob] | None:
     p.add_argument("--from", dest="path", default=None, metavar="FILE")
     opts = p.parse_args(args)
     if opts.name is None and opts.path is None:
-        raise UsageError("usage: %mesh attach NAME [--force] (%mesh lists detached meshes)")
+        raise UsageError(
+            "usage: %mesh attach NAME [--force] [--from FILE] (%mesh lists detached meshes)"
+        )
     try:
         name = opts.name or read_file(None, opts.path).name
         _check_free(notebook, name)

@@ -26,6 +26,7 @@ from monarch_kernel.controller.events import (
 from monarch_kernel.controller.mesh import MeshRuntime, new_request_id
 from monarch_kernel.controller.takeover import Attached
 from monarch_kernel.kernel import dap_requests
+from monarch_kernel.kernel.dap_relay import PROMPT as DAP_PROMPT
 from monarch_kernel.kernel.dap_relay import DapRelay
 from monarch_kernel.kernel.debug import DebugConsole
 from monarch_kernel.kernel.output import CellOutput
@@ -117,6 +118,22 @@ class InputRouter:
         except Exception:  # a notice must never break the receiving thread
             pass
 
+    def _to_visual_debugger(self, event: InputRequested | DebuggerResumed) -> bool:
+        """Give the notebook's visual debugger what is its own: the prompts of ranks it
+        armed (an endpoint's gutter breakpoint) and their resumptions."""
+        remote = dap_requests.current()
+        runtime = self._runtime()
+        if remote is None or runtime is None:
+            return False
+        relay = remote.relay
+        if isinstance(event, InputRequested):
+            if event.prompt != DAP_PROMPT:
+                return False
+        elif not relay.owns(relay.key_of(runtime.name, event.rank)):
+            return False
+        relay.feed(event, endpoint=runtime)
+        return True
+
     def _on_event(self, event: MeshEvent) -> None:  # receiving thread: never blocks
         if isinstance(event, DebuggerResumed):
             for console in list(self.consoles):
@@ -127,6 +144,8 @@ class InputRouter:
             inbox.put(event)
             return
         debug = isinstance(event, DebuggerResumed) or event.debug
+        if debug and self._to_visual_debugger(event):
+            return
         if debug:
             with self._lock:
                 attached = self._attached
@@ -254,11 +273,9 @@ class RemoteJob:
         over (``%mesh attach``): its output and its result come here now."""
         self.request_id, self.started = job.request, job.started
         rt = self.procs.runtime
-        if self.output is not None:
-            rt.output.route(self.request_id, self.output.feed)
         self.future.add_done_callback(self._on_done)
         rt.events.subscribe(self._on_failure, RequestFailed, RankDied)
-        attached.follow(job, self._gather)
+        attached.follow(job, self._gather, self.output.feed if self.output is not None else None)
         return self
 
     def _on_failure(self, event: MeshEvent) -> None:
@@ -287,16 +304,19 @@ class RemoteJob:
             pass
 
     def _start_visual_debugger(self, spec: dict[str, object]) -> None:
-        """With the notebook's debugger on, a foreground cell goes with its gutter
-        breakpoints, and its ranks' debugger prompts go to the panel (not to pdb's)."""
+        """With the notebook's debugger on, a cell goes with its gutter breakpoints, and
+        its ranks' debugger prompts go to the panel (not to pdb's): a foreground cell's
+        through this job, a ``--bg`` cell's through the mesh's input router."""
         remote = dap_requests.current()
-        if remote is None or self.on_finished is not None or not self.header:
+        if remote is None or not self.header:
             return
         path, lines = remote.breaks_for_current_cell()
         spec["dap"] = lines
         spec["dap_exc"] = bool(remote.exception_filters)
-        remote.relay.begin(self.procs.runtime, path)
-        self.dap = remote.relay
+        remote.relay.name_cell(f"<remote cell {self.cell}>", path)
+        if self.on_finished is None:
+            remote.relay.begin(self.procs.runtime)
+            self.dap = remote.relay
 
     def _end_visual_debugger(self) -> None:
         """(The cell's thread, which publishes the panel's events.) No rank is paused."""

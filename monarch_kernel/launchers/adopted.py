@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import time
+from collections.abc import Callable
 
 from monarch_kernel.wire.desk import process_started
 from monarch_kernel.wire.osutil import tail_lines
@@ -65,3 +67,49 @@ class AdoptedHost:
     def cleanup(self) -> None:
         if not self.running():  # never under a live agent
             shutil.rmtree(self.private_dir, ignore_errors=True)
+
+
+def desk_listens(desk: str, timeout: float = 0.5) -> bool:
+    """Whether the tcp desk ``tcp://ADDR:PORT`` takes connections (its agent runs)."""
+    addr, _, port = desk.removeprefix("tcp://").rpartition(":")
+    try:
+        with socket.create_connection((addr.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+class RemoteAdoptedHost:
+    """Handle on a host agent of a detachable mesh on another machine (a tcp mesh: the
+    join backend): no pid to follow, so its desk's port tells whether it still runs,
+    and stopping it is asked over the control plane (:attr:`tell_exit`)."""
+
+    def __init__(self, desk: str, hostname: str):
+        self.desk = desk
+        self.hostname = hostname
+        #: Set by the mesh: tells the agent to exit (a ``stop`` over the control plane).
+        self.tell_exit: Callable[[], object] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    def exit_code(self) -> int | None:
+        return None if desk_listens(self.desk) else UNKNOWN_EXIT
+
+    def log_tail(self, n: int = 20) -> str:
+        return f"(the agent runs on {self.hostname}; its log is on that machine)"
+
+    def wait_or_kill(self, timeout: float) -> None:
+        """Tell the agent to exit, then wait up to ``timeout`` for its desk to close."""
+        if self.tell_exit is not None:
+            try:
+                self.tell_exit()
+            except Exception:  # the mesh's sockets are closed: it is stopping anyway
+                pass
+        deadline = time.monotonic() + timeout
+        while desk_listens(self.desk) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def cleanup(self) -> None:
+        """Nothing of it is on this machine."""

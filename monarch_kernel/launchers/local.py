@@ -126,6 +126,9 @@ class LocalHost:
             shutil.rmtree(self.private_dir, ignore_errors=True)
 
 
+_shared_lock = threading.Lock()
+
+
 class LocalLauncher:
     """Starts host agents on this machine, optionally from a pool of pre-warmed ones
     (a :class:`~.base.Launcher`)."""
@@ -158,9 +161,12 @@ class LocalLauncher:
 
     @classmethod
     def shared(cls) -> LocalLauncher:
-        if cls._shared is None:
-            cls._shared = cls()
-        return cls._shared
+        # The kernel's pre-warm thread and the first %mesh ask at about the same time: a
+        # second launcher would leave a directory no agent of the first removes.
+        with _shared_lock:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
 
     def _spawner(self) -> None:
         while True:

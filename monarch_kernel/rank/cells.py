@@ -70,7 +70,7 @@ class Cells:
             body, value = compile_cell(code, filename, len(header) + 1)
             breaks = spec.get("dap")  # the notebook's visual debugger is on: its breakpoints
             if breaks is not None:
-                DapPdb(self.debugger).arm(filename, [int(n) for n in breaks], sys._getframe())
+                DapPdb(self.debugger).arm({filename: [int(n) for n in breaks]}, sys._getframe())
             self.user.run_user(eval, body, ns)
             result = self.user.run_user(eval, value, ns) if value is not None else None
         except (Exception, KeyboardInterrupt) as exc:  # to the caller; SystemExit ends the

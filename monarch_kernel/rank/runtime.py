@@ -31,6 +31,7 @@ from monarch_kernel.rank.cells import Cells
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.rank.context import UserNamespace
 from monarch_kernel.rank.control import ControlThread
+from monarch_kernel.rank.dap import EndpointBreaks
 from monarch_kernel.rank.debugger import RankDebugger
 from monarch_kernel.rank.inbox import Inbox, bind_peer, connect, dealer
 from monarch_kernel.rank.link import ControllerLink, serve_attached
@@ -106,6 +107,10 @@ class Rank:
             self.rank, ctl, self.codec, self.outbox, self.main, self.namespace,
             self.debugger, self.stdin,
         )  # fmt: skip
+        breaks = EndpointBreaks(
+            self.debugger, self.inbox.handlers, self.actor_host.call, self.outbox.reply
+        )
+        self.control.handlers[K.DAP_BREAKS] = breaks.on_control
         if cfg.detachable:  # the rank outlives its controller (before any thread sends)
             # 2: started by its host agent while no controller held the mesh
             link = ControllerLink(out, log_fd, connected=cfg.detachable != 2)

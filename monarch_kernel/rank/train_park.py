@@ -12,7 +12,12 @@ controller's orders. They come as ``train`` control messages (payload: a pickled
 * ``load``: take the state of the offer given (a rank behind the others, or a restarted
   one whose first source died);
 * ``resume``: leave the boundary and go on (the failed step is redone);
-* ``raise``: leave it and raise the step's error (no recovery: the cell fails).
+* ``raise``: leave it and raise the step's error (no recovery: the cell fails);
+* ``world``: the mesh grew or shrank: take on its new shape (before ``reform``).
+
+A resize (``%mesh grow``/``shrink``) first tells every rank ``hold`` on its control
+thread: its main thread parks at the next step boundary by itself (and the abort of
+its process group releases peers already in that step's collectives, which park too).
 
 A restarted rank is told ``expect`` (an offer to load when its first step starts) on
 its control thread before the cell is sent to it again. Notices go back to the
@@ -57,6 +62,8 @@ class ParkedState(Protocol):
 
 _orders: queue.Queue[tuple[str, Order, Replier]] = queue.Queue()
 _expected: dict[str, StateOffer] = {}
+#: Requests whose ranks were told to park at their next step boundary (a resize).
+_holds: set[str] = set()
 _lock = threading.Lock()
 
 
@@ -74,6 +81,12 @@ def on_control(msg: Message, outbox: Replier) -> None:
             _expected[order.request] = offer
         outbox.reply(request, True, "expect")
         return
+    if order.op == "hold":
+        with _lock:
+            _holds.clear()  # one resize at a time
+            _holds.add(order.request)
+        outbox.reply(request, True, "hold")
+        return
     _orders.put((request, order, outbox))
 
 
@@ -83,6 +96,17 @@ def take_expected(request: str | None) -> StateOffer | None:
         return None
     with _lock:
         return _expected.pop(request, None)
+
+
+def take_hold(request: str | None) -> bool:
+    """Whether this rank was told to park at the step boundary of ``request`` (once)."""
+    if request is None or not _holds:
+        return False
+    with _lock:
+        if request in _holds:
+            _holds.discard(request)
+            return True
+    return False
 
 
 def tell(notice: Notice) -> None:
@@ -100,6 +124,8 @@ def park(state: ParkedState, request: str, error: str, has_state: bool = True) -
     from monarch_kernel.rank.train_pg import release_peers
 
     _drain_stale()
+    with _lock:  # parked now: a hold for this boundary is answered
+        _holds.discard(request)
     release_peers()
     tell(Notice("parked", request, state.step, has_state, error))
     offered = False
@@ -121,6 +147,8 @@ def park(state: ParkedState, request: str, error: str, has_state: bool = True) -
         if order.op in ("resume", "raise"):
             if offered:
                 state.released()
+            with _lock:  # a hold that came while it was parked is answered by this park
+                _holds.discard(request)
             return order
 
 
@@ -132,6 +160,10 @@ def _obey(state: ParkedState, order: Order) -> Any:
         t0 = time.monotonic()
         reform(order.addr, order.port)
         return time.monotonic() - t0
+    if order.op == "world":
+        from monarch_kernel.rank.world import set_world
+
+        return set_world(order.labels, order.sizes)
     if order.op == "offer":
         offer = state.offer()
         return Offered(offer.source, offer.step, offer.nbytes, pickle.dumps(offer))

@@ -23,9 +23,9 @@ import traceback
 from types import TracebackType
 from typing import Any
 
-from monarch_kernel.rank import context
+from monarch_kernel.rank import context, world
 from monarch_kernel.rank.dataplane import server
-from monarch_kernel.rank.train_park import park, take_expected, tell
+from monarch_kernel.rank.train_park import park, take_expected, take_hold, tell
 from monarch_kernel.rank.train_parts import (
     Snapshot,
     StateOffer,
@@ -134,11 +134,30 @@ class TrainingState:
         self._announced: str | None = None
         self._shared: list[int] = []
         self._hook = None
+        #: the rank's world generation the loop last saw (see ``world_changed``)
+        self._world_seen = world.generation
         if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
             self._hook = optimizer.register_step_post_hook(self._optimizer_stepped)
 
     def _optimizer_stepped(self, *args: Any) -> None:
         self._stepped = True
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks training now (``WORLD_SIZE``; it changes when the mesh
+        grows or shrinks at a step boundary: ``%mesh grow NAME``)."""
+        return world.world_size()
+
+    @property
+    def rank(self) -> int:
+        """This rank's flat rank now (``RANK``)."""
+        return context.current_rank().rank if context.in_rank() else 0
+
+    @property
+    def world_changed(self) -> bool:
+        """True in the first step after the mesh grew or shrank (and in a new rank's
+        first step): the moment to split the data again by ``world_size``."""
+        return self._world_seen != world.generation
 
     def stepping(self) -> _Step:
         """The context manager around one training step (see the class)."""
@@ -209,6 +228,7 @@ class TrainingState:
         if self.optimizer is not None and offer.optimizer is not None:
             self.optimizer.load_state_dict(fetch_tree(offer.optimizer, []))
         self._load_small(offer.small)
+        self._world_seen = -1  # a new (or restarted) rank: its first step sees the world anew
         request = context.current_request or ""
         seconds = time.monotonic() - t0
         return Notice(
@@ -255,6 +275,10 @@ class _Step:
             if offer is not None:  # a restarted rank: take a replica's state first
                 _load_expected(state, request, offer)
             tell(Notice("active", request, state.step))
+        if request is not None and take_hold(request):  # the mesh is resized here
+            order = park(state, request, "")
+            if order.op != "resume":
+                raise RuntimeError(f"the mesh could not be resized: {order.why}")
         state._stepped = False
         data = state.data.state_dict() if state.data is not None else None
         self.snapshot = Snapshot(
@@ -273,6 +297,7 @@ class _Step:
         state = self.state
         if exc is None or state._stepped:
             state.step += 1  # it completed: its optimizer step ran
+            state._world_seen = world.generation
             return False
         self._restore()
         request = context.current_request

@@ -82,6 +82,7 @@ class Dashboard(W.VBox):
         self._wake = threading.Event()
         self._closed = False
         self._displays: list[Display] = []
+        self._retired = False  # its displays show a static snapshot now (see .retire)
         self._last_sample = 0.0
         self._last_flush = 0.0
         self._last_tiles = 0.0
@@ -154,14 +155,26 @@ class Dashboard(W.VBox):
         data["text/plain"] = text
         return data
 
-    def snapshot(self) -> tuple[str, str]:
+    def snapshot(self, charts: bool = True) -> tuple[str, str]:
         """Static ``(html, text)`` views of the current state (for non-widget frontends)."""
         with self._lock:
             views = self._views
             return (
-                snapshot_html(self.state, views, self.columns),
+                snapshot_html(self.state, views, self.columns, charts),
                 snapshot_text(self.state, views),
             )
+
+    def retire(self, bundle: MimeBundle) -> bool:
+        """Replace every display of this dashboard with ``bundle`` (static: its kernel
+        is going away, see :mod:`.retire`); nothing re-sends the widget after. False
+        if it was never displayed."""
+        self._retired = True
+        for d in self._displays:
+            try:
+                d.update(bundle)
+            except Exception:  # a closed kernel channel: nothing to do
+                pass
+        return bool(self._displays)
 
     def show(self) -> None:
         """Display the dashboard under the current cell (its fallback is refreshed when
@@ -180,7 +193,7 @@ class Dashboard(W.VBox):
 
     def refresh_displays(self) -> None:
         """Re-send the displays made by :meth:`show` (updates their static fallback)."""
-        if not self._displays or self.comm is None:
+        if not self._displays or self.comm is None or self._retired:
             return
         data = self._repr_mimebundle_()
         if data is None:
@@ -317,6 +330,7 @@ class Dashboard(W.VBox):
         old_views = self._views
         views: list[TileView] = []
         sent = 0
+        self.grid.resize(self.runtime.world)  # the mesh may have grown or shrunk
         for r in range(self.runtime.world):
             view = old_views[r] if r < len(old_views) else None
             if full or view is None or r in marked or view.state != st.tile_state(r):
@@ -392,6 +406,12 @@ def dashboard_of(runtime: MeshRuntime) -> Dashboard:
         if dash is None or dash.closed:
             dash = _dashboards[runtime] = Dashboard(runtime)
         return dash
+
+
+def open_dashboards() -> list[Dashboard]:
+    """Every open dashboard of this process."""
+    with _dashboards_lock:
+        return [d for d in list(_dashboards.values()) if not d.closed]
 
 
 def existing(runtime: MeshRuntime) -> Dashboard | None:

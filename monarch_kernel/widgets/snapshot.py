@@ -22,8 +22,9 @@ from monarch_kernel.widgets.theme import COLORS
 from monarch_kernel.widgets.views import TileView
 
 
-def snapshot_html(st: MeshState, views: list[TileView], columns: int) -> str:
-    """A static, self-contained HTML view (inline styles only) for non-widget frontends."""
+def snapshot_html(st: MeshState, views: list[TileView], columns: int, charts: bool = True) -> str:
+    """A static, self-contained HTML view (inline styles only) for non-widget frontends
+    (``charts``: with the metric charts)."""
     cells = []
     for v in views:
         bg, border = COLORS[v.state]
@@ -42,7 +43,7 @@ def snapshot_html(st: MeshState, views: list[TileView], columns: int) -> str:
         + header_html(st, views)
         + jobs_snapshot_html(st)
         + f'<table style="border-collapse:separate;border-spacing:3px">{"".join(rows)}</table>'
-        + charts_html(st)
+        + (charts_html(st) if charts else "")
         + errors_html(st)
         + "</div>"
     )

@@ -19,17 +19,13 @@ class TileGrid:
         self, world: int, columns: int, compact: bool, on_select: Callable[[int], None]
     ) -> None:
         self.compact = compact
+        self._on_select = on_select
         # a full tile holds render.TILE_CHARS characters a line at the tile font
         width, height = (104, 44) if compact else (184, 108)
         tile_layout = W.Layout(width=f"{width}px", height=f"{height}px", margin="0")
         #: One button per rank, in rank order.
-        self.tiles: list[W.Button] = []
-        for r in range(world):
-            tile = W.Button(description=f"rank {r}", layout=tile_layout)
-            tile.add_class("mk-tile")
-            tile.on_click(lambda _b, r=r: on_select(r))
-            prefer_frontend_subshell(tile)
-            self.tiles.append(tile)
+        self._layout = tile_layout
+        self.tiles: list[W.Button] = [self._tile(r) for r in range(world)]
         self.box = W.GridBox(
             self.tiles,
             layout=W.Layout(
@@ -41,6 +37,20 @@ class TileGrid:
                 align_content="flex-start",
             ),
         )
+
+    def _tile(self, r: int) -> W.Button:
+        tile = W.Button(description=f"rank {r}", layout=self._layout)
+        tile.add_class("mk-tile")
+        tile.on_click(lambda _b, r=r: self._on_select(r))
+        prefer_frontend_subshell(tile)
+        return tile
+
+    def resize(self, world: int) -> None:
+        """The mesh grew or shrank (``%mesh grow``): ``world`` tiles from now on."""
+        if world == len(self.tiles):
+            return
+        self.tiles = self.tiles[:world] + [self._tile(r) for r in range(len(self.tiles), world)]
+        self.box.children = tuple(self.tiles)
 
     def put(self, r: int, v: TileView, selected: int | None) -> int:
         """Show ``v`` on rank ``r``'s tile; returns the messages sent."""

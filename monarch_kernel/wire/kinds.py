@@ -128,7 +128,8 @@ kind              keys
                   (the address other hosts reach it at: ``advertise`` from its
                   configuration, default 127.0.0.1); ``port`` int (a free port, used as
                   MASTER_PORT when this is host 0); ``desk`` str (a detachable mesh's
-                  agent: its attach desk's address, :mod:`monarch_kernel.wire.desk`).
+                  agent: its attach desk's address, :mod:`monarch_kernel.wire.desk`);
+                  ``dir`` str (such an agent's private directory: its ranks' logs).
                   Sent once, first
 ``hb``            ``h``: heartbeat, every 0.5 s
 ``port``          ``h``, ``i`` (the ``new_port`` request), ``port`` int: a free port
@@ -260,6 +261,10 @@ kind              keys and payload
 ``train``         ``i``, ``w``. Payload: a pickled ``wire.train_msgs.Order`` for a rank
                   parked at a training step boundary (``reform``, ``offer``, ``load``,
                   ``resume``, ``raise``) or restarted (``expect``). Reply value: per order
+``dap_breaks``    ``i``, ``w``. Payload: pickled ``{path: (lines, source)}``, the notebook's
+                  visual-debugger breakpoints in its own cells (all of them: replaces the
+                  last); while there are some, endpoint calls run with them armed. Reply
+                  value: the sorted paths with breakpoints
 ``hello``         (no keys) the controller's connection probe, ignored
 ================  =======================================================================
 
@@ -398,6 +403,8 @@ ATTACHED = "attached"
 INPUT_REPLY = "input_reply"
 #: An order to a rank parked at a training step boundary (``wire.train_msgs.Order``).
 TRAIN = "train"
+#: The visual debugger's breakpoints in the notebook's own cells (actor endpoints).
+DAP_BREAKS = "dap_breaks"
 
 # rank -> controller
 READY = "ready"
@@ -416,5 +423,5 @@ TRAIN_NOTICE = "train_notice"
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 4  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
-# 4: the ``train`` and ``train_notice`` kinds (state from peers)
+PROTOCOL_VERSION = 5  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
+# 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``

@@ -16,7 +16,9 @@ class Order:
     ``offer`` (share this rank's state; reply: an :class:`Offered`), ``load`` (take
     the state ``offer``), ``resume`` (go on: the failed step is redone), ``raise``
     (fail the step's error, ``why`` says why there is no recovery), ``expect`` (a
-    restarted rank: load ``offer`` at the first step of ``request``).
+    restarted rank: load ``offer`` at the first step of ``request``), ``hold`` (a
+    resize: park at the next step boundary), ``world`` (the mesh is now of dims
+    ``labels`` with extent ``sizes``: a survivor of a resize, before ``reform``).
     """
 
     op: str
@@ -25,6 +27,8 @@ class Order:
     port: int = 0
     offer: bytes = b""  #: a pickled ``rank.train_parts.StateOffer`` (opaque here)
     why: str = ""
+    labels: tuple[str, ...] = ()
+    sizes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

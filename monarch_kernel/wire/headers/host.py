@@ -231,7 +231,15 @@ class HostReady:
     a detachable mesh's agent also its attach desk)."""
 
     KIND: ClassVar[str] = K.HOST_READY
-    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"h", "pid", "host", "addr", "port", "desk"}
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {
+        "h",
+        "pid",
+        "host",
+        "addr",
+        "port",
+        "desk",
+        "dir",
+    }
 
     host: int
     pid: int
@@ -239,6 +247,7 @@ class HostReady:
     addr: str  #: the address other hosts reach it at
     port: int  #: a free port (MASTER_PORT when this is host 0)
     desk: str = ""  #: its attach desk's address (a detachable mesh), else ""
+    dir: str = ""  #: a detachable mesh's agent: its private directory (its ranks' logs)
 
     def encode(self) -> WireHeader:
         h: WireHeader = {
@@ -251,6 +260,8 @@ class HostReady:
         }
         if self.desk:
             h["desk"] = self.desk
+        if self.dir:
+            h["dir"] = self.dir
         return h
 
     @classmethod
@@ -264,6 +275,7 @@ class HostReady:
                 addr=h["addr"],
                 port=h["port"],
                 desk=h.get("desk", ""),
+                dir=h.get("dir", ""),
             )
         except KeyError as exc:
             raise missing_key(cls, exc) from None

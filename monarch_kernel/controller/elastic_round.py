@@ -1,0 +1,260 @@
+"""A resize while a ``TrainingState`` loop runs: one round of a recovery from peers
+(:class:`~.peer_round.Recovery`) whose "restart" is the resize.
+
+1. every rank of the training cell is told ``hold``: it parks at its next step
+   boundary (a rank already inside that step's collective is released by the abort of
+   its peers' process groups, and parks at the same boundary);
+2. removed ranks leave the cell's request and are stopped; new ranks are started, get
+   the whole mesh's actors, join the request;
+3. survivors take the new shape (``world``), every rank re-forms the process group at
+   the new size, new ranks run the ``--setup`` cells (local collectives);
+4. a replica offers its state, new ranks get the cell again under its request id and
+   load that state at their first step; the survivors resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from monarch_kernel.calls.errors import format_ranks
+from monarch_kernel.controller.elastic_plan import ResizePlan, ResizeReport
+from monarch_kernel.controller.peer_round import Recovery, RoundMesh, _Broken, _GiveUp
+from monarch_kernel.wire.codec import Buffer
+from monarch_kernel.wire.train_msgs import Notice, Offered, Order
+
+
+class ResizeOps(Protocol):
+    """What a resize does to the mesh (``elastic.Resizer``)."""
+
+    def leave_request(self, rid: str, ranks: list[int]) -> None: ...
+    def join_request(self, rid: str, ranks: list[int]) -> None: ...
+    def remove(self, plan: ResizePlan, deadline: float) -> None: ...
+    def forget(self, plan: ResizePlan) -> Callable[[], None]: ...
+    def add(self, plan: ResizePlan, deadline: float) -> None: ...
+    def set_world(
+        self, ranks: list[int], plan: ResizePlan, deadline: float, problems: list[str]
+    ) -> None: ...
+    def spawn_actors(self, plan: ResizePlan, deadline: float, problems: list[str]) -> None: ...
+    def tell_cell(self, rid: str, text: str) -> None: ...
+    def resized(self, report: ResizeReport) -> None: ...
+
+
+log = logging.getLogger("monarch_kernel.controller")
+
+#: Seconds the ranks get to reach a step boundary by themselves before the process
+#: groups of those still in a step are aborted (the step is then redone), and in all.
+HOLD_NUDGE = 3.0
+HOLD_WAIT = 30.0
+_ALONE = (
+    "import torch.distributed as _mk_dist\n"
+    "if not _mk_dist.is_initialized():\n"
+    "    __import__('monarch_kernel.rank.pg_alone', fromlist=['_']).form_alone()\n"
+    "del _mk_dist\n"
+)
+#: Deadline of each later step in seconds.
+STEP_WAIT = 120.0
+
+
+class ResizeRound(Recovery):
+    """The resize of the mesh around training request ``rid`` (see the module)."""
+
+    def __init__(
+        self,
+        rid: str,
+        payload: bytes,
+        buffers: Sequence[Buffer],
+        plan: ResizePlan,
+        resizer: ResizeOps,
+        mesh: RoundMesh,
+        on_done: Callable[[str], None],
+        died: int | None = None,
+    ):
+        """``died``: a rank that died in the request (``on_failure='shrink'``): the
+        plan leaves it out."""
+        super().__init__(rid, payload, buffers, 0, mesh, on_done)
+        self.dead.clear()
+        self.deaths.clear()
+        self.causes.clear()
+        if died is not None:
+            self.deaths.append(died)
+            self._cause(died)
+        self.plan = plan
+        self._resizer = resizer
+        #: What it did (None until it succeeded) or why it failed.
+        self.report: ResizeReport | None = None
+        self.error = ""
+        #: Set when it ended either way.
+        self.finished: threading.Event | None = None
+        #: Seconds the training loop was paused (from ``hold`` to ``resume``).
+        self.paused = 0.0
+
+    def add_dead(self, rank: int) -> None:
+        """A rank died: one the plan leaves out anyway is only noted; any other ends
+        the resize (the recovery's give-up restarts it)."""
+        if rank in self.plan.removed:
+            self._cause(rank)
+            with self._cond:
+                self.deaths.append(rank)
+                self.parked.pop(rank, None)
+            return
+        super().add_dead(rank)
+
+    def _run(self) -> None:
+        try:
+            try:
+                self._prepare(self._epoch)
+            except Exception as exc:  # the training was not touched: take the new ranks away
+                self._undo(exc)
+                return
+            self._round()
+        except _Broken:
+            self._give_up("a rank died while the mesh was resized")
+        except _GiveUp as exc:
+            self._give_up(str(exc))
+        except Exception as exc:
+            log.exception("mesh %s: resize failed", self._mesh.name)
+            self._give_up(f"{type(exc).__name__}: {exc}")
+        finally:
+            self._on_done(self.rid)
+            if self.finished is not None:
+                self.finished.set()
+
+    def _prepare(self, epoch: int) -> None:
+        """Before the pause, while the loop trains on: start the new ranks, spawn the
+        actors, form their process group alone and run the set-up cells on them."""
+        if not self.plan.added:
+            return
+        self._timed("add", self._add, epoch)
+        self._timed("actors", self._actors, epoch)
+        if self._mesh.has_process_group():
+            failed = self._mesh.run_internal(
+                self.plan.added, _ALONE, "resize: process group", self._deadline()
+            )
+            self._check(epoch)
+            if failed:
+                raise _GiveUp(f"the new ranks could not form a process group: {failed}")
+        self._timed("setup", self._setup, epoch)
+
+    def _undo(self, exc: BaseException) -> None:
+        why = str(exc) or type(exc).__name__
+        self.error = f"the new ranks could not be prepared ({why}); the training goes on as before"
+        log.warning("mesh %s: %s", self._mesh.name, self.error)
+        p = self.plan
+        try:
+            self._resizer.remove(ResizePlan(p.name, p.after, p.before), self._deadline())
+        except Exception as again:
+            self.error += f"; stopping them failed too: {again}"
+
+    def _round(self) -> None:
+        epoch = self._epoch
+        left_out = set(self.plan.removed) | set(self.fresh)
+        ranks = [r for r in self._mesh.request_ranks(self.rid) or [] if r not in left_out]
+        if not ranks:
+            raise _GiveUp("the training cell ended meanwhile")
+        t0 = time.monotonic()
+        self._timed("hold", self._ask, ranks, Order("hold", self.rid), epoch, "hold")
+        self._timed("park", self._wait_boundary, ranks, epoch)
+        step = max((n.step for n in self.parked.values()), default=0)
+        stop = self._timed("remove", self._remove, epoch)
+        if self.fresh:
+            self._resizer.join_request(self.rid, self.plan.added)
+        self._timed("world", self._world, ranks, epoch)
+        self._timed("reform", self._reform, epoch)
+        offered: Offered | None = None
+        transfer: Notice | None = None
+        if self.fresh:
+            offering = self._start_offer()
+            offered = self._timed("offer", self._offer, offering, epoch)
+            self._timed("load", self._load_behind, offered, epoch)
+            transfer = self._timed("cell", self._send_cell, offered, epoch)
+        self._timed("resume", self._resume, epoch)
+        self.paused = time.monotonic() - t0
+        stop()
+        self._done(offered.step if offered else step, transfer)
+
+    def _wait_boundary(self, ranks: list[int], epoch: int) -> None:
+        t0 = time.monotonic()
+        if self._wait(lambda: not self._running(ranks), epoch, t0 + HOLD_NUDGE):
+            return
+        self._mesh.abort_groups(self._running(ranks))  # a step that waits on a parked peer
+        if not self._wait(lambda: not self._running(ranks), epoch, t0 + HOLD_WAIT):
+            stuck = format_ranks(self._running(ranks))
+            raise _GiveUp(f"rank(s) {stuck} did not reach a step boundary")
+
+    def _deadline(self) -> float:
+        return time.monotonic() + STEP_WAIT
+
+    def _remove(self, epoch: int) -> Callable[[], None]:
+        """Removed ranks leave the request and the mesh's records; what stops them."""
+        gone = self.plan.removed
+        if not gone:
+            return lambda: None
+        self._resizer.leave_request(self.rid, gone)
+        with self._cond:
+            for r in gone:
+                self.parked.pop(r, None)
+                self.loaded.pop(r, None)
+        stop = self._resizer.forget(self.plan)
+        self._check(epoch)
+        return stop
+
+    def _add(self, epoch: int) -> None:
+        new = self.plan.added
+        self._resizer.add(self.plan, self._deadline())
+        with self._cond:
+            for r in new:
+                self.fresh[r] = "setup"
+                self.restarted.append(r)
+        self._check(epoch)
+
+    def _world(self, ranks: list[int], epoch: int) -> None:
+        shape = self.plan.after.shape
+        with self._cond:
+            parked = sorted(self.parked)
+        order = Order("world", self.rid, labels=tuple(shape.labels), sizes=tuple(shape.sizes))
+        self._ask(parked, order, epoch, "the new world size")
+        others = [
+            r
+            for r in range(self.plan.after.world)
+            if r not in parked and r not in self.plan.added and r not in ranks
+        ]
+        problems: list[str] = []
+        self._resizer.set_world(others, self.plan, self._deadline(), problems)
+        if problems:
+            raise _GiveUp(problems[0])
+
+    def _actors(self, epoch: int) -> None:
+        problems: list[str] = []
+        self._resizer.spawn_actors(self.plan, self._deadline(), problems)
+        self._check(epoch)
+        if problems:
+            raise _GiveUp(problems[0])
+
+    def _done(self, step: int, transfer: Notice | None) -> None:
+        p = self.plan
+        self.report = ResizeReport(
+            self._mesh.name,
+            p.before.world,
+            p.after.world,
+            tuple(p.added),
+            tuple(p.removed),
+            step,
+            transfer.nbytes if transfer else 0,
+            transfer.seconds if transfer else 0.0,
+            self.paused,
+        )
+        log.info("%s; phases %s", self.report.describe(), self.phases)
+        died = ""
+        for r in dict.fromkeys(self.deaths):
+            how = f" ({self.causes[r]})" if r in self.causes else ""
+            died += f"rank {r} died{how}; "
+        self._resizer.tell_cell(self.rid, f"[resized] {died}{self.report.describe()}\n")
+        self._resizer.resized(self.report)
+
+    def _give_up(self, why: str) -> None:
+        self.error = why
+        super()._give_up(f"the mesh could not be resized ({why})")
