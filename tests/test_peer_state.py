@@ -178,7 +178,11 @@ def check_recovered(kernel: Kernel, mesh: str, pids: list[int], restarted: set[i
 
 # The restarted rank 2 kills rank 3 while its set-up cell runs again (the others are
 # parked, the process group was just re-formed): a second death during the recovery.
-KILL_DURING_SETUP = """if RESTARTED == 1 and RANK == 2:
+# Once: when the death is noticed before the set-up ends, the next round runs rank 2's
+# set-up again (it must not kill the new rank 3, or a rank 3 already gone).
+KILL_DURING_SETUP = """KILLED = os.path.join(PIDS, "killed") if PIDS else ""
+if RESTARTED == 1 and RANK == 2 and not os.path.exists(KILLED):
+    open(KILLED, "w").close()
     os.kill(pid_of(3), 9)
 """
 

@@ -32,6 +32,9 @@ PARK_NUDGE = 0.5
 PARK_WAIT = 15.0
 #: Deadline of each later step (restart, re-form, set-up, transfer) in seconds.
 STEP_WAIT = 120.0
+#: Seconds at least for giving a restarted rank its real collectives back after its
+#: set-up ended early (the set-up's own deadline may have passed).
+LOCAL_OFF_WAIT = 10.0
 #: Rounds (deaths during the recovery) before it gives up.
 MAX_ROUNDS = 4
 
@@ -329,14 +332,29 @@ class Recovery:
         deadline = time.monotonic() + STEP_WAIT
         steps = [(_LOCAL.format(on=True), "recovery: local collectives")]
         steps += [(c.code, c.label) for c in self._mesh.setup_cells_now()]
-        steps += [(_LOCAL.format(on=False), "recovery: collectives")]
-        for code, label in steps:
-            t0 = time.monotonic()
-            failed = self._mesh.run_internal(todo, code, label, deadline)
-            self.phases[f"setup {label}"] = time.monotonic() - t0
+        try:
+            for code, label in steps:
+                t0 = time.monotonic()
+                failed = self._mesh.run_internal(todo, code, label, deadline)
+                self.phases[f"setup {label}"] = time.monotonic() - t0
+                self._check(epoch)
+                if failed:
+                    raise _GiveUp(f"setup cell {label} failed on the restarted rank: {failed}")
+        finally:
+            # Whatever ended the set-up (a death: the next round; a failed cell: giving
+            # up), the restarted ranks get real collectives back: one left with local
+            # ones would skip its part of every later collective (the replica check's
+            # broadcast, the next round's), and its peers would wait for it in vain.
+            alive = [r for r in todo if self._mesh.ranks[r].alive]
+            failed = self._mesh.run_internal(
+                alive,
+                _LOCAL.format(on=False),
+                "recovery: collectives",
+                max(deadline, time.monotonic() + LOCAL_OFF_WAIT),
+            )
+        if failed:
             self._check(epoch)
-            if failed:
-                raise _GiveUp(f"setup cell {label} failed on the restarted rank: {failed}")
+            raise _GiveUp(f"restoring collectives failed on the restarted rank: {failed}")
         with self._cond:
             for r in todo:
                 if r in self.fresh:
