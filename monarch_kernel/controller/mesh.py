@@ -143,6 +143,8 @@ class MeshRuntime:
         self.shrink_min = 1
         #: A detachable mesh's attach file (see ``controller.attach_file``), else "".
         self.attach_path = file_for(name) if detach_keep > 0 else ""
+        #: Why this controller let go of the mesh while it runs on (``release``), else "".
+        self.released = ""
         self.ranks = [
             RankInfo(r, r // self.per_host, r % self.per_host, c)
             for r, c in enumerate(self.shape._coords())
@@ -603,6 +605,7 @@ class MeshRuntime:
         receiving thread (it waits for that thread to end)."""
         if not self.lifecycle.begin_stop():
             return False
+        self.released = why
         self.requests.fail_all(lambda: MeshStoppedError(f"mesh {self.name!r} {why}"))
         self.lifecycle.set(MeshPhase.STOPPED, announce=False)
         self.receiver.stop()

@@ -107,6 +107,10 @@ def phase_text(st: MeshState, views: list[TileView]) -> str:
             many = "ranks" if len(starting) > 1 else "rank"
             return f"recovering: restarting {many} {format_ranks(starting)}…"
         return "recovering: restarting ranks…"
+    if phase is MeshPhase.STOPPED and st.rt.released:
+        # let go by this kernel (it shut down, or another one took the mesh over): the
+        # ranks run on, so the last state shown must not say they stopped
+        return "detached: runs on without this kernel"
     return str(phase.value)
 
 
