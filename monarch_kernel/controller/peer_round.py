@@ -21,6 +21,7 @@ from monarch_kernel.calls.errors import RankDiedError, format_ranks
 from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.reply import Reply
 from monarch_kernel.controller.records import RankInfo, SetupCell
+from monarch_kernel.controller.restart import LOCAL_COLLECTIVES
 from monarch_kernel.wire.codec import Buffer
 from monarch_kernel.wire.train_msgs import Notice, Offered, Order
 
@@ -43,11 +44,7 @@ _REFORM = (
     "_mk_reform({addr!r}, {port})\n"
     "del _mk_reform\n"
 )
-_LOCAL = (
-    "from monarch_kernel.rank.train_pg import local_collectives as _mk_local\n"
-    "_mk_local({on})\n"
-    "del _mk_local\n"
-)
+_LOCAL = LOCAL_COLLECTIVES
 
 
 class RoundMesh(Protocol):

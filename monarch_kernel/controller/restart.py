@@ -52,6 +52,15 @@ from monarch_kernel.wire.headers import SpawnActor
 _INTERNAL_CONTROL = CallOptions(control=True, internal=True)
 
 
+#: A cell that makes ``torch.distributed``'s collectives complete locally on a rank
+#: (``on=True``) or restores them: for set-up cells run again on restarted ranks alone.
+LOCAL_COLLECTIVES = (
+    "from monarch_kernel.rank.train_pg import local_collectives as _mk_local\n"
+    "_mk_local({on})\n"
+    "del _mk_local\n"
+)
+
+
 class MeshRequests(Protocol):
     """The mesh operations a restart uses (``MeshRuntime`` provides them)."""
 
@@ -184,10 +193,16 @@ class Restarter:
         if self.recipe.pg_backend is not None and (targets or broken):
             backend = self._reform_process_group(deadline, problems, subgroups=not targets)
         actors = self._respawn_actors(targets, deadline, problems)
-        setups = self._rerun_setup(targets, deadline, problems) if targets else ()
+        # Some ranks restarted, the others keep their state: the set-up cells run again
+        # on the restarted ones alone, so their collectives (DDP's broadcast, a barrier)
+        # must complete locally; the replica check then gives them the others' state.
+        alone = self.recipe.pg_backend is not None and 0 < len(targets) < self._world
+        setups = self._rerun_setup(targets, deadline, problems, alone) if targets else ()
         replicas = ""
         live = [r.rank for r in self._ranks if r.alive]
-        checkable = not targets and not problems and len(live) == self._world
+        checkable = (
+            (not targets or (alone and bool(setups))) and not problems and len(live) == self._world
+        )
         if self.recipe.pg_backend is not None and checkable:
             replicas = make_replicas_consistent(self.run_values, live, deadline, problems)
         return backend, actors, setups, replicas
@@ -338,16 +353,42 @@ class Restarter:
         return tuple(done)
 
     def _rerun_setup(
-        self, targets: list[int], deadline: float, problems: list[str]
+        self, targets: list[int], deadline: float, problems: list[str], alone: bool = False
     ) -> tuple[str, ...]:
-        done = []
+        """Run the ``--setup`` cells again on ``targets`` (``alone``: the other ranks
+        take no part: ``torch.distributed``'s collectives complete locally meanwhile,
+        see ``rank.train_pg.local_collectives``); the labels of those that ran."""
+        done: list[str] = []
         on = [r for r in targets if self._ranks[r].alive]
-        for cell in list(self.recipe.setup_cells):
-            failed = self.run_cell(on, cell.code, cell.label, cell.header, deadline)
+        cells = list(self.recipe.setup_cells)
+        if not cells or not on:
+            return ()
+        if alone:
+            failed = self.run_cell(
+                on, LOCAL_COLLECTIVES.format(on=True), "restart: local collectives", (), deadline
+            )
             if failed:
-                problems.append(f"setup cell {cell.label} failed: {failed}")
-                break  # later setup cells likely need this one
-            done.append(cell.label)
+                problems.append(f"making collectives local failed: {failed}")
+                return ()
+        try:
+            for cell in cells:
+                failed = self.run_cell(on, cell.code, cell.label, cell.header, deadline)
+                if failed:
+                    problems.append(f"setup cell {cell.label} failed: {failed}")
+                    break  # later setup cells likely need this one
+                done.append(cell.label)
+        finally:
+            if alone:  # always: a rank left with local collectives skips its part
+                back = [r for r in on if self._ranks[r].alive]
+                failed = self.run_cell(
+                    back,
+                    LOCAL_COLLECTIVES.format(on=False),
+                    "restart: collectives",
+                    (),
+                    max(deadline, time.monotonic() + 10.0),
+                )
+                if failed:
+                    problems.append(f"restoring collectives failed: {failed}")
         return tuple(done)
 
     def run_cell(

@@ -178,8 +178,34 @@ def sync_namespace(namespace: Mapping[str, Any], names: Sequence[str], src: int)
     if missing:
         raise ValueError(f"not a training object on this rank: {', '.join(missing)}")
     nbytes = broadcast_state([state[n] for n in names], src)
+    _share_bucket_layouts([state[n] for n in names], src)
     seconds = time.monotonic() - t0
     return SyncReport(nbytes, seconds, digest_namespace(namespace))
+
+
+def _share_bucket_layouts(objects: Sequence[Any], src: int) -> None:
+    """Give the DDP models among ``objects`` rank ``src``'s gradient bucket layout where
+    theirs differs (collective: every rank calls it with the same objects).
+
+    Why: a rank whose DDP object was built anew (restarted, its set-up cells run again)
+    holds its gradients in parameter order until its second step, while the others'
+    buckets are in the order their gradients became ready; the all-reduce sums buckets
+    element by element, so the next step would mix up gradients and the replicas would
+    silently drift apart (see ``ddp_layout.adopt_layout``)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from monarch_kernel.rank.ddp_layout import adopt_layout, bucket_layout
+
+    models = [o for o in objects if isinstance(o, DDP)]
+    if not models:
+        return
+    import torch.distributed as dist
+
+    layouts: list[Any] = [[bucket_layout(m) for m in models]]
+    dist.broadcast_object_list(layouts, src)
+    for model, layout in zip(models, layouts[0], strict=True):
+        if layout and layout != bucket_layout(model):
+            adopt_layout(model, layout)
 
 
 def repair_ddp(groups: Sequence[Any]) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 
 from monarch_kernel.rank import context, world
 from monarch_kernel.rank.dataplane import server
+from monarch_kernel.rank.ddp_layout import adopt_layout, bucket_layout
 from monarch_kernel.rank.train_park import park, take_expected, take_hold, tell
 from monarch_kernel.rank.train_parts import (
     Snapshot,
@@ -36,7 +37,6 @@ from monarch_kernel.rank.train_parts import (
     set_rng_state,
     share_tree,
 )
-from monarch_kernel.rank.train_pg import adopt_layout, bucket_layout
 from monarch_kernel.wire.train_msgs import Notice
 
 #: Words in an error's text that say a collective failed because of a peer (a dead
