@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from monarch_kernel.calls.errors import format_ranks
+from monarch_kernel.calls.errors import MeshStartError, format_ranks
 from monarch_kernel.controller.elastic_plan import (
     MeshSize,
     ResizeError,
@@ -40,7 +40,7 @@ from monarch_kernel.controller.elastic_plan import (
     plan_shrink,
     size_of,
 )
-from monarch_kernel.controller.elastic_round import ResizeRound
+from monarch_kernel.controller.elastic_round import STEP_WAIT, ResizeRound
 from monarch_kernel.controller.events import EventBus, MeshResized, RequestKind, StreamOutput
 from monarch_kernel.controller.failures import FailureHandler
 from monarch_kernel.controller.inbound import Inbound
@@ -290,11 +290,13 @@ class Resizer:
         done = threading.Event()
         runner = ResizeRound(rid, cell[0], cell[1], plan, self, m.peer_mesh, lambda _r: None)
         runner.finished = done
+        runner.add_deadline = deadline
         why = m.peers.begin(rid, runner)
         if why:
             raise ResizeError(f"mesh {m.name!r}: {why}")
         try:
-            if not done.wait(max(1.0, deadline - time.monotonic())):
+            # the deadline is for the new ranks to be ready; the round after has its own
+            if not done.wait(max(1.0, deadline - time.monotonic()) + STEP_WAIT):
                 raise ResizeError(f"mesh {m.name!r}: the resize did not end in time")
         finally:
             m.peers.finished(rid)
@@ -309,7 +311,11 @@ class Resizer:
         t0 = time.monotonic()
         m.restarter._learn_process_group([i.rank for i in m.ranks])
         self.remove(plan, deadline)
-        self.add(plan, deadline)
+        try:
+            self.add(plan, deadline)
+        except BaseException:  # nothing else changed yet: take the new ranks away
+            self.undo_add(plan)
+            raise
         problems: list[str] = []
         survivors = [r for r in range(plan.after.world) if r not in plan.added]
         self.set_world(survivors, plan, deadline, problems)
@@ -381,13 +387,13 @@ class Resizer:
     def remove(self, plan: ResizePlan, deadline: float) -> None:
         """Stop the removed ranks (and host agents) and forget them."""
         m = self._mesh
-        gone = plan.removed
-        if not gone:
+        gone = [r for r in plan.removed if r < len(m.ranks)]  # (a grow undone: maybe none)
+        if not plan.removed:
             return
         m.kill_ranks([r for r in gone if m.ranks[r].alive])
         m.receiver.ensure_reader()
         m.starter.wait(lambda: all(not m.ranks[r].alive for r in gone), deadline, "ranks to stop")
-        for host in [m.hosts[h] for h in plan.removed_hosts]:
+        for host in [m.hosts[h] for h in plan.removed_hosts if h < len(m.hosts)]:
             m.transport.send_host(host.index, {"k": K.STOP, "grace": 0.0})
             if host.handle is not None:
                 host.handle.wait_or_kill(max(0.5, deadline - time.monotonic()))
@@ -432,14 +438,30 @@ class Resizer:
             return
         new_hosts = [HostInfo(h) for h in plan.added_hosts]
         if new_hosts:
-            m.hosts.extend(new_hosts)
             configs = [m.starter.host_config(h.index) for h in new_hosts]
-            for host, handle in zip(new_hosts, m.launcher.start_hosts(configs)):
+            try:
+                handles = m.launcher.start_hosts(configs)
+            except ValueError as exc:  # the engine cannot (too few free nodes ...)
+                raise ResizeError(_first_line(exc)) from None
+            with m.transport.send_lock:
+                m.hosts.extend(new_hosts)
+            for host, handle in zip(new_hosts, handles):
                 host.handle = handle
                 m.starter.adopt(host)
-            m.starter.wait(
-                lambda: all(h.ready for h in new_hosts), deadline, "new host agents", new_hosts
-            )
+            t0 = time.monotonic()
+            if m.launcher.name == "join":  # someone runs the command shown on each machine
+                which = ", ".join(str(h.index) for h in new_hosts)
+                say = getattr(m.launcher, "on_progress", None) or print
+                say(
+                    f"mesh {m.name!r}: waiting up to {deadline - t0:.0f}s for host(s) {which} "
+                    "to join (--timeout SECONDS waits longer); the mesh runs on meanwhile"
+                )
+            try:
+                m.starter.wait(
+                    lambda: all(h.ready for h in new_hosts), deadline, "new host agents", new_hosts
+                )
+            except MeshStartError as exc:
+                raise ResizeError(self._not_joined(new_hosts, exc, time.monotonic() - t0)) from None
         self._apply_shape(plan.after)
         per = plan.after.per_host
         coords = plan.after.shape._coords()
@@ -464,6 +486,42 @@ class Resizer:
             raise ResizeError(
                 "new ranks died while starting:\n" + "\n".join(m.death_text(i) for i in dead)
             )
+
+    def _not_joined(self, hosts: list[HostInfo], exc: MeshStartError, waited: float) -> str:
+        """One line: which new host agents did not come, and what to do."""
+        missing = [h.index for h in hosts if not h.ready]
+        if not missing or "not ready in time" not in str(exc):
+            return _first_line(exc)
+        which = f"host {missing[0]}" if len(missing) == 1 else f"hosts {format_ranks(missing)}"
+        if self._mesh.launcher.name == "join":
+            return (
+                f"{which} did not join within {waited:.0f}s (nobody ran the command shown on "
+                "the new machine; its token is void now): grow again and run the new command "
+                "there, or give more time (--timeout SECONDS)"
+            )
+        return (
+            f"{which} did not start within {waited:.0f}s ({self._mesh.launcher.name}); "
+            "give more time (--timeout SECONDS)"
+        )
+
+    def undo_add(self, plan: ResizePlan) -> None:
+        """A grow failed before the new ranks took part in anything: stop what it started
+        (new ranks, new host agents, their tokens) and forget them."""
+        m = self._mesh
+        p = plan
+        try:
+            self.remove(ResizePlan(p.name, p.after, p.before), time.monotonic() + 30.0)
+        except Exception as exc:
+            log.warning("mesh %s: undoing the grow: %s", m.name, exc)
+        for host in list(m.hosts[p.before.hosts :]):
+            if host.handle is not None:
+                host.handle.wait_or_kill(0.5)
+                host.handle.cleanup()
+        with m.transport.send_lock:
+            del m.ranks[p.before.world :]
+            del m.transport.next_seq[p.before.world :]
+            del m.hosts[p.before.hosts :]
+        self._apply_shape(p.before)
 
     def _apply_shape(self, size: MeshSize) -> None:
         """The mesh's records take on ``size`` (the ranks already there keep theirs)."""
@@ -520,6 +578,11 @@ class Resizer:
             if failed:
                 problems.append(f"setup cell {label} failed on a new rank: {failed}")
                 return
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _without(shape: Shape | None, ranks: list[int]) -> Shape | None:

@@ -35,6 +35,7 @@ class ResizeOps(Protocol):
     def remove(self, plan: ResizePlan, deadline: float) -> None: ...
     def forget(self, plan: ResizePlan) -> Callable[[], None]: ...
     def add(self, plan: ResizePlan, deadline: float) -> None: ...
+    def undo_add(self, plan: ResizePlan) -> None: ...
     def set_world(
         self, ranks: list[int], plan: ResizePlan, deadline: float, problems: list[str]
     ) -> None: ...
@@ -91,6 +92,9 @@ class ResizeRound(Recovery):
         self.finished: threading.Event | None = None
         #: Seconds the training loop was paused (from ``hold`` to ``resume``).
         self.paused = 0.0
+        #: When the new host agents and ranks must be ready (the user's ``--timeout``;
+        #: on the join backend someone starts the agent by hand meanwhile), else None.
+        self.add_deadline: float | None = None
 
     def add_dead(self, rank: int) -> None:
         """A rank died: one the plan leaves out anyway is only noted; any other ends
@@ -143,9 +147,8 @@ class ResizeRound(Recovery):
         why = str(exc) or type(exc).__name__
         self.error = f"the new ranks could not be prepared ({why}); the training goes on as before"
         log.warning("mesh %s: %s", self._mesh.name, self.error)
-        p = self.plan
         try:
-            self._resizer.remove(ResizePlan(p.name, p.after, p.before), self._deadline())
+            self._resizer.undo_add(self.plan)
         except Exception as again:
             self.error += f"; stopping them failed too: {again}"
 
@@ -204,7 +207,7 @@ class ResizeRound(Recovery):
 
     def _add(self, epoch: int) -> None:
         new = self.plan.added
-        self._resizer.add(self.plan, self._deadline())
+        self._resizer.add(self.plan, self.add_deadline or self._deadline())
         with self._cond:
             for r in new:
                 self.fresh[r] = "setup"

@@ -34,6 +34,8 @@ PLACEMENT_TIMEOUT = 30.0
 POLL_INTERVAL = 1.0
 #: Ray namespace of our actors and placement groups.
 NAMESPACE = "monarch_kernel"
+#: The label every Ray node has: its id (bundle label selectors can exclude nodes by it).
+NODE_ID_LABEL = "ray.io/node-id"
 
 
 def _ray() -> ModuleType:
@@ -123,11 +125,23 @@ class _Machine:
 class RayAllocation(Allocation):
     """A placement group and one agent actor per bundle."""
 
-    def __init__(self, ray: ModuleType, pg: Any, actors: list[Any], refs: list[Any], label: str):
+    def __init__(
+        self,
+        ray: ModuleType,
+        pg: Any,
+        actors: list[Any],
+        refs: list[Any],
+        label: str,
+        mesh: str = "",
+        nodes: frozenset[str] = frozenset(),
+    ):
         self._ray = ray
         self._pg = pg
         self._actors = actors
         self._label = label
+        #: The mesh it serves and the Ray nodes (ids) its bundles are on.
+        self.mesh = mesh
+        self.nodes = nodes
         self._machines = [_Machine("starting the agent actor") for _ in actors]
         self._released = threading.Event()
         self._thread = threading.Thread(
@@ -263,16 +277,44 @@ class RayLauncher(EngineLauncher):
             )
         return {"GPU": float(gpus)}
 
+    def _used_nodes(self, mesh: str) -> frozenset[str]:
+        """The Ray nodes that hold hosts of ``mesh`` already (a grow adds hosts)."""
+        with self._lock:
+            allocs = [a for a in self._holders if isinstance(a, RayAllocation)]
+        return frozenset().union(*(a.nodes for a in allocs if a.mesh == mesh))
+
+    def _check_free_nodes(self, hosts: int, used: frozenset[str]) -> None:
+        """A grow's new hosts each need a node none of the mesh's hosts is on."""
+        alive = [n for n in self.ray.nodes() if n.get("Alive")]
+        free = [n for n in alive if n["NodeID"] not in used]
+        if len(free) < hosts:
+            raise ValueError(
+                f"{hosts} more host(s) need {hosts} Ray node(s) this mesh does not use yet "
+                f"(one host per node), but {len(used)} of the cluster's {len(alive)} alive "
+                f"nodes hold its hosts and {len(free)} are left; add nodes to the cluster "
+                "(ray start --address ...) or grow by fewer hosts"
+            )
+
     def allocate(self, command: JoinCommand, configs: list[HostConfig]) -> Allocation:
         ray = self.ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         hosts = len(configs)
+        used = self._used_nodes(command.mesh) if min(command.hosts) > 0 else frozenset()
+        if used:
+            self._check_free_nodes(hosts, used)
         bundle = self._bundle(configs[0].ranks, hosts)
         label = f"mk-{command.mesh}-" + "-".join(str(h) for h in command.hosts)
         strategy = "STRICT_SPREAD" if hosts > 1 else "PACK"
-        pg = placement_group([dict(bundle) for _ in range(hosts)], strategy=strategy, name=label)
+        # New hosts of a mesh that grows go on nodes none of its hosts is on yet.
+        selector = [{NODE_ID_LABEL: f"!in({','.join(sorted(used))})"}] * hosts if used else None
+        pg = placement_group(
+            [dict(bundle) for _ in range(hosts)],
+            strategy=strategy,
+            name=label,
+            bundle_label_selector=selector,
+        )
         ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT)
         if not ready:
             ray.util.remove_placement_group(pg)
@@ -294,4 +336,6 @@ class RayLauncher(EngineLauncher):
             ).remote()
             actors.append(actor)
             refs.append(actor.start.remote(command.argv, {**passthrough, **command.env(i)}))
-        return RayAllocation(ray, pg, actors, refs, label)
+        placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+        nodes = frozenset(str(n) for n in placed.values())
+        return RayAllocation(ray, pg, actors, refs, label, command.mesh, nodes)
