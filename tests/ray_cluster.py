@@ -110,14 +110,28 @@ def start_cluster() -> RayCluster:
         _wait_nodes(address, 1, head)
         script = 'hostname "$0"; exec "$@"'
         argv = ["ip", "netns", "exec", net.hosts[0].ns, "unshare", "--uts", "sh", "-c", script]
-        worker = subprocess.Popen(
-            [*argv, net.hosts[0].name, RAY, "start", f"--address={address}", *_common(worker_ip)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        _wait_nodes(address, 2, worker)
+        log = os.path.join(temp_dir, "worker-start.log")
+        for attempt in (1, 2):
+            # On a loaded machine the worker's `ray start` can give up on a slow head
+            # (exit 1): one more try, then fail with the end of its output.
+            with open(log, "wb") as out:
+                worker = subprocess.Popen(
+                    [*argv, net.hosts[0].name, RAY, "start", f"--address={address}"]
+                    + _common(worker_ip),
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            try:
+                _wait_nodes(address, 2, worker)
+                break
+            except RuntimeError as exc:
+                if attempt == 2 or worker.poll() is None:
+                    with open(log, errors="replace") as f:
+                        tail = "".join(f.readlines()[-15:])
+                    raise RuntimeError(f"{exc}; its output ended:\n{tail}") from None
+                _stop(worker)  # what the failed try left in its session
     except BaseException:
         for p in (worker, head):
             if p is not None:
@@ -125,6 +139,7 @@ def start_cluster() -> RayCluster:
         net.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
+    assert worker is not None
     return RayCluster(net, address, head_ip, worker_ip, head, worker, temp_dir)
 
 

@@ -121,9 +121,11 @@ def test_grow_ray_mesh_by_a_host_between_cells(cluster: RayCluster):
         )
         assert len(digests[0]) >= 2 and all(d == digests[0] for d in digests), digests
 
+        assert value(k, GROUPS) == 2  # the first host's and the grown one's
         r = k.run(f"%mesh shrink {MESH} --hosts 1", timeout=120)
         assert "world size 2 → 1; rank 1 stopped" in r.stdout, r.stdout + r.stderr
-        assert value(k, GROUPS) == 2  # the first host's and the grown one's
+        # the grown host's group goes with it
+        wait_until(lambda: value(k, GROUPS) == 1, timeout=30, what="its placement group to go")
         assert "stopped" in k.run(f"%mesh stop {MESH}", timeout=60).stdout
         wait_until(lambda: value(k, GROUPS) == 0, timeout=30, what="the placement groups to go")
     finally:

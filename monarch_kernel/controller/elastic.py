@@ -19,6 +19,13 @@ Survivors keep their processes, their namespace and their flat rank. What change
 
 A cell that runs and is not a training loop (no ``TrainingState``) cannot take new
 ranks: the resize is refused with a message that says what to do.
+
+``--hosts +K`` has the launcher start the new host agents (``start_hosts``): on the
+``join`` backend that shows the command to run on each new machine and waits for it
+until ``timeout`` (the loop trains on meanwhile: it parks only once the new ranks are
+ready); engines (Ray) reserve machines none of the mesh's hosts is on. A grow whose
+hosts or ranks do not come stops what it started, forgets it (the tokens are void) and
+fails in one line; the mesh is as it was.
 """
 
 from __future__ import annotations
@@ -581,8 +588,12 @@ class Resizer:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    """``exc`` in one line: its first line, and its last when there are more (an agent's
+    exit: the last line of its log says why)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"
 
 
 def _without(shape: Shape | None, ranks: list[int]) -> Shape | None:
