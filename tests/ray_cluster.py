@@ -111,9 +111,10 @@ def start_cluster() -> RayCluster:
         script = 'hostname "$0"; exec "$@"'
         argv = ["ip", "netns", "exec", net.hosts[0].ns, "unshare", "--uts", "sh", "-c", script]
         log = os.path.join(temp_dir, "worker-start.log")
-        for attempt in (1, 2):
+        for attempt in (1, 2, 3):
             # On a loaded machine the worker's `ray start` can give up on a slow head
-            # (exit 1): one more try, then fail with the end of its output.
+            # (exit 1, "timed out during startup": 30 s, fixed in Ray): up to three
+            # tries, then fail with the end of its output.
             with open(log, "wb") as out:
                 worker = subprocess.Popen(
                     [*argv, net.hosts[0].name, RAY, "start", f"--address={address}"]
@@ -127,7 +128,7 @@ def start_cluster() -> RayCluster:
                 _wait_nodes(address, 2, worker)
                 break
             except RuntimeError as exc:
-                if attempt == 2 or worker.poll() is None:
+                if attempt == 3 or worker.poll() is None:
                     with open(log, errors="replace") as f:
                         tail = "".join(f.readlines()[-15:])
                     raise RuntimeError(f"{exc}; its output ended:\n{tail}") from None
@@ -147,20 +148,23 @@ def alive_nodes(address: str) -> int:
     """Alive nodes, asked in a subprocess (this process's own ``ray.init`` stays free)."""
     code = f"import ray; ray.init(address={address!r}, logging_level='ERROR'); "
     code += "print(sum(n['Alive'] for n in ray.nodes()))"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, **RAY_ENV},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, **RAY_ENV},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired:  # a loaded machine: the caller asks again
+        return 0
     try:
         return int(out.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         return 0
 
 
-def _wait_nodes(address: str, n: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+def _wait_nodes(address: str, n: int, proc: subprocess.Popen[bytes], timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
