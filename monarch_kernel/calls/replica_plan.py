@@ -101,7 +101,8 @@ def _why(
         return f"{who} had not run {calls} of the interrupted step"
     if optimizers and min(behind) > 0:
         most = max(behind)
-        return f"{who} were up to {most} optimizer steps behind rank {source}"
+        verb = "was" if len(targets) == 1 else "were"
+        return f"{who} {verb} up to {most} optimizer steps behind rank {source}"
     return f"{who} held different state than rank {source} (not explained by optimizer steps)"
 
 
