@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import stat
 import time
 
+import psutil
 import pytest
 from conftest import pid_alive
 from detach_place import Place, log_has, ok, steps
@@ -39,8 +41,15 @@ model = DDP(torch.nn.Linear(4, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 """
 #: A DDP loop's body that reads ``lr`` and ``stop`` each step (test_detach_join too).
+#: The ranks agree on ``stop`` before each step: ``%push`` reaches each rank at a moment
+#: of its own, and a rank that left the loop a step before the other would leave that
+#: one in DDP's all-reduce until gloo's timeout (test_detach_join failed so).
 LOOP_BODY = """import time, monarch_kernel
-while not stop:
+while True:
+    halt = torch.tensor([float(stop)])
+    dist.all_reduce(halt, op=dist.ReduceOp.MAX)
+    if halt.item():
+        break
     step += 1
     for group in opt.param_groups:
         group["lr"] = lr
@@ -180,6 +189,8 @@ def test_restart_kernel_keeps_the_mesh_and_its_job(place):
     ]
     assert len(retired) == 1 and set(retired[0]) == {"text/html", "text/plain"}, k.other[-3:]
     assert "mesh 'dm' runs on" in retired[0]["text/plain"]
+    # the snapshot's header says the mesh runs on, not that it stopped
+    assert "detached: runs on without this kernel" in retired[0]["text/plain"], retired[0]
     assert "%mesh attach dm" in retired[0]["text/html"] and "rank 1" in retired[0]["text/plain"]
     r = ok(k, "jobs = %mesh attach dm\nprint(repr(jobs[0]))")
     assert "2/2 ranks running" in r.stdout and "cell 5 on dm ranks [0, 1]: running" in r.stdout
@@ -334,6 +345,35 @@ def _send_twice(desk: str, frames: list, codec: Codec) -> tuple:
         answers.append(DeskReply.from_json(bytes(codec.decode(sock.recv_multipart()).payload)))
         sock.close(0)
     return answers[0], answers[1]
+
+
+def test_an_agent_cleans_up_however_many_sigterms_come(tmp_path, monkeypatch):
+    """A kernel killed outright ends its threads one by one, and its agents' parent-death
+    signal (SIGTERM) comes again as each thread they were re-parented to ends. The first
+    ends an agent; the others must not cut its clean-up short (they did: the agent ended
+    by a second SystemExit, or killed by a third SIGTERM, leaving its directory and its
+    kernel's behind, and test_killed_kernels_temp_dirs_are_removed failed)."""
+    import tempfile
+
+    from monarch_kernel.launchers.local import LocalLauncher
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    launcher = LocalLauncher()
+    try:
+        launcher.prewarm(1)
+        agent = launcher._pool[0]
+        pid = agent.proc.pid
+        # it starts its template once its SIGTERM handler is in place
+        wait_until(lambda: psutil.Process(pid).children(), timeout=30, what="its template")
+        deadline = time.monotonic() + 30
+        while os.path.exists(agent.private_dir) and time.monotonic() < deadline:
+            if agent.proc.poll() is not None:
+                break
+            os.kill(pid, signal.SIGTERM)  # one after another, as fast as they go
+        assert agent.proc.wait(30) == 0, "the agent did not end by its own clean-up"
+        assert not os.path.exists(agent.private_dir)
+    finally:
+        launcher.shutdown()
 
 
 def test_killed_kernels_temp_dirs_are_removed(place):

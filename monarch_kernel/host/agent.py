@@ -49,6 +49,9 @@ log = logging.getLogger("monarch_kernel.host")
 HEARTBEAT_INTERVAL = 0.5
 #: The longest a ``dump_stacks`` holds up the agent's loop, waiting for the dumps.
 STACKS_WAIT = 0.3
+#: The longest the clean-up after a SIGTERM waits to be re-parented, when its controller
+#: (the parent) is still there: one killed outright may still be ending its threads.
+REPARENT_WAIT = 2.0
 
 
 def free_port() -> int:
@@ -85,6 +88,10 @@ class HostAgent:
         self.desk: Desk | None = None
         #: Where the local launcher put us (a detachable agent moves out of it).
         self.launch_dir = os.path.dirname(self.private_dir)
+        #: A SIGTERM ended us (``shutdown``); whether our controller is gone (decided
+        #: once, by :meth:`controller_gone`).
+        self.signalled = False
+        self._controller_gone: bool | None = None
         #: Handlers of the controller's messages by kind (forwarded ones, with header
         #: ``f``, never get here): ``handler(header)``; "stop" ends the message loop.
         self.handlers: dict[str, Callable[[H.AnyHeader], str | None]] = {
@@ -483,10 +490,14 @@ class HostAgent:
             return "exit"
         return None
 
-    def shutdown(self) -> None:
+    def shutdown(self, signalled: bool = False) -> None:
+        """Stop the ranks and the template, close the sockets, remove our directories
+        (and a dead controller's: see :meth:`controller_gone`); ``signalled``: a SIGTERM
+        ended us (from a controller that is ending, or from one that stops us)."""
         # Already on our way out: a SIGTERM now (the controller dying) must not cut the
         # clean-up short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.signalled = signalled
         self.template.stop(self.stop_grace)
         # Report the exits the template emitted while stopping, then say goodbye.
         try:
@@ -507,9 +518,29 @@ class HostAgent:
         # A controller killed outright never ran its atexit: its local launcher's
         # directory (which holds our private one) goes with its agents.
         launch = self.launch_dir
-        dead = self.controller_pid is not None and os.getppid() != self.controller_pid
-        if dead and os.path.basename(launch).startswith("mk-launch-"):
+        if os.path.basename(launch).startswith("mk-launch-") and self.controller_gone():
             shutil.rmtree(launch, ignore_errors=True)
+
+    def controller_gone(self) -> bool:
+        """Whether the controller that started us (the local launcher's, our parent)
+        has ended: we were re-parented to another process.
+
+        Its parent-death signal (SIGTERM) comes as soon as the controller's thread that
+        started us ends; one killed outright ends its threads one by one, and until the
+        last has ended we are the child of another of them (``getppid`` still names it).
+        After a SIGTERM, the re-parenting is waited for (at most
+        :data:`REPARENT_WAIT` seconds: a controller that lives and stopped us with it
+        removes its directories itself). Decided once."""
+        if self._controller_gone is None:
+            pid = self.controller_pid
+            gone = pid is not None and os.getppid() != pid
+            if pid is not None and not gone and self.signalled:
+                deadline = time.monotonic() + REPARENT_WAIT
+                while not gone and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    gone = os.getppid() != pid
+            self._controller_gone = gone
+        return self._controller_gone
 
     def remove_dead_controller_sockets(self) -> None:
         """A controller killed outright leaves its unix sockets' private directory
@@ -521,7 +552,7 @@ class HostAgent:
         if not (addr.startswith("ipc://") and os.path.basename(folder).startswith("mk-mesh-")):
             return
         # The local launcher's agents are the controller's children: re-parented = dead.
-        if self.controller_pid is not None and os.getppid() != self.controller_pid:
+        if self.controller_gone():
             shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -98,6 +98,27 @@ def _read_config() -> JsonObject:
     return cfg
 
 
+class _Sigterm:
+    """SIGTERM ends the agent by SystemExit (its clean-up, in ``finally``, runs): once.
+
+    The parent-death signal comes again each time the thread the agent is parented to
+    ends, and a controller killed outright ends its threads one by one (the agent is
+    re-parented to the next of them each time): several SIGTERMs may come within
+    moments. Another SystemExit raised in the clean-up would cut it short (the agent's
+    and its dead controller's temporary directories were left behind)."""
+
+    def __init__(self) -> None:
+        #: A SIGTERM came (the clean-up then waits for a dying controller: see
+        #: ``HostAgent.controller_gone``).
+        self.came = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.came:
+            return
+        self.came = True
+        raise SystemExit(0)
+
+
 def main() -> None:
     """Run a host agent until its controller stops it or goes away."""
     logging.basicConfig(level=logging.WARNING, format="[monarch host] %(message)s")
@@ -108,7 +129,8 @@ def main() -> None:
     if not url or parent:
         die_with_parent(signal.SIGTERM, int(parent) if parent else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    sigterm = _Sigterm()
+    signal.signal(signal.SIGTERM, sigterm)
     from monarch_kernel.host.agent import HostAgent
 
     agent = HostAgent(int(parent) if parent else None)
@@ -120,6 +142,6 @@ def main() -> None:
     except SystemExit as exc:
         code = exc.code  # SIGTERM (0), or a refused join (why, as a message)
     finally:
-        agent.shutdown()
+        agent.shutdown(signalled=sigterm.came)
     if code not in (None, 0):
         raise SystemExit(code)  # a message is printed to stderr, and the exit status is 1
