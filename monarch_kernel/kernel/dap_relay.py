@@ -112,6 +112,9 @@ class DapRelay:
     _slots: dict[str, int] = field(default_factory=dict)
     #: Keys a ``stopped`` event announced, with no ``continued`` since (-> of the cell)
     _announced: dict[int, bool] = field(default_factory=dict)
+    #: Keys a ``continue`` is resuming now: their ``continued`` event is its one, sent
+    #: once every rank was told (a rank's own resumption may come back before that).
+    _continuing: set[int] = field(default_factory=set)
 
     def key_of(self, mesh: str, rank: int) -> int:
         """The key of ``rank`` of mesh ``mesh`` (a thread of the session)."""
@@ -187,7 +190,7 @@ class DapRelay:
                 self._waiting.discard(key)
                 self._stepping.discard(key)  # (a step that ran off the cell or endpoint)
                 self._cond.notify_all()
-                running = key not in self.paused
+                running = key not in self.paused and key not in self._continuing
             if running:
                 self._ran_on([key], every=False)
             return
@@ -246,7 +249,24 @@ class DapRelay:
 
     def run_on(self, keys: list[int], command: str) -> list[int]:
         """Send pdb's ``command`` to the paused ranks of ``keys``; the keys it was sent to."""
-        sent = []
+        sent: list[int] = []
+        if command == "c":
+            with self._cond:
+                self._continuing.update(keys)
+        try:
+            self._answer_each(keys, command, sent)
+        finally:
+            if command == "c":
+                with self._cond:
+                    every = not self.paused
+                self._ran_on(sent, every)
+                with self._cond:
+                    self._continuing.difference_update(keys)
+        return sent
+
+    def _answer_each(self, keys: list[int], command: str, sent: list[int]) -> None:
+        """Answer each paused rank of ``keys`` with ``command``; the ones told go to
+        ``sent``."""
         for key in keys:
             # after a query in flight (its answer is the prompt to answer: the one we
             # have may be answered already)
@@ -259,11 +279,6 @@ class DapRelay:
                     rank = key & ((1 << RANK_BITS) - 1)
                     paused.runtime.answer_input(rank, paused.event.serial, line=command)
                     sent.append(key)
-        if command == "c":  # (a step stops again soon: its own stopped event says so)
-            with self._cond:
-                every = not self.paused
-            self._ran_on(sent, every)
-        return sent
 
     def shown_key(self) -> int | None:
         """The key of the paused rank JupyterLab shows (its last ``stopped`` event)."""
