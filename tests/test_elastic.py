@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -66,8 +67,10 @@ while state.step < {steps}:
 """
 
 
-def reference_losses() -> list[float]:
-    """One process, the whole batch each step: the run the mesh must reproduce."""
+def reference_losses(seeds: Iterable[int] = range(STEPS)) -> list[float]:
+    """One process, the whole batch of each step (its batch drawn with the step's seed
+    from ``seeds``; the model and optimizer go on from one to the next): the run the
+    mesh must reproduce."""
     import torch
     import torch.nn.functional as F
 
@@ -75,7 +78,7 @@ def reference_losses() -> list[float]:
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     out = []
-    for step in range(STEPS):
+    for step in seeds:
         g = torch.Generator().manual_seed(step)
         x = torch.randn(BATCH, 16, generator=g)
         loss = F.mse_loss(net(x), x[:, :4] * 2 - 1)

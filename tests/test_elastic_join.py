@@ -18,8 +18,7 @@ from helpers import wait_until
 from kernel_client import Kernel
 from netns import Joiner, agent_env, netns_hosts_fixture
 from test_detach_join import _left_in_namespaces, _on_hosts
-from test_elastic import BATCH, SETUP, usage_error, value
-from test_elastic_ray import reference_losses
+from test_elastic import BATCH, SETUP, reference_losses, usage_error, value
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 

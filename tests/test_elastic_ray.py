@@ -16,7 +16,7 @@ import pytest
 from helpers import wait_until
 from kernel_client import Kernel
 from ray_cluster import RAY_ENV, RayCluster, ray_cluster_fixture
-from test_elastic import BATCH, SETUP, TRAIN, usage_error, value
+from test_elastic import BATCH, SETUP, TRAIN, reference_losses, usage_error, value
 from test_ray import _gone
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
@@ -29,27 +29,6 @@ FIRST = 10  #: steps trained on one host, before the grow
 def _train(steps: int) -> str:
     """``test_elastic``'s loop as a foreground cell (a fresh ``TrainingState``: step 0)."""
     return TRAIN.format(mesh=MESH, steps=steps, batch=BATCH).replace(" --bg", "")
-
-
-def reference_losses(seeds: list[int]) -> list[float]:
-    """One process, the whole batch of each step's seed in turn (the model and the
-    optimizer go on from one cell to the next)."""
-    import torch
-    import torch.nn.functional as F
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    out = []
-    for step in seeds:
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(BATCH, 16, generator=g)
-        loss = F.mse_loss(net(x), x[:, :4] * 2 - 1)
-        opt.zero_grad()
-        loss.backward()
-        out.append(loss.item())
-        opt.step()
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from monarch_kernel.controller.peer_round import size_text
 from monarch_kernel.shape import Shape
 
 
@@ -151,14 +152,6 @@ def _span(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
 
 
-def _size(nbytes: int) -> str:
-    if nbytes >= 1e9:
-        return f"{nbytes / 1e9:.2f} GB"
-    if nbytes >= 1e6:
-        return f"{nbytes / 1e6:.1f} MB"
-    return f"{nbytes / 1e3:.1f} KB"
-
-
 @dataclass(frozen=True)
 class ResizeReport:
     """What a grow or shrink did (``describe()`` says it in one line)."""
@@ -185,7 +178,7 @@ class ResizeReport:
             text += f" at step {self.step:,}"
         if self.added and self.nbytes:
             text += (
-                f"; state of {_size(self.nbytes)} copied to {_span(list(self.added))} in "
+                f"; state of {size_text(self.nbytes)} copied to {_span(list(self.added))} in "
                 f"{self.copy_seconds:.2f} s"
             )
         elif self.added:

@@ -74,7 +74,7 @@ class RoundMesh(Protocol):
 T = TypeVar("T")
 
 
-def _size(nbytes: int) -> str:
+def size_text(nbytes: int) -> str:
     """``41.2 MB``, ``8.1 KB``, ``1.20 GB``."""
     if nbytes >= 1e9:
         return f"{nbytes / 1e9:.2f} GB"
@@ -430,7 +430,7 @@ class Recovery:
         text = f"{'; '.join(deaths)} at step {offered.step:,}; restarted"
         if transfer is not None:
             text += (
-                f"; state of {_size(transfer.nbytes)} copied from rank {offered.source} in "
+                f"; state of {size_text(transfer.nbytes)} copied from rank {offered.source} in "
                 f"{transfer.seconds:.2f} s"
             )
         text += f"; resumed at step {offered.step:,} (recovery took {seconds:.2f} s)"
