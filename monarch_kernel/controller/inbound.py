@@ -45,6 +45,7 @@ from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.chunks import Assembler
 from monarch_kernel.wire.codec import Header
+from monarch_kernel.wire.fanin import PartError, PartKind, decode_parts
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import AskRequest, FailureReport, RankStats, StopRequest
 from monarch_kernel.wire.terminal import strip_controls
@@ -134,6 +135,10 @@ class Inbound:
         self._assembler = Assembler()
         events.subscribe(self._drop_partial, RankDied)
         self._on_train_notice = on_train
+        #: Messages received (each ``fan_in`` counts one, whatever it combines) and
+        #: ``fan_in`` messages among them: a gathered call on H hosts costs H.
+        self.received = 0
+        self.fanned_in = 0
         #: kind -> handler of the message with its typed header (``wire.headers``)
         self._handlers: dict[str, Handler] = {
             K.RESULT: typed(H.Result.decode, self._on_result),
@@ -155,6 +160,7 @@ class Inbound:
             K.INPUT: typed(H.Input.decode, self._on_input),
             K.RESUMED: typed(H.Resumed.decode, self._on_resumed),
             K.TRAIN_NOTICE: typed(H.RankNotice.decode, self._on_train),
+            K.FAN_IN: typed(H.FanIn.decode, self._on_fan_in),
         }
 
     def add_handler(self, kind: str, handler: Handler) -> None:
@@ -168,6 +174,7 @@ class Inbound:
         On a CURVE mesh the connection's key (ZAP user id) must be the key of the host
         that the routing id, and the header's sender rank or host, belong to: a peer
         of one host posing as another is dropped (before decoding) and counted."""
+        self.received += 1
         transport = self._transport
         origin = transport.sender_host(frames)
         if origin is None:
@@ -218,9 +225,37 @@ class Inbound:
         if h.rank is not None and h.request is not None:
             self._requests.on_result(h.rank, h.request, msg)
 
+    def _on_fan_in(self, h: H.FanIn, msg: Message) -> None:
+        """A host agent's combined answers of its ranks to request ``i`` (``wire.fanin``):
+        handled part by part, per rank, as if each rank had sent its own message."""
+        self.fanned_in += 1
+        try:
+            parts = decode_parts(msg.payload)
+        except PartError as exc:
+            log.warning("mesh %s dropped a message of host %s: %s", self._name, h.host, exc)
+            return
+        ranks, world, request = self._ranks, self._world, h.request
+        for part in parts:
+            # an agent speaks only for its own ranks
+            mine = [r for r in part.ranks if 0 <= r < world and ranks[r].host == h.host]
+            size = len(part.data)
+            for r in mine:
+                ranks[r].bytes_in += size
+            if part.kind is PartKind.STREAM:
+                text = part.data.decode("utf-8", "replace")
+                for r in mine:
+                    self._stream(r, request, part.name, text)
+            else:
+                ok = 1 if part.ok else 0
+                for r in mine:
+                    header = {"k": K.RESULT, "i": request, "r": r, "ok": ok}
+                    self._requests.on_result(r, request, Message(header, part.data))
+
     def _on_stream(self, h: H.Stream, msg: Message) -> None:
-        rank, name = h.rank, h.name
-        text = bytes(msg.payload).decode("utf-8", "replace")
+        self._stream(h.rank, h.request, h.name, bytes(msg.payload).decode("utf-8", "replace"))
+
+    def _stream(self, rank: int, request: str | None, name: str, text: str) -> None:
+        """Output ``text`` of ``rank`` on stream ``name`` while serving ``request``."""
         info = self._ranks[rank]
         # Keep whole lines for the death report and the dashboard (a bar's line: its
         # last frame, without escape sequences).
@@ -233,7 +268,7 @@ class Inbound:
         info.partial[name] = rest[-PARTIAL_MAX:]
         events = self._events
         if events.wants(StreamOutput):
-            events.emit(StreamOutput(self._name, rank, h.request, name, text))
+            events.emit(StreamOutput(self._name, rank, request, name, text))
 
     def _on_display(self, h: H.Display, msg: Message) -> None:
         events = self._events

@@ -28,6 +28,7 @@ import zmq.utils.z85
 
 from monarch_kernel.host.config import AgentConfig
 from monarch_kernel.host.desk import Desk, StopAsked, leave_launcher
+from monarch_kernel.host.fanin import FanInSocket
 from monarch_kernel.host.netinfo import interface_of, source_address
 from monarch_kernel.host.stacks import dump_stacks
 from monarch_kernel.host.template_handle import DEFAULT_GRACE, Template, TemplateEvent
@@ -52,6 +53,8 @@ STACKS_WAIT = 0.3
 #: The longest the clean-up after a SIGTERM waits to be re-parented, when its controller
 #: (the parent) is still there: one killed outright may still be ending its threads.
 REPARENT_WAIT = 2.0
+#: ``0`` turns fan-in off (every rank replies to the controller itself): for comparisons.
+FANIN_ENV = "MONARCH_KERNEL_FANIN"
 
 
 def free_port() -> int:
@@ -150,6 +153,15 @@ class HostAgent:
             guard(self.fan, cfg.curve_secret, KeyGate([cfg.curve_public]), "mk-fan")
         self.fan_addr = f"ipc://{self.private_dir}/fan"
         self.fan.bind(self.fan_addr)
+        #: Fan-in of replies (not for a detachable mesh: while no controller is
+        #: attached we send nothing, and its ranks keep their results themselves).
+        self.fanin: FanInSocket | None = None
+        if self.desk is None and os.environ.get(FANIN_ENV, "1") != "0":
+            curve = (cfg.curve_secret, cfg.curve_public) if cfg.curve_secret else None
+            self.fanin = FanInSocket(
+                self.ctx, f"ipc://{self.private_dir}/fanin", self.codec, self.host,
+                self.out, self.send, curve,
+            )  # fmt: skip
         self.master_port = free_port()
         self.hostname = cfg.hostname or socket.gethostname()
         #: The network interface that owns our advertised address (gloo and NCCL use it).
@@ -205,6 +217,9 @@ class HostAgent:
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.template.event_r, zmq.POLLIN)
         poller.register(self.fan, zmq.POLLIN)
+        fanin = self.fanin
+        if fanin is not None:
+            poller.register(fanin.sock, zmq.POLLIN)
         desk = self.desk
         if desk is not None:
             poller.register(desk.sock, zmq.POLLIN)
@@ -215,7 +230,10 @@ class HostAgent:
             # While a rank waits for our hello, retry it every few milliseconds.
             quick = self.greeted or self.backlog
             # Never wait longer than half a heartbeat interval, so heartbeats go on time.
-            events = dict(poller.poll(2 if quick else int(HEARTBEAT_INTERVAL * 500)))
+            wait = 2 if quick else int(HEARTBEAT_INTERVAL * 500)
+            if fanin is not None:  # a batch of replies may be due sooner
+                wait = fanin.timeout_ms(wait)
+            events = dict(poller.poll(wait))
             if self.backlog:
                 self.flush_backlog()
             now = time.monotonic()
@@ -227,6 +245,11 @@ class HostAgent:
                 self.on_greeting(self.fan.recv_multipart())
             if self.greeted:
                 self.answer_greetings()
+            if fanin is not None:  # ranks' replies first: the controller waits on them
+                if fanin.sock in events:
+                    fanin.receive()
+                else:
+                    fanin.send_due()
             if self.inbox in events:
                 last_rx = now
                 while True:
@@ -325,9 +348,12 @@ class HostAgent:
             return None
         h = msg.header
         if h.get("f"):  # a fan-out: the frames go on unchanged, whatever their kind
-            for r in H.OtherOrdered.decode(h).targets or ():
-                if r in self.pids:
-                    self.forward(r, frames)
+            ours = [r for r in H.OtherOrdered.decode(h).targets or () if r in self.pids]
+            request = h.get("i")
+            if self.fanin is not None and h.get("w") and isinstance(request, str):
+                self.fanin.expect(request, ours)  # they reply through us (wire.fanin)
+            for r in ours:
+                self.forward(r, frames)
             return None
         kind = h["k"]
         try:
@@ -366,6 +392,8 @@ class HostAgent:
         never a command line) and the interface gloo/NCCL should use."""
         assert self.cfg is not None
         out = dict(self.cfg.rank_part(), fanout=self.fan_addr, hostname=self.hostname)
+        if self.fanin is not None:
+            out["fanin"] = self.fanin.address
         if self.ifname:
             out["ifname"] = self.ifname
         return out
@@ -468,6 +496,8 @@ class HostAgent:
             if self.pids.get(rank) == ev["pid"]:
                 del self.pids[rank]
                 self.backlog.pop(rank, None)  # a restarted rank starts afresh
+                if self.fanin is not None:  # its request's batches go without it
+                    self.fanin.rank_gone(rank)
             desk, expected = self.desk, rank in self.expected_exits
             if desk is not None and desk.rank_exited(
                 rank, ev["pid"], ev["code"], ev["signal"], expected

@@ -53,6 +53,7 @@ class RankConfig:
     send: str = ""  #: the controller's endpoint that sends to ranks
     recv: str = ""  #: the controller's endpoint that receives from them
     fanout: str = ""  #: the host agent's fan-out socket
+    fanin: str = ""  #: the host agent's fan-in socket ("": replies go to the controller)
     hostname: str = ""  #: the machine's name (its host agent's)
     log: str = ""  #: the rank's log file (in the agent's private 0700 directory)
     curve_server: str = ""  #: the controller's CURVE public key (z85); "" without CURVE

@@ -232,11 +232,20 @@ class Inbox:
                 self.outbox.peer_routes[request] = PeerAddress.decode(hdr.reply_to)
             except ValueError:
                 log.warning("rank %s: request %s names no reply address", self.rank, request)
+        # A request fanned out by the host agent is answered through it (wire.fanin).
+        fanin = (
+            request is not None
+            and hdr.fanout
+            and hdr.reply_to is None
+            and self.outbox.fanin_open(request)
+        )
         cancelled = self.main.cancelled
         if request is not None and request in cancelled:
             cancelled.discard(request)
             stop = KeyboardInterrupt("cancelled before it started")
             self.outbox.reply_error(request, stop, msg.kind)
+            if fanin:
+                self.outbox.fanin_close(request)
             return
         handler = self.handlers.get(hdr.KIND) or self._other
         context.current_request = hdr.request
@@ -255,6 +264,8 @@ class Inbox:
             if ended is not None and ended.used:
                 ended.end_of_request()
             context.current_request = None
+            if fanin:
+                self.outbox.fanin_close(request)  # type: ignore[arg-type]
 
     def _other(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
         """A kind this rank does not serve on its main thread, or a malformed header:

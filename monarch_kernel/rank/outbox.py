@@ -22,6 +22,7 @@ from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.chunks import check_size, encode_parts
 from monarch_kernel.wire.codec import Buffer
 from monarch_kernel.wire.codec import send as wire_send
+from monarch_kernel.wire.fanin import MAX_COMBINED
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import FailureReport
 from monarch_kernel.wire.serialize import ValueTooLargeError, What
@@ -33,6 +34,10 @@ PEER_SEND_TIMEOUT_MS = 5000
 #: A detachable mesh's rank whose controller queue is full looks this often (ms) whether
 #: the controller went away meanwhile.
 ROOM_WAIT_MS = 50
+
+# States of a fan-in request (bits): its reply was sent; its handler returned; something
+# of it went through the host agent (then its reply must too, to stay behind it).
+_REPLIED, _ENDED, _VIA_AGENT = 1, 2, 4
 
 
 class Outbox:
@@ -69,6 +74,37 @@ class Outbox:
         self.machine = ""  # this rank's machine, set once its peer socket is bound
         #: A detachable mesh's rank: whether a controller is connected (else None).
         self.link: ControllerLink | None = None
+        #: The host agent's fan-in socket (None: everything goes to the controller) and
+        #: the fanned-out requests being answered through it (request -> state bits).
+        self.agent: zmq.Socket[bytes] | None = None
+        self.fanin: dict[str, int] = {}
+        self._fanin_lock = threading.Lock()
+
+    # -- fan-in (wire.fanin) -----------------------------------------------------------
+    def fanin_open(self, request: str) -> bool:
+        """Answer ``request`` (fanned out by the host agent) through the agent: its
+        output and reply go there, to be combined with its other ranks'. False when
+        this rank does not (no agent socket, or a detachable mesh)."""
+        if self.agent is None or self.link is not None:
+            return False
+        with self._fanin_lock:
+            self.fanin[request] = 0
+        return True
+
+    def fanin_close(self, request: str) -> None:
+        """``request``'s handler returned (its reply may come later, from a task)."""
+        self._fanin_mark(request, _ENDED)
+
+    def _fanin_mark(self, request: str, bit: int) -> None:
+        with self._fanin_lock:
+            state = self.fanin.get(request)
+            if state is None:
+                return
+            state |= bit
+            if state & _REPLIED and state & _ENDED:
+                del self.fanin[request]
+            else:
+                self.fanin[request] = state
 
     def send(
         self, header: H.WireHeader, payload: bytes = b"", buffers: Sequence[Buffer] = ()
@@ -77,6 +113,9 @@ class Outbox:
         chunks (:mod:`monarch_kernel.wire.chunks`). In a detachable mesh with no
         controller connected, the link keeps the message or drops it instead."""
         parts = encode_parts(self.codec, header, payload, buffers)
+        if self.fanin and header.get("i") in self.fanin:
+            self._via_agent(header["i"], parts)
+            return
         link = self.link
         if link is not None:
             self._send_detachable(link, parts, header, payload, buffers)
@@ -85,6 +124,17 @@ class Outbox:
                 with self.lock:
                     wire_send(self.out, frames)
         if self.main.pending_signal is not None:  # a signal came while the main thread sent
+            self.main.raise_pending()
+
+    def _via_agent(self, request: str, parts: list[list[Any]]) -> None:
+        """Send a message of a fan-in request to the host agent (FIFO with the rest)."""
+        agent = self.agent
+        assert agent is not None
+        self._fanin_mark(request, _VIA_AGENT)
+        for frames in parts:
+            with self.lock:
+                wire_send(agent, frames)
+        if self.main.pending_signal is not None:
             self.main.raise_pending()
 
     def _send_detachable(
@@ -176,7 +226,11 @@ class Outbox:
             return
         route = self.peer_routes.pop(header.request, None) if self.peer_routes else None  # type: ignore[arg-type]
         if route is None:
-            self.send(header.encode(), payload, buffers)
+            request = header.request
+            if self.fanin and request in self.fanin:
+                self._fanin_result(request, header, payload, buffers)
+            else:
+                self.send(header.encode(), payload, buffers)
             return
         try:
             parts = encode_parts(self.codec, header.encode(), payload, buffers)
@@ -188,6 +242,27 @@ class Outbox:
             log.warning(
                 "rank %s: peer caller at %s is gone (%s); reply dropped", self.rank, route, exc
             )
+
+    def _fanin_result(
+        self, request: str, header: H.Result, payload: bytes, buffers: Sequence[Buffer]
+    ) -> None:
+        """The reply to a fan-in request: to the agent (combined with the other ranks'),
+        or, when large and nothing of the request went through the agent (which would
+        then have to come first), to the controller directly, the agent told so."""
+        large = bool(buffers) or len(payload) > MAX_COMBINED
+        if large and not self.fanin.get(request, 0) & _VIA_AGENT:
+            self._fanin_mark(request, _REPLIED)
+            for frames in encode_parts(self.codec, header.encode(), payload, buffers):
+                with self.lock:
+                    wire_send(self.out, frames)
+            told = H.FanInDirect(rank=self.rank, request=request).encode()
+            with self.lock:
+                wire_send(self.agent, self.codec.encode(told))
+        else:
+            self.send(header.encode(), payload, buffers)
+            self._fanin_mark(request, _REPLIED)
+        if self.main.pending_signal is not None:
+            self.main.raise_pending()
 
     def _peer_socket(self, kind: int, addr: PeerAddress) -> zmq.Socket[bytes]:
         """A socket (PUSH for replies, DEALER for supervision) connected to another

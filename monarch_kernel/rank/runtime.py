@@ -83,6 +83,11 @@ class Rank:
             cfg.mesh_name,
         )  # fmt: skip
         self.outbox.machine = self.peer.machine
+        if cfg.fanin and not cfg.detachable:  # replies to fanned-out requests (wire.fanin)
+            agent = self.ctx.socket(zmq.PUSH)
+            agent.setsockopt(zmq.LINGER, 1000)
+            connect(agent, cfg.fanin, cfg)
+            self.outbox.agent = agent
         self.inbox = Inbox(cfg, inbox, self.codec, self.main, self.outbox, log_fd)
         self.namespace: UserNamespace = {"__name__": "__main__", "__builtins__": __builtins__}
         point = Point(dict(zip(cfg.labels, cfg.coords)), self.rank, cfg.sizes)

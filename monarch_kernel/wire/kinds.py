@@ -142,6 +142,10 @@ kind              keys
                   ``tail`` list[str] (last lines of the rank's log: what it printed
                   before dying); ``expected`` bool (the exit was asked for: ``kill_ranks``
                   or the agent shutting down)
+``fan_in``        ``h``, ``i``: what the agent's ranks sent for fanned-out request ``i``
+                  (output chunks and replies; identical bytes of several ranks as one
+                  part naming them): payload ``wire.fanin.encode_parts``, a marshal
+                  list of ``(kind, ranks, name, ok, data)`` (see ``wire.fanin``)
 ``taken_over``    ``h``, ``by`` list (``[pid, hostname]`` of the kernel that attached
                   with ``--force``): the receiving controller no longer holds the mesh
 ================  =======================================================================
@@ -368,6 +372,11 @@ HOST_READY = "host_ready"
 RANK_STARTED = "rank_started"
 RANK_EXIT = "rank_exit"
 PORT = "port"
+#: The answers of several of the agent's ranks to one fanned-out request, combined
+#: (``wire.fanin``): header ``h``, ``i``; payload ``wire.fanin.encode_parts``.
+FAN_IN = "fan_in"
+#: rank -> its host agent: its reply to request ``i`` went to the controller directly.
+FAN_DIRECT = "fan_direct"
 #: To the controller holding a detachable mesh: another one took it over (``%mesh attach
 #: --force``); header ``by``: ``[pid, hostname]`` of the new one.
 TAKEN_OVER = "taken_over"
@@ -423,5 +432,6 @@ TRAIN_NOTICE = "train_notice"
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 5  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
-# 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``
+PROTOCOL_VERSION = 6  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
+# 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``;
+# 6: fan-in (``fan_in``, ``fan_direct``)

@@ -30,6 +30,7 @@ from monarch_kernel.wire.headers.control import (
     ControlRequest,
     InputReply,
 )
+from monarch_kernel.wire.headers.fanin import FanIn, FanInDirect
 from monarch_kernel.wire.headers.from_rank import (
     Display,
     Input,
@@ -112,6 +113,8 @@ AnyHeader: TypeAlias = (
     | RankExit
     | Detach
     | TakenOver
+    | FanIn
+    | FanInDirect
 )
 
 _CLASSES: tuple[Any, ...] = (
@@ -148,6 +151,8 @@ _CLASSES: tuple[Any, ...] = (
     RankExit,
     Detach,
     TakenOver,
+    FanIn,
+    FanInDirect,
 )
 #: kind -> the decoder of its header
 DECODERS: dict[str, Callable[[WireHeader], Any]] = {cls.KIND: cls.decode for cls in _CLASSES}
@@ -201,6 +206,8 @@ __all__ = [
     "Detach",
     "DumpStacks",
     "Exec",
+    "FanIn",
+    "FanInDirect",
     "HeaderError",
     "Chunk",
     "Heartbeat",

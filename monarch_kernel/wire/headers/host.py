@@ -419,3 +419,4 @@ class RankExit:
             )
         except KeyError as exc:
             raise missing_key(cls, exc) from None
+

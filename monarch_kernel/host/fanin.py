@@ -1,0 +1,146 @@
+"""The host agent's fan-in socket: its ranks' answers to fanned-out requests, combined
+into one ``fan_in`` message per request (see :mod:`monarch_kernel.wire.fanin`).
+
+Ranks push their signed messages for such a request to a PULL socket in the agent's
+private directory. Output chunks and small replies go into the request's
+:class:`~monarch_kernel.wire.fanin.Batch`; anything else (a display, a metric, an
+``input``, a large value in chunks) goes on to the controller unchanged, right after
+what the batch held for its request, so each rank's messages keep their order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from monarch_kernel.wire import Codec, WireError
+from monarch_kernel.wire import headers as H
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.codec import limit_size
+from monarch_kernel.wire.codec import send as wire_send
+from monarch_kernel.wire.fanin import MAX_COMBINED, FanIn, Part, encode_parts
+from monarch_kernel.wire.key_gate import KeyGate, guard
+
+log = logging.getLogger("monarch_kernel.host")
+
+#: ``send(header, payload)``: the agent's send to its controller.
+Send = Callable[[H.WireHeader, bytes], None]
+
+
+class FanInSocket:
+    """The PULL socket ranks send fan-in messages to, and the batches they fill."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        address: str,
+        codec: Codec,
+        host: int,
+        out: zmq.Socket[bytes],
+        send: Send,
+        curve: tuple[str, str] | None = None,
+    ):
+        """``address``: where to bind (``ipc://`` in the private directory); ``out``:
+        the agent's socket to the controller (messages passed on unchanged); ``send``:
+        the agent's signed send; ``curve``: ``(secret, public)`` of the host on a CURVE
+        mesh (the ranks connect as CURVE clients with that key, as to the fan-out)."""
+        self.codec = codec
+        self.host = host
+        self.out = out
+        self._send = send
+        self.table = FanIn()
+        self.sock = ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        limit_size(self.sock)
+        if curve is not None:
+            guard(self.sock, curve[0], KeyGate([curve[1]]), "mk-fanin")
+        self.sock.bind(address)
+        self.address = address
+        #: ``fan_in`` messages sent, and rank messages that went into them.
+        self.sent = 0
+        self.combined = 0
+
+    def expect(self, request: str, ranks: list[int]) -> None:
+        """The controller fanned ``request`` out to ``ranks`` (ours) and waits for replies."""
+        if ranks:
+            self.table.expect(request, ranks)
+
+    def rank_gone(self, rank: int) -> None:
+        """``rank`` died: its batches go without it (the controller names it)."""
+        self.table.rank_gone(rank)
+
+    def timeout_ms(self, longest: int) -> int:
+        """How long the agent's poll may wait: until the next batch is due."""
+        deadline = self.table.next_deadline()
+        if deadline is None:
+            return longest
+        left = int((deadline - time.monotonic()) * 1000) + 1
+        return max(0, min(longest, left))
+
+    def receive(self) -> None:
+        """Take every message waiting on the socket, then send the batches that are due."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self.on_message(frames)
+        self.send_due()
+
+    def on_message(self, frames: list[Any]) -> None:
+        """One rank message: into its request's batch, or on to the controller."""
+        try:
+            msg = self.codec.decode(frames)
+        except WireError as exc:
+            log.warning("host %s dropped a fan-in message: %s", self.host, exc)
+            return
+        h = msg.header
+        kind, request, rank = h.get("k"), h.get("i"), h.get("r")
+        if not isinstance(request, str) or not isinstance(rank, int):
+            self.pass_on(None, frames)
+            return
+        now = time.monotonic()
+        if kind == K.STREAM and isinstance(h.get("n"), str):
+            self.table.stream(request, rank, h["n"], bytes(msg.payload), now)
+            self.combined += 1
+        elif (
+            kind == K.RESULT
+            and "b" not in h
+            and "z" not in h  # a large value's stream start: its chunks follow
+            and len(msg.payload) <= MAX_COMBINED
+        ):
+            self.table.result(request, rank, bool(h.get("ok")), bytes(msg.payload), now)
+            self.combined += 1
+        elif kind == K.FAN_DIRECT:
+            self.table.answered_elsewhere(request, rank)
+        else:
+            self.pass_on(request, frames)
+            if kind == K.RESULT:
+                self.table.answered_elsewhere(request, rank)
+
+    def pass_on(self, request: str | None, frames: list[Any]) -> None:
+        """Send a rank's message on unchanged (still signed by the rank), after what
+        ``request``'s batch holds."""
+        if request is not None:
+            self.send_parts(request, self.table.take(request))
+        wire_send(self.out, frames)
+
+    def send_due(self) -> None:
+        """Send the batches that are complete or whose window is over."""
+        for request, parts in self.table.due(time.monotonic()):
+            self.send_parts(request, parts)
+
+    def send_parts(self, request: str, parts: list[Part]) -> None:
+        if parts:
+            self._send(H.FanIn(host=self.host, request=request).encode(), encode_parts(parts))
+            self.sent += 1
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+__all__ = ["FanInSocket"]

@@ -1,0 +1,66 @@
+"""Headers of fan-in (:mod:`monarch_kernel.wire.fanin`): a host agent sends on its
+ranks' answers to a fanned-out request as one message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.headers.base import (
+    CODEC_KEYS,
+    HeaderError,
+    WireHeader,
+    check_keys,
+    missing_key,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FanIn:
+    """``fan_in``: host agent ``h`` sends on what its ranks sent for request ``i``
+    (their output and replies, identical bytes combined; payload:
+    :func:`monarch_kernel.wire.fanin.encode_parts`)."""
+
+    KIND: ClassVar[str] = K.FAN_IN
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"h", "i"}
+
+    host: int
+    request: str
+
+    def encode(self) -> WireHeader:
+        return {"k": K.FAN_IN, "h": self.host, "i": self.request}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> FanIn:
+        check_keys(cls, h)
+        try:
+            host, request = h["h"], h["i"]
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+        if not isinstance(host, int) or not isinstance(request, str):
+            raise HeaderError(f"{cls.KIND!r} header: bad 'h' or 'i'")
+        return cls(host=host, request=request)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FanInDirect:
+    """``fan_direct`` (rank ``r`` -> its host agent): its reply to request ``i`` went to
+    the controller directly (too large to combine); the agent waits no more for it."""
+
+    KIND: ClassVar[str] = K.FAN_DIRECT
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"r", "i"}
+
+    rank: int
+    request: str
+
+    def encode(self) -> WireHeader:
+        return {"k": K.FAN_DIRECT, "r": self.rank, "i": self.request}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> FanInDirect:
+        check_keys(cls, h)
+        try:
+            return cls(rank=h["r"], request=h["i"])
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
