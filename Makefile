@@ -60,6 +60,7 @@ test-unit: setup
 bench: setup
 	$(PIP) install -q -e '.[test,bench]'
 	$(PY) -m bench
+	$(PY) -m bench scale
 
 lint: setup
 	$(PY) -m ruff check monarch_kernel tests bench

@@ -4,6 +4,7 @@
     python -m bench --quick            # fewer iterations and sizes (about 3 minutes)
     python -m bench --only ours,zmq    # some peers: ours zmq monarch ray ipp
     python -m bench --bench rtt,calln  # some benchmarks (see BENCHES)
+    python -m bench scale              # the scale harness alone (bench/scale.py)
 
 A run limited with --quick, --only or --bench writes bench/results/partial.md instead, so
 latest.md always holds a complete run.
@@ -64,6 +65,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["scale"]:  # the scale harness (16 to 256 ranks), alone
+        from bench import scale
+
+        return scale.main(argv[1:])
     args = parse(argv)
     peers = names(args.only, ORDER, "peer") or ORDER
     peers = [p for p in ORDER if p in peers]

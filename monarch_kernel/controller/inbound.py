@@ -139,6 +139,8 @@ class Inbound:
         #: ``fan_in`` messages among them: a gathered call on H hosts costs H.
         self.received = 0
         self.fanned_in = 0
+        #: Messages received by kind (verified ones; chunks count as their kind ``ck``).
+        self.kinds: dict[str, int] = {}
         #: kind -> handler of the message with its typed header (``wire.headers``)
         self._handlers: dict[str, Handler] = {
             K.RESULT: typed(H.Result.decode, self._on_result),
@@ -199,7 +201,10 @@ class Inbound:
             return  # a rank removed from the mesh (``%mesh shrink``), late: not ours now
         if sender is not None and 0 <= sender < self._world:
             self._ranks[sender].bytes_in += msg.nbytes
-        handler = self._handlers.get(h["k"])
+        kinds = self.kinds
+        kind = h["k"]
+        kinds[kind] = kinds.get(kind, 0) + 1
+        handler = self._handlers.get(kind)
         if handler is None:
             log.warning("mesh %s: unknown message kind %r", self._name, h["k"])
             return
@@ -425,5 +430,5 @@ class Inbound:
         host.addr, host.port, host.desk, host.dir = h.addr, h.port, h.desk, h.dir
         self._transport.probe([self._transport.host_id(host.index)])
         host.ready = True
-        host.last_seen = time.monotonic()
+        host.last_seen = host.ready_at = time.monotonic()
         self._notify()

@@ -201,6 +201,7 @@ class HostInfo:
     addr: str = "127.0.0.1"  #: where its ranks' process group can rendezvous
     port: int = 0
     ready: bool = False
+    ready_at: float | None = None  #: when it said ready (time.monotonic)
     lost: str | None = None  #: why it was declared lost (None while it is fine)
     last_seen: float = field(default_factory=time.monotonic)
     desk: str = ""  #: a detachable mesh's agent: its attach desk (``wire.desk``)

@@ -419,4 +419,3 @@ class RankExit:
             )
         except KeyError as exc:
             raise missing_key(cls, exc) from None
-
