@@ -68,9 +68,27 @@ class Template:
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         signal.set_wakeup_fd(self.wake_w)
-        signal.signal(signal.SIGCHLD, lambda *_: None)
+        #: True while the loop imports PREIMPORT_LATE (seconds on a loaded machine)
+        self.importing = False
+        signal.signal(signal.SIGCHLD, self._on_child)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_child(self, *_: object) -> None:
+        """SIGCHLD: the loop reaps (woken by the wakeup fd), except while it imports
+        the late modules: ``torch._dynamo`` takes seconds under load, and a rank that
+        dies meanwhile must be reported at once (its futures fail "within a second"),
+        so the handler reaps then (the loop is in no ``emit`` while it imports). Only
+        our ranks, by pid: a subprocess the import starts is its own to wait for."""
+        if not self.importing:
+            return
+        for pid in list(self.children):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue
+            if done:
+                self._reaped(pid, status)
 
     def _on_term(self, *_: object) -> None:
         self.shutdown()
@@ -90,7 +108,11 @@ class Template:
             except InterruptedError:
                 continue
             if not ready:  # idle: import what later forks should find loaded
-                _import_quietly(pending)
+                self.importing = True
+                try:
+                    _import_quietly(pending)
+                finally:
+                    self.importing = False
                 pending = []
                 continue
             if self.wake_r in ready:
@@ -157,12 +179,16 @@ class Template:
                 return
             if pid == 0:
                 return
-            rank = self.children.pop(pid, None)
-            if rank is None:
-                continue
-            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
-            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-            self.emit(e="exit", rank=rank, pid=pid, code=code, signal=sig)
+            self._reaped(pid, status)
+
+    def _reaped(self, pid: int, status: int) -> None:
+        """Child ``pid`` ended with ``status``: if it is a rank, emit its exit."""
+        rank = self.children.pop(pid, None)
+        if rank is None:
+            return
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        self.emit(e="exit", rank=rank, pid=pid, code=code, signal=sig)
 
     def stop_children(self, grace: float = DEFAULT_GRACE) -> None:
         """SIGTERM every rank (they exit cleanly: ``atexit`` handlers, finalizers,
