@@ -101,6 +101,16 @@ def test_a_dead_rank_is_not_waited_for() -> None:
     assert fan.batches == {}
 
 
+def test_what_a_dead_rank_sent_goes_at_once_before_its_death_is_reported() -> None:
+    fan = FanIn(WINDOW)
+    fan.expect("q", [0, 1, 2])
+    fan.result("q", 1, True, b"v", 0.0)  # rank 1 replied, then died: its reply must not
+    fan.stream("r", 2, "stdout", b"x", 0.0)  # wait for the window behind its exit report
+    assert fan.rank_gone(1) == [("q", [result((1,))])]
+    assert fan.batches["q"].waiting == {0, 2} and not fan.batches["q"].parts
+    assert "r" in fan.batches  # another rank's batch waits for its window as before
+
+
 def test_a_reply_sent_directly_is_not_waited_for() -> None:
     fan = FanIn(WINDOW)
     fan.expect("q", [0, 1])

@@ -141,6 +141,8 @@ class Inbound:
         self.fanned_in = 0
         #: Messages received by kind (verified ones; chunks count as their kind ``ck``).
         self.kinds: dict[str, int] = {}
+        #: routing id -> index of the host agent that sends from it (see _host_heard)
+        self._host_idents: dict[bytes, int] = {}
         #: kind -> handler of the message with its typed header (``wire.headers``)
         self._handlers: dict[str, Handler] = {
             K.RESULT: typed(H.Result.decode, self._on_result),
@@ -183,6 +185,7 @@ class Inbound:
             return
         try:
             part = self._codec.decode(frames[1:])
+            self._host_heard(frames[0].bytes)
             h = part.header
             sender = h.get("r")
             if origin >= 0 and not self._from_host(origin, sender, h.get("h")):
@@ -416,6 +419,24 @@ class Inbound:
         self._rank_died(info, RankEnd.of_exit(h))
 
     # -- hosts ---------------------------------------------------------------------------
+    def _host_heard(self, ident: bytes) -> None:
+        """A verified message came on connection ``ident``: if it is a host agent's, the
+        agent is alive, whatever the message. An agent that passes on its ranks'
+        answers (fan-in: a large value in chunks, a flood of output) may have its
+        heartbeats queued behind them, or dropped while its queue to us is full."""
+        if ident[:1] != b"h":
+            return  # a rank's own connection (``r``/``c``): by far the most messages
+        hosts = self._hosts
+        index = self._host_idents.get(ident)
+        if index is None:  # a new agent (misses are not kept: its tag may come later)
+            transport = self._transport
+            index = next((i for i in range(len(hosts)) if transport.host_id(i) == ident), -1)
+            if index < 0:
+                return
+            self._host_idents[ident] = index
+        if index < len(hosts):
+            hosts[index].last_seen = time.monotonic()
+
     def _on_heartbeat(self, h: H.Heartbeat, msg: Message) -> None:
         if h.host is not None:
             self._hosts[h.host].last_seen = time.monotonic()

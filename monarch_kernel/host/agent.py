@@ -48,6 +48,9 @@ log = logging.getLogger("monarch_kernel.host")
 #: Seconds between the agent's heartbeats (the controller declares a host lost after a
 #: few seconds of silence); also the longest its message loop ever waits.
 HEARTBEAT_INTERVAL = 0.5
+#: The longest the loop takes messages off its inbox in one turn (s): its heartbeats
+#: and its ranks' exits are not held up by a long stream of messages.
+INBOX_BUDGET = 0.1
 #: The longest a ``dump_stacks`` holds up the agent's loop, waiting for the dumps.
 STACKS_WAIT = 0.3
 #: The longest the clean-up after a SIGTERM waits to be re-parented, when its controller
@@ -252,6 +255,9 @@ class HostAgent:
                     fanin.send_due()
             if self.inbox in events:
                 last_rx = now
+                # Bounded, as the fan-in's receive: a long stream of chunks (a 2 GiB
+                # push) must not keep our heartbeats from going; the rest waits a turn.
+                until = now + INBOX_BUDGET
                 while True:
                     try:
                         frames = self.inbox.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -259,6 +265,8 @@ class HostAgent:
                         break
                     if self.on_message(frames) == "stop":
                         return
+                    if time.monotonic() >= until:
+                        break
             if desk is not None and desk.monitor in events:
                 desk.on_link()
             if desk is not None and desk.sock in events and self.on_desk(desk):
@@ -496,8 +504,8 @@ class HostAgent:
             if self.pids.get(rank) == ev["pid"]:
                 del self.pids[rank]
                 self.backlog.pop(rank, None)  # a restarted rank starts afresh
-                if self.fanin is not None:  # its request's batches go without it
-                    self.fanin.rank_gone(rank)
+            if self.fanin is not None:  # what it sent goes before its death (and the
+                self.fanin.rank_gone(rank)  # rest of its requests' batches without it)
             desk, expected = self.desk, rank in self.expected_exits
             if desk is not None and desk.rank_exited(
                 rank, ev["pid"], ev["code"], ev["signal"], expected

@@ -27,6 +27,13 @@ from monarch_kernel.wire.key_gate import KeyGate, guard
 
 log = logging.getLogger("monarch_kernel.host")
 
+#: The longest one :meth:`FanInSocket.receive` takes messages off the socket (s), and
+#: the most it takes: ranks that keep sending (a flood of output, a large value in
+#: chunks passed on) must not hold up the rest of the agent's loop, its heartbeats,
+#: a ``kill_ranks`` or a rank's exit report; what is left is taken next time round.
+RECEIVE_BUDGET = 0.02
+RECEIVE_MAX = 256
+
 #: ``send(header, payload)``: the agent's send to its controller.
 Send = Callable[[H.WireHeader, bytes], None]
 
@@ -70,8 +77,12 @@ class FanInSocket:
             self.table.expect(request, ranks)
 
     def rank_gone(self, rank: int) -> None:
-        """``rank`` died: its batches go without it (the controller names it)."""
-        self.table.rank_gone(rank)
+        """``rank`` died: its batches go without it (the controller names it). Call it
+        before reporting the death: what the rank sent first goes first (see
+        :meth:`FanIn.rank_gone`), taken off the socket here if it waits there still."""
+        self.receive()
+        for request, parts in self.table.rank_gone(rank):
+            self.send_parts(request, parts)
 
     def timeout_ms(self, longest: int) -> int:
         """How long the agent's poll may wait: until the next batch is due."""
@@ -82,13 +93,17 @@ class FanInSocket:
         return max(0, min(longest, left))
 
     def receive(self) -> None:
-        """Take every message waiting on the socket, then send the batches that are due."""
-        while True:
+        """Take the messages waiting on the socket (at most :data:`RECEIVE_MAX`, for at
+        most :data:`RECEIVE_BUDGET` seconds), then send the batches that are due."""
+        deadline = time.monotonic() + RECEIVE_BUDGET
+        for _ in range(RECEIVE_MAX):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             self.on_message(frames)
+            if time.monotonic() >= deadline:
+                break  # the poll reports the socket readable again at once
         self.send_due()
 
     def on_message(self, frames: list[Any]) -> None:

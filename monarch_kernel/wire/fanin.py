@@ -171,10 +171,19 @@ class FanIn:
         if batch is not None:
             batch.waiting.discard(rank)
 
-    def rank_gone(self, rank: int) -> None:
-        """``rank`` died: nothing more is waited for from it."""
-        for batch in self.batches.values():
+    def rank_gone(self, rank: int) -> list[tuple[str, list[Part]]]:
+        """``rank`` died: nothing more is waited for from it. Returns the batches that
+        hold something of it, as ``(request, parts)``, to send at once: what a rank sent
+        before it died (its reply, its last output) must reach the controller before
+        the agent's report of its death, or the controller fails a request it answered."""
+        out = []
+        for request, batch in list(self.batches.items()):
             batch.waiting.discard(rank)
+            if rank in batch.last:
+                out.append((request, batch.take()))
+            if not batch.waiting and not batch.parts:
+                del self.batches[request]
+        return out
 
     def take(self, request: str) -> list[Part]:
         """What ``request``'s batch holds now (to send before something that must follow
