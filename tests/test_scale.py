@@ -21,7 +21,14 @@ RANKS = HOSTS * PER_HOST
 #: A window long enough that, even on a loaded machine, each agent sends its 16
 #: replies together (it sends at once when all replied: the window only bounds a
 #: straggler's hold-up, which no rank here is).
-ENV = {"MONARCH_KERNEL_FANIN_WINDOW": "5", "MONARCH_KERNEL_MAX_LOCAL_RANKS": str(RANKS)}
+#: No late ``torch._dynamo`` import in the 8 templates (for ranks restarted later,
+#: which this module has none of): 8 of them at once cost the 2-core machine the
+#: seconds the tests run in (torch itself is pre-imported as ever).
+ENV = {
+    "MONARCH_KERNEL_FANIN_WINDOW": "5",
+    "MONARCH_KERNEL_MAX_LOCAL_RANKS": str(RANKS),
+    "MONARCH_KERNEL_PREIMPORT_LATE": "",
+}
 
 #: A kernel cell printing the controller's counters of messages received by kind.
 COUNTS = "import json; print(json.dumps(big.runtime.inbound.kinds))"
