@@ -229,7 +229,14 @@ class HostAgent:
             if desk.monitor is not None:
                 poller.register(desk.monitor, zmq.POLLIN)
         last_rx = last_hb = time.monotonic()
+        template, writing = self.template, False
         while True:
+            if bool(template.pending) != writing:  # commands wait for room in its pipe
+                writing = bool(template.pending)
+                if writing:
+                    poller.register(template.cmd_w, zmq.POLLOUT)
+                else:
+                    poller.unregister(template.cmd_w)
             # While a rank waits for our hello, retry it every few milliseconds.
             quick = self.greeted or self.backlog
             # Never wait longer than half a heartbeat interval, so heartbeats go on time.
@@ -237,6 +244,8 @@ class HostAgent:
             if fanin is not None:  # a batch of replies may be due sooner
                 wait = fanin.timeout_ms(wait)
             events = dict(poller.poll(wait))
+            if template.pending:
+                template.flush()
             if self.backlog:
                 self.flush_backlog()
             now = time.monotonic()

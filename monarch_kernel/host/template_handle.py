@@ -54,6 +54,13 @@ class Template:
         )
         os.close(cmd_r)
         os.close(ev_w)
+        # Commands are written without blocking: the template reads them only between
+        # imports (torch at its start, torch._dynamo once idle: seconds under load), and
+        # 64 fork commands (about 1 KiB each) fill a pipe's 64 KiB, which blocked the
+        # agent's loop (its heartbeats: "host agent 0 lost" while starting 64 ranks).
+        # What does not fit waits in ``pending``; the loop calls :meth:`flush`.
+        os.set_blocking(self.cmd_w, False)
+        self.pending = bytearray()
         self.buf = b""
         #: It said ``template_ready`` (its imports are done), or was asked to fork a rank:
         #: until either, a stop has nothing of its own to end gracefully.
@@ -62,7 +69,21 @@ class Template:
     def command(self, **cmd: Any) -> None:
         if cmd.get("op") == "fork":
             self.engaged = True
-        os.write(self.cmd_w, (json.dumps(cmd) + "\n").encode())
+        self.pending += (json.dumps(cmd) + "\n").encode()
+        self.flush()
+
+    def flush(self) -> None:
+        """Write what the pipe takes of the pending commands (never blocks)."""
+        pending = self.pending
+        while pending:
+            try:
+                n = os.write(self.cmd_w, pending)
+            except BlockingIOError:
+                return
+            except BrokenPipeError:  # it exited: its end of the event pipe says so
+                pending.clear()
+                return
+            del pending[:n]
 
     def events(self) -> list[TemplateEvent]:
         data = os.read(self.event_r, 65536)
@@ -89,6 +110,8 @@ class Template:
             return
         try:
             self.command(op="exit", grace=grace)
+            os.set_blocking(self.cmd_w, True)  # stopping: the rest waits for it
+            self.flush()
         except OSError:
             pass
         try:
