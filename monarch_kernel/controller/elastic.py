@@ -41,13 +41,15 @@ from monarch_kernel.calls.errors import MeshStartError, format_ranks
 from monarch_kernel.controller.elastic_plan import (
     MeshSize,
     ResizeError,
+    ResizeInterrupted,
     ResizePlan,
     ResizeReport,
+    interrupted_text,
     plan_grow,
     plan_shrink,
     size_of,
 )
-from monarch_kernel.controller.elastic_round import STEP_WAIT, ResizeRound
+from monarch_kernel.controller.elastic_round import STEP_WAIT, UNDO_WAIT, ResizeRound
 from monarch_kernel.controller.events import EventBus, MeshResized, RequestKind, StreamOutput
 from monarch_kernel.controller.failures import FailureHandler
 from monarch_kernel.controller.inbound import Inbound
@@ -302,9 +304,17 @@ class Resizer:
         if why:
             raise ResizeError(f"mesh {m.name!r}: {why}")
         try:
-            # the deadline is for the new ranks to be ready; the round after has its own
-            if not done.wait(max(1.0, deadline - time.monotonic()) + STEP_WAIT):
-                raise ResizeError(f"mesh {m.name!r}: the resize did not end in time")
+            try:
+                # the deadline is for the new ranks to be ready; the round after has its own
+                if not done.wait(max(1.0, deadline - time.monotonic()) + STEP_WAIT):
+                    raise ResizeError(f"mesh {m.name!r}: the resize did not end in time")
+            except KeyboardInterrupt:
+                # Before the loop is paused the new ranks are taken back and the training
+                # goes on as it was; once paused, the round ends by itself in seconds.
+                cancelled = runner.interrupt()
+                done.wait(UNDO_WAIT if cancelled else STEP_WAIT)
+                if cancelled:
+                    raise ResizeInterrupted(f"mesh {m.name!r}: {runner.error}") from None
         finally:
             m.peers.finished(rid)
         if runner.report is None:
@@ -320,8 +330,10 @@ class Resizer:
         self.remove(plan, deadline)
         try:
             self.add(plan, deadline)
-        except BaseException:  # nothing else changed yet: take the new ranks away
+        except BaseException as exc:  # nothing else changed yet: take the new ranks away
             self.undo_add(plan)
+            if isinstance(exc, KeyboardInterrupt):
+                raise ResizeInterrupted(f"mesh {m.name!r}: {interrupted_text(plan)}") from None
             raise
         problems: list[str] = []
         survivors = [r for r in range(plan.after.world) if r not in plan.added]
@@ -438,9 +450,11 @@ class Resizer:
             del m.hosts[plan.after.hosts :]
         self._apply_shape(plan.after)
 
-    def add(self, plan: ResizePlan, deadline: float) -> None:
-        """Start the new host agents and ranks; return when they are ready."""
+    def add(self, plan: ResizePlan, deadline: float, cancel: threading.Event | None = None) -> None:
+        """Start the new host agents and ranks; return when they are ready (ResizeError
+        ``interrupted`` once ``cancel`` is set: the caller takes them back)."""
         m = self._mesh
+        cancelled = cancel.is_set if cancel is not None else (lambda: False)
         if not plan.added:
             return
         new_hosts = [HostInfo(h) for h in plan.added_hosts]
@@ -465,10 +479,15 @@ class Resizer:
                 )
             try:
                 m.starter.wait(
-                    lambda: all(h.ready for h in new_hosts), deadline, "new host agents", new_hosts
+                    lambda: cancelled() or all(h.ready for h in new_hosts),
+                    deadline,
+                    "new host agents",
+                    new_hosts,
                 )
             except MeshStartError as exc:
                 raise ResizeError(self._not_joined(new_hosts, exc, time.monotonic() - t0)) from None
+            if cancelled():
+                raise ResizeInterrupted(interrupted_text(plan))
         self._apply_shape(plan.after)
         per = plan.after.per_host
         coords = plan.after.shape._coords()
@@ -481,10 +500,12 @@ class Resizer:
             m.starter.spawn_ranks([i for i in infos if i.host == index])
         try:
             m.starter.wait(
-                lambda: all(i.state is not RankState.STARTING for i in infos),
+                lambda: cancelled() or all(i.state is not RankState.STARTING for i in infos),
                 deadline,
                 "new ranks",
             )
+            if cancelled():
+                raise ResizeInterrupted(interrupted_text(plan))
         except BaseException as exc:
             m.restarter._declare_late_dead(plan.added, exc)
             raise
