@@ -33,6 +33,7 @@ def _train(steps: int) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(ray_session_cluster: RayCluster) -> RayCluster:
+    ray_session_cluster.ensure_two_nodes()
     return ray_session_cluster
 
 
