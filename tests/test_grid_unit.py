@@ -13,6 +13,7 @@ from monarch_kernel.widgets.heat_grid import HeatGrid, static_grid_html
 from monarch_kernel.widgets.incidents import IncidentLog
 from monarch_kernel.widgets.stacks_view import MAX_GROUPS, StacksView
 from monarch_kernel.widgets.theme import STATES
+from monarch_kernel.wire.reports import FailureReport
 from monarch_kernel.wire.stacks import Frame, RankStacks, ThreadStack
 
 pytestmark = pytest.mark.unit
@@ -74,7 +75,7 @@ def test_static_grid_is_one_small_cell_per_rank():
     assert "outline:2px solid" in html  # the selected rank
 
 
-def _report(message: str) -> dict[str, object]:
+def _report(message: str) -> FailureReport:
     return {
         "type": "ValueError",
         "message": message,

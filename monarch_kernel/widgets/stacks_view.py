@@ -206,8 +206,8 @@ class StacksView:
         lines = [self._title()]
         if self.summary():
             lines.append(self.summary())
-        shown, more = self.shown_groups()
-        for g in shown:
+        groups, more = self.shown_groups()
+        for g in groups:
             lines.append("")
             lines.append(self._heading(g) + ("  << odd one out" if g.odd else ""))
             note = _source_note(g.sources)
@@ -256,8 +256,8 @@ class StacksView:
                 f'<div class="mk-stacks-summary" style="margin:0 0 4px;color:{color}">'
                 f"{esc(self.summary())}</div>"
             )
-        shown, more = self.shown_groups()
-        for g in shown:
+        groups, more = self.shown_groups()
+        for g in groups:
             parts.append(self._group_html(g))
         if more:
             parts.append(f'<div style="color:#6b7280">{esc(self._more_text(more))}</div>')
