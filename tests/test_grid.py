@@ -123,6 +123,24 @@ def test_mesh_stacks_groups_64_ranks_and_names_the_odd_one_out(kernel):
     kernel.wait_for(lambda: states(kernel)[7] in "ie", what="rank 7 interrupted")
 
 
+def test_a_metric_is_charted_as_mean_min_max_over_the_ranks(kernel):
+    r = kernel.run(
+        "%%remote big\nimport os, monarch_kernel\nr = int(os.environ['RANK'])\n"
+        "for step in range(3):\n    monarch_kernel.report(step=step, loss=step + r)"
+    )
+    assert not r.errors, r.error_text
+
+    def lines() -> dict[str, list[tuple[int, float]]]:
+        return kernel.chart_points("big", "metric:loss")
+
+    kernel.wait_for(lambda: all(len(lines()[k]) == 3 for k in ("mean", "min", "max")))
+    assert set(lines()) == {"mean", "min", "max"}  # no line per rank
+    comm_id = next(c for c, m in kernel.models.items() if m.get("chart_id") == "metric:loss")
+    sent = [s for msg in kernel.custom[comm_id] for s in msg["series"]]
+    top = [y for s in sent if s["key"] == "max" for y in s["y"]]
+    assert top == [63.0, 64.0, 65.0] and "over ranks" in kernel.models[comm_id]["title"]
+
+
 def test_stop_leaves_the_grid_stopped(kernel):
     t0 = time.monotonic()
     r = kernel.run("%mesh stop big", timeout=120)

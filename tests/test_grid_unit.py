@@ -148,3 +148,23 @@ def test_stacks_everywhere_different_show_the_oddest_first():
     assert len(more) == 56 - (MAX_GROUPS - 1)
     text = repr(view)
     assert f"+{len(more)} more groups (ranks " in text and text.count("<< odd one out") == 11
+
+
+def test_a_big_mesh_metric_is_three_lines_whatever_its_size():
+    from monarch_kernel.widgets.bands import StepBands
+
+    bands = StepBands(settle=2.0)
+    for r in range(256):  # steps 0-2 from every rank, step 3 from all but rank 7
+        steps = [0.0, 1.0, 2.0] + ([3.0] if r != 7 else [])
+        bands.add(steps, [s + r / 100 for s in steps], now=0.0)
+    assert bands.settle(256, now=0.5) == 3  # step 3 waits for rank 7
+    xs, means = bands.mean.arrays()
+    assert xs == [0.0, 1.0, 2.0] and means[0] == pytest.approx(1.275)
+    assert bands.lo.arrays()[1] == [0.0, 1.0, 2.0] and bands.hi.arrays()[1] == [2.55, 3.55, 4.55]
+    assert bands.settle(256, now=2.5) == 1  # ... not for ever
+    bands.add([3.0], [3.07], now=2.6)  # rank 7, late: that step is drawn already
+    bands.add([0.0], [9.0], now=2.6)
+    assert bands.settle(256, now=5.0) == 0 and bands.dropped == 2
+    for _ in range(200):  # the run starts over at step 0: a new line
+        bands.add([0.0], [1.0], now=6.0)
+    assert bands.settle(256, now=9.0) == 1 and bands.mean.arrays()[0][-1] == 0.0

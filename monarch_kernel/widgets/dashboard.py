@@ -126,7 +126,7 @@ class Dashboard(W.VBox):
         self.bar.restart_button.on_click(lambda _b: self.restart())
         self.bar.stop_button.on_click(lambda _b: self.stop())
         self.jobs = JobRows(self._cancel_slot)
-        self.chart_area = ChartArea(self.state, self._lock)
+        self.chart_area = ChartArea(self.state, self._lock, aggregate=self.heat)
         # the parts' widgets under the names the tests, benches and notebooks read
         self.tiles = self.grid.tiles
         self.job_labels = self.jobs.labels
