@@ -139,6 +139,9 @@ def test_a_metric_is_charted_as_mean_min_max_over_the_ranks(kernel):
     sent = [s for msg in kernel.custom[comm_id] for s in msg["series"]]
     top = [y for s in sent if s["key"] == "max" for y in s["y"]]
     assert top == [63.0, 64.0, 65.0] and "over ranks" in kernel.models[comm_id]["title"]
+    # transfer: the mesh's totals, not two lines a rank
+    kernel.wait_for(lambda: kernel.chart_points("big", "throughput"), what="transfer points")
+    assert set(kernel.chart_points("big", "throughput")) <= {"in", "out"}
 
 
 def test_stop_leaves_the_grid_stopped(kernel):

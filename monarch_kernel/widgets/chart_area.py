@@ -188,7 +188,7 @@ class ChartArea:
             out.append(points)
 
         for idx, direction in ((0, "in"), (1, "out")):
-            if tp.per_rank_bytes:
+            if tp.per_rank_bytes and not self.aggregate:  # a big mesh: its totals
                 for r in range(self.state.rt.world):
                     ys = [row.per_rank[r][idx] if r in row.per_rank else 0.0 for row in rows]
                     add(f"r{r} {direction}", direction, ys)
