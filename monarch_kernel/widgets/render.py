@@ -103,7 +103,8 @@ def cell_detail(st: MeshState, v: TileView) -> str:
     lines = [v.coords] if v.coords else []
     where = f"host {v.host} · pid {v.pid or '?'}"
     lines.append(where + (f" · {v.device}" if v.device else ""))
-    if v.what:
+    found = st.last_error.get(v.rank)
+    if v.what and (found is None or v.what != found[1].title):  # the error comes below
         lines.append(clip(v.what, DETAIL_CHARS))
     seen = f"seen {v.seen} ago" if v.seen else ""
     facts = " · ".join(x for x in (v.mem, f"step {v.step}" if v.step else "", seen) if x)
@@ -114,7 +115,6 @@ def cell_detail(st: MeshState, v: TileView) -> str:
     last = [line for line in st.output_lines(v.rank, 3) if line.strip()]
     if last:
         lines.append("last line: " + clip(last[-1].strip(), DETAIL_CHARS))
-    found = st.last_error.get(v.rank)
     if found is not None:
         lines.append("last error: " + clip(found[1].title, DETAIL_CHARS))
     lines.append("click: recent output and last error")
