@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+from helpers import wait_until
 from test_browser import (  # noqa: F401 - pytestmark and the fixture are used by pytest
     ARTIFACTS,
     CHROMIUM,
@@ -95,15 +96,17 @@ def test_dashboard_and_sidebar_draw_a_big_mesh_as_a_grid(jupyterlab):  # noqa: F
             )
             assert err["raw"] != idle["raw"], (err, idle)
 
-            # hover: that rank's details, asked of the kernel
-            page.locator(f'{CELLS}[data-rank="9"]').hover()
+            # hover: that rank's details, asked of the kernel. The notebook's layout may
+            # still move under a resting pointer (outputs growing above), which hovers
+            # another cell: hover again until rank 9's details are shown.
             tip = page.locator(".mk-dash .mk-heat-tip").first
-            page.wait_for_function(
-                "[...document.querySelectorAll('.mk-heat-tip')].some("
-                "t => !t.hidden && t.textContent.includes('last error: ValueError'))",
-                timeout=15_000,
-            )
-            text = tip.inner_text()
+
+            def hovered_nine() -> str:
+                page.locator(f'{CELLS}[data-rank="9"]').hover()
+                text = tip.inner_text() if tip.is_visible() else ""
+                return text if "last error: ValueError" in text else ""
+
+            text = wait_until(hovered_nine, timeout=30, interval=0.2, what="rank 9's hover box")
             assert text.startswith("rank 9 · error"), text
             assert "last line: rank 9 loaded its shard" in text and "pid " in text, text
             box = page.locator(".mk-dash .mk-heat").first.bounding_box()
@@ -114,7 +117,7 @@ def test_dashboard_and_sidebar_draw_a_big_mesh_as_a_grid(jupyterlab):  # noqa: F
             )
             # click: the rank is selected and its output shown beside the grid
             page.locator(f'{CELLS}[data-rank="9"]').click()
-            page.locator(f'{CELLS}.mk-selected[data-rank="9"]').wait_for(timeout=10_000)
+            page.locator(f'{CELLS}.mk-selected[data-rank="9"]').wait_for(timeout=15_000)
             page.locator(".mk-dash .mk-detail", has_text="rank 9 loaded its shard").wait_for(
                 timeout=10_000
             )
