@@ -99,7 +99,7 @@ def test_dashboard_and_sidebar_draw_a_big_mesh_as_a_grid(jupyterlab):  # noqa: F
             # hover: that rank's details, asked of the kernel. The notebook's layout may
             # still move under a resting pointer (outputs growing above), which hovers
             # another cell: hover again until rank 9's details are shown.
-            tip = page.locator(".mk-dash .mk-heat-tip").first
+            tip = page.locator(".mk-heat-tip:not([hidden])").first  # the hovered view's
 
             def hovered_nine() -> str:
                 page.locator(f'{CELLS}[data-rank="9"]').hover()
@@ -113,8 +113,15 @@ def test_dashboard_and_sidebar_draw_a_big_mesh_as_a_grid(jupyterlab):  # noqa: F
             assert box is not None
             page.screenshot(  # the grid and the hover box below it
                 path=str(ARTIFACTS / "dashboard-grid-hover.png"),
-                clip={"x": box["x"] - 4, "y": box["y"] - 4, "width": 640, "height": 200},
+                clip={"x": box["x"] - 4, "y": box["y"] - 4, "width": 640, "height": 220},
             )
+            # the box is on top: what is at its middle is the box itself
+            on_top = tip.evaluate(
+                "t => { const b = t.getBoundingClientRect(); t.style.pointerEvents = 'auto';"
+                " const top = document.elementFromPoint(b.x + b.width / 2, b.y + b.height / 2);"
+                " t.style.pointerEvents = ''; return top === t; }"
+            )
+            assert on_top, "the hover box is covered"
             # click: the rank is selected and its output shown beside the grid
             page.locator(f'{CELLS}[data-rank="9"]').click()
             page.locator(f'{CELLS}.mk-selected[data-rank="9"]').wait_for(timeout=15_000)
@@ -146,7 +153,7 @@ def test_dashboard_and_sidebar_draw_a_big_mesh_as_a_grid(jupyterlab):  # noqa: F
                 timeout=15_000,
             )
             page.locator(".mk-dash .mk-heat").first.hover()  # the tip away from the cells
-            ground = page.locator(".mk-dash .mk-heat-tip").first.evaluate(COLORS_JS)["bg"]
+            ground = page.locator(".mk-heat-tip").first.evaluate(COLORS_JS)["bg"]
             idle = page.locator(f'{CELLS}[data-rank="10"]').evaluate(COLORS_JS)
             assert idle["bg"][3] == 255 and contrast(idle["bg"], ground) >= 1.5, (idle, ground)
             # an error cell: its colour is its border (a dot in the middle), apart too

@@ -14,10 +14,13 @@ function render({ model, el }) {
   const grid = document.createElement("div");
   grid.className = "mk-heat-grid";
   grid.setAttribute("role", "grid");
+  // The hover box lives in the page's body, fixed to the viewport: inside the output
+  // area it was clipped by the widget's box or painted over by the widgets below it.
   const tip = document.createElement("div");
   tip.className = "mk-heat-tip";
   tip.hidden = true;
-  root.append(grid, tip);
+  document.body.appendChild(tip);
+  root.append(grid);
   el.appendChild(root);
 
   const cells = [];
@@ -35,10 +38,11 @@ function render({ model, el }) {
     }
     const detail = details.get(hovered);
     tip.textContent = `rank ${hovered} · ${stateOf(hovered)}\n` + (detail ?? "…");
-    const cell = cells[hovered];
-    tip.style.left = `${cell.offsetLeft + cell.offsetWidth + 6}px`;
-    tip.style.top = `${cell.offsetTop + cell.offsetHeight + 4}px`;
+    const box = cells[hovered].getBoundingClientRect();
     tip.hidden = false;
+    const left = Math.min(box.right + 6, window.innerWidth - tip.offsetWidth - 4);
+    tip.style.left = `${Math.max(0, left)}px`;
+    tip.style.top = `${box.bottom + 4}px`;
   }
 
   function draw() {
@@ -116,6 +120,7 @@ function render({ model, el }) {
   draw();
   return () => {
     clearTimeout(timer);
+    tip.remove();
     model.off("change:states", draw);
     model.off("change:selected", draw);
     model.off("change:columns", draw);
