@@ -132,7 +132,7 @@ class _Kernel:
 
 def _phase(k: _Kernel, name: str, seconds: float) -> dict[str, Any]:
     """Run one phase; what the dashboard sent during it."""
-    k.run("_f0 = big.dashboard().flushes")
+    k.run("_f0, _c0 = big.dashboard().flushes, big.dashboard().cpu_seconds")
     k.reset()
     t0 = time.monotonic()
     if name == "train":
@@ -146,6 +146,7 @@ def _phase(k: _Kernel, name: str, seconds: float) -> dict[str, Any]:
     k.pump(0.6)  # the updates the last events caused
     wall = time.monotonic() - t0
     flushes = int(k.run("big.dashboard().flushes - _f0"))
+    cpu = float(k.run("big.dashboard().cpu_seconds - _c0"))
     total = sum(k.bytes.values())
     return {
         "seconds": round(wall, 2),
@@ -153,6 +154,8 @@ def _phase(k: _Kernel, name: str, seconds: float) -> dict[str, Any]:
         "bytes_per_update": round(total / max(1, flushes)),
         "bytes_per_s": round(total / wall),
         "messages_per_s": round(sum(k.messages.values()) / wall, 1),
+        # the updater's CPU time (all its ticks, also those that sent nothing) a second
+        "dashboard_cpu_ms_per_s": round(1e3 * cpu / wall, 1),
         "bytes_by_widget": {kind: round(b / wall) for kind, b in sorted(k.bytes.items())},
     }
 
@@ -202,8 +205,8 @@ def table(result: dict[str, Any]) -> str:
     """The rows as a Markdown table."""
     lines = [
         "| ranks | view | phase | updates/s | bytes/update | bytes/s | grid or tiles B/s "
-        "| charts B/s | other B/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| charts B/s | other B/s | updater CPU ms/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         for phase in ("train", "churn"):
@@ -213,7 +216,7 @@ def table(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {row['ranks']} | {row['view']} | {phase} | {p['updates_per_s']} | "
                 f"{p['bytes_per_update']} | {p['bytes_per_s']} | {ranks_bytes} | "
-                f"{by.get('charts', 0)} | {by.get('other', 0)} |"
+                f"{by.get('charts', 0)} | {by.get('other', 0)} | {p['dashboard_cpu_ms_per_s']} |"
             )
     return "\n".join(lines)
 
