@@ -32,6 +32,7 @@ from collections import defaultdict
 from typing import Any
 
 PER_HOST = 16
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 TRAIN = """%%remote big --bg
 import time, monarch_kernel
 from monarch_kernel.actor import current_rank
@@ -229,8 +230,25 @@ def main(argv: list[str]) -> int:
     sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
     result = run(args.quick, sizes)
     print(json.dumps(result, indent=1))
-    print(table(result))
+    text = table(result)
+    print(text)
+    out = os.path.join(RESULTS, "dashboard_traffic.md")
+    with open(out, "w") as f:
+        f.write(f"{HEADER}\n{_conditions(result)}\n\n{text}\n")
+    print(f"written to {out}")
     return 0
+
+
+HEADER = "# What the dashboard sends the front end (`python -m bench dashboard_traffic`)\n"
+
+
+def _conditions(result: dict[str, Any]) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M")
+    return (
+        f"Run {when} on {result['cpus']} CPUs (load {result['load_before']:.1f} before); "
+        f"{PER_HOST} ranks a host agent. bytes: JSON content plus buffers of every widget "
+        "comm message on IOPub; an update: one flush of the dashboard's updater."
+    )
 
 
 if __name__ == "__main__":
