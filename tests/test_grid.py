@@ -7,6 +7,7 @@ groups the 64 ranks and names the odd one out, and stopping leaves nothing runni
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -59,6 +60,7 @@ def test_a_big_mesh_gets_the_grid_and_not_tiles(kernel):
     assert "application/vnd.jupyter.widget-view+json" in data
     # the static fallback is a grid too, and its text one line per state
     assert 'class="mk-heat-static"' in data["text/html"] and "<table" not in data["text/html"]
+    assert re.search(r"(starting|idle)\s+ranks 0-63$", data["text/plain"], re.M), data
     kernel.wait_for(lambda: states(kernel) == "i" * WORLD, what="64 idle cells")
     assert not any(m.get("_model_name") == "GridBoxModel" for m in kernel.models.values())
     _, m = grid_model(kernel)

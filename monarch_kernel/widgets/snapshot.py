@@ -81,16 +81,7 @@ def snapshot_text(st: MeshState, views: list[TileView], grid: bool = False) -> s
         f"{phase_text(st, views)}): {alive}/{rt.world} alive, "
         f"up {duration(time.time() - rt.started_at)}"
     ]
-    if grid:
-        by_state: dict[str, list[int]] = {}
-        for v in views:
-            by_state.setdefault(v.state, []).append(v.rank)
-        for state, ranks in by_state.items():
-            many = "ranks" if len(ranks) > 1 else "rank"
-            lines.append(f"  {state:<8} {many} {format_ranks(ranks)}")
-    for v in [] if grid else views:
-        extra = " ".join(x for x in (v.what, f"step {v.step}" if v.step else "", v.mem) if x)
-        lines.append(f"  rank {v.rank:<3} {v.state:<8} {extra}".rstrip())
+    lines += _states_text(views) if grid else [_rank_text(v) for v in views]
     for job in st.running.view():
         lines.append(f"  running: {job.text}")
     if st.recoveries:
@@ -99,6 +90,23 @@ def snapshot_text(st: MeshState, views: list[TileView], grid: bool = False) -> s
         e = inc.entries[0]
         lines.append(f"  error: {e.title} on ranks {format_ranks(inc.ranks)}")
     return "\n".join(lines)
+
+
+def _rank_text(v: TileView) -> str:
+    """One rank's line of the text view."""
+    extra = " ".join(x for x in (v.what, f"step {v.step}" if v.step else "", v.mem) if x)
+    return f"  rank {v.rank:<3} {v.state:<8} {extra}".rstrip()
+
+
+def _states_text(views: list[TileView]) -> list[str]:
+    """A big mesh's text view: one line per state naming its ranks (``idle ranks 0-61``)."""
+    by_state: dict[str, list[int]] = {}
+    for v in views:
+        by_state.setdefault(v.state, []).append(v.rank)
+    return [
+        f"  {state:<8} {'ranks' if len(ranks) > 1 else 'rank'} {format_ranks(ranks)}"
+        for state, ranks in by_state.items()
+    ]
 
 
 def summary(st: MeshState, views: list[TileView]) -> dict[str, int]:
