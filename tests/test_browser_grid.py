@@ -139,29 +139,35 @@ def test_dashboard_and_sidebar_draw_a_big_mesh_as_a_grid(jupyterlab):  # noqa: F
             assert cell.inner_text() == ""  # no numbers in a heat map
             page.screenshot(path=str(ARTIFACTS / "sidebar-grid.png"))
 
-            # dark theme: the cells take the theme's state colours
-            page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
-            page.locator(".lm-Menu-itemLabel", has_text="Theme").first.hover()
-            page.locator(".lm-Menu-itemLabel", has_text=re.compile("^JupyterLab Dark$")).click()
-            page.wait_for_function(
-                "document.body.dataset.jpThemeName === 'JupyterLab Dark'", timeout=15_000
-            )
-            # the theme's variables have applied once the dashboard's text turned light
-            page.wait_for_function(
-                "(() => { const m = getComputedStyle(document.querySelector('.mk-dash'))"
-                ".color.match(/\\d+/g); return m && Number(m[0]) > 150; })()",
-                timeout=15_000,
-            )
-            page.locator(".mk-dash .mk-heat").first.hover()  # the tip away from the cells
-            ground = page.locator(".mk-heat-tip").first.evaluate(COLORS_JS)["bg"]
-            idle = page.locator(f'{CELLS}[data-rank="10"]').evaluate(COLORS_JS)
-            assert idle["bg"][3] == 255 and contrast(idle["bg"], ground) >= 1.5, (idle, ground)
-            # an error cell: its colour is its border (a dot in the middle), apart too
-            err = page.locator(f'{CELLS}[data-rank="3"]').evaluate(BORDER_JS)
-            assert contrast(err, ground) >= 1.5 and contrast(err, idle["bg"]) > 1.0, (err, idle)
-            page.locator(".mk-dash .mk-heat").first.screenshot(
-                path=str(ARTIFACTS / "dashboard-grid-dark.png")
-            )
+            # dark themes: the cells take the theme's state colours
+            for theme, shot in (
+                ("JupyterLab Dark", "dashboard-grid-dark.png"),
+                ("JupyterLab Dark High Contrast", "dashboard-grid-high-contrast.png"),
+            ):
+                page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
+                page.locator(".lm-Menu-itemLabel", has_text="Theme").first.hover()
+                item = page.locator(".lm-Menu-itemLabel", has_text=re.compile(f"^{theme}$"))
+                item.click()
+                page.wait_for_function(
+                    f"document.body.dataset.jpThemeName === {theme!r}", timeout=15_000
+                )
+                # the theme's variables have applied once the dashboard's text turned light
+                page.wait_for_function(
+                    "(() => { const m = getComputedStyle(document.querySelector('.mk-dash'))"
+                    ".color.match(/\\d+/g); return m && Number(m[0]) > 150; })()",
+                    timeout=15_000,
+                )
+                ground = page.locator(".mk-heat-tip").first.evaluate(COLORS_JS)["bg"]
+                idle = page.locator(f'{CELLS}[data-rank="10"]').evaluate(COLORS_JS)
+                assert idle["bg"][3] == 255 and contrast(idle["bg"], ground) >= 1.5, (
+                    theme,
+                    idle,
+                    ground,
+                )
+                # an error cell: its colour is its border (a dot in the middle), apart too
+                err = page.locator(f'{CELLS}[data-rank="3"]').evaluate(BORDER_JS)
+                assert contrast(err, ground) >= 1.5 and err != idle["bg"], (theme, err, idle)
+                page.locator(".mk-dash .mk-heat").first.screenshot(path=str(ARTIFACTS / shot))
 
             _run_cell(page, 2)
             _wait_count(page, f"{CELLS}.mk-s-stopped", WORLD, timeout=120_000)
