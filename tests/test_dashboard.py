@@ -656,7 +656,13 @@ def test_64_ranks_reporting_every_10ms_in_process():
         # the live chart got every rank's points, as their mean, min and max per step;
         # the static fallback draws the band
         assert sorted(dash.live_charts) == ["metric:loss", "throughput"]
-        assert all(s.fresh_x == [] and s.fresh_at == steps for s in series.values())
+        # the charts take new points once a second (64 ranks): wait for the last take
+
+        def all_taken() -> bool:
+            dash.update()
+            return all(s.fresh_x == [] and s.fresh_at == steps for s in series.values())
+
+        wait_until(all_taken, timeout=10, what="the chart to take every point")
         bands = dash.chart_area.bands["loss"]
         assert bands.mean.count == steps and bands.lo.last == (steps - 1, 1.0 / steps)
         assert 'data-label="mean of 64"' in dash.snapshot()[0]
