@@ -289,7 +289,12 @@ def test_busy_tiles_and_live_metrics_from_a_bg_loop(kernel):
         lambda: all(kernel.tile_state("m", i) == "idle" for i in range(4)), what="idle again"
     )
     assert f"step {steps - 1}" in kernel.tiles("m")[2]["description"]
-    # the live chart was sent every point once, in order (appends only)
+    # the live chart was sent every point once, in order (appends only); its last points
+    # may come up to a chart interval after the tiles turned idle
+    kernel.wait_for(
+        lambda: sum(len(p) for p in kernel.chart_points("m", "metric:loss").values()) >= 4 * steps,
+        what="every point charted",
+    )
     sent = kernel.chart_points("m", "metric:loss")
     assert sorted(sent) == [f"r{i}" for i in range(4)]
     assert all(pts == [(i, float(i)) for i in range(steps)] for pts in sent.values()), sent
