@@ -4,6 +4,7 @@
     python -m bench --quick            # fewer iterations and sizes (about 3 minutes)
     python -m bench --only ours,zmq    # some peers: ours zmq monarch ray ipp
     python -m bench --bench rtt,calln  # some benchmarks (see BENCHES)
+    python -m bench dashboard_traffic  # a benchmark that runs on its own (see STANDALONE)
 
 A run limited with --quick, --only or --bench writes bench/results/partial.md instead, so
 latest.md always holds a complete run.
@@ -42,6 +43,9 @@ BENCHES = [
     "a2a",
     "dap",
 ]
+#: Benchmarks that run on their own, not against the peers: ``python -m bench NAME [ARGS]``
+#: runs ``bench.NAME.main(ARGS)``.
+STANDALONE = ["dashboard_traffic"]
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -64,6 +68,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] in STANDALONE:
+        import importlib
+
+        module = importlib.import_module(f"bench.{argv[0]}")
+        result: int = module.main(argv[1:])
+        return result
     args = parse(argv)
     peers = names(args.only, ORDER, "peer") or ORDER
     peers = [p for p in ORDER if p in peers]
