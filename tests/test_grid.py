@@ -29,6 +29,9 @@ def kernel():
     k = WidgetKernel()
     r = k.run(f"%mesh big --gpus {PER_HOST} --hosts {HOSTS} --on-failure continue", timeout=240)
     assert "ready" in r.stdout, r.stderr + r.error_text
+    # a big mesh's start says how far it is on one rewritten line (issue 27)
+    assert f"host agents {HOSTS}/{HOSTS} ready in" in r.stdout, r.stdout
+    assert f"ranks {WORLD}/{WORLD} ready (" in r.stdout, r.stdout
     k.first = r
     yield k
     k.shutdown_and_check(timeout=30)
