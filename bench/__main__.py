@@ -5,6 +5,7 @@
     python -m bench --only ours,zmq    # some peers: ours zmq monarch ray ipp
     python -m bench --bench rtt,calln  # some benchmarks (see BENCHES)
     python -m bench scale              # the scale harness alone (bench/scale.py)
+    python -m bench dashboard_traffic  # a benchmark that runs on its own (see STANDALONE)
 
 A run limited with --quick, --only or --bench writes bench/results/partial.md instead, so
 latest.md always holds a complete run.
@@ -43,6 +44,9 @@ BENCHES = [
     "a2a",
     "dap",
 ]
+#: Benchmarks that run on their own, not against the peers: ``python -m bench NAME [ARGS]``
+#: runs ``bench.NAME.main(ARGS)``.
+STANDALONE = ["scale", "dashboard_traffic"]
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -65,10 +69,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["scale"]:  # the scale harness (16 to 256 ranks), alone
-        from bench import scale
+    if argv and argv[0] in STANDALONE:
+        import importlib
 
-        return scale.main(argv[1:])
+        module = importlib.import_module(f"bench.{argv[0]}")
+        result: int = module.main(argv[1:])
+        return result
     args = parse(argv)
     peers = names(args.only, ORDER, "peer") or ORDER
     peers = [p for p in ORDER if p in peers]

@@ -114,6 +114,16 @@ def _owned_by_a_survivor(proc: psutil.Process, before: Container[int]) -> bool:
         return False
 
 
+@pytest.fixture(scope="session")
+def ray_session_cluster():
+    """The real two-node Ray cluster of the test session (``ray_cluster.py``), started
+    by the first test that needs it (minutes on a loaded machine: once per session). A
+    test may kill its second node: modules call ``ensure_two_nodes()`` first."""
+    from ray_cluster import ray_cluster_fixture
+
+    yield from ray_cluster_fixture()
+
+
 @pytest.fixture(scope="module")
 def procs4():
     """A 4-rank local mesh shared by one test module; checked for orphans after."""

@@ -108,7 +108,11 @@ class NetHosts:
 
 def make_hosts(n: int) -> NetHosts:
     """Create ``n`` emulated machines (see the module docstring)."""
-    x = random.randrange(2, 250)
+    # a subnet no other emulated network of this machine uses (the session's Ray
+    # cluster keeps one for the whole run; another run may be beside this one)
+    used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
+    free = [x for x in range(2, 250) if f"10.77.{x}." not in used]
+    x = random.choice(free)
     tag = f"mk{x}{os.getpid() % 10000}"
     bridge = f"{tag}br"[:15]
     net = NetHosts(bridge, f"10.77.{x}.1", [])

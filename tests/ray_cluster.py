@@ -3,7 +3,10 @@ a second raylet inside a network-namespace host (``tests/netns.py``).
 
 Both run ``ray start ... --block`` as processes this module starts, so teardown stops
 exactly those (never ``ray stop``, which stops every Ray process of the machine).
-Starting takes ~15 s: one cluster per test session (:func:`ray_cluster_fixture`).
+Starting takes 15 s to minutes on a loaded machine: one cluster per test session, the
+``ray_session_cluster`` fixture of ``conftest.py`` (:func:`ray_cluster_fixture`); a test
+that kills the second node leaves it to the next module to start it again
+(:meth:`RayCluster.ensure_two_nodes`).
 """
 
 from __future__ import annotations
@@ -48,10 +51,29 @@ class RayCluster:
     head: subprocess.Popen[bytes]
     worker: subprocess.Popen[bytes]
     temp_dir: str
+    worker_killed: bool = False
+
+    def ensure_two_nodes(self) -> None:
+        """Start the second node again if a test killed it (:meth:`kill_worker`): the
+        cluster is shared by the test session; a module that uses it calls this first."""
+        if self.worker_killed:
+            self.restart_worker()
+            self.worker_killed = False
+
+    def restart_worker(self) -> None:
+        """Start the second node again after :meth:`kill_worker`."""
+        _stop(self.worker)  # reap it (its processes were killed)
+        deadline = time.monotonic() + 120
+        while alive_nodes(self.address) > 1:  # the head declares the killed node dead
+            if time.monotonic() > deadline:
+                raise RuntimeError("the killed Ray node was not declared dead in 120 s")
+            time.sleep(0.5)
+        self.worker = _start_worker(self.net, self.address, self.worker_ip, self.temp_dir, 2)
 
     def kill_worker(self) -> None:
         """The namespace node crashes: SIGKILL to every process in its namespace at
         once (raylet, Ray workers, our host agent and ranks)."""
+        self.worker_killed = True
         ns = self.net.hosts[0].ns
         out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
         for pid in out.stdout.split():
@@ -90,49 +112,13 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
 
 def start_cluster() -> RayCluster:
     net = make_hosts(1)
-    env = {**os.environ, **RAY_ENV}
     head_ip = net.gateway
-    port = _free_port(head_ip)
     temp_dir = tempfile.mkdtemp(prefix="mk-ray-")
-    head = subprocess.Popen(
-        [RAY, "start", "--head", f"--port={port}", "--include-dashboard=false"]
-        + [f"--temp-dir={temp_dir}"]
-        + _common(head_ip),
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    address = f"{head_ip}:{port}"
     worker_ip = net.hosts[0].addr
-    worker = None
+    head = worker = None
     try:
-        _wait_nodes(address, 1, head)
-        script = 'hostname "$0"; exec "$@"'
-        argv = ["ip", "netns", "exec", net.hosts[0].ns, "unshare", "--uts", "sh", "-c", script]
-        log = os.path.join(temp_dir, "worker-start.log")
-        for attempt in (1, 2, 3):
-            # On a loaded machine the worker's `ray start` can give up on a slow head
-            # (exit 1, "timed out during startup": 30 s, fixed in Ray): up to three
-            # tries, then fail with the end of its output.
-            with open(log, "wb") as out:
-                worker = subprocess.Popen(
-                    [*argv, net.hosts[0].name, RAY, "start", f"--address={address}"]
-                    + _common(worker_ip),
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            try:
-                _wait_nodes(address, 2, worker)
-                break
-            except RuntimeError as exc:
-                if attempt == 3 or worker.poll() is None:
-                    with open(log, errors="replace") as f:
-                        tail = "".join(f.readlines()[-15:])
-                    raise RuntimeError(f"{exc}; its output ended:\n{tail}") from None
-                _stop(worker)  # what the failed try left in its session
+        head, address = _start_head(head_ip, temp_dir)
+        worker = _start_worker(net, address, worker_ip, temp_dir, nodes=2)
     except BaseException:
         for p in (worker, head):
             if p is not None:
@@ -140,8 +126,76 @@ def start_cluster() -> RayCluster:
         net.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
-    assert worker is not None
     return RayCluster(net, address, head_ip, worker_ip, head, worker, temp_dir)
+
+
+def _start_head(head_ip: str, temp_dir: str) -> tuple[subprocess.Popen[bytes], str]:
+    """The head node (``ray start --head --block``) and its address, once it is alive.
+    On a loaded machine Ray's own start can give up (its raylet must register within a
+    fixed 30 s: "timed out during startup"): up to three tries, then fail with the end
+    of its output."""
+    log = os.path.join(temp_dir, "head-start.log")
+    for attempt in (1, 2, 3):
+        port = _free_port(head_ip)
+        with open(log, "wb") as out:
+            head = subprocess.Popen(
+                [RAY, "start", "--head", f"--port={port}", "--include-dashboard=false"]
+                + [f"--temp-dir={temp_dir}"]
+                + _common(head_ip),
+                env={**os.environ, **RAY_ENV},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        address = f"{head_ip}:{port}"
+        try:
+            _wait_nodes(address, 1, head)
+            return head, address
+        except BaseException as exc:
+            _stop(head)  # what the failed try left in its session
+            if attempt == 3 or not isinstance(exc, RuntimeError):
+                if not isinstance(exc, RuntimeError):
+                    raise
+                with open(log, errors="replace") as f:
+                    tail = "".join(f.readlines()[-15:])
+                raise RuntimeError(f"the Ray head: {exc}; its output ended:\n{tail}") from None
+    raise AssertionError("unreachable")
+
+
+def _start_worker(
+    net: NetHosts, address: str, worker_ip: str, temp_dir: str, nodes: int
+) -> subprocess.Popen[bytes]:
+    """Start the second node in the namespace host; wait until ``nodes`` are alive."""
+    script = 'hostname "$0"; exec "$@"'
+    argv = ["ip", "netns", "exec", net.hosts[0].ns, "unshare", "--uts", "sh", "-c", script]
+    log = os.path.join(temp_dir, "worker-start.log")
+    env = {**os.environ, **RAY_ENV}
+    for attempt in (1, 2, 3):
+        # On a loaded machine the worker's `ray start` can give up on a slow head
+        # (exit 1, "timed out during startup": 30 s, fixed in Ray): up to three
+        # tries, then fail with the end of its output.
+        with open(log, "wb") as out:
+            worker = subprocess.Popen(
+                [*argv, net.hosts[0].name, RAY, "start", f"--address={address}"]
+                + _common(worker_ip),
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            _wait_nodes(address, nodes, worker)
+            return worker
+        except BaseException as exc:
+            if attempt == 3 or worker.poll() is None or not isinstance(exc, RuntimeError):
+                _stop(worker)
+                if not isinstance(exc, RuntimeError):
+                    raise
+                with open(log, errors="replace") as f:
+                    tail = "".join(f.readlines()[-15:])
+                raise RuntimeError(f"{exc}; its output ended:\n{tail}") from None
+            _stop(worker)  # what the failed try left in its session
+    raise AssertionError("unreachable")
 
 
 def alive_nodes(address: str) -> int:

@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -229,3 +230,70 @@ def test_the_shared_local_launcher_is_made_once_under_contention(tmp_path, monke
     made = [n for n in os.listdir(tmp_path) if n.startswith("mk-launch-")]
     assert len(made) == 1, made
     got[0].shutdown()
+
+
+def test_an_attaching_controller_gets_the_history_before_any_live_metric(tmp_path):
+    """``attached`` while the training loop reports on another thread: the history
+    reply comes before every live metric, and no step is missing from history + live
+    (a real outbox and link, over a real ZeroMQ pair)."""
+    import pickle
+    import threading
+
+    import zmq
+
+    from monarch_kernel.rank import link
+    from monarch_kernel.rank.outbox import Outbox
+    from monarch_kernel.rank.signals import MainThread
+    from monarch_kernel.wire import Codec, Message
+    from monarch_kernel.wire import kinds as K
+    from monarch_kernel.wire.codec import recv as wire_recv
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("inproc://controller")
+    out = ctx.socket(zmq.DEALER)
+    out.connect("inproc://controller")
+    fd = os.open(tmp_path / "rank0.log", os.O_WRONLY | os.O_CREAT, 0o600)
+    codec = Codec(b"k" * 32)
+    outbox = Outbox(0, ctx, out, codec, MainThread(Outbox.send.__code__), {}, "here", "m")
+    keeper = outbox.link = link.ControllerLink(out, fd, connected=False)
+    reported = threading.Event()
+    stop = threading.Event()
+
+    def training() -> None:
+        step = 0
+        while not stop.is_set():
+            step += 1
+            outbox.report({"step": step})
+            if step == 5000:
+                reported.set()
+
+    trainer = threading.Thread(target=training)
+    trainer.start()
+    try:
+        assert reported.wait(30)
+        keeper.reconnected()  # the new controller's connection (its attach comes next)
+        attach = Message({"k": K.ATTACHED, "i": "welcome-1", "q": 0})
+        link.serve_attached(keeper, outbox, attach)
+        received: list[tuple[str, Any]] = []
+        while len(received) < 300:
+            msg = codec.decode(wire_recv(router)[1:])
+            received.append((msg.kind, pickle.loads(msg.payload)))
+        stop.set()
+        trainer.join(30)
+        kinds = [kind for kind, _ in received]
+        assert kinds[0] == K.RESULT, kinds[:5]  # nothing live before the history
+        assert set(kinds[1:]) == {K.METRIC}
+        history = [values["step"] for _, _, values in received[0][1]["history"]]
+        live = [values["step"] for _, values in received[1:]]
+        assert live == sorted(live), live[:20]
+        assert history[-1] >= 5000 and live[0] <= history[-1] + 1, (history[-5:], live[:5])
+        assert set(range(1, int(live[-1]) + 1)) <= set(history) | set(live)  # none lost
+    finally:
+        stop.set()
+        trainer.join(30)
+        keeper.close()
+        os.close(fd)
+        out.close(0)
+        router.close(0)
+        ctx.term()

@@ -110,7 +110,26 @@ def test_grow_join_mesh_by_a_host_while_training(net):
 
         train = k.submit(TRAIN)
         assert not k.collect(train, timeout=60).errors
-        _progress(k, 20)
+        at = _progress(k, 20)
+
+        # the stop button while a grow waits for its host to join: the grow ends at once,
+        # its host is taken back (the command shown is void) and the loop trains on
+        grow = k.submit(f"%mesh grow {MESH} --hosts +1 --timeout 600")
+        k.wait_for_output(grow, "to join (--timeout SECONDS waits longer)", timeout=60)
+        shown = [ln for ln in k.output_so_far(grow)[0].splitlines() if "host 2: " in ln]
+        t0 = time.monotonic()
+        k.km.interrupt_kernel()
+        r = k.collect(grow, timeout=120)
+        print(f"grow interrupted while waiting for a join: ended in {time.monotonic() - t0:.1f}s")
+        assert "grow interrupted" in r.stderr and "void" in r.stderr, r.stderr + r.error_text
+        assert "the training goes on as before" in r.stderr, r.stderr
+        assert value(k, f"{MESH}.runtime.world, len({MESH}.runtime.hosts)") == (2, 2)
+        at = _progress(k, at + 5)
+        late = Joiner(net)  # someone runs the void command after all: refused
+        late.progress("\n".join(shown))
+        wait_until(lambda: 2 in late.agents, timeout=30, what="the late agent to start")
+        assert late.agents[2].wait(60) != 0
+        assert value(k, f"{MESH}.runtime.world, len({MESH}.runtime.hosts)") == (2, 2)
         t0 = time.monotonic()
         grow = k.submit(f"%mesh grow {MESH} --hosts +1")
         _join(k, grow, joiner, 2)

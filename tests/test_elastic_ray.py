@@ -15,7 +15,7 @@ import time
 import pytest
 from helpers import wait_until
 from kernel_client import Kernel
-from ray_cluster import RAY_ENV, RayCluster, ray_cluster_fixture
+from ray_cluster import RAY_ENV, RayCluster
 from test_elastic import BATCH, SETUP, TRAIN, reference_losses, usage_error, value
 from test_ray import _gone
 
@@ -32,8 +32,9 @@ def _train(steps: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    yield from ray_cluster_fixture()
+def cluster(ray_session_cluster: RayCluster) -> RayCluster:
+    ray_session_cluster.ensure_two_nodes()
+    return ray_session_cluster
 
 
 #: The kernel's (the Ray driver's) placement groups of ours not removed yet.

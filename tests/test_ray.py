@@ -19,7 +19,7 @@ import nbformat
 import psutil
 import pytest
 from helpers import patched_environ, wait_until
-from ray_cluster import RAY_ENV, RayCluster, ray_cluster_fixture
+from ray_cluster import RAY_ENV, RayCluster
 from test_join import Probe, Trainer, one_process_ddp_losses
 
 from monarch_kernel.actor import host_mesh
@@ -30,17 +30,18 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(ray_session_cluster: RayCluster):
     # This process is the Ray driver (the controller), as a kernel would be; the kernels
     # the notebook test starts inherit the address and the token.
-    for c in ray_cluster_fixture():
-        with patched_environ({**RAY_ENV, "RAY_ADDRESS": c.address}):
-            try:
-                yield c
-            finally:
-                import ray
+    c = ray_session_cluster
+    c.ensure_two_nodes()
+    with patched_environ({**RAY_ENV, "RAY_ADDRESS": c.address}):
+        try:
+            yield c
+        finally:
+            import ray
 
-                ray.shutdown()
+            ray.shutdown()
 
 
 def _our_groups() -> list[dict]:
@@ -186,7 +187,8 @@ def test_killed_kernel_leaves_no_group_and_no_process(cluster: RayCluster):
 
 def test_killed_ray_node_loses_its_host_naming_it(cluster: RayCluster):
     """Last: stop the second Ray node. Its host is declared lost within 3 s, its ranks
-    dead with the host named; with on_failure="stop" the mesh then stops."""
+    dead with the host named; with on_failure="stop" the mesh then stops. (A module that
+    uses the session's cluster after this one starts the node again first.)"""
     procs = host_mesh(hosts=2, backend="ray").spawn_procs(
         {"gpus": 1}, name="raykill", timeout=90, on_failure="stop"
     )

@@ -25,6 +25,16 @@ interface IRank {
   state: string;
 }
 
+/** One host's ranks: listed (small meshes), or, for a big mesh, its first rank and
+ * one state code a rank (`legend` in the state maps codes to states). */
+interface IHost {
+  index: number;
+  name: string;
+  ranks?: IRank[];
+  first?: number;
+  states?: string;
+}
+
 /** One mesh as the kernel describes it. */
 interface IMesh {
   name: string;
@@ -35,13 +45,26 @@ interface IMesh {
   alive: number;
   dead: number;
   rate: number;
-  hosts: { index: number; name: string; ranks: IRank[] }[];
+  hosts: IHost[];
 }
 
 /** What a kernel pushes. */
 interface IState {
   meshes: IMesh[];
   notice: string;
+  legend?: Record<string, string>;
+}
+
+/** A host's ranks as `{rank, state}`, whichever form the kernel sent them in. */
+export function hostRanks(host: IHost, legend: Record<string, string> = {}): IRank[] {
+  if (host.ranks) {
+    return host.ranks;
+  }
+  const first = host.first ?? 0;
+  return [...(host.states ?? '')].map((code, i) => ({
+    rank: first + i,
+    state: legend[code] ?? 'starting'
+  }));
 }
 
 /** `1.2 GB/s`-style text of bytes per second. */
@@ -91,12 +114,13 @@ class MeshModel {
     scan();
   }
 
-  /** Every mesh of every monarch kernel, with the kernel it lives in. */
-  meshes(): { kernel: string; mesh: IMesh }[] {
-    const out: { kernel: string; mesh: IMesh }[] = [];
+  /** Every mesh of every monarch kernel, with the kernel it lives in (and the code ->
+   * state legend of its kernel). */
+  meshes(): { kernel: string; mesh: IMesh; legend: Record<string, string> }[] {
+    const out: { kernel: string; mesh: IMesh; legend: Record<string, string> }[] = [];
     for (const [kernel, state] of this.states) {
       for (const mesh of state.meshes) {
-        out.push({ kernel, mesh });
+        out.push({ kernel, mesh, legend: state.legend ?? {} });
       }
     }
     return out;
@@ -214,8 +238,8 @@ class MeshSidebar extends Widget {
         'No live meshes. Create one in a notebook with the Monarch kernel: %mesh trainers --gpus 4';
       node.appendChild(empty);
     }
-    for (const { kernel, mesh } of meshes) {
-      node.appendChild(this.meshNode(kernel, mesh));
+    for (const { kernel, mesh, legend } of meshes) {
+      node.appendChild(this.meshNode(kernel, mesh, legend));
     }
     for (const notice of [...this.model.notices(), this.hint].filter(n => n)) {
       const p = document.createElement('p');
@@ -225,7 +249,7 @@ class MeshSidebar extends Widget {
     }
   }
 
-  private meshNode(kernel: string, mesh: IMesh): HTMLElement {
+  private meshNode(kernel: string, mesh: IMesh, legend: Record<string, string>): HTMLElement {
     const box = document.createElement('section');
     box.className = 'mk-lab-mesh';
     box.dataset.mesh = mesh.name;
@@ -241,20 +265,27 @@ class MeshSidebar extends Widget {
     title.append(name, facts);
     box.appendChild(title);
     const grid = document.createElement('div');
-    grid.className = 'mk-lab-grid';
+    // a big mesh (its hosts' states sent as codes): small cells without numbers, a
+    // heat map whose hover names the rank
+    const heat = mesh.hosts.some(h => h.states !== undefined);
+    grid.className = heat ? 'mk-lab-grid mk-lab-heat' : 'mk-lab-grid';
     for (const host of mesh.hosts) {
       const row = document.createElement('div');
       row.className = 'mk-lab-host';
       const label = document.createElement('span');
       label.className = 'mk-lab-hostname';
       label.textContent = host.name;
+      label.title = host.name;
       row.appendChild(label);
-      for (const r of host.ranks) {
+      for (const r of hostRanks(host, legend)) {
         const cell = document.createElement('span');
         cell.className = `mk-lab-rank mk-lab-s-${r.state}`;
         cell.dataset.state = r.state;
-        cell.title = `rank ${r.rank}: ${r.state}`;
-        cell.textContent = String(r.rank);
+        cell.dataset.rank = String(r.rank);
+        cell.title = `rank ${r.rank}: ${r.state} · ${host.name}`;
+        if (!heat) {
+          cell.textContent = String(r.rank);
+        }
         row.appendChild(cell);
       }
       grid.appendChild(row);

@@ -18,6 +18,12 @@ class ResizeError(ValueError):
     """A grow or shrink that cannot be done: the message says why and what to do."""
 
 
+class ResizeInterrupted(ResizeError):
+    """The user interrupted a grow before its new ranks took part in anything: they and
+    their host agents were taken back (a join token shown is void); the mesh and its
+    training are as they were."""
+
+
 @dataclass(frozen=True)
 class MeshSize:
     """A mesh's shape as a resize sees it: ``hosts`` host agents of ``per_host`` ranks,
@@ -189,3 +195,12 @@ class ResizeReport:
         if self.note:
             text += f" ({self.note})"
         return text
+
+
+def interrupted_text(plan: ResizePlan) -> str:
+    """What a grow interrupted before its new ranks took part left: nothing of it."""
+    void = " (the join command shown is void now)" if plan.added_hosts else ""
+    return (
+        f"grow interrupted; its new ranks and host agents were stopped{void}; the mesh "
+        f"keeps its {plan.before.world} rank(s)"
+    )

@@ -21,7 +21,12 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from monarch_kernel.calls.errors import format_ranks
-from monarch_kernel.controller.elastic_plan import ResizePlan, ResizeReport
+from monarch_kernel.controller.elastic_plan import (
+    ResizeInterrupted,
+    ResizePlan,
+    ResizeReport,
+    interrupted_text,
+)
 from monarch_kernel.controller.peer_round import Recovery, RoundMesh, _Broken, _GiveUp
 from monarch_kernel.wire.codec import Buffer
 from monarch_kernel.wire.train_msgs import Notice, Offered, Order
@@ -34,7 +39,9 @@ class ResizeOps(Protocol):
     def join_request(self, rid: str, ranks: list[int]) -> None: ...
     def remove(self, plan: ResizePlan, deadline: float) -> None: ...
     def forget(self, plan: ResizePlan) -> Callable[[], None]: ...
-    def add(self, plan: ResizePlan, deadline: float) -> None: ...
+    def add(
+        self, plan: ResizePlan, deadline: float, cancel: threading.Event | None = None
+    ) -> None: ...
     def undo_add(self, plan: ResizePlan) -> None: ...
     def set_world(
         self, ranks: list[int], plan: ResizePlan, deadline: float, problems: list[str]
@@ -58,6 +65,8 @@ _ALONE = (
 )
 #: Deadline of each later step in seconds.
 STEP_WAIT = 120.0
+#: Seconds an interrupted grow gets to take its new ranks and host agents back.
+UNDO_WAIT = 60.0
 
 
 class ResizeRound(Recovery):
@@ -95,6 +104,24 @@ class ResizeRound(Recovery):
         #: When the new host agents and ranks must be ready (the user's ``--timeout``;
         #: on the join backend someone starts the agent by hand meanwhile), else None.
         self.add_deadline: float | None = None
+        #: Set by :meth:`interrupt` while the new ranks are prepared: they are taken back.
+        self.cancel = threading.Event()
+        self._pausing = False  # under _cond: the loop is being paused (too late to cancel)
+
+    def interrupt(self) -> bool:
+        """The user interrupted the grow. True: it is cancelled (it was still preparing
+        the new ranks; they are taken back and the training goes on as it was); False:
+        the loop is being paused already, and the round ends by itself in seconds."""
+        with self._cond:
+            if self._pausing:
+                return False
+            self.cancel.set()
+            self._cond.notify_all()
+            return True
+
+    def _check_cancel(self) -> None:
+        if self.cancel.is_set():
+            raise ResizeInterrupted(interrupted_text(self.plan))
 
     def add_dead(self, rank: int) -> None:
         """A rank died: one the plan leaves out anyway is only noted; any other ends
@@ -111,6 +138,9 @@ class ResizeRound(Recovery):
         try:
             try:
                 self._prepare(self._epoch)
+                with self._cond:  # from here on the loop is paused: no cancelling
+                    self._check_cancel()
+                    self._pausing = True
             except Exception as exc:  # the training was not touched: take the new ranks away
                 self._undo(exc)
                 return
@@ -133,7 +163,9 @@ class ResizeRound(Recovery):
         if not self.plan.added:
             return
         self._timed("add", self._add, epoch)
+        self._check_cancel()
         self._timed("actors", self._actors, epoch)
+        self._check_cancel()
         if self._mesh.has_process_group():
             failed = self._mesh.run_internal(
                 self.plan.added, _ALONE, "resize: process group", self._deadline()
@@ -141,12 +173,18 @@ class ResizeRound(Recovery):
             self._check(epoch)
             if failed:
                 raise _GiveUp(f"the new ranks could not form a process group: {failed}")
+            self._check_cancel()
         self._timed("setup", self._setup, epoch)
 
     def _undo(self, exc: BaseException) -> None:
         why = str(exc) or type(exc).__name__
-        self.error = f"the new ranks could not be prepared ({why}); the training goes on as before"
-        log.warning("mesh %s: %s", self._mesh.name, self.error)
+        if isinstance(exc, ResizeInterrupted):  # the user's own doing: said in the cell
+            self.error = f"{why}; the training goes on as before"
+        else:
+            self.error = (
+                f"the new ranks could not be prepared ({why}); the training goes on as before"
+            )
+            log.warning("mesh %s: %s", self._mesh.name, self.error)
         try:
             self._resizer.undo_add(self.plan)
         except Exception as again:
@@ -207,7 +245,7 @@ class ResizeRound(Recovery):
 
     def _add(self, epoch: int) -> None:
         new = self.plan.added
-        self._resizer.add(self.plan, self.add_deadline or self._deadline())
+        self._resizer.add(self.plan, self.add_deadline or self._deadline(), self.cancel)
         with self._cond:
             for r in new:
                 self.fresh[r] = "setup"

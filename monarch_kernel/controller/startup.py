@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import zmq
@@ -34,6 +35,31 @@ from monarch_kernel.wire.limits import inherited_env
 
 #: Seconds a host agent waits for a silent controller before it shuts down.
 AGENT_SILENCE_TIMEOUT = 10.0
+
+
+#: Seconds between two progress reports while a mesh starts.
+PROGRESS_EVERY = 1.0
+
+
+@dataclass(frozen=True)
+class StartProgress:
+    """How far a mesh's start is: for a progress line while a big mesh starts, and to
+    say where its ready time went (the agents, then the ranks)."""
+
+    seconds: float  #: since the start began
+    hosts_ready: int
+    hosts: int
+    ranks_ready: int  #: ranks past STARTING (ready, or dead)
+    ranks: int
+    agents_seconds: float | None  #: when the last host agent was ready (None: not yet)
+
+    def line(self) -> str:
+        """``host agents 8/8 ready in 3.1 s; ranks 40/128 ready (12.4 s)``."""
+        if self.agents_seconds is None:
+            agents = f"host agents {self.hosts_ready}/{self.hosts} ready"
+            return f"{agents}, ranks 0/{self.ranks} ({self.seconds:.1f} s)"
+        agents = f"host agents {self.hosts}/{self.hosts} ready in {self.agents_seconds:.1f} s"
+        return f"{agents}; ranks {self.ranks_ready}/{self.ranks} ready ({self.seconds:.1f} s)"
 
 
 class MeshConfig(Protocol):
@@ -92,17 +118,26 @@ class Starter:
         #: The ``common`` part of every ``spawn_ranks`` message (torchrun environment,
         #: the rendezvous of rank 0's host ...); set once the host agents are ready.
         self.common: MeshCommon | None = None
+        #: Told how far the start is, every :data:`PROGRESS_EVERY` seconds and when
+        #: the agents and the ranks are ready (set by whoever shows it, before start).
+        self.progress: Callable[[StartProgress], object] | None = None
+        #: How the last :meth:`start` went (its last report): where the time went.
+        self.last_start: StartProgress | None = None
 
     def start(self, deadline: float) -> None:
         """Start every host agent, then every rank; return when all ranks are ready.
         Raises :class:`MeshStartError` (the caller stops what was started)."""
         config = self._config
+        report = _Reporter(self)
         handles = config.launcher.start_hosts([self.host_config(h.index) for h in self._hosts])
         for host, handle in zip(self._hosts, handles):
             host.handle = handle
             self.adopt(host)
         try:
-            self.wait(lambda: all(h.ready for h in self._hosts), deadline, "host agents")
+            self.wait(
+                lambda: all(h.ready for h in self._hosts), deadline, "host agents", tick=report
+            )
+            report.agents_ready()
         except MeshStartError as exc:
             missing = [h.index for h in self._hosts if not h.ready]
             describe = getattr(config.launcher, "describe_missing", None)
@@ -130,7 +165,9 @@ class Starter:
             lambda: all(r.state is not RankState.STARTING for r in self._ranks),
             deadline,
             "ranks",
+            tick=report,
         )
+        report(force=True)
         dead = [r for r in self._ranks if not r.alive]
         if dead:
             raise MeshStartError(
@@ -222,12 +259,15 @@ class Starter:
         what: str,
         hosts: Sequence[HostInfo] | None = None,
         hint: str = "check the host agents' logs or raise the start timeout",
+        tick: Callable[[], object] | None = None,
     ) -> None:
         """Wait until ``cond()``; fail if the mesh stops, one of ``hosts`` (default:
-        all) exits or is lost, or ``deadline`` passes."""
+        all) exits or is lost, or ``deadline`` passes (``tick()`` between looks)."""
         lifecycle = self._lifecycle
         with lifecycle.cv:
             while not cond():
+                if tick is not None:
+                    tick()
                 if lifecycle.phase.ended:
                     raise MeshStoppedError(f"mesh {self._name!r} was stopped during: {what}")
                 self._check_hosts_started(what, self._hosts if hosts is None else hosts)
@@ -247,3 +287,38 @@ class Starter:
                 )
             if host.lost:
                 raise MeshStartError(f"host agent {host.index} lost: {host.lost}")
+
+
+class _Reporter:
+    """The progress of one :meth:`Starter.start` (called while it waits)."""
+
+    def __init__(self, starter: Starter):
+        self._starter = starter
+        self._t0 = time.monotonic()
+        self._last = self._t0
+        self._agents: float | None = None
+
+    def agents_ready(self) -> None:
+        self._agents = time.monotonic() - self._t0
+        self(force=True)
+
+    def __call__(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < PROGRESS_EVERY:
+            return
+        self._last = now
+        st = self._starter
+        hosts, ranks = st._hosts, st._ranks
+        progress = StartProgress(
+            seconds=now - self._t0,
+            hosts_ready=sum(h.ready for h in hosts),
+            hosts=len(hosts),
+            ranks_ready=sum(r.state is not RankState.STARTING for r in ranks)
+            if self._agents is not None
+            else 0,
+            ranks=len(ranks),
+            agents_seconds=self._agents,
+        )
+        st.last_start = progress
+        if st.progress is not None:
+            st.progress(progress)

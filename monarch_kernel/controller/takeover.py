@@ -55,10 +55,16 @@ class Welcome:
 
 
 class _Answers:
-    """Gathers the ranks' answers to ``attached`` (a RequestObserver)."""
+    """Gathers the ranks' answers to ``attached`` (a RequestObserver, told on the
+    receiving thread). Each rank's history is re-emitted as its answer comes, before
+    anything that rank sent after it (its live metrics): a rank that answers first
+    goes on reporting while the others have not answered yet, and its chart must
+    start with its history, not with those. An answer after the wait still charts."""
 
-    def __init__(self, ranks: Sequence[int]):
-        self.values: dict[int, dict[str, object]] = {}
+    def __init__(self, rt: MeshRuntime, ranks: Sequence[int], welcome: Welcome):
+        self._rt = rt
+        self._welcome = welcome
+        self.answered: set[int] = set()  #: ranks whose answer came (under the lock)
         self._left = set(ranks)
         self._lock = threading.Lock()
         self.done = threading.Event()
@@ -69,11 +75,28 @@ class _Answers:
         if reply.ok:
             value = reply.value("attached")
             if isinstance(value, dict):
-                self.values[reply.rank] = value
+                self._take(reply.rank, value)
         self._answered(reply.rank)
 
     def on_lost(self, rank: int, error: BaseException) -> None:
         self._answered(rank)
+
+    def _take(self, rank: int, value: dict[str, object]) -> None:
+        welcome, rt = self._welcome, self._rt
+        history, dropped = value.get("history"), value.get("dropped")
+        with self._lock:
+            self.answered.add(rank)
+            welcome.dropped += dropped if isinstance(dropped, int) else 0
+        if not isinstance(history, list) or not rt.events.wants(MetricReported):
+            return
+        for t, request, metrics in history:
+            rt.events.emit(MetricReported(rt.name, rank, request, metrics, t))
+        with self._lock:
+            welcome.points += len(history)
+
+    def answered_ranks(self) -> set[int]:
+        with self._lock:
+            return set(self.answered)
 
     def _answered(self, rank: int) -> None:
         with self._lock:
@@ -218,22 +241,13 @@ def _live(rt: MeshRuntime) -> list[int]:
 
 
 def _welcome(rt: MeshRuntime, ranks: list[int]) -> Welcome:
-    """Ask ``ranks`` for their history and kept results; re-emit the history."""
+    """Ask ``ranks`` for their history and kept results (each one's history is
+    re-emitted as it comes: see :class:`_Answers`)."""
     welcome = Welcome()
-    answers = _Answers(ranks)
+    answers = _Answers(rt, ranks, welcome)
     if ranks:
         options = CallOptions(control=True, internal=True)
         rt.request(ranks, {"k": K.ATTACHED}, b"", (), answers, options)
         answers.done.wait(WELCOME_TIMEOUT)
-    welcome.silent = sorted(set(ranks) - set(answers.values))
-    events = rt.events
-    for rank, value in sorted(answers.values.items()):
-        history = value.get("history")
-        dropped = value.get("dropped")
-        welcome.dropped += dropped if isinstance(dropped, int) else 0
-        if not isinstance(history, list) or not events.wants(MetricReported):
-            continue
-        for t, request, metrics in history:
-            events.emit(MetricReported(rt.name, rank, request, metrics, t))
-            welcome.points += 1
+    welcome.silent = sorted(set(ranks) - answers.answered_ranks())
     return welcome

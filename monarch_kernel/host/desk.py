@@ -101,6 +101,7 @@ class Desk:
         #: Whether the agent's connection to the controller is up (a socket monitor
         #: on it: see :meth:`watch_link`); True until told otherwise.
         self.link_up = True
+        self.link_down_at = 0.0  #: time.time() the link went down (while not link_up)
         self.monitor: zmq.Socket[Any] | None = None
         self.holder: ControllerId | None = None
         if cfg.controller_pid:
@@ -118,6 +119,7 @@ class Desk:
         #: rank -> times this agent restarted it since the holder was lost
         self.restarts: dict[int, int] = {}
         self._holder_checked = 0.0
+        self._silence = 0.0  #: seconds without a controller message, at the clock's last look
 
     def _bind(self, cfg: AgentConfig, private_dir: str) -> str:
         """Bind the desk: a unix socket in ``private_dir`` on a mesh of unix sockets;
@@ -153,15 +155,21 @@ class Desk:
             except zmq.ZMQError:
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED:
+                if self.link_up:
+                    self.link_down_at = time.time()
                 self.link_up = False
             elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.link_up = True
 
     # -- the clock -------------------------------------------------------------------
-    def lose_controller(self, why: str, silence: float = 0.0) -> None:
-        """The holder is gone (``silence``: seconds since it was last heard)."""
+    def lose_controller(self, why: str, silence: float | None = None) -> None:
+        """The holder is gone (``silence``: seconds since it was last heard; by default
+        since its connection closed, or its last message as the clock last saw it)."""
         if not self.attached:
             return
+        if silence is None:
+            down = time.time() - self.link_down_at if not self.link_up else 0.0
+            silence = max(down, self._silence)
         self.attached = False
         now = time.time()
         self.detached_since = now - silence
@@ -176,6 +184,7 @@ class Desk:
     def expired(self, now: float, silence: float) -> bool:
         """Look at the holder (``silence``: seconds since a controller message); True
         once the mesh has been without a controller for its ``keep`` seconds."""
+        self._silence = silence
         if self.attached:
             if silence > self.hb_timeout:
                 self.lose_controller(f"no word from the controller for {silence:.0f}s", silence)
@@ -183,7 +192,7 @@ class Desk:
                 self._holder_checked = now
                 holder = self.holder
                 if holder is not None and holder.alive() is False:
-                    self.lose_controller(f"{holder.describe()} ended", 0.0)
+                    self.lose_controller(f"{holder.describe()} ended")
             return False
         return self.keep_until is not None and time.time() >= self.keep_until
 

@@ -29,8 +29,11 @@ log = logging.getLogger("monarch_kernel.lab")
 TARGET = "monarch_kernel.meshes"
 #: Seconds between two pushes at most (rates move); a state change wakes it at once.
 PERIOD = 1.0
-#: Events that wake the sender at once.
+#: Events that wake the sender at once ...
 WAKING = (RankStateChanged, RankDied, MeshPhaseChanged)
+#: ... but not more often than this: on a big mesh every rank's every change wakes it,
+#: and each push is the whole state (at most four pushes a second, whatever the size).
+MIN_GAP = 0.25
 
 
 class LabRank(TypedDict):
@@ -38,10 +41,18 @@ class LabRank(TypedDict):
     state: str  #: a ``RankState`` value
 
 
-class LabHost(TypedDict):
+class LabHost(TypedDict, total=False):
+    """One host's ranks: a small mesh lists them (``ranks``); a big one (the dashboard's
+    heat-map threshold, :mod:`monarch_kernel.widgets.compact`) sends its first rank and
+    one state code a rank (``first``, ``states``: ranks ``first``, ``first + 1`` ...),
+    which the sidebar draws as a heat-map row; ``legend`` (in :class:`LabState`) maps
+    the codes to states."""
+
     index: int
     name: str
     ranks: list[LabRank]
+    first: int
+    states: str
 
 
 class LabMesh(TypedDict):
@@ -58,11 +69,13 @@ class LabMesh(TypedDict):
     hosts: list[LabHost]
 
 
-class LabState(TypedDict):
-    """A ``kernel -> extension`` comm message."""
+class LabState(TypedDict, total=False):
+    """A ``kernel -> extension`` comm message (``legend``: code -> state, when a mesh
+    sends its hosts' states as codes)."""
 
     meshes: list[LabMesh]
     notice: str
+    legend: dict[str, str]
 
 
 class Comm(Protocol):
@@ -142,10 +155,13 @@ class LabPublisher:
         while True:
             self._wake.wait(PERIOD)
             self._wake.clear()
+            pushed = time.monotonic()
             try:
                 self._push()
             except Exception:  # never let the thread die
                 log.exception("pushing mesh state to JupyterLab failed")
+            # the throttle: changes meanwhile are gathered into the next push
+            time.sleep(max(0.0, pushed + MIN_GAP - time.monotonic()))
 
     def _push(self) -> None:
         with self._lock:
@@ -153,6 +169,10 @@ class LabPublisher:
         if not comms:
             return
         state = LabState(meshes=[self._mesh(rt) for rt in registry.live()], notice=self._notice)
+        if any("states" in h for m in state["meshes"] for h in m["hosts"]):
+            from monarch_kernel.widgets.compact import LEGEND
+
+            state["legend"] = LEGEND
         if state == self._last:
             return
         self._last = state
@@ -169,9 +189,6 @@ class LabPublisher:
         self._counters[rt.name] = (now, total)
         if prev is not None and now > prev[0]:
             self._rates[rt.name] = max(0, total - prev[1]) / (now - prev[0])
-        hosts: dict[int, list[LabRank]] = {}
-        for info in rt.ranks:
-            hosts.setdefault(info.host, []).append(LabRank(rank=info.rank, state=info.state.value))
         return {
             "name": rt.name,
             "shape": rt.shape.describe(),
@@ -181,11 +198,30 @@ class LabPublisher:
             "alive": sum(1 for i in rt.ranks if i.state in (RankState.IDLE, RankState.BUSY)),
             "dead": sum(1 for i in rt.ranks if i.state is RankState.DEAD),
             "rate": round(self._rates.get(rt.name, 0.0)),
-            "hosts": [
-                LabHost(index=h, name=rt.hosts[h].hostname or f"host {h}", ranks=ranks)
-                for h, ranks in sorted(hosts.items())
-            ],
+            "hosts": _hosts(rt),
         }
+
+
+def _hosts(rt: MeshRuntime) -> list[LabHost]:
+    """Each host's ranks and their states: listed for a small mesh; for a big one (the
+    dashboard's grid threshold) one code a rank, when a host's ranks follow each other."""
+    from monarch_kernel.widgets.compact import CODES, use_grid  # ipywidgets: imported late
+
+    big = use_grid(rt.world)
+    by_host: dict[int, list[LabRank]] = {}
+    for info in rt.ranks:
+        by_host.setdefault(info.host, []).append(LabRank(rank=info.rank, state=info.state.value))
+    out: list[LabHost] = []
+    for h, ranks in sorted(by_host.items()):
+        host = LabHost(index=h, name=rt.hosts[h].hostname or f"host {h}")
+        first = ranks[0]["rank"]
+        if big and all(r["rank"] == first + i for i, r in enumerate(ranks)):
+            host["first"] = first
+            host["states"] = "".join(CODES[r["state"]] for r in ranks)
+        else:
+            host["ranks"] = ranks
+        out.append(host)
+    return out
 
 
 publisher = LabPublisher()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from monarch_kernel.actor import ProcMesh
 from monarch_kernel.actor.hosts import HostMesh, host_mesh
 from monarch_kernel.calls.errors import MeshStartError
 from monarch_kernel.controller.mesh import MeshRuntime, registry
+from monarch_kernel.controller.startup import StartProgress
 from monarch_kernel.kernel.args import ENGINE_OPTIONS, mesh_parser
 from monarch_kernel.kernel.mesh_detach import check_detached_name, detachable_note
 from monarch_kernel.kernel.mesh_names import check_identifier, check_mesh_name
@@ -186,10 +188,13 @@ def _spawn(hosts: HostMesh, req: MeshRequest) -> tuple[ProcMesh, float]:
     from monarch_kernel.widgets import refresh, show  # ipywidgets: imported late
 
     shown: list[ProcMesh] = []
+    line = _ProgressLine(req.name)
 
     def show_while_starting(procs: ProcMesh) -> None:
         show(procs)  # the dashboard shows the ranks start (or fail to)
         shown.append(procs)
+        if procs.runtime.world >= PROGRESS_MIN_RANKS:
+            procs.runtime.starter.progress = line
 
     t0 = time.monotonic()
     try:
@@ -215,9 +220,33 @@ def _spawn(hosts: HostMesh, req: MeshRequest) -> tuple[ProcMesh, float]:
             "started are stopped"
         ) from None
     finally:
+        line.end()
         for p in shown:
             refresh(p)
     return procs, time.monotonic() - t0
+
+
+#: A mesh of at least this many ranks shows a progress line while it starts.
+PROGRESS_MIN_RANKS = 32
+
+
+class _ProgressLine:
+    """One line under the ``%mesh`` cell that a big mesh's start keeps rewriting
+    (``\\r``: the front end shows the latest), ended by a newline."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._open = False
+
+    def __call__(self, progress: StartProgress) -> None:
+        sys.stdout.write(f"\rmesh {self._name!r}: {progress.line()}")
+        sys.stdout.flush()
+        self._open = True
+
+    def end(self) -> None:
+        if self._open:
+            sys.stdout.write("\n")
+            self._open = False
 
 
 @contextmanager

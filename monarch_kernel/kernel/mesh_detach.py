@@ -16,7 +16,7 @@ from monarch_kernel.controller.attach import attach as attach_runtime
 from monarch_kernel.controller.attach import stop_detached as stop_detached_mesh
 from monarch_kernel.controller.attach_file import JobRecord
 from monarch_kernel.controller.mesh import registry
-from monarch_kernel.controller.takeover import Attached, Welcome
+from monarch_kernel.controller.takeover import WELCOME_TIMEOUT, Attached, Welcome
 from monarch_kernel.kernel import mesh_admin
 from monarch_kernel.kernel.args import Parser
 from monarch_kernel.kernel.channel import CellChannel, LiveText
@@ -129,8 +129,9 @@ def _print_welcome(procs: ProcMesh, attached: Attached, welcome: Welcome) -> Non
                 print(f"[{rank}] {line}")
     if welcome.silent:
         print(
-            f"rank(s) {', '.join(map(str, welcome.silent))} did not answer in time: "
-            "their metric history is not shown"
+            f"rank(s) {', '.join(map(str, welcome.silent))} did not answer within "
+            f"{WELCOME_TIMEOUT:.0f}s: their metric history is charted when they do "
+            "(a rank busy in native code answers late)"
         )
 
 

@@ -50,6 +50,10 @@ KEPT_KINDS = frozenset({K.RESULT, K.FAULT})
 #: dashboard's own series thin), so the history spans the whole run in bounded memory.
 HISTORY = 20_000
 
+#: Seconds the answer to ``attached`` waits for room in the controller's queue (the
+#: controller stops waiting for it after ``takeover.WELCOME_TIMEOUT``).
+WELCOME_SEND_TIMEOUT = 15.0
+
 #: One ``report()``: when (time.time()), during which request, the values.
 Report = tuple[float, "str | None", dict[str, float]]
 
@@ -73,7 +77,7 @@ class Sender(Protocol):
     def send(
         self, header: H.WireHeader, payload: bytes = b"", buffers: Sequence[Buffer] = ()
     ) -> None: ...
-    def reply(self, request: str, value: object, what: str) -> None: ...
+    def welcome(self, link: ControllerLink, request: str, timeout: float) -> bool: ...
 
 
 class ControllerLink:
@@ -138,7 +142,8 @@ class ControllerLink:
 
     def welcome(self) -> list[Report]:
         """The history, as the controller that asked for it gets it; metrics go live
-        from now on (one reported meanwhile may reach it twice, never not at all)."""
+        from now on (one reported meanwhile may reach it twice, never not at all). The
+        outbox calls it under its send lock (``Outbox.welcome``)."""
         with self._lock:
             self.welcomed = True
             return list(self.history)
@@ -177,12 +182,14 @@ class ControllerLink:
 
 def serve_attached(link: ControllerLink, outbox: Sender, msg: Message) -> None:
     """ATTACHED (control thread): a controller took the mesh over. Reply with the
-    metric history, then send the results and failures kept meanwhile."""
+    metric history (before any live metric: ``Outbox.welcome``), then send the results
+    and failures kept meanwhile."""
     request = H.ControlRequest.decode(msg.header).request
     link.watch()  # its connection event may still wait behind this message
     link.reconnected()  # a message from the controller proves it is there
-    value = {"history": link.welcome(), "dropped": link.dropped}
-    if request is not None:
-        outbox.reply(request, value, "attached")
+    if request is None:
+        link.welcome()
+    elif not outbox.welcome(link, request, WELCOME_SEND_TIMEOUT):
+        log.warning("rank: the controller that attached took no answer (gone again?)")
     for kept in link.take_kept():
         outbox.send(kept.header, kept.payload, kept.buffers)

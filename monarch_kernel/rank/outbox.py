@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -152,15 +153,37 @@ class Outbox:
         not block the rank."""
         for frames in parts:
             while True:
-                if link.holds(header):
-                    link.divert(header, payload, buffers)
-                    return
-                with self.lock:
+                with self.lock:  # the check too: see :meth:`welcome`
+                    if link.holds(header):
+                        link.divert(header, payload, buffers)
+                        return
                     try:
                         wire_send(self.out, frames, flags=zmq.NOBLOCK)
                         break
                     except zmq.Again:
                         self.out.poll(ROOM_WAIT_MS, zmq.POLLOUT)
+
+    def welcome(self, link: ControllerLink, request: str, timeout: float) -> bool:
+        """Answer a controller's ``attached`` with the metric history, and let metrics
+        go live, at one moment for every other sender: a metric sent before it is in
+        the history (and held), one sent after comes after the history, so a chart
+        never starts with a live point. False if the controller took no message for
+        ``timeout`` seconds (it has stopped waiting for the answer by then)."""
+        with self.lock:  # every other send waits (and checks ``holds``) under it
+            value = {"history": link.welcome(), "dropped": link.dropped}
+            payload, buffers = dumps(value, "attached")
+            header = H.Result(request=request, ok=True, rank=self.rank).encode()
+            for frames in encode_parts(self.codec, header, payload, buffers):
+                deadline = time.monotonic() + timeout
+                while True:
+                    try:
+                        wire_send(self.out, frames, flags=zmq.NOBLOCK)
+                        break
+                    except zmq.Again:
+                        if time.monotonic() > deadline:
+                            return False
+                        self.out.poll(ROOM_WAIT_MS, zmq.POLLOUT)
+        return True
 
     def stream(self, name: str, text: str, request: str | None) -> None:
         """Output of stream ``name`` (captured) during ``request``."""

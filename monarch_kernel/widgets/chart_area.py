@@ -3,16 +3,24 @@ the static SVG charts in one HTML widget.
 
 The live charts are sent only the points that arrived since the last update; a chart view
 that opens later asks for the whole history (a snapshot, taken under the dashboard's lock
-on whichever thread the request came in on)."""
+on whichever thread the request came in on).
+
+A big mesh (``aggregate``: drawn as a heat-map grid) sends no chart per-rank points:
+a metric is its mean, min and max over the ranks per step
+(:mod:`~monarch_kernel.widgets.bands`), transfer the mesh's totals, so what the charts
+send does not grow with ranks."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import ipywidgets as W
 
 from monarch_kernel.widgets import chart_pane, live_chart
+from monarch_kernel.widgets.bands import StepBands
 from monarch_kernel.widgets.delta import put
+from monarch_kernel.widgets.series import Series
 from monarch_kernel.widgets.state import MeshState
 
 
@@ -20,8 +28,11 @@ class ChartArea:
     """The live charts' box, then ``charts``: the hint (no metrics yet) with live charts,
     the SVG charts without."""
 
-    def __init__(self, state: MeshState, lock: threading.RLock) -> None:
+    def __init__(self, state: MeshState, lock: threading.RLock, aggregate: bool = False) -> None:
         self.state = state
+        #: Charts of the whole mesh (mean/min/max, totals), not of each rank.
+        self.aggregate = aggregate
+        self.bands: dict[str, StepBands] = {}  # metric -> its mean/min/max (aggregate)
         self._lock = lock  # the dashboard's: snapshots read the state it updates
         self.charts = W.HTML()
         #: chart id (``throughput``, ``metric:NAME``) -> its live chart
@@ -52,7 +63,7 @@ class ChartArea:
     def _new_chart(self, chart_id: str) -> live_chart.LiveChart:
         """A live chart: ``throughput`` (transfer rates) or ``metric:NAME``."""
         if chart_id == "throughput":
-            per_rank = self.state.throughput.per_rank_bytes
+            per_rank = self.state.throughput.per_rank_bytes and not self.aggregate
             chart = live_chart.LiveChart(
                 self._rate_snapshot,
                 chart_id=chart_id,
@@ -65,7 +76,7 @@ class ChartArea:
             chart = live_chart.LiveChart(
                 lambda: self._metric_snapshot(name),
                 chart_id=chart_id,
-                title=name,
+                title=f"{name} (mean, min, max over ranks)" if self.aggregate else name,
                 x_label="step",
             )
         self.live_charts[chart_id] = chart
@@ -82,6 +93,9 @@ class ChartArea:
             self.box.children = (*self.box.children, *added)
             sent += 1
         for name, per_rank in list(st.metrics.items()):
+            if self.aggregate:
+                sent += self._append_bands(name, per_rank)
+                continue
             batch: list[live_chart.Points] = []
             for rank, series in sorted(per_rank.items()):
                 start, xs, ys = series.take_fresh()
@@ -99,10 +113,38 @@ class ChartArea:
         hint = "" if st.metrics else chart_pane.metrics_hint()
         return sent + put(self.charts, value=hint)
 
+    def _append_bands(self, name: str, per_rank: dict[int, Series]) -> int:
+        """Fold the ranks' new points of metric ``name`` into its bands; send the steps
+        that are complete (one message, three series), if any."""
+        bands = self.bands.get(name)
+        if bands is None:
+            bands = self.bands[name] = StepBands()
+        now = time.monotonic()
+        for series in per_rank.values():
+            _start, xs, ys = series.take_fresh()
+            if xs:
+                bands.add(xs, ys, now)
+        if not bands.settle(len(per_rank), now):
+            return 0
+        batch: list[live_chart.Points] = []
+        for key, line in _band_lines(bands):
+            start, xs, ys = line.take_fresh()
+            batch.append(_band_points(key, start, xs, ys))
+        self.live_charts[f"metric:{name}"].append(batch)
+        return 1
+
     def _metric_snapshot(self, name: str) -> list[live_chart.Points]:
         """Every kept point of metric ``name`` (a chart view that just opened)."""
         with self._lock:
             out: list[live_chart.Points] = []
+            if self.aggregate:
+                bands = self.bands.get(name)
+                for key, line in _band_lines(bands) if bands is not None else []:
+                    xs, ys = line.arrays()
+                    points = _band_points(key, 0, xs, ys)
+                    points["count"] = line.count
+                    out.append(points)
+                return out
             for rank, series in sorted(self.state.metrics.get(name, {}).items()):
                 xs, ys = series.arrays()
                 key = f"r{rank}"
@@ -146,10 +188,20 @@ class ChartArea:
             out.append(points)
 
         for idx, direction in ((0, "in"), (1, "out")):
-            if tp.per_rank_bytes:
+            if tp.per_rank_bytes and not self.aggregate:  # a big mesh: its totals
                 for r in range(self.state.rt.world):
                     ys = [row.per_rank[r][idx] if r in row.per_rank else 0.0 for row in rows]
                     add(f"r{r} {direction}", direction, ys)
             else:
                 add(direction, direction, [row.total[idx] for row in rows])
         return out
+
+
+def _band_lines(bands: StepBands) -> list[tuple[str, Series]]:
+    """A metric's three lines over the ranks, by the key the chart knows them by."""
+    return [("mean", bands.mean), ("min", bands.lo), ("max", bands.hi)]
+
+
+def _band_points(key: str, start: int, xs: list[float], ys: list[float]) -> live_chart.Points:
+    """Points of one of a metric's lines over the ranks (min and max dashed)."""
+    return {"key": key, "label": key, "dash": key != "mean", "start": start, "x": xs, "y": ys}

@@ -34,12 +34,13 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as W
 
 from monarch_kernel.controller.records import MeshPhase
-from monarch_kernel.widgets import panes, render, theme
+from monarch_kernel.widgets import compact, panes, render, theme
 from monarch_kernel.widgets.action_bar import ActionBar, BarView
 from monarch_kernel.widgets.actions import MeshActions
 from monarch_kernel.widgets.chart_area import ChartArea
 from monarch_kernel.widgets.delta import put
 from monarch_kernel.widgets.display import Display
+from monarch_kernel.widgets.heat_grid import HeatGrid
 from monarch_kernel.widgets.job_rows import JobRows
 from monarch_kernel.widgets.snapshot import snapshot_html, snapshot_text
 from monarch_kernel.widgets.state import MeshState
@@ -92,7 +93,14 @@ class Dashboard(W.VBox):
         self._phase_seen = runtime.state
         self._views: list[TileView] = []  # what each tile shows (empty before the first tick)
         self.compact = runtime.world > render.FULL_TILES_MAX
-        self.columns = render.grid_columns(self.state)
+        #: A heat-map grid (one small cell per rank) instead of tiles: chosen once, when
+        #: the dashboard is made (a mesh that grows past the threshold keeps its tiles).
+        self.heat = compact.use_grid(runtime.world)
+        self.columns = (
+            compact.grid_columns(runtime.world, (list(runtime.shape.sizes) or [1])[-1])
+            if self.heat
+            else render.grid_columns(self.state)
+        )
         self.tile_text_period = max(1.0, runtime.world / 32)  # compact tiles: seconds between texts
         self.actions = MeshActions(runtime, self.state, self._set_status, self._put_stacks)
         super().__init__(self._build())
@@ -107,14 +115,18 @@ class Dashboard(W.VBox):
 
     def _build(self) -> list[W.Widget]:
         """Make the parts; returns the dashboard's children, top to bottom."""
-        self.grid = TileGrid(self.runtime.world, self.columns, self.compact, self.select)
+        self.grid: TileGrid | HeatGrid = (
+            HeatGrid(self.columns, self.select, self.cell_detail)
+            if self.heat
+            else TileGrid(self.runtime.world, self.columns, self.compact, self.select)
+        )
         self.bar = ActionBar()
         self.bar.interrupt_button.on_click(lambda _b: self.interrupt())
         self.bar.stacks_button.on_click(lambda _b: self.show_stacks())
         self.bar.restart_button.on_click(lambda _b: self.restart())
         self.bar.stop_button.on_click(lambda _b: self.stop())
         self.jobs = JobRows(self._cancel_slot)
-        self.chart_area = ChartArea(self.state, self._lock)
+        self.chart_area = ChartArea(self.state, self._lock, aggregate=self.heat)
         # the parts' widgets under the names the tests, benches and notebooks read
         self.tiles = self.grid.tiles
         self.job_labels = self.jobs.labels
@@ -160,8 +172,8 @@ class Dashboard(W.VBox):
         with self._lock:
             views = self._views
             return (
-                snapshot_html(self.state, views, self.columns, charts),
-                snapshot_text(self.state, views),
+                snapshot_html(self.state, views, self.columns, charts, grid=self.heat),
+                snapshot_text(self.state, views, grid=self.heat),
             )
 
     def retire(self, bundle: MimeBundle) -> bool:
@@ -209,6 +221,13 @@ class Dashboard(W.VBox):
         """Show ``rank``'s recent output and last error (``None``: clear; again: toggle)."""
         self.selected = None if rank == self.selected else rank
         self._wake.set()
+
+    def cell_detail(self, rank: int) -> str:
+        """What hovering rank ``rank``'s grid cell shows (any thread)."""
+        with self._lock:
+            if not 0 <= rank < self.runtime.world:
+                return "no such rank"
+            return render.cell_detail(self.state, self.state.tile(rank))
 
     def _set_status(self, text: str) -> None:
         self.status = f"{time.strftime('%H:%M:%S')} {text}"
@@ -330,13 +349,18 @@ class Dashboard(W.VBox):
         old_views = self._views
         views: list[TileView] = []
         sent = 0
-        self.grid.resize(self.runtime.world)  # the mesh may have grown or shrunk
+        grid = self.grid
+        grid.resize(self.runtime.world)  # the mesh may have grown or shrunk
+        tiles = grid if isinstance(grid, TileGrid) else None
         for r in range(self.runtime.world):
             view = old_views[r] if r < len(old_views) else None
             if full or view is None or r in marked or view.state != st.tile_state(r):
                 view = st.tile(r, now)
-                sent += self.grid.put(r, view, self.selected)
+                if tiles is not None:
+                    sent += tiles.put(r, view, self.selected)
             views.append(view)
+        if isinstance(grid, HeatGrid):  # the whole mesh in one short string, if it changed
+            sent += grid.put(compact.encode(v.state for v in views), self.selected)
         self._views = views
         return views, sent
 

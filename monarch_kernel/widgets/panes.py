@@ -59,6 +59,22 @@ def detail_html(st: MeshState, rank: int | None, view: TileView | None) -> str:
     )
 
 
+#: Different errors shown per incident (on a big mesh every rank may fail its own way);
+#: the rest are counted, with their ranks.
+MAX_ENTRIES = 6
+#: Hosts named per error; the rest are counted.
+MAX_HOSTS = 4
+
+
+def hosts_text(hosts: list[str]) -> str:
+    """`` on a, b`` or `` on a, b, c, d +12 more hosts`` (empty for none)."""
+    if not hosts:
+        return ""
+    more = len(hosts) - MAX_HOSTS
+    extra = f" +{more} more hosts" if more > 0 else ""
+    return f" on {', '.join(hosts[:MAX_HOSTS])}{extra}"
+
+
 def errors_html(st: MeshState, limit: int = 8) -> str:
     """The incident area: error incidents and restarts in place, newest first."""
     recoveries = list(st.recoveries)
@@ -107,16 +123,23 @@ def _incident_html(st: MeshState, inc: Incident, open_first: bool) -> str:
         f"{format_ranks(ranks)} of {st.rt.world}</div>"
     )
     body = []
-    for i, e in enumerate(inc.entries):
+    for i, e in enumerate(inc.entries[:MAX_ENTRIES]):
         root = ""
         if i == 0:
             badge = "interrupted" if e.kind == "interrupt" else "root cause"
             root = f'<span class="mk-root mk-{e.kind}">{badge}</span>'
 
         who = f"{'ranks' if len(e.ranks) > 1 else 'rank'} {format_ranks(e.ranks)}"
-        hosts = f" on {', '.join(e.hosts)}" if e.hosts else ""
         body.append(
             f"<details{' open' if open_first and i == 0 else ''}><summary>{root}"
-            f"{esc(e.title)} — {who}{esc(hosts)}</summary><pre>{esc(e.detail)}</pre></details>"
+            f"{esc(e.title)} — {who}{esc(hosts_text(e.hosts))}</summary>"
+            f"<pre>{esc(e.detail)}</pre></details>"
+        )
+    rest = inc.entries[MAX_ENTRIES:]
+    if rest:
+        ranks_left = sorted({r for e in rest for r in e.ranks})
+        body.append(
+            f'<div class="mk-muted">+{len(rest)} more different errors on '
+            f"{'ranks' if len(ranks_left) > 1 else 'rank'} {format_ranks(ranks_left)}</div>"
         )
     return f'<div class="mk-incident">{head}{"".join(body)}</div>'

@@ -93,6 +93,34 @@ def tile_tooltip(v: TileView) -> str:
     return "\n".join(parts)
 
 
+#: Characters of one fact in a grid cell's hover text (its box stays narrow).
+DETAIL_CHARS = 80
+
+
+def cell_detail(st: MeshState, v: TileView) -> str:
+    """What hovering rank ``v.rank``'s grid cell shows under ``rank N · state``: where it
+    runs, what it does, its last output line and its last error, one fact a line."""
+    lines = [v.coords] if v.coords else []
+    where = f"host {v.host} · pid {v.pid or '?'}"
+    lines.append(where + (f" · {v.device}" if v.device else ""))
+    found = st.last_error.get(v.rank)
+    if v.what and (found is None or v.what != found[1].title):  # the error comes below
+        lines.append(clip(v.what, DETAIL_CHARS))
+    seen = f"seen {v.seen} ago" if v.seen else ""
+    facts = " · ".join(x for x in (v.mem, f"step {v.step}" if v.step else "", seen) if x)
+    if facts:
+        lines.append(facts)
+    if v.restarts:
+        lines.append(f"restarts: {v.restarts}")
+    last = [line for line in st.output_lines(v.rank, 3) if line.strip()]
+    if last:
+        lines.append("last line: " + clip(last[-1].strip(), DETAIL_CHARS))
+    if found is not None:
+        lines.append("last error: " + clip(found[1].title, DETAIL_CHARS))
+    lines.append("click: recent output and last error")
+    return "\n".join(lines)
+
+
 #: Phases shown as a badge in the header (coloured by the CSS); others are plain text.
 PHASE_BADGES = (MeshPhase.RECOVERING, MeshPhase.STOPPING)
 

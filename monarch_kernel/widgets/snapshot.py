@@ -7,8 +7,10 @@ import time
 from html import escape as esc
 
 from monarch_kernel.calls.errors import format_ranks
+from monarch_kernel.widgets import compact
 from monarch_kernel.widgets.chart_pane import charts_html
 from monarch_kernel.widgets.fmt import duration
+from monarch_kernel.widgets.heat_grid import static_grid_html
 from monarch_kernel.widgets.panes import errors_html, job_html, jobs_title_html
 from monarch_kernel.widgets.render import (
     FULL_TILES_MAX,
@@ -22,9 +24,30 @@ from monarch_kernel.widgets.theme import COLORS
 from monarch_kernel.widgets.views import TileView
 
 
-def snapshot_html(st: MeshState, views: list[TileView], columns: int, charts: bool = True) -> str:
+def snapshot_html(
+    st: MeshState, views: list[TileView], columns: int, charts: bool = True, grid: bool = False
+) -> str:
     """A static, self-contained HTML view (inline styles only) for non-widget frontends
-    (``charts``: with the metric charts)."""
+    (``charts``: with the metric charts; ``grid``: the heat-map grid, not tiles)."""
+    if grid:
+        ranks = static_grid_html(compact.encode(v.state for v in views), columns)
+    else:
+        ranks = _tiles_html(views, columns)
+    return (
+        # light colours of its own: legible whatever the theme of the page showing it
+        '<div class="mk-dash-static" style="font-family:sans-serif;font-size:12px;'
+        'background:#fff;color:#111827;padding:4px">'
+        + header_html(st, views)
+        + jobs_snapshot_html(st)
+        + ranks
+        + (charts_html(st) if charts else "")
+        + errors_html(st)
+        + "</div>"
+    )
+
+
+def _tiles_html(views: list[TileView], columns: int) -> str:
+    """One table cell per rank, with its tile's text."""
     cells = []
     for v in views:
         bg, border = COLORS[v.state]
@@ -36,17 +59,7 @@ def snapshot_html(st: MeshState, views: list[TileView], columns: int, charts: bo
     rows = [
         "<tr>" + "".join(cells[i : i + columns]) + "</tr>" for i in range(0, len(cells), columns)
     ]
-    return (
-        # light colours of its own: legible whatever the theme of the page showing it
-        '<div class="mk-dash-static" style="font-family:sans-serif;font-size:12px;'
-        'background:#fff;color:#111827;padding:4px">'
-        + header_html(st, views)
-        + jobs_snapshot_html(st)
-        + f'<table style="border-collapse:separate;border-spacing:3px">{"".join(rows)}</table>'
-        + (charts_html(st) if charts else "")
-        + errors_html(st)
-        + "</div>"
-    )
+    return f'<table style="border-collapse:separate;border-spacing:3px">{"".join(rows)}</table>'
 
 
 def jobs_snapshot_html(st: MeshState) -> str:
@@ -58,8 +71,9 @@ def jobs_snapshot_html(st: MeshState) -> str:
     return jobs_title_html(st, shown) + rows
 
 
-def snapshot_text(st: MeshState, views: list[TileView]) -> str:
-    """The plain-text view: one line per rank."""
+def snapshot_text(st: MeshState, views: list[TileView], grid: bool = False) -> str:
+    """The plain-text view: one line per rank (``grid``: one line per state, naming its
+    ranks compactly, ``idle: ranks 0-61, 63``)."""
     rt = st.rt
     alive = alive_count(views)
     lines = [
@@ -67,9 +81,7 @@ def snapshot_text(st: MeshState, views: list[TileView]) -> str:
         f"{phase_text(st, views)}): {alive}/{rt.world} alive, "
         f"up {duration(time.time() - rt.started_at)}"
     ]
-    for v in views:
-        extra = " ".join(x for x in (v.what, f"step {v.step}" if v.step else "", v.mem) if x)
-        lines.append(f"  rank {v.rank:<3} {v.state:<8} {extra}".rstrip())
+    lines += _states_text(views) if grid else [_rank_text(v) for v in views]
     for job in st.running.view():
         lines.append(f"  running: {job.text}")
     if st.recoveries:
@@ -78,6 +90,23 @@ def snapshot_text(st: MeshState, views: list[TileView]) -> str:
         e = inc.entries[0]
         lines.append(f"  error: {e.title} on ranks {format_ranks(inc.ranks)}")
     return "\n".join(lines)
+
+
+def _rank_text(v: TileView) -> str:
+    """One rank's line of the text view."""
+    extra = " ".join(x for x in (v.what, f"step {v.step}" if v.step else "", v.mem) if x)
+    return f"  rank {v.rank:<3} {v.state:<8} {extra}".rstrip()
+
+
+def _states_text(views: list[TileView]) -> list[str]:
+    """A big mesh's text view: one line per state naming its ranks (``idle ranks 0-61``)."""
+    by_state: dict[str, list[int]] = {}
+    for v in views:
+        by_state.setdefault(v.state, []).append(v.rank)
+    return [
+        f"  {state:<8} {'ranks' if len(ranks) > 1 else 'rank'} {format_ranks(ranks)}"
+        for state, ranks in by_state.items()
+    ]
 
 
 def summary(st: MeshState, views: list[TileView]) -> dict[str, int]:

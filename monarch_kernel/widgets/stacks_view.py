@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 __all__ = ["StackGroup", "StacksView", "group_stacks", "mesh_stacks"]
 
+#: Groups shown in full; on a big mesh where ranks are everywhere, the rest are listed
+#: by their ranks only (the smallest groups, i.e. the oddest, are shown first after the
+#: biggest one, so nothing odd is hidden behind the common case).
+MAX_GROUPS = 12
 ODD = "#dc2626"  # border of a group that differs from the biggest one
 SAME = "#9ca3af"
 esc = html.escape
@@ -50,7 +54,9 @@ def signature(rs: RankStacks) -> tuple[object, ...]:
     out; ranks without stacks compare by their error."""
     if not rs.threads:
         return ("error", rs.error or rs.source)
-    return tuple(sorted((t.key for t in rs.threads if not t.internal), key=repr))
+    # sorted by hash, not repr: only an order that is the same for equal sets of keys is
+    # needed, and repr of every frame of 256 ranks was most of the grouping's time
+    return tuple(sorted((t.key for t in rs.threads if not t.internal), key=hash))
 
 
 def group_stacks(stacks: Sequence[RankStacks]) -> list[StackGroup]:
@@ -160,6 +166,32 @@ class StacksView:
             f"{_plural(len(self.groups), 'group')} (at {when}, took {_took(self.elapsed)})"
         )
 
+    def summary(self) -> str:
+        """``odd ranks out: 3, 200 (2 of 256)``, or that every rank has the same stacks
+        (empty for one rank)."""
+        n = len(self.stacks)
+        if n < 2:
+            return ""
+        odd = self.odd_ranks
+        if not odd:
+            if len(self.groups) == 1:
+                return f"all {n} ranks have the same stacks"
+            return f"{len(self.groups)} groups of the same size"
+        return f"odd ranks out: {format_ranks(odd)} ({len(odd)} of {n})"
+
+    def shown_groups(self) -> tuple[list[StackGroup], list[StackGroup]]:
+        """The groups shown in full (the biggest, then the smallest first: the odd ranks
+        out matter most) and those only listed (at most :data:`MAX_GROUPS` in full)."""
+        if len(self.groups) <= MAX_GROUPS:
+            return self.groups, []
+        first, rest = self.groups[0], self.groups[1:]
+        rest = sorted(rest, key=lambda g: (len(g.ranks), g.ranks[0]))
+        return [first, *rest[: MAX_GROUPS - 1]], rest[MAX_GROUPS - 1 :]
+
+    def _more_text(self, more: list[StackGroup]) -> str:
+        ranks = sorted(r for g in more for r in g.ranks)
+        return f"+{_plural(len(more), 'more group')} (ranks {format_ranks(ranks)})"
+
     def _heading(self, g: StackGroup) -> str:
         n, total = len(g.ranks), len(self.stacks)
         word = "ranks" if n > 1 else "rank"
@@ -174,7 +206,10 @@ class StacksView:
     # -- text ----------------------------------------------------------------------------
     def __repr__(self) -> str:
         lines = [self._title()]
-        for g in self.groups:
+        if self.summary():
+            lines.append(self.summary())
+        groups, more = self.shown_groups()
+        for g in groups:
             lines.append("")
             lines.append(self._heading(g) + ("  << odd one out" if g.odd else ""))
             note = _source_note(g.sources)
@@ -189,6 +224,8 @@ class StacksView:
             hidden = len(rs.threads) - len(shown)
             if hidden:
                 lines.append(f"  (+{_plural(hidden, 'monarch_kernel thread')}, not shown)")
+        if more:
+            lines += ["", self._more_text(more)]
         return "\n".join(lines)
 
     @staticmethod
@@ -215,8 +252,17 @@ class StacksView:
             'font-size:12px;color:#111827">',
             f'<div style="font-weight:bold;margin:2px 0 6px">{esc(self._title())}</div>',
         ]
-        for g in self.groups:
+        if self.summary():
+            color = ODD if self.odd_ranks else SAME
+            parts.append(
+                f'<div class="mk-stacks-summary" style="margin:0 0 4px;color:{color}">'
+                f"{esc(self.summary())}</div>"
+            )
+        groups, more = self.shown_groups()
+        for g in groups:
             parts.append(self._group_html(g))
+        if more:
+            parts.append(f'<div style="color:#6b7280">{esc(self._more_text(more))}</div>')
         parts.append("</div>")
         return "".join(parts)
 
