@@ -79,6 +79,10 @@ class RayCluster:
         for pid in out.stdout.split():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
+        # reap it now: the cluster lives for the whole session, and a zombie child of
+        # this process would be seen by other tests' process checks
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.worker.wait(30)
 
 
 def _free_port(host: str) -> int:
