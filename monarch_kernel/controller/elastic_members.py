@@ -36,7 +36,7 @@ from monarch_kernel.controller.records import (
     by_host,
 )
 from monarch_kernel.controller.requests import RequestTable
-from monarch_kernel.controller.restart import Restarter
+from monarch_kernel.controller.restart import LOCAL_COLLECTIVES, Restarter
 from monarch_kernel.controller.startup import Starter
 from monarch_kernel.controller.transport import Transport
 from monarch_kernel.launchers.base import Launcher
@@ -81,7 +81,6 @@ _WORLD = (
     "_mk_world({labels!r}, {sizes!r})\n"
     "del _mk_world\n"
 )
-_LOCAL = "__import__('monarch_kernel.rank.train_pg', fromlist=['_']).local_collectives({on})\n"
 
 
 class Membership:
@@ -326,9 +325,9 @@ class Membership:
         cells = list(self._mesh.recipe.setup_cells)
         if not cells:
             return
-        steps = [(_LOCAL.format(on=True), "resize: local collectives")]
+        steps = [(LOCAL_COLLECTIVES.format(on=True), "resize: local collectives")]
         steps += [(c.code, c.label) for c in cells]
-        steps += [(_LOCAL.format(on=False), "resize: collectives")]
+        steps += [(LOCAL_COLLECTIVES.format(on=False), "resize: collectives")]
         for code, label in steps:
             failed = restarter.run_cell(ranks, code, label, (), deadline)
             if failed:

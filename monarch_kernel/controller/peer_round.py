@@ -44,7 +44,6 @@ _REFORM = (
     "_mk_reform({addr!r}, {port})\n"
     "del _mk_reform\n"
 )
-_LOCAL = LOCAL_COLLECTIVES
 
 
 class RoundMesh(Protocol):
@@ -327,7 +326,7 @@ class Recovery:
         if not todo:
             return
         deadline = time.monotonic() + STEP_WAIT
-        steps = [(_LOCAL.format(on=True), "recovery: local collectives")]
+        steps = [(LOCAL_COLLECTIVES.format(on=True), "recovery: local collectives")]
         steps += [(c.code, c.label) for c in self._mesh.setup_cells_now()]
         try:
             for code, label in steps:
@@ -345,7 +344,7 @@ class Recovery:
             alive = [r for r in todo if self._mesh.ranks[r].alive]
             failed = self._mesh.run_internal(
                 alive,
-                _LOCAL.format(on=False),
+                LOCAL_COLLECTIVES.format(on=False),
                 "recovery: collectives",
                 max(deadline, time.monotonic() + LOCAL_OFF_WAIT),
             )
