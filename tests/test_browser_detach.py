@@ -99,6 +99,8 @@ def test_restarted_kernels_dashboard_shows_its_last_state(lab, tmp_path):  # noq
         first.locator(".mk-dash-retired").wait_for(timeout=30_000)
         text = first.locator(".jp-OutputArea").inner_text()
         assert "runs on without it" in text and "%mesh attach snap" in text, text
+        # the kernel retired it itself: the extension's freezing (frozen.ts) left it alone
+        assert first.locator(".mk-dash-orphaned").count() == 0
         assert "rank 1" in text and "snap" in text, text  # the tiles, readable
         assert "loss" in text, text  # the metrics reported before the restart
         assert "Error displaying widget" not in page.content()

@@ -227,6 +227,8 @@ def test_mesh_displays_the_dashboard_while_ranks_start(kernel):
     # the fallback for frontends without widgets: a static snapshot and a text view
     assert "gpus=4" in data["text/plain"] and "rank 3" in data["text/plain"]
     assert 'class="mk-dash-static"' in data["text/html"] and "starting" in data["text/html"]
+    # what the JupyterLab extension reads to freeze it if the kernel dies (frozen.ts)
+    assert 'data-mesh="m" data-detachable="0"' in data["text/html"]
     # each tile went through "starting" (sent while %mesh was still waiting) to "idle"
     tiles = kernel.tiles("m")
     assert sorted(tiles) == [0, 1, 2, 3]

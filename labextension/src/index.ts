@@ -15,6 +15,8 @@ import { Kernel } from '@jupyterlab/services';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { Widget } from '@lumino/widgets';
 
+import { FrozenDashboards } from './frozen';
+
 const TARGET = 'monarch_kernel.meshes';
 const KERNEL_NAME = 'monarch';
 const SIDEBAR_ID = 'monarch-meshes';
@@ -358,9 +360,10 @@ async function dashboardInNewCell(
   return true;
 }
 
-/** Scroll the mesh's dashboard (in an open notebook) into view; false if none is. */
+/** Scroll the mesh's live dashboard (in an open notebook) into view; false if none is
+ * (a frozen snapshot of a dead kernel's dashboard does not count). */
 function showDashboard(name: string): boolean {
-  for (const head of document.querySelectorAll('.mk-dash .mk-head b')) {
+  for (const head of document.querySelectorAll('.mk-dash:not(.mk-dash-frozen) .mk-head b')) {
     if (head.textContent === name) {
       head.scrollIntoView({ behavior: 'smooth', block: 'start' });
       return true;
@@ -413,6 +416,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
     palette: ICommandPalette | null
   ) => {
     const model = new MeshModel(shell);
+    // dashboards of a kernel that died without retiring them: static snapshots
+    const frozen = new FrozenDashboards();
+    const scan = () => frozen.scan(shell.widgets('main'));
+    shell.layoutModified.connect(scan);
+    scan();
     const sidebar = new MeshSidebar(model, (kernel, mesh) =>
       dashboardInNewCell(app, kernel, mesh)
     );

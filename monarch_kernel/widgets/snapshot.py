@@ -33,9 +33,14 @@ def snapshot_html(
         ranks = static_grid_html(compact.encode(v.state for v in views), columns)
     else:
         ranks = _tiles_html(views, columns)
+    rt = st.rt
     return (
-        # light colours of its own: legible whatever the theme of the page showing it
-        '<div class="mk-dash-static" style="font-family:sans-serif;font-size:12px;'
+        # light colours of its own: legible whatever the theme of the page showing it.
+        # data-mesh / data-detachable: what the JupyterLab extension reads when it has to
+        # freeze a dashboard whose kernel died without retiring it (labextension/src/frozen.ts)
+        f'<div class="mk-dash-static" data-mesh="{esc(rt.name)}" '
+        f'data-detachable="{int(rt.detach_keep > 0)}" '
+        'style="font-family:sans-serif;font-size:12px;'
         'background:#fff;color:#111827;padding:4px">'
         + header_html(st, views)
         + jobs_snapshot_html(st)
