@@ -34,7 +34,7 @@ from monarch_kernel.actor.peer_resolve import gone, locate
 from monarch_kernel.calls.errors import RankDiedError
 from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.calls.requester import MeshRef
-from monarch_kernel.rank import context
+from monarch_kernel.rank import context, peer_keys
 from monarch_kernel.wire import Codec, WireError, peer_address
 from monarch_kernel.wire.chunks import Assembler, encode_parts
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
@@ -109,7 +109,11 @@ class PeerClient:
         #: machines may answer, a CURVE TCP socket (see :func:`.peer_reply.reply_tcp_host`).
         tcp_host = reply_tcp_host()
         domain = admit_any_key() if tcp_host and rt is None else ""
-        self.reply = peer_address.bind(self.replies, reply_path(), tcp_host, self.machine, domain)
+        # In a rank of a CURVE mesh: only the mesh's peer key may answer over TCP.
+        gate = peer_keys.gate() if rt is not None else None
+        self.reply = peer_address.bind(
+            self.replies, reply_path(), tcp_host, self.machine, domain, gate=gate
+        )
         #: route -> when its first connection must be up (see CONNECT_TIMEOUT)
         self.connecting: dict[str, float] = {}
         # New monitor sockets are handed to the reply thread through ``wake``.
