@@ -99,6 +99,8 @@ class PeerClient:
         #: route -> the targets (mesh key, rank) called through it
         self.route_targets: dict[str, set[tuple[str, int]]] = {}
         self._reply_ident = 0  # the reply thread's (it never waits for an answer itself)
+        #: Messages on the reply socket that no known mesh key verified (dropped).
+        self.rejected = 0
         self.prefix = f"p{os.getpid()}-{os.urandom(3).hex()}-"
         rt = context.services()
         self.machine = peer_address.this_machine()  # a rank's too: its agent's hostname
@@ -294,18 +296,21 @@ class PeerClient:
 
     def _on_reply(self, frames: list[Any]) -> None:
         msg = None
+        forged = True
         for codec in list(self.codecs.values()):  # a handful of keys: try each
             try:
                 msg = codec.decode(frames)
             except WireError:
                 continue
+            forged = False
             try:
                 msg = self.assembler.feed(codec, msg)  # a large value comes in chunks
             except WireError:
                 msg = None
             break
-        if msg is None:
-            return  # forged, malformed or a part of a value still arriving
+        if msg is None:  # forged, malformed or a part of a value still arriving
+            self.rejected += forged
+            return
         h = msg.header
         rank = h.get("r")
         port = self.ports.get(h.get("i"))  # type: ignore[arg-type]
