@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 
@@ -38,6 +39,25 @@ model = DDP(torch.nn.Linear(4, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 """
 LOOP = "%%remote jd --bg\n" + LOOP_BODY
+#: After the attach: rank 0 calls both ranks directly (across the machines) and rank 1
+#: calls an actor of the new kernel's own process, whose answer reaches rank 1's reply
+#: socket over TCP: both only if this kernel took the mesh's peer key over (the ranks'
+#: listeners admit no other client key, see ``rank.peer_keys``).
+PEERS = """\
+import socket
+from monarch_kernel.actor import Actor, endpoint, this_proc
+class Where(Actor):
+    @endpoint
+    def where(self):
+        return socket.gethostname()
+    @endpoint
+    def ask(self, other):
+        return list(other.where.call().get(timeout=30).values())
+w = jd.spawn("where", Where)
+side = this_proc().spawn("side", Where)
+across = w.slice(hosts=0).ask.call_one(w).get(timeout=60)
+print("peers", across, w.slice(hosts=1).ask.call_one(side).get(timeout=60))
+"""
 CHARTED = (
     "st = jd.dashboard().state; st.drain(); s = st.metrics['loss'][0]; "
     "print('charted', s.points()[0][0], s.count)"
@@ -172,6 +192,8 @@ def test_killed_kernel_join_mesh_trains_on_and_a_new_kernel_takes_it_over(net):
         r = ok(k2, "%%remote jd\nimport socket\nsocket.gethostname(), lr, dist.get_world_size()")
         for h in net.hosts:
             assert f"'{h.name}', 0.5, 2" in r.text, r.text
+        names = [h.name for h in net.hosts[:2]]
+        assert f"peers {names} [{socket.gethostname()!r}]" in ok(k2, PEERS).stdout
 
         assert "stopped" in ok(k2, "%mesh stop jd").stdout
         for agent in joiner.agents.values():

@@ -34,7 +34,7 @@ from monarch_kernel.actor.peer_resolve import gone, locate
 from monarch_kernel.calls.errors import RankDiedError
 from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.calls.requester import MeshRef
-from monarch_kernel.rank import context
+from monarch_kernel.rank import context, peer_keys
 from monarch_kernel.wire import Codec, WireError, peer_address
 from monarch_kernel.wire.chunks import Assembler, encode_parts
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
@@ -99,6 +99,8 @@ class PeerClient:
         #: route -> the targets (mesh key, rank) called through it
         self.route_targets: dict[str, set[tuple[str, int]]] = {}
         self._reply_ident = 0  # the reply thread's (it never waits for an answer itself)
+        #: Messages on the reply socket that no known mesh key verified (dropped).
+        self.rejected = 0
         self.prefix = f"p{os.getpid()}-{os.urandom(3).hex()}-"
         rt = context.services()
         self.machine = peer_address.this_machine()  # a rank's too: its agent's hostname
@@ -109,7 +111,11 @@ class PeerClient:
         #: machines may answer, a CURVE TCP socket (see :func:`.peer_reply.reply_tcp_host`).
         tcp_host = reply_tcp_host()
         domain = admit_any_key() if tcp_host and rt is None else ""
-        self.reply = peer_address.bind(self.replies, reply_path(), tcp_host, self.machine, domain)
+        # In a rank of a CURVE mesh: only the mesh's peer key may answer over TCP.
+        gate = peer_keys.gate() if rt is not None else None
+        self.reply = peer_address.bind(
+            self.replies, reply_path(), tcp_host, self.machine, domain, gate=gate
+        )
         #: route -> when its first connection must be up (see CONNECT_TIMEOUT)
         self.connecting: dict[str, float] = {}
         # New monitor sockets are handed to the reply thread through ``wake``.
@@ -290,18 +296,21 @@ class PeerClient:
 
     def _on_reply(self, frames: list[Any]) -> None:
         msg = None
+        forged = True
         for codec in list(self.codecs.values()):  # a handful of keys: try each
             try:
                 msg = codec.decode(frames)
             except WireError:
                 continue
+            forged = False
             try:
                 msg = self.assembler.feed(codec, msg)  # a large value comes in chunks
             except WireError:
                 msg = None
             break
-        if msg is None:
-            return  # forged, malformed or a part of a value still arriving
+        if msg is None:  # forged, malformed or a part of a value still arriving
+            self.rejected += forged
+            return
         h = msg.header
         rank = h.get("r")
         port = self.ports.get(h.get("i"))  # type: ignore[arg-type]

@@ -67,8 +67,8 @@ REPLY_ZAP_DOMAIN = "mk-peer-replies"
 
 
 class _AnyKey:
-    """ZAP provider admitting every CURVE client key (see ``wire.peer_address``:
-    admission to a peer socket is the signed message, the key only encrypts)."""
+    """ZAP provider admitting every CURVE client key on the controller's own reply and
+    peer sockets (admission there is the signed message; the key only encrypts)."""
 
     def callback(self, domain: str, key: bytes) -> bool:
         return True

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from monarch_kernel.calls.errors import MeshStartError
-from monarch_kernel.controller import detach
+from monarch_kernel.controller import detach, peer_key
 from monarch_kernel.controller.attach_file import AttachFile, HostEntry
 from monarch_kernel.controller.held_output import HeldOutput
 from monarch_kernel.controller.mesh import MeshRuntime
@@ -65,6 +65,8 @@ def adopt(file: AttachFile, replies: dict[int, DeskReply]) -> Adopted:
     try:
         runtime.transport.set_epoch(max(r.epoch for r in replies.values()))
         runtime.starter.common = file.common  # type: ignore[assignment]
+        # Its ranks admit the peer key of the kernel that started it: ours from now on.
+        peer_key.adopt(str(file.common.get("peer_key") or ""), file.name)
         runtime.recipe.setup_cells = [detach.setup_cell(c) for c in file.setup_cells]
         for record in file.actors:
             runtime.remember_actor(detach.actor_spec(record))

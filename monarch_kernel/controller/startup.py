@@ -22,6 +22,7 @@ from typing import Protocol
 import zmq
 
 from monarch_kernel.calls.errors import MeshStartError, MeshStoppedError
+from monarch_kernel.controller import peer_key
 from monarch_kernel.controller.phase import MeshLifecycle
 from monarch_kernel.controller.records import HostInfo, RankInfo, RankState
 from monarch_kernel.controller.requests import RequestTable
@@ -159,6 +160,8 @@ class Starter:
             "sys_path": [p for p in sys.path if p],
             "cwd": os.getcwd(),
         }
+        if self._transport.curve is not None:  # ranks of other machines may call its ranks
+            self.common["peer_key"] = peer_key.mesh_key()
         for host in self._hosts:
             self.spawn_ranks([r for r in self._ranks if r.host == host.index])
         self.wait(

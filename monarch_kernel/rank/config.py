@@ -48,6 +48,10 @@ class RankConfig:
     env: Mapping[str, str] = field(default_factory=dict)  #: user ``--env``
     sys_path: tuple[str, ...] = ()  #: the controller's import path
     cwd: str = ""  #: the controller's working directory
+    #: CURVE secret (z85) of the peer keypair of the controller's meshes: its ranks
+    #: connect to other ranks with it, and their TCP listeners admit only its public
+    #: half (see ``rank.peer_keys``); "" without CURVE.
+    peer_key: str = ""
     # -- added by the host agent --------------------------------------------------------
     key: str = ""  #: the mesh's HMAC key, hex
     send: str = ""  #: the controller's endpoint that sends to ranks

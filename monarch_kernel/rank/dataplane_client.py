@@ -14,7 +14,7 @@ import zmq
 
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.rank.dataplane_common import SharedTensor, read_all
-from monarch_kernel.wire import Codec
+from monarch_kernel.wire import Codec, peer_address
 from monarch_kernel.wire.codec import Header, limit_size
 from monarch_kernel.wire.limits import CHUNK_SIZE
 
@@ -51,7 +51,7 @@ class Client:
 
     def _socket(self, address: str, curve_key: str = "") -> zmq.Socket:
         """This thread's socket to ``address`` (a CURVE client of ``curve_key`` if set,
-        with a throw-away keypair)."""
+        with this process's peer keypair: the one a CURVE mesh's listeners admit)."""
         socks = self.local.__dict__.setdefault("socks", {})
         sock = socks.get((address, curve_key))
         if sock is None:
@@ -59,7 +59,7 @@ class Client:
             sock.setsockopt(zmq.LINGER, 0)
             limit_size(sock)
             if curve_key:
-                public, secret = zmq.curve_keypair()
+                public, secret = peer_address.client_keys()
                 sock.setsockopt(zmq.CURVE_SERVERKEY, curve_key.encode())
                 sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
                 sock.setsockopt(zmq.CURVE_SECRETKEY, secret)

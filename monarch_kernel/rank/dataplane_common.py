@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from typing import Protocol
 
+from monarch_kernel.rank import peer_keys
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.wire.netaddr import is_loopback, route_source
 
@@ -25,7 +26,8 @@ ENCRYPT_ENV = "MONARCH_KERNEL_ENCRYPT_DATA"
 #: this long, and at most :data:`NONCE_MAX` nonces are.
 NONCE_WINDOW = 120.0
 NONCE_MAX = 65536
-counters_ = {"bytes_out": 0, "bytes_in": 0, "replays_refused": 0}
+#: ``requests_rejected``: requests dropped unsigned or forged (not replays).
+counters_ = {"bytes_out": 0, "bytes_in": 0, "replays_refused": 0, "requests_rejected": 0}
 
 
 class SharedTensor(Protocol):
@@ -72,9 +74,11 @@ class SharedTensor(Protocol):
 
 
 def counters() -> dict[str, int]:
-    """Bytes this rank served to and pulled from other ranks over the data plane, and
-    how many replayed or stale requests it refused."""
-    return dict(counters_)
+    """Bytes this rank served to and pulled from other ranks over the data plane, how
+    many replayed or stale requests and how many forged ones it refused, and how many
+    connections its TCP listeners refused in the handshake (``keys_refused``: a client
+    key other than the mesh's peer key, see ``rank.peer_keys``)."""
+    return {**counters_, "keys_refused": peer_keys.refused()}
 
 
 def private_dir(cfg: RankConfig) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy
 import zmq
 
+from monarch_kernel.rank import peer_keys
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.rank.dataplane_common import (
     ENCRYPT_ENV,
@@ -30,7 +31,9 @@ from monarch_kernel.rank.dataplane_common import (
 from monarch_kernel.rank.dataplane_ref import TensorRef
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
+from monarch_kernel.wire.key_gate import guard
 from monarch_kernel.wire.limits import CHUNK_SIZE
+from monarch_kernel.wire.peer_address import GATE_DOMAIN
 from monarch_kernel.wire.ports import bind_port
 
 _REFUSED = (
@@ -113,14 +116,19 @@ class Server:
             tcp = self.sock
             if os.environ.get(ENCRYPT_ENV, "").lower() in ("1", "true", "yes"):
                 # A socket of its own: ranks of this host keep the unencrypted ipc one.
-                # The keypair is this process's; admission stays the signed, nonce'd
-                # request (any key may connect and ask, only the mesh key is answered).
+                # The server keypair is this process's; in a CURVE mesh only the mesh's
+                # peer key may connect (``rank.peer_keys``), and every request is still
+                # signed and nonce'd.
                 tcp = self.tcp = self.ctx.socket(zmq.ROUTER)
                 tcp.setsockopt(zmq.LINGER, 0)
                 limit_size(tcp)
                 public, secret = zmq.curve_keypair()
-                tcp.setsockopt(zmq.CURVE_SERVER, 1)
-                tcp.setsockopt(zmq.CURVE_SECRETKEY, secret)
+                gate = peer_keys.gate()
+                if gate is not None:
+                    guard(tcp, secret.decode(), gate, GATE_DOMAIN)
+                else:
+                    tcp.setsockopt(zmq.CURVE_SERVER, 1)
+                    tcp.setsockopt(zmq.CURVE_SECRETKEY, secret)
                 self.curve_public = public.decode()
             port = bind_port(tcp, addr)
             self.address = f"tcp://{addr}:{port}"
@@ -256,6 +264,8 @@ class Server:
             if self.codec.replayed != self._replays_seen:  # a byte-for-byte replay
                 counters_["replays_refused"] += self.codec.replayed - self._replays_seen
                 self._replays_seen = self.codec.replayed
+            else:
+                counters_["requests_rejected"] += 1
             return
         h = msg.header
         if not self.nonces.admit(h.get("n"), h.get("t")):

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from monarch_kernel.rank import context
+from monarch_kernel.rank import context, peer_keys
 from monarch_kernel.rank.actors import Running
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.rank.outbox import Outbox
@@ -83,7 +83,8 @@ def connect(s: zmq.Socket[bytes], addr: str, cfg: RankConfig) -> None:
 def bind_peer(sock: zmq.Socket[bytes], cfg: RankConfig) -> PeerAddress:
     """Bind ``sock`` (the inbox) for actor calls from other ranks: a unix socket in the
     host agent's private (0700) directory and, when the mesh may span machines (its
-    sockets use CURVE), a CURVE TCP socket on this host's address."""
+    sockets use CURVE), a CURVE TCP socket on this host's address that admits the
+    mesh's peer key only (``rank.peer_keys``)."""
     from monarch_kernel.rank.dataplane import host_addr, private_dir
 
     # The same path (and TCP port and key, see the controller's rank specs) after a
@@ -95,7 +96,13 @@ def bind_peer(sock: zmq.Socket[bytes], cfg: RankConfig) -> PeerAddress:
         path = os.path.join(tempfile.mkdtemp(prefix="mk-pr-", dir="/tmp"), f"pr{cfg.rank}")
     tcp_host = host_addr(cfg) if cfg.curve_secret else ""
     return peer_address.bind(
-        sock, path, tcp_host, machine=cfg.hostname, secret=cfg.peer_secret, port=cfg.peer_port
+        sock,
+        path,
+        tcp_host,
+        machine=cfg.hostname,
+        secret=cfg.peer_secret,
+        port=cfg.peer_port,
+        gate=peer_keys.gate(),
     )
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from monarch_kernel.rank import capture, context, display
+from monarch_kernel.rank import capture, context, display, peer_keys
 from monarch_kernel.rank.actors import ActorHost, ResponsePort
 from monarch_kernel.rank.cells import Cells
 from monarch_kernel.rank.config import RankConfig
@@ -67,6 +67,8 @@ class Rank:
         ident = b"r%d" % self.rank + tag
         # The peer endpoints are bound before the controller connections: see
         # ``wire.peer_address`` (options per endpoint).
+        # Before any TCP listener or peer connection: the key peers admit (and use).
+        peer_keys.setup(cfg)
         inbox = dealer(self.ctx, ident)
         self.peer = bind_peer(inbox, cfg)
         connect(inbox, cfg.send, cfg)

@@ -8,8 +8,8 @@ gate decides, through one ZAP handler thread per context (started on first use,
 stopped by :func:`close_gates` before the context is destroyed).
 
 Used where the mesh's controller is not the listener: a detachable mesh's host agent
-desk (admits the controller's key only) and a rank's peer listener (admits the keys
-of the mesh's hosts and its controller).
+desk (admits the controller's key only) and a rank's TCP listeners (admit the
+controller's peer key only, see ``rank.peer_keys``).
 """
 
 from __future__ import annotations

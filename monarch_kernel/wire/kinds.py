@@ -93,7 +93,10 @@ kind              keys
                   int, ``master_addr`` str, ``master_port`` int (torch.distributed
                   rendezvous: rank 0's host), ``run_id`` str, ``mesh`` str (its name),
                   ``env`` dict[str, str] (user ``--env``), ``sys_path`` list[str], ``cwd``
-                  str (the controller's import path and working directory). The agent
+                  str (the controller's import path and working directory), on a
+                  CURVE mesh ``peer_key`` str (the secret of the controller's peer
+                  keypair: ranks connect to ranks with it, and their TCP listeners
+                  admit no other client key). The agent
                   merges each spec over ``common``
                   and adds ``key``, ``send``, ``recv``, ``fanout``, ``hostname`` and
                   ``log`` before it forks the rank.

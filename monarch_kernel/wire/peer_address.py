@@ -12,20 +12,23 @@ Invariants (relied on by :func:`bind`):
 * libzmq copies a socket's options into each endpoint when it is bound or connected, so
   one socket can be a plain unix listener, a CURVE server on TCP and a CURVE client of
   the controller at once, provided each is set up in that order with its own options.
-* A TCP peer listener admits any CURVE client key: admission is the signed, nonce'd
-  message (``Codec``), exactly as on the controller's sockets for replies. The key only
-  keeps the traffic private and makes sure the caller talks to the listener it was told.
+* A rank's TCP peer listener admits only the CURVE client keys of its :class:`KeyGate`
+  (ZAP; see ``rank.peer_keys``): a connection with any other key is refused in the
+  handshake, before a frame of it is read. Every client connects with this process's
+  client keypair (:func:`set_client_key`: a rank's mesh gives it one). Admission to
+  what a message may do is still the signed, nonce'd message (``Codec``).
 """
 
 from __future__ import annotations
 
-import functools
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
+from monarch_kernel.wire.key_gate import KeyGate, guard
 from monarch_kernel.wire.ports import bind_port
 
 #: Heartbeats on TCP peer connections: a machine that vanishes (no RST) is noticed in
@@ -114,6 +117,7 @@ def bind(
     zap_domain: str = "",
     secret: str = "",
     port: int = 0,
+    gate: KeyGate | None = None,
 ) -> PeerAddress:
     """Bind ``sock`` for peers: plain on the unix socket ``ipc_path``, and a CURVE server
     on a TCP port of ``tcp_host`` when it is given: with the keypair of ``secret`` (z85;
@@ -121,7 +125,8 @@ def bind(
     ``$MONARCH_KERNEL_PORTS``). A rank restarted with its previous ``secret`` and
     ``port`` is reached again by references to it made before the restart.
     ``zap_domain``: where the process runs a ZAP handler (the controller), the domain
-    under which it admits any client key.
+    under which it admits any client key. ``gate``: admit only its client keys (a
+    rank; ``zap_domain`` then names the gate's domain, default :data:`GATE_DOMAIN`).
 
     Must run before any other CURVE option is set on ``sock`` (see the module's
     invariants); leaves the socket with no security mechanism set, so the caller then
@@ -135,10 +140,13 @@ def bind(
         else:
             keys = zmq.curve_keypair()
         pub = keys[0]
-        sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, keys[1])
-        if zap_domain:
-            sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain.encode())
+        if gate is not None:
+            guard(sock, keys[1].decode(), gate, zap_domain or GATE_DOMAIN)
+        else:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, keys[1])
+            if zap_domain:
+                sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain.encode())
         host = f"[{tcp_host}]" if ":" in tcp_host else tcp_host
         try:
             if not port:
@@ -151,11 +159,33 @@ def bind(
     return PeerAddress(machine or this_machine(), ipc, tcp, public)
 
 
-@functools.cache
-def _client_keys() -> tuple[bytes, bytes]:
-    """This process's CURVE client keypair for peer connections (any key is admitted,
-    so one per process, made on first use)."""
-    return zmq.curve_keypair()
+#: The ZAP domain of a rank's gated TCP listeners (peer socket, reply socket, data plane).
+GATE_DOMAIN = "mk-rank-peers"
+
+_keys: tuple[bytes, bytes] | None = None
+_keys_lock = threading.Lock()
+
+
+def set_client_key(secret: str) -> None:
+    """From now on connect to peers with the CURVE keypair of ``secret`` (z85): the one
+    the listeners admit (a rank: its mesh's peer key; the controller: the key it hands
+    its meshes). Connections already made keep the key they were made with."""
+    global _keys
+    raw = secret.encode()
+    public = zmq.curve_public(raw)  # ValueError for a key that is not one
+    with _keys_lock:
+        _keys = (public, raw)
+
+
+def client_keys() -> tuple[bytes, bytes]:
+    """This process's CURVE client keypair (public, secret; z85) for peer connections:
+    the one set by :func:`set_client_key`, else a throw-away one made on first use
+    (admitted only by listeners that admit any key)."""
+    global _keys
+    with _keys_lock:
+        if _keys is None:
+            _keys = zmq.curve_keypair()
+        return _keys
 
 
 def connect(sock: zmq.Socket[bytes], addr: PeerAddress, here: str | None = None) -> str:
@@ -165,7 +195,7 @@ def connect(sock: zmq.Socket[bytes], addr: PeerAddress, here: str | None = None)
     if route.startswith("tcp://"):
         if not addr.curve:
             raise ConnectionError(f"peer address {route} has no CURVE key: refusing plain TCP")
-        public, secret = _client_keys()
+        public, secret = client_keys()
         sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
         sock.setsockopt(zmq.CURVE_SERVERKEY, addr.curve.encode())
@@ -197,4 +227,14 @@ def open_socket(
     return opened
 
 
-__all__ = ["PeerAddress", "RankLocation", "bind", "connect", "open_socket", "this_machine"]
+__all__ = [
+    "GATE_DOMAIN",
+    "PeerAddress",
+    "RankLocation",
+    "bind",
+    "client_keys",
+    "connect",
+    "open_socket",
+    "set_client_key",
+    "this_machine",
+]

@@ -30,7 +30,12 @@ class RankSpec(TypedDict, total=False):
     peer_port: int  #: the port it listened on before a restart
 
 
-class MeshCommon(TypedDict):
+class _CurveCommon(TypedDict, total=False):
+    #: On a CURVE mesh: the secret of the controller's peer keypair (``rank.peer_keys``).
+    peer_key: str
+
+
+class MeshCommon(_CurveCommon):
     """The part of ``spawn_ranks`` that every rank of the mesh shares."""
 
     labels: list[str]
