@@ -251,8 +251,9 @@ def _takeover(place: Place, env: dict[str, str], m: str, backend: str, check: An
 
     t0 = time.monotonic()
     assert "stopped" in ok(k2, f"%mesh stop {m}").stdout
+    took = time.monotonic() - t0
     check.released()
-    print(f"%mesh stop: {reserved} released after {time.monotonic() - t0:.2f}s")
+    print(f"%mesh stop: {took:.2f}s; {reserved} released {time.monotonic() - t0:.2f}s after")
     _agents_gone(place, file)
     wait_until(lambda: not _keepers(), timeout=15, what="no keeper left", detail=_keepers)
 

@@ -267,8 +267,8 @@ def detach_option(
         return 0.0
     if backend not in DETACHABLE_BACKENDS:
         raise ValueError(
-            f"a detachable mesh runs on the {' or '.join(DETACHABLE_BACKENDS)} backend in this "
-            f"version, not {backend!r}"
+            f"a detachable mesh runs on the {', '.join(DETACHABLE_BACKENDS[:-1])} or "
+            f"{DETACHABLE_BACKENDS[-1]} backend in this version, not {backend!r}"
         )
     if name is None:
         raise ValueError("a detachable mesh needs a name= (it is attached by name)")

@@ -129,14 +129,18 @@ def release_detached(address: str, namespace: str, group: str, actors: list[str]
             logging_level=logging.ERROR,
             configure_logging=False,
         )
+    handles = []
     for name in actors:
         try:
-            actor = ray.get_actor(name, namespace=namespace)
+            handles.append(ray.get_actor(name, namespace=namespace))
         except ValueError:
             continue  # gone already (its keeper removed the group)
-        with contextlib.suppress(Exception):
-            ray.get(actor.stop.remote(), timeout=5)
-        with contextlib.suppress(Exception):
-            ray.kill(actor, no_restart=True)
+    # Their agents were told to stop already: make sure, all at once, then let go.
+    stops = [a.stop.remote() for a in handles]
+    with contextlib.suppress(Exception):
+        ray.wait(stops, num_returns=len(stops), timeout=5)
     with contextlib.suppress(Exception):
         ray.util.remove_placement_group(ray.util.get_placement_group(group))
+    for actor in handles:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
