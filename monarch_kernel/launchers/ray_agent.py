@@ -129,14 +129,14 @@ def release_detached(address: str, namespace: str, group: str, actors: list[str]
             logging_level=logging.ERROR,
             configure_logging=False,
         )
-    handles = []
+    handles: list[Any] = []
     for name in actors:
         try:
             handles.append(ray.get_actor(name, namespace=namespace))
         except ValueError:
             continue  # gone already (its keeper removed the group)
     # Their agents were told to stop already: make sure, all at once, then let go.
-    stops = [a.stop.remote() for a in handles]
+    stops: list[Any] = [a.stop.remote() for a in handles]
     with contextlib.suppress(Exception):
         ray.wait(stops, num_returns=len(stops), timeout=5)
     with contextlib.suppress(Exception):
