@@ -14,6 +14,7 @@ import pytest
 from monarch_kernel.controller import attach_file
 from monarch_kernel.controller.attach_file import AttachFile, AttachFileError, HostEntry
 from monarch_kernel.controller.detach import detach_option
+from monarch_kernel.launchers.reservation import Reservation, describe
 from monarch_kernel.wire import tempdirs
 from monarch_kernel.wire.desk import (
     ControllerId,
@@ -57,14 +58,27 @@ def test_detach_options_are_checked_before_anything_starts():
     with pytest.raises(ValueError, match="pass detachable=True"):
         detach_option("local", "m", False, "30m")
     assert detach_option("join", "m", True, "1h") == 3600.0
-    with pytest.raises(ValueError, match="local or join backend in this version, not 'ray'"):
-        detach_option("ray", "m", True, None)
+    assert detach_option("ray", "m", True, "10m") == 600.0
+    assert detach_option("slurm", "m", True, "10m") == 600.0
+    match = "local, join, ray or slurm backend in this version, not 'lightning'"
+    with pytest.raises(ValueError, match=match):
+        detach_option("lightning", "m", True, None)
     with pytest.raises(ValueError, match="needs a name"):
         detach_option("local", None, True, None)
     with pytest.raises(ValueError, match="letters, digits"):
         detach_option("local", "a/b", True, None)
     with pytest.raises(ValueError, match="positive number of seconds"):
         detach_option("local", "m", True, -5)
+
+
+def test_an_engine_reservation_reads_back_and_says_what_it_holds():
+    ray = Reservation("ray", "mk-t-0-1-5", "10.0.0.1:6379", "monarch_kernel", ["a0", "a1"])
+    assert Reservation.from_json(ray.to_json()) == ray
+    assert ray.describe() == "ray pg mk-t-0-1-5"
+    slurm = Reservation("slurm", "12", members=["mk-t-abc"])
+    assert slurm.describe() == "slurm job 12"
+    assert Reservation("slurm", "7", ours=False).describe() == "slurm job 7 (its step)"
+    assert describe(None) == "" and describe({"engine": "ray"}) == ""  # damaged: nothing
 
 
 def test_desk_messages_round_trip_and_refuse_garbage():

@@ -12,6 +12,7 @@ mesh are told to supervision once the mesh runs, so the failure policy applies t
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from monarch_kernel.controller.held_output import HeldOutput
 from monarch_kernel.controller.mesh import MeshRuntime
 from monarch_kernel.controller.records import FailurePolicy, MeshPhase, RankEnd, RankState
 from monarch_kernel.launchers import get_launcher
-from monarch_kernel.launchers.adopted import AdoptedHost, RemoteAdoptedHost
+from monarch_kernel.launchers.adopted import AdoptedHost, RemoteAdoptedHost, SharedReservation
 from monarch_kernel.launchers.base import HostHandle
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.desk import DeskReply, RankStatus
@@ -31,6 +32,10 @@ from monarch_kernel.wire.peer_address import PeerAddress
 
 #: Seconds the ranks and agents get to reconnect to the controller's sockets.
 RECONNECT_TIMEOUT = 15.0
+#: Backends whose hosts an engine reserved: an adopted mesh of theirs gets the join
+#: launcher (it re-uses the engine's reservation, recorded in the attach file, and
+#: does not connect to the engine until it releases that).
+ENGINE_BACKENDS = ("ray", "slurm", "lightning")
 
 
 @dataclass
@@ -54,7 +59,7 @@ def adopt(file: AttachFile, replies: dict[int, DeskReply]) -> Adopted:
         file.name,
         dict(file.per_host),
         file.n_hosts,
-        get_launcher(file.backend),
+        get_launcher("join" if file.backend in ENGINE_BACKENDS else file.backend),
         env=dict(file.env),
         backend=file.backend,
         on_failure=FailurePolicy(file.on_failure),
@@ -88,11 +93,12 @@ def _take_records(adopted: Adopted, file: AttachFile, replies: dict[int, DeskRep
     """Fill the host and rank records; note the ranks that ended or were restarted."""
     runtime = adopted.runtime
     now = time.monotonic()
+    kept = _reservations(file)
     for entry in file.hosts:
         host = runtime.hosts[entry.index]
         host.pid, host.hostname, host.desk = entry.pid, entry.hostname, entry.desk
         host.addr, host.port = entry.addr, entry.port
-        host.handle = _handle(runtime, entry)
+        host.handle = _handle(runtime, entry, kept)
         host.dir = entry.dir
         host.last_seen, host.ready = now, True
     statuses = {s.rank: s for reply in replies.values() for s in reply.ranks}
@@ -117,11 +123,30 @@ def _take_records(adopted: Adopted, file: AttachFile, replies: dict[int, DeskRep
             adopted.ended.append((rank.rank, _end(status, log)))
 
 
-def _handle(runtime: MeshRuntime, entry: HostEntry) -> HostHandle:
+def _reservations(file: AttachFile) -> dict[str, SharedReservation]:
+    """The engine reservations the mesh's hosts run in, each shared by its hosts."""
+    records: dict[str, list[HostEntry]] = {}
+    for entry in file.hosts:
+        if entry.reservation:
+            records.setdefault(_key(entry), []).append(entry)
+    return {
+        key: SharedReservation(dict(entries[0].reservation or {}), len(entries))
+        for key, entries in records.items()
+    }
+
+
+def _key(entry: HostEntry) -> str:
+    return json.dumps(entry.reservation, sort_keys=True)
+
+
+def _handle(
+    runtime: MeshRuntime, entry: HostEntry, kept: dict[str, SharedReservation]
+) -> HostHandle:
     """A handle on a host agent this controller did not start."""
     if not entry.desk.startswith("tcp://"):
         return AdoptedHost(entry.pid, entry.log, entry.private_dir)
-    handle = RemoteAdoptedHost(entry.desk, entry.hostname)
+    shared = kept.get(_key(entry)) if entry.reservation else None
+    handle = RemoteAdoptedHost(entry.desk, entry.hostname, shared)
     index, transport = entry.index, runtime.transport
     handle.tell_exit = lambda: transport.send_host(index, {"k": K.STOP, "grace": 0.0})
     return handle

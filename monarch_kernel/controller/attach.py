@@ -10,6 +10,7 @@ file is removed.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from monarch_kernel.controller.adopt import adopt
 from monarch_kernel.controller.attach_file import AttachFile, AttachFileError, HostEntry
 from monarch_kernel.controller.mesh import registry
 from monarch_kernel.controller.takeover import Attached
+from monarch_kernel.launchers import reservation as reservations
 from monarch_kernel.launchers.adopted import desk_listens
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire.desk import (
@@ -202,6 +204,9 @@ def stop_detached(
     while time.monotonic() < deadline and any(_runs(h) for h in file.hosts):
         time.sleep(0.05)
     left = [h.pid for h in file.hosts if _runs(h)]
+    if not left:  # the engine's reservation (its own keeper releases it too)
+        for record in {json.dumps(h.reservation, sort_keys=True) for h in file.hosts}:
+            reservations.release(json.loads(record))
     file.remove()
     if file.ipc_dir and os.path.basename(file.ipc_dir).startswith("mk-mesh-") and not left:
         import shutil
@@ -234,6 +239,8 @@ class DetachedMesh:
     keep_left: float | None  #: seconds before it stops by itself
     holder: ControllerId | None
     running: tuple[str, ...]
+    #: The backend, and what its engine reserves (``ray pg mk-x``, ``slurm job 12``).
+    backend: str = ""
 
 
 def list_detached() -> list[DetachedMesh]:
@@ -276,4 +283,11 @@ def _row(file: AttachFile, answers: list[DeskReply]) -> DetachedMesh:
         keep_left=min(until) - now if until and not holders else None,
         holder=holders[0] if holders else None,
         running=tuple(file.running),
+        backend=_reserved(file),
     )
+
+
+def _reserved(file: AttachFile) -> str:
+    """The backend, or what its engine reserved (``ray pg mk-x``, ``slurm job 12``)."""
+    held = dict.fromkeys(reservations.describe(h.reservation) for h in file.hosts)
+    return ", ".join(d for d in held if d) or file.backend

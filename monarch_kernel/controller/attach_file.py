@@ -82,6 +82,9 @@ class HostEntry:
     dir: str = ""  #: its private directory (default: the desk's, on unix sockets)
     #: On a tcp mesh: the agent's CURVE public key (z85), which its desk serves with.
     curve_public: str = ""
+    #: The engine reservation it runs in (ray, slurm: ``launchers.reservation``), which
+    #: the kernel that stops the mesh releases; None on the other backends.
+    reservation: dict[str, Any] | None = None
 
     @property
     def private_dir(self) -> str:

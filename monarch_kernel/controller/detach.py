@@ -39,6 +39,7 @@ from monarch_kernel.controller.events import (
 )
 from monarch_kernel.controller.mesh import MeshRuntime
 from monarch_kernel.controller.records import HostInfo, MeshPhase, SetupCell
+from monarch_kernel.launchers.base import ReservingHandle
 from monarch_kernel.wire import Message
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
@@ -51,7 +52,7 @@ log = logging.getLogger("monarch_kernel.controller")
 #: How long a detachable mesh runs on without a controller unless told (``--keep``).
 DEFAULT_KEEP = 2 * 3600.0
 #: Backends whose meshes can be detachable in this version.
-DETACHABLE_BACKENDS = ("local", "join")
+DETACHABLE_BACKENDS = ("local", "join", "ray", "slurm")
 
 #: Seconds between the watcher's looks at what the attach file should say.
 WATCH_INTERVAL = 0.5
@@ -266,8 +267,8 @@ def detach_option(
         return 0.0
     if backend not in DETACHABLE_BACKENDS:
         raise ValueError(
-            f"a detachable mesh runs on the {' or '.join(DETACHABLE_BACKENDS)} backend in this "
-            f"version, not {backend!r}"
+            f"a detachable mesh runs on the {', '.join(DETACHABLE_BACKENDS[:-1])} or "
+            f"{DETACHABLE_BACKENDS[-1]} backend in this version, not {backend!r}"
         )
     if name is None:
         raise ValueError("a detachable mesh needs a name= (it is attached by name)")
@@ -288,7 +289,8 @@ def keep_seconds(keep: float | str) -> float:
 
 def _host_entry(h: HostInfo, keys: dict[int, tuple[str, str]]) -> HostEntry:
     public = keys.get(h.index, ("", ""))[0]
-    return HostEntry(h.index, h.pid or 0, h.hostname, h.addr, h.port, h.desk, h.dir, public)
+    held = h.handle.reservation if isinstance(h.handle, ReservingHandle) else None
+    return HostEntry(h.index, h.pid or 0, h.hostname, h.addr, h.port, h.desk, h.dir, public, held)
 
 
 def _forget(detacher: Detacher) -> None:

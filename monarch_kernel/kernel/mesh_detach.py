@@ -167,7 +167,9 @@ def stop(args: list[str]) -> None:
         raise UsageError(str(exc)) from None
 
 
-DETACHED_COLUMNS = ("detached mesh", "shape", "hosts", "alive", "age", "state", "running")
+DETACHED_COLUMNS = (
+    "detached mesh", "shape", "hosts", "alive", "age", "state", "running", "backend",
+)  # fmt: skip
 
 
 class MeshListing:
@@ -182,7 +184,10 @@ class MeshListing:
         text = repr(self.table)
         if not self.rows:
             return text
-        widths = [max(len(r[i]) for r in (DETACHED_COLUMNS, *self.rows)) for i in range(7)]
+        widths = [
+            max(len(r[i]) for r in (DETACHED_COLUMNS, *self.rows))
+            for i in range(len(DETACHED_COLUMNS))
+        ]
         lines = [
             "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in (DETACHED_COLUMNS, *self.rows)
         ]
@@ -219,6 +224,7 @@ def _row(m: DetachedMesh) -> tuple[str, ...]:
         describe_duration(m.age),
         state,
         ", ".join(m.running) or "idle",
+        m.backend,
     )
 
 

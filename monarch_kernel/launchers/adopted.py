@@ -12,9 +12,12 @@ import os
 import shutil
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
+from monarch_kernel.launchers import reservation as reservations
 from monarch_kernel.wire.desk import process_started
 from monarch_kernel.wire.osutil import tail_lines
 
@@ -79,16 +82,42 @@ def desk_listens(desk: str, timeout: float = 0.5) -> bool:
         return False
 
 
+class SharedReservation:
+    """An engine reservation (ray, slurm) some adopted hosts run in: released once the
+    last of them is cleaned up (a stop; a shrink that drops some hosts keeps it)."""
+
+    def __init__(self, record: dict[str, Any], holders: int):
+        self.record = record
+        self._left = holders
+        self._lock = threading.Lock()
+
+    def let_go(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            reservations.release(self.record)
+
+
 class RemoteAdoptedHost:
     """Handle on a host agent of a detachable mesh on another machine (a tcp mesh: the
-    join backend): no pid to follow, so its desk's port tells whether it still runs,
-    and stopping it is asked over the control plane (:attr:`tell_exit`)."""
+    join backend and the engines on it): no pid to follow, so its desk's port tells
+    whether it still runs, and stopping it is asked over the control plane
+    (:attr:`tell_exit`). ``kept``: the engine reservation it runs in (released with the
+    last host of it)."""
 
-    def __init__(self, desk: str, hostname: str):
+    def __init__(self, desk: str, hostname: str, kept: SharedReservation | None = None):
         self.desk = desk
         self.hostname = hostname
+        self._kept = kept
+        self._cleaned = False
         #: Set by the mesh: tells the agent to exit (a ``stop`` over the control plane).
         self.tell_exit: Callable[[], object] | None = None
+
+    @property
+    def reservation(self) -> dict[str, Any] | None:
+        """The reservation's record (for the attach file the new holder writes)."""
+        return self._kept.record if self._kept is not None else None
 
     @property
     def pid(self) -> int | None:
@@ -112,4 +141,8 @@ class RemoteAdoptedHost:
             time.sleep(0.05)
 
     def cleanup(self) -> None:
-        """Nothing of it is on this machine."""
+        """Nothing of it is on this machine; its engine reservation goes with the last
+        host of it."""
+        if self._kept is not None and not self._cleaned:
+            self._cleaned = True
+            self._kept.let_go()

@@ -103,6 +103,17 @@ class RemoteHostHandle(HostHandle, Protocol):
 
 
 @runtime_checkable
+class ReservingHandle(Protocol):
+    """A host handle of a detachable mesh whose engine reservation outlives the kernel
+    (ray, slurm): its record for the attach file (``launchers.reservation``)."""
+
+    @property
+    def reservation(self) -> dict[str, Any] | None:
+        """The reservation's JSON record, or None when nothing outlives the kernel."""
+        ...
+
+
+@runtime_checkable
 class Launcher(Protocol):
     """Starts host agents for meshes."""
 

@@ -10,7 +10,9 @@ command on each; it returns an :class:`Allocation` that can say how each machine
 (for the dashboard, until it joins) and release everything it holds. An allocation is
 released when the last of its hosts is cleaned up (``%mesh stop``, a host relaunched), and
 every live one on :meth:`EngineLauncher.shutdown` (kernel shutdown) and at interpreter
-exit.
+exit, except a detachable mesh's (``--detachable``): it outlives the kernel, releases
+itself once the mesh's agents end, and says what it holds (:meth:`Allocation.reservation`,
+recorded in the mesh's attach file) so that another kernel can release it on stop.
 
 Invariant: a host handle holds its allocation until :meth:`EngineHost.cleanup`; nothing
 the engine started outlives the release of the allocation.
@@ -25,9 +27,11 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from monarch_kernel.launchers.base import HostConfig, HostHandle
 from monarch_kernel.launchers.join import TOKEN_ENV, JoinHost, JoinLauncher
+from monarch_kernel.launchers.reservation import Reservation
 
 log = logging.getLogger("monarch_kernel.launchers")
 
@@ -42,6 +46,9 @@ class JoinCommand:
     tokens: list[str]
     mesh: str
     hosts: list[int]  #: host indices of the mesh this allocation serves
+    #: A detachable mesh's ``--keep`` (seconds; 0: not detachable): the reservation
+    #: must then outlive the kernel and release itself once the agents end.
+    keep: float = 0.0
 
     def env(self, i: int = 0) -> dict[str, str]:
         """The environment for machine ``i`` of the allocation."""
@@ -68,6 +75,11 @@ class Allocation(ABC):
     def failure(self) -> str | None:
         """Why the allocation can no longer produce its hosts (the engine refused, the
         job ended), else None. Must not block."""
+        return None
+
+    def reservation(self) -> Reservation | None:
+        """What a detachable mesh's allocation holds, by name, for its attach file
+        (None: nothing outlives the kernel)."""
         return None
 
     @abstractmethod
@@ -102,6 +114,12 @@ class EngineHost:
 
     def notice(self) -> str | None:
         return self._alloc.notice()
+
+    @property
+    def reservation(self) -> dict[str, Any] | None:
+        """The allocation's reservation record (a detachable mesh's), else None."""
+        kept = self._alloc.reservation()
+        return kept.to_json() if kept is not None else None
 
     def exit_code(self) -> int | None:
         """1 once the engine says this host cannot come (it then fails the start)."""
@@ -182,7 +200,13 @@ class EngineLauncher(ABC):
         if not configs:
             return []
         joins, line, tokens = self.join.start_for_engine(configs, group=not self.per_host_tokens)
-        command = JoinCommand(line.split(), tokens, configs[0].mesh, [c.host for c in configs])
+        command = JoinCommand(
+            line.split(),
+            tokens,
+            configs[0].mesh,
+            [c.host for c in configs],
+            configs[0].detach_keep,
+        )
         try:
             alloc = self.allocate(command, configs)
         except BaseException:
@@ -209,10 +233,12 @@ class EngineLauncher(ABC):
         _release(alloc)
 
     def shutdown(self) -> None:
-        """Release every allocation and close the join endpoint."""
+        """Release every allocation (but a detachable mesh's: it outlives the kernel)
+        and close the join endpoint."""
         with self._lock:
-            allocs = list(self._holders)
-            self._holders.clear()
+            allocs = [a for a in self._holders if a.reservation() is None]
+            for alloc in allocs:
+                del self._holders[alloc]
         for alloc in allocs:
             _release(alloc)
         self.join.shutdown()

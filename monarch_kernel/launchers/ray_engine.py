@@ -12,6 +12,10 @@ agent dies with its actor (parent-death signal, ``MONARCH_KERNEL_PARENT_PID``) a
 ranks with their agent. If the kernel dies, Ray removes the actors and placement groups
 its driver owned, and the agents also exit when the controller falls silent.
 
+A ``--detachable`` mesh's group and actors are detached instead (they outlive the
+kernel) and release themselves once the mesh's agents end: see :mod:`.ray_agent`; the
+attach file records their names (:meth:`RayAllocation.reservation`).
+
 Ray is an optional extra (``pip install monarch_kernel[ray]``).
 """
 
@@ -27,6 +31,10 @@ from typing import Any
 
 from monarch_kernel.launchers.base import HostConfig, address_towards
 from monarch_kernel.launchers.engine import Allocation, EngineLauncher, JoinCommand
+from monarch_kernel.launchers.ray_agent import AgentRunner
+from monarch_kernel.launchers.reservation import Reservation
+
+__all__ = ["NAMESPACE", "AgentRunner", "RayAllocation", "RayLauncher"]
 
 #: Seconds to wait for the placement group before the start fails, naming what is short.
 PLACEMENT_TIMEOUT = 30.0
@@ -65,54 +73,6 @@ def _probe(address: str, timeout: float = 3.0) -> None:
         ) from None
 
 
-class AgentRunner:
-    """The body of the Ray actor that runs one host agent on its node."""
-
-    def __init__(self) -> None:
-        self.proc: Any = None
-        self.log = ""
-
-    def start(self, argv: list[str], env: dict[str, str]) -> tuple[str, str, int]:
-        """Start the agent; return (node address, hostname, pid)."""
-        import socket
-        import subprocess
-        import tempfile
-
-        import ray
-
-        full = {**os.environ, **env, "MONARCH_KERNEL_PARENT_PID": str(os.getpid())}
-        fd, self.log = tempfile.mkstemp(prefix="mk-ray-agent-", suffix=".log")
-        # A new session: Ray's signals to the worker's group do not reach it, but it
-        # still dies with this actor (parent-death signal set by the agent itself).
-        self.proc = subprocess.Popen(
-            argv, env=full, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True
-        )
-        os.close(fd)
-        return ray.util.get_node_ip_address(), socket.gethostname(), int(self.proc.pid)
-
-    def poll(self) -> tuple[int | None, str]:
-        """The agent's exit code (None while it runs) and, once it ended, its last lines."""
-        code = self.proc.poll() if self.proc is not None else None
-        if code is None:
-            return None, ""
-        try:
-            with open(self.log, errors="replace") as f:
-                return code, "".join(f.readlines()[-20:])
-        except OSError:
-            return code, ""
-
-    def stop(self, timeout: float = 3.0) -> None:
-        """Terminate the agent (its ranks die with it) and remove the log."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except Exception:
-                self.proc.kill()
-        with contextlib.suppress(OSError):
-            os.unlink(self.log)
-
-
 @dataclass
 class _Machine:
     """What we know of one bundle's agent."""
@@ -134,6 +94,7 @@ class RayAllocation(Allocation):
         label: str,
         mesh: str = "",
         nodes: frozenset[str] = frozenset(),
+        kept: Reservation | None = None,
     ):
         self._ray = ray
         self._pg = pg
@@ -142,6 +103,8 @@ class RayAllocation(Allocation):
         #: The mesh it serves and the Ray nodes (ids) its bundles are on.
         self.mesh = mesh
         self.nodes = nodes
+        #: A detachable mesh's detached group and actors, by name (None: not detached).
+        self.kept = kept
         self._machines = [_Machine("starting the agent actor") for _ in actors]
         self._released = threading.Event()
         self._thread = threading.Thread(
@@ -151,6 +114,9 @@ class RayAllocation(Allocation):
 
     def status(self, i: int) -> str:
         return self._machines[i].status
+
+    def reservation(self) -> Reservation | None:
+        return self.kept
 
     def failure(self) -> str | None:
         failed = [(i, m.failed) for i, m in enumerate(self._machines) if m.failed]
@@ -309,10 +275,15 @@ class RayLauncher(EngineLauncher):
         strategy = "STRICT_SPREAD" if hosts > 1 else "PACK"
         # New hosts of a mesh that grows go on nodes none of its hosts is on yet.
         selector = [{NODE_ID_LABEL: f"!in({','.join(sorted(used))})"}] * hosts if used else None
+        detached = command.keep > 0  # a detachable mesh's reservation outlives us
+        lifetime = "detached" if detached else None
+        if detached:  # the group's name must be unique in the namespace
+            label += f"-{time.time_ns() % 10**9:09d}"
         pg = placement_group(
             [dict(bundle) for _ in range(hosts)],
             strategy=strategy,
             name=label,
+            lifetime=lifetime,
             bundle_label_selector=selector,
         )
         ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT)
@@ -326,16 +297,26 @@ class RayLauncher(EngineLauncher):
             )
         runner = ray.remote(num_cpus=0, max_restarts=0)(AgentRunner)
         passthrough = {k: v for k in ("PYTHONPATH",) if (v := os.environ.get(k))}
+        namespace = ray.get_runtime_context().namespace
+        names = [f"{label}-{i}-{time.monotonic_ns()}" for i in range(hosts)]
+        kept = None
+        if detached:
+            gcs = ray.get_runtime_context().gcs_address
+            kept = Reservation("ray", label, gcs, namespace, names)
+        keeper = {"group": label, "namespace": namespace, "actors": names} if detached else None
         actors, refs = [], []
         for i in range(hosts):
             actor = runner.options(
-                name=f"{label}-{i}-{time.monotonic_ns()}",
+                name=names[i],
+                namespace=namespace,
+                lifetime=lifetime,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=i
                 ),
             ).remote()
             actors.append(actor)
-            refs.append(actor.start.remote(command.argv, {**passthrough, **command.env(i)}))
+            env = {**passthrough, **command.env(i)}
+            refs.append(actor.start.remote(command.argv, env, keeper))
         placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
         nodes = frozenset(str(n) for n in placed.values())
-        return RayAllocation(ray, pg, actors, refs, label, command.mesh, nodes)
+        return RayAllocation(ray, pg, actors, refs, label, command.mesh, nodes, kept)

@@ -3,21 +3,25 @@ watchdog, and our srun step, each started and followed by its own thread.
 
 See :mod:`.slurm_engine` for the two cases (inside an allocation or not) and why each
 process is watched by the thread that started it; the command lines are built in
-:mod:`.slurm_commands`.
+:mod:`.slurm_commands`. A detachable mesh's step outlives the kernel: a *keeper*
+(:mod:`.slurm_keeper`) takes the watchdog's place and runs srun (see there).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
 import subprocess
+import sys
 import tempfile
 import threading
 from enum import Enum
 
 from monarch_kernel.launchers.engine import Allocation, JoinCommand
+from monarch_kernel.launchers.reservation import Reservation
 from monarch_kernel.launchers.slurm_commands import (
     cancel_job,
     cancel_step,
@@ -39,6 +43,8 @@ STEP_GRACE = 3.0
 #: (release, or the kernel dying) and cancels the job. ``salloc --no-shell`` leaves a
 #: job that nothing else would end before its time limit.
 WATCHDOG = 'read -r job || exit 0; cat >/dev/null; exec scancel "$job"'
+#: A detachable mesh's keeper (the watchdog's place, and srun's parent).
+KEEPER = [sys.executable, "-m", "monarch_kernel.launchers.slurm_keeper"]
 _QUIET: dict[str, int] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
 
 _GRANTED = re.compile(r"Granted job allocation (\d+)")
@@ -76,6 +82,9 @@ class SlurmAllocation(Allocation):
         self._env = env  # srun's environment: has the token
         self.job = job  #: the job id (None until salloc is granted one)
         self.ours = salloc is not None  #: whether we allocated the job (then we cancel it)
+        #: A detachable mesh: the step outlives the kernel under a keeper (it then is
+        #: ``_watchdog``, and stands for srun as ``_srun``).
+        self.detached = command.keep > 0
         self._salloc_argv = salloc
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -113,6 +122,13 @@ class SlurmAllocation(Allocation):
     def failure(self) -> str | None:
         with self._lock:
             return self._failure
+
+    def reservation(self) -> Reservation | None:
+        with self._lock:
+            job = self.job
+        if not self.detached or job is None:
+            return None
+        return Reservation("slurm", job, members=[self.step_name], ours=self.ours)
 
     def _fail(self, why: str) -> None:
         with self._changed:
@@ -166,9 +182,8 @@ class SlurmAllocation(Allocation):
         try:
             # The watchdog first: from the moment the job exists, a kernel that dies
             # (its end of the pipe closes) gets it cancelled.
-            watchdog = popen(
-                ["sh", "-c", WATCHDOG], self._env, False, stdin=subprocess.PIPE, **_QUIET
-            )
+            argv = KEEPER if self.detached else ["sh", "-c", WATCHDOG]
+            watchdog = popen(argv, self._env, False, stdin=subprocess.PIPE, **_QUIET)
             with self._lock:
                 self._watchdog = watchdog
             # salloc --no-shell waits while the job is pending (a SIGTERM then withdraws
@@ -214,8 +229,9 @@ class SlurmAllocation(Allocation):
             dog = self._watchdog
             if dog is None or dog.stdin is None or self.job == job:
                 return
+            line = json.dumps({"job": job}) if self.detached else job
             with contextlib.suppress(OSError, ValueError):
-                dog.stdin.write(f"{job}\n".encode())
+                dog.stdin.write(f"{line}\n".encode())
                 dog.stdin.flush()
 
     def _step_thread(self) -> None:
@@ -235,15 +251,7 @@ class SlurmAllocation(Allocation):
                 return
         nodes = job_nodes(self.job, self._env)  # for the status line
         try:
-            with open(self._log, "wb") as log:
-                proc = popen(
-                    self.srun_argv(),
-                    self._env,
-                    True,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
+            proc = self._keep_step() if self.detached else self._start_srun()
         except OSError as exc:
             self._fail(f"cannot run srun: {exc}")
             return
@@ -257,6 +265,33 @@ class SlurmAllocation(Allocation):
             released = self._released
         if not released:
             self._fail(f"srun exited (code {code}):\n{tail(self._read_log()) or '(no output)'}")
+
+    def _start_srun(self) -> subprocess.Popen[bytes]:
+        with open(self._log, "wb") as log:
+            return popen(
+                self.srun_argv(),
+                self._env,
+                True,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def _keep_step(self) -> subprocess.Popen[bytes]:
+        """A detachable mesh's step: the keeper runs srun (started now inside the
+        user's job; when we allocated, it is the job's watchdog already). The keeper
+        stands for srun: it exits once the step has ended (and the job is cancelled)."""
+        with self._lock:
+            keeper = self._watchdog
+        if keeper is None:
+            keeper = popen(KEEPER, self._env, False, stdin=subprocess.PIPE, **_QUIET)
+            with self._lock:
+                self._watchdog = keeper
+        assert keeper.stdin is not None
+        line = json.dumps({"srun": self.srun_argv(), "log": self._log})
+        keeper.stdin.write(f"{line}\n".encode())
+        keeper.stdin.flush()
+        return keeper
 
     def _read_log(self) -> str:
         try:

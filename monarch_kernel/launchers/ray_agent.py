@@ -1,0 +1,146 @@
+"""The Ray actor that runs one host agent on its node (:class:`AgentRunner`), and the
+release of a detachable mesh's placement group by name (:func:`release_detached`).
+
+For a ``--detachable`` mesh the placement group and the agent actors are *detached*
+(``lifetime="detached"``, named, in our namespace): they outlive the kernel, the Ray
+driver. Nothing else then frees them, so each actor keeps watch itself (its *keeper*
+thread): once its agent has ended and so have those of the other bundles (the mesh's
+``--keep`` ran out, or a ``%mesh stop`` from any kernel), it removes the placement group,
+which ends every actor in it, and exits. The kernel holding the mesh releases it on stop
+as for any mesh; a kernel that attached (or stops it unattached) does it by name with
+what the attach file records (:mod:`.reservation`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+#: Seconds between a keeper's looks at the other bundles' agents.
+KEEPER_INTERVAL = 1.0
+
+
+class AgentRunner:
+    """The body of the Ray actor that runs one host agent on its node."""
+
+    def __init__(self) -> None:
+        self.proc: Any = None
+        self.log = ""
+
+    def start(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        keeper: dict[str, Any] | None = None,
+    ) -> tuple[str, str, int]:
+        """Start the agent; return (node address, hostname, pid). ``keeper`` (a
+        detachable mesh: ``group``, ``namespace``, ``actors``) starts the keeper thread
+        (see the module docstring)."""
+        import socket
+        import subprocess
+        import tempfile
+
+        import ray
+
+        full = {**os.environ, **env, "MONARCH_KERNEL_PARENT_PID": str(os.getpid())}
+        fd, self.log = tempfile.mkstemp(prefix="mk-ray-agent-", suffix=".log")
+        # A new session: Ray's signals to the worker's group do not reach it, but it
+        # still dies with this actor (parent-death signal set by the agent itself; a
+        # detachable mesh's agent drops it once configured, and outlives us).
+        self.proc = subprocess.Popen(
+            argv, env=full, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True
+        )
+        os.close(fd)
+        if keeper is not None:
+            threading.Thread(
+                target=self._keep, args=(keeper,), name="mk-ray-keeper", daemon=True
+            ).start()
+        return ray.util.get_node_ip_address(), socket.gethostname(), int(self.proc.pid)
+
+    def poll(self) -> tuple[int | None, str]:
+        """The agent's exit code (None while it runs) and, once it ended, its last lines."""
+        code = self.proc.poll() if self.proc is not None else None
+        if code is None:
+            return None, ""
+        try:
+            with open(self.log, errors="replace") as f:
+                return code, "".join(f.readlines()[-20:])
+        except OSError:
+            return code, ""
+
+    def stop(self, timeout: float = 3.0) -> None:
+        """Terminate the agent (its ranks die with it) and remove the log."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except Exception:
+                self.proc.kill()
+        with contextlib.suppress(OSError):
+            os.unlink(self.log)
+
+    def _keep(self, keeper: dict[str, Any]) -> None:
+        """The keeper thread: once every bundle's agent ended, remove the group (the
+        actors in it end with it) and exit."""
+        import ray
+
+        self.proc.wait()
+        namespace = str(keeper["namespace"])
+        me = ray.get_runtime_context().get_actor_name()
+        others = [str(n) for n in keeper["actors"] if n != me]
+        while others:
+            others = [n for n in others if _agent_runs(ray, n, namespace)]
+            if others:
+                time.sleep(KEEPER_INTERVAL)
+        with contextlib.suppress(OSError):
+            os.unlink(self.log)
+        with contextlib.suppress(Exception):
+            ray.util.remove_placement_group(ray.util.get_placement_group(str(keeper["group"])))
+        time.sleep(5.0)  # removing the group ends this actor; if it did not:
+        os._exit(0)
+
+
+def _agent_runs(ray: Any, name: str, namespace: str) -> bool:
+    """Whether the agent of actor ``name`` still runs (a dead or missing actor's does
+    not: its agent died with it, or is its own keeper's to wait for)."""
+    try:
+        code, _ = ray.get(ray.get_actor(name, namespace=namespace).poll.remote(), timeout=10)
+    except Exception:
+        return False
+    return code is None
+
+
+def release_detached(address: str, namespace: str, group: str, actors: list[str]) -> None:
+    """Stop the agents of ``actors``, kill those actors and remove placement group
+    ``group`` (a detachable mesh's, by the names its attach file records); connects
+    this process to the Ray cluster at ``address`` if it is not yet."""
+    import ray
+
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(
+            address=address,
+            namespace=namespace,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+            configure_logging=False,
+        )
+    handles: list[Any] = []
+    for name in actors:
+        try:
+            handles.append(ray.get_actor(name, namespace=namespace))
+        except ValueError:
+            continue  # gone already (its keeper removed the group)
+    # Their agents were told to stop already: make sure, all at once, then let go.
+    stops: list[Any] = [a.stop.remote() for a in handles]
+    with contextlib.suppress(Exception):
+        ray.wait(stops, num_returns=len(stops), timeout=5)
+    with contextlib.suppress(Exception):
+        ray.util.remove_placement_group(ray.util.get_placement_group(group))
+    for actor in handles:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
