@@ -109,8 +109,14 @@ def pids_of(kernel: Kernel) -> list[int]:
     return [int(p) for p in re.findall(r": (\d+)", r.text)]
 
 
+#: IPython shows at most 1,000 items of a sequence ("..." after): a loop of more steps
+#: would come back cut (and eval to Ellipsis). Prefixed to a cell (not a cell magic).
+WHOLE_REPR = "get_ipython().display_formatter.formatters['text/plain'].max_seq_length = 0\n"
+
+
 def value(kernel: Kernel, code: str, timeout: float = 60) -> Any:
-    r = kernel.run(code, timeout=timeout)
+    """The value of ``code``'s last expression in ``kernel`` (its whole repr, eval'd)."""
+    r = kernel.run(WHOLE_REPR + code, timeout=timeout)
     assert not r.errors, r.error_text
     return eval(r.results[-1]["data"]["text/plain"])
 
