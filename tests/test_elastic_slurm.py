@@ -19,7 +19,18 @@ import pytest
 from helpers import patched_environ, pythonpath_with, wait_until
 from kernel_client import Kernel
 from slurm_cluster import SlurmCluster, slurm_cluster_fixture
-from test_elastic import BATCH, SETUP, TRAIN, reference_losses, usage_error, value
+from test_elastic import (
+    BATCH,
+    SETUP,
+    TRAIN,
+    reference_losses,
+    usage_error,
+    value,
+    wait_progress,
+)
+from test_elastic_join import MESH as JOIN_MESH
+from test_elastic_join import STOP_SETUP
+from test_elastic_join import TRAIN as STOPPABLE
 from test_slurm import REPO, assert_all_gone
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
@@ -27,6 +38,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
 MESH = "sg"
 STEPS = 24
 FIRST = 8  #: steps trained on one host, before the grow
+#: ``test_elastic_join``'s ``--bg`` loop (ended by ``%push sg stop=True``) on this mesh.
+BG_SETUP = STOP_SETUP.replace(f"%%remote {JOIN_MESH}", f"%%remote {MESH}")
+BG_TRAIN = STOPPABLE.replace(f"%%remote {JOIN_MESH}", f"%%remote {MESH}")
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +161,38 @@ def test_grow_and_shrink_a_slurm_mesh_by_a_host(cluster: SlurmCluster):
         print(f"shrink slurm 2 → 1 hosts, its job gone: {time.monotonic() - t0:.1f}s")
         r = k.run(f"%remote {MESH} __import__('torch').distributed.get_world_size()")
         assert not r.errors and "1" in r.text, r.text + r.error_text
+
+        # Again while a --bg loop trains: the new host's rank joins it at a step boundary
+        # with rank 0's state, and the loop goes on at world size 2.
+        assert not k.run(BG_SETUP).errors
+        assert not k.run(BG_TRAIN, timeout=60).errors
+        wait_progress(k, 5, MESH)
+        t0 = time.monotonic()
+        r = k.run(f"%mesh grow {MESH} --hosts +1", timeout=180)
+        took = time.monotonic() - t0
+        grown_at = re.search(r"world size 1 → 2 at step ([\d,]+); .*copied to rank 1", r.stdout)
+        assert grown_at, r.stdout + r.stderr + r.error_text
+        paused = re.search(r"paused ([\d.]+) s", r.stdout)
+        print(
+            f"grow slurm 1 → 2 hosts during a --bg loop: {took:.1f}s, training paused "
+            f"{paused.group(1) if paused else '?'} s"
+        )
+        at = int(grown_at.group(1).replace(",", ""))
+        assert len(_jobs(cluster)) == 2
+        wait_progress(k, at + 5, MESH)
+        assert not k.run(f"%push {MESH} stop=True").errors
+        outcome = value(
+            k,
+            f"_o = %remote {MESH} (state.step, losses, worlds, dist.get_world_size())\n"
+            "list(_o.values())",
+            timeout=120,
+        )
+        steps, losses, worlds, _ = outcome[0]
+        assert outcome[1] == outcome[0] and outcome[0][3] == 2, outcome
+        assert worlds == [1] * at + [2] * (steps - at), worlds
+        seeds = [*range(FIRST), *range(STEPS), *range(steps)]
+        expected = reference_losses(seeds)[FIRST + STEPS :]
+        assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
         assert "stopped" in k.run(f"%mesh stop {MESH}", timeout=60).stdout
     finally:
         if blocker is not None:
