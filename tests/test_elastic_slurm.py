@@ -10,8 +10,10 @@ Errors: a grow whose job stays pending (another job holds the free node) ends at
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator
 
@@ -49,6 +51,46 @@ def cluster() -> Iterator[SlurmCluster]:
         with patched_environ({"SLURM_CONF": c.conf, "PYTHONPATH": pythonpath_with(REPO)}):
             c.env = dict(os.environ)
             yield c
+
+
+#: A batch script's python: a one-host mesh in its 2-node job grows by a host (a second
+#: step of ours in that job, on the other node), then shrinks back.
+INSIDE_JOB = """
+import json, os, socket, subprocess, sys, time
+from monarch_kernel.actor import host_mesh
+
+def steps():
+    out = subprocess.run(["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"], "-o", "%j"],
+                         capture_output=True, text=True).stdout
+    return sorted(n for n in out.split() if n.startswith("mk-"))
+
+def where(procs, ranks):
+    code = "import socket\\nwhere = socket.gethostname()"
+    failed = procs.runtime.restarter.run_cell(ranks, code, "[1]", [], time.monotonic() + 30)
+    return failed or sorted(procs.pull("where").values())
+
+out = {"controller": socket.gethostname()}
+procs = host_mesh(hosts=1, backend="slurm").spawn_procs({"gpus": 1}, timeout=60)
+try:
+    out["before"] = where(procs, [0])
+    out["grow"] = procs.grow(hosts="+1", timeout=60).describe()
+    out["after"] = where(procs, [0, 1])
+    out["steps"] = steps()
+    try:
+        procs.grow(hosts="+1")
+    except Exception as exc:
+        out["refused"] = str(exc)
+    out["shrink"] = procs.shrink(hosts=1).describe()
+    deadline = time.monotonic() + 20
+    while len(steps()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out["steps_after"] = steps()
+finally:
+    procs.stop()
+    procs.runtime.launcher.shutdown()
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f)
+"""
 
 
 def _train(steps: int) -> str:
@@ -198,4 +240,40 @@ def test_grow_and_shrink_a_slurm_mesh_by_a_host(cluster: SlurmCluster):
         if blocker is not None:
             cluster.run("scancel", blocker)
         k.shutdown_and_check(timeout=30)
+    assert_all_gone(cluster)
+
+
+def test_grow_inside_the_users_job(cluster: SlurmCluster, tmp_path):
+    """Inside a 2-node batch job (``$SLURM_JOB_ID``): the grown host is a second step of
+    ours in that job on its other node; the shrink ends that step, never the job."""
+    snippet, result = tmp_path / "snippet.py", tmp_path / "result.json"
+    snippet.write_text(INSIDE_JOB)
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/sh\nexec {sys.executable} {snippet} {result}\n")
+    tmp_path.chmod(0o755)
+    out = cluster.run(
+        "sbatch",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--job-name=mk-batch",
+        f"--output={tmp_path}/job-%j.out",
+        str(script),
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    (job,) = re.findall(r"Submitted batch job (\d+)", out.stdout)
+    wait_until(lambda: job not in _jobs(cluster), timeout=120, what=f"batch job {job} to end")
+    logs = "".join(p.read_text() for p in tmp_path.glob("job-*.out"))
+    assert result.exists(), logs
+    data = json.loads(result.read_text())
+    print(f"\ninside a job: {data.get('grow')}")
+    assert data["before"] == [data["controller"]], data
+    assert "world size 1 → 2; rank 1 started" in data["grow"], (data, logs)
+    assert data["after"] == sorted(cluster.nodes), data
+    assert len(data["steps"]) == 2, data  # the first host's step and the grown one's
+    assert "this mesh does not use yet" in data["refused"], data
+    assert "world size 2 → 1; rank 1 stopped" in data["shrink"], data
+    assert len(data["steps_after"]) == 1, data
+    state = cluster.run("scontrol", "show", "job", job).stdout
+    assert "JobState=COMPLETED" in state or not state, state + logs
     assert_all_gone(cluster)

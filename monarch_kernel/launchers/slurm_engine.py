@@ -15,6 +15,11 @@ Two cases, told apart by ``$SLURM_JOB_ID`` in the kernel's environment:
   A GPU cluster (gpu GRES in ``sinfo``) is asked for ``--gpus-per-node G``; a CPU
   cluster is asked for no GPUs.
 
+A grow by hosts (``%mesh grow NAME --hosts +K``) is one more allocation of the same kind:
+a new salloc job, or a new step in the user's job, on nodes none of the mesh's steps runs
+on (``--exclude``; fewer such nodes than asked for is refused before anything starts).
+A shrink releases the removed hosts' allocations like a stop does.
+
 ``srun`` runs the same command on every node, so the hosts share one *group* join token
 (each agent takes the next host slot; see :meth:`~.join.JoinLauncher.start_for_engine`),
 passed in srun's environment, never on a command line. The interpreter is this one
