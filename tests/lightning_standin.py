@@ -5,11 +5,13 @@ cannot be reached from the test machines.
 (``set -e``, as the SDK documents for Studio jobs), in the Studio's environment (its
 ``python`` first on ``PATH``, as the Studio's conda env is) plus ``env``, on
 ``num_machines`` machines: here network-namespace hosts (``tests/netns.py``), machine ``i``
-on host ``i``. Each machine stays ``Pending`` for ``startup`` seconds (provisioning), then
-is ``Running`` with its host's address as ``private_ip_address`` and starts the command
-``boot`` seconds later (its environment boots); it ends ``Completed`` or
-``Failed`` by the command's exit code, or ``Stopped`` after :meth:`Job.stop`, which kills
-the machine's whole process group (as stopping a cloud machine ends everything on it).
+on the ``i``-th host no running job of the stand-in is on (a cloud gives each job fresh
+machines; when too few are free, host ``i``). Each machine stays ``Pending`` for
+``startup`` seconds (provisioning), then is ``Running`` with its host's address as
+``private_ip_address`` and starts the command ``boot`` seconds later (its environment
+boots); it ends ``Completed`` or ``Failed`` by the command's exit code, or ``Stopped``
+after :meth:`Job.stop`, which kills the machine's whole process group (as stopping a
+cloud machine ends everything on it).
 
 ``Machine`` and ``Status`` *are* the installed SDK's (plain data, no network), and the
 public signatures of ``Job`` and ``Studio`` are checked against the installed SDK by
@@ -101,6 +103,7 @@ class Job:
         self._lock = threading.Lock()
         self._state = Status.Pending
         self._rank: int | None = None
+        self._host = 0  #: the index of the namespace host this machine runs on
         self._ip: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._subjobs: list[Job] = []
@@ -148,6 +151,9 @@ class Job:
             raise ValueError("a Studio job needs a command")
         if num_machines > len(cls.hosts.hosts):
             raise ValueError(f"the stand-in has {len(cls.hosts.hosts)} hosts, not {num_machines}")
+        busy = {m._host for j in cls.started if j.status not in ENDED for m in j.machines}
+        free = [i for i in range(len(cls.hosts.hosts)) if i not in busy]
+        places = free if len(free) >= num_machines else list(range(num_machines))
         job = cls(name, _fetch_job=False, _num_machines=num_machines)
         job.spec = {
             "machine": machine,
@@ -159,7 +165,7 @@ class Job:
         }
         for rank in range(num_machines):
             sub = cls(f"{name}-{rank}", _fetch_job=False)
-            sub._rank = rank
+            sub._rank, sub._host = rank, places[rank]
             job._subjobs.append(sub)
         cls.started.append(job)
         threading.Thread(target=job._provision, daemon=True).start()
@@ -186,17 +192,15 @@ class Job:
             if self._stopping:
                 return
             for sub in self.machines:
-                assert sub._rank is not None
-                sub._ip, sub._state = self.hosts.hosts[sub._rank].addr, Status.Running
+                sub._ip, sub._state = self.hosts.hosts[sub._host].addr, Status.Running
         time.sleep(self.boot)
         for sub in self.machines:
             with self._lock:
                 if self._stopping:
                     return
-                assert sub._rank is not None
                 with open(os.path.join(self.log_dir, f"{sub._name}.log"), "wb") as log:
                     sub._proc = self.hosts.popen(
-                        sub._rank,
+                        sub._host,
                         ["bash", "-c", script],
                         env=env,
                         cwd=ROOT,

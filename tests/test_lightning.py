@@ -177,6 +177,68 @@ def test_two_machine_mesh_through_a_job(sdk, net):
     assert not wait_no_orphans()
 
 
+#: A gloo all_reduce over the mesh's ranks (the group formed at the mesh's size now).
+ALL_REDUCE = """\
+import datetime, torch, torch.distributed as dist
+if not dist.is_initialized():
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+_t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(_t)
+total = (_t.item(), dist.get_world_size(), __import__("socket").gethostname())
+"""
+
+
+def test_grow_and_shrink_by_a_machine(sdk, net):
+    """``procs.grow(hosts="+1")`` (``%mesh grow NAME --hosts +1``) starts a job for the
+    new machine; the new rank takes part in an all_reduce; ``shrink(hosts=1)`` stops
+    that job and keeps the first."""
+    mesh = host_mesh(
+        hosts=1,
+        backend="lightning",
+        machine="H100_X_8",
+        sdk=sdk,
+        bind=sdk.Job.hosts.gateway,
+        poll_interval=0.2,
+    )
+    procs = mesh.spawn_procs({"gpus": 1}, name="lg", timeout=60)
+    rt = procs.runtime
+    launcher = rt.launcher
+    try:
+        (first,) = sdk.Job.started
+        t0 = time.monotonic()
+        report = procs.grow(hosts="+1", timeout=60)
+        print(f"\ngrow lightning 1 → 2 machines: {time.monotonic() - t0:.1f}s")
+        assert "world size 1 → 2; rank 1 started" in report.describe(), report.describe()
+        first_, grown = sdk.Job.started
+        assert first_ is first and grown.spec["num_machines"] == 1
+        assert grown.status is lightning_sdk.Status.Running, grown.status
+        failed = rt.restarter.run_cell([0, 1], ALL_REDUCE, "[1]", [], time.monotonic() + 60)
+        assert failed == "", failed
+        totals = list(procs.pull("total").values())
+        assert [t[:2] for t in totals] == [(3.0, 2)] * 2, totals
+        # the new machine is one the first job does not run on
+        assert sorted(t[2] for t in totals) == sorted(h.name for h in net.hosts), totals
+
+        t0 = time.monotonic()
+        report = procs.shrink(hosts=1)
+        assert "world size 2 → 1; rank 1 stopped" in report.describe(), report.describe()
+        wait_until(
+            lambda: grown.status is lightning_sdk.Status.Stopped,
+            timeout=15,
+            what="the grown machine's job to stop",
+        )
+        print(f"shrink lightning 2 → 1 machines, its job stopped: {time.monotonic() - t0:.1f}s")
+        assert grown.stop_calls >= 1 and first.stop_calls == 0
+        assert first.status is lightning_sdk.Status.Running, first.status
+        wait_until(lambda: not _group_pids(grown), timeout=10, what="its processes to end")
+    finally:
+        procs.stop()
+    wait_until(lambda: not _group_pids(first), timeout=10, what="the job's processes to end")
+    assert first.stop_calls >= 1
+    launcher.shutdown()
+    assert not wait_no_orphans()
+
+
 def test_kernel_exit_stops_the_job(sdk):
     """Kernel shutdown/exit: the engine's atexit handler stops a job still running."""
     from monarch_kernel.launchers.engine import _release_all

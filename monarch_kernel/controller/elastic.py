@@ -23,9 +23,9 @@ ranks: the resize is refused with a message that says what to do.
 ``--hosts +K`` has the launcher start the new host agents (``start_hosts``): on the
 ``join`` backend that shows the command to run on each new machine and waits for it
 until ``timeout`` (the loop trains on meanwhile: it parks only once the new ranks are
-ready); engines (Ray) reserve machines none of the mesh's hosts is on. A grow whose
-hosts or ranks do not come stops what it started, forgets it (the tokens are void) and
-fails in one line; the mesh is as it was.
+ready); engines reserve machines none of the mesh's hosts is on (Ray, Slurm), or new
+ones (Lightning). A grow whose hosts or ranks do not come stops what it started, forgets
+it (the tokens are void) and fails in one line; the mesh is as it was.
 """
 
 from __future__ import annotations

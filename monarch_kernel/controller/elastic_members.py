@@ -39,7 +39,7 @@ from monarch_kernel.controller.requests import RequestTable
 from monarch_kernel.controller.restart import LOCAL_COLLECTIVES, Restarter
 from monarch_kernel.controller.startup import Starter
 from monarch_kernel.controller.transport import Transport
-from monarch_kernel.launchers.base import Launcher
+from monarch_kernel.launchers.base import Launcher, RemoteHostHandle
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import kinds as K
 
@@ -254,9 +254,13 @@ class Membership:
                 "the new machine; its token is void now): grow again and run the new command "
                 "there, or give more time (--timeout SECONDS)"
             )
+        # what the engine last said (a Slurm job still pending ...): why it did not come
+        handle = next((h.handle for h in hosts if h.index == missing[0]), None)
+        said = handle.status() if isinstance(handle, RemoteHostHandle) else ""
+        said = said.splitlines()[0] if said else self._mesh.launcher.name
         return (
-            f"{which} did not start within {waited:.0f}s ({self._mesh.launcher.name}); "
-            "give more time (--timeout SECONDS)"
+            f"{which} did not start within {waited:.0f}s ({said}); what was asked for it is "
+            "given back: give more time (--timeout SECONDS) or free a machine first"
         )
 
     def undo_add(self, plan: ResizePlan) -> None:

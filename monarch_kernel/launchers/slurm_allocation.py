@@ -29,6 +29,7 @@ from monarch_kernel.launchers.slurm_commands import (
     job_nodes,
     popen,
     srun_argv,
+    step_nodes,
     tail,
 )
 
@@ -76,8 +77,14 @@ class SlurmAllocation(Allocation):
         env: dict[str, str],
         job: str | None,
         salloc: list[str] | None,
+        exclude: frozenset[str] = frozenset(),
     ):
         self._command = command
+        self.mesh = command.mesh
+        #: Nodes our step must not run on (inside the user's job: a grow's new hosts go
+        #: on nodes the mesh does not use yet; a job of ours was allocated without them).
+        self._exclude = exclude if salloc is None else frozenset()
+        self._node_names: list[str] = []
         self._hosts = hosts
         self._env = env  # srun's environment: has the token
         self.job = job  #: the job id (None until salloc is granted one)
@@ -242,7 +249,18 @@ class SlurmAllocation(Allocation):
 
     def srun_argv(self) -> list[str]:
         """Our step's srun command line (the join command on every node of the job)."""
-        return srun_argv(self.job, self._hosts, self.step_name, self._command.argv)
+        return srun_argv(self.job, self._hosts, self.step_name, self._command.argv, self._exclude)
+
+    def node_names(self) -> list[str]:
+        """The nodes our step runs on ([] until Slurm says: asked once it runs)."""
+        with self._lock:
+            known, job, phase = list(self._node_names), self.job, self.phase
+        if known or job is None or phase is not Phase.STEP:
+            return known
+        names = step_nodes(job, self.step_name, self._env)
+        with self._lock:
+            self._node_names = names
+        return names
 
     def _run_srun(self) -> None:
         """srun's thread: it lives as long as srun (srun's parent-death signal)."""

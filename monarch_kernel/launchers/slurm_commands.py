@@ -72,6 +72,40 @@ def slurm_nodes(partition: str | None, env: dict[str, str]) -> list[Node]:
     return list(nodes.values())
 
 
+def step_nodes(job: str | None, step_name: str, env: dict[str, str]) -> list[str]:
+    """The node names our step ``step_name`` of ``job`` runs on (expanded), or [] when
+    Slurm cannot say (the step is not running yet)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(
+            ["squeue", "-h", "-s", "-j", str(job), "-o", "%j|%N"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CLIENT_TIMEOUT,
+        )
+        for line in out.stdout.splitlines():
+            name, _, nodes = line.strip().partition("|")
+            if name == step_name and nodes:
+                return hostnames(nodes, env)
+    return []
+
+
+def hostnames(nodelist: str, env: dict[str, str]) -> list[str]:
+    """``node[1-3]`` as Slurm expands it (``scontrol show hostnames``); the list itself
+    split at commas when scontrol cannot be asked."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CLIENT_TIMEOUT,
+        )
+        if out.returncode == 0 and out.stdout.split():
+            return out.stdout.split()
+    return [n for n in nodelist.split(",") if n]
+
+
 def job_nodes(job: str | None, env: dict[str, str]) -> str:
     """The node list of ``job`` (compact Slurm form), or "" when squeue cannot say."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
@@ -98,10 +132,16 @@ class SallocOptions:
     extra: tuple[str, ...] = ()
 
 
-def salloc_argv(mesh: str, hosts: int, gpus: int, options: SallocOptions) -> list[str]:
+def salloc_argv(
+    mesh: str, hosts: int, gpus: int, options: SallocOptions, exclude: frozenset[str] = frozenset()
+) -> list[str]:
     """salloc's command line for ``hosts`` nodes with ``gpus`` GPUs each (none on a CPU
-    cluster), after checking that the cluster has them (ValueError that says why not)."""
+    cluster), after checking that the cluster has them (ValueError that says why not).
+    ``exclude``: nodes the mesh's hosts are on already (a grow's hosts go elsewhere)."""
     nodes = slurm_nodes(options.partition, dict(os.environ))
+    if exclude:
+        check_free_nodes(hosts, exclude, [n.name for n in nodes], "this Slurm cluster")
+        nodes = [n for n in nodes if n.name not in exclude]
     has_gpus = _check_cluster(nodes, options.partition, mesh, hosts, gpus)
     argv = [
         "salloc",
@@ -117,7 +157,22 @@ def salloc_argv(mesh: str, hosts: int, gpus: int, options: SallocOptions) -> lis
         argv.append(f"--partition={options.partition}")
     if options.account:
         argv.append(f"--account={options.account}")
+    if exclude:
+        argv.append(f"--exclude={','.join(sorted(exclude))}")
     return [*argv, *options.extra, "--no-shell"]
+
+
+def check_free_nodes(hosts: int, used: frozenset[str], nodes: list[str], where: str) -> None:
+    """ValueError unless ``nodes`` has ``hosts`` nodes none of the mesh's hosts is on
+    (``used``): a grow's hosts each need a node of their own, one host per node."""
+    free = [n for n in nodes if n not in used]
+    if len(free) < hosts:
+        raise ValueError(
+            f"{hosts} more host(s) need {hosts} Slurm node(s) this mesh does not use yet "
+            f"(one host per node), but {len([n for n in nodes if n in used])} of the "
+            f"{len(nodes)} nodes of {where} hold its hosts and {len(free)} are left; grow by "
+            "fewer hosts, or ask for more nodes (a bigger partition or allocation)"
+        )
 
 
 def _check_cluster(
@@ -143,9 +198,16 @@ def _check_cluster(
     return has_gpus
 
 
-def srun_argv(job: str | None, hosts: int, step_name: str, command: list[str]) -> list[str]:
+def srun_argv(
+    job: str | None,
+    hosts: int,
+    step_name: str,
+    command: list[str],
+    exclude: frozenset[str] = frozenset(),
+) -> list[str]:
     """srun's command line: ``command`` once on each of ``hosts`` nodes of ``job``, as a
-    step named ``step_name``."""
+    step named ``step_name``, on none of the nodes ``exclude`` names."""
+    avoid = [f"--exclude={','.join(sorted(exclude))}"] if exclude else []
     return [
         "srun",
         f"--jobid={job}",
@@ -158,6 +220,7 @@ def srun_argv(job: str | None, hosts: int, step_name: str, command: list[str]) -
         f"--job-name={step_name}",
         # One agent that ends must not take the others down: the controller decides.
         "--kill-on-bad-exit=0",
+        *avoid,
         *command,
     ]
 

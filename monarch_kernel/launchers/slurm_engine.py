@@ -15,6 +15,11 @@ Two cases, told apart by ``$SLURM_JOB_ID`` in the kernel's environment:
   A GPU cluster (gpu GRES in ``sinfo``) is asked for ``--gpus-per-node G``; a CPU
   cluster is asked for no GPUs.
 
+A grow by hosts (``%mesh grow NAME --hosts +K``) is one more allocation of the same kind:
+a new salloc job, or a new step in the user's job, on nodes none of the mesh's steps runs
+on (``--exclude``; fewer such nodes than asked for is refused before anything starts).
+A shrink releases the removed hosts' allocations like a stop does.
+
 ``srun`` runs the same command on every node, so the hosts share one *group* join token
 (each agent takes the next host slot; see :meth:`~.join.JoinLauncher.start_for_engine`),
 passed in srun's environment, never on a command line. The interpreter is this one
@@ -50,6 +55,8 @@ from monarch_kernel.launchers.slurm_commands import (
     CLIENT_TIMEOUT,
     Node,
     SallocOptions,
+    check_free_nodes,
+    hostnames,
     salloc_argv,
     slurm_nodes,
 )
@@ -91,23 +98,43 @@ class SlurmLauncher(EngineLauncher):
         env = dict(os.environ)
         env.update(command.env(0))
         job = os.environ.get("SLURM_JOB_ID")
+        # A grow's new hosts go on nodes none of the mesh's hosts is on yet.
+        used = self._used_nodes(command.mesh) if min(command.hosts) > 0 else frozenset()
         if job:
-            _check_inside_job(command, job, hosts, env)
-            alloc = SlurmAllocation(command, hosts, env, job, salloc=None)
+            _check_inside_job(command, job, hosts, env, used)
+            alloc = SlurmAllocation(command, hosts, env, job, None, used)
         else:
             options = SallocOptions(
                 self.partition, self.time, self.account, tuple(self.salloc_args)
             )
-            salloc = salloc_argv(command.mesh, hosts, configs[0].ranks, options)
+            salloc = salloc_argv(command.mesh, hosts, configs[0].ranks, options, used)
             alloc = SlurmAllocation(command, hosts, env, None, salloc)
         alloc.start()
         return alloc
 
+    def _used_nodes(self, mesh: str) -> frozenset[str]:
+        """The nodes our steps for ``mesh`` run on (a grow adds hosts elsewhere)."""
+        with self._lock:
+            allocs = [a for a in self._holders if isinstance(a, SlurmAllocation)]
+        names = [a.node_names() for a in allocs if a.mesh == mesh]
+        return frozenset(n for some in names for n in some)
 
-def _check_inside_job(command: JoinCommand, job: str, hosts: int, env: dict[str, str]) -> None:
-    """ValueError unless this kernel's job ``job`` has ``hosts`` nodes and srun."""
+
+def _check_inside_job(
+    command: JoinCommand,
+    job: str,
+    hosts: int,
+    env: dict[str, str],
+    used: frozenset[str] = frozenset(),
+) -> None:
+    """ValueError unless this kernel's job ``job`` has ``hosts`` nodes (besides the
+    ``used`` ones, for a grow) and srun."""
     have = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
-    if have and have.isdigit() and hosts > int(have):
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if used and nodelist:
+        where = f"Slurm job {job} (this kernel's allocation)"
+        check_free_nodes(hosts, used, hostnames(nodelist, env), where)
+    elif have and have.isdigit() and hosts > int(have):
         raise ValueError(
             f"mesh {command.mesh!r} asks for {hosts} hosts but Slurm job {job} "
             f"(this kernel's allocation) has {have} nodes"
