@@ -340,10 +340,13 @@ class Transport:
         if self.on_batch is None or not batchable(header, payload, buffers):
             self.send(ranks, header, payload, buffers)
             return
-        with self.send_lock, DeferSigint():
+        # No DeferSigint (two signal() calls) around the append: an interrupt there at
+        # worst leaves the batch to the I/O thread's next round (it flushes every loop).
+        with self.send_lock:
             first = not self._batch
             if self._batch.add(ranks, header, payload):
-                self._send_batch()
+                with DeferSigint():
+                    self._send_batch()
                 return
         if first:
             self.on_batch()

@@ -32,6 +32,7 @@ from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Codec, Message, WireError, peer_address
 from monarch_kernel.wire import headers as H
+from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.chunks import Assembler
 from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
@@ -284,18 +285,30 @@ class Inbox:
                 self.outbox.fanin_close(request)  # type: ignore[arg-type]
 
     def _run_batch(self, msg: Message, hdr: H.Batch) -> None:
-        """Run the fire-and-forget calls of a (verified) ``batch`` in order, each as if
-        it had come alone: an interrupt stops only the call it lands in."""
+        """Run the fire-and-forget calls of a (verified) ``batch`` in order, each as
+        :meth:`dispatch` runs a call that wants no reply (what it does for requests,
+        peer callers and fan-ins does not apply); an interrupt stops only the call it
+        lands in."""
         try:
             calls = H.unbatch(hdr, msg.payload)
         except H.HeaderError as exc:
             log.warning("rank %s: malformed message: %s", self.rank, exc)
             return
         inbox_counts["batched_calls"] += len(calls)
-        inbox_counts["messages"] -= len(calls)  # the batch counted once, not its calls
         for call, header, payload in calls:
+            # looked up per call: a call may arm the debugger, which swaps the handler
+            handler = self.handlers.get(K.CALL) or self._other
+            context.current_request = None
             try:
-                self.dispatch(Message(header, payload), call)
+                try:
+                    handler(Message(header, payload), call, None)
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    ended = self.request_end
+                    if ended is not None and ended.used:
+                        ended.end_of_request()
+                    context.current_request = None
             except KeyboardInterrupt:
                 continue  # as Inbox.run does for a message on its own
 

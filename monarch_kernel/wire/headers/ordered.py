@@ -201,7 +201,7 @@ class Batch(Ordered):
 
 #: Keys a call inside a batch must not carry: the batch's envelope orders and routes it,
 #: and a batched call wants no reply.
-_NOT_IN_BATCH = ("q", "i", "w", "f", "d", "rt")
+_NOT_IN_BATCH = frozenset(("q", "i", "w", "f", "d", "rt"))
 
 
 def unbatch(batch: Batch, payload: bytes | memoryview) -> list[tuple[Call, WireHeader, bytes]]:
@@ -214,15 +214,21 @@ def unbatch(batch: Batch, payload: bytes | memoryview) -> list[tuple[Call, WireH
     if type(items) is not list or len(items) != batch.count:
         raise HeaderError(f"batch: payload is not a list of {batch.count} calls")
     calls = []
+    last: WireHeader | None = None
+    call: Call | None = None
     for item in items:
         if type(item) is not list or len(item) != 2:
             raise HeaderError("batch: an item is not a [header, payload] pair")
         h, data = item
-        if type(h) is not dict or type(data) is not bytes or h.get("k") != K.CALL:
+        if type(data) is not bytes:
             raise HeaderError("batch: an item is not a call header and its payload")
-        if any(key in h for key in _NOT_IN_BATCH):
-            raise HeaderError("batch: a batched call carries envelope keys")
-        calls.append((Call.decode(h), h, data))
+        if call is None or h != last:  # a loop of broadcasts repeats one header: parse once
+            if type(h) is not dict or h.get("k") != K.CALL:
+                raise HeaderError("batch: an item is not a call header and its payload")
+            if not _NOT_IN_BATCH.isdisjoint(h):
+                raise HeaderError("batch: a batched call carries envelope keys")
+            call, last = Call.decode(h), h
+        calls.append((call, h, data))
     return calls
 
 
