@@ -193,3 +193,30 @@ class ShmWriter(Actor):
         t = ref.get("shm")
         t += 1  # a private copy-on-write mapping: the owner's data must not change
         return float(t.double().sum())
+
+
+class Batched(Actor):
+    """Records what it is sent, and says how its rank's inbox received it (how many wire
+    messages, how many calls came inside ``batch`` messages)."""
+
+    def __init__(self) -> None:
+        self.log: list[int] = []
+
+    @endpoint
+    def record(self, i: int) -> None:
+        self.log.append(i)
+
+    @endpoint
+    def shout(self, text: str) -> None:
+        print(text, flush=True)
+
+    @endpoint
+    def get_log(self) -> list[int]:
+        log, self.log = self.log, []
+        return log
+
+    @endpoint
+    def inbox_counts(self) -> dict[str, int]:
+        from monarch_kernel.rank.inbox import inbox_counts
+
+        return dict(inbox_counts)

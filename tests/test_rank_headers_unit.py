@@ -31,6 +31,8 @@ WIRE: list[dict] = [
         "q": [4, 5],
     },
     {"k": K.CALL, "a": "c", "m": "incr", "i": "p1-2", "w": 1, "rt": ADDR},
+    {"k": K.BATCH, "n": 3, "d": [0, 1], "q": [4, 9]},
+    {"k": K.BATCH, "n": 64, "f": 1, "d": [8, 9], "q": [0, 0]},
     {"k": K.EXEC, "i": "9", "w": 1, "q": 2},
     {"k": K.STOP_ACTOR, "a": "c", "q": 1},
     {"k": K.DEBUG, "x": 1, "i": "3", "w": 1, "q": 7},
@@ -162,6 +164,7 @@ def test_unknown_key_is_an_error(wire):
 
 REQUIRED = [
     (H.Call, {"k": K.CALL, "a": "c"}, "m"),
+    (H.Batch, {"k": K.BATCH, "q": 1}, "n"),
     (H.SpawnActor, {"k": K.SPAWN_ACTOR}, "a"),
     (H.StopActor, {"k": K.STOP_ACTOR}, "a"),
     (H.Supervise, {"k": K.SUPERVISE}, "on"),
@@ -219,3 +222,45 @@ def test_headers_are_frozen_and_named():
     owner = H.Owner(address=ADDR, key="ab", name="o")
     assert H.Owner.decode(owner.encode()) == owner
     assert H.Owner.decode({}) is None
+
+
+def _batch(*items: object) -> bytes:
+    return marshal.dumps(list(items), 4)
+
+
+def test_a_batch_unpacks_into_its_calls_in_order():
+    batch = H.decode_ordered({"k": K.BATCH, "n": 2, "d": [3, 5], "q": [7, 1]})
+    assert isinstance(batch, H.Batch) and batch.seq_for(5) == 1
+    first, second = {"k": K.CALL, "a": "c", "m": "incr"}, {"k": K.CALL, "a": "c", "m": "get"}
+    calls = H.unbatch(batch, _batch([first, b"p1"], [second, b"p2"]))
+    assert [(c.method, h, p) for c, h, p in calls] == [
+        ("incr", first, b"p1"),
+        ("get", second, b"p2"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "payload,why",
+    [
+        (b"\xff", "unreadable"),
+        (_batch([{"k": K.CALL, "a": "c", "m": "m"}, b""]), "list of 2 calls"),
+        (_batch([{"k": K.EXEC}, b""], [{"k": K.EXEC}, b""]), "not a call"),
+        (_batch(*[[{"k": K.CALL, "a": "c", "m": "m", "q": 3}, b""]] * 2), "envelope keys"),
+        (
+            _batch([{"k": K.CALL, "a": "c", "m": "m", "i": "1", "w": 1}, b""], [{}, b""]),
+            "envelope keys",
+        ),
+        (_batch([{"k": K.CALL, "a": "c"}, b""], [{"k": K.CALL, "a": "c"}, b""]), "missing key"),
+        (_batch(["x", b""], ["y", b""]), "not a call"),
+    ],
+)
+def test_a_malformed_batch_runs_nothing(payload, why):
+    batch = H.decode_ordered({"k": K.BATCH, "n": 2, "q": 0})
+    assert isinstance(batch, H.Batch)
+    with pytest.raises(H.HeaderError, match=why):
+        H.unbatch(batch, payload)
+
+
+def test_a_batch_of_fewer_than_two_is_malformed():
+    assert isinstance(H.decode_ordered({"k": K.BATCH, "n": 1, "q": 2}), H.OtherOrdered)
+    assert H.decode_ordered({"k": K.BATCH, "n": True, "q": 2}).seq == 2

@@ -281,6 +281,7 @@ class MeshRuntime:
             ),
         )
         self.receiver.start(self.inbound.handle, self.supervisor.tick)
+        self.transport.on_batch = self.receiver.kick  # batched broadcasts: see send()
 
     @property
     def on_failure(self) -> str:
@@ -394,7 +395,8 @@ class MeshRuntime:
         check_size(header, payload, buffers)
         self.check_alive(ranks)
         self._make_room(wait)
-        self.transport.send(ranks, header, payload, buffers)
+        # small calls made back to back travel batched (controller.batching)
+        self.transport.send_fire(ranks, header, payload, buffers)
 
     def _make_room(self, wait: bool) -> None:
         # The token holder never waits: the replies it reads are what lets ranks drain.

@@ -130,6 +130,13 @@ class Receiver:
         self._transport.wake()
         self.ensure_reader()
 
+    def kick(self) -> None:
+        """Make the transport's waiting batch of calls go now: the I/O thread flushes
+        it at the top of its loop, or (while it receives) after the wake-up message."""
+        self._transport.wake()
+        with self._io_cv:
+            self._io_cv.notify()
+
     def _take_token(self, fut: Awaitable) -> bool:
         """Take the receive token if it is free; else follow its holder.
 

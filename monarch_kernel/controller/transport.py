@@ -35,12 +35,13 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import zmq
 
 from monarch_kernel.calls.errors import MeshStartError, MeshStoppedError, MonarchError
+from monarch_kernel.controller.batching import Batcher, batch_payload, batchable
 from monarch_kernel.controller.records import RankInfo
 from monarch_kernel.controller.sigint import DeferSigint
 from monarch_kernel.launchers.base import Curve, curve_server, zap
@@ -164,11 +165,21 @@ class Transport:
         self._wake_sock = _wake_socket(ctx, WAKE_ID, wake_addr)
         self._sigint_sock = _wake_socket(ctx, SIGINT_ID, wake_addr)  # main thread only
         # Flow control (see the module docstring); the backlogs change under send_lock.
-        self._backlog: dict[bytes, deque[tuple[list[Buffer], int]]] = {}
+        # Per peer: (frames, bytes, calls) not taken yet; ``backlog_messages`` counts the
+        # calls (a batch counts as the calls it carries).
+        self._backlog: dict[bytes, deque[tuple[list[Buffer], int, int]]] = {}
         self.backlog_messages = 0
         self.backlog_bytes = 0
         self._room = threading.Condition()
         self._closed = False
+        #: Fire-and-forget calls not sent yet (:meth:`send_fire`; under send_lock).
+        self._batch = Batcher()
+        #: Told when a call starts a new batch: make the I/O thread flush (set by the
+        #: mesh's receiver; until then the caller sends at once).
+        self.on_batch: Callable[[], None] | None = None
+        #: Calls sent in ``batch`` messages, and those messages (statistics, tests).
+        self.batched_calls = 0
+        self.batches_sent = 0
 
     def _bind(self, bind: str, reuse: Endpoints | None = None) -> tuple[str, str]:
         """Bind both ROUTERs (CURVE servers on tcp); their addresses. On failure the
@@ -288,6 +299,8 @@ class Transport:
         """Send to host agent ``host`` (lost messages to a gone agent are dropped)."""
         frames = self.codec.encode(header, payload)
         with self.send_lock, DeferSigint():
+            if self._batch:
+                self._send_batch()
             self._deliver(self.host_id(host), frames, len(payload))
 
     def heartbeat(self, host: int) -> None:
@@ -308,30 +321,100 @@ class Transport:
         blocks (callers make room first: :meth:`wait_for_room`). A large one goes as a
         stream of chunks (:mod:`monarch_kernel.wire.chunks`)."""
         with self.send_lock, DeferSigint():
-            if len(ranks) == 1:
-                r = ranks[0]
-                header["q"] = self._take_seq(r)
-                self._ranks[r].bytes_out += self._deliver_parts(
-                    self.rank_id(r), encode_parts(self.codec, header, payload, buffers)
-                )
+            if self._batch:  # calls queued earlier go first (FIFO per rank)
+                self._send_batch()
+            self._send(ranks, header, payload, buffers)
+
+    def send_fire(
+        self,
+        ranks: Sequence[int],
+        header: Header,
+        payload: bytes = b"",
+        buffers: Sequence[Buffer] = (),
+    ) -> None:
+        """Send a fire-and-forget call to ``ranks`` (in order with everything else sent
+        to them). A small one joins the calls that the I/O thread has not sent yet, and
+        that thread is told to send them now (:meth:`flush`): calls made back to back
+        while it is busy travel as one ``batch`` message per rank or host. Nothing waits
+        for more calls to come; any other send, and a full batch, sends them at once."""
+        if self.on_batch is None or not batchable(header, payload, buffers):
+            self.send(ranks, header, payload, buffers)
+            return
+        # No DeferSigint (two signal() calls) around the append: an interrupt there at
+        # worst leaves the batch to the I/O thread's next round (it flushes every loop).
+        with self.send_lock:
+            first = not self._batch
+            if self._batch.add(ranks, header, payload):
+                with DeferSigint():
+                    self._send_batch()
                 return
-            size = len(payload) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0)
+        if first:
+            self.on_batch()
+
+    def _send_batch(self) -> None:
+        """Send the waiting calls: one message per set of ranks (send_lock held)."""
+        for ranks, calls in self._batch.take():
+            if len(calls) == 1:
+                header, payload = calls[0]
+                self._send(ranks, header, payload, ())
+                continue
+            payload = batch_payload(calls)
+            for r in ranks:
+                self._ranks[r].bytes_out += len(payload)
             by_host: dict[int, list[int]] = {}
             for r in ranks:
-                info = self._ranks[r]
-                info.bytes_out += size
-                by_host.setdefault(info.host, []).append(r)
+                by_host.setdefault(self._ranks[r].host, []).append(r)
+            n = len(calls)
+            self.batched_calls += n * len(ranks)
             for host, group in by_host.items():
-                if len(group) > 1 and (size >= FANOUT_MIN_BYTES or len(group) >= FANOUT_MIN_RANKS):
-                    h = dict(header, d=group, f=1, q=[self._take_seq(r) for r in group])
-                    route = {"f": 1, "d": group}
-                    parts = encode_parts(self.codec, h, payload, buffers, route)
-                    self._deliver_parts(self.host_id(host), parts)
-                else:
-                    for r in group:
-                        h = dict(header, q=self._take_seq(r))
-                        parts = encode_parts(self.codec, h, payload, buffers)
-                        self._deliver_parts(self.rank_id(r), parts)
+                seqs = [self._take_seq(r) for r in group]
+                header = {"k": K.BATCH, "n": n, "d": group, "q": seqs}
+                if len(group) >= FANOUT_MIN_RANKS or (
+                    len(group) > 1 and len(payload) >= FANOUT_MIN_BYTES
+                ):
+                    header["f"] = 1
+                    frames = self.codec.encode(header, payload)
+                    self._deliver(self.host_id(host), frames, len(payload), n * len(group))
+                    self.batches_sent += 1
+                    continue
+                # one encoding for every rank of the group: each finds its ``q`` by ``d``
+                frames = self.codec.encode(header, payload)
+                for r in group:
+                    self._deliver(self.rank_id(r), frames, len(payload), n)
+                self.batches_sent += len(group)
+
+    def _send(
+        self,
+        ranks: Sequence[int],
+        header: Header,
+        payload: bytes,
+        buffers: Sequence[Buffer],
+    ) -> None:
+        """:meth:`send`'s work, send_lock held and no batch waiting."""
+        if len(ranks) == 1:
+            r = ranks[0]
+            header["q"] = self._take_seq(r)
+            self._ranks[r].bytes_out += self._deliver_parts(
+                self.rank_id(r), encode_parts(self.codec, header, payload, buffers)
+            )
+            return
+        size = len(payload) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0)
+        by_host: dict[int, list[int]] = {}
+        for r in ranks:
+            info = self._ranks[r]
+            info.bytes_out += size
+            by_host.setdefault(info.host, []).append(r)
+        for host, group in by_host.items():
+            if len(group) > 1 and (size >= FANOUT_MIN_BYTES or len(group) >= FANOUT_MIN_RANKS):
+                h = dict(header, d=group, f=1, q=[self._take_seq(r) for r in group])
+                route = {"f": 1, "d": group}
+                parts = encode_parts(self.codec, h, payload, buffers, route)
+                self._deliver_parts(self.host_id(host), parts)
+            else:
+                for r in group:
+                    h = dict(header, q=self._take_seq(r))
+                    parts = encode_parts(self.codec, h, payload, buffers)
+                    self._deliver_parts(self.rank_id(r), parts)
 
     def _deliver_parts(self, ident: bytes, parts: list[list[Buffer]]) -> int:
         """Deliver a message's parts (one, or a stream's start and chunks) in order;
@@ -364,6 +447,8 @@ class Transport:
         """A restarted rank counts its messages from the base again; what was queued
         for its previous incarnation is dropped."""
         with self.send_lock:
+            if self._batch:  # sent to its previous incarnation, like what came before
+                self._send_batch()
             self.next_seq[rank] = self.seq_base
             self._drop(self.rank_id(rank))
             self._drop(self.rank_id(rank, b"c"))
@@ -375,11 +460,14 @@ class Transport:
         a large value as a stream of chunks."""
         parts = encode_parts(self.codec, header, payload, buffers)
         with self.send_lock, DeferSigint():
+            if self._batch:
+                self._send_batch()
             self._ranks[rank].bytes_out += self._deliver_parts(self.rank_id(rank, b"c"), parts)
 
     # -- flow control --------------------------------------------------------------------
-    def _deliver(self, ident: bytes, frames: list[Buffer], size: int) -> None:
-        """Send now, or queue behind what ``ident`` has not taken yet (send_lock held)."""
+    def _deliver(self, ident: bytes, frames: list[Buffer], size: int, calls: int = 1) -> None:
+        """Send now, or queue behind what ``ident`` has not taken yet (send_lock held);
+        ``calls``: how many calls the message carries (a batch: several)."""
         queue = self._backlog.get(ident)
         if queue is None:
             try:
@@ -393,24 +481,29 @@ class Transport:
                 # agent, fails whatever waits on it.
                 log.debug("mesh %s: send to %r failed: %s", self.name, ident, exc)
                 return
-        queue.append((frames, size))
-        self.backlog_messages += 1
+        queue.append((frames, size, calls))
+        self.backlog_messages += calls
         self.backlog_bytes += size
 
     @property
     def backlogged(self) -> bool:
         """Whether some peer has messages waiting in the controller."""
-        return bool(self._backlog)
+        return bool(self._backlog) or bool(self._batch)
 
     def flush(self) -> bool:
-        """Send what backlogged peers can take now; True while some is still queued."""
+        """Send the waiting batch of calls, and what backlogged peers can take now; True
+        while some is still queued."""
+        if self._batch:
+            with self.send_lock, DeferSigint():
+                if self._batch:
+                    self._send_batch()
         if not self._backlog:
             return False
         sent = False
         with self.send_lock:
             for ident, queue in list(self._backlog.items()):
                 while queue:
-                    frames, size = queue[0]
+                    frames, size, calls = queue[0]
                     try:
                         wire_send(self.send_sock, frames, [ident], _NOBLOCK)
                     except zmq.Again:
@@ -420,7 +513,7 @@ class Transport:
                         self._drop(ident)
                         break
                     queue.popleft()
-                    self.backlog_messages -= 1
+                    self.backlog_messages -= calls
                     self.backlog_bytes -= size
                     sent = True
                 if not queue:
@@ -434,8 +527,8 @@ class Transport:
     def _drop(self, ident: bytes) -> None:
         queue = self._backlog.pop(ident, None)
         if queue:
-            self.backlog_messages -= len(queue)
-            self.backlog_bytes -= sum(size for _, size in queue)
+            self.backlog_messages -= sum(calls for _, _, calls in queue)
+            self.backlog_bytes -= sum(size for _, size, _ in queue)
 
     def _full(self) -> bool:
         return (
@@ -514,6 +607,7 @@ class Transport:
             self._closed = True
             self._room.notify_all()
         with self.send_lock:
+            self._batch.clear()
             self._backlog.clear()
             self.backlog_messages = self.backlog_bytes = 0
         for sock in (self.send_sock, self.recv_sock, self._wake_sock, self._sigint_sock):

@@ -32,6 +32,7 @@ from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Codec, Message, WireError, peer_address
 from monarch_kernel.wire import headers as H
+from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.chunks import Assembler
 from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
@@ -104,6 +105,11 @@ def bind_peer(sock: zmq.Socket[bytes], cfg: RankConfig) -> PeerAddress:
         port=cfg.peer_port,
         gate=peer_keys.gate(),
     )
+
+
+#: Messages this process's inbox handled in order (a ``batch`` counts once), and calls
+#: it took out of ``batch`` messages: statistics, read by tests to see batching work.
+inbox_counts = {"messages": 0, "batched_calls": 0}
 
 
 class Inbox:
@@ -233,6 +239,10 @@ class Inbox:
         """Handle one ordered message on the main thread (see ``self.handlers``)."""
         if isinstance(hdr, H.Hello):  # the connection probe: nothing to run, to flush
             return
+        inbox_counts["messages"] += 1
+        if type(hdr) is H.Batch:
+            self._run_batch(msg, hdr)
+            return
         request = hdr.request if hdr.wants_reply else None
         if hdr.reply_to is not None and request is not None:  # a call from another rank
             try:
@@ -273,6 +283,34 @@ class Inbox:
             context.current_request = None
             if fanin:
                 self.outbox.fanin_close(request)  # type: ignore[arg-type]
+
+    def _run_batch(self, msg: Message, hdr: H.Batch) -> None:
+        """Run the fire-and-forget calls of a (verified) ``batch`` in order, each as
+        :meth:`dispatch` runs a call that wants no reply (what it does for requests,
+        peer callers and fan-ins does not apply); an interrupt stops only the call it
+        lands in."""
+        try:
+            calls = H.unbatch(hdr, msg.payload)
+        except H.HeaderError as exc:
+            log.warning("rank %s: malformed message: %s", self.rank, exc)
+            return
+        inbox_counts["batched_calls"] += len(calls)
+        for call, header, payload in calls:
+            # looked up per call: a call may arm the debugger, which swaps the handler
+            handler = self.handlers.get(K.CALL) or self._other
+            context.current_request = None
+            try:
+                try:
+                    handler(Message(header, payload), call, None)
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    ended = self.request_end
+                    if ended is not None and ended.used:
+                        ended.end_of_request()
+                    context.current_request = None
+            except KeyboardInterrupt:
+                continue  # as Inbox.run does for a message on its own
 
     def _other(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
         """A kind this rank does not serve on its main thread, or a malformed header:

@@ -189,6 +189,14 @@ kind              keys and payload
                   come as ``input`` with ``dbg``); reply value: True if there was a kept
                   failure (now released), False if there was none
 ``hello``         (no keys, no ``q``) the controller's connection probe, ignored
+``batch``         ``n`` int (how many calls it carries, at least 2). Fire-and-forget
+                  ``call`` messages that were queued back to back for the same ranks,
+                  sent as one signed message (one ``sc``, one ``q`` per rank; with ``d``
+                  a list parallel to it even when not fanned out, so that one encoding
+                  goes to every rank). Payload: marshal (format 4) of a list of ``n``
+                  ``[header, payload]`` pairs, each a ``call`` header without ``q``,
+                  ``i``, ``w``, ``f`` or ``d`` and its pickled ``(args, kwargs)``; parsed
+                  only after the signature verified; the rank runs them in list order
 ================  =======================================================================
 
 Rank -> rank, actor calls (caller's DEALER -> the callee's inbox, main thread)
@@ -393,6 +401,8 @@ SEQ_EPOCH = 1 << 40
 # controller -> rank (ordered, main thread)
 SPAWN_ACTOR = "spawn_actor"
 CALL = "call"
+#: Several fire-and-forget ``call`` messages in one (see the table above).
+BATCH = "batch"
 EXEC = "exec"
 STOP_ACTOR = "stop_actor"
 SUPERVISE = "supervise"  # rank -> owner rank's inbox: a failure of a mesh it owns
@@ -435,6 +445,6 @@ TRAIN_NOTICE = "train_notice"
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 6  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
+PROTOCOL_VERSION = 7  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
 # 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``;
-# 6: fan-in (``fan_in``, ``fan_direct``)
+# 6: fan-in (``fan_in``, ``fan_direct``); 7: ``batch``

@@ -62,6 +62,7 @@ from monarch_kernel.wire.headers.host import (
     TakenOver,
 )
 from monarch_kernel.wire.headers.ordered import (
+    Batch,
     Call,
     Debug,
     Exec,
@@ -72,6 +73,7 @@ from monarch_kernel.wire.headers.ordered import (
     SpawnActor,
     StopActor,
     Supervise,
+    unbatch,
 )
 
 # -- the table ----------------------------------------------------------------------
@@ -80,6 +82,7 @@ from monarch_kernel.wire.headers.ordered import (
 AnyHeader: TypeAlias = (
     SpawnActor
     | Call
+    | Batch
     | Exec
     | StopActor
     | Debug
@@ -120,6 +123,7 @@ AnyHeader: TypeAlias = (
 _CLASSES: tuple[Any, ...] = (
     SpawnActor,
     Call,
+    Batch,
     Exec,
     StopActor,
     Debug,
@@ -160,7 +164,7 @@ DECODERS.update(dict.fromkeys(ControlRequest.KINDS, ControlRequest.decode))
 DECODERS.update(dict.fromkeys(RankNotice.KINDS, RankNotice.decode))
 #: The kinds that go to a rank's inbox (its main thread, in ``q`` order).
 ORDERED_KINDS = frozenset(
-    {K.SPAWN_ACTOR, K.CALL, K.EXEC, K.STOP_ACTOR, K.DEBUG, K.SUPERVISE, K.HELLO}
+    {K.SPAWN_ACTOR, K.CALL, K.BATCH, K.EXEC, K.STOP_ACTOR, K.DEBUG, K.SUPERVISE, K.HELLO}
 )
 
 
@@ -197,6 +201,7 @@ __all__ = [
     "MeshCommon",
     "RankSpec",
     "AnyHeader",
+    "Batch",
     "CODEC_KEYS",
     "Call",
     "Cancel",
@@ -245,4 +250,5 @@ __all__ = [
     "decode",
     "decode_ordered",
     "encode",
+    "unbatch",
 ]

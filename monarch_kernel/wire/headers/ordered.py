@@ -3,12 +3,14 @@ controller, and from other ranks."""
 
 from __future__ import annotations
 
+import marshal
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.headers.base import (
     CODEC_KEYS,
+    HeaderError,
     WireAddress,
     WireHeader,
     check_keys,
@@ -173,6 +175,64 @@ class Call(Ordered):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Batch(Ordered):
+    """``batch``: ``n`` fire-and-forget calls in one signed message (payload: marshal
+    of ``[header, payload]`` pairs, run in order; see :func:`unbatch`)."""
+
+    KIND: ClassVar[str] = K.BATCH
+    KEYS: ClassVar[frozenset[str]] = Ordered.KEYS | {"n"}
+
+    count: int
+
+    def encode(self) -> WireHeader:
+        return self._put({"k": K.BATCH, "n": self.count})
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> Batch:
+        check_keys(cls, h)
+        try:
+            count = h["n"]
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+        if type(count) is not int or count < 2:
+            raise HeaderError(f"batch: n must be an int of at least 2, got {count!r}")
+        return _Batch(*envelope(h), count)
+
+
+#: Keys a call inside a batch must not carry: the batch's envelope orders and routes it,
+#: and a batched call wants no reply.
+_NOT_IN_BATCH = frozenset(("q", "i", "w", "f", "d", "rt"))
+
+
+def unbatch(batch: Batch, payload: bytes | memoryview) -> list[tuple[Call, WireHeader, bytes]]:
+    """The calls of a verified ``batch`` message, in order; :class:`HeaderError` if the
+    payload is not ``n`` well-formed ``[call header, bytes]`` pairs (nothing of it runs)."""
+    try:
+        items = marshal.loads(payload)
+    except (ValueError, EOFError, TypeError) as exc:
+        raise HeaderError(f"batch: unreadable payload ({exc})") from None
+    if type(items) is not list or len(items) != batch.count:
+        raise HeaderError(f"batch: payload is not a list of {batch.count} calls")
+    calls = []
+    last: WireHeader | None = None
+    call: Call | None = None
+    for item in items:
+        if type(item) is not list or len(item) != 2:
+            raise HeaderError("batch: an item is not a [header, payload] pair")
+        h, data = item
+        if type(data) is not bytes:
+            raise HeaderError("batch: an item is not a call header and its payload")
+        if call is None or h != last:  # a loop of broadcasts repeats one header: parse once
+            if type(h) is not dict or h.get("k") != K.CALL:
+                raise HeaderError("batch: an item is not a call header and its payload")
+            if not _NOT_IN_BATCH.isdisjoint(h):
+                raise HeaderError("batch: a batched call carries envelope keys")
+            call, last = Call.decode(h), h
+        calls.append((call, h, data))
+    return calls
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Exec(Ordered):
     """``exec``: run a ``%%remote`` cell (all in the payload)."""
 
@@ -289,6 +349,7 @@ class Hello(Ordered):
 #: The decoders' constructors (see ``base.maker``).
 _SpawnActor = maker(SpawnActor)
 _Call = maker(Call)
+_Batch = maker(Batch)
 _Exec = maker(Exec)
 _StopActor = maker(StopActor)
 _Debug = maker(Debug)
