@@ -14,45 +14,47 @@ payload is large or many ranks of that host are targeted; otherwise it goes to e
 directly. Per-rank sequence numbers (header ``q``) keep delivery FIFO whichever path is
 taken.
 
-Flow control (a send never blocks): every message is sent without blocking. When a
-peer's queue is full (a busy rank has not read its inbox: ZeroMQ holds about
-``SNDHWM`` + ``RCVHWM`` messages), the message goes to a per-peer *backlog* in the
-controller instead, and every later message for that peer queues behind it (FIFO). The
-I/O thread retries backlogs every :data:`FLUSH_INTERVAL` until they drain. So heartbeats,
-deaths and the other ranks and meshes keep flowing while one rank is busy. The backlogs
-are bounded (:data:`MAX_BACKLOG_MESSAGES`, :data:`MAX_BACKLOG_BYTES`): past that, a caller
-that sends waits (interruptibly: Ctrl-C and stopping the mesh release it) until there is
-room, or gets :class:`BackpressureError` if it asked not to wait. The thread that holds
-the receive token never waits (it must keep reading the replies that drain the ranks).
+Flow control (a send never blocks): a busy peer's messages wait in the controller
+(:mod:`monarch_kernel.controller.backlog`); past its bounds, a caller that sends waits for
+room. The thread that holds the receive token never waits (it must keep reading the
+replies that drain the ranks). Socket plumbing: :mod:`monarch_kernel.controller.sockets`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import zmq
 
-from monarch_kernel.calls.errors import MeshStartError, MeshStoppedError, MonarchError
+from monarch_kernel.calls.errors import MeshStartError
+from monarch_kernel.controller.backlog import (
+    FLUSH_INTERVAL,
+    MAX_BACKLOG_BYTES,
+    MAX_BACKLOG_MESSAGES,
+    Backlog,
+    BackpressureError,
+)
 from monarch_kernel.controller.batching import Batcher, batch_payload, batchable
 from monarch_kernel.controller.records import RankInfo
 from monarch_kernel.controller.sigint import DeferSigint
+from monarch_kernel.controller.sockets import (
+    CurveKeys,
+    Endpoints,
+    bind,
+    private_ipc_dir,
+    rebind,
+    wake_socket,
+)
 from monarch_kernel.launchers.base import Curve, curve_server, zap
 from monarch_kernel.wire import Codec
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.chunks import encode_parts, frames_size
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
-from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.identity import ident_tag
-from monarch_kernel.wire.ports import bind_port
-from monarch_kernel.wire.tempdirs import mark_owners
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -61,50 +63,21 @@ FANOUT_MIN_BYTES = 256 * 1024
 #: ... or when at least this many ranks of one host are targeted.
 FANOUT_MIN_RANKS = 8
 
-#: How often the I/O thread retries sending to peers whose queues were full.
-FLUSH_INTERVAL = 0.002
-#: Bounds on what the controller keeps queued for peers with full queues; past either,
-#: senders wait for room.
-MAX_BACKLOG_MESSAGES = 100_000
-MAX_BACKLOG_BYTES = 256 * 1024 * 1024
-
-_NOBLOCK = int(zmq.NOBLOCK)
+# Re-exported: where the flow control's figures and the socket records were first found.
+__all__ = [
+    "FLUSH_INTERVAL",
+    "MAX_BACKLOG_BYTES",
+    "MAX_BACKLOG_MESSAGES",
+    "BackpressureError",
+    "CurveKeys",
+    "Endpoints",
+    "Transport",
+]
 
 #: Routing ids of the inproc sockets that wake the thread receiving on the recv socket
 #: (a message from them only means "look at your conditions again").
 WAKE_ID = b"mk-wake"
 SIGINT_ID = b"mk-sigint"
-
-
-class BackpressureError(MonarchError):
-    """The controller's queues for busy ranks are full and the caller asked not to wait."""
-
-
-@dataclass(frozen=True)
-class CurveKeys:
-    """A CURVE mesh's keys, as a controller that attaches takes them over: the server
-    keypair, and per host the client key it admits and the routing-id tag (z85/str)."""
-
-    public: str
-    secret: str
-    hosts: dict[int, tuple[str, str]]  #: host -> (its client public key, its ident tag)
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    """Where an earlier controller of a detachable mesh listened: a controller that
-    attaches binds the same sockets (unix sockets, or tcp addresses with the same CURVE
-    keys), and its ranks and agents reconnect by themselves."""
-
-    send: str
-    recv: str
-    ipc_dir: str | None  #: the private directory holding them (removed on a stop)
-    curve: CurveKeys | None = None  #: a tcp mesh's keys
-
-
-#: Seconds a controller that attaches to a tcp mesh retries binding its addresses (the
-#: kernel it took the mesh from with ``--force`` closes them a moment later).
-REBIND_TIMEOUT = 10.0
 
 
 class Transport:
@@ -145,7 +118,7 @@ class Transport:
         self.recv_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.recv_sock.setsockopt(zmq.LINGER, 0)
         limit_size(self.recv_sock)  # ZMQ_MAXMSGSIZE: no frame above it is allocated
-        self._ipc_dir = reuse.ipc_dir if reuse else _private_ipc_dir() if bind == "ipc" else None
+        self._ipc_dir = reuse.ipc_dir if reuse else private_ipc_dir() if bind == "ipc" else None
         #: The mesh's CURVE keys when it listens on tcp (None on unix sockets).
         self.curve: Curve | None = None
         self._zap_domain = f"mk-{name}-{id(self):x}"
@@ -162,16 +135,10 @@ class Transport:
         wake_addr = f"inproc://mk-wake-{id(self)}"
         self.recv_sock.bind(wake_addr)
         self._wake_lock = threading.Lock()
-        self._wake_sock = _wake_socket(ctx, WAKE_ID, wake_addr)
-        self._sigint_sock = _wake_socket(ctx, SIGINT_ID, wake_addr)  # main thread only
-        # Flow control (see the module docstring); the backlogs change under send_lock.
-        # Per peer: (frames, bytes, calls) not taken yet; ``backlog_messages`` counts the
-        # calls (a batch counts as the calls it carries).
-        self._backlog: dict[bytes, deque[tuple[list[Buffer], int, int]]] = {}
-        self.backlog_messages = 0
-        self.backlog_bytes = 0
-        self._room = threading.Condition()
-        self._closed = False
+        self._wake_sock = wake_socket(ctx, WAKE_ID, wake_addr)
+        self._sigint_sock = wake_socket(ctx, SIGINT_ID, wake_addr)  # main thread only
+        # Flow control (controller.backlog); the backlogs change under send_lock.
+        self._backlog = Backlog(name, self.send_sock, self.wake)
         #: Fire-and-forget calls not sent yet (:meth:`send_fire`; under send_lock).
         self._batch = Batcher()
         #: Told when a call starts a new batch: make the I/O thread flush (set by the
@@ -181,7 +148,7 @@ class Transport:
         self.batched_calls = 0
         self.batches_sent = 0
 
-    def _bind(self, bind: str, reuse: Endpoints | None = None) -> tuple[str, str]:
+    def _bind(self, address: str, reuse: Endpoints | None = None) -> tuple[str, str]:
         """Bind both ROUTERs (CURVE servers on tcp); their addresses. On failure the
         sockets are closed and :class:`MeshStartError` says why."""
         if self._ipc_dir is None and (reuse is None or reuse.curve is not None):
@@ -190,14 +157,14 @@ class Transport:
                 curve_server(sock, self.curve, self._zap_domain)
         try:
             if reuse is not None:  # an earlier controller's sockets
-                _rebind(self.send_sock, reuse.send)
-                _rebind(self.recv_sock, reuse.recv)
+                rebind(self.send_sock, reuse.send)
+                rebind(self.recv_sock, reuse.recv)
                 return reuse.send, reuse.recv
             if self._ipc_dir is not None:
-                send_addr = _bind(self.send_sock, f"ipc://{self._ipc_dir}/send")
-                return send_addr, _bind(self.recv_sock, f"ipc://{self._ipc_dir}/recv")
-            bind = "127.0.0.1" if bind == "ipc" else bind
-            return _bind(self.send_sock, bind), _bind(self.recv_sock, bind)
+                send_addr = bind(self.send_sock, f"ipc://{self._ipc_dir}/send")
+                return send_addr, bind(self.recv_sock, f"ipc://{self._ipc_dir}/recv")
+            address = "127.0.0.1" if address == "ipc" else address
+            return bind(self.send_sock, address), bind(self.recv_sock, address)
         except (zmq.ZMQError, ValueError) as exc:  # ValueError: a bad $MONARCH_KERNEL_PORTS
             self.send_sock.close()
             self.recv_sock.close()
@@ -301,14 +268,14 @@ class Transport:
         with self.send_lock, DeferSigint():
             if self._batch:
                 self._send_batch()
-            self._deliver(self.host_id(host), frames, len(payload))
+            self._backlog.deliver(self.host_id(host), frames, len(payload))
 
     def heartbeat(self, host: int) -> None:
         """A heartbeat to host agent ``host``, unless it has not read what was sent."""
         ident = self.host_id(host)
         with self.send_lock:
             if ident not in self._backlog:
-                self._deliver(ident, self.codec.encode({"k": K.HEARTBEAT}), 0)
+                self._backlog.deliver(ident, self.codec.encode({"k": K.HEARTBEAT}), 0)
 
     def send(
         self,
@@ -374,13 +341,13 @@ class Transport:
                 ):
                     header["f"] = 1
                     frames = self.codec.encode(header, payload)
-                    self._deliver(self.host_id(host), frames, len(payload), n * len(group))
+                    self._backlog.deliver(self.host_id(host), frames, len(payload), n * len(group))
                     self.batches_sent += 1
                     continue
                 # one encoding for every rank of the group: each finds its ``q`` by ``d``
                 frames = self.codec.encode(header, payload)
                 for r in group:
-                    self._deliver(self.rank_id(r), frames, len(payload), n)
+                    self._backlog.deliver(self.rank_id(r), frames, len(payload), n)
                 self.batches_sent += len(group)
 
     def _send(
@@ -422,7 +389,7 @@ class Transport:
         total = 0
         for frames in parts:
             size = frames_size(frames)
-            self._deliver(ident, frames, size)
+            self._backlog.deliver(ident, frames, size)
             total += size
         return total
 
@@ -450,8 +417,8 @@ class Transport:
             if self._batch:  # sent to its previous incarnation, like what came before
                 self._send_batch()
             self.next_seq[rank] = self.seq_base
-            self._drop(self.rank_id(rank))
-            self._drop(self.rank_id(rank, b"c"))
+            self._backlog.drop(self.rank_id(rank))
+            self._backlog.drop(self.rank_id(rank, b"c"))
 
     def send_control(
         self, rank: int, header: Header, payload: bytes = b"", buffers: Sequence[Buffer] = ()
@@ -464,26 +431,15 @@ class Transport:
                 self._send_batch()
             self._ranks[rank].bytes_out += self._deliver_parts(self.rank_id(rank, b"c"), parts)
 
-    # -- flow control --------------------------------------------------------------------
-    def _deliver(self, ident: bytes, frames: list[Buffer], size: int, calls: int = 1) -> None:
-        """Send now, or queue behind what ``ident`` has not taken yet (send_lock held);
-        ``calls``: how many calls the message carries (a batch: several)."""
-        queue = self._backlog.get(ident)
-        if queue is None:
-            try:
-                wire_send(self.send_sock, frames, [ident], _NOBLOCK)
-                return
-            except zmq.Again:  # its queue is full: keep it here, retried by the I/O thread
-                queue = self._backlog[ident] = deque()
-                self.wake()
-            except zmq.ZMQError as exc:
-                # Not connected (any more): a dead rank's death report, pushed by its host
-                # agent, fails whatever waits on it.
-                log.debug("mesh %s: send to %r failed: %s", self.name, ident, exc)
-                return
-        queue.append((frames, size, calls))
-        self.backlog_messages += calls
-        self.backlog_bytes += size
+    # -- flow control (controller.backlog) -------------------------------------------
+    @property
+    def backlog_messages(self) -> int:
+        """Calls waiting in the controller for busy peers (a batch: the calls in it)."""
+        return self._backlog.messages
+
+    @property
+    def backlog_bytes(self) -> int:
+        return self._backlog.nbytes
 
     @property
     def backlogged(self) -> bool:
@@ -499,61 +455,13 @@ class Transport:
                     self._send_batch()
         if not self._backlog:
             return False
-        sent = False
         with self.send_lock:
-            for ident, queue in list(self._backlog.items()):
-                while queue:
-                    frames, size, calls = queue[0]
-                    try:
-                        wire_send(self.send_sock, frames, [ident], _NOBLOCK)
-                    except zmq.Again:
-                        break
-                    except zmq.ZMQError as exc:
-                        log.debug("mesh %s: %r is gone: %s", self.name, ident, exc)
-                        self._drop(ident)
-                        break
-                    queue.popleft()
-                    self.backlog_messages -= calls
-                    self.backlog_bytes -= size
-                    sent = True
-                if not queue:
-                    self._backlog.pop(ident, None)
-            left = bool(self._backlog)
-        if sent:
-            with self._room:
-                self._room.notify_all()
-        return left
-
-    def _drop(self, ident: bytes) -> None:
-        queue = self._backlog.pop(ident, None)
-        if queue:
-            self.backlog_messages -= sum(calls for _, _, calls in queue)
-            self.backlog_bytes -= sum(size for _, size, _ in queue)
-
-    def _full(self) -> bool:
-        return (
-            self.backlog_messages >= MAX_BACKLOG_MESSAGES or self.backlog_bytes >= MAX_BACKLOG_BYTES
-        )
+            return self._backlog.flush()
 
     def wait_for_room(self, wait: bool = True) -> None:
-        """Return when the backlogs are under their bounds (at once, almost always).
-
-        Interruptible: the wait is in short slices, so Ctrl-C raises in the main thread,
-        and closing the transport (stopping the mesh) raises ``MeshStoppedError``.
-        """
-        if not self._full():
-            return
-        if not wait:
-            raise BackpressureError(
-                f"mesh {self.name!r}: {self.backlog_messages} messages "
-                f"({self.backlog_bytes / 2**20:.0f} MiB) wait for busy ranks to read them; "
-                "wait for results (.get()) before sending more, or send with waiting allowed"
-            )
-        with self._room:
-            while self._full() and not self._closed:
-                self._room.wait(0.1)
-        if self._closed:
-            raise MeshStoppedError(f"mesh {self.name!r} was stopped while this call waited")
+        """Return when the backlogs are under their bounds (at once, almost always);
+        interruptible (see :meth:`.Backlog.wait_for_room`)."""
+        self._backlog.wait_for_room(wait)
 
     def probe(self, identities: list[bytes], timeout: float = 10.0) -> bool:
         """Wait until the send socket can route to ``identities`` (False: some could
@@ -603,13 +511,10 @@ class Transport:
         """Close every socket and remove the private directory (nobody receives now);
         ``keep_addresses``: keep the directory (a detachable mesh's next controller
         binds there)."""
-        with self._room:
-            self._closed = True
-            self._room.notify_all()
+        self._backlog.close()
         with self.send_lock:
             self._batch.clear()
             self._backlog.clear()
-            self.backlog_messages = self.backlog_bytes = 0
         for sock in (self.send_sock, self.recv_sock, self._wake_sock, self._sigint_sock):
             sock.close(0)
         if self.curve is not None:
@@ -620,45 +525,3 @@ class Transport:
     def _remove_ipc_dir(self) -> None:
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-
-def _wake_socket(ctx: zmq.Context[zmq.Socket[bytes]], ident: bytes, addr: str) -> zmq.Socket[bytes]:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, ident)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 16)
-    sock.connect(addr)
-    return sock
-
-
-def _private_ipc_dir() -> str | None:
-    """A fresh 0700 directory for the controller's unix sockets (None: use tcp)."""
-    if not zmq.has("ipc"):
-        return None
-    path = tempfile.mkdtemp(prefix="mk-mesh-")
-    if len(path) > 90:  # unix socket paths are limited to about 100 bytes
-        os.rmdir(path)
-        return None
-    mark_owners(path, [os.getpid()])  # swept once its owners are gone (wire.tempdirs)
-    return path
-
-
-def _rebind(sock: zmq.Socket[bytes], addr: str) -> None:
-    """Bind ``addr``, an earlier controller's; a tcp port it still holds (it is being
-    told it was taken over) is retried for :data:`REBIND_TIMEOUT` seconds."""
-    deadline = time.monotonic() + REBIND_TIMEOUT
-    while True:
-        try:
-            sock.bind(addr)
-            return
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
-                raise
-        time.sleep(0.05)
-
-
-def _bind(sock: zmq.Socket[bytes], host: str) -> str:
-    if host.startswith(("ipc://", "tcp://")):
-        sock.bind(host)
-        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    return f"tcp://{host}:{bind_port(sock, host)}"
