@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from netns import NetHosts, make_hosts
@@ -83,6 +86,28 @@ class SlurmCluster:
         """Ids of the jobs this cluster still has (pending, running or completing)."""
         out = self.run("squeue", "-h", "-o", "%i").stdout
         return out.split()
+
+    def submit_python(self, folder: Path, source: str, nodes: int = 2) -> str:
+        """``sbatch`` a job of ``nodes`` nodes whose script runs ``source`` with this
+        interpreter (its first argument: ``folder/result.json``; its output in
+        ``folder/job-ID.out``); the job id."""
+        snippet = folder / "snippet.py"
+        snippet.write_text(source)
+        script = folder / "job.sh"
+        script.write_text(f"#!/bin/sh\nexec {sys.executable} {snippet} {folder / 'result.json'}\n")
+        folder.chmod(0o755)
+        out = self.run(
+            "sbatch",
+            f"--nodes={nodes}",
+            "--ntasks-per-node=1",
+            "--job-name=mk-batch",
+            f"--output={folder}/job-%j.out",
+            str(script),
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        (job,) = re.findall(r"Submitted batch job (\d+)", out.stdout)
+        return str(job)
 
     def log(self, name: str) -> str:
         try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import time
 from collections.abc import Iterator
 
@@ -246,22 +245,8 @@ def test_grow_and_shrink_a_slurm_mesh_by_a_host(cluster: SlurmCluster):
 def test_grow_inside_the_users_job(cluster: SlurmCluster, tmp_path):
     """Inside a 2-node batch job (``$SLURM_JOB_ID``): the grown host is a second step of
     ours in that job on its other node; the shrink ends that step, never the job."""
-    snippet, result = tmp_path / "snippet.py", tmp_path / "result.json"
-    snippet.write_text(INSIDE_JOB)
-    script = tmp_path / "job.sh"
-    script.write_text(f"#!/bin/sh\nexec {sys.executable} {snippet} {result}\n")
-    tmp_path.chmod(0o755)
-    out = cluster.run(
-        "sbatch",
-        "--nodes=2",
-        "--ntasks-per-node=1",
-        "--job-name=mk-batch",
-        f"--output={tmp_path}/job-%j.out",
-        str(script),
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    (job,) = re.findall(r"Submitted batch job (\d+)", out.stdout)
+    result = tmp_path / "result.json"
+    job = cluster.submit_python(tmp_path, INSIDE_JOB)
     wait_until(lambda: job not in _jobs(cluster), timeout=120, what=f"batch job {job} to end")
     logs = "".join(p.read_text() for p in tmp_path.glob("job-*.out"))
     assert result.exists(), logs

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -159,22 +158,8 @@ finally:
 def test_mesh_inside_an_sbatch_job(cluster, tmp_path):
     """The batch script's python makes a slurm mesh: $SLURM_JOB_ID is set, so the
     agents run as a step of that job (no second allocation)."""
-    snippet, result = tmp_path / "snippet.py", tmp_path / "result.json"
-    snippet.write_text(BATCH_SNIPPET)
-    script = tmp_path / "job.sh"
-    script.write_text(f"#!/bin/sh\nexec {sys.executable} {snippet} {result}\n")
-    tmp_path.chmod(0o755)
-    out = cluster.run(
-        "sbatch",
-        "--nodes=2",
-        "--ntasks-per-node=1",
-        "--job-name=mk-batch",
-        f"--output={tmp_path}/job-%j.out",
-        str(script),
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    (job,) = re.findall(r"Submitted batch job (\d+)", out.stdout)
+    result = tmp_path / "result.json"
+    job = cluster.submit_python(tmp_path, BATCH_SNIPPET)
     # sbatch --wait polls slowly; squeue every 0.1 s ends the test sooner.
     wait_until(lambda: job not in cluster.jobs(), timeout=60, what=f"batch job {job} to end")
     logs = "".join(p.read_text() for p in tmp_path.glob("job-*.out"))
