@@ -29,7 +29,7 @@ from monarch_kernel.rank import context, peer_keys
 from monarch_kernel.rank.actors import Running
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.rank.outbox import Outbox
-from monarch_kernel.rank.signals import MainThread
+from monarch_kernel.rank.signals import TERMINATED_CODE, MainThread, RankTerminated
 from monarch_kernel.wire import Codec, Message, WireError, peer_address
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
@@ -348,6 +348,15 @@ class Inbox:
                 loop.call_soon(self.pump)  # anything that came before the reader saw it
                 result = loop.run_until_complete(result)
             return result
+        except RankTerminated:
+            raise
+        except BaseException as exc:
+            # SIGTERM's RankTerminated raised inside native code that turned it into an
+            # error of its own (torch's autograd: "Cannot extract tensors from value:
+            # RankTerminated: 143"): the rank is stopping, its cell did not fail.
+            if main.terminating:
+                raise RankTerminated(TERMINATED_CODE) from exc
+            raise
         finally:
             main.in_user_code = outer
 
