@@ -16,6 +16,9 @@ sharing this machine's cores. Per size, with the mesh up and idle beside it:
 * ``cell``: a trivial cell (``pass``) run on every rank: the very request ``%%remote``
   sends (an ``exec``), gathered, without the Jupyter front end;
 * ``bcast``: fire-and-forget endpoint calls delivered per second to every rank;
+* ``ctl_cpu``: the controller's own CPU time (this process, all its threads) per
+  gathered call, over 50 calls: what the controller pays, apart from the ranks and
+  agents that share this machine's cores with it;
 * ``msgs``: messages the controller received per gathered call (its counters):
   ``reply_msgs`` only those carrying replies (``res`` and ``fan_in``: the target is one
   per host), ``all_msgs`` every message (heartbeats and once-a-second stats included);
@@ -37,6 +40,7 @@ import argparse
 import json
 import os
 import pickle
+import resource
 import statistics
 import sys
 import time
@@ -110,10 +114,12 @@ def one_size(n: int, iters: int) -> dict[str, Any]:
             iters * 4,
         )
         row["cell"] = med(run_cell, iters)
-        k = 20
+        k = 50
         kinds0, got0 = dict(inbound.kinds), inbound.received
+        cpu0 = _cpu_seconds()
         for _ in range(k):
             gather()
+        row["ctl_cpu"] = (_cpu_seconds() - cpu0) / k
         kinds1, got1 = dict(inbound.kinds), inbound.received
         replies = sum(kinds1.get(x, 0) - kinds0.get(x, 0) for x in (K.RESULT, K.FAN_IN))
         row["reply_msgs"] = replies / k
@@ -124,6 +130,14 @@ def one_size(n: int, iters: int) -> dict[str, Any]:
         procs.stop()
         procs.runtime.launcher.shutdown()
     return row
+
+
+def _cpu_seconds() -> float:
+    """CPU time (user + system, every thread) of this process: the controller. Unlike a
+    call's wall time it does not count the ranks' and agents' work on the same cores, so
+    it shows how the controller's own cost grows with ranks on a machine of 2 cores."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _hosts_ready_at(rt: Any, t0: float) -> float | None:
@@ -227,23 +241,26 @@ def markdown(rows: list[dict[str, Any]], cost: dict[str, float] | None, fanin: b
         f" load {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs)",
         "",
         "| ranks | hosts | ready | agents ready | gathered call | raw floor (same n) | "
-        "÷ floor | trivial cell | broadcast delivered | reply msgs / call | all msgs / call |"
-        " one-rank call | raw 1 | ÷ raw |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "÷ floor | controller CPU / call | trivial cell | broadcast delivered | "
+        "reply msgs / call | all msgs / call | one-rank call | raw 1 | ÷ raw |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
             f"| {r['ranks']} | {r['hosts']} | {r['ready']:.1f} s | "
             f"{secs(r.get('hosts_ready'))} | "
             f"{ms(r['gather'])} | {ms(r['floor'])} | {r['gather'] / r['floor']:.2f}× | "
-            f"{ms(r['cell'])} | {r['bcast']:,.0f}/s | {r['reply_msgs']:.1f} | "
+            f"{us(r.get('ctl_cpu'))} | {ms(r['cell'])} | {r['bcast']:,.0f}/s | "
+            f"{r['reply_msgs']:.1f} | "
             f"{r['all_msgs']:.1f} | {us(r['one'])} | {us(r['floor_1'])} | "
             f"{r['one'] / r['floor_1']:.2f}× |"
         )
     by = {r["ranks"]: r for r in rows}
     if 16 in by and 128 in by:
         out.append(
-            f"\n128-rank ÷ 16-rank gathered call: {by[128]['gather'] / by[16]['gather']:.2f}×"
+            f"\n128-rank ÷ 16-rank gathered call: {by[128]['gather'] / by[16]['gather']:.2f}× "
+            f"(the raw floor: {by[128]['floor'] / by[16]['floor']:.2f}×; the controller's "
+            f"CPU per call: {by[128]['ctl_cpu'] / by[16]['ctl_cpu']:.2f}×)"
         )
     if cost:
         out += [
