@@ -92,6 +92,7 @@ WIRE: list[dict] = [
     {"k": K.HEARTBEAT, "h": 1},
     {"k": K.FAN_IN, "h": 1, "i": "q1"},
     {"k": K.FAN_DIRECT, "r": 3, "i": "q1"},
+    {"k": K.HOST_STATS, "h": 2},
     {"k": K.CHUNK, "st": "s1", "x": 0, "o": 4194304},
     {"k": K.CHUNK, "st": "s1", "x": 1, "o": 0, "f": 1, "d": [0, -1, 1]},
     {"k": K.HOST_READY, "h": 0, "pid": 9, "host": "box", "addr": "127.0.0.1", "port": 2900},

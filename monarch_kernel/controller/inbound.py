@@ -165,6 +165,7 @@ class Inbound:
             K.RESUMED: typed(H.Resumed.decode, self._on_resumed),
             K.TRAIN_NOTICE: typed(H.RankNotice.decode, self._on_train),
             K.FAN_IN: typed(H.FanIn.decode, self._on_fan_in),
+            K.HOST_STATS: typed(H.HostStats.decode, self._on_host_stats),
         }
 
     def add_handler(self, kind: str, handler: Handler) -> None:
@@ -301,15 +302,31 @@ class Inbound:
             events.emit(MetricReported(self._name, h.rank, h.request, values, time.time()))
 
     def _on_stats(self, h: H.RankNotice, msg: Message) -> None:
-        stats: RankStats = pickle.loads(msg.payload)
-        info = self._ranks[h.rank]
+        self._stats(h.rank, pickle.loads(msg.payload))
+
+    def _on_host_stats(self, h: H.HostStats, msg: Message) -> None:
+        """A host agent's ranks' latest stats, sent on together once a second."""
+        try:
+            by_rank = pickle.loads(msg.payload)
+            items = [(r, pickle.loads(p)) for r, p in by_rank.items()]
+        except Exception as exc:  # signed by our agent: another version?
+            log.warning("mesh %s dropped host %s's stats: %s", self._name, h.host, exc)
+            return
+        ranks, world = self._ranks, self._world
+        for rank, stats in items:
+            # an agent speaks only for its own ranks (a removed rank's may come late)
+            if isinstance(rank, int) and 0 <= rank < world and ranks[rank].host == h.host:
+                self._stats(rank, stats)
+
+    def _stats(self, rank: int, stats: RankStats) -> None:
+        info = self._ranks[rank]
         info.stats = stats
         info.last_seen = time.monotonic()
         if "pg" in stats:
             self._recipe.pg_backend = stats["pg"]
         events = self._events
         if events.wants(StatsReported):
-            events.emit(StatsReported(self._name, h.rank, stats, time.time()))
+            events.emit(StatsReported(self._name, rank, stats, time.time()))
 
     def _on_fault(self, h: H.RankNotice, msg: Message) -> None:
         report: FailureReport = pickle.loads(msg.payload)

@@ -6,11 +6,17 @@ private directory. Output chunks and small replies go into the request's
 :class:`~monarch_kernel.wire.fanin.Batch`; anything else (a display, a metric, an
 ``input``, a large value in chunks) goes on to the controller unchanged, right after
 what the batch held for its request, so each rank's messages keep their order.
+
+The ranks' once-a-second ``stats`` come here too: the latest of each rank is kept and
+all of them go on as one ``host_stats`` message a second (:data:`STATS_EVERY`), so the
+controller's idle traffic grows with hosts, not ranks. A rank's stats wait at most that
+long; a dead rank's are dropped (its death says more).
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +39,8 @@ log = logging.getLogger("monarch_kernel.host")
 #: a ``kill_ranks`` or a rank's exit report; what is left is taken next time round.
 RECEIVE_BUDGET = 0.02
 RECEIVE_MAX = 256
+#: Seconds between two ``host_stats`` messages (the ranks send theirs once a second).
+STATS_EVERY = 1.0
 
 #: ``send(header, payload)``: the agent's send to its controller.
 Send = Callable[[H.WireHeader, bytes], None]
@@ -70,6 +78,9 @@ class FanInSocket:
         #: ``fan_in`` messages sent, and rank messages that went into them.
         self.sent = 0
         self.combined = 0
+        #: rank -> its latest ``stats`` payload not sent on yet, and when they go.
+        self.stats: dict[int, bytes] = {}
+        self._stats_due: float | None = None
 
     def expect(self, request: str, ranks: list[int]) -> None:
         """The controller fanned ``request`` out to ``ranks`` (ours) and waits for replies."""
@@ -83,10 +94,13 @@ class FanInSocket:
         self.receive()
         for request, parts in self.table.rank_gone(rank):
             self.send_parts(request, parts)
+        self.stats.pop(rank, None)
 
     def timeout_ms(self, longest: int) -> int:
         """How long the agent's poll may wait: until the next batch is due."""
         deadline = self.table.next_deadline()
+        if self._stats_due is not None:
+            deadline = self._stats_due if deadline is None else min(deadline, self._stats_due)
         if deadline is None:
             return longest
         left = int((deadline - time.monotonic()) * 1000) + 1
@@ -115,10 +129,15 @@ class FanInSocket:
             return
         h = msg.header
         kind, request, rank = h.get("k"), h.get("i"), h.get("r")
+        now = time.monotonic()
+        if kind == K.STATS and isinstance(rank, int):
+            if self._stats_due is None:
+                self._stats_due = now + STATS_EVERY
+            self.stats[rank] = bytes(msg.payload)
+            return
         if not isinstance(request, str) or not isinstance(rank, int):
             self.pass_on(None, frames)
             return
-        now = time.monotonic()
         if kind == K.STREAM and isinstance(h.get("n"), str):
             self.table.stream(request, rank, h["n"], bytes(msg.payload), now)
             self.combined += 1
@@ -145,9 +164,15 @@ class FanInSocket:
         wire_send(self.out, frames)
 
     def send_due(self) -> None:
-        """Send the batches that are complete or whose window is over."""
-        for request, parts in self.table.due(time.monotonic()):
+        """Send the batches that are complete or whose window is over, and the ranks'
+        stats once a second."""
+        now = time.monotonic()
+        for request, parts in self.table.due(now):
             self.send_parts(request, parts)
+        if self._stats_due is not None and now >= self._stats_due:
+            stats, self.stats, self._stats_due = self.stats, {}, None
+            if stats:
+                self._send(H.HostStats(host=self.host).encode(), pickle.dumps(stats))
 
     def send_parts(self, request: str, parts: list[Part]) -> None:
         if parts:

@@ -78,6 +78,8 @@ class ControlThread:
         self.debugger = debugger
         self.stdin = stdin
         self.parent = os.getppid()
+        #: The process group backend the controller was last told of (``stats["pg"]``).
+        self._pg_told: object = None
         #: A detachable mesh's rank: the controller link whose events this thread reads.
         self.link: ControllerLink | None = None
         #: Reassembles large pushed values, which come in chunks.
@@ -155,10 +157,15 @@ class ControlThread:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             stats["gpu_mem"] = torch.cuda.memory_allocated()
+        header, payload = H.RankNotice(kind=K.STATS, rank=self.rank).encode(), pickle.dumps(stats)
         try:
-            self.outbox.send(
-                H.RankNotice(kind=K.STATS, rank=self.rank).encode(), pickle.dumps(stats)
-            )
+            if stats.get("pg") != self._pg_told:
+                # A new process group goes straight to the controller, not a second
+                # later with the host's stats: a restart re-forms the group from it.
+                self.outbox.send(header, payload)
+                self._pg_told = stats.get("pg")
+            else:
+                self.outbox.send_stats(header, payload)
         except zmq.ZMQError:
             pass
 

@@ -127,6 +127,17 @@ class Outbox:
         if self.main.pending_signal is not None:  # a signal came while the main thread sent
             self.main.raise_pending()
 
+    def send_stats(self, header: H.WireHeader, payload: bytes) -> None:
+        """The once-a-second ``stats`` (control thread): to the host agent where fan-in
+        is on (it sends all its ranks' latest stats on as one message a second), else
+        to the controller as any message."""
+        agent = self.agent
+        if agent is None or self.link is not None:
+            self.send(header, payload)
+            return
+        with self.lock:
+            wire_send(agent, self.codec.encode(header, payload))
+
     def _via_agent(self, request: str, parts: list[list[Any]]) -> None:
         """Send a message of a fan-in request to the host agent (FIFO with the rest)."""
         agent = self.agent

@@ -388,6 +388,9 @@ PORT = "port"
 FAN_IN = "fan_in"
 #: rank -> its host agent: its reply to request ``i`` went to the controller directly.
 FAN_DIRECT = "fan_direct"
+#: The latest once-a-second ``stats`` of the agent's ranks, combined: header ``h``;
+#: payload a pickled ``{rank: that rank's stats payload}`` (``host.fanin``).
+HOST_STATS = "host_stats"
 #: To the controller holding a detachable mesh: another one took it over (``%mesh attach
 #: --force``); header ``by``: ``[pid, hostname]`` of the new one.
 TAKEN_OVER = "taken_over"
@@ -445,6 +448,6 @@ TRAIN_NOTICE = "train_notice"
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 7  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
+PROTOCOL_VERSION = 8  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
 # 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``;
-# 6: fan-in (``fan_in``, ``fan_direct``); 7: ``batch``
+# 6: fan-in (``fan_in``, ``fan_direct``); 7: ``batch``; 8: ``host_stats``

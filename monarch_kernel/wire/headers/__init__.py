@@ -30,7 +30,7 @@ from monarch_kernel.wire.headers.control import (
     ControlRequest,
     InputReply,
 )
-from monarch_kernel.wire.headers.fanin import FanIn, FanInDirect
+from monarch_kernel.wire.headers.fanin import FanIn, FanInDirect, HostStats
 from monarch_kernel.wire.headers.from_rank import (
     Display,
     Input,
@@ -118,6 +118,7 @@ AnyHeader: TypeAlias = (
     | TakenOver
     | FanIn
     | FanInDirect
+    | HostStats
 )
 
 _CLASSES: tuple[Any, ...] = (
@@ -157,6 +158,7 @@ _CLASSES: tuple[Any, ...] = (
     TakenOver,
     FanIn,
     FanInDirect,
+    HostStats,
 )
 #: kind -> the decoder of its header
 DECODERS: dict[str, Callable[[WireHeader], Any]] = {cls.KIND: cls.decode for cls in _CLASSES}
@@ -218,6 +220,7 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "HostReady",
+    "HostStats",
     "Input",
     "InputReply",
     "KillRanks",

@@ -44,6 +44,31 @@ class FanIn:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class HostStats:
+    """``host_stats``: host agent ``h`` sends on the latest ``stats`` of its ranks, once
+    a second for them all (payload: a pickled ``{rank: the rank's stats payload}``)."""
+
+    KIND: ClassVar[str] = K.HOST_STATS
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"h"}
+
+    host: int
+
+    def encode(self) -> WireHeader:
+        return {"k": K.HOST_STATS, "h": self.host}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> HostStats:
+        check_keys(cls, h)
+        try:
+            host = h["h"]
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+        if not isinstance(host, int):
+            raise HeaderError(f"{cls.KIND!r} header: bad 'h'")
+        return cls(host=host)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FanInDirect:
     """``fan_direct`` (rank ``r`` -> its host agent): its reply to request ``i`` went to
     the controller directly (too large to combine); the agent waits no more for it."""
