@@ -72,21 +72,32 @@ def slurm_nodes(partition: str | None, env: dict[str, str]) -> list[Node]:
     return list(nodes.values())
 
 
-def step_nodes(job: str | None, step_name: str, env: dict[str, str]) -> list[str]:
-    """The node names our step ``step_name`` of ``job`` runs on (expanded), or [] when
-    Slurm cannot say (the step is not running yet)."""
+def job_steps(job: str | None, env: dict[str, str]) -> list[tuple[str, str, str]]:
+    """The running steps of ``job`` as ``(step id, step name, node list)``; [] when
+    Slurm cannot say."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         out = subprocess.run(
-            ["squeue", "-h", "-s", "-j", str(job), "-o", "%j|%N"],
+            ["squeue", "-h", "-s", "-j", str(job), "-o", "%i|%j|%N"],
             env=env,
             capture_output=True,
             text=True,
             timeout=CLIENT_TIMEOUT,
         )
+        steps = []
         for line in out.stdout.splitlines():
-            name, _, nodes = line.strip().partition("|")
-            if name == step_name and nodes:
-                return hostnames(nodes, env)
+            step, _, rest = line.strip().partition("|")
+            name, _, nodes = rest.partition("|")
+            steps.append((step, name, nodes))
+        return steps
+    return []
+
+
+def step_nodes(job: str | None, step_name: str, env: dict[str, str]) -> list[str]:
+    """The node names our step ``step_name`` of ``job`` runs on (expanded), or [] when
+    Slurm cannot say (the step is not running yet)."""
+    for _, name, nodes in job_steps(job, env):
+        if name == step_name and nodes:
+            return hostnames(nodes, env)
     return []
 
 
@@ -228,17 +239,9 @@ def srun_argv(
 # -- cancelling ------------------------------------------------------------------------
 def cancel_step(job: str | None, step_name: str, env: dict[str, str]) -> None:
     """scancel the step of ``job`` named ``step_name`` only, never the job itself."""
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(
-            ["squeue", "-h", "-s", "-j", str(job), "-o", "%i %j"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=CLIENT_TIMEOUT,
-        )
-        for line in out.stdout.splitlines():
-            step, _, name = line.strip().partition(" ")
-            if name == step_name:
+    for step, name, _ in job_steps(job, env):
+        if name == step_name:
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
                 subprocess.run(
                     ["scancel", step], env=env, capture_output=True, timeout=CLIENT_TIMEOUT
                 )
