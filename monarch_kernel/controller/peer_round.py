@@ -414,10 +414,15 @@ class Recovery:
 
     def _resume(self, epoch: int) -> None:
         with self._cond:
+            # Once told to resume a rank is parked no more, also when a death breaks
+            # this round before every rank answered: the next round must wait for it to
+            # park again (its step fails on the dead rank), not send it orders now. A
+            # rank drops the orders it finds queued when it parks (stale: their round
+            # gave up on them), so an order sent while it still ran its step was lost,
+            # and the next round waited STEP_WAIT for a rendezvous it would never join.
             parked = sorted(self.parked)
-        self._ask(parked, Order("resume", self.rid), epoch, "resuming")
-        with self._cond:
             self.parked.clear()
+        self._ask(parked, Order("resume", self.rid), epoch, "resuming")
 
     # -- the outcome ----------------------------------------------------------------------
     def _report(self, offered: Offered, transfer: Notice | None) -> None:
