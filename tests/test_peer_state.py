@@ -202,6 +202,43 @@ def test_a_second_death_during_the_recovery_is_recovered_too(kernel, tmp_path):
     kernel.run(f"%mesh stop {mesh}")
 
 
+# Rank 3 dies as the first recovery tells it to resume, before it answers; ranks 0-1
+# take 6 s to resume (a long step: they park again only after the next round has
+# restarted rank 3). That round must wait for them to park, not send them its orders
+# while they still run their step: they dropped those as stale when they parked, and
+# the round waited 120 s for a rendezvous they never joined.
+DIE_ON_RESUME = """KILLED = os.path.join(PIDS, "killed") if PIDS else ""
+import monarch_kernel.rank.train_park as _park
+_obey = _park._obey
+slow_once = RANK in (0, 1)
+def obey_then_die(state, order):
+    global slow_once
+    if order.op == "resume" and RANK == 3 and not os.path.exists(KILLED):
+        open(KILLED, "w").close()
+        os.kill(os.getpid(), 9)
+    if order.op == "resume" and slow_once:
+        slow_once = False
+        time.sleep(6)
+    return _obey(state, order)
+_park._obey = obey_then_die
+"""
+
+
+def test_a_death_while_the_ranks_resume_is_recovered_too(kernel, tmp_path):
+    mesh = "ps5"
+    _start(kernel, mesh, str(tmp_path), DIE_ON_RESUME)
+    pids = pids_of(kernel, mesh)
+    cell = train(kernel, mesh, 0.05)
+    kernel.wait_for_output(cell, "step 10", timeout=60)
+    os.kill(pids[2], signal.SIGKILL)
+    r = kernel.collect(cell, timeout=100)
+    assert not r.errors, r.error_text + r.stdout + r.stderr
+    text = r.stdout + r.stderr
+    assert "rank 2 died (killed by SIGKILL); rank 3 died (killed by SIGKILL) at step" in text
+    check_recovered(kernel, mesh, pids, {2, 3})
+    kernel.run(f"%mesh stop {mesh}")
+
+
 # The restarted rank kills the replica that offered it its state just before it pulls
 # the state: the sending peer dies during the transfer.
 KILL_THE_SOURCE = """killed_source = False
