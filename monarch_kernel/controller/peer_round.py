@@ -113,6 +113,9 @@ class Recovery:
         #: restarted ranks -> ``setup`` (needs its set-up), ``ready``, ``sent`` (runs the cell)
         self.fresh: dict[int, str] = {}
         self.parked: dict[int, Notice] = {}
+        #: Ranks told to resume that have not all answered (a death broke the round,
+        #: or one refused): they may still be parked, so a give-up raises them too.
+        self.resuming: set[int] = set()
         self.loaded: dict[int, Notice] = {}
         self.restarted: list[int] = []
         self.deaths: list[int] = [first_dead]
@@ -142,6 +145,7 @@ class Recovery:
             self.deaths.append(rank)
             self.fresh.pop(rank, None)
             self.parked.pop(rank, None)
+            self.resuming.discard(rank)
             self.loaded.pop(rank, None)
             self._epoch += 1
             self._cond.notify_all()
@@ -422,7 +426,10 @@ class Recovery:
             # and the next round waited STEP_WAIT for a rendezvous it would never join.
             parked = sorted(self.parked)
             self.parked.clear()
+            self.resuming.update(parked)
         self._ask(parked, Order("resume", self.rid), epoch, "resuming")
+        with self._cond:
+            self.resuming.clear()
 
     # -- the outcome ----------------------------------------------------------------------
     def _report(self, offered: Offered, transfer: Notice | None) -> None:
@@ -443,7 +450,7 @@ class Recovery:
 
     def _give_up(self, why: str) -> None:
         with self._cond:
-            parked = sorted(self.parked)
+            parked = sorted((set(self.parked) | self.resuming) - self.dead)
             gone = sorted(set(self.dead) | {r for r, s in self.fresh.items() if s != "sent"})
         text = (
             f"training state could not be recovered from peers: {why}. Lost: the step in "
