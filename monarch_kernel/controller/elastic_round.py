@@ -167,8 +167,8 @@ class ResizeRound(Recovery):
         self._timed("actors", self._actors, epoch)
         self._check_cancel()
         if self._mesh.has_process_group():
-            failed = self._mesh.run_internal(
-                self.plan.added, _ALONE, "resize: process group", self._deadline()
+            failed = self._cell(
+                self.plan.added, _ALONE, "resize: process group", self._deadline(), epoch
             )
             self._check(epoch)
             if failed:
@@ -208,7 +208,7 @@ class ResizeRound(Recovery):
         offered: Offered | None = None
         transfer: Notice | None = None
         if self.fresh:
-            offering = self._start_offer()
+            offering = self._start_offer(epoch)
             offered = self._timed("offer", self._offer, offering, epoch)
             self._timed("load", self._load_behind, offered, epoch)
             transfer = self._timed("cell", self._send_cell, offered, epoch)

@@ -33,6 +33,9 @@ PARK_NUDGE = 0.5
 PARK_WAIT = 15.0
 #: Deadline of each later step (restart, re-form, set-up, transfer) in seconds.
 STEP_WAIT = 120.0
+#: How long a round waits for the claim of a death it ran into before the receiving
+#: thread made it (that thread marks the rank dead, then claims it at once).
+DEATH_CLAIM_WAIT = 2.0
 #: Seconds at least for giving a restarted rank its real collectives back after its
 #: set-up ended early (the set-up's own deadline may have passed).
 LOCAL_OFF_WAIT = 10.0
@@ -199,7 +202,7 @@ class Recovery:
         self._timed("reform", self._reform, epoch)
         # The replica shares its state (moving it into shared memory takes a while for a
         # big model) while the new rank runs its set-up cells: they overlap.
-        offering = self._start_offer()
+        offering = self._start_offer(epoch)
         self._timed("setup", self._setup, epoch)
         offered = self._timed("offer", self._offer, offering, epoch)
         self._timed("load", self._load_behind, offered, epoch)
@@ -280,7 +283,26 @@ class Recovery:
     def _ask(self, ranks: Sequence[int], order: Order, epoch: int, what: str) -> list[Reply]:
         """An order to parked ranks; their replies (a failed one gives up, unless a rank
         died meanwhile: then the next round)."""
-        return self._replies(self._watch(self._mesh.ask_ranks(ranks, order)), epoch, what)
+        return self._replies(self._order(ranks, order, epoch), epoch, what)
+
+    def _order(self, ranks: Sequence[int], order: Order, epoch: int) -> Future[list[Reply]]:
+        """Send ``order`` to ``ranks``, watched (see :meth:`_watch`). A rank found dead as
+        it is sent (its death is being reported on the receiving thread, which claims it
+        for this recovery a moment later) ends the round: the next one restarts it."""
+        try:
+            return self._watch(self._mesh.ask_ranks(ranks, order))
+        except RankDiedError as exc:
+            self._wait(lambda: False, epoch, time.monotonic() + DEATH_CLAIM_WAIT)
+            raise _GiveUp(f"{order.op}: {_first_line(exc)}") from None
+
+    def _cell(self, ranks: list[int], code: str, label: str, deadline: float, epoch: int) -> str:
+        """Run ``code`` as an internal cell on ``ranks``: '' or what went wrong. A rank
+        found dead as it is sent ends the round, as in :meth:`_order`."""
+        try:
+            return self._mesh.run_internal(ranks, code, label, deadline)
+        except RankDiedError as exc:
+            self._wait(lambda: False, epoch, time.monotonic() + DEATH_CLAIM_WAIT)
+            return _first_line(exc)
 
     def _replies(self, fut: Future[list[Reply]], epoch: int, what: str) -> list[Reply]:
         """The replies of an order (see :meth:`_ask`)."""
@@ -307,12 +329,13 @@ class Recovery:
         ranks = self._mesh.request_ranks(self.rid) or []
         idle = [i.rank for i in self._mesh.ranks if i.alive and i.rank not in ranks]
         fresh = sorted(set(fresh) | set(idle))
-        fut = self._watch(self._mesh.ask_ranks(parked, Order("reform", self.rid, addr, port)))
-        failed = self._mesh.run_internal(
+        fut = self._order(parked, Order("reform", self.rid, addr, port), epoch)
+        failed = self._cell(
             fresh,
             _REFORM.format(addr=addr, port=port),
             "recovery: process group",
             time.monotonic() + STEP_WAIT,
+            epoch,
         )
         self._check(epoch)
         if failed:
@@ -335,7 +358,7 @@ class Recovery:
         try:
             for code, label in steps:
                 t0 = time.monotonic()
-                failed = self._mesh.run_internal(todo, code, label, deadline)
+                failed = self._cell(todo, code, label, deadline, epoch)
                 self.phases[f"setup {label}"] = time.monotonic() - t0
                 self._check(epoch)
                 if failed:
@@ -346,12 +369,16 @@ class Recovery:
             # ones would skip its part of every later collective (the replica check's
             # broadcast, the next round's), and its peers would wait for it in vain.
             alive = [r for r in todo if self._mesh.ranks[r].alive]
-            failed = self._mesh.run_internal(
-                alive,
-                LOCAL_COLLECTIVES.format(on=False),
-                "recovery: collectives",
-                max(deadline, time.monotonic() + LOCAL_OFF_WAIT),
-            )
+            # (not :meth:`_cell`: a death noticed now must not skip the rest of this)
+            try:
+                failed = self._mesh.run_internal(
+                    alive,
+                    LOCAL_COLLECTIVES.format(on=False),
+                    "recovery: collectives",
+                    max(deadline, time.monotonic() + LOCAL_OFF_WAIT),
+                )
+            except RankDiedError as exc:
+                failed = _first_line(exc)
         if failed:
             self._check(epoch)
             raise _GiveUp(f"restoring collectives failed on the restarted rank: {failed}")
@@ -360,7 +387,7 @@ class Recovery:
                 if r in self.fresh:
                     self.fresh[r] = "ready"
 
-    def _start_offer(self) -> Future[list[Reply]]:
+    def _start_offer(self, epoch: int) -> Future[list[Reply]]:
         """Ask the parked replica at the latest step (the lowest rank among them) to
         share its state; its answer comes later (:meth:`_offer`)."""
         with self._cond:
@@ -370,7 +397,7 @@ class Recovery:
             raise _GiveUp(why[0].removeprefix("sharded: "))
         if not held:
             raise _GiveUp("no live replica holds the training state")
-        return self._watch(self._mesh.ask_ranks([min(held)[1]], Order("offer", self.rid)))
+        return self._order([min(held)[1]], Order("offer", self.rid), epoch)
 
     def _offer(self, offering: Future[list[Reply]], epoch: int) -> Offered:
         reply = self._replies(offering, epoch, "sharing the state")[0]
@@ -469,3 +496,8 @@ class Recovery:
             dead = sorted(self.dead)
         if dead:  # the failure policy left them to this recovery: restart them now
             self._mesh.restart_dead(f"rank(s) {format_ranks(dead)} died; {why}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
