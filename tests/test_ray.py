@@ -24,6 +24,7 @@ from ray_cluster import RAY_ENV, RayCluster
 from test_join import Probe, Trainer, one_process_ddp_losses
 
 from monarch_kernel.actor import host_mesh
+from monarch_kernel.launchers.ray_engine import NODE_ID_LABEL
 
 pytestmark = pytest.mark.cluster
 
@@ -143,6 +144,34 @@ def test_bad_input_is_one_clear_error(cluster: RayCluster):
     assert "ERR no Ray cluster at '127.0.0.1:1'" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "ray start --head" in out.stdout
     print(f"no-cluster error after {time.monotonic() - t0:.1f}s")
+
+
+def test_start_that_cannot_be_placed_leaves_nothing_reserved(cluster: RayCluster):
+    """Another driver holds the second node's CPU: host 0's group is placed on the head,
+    host 1's finds no other node. After the placement timeout the start fails in one
+    line naming what is free, and host 0's group is removed again."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    mesh = host_mesh(hosts=2, backend="ray")  # connects this process (the driver)
+    (worker,) = [n["NodeID"] for n in ray.nodes() if n["NodeManagerAddress"] == cluster.worker_ip]
+    blocker = placement_group([{"CPU": 1.0}], bundle_label_selector=[{NODE_ID_LABEL: worker}])
+    try:
+        ready, _ = ray.wait([blocker.ready()], timeout=60)
+        assert ready, "the blocking group was not placed"
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=r"Ray could not place 2 x .* 1 placed.*CPU=1\b"):
+            mesh.spawn_procs({"gpus": 1}, name="rayfull", timeout=90)
+        print(f"\nunplaceable start failed after {time.monotonic() - t0:.1f}s")
+        wait_until(lambda: not _our_groups(), timeout=30, what="host 0's group to be removed")
+    finally:
+        remove_placement_group(blocker)
+    wait_until(
+        lambda: ray.available_resources().get("CPU") == 2,
+        timeout=30,
+        what="both nodes' CPU to be free",
+        detail=ray.available_resources,
+    )
 
 
 def test_ray_notebook_runs_against_the_test_cluster(cluster: RayCluster):
