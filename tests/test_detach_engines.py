@@ -116,7 +116,9 @@ class RayCheck:
         self.groups = [h["reservation"]["name"] for h in file["hosts"]]
         self.actors = [a for h in file["hosts"] for a in h["reservation"]["members"]]
         assert len(set(self.groups)) == len(self.actors) == len(file["hosts"]), file["hosts"]
-        assert _groups(self.name) == dict.fromkeys(self.groups, "CREATED"), _groups(self.name)
+        # (removed groups of an earlier mesh of the same name may still be listed)
+        live = {g: state for g, state in _groups(self.name).items() if state != "REMOVED"}
+        assert live == dict.fromkeys(self.groups, "CREATED"), _groups(self.name)
         assert _actors_alive(self.actors) == self.actors
         return ", ".join(f"ray pg {g}" for g in self.groups)
 
