@@ -2,9 +2,9 @@
 outlives a killed kernel, a new kernel attaches, and the reservation is released on
 stop and when ``--keep`` runs out.
 
-* Ray (the session's two-node cluster, ``ray_cluster.py``): the placement group and the
-  agent actors are detached; after ``%mesh stop`` from the kernel that attached, the
-  group is REMOVED and no actor of ours is left;
+* Ray (the session's two-node cluster, ``ray_cluster.py``): each host's placement
+  group and agent actor are detached; after ``%mesh stop`` from the kernel that
+  attached, every group is REMOVED and no actor of ours is left;
 * Slurm (the real cluster of ``slurm_cluster.py``): a keeper runs the srun step; after
   the stop the job is gone (CANCELLED/COMPLETED), and no keeper or srun is left.
 
@@ -108,23 +108,25 @@ class RayCheck:
 
     def __init__(self, name: str):
         self.name = name
-        self.group = ""
+        self.groups: list[str] = []
         self.actors: list[str] = []
 
     def held(self, file: dict[str, Any]) -> str:
-        (res,) = {h["reservation"]["name"] for h in file["hosts"]}
-        self.group = res
-        self.actors = [a for h in file["hosts"][:1] for a in h["reservation"]["members"]]
-        assert len(self.actors) == len(file["hosts"]), file["hosts"]
-        assert _groups(self.name) == {res: "CREATED"}, _groups(self.name)
+        """Each host has a group and an actor of its own, all recorded and alive."""
+        self.groups = [h["reservation"]["name"] for h in file["hosts"]]
+        self.actors = [a for h in file["hosts"] for a in h["reservation"]["members"]]
+        assert len(set(self.groups)) == len(self.actors) == len(file["hosts"]), file["hosts"]
+        # (removed groups of an earlier mesh of the same name may still be listed)
+        live = {g: state for g, state in _groups(self.name).items() if state != "REMOVED"}
+        assert live == dict.fromkeys(self.groups, "CREATED"), _groups(self.name)
         assert _actors_alive(self.actors) == self.actors
-        return f"ray pg {res}"
+        return ", ".join(f"ray pg {g}" for g in self.groups)
 
     def released(self) -> None:
         wait_until(
-            lambda: _groups(self.name).get(self.group) == "REMOVED",
+            lambda: all(_groups(self.name).get(g) == "REMOVED" for g in self.groups),
             timeout=30,
-            what="the placement group to be removed",
+            what="the placement groups to be removed",
             detail=lambda: _groups(self.name),
         )
         wait_until(lambda: not _actors_alive(self.actors), timeout=30, what="our actors to end")

@@ -1,7 +1,8 @@
 """The ``ray`` backend on a real two-node Ray cluster (``ray_cluster.py``): the head on
 this namespace's bridge address, a second raylet inside a network-namespace host.
 
-Ray only places one bundle per host and runs the join command in an actor; everything
+Ray only places one bundle per host (a group each) and runs the join command in an
+actor; everything
 after is the join code path. After a stop no placement group of ours and no agent or
 rank is left. The node-kill test is last (it ends the cluster's second node).
 """
@@ -23,6 +24,7 @@ from ray_cluster import RAY_ENV, RayCluster
 from test_join import Probe, Trainer, one_process_ddp_losses
 
 from monarch_kernel.actor import host_mesh
+from monarch_kernel.launchers.ray_engine import NODE_ID_LABEL
 
 pytestmark = pytest.mark.cluster
 
@@ -74,7 +76,8 @@ def _running(pid: int) -> bool:
 
 
 def test_two_host_mesh_runs_ddp_across_ray_nodes(cluster: RayCluster):
-    """One bundle per Ray node (STRICT_SPREAD), a host agent in each; DDP over gloo
+    """A placement group of one bundle per host, each on a Ray node of its own, a host
+    agent in each; DDP over gloo
     across the two nodes gives the losses of one process averaging the 4 ranks."""
     t0 = time.monotonic()
     procs = host_mesh(hosts=2, backend="ray").spawn_procs({"gpus": 2}, name="ray2", timeout=90)
@@ -85,9 +88,10 @@ def test_two_host_mesh_runs_ddp_across_ray_nodes(cluster: RayCluster):
         # advertise defaulted to the address we reach the head node from (the bridge)
         assert rt.transport.send_addr.startswith("tcp://")
         assert {h.addr for h in rt.hosts} == {cluster.head_ip, cluster.worker_ip}, ready
-        (group,) = _our_groups()
-        assert group["strategy"] == "STRICT_SPREAD"
-        assert len(set(group["bundles_to_node_id"].values())) == 2
+        groups = _our_groups()
+        assert [len(g["bundles_to_node_id"]) for g in groups] == [1, 1], groups
+        nodes = {n for g in groups for n in g["bundles_to_node_id"].values()}
+        assert len(nodes) == 2, groups  # one host per node
         info = procs.spawn("probe", Probe).info.call().get(timeout=30).values()
         hostnames = [i["hostname"] for i in info]
         assert len(set(hostnames)) == 2 and hostnames[0] == hostnames[1], hostnames
@@ -142,6 +146,34 @@ def test_bad_input_is_one_clear_error(cluster: RayCluster):
     print(f"no-cluster error after {time.monotonic() - t0:.1f}s")
 
 
+def test_start_that_cannot_be_placed_leaves_nothing_reserved(cluster: RayCluster):
+    """Another driver holds the second node's CPU: host 0's group is placed on the head,
+    host 1's finds no other node. After the placement timeout the start fails in one
+    line naming what is free, and host 0's group is removed again."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    mesh = host_mesh(hosts=2, backend="ray")  # connects this process (the driver)
+    (worker,) = [n["NodeID"] for n in ray.nodes() if n["NodeManagerAddress"] == cluster.worker_ip]
+    blocker = placement_group([{"CPU": 1.0}], bundle_label_selector=[{NODE_ID_LABEL: worker}])
+    try:
+        ready, _ = ray.wait([blocker.ready()], timeout=60)
+        assert ready, "the blocking group was not placed"
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=r"Ray could not place 2 x .* 1 placed.*CPU=1\b"):
+            mesh.spawn_procs({"gpus": 1}, name="rayfull", timeout=90)
+        print(f"\nunplaceable start failed after {time.monotonic() - t0:.1f}s")
+        wait_until(lambda: not _our_groups(), timeout=30, what="host 0's group to be removed")
+    finally:
+        remove_placement_group(blocker)
+    wait_until(
+        lambda: ray.available_resources().get("CPU") == 2,
+        timeout=30,
+        what="both nodes' CPU to be free",
+        detail=ray.available_resources,
+    )
+
+
 def test_ray_notebook_runs_against_the_test_cluster(cluster: RayCluster):
     nb = nbformat.read(NOTEBOOKS / "06-ray-cluster.ipynb", as_version=4)
     client = nbclient.NotebookClient(
@@ -175,7 +207,7 @@ def test_killed_kernel_leaves_no_group_and_no_process(cluster: RayCluster):
         code += "print(json.dumps([h.pid for h in rt.hosts] + [x.pid for x in rt.ranks]))"
         pids = json.loads(k.run(code).stdout.strip().splitlines()[-1])
         assert len(pids) == 4 and all(pids), pids
-        assert len(_our_groups()) == 1
+        assert len(_our_groups()) == 2  # one per host
         os.kill(k.pids()[0], 9)  # the kernel dies without any clean-up of its own
         wait_until(lambda: not _our_groups(), timeout=30, what="Ray to remove the group")
         left = _gone(pids, timeout=20)

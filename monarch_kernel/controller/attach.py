@@ -289,5 +289,7 @@ def _row(file: AttachFile, answers: list[DeskReply]) -> DetachedMesh:
 
 def _reserved(file: AttachFile) -> str:
     """The backend, or what its engine reserved (``ray pg mk-x``, ``slurm job 12``)."""
-    held = dict.fromkeys(reservations.describe(h.reservation) for h in file.hosts)
-    return ", ".join(d for d in held if d) or file.backend
+    held = [d for d in dict.fromkeys(reservations.describe(h.reservation) for h in file.hosts) if d]
+    if len(held) > 3:  # one per host (Ray's groups): the first, the last and how many
+        return f"{held[0]} … {held[-1]} ({len(held)} reservations)"
+    return ", ".join(held) or file.backend

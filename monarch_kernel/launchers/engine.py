@@ -13,6 +13,9 @@ every live one on :meth:`EngineLauncher.shutdown` (kernel shutdown) and at inter
 exit, except a detachable mesh's (``--detachable``): it outlives the kernel, releases
 itself once the mesh's agents end, and says what it holds (:meth:`Allocation.reservation`,
 recorded in the mesh's attach file) so that another kernel can release it on stop.
+A host cleaned up while others of its allocation live on (a shrink) frees what its
+machine alone holds, where the engine reserves machine by machine
+(:meth:`Allocation.release_machine`: Ray's per-host placement groups).
 
 Invariant: a host handle holds its allocation until :meth:`EngineHost.cleanup`; nothing
 the engine started outlives the release of the allocation.
@@ -77,10 +80,17 @@ class Allocation(ABC):
         job ended), else None. Must not block."""
         return None
 
-    def reservation(self) -> Reservation | None:
-        """What a detachable mesh's allocation holds, by name, for its attach file
-        (None: nothing outlives the kernel)."""
+    def reservation(self, i: int = 0) -> Reservation | None:
+        """What machine ``i`` of a detachable mesh's allocation holds, by name, for its
+        attach file (None: nothing outlives the kernel). Engines that reserve all the
+        machines as one return the same record for every ``i``."""
         return None
+
+    def release_machine(self, i: int) -> None:
+        """Free what machine ``i`` alone holds: its host was cleaned up while others of
+        the allocation live on (a shrink). Default: nothing (the machines share one
+        reservation, freed with the last of them by :meth:`release`)."""
+        return
 
     @abstractmethod
     def release(self) -> None:
@@ -118,7 +128,7 @@ class EngineHost:
     @property
     def reservation(self) -> dict[str, Any] | None:
         """The allocation's reservation record (a detachable mesh's), else None."""
-        kept = self._alloc.reservation()
+        kept = self._alloc.reservation(self._index)
         return kept.to_json() if kept is not None else None
 
     def exit_code(self) -> int | None:
@@ -224,13 +234,19 @@ class EngineLauncher(ABC):
     def _release_host(self, alloc: Allocation, handle: EngineHost) -> None:
         with self._lock:
             holders = self._holders.get(alloc)
-            if holders is None:
+            if holders is None or id(handle) not in holders:
                 return
             holders.discard(id(handle))
-            if holders:
-                return
-            del self._holders[alloc]
-        _release(alloc)
+            last = not holders
+            if last:
+                del self._holders[alloc]
+        if last:
+            _release(alloc)
+            return
+        try:  # a shrink: the others of the allocation live on
+            alloc.release_machine(handle._index)
+        except Exception:
+            log.exception("releasing machine %d of %r failed", handle._index, alloc)
 
     def shutdown(self) -> None:
         """Release every allocation (but a detachable mesh's: it outlives the kernel)

@@ -1,12 +1,13 @@
 """The Ray actor that runs one host agent on its node (:class:`AgentRunner`), and the
-release of a detachable mesh's placement group by name (:func:`release_detached`).
+release of a detachable mesh's host placement group by name (:func:`release_detached`).
 
-For a ``--detachable`` mesh the placement group and the agent actors are *detached*
+For a ``--detachable`` mesh each host's placement group and agent actor are *detached*
 (``lifetime="detached"``, named, in our namespace): they outlive the kernel, the Ray
 driver. Nothing else then frees them, so each actor keeps watch itself (its *keeper*
-thread): once its agent has ended and so have those of the other bundles (the mesh's
-``--keep`` ran out, or a ``%mesh stop`` from any kernel), it removes the placement group,
-which ends every actor in it, and exits. The kernel holding the mesh releases it on stop
+thread): once its agent has ended (the mesh's ``--keep`` ran out, a ``%mesh stop`` from
+any kernel, a shrink that dropped its host) and so have those of the other actors it was
+told of (none, as every host has a group of its own), it removes its placement group,
+which ends the actor, and exits. The kernel holding the mesh releases the groups on stop
 as for any mesh; a kernel that attached (or stops it unattached) does it by name with
 what the attach file records (:mod:`.reservation`).
 """
@@ -84,8 +85,8 @@ class AgentRunner:
             os.unlink(self.log)
 
     def _keep(self, keeper: dict[str, Any]) -> None:
-        """The keeper thread: once every bundle's agent ended, remove the group (the
-        actors in it end with it) and exit."""
+        """The keeper thread: once its agent and those of ``keeper["actors"]`` ended,
+        remove the group (the actors in it end with it) and exit."""
         import ray
 
         self.proc.wait()

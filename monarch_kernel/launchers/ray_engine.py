@@ -1,20 +1,27 @@
 """The ``ray`` backend: Ray only reserves the machines and starts the join command.
 
 ``%mesh NAME --backend ray --hosts H --gpus G [--address auto|ADDR]`` connects to a
-running Ray cluster (never starts one), reserves a placement group with one bundle per
-host (``{"GPU": G}`` on a cluster with GPUs, ``{"CPU": 1}`` otherwise; ``STRICT_SPREAD``
-so each host is its own node, ``PACK`` for one host), and starts one small actor per
-bundle that runs the host agent (``python -m monarch_kernel.host --join URL``, its
-token in the environment). From then on it is the join backend's code path.
+running Ray cluster (never starts one), reserves one placement group per host, each of
+one bundle (``{"GPU": G}`` on a cluster with GPUs, ``{"CPU": 1}`` otherwise), and starts
+one small actor in each that runs the host agent (``python -m monarch_kernel.host --join
+URL``, its token in the environment). From then on it is the join backend's code path.
 
-Cleanup: releasing the allocation kills the actors and removes the placement group; the
-agent dies with its actor (parent-death signal, ``MONARCH_KERNEL_PARENT_PID``) and the
-ranks with their agent. If the kernel dies, Ray removes the actors and placement groups
-its driver owned, and the agents also exit when the controller falls silent.
+The groups are placed one after another, each with a bundle label selector that
+excludes the nodes the mesh's other hosts are on (``ray.io/node-id`` ``!in(...)``): each
+host is on a node of its own, as one ``STRICT_SPREAD`` group would place them, but every
+host's reservation can be freed alone, so a shrink gives the removed hosts' nodes back
+to the cluster at once (:meth:`RayAllocation.release_machine`). The bundles are all the
+same, so placing them greedily finds N nodes whenever N such nodes are free. A start
+that cannot be placed within :data:`PLACEMENT_TIMEOUT` removes the groups it placed.
 
-A ``--detachable`` mesh's group and actors are detached instead (they outlive the
-kernel) and release themselves once the mesh's agents end: see :mod:`.ray_agent`; the
-attach file records their names (:meth:`RayAllocation.reservation`).
+Cleanup: releasing a host kills its actor and removes its group; the agent dies with
+its actor (parent-death signal, ``MONARCH_KERNEL_PARENT_PID``) and the ranks with their
+agent. If the kernel dies, Ray removes the actors and placement groups its driver owned,
+and the agents also exit when the controller falls silent.
+
+A ``--detachable`` mesh's groups and actors are detached instead (they outlive the
+kernel) and each releases itself once its agent ends: see :mod:`.ray_agent`; the attach
+file records each host's group and actor by name (:meth:`RayAllocation.reservation`).
 
 Ray is an optional extra (``pip install monarch_kernel[ray]``).
 """
@@ -74,103 +81,116 @@ def _probe(address: str, timeout: float = 3.0) -> None:
 
 
 @dataclass
-class _Machine:
-    """What we know of one bundle's agent."""
+class _HostGroup:
+    """One host's reservation: a one-bundle placement group on a node of its own, the
+    agent actor in it, and what we know of that agent."""
 
-    status: str = "placing"
+    pg: Any
+    name: str  #: the group's name
+    node: str = ""  #: the Ray node (id) it is on
+    actor: Any = None
+    actor_name: str = ""
+    status: str = "starting the agent actor"
     addr: str = ""
     failed: str | None = None
+    #: Freed already (a shrink took its host, or the whole allocation was released).
+    released: bool = False
 
 
 class RayAllocation(Allocation):
-    """A placement group and one agent actor per bundle."""
+    """One placement group and one agent actor per host (see the module docstring)."""
 
     def __init__(
         self,
         ray: ModuleType,
-        pg: Any,
-        actors: list[Any],
+        groups: list[_HostGroup],
         refs: list[Any],
         label: str,
         mesh: str = "",
-        nodes: frozenset[str] = frozenset(),
-        kept: Reservation | None = None,
+        kept: list[Reservation] | None = None,
     ):
         self._ray = ray
-        self._pg = pg
-        self._actors = actors
+        self._groups = groups
         self._label = label
-        #: The mesh it serves and the Ray nodes (ids) its bundles are on.
+        #: The mesh it serves.
         self.mesh = mesh
-        self.nodes = nodes
-        #: A detachable mesh's detached group and actors, by name (None: not detached).
+        #: A detachable mesh's detached groups and actors, by name, one record per host
+        #: (None: not detached).
         self.kept = kept
-        self._machines = [_Machine("starting the agent actor") for _ in actors]
         self._released = threading.Event()
         self._thread = threading.Thread(
             target=self._watch, args=(refs,), name="mk-ray-watch", daemon=True
         )
         self._thread.start()
 
-    def status(self, i: int) -> str:
-        return self._machines[i].status
+    @property
+    def nodes(self) -> frozenset[str]:
+        """The Ray nodes (ids) its hosts still hold (a grow adds hosts elsewhere)."""
+        return frozenset(g.node for g in self._groups if not g.released)
 
-    def reservation(self) -> Reservation | None:
-        return self.kept
+    def status(self, i: int) -> str:
+        return self._groups[i].status
+
+    def reservation(self, i: int = 0) -> Reservation | None:
+        return self.kept[i] if self.kept is not None else None
 
     def failure(self) -> str | None:
-        failed = [(i, m.failed) for i, m in enumerate(self._machines) if m.failed]
+        failed = [(g.name, g.failed) for g in self._groups if g.failed and not g.released]
         if not failed:
             return None
-        return "\n".join(f"Ray bundle {i}: {why}" for i, why in failed)
+        return "\n".join(f"Ray placement group {name}: {why}" for name, why in failed)
 
-    def _fail(self, i: int, why: str) -> None:
-        m = self._machines[i]
-        m.failed = m.failed or why
-        m.status = why
+    def _fail(self, group: _HostGroup, why: str) -> None:
+        group.failed = group.failed or why
+        group.status = why
 
     def _watch(self, refs: list[Any]) -> None:
         ray = self._ray
-        for i, ref in enumerate(refs):
+        for group, ref in zip(self._groups, refs):
             try:
                 addr, hostname, pid = ray.get(ref, timeout=PLACEMENT_TIMEOUT)
             except Exception as exc:  # the actor could not start (node lost, env broken)
-                self._fail(i, f"the agent actor failed to start: {exc}")
+                if not group.released:
+                    self._fail(group, f"the agent actor failed to start: {exc}")
                 continue
-            m = self._machines[i]
-            m.addr = addr
-            m.status = f"agent pid {pid} started on Ray node {addr} ({hostname}); joining"
+            group.addr = addr
+            group.status = f"agent pid {pid} started on Ray node {addr} ({hostname}); joining"
         while not self._released.wait(POLL_INTERVAL) and ray.is_initialized():
-            for i, actor in enumerate(self._actors):
-                if self._machines[i].failed:
+            for group in self._groups:
+                if group.failed or group.released:
                     continue
                 try:
-                    code, tail = ray.get(actor.poll.remote(), timeout=10)
+                    code, tail = ray.get(group.actor.poll.remote(), timeout=10)
                 except Exception as exc:
-                    if not self._released.is_set():
-                        where = self._machines[i].addr or "?"
-                        self._fail(i, f"the agent actor on Ray node {where} died: {exc}")
+                    if not (self._released.is_set() or group.released):
+                        where = group.addr or "?"
+                        self._fail(group, f"the agent actor on Ray node {where} died: {exc}")
                     continue
                 if code is not None:
-                    self._fail(i, f"the host agent exited with code {code}:\n{tail}".rstrip())
+                    self._fail(group, f"the host agent exited with code {code}:\n{tail}".rstrip())
+
+    def release_machine(self, i: int) -> None:
+        """A shrink took host ``i``: stop its agent, kill its actor, remove its group
+        (its node's resources are the cluster's again)."""
+        group = self._groups[i]
+        if group.released or self._released.is_set():
+            return
+        group.released = True
+        self._free([group])
 
     def release(self) -> None:
         if self._released.is_set():
             return
         self._released.set()
-        ray = self._ray
-        if not ray.is_initialized():
-            return  # disconnected: Ray removed what this driver owned (and a call now
-            # would start a local Ray instance)
-        for actor in self._actors:
-            try:
-                ray.get(actor.stop.remote(), timeout=5)
-            except Exception:
-                pass  # the node is gone, or the actor is: kill it anyway
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
-        with contextlib.suppress(Exception):
-            ray.util.remove_placement_group(self._pg)
+        left = [g for g in self._groups if not g.released]
+        for group in left:
+            group.released = True
+        self._free(left)
+
+    def _free(self, groups: list[_HostGroup]) -> None:
+        if self._ray.is_initialized():  # else Ray removed what this driver owned (and a
+            # call now would start a local Ray instance)
+            _free_groups(self._ray, groups)
 
     def __repr__(self) -> str:
         return f"RayAllocation({self._label})"
@@ -263,7 +283,6 @@ class RayLauncher(EngineLauncher):
 
     def allocate(self, command: JoinCommand, configs: list[HostConfig]) -> Allocation:
         ray = self.ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         hosts = len(configs)
@@ -272,51 +291,107 @@ class RayLauncher(EngineLauncher):
             self._check_free_nodes(hosts, used)
         bundle = self._bundle(configs[0].ranks, hosts)
         label = f"mk-{command.mesh}-" + "-".join(str(h) for h in command.hosts)
-        strategy = "STRICT_SPREAD" if hosts > 1 else "PACK"
-        # New hosts of a mesh that grows go on nodes none of its hosts is on yet.
-        selector = [{NODE_ID_LABEL: f"!in({','.join(sorted(used))})"}] * hosts if used else None
         detached = command.keep > 0  # a detachable mesh's reservation outlives us
         lifetime = "detached" if detached else None
-        if detached:  # the group's name must be unique in the namespace
-            label += f"-{time.time_ns() % 10**9:09d}"
-        pg = placement_group(
-            [dict(bundle) for _ in range(hosts)],
-            strategy=strategy,
-            name=label,
-            lifetime=lifetime,
-            bundle_label_selector=selector,
-        )
-        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT)
-        if not ready:
-            ray.util.remove_placement_group(pg)
-            free = ray.available_resources()
-            raise ValueError(
-                f"Ray could not place {hosts} x {bundle} ({strategy}) within "
-                f"{PLACEMENT_TIMEOUT:.0f}s; free in the cluster now: "
-                + ", ".join(f"{k}={v:g}" for k, v in sorted(free.items()) if "_group_" not in k)
-            )
+        # a detached group's name must be unique in the namespace (it outlives us)
+        unique = f"-{time.time_ns() % 10**9:09d}" if detached else ""
+        names = [f"mk-{command.mesh}-{h}{unique}" for h in command.hosts]
+        groups = _place(ray, bundle, names, used, lifetime)
         runner = ray.remote(num_cpus=0, max_restarts=0)(AgentRunner)
         passthrough = {k: v for k in ("PYTHONPATH",) if (v := os.environ.get(k))}
         namespace = ray.get_runtime_context().namespace
-        names = [f"{label}-{i}-{time.monotonic_ns()}" for i in range(hosts)]
+        refs = []
+        try:
+            for i, group in enumerate(groups):
+                group.actor_name = f"{group.name}-agent-{time.monotonic_ns()}"
+                keeper = None
+                if detached:  # its keeper removes the group once the agent ended
+                    keeper = {"group": group.name, "namespace": namespace}
+                    keeper["actors"] = [group.actor_name]
+                group.actor = runner.options(
+                    name=group.actor_name,
+                    namespace=namespace,
+                    lifetime=lifetime,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        group.pg, placement_group_bundle_index=0
+                    ),
+                ).remote()
+                env = {**passthrough, **command.env(i)}
+                refs.append(group.actor.start.remote(command.argv, env, keeper))
+        except BaseException:
+            _free_groups(ray, groups)
+            raise
         kept = None
         if detached:
             gcs = ray.get_runtime_context().gcs_address
-            kept = Reservation("ray", label, gcs, namespace, names)
-        keeper = {"group": label, "namespace": namespace, "actors": names} if detached else None
-        actors, refs = [], []
-        for i in range(hosts):
-            actor = runner.options(
-                name=names[i],
-                namespace=namespace,
+            kept = [Reservation("ray", g.name, gcs, namespace, [g.actor_name]) for g in groups]
+        return RayAllocation(ray, groups, refs, label, command.mesh, kept)
+
+
+def _place(
+    ray: ModuleType,
+    bundle: dict[str, float],
+    names: list[str],
+    used: frozenset[str],
+    lifetime: str | None,
+) -> list[_HostGroup]:
+    """One placement group of one ``bundle`` per name, placed one after another, each on
+    a node that neither the ones before nor ``used`` (the mesh's other hosts) are on.
+    ValueError, with every group placed so far removed, when one is not placed within
+    :data:`PLACEMENT_TIMEOUT` (all of them together)."""
+    from ray.util.placement_group import placement_group
+
+    deadline = time.monotonic() + PLACEMENT_TIMEOUT
+    taken = set(used)
+    groups: list[_HostGroup] = []
+    try:
+        for name in names:
+            selector = [{NODE_ID_LABEL: f"!in({','.join(sorted(taken))})"}] if taken else None
+            pg = placement_group(
+                [dict(bundle)],
+                strategy="PACK",
+                name=name,
                 lifetime=lifetime,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=i
-                ),
-            ).remote()
-            actors.append(actor)
-            env = {**passthrough, **command.env(i)}
-            refs.append(actor.start.remote(command.argv, env, keeper))
-        placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
-        nodes = frozenset(str(n) for n in placed.values())
-        return RayAllocation(ray, pg, actors, refs, label, command.mesh, nodes, kept)
+                bundle_label_selector=selector,
+            )
+            groups.append(_HostGroup(pg, name))
+            left = max(1.0, deadline - time.monotonic())
+            ready, _ = ray.wait([pg.ready()], timeout=left)
+            if not ready:
+                raise ValueError(_not_placed(ray, bundle, len(names), len(groups) - 1))
+            placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+            groups[-1].node = str(next(iter(placed.values()), ""))
+            taken.add(groups[-1].node)
+    except BaseException:
+        for group in groups:
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(group.pg)
+        raise
+    return groups
+
+
+def _not_placed(ray: ModuleType, bundle: dict[str, float], hosts: int, placed: int) -> str:
+    """Why a start failed: ``placed`` of ``hosts`` groups were placed in time, and what
+    the cluster would have free once they are removed again."""
+    free = dict(ray.available_resources())
+    for key, amount in bundle.items():  # ours, placed, go back
+        free[key] = free.get(key, 0.0) + amount * placed
+    return (
+        f"Ray could not place {hosts} x {bundle} (one host per node) within "
+        f"{PLACEMENT_TIMEOUT:.0f}s: {placed} placed, no node with room for the next one "
+        "that the mesh does not use yet; free in the cluster now: "
+        + ", ".join(f"{k}={v:g}" for k, v in sorted(free.items()) if "_group_" not in k)
+    )
+
+
+def _free_groups(ray: ModuleType, groups: list[_HostGroup]) -> None:
+    """Stop the agents of ``groups`` (all at once), kill their actors, remove the groups."""
+    actors = [g.actor for g in groups if g.actor is not None]
+    with contextlib.suppress(Exception):  # a node is gone, or an actor: kill anyway
+        ray.wait([a.stop.remote() for a in actors], num_returns=len(actors), timeout=5)
+    for actor in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+    for group in groups:
+        with contextlib.suppress(Exception):
+            ray.util.remove_placement_group(group.pg)

@@ -130,7 +130,8 @@ class SlurmAllocation(Allocation):
         with self._lock:
             return self._failure
 
-    def reservation(self) -> Reservation | None:
+    def reservation(self, i: int = 0) -> Reservation | None:
+        # one job (one step) holds every machine: the same record for each
         with self._lock:
             job = self.job
         if not self.detached or job is None:
