@@ -80,28 +80,31 @@ def _rebuild_tensor(
 
 
 def _reduce_tensor(t: Any) -> Any:
+    # Every torch call here costs several microseconds on the hot path (its code is
+    # cold in the CPU's caches when a call is made): only those a tensor needs are made.
     import torch
 
     if t.is_sparse or t.layout != torch.strided or t.is_quantized or t.is_nested:
         return NotImplemented
-    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+    plain = type(t) is torch.Tensor
+    if not plain and not isinstance(t, torch.nn.Parameter):
         return NotImplemented  # subclasses (DTensor ...) keep their own reduction
     cuda = t.is_cuda
-    data = t.detach()
-    if data.device.type != "cpu":
+    grad = t.requires_grad
+    data = t.detach() if grad or not plain else t
+    if not data.is_cpu:
         data = data.cpu()
-    data = data.contiguous()
+    if not data.is_contiguous():
+        data = data.contiguous()
+    dtype = data.dtype
     if not data.numel():
         buf: pickle.PickleBuffer | bytes = b""
-    elif data.dtype in _plain_dtypes():  # numpy shares the bytes as they are (cheapest)
+    elif dtype in _plain_dtypes():  # numpy shares the bytes as they are (cheapest)
         buf = pickle.PickleBuffer(data.numpy())  # type: ignore[arg-type]
     else:  # bfloat16 ...: numpy has no such dtype, its bytes go as uint8
         buf = pickle.PickleBuffer(data.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-    dtype_name = str(t.dtype).removeprefix("torch.")
-    args = (buf, dtype_name, tuple(t.shape), cuda, bool(t.requires_grad))
-    if isinstance(t, torch.nn.Parameter):
-        return _rebuild_parameter, args
-    return _rebuild_tensor, args
+    args = (buf, str(dtype).removeprefix("torch."), tuple(t.shape), cuda, grad)
+    return (_rebuild_tensor if plain else _rebuild_parameter), args
 
 
 def _rebuild_parameter(*args: Any) -> Any:
@@ -131,14 +134,14 @@ class _TensorPickler(pickle.Pickler):
 
 
 def _is_plain_with_tensors(obj: Any, torch: Any) -> bool:
-    """Whether ``obj`` is builtin scalars, plain dense torch tensors (exact type,
-    strided) and numpy arrays (of no Python objects) in small builtin containers only
-    (an endpoint's ``(args, kwargs)``)."""
+    """Whether ``obj`` is builtin scalars, torch tensors (of the exact type) and numpy
+    arrays (of no Python objects) in small builtin containers only (an endpoint's
+    ``(args, kwargs)``)."""
     t = obj.__class__
     if t in _PLAIN_TYPES:
         return True
-    if t is torch.Tensor:
-        return obj.layout is torch.strided and not (obj.is_quantized or obj.is_nested)
+    if t is torch.Tensor:  # a sparse or quantized one fails the fast pickler: see dumps
+        return True
     if t.__name__ == "ndarray" and t.__module__ == "numpy":  # numpy's own protocol-5 reduce
         return not obj.dtype.hasobject
     if t is tuple or t is list:
@@ -196,7 +199,8 @@ def dumps(obj: Any, what: What = "value") -> tuple[bytes, list[pickle.PickleBuff
             _TensorPickler.dispatch_table[torch.Tensor] = _reduce_tensor
         try:
             _TensorPickler(f, protocol=PROTOCOL, buffer_callback=_keep_out_of_band).dump(obj)
-        except Exception:  # an exotic tensor: cloudpickle's path below says what fails
+        except Exception:  # a tensor _reduce_tensor declines (sparse ...): cloudpickle's
+            # path below pickles it (or says what fails)
             f = io.BytesIO()
             buffers.clear()
         else:
