@@ -76,7 +76,7 @@ def test_non_contiguous_and_grad_tensors_keep_values_and_flags():
     base = torch.arange(120.0).reshape(10, 12)
     strided = base.t()[::2]  # not contiguous
     grad = torch.ones(3000, requires_grad=True)
-    args = ((strided, grad), {})
+    args: tuple[tuple[torch.Tensor, ...], dict[str, object]] = ((strided, grad), {})
     assert S._is_plain_with_tensors(args, torch)
     back, _, _ = _round_trip(args)
     _same(strided.contiguous(), back[0][0])
@@ -84,7 +84,8 @@ def test_non_contiguous_and_grad_tensors_keep_values_and_flags():
 
 
 def test_numpy_arrays_travel_beside_tensors():
-    args = ((np.arange(20000, dtype=np.int32), np.ones((3, 4)), torch.ones(10)), {})
+    arrays = (np.arange(20000, dtype=np.int32), np.ones((3, 4)), torch.ones(10))
+    args: tuple[tuple[object, ...], dict[str, object]] = (arrays, {})
     assert S._is_plain_with_tensors(args, torch)
     back, _, buffers = _round_trip(args)
     _same(args, back)

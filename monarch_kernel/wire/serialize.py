@@ -100,9 +100,9 @@ def _reduce_tensor(t: Any) -> Any:
     if not data.numel():
         buf: pickle.PickleBuffer | bytes = b""
     elif dtype in _plain_dtypes():  # numpy shares the bytes as they are (cheapest)
-        buf = pickle.PickleBuffer(data.numpy())  # type: ignore[arg-type]
+        buf = pickle.PickleBuffer(data.numpy())
     else:  # bfloat16 ...: numpy has no such dtype, its bytes go as uint8
-        buf = pickle.PickleBuffer(data.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        buf = pickle.PickleBuffer(data.reshape(-1).view(torch.uint8).numpy())
     args = (buf, str(dtype).removeprefix("torch."), tuple(t.shape), cuda, grad)
     return (_rebuild_tensor if plain else _rebuild_parameter), args
 
