@@ -21,14 +21,14 @@ from bench.common import (
     Settings,
     measure_calls,
     measure_pipelined,
-    measure_tensor,
     median,
     p99,
     repeat_ready,
-    sample,
+    tensor_iters,
     tensor_of,
     timed,
 )
+from bench.floor import RawFloor, alternating
 from monarch_kernel.actor import Actor, ActorMesh, ProcMesh, RankDiedError, endpoint, this_host
 
 
@@ -193,11 +193,46 @@ def gathered(actors: ActorMesh, n: int) -> Callable[[], object]:
 
 def micro(s: Settings, rec: Recorder, actors: ActorMesh) -> None:
     one = actors.slice(gpus=0)
-    if s.wants("rtt"):
-        with rec.guard("rtt", "rtt_p99"):
-            xs = sample(lambda: one.ping.call_one().get(), s.rtt_iters, s.warmup, s.loop_budget_s)
-            rec.value("rtt", median(xs))
-            rec.value("rtt_p99", p99(xs))
+    floor = RawFloor() if s.wants("rtt") or s.wants("tensor") else None
+    try:
+        if floor is not None and s.wants("rtt"):
+            rtt_rows(s, rec, lambda: one.ping.call_one().get(), floor)
+        calls_and_broadcast(s, rec, actors)
+        if floor is not None and s.wants("tensor"):
+            for mib in s.tensor_mib:
+                with rec.guard(f"tensor_{mib}", f"tensor_{mib}_floor"):
+                    tensor_rows(rec, mib, one, floor)
+    finally:
+        if floor is not None:
+            floor.close()
+
+
+def rtt_rows(s: Settings, rec: Recorder, call: Callable[[], object], floor: RawFloor) -> None:
+    """Row 1, and the raw floor measured in blocks alternating with it (bench.floor)."""
+    with rec.guard("rtt", "rtt_p99", "rtt_floor", "rtt_floor_p99"):
+        got = alternating(call, floor.ping, s.rtt_iters, s.warmup, 2 * s.loop_budget_s)
+        rec.value("rtt", median(got.ours), samples=len(got.ours))
+        rec.value("rtt_p99", p99(got.ours))
+        rec.value("rtt_floor", median(got.floor), samples=len(got.floor))
+        rec.value("rtt_floor_p99", p99(got.floor))
+        rec.ratio("rtt_vs_floor", "rtt", "rtt_floor")
+        rec.ratio("rtt_p99_vs_floor", "rtt_p99", "rtt_floor_p99")
+
+
+def tensor_rows(rec: Recorder, mib: int, one: ActorMesh, floor: RawFloor) -> None:
+    """Row 4 (controller -> rank), alternating with the raw floor for the same bytes."""
+    t = tensor_of(mib)
+    iters, warmup = tensor_iters(mib)
+    send = lambda: one.nbytes.call_one(t).get()
+    blocks = 3 if iters < 12 else 4
+    got = alternating(send, floor.sender(mib), iters * 2, warmup, 60.0, blocks)
+    rec.value(f"tensor_{mib}", mib / median(got.ours), samples=len(got.ours))
+    rec.value(f"tensor_{mib}_floor", mib / median(got.floor), samples=len(got.floor))
+    rec.ratio(f"tensor_{mib}_vs_floor", f"tensor_{mib}", f"tensor_{mib}_floor")
+
+
+def calls_and_broadcast(s: Settings, rec: Recorder, actors: ActorMesh) -> None:
+    one = actors.slice(gpus=0)
     if s.wants("calln"):
         measure_calls(s, rec, s.small_ns, lambda n: gathered(actors, n))
     if s.wants("bcast"):
@@ -215,11 +250,6 @@ def micro(s: Settings, rec: Recorder, actors: ActorMesh) -> None:
         measure_pipelined(
             s, rec, lambda n: [f.get() for f in [one.ping.call_one() for _ in range(n)]]
         )
-    if s.wants("tensor"):
-        for mib in s.tensor_mib:
-            with rec.guard(f"tensor_{mib}"):
-                send = lambda t: one.nbytes.call_one(t).get()
-                measure_tensor(rec, f"tensor_{mib}", mib, send, tensor_of(mib))
 
 
 def interrupt_time(procs: ProcMesh, actors: ActorMesh) -> float:

@@ -40,6 +40,10 @@ def rows(s: Settings) -> list[Row]:
     out = [
         Row("rtt", "1. one-rank call round trip, median", "us"),
         Row("rtt_p99", "1. one-rank call round trip, p99", "us"),
+        Row("rtt_floor", "1. raw ZeroMQ round trip beside the mesh, alternating, median", "us"),
+        Row("rtt_floor_p99", "1. raw ZeroMQ round trip beside the mesh, alternating, p99", "us"),
+        Row("rtt_vs_floor", "1. one-rank call ÷ raw beside it (same conditions), median", "x"),
+        Row("rtt_p99_vs_floor", "1. one-rank call ÷ raw beside it (same conditions), p99", "x"),
     ]
     out += [Row(f"call_{n}", f"2. call {n} rank(s), gathered", "us") for n in s.call_ns]
     out.append(
@@ -54,6 +58,22 @@ def rows(s: Settings) -> list[Row]:
     for mib in s.tensor_mib:
         out.append(
             Row(f"tensor_{mib}", f"4. {mib} MiB tensor controller -> rank", "MiB/s", "higher")
+        )
+        out.append(
+            Row(
+                f"tensor_{mib}_floor",
+                f"4. {mib} MiB raw ZeroMQ beside the mesh, alternating",
+                "MiB/s",
+                "higher",
+            )
+        )
+        out.append(
+            Row(
+                f"tensor_{mib}_vs_floor",
+                f"4. {mib} MiB controller -> rank ÷ raw beside it (same conditions)",
+                "x",
+                "higher",
+            )
         )
         out.append(
             Row(
@@ -428,7 +448,13 @@ def how_measured(s: Settings) -> list[str]:
     lines = [
         "1. A no-op endpoint on one rank: `call_one().get()` (ours, Monarch), "
         "`ray.get(actor.m.remote())`, `view.apply_sync(f)`; the floor is one DEALER/ROUTER "
-        "round trip of a 1-byte message between two processes over tcp loopback.",
+        "round trip of a 1-byte message between two processes over tcp loopback. The floor "
+        "column is that peer's own run (a process of its own, no mesh alive); the rows "
+        '"beside the mesh" measure the same raw round trip inside ours\' worker, with the '
+        "mesh's ranks and host agent alive, in blocks alternating with ours' calls (4 blocks "
+        "per side, the same number of samples each; ours' median and p99 are those "
+        "alternating samples): the same CPU state and load, so that ratio is the one that "
+        "says how far a call is from the wire (bench/floor.py).",
         "2. The no-op on the first N ranks of a mesh of "
         f"{s.max_n}, all replies gathered: `.call().get()`, "
         "`ray.get([a.m.remote() for a in actors])`, `dview.apply_sync(f)`; floor: one raw "
@@ -438,7 +464,9 @@ def how_measured(s: Settings) -> list[str]:
         f"messages delivered (K × {s.bcast_ranks}) / total time.",
         "4. A call whose argument is a float32 tensor of that size and which returns its byte "
         "count, on one rank; floor: one zero-copy raw ZeroMQ send of the same bytes and a tiny "
-        "ack; memcpy: `torch.clone` in the controller process (allocation included). "
+        "ack; memcpy: `torch.clone` in the controller process (allocation included). The "
+        '"beside the mesh" rows time that raw send inside ours\' worker in blocks '
+        "alternating with ours' calls (as in 1), and ours' figure is from those blocks. "
         "Rank -> rank: in a mesh of 2 local host agents × 2 ranks, rank 0 `share()`s a fresh "
         "tensor and a rank times `ref.get()` (the owner's data mapped from shared memory "
         "for a rank of its host, pulled over TCP loopback for a rank of the other host); "

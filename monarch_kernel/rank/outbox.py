@@ -253,8 +253,9 @@ class Outbox:
     def result(self, header: H.Result, payload: bytes, buffers: Sequence[Buffer] = ()) -> None:
         """Send a reply: to the controller, or to the calling rank for a peer call. A
         value above the bound on values is answered with that error instead."""
+        wire = header.encode()  # once: check_size reads it, encoding the message fills it
         try:
-            check_size(header.encode(), payload, buffers)
+            check_size(wire, payload, buffers)
         except ValueTooLargeError as exc:  # the caller hears why, the rank lives on
             self.fail(header.request or "", exception_report(exc, "reply"))
             return
@@ -264,10 +265,10 @@ class Outbox:
             if self.fanin and request in self.fanin:
                 self._fanin_result(request, header, payload, buffers)
             else:
-                self.send(header.encode(), payload, buffers)
+                self.send(wire, payload, buffers)
             return
         try:
-            parts = encode_parts(self.codec, header.encode(), payload, buffers)
+            parts = encode_parts(self.codec, wire, payload, buffers)
             with self.lock:  # replies may come from any thread (response ports)
                 sock = self._peer_socket(zmq.PUSH, route)
                 for frames in parts:

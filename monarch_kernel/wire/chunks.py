@@ -52,6 +52,8 @@ _MAC_SIZE = 32
 
 def frames_size(frames: Sequence[Any]) -> int:
     """Bytes of a message's payload and buffers (``frames`` from ``Codec.encode``)."""
+    if len(frames) == 3 and frames[2].__class__ is bytes:  # a payload only (most messages)
+        return len(frames[2])
     return sum(memoryview(f).nbytes for f in frames[2:])
 
 
@@ -85,6 +87,8 @@ def encode_parts(
 
     ``route``: keys every chunk carries too (a fan-out's ``f`` and ``d``). Raises
     :class:`ValueTooLargeError` above :func:`~.limits.max_value`."""
+    if not buffers and len(payload) <= STREAM_ABOVE:  # most messages: one, no views to take
+        return [codec.encode(header, payload)]
     views = [_flat(b) for b in buffers] if buffers else []
     total = len(payload) + sum(v.nbytes for v in views)
     if total <= STREAM_ABOVE:

@@ -8,6 +8,8 @@ Classes and functions defined in ``__main__`` or a notebook cell pickle by value
 
 from __future__ import annotations
 
+import copyreg
+import functools
 import io
 import pickle
 import sys
@@ -46,6 +48,16 @@ def _describe(what: What) -> str:
     return what if isinstance(what, str) else what()
 
 
+@functools.cache
+def _plain_dtypes() -> frozenset[Any]:
+    """Torch dtypes that numpy has too: such a tensor's bytes are shared through
+    ``.numpy()`` and read back with ``torch.frombuffer`` in its own dtype."""
+    import torch
+
+    names = "float16 float32 float64 complex64 complex128 bool uint8 int8 int16 int32 int64"
+    return frozenset(getattr(torch, n) for n in names.split())
+
+
 def _rebuild_tensor(
     data: Any, dtype_name: str, shape: tuple[int, ...], cuda: bool, requires_grad: bool
 ) -> Any:
@@ -54,6 +66,10 @@ def _rebuild_tensor(
     dtype = getattr(torch, dtype_name)
     if len(data) == 0:
         t = torch.empty(shape, dtype=dtype)
+    elif dtype in _plain_dtypes():  # read as its dtype at once (no uint8 view first)
+        t = torch.frombuffer(data, dtype=dtype)
+        if len(shape) != 1:
+            t = t.reshape(shape)
     else:
         t = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
     if cuda and torch.cuda.is_available():
@@ -64,24 +80,31 @@ def _rebuild_tensor(
 
 
 def _reduce_tensor(t: Any) -> Any:
+    # Every torch call here costs several microseconds on the hot path (its code is
+    # cold in the CPU's caches when a call is made): only those a tensor needs are made.
     import torch
 
     if t.is_sparse or t.layout != torch.strided or t.is_quantized or t.is_nested:
         return NotImplemented
-    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+    plain = type(t) is torch.Tensor
+    if not plain and not isinstance(t, torch.nn.Parameter):
         return NotImplemented  # subclasses (DTensor ...) keep their own reduction
     cuda = t.is_cuda
-    data = t.detach()
-    if data.device.type != "cpu":
+    grad = t.requires_grad
+    data = t.detach() if grad or not plain else t
+    if not data.is_cpu:
         data = data.cpu()
-    data = data.contiguous()
-    raw = data.reshape(-1).view(torch.uint8) if data.numel() else data.new_empty(0)
-    buf = pickle.PickleBuffer(raw.numpy()) if raw.numel() else b""  # type: ignore[arg-type]
-    dtype_name = str(t.dtype).removeprefix("torch.")
-    args = (buf, dtype_name, tuple(t.shape), cuda, bool(t.requires_grad))
-    if isinstance(t, torch.nn.Parameter):
-        return _rebuild_parameter, args
-    return _rebuild_tensor, args
+    if not data.is_contiguous():
+        data = data.contiguous()
+    dtype = data.dtype
+    if not data.numel():
+        buf: pickle.PickleBuffer | bytes = b""
+    elif dtype in _plain_dtypes():  # numpy shares the bytes as they are (cheapest)
+        buf = pickle.PickleBuffer(data.numpy())
+    else:  # bfloat16 ...: numpy has no such dtype, its bytes go as uint8
+        buf = pickle.PickleBuffer(data.reshape(-1).view(torch.uint8).numpy())
+    args = (buf, str(dtype).removeprefix("torch."), tuple(t.shape), cuda, grad)
+    return (_rebuild_tensor if plain else _rebuild_parameter), args
 
 
 def _rebuild_parameter(*args: Any) -> Any:
@@ -100,6 +123,34 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is unt
             except (RuntimeError, TypeError):  # exotic dtypes or layouts
                 return NotImplemented
         return super().reducer_override(obj)
+
+
+class _TensorPickler(pickle.Pickler):
+    """Plain pickle with torch tensors reduced by :func:`_reduce_tensor` through the
+    dispatch table: for values :func:`_is_plain_with_tensors` accepts, it writes what
+    :class:`_Pickler` writes, without cloudpickle's Python call per object."""
+
+    dispatch_table = copyreg.dispatch_table.copy()
+
+
+def _is_plain_with_tensors(obj: Any, torch: Any) -> bool:
+    """Whether ``obj`` is builtin scalars, torch tensors (of the exact type) and numpy
+    arrays (of no Python objects) in small builtin containers only (an endpoint's
+    ``(args, kwargs)``)."""
+    t = obj.__class__
+    if t in _PLAIN_TYPES:
+        return True
+    if t is torch.Tensor:  # a sparse or quantized one fails the fast pickler: see dumps
+        return True
+    if t.__name__ == "ndarray" and t.__module__ == "numpy":  # numpy's own protocol-5 reduce
+        return not obj.dtype.hasobject
+    if t is tuple or t is list:
+        return len(obj) <= _PLAIN_MAX_ITEMS and all(_is_plain_with_tensors(x, torch) for x in obj)
+    if t is dict:
+        return len(obj) <= _PLAIN_MAX_ITEMS and all(
+            _is_plain(k) and _is_plain_with_tensors(v, torch) for k, v in obj.items()
+        )
+    return False
 
 
 def _is_plain(obj: Any) -> bool:
@@ -142,6 +193,18 @@ def dumps(obj: Any, what: What = "value") -> tuple[bytes, list[pickle.PickleBuff
         return False
 
     f = io.BytesIO()
+    torch = sys.modules.get("torch")
+    if torch is not None and _is_plain_with_tensors(obj, torch):
+        if torch.Tensor not in _TensorPickler.dispatch_table:
+            _TensorPickler.dispatch_table[torch.Tensor] = _reduce_tensor
+        try:
+            _TensorPickler(f, protocol=PROTOCOL, buffer_callback=_keep_out_of_band).dump(obj)
+        except Exception:  # a tensor _reduce_tensor declines (sparse ...): cloudpickle's
+            # path below pickles it (or says what fails)
+            f = io.BytesIO()
+            buffers.clear()
+        else:
+            return _checked(f.getvalue(), buffers, what)
     try:
         _Pickler(f, protocol=PROTOCOL, buffer_callback=_keep_out_of_band).dump(obj)
     except Exception as exc:
@@ -149,7 +212,13 @@ def dumps(obj: Any, what: What = "value") -> tuple[bytes, list[pickle.PickleBuff
             f"{_describe(what)} cannot be pickled ({type(obj).__name__}): {exc}. "
             "Send plain data, tensors or picklable objects instead."
         ) from exc
-    payload = f.getvalue()
+    return _checked(f.getvalue(), buffers, what)
+
+
+def _checked(
+    payload: bytes, buffers: list[pickle.PickleBuffer], what: What
+) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """``(payload, buffers)``, or :class:`ValueTooLargeError` above the bound on values."""
     size = len(payload) + sum(memoryview(b).nbytes for b in buffers)
     if size > STREAM_ABOVE:
         _check_size(size, what)

@@ -1,0 +1,85 @@
+"""The raw ZeroMQ floor measured under the same conditions as our calls.
+
+The raw round trip on this (virtual, shared) machine depends on how idle its CPUs are:
+a process that blocks lets its vCPU halt, and waking a halted vCPU costs more than the
+whole round trip of a busy one. Measured in a process of its own (the ``zmq`` peer) the
+floor can be several times slower, or faster, than beside a live mesh. So rows 1 and 4
+also measure the floor inside ours' worker, with the mesh's ranks (and host agent)
+alive beside it, in blocks that alternate with ours' calls: both see the same CPU
+state and the same load from other jobs, and the ratio of the two is the figure that
+says how far a call is from the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench.common import MiB, sample
+
+#: Blocks per side in :func:`alternating` (each side gets ``blocks`` turns).
+BLOCKS = 4
+
+
+@dataclass(frozen=True)
+class Alternated:
+    """Seconds per call of two functions, sampled in alternating blocks."""
+
+    ours: list[float]
+    floor: list[float]
+
+
+def alternating(
+    ours: Callable[[], object],
+    floor: Callable[[], object],
+    iters: int,
+    warmup: int,
+    budget_s: float,
+    blocks: int = BLOCKS,
+) -> Alternated:
+    """``iters`` samples of each function (after ``warmup`` calls of each), taken in
+    ``blocks`` alternating blocks of ``iters // blocks``; ``budget_s`` caps each side's
+    total time (each block keeps at least 20 samples)."""
+    per_block = max(1, iters // blocks)
+    block_budget = budget_s / blocks
+    for _ in range(warmup):
+        ours()
+        floor()
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(blocks):
+        a += sample(ours, per_block, 0, block_budget)
+        b += sample(floor, per_block, 0, block_budget)
+    return Alternated(a, b)
+
+
+class RawFloor:
+    """One raw ZeroMQ server process (``bench.raw_zmq``) and the two floors measured
+    against it: a 1-byte round trip, and a zero-copy send of a tensor's bytes plus a
+    tiny ack (what a call that carries the tensor costs at the least)."""
+
+    def __init__(self) -> None:
+        from bench.raw_zmq import Servers
+
+        self._servers = Servers(1)
+        self._sock = self._servers.socks[0]
+
+    def ping(self) -> None:
+        """One raw round trip."""
+        self._servers.ping([self._sock])
+
+    def sender(self, mib: int) -> Callable[[], object]:
+        """A function that sends ``mib`` MiB zero-copy and waits for the ack."""
+        import torch
+
+        data = torch.ones(mib * MiB // 4).numpy().data.cast("B")
+        sock = self._sock
+
+        def send() -> None:
+            sock.send_multipart([b"d", data], copy=False)
+            assert int(sock.recv()) == len(data)
+
+        return send
+
+    def close(self) -> None:
+        self._servers.close()
