@@ -4,6 +4,10 @@ mesh does not use yet, the new rank takes the replicas' state and trains with th
 one (gloo all_reduce over the re-formed group); ``%mesh shrink NAME --hosts 1`` cancels
 that job and keeps the first.
 
+A two-host start is one job with a step per node: ``%mesh shrink NAME --hosts 1`` ends
+host 1's step and shrinks the job off its node (another job then runs there while the
+kept host runs a cell); inside the user's own job only our step ends.
+
 Errors: a grow whose job stays pending (another job holds the free node) ends at its
 ``--timeout`` and withdraws the job; a grow past the cluster's nodes is refused at once.
 """
