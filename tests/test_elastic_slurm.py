@@ -4,6 +4,10 @@ mesh does not use yet, the new rank takes the replicas' state and trains with th
 one (gloo all_reduce over the re-formed group); ``%mesh shrink NAME --hosts 1`` cancels
 that job and keeps the first.
 
+A two-host start is one job with a step per node: ``%mesh shrink NAME --hosts 1`` ends
+host 1's step and shrinks the job off its node (another job then runs there while the
+kept host runs a cell); inside the user's own job only our step ends.
+
 Errors: a grow whose job stays pending (another job holds the free node) ends at its
 ``--timeout`` and withdraws the job; a grow past the cluster's nodes is refused at once.
 """
@@ -15,6 +19,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from helpers import patched_environ, pythonpath_with, wait_until
@@ -259,6 +264,168 @@ def test_grow_inside_the_users_job(cluster: SlurmCluster, tmp_path):
     assert "this mesh does not use yet" in data["refused"], data
     assert "world size 2 → 1; rank 1 stopped" in data["shrink"], data
     assert len(data["steps_after"]) == 1, data
+    state = cluster.run("scontrol", "show", "job", job).stdout
+    assert "JobState=COMPLETED" in state or not state, state + logs
+    assert_all_gone(cluster)
+
+
+SHRUNK = "sk"
+HOSTNAME = "__import__('socket').gethostname()"
+PID = "__import__('os').getpid()"
+#: A cell on the remaining host that runs until the test writes the flag file ``{flag}``.
+WAIT_FOR_FLAG = """%%remote {mesh}
+import os, socket, time
+print('waiting on', socket.gethostname(), flush=True)
+deadline = time.monotonic() + 120
+while not os.path.exists({flag!r}) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print('done on', socket.gethostname(), os.path.exists({flag!r}))
+"""
+
+
+def _steps(cluster: SlurmCluster) -> dict[str, str]:
+    """Every running step of the cluster: step name -> node list."""
+    out = cluster.run("squeue", "-h", "-s", "-o", "%j|%N", timeout=30).stdout
+    rows = [line.split("|") for line in out.splitlines() if line.strip()]
+    return {r[0]: r[1] for r in rows}
+
+
+def _on_each_rank(k: Kernel, expr: str) -> list[Any]:
+    """``expr`` evaluated on every rank of the mesh :data:`SHRUNK`, in rank order."""
+    return value(k, f"_v = %remote {SHRUNK} {expr}\nlist(_v.values())")
+
+
+def _node_state(cluster: SlurmCluster, node: str) -> str:
+    return cluster.run("sinfo", "-h", "-n", node, "-o", "%t", timeout=30).stdout.strip()
+
+
+def test_shrinking_a_two_host_slurm_mesh_frees_the_removed_node(cluster: SlurmCluster, tmp_path):
+    """``%mesh NAME --hosts 2`` is one salloc job with a step per node; ``%mesh shrink
+    NAME --hosts 1`` ends host 1's step and shrinks the job off its node: another job
+    runs there while the remaining host runs a cell; a grow takes a node again; stop
+    leaves no job and no step."""
+    gw = cluster.net.gateway
+    k = Kernel(env={"SLURM_CONF": cluster.conf, "PYTHONPATH": os.environ["PYTHONPATH"]})
+    try:
+        r = k.run(
+            f"%mesh {SHRUNK} --backend slurm --hosts 2 --gpus 1 --advertise {gw}", timeout=120
+        )
+        assert "ready" in r.stdout, r.stdout + r.stderr + r.error_text
+        ((job, (_, _, nodes)),) = _jobs(cluster).items()
+        steps = _steps(cluster)
+        assert sorted(steps.values()) == sorted(cluster.nodes), steps  # a step per node
+        where = _on_each_rank(k, HOSTNAME)
+        kept, removed = where[0], where[1]
+        assert sorted(where) == sorted(cluster.nodes), where
+        pid = _on_each_rank(k, PID)[0]
+
+        t0 = time.monotonic()
+        r = k.run(f"%mesh shrink {SHRUNK} --hosts 1", timeout=120)
+        shrink_s = time.monotonic() - t0
+        assert "world size 2 → 1; rank 1 stopped" in r.stdout, r.stdout + r.stderr
+        # Slurm shows our job on the kept node only, and the removed node idle.
+        wait_until(
+            lambda: (
+                _jobs(cluster).get(job, ("", "", ""))[1:] == ("RUNNING", kept)
+                and _node_state(cluster, removed) == "idle"
+            ),
+            timeout=30,
+            what=f"job {job} to be shrunk to {kept} and {removed} to be idle",
+            detail=lambda: (_jobs(cluster), _node_state(cluster, removed)),
+        )
+        free_s = time.monotonic() - t0
+        print(
+            f"\nshrink slurm 2 → 1 hosts in one job: {shrink_s:.1f}s; "
+            f"job on one node and {removed} idle after {free_s:.1f}s (was {nodes})"
+        )
+        assert list(_steps(cluster).values()) == [kept], _steps(cluster)
+
+        # Another job runs on the freed node while the remaining host runs a cell.
+        flag = tmp_path / "flag"
+        cell = k.submit(WAIT_FOR_FLAG.format(mesh=SHRUNK, flag=str(flag)))
+        k.wait_for_output(cell, f"waiting on {kept}", timeout=60)
+        t0 = time.monotonic()
+        # --exclusive: the whole node (our job held a CPU and a GPU of it before).
+        other = cluster.run(
+            "srun",
+            "--exclusive",
+            "--immediate=30",
+            f"--nodelist={removed}",
+            "--job-name=other",
+            "hostname",
+            timeout=60,
+        )
+        print(f"another job's srun on the freed node: {time.monotonic() - t0:.2f}s")
+        assert other.returncode == 0 and other.stdout.strip() == removed, other
+        flag.write_text("")
+        r = k.collect(cell, timeout=60)
+        assert not r.errors and f"done on {kept} True" in r.stdout, r.stdout + r.error_text
+        assert _on_each_rank(k, PID) == [pid]
+
+        r = k.run(f"%mesh grow {SHRUNK} --hosts +1", timeout=120)
+        assert "world size 1 → 2; rank 1 started" in r.stdout, r.stdout + r.stderr + r.error_text
+        jobs = _jobs(cluster)
+        (grown,) = [j for j in jobs if j != job]
+        assert jobs[job][2] == kept and jobs[grown][1:] == ("RUNNING", removed), jobs
+        where = _on_each_rank(k, HOSTNAME)
+        assert where == [kept, removed], where
+
+        assert "stopped" in k.run(f"%mesh stop {SHRUNK}", timeout=60).stdout
+        wait_until(
+            lambda: not _jobs(cluster) and not _steps(cluster),
+            timeout=30,
+            what="no job and no step after stop",
+            detail=lambda: (_jobs(cluster), _steps(cluster)),
+        )
+    finally:
+        k.shutdown_and_check(timeout=30)
+    assert_all_gone(cluster)
+
+
+#: A batch script's python: a two-host mesh in its 2-node job (a step of ours per node)
+#: shrinks to one host: our step on the other node ends, the job keeps both nodes.
+INSIDE_JOB_SHRINK = """
+import json, os, subprocess, sys, time
+from monarch_kernel.actor import host_mesh
+
+def squeue(*args):
+    argv = ["squeue", "-h", "-j", os.environ["SLURM_JOB_ID"], *args]
+    return subprocess.run(argv, capture_output=True, text=True).stdout.split()
+
+def steps():
+    return sorted(s for s in squeue("-s", "-o", "%j|%N") if s.startswith("mk-"))
+
+out = {}
+procs = host_mesh(hosts=2, backend="slurm").spawn_procs({"gpus": 1}, timeout=60)
+try:
+    out["steps"] = steps()
+    out["shrink"] = procs.shrink(hosts=1).describe()
+    deadline = time.monotonic() + 20
+    while len(steps()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out["steps_after"] = steps()
+    out["job_nodes"] = squeue("-o", "%D")
+finally:
+    procs.stop()
+    procs.runtime.launcher.shutdown()
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f)
+"""
+
+
+def test_shrink_inside_the_users_job_ends_our_step_only(cluster: SlurmCluster, tmp_path):
+    """Inside a 2-node batch job, a 2-host mesh has a step per node; shrinking it to
+    one host ends our step on the other node and never shrinks the user's job."""
+    result = tmp_path / "result.json"
+    job = cluster.submit_python(tmp_path, INSIDE_JOB_SHRINK)
+    wait_until(lambda: job not in _jobs(cluster), timeout=120, what=f"batch job {job} to end")
+    logs = "".join(p.read_text() for p in tmp_path.glob("job-*.out"))
+    assert result.exists(), logs
+    data = json.loads(result.read_text())
+    assert sorted(s.split("|")[1] for s in data["steps"]) == sorted(cluster.nodes), data
+    assert "world size 2 → 1; rank 1 stopped" in data["shrink"], (data, logs)
+    assert len(data["steps_after"]) == 1, data
+    assert data["job_nodes"] == ["2"], data  # the user's job still has both nodes
     state = cluster.run("scontrol", "show", "job", job).stdout
     assert "JobState=COMPLETED" in state or not state, state + logs
     assert_all_gone(cluster)

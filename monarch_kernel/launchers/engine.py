@@ -15,7 +15,8 @@ itself once the mesh's agents end, and says what it holds (:meth:`Allocation.res
 recorded in the mesh's attach file) so that another kernel can release it on stop.
 A host cleaned up while others of its allocation live on (a shrink) frees what its
 machine alone holds, where the engine reserves machine by machine
-(:meth:`Allocation.release_machine`: Ray's per-host placement groups).
+(:meth:`Allocation.release_machine`: Ray's per-host placement groups; Slurm's
+per-host steps, and the node of a job we allocated).
 
 Invariant: a host handle holds its allocation until :meth:`EngineHost.cleanup`; nothing
 the engine started outlives the release of the allocation.

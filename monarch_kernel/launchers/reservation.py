@@ -29,7 +29,7 @@ class Reservation:
     address: str = ""
     #: Ray: the namespace of the group and actors. Slurm: "".
     namespace: str = ""
-    #: Ray: the agent actors' names. Slurm: the step's name.
+    #: Ray: the agent actors' names. Slurm: our steps' names (one per host).
     members: list[str] = field(default_factory=list)
     #: Slurm: whether we allocated the job (then it is cancelled; else only our step).
     ours: bool = True
@@ -86,7 +86,7 @@ def release(record: dict[str, Any] | None) -> None:
         elif res.engine == "slurm":
             from monarch_kernel.launchers.slurm_keeper import release_job
 
-            release_job(res.name, res.members[0] if res.members else "", res.ours)
+            release_job(res.name, res.members, res.ours)
     except Exception:  # the keeper releases it anyway
         log.exception("releasing %s failed", res.describe())
 

@@ -1,6 +1,7 @@
 """Slurm's client commands, as the ``slurm`` backend uses them: probing the cluster
-(``sinfo``, ``squeue``), the ``salloc`` and ``srun`` command lines, ``scancel``, and
-starting a client process that ends with the thread that started it.
+(``sinfo``, ``squeue``), the ``salloc`` and ``srun`` command lines, ``scancel``, shrinking
+a job (``scontrol update``), and starting a client process that ends with the thread
+that started it.
 
 Everything here is a plain function of its arguments (no state); the allocation that
 runs these commands and follows them is in :mod:`.slurm_allocation`.
@@ -15,6 +16,7 @@ import re
 import shutil
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 
 #: Seconds a Slurm client command may take to answer (a dead controller makes sinfo
@@ -89,15 +91,6 @@ def job_steps(job: str | None, env: dict[str, str]) -> list[tuple[str, str, str]
             name, _, nodes = rest.partition("|")
             steps.append((step, name, nodes))
         return steps
-    return []
-
-
-def step_nodes(job: str | None, step_name: str, env: dict[str, str]) -> list[str]:
-    """The node names our step ``step_name`` of ``job`` runs on (expanded), or [] when
-    Slurm cannot say (the step is not running yet)."""
-    for _, name, nodes in job_steps(job, env):
-        if name == step_name and nodes:
-            return hostnames(nodes, env)
     return []
 
 
@@ -209,29 +202,19 @@ def _check_cluster(
     return has_gpus
 
 
-def srun_argv(
-    job: str | None,
-    hosts: int,
-    step_name: str,
-    command: list[str],
-    exclude: frozenset[str] = frozenset(),
-) -> list[str]:
-    """srun's command line: ``command`` once on each of ``hosts`` nodes of ``job``, as a
-    step named ``step_name``, on none of the nodes ``exclude`` names."""
-    avoid = [f"--exclude={','.join(sorted(exclude))}"] if exclude else []
+def srun_argv(job: str | None, node: str, step_name: str, command: list[str]) -> list[str]:
+    """srun's command line: ``command`` once on node ``node`` of ``job``, as a step
+    named ``step_name`` (one host's step: it ends alone, see :mod:`.slurm_steps`)."""
     return [
         "srun",
         f"--jobid={job}",
-        f"--nodes={hosts}",
-        f"--ntasks={hosts}",
-        "--ntasks-per-node=1",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={node}",
         # Share the job's CPUs and memory with steps already running (the user's
-        # shell, the batch script): else the step waits for them to finish.
+        # shell, the batch script, the other hosts' steps): else the step waits.
         "--overlap",
         f"--job-name={step_name}",
-        # One agent that ends must not take the others down: the controller decides.
-        "--kill-on-bad-exit=0",
-        *avoid,
         *command,
     ]
 
@@ -245,6 +228,33 @@ def cancel_step(job: str | None, step_name: str, env: dict[str, str]) -> None:
                 subprocess.run(
                     ["scancel", step], env=env, capture_output=True, timeout=CLIENT_TIMEOUT
                 )
+
+
+def wait_step_gone(job: str | None, step_name: str, env: dict[str, str], timeout: float) -> bool:
+    """Whether the step ``step_name`` of ``job`` left squeue within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while any(name == step_name for _, name, _ in job_steps(job, env)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def shrink_job(job: str, keep: list[str], env: dict[str, str]) -> None:
+    """Shrink our job ``job`` to the nodes ``keep`` (``scontrol update JobId=J
+    NodeList=...``): Slurm frees its other nodes for other jobs at once. RuntimeError
+    with scontrol's output if Slurm refuses."""
+    argv = ["scontrol", "update", f"JobId={job}", f"NodeList={','.join(keep)}"]
+    try:
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=CLIENT_TIMEOUT)
+    except (OSError, subprocess.SubprocessError) as exc:
+        out = subprocess.CompletedProcess(argv, -1, "", str(exc))
+    if out.returncode != 0:
+        raise RuntimeError(
+            f"could not shrink Slurm job {job} to node(s) {','.join(keep)}: `{' '.join(argv)}` "
+            f"failed (exit {out.returncode}): {tail(out.stderr + out.stdout, 2) or '(no output)'}"
+            "; its other nodes stay allocated until `%mesh stop`"
+        )
 
 
 def cancel_job(job: str, env: dict[str, str]) -> None:

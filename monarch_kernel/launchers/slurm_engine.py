@@ -3,37 +3,38 @@
 Two cases, told apart by ``$SLURM_JOB_ID`` in the kernel's environment:
 
 * **Inside an allocation** (the kernel runs in an ``salloc`` shell or an ``sbatch`` job):
-  the agents run as one job step, ``srun --jobid $SLURM_JOB_ID --nodes H --ntasks H
-  --ntasks-per-node=1 --overlap ...``. The user's job is theirs: we only ever stop our
-  step, never cancel the job.
+  each agent runs as a job step of its own on one node, ``srun --jobid $SLURM_JOB_ID
+  --nodes=1 --ntasks=1 --nodelist=NODE --overlap ...``. The user's job is theirs: we
+  only ever stop our steps, never cancel or shrink the job.
 * **Outside one**: ``salloc --no-shell --nodes H --ntasks-per-node=1 --job-name
-  mk-<mesh>`` reserves the nodes, then the step is started as above with ``--jobid`` of
-  that job. A *watchdog* (a small ``sh``, in its own session) holds a pipe from the kernel
-  and cancels the job when the pipe closes: on release, and when the kernel exits or is
-  killed, so a dead kernel never keeps nodes. (Not ``salloc CMD`` with a holder command:
-  salloc 22.05 was seen spinning forever in ``waitpid`` after its job ended that way.)
-  A GPU cluster (gpu GRES in ``sinfo``) is asked for ``--gpus-per-node G``; a CPU
-  cluster is asked for no GPUs.
+  mk-<mesh>`` reserves the nodes, then the steps are started as above with ``--jobid``
+  of that job. A *watchdog* (a small ``sh``, in its own session) holds a pipe from the
+  kernel and cancels the job when the pipe closes: on release, and when the kernel exits
+  or is killed, so a dead kernel never keeps nodes. (Not ``salloc CMD`` with a holder
+  command: salloc 22.05 was seen spinning forever in ``waitpid`` after its job ended
+  that way.) A GPU cluster (gpu GRES in ``sinfo``) is asked for ``--gpus-per-node G``;
+  a CPU cluster is asked for no GPUs.
 
-A grow by hosts (``%mesh grow NAME --hosts +K``) is one more allocation of the same kind:
-a new salloc job, or a new step in the user's job, on nodes none of the mesh's steps runs
-on (``--exclude``; fewer such nodes than asked for is refused before anything starts).
-A shrink releases the removed hosts' allocations like a stop does.
+One step per host (:mod:`.slurm_steps`), so that a shrink ends a host's step alone and
+then shrinks our job off its node (``scontrol update JobId=J NodeList=<kept nodes>``):
+the node is free for other jobs at once, while the other hosts run on. A grow by hosts
+(``%mesh grow NAME --hosts +K``) is one more allocation of the same kind: a new salloc
+job, or new steps in the user's job, on nodes none of the mesh's steps runs on
+(``--exclude``; fewer such nodes than asked for is refused before anything starts).
 
-``srun`` runs the same command on every node, so the hosts share one *group* join token
-(each agent takes the next host slot; see :meth:`~.join.JoinLauncher.start_for_engine`),
-passed in srun's environment, never on a command line. The interpreter is this one
+Each step has its own host's join token in srun's environment, never on a command
+line (so host ``i`` is known to run on its step's node). The interpreter is this one
 (``sys.executable``): cluster nodes share the file system.
 
-Every process we start (salloc, srun) is started *and watched* by its own thread: the
-parent-death signal Linux gives srun belongs to the thread that forked it, so that thread
-lives exactly as long as srun does. Status and failure are plain fields those threads
-update, so :meth:`SlurmAllocation.status` never blocks.
+Every process we start (salloc, each srun) is started *and watched* by its own thread:
+the parent-death signal Linux gives srun belongs to the thread that forked it, so that
+thread lives exactly as long as srun does. Status and failure are plain fields those
+threads update, so :meth:`SlurmAllocation.status` never blocks.
 
 The pieces: :class:`SlurmLauncher` here (which case, and the checks before anything
 starts); the allocation, its threads and watchdog in :mod:`.slurm_allocation`; the
-client commands (probing the cluster, the salloc/srun command lines, scancel) in
-:mod:`.slurm_commands`.
+steps in :mod:`.slurm_steps`; the client commands (probing the cluster, the salloc/srun
+command lines, scancel, the shrink) in :mod:`.slurm_commands`.
 """
 
 from __future__ import annotations
@@ -89,14 +90,14 @@ class SlurmLauncher(EngineLauncher):
     #: further salloc arguments when we allocate (``--qos=high``, ``--mem=64G`` ...)
     salloc_args: tuple[str, ...] = ()
     name: str = "slurm"
-    per_host_tokens: bool = False
+    #: One srun step per host, each with its host's own token.
+    per_host_tokens: bool = True
 
     def allocate(self, command: JoinCommand, configs: list[HostConfig]) -> Allocation:
         """Start the agents of ``configs`` (one per node): in this kernel's job if it
         runs inside one, else in a job salloc reserves now."""
         hosts = len(configs)
-        env = dict(os.environ)
-        env.update(command.env(0))
+        env = dict(os.environ)  # each step adds its host's token
         job = os.environ.get("SLURM_JOB_ID")
         # A grow's new hosts go on nodes none of the mesh's hosts is on yet.
         used = self._used_nodes(command.mesh) if min(command.hosts) > 0 else frozenset()

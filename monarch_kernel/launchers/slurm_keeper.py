@@ -1,4 +1,4 @@
-"""The keeper of a detachable mesh's Slurm step: ``python -m
+"""The keeper of a detachable mesh's Slurm steps: ``python -m
 monarch_kernel.launchers.slurm_keeper``, started by the kernel in a session of its own
 and with no parent-death signal, so that it outlives the kernel.
 
@@ -6,14 +6,17 @@ It replaces the job's watchdog (:data:`.slurm_allocation.WATCHDOG`) for a
 ``--detachable`` mesh. It reads JSON lines from the kernel's pipe on stdin:
 
 * ``{"job": ID}``: the job we allocated (salloc said pending or granted). Until the
-  step starts, a pipe that closes (the kernel released it, or died) cancels the job, as
+  steps start, a pipe that closes (the kernel released it, or died) cancels the job, as
   the watchdog does;
-* ``{"srun": ARGV, "log": PATH}``: run our step (``srun``, its output to ``PATH``;
-  the join token is in the keeper's environment, never on a command line). From then
-  on the kernel may go: the step runs on, and when it ends (the agents ended: ``--keep``
-  ran out, or the mesh was stopped) the keeper cancels the job if we allocated it (inside
-  the user's own job only our step was ours, and it has ended) and exits with srun's code.
-  Once the kernel is gone the keeper removes the log too.
+* ``{"steps": [{"srun": ARGV, "env": ENV, "log": PATH}, ...]}``: run our steps, one
+  ``srun`` per host (its output to ``PATH``; ``ENV`` adds the host's join token to the
+  keeper's environment: through the pipe, never on a command line). From then on the
+  kernel may go: the steps run on; one that ends (its host was shrunk away, and the
+  kernel shrank the job) leaves the others running. Once every step has ended (the
+  agents ended: ``--keep`` ran out, or the mesh was stopped) the keeper cancels the job
+  if we allocated it (inside the user's own job only our steps were ours, and they have
+  ended) and exits with the first failing srun's code. Once the kernel is gone the
+  keeper removes the logs too.
 """
 
 from __future__ import annotations
@@ -25,22 +28,24 @@ import signal
 import subprocess
 import sys
 import threading
+from typing import Any
 
 from monarch_kernel.launchers.slurm_commands import cancel_job, cancel_step
 
 
-def release_job(job: str, step: str, ours: bool) -> None:
+def release_job(job: str, steps: list[str], ours: bool) -> None:
     """Release a detachable mesh's Slurm reservation by what its attach file records:
-    cancel job ``job`` if we allocated it, else only our step ``step`` of it."""
+    cancel job ``job`` if we allocated it, else only our steps (by name) of it."""
     env = dict(os.environ)
     if ours:
         cancel_job(job, env)
-    elif step:
+        return
+    for step in steps:
         cancel_step(job, step, env)
 
 
 def main() -> int:
-    """Follow the kernel's pipe (see the module docstring); srun's exit code."""
+    """Follow the kernel's pipe (see the module docstring); the steps' exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     job = ""
@@ -48,15 +53,15 @@ def main() -> int:
         msg = json.loads(line)
         if "job" in msg:
             job = str(msg["job"])
-        if "srun" in msg:
-            return _run(job, [str(a) for a in msg["srun"]], str(msg["log"]))
-    if job:  # the kernel released it (or died) before the step started
+        if "steps" in msg:
+            return _run(job, list(msg["steps"]))
+    if job:  # the kernel released it (or died) before the steps started
         cancel_job(job, dict(os.environ))
     return 0
 
 
-def _run(job: str, argv: list[str], log: str) -> int:
-    """Run the step; once it ends, cancel the job (``job``: ours, else "")."""
+def _run(job: str, steps: list[dict[str, Any]]) -> int:
+    """Run the steps; once all ended, cancel the job (``job``: ours, else "")."""
     gone = threading.Event()
 
     def follow_kernel() -> None:
@@ -64,16 +69,23 @@ def _run(job: str, argv: list[str], log: str) -> int:
             pass
         gone.set()
 
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    procs = []
+    for step in steps:
+        env = {**os.environ, **{str(k): str(v) for k, v in step["env"].items()}}
+        with open(str(step["log"]), "ab") as out:
+            argv = [str(a) for a in step["srun"]]
+            procs.append(
+                subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+            )
     threading.Thread(target=follow_kernel, daemon=True).start()
-    code = proc.wait()
+    codes = [proc.wait() for proc in procs]
     if job:
         cancel_job(job, dict(os.environ))
     if gone.is_set():
-        with contextlib.suppress(OSError):
-            os.unlink(log)
-    return code
+        for step in steps:
+            with contextlib.suppress(OSError):
+                os.unlink(str(step["log"]))
+    return next((c for c in codes if c != 0), 0)
 
 
 if __name__ == "__main__":
