@@ -129,6 +129,14 @@ class ResizeRound(Recovery):
         if self.cancel.is_set():
             raise ResizeInterrupted(interrupted_text(self.plan))
 
+    def notice(self, rank: int, notice: object) -> None:
+        """A rank's training notice; a removed rank's is ignored (one that parks by itself
+        when its peers stop, until its numbering is gone: ``elastic_renumber``)."""
+        with self._cond:
+            removed = rank in self.plan.removed and not self._renumbered
+        if not removed:
+            super().notice(rank, notice)
+
     def add_dead(self, rank: int) -> None:
         """A rank died: one the plan leaves out anyway is only noted; any other ends
         the resize (the recovery's give-up restarts it)."""
