@@ -123,3 +123,21 @@ def test_a_recipe_and_a_reference_follow_a_renumbering():
     ref = MeshRef("m", "k", (), Shape(("gpus",), (2,)), (0, 2), 1)
     assert [ref.slot(r) for r in range(2)] == [0, 2]
     assert MeshRef("m", "k", (), Shape(("gpus",), (2,))).slot(1) == 1
+
+
+def test_the_newest_reference_of_a_mesh_wins():
+    """Handles unpickled in a process take the newest reference the controller sent;
+    one of the same generation is used as given (``this_proc()``'s one-point reference
+    never stands in for the whole mesh's)."""
+    from monarch_kernel.calls import mesh_refs
+
+    def ref(size: int, generation: int) -> MeshRef:
+        return MeshRef("unit-refs", "k", (), Shape(("gpus",), (size,)), (), generation)
+
+    one, whole = ref(1, 0), ref(4, 0)
+    assert mesh_refs.newest(one) is one and mesh_refs.newest(whole) is whole
+    seen: list[MeshRef] = []
+    mesh_refs.subscribe(seen.append)
+    shrunk = ref(3, 1)
+    assert mesh_refs.publish(shrunk) and not mesh_refs.publish(ref(4, 0))
+    assert mesh_refs.newest(whole) is shrunk and seen == [shrunk]

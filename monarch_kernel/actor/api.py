@@ -137,7 +137,7 @@ def this_proc() -> ProcMesh:
         slots = tuple(svc.rank if r == me else -1 for r in range(world))
         whole = Shape.from_extent(dict(zip(cfg.labels, cfg.sizes)))
         ref = MeshRef(cfg.mesh_name or "mesh", cfg.key, addrs, whole, slots)
-        return ProcMesh(PeerRequester(ref), Shape((), (), (), me))
+        return ProcMesh(PeerRequester(ref, follows=False), Shape((), (), (), me))
     from monarch_kernel.actor.hosts import client_proc
 
     return client_proc()

@@ -61,9 +61,13 @@ class PeerRequester:
     #: Whole-mesh handles over it follow the mesh's resizes (``actor.resize.follow``).
     follows_resizes = True
 
-    def __init__(self, ref: MeshRef):
-        self._ref = mesh_refs.newest(ref)
-        _requesters.add(self)
+    def __init__(self, ref: MeshRef, follows: bool = True):
+        """``follows``: take on newer references to the mesh (False: ``ref`` is not the
+        whole mesh's, as ``this_proc()``'s)."""
+        self._ref = mesh_refs.newest(ref) if follows else ref
+        self.follows_resizes = follows
+        if follows:
+            _requesters.add(self)
 
     def _take(self, ref: MeshRef) -> None:
         """A newer reference to its mesh: take it on; handles on the whole mesh follow."""

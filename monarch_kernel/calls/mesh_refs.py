@@ -24,14 +24,15 @@ _lock = threading.Lock()
 
 
 def newest(ref: MeshRef) -> MeshRef:
-    """``ref``, or the newer reference to the same mesh known here (which is kept as
-    the newest when it is the newer one)."""
+    """``ref``, or a newer reference to the same mesh known here (``ref`` is kept as
+    the newest when it is newer than the one known)."""
     key = (ref.mesh, ref.key)
     with _lock:
         known = _latest.get(key)
-        if known is not None and known.generation >= ref.generation:
+        if known is not None and known.generation > ref.generation:
             return known
-        _latest[key] = ref
+        if known is None or ref.generation > known.generation:
+            _latest[key] = ref
     return ref
 
 
