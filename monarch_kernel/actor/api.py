@@ -131,11 +131,13 @@ def this_proc() -> ProcMesh:
     if svc is not None:
         cfg = svc.config
         world = cfg.world_size
+        me = rank_context.current_rank().rank  # its rank now (svc.rank: its wire id)
         none = PeerAddress("")
-        addrs = tuple(svc.peer if r == svc.rank else none for r in range(world))
+        addrs = tuple(svc.peer if r == me else none for r in range(world))
+        slots = tuple(svc.rank if r == me else -1 for r in range(world))
         whole = Shape.from_extent(dict(zip(cfg.labels, cfg.sizes)))
-        ref = MeshRef(cfg.mesh_name or "mesh", cfg.key, addrs, whole)
-        return ProcMesh(PeerRequester(ref), Shape((), (), (), svc.rank))
+        ref = MeshRef(cfg.mesh_name or "mesh", cfg.key, addrs, whole, slots)
+        return ProcMesh(PeerRequester(ref, follows=False), Shape((), (), (), me))
     from monarch_kernel.actor.hosts import client_proc
 
     return client_proc()

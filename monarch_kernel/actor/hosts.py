@@ -35,7 +35,7 @@ from monarch_kernel.launchers import get_launcher
 from monarch_kernel.rank.supervise import PROCESS_ENDED, MeshFailure
 from monarch_kernel.shape import Extent, Shape
 from monarch_kernel.wire import loads
-from monarch_kernel.wire.peer_address import RankLocation
+from monarch_kernel.wire.peer_address import PeerAddress, RankLocation
 from monarch_kernel.wire.reports import AskRequest, FailureReport
 
 log = logging.getLogger("monarch_kernel.actor")
@@ -417,19 +417,28 @@ ASK_HANDLERS["get_or_spawn_controller"] = _ask_get_or_spawn
 ASK_HANDLERS["proc_mesh"] = _ask_proc_mesh
 
 
-def where_is(mesh: str, key: str, rank: int, wait: float) -> RankLocation:
+def where_is(mesh: str, key: str, rank: int, wait: float, slot: int = -1) -> RankLocation:
     """Where rank ``rank`` of this controller's mesh ``mesh`` (if ``key`` is its key) is
-    now (see ``actor/peer_resolve.py``)."""
+    now (see ``actor/peer_resolve.py``). ``slot`` (>= 0): the process the asker's
+    reference names, which a shrink may have renumbered since: looked up by it."""
     runtime = registry.get(mesh)
     if runtime is not None and not hmac.compare_digest(runtime.key.hex(), key):
         runtime = None  # only a holder of a reference may ask
+    if runtime is not None and slot >= 0:
+        now = runtime.slots.rank.get(slot)
+        if now is None:
+            why = f"rank {rank} of mesh {mesh!r} is gone: a shrink removed it from the mesh"
+            return RankLocation(PeerAddress(""), 0, False, why)
+        rank = now
     return locate_rank(runtime, mesh, rank, wait)
 
 
 def _ask_where(asker: AskingMesh, req: AskRequest) -> RankLocation:
     """A rank's question where a rank of a mesh it holds a reference to is now."""
-    mesh, key, rank, wait = loads(req["call"], (), "where_is_rank arguments")
-    return where_is(str(mesh), str(key), int(rank), min(float(wait), peer_resolve.LOCATE_WAIT))
+    mesh, key, rank, wait, *rest = loads(req["call"], (), "where_is_rank arguments")
+    slot = int(rest[0]) if rest else -1
+    wait = min(float(wait), peer_resolve.LOCATE_WAIT)
+    return where_is(str(mesh), str(key), int(rank), wait, slot)
 
 
 ASK_HANDLERS[peer_resolve.WHERE] = _ask_where

@@ -209,11 +209,23 @@ class ProcMesh(MeshView):
         return report
 
     def shrink(
-        self, ranks: int | str | None = None, hosts: int | str | None = None, timeout: float = 120.0
+        self,
+        ranks: int | str | None = None,
+        hosts: int | str | None = None,
+        timeout: float = 120.0,
+        *,
+        drop_ranks: int | str | Sequence[int] | None = None,
+        drop_hosts: int | str | Sequence[int] | None = None,
     ) -> Any:
-        """Keep ``ranks`` ranks (0 .. ranks-1) or ``hosts`` hosts; the others stop."""
+        """Keep ``ranks`` ranks (0 .. ranks-1) or ``hosts`` hosts; the others stop. Or
+        drop given ranks or hosts, anywhere (``drop_ranks=[1, 3]``, ``drop_hosts=1``):
+        the survivors keep their processes and state and are renumbered in their old
+        order (``RANK``, ``current_rank()``, the process group's rank; old ranks 0, 2, 3
+        become 0, 1, 2). Returns a report (``print(report.describe())``)."""
         rt = self._controller("shrink()")
-        report = rt.shrink(_text(ranks), _text(hosts), timeout)
+        report = rt.shrink(
+            _text(ranks), _text(hosts), timeout, _numbers(drop_ranks), _numbers(drop_hosts)
+        )
         resized(self._requester)
         return report
 
@@ -500,19 +512,36 @@ def _text(n: int | str | None) -> str | None:
     return None if n is None else str(n)
 
 
+def _numbers(n: int | str | Sequence[int] | None) -> str | None:
+    """``[1, 3]`` -> ``"1,3"``; an int or a string (``"1,3"``, ``"2-4"``) as given."""
+    if n is None or isinstance(n, str):
+        return n
+    if isinstance(n, int):
+        return str(n)
+    return ",".join(str(int(x)) for x in n)
+
+
 def procs_of(mesh: ActorMesh) -> ProcMesh:
     """The process mesh (slice) an actor mesh lives on, whatever its endpoints are called."""
     return ProcMesh(mesh._requester, mesh._shape)
 
 
+def _whole_now(requester: Requester, ref: MeshRef, shape: Shape) -> Shape:
+    """A handle pickled on the whole mesh as ``ref`` saw it covers the whole mesh as it
+    is now (it grew or shrank since); a slice keeps its shape."""
+    return requester.shape if shape == ref.shape else shape
+
+
 def rebuild_proc_mesh(ref: MeshRef, shape: Shape) -> ProcMesh:
     """Unpickle a process mesh handle (see :mod:`monarch_kernel.actor.peer`)."""
-    return ProcMesh(attach(ref), shape)
+    requester = attach(ref)
+    return ProcMesh(requester, _whole_now(requester, ref, shape))
 
 
 def rebuild_actor_mesh(ref: MeshRef, shape: Shape, name: str, actor_class: type) -> ActorMesh:
     """Unpickle an actor mesh handle (see :mod:`monarch_kernel.actor.peer`)."""
-    return ActorMesh(ProcMesh(attach(ref)), name, actor_class, shape)
+    requester = attach(ref)
+    return ActorMesh(ProcMesh(requester), name, actor_class, _whole_now(requester, ref, shape))
 
 
 __all__ = [

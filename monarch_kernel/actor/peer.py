@@ -13,6 +13,12 @@ controller sends; see ``wire.kinds``, "Rank -> rank"), never through the control
 actor-to-actor traffic does not queue behind the notebook:
 :class:`~monarch_kernel.actor.peer_client.PeerClient` sends them and routes the replies,
 deaths and lost machines to the futures.
+
+A reference follows its mesh when it grows or shrinks: the controller sends every live
+rank the new ``MeshRef`` (``calls.mesh_refs``), and each :class:`PeerRequester` of that
+mesh in this process takes it on; handles on the whole mesh over it (``actor.resize``)
+then cover the new shape, and calls go to the ranks' addresses and slots as they are
+now. A reference unpickled later takes the newest one known here.
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ from __future__ import annotations
 import pickle
 import random
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import cast
 
 from monarch_kernel.actor.peer_client import client
+from monarch_kernel.actor.resize import resized
+from monarch_kernel.calls import mesh_refs
 from monarch_kernel.calls.future import Future, Waiter, then
 from monarch_kernel.calls.gather import One
 from monarch_kernel.calls.reply import RequestObserver
@@ -46,10 +55,27 @@ def rank_waiter() -> Waiter | None:
 class PeerRequester:
     """The :class:`~monarch_kernel.calls.requester.Requester` of a mesh reference in a
     rank: requests go straight to the target ranks through this process's
-    :class:`~monarch_kernel.actor.peer_client.PeerClient`."""
+    :class:`~monarch_kernel.actor.peer_client.PeerClient`. It takes on the newest
+    reference to its mesh this process hears of (see the module)."""
 
-    def __init__(self, ref: MeshRef):
+    #: Whole-mesh handles over it follow the mesh's resizes (``actor.resize.follow``).
+    follows_resizes = True
+
+    def __init__(self, ref: MeshRef, follows: bool = True):
+        """``follows``: take on newer references to the mesh (False: ``ref`` is not the
+        whole mesh's, as ``this_proc()``'s)."""
+        self._ref = mesh_refs.newest(ref) if follows else ref
+        self.follows_resizes = follows
+        if follows:
+            _requesters.add(self)
+
+    def _take(self, ref: MeshRef) -> None:
+        """A newer reference to its mesh: take it on; handles on the whole mesh follow."""
+        mine = self._ref
+        if (ref.mesh, ref.key) != (mine.mesh, mine.key) or ref.generation <= mine.generation:
+            return
         self._ref = ref
+        resized(self)
 
     @property
     def name(self) -> str:
@@ -125,6 +151,18 @@ class PeerRequester:
 
     def __repr__(self) -> str:
         return f"<PeerRequester {self._ref.mesh!r}>"
+
+
+#: Every PeerRequester of this process (weakly): told of newer references.
+_requesters: weakref.WeakSet[PeerRequester] = weakref.WeakSet()
+
+
+def _newer(ref: MeshRef) -> None:
+    for requester in list(_requesters):
+        requester._take(ref)
+
+
+mesh_refs.subscribe(_newer)
 
 
 # -- re-attaching ---------------------------------------------------------------------

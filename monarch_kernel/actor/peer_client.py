@@ -57,7 +57,7 @@ _LOST = {
 
 
 class _Pending:
-    __slots__ = ("observer", "ranks", "addrs", "left", "rid", "ref", "parts")
+    __slots__ = ("observer", "ranks", "addrs", "left", "rid", "ref", "parts", "of_slot")
 
     def __init__(
         self,
@@ -70,12 +70,15 @@ class _Pending:
     ):
         """``addrs``: the route each of ``ranks`` was sent on (see ``_on_lost``);
         ``ref`` and ``parts``: the mesh and the messages, sent again where a rank is
-        now if its connection never came up (it moved: :mod:`.peer_resolve`)."""
+        now if its connection never came up (it moved: :mod:`.peer_resolve`). A reply
+        names its rank by its slot (wire id): ``of_slot`` maps it back to the rank of
+        ``ref`` it answers for (the same number unless a shrink renumbered the ranks)."""
         self.observer = observer
         self.ranks = ranks
         self.addrs = addrs
         self.left = set(ranks)
         self.rid, self.ref, self.parts = rid, ref, parts
+        self.of_slot = {ref.slot(r) if ref is not None else r: r for r in ranks}
 
 
 class PeerClient:
@@ -92,11 +95,11 @@ class PeerClient:
         #: Reassembles large replies and channel messages, which come in chunks.
         self.assembler = Assembler()
         #: Where ranks are that moved since the references to them were made, as their
-        #: controller said: (mesh key, rank) -> address (see :mod:`.peer_resolve`).
+        #: controller said: (mesh key, slot) -> address (see :mod:`.peer_resolve`).
         self.moved: dict[tuple[str, int], PeerAddress] = {}
         #: Targets whose connection was lost: where they are is asked before the next call.
         self.stale: set[tuple[str, int]] = set()
-        #: route -> the targets (mesh key, rank) called through it
+        #: route -> the targets (mesh key, slot) called through it
         self.route_targets: dict[str, set[tuple[str, int]]] = {}
         self._reply_ident = 0  # the reply thread's (it never waits for an answer itself)
         #: Messages on the reply socket that no known mesh key verified (dropped).
@@ -197,7 +200,7 @@ class PeerClient:
                 self.pending[rid] = _Pending(observer, ranks, routes, rid, ref, parts)
             try:
                 for r, addr, route in zip(ranks, addrs, routes):
-                    self.route_targets.setdefault(route, set()).add((ref.key, r))
+                    self.route_targets.setdefault(route, set()).add((ref.key, ref.slot(r)))
                     sock = self._socket(addr, route, r)
                     for frames in parts:
                         sock.send_multipart(frames, copy=False)
@@ -225,7 +228,7 @@ class PeerClient:
         is, else where the reference says; asked again (:func:`.peer_resolve.locate`)
         when its connection was lost or cannot be made, as it may have moved.
         RankDiedError when it is gone."""
-        target = (ref.key, rank)
+        target = (ref.key, ref.slot(rank))  # the process: a renumbering does not move it
         addr = self.moved.get(target) or (ref.addrs[rank] if rank < len(ref.addrs) else None)
         addr = addr or PeerAddress("")
         if target not in self.stale and self._reachable(addr):
@@ -319,6 +322,7 @@ class PeerClient:
             return
         with self.lock:
             p = self.pending.get(h.get("i"))  # type: ignore[arg-type]
+            rank = p.of_slot.get(rank) if p is not None else None  # type: ignore[arg-type]
             if p is None or rank not in p.left:
                 return
             p.left.discard(rank)
@@ -376,7 +380,7 @@ class PeerClient:
             p.addrs = [route if r == rank else a for r, a in zip(p.ranks, p.addrs)]
             p.left.add(rank)
             self.pending[p.rid] = p
-            self.route_targets.setdefault(route, set()).add((p.ref.key, rank))
+            self.route_targets.setdefault(route, set()).add((p.ref.key, p.ref.slot(rank)))
             sock = self._socket(addr, route, rank)
             for frames in p.parts:
                 sock.send_multipart(frames, copy=False)

@@ -42,8 +42,8 @@ LOCATE_WAIT = 120.0
 _ANSWER_SLACK = 15.0
 
 #: In the controller's own process (which asks itself, not over the wire):
-#: ``fn(mesh, key, rank, wait) -> RankLocation``; set by ``actor/hosts.py``.
-local_locator: Callable[[str, str, int, float], RankLocation] | None = None
+#: ``fn(mesh, key, rank, wait, slot) -> RankLocation``; set by ``actor/hosts.py``.
+local_locator: Callable[[str, str, int, float, int], RankLocation] | None = None
 
 
 class AskingClient(Protocol):
@@ -64,8 +64,9 @@ def locate(
     waits up to ``wait`` seconds while the mesh restarts ranks). None where there is
     nobody to ask: a process that is neither a rank nor the owning controller."""
     svc = context.services()
+    slot = ref.slot(rank)  # the process the reference names (renumbered since? its slot)
     if svc is None:
-        return local_locator(ref.mesh, ref.key, rank, wait) if local_locator else None
+        return local_locator(ref.mesh, ref.key, rank, wait, slot) if local_locator else None
     client.codec(svc.key)  # the controller answers signed with our own mesh's key
     if ref.key == svc.key:
         # A rank of the very mesh: its restart may be waiting for this rank (its
@@ -73,7 +74,7 @@ def locate(
         wait = 0.0
     one = One(svc.serve_until)
     rid = client.expect(one, 0)
-    call = pickle.dumps((ref.mesh, ref.key, rank, wait))
+    call = pickle.dumps((ref.mesh, ref.key, rank, wait, slot))
     req = AskRequest(op=WHERE, id=rid, rt=client.reply.encode(), call=call)
     svc.send(H.RankNotice(kind=K.ASK, rank=svc.rank).encode(), pickle.dumps(req))
     try:

@@ -134,6 +134,20 @@ class Gather:
         if complete:
             self.future.set_result(None)
 
+    def renumber(self, mapping: dict[int, int]) -> None:
+        """The mesh's ranks were renumbered (old -> new; a shrink dropped ranks other
+        than the last ones): the request's ranks take their new numbers (a rank not in
+        ``mapping``, gone, keeps a negative one)."""
+        with self._lock:
+            new = {r: mapping.get(r, -1 - r) for r in self.ranks}
+            self.ranks = [new[r] for r in self.ranks]  # a new list: callers share the old
+            self._index = {r: i for i, r in enumerate(self.ranks)}
+            self._lost = {new.get(r, r): e for r, e in self._lost.items()}
+            self._failed_order = [new.get(r, r) for r in self._failed_order]
+            for reply in self._replies:
+                if reply is not None:
+                    reply.rank = new.get(reply.rank, reply.rank)
+
     def on_incident(self, incident: IncidentView) -> None:
         """The failure policy opened an incident for this request (see module doc)."""
         self._incident = incident
@@ -242,6 +256,9 @@ class One:
     def on_lost(self, rank: int, error: BaseException) -> None:
         self.future.set_exception(call_failed(error, self._call, rank))
 
+    def renumber(self, mapping: dict[int, int]) -> None:
+        """Nothing is kept by rank here (see :meth:`Gather.renumber`)."""
+
 
 def _value_of_one(reply: Reply) -> object:
     return reply_value(reply, 1)
@@ -267,6 +284,10 @@ class Each:
 
     def on_lost(self, rank: int, error: BaseException) -> None:
         self._futures[rank].set_exception(call_failed(error, self._call, rank))
+
+    def renumber(self, mapping: dict[int, int]) -> None:
+        """The mesh's ranks were renumbered (see :meth:`Gather.renumber`)."""
+        self._futures = {mapping.get(r, -1 - r): f for r, f in self._futures.items()}
 
     def in_order_of_answers(self) -> Iterator[Future[object]]:
         for _ in self._futures:

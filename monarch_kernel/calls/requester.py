@@ -74,6 +74,17 @@ class MeshRef:
     key: str  #: its signing key (hex)
     addrs: tuple[PeerAddress, ...]  #: where each global rank listens (false: not ready)
     shape: Shape  #: the whole mesh's shape
+    #: Each global rank's wire id (its slot: what its replies name it by); empty: its
+    #: rank. They differ once a shrink renumbered the ranks.
+    slots: tuple[int, ...] = ()
+    #: How many times the mesh had been resized when this was made: where a process
+    #: holds references of several generations, the newest wins (``actor.peer``).
+    generation: int = 0
+
+    def slot(self, rank: int) -> int:
+        """The wire id of global rank ``rank``."""
+        slots = self.slots
+        return slots[rank] if rank < len(slots) and slots[rank] >= 0 else rank
 
 
 class Requester(Protocol):

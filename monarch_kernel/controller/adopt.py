@@ -96,15 +96,21 @@ def _take_records(adopted: Adopted, file: AttachFile, replies: dict[int, DeskRep
     kept = _reservations(file)
     for entry in file.hosts:
         host = runtime.hosts[entry.index]
+        host.slot = entry.slot if entry.slot >= 0 else entry.index
         host.pid, host.hostname, host.desk = entry.pid, entry.hostname, entry.desk
         host.addr, host.port = entry.addr, entry.port
         host.handle = _handle(runtime, entry, kept)
         host.dir = entry.dir
         host.last_seen, host.ready = now, True
+    for rank in file.ranks:  # the wire ids first: what arrives is mapped by them
+        runtime.ranks[rank.rank].slot = rank.slot if rank.slot >= 0 else rank.rank
+    with runtime.transport.send_lock:
+        runtime.slots.rebuild()
+    # host agents know their ranks by slot
     statuses = {s.rank: s for reply in replies.values() for s in reply.ranks}
     for rank in file.ranks:
         info = runtime.ranks[rank.rank]
-        status = statuses.get(rank.rank)
+        status = statuses.get(info.slot)
         info.hostname, info.device = rank.hostname, rank.device
         info.peer_secret = rank.peer_secret
         info.restarts = rank.restarts + (status.restarts if status is not None else 0)
@@ -119,7 +125,7 @@ def _take_records(adopted: Adopted, file: AttachFile, replies: dict[int, DeskRep
             if status.restarts:
                 adopted.restarted[rank.rank] = status
         else:
-            log = file.hosts[rank.host].rank_log(rank.rank)
+            log = file.hosts[rank.host].rank_log(info.slot)
             adopted.ended.append((rank.rank, _end(status, log)))
 
 
@@ -147,8 +153,8 @@ def _handle(
         return AdoptedHost(entry.pid, entry.log, entry.private_dir)
     shared = kept.get(_key(entry)) if entry.reservation else None
     handle = RemoteAdoptedHost(entry.desk, entry.hostname, shared)
-    index, transport = entry.index, runtime.transport
-    handle.tell_exit = lambda: transport.send_host(index, {"k": K.STOP, "grace": 0.0})
+    slot, transport = entry.slot if entry.slot >= 0 else entry.index, runtime.transport
+    handle.tell_exit = lambda: transport.send_host_slot(slot, {"k": K.STOP, "grace": 0.0})
     return handle
 
 

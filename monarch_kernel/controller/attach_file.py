@@ -85,6 +85,8 @@ class HostEntry:
     #: The engine reservation it runs in (ray, slurm: ``launchers.reservation``), which
     #: the kernel that stops the mesh releases; None on the other backends.
     reservation: dict[str, Any] | None = None
+    #: Its wire id (``controller.records.Slots``); -1: its index.
+    slot: int = -1
 
     @property
     def private_dir(self) -> str:
@@ -113,6 +115,9 @@ class RankEntry:
     peer: list[str]  #: its peer address (``PeerAddress.encode()``)
     peer_secret: str
     restarts: int
+    #: Its wire id, which its host agent knows it by (``controller.records.Slots``);
+    #: -1: its rank.
+    slot: int = -1
 
 
 @dataclass

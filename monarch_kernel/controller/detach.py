@@ -107,6 +107,7 @@ class Detacher:
                     r.peer.encode(),
                     r.peer_secret,
                     r.restarts,
+                    r.slot,
                 )
                 for r in rt.ranks
             ],
@@ -288,9 +289,11 @@ def keep_seconds(keep: float | str) -> float:
 
 
 def _host_entry(h: HostInfo, keys: dict[int, tuple[str, str]]) -> HostEntry:
-    public = keys.get(h.index, ("", ""))[0]
+    public = keys.get(h.slot, ("", ""))[0]  # the transport keeps the keys by host slot
     held = h.handle.reservation if isinstance(h.handle, ReservingHandle) else None
-    return HostEntry(h.index, h.pid or 0, h.hostname, h.addr, h.port, h.desk, h.dir, public, held)
+    return HostEntry(
+        h.index, h.pid or 0, h.hostname, h.addr, h.port, h.desk, h.dir, public, held, h.slot
+    )
 
 
 def _forget(detacher: Detacher) -> None:

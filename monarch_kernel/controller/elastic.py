@@ -1,10 +1,15 @@
 """Growing and shrinking a live mesh (``%mesh grow``/``shrink``, ``procs.grow()``).
 
-Survivors keep their processes, their namespace and their flat rank. What changes:
+Survivors keep their processes and their namespace. What changes:
 
 * the mesh's records: ranks appended after the last one (host agents too, for
-  ``--hosts``), or removed from the end (their processes stopped, their host agents
-  too); the shape, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` of every rank;
+  ``--hosts``), or removed (their processes stopped, their host agents too): from the
+  end (``--ranks N``/``--hosts K``: survivors keep their flat rank), or the ranks or
+  hosts named (``--drop-ranks``/``--drop-hosts``, and the failure policy ``shrink`` for
+  a dead rank or host anywhere): the survivors are renumbered in their old order
+  (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK`` change; the rules of a renumbering are in
+  :mod:`.elastic_renumber`); the shape, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` of every
+  rank;
 * the torch process group, re-formed at the new size at a fresh rendezvous (the same
   group object on survivors: DDP's reducer is reset and divides by the new size);
 * new ranks get the actors spawned on the whole mesh and the ``--setup`` cells, then the
@@ -44,6 +49,7 @@ from monarch_kernel.controller.elastic_plan import (
     ResizePlan,
     ResizeReport,
     interrupted_text,
+    plan_drop,
     plan_grow,
     plan_shrink,
     size_of,
@@ -85,35 +91,62 @@ class Resizer:
         return self._resize(plan, timeout)
 
     def shrink(
-        self, ranks: str | None = None, hosts: str | None = None, timeout: float = 120.0
+        self,
+        ranks: str | None = None,
+        hosts: str | None = None,
+        timeout: float = 120.0,
+        drop_ranks: str | None = None,
+        drop_hosts: str | None = None,
     ) -> ResizeReport:
-        """Keep ``ranks`` ranks (``"3"``: ranks 0-2) or ``hosts`` hosts."""
-        return self._resize(plan_shrink(self._mesh.name, self.size(), ranks, hosts), timeout)
+        """Keep ``ranks`` ranks (``"3"``: ranks 0-2) or ``hosts`` hosts; or drop the
+        ranks ``drop_ranks`` (``"1,3"``) or hosts ``drop_hosts`` (``"1"``), anywhere: the
+        survivors are renumbered in their old order."""
+        m = self._mesh
+        minimum = max(1, m.shrink_min)
+        if drop_ranks is None and drop_hosts is None:
+            plan = plan_shrink(m.name, self.size(), ranks, hosts, minimum)
+        elif ranks is not None or hosts is not None:
+            raise ResizeError(
+                f"shrink {m.name}: give what to keep (--ranks N, --hosts K) or what to drop "
+                "(--drop-ranks R,R, --drop-hosts H), not both"
+            )
+        else:
+            plan = plan_drop(m.name, self.size(), drop_ranks, drop_hosts, minimum)
+        return self._resize(plan, timeout)
 
     # -- the failure policy ``shrink`` ------------------------------------------------------
     def plan_without(self, dead: set[int]) -> ResizePlan | None:
-        """A shrink that leaves out the ``dead`` ranks (the last ones, or the last hosts:
-        a multi-host mesh loses whole hosts), if there is one that keeps at least
-        ``shrink_min`` ranks; else None (the policy restarts them instead)."""
+        """A shrink that leaves out the ``dead`` ranks, wherever they are (a multi-host
+        mesh loses their whole hosts), if it keeps at least ``shrink_min`` ranks; else
+        None (the policy restarts them instead). Dead ranks at the end are removed from
+        the end; others are dropped and the survivors renumbered."""
         m = self._mesh
         try:
             size = self.size()
         except ResizeError:
             return None
         if size.hosts > 1:
-            hosts = {m.ranks[r].host for r in dead}
-            keep = min(hosts)
-            if not set(range(keep, size.hosts)) <= hosts:
-                return None
-            after = MeshSize(keep, size.per_host, size.dim)
+            hosts = sorted({m.ranks[r].host for r in dead})
+            if set(range(hosts[0], size.hosts)) <= set(hosts):
+                plan = ResizePlan(m.name, size, MeshSize(hosts[0], size.per_host, size.dim))
+            else:
+                drop = ",".join(map(str, hosts))
+                try:
+                    plan = plan_drop(m.name, size, None, drop, 1)
+                except ResizeError:
+                    return None
         else:
             keep = min(dead)
-            if not set(range(keep, size.world)) <= dead:
-                return None
-            after = MeshSize(1, keep, size.dim)
-        if after.world < max(1, m.shrink_min):
+            if set(range(keep, size.world)) <= dead:
+                plan = ResizePlan(m.name, size, MeshSize(1, keep, size.dim))
+            else:
+                try:
+                    plan = plan_drop(m.name, size, ",".join(map(str, sorted(dead))), None, 1)
+                except ResizeError:
+                    return None
+        if plan.after.world < max(1, m.shrink_min):
             return None
-        return ResizePlan(m.name, size, after)
+        return plan
 
     def runner_for_death(
         self,
@@ -136,8 +169,8 @@ class Resizer:
 
     def shrink_dead(self) -> bool:
         """Under ``on_failure='shrink'``, between cells: go on without the dead ranks.
-        False when that cannot be done (they are not the last ones, the minimum size, a
-        cell runs): the policy restarts them instead."""
+        False when that cannot be done (the minimum size, a cell runs): the policy
+        restarts them instead."""
         m = self._mesh
         dead = {i.rank for i in m.ranks if not i.alive}
         if not dead:
@@ -199,6 +232,13 @@ class Resizer:
             raise ResizeError(
                 f"mesh {m.name!r} runs {len(running)} training cells at once: stop all but one"
             )
+        if plan.moved:
+            stuck = m.requests.unmovable(plan.renumbering)
+            if stuck:
+                raise ResizeError(
+                    f"mesh {m.name!r} has {stuck[0]} outstanding on ranks that a drop would "
+                    "renumber: wait for it to end (or stop it), then shrink"
+                )
         return running[0] if running else None
 
     def _running_cells(self) -> dict[str, list[int]]:
@@ -222,10 +262,17 @@ class Resizer:
         try:
             rid = self._check_mesh(plan)
             deadline = time.monotonic() + timeout
-            if rid is not None:
-                report = self._resize_training(plan, rid, deadline)
-            else:
-                report = self._resize_idle(plan, deadline)
+            try:
+                if rid is not None:
+                    report = self._resize_training(plan, rid, deadline)
+                else:
+                    report = self._resize_idle(plan, deadline)
+            except BaseException as exc:
+                if m.world == plan.after.world != plan.before.world:
+                    # it failed after the records changed: the handles still follow them
+                    said = f"mesh {m.name!r} is of {m.world} rank(s) now, but: {exc}"
+                    self.members.resized(plan.report(None, 0.0), said)
+                raise
         finally:
             self._busy.release()
         if rid is None:  # a training round tells it itself (also when the policy shrinks)
@@ -269,7 +316,7 @@ class Resizer:
         the actors, the set-up cells and rank 0's models (the replica check)."""
         m = self._mesh
         t0 = time.monotonic()
-        m.restarter._learn_process_group([i.rank for i in m.ranks])
+        m.restarter._learn_process_group([i.rank for i in m.ranks if i.alive])
         self.members.remove(plan, deadline)
         try:
             self.members.add(plan, deadline)
@@ -296,18 +343,6 @@ class Resizer:
                 note = "no process group: the new ranks ran the setup cells only"
         if problems:
             raise ResizeError(f"mesh {m.name!r} was resized, but: {'; '.join(problems)}")
-        seconds = time.monotonic() - t0
-        return ResizeReport(
-            m.name,
-            plan.before.world,
-            plan.after.world,
-            tuple(plan.added),
-            tuple(plan.removed),
-            None,
-            0,
-            0.0,
-            seconds,
-            note,
-        )
+        return plan.report(None, time.monotonic() - t0, note=note)
 
     # -- the parts (also used by ResizeRound) --------------------------------------------

@@ -1,7 +1,11 @@
 """What a resize does to a mesh's membership: ranks and host agents started or stopped,
 the records rewritten, the new shape told to every rank, actors and ``--setup`` cells
 given to new ranks (:class:`Membership`); the orchestration of a resize, and the
-training round, are in :mod:`.elastic` and :mod:`.elastic_round`."""
+training round, are in :mod:`.elastic` and :mod:`.elastic_round`.
+
+A shrink that drops ranks other than the last ones renumbers the survivors: the rules
+of that are in :mod:`.elastic_renumber`.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from monarch_kernel.controller.elastic_plan import (
     ResizeReport,
     interrupted_text,
 )
+from monarch_kernel.controller.elastic_renumber import forget_and_renumber
 from monarch_kernel.controller.events import EventBus, MeshResized, StreamOutput
 from monarch_kernel.controller.failures import FailureHandler
 from monarch_kernel.controller.inbound import Inbound
@@ -33,11 +38,13 @@ from monarch_kernel.controller.records import (
     MeshRecipe,
     RankInfo,
     RankState,
-    by_host,
+    Slots,
+    slots_by_host,
 )
 from monarch_kernel.controller.requests import RequestTable
 from monarch_kernel.controller.restart import LOCAL_COLLECTIVES, Restarter
 from monarch_kernel.controller.startup import Starter
+from monarch_kernel.controller.streams import RankLogs
 from monarch_kernel.controller.transport import Transport
 from monarch_kernel.launchers.base import Launcher, RemoteHostHandle
 from monarch_kernel.shape import Shape
@@ -71,14 +78,18 @@ class ElasticMesh(Protocol):
     peer_mesh: PeerMesh
     failures: FailureHandler
     shrink_min: int
+    slots: Slots
+    logs: RankLogs
+    generation: int
 
     def kill_ranks(self, ranks: list[int]) -> None: ...
     def death_text(self, info: RankInfo) -> str: ...
+    def publish_reference(self) -> None: ...
 
 
 _WORLD = (
     "from monarch_kernel.rank.world import set_world as _mk_world\n"
-    "_mk_world({labels!r}, {sizes!r})\n"
+    "_mk_world({labels!r}, {sizes!r}, {ranks!r})\n"
     "del _mk_world\n"
 )
 
@@ -90,10 +101,28 @@ class Membership:
     def __init__(self, mesh: ElasticMesh):
         self._mesh = mesh
 
-    def resized(self, report: ResizeReport) -> None:
-        """Tell the mesh's listeners (handles, dashboard) that it has a new shape."""
+    def resized(self, report: ResizeReport, text: str = "") -> None:
+        """Tell the mesh's listeners (handles, dashboard) that it has a new shape, and
+        every live rank of the controller its new reference (mesh handles they hold);
+        ``text``: what to say instead of the report's words (a resize that failed part
+        way, after the records changed)."""
         m = self._mesh
-        m.events.emit(MeshResized(m.name, report.before, report.after, report.describe()))
+        m.generation += 1
+        moved = report.moved if report.dropped else ()
+        removed = report.removed if report.dropped else ()
+        event = MeshResized(
+            m.name, report.before, report.after, text or report.describe(), removed, moved
+        )
+        m.events.emit(event)
+        try:
+            m.publish_reference()
+        except Exception as exc:  # the resize is done: handles in ranks stay as they were
+            log.warning("mesh %s: telling the ranks its new shape failed: %s", m.name, exc)
+
+    def world_moves(self, plan: ResizePlan) -> dict[int, int]:
+        """slot -> new rank of each survivor that ``plan`` renumbered (once it did)."""
+        m = self._mesh
+        return {m.ranks[new].slot: new for _, new in plan.moved if new < len(m.ranks)}
 
     def leave_request(self, rid: str, ranks: list[int]) -> None:
         """Removed ``ranks`` are no part of request ``rid`` any more (no answer owed)."""
@@ -155,27 +184,22 @@ class Membership:
         if plan.removed_hosts:
             self.remove(plan, time.monotonic() + 60.0)
             return lambda: None
-        groups = by_host(m.ranks, plan.removed)
+        # by slots: once forgotten, nothing else names them
+        groups = {
+            m.hosts[h].slot: slots for h, slots in slots_by_host(m.ranks, plan.removed).items()
+        }
         self._forget(plan)
 
         def stop() -> None:
-            for host, ranks in groups.items():
-                m.transport.send_host(host, {"k": K.KILL_RANKS, "d": ranks})
+            for host, slots in groups.items():
+                m.transport.send_host_slot(host, {"k": K.KILL_RANKS, "d": slots})
 
         return stop
 
     def _forget(self, plan: ResizePlan) -> None:
-        m = self._mesh
-        gone = plan.removed
-        for spec in list(m.recipe.actors.values()):
-            if spec.ranks & set(gone):
-                m.recipe.forget_actor(spec.name, gone)
-        m.inbound._world = plan.after.world  # first: their late messages are dropped
-        with m.transport.send_lock:
-            del m.ranks[plan.after.world :]
-            del m.transport.next_seq[plan.after.world :]
-            del m.hosts[plan.after.hosts :]
-        self._apply_shape(plan.after)
+        """Take the removed ranks and hosts out of the records; the survivors are
+        renumbered in their old order (:mod:`.elastic_renumber`)."""
+        forget_and_renumber(self._mesh, plan, self._apply_shape)
 
     def add(self, plan: ResizePlan, deadline: float, cancel: threading.Event | None = None) -> None:
         """Start the new host agents and ranks; return when they are ready (ResizeError
@@ -184,15 +208,24 @@ class Membership:
         cancelled = cancel.is_set if cancel is not None else (lambda: False)
         if not plan.added:
             return
-        new_hosts = [HostInfo(h) for h in plan.added_hosts]
+        new_hosts = [HostInfo(h, slot=m.slots.new_host()) for h in plan.added_hosts]
         if new_hosts:
-            configs = [m.starter.host_config(h.index) for h in new_hosts]
+            configs = [m.starter.host_config(h) for h in new_hosts]
+            with m.transport.send_lock:  # known before they can say they are ready
+                m.hosts.extend(new_hosts)
+                m.slots.rebuild()
             try:
                 handles = m.launcher.start_hosts(configs)
             except ValueError as exc:  # the engine cannot (too few free nodes ...)
+                with m.transport.send_lock:
+                    del m.hosts[plan.before.hosts :]
+                    m.slots.rebuild()
                 raise ResizeError(_first_line(exc)) from None
-            with m.transport.send_lock:
-                m.hosts.extend(new_hosts)
+            except BaseException:
+                with m.transport.send_lock:
+                    del m.hosts[plan.before.hosts :]
+                    m.slots.rebuild()
+                raise
             for host, handle in zip(new_hosts, handles):
                 host.handle = handle
                 m.starter.adopt(host)
@@ -218,11 +251,12 @@ class Membership:
         self._apply_shape(plan.after)
         per = plan.after.per_host
         coords = plan.after.shape._coords()
-        infos = [RankInfo(r, r // per, r % per, coords[r]) for r in plan.added]
+        infos = [
+            RankInfo(r, r // per, r % per, coords[r], slot=m.slots.new_rank()) for r in plan.added
+        ]
         with m.transport.send_lock:
-            m.transport.next_seq.extend(m.transport.seq_base for _ in infos)
             m.ranks.extend(infos)
-        m.inbound._world = len(m.ranks)
+            m.slots.rebuild()
         for index in sorted({i.host for i in infos}):
             m.starter.spawn_ranks([i for i in infos if i.host == index])
         try:
@@ -277,9 +311,10 @@ class Membership:
                 host.handle.wait_or_kill(0.5)
                 host.handle.cleanup()
         with m.transport.send_lock:
+            m.transport.forget_ranks(list(range(p.before.world, len(m.ranks))))
             del m.ranks[p.before.world :]
-            del m.transport.next_seq[p.before.world :]
             del m.hosts[p.before.hosts :]
+            m.slots.rebuild()
         self._apply_shape(p.before)
 
     def _apply_shape(self, size: MeshSize) -> None:
@@ -287,26 +322,32 @@ class Membership:
         m = self._mesh
         m.shape = size.shape
         m.n_hosts, m.per_host, m.world = size.hosts, size.per_host, size.world
-        m.inbound._world = min(size.world, len(m.ranks))
         m.restarter._world = size.world
         coords = size.shape._coords()
         for info in m.ranks[: size.world]:
             info.coords = tuple(coords[info.rank])
+            info.local_rank = info.rank % size.per_host
         common = m.starter.common
         if common is not None:
             common["labels"] = list(size.shape.labels)
             common["sizes"] = list(size.shape.sizes)
             common["world_size"] = size.world
             common["local_world_size"] = size.per_host
+            if m.hosts and m.hosts[0].ready:  # host 0 was dropped: rank 0's host now
+                common["master_addr"] = m.hosts[0].addr
+                common["master_port"] = m.hosts[0].port
 
     def set_world(
         self, ranks: list[int], plan: ResizePlan, deadline: float, problems: list[str]
     ) -> None:
-        """Tell ``ranks`` (idle survivors) the mesh's new shape."""
+        """Tell ``ranks`` (idle survivors) the mesh's new shape, and their new ranks
+        where ``plan`` renumbered them (by slot: each finds its own)."""
         if not ranks:
             return
         shape = plan.after.shape
-        code = _WORLD.format(labels=tuple(shape.labels), sizes=tuple(shape.sizes))
+        code = _WORLD.format(
+            labels=tuple(shape.labels), sizes=tuple(shape.sizes), ranks=self.world_moves(plan)
+        )
         failed = self._mesh.restarter.run_cell(ranks, code, "resize: world", (), deadline)
         if failed:
             problems.append(f"telling the ranks the new world size failed: {failed}")

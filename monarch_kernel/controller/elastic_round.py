@@ -5,9 +5,12 @@
    boundary (a rank already inside that step's collective is released by the abort of
    its peers' process groups, and parks at the same boundary);
 2. removed ranks leave the cell's request and are stopped; new ranks are started, get
-   the whole mesh's actors, join the request;
-3. survivors take the new shape (``world``), every rank re-forms the process group at
-   the new size, new ranks run the ``--setup`` cells (local collectives);
+   the whole mesh's actors, join the request; a shrink that dropped ranks other than
+   the last ones renumbers the survivors there (``elastic_renumber``), and the round's
+   own records follow;
+3. survivors take the new shape and their new ranks (``world``), every rank re-forms
+   the process group at the new size, new ranks run the ``--setup`` cells (local
+   collectives);
 4. a replica offers its state, new ranks get the cell again under its request id and
    load that state at their first step; the survivors resume.
 """
@@ -49,6 +52,7 @@ class ResizeOps(Protocol):
     def spawn_actors(self, plan: ResizePlan, deadline: float, problems: list[str]) -> None: ...
     def tell_cell(self, rid: str, text: str) -> None: ...
     def resized(self, report: ResizeReport) -> None: ...
+    def world_moves(self, plan: ResizePlan) -> dict[int, int]: ...
 
 
 log = logging.getLogger("monarch_kernel.controller")
@@ -107,6 +111,8 @@ class ResizeRound(Recovery):
         #: Set by :meth:`interrupt` while the new ranks are prepared: they are taken back.
         self.cancel = threading.Event()
         self._pausing = False  # under _cond: the loop is being paused (too late to cancel)
+        #: Under _cond: the ranks were renumbered (ranks named from then on are new ones).
+        self._renumbered = False
 
     def interrupt(self) -> bool:
         """The user interrupted the grow. True: it is cancelled (it was still preparing
@@ -123,10 +129,18 @@ class ResizeRound(Recovery):
         if self.cancel.is_set():
             raise ResizeInterrupted(interrupted_text(self.plan))
 
+    def notice(self, rank: int, notice: object) -> None:
+        """A rank's training notice; a removed rank's is ignored (one that parks by itself
+        when its peers stop, until its numbering is gone: ``elastic_renumber``)."""
+        with self._cond:
+            removed = rank in self.plan.removed and not self._renumbered
+        if not removed:
+            super().notice(rank, notice)
+
     def add_dead(self, rank: int) -> None:
         """A rank died: one the plan leaves out anyway is only noted; any other ends
         the resize (the recovery's give-up restarts it)."""
-        if rank in self.plan.removed:
+        if rank in self.plan.removed and not self._renumbered:
             self._cause(rank)
             with self._cond:
                 self.deaths.append(rank)
@@ -201,6 +215,8 @@ class ResizeRound(Recovery):
         self._timed("park", self._wait_boundary, ranks, epoch)
         step = max((n.step for n in self.parked.values()), default=0)
         stop = self._timed("remove", self._remove, epoch)
+        mapping = self.plan.renumbering
+        ranks = [mapping[r] for r in ranks if r in mapping]
         if self.fresh:
             self._resizer.join_request(self.rid, self.plan.added)
         self._timed("world", self._world, ranks, epoch)
@@ -240,6 +256,14 @@ class ResizeRound(Recovery):
                 self.parked.pop(r, None)
                 self.loaded.pop(r, None)
         stop = self._resizer.forget(self.plan)
+        if self.plan.moved:  # the survivors were renumbered: so are the round's records
+            mapping = self.plan.renumbering
+            with self._cond:
+                self._renumbered = True
+                self.parked = {mapping[r]: n for r, n in self.parked.items() if r in mapping}
+                self.loaded = {mapping[r]: n for r, n in self.loaded.items() if r in mapping}
+                self.fresh = {mapping[r]: f for r, f in self.fresh.items() if r in mapping}
+                self.dead = {mapping[r] for r in self.dead if r in mapping}
         self._check(epoch)
         return stop
 
@@ -256,7 +280,10 @@ class ResizeRound(Recovery):
         shape = self.plan.after.shape
         with self._cond:
             parked = sorted(self.parked)
-        order = Order("world", self.rid, labels=tuple(shape.labels), sizes=tuple(shape.sizes))
+        moves = tuple(sorted(self._resizer.world_moves(self.plan).items()))
+        order = Order(
+            "world", self.rid, labels=tuple(shape.labels), sizes=tuple(shape.sizes), ranks=moves
+        )
         self._ask(parked, order, epoch, "the new world size")
         others = [
             r
@@ -276,17 +303,11 @@ class ResizeRound(Recovery):
             raise _GiveUp(problems[0])
 
     def _done(self, step: int, transfer: Notice | None) -> None:
-        p = self.plan
-        self.report = ResizeReport(
-            self._mesh.name,
-            p.before.world,
-            p.after.world,
-            tuple(p.added),
-            tuple(p.removed),
+        self.report = self.plan.report(
             step,
+            self.paused,
             transfer.nbytes if transfer else 0,
             transfer.seconds if transfer else 0.0,
-            self.paused,
         )
         log.info("%s; phases %s", self.report.describe(), self.phases)
         died = ""

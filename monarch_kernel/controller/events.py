@@ -216,12 +216,30 @@ class MeshRecovered:
 @dataclass(frozen=True, slots=True)
 class MeshResized:
     """The mesh grew or shrank from ``before`` to ``after`` ranks (``%mesh grow``);
-    ``text`` says what happened."""
+    ``text`` says what happened. A shrink that dropped ranks other than the last ones
+    renumbered the survivors: ``removed`` (old numbers) and ``renumbered`` ((old, new)
+    of each survivor whose rank changed) say how, for listeners that keep something
+    per rank (the dashboard)."""
 
     mesh: str
     before: int
     after: int
     text: str
+    removed: tuple[int, ...] = ()
+    renumbered: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RanksRenumbered:
+    """A shrink dropped ranks other than the last ones: at this moment the survivors
+    took new numbers (``renumbered``: (old, new) of each whose rank changed; ``removed``:
+    the old numbers of the ranks that left). Emitted on the thread that holds the
+    receive token, so every event before it names ranks by their old numbers, every one
+    after by their new ones (the dashboard re-keys what it keeps per rank)."""
+
+    mesh: str
+    renumbered: tuple[tuple[int, int], ...]
+    removed: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +302,7 @@ MeshEvent = (
     | StatsReported
     | MeshRecovered
     | MeshResized
+    | RanksRenumbered
     | InputRequested
     | DebuggerPaused
     | DebuggerResumed
@@ -304,6 +323,7 @@ EVENT_TYPES: tuple[type[MeshEvent], ...] = (
     StatsReported,
     MeshRecovered,
     MeshResized,
+    RanksRenumbered,
     InputRequested,
     DebuggerPaused,
     DebuggerResumed,

@@ -142,6 +142,13 @@ class FailureHandler:
         self._restarts: dict[int, list[float]] = {}
         events.subscribe(self._on_event, RequestFailed, RankDied)
 
+    def renumber(self, mapping: dict[int, int]) -> None:
+        """The mesh's ranks were renumbered (old -> new): the restart counts follow."""
+        with self._lock:
+            self._restarts = {
+                mapping[r]: times for r, times in self._restarts.items() if r in mapping
+            }
+
     def gave_up_on(self, rank: int) -> bool:
         """Whether ``rank`` died too often to be restarted automatically again."""
         now = time.monotonic()
@@ -319,8 +326,8 @@ class FailureHandler:
         if self.policy is FailurePolicy.SHRINK and dead:
             return (
                 f"on_failure='shrink': going on without rank(s) {format_ranks(sorted(dead))} "
-                "(restarted instead if they are not the last ones or the mesh is at its "
-                "minimum size)."
+                "(the others renumbered in order if they were not the last ones; restarted "
+                "instead if the mesh is at its minimum size)."
             )
         if self.policy is FailurePolicy.RESTART:
             if dead:
@@ -404,8 +411,9 @@ class FailureHandler:
         threading.Thread(target=self._recover, name="mk-recover", daemon=True).start()
 
     def _shrink(self) -> None:
-        """``shrink``: go on without the dead ranks; where that cannot be done (not the
-        last ranks, the minimum size), restart them as ``restart`` would."""
+        """``shrink``: go on without the dead ranks (renumbering the others when they
+        were not the last ones); where that cannot be done (the minimum size, a cell
+        that is not a training loop runs), restart them as ``restart`` would."""
         try:
             done = self._actions.shrink_dead()
         except Exception as exc:

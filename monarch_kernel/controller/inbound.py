@@ -4,6 +4,11 @@
 signature (a forged message is dropped before anything is parsed), counts the bytes
 against the sender rank, and calls the handler registered for the message's kind in
 one table (see :mod:`monarch_kernel.wire.kinds` for the header keys of each kind).
+
+Ranks and host agents name themselves by their *slot* (``r``, ``h``, the ranks of a
+``fan_in``): :meth:`Inbound.handle` turns each into the logical rank or host it is now
+(``records.Slots``) before any handler runs, so handlers only see logical numbers. A
+slot the mesh does not know (a rank or host removed by a shrink, late) is dropped.
 """
 
 from __future__ import annotations
@@ -37,7 +42,14 @@ from monarch_kernel.controller.events import (
     StatsReported,
     StreamOutput,
 )
-from monarch_kernel.controller.records import HostInfo, MeshRecipe, RankEnd, RankInfo, RankState
+from monarch_kernel.controller.records import (
+    HostInfo,
+    MeshRecipe,
+    RankEnd,
+    RankInfo,
+    RankState,
+    Slots,
+)
 from monarch_kernel.controller.requests import RequestTable
 from monarch_kernel.controller.transport import Transport
 from monarch_kernel.wire import Codec, Message, WireError
@@ -112,6 +124,8 @@ class Inbound:
         port_received: Callable[[str, int], None],
         find_mesh: Callable[[str], StoppableMesh | None],
         on_train: Callable[[int, bytes], None] | None = None,
+        slots: Slots | None = None,
+        on_ready: Callable[[int], None] | None = None,
     ):
         """``notify``: wake threads waiting for ranks and hosts (``MeshLifecycle``);
         ``rank_died``: ``Supervisor.rank_died``; ``port_received``: the answer to
@@ -121,7 +135,7 @@ class Inbound:
         self._codec: Codec = mesh.codec
         self._ranks = ranks
         self._hosts = hosts
-        self._world = len(ranks)
+        self._slots = slots if slots is not None else Slots(ranks, hosts)
         self._transport = transport
         self._requests = requests
         self._events = events
@@ -135,13 +149,14 @@ class Inbound:
         self._assembler = Assembler()
         events.subscribe(self._drop_partial, RankDied)
         self._on_train_notice = on_train
+        self._on_rank_ready = on_ready
         #: Messages received (each ``fan_in`` counts one, whatever it combines) and
         #: ``fan_in`` messages among them: a gathered call on H hosts costs H.
         self.received = 0
         self.fanned_in = 0
         #: Messages received by kind (verified ones; chunks count as their kind ``ck``).
         self.kinds: dict[str, int] = {}
-        #: routing id -> index of the host agent that sends from it (see _host_heard)
+        #: routing id -> slot of the host agent that sends from it (see _host_heard)
         self._host_idents: dict[bytes, int] = {}
         #: kind -> handler of the message with its typed header (``wire.headers``)
         self._handlers: dict[str, Handler] = {
@@ -188,9 +203,10 @@ class Inbound:
             part = self._codec.decode(frames[1:])
             self._host_heard(frames[0].bytes)
             h = part.header
-            sender = h.get("r")
-            if origin >= 0 and not self._from_host(origin, sender, h.get("h")):
-                transport.impostor(f"header (rank {sender!r}, host {h.get('h')!r})")
+            if origin >= 0 and not self._from_host(origin, h.get("r"), h.get("h")):
+                if self._slots.gone(h.get("r"), h.get("h")):
+                    return  # a rank or host removed by a shrink, late: not ours now
+                transport.impostor(f"header (rank {h.get('r')!r}, host {h.get('h')!r})")
                 return
             msg = self._assembler.feed(self._codec, part)  # a large value comes in chunks
         except WireError as exc:
@@ -198,13 +214,21 @@ class Inbound:
             return
         if msg is None:
             return
-        if msg.header is not h:  # the last chunk completed a stream: its start's header
-            h = msg.header
-            sender = h.get("r")
-        if isinstance(sender, int) and not 0 <= sender < self._world:
-            return  # a rank removed from the mesh (``%mesh shrink``), late: not ours now
-        if sender is not None and 0 <= sender < self._world:
+        h = msg.header  # a stream's start's header once its last chunk came
+        slots = self._slots
+        sender = h.get("r")
+        if sender is not None:  # the sender's slot -> the rank it is now
+            sender = slots.rank.get(sender) if isinstance(sender, int) else None
+            if sender is None:
+                return  # a rank removed from the mesh (``%mesh shrink``), late: not ours now
+            h["r"] = sender
             self._ranks[sender].bytes_in += msg.nbytes
+        host = h.get("h")
+        if host is not None:
+            host = slots.host.get(host) if isinstance(host, int) else None
+            if host is None:
+                return  # a host removed from the mesh, late
+            h["h"] = host
         kinds = self.kinds
         kind = h["k"]
         kinds[kind] = kinds.get(kind, 0) + 1
@@ -218,13 +242,15 @@ class Inbound:
             log.warning("mesh %s dropped a message: %s", self._name, exc)
 
     def _drop_partial(self, event: object) -> None:
-        if isinstance(event, RankDied):
-            self._assembler.forget(lambda h: h.get("r") == event.rank)
+        if isinstance(event, RankDied) and 0 <= event.rank < len(self._ranks):
+            slot = self._ranks[event.rank].slot  # partial streams' headers name slots
+            self._assembler.forget(lambda h: h.get("r") == slot)
 
     def _from_host(self, host: int, rank: object, claimed: object) -> bool:
-        """Whether the header's sender rank and host (where present) are on ``host``."""
+        """Whether the header's sender rank and host slots (where present) are on the
+        host of slot ``host``."""
         if rank is not None and not (
-            isinstance(rank, int) and 0 <= rank < self._world and self._ranks[rank].host == host
+            isinstance(rank, int) and self._slots.rank_host.get(rank) == host
         ):
             return False
         return claimed is None or claimed == host
@@ -243,10 +269,12 @@ class Inbound:
         except PartError as exc:
             log.warning("mesh %s dropped a message of host %s: %s", self._name, h.host, exc)
             return
-        ranks, world, request = self._ranks, self._world, h.request
+        ranks, request = self._ranks, h.request
+        of_slot = self._slots.rank
         for part in parts:
-            # an agent speaks only for its own ranks
-            mine = [r for r in part.ranks if 0 <= r < world and ranks[r].host == h.host]
+            # an agent speaks only for its own ranks (named by their slots)
+            mine = [of_slot[s] for s in part.ranks if s in of_slot]
+            mine = [r for r in mine if ranks[r].host == h.host]
             size = len(part.data)
             for r in mine:
                 ranks[r].bytes_in += size
@@ -312,10 +340,12 @@ class Inbound:
         except Exception as exc:  # signed by our agent: another version?
             log.warning("mesh %s dropped host %s's stats: %s", self._name, h.host, exc)
             return
-        ranks, world = self._ranks, self._world
-        for rank, stats in items:
-            # an agent speaks only for its own ranks (a removed rank's may come late)
-            if isinstance(rank, int) and 0 <= rank < world and ranks[rank].host == h.host:
+        ranks, of_slot = self._ranks, self._slots.rank
+        for slot, stats in items:
+            # keyed by the ranks' slots (their names on the wire); an agent speaks only
+            # for its own ranks, and a removed rank's may come late
+            rank = of_slot.get(slot) if isinstance(slot, int) else None
+            if rank is not None and ranks[rank].host == h.host:
                 self._stats(rank, stats)
 
     def _stats(self, rank: int, stats: RankStats) -> None:
@@ -425,6 +455,8 @@ class Inbound:
         info.last_seen = time.monotonic()
         self._requests.set_state(info, RankState.IDLE)
         self._notify()
+        if self._on_rank_ready is not None:
+            self._on_rank_ready(info.rank)
 
     def _on_rank_started(self, h: H.RankStarted, msg: Message) -> None:
         self._ranks[h.rank].pid = h.pid
@@ -444,14 +476,15 @@ class Inbound:
         if ident[:1] != b"h":
             return  # a rank's own connection (``r``/``c``): by far the most messages
         hosts = self._hosts
-        index = self._host_idents.get(ident)
-        if index is None:  # a new agent (misses are not kept: its tag may come later)
+        slot = self._host_idents.get(ident)
+        if slot is None:  # a new agent (misses are not kept: its tag may come later)
             transport = self._transport
-            index = next((i for i in range(len(hosts)) if transport.host_id(i) == ident), -1)
-            if index < 0:
+            slot = next((s for s in self._slots.host if transport.host_slot_id(s) == ident), -1)
+            if slot < 0:
                 return
-            self._host_idents[ident] = index
-        if index < len(hosts):
+            self._host_idents[ident] = slot
+        index = self._slots.host.get(slot)
+        if index is not None and index < len(hosts):
             hosts[index].last_seen = time.monotonic()
 
     def _on_heartbeat(self, h: H.Heartbeat, msg: Message) -> None:

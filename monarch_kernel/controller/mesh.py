@@ -28,6 +28,7 @@ in place, the Requester protocol) that keep those layers off the parts.
 from __future__ import annotations
 
 import atexit
+import pickle
 import time
 import uuid
 from collections.abc import Sequence
@@ -54,9 +55,11 @@ from monarch_kernel.controller.records import (
     MeshRecipe,
     RankEnd,
     RankInfo,
+    RankState,
     RecoveryReport,
     SetupCell,
-    by_host,
+    Slots,
+    slots_by_host,
 )
 from monarch_kernel.controller.registry import MeshRegistry, MeshSummary
 from monarch_kernel.controller.requests import RequestTable, new_request_id
@@ -150,6 +153,11 @@ class MeshRuntime:
             for r, c in enumerate(self.shape._coords())
         ]
         self.hosts = [HostInfo(h) for h in range(hosts)]
+        #: wire ids (slots) -> logical ranks and hosts (see ``records``)
+        self.slots = Slots(self.ranks, self.hosts)
+        #: How many times the mesh was resized (a mesh reference of an older
+        #: generation is replaced by a newer one where both are seen: ``MeshRef``).
+        self.generation = 0
         self.recipe = MeshRecipe()
         self.events = EventBus()
         self.lifecycle = MeshLifecycle(name, self.events)
@@ -173,7 +181,9 @@ class MeshRuntime:
                 bind = "ipc" if launcher.same_machine else getattr(launcher, "bind", "127.0.0.1")
             self.advertise: str | None = advertise or getattr(launcher, "advertise", None)
             reuse = identity.endpoints if identity else None
-            self.transport = Transport(self.name, self.codec, self.ranks, bind, reuse)
+            self.transport = Transport(
+                self.name, self.codec, self.ranks, bind, reuse, self.hosts, self.slots
+            )
         except BaseException:
             registry.forget(self)
             raise
@@ -261,6 +271,8 @@ class MeshRuntime:
             port_received=self.restarter.port_received,
             find_mesh=registry.get,
             on_train=self.peers.on_notice,
+            slots=self.slots,
+            on_ready=self._rank_ready,
         )
         self.peer_mesh = PeerMesh(
             self.name,
@@ -448,7 +460,39 @@ class MeshRuntime:
 
     def reference(self) -> MeshRef:
         """A reference to this mesh that ranks can call it through (rank to rank)."""
-        return MeshRef(self.name, self.key.hex(), tuple(i.peer for i in self.ranks), self.shape)
+        ranks = list(self.ranks)
+        return MeshRef(
+            self.name,
+            self.key.hex(),
+            tuple(i.peer for i in ranks),
+            self.shape,
+            tuple(i.slot for i in ranks),
+            self.generation,
+        )
+
+    def publish_reference(self) -> None:
+        """Tell every live rank of this controller's meshes this mesh's reference as it
+        is now (it was resized): mesh handles they hold follow (``calls.mesh_refs``)."""
+        payload = pickle.dumps([self.reference()])
+        for mesh in registry.live():
+            mesh.send_references(payload)
+
+    def send_references(self, payload: bytes, ranks: Sequence[int] | None = None) -> None:
+        """A ``mesh_ref`` control message (``payload``: pickled references) to ``ranks``
+        (default: every live, started one); one that cannot take it is left alone."""
+        for info in [self.ranks[r] for r in ranks] if ranks is not None else list(self.ranks):
+            if info.alive and info.state is not RankState.STARTING:
+                try:
+                    self.transport.send_control(info.rank, {"k": K.MESH_REF}, payload)
+                except Exception:  # stopping, or it left meanwhile
+                    pass
+
+    def _rank_ready(self, rank: int) -> None:
+        """A rank started (receiving thread): the meshes resized before it know their
+        shape only from here (handles in the actors it is given)."""
+        refs = [m.reference() for m in registry.live() if m.generation]
+        if refs:
+            self.send_references(pickle.dumps(refs), [rank])
 
     def stop_mesh(self, grace: float) -> Future[None]:
         """:meth:`stop`, as a completed future (Monarch's ``stop()`` returns one)."""
@@ -475,12 +519,12 @@ class MeshRuntime:
     def kill_ranks(self, ranks: Sequence[int]) -> None:
         """SIGKILL ``ranks`` through their host agents (their exits are reported as
         expected, unless a ``kill_reason`` was set on them: then they are DEAD)."""
-        for host, group in by_host(self.ranks, ranks).items():
+        for host, group in slots_by_host(self.ranks, ranks).items():
             self.transport.send_host(host, {"k": K.KILL_RANKS, "d": group})
 
     def signal_ranks(self, ranks: list[int], sig: int) -> None:
         """Send ``sig`` to ``ranks`` through their host agents."""
-        for host, group in by_host(self.ranks, ranks).items():
+        for host, group in slots_by_host(self.ranks, ranks).items():
             self.transport.send_host(host, {"k": K.SIGNAL_RANKS, "d": group, "sig": int(sig)})
 
     def death_text(self, info: RankInfo) -> str:
@@ -549,10 +593,17 @@ class MeshRuntime:
         return self.resizer.grow(ranks, hosts, timeout)
 
     def shrink(
-        self, ranks: str | None = None, hosts: str | None = None, timeout: float = 120.0
+        self,
+        ranks: str | None = None,
+        hosts: str | None = None,
+        timeout: float = 120.0,
+        drop_ranks: str | None = None,
+        drop_hosts: str | None = None,
     ) -> ResizeReport:
-        """Keep ``ranks`` ranks or ``hosts`` hosts (from the end): see :mod:`.elastic`."""
-        return self.resizer.shrink(ranks, hosts, timeout)
+        """Keep ``ranks`` ranks or ``hosts`` hosts (from the end), or drop the ranks
+        ``drop_ranks`` (``"1,3"``) or hosts ``drop_hosts`` anywhere (the survivors are
+        renumbered): see :mod:`.elastic`."""
+        return self.resizer.shrink(ranks, hosts, timeout, drop_ranks, drop_hosts)
 
     def shrink_dead(self) -> bool:
         """``on_failure='shrink'``: go on without the dead ranks (see :mod:`.elastic`)."""

@@ -213,6 +213,19 @@ class PeerRecovery:
         runner.start()
         return ""
 
+    def renumber(self, mapping: dict[int, int]) -> None:
+        """The mesh's ranks were renumbered (old -> new; the others are gone): what is
+        kept per rank follows (a running round re-keys its own state)."""
+        with self._lock:
+            self._parked = {
+                rid: {mapping[r]: n for r, n in parked.items() if r in mapping}
+                for rid, parked in self._parked.items()
+            }
+            self._active = {
+                rid: {mapping[r] for r in ranks if r in mapping}
+                for rid, ranks in self._active.items()
+            }
+
     def training_requests(self) -> list[str]:
         """Requests whose ranks run ``TrainingState`` steps and are still running."""
         with self._lock:

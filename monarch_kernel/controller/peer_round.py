@@ -476,8 +476,12 @@ class Recovery:
         self._mesh.recovered(self.rid, text, tuple(dict.fromkeys(self.restarted)), seconds)
 
     def _give_up(self, why: str) -> None:
-        with self._cond:
-            parked = sorted((set(self.parked) | self.resuming) - self.dead)
+        with self._cond:  # (a rank a shrink removed meanwhile is no part of it)
+            parked = sorted(
+                r
+                for r in (set(self.parked) | self.resuming) - self.dead
+                if r < len(self._mesh.ranks)
+            )
             gone = sorted(set(self.dead) | {r for r, s in self.fresh.items() if s != "sent"})
         text = (
             f"training state could not be recovered from peers: {why}. Lost: the step in "

@@ -3,6 +3,19 @@
 These records are read by every layer above (the actor API, the kernel, the dashboard)
 and written only by the controller's own modules, on the thread that holds the receive
 token (see :mod:`monarch_kernel.controller.receiver`) or under the mesh's condition.
+
+**Ranks and slots.** A rank's ``rank`` is its logical (flat) rank: its index in the
+mesh's ``ranks`` list, what ``RANK`` says and what requests, events and handles use. Its
+``slot`` is its process's *wire id*: the number in its routing ids (``r<slot>``,
+``c<slot>``), in the ``r`` of every header it sends, in the ``d`` lists its host agent
+fans out by, in its host agent's tables and its peer socket's path. A slot is given when
+a rank is first made (equal to its rank then) and never changes while the rank exists
+(a restart keeps it); a slot is never given twice in a mesh. When ranks other than the
+last ones are dropped (``%mesh shrink NAME --drop-ranks``), the survivors are renumbered
+and keep their slots: nothing on the wire changes for them, and the controller's
+:class:`Slots` maps what arrives to the rank it is now. Hosts likewise: ``HostInfo.index``
+is the logical host (``GROUP_RANK``), ``HostInfo.slot`` the agent's wire id (``h<slot>``,
+the ``h`` of its headers). See :mod:`monarch_kernel.controller.elastic_renumber`.
 """
 
 from __future__ import annotations
@@ -83,9 +96,10 @@ class FailurePolicy(_TextEnum):
     * ``CONTINUE``: nothing is done to the other ranks: they run on (inspect them with
       ``%mesh stacks``), dead ranks stay dead until restarted by hand.
     * ``SHRINK`` (``shrink:N``: not below N ranks): the mesh goes on without the dead
-      rank (the last one, or the last host's), at a step boundary of a ``TrainingState``
-      loop or between cells (``controller.elastic``); a death elsewhere, or below N
-      ranks, is restarted as under ``RESTART``.
+      rank (on a mesh of several hosts: without its whole host), wherever it is, at a
+      step boundary of a ``TrainingState`` loop or between cells
+      (``controller.elastic``); the survivors are renumbered in their old order when it
+      was not the last one. Below N ranks it is restarted as under ``RESTART``.
     """
 
     RESTART = "restart"
@@ -140,7 +154,8 @@ class RankEnd:
 
 @dataclass
 class RankInfo:
-    """What the controller knows about one rank."""
+    """What the controller knows about one rank (``rank``: its logical rank, ``host``
+    the logical index of its host; see the module on slots)."""
 
     rank: int
     host: int
@@ -176,6 +191,12 @@ class RankInfo:
     #: Control-plane bytes the controller sent to / received from this rank.
     bytes_out: int = 0
     bytes_in: int = 0
+    #: Its process's wire id (see the module); -1: the same as ``rank``.
+    slot: int = -1
+
+    def __post_init__(self) -> None:
+        if self.slot < 0:
+            self.slot = self.rank
 
     @property
     def alive(self) -> bool:
@@ -187,6 +208,16 @@ def by_host(ranks: Sequence[RankInfo], which: Iterable[int]) -> dict[int, list[i
     groups: dict[int, list[int]] = {}
     for r in which:
         groups.setdefault(ranks[r].host, []).append(r)
+    return groups
+
+
+def slots_by_host(ranks: Sequence[RankInfo], which: Iterable[int]) -> dict[int, list[int]]:
+    """The *slots* of the ranks ``which``, grouped by the index of their host: what a
+    message to host agents names them by (``d`` of ``kill_ranks`` ...)."""
+    groups: dict[int, list[int]] = {}
+    for r in which:
+        info = ranks[r]
+        groups.setdefault(info.host, []).append(info.slot)
     return groups
 
 
@@ -206,6 +237,61 @@ class HostInfo:
     last_seen: float = field(default_factory=time.monotonic)
     desk: str = ""  #: a detachable mesh's agent: its attach desk (``wire.desk``)
     dir: str = ""  #: ... and its private directory (its ranks' logs)
+    #: The agent's wire id (``h<slot>``, the ``h`` of its headers); -1: ``index``.
+    slot: int = -1
+
+    def __post_init__(self) -> None:
+        if self.slot < 0:
+            self.slot = self.index
+
+
+class Slots:
+    """The controller's map from wire ids (slots) to the logical ranks and hosts they
+    are now (see the module), and the next free slots. Rebuilt (each map replaced
+    whole, so a reader on another thread sees the old one or the new one) whenever
+    ranks or hosts are added, removed or renumbered."""
+
+    def __init__(self, ranks: list[RankInfo], hosts: list[HostInfo]):
+        self._ranks = ranks
+        self._hosts = hosts
+        #: rank slot -> logical rank; host slot -> logical host index
+        self.rank: dict[int, int] = {}
+        self.host: dict[int, int] = {}
+        #: rank slot -> the slot of its host
+        self.rank_host: dict[int, int] = {}
+        self._next_rank = 0
+        self._next_host = 0
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Read the records again (after they changed)."""
+        hosts = self._hosts
+        self.rank = {i.slot: i.rank for i in self._ranks}
+        self.host = {h.slot: h.index for h in hosts}
+        self.rank_host = {
+            i.slot: hosts[i.host].slot if i.host < len(hosts) else -1 for i in self._ranks
+        }
+        self._next_rank = max(self._next_rank, max(self.rank, default=-1) + 1)
+        self._next_host = max(self._next_host, max(self.host, default=-1) + 1)
+
+    def new_rank(self) -> int:
+        """A slot for a new rank (never one given before in this mesh)."""
+        slot = self._next_rank
+        self._next_rank += 1
+        return slot
+
+    def new_host(self) -> int:
+        """A slot for a new host agent."""
+        slot = self._next_host
+        self._next_host += 1
+        return slot
+
+    def gone(self, rank: object, host: object) -> bool:
+        """Whether a header's sender slots (``r``, ``h``) name a rank or host this mesh
+        had and removed (a shrink): its late messages are dropped, not suspected."""
+        return (
+            isinstance(rank, int) and 0 <= rank < self._next_rank and rank not in self.rank
+        ) or (isinstance(host, int) and 0 <= host < self._next_host and host not in self.host)
 
 
 @dataclass(frozen=True)
@@ -250,6 +336,16 @@ class MeshRecipe:
             self.actors[name] = dataclasses.replace(spec, ranks=frozenset(left))
         else:
             del self.actors[name]
+
+    def renumber(self, mapping: dict[int, int]) -> None:
+        """Ranks were renumbered (old -> new for every rank kept): actors follow them;
+        ranks not in ``mapping`` (removed) are forgotten."""
+        for name, spec in list(self.actors.items()):
+            ranks = frozenset(mapping[r] for r in spec.ranks if r in mapping)
+            if ranks:
+                self.actors[name] = dataclasses.replace(spec, ranks=ranks)
+            else:
+                del self.actors[name]
 
     def remember_setup(self, cell: SetupCell) -> None:
         """Re-run ``cell`` on ranks when they restart (after the process group)."""

@@ -197,6 +197,33 @@ class RequestTable:
         if flip:
             self._announce(info, RankState.BUSY, RankState.IDLE)
 
+    def renumber(self, mapping: dict[int, int]) -> None:
+        """The mesh's ranks were renumbered (old -> new for every rank kept; the others
+        left every request before): every request and its observer follow (token
+        holder only, with the records rewritten at the same moment)."""
+        if all(old == new for old, new in mapping.items()):
+            return
+        for pending in list(self._pending.values()):
+            pending.ranks = [mapping[r] for r in pending.ranks if r in mapping]
+            pending.waiting = {mapping[r] for r in pending.waiting if r in mapping}
+            renumber = getattr(pending.observer, "renumber", None)
+            if renumber is not None:
+                renumber(mapping)
+        self._abandoned = {
+            rid: {mapping[r] for r in ranks if r in mapping}
+            for rid, ranks in self._abandoned.items()
+        }
+
+    def unmovable(self, mapping: dict[int, int]) -> list[str]:
+        """What of the outstanding requests could not follow ``mapping`` (their observer
+        names ranks and cannot be told new numbers): their ``what``."""
+        moved = {old for old, new in mapping.items() if old != new}
+        out = []
+        for pending in list(self._pending.values()):
+            if moved & set(pending.waiting) and not hasattr(pending.observer, "renumber"):
+                out.append(pending.what or pending.id)
+        return out
+
     @staticmethod
     def lose(rank: int, taken: list[Pending], error: BaseException) -> None:
         """Tell the observers of ``taken`` that ``rank`` will never answer."""

@@ -21,7 +21,7 @@ from monarch_kernel.calls.errors import MeshStoppedError, RankDiedError
 from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.calls.requester import PLAIN, CallOptions
 from monarch_kernel.controller.receiver import Receiver
-from monarch_kernel.controller.records import GONE, MeshPhase, RankInfo, by_host
+from monarch_kernel.controller.records import GONE, MeshPhase, RankInfo, slots_by_host
 from monarch_kernel.controller.requests import RequestTable
 from monarch_kernel.controller.transport import Transport
 from monarch_kernel.wire import kinds as K
@@ -166,7 +166,7 @@ def collect_stacks(
         silent = collector.wait(lambda last: min(max(after, last + FALLBACK_QUIET), latest), read)
         if silent and rid is not None:
             asked_agent = silent
-            for host, group in by_host(mesh.ranks, sorted(silent)).items():
+            for host, group in slots_by_host(mesh.ranks, sorted(silent)).items():
                 mesh.transport.send_host(host, {"k": K.DUMP_STACKS, "d": group, "i": rid})
             collector.wait(lambda _last: t0 + timeout, read)
     collector.close()

@@ -130,7 +130,7 @@ class Starter:
         Raises :class:`MeshStartError` (the caller stops what was started)."""
         config = self._config
         report = _Reporter(self)
-        handles = config.launcher.start_hosts([self.host_config(h.index) for h in self._hosts])
+        handles = config.launcher.start_hosts([self.host_config(h) for h in self._hosts])
         for host, handle in zip(self._hosts, handles):
             host.handle = handle
             self.adopt(host)
@@ -140,7 +140,7 @@ class Starter:
             )
             report.agents_ready()
         except MeshStartError as exc:
-            missing = [h.index for h in self._hosts if not h.ready]
+            missing = [h.slot for h in self._hosts if not h.ready]
             describe = getattr(config.launcher, "describe_missing", None)
             if missing and describe is not None:
                 raise MeshStartError(f"{exc}\n{describe(self._name, missing)}") from None
@@ -180,15 +180,17 @@ class Starter:
     def adopt(self, host: HostInfo) -> None:
         """Let a handle on a remote agent (no pid to kill) tell it to exit."""
         if hasattr(host.handle, "tell_exit"):
-            index, transport = host.index, self._transport
+            slot, transport = host.slot, self._transport
 
-            def tell_exit() -> None:
-                transport.send_host(index, {"k": K.STOP, "grace": 0.0})
+            def tell_exit() -> None:  # by its slot: it may have left the records (shrink)
+                transport.send_host_slot(slot, {"k": K.STOP, "grace": 0.0})
 
             setattr(host.handle, "tell_exit", tell_exit)  # noqa: B010
 
-    def host_config(self, h: int) -> HostConfig:
-        """What host agent ``h`` needs to join (a fresh CURVE keypair every time)."""
+    def host_config(self, host: HostInfo) -> HostConfig:
+        """What ``host``'s agent needs to join (a fresh CURVE keypair every time); it
+        knows itself by its slot (see ``records.Slots``)."""
+        h = host.slot
         config, t = self._config, self._transport
         # The agent's own patience with a silent controller is longer than ours with it:
         # a controller busy for a few seconds (a large unpickle) must not lose its hosts.
@@ -216,6 +218,7 @@ class Starter:
             controller_started=holder.started,
             attach_file=config.attach_path,
             on_failure=config.on_failure,
+            label=host.index,
         )
 
     def relaunch_host(self, host: HostInfo) -> None:
@@ -225,7 +228,7 @@ class Starter:
             old.wait_or_kill(0.1)  # a frozen agent: kill it (its ranks die with it)
             old.cleanup()
         host.ready, host.lost, host.last_seen = False, None, time.monotonic()
-        (host.handle,) = self._config.launcher.start_hosts([self.host_config(host.index)])
+        (host.handle,) = self._config.launcher.start_hosts([self.host_config(host)])
         self.adopt(host)
 
     def spawn_ranks(self, ranks: list[RankInfo]) -> None:
@@ -242,6 +245,8 @@ class Starter:
                 "host": r.host,
                 "restart_count": r.restarts,
             }
+            if r.slot != r.rank:  # its wire id (records.Slots); absent: its rank
+                spec["slot"] = r.slot
             if self._transport.curve is not None:  # peers of other machines may call it
                 if not r.peer_secret:
                     r.peer_secret = zmq.curve_keypair()[1].decode()

@@ -190,6 +190,24 @@ class RankLogs:
             except OSError:
                 pass
 
+    def renumber(self, mapping: dict[int, int]) -> None:
+        """The mesh's ranks were renumbered (old -> new): each log is closed with a line
+        that says so; a rank's output goes to the log of its new number from now on
+        (``rank1.log`` holds what rank 1 printed, whichever process it was)."""
+        with self._lock:
+            if self._closed:
+                return
+            for rank, f in self._files.items():
+                new = mapping.get(rank)
+                what = f"rank {new} now" if new is not None else "removed from the mesh"
+                try:
+                    f.write(f"[mesh shrunk: the process that was rank {rank} is {what}]\n")
+                    f.close()
+                except OSError:
+                    pass
+            self._files.clear()
+            self._terms.clear()
+
     def close(self) -> None:
         """Close the files (they stay on disk), with the lines still open (a bar's last
         frame, a line without its newline) written out."""

@@ -94,7 +94,7 @@ class Supervisor:
                 host.last_seen = max(host.last_seen, now)
             if host.lost:
                 continue
-            self._transport.heartbeat(host.index)
+            self._transport.heartbeat(host.slot)
             code = host.handle.exit_code() if host.handle is not None else None
             if code is not None:
                 self._post(self.host_lost, host, f"host agent process exited with code {code}")

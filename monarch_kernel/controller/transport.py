@@ -4,7 +4,7 @@ Two ROUTER sockets per mesh keep the hot path free of thread hand-offs:
 
 * ``send`` ROUTER: callers send on it directly from their own thread, under a lock
   (ranks' inbox and control DEALERs and host agents connect here; routing ids ``r<N>``,
-  ``c<N>`` and ``h<N>``);
+  ``c<N>`` and ``h<N>``, ``N`` the rank's or host's *slot*: see ``records.Slots``);
 * ``recv`` ROUTER: results, streams, metrics and deaths, read by the holder of the
   receive token (:mod:`monarch_kernel.controller.receiver`). Two inproc DEALERs connect
   to it too, to wake whichever thread blocks on it.
@@ -12,7 +12,9 @@ Two ROUTER sockets per mesh keep the hot path free of thread hand-offs:
 A multi-rank message goes once per host to the host agent, which fans it out, when the
 payload is large or many ranks of that host are targeted; otherwise it goes to each rank
 directly. Per-rank sequence numbers (header ``q``) keep delivery FIFO whichever path is
-taken.
+taken. Callers name ranks and hosts by their logical index; what goes on the wire
+(routing ids, the ``d`` lists of fan-outs and batches) is their slot, and sequence
+numbers are kept per slot (per process): a renumbering changes none of them.
 
 Flow control (a send never blocks): a busy peer's messages wait in the controller
 (:mod:`monarch_kernel.controller.backlog`); past its bounds, a caller that sends waits for
@@ -39,7 +41,7 @@ from monarch_kernel.controller.backlog import (
     BackpressureError,
 )
 from monarch_kernel.controller.batching import Batcher, batch_payload, batchable
-from monarch_kernel.controller.records import RankInfo
+from monarch_kernel.controller.records import HostInfo, RankInfo, Slots
 from monarch_kernel.controller.sigint import DeferSigint
 from monarch_kernel.controller.sockets import (
     CurveKeys,
@@ -90,6 +92,8 @@ class Transport:
         ranks: list[RankInfo],
         bind: str,
         reuse: Endpoints | None = None,
+        hosts: list[HostInfo] | None = None,
+        slots: Slots | None = None,
     ):
         """``bind``: a host address (tcp on a random port, within ``$MONARCH_KERNEL_PORTS``
         when set), a full ``tcp://`` or ``ipc://`` endpoint, or ``"ipc"`` for unix
@@ -100,13 +104,19 @@ class Transport:
         a ZAP handler admits only the client keys added to ``curve.allowed``.
 
         ``reuse``: bind the unix sockets an earlier controller of this (detachable)
-        mesh listened on."""
+        mesh listened on. ``hosts`` and ``slots``: the mesh's host records and its map
+        of wire ids (made from ``ranks`` and one host per rank host when not given)."""
         self.name = name
         self.codec = codec
         self._ranks = ranks
+        if hosts is None:
+            hosts = [HostInfo(h) for h in range(max((i.host for i in ranks), default=-1) + 1)]
+        self._hosts = hosts
+        self._slots = slots if slots is not None else Slots(ranks, hosts)
         #: Where this controller's sequence numbers start (see ``wire.kinds.SEQ_EPOCH``).
         self.seq_base = 0
-        self.next_seq = [0] * len(ranks)
+        #: rank slot -> the sequence number of its next ordered message (absent: the base)
+        self.next_seq: dict[int, int] = {}
         self.send_lock = threading.Lock()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.send_sock = ctx.socket(zmq.ROUTER)
@@ -122,9 +132,9 @@ class Transport:
         #: The mesh's CURVE keys when it listens on tcp (None on unix sockets).
         self.curve: Curve | None = None
         self._zap_domain = f"mk-{name}-{id(self):x}"
-        #: Per host: the suffix of its routing ids (:func:`ident_tag` of its CURVE secret;
-        #: empty on unix sockets), and the host each admitted client key (z85, the ZAP
-        #: user id) was handed to.
+        #: Per host slot: the suffix of its routing ids (:func:`ident_tag` of its CURVE
+        #: secret; empty on unix sockets), and the host slot each admitted client key
+        #: (z85, the ZAP user id) was handed to.
         self._tags: dict[int, bytes] = {}
         self._key_host: dict[str, int] = {}
         #: Messages dropped because the authenticated key (ZAP user id) was not the key of
@@ -201,10 +211,10 @@ class Transport:
 
     # -- identities --------------------------------------------------------------------
     def admit_host(self, host: int) -> tuple[str, str, str]:
-        """A fresh CURVE client keypair for host agent ``host`` (its ranks use it too),
-        admitted by the ZAP handler; a previous one of that host is no longer admitted.
-        Returns ``(server public, client public, client secret)`` (z85), or empty
-        strings on unix sockets."""
+        """A fresh CURVE client keypair for the host agent of slot ``host`` (its ranks
+        use it too), admitted by the ZAP handler; a previous one of that host is no
+        longer admitted. Returns ``(server public, client public, client secret)``
+        (z85), or empty strings on unix sockets."""
         if self.curve is None:
             return ("", "", "")
         public, secret = zmq.curve_keypair()
@@ -218,24 +228,32 @@ class Transport:
         return (self.curve.public.decode(), public.decode(), secret.decode())
 
     def host_id(self, host: int) -> bytes:
-        """Routing id of host agent ``host`` (``h<H>`` + its host's tag)."""
-        return b"h%d" % host + self._tags.get(host, b"")
+        """Routing id of (logical) host agent ``host`` (``h<slot>`` + its host's tag)."""
+        return self.host_slot_id(self._hosts[host].slot)
+
+    def host_slot_id(self, slot: int) -> bytes:
+        """Routing id of the host agent of slot ``slot``."""
+        return b"h%d" % slot + self._tags.get(slot, b"")
 
     def rank_id(self, rank: int, kind: bytes = b"r") -> bytes:
-        """Routing id of ``rank``'s inbox (``r``) or control socket (``c``)."""
-        return kind + b"%d" % rank + self._tags.get(self._ranks[rank].host, b"")
+        """Routing id of (logical) ``rank``'s inbox (``r``) or control socket (``c``)."""
+        info = self._ranks[rank]
+        return self._slot_id(info.slot, self._hosts[info.host].slot, kind)
+
+    def _slot_id(self, slot: int, host_slot: int, kind: bytes = b"r") -> bytes:
+        return kind + b"%d" % slot + self._tags.get(host_slot, b"")
 
     def sender_host(self, frames: list[zmq.Frame]) -> int | None:
-        """On a CURVE mesh, the host whose key authenticated the connection a message
-        ``[identity, *frames]`` came on, if its routing id belongs to that host; None
-        (the message is counted in :attr:`impostors` and must be dropped) otherwise.
-        -1 on unix sockets (nothing to check: the user only)."""
+        """On a CURVE mesh, the slot of the host whose key authenticated the connection
+        a message ``[identity, *frames]`` came on, if its routing id belongs to that
+        host; None (the message is counted in :attr:`impostors` and must be dropped)
+        otherwise. -1 on unix sockets (nothing to check: the user only)."""
         if self.curve is None:
             return -1
         ident = frames[0].bytes
         user = frames[-1].get("User-Id") if len(frames) > 1 else None
         host = self._key_host.get(user) if isinstance(user, str) else None
-        if host is not None and ident in (self.host_id(host), *self._rank_ids(ident, host)):
+        if host is not None and ident in (self.host_slot_id(host), *self._rank_ids(ident, host)):
             return host
         self.impostor(f"routing id {ident[:40]!r} on a connection of host {host}")
         return None
@@ -244,10 +262,10 @@ class Transport:
         kind, rest = ident[:1], ident[1:].partition(b".")[0]
         if kind not in (b"r", b"c") or not rest.isdigit():
             return ()
-        rank = int(rest)
-        if not 0 <= rank < len(self._ranks) or self._ranks[rank].host != host:
+        slot = int(rest)
+        if self._slots.rank_host.get(slot) != host:
             return ()
-        return (self.rank_id(rank, kind),)
+        return (self._slot_id(slot, host, kind),)
 
     def impostor(self, what: str) -> None:
         """Count a message dropped because it claims another host's identity."""
@@ -263,16 +281,23 @@ class Transport:
 
     # -- sending -----------------------------------------------------------------------
     def send_host(self, host: int, header: Header, payload: bytes = b"") -> None:
-        """Send to host agent ``host`` (lost messages to a gone agent are dropped)."""
+        """Send to (logical) host agent ``host`` (lost messages to a gone agent are
+        dropped)."""
+        self.send_host_slot(self._hosts[host].slot, header, payload)
+
+    def send_host_slot(self, slot: int, header: Header, payload: bytes = b"") -> None:
+        """Send to the host agent of slot ``slot`` (one that may have left the records:
+        a removed host told to stop)."""
         frames = self.codec.encode(header, payload)
         with self.send_lock, DeferSigint():
             if self._batch:
                 self._send_batch()
-            self._backlog.deliver(self.host_id(host), frames, len(payload))
+            self._backlog.deliver(self.host_slot_id(slot), frames, len(payload))
 
-    def heartbeat(self, host: int) -> None:
-        """A heartbeat to host agent ``host``, unless it has not read what was sent."""
-        ident = self.host_id(host)
+    def heartbeat(self, slot: int) -> None:
+        """A heartbeat to the host agent of slot ``slot``, unless it has not read what
+        was sent."""
+        ident = self.host_slot_id(slot)
         with self.send_lock:
             if ident not in self._backlog:
                 self._backlog.deliver(ident, self.codec.encode({"k": K.HEARTBEAT}), 0)
@@ -335,7 +360,8 @@ class Transport:
             self.batched_calls += n * len(ranks)
             for host, group in by_host.items():
                 seqs = [self._take_seq(r) for r in group]
-                header = {"k": K.BATCH, "n": n, "d": group, "q": seqs}
+                d = [self._ranks[r].slot for r in group]
+                header = {"k": K.BATCH, "n": n, "d": d, "q": seqs}
                 if len(group) >= FANOUT_MIN_RANKS or (
                     len(group) > 1 and len(payload) >= FANOUT_MIN_BYTES
                 ):
@@ -373,8 +399,9 @@ class Transport:
             by_host.setdefault(info.host, []).append(r)
         for host, group in by_host.items():
             if len(group) > 1 and (size >= FANOUT_MIN_BYTES or len(group) >= FANOUT_MIN_RANKS):
-                h = dict(header, d=group, f=1, q=[self._take_seq(r) for r in group])
-                route = {"f": 1, "d": group}
+                d = [self._ranks[r].slot for r in group]
+                h = dict(header, d=d, f=1, q=[self._take_seq(r) for r in group])
+                route = {"f": 1, "d": d}
                 parts = encode_parts(self.codec, h, payload, buffers, route)
                 self._deliver_parts(self.host_id(host), parts)
             else:
@@ -394,8 +421,9 @@ class Transport:
         return total
 
     def _take_seq(self, r: int) -> int:
-        q = self.next_seq[r]
-        self.next_seq[r] = q + 1
+        slot = self._ranks[r].slot
+        q = self.next_seq.get(slot, self.seq_base)
+        self.next_seq[slot] = q + 1
         return q
 
     def set_epoch(self, epoch: int) -> None:
@@ -403,7 +431,24 @@ class Transport:
         controller to attach to a detachable mesh; before anything is sent)."""
         with self.send_lock:
             self.seq_base = epoch * K.SEQ_EPOCH
-            self.next_seq = [self.seq_base] * len(self.next_seq)
+            self.next_seq = {}
+
+    def rekey(self, change: Callable[[], None]) -> None:
+        """Run ``change`` (which rewrites the rank and host records: a renumbering) with
+        nothing being sent meanwhile; calls batched under the old numbers go first."""
+        with self.send_lock, DeferSigint():
+            if self._batch:
+                self._send_batch()
+            change()
+
+    def forget_ranks(self, ranks: Sequence[int]) -> None:
+        """These (logical) ranks leave the mesh: drop their counters and what waits for
+        them (send_lock held: called from :meth:`rekey`'s change, before the records
+        are rewritten)."""
+        for r in ranks:
+            self.next_seq.pop(self._ranks[r].slot, None)
+            self._backlog.drop(self.rank_id(r))
+            self._backlog.drop(self.rank_id(r, b"c"))
 
     @property
     def ipc_dir(self) -> str | None:
@@ -416,7 +461,7 @@ class Transport:
         with self.send_lock:
             if self._batch:  # sent to its previous incarnation, like what came before
                 self._send_batch()
-            self.next_seq[rank] = self.seq_base
+            self.next_seq.pop(self._ranks[rank].slot, None)
             self._backlog.drop(self.rank_id(rank))
             self._backlog.drop(self.rank_id(rank, b"c"))
 

@@ -6,6 +6,10 @@ its configuration (controller addresses and mesh key) as one JSON line on stdin 
 template, reports every rank death at once with the rank's last output lines, fans
 multi-rank messages out to its local ranks, and exits when the controller disappears
 (heartbeat loss; on Linux also the parent-death signal).
+
+Ranks are named here by their *slot* (their wire id: the ``d`` of a fan-out, the ``r`` of
+a rank's messages, ``RankConfig.slot``), which a rank keeps when a shrink renumbers the
+ranks; this agent's own ``host`` is its host slot likewise.
 """
 
 from __future__ import annotations
@@ -391,16 +395,17 @@ class HostAgent:
         assert isinstance(h, H.SpawnRanks)
         agent = self.rank_part()
         for spec in h.ranks:
-            log_path = os.path.join(self.private_dir, f"rank{spec['rank']}.log")
+            slot = spec.get("slot", spec["rank"])  # this agent knows ranks by their slot
+            log_path = os.path.join(self.private_dir, f"rank{slot}.log")
             cfg = RankConfig.build(spec, h.common, dict(agent, log=log_path))
             if os.path.exists(cfg.log):
                 os.unlink(cfg.log)
-            self.rank_cfgs[cfg.rank] = cfg
+            self.rank_cfgs[cfg.slot] = cfg
             self.fork(cfg)
 
     def fork(self, cfg: RankConfig) -> None:
         """Ask the template to fork ``cfg``'s rank (its pid comes as a "forked" event)."""
-        self.forking.setdefault(cfg.rank, deque()).append(False)
+        self.forking.setdefault(cfg.slot, deque()).append(False)
         self.template.command(op="fork", cfg=cfg.to_json())
 
     def rank_part(self) -> dict[str, str]:

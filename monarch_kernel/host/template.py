@@ -167,9 +167,9 @@ class Template:
                 run_forked(cfg, parent)
             finally:
                 os._exit(1)
-        self.children[pid] = cfg.rank
+        self.children[pid] = cfg.slot  # ranks are known here by their slot (wire id)
         self.run_ids.add(cfg.run_id)
-        self.emit(e="forked", rank=cfg.rank, pid=pid)
+        self.emit(e="forked", rank=cfg.slot, pid=pid)
 
     def reap(self) -> None:
         while self.children:

@@ -24,7 +24,7 @@ MESH_COMMANDS: dict[str, tuple[str, ...]] = {
     "setup": ("--clear",),
     "stacks": ("--ranks", "--timeout"),
     "grow": ("--ranks", "--gpus", "--hosts", "--timeout"),
-    "shrink": ("--ranks", "--gpus", "--hosts", "--timeout"),
+    "shrink": ("--ranks", "--gpus", "--hosts", "--drop-ranks", "--drop-hosts", "--timeout"),
 }
 
 
@@ -80,6 +80,12 @@ Create, list, stop or restart meshes of ranks.
   %mesh restart NAME [--ranks 2,3]           restart ranks (default: the dead ones)
   %mesh setup NAME [--clear]                 the setup cells re-run on restarted ranks
   %mesh stacks NAME [--ranks 0,3] [--timeout S]   every rank's Python stacks now
+  %mesh grow NAME --ranks +2 | --hosts +1    add ranks (one-host mesh) or hosts
+  %mesh shrink NAME --ranks N | --hosts K    keep ranks 0..N-1 or hosts 0..K-1
+  %mesh shrink NAME --drop-ranks 1,3 | --drop-hosts 1
+                                             drop those, wherever they are: the
+                                             survivors keep their processes and state
+                                             and are renumbered in order (2,3 -> 1,2)
 
 NAME becomes a notebook variable holding the mesh (a ProcMesh).
 

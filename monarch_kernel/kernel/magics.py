@@ -66,7 +66,8 @@ class MeshMagics(Magics):
         ``%mesh`` (table of live meshes, and of detached ones to attach),
         ``%mesh stop NAME``, ``%mesh attach NAME [--force]``,
         ``%mesh restart NAME [--ranks 2,3]``, ``%mesh stacks NAME [--ranks 0,3]``,
-        ``%mesh grow NAME --ranks +2 | --hosts +1``, ``%mesh shrink NAME --ranks 3 | --hosts 1``.
+        ``%mesh grow NAME --ranks +2 | --hosts +1``, ``%mesh shrink NAME --ranks 3 | --hosts 1
+        | --drop-ranks 1,3 | --drop-hosts 1``.
         """
         args = shlex.split(line)
         if not args:

@@ -1,7 +1,9 @@
 """``%mesh grow NAME --ranks +2`` and ``%mesh shrink NAME --ranks 3``: resize a live mesh.
 
 ``--gpus`` is another name for ``--ranks`` (ranks per host, on a one-host mesh);
-``--hosts +K`` / ``--hosts K`` add or keep whole hosts. See
+``--hosts +K`` / ``--hosts K`` add or keep whole hosts. ``%mesh shrink NAME
+--drop-ranks 1,3`` / ``--drop-hosts 1`` drop those ranks or hosts wherever they are:
+the survivors are renumbered in their old order. See
 :mod:`monarch_kernel.controller.elastic` for what happens to the ranks.
 """
 
@@ -21,6 +23,9 @@ def _parser(verb: str) -> Parser:
     p.add_argument("--ranks", default=None, metavar="+N" if verb == "grow" else "N")
     p.add_argument("--gpus", default=None, metavar="+N" if verb == "grow" else "N")
     p.add_argument("--hosts", default=None, metavar="+K" if verb == "grow" else "K")
+    if verb == "shrink":
+        p.add_argument("--drop-ranks", default=None, metavar="R,R")
+        p.add_argument("--drop-hosts", default=None, metavar="H,H")
     p.add_argument("--timeout", type=float, default=120.0)
     return p
 
@@ -38,7 +43,13 @@ def resize_mesh(verb: str, args: list[str]) -> None:
         if verb == "grow":
             report = procs.grow(ranks, opts.hosts, opts.timeout)
         else:
-            report = procs.shrink(ranks, opts.hosts, opts.timeout)
+            report = procs.shrink(
+                ranks,
+                opts.hosts,
+                opts.timeout,
+                drop_ranks=opts.drop_ranks,
+                drop_hosts=opts.drop_hosts,
+            )
     except (ResizeError, MeshStartError) as exc:
         raise UsageError(f"%mesh {verb} {opts.name}: {exc}") from None
     print(report.describe())

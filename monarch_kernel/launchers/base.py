@@ -24,7 +24,9 @@ log = logging.getLogger("monarch_kernel.launchers")
 class HostConfig:
     """What one host agent needs to join its mesh."""
 
-    host: int  #: index of this host in the mesh
+    #: this host agent's id in the mesh (its slot: its index when it was made, kept for
+    #: its life; see ``controller.records.Slots``)
+    host: int
     key: str  #: the mesh's HMAC key, hex (never put on a command line)
     send: str  #: the controller's endpoint that sends to hosts and ranks
     recv: str  #: the controller's endpoint that receives from them
@@ -51,6 +53,14 @@ class HostConfig:
     #: The mesh's failure policy, which a detachable mesh's agent applies while no
     #: controller holds the mesh (``restart``: it restarts a rank that dies).
     on_failure: str = ""
+    #: The host's index in the mesh now, as users see it (``host 2: ...``); -1: ``host``.
+    #: They differ once a shrink dropped a host other than the last one.
+    label: int = -1
+
+    @property
+    def shown(self) -> int:
+        """The host's number to show users (``label``, else ``host``)."""
+        return self.label if self.label >= 0 else self.host
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)

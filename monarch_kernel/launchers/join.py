@@ -274,7 +274,7 @@ class JoinLauncher:
             for slot in self._issue(configs, None):
                 slot.shown = True
                 handles.append(JoinHost(self, slot, self.command(slot)))
-                lines.append(f"  host {slot.cfg.host}: {self.command(slot)}")
+                lines.append(f"  host {slot.cfg.shown}: {self.command(slot)}")
         mesh = configs[0].mesh if configs else ""
         lines.insert(
             0,
@@ -291,16 +291,16 @@ class JoinLauncher:
             joined = [s for s in slots if s.joined_from]
             waiting = [s for s in slots if not s.joined_from]
             out = [
-                f"host {s.cfg.host} joined from {s.joined_from} but never connected to "
+                f"host {s.cfg.shown} joined from {s.joined_from} but never connected to "
                 f"{s.cfg.send} / {s.cfg.recv} (a firewall? open those ports, or pick them "
                 "with MONARCH_KERNEL_PORTS=LOW-HIGH)"
                 for s in joined
             ]
             if waiting:
-                which = ", ".join(str(s.cfg.host) for s in waiting)
+                which = ", ".join(str(s.cfg.shown) for s in waiting)
                 if all(s.shown for s in waiting):
                     out.append(f"hosts {which} did not join; run on each machine:")
-                    out += [f"  host {s.cfg.host}: {self.command(s)}" for s in waiting]
+                    out += [f"  host {s.cfg.shown}: {self.command(s)}" for s in waiting]
                 else:
                     out.append(f"hosts {which} did not join")
         return "\n".join(out)
@@ -381,7 +381,7 @@ class JoinLauncher:
             mesh = slot.cfg.mesh
             group = [s for (m, _), s in self._latest.items() if m == mesh]
             done = sum(s.joined_from is not None for s in group)
-            host = slot.cfg.host
+            host = slot.cfg.shown
             line = f"mesh {mesh!r}: {done}/{len(group)} hosts joined (host {host} from {peer})"
             return {"cfg": slot.cfg.to_json()}, line
 

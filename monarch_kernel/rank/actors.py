@@ -154,7 +154,9 @@ class ActorHost:
                 gone = self.gone.get(name)
                 if gone is not None:
                     raise ActorGoneError(str(gone), gone.stopped)
-                raise ActorGoneError(f"no actor {name!r} on rank {self.rank} (was it stopped?)")
+                raise ActorGoneError(
+                    f"no actor {name!r} on rank {context.current_rank().rank} (was it stopped?)"
+                )
             args, kwargs = loads(msg.payload, msg.buffers, lambda: f"arguments of {where()}")
             context.current_actor = name
             context.current_slice = hdr.slice
@@ -296,7 +298,7 @@ class ActorHost:
             finally:
                 context.current_actor = None
         if not handled:
-            me = f"{self.outbox.mesh}/{owner_name}[{self.rank}]"
+            me = f"{self.outbox.mesh}/{owner_name}[{context.current_rank().rank}]"
             report = dict(body["report"])
             report.setdefault("origin", failure.actor_id)  # who failed first, on the way up
             self.outbox.fault(FailureReport(**report), owner_name, (*failure.path, me))

@@ -29,7 +29,10 @@ class RankConfig:
     """Everything a rank process is told before it starts (see the module docstring)."""
 
     # -- the spec of this rank (controller) ---------------------------------------------
-    rank: int  #: global (flat) rank
+    rank: int  #: global (flat) rank (changes when a shrink renumbers the ranks)
+    #: this process's wire id: its routing ids, the ``r`` of what it sends, its host
+    #: agent's name for it (see ``controller.records.Slots``); never changes. -1: ``rank``.
+    slot: int = -1
     local_rank: int = 0  #: index among the ranks of its host agent
     coords: tuple[int, ...] = ()  #: its point in the mesh, one index per dim
     host: int = 0  #: index of its host agent
@@ -67,6 +70,10 @@ class RankConfig:
     #: 1 in a ``--detachable`` mesh: the rank outlives its controller (it watches its
     #: connection and keeps what it would send while none is attached).
     detachable: int = 0
+
+    def __post_init__(self) -> None:
+        if self.slot < 0:
+            object.__setattr__(self, "slot", self.rank)
 
     @property
     def mesh_name(self) -> str:
@@ -134,6 +141,7 @@ _NAMES = frozenset(f.name for f in fields(RankConfig))
 _CONVERT: dict[str, Callable[[Any], object]] = {f.name: str for f in fields(RankConfig)}
 _CONVERT.update(
     rank=int,
+    slot=int,
     local_rank=int,
     host=int,
     restart_count=int,

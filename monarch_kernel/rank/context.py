@@ -28,7 +28,9 @@ class RankServices(Protocol):
 
     @property
     def rank(self) -> int:
-        """This rank's global (flat) rank."""
+        """This process's wire id (its slot): the ``r`` of what it sends and its
+        routing ids. Equal to its flat rank until a shrink renumbers the ranks; the
+        rank it is now is :func:`current_rank` ``().rank`` (``config.rank``)."""
         ...
 
     @property

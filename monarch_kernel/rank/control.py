@@ -96,6 +96,7 @@ class ControlThread:
             K.ABORT_PG: self.abort_pg,
             K.INPUT_REPLY: self.input_reply,
             K.TRAIN: self.train,
+            K.MESH_REF: self.mesh_ref,
         }
 
     def start(self) -> None:
@@ -169,6 +170,16 @@ class ControlThread:
         except zmq.ZMQError:
             pass
 
+    def mesh_ref(self, msg: Message) -> None:
+        """MESH_REF: meshes of the controller as they are now (one was resized): the
+        mesh handles this rank holds take on the newest (``calls.mesh_refs``)."""
+        from monarch_kernel.calls import mesh_refs
+        from monarch_kernel.calls.requester import MeshRef
+
+        for ref in pickle.loads(msg.payload):
+            if isinstance(ref, MeshRef):
+                mesh_refs.publish(ref)
+
     def cancel(self, msg: Message) -> None:
         """CANCEL: interrupt request ``c`` if it runs now, skip it if it has not started."""
         target = H.Cancel.decode(msg.header).target
@@ -211,7 +222,8 @@ class ControlThread:
         names = loads(msg.payload, msg.buffers, "pull request")
         missing = [n for n in names if n not in self.namespace]
         if missing:
-            raise NameError(f"name {missing[0]!r} is not defined on rank {self.rank}")
+            here = context.current_rank().rank
+            raise NameError(f"name {missing[0]!r} is not defined on rank {here}")
         values = [self.namespace[n] for n in names]
         self.outbox.reply(self._request(msg), values, f"pulled {', '.join(names)}")
 

@@ -79,7 +79,7 @@ class Server:
         self.key_id = cfg.run_id
         self.key_hex = cfg.key
         self.machine = cfg.hostname or socket.gethostname()
-        self.rank = cfg.rank
+        self.rank = cfg.slot  # the process (its wire id): names stay unique after a shrink
         self.host = cfg.host
         world = cfg.world_size
         per_host = cfg.local_world_size

@@ -248,8 +248,9 @@ class RankPdb(pdb.Pdb):
         except InputTimeout:
             # Nobody attached: run on (a forgotten breakpoint must not hold the mesh).
             owner.resumed("timeout")
+            here = context.current_rank().rank
             sys.stderr.write(
-                f"rank {owner.rank.rank}: no debugger command in {timeout:g} s at {where}: "
+                f"rank {here}: no debugger command in {timeout:g} s at {where}: "
                 "detached, running on\n"
             )
             sys.stderr.flush()
@@ -258,7 +259,8 @@ class RankPdb(pdb.Pdb):
             if str(exc) == "interrupted":
                 raise KeyboardInterrupt from None
             owner.resumed("detach")
-            sys.stderr.write(f"rank {owner.rank.rank}: debugger at {where} detached: {exc}\n")
+            here = context.current_rank().rank
+            sys.stderr.write(f"rank {here}: debugger at {where} detached: {exc}\n")
             sys.stderr.flush()
             return "detach" if not self._post_mortem else "quit"
 

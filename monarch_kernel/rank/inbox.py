@@ -90,11 +90,11 @@ def bind_peer(sock: zmq.Socket[bytes], cfg: RankConfig) -> PeerAddress:
 
     # The same path (and TCP port and key, see the controller's rank specs) after a
     # restart: references to this rank held by other ranks reach it again.
-    path = os.path.join(private_dir(cfg), f"pr{cfg.rank}")
+    path = os.path.join(private_dir(cfg), f"pr{cfg.slot}")
     if len(path) > 100:  # a unix socket path is at most 107 bytes
         import tempfile
 
-        path = os.path.join(tempfile.mkdtemp(prefix="mk-pr-", dir="/tmp"), f"pr{cfg.rank}")
+        path = os.path.join(tempfile.mkdtemp(prefix="mk-pr-", dir="/tmp"), f"pr{cfg.slot}")
     tcp_host = host_addr(cfg) if cfg.curve_secret else ""
     return peer_address.bind(
         sock,
@@ -125,7 +125,7 @@ class Inbox:
         log_fd: int,
     ):
         self.cfg = cfg
-        self.rank = cfg.rank
+        self.rank = cfg.slot  # its wire id: its sequence numbers are found by it in ``d``
         self.sock = sock
         self.codec = codec
         self.main = main

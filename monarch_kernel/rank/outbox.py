@@ -319,7 +319,7 @@ class Outbox:
         if actor:  # the failing actor at this level (its owner sees it as the failure)
             report = report.copy()
             report["actor"] = actor
-            report.setdefault("origin", f"{self.mesh}/{actor}[{self.rank}]")
+            report.setdefault("origin", f"{self.mesh}/{actor}[{context.current_rank().rank}]")
         if owner is None:
             if path:  # the owners that did not handle it (see ``MeshFailure``)
                 report = report.copy()
@@ -329,7 +329,7 @@ class Outbox:
         body = {
             "mesh": self.mesh,
             "actor": actor,
-            "rank": self.rank,
+            "rank": context.current_rank().rank,  # its rank now (self.rank: its slot)
             "report": report,
             "path": path,
         }

@@ -57,7 +57,9 @@ class Rank:
 
     def __init__(self, cfg: RankConfig, log_fd: int):
         self.config = cfg
-        self.rank = cfg.rank
+        #: This process's wire id (its slot): its routing ids and the ``r`` of what it
+        #: sends. Its rank now is ``config.rank`` (a shrink may renumber it: ``world``).
+        self.rank = cfg.slot
         self.log_fd = log_fd
         self.codec = Codec(bytes.fromhex(cfg.key))
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -92,7 +94,7 @@ class Rank:
             self.outbox.agent = agent
         self.inbox = Inbox(cfg, inbox, self.codec, self.main, self.outbox, log_fd)
         self.namespace: UserNamespace = {"__name__": "__main__", "__builtins__": __builtins__}
-        point = Point(dict(zip(cfg.labels, cfg.coords)), self.rank, cfg.sizes)
+        point = Point(dict(zip(cfg.labels, cfg.coords)), cfg.rank, cfg.sizes)
         context.install(point, dict(zip(cfg.labels, cfg.sizes)), self)
         self.stdin = InputBridge(self)
         self.debugger = RankDebugger(self)

@@ -112,7 +112,7 @@ class InputBridge:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise InputTimeout(
-                    f"input() on rank {self._rank.rank}: no answer from the notebook "
+                    f"input() on rank {context.current_rank().rank}: no answer from the notebook "
                     f"in {timeout:g} s"
                 )
             try:

@@ -163,7 +163,7 @@ def _obey(state: ParkedState, order: Order) -> Any:
     if order.op == "world":
         from monarch_kernel.rank.world import set_world
 
-        return set_world(order.labels, order.sizes)
+        return set_world(order.labels, order.sizes, dict(order.ranks))
     if order.op == "offer":
         offer = state.offer()
         return Offered(offer.source, offer.step, offer.nbytes, pickle.dumps(offer))

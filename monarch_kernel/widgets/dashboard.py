@@ -90,6 +90,7 @@ class Dashboard(W.VBox):
         self._marked: int | None = None  # the tile shown as selected
         self._error_key = -1
         self._recoveries_seen = 0
+        self._resizes_seen = 0
         self._phase_seen = runtime.state
         self._views: list[TileView] = []  # what each tile shows (empty before the first tick)
         self.compact = runtime.world > render.FULL_TILES_MAX
@@ -375,6 +376,9 @@ class Dashboard(W.VBox):
         if st.recovery_count > self._recoveries_seen:
             self._recoveries_seen = st.recovery_count
             self._set_status(st.recoveries[0].summary)
+        if st.resize_count > self._resizes_seen:  # grown or shrunk: what was done
+            self._resizes_seen = st.resize_count
+            self._set_status(st.resize_text)
 
     # -- teardown --------------------------------------------------------------------
     @property

@@ -85,8 +85,9 @@ class RunningJobs:
         Sound because a rank is BUSY before its :class:`RequestStarted` is emitted, and
         stays BUSY until every request sent to it was answered or lost."""
         busy = (RankState.BUSY, RankState.STARTING)
+        n = len(ranks)  # a rank past the end left in a shrink
         for rid, job in list(self.jobs.items()):
-            job.running = {r for r in job.running if ranks[r].state in busy}
+            job.running = {r for r in job.running if 0 <= r < n and ranks[r].state in busy}
             if not job.running:
                 self.end(rid)
 

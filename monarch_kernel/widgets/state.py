@@ -30,8 +30,10 @@ from monarch_kernel.controller.events import (
     MeshEvent,
     MeshPhaseChanged,
     MeshRecovered,
+    MeshResized,
     MetricReported,
     RankDied,
+    RanksRenumbered,
     RankStateChanged,
     ReplyReceived,
     RequestFailed,
@@ -84,6 +86,8 @@ SUBSCRIBED: tuple[type[MeshEvent], ...] = (
     MeshRecovered,
     DebuggerPaused,
     DebuggerResumed,
+    RanksRenumbered,
+    MeshResized,
 )
 
 
@@ -108,6 +112,9 @@ class MeshState:
         #: Restarts in place, newest first; ``recovery_count`` counts them all.
         self.recoveries: deque[Recovery] = deque(maxlen=MAX_RECOVERIES)
         self.recovery_count = 0
+        #: The last grow or shrink, in words (``MeshResized``), and how many there were.
+        self.resize_text = ""
+        self.resize_count = 0
         self.throughput = Throughput()
         self.local_memory = LocalMemory()  # psutil's view of local ranks without stats
         self.attached = False
@@ -245,6 +252,35 @@ class MeshState:
             self.errored.pop(ev.rank, None)  # new work (or a new process): a clean slate
             self.interrupted.pop(ev.rank, None)
 
+    def _on_resized(self, ev: MeshResized, now: float) -> None:
+        self.resize_text = ev.text
+        self.resize_count += 1
+
+    def _on_renumbered(self, ev: RanksRenumbered, now: float) -> None:
+        """A shrink renumbered the ranks (events before this named the old numbers,
+        those after the new ones): what is kept per rank follows its process."""
+        moved, gone = dict(ev.renumbered), set(ev.removed)
+
+        def rekey(per_rank: dict[int, Any]) -> dict[int, Any]:
+            return {moved.get(r, r): v for r, v in per_rank.items() if r not in gone}
+
+        self.last_event = rekey(self.last_event)
+        self.what = rekey(self.what)
+        self.errored = rekey(self.errored)
+        self.interrupted = rekey(self.interrupted)
+        self.paused = rekey(self.paused)
+        history = self.history
+        history.step = rekey(history.step)
+        history.report_count = rekey(history.report_count)
+        history.series = {name: rekey(per) for name, per in history.series.items()}
+        history.version += 1
+        self.throughput.rates = rekey(self.throughput.rates)
+        self.throughput._last = None  # byte counters per rank: start sampling again
+        self.local_memory.stats = rekey(self.local_memory.stats)
+        for job in self.running.jobs.values():
+            job.ranks = tuple(moved.get(r, r) for r in job.ranks if r not in gone)
+            job.running = {moved.get(r, r) for r in job.running if r not in gone}
+
     def _on_died(self, ev: RankDied, now: float) -> None:
         # A process that ended runs nothing: every job is over on it (not only those
         # ``ev.requests`` names: requests given up on earlier are not among them).
@@ -362,4 +398,6 @@ _HANDLERS: dict[type[MeshEvent], Callable[[MeshState, Any, float], None]] = {
     MeshRecovered: MeshState._on_recovered,
     DebuggerPaused: MeshState._on_paused,
     DebuggerResumed: MeshState._on_resumed,
+    RanksRenumbered: MeshState._on_renumbered,
+    MeshResized: MeshState._on_resized,
 }

@@ -12,11 +12,15 @@ Peers and sockets
 The controller binds two ROUTER sockets, ``send`` (controller -> peers) and ``recv``
 (peers -> controller); peers connect DEALERs with these routing identities:
 
-* ``h<H>``  host agent ``H`` (its inbox on ``send``, its out socket on ``recv``);
-* ``r<R>``  rank ``R``'s ordered inbox on ``send`` (also connected to its host agent's
-  fan-out ROUTER) and its out socket on ``recv``;
-* ``c<R>``  rank ``R``'s control socket (served by a side thread) on ``send``;
-* ``g<R>``  a throw-away socket rank ``R`` greets its host agent's fan-out ROUTER from.
+* ``h<H>``  host agent of slot ``H`` (its inbox on ``send``, its out socket on ``recv``);
+* ``r<R>``  the ordered inbox of the rank of slot ``R`` on ``send`` (also connected to its
+  host agent's fan-out ROUTER) and its out socket on ``recv``;
+* ``c<R>``  its control socket (served by a side thread) on ``send``;
+* ``g<R>``  a throw-away socket it greets its host agent's fan-out ROUTER from.
+
+A slot is a process's wire id: a rank's (host's) flat rank (index) when it was made,
+kept while it lives; only a shrink that drops ranks other than the last ones makes a
+rank's slot differ from its rank (see ``controller.records``).
 
 Keys common to many kinds
 -------------------------
@@ -41,12 +45,14 @@ key    type             meaning
 ``w``  int (1)          controller -> rank: the sender waits for a reply (set together with
                         ``i`` by ``request``). Without it a rank sends no reply, and a
                         failure goes to the controller as a ``fault``
-``r``  int              a global (flat) rank: the sender of rank -> controller messages and
-                        of a rank's ``hello``; the rank concerned in ``rank_started`` and
-                        ``rank_exit``
-``h``  int              index (0-based) of the sending host agent; host agent -> controller
-                        messages only
-``d``  list[int]        target global ranks: of a fan-out (with ``f``), of ``signal_ranks``
+``r``  int              a rank's *slot* (its wire id: its flat rank when it was made, kept
+                        for its life even when a shrink renumbers the ranks; see
+                        ``controller.records.Slots``): the sender of rank -> controller
+                        messages, of a rank's ``hello`` and of replies to peer calls; the
+                        rank concerned in ``rank_started`` and ``rank_exit``
+``h``  int              the slot of the sending host agent (its index when it was made);
+                        host agent -> controller messages only
+``d``  list[int]        target ranks' slots: of a fan-out (with ``f``), of ``signal_ranks``
                         and of ``kill_ranks``
 ``q``  int | list[int]  per-target sequence number: a rank handles its ordered messages
                         strictly in ``q`` order (later ones are held back while an earlier
@@ -83,7 +89,8 @@ Controller -> host agent (``send`` ROUTER -> ``h<H>``)
 kind              keys
 ================  =======================================================================
 ``spawn_ranks``   ``ranks``: list[dict], one per rank to fork on this host, with
-                  ``rank`` int (global), ``local_rank`` int, ``coords`` list[int] (the
+                  ``rank`` int (global), ``slot`` int (its wire id, where it is not
+                  ``rank``), ``local_rank`` int, ``coords`` list[int] (the
                   rank's point in the mesh), ``host`` int, ``restart_count`` int; on a
                   CURVE mesh ``peer_secret`` str (its TCP peer socket's CURVE secret,
                   the same for every incarnation) and, after its first start,
@@ -280,6 +287,10 @@ kind              keys and payload
                   visual-debugger breakpoints in its own cells (all of them: replaces the
                   last); while there are some, endpoint calls run with them armed. Reply
                   value: the sorted paths with breakpoints
+``mesh_ref``      (no keys) Payload: a pickled ``list[calls.requester.MeshRef]``: meshes of
+                  this controller as they are now, sent to every live rank after a mesh
+                  was grown or shrunk (and to a rank that starts while one has been):
+                  mesh handles the rank holds take on the newest (``calls.mesh_refs``)
 ``hello``         (no keys) the controller's connection probe, ignored
 ================  =======================================================================
 
@@ -430,6 +441,8 @@ INPUT_REPLY = "input_reply"
 TRAIN = "train"
 #: The visual debugger's breakpoints in the notebook's own cells (actor endpoints).
 DAP_BREAKS = "dap_breaks"
+#: A mesh was resized: the new references to it (``calls.mesh_refs``).
+MESH_REF = "mesh_ref"
 
 # rank -> controller
 READY = "ready"
@@ -450,4 +463,5 @@ TRAIN_NOTICE = "train_notice"
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
 PROTOCOL_VERSION = 8  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
 # 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``;
-# 6: fan-in (``fan_in``, ``fan_direct``); 7: ``batch``; 8: ``host_stats``
+# 6: fan-in (``fan_in``, ``fan_direct``); 7: ``batch``; 8: ``host_stats``, slots
+# (``slot`` in ``spawn_ranks``, ranks named by their slot on the wire) and ``mesh_ref``

@@ -18,7 +18,8 @@ class Order:
     (fail the step's error, ``why`` says why there is no recovery), ``expect`` (a
     restarted rank: load ``offer`` at the first step of ``request``), ``hold`` (a
     resize: park at the next step boundary), ``world`` (the mesh is now of dims
-    ``labels`` with extent ``sizes``: a survivor of a resize, before ``reform``).
+    ``labels`` with extent ``sizes``, and ``ranks`` maps the slot of each rank that a
+    shrink renumbered to its new rank: a survivor of a resize, before ``reform``).
     """
 
     op: str
@@ -29,6 +30,7 @@ class Order:
     why: str = ""
     labels: tuple[str, ...] = ()
     sizes: tuple[int, ...] = ()
+    ranks: tuple[tuple[int, int], ...] = ()  #: (slot, new rank) of renumbered ranks
 
 
 @dataclass(frozen=True)

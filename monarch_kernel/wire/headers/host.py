@@ -28,6 +28,7 @@ class RankSpec(TypedDict, total=False):
     restart_count: int
     peer_secret: str  #: the CURVE secret of its TCP peer socket
     peer_port: int  #: the port it listened on before a restart
+    slot: int  #: its wire id, where it is not its rank (ranks renumbered by a shrink)
 
 
 class _CurveCommon(TypedDict, total=False):
