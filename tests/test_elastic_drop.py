@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from helpers import wait_until
 from kernel_client import Kernel
-from test_elastic import BATCH, SETUP, STEPS, reference_losses
+from test_elastic import BATCH, SETUP, STEPS, reference_losses, usage_error, value
 
 pytestmark = pytest.mark.local
 
@@ -70,9 +70,6 @@ class Holder(Actor):
         return (dict(self.procs.sizes), len(self.who), self.who.who.call().get().values())
 """
 
-#: IPython shows at most 1,000 items of a sequence; prefixed to cells that eval a repr.
-WHOLE_REPR = "get_ipython().display_formatter.formatters['text/plain'].max_seq_length = 0\n"
-
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
@@ -82,21 +79,6 @@ def kernel(tmp_path_factory):
     assert not r.errors, r.error_text
     yield k
     k.shutdown_and_check()
-
-
-def value(kernel: Kernel, code: str, timeout: float = 60) -> Any:
-    """The value of ``code``'s last expression in ``kernel`` (its whole repr, eval'd)."""
-    r = kernel.run(WHOLE_REPR + code, timeout=timeout)
-    assert not r.errors, r.error_text
-    return eval(r.results[-1]["data"]["text/plain"])
-
-
-def usage_error(kernel: Kernel, line: str) -> str:
-    """The one-line error ``line`` shows (IPython prints a UsageError on stderr)."""
-    r = kernel.run(line)
-    text = r.stderr.strip()
-    assert text.startswith("UsageError: ") and "\n" not in text, (line, text, r.errors)
-    return text
 
 
 def remote(kernel: Kernel, mesh: str, expr: str, timeout: float = 60) -> list[Any]:
