@@ -246,6 +246,11 @@ class Recovery:
             self._check(epoch)
             return True
 
+    def _await_death(self, epoch: int, seconds: float) -> None:
+        """Give a death that is being reported ``seconds`` to break this round (raises
+        :class:`_Broken`: the next round); returns when none came."""
+        self._wait(lambda: False, epoch, time.monotonic() + seconds)
+
     def _running(self, ranks: list[int]) -> list[int]:
         """Ranks of the request that must park: neither dead nor new and idle."""
         return [
@@ -292,7 +297,7 @@ class Recovery:
         try:
             return self._watch(self._mesh.ask_ranks(ranks, order))
         except RankDiedError as exc:
-            self._wait(lambda: False, epoch, time.monotonic() + DEATH_CLAIM_WAIT)
+            self._await_death(epoch, DEATH_CLAIM_WAIT)
             raise _GiveUp(f"{order.op}: {_first_line(exc)}") from None
 
     def _cell(self, ranks: list[int], code: str, label: str, deadline: float, epoch: int) -> str:
@@ -301,7 +306,7 @@ class Recovery:
         try:
             return self._mesh.run_internal(ranks, code, label, deadline)
         except RankDiedError as exc:
-            self._wait(lambda: False, epoch, time.monotonic() + DEATH_CLAIM_WAIT)
+            self._await_death(epoch, DEATH_CLAIM_WAIT)
             return _first_line(exc)
 
     def _replies(self, fut: Future[list[Reply]], epoch: int, what: str) -> list[Reply]:
@@ -312,7 +317,7 @@ class Recovery:
         bad = [r for r in replies if not r.ok]
         if bad:
             # a death that caused it is reported a moment later: then the next round
-            self._wait(lambda: False, epoch, time.monotonic() + 0.5)
+            self._await_death(epoch, 0.5)
             rep = bad[0].report or {}
             raise _GiveUp(f"{what} failed on rank {bad[0].rank}: {rep.get('message', '?')}")
         return replies
@@ -439,7 +444,7 @@ class Recovery:
         ):
             raise _GiveUp(f"rank(s) {format_ranks(ready)} did not reach their first step")
         if any(r not in self.loaded for r in ready):  # its load failed: the source died?
-            self._wait(lambda: False, epoch, time.monotonic() + 2.0)  # its death, if so
+            self._await_death(epoch, 2.0)  # its death, if so
             raise _GiveUp("the restarted rank could not load the replica's state")
         return self.loaded[ready[-1]]
 

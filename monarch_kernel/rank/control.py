@@ -159,12 +159,13 @@ class ControlThread:
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             stats["gpu_mem"] = torch.cuda.memory_allocated()
         header, payload = H.RankNotice(kind=K.STATS, rank=self.rank).encode(), pickle.dumps(stats)
+        pg = stats.get("pg")
         try:
-            if stats.get("pg") != self._pg_told:
+            if pg != self._pg_told:
                 # A new process group goes straight to the controller, not a second
                 # later with the host's stats: a restart re-forms the group from it.
                 self.outbox.send(header, payload)
-                self._pg_told = stats.get("pg")
+                self._pg_told = pg
             else:
                 self.outbox.send_stats(header, payload)
         except zmq.ZMQError:
