@@ -162,6 +162,22 @@ def test_sigkill_mid_training_is_recovered_from_a_peer(kernel):
     kernel.run(f"%mesh stop {mesh}")
 
 
+def _kill_rank_2_while_training(
+    kernel: Kernel, mesh: str, pids_dir: str, extra: str, timeout: float
+) -> tuple[list[int], str]:
+    """Start ``mesh`` (set-up with ``extra``), SIGKILL rank 2 at step 10 of the training
+    cell, and wait for the cell, which must end without an error: the ranks' pids before
+    the kill and the cell's output."""
+    _start(kernel, mesh, pids_dir, extra)
+    pids = pids_of(kernel, mesh)
+    cell = train(kernel, mesh, 0.05)
+    kernel.wait_for_output(cell, "step 10", timeout=60)
+    os.kill(pids[2], signal.SIGKILL)
+    r = kernel.collect(cell, timeout=timeout)
+    assert not r.errors, r.error_text + r.stdout + r.stderr
+    return pids, r.stdout + r.stderr
+
+
 def check_recovered(kernel: Kernel, mesh: str, pids: list[int], restarted: set[int]) -> None:
     """Every rank at the last step with the same parameters and the losses of an
     uninterrupted run; the ranks not restarted kept their processes."""
@@ -189,14 +205,7 @@ if RESTARTED == 1 and RANK == 2 and not os.path.exists(KILLED):
 
 def test_a_second_death_during_the_recovery_is_recovered_too(kernel, tmp_path):
     mesh = "ps2"
-    _start(kernel, mesh, str(tmp_path), KILL_DURING_SETUP)
-    pids = pids_of(kernel, mesh)
-    cell = train(kernel, mesh, 0.05)
-    kernel.wait_for_output(cell, "step 10", timeout=60)
-    os.kill(pids[2], signal.SIGKILL)
-    r = kernel.collect(cell, timeout=180)
-    assert not r.errors, r.error_text + r.stdout + r.stderr
-    text = r.stdout + r.stderr
+    pids, text = _kill_rank_2_while_training(kernel, mesh, str(tmp_path), KILL_DURING_SETUP, 180)
     assert "rank 2 died (killed by SIGKILL); rank 3 died (killed by SIGKILL) at step" in text
     check_recovered(kernel, mesh, pids, {2, 3})
     kernel.run(f"%mesh stop {mesh}")
@@ -226,14 +235,7 @@ _park._obey = obey_then_die
 
 def test_a_death_while_the_ranks_resume_is_recovered_too(kernel, tmp_path):
     mesh = "ps5"
-    _start(kernel, mesh, str(tmp_path), DIE_ON_RESUME)
-    pids = pids_of(kernel, mesh)
-    cell = train(kernel, mesh, 0.05)
-    kernel.wait_for_output(cell, "step 10", timeout=60)
-    os.kill(pids[2], signal.SIGKILL)
-    r = kernel.collect(cell, timeout=100)
-    assert not r.errors, r.error_text + r.stdout + r.stderr
-    text = r.stdout + r.stderr
+    pids, text = _kill_rank_2_while_training(kernel, mesh, str(tmp_path), DIE_ON_RESUME, 100)
     assert "rank 2 died (killed by SIGKILL); rank 3 died (killed by SIGKILL) at step" in text
     check_recovered(kernel, mesh, pids, {2, 3})
     kernel.run(f"%mesh stop {mesh}")
@@ -256,14 +258,7 @@ TrainingState.load = load_after_killing_the_source
 
 def test_the_sending_peer_dying_mid_transfer_is_replaced_by_another(kernel, tmp_path):
     mesh = "ps3"
-    _start(kernel, mesh, str(tmp_path), KILL_THE_SOURCE)
-    pids = pids_of(kernel, mesh)
-    cell = train(kernel, mesh, 0.05)
-    kernel.wait_for_output(cell, "step 10", timeout=60)
-    os.kill(pids[2], signal.SIGKILL)
-    r = kernel.collect(cell, timeout=180)
-    assert not r.errors, r.error_text + r.stdout + r.stderr
-    text = r.stdout + r.stderr
+    pids, text = _kill_rank_2_while_training(kernel, mesh, str(tmp_path), KILL_THE_SOURCE, 180)
     assert "rank 2 died (killed by SIGKILL); rank 0 died (killed by SIGKILL) at step" in text
     assert "copied from rank 1" in text, text
     check_recovered(kernel, mesh, pids, {0, 2})
