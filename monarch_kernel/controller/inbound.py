@@ -260,6 +260,12 @@ class Inbound:
         if h.rank is not None and h.request is not None:
             self._requests.on_result(h.rank, h.request, msg)
 
+    def _own_rank(self, slot: object, host: int) -> int | None:
+        """The rank the process of ``slot`` is now, if it is one of host ``host``'s: an
+        agent speaks only for its own ranks (and a removed rank's part may come late)."""
+        rank = self._slots.rank.get(slot) if isinstance(slot, int) else None
+        return rank if rank is not None and self._ranks[rank].host == host else None
+
     def _on_fan_in(self, h: H.FanIn, msg: Message) -> None:
         """A host agent's combined answers of its ranks to request ``i`` (``wire.fanin``):
         handled part by part, per rank, as if each rank had sent its own message."""
@@ -269,12 +275,9 @@ class Inbound:
         except PartError as exc:
             log.warning("mesh %s dropped a message of host %s: %s", self._name, h.host, exc)
             return
-        ranks, request = self._ranks, h.request
-        of_slot = self._slots.rank
+        ranks, request, own = self._ranks, h.request, self._own_rank
         for part in parts:
-            # an agent speaks only for its own ranks (named by their slots)
-            mine = [of_slot[s] for s in part.ranks if s in of_slot]
-            mine = [r for r in mine if ranks[r].host == h.host]
+            mine = [r for s in part.ranks if (r := own(s, h.host)) is not None]
             size = len(part.data)
             for r in mine:
                 ranks[r].bytes_in += size
@@ -340,12 +343,9 @@ class Inbound:
         except Exception as exc:  # signed by our agent: another version?
             log.warning("mesh %s dropped host %s's stats: %s", self._name, h.host, exc)
             return
-        ranks, of_slot = self._ranks, self._slots.rank
-        for slot, stats in items:
-            # keyed by the ranks' slots (their names on the wire); an agent speaks only
-            # for its own ranks, and a removed rank's may come late
-            rank = of_slot.get(slot) if isinstance(slot, int) else None
-            if rank is not None and ranks[rank].host == h.host:
+        for slot, stats in items:  # keyed by the ranks' slots (their names on the wire)
+            rank = self._own_rank(slot, h.host)
+            if rank is not None:
                 self._stats(rank, stats)
 
     def _stats(self, rank: int, stats: RankStats) -> None:
