@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from helpers import patched_environ
 from netns import NetHosts, make_hosts, unavailable
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -238,6 +239,21 @@ def stop_cluster(cluster: RayCluster) -> None:
     _stop(cluster.head)
     cluster.net.close()
     shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def as_driver(cluster: RayCluster) -> Iterator[RayCluster]:
+    """``cluster`` with both nodes up and this process a Ray driver of it (``RAY_ENV``
+    and ``RAY_ADDRESS`` set; the kernels a test starts inherit them) until the block
+    ends: the body of a test module's fixture over the session's cluster."""
+    cluster.ensure_two_nodes()
+    with patched_environ({**RAY_ENV, "RAY_ADDRESS": cluster.address}):
+        try:
+            yield cluster
+        finally:
+            import ray
+
+            ray.shutdown()
 
 
 def ray_cluster_fixture() -> Iterator[RayCluster]:

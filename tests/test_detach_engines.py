@@ -24,7 +24,7 @@ import pytest
 from conftest import pid_alive
 from detach_place import Place, log_has, ok, steps
 from helpers import patched_environ, pythonpath_with, wait_until
-from ray_cluster import RAY_ENV, RayCluster
+from ray_cluster import RAY_ENV, RayCluster, as_driver
 from slurm_cluster import SlurmCluster, slurm_cluster_fixture
 from test_detach import LOOP_BODY
 
@@ -53,15 +53,8 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 @pytest.fixture(scope="module")
 def ray_cluster(ray_session_cluster: RayCluster) -> Iterator[RayCluster]:
     """The session's Ray cluster; this process is a driver too (to read its tables)."""
-    c = ray_session_cluster
-    c.ensure_two_nodes()
-    with patched_environ({**RAY_ENV, "RAY_ADDRESS": c.address}):
-        try:
-            yield c
-        finally:
-            import ray
-
-            ray.shutdown()
+    with as_driver(ray_session_cluster) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from helpers import patched_environ, wait_until
+from helpers import wait_until
 from kernel_client import Kernel
-from ray_cluster import RAY_ENV, RayCluster
+from ray_cluster import RAY_ENV, RayCluster, as_driver
 from test_elastic import BATCH, SETUP, TRAIN, reference_losses, usage_error, value, wait_progress
 from test_elastic_join import MESH as JOIN_MESH
 from test_elastic_join import STOP_SETUP
@@ -42,15 +42,8 @@ def _train(steps: int) -> str:
 def cluster(ray_session_cluster: RayCluster) -> Iterator[RayCluster]:
     """The session's Ray cluster; this process is a driver too (Ray's own tables, and
     another user of the cluster's nodes)."""
-    c = ray_session_cluster
-    c.ensure_two_nodes()
-    with patched_environ({**RAY_ENV, "RAY_ADDRESS": c.address}):
-        try:
-            yield c
-        finally:
-            import ray
-
-            ray.shutdown()
+    with as_driver(ray_session_cluster) as c:
+        yield c
 
 
 #: The kernel's (the Ray driver's) placement groups of ours not removed yet.

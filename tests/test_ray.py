@@ -19,8 +19,8 @@ import nbclient
 import nbformat
 import psutil
 import pytest
-from helpers import patched_environ, wait_until
-from ray_cluster import RAY_ENV, RayCluster
+from helpers import wait_until
+from ray_cluster import RayCluster, as_driver
 from test_join import Probe, Trainer, one_process_ddp_losses
 
 from monarch_kernel.actor import host_mesh
@@ -35,15 +35,8 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 def cluster(ray_session_cluster: RayCluster):
     # This process is the Ray driver (the controller), as a kernel would be; the kernels
     # the notebook test starts inherit the address and the token.
-    c = ray_session_cluster
-    c.ensure_two_nodes()
-    with patched_environ({**RAY_ENV, "RAY_ADDRESS": c.address}):
-        try:
-            yield c
-        finally:
-            import ray
-
-            ray.shutdown()
+    with as_driver(ray_session_cluster) as c:
+        yield c
 
 
 def _our_groups() -> list[dict]:
