@@ -106,17 +106,24 @@ def wait_progress(kernel: Kernel, mesh: str, at_least: int) -> int:
     return seen[0]
 
 
+def start_training(kernel: Kernel, mesh: str) -> tuple[list[int], str]:
+    """Run the set-up cell and start :data:`TRAIN` as a ``--bg`` job on ``mesh``, and
+    wait for its step 20: the ranks' pids and the job's message id."""
+    r = kernel.run(SETUP.format(mesh=mesh, batch=BATCH), timeout=120)
+    assert not r.errors, r.error_text
+    pids = remote(kernel, mesh, "os.getpid()")
+    job = kernel.submit(TRAIN.format(mesh=mesh, steps=STEPS, batch=BATCH))
+    assert not kernel.collect(job, timeout=60).errors
+    wait_progress(kernel, mesh, 20)
+    return pids, job
+
+
 def test_on_failure_shrink_drops_the_middle_host_while_training(kernel):
     mesh = "eld"
     r = kernel.run(f"%mesh {mesh} --gpus 1 --hosts 3 --dist --on-failure shrink:2", timeout=120)
     assert "ready" in r.stdout, r.stderr + r.error_text
     try:
-        r = kernel.run(SETUP.format(mesh=mesh, batch=BATCH), timeout=120)
-        assert not r.errors, r.error_text
-        pids = remote(kernel, mesh, "os.getpid()")
-        job = kernel.submit(TRAIN.format(mesh=mesh, steps=STEPS, batch=BATCH))
-        assert not kernel.collect(job, timeout=60).errors
-        wait_progress(kernel, mesh, 20)
+        pids, job = start_training(kernel, mesh)
         agents = value(kernel, f"[h.pid for h in {mesh}.runtime.hosts]")
         os.kill(agents[1], signal.SIGKILL)  # host 1 (rank 1), the middle one: lost for good
         kernel.wait_for_output(job, "[resized] rank 1 died", timeout=60)
@@ -178,12 +185,7 @@ def test_drop_rank_0_while_training(kernel):
     r = kernel.run(f"%mesh {mesh} --gpus 3 --dist", timeout=120)
     assert "ready" in r.stdout, r.stderr + r.error_text
     try:
-        r = kernel.run(SETUP.format(mesh=mesh, batch=BATCH), timeout=120)
-        assert not r.errors, r.error_text
-        pids = remote(kernel, mesh, "os.getpid()")
-        job = kernel.submit(TRAIN.format(mesh=mesh, steps=STEPS, batch=BATCH))
-        assert not kernel.collect(job, timeout=60).errors
-        wait_progress(kernel, mesh, 20)
+        pids, job = start_training(kernel, mesh)
         r = kernel.run(f"%mesh shrink {mesh} --drop-ranks 0", timeout=120)
         assert re.search(
             r"world size 3 → 2 at step [\d,]+; rank 0 dropped; ranks 1-2 → 0-1 renumbered; "
