@@ -59,15 +59,12 @@ def med(fn: Callable[[], object], iters: int, warmup: int = 3, budget: float = 2
 
 
 def alternating(a: Callable[[], object], b: Callable[[], object], iters: int, blocks: int = 4):
-    """Medians of ``a`` and ``b`` measured in alternating blocks (same conditions)."""
-    from bench.common import sample
+    """Medians of ``a`` and ``b`` measured in ``blocks`` alternating blocks of ``iters``
+    samples each (same conditions; :func:`bench.floor.alternating`)."""
+    from bench.floor import alternating as alternate
 
-    xa: list[float] = []
-    xb: list[float] = []
-    for _ in range(blocks):
-        xa += sample(a, iters, 2, 15.0)
-        xb += sample(b, iters, 2, 15.0)
-    return statistics.median(xa), statistics.median(xb)
+    both = alternate(a, b, iters * blocks, warmup=2, budget_s=15.0 * blocks, blocks=blocks)
+    return statistics.median(both.ours), statistics.median(both.floor)
 
 
 def one_size(n: int, iters: int) -> dict[str, Any]:
