@@ -39,18 +39,29 @@ def describe_exit(code: int | None, sig: int | None) -> str:
 
 def tail_lines(path: str, n: int = 20, max_bytes: int = 16384) -> list[str]:
     """The last ``n`` lines of a text file (empty list if it does not exist)."""
+    return _read_tail(path, max_bytes)[0][-n:]
+
+
+def _read_tail(path: str, max_bytes: int) -> tuple[list[str], bool]:
+    """The lines in the last ``max_bytes`` of a text file (crash-dump noise left out),
+    and whether they reach back to its start (if not, the first, likely cut, line is
+    dropped, unless it is the only one). ``([], True)`` if the file does not exist."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
+            start = max(0, f.tell() - max_bytes)
+            f.seek(start)
             data = f.read()
     except OSError:
-        return []
-    lines = [line for line in data.decode("utf-8", "replace").splitlines() if not _noise(line)]
-    return lines[-n:]
+        return [], True
+    lines = data.decode("utf-8", "replace").splitlines()
+    if start > 0 and len(lines) > 1:
+        lines = lines[1:]
+    return [line for line in lines if not _noise(line)], start == 0
 
 
+#: The first window :func:`request_tail` reads.
+TAIL_WINDOW = 16384
 #: Written by a rank to its log when it starts and ends serving a request, so that the
 #: output of a rank that died can be cut to what it printed in the request it died in.
 #: (\x02 starts them: unlike \x1c-\x1e it is no line break for str.splitlines.)
@@ -62,18 +73,29 @@ DETACHED_MARK = "\x02mk-detached"
 ATTACHED_MARK = "\x02mk-attached"
 
 
-def request_tail(path: str, n: int = 20) -> list[str]:
+def request_tail(path: str, n: int = 20, max_bytes: int = 1 << 20) -> list[str]:
     """A dead rank's last output lines, from its log: if it died serving a request,
     only what it printed since that request started (possibly nothing); if it died
-    idle, its last lines. Markers are never shown."""
-    lines = tail_lines(path, n=10_000)
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i] == REQUEST_START:
-            lines = lines[i + 1 :]
-            break
-        if lines[i] == REQUEST_END:
-            break
-    return [line for line in lines if line not in (REQUEST_START, REQUEST_END)][-n:]
+    idle, its last lines. Markers are never shown.
+
+    The log is read from its end in growing windows (16 KiB, then 4x more each time, up
+    to ``max_bytes``) until the window holds ``n`` lines of output or the file's start:
+    every request writes two markers, so after a few hundred silent calls a rank's last
+    lines of output lie far behind its last 16 KiB."""
+    window = min(TAIL_WINDOW, max_bytes)
+    while True:
+        lines, whole = _read_tail(path, window)
+        for i in range(len(lines) - 1, -1, -1):
+            if lines[i] == REQUEST_START:
+                lines = lines[i + 1 :]  # what the request it died in printed (all of it)
+                whole = True
+                break
+            if lines[i] == REQUEST_END:
+                break
+        shown = [line for line in lines if line not in (REQUEST_START, REQUEST_END)]
+        if len(shown) >= n or whole or window >= max_bytes:
+            return shown[-n:]
+        window = min(window * 4, max_bytes)
 
 
 def printed_since_detached(path: str, n: int = 20, max_bytes: int = 1 << 20) -> list[str]:
