@@ -267,3 +267,40 @@ def test_a_malformed_batch_runs_nothing(payload, why):
 def test_a_batch_of_fewer_than_two_is_malformed():
     assert isinstance(H.decode_ordered({"k": K.BATCH, "n": 1, "q": 2}), H.OtherOrdered)
     assert H.decode_ordered({"k": K.BATCH, "n": True, "q": 2}).seq == 2
+
+
+def test_the_fast_constructor_sets_every_field_in_order_and_needs_them_all():
+    from dataclasses import fields
+
+    from monarch_kernel.wire.headers.base import maker
+
+    make = maker(H.Call)
+    values = (
+        "r7",
+        True,
+        [3, 4],
+        True,
+        [0, 1],
+        ["m", "ipc", "", ""],
+        "a",
+        "m",
+        [["x"], [2], [1], 0],
+    )
+    call = make(*values)
+    assert type(call) is H.Call
+    assert tuple(getattr(call, f.name) for f in fields(H.Call)) == values
+    assert call == H.Call(
+        request="r7",
+        wants_reply=True,
+        seq=[3, 4],
+        fanout=True,
+        targets=[0, 1],
+        reply_to=["m", "ipc", "", ""],
+        actor="a",
+        method="m",
+        slice=[["x"], [2], [1], 0],
+    )
+    with pytest.raises(TypeError):  # a field left out is an error, never an unset slot
+        make(*values[:-1])
+    with pytest.raises(AttributeError):  # still frozen
+        call.actor = "b"  # type: ignore[misc]

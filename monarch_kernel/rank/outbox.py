@@ -234,7 +234,7 @@ class Outbox:
             at = what if where is None else where
             self.reply_error(request, exc, at if isinstance(at, str) else at())
             return
-        self.result(H.Result(request=request, ok=True, rank=self.rank), payload, buffers)
+        self.result(H.rank_result(request, True, self.rank), payload, buffers)
 
     def reply_error(self, request: str | None, exc: BaseException, where: str) -> None:
         """Send the failure ``exc`` (at ``where``) as the result of ``request``, or to
@@ -248,7 +248,7 @@ class Outbox:
 
     def fail(self, request: str, report: FailureReport) -> None:
         """Send the failure ``report`` as the result of ``request``."""
-        self.result(H.Result(request=request, ok=False, rank=self.rank), pickle.dumps(report))
+        self.result(H.rank_result(request, False, self.rank), pickle.dumps(report))
 
     def result(self, header: H.Result, payload: bytes, buffers: Sequence[Buffer] = ()) -> None:
         """Send a reply: to the controller, or to the calling rank for a peer call. A

@@ -42,6 +42,7 @@ from monarch_kernel.wire.headers.from_rank import (
     Result,
     Resumed,
     Stream,
+    rank_result,
 )
 from monarch_kernel.wire.headers.host import (
     Chunk,
@@ -253,5 +254,6 @@ __all__ = [
     "decode",
     "decode_ordered",
     "encode",
+    "rank_result",
     "unbatch",
 ]
