@@ -59,7 +59,7 @@ DTYPES = [
 def test_tensors_of_every_dtype_and_shape_come_back_equal(dtype, shape):
     t = (torch.arange(int(np.prod(shape)) or 0) % 7).reshape(shape).to(dtype)
     args = ((t, 3, "x"), {"scale": 1.5, "other": t})
-    assert S._is_plain_with_tensors(args, torch)
+    assert S.classify(args, torch.Tensor) is S.ValueKind.ARRAYS
     back, _, _ = _round_trip(args)
     _same(args, back)
 
@@ -77,7 +77,7 @@ def test_non_contiguous_and_grad_tensors_keep_values_and_flags():
     strided = base.t()[::2]  # not contiguous
     grad = torch.ones(3000, requires_grad=True)
     args: tuple[tuple[torch.Tensor, ...], dict[str, object]] = ((strided, grad), {})
-    assert S._is_plain_with_tensors(args, torch)
+    assert S.classify(args, torch.Tensor) is S.ValueKind.ARRAYS
     back, _, _ = _round_trip(args)
     _same(strided.contiguous(), back[0][0])
     assert back[0][1].requires_grad and torch.equal(back[0][1].detach(), grad.detach())
@@ -86,7 +86,7 @@ def test_non_contiguous_and_grad_tensors_keep_values_and_flags():
 def test_numpy_arrays_travel_beside_tensors():
     arrays = (np.arange(20000, dtype=np.int32), np.ones((3, 4)), torch.ones(10))
     args: tuple[tuple[object, ...], dict[str, object]] = (arrays, {})
-    assert S._is_plain_with_tensors(args, torch)
+    assert S.classify(args, torch.Tensor) is S.ValueKind.ARRAYS
     back, _, buffers = _round_trip(args)
     _same(args, back)
     assert len(buffers) == 1  # the 80 kB array; the small ones stay in the pickle
@@ -107,7 +107,7 @@ def test_anything_else_goes_through_cloudpickle_and_still_round_trips(value):
     first = value[0][0]
     # a sparse tensor is of the plain type: the fast pickler declines it inside dumps
     sparse = isinstance(first, torch.Tensor) and first.is_sparse
-    assert S._is_plain_with_tensors(value, torch) is sparse
+    assert (S.classify(value, torch.Tensor) is S.ValueKind.ARRAYS) is sparse
     back, _, _ = _round_trip(value)
     again = back[0][0]
     if callable(first):
@@ -128,3 +128,26 @@ def test_the_fast_path_writes_what_the_general_path_reads():
     assert bytes(buffers[0].raw()) == t.numpy().tobytes()
     back = pickle.loads(payload, buffers=[memoryview(b.raw()) for b in buffers])
     assert torch.equal(back[0][0], t)
+
+
+@pytest.mark.parametrize(
+    "value, kind",
+    [
+        (((), {}), S.ValueKind.PLAIN),
+        (((1, "a", None), {"k": (2.5, b"x")}), S.ValueKind.PLAIN),
+        (((torch.ones(2), 1), {}), S.ValueKind.ARRAYS),
+        (((), {"a": [np.ones(3)]}), S.ValueKind.ARRAYS),
+        (((), {(1, 2): torch.ones(1)}), S.ValueKind.ARRAYS),  # a tuple key of scalars
+        (((), {torch.ones(1): 1}), S.ValueKind.OTHER),  # a tensor key
+        (((1, object()), {}), S.ValueKind.OTHER),
+        (((torch.ones(1), object()), {}), S.ValueKind.OTHER),  # other after a tensor
+        ((tuple(range(S._PLAIN_MAX_ITEMS + 1)), {}), S.ValueKind.OTHER),
+    ],
+)
+def test_one_walk_classifies_plain_arrays_and_other(value, kind) -> None:
+    assert S.classify(value, torch.Tensor) is kind
+
+
+def test_without_torch_arrays_are_other_and_plain_stays_plain() -> None:
+    assert S.classify(((1,), {}), None) is S.ValueKind.PLAIN
+    assert S.classify(((np.ones(3),), {}), None) is S.ValueKind.OTHER

@@ -23,6 +23,9 @@ from monarch_kernel.wire.codec import Buffer, Header
 #: failed (``ProcMesh.spawn``); cleared when it is spawned again. In this process.
 failed_init: dict[tuple[str, str], SupervisionError] = {}
 
+#: The payload of a call without arguments (``dumps(((), {}))``, made once).
+_NO_ARGUMENTS: bytes = dumps(((), {}))[0]
+
 
 @dataclass(frozen=True)
 class ActorTarget:
@@ -74,6 +77,8 @@ class EndpointRef:
                 label = self._call.label
                 text = f"Endpoint call {label} failed, {failed}"
                 raise SupervisionError(text, failed.failures, failed.exception, label)
+        if not args and not kwargs:  # a call without arguments: always the same bytes
+            return _NO_ARGUMENTS, ()
         try:
             return dumps((args, kwargs))
         except SerializationError:

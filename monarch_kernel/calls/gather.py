@@ -31,11 +31,14 @@ from monarch_kernel.calls.reply import IncidentView, Reply
 from monarch_kernel.calls.value_mesh import ValueMesh
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire.reports import FailureReport
+from monarch_kernel.wire.serialize import is_immutable
 
 #: Seconds a failed request's error waits for its incident to be settled: the release
 #: of the other ranks and, when nothing died, the mesh put right in place (process
 #: group re-formed, replicas made the same), which the error then reports.
 SETTLE_WAIT = 65.0
+
+_UNSHARED = object()
 
 
 def reply_value(reply: Reply, total: int, call: CallSite | None = None) -> object:
@@ -87,6 +90,19 @@ class Gather:
             if not reply.ok:
                 self._failed_order.append(reply.rank)
             self._remaining -= 1
+            complete = self._remaining == 0
+        if complete:
+            self.future.set_result(None)
+
+    def on_replies(self, replies: list[Reply]) -> None:
+        """:meth:`on_reply` for each of ``replies`` (a ``fan_in`` part), one lock hold."""
+        index, stored = self._index, self._replies
+        with self._lock:
+            for reply in replies:
+                stored[index[reply.rank]] = reply
+                if not reply.ok:
+                    self._failed_order.append(reply.rank)
+            self._remaining -= len(replies)
             complete = self._remaining == 0
         if complete:
             self.future.set_result(None)
@@ -168,9 +184,19 @@ class Gather:
             raise self._error()
         name = self._value_name
         values: list[object] = []
+        # Ranks of one ``fan_in`` part share their Message (the same bytes): an
+        # immutable value is unpickled once for all of them; a mutable one once per
+        # rank, so that each rank's value is its own object (as if sent apart).
+        shared: dict[int, object] = {}  # id(message) -> its immutable value
         for r, reply in zip(self.ranks, self._replies):
             assert reply is not None
-            values.append(reply.value(_naming(name, r)))
+            key = id(reply.message)  # the replies keep their messages alive meanwhile
+            value = shared.get(key, _UNSHARED)
+            if value is _UNSHARED:
+                value = reply.value(_naming(name, r))
+                if is_immutable(value):
+                    shared[key] = value
+            values.append(value)
         return ValueMesh(self.shape, values)
 
     def _error(self) -> BaseException:

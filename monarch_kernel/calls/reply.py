@@ -61,6 +61,15 @@ class RequestObserver(Protocol):
         """``rank`` will never answer: it died or the mesh stopped (``error`` says which)."""
 
 
+@runtime_checkable
+class BatchObserver(Protocol):
+    """A request observer that takes several ranks' replies in one call (the ranks of
+    a host agent's ``fan_in`` part): the same as calling ``on_reply`` for each, in
+    order, at a lower cost per rank."""
+
+    def on_replies(self, replies: list[Reply]) -> None: ...
+
+
 class IncidentView(Protocol):
     """What the observer of a failed request may read of the incident the mesh's failure
     policy opened for it (the controller's ``incident.Incident``): which rank was the

@@ -275,21 +275,27 @@ class Inbound:
         except PartError as exc:
             log.warning("mesh %s dropped a message of host %s: %s", self._name, h.host, exc)
             return
-        ranks, request, own = self._ranks, h.request, self._own_rank
+        ranks, request, host = self._ranks, h.request, h.host
+        of_slot = self._slots.rank.get
         for part in parts:
-            mine = [r for s in part.ranks if (r := own(s, h.host)) is not None]
             size = len(part.data)
-            for r in mine:
-                ranks[r].bytes_in += size
+            mine = []
+            for s in part.ranks:  # _own_rank, inline: this loop runs per rank
+                r = of_slot(s)
+                if r is not None:
+                    info = ranks[r]
+                    if info.host == host:
+                        info.bytes_in += size
+                        mine.append(r)
             if part.kind is PartKind.STREAM:
                 text = part.data.decode("utf-8", "replace")
                 for r in mine:
                     self._stream(r, request, part.name, text)
-            else:
-                ok = 1 if part.ok else 0
-                for r in mine:
-                    header = {"k": K.RESULT, "i": request, "r": r, "ok": ok}
-                    self._requests.on_result(r, request, Message(header, part.data))
+            elif mine:
+                # One message for the part's ranks (its header names none: each Reply
+                # does); see RequestTable.on_results.
+                header = {"k": K.RESULT, "i": request, "ok": 1 if part.ok else 0}
+                self._requests.on_results(mine, request, Message(header, part.data))
 
     def _on_stream(self, h: H.Stream, msg: Message) -> None:
         self._stream(h.rank, h.request, h.name, bytes(msg.payload).decode("utf-8", "replace"))

@@ -78,7 +78,11 @@ class MeshPhase(_TextEnum):
 
     @property
     def ended(self) -> bool:
-        return self in (MeshPhase.STOPPING, MeshPhase.STOPPED)
+        return self in _ENDED  # a module tuple: two enum attribute look-ups per call cost
+
+
+#: The phases of a mesh that has ended (:attr:`MeshPhase.ended`; read on every request).
+_ENDED = (MeshPhase.STOPPING, MeshPhase.STOPPED)
 
 
 class FailurePolicy(_TextEnum):

@@ -392,21 +392,31 @@ class Transport:
             )
             return
         size = len(payload) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0)
-        by_host: dict[int, list[int]] = {}
+        # One pass over the ranks (this runs per rank of a gathered call): per host, its
+        # ranks with their slots and next sequence numbers (what _take_seq does).
+        infos, next_seq, base = self._ranks, self.next_seq, self.seq_base
+        by_host: dict[int, tuple[list[int], list[int], list[int]]] = {}
         for r in ranks:
-            info = self._ranks[r]
+            info = infos[r]
             info.bytes_out += size
-            by_host.setdefault(info.host, []).append(r)
-        for host, group in by_host.items():
+            slot = info.slot
+            q = next_seq.get(slot, base)
+            next_seq[slot] = q + 1
+            entry = by_host.get(info.host)
+            if entry is None:
+                entry = by_host[info.host] = ([], [], [])
+            entry[0].append(r)
+            entry[1].append(slot)
+            entry[2].append(q)
+        for host, (group, slots, seqs) in by_host.items():
             if len(group) > 1 and (size >= FANOUT_MIN_BYTES or len(group) >= FANOUT_MIN_RANKS):
-                d = [self._ranks[r].slot for r in group]
-                h = dict(header, d=d, f=1, q=[self._take_seq(r) for r in group])
-                route = {"f": 1, "d": d}
+                h = dict(header, d=slots, f=1, q=seqs)
+                route = {"f": 1, "d": slots}
                 parts = encode_parts(self.codec, h, payload, buffers, route)
                 self._deliver_parts(self.host_id(host), parts)
             else:
-                for r in group:
-                    h = dict(header, q=self._take_seq(r))
+                for r, seq in zip(group, seqs):
+                    h = dict(header, q=seq)
                     parts = encode_parts(self.codec, h, payload, buffers)
                     self._deliver_parts(self.rank_id(r), parts)
 

@@ -137,7 +137,9 @@ class Message:
 
     @property
     def nbytes(self) -> int:
-        return len(self.payload) + sum(memoryview(b).nbytes for b in self.buffers)
+        buffers = self.buffers  # none, most often: no generator to run then
+        size = len(self.payload)
+        return size + sum(memoryview(b).nbytes for b in buffers) if buffers else size
 
 
 def new_key() -> bytes:

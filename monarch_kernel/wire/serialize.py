@@ -9,6 +9,7 @@ Classes and functions defined in ``__main__`` or a notebook cell pickle by value
 from __future__ import annotations
 
 import copyreg
+import enum
 import functools
 import io
 import pickle
@@ -127,45 +128,80 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is unt
 
 class _TensorPickler(pickle.Pickler):
     """Plain pickle with torch tensors reduced by :func:`_reduce_tensor` through the
-    dispatch table: for values :func:`_is_plain_with_tensors` accepts, it writes what
-    :class:`_Pickler` writes, without cloudpickle's Python call per object."""
+    dispatch table: for values :func:`classify` finds :attr:`ValueKind.ARRAYS`, it
+    writes what :class:`_Pickler` writes, without cloudpickle's Python call per object."""
 
     dispatch_table = copyreg.dispatch_table.copy()
 
 
-def _is_plain_with_tensors(obj: Any, torch: Any) -> bool:
-    """Whether ``obj`` is builtin scalars, torch tensors (of the exact type) and numpy
-    arrays (of no Python objects) in small builtin containers only (an endpoint's
-    ``(args, kwargs)``)."""
+class ValueKind(enum.IntEnum):
+    """How :func:`dumps` pickles a value (ordered: a container is of its items' most
+    demanding kind)."""
+
+    PLAIN = 0  #: builtin scalars in small builtin containers: plain ``pickle``
+    ARRAYS = 1  #: the same with torch tensors and numpy arrays too: :class:`_TensorPickler`
+    OTHER = 2  #: anything else: cloudpickle
+
+
+_PLAIN, _ARRAYS, _OTHER = ValueKind.PLAIN, ValueKind.ARRAYS, ValueKind.OTHER
+
+
+def classify(obj: Any, tensor: type | None = None) -> ValueKind:
+    """Which pickler ``obj`` (an endpoint's ``(args, kwargs)``, typically) needs, in one
+    walk: builtin scalars and, with ``tensor`` (``torch.Tensor``, when torch is
+    imported), tensors of exactly that type and numpy arrays of no Python objects, in
+    builtin tuples, lists and dicts (plain keys) of at most ``_PLAIN_MAX_ITEMS`` items.
+    A sparse or quantized tensor is classified ARRAYS: the fast pickler declines it and
+    :func:`dumps` falls back to cloudpickle."""
     t = obj.__class__
     if t in _PLAIN_TYPES:
-        return True
-    if t is torch.Tensor:  # a sparse or quantized one fails the fast pickler: see dumps
-        return True
+        return _PLAIN
+    if t is tuple or t is list:
+        if len(obj) > _PLAIN_MAX_ITEMS:
+            return _OTHER
+        kind = _PLAIN
+        for x in obj:
+            k = classify(x, tensor)
+            if k is not _PLAIN:
+                if k is _OTHER:
+                    return _OTHER
+                kind = _ARRAYS
+        return kind
+    if t is dict:
+        if len(obj) > _PLAIN_MAX_ITEMS:
+            return _OTHER
+        kind = _PLAIN
+        for key, x in obj.items():
+            if classify(key) is not _PLAIN:
+                return _OTHER
+            k = classify(x, tensor)
+            if k is not _PLAIN:
+                if k is _OTHER:
+                    return _OTHER
+                kind = _ARRAYS
+        return kind
+    if tensor is None:
+        return _OTHER
+    if t is tensor:
+        return _ARRAYS
     if t.__name__ == "ndarray" and t.__module__ == "numpy":  # numpy's own protocol-5 reduce
-        return not obj.dtype.hasobject
-    if t is tuple or t is list:
-        return len(obj) <= _PLAIN_MAX_ITEMS and all(_is_plain_with_tensors(x, torch) for x in obj)
-    if t is dict:
-        return len(obj) <= _PLAIN_MAX_ITEMS and all(
-            _is_plain(k) and _is_plain_with_tensors(v, torch) for k, v in obj.items()
-        )
-    return False
+        return _OTHER if obj.dtype.hasobject else _ARRAYS
+    return _OTHER
 
 
-def _is_plain(obj: Any) -> bool:
-    """Whether ``obj`` is builtin scalars in small builtin containers only."""
-    t = obj.__class__
-    if t in _PLAIN_TYPES:
+#: Immutable builtin scalar types (a value of them may be shared between ranks).
+_IMMUTABLE_SCALARS = frozenset({int, float, str, bytes, bool, type(None), complex})
+
+
+def is_immutable(value: Any, depth: int = 4) -> bool:
+    """Whether ``value`` is an immutable builtin scalar, or a tuple or frozenset of
+    such (nested at most ``depth`` deep): one object of it may stand for several equal
+    values (nothing anyone does to it can be seen through another reference)."""
+    t = value.__class__
+    if t in _IMMUTABLE_SCALARS:
         return True
-    if t is tuple or t is list:
-        return len(obj) <= _PLAIN_MAX_ITEMS and all(map(_is_plain, obj))
-    if t is dict:
-        return (
-            len(obj) <= _PLAIN_MAX_ITEMS
-            and all(map(_is_plain, obj))
-            and all(map(_is_plain, obj.values()))
-        )
+    if (t is tuple or t is frozenset) and depth > 0:
+        return all(is_immutable(x, depth - 1) for x in value)
     return False
 
 
@@ -174,14 +210,16 @@ def dumps(obj: Any, what: What = "value") -> tuple[bytes, list[pickle.PickleBuff
 
     ``what`` names the value in the error message (``"argument 'x' of Counter.incr"``).
     """
+    torch = sys.modules.get("torch")
     try:
-        if _is_plain(obj):
-            plain = pickle.dumps(obj, PROTOCOL)
-            if len(plain) > STREAM_ABOVE:
-                _check_size(len(plain), what)
-            return plain, []
+        kind = classify(obj, torch.Tensor if torch is not None else None)
     except RecursionError:  # absurdly nested: let cloudpickle say what it makes of it
-        pass
+        kind = _OTHER
+    if kind is _PLAIN:
+        plain = pickle.dumps(obj, PROTOCOL)
+        if len(plain) > STREAM_ABOVE:
+            _check_size(len(plain), what)
+        return plain, []
     buffers: list[pickle.PickleBuffer] = []
 
     def _keep_out_of_band(buf: pickle.PickleBuffer) -> bool:
@@ -193,8 +231,7 @@ def dumps(obj: Any, what: What = "value") -> tuple[bytes, list[pickle.PickleBuff
         return False
 
     f = io.BytesIO()
-    torch = sys.modules.get("torch")
-    if torch is not None and _is_plain_with_tensors(obj, torch):
+    if kind is _ARRAYS and torch is not None:
         if torch.Tensor not in _TensorPickler.dispatch_table:
             _TensorPickler.dispatch_table[torch.Tensor] = _reduce_tensor
         try:
