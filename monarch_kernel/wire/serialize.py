@@ -14,7 +14,7 @@ import functools
 import io
 import pickle
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
@@ -159,27 +159,14 @@ def classify(obj: Any, tensor: type | None = None) -> ValueKind:
     if t is tuple or t is list:
         if len(obj) > _PLAIN_MAX_ITEMS:
             return _OTHER
-        kind = _PLAIN
-        for x in obj:
-            k = classify(x, tensor)
-            if k is not _PLAIN:
-                if k is _OTHER:
-                    return _OTHER
-                kind = _ARRAYS
-        return kind
+        return _items_kind(obj, tensor)
     if t is dict:
         if len(obj) > _PLAIN_MAX_ITEMS:
             return _OTHER
-        kind = _PLAIN
-        for key, x in obj.items():
+        for key in obj:
             if classify(key) is not _PLAIN:
                 return _OTHER
-            k = classify(x, tensor)
-            if k is not _PLAIN:
-                if k is _OTHER:
-                    return _OTHER
-                kind = _ARRAYS
-        return kind
+        return _items_kind(obj.values(), tensor)
     if tensor is None:
         return _OTHER
     if t is tensor:
@@ -187,6 +174,18 @@ def classify(obj: Any, tensor: type | None = None) -> ValueKind:
     if t.__name__ == "ndarray" and t.__module__ == "numpy":  # numpy's own protocol-5 reduce
         return _OTHER if obj.dtype.hasobject else _ARRAYS
     return _OTHER
+
+
+def _items_kind(items: Iterable[Any], tensor: type | None) -> ValueKind:
+    """The most demanding :func:`classify` kind of ``items`` (OTHER at the first one)."""
+    kind = _PLAIN
+    for x in items:
+        k = classify(x, tensor)
+        if k is not _PLAIN:
+            if k is _OTHER:
+                return _OTHER
+            kind = _ARRAYS
+    return kind
 
 
 #: Immutable builtin scalar types (a value of them may be shared between ranks).
