@@ -34,7 +34,7 @@ from monarch_kernel.controller.whereabouts import locate_rank
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.rank.supervise import PROCESS_ENDED, MeshFailure
 from monarch_kernel.shape import Extent, Shape
-from monarch_kernel.wire import loads
+from monarch_kernel.wire import fd_limit, loads
 from monarch_kernel.wire.peer_address import PeerAddress, RankLocation
 from monarch_kernel.wire.reports import AskRequest, FailureReport
 
@@ -157,7 +157,9 @@ class HostMesh:
         policy, minimum = _failure_policy(on_failure)
         detach_keep = detach_option(self.backend, name, detachable, keep)
         running = sum(m.world for m in registry.live() if m.launcher is self.launcher)
-        self.launcher.check_capacity(self.hosts * len(Shape.from_extent(per_host)), running)
+        ranks = self.hosts * len(Shape.from_extent(per_host))
+        self.launcher.check_capacity(ranks, running)
+        fd_limit.ensure(sum(m.world for m in registry.live()) + ranks)
         env = {**self.default_env, **(env or {})} or None
         runtime = self._new_runtime(name, per_host, env, policy, grace, detach_keep)
         runtime.shrink_min = minimum

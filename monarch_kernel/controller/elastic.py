@@ -61,6 +61,7 @@ from monarch_kernel.controller.records import (
     MeshPhase,
 )
 from monarch_kernel.controller.replica_check import make_replicas_consistent
+from monarch_kernel.wire import fd_limit
 from monarch_kernel.wire.codec import Buffer
 
 log = logging.getLogger("monarch_kernel.controller")
@@ -190,10 +191,10 @@ class Resizer:
     def _check_capacity(self, plan: ResizePlan) -> None:
         m = self._mesh
         check = getattr(m.launcher, "check_capacity", None)
-        if check is None:
-            return
         try:
-            check(plan.after.world, self._others())
+            if check is not None:
+                check(plan.after.world, self._others())
+            fd_limit.ensure(plan.after.world + self._others())
         except Exception as exc:
             raise ResizeError(
                 f"grow {m.name}: {str(exc).splitlines()[0]}; grow by fewer ranks, or stop "

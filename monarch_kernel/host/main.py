@@ -15,6 +15,7 @@ import zmq.utils.z85
 
 from monarch_kernel.host.config import AgentConfig
 from monarch_kernel.host.netinfo import source_address
+from monarch_kernel.wire import fd_limit
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.jsontypes import JsonObject
 from monarch_kernel.wire.osutil import die_with_parent
@@ -137,7 +138,12 @@ def main() -> None:
     code: object = None
     try:
         raw = join(url, token or "") if url else _read_config()
-        agent.configure(AgentConfig.from_json(raw))
+        cfg = AgentConfig.from_json(raw)
+        try:  # each rank keeps connections to this agent open too
+            fd_limit.ensure(cfg.ranks, "this host agent")
+        except ValueError as exc:
+            raise SystemExit(f"host agent {cfg.host}: {exc}") from None
+        agent.configure(cfg)
         agent.run()
     except SystemExit as exc:
         code = exc.code  # SIGTERM (0), or a refused join (why, as a message)
