@@ -4,6 +4,8 @@
     python -m bench scale                 # every size; writes bench/results/scale.md
     python -m bench scale --sizes 16,64   # some sizes
     python -m bench scale --fanin 0       # with fan-in off (every rank replies itself)
+    python -m bench scale --sizes 1024 --per-host 64 --out bench/results/scale-1024.md
+                                          # as many ranks as this machine holds
 
 This is a harness for the controller's scaling, not the product: the "hosts" are local
 host agents on one (small) machine, so every row also pays for 16 ranks per host
@@ -25,7 +27,9 @@ sharing this machine's cores. Per size, with the mesh up and idle beside it:
 * ``floor``: a raw ZeroMQ round trip gathered from as many raw server processes
   (``bench.raw_zmq``), measured in blocks alternating with ``gather`` while the mesh's
   ranks are alive beside it (same CPU state, same load), and ``floor_1`` / ``one``: the
-  same for one process and one rank.
+  same for one process and one rank. Above ``--floor-max`` ranks (256) the floor is not
+  measured: as many raw server processes (a Python interpreter each) would not fit
+  beside the mesh in this machine's memory.
 
 Then the controller's own cost per received message, measured in this process on the
 16-rank mesh (the receiving code, ``Inbound.handle``, fed signed messages that complete
@@ -49,6 +53,8 @@ from typing import Any
 
 PER_HOST = 16
 SIZES = [16, 64, 128, 256]
+#: Sizes above this get no raw floor (``--floor-max``).
+FLOOR_MAX = 256
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -67,25 +73,25 @@ def alternating(a: Callable[[], object], b: Callable[[], object], iters: int, bl
     return statistics.median(both.ours), statistics.median(both.floor)
 
 
-def one_size(n: int, iters: int) -> dict[str, Any]:
+def one_size(n: int, iters: int, per_host: int = PER_HOST, floor: bool = True) -> dict[str, Any]:
     from bench.ours import Bench
     from bench.raw_zmq import Servers
     from monarch_kernel.actor import host_mesh
     from monarch_kernel.calls.gather import Gather
     from monarch_kernel.wire import kinds as K
 
-    hosts = n // PER_HOST
-    row: dict[str, Any] = {"ranks": n, "hosts": hosts}
+    hosts = max(1, n // per_host)
+    row: dict[str, Any] = {"ranks": n, "hosts": hosts, "floor": None, "floor_1": None}
     t0 = time.perf_counter()
     hm = host_mesh(hosts=hosts, backend="local")
-    procs = hm.spawn_procs({"gpus": PER_HOST}, timeout=600)
+    procs = hm.spawn_procs({"gpus": n // hosts}, timeout=900)
     row["spawned"] = time.perf_counter() - t0
     actors = procs.spawn("bench", Bench)
     assert all(actors.ready.call().get(timeout=300).values())
     row["ready"] = time.perf_counter() - t0
     rt = procs.runtime
     row["hosts_ready"] = _hosts_ready_at(rt, t0)
-    servers = Servers(n)
+    servers = Servers(n) if floor else None
     try:
         inbound = rt.inbound
         ranks = list(range(n))
@@ -102,14 +108,17 @@ def one_size(n: int, iters: int) -> dict[str, Any]:
         one = actors.slice(gpus=0, hosts=0) if hosts > 1 else actors.slice(gpus=0)
         for _ in range(3):
             gather()
-        row["gather"], row["floor"] = alternating(
-            gather, lambda: servers.ping(servers.socks), iters
-        )
-        row["one"], row["floor_1"] = alternating(
-            lambda: one.ping.call_one().get(),
-            lambda: servers.ping(servers.socks[:1]),
-            iters * 4,
-        )
+        if servers is not None:
+            raw = servers
+            row["gather"], row["floor"] = alternating(gather, lambda: raw.ping(raw.socks), iters)
+            row["one"], row["floor_1"] = alternating(
+                lambda: one.ping.call_one().get(),
+                lambda: raw.ping(raw.socks[:1]),
+                iters * 4,
+            )
+        else:
+            row["gather"] = med(gather, iters * 2, budget=60.0)
+            row["one"] = med(lambda: one.ping.call_one().get(), iters * 4)
         row["cell"] = med(run_cell, iters)
         k = 50
         kinds0, got0 = dict(inbound.kinds), inbound.received
@@ -123,7 +132,8 @@ def one_size(n: int, iters: int) -> dict[str, Any]:
         row["all_msgs"] = (got1 - got0) / k
         row["bcast"] = _broadcast(actors, n)
     finally:
-        servers.close()
+        if servers is not None:
+            servers.close()
         procs.stop()
         procs.runtime.launcher.shutdown()
     return row
@@ -232,9 +242,15 @@ def ms(x: float | None) -> str:
     return "n/a" if x is None else f"{x * 1e3:,.1f} ms"
 
 
-def markdown(rows: list[dict[str, Any]], cost: dict[str, float] | None, fanin: bool) -> str:
+def ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or not b else f"{a / b:.2f}×"
+
+
+def markdown(
+    rows: list[dict[str, Any]], cost: dict[str, float] | None, fanin: bool, per_host: int = PER_HOST
+) -> str:
     out = [
-        f"## Scale (local host agents of {PER_HOST} ranks; fan-in {'on' if fanin else 'off'};"
+        f"## Scale (local host agents of {per_host} ranks; fan-in {'on' if fanin else 'off'};"
         f" load {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs)",
         "",
         "| ranks | hosts | ready | agents ready | gathered call | raw floor (same n) | "
@@ -246,11 +262,11 @@ def markdown(rows: list[dict[str, Any]], cost: dict[str, float] | None, fanin: b
         out.append(
             f"| {r['ranks']} | {r['hosts']} | {r['ready']:.1f} s | "
             f"{secs(r.get('hosts_ready'))} | "
-            f"{ms(r['gather'])} | {ms(r['floor'])} | {r['gather'] / r['floor']:.2f}× | "
+            f"{ms(r['gather'])} | {ms(r['floor'])} | {ratio(r['gather'], r['floor'])} | "
             f"{us(r.get('ctl_cpu'))} | {ms(r['cell'])} | {r['bcast']:,.0f}/s | "
             f"{r['reply_msgs']:.1f} | "
             f"{r['all_msgs']:.1f} | {us(r['one'])} | {us(r['floor_1'])} | "
-            f"{r['one'] / r['floor_1']:.2f}× |"
+            f"{ratio(r['one'], r['floor_1'])} |"
         )
     by = {r["ranks"]: r for r in rows}
     if 16 in by and 128 in by:
@@ -280,6 +296,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--iters", type=int, default=30, help="samples per block")
     ap.add_argument("--fanin", default="1", help="0: fan-in off (for comparison)")
+    ap.add_argument("--per-host", type=int, default=PER_HOST, help="ranks per host agent")
+    ap.add_argument("--floor-max", type=int, default=FLOOR_MAX, help="no raw floor above")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     os.environ["MONARCH_KERNEL_FANIN"] = args.fanin
@@ -289,14 +307,14 @@ def main(argv: list[str]) -> int:
     rows = []
     for n in sizes:
         print(f"== {n} ranks", flush=True)
-        rows.append(one_size(n, args.iters))
+        rows.append(one_size(n, args.iters, args.per_host, n <= args.floor_max))
         print(json.dumps(rows[-1]), flush=True)
     try:
         cost: dict[str, float] | None = per_message_cost()
     except Exception as exc:  # the rows measured so far are still worth their table
         print(f"the per-message cost could not be measured: {exc!r}", file=sys.stderr)
         cost = None
-    text = markdown(rows, cost, args.fanin != "0")
+    text = markdown(rows, cost, args.fanin != "0", args.per_host)
     print(text)
     out = args.out or os.path.join(RESULTS, "scale.md" if args.fanin != "0" else "scale-nofanin.md")
     os.makedirs(os.path.dirname(out), exist_ok=True)
