@@ -28,6 +28,7 @@ from monarch_kernel.controller.records import (
     RankState,
 )
 from monarch_kernel.controller.requests import RequestTable
+from monarch_kernel.controller.silence import SilenceBound
 from monarch_kernel.controller.transport import Transport
 
 #: A gap between ticks longer than this (seconds) means the controller itself stalled.
@@ -77,7 +78,7 @@ class Supervisor:
         self._events = events
         self._post = post
         self._restarts = restarts
-        self._hb_timeout = hb_timeout
+        self._silence = SilenceBound(hb_timeout)
         self._claim = claim
         self._last_tick = time.monotonic()
 
@@ -98,8 +99,18 @@ class Supervisor:
             code = host.handle.exit_code() if host.handle is not None else None
             if code is not None:
                 self._post(self.host_lost, host, f"host agent process exited with code {code}")
-            elif host.ready and now - host.last_seen > self._hb_timeout:
-                self._post(self.host_lost, host, f"no heartbeat for {now - host.last_seen:.1f}s")
+                continue
+            if not host.ready:
+                self._silence.forget(host.slot)  # (re)starting: its old gaps do not count
+                continue
+            self._silence.seen(host.slot, host.last_seen)
+            allowed = self._silence.allowed(host.slot)
+            if now - host.last_seen > allowed:
+                why = f"no heartbeat for {now - host.last_seen:.1f}s"
+                if allowed > self._silence.floor:
+                    gap = self._silence.longest_gap(host.slot)
+                    why += f" (allowed {allowed:.1f}s: its messages came up to {gap:.1f}s apart)"
+                self._post(self.host_lost, host, why)
 
     def host_lost(self, host: HostInfo, why: str) -> None:
         """``host`` is gone: its live ranks die with that cause."""
