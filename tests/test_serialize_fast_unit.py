@@ -151,3 +151,55 @@ def test_one_walk_classifies_plain_arrays_and_other(value, kind) -> None:
 def test_without_torch_arrays_are_other_and_plain_stays_plain() -> None:
     assert S.classify(((1,), {}), None) is S.ValueKind.PLAIN
     assert S.classify(((np.ones(3),), {}), None) is S.ValueKind.OTHER
+
+
+def _quick_and_general(t: torch.Tensor) -> tuple[object, object]:
+    """What ``_reduce_tensor`` (quick path first) and ``_reduce_any_tensor`` make of
+    ``t``, with the buffers as bytes (the frames' contents)."""
+
+    def plain(reduced: tuple[object, tuple[object, ...]]) -> object:
+        fn, args = reduced
+        buf, *rest = args
+        data = bytes(buf.raw()) if isinstance(buf, pickle.PickleBuffer) else buf
+        return fn, data, *rest
+
+    return plain(S._reduce_tensor(t)), plain(S._reduce_any_tensor(t))
+
+
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.ones(3000),
+        torch.arange(24, dtype=torch.int16).reshape(2, 3, 4),
+        torch.tensor(7),  # 0-dim
+        torch.ones(0, 3),  # empty
+        torch.ones(3, dtype=torch.bool),
+        torch.arange(10)[3:6],  # a view at an offset into its storage
+        torch.arange(12.0).reshape(3, 4).t(),  # not contiguous
+        torch.ones(1).expand(5),  # stride 0
+        torch.ones(4, dtype=torch.bfloat16),  # no numpy dtype
+        torch.ones(4, dtype=torch.uint16),  # numpy has it, the wire sends it as bytes
+        torch.ones(4, requires_grad=True),
+    ],
+    ids=lambda t: f"{t.dtype}{tuple(t.shape)}",
+)
+def test_the_quick_tensor_reduction_makes_what_the_general_one_makes(t) -> None:
+    quick, general = _quick_and_general(t)
+    assert quick == general
+    back, _, _ = _round_trip(((t,), {}))
+    got = back[0][0]
+    assert got.dtype == t.dtype and got.shape == t.shape
+    assert got.requires_grad == t.requires_grad
+    assert torch.equal(got.detach().resolve_conj(), t.detach().resolve_conj())
+
+
+def test_a_tensor_both_reductions_refuse_still_round_trips() -> None:
+    """numpy() refuses a conjugate view: both reductions raise, dumps falls back to
+    cloudpickle (torch's own reduction), and the value arrives resolved."""
+    t = torch.arange(4.0).to(torch.complex64).mul(1j).conj()
+    with pytest.raises(RuntimeError):
+        S._reduce_tensor(t)
+    with pytest.raises(RuntimeError):
+        S._reduce_any_tensor(t)
+    back, _, _ = _round_trip(((t,), {}))
+    assert torch.equal(back[0][0].resolve_conj(), t.resolve_conj())
