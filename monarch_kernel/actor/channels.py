@@ -22,10 +22,11 @@ from monarch_kernel.calls.gather import reply_value
 from monarch_kernel.calls.reply import Reply
 from monarch_kernel.rank import context as rank_context
 from monarch_kernel.rank.errors import exception_report
-from monarch_kernel.wire import Codec, dumps, peer_address
+from monarch_kernel.wire import Codec, dumps, handoff, peer_address
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire.chunks import encode_parts
 from monarch_kernel.wire.codec import Buffer, new_key
+from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import FailureReport
 
@@ -78,9 +79,9 @@ class Port(Generic[R]):
         header = H.Result(request=self._id, ok=ok, rank=self._sender_rank()).encode()
         parts = encode_parts(_codec(self._key), header, payload, buffers)  # large: chunks
         sock = _push(self._addr)
-        with _push_lock:
+        with handoff.values(), _push_lock:  # sent as the value is now (wire.handoff)
             for frames in parts:
-                sock.send_multipart(frames, copy=False)
+                wire_send(sock, frames)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return Port, (self._addr, self._key, self._id, self._rank)

@@ -35,10 +35,11 @@ from monarch_kernel.calls.errors import RankDiedError
 from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.calls.requester import MeshRef
 from monarch_kernel.rank import context, peer_keys
-from monarch_kernel.wire import Codec, WireError, peer_address
+from monarch_kernel.wire import Codec, WireError, handoff, peer_address
 from monarch_kernel.wire.chunks import Assembler, encode_parts
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
+from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.peer_address import PeerAddress
 
 #: Seconds a first connection to a rank may take before its calls fail (it is not
@@ -190,7 +191,9 @@ class PeerClient:
         if not ranks:
             return ""
         routes = [_route(ref, r, a, self.machine) for r, a in zip(ranks, addrs)]
-        with self.lock:
+        # value semantics (wire.handoff): sent as it is now, whatever the caller does
+        # with its tensors after the call returns (the wait comes after the lock)
+        with handoff.values(), self.lock:
             rid = ""
             if observer is not None:
                 rid = self.prefix + str(next(self.ids))
@@ -203,7 +206,7 @@ class PeerClient:
                     self.route_targets.setdefault(route, set()).add((ref.key, ref.slot(r)))
                     sock = self._socket(addr, route, r)
                     for frames in parts:
-                        sock.send_multipart(frames, copy=False)
+                        wire_send(sock, frames)
             except BaseException:
                 if rid:
                     self.pending.pop(rid, None)

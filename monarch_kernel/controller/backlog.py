@@ -25,8 +25,9 @@ from collections.abc import Callable
 import zmq
 
 from monarch_kernel.calls.errors import MeshStoppedError, MonarchError
-from monarch_kernel.wire.codec import Buffer
+from monarch_kernel.wire.codec import ZERO_COPY_THRESHOLD, Buffer
 from monarch_kernel.wire.codec import send as wire_send
+from monarch_kernel.wire.handoff import owned
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -82,7 +83,9 @@ class Backlog:
                 # agent, fails whatever waits on it.
                 log.debug("mesh %s: send to %r failed: %s", self._name, ident, exc)
                 return
-        queue.append((frames, size, calls))
+        # Kept back: it may wait long, so it holds copies, not the sender's memory
+        # (wire.handoff).
+        queue.append((owned(frames, ZERO_COPY_THRESHOLD), size, calls))
         self.messages += calls
         self.nbytes += size
 

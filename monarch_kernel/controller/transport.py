@@ -52,7 +52,7 @@ from monarch_kernel.controller.sockets import (
     wake_socket,
 )
 from monarch_kernel.launchers.base import Curve, curve_server, zap
-from monarch_kernel.wire import Codec
+from monarch_kernel.wire import Codec, handoff
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.chunks import encode_parts, frames_size
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
@@ -311,7 +311,18 @@ class Transport:
     ) -> None:
         """Send one message to ``ranks``' main threads (in order, FIFO per rank); never
         blocks (callers make room first: :meth:`wait_for_room`). A large one goes as a
-        stream of chunks (:mod:`monarch_kernel.wire.chunks`)."""
+        stream of chunks (:mod:`monarch_kernel.wire.chunks`). Returns once libzmq let go
+        of the zero-copy ``buffers`` (:mod:`monarch_kernel.wire.handoff`): the caller may
+        change them then without changing what is sent."""
+        if not buffers:  # nothing of the caller's goes zero-copy (a payload is bytes)
+            self._send_locked(ranks, header, payload, buffers)
+            return
+        with handoff.values():  # waits after the lock is released
+            self._send_locked(ranks, header, payload, buffers)
+
+    def _send_locked(
+        self, ranks: Sequence[int], header: Header, payload: bytes, buffers: Sequence[Buffer]
+    ) -> None:
         with self.send_lock, DeferSigint():
             if self._batch:  # calls queued earlier go first (FIFO per rank)
                 self._send_batch()

@@ -17,13 +17,14 @@ from monarch_kernel.rank import context
 from monarch_kernel.rank.errors import exception_report
 from monarch_kernel.rank.link import ControllerLink
 from monarch_kernel.rank.signals import MainThread
-from monarch_kernel.wire import Codec, SerializationError, dumps, peer_address
+from monarch_kernel.wire import Codec, SerializationError, dumps, handoff, peer_address
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.chunks import check_size, encode_parts
 from monarch_kernel.wire.codec import Buffer
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.fanin import MAX_COMBINED
+from monarch_kernel.wire.handoff import owned
 from monarch_kernel.wire.peer_address import PeerAddress
 from monarch_kernel.wire.reports import FailureReport
 from monarch_kernel.wire.serialize import ValueTooLargeError, What
@@ -165,8 +166,8 @@ class Outbox:
         for frames in parts:
             while True:
                 with self.lock:  # the check too: see :meth:`welcome`
-                    if link.holds(header):
-                        link.divert(header, payload, buffers)
+                    if link.holds(header):  # kept for long: copies, not the rank's memory
+                        link.divert(header, payload, owned(list(buffers), 0))
                         return
                     try:
                         wire_send(self.out, frames, flags=zmq.NOBLOCK)
@@ -252,7 +253,16 @@ class Outbox:
 
     def result(self, header: H.Result, payload: bytes, buffers: Sequence[Buffer] = ()) -> None:
         """Send a reply: to the controller, or to the calling rank for a peer call. A
-        value above the bound on values is answered with that error instead."""
+        value above the bound on values is answered with that error instead. Returns
+        once libzmq let go of the zero-copy ``buffers`` (:mod:`monarch_kernel.wire.handoff`):
+        what runs next on this rank may change the returned tensors in place."""
+        if not buffers:
+            self._result(header, payload, buffers)
+            return
+        with handoff.values():
+            self._result(header, payload, buffers)
+
+    def _result(self, header: H.Result, payload: bytes, buffers: Sequence[Buffer]) -> None:
         wire = header.encode()  # once: check_size reads it, encoding the message fills it
         try:
             check_size(wire, payload, buffers)

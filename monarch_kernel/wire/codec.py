@@ -62,6 +62,7 @@ import zmq
 from zmq.backend import Socket as _BaseSocket
 
 # Re-exported: the limits lived here first, and tests and callers import them from here.
+from monarch_kernel.wire.handoff import current as current_handoff
 from monarch_kernel.wire.limits import DEFAULT_MAX_MESSAGE as DEFAULT_MAX_MESSAGE
 from monarch_kernel.wire.limits import MAX_HEADER as MAX_HEADER
 from monarch_kernel.wire.limits import MAX_MESSAGE_ENV as MAX_MESSAGE_ENV
@@ -398,7 +399,8 @@ def send(sock: Any, frames: list[Any], prefix: list[bytes] | None = None, flags:
 
     ``flags=zmq.NOBLOCK``: raise ``zmq.Again`` instead of blocking when the peer's queue
     is full. A ROUTER decides that on the first (identity) frame, so either the whole
-    message goes or none of it does.
+    message goes or none of it does. Inside :func:`monarch_kernel.wire.handoff.values`
+    the zero-copy frames are tracked (the block waits until libzmq let go of them).
     """
     more = _SNDMORE | flags
     if prefix:
@@ -406,8 +408,18 @@ def send(sock: Any, frames: list[Any], prefix: list[bytes] | None = None, flags:
             _send(sock, p, more)
     last = len(frames) - 1
     for i, f in enumerate(frames):
-        size = len(f) if f.__class__ is bytes else memoryview(f).nbytes
-        _send(sock, f, flags if i == last else more, size < ZERO_COPY_THRESHOLD)
+        flag = flags if i == last else more
+        if f.__class__ is bytes:  # immutable: zero-copy when large, never tracked
+            _send(sock, f, flag, len(f) < ZERO_COPY_THRESHOLD)  # type: ignore[call-overload]
+            continue
+        if memoryview(f).nbytes < ZERO_COPY_THRESHOLD:
+            _send(sock, f, flag, True)
+            continue
+        tracking = current_handoff()  # the sender's value must not change under libzmq
+        if tracking is None:
+            _send(sock, f, flag, False)
+        else:
+            tracking.trackers.append(_send(sock, f, flag, False, True))
 
 
 _EVENTS = int(zmq.EVENTS)

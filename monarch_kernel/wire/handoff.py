@@ -1,0 +1,79 @@
+"""Value semantics for zero-copy sends: a value goes as it was when it was sent.
+
+Tensor and array data travel zero-copy: libzmq keeps a reference to the sender's own
+memory and reads it later, from its I/O thread, when it writes the message to the
+socket. Had the sender changed the tensor meanwhile (``t.fill_(0)`` right after
+``broadcast(t)``, an optimizer step on the rank right after an endpoint returned its
+weights), the other side would get the new bytes, or a mix of old and new: a silent
+inconsistency. So a send of user values runs inside :func:`values`: every zero-copy
+frame sent in it (:func:`monarch_kernel.wire.codec.send`) is tracked, and leaving the
+block waits until libzmq has let go of them all, i.e. until the bytes are in the
+kernel's socket buffer or the peer's queue (normally well before the call's reply). A
+message that cannot go yet (a busy peer's full queue: ``controller.backlog``) is
+:func:`owned`: its large frames copied, as the user's memory cannot be held for an
+unknown time. MPI's blocking send makes the same promise: when it returns, the buffer
+may be reused.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import zmq
+
+_local = threading.local()
+
+
+class Handoff:
+    """The zero-copy frames sent in one :func:`values` block (their trackers)."""
+
+    __slots__ = ("trackers",)
+
+    def __init__(self) -> None:
+        self.trackers: list[zmq.MessageTracker] = []
+
+    def wait(self) -> None:
+        """Until libzmq let go of every frame (an interrupt stops the wait)."""
+        for tracker in self.trackers:
+            tracker.wait()
+        self.trackers.clear()
+
+
+def current() -> Handoff | None:
+    """The block this thread's zero-copy sends are tracked for (None: untracked)."""
+    return getattr(_local, "handoff", None)
+
+
+@contextmanager
+def values() -> Iterator[Handoff]:
+    """Track the zero-copy frames sent in this block, and on leaving it normally, wait
+    until libzmq let go of them. Enter it outside any lock the sending holds: the wait
+    comes after them. Nested blocks belong to the outermost one."""
+    outer = current()
+    if outer is not None:
+        yield outer
+        return
+    mine = _local.handoff = Handoff()
+    try:
+        yield mine
+    finally:
+        _local.handoff = None
+    mine.wait()
+
+
+def owned(frames: list[Any], threshold: int) -> list[Any]:
+    """``frames`` with every frame that would go zero-copy (``threshold`` bytes or
+    more, not immutable ``bytes``) replaced by a copy: for a message kept back."""
+    out = frames
+    for i, f in enumerate(frames):
+        if f.__class__ is bytes:
+            continue
+        view = memoryview(f)
+        if view.nbytes >= threshold:
+            if out is frames:
+                out = list(frames)
+            out[i] = view.tobytes()
+    return out
