@@ -5,6 +5,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from wire_frames import envelope, split
 
 from monarch_kernel.wire import Codec, SerializationError, WireError, dumps, loads
 from monarch_kernel.wire.codec import new_key
@@ -42,25 +43,54 @@ def test_forged_message_is_dropped_before_unpickling(tmp_path):
         good.decode(evil.encode({"k": "call"}, payload))
     assert good.rejected == 1 and not trip.exists()
     # tampering with the payload of a correctly signed message is caught too
-    frames = good.encode({"k": "call"}, b"harmless")
-    frames[2] = payload
-    with pytest.raises(WireError):
-        good.decode(frames)
-    assert good.rejected == 2 and not trip.exists()
+    (env,) = good.encode({"k": "call"}, b"harmless")
+    hb, sig, harmless, separate = split(env)
+    assert harmless == b"harmless" and not separate  # a small payload is in the envelope
+    with pytest.raises(WireError, match="signature"):
+        good.decode([envelope(hb, sig, payload)])
+    # ... and so is moving it out of the envelope into a frame of its own
+    with pytest.raises(WireError, match="signature"):
+        good.decode([envelope(hb, sig, separate=True), b"harmless"])
+    assert good.rejected == 3 and not trip.exists()
+
+
+def test_large_payload_is_a_frame_of_its_own_and_signed():
+    codec = Codec(new_key())
+    big = bytes(range(256)) * 1000  # above INLINE_PAYLOAD
+    frames = codec.encode({"k": "call"}, big, [b"buf"])
+    assert len(frames) == 3 and frames[1] is big  # not copied into the envelope
+    hb, sig, inline, separate = split(frames[0])
+    assert separate and inline == b""
+    msg = codec.decode(frames)
+    assert bytes(msg.payload) == big and [bytes(b) for b in msg.buffers] == [b"buf"]
+    tampered = big[:-1] + b"x"
+    with pytest.raises(WireError, match="signature"):
+        codec.decode([frames[0], tampered, b"buf"])
+    # the same bytes inside the envelope, the flag cleared: the flag is signed too
+    with pytest.raises(WireError, match="signature"):
+        codec.decode([envelope(hb, sig, big), b"buf"])
+    with pytest.raises(WireError, match="payload frame is missing"):
+        codec.decode(frames[:1])
+    with pytest.raises(WireError, match="payload both"):
+        codec.decode([frames[0] + b"x", big, b"buf"])
+    assert codec.rejected == 4
 
 
 def test_malformed_messages_are_rejected():
     codec = Codec(new_key())
-    with pytest.raises(WireError, match="frames"):
+    with pytest.raises(WireError, match="0 frames"):
+        codec.decode([])
+    with pytest.raises(WireError, match="envelope of 8 bytes"):
         codec.decode([b"only one"])
     frames = codec.encode({"k": "x"}, b"p", [b"0123456789"])
+    assert len(frames) == 2  # the envelope and the buffer
     with pytest.raises(WireError, match="buffer"):
-        codec.decode(frames[:3])  # a buffer frame went missing
+        codec.decode(frames[:1])  # a buffer frame went missing
     frames = codec.encode({"k": "x"}, b"p")
-    frames[0] = b"not json"
+    frames[0] = b"not json" * 10
     with pytest.raises(WireError):
         codec.decode(frames)
-    assert codec.rejected == 3
+    assert codec.rejected == 4
 
 
 def test_tensor_dtypes_and_shapes_roundtrip():

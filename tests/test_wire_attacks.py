@@ -21,6 +21,7 @@ from actors import Counter
 from helpers import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from wire_frames import envelope, header_of, split
 
 from monarch_kernel.wire import Codec, WireError, dumps, loads
 from monarch_kernel.wire import codec as C
@@ -199,7 +200,9 @@ def test_concurrent_encoders_and_decoders_lose_nothing():
         t.start()
     for t in threads:
         t.join()
-    msgs = sorted((m for part in out for m in part), key=lambda m: marshal.loads(m[0])["sc"])
+    msgs = sorted(
+        (m for part in out for m in part), key=lambda m: marshal.loads(header_of(m[0]))["sc"]
+    )
     rnd = random.Random(3)
     for i in range(0, len(msgs) - 50, 50):  # reordered by up to 100 places
         chunk = msgs[i : i + 100]
@@ -240,7 +243,7 @@ def test_unsigned_counter_or_nonce_is_refused():
     for header in ({"k": "hb"}, {"k": "hb", "sn": 1}, {"k": "hb", "sn": "x", "sc": 1}):
         hb = marshal.dumps(header, 4)
         with pytest.raises(WireError, match="malformed"):
-            codec.decode([hb, codec._sign(hb, b""), b""])
+            codec.decode(codec._seal(hb))
     assert codec.rejected == 3
 
 
@@ -261,23 +264,32 @@ def test_forked_child_gets_a_new_nonce():
 def test_bounds_checked_before_anything(monkeypatch):
     codec = Codec(b"k" * 32)
     ok = codec.encode({"k": "hb"})
+    assert len(ok) == 1
+    hb, sig, _, _ = split(ok[0])
+    big = C.MAX_HEADER + 1
     cases = [
-        [],
-        [ok[0]],
-        ok[:2],
-        [*ok, *([b"x"] * C.MAX_BUFFERS + [b"y"])],  # too many frames
-        [b"\0" * (C.MAX_HEADER + 1), ok[1], ok[2]],  # oversized header
-        [ok[0], ok[1][:-1], ok[2]],  # truncated signature
-        [ok[0][:-1], ok[1], ok[2]],  # truncated header
-        [*ok, b"unannounced buffer"],
+        ([], "0 frames"),
+        ([b""], "envelope of 0 bytes"),
+        ([ok[0][:3]], "envelope of 3 bytes"),  # not even a length word
+        ([*ok, *([b"x"] * C.MAX_BUFFERS + [b"y"])], "more than 1024 buffers"),
+        ([*ok, *([b"x"] * C.MAX_FRAMES)], f"expected 1 to {C.MAX_FRAMES}"),
+        ([envelope(b"\0" * big, sig)], f"header of {big} bytes"),  # oversized header
+        ([envelope(b"", sig, length=big)], f"header of {big} bytes"),  # a word that lies
+        ([envelope(hb, sig[:-1])], "too short for its header"),  # truncated signature
+        ([ok[0][:-1]], "too short for its header"),  # truncated
+        ([envelope(hb, sig, length=len(hb) - 1)], "signature"),  # header cut by its word
+        ([envelope(hb, sig, length=len(hb) + 1)], "signature"),  # ... or grown
+        ([envelope(hb, sig, b"x")], "signature"),  # a payload appended
+        ([*ok, b"unannounced buffer"], "buffer"),
     ]
-    for frames in cases:
-        with pytest.raises(WireError):
+    for frames, why in cases:
+        with pytest.raises(WireError, match=why):
             codec.decode(frames)
     assert codec.rejected == len(cases)
     sizes = codec.encode({"k": "res"}, b"", [b"x" * 10, b"y" * 20])
-    sizes[4] = b"y" * 19  # a buffer frame that does not match the header's size
-    with pytest.raises(WireError):
+    assert len(sizes) == 3
+    sizes[2] = b"y" * 19  # a buffer frame that does not match the header's size
+    with pytest.raises(WireError, match="buffer frames do not match"):
         codec.decode(sizes)
 
 
@@ -368,16 +380,16 @@ def test_no_key_and_wrong_key(workers):
     ranks_before = _rank_rejected(procs)
     s = _attacker(rt.transport.recv_addr)
     hb = marshal.dumps({"k": "res", "r": 0, "i": "x", "ok": 1}, 4)
-    s.send_multipart([hb, b"\0" * 32, EVIL])  # no key
+    s.send_multipart([envelope(hb, b"\0" * 32, EVIL)])  # no key
     s.send_multipart(Codec(new_key()).encode({"k": "res", "r": 0, "i": "x", "ok": 1}, EVIL))
     _wait_rejected(controller, before + 2)
     # the host agent's fan-out socket (it reads ranks' greetings there)
     _, fan = _agent()
     g = _attacker(fan, b"g-attacker")
-    g.send_multipart([marshal.dumps({"k": "hello", "r": 0}, 4), b"\0" * 32, EVIL])
+    g.send_multipart([envelope(marshal.dumps({"k": "hello", "r": 0}, 4), b"\0" * 32, EVIL)])
     g.send_multipart(Codec(new_key()).encode({"k": "hello", "r": 0}, EVIL))
     # to the ranks, forged frames through the controller's own send socket
-    for frames in ([hb, b"\0" * 32, EVIL], Codec(new_key()).encode({"k": "push"}, EVIL)):
+    for frames in ([envelope(hb, b"\0" * 32, EVIL)], Codec(new_key()).encode({"k": "push"}, EVIL)):
         with rt.transport.send_lock:
             rt.transport.send_sock.send_multipart([b"c0", *frames])
     wait_until(lambda: _rank_rejected(procs)[0] == ranks_before[0] + 2, what="rank 0 rejects")
@@ -416,16 +428,18 @@ def test_truncated_malformed_and_too_many_frames(workers):
     rt = procs.runtime
     controller = rt.codec
     before = controller.rejected
-    ok = [bytes(f) for f in controller.encode({"k": "hb", "h": 0}, b"payload")]
+    (env,) = controller.encode({"k": "hb", "h": 0}, b"payload")
+    hb, sig, payload, _ = split(env)
     cases = [
-        [ok[0]],
-        ok[:2],
-        [ok[0], ok[1], ok[2][:-1]],  # truncated payload: the signature fails
-        [ok[0][:-3], ok[1], ok[2]],
-        [ok[0], ok[1][:16], ok[2]],
-        [*ok, *([b"x"] * (C.MAX_BUFFERS + 1))],
-        [b"\x80" * (C.MAX_HEADER + 1), ok[1], ok[2]],
-        [ok[0], ok[1], EVIL, b"unannounced"],
+        [env[:3]],
+        [env[:-1]],  # truncated payload: the signature fails
+        [envelope(hb[:-3], sig, payload)],  # truncated header: the signature fails
+        [envelope(hb, sig[:16], payload, length=len(hb))],  # truncated signature
+        [envelope(hb, sig, separate=True)],  # its payload frame missing
+        [envelope(hb, sig, separate=True), payload],  # moved out: the signature fails
+        [env, *([b"x"] * (C.MAX_BUFFERS + 1))],
+        [envelope(b"\x80" * (C.MAX_HEADER + 1), sig, payload)],
+        [envelope(hb, sig, EVIL), b"unannounced"],
     ]
     s = _attacker(rt.transport.recv_addr)
     for frames in cases:
@@ -440,7 +454,9 @@ import sys, time, zmq
 s = zmq.Context.instance().socket(zmq.DEALER)
 s.setsockopt(zmq.LINGER, 2000)
 s.connect(sys.argv[1])
-s.send_multipart([b"h" * 40, b"s" * 32, bytes(int(sys.argv[2]))])
+# an envelope (a header of 40 bytes, a signature, the payload in the next frame), then
+# the payload frame, far above the limit
+s.send_multipart([(40 | 1 << 31).to_bytes(4, "little") + b"h" * 72, bytes(int(sys.argv[2]))])
 time.sleep(1.5)
 """
 

@@ -107,9 +107,9 @@ def test_stray_reordered_and_forged_chunks_are_dropped():
 def test_tampered_payload_chunk_fails_its_signed_mac():
     enc, dec, asm = Codec(KEY), Codec(KEY), S.Assembler()
     parts = _parts(enc, b"p" * (6 * MIB))  # a payload of 6 MiB: start + 2 payload chunks
-    victim = bytearray(parts[1][3])
+    victim = bytearray(parts[1][1])  # a chunk: its envelope, then its data
     victim[100] ^= 1
-    parts[1][3] = bytes(victim)
+    parts[1][1] = bytes(victim)
     with pytest.raises(WireError, match="does not match its signed MAC"):
         _feed_all(asm, dec, parts)
     assert dec.rejected == 1 and asm.pending == 0

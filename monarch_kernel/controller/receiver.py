@@ -198,7 +198,9 @@ class Receiver:
             frames = wire_recv(sock)
         except zmq.Again:
             return False
-        if len(frames) == 2 and frames[0].bytes in (WAKE_ID, SIGINT_ID):
+        # A wake-up is [its routing id, b""]: a peer's message is [routing id, envelope,
+        # ...] too, but an envelope is never empty.
+        if len(frames) == 2 and not len(frames[1]) and frames[0].bytes in (WAKE_ID, SIGINT_ID):
             self._run_posted()
             return True
         try:

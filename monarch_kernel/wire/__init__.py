@@ -1,6 +1,7 @@
 """Wire layer: message framing, HMAC signing and zero-copy serialization.
 
-Every control message is multipart ``[header, signature, payload, *buffers]``.
+Every control message is multipart ``[envelope, *buffers]``: one signed envelope frame
+(header, signature and, when small, the payload), then zero-copy buffers.
 """
 
 from monarch_kernel.wire.codec import Codec, Message, WireError, limit_size, max_message

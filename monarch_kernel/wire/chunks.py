@@ -35,7 +35,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from monarch_kernel.wire import kinds as K
-from monarch_kernel.wire.codec import MAX_BUFFERS, Buffer, Codec, Header, Message, WireError
+from monarch_kernel.wire.codec import (
+    ENVELOPE_MIN,
+    MAX_BUFFERS,
+    SEPARATE_PAYLOAD,
+    Buffer,
+    Codec,
+    Header,
+    Message,
+    WireError,
+)
 from monarch_kernel.wire.limits import CHUNK_SIZE, STREAM_ABOVE, max_value, too_large
 from monarch_kernel.wire.serialize import ValueTooLargeError
 
@@ -51,10 +60,14 @@ _MAC_SIZE = 32
 
 
 def frames_size(frames: Sequence[Any]) -> int:
-    """Bytes of a message's payload and buffers (``frames`` from ``Codec.encode``)."""
-    if len(frames) == 3 and frames[2].__class__ is bytes:  # a payload only (most messages)
-        return len(frames[2])
-    return sum(memoryview(f).nbytes for f in frames[2:])
+    """Bytes of a message's payload and buffers (``frames`` from ``Codec.encode``): the
+    envelope less its word, header and signature (an inline payload), plus the frames
+    after it (a separate payload, the buffers)."""
+    env = frames[0]
+    inline = len(env) - ENVELOPE_MIN - (int.from_bytes(env[:4], "little") & ~SEPARATE_PAYLOAD)
+    if len(frames) == 1:  # most messages
+        return inline
+    return inline + sum(memoryview(f).nbytes for f in frames[1:])
 
 
 def _flat(buf: Buffer) -> memoryview:

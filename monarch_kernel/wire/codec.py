@@ -1,19 +1,31 @@
 """Framing and signing of control messages.
 
-A message on the wire is ``[header, signature, payload, *buffers]``:
+A message on the wire is ``[envelope, *buffers]``, or ``[envelope, payload, *buffers]``
+when its payload is large. The envelope is one frame::
 
+    word (4 bytes, little-endian) | header | signature (32 bytes) | payload (if inline)
+
+* ``word``: the header's length in its low 31 bits; bit 31 set when the payload is not
+  in the envelope but in the next frame (payloads above :data:`INLINE_PAYLOAD` bytes:
+  they go zero-copy on their own instead of being copied into the envelope);
 * ``header``: a dict (kind, request id, sender, targets, buffer sizes ...) of plain
   values in :mod:`marshal` format 4 (stable across Python 3 versions, and several times
   cheaper than JSON both ways; it is parsed only once the signature verified);
-* ``signature``: HMAC-SHA256 over the header's length, header and payload with the
-  mesh's random key (the length keeps bytes from moving between header and payload);
+* ``signature``: HMAC-SHA256 with the mesh's random key over the word, the header and
+  the payload (the word fixes where the header ends, so no byte can move between header
+  and payload, and where the payload travels);
 * ``payload``: a pickle (see :mod:`monarch_kernel.wire.serialize`);
 * ``buffers``: out-of-band pickle-5 buffers (tensor and array data), sent zero-copy.
 
+One frame instead of three for the common message: every zmq frame costs a send and a
+receive call (and a ``zmq.Frame`` object) on each side, the largest part of the wire's
+CPU cost for a small message.
+
 :meth:`Codec.decode` checks, in this order and before anything is parsed or unpickled,
-the frame count (at most ``3 + MAX_BUFFERS``), the header size (at most
-:data:`MAX_HEADER`) and the signature's length, then the signature; only then is the
-header parsed, the buffer frames matched against its sizes (``b``) and the message
+the frame count (1 to :data:`MAX_FRAMES`), the envelope's size against its word (the
+header at most :data:`MAX_HEADER` bytes, room for it and the signature, nothing after
+the signature when the payload is a frame of its own), then the signature; only then is
+the header parsed, the buffer frames matched against its sizes (``b``) and the message
 checked against replay. A message that fails any check is dropped and counted in
 :attr:`Codec.rejected` (replays also in :attr:`Codec.replayed`). The payload is never
 unpickled here: the callers unpickle a decoded (verified) message's payload.
@@ -90,10 +102,20 @@ ZERO_COPY_THRESHOLD = 64 * 1024
 #: Most out-of-band buffer frames in one message (``serialize.dumps`` keeps further
 #: buffers in the pickle).
 MAX_BUFFERS = 1024
-#: Most frames in one message: header, signature, payload and the buffers.
-MAX_FRAMES = 3 + MAX_BUFFERS
+#: Most frames in one message: the envelope, a separate payload and the buffers.
+MAX_FRAMES = 2 + MAX_BUFFERS
 #: Length of an HMAC-SHA256 signature.
 SIGNATURE_SIZE = 32
+#: Payloads up to this many bytes travel inside the envelope (copied into it once: less
+#: than a frame of their own costs both sides); larger ones are a zero-copy frame.
+INLINE_PAYLOAD = 16 * 1024
+#: The envelope's word: bit 31 says the payload is the next frame, the rest is the
+#: header's length (at most MAX_HEADER, so a word is never 0xFFFFFFFF, the prefix of a
+#: streamed payload's MAC: the two never sign the same bytes).
+SEPARATE_PAYLOAD = 1 << 31
+_LENGTH = SEPARATE_PAYLOAD - 1
+#: The envelope's fixed part: the word and the signature.
+ENVELOPE_MIN = 4 + SIGNATURE_SIZE
 #: Replay state per sender: counters are remembered in 64-bit chunks (bit ``c & 63`` of
 #: chunk ``c >> 6``) above a floor (counters below it are refused). Leading chunks whose
 #: counters were all seen are folded into the floor, so a sender whose counters a
@@ -193,16 +215,24 @@ class Codec:
         self.nonce = secrets.randbits(64)
         self._counter = itertools.count()
 
-    def _sign(self, header: bytes, payload: bytes | memoryview) -> bytes:
+    def _seal(self, hb: bytes, payload: bytes | bytearray | memoryview = b"") -> list[Any]:
+        """The envelope (and payload frame, if separate) for a marshalled header ``hb``:
+        the signed frames of a message without its buffers."""
         mac = self._mac.copy()
-        mac.update(len(header).to_bytes(4, "little"))
-        mac.update(header)
+        if len(payload) <= INLINE_PAYLOAD:  # the common case: one frame
+            word = len(hb).to_bytes(4, "little") + hb
+            mac.update(word)
+            mac.update(payload)
+            return [b"".join((word, mac.digest(), payload))]
+        word = (len(hb) | SEPARATE_PAYLOAD).to_bytes(4, "little") + hb
+        mac.update(word)
         mac.update(payload)
-        return mac.digest()
+        return [word + mac.digest(), payload]
 
     def payload_mac(self, payload: Buffer) -> bytes:
-        """The HMAC of a streamed payload, sent in its signed start header (the length
-        prefix, impossible for a header, keeps it apart from message signatures)."""
+        """The HMAC of a streamed payload, sent in its signed start header (its prefix,
+        a word no envelope has (:data:`SEPARATE_PAYLOAD`), keeps it apart from message
+        signatures)."""
         mac = self._mac.copy()
         mac.update(b"\xff\xff\xff\xff")
         mac.update(payload)
@@ -232,7 +262,10 @@ class Codec:
         if len(hb) > MAX_HEADER:
             raise WireError(f"message header of {len(hb)} bytes exceeds {MAX_HEADER} bytes")
         self.bytes_out += len(hb) + size
-        return [hb, self._sign(hb, payload), payload, *buffers]
+        frames = self._seal(hb, payload)
+        if buffers:
+            frames += buffers
+        return frames
 
     def decode(self, frames: list[Any]) -> Message:
         """Verify and split ``frames`` (bytes or zmq Frames); raise WireError if forged,
@@ -243,27 +276,42 @@ class Codec:
         then the HMAC, then the header, then the replay window) without a call per step.
         """
         n = len(frames)
-        if n < 3 or n > MAX_FRAMES:
+        if n < 1 or n > MAX_FRAMES:
             self.rejected += 1
-            raise WireError(f"malformed message: {n} frames, expected 3 to {MAX_FRAMES}")
-        hb, sig, payload = frames[0], frames[1], frames[2]
-        if len(hb) > MAX_HEADER or len(sig) != SIGNATURE_SIZE:
+            raise WireError(f"malformed message: {n} frames, expected 1 to {MAX_FRAMES}")
+        env = frames[0]
+        if env.__class__ is not bytes:
+            env = _as_bytes(env)
+        size = len(env)
+        word = int.from_bytes(env[:4], "little")
+        hl = word & _LENGTH
+        end = 4 + hl + SIGNATURE_SIZE
+        first = 2 if word & SEPARATE_PAYLOAD else 1  # the first buffer frame
+        if (
+            size < end
+            or hl > MAX_HEADER
+            or n - first > MAX_BUFFERS
+            or (first == 2 and (size != end or n < 2))
+        ):
             self.rejected += 1
-            raise WireError(
-                f"malformed message: header of {len(hb)} bytes (at most {MAX_HEADER}), "
-                f"signature of {len(sig)} bytes (expected {SIGNATURE_SIZE})"
-            )
-        if hb.__class__ is not bytes:
-            hb, sig = _as_bytes(hb), _as_bytes(sig)
-        if payload.__class__ is not bytes:
-            payload = _payload_of(payload)
-        if not hmac.compare_digest(self._sign(hb, payload), sig):
+            raise WireError(_bad_envelope(size, hl, first == 2, n))
+        hb = env[4 : end - SIGNATURE_SIZE]
+        if first == 1:
+            payload: Any = env[end:]
+        else:
+            payload = frames[1]
+            if payload.__class__ is not bytes:
+                payload = _payload_of(payload)
+        mac = self._mac.copy()
+        mac.update(env[: end - SIGNATURE_SIZE])
+        mac.update(payload)
+        if not hmac.compare_digest(mac.digest(), env[end - SIGNATURE_SIZE : end]):
             self.rejected += 1
             raise WireError("message signature does not verify (forged or wrong mesh key)")
         try:
             header = _load_header(hb)
             sizes = header.get("b")
-            buffers = _check_buffers(sizes, frames[3:]) if sizes or n > 3 else []
+            buffers = _check_buffers(sizes, frames[first:]) if sizes or n > first else []
             nonce = header["sn"]
             count = header["sc"]
             if type(nonce) is not int or type(count) is not int or count < 0:
@@ -313,6 +361,28 @@ class Codec:
             raise WireError("replayed message (its sender's counter was seen before)")
         self.bytes_in += len(hb) + len(payload) + (sum(sizes) if sizes else 0)
         return Message(header, payload, buffers)
+
+
+def _bad_envelope(size: int, hl: int, separate: bool, n: int) -> str:
+    """Why an envelope of ``size`` bytes whose word says ``hl`` and ``separate`` (in a
+    message of ``n`` frames) is malformed."""
+    if size < ENVELOPE_MIN:
+        return (
+            f"malformed message: envelope of {size} bytes, shorter than its length word "
+            f"and {SIGNATURE_SIZE}-byte signature"
+        )
+    if hl > MAX_HEADER:
+        return f"malformed message: header of {hl} bytes (at most {MAX_HEADER})"
+    if size < 4 + hl + SIGNATURE_SIZE:
+        return (
+            f"malformed message: envelope of {size} bytes, too short for its header of "
+            f"{hl} bytes and {SIGNATURE_SIZE}-byte signature"
+        )
+    if n - (2 if separate else 1) > MAX_BUFFERS:
+        return f"malformed message: {n} frames, more than {MAX_BUFFERS} buffers"
+    if n < 2:
+        return "malformed message: its payload frame is missing"
+    return "malformed message: payload both in the envelope and in a frame of its own"
 
 
 def _compact(w: list[Any]) -> None:

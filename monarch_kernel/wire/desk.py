@@ -4,8 +4,8 @@ host agents (attach to it, ask how it is, stop it).
 A host agent of a ``--detachable`` mesh binds one more socket, its *desk* (a ROUTER on a
 unix socket in its private 0700 directory), next to its connections to the controller.
 A client sends one :class:`DeskRequest` and gets one :class:`DeskReply`, each one
-message ``[header, signature, payload]`` signed with the mesh's key (the same
-:class:`~monarch_kernel.wire.codec.Codec` framing as every control message): the header
+message signed with the mesh's key (the same :class:`~monarch_kernel.wire.codec.Codec`
+framing as every control message: one envelope frame, header, signature, payload): the header
 is ``{"k": "desk"}`` (``"desk_reply"`` for the answer) and the payload the JSON of the
 dataclass. The desk refuses a request that is forged (its signature fails), replayed
 (the codec's per-sender counters, and ``sent_at`` older than :data:`MAX_REQUEST_AGE`)

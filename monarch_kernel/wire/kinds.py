@@ -1,11 +1,11 @@
 """Message kinds (the ``k`` field of a header) and every header key used on the wire.
 
-A control message is multipart ``[header, signature, payload, *buffers]`` (framing and
-signing: :mod:`monarch_kernel.wire.codec`). The header is a flat dict of plain values
-(marshal); the payload, when there is one, is a pickle or raw text. Header keys are
-one or a few letters on purpose: headers are built and parsed on the hot path. This
-module is the reference for them; the tables below list, per direction and per kind,
-who sends the message and what each key means.
+A control message is an envelope frame (header, signature, a small payload) and the
+buffer frames (framing and signing: :mod:`monarch_kernel.wire.codec`). The header is a
+flat dict of plain values (marshal); the payload, when there is one, is a pickle or raw
+text. Header keys are one or a few letters on purpose: headers are built and parsed on
+the hot path. This module is the reference for them; the tables below list, per
+direction and per kind, who sends the message and what each key means.
 
 Peers and sockets
 -----------------
@@ -461,7 +461,9 @@ TRAIN_NOTICE = "train_notice"
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 8  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
+PROTOCOL_VERSION = 9  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
 # 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``;
 # 6: fan-in (``fan_in``, ``fan_direct``); 7: ``batch``; 8: ``host_stats``, slots
-# (``slot`` in ``spawn_ranks``, ranks named by their slot on the wire) and ``mesh_ref``
+# (``slot`` in ``spawn_ranks``, ranks named by their slot on the wire) and ``mesh_ref``;
+# 9: one envelope frame (length word, header, signature, small payload) instead of
+# three frames (``wire.codec``)
