@@ -58,10 +58,12 @@ class RawFloor:
     against it: a 1-byte round trip, and a zero-copy send of a tensor's bytes plus a
     tiny ack (what a call that carries the tensor costs at the least)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ipc: bool = False) -> None:
+        """``ipc``: over unix sockets, the transport of a local mesh (else tcp loopback,
+        the floor every peer is compared with)."""
         from bench.raw_zmq import Servers
 
-        self._servers = Servers(1)
+        self._servers = Servers(1, ipc=ipc)
         self._sock = self._servers.socks[0]
 
     def ping(self) -> None:

@@ -229,6 +229,15 @@ def tensor_rows(rec: Recorder, mib: int, one: ActorMesh, floor: RawFloor) -> Non
     rec.value(f"tensor_{mib}", mib / median(got.ours), samples=len(got.ours))
     rec.value(f"tensor_{mib}_floor", mib / median(got.floor), samples=len(got.floor))
     rec.ratio(f"tensor_{mib}_vs_floor", f"tensor_{mib}", f"tensor_{mib}_floor")
+    if mib == 1:  # the same over unix sockets, a local mesh's transport (bench.floor)
+        ipc = RawFloor(ipc=True)
+        try:
+            got = alternating(send, ipc.sender(mib), iters * 2, warmup, 60.0, blocks)
+        finally:
+            ipc.close()
+        rec.value(f"tensor_{mib}_ipc", mib / median(got.ours), samples=len(got.ours))
+        rec.value(f"tensor_{mib}_ipc_floor", mib / median(got.floor), samples=len(got.floor))
+        rec.ratio(f"tensor_{mib}_vs_ipc_floor", f"tensor_{mib}_ipc", f"tensor_{mib}_ipc_floor")
 
 
 def calls_and_broadcast(s: Settings, rec: Recorder, actors: ActorMesh) -> None:

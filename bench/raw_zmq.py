@@ -8,8 +8,10 @@ forget), ``c`` reply with the count, ``d`` reply with the size of the data frame
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import zmq
@@ -27,15 +29,19 @@ from bench.common import (
 
 
 def serve(addr: str = "127.0.0.1", curve_secret: bytes | None = None) -> None:
-    """Print the port, then answer commands until ``q``. ``curve_secret`` (Z85): be a
-    CURVE server with that key (no ZAP handler: any client key is admitted)."""
+    """Print the port (or, for an ``ipc://`` address, the address again), then answer
+    commands until ``q``. ``curve_secret`` (Z85): be a CURVE server with that key (no
+    ZAP handler: any client key is admitted)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     if curve_secret is not None:
         sock.curve_server = True
         sock.curve_secretkey = curve_secret
-    port = sock.bind_to_random_port(f"tcp://{addr}")
-    print(port, flush=True)
+    if addr.startswith("ipc://"):
+        sock.bind(addr)
+        print(addr, flush=True)
+    else:
+        print(sock.bind_to_random_port(f"tcp://{addr}"), flush=True)
     count = 0
     while True:
         ident, cmd, *rest = sock.recv_multipart(copy=False)
@@ -54,23 +60,26 @@ def serve(addr: str = "127.0.0.1", curve_secret: bytes | None = None) -> None:
 
 
 class Servers:
-    """``n`` server processes, one DEALER to each."""
+    """``n`` server processes, one DEALER to each: over tcp loopback, or with
+    ``ipc=True`` over unix sockets (what a local mesh's ranks and controller use)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, ipc: bool = False):
         self.ctx = zmq.Context()
+        self._dir = tempfile.mkdtemp(prefix="bench-raw-") if ipc else None
+        where = [f"ipc://{self._dir}/s{i}" if self._dir else "127.0.0.1" for i in range(n)]
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "bench.raw_zmq"], stdout=subprocess.PIPE, text=True
+                [sys.executable, "-m", "bench.raw_zmq", addr], stdout=subprocess.PIPE, text=True
             )
-            for _ in range(n)
+            for addr in where
         ]
         self.socks = []
         for p in self.procs:
             assert p.stdout is not None
-            port = int(p.stdout.readline())
+            said = p.stdout.readline().strip()
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
-            s.connect(f"tcp://127.0.0.1:{port}")
+            s.connect(said if said.startswith("ipc://") else f"tcp://127.0.0.1:{said}")
             self.socks.append(s)
 
     def ping(self, socks: list[zmq.Socket]) -> None:
@@ -89,6 +98,8 @@ class Servers:
                 p.kill()
                 p.wait()
         self.ctx.destroy(linger=0)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def run(s: Settings, rec: Recorder) -> None:

@@ -75,6 +75,24 @@ def rows(s: Settings) -> list[Row]:
                 "higher",
             )
         )
+        if mib == 1:
+            out.append(
+                Row(
+                    f"tensor_{mib}_ipc_floor",
+                    f"4. {mib} MiB raw ZeroMQ over unix sockets (a local mesh's transport), "
+                    "beside the mesh",
+                    "MiB/s",
+                    "higher",
+                )
+            )
+            out.append(
+                Row(
+                    f"tensor_{mib}_vs_ipc_floor",
+                    f"4. {mib} MiB controller -> rank ÷ raw over unix sockets beside it",
+                    "x",
+                    "higher",
+                )
+            )
         out.append(
             Row(
                 f"tensor_rdma_{mib}",
@@ -466,7 +484,9 @@ def how_measured(s: Settings) -> list[str]:
         "count, on one rank; floor: one zero-copy raw ZeroMQ send of the same bytes and a tiny "
         "ack; memcpy: `torch.clone` in the controller process (allocation included). The "
         '"beside the mesh" rows time that raw send inside ours\' worker in blocks '
-        "alternating with ours' calls (as in 1), and ours' figure is from those blocks. "
+        "alternating with ours' calls (as in 1), and ours' figure is from those blocks; for "
+        "1 MiB also over unix sockets (ipc), the transport of a local mesh (ours' figure for "
+        "that ratio is from its own alternating blocks). "
         "Rank -> rank: in a mesh of 2 local host agents × 2 ranks, rank 0 `share()`s a fresh "
         "tensor and a rank times `ref.get()` (the owner's data mapped from shared memory "
         "for a rank of its host, pulled over TCP loopback for a rank of the other host); "
