@@ -89,7 +89,14 @@ def test_dashboard_and_sidebar_draw_a_big_mesh_as_a_grid(jupyterlab):  # noqa: F
             assert errored == ["3", "4", "9"], errored
             errors = page.locator(".mk-dash .mk-errors").first
             errors.wait_for(timeout=10_000)
-            assert "ValueError: bad shard — ranks 3-4, 9" in errors.inner_text()
+            # the errors list fills when the failed call's report is in, which may be a
+            # moment after the cells turned red (each rank's state comes as it fails)
+            wait_until(
+                lambda: "ValueError: bad shard — ranks 3-4, 9" in errors.inner_text(),
+                timeout=30,
+                what="the dashboard's grouped error",
+                detail=errors.inner_text,
+            )
             # error and idle cells are told apart by more than a hue (the dot)
             err, idle = (
                 page.locator(f'{CELLS}[data-rank="{r}"]').evaluate(COLORS_JS) for r in (9, 10)

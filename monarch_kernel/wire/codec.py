@@ -73,8 +73,9 @@ from typing import Any
 import zmq
 from zmq.backend import Socket as _BaseSocket
 
-# Re-exported: the limits lived here first, and tests and callers import them from here.
 from monarch_kernel.wire.handoff import current as current_handoff
+
+# Re-exported: the limits lived here first, and tests and callers import them from here.
 from monarch_kernel.wire.limits import DEFAULT_MAX_MESSAGE as DEFAULT_MAX_MESSAGE
 from monarch_kernel.wire.limits import MAX_HEADER as MAX_HEADER
 from monarch_kernel.wire.limits import MAX_MESSAGE_ENV as MAX_MESSAGE_ENV
