@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 import warnings
 from collections.abc import Container
 
@@ -28,6 +30,18 @@ UNMARKED_LANES: dict[str, str] = {}
 #: changes these (lightning_sdk's import sets TQDM_POSITION and TQDM_MININTERVAL) would
 #: change how every later test's progress bars are drawn.
 TQDM_AT_START = {k: v for k, v in os.environ.items() if k.startswith("TQDM_")}
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"pytest got signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM (``timeout``, ``kill``, a CI runner cancelling) ends the session as
+    Ctrl-C does, so that fixtures are torn down: the session's Ray and Slurm clusters,
+    network namespaces and host agents are removed, not left running."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
