@@ -314,13 +314,10 @@ class Transport:
         stream of chunks (:mod:`monarch_kernel.wire.chunks`). Returns once libzmq let go
         of the zero-copy ``buffers`` (:mod:`monarch_kernel.wire.handoff`): the caller may
         change them then without changing what is sent."""
-        if not buffers:  # nothing of the caller's goes zero-copy (a payload is bytes)
-            self._send_locked(ranks, header, payload, buffers)
-            return
-        with handoff.values():  # waits after the lock is released
-            self._send_locked(ranks, header, payload, buffers)
+        # the hand-off's wait comes after the lock is released
+        handoff.sending(buffers, self._lock_and_send, ranks, header, payload, buffers)
 
-    def _send_locked(
+    def _lock_and_send(
         self, ranks: Sequence[int], header: Header, payload: bytes, buffers: Sequence[Buffer]
     ) -> None:
         with self.send_lock, DeferSigint():

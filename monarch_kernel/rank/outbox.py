@@ -256,11 +256,7 @@ class Outbox:
         value above the bound on values is answered with that error instead. Returns
         once libzmq let go of the zero-copy ``buffers`` (:mod:`monarch_kernel.wire.handoff`):
         what runs next on this rank may change the returned tensors in place."""
-        if not buffers:
-            self._result(header, payload, buffers)
-            return
-        with handoff.values():
-            self._result(header, payload, buffers)
+        handoff.sending(buffers, self._result, header, payload, buffers)
 
     def _result(self, header: H.Result, payload: bytes, buffers: Sequence[Buffer]) -> None:
         wire = header.encode()  # once: check_size reads it, encoding the message fills it

@@ -18,7 +18,7 @@ may be reused.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -62,6 +62,17 @@ def values() -> Iterator[Handoff]:
     finally:
         _local.handoff = None
     mine.wait()
+
+
+def sending(buffers: Sequence[Any], send: Callable[..., None], *args: Any) -> None:
+    """``send(*args)``, inside :func:`values` when ``buffers`` (the message's out-of-band
+    buffers) are not empty: only those can be the caller's memory (a payload is
+    immutable ``bytes``), and a message without them, most messages, pays nothing."""
+    if not buffers:
+        send(*args)
+        return
+    with values():
+        send(*args)
 
 
 def owned(frames: list[Any], threshold: int) -> list[Any]:
