@@ -272,7 +272,7 @@ def markdown(
     if 16 in by and 128 in by:
         out.append(
             f"\n128-rank ÷ 16-rank gathered call: {by[128]['gather'] / by[16]['gather']:.2f}× "
-            f"(the raw floor: {by[128]['floor'] / by[16]['floor']:.2f}×; the controller's "
+            f"(the raw floor: {ratio(by[128]['floor'], by[16]['floor'])}; the controller's "
             f"CPU per call: {by[128]['ctl_cpu'] / by[16]['ctl_cpu']:.2f}×)"
         )
     if cost:
