@@ -14,6 +14,7 @@ import functools
 import io
 import pickle
 import sys
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -156,6 +157,24 @@ def _rebuild_parameter(*args: Any) -> Any:
     return torch.nn.Parameter(t, requires_grad=t.requires_grad)
 
 
+#: The file name cloudpickle (3.1.3 on) gives every code object it pickles by value.
+_DYNAMIC_FILE = "<dynamic-code>"
+
+
+def _reduce_code(code: types.CodeType) -> tuple[Any, tuple[types.CodeType, str]]:
+    """A function pickled by value keeps the file it was defined in: a rank's traceback,
+    ``%mesh stacks`` and a breakpoint in a notebook-defined endpoint find its source
+    lines by that name (linecache). cloudpickle 3.1.3 replaced every ``co_filename``
+    with ``<dynamic-code>`` (a deterministic payload); the name travels beside the code
+    here and is put back on load. Nested code objects (inner functions) come through
+    this again, each with its own name."""
+    return _code_in_file, (code.replace(co_filename=_DYNAMIC_FILE), code.co_filename)
+
+
+def _code_in_file(code: types.CodeType, filename: str) -> types.CodeType:
+    return code.replace(co_filename=filename)
+
+
 class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
@@ -164,6 +183,8 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is unt
                 return _reduce_tensor(obj)
             except (RuntimeError, TypeError):  # exotic dtypes or layouts
                 return NotImplemented
+        if type(obj) is types.CodeType and obj.co_filename != _DYNAMIC_FILE:
+            return _reduce_code(obj)
         return super().reducer_override(obj)
 
 
