@@ -44,7 +44,7 @@ def test_a_function_by_value_keeps_its_file_and_its_inner_functions_do_too():
     assert fails.__code__.co_filename == __file__
     inner = fails(4)
     assert inner.__code__.co_filename == __file__
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match="bad 4") as err:
         inner()
     text = "".join(traceback.format_exception(err.value))
     assert f'File "{__file__}"' in text
