@@ -8,6 +8,9 @@ Keys monarch_kernel acts on:
   emulated local hosts, as Monarch's).
 - ``host_spawn_ready_timeout``: how long ``spawn_procs`` waits for its ranks (a number of
   seconds or a humantime string such as ``"2m"``; default ``"120s"``).
+- ``ray_placement_timeout``: how long a Ray mesh's start waits for its placement groups
+  (all of them together; default ``"30s"``); then a ValueError naming what the cluster
+  has free, with the groups placed so far removed again.
 - ``actor_spawn_max_idle``: how long ``spawn()`` waits for the actors' constructors
   (default ``"10m"``); then a TimeoutError naming the constructor and the ranks.
 - ``max_value_size``: the largest value one message carries (``%push``/``%pull``, an
@@ -40,6 +43,7 @@ DEFAULTS: dict[str, Any] = {
     "host_meshes": {},
     "host_spawn_ready_timeout": "120s",
     "actor_spawn_max_idle": "10m",
+    "ray_placement_timeout": "30s",
     "max_value_size": None,
 }
 
@@ -110,7 +114,7 @@ def configure(**kwargs: Any) -> None:
                 f"unknown configuration key {key!r}; monarch_kernel's keys: "
                 f"{', '.join(sorted(DEFAULTS))} (and Monarch's own)"
             )
-        if key in ("host_spawn_ready_timeout", "actor_spawn_max_idle"):
+        if key in ("host_spawn_ready_timeout", "actor_spawn_max_idle", "ray_placement_timeout"):
             seconds(value)  # checked now, not when a mesh starts
         if key == "host_meshes":
             _check_host_meshes(value)

@@ -23,6 +23,7 @@ from helpers import wait_until
 from ray_cluster import RayCluster, as_driver
 from test_join import Probe, Trainer, one_process_ddp_losses
 
+from monarch_kernel import config
 from monarch_kernel.actor import host_mesh
 from monarch_kernel.launchers.ray_engine import NODE_ID_LABEL
 
@@ -141,8 +142,9 @@ def test_bad_input_is_one_clear_error(cluster: RayCluster):
 
 def test_start_that_cannot_be_placed_leaves_nothing_reserved(cluster: RayCluster):
     """Another driver holds the second node's CPU: host 0's group is placed on the head,
-    host 1's finds no other node. After the placement timeout the start fails in one
-    line naming what is free, and host 0's group is removed again."""
+    host 1's finds no other node. After the placement timeout (6 s here, 30 s by
+    default) the start fails in one line naming what is free, and host 0's group is
+    removed again."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -153,7 +155,10 @@ def test_start_that_cannot_be_placed_leaves_nothing_reserved(cluster: RayCluster
         ready, _ = ray.wait([blocker.ready()], timeout=60)
         assert ready, "the blocking group was not placed"
         t0 = time.monotonic()
-        with pytest.raises(ValueError, match=r"Ray could not place 2 x .* 1 placed.*CPU=1\b"):
+        with (
+            config.configured(ray_placement_timeout="6s"),
+            pytest.raises(ValueError, match=r"could not place 2 x .* within 6s: 1 placed.*CPU=1\b"),
+        ):
             mesh.spawn_procs({"gpus": 1}, name="rayfull", timeout=90)
         print(f"\nunplaceable start failed after {time.monotonic() - t0:.1f}s")
         wait_until(lambda: not _our_groups(), timeout=30, what="host 0's group to be removed")

@@ -12,7 +12,8 @@ host is on a node of its own, as one ``STRICT_SPREAD`` group would place them, b
 host's reservation can be freed alone, so a shrink gives the removed hosts' nodes back
 to the cluster at once (:meth:`RayAllocation.release_machine`). The bundles are all the
 same, so placing them greedily finds N nodes whenever N such nodes are free. A start
-that cannot be placed within :data:`PLACEMENT_TIMEOUT` removes the groups it placed.
+that cannot be placed within :func:`placement_timeout` (the ``ray_placement_timeout``
+setting) removes the groups it placed.
 
 Cleanup: releasing a host kills its actor and removes its group; the agent dies with
 its actor (parent-death signal, ``MONARCH_KERNEL_PARENT_PID``) and the ranks with their
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from monarch_kernel import config
 from monarch_kernel.launchers.base import HostConfig, address_towards
 from monarch_kernel.launchers.engine import Allocation, EngineLauncher, JoinCommand
 from monarch_kernel.launchers.ray_agent import AgentRunner
@@ -43,8 +45,13 @@ from monarch_kernel.launchers.reservation import Reservation
 
 __all__ = ["NAMESPACE", "AgentRunner", "RayAllocation", "RayLauncher"]
 
-#: Seconds to wait for the placement group before the start fails, naming what is short.
-PLACEMENT_TIMEOUT = 30.0
+
+def placement_timeout() -> float:
+    """Seconds a start waits for its placement groups (all of them) before it fails,
+    naming what is short: the configured ``ray_placement_timeout`` (default 30 s)."""
+    return config.seconds(config.get("ray_placement_timeout"))
+
+
 #: Seconds between polls of the actors (exit codes, a lost node).
 POLL_INTERVAL = 1.0
 #: Ray namespace of our actors and placement groups.
@@ -148,7 +155,7 @@ class RayAllocation(Allocation):
         ray = self._ray
         for group, ref in zip(self._groups, refs):
             try:
-                addr, hostname, pid = ray.get(ref, timeout=PLACEMENT_TIMEOUT)
+                addr, hostname, pid = ray.get(ref, timeout=placement_timeout())
             except Exception as exc:  # the actor could not start (node lost, env broken)
                 if not group.released:
                     self._fail(group, f"the agent actor failed to start: {exc}")
@@ -338,10 +345,11 @@ def _place(
     """One placement group of one ``bundle`` per name, placed one after another, each on
     a node that neither the ones before nor ``used`` (the mesh's other hosts) are on.
     ValueError, with every group placed so far removed, when one is not placed within
-    :data:`PLACEMENT_TIMEOUT` (all of them together)."""
+    :func:`placement_timeout` (all of them together)."""
     from ray.util.placement_group import placement_group
 
-    deadline = time.monotonic() + PLACEMENT_TIMEOUT
+    limit = placement_timeout()
+    deadline = time.monotonic() + limit
     taken = set(used)
     groups: list[_HostGroup] = []
     try:
@@ -358,7 +366,7 @@ def _place(
             left = max(1.0, deadline - time.monotonic())
             ready, _ = ray.wait([pg.ready()], timeout=left)
             if not ready:
-                raise ValueError(_not_placed(ray, bundle, len(names), len(groups) - 1))
+                raise ValueError(_not_placed(ray, bundle, len(names), len(groups) - 1, limit))
             placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
             groups[-1].node = str(next(iter(placed.values()), ""))
             taken.add(groups[-1].node)
@@ -370,7 +378,9 @@ def _place(
     return groups
 
 
-def _not_placed(ray: ModuleType, bundle: dict[str, float], hosts: int, placed: int) -> str:
+def _not_placed(
+    ray: ModuleType, bundle: dict[str, float], hosts: int, placed: int, limit: float
+) -> str:
     """Why a start failed: ``placed`` of ``hosts`` groups were placed in time, and what
     the cluster would have free once they are removed again."""
     free = dict(ray.available_resources())
@@ -378,7 +388,7 @@ def _not_placed(ray: ModuleType, bundle: dict[str, float], hosts: int, placed: i
         free[key] = free.get(key, 0.0) + amount * placed
     return (
         f"Ray could not place {hosts} x {bundle} (one host per node) within "
-        f"{PLACEMENT_TIMEOUT:.0f}s: {placed} placed, no node with room for the next one "
+        f"{limit:g}s: {placed} placed, no node with room for the next one "
         "that the mesh does not use yet; free in the cluster now: "
         + ", ".join(f"{k}={v:g}" for k, v in sorted(free.items()) if "_group_" not in k)
     )
