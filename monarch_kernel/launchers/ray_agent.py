@@ -23,6 +23,8 @@ from typing import Any
 
 #: Seconds between a keeper's looks at the other bundles' agents.
 KEEPER_INTERVAL = 1.0
+#: How much of the end of the agent's output a failure quotes (bytes read).
+LOG_TAIL = 16384
 
 
 class AgentRunner:
@@ -30,7 +32,10 @@ class AgentRunner:
 
     def __init__(self) -> None:
         self.proc: Any = None
-        self.log = ""
+        #: The agent's output: a file removed as soon as the agent has it open, so that
+        #: nothing is left on the node however this actor ends (Ray kills it outright
+        #: when its placement group goes); read through this descriptor.
+        self.log_fd = -1
 
     def start(
         self,
@@ -48,14 +53,15 @@ class AgentRunner:
         import ray
 
         full = {**os.environ, **env, "MONARCH_KERNEL_PARENT_PID": str(os.getpid())}
-        fd, self.log = tempfile.mkstemp(prefix="mk-ray-agent-", suffix=".log")
+        fd, path = tempfile.mkstemp(prefix="mk-ray-agent-", suffix=".log")
         # A new session: Ray's signals to the worker's group do not reach it, but it
         # still dies with this actor (parent-death signal set by the agent itself; a
         # detachable mesh's agent drops it once configured, and outlives us).
         self.proc = subprocess.Popen(
             argv, env=full, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True
         )
-        os.close(fd)
+        os.unlink(path)
+        self.log_fd = fd
         if keeper is not None:
             threading.Thread(
                 target=self._keep, args=(keeper,), name="mk-ray-keeper", daemon=True
@@ -68,21 +74,20 @@ class AgentRunner:
         if code is None:
             return None, ""
         try:
-            with open(self.log, errors="replace") as f:
-                return code, "".join(f.readlines()[-20:])
+            size = os.fstat(self.log_fd).st_size
+            tail = os.pread(self.log_fd, LOG_TAIL, max(0, size - LOG_TAIL))
         except OSError:
             return code, ""
+        return code, "".join(tail.decode(errors="replace").splitlines(True)[-20:])
 
     def stop(self, timeout: float = 3.0) -> None:
-        """Terminate the agent (its ranks die with it) and remove the log."""
+        """Terminate the agent (its ranks die with it)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout)
             except Exception:
                 self.proc.kill()
-        with contextlib.suppress(OSError):
-            os.unlink(self.log)
 
     def _keep(self, keeper: dict[str, Any]) -> None:
         """The keeper thread: once its agent and those of ``keeper["actors"]`` ended,
@@ -97,8 +102,6 @@ class AgentRunner:
             others = [n for n in others if _agent_runs(ray, n, namespace)]
             if others:
                 time.sleep(KEEPER_INTERVAL)
-        with contextlib.suppress(OSError):
-            os.unlink(self.log)
         with contextlib.suppress(Exception):
             ray.util.remove_placement_group(ray.util.get_placement_group(str(keeper["group"])))
         time.sleep(5.0)  # removing the group ends this actor; if it did not:

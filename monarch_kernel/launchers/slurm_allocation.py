@@ -291,7 +291,7 @@ class SlurmAllocation(Allocation):
             if self._released or step.released:
                 return
             try:
-                with open(step.log, "wb") as log:
+                with step.open_log() as log:
                     proc = popen(
                         argv,
                         {**self._env, **step.env},

@@ -18,8 +18,12 @@ import os
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 from monarch_kernel.launchers.slurm_commands import hostnames, job_nodes, srun_argv
+
+#: How much of the end of srun's output a failure quotes (bytes).
+LOG_TAIL = 8192
 
 
 @dataclass(eq=False)
@@ -38,20 +42,42 @@ class HostStep:
     #: The host was cleaned up (a shrink, or the whole allocation released): the step's
     #: end is no failure, and a step not started yet never starts.
     released: bool = False
+    #: Our own srun's output, read through this descriptor (-1: read :attr:`log`).
+    log_fd: int = -1
 
     def argv(self, job: str | None, command: list[str]) -> list[str]:
         """srun's command line for this step (``command`` once, on :attr:`node`)."""
         return srun_argv(job, self.node, self.name, command)
 
+    def open_log(self) -> BinaryIO:
+        """The log, opened for our own srun's output. Its name is removed at once (a
+        descriptor to read it by is kept): a kernel killed outright leaves no file."""
+        self.remove_log()  # a step started again writes a new log
+        out = open(self.log, "wb")  # noqa: SIM115  # the caller's with block closes it
+        self.log_fd = os.open(self.log, os.O_RDONLY)
+        with contextlib.suppress(OSError):
+            os.unlink(self.log)
+        return out
+
     def read_log(self) -> str:
         """The end of srun's output ("" if none)."""
         try:
-            with open(self.log, errors="replace") as f:
-                return f.read()[-8192:]
+            if self.log_fd >= 0:
+                size = os.fstat(self.log_fd).st_size
+                data = os.pread(self.log_fd, LOG_TAIL, max(0, size - LOG_TAIL))
+            else:
+                with open(self.log, "rb") as f:
+                    data = f.read()[-LOG_TAIL:]
         except OSError:
             return ""
+        return data.decode(errors="replace")
 
     def remove_log(self) -> None:
+        """Remove the log (a keeper's steps write it by name) or close our descriptor."""
+        if self.log_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.log_fd)
+            self.log_fd = -1
         with contextlib.suppress(OSError):
             os.unlink(self.log)
 
