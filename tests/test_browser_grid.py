@@ -116,19 +116,33 @@ def test_dashboard_and_sidebar_draw_a_big_mesh_as_a_grid(jupyterlab):  # noqa: F
             text = wait_until(hovered_nine, timeout=30, interval=0.2, what="rank 9's hover box")
             assert text.startswith("rank 9 · error"), text
             assert "last line: rank 9 loaded its shard" in text and "pid " in text, text
+
+            # the box is on top: what is at its middle is the box itself. Hovered again
+            # first: the pointer may rest over another cell by now (layout moved).
+            def on_top() -> bool:
+                if not hovered_nine():
+                    return False
+                try:
+                    return bool(
+                        tip.evaluate(
+                            "t => { const b = t.getBoundingClientRect();"
+                            " t.style.pointerEvents = 'auto';"
+                            " const top = document.elementFromPoint(b.x + b.width / 2,"
+                            " b.y + b.height / 2);"
+                            " t.style.pointerEvents = ''; return top === t; }",
+                            timeout=5_000,
+                        )
+                    )
+                except playwright_sync.Error:  # the box went (hidden again): hover again
+                    return False
+
+            wait_until(on_top, timeout=30, interval=0.2, what="rank 9's hover box on top")
             box = page.locator(".mk-dash .mk-heat").first.bounding_box()
             assert box is not None
             page.screenshot(  # the grid and the hover box below it
                 path=str(ARTIFACTS / "dashboard-grid-hover.png"),
                 clip={"x": box["x"] - 4, "y": box["y"] - 4, "width": 640, "height": 220},
             )
-            # the box is on top: what is at its middle is the box itself
-            on_top = tip.evaluate(
-                "t => { const b = t.getBoundingClientRect(); t.style.pointerEvents = 'auto';"
-                " const top = document.elementFromPoint(b.x + b.width / 2, b.y + b.height / 2);"
-                " t.style.pointerEvents = ''; return top === t; }"
-            )
-            assert on_top, "the hover box is covered"
             # click: the rank is selected and its output shown beside the grid
             page.locator(f'{CELLS}[data-rank="9"]').click()
             page.locator(f'{CELLS}.mk-selected[data-rank="9"]').wait_for(timeout=15_000)
