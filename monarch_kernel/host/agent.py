@@ -37,7 +37,7 @@ from monarch_kernel.host.netinfo import interface_of, source_address
 from monarch_kernel.host.stacks import dump_stacks
 from monarch_kernel.host.template_handle import DEFAULT_GRACE, Template, TemplateEvent
 from monarch_kernel.rank.config import RankConfig
-from monarch_kernel.wire import Codec, WireError
+from monarch_kernel.wire import Codec, WireError, tempdirs
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import limit_size
@@ -75,9 +75,14 @@ class HostAgent:
     def __init__(self, controller_pid: int | None = None) -> None:
         self.controller_pid = controller_pid
         # mode 0700; the local launcher makes it (and removes it if we are killed)
-        self.private_dir = os.environ.pop("MONARCH_KERNEL_HOST_DIR", "") or tempfile.mkdtemp(
-            prefix="mk-host-"
-        )
+        given = os.environ.pop("MONARCH_KERNEL_HOST_DIR", "")
+        if given:
+            self.private_dir = given
+        else:  # started by Ray, Slurm or a join command: ours to remove, and if we are
+            # killed outright, the next agent or kernel on this machine sweeps it
+            tempdirs.sweep()
+            self.private_dir = tempfile.mkdtemp(prefix=tempdirs.HOST_PREFIX)
+            tempdirs.mark_owners(self.private_dir, [os.getpid()])
         self.template = Template(self.private_dir)
         self.pids: dict[int, int] = {}  # rank -> pid
         # Fanned-out messages a busy rank has not taken yet (its inbox is full), in order:

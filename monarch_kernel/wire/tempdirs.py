@@ -1,11 +1,13 @@
 """Our temporary directories know who owns them, so that none outlives its owners.
 
-A controller's sockets (``mk-mesh-*``), a local launcher's agents (``mk-launch-*``) and
-a detachable mesh's agent (``mk-detached-*``) each live in a private directory under the
-temporary directory. Their owners remove them on the way out; a process killed outright
+A controller's sockets (``mk-mesh-*``), a local launcher's agents (``mk-launch-*``), a
+host agent started by Ray, Slurm or a join command (``mk-host-*``) and a detachable
+mesh's agent (``mk-detached-*``) each live in a private directory under the temporary
+directory. Their owners remove them on the way out; a process killed outright
 cannot, so each directory carries a small file naming its owner processes (pid and
 start time, so that a recycled pid is not taken for an owner). :func:`sweep` (run by
-the next kernel) removes the directories of this user whose owners are all gone.
+the next kernel, and by the next such host agent) removes the directories of this
+user whose owners are all gone.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from collections.abc import Iterable
 
 #: The file, in each directory, that names its owners: ``[[pid, start time], ...]``.
 OWNERS = ".mk-owners"
+#: The private directory of a host agent that no local launcher made for it.
+HOST_PREFIX = "mk-host-"
 #: The directories :func:`sweep` looks at (by name prefix).
-SWEPT = ("mk-launch-", "mk-mesh-", "mk-detached-")
+SWEPT = ("mk-launch-", "mk-mesh-", "mk-detached-", HOST_PREFIX)
 
 
 def _started(pid: int) -> float | None:

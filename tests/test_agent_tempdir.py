@@ -1,0 +1,71 @@
+"""A host agent that Ray, Slurm or a join command started makes its own private
+directory (``mk-host-*``); killed outright, it cannot remove it, and the next agent on
+the machine does (its owner mark names a process that is gone)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+from helpers import wait_until
+
+pytestmark = pytest.mark.local
+
+#: An agent as a launcher's command starts one (no MONARCH_KERNEL_HOST_DIR), that says
+#: its directory and its template's pid, then waits to be killed.
+AGENT = """
+import sys, time
+from monarch_kernel.host.agent import HostAgent
+agent = HostAgent()
+print(agent.private_dir, agent.template.proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _start(env: dict[str, str]) -> tuple[subprocess.Popen[str], str, int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", AGENT], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    path, template = proc.stdout.readline().split()
+    return proc, path, int(template)
+
+
+def _kill(proc: subprocess.Popen[str], template: int) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    # the template dies with its agent (parent-death signal)
+    wait_until(
+        lambda: (
+            not psutil.pid_exists(template)
+            or psutil.Process(template).status() == psutil.STATUS_ZOMBIE
+        ),
+        timeout=30,
+        what="the killed agent's template to exit",
+    )
+
+
+def test_a_killed_agents_directory_is_swept_by_the_next_agent(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop("MONARCH_KERNEL_HOST_DIR", None)
+    first, first_dir, first_template = _start(env)
+    try:
+        assert os.path.basename(first_dir).startswith("mk-host-")
+        assert os.path.dirname(first_dir) == str(tmp_path)
+    finally:
+        _kill(first, first_template)
+    assert os.path.isdir(first_dir)  # killed outright: nothing removed it
+    second, second_dir, second_template = _start(env)
+    try:
+        assert not os.path.exists(first_dir)  # swept by the next agent
+        assert os.path.isdir(second_dir)  # and its own kept
+    finally:
+        _kill(second, second_template)
+    # the second one's directory goes with the next sweep too
+    from monarch_kernel.wire import tempdirs
+
+    assert tempdirs.sweep(str(tmp_path)) == [second_dir]
