@@ -33,6 +33,7 @@ import zmq.utils.z85
 from monarch_kernel.host.config import AgentConfig
 from monarch_kernel.host.desk import Desk, StopAsked, leave_launcher
 from monarch_kernel.host.fanin import FanInSocket
+from monarch_kernel.host.fanout import RankFanOut
 from monarch_kernel.host.netinfo import interface_of, source_address
 from monarch_kernel.host.stacks import dump_stacks
 from monarch_kernel.host.template_handle import DEFAULT_GRACE, Template, TemplateEvent
@@ -44,7 +45,7 @@ from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.desk import ControllerId
 from monarch_kernel.wire.identity import ident_tag
-from monarch_kernel.wire.key_gate import KeyGate, close_gates, guard
+from monarch_kernel.wire.key_gate import close_gates
 from monarch_kernel.wire.osutil import request_tail
 
 log = logging.getLogger("monarch_kernel.host")
@@ -85,10 +86,6 @@ class HostAgent:
             tempdirs.mark_owners(self.private_dir, [os.getpid()])
         self.template = Template(self.private_dir)
         self.pids: dict[int, int] = {}  # rank -> pid
-        # Fanned-out messages a busy rank has not taken yet (its inbox is full), in order:
-        # forwarding never blocks, so this loop keeps reading the controller's heartbeats.
-        self.backlog: dict[int, deque[list[Any]]] = {}
-        self.greeted: set[int] = set()  # ranks that said hello and still wait for ours
         self.rank_cfgs: dict[int, RankConfig] = {}  # what each rank was forked with
         self.expected_exits: set[int] = set()
         #: Forks asked of the template and not reported yet, per rank, in order: whether
@@ -157,19 +154,15 @@ class HostAgent:
         self.out.connect(cfg.recv)
         if self.desk is not None:
             self.desk.watch_link(self.out)
-        self.fan = self.ctx.socket(zmq.ROUTER)
-        self.fan.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.fan.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        limit_size(self.fan)
-        if cfg.curve_secret:  # ranks' sockets are CURVE clients (our key): ours must match
-            guard(self.fan, cfg.curve_secret, KeyGate([cfg.curve_public]), "mk-fan")
-        self.fan_addr = f"ipc://{self.private_dir}/fan"
-        self.fan.bind(self.fan_addr)
+        curve = (cfg.curve_secret, cfg.curve_public) if cfg.curve_secret else None
+        #: Our ranks' inboxes connect here (greetings, fanned-out messages).
+        self.fan = RankFanOut(
+            self.ctx, f"ipc://{self.private_dir}/fan", self.codec, self.host, self.tag, curve
+        )
         #: Fan-in of replies (not for a detachable mesh: while no controller is
         #: attached we send nothing, and its ranks keep their results themselves).
         self.fanin: FanInSocket | None = None
         if self.desk is None and os.environ.get(FANIN_ENV, "1") != "0":
-            curve = (cfg.curve_secret, cfg.curve_public) if cfg.curve_secret else None
             self.fanin = FanInSocket(
                 self.ctx, f"ipc://{self.private_dir}/fanin", self.codec, self.host,
                 self.out, self.send, curve,
@@ -228,7 +221,7 @@ class HostAgent:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.template.event_r, zmq.POLLIN)
-        poller.register(self.fan, zmq.POLLIN)
+        poller.register(self.fan.sock, zmq.POLLIN)
         fanin = self.fanin
         if fanin is not None:
             poller.register(fanin.sock, zmq.POLLIN)
@@ -247,7 +240,7 @@ class HostAgent:
                 else:
                     poller.unregister(template.cmd_w)
             # While a rank waits for our hello, retry it every few milliseconds.
-            quick = self.greeted or self.backlog
+            quick = self.fan.busy
             # Never wait longer than half a heartbeat interval, so heartbeats go on time.
             wait = 2 if quick else int(HEARTBEAT_INTERVAL * 500)
             if fanin is not None:  # a batch of replies may be due sooner
@@ -255,17 +248,17 @@ class HostAgent:
             events = dict(poller.poll(wait))
             if template.pending:
                 template.flush()
-            if self.backlog:
-                self.flush_backlog()
+            if self.fan.backlog:
+                self.fan.flush_backlog()
             now = time.monotonic()
             if self.template.event_r in events:
                 for ev in self.template.events():
                     if self.on_template_event(ev) == "exit":
                         return
-            if self.fan in events:
-                self.on_greeting(self.fan.recv_multipart())
-            if self.greeted:
-                self.answer_greetings()
+            if self.fan.sock in events:
+                self.fan.on_greeting()
+            if self.fan.greeted:
+                self.fan.answer_greetings()
             if fanin is not None:  # ranks' replies first: the controller waits on them
                 if fanin.sock in events:
                     fanin.receive()
@@ -303,69 +296,6 @@ class HostAgent:
                 )
                 return
 
-    def on_greeting(self, frames: list[Any]) -> None:
-        """A starting rank says hello (from a throw-away socket, see ``Rank._greet_host``)."""
-        try:
-            msg = self.codec.decode(frames[1:])
-        except WireError as exc:
-            log.warning("host %s dropped a greeting: %s", self.host, exc)
-            return
-        try:
-            hello = H.decode(msg.header)
-        except H.HeaderError as exc:
-            log.warning("host %s dropped a greeting: %s", self.host, exc)
-            return
-        if isinstance(hello, H.Hello) and isinstance(hello.rank, int):
-            self.greeted.add(hello.rank)
-
-    def answer_greetings(self) -> None:
-        """Say hello to the inbox of every greeting rank that is routable by now.
-
-        Arriving there tells the rank that fanned-out messages can reach it.
-        """
-        hello = self.codec.encode(H.Hello().encode())
-        for r in list(self.greeted):
-            try:
-                self.fan.send_multipart([b"r%d" % r + self.tag, *hello], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:  # its inbox has not connected yet (or is full)
-                continue
-            self.greeted.discard(r)
-
-    def forward(self, rank: int, frames: list[Any]) -> None:
-        """Pass a fanned-out message to ``rank``'s inbox, or queue it behind what it has
-        not taken yet (never blocks)."""
-        queue = self.backlog.get(rank)
-        if queue is None:
-            try:
-                self.fan.send_multipart(
-                    [b"r%d" % rank + self.tag, *frames], copy=False, flags=zmq.NOBLOCK
-                )
-                return
-            except zmq.Again:  # its inbox is full: it is busy
-                queue = self.backlog[rank] = deque()
-            except zmq.ZMQError:  # rank not connected (dead or starting); its
-                return  # death or readiness is reported separately
-        queue.append(frames)
-        if len(queue) % 100_000 == 0:
-            log.warning("host %s: %d messages wait for busy rank %s", self.host, len(queue), rank)
-
-    def flush_backlog(self) -> None:
-        """Hand queued messages to the ranks that can take them now."""
-        for rank, queue in list(self.backlog.items()):
-            while queue:
-                try:
-                    self.fan.send_multipart(
-                        [b"r%d" % rank + self.tag, *queue[0]], copy=False, flags=zmq.NOBLOCK
-                    )
-                except zmq.Again:
-                    break
-                except zmq.ZMQError:  # it is gone
-                    queue.clear()
-                    break
-                queue.popleft()
-            if not queue:
-                del self.backlog[rank]
-
     def on_message(self, frames: list[Any]) -> str | None:
         try:
             msg = self.codec.decode(frames)
@@ -379,7 +309,7 @@ class HostAgent:
             if self.fanin is not None and h.get("w") and isinstance(request, str):
                 self.fanin.expect(request, ours)  # they reply through us (wire.fanin)
             for r in ours:
-                self.forward(r, frames)
+                self.fan.forward(r, frames)
             return None
         kind = h["k"]
         try:
@@ -418,7 +348,7 @@ class HostAgent:
         the fan-out socket, the hostname, the CURVE keys (through the template's pipe,
         never a command line) and the interface gloo/NCCL should use."""
         assert self.cfg is not None
-        out = dict(self.cfg.rank_part(), fanout=self.fan_addr, hostname=self.hostname)
+        out = dict(self.cfg.rank_part(), fanout=self.fan.addr, hostname=self.hostname)
         if self.fanin is not None:
             out["fanin"] = self.fanin.address
         if self.ifname:
@@ -522,7 +452,7 @@ class HostAgent:
                 return None
             if self.pids.get(rank) == ev["pid"]:
                 del self.pids[rank]
-                self.backlog.pop(rank, None)  # a restarted rank starts afresh
+                self.fan.rank_gone(rank)
             if self.fanin is not None:  # what it sent goes before its death (and the
                 self.fanin.rank_gone(rank)  # rest of its requests' batches without it)
             desk, expected = self.desk, rank in self.expected_exits
