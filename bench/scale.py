@@ -188,7 +188,7 @@ def per_message_cost(reps: int = 2000) -> dict[str, float]:
         rt = procs.runtime
         inbound, requests = rt.inbound, rt.requests
         sender = Codec(rt.key)  # a peer's codec: same key, its own nonce
-        ident = rt.transport.rank_id(0)
+        ident = rt.transport.ids.rank_id(0)
         value = pickle.dumps(0)
 
         def fed(ranks: list[int], frames_of: Callable[[str], list[Any]]) -> float:

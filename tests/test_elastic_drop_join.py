@@ -81,7 +81,7 @@ def test_drop_the_middle_host_of_a_curve_mesh(net):
         # the replies come back combined (fan-in): every survivor under its new rank
         sizes = value(k, "sizer.size.call(bytes(600_000)).get().values()", timeout=120)
         assert sizes == [(r, pid, 600_000) for r, (pid, _) in enumerate(kept)], sizes
-        assert value(k, f"{MESH}.runtime.transport.impostors") == 0
+        assert value(k, f"{MESH}.runtime.transport.ids.impostors") == 0
         assert value(k, f"[h.index for h in {MESH}.runtime.hosts]") == [0, 1]
         assert "stopped" in k.run(f"%mesh stop {MESH}", timeout=60).stdout
         for agent in joiner.agents.values():

@@ -356,7 +356,7 @@ def test_other_hosts_key_cannot_take_a_ranks_identity(joined, net):
     cfg["send"], cfg["recv"] = (
         a.replace("0.0.0.0", net.gateway) for a in (rt.transport.send_addr, rt.transport.recv_addr)
     )
-    before = rt.transport.impostors
+    before = rt.transport.ids.impostors
     proc = net.popen(
         host,
         [sys.executable, "-c", IMPOSTOR, "4"],
@@ -375,9 +375,9 @@ def test_other_hosts_key_cannot_take_a_ranks_identity(joined, net):
     out = proc.stdout.read().decode()
     assert proc.wait(timeout=30) == 0 and "received 0" in out, out
     deadline = time.monotonic() + 5
-    while rt.transport.impostors < before + 12 and time.monotonic() < deadline:
+    while rt.transport.ids.impostors < before + 12 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert rt.transport.impostors >= before + 12  # 6 borrowed identities x 2 messages
+    assert rt.transport.ids.impostors >= before + 12  # 6 borrowed identities x 2 messages
     assert rt.ranks[0].pid == pid0  # the forged RANK_STARTED for rank 0 was not taken
     assert len(procs.ping().get(timeout=10)) == 6
 

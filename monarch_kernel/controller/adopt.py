@@ -171,10 +171,10 @@ def _wait_reconnected(runtime: MeshRuntime) -> None:
     """Wait until every live rank and every agent can be sent to (they reconnect to
     the sockets this controller bound again)."""
     t = runtime.transport
-    idents = [t.host_id(h.index) for h in runtime.hosts]
+    idents = [t.ids.host_id(h.index) for h in runtime.hosts]
     for info in runtime.ranks:
         if info.state is RankState.IDLE:
-            idents += [t.rank_id(info.rank), t.rank_id(info.rank, b"c")]
+            idents += [t.ids.rank_id(info.rank), t.ids.rank_id(info.rank, b"c")]
     if not t.probe(idents, timeout=RECONNECT_TIMEOUT):
         raise MeshStartError(
             f"mesh {runtime.name!r}: its ranks did not reconnect within "

@@ -77,7 +77,7 @@ class Detacher:
         rt = self.runtime
         common = dict(rt.starter.common or {})
         skip = 1 if rt.n_hosts > 1 else 0  # the hosts dim is not per host
-        keys = rt.transport.curve_keys()
+        keys = rt.transport.ids.curve_keys()
         return AttachFile(
             name=rt.name,
             run_id=rt.run_id,

@@ -196,7 +196,7 @@ class Inbound:
         of one host posing as another is dropped (before decoding) and counted."""
         self.received += 1
         transport = self._transport
-        origin = transport.sender_host(frames)
+        origin = transport.ids.sender_host(frames)
         if origin is None:
             return
         try:
@@ -206,7 +206,7 @@ class Inbound:
             if origin >= 0 and not self._from_host(origin, h.get("r"), h.get("h")):
                 if self._slots.gone(h.get("r"), h.get("h")):
                     return  # a rank or host removed by a shrink, late: not ours now
-                transport.impostor(f"header (rank {h.get('r')!r}, host {h.get('h')!r})")
+                transport.ids.impostor(f"header (rank {h.get('r')!r}, host {h.get('h')!r})")
                 return
             msg = self._assembler.feed(self._codec, part)  # a large value comes in chunks
         except WireError as exc:
@@ -452,7 +452,7 @@ class Inbound:
             self._mesh.kill_ranks([info.rank])
             return
         t = self._transport
-        t.probe([t.rank_id(info.rank), t.rank_id(info.rank, b"c")])
+        t.probe([t.ids.rank_id(info.rank), t.ids.rank_id(info.rank, b"c")])
         info.pid, info.hostname, info.device = h.pid, h.hostname, h.device
         try:
             info.peer = PeerAddress.decode(h.peer)
@@ -485,7 +485,7 @@ class Inbound:
         slot = self._host_idents.get(ident)
         if slot is None:  # a new agent (misses are not kept: its tag may come later)
             transport = self._transport
-            slot = next((s for s in self._slots.host if transport.host_slot_id(s) == ident), -1)
+            slot = next((s for s in self._slots.host if transport.ids.host_slot_id(s) == ident), -1)
             if slot < 0:
                 return
             self._host_idents[ident] = slot
@@ -505,7 +505,7 @@ class Inbound:
         host = self._hosts[h.host]
         host.pid, host.hostname = h.pid, h.hostname
         host.addr, host.port, host.desk, host.dir = h.addr, h.port, h.desk, h.dir
-        self._transport.probe([self._transport.host_id(host.index)])
+        self._transport.probe([self._transport.ids.host_id(host.index)])
         host.ready = True
         host.last_seen = host.ready_at = time.monotonic()
         self._notify()

@@ -201,7 +201,7 @@ class Starter:
             recv = f"tcp://{config.advertise}:{recv.rsplit(':', 1)[1]}"
         # One client keypair per host agent (its ranks use it too); a relaunched host
         # gets a new one and the old one is no longer admitted.
-        curve = t.admit_host(h)
+        curve = t.ids.admit_host(h)
         holder = ControllerId.of_this_process()
         return HostConfig(
             h,

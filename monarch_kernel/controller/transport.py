@@ -19,7 +19,8 @@ numbers are kept per slot (per process): a renumbering changes none of them.
 Flow control (a send never blocks): a busy peer's messages wait in the controller
 (:mod:`monarch_kernel.controller.backlog`); past its bounds, a caller that sends waits for
 room. The thread that holds the receive token never waits (it must keep reading the
-replies that drain the ranks). Socket plumbing: :mod:`monarch_kernel.controller.sockets`.
+replies that drain the ranks). Socket plumbing: :mod:`monarch_kernel.controller.sockets`;
+routing ids, CURVE keys and impostors: :mod:`monarch_kernel.controller.routing_ids`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from monarch_kernel.controller.backlog import (
 )
 from monarch_kernel.controller.batching import Batcher, batch_payload, batchable
 from monarch_kernel.controller.records import HostInfo, RankInfo, Slots
+from monarch_kernel.controller.routing_ids import RoutingIds
 from monarch_kernel.controller.sigint import DeferSigint
 from monarch_kernel.controller.sockets import (
     CurveKeys,
@@ -56,7 +58,6 @@ from monarch_kernel.wire import Codec, handoff
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.chunks import encode_parts, frames_size
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
-from monarch_kernel.wire.identity import ident_tag
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -129,18 +130,9 @@ class Transport:
         self.recv_sock.setsockopt(zmq.LINGER, 0)
         limit_size(self.recv_sock)  # ZMQ_MAXMSGSIZE: no frame above it is allocated
         self._ipc_dir = reuse.ipc_dir if reuse else private_ipc_dir() if bind == "ipc" else None
-        #: The mesh's CURVE keys when it listens on tcp (None on unix sockets).
-        self.curve: Curve | None = None
         self._zap_domain = f"mk-{name}-{id(self):x}"
-        #: Per host slot: the suffix of its routing ids (:func:`ident_tag` of its CURVE
-        #: secret; empty on unix sockets), and the host slot each admitted client key
-        #: (z85, the ZAP user id) was handed to.
-        self._tags: dict[int, bytes] = {}
-        self._key_host: dict[str, int] = {}
-        #: Messages dropped because the authenticated key (ZAP user id) was not the key of
-        #: the host their routing id or header claims (a peer posing as another host).
-        self.impostors = 0
-        self._impostor_logged = False
+        #: Routing ids, admitted CURVE keys and impostors (controller.routing_ids).
+        self.ids = RoutingIds(name, ranks, hosts, self._slots)
         self.send_addr, self.recv_addr = self._bind(bind, reuse)
         wake_addr = f"inproc://mk-wake-{id(self)}"
         self.recv_sock.bind(wake_addr)
@@ -162,9 +154,11 @@ class Transport:
         """Bind both ROUTERs (CURVE servers on tcp); their addresses. On failure the
         sockets are closed and :class:`MeshStartError` says why."""
         if self._ipc_dir is None and (reuse is None or reuse.curve is not None):
-            self.curve = Curve.new() if reuse is None else self._take_keys(reuse)
+            keys = reuse.curve if reuse is not None else None
+            curve = self.ids.take_keys(keys) if keys is not None else Curve.new()
+            self.ids.curve = curve
             for sock in (self.send_sock, self.recv_sock):
-                curve_server(sock, self.curve, self._zap_domain)
+                curve_server(sock, curve, self._zap_domain)
         try:
             if reuse is not None:  # an earlier controller's sockets
                 rebind(self.send_sock, reuse.send)
@@ -191,93 +185,10 @@ class Transport:
                 "Pick another address or free the port."
             ) from None
 
-    def _take_keys(self, reuse: Endpoints) -> Curve:
-        """The CURVE state of an earlier controller (keys, admitted hosts, tags)."""
-        keys = reuse.curve
-        assert keys is not None
-        curve = Curve(keys.public.encode(), keys.secret.encode())
-        for host, (public, tag) in keys.hosts.items():
-            curve.allowed.add(public.encode())
-            self._key_host[public] = host
-            self._tags[host] = tag.encode()
-        return curve
-
-    def curve_keys(self) -> CurveKeys | None:
-        """This mesh's CURVE keys for its attach file (None on unix sockets)."""
-        if self.curve is None:
-            return None
-        hosts = {h: (key, self._tags.get(h, b"").decode()) for key, h in self._key_host.items()}
-        return CurveKeys(self.curve.public.decode(), self.curve.secret.decode(), hosts)
-
-    # -- identities --------------------------------------------------------------------
-    def admit_host(self, host: int) -> tuple[str, str, str]:
-        """A fresh CURVE client keypair for the host agent of slot ``host`` (its ranks
-        use it too), admitted by the ZAP handler; a previous one of that host is no
-        longer admitted. Returns ``(server public, client public, client secret)``
-        (z85), or empty strings on unix sockets."""
-        if self.curve is None:
-            return ("", "", "")
-        public, secret = zmq.curve_keypair()
-        for key, h in list(self._key_host.items()):
-            if h == host:
-                del self._key_host[key]
-                self.curve.allowed.discard(key.encode())
-        self._key_host[public.decode()] = host
-        self._tags[host] = ident_tag(secret)
-        self.curve.allowed.add(public)
-        return (self.curve.public.decode(), public.decode(), secret.decode())
-
-    def host_id(self, host: int) -> bytes:
-        """Routing id of (logical) host agent ``host`` (``h<slot>`` + its host's tag)."""
-        return self.host_slot_id(self._hosts[host].slot)
-
-    def host_slot_id(self, slot: int) -> bytes:
-        """Routing id of the host agent of slot ``slot``."""
-        return b"h%d" % slot + self._tags.get(slot, b"")
-
-    def rank_id(self, rank: int, kind: bytes = b"r") -> bytes:
-        """Routing id of (logical) ``rank``'s inbox (``r``) or control socket (``c``)."""
-        info = self._ranks[rank]
-        return self._slot_id(info.slot, self._hosts[info.host].slot, kind)
-
-    def _slot_id(self, slot: int, host_slot: int, kind: bytes = b"r") -> bytes:
-        return kind + b"%d" % slot + self._tags.get(host_slot, b"")
-
-    def sender_host(self, frames: list[zmq.Frame]) -> int | None:
-        """On a CURVE mesh, the slot of the host whose key authenticated the connection
-        a message ``[identity, *frames]`` came on, if its routing id belongs to that
-        host; None (the message is counted in :attr:`impostors` and must be dropped)
-        otherwise. -1 on unix sockets (nothing to check: the user only)."""
-        if self.curve is None:
-            return -1
-        ident = frames[0].bytes
-        user = frames[-1].get("User-Id") if len(frames) > 1 else None
-        host = self._key_host.get(user) if isinstance(user, str) else None
-        if host is not None and ident in (self.host_slot_id(host), *self._rank_ids(ident, host)):
-            return host
-        self.impostor(f"routing id {ident[:40]!r} on a connection of host {host}")
-        return None
-
-    def _rank_ids(self, ident: bytes, host: int) -> tuple[bytes, ...]:
-        kind, rest = ident[:1], ident[1:].partition(b".")[0]
-        if kind not in (b"r", b"c") or not rest.isdigit():
-            return ()
-        slot = int(rest)
-        if self._slots.rank_host.get(slot) != host:
-            return ()
-        return (self._slot_id(slot, host, kind),)
-
-    def impostor(self, what: str) -> None:
-        """Count a message dropped because it claims another host's identity."""
-        self.impostors += 1
-        if not self._impostor_logged:
-            self._impostor_logged = True
-            log.warning(
-                "mesh %s dropped a message whose %s does not belong to its CURVE key "
-                "(counted in impostors; logged once)",
-                self.name,
-                what,
-            )
+    @property
+    def curve(self) -> Curve | None:
+        """The mesh's CURVE keys when it listens on tcp (None on unix sockets)."""
+        return self.ids.curve
 
     # -- sending -----------------------------------------------------------------------
     def send_host(self, host: int, header: Header, payload: bytes = b"") -> None:
@@ -292,12 +203,12 @@ class Transport:
         with self.send_lock, DeferSigint():
             if self._batch:
                 self._send_batch()
-            self._backlog.deliver(self.host_slot_id(slot), frames, len(payload))
+            self._backlog.deliver(self.ids.host_slot_id(slot), frames, len(payload))
 
     def heartbeat(self, slot: int) -> None:
         """A heartbeat to the host agent of slot ``slot``, unless it has not read what
         was sent."""
-        ident = self.host_slot_id(slot)
+        ident = self.ids.host_slot_id(slot)
         with self.send_lock:
             if ident not in self._backlog:
                 self._backlog.deliver(ident, self.codec.encode({"k": K.HEARTBEAT}), 0)
@@ -375,13 +286,15 @@ class Transport:
                 ):
                     header["f"] = 1
                     frames = self.codec.encode(header, payload)
-                    self._backlog.deliver(self.host_id(host), frames, len(payload), n * len(group))
+                    self._backlog.deliver(
+                        self.ids.host_id(host), frames, len(payload), n * len(group)
+                    )
                     self.batches_sent += 1
                     continue
                 # one encoding for every rank of the group: each finds its ``q`` by ``d``
                 frames = self.codec.encode(header, payload)
                 for r in group:
-                    self._backlog.deliver(self.rank_id(r), frames, len(payload), n)
+                    self._backlog.deliver(self.ids.rank_id(r), frames, len(payload), n)
                 self.batches_sent += len(group)
 
     def _send(
@@ -396,7 +309,7 @@ class Transport:
             r = ranks[0]
             header["q"] = self._take_seq(r)
             self._ranks[r].bytes_out += self._deliver_parts(
-                self.rank_id(r), encode_parts(self.codec, header, payload, buffers)
+                self.ids.rank_id(r), encode_parts(self.codec, header, payload, buffers)
             )
             return
         size = len(payload) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0)
@@ -421,12 +334,12 @@ class Transport:
                 h = dict(header, d=slots, f=1, q=seqs)
                 route = {"f": 1, "d": slots}
                 parts = encode_parts(self.codec, h, payload, buffers, route)
-                self._deliver_parts(self.host_id(host), parts)
+                self._deliver_parts(self.ids.host_id(host), parts)
             else:
                 for r, seq in zip(group, seqs):
                     h = dict(header, q=seq)
                     parts = encode_parts(self.codec, h, payload, buffers)
-                    self._deliver_parts(self.rank_id(r), parts)
+                    self._deliver_parts(self.ids.rank_id(r), parts)
 
     def _deliver_parts(self, ident: bytes, parts: list[list[Buffer]]) -> int:
         """Deliver a message's parts (one, or a stream's start and chunks) in order;
@@ -465,8 +378,8 @@ class Transport:
         are rewritten)."""
         for r in ranks:
             self.next_seq.pop(self._ranks[r].slot, None)
-            self._backlog.drop(self.rank_id(r))
-            self._backlog.drop(self.rank_id(r, b"c"))
+            self._backlog.drop(self.ids.rank_id(r))
+            self._backlog.drop(self.ids.rank_id(r, b"c"))
 
     @property
     def ipc_dir(self) -> str | None:
@@ -480,8 +393,8 @@ class Transport:
             if self._batch:  # sent to its previous incarnation, like what came before
                 self._send_batch()
             self.next_seq.pop(self._ranks[rank].slot, None)
-            self._backlog.drop(self.rank_id(rank))
-            self._backlog.drop(self.rank_id(rank, b"c"))
+            self._backlog.drop(self.ids.rank_id(rank))
+            self._backlog.drop(self.ids.rank_id(rank, b"c"))
 
     def send_control(
         self, rank: int, header: Header, payload: bytes = b"", buffers: Sequence[Buffer] = ()
@@ -492,7 +405,7 @@ class Transport:
         with self.send_lock, DeferSigint():
             if self._batch:
                 self._send_batch()
-            self._ranks[rank].bytes_out += self._deliver_parts(self.rank_id(rank, b"c"), parts)
+            self._ranks[rank].bytes_out += self._deliver_parts(self.ids.rank_id(rank, b"c"), parts)
 
     # -- flow control (controller.backlog) -------------------------------------------
     @property
