@@ -84,6 +84,8 @@ DEFAULT_HB_TIMEOUT = 2.5
 RECOVERY_WAIT = 600.0
 #: Seconds ranks get to exit cleanly on a stop (atexit, finalizers) before SIGKILL.
 DEFAULT_STOP_GRACE = 3.0
+#: While a mesh stops, how often STOP is sent again to agents that were not ready.
+STOP_RESEND_INTERVAL = 0.1
 
 
 class MeshRuntime(RestartAndResize):
@@ -532,9 +534,11 @@ class MeshRuntime(RestartAndResize):
         """
         if not self.lifecycle.begin_stop():
             return
+        stop: Header = {"k": K.STOP, "grace": float(grace)}
         for host in self.hosts:
-            self.transport.send_host(host.index, {"k": K.STOP, "grace": float(grace)})
+            self.transport.send_host(host.index, stop)
         deadline = time.monotonic() + timeout + grace
+        self._stop_late_agents(stop, deadline)
         for host in self.hosts:
             if host.handle is not None:
                 host.handle.wait_or_kill(max(0.5, deadline - time.monotonic()))
@@ -554,6 +558,23 @@ class MeshRuntime(RestartAndResize):
         registry.discard(self)
         self.logs.close()
         self.lifecycle.announce()
+
+    def _stop_late_agents(self, stop: Header, deadline: float) -> None:
+        """Send ``stop`` again to agents that had not said ready when it was sent.
+
+        A STOP sent before an agent connected is dropped (the ROUTER has no route to it
+        yet): a start that timed out or was interrupted would otherwise wait the whole
+        stop timeout for agents that connect a moment later and never hear it.
+        """
+        # Only agents whose process the launcher sees (a pid): their exit is known, so
+        # this ends as soon as they are gone (a remote agent's stays unknown).
+        late = [h for h in self.hosts if not h.ready and h.handle and h.handle.pid]
+        while late and time.monotonic() < deadline:
+            late = [h for h in late if h.handle is not None and h.handle.exit_code() is None]
+            for host in late:
+                self.transport.send_host(host.index, stop)
+            if late:
+                time.sleep(STOP_RESEND_INTERVAL)
 
     def release(self, why: str) -> bool:
         """Let go of a detachable mesh without stopping it (its kernel shuts down, or
