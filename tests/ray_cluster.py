@@ -24,11 +24,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import psutil
 import pytest
 from helpers import patched_environ
 from netns import NetHosts, make_hosts, unavailable
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+#: How long the session's cluster gets to stop by itself before it is killed.
+STOP_GRACE = 3.0
 #: Ray reads these in every process it starts: no usage stats, and token authentication
 #: with a token made for this test session (Ray 2.59+ turns token auth on by default for
 #: some clusters; one explicit setting on every node and driver avoids a mismatch, and
@@ -102,17 +105,31 @@ def _common(ip: str) -> list[str]:
     ]
 
 
-def _stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
-    """``ray start --block`` stops the node's processes when it is terminated."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+def _stop(*procs: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+    """Stop Ray nodes (``ray start --block`` processes): SIGTERM to all at once, up to
+    ``timeout`` for them to end, then SIGKILL to each node's process group and to every
+    process it started (Ray's workers leave the group with setsid)."""
+    started: list[psutil.Process] = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            started += psutil.Process(proc.pid).children(recursive=True)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # the node's processes share its group
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
+            proc.wait(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the node's processes share its group
+    for child in started:  # by PID, only if it is still the process we saw
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+    psutil.wait_procs(started, timeout=5)
 
 
 def start_cluster() -> RayCluster:
@@ -235,8 +252,9 @@ def _wait_nodes(address: str, n: int, proc: subprocess.Popen[bytes], timeout: fl
 
 
 def stop_cluster(cluster: RayCluster) -> None:
-    _stop(cluster.worker)
-    _stop(cluster.head)
+    # A node's graceful stop takes 15-30 s here (it waits for its workers); nothing of
+    # it is worth waiting for at the end of the session.
+    _stop(cluster.worker, cluster.head, timeout=STOP_GRACE)
     cluster.net.close()
     shutil.rmtree(cluster.temp_dir, ignore_errors=True)
 
