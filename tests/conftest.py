@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Container
 
@@ -16,6 +17,8 @@ from helpers import WaitTimeout, wait_until
 __all__ = ["WaitTimeout", "pid_alive", "project_processes", "wait_no_orphans", "wait_until"]
 
 ORPHAN_GRACE = 10.0
+#: A wait for processes to exit longer than this is reported (a warning in the summary).
+SLOW_ORPHAN_WAIT = 5.0
 
 #: The test lanes (markers registered in pyproject.toml; README "Fast lane"). Every test is in
 #: exactly one: a module sets ``pytestmark``, a module that mixes kinds marks its ``unit``
@@ -96,9 +99,25 @@ def wait_no_orphans(
     def left() -> list[psutil.Process]:
         return [p for p in project_processes() if p.pid not in keep and not excused(p)]
 
+    first = left()
+    began = time.monotonic()
     with contextlib.suppress(WaitTimeout):
         wait_until(lambda: not left(), timeout=timeout, what="our processes to exit")
+    waited = time.monotonic() - began
+    if waited > SLOW_ORPHAN_WAIT:  # CI's log then says whose processes a test waited for
+        warnings.warn(
+            f"waited {waited:.1f}s for processes to exit: "
+            + ", ".join(f"{p.pid} {_cmdline(p)[:70]}" for p in first),
+            stacklevel=2,
+        )
     return left()
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "(gone)"
 
 
 #: Module-scoped fixtures that own long-lived processes; their ranks may legitimately be

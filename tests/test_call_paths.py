@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -62,15 +63,34 @@ def test_ctrl_c_releases_a_caller_blocked_on_a_reply(mesh2):
     assert threading.current_thread() is threading.main_thread()
     nap = worker.sleep.call_one(60, "until interrupted")
 
+    pressed: list[float] = []  # when the signal was sent
+    presser_failed: list[BaseException] = []
+
     def press_stop() -> None:
-        wait_for_rank_line(mesh2, 0, "sleeping until interrupted", timeout=60)
-        os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler in the main thread
+        try:
+            wait_for_rank_line(mesh2, 0, "sleeping until interrupted", timeout=60)
+            os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler in the main thread
+            pressed.append(time.monotonic())
+        except BaseException as exc:  # reported below, with the caller's side
+            presser_failed.append(exc)
 
     presser = threading.Thread(target=press_stop, daemon=True)
     presser.start()
-    with pytest.raises(KeyboardInterrupt):
+    began = time.monotonic()
+    try:
         nap.get(timeout=120)  # blocked receiving its own reply when the signal comes
+    except KeyboardInterrupt:
+        pass
+    else:  # say which side failed: the signal never sent, or sent and not raised
+        presser.join(5)
+        sent = f"sent after {pressed[0] - began:.2f}s" if pressed else "never sent"
+        pytest.fail(
+            f"Ctrl-C did not release the caller: the signal was {sent}; presser errors "
+            f"{presser_failed!r}; SIGINT handler now {signal.getsignal(signal.SIGINT)!r}; "
+            f"rank 0's last lines {list(mesh2.runtime.ranks[0].tail)[-3:]!r}"
+        )
     presser.join(30)
+    assert not presser_failed
     # the call goes on on the rank; stopping it there answers it with the interrupt
     mesh2.interrupt()
     with pytest.raises(Exception, match="KeyboardInterrupt"):
