@@ -186,6 +186,16 @@ def mesh2():
     procs.stop()
 
 
+@pytest.fixture
+def python_sigint():
+    """Ctrl-C raises KeyboardInterrupt in this process during the test, as in a kernel,
+    however pytest was started: a shell's background job inherits SIGINT ignored, and
+    Python then leaves it ignored (our Ctrl-C handling defers to whatever is there)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -58,7 +58,7 @@ def test_callers_on_three_threads_each_keep_their_order_on_a_rank(mesh2):
     assert mesh2.runtime.ranks[0].outstanding == 0
 
 
-def test_ctrl_c_releases_a_caller_blocked_on_a_reply(mesh2):
+def test_ctrl_c_releases_a_caller_blocked_on_a_reply(mesh2, python_sigint):
     worker = mesh2.spawn("worker", Worker).slice(gpus=0)
     assert threading.current_thread() is threading.main_thread()
     nap = worker.sleep.call_one(60, "until interrupted")

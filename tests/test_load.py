@@ -52,7 +52,7 @@ def test_pipelined_calls_and_broadcasts_to_a_busy_rank_all_arrive_in_order(mesh)
     assert rt.transport.backlog_messages == 0 and rt.ranks[0].outstanding == 0
 
 
-def test_ctrl_c_releases_a_caller_waiting_for_room(mesh):
+def test_ctrl_c_releases_a_caller_waiting_for_room(mesh, python_sigint):
     rt = mesh.runtime
     busy = mesh.spawn("busy", Worker).slice(gpus=0)
     nap = busy.sleep.call_one(60, "while the caller waits")
