@@ -129,15 +129,24 @@ def usage_error(kernel: Kernel, line: str) -> str:
     return text
 
 
-def wait_progress(kernel: Kernel, at_least: int, mesh: str = MESH) -> int:
-    """Wait until rank 0's loop has done ``at_least`` steps; the steps it has done."""
+def wait_progress(kernel: Kernel, at_least: int, mesh: str = MESH, job: str | None = None) -> int:
+    """Wait until rank 0's loop has done ``at_least`` steps; the steps it has done. A
+    time-out shows the last output of the loop's cell ``job`` when given."""
     seen = [0]
 
     def far() -> bool:
         seen[0] = int(value(kernel, f"_p = %pull {mesh} progress\nlist(_p.values())[0]"))
         return seen[0] >= at_least
 
-    wait_until(far, timeout=60, what=f"the loop to reach step {at_least}")
+    wait_until(
+        far,
+        timeout=60,
+        what=f"the loop to reach step {at_least}",
+        detail=lambda: (
+            f"at step {seen[0]}; its cell showed: "
+            + (repr(kernel.output_so_far(job))[-1500:] if job else "(not followed)")
+        ),
+    )
     return seen[0]
 
 
@@ -272,6 +281,7 @@ def test_grow_and_shrink_by_hosts(kernel):
         kernel.run("%mesh stop elh", timeout=60)
 
 
+@pytest.mark.timeout(300)  # longer than its own waits, so that those say what hung
 def test_on_failure_shrink_after_a_host_is_killed(kernel):
     r = kernel.run("%mesh elf --gpus 1 --hosts 3 --dist --on-failure shrink:2", timeout=120)
     assert "ready" in r.stdout, r.stderr + r.error_text
@@ -284,6 +294,8 @@ def test_on_failure_shrink_after_a_host_is_killed(kernel):
         agents = value(kernel, "[h.pid for h in elf.runtime.hosts]")
         os.kill(agents[2], signal.SIGKILL)
         kernel.wait_for_output(job, "[resized] rank 2 died", timeout=60)
+        # the loop goes on at world size 2 to its end (a hang here names its output)
+        wait_progress(kernel, STEPS, "elf", job)
         outcome = value(
             kernel,
             "_o = %remote elf (state.step, losses, worlds, os.environ['WORLD_SIZE'])\n"
