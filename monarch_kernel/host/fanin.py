@@ -26,7 +26,8 @@ import zmq
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
-from monarch_kernel.wire.codec import limit_size
+from monarch_kernel.wire.codec import limit_size, readable
+from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.fanin import MAX_COMBINED, FanIn, Part, encode_parts
 from monarch_kernel.wire.key_gate import KeyGate, guard
@@ -39,6 +40,7 @@ log = logging.getLogger("monarch_kernel.host")
 #: a ``kill_ranks`` or a rank's exit report; what is left is taken next time round.
 RECEIVE_BUDGET = 0.02
 RECEIVE_MAX = 256
+_NOBLOCK = int(zmq.NOBLOCK)
 #: Seconds between two ``host_stats`` messages (the ranks send theirs once a second).
 STATS_EVERY = 1.0
 
@@ -110,10 +112,15 @@ class FanInSocket:
         """Take the messages waiting on the socket (at most :data:`RECEIVE_MAX`, for at
         most :data:`RECEIVE_BUDGET` seconds), then send the batches that are due."""
         deadline = time.monotonic() + RECEIVE_BUDGET
+        sock = self.sock
+        # readable() first: ending the loop on a raised zmq.Again costs more than the
+        # message it follows (and the backend's recv skips the sugar layer's enums).
         for _ in range(RECEIVE_MAX):
+            if not readable(sock):
+                break
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+                frames = wire_recv(sock, _NOBLOCK)
+            except zmq.Again:  # (only this thread reads it: not expected)
                 break
             self.on_message(frames)
             if time.monotonic() >= deadline:
