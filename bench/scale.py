@@ -20,7 +20,9 @@ sharing this machine's cores. Per size, with the mesh up and idle beside it:
 * ``bcast``: fire-and-forget endpoint calls delivered per second to every rank;
 * ``ctl_cpu``: the controller's own CPU time (this process, all its threads) per
   gathered call, over 50 calls: what the controller pays, apart from the ranks and
-  agents that share this machine's cores with it;
+  agents that share this machine's cores with it; ``agents_cpu`` / ``ranks_cpu``: the
+  host agents' and the ranks' CPU time (``/proc``, every process of each) over the
+  same calls, per call: where the cores go;
 * ``msgs``: messages the controller received per gathered call (its counters):
   ``reply_msgs`` only those carrying replies (``res`` and ``fan_in``: the target is one
   per host), ``all_msgs`` every message (heartbeats and once-a-second stats included);
@@ -121,11 +123,16 @@ def one_size(n: int, iters: int, per_host: int = PER_HOST, floor: bool = True) -
             row["one"] = med(lambda: one.ping.call_one().get(), iters * 4)
         row["cell"] = med(run_cell, iters)
         k = 50
+        agent_pids = [h.pid for h in rt.hosts if h.pid is not None]
+        rank_pids = list(actors.pid.call().get().values())
         kinds0, got0 = dict(inbound.kinds), inbound.received
         cpu0 = _cpu_seconds()
+        agents0, ranks0 = _cpu_of(agent_pids), _cpu_of(rank_pids)
         for _ in range(k):
             gather()
         row["ctl_cpu"] = (_cpu_seconds() - cpu0) / k
+        row["agents_cpu"] = (_cpu_of(agent_pids) - agents0) / k
+        row["ranks_cpu"] = (_cpu_of(rank_pids) - ranks0) / k
         kinds1, got1 = dict(inbound.kinds), inbound.received
         replies = sum(kinds1.get(x, 0) - kinds0.get(x, 0) for x in (K.RESULT, K.FAN_IN))
         row["reply_msgs"] = replies / k
@@ -145,6 +152,22 @@ def _cpu_seconds() -> float:
     it shows how the controller's own cost grows with ranks on a machine of 2 cores."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def _cpu_of(pids: list[int]) -> float:
+    """CPU time (user + system) of the processes ``pids`` (the host agents, or the
+    ranks), those that still run: with the controller's own (:func:`_cpu_seconds`), it
+    says which side of a gathered call uses the machine's cores."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def _hosts_ready_at(rt: Any, t0: float) -> float | None:
@@ -254,16 +277,19 @@ def markdown(
         f" load {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs)",
         "",
         "| ranks | hosts | ready | agents ready | gathered call | raw floor (same n) | "
-        "÷ floor | controller CPU / call | trivial cell | broadcast delivered | "
+        "÷ floor | controller CPU / call | agents' CPU / call | ranks' CPU / call (per rank) | "
+        "trivial cell | broadcast delivered | "
         "reply msgs / call | all msgs / call | one-rank call | raw 1 | ÷ raw |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
             f"| {r['ranks']} | {r['hosts']} | {r['ready']:.1f} s | "
             f"{secs(r.get('hosts_ready'))} | "
             f"{ms(r['gather'])} | {ms(r['floor'])} | {ratio(r['gather'], r['floor'])} | "
-            f"{us(r.get('ctl_cpu'))} | {ms(r['cell'])} | {r['bcast']:,.0f}/s | "
+            f"{us(r.get('ctl_cpu'))} | {ms(r.get('agents_cpu'))} | {ms(r.get('ranks_cpu'))} "
+            f"({us(r['ranks_cpu'] / r['ranks'] if r.get('ranks_cpu') is not None else None)}) | "
+            f"{ms(r['cell'])} | {r['bcast']:,.0f}/s | "
             f"{r['reply_msgs']:.1f} | "
             f"{r['all_msgs']:.1f} | {us(r['one'])} | {us(r['floor_1'])} | "
             f"{ratio(r['one'], r['floor_1'])} |"
