@@ -69,3 +69,33 @@ def test_a_killed_agents_directory_is_swept_by_the_next_agent(tmp_path):
     from monarch_kernel.wire import tempdirs
 
     assert tempdirs.sweep(str(tmp_path)) == [second_dir]
+
+
+#: A program that starts a mesh, shuts its launcher down (its directory goes), starts
+#: another (a new directory), stops it and exits normally, printing that directory.
+RESTARTED_LAUNCHER = """
+from monarch_kernel.actor import this_host
+procs = this_host().spawn_procs(per_host={"gpus": 1})
+procs.stop()
+launcher = procs.runtime.launcher
+launcher.shutdown()
+procs = this_host().spawn_procs(per_host={"gpus": 1})
+print(launcher._dir, flush=True)
+procs.stop()
+"""
+
+
+def test_the_launchers_directory_made_after_a_shutdown_goes_at_exit(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path), "MONARCH_KERNEL_PREWARM": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", RESTARTED_LAUNCHER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    second = out.stdout.split()[-1]
+    assert os.path.basename(second).startswith("mk-launch-"), out.stdout
+    assert not os.path.exists(second), os.listdir(second)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("mk-launch-")]

@@ -146,8 +146,9 @@ class LocalLauncher:
         self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]]] = queue.Queue()
         threading.Thread(target=self._spawner, name="mk-local-launcher", daemon=True).start()
         # At interpreter exit the directory (agents' logs and private dirs) goes too; the
-        # agents remove it themselves when this process is killed outright.
-        atexit.register(shutil.rmtree, self._dir, ignore_errors=True)
+        # agents remove it themselves when this process is killed outright. The one in
+        # use then: after shutdown() a later agent makes a new one (_start_agent).
+        atexit.register(self._remove_dir)
         # What earlier kernels killed outright left behind (their agents were gone too).
         threading.Thread(target=sweep, name="mk-sweep", daemon=True).start()
 
@@ -158,6 +159,9 @@ class LocalLauncher:
         path = tempfile.mkdtemp(prefix="mk-launch-")
         mark_owners(path, [os.getpid()])
         return path
+
+    def _remove_dir(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     @classmethod
     def shared(cls) -> LocalLauncher:
