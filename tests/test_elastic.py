@@ -335,3 +335,64 @@ def test_on_failure_shrink_after_a_host_is_killed(kernel):
         assert sizes == ["2", "2"]
     finally:
         kernel.run("%mesh stop elf", timeout=60)
+
+
+#: TRAIN with a death that leaves the survivors a step apart: rank 2 exits at the start
+#: of step AT + 1 (every rank finished step AT), and rank 1 fails step AT after its
+#: collectives, as a rank whose collective broke when its peer died inside it (gloo's
+#: error, raised once): it redoes step AT while rank 0 has gone on to AT + 1.
+AT = 20
+APART = (
+    TRAIN.replace(
+        "        x, y = batch(state.step)\n",
+        "        if state.step == {at} + 1 and state.world_size == 3 and state.rank == 2:\n"
+        "            os._exit(1)\n"
+        "        x, y = batch(state.step)\n",
+    )
+    .replace(
+        "        dist.all_reduce(total)\n",
+        "        dist.all_reduce(total)\n"
+        "        if state.step == {at} and state.rank == 1 and not faulted:\n"
+        "            faulted = True\n"
+        "            raise RuntimeError('gloo: connection closed by peer')\n",
+    )
+    .replace("state = TrainingState(", "faulted = False\nstate = TrainingState(")
+)
+
+
+@pytest.mark.timeout(300)  # longer than its own waits, so that those say what hung
+def test_survivors_a_step_apart_take_the_latest_state_before_going_on(kernel):
+    assert APART.count("{at}") == 2 and "faulted = False" in APART  # the template matched
+    r = kernel.run("%mesh ela --gpus 3 --dist --on-failure shrink:2", timeout=120)
+    assert "ready" in r.stdout, r.stderr + r.error_text
+    try:
+        r = kernel.run(SETUP.format(mesh="ela", batch=BATCH), timeout=120)
+        assert not r.errors, r.error_text
+        job = kernel.submit(APART.format(mesh="ela", steps=STEPS, batch=BATCH, at=AT))
+        assert not kernel.collect(job, timeout=60).errors
+        kernel.wait_for_output(job, "[resized] rank 2 died", timeout=60)
+        said = "".join(kernel.output_so_far(job))
+        assert (
+            f"rank 1 had not finished step {AT}; rank 0's state at step {AT + 1} copied to it"
+            in said
+        ), said
+        # Every rank ends the loop (a rank left a step behind would wait in its last
+        # step's collective for ever).
+        wait_until(
+            lambda: value(kernel, "_p = %pull ela progress\nlist(_p.values())") == [STEPS] * 2,
+            timeout=60,
+            what="both survivors to finish the loop",
+            detail=lambda: repr(kernel.output_so_far(job))[-1500:],
+        )
+        outcome = value(
+            kernel,
+            "_o = %remote ela (state.step, losses, worlds)\nlist(_o.values())",
+            timeout=60,
+        )
+        assert [o[0] for o in outcome] == [STEPS] * 2, outcome
+        (_, losses, worlds), (_, losses_1, worlds_1) = outcome
+        assert losses_1 == losses and worlds_1 == worlds
+        assert worlds == [3] * (AT + 1) + [2] * (STEPS - AT - 1), worlds
+        assert losses == pytest.approx(reference_losses(), rel=1e-5, abs=1e-6)
+    finally:
+        kernel.run("%mesh stop ela", timeout=60)

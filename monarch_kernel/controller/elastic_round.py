@@ -223,15 +223,31 @@ class ResizeRound(Recovery):
         self._timed("reform", self._reform, epoch)
         offered: Offered | None = None
         transfer: Notice | None = None
-        if self.fresh:
+        behind = self._behind()
+        if self.fresh or behind:
             offering = self._start_offer(epoch)
             offered = self._timed("offer", self._offer, offering, epoch)
             self._timed("load", self._load_behind, offered, epoch)
-            transfer = self._timed("cell", self._send_cell, offered, epoch)
+            if self.fresh:
+                transfer = self._timed("cell", self._send_cell, offered, epoch)
         self._timed("resume", self._resume, epoch)
         self.paused = time.monotonic() - t0
         stop()
-        self._done(offered.step if offered else step, transfer)
+        self._done(offered.step if offered else step, transfer, behind, offered)
+
+    def _behind(self) -> list[int]:
+        """Survivors parked at an earlier step than another one.
+
+        A rank that dies inside a collective can leave it completed on some ranks and
+        failed on others: those go on to the next step, these redo the step. Resumed
+        as they are, the replicas would train a step apart (each collective pairing one
+        rank's step with another's next: silently different models), and the loop's
+        last step would wait forever for a partner. So they take the state of one at
+        the latest step first (:meth:`_load_behind`), as a recovery from peers does."""
+        with self._cond:
+            steps = {r: n.step for r, n in self.parked.items()}
+        latest = max(steps.values(), default=0)
+        return sorted(r for r, s in steps.items() if s != latest)
 
     def _wait_boundary(self, ranks: list[int], epoch: int) -> None:
         t0 = time.monotonic()
@@ -302,12 +318,27 @@ class ResizeRound(Recovery):
         if problems:
             raise _GiveUp(problems[0])
 
-    def _done(self, step: int, transfer: Notice | None) -> None:
+    def _done(
+        self,
+        step: int,
+        transfer: Notice | None,
+        behind: Sequence[int] = (),
+        offered: Offered | None = None,
+    ) -> None:
+        note = ""
+        if behind and offered is not None:
+            note = (
+                f"rank{'s' if len(behind) > 1 else ''} {format_ranks(list(behind))} had not "
+                f"finished step {offered.step - 1:,}; "
+                f"rank {offered.source}'s state at step {offered.step:,} copied to "
+                f"{'them' if len(behind) > 1 else 'it'}"
+            )
         self.report = self.plan.report(
             step,
             self.paused,
             transfer.nbytes if transfer else 0,
             transfer.seconds if transfer else 0.0,
+            note,
         )
         log.info("%s; phases %s", self.report.describe(), self.phases)
         died = ""
