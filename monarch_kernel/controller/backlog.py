@@ -25,7 +25,7 @@ from collections.abc import Callable
 import zmq
 
 from monarch_kernel.calls.errors import MeshStoppedError, MonarchError
-from monarch_kernel.wire.codec import ZERO_COPY_THRESHOLD, Buffer
+from monarch_kernel.wire.codec import NOBLOCK, ZERO_COPY_THRESHOLD, Buffer
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.handoff import owned
 
@@ -37,8 +37,6 @@ FLUSH_INTERVAL = 0.002
 #: senders wait for room.
 MAX_BACKLOG_MESSAGES = 100_000
 MAX_BACKLOG_BYTES = 256 * 1024 * 1024
-
-_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class BackpressureError(MonarchError):
@@ -73,7 +71,7 @@ class Backlog:
         queue = self._queues.get(ident)
         if queue is None:
             try:
-                wire_send(self._sock, frames, [ident], _NOBLOCK)
+                wire_send(self._sock, frames, [ident], NOBLOCK)
                 return
             except zmq.Again:  # its queue is full: keep it here, retried by the I/O thread
                 queue = self._queues[ident] = deque()
@@ -96,7 +94,7 @@ class Backlog:
             while queue:
                 frames, size, calls = queue[0]
                 try:
-                    wire_send(self._sock, frames, [ident], _NOBLOCK)
+                    wire_send(self._sock, frames, [ident], NOBLOCK)
                 except zmq.Again:
                     break
                 except zmq.ZMQError as exc:

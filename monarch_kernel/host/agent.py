@@ -41,7 +41,7 @@ from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.wire import Codec, WireError, tempdirs
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
-from monarch_kernel.wire.codec import limit_size, readable
+from monarch_kernel.wire.codec import NOBLOCK, limit_size, readable
 from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.desk import ControllerId
@@ -57,8 +57,6 @@ HEARTBEAT_INTERVAL = 0.5
 #: The longest the loop takes messages off its inbox in one turn (s): its heartbeats
 #: and its ranks' exits are not held up by a long stream of messages.
 INBOX_BUDGET = 0.1
-# A plain int: pyzmq's enum arithmetic costs microseconds per call (see wire.codec.send).
-_NOBLOCK = int(zmq.NOBLOCK)
 #: The longest a ``dump_stacks`` holds up the agent's loop, waiting for the dumps.
 STACKS_WAIT = 0.3
 #: The longest the clean-up after a SIGTERM waits to be re-parented, when its controller
@@ -275,7 +273,7 @@ class HostAgent:
                 inbox = self.inbox
                 while readable(inbox):  # (a raised zmq.Again costs more than a message)
                     try:
-                        frames = wire_recv(inbox, _NOBLOCK)
+                        frames = wire_recv(inbox, NOBLOCK)
                     except zmq.Again:  # (only this thread reads it: not expected)
                         break
                     if self.on_message(frames) == "stop":

@@ -26,7 +26,7 @@ import zmq
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
-from monarch_kernel.wire.codec import limit_size, readable
+from monarch_kernel.wire.codec import NOBLOCK, limit_size, readable
 from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.fanin import MAX_COMBINED, FanIn, Part, encode_parts
@@ -40,7 +40,6 @@ log = logging.getLogger("monarch_kernel.host")
 #: a ``kill_ranks`` or a rank's exit report; what is left is taken next time round.
 RECEIVE_BUDGET = 0.02
 RECEIVE_MAX = 256
-_NOBLOCK = int(zmq.NOBLOCK)
 #: Seconds between two ``host_stats`` messages (the ranks send theirs once a second).
 STATS_EVERY = 1.0
 
@@ -119,7 +118,7 @@ class FanInSocket:
             if not readable(sock):
                 break
             try:
-                frames = wire_recv(sock, _NOBLOCK)
+                frames = wire_recv(sock, NOBLOCK)
             except zmq.Again:  # (only this thread reads it: not expected)
                 break
             self.on_message(frames)

@@ -20,7 +20,7 @@ import zmq
 
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire import headers as H
-from monarch_kernel.wire.codec import limit_size
+from monarch_kernel.wire.codec import NOBLOCK, limit_size
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.key_gate import KeyGate, guard
 
@@ -30,9 +30,6 @@ log = logging.getLogger("monarch_kernel.host")
 
 #: A warning each time a busy rank's backlog grows by this many messages.
 BACKLOG_WARN_EVERY = 100_000
-
-# A plain int: pyzmq's enum arithmetic costs microseconds per send (see wire.codec.send).
-_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class RankFanOut:
@@ -99,7 +96,7 @@ class RankFanOut:
         queue = self.backlog.get(rank)
         if queue is None:
             try:  # all or nothing: a ROUTER decides on the routing id frame
-                wire_send(self.sock, frames, [b"r%d" % rank + self.tag], _NOBLOCK)
+                wire_send(self.sock, frames, [b"r%d" % rank + self.tag], NOBLOCK)
                 return
             except zmq.Again:  # its inbox is full: it is busy
                 queue = self.backlog[rank] = deque()
@@ -114,7 +111,7 @@ class RankFanOut:
         for rank, queue in list(self.backlog.items()):
             while queue:
                 try:
-                    wire_send(self.sock, queue[0], [b"r%d" % rank + self.tag], _NOBLOCK)
+                    wire_send(self.sock, queue[0], [b"r%d" % rank + self.tag], NOBLOCK)
                 except zmq.Again:
                     break
                 except zmq.ZMQError:  # it is gone

@@ -96,6 +96,9 @@ MARSHAL_VERSION = 4
 _send = _BaseSocket.send
 _recv = _BaseSocket.recv
 _SNDMORE = int(zmq.SNDMORE)
+#: ``flags`` for :func:`send` / :func:`recv` that never block (raise ``zmq.Again``): a
+#: plain int, as pyzmq's enum arithmetic costs microseconds per call.
+NOBLOCK = int(zmq.NOBLOCK)
 
 #: Buffers smaller than this are copied into the zmq message (cheaper than zero-copy).
 ZERO_COPY_THRESHOLD = 64 * 1024
