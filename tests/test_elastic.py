@@ -129,19 +129,27 @@ def usage_error(kernel: Kernel, line: str) -> str:
     return text
 
 
-def wait_progress(kernel: Kernel, at_least: int, mesh: str = MESH, job: str | None = None) -> int:
-    """Wait until rank 0's loop has done ``at_least`` steps; the steps it has done. A
-    time-out shows the last output of the loop's cell ``job`` when given."""
+def wait_progress(
+    kernel: Kernel,
+    at_least: int,
+    mesh: str = MESH,
+    job: str | None = None,
+    every_rank: bool = False,
+) -> int:
+    """Wait until rank 0's loop (``every_rank``: every rank's) has done ``at_least``
+    steps; the steps it has done (the fewest of them). A time-out shows the last output
+    of the loop's cell ``job`` when given."""
     seen = [0]
 
     def far() -> bool:
-        seen[0] = int(value(kernel, f"_p = %pull {mesh} progress\nlist(_p.values())[0]"))
+        steps = value(kernel, f"_p = %pull {mesh} progress\nlist(_p.values())")
+        seen[0] = int(min(steps) if every_rank else steps[0])
         return seen[0] >= at_least
 
     wait_until(
         far,
         timeout=60,
-        what=f"the loop to reach step {at_least}",
+        what=f"{'every rank' if every_rank else 'the loop'} to reach step {at_least}",
         detail=lambda: (
             f"at step {seen[0]}; its cell showed: "
             + (repr(kernel.output_so_far(job))[-1500:] if job else "(not followed)")
@@ -378,12 +386,7 @@ def test_survivors_a_step_apart_take_the_latest_state_before_going_on(kernel):
         ), said
         # Every rank ends the loop (a rank left a step behind would wait in its last
         # step's collective for ever).
-        wait_until(
-            lambda: value(kernel, "_p = %pull ela progress\nlist(_p.values())") == [STEPS] * 2,
-            timeout=60,
-            what="both survivors to finish the loop",
-            detail=lambda: repr(kernel.output_so_far(job))[-1500:],
-        )
+        wait_progress(kernel, STEPS, "ela", job, every_rank=True)
         outcome = value(
             kernel,
             "_o = %remote ela (state.step, losses, worlds)\nlist(_o.values())",
