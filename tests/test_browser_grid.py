@@ -105,15 +105,26 @@ def test_dashboard_and_sidebar_draw_a_big_mesh_as_a_grid(jupyterlab):  # noqa: F
 
             # hover: that rank's details, asked of the kernel. The notebook's layout may
             # still move under a resting pointer (outputs growing above), which hovers
-            # another cell: hover again until rank 9's details are shown.
+            # another cell or leaves the grid (the box hides): each try moves the pointer
+            # off the grid, hovers rank 9 afresh (a new ask) and waits a while for its
+            # details. The box is read in one step in the page: a box hidden between a
+            # visibility check and a read would otherwise block the read.
             tip = page.locator(".mk-heat-tip:not([hidden])").first  # the hovered view's
+            nine_shown = (
+                "() => [...document.querySelectorAll('.mk-heat-tip:not([hidden])')]"
+                ".map(t => t.innerText).find(t => t.startsWith('rank 9 ')"
+                " && t.includes('last error: ValueError')) || null"
+            )
 
             def hovered_nine() -> str:
+                page.mouse.move(1, 1)
                 page.locator(f'{CELLS}[data-rank="9"]').hover()
-                text = tip.inner_text() if tip.is_visible() else ""
-                return text if "last error: ValueError" in text else ""
+                try:
+                    return str(page.wait_for_function(nine_shown, timeout=3_000).json_value())
+                except playwright_sync.TimeoutError:
+                    return ""
 
-            text = wait_until(hovered_nine, timeout=30, interval=0.2, what="rank 9's hover box")
+            text = wait_until(hovered_nine, timeout=60, interval=0.2, what="rank 9's hover box")
             assert text.startswith("rank 9 · error"), text
             assert "last line: rank 9 loaded its shard" in text and "pid " in text, text
 
