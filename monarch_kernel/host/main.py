@@ -100,24 +100,39 @@ def _read_config() -> JsonObject:
 
 
 class _Sigterm:
-    """SIGTERM ends the agent by SystemExit (its clean-up, in ``finally``, runs): once.
+    """SIGTERM ends the agent by SystemExit (its clean-up, in ``finally``, runs): once,
+    and only once that clean-up is in place.
 
     The parent-death signal comes again each time the thread the agent is parented to
     ends, and a controller killed outright ends its threads one by one (the agent is
     re-parented to the next of them each time): several SIGTERMs may come within
     moments. Another SystemExit raised in the clean-up would cut it short (the agent's
-    and its dead controller's temporary directories were left behind)."""
+    and its dead controller's temporary directories were left behind).
+
+    Until :meth:`arm` (the agent is being built: its template is already running) a
+    SIGTERM is only noted, and ``arm`` raises it: a SystemExit raised there had no
+    clean-up to run, left the template and the directory behind, and let the next
+    SIGTERM kill the interpreter as it finalized (the default handler back)."""
 
     def __init__(self) -> None:
         #: A SIGTERM came (the clean-up then waits for a dying controller: see
         #: ``HostAgent.controller_gone``).
         self.came = False
+        #: The clean-up is in place: a SIGTERM may raise.
+        self.armed = False
 
     def __call__(self, signum: int, frame: object) -> None:
         if self.came:
             return
         self.came = True
-        raise SystemExit(0)
+        if self.armed:
+            raise SystemExit(0)
+
+    def arm(self) -> None:
+        """Called first thing inside the ``try`` whose ``finally`` cleans up."""
+        self.armed = True
+        if self.came:
+            raise SystemExit(0)
 
 
 def main() -> None:
@@ -137,6 +152,7 @@ def main() -> None:
     agent = HostAgent(int(parent) if parent else None)
     code: object = None
     try:
+        sigterm.arm()
         raw = join(url, token or "") if url else _read_config()
         cfg = AgentConfig.from_json(raw)
         try:  # each rank keeps connections to this agent open too
