@@ -45,9 +45,15 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: setup
 	$(PY) -m jupyter lab --ip 127.0.0.1 $(ALLOW_ROOT) notebooks/01-quickstart.ipynb
 
-# Lint first: CI enforces style and types before the (slower) tests run.
+# Lint first: CI enforces style and types before the (slower) tests run. Two pytest-xdist
+# workers: most tests wait on kernels, ranks and sockets, and one worker left a 2-core
+# machine half idle (tests/conftest.py keeps the Ray and Slurm tests on one worker).
+# PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest $(XDIST)
 
 # The lanes (pytest markers, README "Fast lane"), without lint: test-fast is everything
 # that needs no cluster and no browser (unit + local), test-unit the pure-Python tests.

@@ -71,6 +71,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid} is in more than one lane: {sorted(lanes)}")
         if not lanes:
             item.add_marker(UNMARKED_LANES.get(item.path.name, "local"))
+        if _uses_a_session_cluster(item):
+            item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
+
+
+#: ``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``). The
+#: session's Ray cluster and the Slurm clusters (one ``munged``, which the first cluster
+#: started and stops) are each one per machine: every test that uses either runs on one
+#: worker, so one Ray cluster serves them all and no two Slurm clusters overlap.
+CLUSTER_GROUP = "ray-and-slurm"
+
+
+def _uses_a_session_cluster(item: pytest.Item) -> bool:
+    module = getattr(item, "module", None)
+    return "ray_session_cluster" in getattr(item, "fixturenames", ()) or hasattr(
+        module, "slurm_cluster_fixture"
+    )
 
 
 def project_processes() -> list[psutil.Process]:
