@@ -179,6 +179,21 @@ def ray_session_cluster():
     yield from ray_cluster_fixture()
 
 
+@pytest.fixture
+def short_tmp():
+    """A fresh directory with a short path (``/tmp/mkt-XXXXXXXX``), removed after: a
+    test that makes it the temporary directory of a launcher or agent, whose private
+    directories must stay there (pytest's own ``tmp_path`` is long enough, on a
+    pytest-xdist worker, for them to move to ``/tmp``: ``wire.tempdirs``)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    path = tempfile.mkdtemp(prefix="mkt-", dir="/tmp")
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def procs4():
     """A 4-rank local mesh shared by one test module; checked for orphans after."""

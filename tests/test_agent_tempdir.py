@@ -49,13 +49,13 @@ def _kill(proc: subprocess.Popen[str], template: int) -> None:
     )
 
 
-def test_a_killed_agents_directory_is_swept_by_the_next_agent(tmp_path):
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
+def test_a_killed_agents_directory_is_swept_by_the_next_agent(short_tmp):
+    env = {**os.environ, "TMPDIR": str(short_tmp)}
     env.pop("MONARCH_KERNEL_HOST_DIR", None)
     first, first_dir, first_template = _start(env)
     try:
         assert os.path.basename(first_dir).startswith("mk-host-")
-        assert os.path.dirname(first_dir) == str(tmp_path)
+        assert os.path.dirname(first_dir) == str(short_tmp)
     finally:
         _kill(first, first_template)
     assert os.path.isdir(first_dir)  # killed outright: nothing removed it
@@ -68,7 +68,7 @@ def test_a_killed_agents_directory_is_swept_by_the_next_agent(tmp_path):
     # the second one's directory goes with the next sweep too
     from monarch_kernel.wire import tempdirs
 
-    assert tempdirs.sweep(str(tmp_path)) == [second_dir]
+    assert tempdirs.sweep(str(short_tmp)) == [second_dir]
 
 
 #: A program that starts a mesh, shuts its launcher down (its directory goes), starts
@@ -85,8 +85,8 @@ procs.stop()
 """
 
 
-def test_the_launchers_directory_made_after_a_shutdown_goes_at_exit(tmp_path):
-    env = {**os.environ, "TMPDIR": str(tmp_path), "MONARCH_KERNEL_PREWARM": "0"}
+def test_the_launchers_directory_made_after_a_shutdown_goes_at_exit(short_tmp):
+    env = {**os.environ, "TMPDIR": str(short_tmp), "MONARCH_KERNEL_PREWARM": "0"}
     out = subprocess.run(
         [sys.executable, "-c", RESTARTED_LAUNCHER],
         env=env,
@@ -98,4 +98,31 @@ def test_the_launchers_directory_made_after_a_shutdown_goes_at_exit(tmp_path):
     second = out.stdout.split()[-1]
     assert os.path.basename(second).startswith("mk-launch-"), out.stdout
     assert not os.path.exists(second), os.listdir(second)
-    assert not [n for n in os.listdir(tmp_path) if n.startswith("mk-launch-")]
+    assert not [n for n in os.listdir(short_tmp) if n.startswith("mk-launch-")]
+
+
+#: A program that starts a mesh and calls it, printing the launcher's directory.
+A_MESH = """
+from monarch_kernel.actor import this_host
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+print(procs.runtime.launcher._dir, flush=True)
+procs.stop()
+"""
+
+
+def test_a_temporary_directory_too_long_for_sockets_moves_them_to_tmp(tmp_path):
+    """A ``$TMPDIR`` whose path leaves no room for a unix socket's (107 bytes): the
+    agent exited with zmq's "ipc path is longer than 107 characters". The launcher's
+    directory goes to /tmp instead; the mesh starts, and its directory goes at exit."""
+    deep = tmp_path / ("t" * max(1, 90 - len(str(tmp_path))))
+    deep.mkdir()
+    assert len(str(deep)) >= 90
+    env = {**os.environ, "TMPDIR": str(deep), "MONARCH_KERNEL_PREWARM": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", A_MESH], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    made = out.stdout.split()[-1]
+    assert os.path.dirname(made) == "/tmp" and os.path.basename(made).startswith("mk-launch-")
+    assert not os.path.exists(made)
+    assert not os.listdir(deep)

@@ -347,7 +347,7 @@ def _send_twice(desk: str, frames: list, codec: Codec) -> tuple:
     return answers[0], answers[1]
 
 
-def test_an_agent_cleans_up_however_many_sigterms_come(tmp_path, monkeypatch):
+def test_an_agent_cleans_up_however_many_sigterms_come(short_tmp, monkeypatch):
     """A kernel killed outright ends its threads one by one, and its agents' parent-death
     signal (SIGTERM) comes again as each thread they were re-parented to ends. The first
     ends an agent; the others must not cut its clean-up short (they did: the agent ended
@@ -357,7 +357,7 @@ def test_an_agent_cleans_up_however_many_sigterms_come(tmp_path, monkeypatch):
 
     from monarch_kernel.launchers.local import LocalLauncher
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(short_tmp))
     launcher = LocalLauncher()
     try:
         launcher.prewarm(1)

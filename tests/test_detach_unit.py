@@ -215,7 +215,7 @@ def test_a_ranks_metric_history_spans_the_whole_run_in_bounded_memory(tmp_path):
         ctx.term()
 
 
-def test_the_shared_local_launcher_is_made_once_under_contention(tmp_path, monkeypatch):
+def test_the_shared_local_launcher_is_made_once_under_contention(short_tmp, monkeypatch):
     """The kernel's pre-warm thread and the first ``%mesh`` ask for the shared launcher
     at about the same time: one launcher (one ``mk-launch-*`` directory) must come of it.
     Two left one directory owned by the kernel alone, which no agent removed when the
@@ -226,7 +226,7 @@ def test_the_shared_local_launcher_is_made_once_under_contention(tmp_path, monke
 
     from monarch_kernel.launchers.local import LocalLauncher
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(short_tmp))
     monkeypatch.setattr(LocalLauncher, "_shared", None)
     start = threading.Barrier(8)
     got: list[LocalLauncher] = []
@@ -241,7 +241,7 @@ def test_the_shared_local_launcher_is_made_once_under_contention(tmp_path, monke
     for t in threads:
         t.join(30)
     assert len(got) == 8 and len({id(x) for x in got}) == 1
-    made = [n for n in os.listdir(tmp_path) if n.startswith("mk-launch-")]
+    made = [n for n in os.listdir(short_tmp) if n.startswith("mk-launch-")]
     assert len(made) == 1, made
     got[0].shutdown()
 

@@ -20,7 +20,6 @@ import pickle
 import shutil
 import signal
 import socket
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
@@ -83,7 +82,9 @@ class HostAgent:
         else:  # started by Ray, Slurm or a join command: ours to remove, and if we are
             # killed outright, the next agent or kernel on this machine sweeps it
             tempdirs.sweep()
-            self.private_dir = tempfile.mkdtemp(prefix=tempdirs.HOST_PREFIX)
+            self.private_dir = tempdirs.make_private_dir(
+                tempdirs.HOST_PREFIX, room=tempdirs.SOCKET_NAME_ROOM
+            )
             tempdirs.mark_owners(self.private_dir, [os.getpid()])
         self.template = Template(self.private_dir)
         self.pids: dict[int, int] = {}  # rank -> pid

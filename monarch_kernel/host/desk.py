@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from monarch_kernel.wire.desk import (
 )
 from monarch_kernel.wire.key_gate import KeyGate, close_gates, guard
 from monarch_kernel.wire.osutil import die_with_parent
-from monarch_kernel.wire.tempdirs import mark_owners
+from monarch_kernel.wire.tempdirs import SOCKET_NAME_ROOM, make_private_dir, mark_owners
 
 log = logging.getLogger("monarch_kernel.host")
 
@@ -55,7 +54,7 @@ def leave_launcher(private_dir: str) -> str:
     directory of its own (the one ``private_dir`` the launcher made goes with its
     kernel), its output logged there (``agent.log``); the new directory."""
     die_with_parent(0)  # signal 0: none
-    own = tempfile.mkdtemp(prefix="mk-detached-")
+    own = make_private_dir("mk-detached-", room=SOCKET_NAME_ROOM)
     mark_owners(own, [os.getpid()])
     shutil.rmtree(private_dir, ignore_errors=True)  # made for us, still unused
     log_fd = os.open(os.path.join(own, "agent.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

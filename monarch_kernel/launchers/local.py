@@ -29,7 +29,7 @@ import psutil
 
 from monarch_kernel.launchers.base import HostConfig, HostHandle
 from monarch_kernel.wire.osutil import tail_lines
-from monarch_kernel.wire.tempdirs import mark_owners, sweep
+from monarch_kernel.wire.tempdirs import LAUNCH_DIR_ROOM, make_private_dir, mark_owners, sweep
 
 T = TypeVar("T")
 
@@ -156,7 +156,7 @@ class LocalLauncher:
     def _new_dir() -> str:
         """The agents' directory (logs, private dirs), owned by this process and,
         as they start, by the agents (``wire.tempdirs``)."""
-        path = tempfile.mkdtemp(prefix="mk-launch-")
+        path = make_private_dir("mk-launch-", room=LAUNCH_DIR_ROOM)
         mark_owners(path, [os.getpid()])
         return path
 

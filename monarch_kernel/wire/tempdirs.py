@@ -25,6 +25,31 @@ OWNERS = ".mk-owners"
 HOST_PREFIX = "mk-host-"
 #: The directories :func:`sweep` looks at (by name prefix).
 SWEPT = ("mk-launch-", "mk-mesh-", "mk-detached-", HOST_PREFIX)
+#: A unix socket's path is at most this long (``sockaddr_un.sun_path`` less its NUL).
+SOCKET_PATH_MAX = 107
+#: Where a private directory goes when the temporary directory's path leaves too little
+#: of :data:`SOCKET_PATH_MAX` for the sockets in it (a long ``$TMPDIR``).
+SHORT_ROOT = "/tmp"
+#: What a private directory leaves for the names of the sockets in it: the longest is a
+#: rank's ``/c<rank>-<pid>`` (``/fanin``, ``/desk``, ``/pr<slot>`` and ``/dp<rank>-<pid>``
+#: are shorter or as long).
+SOCKET_NAME_ROOM = 20
+#: What a local launcher's directory leaves: an agent's ``/h-XXXXXXXX`` and its sockets.
+LAUNCH_DIR_ROOM = len("/h-XXXXXXXX") + SOCKET_NAME_ROOM
+
+
+def make_private_dir(prefix: str, room: int) -> str:
+    """A fresh 0700 directory ``<prefix>XXXXXXXX`` in the temporary directory, or in
+    :data:`SHORT_ROOT` where a path there would leave fewer than ``room`` bytes for the
+    socket names (and directories) that go in it: a unix socket's path is short, and
+    binding one with a longer path fails (the agent exited with zmq's "ipc path is
+    longer than 107 characters"). Both are swept (:func:`sweep`)."""
+    root = tempfile.gettempdir()
+    if len(os.path.join(root, prefix + "x" * 8)) + room > SOCKET_PATH_MAX and os.path.isdir(
+        SHORT_ROOT
+    ):
+        root = SHORT_ROOT
+    return tempfile.mkdtemp(prefix=prefix, dir=root)
 
 
 def _started(pid: int) -> float | None:
@@ -76,8 +101,10 @@ def owned_by_nobody(path: str) -> bool:
 
 def sweep(root: str | None = None) -> list[str]:
     """Remove this user's directories under ``root`` (default: the temporary
-    directory) whose owners are all gone; the removed paths."""
-    root = root or tempfile.gettempdir()
+    directory, and :data:`SHORT_ROOT`) whose owners are all gone; the removed paths."""
+    if root is None:
+        roots = dict.fromkeys((tempfile.gettempdir(), SHORT_ROOT))
+        return [path for r in roots if os.path.isdir(r) for path in sweep(r)]
     removed: list[str] = []
     try:
         names = os.listdir(root)
