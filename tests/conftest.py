@@ -71,14 +71,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid} is in more than one lane: {sorted(lanes)}")
         if not lanes:
             item.add_marker(UNMARKED_LANES.get(item.path.name, "local"))
-        if _uses_a_session_cluster(item):
-            item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
+        group = CLUSTER_GROUP if _uses_a_session_cluster(item) else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
-#: ``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``). The
-#: session's Ray cluster and the Slurm clusters (one ``munged``, which the first cluster
-#: started and stops) are each one per machine: every test that uses either runs on one
-#: worker, so one Ray cluster serves them all and no two Slurm clusters overlap.
+#: ``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``). A
+#: module's tests run on one worker, in order: a module-scoped kernel or mesh is started
+#: once, and a test may build on what an earlier one left in it. The session's Ray
+#: cluster and the Slurm clusters (one ``munged``, which the first cluster started and
+#: stops) are each one per machine: every test that uses either runs on one worker, so
+#: one Ray cluster serves them all and no two Slurm clusters overlap.
 CLUSTER_GROUP = "ray-and-slurm"
 
 

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,16 @@ class SlurmCluster:
                 self.run("scancel", job)
         except (OSError, subprocess.SubprocessError):
             pass  # the controller is gone already: there is nothing to cancel
+        # A daemon of ours that ended before we stopped it made the tests fail in ways
+        # that do not name it ("Munge encode failed"): say which, and how it ended.
+        for p in [*self.procs, *self.net.procs]:
+            if p.poll() is not None:
+                name = p.args[0] if isinstance(p.args, list) else p.args
+                warnings.warn(
+                    f"Slurm test cluster: {os.path.basename(str(name))} (pid {p.pid}) "
+                    f"ended before the cluster was stopped, with status {p.returncode}",
+                    stacklevel=1,
+                )
         # slurmds first (they may still be reporting to the controller), then the rest.
         _stop(self.net.procs)
         _stop(self.procs)
