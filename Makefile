@@ -47,10 +47,10 @@ lab: setup
 
 # Lint first: CI enforces style and types before the (slower) tests run. Two pytest-xdist
 # workers: most tests wait on kernels, ranks and sockets, and one worker left a 2-core
-# machine half idle (tests/conftest.py keeps the Ray and Slurm tests on one worker).
-# PYTEST_WORKERS=0 runs the suite in one process.
+# machine half idle. tests/conftest.py schedules them: a module's tests on one worker, in
+# order, and the Ray and Slurm modules together. PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
 test: lint
 	$(PY) -m pytest $(XDIST)

@@ -71,16 +71,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid} is in more than one lane: {sorted(lanes)}")
         if not lanes:
             item.add_marker(UNMARKED_LANES.get(item.path.name, "local"))
-        group = CLUSTER_GROUP if _uses_a_session_cluster(item) else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
+        if _uses_a_session_cluster(item) and item.path.name not in CLUSTER_MODULES:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the session's Ray cluster or a Slurm cluster: add "
+                f"{item.path.name} to CLUSTER_MODULES in tests/conftest.py"
+            )
+    # those first: on two workers, the longest unit of work starts at once
+    items.sort(key=lambda item: item.path.name not in CLUSTER_MODULES)
 
 
-#: ``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``). A
-#: module's tests run on one worker, in order: a module-scoped kernel or mesh is started
-#: once, and a test may build on what an earlier one left in it. The session's Ray
-#: cluster and the Slurm clusters (one ``munged``, which the first cluster started and
-#: stops) are each one per machine: every test that uses either runs on one worker, so
-#: one Ray cluster serves them all and no two Slurm clusters overlap.
+#: The modules that use the session's Ray cluster or a Slurm cluster (one ``munged``,
+#: which the first cluster started and stops when its module ends): ``make test`` runs
+#: them on one pytest-xdist worker, one after another (see ``pytest_xdist_make_scheduler``).
+CLUSTER_MODULES = frozenset(
+    {
+        "test_ray.py",
+        "test_elastic_ray.py",
+        "test_detach_engines.py",
+        "test_slurm.py",
+        "test_elastic_slurm.py",
+    }
+)
 CLUSTER_GROUP = "ray-and-slurm"
 
 
@@ -89,6 +100,25 @@ def _uses_a_session_cluster(item: pytest.Item) -> bool:
     return "ray_session_cluster" in getattr(item, "fixturenames", ()) or hasattr(
         module, "slurm_cluster_fixture"
     )
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``make test`` runs the suite on two pytest-xdist workers. A unit of work is a
+    module, run on one worker in order (a module-scoped kernel or mesh is started once,
+    and a test may build on what an earlier one left in it), except that all of
+    :data:`CLUSTER_MODULES` are one unit: one Ray cluster serves them all and no two
+    Slurm clusters overlap. (xdist's own ``loadgroup`` cannot do this with this pytest:
+    it renames test ids through an attribute pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return CLUSTER_GROUP if os.path.basename(module) in CLUSTER_MODULES else module
+
+    config.option.loadscopereorder = False  # the collection's order (cluster modules first)
+    return ModuleScheduling(config, log)
 
 
 def project_processes() -> list[psutil.Process]:
