@@ -15,12 +15,18 @@ from jupyter_client.provisioning import LocalProvisioner
 
 
 def ensure_kernelspec() -> None:
-    """Install the monarch kernelspec into this environment (idempotent)."""
+    """Install the monarch kernelspec into this environment (idempotent). One process
+    at a time: ``make test``'s two pytest-xdist workers both install it as they collect,
+    and jupyter_client's install (remove, then copy) of one failed on the other's copy."""
+    import fcntl
+    import os
     import sys
 
     from monarch_kernel.kernel.install import install
 
-    install(prefix=sys.prefix)
+    with open(os.path.join(sys.prefix, ".mk-kernelspec.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        install(prefix=sys.prefix)
 
 
 @dataclass
