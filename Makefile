@@ -58,7 +58,7 @@ test: lint
 # The lanes (pytest markers, README "Fast lane"), without lint: test-fast is everything
 # that needs no cluster and no browser (unit + local), test-unit the pure-Python tests.
 test-fast: setup
-	$(PY) -m pytest -m "not cluster and not browser"
+	$(PY) -m pytest $(XDIST) -m "not cluster and not browser"
 
 test-unit: setup
 	$(PY) -m pytest -m unit
