@@ -101,7 +101,7 @@ def test_the_launchers_directory_made_after_a_shutdown_goes_at_exit(short_tmp):
     assert not [n for n in os.listdir(short_tmp) if n.startswith("mk-launch-")]
 
 
-#: A program that starts a mesh and calls it, printing the launcher's directory.
+#: A program that starts a mesh and stops it, printing the launcher's directory.
 A_MESH = """
 from monarch_kernel.actor import this_host
 procs = this_host().spawn_procs(per_host={"gpus": 2})
