@@ -31,8 +31,8 @@ SOCKET_PATH_MAX = 107
 #: of :data:`SOCKET_PATH_MAX` for the sockets in it (a long ``$TMPDIR``).
 SHORT_ROOT = "/tmp"
 #: What a private directory leaves for the names of the sockets in it: the longest is a
-#: rank's ``/c<rank>-<pid>`` (``/fanin``, ``/desk``, ``/pr<slot>`` and ``/dp<rank>-<pid>``
-#: are shorter or as long).
+#: rank's data socket ``/dp<rank>-<pid>`` (16 bytes at 99,999 ranks and 7-digit pids;
+#: ``/c<rank>-<pid>``, ``/fanin``, ``/desk`` and ``/pr<slot>`` are shorter).
 SOCKET_NAME_ROOM = 20
 #: What a local launcher's directory leaves: an agent's ``/h-XXXXXXXX`` and its sockets.
 LAUNCH_DIR_ROOM = len("/h-XXXXXXXX") + SOCKET_NAME_ROOM
