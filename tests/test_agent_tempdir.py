@@ -101,19 +101,39 @@ def test_the_launchers_directory_made_after_a_shutdown_goes_at_exit(short_tmp):
     assert not [n for n in os.listdir(short_tmp) if n.startswith("mk-launch-")]
 
 
-#: A program that starts a mesh and stops it, printing the launcher's directory.
+#: A program that starts a mesh, has rank 1 fetch a tensor rank 0 shares (the ranks'
+#: data-plane sockets) and stops it, printing the launcher's directory, the controller's
+#: socket directory and the address its ranks send to.
 A_MESH = """
-from monarch_kernel.actor import this_host
+import torch
+import monarch_kernel
+from monarch_kernel.actor import Actor, endpoint, this_host
+
+class Sharer(Actor):
+    @endpoint
+    def share(self):
+        return monarch_kernel.share(torch.arange(4.0))
+
+    @endpoint
+    def fetch(self, ref):
+        return ref.get().tolist()
+
 procs = this_host().spawn_procs(per_host={"gpus": 2})
-print(procs.runtime.launcher._dir, flush=True)
+actors = procs.spawn("sharer", Sharer)
+ref = actors.slice(gpus=0).share.call_one().get()
+assert actors.slice(gpus=1).fetch.call_one(ref).get() == [0.0, 1.0, 2.0, 3.0]
+rt = procs.runtime
+print(rt.launcher._dir, rt.transport.ipc_dir, rt.transport.recv_addr, flush=True)
 procs.stop()
 """
 
 
 def test_a_temporary_directory_too_long_for_sockets_moves_them_to_tmp(tmp_path):
     """A ``$TMPDIR`` whose path leaves no room for a unix socket's (107 bytes): the
-    agent exited with zmq's "ipc path is longer than 107 characters". The launcher's
-    directory goes to /tmp instead; the mesh starts, and its directory goes at exit."""
+    agent exited with zmq's "ipc path is longer than 107 characters", and the controller
+    fell back to tcp. The launcher's and the controller's directories go to /tmp
+    instead; the mesh starts on unix sockets, its ranks reach each other, and the
+    directories go at exit."""
     deep = tmp_path / ("t" * max(1, 90 - len(str(tmp_path))))
     deep.mkdir()
     assert len(str(deep)) >= 90
@@ -122,7 +142,10 @@ def test_a_temporary_directory_too_long_for_sockets_moves_them_to_tmp(tmp_path):
         [sys.executable, "-c", A_MESH], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    made = out.stdout.split()[-1]
+    made, controller, recv = out.stdout.split()[-3:]
     assert os.path.dirname(made) == "/tmp" and os.path.basename(made).startswith("mk-launch-")
-    assert not os.path.exists(made)
+    assert os.path.dirname(controller) == "/tmp", controller
+    assert os.path.basename(controller).startswith("mk-mesh-")
+    assert recv == f"ipc://{controller}/recv"
+    assert not os.path.exists(made) and not os.path.exists(controller)
     assert not os.listdir(deep)

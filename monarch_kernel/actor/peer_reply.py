@@ -9,26 +9,27 @@ import contextlib
 import os
 import shutil
 import sys
-import tempfile
 
 from monarch_kernel.rank import context
 from monarch_kernel.wire import peer_address
 from monarch_kernel.wire.netaddr import route_source
+from monarch_kernel.wire.tempdirs import PEER_PREFIX, make_private_dir, mark_owners
 
 
 def reply_path() -> str:
     """A unix socket path for replies, in a 0700 directory (only we can connect): in a
-    rank the host agent's private one (removed with the agent), else a temporary one
-    removed at exit."""
+    rank the host agent's private one (removed with the agent), else a private one of
+    this process's, removed at exit (and swept if it is killed). Either leaves room for
+    a socket's name under a long ``$TMPDIR`` (``wire.tempdirs.make_private_dir``)."""
     rt = context.services()
     if rt is not None:
-        from monarch_kernel.rank.dataplane import private_dir
+        from monarch_kernel.rank.dataplane_common import socket_path
 
-        path = os.path.join(private_dir(rt.config), f"c{rt.rank}-{os.getpid()}")
-        if len(path) <= 100:  # a unix socket path is at most 107 bytes
-            atexit.register(_unlink, path)
-            return path
-    d = tempfile.mkdtemp(prefix="mk-peer-")
+        path = socket_path(rt.config, f"c{rt.rank}-{os.getpid()}")
+        atexit.register(_unlink, path)
+        return path
+    d = make_private_dir(PEER_PREFIX, len("/r"))
+    mark_owners(d, [os.getpid()])
     atexit.register(shutil.rmtree, d, True)
     return os.path.join(d, "r")
 

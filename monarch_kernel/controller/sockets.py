@@ -6,14 +6,13 @@ and re-binding, and the inproc sockets that wake the receiving thread. Used by
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 
 import zmq
 
 from monarch_kernel.wire.ports import bind_port
-from monarch_kernel.wire.tempdirs import mark_owners
+from monarch_kernel.wire.tempdirs import make_private_dir, mark_owners
 
 #: Seconds a controller that attaches to a tcp mesh retries binding its addresses (the
 #: kernel it took the mesh from with ``--force`` closes them a moment later).
@@ -53,14 +52,18 @@ def wake_socket(ctx: zmq.Context[zmq.Socket[bytes]], ident: bytes, addr: str) ->
     return sock
 
 
+#: The names of the controller's unix sockets in its directory (``/send``, ``/recv``).
+CONTROLLER_SOCKET_ROOM = len("/send")
+
+
 def private_ipc_dir() -> str | None:
-    """A fresh 0700 directory for the controller's unix sockets (None: use tcp)."""
+    """A fresh 0700 directory for the controller's unix sockets (None: this libzmq has
+    no ipc, use tcp). Under a temporary directory too long for a socket's path it is
+    made in ``/tmp`` (:func:`~monarch_kernel.wire.tempdirs.make_private_dir`): the mesh
+    keeps unix sockets, unencrypted and private, instead of falling back to tcp."""
     if not zmq.has("ipc"):
         return None
-    path = tempfile.mkdtemp(prefix="mk-mesh-")
-    if len(path) > 90:  # unix socket paths are limited to about 100 bytes
-        os.rmdir(path)
-        return None
+    path = make_private_dir("mk-mesh-", CONTROLLER_SOCKET_ROOM)
     mark_owners(path, [os.getpid()])  # swept once its owners are gone (wire.tempdirs)
     return path
 

@@ -45,6 +45,7 @@ from monarch_kernel.rank.dataplane_common import (
     counters,
     host_addr,
     private_dir,
+    socket_path,
 )
 from monarch_kernel.rank.dataplane_ref import TensorRef
 from monarch_kernel.rank.dataplane_server import Nonces, Server
@@ -61,6 +62,7 @@ __all__ = [
     "host_addr",
     "private_dir",
     "share",
+    "socket_path",
 ]
 
 # Older names, still imported by tests.

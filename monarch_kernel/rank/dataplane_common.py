@@ -6,12 +6,18 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import tempfile
 from typing import Protocol
 
 from monarch_kernel.rank import peer_keys
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.wire.netaddr import is_loopback, route_source
+from monarch_kernel.wire.tempdirs import (
+    DATAPLANE_PREFIX,
+    SOCKET_NAME_ROOM,
+    SOCKET_PATH_MAX,
+    make_private_dir,
+    mark_owners,
+)
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 #: CPU tensors this size or larger are placed in shared memory at ``share()`` time (when
@@ -83,16 +89,35 @@ def counters() -> dict[str, int]:
 
 def private_dir(cfg: RankConfig) -> str:
     """The host agent's private 0700 directory (where rank logs live), else our own
-    (made once, removed at exit)."""
-    global _own_dir
+    (:func:`own_dir`)."""
     log = cfg.log
     if log:
         d = os.path.dirname(log)
         st = os.stat(d)
         if st.st_uid == os.getuid() and st.st_mode & 0o077 == 0:
             return d
+    return own_dir()
+
+
+def socket_path(cfg: RankConfig, name: str) -> str:
+    """Where this rank's unix socket ``name`` goes: in :func:`private_dir`, or in our
+    own directory when that path would be too long for a unix socket (a host agent's
+    directory deep in a long ``$TMPDIR``)."""
+    path = os.path.join(private_dir(cfg), name)
+    if len(path) <= SOCKET_PATH_MAX:
+        return path
+    return os.path.join(own_dir(), name)
+
+
+def own_dir() -> str:
+    """This rank's own private 0700 directory ``mk-dp-*``, made once: in the temporary
+    directory, or in ``/tmp`` where that leaves no room for a socket's name
+    (:func:`~monarch_kernel.wire.tempdirs.make_private_dir`). Removed at exit, and
+    swept by the next kernel or host agent if this process is killed."""
+    global _own_dir
     if _own_dir is None:
-        _own_dir = tempfile.mkdtemp(prefix="mk-dp-")  # mode 0700
+        _own_dir = make_private_dir(DATAPLANE_PREFIX, SOCKET_NAME_ROOM)
+        mark_owners(_own_dir, [os.getpid()])
         atexit.register(shutil.rmtree, _own_dir, True)
     return _own_dir
 

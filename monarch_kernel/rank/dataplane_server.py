@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -25,7 +24,7 @@ from monarch_kernel.rank.dataplane_common import (
     SHM_MIN_BYTES,
     counters_,
     host_addr,
-    private_dir,
+    socket_path,
     write_all,
 )
 from monarch_kernel.rank.dataplane_ref import TensorRef
@@ -101,10 +100,7 @@ class Server:
         self.sock.setsockopt(zmq.LINGER, 0)
         limit_size(self.sock)
         name = f"dp{self.rank}-{os.getpid()}"
-        path = os.path.join(private_dir(cfg), name)
-        if len(path) > 100:  # a unix socket path is at most 107 bytes
-            path = os.path.join(tempfile.mkdtemp(prefix="mk-dp-", dir="/tmp"), name)
-        self.ipc = f"ipc://{path}"
+        self.ipc = f"ipc://{socket_path(cfg, name)}"
         self.sock.bind(self.ipc)
         self.address = ""
         self.curve_public = ""

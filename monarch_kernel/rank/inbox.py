@@ -86,15 +86,12 @@ def bind_peer(sock: zmq.Socket[bytes], cfg: RankConfig) -> PeerAddress:
     host agent's private (0700) directory and, when the mesh may span machines (its
     sockets use CURVE), a CURVE TCP socket on this host's address that admits the
     mesh's peer key only (``rank.peer_keys``)."""
-    from monarch_kernel.rank.dataplane import host_addr, private_dir
+    from monarch_kernel.rank.dataplane_common import host_addr, socket_path
 
     # The same path (and TCP port and key, see the controller's rank specs) after a
-    # restart: references to this rank held by other ranks reach it again.
-    path = os.path.join(private_dir(cfg), f"pr{cfg.slot}")
-    if len(path) > 100:  # a unix socket path is at most 107 bytes
-        import tempfile
-
-        path = os.path.join(tempfile.mkdtemp(prefix="mk-pr-", dir="/tmp"), f"pr{cfg.slot}")
+    # restart: references to this rank held by other ranks reach it again. (A host
+    # agent's directory always leaves room for it: ``wire.tempdirs.make_private_dir``.)
+    path = socket_path(cfg, f"pr{cfg.slot}")
     tcp_host = host_addr(cfg) if cfg.curve_secret else ""
     return peer_address.bind(
         sock,

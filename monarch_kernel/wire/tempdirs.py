@@ -1,11 +1,13 @@
 """Our temporary directories know who owns them, so that none outlives its owners.
 
 A controller's sockets (``mk-mesh-*``), a local launcher's agents (``mk-launch-*``), a
-host agent started by Ray, Slurm or a join command (``mk-host-*``) and a detachable
-mesh's agent (``mk-detached-*``) each live in a private directory under the temporary
-directory. Their owners remove them on the way out; a process killed outright
-cannot, so each directory carries a small file naming its owner processes (pid and
-start time, so that a recycled pid is not taken for an owner). :func:`sweep` (run by
+host agent started by Ray, Slurm or a join command (``mk-host-*``), a detachable
+mesh's agent (``mk-detached-*``), a rank without a host agent's directory (``mk-dp-*``)
+and the kernel's reply socket for calls to ranks (``mk-peer-*``) each live in a private
+directory under the temporary directory (or ``/tmp``, see :func:`make_private_dir`).
+Their owners remove them on the way out; a process killed outright cannot, so each
+directory carries a small file naming its owner processes (pid and start time, so
+that a recycled pid is not taken for an owner). :func:`sweep` (run by
 the next kernel, and by the next such host agent) removes the directories of this
 user whose owners are all gone.
 """
@@ -23,8 +25,14 @@ from collections.abc import Iterable
 OWNERS = ".mk-owners"
 #: The private directory of a host agent that no local launcher made for it.
 HOST_PREFIX = "mk-host-"
+#: A rank's own directory for its data-plane socket, where it has no host agent's
+#: (``monarch_kernel.rank.dataplane_common.own_dir``).
+DATAPLANE_PREFIX = "mk-dp-"
+#: The reply socket's directory of a process that is not a rank (the notebook's
+#: kernel calling ranks directly: ``monarch_kernel.actor.peer_reply``).
+PEER_PREFIX = "mk-peer-"
 #: The directories :func:`sweep` looks at (by name prefix).
-SWEPT = ("mk-launch-", "mk-mesh-", "mk-detached-", HOST_PREFIX)
+SWEPT = ("mk-launch-", "mk-mesh-", "mk-detached-", HOST_PREFIX, DATAPLANE_PREFIX, PEER_PREFIX)
 #: A unix socket's path is at most this long (``sockaddr_un.sun_path`` less its NUL).
 SOCKET_PATH_MAX = 107
 #: Where a private directory goes when the temporary directory's path leaves too little
