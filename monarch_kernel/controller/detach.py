@@ -69,6 +69,11 @@ class Detacher:
         self._started: dict[str, JobRecord] = {}  # request id -> it, while it may run
         self._written: tuple[object, ...] | None = None
         self._lock = threading.Lock()
+        # Held from a snapshot to its write: the watch thread and a cell that changes
+        # the recipe both save, and without it a snapshot taken before a setup cell was
+        # registered could be written after the one that has it (a kernel killed then
+        # leaves a file whose restarts skip that cell).
+        self._save_lock = threading.Lock()
         self._wake = threading.Event()  # a cell started: write the file now
 
     # -- the file --------------------------------------------------------------------
@@ -130,7 +135,12 @@ class Detacher:
             self._started[record.request] = record
 
     def save(self, force: bool = False) -> None:
-        """Write the file if what it says changed (or ``force``)."""
+        """Write the file if what it says changed (or ``force``); the last write is of
+        the newest snapshot."""
+        with self._save_lock:
+            self._save(force)
+
+    def _save(self, force: bool) -> None:
         snap = self.snapshot()
         fingerprint = (
             [(h.pid, h.desk) for h in snap.hosts],
