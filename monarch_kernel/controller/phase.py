@@ -7,7 +7,8 @@ changes a rank's or host's state calls :meth:`MeshLifecycle.notify`.
 
 Invariants: the phase changes only with ``cv`` held; a change is announced
 (:class:`~.events.MeshPhaseChanged`) after ``cv`` is released, never under it; once
-STOPPING, the phase only moves on to STOPPED (a stop wins over a restart ending).
+STOPPING, the phase only moves on to STOPPED (a stop wins over a restart ending);
+while a recovery is held (:meth:`MeshLifecycle.hold_recovery`), RECOVERING does not end.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class MeshLifecycle:
         self._events = events
         self.phase = MeshPhase.STARTING
         self.cv = threading.Condition()
+        #: Recoveries announced but not yet run (see :meth:`hold_recovery`).
+        self._held = 0
 
     def notify(self) -> None:
         """Wake threads waiting for ranks or hosts to change state (start, restart)."""
@@ -56,13 +59,30 @@ class MeshLifecycle:
         self.announce()
 
     def end_recovery(self) -> None:
-        """RECOVERING -> RUNNING, waking requests that wait for it; a stop meanwhile
-        wins. Announces the phase either way."""
+        """RECOVERING -> RUNNING, waking requests that wait for it, unless a recovery is
+        held (it has not run yet); a stop meanwhile wins. Announces the phase either way."""
         with self.cv:
-            if self.phase is MeshPhase.RECOVERING:
+            if self.phase is MeshPhase.RECOVERING and not self._held:
                 self.phase = MeshPhase.RUNNING
                 self.cv.notify_all()
         self.announce()
+
+    def hold_recovery(self) -> None:
+        """Enter RECOVERING (from RUNNING) for a recovery that another thread will run,
+        and stay there until :meth:`release_recovery`: another recovery that ends first
+        (it holds the restart lock meanwhile) must not let a request through to ranks
+        this one has not re-formed yet."""
+        with self.cv:
+            if self.phase is MeshPhase.RUNNING:
+                self.phase = MeshPhase.RECOVERING
+            self._held += 1
+        self.announce()
+
+    def release_recovery(self) -> None:
+        """The held recovery ran (or failed): end RECOVERING if no other is held."""
+        with self.cv:
+            self._held -= 1
+        self.end_recovery()
 
     def begin_stop(self) -> bool:
         """Enter STOPPING (False if the mesh already ended); waiters give up."""

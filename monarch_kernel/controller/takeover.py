@@ -169,7 +169,9 @@ class Attached:
         with rt.lifecycle.cv:  # told (so the next request waits for the policy's restart)
             rt.lifecycle.cv.wait_for(lambda: all(not i.alive for i in ended), WELCOME_TIMEOUT)
         if self.restarted:
-            rt.lifecycle.begin_recovery()  # from now: the next request waits for it
+            # From now the next request waits for the re-forming, even if a restart of
+            # the failure policy (ranks that ended meanwhile) runs and ends first.
+            rt.lifecycle.hold_recovery()
             threading.Thread(target=self._reform, name="mk-attach-reform", daemon=True).start()
         return welcome
 
@@ -180,7 +182,8 @@ class Attached:
             self.runtime.recover(ranks, reason=why)
         except Exception:  # the failure is on the mesh (recovery_error), for the notebook
             log.exception("mesh %s: re-forming ranks %s failed", self.runtime.name, ranks)
-            self.runtime.lifecycle.end_recovery()
+        finally:
+            self.runtime.lifecycle.release_recovery()
 
     def _lost_incarnation(self, rank: int, status: RankStatus) -> RankDiedError:
         host = self.file.hosts[self.file.ranks[rank].host]
