@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
+from helpers import wait_until
 
 pytestmark = pytest.mark.local
 
@@ -25,8 +28,11 @@ from monarch_kernel.controller import attach_file
 from monarch_kernel.controller.detach import detacher_of, recipe_changed
 from monarch_kernel.controller.records import SetupCell
 
-procs = this_host().spawn_procs(per_host={"gpus": 1}, name="race", detachable=True)
+procs = this_host().spawn_procs(
+    per_host={"gpus": 1}, name="race", detachable=True, keep="60s"
+)
 rt = procs.runtime
+print(json.dumps([h.pid for h in rt.hosts] + [r.pid for r in rt.ranks]), flush=True)
 detacher = detacher_of(rt)
 snapped, go = threading.Event(), threading.Event()
 snapshot = detacher.snapshot
@@ -72,9 +78,40 @@ def test_a_setup_cell_registered_during_a_save_is_in_the_file_at_the_end(short_t
         "JUPYTER_RUNTIME_DIR": str(runtime),
         "MONARCH_KERNEL_PREWARM": "0",
     }
-    out = subprocess.run(
-        [sys.executable, "-c", RACE], env=env, capture_output=True, text=True, timeout=180
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RACE],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.splitlines()[-1]) == ["lr = 0.1"]
-    assert not os.listdir(runtime)  # the stopped mesh's file is gone
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # its host agent's and rank's pids, once started
+        if line:
+            pids = [pid for pid in json.loads(line) if isinstance(pid, int) and pid > 1]
+            assert len(pids) == 2, line  # the agent and the rank
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        assert json.loads(out.splitlines()[-1]) == ["lr = 0.1"]
+        assert not os.listdir(runtime)  # the stopped mesh's file is gone
+        # a detachable mesh outlives its controller: this one was stopped, so nothing
+        wait_until(lambda: not _alive(pids), timeout=30, what="the mesh's processes to end")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        for pid in _alive(pids):  # started by this test's program: never left running
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
