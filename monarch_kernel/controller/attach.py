@@ -3,9 +3,10 @@ to one (take it over), stop one.
 
 Everything goes through the host agents' desks (:mod:`monarch_kernel.wire.desk`), with
 what the mesh's attach file (:mod:`.attach_file`) says: a request signed with the
-mesh's key, one answer per agent. An agent that does not answer is gone; a mesh none of
-whose agents answers has ended (its ``--keep`` ran out, or it was stopped), and its
-file is removed.
+mesh's key, one answer per agent. Whether a mesh has ended is never judged by an answer
+coming late (a loaded machine can starve an agent for seconds): a mesh has ended when
+none of its agents' desks takes connections any more (its ``--keep`` ran out, it was
+stopped, or its agents were killed), and only then is its file removed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zmq
 
@@ -94,6 +95,24 @@ class DeskClient:
             for h in self.file.hosts
         }
 
+    def ended(self) -> bool:
+        """Whether every agent of the mesh is gone (no desk takes connections)."""
+        return not any(desk_listens(h.desk) for h in self.file.hosts)
+
+
+def find_detached(name: str) -> AttachFile | None:
+    """The attach file of detached mesh ``name`` if the mesh runs (some agent's desk
+    takes connections, however busy that agent is); None if there is none. The file of
+    a mesh that has ended is removed."""
+    try:
+        file = attach_file.read(attach_file.file_for(name))
+    except (AttachFileError, ValueError):
+        return None
+    if DeskClient(file).ended():
+        file.remove()
+        return None
+    return file
+
 
 def read_file(name: str | None, path: str | None = None) -> AttachFile:
     """The attach file of detached mesh ``name`` (or at ``path``, a copy from another
@@ -130,7 +149,7 @@ def attach(name: str | None, *, path: str | None = None, force: bool = False) ->
     if len(accepted) < len(replies):
         if accepted:
             _release(client, accepted)
-        raise _refusal(file, replies, own=path is None)
+        raise _refusal(client, replies, own=path is None)
     holders = [r.holder for r in accepted.values() if r.holder is not None]
     try:
         adopted = adopt(file, accepted)
@@ -163,13 +182,26 @@ def _release(client: DeskClient, accepted: dict[int, DeskReply]) -> None:
 
 
 def _refusal(
-    file: AttachFile, replies: dict[int, DeskReply | None], own: bool = True
+    client: DeskClient, replies: dict[int, DeskReply | None], own: bool = True
 ) -> AttachError:
-    """Why the agents did not all accept (``own``: ``file`` is the one in this
-    machine's runtime directory, which goes when no agent answers; a copy given with
+    """Why the agents did not all accept (``own``: the file is the one in this
+    machine's runtime directory, which goes once no agent runs; a copy given with
     ``--from`` is left alone, as it may be a stale or forged one)."""
+    file = client.file
     name = file.name
-    if all(r is None for r in replies.values()):
+    for r in replies.values():
+        if r is not None and not r.ok:
+            return AttachError(f"cannot attach mesh {name!r}: {r.error}")
+    silent = [h for h, r in replies.items() if r is None]
+    hosts = {h.index: h for h in file.hosts}
+    running = [h for h in silent if desk_listens(hosts[h].desk)]
+    if running:  # there, but too busy (or stopped) to answer in time: nothing is lost
+        return AttachError(
+            f"cannot attach mesh {name!r}: host agent(s) {running} run but did not answer "
+            f"within {DESK_TIMEOUT:.0f}s (the machine is overloaded, or the agent is "
+            f"stopped); try %mesh attach {name} again"
+        )
+    if len(silent) == len(replies):
         if own:
             file.remove()
         return AttachError(
@@ -177,12 +209,8 @@ def _refusal(
             f"answers (it was stopped, no kernel attached within its --keep, or the file's "
             f"keys are not the mesh's)" + ("; its attach file was removed" if own else "")
         )
-    for r in replies.values():
-        if r is not None and not r.ok:
-            return AttachError(f"cannot attach mesh {name!r}: {r.error}")
-    gone = [h for h, r in replies.items() if r is None]
     return AttachError(
-        f"cannot attach mesh {name!r}: host agent(s) {gone} do not answer; "
+        f"cannot attach mesh {name!r}: host agent(s) {silent} are gone; "
         f"stop the mesh with %mesh stop {name}"
     )
 
@@ -196,14 +224,20 @@ def stop_detached(
     name = file.name
     client = DeskClient(file)
     replies = client.ask_all(DeskOp.STOP, force=force, grace=grace)
+    me = ControllerId.of_this_process()
+    for host in file.hosts:  # one that runs but was too busy to answer: once more
+        if replies[host.index] is None and desk_listens(host.desk):
+            replies[host.index] = client.ask(
+                host, DeskRequest(DeskOp.STOP, me, force, grace), DESK_TIMEOUT
+            )
     refused = [r for r in replies.values() if r is not None and not r.ok]
     if refused:
         raise AttachError(f"cannot stop mesh {name!r}: {refused[0].error}")
     deadline = time.monotonic() + grace + 10.0
     pids = [h.pid for h in file.hosts if replies.get(h.index) is not None]
-    while time.monotonic() < deadline and any(_runs(h) for h in file.hosts):
+    while time.monotonic() < deadline and any(desk_listens(h.desk) for h in file.hosts):
         time.sleep(0.05)
-    left = [h.pid for h in file.hosts if _runs(h)]
+    left = [h.pid for h in file.hosts if desk_listens(h.desk)]
     if not left:  # the engine's reservation (its own keeper releases it too)
         for record in {json.dumps(h.reservation, sort_keys=True) for h in file.hosts}:
             reservations.release(json.loads(record))
@@ -215,14 +249,6 @@ def stop_detached(
     if left:
         raise AttachError(f"mesh {name!r}: host agent(s) {left} did not exit in time")
     return f"mesh {name!r} stopped ({len(pids)} host agent(s) answered)"
-
-
-def _runs(host: HostEntry) -> bool:
-    """Whether ``host``'s agent still runs: its desk's unix socket is there, or (on
-    another machine) its tcp port takes connections."""
-    if host.desk.startswith("tcp://"):
-        return desk_listens(host.desk)
-    return os.path.exists(host.desk.removeprefix("ipc://"))
 
 
 @dataclass(frozen=True)
@@ -241,6 +267,9 @@ class DetachedMesh:
     running: tuple[str, ...]
     #: The backend, and what its engine reserves (``ray pg mk-x``, ``slurm job 12``).
     backend: str = ""
+    #: False: its agents run but none answered in time (a loaded machine, or an agent
+    #: stopped with SIGSTOP): what is above comes from its attach file alone.
+    answered: bool = True
 
 
 def list_detached() -> list[DetachedMesh]:
@@ -255,12 +284,15 @@ def list_detached() -> list[DetachedMesh]:
         live = registry.get(file.name)
         if live is not None and not live.state.ended:
             continue
-        replies = DeskClient(file).ask_all(DeskOp.STATUS, timeout=STATUS_TIMEOUT)
+        client = DeskClient(file)
+        replies = client.ask_all(DeskOp.STATUS, timeout=STATUS_TIMEOUT)
         answers = [r for r in replies.values() if r is not None and r.ok]
-        if not answers:
+        if answers:
+            rows.append(_row(file, answers))
+        elif client.ended():
             file.remove()
-            continue
-        rows.append(_row(file, answers))
+        else:
+            rows.append(replace(_row(file, []), answered=False))
     return rows
 
 

@@ -11,7 +11,13 @@ from IPython.core.error import UsageError
 from monarch_kernel.actor import ActorMesh, ProcMesh
 from monarch_kernel.actor.attach import actor_meshes
 from monarch_kernel.actor.hosts import watch_faults
-from monarch_kernel.controller.attach import AttachError, DetachedMesh, list_detached, read_file
+from monarch_kernel.controller.attach import (
+    AttachError,
+    DetachedMesh,
+    find_detached,
+    list_detached,
+    read_file,
+)
 from monarch_kernel.controller.attach import attach as attach_runtime
 from monarch_kernel.controller.attach import stop_detached as stop_detached_mesh
 from monarch_kernel.controller.attach_file import JobRecord
@@ -33,7 +39,8 @@ from monarch_kernel.wire.desk import describe_duration
 def check_detached_name(name: str) -> None:
     """Refuse ``%mesh NAME --detachable`` while a detached mesh of another kernel has
     that name (its attach file would be taken)."""
-    if any(m.name == name for m in list_detached()):
+    live = registry.get(name)
+    if (live is None or live.state.ended) and find_detached(name) is not None:
         raise UsageError(
             f"a detached mesh is already named {name!r}: attach it with %mesh attach {name}, "
             f"stop it with %mesh stop {name}, or choose another name"
@@ -158,7 +165,7 @@ def stop(args: list[str]) -> None:
     if registry.get(opts.name) is not None or registry.stopped(opts.name) is not None:
         mesh_admin.stop_mesh([opts.name])
         return
-    if not any(m.name == opts.name for m in list_detached()):
+    if find_detached(opts.name) is None:
         mesh_admin.stop_mesh([opts.name])  # its "no mesh named ..." error
         return
     try:
@@ -209,7 +216,9 @@ class MeshListing:
 
 
 def _row(m: DetachedMesh) -> tuple[str, ...]:
-    if m.holder is not None:
+    if not m.answered:
+        state = "not answering (the machine is overloaded, or its agent is stopped)"
+    elif m.holder is not None:
         state = f"held by {m.holder.describe()}"
     elif m.detached_for is not None:
         left = f", stops in {describe_duration(m.keep_left)}" if m.keep_left is not None else ""
@@ -220,7 +229,7 @@ def _row(m: DetachedMesh) -> tuple[str, ...]:
         m.name,
         m.shape,
         str(m.hosts),
-        f"{m.alive}/{m.world}",
+        f"{m.alive}/{m.world}" if m.answered else f"?/{m.world}",
         describe_duration(m.age),
         state,
         ", ".join(m.running) or "idle",

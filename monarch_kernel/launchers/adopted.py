@@ -73,7 +73,20 @@ class AdoptedHost:
 
 
 def desk_listens(desk: str, timeout: float = 0.5) -> bool:
-    """Whether the tcp desk ``tcp://ADDR:PORT`` takes connections (its agent runs)."""
+    """Whether the desk (``tcp://ADDR:PORT`` or ``ipc://PATH``) takes connections: its
+    agent runs. The operating system accepts a connection on a listening socket however
+    busy (or stopped) the agent is, and refuses one on the socket file a killed agent
+    left behind, so this does not depend on the agent answering in time."""
+    if desk.startswith("ipc://"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            try:
+                sock.connect(desk.removeprefix("ipc://"))
+            except TimeoutError:  # its listen backlog is full: it is there
+                return True
+            except OSError:  # no such file, or nothing listens on it
+                return False
+            return True
     addr, _, port = desk.removeprefix("tcp://").rpartition(":")
     try:
         with socket.create_connection((addr.strip("[]"), int(port)), timeout=timeout):

@@ -1,0 +1,110 @@
+"""A detached mesh whose host agent is slow to answer is still there: a late answer is
+never taken for a mesh that ended (whose attach file would then be removed, leaving its
+ranks running with no way back to them).
+
+The agent is stopped with SIGSTOP, the extreme of a loaded machine (the CI's
+``test_a_fast_loop_never_blocks_when_its_kernel_dies`` once lost its mesh so, to an
+agent starved for a second).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from conftest import pid_alive
+from detach_place import Place, ok
+from helpers import wait_until
+
+from monarch_kernel.controller.attach import DeskClient, stop_detached
+
+pytestmark = pytest.mark.local
+
+
+@pytest.fixture
+def place():
+    p = Place()
+    yield p
+    left, dirs = p.close()
+    assert not left, f"processes left behind: {left}"
+    assert not dirs, f"temporary directories left behind: {dirs}"
+
+
+def test_a_stopped_agents_mesh_is_kept_listed_and_attached_once_it_answers(place):
+    k1 = place.kernel()
+    ok(k1, "%mesh db --gpus 1 --detachable --keep 5m")
+    ok(k1, "%%remote db\nx = 41")
+    place.kill(k1)
+    agent = place.attach_file("db")["hosts"][0]["pid"]
+    pids = place.mesh_pids("db")
+    k2 = place.kernel()
+    os.kill(agent, signal.SIGSTOP)
+    try:
+        listed = ok(k2, "%mesh").text
+        assert "db" in listed and "not answering" in listed and "?/1" in listed, listed
+        assert os.path.exists(place.attach_path("db"))
+        r = k2.run("%mesh attach db")
+        assert "host agent(s) [0] run but did not answer" in r.stderr, r.text
+        assert "try %mesh attach db again" in r.stderr
+        r = k2.run("%mesh db --gpus 1 --detachable")
+        assert "a detached mesh is already named 'db'" in r.stderr, r.text
+        assert os.path.exists(place.attach_path("db"))
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    ok(k2, "%mesh attach db")
+    assert "{gpus=0}: 42" in ok(k2, "%%remote db\nx + 1").text
+    assert "mesh 'db' stopped" in ok(k2, "%mesh stop db").stdout
+    wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=30, what="the mesh to end")
+
+
+def test_stop_asks_again_an_agent_that_was_too_busy_to_answer(place, monkeypatch):
+    k1 = place.kernel()
+    ok(k1, "%mesh ds --gpus 1 --detachable --keep 5m")
+    place.kill(k1)
+    agent = place.attach_file("ds")["hosts"][0]["pid"]
+    pids = place.mesh_pids("ds")
+    asked: list[bool] = []
+    ask = DeskClient.ask
+
+    def ask_then_wake(self, host, req, timeout):  # the real ask; the agent runs on after
+        reply = ask(self, host, req, timeout)
+        asked.append(reply is not None)
+        os.kill(agent, signal.SIGCONT)
+        return reply
+
+    monkeypatch.setattr(DeskClient, "ask", ask_then_wake)
+    os.kill(agent, signal.SIGSTOP)
+    try:
+        said = stop_detached(None, path=place.attach_path("ds"))
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    assert asked == [False, True]  # not answered while stopped, then answered
+    assert said == "mesh 'ds' stopped (1 host agent(s) answered)"
+    wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=30, what="the mesh to end")
+    assert not os.path.exists(place.attach_path("ds"))
+
+
+def test_a_killed_agents_left_socket_is_not_taken_for_a_running_mesh(place):
+    k1 = place.kernel()
+    ok(k1, "%mesh dk --gpus 1 --detachable --keep 5m")
+    place.kill(k1)
+    f = place.attach_file("dk")
+    desk = f["hosts"][0]["desk"].removeprefix("ipc://")
+    for pid in place.mesh_pids("dk"):
+        os.kill(pid, signal.SIGKILL)
+    wait_until(
+        lambda: not any(pid_alive(p) for p in place.mesh_pids("dk")),
+        timeout=30,
+        what="the killed mesh to end",
+    )
+    assert os.path.exists(desk)  # a killed agent cannot remove its socket
+    k2 = place.kernel()
+    assert "dk" not in ok(k2, "%mesh").text
+    assert not os.path.exists(place.attach_path("dk"))
+    assert "no mesh named 'dk'" in k2.run("%mesh stop dk").stderr
+    # Its private directory stays behind (a killed agent cannot remove it): the next
+    # kernel's sweep removes it once its owners are gone; here the place does.
+    import shutil
+
+    shutil.rmtree(os.path.dirname(desk), ignore_errors=True)
