@@ -46,15 +46,31 @@ def test_every_op_computes_what_plain_gloo_computes():
         assert anysource.startswith("NotImplementedError") and "not supported" in anysource
 
 
+#: How a peer's abort reaches a rank whose own abort has not come yet (its timer fires
+#: later on a loaded machine): gloo's connection error, with what it means.
+PEER_ABORTED = "another rank aborted its process group, or died"
+
+
+def _released(left: dict, own: str) -> bool:
+    """Whether a blocked op was released by its rank's own abort (True: the error names
+    ``own``, the abort's reason) or, a moment earlier, by a peer's (False); fails the
+    test for anything else."""
+    if "ProcessGroupAborted" in left["left"] + left["error"]:  # (DDP wraps it)
+        assert own in left["error"], left
+        return True
+    assert left["left"] == "RuntimeError" and PEER_ABORTED in left["error"], left
+    return False
+
+
 def test_abort_releases_a_blocked_collective_and_backward_then_the_same_group_reforms():
     results = _run("abort")
+    by_own_abort = {"collective": 0, "backward": 0}
     for rank in range(WORLD):
         first, second = results[rank]
         assert first["pid"] == second["pid"]  # nothing was restarted
         blocked = first["collective"]
         if rank != 3:  # rank 3 never joined: the others were blocked until the abort
-            assert blocked["left"] == "ProcessGroupAborted", blocked
-            assert "rank 3 raised ValueError" in blocked["error"]
+            by_own_abort["collective"] += _released(blocked, "(rank 3 raised ValueError)")
             assert blocked["seconds"] < 0.5, blocked
         assert "aborted process group" in first["after_abort"]
         assert second["same_object"] and second["generation"] == 3
@@ -62,10 +78,13 @@ def test_abort_releases_a_blocked_collective_and_backward_then_the_same_group_re
         assert second["pair_sum"] == (2.0 if rank < 2 else None)  # a new_group group
         backward = second["backward"]
         if rank != 2:  # DDP's backward, waiting in C++ on the future, was released
-            assert "ProcessGroupAborted: the mesh aborted the process group" in backward["error"]
+            own = "ProcessGroupAborted: the mesh aborted the process group (interrupted)"
+            by_own_abort["backward"] += _released(backward, own)
             assert backward["seconds"] < 0.5, backward
         assert second["repaired"] == 1
         assert second["replicas_identical"], second
+    # The first rank to abort is released by its own abort: the late rank aborts last.
+    assert by_own_abort["collective"] >= 1 and by_own_abort["backward"] >= 1, by_own_abort
 
 
 def test_a_dead_worker_fails_its_ops_clearly_and_the_group_reforms():

@@ -159,13 +159,16 @@ def exchange_port(rank: int) -> int:
     return int(store.get("mk-test-port"))
 
 
-def blocked(call: object, late: int, reason: str) -> dict[str, object]:
+def blocked(call: object, late: int, reason: str, tag: str) -> dict[str, object]:
     """Every rank but ``late`` runs ``call`` (it blocks: ``late`` never joins) and aborts
-    its group 0.3 s later; how each left it."""
-    rank = dist.get_rank()
+    its group 0.3 s later; ``late`` aborts once they all have (through the rendezvous
+    store, so that the others are released by an abort of theirs, never by ``late``'s
+    alone); how each left it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
     group = default_group()
     if rank == late:
-        time.sleep(0.5)
+        store.wait([f"mk-test-aborted-{tag}-{r}" for r in range(world) if r != late])
         group.abort(reason)
         return {"left": "late rank", "seconds": 0.0, "error": ""}
     aborted_at: list[float] = []
@@ -173,6 +176,7 @@ def blocked(call: object, late: int, reason: str) -> dict[str, object]:
     def abort() -> None:
         aborted_at.append(time.monotonic())
         group.abort(reason)
+        store.set(f"mk-test-aborted-{tag}-{rank}", "1")
 
     timer = threading.Timer(0.3, abort)
     timer.start()
@@ -198,7 +202,7 @@ def abort_and_reform() -> None:
         ddp(torch.randn(8, 16)).sum().backward()
         opt.step()
     t = torch.ones(1)
-    collective = blocked(lambda: dist.all_reduce(t), 3, "rank 3 raised ValueError")
+    collective = blocked(lambda: dist.all_reduce(t), 3, "rank 3 raised ValueError", "collective")
     after = ""
     try:
         dist.all_reduce(torch.ones(1))
@@ -215,7 +219,9 @@ def abort_and_reform() -> None:
     if rank < 2:
         dist.all_reduce(y, group=pair)
     # a backward (C++ waiting on the future) cut short by the abort
-    backward = blocked(lambda: ddp(torch.randn(8, 16)).sum().backward(), 2, "interrupted")
+    backward = blocked(
+        lambda: ddp(torch.randn(8, 16)).sum().backward(), 2, "interrupted", "backward"
+    )
     group.configure(os.environ["MASTER_ADDR"], exchange_port(rank), rank, world)
     repaired = replicas.repair_ddp(pg_backend.groups())
     for _ in range(3):
