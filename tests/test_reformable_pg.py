@@ -46,6 +46,10 @@ def test_every_op_computes_what_plain_gloo_computes():
         assert anysource.startswith("NotImplementedError") and "not supported" in anysource
 
 
+#: Seconds from a rank's abort to its blocked op returning: at once (about 10 ms here),
+#: not at gloo's timeout (30 minutes); loose enough for a loaded machine.
+RELEASED_WITHIN = 5.0
+
 #: How a peer's abort reaches a rank whose own abort has not come yet (its timer fires
 #: later on a loaded machine): gloo's connection error, with what it means.
 PEER_ABORTED = "another rank aborted its process group, or died"
@@ -71,7 +75,7 @@ def test_abort_releases_a_blocked_collective_and_backward_then_the_same_group_re
         blocked = first["collective"]
         if rank != 3:  # rank 3 never joined: the others were blocked until the abort
             by_own_abort["collective"] += _released(blocked, "(rank 3 raised ValueError)")
-            assert blocked["seconds"] < 0.5, blocked
+            assert blocked["seconds"] < RELEASED_WITHIN, blocked
         assert "aborted process group" in first["after_abort"]
         assert second["same_object"] and second["generation"] == 3
         assert second["default_sum"] == sum(range(WORLD))
@@ -80,7 +84,7 @@ def test_abort_releases_a_blocked_collective_and_backward_then_the_same_group_re
         if rank != 2:  # DDP's backward, waiting in C++ on the future, was released
             own = "ProcessGroupAborted: the mesh aborted the process group (interrupted)"
             by_own_abort["backward"] += _released(backward, own)
-            assert backward["seconds"] < 0.5, backward
+            assert backward["seconds"] < RELEASED_WITHIN, backward
         assert second["repaired"] == 1
         assert second["replicas_identical"], second
     # The first rank to abort is released by its own abort: the late rank aborts last.
