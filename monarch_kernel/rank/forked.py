@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -140,8 +141,7 @@ def _clean_up() -> None:
         threading.Thread(target=destroy, name="mk-destroy-pg", daemon=True).start()
         done.wait(DESTROY_TIMEOUT)
     _finalize_actors()
-    import atexit
-
+    _keep_zmq_buffers()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -149,3 +149,18 @@ def _clean_up() -> None:
         except Exception:
             pass
     capture.flush_fds()
+
+
+def _keep_zmq_buffers() -> None:
+    """Keep pyzmq's own atexit hook from running: it stops pyzmq's garbage collector
+    and drops the buffers of messages sent without a copy that libzmq's I/O thread may
+    still be writing (another thread's output in a flood). The I/O thread then read
+    freed memory (SIGSEGV), or its free callback found the collector's socket closed
+    (SIGABRT): a rank stopped by SIGTERM in a flood of output died so, one time in a
+    few on a loaded machine. The rank ends with ``os._exit``, so nothing needs that
+    hook; the user's own atexit handlers still run."""
+    try:
+        from zmq.utils.garbage import gc as zmq_gc
+    except ImportError:
+        return
+    atexit.unregister(zmq_gc._atexit)
