@@ -226,6 +226,20 @@ def short_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def place():
+    """A :class:`~detach_place.Place` (kernels with a TMPDIR and Jupyter runtime
+    directory of their own) for one test of detachable meshes: at its end nothing of it
+    may be left, no process started with its TMPDIR and no ``mk-*`` directory."""
+    from detach_place import Place
+
+    p = Place()
+    yield p
+    left, dirs = p.close()
+    assert not left, f"processes left behind: {left}"
+    assert not dirs, f"temporary directories left behind: {dirs}"
+
+
 @pytest.fixture(scope="module")
 def procs4():
     """A 4-rank local mesh shared by one test module; checked for orphans after."""

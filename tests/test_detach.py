@@ -62,15 +62,6 @@ while True:
 LOOP = "%%remote dm --bg\n" + LOOP_BODY
 
 
-@pytest.fixture
-def place():
-    p = Place()
-    yield p
-    left, dirs = p.close()
-    assert not left, f"processes left behind: {left}"
-    assert not dirs, f"temporary directories left behind: {dirs}"
-
-
 def _all_ended(pids: list[int], timeout: float) -> None:
     wait_until(
         lambda: not any(pid_alive(p) for p in pids),

@@ -14,21 +14,12 @@ import signal
 
 import pytest
 from conftest import pid_alive
-from detach_place import Place, ok
+from detach_place import ok
 from helpers import wait_until
 
 from monarch_kernel.controller.attach import DeskClient, stop_detached
 
 pytestmark = pytest.mark.local
-
-
-@pytest.fixture
-def place():
-    p = Place()
-    yield p
-    left, dirs = p.close()
-    assert not left, f"processes left behind: {left}"
-    assert not dirs, f"temporary directories left behind: {dirs}"
 
 
 def test_a_stopped_agents_mesh_is_kept_listed_and_attached_once_it_answers(place):

@@ -65,15 +65,6 @@ def slurm() -> Iterator[SlurmCluster]:
             yield c
 
 
-@pytest.fixture
-def place() -> Iterator[Place]:
-    p = Place()
-    yield p
-    left, dirs = p.close()
-    assert not left, f"processes left behind: {left}"
-    assert not dirs, f"temporary directories left behind: {dirs}"
-
-
 # -- Ray -----------------------------------------------------------------------------------
 def _groups(name: str) -> dict[str, str]:
     """Our placement groups of mesh ``name``: name -> state."""
