@@ -163,4 +163,6 @@ def _keep_zmq_buffers() -> None:
         from zmq.utils.garbage import gc as zmq_gc
     except ImportError:
         return
-    atexit.unregister(zmq_gc._atexit)
+    hook = getattr(zmq_gc, "_atexit", None)  # (a private name of pyzmq)
+    if hook is not None:
+        atexit.unregister(hook)
