@@ -86,13 +86,19 @@ class DeskClient:
             return DeskReply(False, f"a malformed answer from host {host.index}: {exc}")
 
     def ask_all(
-        self, op: DeskOp, *, force: bool = False, grace: float = 3.0, timeout: float = DESK_TIMEOUT
+        self,
+        op: DeskOp,
+        *,
+        force: bool = False,
+        grace: float = 3.0,
+        timeout: float = DESK_TIMEOUT,
+        hosts: list[HostEntry] | None = None,
     ) -> dict[int, DeskReply | None]:
-        """Every host's answer to ``op`` (asked as this process)."""
+        """Every host's (or those of ``hosts``) answer to ``op``, asked as this process."""
         me = ControllerId.of_this_process()
         return {
             h.index: self.ask(h, DeskRequest(op, me, force, grace), timeout)
-            for h in self.file.hosts
+            for h in (self.file.hosts if hosts is None else hosts)
         }
 
     def ended(self) -> bool:
@@ -100,10 +106,18 @@ class DeskClient:
         return not any(desk_listens(h.desk) for h in self.file.hosts)
 
 
+def _held_here(name: str) -> bool:
+    """Whether this kernel holds a live mesh named ``name`` (then not a detached one)."""
+    live = registry.get(name)
+    return live is not None and not live.state.ended
+
+
 def find_detached(name: str) -> AttachFile | None:
     """The attach file of detached mesh ``name`` if the mesh runs (some agent's desk
-    takes connections, however busy that agent is); None if there is none. The file of
-    a mesh that has ended is removed."""
+    takes connections, however busy that agent is) and this kernel does not hold it;
+    None if there is none. The file of a mesh that has ended is removed."""
+    if _held_here(name):
+        return None
     try:
         file = attach_file.read(attach_file.file_for(name))
     except (AttachFileError, ValueError):
@@ -140,8 +154,7 @@ def attach(name: str | None, *, path: str | None = None, force: bool = False) ->
     the running mesh, now held by this controller (call :meth:`Attached.finish` once
     the jobs it returns are followed). AttachError saying why not."""
     file = read_file(name, path)
-    live = registry.get(file.name)
-    if live is not None and not live.state.ended:
+    if _held_here(file.name):
         raise AttachError(f"mesh {file.name!r} is already attached to this kernel")
     client = DeskClient(file)
     replies = client.ask_all(DeskOp.ATTACH, force=force)
@@ -224,12 +237,9 @@ def stop_detached(
     name = file.name
     client = DeskClient(file)
     replies = client.ask_all(DeskOp.STOP, force=force, grace=grace)
-    me = ControllerId.of_this_process()
-    for host in file.hosts:  # one that runs but was too busy to answer: once more
-        if replies[host.index] is None and desk_listens(host.desk):
-            replies[host.index] = client.ask(
-                host, DeskRequest(DeskOp.STOP, me, force, grace), DESK_TIMEOUT
-            )
+    busy = [h for h in file.hosts if replies[h.index] is None and desk_listens(h.desk)]
+    if busy:  # they run but were too busy to answer: once more
+        replies.update(client.ask_all(DeskOp.STOP, force=force, grace=grace, hosts=busy))
     refused = [r for r in replies.values() if r is not None and not r.ok]
     if refused:
         raise AttachError(f"cannot stop mesh {name!r}: {refused[0].error}")
@@ -281,8 +291,7 @@ def list_detached() -> list[DetachedMesh]:
             file = attach_file.read(path)
         except AttachFileError:
             continue
-        live = registry.get(file.name)
-        if live is not None and not live.state.ended:
+        if _held_here(file.name):
             continue
         client = DeskClient(file)
         replies = client.ask_all(DeskOp.STATUS, timeout=STATUS_TIMEOUT)

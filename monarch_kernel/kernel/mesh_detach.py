@@ -39,8 +39,7 @@ from monarch_kernel.wire.desk import describe_duration
 def check_detached_name(name: str) -> None:
     """Refuse ``%mesh NAME --detachable`` while a detached mesh of another kernel has
     that name (its attach file would be taken)."""
-    live = registry.get(name)
-    if (live is None or live.state.ended) and find_detached(name) is not None:
+    if find_detached(name) is not None:
         raise UsageError(
             f"a detached mesh is already named {name!r}: attach it with %mesh attach {name}, "
             f"stop it with %mesh stop {name}, or choose another name"
