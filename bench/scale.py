@@ -26,6 +26,10 @@ sharing this machine's cores. Per size, with the mesh up and idle beside it:
 * ``msgs``: messages the controller received per gathered call (its counters):
   ``reply_msgs`` only those carrying replies (``res`` and ``fan_in``: the target is one
   per host), ``all_msgs`` every message (heartbeats and once-a-second stats included);
+* ``stacks``: what ``%mesh stacks`` does (collect every rank's stacks, group them,
+  render the text and the HTML), median of 5, while the last rank sleeps in an endpoint
+  and the others idle; the row's note quotes the view's summary (that rank named as the
+  odd one out). The target is 1 s at 256 ranks;
 * ``floor``: a raw ZeroMQ round trip gathered from as many raw server processes
   (``bench.raw_zmq``), measured in blocks alternating with ``gather`` while the mesh's
   ranks are alive beside it (same CPU state, same load), and ``floor_1`` / ``one``: the
@@ -138,6 +142,7 @@ def one_size(n: int, iters: int, per_host: int = PER_HOST, floor: bool = True) -
         row["reply_msgs"] = replies / k
         row["all_msgs"] = (got1 - got0) / k
         row["bcast"] = _broadcast(actors, n)
+        row["stacks"], row["stacks_odd"] = _stacks(procs, actors, n, hosts)
     finally:
         if servers is not None:
             servers.close()
@@ -189,6 +194,43 @@ def _broadcast(actors: Any, n: int, k: int = 50) -> float:
     dt = time.perf_counter() - t
     assert list(counts) == [k] * n, counts
     return k * n / dt
+
+
+def _stacks(procs: Any, actors: Any, n: int, hosts: int, reps: int = 5) -> tuple[float, str]:
+    """Median seconds of what ``%mesh stacks`` does (collect every rank's stacks, group
+    them, render the text and the HTML) while the last rank sleeps in an endpoint and the
+    others idle, and the view's summary (it must name that rank as the odd one out)."""
+    from monarch_kernel.widgets.stacks_view import mesh_stacks
+
+    last = (
+        actors.slice(hosts=hosts - 1, gpus=n // hosts - 1)
+        if hosts > 1
+        else actors.slice(gpus=n - 1)
+    )
+    fut = last.sleep.call_one(600)
+    rt = procs.runtime
+
+    def view() -> Any:
+        v = mesh_stacks(rt)
+        repr(v), v._repr_html_()
+        return v
+
+    deadline = time.monotonic() + 60
+    while view().odd_ranks != [n - 1]:  # until the sleep shows in its stack
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {n - 1} never showed as the odd one out")
+    times, summary = [], ""
+    for _ in range(reps):
+        t = time.perf_counter()
+        v = view()
+        times.append(time.perf_counter() - t)
+        summary = v.summary()
+    procs.interrupt()
+    try:
+        fut.get(timeout=60)
+    except Exception:  # its KeyboardInterrupt: expected
+        pass
+    return statistics.median(times), summary
 
 
 def per_message_cost(reps: int = 2000) -> dict[str, float]:
@@ -279,8 +321,8 @@ def markdown(
         "| ranks | hosts | ready | agents ready | gathered call | raw floor (same n) | "
         "÷ floor | controller CPU / call | agents' CPU / call | ranks' CPU / call (per rank) | "
         "trivial cell | broadcast delivered | "
-        "reply msgs / call | all msgs / call | one-rank call | raw 1 | ÷ raw |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "reply msgs / call | all msgs / call | one-rank call | raw 1 | ÷ raw | `%mesh stacks` |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
@@ -292,7 +334,13 @@ def markdown(
             f"{ms(r['cell'])} | {r['bcast']:,.0f}/s | "
             f"{r['reply_msgs']:.1f} | "
             f"{r['all_msgs']:.1f} | {us(r['one'])} | {us(r['floor_1'])} | "
-            f"{ratio(r['one'], r['floor_1'])} |"
+            f"{ratio(r['one'], r['floor_1'])} | {ms(r.get('stacks'))} |"
+        )
+    odd = [f"{r['ranks']}: {r['stacks_odd']}" for r in rows if r.get("stacks_odd")]
+    if odd:
+        out.append(
+            "\n`%mesh stacks`: collect every rank's stacks, group them and render the text "
+            "and HTML, while the last rank sleeps in an endpoint; what it said: " + "; ".join(odd)
         )
     by = {r["ranks"]: r for r in rows}
     if 16 in by and 128 in by:

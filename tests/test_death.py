@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 from actors import Counter, Worker
@@ -24,7 +23,7 @@ def mesh():
     procs.stop()
 
 
-def test_sigkill_mid_call_fails_future_within_one_second(mesh):
+def test_sigkill_mid_call_fails_future_from_the_exit_report(mesh):
     workers = mesh.spawn("w", Worker)
     pids = workers.pid.call().get().values()
     fut = workers.slice(gpus=2).sleep.call_one(60, "alone")
@@ -34,19 +33,17 @@ def test_sigkill_mid_call_fails_future_within_one_second(mesh):
     wait_for_rank_line(mesh, 2, "sleeping alone")
     for r in (0, 1, 3):
         wait_for_rank_line(mesh, r, "sleeping all")
-    t0 = time.monotonic()
     os.kill(pids[2], signal.SIGKILL)
     with pytest.raises(RankDiedError) as err:
         fut.get(timeout=5)
-    elapsed = time.monotonic() - t0
-    # from the host agent's exit report, not after 2.5 s of missing heartbeats
-    assert elapsed < 2.5, f"death noticed after {elapsed:.2f}s"
     text = str(err.value)
     assert "rank 2 of mesh" in text and f"pid {pids[2]}" in text
     assert "killed by SIGKILL" in text
     assert "sleeping" in text  # its last output lines
     assert err.value.death is not None
-    assert err.value.death.signal == signal.SIGKILL
+    # the host agent's exit report (a death found by missed heartbeats has a reason and
+    # no signal); how soon it comes is bench row 7's (death), not a timed test's
+    assert err.value.death.signal == signal.SIGKILL and err.value.death.reason is None
     # the gather fails once the others were released (interrupted after the grace)
     with pytest.raises(RankDiedError, match="rank 2") as err:
         gather.get(timeout=5)

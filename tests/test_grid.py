@@ -119,9 +119,9 @@ def test_mesh_stacks_groups_64_ranks_and_names_the_odd_one_out(kernel):
     r = wait_until(settled, timeout=30, what="rank 7 in the stacks", detail=lambda: seen[-1])
     assert "odd ranks out: 7 (1 of 64)" in r.text, r.text
     assert "ranks 0-6, 8-63 (63 of 64)" in r.text and "rank 7 (1 of 64)" in r.text, r.text
-    took = float(r.text.split("took ")[1].split(" ms")[0]) if " ms)" in r.text else 1e9
-    # one second at 256 ranks is the target (measured by hand); 64 here, loaded machine
-    assert took < 1500, r.text
+    # every rank answered in time (else "no answer"); how long it takes at 256 ranks is
+    # the scale bench's `%mesh stacks` column
+    assert "no answer" not in r.text, r.text
     html = r.results[-1]["data"]["text/html"]
     assert "mk-stacks-summary" in html and html.count("odd one out") == 1
     kernel.run("big.interrupt()")

@@ -3,8 +3,6 @@ heat-map grid's widget, grouped errors and grouped stacks at 256 ranks."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from monarch_kernel.calls.errors import format_ranks
@@ -128,15 +126,12 @@ def test_stacks_of_256_ranks_group_and_name_the_odd_ranks_out():
     for r in (3, 4, 5, 200):
         stacks[r] = _rank(r, "main", "step", "load_batch")
     stacks[77] = RankStacks(77, "h4", None, (), "none", "rank 77 died (SIGKILL)")
-    t0 = time.perf_counter()
     view = StacksView("big", stacks, 0.5)
     text, html = repr(view), view._repr_html_()
-    took = time.perf_counter() - t0
     assert [len(g.ranks) for g in view.groups] == [251, 4, 1]
     assert view.summary() == "odd ranks out: 3-5, 77, 200 (5 of 256)"
     assert "odd ranks out: 3-5, 77, 200" in text and "ranks 3-5, 200 (4 of 256)" in text
     assert "mk-stacks-summary" in html and html.count("odd one out") == 2
-    assert took < 0.5, f"grouping and rendering 256 ranks' stacks took {took:.2f}s"
 
 
 def test_stacks_everywhere_different_show_the_oddest_first():

@@ -148,13 +148,7 @@ def test_a_sleeping_rank_stands_out_among_idle_ones(procs8):
     patients = procs8.spawn("patients", _patient())
     fut = patients.slice(gpus=2).park.call_one(60)
     wait_for_rank_line(procs8, 2, "parked")
-    times = []
-    for _ in range(3):
-        t0 = time.monotonic()
-        view = mesh_stacks(procs8.runtime)
-        times.append(time.monotonic() - t0)
-    print(f"\nstacks of 8 ranks (Python answers): {min(times) * 1000:.0f} ms best of 3")
-    assert max(times) < 1.0, times
+    view = mesh_stacks(procs8.runtime)
     assert [g.ranks for g in view.groups] == [(0, 1, 3, 4, 5, 6, 7), (2,)]
     idle, odd = view.groups
     assert not idle.odd and _main(idle.stacks).idle and odd.odd
@@ -193,8 +187,6 @@ def test_a_rank_stuck_in_c_holding_the_gil_shows_through_faulthandler(procs3):
         return view if view.stacks[1].source == "faulthandler" else None
 
     view = wait_until(stuck_view, timeout=10, what="rank 1 to hold the GIL in C")
-    print(f"\nstacks of 3 ranks, one through faulthandler: {view.elapsed * 1000:.0f} ms")
-    assert view.elapsed < 3.0
     assert [g.ranks for g in view.groups] == [(0, 2), (1,)] and view.odd_ranks == [1]
     stuck = view.stacks[1]
     assert stuck.error is None and _main(stuck).name == "MainThread"
@@ -208,7 +200,7 @@ def test_a_rank_stuck_in_c_holding_the_gil_shows_through_faulthandler(procs3):
     view = mesh_stacks(procs3.runtime)
     dead = view.stacks[2]
     assert dead.source == "none" and "died: exit code 3" in (dead.error or "")
-    assert view.stacks[1].source == "faulthandler" and view.elapsed < 3.0
+    assert view.stacks[1].source == "faulthandler"
 
 
 # -- through the kernel ----------------------------------------------------------------
