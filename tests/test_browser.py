@@ -337,12 +337,16 @@ def test_dashboard_in_jupyterlab(lab):
                 f"(document.querySelector('{LOSS}') || {{dataset: {{}}}}).dataset.series === '4'",
                 timeout=30_000,
             )
-            steps, tile_texts = [], []
-            for _ in range(4):
+            # the chart moves on while training: each time, wait for its next step
+            steps, tile_texts = [_last_step(page)], [_tiles(page)]
+            for _ in range(3):
+                page.wait_for_function(
+                    f"Number(document.querySelector('{LOSS}').dataset.lastX || -1) > {steps[-1]}",
+                    timeout=30_000,
+                )
                 steps.append(_last_step(page))
                 tile_texts.append(_tiles(page))
-                time.sleep(1.2)
-            assert len(set(steps)) >= 3 and steps == sorted(steps), steps
+            assert len(set(steps)) == 4 and steps == sorted(steps), steps
             assert tile_texts[0] != tile_texts[-1], "tiles did not change while training"
             assert all("busy" in t and "step" in t for t in tile_texts[-1]), tile_texts[-1]
             chart = page.locator(LOSS)

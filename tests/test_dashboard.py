@@ -648,8 +648,13 @@ def test_64_ranks_reporting_every_10ms_in_process():
         )
         t0 = time.time()
         RemoteJob(procs, code, "loop", None).start().wait(timeout=60)
-        time.sleep(0.5)
-        dash.update()
+
+        def all_folded_in() -> bool:  # the last reports may come just after the replies
+            dash.update()
+            series = dash.state.metrics.get("loss", {})
+            return len(series) == 64 and all(s.count == steps for s in series.values())
+
+        wait_until(all_folded_in, timeout=30, what="every rank's last report")
         series = dash.state.metrics["loss"]
         assert sorted(series) == list(range(64))
         assert all(s.count == steps and s.last == (steps - 1, 1.0 / steps) for s in series.values())
