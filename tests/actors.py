@@ -220,3 +220,19 @@ class Batched(Actor):
         from monarch_kernel.rank.inbox import inbox_counts
 
         return dict(inbox_counts)
+
+
+class HeldAtInit(Actor):
+    """Its constructor waits while the file ``hold`` exists (after creating ``hold``
+    + ``.entered``): a restart that re-creates it stays in that step until the test
+    lets it go."""
+
+    def __init__(self, hold: str):
+        if os.path.exists(hold):
+            open(hold + ".entered", "w").close()
+            while os.path.exists(hold):
+                time.sleep(0.01)
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()

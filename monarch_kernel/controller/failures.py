@@ -368,7 +368,9 @@ class FailureHandler:
                 return
             self._recovering = True
             self._restart_not_stop = False
-        self._lifecycle.begin_recovery()  # requests sent from now on wait for it
+        # Requests sent from now on wait for it, until the policy's own recovery (if a
+        # death came meanwhile: ``again``) has taken over the hold.
+        self._lifecycle.hold_recovery()
         try:
             how = (
                 "the interrupt"
@@ -385,8 +387,11 @@ class FailureHandler:
             with self._lock:
                 self._recovering = False
                 again, self._recovery_due = self._recovery_due, False
-            if again:  # a death while it ran
-                self._apply_policy()
+            try:
+                if again:  # a death while it ran
+                    self._apply_policy()
+            finally:
+                self._lifecycle.release_recovery()
 
     # -- the policy ------------------------------------------------------------------------
     def _apply_policy(self) -> None:
@@ -401,14 +406,23 @@ class FailureHandler:
                 self._recovering = True
             threading.Thread(target=self._shrink, name="mk-shrink", daemon=True).start()
             return
-        if self._restarting():
-            self._lifecycle.begin_recovery()  # requests sent from now on wait for it
+        restarting = self._restarting()
         with self._lock:
-            if self._recovering:
+            if self._recovering:  # the recovery running now takes this death on
                 self._recovery_due = True
+                if restarting:
+                    self._lifecycle.begin_recovery()  # requests sent from now on wait
                 return
             self._recovering = True
-        threading.Thread(target=self._recover, name="mk-recover", daemon=True).start()
+        if restarting:
+            # Requests sent from now on wait for it: held, not just begun, so that another
+            # recovery ending first (a restart of an earlier death, a person's
+            # procs.restart()) does not let a request through to a rank that is still
+            # dead; released when the thread's last round is done.
+            self._lifecycle.hold_recovery()
+        threading.Thread(
+            target=self._recover, args=(restarting,), name="mk-recover", daemon=True
+        ).start()
 
     def _shrink(self) -> None:
         """``shrink``: go on without the dead ranks (renumbering the others when they
@@ -430,7 +444,9 @@ class FailureHandler:
         """Restart (not stop): the policy, or a person interrupted what failed."""
         return self.policy is FailurePolicy.RESTART or self._restart_not_stop
 
-    def _recover(self) -> None:
+    def _recover(self, held: bool) -> None:
+        """Restart (or stop) until no death is left to handle; ``held``: the recovery
+        hold :meth:`_apply_policy` took, let go at the end."""
         try:
             while True:
                 if self._lifecycle.phase.ended:
@@ -461,3 +477,5 @@ class FailureHandler:
         finally:
             with self._lock:
                 self._recovering = False
+            if held:
+                self._lifecycle.release_recovery()
