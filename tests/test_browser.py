@@ -280,6 +280,16 @@ COLORS_JS = """(el) => {
 }"""
 
 
+#: The theme's colour variables, as the page computes them now.
+THEME_VARS_JS = """() => {
+  const cs = getComputedStyle(document.body);
+  return ['--jp-layout-color0', '--jp-layout-color1', '--jp-layout-color2',
+          '--jp-ui-font-color0', '--jp-ui-font-color1', '--jp-content-font-color0',
+          '--jp-border-color0', '--jp-border-color1'
+         ].map((v) => cs.getPropertyValue(v).trim()).join('|');
+}"""
+
+
 def _luminance(rgb: list[int]) -> float:
     def lin(c: float) -> float:
         c /= 255
@@ -442,6 +452,7 @@ def test_dashboard_in_jupyterlab(lab):
                 ("JupyterLab Dark", "dashboard-dark.png"),
                 ("JupyterLab Dark High Contrast", "dashboard-high-contrast.png"),
             ):
+                before = page.evaluate(THEME_VARS_JS)
                 page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
                 page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Theme$")).hover()
                 item = page.locator(".lm-Menu-itemLabel", has_text=re.compile(f"^{theme}$"))
@@ -449,7 +460,8 @@ def test_dashboard_in_jupyterlab(lab):
                 page.wait_for_function(
                     f"document.body.dataset.jpThemeName === {theme!r}", timeout=15_000
                 )
-                time.sleep(1.0)  # the theme's CSS variables apply
+                # its CSS applies: the theme's colour variables are no longer the last one's
+                page.wait_for_function(f"({THEME_VARS_JS})() !== {before!r}", timeout=15_000)
                 for i in range(4):
                     tile = page.locator(".mk-dash .mk-tile").nth(i)
                     c = tile.evaluate(COLORS_JS)
