@@ -148,7 +148,14 @@ def test_a_sleeping_rank_stands_out_among_idle_ones(procs8):
     patients = procs8.spawn("patients", _patient())
     fut = patients.slice(gpus=2).park.call_one(60)
     wait_for_rank_line(procs8, 2, "parked")
-    view = mesh_stacks(procs8.runtime)
+
+    def parked() -> StacksView | None:  # (its line can come before it is in the sleep)
+        view = mesh_stacks(procs8.runtime)
+        main = next((t for t in view.stacks[2].threads if t.main), None)
+        here = main.frames[-1].line if main is not None and main.frames else None
+        return view if here == "time.sleep(seconds)" else None
+
+    view = wait_until(parked, timeout=10, what="rank 2 in its sleep")
     assert [g.ranks for g in view.groups] == [(0, 1, 3, 4, 5, 6, 7), (2,)]
     idle, odd = view.groups
     assert not idle.odd and _main(idle.stacks).idle and odd.odd
