@@ -54,7 +54,7 @@ from monarch_kernel.controller.sockets import (
     wake_socket,
 )
 from monarch_kernel.launchers.base import Curve, curve_server, zap
-from monarch_kernel.wire import Codec, handoff
+from monarch_kernel.wire import Codec, arena, handoff
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.chunks import encode_parts, frames_size
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
@@ -130,6 +130,9 @@ class Transport:
         self.recv_sock.setsockopt(zmq.LINGER, 0)
         limit_size(self.recv_sock)  # ZMQ_MAXMSGSIZE: no frame above it is allocated
         self._ipc_dir = reuse.ipc_dir if reuse else private_ipc_dir() if bind == "ipc" else None
+        #: Shared memory for large arguments (wire.arena): on unix sockets every rank is
+        #: on this machine. None: everything goes over the sockets.
+        self.arena = arena.Arena.create() if self._ipc_dir is not None and arena.enabled() else None
         self._zap_domain = f"mk-{name}-{id(self):x}"
         #: Routing ids, admitted CURVE keys and impostors (controller.routing_ids).
         self.ids = RoutingIds(name, ranks, hosts, self._slots)
@@ -308,11 +311,29 @@ class Transport:
         if len(ranks) == 1:
             r = ranks[0]
             header["q"] = self._take_seq(r)
-            self._ranks[r].bytes_out += self._deliver_parts(
+            shared = 0
+            if buffers and self.arena is not None:
+                shared, buffers = self._share(header, buffers, (self._ranks[r].slot,))
+            self._ranks[r].bytes_out += shared + self._deliver_parts(
                 self.ids.rank_id(r), encode_parts(self.codec, header, payload, buffers)
             )
             return
         size = len(payload) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0)
+        if buffers and self.arena is not None:
+            self._send_shared(ranks, header, payload, buffers, size)
+        else:
+            self._send_plain(ranks, header, payload, buffers, size)
+
+    def _send_plain(
+        self,
+        ranks: Sequence[int],
+        header: Header,
+        payload: bytes,
+        buffers: Sequence[Buffer],
+        size: int,
+    ) -> None:
+        """:meth:`_send` to several ranks, the buffers (``size`` bytes with the payload)
+        in the messages."""
         # One pass over the ranks (this runs per rank of a gathered call): per host, its
         # ranks with their slots and next sequence numbers (what _take_seq does).
         infos, next_seq, base = self._ranks, self.next_seq, self.seq_base
@@ -340,6 +361,57 @@ class Transport:
                     h = dict(header, q=seq)
                     parts = encode_parts(self.codec, h, payload, buffers)
                     self._deliver_parts(self.ids.rank_id(r), parts)
+
+    def _share(
+        self, header: Header, buffers: Sequence[Buffer], readers: Sequence[int]
+    ) -> tuple[int, Sequence[Buffer]]:
+        """Put ``buffers`` in the arena for ``readers`` (slots, in flag order) and say where
+        in ``header``: (their bytes, no buffers left to send); or (0, ``buffers``) where
+        they go over the socket (too small, too large, the arena full)."""
+        assert self.arena is not None
+        where = self.arena.place(buffers, readers)
+        if where is None:
+            return 0, buffers
+        header["sh"] = where
+        return sum(where["z"]), ()
+
+    def _send_shared(
+        self,
+        ranks: Sequence[int],
+        header: Header,
+        payload: bytes,
+        buffers: Sequence[Buffer],
+        size: int,
+    ) -> None:
+        """:meth:`_send` to several ranks of a mesh with an arena: the buffers go once into
+        shared memory for all of them when they fit (then the message is small: it goes
+        to each rank, or per host to its agent for many ranks); else as :meth:`_send`."""
+        infos = self._ranks
+        by_host: dict[int, list[int]] = {}
+        for r in ranks:
+            by_host.setdefault(infos[r].host, []).append(r)
+        order = [r for group in by_host.values() for r in group]  # flag order: by host
+        slots = [infos[r].slot for r in order]
+        shared = dict(header)
+        _, left = self._share(shared, buffers, slots)
+        if left:  # not in the arena: the plain paths
+            self._send_plain(ranks, header, payload, buffers, size)
+            return
+        first = 0
+        for group in by_host.values():
+            seqs = [self._take_seq(r) for r in group]
+            for r in group:
+                infos[r].bytes_out += size
+            if len(group) >= FANOUT_MIN_RANKS:
+                route = {"f": 1, "d": slots[first : first + len(group)]}
+                h = dict(shared, q=seqs, si=first, **route)
+                parts = encode_parts(self.codec, h, payload, (), route)
+                self._deliver_parts(self.ids.host_id(infos[group[0]].host), parts)
+            else:
+                for i, (r, seq) in enumerate(zip(group, seqs)):
+                    h = dict(shared, q=seq, si=first + i)
+                    self._deliver_parts(self.ids.rank_id(r), encode_parts(self.codec, h, payload))
+            first += len(group)
 
     def _deliver_parts(self, ident: bytes, parts: list[list[Buffer]]) -> int:
         """Deliver a message's parts (one, or a stream's start and chunks) in order;
@@ -380,6 +452,8 @@ class Transport:
             self.next_seq.pop(self._ranks[r].slot, None)
             self._backlog.drop(self.ids.rank_id(r))
             self._backlog.drop(self.ids.rank_id(r, b"c"))
+        if self.arena is not None:
+            self.arena.release([self._ranks[r].slot for r in ranks])
 
     @property
     def ipc_dir(self) -> str | None:
@@ -395,6 +469,8 @@ class Transport:
             self.next_seq.pop(self._ranks[rank].slot, None)
             self._backlog.drop(self.ids.rank_id(rank))
             self._backlog.drop(self.ids.rank_id(rank, b"c"))
+            if self.arena is not None:  # what the previous incarnation did not read
+                self.arena.release([self._ranks[rank].slot])
 
     def send_control(
         self, rank: int, header: Header, payload: bytes = b"", buffers: Sequence[Buffer] = ()
@@ -491,6 +567,8 @@ class Transport:
         with self.send_lock:
             self._batch.clear()
             self._backlog.clear()
+            if self.arena is not None:
+                self.arena.close()
         for sock in (self.send_sock, self.recv_sock, self._wake_sock, self._sigint_sock):
             sock.close(0)
         if self.curve is not None:

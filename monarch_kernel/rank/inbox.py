@@ -33,6 +33,7 @@ from monarch_kernel.rank.signals import TERMINATED_CODE, MainThread, RankTermina
 from monarch_kernel.wire import Codec, Message, WireError, peer_address
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.arena import ArenaReader, SharedArgumentsError
 from monarch_kernel.wire.chunks import Assembler
 from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.codec import recv as wire_recv
@@ -143,6 +144,8 @@ class Inbox:
         self._idle_stop: asyncio.Future[None] | None = None
         #: Reassembles large values (calls' arguments) that come in chunks.
         self.assembler = Assembler()
+        #: Reads calls' arguments that the controller put in shared memory.
+        self.arena = ArenaReader()
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:
@@ -173,7 +176,10 @@ class Inbox:
         """The verified message, None (logged) if it is forged or malformed, or while
         it is a part of a large value still arriving in chunks."""
         try:
-            return self.assembler.receive(self.codec, frames)
+            msg = self.assembler.receive(self.codec, frames)
+            if msg is not None and "sh" in msg.header:
+                return self.arena.take(msg, self.rank)
+            return msg
         except WireError as exc:
             log.warning("rank %s dropped a message: %s", self.rank, exc)
             return None
@@ -260,6 +266,11 @@ class Inbox:
             self.outbox.reply_error(request, stop, msg.kind)
             if fanin:
                 self.outbox.fanin_close(request)
+            return
+        if msg.lost:  # its arguments could not be read: answer that, run nothing
+            self.outbox.reply_error(request, SharedArgumentsError(msg.lost), msg.kind)
+            if fanin:
+                self.outbox.fanin_close(request)  # type: ignore[arg-type]
             return
         handler = self.handlers.get(hdr.KIND) or self._other
         context.current_request = hdr.request

@@ -70,7 +70,7 @@ def frames_size(frames: Sequence[Any]) -> int:
     return inline + sum(memoryview(f).nbytes for f in frames[1:])
 
 
-def _flat(buf: Buffer) -> memoryview:
+def flat_view(buf: Buffer) -> memoryview:
     """A one-dimensional byte view of ``buf``, without copying."""
     if isinstance(buf, pickle.PickleBuffer):
         return buf.raw()
@@ -102,7 +102,7 @@ def encode_parts(
     :class:`ValueTooLargeError` above :func:`~.limits.max_value`."""
     if not buffers and len(payload) <= STREAM_ABOVE:  # most messages: one, no views to take
         return [codec.encode(header, payload)]
-    views = [_flat(b) for b in buffers] if buffers else []
+    views = [flat_view(b) for b in buffers] if buffers else []
     total = len(payload) + sum(v.nbytes for v in views)
     if total <= STREAM_ABOVE:
         return [codec.encode(header, payload, buffers)]

@@ -155,6 +155,9 @@ class Message:
     header: Header
     payload: bytes | memoryview = b""
     buffers: list[Any] = field(default_factory=list)
+    #: Why its out-of-band buffers could not be read (``wire.arena``): the receiver
+    #: answers the message with this error instead of running it. Empty: they were.
+    lost: str = ""
 
     @property
     def kind(self) -> str:

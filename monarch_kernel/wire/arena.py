@@ -1,0 +1,332 @@
+"""Large call arguments to ranks of the controller's own host go through shared memory.
+
+A local mesh's ranks are reached over unix sockets. A 1 MiB argument sent on one is
+copied into the kernel and out again in socket-buffer-sized pieces, waking both sides'
+I/O threads for each piece, and the caller waits until libzmq let go of its memory
+(:mod:`monarch_kernel.wire.handoff`): about half the speed of a raw ZeroMQ send over tcp
+loopback on this kind of machine. Instead the controller copies the buffers once into
+its :class:`Arena` (a file in ``/dev/shm``, unlinked at once, mapped by both sides) and
+sends a small message that says where they are (header ``sh``, and ``si``: the first
+reader index of this message). The rank copies them into private memory as it decodes
+the message (:class:`ArenaReader`), so the endpoint gets the same writable, private
+buffers as from the socket, and the caller's tensor may change as soon as the send
+returns.
+
+A block: one flag byte per reader (each rank the message goes to), padded to
+:data:`ALIGN`, then each buffer at an :data:`ALIGN` boundary. A reader sets its flag once
+it has copied the buffers out; the controller reuses a block once every flag is set, or
+when a reader is gone (:meth:`Arena.release`). Nothing ever waits for room: a message
+too small or too large for the arena, or one that finds it full, goes over the socket
+as before (:attr:`Arena.fallbacks`).
+
+Trust: the buffers in a block are not signed, as buffer frames on the socket are not
+(the signed header carries their sizes and where they are). The file is created 0600
+and unlinked; it is reachable only through the controller's ``/proc/<pid>/fd``, i.e. by
+processes of the same user, which could read the controller's memory anyway.
+
+The readers' copy-out happens before their flag store in program order; x86's stores
+are not reordered with earlier loads, which is what makes a set flag mean "copied".
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import re
+import stat
+import tempfile
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from monarch_kernel.wire.chunks import flat_view
+from monarch_kernel.wire.codec import Buffer, Header, Message, WireError
+
+log = logging.getLogger("monarch_kernel.wire")
+
+#: Set to ``0`` in the controller's environment to send every argument over the socket.
+SHM_ARGS_ENV = "MONARCH_KERNEL_SHM_ARGS"
+#: Where the arena's file is made (tmpfs: its pages are plain shared memory).
+SHM_DIR = "/dev/shm"
+#: Virtual size of one mesh's arena. Only the pages blocks have used take memory (blocks
+#: are placed lowest first and reused as soon as read: what a mesh holds is about the
+#: most it had in flight at once); all of it goes when the mesh stops.
+ARENA_BYTES = 256 << 20
+#: A message whose buffers total less than this goes over the socket (a copy in and out
+#: of shared memory saves little there); ...
+MIN_BYTES = 64 << 10
+#: ... and so does one above this (it would hold too much of the arena).
+MAX_BYTES = 64 << 20
+#: Readers of one block at most (its flag bytes): larger fan-outs take the socket.
+MAX_READERS = 4096
+#: Blocks, flags and buffers start at multiples of this (a cache line).
+ALIGN = 64
+_PROC_FD = re.compile(r"/proc/[0-9]+/fd/[0-9]+")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def enabled() -> bool:
+    """Whether meshes started now use an arena (``$MONARCH_KERNEL_SHM_ARGS`` not ``0``,
+    and ``/dev/shm`` exists)."""
+    return os.environ.get(SHM_ARGS_ENV, "1") != "0" and os.path.isdir(SHM_DIR)
+
+
+class SharedArgumentsError(RuntimeError):
+    """A rank could not read the arguments the controller put in shared memory."""
+
+
+@dataclass
+class _Block:
+    offset: int
+    span: int
+    #: Each flag's reader, in flag order: a rank's wire id (its slot).
+    readers: tuple[int, ...]
+
+
+def _unlinked_file(size: int) -> int:
+    """A descriptor of a fresh 0600 file of ``size`` bytes in :data:`SHM_DIR` that has no
+    name (nothing to leak if this process is killed)."""
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    fd = -1
+    if tmpfile:
+        try:
+            fd = os.open(SHM_DIR, tmpfile | os.O_RDWR, 0o600)
+        except OSError:
+            fd = -1
+    if fd < 0:  # no O_TMPFILE on this file system: a name, removed at once
+        fd, path = tempfile.mkstemp(prefix="mk-arena-", dir=SHM_DIR)
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Arena:
+    """The controller's shared memory for one mesh's large arguments (see the module
+    docstring). Not thread-safe: its owner calls it under its send lock."""
+
+    def __init__(self, size: int | None = None) -> None:
+        """``size``: the arena's bytes (default :data:`ARENA_BYTES`). Raises OSError where
+        shared memory cannot be made or reached by path."""
+        size = ARENA_BYTES if size is None else size
+        fd = _unlinked_file(size)
+        try:
+            self.path = f"/proc/{os.getpid()}/fd/{fd}"
+            st = os.stat(self.path)  # /proc is there, and the path names this file
+            self.ino = st.st_ino
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self.size = size
+        self._view = memoryview(self._map)
+        #: Blocks in use, by offset.
+        self._blocks: list[_Block] = []
+        #: Bytes from the start that are backed by memory (posix_fallocate): a page of a
+        #: sparse tmpfs file that cannot be had when first written is a SIGBUS, so every
+        #: byte is reserved before it is used, and an arena that cannot grow stops there.
+        self._backed = 0
+        self._limit = size
+        #: Messages whose buffers went through the arena / over the socket because it
+        #: was full (statistics, tests).
+        self.placed = 0
+        self.fallbacks = 0
+        self.closed = False
+
+    @classmethod
+    def create(cls) -> Arena | None:
+        """An arena, or None (logged) where this machine cannot give one."""
+        try:
+            return cls()
+        except OSError as exc:
+            log.info("large arguments go over the socket: no shared memory (%s)", exc)
+            return None
+
+    @property
+    def in_use(self) -> int:
+        """Blocks not released yet (some reader has not copied its buffers out)."""
+        return len(self._blocks)
+
+    def place(self, buffers: Sequence[Buffer], readers: Sequence[int]) -> Header | None:
+        """Copy ``buffers`` into a block read by ``readers`` (wire ids, in flag order);
+        the header value ``sh`` that says where, or None: send them over the socket."""
+        if self.closed or not 1 <= len(readers) <= MAX_READERS:
+            return None
+        views = [flat_view(b) for b in buffers]
+        sizes = [v.nbytes for v in views]
+        total = sum(sizes)
+        if total < MIN_BYTES or total > MAX_BYTES:
+            return None
+        flags = _align(len(readers))
+        span = flags + sum(_align(n) for n in sizes)
+        if self._blocks:
+            # At once, not when full: the block just read is reused while its bytes are
+            # still in the caches, and the arena's pages in use stay few.
+            self._reclaim()
+        offset = self._find(span)
+        if offset is None:
+            self.fallbacks += 1
+            return None
+        view = self._view
+        view[offset : offset + len(readers)] = bytes(len(readers))
+        pos = offset + flags
+        for v, n in zip(views, sizes):
+            view[pos : pos + n] = v
+            pos += _align(n)
+        self._insert(_Block(offset, span, tuple(readers)))
+        self.placed += 1
+        return {"p": self.path, "i": self.ino, "o": offset, "n": len(readers), "z": sizes}
+
+    def release(self, readers: Sequence[int]) -> None:
+        """These readers will not read what was put here for them (they died, were
+        restarted or left the mesh): count their blocks as read."""
+        gone = set(readers)
+        view = self._view
+        for block in self._blocks:
+            for i, reader in enumerate(block.readers):
+                if reader in gone:
+                    view[block.offset + i] = 1
+
+    def close(self) -> None:
+        """Unmap and close (the readers keep their own mappings)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._blocks.clear()
+        self._view.release()
+        self._map.close()
+        os.close(self._fd)
+
+    def _find(self, span: int) -> int | None:
+        """The lowest offset with ``span`` free bytes (low offsets first: the pages in use
+        stay few), backed by memory; None if there is none."""
+        start = 0
+        for block in self._blocks:
+            if block.offset - start >= span:
+                break
+            start = block.offset + block.span
+        end = start + span
+        if end > self._limit:
+            return None
+        if end > self._backed:
+            try:
+                os.posix_fallocate(self._fd, self._backed, end - self._backed)
+            except OSError as exc:
+                # /dev/shm is full (a container's small one): use what we have
+                self._limit = self._backed
+                if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                    log.info("shared-memory arena stops growing: %s", exc)
+                return None
+            self._backed = end
+        return start
+
+    def _insert(self, block: _Block) -> None:
+        blocks = self._blocks
+        i = len(blocks)
+        while i and blocks[i - 1].offset > block.offset:
+            i -= 1
+        blocks.insert(i, block)
+
+    def _reclaim(self) -> None:
+        """Forget the blocks every reader has copied out of."""
+        find = self._map.find
+        self._blocks = [
+            b for b in self._blocks if find(b"\x00", b.offset, b.offset + len(b.readers)) >= 0
+        ]
+
+
+def _private(n: int) -> memoryview:
+    """Writable private memory of ``n`` bytes, not zeroed first where numpy is there
+    (it is about to be overwritten)."""
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - ranks have torch, and torch numpy
+        return memoryview(bytearray(n))
+    return numpy.empty(n, dtype=numpy.uint8).data
+
+
+class ArenaReader:
+    """A rank's side: maps the controller's arena and copies a message's buffers out."""
+
+    #: Arenas kept mapped at once (a detachable mesh's controllers come one after another).
+    KEEP = 2
+
+    def __init__(self) -> None:
+        self._maps: OrderedDict[tuple[str, int], memoryview] = OrderedDict()
+
+    def take(self, msg: Message, slot: int) -> Message:
+        """``msg`` with its buffers read out of the arena (header ``sh``), or, where the
+        arena cannot be mapped, with :attr:`Message.lost` saying why. WireError for a
+        malformed reference (the header verified: a bug, not an attack)."""
+        h = msg.header
+        where = h.pop("sh")
+        first = h.pop("si", 0)
+        try:
+            path, ino, offset, readers, sizes = (
+                where["p"],
+                where["i"],
+                where["o"],
+                where["n"],
+                where["z"],
+            )
+            index = first + (h["d"].index(slot) if h.get("f") else 0)
+            if (
+                type(path) is not str
+                or not _PROC_FD.fullmatch(path)
+                or not all(type(v) is int and v >= 0 for v in (ino, offset, readers, index))
+                or index >= readers
+                or type(sizes) is not list
+                or not all(type(n) is int and n >= 0 for n in sizes)
+            ):
+                raise ValueError(where)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WireError(f"malformed shared-memory reference: {exc!r}") from None
+        try:
+            view = self._open(path, ino)
+        except OSError as exc:
+            lost = (
+                f"this rank could not map the controller's shared memory for the call's "
+                f"arguments ({exc}); set {SHM_ARGS_ENV}=0 in the notebook kernel's "
+                "environment to send them over the socket"
+            )
+            return Message(h, msg.payload, [], lost)
+        pos = offset + _align(readers)
+        if pos + sum(_align(n) for n in sizes) > len(view):
+            raise WireError("shared-memory reference beyond the arena")
+        buffers: list[Any] = []
+        for n in sizes:
+            out = _private(n)
+            out[:] = view[pos : pos + n]
+            buffers.append(out)
+            pos += _align(n)
+        view[offset + index] = 1  # copied out: the controller may reuse the block
+        return Message(h, msg.payload, buffers)
+
+    def _open(self, path: str, ino: int) -> memoryview:
+        key = (path, ino)
+        view = self._maps.get(key)
+        if view is not None:
+            self._maps.move_to_end(key)
+            return view
+        fd = os.open(path, os.O_RDWR)
+        try:
+            st = os.fstat(fd)
+            if st.st_ino != ino or not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                raise OSError(errno.EPERM, f"{path} is not the controller's arena")
+            m = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        view = self._maps[key] = memoryview(m)
+        while len(self._maps) > self.KEEP:
+            self._maps.popitem(last=False)  # the mmap goes when nothing views it
+        return view
