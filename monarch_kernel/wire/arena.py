@@ -152,9 +152,9 @@ class Arena:
             log.info("large arguments go over the socket: no shared memory (%s)", exc)
             return None
 
-    @property
-    def in_use(self) -> int:
-        """Blocks not released yet (some reader has not copied its buffers out)."""
+    def unread(self) -> int:
+        """Blocks that some reader has not copied out of yet (the others are freed)."""
+        self._reclaim()
         return len(self._blocks)
 
     def place(self, buffers: Sequence[Buffer], readers: Sequence[int]) -> Header | None:

@@ -1,0 +1,134 @@
+"""The shared-memory arena for large arguments (``wire.arena``) in one process: blocks
+are placed lowest first and reused once every reader copied out, readers that are gone
+free theirs, and a reference a rank cannot trust is refused."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from monarch_kernel.wire import arena as A
+from monarch_kernel.wire.codec import Message, WireError
+
+pytestmark = pytest.mark.unit
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def arena():
+    a = A.Arena(8 * MIB)
+    yield a
+    a.close()
+
+
+def _message(where: dict, **header: object) -> Message:
+    return Message({"k": "call", "sh": dict(where), **header}, b"payload")
+
+
+def test_buffers_come_out_as_private_writable_copies_and_the_block_is_reused(arena):
+    data = np.arange(MIB // 8, dtype=np.int64)
+    where = arena.place([data], readers=[5])
+    assert where is not None and where["z"] == [MIB] and where["o"] == 0
+    reader = A.ArenaReader()
+    got = reader.take(_message(where), slot=5)
+    assert "sh" not in got.header and got.payload == b"payload" and not got.lost
+    out = np.frombuffer(got.buffers[0], dtype=np.int64)
+    assert np.array_equal(out, data)
+    out[:] = -1  # writable, and its own: the arena's copy does not change
+    data[:] = 7
+    # read: the next block starts where that one did
+    again = arena.place([data], readers=[5])
+    assert again is not None and again["o"] == 0
+    assert np.array_equal(np.frombuffer(reader.take(_message(again), 5).buffers[0], np.int64), data)
+    assert arena.unread() == 0
+
+
+def test_each_reader_of_a_fan_out_sets_its_own_flag(arena):
+    data = bytes(range(256)) * 1024  # 256 KiB
+    slots = [10, 11, 12, 20, 21]  # two hosts' ranks, in the order the flags are in
+    where = arena.place([data], readers=slots)
+    assert where is not None
+    reader = A.ArenaReader()
+    # host 1's message names its ranks in ``d`` and its first flag in ``si``
+    for slot in (20, 21):
+        msg = _message(where, f=1, d=[20, 21], si=3)
+        assert bytes(reader.take(msg, slot).buffers[0]) == data
+    assert arena.unread() == 1  # host 0's ranks have not read yet
+    for i, slot in enumerate((10, 11, 12)):
+        assert bytes(reader.take(_message(where, si=i), slot).buffers[0]) == data
+    assert arena.unread() == 0
+
+
+def test_unread_blocks_are_skipped_and_a_full_arena_sends_over_the_socket(arena):
+    big = bytes(3 * MIB)
+    first = arena.place([big], readers=[0])
+    second = arena.place([big], readers=[1])
+    assert first is not None and second is not None and second["o"] > first["o"]
+    assert arena.place([big], readers=[2]) is None  # 8 MiB: no room for a third
+    assert arena.fallbacks == 1
+    arena.release([1])  # rank 1 restarted: what was for it is not read now
+    third = arena.place([big], readers=[2])
+    assert third is not None and third["o"] == second["o"]
+    assert arena.unread() == 2
+
+
+def test_small_and_oversized_messages_stay_on_the_socket(arena):
+    assert arena.place([bytes(A.MIN_BYTES - 1)], readers=[0]) is None
+    assert arena.place([bytes(A.MIN_BYTES)], readers=[0]) is not None
+    huge = A.Arena(A.MAX_BYTES + 2 * MIB)
+    try:
+        assert huge.place([bytes(A.MAX_BYTES + 1)], readers=[0]) is None
+    finally:
+        huge.close()
+    assert arena.placed == 1 and arena.fallbacks == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"p": "/etc/passwd"},  # not a descriptor of the controller's
+        {"p": "/proc/1/fd/../../self/mem"},
+        {"o": -64},
+        {"n": 1, "index": 1},  # a flag beyond the block's readers
+        {"z": [1, "x"]},
+    ],
+)
+def test_a_reference_a_rank_cannot_trust_is_refused(arena, change):
+    where = arena.place([bytes(A.MIN_BYTES)], readers=[0])
+    assert where is not None
+    index = change.pop("index", 0)
+    where.update(change)
+    with pytest.raises(WireError, match="malformed shared-memory reference"):
+        A.ArenaReader().take(_message(where, si=index), slot=0)
+
+
+def test_a_reference_beyond_the_arena_is_refused(arena):
+    where = arena.place([bytes(A.MIN_BYTES)], readers=[0])
+    assert where is not None
+    where["o"] = 8 * MIB - 64
+    with pytest.raises(WireError, match="beyond the arena"):
+        A.ArenaReader().take(_message(where), slot=0)
+
+
+def test_an_arena_that_cannot_be_opened_says_so_in_the_message(arena):
+    where = arena.place([bytes(A.MIN_BYTES)], readers=[0])
+    assert where is not None
+    where["p"] = f"/proc/{os.getpid()}/fd/999999"
+    got = A.ArenaReader().take(_message(where), slot=0)
+    assert got.buffers == [] and A.SHM_ARGS_ENV + "=0" in got.lost
+    assert "could not map the controller's shared memory" in got.lost
+
+
+def test_another_file_under_the_same_descriptor_number_is_not_mapped(arena, tmp_path):
+    where = arena.place([bytes(A.MIN_BYTES)], readers=[0])
+    assert where is not None
+    fd = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        where["p"] = f"/proc/{os.getpid()}/fd/{fd}"  # a real file, not the arena's inode
+        got = A.ArenaReader().take(_message(where), slot=0)
+    finally:
+        os.close(fd)
+    assert "is not the controller's arena" in got.lost

@@ -1,0 +1,186 @@
+"""Large arguments of calls to a local mesh's ranks go through the controller's
+shared-memory arena (``wire.arena``): intact, private to each rank, as they were at call
+time; through host agents' fan-outs; over the socket when the arena is full or off; freed
+when a rank that had not read them is restarted; and a rank that cannot map the arena
+answers with the reason instead of running the call."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from conftest import wait_no_orphans
+from helpers import wait_until
+
+from monarch_kernel.actor import Actor, ActorError, endpoint, host_mesh, this_host
+from monarch_kernel.calls.errors import RankDiedError
+from monarch_kernel.wire import arena as arena_mod
+from monarch_kernel.wire import kinds as K
+
+pytestmark = pytest.mark.local
+
+FLOATS = 1 << 18  # 1 MiB of float32
+
+
+class Receiver(Actor):
+    def __init__(self) -> None:
+        from monarch_kernel.actor import current_rank
+
+        self.rank = current_rank().rank
+
+    @endpoint
+    def bump(self, t: torch.Tensor) -> float:
+        t.add_(self.rank)  # in place: each rank's copy is its own
+        return float(t.sum())
+
+    @endpoint
+    def wait_while(self, path: str) -> int:
+        open(path + ".entered", "w").close()
+        while os.path.exists(path):
+            time.sleep(0.01)
+        return os.getpid()
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _unread(procs) -> int:
+    transport = procs.runtime.transport
+    with transport.send_lock:
+        return transport.arena.unread()
+
+
+def _ones_sum(rank: int, scale: float = 1.0) -> float:
+    return FLOATS * (scale + rank)
+
+
+def test_large_arguments_reach_each_rank_intact_private_and_as_at_call_time():
+    procs = this_host().spawn_procs(per_host={"gpus": 4})
+    try:
+        arena = procs.runtime.transport.arena
+        assert arena is not None, "a local mesh on unix sockets has an arena"
+        actors = procs.spawn("rx", Receiver)
+        t = torch.ones(FLOATS)
+        fut = actors.slice(gpus=2).bump.call_one(t)
+        t.mul_(3)  # changed as soon as the call returned: the rank got it as it was
+        assert fut.get(timeout=60) == _ones_sum(2)
+        assert arena.placed == 1
+        # one block for four readers; each adds its rank to its own copy
+        sums = actors.bump.call(t).get(timeout=60).values()
+        assert sums == [_ones_sum(r, 3.0) for r in range(4)]
+        assert arena.placed == 2 and arena.fallbacks == 0
+        assert torch.equal(t, torch.full((FLOATS,), 3.0))  # the caller's is untouched
+        assert _unread(procs) == 0  # every reader set its own flag
+    finally:
+        procs.stop()
+    assert not wait_no_orphans(), "the mesh left processes behind"
+
+
+def test_a_fan_out_through_two_host_agents_reads_one_block():
+    procs = host_mesh(hosts=2).spawn_procs(per_host={"gpus": 8})  # 8: through the agents
+    try:
+        actors = procs.spawn("rx", Receiver)
+        inbound = procs.runtime.inbound
+        before = inbound.kinds.get(K.FAN_IN, 0)
+        sums = actors.bump.call(torch.ones(FLOATS)).get(timeout=120).values()
+        assert sums == [_ones_sum(r) for r in range(16)]
+        assert inbound.kinds.get(K.FAN_IN, 0) >= before + 2  # it went by both agents
+        assert procs.runtime.transport.arena.placed == 1
+        assert _unread(procs) == 0  # each rank found its flag from ``si`` and ``d``
+    finally:
+        procs.stop()
+    assert not wait_no_orphans(), "the mesh left processes behind"
+
+
+def test_a_full_arena_sends_over_the_socket_and_order_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(arena_mod, "ARENA_BYTES", (3 << 20) // 2)  # room for one 1 MiB block
+    hold = str(tmp_path / "hold")
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        actors = procs.spawn("rx", Receiver)
+        arena = procs.runtime.transport.arena
+        open(hold, "w").close()
+        held = actors.wait_while.call_one(hold)
+        wait_until(lambda: os.path.exists(hold + ".entered"), timeout=60, what="the hold")
+        # the rank reads nothing while it holds: the first stays unread in the arena ...
+        first = actors.bump.call_one(torch.ones(FLOATS))
+        assert arena.placed == 1 and _unread(procs) == 1
+        # ... so the second finds no room and goes over the socket
+        second = actors.bump.call_one(torch.full((FLOATS,), 2.0))
+        assert arena.fallbacks == 1
+        os.remove(hold)
+        held.get(timeout=60)
+        assert first.get(timeout=60) == _ones_sum(0)
+        assert second.get(timeout=60) == _ones_sum(0, 2.0)
+        assert _unread(procs) == 0
+        # read: the arena takes the next one again
+        assert actors.bump.call_one(torch.ones(FLOATS)).get(timeout=60) == _ones_sum(0)
+        assert arena.placed == 2
+    finally:
+        procs.stop()
+    assert not wait_no_orphans(), "the mesh left processes behind"
+
+
+def test_a_restarted_rank_frees_what_its_previous_self_did_not_read(tmp_path):
+    hold = str(tmp_path / "hold")
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, on_failure="restart")
+    try:
+        actors = procs.spawn("rx", Receiver)
+        one = actors.slice(gpus=1)
+        pid = one.pid.call_one().get(timeout=60)
+        open(hold, "w").close()
+        held = one.wait_while.call_one(hold)
+        wait_until(lambda: os.path.exists(hold + ".entered"), timeout=60, what="the hold")
+        unread = one.bump.call_one(torch.ones(FLOATS))
+        assert _unread(procs) == 1
+        os.kill(pid, signal.SIGKILL)
+        for fut in (held, unread):
+            with pytest.raises(RankDiedError):
+                fut.get(timeout=60)
+        os.remove(hold)
+        assert one.pid.call_one().get(timeout=120) != pid  # restarted (the call waits)
+        assert _unread(procs) == 0
+        assert one.bump.call_one(torch.ones(FLOATS)).get(timeout=60) == _ones_sum(1)
+    finally:
+        procs.stop()
+    assert not wait_no_orphans(), "the mesh left processes behind"
+
+
+def test_a_rank_that_cannot_map_the_arena_answers_with_why_and_goes_on():
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        actors = procs.spawn("rx", Receiver)
+        transport = procs.runtime.transport
+        real = transport.arena.path
+        with transport.send_lock:  # as if the rank could not open the controller's file
+            transport.arena.path = f"/proc/{os.getpid()}/fd/999999"
+        with pytest.raises(ActorError) as failed:
+            actors.bump.call_one(torch.ones(FLOATS)).get(timeout=60)
+        text = str(failed.value)
+        assert "could not map the controller's shared memory" in text, text
+        assert f"{arena_mod.SHM_ARGS_ENV}=0" in text, text
+        with transport.send_lock:
+            transport.arena.path = real
+        # nothing wedged: the next calls, small and large, are answered in order
+        assert actors.pid.call_one().get(timeout=60) > 0
+        assert actors.bump.call_one(torch.ones(FLOATS)).get(timeout=60) == _ones_sum(0)
+    finally:
+        procs.stop()
+    assert not wait_no_orphans(), "the mesh left processes behind"
+
+
+def test_with_shared_arguments_off_large_arguments_go_over_the_socket(monkeypatch):
+    monkeypatch.setenv(arena_mod.SHM_ARGS_ENV, "0")
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        assert procs.runtime.transport.arena is None
+        actors = procs.spawn("rx", Receiver)
+        sums = actors.bump.call(torch.ones(FLOATS)).get(timeout=60).values()
+        assert sums == [_ones_sum(r) for r in range(2)]
+    finally:
+        procs.stop()
+    assert not wait_no_orphans(), "the mesh left processes behind"
