@@ -48,10 +48,15 @@ class Receiver(Actor):
         return os.getpid()
 
 
+def _arena(procs) -> arena_mod.Arena:
+    arena = procs.runtime.transport.arena
+    assert arena is not None, "a local mesh on unix sockets has an arena"
+    return arena
+
+
 def _unread(procs) -> int:
-    transport = procs.runtime.transport
-    with transport.send_lock:
-        return transport.arena.unread()
+    with procs.runtime.transport.send_lock:
+        return _arena(procs).unread()
 
 
 def _ones_sum(rank: int, scale: float = 1.0) -> float:
@@ -61,8 +66,7 @@ def _ones_sum(rank: int, scale: float = 1.0) -> float:
 def test_large_arguments_reach_each_rank_intact_private_and_as_at_call_time():
     procs = this_host().spawn_procs(per_host={"gpus": 4})
     try:
-        arena = procs.runtime.transport.arena
-        assert arena is not None, "a local mesh on unix sockets has an arena"
+        arena = _arena(procs)
         actors = procs.spawn("rx", Receiver)
         t = torch.ones(FLOATS)
         fut = actors.slice(gpus=2).bump.call_one(t)
@@ -89,7 +93,7 @@ def test_a_fan_out_through_two_host_agents_reads_one_block():
         sums = actors.bump.call(torch.ones(FLOATS)).get(timeout=120).values()
         assert sums == [_ones_sum(r) for r in range(16)]
         assert inbound.kinds.get(K.FAN_IN, 0) >= before + 2  # it went by both agents
-        assert procs.runtime.transport.arena.placed == 1
+        assert _arena(procs).placed == 1
         assert _unread(procs) == 0  # each rank found its flag from ``si`` and ``d``
     finally:
         procs.stop()
@@ -102,7 +106,7 @@ def test_a_full_arena_sends_over_the_socket_and_order_is_kept(tmp_path, monkeypa
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     try:
         actors = procs.spawn("rx", Receiver)
-        arena = procs.runtime.transport.arena
+        arena = _arena(procs)
         open(hold, "w").close()
         held = actors.wait_while.call_one(hold)
         wait_until(lambda: os.path.exists(hold + ".entered"), timeout=60, what="the hold")
@@ -154,17 +158,17 @@ def test_a_rank_that_cannot_map_the_arena_answers_with_why_and_goes_on():
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     try:
         actors = procs.spawn("rx", Receiver)
-        transport = procs.runtime.transport
-        real = transport.arena.path
+        transport, arena = procs.runtime.transport, _arena(procs)
+        real = arena.path
         with transport.send_lock:  # as if the rank could not open the controller's file
-            transport.arena.path = f"/proc/{os.getpid()}/fd/999999"
+            arena.path = f"/proc/{os.getpid()}/fd/999999"
         with pytest.raises(ActorError) as failed:
             actors.bump.call_one(torch.ones(FLOATS)).get(timeout=60)
         text = str(failed.value)
         assert "could not map the controller's shared memory" in text, text
         assert f"{arena_mod.SHM_ARGS_ENV}=0" in text, text
         with transport.send_lock:
-            transport.arena.path = real
+            arena.path = real
         # nothing wedged: the next calls, small and large, are answered in order
         assert actors.pid.call_one().get(timeout=60) > 0
         assert actors.bump.call_one(torch.ones(FLOATS)).get(timeout=60) == _ones_sum(0)
