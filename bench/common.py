@@ -206,6 +206,12 @@ def repeat_ready(start: Callable[[], float], reps: int, budget_s: float = 12.0) 
     return xs
 
 
+#: Row 4's tensor to several ranks (a gathered call): its size, how many ranks, its key.
+FANOUT_MIB = 16
+FANOUT_RANKS = 4
+FANOUT_ROW = f"tensor_{FANOUT_MIB}_to_{FANOUT_RANKS}"
+
+
 def tensor_iters(mib: int) -> tuple[int, int]:
     """(iterations, warm-up) for one tensor size."""
     if mib <= 4:

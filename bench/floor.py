@@ -58,12 +58,13 @@ class RawFloor:
     against it: a 1-byte round trip, and a zero-copy send of a tensor's bytes plus a
     tiny ack (what a call that carries the tensor costs at the least)."""
 
-    def __init__(self, ipc: bool = False) -> None:
+    def __init__(self, ipc: bool = False, servers: int = 1) -> None:
         """``ipc``: over unix sockets, the transport of a local mesh (else tcp loopback,
-        the floor every peer is compared with)."""
+        the floor every peer is compared with). ``servers``: how many server processes
+        (:meth:`sender_to_all` sends to each)."""
         from bench.raw_zmq import Servers
 
-        self._servers = Servers(1, ipc=ipc)
+        self._servers = Servers(servers, ipc=ipc)
         self._sock = self._servers.socks[0]
 
     def ping(self) -> None:
@@ -80,6 +81,22 @@ class RawFloor:
         def send() -> None:
             sock.send_multipart([b"d", data], copy=False)
             assert int(sock.recv()) == len(data)
+
+        return send
+
+    def sender_to_all(self, mib: int) -> Callable[[], object]:
+        """A function that sends ``mib`` MiB zero-copy to every server process, then
+        waits for all their acks (the floor of a gathered call carrying the tensor)."""
+        import torch
+
+        data = torch.ones(mib * MiB // 4).numpy().data.cast("B")
+        socks = self._servers.socks
+
+        def send() -> None:
+            for sock in socks:
+                sock.send_multipart([b"d", data], copy=False)
+            for sock in socks:
+                assert int(sock.recv()) == len(data)
 
         return send
 

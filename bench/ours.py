@@ -16,6 +16,9 @@ from collections.abc import Callable
 import psutil
 
 from bench.common import (
+    FANOUT_MIB,
+    FANOUT_RANKS,
+    FANOUT_ROW,
     NotWithin,
     Recorder,
     Settings,
@@ -202,6 +205,8 @@ def micro(s: Settings, rec: Recorder, actors: ActorMesh) -> None:
             for mib in s.tensor_mib:
                 with rec.guard(f"tensor_{mib}", f"tensor_{mib}_floor"):
                     tensor_rows(rec, mib, one, floor)
+            with rec.guard(*(f"{FANOUT_ROW}{x}" for x in ("", "_floor", "_vs_floor"))):
+                tensor_to_ranks_rows(rec, actors.slice(gpus=slice(0, FANOUT_RANKS)))
     finally:
         if floor is not None:
             floor.close()
@@ -238,6 +243,24 @@ def tensor_rows(rec: Recorder, mib: int, one: ActorMesh, floor: RawFloor) -> Non
         rec.value(f"tensor_{mib}_ipc", mib / median(got.ours), samples=len(got.ours))
         rec.value(f"tensor_{mib}_ipc_floor", mib / median(got.floor), samples=len(got.floor))
         rec.ratio(f"tensor_{mib}_vs_ipc_floor", f"tensor_{mib}_ipc", f"tensor_{mib}_ipc_floor")
+
+
+def tensor_to_ranks_rows(rec: Recorder, ranks: ActorMesh) -> None:
+    """Row 4, one tensor to several ranks (a gathered call), alternating with raw ZeroMQ
+    sending the same bytes to as many server processes; rate: bytes delivered (to every
+    rank) per second."""
+    t = tensor_of(FANOUT_MIB)
+    iters, warmup = tensor_iters(FANOUT_MIB)
+    floor = RawFloor(servers=FANOUT_RANKS)
+    try:
+        send = lambda: ranks.nbytes.call(t).get()
+        got = alternating(send, floor.sender_to_all(FANOUT_MIB), iters * 2, warmup, 60.0, 3)
+    finally:
+        floor.close()
+    delivered = FANOUT_MIB * FANOUT_RANKS
+    rec.value(FANOUT_ROW, delivered / median(got.ours), samples=len(got.ours))
+    rec.value(f"{FANOUT_ROW}_floor", delivered / median(got.floor), samples=len(got.floor))
+    rec.ratio(f"{FANOUT_ROW}_vs_floor", FANOUT_ROW, f"{FANOUT_ROW}_floor")
 
 
 def calls_and_broadcast(s: Settings, rec: Recorder, actors: ActorMesh) -> None:

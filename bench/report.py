@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from bench.common import Settings
+from bench.common import FANOUT_MIB, FANOUT_RANKS, FANOUT_ROW, Settings
 from bench.runner import PeerRun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -104,6 +104,26 @@ def rows(s: Settings) -> list[Row]:
         out.append(
             Row(f"memcpy_{mib}", f"4. {mib} MiB torch clone (memcpy bound)", "MiB/s", "higher")
         )
+    fan, size = FANOUT_ROW, f"{FANOUT_MIB} MiB"
+    out.append(
+        Row(fan, f"4. {size} tensor to {FANOUT_RANKS} ranks, gathered call", "MiB/s", "higher")
+    )
+    out.append(
+        Row(
+            f"{fan}_floor",
+            f"4. {size} raw ZeroMQ to {FANOUT_RANKS} processes, beside the mesh",
+            "MiB/s",
+            "higher",
+        )
+    )
+    out.append(
+        Row(
+            f"{fan}_vs_floor",
+            f"4. {size} to {FANOUT_RANKS} ranks ÷ raw to as many processes beside it",
+            "x",
+            "higher",
+        )
+    )
     for mib in s.tensor_mib:
         out.append(
             Row(
@@ -487,6 +507,13 @@ def how_measured(s: Settings) -> list[str]:
         "alternating with ours' calls (as in 1), and ours' figure is from those blocks; for "
         "1 MiB also over unix sockets (ipc), the transport of a local mesh (ours' figure for "
         "that ratio is from its own alternating blocks). "
+        f"To {FANOUT_RANKS} ranks: one gathered call carrying a {FANOUT_MIB} MiB tensor to "
+        f"{FANOUT_RANKS} ranks of the mesh; floor: the same bytes sent zero-copy to each of "
+        f"{FANOUT_RANKS} raw server processes, then their {FANOUT_RANKS} acks; rate: bytes "
+        "delivered to all of them per second, alternating as in 1. Ours puts arguments of "
+        "64 KiB to 64 MiB for ranks of its own host in a shared-memory arena (one copy in, "
+        "one copy out by each rank, a small message on the socket: monarch_kernel.wire.arena); "
+        "the floor is sockets. "
         "Rank -> rank: in a mesh of 2 local host agents × 2 ranks, rank 0 `share()`s a fresh "
         "tensor and a rank times `ref.get()` (the owner's data mapped from shared memory "
         "for a rank of its host, pulled over TCP loopback for a rank of the other host); "
