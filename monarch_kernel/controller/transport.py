@@ -371,6 +371,7 @@ class Transport:
         assert self.arena is not None
         where = self.arena.place(buffers, readers)
         if where is None:
+            header.pop("sh", None)  # a header sent before: its block is not this one's
             return 0, buffers
         header["sh"] = where
         return sum(where["z"]), ()
