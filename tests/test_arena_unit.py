@@ -132,3 +132,20 @@ def test_another_file_under_the_same_descriptor_number_is_not_mapped(arena, tmp_
     finally:
         os.close(fd)
     assert "is not the controller's arena" in got.lost
+
+
+def test_a_full_arena_frees_the_blocks_of_readers_that_died(arena):
+    big = bytes(3 * MIB)
+    assert arena.place([big], readers=[0]) is not None
+    assert arena.place([big], readers=[4]) is not None
+    asked = []
+
+    def dead() -> list[int]:
+        asked.append(True)
+        return [4]
+
+    third = arena.place([big], readers=[1], gone=dead)
+    assert third is not None and asked  # asked only once there was no room
+    assert arena.unread() == 2 and arena.fallbacks == 0
+    assert arena.place([big], readers=[2], gone=list) is None
+    assert arena.fallbacks == 1

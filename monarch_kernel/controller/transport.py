@@ -369,12 +369,16 @@ class Transport:
         in ``header``: (their bytes, no buffers left to send); or (0, ``buffers``) where
         they go over the socket (too small, too large, the arena full)."""
         assert self.arena is not None
-        where = self.arena.place(buffers, readers)
+        where = self.arena.place(buffers, readers, self._dead_slots)
         if where is None:
             header.pop("sh", None)  # a header sent before: its block is not this one's
             return 0, buffers
         header["sh"] = where
         return sum(where["z"]), ()
+
+    def _dead_slots(self) -> list[int]:
+        """The wire ids of the ranks that died and were not started again (yet)."""
+        return [info.slot for info in self._ranks if not info.alive]
 
     def _send_shared(
         self,

@@ -15,9 +15,10 @@ returns.
 A block: one flag byte per reader (each rank the message goes to), padded to
 :data:`ALIGN`, then each buffer at an :data:`ALIGN` boundary. A reader sets its flag once
 it has copied the buffers out; the controller reuses a block once every flag is set, or
-when a reader is gone (:meth:`Arena.release`). Nothing ever waits for room: a message
-too small or too large for the arena, or one that finds it full, goes over the socket
-as before (:attr:`Arena.fallbacks`).
+when a reader is gone (:meth:`Arena.release`: a rank restarted or left the mesh, or one
+that died while the arena has no room). Nothing ever waits for room: a message too small
+or too large for the arena, or one that finds it full, goes over the socket as before
+(:attr:`Arena.fallbacks`).
 
 Trust: the buffers in a block are not signed, as buffer frames on the socket are not
 (the signed header carries their sizes and where they are). The file is created 0600
@@ -38,7 +39,7 @@ import re
 import stat
 import tempfile
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,9 +158,16 @@ class Arena:
         self._reclaim()
         return len(self._blocks)
 
-    def place(self, buffers: Sequence[Buffer], readers: Sequence[int]) -> Header | None:
+    def place(
+        self,
+        buffers: Sequence[Buffer],
+        readers: Sequence[int],
+        gone: Callable[[], Sequence[int]] | None = None,
+    ) -> Header | None:
         """Copy ``buffers`` into a block read by ``readers`` (wire ids, in flag order);
-        the header value ``sh`` that says where, or None: send them over the socket."""
+        the header value ``sh`` that says where, or None: send them over the socket.
+        ``gone``: when there is no room, the readers that died since (they will never
+        read theirs): their blocks are released and the room looked for again."""
         if self.closed or not 1 <= len(readers) <= MAX_READERS:
             return None
         views = [flat_view(b) for b in buffers]
@@ -174,6 +182,12 @@ class Arena:
             # still in the caches, and the arena's pages in use stay few.
             self._reclaim()
         offset = self._find(span)
+        if offset is None and gone is not None and self._blocks:
+            dead = gone()
+            if dead:
+                self.release(dead)
+                self._reclaim()
+                offset = self._find(span)
         if offset is None:
             self.fallbacks += 1
             return None
