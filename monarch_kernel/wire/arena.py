@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from monarch_kernel.wire.chunks import flat_view
-from monarch_kernel.wire.codec import Buffer, Header, Message, WireError
+from monarch_kernel.wire.codec import Buffer, Header, Message
 
 log = logging.getLogger("monarch_kernel.wire")
 
@@ -279,9 +279,10 @@ class ArenaReader:
         self._maps: OrderedDict[tuple[str, int], memoryview] = OrderedDict()
 
     def take(self, msg: Message, slot: int) -> Message:
-        """``msg`` with its buffers read out of the arena (header ``sh``), or, where the
-        arena cannot be mapped, with :attr:`Message.lost` saying why. WireError for a
-        malformed reference (the header verified: a bug, not an attack)."""
+        """``msg`` with its buffers read out of the arena (header ``sh``), or with
+        :attr:`Message.lost` saying why they could not be: the arena cannot be mapped, or
+        the reference is malformed (the header verified, so that is a bug, not an attack;
+        the message is still answered, so that the ones after it are not held back)."""
         h = msg.header
         where = h.pop("sh")
         first = h.pop("si", 0)
@@ -304,7 +305,7 @@ class ArenaReader:
             ):
                 raise ValueError(where)
         except (KeyError, TypeError, ValueError) as exc:
-            raise WireError(f"malformed shared-memory reference: {exc!r}") from None
+            return Message(h, msg.payload, [], f"malformed shared-memory reference: {exc!r}")
         try:
             view = self._open(path, ino)
         except OSError as exc:
@@ -316,7 +317,7 @@ class ArenaReader:
             return Message(h, msg.payload, [], lost)
         pos = offset + _align(readers)
         if pos + sum(_align(n) for n in sizes) > len(view):
-            raise WireError("shared-memory reference beyond the arena")
+            return Message(h, msg.payload, [], "shared-memory reference beyond the arena")
         buffers: list[Any] = []
         for n in sizes:
             out = _private(n)
