@@ -62,6 +62,19 @@ def test_fd_level_output_reaches_the_cell(kernel):
     assert "from C code" in r.stdout
 
 
+def test_fd_level_output_written_last_in_a_cell_is_never_left_behind(kernel):
+    # The cell ends right after the write: the rank's flush must wait until the drain
+    # thread has handed the bytes on (it may have read them and not run yet).
+    for i in range(15):
+        r = kernel.run(f"%%remote m\nimport os\nos.write(1, b'fd line {i}\\n')")
+        assert r.stdout.count(f"fd line {i}\n") == 1, (i, r.stdout)
+    # more than a pipe holds, ending in a NUL (a flush mark starts with one)
+    flood = "os.write(1, b'y' * 200_000 + b'\\nlast of the flood\\x00\\n')"
+    r = kernel.run(f"%%remote m --ranks 0\nimport os\n{flood}")
+    assert "last of the flood" in r.stdout, r.stdout[-300:]
+    assert "mk-fd-flush" not in r.stdout
+
+
 def test_grouped_error_points_at_cell_line_and_lists_tensors(kernel):
     code = (
         "%%remote m\n"

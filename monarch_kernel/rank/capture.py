@@ -221,6 +221,23 @@ class RankStream(io.TextIOBase):
         self._sink(self.name, data, context.current_request)
 
 
+#: Written into each capture pipe by :meth:`FdCapture.flush`; the drain thread drops it
+#: and counts it, so that flush knows everything written before it reached the sink.
+_FLUSH_MARK = b"\x00\x1b[mk-fd-flush]\x00"
+#: How long :meth:`FdCapture.flush` waits for the drain threads (a loaded machine can
+#: keep a thread from running for a while; the cell's result waits, its output is kept).
+FLUSH_TIMEOUT = 5.0
+
+
+def _mark_start(data: bytes) -> int:
+    """How many bytes at the end of ``data`` could begin a flush mark (split across two
+    reads): they wait for the next read."""
+    for k in range(min(len(_FLUSH_MARK) - 1, len(data)), 0, -1):
+        if data.endswith(_FLUSH_MARK[:k]):
+            return k
+    return 0
+
+
 class FdCapture:
     """Redirect fd 1 and 2 into pipes drained by a daemon thread."""
 
@@ -229,15 +246,25 @@ class FdCapture:
         self._logs = {name: _LogWriter(log_fd) for name in ("stdout", "stderr")}
         self._threads: list[threading.Thread] = []
         self._read_fds: list[int] = []
-        self._busy = 0  # readers between a read() and handing the text to the sink
+        #: Our own non-blocking write end of each pipe, for the flush marks (whatever the
+        #: user's code did with fd 1 and 2 since).
+        self._mark_fds: list[int] = []
+        self._pid = os.getpid()
+        self._flush_lock = threading.Lock()
+        self._marks = threading.Condition()
+        self._asked = 0  # marks written per pipe
+        self._seen: dict[str, int] = {}  # marks each drain thread took out
 
     def start(self) -> None:
         global _active
         for fd, name in ((1, "stdout"), (2, "stderr")):
             r, w = os.pipe()
             os.dup2(w, fd)
+            # a description of its own (O_NONBLOCK here must not reach fd 1's writers)
+            self._mark_fds.append(os.open(f"/proc/self/fd/{w}", os.O_WRONLY | os.O_NONBLOCK))
             os.close(w)
             self._read_fds.append(r)
+            self._seen[name] = 0
             t = threading.Thread(
                 target=self._drain, args=(r, name), name=f"capture-{name}", daemon=True
             )
@@ -245,14 +272,39 @@ class FdCapture:
             self._threads.append(t)
         _active = self
 
-    def flush(self, timeout: float = 0.5) -> None:
+    def flush(self, timeout: float = FLUSH_TIMEOUT) -> None:
         """Wait until everything written to fd 1/2 so far has gone to the sink.
 
-        Called before a result is sent, so a cell's C-level output never trails its value.
-        """
+        Called before a result is sent, so a cell's C-level output never trails its value
+        (nor goes out after its request ended, unattributed). A mark goes into each pipe
+        behind what was written; the drain threads count the marks once they handed the
+        text before them to the sink. Where no mark can be written (a full pipe, a forked
+        child whose drain threads are its parent's), the wait is for the pipes to be
+        empty."""
+        if os.getpid() != self._pid:
+            self._wait_empty(min(timeout, 0.5))
+            return
+        deadline = time.monotonic() + timeout
+        with self._flush_lock:
+            self._asked += 1
+            target = self._asked
+            try:
+                for w in self._mark_fds:
+                    os.write(w, _FLUSH_MARK)
+            except OSError:  # a pipe full of output (or gone): wait for it to drain
+                self._asked -= 1
+                self._wait_empty(max(0.0, deadline - time.monotonic()))
+                return
+            with self._marks:
+                self._marks.wait_for(
+                    lambda: min(self._seen.values()) >= target,
+                    max(0.0, deadline - time.monotonic()),
+                )
+
+    def _wait_empty(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            pending = self._busy
+            pending = 0
             for r in self._read_fds:
                 pending += struct.unpack("i", fcntl.ioctl(r, termios.FIONREAD, b"\0" * 4))[0]
             if not pending:
@@ -260,6 +312,7 @@ class FdCapture:
             time.sleep(0.0005)
 
     def _drain(self, r: int, name: str) -> None:
+        held = b""  # the start of a mark split across reads
         while True:
             try:
                 data = os.read(r, 65536)
@@ -267,13 +320,24 @@ class FdCapture:
                 return
             if not data:
                 return
-            self._busy += 1
-            text = data.decode("utf-8", "replace")
-            self._logs[name].write(text)
-            try:
+            marks = 0
+            if held:
+                data, held = held + data, b""
+            if b"\x00" in data:  # (user output seldom has a NUL: the common case skips this)
+                marks = data.count(_FLUSH_MARK)
+                if marks:
+                    data = data.replace(_FLUSH_MARK, b"")
+                cut = _mark_start(data)
+                if cut:
+                    data, held = data[:-cut], data[-cut:]
+            if data:
+                text = data.decode("utf-8", "replace")
+                self._logs[name].write(text)
                 self._sink(name, text, context.current_request)
-            finally:
-                self._busy -= 1
+            if marks:
+                with self._marks:
+                    self._seen[name] += marks
+                    self._marks.notify_all()
 
 
 _active: FdCapture | None = None
