@@ -261,7 +261,10 @@ class FdCapture:
             r, w = os.pipe()
             os.dup2(w, fd)
             # a description of its own (O_NONBLOCK here must not reach fd 1's writers)
-            self._mark_fds.append(os.open(f"/proc/self/fd/{w}", os.O_WRONLY | os.O_NONBLOCK))
+            try:
+                self._mark_fds.append(os.open(f"/proc/self/fd/{w}", os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # no /proc: flush waits for the pipes to be empty instead
+                pass
             os.close(w)
             self._read_fds.append(r)
             self._seen[name] = 0
@@ -281,7 +284,7 @@ class FdCapture:
         text before them to the sink. Where no mark can be written (a full pipe, a forked
         child whose drain threads are its parent's), the wait is for the pipes to be
         empty."""
-        if os.getpid() != self._pid:
+        if os.getpid() != self._pid or len(self._mark_fds) != len(self._read_fds):
             self._wait_empty(min(timeout, 0.5))
             return
         deadline = time.monotonic() + timeout
