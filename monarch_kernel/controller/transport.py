@@ -319,21 +319,6 @@ class Transport:
             )
             return
         size = len(payload) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0)
-        if buffers and self.arena is not None:
-            self._send_shared(ranks, header, payload, buffers, size)
-        else:
-            self._send_plain(ranks, header, payload, buffers, size)
-
-    def _send_plain(
-        self,
-        ranks: Sequence[int],
-        header: Header,
-        payload: bytes,
-        buffers: Sequence[Buffer],
-        size: int,
-    ) -> None:
-        """:meth:`_send` to several ranks, the buffers (``size`` bytes with the payload)
-        in the messages."""
         # One pass over the ranks (this runs per rank of a gathered call): per host, its
         # ranks with their slots and next sequence numbers (what _take_seq does).
         infos, next_seq, base = self._ranks, self.next_seq, self.seq_base
@@ -350,17 +335,32 @@ class Transport:
             entry[0].append(r)
             entry[1].append(slot)
             entry[2].append(q)
+        # The buffers once into the arena for all of them, when they fit: the flags in
+        # host order, each message naming its first (``si``); what is sent is then small.
+        wire_size, shared = size, False
+        if buffers and self.arena is not None:
+            readers = [slot for _, slots, _ in by_host.values() for slot in slots]
+            placed, buffers = self._share(header, buffers, readers)
+            shared = placed > 0
+            if shared:
+                wire_size = len(payload)
+        first = 0
         for host, (group, slots, seqs) in by_host.items():
-            if len(group) > 1 and (size >= FANOUT_MIN_BYTES or len(group) >= FANOUT_MIN_RANKS):
+            if len(group) > 1 and (wire_size >= FANOUT_MIN_BYTES or len(group) >= FANOUT_MIN_RANKS):
                 h = dict(header, d=slots, f=1, q=seqs)
+                if shared:
+                    h["si"] = first
                 route = {"f": 1, "d": slots}
                 parts = encode_parts(self.codec, h, payload, buffers, route)
                 self._deliver_parts(self.ids.host_id(host), parts)
             else:
-                for r, seq in zip(group, seqs):
+                for i, (r, seq) in enumerate(zip(group, seqs)):
                     h = dict(header, q=seq)
+                    if shared:
+                        h["si"] = first + i
                     parts = encode_parts(self.codec, h, payload, buffers)
                     self._deliver_parts(self.ids.rank_id(r), parts)
+            first += len(group)
 
     def _share(
         self, header: Header, buffers: Sequence[Buffer], readers: Sequence[int]
@@ -379,44 +379,6 @@ class Transport:
     def _dead_slots(self) -> list[int]:
         """The wire ids of the ranks that died and were not started again (yet)."""
         return [info.slot for info in self._ranks if not info.alive]
-
-    def _send_shared(
-        self,
-        ranks: Sequence[int],
-        header: Header,
-        payload: bytes,
-        buffers: Sequence[Buffer],
-        size: int,
-    ) -> None:
-        """:meth:`_send` to several ranks of a mesh with an arena: the buffers go once into
-        shared memory for all of them when they fit (then the message is small: it goes
-        to each rank, or per host to its agent for many ranks); else as :meth:`_send`."""
-        infos = self._ranks
-        by_host: dict[int, list[int]] = {}
-        for r in ranks:
-            by_host.setdefault(infos[r].host, []).append(r)
-        order = [r for group in by_host.values() for r in group]  # flag order: by host
-        slots = [infos[r].slot for r in order]
-        shared = dict(header)
-        _, left = self._share(shared, buffers, slots)
-        if left:  # not in the arena: the plain paths
-            self._send_plain(ranks, header, payload, buffers, size)
-            return
-        first = 0
-        for group in by_host.values():
-            seqs = [self._take_seq(r) for r in group]
-            for r in group:
-                infos[r].bytes_out += size
-            if len(group) >= FANOUT_MIN_RANKS:
-                route = {"f": 1, "d": slots[first : first + len(group)]}
-                h = dict(shared, q=seqs, si=first, **route)
-                parts = encode_parts(self.codec, h, payload, (), route)
-                self._deliver_parts(self.ids.host_id(infos[group[0]].host), parts)
-            else:
-                for i, (r, seq) in enumerate(zip(group, seqs)):
-                    h = dict(shared, q=seq, si=first + i)
-                    self._deliver_parts(self.ids.rank_id(r), encode_parts(self.codec, h, payload))
-            first += len(group)
 
     def _deliver_parts(self, ident: bytes, parts: list[list[Buffer]]) -> int:
         """Deliver a message's parts (one, or a stream's start and chunks) in order;
