@@ -248,11 +248,11 @@ class FdCapture:
         self._read_fds: list[int] = []
         #: Our own non-blocking write end of each pipe, for the flush marks (whatever the
         #: user's code did with fd 1 and 2 since).
-        self._mark_fds: list[int] = []
+        self._mark_fds: dict[str, int] = {}
         self._pid = os.getpid()
         self._flush_lock = threading.Lock()
         self._marks = threading.Condition()
-        self._asked = 0  # marks written per pipe
+        self._asked: dict[str, int] = {}  # marks written into each pipe
         self._seen: dict[str, int] = {}  # marks each drain thread took out
 
     def start(self) -> None:
@@ -262,12 +262,12 @@ class FdCapture:
             os.dup2(w, fd)
             # a description of its own (O_NONBLOCK here must not reach fd 1's writers)
             try:
-                self._mark_fds.append(os.open(f"/proc/self/fd/{w}", os.O_WRONLY | os.O_NONBLOCK))
+                self._mark_fds[name] = os.open(f"/proc/self/fd/{w}", os.O_WRONLY | os.O_NONBLOCK)
             except OSError:  # no /proc: flush waits for the pipes to be empty instead
                 pass
             os.close(w)
             self._read_fds.append(r)
-            self._seen[name] = 0
+            self._asked[name] = self._seen[name] = 0
             t = threading.Thread(
                 target=self._drain, args=(r, name), name=f"capture-{name}", daemon=True
             )
@@ -289,20 +289,21 @@ class FdCapture:
             return
         deadline = time.monotonic() + timeout
         with self._flush_lock:
-            self._asked += 1
-            target = self._asked
-            try:
-                for w in self._mark_fds:
+            targets: dict[str, int] = {}
+            for name, w in self._mark_fds.items():
+                try:
                     os.write(w, _FLUSH_MARK)
-            except OSError:  # a pipe full of output (or gone): wait for it to drain
-                self._asked -= 1
-                self._wait_empty(max(0.0, deadline - time.monotonic()))
-                return
+                except OSError:  # a pipe full of output (or gone): wait for it to drain
+                    continue
+                self._asked[name] += 1
+                targets[name] = self._asked[name]
             with self._marks:
                 self._marks.wait_for(
-                    lambda: min(self._seen.values()) >= target,
+                    lambda: all(self._seen[n] >= t for n, t in targets.items()),
                     max(0.0, deadline - time.monotonic()),
                 )
+            if len(targets) < len(self._mark_fds):
+                self._wait_empty(max(0.0, deadline - time.monotonic()))
 
     def _wait_empty(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
