@@ -31,6 +31,7 @@ are not reordered with earlier loads, which is what makes a set flag mean "copie
 
 from __future__ import annotations
 
+import bisect
 import errno
 import logging
 import mmap
@@ -90,6 +91,10 @@ class _Block:
     readers: tuple[int, ...]
 
 
+def _offset(block: _Block) -> int:
+    return block.offset
+
+
 def _unlinked_file(size: int) -> int:
     """A descriptor of a fresh 0600 file of ``size`` bytes in :data:`SHM_DIR` that has no
     name (nothing to leak if this process is killed)."""
@@ -129,7 +134,6 @@ class Arena:
             os.close(fd)
             raise
         self._fd = fd
-        self.size = size
         self._view = memoryview(self._map)
         #: Blocks in use, by offset.
         self._blocks: list[_Block] = []
@@ -197,7 +201,7 @@ class Arena:
         for v, n in zip(views, sizes):
             view[pos : pos + n] = v
             pos += _align(n)
-        self._insert(_Block(offset, span, tuple(readers)))
+        bisect.insort(self._blocks, _Block(offset, span, tuple(readers)), key=_offset)
         self.placed += 1
         return {"p": self.path, "i": self.ino, "o": offset, "n": len(readers), "z": sizes}
 
@@ -243,13 +247,6 @@ class Arena:
                 return None
             self._backed = end
         return start
-
-    def _insert(self, block: _Block) -> None:
-        blocks = self._blocks
-        i = len(blocks)
-        while i and blocks[i - 1].offset > block.offset:
-            i -= 1
-        blocks.insert(i, block)
 
     def _reclaim(self) -> None:
         """Forget the blocks every reader has copied out of."""
