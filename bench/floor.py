@@ -61,7 +61,7 @@ class RawFloor:
     def __init__(self, ipc: bool = False, servers: int = 1) -> None:
         """``ipc``: over unix sockets, the transport of a local mesh (else tcp loopback,
         the floor every peer is compared with). ``servers``: how many server processes
-        (:meth:`sender_to_all` sends to each)."""
+        (:meth:`sender` with ``to_all`` sends to each)."""
         from bench.raw_zmq import Servers
 
         self._servers = Servers(servers, ipc=ipc)
@@ -71,26 +71,14 @@ class RawFloor:
         """One raw round trip."""
         self._servers.ping([self._sock])
 
-    def sender(self, mib: int) -> Callable[[], object]:
-        """A function that sends ``mib`` MiB zero-copy and waits for the ack."""
+    def sender(self, mib: int, to_all: bool = False) -> Callable[[], object]:
+        """A function that sends ``mib`` MiB zero-copy and waits for the ack; ``to_all``:
+        to every server process, then waits for all their acks (the floor of a gathered
+        call carrying the tensor)."""
         import torch
 
         data = torch.ones(mib * MiB // 4).numpy().data.cast("B")
-        sock = self._sock
-
-        def send() -> None:
-            sock.send_multipart([b"d", data], copy=False)
-            assert int(sock.recv()) == len(data)
-
-        return send
-
-    def sender_to_all(self, mib: int) -> Callable[[], object]:
-        """A function that sends ``mib`` MiB zero-copy to every server process, then
-        waits for all their acks (the floor of a gathered call carrying the tensor)."""
-        import torch
-
-        data = torch.ones(mib * MiB // 4).numpy().data.cast("B")
-        socks = self._servers.socks
+        socks = self._servers.socks if to_all else [self._sock]
 
         def send() -> None:
             for sock in socks:

@@ -254,7 +254,7 @@ def tensor_to_ranks_rows(rec: Recorder, ranks: ActorMesh) -> None:
     floor = RawFloor(servers=FANOUT_RANKS)
     try:
         send = lambda: ranks.nbytes.call(t).get()
-        got = alternating(send, floor.sender_to_all(FANOUT_MIB), iters * 2, warmup, 60.0, 3)
+        got = alternating(send, floor.sender(FANOUT_MIB, to_all=True), iters * 2, warmup, 60.0, 3)
     finally:
         floor.close()
     delivered = FANOUT_MIB * FANOUT_RANKS
