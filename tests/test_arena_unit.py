@@ -6,6 +6,7 @@ why, never dropped: the messages after it would wait for it)."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -119,7 +120,7 @@ def test_an_arena_that_cannot_be_opened_says_so_in_the_message(arena):
     assert where is not None
     where["p"] = f"/proc/{os.getpid()}/fd/999999"
     got = A.ArenaReader().take(_message(where), slot=0)
-    assert got.buffers == [] and A.SHM_ARGS_ENV + "=0" in got.lost
+    assert got.buffers == [] and A.SHM_ENV + "=0" in got.lost
     assert "could not map the controller's shared memory" in got.lost
 
 
@@ -132,7 +133,7 @@ def test_another_file_under_the_same_descriptor_number_is_not_mapped(arena, tmp_
         got = A.ArenaReader().take(_message(where), slot=0)
     finally:
         os.close(fd)
-    assert "is not the controller's arena" in got.lost
+    assert "is not the writer's arena" in got.lost
 
 
 def test_a_full_arena_frees_the_blocks_of_readers_that_died(arena):
@@ -150,3 +151,61 @@ def test_a_full_arena_frees_the_blocks_of_readers_that_died(arena):
     assert arena.unread() == 2 and arena.fallbacks == 0
     assert arena.place([big], readers=[2], gone=list) is None
     assert arena.fallbacks == 1
+
+
+def test_an_idle_arena_gives_back_what_no_block_uses_above_what_it_keeps(monkeypatch):
+    a = A.Arena(64 * MIB)
+    try:
+        big = np.ones(24 * MIB, dtype=np.uint8)
+        where = a.place([big], readers=[0])
+        assert where is not None and a.backed() >= 24 * MIB
+        now = time.monotonic()
+        assert a.trim(now) == 0  # just placed: a loop of large calls keeps its pages
+        reader = A.ArenaReader()
+        assert bytes(reader.take(_message(where), 0).buffers[0][:4]) == b"\x01" * 4
+        later = now + A.TRIM_AFTER + 1
+        freed = a.trim(later)
+        assert freed > 0 and a.backed() == A.KEEP_BYTES  # read: all above KEEP_BYTES goes
+        assert a.trim(later) == 0
+        # the next block reserves its pages again and reads back intact
+        again = a.place([np.full(16 * MIB, 7, dtype=np.uint8)], readers=[0])
+        assert again is not None and a.backed() >= 16 * MIB
+        out = np.frombuffer(reader.take(_message(again), 0).buffers[0], np.uint8)
+        assert out.min() == out.max() == 7
+    finally:
+        a.close()
+
+
+def test_trim_keeps_the_pages_of_a_block_not_read_yet():
+    a = A.Arena(64 * MIB)
+    try:
+        low = a.place([np.ones(MIB, dtype=np.uint8)], readers=[0])
+        high = a.place([np.ones(20 * MIB, dtype=np.uint8)], readers=[1])
+        assert low is not None and high is not None and high["o"] > 0
+        top = a.backed()
+        a.trim(time.monotonic() + A.TRIM_AFTER + 1)
+        assert a.backed() == top  # reader 1 has not read the high block: all kept
+        assert np.frombuffer(A.ArenaReader().take(_message(high), 1).buffers[0], np.uint8).all()
+    finally:
+        a.close()
+
+
+def test_only_the_process_that_made_an_arena_places_blocks(arena):
+    pid = os.fork()
+    if pid == 0:  # a forked child (a rank's fork): the socket, never the parent's arena
+        os._exit(0 if arena.place([bytes(MIB)], readers=[0]) is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert arena.place([bytes(MIB)], readers=[0]) is not None
+
+
+def test_a_reader_forgets_the_arenas_of_a_process_that_died(arena):
+    where = arena.place([bytes(MIB)], readers=[0])
+    assert where is not None
+    reader = A.ArenaReader(keep=8)
+    reader.take(_message(where), 0)
+    assert reader.mapped() == 1
+    reader.forget(os.getpid() + 1)  # another process: kept
+    assert reader.mapped() == 1
+    reader.forget(os.getpid())
+    assert reader.mapped() == 0

@@ -44,6 +44,10 @@ class Receiver(Actor):
         return os.getpid()
 
     @endpoint
+    def echo(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @endpoint
     def pid(self) -> int:
         return os.getpid()
 
@@ -166,7 +170,7 @@ def test_a_rank_that_cannot_map_the_arena_answers_with_why_and_goes_on():
             actors.bump.call_one(torch.ones(FLOATS)).get(timeout=60)
         text = str(failed.value)
         assert "could not map the controller's shared memory" in text, text
-        assert f"{arena_mod.SHM_ARGS_ENV}=0" in text, text
+        assert f"{arena_mod.SHM_ENV}=0" in text, text
         with transport.send_lock:
             arena.path = real
         # nothing wedged: the next calls, small and large, are answered in order
@@ -177,14 +181,20 @@ def test_a_rank_that_cannot_map_the_arena_answers_with_why_and_goes_on():
     assert not wait_no_orphans(), "the mesh left processes behind"
 
 
-def test_with_shared_arguments_off_large_arguments_go_over_the_socket(monkeypatch):
-    monkeypatch.setenv(arena_mod.SHM_ARGS_ENV, "0")
+@pytest.mark.parametrize("env", [arena_mod.SHM_ENV, arena_mod.SHM_ARGS_ENV])
+def test_with_shared_memory_off_large_arguments_and_results_go_over_the_socket(
+    monkeypatch, env
+):
+    monkeypatch.setenv(env, "0")
     procs = this_host().spawn_procs(per_host={"gpus": 2})
     try:
         assert procs.runtime.transport.arena is None
         actors = procs.spawn("rx", Receiver)
         sums = actors.bump.call(torch.ones(FLOATS)).get(timeout=60).values()
         assert sums == [_ones_sum(r) for r in range(2)]
+        got = actors.echo.call(torch.ones(FLOATS)).get(timeout=60).values()
+        assert all(torch.equal(t, torch.ones(FLOATS)) for t in got)
+        assert procs.runtime.inbound.mapped_arenas() == 0  # no rank used an arena
     finally:
         procs.stop()
     assert not wait_no_orphans(), "the mesh left processes behind"

@@ -55,6 +55,7 @@ from monarch_kernel.controller.transport import Transport
 from monarch_kernel.wire import Codec, Message, WireError
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.arena import ArenaReader, SharedResultError, cannot_map_result
 from monarch_kernel.wire.chunks import Assembler
 from monarch_kernel.wire.codec import Header
 from monarch_kernel.wire.fanin import PartError, PartKind, decode_parts
@@ -65,6 +66,10 @@ from monarch_kernel.wire.terminal import strip_controls
 __all__ = ["ASK_HANDLERS", "NO_DEBUGGER", "NO_READER", "Inbound", "RankFacingMesh"]
 
 log = logging.getLogger("monarch_kernel.controller")
+
+#: Ranks' shared-memory arenas the controller keeps mapped at once (one per rank that
+#: returned a large result; the least recently used is dropped beyond this).
+MAX_MAPPED_ARENAS = 4096
 
 #: Longest unfinished output line kept per rank and stream.
 PARTIAL_MAX = 4096
@@ -147,6 +152,9 @@ class Inbound:
         #: Large values from ranks arrive in chunks; a rank that dies mid-way leaves
         #: its partial ones, dropped with it.
         self._assembler = Assembler()
+        #: Large results that ranks of a local mesh put in their shared memory
+        #: (``wire.arena``): one mapping per rank, dropped when the rank dies.
+        self._arenas = ArenaReader(keep=MAX_MAPPED_ARENAS, cannot_map=cannot_map_result)
         events.subscribe(self._drop_partial, RankDied)
         self._on_train_notice = on_train
         self._on_rank_ready = on_ready
@@ -214,6 +222,8 @@ class Inbound:
             return
         if msg is None:
             return
+        if "sh" in msg.header:
+            msg = self._shared(msg)
         h = msg.header  # a stream's start's header once its last chunk came
         slots = self._slots
         sender = h.get("r")
@@ -241,10 +251,37 @@ class Inbound:
         except H.HeaderError as exc:  # signed by a sender of ours: another version?
             log.warning("mesh %s dropped a message: %s", self._name, exc)
 
+    def mapped_arenas(self) -> int:
+        """Ranks' shared-memory arenas mapped now (those that sent large results)."""
+        return self._arenas.mapped()
+
+    def _shared(self, msg: Message) -> Message:
+        """A rank's reply whose buffers are in the rank's shared memory, with them read
+        out; one that cannot be read is a failed reply that says why (its request is
+        answered, nothing waits for it)."""
+        msg = self._arenas.take(msg, 0)
+        if not msg.lost:
+            return msg
+        log.warning("mesh %s: %s", self._name, msg.lost)
+        report: FailureReport = {
+            "type": SharedResultError.__name__,
+            "qualname": f"{SharedResultError.__module__}.{SharedResultError.__qualname__}",
+            "message": msg.lost,
+            "traceback": "",
+            "line": None,
+            "tensors": [],
+            "where": "reply",
+            "exception": pickle.dumps(SharedResultError(msg.lost)),
+        }
+        return Message({**msg.header, "ok": 0}, pickle.dumps(report))
+
     def _drop_partial(self, event: object) -> None:
         if isinstance(event, RankDied) and 0 <= event.rank < len(self._ranks):
-            slot = self._ranks[event.rank].slot  # partial streams' headers name slots
+            info = self._ranks[event.rank]
+            slot = info.slot  # partial streams' headers name slots
             self._assembler.forget(lambda h: h.get("r") == slot)
+            if info.pid is not None:
+                self._arenas.forget(info.pid)  # its shared memory goes with it
 
     def _from_host(self, host: int, rank: object, claimed: object) -> bool:
         """Whether the header's sender rank and host slots (where present) are on the

@@ -162,6 +162,8 @@ class Starter:
         }
         if self._transport.curve is not None:  # ranks of other machines may call its ranks
             self.common["peer_key"] = peer_key.mesh_key()
+        if self._transport.arena is not None:  # large results through shared memory too
+            self.common["shm_results"] = 1
         for host in self._hosts:
             self.spawn_ranks([r for r in self._ranks if r.host == host.index])
         self.wait(

@@ -88,6 +88,7 @@ class Supervisor:
             return
         stalled = now - self._last_tick > STALL
         self._last_tick = now
+        self._transport.trim_arena()
         for host in self._hosts:
             if stalled:
                 # This process did not run for a while (a long computation holding the

@@ -216,6 +216,14 @@ class Transport:
             if ident not in self._backlog:
                 self._backlog.deliver(ident, self.codec.encode({"k": K.HEARTBEAT}), 0)
 
+    def trim_arena(self) -> None:
+        """Give back the arena's memory that large arguments left idle a while
+        (``Arena.trim``; the I/O thread's tick)."""
+        shared = self.arena
+        if shared is not None and shared.backed() > arena.KEEP_BYTES:
+            with self.send_lock:
+                shared.trim()
+
     def send(
         self,
         ranks: Sequence[int],

@@ -55,6 +55,9 @@ class RankConfig:
     #: connect to other ranks with it, and their TCP listeners admit only its public
     #: half (see ``rank.peer_keys``); "" without CURVE.
     peer_key: str = ""
+    #: 1: the controller reads large results' buffers from the rank's shared memory
+    #: (``wire.arena``; a local mesh on unix sockets whose controller has an arena).
+    shm_results: int = 0
     # -- added by the host agent --------------------------------------------------------
     key: str = ""  #: the mesh's HMAC key, hex
     send: str = ""  #: the controller's endpoint that sends to ranks
@@ -150,6 +153,7 @@ _CONVERT.update(
     local_world_size=int,
     master_port=int,
     detachable=int,
+    shm_results=int,
     coords=_int_tuple,
     labels=_str_tuple,
     sizes=_int_tuple,

@@ -119,6 +119,7 @@ class ControlThread:
             if now >= next_stats:
                 next_stats = next_stats_at(now, phase)
                 self.send_stats()
+                self.outbox.tidy()  # idle shared memory of large results goes back
             wait_ms = int((next_stats - time.monotonic()) * 1000) + 1
             ready = dict(poller.poll(max(wait_ms, 1)))
             if link is not None and link.monitor in ready:

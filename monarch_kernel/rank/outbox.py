@@ -20,6 +20,7 @@ from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Codec, SerializationError, dumps, handoff, peer_address
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.arena import KEEP_BYTES, MIN_BYTES, Arena
 from monarch_kernel.wire.chunks import check_size, encode_parts
 from monarch_kernel.wire.codec import Buffer
 from monarch_kernel.wire.codec import send as wire_send
@@ -81,6 +82,11 @@ class Outbox:
         self.agent: zmq.Socket[bytes] | None = None
         self.fanin: dict[str, int] = {}
         self._fanin_lock = threading.Lock()
+        #: Large results' buffers go to the controller through shared memory
+        #: (``wire.arena``): set where the controller reads them (a local mesh). The
+        #: arena is made with the first such result; None after it could not be.
+        self.shm_results = False
+        self._arena: Arena | None = None
 
     # -- fan-in (wire.fanin) -----------------------------------------------------------
     def fanin_open(self, request: str) -> bool:
@@ -127,6 +133,41 @@ class Outbox:
                     wire_send(self.out, frames)
         if self.main.pending_signal is not None:  # a signal came while the main thread sent
             self.main.raise_pending()
+
+    def _shared(
+        self, header: H.WireHeader, buffers: Sequence[Buffer]
+    ) -> tuple[H.WireHeader, Sequence[Buffer]]:
+        """A reply to the controller with its buffers put in this rank's arena (header
+        ``sh``; the controller copies them out as it receives it), or as it was: no
+        arena here, too small or too large for it, or the arena full."""
+        if not self.shm_results or not buffers or self.link is not None:
+            return header, buffers
+        if sum(memoryview(b).nbytes for b in buffers) < MIN_BYTES:
+            return header, buffers
+        with self.lock:
+            arena = self._arena
+            if arena is None:
+                arena = self._arena = Arena.create()
+                if arena is None:  # no shared memory here: the socket from now on
+                    self.shm_results = False
+                    return header, buffers
+            where = arena.place(buffers, (0,))
+        if where is None:
+            return header, buffers
+        return {**header, "sh": where}, ()
+
+    @property
+    def arena(self) -> Arena | None:
+        """This rank's shared memory for large results (None until the first one)."""
+        return self._arena
+
+    def tidy(self) -> None:
+        """Give back the shared memory of large results that has been idle a while
+        (``Arena.trim``; the control thread, about once a second)."""
+        arena = self._arena
+        if arena is not None and arena.backed() > KEEP_BYTES:
+            with self.lock:
+                arena.trim()
 
     def send_stats(self, header: H.WireHeader, payload: bytes) -> None:
         """The once-a-second ``stats`` (control thread): to the host agent where fan-in
@@ -271,6 +312,7 @@ class Outbox:
             if self.fanin and request in self.fanin:
                 self._fanin_result(request, header, payload, buffers)
             else:
+                wire, buffers = self._shared(wire, buffers)
                 self.send(wire, payload, buffers)
             return
         try:
@@ -293,7 +335,8 @@ class Outbox:
         large = bool(buffers) or len(payload) > MAX_COMBINED
         if large and not self.fanin.get(request, 0) & _VIA_AGENT:
             self._fanin_mark(request, _REPLIED)
-            for frames in encode_parts(self.codec, header.encode(), payload, buffers):
+            wire, buffers = self._shared(header.encode(), buffers)
+            for frames in encode_parts(self.codec, wire, payload, buffers):
                 with self.lock:
                     wire_send(self.out, frames)
             told = H.FanInDirect(rank=self.rank, request=request).encode()

@@ -87,6 +87,7 @@ class Rank:
             cfg.mesh_name,
         )  # fmt: skip
         self.outbox.machine = self.peer.machine
+        self.outbox.shm_results = bool(cfg.shm_results) and not cfg.detachable
         if cfg.fanin and not cfg.detachable:  # replies to fanned-out requests (wire.fanin)
             agent = self.ctx.socket(zmq.PUSH)
             agent.setsockopt(zmq.LINGER, 1000)

@@ -1,4 +1,5 @@
-"""Large call arguments to ranks of the controller's own host go through shared memory.
+"""Large call arguments and results between the controller and the ranks of its own host
+go through shared memory.
 
 A local mesh's ranks are reached over unix sockets. A 1 MiB argument sent on one is
 copied into the kernel and out again in socket-buffer-sized pieces, waking both sides'
@@ -20,6 +21,16 @@ that died while the arena has no room). Nothing ever waits for room: a message t
 or too large for the arena, or one that finds it full, goes over the socket as before
 (:attr:`Arena.fallbacks`).
 
+Results go the other way the same way: a rank of a local mesh (``RankConfig.shm_results``)
+puts a large reply's buffers into an arena of its own, made when it first needs one, and
+the controller, the block's one reader, copies them out as it receives the reply (its
+:class:`ArenaReader` keeps one mapping per rank, dropped when the rank dies).
+
+Memory: an arena's pages are taken when first used and kept while blocks come and go (a
+loop of large calls reuses the same warm pages); once no block was placed for
+:data:`TRIM_AFTER` seconds, :meth:`Arena.trim` gives back those above
+:data:`KEEP_BYTES` that no block uses.
+
 Trust: the buffers in a block are not signed, as buffer frames on the socket are not
 (the signed header carries their sizes and where they are). The file is created 0600
 and unlinked; it is reachable only through the controller's ``/proc/<pid>/fd``, i.e. by
@@ -39,6 +50,7 @@ import os
 import re
 import stat
 import tempfile
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,7 +61,9 @@ from monarch_kernel.wire.codec import Buffer, Header, Message
 
 log = logging.getLogger("monarch_kernel.wire")
 
-#: Set to ``0`` in the controller's environment to send every argument over the socket.
+#: Set to ``0`` in the controller's environment to send every argument and result over
+#: the socket (``MONARCH_KERNEL_SHM_ARGS=0``, its earlier name, does the same).
+SHM_ENV = "MONARCH_KERNEL_SHM"
 SHM_ARGS_ENV = "MONARCH_KERNEL_SHM_ARGS"
 #: Where the arena's file is made (tmpfs: its pages are plain shared memory).
 SHM_DIR = "/dev/shm"
@@ -66,6 +80,11 @@ MAX_BYTES = 64 << 20
 MAX_READERS = 4096
 #: Blocks, flags and buffers start at multiples of this (a cache line).
 ALIGN = 64
+#: :meth:`Arena.trim` keeps this much of an idle arena's memory (the pages a loop of
+#: calls of up to a few MiB keeps reusing) ...
+KEEP_BYTES = 8 << 20
+#: ... and gives back the rest once no block was placed for this long (seconds).
+TRIM_AFTER = 2.0
 _PROC_FD = re.compile(r"/proc/[0-9]+/fd/[0-9]+")
 
 
@@ -74,13 +93,33 @@ def _align(n: int) -> int:
 
 
 def enabled() -> bool:
-    """Whether meshes started now use an arena (``$MONARCH_KERNEL_SHM_ARGS`` not ``0``,
-    and ``/dev/shm`` exists)."""
-    return os.environ.get(SHM_ARGS_ENV, "1") != "0" and os.path.isdir(SHM_DIR)
+    """Whether meshes started now use shared memory for large arguments and results
+    (neither ``$MONARCH_KERNEL_SHM`` nor ``$MONARCH_KERNEL_SHM_ARGS`` is ``0``, and
+    ``/dev/shm`` exists)."""
+    env = os.environ
+    return (
+        env.get(SHM_ENV, "1") != "0"
+        and env.get(SHM_ARGS_ENV, "1") != "0"
+        and (os.path.isdir(SHM_DIR))
+    )
 
 
 class SharedArgumentsError(RuntimeError):
     """A rank could not read the arguments the controller put in shared memory."""
+
+
+class SharedResultError(RuntimeError):
+    """The controller could not read a result that a rank put in its shared memory."""
+
+
+def cannot_map_result(exc: OSError) -> str:
+    """Why a result is lost: the controller's :class:`ArenaReader` could not map the
+    rank's arena."""
+    return (
+        f"the controller could not map the rank's shared memory that holds its result "
+        f"({exc}); set {SHM_ENV}=0 in the notebook kernel's environment (and start the "
+        "mesh again) to send results over the socket"
+    )
 
 
 @dataclass
@@ -117,8 +156,10 @@ def _unlinked_file(size: int) -> int:
 
 
 class Arena:
-    """The controller's shared memory for one mesh's large arguments (see the module
-    docstring). Not thread-safe: its owner calls it under its send lock."""
+    """Shared memory for large messages of one writer (see the module docstring): the
+    controller's for one mesh's arguments, or a rank's for its results. Not thread-safe:
+    its owner calls it under its send lock. Only the process that made it places
+    blocks (a child forked from it sends over the socket)."""
 
     def __init__(self, size: int | None = None) -> None:
         """``size``: the arena's bytes (default :data:`ARENA_BYTES`). Raises OSError where
@@ -134,6 +175,7 @@ class Arena:
             os.close(fd)
             raise
         self._fd = fd
+        self._pid = os.getpid()
         self._view = memoryview(self._map)
         #: Blocks in use, by offset.
         self._blocks: list[_Block] = []
@@ -147,6 +189,7 @@ class Arena:
         self.placed = 0
         self.fallbacks = 0
         self.closed = False
+        self._placed_at = 0.0  # time.monotonic() of the last place
 
     @classmethod
     def create(cls) -> Arena | None:
@@ -172,7 +215,7 @@ class Arena:
         the header value ``sh`` that says where, or None: send them over the socket.
         ``gone``: when there is no room, the readers that died since (they will never
         read theirs): their blocks are released and the room looked for again."""
-        if self.closed or not 1 <= len(readers) <= MAX_READERS:
+        if self.closed or not 1 <= len(readers) <= MAX_READERS or os.getpid() != self._pid:
             return None
         views = [flat_view(b) for b in buffers]
         sizes = [v.nbytes for v in views]
@@ -203,6 +246,7 @@ class Arena:
             pos += _align(n)
         bisect.insort(self._blocks, _Block(offset, span, tuple(readers)), key=_offset)
         self.placed += 1
+        self._placed_at = time.monotonic()
         return {"p": self.path, "i": self.ino, "o": offset, "n": len(readers), "z": sizes}
 
     def release(self, readers: Sequence[int]) -> None:
@@ -214,6 +258,34 @@ class Arena:
             for i, reader in enumerate(block.readers):
                 if reader in gone:
                     view[block.offset + i] = 1
+
+    def backed(self) -> int:
+        """Bytes of the arena that hold memory now (from its start)."""
+        return self._backed
+
+    def trim(self, now: float | None = None) -> int:
+        """Give back the memory above :data:`KEEP_BYTES` that no block uses, once no
+        block was placed for :data:`TRIM_AFTER` seconds (``now``: ``time.monotonic()``);
+        the bytes given back. Cheap when there is nothing to give back (called about
+        once a second)."""
+        if self.closed or self._backed <= KEEP_BYTES:
+            return 0
+        now = time.monotonic() if now is None else now
+        if now - self._placed_at < TRIM_AFTER:
+            return 0
+        self._reclaim()
+        top = max((b.offset + b.span for b in self._blocks), default=0)
+        start = -(-max(top, KEEP_BYTES) // mmap.PAGESIZE) * mmap.PAGESIZE
+        if start >= self._backed:
+            return 0
+        freed = self._backed - start
+        try:
+            self._map.madvise(mmap.MADV_REMOVE, start, freed)  # punch the pages out
+        except (OSError, AttributeError, ValueError) as exc:
+            log.info("shared-memory arena keeps its pages: %s", exc)
+            return 0
+        self._backed = start  # reserved again (posix_fallocate) before their next use
+        return freed
 
     def close(self) -> None:
         """Unmap and close (the readers keep their own mappings)."""
@@ -266,14 +338,39 @@ def _private(n: int) -> memoryview:
     return numpy.empty(n, dtype=numpy.uint8).data
 
 
+def _cannot_map_arguments(exc: OSError) -> str:
+    return (
+        f"this rank could not map the controller's shared memory for the call's "
+        f"arguments ({exc}); set {SHM_ENV}=0 in the notebook kernel's "
+        "environment to send them over the socket"
+    )
+
+
 class ArenaReader:
-    """A rank's side: maps the controller's arena and copies a message's buffers out."""
+    """The reading side: maps writers' arenas and copies a message's buffers out (a
+    rank reading the controller's, or the controller reading its ranks')."""
 
-    #: Arenas kept mapped at once (a detachable mesh's controllers come one after another).
-    KEEP = 2
-
-    def __init__(self) -> None:
+    def __init__(
+        self, keep: int = 2, cannot_map: Callable[[OSError], str] = _cannot_map_arguments
+    ) -> None:
+        """``keep``: arenas kept mapped at once, least recently used dropped first (a
+        rank: 2, as a detachable mesh's controllers come one after another; the
+        controller: one per rank). ``cannot_map(exc)``: the error told when a
+        writer's arena cannot be mapped."""
         self._maps: OrderedDict[tuple[str, int], memoryview] = OrderedDict()
+        self._keep = keep
+        self._cannot_map = cannot_map
+
+    def forget(self, pid: int) -> None:
+        """Drop the mappings of process ``pid``'s arenas (it died: its memory goes
+        once nothing maps it)."""
+        prefix = f"/proc/{pid}/"
+        for key in [k for k in self._maps if k[0].startswith(prefix)]:
+            del self._maps[key]
+
+    def mapped(self) -> int:
+        """Arenas mapped now."""
+        return len(self._maps)
 
     def take(self, msg: Message, slot: int) -> Message:
         """``msg`` with its buffers read out of the arena (header ``sh``), or with
@@ -306,12 +403,7 @@ class ArenaReader:
         try:
             view = self._open(path, ino)
         except OSError as exc:
-            lost = (
-                f"this rank could not map the controller's shared memory for the call's "
-                f"arguments ({exc}); set {SHM_ARGS_ENV}=0 in the notebook kernel's "
-                "environment to send them over the socket"
-            )
-            return Message(h, msg.payload, [], lost)
+            return Message(h, msg.payload, [], self._cannot_map(exc))
         pos = offset + _align(readers)
         if pos + sum(_align(n) for n in sizes) > len(view):
             return Message(h, msg.payload, [], "shared-memory reference beyond the arena")
@@ -321,7 +413,7 @@ class ArenaReader:
             out[:] = view[pos : pos + n]
             buffers.append(out)
             pos += _align(n)
-        view[offset + index] = 1  # copied out: the controller may reuse the block
+        view[offset + index] = 1  # copied out: the writer may reuse the block
         return Message(h, msg.payload, buffers)
 
     def _open(self, path: str, ino: int) -> memoryview:
@@ -334,11 +426,11 @@ class ArenaReader:
         try:
             st = os.fstat(fd)
             if st.st_ino != ino or not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                raise OSError(errno.EPERM, f"{path} is not the controller's arena")
+                raise OSError(errno.EPERM, f"{path} is not the writer's arena")
             m = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         view = self._maps[key] = memoryview(m)
-        while len(self._maps) > self.KEEP:
+        while len(self._maps) > self._keep:
             self._maps.popitem(last=False)  # the mmap goes when nothing views it
         return view

@@ -31,12 +31,17 @@ class RankSpec(TypedDict, total=False):
     slot: int  #: its wire id, where it is not its rank (ranks renumbered by a shrink)
 
 
-class _CurveCommon(TypedDict, total=False):
+class _OptionalCommon(TypedDict, total=False):
+    """Keys of :class:`MeshCommon` that only some meshes carry."""
+
     #: On a CURVE mesh: the secret of the controller's peer keypair (``rank.peer_keys``).
     peer_key: str
+    #: 1 where the controller reads large results from its ranks' shared memory
+    #: (``wire.arena``: a local mesh on unix sockets).
+    shm_results: int
 
 
-class MeshCommon(_CurveCommon):
+class MeshCommon(_OptionalCommon):
     """The part of ``spawn_ranks`` that every rank of the mesh shares."""
 
     labels: list[str]
