@@ -182,9 +182,7 @@ def test_a_rank_that_cannot_map_the_arena_answers_with_why_and_goes_on():
 
 
 @pytest.mark.parametrize("env", [arena_mod.SHM_ENV, arena_mod.SHM_ARGS_ENV])
-def test_with_shared_memory_off_large_arguments_and_results_go_over_the_socket(
-    monkeypatch, env
-):
+def test_with_shared_memory_off_large_arguments_and_results_go_over_the_socket(monkeypatch, env):
     monkeypatch.setenv(env, "0")
     procs = this_host().spawn_procs(per_host={"gpus": 2})
     try:
