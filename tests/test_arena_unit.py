@@ -66,7 +66,7 @@ def test_each_reader_of_a_fan_out_sets_its_own_flag(arena):
 
 def test_unread_blocks_are_skipped_and_a_full_arena_sends_over_the_socket(arena):
     big = bytes(3 * MIB)
-    first = arena.place([big], readers=[0])
+    first = arena.place([big.data], readers=[0])
     second = arena.place([big], readers=[1])
     assert first is not None and second is not None and second["o"] > first["o"]
     assert arena.place([big], readers=[2]) is None  # 8 MiB: no room for a third
@@ -138,7 +138,7 @@ def test_another_file_under_the_same_descriptor_number_is_not_mapped(arena, tmp_
 
 def test_a_full_arena_frees_the_blocks_of_readers_that_died(arena):
     big = bytes(3 * MIB)
-    assert arena.place([big], readers=[0]) is not None
+    assert arena.place([big.data], readers=[0]) is not None
     assert arena.place([big], readers=[4]) is not None
     asked = []
 
@@ -157,7 +157,7 @@ def test_an_idle_arena_gives_back_what_no_block_uses_above_what_it_keeps(monkeyp
     a = A.Arena(64 * MIB)
     try:
         big = np.ones(24 * MIB, dtype=np.uint8)
-        where = a.place([big], readers=[0])
+        where = a.place([big.data], readers=[0])
         assert where is not None and a.backed() >= 24 * MIB
         now = time.monotonic()
         assert a.trim(now) == 0  # just placed: a loop of large calls keeps its pages
@@ -168,7 +168,7 @@ def test_an_idle_arena_gives_back_what_no_block_uses_above_what_it_keeps(monkeyp
         assert freed > 0 and a.backed() == A.KEEP_BYTES  # read: all above KEEP_BYTES goes
         assert a.trim(later) == 0
         # the next block reserves its pages again and reads back intact
-        again = a.place([np.full(16 * MIB, 7, dtype=np.uint8)], readers=[0])
+        again = a.place([np.full(16 * MIB, 7, dtype=np.uint8).data], readers=[0])
         assert again is not None and a.backed() >= 16 * MIB
         out = np.frombuffer(reader.take(_message(again), 0).buffers[0], np.uint8)
         assert out.min() == out.max() == 7
@@ -179,8 +179,8 @@ def test_an_idle_arena_gives_back_what_no_block_uses_above_what_it_keeps(monkeyp
 def test_trim_keeps_the_pages_of_a_block_not_read_yet():
     a = A.Arena(64 * MIB)
     try:
-        low = a.place([np.ones(MIB, dtype=np.uint8)], readers=[0])
-        high = a.place([np.ones(20 * MIB, dtype=np.uint8)], readers=[1])
+        low = a.place([np.ones(MIB, dtype=np.uint8).data], readers=[0])
+        high = a.place([np.ones(20 * MIB, dtype=np.uint8).data], readers=[1])
         assert low is not None and high is not None and high["o"] > 0
         top = a.backed()
         a.trim(time.monotonic() + A.TRIM_AFTER + 1)
