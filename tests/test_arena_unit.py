@@ -66,7 +66,7 @@ def test_each_reader_of_a_fan_out_sets_its_own_flag(arena):
 
 def test_unread_blocks_are_skipped_and_a_full_arena_sends_over_the_socket(arena):
     big = bytes(3 * MIB)
-    first = arena.place([big.data], readers=[0])
+    first = arena.place([big], readers=[0])
     second = arena.place([big], readers=[1])
     assert first is not None and second is not None and second["o"] > first["o"]
     assert arena.place([big], readers=[2]) is None  # 8 MiB: no room for a third
@@ -138,7 +138,7 @@ def test_another_file_under_the_same_descriptor_number_is_not_mapped(arena, tmp_
 
 def test_a_full_arena_frees_the_blocks_of_readers_that_died(arena):
     big = bytes(3 * MIB)
-    assert arena.place([big.data], readers=[0]) is not None
+    assert arena.place([big], readers=[0]) is not None
     assert arena.place([big], readers=[4]) is not None
     asked = []
 
