@@ -88,5 +88,18 @@ class RawFloor:
 
         return send
 
+    def fetcher(self, mib: int) -> Callable[[], object]:
+        """A function that asks the first server process for ``mib`` MiB and receives
+        them (zero-copy on both sides: the floor of a call whose result is that big)."""
+        size = mib * MiB
+        ask = [b"g", str(size).encode()]
+        sock = self._sock
+
+        def fetch() -> None:
+            sock.send_multipart(ask)
+            assert len(sock.recv(copy=False)) == size
+
+        return fetch
+
     def close(self) -> None:
         self._servers.close()

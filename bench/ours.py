@@ -38,6 +38,7 @@ from monarch_kernel.actor import Actor, ActorMesh, ProcMesh, RankDiedError, endp
 class Bench(Actor):
     def __init__(self) -> None:
         self.count = 0
+        self.given: dict[int, object] = {}  # MiB -> the tensor ``give`` returns
 
     @endpoint
     def ping(self) -> int:
@@ -61,6 +62,13 @@ class Bench(Actor):
     @endpoint
     def nbytes(self, t) -> int:
         return t.numel() * t.element_size()
+
+    @endpoint
+    def give(self, mib: int):
+        """A tensor of ``mib`` MiB (made once per size): a call's large result."""
+        if mib not in self.given:
+            self.given[mib] = tensor_of(mib)
+        return self.given[mib]
 
     @endpoint
     def pid(self) -> int:
@@ -205,6 +213,9 @@ def micro(s: Settings, rec: Recorder, actors: ActorMesh) -> None:
             for mib in s.tensor_mib:
                 with rec.guard(f"tensor_{mib}", f"tensor_{mib}_floor"):
                     tensor_rows(rec, mib, one, floor)
+            for mib in back_sizes(s):
+                with rec.guard(*(f"tensor_back_{mib}{x}" for x in ("", "_floor", "_vs_floor"))):
+                    tensor_back_rows(rec, mib, one, floor)
             with rec.guard(*(f"{FANOUT_ROW}{x}" for x in ("", "_floor", "_vs_floor"))):
                 tensor_to_ranks_rows(rec, actors.slice(gpus=slice(0, FANOUT_RANKS)))
     finally:
@@ -243,6 +254,24 @@ def tensor_rows(rec: Recorder, mib: int, one: ActorMesh, floor: RawFloor) -> Non
         rec.value(f"tensor_{mib}_ipc", mib / median(got.ours), samples=len(got.ours))
         rec.value(f"tensor_{mib}_ipc_floor", mib / median(got.floor), samples=len(got.floor))
         rec.ratio(f"tensor_{mib}_vs_ipc_floor", f"tensor_{mib}_ipc", f"tensor_{mib}_ipc_floor")
+
+
+def back_sizes(s: Settings) -> list[int]:
+    """Sizes of the rank -> controller rows: the tensor rows' up to 64 MiB."""
+    return [mib for mib in s.tensor_mib if mib <= 64]
+
+
+def tensor_back_rows(rec: Recorder, mib: int, one: ActorMesh, floor: RawFloor) -> None:
+    """Row 4 (rank -> controller: a call whose result is a ``mib`` MiB tensor),
+    alternating with the raw floor for the same bytes the other way."""
+    iters, warmup = tensor_iters(mib)
+    fetch = lambda: one.give.call_one(mib).get()
+    blocks = 3 if iters < 12 else 4
+    got = alternating(fetch, floor.fetcher(mib), iters * 2, warmup, 60.0, blocks)
+    key = f"tensor_back_{mib}"
+    rec.value(key, mib / median(got.ours), samples=len(got.ours))
+    rec.value(f"{key}_floor", mib / median(got.floor), samples=len(got.floor))
+    rec.ratio(f"{key}_vs_floor", key, f"{key}_floor")
 
 
 def tensor_to_ranks_rows(rec: Recorder, ranks: ActorMesh) -> None:

@@ -2,8 +2,9 @@
 no signing, no pickling; plus a plain memcpy (torch clone) for the tensor rows.
 
 Each "rank" is a tiny server process (``python -m bench.raw_zmq``) with a ROUTER that
-understands four one-byte commands: ``p`` ping (echo), ``n`` count silently (fire and
-forget), ``c`` reply with the count, ``d`` reply with the size of the data frame.
+understands five one-byte commands: ``p`` ping (echo), ``n`` count silently (fire and
+forget), ``c`` reply with the count, ``d`` reply with the size of the data frame, ``g``
+reply with as many bytes as the next frame says (zero-copy, from a buffer made once).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def serve(addr: str = "127.0.0.1", curve_secret: bytes | None = None) -> None:
     else:
         print(sock.bind_to_random_port(f"tcp://{addr}"), flush=True)
     count = 0
+    blobs: dict[int, bytes] = {}
     while True:
         ident, cmd, *rest = sock.recv_multipart(copy=False)
         op = cmd.bytes
@@ -55,6 +57,12 @@ def serve(addr: str = "127.0.0.1", curve_secret: bytes | None = None) -> None:
             count = 0
         elif op == b"d":
             sock.send_multipart([ident, str(len(rest[0])).encode()])
+        elif op == b"g":
+            size = int(rest[0].bytes)
+            blob = blobs.get(size)
+            if blob is None:
+                blob = blobs[size] = b"\x01" * size
+            sock.send_multipart([ident, blob], copy=False)
         elif op == b"q":
             return
 

@@ -104,6 +104,27 @@ def rows(s: Settings) -> list[Row]:
         out.append(
             Row(f"memcpy_{mib}", f"4. {mib} MiB torch clone (memcpy bound)", "MiB/s", "higher")
         )
+    for mib in [m for m in s.tensor_mib if m <= 64]:  # bench.ours.back_sizes
+        key = f"tensor_back_{mib}"
+        out.append(
+            Row(key, f"4. {mib} MiB tensor rank -> controller (a call's result)", "MiB/s", "higher")
+        )
+        out.append(
+            Row(
+                f"{key}_floor",
+                f"4. {mib} MiB raw ZeroMQ server -> client beside the mesh, alternating",
+                "MiB/s",
+                "higher",
+            )
+        )
+        out.append(
+            Row(
+                f"{key}_vs_floor",
+                f"4. {mib} MiB rank -> controller ÷ raw beside it (same conditions)",
+                "x",
+                "higher",
+            )
+        )
     fan, size = FANOUT_ROW, f"{FANOUT_MIB} MiB"
     out.append(
         Row(fan, f"4. {size} tensor to {FANOUT_RANKS} ranks, gathered call", "MiB/s", "higher")
