@@ -2,7 +2,7 @@
 arena (``wire.arena``): intact and private, directly and through host agents' fan-ins;
 the block is reused once the controller read it; an idle arena gives its memory back;
 a result the controller cannot map fails its call with the reason and the next calls
-go on; a dead rank's mapping is dropped."""
+go on; a dead rank's mapping is dropped, and a stopped mesh's."""
 
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def test_a_result_the_controller_cannot_map_fails_its_call_with_why_and_calls_go
     assert not wait_no_orphans(), "the mesh left processes behind"
 
 
-def test_a_dead_ranks_arena_is_no_longer_mapped():
+def test_a_dead_ranks_arena_and_a_stopped_meshs_are_no_longer_mapped():
     procs = this_host().spawn_procs(per_host={"gpus": 2})
     try:
         actors = procs.spawn("gv", Giver)
@@ -158,4 +158,5 @@ def test_a_dead_ranks_arena_is_no_longer_mapped():
         assert torch.equal(got, torch.full((FLOATS,), 2.0))
     finally:
         procs.stop()
+    assert inbound.mapped_arenas() == 0  # a stopped mesh maps nothing of its ranks'
     assert not wait_no_orphans(), "the mesh left processes behind"

@@ -251,6 +251,10 @@ class Inbound:
         except H.HeaderError as exc:  # signed by a sender of ours: another version?
             log.warning("mesh %s dropped a message: %s", self._name, exc)
 
+    def close(self) -> None:
+        """The mesh stopped or was let go: its ranks' shared memory is not read again."""
+        self._arenas.close()
+
     def mapped_arenas(self) -> int:
         """Ranks' shared-memory arenas mapped now (those that sent large results)."""
         return self._arenas.mapped()

@@ -551,6 +551,7 @@ class MeshRuntime(RestartAndResize):
         # Nothing runs any more; what is left is local (announced when it is done).
         self.lifecycle.set(MeshPhase.STOPPED, announce=False)
         self.receiver.stop()
+        self.inbound.close()
         self.transport.close()
         for host in self.hosts:
             if host.handle is not None:
@@ -588,6 +589,7 @@ class MeshRuntime(RestartAndResize):
         self.requests.fail_all(lambda: MeshStoppedError(f"mesh {self.name!r} {why}"))
         self.lifecycle.set(MeshPhase.STOPPED, announce=False)
         self.receiver.stop()
+        self.inbound.close()
         self.transport.close(keep_addresses=True)
         registry.discard(self)
         self.logs.close()

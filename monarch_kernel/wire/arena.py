@@ -97,11 +97,8 @@ def enabled() -> bool:
     (neither ``$MONARCH_KERNEL_SHM`` nor ``$MONARCH_KERNEL_SHM_ARGS`` is ``0``, and
     ``/dev/shm`` exists)."""
     env = os.environ
-    return (
-        env.get(SHM_ENV, "1") != "0"
-        and env.get(SHM_ARGS_ENV, "1") != "0"
-        and (os.path.isdir(SHM_DIR))
-    )
+    off = env.get(SHM_ENV) == "0" or env.get(SHM_ARGS_ENV) == "0"
+    return not off and os.path.isdir(SHM_DIR)
 
 
 class SharedArgumentsError(RuntimeError):
@@ -371,6 +368,10 @@ class ArenaReader:
     def mapped(self) -> int:
         """Arenas mapped now."""
         return len(self._maps)
+
+    def close(self) -> None:
+        """Drop every mapping (the reader's mesh stopped)."""
+        self._maps.clear()
 
     def take(self, msg: Message, slot: int) -> Message:
         """``msg`` with its buffers read out of the arena (header ``sh``), or with
