@@ -5,7 +5,9 @@ why, never dropped: the messages after it would wait for it)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import time
 
 import numpy as np
@@ -209,3 +211,25 @@ def test_a_reader_forgets_the_arenas_of_a_process_that_died(arena):
     assert reader.mapped() == 1
     reader.forget(os.getpid())
     assert reader.mapped() == 0
+
+
+def test_a_reader_prunes_arenas_whose_writer_is_gone():
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a writer process: make an arena, place a block, say where, wait
+        os.close(r)
+        child = A.Arena(4 * MIB)
+        os.write(w, json.dumps(child.place([bytes(MIB)], readers=[0])).encode() + b"\n")
+        time.sleep(120)  # until killed
+        os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r) as f:
+            where = json.loads(f.readline())
+        reader = A.ArenaReader(keep=8)
+        assert not reader.take(_message(where), 0).lost
+        assert reader.prune() == 0 and reader.mapped() == 1  # its writer runs
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert reader.prune() == 1 and reader.mapped() == 0  # gone: /proc/<pid> is no more

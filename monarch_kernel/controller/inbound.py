@@ -70,6 +70,8 @@ log = logging.getLogger("monarch_kernel.controller")
 #: Ranks' shared-memory arenas the controller keeps mapped at once (one per rank that
 #: returned a large result; the least recently used is dropped beyond this).
 MAX_MAPPED_ARENAS = 4096
+#: Seconds between two looks for mapped arenas of rank processes that are gone.
+PRUNE_INTERVAL = 5.0
 
 #: Longest unfinished output line kept per rank and stream.
 PARTIAL_MAX = 4096
@@ -155,6 +157,7 @@ class Inbound:
         #: Large results that ranks of a local mesh put in their shared memory
         #: (``wire.arena``): one mapping per rank, dropped when the rank dies.
         self._arenas = ArenaReader(keep=MAX_MAPPED_ARENAS, cannot_map=cannot_map_result)
+        self._pruned_at = 0.0
         events.subscribe(self._drop_partial, RankDied)
         self._on_train_notice = on_train
         self._on_rank_ready = on_ready
@@ -254,6 +257,14 @@ class Inbound:
     def close(self) -> None:
         """The mesh stopped or was let go: its ranks' shared memory is not read again."""
         self._arenas.close()
+
+    def tick(self, now: float) -> None:
+        """Now and then (the receiving thread's tick): drop the arena mappings of rank
+        processes that are gone however they went (died, restarted, removed by a
+        shrink), which would otherwise keep their memory."""
+        if now - self._pruned_at >= PRUNE_INTERVAL and self._arenas.mapped():
+            self._pruned_at = now
+            self._arenas.prune()
 
     def mapped_arenas(self) -> int:
         """Ranks' shared-memory arenas mapped now (those that sent large results)."""

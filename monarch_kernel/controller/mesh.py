@@ -294,7 +294,7 @@ class MeshRuntime(RestartAndResize):
                 m.world for m in registry.live() if m.launcher is self.launcher and m is not self
             ),
         )
-        self.receiver.start(self.inbound.handle, self.supervisor.tick)
+        self.receiver.start(self.inbound.handle, self._tick)
         self.transport.on_batch = self.receiver.kick  # batched broadcasts: see send()
 
     @property
@@ -559,6 +559,12 @@ class MeshRuntime(RestartAndResize):
         registry.discard(self)
         self.logs.close()
         self.lifecycle.announce()
+
+    def _tick(self, now: float) -> None:
+        """About twice a second, on the receiving thread: heartbeats and lost hosts,
+        then the inbound side's housekeeping."""
+        self.supervisor.tick(now)
+        self.inbound.tick(now)
 
     def _stop_late_agents(self, stop: Header, deadline: float) -> None:
         """Send ``stop`` again to agents that had not said ready when it was sent.

@@ -369,6 +369,22 @@ class ArenaReader:
         """Arenas mapped now."""
         return len(self._maps)
 
+    def prune(self) -> int:
+        """Drop the mappings of arenas whose writer is gone: its ``/proc/<pid>/fd/<n>``
+        no longer names the file (the process exited, or its pid now belongs to
+        another); how many were dropped. A ``stat`` per mapping."""
+        gone = []
+        for path, ino in self._maps:
+            try:
+                if os.stat(path).st_ino == ino:
+                    continue
+            except OSError:
+                pass
+            gone.append((path, ino))
+        for key in gone:
+            del self._maps[key]
+        return len(gone)
+
     def close(self) -> None:
         """Drop every mapping (the reader's mesh stopped)."""
         self._maps.clear()
