@@ -24,7 +24,7 @@ or too large for the arena, or one that finds it full, goes over the socket as b
 Results go the other way the same way: a rank of a local mesh (``RankConfig.shm_results``)
 puts a large reply's buffers into an arena of its own, made when it first needs one, and
 the controller, the block's one reader, copies them out as it receives the reply (its
-:class:`ArenaReader` keeps one mapping per rank, dropped when the rank dies).
+:class:`ArenaReader` keeps one mapping per rank, dropped once the rank process is gone).
 
 Memory: an arena's pages are taken when first used and kept while blocks come and go (a
 loop of large calls reuses the same warm pages); once no block was placed for
