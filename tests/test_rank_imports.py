@@ -33,9 +33,10 @@ def test_a_rank_importing_the_canonical_line_does_not_load_the_controller(mesh2)
 
     probes = mesh2.spawn("probe", ImportProbe)
     assert probes.controller_modules.call().get().values() == [[], []]
-    assert probes.stand_ins.call().get().values() == [
-        ["monarch_kernel.actor.this_host", "monarch_kernel.actor.host_mesh"]
-    ] * 2
+    assert (
+        probes.stand_ins.call().get().values()
+        == [["monarch_kernel.actor.this_host", "monarch_kernel.actor.host_mesh"]] * 2
+    )
     # The stand-in reaches the real function (which imports the controller then).
     first = probes.slice(gpus=0)
     said = first.call_host_mesh.call_one(0).get()
