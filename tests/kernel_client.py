@@ -15,17 +15,28 @@ from jupyter_client.provisioning import LocalProvisioner
 
 
 def ensure_kernelspec() -> None:
-    """Install the monarch kernelspec into this environment (idempotent). One process
-    at a time: ``make test``'s two pytest-xdist workers both install it as they collect,
-    and jupyter_client's install (remove, then copy) of one failed on the other's copy."""
+    """Install the monarch kernelspec into this environment unless the one there is
+    already this one. One process at a time: ``make test``'s two pytest-xdist workers
+    both get here, and jupyter_client's install (remove, then copy) of one failed on the
+    other's copy. A current spec is left alone, as a reinstall's moment without one
+    made the other worker's kernel start fail (``NoSuchKernel``): starting a kernel
+    reads it without this lock."""
     import fcntl
+    import json
     import os
     import sys
 
-    from monarch_kernel.kernel.install import install
+    from monarch_kernel.kernel.install import KERNEL_NAME, install, kernel_json
 
+    spec = os.path.join(sys.prefix, "share", "jupyter", "kernels", KERNEL_NAME, "kernel.json")
     with open(os.path.join(sys.prefix, ".mk-kernelspec.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with open(spec) as f:
+                if json.load(f) == kernel_json():
+                    return
+        except (OSError, ValueError):
+            pass
         install(prefix=sys.prefix)
 
 

@@ -299,10 +299,15 @@ class PlainPeek(Actor):
 
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # A DEALER's send blocks while it has no pipe to a peer: the refused handshake
+        # can drop the pipe that connect() made (it comes back on the reconnect).
+        sock.setsockopt(zmq.SNDTIMEO, 1500)
         sock.connect(ref.address)
         try:
             sock.send_multipart(_client().frames({"op": "fetch", "id": ref.id}))
             return "answered" if sock.poll(1500) else "no answer"
+        except zmq.Again:
+            return "no answer"
         finally:
             sock.close()
 
