@@ -54,7 +54,8 @@ from monarch_kernel.calls.errors import (
 )
 from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.value_mesh import ValueMesh
-from monarch_kernel.rank.context import current_rank, current_size, in_rank
+from monarch_kernel.rank.context import current_rank, current_size
+from monarch_kernel.rank.context import in_rank as _in_rank
 from monarch_kernel.shape import Point, Shape, SliceError
 from monarch_kernel.wire.serialize import SerializationError
 
@@ -81,7 +82,7 @@ _deferred_made: dict[str, Callable[..., Any]] = {}
 
 def __getattr__(name: str) -> Any:
     if name in _FROM_HOSTS:
-        if name in _DEFERRABLE and _HOSTS not in sys.modules and in_rank():
+        if name in _DEFERRABLE and _HOSTS not in sys.modules and _in_rank():
             return _deferred(name)
         from monarch_kernel.actor import hosts
 
