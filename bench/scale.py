@@ -142,7 +142,10 @@ def one_size(n: int, iters: int, per_host: int = PER_HOST, floor: bool = True) -
         row["reply_msgs"] = replies / k
         row["all_msgs"] = (got1 - got0) / k
         row["bcast"] = _broadcast(actors, n)
-        row["stacks"], row["stacks_odd"] = _stacks(procs, actors, n, hosts)
+        try:
+            row["stacks"], row["stacks_odd"] = _stacks(procs, actors, n, hosts)
+        except Exception as exc:  # the row's other columns stand; this one says why not
+            row["stacks"], row["stacks_odd"] = None, f"failed: {type(exc).__name__}: {exc}"
     finally:
         if servers is not None:
             servers.close()

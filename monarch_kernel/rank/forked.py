@@ -19,6 +19,14 @@ log = logging.getLogger("monarch_kernel.rank")
 #: How long the exit path waits for ``destroy_process_group`` (it may hang on a peer).
 DESTROY_TIMEOUT = 1.0
 
+#: How much lower a rank's CPU priority is than its host agent's and the controller's
+#: (``nice``), so that on a machine with more busy ranks than cores the control plane
+#: still runs when it must: an agent's heartbeats, the controller's receiving, the
+#: notebook. With a core per rank it changes nothing. ``MONARCH_KERNEL_RANK_NICE``
+#: (in the kernel's or the mesh's environment) sets it; 0 keeps ranks at their agent's.
+RANK_NICE = 5
+RANK_NICE_ENV = "MONARCH_KERNEL_RANK_NICE"
+
 
 def run_forked(cfg: RankConfig, template_pid: int) -> None:
     """Entry point of a freshly forked rank (called by the host template); never returns.
@@ -39,6 +47,7 @@ def run_forked(cfg: RankConfig, template_pid: int) -> None:
         faulthandler.enable(file=log_fd, all_threads=False)
         _register_stacks_dump(cfg.log)
         env.apply(cfg)
+        _lower_priority()
         # Same working directory and import path as the controller, so classes that
         # pickle by reference (defined in the user's modules) import here too.
         if cfg.cwd and os.path.isdir(cfg.cwd):
@@ -72,6 +81,22 @@ def run_forked(cfg: RankConfig, template_pid: int) -> None:
             except BaseException:
                 pass
         os._exit(code)
+
+
+def _lower_priority() -> None:
+    """Lower this rank's CPU priority by :data:`RANK_NICE` (or what the environment
+    says); a value that is not a whole number is ignored (with a line in the log)."""
+    raw = os.environ.get(RANK_NICE_ENV, "")
+    try:
+        step = int(raw) if raw.strip() else RANK_NICE
+    except ValueError:
+        log.warning("%s=%r is not a whole number: ranks get nice %d", RANK_NICE_ENV, raw, RANK_NICE)
+        step = RANK_NICE
+    if step > 0:
+        try:
+            os.nice(step)
+        except OSError as exc:
+            log.warning("could not lower the rank's CPU priority: %s", exc)
 
 
 def _register_stacks_dump(log_path: str) -> None:
