@@ -32,7 +32,7 @@ def test_ranks_run_below_their_host_agent(mesh2) -> None:
     assert got == [(RANK_NICE + agent, agent) for _, agent in got]
 
 
-@pytest.mark.parametrize(("value", "step"), [("0", 0), ("2", 2), ("soon", RANK_NICE)])
+@pytest.mark.parametrize("value, step", [("0", 0), ("2", 2), ("soon", RANK_NICE)])
 def test_the_step_comes_from_the_mesh_environment(value: str, step: int) -> None:
     procs = this_host().spawn_procs(per_host={"gpus": 1}, env={RANK_NICE_ENV: value})
     try:
