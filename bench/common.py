@@ -230,6 +230,11 @@ def measure_tensor(
     rec.value(key, mib / median(xs))
 
 
+def back_sizes(s: Settings) -> list[int]:
+    """Sizes of the rank -> controller tensor rows: the tensor rows' up to 64 MiB."""
+    return [mib for mib in s.tensor_mib if mib <= 64]
+
+
 def tensor_of(mib: int) -> Any:
     """A float32 torch tensor of ``mib`` MiB."""
     import torch

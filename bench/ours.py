@@ -22,6 +22,7 @@ from bench.common import (
     NotWithin,
     Recorder,
     Settings,
+    back_sizes,
     measure_calls,
     measure_pipelined,
     median,
@@ -254,11 +255,6 @@ def tensor_rows(rec: Recorder, mib: int, one: ActorMesh, floor: RawFloor) -> Non
         rec.value(f"tensor_{mib}_ipc", mib / median(got.ours), samples=len(got.ours))
         rec.value(f"tensor_{mib}_ipc_floor", mib / median(got.floor), samples=len(got.floor))
         rec.ratio(f"tensor_{mib}_vs_ipc_floor", f"tensor_{mib}_ipc", f"tensor_{mib}_ipc_floor")
-
-
-def back_sizes(s: Settings) -> list[int]:
-    """Sizes of the rank -> controller rows: the tensor rows' up to 64 MiB."""
-    return [mib for mib in s.tensor_mib if mib <= 64]
 
 
 def tensor_back_rows(rec: Recorder, mib: int, one: ActorMesh, floor: RawFloor) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from bench.common import FANOUT_MIB, FANOUT_RANKS, FANOUT_ROW, Settings
+from bench.common import FANOUT_MIB, FANOUT_RANKS, FANOUT_ROW, Settings, back_sizes
 from bench.runner import PeerRun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -104,7 +104,7 @@ def rows(s: Settings) -> list[Row]:
         out.append(
             Row(f"memcpy_{mib}", f"4. {mib} MiB torch clone (memcpy bound)", "MiB/s", "higher")
         )
-    for mib in [m for m in s.tensor_mib if m <= 64]:  # bench.ours.back_sizes
+    for mib in back_sizes(s):
         key = f"tensor_back_{mib}"
         out.append(
             Row(key, f"4. {mib} MiB tensor rank -> controller (a call's result)", "MiB/s", "higher")
