@@ -97,49 +97,51 @@ def test_large_results_come_back_intact_and_private_through_the_ranks_arenas():
     assert not wait_no_orphans(), "the mesh left processes behind"
 
 
-def test_idle_arenas_give_their_memory_back_on_both_sides():
+@pytest.fixture
+def one_giver():
+    """A fresh 1-rank mesh with a ``Giver``: ``(procs, actors)``; stopped after the test,
+    and checked for processes left behind."""
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     try:
-        actors = procs.spawn("gv", Giver)
-        floats = 16 * FLOATS  # 16 MiB each way: above what an idle arena keeps
-        assert actors.give.call_one(2.0, floats).get(timeout=60).numel() == floats
-        assert actors.size_of.call_one(torch.ones(floats)).get(timeout=60) == floats
-        controller = procs.runtime.transport.arena
-        assert controller is not None and controller.backed() > arena_mod.KEEP_BYTES
-        assert actors.arena_state.call_one().get(timeout=60)[2] > arena_mod.KEEP_BYTES
-
-        def both_trimmed() -> bool:  # small calls place nothing: they do not keep it busy
-            rank_backed = actors.arena_state.call_one().get(timeout=60)[2]
-            return controller.backed() <= arena_mod.KEEP_BYTES >= rank_backed
-
-        wait_until(both_trimmed, timeout=60, interval=0.2, what="idle arenas trimmed")
-        # and they grow again when needed
-        got = actors.give.call_one(3.0, floats).get(timeout=60)
-        assert torch.equal(got, torch.full((floats,), 3.0))
+        yield procs, procs.spawn("gv", Giver)
     finally:
         procs.stop()
     assert not wait_no_orphans(), "the mesh left processes behind"
 
 
-def test_a_result_the_controller_cannot_map_fails_its_call_with_why_and_calls_go_on():
-    procs = this_host().spawn_procs(per_host={"gpus": 1})
-    try:
-        actors = procs.spawn("gv", Giver)
-        assert actors.give.call_one(1.0).get(timeout=60).numel() == FLOATS  # arena made
-        real = actors.point_arena_at.call_one("/proc/1/fd/999999").get(timeout=60)
-        with pytest.raises(ActorError) as failed:
-            actors.give.call_one(1.0).get(timeout=60)
-        text = str(failed.value)
-        assert "SharedResultError" in text and "could not map the rank's shared memory" in text
-        assert f"{arena_mod.SHM_ENV}=0" in text, text
-        actors.point_arena_at.call_one(real).get(timeout=60)
-        # nothing wedged: the next calls, small and large, are answered in order
-        assert actors.pid.call_one().get(timeout=60) > 0
-        got = actors.give.call_one(4.0).get(timeout=60)
-        assert torch.equal(got, torch.full((FLOATS,), 4.0))
-    finally:
-        procs.stop()
-    assert not wait_no_orphans(), "the mesh left processes behind"
+def test_idle_arenas_give_their_memory_back_on_both_sides(one_giver):
+    procs, actors = one_giver
+    floats = 16 * FLOATS  # 16 MiB each way: above what an idle arena keeps
+    assert actors.give.call_one(2.0, floats).get(timeout=60).numel() == floats
+    assert actors.size_of.call_one(torch.ones(floats)).get(timeout=60) == floats
+    controller = procs.runtime.transport.arena
+    assert controller is not None and controller.backed() > arena_mod.KEEP_BYTES
+    assert actors.arena_state.call_one().get(timeout=60)[2] > arena_mod.KEEP_BYTES
+
+    def both_trimmed() -> bool:  # small calls place nothing: they do not keep it busy
+        rank_backed = actors.arena_state.call_one().get(timeout=60)[2]
+        return controller.backed() <= arena_mod.KEEP_BYTES >= rank_backed
+
+    wait_until(both_trimmed, timeout=60, interval=0.2, what="idle arenas trimmed")
+    # and they grow again when needed
+    got = actors.give.call_one(3.0, floats).get(timeout=60)
+    assert torch.equal(got, torch.full((floats,), 3.0))
+
+
+def test_a_result_the_controller_cannot_map_fails_its_call_with_why_and_calls_go_on(one_giver):
+    _, actors = one_giver
+    assert actors.give.call_one(1.0).get(timeout=60).numel() == FLOATS  # arena made
+    real = actors.point_arena_at.call_one("/proc/1/fd/999999").get(timeout=60)
+    with pytest.raises(ActorError) as failed:
+        actors.give.call_one(1.0).get(timeout=60)
+    text = str(failed.value)
+    assert "SharedResultError" in text and "could not map the rank's shared memory" in text
+    assert f"{arena_mod.SHM_ENV}=0" in text, text
+    actors.point_arena_at.call_one(real).get(timeout=60)
+    # nothing wedged: the next calls, small and large, are answered in order
+    assert actors.pid.call_one().get(timeout=60) > 0
+    got = actors.give.call_one(4.0).get(timeout=60)
+    assert torch.equal(got, torch.full((FLOATS,), 4.0))
 
 
 def test_a_dead_ranks_arena_and_a_stopped_meshs_are_no_longer_mapped():
