@@ -112,6 +112,84 @@ def test_faulthandler_dump_parses_like_a_python_capture(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_dump_of_the_signalled_thread_alone_parses_as_the_main_thread(tmp_path):
+    """The host agent's fallback dump: the main thread's own stack, no thread id."""
+
+    def parked_here() -> str:
+        with open(tmp_path / "dump", "w+") as f:
+            faulthandler.dump_traceback(f, all_threads=False)
+            f.seek(0)
+            return f.read()
+
+    text = parked_here()
+    assert text.startswith("Stack (most recent call first):")
+    (main,) = parse_faulthandler(text)
+    assert main.main and main.name == "MainThread" and main.ident == 0
+    assert [f.function for f in main.frames[-2:]] == [
+        "test_a_dump_of_the_signalled_thread_alone_parses_as_the_main_thread",
+        "parked_here",
+    ]
+    # two requests close together wrote twice before the agent read: the newer one
+    (again,) = parse_faulthandler(text + text.replace("parked_here", "parked_later"))
+    assert again.frames[-1].function == "parked_later"
+
+
+# A process that registers the rank's stacks dump, as a rank does, and whose other
+# threads keep starting, ending and calling functions: what a dump of every thread from
+# a signal handler crashed on (SIGSEGV within a few hundred dumps, and once at 1,024
+# ranks under ``%mesh stacks``).
+_CHURNING = """
+import sys, threading, time
+from monarch_kernel.rank.forked import _register_stacks_dump
+
+def calls(n):
+    return calls(n - 1) + 1 if n else sum(x for x in range(3))
+
+def busy():
+    while True:
+        calls(30)
+
+def short_lived():
+    while True:
+        t = threading.Thread(target=calls, args=(10,))
+        t.start()
+        t.join()
+
+_register_stacks_dump(sys.argv[1])
+for target in (busy, busy, short_lived, short_lived):
+    threading.Thread(target=target, daemon=True).start()
+
+def parked_in_main():
+    print("ready", flush=True)
+    time.sleep(120)
+
+parked_in_main()
+"""
+
+
+def test_the_agents_dump_is_safe_while_other_threads_run_python(tmp_path):
+    import subprocess
+    import sys
+
+    from monarch_kernel.host.stacks import dump_stacks
+
+    log = str(tmp_path / "rank0.log")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHURNING, log], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        for i in range(300):
+            dumped = dict(dump_stacks({0: proc.pid}, {0: log}, wait=5.0))
+            assert proc.poll() is None, f"died at dump {i}: {proc.returncode}"
+            (main,) = dumped[0]  # the main thread only, always: it got the signal
+            assert main.main and main.frames[-1].function == "parked_in_main", main
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.unit
 def test_grouping_marks_the_odd_ones_out():
     def rank(r: int, *functions: str) -> RankStacks:
         frames = tuple(Frame("/u/train.py", i + 1, fn, f"{fn}()") for i, fn in enumerate(functions))

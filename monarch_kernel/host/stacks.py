@@ -1,5 +1,14 @@
 """Stacks of ranks stuck where their control thread cannot answer (C code holding the
-GIL): the host agent makes them dump every thread with ``faulthandler``."""
+GIL): the host agent makes each one's main thread dump its own stack with
+``faulthandler``.
+
+Only the main thread, signalled directly (``tgkill``): a thread that dumps *other*
+threads from a signal handler reads their frames while they may run, and a rank
+whose threads start and end meanwhile dies of SIGSEGV (reproduced: within a few
+hundred dumps). A thread dumping itself is interrupted while it does, so its frames
+hold still. The main thread is the one that runs cells and endpoints: the one that
+is stuck.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 
+from monarch_kernel.wire.osutil import signal_main_thread
 from monarch_kernel.wire.stacks import (
     STACKS_SIGNAL,
     ThreadStack,
@@ -18,9 +28,9 @@ from monarch_kernel.wire.stacks import (
 def dump_stacks(
     pids: Mapping[int, int], logs: Mapping[int, str], wait: float
 ) -> Iterator[tuple[int, tuple[ThreadStack, ...]]]:
-    """Signal each rank of ``logs`` (rank -> its log path) that runs (``pids``: rank ->
-    pid) to dump its stacks, and yield ``(rank, threads)`` for each dump as it is
-    complete (written, and no longer growing).
+    """Signal the main thread of each rank of ``logs`` (rank -> its log path) that runs
+    (``pids``: rank -> pid) to dump its stack, and yield ``(rank, threads)`` for each
+    dump as it is complete (written, and no longer growing).
 
     Waits at most ``wait`` seconds in all (the dumps take microseconds, so the agent's
     heartbeats never suffer); a rank that wrote nothing by then yields nothing.
@@ -33,7 +43,7 @@ def dump_stacks(
         path = stacks_path(log, pid)
         try:  # absent until the rank registered its handler: never signal it before
             os.truncate(path, 0)
-            os.kill(pid, STACKS_SIGNAL)
+            signal_main_thread(pid, STACKS_SIGNAL)
         except OSError:
             continue
         files[r] = path

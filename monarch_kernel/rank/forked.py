@@ -100,9 +100,12 @@ def _lower_priority() -> None:
 
 
 def _register_stacks_dump(log_path: str) -> None:
-    """Dump every thread's stack on ``STACKS_SIGNAL`` (the host agent's ``dump_stacks``;
-    signal-safe, works while C code holds the GIL). The file gets its name only once the
-    handler is in place: the agent signals only ranks whose file exists."""
+    """Dump the stack of the thread that gets ``STACKS_SIGNAL`` (the host agent's
+    ``dump_stacks`` sends it to the main thread; signal-safe, works while C code holds
+    the GIL). Not every thread's: that dump reads the other threads' frames while they
+    run, and crashed ranks (see :mod:`monarch_kernel.host.stacks`). The file gets its
+    name only once the handler is in place: the agent signals only ranks whose file
+    exists."""
     import faulthandler
 
     from monarch_kernel.wire.stacks import STACKS_SIGNAL, stacks_path
@@ -110,7 +113,7 @@ def _register_stacks_dump(log_path: str) -> None:
     path = stacks_path(log_path, os.getpid())
     try:
         fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-        faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
+        faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=False, chain=False)
         os.rename(path + ".tmp", path)
     except (OSError, AttributeError, ValueError, RuntimeError) as exc:  # no fallback, then
         log.warning("rank stacks cannot be dumped with faulthandler: %s", exc)

@@ -128,7 +128,7 @@ def _source_note(sources: tuple[str, ...]) -> str:
     if "faulthandler" in sources:
         return (
             "via faulthandler: the rank did not answer from Python "
-            "(C code holding the GIL?); no thread names"
+            "(C code holding the GIL?); its main thread only, no thread names"
         )
     return ""
 

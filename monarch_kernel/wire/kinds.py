@@ -113,8 +113,9 @@ kind              keys
                   (SIGTERM: ``atexit`` handlers, finalizers, ``destroy_process_group``),
                   SIGKILL those still running after ``grace``, report their exits, exit
 ``dump_stacks``   ``d`` (its ranks), ``i`` (the controller's ``stacks`` request): make
-                  each rank dump its threads' stacks with ``faulthandler`` (signal-safe:
-                  works while the rank is stuck in C code holding the GIL) and answer
+                  each rank's main thread dump its own stack with ``faulthandler``
+                  (signal-safe: works while the rank is stuck in C code holding the
+                  GIL; see ``host.stacks``) and answer
                   each with a ``res`` for ``i`` on the rank's behalf (``h`` set)
 ``new_port``      ``i`` str: answer with a ``port`` (a free port on this host, for a new
                   torch.distributed rendezvous when a process group is re-formed)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+import errno
+import functools
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 
@@ -24,6 +27,31 @@ def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = Non
             pass
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(3)
+
+
+def signal_main_thread(pid: int, sig: int) -> None:
+    """Send ``sig`` to the main thread of process ``pid`` (its thread id is its pid), not
+    to whichever of its threads the kernel picks, as :func:`os.kill` would. Uses Linux's
+    ``tgkill``; elsewhere (or without glibc's wrapper) falls back to :func:`os.kill`.
+    Raises :class:`OSError` like :func:`os.kill` (``ProcessLookupError`` when gone)."""
+    tgkill = _tgkill()
+    if tgkill is None:
+        os.kill(pid, sig)
+        return
+    if tgkill(pid, pid, sig) != 0:
+        err = ctypes.get_errno()
+        raise (ProcessLookupError if err == errno.ESRCH else OSError)(err, os.strerror(err))
+
+
+@functools.cache
+def _tgkill() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn: Callable[[int, int, int], int] = ctypes.CDLL(None, use_errno=True).tgkill
+    except (OSError, AttributeError):  # pragma: no cover - glibc < 2.30, musl
+        return None
+    return fn
 
 
 def describe_exit(code: int | None, sig: int | None) -> str:

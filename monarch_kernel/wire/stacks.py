@@ -6,12 +6,13 @@ Two ways a rank's stacks are taken, both ending as the same values:
   ``sys._current_frames()`` with thread names and source lines. Needs the GIL, so it
   answers while the main thread runs Python, sleeps or waits in C code that released
   the GIL (a collective, I/O), but not while C code holds the GIL;
-* ``faulthandler`` (``dump_stacks`` to the host agent): the agent sends the rank
-  :data:`STACKS_SIGNAL`, whose handler (:func:`faulthandler.register`, written in C,
-  signal-safe) writes every thread's stack to the rank's stacks file
+* ``faulthandler`` (``dump_stacks`` to the host agent): the agent sends the rank's
+  main thread :data:`STACKS_SIGNAL`, whose handler (:func:`faulthandler.register`,
+  written in C, signal-safe) writes that thread's stack to the rank's stacks file
   (:func:`stacks_path`), which the agent reads back with :func:`parse_faulthandler`.
-  Works even while the rank is stuck in C code holding the GIL; no thread names and no
-  source lines.
+  Works even while the rank is stuck in C code holding the GIL; the main thread only
+  (see :mod:`monarch_kernel.host.stacks` for why), no thread names and no source
+  lines.
 
 Everything here is plain frozen dataclasses of str/int, cheap to pickle; frames are
 outermost first, like :mod:`traceback`.
@@ -178,25 +179,35 @@ _THREAD = re.compile(
     r"^(?P<current>Current thread|Thread) (?P<ident>0x[0-9a-fA-F]+)"
     r"(?: \[(?P<name>[^\]]*)\])? \(most recent call first\):\s*$"
 )
+_OWN_STACK = re.compile(r"^Stack \(most recent call first\):\s*$")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+|\?+) in (?P<func>.*?)\s*$')
 
 
 def parse_faulthandler(text: str) -> tuple[ThreadStack, ...]:
-    """The threads of a ``faulthandler`` dump (``all_threads=True``), main thread first.
+    """The threads of a ``faulthandler`` dump, main thread first.
 
-    Its format: per thread ``Thread 0x... (most recent call first):`` (``Current
-    thread`` for the one the signal ran on), then ``  File "f", line N in func`` lines,
-    innermost first; ``  ...`` where it cut a deep stack short. Lines it cannot read
-    are skipped. faulthandler names no thread: the main thread is the one whose stack
-    does not start in ``threading`` (the others were started by it), else the last one
-    listed (the oldest).
+    Two formats. The host agent's dump (:mod:`monarch_kernel.host.stacks`) is of the
+    rank's main thread only, by that thread itself: ``Stack (most recent call first):``
+    then its frames; faulthandler gives no thread id there (``ident`` is 0). A dump of
+    every thread (``all_threads=True``) has per thread ``Thread 0x... (most recent call
+    first):`` (``Current thread`` for the one the signal ran on) and its frames. Frames
+    are ``  File "f", line N in func`` lines, innermost first; ``  ...`` where it cut a
+    deep stack short. Lines it cannot read are skipped. faulthandler names no thread:
+    in a dump of every thread the main thread is the one whose stack does not start in
+    ``threading`` (the others were started by it), else the last one listed (the
+    oldest).
     """
     threads: list[tuple[int, str, list[Frame]]] = []
+    own = False  # a "Stack" dump: the signalled (main) thread's own stack
     for raw in text.splitlines():
         m = _THREAD.match(raw)
         if m:
             ident = int(m.group("ident"), 16)
             threads.append((ident, m.group("name") or f"thread 0x{ident:x}", []))
+            continue
+        if _OWN_STACK.match(raw):
+            own = True
+            threads.append((0, "MainThread", []))
             continue
         m = _FRAME.match(raw)
         if m and threads:
@@ -205,6 +216,9 @@ def parse_faulthandler(text: str) -> tuple[ThreadStack, ...]:
                 Frame(m.group("file"), int(line) if line.isdigit() else 0, m.group("func"))
             )
     stacks = [(ident, name, tuple(reversed(frames))) for ident, name, frames in threads]
+    if own:  # one stack per signal; of two (requests close together), the newer
+        ident, name, frames = stacks[-1]
+        return (ThreadStack(name, ident, True, frames),)
     roots = [i for i, (_, _, f) in enumerate(stacks) if f and not _is_thread_bootstrap(f[0])]
     main = roots[0] if len(roots) == 1 else len(stacks) - 1
     out = [
