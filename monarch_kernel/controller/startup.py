@@ -34,7 +34,9 @@ from monarch_kernel.wire.desk import ControllerId
 from monarch_kernel.wire.headers import MeshCommon, RankSpec, SpawnRanks
 from monarch_kernel.wire.limits import inherited_env
 
-#: Seconds a host agent waits for a silent controller before it shuts down.
+#: Seconds of controller silence after which a host agent asks whether its controller
+#: is gone (its process ended, its connection closed) and, only if it is, shuts down: a
+#: controller that is alive but busy keeps its hosts (``host.liveness``).
 AGENT_SILENCE_TIMEOUT = 10.0
 
 
@@ -194,9 +196,11 @@ class Starter:
         knows itself by its slot (see ``records.Slots``)."""
         h = host.slot
         config, t = self._config, self._transport
-        # The agent's own patience with a silent controller is longer than ours with it:
-        # a controller busy for a few seconds (a large unpickle) must not lose its hosts.
-        silence = max(AGENT_SILENCE_TIMEOUT, 4 * config.hb_timeout)
+        # Longer than our patience with an agent, though a busy controller (a large
+        # unpickle, a cell in C code holding the GIL) keeps its hosts anyway: after
+        # this silence an agent only checks that we still live. Read here, not bound
+        # at import: a test shortens it.
+        silence = max(AGENT_SILENCE_TIMEOUT, config.hb_timeout)
         send, recv = t.send_addr, t.recv_addr
         if config.advertise and send.startswith("tcp://"):
             send = f"tcp://{config.advertise}:{send.rsplit(':', 1)[1]}"

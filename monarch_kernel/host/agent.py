@@ -33,6 +33,7 @@ from monarch_kernel.host.config import AgentConfig
 from monarch_kernel.host.desk import Desk, StopAsked, leave_launcher
 from monarch_kernel.host.fanin import FanInSocket
 from monarch_kernel.host.fanout import RankFanOut
+from monarch_kernel.host.liveness import ControllerLink, SilentController, arm_heartbeats
 from monarch_kernel.host.netinfo import interface_of, source_address
 from monarch_kernel.host.stacks import dump_stacks
 from monarch_kernel.host.template_handle import DEFAULT_GRACE, Template, TemplateEvent
@@ -153,9 +154,17 @@ class HostAgent:
         self.out.setsockopt(zmq.LINGER, 2000)
         limit_size(self.out)
         self.curve_client(self.out)
+        arm_heartbeats(self.out)  # a controller that stops answering closes the link
+        self.link = ControllerLink(self.out)
         self.out.connect(cfg.recv)
+        #: What we make of a silent controller (gone, or busy: see host/liveness.py).
+        self.silent = SilentController(self.host, self.link)
+        self.holder: ControllerId | None = None
+        if cfg.controller_pid:
+            where = cfg.controller_host or cfg.hostname or socket.gethostname()
+            self.holder = ControllerId(cfg.controller_pid, where, cfg.controller_started)
         if self.desk is not None:
-            self.desk.watch_link(self.out)
+            self.desk.follow(self.silent)
         curve = (cfg.curve_secret, cfg.curve_public) if cfg.curve_secret else None
         #: Our ranks' inboxes connect here (greetings, fanned-out messages).
         self.fan = RankFanOut(
@@ -227,11 +236,11 @@ class HostAgent:
         fanin = self.fanin
         if fanin is not None:
             poller.register(fanin.sock, zmq.POLLIN)
+        link = self.link
+        poller.register(link.monitor, zmq.POLLIN)
         desk = self.desk
         if desk is not None:
             poller.register(desk.sock, zmq.POLLIN)
-            if desk.monitor is not None:
-                poller.register(desk.monitor, zmq.POLLIN)
         last_rx = last_hb = time.monotonic()
         template, writing = self.template, False
         while True:
@@ -268,6 +277,7 @@ class HostAgent:
                     fanin.send_due()
             if self.inbox in events:
                 last_rx = now
+                self.silent.heard()
                 # Bounded, as the fan-in's receive: a long stream of chunks (a 2 GiB
                 # push) must not keep our heartbeats from going; the rest waits a turn.
                 until = now + INBOX_BUDGET
@@ -281,8 +291,8 @@ class HostAgent:
                         return
                     if time.monotonic() >= until:
                         break
-            if desk is not None and desk.monitor in events:
-                desk.on_link()
+            if link.monitor in events:
+                link.on_events()
             if desk is not None and desk.sock in events and self.on_desk(desk):
                 return
             now = time.monotonic()
@@ -294,10 +304,16 @@ class HostAgent:
                     log.error("host %s: no controller attached in time, stopping", self.host)
                     return
             elif now - last_rx > self.hb_timeout:
-                log.error(
-                    "host %s: controller silent for %.0fs, shutting down", self.host, now - last_rx
-                )
-                return
+                # Silent: lost only if known gone (a busy kernel keeps its mesh).
+                why = self.silent.gone(now - last_rx, self.holder)
+                if why is not None:
+                    log.error(
+                        "host %s: controller silent for %.0fs and %s, shutting down",
+                        self.host,
+                        now - last_rx,
+                        why,
+                    )
+                    return
 
     def on_message(self, frames: list[Any]) -> str | None:
         try:

@@ -22,7 +22,9 @@ class AgentConfig:
     key: str  #: the mesh's HMAC key, hex
     send: str  #: the controller's endpoint that sends to hosts and ranks
     recv: str  #: the controller's endpoint that receives from them
-    hb_timeout: float = 10.0  #: seconds of controller silence before the agent exits
+    #: seconds of controller silence before the agent asks whether it is gone (and, if
+    #: it is, exits): see host/liveness.py
+    hb_timeout: float = 10.0
     mesh: str = ""
     curve_server: str = ""
     curve_public: str = ""

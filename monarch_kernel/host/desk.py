@@ -2,8 +2,9 @@
 controller, and the attach desk through which another controller takes it over.
 
 While a controller holds the mesh the agent works as always. It *loses* its controller
-when that one says so (``detach``: its kernel shut down), falls silent for longer than
-the agent's ``hb_timeout``, or (on this machine) its process is gone; from then on the
+when that one says so (``detach``: its kernel shut down) or is known to be gone: its
+process ended (on this machine) or its connection closed. A controller silent for the
+agent's ``hb_timeout`` that still lives keeps the mesh (:mod:`.liveness`). From then on the
 agent sends nothing to it, keeps its ranks running and records the ones that end, and
 stops them all (leaving nothing behind) once ``detach_keep`` seconds have passed since
 the controller was last heard, unless another controller attached through the desk
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 import zmq
 
 from monarch_kernel.host.config import AgentConfig
+from monarch_kernel.host.liveness import SilentController, gone_reason
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire.codec import limit_size
 from monarch_kernel.wire.desk import (
@@ -97,11 +99,9 @@ class Desk:
         #: The agent's private directory (its ranks' logs), told with the desk.
         self.dir = private_dir
         self.address = self._bind(cfg, private_dir)
-        #: Whether the agent's connection to the controller is up (a socket monitor
-        #: on it: see :meth:`watch_link`); True until told otherwise.
-        self.link_up = True
-        self.link_down_at = 0.0  #: time.time() the link went down (while not link_up)
-        self.monitor: zmq.Socket[Any] | None = None
+        #: The agent's verdict on a silent controller, and through it the state of its
+        #: connection to the controller (:meth:`follow`).
+        self.silent: SilentController | None = None
         self.holder: ControllerId | None = None
         if cfg.controller_pid:
             host = cfg.controller_host or cfg.hostname
@@ -135,30 +135,17 @@ class Desk:
         port = self.sock.bind_to_random_port(f"tcp://{where}")
         return f"tcp://{where}:{port}"
 
-    def watch_link(self, out: zmq.Socket[Any]) -> zmq.Socket[Any]:
-        """Follow the agent's connection to the controller (``out``); the monitor
-        socket to poll (:meth:`on_link` reads it). On tcp a killed kernel's connection
-        closes at once: a kernel that attaches then need not wait for the silence."""
-        events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-        self.monitor = out.get_monitor_socket(events)
-        return self.monitor
+    def follow(self, silent: SilentController) -> None:
+        """Judge a silent controller, and see its connection, through the agent's
+        ``silent`` (:mod:`monarch_kernel.host.liveness`). On tcp a killed kernel's
+        connection closes at once: a kernel that attaches then need not wait for the
+        silence."""
+        self.silent = silent
 
-    def on_link(self) -> None:
-        """Read the monitor's events (see :meth:`watch_link`)."""
-        import zmq.utils.monitor
-
-        assert self.monitor is not None
-        while True:
-            try:
-                event = zmq.utils.monitor.recv_monitor_message(self.monitor, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                if self.link_up:
-                    self.link_down_at = time.time()
-                self.link_up = False
-            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.link_up = True
+    @property
+    def link_up(self) -> bool:
+        """Whether the agent's connection to the controller is up (True until known)."""
+        return self.silent is None or self.silent.link.up
 
     # -- the clock -------------------------------------------------------------------
     def lose_controller(self, why: str, silence: float | None = None) -> None:
@@ -167,7 +154,7 @@ class Desk:
         if not self.attached:
             return
         if silence is None:
-            down = time.time() - self.link_down_at if not self.link_up else 0.0
+            down = self.silent.link.down_for() if self.silent is not None else 0.0
             silence = max(down, self._silence)
         self.attached = False
         now = time.time()
@@ -186,7 +173,14 @@ class Desk:
         self._silence = silence
         if self.attached:
             if silence > self.hb_timeout:
-                self.lose_controller(f"no word from the controller for {silence:.0f}s", silence)
+                # silent, but only lost once known gone (a busy kernel keeps its mesh)
+                why = self.silent.gone(silence, self.holder) if self.silent is not None else ""
+                if why is not None:
+                    self.lose_controller(
+                        f"no word from the controller for {silence:.0f}s"
+                        + (f": {why}" if why else ""),
+                        silence,
+                    )
             elif now - self._holder_checked >= HOLDER_CHECK_INTERVAL:
                 self._holder_checked = now
                 holder = self.holder
@@ -276,11 +270,9 @@ class Desk:
         holder = self.holder
         if not self.attached or holder is None or holder == asker:
             return None
-        if holder.alive() is False:  # it just died; the clock has not noticed yet
-            self.lose_controller(f"{holder.describe()} ended")
-            return None
-        if holder.alive() is None and not self.link_up:  # on another machine
-            self.lose_controller(f"the connection to {holder.describe()} closed")
+        why = gone_reason(holder, self.silent.link) if self.silent is not None else None
+        if why is not None:  # it just died; the clock has not noticed yet
+            self.lose_controller(why)
             return None
         return holder
 
@@ -328,8 +320,6 @@ class Desk:
         """Close the desk; stopping with no controller attached, remove what the
         controller would have: its sockets' directory and the attach file."""
         self.sock.close(0)
-        if self.monitor is not None:
-            self.monitor.close(0)
         close_gates(self.ctx)
         if self.attached:
             return  # the holder stopped us: it cleans up after itself
