@@ -210,6 +210,26 @@ def test_grouping_marks_the_odd_ones_out():
     assert html.count("odd one out") == 1 and "load_batch()" in html
 
 
+@pytest.mark.unit
+def test_ranks_without_stacks_are_odd_however_many():
+    """On an overloaded machine most ranks may not answer in time: the few that did
+    are the reference, and the silent ones the odd ones out, not the other way round."""
+    idle = (Frame("/x/monarch_kernel/rank/inbox.py", 1, "run"),)
+    answered = [
+        RankStacks(r, "h", 100 + r, (ThreadStack("MainThread", r, True, idle),), "python")
+        for r in (0, 1)
+    ]
+    silent = [
+        RankStacks(r, "h", 100 + r, (), "none", "did not answer within 1.0s") for r in range(2, 8)
+    ]
+    view = StacksView("m", answered + silent, 1.0)
+    assert [(g.ranks, g.odd) for g in view.groups] == [((0, 1), False), ((2, 3, 4, 5, 6, 7), True)]
+    assert view.summary() == "odd ranks out: 2-7 (6 of 8)"
+    # no rank answered (a stopped mesh): nothing to compare with, the biggest group leads
+    view = StacksView("m", silent, 1.0)
+    assert [g.odd for g in view.groups] == [False] and view.odd_ranks == []
+
+
 # -- real ranks ------------------------------------------------------------------------
 
 

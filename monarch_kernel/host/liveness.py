@@ -10,11 +10,13 @@ agent's ``hb_timeout``, the agent asks what is known of it:
 * a controller on this machine: whether its process still runs (pid and start time:
   :meth:`ControllerId.alive`);
 * one on another machine: whether the agent's connection to it is up.
-  :func:`arm_heartbeats` has libzmq ping the controller's end of the connection; the
+  :func:`arm_heartbeats` has libzmq ping the controller's end of a tcp connection; the
   controller's libzmq I/O thread answers without Python, and a connection whose peer
   stops answering for :data:`LINK_TIMEOUT` seconds (the process stopped, the machine
   died, the network is cut) is closed, which :class:`ControllerLink` sees. A killed
-  controller's connection closes at once (its OS closes it).
+  controller's connection closes at once (its OS closes it). A unix-socket link (a
+  controller on this machine, whose process says more) is not pinged: a ping timeout
+  that fires on a starved machine would close a working connection.
 
 The controller is lost only when one of these says it is gone; while they say it is
 alive the agent waits, and logs once per silence that it does (:class:`SilentController`).

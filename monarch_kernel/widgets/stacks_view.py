@@ -60,17 +60,24 @@ def signature(rs: RankStacks) -> tuple[object, ...]:
 
 
 def group_stacks(stacks: Sequence[RankStacks]) -> list[StackGroup]:
-    """Group ranks with identical stacks; biggest group first (then lowest rank)."""
+    """Group ranks with identical stacks; biggest group first (then lowest rank).
+
+    The odd ones out are the groups smaller than the biggest group *with stacks*, and
+    every group without (dead, or silent past the timeout): on an overloaded machine
+    most ranks may not answer in time, and the few that did are not odd for that."""
     by_sig: dict[tuple[object, ...], list[RankStacks]] = {}
     for rs in stacks:
         by_sig.setdefault(signature(rs), []).append(rs)
-    members = sorted(by_sig.values(), key=lambda g: (-len(g), min(rs.rank for rs in g)))
-    biggest = len(members[0]) if members else 0
+    members = sorted(
+        by_sig.values(), key=lambda g: (not g[0].threads, -len(g), min(rs.rank for rs in g))
+    )
+    answered = [len(g) for g in members if g[0].threads]
+    reference = max(answered) if answered else max((len(g) for g in members), default=0)
     return [
         StackGroup(
             tuple(sorted(rs.rank for rs in g)),
             min(g, key=lambda rs: rs.rank),
-            len(g) < biggest,
+            len(g) < reference or bool(answered and not g[0].threads),
             tuple(sorted({rs.source for rs in g})),
         )
         for g in members
