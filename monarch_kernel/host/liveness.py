@@ -64,6 +64,8 @@ class ControllerLink:
         self.monitor: zmq.Socket[Any] = out.get_monitor_socket(events)
         self.up = True
         self.down_at = 0.0  #: time.time() the link went down (while not up)
+        #: Connections made (handshakes done); libzmq pings a connection only from then.
+        self.handshakes = 0
 
     def on_events(self) -> None:
         """Read the monitor's events."""
@@ -80,6 +82,7 @@ class ControllerLink:
                 self.up = False
             elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.up = True
+                self.handshakes += 1
 
     def down_for(self) -> float:
         """Seconds the link has been down (0 while it is up)."""

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 
 from monarch_kernel.wire.osutil import signal_main_thread
 from monarch_kernel.wire.stacks import (
+    DUMP_HEADER,
     STACKS_SIGNAL,
     ThreadStack,
     parse_faulthandler,
@@ -30,10 +31,15 @@ def dump_stacks(
 ) -> Iterator[tuple[int, tuple[ThreadStack, ...]]]:
     """Signal the main thread of each rank of ``logs`` (rank -> its log path) that runs
     (``pids``: rank -> pid) to dump its stack, and yield ``(rank, threads)`` for each
-    dump as it is complete (written, and no longer growing).
+    dump as it is complete.
 
-    Waits at most ``wait`` seconds in all (the dumps take microseconds, so the agent's
-    heartbeats never suffer); a rank that wrote nothing by then yields nothing.
+    Complete: each rank is signalled twice. The signal is blocked while its handler
+    runs and a real-time one is queued, so the second dump starts only once the first
+    is written; its header in the file says the first is whole. (A file that merely
+    stopped growing could be a dump whose writer was preempted halfway, on a loaded
+    machine.) Waits at most ``wait`` seconds in all (the dumps take microseconds, so
+    the agent's heartbeats never suffer); by then a rank's dump is taken as it is, and
+    a rank that wrote nothing yields nothing.
     """
     files: dict[int, str] = {}
     for r, log in logs.items():
@@ -44,24 +50,23 @@ def dump_stacks(
         try:  # absent until the rank registered its handler: never signal it before
             os.truncate(path, 0)
             signal_main_thread(pid, STACKS_SIGNAL)
+            signal_main_thread(pid, STACKS_SIGNAL)
         except OSError:
             continue
         files[r] = path
-    sizes = dict.fromkeys(files, -1)
     deadline = time.monotonic() + wait
     while files:
         time.sleep(0.01)
         last = time.monotonic() >= deadline
         for r, path in list(files.items()):
             try:
-                size = os.path.getsize(path)
+                with open(path, errors="replace") as f:
+                    text = f.read()
             except OSError:
                 del files[r]
                 continue
-            if size and (size == sizes[r] or last):  # written, and stopped growing
+            if text.count(DUMP_HEADER) >= 2 or (last and text):
                 del files[r]
-                with open(path, errors="replace") as f:
-                    yield r, parse_faulthandler(f.read())
-            sizes[r] = size
+                yield r, parse_faulthandler(text)
         if last:
             break

@@ -179,6 +179,8 @@ _THREAD = re.compile(
     r"^(?P<current>Current thread|Thread) (?P<ident>0x[0-9a-fA-F]+)"
     r"(?: \[(?P<name>[^\]]*)\])? \(most recent call first\):\s*$"
 )
+#: The first line of faulthandler's dump of the thread the signal ran on.
+DUMP_HEADER = "Stack (most recent call first):"
 _OWN_STACK = re.compile(r"^Stack \(most recent call first\):\s*$")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+|\?+) in (?P<func>.*?)\s*$')
 
@@ -187,8 +189,10 @@ def parse_faulthandler(text: str) -> tuple[ThreadStack, ...]:
     """The threads of a ``faulthandler`` dump, main thread first.
 
     Two formats. The host agent's dump (:mod:`monarch_kernel.host.stacks`) is of the
-    rank's main thread only, by that thread itself: ``Stack (most recent call first):``
-    then its frames; faulthandler gives no thread id there (``ident`` is 0). A dump of
+    rank's main thread only, by that thread itself: :data:`DUMP_HEADER` then its
+    frames, once per signal (the first is taken: the agent signals twice, and only
+    the first is sure to be whole); faulthandler gives no thread id there (``ident``
+    is 0). A dump of
     every thread (``all_threads=True``) has per thread ``Thread 0x... (most recent call
     first):`` (``Current thread`` for the one the signal ran on) and its frames. Frames
     are ``  File "f", line N in func`` lines, innermost first; ``  ...`` where it cut a
@@ -216,8 +220,8 @@ def parse_faulthandler(text: str) -> tuple[ThreadStack, ...]:
                 Frame(m.group("file"), int(line) if line.isdigit() else 0, m.group("func"))
             )
     stacks = [(ident, name, tuple(reversed(frames))) for ident, name, frames in threads]
-    if own:  # one stack per signal; of two (requests close together), the newer
-        ident, name, frames = stacks[-1]
+    if own:  # one stack per signal; the agent signals twice: the first is whole
+        ident, name, frames = stacks[0]
         return (ThreadStack(name, ident, True, frames),)
     roots = [i for i, (_, _, f) in enumerate(stacks) if f and not _is_thread_bootstrap(f[0])]
     main = roots[0] if len(roots) == 1 else len(stacks) - 1
