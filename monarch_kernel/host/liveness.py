@@ -21,8 +21,9 @@ agent's ``hb_timeout``, the agent asks what is known of it:
 The controller is lost only when one of these says it is gone; while they say it is
 alive the agent waits, and logs once per silence that it does (:class:`SilentController`).
 Invariant: a controller that is really gone is noticed within ``hb_timeout`` plus
-:data:`LINK_TIMEOUT` (one on this machine within ``hb_timeout``); a live one is never
-given up on, however long it is silent.
+:data:`LINK_TIMEOUT` (one on this machine within ``hb_timeout``); one whose process
+runs (here) or whose libzmq answers (elsewhere) is never given up on, however long it
+is silent.
 """
 
 from __future__ import annotations

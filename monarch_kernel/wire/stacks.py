@@ -181,7 +181,7 @@ _THREAD = re.compile(
 )
 #: The first line of faulthandler's dump of the thread the signal ran on.
 DUMP_HEADER = "Stack (most recent call first):"
-_OWN_STACK = re.compile(r"^Stack \(most recent call first\):\s*$")
+_OWN_STACK = re.compile("^" + re.escape(DUMP_HEADER) + r"\s*$")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+|\?+) in (?P<func>.*?)\s*$')
 
 
@@ -190,16 +190,15 @@ def parse_faulthandler(text: str) -> tuple[ThreadStack, ...]:
 
     Two formats. The host agent's dump (:mod:`monarch_kernel.host.stacks`) is of the
     rank's main thread only, by that thread itself: :data:`DUMP_HEADER` then its
-    frames, once per signal (the first is taken: the agent signals twice, and only
-    the first is sure to be whole); faulthandler gives no thread id there (``ident``
-    is 0). A dump of
-    every thread (``all_threads=True``) has per thread ``Thread 0x... (most recent call
-    first):`` (``Current thread`` for the one the signal ran on) and its frames. Frames
-    are ``  File "f", line N in func`` lines, innermost first; ``  ...`` where it cut a
-    deep stack short. Lines it cannot read are skipped. faulthandler names no thread:
-    in a dump of every thread the main thread is the one whose stack does not start in
-    ``threading`` (the others were started by it), else the last one listed (the
-    oldest).
+    frames, once per signal (the first is taken: the agent signals twice, and only the
+    first is sure to be whole); faulthandler gives no thread id there (``ident`` is 0).
+    A dump of every thread (``all_threads=True``) has per thread ``Thread 0x... (most
+    recent call first):`` (``Current thread`` for the one the signal ran on) and its
+    frames. Frames are ``  File "f", line N in func`` lines, innermost first; ``  ...``
+    where it cut a deep stack short. Lines it cannot read are skipped. faulthandler
+    names no thread: in a dump of every thread the main thread is the one whose stack
+    does not start in ``threading`` (the others were started by it), else the last one
+    listed (the oldest).
     """
     threads: list[tuple[int, str, list[Frame]]] = []
     own = False  # a "Stack" dump: the signalled (main) thread's own stack
