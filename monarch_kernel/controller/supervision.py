@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from monarch_kernel.calls.errors import MeshStoppedError, RankDiedError
+from monarch_kernel.controller.busy_agents import BusyAgents
 from monarch_kernel.controller.events import EventBus, HostLost, RankDied
 from monarch_kernel.controller.phase import MeshLifecycle
 from monarch_kernel.controller.records import (
@@ -79,6 +80,7 @@ class Supervisor:
         self._post = post
         self._restarts = restarts
         self._silence = SilenceBound(hb_timeout)
+        self._busy = BusyAgents()
         self._claim = claim
         self._last_tick = time.monotonic()
 
@@ -103,11 +105,16 @@ class Supervisor:
                 continue
             if not host.ready:
                 self._silence.forget(host.slot)  # (re)starting: its old gaps do not count
+                self._busy.forget(host.slot)
                 continue
             self._silence.seen(host.slot, host.last_seen)
             allowed = self._silence.allowed(host.slot)
-            if now - host.last_seen > allowed:
-                why = f"no heartbeat for {now - host.last_seen:.1f}s"
+            silence = now - host.last_seen
+            pid = host.handle.pid if host.handle is not None else None
+            self._busy.watch(host.slot, pid, silence, allowed)
+            if silence > allowed and not self._busy.working(host.slot, pid, silence):
+                self._busy.forget(host.slot)
+                why = f"no heartbeat for {silence:.1f}s"
                 if allowed > self._silence.floor:
                     gap = self._silence.longest_gap(host.slot)
                     why += f" (allowed {allowed:.1f}s: its messages came up to {gap:.1f}s apart)"
