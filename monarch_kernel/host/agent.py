@@ -238,10 +238,13 @@ class HostAgent:
         if fanin is not None:
             poller.register(fanin.sock, zmq.POLLIN)
         link = self.link
-        poller.register(link.monitor, zmq.POLLIN)
         desk = self.desk
         if desk is not None:
             poller.register(desk.sock, zmq.POLLIN)
+            # The desk follows the link as it changes (a closed one is a kernel gone:
+            # another may attach at once); otherwise it is read when the controller
+            # falls silent (one socket fewer to poll on every wake-up).
+            poller.register(link.monitor, zmq.POLLIN)
         last_rx = last_hb = time.monotonic()
         template, writing = self.template, False
         while True:

@@ -101,6 +101,7 @@ def gone_reason(holder: ControllerId | None, link: ControllerLink) -> str | None
 
 def _verdict(holder: ControllerId | None, link: ControllerLink) -> tuple[str | None, str]:
     """(why it is gone or None, what says it lives)."""
+    link.on_events()  # (an agent that does not poll the monitor reads it here)
     alive = holder.alive() if holder is not None else None
     if alive is False:
         return f"{_who(holder)} ended", ""
