@@ -380,7 +380,10 @@ class ProcMesh(MeshView):
             return rt.recover(None, timeout)  # the dead ones, once a restart under way ends
         if ranks is None:
             rt.wait_recovered()  # an automatic restart may be bringing them back
-            ranks = [r for r in self._shape.ranks() if not rt.ranks[r].alive]
+            info, hosts = rt.ranks, rt.hosts
+            ranks = [
+                r for r in self._shape.ranks() if not info[r].alive or hosts[info[r].host].lost
+            ]
         return rt.recover(ranks, timeout)
 
     def stop(self, grace: float = STOP_GRACE) -> Future[None]:

@@ -152,7 +152,14 @@ class Restarter:
             self._mesh.check_alive([])
             t0 = time.monotonic()
             if ranks is None:
-                ranks = [r.rank for r in self._ranks if not r.alive and r.rank not in skip]
+                # The ranks of a lost host are dead, even in the instant between the
+                # host being marked lost and its ranks (on the receiving thread).
+                hosts = self._hosts
+                ranks = [
+                    r.rank
+                    for r in self._ranks
+                    if (not r.alive or hosts[r.host].lost) and r.rank not in skip
+                ]
             targets = sorted(set(ranks))
             self._lifecycle.begin_recovery()
             self._thread = threading.get_ident()
