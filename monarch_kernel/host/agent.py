@@ -160,10 +160,7 @@ class HostAgent:
         self.out.connect(cfg.recv)
         #: What we make of a silent controller (gone, or busy: see host/liveness.py).
         self.silent = SilentController(self.host, self.link)
-        self.holder: ControllerId | None = None
-        if cfg.controller_pid:
-            where = cfg.controller_host or cfg.hostname or socket.gethostname()
-            self.holder = ControllerId(cfg.controller_pid, where, cfg.controller_started)
+        self.holder: ControllerId | None = cfg.controller()
         if self.desk is not None:
             self.desk.follow(self.silent)
         curve = (cfg.curve_secret, cfg.curve_public) if cfg.curve_secret else None

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from monarch_kernel.wire.desk import ControllerId
+
 log = logging.getLogger("monarch_kernel.host")
 
 #: The CURVE keys the agent passes on to its ranks when set.
@@ -63,6 +65,13 @@ class AgentConfig:
             raise ValueError(f"host agent configuration: missing key {exc.args[0]!r}") from None
         cfg = cls(**values)
         return cfg if cfg.hostname else replace(cfg, hostname=socket.gethostname())
+
+    def controller(self) -> ControllerId | None:
+        """The controller that started this agent (None where the launcher did not say)."""
+        if not self.controller_pid:
+            return None
+        where = self.controller_host or self.hostname or socket.gethostname()
+        return ControllerId(self.controller_pid, where, self.controller_started)
 
     def rank_part(self) -> dict[str, str]:
         """What the agent adds to its ranks' configurations from its own: the mesh key,

@@ -102,10 +102,7 @@ class Desk:
         #: The agent's verdict on a silent controller, and through it the state of its
         #: connection to the controller (:meth:`follow`).
         self.silent: SilentController | None = None
-        self.holder: ControllerId | None = None
-        if cfg.controller_pid:
-            host = cfg.controller_host or cfg.hostname
-            self.holder = ControllerId(cfg.controller_pid, host, cfg.controller_started)
+        self.holder: ControllerId | None = cfg.controller()
         self.attached = True
         #: monotonic time the current holder attached: its silence counts from here
         self.attached_at = time.monotonic()
