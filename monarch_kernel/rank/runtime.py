@@ -33,6 +33,7 @@ from monarch_kernel.rank.context import UserNamespace
 from monarch_kernel.rank.control import ControlThread
 from monarch_kernel.rank.dap import EndpointBreaks
 from monarch_kernel.rank.debugger import RankDebugger
+from monarch_kernel.rank.device import bind_gpu
 from monarch_kernel.rank.inbox import Inbox, bind_peer, connect, dealer
 from monarch_kernel.rank.link import ControllerLink, serve_attached
 from monarch_kernel.rank.outbox import Outbox
@@ -192,11 +193,7 @@ class Rank:
         self.main.install()
         self.stdin.install()
         self.debugger.install()
-        device = "cpu"
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available():
-            torch.cuda.set_device(self.config.local_rank % torch.cuda.device_count())
-            device = f"cuda:{torch.cuda.current_device()}"
+        device = bind_gpu(self.config.local_rank)
         self.control.start()
         self.inbox.greet_host()
         ready = H.Ready(
