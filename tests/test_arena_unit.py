@@ -5,6 +5,7 @@ why, never dropped: the messages after it would wait for it)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -64,6 +65,72 @@ def test_each_reader_of_a_fan_out_sets_its_own_flag(arena):
     for i, slot in enumerate((10, 11, 12)):
         assert bytes(reader.take(_message(where, si=i), slot).buffers[0]) == data
     assert arena.unread() == 0
+
+
+@pytest.fixture
+def lending():
+    a = A.Arena(8 * MIB, lend=True)
+    yield a
+    a.close()
+
+
+def test_a_block_for_one_reader_is_lent_until_what_was_built_on_it_is_gone(lending):
+    import torch
+
+    from monarch_kernel.wire.serialize import _rebuild_tensor
+
+    data = np.arange(MIB // 4, dtype=np.float32)
+    where = lending.place([data], readers=[3])
+    assert where is not None and where.get("l") == 1 and lending.lent == 1
+    got = A.ArenaReader(lend=True).take(_message(where), slot=3)
+    tensor = _rebuild_tensor(got.buffers[0], "float32", (MIB // 4,), False, False)
+    del got
+    gc.collect()
+    assert lending.unread() == 1  # the tensor still uses the block: not reused
+    assert torch.equal(tensor, torch.from_numpy(data))
+    tensor.add_(1)  # writable, in place: the block is the rank's while it holds it
+    second = lending.place([data], readers=[3])
+    assert second is not None and second["o"] > where["o"]
+    assert bytes(lending._view[second["o"] + 64 : second["o"] + 64 + 16]) == data[:4].tobytes()
+    del tensor
+    gc.collect()
+    assert lending.unread() == 1  # the first block's flag is set: only the second is left
+    third = lending.place([data], readers=[3])
+    assert third is not None and third["o"] == where["o"]
+
+
+def test_a_block_lent_when_the_reader_forks_is_kept(lending):
+    where = lending.place([bytes(MIB)], readers=[3])
+    assert where is not None and where.get("l") == 1
+    got = A.ArenaReader(lend=True).take(_message(where), slot=3)
+    pid = os.fork()  # the child shares the lent bytes: they must never be reused
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    del got
+    gc.collect()
+    assert lending.unread() == 1
+
+
+@pytest.mark.parametrize(
+    "case", ["two readers", "two buffers", "a reader that copies", "an arena half full"]
+)
+def test_other_blocks_are_copied_out_at_once(lending, case):
+    data = bytes(MIB)
+    if case == "an arena half full":
+        assert lending.place([bytes(4 * MIB - 64)], readers=[9]) is not None
+    readers = [3, 4] if case == "two readers" else [3]
+    buffers = [data, data] if case == "two buffers" else [data]
+    where = lending.place(buffers, readers=readers)
+    assert where is not None
+    assert ("l" in where) is (case == "a reader that copies")
+    reader = A.ArenaReader(lend=case != "a reader that copies")
+    blocks = lending.unread()
+    for slot in readers:
+        got = reader.take(_message(where, f=1, d=readers), slot)
+        assert all(bytes(b) == data for b in got.buffers)
+    # copied out: the block is free while the copies live
+    assert lending.unread() == blocks - 1
 
 
 def test_unread_blocks_are_skipped_and_a_full_arena_sends_over_the_socket(arena):

@@ -1,8 +1,9 @@
 """Large arguments of calls to a local mesh's ranks go through the controller's
 shared-memory arena (``wire.arena``): intact, private to each rank, as they were at call
-time; through host agents' fan-outs; over the socket when the arena is full or off; freed
-when a rank that had not read them is restarted; and a rank that cannot map the arena
-answers with the reason instead of running the call."""
+time; lent in place to a single rank, whose block is not reused while it keeps them;
+through host agents' fan-outs; over the socket when the arena is full or off; freed when
+a rank that had not read them is restarted; and a rank that cannot map the arena answers
+with the reason instead of running the call."""
 
 from __future__ import annotations
 
@@ -48,6 +49,19 @@ class Receiver(Actor):
         return t
 
     @endpoint
+    def keep(self, t: torch.Tensor) -> float:
+        self.kept = t
+        return float(t.sum())
+
+    @endpoint
+    def kept_sum(self) -> float:
+        return float(self.kept.sum())
+
+    @endpoint
+    def drop(self) -> None:
+        del self.kept
+
+    @endpoint
     def pid(self) -> int:
         return os.getpid()
 
@@ -83,6 +97,28 @@ def test_large_arguments_reach_each_rank_intact_private_and_as_at_call_time():
         assert arena.placed == 2 and arena.fallbacks == 0
         assert torch.equal(t, torch.full((FLOATS,), 3.0))  # the caller's is untouched
         assert _unread(procs) == 0  # every reader set its own flag
+    finally:
+        procs.stop()
+    assert not wait_no_orphans(), "the mesh left processes behind"
+
+
+def test_an_argument_lent_to_a_rank_that_keeps_it_is_its_own_until_it_drops_it():
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        arena = _arena(procs)
+        actors = procs.spawn("rx", Receiver)
+        assert actors.keep.call_one(torch.ones(FLOATS)).get(timeout=60) == _ones_sum(0)
+        assert arena.lent == 1  # one rank, one buffer: the block itself is the rank's
+        wait_until(lambda: _unread(procs) == 1, timeout=30, what="the kept block alone")
+        # later large calls take other blocks and leave the kept tensor as it was
+        for value in (2.0, 3.0):
+            got = actors.bump.call_one(torch.full((FLOATS,), value)).get(timeout=60)
+            assert got == _ones_sum(0, value)
+        assert arena.lent == 3 and arena.fallbacks == 0
+        assert actors.kept_sum.call_one().get(timeout=60) == _ones_sum(0)
+        wait_until(lambda: _unread(procs) == 1, timeout=30, what="the bumped blocks freed")
+        actors.drop.call_one().get(timeout=60)
+        wait_until(lambda: _unread(procs) == 0, timeout=30, what="the dropped block freed")
     finally:
         procs.stop()
     assert not wait_no_orphans(), "the mesh left processes behind"

@@ -132,7 +132,9 @@ class Transport:
         self._ipc_dir = reuse.ipc_dir if reuse else private_ipc_dir() if bind == "ipc" else None
         #: Shared memory for large arguments (wire.arena): on unix sockets every rank is
         #: on this machine. None: everything goes over the sockets.
-        self.arena = arena.Arena.create() if self._ipc_dir is not None and arena.enabled() else None
+        self.arena = (
+            arena.Arena.create(lend=True) if self._ipc_dir is not None and arena.enabled() else None
+        )
         self._zap_domain = f"mk-{name}-{id(self):x}"
         #: Routing ids, admitted CURVE keys and impostors (controller.routing_ids).
         self.ids = RoutingIds(name, ranks, hosts, self._slots)

@@ -7,9 +7,10 @@ Making that GPU current with ``torch.cuda.set_device`` at start-up would create 
 context in every rank: hundreds of MiB of GPU memory and a second or more each, paid even
 by ranks that never use CUDA. Measured on an H200 machine (16 cores), eager vs lazy: 16
 ranks ready in 6.1 vs 4.5 s, 64 in 19.1 vs 6.1 s, and a mesh of 128 CPU-only ranks failed
-to start eagerly ("CUDA error: out of memory" in ``set_device``). So the choice is queued on torch's lazy CUDA
-initialisation instead: it takes effect the moment the rank first uses CUDA (a tensor
-``.cuda()``, ``current_device()``, an NCCL process group), before anything is allocated.
+to start eagerly ("CUDA error: out of memory" in ``set_device``). So the choice is queued
+on torch's lazy CUDA initialisation instead: it takes effect the moment the rank first
+uses CUDA (a tensor ``.cuda()``, ``current_device()``, an NCCL process group), before
+anything is allocated.
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ class Inbox:
         #: Reassembles large values (calls' arguments) that come in chunks.
         self.assembler = Assembler()
         #: Reads calls' arguments that the controller put in shared memory.
-        self.arena = ArenaReader()
+        self.arena = ArenaReader(lend=True)
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:

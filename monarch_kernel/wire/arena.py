@@ -21,6 +21,15 @@ that died while the arena has no room). Nothing ever waits for room: a message t
 or too large for the arena, or one that finds it full, goes over the socket as before
 (:attr:`Arena.fallbacks`).
 
+A block for one rank holding one buffer (a call to one rank with one large tensor: the
+common case) is *lent* instead of copied, while the arena has room to spare
+(:data:`LEND_FILL`): the rank's buffer is the block itself, and its flag is set once
+that buffer is gone (a finalizer on it: the tensor built on it was dropped). The rank
+saves a copy on the call's path, and the buffer is still its own: nothing else reads or
+writes the block until its flag is set. A block held for long (an endpoint that keeps
+the tensor) only makes later large calls take the copying path, then the socket. A block
+lent when the rank forks is kept until the rank ends (the child shares it).
+
 Results go the other way the same way: a rank of a local mesh (``RankConfig.shm_results``)
 puts a large reply's buffers into an arena of its own, made when it first needs one, and
 the controller, the block's one reader, copies them out as it receives the reply (its
@@ -51,6 +60,7 @@ import re
 import stat
 import tempfile
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -78,6 +88,10 @@ MIN_BYTES = 64 << 10
 MAX_BYTES = 64 << 20
 #: Readers of one block at most (its flag bytes): larger fan-outs take the socket.
 MAX_READERS = 4096
+#: A block for one reader and one buffer is lent (header ``sh``'s ``l``) while, with it,
+#: at most this share of the arena is in use: a rank that keeps lent buffers can hold
+#: no more than that, and copied blocks keep the rest.
+LEND_FILL = 0.5
 #: Blocks, flags and buffers start at multiples of this (a cache line).
 ALIGN = 64
 #: :meth:`Arena.trim` keeps this much of an idle arena's memory (the pages a loop of
@@ -158,10 +172,13 @@ class Arena:
     its owner calls it under its send lock. Only the process that made it places
     blocks (a child forked from it sends over the socket)."""
 
-    def __init__(self, size: int | None = None) -> None:
-        """``size``: the arena's bytes (default :data:`ARENA_BYTES`). Raises OSError where
-        shared memory cannot be made or reached by path."""
+    def __init__(self, size: int | None = None, lend: bool = False) -> None:
+        """``size``: the arena's bytes (default :data:`ARENA_BYTES`); ``lend``: offer
+        one-reader one-buffer blocks to be lent (its readers are ranks, whose buffers
+        may stay theirs). Raises OSError where shared memory cannot be made or reached
+        by path."""
         size = ARENA_BYTES if size is None else size
+        self._lend = lend
         fd = _unlinked_file(size)
         try:
             self.path = f"/proc/{os.getpid()}/fd/{fd}"
@@ -185,14 +202,16 @@ class Arena:
         #: was full (statistics, tests).
         self.placed = 0
         self.fallbacks = 0
+        #: Of the blocks placed, those offered to be lent.
+        self.lent = 0
         self.closed = False
         self._placed_at = 0.0  # time.monotonic() of the last place
 
     @classmethod
-    def create(cls) -> Arena | None:
+    def create(cls, lend: bool = False) -> Arena | None:
         """An arena, or None (logged) where this machine cannot give one."""
         try:
-            return cls()
+            return cls(lend=lend)
         except OSError as exc:
             log.info("large arguments go over the socket: no shared memory (%s)", exc)
             return None
@@ -244,7 +263,12 @@ class Arena:
         bisect.insort(self._blocks, _Block(offset, span, tuple(readers)), key=_offset)
         self.placed += 1
         self._placed_at = time.monotonic()
-        return {"p": self.path, "i": self.ino, "o": offset, "n": len(readers), "z": sizes}
+        where = {"p": self.path, "i": self.ino, "o": offset, "n": len(readers), "z": sizes}
+        lendable = self._lend and len(readers) == 1 and len(sizes) == 1
+        if lendable and sum(b.span for b in self._blocks) <= self._limit * LEND_FILL:
+            where["l"] = 1
+            self.lent += 1
+        return where
 
     def release(self, readers: Sequence[int]) -> None:
         """These readers will not read what was put here for them (they died, were
@@ -335,6 +359,36 @@ def _private(n: int) -> memoryview:
     return numpy.empty(n, dtype=numpy.uint8).data
 
 
+#: Forks of this process so far (:func:`_forked`). A child forked while a buffer is lent
+#: shares that shared memory (it is not copied on write as private memory is) and may
+#: go on using it after this process dropped it: such a block is never given back (its
+#: reader's death or restart frees it, see :meth:`Arena.release`).
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(before=_forked)
+
+
+def _give_back(view: memoryview, flag: int, forks: int) -> None:
+    if _forks == forks:
+        view[flag] = 1  # one byte: whichever thread drops the last reference stores it
+
+
+def _lent(view: memoryview, pos: int, n: int, flag: int) -> memoryview:
+    """The block's bytes ``[pos, pos + n)`` as the reader's own buffer, in place; the
+    block's ``flag`` is set once that buffer, and everything built on it, is gone."""
+    import numpy
+
+    array = numpy.frombuffer(view, dtype=numpy.uint8, count=n, offset=pos)
+    weakref.finalize(array, _give_back, view, flag, _forks)  # holds the mapping, not array
+    return array.data
+
+
 def _cannot_map_arguments(exc: OSError) -> str:
     return (
         f"this rank could not map the controller's shared memory for the call's "
@@ -348,12 +402,17 @@ class ArenaReader:
     rank reading the controller's, or the controller reading its ranks')."""
 
     def __init__(
-        self, keep: int = 2, cannot_map: Callable[[OSError], str] = _cannot_map_arguments
+        self,
+        keep: int = 2,
+        cannot_map: Callable[[OSError], str] = _cannot_map_arguments,
+        lend: bool = False,
     ) -> None:
         """``keep``: arenas kept mapped at once, least recently used dropped first (a
         rank: 2, as a detachable mesh's controllers come one after another; the
         controller: one per rank). ``cannot_map(exc)``: the error told when a
-        writer's arena cannot be mapped."""
+        writer's arena cannot be mapped. ``lend``: take blocks the writer offers to
+        lend in place (a rank) instead of copying them out."""
+        self._lend = lend
         self._maps: OrderedDict[tuple[str, int], memoryview] = OrderedDict()
         self._keep = keep
         self._cannot_map = cannot_map
@@ -424,6 +483,8 @@ class ArenaReader:
         pos = offset + _align(readers)
         if pos + sum(_align(n) for n in sizes) > len(view):
             return Message(h, msg.payload, [], "shared-memory reference beyond the arena")
+        if self._lend and where.get("l") == 1 and readers == 1 and len(sizes) == 1:
+            return Message(h, msg.payload, [_lent(view, pos, sizes[0], offset + index)])
         buffers: list[Any] = []
         for n in sizes:
             out = _private(n)
