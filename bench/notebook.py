@@ -42,15 +42,28 @@ class _Client:
 
 
 def _print_delays(k: _Client, magic: str, prints: int) -> list[float]:
-    """Seconds from a rank's ``print`` (timestamped) to its arrival at the client."""
+    """Seconds from a rank's ``print`` (timestamped) to its arrival at the client: the
+    first message that shows the line. Ours and a plain kernel send ``stream`` messages;
+    ipyparallel's ``%%px --stream`` redraws one display with all the lines so far
+    (``display_data``, then ``update_display_data``)."""
     delays: list[float] = []
+    seen: set[str] = set()
 
     def on_iopub(m: dict) -> None:
-        if m["msg_type"] == "stream":
-            now = time.time()
-            for line in m["content"]["text"].splitlines():
-                if "@" in line:
-                    delays.append(now - float(line.rsplit("@", 1)[1]))
+        kind = m["msg_type"]
+        if kind == "stream":
+            text = m["content"]["text"]
+        elif kind in ("display_data", "update_display_data"):
+            text = m["content"]["data"].get("text/plain", "")
+        else:
+            return
+        now = time.time()
+        for line in text.splitlines():
+            if "@" in line:
+                stamp = line.rsplit("@", 1)[1]
+                if stamp not in seen:
+                    seen.add(stamp)
+                    delays.append(now - float(stamp))
 
     k.run(
         f"{magic}\nimport time\nfor i in range({prints}):\n"
