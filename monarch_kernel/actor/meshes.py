@@ -380,10 +380,7 @@ class ProcMesh(MeshView):
             return rt.recover(None, timeout)  # the dead ones, once a restart under way ends
         if ranks is None:
             rt.wait_recovered()  # an automatic restart may be bringing them back
-            info, hosts = rt.ranks, rt.hosts
-            ranks = [
-                r for r in self._shape.ranks() if not info[r].alive or hosts[info[r].host].lost
-            ]
+            ranks = rt.dead_ranks(self._shape.ranks())
         return rt.recover(ranks, timeout)
 
     def stop(self, grace: float = STOP_GRACE) -> Future[None]:

@@ -9,7 +9,7 @@ request and stop path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from monarch_kernel.calls.requester import ActorSpec
 from monarch_kernel.controller.elastic import Resizer
@@ -95,6 +95,11 @@ class RestartAndResize:
     def restart_ranks(self, ranks: list[int], timeout: float = 60.0) -> None:
         """Kill and start again ``ranks`` (see :meth:`.restart.Restarter.restart_ranks`)."""
         self.restarter.restart_ranks(ranks, timeout)
+
+    def dead_ranks(self, among: Iterable[int]) -> list[int]:
+        """The ranks ``among`` these that :meth:`recover` with no ranks would restart
+        (see :meth:`.restart.Restarter.dead`)."""
+        return self.restarter.dead(among)
 
     def wait_recovered(self, timeout: float | None = None) -> None:
         """Block (interruptibly) while the mesh restarts ranks after a failure (never

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from monarch_kernel.calls.errors import MeshStartError, format_ranks
@@ -131,6 +131,13 @@ class Restarter:
         self._lifecycle.wait_while_recovering(timeout)
 
     # -- the whole restart ---------------------------------------------------------------
+    def dead(self, among: Iterable[int]) -> list[int]:
+        """The ranks ``among`` these that a restart brings back: dead, or on a lost host
+        (its ranks are dead, even in the instant between the host being marked lost and
+        its ranks, on the receiving thread)."""
+        info, hosts = self._ranks, self._hosts
+        return [r for r in among if not info[r].alive or hosts[info[r].host].lost]
+
     def recover(
         self,
         ranks: Sequence[int] | None = None,
@@ -152,14 +159,7 @@ class Restarter:
             self._mesh.check_alive([])
             t0 = time.monotonic()
             if ranks is None:
-                # The ranks of a lost host are dead, even in the instant between the
-                # host being marked lost and its ranks (on the receiving thread).
-                hosts = self._hosts
-                ranks = [
-                    r.rank
-                    for r in self._ranks
-                    if (not r.alive or hosts[r.host].lost) and r.rank not in skip
-                ]
+                ranks = [r for r in self.dead(range(len(self._ranks))) if r not in skip]
             targets = sorted(set(ranks))
             self._lifecycle.begin_recovery()
             self._thread = threading.get_ident()
