@@ -72,10 +72,11 @@ def test_a_stopped_agent_is_frozen(spawn):
     assert not _verdict(pid)
 
 
-def test_an_agent_asleep_is_frozen(spawn):
-    pid = spawn("import time; time.sleep(60)")
-    wait_until(lambda: _ran(pid) > 0, what="the process to start")
-    time.sleep(0.2)  # past its start-up
+def test_an_agent_asleep_is_frozen(spawn, tmp_path):
+    asleep = tmp_path / "asleep"
+    pid = spawn(f"import time; open({str(asleep)!r}, 'w').close(); time.sleep(60)")
+    # past its start-up (which uses CPU for as long as a loaded machine makes it take)
+    wait_until(asleep.exists, what="the process to fall asleep")
     assert not _verdict(pid)
 
 
