@@ -112,15 +112,47 @@ def test_a_block_lent_when_the_reader_forks_is_kept(lending):
     assert lending.unread() == 1
 
 
-@pytest.mark.parametrize(
-    "case", ["two readers", "two buffers", "a reader that copies", "an arena half full"]
-)
+def test_a_block_of_several_buffers_is_lent_until_every_one_of_them_is_gone(lending):
+    """A state dict for one reader: its tensors are the block, in place; the block comes
+    back once the last of them is dropped, in whatever order and thread."""
+    import threading
+
+    from monarch_kernel.wire.serialize import _rebuild_tensor
+
+    parts = [np.full(n, i, dtype=np.float32) for i, n in enumerate((MIB // 4, 3, MIB // 8))]
+    where = lending.place(parts, readers=[3])
+    assert where is not None and where.get("l") == 1
+    got = A.ArenaReader(lend=True).take(_message(where), slot=3)
+    tensors = [
+        _rebuild_tensor(b, "float32", (p.size,), False, False) for b, p in zip(got.buffers, parts)
+    ]
+    del got
+    gc.collect()
+    assert [float(t.sum()) for t in tensors] == [float(p.sum()) for p in parts]
+    tensors[1].add_(1)  # writable, in place: the block holds what was written
+    second = where["o"] + 64 + MIB  # past the flags and the first buffer
+    assert bytes(lending._view[second : second + 12]) == np.full(3, 2, np.float32).tobytes()
+    middle = tensors.pop(1)
+    dropper = threading.Thread(target=tensors.pop)  # the last one, from another thread
+    dropper.start()
+    dropper.join()
+    gc.collect()
+    assert lending.unread() == 1  # two of three gone: still lent
+    del middle
+    gc.collect()
+    assert lending.unread() == 1  # the first of three is left
+    tensors.clear()
+    gc.collect()
+    assert lending.unread() == 0
+
+
+@pytest.mark.parametrize("case", ["two readers", "a reader that copies", "an arena half full"])
 def test_other_blocks_are_copied_out_at_once(lending, case):
     data = bytes(MIB)
     if case == "an arena half full":
         assert lending.place([bytes(4 * MIB - 64)], readers=[9]) is not None
     readers = [3, 4] if case == "two readers" else [3]
-    buffers = [data, data] if case == "two buffers" else [data]
+    buffers = [data, data] if case == "two readers" else [data]
     where = lending.place(buffers, readers=readers)
     assert where is not None
     assert ("l" in where) is (case == "a reader that copies")

@@ -1,11 +1,14 @@
 """Large results from a local mesh's ranks come back through each rank's shared-memory
 arena (``wire.arena``): intact and private, directly and through host agents' fan-ins;
-the block is reused once the controller read it; an idle arena gives its memory back;
-a result the controller cannot map fails its call with the reason and the next calls
-go on; a dead rank's mapping is dropped, and a stopped mesh's."""
+lent in place, the block held while the notebook holds the result and reused once it is
+dropped; results the notebook keeps hold at most half a rank's arena (later ones are
+copied out); an idle arena gives its memory back; a result the controller cannot map
+fails its call with the reason and the next calls go on; a dead rank's mapping is
+dropped, and a stopped mesh's, while a result lent from it stays intact."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 
@@ -40,10 +43,19 @@ class Giver(Actor):
         return float(self.kept.sum())
 
     @endpoint
-    def arena_state(self) -> tuple[int, int, int]:
-        """(blocks placed, blocks the controller has not read, bytes backed)."""
+    def arena_state(self) -> tuple[int, int, int, int]:
+        """(blocks placed, blocks the controller has not read or still holds, bytes
+        backed, blocks lent)."""
         arena = _outbox().arena
-        return (0, 0, 0) if arena is None else (arena.placed, arena.unread(), arena.backed())
+        if arena is None:
+            return (0, 0, 0, 0)
+        return (arena.placed, arena.unread(), arena.backed(), arena.lent)
+
+    @endpoint
+    def use_small_arena(self, size: int) -> None:
+        from monarch_kernel.wire.arena import Arena
+
+        _outbox()._arena = Arena(size, lend=True)
 
     @endpoint
     def point_arena_at(self, path: str) -> str:
@@ -67,6 +79,11 @@ def _outbox():
     return context._runtime.outbox
 
 
+def _held(actors) -> int:
+    """Blocks of the one rank's arena the controller has not given back."""
+    return actors.arena_state.call_one().get(timeout=60)[1]
+
+
 def test_large_results_come_back_intact_and_private_through_the_ranks_arenas():
     procs = this_host().spawn_procs(per_host={"gpus": 4})
     try:
@@ -75,20 +92,31 @@ def test_large_results_come_back_intact_and_private_through_the_ranks_arenas():
         one = actors.slice(gpus=2)
         got = one.give.call_one(1.0).get(timeout=60)
         assert torch.equal(got, torch.full((FLOATS,), 3.0))
-        assert one.arena_state.call_one().get(timeout=60)[:2] == (1, 0)  # placed, read
+        # lent: placed once, and held while the notebook holds the result
+        assert one.arena_state.call_one().get(timeout=60)[:2] == (1, 1)
         assert inbound.mapped_arenas() == 1
-        got.mul_(10)  # the controller's copy is writable and its own
+        got.mul_(10)  # the controller's tensor is writable and its own
         assert one.kept_sum.call_one().get(timeout=60) == 3.0 * FLOATS
-        again = one.give.call_one(5.0).get(timeout=60)  # the rank reuses its block
-        assert torch.equal(got, torch.full((FLOATS,), 30.0))  # not a view of the block
+        again = one.give.call_one(5.0).get(timeout=60)  # another block: got's is held
+        assert torch.equal(got, torch.full((FLOATS,), 30.0))
         assert torch.equal(again, torch.full((FLOATS,), 7.0))
+        assert one.arena_state.call_one().get(timeout=60)[:2] == (2, 2)
+        del got, again
+        gc.collect()
+        assert _held(one) == 0  # dropped: both blocks are the rank's again
+        assert one.give.call_one(6.0).get(timeout=60)[0] == 8.0
+        assert one.arena_state.call_one().get(timeout=60)[:2] == (3, 0)
         # a gathered call: every rank's large reply comes from its own arena
         values = actors.give.call(0.5).get(timeout=60).values()
         assert [float(v[0]) for v in values] == [0.5 + r for r in range(4)]
         assert all(torch.equal(v, torch.full((FLOATS,), v[0].item())) for v in values)
         states = actors.arena_state.call().get(timeout=60).values()
-        assert [s[1] for s in states] == [0, 0, 0, 0] and all(s[0] >= 1 for s in states)
+        assert [s[1] for s in states] == [1, 1, 1, 1] and all(s[0] >= 1 for s in states)
         assert inbound.mapped_arenas() == 4
+        del values
+        gc.collect()
+        states = actors.arena_state.call().get(timeout=60).values()
+        assert [s[1] for s in states] == [0, 0, 0, 0]
         # small results stay on the socket
         assert actors.slice(gpus=0).give.call_one(1.0, 16).get(timeout=60).numel() == 16
         assert actors.slice(gpus=0).arena_state.call_one().get(timeout=60)[0] == 1
@@ -107,6 +135,23 @@ def one_giver():
     finally:
         procs.stop()
     assert not wait_no_orphans(), "the mesh left processes behind"
+
+
+def test_results_the_notebook_keeps_hold_at_most_half_of_a_ranks_arena(one_giver):
+    _, actors = one_giver
+    actors.use_small_arena.call_one(4 << 20).get(timeout=60)  # lends up to 2 MiB
+    kept = [actors.give.call_one(float(i)).get(timeout=60) for i in range(6)]
+    placed, held, _, lent = actors.arena_state.call_one().get(timeout=60)
+    # the first 1 MiB block is lent; with a second one more than half would be held,
+    # so the rest were copied out (their blocks free at once), none went over the socket
+    assert (placed, lent, held) == (6, 1, 1)
+    assert [float(t[0]) for t in kept] == [float(i) for i in range(6)]
+    assert all(torch.equal(t, torch.full((FLOATS,), t[0].item())) for t in kept)
+    kept.clear()
+    gc.collect()
+    assert _held(actors) == 0
+    assert actors.give.call_one(9.0).get(timeout=60)[0] == 9.0
+    assert actors.arena_state.call_one().get(timeout=60)[3] == 2  # lent again
 
 
 def test_idle_arenas_give_their_memory_back_on_both_sides(one_giver):
@@ -151,11 +196,17 @@ def test_a_dead_ranks_arena_and_a_stopped_meshs_are_no_longer_mapped():
         inbound = procs.runtime.inbound
         assert len(actors.give.call(1.0).get(timeout=60).values()) == 2
         assert inbound.mapped_arenas() == 2
+        kept = actors.slice(gpus=1).give.call_one(7.0).get(timeout=60)  # lent: its block
         pid = actors.slice(gpus=1).pid.call_one().get(timeout=60)
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(RankDiedError):
             actors.slice(gpus=1).give.call_one(1.0).get(timeout=60)
         wait_until(lambda: inbound.mapped_arenas() == 1, timeout=60, what="mapping dropped")
+        # a result lent by the dead rank keeps its own mapping: intact, and writable
+        assert torch.equal(kept, torch.full((FLOATS,), 8.0))
+        kept.add_(1)
+        assert float(kept[-1]) == 9.0
+        del kept
         got = actors.slice(gpus=0).give.call_one(2.0).get(timeout=60)
         assert torch.equal(got, torch.full((FLOATS,), 2.0))
     finally:

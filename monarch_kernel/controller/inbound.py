@@ -155,8 +155,9 @@ class Inbound:
         #: its partial ones, dropped with it.
         self._assembler = Assembler()
         #: Large results that ranks of a local mesh put in their shared memory
-        #: (``wire.arena``): one mapping per rank, dropped once the rank process is gone.
-        self._arenas = ArenaReader(keep=MAX_MAPPED_ARENAS, cannot_map=cannot_map_result)
+        #: (``wire.arena``), lent in place where the rank offers: one mapping per rank,
+        #: dropped once the rank process is gone (a result still held keeps its own).
+        self._arenas = ArenaReader(keep=MAX_MAPPED_ARENAS, cannot_map=cannot_map_result, lend=True)
         self._pruned_at = 0.0
         events.subscribe(self._drop_partial, RankDied)
         self._on_train_notice = on_train

@@ -138,8 +138,9 @@ class Outbox:
         self, header: H.WireHeader, buffers: Sequence[Buffer]
     ) -> tuple[H.WireHeader, Sequence[Buffer]]:
         """A reply to the controller with its buffers put in this rank's arena (header
-        ``sh``; the controller copies them out as it receives it), or as it was: no
-        arena here, too small or too large for it, or the arena full."""
+        ``sh``; lent to the controller while the arena has room to spare, else copied
+        out as it receives it), or as it was: no arena here, too small or too large for
+        it, or the arena full."""
         if not self.shm_results or not buffers or self.link is not None:
             return header, buffers
         if sum(memoryview(b).nbytes for b in buffers) < MIN_BYTES:
@@ -147,7 +148,7 @@ class Outbox:
         with self.lock:
             arena = self._arena
             if arena is None:
-                arena = self._arena = Arena.create()
+                arena = self._arena = Arena.create(lend=True)
                 if arena is None:  # no shared memory here: the socket from now on
                     self.shm_results = False
                     return header, buffers

@@ -21,19 +21,23 @@ that died while the arena has no room). Nothing ever waits for room: a message t
 or too large for the arena, or one that finds it full, goes over the socket as before
 (:attr:`Arena.fallbacks`).
 
-A block for one rank holding one buffer (a call to one rank with one large tensor: the
-common case) is *lent* instead of copied, while the arena has room to spare
-(:data:`LEND_FILL`): the rank's buffer is the block itself, and its flag is set once
-that buffer is gone (a finalizer on it: the tensor built on it was dropped). The rank
-saves a copy on the call's path, and the buffer is still its own: nothing else reads or
-writes the block until its flag is set. A block held for long (an endpoint that keeps
-the tensor) only makes later large calls take the copying path, then the socket. A block
-lent when the rank forks is kept until the rank ends (the child shares it).
+A block for one reader (a call to one rank with a large tensor, or a state dict: the
+common cases) is *lent* instead of copied, while the arena has room to spare
+(:data:`LEND_FILL`): the reader's buffers are the block itself, and its flag is set once
+all of them are gone (a finalizer on each: the tensors built on them were dropped). The
+reader saves a copy on the call's path, and the buffers are still its own: nothing else
+reads or writes the block until its flag is set. A block held for long (an endpoint that
+keeps the tensor) only makes later large messages take the copying path, then the
+socket. A block lent when the reader forks is kept until the reader is released (it
+died, or was restarted) or the writer ends: the child shares it.
 
 Results go the other way the same way: a rank of a local mesh (``RankConfig.shm_results``)
 puts a large reply's buffers into an arena of its own, made when it first needs one, and
-the controller, the block's one reader, copies them out as it receives the reply (its
-:class:`ArenaReader` keeps one mapping per rank, dropped once the rank process is gone).
+lends them to the controller, the block's one reader (its :class:`ArenaReader` keeps one
+mapping per rank, dropped once the rank process is gone; a result still held keeps the
+mapping it was lent from, so it stays intact after its rank died). A notebook that keeps
+results (gathered weights in a list) so holds at most :data:`LEND_FILL` of each rank's
+arena; later results are copied out as before.
 
 Memory: an arena's pages are taken when first used and kept while blocks come and go (a
 loop of large calls reuses the same warm pages); once no block was placed for
@@ -59,6 +63,7 @@ import os
 import re
 import stat
 import tempfile
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -174,9 +179,8 @@ class Arena:
 
     def __init__(self, size: int | None = None, lend: bool = False) -> None:
         """``size``: the arena's bytes (default :data:`ARENA_BYTES`); ``lend``: offer
-        one-reader one-buffer blocks to be lent (its readers are ranks, whose buffers
-        may stay theirs). Raises OSError where shared memory cannot be made or reached
-        by path."""
+        one-reader blocks to be lent (see the module docstring). Raises OSError where
+        shared memory cannot be made or reached by path."""
         size = ARENA_BYTES if size is None else size
         self._lend = lend
         fd = _unlinked_file(size)
@@ -264,7 +268,7 @@ class Arena:
         self.placed += 1
         self._placed_at = time.monotonic()
         where = {"p": self.path, "i": self.ino, "o": offset, "n": len(readers), "z": sizes}
-        lendable = self._lend and len(readers) == 1 and len(sizes) == 1
+        lendable = self._lend and len(readers) == 1
         if lendable and sum(b.span for b in self._blocks) <= self._limit * LEND_FILL:
             where["l"] = 1
             self.lent += 1
@@ -379,14 +383,41 @@ def _give_back(view: memoryview, flag: int, forks: int) -> None:
         view[flag] = 1  # one byte: whichever thread drops the last reference stores it
 
 
-def _lent(view: memoryview, pos: int, n: int, flag: int) -> memoryview:
-    """The block's bytes ``[pos, pos + n)`` as the reader's own buffer, in place; the
-    block's ``flag`` is set once that buffer, and everything built on it, is gone."""
+class _Loan:
+    """Several buffers lent out of one block: its flag is set once every one of them is
+    gone (their finalizers may run in any thread)."""
+
+    __slots__ = ("_view", "_flag", "_forks", "_left", "_lock")
+
+    def __init__(self, view: memoryview, flag: int, count: int) -> None:
+        self._view, self._flag, self._forks = view, flag, _forks
+        self._left = count
+        self._lock = threading.Lock()
+
+    def drop(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+        _give_back(self._view, self._flag, self._forks)
+
+
+def _lent(view: memoryview, pos: int, sizes: Sequence[int], flag: int) -> list[Any]:
+    """The block's buffers, from ``pos``, as the reader's own, in place; the block's
+    ``flag`` is set once they, and everything built on them, are gone."""
     import numpy
 
-    array = numpy.frombuffer(view, dtype=numpy.uint8, count=n, offset=pos)
-    weakref.finalize(array, _give_back, view, flag, _forks)  # holds the mapping, not array
-    return array.data
+    arrays = []
+    for n in sizes:
+        arrays.append(numpy.frombuffer(view, dtype=numpy.uint8, count=n, offset=pos))
+        pos += _align(n)
+    if len(arrays) == 1:  # the common case, without a shared count; the finalizer holds
+        weakref.finalize(arrays[0], _give_back, view, flag, _forks)  # the mapping, not array
+    else:
+        loan = _Loan(view, flag, len(arrays))
+        for array in arrays:
+            weakref.finalize(array, loan.drop)
+    return [array.data for array in arrays]
 
 
 def _cannot_map_arguments(exc: OSError) -> str:
@@ -411,7 +442,7 @@ class ArenaReader:
         rank: 2, as a detachable mesh's controllers come one after another; the
         controller: one per rank). ``cannot_map(exc)``: the error told when a
         writer's arena cannot be mapped. ``lend``: take blocks the writer offers to
-        lend in place (a rank) instead of copying them out."""
+        lend in place instead of copying them out."""
         self._lend = lend
         self._maps: OrderedDict[tuple[str, int], memoryview] = OrderedDict()
         self._keep = keep
@@ -483,8 +514,8 @@ class ArenaReader:
         pos = offset + _align(readers)
         if pos + sum(_align(n) for n in sizes) > len(view):
             return Message(h, msg.payload, [], "shared-memory reference beyond the arena")
-        if self._lend and where.get("l") == 1 and readers == 1 and len(sizes) == 1:
-            return Message(h, msg.payload, [_lent(view, pos, sizes[0], offset + index)])
+        if self._lend and where.get("l") == 1 and readers == 1:
+            return Message(h, msg.payload, _lent(view, pos, sizes, offset + index))
         buffers: list[Any] = []
         for n in sizes:
             out = _private(n)
