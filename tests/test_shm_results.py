@@ -39,6 +39,11 @@ class Giver(Actor):
         return self.kept  # kept here too: the controller's copy must be its own
 
     @endpoint
+    def give_state(self) -> dict[str, torch.Tensor]:
+        """A state dict: several large buffers in one reply (one block)."""
+        return {"w": torch.full((FLOATS,), 1.0), "b": torch.full((FLOATS // 2,), 2.0)}
+
+    @endpoint
     def kept_sum(self) -> float:
         return float(self.kept.sum())
 
@@ -152,6 +157,24 @@ def test_results_the_notebook_keeps_hold_at_most_half_of_a_ranks_arena(one_giver
     assert _held(actors) == 0
     assert actors.give.call_one(9.0).get(timeout=60)[0] == 9.0
     assert actors.arena_state.call_one().get(timeout=60)[3] == 2  # lent again
+
+
+def test_a_state_dict_result_is_lent_as_one_block_until_every_tensor_is_dropped(one_giver):
+    _, actors = one_giver
+    state = actors.give_state.call_one().get(timeout=60)
+    assert torch.equal(state["w"], torch.full((FLOATS,), 1.0))
+    assert torch.equal(state["b"], torch.full((FLOATS // 2,), 2.0))
+    placed, held, _, lent = actors.arena_state.call_one().get(timeout=60)
+    assert (placed, held, lent) == (1, 1, 1)
+    weights = state.pop("w")
+    del state  # the bias is gone, the weights are still held: so is the block
+    gc.collect()
+    assert _held(actors) == 1
+    weights.mul_(3)  # writable, in place
+    assert float(weights.sum()) == 3.0 * FLOATS
+    del weights
+    gc.collect()
+    assert _held(actors) == 0
 
 
 def test_idle_arenas_give_their_memory_back_on_both_sides(one_giver):
