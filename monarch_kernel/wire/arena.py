@@ -57,13 +57,13 @@ from __future__ import annotations
 
 import bisect
 import errno
+import itertools
 import logging
 import mmap
 import os
 import re
 import stat
 import tempfile
-import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -385,21 +385,20 @@ def _give_back(view: memoryview, flag: int, forks: int) -> None:
 
 class _Loan:
     """Several buffers lent out of one block: its flag is set once every one of them is
-    gone (their finalizers may run in any thread)."""
+    gone. Their finalizers may run in any thread, and inside a garbage collection that
+    another one started: the count is one C call (``next`` of ``itertools.count``, atomic
+    under the GIL), not a lock that a finalizer run within it could wait on forever."""
 
-    __slots__ = ("_view", "_flag", "_forks", "_left", "_lock")
+    __slots__ = ("_view", "_flag", "_forks", "_count", "_dropped")
 
     def __init__(self, view: memoryview, flag: int, count: int) -> None:
         self._view, self._flag, self._forks = view, flag, _forks
-        self._left = count
-        self._lock = threading.Lock()
+        self._count = count
+        self._dropped = itertools.count(1)
 
     def drop(self) -> None:
-        with self._lock:
-            self._left -= 1
-            if self._left:
-                return
-        _give_back(self._view, self._flag, self._forks)
+        if next(self._dropped) == self._count:
+            _give_back(self._view, self._flag, self._forks)
 
 
 def _lent(view: memoryview, pos: int, sizes: Sequence[int], flag: int) -> list[Any]:
