@@ -93,9 +93,9 @@ MIN_BYTES = 64 << 10
 MAX_BYTES = 64 << 20
 #: Readers of one block at most (its flag bytes): larger fan-outs take the socket.
 MAX_READERS = 4096
-#: A block for one reader and one buffer is lent (header ``sh``'s ``l``) while, with it,
-#: at most this share of the arena is in use: a rank that keeps lent buffers can hold
-#: no more than that, and copied blocks keep the rest.
+#: A block for one reader is lent (header ``sh``'s ``l``) while, with it, at most this
+#: share of the arena is in use: a reader that keeps lent buffers can hold no more than
+#: that, and copied blocks keep the rest.
 LEND_FILL = 0.5
 #: Blocks, flags and buffers start at multiples of this (a cache line).
 ALIGN = 64
@@ -365,8 +365,9 @@ def _private(n: int) -> memoryview:
 
 #: Forks of this process so far (:func:`_forked`). A child forked while a buffer is lent
 #: shares that shared memory (it is not copied on write as private memory is) and may
-#: go on using it after this process dropped it: such a block is never given back (its
-#: reader's death or restart frees it, see :meth:`Arena.release`).
+#: go on using it after this process dropped it: such a block is never given back (the
+#: writer frees it when this reader dies or restarts, see :meth:`Arena.release`, or when
+#: the writer itself ends).
 _forks = 0
 
 
