@@ -58,13 +58,14 @@ class RawFloor:
     against it: a 1-byte round trip, and a zero-copy send of a tensor's bytes plus a
     tiny ack (what a call that carries the tensor costs at the least)."""
 
-    def __init__(self, ipc: bool = False, servers: int = 1) -> None:
+    def __init__(self, ipc: bool = False, servers: int = 1, spin: float = 0.0) -> None:
         """``ipc``: over unix sockets, the transport of a local mesh (else tcp loopback,
         the floor every peer is compared with). ``servers``: how many server processes
-        (:meth:`sender` with ``to_all`` sends to each)."""
+        (:meth:`sender` with ``to_all`` sends to each). ``spin``: both ends spin this
+        many seconds before a receive blocks, as our controller and ranks do."""
         from bench.raw_zmq import Servers
 
-        self._servers = Servers(servers, ipc=ipc)
+        self._servers = Servers(servers, ipc=ipc, spin=spin)
         self._sock = self._servers.socks[0]
 
     def ping(self) -> None:

@@ -34,6 +34,7 @@ from bench.common import (
 )
 from bench.floor import RawFloor, alternating
 from monarch_kernel.actor import Actor, ActorMesh, ProcMesh, RankDiedError, endpoint, this_host
+from monarch_kernel.wire.spin import spin_seconds
 
 
 class Bench(Actor):
@@ -234,6 +235,20 @@ def rtt_rows(s: Settings, rec: Recorder, call: Callable[[], object], floor: RawF
         rec.value("rtt_floor_p99", p99(got.floor))
         rec.ratio("rtt_vs_floor", "rtt", "rtt_floor")
         rec.ratio("rtt_p99_vs_floor", "rtt_p99", "rtt_floor_p99")
+    # Our controller and ranks spin briefly before a receive blocks (wire.spin); raw
+    # ZeroMQ whose both ends spin the same way is the floor of that waiting policy.
+    spin = spin_seconds()
+    if not spin:
+        return
+    with rec.guard("rtt_floor_spin", "rtt_vs_floor_spin"):
+        spinning = RawFloor(spin=spin)
+        try:
+            got = alternating(call, spinning.ping, s.rtt_iters, s.warmup, 2 * s.loop_budget_s)
+        finally:
+            spinning.close()
+        rec.value("rtt_spin_beside", median(got.ours), samples=len(got.ours))
+        rec.value("rtt_floor_spin", median(got.floor), samples=len(got.floor))
+        rec.ratio("rtt_vs_floor_spin", "rtt_spin_beside", "rtt_floor_spin")
 
 
 def tensor_rows(rec: Recorder, mib: int, one: ActorMesh, floor: RawFloor) -> None:

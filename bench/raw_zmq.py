@@ -27,12 +27,14 @@ from bench.common import (
     sample,
     tensor_iters,
 )
+from monarch_kernel.wire.spin import SpinWait
 
 
-def serve(addr: str = "127.0.0.1", curve_secret: bytes | None = None) -> None:
+def serve(addr: str = "127.0.0.1", curve_secret: bytes | None = None, spin: float = 0.0) -> None:
     """Print the port (or, for an ``ipc://`` address, the address again), then answer
     commands until ``q``. ``curve_secret`` (Z85): be a CURVE server with that key (no
-    ZAP handler: any client key is admitted)."""
+    ZAP handler: any client key is admitted). ``spin``: seconds to spin before each
+    receive blocks, as our ranks do (``monarch_kernel.wire.spin``)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     if curve_secret is not None:
@@ -45,7 +47,9 @@ def serve(addr: str = "127.0.0.1", curve_secret: bytes | None = None) -> None:
         print(sock.bind_to_random_port(f"tcp://{addr}"), flush=True)
     count = 0
     blobs: dict[int, bytes] = {}
+    waiter = SpinWait(spin)
     while True:
+        waiter.until_readable(sock)
         ident, cmd, *rest = sock.recv_multipart(copy=False)
         op = cmd.bytes
         if op == b"n":
@@ -71,13 +75,18 @@ class Servers:
     """``n`` server processes, one DEALER to each: over tcp loopback, or with
     ``ipc=True`` over unix sockets (what a local mesh's ranks and controller use)."""
 
-    def __init__(self, n: int, ipc: bool = False):
+    def __init__(self, n: int, ipc: bool = False, spin: float = 0.0):
+        """``spin``: seconds the servers and :meth:`ping` spin before a receive blocks
+        (``monarch_kernel.wire.spin``, what our controller and ranks do); 0: block."""
         self.ctx = zmq.Context()
+        self._spin = SpinWait(spin)
         self._dir = tempfile.mkdtemp(prefix="bench-raw-") if ipc else None
         where = [f"ipc://{self._dir}/s{i}" if self._dir else "127.0.0.1" for i in range(n)]
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "bench.raw_zmq", addr], stdout=subprocess.PIPE, text=True
+                [sys.executable, "-m", "bench.raw_zmq", addr, str(spin)],
+                stdout=subprocess.PIPE,
+                text=True,
             )
             for addr in where
         ]
@@ -94,6 +103,7 @@ class Servers:
         for s in socks:
             s.send(b"p")
         for s in socks:
+            self._spin.until_readable(s)
             s.recv()
 
     def close(self) -> None:
@@ -190,10 +200,11 @@ def memcpy_rate(mib: int) -> float:
 
 
 if __name__ == "__main__":
-    # ``python -m bench.raw_zmq [ADDR]``; a CURVE secret key comes in $BENCH_CURVE_SECRET
-    # (bench/crosshost.py), never on the command line.
+    # ``python -m bench.raw_zmq [ADDR [SPIN_SECONDS]]``; a CURVE secret key comes in
+    # $BENCH_CURVE_SECRET (bench/crosshost.py), never on the command line.
     import os
 
     secret = os.environ.get("BENCH_CURVE_SECRET")
     addr = sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1"
-    serve(addr, curve_secret=secret.encode() if secret else None)
+    spin = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+    serve(addr, curve_secret=secret.encode() if secret else None, spin=spin)

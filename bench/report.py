@@ -44,6 +44,12 @@ def rows(s: Settings) -> list[Row]:
         Row("rtt_floor_p99", "1. raw ZeroMQ round trip beside the mesh, alternating, p99", "us"),
         Row("rtt_vs_floor", "1. one-rank call ÷ raw beside it (same conditions), median", "x"),
         Row("rtt_p99_vs_floor", "1. one-rank call ÷ raw beside it (same conditions), p99", "x"),
+        Row(
+            "rtt_floor_spin",
+            "1. raw ZeroMQ round trip, both ends spinning before they block as ours, median",
+            "us",
+        ),
+        Row("rtt_vs_floor_spin", "1. one-rank call ÷ that spinning raw beside it, median", "x"),
     ]
     out += [Row(f"call_{n}", f"2. call {n} rank(s), gathered", "us") for n in s.call_ns]
     out.append(

@@ -33,6 +33,7 @@ import zmq
 from monarch_kernel.controller.sigint import DeferSigint
 from monarch_kernel.controller.transport import FLUSH_INTERVAL, SIGINT_ID, WAKE_ID, Transport
 from monarch_kernel.wire.codec import recv as wire_recv
+from monarch_kernel.wire.spin import SpinWait, spin_seconds
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -76,6 +77,7 @@ class Receiver:
         self._last_release = 0.0
         self._running = True
         self._rcvtimeo = -1
+        self._spin = SpinWait(spin_seconds())
         self._io = threading.Thread(target=self._io_loop, name=f"mesh-{name}-io", daemon=True)
 
     def start(
@@ -175,11 +177,13 @@ class Receiver:
         while not fut.done() and self._running:
             if sigint is not None and sigint.pending:
                 return
-            if not self._receive_one(deadline):
+            if not self._receive_one(deadline, spin=True):
                 return
 
-    def _receive_one(self, deadline: float | None) -> bool:
+    def _receive_one(self, deadline: float | None, spin: bool = False) -> bool:
         """Block for one message (token held) and handle it; False once past ``deadline``.
+        ``spin``: a caller waiting for its reply spins first (``wire.spin``); the I/O
+        thread, which waits for whatever comes, never does.
 
         Wake-up messages (see ``Transport.wake``) return at once, so the caller looks at
         its conditions again.
@@ -194,6 +198,8 @@ class Receiver:
         if ms != self._rcvtimeo:
             sock.setsockopt(zmq.RCVTIMEO, ms)
             self._rcvtimeo = ms
+        if spin:
+            self._spin.until_readable(sock)
         try:
             frames = wire_recv(sock)
         except zmq.Again:

@@ -40,6 +40,7 @@ from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.kinds import SEQ_EPOCH
 from monarch_kernel.wire.osutil import REQUEST_END, REQUEST_START
 from monarch_kernel.wire.peer_address import PeerAddress
+from monarch_kernel.wire.spin import SpinWait, spin_seconds
 
 log = logging.getLogger("monarch_kernel.rank")
 
@@ -146,12 +147,14 @@ class Inbox:
         self.assembler = Assembler()
         #: Reads calls' arguments that the controller put in shared memory.
         self.arena = ArenaReader(lend=True)
+        self.spin = SpinWait(spin_seconds(cfg.local_world_size))
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:
         """Serve the inbox forever (the main thread, once the rank started)."""
         inbox = self.sock
         deferred = self.deferred
+        spin = self.spin
         while True:
             try:
                 loop = self.loop
@@ -160,6 +163,7 @@ class Inbox:
                     if not deferred and not int(inbox.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                         continue
                 if not deferred:
+                    spin.until_readable(inbox)  # the next call due soon: no wake-up
                     self.receive(wire_recv(inbox))
                 while deferred:  # controller messages read while an endpoint awaited
                     self.accept(*deferred.popleft())
