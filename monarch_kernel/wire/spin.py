@@ -22,6 +22,8 @@ import time
 
 import zmq
 
+from monarch_kernel.wire.codec import readable
+
 #: The environment variable that sets the spin (microseconds; 0: never spin).
 SPIN_ENV = "MONARCH_KERNEL_SPIN_US"
 #: How long a waiter spins before it blocks, by default: about one small call's time
@@ -32,9 +34,6 @@ MISSES_TO_REST = 4
 #: While resting, every this many waits spin once more (the replies may be quick again).
 RETRY_EVERY = 16
 
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-_get = zmq.Socket.get
 _clock = time.perf_counter
 _yield = os.sched_yield
 
@@ -77,7 +76,7 @@ class SpinWait:
             if self.waits % RETRY_EVERY:
                 return False
         end = _clock() + self.seconds
-        while not _get(sock, _EVENTS) & _POLLIN:  # type: ignore[operator]
+        while not readable(sock):
             if _clock() > end:
                 self.misses += 1
                 return False
