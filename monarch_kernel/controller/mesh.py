@@ -75,6 +75,7 @@ from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.chunks import check_size
 from monarch_kernel.wire.codec import Buffer, Header, new_key
 from monarch_kernel.wire.headers import Owner
+from monarch_kernel.wire.spin import spin_seconds
 
 __all__ = ["MeshRuntime", "new_request_id", "registry"]
 
@@ -129,6 +130,7 @@ class MeshRuntime(RestartAndResize):
             raise ValueError(f"grace must be >= 0 seconds, got {grace}")
         if hosts < 1:
             raise ValueError(f"a mesh needs at least one host, got hosts={hosts}")
+        self.spin = spin_seconds()  # a bad MONARCH_KERNEL_SPIN_US fails before anything opens
         extent = ({"hosts": hosts} if hosts > 1 else {}) | dict(per_host)
         self.name = name
         self.shape = Shape.from_extent(extent)
@@ -194,7 +196,7 @@ class MeshRuntime(RestartAndResize):
         """Make the parts, each with the siblings it uses; start receiving last."""
         # The receiver is made first (the others post work to it) and started last,
         # once every part that handles messages and ticks exists.
-        self.receiver = Receiver(self.name, self.transport, self.requests.__bool__)
+        self.receiver = Receiver(self.name, self.transport, self.requests.__bool__, self.spin)
         self.failures = FailureHandler(
             self.name,
             policy,

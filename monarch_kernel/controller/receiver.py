@@ -33,7 +33,7 @@ import zmq
 from monarch_kernel.controller.sigint import DeferSigint
 from monarch_kernel.controller.transport import FLUSH_INTERVAL, SIGINT_ID, WAKE_ID, Transport
 from monarch_kernel.wire.codec import recv as wire_recv
-from monarch_kernel.wire.spin import SpinWait, spin_seconds
+from monarch_kernel.wire.spin import SpinWait
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -58,10 +58,13 @@ def _not_started(_: object) -> None:
 class Receiver:
     """The receive token and the I/O thread of one mesh."""
 
-    def __init__(self, name: str, transport: Transport, owed: Callable[[], bool]):
+    def __init__(
+        self, name: str, transport: Transport, owed: Callable[[], bool], spin: float = 0.0
+    ):
         """``owed()`` tells whether replies are still owed to anybody (then the I/O
-        thread receives when a caller leaves). Nothing is received before :meth:`start`;
-        work posted before it runs once it started."""
+        thread receives when a caller leaves). ``spin``: seconds a caller spins before it
+        blocks for a message (:mod:`monarch_kernel.wire.spin`). Nothing is received
+        before :meth:`start`; work posted before it runs once it started."""
         self.name = name
         self._transport = transport
         self._sock = transport.recv_sock
@@ -77,7 +80,7 @@ class Receiver:
         self._last_release = 0.0
         self._running = True
         self._rcvtimeo = -1
-        self._spin = SpinWait(spin_seconds())
+        self._spin = SpinWait(spin)
         self._io = threading.Thread(target=self._io_loop, name=f"mesh-{name}-io", daemon=True)
 
     def start(

@@ -147,7 +147,7 @@ class Inbox:
         self.assembler = Assembler()
         #: Reads calls' arguments that the controller put in shared memory.
         self.arena = ArenaReader(lend=True)
-        self.spin = SpinWait(spin_seconds(cfg.local_world_size))
+        self.spin = SpinWait(_rank_spin(cfg))
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:
@@ -483,6 +483,16 @@ async def _as_coroutine(aw: Any) -> Any:
 
 _START = (REQUEST_START + "\n").encode()
 _END = (REQUEST_END + "\n").encode()
+
+
+def _rank_spin(cfg: RankConfig) -> float:
+    """How long this rank spins for its next message (``wire.spin``); a bad
+    ``MONARCH_KERNEL_SPIN_US`` given to its host only is logged, and it never spins."""
+    try:
+        return spin_seconds(cfg.local_world_size)
+    except ValueError as exc:
+        log.warning("rank %s: %s; not spinning", cfg.slot, exc)
+        return 0.0
 
 
 def _mark(fd: int, marker: bytes) -> None:
