@@ -18,7 +18,6 @@ needs_two_cpus = pytest.mark.skipif(
 )
 
 
-@needs_two_cpus
 def test_a_bad_spin_setting_fails_the_start_naming_it(monkeypatch):
     monkeypatch.setenv(SPIN_ENV, "fast")
     with pytest.raises(ValueError, match=f"{SPIN_ENV}='fast'.*microseconds"):
@@ -26,7 +25,6 @@ def test_a_bad_spin_setting_fails_the_start_naming_it(monkeypatch):
     monkeypatch.delenv(SPIN_ENV)
     procs = this_host().spawn_procs(per_host={"gpus": 1}, name="spin-bad")  # still free
     try:
-        assert procs.runtime.receiver._spin.seconds > 0
         actors = procs.spawn("a", AsyncActor)
         assert actors.bump.call_one().get(timeout=60) == 1
     finally:

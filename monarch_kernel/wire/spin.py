@@ -35,17 +35,21 @@ MISSES_TO_REST = 4
 RETRY_EVERY = 16
 
 _clock = time.perf_counter
-_yield = os.sched_yield
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (all of the machine's where that is unknown)."""
+    affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def spin_seconds(ranks_here: int = 0) -> float:
-    """The configured spin in seconds; 0.0 where spinning is off: on a one-CPU machine,
-    and for a rank whose host agent runs at least as many ranks as this process may
-    use CPUs (``ranks_here``; 0 for the controller): spinning ranks would then take
-    the CPUs that the ranks they wait for need."""
-    cpus = len(os.sched_getaffinity(0))
-    if cpus < 2 or ranks_here >= cpus:
-        return 0.0
+    """The configured spin in seconds (a ValueError naming :data:`SPIN_ENV` if it is
+    not a whole number); 0.0 where spinning is off: on a one-CPU machine, and for a
+    rank whose host agent runs at least as many ranks as this process may use CPUs
+    (``ranks_here``; 0 for the controller): spinning ranks would then take the CPUs
+    that the ranks they wait for need."""
     raw = os.environ.get(SPIN_ENV, "")
     try:
         us = int(raw) if raw else DEFAULT_SPIN_US
@@ -53,6 +57,9 @@ def spin_seconds(ranks_here: int = 0) -> float:
         raise ValueError(
             f"{SPIN_ENV}={raw!r}: give a whole number of microseconds (0: off)"
         ) from None
+    cpus = _cpus()
+    if cpus < 2 or ranks_here >= cpus:
+        return 0.0
     return max(us, 0) / 1e6
 
 
