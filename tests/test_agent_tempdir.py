@@ -13,6 +13,8 @@ import psutil
 import pytest
 from helpers import wait_until
 
+from monarch_kernel.actor import Actor, endpoint, this_host
+
 pytestmark = pytest.mark.local
 
 #: An agent as a launcher's command starts one (no MONARCH_KERNEL_HOST_DIR), that says
@@ -149,3 +151,23 @@ def test_a_temporary_directory_too_long_for_sockets_moves_them_to_tmp(tmp_path):
     assert recv == f"ipc://{controller}/recv"
     assert not os.path.exists(made) and not os.path.exists(controller)
     assert not os.listdir(deep)
+
+
+class _Environ(Actor):
+    @endpoint
+    def agent_only(self) -> list[str]:
+        from monarch_kernel.host.template_handle import AGENT_ONLY_ENV
+
+        return sorted(k for k in AGENT_ONLY_ENV if k in os.environ)
+
+
+def test_ranks_never_see_their_agents_own_variables():
+    """The local launcher gives its agent MONARCH_KERNEL_HOST_DIR; the agent starts its
+    template before it reads it, and the template (so every rank) goes without it: a
+    rank that started a mesh of its own would otherwise take its agent's directory."""
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        got = procs.spawn("env", _Environ).agent_only.call().get(timeout=60)
+        assert list(got.values()) == [[], []]
+    finally:
+        procs.stop()

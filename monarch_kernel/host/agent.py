@@ -74,7 +74,9 @@ def free_port() -> int:
 
 
 class HostAgent:
-    def __init__(self, controller_pid: int | None = None) -> None:
+    def __init__(self, controller_pid: int | None = None, template: Template | None = None):
+        """``template``: the warm template, when it was started before this agent's
+        imports (``host.main``: its torch import runs beside them); else started here."""
         self.controller_pid = controller_pid
         # mode 0700; the local launcher makes it (and removes it if we are killed)
         given = os.environ.pop("MONARCH_KERNEL_HOST_DIR", "")
@@ -87,7 +89,7 @@ class HostAgent:
                 tempdirs.HOST_PREFIX, room=tempdirs.SOCKET_NAME_ROOM
             )
             tempdirs.mark_owners(self.private_dir, [os.getpid()])
-        self.template = Template(self.private_dir)
+        self.template = template if template is not None else Template()
         self.pids: dict[int, int] = {}  # rank -> pid
         self.rank_cfgs: dict[int, RankConfig] = {}  # what each rank was forked with
         self.expected_exits: set[int] = set()

@@ -33,10 +33,18 @@ class TemplateCommand(TypedDict, total=False):
     grace: float
 
 
+#: The host agent's own variables: its template (so its ranks) never sees them (a
+#: rank that starts a mesh of its own must not take its agent's directory).
+AGENT_ONLY_ENV = frozenset(
+    ["MONARCH_KERNEL_HOST_DIR", "MONARCH_KERNEL_HOST_CONFIG", "MONARCH_KERNEL_JOIN_TOKEN"]
+)
+
+
 class Template:
     """Handle on the warm template process (see :mod:`monarch_kernel.host.template`)."""
 
-    def __init__(self, private_dir: str):
+    def __init__(self) -> None:
+        """Start the template; its imports (torch: about a second) begin at once."""
         cmd_r, self.cmd_w = os.pipe()
         self.event_r, ev_w = os.pipe()
         self.proc = subprocess.Popen(
@@ -51,6 +59,7 @@ class Template:
             pass_fds=(cmd_r, ev_w),
             stdin=subprocess.DEVNULL,
             cwd=os.getcwd(),
+            env={k: v for k, v in os.environ.items() if k not in AGENT_ONLY_ENV},
         )
         os.close(cmd_r)
         os.close(ev_w)
