@@ -28,7 +28,7 @@ from typing import Any, TypeVar, cast
 import psutil
 
 from monarch_kernel.launchers.base import HostConfig, HostHandle
-from monarch_kernel.wire.osutil import tail_lines
+from monarch_kernel.wire.osutil import cpu_count, tail_lines
 from monarch_kernel.wire.tempdirs import LAUNCH_DIR_ROOM, make_private_dir, mark_owners, sweep
 
 T = TypeVar("T")
@@ -62,14 +62,6 @@ def available_memory() -> int:
         if limit.isdigit():  # else "max": no limit
             available = min(available, max(0, int(limit) - usage))
     return available
-
-
-def cpu_count() -> int:
-    """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS
-        return os.cpu_count() or 1
 
 
 def rank_limit(cpus: int, memory: int) -> int:

@@ -13,6 +13,14 @@ from collections.abc import Callable
 _PR_SET_PDEATHSIG = 1
 
 
+def cpu_count() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        return os.cpu_count() or 1
+
+
 def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> None:
     """Ask Linux to send ``sig`` to this process when its parent dies.
 

@@ -23,6 +23,7 @@ import time
 import zmq
 
 from monarch_kernel.wire.codec import readable
+from monarch_kernel.wire.osutil import cpu_count
 
 #: The environment variable that sets the spin (microseconds; 0: never spin).
 SPIN_ENV = "MONARCH_KERNEL_SPIN_US"
@@ -38,12 +39,6 @@ _clock = time.perf_counter
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
-def _cpus() -> int:
-    """The CPUs this process may run on (all of the machine's where that is unknown)."""
-    affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
-
-
 def spin_seconds(ranks_here: int = 0) -> float:
     """The configured spin in seconds (a ValueError naming :data:`SPIN_ENV` if it is
     not a whole number); 0.0 where spinning is off: on a one-CPU machine, and for a
@@ -57,7 +52,7 @@ def spin_seconds(ranks_here: int = 0) -> float:
         raise ValueError(
             f"{SPIN_ENV}={raw!r}: give a whole number of microseconds (0: off)"
         ) from None
-    cpus = _cpus()
+    cpus = cpu_count()
     if cpus < 2 or ranks_here >= cpus:
         return 0.0
     return max(us, 0) / 1e6
