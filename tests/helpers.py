@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -43,6 +44,33 @@ def wait_until(
                 message += f"; {detail()}"
             raise WaitTimeout(message)
         time.sleep(min(interval, left))
+
+
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP process ``pid`` and wait until every one of its threads has stopped.
+
+    ``kill`` returns before the stop takes effect: each thread stops only once it is
+    scheduled again, and on a loaded machine its libzmq I/O thread may meanwhile still
+    take a connection and a message (a request sent "to a stopped agent" was then served
+    as soon as it ran again)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            return False
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except FileNotFoundError:  # a thread that ended
+                continue
+            if stat[stat.rindex(")") + 2] not in "Tt":
+                return False
+        return True
+
+    wait_until(stopped, timeout=timeout, interval=0.005, what=f"every thread of {pid} to stop")
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -16,9 +16,10 @@ import signal
 import pytest
 from conftest import pid_alive
 from detach_place import ok
-from helpers import wait_until
+from helpers import freeze, wait_until
 
-from monarch_kernel.controller.attach import DeskClient, stop_detached
+from monarch_kernel.controller.attach import DeskClient, read_file, stop_detached
+from monarch_kernel.wire.desk import ControllerId, DeskOp, DeskRequest
 
 pytestmark = pytest.mark.local
 
@@ -31,8 +32,8 @@ def test_a_stopped_agents_mesh_is_kept_listed_and_attached_once_it_answers(place
     agent = place.attach_file("db")["hosts"][0]["pid"]
     pids = place.mesh_pids("db")
     k2 = place.kernel()
-    os.kill(agent, signal.SIGSTOP)
     try:
+        freeze(agent)  # all its threads: kill() returns before they stop
         listed = ok(k2, "%mesh").text
         assert "db" in listed and "not answering" in listed and "?/1" in listed, listed
         assert os.path.exists(place.attach_path("db"))
@@ -71,8 +72,8 @@ def test_stop_asks_again_an_agent_that_was_too_busy_to_answer(place, monkeypatch
         return reply
 
     monkeypatch.setattr(DeskClient, "ask", ask_then_wake)
-    os.kill(agent, signal.SIGSTOP)
     try:
+        freeze(agent)  # all its threads: kill() returns before they stop
         said = stop_detached(None, path=place.attach_path("ds"))
     finally:
         wake()
@@ -80,6 +81,30 @@ def test_stop_asks_again_an_agent_that_was_too_busy_to_answer(place, monkeypatch
     assert said == "mesh 'ds' stopped (1 host agent(s) answered)"
     wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=30, what="the mesh to end")
     assert not os.path.exists(place.attach_path("ds"))
+
+
+def test_a_stop_not_answered_in_time_is_not_carried_out_later(place):
+    """A timed-out ask is withdrawn: the agent, stopped while it was asked, never gets
+    it once it runs again (no one waits for that answer any more)."""
+    k1 = place.kernel()
+    ok(k1, "%mesh dl --gpus 1 --detachable --keep 5m")
+    place.kill(k1)
+    agent = place.attach_file("dl")["hosts"][0]["pid"]
+    pids = place.mesh_pids("dl")
+    client = DeskClient(read_file(None, place.attach_path("dl")))
+    host = client.file.hosts[0]
+    me = ControllerId.of_this_process()
+    try:
+        freeze(agent)
+        assert client.ask(host, DeskRequest(DeskOp.STOP, me), timeout=0.5) is None
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    for _ in range(3):  # served: had the stop come, it would have come before these
+        reply = client.ask(host, DeskRequest(DeskOp.STATUS, me), timeout=30)
+        assert reply is not None and reply.ok, reply
+    assert all(pid_alive(p) for p in [agent, *pids])
+    assert "mesh 'dl' stopped" in stop_detached(None, path=place.attach_path("dl"))
+    wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=30, what="the mesh to end")
 
 
 def test_a_killed_agents_left_socket_is_not_taken_for_a_running_mesh(place):

@@ -55,10 +55,30 @@ class DeskClient:
         self.codec = Codec(bytes.fromhex(file.key))
 
     def ask(self, host: HostEntry, req: DeskRequest, timeout: float) -> DeskReply | None:
-        """Host ``host``'s answer; None if it does not answer (its agent is gone)."""
+        """Host ``host``'s answer; None if it does not answer (its agent is gone, or
+        stopped or too busy to answer in time).
+
+        An unanswered request is withdrawn before this returns: the socket and its own
+        context are torn down (``term`` waits for libzmq's I/O thread), so an agent that
+        did not take it in time (stopped, say) never gets it later, when it runs again and
+        no one waits for the answer (a late ``stop`` would end a mesh whose user was told
+        it did not answer; a late ``attach`` would hand it to a kernel told it failed).
+        One the agent took but did not answer yet (its loop busy) is still carried out."""
         if host.desk.startswith("ipc://") and not os.path.exists(host.desk[6:]):
             return None  # the agent removed its directory on its way out
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            return self._ask(ctx, host, req, timeout)
+        finally:
+            ctx.destroy(linger=0)
+
+    def _ask(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        host: HostEntry,
+        req: DeskRequest,
+        timeout: float,
+    ) -> DeskReply | None:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         keys = self.file.curve_keys()
