@@ -14,9 +14,8 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
-from helpers import wait_until
+from helpers import freeze, wait_until
 
 from monarch_kernel.controller.busy_agents import (
     MAX_BUSY_SILENCE,
@@ -67,8 +66,7 @@ def test_an_agent_that_runs_is_busy(spawn):
 def test_a_stopped_agent_is_frozen(spawn):
     pid = spawn("while True: pass")
     wait_until(lambda: _ran(pid) > 10_000_000, what="the process to run")
-    os.kill(pid, signal.SIGSTOP)
-    wait_until(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, what="a stop")
+    freeze(pid)
     assert not _verdict(pid)
 
 

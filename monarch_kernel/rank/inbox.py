@@ -35,7 +35,7 @@ from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.arena import ArenaReader, SharedArgumentsError
 from monarch_kernel.wire.chunks import Assembler
-from monarch_kernel.wire.codec import limit_size
+from monarch_kernel.wire.codec import limit_size, readable
 from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.kinds import SEQ_EPOCH
 from monarch_kernel.wire.osutil import REQUEST_END, REQUEST_START
@@ -160,7 +160,7 @@ class Inbox:
                 loop = self.loop
                 if loop is not None and _work_left(loop):
                     self.idle(loop)  # background tasks run until a message comes
-                    if not deferred and not int(inbox.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    if not deferred and not readable(inbox):
                         continue
                 if not deferred:
                     spin.until_readable(inbox)  # the next call due soon: no wake-up
