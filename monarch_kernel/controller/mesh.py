@@ -368,10 +368,11 @@ class MeshRuntime(RestartAndResize):
                 self.transport.send_control(r, header, payload, buffers)
         else:
             self.transport.send(ranks, header, payload, buffers)
-        # A rank may have died between the check and the send; fail it now if so.
+        # A rank may have died between the check and the send (its death was handled
+        # before this request was in the table): fail this request's part of it now.
         for r in ranks:
             if self.ranks[r].state in GONE:
-                self.receiver.post(self._fail_gone, r)
+                self.receiver.post(self._fail_gone, rid, r)
         if not options.waited:
             self.receiver.ensure_reader()
         return rid
@@ -391,12 +392,15 @@ class MeshRuntime(RestartAndResize):
             self.events.emit(RequestStarted(self.name, request_id, tuple(ranks), kind, what))
         for r in ranks:
             if self.ranks[r].state in GONE:
-                self.receiver.post(self._fail_gone, r)
+                self.receiver.post(self._fail_gone, request_id, r)
         self.receiver.ensure_reader()
 
-    def _fail_gone(self, rank: int) -> None:
+    def _fail_gone(self, rid: str, rank: int) -> None:
+        """Request ``rid`` was sent to ``rank`` as it died: fail that part of it (not the
+        rank's part of every request: a training cell's is kept for its recovery)."""
         info = self.ranks[rank]
-        self.requests.fail_rank(rank, RankDiedError(self.death_text(info), info.death, self.name))
+        error = RankDiedError(self.death_text(info), info.death, self.name)
+        self.requests.fail_part(rid, rank, error)
 
     def send(
         self,

@@ -297,6 +297,21 @@ class RequestTable:
         for pending in taken:
             pending.observer.on_lost(rank, error)
 
+    def fail_part(self, rid: str, rank: int, error: BaseException) -> None:
+        """``rank`` will never answer ``rid`` (it was gone when ``rid`` was sent): fail
+        that part of ``rid`` alone. Other requests keep their own terms with the rank:
+        one a recovery from peers kept waiting for it (``take_rank``'s ``keep``) must
+        not fail because a later request found the rank dead (token holder only)."""
+        pending = self._pending.get(rid)
+        if pending is None or rank not in pending.waiting:
+            return  # answered, or taken when the death was handled
+        pending.waiting.discard(rank)
+        if not pending.waiting:
+            del self._pending[rid]
+        if pending.kind is not RequestKind.CONTROL:
+            self._answered(self._ranks[rank])
+        pending.observer.on_lost(rank, error)
+
     def fail_rank(self, rank: int, error: BaseException) -> tuple[str, ...]:
         """``rank`` will never answer: fail its part of every request; the ids failed."""
         taken = self.take_rank(rank)
