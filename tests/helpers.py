@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from monarch_kernel.wire.osutil import proc_state
+
 T = TypeVar("T")
 
 
@@ -60,15 +62,8 @@ def freeze(pid: int, timeout: float = 10.0) -> None:
             tids = os.listdir(f"/proc/{pid}/task")
         except FileNotFoundError:
             return False
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    stat = f.read()
-            except FileNotFoundError:  # a thread that ended
-                continue
-            if stat[stat.rindex(")") + 2] not in "Tt":
-                return False
-        return True
+        states = (proc_state(f"/proc/{pid}/task/{tid}/stat") for tid in tids)
+        return all(state in ("", "T", "t") for state in states)  # '': a thread that ended
 
     wait_until(stopped, timeout=timeout, interval=0.005, what=f"every thread of {pid} to stop")
 

@@ -5,17 +5,14 @@ wait on a long call costs no CPU) and still gets every reply."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from actors import AsyncActor
 
 from monarch_kernel.actor import this_host
+from monarch_kernel.wire.osutil import cpu_count
 from monarch_kernel.wire.spin import MISSES_TO_REST, SPIN_ENV
 
-needs_two_cpus = pytest.mark.skipif(
-    len(os.sched_getaffinity(0)) < 2, reason="nothing spins on a one-CPU machine"
-)
+needs_two_cpus = pytest.mark.skipif(cpu_count() < 2, reason="nothing spins on a one-CPU machine")
 
 
 def test_a_bad_spin_setting_fails_the_start_naming_it(monkeypatch):

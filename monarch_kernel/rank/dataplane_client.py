@@ -17,6 +17,7 @@ from monarch_kernel.rank.dataplane_common import SharedTensor, read_all
 from monarch_kernel.wire import Codec, peer_address
 from monarch_kernel.wire.codec import Header, limit_size
 from monarch_kernel.wire.limits import CHUNK_SIZE
+from monarch_kernel.wire.osutil import proc_state
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 #: How often a request waiting for an owner on this machine checks that it still lives.
@@ -31,12 +32,7 @@ def _dead(ref: SharedTensor, machine: str) -> bool:
     """Whether the owner's process is known to be gone (on this machine only)."""
     if not ref.pid or ref.machine != machine:
         return False
-    try:
-        with open(f"/proc/{ref.pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")
+    return proc_state(f"/proc/{ref.pid}/stat") in ("", "Z", "X")
 
 
 class Client:

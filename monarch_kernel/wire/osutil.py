@@ -21,6 +21,22 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def proc_state(stat_path: str) -> str:
+    """The state letter (``R``, ``S``, ``T``, ``Z`` ...) in a Linux ``stat`` file
+    (``/proc/PID/stat`` or a thread's ``/proc/PID/task/TID/stat``); '' when it cannot be
+    read (the process or thread is gone, or this is not Linux)."""
+    try:
+        with open(stat_path) as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    # The command name, in parentheses, may itself hold spaces and ')': the state is
+    # the first field after the last ')'.
+    _, paren, rest = stat.rpartition(")")
+    fields = rest.split()
+    return fields[0] if paren and fields else ""
+
+
 def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> None:
     """Ask Linux to send ``sig`` to this process when its parent dies.
 
