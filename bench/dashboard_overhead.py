@@ -78,7 +78,7 @@ iters
 
 
 COUNTER = """
-from monarch_kernel.controller.events import MetricReported
+from monarch_kernel.controller.state.events import MetricReported
 def _count(ev):  # a mesh event listener (MetricReported only): the reports the controller got
     _counted[0] += 1
 """
@@ -202,7 +202,7 @@ def _listener_cost() -> float:
     if not _LISTENER_COST:
         import timeit
 
-        from monarch_kernel.controller.events import MetricReported
+        from monarch_kernel.controller.state.events import MetricReported
         from monarch_kernel.widgets.inbox import EventInbox
 
         inbox = EventInbox()

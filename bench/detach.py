@@ -104,7 +104,7 @@ def _measure(rec: Recorder, argv: list[str], ranks: int, points: int, seconds: f
 
 def _stop_left_over() -> None:
     """Stop the mesh if a failure left it detached."""
-    from monarch_kernel.controller.attach import AttachError, stop_detached
+    from monarch_kernel.controller.detach.attach import AttachError, stop_detached
 
     for name in ("bdet", "bsps"):
         try:
@@ -116,7 +116,7 @@ def _stop_left_over() -> None:
 def _attach_dashboard(ranks: int, points: int) -> float:
     """Seconds from attach() to a dashboard charting every rank's ``points`` points."""
     from monarch_kernel.actor import ProcMesh
-    from monarch_kernel.controller.attach import attach
+    from monarch_kernel.controller.detach.attach import attach
     from monarch_kernel.widgets import dashboard
 
     t0 = time.perf_counter()

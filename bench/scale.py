@@ -247,8 +247,8 @@ def per_message_cost(reps: int = 2000) -> dict[str, float]:
     from bench.ours import Bench
     from monarch_kernel.actor import this_host
     from monarch_kernel.calls.gather import Gather
-    from monarch_kernel.controller.events import RequestKind
-    from monarch_kernel.controller.requests import new_request_id
+    from monarch_kernel.controller.state.events import RequestKind
+    from monarch_kernel.controller.state.requests import new_request_id
     from monarch_kernel.wire import headers as H
     from monarch_kernel.wire.codec import Codec
     from monarch_kernel.wire.fanin import Part, PartKind, encode_parts

@@ -30,7 +30,7 @@ def share(tensor: Any) -> Any:  # torch is imported lazily (a TensorRef)
     this rank's in-place changes after ``share()`` are seen (``share`` keeps the tensor
     itself, not a snapshot; a large CPU tensor has its storage moved into shared memory
     in place). The receiver's tensor is a private copy: its writes never reach here."""
-    from monarch_kernel.rank.dataplane import share as _share
+    from monarch_kernel.rank.dataplane.plane import share as _share
 
     return _share(tensor)
 

@@ -24,9 +24,9 @@ import concurrent.futures
 from typing import Any
 
 from monarch_kernel.calls.future import Future
-from monarch_kernel.rank.dataplane_client import OwnerDiedError, client, join_as_controller
-from monarch_kernel.rank.dataplane_common import counters_
-from monarch_kernel.rank.dataplane_ref import TensorRef
+from monarch_kernel.rank.dataplane.client import OwnerDiedError, client, join_as_controller
+from monarch_kernel.rank.dataplane.common import counters_
+from monarch_kernel.rank.dataplane.ref import TensorRef
 
 __all__ = [
     "RDMAAction",
@@ -103,7 +103,7 @@ class RDMABuffer:
     """Memory of this process that other processes read and write in place."""
 
     def __init__(self, data: Any) -> None:
-        from monarch_kernel.rank.dataplane import server
+        from monarch_kernel.rank.dataplane.plane import server
 
         raw = _as_bytes(data, "RDMABuffer data")
         if not raw.numel():

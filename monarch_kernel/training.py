@@ -1,6 +1,6 @@
 """Training that survives a dead rank: declare a rank's training state and its steps.
 
-``TrainingState`` (defined in :mod:`monarch_kernel.rank.train_state`) is used inside
+``TrainingState`` (defined in :mod:`monarch_kernel.rank.training.state`) is used inside
 ranks (``%%remote`` cells)::
 
     from monarch_kernel.training import TrainingState
@@ -16,6 +16,6 @@ replica's memory (no checkpoint), and the loop goes on at the step that was in f
 
 from __future__ import annotations
 
-from monarch_kernel.rank.train_state import TrainingState, is_peer_failure
+from monarch_kernel.rank.training.state import TrainingState, is_peer_failure
 
 __all__ = ["TrainingState", "is_peer_failure"]

@@ -176,7 +176,7 @@ class DataActor(Actor):
 
     @endpoint
     def counters(self) -> dict:
-        from monarch_kernel.rank.dataplane import counters
+        from monarch_kernel.rank.dataplane.plane import counters
 
         return counters()
 

@@ -135,7 +135,7 @@ class Place:
     def close(self) -> tuple[list[str], list[str]]:
         """Shut the kernels down and stop the meshes they left detached; what was left
         (processes, temp dirs), cleaned up."""
-        from monarch_kernel.controller.attach import stop_detached
+        from monarch_kernel.controller.detach.attach import stop_detached
 
         for k in list(self.kernels):
             with contextlib.suppress(Exception):

@@ -72,7 +72,7 @@ def test_broadcast_is_fifo_with_later_calls(procs4):
 
 
 def test_fifo_across_direct_and_fanout_paths(procs4):
-    from monarch_kernel.controller.transport import FANOUT_MIN_BYTES
+    from monarch_kernel.controller.messaging.transport import FANOUT_MIN_BYTES
 
     counters = procs4.spawn("c5", Counter)
     big = torch.zeros(100_000)  # sent once to the host agent, which fans it out

@@ -25,8 +25,8 @@ RACE = """
 import json, threading
 from monarch_kernel.actor import this_host
 from monarch_kernel.controller import attach_file
-from monarch_kernel.controller.detach import detacher_of, recipe_changed
-from monarch_kernel.controller.records import SetupCell
+from monarch_kernel.controller.detach.release import detacher_of, recipe_changed
+from monarch_kernel.controller.state.records import SetupCell
 
 procs = this_host().spawn_procs(
     per_host={"gpus": 1}, name="race", detachable=True, keep="60s"

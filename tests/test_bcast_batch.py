@@ -1,5 +1,5 @@
 """Fire-and-forget broadcasts made back to back travel batched (``batch`` messages,
-:mod:`monarch_kernel.controller.batching`): fewer wire messages than calls reach each
+:mod:`monarch_kernel.controller.messaging.batching`): fewer wire messages than calls reach each
 rank, in the order the calls were made, interleaved with calls that wait for answers,
 across the ranks of two host agents; a lone broadcast is not held back."""
 

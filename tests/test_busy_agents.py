@@ -17,7 +17,7 @@ import time
 import pytest
 from helpers import freeze, wait_until
 
-from monarch_kernel.controller.busy_agents import (
+from monarch_kernel.controller.lifecycle.busy_agents import (
     MAX_BUSY_SILENCE,
     BusyAgents,
     main_thread_cpu_ns,

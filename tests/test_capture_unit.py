@@ -1,4 +1,4 @@
-"""A rank's stdout batching on its own (rank/capture.py's RankStream and print): a line
+"""A rank's stdout batching on its own (rank/stdio/capture.py's RankStream and print): a line
 after a quiet spell goes at once and wakes nothing, a line without its newline goes
 once the writer is idle, a flood goes in batches that end at line ends. The sink is
 a list in this process (no rank: the stream is the same object a rank's sys.stdout is).
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from monarch_kernel.rank import capture
-from monarch_kernel.rank.capture import IDLE_ROUNDS, RankStream, rank_print
+from monarch_kernel.rank.stdio import capture
+from monarch_kernel.rank.stdio.capture import IDLE_ROUNDS, RankStream, rank_print
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,7 @@ from conftest import wait_no_orphans
 from helpers import wait_until
 
 from monarch_kernel.actor import Actor, endpoint, this_host
-from monarch_kernel.controller import startup
+from monarch_kernel.controller.lifecycle import startup
 from monarch_kernel.host import liveness
 from monarch_kernel.wire.desk import ControllerId, process_started
 

@@ -479,7 +479,7 @@ def test_recovery_shows_the_phase_and_what_was_lost(kernel):
     ranks restarted, what was re-run, what state was lost) shows in the incident area."""
     start = time.time()
     r = kernel.run(
-        "from monarch_kernel.controller.records import SetupCell\n"
+        "from monarch_kernel.controller.state.records import SetupCell\n"
         "m.runtime.remember_setup(SetupCell('import time\\ntime.sleep(0.8)', 'slow-setup'))\n"
         "try:\n"
         "    _rep = m.restart([1])\n"
@@ -689,7 +689,7 @@ def test_a_dead_rank_restarted_by_the_policy_in_process():
     import signal
 
     from monarch_kernel.actor import this_host
-    from monarch_kernel.controller.records import SetupCell
+    from monarch_kernel.controller.state.records import SetupCell
     from monarch_kernel.kernel.remote import RemoteJob
     from monarch_kernel.widgets import dashboard
 

@@ -129,7 +129,7 @@ class Probe(Actor):
 
     @endpoint
     def counters(self) -> dict:
-        from monarch_kernel.rank.dataplane import counters
+        from monarch_kernel.rank.dataplane.plane import counters
 
         return counters()
 
@@ -143,7 +143,7 @@ class Probe(Actor):
         fetch without a nonce; what the owner answered to each."""
         import zmq
 
-        from monarch_kernel.rank.dataplane import _client
+        from monarch_kernel.rank.dataplane.plane import _client
 
         client = _client()
         captured = client.frames({"op": "fetch", "id": ref.id})
@@ -244,7 +244,7 @@ def test_replayed_fetch_is_refused_and_counted(mesh22):
 def test_nonces_are_bounded_and_expire():
     import time
 
-    from monarch_kernel.rank.dataplane import _Nonces
+    from monarch_kernel.rank.dataplane.plane import _Nonces
 
     nonces = _Nonces(window=60.0, limit=3)
     now = time.time()
@@ -295,7 +295,7 @@ class PlainPeek(Actor):
         """A correctly signed fetch over a plain (unencrypted) connection."""
         import zmq
 
-        from monarch_kernel.rank.dataplane import _client
+        from monarch_kernel.rank.dataplane.plane import _client
 
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

@@ -294,7 +294,7 @@ def test_all_four_ranks_stepped_together(kernel):
 
 @pytest.mark.unit
 def test_prompt_targets_and_grouping():
-    from monarch_kernel.kernel.debug import _grouped, _split_target
+    from monarch_kernel.kernel.debug.console import _grouped, _split_target
 
     assert _split_target("p x") == (None, "p x")
     assert _split_target("@all p x") == ("all", "p x")

@@ -20,8 +20,8 @@ from conftest import pid_alive
 from detach_place import Place, log_has, ok, steps
 from helpers import wait_until
 
-from monarch_kernel.controller.attach import DeskClient
 from monarch_kernel.controller.attach_file import read as read_attach_file
+from monarch_kernel.controller.detach.attach import DeskClient
 from monarch_kernel.wire import Codec
 from monarch_kernel.wire.desk import DESK, ControllerId, DeskOp, DeskRequest
 

@@ -18,7 +18,7 @@ from conftest import pid_alive
 from detach_place import ok
 from helpers import freeze, wait_until
 
-from monarch_kernel.controller.attach import DeskClient, read_file, stop_detached
+from monarch_kernel.controller.detach.attach import DeskClient, read_file, stop_detached
 from monarch_kernel.wire.desk import ControllerId, DeskOp, DeskRequest
 
 pytestmark = pytest.mark.local

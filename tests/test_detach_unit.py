@@ -14,7 +14,7 @@ import pytest
 
 from monarch_kernel.controller import attach_file
 from monarch_kernel.controller.attach_file import AttachFile, AttachFileError, HostEntry
-from monarch_kernel.controller.detach import detach_option
+from monarch_kernel.controller.detach.release import detach_option
 from monarch_kernel.launchers.reservation import Reservation, describe
 from monarch_kernel.wire import tempdirs
 from monarch_kernel.wire.desk import (

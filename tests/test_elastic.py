@@ -205,7 +205,7 @@ def test_grow_2_to_4_then_shrink_to_3_while_training(kernel):
     # the replica check's digests: every rank holds the same model and optimizer
     digests = value(
         kernel,
-        f"_d = %remote {MESH} __import__('monarch_kernel.rank.replicas', "
+        f"_d = %remote {MESH} __import__('monarch_kernel.rank.replicas.replicas', "
         "fromlist=['_']).digest_namespace(globals())\n"
         "[sorted((o.name, o.digest) for o in d.objects) for d in _d.values()]",
     )
@@ -225,7 +225,7 @@ def test_idle_grow_copies_state_and_bad_input_says_what_to_do(kernel):
     assert pids_of(kernel)[:3] == before
     digests = value(
         kernel,
-        f"_d = %remote {MESH} __import__('monarch_kernel.rank.replicas', "
+        f"_d = %remote {MESH} __import__('monarch_kernel.rank.replicas.replicas', "
         "fromlist=['_']).digest_namespace(globals())\n"
         "[sorted((o.name, o.digest) for o in d.objects) for d in _d.values()]",
     )

@@ -155,7 +155,7 @@ def test_on_failure_shrink_drops_the_middle_host_while_training(kernel):
         # the replicas are identical after
         digests = value(
             kernel,
-            f"_d = %remote {mesh} __import__('monarch_kernel.rank.replicas', "
+            f"_d = %remote {mesh} __import__('monarch_kernel.rank.replicas.replicas', "
             "fromlist=['_']).digest_namespace(globals())\n"
             "[sorted((o.name, o.digest) for o in d.objects) for d in _d.values()]",
         )

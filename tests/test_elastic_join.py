@@ -188,7 +188,7 @@ def test_grow_join_mesh_by_a_host_while_training(net):
         assert sizes == [(h.name, "3", 3) for h in net.hosts], sizes
         digests = value(
             k,
-            f"_d = %remote {MESH} __import__('monarch_kernel.rank.replicas', "
+            f"_d = %remote {MESH} __import__('monarch_kernel.rank.replicas.replicas', "
             "fromlist=['_']).digest_namespace(globals())\n"
             "[sorted((o.name, o.digest) for o in d.objects) for d in _d.values()]",
         )

@@ -9,14 +9,14 @@ import pytest
 from monarch_kernel.calls.gather import Each, Gather
 from monarch_kernel.calls.reply import Reply
 from monarch_kernel.calls.requester import ActorSpec, MeshRef
-from monarch_kernel.controller.elastic_plan import (
+from monarch_kernel.controller.elastic.plan import (
     MeshSize,
     ResizeError,
     parse_numbers,
     plan_drop,
     plan_shrink,
 )
-from monarch_kernel.controller.records import HostInfo, MeshRecipe, RankInfo, Slots
+from monarch_kernel.controller.state.records import HostInfo, MeshRecipe, RankInfo, Slots
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import Message
 

@@ -104,7 +104,7 @@ def test_grow_ray_mesh_by_a_host_between_cells(cluster: RayCluster):
         assert outcome[0][1] == pytest.approx(expected, rel=1e-5, abs=1e-6)
         digests = value(
             k,
-            f"_d = %remote {MESH} __import__('monarch_kernel.rank.replicas', "
+            f"_d = %remote {MESH} __import__('monarch_kernel.rank.replicas.replicas', "
             "fromlist=['_']).digest_namespace(globals())\n"
             "[sorted((o.name, o.digest) for o in d.objects) for d in _d.values()]",
         )

@@ -10,7 +10,7 @@ from actors import Worker
 from helpers import wait_for_rank_line, wait_until
 
 from monarch_kernel.calls.errors import ActorError, RankDiedError
-from monarch_kernel.controller.events import (
+from monarch_kernel.controller.state.events import (
     EventBus,
     MeshEvent,
     MeshPhaseChanged,
@@ -22,7 +22,7 @@ from monarch_kernel.controller.events import (
     RequestStarted,
     StreamOutput,
 )
-from monarch_kernel.controller.records import RankState
+from monarch_kernel.controller.state.records import RankState
 
 
 @pytest.fixture

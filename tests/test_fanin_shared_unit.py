@@ -12,15 +12,15 @@ import pickle
 import pytest
 
 from monarch_kernel.calls.gather import Each, Gather, One
-from monarch_kernel.controller.events import (
+from monarch_kernel.controller.state.events import (
     EventBus,
     RankStateChanged,
     ReplyReceived,
     RequestFailed,
     RequestKind,
 )
-from monarch_kernel.controller.records import RankInfo, RankState
-from monarch_kernel.controller.requests import RequestTable
+from monarch_kernel.controller.state.records import RankInfo, RankState
+from monarch_kernel.controller.state.requests import RequestTable
 from monarch_kernel.wire import Message
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.serialize import is_immutable

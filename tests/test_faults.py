@@ -146,7 +146,7 @@ def test_sigkill_in_ddp_loop_then_restart_continues_from_checkpoint(kernel, tmp_
 
 WATCH_HOSTS = """\
 import time
-from monarch_kernel.controller.events import HostLost, MeshRecovered
+from monarch_kernel.controller.state.events import HostLost, MeshRecovered
 seen = []
 fh.runtime.events.subscribe(
     lambda e: seen.append((time.time(), type(e).__name__, getattr(e, "reason", ""))),
@@ -302,7 +302,7 @@ def test_exit_code_and_atexit_on_stop(kernel, tmp_path):
 
 def test_a_failed_restart_is_a_clear_error_and_never_leaves_ranks_starting():
     from monarch_kernel.actor import MeshStartError, this_host
-    from monarch_kernel.controller.records import RankState
+    from monarch_kernel.controller.state.records import RankState
 
     procs = this_host().spawn_procs(per_host={"gpus": 2}, on_failure="continue")
     agent = procs.runtime.hosts[0].pid
@@ -345,7 +345,7 @@ def _gil_held_for(seconds: float) -> float:
 
 def test_controller_stall_does_not_lose_hosts_and_a_restart_loop_is_capped():
     from monarch_kernel.actor import this_host
-    from monarch_kernel.controller.records import MeshPhase, RankState, SetupCell
+    from monarch_kernel.controller.state.records import MeshPhase, RankState, SetupCell
 
     procs = this_host().spawn_procs(per_host={"gpus": 2})
     try:
@@ -376,7 +376,7 @@ def test_controller_stall_does_not_lose_hosts_and_a_restart_loop_is_capped():
 
 def test_control_requests_wait_for_a_restart_and_two_lost_hosts_come_back():
     from monarch_kernel.actor import host_mesh
-    from monarch_kernel.controller.records import SetupCell
+    from monarch_kernel.controller.state.records import SetupCell
 
     procs = host_mesh(hosts=2).spawn_procs(per_host={"gpus": 1}, on_failure="continue")
     try:

@@ -99,10 +99,11 @@ RANK_SIDE_ACTOR = {
     "local_context",
     "meshes",
     "peer",
-    "peer_client",
-    "peer_inline",
-    "peer_reply",
-    "peer_resolve",
+    "peer.requester",
+    "peer.client",
+    "peer.inline",
+    "peer.reply",
+    "peer.resolve",
     "resize",
 }
 CONTROLLER_ONLY = {"controller", "launchers"}
@@ -149,10 +150,18 @@ def _imports(path: Path, with_type_checking: bool) -> set[tuple[str, int]]:
     return found
 
 
+def _in_actor(path: Path) -> str:
+    """``path``'s module name inside ``actor/`` (``peer.client``, ``meshes``, ``peer``
+    for ``peer/__init__.py``)."""
+    return ".".join(path.relative_to(PACKAGE / "actor").with_suffix("").parts).removesuffix(
+        ".__init__"
+    )
+
+
 def _rank_side(path: Path) -> bool:
     layer = _layer(path)
     if layer == "actor":
-        return path.stem in RANK_SIDE_ACTOR
+        return _in_actor(path) in RANK_SIDE_ACTOR
     return layer in RANK_SIDE_LAYERS
 
 
@@ -176,7 +185,7 @@ def test_rank_side_modules_never_import_the_controller(path):
         if isinstance(node, ast.ImportFrom)
         and node.module
         and node.module.startswith("monarch_kernel.actor.")
-        and node.module.rsplit(".", 1)[-1] not in RANK_SIDE_ACTOR
+        and node.module.removeprefix("monarch_kernel.actor.") not in RANK_SIDE_ACTOR
     )
     assert not bad, f"{path.relative_to(PACKAGE)} (loaded by ranks) imports {bad}"
 
@@ -223,3 +232,173 @@ def _cycles() -> list[list[str]]:
 
 def test_no_import_circle_inside_the_package():
     assert _cycles() == []
+
+
+# -- the order inside the packages ------------------------------------------------------
+
+#: Inside each of these packages, its parts (subpackages and top-level modules) lowest
+#: first: a part imports only parts before it in its list (anywhere in a module,
+#: functions and ``TYPE_CHECKING`` included). A newcomer reads a package bottom-up in
+#: this order; a part that needs one above it gets a hook or a Protocol instead.
+PART_ORDER: dict[str, list[str]] = {
+    "controller": [
+        "__init__",
+        "state",  # records, events, phase, requests: what is known of a mesh
+        "messaging",  # sockets, sending, receiving, dispatch
+        "attach_file",  # the attach file a detachable mesh writes
+        "lifecycle",  # start, supervise, fail, restart
+        "training",  # TrainingState recovery from replicas
+        "elastic",  # grow and shrink
+        "mesh_recovery",
+        "mesh",  # MeshRuntime: the façade the layers above hold
+        "detach",  # features built on whole meshes: above the façade
+    ],
+    "rank": [
+        "__init__",
+        "config",
+        "context",
+        "errors",
+        "link",
+        "signals",
+        "outbox",
+        "supervise",
+        "actors",
+        "listener_gate",
+        "dataplane",
+        "inbox",
+        "stdio",
+        "debug",
+        "cells",
+        "replicas",
+        "pg",
+        "env",
+        "world",
+        "training",
+        "control",
+        "device",
+        "scripts",
+        "runtime",
+        "forked",
+    ],
+    "actor": [
+        "actor",
+        "endpoints",
+        "local_context",
+        "resize",
+        "peer",
+        "channels",
+        "meshes",
+        "client_actor",
+        "client_server",
+        "client_proc",
+        "hosts",
+        "api",
+        "attach",
+        "__init__",
+    ],
+    "kernel": [
+        "__init__",
+        "table",
+        "notebook",
+        "channel",
+        "output_items",
+        "output",
+        "args",
+        "help",
+        "targets",
+        "lab",
+        "install",
+        "debug",
+        "remote",
+        "debug_remote",
+        "hints",
+        "remote_cell",
+        "push_pull",
+        "mesh",
+        "magics",
+        "kernel",
+        "__main__",
+    ],
+}
+
+
+def _part(module: str) -> tuple[str, str] | None:
+    """``(package, part)`` of a dotted module name inside a package of PART_ORDER."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] not in PART_ORDER:
+        return None
+    return parts[1], parts[2] if len(parts) > 2 else "__init__"
+
+
+def test_every_part_has_a_place_in_its_package_order():
+    missing = {
+        found
+        for found in (_part(_module_name(p)) for p in ALL_MODULES)
+        if found and found[1] not in PART_ORDER[found[0]]
+    }
+    assert missing == set(), "add these parts to PART_ORDER"
+
+
+def _upward_imports(package: str, modules: list[tuple[str, Path]]) -> list[str]:
+    """Imports in ``modules`` (``(dotted name, path)``) of a part of ``package`` placed
+    above the importing module's own part in ``PART_ORDER``."""
+    order = PART_ORDER[package]
+    bad = []
+    for name, path in modules:
+        mine = _part(name)
+        if mine is None or mine[0] != package:
+            continue
+        for imported, line in _imports(path, with_type_checking=True):
+            theirs = _part(imported)
+            if theirs is None or theirs[0] != package or theirs[1] == mine[1]:
+                continue
+            if order.index(theirs[1]) > order.index(mine[1]):
+                bad.append(f"{name}:{line} imports {imported}")
+    return bad
+
+
+@pytest.mark.parametrize("package", sorted(PART_ORDER))
+def test_parts_import_only_the_parts_below_them(package):
+    bad = _upward_imports(package, [(_module_name(p), p) for p in ALL_MODULES])
+    assert bad == [], "a part imports one above it in PART_ORDER:\n" + "\n".join(bad)
+
+
+def test_an_upward_import_is_caught(tmp_path):
+    # The check fails the old way: a state module importing the façade, or the rank's
+    # process group importing its TrainingState, is reported with its line.
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os\n"
+        "from monarch_kernel.controller.state.records import RankInfo\n"
+        "def later():\n"
+        "    from monarch_kernel.controller.mesh import MeshRuntime\n"
+    )
+    assert _upward_imports("controller", [("monarch_kernel.controller.state.probe", probe)]) == [
+        "monarch_kernel.controller.state.probe:4 imports monarch_kernel.controller.mesh"
+    ]
+    probe.write_text("from monarch_kernel.rank.training import state\n")
+    assert _upward_imports("rank", [("monarch_kernel.rank.pg.probe", probe)]) == [
+        "monarch_kernel.rank.pg.probe:1 imports monarch_kernel.rank.training.state"
+    ]
+    assert _upward_imports("rank", [("monarch_kernel.rank.training.probe", probe)]) == []
+
+
+def _faces() -> list[Path]:
+    return [p for p in ALL_MODULES if p.name == "__init__.py" and p.parent.parent != PACKAGE.parent]
+
+
+@pytest.mark.parametrize("init", _faces(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_a_face_never_hides_a_module_of_its_package(init):
+    # `from pkg import mod` must keep giving the module: a re-exported function named
+    # like a module of the package would be returned instead.
+    tree = ast.parse(init.read_text())
+    exported = {
+        alias.asname or alias.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    modules = {p.stem for p in init.parent.glob("*.py")} | {
+        p.name for p in init.parent.iterdir() if (p / "__init__.py").exists()
+    }
+    assert exported & modules == set()

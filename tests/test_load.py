@@ -14,7 +14,7 @@ from helpers import wait_for_rank_line, wait_until
 from kernel_client import Kernel, kernel_with_mesh
 
 from monarch_kernel.actor import this_host
-from monarch_kernel.controller.transport import MAX_BACKLOG_MESSAGES
+from monarch_kernel.controller.messaging.transport import MAX_BACKLOG_MESSAGES
 
 pytestmark = pytest.mark.local
 
@@ -152,7 +152,7 @@ def test_kernel_interrupt_releases_a_cell_waiting_for_room(kernel):
     assert not kernel.run(SETUP).errors
     msg_id = kernel.submit(
         "nap = log.nap.call_one(60)\n"
-        "from monarch_kernel.controller.transport import MAX_BACKLOG_MESSAGES\n"
+        "from monarch_kernel.controller.messaging.transport import MAX_BACKLOG_MESSAGES\n"
         "t = m.runtime.transport\n"
         "def watch():\n"
         "    while t.backlog_messages < MAX_BACKLOG_MESSAGES:\n"

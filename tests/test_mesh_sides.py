@@ -8,7 +8,7 @@ import pytest
 from sides_actors import OPS, Driver, Plain, Shadowing, controller_modules, run
 
 from monarch_kernel.actor import ActorMesh, this_host
-from monarch_kernel.actor.peer import PeerRequester
+from monarch_kernel.actor.peer.requester import PeerRequester
 from monarch_kernel.controller.mesh import MeshRuntime
 
 pytestmark = pytest.mark.local

@@ -27,7 +27,7 @@ from helpers import wait_until
 from netns import Joiner, agent_env, netns_hosts_fixture
 
 from monarch_kernel.actor import Actor, endpoint, host_mesh
-from monarch_kernel.rank.dataplane import ENCRYPT_ENV
+from monarch_kernel.rank.dataplane.plane import ENCRYPT_ENV
 
 pytestmark = pytest.mark.cluster
 
@@ -52,7 +52,7 @@ class Probe(Actor):
 
     @endpoint
     def share(self, n: int):
-        from monarch_kernel.rank.dataplane import share
+        from monarch_kernel.rank.dataplane.plane import share
 
         t = torch.arange(n, dtype=torch.float32)
         self.kept.append(t)
@@ -65,9 +65,9 @@ class Probe(Actor):
     @endpoint
     def listeners(self) -> dict:
         """The TCP listeners (address, server key) and the keys a test client needs."""
-        from monarch_kernel.actor import peer_client
+        from monarch_kernel.actor.peer import client as peer_client
         from monarch_kernel.rank import context
-        from monarch_kernel.rank.dataplane import share
+        from monarch_kernel.rank.dataplane.plane import share
 
         rt = context.services()
         assert rt is not None
@@ -84,9 +84,9 @@ class Probe(Actor):
     @endpoint
     def counters(self) -> dict:
         """Refused handshakes, and messages dropped at each listener's signature check."""
-        from monarch_kernel.actor import peer_client
+        from monarch_kernel.actor.peer import client as peer_client
         from monarch_kernel.rank import context
-        from monarch_kernel.rank.dataplane import counters
+        from monarch_kernel.rank.dataplane.plane import counters
 
         c = counters()
         rank: Any = context.services()  # the Rank itself: its inbox's codec

@@ -13,7 +13,7 @@ import pytest
 from helpers import wait_until
 
 from monarch_kernel.actor import Actor, ActorError, endpoint, this_host
-from monarch_kernel.controller.records import MeshPhase
+from monarch_kernel.controller.state.records import MeshPhase
 
 pytestmark = pytest.mark.local
 

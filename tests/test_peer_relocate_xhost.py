@@ -18,7 +18,7 @@ from helpers import wait_until
 from netns import COMMAND, Joiner, NetHosts, netns_hosts_fixture
 
 from monarch_kernel.actor import Actor, endpoint, host_mesh
-from monarch_kernel.controller.records import MeshPhase
+from monarch_kernel.controller.state.records import MeshPhase
 
 pytestmark = pytest.mark.cluster
 

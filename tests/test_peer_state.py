@@ -217,7 +217,7 @@ def test_a_second_death_during_the_recovery_is_recovered_too(kernel, tmp_path):
 # while they still run their step: they dropped those as stale when they parked, and
 # the round waited 120 s for a rendezvous they never joined.
 DIE_ON_RESUME = """KILLED = os.path.join(PIDS, "killed") if PIDS else ""
-import monarch_kernel.rank.train_park as _park
+import monarch_kernel.rank.training.park as _park
 _obey = _park._obey
 slow_once = RANK in (0, 1)
 def obey_then_die(state, order):

@@ -9,9 +9,9 @@ import threading
 import pytest
 from helpers import wait_until
 
-from monarch_kernel.controller.events import EventBus, MeshEvent, MeshPhaseChanged
-from monarch_kernel.controller.phase import MeshLifecycle
-from monarch_kernel.controller.records import MeshPhase
+from monarch_kernel.controller.state.events import EventBus, MeshEvent, MeshPhaseChanged
+from monarch_kernel.controller.state.phase import MeshLifecycle
+from monarch_kernel.controller.state.records import MeshPhase
 
 pytestmark = pytest.mark.unit
 

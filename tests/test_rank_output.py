@@ -286,7 +286,7 @@ def test_html_image_and_figures_from_two_ranks_arrive_labelled(kernel):
 def test_a_display_past_the_bound_is_a_note_saying_so(kernel):
     r = run(
         kernel,
-        "%%remote m --ranks 1\nimport base64\nimport monarch_kernel.rank.display as d\n"
+        "%%remote m --ranks 1\nimport base64\nimport monarch_kernel.rank.stdio.display as d\n"
         "from IPython.display import Image, display\n"
         "bound, d.MAX_BYTES = d.MAX_BYTES, 64  # as MONARCH_KERNEL_DISPLAY_MAX=64 would\n"
         f"try:\n    display(Image(data=base64.b64decode({PNG!r})))\n"

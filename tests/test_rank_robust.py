@@ -34,7 +34,7 @@ from monarch_kernel.actor import (
     endpoint,
     this_host,
 )
-from monarch_kernel.controller.events import InputRequested
+from monarch_kernel.controller.state.events import InputRequested
 from monarch_kernel.host.agent import free_port
 from monarch_kernel.kernel.remote import RemoteJob
 from monarch_kernel.wire import kinds as K
@@ -357,7 +357,7 @@ def test_input_getpass_and_stdin_are_asked_of_the_notebook(procs4, monkeypatch):
         typed.append("<slow>")
         job = start_cell(
             rank1,
-            "import monarch_kernel.rank.stdin as s\ns.INPUT_TIMEOUT = 0.3\n"
+            "import monarch_kernel.rank.stdio.stdin as s\ns.INPUT_TIMEOUT = 0.3\n"
             "try:\n    input()\nfinally:\n    s.INPUT_TIMEOUT = 600.0",
         )
         with pytest.raises(ActorError) as err:
@@ -423,7 +423,7 @@ def test_abort_releases_peers_and_the_group_reforms(procs4):
     port = free_port()
     backends = run_cell(
         procs4,
-        "from monarch_kernel.rank.distributed import reform_process_group\n"
+        "from monarch_kernel.rank.pg.distributed import reform_process_group\n"
         f"reform_process_group('127.0.0.1', {port})",
     )
     assert backends == ["gloo"] * 4

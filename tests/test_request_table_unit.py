@@ -14,9 +14,9 @@ import pytest
 
 from monarch_kernel.calls.errors import RankDiedError
 from monarch_kernel.calls.reply import Reply
-from monarch_kernel.controller.events import EventBus, RequestKind
-from monarch_kernel.controller.records import RankInfo, RankState
-from monarch_kernel.controller.requests import RequestTable
+from monarch_kernel.controller.state.events import EventBus, RequestKind
+from monarch_kernel.controller.state.records import RankInfo, RankState
+from monarch_kernel.controller.state.requests import RequestTable
 
 pytestmark = pytest.mark.unit
 

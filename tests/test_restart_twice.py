@@ -12,8 +12,8 @@ from conftest import wait_no_orphans
 from helpers import wait_until
 
 from monarch_kernel.actor import this_host
-from monarch_kernel.controller.events import MeshEvent, MeshPhaseChanged
-from monarch_kernel.controller.records import MeshPhase
+from monarch_kernel.controller.state.events import MeshEvent, MeshPhaseChanged
+from monarch_kernel.controller.state.records import MeshPhase
 
 pytestmark = pytest.mark.local
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from monarch_kernel.controller.silence import FACTOR, MAX_SILENCE, WINDOW, SilenceBound
+from monarch_kernel.controller.lifecycle.silence import FACTOR, MAX_SILENCE, WINDOW, SilenceBound
 
 pytestmark = pytest.mark.unit
 

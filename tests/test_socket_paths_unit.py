@@ -14,8 +14,8 @@ import tempfile
 
 import pytest
 
-from monarch_kernel.rank import dataplane_common
 from monarch_kernel.rank.config import RankConfig
+from monarch_kernel.rank.dataplane import common as dataplane_common
 from monarch_kernel.wire import tempdirs
 
 pytestmark = pytest.mark.unit
@@ -42,7 +42,7 @@ def own_dir_reset(monkeypatch):
 
 
 def test_the_controllers_directory_moves_to_tmp_and_keeps_unix_sockets(long_tmp):
-    from monarch_kernel.controller.sockets import private_ipc_dir
+    from monarch_kernel.controller.messaging.sockets import private_ipc_dir
 
     path = private_ipc_dir()
     try:
@@ -84,8 +84,8 @@ def test_a_rank_with_room_keeps_its_sockets_in_its_agents_directory(tmp_path, ow
 #: says where, and waits to be killed.
 MAKES_DIRS = """
 import sys, time
-from monarch_kernel.actor.peer_reply import reply_path
-from monarch_kernel.rank.dataplane_common import own_dir
+from monarch_kernel.actor.peer.reply import reply_path
+from monarch_kernel.rank.dataplane.common import own_dir
 print(own_dir(), reply_path(), flush=True)
 time.sleep(120)
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from monarch_kernel.controller.startup import StartProgress
+from monarch_kernel.controller.lifecycle.startup import StartProgress
 
 pytestmark = pytest.mark.unit
 

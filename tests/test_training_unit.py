@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from monarch_kernel.rank import train_pg
-from monarch_kernel.rank.train_state import sharded_part
+from monarch_kernel.rank.training import reform as train_pg
+from monarch_kernel.rank.training.state import sharded_part
 from monarch_kernel.training import TrainingState, is_peer_failure
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""Where a rank is now (``controller/whereabouts.py``), as the controller answers a
+"""Where a rank is now (``controller/messaging/whereabouts.py``), as the controller answers a
 process holding an old reference: over a mesh's records (real ``RankInfo`` s, no
 processes)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from monarch_kernel.controller.records import MeshPhase
+from monarch_kernel.controller.state.records import MeshPhase
 
 pytestmark = pytest.mark.unit
 
@@ -29,8 +29,8 @@ class _Mesh:
 
 def test_locate_rank_answers():
     from monarch_kernel.calls.errors import DeathInfo
-    from monarch_kernel.controller.records import RankInfo, RankState
-    from monarch_kernel.controller.whereabouts import locate_rank
+    from monarch_kernel.controller.messaging.whereabouts import locate_rank
+    from monarch_kernel.controller.state.records import RankInfo, RankState
     from monarch_kernel.wire.peer_address import PeerAddress
 
     here = PeerAddress("m", "ipc:///x/pr0")

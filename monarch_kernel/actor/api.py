@@ -14,8 +14,8 @@ from typing import Any, Generic, TypeVar
 
 from monarch_kernel.actor import local_context
 from monarch_kernel.actor.meshes import ProcMesh
-from monarch_kernel.actor.peer import PeerRequester, rank_waiter
-from monarch_kernel.actor.peer_client import client
+from monarch_kernel.actor.peer.client import client
+from monarch_kernel.actor.peer.requester import PeerRequester, rank_waiter
 from monarch_kernel.calls.future import Future, then
 from monarch_kernel.calls.gather import One
 from monarch_kernel.calls.requester import MeshRef

@@ -1,5 +1,5 @@
 """``monarch_kernel.attach(NAME)``: take over a detachable mesh another kernel left
-running (see :mod:`monarch_kernel.controller.detach`); the controller's side of the
+running (see :mod:`monarch_kernel.controller.detach.release`); the controller's side of the
 actor API, loaded on first use only."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 
 from monarch_kernel.actor.hosts import watch_faults
 from monarch_kernel.actor.meshes import ActorMesh, ProcMesh
-from monarch_kernel.controller.attach import attach as attach_runtime
+from monarch_kernel.controller.detach.attach import attach as attach_runtime
 from monarch_kernel.wire import loads
 
 log = logging.getLogger("monarch_kernel.actor")

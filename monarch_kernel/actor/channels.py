@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar, cast
 
 import zmq
 
-from monarch_kernel.actor.peer_client import client
+from monarch_kernel.actor.peer.client import client
 from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.gather import reply_value
 from monarch_kernel.calls.reply import Reply

@@ -27,11 +27,11 @@ from typing import Any
 
 import zmq
 
-from monarch_kernel.actor import peer
 from monarch_kernel.actor.channels import report_unhandled
 from monarch_kernel.actor.client_actor import Answer, LocalActor, Work
 from monarch_kernel.actor.client_server import PeerServer
-from monarch_kernel.actor.peer_reply import reply_tcp_host
+from monarch_kernel.actor.peer import requester as peer
+from monarch_kernel.actor.peer.reply import reply_tcp_host
 from monarch_kernel.calls.errors import MeshStoppedError
 from monarch_kernel.calls.future import Future, Waiter
 from monarch_kernel.calls.reply import Reply, RequestObserver

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import zmq
 
 from monarch_kernel.actor.client_actor import Answer
-from monarch_kernel.actor.peer_reply import admit_any_key, reply_tcp_host
+from monarch_kernel.actor.peer.reply import admit_any_key, reply_tcp_host
 from monarch_kernel.wire import Codec, WireError, peer_address
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire.chunks import Assembler, encode_parts

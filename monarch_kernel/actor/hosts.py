@@ -16,21 +16,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from monarch_kernel import config
-from monarch_kernel.actor import peer_resolve
 from monarch_kernel.actor.actor import Actor
 from monarch_kernel.actor.channels import report_unhandled, tell_owner
 from monarch_kernel.actor.client_proc import ClientProc
 from monarch_kernel.actor.meshes import STOP_GRACE, ActorMesh, ProcMesh, size_of
+from monarch_kernel.actor.peer import resolve as peer_resolve
 from monarch_kernel.actor.resize import resized
 from monarch_kernel.calls.future import Future
-from monarch_kernel.controller.asks import ASK_HANDLERS, AskingMesh
-from monarch_kernel.controller.detach import detach_option
-from monarch_kernel.controller.detach import enable as enable_detach
-from monarch_kernel.controller.events import FaultReported, MeshEvent, MeshResized, RankDied
-from monarch_kernel.controller.failures import DEFAULT_GRACE
+from monarch_kernel.controller.detach.release import detach_option
+from monarch_kernel.controller.detach.release import enable as enable_detach
+from monarch_kernel.controller.lifecycle.failures import DEFAULT_GRACE
 from monarch_kernel.controller.mesh import MeshRuntime, registry
-from monarch_kernel.controller.records import FailurePolicy, RankState, parse_policy
-from monarch_kernel.controller.whereabouts import locate_rank
+from monarch_kernel.controller.messaging.asks import ASK_HANDLERS, AskingMesh
+from monarch_kernel.controller.messaging.whereabouts import locate_rank
+from monarch_kernel.controller.state.events import FaultReported, MeshEvent, MeshResized, RankDied
+from monarch_kernel.controller.state.records import FailurePolicy, RankState, parse_policy
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.rank.supervise import PROCESS_ENDED, MeshFailure
 from monarch_kernel.shape import Extent, Shape
@@ -133,7 +133,7 @@ class HostMesh:
         ``on_failure`` (``restart``, ``stop`` or ``continue``) is what the mesh does when
         a rank dies or fails a call the other ranks still run; ``grace`` is how long
         (seconds) those others get to finish before they are released. See
-        :class:`~monarch_kernel.controller.records.FailurePolicy`.
+        :class:`~monarch_kernel.controller.state.records.FailurePolicy`.
 
         ``bootstrap`` (Monarch's): a picklable function called with no arguments on
         every rank once it started, before this returns (set up the environment,
@@ -141,7 +141,7 @@ class HostMesh:
 
         ``detachable``: the ranks outlive this controller, for ``keep`` (seconds or
         ``"2h"``; default 2 hours) without one; another kernel takes the mesh over with
-        ``monarch_kernel.attach(name)`` (see :mod:`monarch_kernel.controller.detach`).
+        ``monarch_kernel.attach(name)`` (see :mod:`monarch_kernel.controller.detach.release`).
 
         A host mesh that was shut down spawns nothing: RuntimeError.
         """
@@ -421,7 +421,7 @@ ASK_HANDLERS["proc_mesh"] = _ask_proc_mesh
 
 def where_is(mesh: str, key: str, rank: int, wait: float, slot: int = -1) -> RankLocation:
     """Where rank ``rank`` of this controller's mesh ``mesh`` (if ``key`` is its key) is
-    now (see ``actor/peer_resolve.py``). ``slot`` (>= 0): the process the asker's
+    now (see ``actor/peer/resolve.py``). ``slot`` (>= 0): the process the asker's
     reference names, which a shrink may have renumbered since: looked up by it."""
     runtime = registry.get(mesh)
     if runtime is not None and not hmac.compare_digest(runtime.key.hex(), key):

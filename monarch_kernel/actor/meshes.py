@@ -37,7 +37,7 @@ from monarch_kernel.actor.endpoints import (
     failed_init,
     gather,
 )
-from monarch_kernel.actor.peer import attach
+from monarch_kernel.actor.peer.requester import attach
 from monarch_kernel.actor.resize import follow, resized
 from monarch_kernel.calls.errors import ActorError, SupervisionError
 from monarch_kernel.calls.future import Future, then
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from monarch_kernel.controller.mesh import MeshRuntime
-    from monarch_kernel.controller.records import RecoveryReport
+    from monarch_kernel.controller.state.records import RecoveryReport
 
 T = TypeVar("T")
 
@@ -260,7 +260,7 @@ class ProcMesh(MeshView):
         return done
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Passed to an actor: a live handle there (see monarch_kernel.actor.peer).
+        # Passed to an actor: a live handle there (see monarch_kernel.actor.peer.requester).
         return rebuild_proc_mesh, (self._requester.reference(), self._shape)
 
     def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> ActorMesh:
@@ -487,7 +487,7 @@ class ActorMesh(MeshView):
         return then(done, forget)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Passed to an actor: a live handle there (see monarch_kernel.actor.peer).
+        # Passed to an actor: a live handle there (see monarch_kernel.actor.peer.requester).
         ref = self._requester.reference()
         return rebuild_actor_mesh, (ref, self._shape, self._name, self._class)
 
@@ -533,13 +533,13 @@ def _whole_now(requester: Requester, ref: MeshRef, shape: Shape) -> Shape:
 
 
 def rebuild_proc_mesh(ref: MeshRef, shape: Shape) -> ProcMesh:
-    """Unpickle a process mesh handle (see :mod:`monarch_kernel.actor.peer`)."""
+    """Unpickle a process mesh handle (see :mod:`monarch_kernel.actor.peer.requester`)."""
     requester = attach(ref)
     return ProcMesh(requester, _whole_now(requester, ref, shape))
 
 
 def rebuild_actor_mesh(ref: MeshRef, shape: Shape, name: str, actor_class: type) -> ActorMesh:
-    """Unpickle an actor mesh handle (see :mod:`monarch_kernel.actor.peer`)."""
+    """Unpickle an actor mesh handle (see :mod:`monarch_kernel.actor.peer.requester`)."""
     requester = attach(ref)
     return ActorMesh(ProcMesh(requester), name, actor_class, _whole_now(requester, ref, shape))
 

@@ -53,7 +53,7 @@ class ProcessGroupAborted(RuntimeError):
     """A collective was cut short because the mesh aborted the rank's process group (a
     failure on another rank, or the stop button); the mesh forms the group again.
 
-    Raised on ranks by the re-formable group (``rank/reformable.py``); defined here, with
+    Raised on ranks by the re-formable group (``rank/pg/reformable.py``); defined here, with
     no torch import, so that a controller can unpickle it without importing torch."""
 
 

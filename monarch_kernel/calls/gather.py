@@ -1,6 +1,6 @@
 """Turning replies into results: the one gather path of the actor API and ``%%remote``.
 
-Each class here is a :class:`~monarch_kernel.controller.events.RequestObserver` that
+Each class here is a :class:`~monarch_kernel.controller.state.events.RequestObserver` that
 completes a :class:`~monarch_kernel.calls.future.Future`:
 
 * :class:`Gather`: every rank of a request -> a :class:`ValueMesh`, or one grouped
@@ -56,7 +56,7 @@ class Gather:
 
     The request fails only once every rank answered or was lost: when one rank fails,
     the mesh's failure policy releases the others (see
-    :mod:`monarch_kernel.controller.failures`), and the error names the root cause
+    :mod:`monarch_kernel.controller.lifecycle.failures`), and the error names the root cause
     (the first failure) and what was done to the others.
     """
 

@@ -1,7 +1,7 @@
 """Are the data-parallel replicas still the same, and if not, which rank's state wins.
 
 Pure data and decisions (no torch): each rank reports a :class:`ReplicaDigest` of its
-training objects (``monarch_kernel.rank.replicas`` makes it); the controller calls
+training objects (``monarch_kernel.rank.replicas.replicas`` makes it); the controller calls
 :func:`plan_sync` on all of them and, when they differ, has every rank run the
 broadcast from :attr:`ReplicaPlan.source`; :func:`describe` says in one line what was
 done, for the cell's output.

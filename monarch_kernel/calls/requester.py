@@ -3,7 +3,7 @@
 A :class:`~monarch_kernel.actor.meshes.ProcMesh` or ``ActorMesh`` does not know where it
 lives. In the notebook its requester is the controller's ``MeshRuntime`` (it owns the
 mesh: sockets to every rank, supervision, restarts); in a rank that was handed a mesh
-reference it is a :class:`~monarch_kernel.actor.peer_client.PeerRequester`, which sends
+reference it is a :class:`~monarch_kernel.actor.peer.client.PeerRequester`, which sends
 the same signed messages straight to the target ranks. Both deliver one
 :class:`~monarch_kernel.calls.reply.Reply` per rank to the request's observer, so the
 adverbs, the gathering and the errors are one code path on both sides.
@@ -67,7 +67,7 @@ class ActorSpec:
 @dataclass(frozen=True)
 class MeshRef:
     """What a pickled mesh handle carries: enough to reach the mesh's ranks directly
-    from another process (see :mod:`monarch_kernel.actor.peer`). The key travels only
+    from another process (see :mod:`monarch_kernel.actor.peer.requester`). The key travels only
     inside signed control messages (CURVE-encrypted across machines)."""
 
     mesh: str  #: the process mesh's name

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from monarch_kernel.controller.sockets import CurveKeys, Endpoints
+from monarch_kernel.controller.messaging.sockets import CurveKeys, Endpoints
 from monarch_kernel.wire.desk import ControllerId
 
 #: Version of the file's layout (a kernel refuses a file of another version).

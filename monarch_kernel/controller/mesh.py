@@ -2,19 +2,19 @@
 
 A :class:`MeshRuntime` is what the layers above hold. It wires together:
 
-* :mod:`~monarch_kernel.controller.records`: what is known of each rank and host;
-* :mod:`~monarch_kernel.controller.phase`: the mesh's phase and the condition to wait on;
-* :mod:`~monarch_kernel.controller.transport`: sockets and every send path;
-* :mod:`~monarch_kernel.controller.receiver`: who reads replies (the receive token and
+* :mod:`~monarch_kernel.controller.state.records`: what is known of each rank and host;
+* :mod:`~monarch_kernel.controller.state.phase`: the mesh's phase and the condition to wait on;
+* :mod:`~monarch_kernel.controller.messaging.transport`: sockets and every send path;
+* :mod:`~monarch_kernel.controller.messaging.receiver`: who reads replies (the receive token and
   the I/O thread);
-* :mod:`~monarch_kernel.controller.inbound`: the handler of each incoming message kind;
-* :mod:`~monarch_kernel.controller.requests`: outstanding requests and their observers;
-* :mod:`~monarch_kernel.controller.supervision`: heartbeats, deaths, lost hosts;
-* :mod:`~monarch_kernel.controller.failures`: the failure policy;
-* :mod:`~monarch_kernel.controller.startup`: starting host agents and ranks;
-* :mod:`~monarch_kernel.controller.restart`: restart in place;
-* :mod:`~monarch_kernel.controller.events`: the lifecycle events it emits;
-* :mod:`~monarch_kernel.controller.streams`: where rank output goes.
+* :mod:`~monarch_kernel.controller.messaging.inbound`: the handler of each incoming message kind;
+* :mod:`~monarch_kernel.controller.state.requests`: outstanding requests and their observers;
+* :mod:`~monarch_kernel.controller.lifecycle.supervision`: heartbeats, deaths, lost hosts;
+* :mod:`~monarch_kernel.controller.lifecycle.failures`: the failure policy;
+* :mod:`~monarch_kernel.controller.lifecycle.startup`: starting host agents and ranks;
+* :mod:`~monarch_kernel.controller.lifecycle.restart`: restart in place;
+* :mod:`~monarch_kernel.controller.state.events`: the lifecycle events it emits;
+* :mod:`~monarch_kernel.controller.messaging.streams`: where rank output goes.
 
 and adds the mesh-wide operations: request, send, signal, kill, stop. The parts get the
 siblings they use in their constructors (never this class); where one needs a mesh
@@ -40,16 +40,19 @@ from monarch_kernel.calls.future import Future, Waiter
 from monarch_kernel.calls.reply import RequestObserver
 from monarch_kernel.calls.requester import PLAIN, CallOptions, MeshRef
 from monarch_kernel.controller.attach_file import MeshIdentity, file_for
-from monarch_kernel.controller.elastic import Resizer
-from monarch_kernel.controller.events import EventBus, RequestKind, RequestStarted
-from monarch_kernel.controller.failures import DEFAULT_GRACE, FailureHandler
-from monarch_kernel.controller.inbound import Inbound
+from monarch_kernel.controller.elastic.resize import Resizer
+from monarch_kernel.controller.lifecycle.failures import DEFAULT_GRACE, FailureHandler
+from monarch_kernel.controller.lifecycle.restart import Restarter
+from monarch_kernel.controller.lifecycle.startup import Starter
+from monarch_kernel.controller.lifecycle.supervision import Supervisor
 from monarch_kernel.controller.mesh_recovery import RestartAndResize
-from monarch_kernel.controller.peer_mesh import PeerMesh
-from monarch_kernel.controller.peer_recovery import PeerRecovery
-from monarch_kernel.controller.phase import MeshLifecycle
-from monarch_kernel.controller.receiver import Awaitable, Receiver
-from monarch_kernel.controller.records import (
+from monarch_kernel.controller.messaging.inbound import Inbound
+from monarch_kernel.controller.messaging.receiver import Awaitable, Receiver
+from monarch_kernel.controller.messaging.streams import RankLogs, StreamRouter
+from monarch_kernel.controller.messaging.transport import Transport
+from monarch_kernel.controller.state.events import EventBus, RequestKind, RequestStarted
+from monarch_kernel.controller.state.phase import MeshLifecycle
+from monarch_kernel.controller.state.records import (
     GONE,
     FailurePolicy,
     HostInfo,
@@ -61,13 +64,10 @@ from monarch_kernel.controller.records import (
     Slots,
     slots_by_host,
 )
-from monarch_kernel.controller.registry import MeshRegistry, MeshSummary
-from monarch_kernel.controller.requests import RequestTable, new_request_id
-from monarch_kernel.controller.restart import Restarter
-from monarch_kernel.controller.startup import Starter
-from monarch_kernel.controller.streams import RankLogs, StreamRouter
-from monarch_kernel.controller.supervision import Supervisor
-from monarch_kernel.controller.transport import Transport
+from monarch_kernel.controller.state.registry import MeshRegistry, MeshSummary
+from monarch_kernel.controller.state.requests import RequestTable, new_request_id
+from monarch_kernel.controller.training.recovery import PeerRecovery
+from monarch_kernel.controller.training.round_mesh import PeerMesh
 from monarch_kernel.launchers.base import Launcher
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import Codec
@@ -120,11 +120,11 @@ class MeshRuntime(RestartAndResize):
         has one, else ``127.0.0.1``. ``advertise``: the address host agents connect to
         when it differs from the bound one (a wildcard bind; default: the launcher's
         ``advertise`` attribute). Tcp sockets are CURVE servers (see ``Transport``).
-        ``on_failure`` and ``grace``: see :mod:`~monarch_kernel.controller.failures`.
+        ``on_failure`` and ``grace``: see :mod:`~monarch_kernel.controller.lifecycle.failures`.
         ``detach_keep`` > 0: a detachable mesh, whose agents and ranks run on that many
-        seconds without a controller (:mod:`~monarch_kernel.controller.detach`);
+        seconds without a controller (:mod:`~monarch_kernel.controller.detach.release`);
         ``identity``: take over such a mesh (its key, run and addresses) instead of
-        making a new one (:mod:`~monarch_kernel.controller.adopt`).
+        making a new one (:mod:`~monarch_kernel.controller.detach.adopt`).
         """
         if grace < 0:
             raise ValueError(f"grace must be >= 0 seconds, got {grace}")

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from monarch_kernel.calls.requester import ActorSpec
-from monarch_kernel.controller.elastic import Resizer
-from monarch_kernel.controller.elastic_plan import ResizeReport
-from monarch_kernel.controller.records import MeshRecipe, RecoveryReport, SetupCell
-from monarch_kernel.controller.restart import Restarter
+from monarch_kernel.controller.elastic.plan import ResizeReport
+from monarch_kernel.controller.elastic.resize import Resizer
+from monarch_kernel.controller.lifecycle.restart import Restarter
+from monarch_kernel.controller.state.records import MeshRecipe, RecoveryReport, SetupCell
 
 __all__ = ["RestartAndResize"]
 

@@ -46,7 +46,7 @@ def _preimport() -> None:
         except ImportError:
             pass
     if "torch" in sys.modules:
-        from monarch_kernel.rank.distributed import install_idempotent_init
+        from monarch_kernel.rank.pg.distributed import install_idempotent_init
 
         install_idempotent_init()
     _freeze_heap()
@@ -151,7 +151,7 @@ class Template:
 
     def shutdown(self, grace: float = DEFAULT_GRACE) -> None:
         self.stop_children(grace)
-        from monarch_kernel.rank.dataplane import cleanup_shm
+        from monarch_kernel.rank.dataplane.plane import cleanup_shm
 
         for run_id in self.run_ids:
             cleanup_shm(run_id)

@@ -7,8 +7,8 @@ from typing import NoReturn
 
 from IPython.core.error import UsageError
 
-from monarch_kernel.controller.failures import DEFAULT_GRACE
-from monarch_kernel.controller.records import FailurePolicy, parse_policy
+from monarch_kernel.controller.lifecycle.failures import DEFAULT_GRACE
+from monarch_kernel.controller.state.records import FailurePolicy, parse_policy
 from monarch_kernel.kernel.output import MODES
 
 

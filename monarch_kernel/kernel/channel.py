@@ -17,7 +17,7 @@ import uuid
 from collections import deque
 from typing import Any
 
-from monarch_kernel.controller.events import DisplayOutput
+from monarch_kernel.controller.state.events import DisplayOutput
 from monarch_kernel.wire.jsontypes import JsonObject, MimeBundle
 from monarch_kernel.wire.terminal import strip_controls
 
@@ -262,7 +262,7 @@ class LiveText:
 def show_unrouted(event: DisplayOutput) -> None:
     """Show a display no cell routes (an actor endpoint's, a thread's) under the cell
     running when it comes, labelled ``[rank N]:`` like the lines of the default stream
-    sink: the kernel's :func:`~monarch_kernel.controller.streams.set_unrouted_display`
+    sink: the kernel's :func:`~monarch_kernel.controller.messaging.streams.set_unrouted_display`
     hook, for every mesh (``%mesh``, ``spawn_procs`` in a cell, ...)."""
     if event.op not in ("display", "update"):
         return  # clear_output outside a cell: nothing of its own to clear

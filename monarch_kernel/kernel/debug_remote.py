@@ -1,6 +1,6 @@
 """``%debug_remote``: attach the notebook to ranks' paused debuggers, or open a
 post-mortem pdb where their last cell or endpoint failed (the console itself is
-:class:`~monarch_kernel.kernel.debug.DebugConsole`)."""
+:class:`~monarch_kernel.kernel.debug.console.DebugConsole`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import time
 
 from monarch_kernel.actor import ProcMesh
 from monarch_kernel.calls.errors import format_ranks
-from monarch_kernel.controller.events import InputRequested, MeshEvent
 from monarch_kernel.controller.mesh import MeshRuntime
-from monarch_kernel.controller.records import RankState
-from monarch_kernel.kernel.debug import DebugConsole
+from monarch_kernel.controller.state.events import InputRequested, MeshEvent
+from monarch_kernel.controller.state.records import RankState
+from monarch_kernel.kernel.debug.console import DebugConsole
 from monarch_kernel.kernel.remote import InputRouter, RemoteJob
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import kinds as K

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from monarch_kernel.controller.mesh import registry
-from monarch_kernel.controller.records import FailurePolicy
+from monarch_kernel.controller.state.records import FailurePolicy
 from monarch_kernel.kernel.args import Parser, mesh_parser, remote_parser
 from monarch_kernel.launchers import BACKENDS
 

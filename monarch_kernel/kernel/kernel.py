@@ -17,7 +17,7 @@ from typing import Any
 from ipykernel.ipkernel import IPythonKernel
 
 from monarch_kernel import __version__
-from monarch_kernel.kernel.dap_requests import RemoteDebugger
+from monarch_kernel.kernel.debug.requests import RemoteDebugger
 
 #: The kernel process's GIL switch interval (seconds); see ``MonarchKernel.__init__``.
 SWITCH_INTERVAL = 0.001

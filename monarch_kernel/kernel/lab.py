@@ -19,9 +19,9 @@ import time
 from typing import Any, Protocol, TypedDict
 
 from monarch_kernel.actor import ProcMesh
-from monarch_kernel.controller.events import MeshPhaseChanged, RankDied, RankStateChanged
 from monarch_kernel.controller.mesh import MeshRuntime, registry
-from monarch_kernel.controller.records import RankState
+from monarch_kernel.controller.state.events import MeshPhaseChanged, RankDied, RankStateChanged
+from monarch_kernel.controller.state.records import RankState
 from monarch_kernel.wire.jsontypes import JsonObject
 
 log = logging.getLogger("monarch_kernel.lab")

@@ -22,11 +22,14 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from monarch_kernel.actor import ProcMesh, ValueMesh
 from monarch_kernel.controller.mesh import registry
 from monarch_kernel.kernel import help as _help
-from monarch_kernel.kernel import mesh_admin, mesh_detach, mesh_resize, push_pull, remote_cell
+from monarch_kernel.kernel import push_pull, remote_cell
 from monarch_kernel.kernel.args import Parser, split_args
 from monarch_kernel.kernel.hints import REMOTE_ERRORS, show_remote_error
-from monarch_kernel.kernel.mesh_create import create_mesh
-from monarch_kernel.kernel.mesh_names import check_mesh_name
+from monarch_kernel.kernel.mesh import admin as mesh_admin
+from monarch_kernel.kernel.mesh import detach as mesh_detach
+from monarch_kernel.kernel.mesh import resize as mesh_resize
+from monarch_kernel.kernel.mesh.create import create_mesh
+from monarch_kernel.kernel.mesh.names import check_mesh_name
 from monarch_kernel.kernel.notebook import Notebook
 from monarch_kernel.kernel.remote import InputRouter, RemoteJob
 from monarch_kernel.kernel.targets import ranks_option, resolve
@@ -144,7 +147,7 @@ class MeshMagics(Magics):
         """``%debug_remote NAME [--rank R | --ranks 0:4] [--clear]``: attach to the ranks
         paused at a breakpoint nobody attached to, else a post-mortem pdb on the frame
         where each rank's last ``%%remote`` cell or endpoint failed (``--clear``: only
-        release those frames). See :mod:`monarch_kernel.kernel.debug`."""
+        release those frames). See :mod:`monarch_kernel.kernel.debug.console`."""
         from monarch_kernel.kernel.debug_remote import debug_remote
 
         p = Parser(prog="%debug_remote", add_help=False)
@@ -201,7 +204,7 @@ def _dashboard(procs: ProcMesh) -> Any:
 def load_ipython_extension(ipython: Any) -> MeshMagics:
     """Register the magics (``%load_ext monarch_kernel``)."""
     from monarch_kernel.actor.meshes import set_dashboard_factory
-    from monarch_kernel.controller.streams import set_unrouted_display
+    from monarch_kernel.controller.messaging.streams import set_unrouted_display
     from monarch_kernel.kernel.channel import show_unrouted
 
     set_dashboard_factory(_dashboard)  # ProcMesh.dashboard(), importing ipywidgets late
@@ -221,7 +224,7 @@ def load_ipython_extension(ipython: Any) -> MeshMagics:
 def stop_all_meshes() -> None:
     """Stop every live mesh of this kernel (shutdown and restart); detachable meshes
     are let go instead (they run on for a kernel to attach)."""
-    from monarch_kernel.controller.detach import detach_all
+    from monarch_kernel.controller.detach.release import detach_all
 
     detach_all()
     registry.stop_all(timeout=5)

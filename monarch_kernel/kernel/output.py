@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable
 
 from monarch_kernel.calls.errors import format_ranks
-from monarch_kernel.controller.events import DisplayOutput
+from monarch_kernel.controller.state.events import DisplayOutput
 from monarch_kernel.kernel.output_items import BarBlock, Bucket, Display, Line
 from monarch_kernel.wire.jsontypes import JsonObject, MimeBundle
 from monarch_kernel.wire.terminal import Terminal

@@ -16,19 +16,19 @@ from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.gather import Gather
 from monarch_kernel.calls.requester import CallOptions
 from monarch_kernel.controller.attach_file import JobRecord
-from monarch_kernel.controller.events import (
+from monarch_kernel.controller.detach.takeover import Attached
+from monarch_kernel.controller.mesh import MeshRuntime, new_request_id
+from monarch_kernel.controller.state.events import (
     DebuggerResumed,
     InputRequested,
     MeshEvent,
     RankDied,
     RequestFailed,
 )
-from monarch_kernel.controller.mesh import MeshRuntime, new_request_id
-from monarch_kernel.controller.takeover import Attached
-from monarch_kernel.kernel import dap_requests
-from monarch_kernel.kernel.dap_relay import PROMPT as DAP_PROMPT
-from monarch_kernel.kernel.dap_relay import DapRelay
-from monarch_kernel.kernel.debug import DebugConsole
+from monarch_kernel.kernel.debug import requests as dap_requests
+from monarch_kernel.kernel.debug.console import DebugConsole
+from monarch_kernel.kernel.debug.relay import PROMPT as DAP_PROMPT
+from monarch_kernel.kernel.debug.relay import DapRelay
 from monarch_kernel.kernel.output import CellOutput
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import dumps
@@ -162,7 +162,7 @@ class InputRouter:
             return
         runtime = self._runtime()
         if runtime is not None:
-            from monarch_kernel.controller.inbound import NO_READER
+            from monarch_kernel.controller.messaging.inbound import NO_READER
 
             runtime.answer_input(event.rank, event.serial, error=NO_READER)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from IPython.core.error import UsageError
 
 from monarch_kernel.actor import ProcMesh, ValueMesh
-from monarch_kernel.controller.detach import recipe_changed
-from monarch_kernel.controller.records import MeshPhase, SetupCell
+from monarch_kernel.controller.detach.release import recipe_changed
+from monarch_kernel.controller.state.records import MeshPhase, SetupCell
 from monarch_kernel.kernel.args import remote_parser, split_args
 from monarch_kernel.kernel.channel import CellChannel, LiveText
 from monarch_kernel.kernel.hints import REMOTE_ERRORS, notebook_text, notebook_words

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 
-from monarch_kernel.controller.registry import MeshSummary
+from monarch_kernel.controller.state.registry import MeshSummary
 
 COLUMNS = ("mesh", "shape", "backend", "alive", "state")
 

@@ -13,7 +13,7 @@ from IPython.core.error import UsageError
 
 from monarch_kernel.actor import ActorMesh, ProcMesh
 from monarch_kernel.actor.meshes import procs_of
-from monarch_kernel.controller.detach import released_why
+from monarch_kernel.controller.detach.release import released_why
 from monarch_kernel.controller.mesh import registry
 from monarch_kernel.rank.context import UserNamespace
 from monarch_kernel.shape import Shape, SliceError, parse_ranks

@@ -12,12 +12,12 @@ import linecache
 import sys
 from typing import Any
 
-from monarch_kernel.rank import capture, display
 from monarch_kernel.rank.actors import UserCode
 from monarch_kernel.rank.context import UserNamespace
-from monarch_kernel.rank.dap import DapPdb
-from monarch_kernel.rank.debugger import RankDebugger
+from monarch_kernel.rank.debug.dap import DapPdb
+from monarch_kernel.rank.debug.debugger import RankDebugger
 from monarch_kernel.rank.outbox import Outbox
+from monarch_kernel.rank.stdio import capture, display
 from monarch_kernel.wire import Message, loads
 from monarch_kernel.wire import headers as H
 

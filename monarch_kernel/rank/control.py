@@ -151,11 +151,11 @@ class ControlThread:
 
     def send_stats(self) -> None:
         """The once-a-second ``stats``: memory, data-plane bytes, process group."""
-        from monarch_kernel.rank.dataplane import counters
+        from monarch_kernel.rank.dataplane.plane import counters
 
         stats: dict[str, object] = {"rss": _rss(), "time": time.time(), **counters()}
         if "torch.distributed" in sys.modules:  # so a restart can re-form the group
-            from monarch_kernel.rank import distributed
+            from monarch_kernel.rank.pg import distributed
 
             if distributed.last_backend:
                 stats["pg"] = distributed.last_backend
@@ -194,10 +194,10 @@ class ControlThread:
             cancelled.pop()
         if context.current_request == target and self.main.in_user_code:
             os.kill(os.getpid(), signal.SIGINT)  # raises in the main thread
-            if "monarch_kernel.rank.pg_backend" in sys.modules:
+            if "monarch_kernel.rank.pg.backend" in sys.modules:
                 # A main thread waiting in C++ for a collective (DDP's backward) takes no
                 # interrupt, and its peers are being interrupted: release it.
-                from monarch_kernel.rank import distributed
+                from monarch_kernel.rank.pg import distributed
 
                 distributed.release_collectives("interrupted")
 
@@ -236,7 +236,7 @@ class ControlThread:
         """PING: reply this rank's pid, its count of rejected (forged) messages, the
         backend of its last torch.distributed process group (``pg``) and whether that
         group is live now (``pg_live``)."""
-        from monarch_kernel.rank import distributed
+        from monarch_kernel.rank.pg import distributed
 
         backend, live = distributed.state()
         value = {
@@ -253,7 +253,7 @@ class ControlThread:
         thread of its own and is waited for at most ABORT_WAIT seconds (so that a ping
         right after it sees the group gone), so a backend slow to abort never holds up
         pings, cancels and stack dumps for long."""
-        from monarch_kernel.rank import distributed
+        from monarch_kernel.rank.pg import distributed
 
         why = H.AbortPg.decode(msg.header).why
         # A failure the abort causes (a collective released with an error) is not kept
@@ -275,7 +275,7 @@ class ControlThread:
     def train(self, msg: Message) -> None:
         """TRAIN: an order for the main thread parked at a training step boundary (see
         ``rank.train_park``)."""
-        from monarch_kernel.rank import train_park
+        from monarch_kernel.rank.training import park as train_park
 
         train_park.on_control(msg, self.outbox)
 

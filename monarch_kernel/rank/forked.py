@@ -9,9 +9,10 @@ import signal
 import sys
 import threading
 
-from monarch_kernel.rank import capture, context, env
+from monarch_kernel.rank import context, env
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.rank.signals import TERMINATED_CODE, RankTerminated
+from monarch_kernel.rank.stdio import capture
 from monarch_kernel.wire.osutil import die_with_parent
 
 log = logging.getLogger("monarch_kernel.rank")
@@ -153,7 +154,7 @@ def _finalize_actors() -> None:
 def _clean_up() -> None:
     """What a Python process does on its way out, which ``os._exit`` skips: tear down
     the process group (bounded), run ``atexit`` handlers, flush the streams."""
-    from monarch_kernel.rank import distributed
+    from monarch_kernel.rank.pg import distributed
 
     done = threading.Event()
 

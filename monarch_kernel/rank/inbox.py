@@ -25,7 +25,8 @@ from typing import Any, Protocol
 
 import zmq
 
-from monarch_kernel.rank import context, peer_keys
+from monarch_kernel.rank import context
+from monarch_kernel.rank import listener_gate as peer_keys
 from monarch_kernel.rank.actors import Running
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.rank.outbox import Outbox
@@ -88,7 +89,7 @@ def bind_peer(sock: zmq.Socket[bytes], cfg: RankConfig) -> PeerAddress:
     host agent's private (0700) directory and, when the mesh may span machines (its
     sockets use CURVE), a CURVE TCP socket on this host's address that admits the
     mesh's peer key only (``rank.peer_keys``)."""
-    from monarch_kernel.rank.dataplane_common import host_addr, socket_path
+    from monarch_kernel.rank.dataplane.common import host_addr, socket_path
 
     # The same path (and TCP port and key, see the controller's rank specs) after a
     # restart: references to this rank held by other ranks reach it again. (A host

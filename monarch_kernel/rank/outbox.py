@@ -245,7 +245,7 @@ class Outbox:
 
     def display(self, op: str, display_id: str | None, payload: bytes) -> None:
         """A rich display (``op``: ``display``, ``update``, ``clear``, ``clear_wait``)
-        made during the request being served (see :mod:`monarch_kernel.rank.display`)."""
+        made during the request being served (see :mod:`monarch_kernel.rank.stdio.display`)."""
         header = H.Display(
             rank=self.rank, request=context.current_request, op=op, display_id=display_id
         )

@@ -25,20 +25,22 @@ from typing import Any
 
 import zmq
 
-from monarch_kernel.rank import capture, context, display, peer_keys
+from monarch_kernel.rank import context
+from monarch_kernel.rank import listener_gate as peer_keys
 from monarch_kernel.rank.actors import ActorHost, ResponsePort
 from monarch_kernel.rank.cells import Cells
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.rank.context import UserNamespace
 from monarch_kernel.rank.control import ControlThread
-from monarch_kernel.rank.dap import EndpointBreaks
-from monarch_kernel.rank.debugger import RankDebugger
+from monarch_kernel.rank.debug.dap import EndpointBreaks
+from monarch_kernel.rank.debug.debugger import RankDebugger
 from monarch_kernel.rank.device import bind_gpu
 from monarch_kernel.rank.inbox import Inbox, bind_peer, connect, dealer
 from monarch_kernel.rank.link import ControllerLink, serve_attached
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.signals import TERMINATED_CODE, MainThread, RankTerminated
-from monarch_kernel.rank.stdin import InputBridge
+from monarch_kernel.rank.stdio import capture, display
+from monarch_kernel.rank.stdio.stdin import InputBridge
 from monarch_kernel.shape import Point
 from monarch_kernel.wire import Codec
 from monarch_kernel.wire import headers as H

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from monarch_kernel.calls.errors import format_ranks
-from monarch_kernel.controller.records import RankState
+from monarch_kernel.controller.state.records import RankState
 from monarch_kernel.widgets.state import MeshState
 
 if TYPE_CHECKING:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as W
 
-from monarch_kernel.controller.records import MeshPhase
+from monarch_kernel.controller.state.records import MeshPhase
 from monarch_kernel.widgets import compact, panes, render, theme
 from monarch_kernel.widgets.action_bar import ActionBar, BarView
 from monarch_kernel.widgets.actions import MeshActions

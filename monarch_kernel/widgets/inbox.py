@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from monarch_kernel.controller.events import MeshEvent, MetricReported
+from monarch_kernel.controller.state.events import MeshEvent, MetricReported
 
 #: Events kept between two drains; far more than 64 ranks x 100 reports/s x 0.25 s.
 MAX_QUEUED = 200_000

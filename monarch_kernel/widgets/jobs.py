@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from monarch_kernel.calls.errors import format_ranks
-from monarch_kernel.controller.events import RequestKind, RequestStarted
-from monarch_kernel.controller.records import RankInfo, RankState
+from monarch_kernel.controller.state.events import RequestKind, RequestStarted
+from monarch_kernel.controller.state.records import RankInfo, RankState
 from monarch_kernel.widgets.fmt import duration
 from monarch_kernel.widgets.views import JobView
 

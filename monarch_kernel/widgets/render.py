@@ -15,7 +15,7 @@ from html import escape as esc
 from typing import TYPE_CHECKING
 
 from monarch_kernel.calls.errors import format_ranks
-from monarch_kernel.controller.records import MeshPhase
+from monarch_kernel.controller.state.records import MeshPhase
 from monarch_kernel.widgets.fmt import duration, rate_text
 from monarch_kernel.widgets.state import MeshState
 from monarch_kernel.widgets.theme import COLORS, STATES

@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from monarch_kernel.controller.records import RankInfo
+from monarch_kernel.controller.state.records import RankInfo
 from monarch_kernel.wire.reports import RankStats
 
 if TYPE_CHECKING:

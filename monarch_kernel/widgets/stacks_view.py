@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from monarch_kernel.calls.errors import format_ranks
-from monarch_kernel.controller.stacks import collect_stacks
+from monarch_kernel.controller.lifecycle.stacks import collect_stacks
 from monarch_kernel.wire.stacks import Frame, RankStacks, ThreadStack
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from monarch_kernel.controller.events import (
+from monarch_kernel.controller.state.events import (
     DebuggerPaused,
     DebuggerResumed,
     FaultReported,
@@ -42,7 +42,7 @@ from monarch_kernel.controller.events import (
     StatsReported,
     StreamOutput,
 )
-from monarch_kernel.controller.records import MeshPhase, RankInfo, RankState
+from monarch_kernel.controller.state.records import MeshPhase, RankInfo, RankState
 from monarch_kernel.widgets.fmt import age, human_bytes, num
 from monarch_kernel.widgets.inbox import EventInbox
 from monarch_kernel.widgets.incidents import ErrorEntry, Incident, IncidentLog

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from monarch_kernel.calls.errors import format_ranks
-from monarch_kernel.controller.records import RecoveryReport
+from monarch_kernel.controller.state.records import RecoveryReport
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ This module is the pure part (no sockets): :class:`FanIn`, the agent's table of
 batches, and the wire form of the parts (:func:`encode_parts`, :func:`decode_parts`),
 marshal-encoded inside a signed message like a header. The agent's loop
 (:mod:`monarch_kernel.host.agent`) feeds it, the controller
-(:mod:`monarch_kernel.controller.inbound`) reads ``fan_in`` messages.
+(:mod:`monarch_kernel.controller.messaging.inbound`) reads ``fan_in`` messages.
 """
 
 from __future__ import annotations

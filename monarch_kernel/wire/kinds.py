@@ -364,7 +364,7 @@ kind              keys and payload
 
 Rank <-> rank data plane (not control messages)
 -----------------------------------------------
-:mod:`monarch_kernel.rank.dataplane` signs its requests with the same codec, with its
+:mod:`monarch_kernel.rank.dataplane.plane` signs its requests with the same codec, with its
 own kinds (literals there, not constants here): a request ``k`` = ``"req"`` with ``op``
 str (``fetch``, ``shm``, ``write`` or ``release``), ``id`` int (the shared tensor's id),
 ``n`` str (a fresh nonce) and ``t`` float (the sender's time); a ``fetch`` names a range,
@@ -462,9 +462,10 @@ TRAIN_NOTICE = "train_notice"
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 9  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
+PROTOCOL_VERSION = 10  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
 # 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``;
 # 6: fan-in (``fan_in``, ``fan_direct``); 7: ``batch``; 8: ``host_stats``, slots
 # (``slot`` in ``spawn_ranks``, ranks named by their slot on the wire) and ``mesh_ref``;
 # 9: one envelope frame (length word, header, signature, small payload) instead of
-# three frames (``wire.codec``)
+# three frames (``wire.codec``); 10: the package's modules moved into capability
+# subpackages (``controller/state``, ``rank/pg`` ...), so pickled class paths changed

@@ -26,10 +26,10 @@ OWNERS = ".mk-owners"
 #: The private directory of a host agent that no local launcher made for it.
 HOST_PREFIX = "mk-host-"
 #: A rank's own directory for its data-plane socket, where it has no host agent's
-#: (``monarch_kernel.rank.dataplane_common.own_dir``).
+#: (``monarch_kernel.rank.dataplane.common.own_dir``).
 DATAPLANE_PREFIX = "mk-dp-"
 #: The reply socket's directory of a process that is not a rank (the notebook's
-#: kernel calling ranks directly: ``monarch_kernel.actor.peer_reply``).
+#: kernel calling ranks directly: ``monarch_kernel.actor.peer.reply``).
 PEER_PREFIX = "mk-peer-"
 #: The directories :func:`sweep` looks at (by name prefix).
 SWEPT = ("mk-launch-", "mk-mesh-", "mk-detached-", HOST_PREFIX, DATAPLANE_PREFIX, PEER_PREFIX)

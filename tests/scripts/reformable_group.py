@@ -21,8 +21,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from monarch_kernel.calls.errors import ProcessGroupAborted
-from monarch_kernel.rank import distributed, pg_backend, replicas
-from monarch_kernel.rank.reformable import ReformableGroup
+from monarch_kernel.rank.pg import backend as pg_backend
+from monarch_kernel.rank.pg import distributed
+from monarch_kernel.rank.pg.reformable import ReformableGroup
+from monarch_kernel.rank.replicas import replicas
 
 
 def report(**values: object) -> None:

@@ -1,0 +1,335 @@
+"""The owner's side of the data plane: the tensors this rank shared, and the thread that
+serves other ranks' signed, nonce'd requests for them."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy
+import zmq
+
+from monarch_kernel.rank import listener_gate as peer_keys
+from monarch_kernel.rank.config import RankConfig
+from monarch_kernel.rank.dataplane.common import (
+    ENCRYPT_ENV,
+    NONCE_MAX,
+    NONCE_WINDOW,
+    SHM_DIR,
+    SHM_MIN_BYTES,
+    counters_,
+    host_addr,
+    socket_path,
+    write_all,
+)
+from monarch_kernel.rank.dataplane.ref import TensorRef
+from monarch_kernel.wire import Codec, WireError
+from monarch_kernel.wire.codec import Buffer, Header, limit_size
+from monarch_kernel.wire.key_gate import guard
+from monarch_kernel.wire.limits import CHUNK_SIZE
+from monarch_kernel.wire.peer_address import GATE_DOMAIN
+from monarch_kernel.wire.ports import bind_port
+
+_REFUSED = (
+    "refused a replayed or stale data-plane request "
+    f"(or clocks more than {NONCE_WINDOW:.0f} s apart)"
+)
+
+
+class Nonces:
+    """Admits each (nonce, time) once: a request must be recent and its nonce unseen.
+    Bounded: when more than ``limit`` are remembered the oldest are forgotten and
+    nothing as old as them is admitted any more."""
+
+    def __init__(self, window: float = NONCE_WINDOW, limit: int = NONCE_MAX):
+        self.window, self.limit = window, limit
+        self.seen: OrderedDict[str, float] = OrderedDict()
+        self.floor = 0.0
+
+    def admit(self, nonce: Any, sent: Any) -> bool:
+        now = time.time()
+        if not isinstance(nonce, str) or len(nonce) < 16 or nonce in self.seen:
+            return False
+        if not isinstance(sent, (int, float)) or isinstance(sent, bool):
+            return False
+        if sent <= max(self.floor, now - self.window) or sent > now + self.window:
+            return False
+        self.seen[nonce] = float(sent)
+        while self.seen:
+            oldest, t = next(iter(self.seen.items()))
+            if len(self.seen) > self.limit:
+                self.floor = max(self.floor, t)
+            elif t >= now - self.window:
+                break
+            del self.seen[oldest]
+        return True
+
+
+class Server:
+    """The owner's side: a registry of shared tensors and a thread serving requests."""
+
+    def __init__(self, cfg: RankConfig):
+        self.codec = Codec(bytes.fromhex(cfg.key))
+        self.key_id = cfg.run_id
+        self.key_hex = cfg.key
+        self.machine = cfg.hostname or socket.gethostname()
+        self.rank = cfg.slot  # the process (its wire id): names stay unique after a shrink
+        self.host = cfg.host
+        world = cfg.world_size
+        per_host = cfg.local_world_size
+        # Other ranks on this host: large tensors move to shared memory at share time.
+        self.shm_at_share = SHM_DIR is not None and per_host > 1
+        self.tensors: dict[int, Any] = {}
+        self.writable: set[int] = set()  # RDMA buffers (``monarch_kernel.rdma``)
+        self.shm_fds: dict[int, int] = {}  # our own descriptor of a tensor's shared memory
+        #: CPU copies of tensors that are not contiguous CPU tensors, while a reader
+        #: fetches them range by range (see ``_raw``)
+        self.staged: dict[int, Any] = {}
+        self.seq = itertools.count(1)
+        self.ids = itertools.count(1)
+        self.lock = threading.Lock()
+        self.nonces = Nonces()
+        self._replays_seen = 0  # the codec's count of replays, already counted by us
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        limit_size(self.sock)
+        name = f"dp{self.rank}-{os.getpid()}"
+        self.ipc = f"ipc://{socket_path(cfg, name)}"
+        self.sock.bind(self.ipc)
+        self.address = ""
+        self.curve_public = ""
+        self.tcp: zmq.Socket[bytes] | None = None
+        # Other hosts of this mesh, or ranks of other meshes on other machines (a mesh
+        # whose sockets use CURVE may be called from them): TCP on this host's address.
+        if world > per_host or cfg.curve_secret:
+            addr = host_addr(cfg)
+            tcp = self.sock
+            if os.environ.get(ENCRYPT_ENV, "").lower() in ("1", "true", "yes"):
+                # A socket of its own: ranks of this host keep the unencrypted ipc one.
+                # The server keypair is this process's; in a CURVE mesh only the mesh's
+                # peer key may connect (``rank.peer_keys``), and every request is still
+                # signed and nonce'd.
+                tcp = self.tcp = self.ctx.socket(zmq.ROUTER)
+                tcp.setsockopt(zmq.LINGER, 0)
+                limit_size(tcp)
+                public, secret = zmq.curve_keypair()
+                gate = peer_keys.gate()
+                if gate is not None:
+                    guard(tcp, secret.decode(), gate, GATE_DOMAIN)
+                else:
+                    tcp.setsockopt(zmq.CURVE_SERVER, 1)
+                    tcp.setsockopt(zmq.CURVE_SECRETKEY, secret)
+                self.curve_public = public.decode()
+            port = bind_port(tcp, addr)
+            self.address = f"tcp://{addr}:{port}"
+        self.shm_prefix = f"mk-{cfg.run_id}-r{self.rank}-"
+        threading.Thread(target=self._serve, name="mk-dataplane", daemon=True).start()
+
+    def share(self, tensor: Any, writable: bool = False) -> TensorRef:
+        """Offer ``tensor`` to other ranks (``writable``: an RDMA buffer, which they may
+        also write into)."""
+        # The owner's tensor itself is kept (never a copy): get() sees it as it is then.
+        t = tensor.detach()
+        nbytes = t.numel() * t.element_size()
+        with self.lock:
+            ident = next(self.ids)
+        shm, ino, fd = "", 0, -1
+        if self.shm_at_share and nbytes >= SHM_MIN_BYTES:
+            placed = self._move_to_shm(t, nbytes)
+            if placed is not None:
+                fd, ino = placed
+                shm = f"/proc/{os.getpid()}/fd/{fd}"
+        with self.lock:
+            self.tensors[ident] = t
+            if writable:
+                self.writable.add(ident)
+            if fd >= 0:
+                self.shm_fds[ident] = fd
+        dtype = str(t.dtype).removeprefix("torch.")
+        return TensorRef(
+            self.rank,
+            self.host,
+            self.address,
+            self.ipc,
+            shm,
+            self.key_id,
+            ident,
+            dtype,
+            tuple(t.shape),
+            nbytes,
+            t.is_cuda,
+            ino,
+            self.curve_public,
+            self.machine,
+            self.key_hex,
+            os.getpid(),
+        )
+
+    @staticmethod
+    def _move_to_shm(t: Any, nbytes: int) -> tuple[int, int] | None:
+        """Move ``t``'s storage into shared memory in place (every tensor over that
+        storage follows); our own descriptor of it and its inode, or None where it
+        cannot be (not CPU, not contiguous, a part of a bigger storage, shared memory
+        short): such a tensor is served over the socket, as it is at get() time."""
+        if t.device.type != "cpu" or not t.is_contiguous() or t.storage_offset() != 0:
+            return None
+        storage = t.untyped_storage()
+        if storage.nbytes() != nbytes:
+            return None
+        assert SHM_DIR is not None
+        if not storage.is_shared():
+            free = os.statvfs(SHM_DIR)
+            if free.f_bavail * free.f_frsize < 2 * nbytes:
+                return None  # leave room for others
+        try:
+            # torch's share_memory_ with the file-descriptor strategy: the data is
+            # copied once into an unlinked shm file (0600) and the storage's data pointer
+            # swapped to it; a no-op for a storage already there.
+            torch_fd, _size = storage._share_fd_cpu_()
+            fd = os.dup(torch_fd)
+        except (RuntimeError, OSError, AttributeError):
+            return None
+        return fd, os.fstat(fd).st_ino
+
+    def _raw(self, ident: int, staged: bool = False) -> Any:
+        """The tensor's bytes as they are now. One that is not a contiguous CPU tensor is
+        copied there first, once per reader: the copy is kept (``staged``) for the
+        reader's further ranges, until its last one."""
+        import torch
+
+        t = self.tensors.get(ident)
+        if t is None:
+            raise KeyError(f"tensor {ident} was released or never shared by rank {self.rank}")
+        if not t.numel():
+            return b""
+        if t.device.type == "cpu" and t.is_contiguous():
+            return t.view(-1).view(torch.uint8).numpy()
+        copy = self.staged.get(ident) if staged else None
+        if copy is None:
+            copy = self.staged[ident] = t.cpu().contiguous().view(-1).view(torch.uint8).numpy()
+        return copy
+
+    def _shm_copy(self, ident: int) -> str:
+        """A fresh shared-memory file with the tensor's bytes as they are now, for a
+        tensor not in shared memory asked for with ``transport='shm'``; the receiver
+        unlinks it once opened (the host agent removes any left at mesh stop)."""
+        assert SHM_DIR is not None  # only asked for when shared memory is usable
+        raw = self._raw(ident)
+        path = os.path.join(SHM_DIR, f"{self.shm_prefix}{ident}-{next(self.seq)}")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        try:
+            write_all(fd, memoryview(raw).cast("B"))
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        counters_["bytes_out"] += len(raw)
+        return path
+
+    def release(self, ident: int) -> None:
+        with self.lock:
+            self.tensors.pop(ident, None)
+            self.staged.pop(ident, None)
+            self.writable.discard(ident)
+            fd = self.shm_fds.pop(ident, None)
+        if fd is not None:
+            os.close(fd)  # the path in the ref no longer opens (torch keeps its own fd)
+
+    def _serve(self) -> None:
+        socks = [self.sock] + ([self.tcp] if self.tcp is not None else [])
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        while True:
+            for sock, _ in poller.poll():
+                self._serve_one(sock)
+
+    def _serve_one(self, sock: zmq.Socket[bytes]) -> None:
+        """Answer one request waiting on ``sock``."""
+        ident, *frames = sock.recv_multipart(copy=False)
+        try:
+            msg = self.codec.decode(frames)
+        except WireError:  # forged, malformed or replayed: dropped, counted by the codec
+            if self.codec.replayed != self._replays_seen:  # a byte-for-byte replay
+                counters_["replays_refused"] += self.codec.replayed - self._replays_seen
+                self._replays_seen = self.codec.replayed
+            else:
+                counters_["requests_rejected"] += 1
+            return
+        h = msg.header
+        if not self.nonces.admit(h.get("n"), h.get("t")):
+            counters_["replays_refused"] += 1
+            reply: tuple[Header, tuple[Buffer, ...]] = ({"k": "err", "error": _REFUSED}, ())
+        else:
+            try:
+                reply = self._handle(h, msg.buffers)
+            except Exception as exc:  # goes back to the requester
+                reply = ({"k": "err", "error": str(exc)}, ())
+        header, buffers = reply
+        sock.send_multipart([ident, *self.codec.encode(header, b"", buffers)], copy=False)
+
+    def write(self, ident: int, data: Any, off: int = 0) -> None:
+        """Copy ``data`` (bytes-like) into RDMA buffer ``ident`` at byte ``off``, in place."""
+        import torch
+
+        with self.lock:
+            t = self.tensors.get(ident)
+            writable = ident in self.writable
+        if t is None:
+            raise KeyError(f"tensor {ident} was released or never shared by rank {self.rank}")
+        if not writable:
+            raise PermissionError(f"tensor {ident} of rank {self.rank} is read-only (share())")
+        src = memoryview(data).cast("B")
+        if off < 0 or off + len(src) > t.numel() * t.element_size():
+            raise ValueError(
+                f"{len(src)} bytes at offset {off} do not fit in buffer {ident} of rank {self.rank}"
+            )
+        if len(src):
+            dst = t.view(-1).view(torch.uint8)[off : off + len(src)]
+            data = numpy.frombuffer(src, dtype=numpy.uint8)
+            if dst.device.type == "cpu":
+                dst.numpy()[:] = data
+            else:
+                dst.copy_(torch.from_numpy(data.copy()))
+        counters_["bytes_in"] += len(src)
+
+    def _handle(self, h: Header, buffers: Any = ()) -> tuple[Header, tuple[Buffer, ...]]:
+        op, ident = h.get("op"), int(h.get("id", 0))
+        if op == "write":
+            self.write(ident, buffers[0] if buffers else b"", _int(h, "off", 0))
+            return {"k": "ok"}, ()
+        if op == "fetch":
+            off = _int(h, "off", 0)
+            raw = self._raw(ident, staged=off > 0)
+            n = _int(h, "len", len(raw) - off)
+            if not (0 <= off <= len(raw) and 0 <= n <= CHUNK_SIZE and off + n <= len(raw)):
+                raise ValueError(
+                    f"bad range: {n} bytes at offset {off} of tensor {ident} "
+                    f"({len(raw)} bytes; at most {CHUNK_SIZE} per request)"
+                )
+            if off + n == len(raw):
+                self.staged.pop(ident, None)  # the last range: the reader is done
+            part = raw[off : off + n]
+            counters_["bytes_out"] += len(part)
+            return {"k": "data"}, (part,) if len(part) else ()
+        if op == "shm":
+            return {"k": "shm", "path": self._shm_copy(ident)}, ()
+        if op == "release":
+            self.release(ident)
+            return {"k": "ok"}, ()
+        raise ValueError(f"unknown data-plane request {op!r}")
+
+
+def _int(h: Header, key: str, default: int) -> int:
+    """Header ``key`` as an int (``default`` when absent); ValueError if not one."""
+    value = h.get(key, default)
+    if type(value) is not int:
+        raise ValueError(f"data-plane request key {key!r} must be an int, not {value!r}")
+    return value

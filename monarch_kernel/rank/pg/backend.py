@@ -1,0 +1,292 @@
+"""The ``mkgloo`` torch.distributed backend: forming and re-forming :class:`ReformableGroup`.
+
+:func:`register` makes ``mkgloo`` a torch backend whose groups are re-formable
+(``init_process_group`` picks it for CPU/gloo through :func:`choose_backend`; the
+rank's wrapped ``init_process_group`` in :mod:`.distributed` asks). Every group, the
+default one and each ``new_group``, gets its own worker, which joins a rendezvous on the
+TCPStore torch's rendezvous made, under a prefix of its own.
+
+:func:`reform` forms every group of this rank again at a fresh rendezvous (a TCPStore
+that rank 0 serves at ``master_addr:master_port``), all at once: each group's new worker
+is asked to join first, then all are waited for, so groups never wait for each other.
+A spare worker is kept forked, so a re-form costs the rendezvous, not a process start.
+
+A GPU backend would be a second worker kind (holding NCCL, tensors crossing by CUDA IPC);
+:data:`REFORMABLE` maps a device to the backend that makes it re-formable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from monarch_kernel.rank.pg.protocol import ConfigFailed, Configure, Ready
+from monarch_kernel.rank.pg.reformable import BACKEND, ReformableGroup
+from monarch_kernel.rank.pg.spawn import Spawner, WorkerHandle
+
+#: Device type -> the re-formable backend for it (no GPU one yet: NCCL stays as is).
+REFORMABLE = {"cpu": BACKEND}
+#: Set to ``0`` in a rank's environment to get plain gloo from ``init_process_group``.
+OPT_OUT = "MONARCH_KERNEL_REFORMABLE_PG"
+#: Seconds a rendezvous may take when the caller gives no timeout (torch's default).
+DEFAULT_TIMEOUT = 1800.0
+
+_spawner = Spawner()
+_spare: WorkerHandle | None = None
+_spare_lock = threading.Lock()
+#: Every re-formable group of this rank, oldest first (weakly: a dropped group goes).
+_groups: list[weakref.ref[ReformableGroup]] = []
+#: Times a group name was formed here (the rendezvous prefix must never repeat).
+_formed: dict[str, itertools.count[int]] = {}
+#: The TCPStore of the last re-form (rank 0 serves it), kept alive while in use.
+_store: Any = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One group to form: join ``host:port`` under ``prefix`` as ``rank`` of ``size``."""
+
+    group: ReformableGroup
+    host: str
+    port: int
+    prefix: str
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True)
+class ReformResult:
+    """What :func:`reform` did on this rank."""
+
+    groups: int  #: groups formed again (the default one and new_group ones)
+    stale: int  #: new_group groups that could not be (the world changed)
+    seconds: float
+
+
+def enabled() -> bool:
+    """Whether ``init_process_group`` should make re-formable groups here."""
+    return os.environ.get(OPT_OUT, "1") not in ("0", "false", "no")
+
+
+def choose_backend(requested: Any) -> Any:
+    """The backend ``init_process_group`` should use for ``requested``: ``mkgloo`` for
+    gloo on CPU (or no backend named on a machine without CUDA), else ``requested``."""
+    if not enabled():
+        return requested
+    name = None if requested is None else str(requested).lower()
+    if name in ("gloo", "cpu:gloo"):
+        return BACKEND
+    if name in (None, "undefined"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return BACKEND
+    return requested
+
+
+def register() -> None:
+    """Make ``mkgloo`` a torch.distributed backend (idempotent)."""
+    import torch.distributed as dist
+
+    if BACKEND.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+
+
+def groups() -> list[ReformableGroup]:
+    """This rank's re-formable groups (not destroyed), oldest first."""
+    alive = [g for g in (r() for r in _groups) if g is not None and not g.destroyed]
+    _groups[:] = [weakref.ref(g) for g in alive]
+    return alive
+
+
+def _create(opts: Any, _backend_options: Any) -> Any:
+    """The backend's creator (torch calls it inside init_process_group / new_group)."""
+    import torch.distributed as dist
+
+    timeout_s = opts.timeout.total_seconds() if opts.timeout else DEFAULT_TIMEOUT
+    address = _tcp_address(opts.store)
+    if address is None:  # a FileStore or HashStore rendezvous: no worker can join it
+        import warnings
+
+        warnings.warn(
+            "the rendezvous store is not a TCPStore: this process group is plain gloo, "
+            "which the mesh cannot re-form after a failure",
+            stacklevel=2,
+        )
+        return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    group = ReformableGroup(opts.group_rank, opts.group_size, str(opts.group_id), timeout_s)
+    ranks = list(opts.global_ranks_in_group or [])
+    world = dist.get_world_size() if dist.is_initialized() else opts.group_size
+    if ranks and len(ranks) != world:
+        group.global_ranks = tuple(ranks)
+    host, port = address
+    # torch's store is reused after destroy_process_group + init: never repeat a prefix
+    counter = _formed.setdefault(group.group_id, itertools.count())
+    prefix = f"mk/{group.group_id}/{next(counter)}/"
+    plan = _Plan(group, host, port, prefix, opts.group_rank, opts.group_size)
+    handle = _form([plan], timeout_s)[0]
+    group.attach(handle, opts.group_rank, opts.group_size)
+    _groups.append(weakref.ref(group))
+    keep_spare()
+    return group
+
+
+def _tcp_address(store: Any) -> tuple[str, int] | None:
+    """``(host, port)`` of the TCPStore under ``store``'s prefixes, if it is one."""
+    import torch.distributed as dist
+
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return str(store.host), int(store.port)
+    return None
+
+
+def take_worker() -> WorkerHandle:
+    """The spare worker if it is still alive, else a new one."""
+    global _spare
+    with _spare_lock:
+        spare, _spare = _spare, None
+    if spare is not None and spare.alive():
+        return spare
+    if spare is not None:
+        spare.kill()
+    return _spawner.spawn()
+
+
+def keep_spare() -> None:
+    """Fork the next spare worker now, unless one is waiting."""
+    global _spare
+    with _spare_lock:
+        if _spare is not None and _spare.alive():
+            return
+    handle = _spawner.spawn()
+    with _spare_lock:
+        if _spare is None:
+            _spare = handle
+            return
+    handle.kill()
+
+
+def _form(plans: list[_Plan], timeout_s: float) -> list[WorkerHandle]:
+    """Start one worker per plan joining its rendezvous, then wait for all
+    (interruptibly); the workers, formed."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(("GLOO_", "TORCH_GLOO"))}
+    handles: list[WorkerHandle] = []
+    try:
+        for p in plans:
+            handle = take_worker()
+            handles.append(handle)
+            timeout = p.group.timeout_s
+            handle.send(Configure(p.host, p.port, p.prefix, p.rank, p.size, timeout, env))
+        deadline = time.monotonic() + timeout_s
+        for p, handle in zip(plans, handles):
+            group = p.group
+            answer = handle.recv(max(0.1, deadline - time.monotonic()))
+            if isinstance(answer, ConfigFailed):
+                raise RuntimeError(f"forming process group {group.group_id!r}: {answer.error}")
+            if not isinstance(answer, Ready):
+                raise RuntimeError(
+                    f"forming process group {group.group_id!r}: its worker process died"
+                )
+    except BaseException:
+        for handle in handles:
+            handle.kill()
+        raise
+    return handles
+
+
+def reform(
+    default: ReformableGroup,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    subgroups: bool = True,
+) -> ReformResult:
+    """Form every re-formable group of this rank again at the rendezvous
+    ``master_addr:master_port`` (rank 0 serves it), as ``rank`` of ``world_size``.
+
+    Every rank of the mesh must call it (with the same address), or, on a rank that has
+    no group (restarted), ``init_process_group`` at that address: both join under the
+    same prefix. The default group becomes ``rank`` of ``world_size``; a ``new_group``
+    group keeps its ranks if ``subgroups`` and the world size is unchanged, else it is
+    marked stale (its ops raise, saying to make it again). Pending ops on the old
+    workers fail with ``ProcessGroupAborted``.
+    """
+    import torch.distributed as dist
+
+    global _store
+    t0 = time.monotonic()
+    timeout = default.timeout_s
+    if rank != 0:  # a store client that finds no server yet backs off for up to a second
+        _wait_listening(master_addr, int(master_port), timeout)
+    store = dist.TCPStore(
+        master_addr,
+        int(master_port),
+        world_size if rank == 0 else None,
+        rank == 0,
+        timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    keep = subgroups and world_size == default.size()
+    port = int(master_port)
+    # A fresh store each time: the prefix is the one a restarted rank's first
+    # init_process_group uses on it (see _create).
+    plans = [_Plan(default, master_addr, port, f"mk/{default.group_id}/0/", rank, world_size)]
+    stale = 0
+    for group in groups():
+        if group is default:
+            continue
+        if not keep:
+            group.mark_stale(
+                "made by new_group before the mesh re-formed with other ranks; call new_group again"
+            )
+            stale += 1
+        else:
+            prefix = f"mk/{group.group_id}/0/"
+            plans.append(_Plan(group, master_addr, port, prefix, group.rank(), group.size()))
+    handles = _form(plans, timeout)
+    for plan, handle in zip(plans, handles):
+        plan.group.attach(handle, plan.rank, plan.size)
+    _store = store
+    _update_world(default, store, world_size)
+    keep_spare()
+    return ReformResult(len(plans), stale, time.monotonic() - t0)
+
+
+def _wait_listening(host: str, port: int, timeout: float) -> None:
+    """Return once ``host:port`` accepts connections (rank 0 is serving the store), or
+    after ``timeout`` (the store's own connect then says what is wrong); interruptible."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.005)
+
+
+def _update_world(default: ReformableGroup, store: Any, world_size: int) -> None:
+    """torch's bookkeeping for the default group: its rank map and store (``new_group``
+    rendezvous on it) follow the re-formed group."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    world = c10d._world
+    if default in world.pg_map:
+        backend = world.pg_map[default][0]
+        world.pg_map[default] = (backend, dist.PrefixStore(f"{default.group_id}/", store))
+    if default in world.pg_group_ranks:
+        world.pg_group_ranks[default] = {i: i for i in range(world_size)}
+
+
+ReformableGroup.reformer = reform

@@ -1,0 +1,170 @@
+"""Starting process-group workers: a small fork server ("zygote"), and the rank's handle
+on one worker.
+
+The zygote is forked from the rank the first time a worker is needed (with ``--dist``
+that is the first cell, when the rank holds little memory), then forks every worker
+itself: it is single-threaded, so forking it is safe and takes milliseconds, and the
+workers do not share the pages the rank writes later (no copy-on-write cost for the
+model the rank trains). The zygote ends when the rank does (its socket closes); so does
+each worker.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import socket
+import threading
+import time
+
+from monarch_kernel.rank.pg.protocol import MAX_FDS, MAX_MESSAGE
+from monarch_kernel.rank.pg.worker import run_child, serve
+from monarch_kernel.wire.osutil import die_with_parent
+
+
+class WorkerHandle:
+    """The rank's end of one worker: its socket, and a race-free way to kill it."""
+
+    def __init__(self, pid: int, sock: socket.socket):
+        self.pid = pid
+        self.sock = sock
+        self._send_lock = threading.Lock()
+        #: Slot ids whose descriptors this worker already has.
+        self.known: set[int] = set()
+        try:  # a pidfd never signals a recycled pid
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            self._pidfd = None
+        self.closed = False
+
+    def send(self, msg: object, fds: list[int] | None = None) -> None:
+        """Send one message (``fds`` ride along); OSError if the worker is gone."""
+        data = pickle.dumps(msg, protocol=5)
+        with self._send_lock:
+            if fds:
+                socket.send_fds(self.sock, [data], fds)
+            else:
+                self.sock.send(data)
+
+    def recv(self, timeout: float | None = None) -> object | None:
+        """The next message; None when the worker is gone. TimeoutError after
+        ``timeout`` seconds (the wait is interruptible: Ctrl-C lands)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError("no answer from the process-group worker")
+            try:
+                ready, _, _ = select.select([self.sock], [], [], left)
+            except (OSError, ValueError):
+                return None
+            if ready:
+                break
+        try:
+            data = self.sock.recv(MAX_MESSAGE)
+        except OSError:
+            return None
+        return pickle.loads(data) if data else None
+
+    def alive(self) -> bool:
+        """Whether the worker process still runs."""
+        if self.closed:
+            return False
+        if self._pidfd is None:
+            return True
+        ready, _, _ = select.select([self._pidfd], [], [], 0)
+        return not ready
+
+    def kill(self, wait: float = 1.0) -> None:
+        """End the worker now (SIGKILL), wait up to ``wait`` seconds until it is gone (it
+        may be writing into user tensors it uses in place), close our end (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                select.select([self._pidfd], [], [], wait)
+        except OSError:
+            pass
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+class Spawner:
+    """Forks workers through the zygote (started on first use, again if it died)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._owner = 0  # pid of the process that started the zygote
+
+    def spawn(self) -> WorkerHandle:
+        """A new worker, waiting for its Configure."""
+        with self._lock:
+            for _ in range(2):
+                if self._sock is None or self._owner != os.getpid():
+                    self._start()
+                assert self._sock is not None
+                try:
+                    self._sock.send(b"w")
+                    data, fds, _, _ = socket.recv_fds(self._sock, 64, MAX_FDS)
+                except OSError:
+                    data, fds = b"", []
+                if data and fds:
+                    return WorkerHandle(int(data), socket.socket(fileno=fds[0]))
+                for fd in fds:
+                    os.close(fd)
+                self._sock.close()
+                self._sock = None  # the zygote died: start another
+            raise RuntimeError("could not start a process-group worker (its fork server died)")
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            # (No parent-death signal here: it would follow the forking *thread*, which
+            # may be a short-lived one; the zygote leaves when the rank's end closes.)
+            ours.close()
+            run_child(_zygote, theirs)
+        theirs.close()
+        self._sock, self._owner = ours, os.getpid()
+
+
+def _zygote(sock: socket.socket) -> None:
+    """Fork a worker per request until the rank's end of ``sock`` closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank's interrupts are its own
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
+    while True:
+        try:
+            request = sock.recv(64)
+        except OSError:
+            return
+        if not request:
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        zygote = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            # A worker blocked inside a gloo collective would otherwise live on until
+            # gloo's own timeout once its rank (and so its zygote) is gone.
+            die_with_parent(signal.SIGKILL, expected_parent=zygote)
+            sock.close()
+            ours.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            run_child(serve, theirs)
+        theirs.close()
+        try:
+            socket.send_fds(sock, [str(pid).encode()], [ours.fileno()])
+        except OSError:
+            return
+        finally:
+            ours.close()

@@ -1,0 +1,234 @@
+"""Data-parallel replicas: find a rank's training state, digest it, copy it from one rank
+to the others, and repair DDP after its process group was re-formed.
+
+The public piece for other code (e.g. a rank restored from a live peer) is
+:func:`broadcast_state`: every rank of the group calls it with corresponding objects in
+the same order, and afterwards they all hold the state ``src`` had::
+
+    from monarch_kernel.rank.replicas.replicas import broadcast_state
+    nbytes = broadcast_state([ddp, opt, sched], src=0)   # models, optimizers, tensors ...
+
+The mesh uses the rest after the stop button or a failure in a collective loop:
+:func:`digest_namespace` on every rank, ``calls.replica_plan.plan_sync`` on the
+controller, :func:`sync_namespace` on every rank if the replicas differ.
+
+How far each rank got is counted with torch's global optimizer step hook
+(:func:`install_step_counter`, installed in the warm template): a rank that ran
+``opt.step()`` of the interrupted step has one step more than one that did not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from types import FunctionType, ModuleType
+from typing import Any
+
+from monarch_kernel.calls.replica_plan import ObjectDigest, ReplicaDigest, SyncReport
+from monarch_kernel.rank.replicas import opt_steps
+from monarch_kernel.rank.replicas.opt_steps import optimizer_steps
+from monarch_kernel.rank.replicas.state_copy import broadcast_state
+
+install_step_counter = opt_steps.install
+
+
+# -- finding the training state ---------------------------------------------------------
+def find_training_state(namespace: Mapping[str, Any]) -> dict[str, Any]:
+    """The data-parallel training objects in ``namespace`` (and one attribute level into
+    plain objects, e.g. ``trainer.model``): DDP models, the optimizers over their
+    parameters, and those optimizers' LR schedulers; name -> object, models first."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    values = dict(_candidates(namespace))
+    found: dict[str, Any] = {}
+    seen: set[int] = set()
+
+    def take(kind: type, accept: Any = None) -> None:
+        for name, value in values.items():
+            if (
+                isinstance(value, kind)
+                and id(value) not in seen
+                and (accept is None or accept(value))
+            ):
+                found[name] = value
+                seen.add(id(value))
+
+    take(DDP)
+    params = {id(p) for m in found.values() for p in m.parameters()}
+    take(torch.optim.Optimizer, lambda o: _params_of(o) and _params_of(o) <= params)
+    optimizers = {id(o) for o in found.values() if isinstance(o, torch.optim.Optimizer)}
+    scheduler = torch.optim.lr_scheduler.LRScheduler
+    take(scheduler, lambda s: id(getattr(s, "optimizer", None)) in optimizers)
+    return found
+
+
+def _candidates(namespace: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    for name in sorted(namespace):
+        if name.startswith("_"):
+            continue
+        value = namespace[name]
+        yield name, value
+        if _plain_object(value):
+            for attr, inner in sorted(vars(value).items()):
+                if not attr.startswith("_"):
+                    yield f"{name}.{attr}", inner
+
+
+def _plain_object(value: Any) -> bool:
+    import torch
+
+    if isinstance(value, (type, ModuleType, FunctionType, torch.nn.Module, torch.optim.Optimizer)):
+        return False
+    return isinstance(getattr(value, "__dict__", None), dict)
+
+
+def _params_of(optimizer: Any) -> set[int]:
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
+# -- digests ----------------------------------------------------------------------------
+def _kind(obj: Any) -> str:
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        return "model"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    return "scheduler"
+
+
+def _tensor_bytes(t: Any) -> Any:
+    """A uint8 numpy view of ``t``'s data (a CPU copy first if needed)."""
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def digest(obj: Any) -> tuple[str, int]:
+    """``(hex digest, tensor bytes)`` of a model's parameters and buffers, or of any
+    other object's ``state_dict()``."""
+    import torch
+
+    h = hashlib.blake2b(digest_size=16)
+    nbytes = 0
+    if isinstance(obj, torch.nn.Module):
+        items: Iterator[tuple[str, Any]] = iter([*obj.named_parameters(), *obj.named_buffers()])
+    else:
+        items = _flatten(obj.state_dict(), "")
+    for key, value in items:
+        h.update(key.encode())
+        if isinstance(value, torch.Tensor):
+            h.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            data = _tensor_bytes(value)
+            h.update(data)
+            nbytes += data.nbytes
+        else:
+            h.update(repr(value).encode())
+    return h.hexdigest(), nbytes
+
+
+def _flatten(tree: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(tree, Mapping):
+        for key in sorted(tree, key=str):
+            yield from _flatten(tree[key], f"{prefix}/{key}")
+    elif isinstance(tree, (list, tuple)):
+        for i, item in enumerate(tree):
+            yield from _flatten(item, f"{prefix}/{i}")
+    else:
+        yield prefix, tree
+
+
+def digest_namespace(namespace: Mapping[str, Any], rank: int | None = None) -> ReplicaDigest:
+    """This rank's :class:`ReplicaDigest` of the training objects in ``namespace``."""
+    import torch
+
+    if rank is None:
+        rank = _rank()
+    objects = []
+    for name, obj in find_training_state(namespace).items():
+        hexdigest, nbytes = digest(obj)
+        steps = optimizer_steps(obj) if isinstance(obj, torch.optim.Optimizer) else None
+        objects.append(ObjectDigest(name, _kind(obj), hexdigest, nbytes, steps))
+    return ReplicaDigest(rank, tuple(objects))
+
+
+def _rank() -> int:
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+# -- making replicas the same again -----------------------------------------------------
+def sync_namespace(namespace: Mapping[str, Any], names: Sequence[str], src: int) -> SyncReport:
+    """Copy the training objects ``names`` (see :func:`find_training_state`) from rank
+    ``src`` to this rank over the default process group; every rank calls it with the
+    same ``names``. Returns what was sent and this rank's digest afterwards."""
+    t0 = time.monotonic()
+    state = find_training_state(namespace)
+    missing = [n for n in names if n not in state]
+    if missing:
+        raise ValueError(f"not a training object on this rank: {', '.join(missing)}")
+    nbytes = broadcast_state([state[n] for n in names], src)
+    _share_bucket_layouts([state[n] for n in names], src)
+    seconds = time.monotonic() - t0
+    return SyncReport(nbytes, seconds, digest_namespace(namespace))
+
+
+def _share_bucket_layouts(objects: Sequence[Any], src: int) -> None:
+    """Give the DDP models among ``objects`` rank ``src``'s gradient bucket layout where
+    theirs differs (collective: every rank calls it with the same objects).
+
+    Why: a rank whose DDP object was built anew (restarted, its set-up cells run again)
+    holds its gradients in parameter order until its second step, while the others'
+    buckets are in the order their gradients became ready; the all-reduce sums buckets
+    element by element, so the next step would mix up gradients and the replicas would
+    silently drift apart (see ``ddp_layout.adopt_layout``)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from monarch_kernel.rank.replicas.ddp_layout import adopt_layout, bucket_layout
+
+    models = [o for o in objects if isinstance(o, DDP)]
+    if not models:
+        return
+    import torch.distributed as dist
+
+    layouts: list[Any] = [[bucket_layout(m) for m in models]]
+    dist.broadcast_object_list(layouts, src)
+    for model, layout in zip(models, layouts[0], strict=True):
+        if layout and layout != bucket_layout(model):
+            adopt_layout(model, layout)
+
+
+def repair_ddp(groups: Sequence[Any]) -> int:
+    """Reset the reducer of every DDP object on one of ``groups`` (a backward cut short
+    by an abort leaves it expecting the rest: "Expected to have finished reduction in
+    the prior iteration"); its next iteration rebuilds buckets on every rank alike.
+    Returns how many were reset."""
+    ids = {id(g) for g in groups}
+    repaired = 0
+    for ddp in list(opt_steps.ddps):
+        if id(getattr(ddp, "process_group", None)) in ids:
+            ddp._update_process_group(ddp.process_group)
+            repaired += 1
+    return repaired
+
+
+__all__ = [
+    "broadcast_state",
+    "digest",
+    "digest_namespace",
+    "find_training_state",
+    "install_step_counter",
+    "optimizer_steps",
+    "repair_ddp",
+    "sync_namespace",
+]
