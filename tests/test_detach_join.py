@@ -41,8 +41,8 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 LOOP = "%%remote jd --bg\n" + LOOP_BODY
 #: After the attach: rank 0 calls both ranks directly (across the machines) and rank 1
 #: calls an actor of the new kernel's own process, whose answer reaches rank 1's reply
-#: socket over TCP: both only if this kernel took the mesh's peer key over (the ranks'
-#: listeners admit no other client key, see ``rank.peer_keys``).
+#: socket over TCP: both only if this kernel took the mesh's listener key over (the ranks'
+#: listeners admit no other client key, see ``rank.listener_gate``).
 PEERS = """\
 import socket
 from monarch_kernel.actor import Actor, endpoint, this_proc

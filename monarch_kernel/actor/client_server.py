@@ -10,7 +10,7 @@ messages it sends to another rank (``call``, ``spawn_actor``, ``stop_actor``, an
 One socket (a bound DEALER, like a rank's inbox) on a unix socket in a private
 directory and, where meshes of other machines run when it opens, a CURVE TCP socket
 (any client key; admission is the signed message: ranks' own listeners are the ones
-that admit only their controller's peer key, see ``rank.peer_keys``).
+that admit only their controller's listener key, see ``rank.listener_gate``).
 """
 
 from __future__ import annotations

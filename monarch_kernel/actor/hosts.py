@@ -4,6 +4,10 @@
 This is the only part of :mod:`monarch_kernel.actor` that reaches the controller and the
 launchers; ``monarch_kernel.actor`` imports it on first use of one of its names, so a rank
 that only uses actors never loads it (see ``tests/test_layering.py``).
+
+Size: a little over the project's ~450-line habit: Monarch's host-mesh API
+(``HostMesh``, ``this_host``, ``spawn_procs``) and the controller-side singletons it
+needs are one surface, the only actor module that imports the controller.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from monarch_kernel import config
 from monarch_kernel.actor.actor import Actor
 from monarch_kernel.actor.channels import report_unhandled, tell_owner
 from monarch_kernel.actor.client_proc import ClientProc
-from monarch_kernel.actor.meshes import STOP_GRACE, ActorMesh, ProcMesh, size_of
+from monarch_kernel.actor.mesh_view import size_of
+from monarch_kernel.actor.meshes import STOP_GRACE, ActorMesh, ProcMesh
 from monarch_kernel.actor.peer import resolve as peer_resolve
 from monarch_kernel.actor.resize import resized
 from monarch_kernel.calls.future import Future
@@ -144,6 +149,9 @@ class HostMesh:
         ``monarch_kernel.attach(name)`` (see :mod:`monarch_kernel.controller.detach.release`).
 
         A host mesh that was shut down spawns nothing: RuntimeError.
+
+        Long on purpose: Monarch's keyword arguments are checked and turned into one ``MeshRuntime``
+        in the order a reader follows (the checks, the runtime, its start, the bootstrap).
         """
         self._check_open()
         if timeout is None:

@@ -125,6 +125,9 @@ class MeshRuntime(RestartAndResize):
         seconds without a controller (:mod:`~monarch_kernel.controller.detach.release`);
         ``identity``: take over such a mesh (its key, run and addresses) instead of
         making a new one (:mod:`~monarch_kernel.controller.detach.adopt`).
+
+        Long on purpose: it sets the mesh's records in dependency order before :meth:`_open` and
+        :meth:`_wire` make the parts.
         """
         if grace < 0:
             raise ValueError(f"grace must be >= 0 seconds, got {grace}")
@@ -238,7 +241,11 @@ class MeshRuntime(RestartAndResize):
         self._wire_restarts()
 
     def _wire_restarts(self) -> None:
-        """Make start-up, restart in place and the message handlers; start receiving."""
+        """Make start-up, restart in place and the message handlers; start receiving.
+
+        Long on purpose: the wiring of the parts is a list of constructor calls naming what each
+        part is given; one place to read who depends on whom.
+        """
         self.starter = Starter(
             self,
             transport=self.transport,

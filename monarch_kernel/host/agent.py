@@ -10,6 +10,11 @@ multi-rank messages out to its local ranks, and exits when the controller disapp
 Ranks are named here by their *slot* (their wire id: the ``d`` of a fan-out, the ``r`` of
 a rank's messages, ``RankConfig.slot``), which a rank keeps when a shrink renumbers the
 ranks; this agent's own ``host`` is its host slot likewise.
+
+Size: over the ~450-line habit: the agent's one loop, its handler table and its sockets'
+set-up share the loop's state; the ranks it runs are :mod:`~monarch_kernel.host.ranks`,
+the controller's liveness :mod:`~monarch_kernel.host.liveness`, the fan-out and fan-in
+their own modules.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import shutil
 import signal
 import socket
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -33,8 +37,14 @@ from monarch_kernel.host.config import AgentConfig
 from monarch_kernel.host.desk import Desk, StopAsked, leave_launcher
 from monarch_kernel.host.fanin import FanInSocket
 from monarch_kernel.host.fanout import RankFanOut
-from monarch_kernel.host.liveness import ControllerLink, SilentController, arm_heartbeats
+from monarch_kernel.host.liveness import (
+    ControllerLink,
+    SilentController,
+    arm_heartbeats,
+    parent_ended,
+)
 from monarch_kernel.host.netinfo import interface_of, source_address
+from monarch_kernel.host.ranks import LocalRanks
 from monarch_kernel.host.stacks import dump_stacks
 from monarch_kernel.host.template_handle import DEFAULT_GRACE, Template, TemplateEvent
 from monarch_kernel.rank.config import RankConfig
@@ -59,9 +69,6 @@ HEARTBEAT_INTERVAL = 0.5
 INBOX_BUDGET = 0.1
 #: The longest a ``dump_stacks`` holds up the agent's loop, waiting for the dumps.
 STACKS_WAIT = 0.3
-#: The longest the clean-up after a SIGTERM waits to be re-parented, when its controller
-#: (the parent) is still there: one killed outright may still be ending its threads.
-REPARENT_WAIT = 2.0
 #: ``0`` turns fan-in off (every rank replies to the controller itself): for comparisons.
 FANIN_ENV = "MONARCH_KERNEL_FANIN"
 
@@ -90,15 +97,8 @@ class HostAgent:
             )
             tempdirs.mark_owners(self.private_dir, [os.getpid()])
         self.template = template if template is not None else Template()
-        self.pids: dict[int, int] = {}  # rank -> pid
-        self.rank_cfgs: dict[int, RankConfig] = {}  # what each rank was forked with
-        self.expected_exits: set[int] = set()
-        #: Forks asked of the template and not reported yet, per rank, in order: whether
-        #: a KILL_RANKS came for it meanwhile. The fork is asynchronous, so a kill that
-        #: comes first (a restart that timed out) must wait for the pid, or that late
-        #: incarnation would run on unsupervised and fight the next one for its inbox.
-        self.forking: dict[int, deque[bool]] = {}
-        self.unborn: set[int] = set()  # pids of those, killed at once
+        self.ranks = LocalRanks(self.template)
+        self.pids = self.ranks.pids  # rank -> pid (read by the fan-out and the desk)
         self.stop_grace = DEFAULT_GRACE  # the controller's ``stop`` may say otherwise
         self.cfg: AgentConfig | None = None
         #: A detachable mesh's holder, clock and attach desk (None: not detachable).
@@ -217,7 +217,11 @@ class HostAgent:
 
     def run(self) -> None:
         """Say ready, then serve the controller, the template and the ranks' greetings
-        until told to stop (or the controller falls silent)."""
+        until told to stop (or the controller falls silent).
+
+        One loop on purpose: the order of its steps is the agent's priorities (the
+        template's events and the ranks' greetings, their replies through the fan-in
+        before the controller's inbox, heartbeats last), which reads best in one place."""
         assert self.cfg is not None, "configure() first"
         ready = H.HostReady(
             host=self.host,
@@ -229,21 +233,8 @@ class HostAgent:
             dir=self.desk.dir if self.desk is not None else "",
         )
         self.send(ready.encode())
-        poller = zmq.Poller()
-        poller.register(self.inbox, zmq.POLLIN)
-        poller.register(self.template.event_r, zmq.POLLIN)
-        poller.register(self.fan.sock, zmq.POLLIN)
-        fanin = self.fanin
-        if fanin is not None:
-            poller.register(fanin.sock, zmq.POLLIN)
-        link = self.link
-        desk = self.desk
-        if desk is not None:
-            poller.register(desk.sock, zmq.POLLIN)
-            # The desk follows the link as it changes (a closed one is a kernel gone:
-            # another may attach at once); otherwise it is read when the controller
-            # falls silent (one socket fewer to poll on every wake-up).
-            poller.register(link.monitor, zmq.POLLIN)
+        poller = self.make_poller()
+        fanin, link, desk = self.fanin, self.link, self.desk
         last_rx = last_hb = time.monotonic()
         template, writing = self.template, False
         while True:
@@ -281,19 +272,8 @@ class HostAgent:
             if self.inbox in events:
                 last_rx = now
                 self.silent.heard()
-                # Bounded, as the fan-in's receive: a long stream of chunks (a 2 GiB
-                # push) must not keep our heartbeats from going; the rest waits a turn.
-                until = now + INBOX_BUDGET
-                inbox = self.inbox
-                while readable(inbox):  # (a raised zmq.Again costs more than a message)
-                    try:
-                        frames = wire_recv(inbox, NOBLOCK)
-                    except zmq.Again:  # (only this thread reads it: not expected)
-                        break
-                    if self.on_message(frames) == "stop":
-                        return
-                    if time.monotonic() >= until:
-                        break
+                if self.take_inbox(now + INBOX_BUDGET) == "stop":
+                    return
             if link.monitor in events:
                 link.on_events()
             if desk is not None and desk.sock in events and self.on_desk(desk):
@@ -306,17 +286,56 @@ class HostAgent:
                 if desk.expired(now, now - max(last_rx, desk.attached_at)):
                     log.error("host %s: no controller attached in time, stopping", self.host)
                     return
-            elif now - last_rx > self.hb_timeout:
-                # Silent: lost only if known gone (a busy kernel keeps its mesh).
-                why = self.silent.gone(now - last_rx, self.holder)
-                if why is not None:
-                    log.error(
-                        "host %s: controller silent for %.0fs and %s, shutting down",
-                        self.host,
-                        now - last_rx,
-                        why,
-                    )
-                    return
+            elif now - last_rx > self.hb_timeout and self.controller_lost(now - last_rx):
+                return
+
+    def make_poller(self) -> zmq.Poller:
+        """What the message loop waits on: the inbox, the template's events, the ranks'
+        greetings, the fan-in, and a detachable mesh's desk and link."""
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self.template.event_r, zmq.POLLIN)
+        poller.register(self.fan.sock, zmq.POLLIN)
+        if self.fanin is not None:
+            poller.register(self.fanin.sock, zmq.POLLIN)
+        if self.desk is not None:
+            poller.register(self.desk.sock, zmq.POLLIN)
+            # The desk follows the link as it changes (a closed one is a kernel gone:
+            # another may attach at once); otherwise it is read when the controller
+            # falls silent (one socket fewer to poll on every wake-up).
+            poller.register(self.link.monitor, zmq.POLLIN)
+        return poller
+
+    def take_inbox(self, until: float) -> str | None:
+        """Handle the controller's messages waiting in the inbox, until ``until``
+        (monotonic): bounded, as the fan-in's receive, so that a long stream of chunks
+        (a 2 GiB push) never keeps the heartbeats from going; the rest waits a turn.
+        "stop" when one of them ended the message loop."""
+        inbox = self.inbox
+        while readable(inbox):  # (a raised zmq.Again costs more than a message)
+            try:
+                frames = wire_recv(inbox, NOBLOCK)
+            except zmq.Again:  # (only this thread reads it: not expected)
+                break
+            if self.on_message(frames) == "stop":
+                return "stop"
+            if time.monotonic() >= until:
+                break
+        return None
+
+    def controller_lost(self, silent_for: float) -> bool:
+        """Whether a controller silent for ``silent_for`` seconds is gone: only if known
+        gone (a busy kernel keeps its mesh); said in the log."""
+        why = self.silent.gone(silent_for, self.holder)
+        if why is None:
+            return False
+        log.error(
+            "host %s: controller silent for %.0fs and %s, shutting down",
+            self.host,
+            silent_for,
+            why,
+        )
+        return True
 
     def on_message(self, frames: list[Any]) -> str | None:
         try:
@@ -357,13 +376,7 @@ class HostAgent:
             cfg = RankConfig.build(spec, h.common, dict(agent, log=log_path))
             if os.path.exists(cfg.log):
                 os.unlink(cfg.log)
-            self.rank_cfgs[cfg.slot] = cfg
-            self.fork(cfg)
-
-    def fork(self, cfg: RankConfig) -> None:
-        """Ask the template to fork ``cfg``'s rank (its pid comes as a "forked" event)."""
-        self.forking.setdefault(cfg.slot, deque()).append(False)
-        self.template.command(op="fork", cfg=cfg.to_json())
+            self.ranks.fork(cfg)
 
     def rank_part(self) -> dict[str, str]:
         """What ranks get from this agent: the mesh key, the controller's addresses,
@@ -380,17 +393,12 @@ class HostAgent:
     def on_signal_ranks(self, h: H.AnyHeader) -> None:
         """SIGNAL_RANKS: send signal ``sig`` to the local ranks ``d``."""
         assert isinstance(h, H.SignalRanks)
-        self.signal(h.targets, int(h.signal))
+        self.ranks.signal(h.targets, int(h.signal))
 
     def on_kill_ranks(self, h: H.AnyHeader) -> None:
         """KILL_RANKS: SIGKILL the local ranks ``d``; their exits are reported as expected."""
         assert isinstance(h, H.KillRanks)
-        self.expected_exits.update(r for r in h.targets if r in self.pids)
-        self.signal(h.targets, signal.SIGKILL)
-        for r in h.targets:  # and each incarnation still being forked, once it is
-            pending = self.forking.get(r)
-            if pending:
-                self.forking[r] = deque(True for _ in pending)
+        self.ranks.kill(h.targets)
 
     def on_stop(self, h: H.AnyHeader) -> str:
         """STOP: leave the message loop (``shutdown`` then stops the ranks, giving them
@@ -401,17 +409,8 @@ class HostAgent:
             self.stop_grace = max(0.0, float(grace))
         except (TypeError, ValueError):
             self.stop_grace = DEFAULT_GRACE
-        self.expected_exits.update(self.pids)
+        self.ranks.expect_all_exits()
         return "stop"
-
-    def fork_again(self, rank: int) -> None:
-        """Start ``rank`` again while no controller holds the mesh (its failure
-        policy); it appends to its log and knows it starts with no controller."""
-        cfg = self.rank_cfgs.get(rank)
-        if cfg is not None:
-            cfg = replace(cfg, restart_count=cfg.restart_count + 1, detachable=2)
-            self.rank_cfgs[rank] = cfg
-            self.fork(cfg)
 
     def on_detach(self, h: H.AnyHeader) -> None:
         """DETACH: the controller of this detachable mesh leaves; the ranks run on."""
@@ -424,7 +423,7 @@ class HostAgent:
         if not isinstance(asked, StopAsked):
             return False
         self.stop_grace = max(0.0, asked.grace)
-        self.expected_exits.update(self.pids)
+        self.ranks.expect_all_exits()
         return True
 
     def on_new_port(self, h: H.AnyHeader) -> None:
@@ -435,16 +434,6 @@ class HostAgent:
 
     def on_ignored(self, h: H.AnyHeader) -> None:
         """HEARTBEAT and HELLO: receiving anything already counts as a heartbeat."""
-
-    def signal(self, ranks: list[int], sig: int) -> None:
-        """Send ``sig`` to those of ``ranks`` that run here."""
-        for r in ranks:
-            pid = self.pids.get(r)
-            if pid:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
 
     def on_dump_stacks(self, h: H.AnyHeader) -> None:
         """DUMP_STACKS: make the local ranks ``d`` dump their stacks (faulthandler, on
@@ -459,29 +448,25 @@ class HostAgent:
     def on_template_event(self, ev: TemplateEvent) -> str | None:
         e = ev["e"]
         if e == "forked":
-            pending = self.forking.get(ev["rank"])
-            if pending and pending.popleft():  # killed before it was forked: the
-                self.unborn.add(ev["pid"])  # controller never hears of it
-                os.kill(ev["pid"], signal.SIGKILL)
+            if not self.ranks.forked(ev["rank"], ev["pid"]):
                 return None
-            self.pids[ev["rank"]] = ev["pid"]
             started = H.RankStarted(host=self.host, rank=ev["rank"], pid=ev["pid"])
             self.send(started.encode())
         elif e == "exit":
             rank = ev["rank"]
-            if ev["pid"] in self.unborn:
-                self.unborn.discard(ev["pid"])
+            was_current = self.pids.get(rank) == ev["pid"]
+            if not self.ranks.exited(rank, ev["pid"]):
                 return None
-            if self.pids.get(rank) == ev["pid"]:
-                del self.pids[rank]
+            if was_current:
                 self.fan.rank_gone(rank)
             if self.fanin is not None:  # what it sent goes before its death (and the
                 self.fanin.rank_gone(rank)  # rest of its requests' batches without it)
-            desk, expected = self.desk, rank in self.expected_exits
+            expected_exits = self.ranks.expected_exits
+            desk, expected = self.desk, rank in expected_exits
             if desk is not None and desk.rank_exited(
                 rank, ev["pid"], ev["code"], ev["signal"], expected
             ):
-                self.fork_again(rank)
+                self.ranks.fork_again(rank)
             log_path = os.path.join(self.private_dir, f"rank{rank}.log")
             exit_ = H.RankExit(
                 host=self.host,
@@ -490,10 +475,10 @@ class HostAgent:
                 code=ev["code"],
                 signal=ev["signal"],
                 tail=request_tail(log_path),
-                expected=rank in self.expected_exits,
+                expected=rank in expected_exits,
             )
             self.send(exit_.encode())
-            self.expected_exits.discard(rank)
+            expected_exits.discard(rank)
         elif e == "template_exit":
             log.error("host %s: template exited (%s)", self.host, ev.get("code"))
             return "exit"
@@ -513,7 +498,7 @@ class HostAgent:
             os.set_blocking(self.template.event_r, False)
             for ev in self.template.events():
                 if ev["e"] == "exit":
-                    self.expected_exits.add(ev["rank"])
+                    self.ranks.expected_exits.add(ev["rank"])
                     self.on_template_event(ev)
         except (OSError, ValueError):
             pass
@@ -532,23 +517,9 @@ class HostAgent:
 
     def controller_gone(self) -> bool:
         """Whether the controller that started us (the local launcher's, our parent)
-        has ended: we were re-parented to another process.
-
-        Its parent-death signal (SIGTERM) comes as soon as the controller's thread that
-        started us ends; one killed outright ends its threads one by one, and until the
-        last has ended we are the child of another of them (``getppid`` still names it).
-        After a SIGTERM, the re-parenting is waited for (at most
-        :data:`REPARENT_WAIT` seconds: a controller that lives and stopped us with it
-        removes its directories itself). Decided once."""
+        has ended (:func:`~monarch_kernel.host.liveness.parent_ended`). Decided once."""
         if self._controller_gone is None:
-            pid = self.controller_pid
-            gone = pid is not None and os.getppid() != pid
-            if pid is not None and not gone and self.signalled:
-                deadline = time.monotonic() + REPARENT_WAIT
-                while not gone and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                    gone = os.getppid() != pid
-            self._controller_gone = gone
+            self._controller_gone = parent_ended(self.controller_pid, self.signalled)
         return self._controller_gone
 
     def remove_dead_controller_sockets(self) -> None:

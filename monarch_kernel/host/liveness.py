@@ -29,6 +29,7 @@ is silent.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -151,10 +152,38 @@ class SilentController:
         return why
 
 
+#: The longest the clean-up after a SIGTERM waits to be re-parented, when its controller
+#: (the parent) is still there: one killed outright may still be ending its threads.
+REPARENT_WAIT = 2.0
+
+
+def parent_ended(controller_pid: int | None, signalled: bool) -> bool:
+    """Whether the controller that started this agent (the local launcher's, its
+    parent ``controller_pid``; None: started otherwise) has ended: the agent was
+    re-parented to another process.
+
+    Its parent-death signal (SIGTERM) comes as soon as the controller's thread that
+    started the agent ends; one killed outright ends its threads one by one, and until
+    the last has ended the agent is the child of another of them (``getppid`` still
+    names it). After a SIGTERM (``signalled``), the re-parenting is waited for (at most
+    :data:`REPARENT_WAIT` seconds: a controller that lives and stopped its agents
+    removes its directories itself)."""
+    if controller_pid is None:
+        return False
+    gone = os.getppid() != controller_pid
+    if not gone and signalled:
+        deadline = time.monotonic() + REPARENT_WAIT
+        while not gone and time.monotonic() < deadline:
+            time.sleep(0.01)
+            gone = os.getppid() != controller_pid
+    return gone
+
+
 __all__ = [
     "LINK_TIMEOUT",
     "ControllerLink",
     "SilentController",
     "arm_heartbeats",
     "gone_reason",
+    "parent_ended",
 ]

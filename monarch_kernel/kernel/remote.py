@@ -1,4 +1,9 @@
-"""Running a cell on a mesh's ranks: the machinery behind ``%%remote``."""
+"""Running a cell on a mesh's ranks: the machinery behind ``%%remote``.
+
+Size: over the ~450-line habit: a ``%%remote`` job's start, its prompts
+(``InputRouter``) and its end share the job's request and output; the cell-level parsing
+is ``remote_cell``.
+"""
 
 from __future__ import annotations
 

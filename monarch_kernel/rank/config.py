@@ -51,10 +51,10 @@ class RankConfig:
     env: Mapping[str, str] = field(default_factory=dict)  #: user ``--env``
     sys_path: tuple[str, ...] = ()  #: the controller's import path
     cwd: str = ""  #: the controller's working directory
-    #: CURVE secret (z85) of the peer keypair of the controller's meshes: its ranks
+    #: CURVE secret (z85) of the listener keypair of the controller's meshes: its ranks
     #: connect to other ranks with it, and their TCP listeners admit only its public
-    #: half (see ``rank.peer_keys``); "" without CURVE.
-    peer_key: str = ""
+    #: half (see ``rank.listener_gate``); "" without CURVE.
+    listener_key: str = ""
     #: 1: the controller reads large results' buffers from the rank's shared memory
     #: (``wire.arena``; a local mesh on unix sockets whose controller has an arena).
     shm_results: int = 0

@@ -8,6 +8,10 @@ from other ranks), so the main thread blocks in one plain receive. Messages from
 controller carry a per-rank sequence number ``q`` and are handled strictly in that order
 whichever path they came by; messages from other ranks carry none (FIFO per caller
 comes from its connection).
+
+Size: over the ~450-line habit: the rank's sockets, the in-order delivery by sequence
+number and the handler table are one loop's state; what the handlers do lives in
+``cells``, ``actors`` and ``control``.
 """
 
 from __future__ import annotations
@@ -25,8 +29,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from monarch_kernel.rank import context
-from monarch_kernel.rank import listener_gate as peer_keys
+from monarch_kernel.rank import context, listener_gate
 from monarch_kernel.rank.actors import Running
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.rank.outbox import Outbox
@@ -88,7 +91,7 @@ def bind_peer(sock: zmq.Socket[bytes], cfg: RankConfig) -> PeerAddress:
     """Bind ``sock`` (the inbox) for actor calls from other ranks: a unix socket in the
     host agent's private (0700) directory and, when the mesh may span machines (its
     sockets use CURVE), a CURVE TCP socket on this host's address that admits the
-    mesh's peer key only (``rank.peer_keys``)."""
+    mesh's listener key only (``rank.listener_gate``)."""
     from monarch_kernel.rank.dataplane.common import host_addr, socket_path
 
     # The same path (and TCP port and key, see the controller's rank specs) after a
@@ -103,7 +106,7 @@ def bind_peer(sock: zmq.Socket[bytes], cfg: RankConfig) -> PeerAddress:
         machine=cfg.hostname,
         secret=cfg.peer_secret,
         port=cfg.peer_port,
-        gate=peer_keys.gate(),
+        gate=listener_gate.gate(),
     )
 
 

@@ -25,8 +25,7 @@ from typing import Any
 
 import zmq
 
-from monarch_kernel.rank import context
-from monarch_kernel.rank import listener_gate as peer_keys
+from monarch_kernel.rank import context, listener_gate
 from monarch_kernel.rank.actors import ActorHost, ResponsePort
 from monarch_kernel.rank.cells import Cells
 from monarch_kernel.rank.config import RankConfig
@@ -59,6 +58,9 @@ class Rank:
     layer uses, through :func:`monarch_kernel.rank.context.services`)."""
 
     def __init__(self, cfg: RankConfig, log_fd: int):
+        """Build a rank: its configuration, sockets, parts and their collaborators, in
+        dependency order. Long on purpose: the wiring is a list of constructor calls naming
+        what each part is given; one place to read who depends on whom."""
         self.config = cfg
         #: This process's wire id (its slot): its routing ids and the ``r`` of what it
         #: sends. Its rank now is ``config.rank`` (a shrink may renumber it: ``world``).
@@ -73,7 +75,7 @@ class Rank:
         # The peer endpoints are bound before the controller connections: see
         # ``wire.peer_address`` (options per endpoint).
         # Before any TCP listener or peer connection: the key peers admit (and use).
-        peer_keys.setup(cfg)
+        listener_gate.setup(cfg)
         inbox = dealer(self.ctx, ident)
         self.peer = bind_peer(inbox, cfg)
         connect(inbox, cfg.send, cfg)

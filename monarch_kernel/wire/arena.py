@@ -51,6 +51,9 @@ processes of the same user, which could read the controller's memory anyway.
 
 The readers' copy-out happens before their flag store in program order; x86's stores
 are not reordered with earlier loads, which is what makes a set flag mean "copied".
+
+Size: over the ~450-line habit: the shared-memory arena's writer, readers and the
+lending of blocks share one layout and its rules (stated once, above).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ stopped by :func:`close_gates` before the context is destroyed).
 
 Used where the mesh's controller is not the listener: a detachable mesh's host agent
 desk (admits the controller's key only) and a rank's TCP listeners (admit the
-controller's peer key only, see ``rank.peer_keys``).
+controller's listener key only, see ``rank.listener_gate``).
 """
 
 from __future__ import annotations

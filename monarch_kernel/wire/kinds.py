@@ -101,7 +101,7 @@ kind              keys
                   rendezvous: rank 0's host), ``run_id`` str, ``mesh`` str (its name),
                   ``env`` dict[str, str] (user ``--env``), ``sys_path`` list[str], ``cwd``
                   str (the controller's import path and working directory), on a
-                  CURVE mesh ``peer_key`` str (the secret of the controller's peer
+                  CURVE mesh ``listener_key`` str (the secret of the controller's peer
                   keypair: ranks connect to ranks with it, and their TCP listeners
                   admit no other client key). The agent
                   merges each spec over ``common``
@@ -372,6 +372,10 @@ str (``fetch``, ``shm``, ``write`` or ``release``), ``id`` int (the shared tenso
 ``write`` its ``off`` and carries the bytes as one buffer frame; a reply ``"data"`` (the
 range's bytes as one buffer frame), ``"shm"`` with ``path`` str (a shared-memory file
 holding them), ``"ok"``, or ``"err"`` with ``error`` str.
+
+Size: over the ~450-line habit on purpose: it is the one reference of every message kind
+and header key, read as a table; split, a reader would look in several places for one
+message.
 """
 
 # controller -> host agent

@@ -13,7 +13,7 @@ Invariants (relied on by :func:`bind`):
   one socket can be a plain unix listener, a CURVE server on TCP and a CURVE client of
   the controller at once, provided each is set up in that order with its own options.
 * A rank's TCP peer listener admits only the CURVE client keys of its :class:`KeyGate`
-  (ZAP; see ``rank.peer_keys``): a connection with any other key is refused in the
+  (ZAP; see ``rank.listener_gate``): a connection with any other key is refused in the
   handshake, before a frame of it is read. Every client connects with this process's
   client keypair (:func:`set_client_key`: a rank's mesh gives it one). Admission to
   what a message may do is still the signed, nonce'd message (``Codec``).
@@ -168,7 +168,7 @@ _keys_lock = threading.Lock()
 
 def set_client_key(secret: str) -> None:
     """From now on connect to peers with the CURVE keypair of ``secret`` (z85): the one
-    the listeners admit (a rank: its mesh's peer key; the controller: the key it hands
+    the listeners admit (a rank: its mesh's listener key; the controller: the key it hands
     its meshes). Connections already made keep the key they were made with."""
     global _keys
     raw = secret.encode()

@@ -34,8 +34,7 @@ from monarch_kernel.actor.peer.resolve import gone, locate
 from monarch_kernel.calls.errors import RankDiedError
 from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.calls.requester import MeshRef
-from monarch_kernel.rank import context
-from monarch_kernel.rank import listener_gate as peer_keys
+from monarch_kernel.rank import context, listener_gate
 from monarch_kernel.wire import Codec, WireError, handoff, peer_address
 from monarch_kernel.wire.chunks import Assembler, encode_parts
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
@@ -116,8 +115,8 @@ class PeerClient:
         #: machines may answer, a CURVE TCP socket (see :func:`.peer_reply.reply_tcp_host`).
         tcp_host = reply_tcp_host()
         domain = admit_any_key() if tcp_host and rt is None else ""
-        # In a rank of a CURVE mesh: only the mesh's peer key may answer over TCP.
-        gate = peer_keys.gate() if rt is not None else None
+        # In a rank of a CURVE mesh: only the mesh's listener key may answer over TCP.
+        gate = listener_gate.gate() if rt is not None else None
         self.reply = peer_address.bind(
             self.replies, reply_path(), tcp_host, self.machine, domain, gate=gate
         )

@@ -21,7 +21,7 @@ from monarch_kernel.controller.attach_file import AttachFile, HostEntry
 from monarch_kernel.controller.detach import release as detach
 from monarch_kernel.controller.detach.held_output import HeldOutput
 from monarch_kernel.controller.mesh import MeshRuntime
-from monarch_kernel.controller.messaging import listener_key as peer_key
+from monarch_kernel.controller.messaging import listener_key
 from monarch_kernel.controller.state.records import FailurePolicy, MeshPhase, RankEnd, RankState
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.launchers.adopted import AdoptedHost, RemoteAdoptedHost, SharedReservation
@@ -71,8 +71,8 @@ def adopt(file: AttachFile, replies: dict[int, DeskReply]) -> Adopted:
     try:
         runtime.transport.set_epoch(max(r.epoch for r in replies.values()))
         runtime.starter.common = file.common  # type: ignore[assignment]
-        # Its ranks admit the peer key of the kernel that started it: ours from now on.
-        peer_key.adopt(str(file.common.get("peer_key") or ""), file.name)
+        # Its ranks admit the listener key of the kernel that started it: ours from now on.
+        listener_key.adopt(str(file.common.get("listener_key") or ""), file.name)
         runtime.recipe.setup_cells = [detach.setup_cell(c) for c in file.setup_cells]
         for record in file.actors:
             runtime.remember_actor(detach.actor_spec(record))

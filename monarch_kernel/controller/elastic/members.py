@@ -203,7 +203,11 @@ class Membership:
 
     def add(self, plan: ResizePlan, deadline: float, cancel: threading.Event | None = None) -> None:
         """Start the new host agents and ranks; return when they are ready (ResizeError
-        ``interrupted`` once ``cancel`` is set: the caller takes them back)."""
+        ``interrupted`` once ``cancel`` is set: the caller takes them back).
+
+        Long on purpose: one join is one ordered sequence (hosts, then ranks) under one deadline and
+        one cancel event, each step undoing the records it changed when it fails.
+        """
         m = self._mesh
         cancelled = cancel.is_set if cancel is not None else (lambda: False)
         if not plan.added:

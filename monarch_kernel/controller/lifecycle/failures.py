@@ -43,6 +43,10 @@ Invariants: at most one incident per request; the release steps run on the incid
 own thread and change the request table only through ``Receiver.post`` (the receiving
 thread owns it); recovery runs on one thread at a time and coalesces deaths that
 arrive while it runs; nothing acts while the mesh starts or stops.
+
+Size: over the ~450-line habit: one failure policy's decision and its three ways of
+releasing the survivors (abort the process group, interrupt, kill) share the incident
+they act on; split, each part would take the whole incident and the policy.
 """
 
 from __future__ import annotations

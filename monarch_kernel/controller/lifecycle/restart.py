@@ -15,6 +15,10 @@ RECOVERING and new requests wait for it (:meth:`Restarter.wait_recovered`), exce
 those of the restarting thread itself and of the receiving thread (whose replies it
 waits for); a rank is never left STARTING: one that does not come up in time is
 declared DEAD.
+
+Size: over the ~450-line habit: a restart in place is one ordered sequence (new port,
+re-form the process group, re-create actors, re-run set-up cells, check the replicas)
+whose steps share the deadline and the ranks being restarted.
 """
 
 from __future__ import annotations

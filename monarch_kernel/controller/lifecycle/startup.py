@@ -22,7 +22,7 @@ from typing import Protocol
 import zmq
 
 from monarch_kernel.calls.errors import MeshStartError, MeshStoppedError
-from monarch_kernel.controller.messaging import listener_key as peer_key
+from monarch_kernel.controller.messaging import listener_key
 from monarch_kernel.controller.messaging.transport import Transport
 from monarch_kernel.controller.state.phase import MeshLifecycle
 from monarch_kernel.controller.state.records import HostInfo, RankInfo, RankState
@@ -163,7 +163,7 @@ class Starter:
             "cwd": os.getcwd(),
         }
         if self._transport.curve is not None:  # ranks of other machines may call its ranks
-            self.common["peer_key"] = peer_key.mesh_key()
+            self.common["listener_key"] = listener_key.mesh_key()
         if self._transport.arena is not None:  # large results through shared memory too
             self.common["shm_results"] = 1
         for host in self._hosts:

@@ -9,6 +9,10 @@ Ranks and host agents name themselves by their *slot* (``r``, ``h``, the ranks o
 ``fan_in``): :meth:`Inbound.handle` turns each into the logical rank or host it is now
 (``records.Slots``) before any handler runs, so handlers only see logical numbers. A
 slot the mesh does not know (a rank or host removed by a shrink, late) is dropped.
+
+Size: over the ~450-line habit: one short handler per message kind, in one table; the
+handlers share the checks of who sent what (a rank of this mesh, its host). What they do
+is in the parts they call.
 """
 
 from __future__ import annotations
@@ -136,7 +140,10 @@ class Inbound:
     ):
         """``notify``: wake threads waiting for ranks and hosts (``MeshLifecycle``);
         ``rank_died``: ``Supervisor.rank_died``; ``port_received``: the answer to
-        ``Restarter.new_port``; ``find_mesh``: a live mesh by name (the registry)."""
+        ``Restarter.new_port``; ``find_mesh``: a live mesh by name (the registry).
+
+        Long on purpose: most of it is the handler table, one line per message kind.
+        """
         self._mesh = mesh
         self._name = mesh.name
         self._codec: Codec = mesh.codec

@@ -1,5 +1,5 @@
-"""The controller's peer keypair: the one CURVE client key the TCP listeners of its
-meshes' ranks admit (see ``rank.peer_keys`` for why one per controller).
+"""The controller's listener keypair: the one CURVE client key the TCP listeners of its
+meshes' ranks admit (see ``rank.listener_gate`` for why one per controller).
 
 Made when the first mesh whose sockets use CURVE starts, or taken over from the first
 detachable mesh this kernel attaches (its ranks admit the key of the kernel that started
@@ -34,7 +34,7 @@ def mesh_key() -> str:
 
 
 def adopt(secret: str, mesh: str) -> bool:
-    """Take over ``secret``, the peer key of attached mesh ``mesh``, unless this kernel
+    """Take over ``secret``, the listener key of attached mesh ``mesh``, unless this kernel
     already has one (its own meshes admit that one). False, logged, when the keys
     differ: the attached mesh's ranks then refuse direct calls from this kernel's other
     meshes and its own actors, and those refuse the attached ranks' calls (cells, pushes
@@ -52,7 +52,7 @@ def adopt(secret: str, mesh: str) -> bool:
     log.warning(
         "mesh %r was started by another kernel while this one had meshes of its own: "
         "its actors and this kernel's cannot call each other directly (each side's "
-        "listeners admit their own kernel's peer key only)",
+        "listeners admit their own kernel's listener key only)",
         mesh,
     )
     return False

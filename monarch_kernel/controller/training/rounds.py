@@ -7,6 +7,10 @@ their set-up keep it. Each round: wait for every running rank to park; restart t
 dead; re-form the process group on all; run the set-up cells again on new ranks; take
 an offer from the replica at the latest step; load it where it is missing; send new
 ranks the cell again; resume. :class:`RoundMesh` is what it needs of the mesh.
+
+Size: over the ~450-line habit: one recovery is one state machine (park, restart, re-
+form, set-up, offer, load, the cell again, resume) whose rounds restart on a death at
+any step; its mesh-facing half is ``round_mesh``.
 """
 
 from __future__ import annotations

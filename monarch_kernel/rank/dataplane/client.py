@@ -47,7 +47,7 @@ class Client:
 
     def _socket(self, address: str, curve_key: str = "") -> zmq.Socket:
         """This thread's socket to ``address`` (a CURVE client of ``curve_key`` if set,
-        with this process's peer keypair: the one a CURVE mesh's listeners admit)."""
+        with this process's listener keypair: the one a CURVE mesh's listeners admit)."""
         socks = self.local.__dict__.setdefault("socks", {})
         sock = socks.get((address, curve_key))
         if sock is None:

@@ -8,7 +8,7 @@ import os
 import shutil
 from typing import Protocol
 
-from monarch_kernel.rank import listener_gate as peer_keys
+from monarch_kernel.rank import listener_gate
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.wire.netaddr import is_loopback, route_source
 from monarch_kernel.wire.tempdirs import (
@@ -83,8 +83,8 @@ def counters() -> dict[str, int]:
     """Bytes this rank served to and pulled from other ranks over the data plane, how
     many replayed or stale requests and how many forged ones it refused, and how many
     connections its TCP listeners refused in the handshake (``keys_refused``: a client
-    key other than the mesh's peer key, see ``rank.peer_keys``)."""
-    return {**counters_, "keys_refused": peer_keys.refused()}
+    key other than the mesh's listener key, see ``rank.listener_gate``)."""
+    return {**counters_, "keys_refused": listener_gate.refused()}
 
 
 def private_dir(cfg: RankConfig) -> str:

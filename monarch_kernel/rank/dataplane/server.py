@@ -14,7 +14,7 @@ from typing import Any
 import numpy
 import zmq
 
-from monarch_kernel.rank import listener_gate as peer_keys
+from monarch_kernel.rank import listener_gate
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.rank.dataplane.common import (
     ENCRYPT_ENV,
@@ -113,13 +113,13 @@ class Server:
             if os.environ.get(ENCRYPT_ENV, "").lower() in ("1", "true", "yes"):
                 # A socket of its own: ranks of this host keep the unencrypted ipc one.
                 # The server keypair is this process's; in a CURVE mesh only the mesh's
-                # peer key may connect (``rank.peer_keys``), and every request is still
+                # listener key may connect (``rank.listener_gate``), and every request is still
                 # signed and nonce'd.
                 tcp = self.tcp = self.ctx.socket(zmq.ROUTER)
                 tcp.setsockopt(zmq.LINGER, 0)
                 limit_size(tcp)
                 public, secret = zmq.curve_keypair()
-                gate = peer_keys.gate()
+                gate = listener_gate.gate()
                 if gate is not None:
                     guard(tcp, secret.decode(), gate, GATE_DOMAIN)
                 else:

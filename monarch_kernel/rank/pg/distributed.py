@@ -146,6 +146,9 @@ def reform_process_group(
     ``WORLD_SIZE`` and the rendezvous ``master_addr:master_port``, with torch's default
     timeout (it also bounds every collective, so no shorter one here: the controller
     gives up on a rendezvous that does not complete by itself). Returns the backend.
+
+    Long on purpose: its two ways (the re-formable group formed again in place; any other destroyed
+    and made anew) share the rendezvous set-up and the lock, and read best side by side.
     """
     import torch.distributed as dist
 

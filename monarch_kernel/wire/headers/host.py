@@ -34,8 +34,8 @@ class RankSpec(TypedDict, total=False):
 class _OptionalCommon(TypedDict, total=False):
     """Keys of :class:`MeshCommon` that only some meshes carry."""
 
-    #: On a CURVE mesh: the secret of the controller's peer keypair (``rank.peer_keys``).
-    peer_key: str
+    #: On a CURVE mesh: the secret of the controller's listener keypair (``rank.listener_gate``).
+    listener_key: str
     #: 1 where the controller reads large results from its ranks' shared memory
     #: (``wire.arena``: a local mesh on unix sockets).
     shm_results: int

@@ -1,13 +1,13 @@
-"""A rank's TCP listeners admit only the mesh's peer key (``rank.peer_keys``).
+"""A rank's TCP listeners admit only the mesh's listener key (``rank.listener_gate``).
 
 One ``join`` mesh on two emulated machines (network namespaces 0 and 1), its data plane
 encrypted (``MONARCH_KERNEL_ENCRYPT_DATA``) so that all three TCP listeners of a rank
 are CURVE servers: its peer socket, its reply socket and its data socket. Namespace 2 is
 where the mesh grows to; namespace 3 is an outsider that knows every listener's address
 and public key. Calls and tensors between the machines work; a client key other than
-the peer key (a fresh one, or a host's own key) is refused in the handshake (ZAP): the
+the listener key (a fresh one, or a host's own key) is refused in the handshake (ZAP): the
 outsider sees the refusal, the rank counts it, and its signature checks never see a
-frame (a client with the peer key and a wrong mesh key does reach them, and is counted
+frame (a client with the listener key and a wrong mesh key does reach them, and is counted
 there: the counters are live).
 """
 
@@ -77,7 +77,7 @@ class Probe(Actor):
             "peer": [rt.peer.tcp, rt.peer.curve],
             "reply": [reply.tcp, reply.curve],
             "data": [ref.address, ref.curve_key],
-            "peer_key": rt.config.peer_key,
+            "listener_key": rt.config.listener_key,
             "host_key": [rt.config.curve_public, rt.config.curve_secret],
         }
 
@@ -139,7 +139,7 @@ def test_calls_and_tensors_cross_machines(probes, machines, net):
     ref = probes.slice(hosts=0).share.call_one(1000).get(timeout=30)
     assert ref.curve_key and ref.address.startswith(f"tcp://{net.hosts[0].addr}:"), ref
     assert probes.slice(hosts=1).pull.call_one(ref).get(timeout=30) == sum(range(1000))
-    # nothing of that was refused: the peer key is what every rank connects with
+    # nothing of that was refused: the listener key is what every rank connects with
     assert [_counters(probes, r) for r in (0, 1)] == before
 
 
@@ -198,7 +198,7 @@ def _attack(net, listeners: dict, keys: dict) -> dict:
 def test_foreign_and_host_keys_are_refused_in_the_handshake(probes, net):
     """A fresh keypair and the rank's own host keypair, each with the listener's right
     server key: refused by ZAP on all three listeners, counted, and no frame reaches a
-    signature check. The peer key with a forged message: admitted, dropped there."""
+    signature check. The listener key with a forged message: admitted, dropped there."""
     info = probes.slice(hosts=0).listeners.call_one().get(timeout=30)
     listeners = {name: info[name] for name in ("peer", "reply", "data")}
     assert all(addr.startswith("tcp://") and len(key) == 40 for addr, key in listeners.values())
@@ -215,9 +215,9 @@ def test_foreign_and_host_keys_are_refused_in_the_handshake(probes, net):
     after = _counters(probes, 0)
     assert {n: after[n] for n in listeners} == {n: before[n] for n in listeners}, (before, after)
 
-    # control: the mesh's peer key is admitted, and the forged message is dropped at the
+    # control: the mesh's listener key is admitted, and the forged message is dropped at the
     # signature check, counted there (so the counters above would have moved)
-    peer = [zmq.curve_public(info["peer_key"].encode()).decode(), info["peer_key"]]
+    peer = [zmq.curve_public(info["listener_key"].encode()).decode(), info["listener_key"]]
     seen = _attack(net, listeners, {"peer": peer})
     assert seen == {f"{n}/peer": "admitted" for n in listeners}, seen
     wait_until(
@@ -232,7 +232,7 @@ def test_foreign_and_host_keys_are_refused_in_the_handshake(probes, net):
 
 
 def test_a_grown_host_calls_the_old_ones(machines, net):
-    """Last (the mesh grows): a host that joins later gets the same peer key; its rank
+    """Last (the mesh grows): a host that joins later gets the same listener key; its rank
     and the old ones call each other and pull each other's tensors."""
     report = machines.grow(hosts="+1", timeout=90)
     assert machines.runtime.world == 3, report
