@@ -55,6 +55,36 @@ _ProcessGroup: Any = dist.ProcessGroup
 BACKEND = "mkgloo"
 #: How a peer's abort (or death) shows up in gloo's errors.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+#: What a peer's abort means, said after the failed op's name.
+PEER_GONE_HINT = " (another rank aborted its process group, or died)"
+#: The most characters of the backend's own error text an op's failure keeps (gloo's can
+#: carry a C++ stack trace of many kilobytes); past it its middle is left out.
+MAX_BACKEND_ERROR = 1000
+
+
+def failure_text(op_name: str, error: str) -> str:
+    """What a user reads when op ``op_name`` failed in the worker with ``error`` (the
+    backend's ``Type: message``): our explanation first and in full, so that no cut of
+    the text's end loses it, then the backend's text, bounded by :func:`clip_middle`."""
+    hint = PEER_GONE_HINT if any(s in error for s in _PEER_GONE) else ""
+    return f"{op_name} failed in the process group{hint}: {clip_middle(error, MAX_BACKEND_ERROR)}"
+
+
+def clip_middle(text: str, limit: int) -> str:
+    """``text`` if it has at most ``limit`` characters, else its start and its end (where
+    errors say where and why) around a marker naming how many characters were left out:
+    ``limit`` characters in all (a ``limit`` shorter than the marker keeps only it)."""
+    if len(text) <= limit:
+        return text
+    # digits of len(text) bound those of the count left out: the marker only gets shorter
+    keep = max(0, limit - len(_marker(len(text))))
+    head = (keep + 1) // 2
+    tail = keep - head
+    return text[:head] + _marker(len(text) - keep) + text[len(text) - tail :]
+
+
+def _marker(left_out: int) -> str:
+    return f" [... {left_out:,} characters left out ...] "
 
 
 class ReformableGroup(CollectiveOps, _ProcessGroup):
@@ -240,10 +270,7 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
             except Exception as exc:
                 failure = RuntimeError(f"{op.name}: copying the result back failed: {exc}")
         else:
-            hint = ""
-            if any(s in error for s in _PEER_GONE):
-                hint = " (another rank aborted its process group, or died)"
-            failure = RuntimeError(f"{op.name} failed in the process group: {error}{hint}")
+            failure = RuntimeError(failure_text(op.name, error))
         if op.slot is not None:
             self._release(op.slot, worker)
         op.finish(failure)
