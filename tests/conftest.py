@@ -1,14 +1,19 @@
-"""Shared fixtures: real meshes, and the no-orphan check after every test."""
+"""Shared fixtures: real meshes, the no-orphan check after every test, and the check
+that a session leaves the git checkout as it found it."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import shutil
 import signal
+import subprocess
 import threading
 import time
 import warnings
 from collections.abc import Callable, Container
+from pathlib import Path
 
 import psutil
 import pytest
@@ -34,6 +39,14 @@ UNMARKED_LANES: dict[str, str] = {}
 #: change how every later test's progress bars are drawn.
 TQDM_AT_START = {k: v for k, v in os.environ.items() if k.startswith("TQDM_")}
 
+#: The checkout the tests run from.
+ROOT = Path(__file__).resolve().parent.parent
+#: Where a test keeps what is for people to look at afterwards (screenshots, logs), and
+#: Hypothesis its example database: git-ignored. Anything else a test writes goes under a
+#: temporary directory (``tmp_path``, ``tmp_path_factory``, ``short_tmp``): a session must
+#: leave the checkout as it found it (``pytest_sessionfinish``).
+ARTIFACTS = ROOT / "test-artifacts"
+
 
 def _terminated(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"pytest got signal {signum}")
@@ -45,6 +58,119 @@ def pytest_configure(config: pytest.Config) -> None:
     network namespaces and host agents are removed, not left running."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminated)
+    _hypothesis_storage_in_artifacts()
+
+
+def _hypothesis_storage_in_artifacts() -> None:
+    """Hypothesis keeps its example database and a cache of the constants in the source
+    under ``.hypothesis/`` in the current directory (the checkout, under ``make test``):
+    under test-artifacts/ instead, unless HYPOTHESIS_STORAGE_DIRECTORY says where."""
+    if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        return
+    try:
+        from hypothesis.configuration import set_hypothesis_home_dir
+    except ImportError:  # the test extra brings it; without it, nothing to redirect
+        return
+    set_hypothesis_home_dir(ARTIFACTS / "hypothesis")
+
+
+#: ``0``: do not check that the session left the checkout as it was (for a developer who
+#: edits files while the tests run; ``make test`` and CI never set it).
+TREE_GUARD_ENV = "MONARCH_KERNEL_TREE_GUARD"
+#: ``git status`` of the checkout when the session started: each path it listed (a change
+#: not committed, an untracked file; git-ignored paths are not listed), with its status
+#: letters and what its file holds (``_stamp``). Only in the controller process.
+TREE_AT_START = pytest.StashKey[dict[str, tuple[str, str | None]]]()
+#: The paths the session changed in the checkout, for the terminal summary.
+TREE_CHANGED = pytest.StashKey[list[str]]()
+
+
+def _tree() -> dict[str, tuple[str, str | None]] | None:
+    """The checkout's changes as :data:`TREE_AT_START` holds them; None where the tests
+    do not run in a git checkout (an sdist) or git is absent or fails."""
+    if not (ROOT / ".git").exists() or shutil.which("git") is None:
+        return None
+    argv = ["git", "--no-optional-locks", "status", "--porcelain=v1", "-z", "--no-renames"]
+    try:  # (--no-optional-locks: no index.lock taken from a developer's own git commands)
+        out = subprocess.run(
+            [*argv, "--untracked-files=all"], cwd=ROOT, capture_output=True, timeout=60
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    tree: dict[str, tuple[str, str | None]] = {}
+    for entry in out.stdout.split(b"\0"):
+        if entry:  # "XY path", the path as it is (-z: never quoted)
+            path = os.fsdecode(entry[3:])
+            tree[path] = (entry[:2].decode(), _stamp(ROOT / path))
+    return tree
+
+
+def _stamp(path: Path) -> str | None:
+    """What ``path`` holds (its content's digest, a link's target), None if it is gone:
+    a file written again with what it held is no change (a developer's formatter may
+    rewrite a file it leaves as it was)."""
+    try:
+        if path.is_symlink():
+            return "-> " + os.readlink(path)
+        if path.is_dir():  # a submodule: its status letters say whether it changed
+            return "dir"
+        return hashlib.sha1(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist starts its workers
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker: the controller checks the whole session
+    if os.environ.get(TREE_GUARD_ENV) == "0":
+        return  # a developer editing files while a run goes on (never set in CI)
+    tree = _tree()
+    if tree is not None:
+        session.config.stash[TREE_AT_START] = tree
+
+
+@pytest.hookimpl(trylast=True)  # after the session's fixtures (and the workers) are done
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Fail a session that changed the checkout: a path that ``git status`` lists now and
+    did not at the start, or lists with other letters, or whose file changed since (a
+    developer's own edits made before the session are no failure, unless a test changed
+    them again), or that it no longer lists."""
+    before = session.config.stash.get(TREE_AT_START, None)
+    after = _tree() if before is not None else None
+    if before is None or after is None:
+        return
+    changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+    if not changed:
+        return
+    session.config.stash[TREE_CHANGED] = [
+        f"{after[p][0] if p in after else 'as committed:'} {p}" for p in changed
+    ]
+    if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    changed = terminalreporter.config.stash.get(TREE_CHANGED, None)
+    if not changed:
+        return
+    terminalreporter.section("the tests changed the git checkout", red=True, bold=True)
+    terminalreporter.line(
+        "These paths changed while the tests ran (git status --porcelain; git-ignored "
+        "paths are not counted):",
+        red=True,
+    )
+    for line in changed:
+        terminalreporter.line(f"    {line}")
+    terminalreporter.line(
+        "A test writes only under a temporary directory (tmp_path, tmp_path_factory, "
+        "short_tmp) or under test-artifacts/ (git-ignored), never into the checkout. "
+        f"(A file edited by hand while the tests ran is listed too: {TREE_GUARD_ENV}=0 "
+        "turns this check off for such a run.)",
+        red=True,
+    )
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -3,12 +3,10 @@ Chromium through Playwright): turn the debugger on, click the gutter on a line o
 that only rank 1 runs, run it; the Callstack panel shows rank 1's frame and the Variables
 panel a tensor's shape; the Callstack toolbar's Next steps rank 1 (its variables refresh)
 and its Continue runs the cell to its end. The screenshot goes to
-``docs/debugger-panel.png``. Uses the JupyterLab fixture of ``test_browser.py``."""
+``test-artifacts/debugger-panel.png`` (``docs/debugger-panel.png`` is one such, copied by
+hand). Uses the JupyterLab fixture of ``test_browser.py``."""
 
 from __future__ import annotations
-
-import shutil
-from pathlib import Path
 
 from helpers import wait_until
 from test_browser import (  # noqa: F401 - pytestmark and the fixture are used by pytest
@@ -32,7 +30,6 @@ if rank == 1:
     x = rank + 1
     x = x * 10
 print("rank", rank, "done")"""
-DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def _upload(base: str, name: str) -> None:
@@ -121,7 +118,6 @@ def test_gutter_breakpoint_in_a_remote_cell_shows_in_the_panel(jupyterlab):  # n
                 timeout=10,
                 what="the 'Paused in Debugger' overlay to go",
             )
-            shutil.copy(ARTIFACTS / "debugger-panel.png", DOCS / "debugger-panel.png")
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / "debugger-panel-failure.png"))
             raise

@@ -1,7 +1,8 @@
 """A restarted kernel's dashboard in real JupyterLab (Debian's Chromium, Playwright): the
 old output shows a static snapshot of the mesh's last state and one line saying why,
 never broken widgets, also after the page is reloaded; ``%mesh attach`` brings a live
-dashboard back. Screenshot: docs/dashboard-after-restart.png.
+dashboard back. Screenshot: test-artifacts/dashboard-after-restart.png (the one in docs/
+is such a screenshot, copied by hand).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from helpers import wait_until
 from test_browser import (
     ARTIFACTS,
     CHROMIUM,
-    ROOT,
     TOKEN,
     _run_cell,
     chromium_page,
@@ -32,7 +32,6 @@ pytestmark = [
     pytest.mark.timeout(240),
 ]
 
-DOCS = ROOT / "docs"
 REPORT = (
     "%%remote snap\nimport monarch_kernel\n"
     "for step in range(30):\n    monarch_kernel.report(step=step, loss=1.0 / (step + 1))"
@@ -105,8 +104,7 @@ def test_restarted_kernels_dashboard_shows_its_last_state(lab, tmp_path):  # noq
         assert "loss" in text, text  # the metrics reported before the restart
         assert "Error displaying widget" not in page.content()
         assert first.locator(".jp-OutputArea img").count() == 0  # no broken icons
-        DOCS.mkdir(exist_ok=True)
-        first.screenshot(path=str(DOCS / "dashboard-after-restart.png"))
+        first.screenshot(path=str(ARTIFACTS / "dashboard-after-restart.png"))
 
         # the mesh ran on: attaching brings a live dashboard (widgets, tiles)
         _run_cell(page, 2)

@@ -6,7 +6,8 @@ captured from the page, under one line saying why, once JupyterLab has restarted
 kernel; saved, the snapshot survives a reload; ``%mesh attach`` brings a live dashboard
 back. A kernel killed while no page shows its notebook leaves a dashboard with no view to
 capture: opened again, it shows the kernel's own static fallback under that line.
-Screenshot: docs/dashboard-after-kill.png.
+Screenshot: test-artifacts/dashboard-after-kill.png (the one in docs/ is such a screenshot,
+copied by hand).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from test_browser import (
     monarch_notebook,
     open_notebook,
 )
-from test_browser_detach import DOCS, _api
+from test_browser_detach import _api
 
 pytestmark = [
     pytest.mark.browser,
@@ -139,8 +140,7 @@ def test_killed_kernels_dashboard_shows_a_static_snapshot(lab, tmp_path):  # noq
             if page.locator(".jp-Dialog").count():
                 page.locator(".jp-Dialog .jp-mod-accept").click()
                 page.locator(".jp-Dialog").wait_for(state="detached", timeout=10_000)
-            DOCS.mkdir(exist_ok=True)
-            first.screenshot(path=str(DOCS / "dashboard-after-kill.png"))
+            first.screenshot(path=str(ARTIFACTS / "dashboard-after-kill.png"))
 
             page.keyboard.press("Control+s")
             wait_until(
