@@ -7,6 +7,9 @@
     python -m bench scale              # the scale harness alone (bench/scale.py)
     python -m bench dashboard_traffic  # a benchmark that runs on its own (see STANDALONE)
 
+Every file written into bench/results/ says under its title which command wrote it, when
+and on what machine; none is edited by hand (the README links to them).
+
 A run limited with --quick, --only or --bench writes bench/results/partial.md instead, so
 latest.md always holds a complete run.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -46,7 +50,7 @@ BENCHES = [
 ]
 #: Benchmarks that run on their own, not against the peers: ``python -m bench NAME [ARGS]``
 #: runs ``bench.NAME.main(ARGS)``.
-STANDALONE = ["scale", "dashboard_traffic"]
+STANDALONE = ["scale", "dashboard_traffic", "dashboard_overhead"]
 #: Seconds each peer's worker may run (full run, quick run) unless ``--peer-timeout``
 #: says otherwise. Ours runs every benchmark (the peers only the first few: faults,
 #: training, cross-host and engine rows are ours alone), so it gets more time.
@@ -97,7 +101,7 @@ def main(argv: list[str]) -> int:
     load = [load_before, f"{os.getloadavg()[0]:.2f}"]
 
     ordered = {p: runs[p] for p in ["ours", *[p for p in PEERS if p != "ours"]] if p in runs}
-    text = markdown(ordered, settings, total, load)
+    text = markdown(ordered, settings, total, load, shlex.join(["python", "-m", "bench", *argv]))
     print()
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

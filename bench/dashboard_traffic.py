@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import queue
+import shlex
 import sys
 import time
 from collections import defaultdict
@@ -234,7 +235,8 @@ def main(argv: list[str]) -> int:
     print(text)
     out = os.path.join(RESULTS, "dashboard_traffic.md")
     with open(out, "w") as f:
-        f.write(f"{HEADER}\n{_conditions(result)}\n\n{text}\n")
+        command = shlex.join(["python", "-m", "bench", "dashboard_traffic", *argv])
+        f.write(f"{HEADER}\n{_conditions(result, command)}\n\n{text}\n")
     print(f"written to {out}")
     return 0
 
@@ -242,10 +244,12 @@ def main(argv: list[str]) -> int:
 HEADER = "# What the dashboard sends the front end (`python -m bench dashboard_traffic`)\n"
 
 
-def _conditions(result: dict[str, Any]) -> str:
-    when = time.strftime("%Y-%m-%d %H:%M")
+def _conditions(result: dict[str, Any], command: str = "python -m bench dashboard_traffic") -> str:
+    from bench.report import generated_by
+
     return (
-        f"Run {when} on {result['cpus']} CPUs (load {result['load_before']:.1f} before); "
+        f"{generated_by(command)}\n\n"
+        f"Load {result['load_before']:.1f} before the run; "
         f"{PER_HOST} ranks a host agent. bytes: JSON content plus buffers of every widget "
         "comm message on IOPub; an update: one flush of the dashboard's updater."
     )

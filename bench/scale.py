@@ -51,6 +51,7 @@ import json
 import os
 import pickle
 import resource
+import shlex
 import statistics
 import sys
 import time
@@ -318,9 +319,20 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def markdown(
-    rows: list[dict[str, Any]], cost: dict[str, float] | None, fanin: bool, per_host: int = PER_HOST
+    rows: list[dict[str, Any]],
+    cost: dict[str, float] | None,
+    fanin: bool,
+    per_host: int = PER_HOST,
+    command: str = "python -m bench scale",
 ) -> str:
+    from bench.report import generated_by
+
+    sizes = " / ".join(f"{r['ranks']:,}" for r in rows)
     out = [
+        f"# Scale: meshes of {sizes} ranks on one machine (`bench/scale.py`)",
+        "",
+        generated_by(command) + " How each column is measured: `bench/scale.py`'s docstring.",
+        "",
         f"## Scale (local host agents of {per_host} ranks; fan-in {'on' if fanin else 'off'};"
         f" load {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs)",
         "",
@@ -394,7 +406,8 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # the rows measured so far are still worth their table
         print(f"the per-message cost could not be measured: {exc!r}", file=sys.stderr)
         cost = None
-    text = markdown(rows, cost, args.fanin != "0", args.per_host)
+    command = shlex.join(["python", "-m", "bench", "scale", *argv])
+    text = markdown(rows, cost, args.fanin != "0", args.per_host, command)
     print(text)
     out = args.out or os.path.join(RESULTS, "scale.md" if args.fanin != "0" else "scale-nofanin.md")
     os.makedirs(os.path.dirname(out), exist_ok=True)
