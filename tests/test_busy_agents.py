@@ -1,4 +1,4 @@
-"""A silent host agent that still runs is busy, not frozen (``controller.busy_agents``).
+"""A silent host agent that still runs is busy, not frozen (``controller.lifecycle.busy_agents``).
 
 Judged on real processes standing in for the agent's process: one that spins, one that
 is stopped (the frozen agent of ``test_faults``' SIGSTOP test), one that sleeps (a

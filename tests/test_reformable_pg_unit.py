@@ -3,16 +3,19 @@ tests/test_reformable_pg.py runs the group for real)."""
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import pytest
 
-from monarch_kernel.rank.pg.reformable import (
-    MAX_BACKEND_ERROR,
-    PEER_GONE_HINT,
+from monarch_kernel.rank.pg.protocol import (
+    MAX_ERROR,
+    MAX_MESSAGE,
+    Failed,
     clip_middle,
-    failure_text,
+    error_text,
 )
+from monarch_kernel.rank.pg.reformable import MAX_BACKEND_ERROR, PEER_GONE_HINT, failure_text
 
 pytestmark = pytest.mark.unit
 
@@ -66,3 +69,18 @@ def test_clip_middle_keeps_both_ends_within_the_limit(limit):
     assert text.startswith(head) and text.endswith(tail)
     assert len(head) + int(count.replace(",", "")) + len(tail) == len(text)
     assert clip_middle(text[:limit], limit) == text[:limit]
+
+
+def test_a_worker_error_of_any_length_fits_one_message():
+    # The worker sends its op's failure as one pickled message, read in one recv of at
+    # most MAX_MESSAGE bytes: a 200 KB C++ stack must still arrive whole and readable.
+
+    stack = "\n".join(
+        f"  frame #{i}: gloo::transport::tcp::Pair::read() + 0x{i:x}" for i in range(4000)
+    )
+    text = error_text(RuntimeError(GLOO_PEER_CLOSED + "\n" + stack))
+    assert len(text) <= MAX_ERROR
+    assert text.startswith("RuntimeError: RuntimeError: [/__w/pytorch")
+    assert "characters left out" in text
+    assert len(pickle.dumps(Failed(7, text), protocol=5)) < MAX_MESSAGE
+    assert error_text(ValueError("short")) == "ValueError: short"

@@ -1,4 +1,4 @@
-"""``controller.silence.SilenceBound``: how long a host agent may be silent."""
+"""``controller.lifecycle.silence.SilenceBound``: how long a host agent may be silent."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The progress line of a big mesh's start (``controller.startup.StartProgress``)."""
+"""The progress line of a big mesh's start (``controller.lifecycle.startup.StartProgress``)."""
 
 from __future__ import annotations
 

@@ -126,7 +126,7 @@ def this_proc() -> ProcMesh:
 
     In a rank: its own process (an actor spawned here lives in this rank). In the
     controller: the controller's own process, as in Monarch's client: its actors run
-    here, each on a thread of its own (see :mod:`monarch_kernel.actor.client_proc`)."""
+    here, each on a thread of its own (see :mod:`.client_proc`)."""
     svc = rank_context.services()
     if svc is not None:
         cfg = svc.config
@@ -177,7 +177,7 @@ def get_or_spawn_controller(name: str, cls: type, *args: Any, **kwargs: Any) -> 
 
 def _ask_controller(op: str, arguments: tuple[Any, ...]) -> Future[Any]:
     """Ask this rank's controller for operation ``op`` of the actor API (see
-    ``controller.asks``); the future gives its answer."""
+    ``controller.messaging.asks``); the future gives its answer."""
     svc = rank_context.services()
     assert svc is not None  # asked in ranks only
     call, buffers = dumps(arguments, f"arguments of {op}()")

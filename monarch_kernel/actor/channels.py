@@ -41,7 +41,7 @@ class Port(Generic[R]):
     """The sending end of a channel (Monarch's ``Port``): ``send(value)`` delivers to
     the :class:`PortReceiver` it was opened with, in order; ``exception(exc)`` makes
     that receiver's ``recv()`` raise. Picklable: pass it to actors, on this machine or
-    (where the receiving process takes TCP, see ``actor.peer_client.client``) on others.
+    (where the receiving process takes TCP, see ``actor.peer.client.client``) on others.
 
     Each message carries the rank that sent it, which a :class:`RankedPortReceiver`
     (``Channel.open_ranked()``) hands out with the value: sent from a rank, its point

@@ -152,7 +152,7 @@ def send(
 ) -> None:
     """Monarch's ``send``: call ``endpoint`` without waiting, on every actor of its mesh
     (``selection="all"``) or on one, load-balanced (``"choose"``). Each actor's answer
-    goes to ``port`` (a :class:`~monarch_kernel.actor.channels.Port`: its receiver's
+    goes to ``port`` (a :class:`~.channels.Port`: its receiver's
     ``recv()`` gives the values, and raises an endpoint's exception); without a port
     answers are dropped and exceptions go to supervision, as under ``broadcast``."""
     if not isinstance(endpoint, EndpointRef):

@@ -3,7 +3,8 @@ notebook and for ranks.
 
 A handle holds a :class:`~monarch_kernel.calls.requester.Requester` and the (sliced)
 shape it refers to. In the notebook the requester is the controller's ``MeshRuntime``;
-in a rank that was handed a mesh it is a ``PeerRequester`` (:mod:`.peer`) that calls the
+in a rank that was handed a mesh it is a ``PeerRequester``
+(:mod:`monarch_kernel.actor.peer.requester`) that calls the
 target ranks directly. The adverbs, the gathering of replies and the errors are the same
 code on both sides; what only the owner of a mesh can do (restart it, interrupt it, show
 its dashboard, push/pull variables) says so when asked in a rank.

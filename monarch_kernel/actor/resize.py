@@ -6,7 +6,7 @@ a slice keeps the ranks it was made of (by their numbers: after a shrink that
 renumbered the ranks they may be other processes, or out of range). The handles of each
 mesh are kept weakly here. In the notebook the controller's ``MeshRuntime`` is the
 requester (``resized`` is called on its ``MeshResized``); in a rank a ``PeerRequester``
-that takes on the newer reference the controller sends (``actor.peer``).
+that takes on the newer reference the controller sends (``actor.peer.requester``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Turning replies into results: the one gather path of the actor API and ``%%remote``.
 
 Each class here is a :class:`~monarch_kernel.controller.state.events.RequestObserver` that
-completes a :class:`~monarch_kernel.calls.future.Future`:
+completes a :class:`~.future.Future`:
 
 * :class:`Gather`: every rank of a request -> a :class:`ValueMesh`, or one grouped
   :class:`ActorError` (identical failures grouped, root cause first);
@@ -118,7 +118,7 @@ class Gather:
         if complete:
             self.future.set_result(None)
 
-    # -- the mesh grew or shrank while the request ran (``controller.elastic``) -----------
+    # -- the mesh grew or shrank while the request ran (``controller.elastic.resize``) -----------
     def add_rank(self, rank: int, shape: Shape | None = None) -> None:
         """``rank`` joined the request (a new rank of a grown mesh runs it too); the
         result's shape becomes ``shape`` (default: the ranks, flat)."""

@@ -1,12 +1,12 @@
 """The newest reference this process knows of each mesh (a
-:class:`~monarch_kernel.calls.requester.MeshRef` per mesh name and key).
+:class:`~.requester.MeshRef` per mesh name and key).
 
 A mesh handle pickled into a rank (an actor that keeps a ``ProcMesh`` or an
 ``ActorMesh`` it was given) carries a ``MeshRef`` as it was then: the mesh's shape, each
 rank's address and slot, and the mesh's *generation* (how many times it had been grown
 or shrunk). After a resize the controller sends the new reference to every live rank of
 its meshes (a ``mesh_ref`` control message); :func:`publish` keeps it when it is newer
-than the one known here and tells the listeners (``actor.peer``: its requesters take it
+than the one known here and tells the listeners (``actor.peer.requester``: its requesters take it
 on, and whole-mesh handles over them cover the new shape). A reference unpickled later
 is replaced by a newer one known here (:func:`newest`).
 """

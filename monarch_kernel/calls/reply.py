@@ -2,9 +2,9 @@
 request's :class:`RequestObserver`.
 
 Both sides of a call use these: the notebook's controller (``MeshRuntime``) and a rank
-calling another mesh (``actor.peer_client``) decode the answers of the ranks they asked
+calling another mesh (``actor.peer.client``) decode the answers of the ranks they asked
 into ``Reply`` objects and hand them to the request's observer, which completes a
-:class:`~monarch_kernel.calls.future.Future` (see :mod:`monarch_kernel.calls.gather`).
+:class:`~.future.Future` (see :mod:`.gather`).
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class HostEntry:
     #: The engine reservation it runs in (ray, slurm: ``launchers.reservation``), which
     #: the kernel that stops the mesh releases; None on the other backends.
     reservation: dict[str, Any] | None = None
-    #: Its wire id (``controller.records.Slots``); -1: its index.
+    #: Its wire id (``controller.state.records.Slots``); -1: its index.
     slot: int = -1
 
     @property
@@ -115,7 +115,7 @@ class RankEntry:
     peer: list[str]  #: its peer address (``PeerAddress.encode()``)
     peer_secret: str
     restarts: int
-    #: Its wire id, which its host agent knows it by (``controller.records.Slots``);
+    #: Its wire id, which its host agent knows it by (``controller.state.records.Slots``);
     #: -1: its rank.
     slot: int = -1
 
@@ -127,7 +127,7 @@ class JobRecord:
 
     request: str  #: the request id (the ranks answer it, whoever holds the mesh)
     ranks: list[int]
-    kind: str  #: ``cell``, ``call`` ... (``controller.events.RequestKind``)
+    kind: str  #: ``cell``, ``call`` ... (``controller.state.events.RequestKind``)
     what: str  #: ``cell 7``
     started: float  #: time.time()
 

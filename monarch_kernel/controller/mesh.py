@@ -313,7 +313,7 @@ class MeshRuntime(RestartAndResize):
 
     @property
     def state(self) -> MeshPhase:
-        """The mesh's phase (see :class:`~.records.MeshPhase`)."""
+        """The mesh's phase (see :class:`~monarch_kernel.controller.state.records.MeshPhase`)."""
         return self.lifecycle.phase
 
     # -- start-up --------------------------------------------------------------------
@@ -422,7 +422,7 @@ class MeshRuntime(RestartAndResize):
         check_size(header, payload, buffers)
         self.check_alive(ranks)
         self._make_room(wait)
-        # small calls made back to back travel batched (controller.batching)
+        # small calls made back to back travel batched (controller.messaging.batching)
         self.transport.send_fire(ranks, header, payload, buffers)
 
     def _make_room(self, wait: bool) -> None:
@@ -449,7 +449,8 @@ class MeshRuntime(RestartAndResize):
 
     def wait_for(self, fut: Awaitable, timeout: float | None) -> None:
         """A :class:`~monarch_kernel.calls.future.Future`'s waiter: receive replies
-        in the calling thread while it waits (see :mod:`.receiver`)."""
+        in the calling thread while it waits (see
+        :mod:`monarch_kernel.controller.messaging.receiver`)."""
         self.receiver.wait_for(fut, timeout)
 
     # -- the rest of the Requester protocol (calls.requester) ----------------------------

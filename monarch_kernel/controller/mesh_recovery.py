@@ -1,10 +1,11 @@
 """The restart-in-place and resize half of :class:`~.mesh.MeshRuntime`'s surface.
 
 The layers above (magics, ``ProcMesh``, the failure policy) ask the mesh to recover,
-restart, grow or shrink; the work is done by :class:`~.restart.Restarter` and
-:class:`~.elastic.Resizer`. This mixin holds the one-line delegates and the recipe
-(actors and setup cells re-created on restarted ranks) so that ``mesh.py`` stays the
-request and stop path.
+restart, grow or shrink; the work is done by
+:class:`~monarch_kernel.controller.lifecycle.restart.Restarter` and
+:class:`~monarch_kernel.controller.elastic.resize.Resizer`. This mixin holds the
+one-line delegates and the recipe (actors and setup cells re-created on restarted
+ranks) so that ``mesh.py`` stays the request and stop path.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ __all__ = ["RestartAndResize"]
 
 
 class RestartAndResize:
-    """Restart in place (:mod:`.restart`) and resizing (:mod:`.elastic`) of a mesh.
+    """Restart in place (:mod:`monarch_kernel.controller.lifecycle.restart`) and resizing
+    (:mod:`monarch_kernel.controller.elastic.resize`) of a mesh.
 
     The class using it sets ``recipe``, ``restarter`` and ``resizer`` before any of
     these methods is called.
@@ -89,16 +91,18 @@ class RestartAndResize:
         reason: str = "",
         skip: frozenset[int] = frozenset(),
     ) -> RecoveryReport:
-        """Restart in place (see :meth:`.restart.Restarter.recover`)."""
+        """Restart in place (see
+        :meth:`monarch_kernel.controller.lifecycle.restart.Restarter.recover`)."""
         return self.restarter.recover(ranks, timeout, reason, skip)
 
     def restart_ranks(self, ranks: list[int], timeout: float = 60.0) -> None:
-        """Kill and start again ``ranks`` (see :meth:`.restart.Restarter.restart_ranks`)."""
+        """Kill and start again ``ranks`` (see
+        :meth:`monarch_kernel.controller.lifecycle.restart.Restarter.restart_ranks`)."""
         self.restarter.restart_ranks(ranks, timeout)
 
     def dead_ranks(self, among: Iterable[int]) -> list[int]:
         """The ranks ``among`` these that :meth:`recover` with no ranks would restart
-        (see :meth:`.restart.Restarter.dead`)."""
+        (see :meth:`monarch_kernel.controller.lifecycle.restart.Restarter.dead`)."""
         return self.restarter.dead(among)
 
     def wait_recovered(self, timeout: float | None = None) -> None:
@@ -114,7 +118,8 @@ class RestartAndResize:
     def grow(
         self, ranks: str | None = None, hosts: str | None = None, timeout: float = 120.0
     ) -> ResizeReport:
-        """Add ranks (``"+2"``) or hosts (``"+1"``): see :mod:`.elastic`."""
+        """Add ranks (``"+2"``) or hosts (``"+1"``): see
+        :mod:`monarch_kernel.controller.elastic.resize`."""
         return self.resizer.grow(ranks, hosts, timeout)
 
     def shrink(
@@ -127,9 +132,10 @@ class RestartAndResize:
     ) -> ResizeReport:
         """Keep ``ranks`` ranks or ``hosts`` hosts (from the end), or drop the ranks
         ``drop_ranks`` (``"1,3"``) or hosts ``drop_hosts`` anywhere (the survivors are
-        renumbered): see :mod:`.elastic`."""
+        renumbered): see :mod:`monarch_kernel.controller.elastic.resize`."""
         return self.resizer.shrink(ranks, hosts, timeout, drop_ranks, drop_hosts)
 
     def shrink_dead(self) -> bool:
-        """``on_failure='shrink'``: go on without the dead ranks (see :mod:`.elastic`)."""
+        """``on_failure='shrink'``: go on without the dead ranks (see
+        :mod:`monarch_kernel.controller.elastic.resize`)."""
         return self.resizer.shrink_dead()

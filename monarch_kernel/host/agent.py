@@ -12,8 +12,8 @@ a rank's messages, ``RankConfig.slot``), which a rank keeps when a shrink renumb
 ranks; this agent's own ``host`` is its host slot likewise.
 
 Size: over the ~450-line habit: the agent's one loop, its handler table and its sockets'
-set-up share the loop's state; the ranks it runs are :mod:`~monarch_kernel.host.ranks`,
-the controller's liveness :mod:`~monarch_kernel.host.liveness`, the fan-out and fan-in
+set-up share the loop's state; the ranks it runs are :mod:`~.ranks`,
+the controller's liveness :mod:`~.liveness`, the fan-out and fan-in
 their own modules.
 """
 
@@ -438,7 +438,7 @@ class HostAgent:
     def on_dump_stacks(self, h: H.AnyHeader) -> None:
         """DUMP_STACKS: make the local ranks ``d`` dump their stacks (faulthandler, on
         ``STACKS_SIGNAL``) and answer request ``i`` for each, on its behalf (``h`` set);
-        see :func:`monarch_kernel.host.stacks.dump_stacks`."""
+        see :func:`.stacks.dump_stacks`."""
         assert isinstance(h, H.DumpStacks)
         logs = {r: os.path.join(self.private_dir, f"rank{r}.log") for r in h.targets}
         for r, threads in dump_stacks(self.pids, logs, STACKS_WAIT):
@@ -517,7 +517,7 @@ class HostAgent:
 
     def controller_gone(self) -> bool:
         """Whether the controller that started us (the local launcher's, our parent)
-        has ended (:func:`~monarch_kernel.host.liveness.parent_ended`). Decided once."""
+        has ended (:func:`~.liveness.parent_ended`). Decided once."""
         if self._controller_gone is None:
             self._controller_gone = parent_ended(self.controller_pid, self.signalled)
         return self._controller_gone

@@ -60,7 +60,8 @@ class MonarchKernel(IPythonKernel):
 
     async def do_debug_request(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The visual debugger: requests about ranks are answered by the remote
-        debugger (:mod:`.dap_requests`), the others by ipykernel's (this process)."""
+        debugger (:mod:`monarch_kernel.kernel.debug.requests`), the others by ipykernel's (this
+        process)."""
         remote = self._remote_debugger
         # (off the event loop: a query waits for a rank's answer, and the loop of the
         # control channel must keep serving meanwhile)

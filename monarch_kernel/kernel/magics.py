@@ -5,8 +5,9 @@ Bad input (unknown mesh, bad ``--ranks``, unknown option, stopped mesh) is a one
 points at the cell's lines, never a traceback of our internals.
 
 :class:`MeshMagics` only dispatches: each magic's work is in its own module:
-``%mesh NAME`` in :mod:`.mesh_create`, ``%mesh stop|restart|setup|stacks`` in
-:mod:`.mesh_admin`, ``%%remote``/``%torchrun`` in :mod:`.remote_cell`, ``%push``/``%pull``
+``%mesh NAME`` in :mod:`monarch_kernel.kernel.mesh.create`, ``%mesh stop|restart|setup|stacks`` in
+:mod:`monarch_kernel.kernel.mesh.admin`, ``%%remote``/``%torchrun`` in :mod:`.remote_cell`,
+``%push``/``%pull``
 in :mod:`.push_pull`; which mesh a line names in :mod:`.targets`, the notebook's
 namespace and cell labels in :mod:`.notebook`.
 """
@@ -57,7 +58,7 @@ class MeshMagics(Magics):
 
     def _check_name(self, name: str, force: bool) -> None:
         """Refuse a mesh name that would replace something of the notebook's; see
-        :func:`.mesh_names.check_mesh_name`."""
+        :func:`monarch_kernel.kernel.mesh.names.check_mesh_name`."""
         check_mesh_name(name, force, self.notebook.user_ns, self.notebook.hidden)
 
     # -- %mesh -----------------------------------------------------------------------

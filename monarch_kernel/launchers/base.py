@@ -25,7 +25,7 @@ class HostConfig:
     """What one host agent needs to join its mesh."""
 
     #: this host agent's id in the mesh (its slot: its index when it was made, kept for
-    #: its life; see ``controller.records.Slots``)
+    #: its life; see ``controller.state.records.Slots``)
     host: int
     key: str  #: the mesh's HMAC key, hex (never put on a command line)
     send: str  #: the controller's endpoint that sends to hosts and ranks

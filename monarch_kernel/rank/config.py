@@ -31,7 +31,7 @@ class RankConfig:
     # -- the spec of this rank (controller) ---------------------------------------------
     rank: int  #: global (flat) rank (changes when a shrink renumbers the ranks)
     #: this process's wire id: its routing ids, the ``r`` of what it sends, its host
-    #: agent's name for it (see ``controller.records.Slots``); never changes. -1: ``rank``.
+    #: agent's name for it (see ``controller.state.records.Slots``); never changes. -1: ``rank``.
     slot: int = -1
     local_rank: int = 0  #: index among the ranks of its host agent
     coords: tuple[int, ...] = ()  #: its point in the mesh, one index per dim

@@ -274,7 +274,7 @@ class ControlThread:
 
     def train(self, msg: Message) -> None:
         """TRAIN: an order for the main thread parked at a training step boundary (see
-        ``rank.train_park``)."""
+        ``rank.training.park``)."""
         from monarch_kernel.rank.training import park as train_park
 
         train_park.on_control(msg, self.outbox)

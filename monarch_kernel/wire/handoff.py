@@ -6,10 +6,10 @@ socket. Had the sender changed the tensor meanwhile (``t.fill_(0)`` right after
 ``broadcast(t)``, an optimizer step on the rank right after an endpoint returned its
 weights), the other side would get the new bytes, or a mix of old and new: a silent
 inconsistency. So a send of user values runs inside :func:`values`: every zero-copy
-frame sent in it (:func:`monarch_kernel.wire.codec.send`) is tracked, and leaving the
+frame sent in it (:func:`.codec.send`) is tracked, and leaving the
 block waits until libzmq has let go of them all, i.e. until the bytes are in the
 kernel's socket buffer or the peer's queue (normally well before the call's reply). A
-message that cannot go yet (a busy peer's full queue: ``controller.backlog``) is
+message that cannot go yet (a busy peer's full queue: ``controller.messaging.backlog``) is
 :func:`owned`: its large frames copied, as the user's memory cannot be held for an
 unknown time. MPI's blocking send makes the same promise: when it returns, the buffer
 may be reused.

@@ -1,7 +1,7 @@
 """Message kinds (the ``k`` field of a header) and every header key used on the wire.
 
 A control message is an envelope frame (header, signature, a small payload) and the
-buffer frames (framing and signing: :mod:`monarch_kernel.wire.codec`). The header is a
+buffer frames (framing and signing: :mod:`.codec`). The header is a
 flat dict of plain values (marshal); the payload, when there is one, is a pickle or raw
 text. Header keys are one or a few letters on purpose: headers are built and parsed on
 the hot path. This module is the reference for them; the tables below list, per
@@ -20,7 +20,7 @@ The controller binds two ROUTER sockets, ``send`` (controller -> peers) and ``re
 
 A slot is a process's wire id: a rank's (host's) flat rank (index) when it was made,
 kept while it lives; only a shrink that drops ranks other than the last ones makes a
-rank's slot differ from its rank (see ``controller.records``).
+rank's slot differ from its rank (see ``controller.state.records``).
 
 Keys common to many kinds
 -------------------------
@@ -47,7 +47,7 @@ key    type             meaning
                         failure goes to the controller as a ``fault``
 ``r``  int              a rank's *slot* (its wire id: its flat rank when it was made, kept
                         for its life even when a shrink renumbers the ranks; see
-                        ``controller.records.Slots``): the sender of rank -> controller
+                        ``controller.state.records.Slots``): the sender of rank -> controller
                         messages, of a rank's ``hello`` and of replies to peer calls; the
                         rank concerned in ``rank_started`` and ``rank_exit``
 ``h``  int              the slot of the sending host agent (its index when it was made);
@@ -65,7 +65,7 @@ key    type             meaning
 Large values: streams (any direction that carries values)
 ---------------------------------------------------------
 A message whose payload and buffers total more than 4 MiB goes as a stream
-(:mod:`monarch_kernel.wire.chunks`): a *start*, the message's own header with an empty
+(:mod:`.chunks`): a *start*, the message's own header with an empty
 payload and no buffers plus the keys below, then its *chunks* (kind ``ck``), in order on
 the same connection. The receiver hands the whole message on once the last chunk is in.
 Sent by the controller (ordered, control and fanned-out messages), by ranks (results,
@@ -125,7 +125,7 @@ kind              keys
 ``detach``        (no keys) a ``--detachable`` mesh's controller leaves without stopping
                   it: the agent keeps its ranks running, sends nothing more, and stops
                   them only when no controller attached within its ``detach_keep``
-                  seconds (see :mod:`monarch_kernel.wire.desk` for attaching)
+                  seconds (see :mod:`.desk` for attaching)
 (any ordered      with ``f`` = 1, ``d`` (its ranks among the targets) and ``q`` (list);
 rank kind)        relayed to the ranks' inboxes, never interpreted by the agent
 ================  =======================================================================
@@ -139,7 +139,7 @@ kind              keys
                   (the address other hosts reach it at: ``advertise`` from its
                   configuration, default 127.0.0.1); ``port`` int (a free port, used as
                   MASTER_PORT when this is host 0); ``desk`` str (a detachable mesh's
-                  agent: its attach desk's address, :mod:`monarch_kernel.wire.desk`);
+                  agent: its attach desk's address, :mod:`.desk`);
                   ``dir`` str (such an agent's private directory: its ranks' logs).
                   Sent once, first
 ``hb``            ``h``: heartbeat, every 0.5 s
@@ -218,7 +218,7 @@ No ``q`` (FIFO per caller comes from its connection), ``i`` (a ``p``-prefixed id
 in the caller) and ``w`` when a reply is wanted, and:
 
 A *peer address* (``pa``, ``rt``, ``oa``) is a list of four str, ``[machine, ipc, tcp,
-curve]`` (:class:`~monarch_kernel.wire.peer_address.PeerAddress`): the hostname, the
+curve]`` (:class:`~.peer_address.PeerAddress`): the hostname, the
 ``ipc://`` address (same machine), the ``tcp://`` address or "" and that listener's
 CURVE public key (z85) or "".
 
@@ -316,7 +316,7 @@ kind              keys and payload
                   ``display``, ``update_display``, ``clear_output(wait=...)``), ``di``
                   (the display id the rank gave, or None). Payload: pickled
                   ``{"data": MIME bundle, "metadata": dict}`` (image bytes raw, not
-                  base64), bounded by the rank (``rank.display.MAX_BYTES``); empty for
+                  base64), bounded by the rank (``rank.stdio.display.MAX_BYTES``); empty for
                   the clears
 ``metric``        ``i`` (the request being served, or None). Payload: pickled
                   ``dict[str, float]`` from ``monarch_kernel.report(...)``

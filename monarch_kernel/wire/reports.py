@@ -66,7 +66,7 @@ class AskRequest(TypedDict):
     """The payload of ``ask``: an operation of the actor API a rank asks of its
     controller (``get_or_spawn_controller``)."""
 
-    op: str  #: which operation (a key of ``controller.asks.ASK_HANDLERS``)
+    op: str  #: which operation (a key of ``controller.messaging.asks.ASK_HANDLERS``)
     id: str  #: the request id to answer
     rt: list[str]  #: the asking rank's reply socket (``PeerAddress.encode``)
     call: bytes  #: the operation's arguments, pickled

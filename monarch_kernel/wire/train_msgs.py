@@ -1,4 +1,4 @@
-"""The payloads of ``train`` messages (see :mod:`monarch_kernel.wire.kinds`): orders the
+"""The payloads of ``train`` messages (see :mod:`.kinds`): orders the
 controller gives a rank parked at a training step boundary, and what ranks tell it
 about their training. Plain picklable records, shared by both processes."""
 
@@ -26,7 +26,7 @@ class Order:
     request: str  #: the training request (cell) it is about
     addr: str = ""
     port: int = 0
-    offer: bytes = b""  #: a pickled ``rank.train_parts.StateOffer`` (opaque here)
+    offer: bytes = b""  #: a pickled ``rank.training.parts.StateOffer`` (opaque here)
     why: str = ""
     labels: tuple[str, ...] = ()
     sizes: tuple[int, ...] = ()

@@ -13,7 +13,7 @@ socket. A target on another machine that dies, or whose machine vanishes, fails 
 as one on this machine does (the connection drops, or its heartbeats stop); one that
 cannot be reached at all fails them after :data:`CONNECT_TIMEOUT` seconds.
 
-Mesh handles in a rank reach it through :class:`~monarch_kernel.actor.peer.requester.PeerRequester`.
+Mesh handles in a rank reach it through :class:`~.requester.PeerRequester`.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class _Pending:
     ):
         """``addrs``: the route each of ``ranks`` was sent on (see ``_on_lost``);
         ``ref`` and ``parts``: the mesh and the messages, sent again where a rank is
-        now if its connection never came up (it moved: :mod:`.peer_resolve`). A reply
+        now if its connection never came up (it moved: :mod:`.resolve`). A reply
         names its rank by its slot (wire id): ``of_slot`` maps it back to the rank of
         ``ref`` it answers for (the same number unless a shrink renumbered the ranks)."""
         self.observer = observer
@@ -96,7 +96,7 @@ class PeerClient:
         #: Reassembles large replies and channel messages, which come in chunks.
         self.assembler = Assembler()
         #: Where ranks are that moved since the references to them were made, as their
-        #: controller said: (mesh key, slot) -> address (see :mod:`.peer_resolve`).
+        #: controller said: (mesh key, slot) -> address (see :mod:`.resolve`).
         self.moved: dict[tuple[str, int], PeerAddress] = {}
         #: Targets whose connection was lost: where they are is asked before the next call.
         self.stale: set[tuple[str, int]] = set()
@@ -112,7 +112,7 @@ class PeerClient:
         self.replies.setsockopt(zmq.LINGER, 0)
         limit_size(self.replies)
         #: Where replies to this process go: its unix socket and, where ranks of other
-        #: machines may answer, a CURVE TCP socket (see :func:`.peer_reply.reply_tcp_host`).
+        #: machines may answer, a CURVE TCP socket (see :func:`.reply.reply_tcp_host`).
         tcp_host = reply_tcp_host()
         domain = admit_any_key() if tcp_host and rt is None else ""
         # In a rank of a CURVE mesh: only the mesh's listener key may answer over TCP.
@@ -228,7 +228,7 @@ class PeerClient:
     # -- where targets are ------------------------------------------------------------
     def _where(self, ref: MeshRef, rank: int) -> PeerAddress:
         """Where to call ``rank`` of ``ref``'s mesh: where its controller last said it
-        is, else where the reference says; asked again (:func:`.peer_resolve.locate`)
+        is, else where the reference says; asked again (:func:`.resolve.locate`)
         when its connection was lost or cannot be made, as it may have moved.
         RankDiedError when it is gone."""
         target = (ref.key, ref.slot(rank))  # the process: a renumbering does not move it

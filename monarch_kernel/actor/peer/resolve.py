@@ -8,7 +8,7 @@ local launcher or the engines, possibly on another machine) listens somewhere el
 
 So when a connection to a rank fails, or was lost (the rank may have been restarted
 since: a new incarnation), the process's
-:class:`~monarch_kernel.actor.peer.client.PeerClient` asks the controller that owns the
+:class:`~.client.PeerClient` asks the controller that owns the
 mesh where the rank is now (:func:`locate`: an ``ask`` of operation :data:`WHERE`). The
 controller answers once the mesh is no longer restarting ranks, with a
 :class:`~monarch_kernel.wire.peer_address.RankLocation`: the rank's address now, or why

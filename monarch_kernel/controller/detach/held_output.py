@@ -22,7 +22,8 @@ MAX_HELD_LINES = 10_000
 
 
 class HeldOutput:
-    """A :data:`~.streams.Sink` that keeps what it gets until it has a target."""
+    """A :data:`~monarch_kernel.controller.messaging.streams.Sink` that keeps what it gets until it
+    has a target."""
 
     def __init__(self, limit: int = MAX_HELD_LINES):
         self._lock = threading.Lock()

@@ -6,7 +6,8 @@ In this order: the caller *follows* the requests the earlier holder left running
 whoever holds the mesh), then :meth:`Attached.finish`: the requests of ranks whose
 host agent restarted them meanwhile are lost (their earlier incarnation ran them); the
 ranks that lived through are *welcomed* (``attached``): each replies with its metric
-history (re-emitted as :class:`~.events.MetricReported` with its own times, so a
+history (re-emitted as :class:`~monarch_kernel.controller.state.events.MetricReported` with its own
+times, so a
 dashboard shows the whole run) and sends the results it kept while nobody held the mesh
 (so a job that ended meanwhile completes now); ranks that ended go to supervision (the
 failure policy applies: ``restart`` restarts them), and the restarted ones are re-formed

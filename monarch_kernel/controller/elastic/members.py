@@ -1,10 +1,10 @@
 """What a resize does to a mesh's membership: ranks and host agents started or stopped,
 the records rewritten, the new shape told to every rank, actors and ``--setup`` cells
 given to new ranks (:class:`Membership`); the orchestration of a resize, and the
-training round, are in :mod:`.elastic` and :mod:`.elastic_round`.
+training round, are in :mod:`.resize` and :mod:`.training_loop`.
 
 A shrink that drops ranks other than the last ones renumbers the survivors: the rules
-of that are in :mod:`.elastic_renumber`.
+of that are in :mod:`.renumber`.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ _WORLD = (
 
 class Membership:
     """The membership changes of one mesh's resizes (the operations a
-    :class:`~.elastic_round.ResizeRound` uses, and the between-cells resize)."""
+    :class:`~.training_loop.ResizeRound` uses, and the between-cells resize)."""
 
     def __init__(self, mesh: ElasticMesh):
         self._mesh = mesh
@@ -198,7 +198,7 @@ class Membership:
 
     def _forget(self, plan: ResizePlan) -> None:
         """Take the removed ranks and hosts out of the records; the survivors are
-        renumbered in their old order (:mod:`.elastic_renumber`)."""
+        renumbered in their old order (:mod:`.renumber`)."""
         forget_and_renumber(self._mesh, plan, self._apply_shape)
 
     def add(self, plan: ResizePlan, deadline: float, cancel: threading.Event | None = None) -> None:

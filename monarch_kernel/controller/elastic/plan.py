@@ -7,7 +7,7 @@ keep their flat rank, only ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and the shape ch
 shrink that *drops* given ranks or hosts (``--drop-ranks 1,3``, ``--drop-hosts 1``, and
 the failure policy ``shrink`` for a dead rank or host anywhere) renumbers the survivors
 contiguously in their old order (hosts too): :attr:`ResizePlan.renumbering` says each
-survivor's new rank. See :mod:`.elastic_renumber` for what that changes and its rules.
+survivor's new rank. See :mod:`.renumber` for what that changes and its rules.
 """
 
 from __future__ import annotations

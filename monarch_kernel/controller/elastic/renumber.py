@@ -39,7 +39,7 @@ now; hosts likewise). The rules:
   number now (the same holds for a plain shrink from the end, for numbers past it).
 * *Handles follow*: the mesh's generation goes up and every live rank of the
   controller's meshes gets the new ``MeshRef`` (addresses and slots in the new order),
-  so mesh handles held by ranks and actors cover the new shape (``actor.peer``); the
+  so mesh handles held by ranks and actors cover the new shape (``actor.peer.requester``); the
   notebook's follow ``MeshResized``. A reference made before still reaches each
   survivor (its address and slot did not change); a slice made before names ranks by
   their numbers, which may be other processes now.

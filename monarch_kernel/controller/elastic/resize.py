@@ -8,7 +8,7 @@ Survivors keep their processes and their namespace. What changes:
   hosts named (``--drop-ranks``/``--drop-hosts``, and the failure policy ``shrink`` for
   a dead rank or host anywhere): the survivors are renumbered in their old order
   (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK`` change; the rules of a renumbering are in
-  :mod:`.elastic_renumber`); the shape, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` of every
+  :mod:`.renumber`); the shape, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` of every
   rank;
 * the torch process group, re-formed at the new size at a fresh rendezvous (the same
   group object on survivors: DDP's reducer is reset and divides by the new size);
@@ -16,7 +16,7 @@ Survivors keep their processes and their namespace. What changes:
   training state:
 
   - while a ``--bg`` cell runs a ``TrainingState`` loop, every rank parks at its next
-    step boundary (:class:`~.elastic_round.ResizeRound`, the machinery of a recovery
+    step boundary (:class:`~.training_loop.ResizeRound`, the machinery of a recovery
     from peers), new ranks take the state of a live replica over the data plane and
     run the same cell from that step on;
   - between cells, the replica check copies the most advanced rank's models and

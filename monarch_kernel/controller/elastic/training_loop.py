@@ -1,5 +1,5 @@
 """A resize while a ``TrainingState`` loop runs: one round of a recovery from peers
-(:class:`~.peer_round.Recovery`) whose "restart" is the resize.
+(:class:`~monarch_kernel.controller.training.rounds.Recovery`) whose "restart" is the resize.
 
 1. every rank of the training cell is told ``hold``: it parks at its next step
    boundary (a rank already inside that step's collective is released by the abort of

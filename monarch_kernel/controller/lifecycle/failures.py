@@ -22,7 +22,8 @@ and the others run on (inspect them with ``%mesh stacks``).
 The request then fails with one error that names the root cause (the failure the
 others waited for; a death wins over its peers' connection errors) and says what was
 done to the others (:meth:`Incident.summary`, which the request's observer appends).
-Finally the mesh's :class:`~.records.FailurePolicy` is applied: ``restart`` restarts
+Finally the mesh's :class:`~monarch_kernel.controller.state.records.FailurePolicy` is applied:
+``restart`` restarts
 dead ranks and re-forms the mesh in the background (new requests wait for it), at most
 ``MAX_RESTARTS`` times per rank in ``RESTART_WINDOW``; ``stop`` stops the mesh. Deaths
 outside any request get the same policy. A request a person interrupted is not a fault:
@@ -171,7 +172,7 @@ class FailureHandler:
             if event.state is not RankState.DEAD or self._lifecycle.phase.ended:
                 return  # stopped on purpose (a stop, or killed by this very policy)
             if event.claimed:
-                return  # recovered from peers (controller.peer_recovery), not here
+                return  # recovered from peers (controller.training.recovery), not here
             cause = f"died ({event.death.how})"
             for rid in event.requests:
                 self._open(rid, event.rank, cause)

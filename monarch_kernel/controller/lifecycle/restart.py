@@ -3,7 +3,8 @@
 :meth:`Restarter.recover` runs the steps in order: restart the ranks (their host agents
 too, if lost); re-create the torch process group on every rank with a new rendezvous if
 the ranks had one; re-create actors and re-run ``--setup`` cells on the restarted ranks
-(what a :class:`~.records.MeshRecipe` remembers). With no rank to restart (an
+(what a :class:`~monarch_kernel.controller.state.records.MeshRecipe` remembers). With no rank to
+restart (an
 in-place recovery after a failure or an interrupt in a collective loop), the process
 group is re-formed only if a rank's is broken, and then the data-parallel replicas are
 compared and made the same again (:func:`.replica_check.make_replicas_consistent`). Each
@@ -368,7 +369,7 @@ class Restarter:
     ) -> tuple[str, ...]:
         """Run the ``--setup`` cells again on ``targets`` (``alone``: the other ranks
         take no part: ``torch.distributed``'s collectives complete locally meanwhile,
-        see ``rank.train_pg.local_collectives``); the labels of those that ran."""
+        see ``rank.training.reform.local_collectives``); the labels of those that ran."""
         done: list[str] = []
         on = [r for r in targets if self._ranks[r].alive]
         cells = list(self.recipe.setup_cells)

@@ -5,7 +5,8 @@ has the launcher start the agents, asks them to fork their ranks (``spawn_ranks`
 waits until every one is ready. A restart in place (:mod:`.restart`) uses the same
 pieces for single ranks and for host agents that were lost.
 
-Waiting happens on the mesh's condition (:class:`~.phase.MeshLifecycle`); the handlers
+Waiting happens on the mesh's condition
+(:class:`~monarch_kernel.controller.state.phase.MeshLifecycle`); the handlers
 that make hosts and ranks ready notify it. A wait fails as soon as the mesh stops, a
 host agent it depends on exits or is lost, or its deadline passes: start-up never hangs.
 """

@@ -455,7 +455,7 @@ class Inbound:
         recipe.remember_actor(ActorSpec(name, payload, buffers, ranks, owner))
 
     def _on_train(self, h: H.RankNotice, msg: Message) -> None:
-        """A rank's training notice (``controller.peer_recovery``)."""
+        """A rank's training notice (``controller.training.recovery``)."""
         if self._on_train_notice is not None:
             self._on_train_notice(h.rank, bytes(msg.payload))
 

@@ -1,7 +1,7 @@
 """The controller's socket plumbing of one mesh: where it listens (and where an earlier
 controller of a detachable mesh listened), its private unix-socket directory, binding
 and re-binding, and the inproc sockets that wake the receiving thread. Used by
-:mod:`monarch_kernel.controller.messaging.transport`."""
+:mod:`.transport`."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Two ROUTER sockets per mesh keep the hot path free of thread hand-offs:
   (ranks' inbox and control DEALERs and host agents connect here; routing ids ``r<N>``,
   ``c<N>`` and ``h<N>``, ``N`` the rank's or host's *slot*: see ``records.Slots``);
 * ``recv`` ROUTER: results, streams, metrics and deaths, read by the holder of the
-  receive token (:mod:`monarch_kernel.controller.messaging.receiver`). Two inproc DEALERs connect
+  receive token (:mod:`.receiver`). Two inproc DEALERs connect
   to it too, to wake whichever thread blocks on it.
 
 A multi-rank message goes once per host to the host agent, which fans it out, when the
@@ -17,10 +17,10 @@ taken. Callers name ranks and hosts by their logical index; what goes on the wir
 numbers are kept per slot (per process): a renumbering changes none of them.
 
 Flow control (a send never blocks): a busy peer's messages wait in the controller
-(:mod:`monarch_kernel.controller.messaging.backlog`); past its bounds, a caller that sends waits for
+(:mod:`.backlog`); past its bounds, a caller that sends waits for
 room. The thread that holds the receive token never waits (it must keep reading the
-replies that drain the ranks). Socket plumbing: :mod:`monarch_kernel.controller.messaging.sockets`;
-routing ids, CURVE keys and impostors: :mod:`monarch_kernel.controller.messaging.routing_ids`.
+replies that drain the ranks). Socket plumbing: :mod:`.sockets`;
+routing ids, CURVE keys and impostors: :mod:`.routing_ids`.
 
 Size: over the ~450-line habit: every send path (direct, fanned out, batched, with flow
 control) shares the send lock, the per-rank sequence numbers and the backlogs; split,
@@ -145,7 +145,7 @@ class Transport:
             arena.Arena.create(lend=True) if self._ipc_dir is not None and arena.enabled() else None
         )
         self._zap_domain = f"mk-{name}-{id(self):x}"
-        #: Routing ids, admitted CURVE keys and impostors (controller.routing_ids).
+        #: Routing ids, admitted CURVE keys and impostors (controller.messaging.routing_ids).
         self.ids = RoutingIds(name, ranks, hosts, self._slots)
         self.send_addr, self.recv_addr = self._bind(bind, reuse)
         wake_addr = f"inproc://mk-wake-{id(self)}"
@@ -153,7 +153,7 @@ class Transport:
         self._wake_lock = threading.Lock()
         self._wake_sock = wake_socket(ctx, WAKE_ID, wake_addr)
         self._sigint_sock = wake_socket(ctx, SIGINT_ID, wake_addr)  # main thread only
-        # Flow control (controller.backlog); the backlogs change under send_lock.
+        # Flow control (controller.messaging.backlog); the backlogs change under send_lock.
         self._backlog = Backlog(name, self.send_sock, self.wake)
         #: Fire-and-forget calls not sent yet (:meth:`send_fire`; under send_lock).
         self._batch = Batcher()
@@ -473,7 +473,7 @@ class Transport:
                 self._send_batch()
             self._ranks[rank].bytes_out += self._deliver_parts(self.ids.rank_id(rank, b"c"), parts)
 
-    # -- flow control (controller.backlog) -------------------------------------------
+    # -- flow control (controller.messaging.backlog) -------------------------------------------
     @property
     def backlog_messages(self) -> int:
         """Calls waiting in the controller for busy peers (a batch: the calls in it)."""

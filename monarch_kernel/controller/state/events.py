@@ -3,7 +3,7 @@
 Everything that happens to a request or a rank is one small frozen dataclass below.
 Layers above the controller (futures and gathering in the actor API, the kernel's
 output routing, the dashboard) learn what happens only from these events and from the
-read-only records in :mod:`monarch_kernel.controller.state.records`; none of them wraps the
+read-only records in :mod:`.records`; none of them wraps the
 controller's methods or reads its private state.
 
 Two ways to listen:
@@ -182,7 +182,7 @@ class RankDied:
     death: DeathInfo
     requests: tuple[str, ...]
     #: Its training state is recovered from peers: requests it ran wait for a restarted
-    #: rank (see ``controller.peer_recovery``), the failure policy leaves it alone.
+    #: rank (see ``controller.training.recovery``), the failure policy leaves it alone.
     claimed: bool = False
 
 

@@ -102,7 +102,7 @@ class FailurePolicy(_TextEnum):
     * ``SHRINK`` (``shrink:N``: not below N ranks): the mesh goes on without the dead
       rank (on a mesh of several hosts: without its whole host), wherever it is, at a
       step boundary of a ``TrainingState`` loop or between cells
-      (``controller.elastic``); the survivors are renumbered in their old order when it
+      (``controller.elastic.resize``); the survivors are renumbered in their old order when it
       was not the last one. Below N ranks it is restarted as under ``RESTART``.
     """
 

@@ -343,7 +343,7 @@ class RequestTable:
     def set_state(self, info: RankInfo, state: RankState, announce: bool = True) -> RankState:
         """Move ``info`` to ``state`` (atomic with the IDLE/BUSY flips); returns the
         previous state. ``announce``: emit :class:`RankStateChanged` (deaths are told
-        by :class:`~monarch_kernel.controller.state.events.RankDied` instead)."""
+        by :class:`~.events.RankDied` instead)."""
         with self._count_lock:
             previous, info.state = info.state, state
         if announce and previous is not state:

@@ -5,7 +5,7 @@ per request (a ``train_notice``, ``active``). When such a rank dies while the re
 runs and the mesh's policy is ``restart``, its death is *claimed* here instead of
 failing its part of the request: the request keeps waiting for that rank, the failure
 policy leaves the mesh alone (``RankDied.claimed``), and a recovery thread
-(:class:`~.peer_round.Recovery`) brings the rank back:
+(:class:`~.rounds.Recovery`) brings the rank back:
 
 1. the other ranks of the request park at their step boundary (their failed
    collective is caught by ``stepping()``); stragglers get their process group aborted;

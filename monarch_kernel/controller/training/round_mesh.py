@@ -1,4 +1,4 @@
-"""What a recovery from peers does to its mesh (:class:`~.peer_round.RoundMesh`), made
+"""What a recovery from peers does to its mesh (:class:`~.rounds.RoundMesh`), made
 of the mesh's parts: requests to ranks' control threads, the controller's own cells,
 restarts, the cell sent again under its request id, and the outcome told to the cell
 and the dashboard."""
@@ -93,7 +93,7 @@ class _Lost:
 
 
 class PeerMesh:
-    """:class:`~.peer_round.RoundMesh` over a mesh's parts."""
+    """:class:`~.rounds.RoundMesh` over a mesh's parts."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""One request's recovery from peers, on a thread of its own (see :mod:`.peer_recovery`).
+"""One request's recovery from peers, on a thread of its own (see :mod:`.recovery`).
 
 A recovery runs in *rounds*; a death during a round (a claimed one: the new rank, the
 replica sending its state, any other rank of the request) starts the next round, which

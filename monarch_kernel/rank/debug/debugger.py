@@ -81,7 +81,7 @@ class RankDebugger:
         #: A debugger ran during this request (its trace function is removed at the end).
         self.used = False
         #: Set while the request is driven by the notebook's visual debugger (DAP):
-        #: makes the debugger that ``breakpoint()`` stops in (a ``rank.dap.DapPdb``).
+        #: makes the debugger that ``breakpoint()`` stops in (a ``rank.debug.dap.DapPdb``).
         self.dap: Callable[[RankDebugger], RankPdb] | None = None
         self._active = threading.local()
 

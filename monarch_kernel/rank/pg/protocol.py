@@ -8,7 +8,7 @@ gone); the worker answers :class:`Ready` / :class:`ConfigFailed` once, then
 NamedTuples: both ends run the same code (the worker is forked from the rank).
 
 Tensors never travel in a message: they lie in shared-memory regions, an op's own slot
-(:mod:`.pg_shm`) or a user storage used in place (:mod:`.pg_adopt`), named by
+(:mod:`.shm`) or a user storage used in place (:mod:`.adopt`), named by
 :class:`TensorRef`; options objects travel as
 ``(class name, {field: value})`` with reduce ops by name (:func:`encode_options`).
 """
@@ -24,6 +24,9 @@ MAX_MESSAGE = 1 << 16
 MAX_FDS = 64
 #: Slot offsets are aligned to this many bytes.
 ALIGN = 64
+#: The most characters of an error's text a worker sends (gloo's can carry a C++ stack
+#: trace of many kilobytes; the message must stay under :data:`MAX_MESSAGE`).
+MAX_ERROR = 16 * 1024
 
 
 class TensorRef(NamedTuple):
@@ -147,3 +150,26 @@ def decode_options(spec: tuple[str, dict[str, Any]] | None) -> object:
 def aligned(n: int) -> int:
     """``n`` rounded up to :data:`ALIGN`."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def error_text(exc: BaseException) -> str:
+    """``Type: message`` of ``exc``, as a worker sends it: at most :data:`MAX_ERROR`
+    characters (:func:`clip_middle`), so that its message always fits one read."""
+    return clip_middle(f"{type(exc).__name__}: {exc}".strip(), MAX_ERROR)
+
+
+def clip_middle(text: str, limit: int) -> str:
+    """``text`` if it has at most ``limit`` characters, else its start and its end (where
+    errors say where and why) around a marker naming how many characters were left out:
+    ``limit`` characters in all (a ``limit`` shorter than the marker keeps only it)."""
+    if len(text) <= limit:
+        return text
+    # digits of len(text) bound those of the count left out: the marker only gets shorter
+    keep = max(0, limit - len(_marker(len(text))))
+    head = (keep + 1) // 2
+    tail = keep - head
+    return text[:head] + _marker(len(text) - keep) + text[len(text) - tail :]
+
+
+def _marker(left_out: int) -> str:
+    return f" [... {left_out:,} characters left out ...] "

@@ -2,10 +2,10 @@
 
 :class:`ReformableGroup` is a Python ``ProcessGroup`` (torch calls it from C++ too: DDP's
 reducer, ``broadcast_coalesced``). Its collectives run in a disposable worker process
-that holds a real gloo group (:mod:`.pg_worker`); tensors cross through shared memory
-(:mod:`.pg_shm`: one copy in, one copy out; buffers ops repeat, such as DDP's buckets,
-are used in place: :mod:`.pg_adopt`) and every op (:mod:`.pg_ops`) returns an
-:class:`~.pg_work.OpWork` whose torch Future a reader thread completes. So:
+that holds a real gloo group (:mod:`.worker`); tensors cross through shared memory
+(:mod:`.shm`: one copy in, one copy out; buffers ops repeat, such as DDP's buckets,
+are used in place: :mod:`.adopt`) and every op (:mod:`.ops`) returns an
+:class:`~.work.OpWork` whose torch Future a reader thread completes. So:
 
 * :meth:`ReformableGroup.abort` kills the worker and fails every pending op at once with
   :class:`ProcessGroupAborted`: a main thread blocked in a collective, even inside DDP's
@@ -13,7 +13,7 @@ are used in place: :mod:`.pg_adopt`) and every op (:mod:`.pg_ops`) returns an
   released in milliseconds and the rank lives on;
 * :meth:`ReformableGroup.attach` puts a freshly formed worker in place: the *same* Python
   object stays the group, so DDP, FSDP2, ``dist.*`` calls and ``new_group`` groups that
-  hold it keep working without being rebuilt (forming workers: :mod:`.pg_backend`).
+  hold it keep working without being rebuilt (forming workers: :mod:`.backend`).
 
 Threads: ops are issued by user threads (usually the main one), completed by the reader
 thread of the current worker, aborted from the control thread. ``_lock`` guards the
@@ -40,6 +40,7 @@ from monarch_kernel.rank.pg.protocol import (
     TensorRef,
     Unmap,
     aligned,
+    clip_middle,
     encode_options,
 )
 from monarch_kernel.rank.pg.shm import Slot, SlotPool, dtype_name
@@ -68,23 +69,6 @@ def failure_text(op_name: str, error: str) -> str:
     the text's end loses it, then the backend's text, bounded by :func:`clip_middle`."""
     hint = PEER_GONE_HINT if any(s in error for s in _PEER_GONE) else ""
     return f"{op_name} failed in the process group{hint}: {clip_middle(error, MAX_BACKEND_ERROR)}"
-
-
-def clip_middle(text: str, limit: int) -> str:
-    """``text`` if it has at most ``limit`` characters, else its start and its end (where
-    errors say where and why) around a marker naming how many characters were left out:
-    ``limit`` characters in all (a ``limit`` shorter than the marker keeps only it)."""
-    if len(text) <= limit:
-        return text
-    # digits of len(text) bound those of the count left out: the marker only gets shorter
-    keep = max(0, limit - len(_marker(len(text))))
-    head = (keep + 1) // 2
-    tail = keep - head
-    return text[:head] + _marker(len(text) - keep) + text[len(text) - tail :]
-
-
-def _marker(left_out: int) -> str:
-    return f" [... {left_out:,} characters left out ...] "
 
 
 class ReformableGroup(CollectiveOps, _ProcessGroup):
@@ -225,7 +209,7 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
         """Form this group, and every other re-formable group of this rank, again at the
         rendezvous ``master_addr:master_port`` (rank 0 serves a fresh TCPStore there) as
         ``rank`` of ``world_size``; every rank of the new world calls it. The object stays
-        the same (DDP and the rest keep it); see :func:`.pg_backend.reform`."""
+        the same (DDP and the rest keep it); see :func:`.backend.reform`."""
         if ReformableGroup.reformer is None:
             raise RuntimeError("configure(): monarch_kernel.rank.pg.backend is not loaded")
         ReformableGroup.reformer(self, master_addr, master_port, rank, world_size)

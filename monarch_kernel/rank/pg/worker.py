@@ -1,9 +1,9 @@
 """The process-group worker: a disposable process that holds a real gloo group.
 
-It runs :func:`serve` on its end of a SOCK_SEQPACKET socket (see :mod:`.pg_protocol`):
-join a rendezvous once (:class:`~.pg_protocol.Configure`), then start each
-:class:`~.pg_protocol.OpRequest` on its gloo group and report :class:`~.pg_protocol.Done`
-or :class:`~.pg_protocol.Failed` from the completion callback (gloo's own threads).
+It runs :func:`serve` on its end of a SOCK_SEQPACKET socket (see :mod:`.protocol`):
+join a rendezvous once (:class:`~.protocol.Configure`), then start each
+:class:`~.protocol.OpRequest` on its gloo group and report :class:`~.protocol.Done`
+or :class:`~.protocol.Failed` from the completion callback (gloo's own threads).
 The main loop never blocks in a collective, so the socket closing (the rank aborting
 the group, or dying) ends the worker at once, whatever its collectives are doing.
 """
@@ -31,6 +31,7 @@ from monarch_kernel.rank.pg.protocol import (
     TensorRef,
     Unmap,
     decode_options,
+    error_text,
 )
 from monarch_kernel.rank.pg.shm import Slot, map_slot
 
@@ -92,7 +93,7 @@ class _Worker:
             prefixed = dist.PrefixStore(msg.prefix, store)
             self.pg = dist.ProcessGroupGloo(prefixed, msg.rank, msg.size, timeout)
         except Exception as exc:
-            self.send(ConfigFailed(f"{type(exc).__name__}: {exc}"))
+            self.send(ConfigFailed(error_text(exc)))
             return
         self.send(Ready())
 
@@ -106,7 +107,7 @@ class _Worker:
             opts = decode_options(req.options)
             future = self._start(req.method, args, opts)
         except Exception as exc:
-            self.send(Failed(req.op_id, f"{type(exc).__name__}: {exc}"))
+            self.send(Failed(req.op_id, error_text(exc)))
             return
         op_id = req.op_id
         future.add_done_callback(lambda f: self._finished(op_id, f))
@@ -131,7 +132,7 @@ class _Worker:
                     if hasattr(sub, "value"):
                         sub.value()
         except Exception as exc:
-            self.send(Failed(op_id, f"{type(exc).__name__}: {exc}".strip()))
+            self.send(Failed(op_id, error_text(exc)))
             return
         self.send(Done(op_id))
 

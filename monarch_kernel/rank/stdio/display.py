@@ -6,7 +6,7 @@ cell (or with the endpoint's output) that made them, labelled by rank.
 A rank runs no IPython kernel. :func:`install` (at rank start) replaces the functions of
 ``IPython.core.display_functions`` (at once if IPython is loaded, else as it is
 imported, before ``IPython.display`` copies them), makes ``display`` a builtin as it is
-in a notebook, and makes :mod:`monarch_kernel.rank.stdio.mpl_backend` matplotlib's default
+in a notebook, and makes :mod:`.mpl_backend` matplotlib's default
 backend (``$MPLBACKEND``, unless the user set another than the notebook's inline one,
 which ranks inherit from the kernel's environment): ``plt.show()`` sends the figures,
 and figures left open when a cell ends are sent then (:func:`after_cell`), as the

@@ -1,7 +1,7 @@
 """matplotlib's backend in a rank (``module://monarch_kernel.rank.stdio.mpl_backend``).
 
 Agg draws the figures; ``plt.show()`` sends every open figure as a PNG display under the
-cell or endpoint running (see :mod:`monarch_kernel.rank.stdio.display`) and closes it, and the
+cell or endpoint running (see :mod:`.display`) and closes it, and the
 figures a cell leaves open are sent when it ends (:func:`flush_figures`), as
 ``matplotlib_inline`` does in a notebook. Imported only once matplotlib picks it.
 """

@@ -8,7 +8,7 @@ controller's orders. They come as ``train`` control messages (payload: a pickled
 
 * ``reform``: form the process group again at a new rendezvous (every rank of the
   world joins, the restarted one included);
-* ``offer``: share this rank's state (a :class:`~.train_parts.StateOffer`, the reply);
+* ``offer``: share this rank's state (a :class:`~.parts.StateOffer`, the reply);
 * ``load``: take the state of the offer given (a rank behind the others, or a restarted
   one whose first source died);
 * ``resume``: leave the boundary and go on (the failed step is redone);
