@@ -167,7 +167,7 @@ class InputRouter:
             return
         runtime = self._runtime()
         if runtime is not None:
-            from monarch_kernel.controller.messaging.inbound import NO_READER
+            from monarch_kernel.controller.messaging.rank_output import NO_READER
 
             runtime.answer_input(event.rank, event.serial, error=NO_READER)
 

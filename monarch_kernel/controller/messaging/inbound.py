@@ -10,9 +10,9 @@ Ranks and host agents name themselves by their *slot* (``r``, ``h``, the ranks o
 (``records.Slots``) before any handler runs, so handlers only see logical numbers. A
 slot the mesh does not know (a rank or host removed by a shrink, late) is dropped.
 
-Size: over the ~450-line habit: one short handler per message kind, in one table; the
-handlers share the checks of who sent what (a rank of this mesh, its host). What they do
-is in the parts they call.
+What ranks show, report and ask the notebook (output, displays, metrics, stats, prompts)
+is handled by :class:`~.rank_output.RankOutput`; this module keeps the checks of who sent
+what, requests' replies, and the lifecycle of ranks and hosts.
 """
 
 from __future__ import annotations
@@ -34,18 +34,12 @@ from monarch_kernel.controller.messaging.asks import (
     answer_ask,
     stop_for_rank,
 )
+from monarch_kernel.controller.messaging.rank_output import PromptAnswerer, RankOutput
 from monarch_kernel.controller.messaging.transport import Transport
 from monarch_kernel.controller.state.events import (
-    DebuggerPaused,
-    DebuggerResumed,
-    DisplayOutput,
     EventBus,
     FaultReported,
-    InputRequested,
-    MetricReported,
     RankDied,
-    StatsReported,
-    StreamOutput,
 )
 from monarch_kernel.controller.state.records import (
     HostInfo,
@@ -64,10 +58,9 @@ from monarch_kernel.wire.chunks import Assembler
 from monarch_kernel.wire.codec import Header
 from monarch_kernel.wire.fanin import PartError, PartKind, decode_parts
 from monarch_kernel.wire.peer_address import PeerAddress
-from monarch_kernel.wire.reports import AskRequest, FailureReport, RankStats, StopRequest
-from monarch_kernel.wire.terminal import strip_controls
+from monarch_kernel.wire.reports import AskRequest, FailureReport, StopRequest
 
-__all__ = ["ASK_HANDLERS", "NO_DEBUGGER", "NO_READER", "Inbound", "RankFacingMesh"]
+__all__ = ["ASK_HANDLERS", "Inbound", "RankFacingMesh"]
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -76,9 +69,6 @@ log = logging.getLogger("monarch_kernel.controller")
 MAX_MAPPED_ARENAS = 4096
 #: Seconds between two looks for mapped arenas of rank processes that are gone.
 PRUNE_INTERVAL = 5.0
-
-#: Longest unfinished output line kept per rank and stream.
-PARTIAL_MAX = 4096
 
 Handler = Callable[[Header, Message], None]
 T = TypeVar("T")
@@ -93,28 +83,11 @@ def typed(decode: Callable[[Header], T], handler: Callable[[T, Message], None]) 
     return handle
 
 
-#: Why a rank's ``input()`` gets no line when nobody waits to answer it.
-NO_READER = (
-    "nothing can answer input() here: only a foreground cell's job reads input for its "
-    "ranks (not background jobs or actor endpoints); pass the value as an argument or "
-    "push it to the ranks"
-)
-
-#: Why a rank's ``breakpoint()`` runs on when nothing can attach to it.
-NO_DEBUGGER = (
-    "nothing can attach to it here (a notebook attaches through the monarch kernel: "
-    "%%remote cells, %debug_remote)"
-)
-
-
-class RankFacingMesh(AskingMesh, Protocol):
+class RankFacingMesh(AskingMesh, PromptAnswerer, Protocol):
     """The mesh operations handlers use (``MeshRuntime`` provides them); the mesh is
     also what the actor API's ``ask`` handlers are given."""
 
     def kill_ranks(self, ranks: Sequence[int]) -> None: ...
-    def answer_input(
-        self, rank: int, serial: int, line: str | None = None, error: str | None = None
-    ) -> None: ...
 
 
 class Inbound:
@@ -177,13 +150,17 @@ class Inbound:
         self.kinds: dict[str, int] = {}
         #: routing id -> slot of the host agent that sends from it (see _host_heard)
         self._host_idents: dict[bytes, int] = {}
+        #: What ranks show, report and ask the notebook, as events (``rank_output``).
+        self.output = output = RankOutput(
+            mesh, ranks=ranks, events=events, recipe=recipe, own_rank=self._own_rank
+        )
         #: kind -> handler of the message with its typed header (``wire.headers``)
         self._handlers: dict[str, Handler] = {
             K.RESULT: typed(H.Result.decode, self._on_result),
-            K.STREAM: typed(H.Stream.decode, self._on_stream),
-            K.DISPLAY: typed(H.Display.decode, self._on_display),
-            K.METRIC: typed(H.Metric.decode, self._on_metric),
-            K.STATS: typed(H.RankNotice.decode, self._on_stats),
+            K.STREAM: typed(H.Stream.decode, output.on_stream),
+            K.DISPLAY: typed(H.Display.decode, output.on_display),
+            K.METRIC: typed(H.Metric.decode, output.on_metric),
+            K.STATS: typed(H.RankNotice.decode, output.on_stats),
             K.FAULT: typed(H.RankNotice.decode, self._on_fault),
             K.OWNED: typed(H.Owned.decode, self._on_owned),
             K.PEER_ACTOR: typed(H.PeerActor.decode, self._on_peer_actor),
@@ -195,11 +172,11 @@ class Inbound:
             K.HEARTBEAT: typed(H.Heartbeat.decode, self._on_heartbeat),
             K.HOST_READY: typed(H.HostReady.decode, self._on_host_ready),
             K.PORT: typed(H.Port.decode, self._on_port),
-            K.INPUT: typed(H.Input.decode, self._on_input),
-            K.RESUMED: typed(H.Resumed.decode, self._on_resumed),
+            K.INPUT: typed(H.Input.decode, output.on_input),
+            K.RESUMED: typed(H.Resumed.decode, output.on_resumed),
             K.TRAIN_NOTICE: typed(H.RankNotice.decode, self._on_train),
             K.FAN_IN: typed(H.FanIn.decode, self._on_fan_in),
-            K.HOST_STATS: typed(H.HostStats.decode, self._on_host_stats),
+            K.HOST_STATS: typed(H.HostStats.decode, output.on_host_stats),
         }
 
     def add_handler(self, kind: str, handler: Handler) -> None:
@@ -337,6 +314,7 @@ class Inbound:
             return
         ranks, request, host = self._ranks, h.request, h.host
         of_slot = self._slots.rank.get
+        stream = self.output.stream
         for part in parts:
             size = len(part.data)
             mine = []
@@ -350,79 +328,12 @@ class Inbound:
             if part.kind is PartKind.STREAM:
                 text = part.data.decode("utf-8", "replace")
                 for r in mine:
-                    self._stream(r, request, part.name, text)
+                    stream(r, request, part.name, text)
             elif mine:
                 # One message for the part's ranks (its header names none: each Reply
                 # does); see RequestTable.on_results.
                 header = {"k": K.RESULT, "i": request, "ok": 1 if part.ok else 0}
                 self._requests.on_results(mine, request, Message(header, part.data))
-
-    def _on_stream(self, h: H.Stream, msg: Message) -> None:
-        self._stream(h.rank, h.request, h.name, bytes(msg.payload).decode("utf-8", "replace"))
-
-    def _stream(self, rank: int, request: str | None, name: str, text: str) -> None:
-        """Output ``text`` of ``rank`` on stream ``name`` while serving ``request``."""
-        info = self._ranks[rank]
-        # Keep whole lines for the death report and the dashboard (a bar's line: its
-        # last frame, without escape sequences).
-        buf = info.partial.get(name, "") + text
-        *lines, rest = buf.split("\n")
-        if "\r" in buf or "\x1b" in buf:
-            lines = [strip_controls(line) for line in lines]
-            rest = strip_controls(rest)
-        info.tail.extend(lines)
-        info.partial[name] = rest[-PARTIAL_MAX:]
-        events = self._events
-        if events.wants(StreamOutput):
-            events.emit(StreamOutput(self._name, rank, request, name, text))
-
-    def _on_display(self, h: H.Display, msg: Message) -> None:
-        events = self._events
-        if not events.wants(DisplayOutput):
-            return
-        payload = bytes(msg.payload)
-        body = pickle.loads(payload) if payload else {}
-        data, metadata = body.get("data") or {}, body.get("metadata") or {}
-        if not isinstance(data, dict) or not isinstance(metadata, dict):
-            log.warning("rank %s: a display that is not a MIME bundle, dropped", h.rank)
-            return
-        events.emit(
-            DisplayOutput(
-                self._name, h.rank, h.request, h.op, data, metadata, h.display_id, payload
-            )
-        )
-
-    def _on_metric(self, h: H.Metric, msg: Message) -> None:
-        events = self._events
-        if events.wants(MetricReported):
-            values: dict[str, float] = pickle.loads(msg.payload)
-            events.emit(MetricReported(self._name, h.rank, h.request, values, time.time()))
-
-    def _on_stats(self, h: H.RankNotice, msg: Message) -> None:
-        self._stats(h.rank, pickle.loads(msg.payload))
-
-    def _on_host_stats(self, h: H.HostStats, msg: Message) -> None:
-        """A host agent's ranks' latest stats, sent on together once a second."""
-        try:
-            by_rank = pickle.loads(msg.payload)
-            items = [(r, pickle.loads(p)) for r, p in by_rank.items()]
-        except Exception as exc:  # signed by our agent: another version?
-            log.warning("mesh %s dropped host %s's stats: %s", self._name, h.host, exc)
-            return
-        for slot, stats in items:  # keyed by the ranks' slots (their names on the wire)
-            rank = self._own_rank(slot, h.host)
-            if rank is not None:
-                self._stats(rank, stats)
-
-    def _stats(self, rank: int, stats: RankStats) -> None:
-        info = self._ranks[rank]
-        info.stats = stats
-        info.last_seen = time.monotonic()
-        if "pg" in stats:
-            self._recipe.pg_backend = stats["pg"]
-        events = self._events
-        if events.wants(StatsReported):
-            events.emit(StatsReported(self._name, rank, stats, time.time()))
 
     def _on_fault(self, h: H.RankNotice, msg: Message) -> None:
         report: FailureReport = pickle.loads(msg.payload)
@@ -473,34 +384,6 @@ class Inbound:
         threading.Thread(
             target=answer_ask, args=(self._mesh, h.rank, req), name="mk-ask", daemon=True
         ).start()
-
-    def _on_input(self, h: H.Input, msg: Message) -> None:
-        events = self._events
-        debug = h.debugger
-        event = InputRequested(
-            self._name,
-            h.rank,
-            h.request,
-            h.serial,
-            h.prompt,
-            h.password,
-            debug,
-            bytes(msg.payload).decode("utf-8", "replace") if debug else "",
-            (h.where or "") if debug else "",
-            bool(h.post_mortem),
-        )
-        if debug and events.wants(DebuggerPaused):
-            events.emit(DebuggerPaused(self._name, event.rank, event.request, event.where))
-        if events.wants(InputRequested):
-            events.emit(event)
-        else:  # nobody can answer: the rank's input() raises EOFError at once
-            why = NO_DEBUGGER if debug else NO_READER
-            self._mesh.answer_input(event.rank, event.serial, error=why)
-
-    def _on_resumed(self, h: H.Resumed, msg: Message) -> None:
-        if self._events.wants(DebuggerResumed):
-            resumed = DebuggerResumed(self._name, h.rank, h.request, h.serial, h.why)
-            self._events.emit(resumed)
 
     # -- ranks ---------------------------------------------------------------------------
     def _on_ready(self, h: H.Ready, msg: Message) -> None:
