@@ -84,3 +84,5 @@ def test_a_worker_error_of_any_length_fits_one_message():
     assert "characters left out" in text
     assert len(pickle.dumps(Failed(7, text), protocol=5)) < MAX_MESSAGE
     assert error_text(ValueError("short")) == "ValueError: short"
+    wide = error_text(RuntimeError("\U0001f3d6" * 100_000))  # 4 bytes each in UTF-8
+    assert len(pickle.dumps(Failed(7, wide), protocol=5)) < MAX_MESSAGE

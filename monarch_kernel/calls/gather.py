@@ -1,6 +1,6 @@
 """Turning replies into results: the one gather path of the actor API and ``%%remote``.
 
-Each class here is a :class:`~monarch_kernel.controller.state.events.RequestObserver` that
+Each class here is a :class:`~monarch_kernel.calls.reply.RequestObserver` that
 completes a :class:`~.future.Future`:
 
 * :class:`Gather`: every rank of a request -> a :class:`ValueMesh`, or one grouped

@@ -3,7 +3,7 @@
 A :class:`~monarch_kernel.actor.meshes.ProcMesh` or ``ActorMesh`` does not know where it
 lives. In the notebook its requester is the controller's ``MeshRuntime`` (it owns the
 mesh: sockets to every rank, supervision, restarts); in a rank that was handed a mesh
-reference it is a :class:`~monarch_kernel.actor.peer.client.PeerRequester`, which sends
+reference it is a :class:`~monarch_kernel.actor.peer.requester.PeerRequester`, which sends
 the same signed messages straight to the target ranks. Both deliver one
 :class:`~monarch_kernel.calls.reply.Reply` per rank to the request's observer, so the
 adverbs, the gathering and the errors are one code path on both sides.

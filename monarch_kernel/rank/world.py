@@ -8,7 +8,7 @@ changes). :func:`set_world` puts the new shape, and the new rank if there is one
 the rank's configuration, the torchrun variables (``RANK``, ``LOCAL_RANK``,
 ``GROUP_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` ...), ``current_rank()`` and
 ``current_size()``. The process group is re-formed at the new size right after
-(``train_pg.reform``), which reads ``RANK`` and ``WORLD_SIZE`` from the environment.
+(``training.reform.reform``), which reads ``RANK`` and ``WORLD_SIZE`` from the environment.
 """
 
 from __future__ import annotations

@@ -472,4 +472,5 @@ PROTOCOL_VERSION = 10  # 2: the ``display`` kind; 3: large values travel as stre
 # (``slot`` in ``spawn_ranks``, ranks named by their slot on the wire) and ``mesh_ref``;
 # 9: one envelope frame (length word, header, signature, small payload) instead of
 # three frames (``wire.codec``); 10: the package's modules moved into capability
-# subpackages (``controller/state``, ``rank/pg`` ...), so pickled class paths changed
+# subpackages (``controller/state``, ``rank/pg`` ...), so pickled class paths changed,
+# and ``spawn_ranks``' common part names the ``listener_key`` (was ``peer_key``)

@@ -45,7 +45,7 @@ def reply_tcp_host() -> str:
     In a rank of a mesh that spans machines: the address its own peer socket listens
     on. In the controller: the local address of the route to the machine of a rank that
     listens on TCP (a mesh of another machine), if there is one when the client is made
-    (see ``peer_client.client``)."""
+    (see ``peer.client.client``)."""
     rt = context.services()
     if rt is not None:
         return rt.peer.tcp_host

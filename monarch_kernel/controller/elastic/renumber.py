@@ -24,7 +24,7 @@ now; hosts likewise). The rules:
   (``Transport.next_seq``) or per connection, so they carry over untouched.
 * *Nothing runs during it*: between cells (the resize is refused while a cell that is
   not a ``TrainingState`` loop runs), or with a ``--bg`` loop parked at a step boundary
-  (``elastic_round``); removed ranks leave every request first (their part fails, or
+  (``elastic.training_loop``); removed ranks leave every request first (their part fails, or
   they leave the training cell's). The survivors learn their new rank from their slot
   (``rank.world.set_world``: ``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, the shape) before
   the process group is re-formed at a fresh rendezvous (it reads ``RANK``).

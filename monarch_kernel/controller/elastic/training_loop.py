@@ -6,7 +6,7 @@
    its peers' process groups, and parks at the same boundary);
 2. removed ranks leave the cell's request and are stopped; new ranks are started, get
    the whole mesh's actors, join the request; a shrink that dropped ranks other than
-   the last ones renumbers the survivors there (``elastic_renumber``), and the round's
+   the last ones renumbers the survivors there (``elastic.renumber``), and the round's
    own records follow;
 3. survivors take the new shape and their new ranks (``world``), every rank re-forms
    the process group at the new size, new ranks run the ``--setup`` cells (local
@@ -131,7 +131,7 @@ class ResizeRound(Recovery):
 
     def notice(self, rank: int, notice: object) -> None:
         """A rank's training notice; a removed rank's is ignored (one that parks by itself
-        when its peers stop, until its numbering is gone: ``elastic_renumber``)."""
+        when its peers stop, until its numbering is gone: ``elastic.renumber``)."""
         with self._cond:
             removed = rank in self.plan.removed and not self._renumbered
         if not removed:

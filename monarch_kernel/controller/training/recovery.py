@@ -60,7 +60,7 @@ class PolicyView(Protocol):
 
 
 class RecoveryRunner(Protocol):
-    """Runs one request's recovery (``peer_round.Recovery``)."""
+    """Runs one request's recovery (``training.rounds.Recovery``)."""
 
     def add_dead(self, rank: int) -> None: ...
     def fail(self, why: str) -> None: ...

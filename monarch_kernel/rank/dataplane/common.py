@@ -37,7 +37,7 @@ counters_ = {"bytes_out": 0, "bytes_in": 0, "replays_refused": 0, "requests_reje
 
 
 class SharedTensor(Protocol):
-    """What the data-plane client reads of a ``TensorRef`` (``dataplane_ref``), which
+    """What the data-plane client reads of a ``TensorRef`` (``dataplane.ref``), which
     uses the client: named here so that neither module imports the other's."""
 
     @property

@@ -25,8 +25,9 @@ MAX_FDS = 64
 #: Slot offsets are aligned to this many bytes.
 ALIGN = 64
 #: The most characters of an error's text a worker sends (gloo's can carry a C++ stack
-#: trace of many kilobytes; the message must stay under :data:`MAX_MESSAGE`).
-MAX_ERROR = 16 * 1024
+#: trace of many kilobytes): at most 4 bytes each in UTF-8, so a message that carries
+#: one stays under :data:`MAX_MESSAGE`.
+MAX_ERROR = 8 * 1024
 
 
 class TensorRef(NamedTuple):

@@ -74,7 +74,7 @@ def failure_text(op_name: str, error: str) -> str:
 class ReformableGroup(CollectiveOps, _ProcessGroup):
     """A gloo process group in a disposable worker (see the module docstring)."""
 
-    #: Forms every group of the rank again (``pg_backend.reform``, which sets it: that
+    #: Forms every group of the rank again (``pg.backend.reform``, which sets it: that
     #: module makes groups, so this one cannot import it).
     reformer: ClassVar[Callable[[ReformableGroup, str, int, int, int], object] | None] = None
 

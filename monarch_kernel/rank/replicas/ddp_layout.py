@@ -4,7 +4,7 @@ A rank whose DDP object was built anew (restarted; its set-up cells run again) h
 its gradients in parameter order until its second step, while the other ranks' buckets
 are in the order their gradients became ready; the all-reduce sums buckets element by
 element, so they must agree (:func:`adopt_layout`). Used when a rank takes a replica's
-state (``train_state``, ``replicas``).
+state (``rank.training.state``, ``replicas``).
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class StateOffer:
     small: bytes
     nbytes: int  #: bytes of tensors offered
     made: float = field(default_factory=time.time)
-    #: The DDP model's gradient buckets (``train_pg.bucket_layout``), None if not DDP.
+    #: The DDP model's gradient buckets (``replicas.ddp_layout.bucket_layout``), None if not DDP.
     layout: list[list[int]] | None = None
 
     def refs(self) -> list[TensorRef]:

@@ -200,7 +200,7 @@ class TrainingState:
             self.data.load_state_dict(parts["data"])
         _update_in_place(self.extra, parts["extra"])
 
-    # -- from peer to peer (train_park's orders) ----------------------------------------
+    # -- from peer to peer (the orders of training.park) ----------------------------------------
     def offer(self) -> StateOffer:
         """Share this rank's state at its step boundary (for another rank to load)."""
         dp = server()
