@@ -202,8 +202,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 f"{item.nodeid} uses the session's Ray cluster or a Slurm cluster: add "
                 f"{item.path.name} to CLUSTER_MODULES in tests/conftest.py"
             )
+        if item.get_closest_marker("gpu") is not None and not _HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (bench/gpu_check.py)"))
     # those first: on two workers, the longest unit of work starts at once
     items.sort(key=lambda item: item.path.name not in CLUSTER_MODULES)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+#: Whether this machine has a CUDA GPU (tests marked ``gpu`` are skipped without one).
+_HAS_CUDA = _cuda_available()
 
 
 #: The modules that use the session's Ray cluster or a Slurm cluster (one ``munged``,
