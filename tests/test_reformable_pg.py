@@ -5,6 +5,7 @@ prints what it saw; these tests judge it)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,11 +18,17 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "reformable_group.py"
 WORLD = 4
 
 
-def _run(scenario: str) -> dict[int, list[dict]]:
-    """Run one scenario on 4 ranks; rank -> its RESULT records, in order."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD)]
+def _run(
+    scenario: str, world: int = WORLD, env: dict[str, str] | None = None
+) -> dict[int, list[dict]]:
+    """Run one scenario on ``world`` ranks; rank -> its RESULT records, in order."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
     proc = subprocess.run(
-        [*cmd, str(SCRIPT), scenario], capture_output=True, text=True, timeout=240
+        [*cmd, str(SCRIPT), scenario],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **(env or {})},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results: dict[int, list[dict]] = {}
@@ -29,8 +36,21 @@ def _run(scenario: str) -> dict[int, list[dict]]:
         if line.startswith("RESULT "):
             record = json.loads(line[len("RESULT ") :])
             results.setdefault(record["rank"], []).append(record)
-    assert sorted(results) == list(range(WORLD)), proc.stdout[-3000:]
+    assert sorted(results) == list(range(world)), proc.stdout[-3000:]
     return results
+
+
+@pytest.mark.parametrize("zygote", ["forked", "exec"])
+def test_a_group_of_one_skips_the_worker_for_ops_that_change_nothing(zygote):
+    # "exec": the zygote a rank starts once its CUDA is up (a fresh interpreter, so that
+    # its workers can use CUDA), forced here on CPU
+    env = {"MONARCH_KERNEL_PG_EXEC_ZYGOTE": "1"} if zygote == "exec" else {}
+    (record,) = _run("alone", world=1, env=env)[0]
+    assert record["values"] == [0.0, 1.0, 2.0, 3.0]
+    assert record["gathered"] == [0.0, 1.0, 2.0, 3.0]
+    assert record["sent_before_gather"] == 0 and record["sent_after_gather"] == 1
+    assert record["kind"] == "gloo"
+    assert record["zygote_exec"] is (zygote == "exec")
 
 
 def test_every_op_computes_what_plain_gloo_computes():

@@ -319,6 +319,32 @@ def state_copy() -> None:
     dist.destroy_process_group()
 
 
+# -- a group of one ---------------------------------------------------------------------------
+def alone() -> None:
+    """Ops that leave a lone rank's tensors as they are never reach the worker; the
+    others still run there."""
+    dist.init_process_group("gloo")
+    group = default_group()
+    t = torch.arange(4.0)
+    dist.all_reduce(t)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.broadcast(t, src=0)
+    dist.reduce(t, dst=0)
+    dist.barrier()
+    sent_before_gather = group._next_op
+    out = [torch.zeros(4)]
+    dist.all_gather(out, t)
+    report(
+        values=t.tolist(),
+        gathered=out[0].tolist(),
+        sent_before_gather=sent_before_gather,
+        sent_after_gather=group._next_op,
+        kind=group.kind,
+        zygote_exec=pg_backend._spawner._process is not None,
+    )
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     distributed.install_idempotent_init()
     {
@@ -326,4 +352,5 @@ if __name__ == "__main__":
         "abort": abort_and_reform,
         "worker_death": worker_death,
         "state": state_copy,
+        "alone": alone,
     }[sys.argv[1]]()

@@ -152,6 +152,10 @@ class PeerMesh:
         """Whether the ranks had a torch.distributed process group (to re-form)."""
         return self._recipe.pg_backend is not None
 
+    def pg_backend(self) -> str | None:
+        """The backend of the ranks' process group (``gloo``, ``nccl``), as they said."""
+        return self._recipe.pg_backend
+
     def rendezvous(self) -> tuple[str, int]:
         return self._hosts[0].addr, self._restarter.new_port(0)
 

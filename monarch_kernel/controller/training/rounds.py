@@ -48,7 +48,7 @@ MAX_ROUNDS = 4
 
 _REFORM = (
     "from monarch_kernel.rank.training.reform import reform as _mk_reform\n"
-    "_mk_reform({addr!r}, {port})\n"
+    "_mk_reform({addr!r}, {port}, {backend!r})\n"
     "del _mk_reform\n"
 )
 
@@ -75,6 +75,7 @@ class RoundMesh(Protocol):
     ) -> None: ...
     def restart_dead(self, reason: str) -> None: ...
     def has_process_group(self) -> bool: ...
+    def pg_backend(self) -> str | None: ...
 
 
 T = TypeVar("T")
@@ -341,7 +342,7 @@ class Recovery:
         fut = self._order(parked, Order("reform", self.rid, addr, port), epoch)
         failed = self._cell(
             fresh,
-            _REFORM.format(addr=addr, port=port),
+            _REFORM.format(addr=addr, port=port, backend=self._mesh.pg_backend()),
             "recovery: process group",
             time.monotonic() + STEP_WAIT,
             epoch,

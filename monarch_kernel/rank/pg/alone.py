@@ -16,12 +16,14 @@ from typing import Any
 _store: Any = None
 
 
-def form_alone() -> None:
-    """Make a default process group of this rank alone (a world of one)."""
+def form_alone(backend: str | None = None) -> None:
+    """Make a default process group of this rank alone (a world of one), of the kind
+    ``init_process_group(backend)`` makes (``gloo`` when None: the re-formable CPU one;
+    ``nccl``: the re-formable NCCL one)."""
     global _store
     from datetime import timedelta
 
     import torch.distributed as dist
 
     _store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=60))
-    dist.init_process_group("gloo", store=_store, rank=0, world_size=1)
+    dist.init_process_group(backend or "gloo", store=_store, rank=0, world_size=1)

@@ -11,12 +11,15 @@ that rank 0 serves at ``master_addr:master_port``), all at once: each group's ne
 is asked to join first, then all are waited for, so groups never wait for each other.
 A spare worker is kept forked, so a re-form costs the rendezvous, not a process start.
 
-A GPU backend would be a second worker kind (holding NCCL, tensors crossing by CUDA IPC);
+``mknccl`` is the same for NCCL: its worker holds an NCCL group for CUDA tensors (which
+cross by CUDA IPC, in place) and a gloo group for CPU ones; ``init_process_group("nccl")``
+(or no backend, or ``cpu:gloo,cuda:nccl``, on a machine with CUDA) picks it.
 :data:`REFORMABLE` maps a device to the backend that makes it re-formable.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import socket
@@ -27,13 +30,23 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from monarch_kernel.rank.pg.nccl_env import worker_env
 from monarch_kernel.rank.pg.protocol import ConfigFailed, Configure, Ready
-from monarch_kernel.rank.pg.reformable import BACKEND, ReformableGroup
+from monarch_kernel.rank.pg.reformable import BACKEND, NCCL_BACKEND, ReformableGroup
 from monarch_kernel.rank.pg.spawn import Spawner, WorkerHandle
 
-#: Device type -> the re-formable backend for it (no GPU one yet: NCCL stays as is).
-REFORMABLE = {"cpu": BACKEND}
-#: Set to ``0`` in a rank's environment to get plain gloo from ``init_process_group``.
+#: Device type -> the re-formable backend for it.
+REFORMABLE = {"cpu": BACKEND, "cuda": NCCL_BACKEND}
+#: What ``init_process_group`` is asked for -> the re-formable backend that does it.
+_CHOICES = {
+    "gloo": BACKEND,
+    "cpu:gloo": BACKEND,
+    "nccl": NCCL_BACKEND,
+    "cuda:nccl": NCCL_BACKEND,
+    "cpu:gloo,cuda:nccl": NCCL_BACKEND,
+    "cuda:nccl,cpu:gloo": NCCL_BACKEND,
+}
+#: Set to ``0`` in a rank's environment to get plain gloo or NCCL from ``init_process_group``.
 OPT_OUT = "MONARCH_KERNEL_REFORMABLE_PG"
 #: Seconds a rendezvous may take when the caller gives no timeout (torch's default).
 DEFAULT_TIMEOUT = 1800.0
@@ -77,18 +90,24 @@ def enabled() -> bool:
 
 def choose_backend(requested: Any) -> Any:
     """The backend ``init_process_group`` should use for ``requested``: ``mkgloo`` for
-    gloo on CPU (or no backend named on a machine without CUDA), else ``requested``."""
+    gloo, ``mknccl`` for NCCL (with gloo beside it for CPU tensors) when CUDA is
+    there; no backend named means torch's default for the machine (``mknccl`` with
+    CUDA, ``mkgloo`` without). Anything else is left as asked."""
     if not enabled():
         return requested
-    name = None if requested is None else str(requested).lower()
-    if name in ("gloo", "cpu:gloo"):
-        return BACKEND
+    name = None if requested is None else str(requested).lower().replace(" ", "")
     if name in (None, "undefined"):
-        import torch
+        return NCCL_BACKEND if _has_cuda() else BACKEND
+    chosen = _CHOICES.get(name)
+    if chosen == NCCL_BACKEND and not _has_cuda():
+        return requested  # torch's own error ("NCCL ... not available") says it best
+    return chosen or requested
 
-        if not torch.cuda.is_available():
-            return BACKEND
-    return requested
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def register() -> None:
@@ -98,6 +117,12 @@ def register() -> None:
     if BACKEND.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(
+        NCCL_BACKEND,
+        functools.partial(_create, kind="nccl"),
+        extended_api=True,
+        devices=["cpu", "cuda"],
+    )
 
 
 def groups() -> list[ReformableGroup]:
@@ -107,8 +132,8 @@ def groups() -> list[ReformableGroup]:
     return alive
 
 
-def _create(opts: Any, _backend_options: Any) -> Any:
-    """The backend's creator (torch calls it inside init_process_group / new_group)."""
+def _create(opts: Any, _backend_options: Any, kind: str = "gloo") -> Any:
+    """The backends' creator (torch calls it inside init_process_group / new_group)."""
     import torch.distributed as dist
 
     timeout_s = opts.timeout.total_seconds() if opts.timeout else DEFAULT_TIMEOUT
@@ -116,13 +141,17 @@ def _create(opts: Any, _backend_options: Any) -> Any:
     if address is None:  # a FileStore or HashStore rendezvous: no worker can join it
         import warnings
 
+        plain = "NCCL" if kind == "nccl" else "gloo"
         warnings.warn(
-            "the rendezvous store is not a TCPStore: this process group is plain gloo, "
+            f"the rendezvous store is not a TCPStore: this process group is plain {plain}, "
             "which the mesh cannot re-form after a failure",
             stacklevel=2,
         )
+        if kind == "nccl":
+            return dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size)
         return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
-    group = ReformableGroup(opts.group_rank, opts.group_size, str(opts.group_id), timeout_s)
+    group_id = str(opts.group_id)
+    group = ReformableGroup(opts.group_rank, opts.group_size, group_id, timeout_s, kind)
     ranks = list(opts.global_ranks_in_group or [])
     world = dist.get_world_size() if dist.is_initialized() else opts.group_size
     if ranks and len(ranks) != world:
@@ -179,14 +208,27 @@ def keep_spare() -> None:
 def _form(plans: list[_Plan], timeout_s: float) -> list[WorkerHandle]:
     """Start one worker per plan joining its rendezvous, then wait for all
     (interruptibly); the workers, formed."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(("GLOO_", "TORCH_GLOO"))}
+    gpus = _gpu_count() if any(p.group.kind == "nccl" for p in plans) else 0
+    env = worker_env(os.environ, gpus)
     handles: list[WorkerHandle] = []
     try:
         for p in plans:
             handle = take_worker()
             handles.append(handle)
-            timeout = p.group.timeout_s
-            handle.send(Configure(p.host, p.port, p.prefix, p.rank, p.size, timeout, env))
+            group = p.group
+            handle.send(
+                Configure(
+                    p.host,
+                    p.port,
+                    p.prefix,
+                    p.rank,
+                    p.size,
+                    group.timeout_s,
+                    env,
+                    group.kind,
+                    group.device,
+                )
+            )
         deadline = time.monotonic() + timeout_s
         for p, handle in zip(plans, handles):
             group = p.group
@@ -202,6 +244,12 @@ def _form(plans: list[_Plan], timeout_s: float) -> list[WorkerHandle]:
             handle.kill()
         raise
     return handles
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return int(torch.cuda.device_count())
 
 
 def reform(

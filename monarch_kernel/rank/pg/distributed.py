@@ -4,10 +4,10 @@ Installed in the warm template before any rank is forked, so user code that does
 ``dist.init_process_group()`` (with or without arguments) a second time keeps the
 existing process group instead of failing.
 
-For gloo on CPU the wrapped ``init_process_group`` makes a re-formable group
-(:mod:`.reformable`, backend ``mkgloo``): the mesh can abort it without killing the
-rank and form it again in place, under the user's DDP objects. Set
-``MONARCH_KERNEL_REFORMABLE_PG=0`` in a rank (``%mesh ... --env``) for plain gloo.
+For gloo (and, with CUDA, NCCL) the wrapped ``init_process_group`` makes a re-formable
+group (:mod:`.reformable`, backends ``mkgloo`` and ``mknccl``): the mesh can abort it
+without killing the rank and form it again in place, under the user's DDP objects. Set
+``MONARCH_KERNEL_REFORMABLE_PG=0`` in a rank (``%mesh ... --env``) for plain gloo/NCCL.
 
 Also what the rank and the controller need to take a process group down and form it
 again after a failure: :func:`abort_process_group` (the ``abort_pg`` control message),
@@ -158,7 +158,7 @@ def reform_process_group(
     if not is_initialized():  # a restarted rank: join the rendezvous as the others do
         from monarch_kernel.rank.pg.alone import form_alone
 
-        form_alone()
+        form_alone(backend or last_backend)
     default = _default_reformable()
     if default is not None:
         from monarch_kernel.rank.pg import backend as pg_backend
@@ -168,7 +168,7 @@ def reform_process_group(
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             pg_backend.reform(default, master_addr, int(master_port), rank, world, subgroups)
             replicas.repair_ddp(pg_backend.groups())
-        last_backend = "gloo"
+        last_backend = "nccl" if default.kind == "nccl" else "gloo"
         return last_backend
     with _lock:
         try:
@@ -203,6 +203,8 @@ def _backend_name(dist: Any) -> str:
     name = str(dist.get_backend())
     if name == "mkgloo":  # the re-formable group: gloo, to people and to a re-form
         return "gloo"
+    if name == "mknccl":  # the re-formable NCCL group (gloo beside it for CPU tensors)
+        return "nccl"
     if name == "undefined":  # initialised without a backend: one per device type
         try:
             name = str(dist.get_backend_config())

@@ -8,7 +8,8 @@ gone); the worker answers :class:`Ready` / :class:`ConfigFailed` once, then
 NamedTuples: both ends run the same code (the worker is forked from the rank).
 
 Tensors never travel in a message: they lie in shared-memory regions, an op's own slot
-(:mod:`.shm`) or a user storage used in place (:mod:`.adopt`), named by
+(:mod:`.shm`) or a user storage used in place (:mod:`.adopt`), or, for CUDA tensors, in
+the rank's GPU memory mapped by CUDA IPC (:mod:`.cuda_regions`), named by
 :class:`TensorRef`; options objects travel as
 ``(class name, {field: value})`` with reduce ops by name (:func:`encode_options`).
 """
@@ -51,6 +52,11 @@ class Configure(NamedTuple):
     size: int
     timeout_s: float
     env: dict[str, str]
+    #: ``gloo``: one gloo group. ``nccl``: an NCCL group on CUDA device ``device`` for
+    #: CUDA tensors and a gloo group beside it for CPU tensors (object collectives),
+    #: as torch's ``cpu:gloo,cuda:nccl``.
+    backend: str = "gloo"
+    device: int = -1
 
 
 class OpRequest(NamedTuple):
@@ -63,6 +69,9 @@ class OpRequest(NamedTuple):
     args: tuple[Any, ...]
     options: tuple[str, dict[str, Any]] | None
     new_regions: tuple[tuple[int, int], ...]
+    #: ``(id, pickled CUDA IPC description)`` of CUDA storages new to the worker
+    #: (:mod:`.cuda_regions`): they are used in place, in the rank's GPU memory.
+    new_cuda: tuple[tuple[int, bytes], ...] = ()
 
 
 class Unmap(NamedTuple):

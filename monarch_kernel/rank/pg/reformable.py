@@ -1,5 +1,10 @@
 """A torch.distributed process group that can be aborted and formed again in place.
 
+Two kinds, one class: ``gloo`` (backend ``mkgloo``, CPU tensors) and ``nccl`` (backend
+``mknccl``: CUDA tensors by NCCL, in place in the rank's GPU memory through CUDA IPC
+(:mod:`.cuda_regions`), and CPU tensors by gloo beside it, as torch's
+``cpu:gloo,cuda:nccl``). Either way NCCL and gloo run in the worker, never in the rank.
+
 :class:`ReformableGroup` is a Python ``ProcessGroup`` (torch calls it from C++ too: DDP's
 reducer, ``broadcast_coalesced``). Its collectives run in a disposable worker process
 that holds a real gloo group (:mod:`.worker`); tensors cross through shared memory
@@ -32,6 +37,7 @@ import torch.distributed as dist
 
 from monarch_kernel.calls.errors import ProcessGroupAborted
 from monarch_kernel.rank.pg.adopt import Adopted, AdoptedStorages
+from monarch_kernel.rank.pg.cuda_regions import CudaEntry, CudaStorages
 from monarch_kernel.rank.pg.ops import CollectiveOps
 from monarch_kernel.rank.pg.protocol import (
     Done,
@@ -54,10 +60,15 @@ _ProcessGroup: Any = dist.ProcessGroup
 
 #: Name of the backend the group reports (``dist.get_backend()``).
 BACKEND = "mkgloo"
+#: The backend of a group whose worker runs NCCL for CUDA tensors (gloo for CPU ones).
+NCCL_BACKEND = "mknccl"
 #: How a peer's abort (or death) shows up in gloo's errors.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 #: What a peer's abort means, said after the failed op's name.
 PEER_GONE_HINT = " (another rank aborted its process group, or died)"
+#: Ops that leave every tensor as it is in a group of one rank (sums, averages, minima
+#: of one value; a broadcast from oneself; a barrier alone).
+ALONE_IDENTITY = frozenset({"allreduce", "allreduce_coalesced", "broadcast", "reduce", "barrier"})
 #: The most characters of the backend's own error text an op's failure keeps (gloo's can
 #: carry a C++ stack trace of many kilobytes); past it its middle is left out.
 MAX_BACKEND_ERROR = 1000
@@ -78,7 +89,7 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
     #: module makes groups, so this one cannot import it).
     reformer: ClassVar[Callable[[ReformableGroup, str, int, int, int], object] | None] = None
 
-    def __init__(self, rank: int, size: int, group_id: str, timeout_s: float):
+    def __init__(self, rank: int, size: int, group_id: str, timeout_s: float, kind: str = "gloo"):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         #: torch's name of the group (``0`` for the default one); prefixes rendezvous.
@@ -86,6 +97,12 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
         self._group_name = group_id
         self._group_desc = ""
         self.timeout_s = timeout_s
+        #: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors by NCCL, CPU ones by gloo).
+        self.kind = kind
+        #: The CUDA device the group's CUDA tensors live on: an ``nccl`` group's first
+        #: CUDA tensor's (-1 until then, and for a gloo group). Nothing touches CUDA
+        #: before that: a group of CPU tensors on a GPU machine costs no GPU memory.
+        self.device = -1
         #: Global ranks of a ``new_group`` group (None: the default group).
         self.global_ranks: tuple[int, ...] | None = None
         self._lock = threading.Lock()
@@ -97,6 +114,7 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
         ids = itertools.count()
         self._pool = SlotPool(lambda: next(ids))
         self._adopted = AdoptedStorages(lambda: next(ids))
+        self._cuda = CudaStorages(lambda: next(ids))
         self._coalescing: list[PendingOp] | None = None
         #: Times this group was formed (1 after the first rendezvous).
         self.generation = 0
@@ -116,14 +134,19 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
     def size(self) -> int:
         return self._size
 
+    @property
+    def backend_name(self) -> str:
+        """``mkgloo`` or ``mknccl``."""
+        return NCCL_BACKEND if self.kind == "nccl" else BACKEND
+
     def getBackendName(self) -> str:
-        return BACKEND
+        return self.backend_name
 
     def _get_backend_name(self) -> str:
-        return BACKEND
+        return self.backend_name
 
     def name(self) -> str:
-        return BACKEND
+        return self.backend_name
 
     # The name torch gives the group (functional collectives and DeviceMesh look groups
     # up by it): the base class keeps it in its backends, and this group has none.
@@ -155,7 +178,8 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
 
     def __repr__(self) -> str:
         state = f"aborted: {self._aborted}" if self._aborted else f"{self.pending()} pending"
-        return f"<ReformableGroup {self.group_id!r} rank {self._rank}/{self._size}, {state}>"
+        where = f"rank {self._rank}/{self._size}"
+        return f"<ReformableGroup {self.kind} {self.group_id!r} {where}, {state}>"
 
     # -- state -------------------------------------------------------------------------
     def pending(self) -> int:
@@ -191,6 +215,7 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
         self._pool.close()
         with self._lock:
             self._adopted.clear()
+            self._cuda.clear()
 
     def attach(self, worker: WorkerHandle, rank: int, size: int) -> None:
         """Use ``worker`` (formed: it answered Ready) from now on, as ``rank`` of ``size``;
@@ -290,12 +315,32 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
             op = PendingOp(name, None, [], None)
             op.finish(error)
             return OpWork(op)
-        with self._send_lock:  # ops reach the worker in the order they are issued
-            op, spec, regions = self._lay_out(name, args, ins, outs, value)
-            self._send(op, method, spec, opts, regions)
+        if self._size == 1 and method in ALONE_IDENTITY and not _scales(opts):
+            op = self._alone(name, args, value)
+        else:
+            with self._send_lock:  # ops reach the worker in the order they are issued
+                op, spec, regions, cuda = self._lay_out(name, args, ins, outs, value)
+                self._send(op, method, spec, opts, regions, cuda)
         if self._coalescing is not None:
             self._coalescing.append(op)
         return OpWork(op)
+
+    def _bind(self, t: torch.Tensor) -> None:
+        """An ``nccl`` group's first CUDA tensor chooses its device."""
+        if self.device < 0 and self.kind == "nccl" and getattr(t, "is_cuda", False):
+            self.device = int(t.device.index or 0)
+
+    def _alone(self, name: str, args: list[Any], value: object) -> PendingOp:
+        """An op of a group of one that leaves its tensors as they are: done here, with
+        no round trip to the worker (a one-rank DDP pays nothing for its group)."""
+        tensors = list(_tensors(args))
+        for t in tensors:
+            self._bind(t)
+            _check_tensor(name, t, self.device)
+        cuda = [t.device for t in tensors if t.is_cuda][:1]
+        op = PendingOp(name, None, [], value, cuda or None)
+        op.finish(None)
+        return op
 
     def _lay_out(
         self,
@@ -304,16 +349,22 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
         ins: Sequence[torch.Tensor],
         outs: Sequence[torch.Tensor],
         value: object,
-    ) -> tuple[PendingOp, list[Any], list[tuple[int, int, int]]]:
-        """``(op, args with TensorRefs, regions (id, size, fd) it uses)``: each tensor in
-        an adopted storage, else in the op's slot (inputs copied in)."""
+    ) -> tuple[PendingOp, list[Any], list[tuple[int, int, int]], list[CudaEntry]]:
+        """``(op, args with TensorRefs, regions (id, size, fd) it uses, CUDA storages it
+        uses)``: each CPU tensor in an adopted storage, else in the op's slot (inputs
+        copied in); each CUDA tensor in place, in the rank's GPU memory."""
         places: dict[int, tuple[Adopted | None, int]] = {}
         tensors: list[torch.Tensor] = []
+        cuda: dict[int, tuple[CudaEntry, int, torch.Tensor]] = {}
         total = 0
         for t in _tensors(args):
-            if id(t) in places:
+            if id(t) in places or id(t) in cuda:
                 continue
-            _check_tensor(name, t)
+            self._bind(t)
+            _check_tensor(name, t, self.device)
+            if t.is_cuda:
+                cuda[id(t)] = (*self._cuda.place(t), t)
+                continue
             tensors.append(t)
             adopted = self._adopted.place(t)
             if adopted is None:
@@ -330,15 +381,25 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
                 regions[region.id] = (region.id, region.size, region.fd)
             rid = region.id if region is not None else slot.id  # type: ignore[union-attr]
             refs[id(t)] = TensorRef(rid, offset, dtype_name(t.dtype), tuple(t.shape))
+        for key, (entry, offset, t) in cuda.items():
+            refs[key] = TensorRef(entry.id, offset, dtype_name(t.dtype), tuple(t.shape))
         copied = [t for t in tensors if places[id(t)][0] is None]
         if slot is not None:
             with torch.no_grad():
                 for t in ins:
-                    if places[id(t)][0] is None:
+                    if id(t) in places and places[id(t)][0] is None:
                         slot.view(refs[id(t)]).copy_(t)
         outputs = [(t, refs[id(t)]) for t in outs if any(t is c for c in copied)]
-        op = PendingOp(name, slot, outputs, value)
-        return op, _tree(args, lambda t: refs[id(t)]), list(regions.values())
+        devices = None
+        if cuda:
+            device = torch.device("cuda", self.device)
+            # the worker reads the inputs (and writes the outputs) once the op arrives:
+            # whatever this stream queued on them must be done by then
+            torch.cuda.current_stream(device).synchronize()
+            devices = [device]
+        op = PendingOp(name, slot, outputs, value, devices)
+        entries = list({id(e): e for e, _, _ in cuda.values()}.values())
+        return op, _tree(args, lambda t: refs[id(t)]), list(regions.values()), entries
 
     def _send(
         self,
@@ -347,6 +408,7 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
         spec: list[Any],
         opts: object,
         regions: list[tuple[int, int, int]],
+        cuda: list[CudaEntry],
     ) -> None:
         with self._lock:
             worker = self._worker
@@ -356,7 +418,10 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
                 self._ops[op_id] = op
                 new = [r for r in regions if r[0] not in worker.known]
                 worker.known.update(r[0] for r in new)
-                dropped = [r for r in self._adopted.forget_dropped() if r in worker.known]
+                new_cuda = tuple((e.id, e.payload) for e in cuda if e.id not in worker.known)
+                worker.known.update(e.id for e in cuda)
+                gone = self._adopted.forget_dropped() + self._cuda.forget_dropped()
+                dropped = [r for r in gone if r in worker.known]
                 worker.known.difference_update(dropped)
         if worker is None:  # aborted between the check and now
             if op.slot is not None:
@@ -364,7 +429,7 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
             op.finish(ProcessGroupAborted(f"{op.name}: the process group was aborted"))
             return
         new_regions = tuple((rid, size) for rid, size, _fd in new)
-        request = OpRequest(op_id, method, tuple(spec), encode_options(opts), new_regions)
+        request = OpRequest(op_id, method, tuple(spec), encode_options(opts), new_regions, new_cuda)
         try:
             for region in dropped:
                 worker.send(Unmap(region))
@@ -373,16 +438,33 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
             pass  # killed meanwhile: abort() failed the op, or the reader will
 
 
-def _check_tensor(op: str, t: torch.Tensor) -> None:
+def _check_tensor(op: str, t: torch.Tensor, cuda_device: int) -> None:
+    """Refuse what the worker cannot use, saying what to do (``cuda_device``: the
+    group's CUDA device, -1 for a gloo group)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: expected tensors, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if t.layout != torch.strided:
+        raise ValueError(f"{op}: {t.layout} tensors are not supported (dense tensors only)")
+    if t.device.type == "cpu":
+        return
+    if t.device.type != "cuda" or cuda_device < 0:
         raise ValueError(
             f"{op}: the re-formable gloo process group carries CPU tensors, got one on "
             f"{t.device}; use backend='nccl' for GPU tensors"
         )
-    if t.layout != torch.strided:
-        raise ValueError(f"{op}: {t.layout} tensors are not supported (dense tensors only)")
+    if t.device.index != cuda_device:
+        raise ValueError(
+            f"{op}: the process group's GPU is cuda:{cuda_device}, the tensor is on "
+            f"{t.device}; move it there (each rank's GPU is torch.cuda.current_device())"
+        )
+    if not t.is_contiguous():
+        raise ValueError(f"{op}: CUDA tensors must be contiguous (call .contiguous() first)")
+
+
+def _scales(opts: object) -> bool:
+    """Whether ``opts`` reduce with ``PREMUL_SUM`` (which scales even one value)."""
+    op = getattr(opts, "reduceOp", None)
+    return "PREMUL" in str(getattr(getattr(op, "op", op), "name", ""))
 
 
 def _tensors(args: Any) -> Iterator[torch.Tensor]:

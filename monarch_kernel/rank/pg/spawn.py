@@ -7,6 +7,13 @@ itself: it is single-threaded, so forking it is safe and takes milliseconds, and
 workers do not share the pages the rank writes later (no copy-on-write cost for the
 model the rank trains). The zygote ends when the rank does (its socket closes); so does
 each worker.
+
+A process forked after CUDA was initialised cannot use CUDA, and an NCCL worker must.
+So when the rank's CUDA is already up at the zygote's start (a user who moved the model
+to the GPU before ``init_process_group``, the usual order), the zygote is a fresh
+interpreter instead (``python -c``, its socket passed as a descriptor): it imports torch
+but never initialises CUDA, so every worker it forks can. That costs the interpreter's
+start once per rank (about a second), not once per worker.
 """
 
 from __future__ import annotations
@@ -16,12 +23,17 @@ import pickle
 import select
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 from monarch_kernel.rank.pg.protocol import MAX_FDS, MAX_MESSAGE
 from monarch_kernel.rank.pg.worker import run_child, serve
 from monarch_kernel.wire.osutil import die_with_parent
+
+#: Set to ``1`` to start the zygote as a fresh interpreter even without CUDA (tests).
+EXEC_ZYGOTE = "MONARCH_KERNEL_PG_EXEC_ZYGOTE"
 
 
 class WorkerHandle:
@@ -106,6 +118,7 @@ class Spawner:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._owner = 0  # pid of the process that started the zygote
+        self._process: subprocess.Popen[bytes] | None = None  # an exec'd zygote
 
     def spawn(self) -> WorkerHandle:
         """A new worker, waiting for its Configure."""
@@ -129,6 +142,14 @@ class Spawner:
 
     def _start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if self._process is not None:
+            self._process.poll()  # reap the one that died
+            self._process = None
+        if _cuda_initialised() or os.environ.get(EXEC_ZYGOTE) == "1":
+            self._process = _exec_zygote(theirs)
+            theirs.close()
+            self._sock, self._owner = ours, os.getpid()
+            return
         pid = os.fork()
         if pid == 0:
             # (No parent-death signal here: it would follow the forking *thread*, which
@@ -137,6 +158,31 @@ class Spawner:
             run_child(_zygote, theirs)
         theirs.close()
         self._sock, self._owner = ours, os.getpid()
+
+
+def _cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
+
+
+def _exec_zygote(theirs: socket.socket) -> subprocess.Popen[bytes]:
+    """A zygote in a fresh interpreter, serving ``theirs`` (passed as a descriptor)."""
+    fd = theirs.fileno()
+    env = dict(os.environ)
+    # the rank's own import path (a template may have extended it), then the inherited one
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    code = f"from monarch_kernel.rank.pg.spawn import zygote_main; zygote_main({fd})"
+    return subprocess.Popen(
+        [sys.executable, "-c", code], pass_fds=[fd], stdin=subprocess.DEVNULL, env=env
+    )
+
+
+def zygote_main(fd: int) -> None:
+    """The body of an exec'd zygote (see the module docstring); never returns."""
+    sock = socket.socket(fileno=fd)
+    import torch.distributed  # noqa: F401  (its workers fork with torch imported: fast)
+
+    run_child(_zygote, sock)
 
 
 def _zygote(sock: socket.socket) -> None:

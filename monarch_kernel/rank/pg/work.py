@@ -36,11 +36,14 @@ class PendingOp:
     slot: Slot | None
     outputs: list[tuple[torch.Tensor, TensorRef]]
     value: object
+    #: CUDA devices of the op's tensors: torch's future must be told them to hold
+    #: CUDA tensors (it then orders its waiters' streams after the result).
+    devices: list[Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
     def __post_init__(self) -> None:
-        self._base: Any = torch.futures.Future()
+        self._base: Any = torch.futures.Future(devices=self.devices or None)
         self.future: Any = self._base.then(_value)
 
     def finish(self, error: BaseException | None) -> None:

@@ -1,4 +1,5 @@
-"""The process-group worker: a disposable process that holds a real gloo group.
+"""The process-group worker: a disposable process that holds a real gloo group (and,
+for an ``nccl`` group, a real NCCL group beside it for CUDA tensors).
 
 It runs :func:`serve` on its end of a SOCK_SEQPACKET socket (see :mod:`.protocol`):
 join a rendezvous once (:class:`~.protocol.Configure`), then start each
@@ -6,12 +7,20 @@ join a rendezvous once (:class:`~.protocol.Configure`), then start each
 or :class:`~.protocol.Failed` from the completion callback (gloo's own threads).
 The main loop never blocks in a collective, so the socket closing (the rank aborting
 the group, or dying) ends the worker at once, whatever its collectives are doing.
+
+NCCL ops (any CUDA tensor in the op) are enqueued on the NCCL group; the main loop makes
+its stream wait for the op and records a CUDA event after it, and a completion thread
+waits for that event (the kernels finished on the GPU) before it reports Done. A hung
+NCCL kernel (a dead peer) therefore blocks only that thread: killing the worker frees
+its context, communicators and kernels, and NCCL's watchdog, should it fire, takes down
+this worker and never the rank.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import queue
 import socket
 import threading
 import traceback
@@ -19,6 +28,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from monarch_kernel.rank.pg.cuda_regions import CudaRegion
 from monarch_kernel.rank.pg.protocol import (
     MAX_FDS,
     MAX_MESSAGE,
@@ -52,8 +62,14 @@ class _Worker:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.send_lock = threading.Lock()
-        self.slots: dict[int, Slot] = {}
+        self.slots: dict[int, Slot | CudaRegion] = {}
         self.pg: Any = None
+        #: The NCCL group of an ``nccl`` worker (CUDA tensors); ``pg`` is its gloo one.
+        self.nccl: Any = None
+        #: Where and how to form it: ``(store, Configure, timeout)`` (an ``nccl`` worker).
+        self.nccl_at: tuple[Any, Configure, timedelta] | None = None
+        #: ``(op_id, CUDA event after the op)`` for the completion thread.
+        self.completions: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
 
     def send(self, msg: object) -> None:
         data = pickle.dumps(msg, protocol=5)
@@ -92,6 +108,9 @@ class _Worker:
             )
             prefixed = dist.PrefixStore(msg.prefix, store)
             self.pg = dist.ProcessGroupGloo(prefixed, msg.rank, msg.size, timeout)
+            if msg.backend == "nccl":  # formed at its first CUDA op (the device is known then)
+                self.nccl_at = (store, msg, timeout)
+                threading.Thread(target=self._complete_cuda, name="mk-pg-cuda", daemon=True).start()
         except Exception as exc:
             self.send(ConfigFailed(error_text(exc)))
             return
@@ -101,16 +120,53 @@ class _Worker:
         for (region, size), fd in zip(req.new_regions, fds):
             self.slots[region] = map_slot(region, size, fd)
         try:
+            for region, payload in req.new_cuda:
+                self.slots[region] = CudaRegion(payload)
             if self.pg is None:
                 raise RuntimeError("the worker has no process group (not configured)")
             args = _resolve(req.args, self.slots)
             opts = decode_options(req.options)
+            if req.new_cuda or _has_cuda(args):
+                self._start_cuda(req.op_id, req.method, args, opts)
+                return
             future = self._start(req.method, args, opts)
         except Exception as exc:
             self.send(Failed(req.op_id, error_text(exc)))
             return
         op_id = req.op_id
         future.add_done_callback(lambda f: self._finished(op_id, f))
+
+    def _start_cuda(self, op_id: int, method: str, args: list[Any], opts: object) -> None:
+        """Enqueue an op on the NCCL group; the completion thread reports it."""
+        import torch
+
+        if self.nccl is None:
+            if self.nccl_at is None:
+                raise RuntimeError("CUDA tensors on a gloo process group (the rank sent them)")
+            self.nccl = _form_nccl(*self.nccl_at, _cuda_device(args))
+        if method.startswith(EACH):
+            call = getattr(self.nccl, method[len(EACH) :])
+            outputs, inputs = args
+            works = [call(o, i, opts) for o, i in zip(outputs, inputs)]
+        else:
+            call = getattr(self.nccl, method)
+            works = [call(*args) if opts is None else call(*args, opts)]
+        for work in works:
+            work.wait()  # NCCL: this stream waits for the op's stream (the CPU does not)
+        done = torch.cuda.Event()
+        done.record()
+        self.completions.put((op_id, done))
+
+    def _complete_cuda(self) -> None:
+        """Report each NCCL op once its kernels finished (in issue order)."""
+        while True:
+            op_id, event = self.completions.get()
+            try:
+                event.synchronize()
+            except Exception as exc:
+                self.send(Failed(op_id, error_text(exc)))
+                continue
+            self.send(Done(op_id))
 
     def _start(self, method: str, args: list[Any], opts: object) -> Any:
         import torch
@@ -137,7 +193,45 @@ class _Worker:
         self.send(Done(op_id))
 
 
-def _resolve(tree: Any, regions: dict[int, Slot]) -> Any:
+def _form_nccl(store: Any, msg: Configure, timeout: timedelta, device: int) -> Any:
+    """The NCCL group of an ``nccl`` worker on CUDA device ``device`` (every rank forms
+    it at the same op: the group's first on CUDA tensors), connected by one all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    if msg.device >= 0:
+        device = msg.device
+    torch.cuda.set_device(device)
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout
+    prefixed = dist.PrefixStore(msg.prefix + "nccl/", store)
+    nccl = dist.ProcessGroupNCCL(prefixed, msg.rank, msg.size, options)
+    probe = torch.zeros(1, device=torch.device("cuda", device))
+    nccl.allreduce([probe]).wait()
+    torch.cuda.synchronize(device)
+    return nccl
+
+
+def _cuda_device(tree: Any) -> int:
+    """The device of the first CUDA tensor in ``tree``."""
+    if isinstance(tree, (list, tuple)):
+        for t in tree:
+            found = _cuda_device(t)
+            if found >= 0:
+                return found
+        return -1
+    return int(tree.device.index or 0) if getattr(tree, "is_cuda", False) else -1
+
+
+def _has_cuda(tree: Any) -> bool:
+    """Whether ``tree`` (resolved args) holds a CUDA tensor."""
+    if isinstance(tree, (list, tuple)):
+        return any(_has_cuda(t) for t in tree)
+    return bool(getattr(tree, "is_cuda", False))
+
+
+def _resolve(tree: Any, regions: dict[int, Slot | CudaRegion]) -> Any:
     """``tree`` with every TensorRef replaced by its view in its region."""
     if isinstance(tree, TensorRef):
         region = regions.get(tree.region)

@@ -131,8 +131,9 @@ def release_peers() -> None:
     thread.join(ABORT_WAIT)
 
 
-def reform(addr: str, port: int) -> None:
-    """Join the process group's new rendezvous at ``addr:port`` (the world as before).
+def reform(addr: str, port: int, backend: str | None = None) -> None:
+    """Join the process group's new rendezvous at ``addr:port`` (the world as before;
+    ``backend``: the others' backend, for a restarted rank that has no group yet).
 
     The default group is re-formed in place (``distributed.reform_process_group``: the
     user objects that hold it keep working; a restarted rank first makes one alone, see
@@ -140,4 +141,4 @@ def reform(addr: str, port: int) -> None:
     """
     from monarch_kernel.rank.pg import distributed
 
-    distributed.reform_process_group(addr, port)
+    distributed.reform_process_group(addr, port, backend)
