@@ -288,6 +288,7 @@ PART_ORDER: dict[str, list[str]] = {
         "__init__",
         "config",
         "context",
+        "oom",
         "errors",
         "link",
         "signals",

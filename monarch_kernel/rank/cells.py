@@ -12,6 +12,7 @@ import linecache
 import sys
 from typing import Any
 
+from monarch_kernel.rank import oom
 from monarch_kernel.rank.actors import UserCode
 from monarch_kernel.rank.context import UserNamespace
 from monarch_kernel.rank.debug.dap import DapPdb
@@ -78,7 +79,13 @@ class Cells:
             if spec.get("dap_exc") and not isinstance(exc, KeyboardInterrupt):
                 DapPdb(self.debugger, post_mortem=True).stop_at_failure(exc)  # the panel's
             self.debugger.keep_failure(exc)  # for %debug_remote (post-mortem)
-            self.outbox.reply_error(request, exc, "the cell")
+            # Out of GPU memory: the report reads the failing frames and the GPU's memory
+            # as they are, then the memory those frames hold is given back (the
+            # namespace stays, see ``oom.release``).
+            note = self._oom_report(exc)
+            self.outbox.reply_error(request, exc, "the cell", note or "")
+            if note is not None:
+                self._oom_release(exc)
             return
         finally:
             # Figures the cell left open are shown (as the inline backend does); complete
@@ -96,6 +103,20 @@ class Cells:
         if request:
             # The same text on every rank: the controller groups identical failures.
             self.outbox.reply(request, result, "value of the cell's last expression", "the cell")
+
+    def _oom_report(self, exc: BaseException) -> str | None:
+        if oom.find_oom(exc) is None:
+            return None
+        try:
+            return oom.explain(exc, self.outbox.rank)
+        except Exception as err:  # never hide the user's error behind ours
+            return f"(monarch_kernel: the out-of-memory report failed: {err!r})\n"
+
+    def _oom_release(self, exc: BaseException) -> None:
+        try:
+            oom.release(exc, self.namespace)
+        except Exception as err:
+            print(f"monarch_kernel: releasing GPU memory failed: {err!r}", file=sys.stderr)
 
     def debug(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
         """DEBUG: a post-mortem pdb on the last failure (``x``: only release it)."""

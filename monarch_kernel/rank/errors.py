@@ -9,6 +9,7 @@ import traceback
 from collections.abc import Mapping
 from types import TracebackType
 
+from monarch_kernel.rank import oom
 from monarch_kernel.wire.reports import FailureReport, SourceLine
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,13 +139,16 @@ def unwrap_future_error(text: str) -> str:
     return text
 
 
-def exception_report(exc: BaseException, where: str = "") -> FailureReport:
+def exception_report(exc: BaseException, where: str = "", note: str = "") -> FailureReport:
     """A picklable, plain-data description of ``exc`` raised inside a rank, with its
-    chain of causes (``causes``: type and message of each, root cause first)."""
+    chain of causes (``causes``: type and message of each, root cause first); ``note``
+    (e.g. the out-of-memory report of ``rank.oom``) follows the traceback."""
     text, frames, entries = _format_one(exc)
     chain = _chain(exc)
     if chain:
         text = "".join(_format_one(e)[0] + link for e, link in chain) + text
+    if note:
+        text = text.rstrip("\n") + "\n\n" + note.rstrip("\n") + "\n"
     last = entries[-1] if entries else None
     tensors = describe_tensors(last.tb_frame.f_locals) if last is not None else []
     line: SourceLine | None = None
@@ -159,10 +163,13 @@ def exception_report(exc: BaseException, where: str = "") -> FailureReport:
         pickle.loads(pickled)
     except Exception:
         pickled = None
+    message = unwrap_future_error(str(exc))
+    if oom.is_oom(exc):  # torch's long text differs per rank by the free memory
+        message = oom.headline(message)
     report: FailureReport = {
         "type": type(exc).__name__,
         "qualname": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": unwrap_future_error(str(exc)),
+        "message": message,
         "traceback": unwrap_future_error(text),
         "line": line,
         "tensors": tensors,

@@ -279,10 +279,12 @@ class Outbox:
             return
         self.result(H.rank_result(request, True, self.rank), payload, buffers)
 
-    def reply_error(self, request: str | None, exc: BaseException, where: str) -> None:
-        """Send the failure ``exc`` (at ``where``) as the result of ``request``, or to
-        supervision (:meth:`fault`) when nobody waits for one."""
-        report = exception_report(exc, where)
+    def reply_error(
+        self, request: str | None, exc: BaseException, where: str, note: str = ""
+    ) -> None:
+        """Send the failure ``exc`` (at ``where``; ``note`` after its traceback) as the
+        result of ``request``, or to supervision (:meth:`fault`) when nobody waits for one."""
+        report = exception_report(exc, where, note)
         report["host"] = self.hostname
         if request is None:  # fire-and-forget: goes to supervision
             self.fault(report, context.current_actor)
