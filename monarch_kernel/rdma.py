@@ -8,14 +8,16 @@ them with ``write_from(src)``; both return a :class:`~monarch_kernel.calls.futur
 (``.get()`` or ``await``) of None. ``drop()`` ends the offer.
 
 There is no RDMA hardware path: bytes move as :func:`monarch_kernel.share`'s do.
-Within a host a CPU buffer of ``SHM_MIN_BYTES`` or more that owns its storage lives in
-shared memory from the moment it is made (its storage is moved there in place), and
-readers and writers of the host copy straight from and into it without asking the owner;
-anything else goes over the owner's data socket (a unix socket on its machine, TCP or
-CURVE between machines), served by its ``mk-dataplane`` thread while the owner runs
-on. Requests are signed with the owner's mesh key and carry a nonce, as every data-plane
-request. A read or write waiting for an owner on its own machine fails at once when the
-owner dies (its pid); across machines after ``timeout``.
+Within a host, a CUDA buffer read into or written from CUDA memory is mapped by CUDA IPC
+and copied device to device (``rank.dataplane.cuda_ipc``; pinned host memory between
+hosts, or where IPC is off or fails). A CPU buffer of ``SHM_MIN_BYTES`` or more that
+owns its storage lives in shared memory from the moment it is made (its storage is moved
+there in place), and readers and writers of the host copy straight from and into it
+without asking the owner; anything else goes over the owner's data socket (a unix
+socket on its machine, TCP or CURVE between machines), served by its ``mk-dataplane``
+thread while the owner runs on. Requests are signed with the owner's mesh key and carry
+a nonce, as every data-plane request. A read or write waiting for an owner on its own
+machine fails at once when the owner dies (its pid); across machines after ``timeout``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import concurrent.futures
 from typing import Any
 
 from monarch_kernel.calls.future import Future
+from monarch_kernel.rank.dataplane import cuda_ipc
 from monarch_kernel.rank.dataplane.client import OwnerDiedError, client, join_as_controller
 from monarch_kernel.rank.dataplane.common import counters_
 from monarch_kernel.rank.dataplane.ref import TensorRef
+from monarch_kernel.rank.dataplane.transport import Transport
 
 __all__ = [
     "RDMAAction",
@@ -143,22 +147,23 @@ class RDMABuffer:
     # -- reads and writes ----------------------------------------------------------
     def read_into(self, dst: Any, *, timeout: int = 60) -> Future[None]:
         """Read the buffer into ``dst`` (a contiguous tensor or writable memoryview of at
-        least ``size()`` bytes; on CUDA through a CPU copy). A future of None."""
+        least ``size()`` bytes). A CUDA buffer into CUDA memory of its host: device to
+        device by CUDA IPC; else through (pinned) host memory. A future of None."""
         self._check()
-        target = dst
-        if hasattr(dst, "device") and dst.device.type != "cpu":
+        out = _as_bytes(dst, "read_into's dst")
+        if out.numel() < self.size():
+            raise ValueError(
+                f"read_into's dst has {out.numel()} bytes; the buffer has {self.size()}"
+            )
+        out = out[: self.size()]
+        ref = self._ref
+
+        def read_staged() -> None:
             import torch
 
-            target = torch.empty(dst.numel() * dst.element_size(), dtype=torch.uint8)
-        raw = _as_bytes(target, "read_into's dst")
-        if raw.numel() < self.size():
-            raise ValueError(
-                f"read_into's dst has {raw.numel()} bytes; the buffer has {self.size()}"
-            )
-        raw = raw[: self.size()]
-
-        def read() -> None:
-            ref = self._ref
+            raw = out
+            if out.device.type != "cpu":  # into pinned host memory, then one copy up
+                raw = cuda_ipc.pinned_like((out.numel(),), torch.uint8)
             done = False
             if ref._use_shm("auto"):
                 try:
@@ -169,17 +174,43 @@ class RDMABuffer:
             if not done:
                 client().read_socket(ref, raw, timeout)
             counters_["bytes_in"] += ref.nbytes
-            if target is not dst:
-                dst.view(-1).view(raw.dtype)[: raw.numel()].copy_(raw)
+            if raw is not out:
+                out.copy_(raw)
+                if ref.cuda:
+                    counters_["bytes_staged"] += ref.nbytes
 
-        return self._submit(read, "read")
+        def read_ipc(mapped: Any) -> None:
+            out.copy_(mapped)
+
+        if self._ipc(out):
+            return self._submit(self._by_ipc(read_ipc, read_staged, "bytes_in", timeout), "read")
+        return self._submit(read_staged, "read")
 
     def write_from(self, src: Any, *, timeout: int = 60) -> Future[None]:
         """Write ``src`` (a contiguous tensor or memoryview of at most ``size()`` bytes)
-        into the start of the buffer, in the owner's memory. A future of None."""
+        into the start of the buffer, in the owner's memory. A CUDA tensor into a CUDA
+        buffer of its host: device to device by CUDA IPC; else through host memory. A
+        future of None."""
         self._check()
         if hasattr(src, "device") and src.device.type != "cpu":
+            into = _as_bytes(src, "write_from's src")
+            if into.numel() > self.size():
+                raise ValueError(
+                    f"write_from's src has {into.numel()} bytes; the buffer has {self.size()}"
+                )
+
+            def write_ipc(mapped: Any) -> None:
+                mapped[: into.numel()].copy_(into)
+
+            if self._ipc(into):
+
+                def staged() -> None:  # the handle did not open here
+                    self._writer(memoryview(into.cpu().numpy()), timeout, staged=True)()
+
+                return self._submit(self._by_ipc(write_ipc, staged, "bytes_out", timeout), "write")
             src = src.cpu()
+            data = memoryview(_as_bytes(src, "write_from's src").numpy())
+            return self._submit(self._writer(data, timeout, staged=True), "write")
         if isinstance(src, (bytes, memoryview)) and memoryview(src).readonly:
             data = memoryview(src).cast("B")  # only read from
         else:
@@ -188,14 +219,25 @@ class RDMABuffer:
             raise ValueError(
                 f"write_from's src has {len(data)} bytes; the buffer has {self.size()}"
             )
+        return self._submit(self._writer(data, timeout), "write")
+
+    def _writer(self, data: memoryview, timeout: float, staged: bool = False) -> Any:
+        """Work that writes ``data`` (host memory) into the buffer: its shared memory
+        within a host, else the owner's socket. ``staged``: the bytes came from CUDA."""
+        ref = self._ref
+        if len(data) > self.size():
+            raise ValueError(
+                f"write_from's src has {len(data)} bytes; the buffer has {self.size()}"
+            )
 
         def write() -> None:
-            ref = self._ref
             if not (ref.same_host() and client().write_shm(ref, data)):
                 client().write_socket(ref, data, timeout)
             counters_["bytes_out"] += len(data)
+            if staged:
+                counters_["bytes_staged"] += len(data)
 
-        return self._submit(write, "write")
+        return write
 
     def drop(self) -> Future[None]:
         """End the offer: the owner forgets the buffer (its memory stays the owner's), and
@@ -207,6 +249,34 @@ class RDMABuffer:
         return self._submit(lambda: client().request(ref, {"op": "release", "id": ref.id}), "drop")
 
     # -- helpers -------------------------------------------------------------------
+    def _ipc(self, local: Any) -> bool:
+        """Whether a copy between this CUDA buffer and ``local`` (a tensor here) goes by
+        CUDA IPC (``rank.dataplane.transport``)."""
+        import torch
+
+        if not (self._ref.cuda and local.is_cuda):
+            return False
+        return self._ref.cuda_transport() is Transport.IPC and torch.cuda.is_available()
+
+    def _by_ipc(self, use: Any, staged: Any, counter: str, timeout: float) -> Any:
+        """Work that maps the buffer by CUDA IPC and runs ``use(mapped)`` (a device copy;
+        ``counter`` counts its bytes); ``staged()`` instead where the handle does not
+        open here."""
+        import torch
+
+        ref = self._ref
+
+        def work() -> None:
+            try:
+                client().ipc_copy(ref, torch.uint8, use, timeout)
+            except cuda_ipc.IpcUnavailable:
+                counters_["ipc_fallbacks"] += 1
+                staged()
+                return
+            counters_[counter] += ref.nbytes
+
+        return work
+
     def _check(self) -> None:
         if self._dropped:
             raise RDMAError(f"{self!r}: it was dropped and can no longer be read or written")

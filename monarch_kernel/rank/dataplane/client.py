@@ -8,12 +8,14 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from monarch_kernel.rank.config import RankConfig
-from monarch_kernel.rank.dataplane.common import SharedTensor, read_all
+from monarch_kernel.rank.dataplane import cuda_ipc
+from monarch_kernel.rank.dataplane.common import SharedTensor, counters_, read_all
 from monarch_kernel.wire import Codec, peer_address
 from monarch_kernel.wire.codec import Header, limit_size
 from monarch_kernel.wire.limits import CHUNK_SIZE
@@ -145,6 +147,46 @@ class Client:
         for off in range(0, max(len(data), 1), CHUNK_SIZE):
             part = data[off : off + CHUNK_SIZE]
             self.request(ref, {"op": "write", "id": ref.id, "off": off}, timeout, (part,))
+
+    def ipc_copy(
+        self, ref: SharedTensor, dtype: Any, use: Callable[[Any], None], timeout: float = 60.0
+    ) -> None:
+        """Run ``use(mapped)`` (a device-to-device copy into or out of it) on the owner's
+        CUDA tensor mapped here by CUDA IPC (``dataplane.cuda_ipc``), then drop the mapping
+        and tell the owner. :class:`~monarch_kernel.rank.dataplane.cuda_ipc.IpcUnavailable`
+        when the handle does not open here (staging is then safe); OwnerDiedError when
+        the owner died before or during the copy."""
+        import torch
+
+        if ref.pid == os.getpid() and cuda_ipc.local_tensor is not None:
+            try:
+                t = cuda_ipc.local_tensor(ref.id)  # our own tensor: no handle to open
+            except KeyError as exc:
+                raise RuntimeError(f"rank {ref.owner}: {exc.args[0]}") from None
+            torch.cuda.synchronize(t.device)
+            use(t)
+            torch.cuda.synchronize(t.device)
+            counters_["bytes_ipc"] += ref.nbytes
+            return
+        msg = self.request(ref, {"op": "ipc", "id": ref.id, "p": os.getpid()}, timeout)
+        h = msg.header
+        try:
+            cuda_ipc.copy_from_mapping(h, dtype, use)
+        except cuda_ipc.IpcUnavailable:
+            raise
+        except RuntimeError as exc:
+            if _dead(ref, self.machine):
+                raise OwnerDiedError(
+                    f"rank {ref.owner} (pid {ref.pid} on {ref.machine}), the owner, died "
+                    f"during a CUDA IPC copy: {exc}"
+                ) from exc
+            raise
+        finally:
+            try:
+                self.request(ref, {"op": "ipc_done", "lease": h["lease"]}, timeout)
+            except (ConnectionError, TimeoutError, RuntimeError):
+                pass  # the owner lets the lease go on its own (death, deadline)
+        counters_["bytes_ipc"] += ref.nbytes
 
     def _open_shm(self, ref: SharedTensor) -> int:
         """A read-only descriptor of the owner's shared memory holding the tensor: the

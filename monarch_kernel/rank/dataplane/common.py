@@ -33,7 +33,19 @@ ENCRYPT_ENV = "MONARCH_KERNEL_ENCRYPT_DATA"
 NONCE_WINDOW = 120.0
 NONCE_MAX = 65536
 #: ``requests_rejected``: requests dropped unsigned or forged (not replays).
-counters_ = {"bytes_out": 0, "bytes_in": 0, "replays_refused": 0, "requests_rejected": 0}
+#: ``bytes_ipc``: bytes of CUDA tensors this rank read or wrote by CUDA IPC (device to
+#: device); ``bytes_staged``: bytes of CUDA tensors that went through its host memory
+#: (either side; 0 while every CUDA transfer is by IPC); ``ipc_fallbacks``: transfers
+#: that tried IPC and were staged instead.
+counters_ = {
+    "bytes_out": 0,
+    "bytes_in": 0,
+    "replays_refused": 0,
+    "requests_rejected": 0,
+    "bytes_ipc": 0,
+    "bytes_staged": 0,
+    "ipc_fallbacks": 0,
+}
 
 
 class SharedTensor(Protocol):

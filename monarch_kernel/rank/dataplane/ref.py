@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from monarch_kernel.rank.dataplane import cuda_ipc
 from monarch_kernel.rank.dataplane.client import client, rank_config
 from monarch_kernel.rank.dataplane.common import SHM_DIR, counters_
+from monarch_kernel.rank.dataplane.transport import Facts, Transport, choose, ipc_enabled
+
+_TRANSPORTS = ("auto", "shm", "tcp", "ipc")
 
 
 @dataclass(frozen=True)
@@ -40,15 +45,23 @@ class TensorRef:
     mesh_key: str = field(default="", repr=False)
     #: The owner's process id: a reader on its machine notices at once that it died.
     pid: int = 0
+    #: The owner's CUDA allocator settings (a CUDA tensor's): whether IPC may be tried.
+    alloc_conf: str = ""
 
     def get(self, transport: str = "auto") -> Any:
         """A new tensor with the owner's data as it is now (on this rank's CUDA device if
         it has one and the source was on CUDA); a private copy. ``transport``: ``auto``,
-        ``shm`` (ranks of one host only) or ``tcp`` (the owner's data socket: unix socket
-        on the same host, TCP from another)."""
+        ``shm`` (ranks of one host only), ``tcp`` (the owner's data socket: unix socket
+        on the same host, TCP from another) or ``ipc`` (a CUDA tensor of a rank of this
+        host, copied device to device; an error where that cannot be). A CUDA tensor
+        read by a rank with CUDA comes by CUDA IPC within a host (``auto``), else through
+        pinned host memory (``dataplane.transport``)."""
         import torch
 
         dtype = getattr(torch, self.dtype)
+        if self.cuda and self.cuda_transport(transport) is not Transport.HOST_BYTES:
+            out = torch.empty(self.shape, dtype=dtype, device=_this_device())
+            return self.read_into(out, transport)
         raw = None
         if self.nbytes and self._use_shm(transport):
             # Same host: map the owner's shared memory privately (copy-on-write), no
@@ -65,9 +78,7 @@ class TensorRef:
         else:
             dst = torch.empty(self.shape, dtype=dtype)
             self.read_into(dst, transport)
-        if self.cuda and torch.cuda.is_available():
-            return dst.to(torch.device("cuda", torch.cuda.current_device()))
-        return dst
+        return dst  # on the CPU: a CUDA tensor read where there is no CUDA stays here
 
     def read_into(self, dst: Any, transport: str = "auto") -> Any:
         """Copy the owner's data into ``dst`` (a contiguous tensor of the same size)."""
@@ -78,8 +89,30 @@ class TensorRef:
                 f"read_into needs a contiguous tensor of {self.nbytes} bytes "
                 f"(shape {self.shape}, {self.dtype}); got {tuple(dst.shape)} {dst.dtype}"
             )
+        if self.cuda and dst.is_cuda:
+            how = self.cuda_transport(transport)
+            if how is Transport.IPC:
+                try:
+                    self._read_ipc(dst)
+                    return dst
+                except cuda_ipc.IpcUnavailable as exc:
+                    if transport == "ipc":
+                        raise
+                    counters_["ipc_fallbacks"] += 1
+                    warnings.warn(
+                        f"CUDA IPC from rank {self.owner} failed ({exc}); staged through "
+                        "pinned host memory instead",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                transport = "auto"
         use_shm = self._use_shm(transport)
-        target = dst if dst.device.type == "cpu" else torch.empty_like(dst, device="cpu")
+        if dst.device.type == "cpu":
+            target = dst
+        else:  # into pinned host memory, then onto the device in one copy
+            target = cuda_ipc.pinned_like(tuple(dst.shape), dst.dtype)
+            if self.cuda:
+                counters_["bytes_staged"] += self.nbytes
         raw = target.view(-1).view(torch.uint8) if self.nbytes else None
         if raw is not None:
             if use_shm:
@@ -96,6 +129,53 @@ class TensorRef:
             dst.copy_(target)
         return dst
 
+    def cuda_transport(self, transport: str = "auto") -> Transport:
+        """How this CUDA tensor reaches this process (``dataplane.transport.choose``):
+        an explicit ``shm``/``tcp`` stages it, ``ipc`` is an error where IPC is not
+        possible."""
+        import torch
+
+        if transport not in _TRANSPORTS:
+            raise ValueError(f"transport must be auto, shm, tcp or ipc, not {transport!r}")
+        facts = self.facts(torch.cuda.is_available())
+        how = choose(facts)
+        if transport == "ipc" and how is not Transport.IPC:
+            raise ValueError(
+                f"CUDA IPC is not possible for tensor {self.id} of rank {self.owner}: {facts}"
+            )
+        if transport in ("shm", "tcp") and how is Transport.IPC:
+            return Transport.STAGED_PINNED
+        return how
+
+    def facts(self, receiver_cuda: bool) -> Facts:
+        """What ``dataplane.transport.choose`` needs to know of a read of this tensor
+        here."""
+        return Facts(
+            same_host=self.same_host(),
+            owner_device="cuda" if self.cuda else "cpu",
+            receiver_cuda=receiver_cuda,
+            alloc_conf=self.alloc_conf,
+            ipc_enabled=ipc_enabled(),
+        )
+
+    def _read_ipc(self, dst: Any) -> None:
+        """Copy the owner's CUDA tensor into ``dst`` (CUDA) by CUDA IPC."""
+        import torch
+
+        if not self.nbytes:
+            return
+        dtype = getattr(torch, self.dtype)
+
+        def copy(mapped: Any) -> None:
+            if dst.dtype == mapped.dtype and dst.numel() == mapped.numel():
+                dst.view(mapped.shape).copy_(mapped)  # strided source: no temporary
+            else:
+                src = mapped.contiguous().view(-1).view(torch.uint8)
+                dst.view(-1).view(torch.uint8).copy_(src)
+
+        client().ipc_copy(self, dtype, copy)
+        counters_["bytes_in"] += self.nbytes
+
     def same_host(self) -> bool:
         """Whether the owner is a rank of this rank's host (host agent), or a rank of
         another mesh on this machine (reached over its unix socket as well)."""
@@ -106,8 +186,13 @@ class TensorRef:
 
     def _use_shm(self, transport: str) -> bool:
         """Whether to go through shared memory; an error if it was asked for and cannot."""
-        if transport not in ("auto", "shm", "tcp"):
-            raise ValueError(f"transport must be auto, shm or tcp, not {transport!r}")
+        if transport not in _TRANSPORTS:
+            raise ValueError(f"transport must be auto, shm, tcp or ipc, not {transport!r}")
+        if transport == "ipc":
+            raise ValueError(
+                f"transport='ipc' is for CUDA tensors read into CUDA memory; tensor "
+                f"{self.id} of rank {self.owner} is {'on CUDA' if self.cuda else 'on the CPU'}"
+            )
         if transport == "tcp":
             return False
         local = SHM_DIR is not None and self.same_host()
@@ -123,3 +208,9 @@ class TensorRef:
         """Tell the owner it may drop the tensor (its shared memory is no longer offered;
         the owner's tensor itself stays where it is)."""
         client().request(self, {"op": "release", "id": self.id})
+
+
+def _this_device() -> Any:
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device())

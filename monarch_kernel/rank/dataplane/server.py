@@ -16,6 +16,7 @@ import zmq
 
 from monarch_kernel.rank import listener_gate
 from monarch_kernel.rank.config import RankConfig
+from monarch_kernel.rank.dataplane import cuda_ipc
 from monarch_kernel.rank.dataplane.common import (
     ENCRYPT_ENV,
     NONCE_MAX,
@@ -28,6 +29,7 @@ from monarch_kernel.rank.dataplane.common import (
     write_all,
 )
 from monarch_kernel.rank.dataplane.ref import TensorRef
+from monarch_kernel.rank.dataplane.transport import alloc_conf
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
 from monarch_kernel.wire.key_gate import guard
@@ -90,6 +92,10 @@ class Server:
         #: CPU copies of tensors that are not contiguous CPU tensors, while a reader
         #: fetches them range by range (see ``_raw``)
         self.staged: dict[int, Any] = {}
+        #: CUDA tensors mapped by receivers of this host (``op`` ``ipc``), kept until
+        #: they say ``ipc_done``, die, or the lease's deadline passes
+        self.leases = cuda_ipc.Leases()
+        cuda_ipc.local_tensor = self.local  # a reader in this process takes it directly
         self.seq = itertools.count(1)
         self.ids = itertools.count(1)
         self.lock = threading.Lock()
@@ -169,6 +175,7 @@ class Server:
             self.machine,
             self.key_hex,
             os.getpid(),
+            alloc_conf() if t.is_cuda else "",
         )
 
     @staticmethod
@@ -212,8 +219,30 @@ class Server:
             return t.view(-1).view(torch.uint8).numpy()
         copy = self.staged.get(ident) if staged else None
         if copy is None:
-            copy = self.staged[ident] = t.cpu().contiguous().view(-1).view(torch.uint8).numpy()
+            if t.is_cuda:  # once into pinned host memory (counted as staged)
+                copy = cuda_ipc.stage_to_host(t).numpy()
+            else:
+                copy = t.contiguous().view(-1).view(torch.uint8).numpy()
+            self.staged[ident] = copy
         return copy
+
+    def local(self, ident: int) -> Any:
+        """The tensor ``ident`` itself (a reader in this very process)."""
+        t = self.tensors.get(ident)
+        if t is None:
+            raise KeyError(f"tensor {ident} was released or never shared by rank {self.rank}")
+        return t
+
+    def _ipc(self, ident: int, pid: int) -> Header:
+        """A CUDA IPC description of tensor ``ident`` for process ``pid`` of this host,
+        and a lease that keeps the tensor until it is done (``dataplane.cuda_ipc``)."""
+        t = self.local(ident)
+        if not t.is_cuda:
+            raise ValueError(f"tensor {ident} of rank {self.rank} is not on CUDA")
+        desc = cuda_ipc.describe(t)
+        deadline = time.monotonic() + cuda_ipc.LEASE_SECONDS
+        lease = cuda_ipc.Lease(t, pid, deadline, (desc["rch"], desc["rco"]))
+        return {"k": "ipc", "lease": self.leases.add(lease), **desc}
 
     def _shm_copy(self, ident: int) -> str:
         """A fresh shared-memory file with the tensor's bytes as they are now, for a
@@ -248,8 +277,13 @@ class Server:
         for sock in socks:
             poller.register(sock, zmq.POLLIN)
         while True:
-            for sock, _ in poller.poll():
+            # While receivers map tensors, wake up now and then to let go of the leases
+            # of those that died or took too long.
+            events = poller.poll(1000 if self.leases.held else None)
+            for sock, _ in events:
                 self._serve_one(sock)
+            if self.leases.held:
+                self.leases.expire()
 
     def _serve_one(self, sock: zmq.Socket[bytes]) -> None:
         """Answer one request waiting on ``sock``."""
@@ -298,6 +332,7 @@ class Server:
                 dst.numpy()[:] = data
             else:
                 dst.copy_(torch.from_numpy(data.copy()))
+                counters_["bytes_staged"] += len(src)
         counters_["bytes_in"] += len(src)
 
     def _handle(self, h: Header, buffers: Any = ()) -> tuple[Header, tuple[Buffer, ...]]:
@@ -323,6 +358,11 @@ class Server:
             return {"k": "shm", "path": self._shm_copy(ident)}, ()
         if op == "release":
             self.release(ident)
+            return {"k": "ok"}, ()
+        if op == "ipc":
+            return self._ipc(ident, _int(h, "p", 0)), ()
+        if op == "ipc_done":
+            self.leases.done(_int(h, "lease", 0))
             return {"k": "ok"}, ()
         raise ValueError(f"unknown data-plane request {op!r}")
 

@@ -148,7 +148,9 @@ def _create(opts: Any, _backend_options: Any, kind: str = "gloo") -> Any:
             stacklevel=2,
         )
         if kind == "nccl":
-            return dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = opts.timeout
+            return dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size, options)
         return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
     group_id = str(opts.group_id)
     group = ReformableGroup(opts.group_rank, opts.group_size, group_id, timeout_s, kind)

@@ -206,7 +206,7 @@ def _form_nccl(store: Any, msg: Configure, timeout: timedelta, device: int) -> A
     options.is_high_priority_stream = False
     options._timeout = timeout
     prefixed = dist.PrefixStore(msg.prefix + "nccl/", store)
-    nccl = dist.ProcessGroupNCCL(prefixed, msg.rank, msg.size, options)
+    nccl: Any = dist.ProcessGroupNCCL(prefixed, msg.rank, msg.size, options)
     probe = torch.zeros(1, device=torch.device("cuda", device))
     nccl.allreduce([probe]).wait()
     torch.cuda.synchronize(device)

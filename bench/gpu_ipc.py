@@ -1,0 +1,209 @@
+"""CUDA tensors rank to rank on one GPU through the data plane (CUDA IPC, device to
+device) next to a plain device-to-device copy, and a CUDA tensor from the controller to a
+rank (an endpoint argument: pickled through host memory, placed on the rank's GPU).
+
+``python -m bench.gpu_ipc OUT_JSON`` writes ``{"rows": [{"what", "value", "unit",
+"target", "ok"}], "failures": [str]}``. Each measurement is tried on its own (a failure
+is a traceback in ``failures``, the others still run); the whole run stops itself after
+:data:`LIMIT_S` seconds, writing what it has. Without CUDA: one skipped row, exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from monarch_kernel.actor import Actor, endpoint
+
+MiB = 1 << 20
+SIZES_MIB = (1, 64, 256)
+LIMIT_S = 60.0
+RATIO = 0.5  #: target: IPC rank to rank at least this share of a D2D copy's GB/s
+
+rows: list[dict[str, Any]] = []
+failures: list[str] = []
+_lock = threading.Lock()
+
+
+def row(what: str, value: float, unit: str, target: str, ok: bool | None) -> None:
+    with _lock:
+        rows.append({"what": what, "value": value, "unit": unit, "target": target, "ok": ok})
+
+
+def write(path: str) -> None:
+    with _lock:
+        data = {"rows": list(rows), "failures": list(failures)}
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def attempt(what: str, fn: Any) -> Any:
+    try:
+        return fn()
+    except BaseException:  # one failure must not stop the others
+        with _lock:
+            failures.append(f"{what}:\n{traceback.format_exc()}")
+        return None
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def _reps(mib: int) -> int:
+    return 20 if mib <= 64 else 8
+
+
+class Ipc(Actor):
+    """Owns CUDA tensors and reads others' by the data plane (timed inside the rank)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[int, Any] = {}
+
+    @endpoint
+    def share(self, mib: int):
+        import torch
+
+        import monarch_kernel
+
+        t = torch.ones(mib * MiB // 4, device="cuda")
+        self.kept[mib] = t
+        return monarch_kernel.share(t)
+
+    @endpoint
+    def read_timed(self, ref, reps: int, transport: str = "auto") -> list[float]:
+        import torch
+
+        dst = torch.empty(ref.shape, dtype=getattr(torch, ref.dtype), device="cuda")
+        ref.read_into(dst, transport)  # warm: the handle, the pinned buffers
+        took = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            ref.read_into(dst, transport)
+            took.append(time.perf_counter() - t0)
+        assert float(dst[:4].sum()) == 4.0
+        return took
+
+    @endpoint
+    def take(self, t) -> str:
+        return str(t.device)
+
+    @endpoint
+    def counters(self) -> dict:
+        from monarch_kernel.rank.dataplane.plane import counters
+
+        return counters()
+
+
+def d2d(mib: int) -> float:
+    """GB/s of ``dst.copy_(src)`` on one GPU (bytes copied per second)."""
+    import torch
+
+    src = torch.ones(mib * MiB // 4, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    took = []
+    for _ in range(_reps(mib)):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        took.append(start.elapsed_time(end) / 1e3)
+    return mib * MiB / _median(took) / 1e9
+
+
+def main(argv: list[str]) -> int:
+    out = argv[1] if len(argv) > 1 else "gpu_ipc.json"
+    started = time.monotonic()
+
+    def watchdog() -> None:
+        time.sleep(LIMIT_S)
+        with _lock:
+            failures.append(f"stopped at the run's limit of {LIMIT_S:.0f} s")
+        write(out)
+        os._exit(0)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    import torch
+
+    if not torch.cuda.is_available():
+        row("gpu_ipc", 0.0, "", "needs CUDA: skipped", None)
+        write(out)
+        return 0
+    row("device", 0.0, torch.cuda.get_device_name(0), "", None)
+    base: dict[int, float] = {}
+    for mib in SIZES_MIB:
+        gbs = attempt(f"d2d {mib} MiB", lambda mib=mib: d2d(mib))
+        if gbs is not None:
+            base[mib] = gbs
+            row(f"D2D copy on one GPU, {mib} MiB", gbs, "GB/s", "baseline", None)
+    write(out)
+    from monarch_kernel.actor import this_host
+
+    procs = attempt("spawn", lambda: this_host().spawn_procs(per_host={"gpus": 2}))
+    if procs is None:
+        write(out)
+        return 0
+    try:
+        actors = procs.spawn("ipc", Ipc)
+        owner, reader = actors.slice(gpus=0), actors.slice(gpus=1)
+
+        def rank_to_rank(mib: int, transport: str = "auto") -> None:
+            ref = owner.share.call_one(mib).get()
+            took = reader.read_timed.call_one(ref, _reps(mib), transport).get()
+            gbs = mib * MiB / _median(took) / 1e9
+            if transport == "auto":
+                want = RATIO * base[mib] if mib in base else None
+                ok = None if want is None else gbs >= want
+                target = f">= {RATIO}x D2D" + (f" ({want:.0f} GB/s)" if want else "")
+                row(f"rank->rank CUDA by IPC (data plane), {mib} MiB", gbs, "GB/s", target, ok)
+            else:
+                row(f"rank->rank CUDA staged (transport={transport}), {mib} MiB", gbs, "GB/s",
+                    "info: pinned host memory, for comparison", None)  # fmt: skip
+
+        for mib in SIZES_MIB:
+            attempt(f"rank->rank {mib} MiB", lambda mib=mib: rank_to_rank(mib))
+            write(out)
+        attempt("rank->rank staged 64 MiB", lambda: rank_to_rank(64, "tcp"))
+        counts = attempt("counters", lambda: reader.counters.call_one().get())
+        if counts is not None:
+            row("receiver's bytes_ipc", float(counts["bytes_ipc"]), "bytes", "> 0", None)
+            row("receiver's ipc_fallbacks", float(counts["ipc_fallbacks"]), "count", "0",
+                counts["ipc_fallbacks"] == 0)  # fmt: skip
+        write(out)
+
+        def controller_to_rank(mib: int) -> None:
+            t = torch.ones(mib * MiB // 4, device="cuda")
+            assert owner.take.call_one(t).get().startswith("cuda")  # warm
+            took = []
+            for _ in range(3 if mib > 64 else 5):
+                t0 = time.perf_counter()
+                owner.take.call_one(t).get()
+                took.append(time.perf_counter() - t0)
+            row(f"controller->rank CUDA endpoint argument, {mib} MiB",
+                mib * MiB / _median(took) / 1e9, "GB/s",
+                "info: pickled through host memory (D2H, message, H2D); not the data plane",
+                None)  # fmt: skip
+
+        for mib in SIZES_MIB:
+            if time.monotonic() - started > LIMIT_S - 15:
+                failures.append(f"controller->rank {mib} MiB skipped: near the time limit")
+                break
+            attempt(f"controller->rank {mib} MiB", lambda mib=mib: controller_to_rank(mib))
+            write(out)
+    finally:
+        attempt("stop", procs.stop)
+        write(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
