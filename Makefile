@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum |
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup lab test test-fast test-unit bench lint clean labextension
+.PHONY: setup lab test test-fast test-unit bench gpu-wheels lint clean labextension
 
 # The JupyterLab extension (labextension/, TypeScript) is prebuilt by the package build itself
 # (hatch-jupyter-builder, see pyproject.toml): `pip install -e .` (or `pip install .`, or a
@@ -67,6 +67,11 @@ bench: setup
 	$(PIP) install -q -e '.[test,bench]'
 	$(PY) -m bench
 	$(PY) -m bench scale
+
+# The wheels the GPU machine lacks (bench/gpu_wheels.txt) into .whl/, for `bash
+# bench/gpu_check.sh` there (README "Benchmarks").
+gpu-wheels:
+	PYTHON=$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bash bench/gpu_wheels.sh
 
 lint: setup
 	$(PY) -m ruff check monarch_kernel tests bench

@@ -12,10 +12,7 @@ import torch
 
 from monarch_kernel.actor import Actor, endpoint, this_host
 
-pytestmark = [
-    pytest.mark.local,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = [pytest.mark.local, pytest.mark.gpu]
 
 RANKS = 4
 
