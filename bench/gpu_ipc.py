@@ -22,7 +22,7 @@ from monarch_kernel.actor import Actor, endpoint
 
 MiB = 1 << 20
 SIZES_MIB = (1, 64, 256)
-LIMIT_S = 60.0
+LIMIT_S = 36.0
 RATIO = 0.5  #: target: IPC rank to rank at least this share of a D2D copy's GB/s
 
 rows: list[dict[str, Any]] = []
