@@ -440,6 +440,10 @@ def commit(root: Path = ROOT) -> str:
     """The checkout's commit: git where git and .git are there, else .git's HEAD read by
     hand, else ``.whl/COMMIT`` (written by bench/gpu_wheels.sh here: the device machine
     gets the working tree without .git)."""
+    if os.environ.get("GPU_CHECK_FROM_WHEELS") == "1":
+        # gpu_check.sh with carried wheels: the device machine's .git, where it has one, is
+        # the session's first checkout, not this tree; gpu_wheels.sh wrote the commit here
+        return _whl_commit(root)
     git = root / ".git"
     if git.exists() and shutil.which("git"):
         try:
@@ -464,6 +468,10 @@ def commit(root: Path = ROOT) -> str:
     sha = _read_head(git)
     if sha:
         return sha[:12]
+    return _whl_commit(root)
+
+
+def _whl_commit(root: Path) -> str:
     try:
         lines = (root / ".whl" / "COMMIT").read_text().split("\n")
     except OSError:

@@ -18,6 +18,7 @@ export PYTHONUNBUFFERED=1 MONARCH_KERNEL_TREE_GUARD=0
 say() { echo "gpu_check.sh: $*" | tee -a "$setup_log"; }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
+    export GPU_CHECK_FROM_WHEELS=1  # the commit is .whl/COMMIT's (see gpu_check.commit)
     say "installing $(ls .whl/*.whl | wc -l) wheels into $SITE"
     pip=("$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
         --disable-pip-version-check --target "$SITE")

@@ -19,7 +19,7 @@ from typing import Any
 from monarch_kernel.actor import Actor, endpoint
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_ddp_steps.py")
-STEPS = 30
+STEPS = 25
 #: The mesh must keep at least this share of torchrun's steps/s (one rank).
 TARGET = 0.99
 

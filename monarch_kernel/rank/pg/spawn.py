@@ -8,10 +8,10 @@ workers do not share the pages the rank writes later (no copy-on-write cost for 
 model the rank trains). The zygote ends when the rank does (its socket closes); so does
 each worker.
 
-A process forked after CUDA was initialised cannot use CUDA, and an NCCL worker must.
-So when the rank's CUDA is already up at the zygote's start (a user who moved the model
-to the GPU before ``init_process_group``, the usual order), the zygote is a fresh
-interpreter instead (``python -c``, its socket passed as a descriptor): it imports torch
+A process forked after torch touched CUDA cannot use CUDA (torch poisons every fork
+after its first CUDA call, ``is_available()`` included, which a rank on a GPU machine
+makes at start), and an NCCL worker must. So on a machine with a GPU the zygote is a
+fresh interpreter instead (``python -c``, its socket passed as a descriptor): it imports torch
 but never initialises CUDA, so every worker it forks can. That costs the interpreter's
 start once per rank (about a second), not once per worker.
 """
@@ -145,7 +145,7 @@ class Spawner:
         if self._process is not None:
             self._process.poll()  # reap the one that died
             self._process = None
-        if _cuda_initialised() or os.environ.get(EXEC_ZYGOTE) == "1":
+        if _fork_poisoned_for_cuda() or os.environ.get(EXEC_ZYGOTE) == "1":
             self._process = _exec_zygote(theirs)
             theirs.close()
             self._sock, self._owner = ours, os.getpid()
@@ -160,9 +160,15 @@ class Spawner:
         self._sock, self._owner = ours, os.getpid()
 
 
-def _cuda_initialised() -> bool:
+def _fork_poisoned_for_cuda() -> bool:
+    """Whether a child forked now could not use CUDA: torch marks every fork after its
+    first CUDA call, ``torch.cuda.is_available()`` and ``device_count()`` included (they
+    initialise the driver), and a rank on a GPU machine asks those at start
+    (``rank.device.bind_gpu``). So: any torch built with CUDA, on a machine with a GPU."""
     torch = sys.modules.get("torch")
-    return torch is not None and bool(torch.cuda.is_initialized())
+    if torch is None or getattr(torch.version, "cuda", None) is None:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 def _exec_zygote(theirs: socket.socket) -> subprocess.Popen[bytes]:
