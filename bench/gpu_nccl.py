@@ -116,6 +116,11 @@ def main(out: str) -> None:
             )
         except Exception:
             failures.append(f"{what}:\n{traceback.format_exc()[-4000:]}")
+        _write(out, rows, failures)  # after each: a run cut off keeps what it measured
+    _write(out, rows, failures)
+
+
+def _write(out: str, rows: list[dict[str, Any]], failures: list[str]) -> None:
     with open(out, "w") as f:
         json.dump({"rows": rows, "failures": failures}, f, indent=1)
 

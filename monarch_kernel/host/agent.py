@@ -26,7 +26,7 @@ import shutil
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
@@ -37,6 +37,8 @@ from monarch_kernel.host.config import AgentConfig
 from monarch_kernel.host.desk import Desk, StopAsked, leave_launcher
 from monarch_kernel.host.fanin import FanInSocket
 from monarch_kernel.host.fanout import RankFanOut
+from monarch_kernel.host.gpu_stats import GpuSampler
+from monarch_kernel.host.gpu_stats import enabled as gpu_stats_enabled
 from monarch_kernel.host.liveness import (
     ControllerLink,
     SilentController,
@@ -58,6 +60,7 @@ from monarch_kernel.wire.desk import ControllerId
 from monarch_kernel.wire.identity import ident_tag
 from monarch_kernel.wire.key_gate import close_gates
 from monarch_kernel.wire.osutil import request_tail
+from monarch_kernel.wire.reports import GpuStats
 
 log = logging.getLogger("monarch_kernel.host")
 
@@ -101,6 +104,9 @@ class HostAgent:
         self.pids = self.ranks.pids  # rank -> pid (read by the fan-out and the desk)
         self.stop_grace = DEFAULT_GRACE  # the controller's ``stop`` may say otherwise
         self.cfg: AgentConfig | None = None
+        #: The host's GPUs, sampled through NVML (their stats go with the ranks' through
+        #: the fan-in: :meth:`gpu_of`; its thread starts with the first stats).
+        self.gpus: GpuSampler | None = None
         #: A detachable mesh's holder, clock and attach desk (None: not detachable).
         self.desk: Desk | None = None
         #: Where the local launcher put us (a detachable agent moves out of it).
@@ -174,14 +180,28 @@ class HostAgent:
         #: attached we send nothing, and its ranks keep their results themselves).
         self.fanin: FanInSocket | None = None
         if self.desk is None and os.environ.get(FANIN_ENV, "1") != "0":
+            self.gpus = GpuSampler() if gpu_stats_enabled() else None
             self.fanin = FanInSocket(
                 self.ctx, f"ipc://{self.private_dir}/fanin", self.codec, self.host,
-                self.out, self.send, curve,
+                self.out, self.send, curve, self.gpu_of if self.gpus is not None else None,
             )  # fmt: skip
         self.master_port = free_port()
         self.hostname = cfg.hostname or socket.gethostname()
         #: The network interface that owns our advertised address (gloo and NCCL use it).
         self.ifname = interface_of(cfg.advertise) if cfg.advertise else None
+
+    def gpu_of(self, ranks: Collection[int]) -> dict[int, GpuStats]:
+        """rank -> the stats of the GPU it is on, for those of ``ranks`` running here."""
+        if self.gpus is None:
+            return {}
+        pids = {r: self.pids[r] for r in ranks if r in self.pids}
+        cfgs = self.ranks.cfgs
+        local = {r: cfgs[r].local_rank for r in pids if r in cfgs}
+        try:
+            return self.gpus.for_ranks(pids, local)
+        except Exception as exc:  # telemetry never takes the agent's loop down
+            log.debug("host %s: no GPU stats: %r", self.host, exc)
+            return {}
 
     def tell_taken_over(self, by: ControllerId) -> None:
         """Tell the controller holding the mesh that ``by`` took it over."""
@@ -492,6 +512,8 @@ class HostAgent:
         # clean-up short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self.signalled = signalled
+        if self.gpus is not None:
+            self.gpus.close()
         self.template.stop(self.stop_grace)
         # Report the exits the template emitted while stopping, then say goodbye.
         try:

@@ -10,7 +10,8 @@ what the batch held for its request, so each rank's messages keep their order.
 The ranks' once-a-second ``stats`` come here too: the latest of each rank is kept and
 all of them go on as one ``host_stats`` message a second (:data:`STATS_EVERY`), so the
 controller's idle traffic grows with hosts, not ranks. A rank's stats wait at most that
-long; a dead rank's are dropped (its death says more).
+long; a dead rank's are dropped (its death says more). The GPU each rank is on goes with
+them, when the agent samples its GPUs (``gpu``: :mod:`~.gpu_stats`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import zmq
@@ -31,6 +32,7 @@ from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.codec import send as wire_send
 from monarch_kernel.wire.fanin import MAX_COMBINED, FanIn, Part, encode_parts
 from monarch_kernel.wire.key_gate import KeyGate, guard
+from monarch_kernel.wire.reports import GpuStats
 
 log = logging.getLogger("monarch_kernel.host")
 
@@ -45,6 +47,8 @@ STATS_EVERY = 1.0
 
 #: ``send(header, payload)``: the agent's send to its controller.
 Send = Callable[[H.WireHeader, bytes], None]
+#: ``gpu(ranks)``: rank -> the GPU stats of those of ``ranks`` that are on a GPU.
+GpuOf = Callable[[Collection[int]], Mapping[int, GpuStats]]
 
 
 class FanInSocket:
@@ -59,12 +63,15 @@ class FanInSocket:
         out: zmq.Socket[bytes],
         send: Send,
         curve: tuple[str, str] | None = None,
+        gpu: GpuOf | None = None,
     ):
         """``address``: where to bind (``ipc://`` in the private directory); ``out``:
         the agent's socket to the controller (messages passed on unchanged); ``send``:
         the agent's signed send; ``curve``: ``(secret, public)`` of the host on a CURVE
-        mesh (the ranks connect as CURVE clients with that key, as to the fan-out)."""
+        mesh (the ranks connect as CURVE clients with that key, as to the fan-out);
+        ``gpu``: the ranks' GPU stats, sent with theirs (None: none)."""
         self.codec = codec
+        self.gpu = gpu
         self.host = host
         self.out = out
         self._send = send
@@ -178,7 +185,12 @@ class FanInSocket:
         if self._stats_due is not None and now >= self._stats_due:
             stats, self.stats, self._stats_due = self.stats, {}, None
             if stats:
-                self._send(H.HostStats(host=self.host).encode(), pickle.dumps(stats))
+                gpu = dict(self.gpu(stats.keys())) if self.gpu is not None else {}
+                if gpu:
+                    header = H.HostStats(host=self.host, gpu=True).encode()
+                    self._send(header, pickle.dumps((stats, gpu)))
+                else:
+                    self._send(H.HostStats(host=self.host).encode(), pickle.dumps(stats))
 
     def send_parts(self, request: str, parts: list[Part]) -> None:
         if parts:

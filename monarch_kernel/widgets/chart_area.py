@@ -17,7 +17,7 @@ import time
 
 import ipywidgets as W
 
-from monarch_kernel.widgets import chart_pane, live_chart
+from monarch_kernel.widgets import chart_pane, gpu_view, live_chart
 from monarch_kernel.widgets.bands import StepBands
 from monarch_kernel.widgets.delta import put
 from monarch_kernel.widgets.series import Series
@@ -40,10 +40,13 @@ class ChartArea:
         self.box = W.Box(layout=W.Layout(display="flex", flex_flow="row wrap"))
         #: seconds between two chart updates (charts of many ranks cost more to draw)
         self.interval = 0.5 if state.rt.world <= 8 else 1.0
-        self._key: tuple[int, int] = (-1, -1)  # (metric version, rate samples) last sent
+        #: (metric version, rate samples, GPU samples) last sent
+        self._key: tuple[int, int, int] = (-1, -1, -1)
         self._last = 0.0
         self._rate_sent = 0  # transfer samples sent to the live chart
         self._rate_t0: float | None = None
+        self._gpu_sent = 0  # GPU samples sent to the live GPU charts
+        self._gpu_t0: float | None = None
         if live_chart.AVAILABLE:
             self.box.children = (self._new_chart("throughput"),)
 
@@ -51,7 +54,7 @@ class ChartArea:
         """Bring the charts up to date if there is anything new and they were not
         updated in the last :attr:`interval` seconds; returns the messages sent."""
         st = self.state
-        key = (st.history.version, st.throughput.samples)
+        key = (st.history.version, st.throughput.samples, st.gpu.samples)
         if key == self._key or now - self._last < self.interval:
             return 0
         self._key = key
@@ -61,8 +64,19 @@ class ChartArea:
         return put(self.charts, value=chart_pane.charts_html(st))
 
     def _new_chart(self, chart_id: str) -> live_chart.LiveChart:
-        """A live chart: ``throughput`` (transfer rates) or ``metric:NAME``."""
-        if chart_id == "throughput":
+        """A live chart: ``throughput`` (transfer rates), ``gpu:util`` or ``gpu:mem``
+        (the ranks' GPUs), or ``metric:NAME``."""
+        gpu = {c[0]: c for c in gpu_view.CHARTS}.get(chart_id)
+        if gpu is not None:
+            _, title, idx, unit = gpu
+            chart = live_chart.LiveChart(
+                lambda: self._gpu_snapshot(idx),
+                chart_id=chart_id,
+                title=f"{title} (mean, max over ranks)" if self.aggregate else title,
+                x_label="s",
+                unit=unit,
+            )
+        elif chart_id == "throughput":
             per_rank = self.state.throughput.per_rank_bytes and not self.aggregate
             chart = live_chart.LiveChart(
                 self._rate_snapshot,
@@ -110,6 +124,7 @@ class ChartArea:
         if rates:
             self.live_charts["throughput"].append(rates)
             sent += 1
+        sent += self._append_gpu()
         hint = "" if st.metrics else chart_pane.metrics_hint()
         return sent + put(self.charts, value=hint)
 
@@ -152,6 +167,53 @@ class ChartArea:
                     {"key": key, "label": key, "start": 0, "count": series.count, "x": xs, "y": ys}
                 )
             return out
+
+    def _append_gpu(self) -> int:
+        """Send the GPU charts the samples since the last update; they appear with the
+        first sample (never on hosts without GPU fields)."""
+        gpu = self.state.gpu
+        if gpu.samples == self._gpu_sent:
+            return 0
+        sent = 0
+        if "gpu:util" not in self.live_charts:
+            added = tuple(self._new_chart(c[0]) for c in gpu_view.CHARTS)
+            # after the transfer chart, before the metrics'
+            self.box.children = (self.box.children[0], *added, *self.box.children[1:])
+            sent += 1
+        since, self._gpu_sent = self._gpu_sent, gpu.samples
+        for chart_id, _, idx, _ in gpu_view.CHARTS:
+            points = self._gpu_points(idx, since)
+            if points:
+                self.live_charts[chart_id].append(points)
+                sent += 1
+        return sent
+
+    def _gpu_snapshot(self, idx: int) -> list[live_chart.Points]:
+        """Every kept GPU sample of one GPU chart (a chart view that just opened)."""
+        with self._lock:
+            return self._gpu_points(idx, 0, reset=True)
+
+    def _gpu_points(self, idx: int, since: int, reset: bool = False) -> list[live_chart.Points]:
+        """One GPU chart's points of samples ``since`` on (numbers count from the first;
+        a point per sample and series, None where unknown), per rank (a big mesh: the
+        mean and max over the ranks)."""
+        gpu = self.state.gpu
+        hist = list(gpu.history)
+        first = gpu.samples - len(hist)  # sample number of hist[0]
+        start = max(since, first)
+        rows = hist[start - first :]
+        if not rows:
+            return []
+        if self._gpu_t0 is None:
+            self._gpu_t0 = rows[0].time
+        out: list[live_chart.Points] = []
+        for label, xs, ys in gpu_view.lines(rows, self._gpu_t0, idx, self.aggregate, gaps=True):
+            points: live_chart.Points = {"key": label, "label": label, "start": start, "x": xs}
+            points["y"] = ys  # type: ignore[typeddict-item]  # None: a gap
+            if reset:
+                points["count"] = gpu.samples
+            out.append(points)
+        return out
 
     def _rate_snapshot(self) -> list[live_chart.Points]:
         """Every kept transfer sample (a chart view that just opened)."""

@@ -1,10 +1,11 @@
-"""The static SVG charts pane (inline SVG in one HTML widget): the transfer rates and one
-chart per reported metric. The live dashboard shows it when live charts are off (no
+"""The static SVG charts pane (inline SVG in one HTML widget): the transfer rates, the
+ranks' GPU utilisation and memory (when their host agents sample GPUs) and one chart per
+reported metric. The live dashboard shows it when live charts are off (no
 anywidget, or ``MONARCH_KERNEL_CHARTS=svg``); the snapshot always does."""
 
 from __future__ import annotations
 
-from monarch_kernel.widgets import charts
+from monarch_kernel.widgets import charts, gpu_view
 from monarch_kernel.widgets.state import MeshState
 
 
@@ -70,7 +71,7 @@ def metrics_hint() -> str:
 
 
 def charts_html(st: MeshState) -> str:
-    parts = [throughput_chart(st), *metric_charts(st)]
+    parts = [throughput_chart(st), *gpu_view.svg_charts(st.gpu), *metric_charts(st)]
     hint = "" if st.metrics else metrics_hint()
     return (
         f'<div class="mk-charts" style="display:flex;flex-wrap:wrap">{"".join(parts)}</div>{hint}'

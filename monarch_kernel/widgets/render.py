@@ -60,7 +60,12 @@ def tile_text(v: TileView, compact: bool) -> str:
     # the pid matters more than a long host name: the host is what gets clipped
     pid = f" · pid {v.pid}" if v.pid else ""
     lines.append(clip(v.host, TILE_CHARS - len(pid)) + pid)
-    lines.append(" · ".join(x for x in (v.device, v.mem) if x) or " ")
+    # its GPU's utilisation, memory and power where its host agent samples them, else
+    # the rank's own memory
+    if v.gpu:
+        lines.append(f"{v.device} {v.gpu}" if v.device else f"GPU {v.gpu}")
+    else:
+        lines.append(" · ".join(x for x in (v.device, v.mem) if x) or " ")
     lines.append(
         " · ".join(
             x for x in (f"step {v.step}" if v.step else "", f"seen {v.seen}" if v.seen else "") if x
@@ -80,6 +85,8 @@ def tile_tooltip(v: TileView) -> str:
     ]
     if v.mem:
         parts.append(f"memory: {v.mem}")
+    if v.gpu_tip:
+        parts.append(v.gpu_tip)
     if v.step:
         parts.append(f"step: {v.step}")
     if v.seen:
@@ -110,6 +117,8 @@ def cell_detail(st: MeshState, v: TileView) -> str:
     facts = " · ".join(x for x in (v.mem, f"step {v.step}" if v.step else "", seen) if x)
     if facts:
         lines.append(facts)
+    if v.gpu_tip:
+        lines.append(clip(v.gpu_tip, DETAIL_CHARS))
     if v.restarts:
         lines.append(f"restarts: {v.restarts}")
     last = [line for line in st.output_lines(v.rank, 3) if line.strip()]

@@ -43,6 +43,7 @@ from monarch_kernel.controller.state.events import (
     StreamOutput,
 )
 from monarch_kernel.controller.state.records import MeshPhase, RankInfo, RankState
+from monarch_kernel.widgets import gpu_view
 from monarch_kernel.widgets.fmt import age, human_bytes, num
 from monarch_kernel.widgets.inbox import EventInbox
 from monarch_kernel.widgets.incidents import ErrorEntry, Incident, IncidentLog
@@ -117,6 +118,8 @@ class MeshState:
         self.resize_count = 0
         self.throughput = Throughput()
         self.local_memory = LocalMemory()  # psutil's view of local ranks without stats
+        #: The ranks' GPU utilisation and memory over time (host agents' NVML samples).
+        self.gpu = gpu_view.GpuHistory()
         self.attached = False
 
     # -- the controller side ---------------------------------------------------------
@@ -277,6 +280,7 @@ class MeshState:
         self.throughput.rates = rekey(self.throughput.rates)
         self.throughput._last = None  # byte counters per rank: start sampling again
         self.local_memory.stats = rekey(self.local_memory.stats)
+        self.gpu.rekey(moved, gone)
         for job in self.running.jobs.values():
             job.ranks = tuple(moved.get(r, r) for r in job.ranks if r not in gone)
             job.running = {moved.get(r, r) for r in job.running if r not in gone}
@@ -292,10 +296,12 @@ class MeshState:
 
     # -- sampling (about once a second) ------------------------------------------------
     def sample(self) -> None:
-        """Record transfer rates (and local memory when ranks do not report it)."""
+        """Record transfer rates (and local memory when ranks do not report it), and
+        the ranks' GPUs when their host agents sample them."""
         now = time.monotonic()
         self.throughput.sample(self.rt, now)
         self.local_memory.sample(self.rt.ranks)
+        self.gpu.sample(self.rt.ranks, self.rank_stats)
 
     # -- views -----------------------------------------------------------------------
     def rank_stats(self, rank: int) -> RankStats:
@@ -320,6 +326,7 @@ class MeshState:
         step = self.history.step.get(rank)
         rate = self.throughput.rates.get(rank)
         coords = ", ".join(f"{k}={v}" for k, v in zip(rt.shape.labels, info.coords))
+        stats = self.rank_stats(rank) if info.alive else {}  # never stale GPU of the dead
         return TileView(
             rank=rank,
             state=shown,
@@ -334,6 +341,8 @@ class MeshState:
             rate_in=rate[0] if rate else None,
             rate_out=rate[1] if rate else None,
             restarts=info.restarts,
+            gpu=gpu_view.tile_line(stats),
+            gpu_tip=gpu_view.tooltip_line(stats),
         )
 
     def _tile_state_what(self, info: RankInfo) -> tuple[str, str]:

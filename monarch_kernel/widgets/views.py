@@ -26,6 +26,9 @@ class TileView:
     rate_in: float | None
     rate_out: float | None
     restarts: int
+    #: its GPU (host agents' NVML samples): ``87% 1.2/80G 312W``; "" without GPU fields
+    gpu: str = ""
+    gpu_tip: str = ""  #: the same in words, with PCIe/NVLink where known (the tooltip)
 
 
 @dataclass(frozen=True)

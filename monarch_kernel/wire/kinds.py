@@ -366,12 +366,15 @@ Rank <-> rank data plane (not control messages)
 -----------------------------------------------
 :mod:`monarch_kernel.rank.dataplane.plane` signs its requests with the same codec, with its
 own kinds (literals there, not constants here): a request ``k`` = ``"req"`` with ``op``
-str (``fetch``, ``shm``, ``write`` or ``release``), ``id`` int (the shared tensor's id),
-``n`` str (a fresh nonce) and ``t`` float (the sender's time); a ``fetch`` names a range,
-``off`` int and ``len`` int (at most 4 MiB: a tensor comes a chunk per request), a
-``write`` its ``off`` and carries the bytes as one buffer frame; a reply ``"data"`` (the
-range's bytes as one buffer frame), ``"shm"`` with ``path`` str (a shared-memory file
-holding them), ``"ok"``, or ``"err"`` with ``error`` str.
+str (``fetch``, ``shm``, ``write``, ``release``, ``ipc`` or ``ipc_done``), ``id`` int (the
+shared tensor's id), ``n`` str (a fresh nonce) and ``t`` float (the sender's time); a
+``fetch`` names a range, ``off`` int and ``len`` int (at most 4 MiB: a tensor comes a chunk
+per request), a ``write`` its ``off`` and carries the bytes as one buffer frame; a reply
+``"data"`` (the range's bytes as one buffer frame), ``"shm"`` with ``path`` str (a
+shared-memory file holding them), ``"ok"``, or ``"err"`` with ``error`` str. An ``ipc``
+request carries ``p`` int (the reader's pid); its reply ``"ipc"`` has ``lease`` int and
+the CUDA IPC description (``rank.dataplane.cuda_ipc.describe``); ``ipc_done`` names the
+``lease``.
 
 Size: over the ~450-line habit on purpose: it is the one reference of every message kind
 and header key, read as a table; split, a reader would look in several places for one
@@ -405,7 +408,9 @@ FAN_IN = "fan_in"
 #: rank -> its host agent: its reply to request ``i`` went to the controller directly.
 FAN_DIRECT = "fan_direct"
 #: The latest once-a-second ``stats`` of the agent's ranks, combined: header ``h``;
-#: payload a pickled ``{rank: that rank's stats payload}`` (``host.fanin``).
+#: payload a pickled ``{rank: that rank's stats payload}`` (``host.fanin``); with header
+#: ``g`` = 1, a pickled pair of that and ``{rank: wire.reports.GpuStats}`` (the GPU each
+#: rank is on, sampled by the agent through NVML: ``host.gpu_stats``).
 HOST_STATS = "host_stats"
 #: To the controller holding a detachable mesh: another one took it over (``%mesh attach
 #: --force``); header ``by``: ``[pid, hostname]`` of the new one.
@@ -466,11 +471,12 @@ TRAIN_NOTICE = "train_notice"
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 10  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
+PROTOCOL_VERSION = 11  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
 # 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``;
 # 6: fan-in (``fan_in``, ``fan_direct``); 7: ``batch``; 8: ``host_stats``, slots
 # (``slot`` in ``spawn_ranks``, ranks named by their slot on the wire) and ``mesh_ref``;
 # 9: one envelope frame (length word, header, signature, small payload) instead of
 # three frames (``wire.codec``); 10: the package's modules moved into capability
 # subpackages (``controller/state``, ``rank/pg`` ...), so pickled class paths changed,
-# and ``spawn_ranks``' common part names the ``listener_key`` (was ``peer_key``)
+# and ``spawn_ranks``' common part names the ``listener_key`` (was ``peer_key``); 11:
+# ``host_stats`` may carry the ranks' GPU stats (header ``g``)

@@ -3,9 +3,10 @@
 A :class:`FailureReport` is what a rank sends (pickled, in a ``res`` message with
 ``ok=0`` or in a ``fault`` message) when user code raised; ``rank`` and ``host`` are
 filled in by whoever knows them. :class:`RankStats` is the once-a-second ``stats``
-payload. :class:`AskRequest` and :class:`StopRequest` are what a rank asks of its
-controller (``ask``, ``stop_mesh``). All are plain dicts on the wire (cheap to pickle,
-nothing to import on the other side); these ``TypedDict`` s say which keys they carry.
+payload (with its GPU's :class:`GpuStats`, which the host agent adds in ``host_stats``).
+:class:`AskRequest` and :class:`StopRequest` are what a rank asks of its controller
+(``ask``, ``stop_mesh``). All are plain dicts on the wire (cheap to pickle, nothing to
+import on the other side); these ``TypedDict`` s say which keys they carry.
 """
 
 from __future__ import annotations
@@ -51,8 +52,26 @@ class FailureReport(TypedDict, total=False):
     path: list[str]
 
 
-class RankStats(TypedDict, total=False):
-    """A rank's once-a-second report."""
+class GpuStats(TypedDict, total=False):
+    """What the rank's host agent adds to its stats of the GPU the rank is on (NVML:
+    ``host.gpu_stats``); a key is absent where the device does not give it, and all are
+    on hosts without a GPU (or without ``nvidia-ml-py``)."""
+
+    gpu: int  #: NVML's index of the GPU
+    gpu_util: float  #: percent of the last period a kernel ran on it (the whole GPU)
+    gpu_used: int  #: its memory in use, bytes (all its processes)
+    gpu_total: int  #: its memory, bytes
+    gpu_power: float  #: watts
+    gpu_proc: int  #: this rank's own memory on it, bytes (NVML's process list)
+    pcie_tx: float  #: PCIe bytes/s from the GPU (GPM: Hopper and later)
+    pcie_rx: float  #: PCIe bytes/s to the GPU
+    nvlink_tx: float  #: NVLink bytes/s, all links (GPM)
+    nvlink_rx: float
+
+
+class RankStats(GpuStats, total=False):
+    """A rank's once-a-second report (with its GPU's, :class:`GpuStats`, when its host
+    agent sent it on: ``host_stats``)."""
 
     rss: int  #: resident memory in bytes
     gpu_mem: int | None  #: CUDA memory allocated in bytes (None without CUDA)

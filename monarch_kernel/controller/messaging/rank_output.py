@@ -134,10 +134,17 @@ class RankOutput:
         self._stats(h.rank, pickle.loads(msg.payload))
 
     def on_host_stats(self, h: H.HostStats, msg: Message) -> None:
-        """A host agent's ranks' latest stats, sent on together once a second."""
+        """A host agent's ranks' latest stats, sent on together once a second, with the
+        stats of the GPU each is on when the agent samples its GPUs (``h.gpu``)."""
         try:
-            by_rank = pickle.loads(msg.payload)
-            items = [(r, pickle.loads(p)) for r, p in by_rank.items()]
+            payload = pickle.loads(msg.payload)
+            by_rank, gpu = payload if h.gpu else (payload, {})
+            items: list[tuple[int, RankStats]] = []
+            for r, p in by_rank.items():
+                stats: RankStats = pickle.loads(p)
+                if r in gpu:
+                    stats.update(gpu[r])
+                items.append((r, stats))
         except Exception as exc:  # signed by our agent: another version?
             log.warning("mesh %s dropped host %s's stats: %s", self._name, h.host, exc)
             return

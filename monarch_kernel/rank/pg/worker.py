@@ -126,6 +126,8 @@ class _Worker:
                 raise RuntimeError("the worker has no process group (not configured)")
             args = _resolve(req.args, self.slots)
             opts = decode_options(req.options)
+            if hasattr(opts, "asyncOp"):
+                opts.asyncOp = True  # the rank waits on our answer, never on the worker's op
             if req.new_cuda or _has_cuda(args):
                 self._start_cuda(req.op_id, req.method, args, opts)
                 return
@@ -152,7 +154,8 @@ class _Worker:
             call = getattr(self.nccl, method)
             works = [call(*args) if opts is None else call(*args, opts)]
         for work in works:
-            work.wait()  # NCCL: this stream waits for the op's stream (the CPU does not)
+            if work is not None:  # None: a synchronous op, already on this stream
+                work.wait()  # NCCL: this stream waits for the op's stream (the CPU does not)
         done = torch.cuda.Event()
         done.record()
         self.completions.put((op_id, done))

@@ -46,14 +46,19 @@ class FanIn:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HostStats:
     """``host_stats``: host agent ``h`` sends on the latest ``stats`` of its ranks, once
-    a second for them all (payload: a pickled ``{rank: the rank's stats payload}``)."""
+    a second for them all (payload: a pickled ``{rank: the rank's stats payload}``; with
+    ``g`` (``gpu``) set, a pickled pair of that and ``{rank: wire.reports.GpuStats}``,
+    the GPU each rank is on, sampled by the agent)."""
 
     KIND: ClassVar[str] = K.HOST_STATS
-    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"h"}
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"h", "g"}
 
     host: int
+    gpu: bool = False
 
     def encode(self) -> WireHeader:
+        if self.gpu:
+            return {"k": K.HOST_STATS, "h": self.host, "g": 1}
         return {"k": K.HOST_STATS, "h": self.host}
 
     @classmethod
@@ -63,9 +68,10 @@ class HostStats:
             host = h["h"]
         except KeyError as exc:
             raise missing_key(cls, exc) from None
-        if not isinstance(host, int):
-            raise HeaderError(f"{cls.KIND!r} header: bad 'h'")
-        return cls(host=host)
+        gpu = h.get("g", 0)
+        if not isinstance(host, int) or gpu not in (0, 1):
+            raise HeaderError(f"{cls.KIND!r} header: bad 'h' or 'g'")
+        return cls(host=host, gpu=bool(gpu))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
