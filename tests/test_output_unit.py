@@ -14,12 +14,19 @@ import pytest
 
 from monarch_kernel.kernel import output
 from monarch_kernel.kernel.channel import LiveText
-from monarch_kernel.kernel.output import COLLAPSE_WINDOW, CellOutput
+from monarch_kernel.kernel.output import (
+    COLLAPSE_WINDOW,
+    START_SPAN,
+    START_WINDOW,
+    CellOutput,
+)
 
 pytestmark = pytest.mark.unit
 
 #: Comfortably longer than the window a line waits for the same line from other ranks.
 PAST_WINDOW = 1.5 * COLLAPSE_WINDOW
+#: Past the longer wait for a rank not heard from yet at a cell's start.
+PAST_START_WINDOW = 1.5 * START_WINDOW
 
 
 class Clock:
@@ -97,13 +104,38 @@ def test_differing_lines_are_labelled_per_rank_after_the_window(make, clock):
 def test_line_from_some_ranks_is_shown_for_them_and_late_ranks_get_their_own(make, clock):
     out, emitted = make()
     feed_all(out, "hello\n", ranks=(0, 1, 3))
-    clock.advance(PAST_WINDOW)
+    clock.advance(PAST_START_WINDOW)  # rank 2 has shown nothing yet: it may start late
     out.flush()
     assert emitted == [("stdout", "[0-1, 3] hello\n")]
     out.feed(2, "stdout", "hello\n")
     clock.advance(PAST_WINDOW)
     out.flush()
     assert emitted[1:] == [("stdout", "[2] hello\n")]
+
+
+def test_a_rank_that_starts_the_cell_late_still_joins_the_others_line(make, clock):
+    out, emitted = make()
+    feed_all(out, "hello\n", ranks=(0, 1, 2))
+    clock.advance(PAST_WINDOW)  # longer than the usual window: rank 3 is silent so far
+    out.flush()
+    assert emitted == []
+    out.feed(3, "stdout", "hello\n")
+    assert emitted == [("stdout", "[0-3] hello\n")]
+
+
+def test_a_rank_heard_from_or_a_line_after_the_start_gets_the_usual_window(make, clock):
+    out, emitted = make(ranks=(0, 1))
+    feed_all(out, "both\n", ranks=(0, 1))
+    out.feed(0, "stdout", "only 0\n")
+    clock.advance(PAST_WINDOW)  # rank 1 was heard: it is not starting late
+    out.flush()
+    assert emitted[1:] == [("stdout", "[0] only 0\n")]
+    out2, emitted2 = make(ranks=(0, 1))
+    clock.advance(START_SPAN)
+    out2.feed(0, "stdout", "later\n")
+    clock.advance(PAST_WINDOW)
+    out2.flush()
+    assert emitted2 == [("stdout", "[0] later\n")]
 
 
 def test_a_complete_line_waits_behind_an_earlier_incomplete_one(make, clock):
@@ -172,7 +204,7 @@ def test_stream_changes_split_the_messages_in_order(make, clock):
     out.feed(0, "stdout", "a\n")
     out.feed(0, "stderr", "b\n")
     out.feed(0, "stdout", "c\nd\n")
-    clock.advance(PAST_WINDOW)
+    clock.advance(PAST_START_WINDOW)
     out.flush()
     assert emitted == [
         ("stdout", "[0] a\n"),

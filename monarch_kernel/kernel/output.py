@@ -43,6 +43,12 @@ DisplayEmit = Callable[[MimeBundle, JsonObject, "str | None", bool], None]
 
 #: How long a line waits for the same line from the other ranks before it is shown.
 COLLAPSE_WINDOW = 0.05
+#: The ranks of a cell start it a little apart (tenths of a second on a loaded machine),
+#: so for the cell's first :data:`START_SPAN` seconds a line waits up to
+#: :data:`START_WINDOW` for a rank that has shown nothing at all yet: ``[0-3] hello``, not
+#: ``[0-2] hello`` then ``[3] hello``. A rank already heard from gets the usual window.
+START_SPAN = 2.0
+START_WINDOW = 0.3
 #: Stream messages a cell's output may send at once, one as it comes (a burst of
 #: :data:`EMIT_BURST`, then :data:`EMIT_RATE` a second); past that, output waits for the
 #: flusher's next turn (every :data:`EMIT_INTERVAL`) and goes as one message. So a print
@@ -110,6 +116,9 @@ class CellOutput:
         self._last_display: dict[int, str] = {}
         self._cleared: set[int] = set()
         self._pending: deque[Line] = deque()
+        self._started = time.monotonic()
+        #: ranks that sent any text or display (a rank not among them may start late)
+        self._heard: set[int] = set()
         # (stream, text) -> pending lines with that text, oldest first (collapse mode)
         self._index: dict[tuple[str, str], list[Line]] = {}
         self._by_rank: dict[int, list[tuple[str, str | Display]]] = {}
@@ -125,6 +134,7 @@ class CellOutput:
     def feed(self, rank: int, name: str, text: str) -> None:
         """Text from ``rank`` on stream ``name`` (any thread)."""
         with self._lock:
+            self._heard.add(rank)
             key = (rank, name)
             term = self._terms.get(key)
             if term is None:
@@ -166,6 +176,7 @@ class CellOutput:
             return
         size = sum(len(v) if isinstance(v, (str, bytes)) else 64 for v in data.values())
         with self._lock:
+            self._heard.add(rank)
             now = time.monotonic()
             if op in ("clear", "clear_wait"):
                 self._cleared.add(rank)
@@ -260,7 +271,7 @@ class CellOutput:
                     force
                     or self._mode == "order"
                     or entry.ranks >= self._ranks
-                    or now - entry.first_seen >= COLLAPSE_WINDOW
+                    or now - entry.first_seen >= self._window(entry)
                 )
                 if not ready:
                     break
@@ -290,6 +301,13 @@ class CellOutput:
             data: MimeBundle = {"text/plain": text}
             self._display(data, {"monarch_kernel": {"bars": True}}, block.display_id, block.opened)
             block.opened = True
+
+    def _window(self, entry: Line) -> float:
+        """How long ``entry`` waits for the ranks it lacks (lock held)."""
+        early = entry.first_seen - self._started < START_SPAN
+        if early and not (self._ranks - entry.ranks) <= self._heard:
+            return START_WINDOW  # a rank it lacks has shown nothing yet: maybe a late start
+        return COLLAPSE_WINDOW
 
     def _bars(self, now: float, force: bool) -> tuple[BarBlock, str] | None:
         """The bar block to draw now and its text, if it changed (lock held)."""
