@@ -42,8 +42,11 @@ $(LABEXT): $(LABEXT_SRC) | $(STAMP)
 # JupyterLab refuses to run as root without --allow-root (containers, cloud studios).
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
+# LAB_ARGS: more JupyterLab options, e.g. make lab LAB_ARGS="--no-browser --port 8899"
+LAB_ARGS ?=
+
 lab: setup
-	$(PY) -m jupyter lab --ip 127.0.0.1 $(ALLOW_ROOT) notebooks/01-quickstart.ipynb
+	$(PY) -m jupyter lab --ip 127.0.0.1 $(ALLOW_ROOT) $(LAB_ARGS) notebooks/01-quickstart.ipynb
 
 # Lint first: CI enforces style and types before the (slower) tests run. Two pytest-xdist
 # workers: most tests wait on kernels, ranks and sockets, and one worker left a 2-core

@@ -1,10 +1,12 @@
-"""split_args: how a magic's argument line is cut into tokens (brackets and quotes kept)."""
+"""split_args: how a magic's argument line is cut into tokens (brackets and quotes kept); and the
+parsers take options only as written, naming the closest to an unknown one."""
 
 from __future__ import annotations
 
 import pytest
 from IPython.core.error import UsageError
 
+from monarch_kernel.kernel.args import mesh_parser, remote_parser
 from monarch_kernel.kernel.magics import split_args
 
 pytestmark = pytest.mark.unit
@@ -168,3 +170,20 @@ def test_cell_labels_follow_the_prompt_number():
     assert magics._next_cell() == "8"
     magics.shell.displayhook = _running_cell(9, store_history=False)  # silent: no number
     assert magics._next_cell() == "#6"
+
+
+@pytest.mark.parametrize(
+    "parser, args, said",
+    [
+        (mesh_parser, ["t", "--gpu", "3"], "unknown option --gpu (did you mean --gpus?)"),
+        (remote_parser, ["t", "--rank", "0"], "unknown option --rank (did you mean --ranks?)"),
+        (mesh_parser, ["t", "--dis"], "unknown option --dis (did you mean --dist?)"),
+        (mesh_parser, ["t", "--frobnicate"], "unknown option --frobnicate. Usage"),
+        (remote_parser, ["t", "--group", "rank"], "(did you mean --group-outputs?)"),
+    ],
+)
+def test_options_are_exact_and_a_typo_gets_the_closest_one(parser, args, said):
+    # argparse would read --gpu as --gpus (a prefix): a typo must never be taken silently
+    with pytest.raises(UsageError) as err:
+        parser().parse_args(args)
+    assert said in str(err.value), str(err.value)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+import difflib
+import re
+from typing import Any, NoReturn
 
 from IPython.core.error import UsageError
 
@@ -11,13 +13,44 @@ from monarch_kernel.controller.lifecycle.failures import DEFAULT_GRACE
 from monarch_kernel.controller.state.records import FailurePolicy, parse_policy
 from monarch_kernel.kernel.output import MODES
 
+#: How alike (difflib's ratio) an unknown option and a real one must be to suggest it:
+#: ``--gpu``/``--gpus`` are 0.91, ``--frobnicate``/``--force`` 0.63.
+SUGGEST_CUTOFF = 0.75
+
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError instead of exiting."""
+    """argparse that raises UsageError instead of exiting, takes options only as
+    written (no prefixes: ``--gpu`` is not ``--gpus``), and names the closest option to
+    one it does not know."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
-        raise UsageError(f"{self.prog}: {message}. Usage: {usage}")
+        raise UsageError(f"{self.prog}: {self._suggest(message)}. Usage: {usage}")
+
+    def _suggest(self, message: str) -> str:
+        """argparse's ``unrecognized arguments: ...`` said per argument, with the
+        closest option to each unknown one ("did you mean --gpus?")."""
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown is None:
+            return message
+        options = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        parts = []
+        for token in unknown.group(1).split():
+            if not token.startswith("-"):
+                parts.append(f"unexpected argument {token!r}")
+                continue
+            name = token.split("=", 1)[0]
+            longer = [o for o in options if o.startswith(name)]  # a prefix: no longer taken
+            close = longer if len(longer) == 1 else []
+            close = close or difflib.get_close_matches(name, options, n=1, cutoff=SUGGEST_CUTOFF)
+            parts.append(
+                f"unknown option {name}" + (f" (did you mean {close[0]}?)" if close else "")
+            )
+        return ", ".join(parts)
 
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
         raise UsageError(message or self.format_usage())
