@@ -342,6 +342,7 @@ PART_ORDER: dict[str, list[str]] = {
         "lab",
         "install",
         "debug",
+        "failure_voice",
         "remote",
         "debug_remote",
         "hints",

@@ -335,7 +335,8 @@ class _Bootstrap(Actor):
 def watch_faults(runtime: MeshRuntime) -> None:
     """Hand a controller mesh's unanswered failures and deaths to the fault hook
     (``monarch_kernel.actor.unhandled_fault_hook``); deaths of actors that an actor of
-    another rank owns go to their owner instead."""
+    another rank owns go to their owner instead, and a death that failed a ``%%remote``
+    cell is said by that cell's error (not a failure nobody handled)."""
     name = runtime.name
 
     def on_event(event: MeshEvent) -> None:
@@ -353,8 +354,8 @@ def watch_faults(runtime: MeshRuntime) -> None:
             owned, info.owners = info.owners, {}
             for actor, owner in owned.items():  # their owners supervise them
                 tell_owner(owner, name, actor, event.rank, report)
-            if owned:
-                return
+            if owned or event.in_cell:
+                return  # handled by the owners, or told by the failed cell's error
             failure = MeshFailure(name, "", event.rank, report)
         else:
             return

@@ -268,9 +268,9 @@ def actor_error(
     for f, ranks in groups:
         plural = "ranks" if len(ranks) > 1 else "rank"
         host = f" on {f['host']}" if f.get("host") and len(ranks) == 1 else ""
+        said = f": {f['message']}" if f["message"] else ""  # (KeyboardInterrupt says nothing)
         lines.append(
-            f"{f['type']} in {f['where']} on {plural} {format_ranks(ranks)} of {total}{host}:"
-            f" {f['message']}"
+            f"{f['type']} in {f['where']} on {plural} {format_ranks(ranks)} of {total}{host}" + said
         )
     first = groups[0][0]
     causes = first.get("causes") or []

@@ -175,6 +175,22 @@ class Gather:
         with self._lock:
             return list(self._failed_order)
 
+    @property
+    def incident(self) -> IncidentView | None:
+        """The failure policy's incident for this request, if it opened one."""
+        return self._incident
+
+    def lost(self, rank: int) -> BaseException | None:
+        """Why ``rank``'s part was lost (its death, the mesh stopped), if it was."""
+        with self._lock:
+            return self._lost.get(rank)
+
+    def failure(self, rank: int) -> FailureReport | None:
+        """``rank``'s failure report, if it answered with an error."""
+        with self._lock:
+            reply = self._replies[self._index[rank]] if rank in self._index else None
+        return reply.report if reply is not None else None
+
     def answered(self, rank: int) -> bool:
         """Whether ``rank`` has replied (or was lost)."""
         return self._replies[self._index[rank]] is not None or rank in self._lost

@@ -15,6 +15,11 @@ from dataclasses import dataclass
 
 from monarch_kernel.calls.errors import format_ranks
 
+#: What the replica check says when the replicas' compared state is the same: only the
+#: data-parallel objects (DDP models, their optimizers and schedulers) are compared,
+#: not the rest of a rank's namespace.
+IDENTICAL = "DDP replicas identical"
+
 
 @dataclass(frozen=True)
 class ObjectDigest:
@@ -112,14 +117,15 @@ def describe(plan: ReplicaPlan, nbytes: int = 0, seconds: float = 0.0, after: bo
     if not plan.checked:
         return ""
     if plan.source is None:
-        text = "replicas identical"
+        # Only the DDP models, their optimizers and schedulers are compared: say so.
+        text = f"{IDENTICAL} ({', '.join(plan.names)} compared)"
     else:
         who = format_ranks(list(plan.targets))
         text = (
             f"{plan.why}; {plan.kinds} of rank {plan.source} copied to "
             f"{'rank' if len(plan.targets) == 1 else 'ranks'} {who} "
             f"({_size(nbytes)}, {seconds * 1000:.0f} ms); "
-            + ("replicas identical" if after else "replicas STILL DIFFER")
+            + (IDENTICAL if after else "DDP replicas STILL DIFFER")
         )
     if plan.uneven:
         text += "; not on every rank, left alone: " + "; ".join(plan.uneven)

@@ -84,6 +84,11 @@ class IncidentView(Protocol):
     @property
     def settled(self) -> threading.Event: ...
 
+    @property
+    def outcome(self) -> str:
+        """What the policy did or does next (restart, the mesh put right in place)."""
+        ...
+
     def summary(self) -> str: ...
 
 

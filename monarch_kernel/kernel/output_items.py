@@ -45,7 +45,8 @@ class BarBlock:
     def render(self, collapse: bool, label: bool) -> str:
         """One line per rank and bar, the k-th bar of each rank side by side (rows
         without text hold no place); ``collapse``: identical frames of several ranks on
-        one line; ``label``: each line starts with its ranks (``[0-3] ``).
+        one line; ``label``: each line starts with its ranks (``[0-3] ``), the labels
+        of the block padded to one width so that the bars line up.
 
         Once the ranks' frames of a bar differed, that bar stays one line per rank
         while it runs (lines merging and splitting with every frame would make the
@@ -58,7 +59,7 @@ class BarBlock:
                 slot = seen.get(rank, 0)
                 seen[rank] = slot + 1
                 by_slot.setdefault(slot, []).append((rank, text, row.done))
-        lines: list[str] = []
+        lines: list[tuple[str, str]] = []  # (label, text)
         for slot in sorted(by_slot):
             entries = sorted(by_slot[slot])  # by rank: a stable order
             if len({text for _, text, _ in entries}) > 1:
@@ -70,8 +71,12 @@ class BarBlock:
                 groups.setdefault(text if merge else f"{rank}\0{text}", []).append(rank)
             for key, ranks in sorted(groups.items(), key=lambda group: group[1][0]):
                 text = key.split("\0", 1)[-1]
-                lines.append(f"[{format_ranks(ranks)}] {text}" if label else text)
-        return "\n".join(lines)
+                lines.append((f"[{format_ranks(ranks)}]" if label else "", text))
+        if not label:
+            return "\n".join(text for _, text in lines)
+        # Labels of one width, so that the bars line up (``[0, 2]`` above ``[1]``).
+        width = max((len(tag) for tag, _ in lines), default=0)
+        return "\n".join(f"{tag:<{width}} {text}" for tag, text in lines)
 
 
 class Bucket:

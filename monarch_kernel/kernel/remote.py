@@ -1,8 +1,9 @@
 """Running a cell on a mesh's ranks: the machinery behind ``%%remote``.
 
 Size: over the ~450-line habit: a ``%%remote`` job's start, its prompts
-(``InputRouter``) and its end share the job's request and output; the cell-level parsing
-is ``remote_cell``.
+(``InputRouter``) and its end (what a death or the stop button made of it) share the
+job's request and output; the cell-level parsing is ``remote_cell``, the words of its
+failures ``failure_voice``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import weakref
 from collections.abc import Callable
 
 from monarch_kernel.actor import ProcMesh, ValueMesh
-from monarch_kernel.calls.errors import ActorError, MonarchError, format_ranks
+from monarch_kernel.calls.errors import (
+    ActorError,
+    MeshStartError,
+    MonarchError,
+    RankDiedError,
+    format_ranks,
+)
 from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.gather import Gather
 from monarch_kernel.calls.requester import CallOptions
@@ -25,6 +32,7 @@ from monarch_kernel.controller.detach.takeover import Attached
 from monarch_kernel.controller.mesh import MeshRuntime, new_request_id
 from monarch_kernel.controller.state.events import (
     DebuggerResumed,
+    DisplayOutput,
     InputRequested,
     MeshEvent,
     RankDied,
@@ -34,6 +42,7 @@ from monarch_kernel.kernel.debug import requests as dap_requests
 from monarch_kernel.kernel.debug.console import DebugConsole
 from monarch_kernel.kernel.debug.relay import PROMPT as DAP_PROMPT
 from monarch_kernel.kernel.debug.relay import DapRelay
+from monarch_kernel.kernel.failure_voice import Death, assigned_names, death_text, interrupt_lines
 from monarch_kernel.kernel.output import CellOutput
 from monarch_kernel.shape import Shape
 from monarch_kernel.wire import dumps
@@ -44,6 +53,10 @@ from monarch_kernel.wire import kinds as K
 #: ranks send all of a cell's output before its result.
 OUTPUT_GRACE = 0.05
 INTERRUPT_WAIT = 3.0
+#: How long a cell that failed because a rank died waits for the failure policy to
+#: restart it, so that its error says what was restarted and lost (past it: the error
+#: says it is restarting, and the next cell waits).
+RESTART_WAIT = 60.0
 
 
 class RemoteCellError(ActorError):
@@ -238,6 +251,10 @@ class RemoteJob:
         self.on_failing: Callable[[RemoteJob], None] | None = None
         #: The notebook's visual debugger, when it drives this cell's ranks.
         self.dap: DapRelay | None = None
+        #: Ranks that showed output (lines, bars, displays) in this cell.
+        self.heard: set[int] = set()
+        #: The mesh's last restart report when the job started (a later one is ours).
+        self._recovery_before = procs.runtime.last_recovery
 
     def start(self) -> RemoteJob:
         header: dict[str, object] = {"k": self.kind}
@@ -250,7 +267,7 @@ class RemoteJob:
             payload, buffers = b"", []
         rt = self.procs.runtime
         if self.output is not None:
-            rt.output.route(self.request_id, self.output.feed, self.output.show_event)
+            rt.output.route(self.request_id, self._feed, self._show)
         router = InputRouter.of(rt)
         if self.on_finished is None:  # a foreground cell: it answers its ranks' input()
             router.listen(self.request_id, self._inbox)
@@ -272,6 +289,16 @@ class RemoteJob:
             router.forget(self.request_id)
             raise
         return self
+
+    def _feed(self, rank: int, name: str, text: str) -> None:
+        self.heard.add(rank)
+        assert self.output is not None
+        self.output.feed(rank, name, text)
+
+    def _show(self, event: DisplayOutput) -> None:
+        self.heard.add(event.rank)
+        assert self.output is not None
+        self.output.show_event(event)
 
     def resume(self, attached: Attached, job: JobRecord) -> RemoteJob:
         """Follow ``job``, a cell an earlier kernel started on the mesh this one took
@@ -380,7 +407,10 @@ class RemoteJob:
                     self._handle(event)
                     if self.debug.pending:
                         self._serve_debugger()
-                return self.future.get(0 if deadline is not None else None)
+                try:
+                    return self.future.get(0 if deadline is not None else None)
+                except RankDiedError as exc:
+                    raise self.death_error(exc) from None
             finally:
                 if self.future.done():
                     self._close_output()
@@ -443,6 +473,61 @@ class RemoteJob:
         finally:
             self._asking = None
 
+    def death_error(self, exc: RankDiedError) -> RankDiedError:
+        """A cell failed because a rank died: once the restart policy brought it back,
+        one message of what died, what was done and what state was lost where
+        (:func:`~monarch_kernel.kernel.failure_voice.death_text`). Other policies, and
+        deaths outside this cell's ranks, keep the error as it is."""
+        rt = self.procs.runtime
+        death = exc.death
+        if (
+            death is None
+            or self.kind != K.EXEC
+            or rt.on_failure != "restart"
+            or not isinstance(self._gather.lost(death.rank), RankDiedError)
+        ):
+            return exc
+        restarting = False
+        try:
+            rt.wait_recovered(RESTART_WAIT)
+        except (KeyboardInterrupt, MeshStartError):
+            restarting = True  # the next cell waits for it
+        report = rt.last_recovery
+        if report is self._recovery_before:
+            report = None
+        incident = self._gather.incident
+        released = dict(incident.released) if incident is not None else {}
+        consequences: dict[int, str] = {}
+        for r in self._gather.failed:
+            if r == death.rank or r in released:
+                continue
+            lost = self._gather.lost(r)
+            if lost is not None:
+                consequences[r] = str(lost).split("\n", 1)[0]
+                continue
+            f = self._gather.failure(r)
+            if f is not None:
+                message = str(f.get("message") or "").split("\n", 1)[0]
+                consequences[r] = f"{f.get('type')}: {message}" if message else str(f.get("type"))
+        info = rt.ranks[death.rank] if death.rank < len(rt.ranks) else None
+        alive = info is not None and info.alive
+        voice = Death(
+            death=death,
+            mesh=self.procs.name,
+            cell=self.cell,
+            policy=rt.on_failure,
+            restarted=alive and not restarting,
+            report=report if report is not None and death.rank in report.restarted else None,
+            restarting=restarting or not alive,
+            error=rt.recovery_error if not alive and not restarting else None,
+            names=assigned_names(self.code),
+            world=rt.world,
+            released=released,
+            consequences=consequences,
+            heard=death.rank in self.heard,
+        )
+        return type(exc)(death_text(voice), death, exc.mesh)
+
     def _interrupted(self) -> RemoteInterrupted:
         """Interrupt the ranks; the short message the stop button shows."""
         self.cancel()
@@ -459,8 +544,10 @@ class RemoteJob:
                 f"%mesh stacks {name} --ranks {spec}; kill and restart them with "
                 f"%mesh restart {name} --ranks {spec}."
             )
-        except ActorError as exc:
+        except RankDiedError as exc:
             return RemoteInterrupted(f"{head}\n{exc}")
+        except ActorError as exc:
+            return RemoteInterrupted(self._interrupt_text(head, exc))
         except BaseException as exc:
             return RemoteInterrupted(f"{head}\n{exc}")
         finally:
@@ -468,6 +555,25 @@ class RemoteJob:
                 self._close_output()
                 self._end_visual_debugger()
         return RemoteInterrupted(f"{head}: every rank had finished it already")
+
+    def _interrupt_text(self, head: str, exc: ActorError) -> str:
+        """The stop button's short message: where each group of ranks was, one line
+        each, no traceback. What the mesh did afterwards (the process group re-formed,
+        the replicas compared) is not part of the error: it is printed before it."""
+        failed = {int(f.get("rank", -1)) for f in exc.failures}
+        finished = [r for r in self.ranks if r not in failed and self._gather.answered(r)]
+        lines = [head, *interrupt_lines(exc.failures, self.ranks, len(self.ranks), finished)]
+        incident = self._gather.incident
+        if incident is not None:
+            outcome = incident.outcome
+            released = incident.summary()
+            if outcome and released.endswith(outcome):
+                released = released[: -len(outcome)].rstrip()
+            if released:
+                lines.append(released)  # ranks that had to be released: part of it
+            if outcome:
+                print(outcome, flush=True)
+        return "\n".join(lines)
 
     def cancel(self, why: str = "") -> None:
         """Raise KeyboardInterrupt in the ranks still running this cell (``why`` is

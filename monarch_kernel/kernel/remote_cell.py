@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from IPython.core.error import UsageError
 
 from monarch_kernel.actor import ProcMesh, ValueMesh
+from monarch_kernel.calls.errors import RankDiedError
 from monarch_kernel.controller.detach.release import recipe_changed
 from monarch_kernel.controller.state.records import MeshPhase, SetupCell
 from monarch_kernel.kernel.args import remote_parser, split_args
@@ -175,6 +176,8 @@ def report_bg(job: RemoteJob, live: LiveText, out: str | None, notebook: Noteboo
     try:
         values = job.future.get()
     except BaseException as exc:  # shown under the cell
+        if isinstance(exc, RankDiedError):  # said once, after the restart
+            exc = job.death_error(exc)
         if job.cancelled:
             title = f"cancelled after {took:.1f}s ({job.cancelled})"
         else:

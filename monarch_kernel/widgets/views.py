@@ -72,7 +72,7 @@ class Recovery:
         text = f"recovered: {what} in {rep.seconds:.2f}s"
         if rep.reason:
             text += f", {rep.reason}"
-        if rep.replicas:  # what differed and what was copied, or "replicas identical"
+        if rep.replicas:  # what differed and what was copied, or "DDP replicas identical"
             text += f"; {rep.replicas}"
         if rep.problems:
             text += f"; {len(rep.problems)} problem(s), see below"

@@ -19,7 +19,7 @@ from monarch_kernel.calls.errors import MeshStoppedError, RankDiedError
 from monarch_kernel.controller.lifecycle.busy_agents import BusyAgents
 from monarch_kernel.controller.lifecycle.silence import SilenceBound
 from monarch_kernel.controller.messaging.transport import Transport
-from monarch_kernel.controller.state.events import EventBus, HostLost, RankDied
+from monarch_kernel.controller.state.events import EventBus, HostLost, RankDied, RequestKind
 from monarch_kernel.controller.state.phase import MeshLifecycle
 from monarch_kernel.controller.state.records import (
     GONE,
@@ -179,7 +179,8 @@ class Supervisor:
         # Listeners hear of the death before the callers whose requests it fails.
         if self._events.wants(RankDied):
             failed = tuple(p.id for p in taken)
-            dead = RankDied(self._name, info.rank, state, info.death, failed, bool(keep))
+            in_cell = any(p.kind is RequestKind.CELL and not p.internal for p in taken)
+            dead = RankDied(self._name, info.rank, state, info.death, failed, bool(keep), in_cell)
             self._events.emit(dead)
         self._requests.lose(info.rank, taken, error)
         self._lifecycle.notify()

@@ -184,6 +184,9 @@ class RankDied:
     #: Its training state is recovered from peers: requests it ran wait for a restarted
     #: rank (see ``controller.training.recovery``), the failure policy leaves it alone.
     claimed: bool = False
+    #: It failed a ``%%remote`` cell, whose error says what happened (the failure is not
+    #: one nobody handled).
+    in_cell: bool = False
 
 
 @dataclass(frozen=True, slots=True)

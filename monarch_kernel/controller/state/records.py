@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from monarch_kernel.calls.errors import DeathInfo, format_ranks
+from monarch_kernel.calls.replica_plan import IDENTICAL
 from monarch_kernel.calls.requester import ActorSpec
 from monarch_kernel.launchers.base import HostHandle
 from monarch_kernel.wire.headers import Owner, RankExit
@@ -374,7 +375,8 @@ class RecoveryReport:
     #: What went wrong while re-forming (a setup cell raised ...); empty if nothing.
     problems: tuple[str, ...] = ()
     reason: str = ""
-    #: What the replica check found and did (``replicas identical``; empty: no check).
+    #: What the replica check found and did (``DDP replicas identical (ddp, opt
+    #: compared)``; empty: no check).
     replicas: str = ""
     #: A recovery from peers: what died, the state copied, the step resumed (then the
     #: restarted ranks lost nothing declared in their TrainingState).
@@ -383,7 +385,10 @@ class RecoveryReport:
     @property
     def changed(self) -> bool:
         """Whether it did anything worth telling (not just found all well)."""
-        copied = bool(self.replicas) and self.replicas != "replicas identical"
+        # (all well: ``DDP replicas identical (ddp, opt compared)`` and nothing more)
+        copied = bool(self.replicas) and not (
+            self.replicas.startswith(IDENTICAL) and ";" not in self.replicas
+        )
         return bool(self.restarted or self.process_group or self.problems or copied)
 
     def describe(self, mesh: str, in_place: bool = False) -> str:
