@@ -101,6 +101,12 @@ def mesh_parser() -> Parser:
     )
     p.add_argument("--force", action="store_true", help="replace a notebook variable of that name")
     p.add_argument(
+        "--replace",
+        action="store_true",
+        help="stop a running mesh of that name and start this one anew (its ranks' state is "
+        "lost); without it a running mesh is kept when asked for as it runs, else refused",
+    )
+    p.add_argument(
         "--detachable",
         action="store_true",
         help="the ranks outlive this kernel; another kernel takes them over with %%mesh attach",

@@ -1,10 +1,14 @@
 """``%mesh NAME --gpus N ...``: create a mesh (or keep the one of that name running).
 
 The steps, in order: :meth:`MeshRequest.parse` checks the line (every usage error
-before anything starts); a running mesh of the same shape and environment is kept
-(:func:`_keep_running`); otherwise the hosts are reserved (:func:`_reserve_hosts`, which
-checks capacity while an older mesh of the name still runs), that older mesh is stopped,
-and the ranks are started (:func:`_spawn`) with the dashboard showing them start.
+before anything starts); a running mesh of that name is kept when it was asked for as
+this line asks (:func:`_keep_running`: a notebook's Run All keeps its meshes), and a
+line that asks for something else is refused, naming what differs
+(:meth:`MeshRequest.differences`), unless ``--replace`` says to stop it and start anew;
+then the hosts are reserved (:func:`_reserve_hosts`, which checks capacity while an
+older mesh of the name still runs), more ranks than this machine has cores or GPUs is
+said (:mod:`.oversubscribed`), that older mesh is stopped, and the ranks are started
+(:func:`_spawn`) with the dashboard showing them start.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +31,11 @@ from monarch_kernel.actor.hosts import HostMesh, host_mesh
 from monarch_kernel.calls.errors import MeshStartError
 from monarch_kernel.controller.lifecycle.startup import StartProgress
 from monarch_kernel.controller.mesh import MeshRuntime, registry
+from monarch_kernel.controller.state.records import parse_policy
 from monarch_kernel.kernel.args import ENGINE_OPTIONS, mesh_parser
 from monarch_kernel.kernel.mesh.detach import check_detached_name, detachable_note
 from monarch_kernel.kernel.mesh.names import check_identifier, check_mesh_name
+from monarch_kernel.kernel.mesh.oversubscribed import oversubscription
 from monarch_kernel.kernel.notebook import Notebook
 from monarch_kernel.kernel.remote import InputRouter
 from monarch_kernel.kernel.remote_cell import run_on
@@ -36,7 +43,12 @@ from monarch_kernel.shape import Shape
 from monarch_kernel.wire.desk import parse_duration
 
 #: What ``%mesh --dist`` runs on every rank once the mesh is up.
-INIT_DIST = "import torch.distributed as _mk_dist\n_mk_dist.init_process_group()\n"
+INIT_DIST = (
+    "import torch.distributed as _mk_dist\n_mk_dist.init_process_group()\n"
+    "str(_mk_dist.get_backend())"
+)
+#: The backends the rank-side ``init_process_group`` picks, and what runs inside them.
+REFORMABLE_KINDS = {"mkgloo": "gloo", "mknccl": "NCCL, with gloo for CPU tensors"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,7 @@ class MeshRequest:
     dist: bool
     detachable: bool = False
     keep: str | None = None  #: ``--keep``, as written (checked by ``spawn_procs``)
+    replace: bool = False  #: ``--replace``: stop a running mesh of the name, start anew
 
     @classmethod
     def parse(cls, args: list[str], notebook: Notebook) -> MeshRequest:
@@ -83,6 +96,7 @@ class MeshRequest:
             dist=opts.dist,
             detachable=opts.detachable,
             keep=opts.keep,
+            replace=opts.replace,
         )
 
     @property
@@ -91,9 +105,119 @@ class MeshRequest:
         return ({"hosts": self.hosts} if self.hosts > 1 else {}) | {"gpus": self.gpus}
 
     def matches(self, mesh: ProcMesh) -> bool:
-        """Whether the running ``mesh`` is what this request asks for (same shape, same
-        environment): then ``%mesh`` keeps it instead of starting another."""
-        return mesh.extent == Shape.from_extent(self.extent).extent and mesh.runtime.env == self.env
+        """Whether the running ``mesh`` is what this request asks for (see
+        :meth:`differences`): then ``%mesh`` keeps it instead of starting another."""
+        return not self.differences(mesh.runtime)
+
+    def differences(self, runtime: MeshRuntime) -> list[str]:
+        """What this request asks for that the running mesh ``runtime`` is not, one
+        ``--gpus 3 vs the live --gpus 2`` each: its size now (after any grow or shrink),
+        environment, backend and failure policy, whether it is detachable, and, for a
+        mesh an earlier ``%mesh`` line started, that line's other lasting options
+        (``--dist``, ``--keep``, the backend's options). ``--timeout`` and ``--force``
+        are not the mesh's: they never differ."""
+        out = []
+        if not _hosts_by_gpus(runtime):
+            out.append(
+                f"{Shape.from_extent(self.extent).describe()} vs the live "
+                f"{runtime.shape.describe()}"
+            )
+        else:
+            if self.hosts != runtime.n_hosts:
+                out.append(_vs("--hosts", str(self.hosts), str(runtime.n_hosts)))
+            if self.gpus != runtime.per_host:
+                out.append(_vs("--gpus", str(self.gpus), str(runtime.per_host)))
+        if self.env != runtime.env:
+            out.append(_vs("--env", _env_text(self.env), _env_text(runtime.env)))
+        if self.backend != runtime.backend:
+            out.append(_vs("--backend", self.backend, runtime.backend))
+        policy, minimum = parse_policy(self.on_failure)
+        live_policy = _policy_text(runtime.on_failure, runtime.shrink_min)
+        if _policy_text(policy.value, minimum) != live_policy:
+            out.append(_vs("--on-failure", self.on_failure, live_policy))
+        if self.grace != runtime.failures.grace:
+            out.append(_vs("--grace", f"{self.grace:g}", f"{runtime.failures.grace:g}"))
+        if self.detachable != (runtime.detach_keep > 0):
+            flag = "" if self.detachable else None
+            out.append(_vs("--detachable", flag, None if self.detachable else ""))
+        started = _started_by.get(runtime)
+        if started is not None:
+            if self.dist != started.dist:
+                out.append(_vs("--dist", "" if self.dist else None, "" if started.dist else None))
+            if self.detachable and started.detachable and _keep(self) != _keep(started):
+                out.append(_vs("--keep", self.keep, started.keep))
+            for key in ENGINE_OPTIONS:
+                asked, live = self.engine_options.get(key), started.engine_options.get(key)
+                if asked != live:
+                    out.append(_vs(f"--{key}", asked, live))
+        return out
+
+    def refusal(self, runtime: MeshRuntime, differences: list[str]) -> str:
+        """The UsageError of this request for the name of the running mesh ``runtime``,
+        which it ``differences`` from: what differs and the choices."""
+        name = self.name
+        text = (
+            f"%mesh {name}: mesh {name!r} is already running with another spec: "
+            f"{'; '.join(differences)}."
+        )
+        resize = self._resize_command(runtime, len(differences))
+        if resize:
+            text += f" To resize it and keep its ranks' state: {resize}."
+        return (
+            f"{text} To start it anew, which loses its ranks' state (their namespaces): "
+            f"%mesh stop {name} first, or add --replace"
+        )
+
+    def _resize_command(self, runtime: MeshRuntime, differences: int) -> str:
+        """``%mesh grow NAME --gpus +1`` (or ``shrink``) when this request differs from
+        the running mesh only in a size a resize can change ('' otherwise): ranks on a
+        one-host mesh, or whole hosts."""
+        if differences != 1 or not _hosts_by_gpus(runtime):
+            return ""
+        if self.hosts == runtime.n_hosts == 1 and self.gpus != runtime.per_host:
+            option, asked, live = "--gpus", self.gpus, runtime.per_host
+        elif self.gpus == runtime.per_host and self.hosts != runtime.n_hosts:
+            option, asked, live = "--hosts", self.hosts, runtime.n_hosts
+        else:
+            return ""
+        if asked > live:
+            return f"%mesh grow {self.name} {option} +{asked - live}"
+        return f"%mesh shrink {self.name} {option} {asked}"
+
+
+#: The request each mesh a ``%mesh`` line started was started by (what
+#: :meth:`MeshRequest.differences` compares a later line's lasting options with).
+_started_by: weakref.WeakKeyDictionary[MeshRuntime, MeshRequest] = weakref.WeakKeyDictionary()
+
+
+def _hosts_by_gpus(runtime: MeshRuntime) -> bool:
+    """Whether the running mesh has ``%mesh``'s dims (``gpus``, or ``hosts`` and
+    ``gpus``), not others ``spawn_procs(per_host=...)`` gave it."""
+    return tuple(runtime.shape.labels) in (("gpus",), ("hosts", "gpus"))
+
+
+def _vs(option: str, asked: str | None, live: str | None) -> str:
+    """``--gpus 3 vs the live --gpus 2``; ``None``: the option was not given (``no
+    --dist``, ``the live mesh without --dist``), ``""``: a flag that was."""
+    mine = f"{option} {asked}".rstrip() if asked is not None else f"no {option}"
+    theirs = f"the live {option} {live}" if live is not None else f"the live mesh without {option}"
+    theirs = theirs.rstrip()
+    return f"{mine} vs {theirs}"
+
+
+def _keep(req: MeshRequest) -> float | None:
+    """``--keep`` in seconds (None: not given)."""
+    return None if req.keep is None else parse_duration(req.keep)
+
+
+def _env_text(env: Mapping[str, str]) -> str | None:
+    """``A=1 B=2`` (None: no ``--env``)."""
+    return " ".join(f"{k}={v}" for k, v in sorted(env.items())) or None
+
+
+def _policy_text(policy: str, minimum: int) -> str:
+    """``restart``, ``shrink``, ``shrink:2``: a failure policy as ``--on-failure`` takes it."""
+    return f"{policy}:{minimum}" if minimum > 1 else policy
 
 
 def _check_keep(name: str, detachable: bool, keep: str | None) -> None:
@@ -123,19 +247,35 @@ def _env_option(items: list[str]) -> dict[str, str]:
 
 def create_mesh(notebook: Notebook, args: list[str]) -> None:
     """``%mesh NAME --gpus N ...`` (``args``: the split line): start the mesh, bind it to
-    ``NAME`` in the notebook and say how long it took."""
+    ``NAME`` in the notebook and say how long it took. A mesh of that name that runs is
+    kept when asked for as it runs, else refused (a UsageError naming what differs),
+    unless ``--replace``."""
     req = MeshRequest.parse(args, notebook)
     old_runtime = registry.get(req.name)
     old = ProcMesh(old_runtime) if old_runtime is not None else None
-    if old is not None and not old.stopped and req.matches(old):
+    if old_runtime is not None and old is not None and not old.stopped and not req.replace:
+        differences = req.differences(old_runtime)
+        if differences:
+            raise UsageError(req.refusal(old_runtime, differences))
         _keep_running(notebook, req.name, old)
         return
     if req.detachable:
         check_detached_name(req.name)
     hosts = _reserve_hosts(req, replacing=old_runtime)
-    if old is not None:
-        old.stop()  # the same name with another shape: this one replaces it
+    if old_runtime is not None and old is not None:
+        was_live = not old.stopped
+        about = _about(old_runtime)
+        old.stop()  # --replace (or a stopped mesh of the name): this one replaces it
+        if was_live:
+            print(
+                f"mesh {req.name!r} ({about}) stopped for --replace; its ranks' state is "
+                "gone, a new mesh starts"
+            )
+    note = oversubscription(req, hosts, replacing=old_runtime)
+    if note:
+        print(note)
     procs, took = _spawn(hosts, req)
+    _started_by[procs.runtime] = req
     notebook.user_ns[req.name] = procs
     InputRouter.of(procs.runtime)  # parks breakpoints of endpoints for %debug_remote
     print(f"mesh {req.name!r}: {procs.shape.describe()} ({req.backend}) ready in {took:.2f}s")
@@ -147,18 +287,51 @@ def create_mesh(notebook: Notebook, args: list[str]) -> None:
             "goes to sleep and that ends the mesh (keep it active while you use it)"
         )
     if req.dist:
-        run_on(notebook, procs, INIT_DIST)
-        print(f"mesh {req.name!r}: torch.distributed process group initialised")
+        backends = set(run_on(notebook, procs, INIT_DIST).values())
+        print(f"mesh {req.name!r}: torch.distributed process group initialised{_kind(backends)}")
+
+
+def _kind(backends: set[str]) -> str:
+    """`` (mkgloo: gloo in a worker the mesh can abort and re-form in place)``."""
+    if len(backends) != 1:
+        return f" ({', '.join(sorted(map(str, backends)))})"
+    (backend,) = backends
+    inside = REFORMABLE_KINDS.get(backend)
+    if inside is None:
+        return f" ({backend})"
+    return (
+        f" ({backend}: {inside} in a worker process the mesh can abort and re-form in place; "
+        f"dist.get_backend() says {backend})"
+    )
 
 
 def _keep_running(notebook: Notebook, name: str, mesh: ProcMesh) -> None:
     """``%mesh`` again for the mesh ``name`` that runs as asked: bind it (the notebook
     variable may have been reassigned meanwhile) and show it, rather than restart it."""
-    print(f"mesh {name!r} is already running (%mesh restart {name} to restart it)")
+    print(
+        f"mesh {name!r} is already running with this spec ({_about(mesh.runtime)}): kept; "
+        f"%mesh stop {name} first, or add --replace, to start it anew"
+    )
     notebook.user_ns[name] = mesh
     from monarch_kernel.widgets import show  # ipywidgets: imported late
 
     show(mesh)
+
+
+def _about(runtime: MeshRuntime) -> str:
+    """``4 ranks, up 3m``: a running mesh in a few words."""
+    ranks = f"{runtime.world} rank{'s' if runtime.world != 1 else ''}"
+    return f"{ranks}, up {_age(time.time() - runtime.started_at)}"
+
+
+def _age(seconds: float) -> str:
+    """``12s``, ``3m``, ``2h 05m``."""
+    seconds = int(max(0, seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
 
 
 def _reserve_hosts(req: MeshRequest, replacing: MeshRuntime | None) -> HostMesh:
