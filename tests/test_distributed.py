@@ -50,6 +50,7 @@ def test_ddp_in_cells_matches_torchrun(kernel):
 
     r = kernel.run("%mesh ddp --gpus 4 --dist", timeout=120)
     assert "process group initialised" in r.stdout, r.stderr + r.error_text
+    assert "(mkgloo: gloo in a worker process the mesh can abort and re-form" in r.stdout
     r = kernel.run(  # re-running an init cell is harmless
         "%%remote ddp\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
         "dist.init_process_group()\ndist.get_world_size()"
