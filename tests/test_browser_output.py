@@ -37,8 +37,9 @@ plt.title("rank 1 figure")
 plt.show()
 """
 
-#: A bar line: its rank label (``[2]``, ``[0-3]``, ``[0, 2-3]``) and the bar's text.
-BAR = re.compile(r"^\[(?P<ranks>[\d, -]+)\] (?P<bar>train:\s+\d+%\|.*)$")
+#: A bar line: its rank label (``[2]``, ``[0-3]``, ``[0, 2-3]``; padded to the block's widest
+#: label, so the bars line up) and the bar's text.
+BAR = re.compile(r"^\[(?P<ranks>[\d, -]+)\] +(?P<bar>train:\s+\d+%\|.*)$")
 #: What a terminal control left in the page would look like.
 JUNK = re.compile(r"\x1b|\r|\[\?25[lh]|\[\d*[ABJK]\b")
 

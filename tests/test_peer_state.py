@@ -101,7 +101,7 @@ def kernel(tmp_path_factory):
 
 def _start(kernel: Kernel, mesh: str, pids: str = "", extra: str = "") -> None:
     r = kernel.run(f"%mesh {mesh} --gpus 4 --dist", timeout=120)
-    assert "ready" in r.stdout, r.stderr + r.error_text
+    assert "ready" in r.stdout and not r.errors, r.stdout + r.stderr + r.error_text
     r = kernel.run(SETUP.format(mesh=mesh, pids=pids, extra=extra), timeout=120)
     assert not r.errors, r.error_text
 

@@ -130,7 +130,7 @@ def test_tqdm_on_four_ranks_updates_live_and_ends_as_labelled_bars(kernel):
     else:
         ranks = [r for line in final for r in ranks_of(line.split("]")[0] + "]")]
         assert sorted(ranks) == [0, 1, 2, 3], final  # each rank's bar once
-        assert all(re.fullmatch(r"\[[\d, -]+\] " + bar, line) for line in final), final
+        assert all(re.fullmatch(r"\[[\d, -]+\] +" + bar, line) for line in final), final
     no_junk(r)
 
 
@@ -379,7 +379,7 @@ def test_bg_bars_update_in_the_jobs_block_while_other_cells_run(kernel):
     ]
     per_rank: dict[int, list[int]] = {0: [], 1: []}
     for text in during:
-        for label, percent in re.findall(r"^(\[[\d, -]+\]) bg: +(\d+)%", text, re.M):
+        for label, percent in re.findall(r"^(\[[\d, -]+\]) +bg: +(\d+)%", text, re.M):
             for rank in ranks_of(label):
                 per_rank[rank].append(int(percent))
     for rank, progress in per_rank.items():  # each rank's bar further along, never back
