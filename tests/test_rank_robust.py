@@ -207,7 +207,9 @@ def test_sys_exit_in_a_cell_ends_the_rank_with_its_code(mesh4):
         assert f"exit code {code}" in str(err.value)
         assert err.value.death is not None and err.value.death.code == code
     assert "bye bye" in str(err.value)  # the message went to stderr: in the last lines
-    assert "bye bye" in err.value.death.tail  # (the rank itself is restarted by now)
+    death = err.value.death
+    assert death is not None
+    assert "bye bye" in death.tail  # from the error: the rank itself is restarted by now
     assert run_cell(mesh4.slice(gpus=0), "'alive'") == ["alive"]
 
 
