@@ -168,7 +168,7 @@ def reform_process_group(
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             pg_backend.reform(default, master_addr, int(master_port), rank, world, subgroups)
             replicas.repair_ddp(pg_backend.groups())
-        last_backend = "nccl" if default.kind == "nccl" else "gloo"
+        last_backend = default.kind  # "gloo" or "nccl", as _backend_name says
         return last_backend
     with _lock:
         try:

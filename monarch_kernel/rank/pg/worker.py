@@ -128,7 +128,7 @@ class _Worker:
             opts = decode_options(req.options)
             if hasattr(opts, "asyncOp"):
                 opts.asyncOp = True  # the rank waits on our answer, never on the worker's op
-            if req.new_cuda or _has_cuda(args):
+            if req.new_cuda or _cuda_device(args) >= 0:
                 self._start_cuda(req.op_id, req.method, args, opts)
                 return
             future = self._start(req.method, args, opts)
@@ -146,14 +146,7 @@ class _Worker:
             if self.nccl_at is None:
                 raise RuntimeError("CUDA tensors on a gloo process group (the rank sent them)")
             self.nccl = _form_nccl(*self.nccl_at, _cuda_device(args))
-        if method.startswith(EACH):
-            call = getattr(self.nccl, method[len(EACH) :])
-            outputs, inputs = args
-            works = [call(o, i, opts) for o, i in zip(outputs, inputs)]
-        else:
-            call = getattr(self.nccl, method)
-            works = [call(*args) if opts is None else call(*args, opts)]
-        for work in works:
+        for work in _issue(self.nccl, method, args, opts):
             if work is not None:  # None: a synchronous op, already on this stream
                 work.wait()  # NCCL: this stream waits for the op's stream (the CPU does not)
         done = torch.cuda.Event()
@@ -174,14 +167,10 @@ class _Worker:
     def _start(self, method: str, args: list[Any], opts: object) -> Any:
         import torch
 
+        works = _issue(self.pg, method, args, opts)
         if method.startswith(EACH):
-            call = getattr(self.pg, method[len(EACH) :])
-            outputs, inputs = args
-            futures = [_future(call(o, i, opts)) for o, i in zip(outputs, inputs)]
-            return torch.futures.collect_all(futures)
-        call = getattr(self.pg, method)
-        work = call(*args) if opts is None else call(*args, opts)
-        return _future(work)
+            return torch.futures.collect_all([_future(w) for w in works])
+        return _future(works[0])
 
     def _finished(self, op_id: int, future: Any) -> None:
         try:
@@ -216,8 +205,19 @@ def _form_nccl(store: Any, msg: Configure, timeout: timedelta, device: int) -> A
     return nccl
 
 
+def _issue(group: Any, method: str, args: list[Any], opts: object) -> list[Any]:
+    """Start ``method`` of ``group`` (gloo or NCCL) on ``args``: its Works (one per pair
+    of tensors for an ``each:`` method)."""
+    if method.startswith(EACH):
+        call = getattr(group, method[len(EACH) :])
+        outputs, inputs = args
+        return [call(o, i, opts) for o, i in zip(outputs, inputs)]
+    call = getattr(group, method)
+    return [call(*args) if opts is None else call(*args, opts)]
+
+
 def _cuda_device(tree: Any) -> int:
-    """The device of the first CUDA tensor in ``tree``."""
+    """The device index of the first CUDA tensor in ``tree`` (-1: there is none)."""
     if isinstance(tree, (list, tuple)):
         for t in tree:
             found = _cuda_device(t)
@@ -225,13 +225,6 @@ def _cuda_device(tree: Any) -> int:
                 return found
         return -1
     return int(tree.device.index or 0) if getattr(tree, "is_cuda", False) else -1
-
-
-def _has_cuda(tree: Any) -> bool:
-    """Whether ``tree`` (resolved args) holds a CUDA tensor."""
-    if isinstance(tree, (list, tuple)):
-        return any(_has_cuda(t) for t in tree)
-    return bool(getattr(tree, "is_cuda", False))
 
 
 def _resolve(tree: Any, regions: dict[int, Slot | CudaRegion]) -> Any:
