@@ -30,6 +30,8 @@ from typing import Any
 
 from monarch_kernel.actor.hosts import HostMesh, this_host
 
+#: Monarch's default ``cached_path`` of :meth:`JobTrait.state` (accepted and ignored here:
+#: host agents belong to the controller that started them).
 DEFAULT_JOB_PATH = ".monarch/job_state.pkl"
 
 
@@ -61,8 +63,9 @@ class JobState:
 
 
 class JobTrait:
-    """What every job does: :meth:`apply`, :meth:`state`, :meth:`kill`, :attr:`active`.
-    Subclasses say which host meshes to make (:meth:`_host_meshes`)."""
+    """What every job does: :meth:`~JobTrait.apply`, :meth:`~JobTrait.state`,
+    :meth:`~JobTrait.kill`, :attr:`~JobTrait.active`. Subclasses say which host meshes to
+    make (``_host_meshes()``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -62,6 +62,8 @@ def is_ibverbs_available() -> bool:
 
 
 def get_rdma_backend() -> str:
+    """The transport behind :class:`RDMABuffer` (Monarch's function): always
+    ``"dataplane"`` here (shared memory or sockets), never ibverbs."""
     return BACKEND
 
 
