@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum |
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup lab test test-fast test-unit bench gpu-wheels lint clean labextension
+.PHONY: setup lab test test-fast test-unit bench gpu-wheels lint clean labextension docs docs-serve \
+	notebooks
 
 # The JupyterLab extension (labextension/, TypeScript) is prebuilt by the package build itself
 # (hatch-jupyter-builder, see pyproject.toml): `pip install -e .` (or `pip install .`, or a
@@ -58,13 +59,37 @@ XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 test: lint
 	$(PY) -m pytest $(XDIST)
 
-# The lanes (pytest markers, README "Fast lane"), without lint: test-fast is everything
-# that needs no cluster and no browser (unit + local), test-unit the pure-Python tests.
+# The lanes (pytest markers, docs/contributing.md "Test lanes"), without lint: test-fast is
+# everything that needs no cluster and no browser (unit + local), test-unit the pure-Python
+# tests.
 test-fast: setup
 	$(PY) -m pytest $(XDIST) -m "not cluster and not browser"
 
 test-unit: setup
 	$(PY) -m pytest -m unit
+
+# The documentation site (docs/, Sphinx + MyST-NB): warnings are errors (-W), every
+# cross-reference must resolve (-n), and docs/_ext/mk_docs.py fails the build for a public
+# name without a docstring. `make test` builds it too (tests/test_docs.py).
+DOCS_OUT := docs/_build/html
+DOCS_PORT ?= 8000
+
+docs: setup
+	$(PY) -m sphinx -W --keep-going -n -b html docs $(DOCS_OUT)
+
+docs-serve: docs
+	@echo "serving $(DOCS_OUT) on http://127.0.0.1:$(DOCS_PORT)/"
+	$(PY) -m http.server --bind 127.0.0.1 --directory $(DOCS_OUT) $(DOCS_PORT)
+
+# The notebooks' stored outputs (what the docs pages show): each tutorial executed again by
+# the test that checks it, its outputs kept once the checks pass (tests/notebook_outputs.py).
+# The Ray notebook runs against the test's own Ray cluster. Commit the notebooks after it.
+NOTEBOOK_TESTS := tests/test_notebooks.py \
+	tests/test_lightning.py::test_studio_notebook_runs_outside_a_studio \
+	tests/test_ray.py::test_ray_notebook_runs_against_the_test_cluster
+
+notebooks: setup
+	MONARCH_KERNEL_KEEP_NOTEBOOK_OUTPUTS=1 $(PY) -m pytest -q -p no:randomly $(NOTEBOOK_TESTS)
 
 bench: setup
 	$(PIP) install -q -e '.[test,bench]'
@@ -77,10 +102,11 @@ gpu-wheels:
 	PYTHON=$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bash bench/gpu_wheels.sh
 
 lint: setup
-	$(PY) -m ruff check monarch_kernel tests bench
-	$(PY) -m ruff format --check monarch_kernel tests bench
+	$(PY) -m ruff check monarch_kernel tests bench docs/conf.py docs/_ext
+	$(PY) -m ruff format --check monarch_kernel tests bench docs/conf.py docs/_ext
 	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) *.egg-info build dist .pytest_cache test-artifacts monarch_kernel/labextension \
+		docs/_build \
 		labextension/node_modules labextension/lib labextension/tsconfig.tsbuildinfo

@@ -47,6 +47,10 @@ nb_execution_excludepatterns = [
 nb_execution_timeout = 180
 nb_execution_raise_on_error = True
 nb_merge_streams = True
+# Pygments cannot lex everything a notebook holds (IPython's `%magic $var` lines, a
+# traceback lexer meeting text that is no traceback): it then highlights less, which is
+# no fault of the page.
+suppress_warnings = ["misc.highlighting_failure"]
 # A dashboard's output is a widget and its static HTML snapshot: the page shows the
 # snapshot (no widget state is stored, so the widget view could not render).
 nb_mime_priority_overrides = [

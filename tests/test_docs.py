@@ -159,9 +159,15 @@ def test_every_notebook_is_a_page_with_its_cells_and_stored_outputs(site):
     for nb_path in notebooks:
         page = site / "notebooks" / f"{nb_path.stem}.html"
         assert page.exists(), f"no page for {nb_path.name}"
-        html = page.read_text(encoding="utf-8")
-        text = re.sub(r"<[^>]+>", "", html)
+        text = html.unescape(re.sub(r"<[^>]+>", "", page.read_text(encoding="utf-8")))
         nb = json.loads(nb_path.read_text())
+        code = [c for c in nb["cells"] if c["cell_type"] == "code" and "".join(c["source"]).strip()]
+        with_outputs = [c for c in code if c.get("outputs")]
+        # the pages show what the cells printed: `make notebooks` stores it in the notebook
+        assert len(with_outputs) >= len(code) * 0.75, (
+            f"{nb_path.name}: {len(code) - len(with_outputs)} of {len(code)} code cells have "
+            "no stored outputs (run `make notebooks` and commit the notebooks)"
+        )
         for cell in nb["cells"]:
             source = "".join(cell["source"]).strip()
             if cell["cell_type"] != "code" or not source:

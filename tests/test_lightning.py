@@ -21,6 +21,7 @@ import pytest
 from conftest import wait_no_orphans
 from helpers import wait_until
 from netns import netns_hosts_fixture
+from notebook_outputs import keep_outputs
 
 from monarch_kernel.actor import host_mesh
 from monarch_kernel.launchers import get_launcher
@@ -384,6 +385,7 @@ def test_studio_notebook_runs_outside_a_studio(monkeypatch):
     assert sum(skipped in t for t in texts) == 2, texts
     assert any("[0-1] hello from every rank" in t for t in texts), texts
     assert any("stopped" in t for t in texts), texts
+    keep_outputs(nb, NOTEBOOKS / "05-lightning-studio.ipynb")
 
 
 def test_magic_errors_in_the_kernel():

@@ -20,6 +20,7 @@ import nbformat
 import psutil
 import pytest
 from helpers import wait_until
+from notebook_outputs import keep_outputs
 from ray_cluster import RayCluster, as_driver
 from test_join import Probe, Trainer, one_process_ddp_losses
 
@@ -188,6 +189,7 @@ def test_ray_notebook_runs_against_the_test_cluster(cluster: RayCluster):
     assert "node0-" in text  # a rank printed the namespace host's hostname
     assert "placement groups left: 0" in text, text[-3000:]
     assert not _our_groups()
+    keep_outputs(nb, NOTEBOOKS / "06-ray-cluster.ipynb")
 
 
 def test_killed_kernel_leaves_no_group_and_no_process(cluster: RayCluster):
