@@ -278,6 +278,7 @@ PART_ORDER: dict[str, list[str]] = {
         "messaging",  # sockets, sending, receiving, dispatch
         "attach_file",  # the attach file a detachable mesh writes
         "lifecycle",  # start, supervise, fail, restart
+        "telemetry",  # per-step telemetry of the ranks, stragglers, profiles
         "training",  # TrainingState recovery from replicas
         "elastic",  # grow and shrink
         "mesh_recovery",
@@ -303,6 +304,7 @@ PART_ORDER: dict[str, list[str]] = {
         "cells",
         "replicas",
         "pg",
+        "telemetry",  # per-step telemetry and ``%mesh profile`` (hooks the pg)
         "env",
         "world",
         "training",

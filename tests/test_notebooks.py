@@ -9,6 +9,7 @@ import nbformat
 import pytest
 from kernel_client import ensure_kernelspec
 from nbclient import NotebookClient
+from notebook_outputs import keep_outputs
 
 pytestmark = pytest.mark.local
 
@@ -50,6 +51,7 @@ def test_quickstart_runs_with_the_monarch_kernel():
     err = _text(code[5])
     assert "ValueError in the cell on ranks 1, 3 of 4" in err and "line 3" in err
     assert "stopped" in _text(code[6])
+    keep_outputs(nb, NOTEBOOKS / "01-quickstart.ipynb")
 
 
 def test_magics_load_in_a_plain_ipython_kernel():
@@ -85,6 +87,7 @@ def test_faults_notebook_kills_restarts_and_finds_a_stuck_rank():
     assert "re-formed the process group (gloo) in place" in released, released
     assert "{gpus=3}: 4.0" in _text(code[10])
     assert "stopped" in _text(code[11])
+    keep_outputs(nb, NOTEBOOKS / "04-faults.ipynb")
 
 
 def test_live_training_notebook_trains_pushes_and_resumes():
@@ -106,6 +109,7 @@ def test_live_training_notebook_trains_pushes_and_resumes():
     assert _text(code[6]).count(": 200") == 4  # every rank resumed after step 199
     assert _text(code[7]).startswith("[0] the cat ")
     assert "stopped" in _text(code[8])
+    keep_outputs(nb, NOTEBOOKS / "02-live-training.ipynb")
 
 
 def test_actors_notebook_meshes_passed_supervision_and_r2r():
@@ -124,6 +128,7 @@ def test_actors_notebook_meshes_passed_supervision_and_r2r():
     assert "manager handled:" in _text(code[5]) and "could not load weights" in _text(code[5])
     assert "unhandled, at the root: [0, 1] RuntimeError" in _text(code[6])
     assert "stopped" in _text(code[7])
+    keep_outputs(nb, NOTEBOOKS / "03-actors.ipynb")
 
 
 def test_monarch_programs_notebook_job_actors_supervision_spmd():
@@ -140,6 +145,7 @@ def test_monarch_programs_notebook_job_actors_supervision_spmd():
     spmd = _text(code[4])
     assert "trained 4 ranks" in spmd and "[True, True, True, True]" in spmd
     assert "job active: False | trainers stopped: True" in _text(code[5])
+    keep_outputs(nb, NOTEBOOKS / "07-monarch-programs.ipynb")
 
 
 def test_fault_tolerant_training_notebook_recovers_a_killed_rank_from_a_peer():
@@ -161,6 +167,7 @@ def test_fault_tolerant_training_notebook_recovers_a_killed_rank_from_a_peer():
     assert "world size 6 → 4 at step" in _text(code[9]), _text(code[9])
     done = _text(code[10])
     assert "Error" not in done and "(500, 4, '" in done, done
+    keep_outputs(nb, path)
 
 
 def test_detach_notebook_takes_over_a_killed_kernels_mesh():
@@ -178,3 +185,26 @@ def test_detach_notebook_takes_over_a_killed_kernels_mesh():
     waited = _text(code[4])
     assert "ValueMesh({gpus: 2})" in waited and ": done in" in waited, waited
     assert "mesh 'train' stopped" in _text(code[5])
+    keep_outputs(nb, NOTEBOOKS / "09-detach.ipynb")
+
+
+def test_where_time_goes_notebook_names_the_straggler_and_profiles():
+    path = NOTEBOOKS / "11-where-time-goes.ipynb"
+    nb = _execute(nbformat.read(path, as_version=4), "monarch")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "process group initialised" in _text(code[0])
+    assert "straggler" not in _text(code[2])  # the balanced loop
+    assert re.search(r"rank 3: [\d.]+ ms/step \(compute", _text(code[3])), _text(code[3])
+    slow = _text(code[5])
+    assert "rank 2 (host-0) is the straggler: data loading" in slow, slow
+    assert "ranks wait" in slow and "in all_reduce" in slow, slow
+    assert "rank 2 (host-0) is no longer the straggler" in slow, slow
+    profiled = _text(code[8])
+    assert "profiling ranks 0, 1, 2, 3 for 3 steps of the running loop" in profiled, profiled
+    m = re.search(r"trace: (\S+\.json)", profiled)
+    assert m and Path(m.group(1)).exists(), profiled
+    assert "waited most" in profiled
+    assert "ValueMesh(gpus=4" in _text(code[9])  # the --bg loop stopped
+    assert "stopped" in _text(code[10])
+    keep_outputs(nb, path)
+    keep_outputs(nb, path)

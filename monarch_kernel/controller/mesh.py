@@ -66,6 +66,7 @@ from monarch_kernel.controller.state.records import (
 )
 from monarch_kernel.controller.state.registry import MeshRegistry, MeshSummary
 from monarch_kernel.controller.state.requests import RequestTable, new_request_id
+from monarch_kernel.controller.telemetry.steps import MeshTelemetry
 from monarch_kernel.controller.training.recovery import PeerRecovery
 from monarch_kernel.controller.training.round_mesh import PeerMesh
 from monarch_kernel.launchers.base import Launcher
@@ -285,6 +286,12 @@ class MeshRuntime(RestartAndResize):
             slots=self.slots,
             on_ready=self._rank_ready,
         )
+        #: The ranks' step telemetry: the dashboard's step view, stragglers named.
+        self.telemetry = MeshTelemetry(
+            self.name, self.ranks, rank_of=lambda slot: self.slots.rank.get(slot)
+        )
+        self.inbound.add_handler(K.STEPS, self.telemetry.on_steps)
+        self.inbound.add_handler(K.HOST_STEPS, self.telemetry.on_host_steps)
         self.peer_mesh = PeerMesh(
             self.name,
             self,

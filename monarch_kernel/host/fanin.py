@@ -24,6 +24,7 @@ from typing import Any
 
 import zmq
 
+from monarch_kernel.host.step_fanin import StepFanIn
 from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
@@ -89,6 +90,8 @@ class FanInSocket:
         #: rank -> its latest ``stats`` payload not sent on yet, and when they go.
         self.stats: dict[int, bytes] = {}
         self._stats_due: float | None = None
+        #: The ranks' step telemetry, sent on per host (``host.step_fanin``).
+        self.steps = StepFanIn(host, send)
 
     def expect(self, request: str, ranks: list[int]) -> None:
         """The controller fanned ``request`` out to ``ranks`` (ours) and waits for replies."""
@@ -107,6 +110,8 @@ class FanInSocket:
     def timeout_ms(self, longest: int) -> int:
         """How long the agent's poll may wait: until the next batch is due."""
         deadline = self.table.next_deadline()
+        if self.steps.due is not None:
+            deadline = self.steps.due if deadline is None else min(deadline, self.steps.due)
         if self._stats_due is not None:
             deadline = self._stats_due if deadline is None else min(deadline, self._stats_due)
         if deadline is None:
@@ -143,6 +148,9 @@ class FanInSocket:
         h = msg.header
         kind, request, rank = h.get("k"), h.get("i"), h.get("r")
         now = time.monotonic()
+        if kind == K.STEPS and isinstance(rank, int):
+            self.steps.add(rank, bytes(msg.payload))
+            return
         if kind == K.STATS and isinstance(rank, int):
             if self._stats_due is None:
                 self._stats_due = now + STATS_EVERY
@@ -182,6 +190,7 @@ class FanInSocket:
         now = time.monotonic()
         for request, parts in self.table.due(now):
             self.send_parts(request, parts)
+        self.steps.send_due(now)
         if self._stats_due is not None and now >= self._stats_due:
             stats, self.stats, self._stats_due = self.stats, {}, None
             if stats:

@@ -23,6 +23,7 @@ MESH_COMMANDS: dict[str, tuple[str, ...]] = {
     "restart": ("--ranks",),
     "setup": ("--clear",),
     "stacks": ("--ranks", "--timeout"),
+    "profile": ("--steps", "--ranks", "--timeout", "--dir"),
     "grow": ("--ranks", "--gpus", "--hosts", "--timeout"),
     "shrink": ("--ranks", "--gpus", "--hosts", "--drop-ranks", "--drop-hosts", "--timeout"),
 }
@@ -80,6 +81,9 @@ Create, list, stop or restart meshes of ranks.
   %mesh restart NAME [--ranks 2,3]           restart ranks (default: the dead ones)
   %mesh setup NAME [--clear]                 the setup cells re-run on restarted ranks
   %mesh stacks NAME [--ranks 0,3] [--timeout S]   every rank's Python stacks now
+  %mesh profile NAME [--steps 5] [--ranks 0,3] [--dir D]
+                                             torch.profiler on the next steps of the
+                                             running loop: one merged Chrome trace
   %mesh grow NAME --ranks +2 | --hosts +1    add ranks (one-host mesh) or hosts
   %mesh shrink NAME --ranks N | --hosts K    keep ranks 0..N-1 or hosts 0..K-1
   %mesh shrink NAME --drop-ranks 1,3 | --drop-hosts 1

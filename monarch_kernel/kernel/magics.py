@@ -28,6 +28,7 @@ from monarch_kernel.kernel.args import Parser, split_args
 from monarch_kernel.kernel.hints import REMOTE_ERRORS, show_remote_error
 from monarch_kernel.kernel.mesh import admin as mesh_admin
 from monarch_kernel.kernel.mesh import detach as mesh_detach
+from monarch_kernel.kernel.mesh import profile as mesh_profile
 from monarch_kernel.kernel.mesh import resize as mesh_resize
 from monarch_kernel.kernel.mesh.create import create_mesh
 from monarch_kernel.kernel.mesh.names import check_mesh_name
@@ -70,6 +71,7 @@ class MeshMagics(Magics):
         ``%mesh`` (table of live meshes, and of detached ones to attach),
         ``%mesh stop NAME``, ``%mesh attach NAME [--force]``,
         ``%mesh restart NAME [--ranks 2,3]``, ``%mesh stacks NAME [--ranks 0,3]``,
+        ``%mesh profile NAME [--steps 5] [--ranks 0,3]``,
         ``%mesh grow NAME --ranks +2 | --hosts +1``, ``%mesh shrink NAME --ranks 3 | --hosts 1
         | --drop-ranks 1,3 | --drop-hosts 1``.
         """
@@ -88,6 +90,8 @@ class MeshMagics(Magics):
             return mesh_admin.show_setup(args[1:])
         if args[0] == "stacks":
             return mesh_admin.show_stacks(args[1:])
+        if args[0] == "profile":
+            return mesh_profile.profile(args[1:])
         if args[0] in ("grow", "shrink"):
             return mesh_resize.resize_mesh(args[0], args[1:])
         return create_mesh(self.notebook, args)
@@ -210,6 +214,7 @@ def load_ipython_extension(ipython: Any) -> MeshMagics:
 
     set_dashboard_factory(_dashboard)  # ProcMesh.dashboard(), importing ipywidgets late
     set_unrouted_display(show_unrouted)  # every mesh's endpoint displays: under the cell
+    mesh_profile.install_notices()  # every mesh's straggler lines: under the running cell
     magics = MeshMagics(ipython)
     ipython.register_magics(magics)
     ipython.set_custom_exc(REMOTE_ERRORS, show_remote_error)

@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from monarch_kernel.rank import context, listener_gate
+from monarch_kernel.rank import context, listener_gate, telemetry
 from monarch_kernel.rank.actors import ActorHost, ResponsePort
 from monarch_kernel.rank.cells import Cells
 from monarch_kernel.rank.config import RankConfig
@@ -197,6 +197,9 @@ class Rank:
         self.main.install()
         self.stdin.install()
         self.debugger.install()
+        # per-step telemetry: torch's hooks, steps sent in batches, ``%mesh profile``
+        outbox = self.outbox
+        telemetry.install(self.rank, outbox.send_stats, outbox.reply, self.control.handlers)
         device = bind_gpu(self.config.local_rank)
         self.control.start()
         self.inbox.greet_host()

@@ -44,6 +44,7 @@ from monarch_kernel.widgets.heat_grid import HeatGrid
 from monarch_kernel.widgets.job_rows import JobRows
 from monarch_kernel.widgets.snapshot import snapshot_html, snapshot_text
 from monarch_kernel.widgets.state import MeshState
+from monarch_kernel.widgets.step_view import StepView
 from monarch_kernel.widgets.tile_grid import TileGrid
 from monarch_kernel.widgets.views import TileView
 from monarch_kernel.wire.jsontypes import MimeBundle
@@ -128,6 +129,8 @@ class Dashboard(W.VBox):
         self.bar.stop_button.on_click(lambda _b: self.stop())
         self.jobs = JobRows(self._cancel_slot)
         self.chart_area = ChartArea(self.state, self._lock, aggregate=self.heat)
+        #: Where the time goes: per-rank step breakdown, straggler, step-time heat map.
+        self.step_view = StepView(getattr(self.runtime, "telemetry", None))
         # the parts' widgets under the names the tests, benches and notebooks read
         self.tiles = self.grid.tiles
         self.job_labels = self.jobs.labels
@@ -153,6 +156,7 @@ class Dashboard(W.VBox):
             self.jobs.box,
             self.stacks_html,
             body,
+            self.step_view.html,
             self.chart_area.box,
             self.chart_area.charts,
             self.errors,
@@ -323,6 +327,7 @@ class Dashboard(W.VBox):
             value=panes.detail_html(st, sel, views[sel] if sel is not None else None),
         )
         sent += self.chart_area.put(now)
+        sent += self.step_view.put(now)
         if st.error_version != self._error_key:
             self._error_key = st.error_version
             sent += put(self.errors, value=panes.errors_html(st))

@@ -412,6 +412,9 @@ FAN_DIRECT = "fan_direct"
 #: ``g`` = 1, a pickled pair of that and ``{rank: wire.reports.GpuStats}`` (the GPU each
 #: rank is on, sampled by the agent through NVML: ``host.gpu_stats``).
 HOST_STATS = "host_stats"
+#: The ranks' ``steps`` batches of the last 0.1 s, combined: header ``h``; payload a
+#: pickled ``{rank slot: [its steps payloads]}`` (``host.step_fanin``).
+HOST_STEPS = "host_steps"
 #: To the controller holding a detachable mesh: another one took it over (``%mesh attach
 #: --force``); header ``by``: ``[pid, hostname]`` of the new one.
 TAKEN_OVER = "taken_over"
@@ -453,6 +456,10 @@ TRAIN = "train"
 DAP_BREAKS = "dap_breaks"
 #: A mesh was resized: the new references to it (``calls.mesh_refs``).
 MESH_REF = "mesh_ref"
+#: ``%mesh profile``: run ``torch.profiler`` for the next steps of the running loop
+#: (pickled ``wire.steps``-side ``ProfileOrder``); the reply, once the steps ran, is the
+#: rank's trace (``rank.telemetry.profile``).
+PROFILE = "profile"
 
 # rank -> controller
 READY = "ready"
@@ -466,12 +473,16 @@ RESUMED = "resumed"  # the rank's debugger let it run on (header "why")
 STATS = "stats"  # once a second from each rank: memory and data-plane byte counters
 #: What a rank tells about its training (``wire.train_msgs.Notice``).
 TRAIN_NOTICE = "train_notice"
+#: A batch of the rank's finished training steps (header ``r``; payload
+#: ``wire.steps.encode_steps``): sent through its host agent's fan-in socket where there
+#: is one, which passes it on as it is.
+STEPS = "steps"
 
 #: The version of this protocol (the kinds and keys above, and the join handshake). A
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 11  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
+PROTOCOL_VERSION = 12  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
 # 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``;
 # 6: fan-in (``fan_in``, ``fan_direct``); 7: ``batch``; 8: ``host_stats``, slots
 # (``slot`` in ``spawn_ranks``, ranks named by their slot on the wire) and ``mesh_ref``;
@@ -479,4 +490,5 @@ PROTOCOL_VERSION = 11  # 2: the ``display`` kind; 3: large values travel as stre
 # three frames (``wire.codec``); 10: the package's modules moved into capability
 # subpackages (``controller/state``, ``rank/pg`` ...), so pickled class paths changed,
 # and ``spawn_ranks``' common part names the ``listener_key`` (was ``peer_key``); 11:
-# ``host_stats`` may carry the ranks' GPU stats (header ``g``)
+# ``host_stats`` may carry the ranks' GPU stats (header ``g``); 12: step telemetry
+# (``steps``, ``host_steps``) and ``profile``

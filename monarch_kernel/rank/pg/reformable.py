@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from monarch_kernel.calls.errors import ProcessGroupAborted
+from monarch_kernel.rank.pg import watch
 from monarch_kernel.rank.pg.adopt import Adopted, AdoptedStorages
 from monarch_kernel.rank.pg.cuda_regions import CudaEntry, CudaStorages
 from monarch_kernel.rank.pg.ops import CollectiveOps
@@ -320,6 +321,8 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
         else:
             with self._send_lock:  # ops reach the worker in the order they are issued
                 op, spec, regions, cuda = self._lay_out(name, args, ins, outs, value)
+                if watch.op_watch is not None:  # step telemetry (None: off)
+                    watch.tell(op, ins or outs, self._size)
                 self._send(op, method, spec, opts, regions, cuda)
         if self._coalescing is not None:
             self._coalescing.append(op)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -12,6 +14,8 @@ import torch.distributed as dist
 
 from monarch_kernel.rank.pg.protocol import TensorRef
 from monarch_kernel.rank.pg.shm import Slot
+
+log = logging.getLogger("monarch_kernel.rank")
 
 # torch's stubs do not let a Python class derive from Work the way torch does it (see
 # torch/csrc/distributed/c10d/PyProcessGroup.hpp, the trampoline).
@@ -41,12 +45,19 @@ class PendingOp:
     devices: list[Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    #: Told first when the op completes (step telemetry: ``rank.telemetry``); None: nobody.
+    watcher: Callable[[PendingOp], None] | None = None
 
     def __post_init__(self) -> None:
         self._base: Any = torch.futures.Future(devices=self.devices or None)
         self.future: Any = self._base.then(_value)
 
     def finish(self, error: BaseException | None) -> None:
+        if self.watcher is not None:
+            try:
+                self.watcher(self)
+            except Exception:  # telemetry must never keep an op from completing
+                log.exception("step telemetry: the op watcher failed")
         self.error = error
         try:
             if error is None:
