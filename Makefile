@@ -95,6 +95,7 @@ bench: setup
 	$(PIP) install -q -e '.[test,bench]'
 	$(PY) -m bench
 	$(PY) -m bench scale
+	$(PY) -m bench telemetry
 
 # The wheels the GPU machine lacks (bench/gpu_wheels.txt) into .whl/, for `bash
 # bench/gpu_check.sh` there (README "Benchmarks").

@@ -2,7 +2,8 @@
 
     python -m bench                    # everything; writes bench/results/latest.md
     python -m bench --quick            # fewer iterations and sizes (about 3 minutes)
-    python -m bench --only ours,zmq    # some peers: ours zmq monarch ray ipp
+    python -m bench --only ours,zmq    # some peers: ours zmq monarch ray ipp dask train
+    python -m bench --bench train      # the training workload alone (bench/train.py)
     python -m bench --bench rtt,calln  # some benchmarks (see BENCHES)
     python -m bench scale              # the scale harness alone (bench/scale.py)
     python -m bench dashboard_traffic  # a benchmark that runs on its own (see STANDALONE)
@@ -27,7 +28,8 @@ from bench.common import Settings
 from bench.report import PEERS, markdown, results_json
 from bench.runner import PeerRun, run_peer
 
-ORDER = ["zmq", "ours", "monarch", "ray", "ipp"]
+#: Peers, then "train": the workload benchmark, which runs its six systems itself.
+ORDER = ["zmq", "ours", "monarch", "ray", "ipp", "dask", "train"]
 BENCHES = [
     "rtt",
     "calln",
@@ -47,14 +49,15 @@ BENCHES = [
     "engines",
     "a2a",
     "dap",
+    "train",
 ]
 #: Benchmarks that run on their own, not against the peers: ``python -m bench NAME [ARGS]``
 #: runs ``bench.NAME.main(ARGS)``.
-STANDALONE = ["scale", "dashboard_traffic", "dashboard_overhead"]
+STANDALONE = ["scale", "dashboard_traffic", "dashboard_overhead", "telemetry"]
 #: Seconds each peer's worker may run (full run, quick run) unless ``--peer-timeout``
 #: says otherwise. Ours runs every benchmark (the peers only the first few: faults,
 #: training, cross-host and engine rows are ours alone), so it gets more time.
-TIMEOUTS = {"ours": (900.0, 420.0)}
+TIMEOUTS = {"ours": (900.0, 420.0), "train": (1500.0, 900.0)}
 DEFAULT_TIMEOUT = (240.0, 150.0)
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -88,6 +91,10 @@ def main(argv: list[str]) -> int:
     peers = names(args.only, ORDER, "peer") or ORDER
     peers = [p for p in ORDER if p in peers]
     settings = Settings.make(args.quick, names(args.bench, BENCHES, "benchmark"))
+    if not settings.wants("train"):
+        peers = [p for p in peers if p != "train"]
+    if settings.benches == ["train"]:
+        peers = [p for p in peers if p == "train"]
     partial = args.quick or args.only or args.bench
     out = args.out or os.path.join(RESULTS, "partial.md" if partial else "latest.md")
 

@@ -72,6 +72,11 @@ class RawFloor:
         """One raw round trip."""
         self._servers.ping([self._sock])
 
+    def ping_all(self) -> None:
+        """One raw message to every server process, then all their replies (the floor
+        of a gathered call)."""
+        self._servers.ping(self._servers.socks)
+
     def sender(self, mib: int, to_all: bool = False) -> Callable[[], object]:
         """A function that sends ``mib`` MiB zero-copy and waits for the ack; ``to_all``:
         to every server process, then waits for all their acks (the floor of a gathered

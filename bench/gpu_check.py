@@ -63,7 +63,12 @@ TOTAL_LIMIT = 300.0
 FACTS_LIMIT = 15.0
 TESTS_LIMIT = 170.0
 #: (module under bench/, limit in seconds)
-BENCHES: list[tuple[str, float]] = [("gpu_nvml", 15.0), ("gpu_nccl", 60.0), ("gpu_ipc", 40.0)]
+BENCHES: list[tuple[str, float]] = [
+    ("gpu_nvml", 15.0),
+    ("gpu_nccl", 60.0),
+    ("gpu_ipc", 40.0),
+    ("gpu_train", 90.0),  # the GPT workload on one GPU, ours vs torchrun (bench/gpu_train.py)
+]
 #: pytest-timeout's limit for one test; faulthandler dumps every thread's stack a little
 #: before it (also when the test is stuck in C, where the timeout's signal cannot act).
 PER_TEST_TIMEOUT = 160

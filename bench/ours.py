@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import psutil
 
+from bench import call_floor
 from bench.common import (
     FANOUT_MIB,
     FANOUT_RANKS,
@@ -142,6 +143,7 @@ def run(s: Settings, rec: Recorder) -> None:
         try:
             actors = procs.spawn("bench", Bench)
             measure_calls(s, rec, s.big_ns, lambda n: gathered(actors, n))
+            call_floor.gathered_vs_floor(s, rec, s.big_ns, lambda n: gathered(actors, n))
         finally:
             procs.stop()
     if s.wants("ready"):
@@ -307,6 +309,7 @@ def calls_and_broadcast(s: Settings, rec: Recorder, actors: ActorMesh) -> None:
     one = actors.slice(gpus=0)
     if s.wants("calln"):
         measure_calls(s, rec, s.small_ns, lambda n: gathered(actors, n))
+        call_floor.gathered_vs_floor(s, rec, s.small_ns, lambda n: gathered(actors, n))
     if s.wants("bcast"):
         with rec.guard("bcast"):
             sub = actors.slice(gpus=slice(0, s.bcast_ranks))

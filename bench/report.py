@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+from bench import train_report
 from bench.common import FANOUT_MIB, FANOUT_RANKS, FANOUT_ROW, Settings, back_sizes
 from bench.runner import PeerRun
 
@@ -23,8 +24,10 @@ PEERS = {  # key -> (column title, distribution whose version is shown, module f
     "monarch": ("Monarch", "torchmonarch", "monarch_peer.py"),
     "ray": ("Ray", "ray", "ray_peer.py"),
     "ipp": ("ipyparallel", "ipyparallel", "ipp_peer.py"),
+    "dask": ("Dask", "distributed", "dask_peer.py"),
+    "train": ("training workload", "torch", "train.py"),
 }
-COMPARED = ["zmq", "monarch", "ray", "ipp"]
+COMPARED = ["zmq", "monarch", "ray", "ipp", "dask"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,12 @@ def rows(s: Settings) -> list[Row]:
         Row("rtt_vs_floor_spin", "1. one-rank call ÷ that spinning raw beside it, median", "x"),
     ]
     out += [Row(f"call_{n}", f"2. call {n} rank(s), gathered", "us") for n in s.call_ns]
+    for n in s.call_ns:
+        out += [
+            Row(f"call_{n}_beside", f"2. call {n} rank(s), alternating with the raw beside", "us"),
+            Row(f"call_{n}_floor", f"2. raw ZeroMQ to {n} processes beside the mesh", "us"),
+            Row(f"call_{n}_vs_floor", f"2. call {n} rank(s) ÷ raw beside it", "x"),
+        ]
     out.append(
         Row(
             "bcast",
@@ -363,7 +372,7 @@ def table(runs: dict[str, PeerRun], s: Settings) -> tuple[str, list[str]]:
 
 def column(p: str) -> str:
     title, dist, _ = PEERS[p]
-    return f"{title} {version(dist)}" if p in ("monarch", "ray", "ipp") else title
+    return f"{title} {version(dist)}" if p in ("monarch", "ray", "ipp", "dask") else title
 
 
 def cell_for(run: PeerRun, row: Row, notes: Notes) -> tuple[str, float | None]:
@@ -447,7 +456,7 @@ def machine_info() -> list[str]:
         f"- torch {version('torch')}",
         f"- monarch_kernel {version('monarch_kernel')} (git {commit()})",
         f"- torchmonarch {version('torchmonarch')}, ray {version('ray')}, "
-        f"ipyparallel {version('ipyparallel')}",
+        f"ipyparallel {version('ipyparallel')}, dask.distributed {version('distributed')}",
     ]
 
 
@@ -487,10 +496,12 @@ def markdown(
     load: list[str],
     command: str = "python -m bench",
 ) -> str:
-    body, footnotes = table(runs, s)
+    train = runs.get("train")
+    runs = {p: r for p, r in runs.items() if p != "train"}
+    body, footnotes = table(runs, s) if runs else ("(no peer benchmarks in this run)", [])
     mode = "quick" if s.quick else "full"
     parts = [
-        "# Benchmarks: monarch_kernel vs raw ZeroMQ, Monarch, Ray, ipyparallel",
+        "# Benchmarks: monarch_kernel vs raw ZeroMQ, Monarch, Ray, ipyparallel, Dask",
         "",
         generated_by(command),
         "",
@@ -514,6 +525,7 @@ def markdown(
         *footnotes,
         "",
         *noise_line(runs),
+        *(train_report.section(train) if train is not None else []),
         "## How each figure is measured",
         "",
         *how_measured(s),
@@ -546,7 +558,8 @@ def how_measured(s: Settings) -> list[str]:
     big = ", ".join(str(n) for n in s.big_ns)
     lines = [
         "1. A no-op endpoint on one rank: `call_one().get()` (ours, Monarch), "
-        "`ray.get(actor.m.remote())`, `view.apply_sync(f)`; the floor is one DEALER/ROUTER "
+        "`ray.get(actor.m.remote())`, `view.apply_sync(f)`, a Dask actor's `a.m().result()`; "
+        "the floor is one DEALER/ROUTER "
         "round trip of a 1-byte message between two processes over tcp loopback. The floor "
         "column is that peer's own run (a process of its own, no mesh alive); the rows "
         '"beside the mesh" measure the same raw round trip inside ours\' worker, with the '
@@ -556,8 +569,12 @@ def how_measured(s: Settings) -> list[str]:
         "says how far a call is from the wire (bench/floor.py).",
         "2. The no-op on the first N ranks of a mesh of "
         f"{s.max_n}, all replies gathered: `.call().get()`, "
-        "`ray.get([a.m.remote() for a in actors])`, `dview.apply_sync(f)`; floor: one raw "
-        "message to each of N server processes and N replies.",
+        "`ray.get([a.m.remote() for a in actors])`, `dview.apply_sync(f)`, Dask's "
+        "`client.run(f, workers=[...])`; floor: one raw "
+        'message to each of N server processes and N replies. The rows "alternating with '
+        "the raw beside\" time ours' gathered call in blocks alternating with raw pings to "
+        "N server processes inside ours' worker, the mesh alive (as in 1; "
+        "bench/call_floor.py); where that ratio goes is in bench/results/call-floor.md.",
         f"3. K = {s.bcast_k} fire-and-forget broadcasts to {s.bcast_ranks} ranks (each "
         "increments a counter), then one gathered call that returns and checks the counts; "
         f"messages delivered (K × {s.bcast_ranks}) / total time.",

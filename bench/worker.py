@@ -18,6 +18,8 @@ MODULES = {
     "monarch": "bench.monarch_peer",
     "ray": "bench.ray_peer",
     "ipp": "bench.ipp_peer",
+    "dask": "bench.dask_peer",
+    "train": "bench.train",
 }
 
 
@@ -33,7 +35,7 @@ def main(argv: list[str]) -> int:
     if available:
         rec.note("_unavailable", f"not available: {available}")
         return 0
-    if peer != "zmq" and settings.wants("rtt"):
+    if peer not in ("zmq", "train") and settings.wants("rtt"):
         from bench.raw_zmq import floor_rtt
 
         rec.value("floor_rtt", floor_rtt())

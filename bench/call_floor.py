@@ -1,0 +1,29 @@
+"""Row 2 beside the floor: gathered calls to N ranks in blocks alternating with raw
+ZeroMQ pings to N server processes (one message out to each, N replies gathered), in
+ours' worker with the mesh alive (see :mod:`bench.floor` for why beside, not apart)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from bench.common import Recorder, Settings, median
+from bench.floor import RawFloor, alternating
+
+
+def gathered_vs_floor(
+    s: Settings, rec: Recorder, ns: list[int], call_on: Callable[[int], Callable[[], object]]
+) -> None:
+    """``call_{n}_beside``, ``call_{n}_floor`` and their ratio ``call_{n}_vs_floor``."""
+    for n in ns:
+        keys = (f"call_{n}_beside", f"call_{n}_floor", f"call_{n}_vs_floor")
+        with rec.guard(*keys):
+            floor = RawFloor(servers=n)
+            try:
+                got = alternating(
+                    call_on(n), floor.ping_all, s.call_iters, s.warmup // 4, 2 * s.loop_budget_s
+                )
+            finally:
+                floor.close()
+            rec.value(keys[0], median(got.ours), samples=len(got.ours))
+            rec.value(keys[1], median(got.floor), samples=len(got.floor))
+            rec.ratio(keys[2], keys[0], keys[1])
