@@ -30,7 +30,7 @@ from monarch_kernel.wire.headers.control import (
     ControlRequest,
     InputReply,
 )
-from monarch_kernel.wire.headers.fanin import FanIn, FanInDirect, HostStats
+from monarch_kernel.wire.headers.fanin import FanIn, FanInDirect, HostStats, HostSteps
 from monarch_kernel.wire.headers.from_rank import (
     Display,
     Input,
@@ -120,6 +120,7 @@ AnyHeader: TypeAlias = (
     | FanIn
     | FanInDirect
     | HostStats
+    | HostSteps
 )
 
 _CLASSES: tuple[Any, ...] = (
@@ -160,6 +161,7 @@ _CLASSES: tuple[Any, ...] = (
     FanIn,
     FanInDirect,
     HostStats,
+    HostSteps,
 )
 #: kind -> the decoder of its header
 DECODERS: dict[str, Callable[[WireHeader], Any]] = {cls.KIND: cls.decode for cls in _CLASSES}
@@ -222,6 +224,7 @@ __all__ = [
     "Hello",
     "HostReady",
     "HostStats",
+    "HostSteps",
     "Input",
     "InputReply",
     "KillRanks",

@@ -21,14 +21,15 @@ from monarch_kernel.wire.headers.ordered import Ordered, envelope
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ControlRequest(Ordered):
-    """``push``, ``pull``, ``ping``, ``stacks``, ``dap_breaks``, ``mesh_ref``: a request
-    (or, without ``i``, a notice) to a rank's control thread (``kind``; all it needs is
-    in the payload)."""
+    """``push``, ``pull``, ``ping``, ``stacks``, ``dap_breaks``, ``mesh_ref``, ``profile``:
+    a request (or, without ``i``, a notice) to a rank's control thread (``kind``; all it
+    needs is in the payload)."""
 
     KIND: ClassVar[str] = ""  #: one of KINDS: see ``kind``
     KEYS: ClassVar[frozenset[str]] = Ordered.KEYS
     KINDS: ClassVar[frozenset[str]] = frozenset(
         {K.PUSH, K.PULL, K.PING, K.STACKS, K.ATTACHED, K.TRAIN, K.DAP_BREAKS, K.MESH_REF}
+        | {K.PROFILE}
     )
 
     kind: str

@@ -95,3 +95,29 @@ class FanInDirect:
             return cls(rank=h["r"], request=h["i"])
         except KeyError as exc:
             raise missing_key(cls, exc) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostSteps:
+    """``host_steps``: host agent ``h`` sends on its ranks' step-telemetry batches of
+    the last 0.1 s together (payload: a pickled ``{rank slot: [its steps payloads]}``,
+    ``host.step_fanin``)."""
+
+    KIND: ClassVar[str] = K.HOST_STEPS
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"h"}
+
+    host: int
+
+    def encode(self) -> WireHeader:
+        return {"k": K.HOST_STEPS, "h": self.host}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> HostSteps:
+        check_keys(cls, h)
+        try:
+            host = h["h"]
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+        if not isinstance(host, int):
+            raise HeaderError(f"{cls.KIND!r} header: bad 'h'")
+        return cls(host=host)

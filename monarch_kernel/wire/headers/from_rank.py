@@ -177,12 +177,13 @@ class Metric:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankNotice:
     """A rank -> controller message with no keys but its rank ``r`` (``kind``):
-    ``fault``, ``stats``, ``stop_mesh``, ``ask`` (all they say is in the payload)."""
+    ``fault``, ``stats``, ``stop_mesh``, ``ask``, ``train_notice``, ``steps`` (all they
+    say is in the payload)."""
 
     KIND: ClassVar[str] = ""  #: one of KINDS: see ``kind``
     KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"r"}
     KINDS: ClassVar[frozenset[str]] = frozenset(
-        {K.FAULT, K.STATS, K.STOP_MESH, K.ASK, K.TRAIN_NOTICE}
+        {K.FAULT, K.STATS, K.STOP_MESH, K.ASK, K.TRAIN_NOTICE, K.STEPS}
     )
 
     kind: str
