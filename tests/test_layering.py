@@ -39,6 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "job": BASE | {"calls", "launchers", "controller", "rank", "actor", "config", "job"},
     "rdma": BASE | {"calls", "rank", "actor", "config", "rdma"},
     "training": BASE | {"calls", "rank", "training"},
+    "sharding": BASE | {"calls", "rank", "sharding"},
 }
 
 
@@ -307,6 +308,7 @@ PART_ORDER: dict[str, list[str]] = {
         "telemetry",  # per-step telemetry and ``%mesh profile`` (hooks the pg)
         "env",
         "world",
+        "sharding",  # device_mesh(), FSDP2/HSDP replicas and resets (training uses them)
         "training",
         "control",
         "device",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from monarch_kernel.calls.errors import format_ranks
 
@@ -30,6 +30,10 @@ class ObjectDigest:
     digest: str  #: hash of its state (parameters and buffers, or its state dict)
     nbytes: int  #: bytes of tensor state
     steps: int | None = None  #: ``opt.step()`` calls seen on this rank (optimizers)
+    #: The ranks that must hold the same state (this one among them) when it is sharded
+    #: (an FSDP2/HSDP model, its optimizer: the replicas of this rank's shards); empty:
+    #: every rank (a DDP replica).
+    replicas: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -61,34 +65,128 @@ class ReplicaPlan:
     uneven: tuple[str, ...] = ()
     checked: int = 0  #: objects compared
     kinds: str = "state"  #: what the copy covers: ``parameters and optimizer state``
+    #: Sharded objects (FSDP2/HSDP models and their optimizers), compared within each
+    #: group of replicas of the same shards.
+    shard_names: tuple[str, ...] = ()
+    #: ``(rank, source)`` for every rank of a group whose shards differ: the group copies
+    #: from its most advanced rank (every rank of the group takes part).
+    shard_sources: tuple[tuple[int, int], ...] = ()
+    shard_why: str = ""  #: ``rank 1's shards were 1 optimizer step behind rank 3's``
+    #: Groups of replicas whose shards are at different optimizer steps (a stop inside
+    #: the optimizer step of some and not others): the model mixes two steps.
+    shard_warning: str = ""
+
+    @property
+    def needed(self) -> bool:
+        """Whether anything is copied."""
+        return self.source is not None or bool(self.shard_sources)
 
 
 def plan_sync(digests: Sequence[ReplicaDigest]) -> ReplicaPlan:
     """Compare the ranks' digests; pick the most advanced rank (most optimizer steps;
-    then the state most ranks share; then the lowest rank) as the source."""
+    then the state most ranks share; then the lowest rank) as the source: for the
+    whole (DDP) objects among every rank, for the sharded ones within each group of
+    replicas of the same shards."""
     by_rank = {d.rank: {o.name: o for o in d.objects} for d in digests}
     ranks = sorted(by_rank)
     if not ranks:
         return ReplicaPlan(None, (), (), "")
-    names = sorted(set.intersection(*(set(objs) for objs in by_rank.values())))
-    everywhere = set(names)
+    every = sorted(set.intersection(*(set(objs) for objs in by_rank.values())))
+    everywhere = set(every)
     uneven = tuple(
         f"{n}: ranks {format_ranks([r for r in ranks if n in by_rank[r]])}"
         for n in sorted(set().union(*(set(objs) for objs in by_rank.values())) - everywhere)
     )
+    sharded = [n for n in every if any(by_rank[r][n].replicas for r in ranks)]
+    names = [n for n in every if n not in sharded]
+    shard_sources, shard_why = _plan_shards(by_rank, sharded)
+    shard_warning = _mixed_steps(by_rank, sharded, dict(shard_sources))
+    base = ReplicaPlan(
+        None,
+        (),
+        tuple(names),
+        "",
+        uneven,
+        len(every),
+        shard_names=tuple(sharded),
+        shard_sources=shard_sources,
+        shard_why=shard_why,
+        shard_warning=shard_warning,
+    )
     state = {r: tuple(by_rank[r][n].digest for n in names) for r in ranks}
     if len(set(state.values())) <= 1:
-        return ReplicaPlan(None, (), tuple(names), "", uneven, len(names))
-    steps = {r: sum(by_rank[r][n].steps or 0 for n in names) for r in ranks}
-    shared = Counter(state.values())
-    source = max(ranks, key=lambda r: (steps[r], shared[state[r]], -r))
+        return base
+    source = _most_advanced(by_rank, names, ranks, state)
     targets = tuple(r for r in ranks if state[r] != state[source])
-    why = _why(by_rank, names, source, targets, steps)
+    why = _why(by_rank, names, source, targets, _steps(by_rank, names, ranks))
     kinds = {by_rank[source][n].kind for n in names}
     words = " and ".join(
         w for k, w in (("model", "parameters"), ("optimizer", "optimizer state")) if k in kinds
     )
-    return ReplicaPlan(source, targets, tuple(names), why, uneven, len(names), words or "state")
+    return replace(base, source=source, targets=targets, why=why, kinds=words or "state")
+
+
+def _steps(
+    by_rank: dict[int, dict[str, ObjectDigest]], names: list[str], ranks: list[int]
+) -> dict[int, int]:
+    return {r: sum(by_rank[r][n].steps or 0 for n in names) for r in ranks}
+
+
+def _most_advanced(
+    by_rank: dict[int, dict[str, ObjectDigest]],
+    names: list[str],
+    ranks: list[int],
+    state: dict[int, tuple[str, ...]],
+) -> int:
+    steps = _steps(by_rank, names, ranks)
+    shared = Counter(state[r] for r in ranks)
+    return max(ranks, key=lambda r: (steps[r], shared[state[r]], -r))
+
+
+def _plan_shards(
+    by_rank: dict[int, dict[str, ObjectDigest]], names: list[str]
+) -> tuple[tuple[tuple[int, int], ...], str]:
+    """For each group of ranks that hold replicas of the same shards, whose shards
+    differ: every rank of the group -> the group's most advanced rank; and why."""
+    if not names:
+        return (), ""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r, objs in by_rank.items():
+        key = objs[names[0]].replicas or (r,)
+        groups.setdefault(key, []).append(r)
+    sources: list[tuple[int, int]] = []
+    whys = []
+    for members in groups.values():
+        members.sort()
+        state = {r: tuple(by_rank[r][n].digest for n in names) for r in members}
+        if len(set(state.values())) <= 1:
+            continue
+        source = _most_advanced(by_rank, names, members, state)
+        targets = tuple(r for r in members if state[r] != state[source])
+        sources += [(r, source) for r in members]
+        whys.append(_why(by_rank, names, source, targets, _steps(by_rank, names, members)))
+    return tuple(sources), "; ".join(whys)
+
+
+def _mixed_steps(
+    by_rank: dict[int, dict[str, ObjectDigest]], names: list[str], sources: dict[int, int]
+) -> str:
+    """Say so when the groups of replicas will hold shards of different optimizer steps
+    after the copy (each group takes its most advanced rank's)."""
+    if not names:
+        return ""
+    steps: dict[int, list[int]] = {}
+    for r in sorted(by_rank):
+        src = sources.get(r, r)
+        steps.setdefault(sum(by_rank[src][n].steps or 0 for n in names), []).append(r)
+    if len(steps) < 2:
+        return ""
+    parts = ", ".join(f"ranks {format_ranks(rs)}: {n}" for n, rs in sorted(steps.items()))
+    return (
+        f"WARNING: the model's shards are at different optimizer steps ({parts} steps): "
+        "the stop came inside the optimizer step of some ranks and not others, so the "
+        "model now mixes two steps; load a checkpoint to be exact"
+    )
 
 
 def _why(
@@ -116,17 +214,32 @@ def describe(plan: ReplicaPlan, nbytes: int = 0, seconds: float = 0.0, after: bo
     are identical now (``after``); empty when there was nothing to compare."""
     if not plan.checked:
         return ""
-    if plan.source is None:
-        # Only the DDP models, their optimizers and schedulers are compared: say so.
-        text = f"{IDENTICAL} ({', '.join(plan.names)} compared)"
+    what = IDENTICAL if not plan.shard_names else "replicas identical"
+    if not plan.needed:
+        # Only the DDP/FSDP models, their optimizers and schedulers are compared: say so.
+        compared = [*plan.names, *plan.shard_names]
+        text = f"{what} ({', '.join(compared)} compared"
+        text += "; shards compared within each replica group)" if plan.shard_names else ")"
     else:
-        who = format_ranks(list(plan.targets))
+        done = []
+        if plan.source is not None:
+            who = format_ranks(list(plan.targets))
+            done.append(
+                f"{plan.why}; {plan.kinds} of rank {plan.source} copied to "
+                f"{'rank' if len(plan.targets) == 1 else 'ranks'} {who}"
+            )
+        if plan.shard_sources:
+            sources = format_ranks(sorted({s for _, s in plan.shard_sources}))
+            done.append(
+                f"shards: {plan.shard_why}; copied from rank {sources} within the replicate dim"
+            )
         text = (
-            f"{plan.why}; {plan.kinds} of rank {plan.source} copied to "
-            f"{'rank' if len(plan.targets) == 1 else 'ranks'} {who} "
-            f"({_size(nbytes)}, {seconds * 1000:.0f} ms); "
-            + (IDENTICAL if after else "DDP replicas STILL DIFFER")
+            "; ".join(done)
+            + f" ({_size(nbytes)}, {seconds * 1000:.0f} ms); "
+            + (what if after else what.replace("identical", "STILL DIFFER"))
         )
+    if plan.shard_warning:
+        text += "; " + plan.shard_warning
     if plan.uneven:
         text += "; not on every rank, left alone: " + "; ".join(plan.uneven)
     return text

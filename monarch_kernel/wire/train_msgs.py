@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 class Order:
     """What the controller tells a parked (or restarted) rank.
 
-    ``op``: ``reform`` (join the process group's new rendezvous ``addr:port``),
+    ``op``: ``reform`` (join the process group's new rendezvous ``addr:port``; with
+    ``defer`` its subgroups wait for ``subgroups``: form them at ``addr:port``),
     ``offer`` (share this rank's state; reply: an :class:`Offered`), ``load`` (take
     the state ``offer``), ``resume`` (go on: the failed step is redone), ``raise``
     (fail the step's error, ``why`` says why there is no recovery), ``expect`` (a
@@ -31,6 +32,7 @@ class Order:
     labels: tuple[str, ...] = ()
     sizes: tuple[int, ...] = ()
     ranks: tuple[tuple[int, int], ...] = ()  #: (slot, new rank) of renumbered ranks
+    defer: bool = False  #: ``reform``: leave the subgroups for ``subgroups``
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class Notice:
     ``parked`` (waiting at the boundary of ``step``; ``has_state``: whether it holds a
     usable state; ``error``: the failure that stopped it), ``loaded`` (took a
     replica's state: ``nbytes`` in ``seconds`` from ``source``) or ``load_failed``.
+    ``replicas``: the ranks that hold the same state as this one (an HSDP model's
+    shards are the same across its replicate dim only); empty: every rank does.
     """
 
     event: str
@@ -63,3 +67,4 @@ class Notice:
     seconds: float = 0.0
     source: int = -1
     time: float = field(default_factory=time.time)
+    replicas: tuple[int, ...] = ()

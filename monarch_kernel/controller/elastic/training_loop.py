@@ -226,10 +226,11 @@ class ResizeRound(Recovery):
         behind = self._behind()
         if self.fresh or behind:
             offering = self._start_offer(epoch)
-            offered = self._timed("offer", self._offer, offering, epoch)
-            self._timed("load", self._load_behind, offered, epoch)
+            offers = self._timed("offer", self._offer, offering, epoch)
+            self._timed("load", self._load_behind, offers, epoch)
             if self.fresh:
-                transfer = self._timed("cell", self._send_cell, offered, epoch)
+                transfer = self._timed("cell", self._send_cell, offers, epoch)
+            offered = offers[min(offers)]
         self._timed("resume", self._resume, epoch)
         self.paused = time.monotonic() - t0
         stop()

@@ -38,12 +38,16 @@ def make_replicas_consistent(
         problems.append(f"comparing the replicas failed: {failed}")
         return ""
     plan = plan_sync([d for d in digests.values() if isinstance(d, ReplicaDigest)])
-    if plan.source is None:
+    if not plan.needed:
         return describe(plan)
-    code = _CALL + f"sync_namespace(globals(), {list(plan.names)!r}, {plan.source})"
+    code = _CALL + (
+        f"sync_namespace(globals(), {list(plan.names)!r}, {plan.source}, "
+        f"{list(plan.shard_names)!r}, {dict(plan.shard_sources)!r})"
+    )
     reports, failed = run_values(ranks, code, "restart: copy replicas", deadline)
     if failed:
-        problems.append(f"{plan.why}; copying rank {plan.source}'s state failed: {failed}")
+        why = "; ".join(w for w in (plan.why, plan.shard_why) if w)
+        problems.append(f"{why}; copying the most advanced replica's state failed: {failed}")
         return ""
     return _synced(plan, [r for r in reports.values() if isinstance(r, SyncReport)])
 
@@ -52,4 +56,4 @@ def _synced(plan: ReplicaPlan, reports: list[SyncReport]) -> str:
     after = plan_sync([r.after for r in reports])
     nbytes = max((r.nbytes for r in reports), default=0)
     seconds = max((r.seconds for r in reports), default=0.0)
-    return describe(plan, nbytes, seconds, after=after.source is None)
+    return describe(plan, nbytes, seconds, after=not after.needed)

@@ -48,8 +48,13 @@ MAX_ROUNDS = 4
 
 _REFORM = (
     "from monarch_kernel.rank.training.reform import reform as _mk_reform\n"
-    "_mk_reform({addr!r}, {port}, {backend!r})\n"
+    "_mk_reform({addr!r}, {port}, {backend!r}, {defer!r})\n"
     "del _mk_reform\n"
+)
+_SUBGROUPS = (
+    "from monarch_kernel.rank.training.reform import reform_subgroups as _mk_subgroups\n"
+    "_mk_subgroups({addr!r}, {port})\n"
+    "del _mk_subgroups\n"
 )
 
 
@@ -135,6 +140,8 @@ class Recovery:
         self._failure = ""
         #: seconds spent in each phase (all rounds together)
         self.phases: dict[str, float] = {}
+        #: rank that needs state -> the parked replica it takes it from (this round)
+        self._from: dict[int, int] = {}
 
     # -- told by the receiving thread (quick) -----------------------------------------
     def involves(self, rank: int) -> bool:
@@ -204,11 +211,13 @@ class Recovery:
             raise _GiveUp("the cell ended meanwhile")
         self._timed("park", self._wait_parked, ranks, epoch)
         self._timed("restart", self._restart, epoch)
-        self._timed("reform", self._reform, epoch)
-        # The replica shares its state (moving it into shared memory takes a while for a
-        # big model) while the new rank runs its set-up cells: they overlap.
+        deferred = self._timed("reform", self._reform, epoch)
+        # The replicas share their state (moving it into shared memory takes a while
+        # for a big model) while the new rank runs its set-up cells: they overlap.
         offering = self._start_offer(epoch)
         self._timed("setup", self._setup, epoch)
+        if deferred:
+            self._timed("subgroups", self._subgroups, epoch)
         offered = self._timed("offer", self._offer, offering, epoch)
         self._timed("load", self._load_behind, offered, epoch)
         transfer = self._timed("cell", self._send_cell, offered, epoch)
@@ -327,11 +336,13 @@ class Recovery:
             raise _GiveUp(f"{what} failed on rank {bad[0].rank}: {rep.get('message', '?')}")
         return replies
 
-    def _reform(self, epoch: int) -> None:
+    def _reform(self, epoch: int) -> int:
         """Every rank of the mesh joins the process group's new rendezvous: parked ranks
-        by an order, the others (new ranks, ranks not in the request) as a cell."""
+        by an order, the others (new ranks, ranks not in the request) as a cell. The
+        parked ranks' subgroups (``new_group``, ``device_mesh()``) wait until the new
+        ranks made theirs in their set-up cells (:meth:`_subgroups`); how many wait."""
         if not self._mesh.has_process_group():
-            return
+            return 0
         addr, port = self._mesh.rendezvous()
         with self._cond:  # new ranks that run the cell already are parked: an order
             parked = sorted(self.parked)
@@ -339,10 +350,11 @@ class Recovery:
         ranks = self._mesh.request_ranks(self.rid) or []
         idle = [i.rank for i in self._mesh.ranks if i.alive and i.rank not in ranks]
         fresh = sorted(set(fresh) | set(idle))
-        fut = self._order(parked, Order("reform", self.rid, addr, port), epoch)
+        defer = bool(self.fresh)  # no restarted rank: every subgroup re-forms at once
+        fut = self._order(parked, Order("reform", self.rid, addr, port, defer=defer), epoch)
         failed = self._cell(
             fresh,
-            _REFORM.format(addr=addr, port=port, backend=self._mesh.pg_backend()),
+            _REFORM.format(addr=addr, port=port, backend=self._mesh.pg_backend(), defer=defer),
             "recovery: process group",
             time.monotonic() + STEP_WAIT,
             epoch,
@@ -352,10 +364,39 @@ class Recovery:
             raise _GiveUp(f"re-forming the process group failed: {failed}")
         if not self._wait(fut.done, epoch, time.monotonic() + STEP_WAIT):
             raise _GiveUp("the parked ranks did not re-form the process group")
-        bad = [r for r in fut.get() if not r.ok]
+        replies = fut.get()
+        bad = [r for r in replies if not r.ok]
         if bad:
             self._check(epoch)
             raise _GiveUp(f"re-forming the process group failed on rank {bad[0].rank}")
+        return sum(int(v) for v in (r.value("reform") for r in replies) if isinstance(v, int))
+
+    def _subgroups(self, epoch: int) -> None:
+        """Every rank forms its subgroups at a new rendezvous, the restarted ones with
+        what their set-up cells made (matched by members; see ``pg.backend``)."""
+        addr, port = self._mesh.rendezvous()
+        with self._cond:
+            parked = sorted(self.parked)
+        # the restarted ranks and any rank not in the request: a cell
+        others = sorted(i.rank for i in self._mesh.ranks if i.alive and i.rank not in parked)
+        fut = self._order(parked, Order("subgroups", self.rid, addr, port), epoch)
+        failed = self._cell(
+            others,
+            _SUBGROUPS.format(addr=addr, port=port),
+            "recovery: process subgroups",
+            time.monotonic() + STEP_WAIT,
+            epoch,
+        )
+        self._check(epoch)
+        if failed:
+            raise _GiveUp(f"re-forming the subgroups failed: {failed}")
+        if not self._wait(fut.done, epoch, time.monotonic() + STEP_WAIT):
+            raise _GiveUp("the parked ranks did not re-form their subgroups")
+        bad = [r for r in fut.get() if not r.ok]
+        if bad:
+            self._check(epoch)
+            why = (bad[0].report or {}).get("message", "?")
+            raise _GiveUp(f"re-forming the subgroups failed on rank {bad[0].rank}: {why}")
 
     def _setup(self, epoch: int) -> None:
         with self._cond:
@@ -397,46 +438,87 @@ class Recovery:
                 if r in self.fresh:
                     self.fresh[r] = "ready"
 
-    def _start_offer(self, epoch: int) -> Future[list[Reply]]:
-        """Ask the parked replica at the latest step (the lowest rank among them) to
-        share its state; its answer comes later (:meth:`_offer`)."""
+    def _start_offer(self, epoch: int) -> dict[int, Future[list[Reply]]]:
+        """Choose where each rank that needs state takes it from (:meth:`_sources`) and
+        ask those replicas to share theirs; their answers come later (:meth:`_offer`)."""
+        sources = self._sources()
         with self._cond:
-            held = [(-n.step, r) for r, n in self.parked.items() if n.has_state]
-            why = [n.error for n in self.parked.values() if n.error.startswith("sharded:")]
+            self._from = sources
+        return {
+            src: self._order([src], Order("offer", self.rid), epoch)
+            for src in sorted(set(sources.values()))
+        }
+
+    def _sources(self) -> dict[int, int]:
+        """Restarted ranks and parked ranks behind the latest step -> the parked rank
+        at that step whose state they take: the lowest that holds the same state (any,
+        for a whole model; one across the replicate dim for an HSDP model's shards)."""
+        with self._cond:
+            parked = dict(self.parked)
+            fresh = sorted(r for r, st in self.fresh.items() if st != "sent")
+        why = [n.error for n in parked.values() if n.error.startswith("sharded:")]
         if why:
             raise _GiveUp(why[0].removeprefix("sharded: "))
+        held = {r: n for r, n in parked.items() if n.has_state}
         if not held:
             raise _GiveUp("no live replica holds the training state")
-        return self._order([min(held)[1]], Order("offer", self.rid), epoch)
-
-    def _offer(self, offering: Future[list[Reply]], epoch: int) -> Offered:
-        reply = self._replies(offering, epoch, "sharing the state")[0]
-        offered = reply.value("offer")
-        assert isinstance(offered, Offered)
-        return offered
-
-    def _load_behind(self, offered: Offered, epoch: int) -> None:
-        with self._cond:
-            behind = sorted(
-                r
-                for r, n in self.parked.items()
-                if r != offered.source and (not n.has_state or n.step != offered.step)
+        step = max(n.step for n in held.values())
+        behind = [r for r, n in parked.items() if not n.has_state or n.step != step]
+        sources: dict[int, int] = {}
+        for r in fresh + sorted(behind):
+            same = [s for s, n in held.items() if not n.replicas or r in n.replicas]
+            latest = [s for s in same if held[s].step == step]
+            if latest:
+                sources[r] = min(latest)
+                continue
+            if same:
+                raise _GiveUp(
+                    f"the replicas of rank {r}'s shards (rank(s) {format_ranks(same)}) are at "
+                    f"step {held[same[0]].step}, others at step {step}"
+                )
+            raise _GiveUp(
+                f"no live rank holds a replica of rank {r}'s shards (HSDP: its replicas "
+                "across the replicate dim died too)"
             )
-        if behind:
+        if not sources:  # nobody needs state (a death claimed late): the latest replica
+            sources[-1] = min(r for r, n in held.items() if n.step == step)
+        return sources
+
+    def _offer(self, offering: dict[int, Future[list[Reply]]], epoch: int) -> dict[int, Offered]:
+        offers = {}
+        for src, fut in offering.items():
+            reply = self._replies(fut, epoch, "sharing the state")[0]
+            offered = reply.value("offer")
+            assert isinstance(offered, Offered)
+            offers[src] = offered
+        return offers
+
+    def _load_behind(self, offers: dict[int, Offered], epoch: int) -> None:
+        with self._cond:
+            behind = {r: src for r, src in self._from.items() if r in self.parked}
+        for src, offered in offers.items():
+            ranks = sorted(r for r, s in behind.items() if s == src)
+            if not ranks:
+                continue
             order = Order("load", self.rid, offer=offered.blob)
-            self._ask(behind, order, epoch, "loading the replica's state")
+            self._ask(ranks, order, epoch, "loading the replica's state")
             with self._cond:
-                for r in behind:
+                for r in ranks:
                     self.parked[r] = Notice("parked", self.rid, offered.step)
 
-    def _send_cell(self, offered: Offered, epoch: int) -> Notice | None:
+    def _send_cell(self, offers: dict[int, Offered], epoch: int) -> Notice | None:
         """Send the new ranks the cell again (with the offer to load first); wait until
         they loaded it. The last ``loaded`` notice (for the report)."""
         with self._cond:
             ready = sorted(r for r, s in self.fresh.items() if s == "ready")
+            sources = dict(self._from)
         if not ready:
             return None
-        self._ask(ready, Order("expect", self.rid, offer=offered.blob), epoch, "the offer")
+        for r in ready:
+            if r not in sources:  # restarted after the sources were chosen: next round
+                raise _Broken()
+            offer = offers[sources[r]].blob
+            self._ask([r], Order("expect", self.rid, offer=offer), epoch, "the offer")
         for r in ready:
             with self._cond:
                 self.fresh[r] = "sent"
@@ -469,19 +551,23 @@ class Recovery:
             self.resuming.clear()
 
     # -- the outcome ----------------------------------------------------------------------
-    def _report(self, offered: Offered, transfer: Notice | None) -> None:
+    def _report(self, offers: dict[int, Offered], transfer: Notice | None) -> None:
         seconds = time.monotonic() - self._t0
+        step = max(o.step for o in offers.values())
         deaths = []
         for r in dict.fromkeys(self.deaths):
             how = f" ({self.causes[r]})" if r in self.causes else ""
             deaths.append(f"rank {r} died{how}")
-        text = f"{'; '.join(deaths)} at step {offered.step:,}; restarted"
+        text = f"{'; '.join(deaths)} at step {step:,}; restarted"
         if transfer is not None:
+            loaded = [self.loaded[r] for r in self.restarted if r in self.loaded] or [transfer]
+            nbytes = sum(n.nbytes for n in loaded)
+            sources = format_ranks(sorted({n.source for n in loaded}))
             text += (
-                f"; state of {size_text(transfer.nbytes)} copied from rank {offered.source} in "
-                f"{transfer.seconds:.2f} s"
+                f"; state of {size_text(nbytes)} copied from rank {sources} in "
+                f"{max(n.seconds for n in loaded):.2f} s"
             )
-        text += f"; resumed at step {offered.step:,} (recovery took {seconds:.2f} s)"
+        text += f"; resumed at step {step:,} (recovery took {seconds:.2f} s)"
         log.info("mesh %s: %s; phases %s", self._mesh.name, text, self.phases)
         self._mesh.recovered(self.rid, text, tuple(dict.fromkeys(self.restarted)), seconds)
 

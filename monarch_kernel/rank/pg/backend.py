@@ -11,6 +11,13 @@ that rank 0 serves at ``master_addr:master_port``), all at once: each group's ne
 is asked to join first, then all are waited for, so groups never wait for each other.
 A spare worker is kept forked, so a re-form costs the rendezvous, not a process start.
 
+Around a restarted rank (a training recovery) the ``new_group`` groups (a
+``device_mesh()``'s subgroups) are formed in a second step: :func:`reform` with
+``defer`` forms the default group only and leaves the others unformed; the restarted
+rank's set-up cells make its subgroups again, unformed too (:func:`defer_forming`);
+then :func:`reform_subgroups` forms every subgroup of every rank at once, matched by
+their members (not by torch's group names, which count groups made in the process).
+
 ``mknccl`` is the same for NCCL: its worker holds an NCCL group for CUDA tensors (which
 cross by CUDA IPC, in place) and a gloo group for CPU ones; ``init_process_group("nccl")``
 (or no backend, or ``cpu:gloo,cuda:nccl``, on a machine with CUDA) picks it.
@@ -60,6 +67,15 @@ _groups: list[weakref.ref[ReformableGroup]] = []
 _formed: dict[str, itertools.count[int]] = {}
 #: The TCPStore of the last re-form (rank 0 serves it), kept alive while in use.
 _store: Any = None
+#: The TCPStore of the last :func:`reform_subgroups` (rank 0 serves it).
+_sub_store: Any = None
+#: While set (a restarted rank's set-up cells run again), ``new_group`` makes its group
+#: unformed: the peers are parked, :func:`reform_subgroups` forms it with theirs after.
+_deferring = False
+#: Why an unformed group cannot run collectives yet.
+DEFERRED = "made while the mesh recovers a rank; it is formed when the set-up cells end"
+#: Seconds :func:`reform_subgroups` waits for the members of each subgroup.
+SUBGROUP_WAIT = 60.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +97,7 @@ class ReformResult:
     groups: int  #: groups formed again (the default one and new_group ones)
     stale: int  #: new_group groups that could not be (the world changed)
     seconds: float
+    deferred: int = 0  #: new_group groups left for :func:`reform_subgroups`
 
 
 def enabled() -> bool:
@@ -158,6 +175,11 @@ def _create(opts: Any, _backend_options: Any, kind: str = "gloo") -> Any:
     world = dist.get_world_size() if dist.is_initialized() else opts.group_size
     if ranks and len(ranks) != world:
         group.global_ranks = tuple(ranks)
+    if _deferring and dist.is_initialized():
+        # A restarted rank's set-up: its peers are parked and join no rendezvous now.
+        group.mark_stale(DEFERRED)
+        _groups.append(weakref.ref(group))
+        return group
     host, port = address
     # torch's store is reused after destroy_process_group + init: never repeat a prefix
     counter = _formed.setdefault(group.group_id, itertools.count())
@@ -179,6 +201,56 @@ def _tcp_address(store: Any) -> tuple[str, int] | None:
     if isinstance(store, dist.TCPStore):
         return str(store.host), int(store.port)
     return None
+
+
+def defer_forming(on: bool) -> None:
+    """While ``on``, ``new_group`` makes its re-formable group unformed (see the module);
+    :func:`reform_subgroups` forms it."""
+    global _deferring
+    _deferring = on
+
+
+def _subgroup_prefixes(subgroups: list[ReformableGroup]) -> list[str]:
+    """The rendezvous prefix of each subgroup for :func:`reform_subgroups`: its members
+    (global ranks) and its place among this rank's groups of the same members, the same
+    on every member however many groups each process made before."""
+    seen: dict[tuple[int, ...] | None, int] = {}
+    out = []
+    for group in subgroups:
+        n = seen.get(group.global_ranks, 0)
+        seen[group.global_ranks] = n + 1
+        members = "all" if group.global_ranks is None else "-".join(map(str, group.global_ranks))
+        out.append(f"mk/sub/{members}/{n}/")
+    return out
+
+
+def _check_members_have(
+    store: Any, rank: int, subgroups: list[ReformableGroup], prefixes: list[str], timeout: float
+) -> None:
+    """Every rank says which subgroups it has; raise at once (naming the subgroup and
+    the rank) when a member of one of this rank's subgroups does not have it, instead
+    of waiting for a rendezvous it will never join."""
+    import json
+
+    store.set(f"mk/sub-keys/{rank}", json.dumps(prefixes))
+    world = None
+    for group, prefix in zip(subgroups, prefixes):
+        members = group.global_ranks
+        if members is None:
+            world = world or range(int(os.environ.get("WORLD_SIZE", "1")))
+            members = tuple(world)
+        for member in members:
+            if member == rank:
+                continue
+            key = f"mk/sub-keys/{member}"
+            store.wait([key], timedelta(seconds=timeout))
+            if prefix not in json.loads(store.get(key)):
+                raise RuntimeError(
+                    f"rank {member} has no subgroup of ranks {list(members)} like this rank's "
+                    "(made by new_group or a device_mesh() view outside the --setup cells, "
+                    "which a restarted rank runs again): make every device mesh and "
+                    "new_group in a --setup cell"
+                )
 
 
 def take_worker() -> WorkerHandle:
@@ -261,6 +333,7 @@ def reform(
     rank: int,
     world_size: int,
     subgroups: bool = True,
+    defer: bool = False,
 ) -> ReformResult:
     """Form every re-formable group of this rank again at the rendezvous
     ``master_addr:master_port`` (rank 0 serves it), as ``rank`` of ``world_size``.
@@ -292,7 +365,7 @@ def reform(
     # A fresh store each time: the prefix is the one a restarted rank's first
     # init_process_group uses on it (see _create).
     plans = [_Plan(default, master_addr, port, f"mk/{default.group_id}/0/", rank, world_size)]
-    stale = 0
+    stale = deferred = 0
     for group in groups():
         if group is default:
             continue
@@ -301,6 +374,9 @@ def reform(
                 "made by new_group before the mesh re-formed with other ranks; call new_group again"
             )
             stale += 1
+        elif defer:
+            group.mark_stale(DEFERRED)
+            deferred += 1
         else:
             prefix = f"mk/{group.group_id}/0/"
             plans.append(_Plan(group, master_addr, port, prefix, group.rank(), group.size()))
@@ -310,7 +386,56 @@ def reform(
     _store = store
     _update_world(default, store, world_size)
     keep_spare()
-    return ReformResult(len(plans), stale, time.monotonic() - t0)
+    return ReformResult(len(plans), stale, time.monotonic() - t0, deferred)
+
+
+def reform_subgroups(
+    master_addr: str, master_port: int, rank: int, world_size: int, timeout: float = SUBGROUP_WAIT
+) -> ReformResult:
+    """Form every ``new_group`` group of this rank at the rendezvous
+    ``master_addr:master_port`` (rank 0 serves it; every rank of the mesh calls this),
+    each with the members that have the same one (see :func:`_subgroup_prefixes`).
+    A subgroup some member did not make again (its set-up cells do not make it) fails
+    after ``timeout`` seconds, naming its ranks."""
+    import torch.distributed as dist
+
+    global _sub_store
+    t0 = time.monotonic()
+    default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    subgroups = [g for g in groups() if g is not default]
+    if rank != 0:
+        _wait_listening(master_addr, int(master_port), timeout)
+    store = dist.TCPStore(
+        master_addr,
+        int(master_port),
+        world_size if rank == 0 else None,
+        rank == 0,
+        timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    prefixes = _subgroup_prefixes(subgroups)
+    _check_members_have(store, rank, subgroups, prefixes, timeout)
+    plans = [
+        _Plan(g, master_addr, int(master_port), prefix, g.rank(), g.size())
+        for g, prefix in zip(subgroups, prefixes)
+    ]
+    try:
+        handles = _form(plans, timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        members = ", ".join(
+            "all ranks" if g.global_ranks is None else f"ranks {list(g.global_ranks)}"
+            for g in subgroups
+        )
+        raise RuntimeError(
+            f"the process group's subgroups ({members}) could not be formed again with "
+            f"the restarted rank: {exc}. A restarted rank makes them again only when its "
+            "--setup cells make them: build the device mesh (device_mesh(), new_group) in "
+            "a --setup cell"
+        ) from None
+    for plan, handle in zip(plans, handles):
+        plan.group.attach(handle, plan.rank, plan.size)
+    _sub_store = store
+    return ReformResult(len(plans), 0, time.monotonic() - t0)
 
 
 def _wait_listening(host: str, port: int, timeout: float) -> None:

@@ -132,14 +132,19 @@ def release_collectives(reason: str) -> int:
 
 
 def reform_process_group(
-    master_addr: str, master_port: int, backend: str | None = None, subgroups: bool = True
+    master_addr: str,
+    master_port: int,
+    backend: str | None = None,
+    subgroups: bool = True,
+    defer: bool = False,
 ) -> str:
     """Form this rank's default process group again, at a fresh rendezvous address.
 
     Run on every rank of the mesh (the controller sends it as cell code). A re-formable
     default group is formed again in place (the same object; with ``subgroups`` its
     ``new_group`` groups too, else they are marked stale: a restarted rank has none to
-    join) and the DDP objects on it are repaired. Otherwise the current default group is
+    join; with ``defer`` they are left for :func:`reform_subgroups`) and the DDP objects
+    on it are repaired. Otherwise the current default group is
     destroyed if any and a new one initialised with ``backend`` (default: the backend of
     the last group, else torch's default for the devices; gloo on CPU gives a
     re-formable group that joins the same rendezvous), this rank's ``RANK`` and
@@ -166,7 +171,7 @@ def reform_process_group(
 
         with _lock:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            pg_backend.reform(default, master_addr, int(master_port), rank, world, subgroups)
+            pg_backend.reform(default, master_addr, int(master_port), rank, world, subgroups, defer)
             replicas.repair_ddp(pg_backend.groups())
         last_backend = default.kind  # "gloo" or "nccl", as _backend_name says
         return last_backend
@@ -196,6 +201,30 @@ def reform_process_group(
         )
         last_backend = _backend_name(dist)
     return last_backend or "default"
+
+
+def deferred_subgroups() -> int:
+    """How many of this rank's re-formable subgroups wait for :func:`reform_subgroups`."""
+    backend = sys.modules.get("monarch_kernel.rank.pg.backend")
+    if backend is None:
+        return 0
+    return sum(1 for g in backend.groups() if g.aborted == backend.DEFERRED)
+
+
+def reform_subgroups(master_addr: str, master_port: int) -> int:
+    """Form this rank's subgroups (``new_group``, ``device_mesh()``) again at the
+    rendezvous ``master_addr:master_port``, after a re-form that deferred them: every
+    rank of the mesh runs it. Returns how many were formed."""
+    if _default_reformable() is None:
+        return 0
+    from monarch_kernel.rank.pg import backend as pg_backend
+    from monarch_kernel.rank.replicas import replicas
+
+    with _lock:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        result = pg_backend.reform_subgroups(master_addr, int(master_port), rank, world)
+        replicas.repair_ddp(pg_backend.groups())
+    return result.groups
 
 
 def _backend_name(dist: Any) -> str:

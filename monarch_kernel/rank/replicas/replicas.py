@@ -27,7 +27,9 @@ from typing import Any
 
 from monarch_kernel.calls.replica_plan import ObjectDigest, ReplicaDigest, SyncReport
 from monarch_kernel.rank.replicas import opt_steps
+from monarch_kernel.rank.replicas.fsdp_reset import reset_fsdp
 from monarch_kernel.rank.replicas.opt_steps import optimizer_steps
+from monarch_kernel.rank.replicas.shards import broadcast_shards, local_tensor, replica_ranks
 from monarch_kernel.rank.replicas.state_copy import broadcast_state
 
 install_step_counter = opt_steps.install
@@ -36,8 +38,11 @@ install_step_counter = opt_steps.install
 # -- finding the training state ---------------------------------------------------------
 def find_training_state(namespace: Mapping[str, Any]) -> dict[str, Any]:
     """The data-parallel training objects in ``namespace`` (and one attribute level into
-    plain objects, e.g. ``trainer.model``): DDP models, the optimizers over their
-    parameters, and those optimizers' LR schedulers; name -> object, models first."""
+    plain objects, e.g. ``trainer.model``): DDP models, FSDP2 (sharded) models, the
+    optimizers over their parameters, and those optimizers' LR schedulers; name ->
+    object, models first."""
+    import sys
+
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -56,6 +61,16 @@ def find_training_state(namespace: Mapping[str, Any]) -> dict[str, Any]:
                 seen.add(id(value))
 
     take(DDP)
+    fsdp = sys.modules.get("torch.distributed.fsdp._fully_shard._fully_shard")
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    if isinstance(fsdp_module, type):  # the outermost FSDP2 modules (not their layers)
+        inner = {
+            id(sub)
+            for v in values.values()
+            if isinstance(v, torch.nn.Module)
+            for sub in list(v.modules())[1:]
+        }
+        take(fsdp_module, lambda m: id(m) not in inner)
     params = {id(p) for m in found.values() for p in m.parameters()}
     take(torch.optim.Optimizer, lambda o: _params_of(o) and _params_of(o) <= params)
     optimizers = {id(o) for o in found.values() if isinstance(o, torch.optim.Optimizer)}
@@ -103,7 +118,7 @@ def _tensor_bytes(t: Any) -> Any:
     """A uint8 numpy view of ``t``'s data (a CPU copy first if needed)."""
     import torch
 
-    t = t.detach()
+    t = local_tensor(t).detach()  # a shard: this rank's part
     if t.device.type != "cpu":
         t = t.cpu()
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -150,11 +165,37 @@ def digest_namespace(namespace: Mapping[str, Any], rank: int | None = None) -> R
     if rank is None:
         rank = _rank()
     objects = []
-    for name, obj in find_training_state(namespace).items():
+    state = find_training_state(namespace)
+    sharded = _sharded_models(state)
+    for model in sharded.values():
+        reset_fsdp(model)  # a step cut short (the stop button) left FSDP2 mid-iteration
+    for name, obj in state.items():
         hexdigest, nbytes = digest(obj)
         steps = optimizer_steps(obj) if isinstance(obj, torch.optim.Optimizer) else None
-        objects.append(ObjectDigest(name, _kind(obj), hexdigest, nbytes, steps))
+        model = sharded.get(name) or _model_of(obj, sharded)
+        replicas = (replica_ranks(model) or ()) if model is not None else ()
+        objects.append(ObjectDigest(name, _kind(obj), hexdigest, nbytes, steps, replicas))
     return ReplicaDigest(rank, tuple(objects))
+
+
+def _sharded_models(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The training objects that are models with sharded (DTensor) parameters."""
+    return {
+        name: obj
+        for name, obj in state.items()
+        if hasattr(obj, "named_parameters") and replica_ranks(obj) is not None
+    }
+
+
+def _model_of(obj: Any, models: Mapping[str, Any]) -> Any:
+    """The sharded model among ``models`` whose parameters ``obj`` (an optimizer, or a
+    scheduler's optimizer) trains, if any."""
+    optimizer = getattr(obj, "optimizer", obj)
+    params = _params_of(optimizer) if hasattr(optimizer, "param_groups") else set()
+    for model in models.values():
+        if params and params <= {id(p) for p in model.parameters()}:
+            return model
+    return None
 
 
 def _rank() -> int:
@@ -168,17 +209,37 @@ def _rank() -> int:
 
 
 # -- making replicas the same again -----------------------------------------------------
-def sync_namespace(namespace: Mapping[str, Any], names: Sequence[str], src: int) -> SyncReport:
+def sync_namespace(
+    namespace: Mapping[str, Any],
+    names: Sequence[str],
+    src: int | None,
+    shard_names: Sequence[str] = (),
+    shard_sources: Mapping[int, int] | None = None,
+) -> SyncReport:
     """Copy the training objects ``names`` (see :func:`find_training_state`) from rank
-    ``src`` to this rank over the default process group; every rank calls it with the
-    same ``names``. Returns what was sent and this rank's digest afterwards."""
+    ``src`` (None: none) to this rank over the default process group, and the sharded
+    ones ``shard_names`` from ``shard_sources[this rank]`` within this rank's replicate
+    group (a rank not in ``shard_sources``: its group's shards agree). Every rank calls
+    it with the same arguments. Returns what was sent and this rank's digest after."""
     t0 = time.monotonic()
     state = find_training_state(namespace)
-    missing = [n for n in names if n not in state]
+    missing = [n for n in [*names, *shard_names] if n not in state]
     if missing:
         raise ValueError(f"not a training object on this rank: {', '.join(missing)}")
-    nbytes = broadcast_state([state[n] for n in names], src)
-    _share_bucket_layouts([state[n] for n in names], src)
+    nbytes = 0
+    if src is not None and names:
+        nbytes = broadcast_state([state[n] for n in names], src)
+        _share_bucket_layouts([state[n] for n in names], src)
+    source = (shard_sources or {}).get(_rank())
+    if source is not None and shard_names:
+        objects = [state[n] for n in shard_names]
+        models = _sharded_models({n: state[n] for n in shard_names})
+        if len(models) != 1:
+            raise ValueError(
+                f"copying shards needs one sharded model among {', '.join(shard_names)}, "
+                f"found {len(models)}"
+            )
+        nbytes += broadcast_shards(objects, next(iter(models.values())), source)
     seconds = time.monotonic() - t0
     return SyncReport(nbytes, seconds, digest_namespace(namespace))
 

@@ -7,7 +7,9 @@ controller's orders. They come as ``train`` control messages (payload: a pickled
 :class:`Order`), which the control thread queues for the parked main thread:
 
 * ``reform``: form the process group again at a new rendezvous (every rank of the
-  world joins, the restarted one included);
+  world joins, the restarted one included); with ``defer``, its ``new_group``
+  subgroups wait for ``subgroups`` (the reply: how many wait);
+* ``subgroups``: form those subgroups, once the restarted rank made its own again;
 * ``offer``: share this rank's state (a :class:`~.parts.StateOffer`, the reply);
 * ``load``: take the state of the offer given (a rank behind the others, or a restarted
   one whose first source died);
@@ -29,7 +31,6 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
-import time
 from typing import Any, Protocol
 
 from monarch_kernel.rank import context
@@ -118,16 +119,23 @@ def tell(notice: Notice) -> None:
     services.send(header, pickle.dumps(notice))
 
 
-def park(state: ParkedState, request: str, error: str, has_state: bool = True) -> Order:
+def park(
+    state: ParkedState,
+    request: str,
+    error: str,
+    has_state: bool = True,
+    replicas: tuple[int, ...] = (),
+) -> Order:
     """Wait at the step boundary for the controller's orders; returns the last one
-    (``resume`` or ``raise``). Interruptible: Ctrl-C raises KeyboardInterrupt here."""
+    (``resume`` or ``raise``); ``replicas``: the ranks that hold the same state (see
+    :class:`Notice`). Interruptible: Ctrl-C raises KeyboardInterrupt here."""
     from monarch_kernel.rank.training.reform import release_peers
 
     _drain_stale()
     with _lock:  # parked now: a hold for this boundary is answered
         _holds.discard(request)
     release_peers()
-    tell(Notice("parked", request, state.step, has_state, error))
+    tell(Notice("parked", request, state.step, has_state, error, replicas=replicas))
     offered = False
     while True:
         try:
@@ -157,9 +165,11 @@ def _obey(state: ParkedState, order: Order) -> Any:
     if order.op == "reform":
         from monarch_kernel.rank.training.reform import reform
 
-        t0 = time.monotonic()
-        reform(order.addr, order.port)
-        return time.monotonic() - t0
+        return reform(order.addr, order.port, defer=order.defer)
+    if order.op == "subgroups":
+        from monarch_kernel.rank.training.reform import reform_subgroups
+
+        return reform_subgroups(order.addr, order.port)
     if order.op == "world":
         from monarch_kernel.rank.world import set_world
 

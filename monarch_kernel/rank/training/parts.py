@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from monarch_kernel.rank.dataplane.ref import TensorRef
+from monarch_kernel.rank.replicas.shards import local_tensor, optimizer_state_like_params
 
 
 class Stateful(Protocol):
@@ -80,9 +81,10 @@ def _is_tensor(value: Any) -> bool:
 
 def share_tree(value: Any, share: Callable[[Any], TensorRef], count: list[int]) -> Any:
     """``value`` (dicts, lists, tuples of anything) with every tensor replaced by its
-    shared handle; ``count[0]`` grows by the bytes shared."""
+    shared handle (a DTensor's by its local part's); ``count[0]`` grows by the bytes
+    shared."""
     if _is_tensor(value):
-        ref = share(value.detach())
+        ref = share(local_tensor(value).detach())
         count[0] += ref.nbytes
         return ref
     if isinstance(value, dict):
@@ -149,11 +151,12 @@ def fetch_walk(value: Any, found: list[TensorRef]) -> None:
 
 def load_model(model: Any, offered: dict[str, Any]) -> None:
     """Read the offered state dict into ``model``: straight into its own tensors where
-    names and sizes match (one copy), through ``load_state_dict`` otherwise."""
+    names and sizes match (one copy; a DTensor's local part: the replica holds the same
+    shard), through ``load_state_dict`` otherwise."""
     own = model.state_dict()
     rest: dict[str, Any] = {}
     for name, ref in offered.items():
-        dst = own.get(name)
+        dst = local_tensor(own.get(name))
         if (
             isinstance(ref, TensorRef)
             and dst is not None
@@ -172,6 +175,15 @@ def load_model(model: Any, offered: dict[str, Any]) -> None:
         )
     if rest:
         model.load_state_dict({**own, **rest})
+
+
+def load_optimizer(optimizer: Any, offered: Any) -> None:
+    """Load the offered optimizer state (pulled from the replica now) into ``optimizer``;
+    the moments of sharded (DTensor) parameters become DTensors like them."""
+    state = fetch_tree(offered, [])
+    if isinstance(state, dict):
+        state = optimizer_state_like_params(optimizer, state)
+    optimizer.load_state_dict(state)
 
 
 def pickled(value: Any, what: str) -> bytes:

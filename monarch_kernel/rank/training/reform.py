@@ -99,6 +99,9 @@ def local_collectives(on: bool) -> None:
         if not on:
             return
         import torch.distributed as dist
+    from monarch_kernel.rank.pg import backend
+
+    backend.defer_forming(on)  # new_group groups are formed after, with the peers'
     if on:
         for name, fn in _REPLACEMENTS.items():
             if name not in _ORIGINALS and hasattr(dist, name):
@@ -131,9 +134,11 @@ def release_peers() -> None:
     thread.join(ABORT_WAIT)
 
 
-def reform(addr: str, port: int, backend: str | None = None) -> None:
+def reform(addr: str, port: int, backend: str | None = None, defer: bool = False) -> int:
     """Join the process group's new rendezvous at ``addr:port`` (the world as before;
     ``backend``: the others' backend, for a restarted rank that has no group yet).
+    With ``defer`` (a restarted rank is coming back) the ``new_group`` subgroups are
+    left for :func:`reform_subgroups`; returns how many wait for it.
 
     The default group is re-formed in place (``distributed.reform_process_group``: the
     user objects that hold it keep working; a restarted rank first makes one alone, see
@@ -141,4 +146,13 @@ def reform(addr: str, port: int, backend: str | None = None) -> None:
     """
     from monarch_kernel.rank.pg import distributed
 
-    distributed.reform_process_group(addr, port, backend)
+    distributed.reform_process_group(addr, port, backend, defer=defer)
+    return distributed.deferred_subgroups()
+
+
+def reform_subgroups(addr: str, port: int) -> int:
+    """Form the subgroups a deferred :func:`reform` left (every rank of the mesh,
+    the restarted ones after their set-up cells); how many were formed."""
+    from monarch_kernel.rank.pg import distributed
+
+    return distributed.reform_subgroups(addr, port)

@@ -26,12 +26,14 @@ from typing import Any
 from monarch_kernel.rank import context, world
 from monarch_kernel.rank.dataplane.plane import server
 from monarch_kernel.rank.replicas.ddp_layout import adopt_layout, bucket_layout
+from monarch_kernel.rank.replicas.fsdp_reset import reset_fsdp
+from monarch_kernel.rank.replicas.shards import replica_ranks
 from monarch_kernel.rank.training.park import park, take_expected, take_hold, tell
 from monarch_kernel.rank.training.parts import (
     Snapshot,
     StateOffer,
-    fetch_tree,
     load_model,
+    load_optimizer,
     pickled,
     rng_state,
     set_rng_state,
@@ -226,7 +228,7 @@ class TrainingState:
             load_model(self.model, offer.model)
             adopt_layout(self.model, offer.layout)
         if self.optimizer is not None and offer.optimizer is not None:
-            self.optimizer.load_state_dict(fetch_tree(offer.optimizer, []))
+            load_optimizer(self.optimizer, offer.optimizer)
         self._load_small(offer.small)
         self._world_seen = -1  # a new (or restarted) rank: its first step sees the world anew
         request = context.current_request or ""
@@ -308,14 +310,18 @@ class _Step:
             # cannot be re-formed while they live.
             traceback.clear_frames(tb)
         why = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        shard = sharded_part(state.model)
+        # FSDP2 modules stopped mid-step: clean, so the redone step pairs up everywhere
+        reset_fsdp(state.model)
+        replicas = replica_ranks(state.model)
+        shard = sharded_part(state.model) if replicas is not None and len(replicas) < 2 else ""
         if shard:  # no peer holds this rank's shard: say so, the recovery gives up
             why = (
                 f"sharded: the model is sharded (FSDP2: parameter {shard!r} is a shard) and "
                 "no rank holds a replica of another rank's shard; recovering from peers "
-                "needs a replica of each shard (HSDP-style)"
+                "needs a replica of each shard: HSDP (fully_shard(model, mesh=dm) on "
+                "monarch_kernel.sharding.device_mesh() of a mesh with --hosts)"
             )
-        order = park(state, request, why, has_state=not shard)
+        order = park(state, request, why, has_state=not shard, replicas=replicas or ())
         return order.op == "resume"
 
     def _restore(self) -> None:

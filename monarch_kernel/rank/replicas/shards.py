@@ -1,0 +1,174 @@
+"""Which ranks hold the same shards as this one, and how sharded state travels.
+
+An FSDP2 model's parameters are ``DTensor``s on a ``DeviceMesh``: along a mesh dim whose
+placement is ``Shard`` each rank holds a different part, along one whose placement is
+``Replicate`` (HSDP's replicate dim) the ranks hold the same part. So a rank's state
+exists whole on exactly the ranks that share its coordinates on every sharded dim:
+:func:`replica_ranks`. A dead rank's shards are taken from one of them.
+
+On the data plane a ``DTensor`` travels as its local tensor (:func:`local_tensor`); the
+receiver puts it back into its own DTensor (the model's, in place) or wraps it like the
+parameter it belongs to (an optimizer's moments: :func:`like_param`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def _dtensor_type() -> type | None:
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a ``DTensor`` (without importing torch.distributed.tensor)."""
+    cls = _dtensor_type()
+    return cls is not None and isinstance(value, cls)
+
+
+def local_tensor(value: Any) -> Any:
+    """A DTensor's local part (the tensor this rank holds); any other value as it is."""
+    return value.to_local() if is_dtensor(value) else value
+
+
+def replica_ranks(model: Any) -> tuple[int, ...] | None:
+    """The global ranks whose shards of ``model`` equal this rank's (this rank among
+    them), or None when no parameter or buffer is a sharded DTensor (every rank holds
+    the whole state). ``(this rank,)`` alone: the model is sharded with no replica
+    (FSDP2 over every rank)."""
+    if model is None or _dtensor_type() is None:
+        return None
+    found: set[int] | None = None
+    for value in model.state_dict().values():
+        if not is_dtensor(value):
+            continue
+        placements = value.placements
+        if not any(type(p).__name__ == "Shard" for p in placements):
+            continue
+        same = _same_shard_ranks(value.device_mesh, placements)
+        found = same if found is None else found & same
+    return None if found is None else tuple(sorted(found))
+
+
+def _same_shard_ranks(mesh: Any, placements: Any) -> set[int]:
+    """Ranks of ``mesh`` whose coordinates equal this rank's on every dim whose
+    placement is a ``Shard`` (the others replicate)."""
+    coord = mesh.get_coordinate()
+    grid = mesh.mesh
+    if coord is None:  # not in this mesh: it holds nothing of it
+        return set()
+    index = []
+    for dim, placement in enumerate(placements):
+        index.append(coord[dim] if type(placement).__name__ == "Shard" else slice(None))
+    return {int(r) for r in grid[tuple(index)].flatten().tolist()}
+
+
+def like_param(value: Any, param: Any) -> Any:
+    """``value`` (a plain tensor taken from a replica) as a DTensor laid out like
+    ``param`` when ``param`` is one and ``value`` has the shape of its local part (an
+    optimizer's moments); anything else as it is."""
+    if not is_dtensor(param) or is_dtensor(value):
+        return value
+    import torch
+
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    local = param.to_local()
+    if tuple(value.shape) != tuple(local.shape):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        value,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
+def optimizer_state_like_params(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer ``state_dict`` taken from a replica (plain tensors) with every
+    per-parameter tensor made a DTensor like its parameter in ``optimizer`` (so that
+    ``load_state_dict`` gives an FSDP2 optimizer the state it had)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    per_param = state.get("state", {})
+    for index, entry in per_param.items():
+        if isinstance(index, int) and 0 <= index < len(params) and isinstance(entry, dict):
+            param = params[index]
+            for key, value in list(entry.items()):
+                entry[key] = like_param(value, param)
+    return state
+
+
+# -- making the replicas of each shard the same again (the stop button) ----------------------
+def shard_tensors(obj: Any) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` of every tensor this rank holds of ``obj`` (a sharded model: its
+    parameters' and buffers' local parts; an optimizer: its state's), in an order the
+    same on every rank, each the tensor itself (written in place)."""
+    import torch
+
+    out: list[tuple[str, Any]] = []
+    if isinstance(obj, torch.nn.Module):
+        for name, value in [*obj.named_parameters(), *obj.named_buffers()]:
+            out.append((name, local_tensor(value).data))
+        return out
+    state = getattr(obj, "state", {})
+    params = [p for group in obj.param_groups for p in group["params"]]
+    for index, param in enumerate(params):
+        for key in sorted(state.get(param, {})):
+            value = state[param][key]
+            if isinstance(value, torch.Tensor):
+                out.append((f"{index}/{key}", local_tensor(value)))
+    return out
+
+
+def replicate_group(model: Any) -> Any:
+    """The process group over the ranks that hold the same shards of ``model`` as this
+    one (HSDP's replicate dim), or None when there is no such dim."""
+    for value in model.state_dict().values():
+        if not is_dtensor(value):
+            continue
+        placements = value.placements
+        dims = [i for i, p in enumerate(placements) if type(p).__name__ == "Replicate"]
+        if not any(type(p).__name__ == "Shard" for p in placements):
+            continue
+        if len(dims) != 1:
+            return None
+        return value.device_mesh.get_group(dims[0])
+    return None
+
+
+def broadcast_shards(objects: list[Any], model: Any, src: int) -> int:
+    """Copy rank ``src``'s local shards of ``objects`` (the sharded model and its
+    optimizers) to the other ranks of this rank's replicate group; every rank of the
+    group calls it. Raises naming the tensor when the ranks' shards do not match."""
+    import torch.distributed as dist
+
+    group = replicate_group(model)
+    if group is None:
+        raise ValueError("the model has no replicate dim: its shards have no replica")
+    tensors = [nt for obj in objects for nt in shard_tensors(obj)]
+    metas = [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, metas, group=group)
+    members = dist.get_process_group_ranks(group)
+    for rank, theirs in zip(members, gathered):
+        if theirs != metas:
+            diff = next(
+                (
+                    f"{a[0]}: {a[1:]} here, {b[1:]} on rank {rank}"
+                    for a, b in zip(metas, theirs)
+                    if a != b
+                ),
+                f"{len(metas)} tensors here, {len(theirs)} on rank {rank}",
+            )
+            raise ValueError(f"the replicas' shards differ in layout ({diff}): cannot copy")
+    nbytes = 0
+    for _, tensor in tensors:
+        dist.broadcast(tensor, src=src, group=group)
+        nbytes += tensor.numel() * tensor.element_size()
+    return nbytes

@@ -1,0 +1,10 @@
+"""Sharded training on the mesh's own dims (FSDP2 and HSDP), on the rank side.
+
+* :mod:`.mesh`: ``device_mesh()``, torch's ``DeviceMesh`` over the mesh's named dims.
+
+Which ranks hold the same shards, how sharded state travels to a restarted rank and how
+FSDP2 is reset after a step cut short live with the other replicas' code, below the
+process group: :mod:`monarch_kernel.rank.replicas.shards` and
+:mod:`monarch_kernel.rank.replicas.fsdp_reset`. The public face is
+:mod:`monarch_kernel.sharding`.
+"""

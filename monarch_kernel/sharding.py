@@ -1,0 +1,20 @@
+"""Sharded training on the mesh's own dims: FSDP2 and HSDP from ``%mesh`` shapes.
+
+Used inside ranks (``%%remote`` cells, best in a ``--setup`` cell so that a restarted
+rank makes the same objects again)::
+
+    from torch.distributed.fsdp import fully_shard
+    from monarch_kernel.sharding import device_mesh
+    dm = device_mesh()                      # DeviceMesh (hosts=2, gpus=4) on the mesh's group
+    fully_shard(model, mesh=dm["gpus"])     # FSDP2 within a host
+    fully_shard(model, mesh=dm)             # HSDP: replicate over hosts, shard over gpus
+
+An HSDP model's state survives a rank's death: ``TrainingState`` takes the dead rank's
+shards from its replica across the replicate dim.
+"""
+
+from __future__ import annotations
+
+from monarch_kernel.rank.sharding.mesh import DeviceMeshError, MeshDims, device_mesh, mesh_dims
+
+__all__ = ["DeviceMeshError", "MeshDims", "device_mesh", "mesh_dims"]
