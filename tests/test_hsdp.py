@@ -248,6 +248,7 @@ def test_sigkill_on_hsdp_takes_the_shards_from_the_replica(kernel, hs):
 def test_stop_button_ten_times_in_an_hsdp_loop_keeps_replica_shards_identical(kernel, hs):
     moments = random.Random(7)
     pids = pids_of(kernel, "hs")
+    copied = 0
     for attempt in range(10):
         cell = train(kernel, "hs", steps=10**6)
         kernel.wait_for_output(cell, "step", timeout=60)
@@ -256,8 +257,33 @@ def test_stop_button_ten_times_in_an_hsdp_loop_keeps_replica_shards_identical(ke
         r = kernel.collect(cell, timeout=90)
         assert "interrupted cell" in r.error_text, f"attempt {attempt}: {r.error_text}"
         assert "replicas identical" in r.stdout, f"attempt {attempt}: {r.stdout}"
+        assert "STILL DIFFER" not in r.stdout, f"attempt {attempt}: {r.stdout}"
+        copied += "copied from rank" in r.stdout  # (a replica had not stepped: copied)
         assert pids_of(kernel, "hs") == pids, f"attempt {attempt}: a rank was restarted"
         shards = digests(kernel, "hs")
         assert shards[0] == shards[2] and shards[1] == shards[3], f"attempt {attempt}: {shards}"
+    print(f"\nstop button x10 in an HSDP loop: {copied} found a replica's shards behind")
     r = kernel.collect(train(kernel, "hs", steps=3), timeout=120)
     assert not r.errors, r.error_text  # it trains on
+
+
+def test_the_training_state_of_an_hsdp_model_is_a_distributed_checkpoint(kernel, hs, tmp_path):
+    where = str(tmp_path / "ckpt")
+    r = kernel.run(
+        "%%remote hs\n"
+        "import torch.distributed.checkpoint as dcp\n"
+        "state = TrainingState(model=model, optimizer=opt, step=7, extra={'note': 'kept'})\n"
+        f"dcp.save(state.state_dict(), checkpoint_id={where!r})\n"
+        "before = digest()\n"
+        "model, opt = build()  # fresh: other parameters, no optimizer state\n"
+        "fresh = digest()\n"
+        "state = TrainingState(model=model, optimizer=opt)\n"
+        "sd = state.state_dict()\n"
+        f"dcp.load(sd, checkpoint_id={where!r})\n"
+        "state.load_state_dict(sd)\n"
+        "(before == digest(), fresh != before, state.step, state.extra)",
+        timeout=120,
+    )
+    assert not r.errors, r.error_text
+    assert r.text.count("(True, True, 7, {'note': 'kept'})") == 4, r.text
+    assert len(list((tmp_path / "ckpt").glob("*.distcp"))) == 4  # every rank its shards

@@ -208,3 +208,21 @@ def test_where_time_goes_notebook_names_the_straggler_and_profiles():
     assert "stopped" in _text(code[10])
     keep_outputs(nb, path)
     keep_outputs(nb, path)
+
+
+def test_sharded_training_notebook_recovers_an_hsdp_rank_from_its_replica():
+    path = NOTEBOOKS / "12-sharded-training.ipynb"
+    nb = _execute(nbformat.read(path, as_version=4), "monarch")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "hosts=2 × gpus=2" in _text(code[0]) and "ready in" in _text(code[0])
+    placed = _text(code[2])
+    assert "(Replicate(), Shard(dim=0))" in placed and "(256, 64), (128, 64)" in placed, placed
+    assert "killed rank 1" in _text(code[4])
+    done = _text(code[5])
+    assert "Error" not in done and "replicas of each shard identical: True" in done, done
+    assert re.search(r"rank 1 died \(killed by SIGKILL\) at step \d+; restarted", done), done
+    assert re.search(r"state of [0-9.]+ KB copied from rank 3", done), done
+    assert done.count("same process") == 3 and "rank 1: restarted" in done, done
+    assert "__0_0.distcp" in _text(code[6]) and "__3_0.distcp" in _text(code[6])
+    assert "stopped" in _text(code[7])
+    keep_outputs(nb, path)

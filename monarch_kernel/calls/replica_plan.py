@@ -99,6 +99,8 @@ def plan_sync(digests: Sequence[ReplicaDigest]) -> ReplicaPlan:
     )
     sharded = [n for n in every if any(by_rank[r][n].replicas for r in ranks)]
     names = [n for n in every if n not in sharded]
+    # a shard held by one rank only (FSDP without replicas) has nothing to compare with
+    sharded = [n for n in sharded if any(len(by_rank[r][n].replicas) > 1 for r in ranks)]
     shard_sources, shard_why = _plan_shards(by_rank, sharded)
     shard_warning = _mixed_steps(by_rank, sharded, dict(shard_sources))
     base = ReplicaPlan(
@@ -150,9 +152,9 @@ def _plan_shards(
     differ: every rank of the group -> the group's most advanced rank; and why."""
     if not names:
         return (), ""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for r, objs in by_rank.items():
-        key = objs[names[0]].replicas or (r,)
+    groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+    for r, objs in by_rank.items():  # ranks holding replicas of the same shards, together
+        key = tuple(objs[n].replicas or (r,) for n in names)
         groups.setdefault(key, []).append(r)
     sources: list[tuple[int, int]] = []
     whys = []

@@ -21,7 +21,7 @@ def fsdp_roots(model: Any) -> list[Any]:
     """The root FSDP2 modules in ``model`` (the ones whose forward ran as a root)."""
     module = sys.modules.get("torch.distributed.fsdp._fully_shard._fully_shard")
     cls = getattr(module, "FSDPModule", None) if module is not None else None
-    if cls is None or not hasattr(model, "modules"):
+    if cls is None or not callable(getattr(model, "modules", None)):
         return []
     roots = []
     for sub in model.modules():

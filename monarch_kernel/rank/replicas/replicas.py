@@ -166,9 +166,11 @@ def digest_namespace(namespace: Mapping[str, Any], rank: int | None = None) -> R
         rank = _rank()
     objects = []
     state = find_training_state(namespace)
+    for obj in state.values():
+        # A step cut short (the stop button) left FSDP2 mid-iteration, maybe with its
+        # parameters unsharded: reset first, then its parameters are the shards again.
+        reset_fsdp(obj)
     sharded = _sharded_models(state)
-    for model in sharded.values():
-        reset_fsdp(model)  # a step cut short (the stop button) left FSDP2 mid-iteration
     for name, obj in state.items():
         hexdigest, nbytes = digest(obj)
         steps = optimizer_steps(obj) if isinstance(obj, torch.optim.Optimizer) else None
@@ -232,14 +234,14 @@ def sync_namespace(
         _share_bucket_layouts([state[n] for n in names], src)
     source = (shard_sources or {}).get(_rank())
     if source is not None and shard_names:
-        objects = [state[n] for n in shard_names]
-        models = _sharded_models({n: state[n] for n in shard_names})
-        if len(models) != 1:
-            raise ValueError(
-                f"copying shards needs one sharded model among {', '.join(shard_names)}, "
-                f"found {len(models)}"
-            )
-        nbytes += broadcast_shards(objects, next(iter(models.values())), source)
+        # each sharded model with its optimizers, in the same order on every rank
+        objects = {n: state[n] for n in shard_names}
+        models = _sharded_models(objects)
+        for name, model in models.items():
+            mine = [model] + [
+                o for n, o in objects.items() if n != name and _model_of(o, {name: model}) is model
+            ]
+            nbytes += broadcast_shards(mine, model, source)
     seconds = time.monotonic() - t0
     return SyncReport(nbytes, seconds, digest_namespace(namespace))
 

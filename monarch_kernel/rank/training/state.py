@@ -168,21 +168,47 @@ class TrainingState:
     # -- whole state (a disk checkpoint, a comparison) ---------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything declared, as one dict (tensors included): ``torch.save`` it for a
-        checkpoint on disk."""
-        return {
-            "step": self.step,
-            "model": self.model.state_dict() if self.model is not None else None,
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "small": self._small(),
-        }
+        checkpoint on disk, or, for a sharded (FSDP2/HSDP) model, save it as a
+        distributed checkpoint (``torch.distributed.checkpoint.save(state.state_dict(),
+        checkpoint_id=...)``: every rank writes its shards). For a sharded model the
+        model and optimizer parts are torch's ``get_state_dict`` (keyed by parameter
+        names, the optimizer's state made if it has none yet, so that
+        ``torch.distributed.checkpoint.load`` can fill a fresh one in place)."""
+        model, optimizer = self._tensor_parts()
+        return {"step": self.step, "model": model, "optimizer": optimizer, "small": self._small()}
+
+    def _tensor_parts(self) -> tuple[Any, Any]:
+        if self._sharded():
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            optimizers = [self.optimizer] if self.optimizer is not None else []
+            return get_state_dict(self.model, optimizers)
+        model = self.model.state_dict() if self.model is not None else None
+        optimizer = self.optimizer.state_dict() if self.optimizer is not None else None
+        return model, optimizer
+
+    def _sharded(self) -> bool:
+        return self.model is not None and replica_ranks(self.model) is not None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` returned."""
+        """Load what :meth:`state_dict` returned (after ``torch.load``, or filled in
+        place by ``torch.distributed.checkpoint.load``)."""
+        if self._sharded():
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            set_state_dict(
+                self.model,
+                [self.optimizer] if self.optimizer is not None else [],
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"] if self.optimizer is not None else {},
+            )
+            self._load_small(_as_bytes(state["small"]))
+            return
         if self.model is not None and state.get("model") is not None:
             self.model.load_state_dict(state["model"])
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        self._load_small(state["small"])
+        self._load_small(_as_bytes(state["small"]))
 
     def _small(self) -> bytes:
         parts = {
@@ -243,6 +269,17 @@ class TrainingState:
         for ident in self._shared:
             dp.release(ident)
         self._shared.clear()
+
+
+def _as_bytes(value: Any) -> bytes:
+    """The pickled small state as saved: bytes (``torch.save``) or a stream that a
+    distributed checkpoint loaded it as."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    read = getattr(value, "getvalue", None) or getattr(value, "read", None)
+    if callable(read):
+        return bytes(read())
+    raise TypeError(f"TrainingState.load_state_dict: 'small' is {type(value).__name__}")
 
 
 def _update_in_place(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
