@@ -262,6 +262,9 @@ def test_stop_button_ten_times_in_an_hsdp_loop_keeps_replica_shards_identical(ke
         assert pids_of(kernel, "hs") == pids, f"attempt {attempt}: a rank was restarted"
         shards = digests(kernel, "hs")
         assert shards[0] == shards[2] and shards[1] == shards[3], f"attempt {attempt}: {shards}"
+        r = kernel.run("%remote hs state.step")
+        steps = set(re.findall(r"\}: (\d+)", r.text))
+        assert len(steps) == 1, f"attempt {attempt}: the ranks' loops are at {r.text}"
     print(f"\nstop button x10 in an HSDP loop: {copied} found a replica's shards behind")
     r = kernel.collect(train(kernel, "hs", steps=3), timeout=120)
     assert not r.errors, r.error_text  # it trains on
@@ -287,3 +290,41 @@ def test_the_training_state_of_an_hsdp_model_is_a_distributed_checkpoint(kernel,
     assert not r.errors, r.error_text
     assert r.text.count("(True, True, 7, {'note': 'kept'})") == 4, r.text
     assert len(list((tmp_path / "ckpt").glob("*.distcp"))) == 4  # every rank its shards
+
+
+LAGGING = """\
+%%remote hs
+losses = []
+state = TrainingState(model=model, optimizer=opt, extra={"losses": losses})
+while state.step < 10:
+    with state.stepping():
+        x, y = batch(state.step)
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if RANK >= 2 and state.step == 3:  # host 1 lags before its optimizer step
+            print(f"rank {RANK} lags", flush=True)
+            time.sleep(60)
+        opt.step()
+"""
+
+
+def test_stop_while_a_host_lags_before_opt_step_copies_each_shard_from_its_replica(kernel, hs):
+    r = kernel.run("%remote hs model, opt = build()", timeout=60)
+    assert not r.errors, r.error_text
+    cell = kernel.submit(LAGGING)
+    kernel.wait_for_output(cell, "rank 2 lags", "rank 3 lags", timeout=90)
+    kernel.km.interrupt_kernel()
+    r = kernel.collect(cell, timeout=90)
+    said = re.search(
+        r"shards: rank 2 had not run opt\.step\(\) of the interrupted step; rank 3 had not run "
+        r"opt\.step\(\) of the interrupted step; copied from ranks? 0-1 within the replicate "
+        r"dim \([0-9.]+ KB, \d+ ms\); replicas identical",
+        r.stdout,
+    )
+    assert said, r.stdout + r.error_text
+    assert "WARNING" not in r.stdout, r.stdout
+    shards = digests(kernel, "hs")
+    assert shards[0] == shards[2] and shards[1] == shards[3], shards
+    r = kernel.run("%remote hs state.step")
+    assert set(re.findall(r"\}: (\d+)", r.text)) == {"4"}, r.text  # the steps agree too

@@ -158,7 +158,7 @@ def _plan_shards(
         groups.setdefault(key, []).append(r)
     sources: list[tuple[int, int]] = []
     whys = []
-    for members in groups.values():
+    for members in sorted(groups.values(), key=min):
         members.sort()
         state = {r: tuple(by_rank[r][n].digest for n in names) for r in members}
         if len(set(state.values())) <= 1:
@@ -231,10 +231,9 @@ def describe(plan: ReplicaPlan, nbytes: int = 0, seconds: float = 0.0, after: bo
                 f"{'rank' if len(plan.targets) == 1 else 'ranks'} {who}"
             )
         if plan.shard_sources:
-            sources = format_ranks(sorted({s for _, s in plan.shard_sources}))
-            done.append(
-                f"shards: {plan.shard_why}; copied from rank {sources} within the replicate dim"
-            )
+            sources = sorted({s for _, s in plan.shard_sources})
+            who = f"{'rank' if len(sources) == 1 else 'ranks'} {format_ranks(sources)}"
+            done.append(f"shards: {plan.shard_why}; copied from {who} within the replicate dim")
         text = (
             "; ".join(done)
             + f" ({_size(nbytes)}, {seconds * 1000:.0f} ms); "

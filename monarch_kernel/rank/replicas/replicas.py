@@ -242,8 +242,35 @@ def sync_namespace(
                 o for n, o in objects.items() if n != name and _model_of(o, {name: model}) is model
             ]
             nbytes += broadcast_shards(mine, model, source)
+    _align_training_steps(namespace)
     seconds = time.monotonic() - t0
     return SyncReport(nbytes, seconds, digest_namespace(namespace))
+
+
+def _align_training_steps(namespace: Mapping[str, Any]) -> None:
+    """Every rank's ``TrainingState`` loops on ``state.step``: a rank that took a more
+    advanced replica's state takes its step count too (the most advanced one), or its
+    loop would run one step more than the others' and wait for them forever at its
+    last collective. Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    states = sorted(
+        ((name, obj) for name, obj in _candidates(namespace) if _is_training_state(obj)),
+        key=lambda item: item[0],
+    )
+    mine = [(name, int(obj.step)) for name, obj in states]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    for name, obj in states:
+        steps = [dict(theirs).get(name) for theirs in gathered if theirs]
+        known = [step for step in steps if step is not None]
+        if known:
+            obj.step = max(known)
+
+
+def _is_training_state(obj: Any) -> bool:
+    """A ``monarch_kernel.training.TrainingState`` (which sits above this package)."""
+    return type(obj).__name__ == "TrainingState" and hasattr(obj, "stepping")
 
 
 def _share_bucket_layouts(objects: Sequence[Any], src: int) -> None:
