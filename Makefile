@@ -96,6 +96,8 @@ bench: setup
 	$(PY) -m bench
 	$(PY) -m bench scale
 	$(PY) -m bench telemetry
+	$(PY) -m bench tensor_engine
+	$(PY) -m bench hsdp
 
 # The wheels the GPU machine lacks (bench/gpu_wheels.txt) into .whl/, for `bash
 # bench/gpu_check.sh` there (README "Benchmarks").

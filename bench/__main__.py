@@ -53,7 +53,14 @@ BENCHES = [
 ]
 #: Benchmarks that run on their own, not against the peers: ``python -m bench NAME [ARGS]``
 #: runs ``bench.NAME.main(ARGS)``.
-STANDALONE = ["scale", "dashboard_traffic", "dashboard_overhead", "telemetry"]
+STANDALONE = [
+    "scale",
+    "dashboard_traffic",
+    "dashboard_overhead",
+    "telemetry",
+    "tensor_engine",
+    "hsdp",
+]
 #: Seconds each peer's worker may run (full run, quick run) unless ``--peer-timeout``
 #: says otherwise. Ours runs every benchmark (the peers only the first few: faults,
 #: training, cross-host and engine rows are ours alone), so it gets more time.

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from bench.peer_state import _kill_at, _Kernel, _pids
+from bench.peer_state import _Kernel, _kill_at, _pids
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -117,15 +117,15 @@ def recovery(k: _Kernel, width: int, depth: int, steps: int) -> dict[str, float]
         got = re.search(
             r"state of ([0-9.]+) (KB|MB|GB) copied from rank (\d+) in ([0-9.]+) s", text
         )
-        took = re.search(r"recovery took ([0-9.]+) s; ", text) or re.search(
-            r"recovery took ([0-9.]+) s", text
-        )
+        took = re.search(r"recovery took ([0-9.]+) s", text)
         resumed = re.search(r"resumed at step (\d+)", text)
         if got is None or took is None or resumed is None:
             raise RuntimeError(f"no recovery in the output: {text[-1500:]}")
         scale = {"KB": 1e3, "MB": 1e6, "GB": 1e9}[got.group(2)]
         nbytes = float(got.group(1)) * scale
         lost = [int(x) for x in re.findall(r"\{hosts=\d+, gpus=\d+\}: (-?\d+)", text)]
+        if not lost:
+            raise RuntimeError(f"no step counts in the output: {text[-1500:]}")
         first = min(t for s, t in done.items() if s > int(resumed.group(1))) - t_kill
         return {
             "hsdp_recovery": float(took.group(1)),

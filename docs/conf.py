@@ -70,7 +70,7 @@ nitpicky = True
 nitpick_ignore_regex = [
     (
         r"py:.*",
-        r"(collections\.abc|typing|asyncio|concurrent\.futures|pathlib|torch|numpy|zmq)\..*",
+        r"(collections\.abc|typing|asyncio|concurrent\.futures|pathlib|enum|torch|numpy|zmq)\..*",
     ),
 ]
 

@@ -45,6 +45,108 @@ def attach(name: str | None = None, *, force: bool = False, path: str | None = N
     return _attach(name, force=force, path=path)
 
 
+# -- the tensor engine (Monarch's top-level names; torch is imported on first use) ------
+
+
+def fetch_shard(tree: Any, shard: dict[str, int] | None = None, **coords: int) -> Any:
+    """A future of ``tree`` with each mesh tensor replaced by its value on the rank at
+    ``coords`` (every dim of its mesh; none: the mesh's first rank). It completes once
+    every rank of the mesh ran every op issued before it, and fails with
+    ``monarch_kernel.mesh_controller.RemoteException`` if any rank holds an error for a
+    fetched tensor. ``.get()`` / ``.result()`` wait for it."""
+    from monarch_kernel.tensor_engine.fetch import fetch_shard as _fetch_shard
+
+    return _fetch_shard(tree, shard, **coords)
+
+
+def inspect(tree: Any, shard: dict[str, int] | None = None, **coords: int) -> Any:
+    """The values of ``tree``'s mesh tensors on the rank at ``coords``, now:
+    ``fetch_shard(tree, shard, **coords).result()``."""
+    from monarch_kernel.tensor_engine.fetch import inspect as _inspect
+
+    return _inspect(tree, shard, **coords)
+
+
+def reduce(
+    tensors: Any, dims: Any = (), reduction: str = "sum", scatter: bool = False, mesh: Any = None
+) -> Any:
+    """Mesh tensors combined across the named ``dims`` of their mesh (all by default):
+    ``sum``, ``avg``, ``product``, ``min``, ``max``, ``band``, ``bor``, ``bxor`` (an
+    all-reduce), ``stack`` (an all-gather into a new leading dim); ``scatter=True``
+    reduce-scatters (``stack``: all-to-all) along dim 0. Runs over gloo on CPU ranks."""
+    from monarch_kernel.tensor_engine.reductions import reduce as _reduce
+
+    return _reduce(tensors, dims, reduction, scatter, mesh)
+
+
+def reduce_(
+    tensors: Any, dims: Any = (), reduction: str = "sum", scatter: bool = False, mesh: Any = None
+) -> Any:
+    """``reduce`` in place: each mesh tensor is overwritten with its result."""
+    from monarch_kernel.tensor_engine.reductions import reduce_ as _reduce_
+
+    return _reduce_(tensors, dims, reduction, scatter, mesh)
+
+
+def remote(fn: Any = None, *, propagate: Any = None) -> Any:
+    """A function (or ``"module.path"`` of one) that runs on every rank of a mesh on mesh
+    tensors and returns mesh tensors; ``propagate`` says what it returns (a function run
+    on FakeTensors on the controller, ``None`` for ``fn`` itself, ``"inspect"`` for
+    nothing). Usable as ``@remote`` and ``@remote(propagate=...)``."""
+    from monarch_kernel.tensor_engine.remote_functions import remote as _remote
+
+    return _remote(fn, propagate=propagate)
+
+
+def slice_mesh(tree: Any, **dims: Any) -> Any:
+    """Each mesh tensor of ``tree`` on the ranks at ``dims`` of its mesh (the same local
+    tensors there)."""
+    from monarch_kernel.tensor_engine.moves import slice_mesh as _slice_mesh
+
+    return _slice_mesh(tree, **dims)
+
+
+def to_mesh(tree: Any, mesh: Any, stream: Any = None) -> Any:
+    """Each mesh tensor of ``tree`` copied onto ``mesh`` (for now a mesh of the same
+    ranks: moving data between ranks is not built yet)."""
+    from monarch_kernel.tensor_engine.moves import to_mesh as _to_mesh
+
+    return _to_mesh(tree, mesh, stream)
+
+
+def call_on_shard_and_fetch(
+    fn: Any, *args: Any, shard: dict[str, int] | None = None, **kwargs: Any
+) -> Any:
+    """Run ``fn`` (a remote function, a function or an import path) on the one rank at
+    ``shard`` and return a future of its value (mesh-tensor arguments read as that
+    rank's local tensors)."""
+    from monarch_kernel.tensor_engine.remote_functions import (
+        call_on_shard_and_fetch as _call_on_shard_and_fetch,
+    )
+
+    return _call_on_shard_and_fetch(fn, *args, shard=shard, **kwargs)
+
+
+def get_active_mesh() -> Any:
+    """The innermost active device mesh (``ValueError`` when none is active)."""
+    from monarch_kernel.tensor_engine.mesh import get_active_mesh as _get_active_mesh
+
+    return _get_active_mesh()
+
+
+def __getattr__(name: str) -> Any:
+    # ``no_mesh``, ``Tensor`` and ``mesh_controller`` load torch: on first use only.
+    if name in ("no_mesh", "Tensor", "DeviceMesh"):
+        from monarch_kernel import tensor_engine
+
+        return getattr(tensor_engine, name)
+    if name == "mesh_controller":
+        import importlib
+
+        return importlib.import_module("monarch_kernel.mesh_controller")
+    raise AttributeError(f"module 'monarch_kernel' has no attribute {name!r}")
+
+
 def load_ipython_extension(ipython: Any) -> None:  # pragma: no cover - thin shim
     """``%load_ext monarch_kernel``: register the magics in a plain IPython kernel."""
     from monarch_kernel.kernel.magics import load_ipython_extension as _load

@@ -28,10 +28,26 @@ ALLOWED: dict[str, set[str]] = {
     "host": BASE | {"calls", "rank", "host"},
     "launchers": BASE | {"calls", "launchers"},
     "controller": BASE | {"calls", "launchers", "controller"},
-    "actor": BASE | {"calls", "launchers", "controller", "rank", "actor", "config"},
+    # The tensor engine's controller side sits on the calls (a Requester); the actor API
+    # (``ProcMesh.activate``) and Monarch's top-level names sit on it.
+    "tensor_engine": BASE | {"calls", "tensor_engine"},
+    "mesh_controller": BASE | {"calls", "tensor_engine", "mesh_controller"},
+    "actor": BASE
+    | {"calls", "launchers", "controller", "rank", "actor", "config", "tensor_engine"},
     "kernel": BASE
-    | {"calls", "launchers", "controller", "rank", "actor", "kernel", "widgets", "config"},
-    "widgets": BASE | {"calls", "launchers", "controller", "rank", "actor", "widgets", "config"},
+    | {
+        "calls",
+        "launchers",
+        "controller",
+        "rank",
+        "actor",
+        "kernel",
+        "widgets",
+        "config",
+        "tensor_engine",
+    },
+    "widgets": BASE
+    | {"calls", "launchers", "controller", "rank", "actor", "widgets", "config", "tensor_engine"},
     # Top-level modules: configuration (imports nothing of the package) and Monarch's
     # modules beside the actor API (spmd, job, rdma: they sit on it).
     "config": BASE | {"config"},
@@ -310,6 +326,7 @@ PART_ORDER: dict[str, list[str]] = {
         "world",
         "sharding",  # device_mesh(), FSDP2/HSDP replicas and resets (training uses them)
         "training",
+        "tensors",  # the tensor engine's rank side (``tensor_ops`` records)
         "control",
         "device",
         "scripts",
@@ -331,6 +348,18 @@ PART_ORDER: dict[str, list[str]] = {
         "hosts",
         "api",
         "attach",
+        "__init__",
+    ],
+    "tensor_engine": [
+        "errors",
+        "state",
+        "client",
+        "tensor",
+        "mesh",
+        "fetch",
+        "moves",
+        "reductions",
+        "remote_functions",
         "__init__",
     ],
     "kernel": [

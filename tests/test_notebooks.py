@@ -226,3 +226,38 @@ def test_sharded_training_notebook_recovers_an_hsdp_rank_from_its_replica():
     assert "__0_0.distcp" in _text(code[6]) and "__3_0.distcp" in _text(code[6])
     assert "stopped" in _text(code[7])
     keep_outputs(nb, path)
+
+
+def test_mesh_as_one_device_notebook_trains_with_reduce_and_recovers_from_a_failed_op():
+    path = NOTEBOOKS / "10-mesh-as-one-device.ipynb"
+    nb = _execute(nbformat.read(path, as_version=4), "monarch")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "hosts=2 × gpus=2" in _text(code[0]) and "ready in" in _text(code[0])
+    made = _text(code[1])
+    assert "monarch_kernel.Tensor(mesh=<DeviceMesh trainers hosts=2 × gpus=2>" in made, made
+    assert "rank at hosts=1, gpus=0 holds [2.0, 2.0, 2.0]" in made, made
+    table = code[2].outputs[0].data["text/html"]  # one row per rank, values shown
+    assert table.count("<tr>") == 5 and "<th>hosts</th><th>gpus</th>" in table, table
+    assert "Linear(in_features=4, out_features=16" in _text(code[3])
+    assert "torch.Size([20]) per rank, still on the ranks" in _text(code[4])
+    losses = code[5].outputs[0].data["text/html"]
+    assert losses.count("<tr>") == 5 and "<td>(4,)</td><td>float32</td>" in losses, losses
+    weights = _text(code[6])
+    assert "GPUs of a host agree: [True, True] | hosts differ: True" in weights, weights
+    # the failed op, shown under the cell that issued it (nothing fetched it there)
+    failed = code[7]
+    warned = _text(failed)
+    assert [o.get("name") for o in failed.outputs] == ["stderr"], failed.outputs
+    assert warned.startswith("Warning: a tensor-engine op failed on ranks 1, 3"), warned
+    cell = failed.execution_count
+    assert f"Cell In[{cell}], line 3\n    picked = torch.arange(2.0).index_select" in warned
+    assert "Traceback on rank 1:" in warned and "IndexError: index out of range" in warned
+    raised = _text(code[8])
+    assert raised.startswith("A tensor-engine op failed on rank 1: IndexError"), raised
+    assert f"Cell In[{cell}], line 3" in raised and "Warning" not in raised, raised
+    resumed = _text(code[9])
+    assert "independent: 30" in resumed and "Error" not in resumed, resumed
+    m = re.search(r"step 1 = ([\d.]+), step 20 = ([\d.]+), step 30 = ([\d.]+)", resumed)
+    assert m and float(m.group(3)) < float(m.group(1)), resumed
+    assert "stopped" in _text(code[10])
+    keep_outputs(nb, path)

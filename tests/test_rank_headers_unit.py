@@ -39,6 +39,9 @@ WIRE: list[dict] = [
     {"k": K.DEBUG, "q": 7},
     {"k": K.SUPERVISE, "on": "owner"},
     {"k": K.HELLO},
+    {"k": K.TENSOR_OPS, "n": 3, "q": 4},
+    {"k": K.TENSOR_OPS, "n": 1, "i": "p1-9", "w": 1, "q": 5},
+    {"k": K.TENSOR_OPS, "n": 2, "f": 1, "d": [0, 1], "q": [6, 7]},
     {"k": K.HELLO, "r": 3},
     {"k": K.PUSH, "i": "1", "w": 1},
     {"k": K.PULL, "i": "1", "w": 1},
@@ -171,6 +174,7 @@ def test_unknown_key_is_an_error(wire):
 REQUIRED = [
     (H.Call, {"k": K.CALL, "a": "c"}, "m"),
     (H.Batch, {"k": K.BATCH, "q": 1}, "n"),
+    (H.TensorOps, {"k": K.TENSOR_OPS, "q": 1}, "n"),
     (H.SpawnActor, {"k": K.SPAWN_ACTOR}, "a"),
     (H.StopActor, {"k": K.STOP_ACTOR}, "a"),
     (H.Supervise, {"k": K.SUPERVISE}, "on"),

@@ -35,6 +35,7 @@ API_MODULES = (
     "monarch_kernel",
     "monarch_kernel.actor",
     "monarch_kernel.training",
+    "monarch_kernel.sharding",
     "monarch_kernel.job",
     "monarch_kernel.spmd",
     "monarch_kernel.rdma",

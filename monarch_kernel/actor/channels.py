@@ -268,8 +268,8 @@ def report_unhandled(failure: Exception) -> None:
     if hook is None:
         return
     try:
-        hook(failure)
-    except Exception:
+        hook(failure)  # once per failure, also when it raises (Monarch's contract)
+    except BaseException:  # SystemExit too (Monarch's default hook exits): logged only
         log.exception("unhandled_fault_hook raised")
 
 

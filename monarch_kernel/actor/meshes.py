@@ -129,6 +129,32 @@ class ProcMesh(MeshView):
         """The same ranks as one dimension called ``name``."""
         return ProcMesh(self._requester, self._flat_shape(name))
 
+    # -- the tensor engine (monarch_kernel.tensor_engine) ------------------------------
+    def activate(self) -> Any:
+        """Make this mesh the active device mesh now: until the ``with`` block ends (or
+        ``.deactivate()``), torch ops issued here create and operate on mesh tensors,
+        one local tensor per rank. Activations nest."""
+        from monarch_kernel.tensor_engine.mesh import device_mesh
+
+        return device_mesh(self._requester, self._shape).activate()
+
+    def rank(self, dims: str | Sequence[str]) -> Any:
+        """A mesh tensor holding each rank's coordinate along ``dims`` (0-d int64)."""
+        from monarch_kernel.tensor_engine.mesh import device_mesh
+
+        return device_mesh(self._requester, self._shape).rank(dims)
+
+    rank_tensor = rank
+
+    @property
+    def rank_tensors(self) -> Any:
+        """Each rank's position in the mesh (row-major over all dims), as a mesh tensor
+        (``ranks()`` stays the list of global ranks; the device mesh's ``.ranks`` is
+        this tensor, as in Monarch)."""
+        from monarch_kernel.tensor_engine.mesh import device_mesh
+
+        return device_mesh(self._requester, self._shape).ranks
+
     def logging_option(
         self,
         stream_to_client: bool = True,
@@ -215,8 +241,9 @@ class ProcMesh(MeshView):
                 f"({cls}.__init__ raised {first['type']}: {first['message']}; spawn it again)"
             )
         failed_init[(self.name, name)] = SupervisionError(message, exc.failures, exc)
-        if unowned and first is not None:
-            report_unhandled(MeshFailure(self.name, name, first.get("rank", -1), first))
+        if unowned:  # Monarch: one event per failed actor (rank), each to the hook once
+            for failure in exc.failures:
+                report_unhandled(MeshFailure(self.name, name, failure.get("rank", -1), failure))
         return ActorMesh(self, name, actor_class, self._shape)
 
     def ping(self) -> Future[ValueMesh[Any]]:

@@ -1,5 +1,13 @@
-"""The actors of a rank: spawn, stop and call them (on the main thread, in order), their
-owners (supervision), and what the controller is told of actors other ranks made here.
+"""The actors of a rank: spawn, stop and call them (on the main thread), their owners
+(supervision), and what the controller is told of actors other ranks made here.
+
+Concurrency (Monarch's model, on one thread): each actor handles the controller's
+messages one at a time, in order; actors do not wait for each other. While an endpoint
+waits (``.get()`` on a call, ``await``), the inbox starts other actors' messages
+(``Inbox.pump``); a message to an actor that is busy (:attr:`ActorHost.busy`: a message
+of it runs, or its async endpoint's task) waits in its line (``Inbox.waiting``) and
+starts when it is free (:attr:`ActorHost.on_idle`). Everything here runs on the rank's
+main thread (the stop button's SIGINT, CUDA, output under the calling cell).
 
 An actor spawned by an actor (header ``oa``/``ox``/``on``) is *owned*: its failures
 nobody waits for go to the owner (:mod:`monarch_kernel.rank.supervise`). A spawn or stop
@@ -10,8 +18,9 @@ that came from another rank (no sequence number) is reported to the controller
 from __future__ import annotations
 
 import asyncio
+import inspect
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from monarch_kernel.rank import context
@@ -22,6 +31,10 @@ from monarch_kernel.wire import Message, loads
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire.codec import Buffer
 from monarch_kernel.wire.reports import FailureReport
+
+#: The mark ``@concurrent_endpoint`` puts on what it makes (``actor.actor.CONCURRENT_ATTR``;
+#: the rank layer does not import the actor API).
+CONCURRENT_ATTR = "__monarch_concurrent__"
 
 
 class Running:
@@ -68,11 +81,56 @@ class ActorHost:
         #: actor name -> its owner: an actor spawned by an actor of some rank (shared
         #: with the outbox, which sends such an actor's failures to its owner)
         self.owners = owners
+        #: actor name -> how many of its messages run now (on the stack, or a task of
+        #: an async endpoint): absent when it is free. Main thread only.
+        self.busy: dict[str, int] = {}
+        #: Told (main thread) when an actor is free again while messages wait for one
+        #: (``waiting``, the inbox's lines: its own dict): the inbox starts them.
+        self.on_idle: Callable[[str], None] | None = None
+        self.waiting: Mapping[str, object] = {}
+
+    def is_busy(self, name: str) -> bool:
+        """Whether a message of actor ``name`` runs now (see :attr:`busy`)."""
+        return name in self.busy
+
+    def starts_as_task(self, hdr: H.Ordered) -> bool:
+        """Whether message ``hdr`` would run as a task of the rank's event loop (a call
+        of an ``async def`` endpoint) or return at once (a concurrent endpoint), so
+        that it may start while that loop runs: a sync endpoint started there would
+        hold the loop, and with it every async endpoint it may wait for."""
+        if isinstance(hdr, H.StopActor):
+            return True  # no user code: it returns at once
+        if not isinstance(hdr, H.Call):
+            return False  # a constructor, a sync __supervise__: after the loop
+        fn = getattr(type(self.actors.get(hdr.actor)), hdr.method, None)
+        return inspect.iscoroutinefunction(fn) or bool(getattr(fn, CONCURRENT_ATTR, False))
+
+    def _enter(self, name: str) -> None:
+        busy = self.busy
+        busy[name] = busy.get(name, 0) + 1
+
+    def _leave(self, name: str) -> None:
+        busy = self.busy
+        left = busy.get(name, 1) - 1
+        if left > 0:
+            busy[name] = left
+            return
+        busy.pop(name, None)
+        on_idle = self.on_idle
+        if on_idle is not None and self.waiting:
+            on_idle(name)
 
     def spawn(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
         """SPAWN_ACTOR: construct actor ``a`` from the pickled ``(cls, args, kwargs)``."""
         assert isinstance(hdr, H.SpawnActor)
         name = hdr.actor
+        self._enter(name)  # its calls wait for its constructor
+        try:
+            self._spawn(msg, hdr, request, name)
+        finally:
+            self._leave(name)
+
+    def _spawn(self, msg: Message, hdr: H.SpawnActor, request: str | None, name: str) -> None:
         cls = None
         if hdr.owner is not None:  # spawned by an actor of some rank: its failures go there
             self.owners[name] = hdr.owner
@@ -143,7 +201,25 @@ class ActorHost:
         Kept in one piece (the hot path of every actor call): the endpoint's result is
         answered here, or by its response port, or when its task ends."""
         assert isinstance(hdr, H.Call)
-        name, method = hdr.actor, hdr.method
+        name = hdr.actor
+        busy = self.busy
+        busy[name] = busy.get(name, 0) + 1  # _enter, inline: the hot path
+        running = False
+        try:
+            running = self._call(msg, hdr, request, name)
+        finally:
+            if not running:  # _leave, inline; after the reply (what waits starts now)
+                left = busy[name] - 1
+                if left:
+                    busy[name] = left
+                else:
+                    del busy[name]
+                    if self.waiting and self.on_idle is not None:
+                        self.on_idle(name)
+
+    def _call(self, msg: Message, hdr: H.Call, request: str | None, name: str) -> bool:
+        """:meth:`call`'s work; True when the call goes on as a task (busy until then)."""
+        method = hdr.method
         actor = self.actors.get(name)
 
         def where() -> str:  # only errors need it: not formatted on the hot path
@@ -170,27 +246,40 @@ class ActorHost:
                 except Exception as exc:  # it escaped the endpoint: the actor fails
                     self.user.keep_failure(exc)
                     port.escaped(exc)
-                return
+                return False
             result = self.user.run_user(fn, *args, **kwargs)
             if isinstance(result, Running):  # answered when its task ends
                 result.task.add_done_callback(
                     lambda task: self.finish(request, task, name, where, actor)
                 )
-                return
+                return True  # busy until then
         except (Exception, KeyboardInterrupt) as exc:  # to the caller
             self.user.keep_failure(exc)  # for %debug_remote (post-mortem)
             self.outbox.reply_error(request, exc, where())
-            return
+            return False
         except BaseException as exc:  # SystemExit ...: that actor is stopped, not the rank
             if self.main.terminating:
                 raise
             self.stopped(request, exc, name, type(actor), "endpoint", method)
-            return
+            return False
         finally:
             context.current_actor = None
             context.current_slice = None
         if request:
+            if self.actors.get(name) is not actor:  # it failed meanwhile (supervision)
+                self._failed_meanwhile(request, name, where())
+                return False
             self.outbox.reply(request, result, lambda: f"result of {where()}", where)
+        return False
+
+    def _failed_meanwhile(self, request: str, name: str, where: str) -> None:
+        """The actor failed while this call of it ran (a failure of a mesh it owns that
+        its ``__supervise__`` did not handle): as in Monarch the caller gets a
+        ``SupervisionError``, not the endpoint's value."""
+        gone = self.gone.get(name) or ActorGoneError(f"actor {name!r} is gone")
+        report = exception_report(gone, where)
+        report["host"] = self.outbox.hostname
+        self.outbox.fail(request, FailureReport(**{**report, "gone": "failed"}))
 
     def _escape(self, name: str, actor: object) -> Callable[[BaseException, str | None, str], None]:
         """What a response port of actor ``name`` does with an exception that escaped its
@@ -218,7 +307,7 @@ class ActorHost:
             self.actors.pop(name, None)
             self.gone[name] = ActorGoneError(why)
         if request is not None:
-            self.outbox.fail(request, FailureReport(**report, gone="failed"))
+            self.outbox.fail(request, FailureReport(**{**report, "gone": "failed"}))
         self.outbox.fault(report, name)
 
     def finish(
@@ -233,18 +322,32 @@ class ActorHost:
         saved = context.current_actor
         context.current_actor = name
         try:
-            if task.cancelled():
-                self.outbox.reply_error(request, KeyboardInterrupt("cancelled"), where())
-                return
-            exc = task.exception()
-            if isinstance(exc, (Exception, KeyboardInterrupt)):
-                self.outbox.reply_error(request, exc, where())
-            elif exc is not None:
-                self.stopped(request, exc, name, type(actor), "endpoint", where())
-            elif request:
-                self.outbox.reply(request, task.result(), lambda: f"result of {where()}", where)
+            self._answer(request, task, name, where, actor)
         finally:
             context.current_actor = saved
+            self._leave(name)
+
+    def _answer(
+        self,
+        request: str | None,
+        task: asyncio.Task[Any],
+        name: str,
+        where: Callable[[], str],
+        actor: Any,
+    ) -> None:
+        if task.cancelled():
+            self.outbox.reply_error(request, KeyboardInterrupt("cancelled"), where())
+            return
+        exc = task.exception()
+        if isinstance(exc, (Exception, KeyboardInterrupt)):
+            self.outbox.reply_error(request, exc, where())
+        elif exc is not None:
+            self.stopped(request, exc, name, type(actor), "endpoint", where())
+        elif request:
+            if self.actors.get(name) is not actor:  # it failed meanwhile (supervision)
+                self._failed_meanwhile(request, name, where())
+                return
+            self.outbox.reply(request, task.result(), lambda: f"result of {where()}", where)
 
     def stopped(
         self, request: str | None, exc: BaseException, name: str, cls: Any, what: str, method: str
@@ -267,41 +370,100 @@ class ActorHost:
             )
         report["host"] = self.outbox.hostname
         self.gone[name] = ActorGoneError(report["message"])
-        if request is None:
-            self.outbox.fault(report, name)
-        else:
+        constructor = what == "constructor"
+        if request is not None and constructor:  # spawn() returns; the mesh is failed
             self.outbox.fail(request, report)
-            if isinstance(exc, ActorAborted):  # Monarch: its creator's supervision too
-                self.outbox.fault(report, name)
+        elif request is not None:  # the caller: a SupervisionError (the actor is gone)
+            self.outbox.fail(request, FailureReport(**{**report, "gone": "failed"}))
+        # Monarch: the actor failed, an event of its own whether a caller waited or
+        # not: to its owner's __supervise__, else the controller's fault hook (once; a
+        # spawn the controller waits for tells its hook itself)
+        if request is None or not constructor or name in self.owners:
+            self.outbox.fault(report, name)
 
     def supervise(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
         """SUPERVISE: a mesh owned by actor ``on`` of this rank failed; its
         ``__supervise__(failure)`` handles it (returns True) or it goes on up."""
+        assert isinstance(hdr, H.Supervise)
+        self._enter(hdr.owner_name)  # one message of the owner, as in Monarch
+        later = False
+        try:
+            later = self._supervise(msg, hdr)
+        finally:
+            if not later:  # else when its task ends
+                self._leave(hdr.owner_name)
+
+    def _supervise(self, msg: Message, hdr: H.Supervise) -> bool:
+        """Give the failure to the owner's ``__supervise__``; True when its answer comes
+        later (an async handler run as a task while another endpoint awaits)."""
         from monarch_kernel.rank.supervise import MeshFailure
 
-        assert isinstance(hdr, H.Supervise)
         body = pickle.loads(msg.payload)
         owner_name = hdr.owner_name
         owner = self.actors.get(owner_name)
         failure = MeshFailure(
             body["mesh"], body["actor"], body["rank"], body["report"], tuple(body["path"])
         )
-        handled = False
         supervise = getattr(owner, "__supervise__", None)
-        if supervise is not None:
-            context.current_actor = owner_name
-            try:
-                handled = bool(self.user.run_user(supervise, failure))
-            except Exception as exc:  # __supervise__ itself failed: its owner is told
-                where = f"{type(owner).__name__}.__supervise__"
-                self.outbox.fault(exception_report(exc, where), owner_name)
-            finally:
-                context.current_actor = None
-        if not handled:
-            me = f"{self.outbox.mesh}/{owner_name}[{context.current_rank().rank}]"
-            report = dict(body["report"])
-            report.setdefault("origin", failure.actor_id)  # who failed first, on the way up
-            self.outbox.fault(FailureReport(**report), owner_name, (*failure.path, me))
+        if supervise is None:
+            self._unhandled(owner_name, owner, body, failure)
+            return False
+        where = f"{type(owner).__name__}.__supervise__"
+        context.current_actor = owner_name
+        try:
+            answer = self.user.run_user(supervise, failure)
+        except Exception as exc:  # it raised: not handled (told once, below)
+            self._unhandled(owner_name, owner, body, failure, exception_report(exc, where))
+            return False
+        finally:
+            context.current_actor = None
+        if isinstance(answer, Running):  # async, started while another endpoint awaits
+
+            def done(task: asyncio.Task[Any]) -> None:
+                try:
+                    error = None if task.cancelled() else task.exception()
+                    if error is not None:
+                        report = exception_report(error, where)
+                        self._unhandled(owner_name, owner, body, failure, report)
+                    elif task.cancelled() or not task.result():
+                        self._unhandled(owner_name, owner, body, failure)
+                finally:
+                    self._leave(owner_name)
+
+            answer.task.add_done_callback(done)
+            return True
+        if not answer:
+            self._unhandled(owner_name, owner, body, failure)
+        return False
+
+    def _unhandled(
+        self,
+        owner_name: str,
+        owner: object,
+        body: dict[str, Any],
+        failure: Any,
+        handler_error: FailureReport | None = None,
+    ) -> None:
+        """The owner did not handle a failure of a mesh it owns (no ``__supervise__``,
+        it returned False, or it raised: ``handler_error``): as in Monarch the owner
+        fails with it (its calls raise ``SupervisionError``), and the event goes on up
+        once, as the owner's (its own owner, else the controller's fault hook)."""
+        me = f"{self.outbox.mesh}/{owner_name}[{context.current_rank().rank}]"
+        report = dict(body["report"])
+        report.setdefault("origin", failure.actor_id)  # who failed first, on the way up
+        if handler_error is not None:
+            report["message"] = (
+                f"{report.get('message', '')} (and {handler_error['where']} raised "
+                f"{handler_error['type']}: {handler_error['message']})"
+            )
+        if owner is not None and self.actors.get(owner_name) is owner:
+            self.actors.pop(owner_name, None)
+            self.gone[owner_name] = ActorGoneError(
+                f"actor {owner_name!r} ({type(owner).__name__}) failed: it did not handle "
+                f"a failure of a mesh it owns ({failure.actor_id}: "
+                f"{body['report'].get('type')}: {body['report'].get('message')})"
+            )
+        self.outbox.fault(FailureReport(**report), owner_name, (*failure.path, me))
 
 
 class ResponsePort:

@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import zmq
@@ -110,6 +110,20 @@ def bind_peer(sock: zmq.Socket[bytes], cfg: RankConfig) -> PeerAddress:
     )
 
 
+#: Controller messages that go to one actor (named by :func:`_actor_of`): while an
+#: endpoint waits (a sync one in ``.get()``, an async one at ``await``) the rank starts
+#: them at once, each actor keeping its own order (a busy actor's wait in its line,
+#: :attr:`Inbox.waiting`). Every other kind (cells, ``push`` ...) waits for the endpoint.
+ACTOR_KINDS = frozenset({K.CALL, K.SPAWN_ACTOR, K.STOP_ACTOR, K.SUPERVISE})
+
+
+def _actor_of(hdr: H.Ordered) -> str:
+    """The actor an :data:`ACTOR_KINDS` message goes to."""
+    if isinstance(hdr, H.Supervise):
+        return hdr.owner_name
+    return str(getattr(hdr, "actor", ""))
+
+
 #: Messages this process's inbox handled in order (a ``batch`` counts once), and calls
 #: it took out of ``batch`` messages: statistics, read by tests to see batching work.
 inbox_counts = {"messages": 0, "batched_calls": 0}
@@ -152,6 +166,25 @@ class Inbox:
         #: Reads calls' arguments that the controller put in shared memory.
         self.arena = ArenaReader(lend=True)
         self.spin = SpinWait(_rank_spin(cfg))
+        #: The actors running a message now (name -> how many), kept by the rank's
+        #: ``ActorHost.busy`` (the same dict). Main thread only, like all of the inbox.
+        self.busy: Mapping[str, int] = {}
+        #: Whether a message would run as a task of :attr:`loop` (its ``ActorHost``'s
+        #: ``starts_as_task``): only such a message starts while the loop runs.
+        self.starts_as_task: Callable[[H.Ordered], bool] = _never_a_task
+        #: Controller messages to an actor that was busy when they came, in order, per
+        #: actor: started by :meth:`actor_idle` once it is free (Monarch: an actor
+        #: handles its messages one at a time; other actors do not wait for it). Never
+        #: rebound: the rank's ``ActorHost`` reads it (``waiting``).
+        self.waiting: dict[str, collections.deque[tuple[Message, H.Ordered]]] = {}
+        self._draining: set[str] = set()
+        #: The requests being handled, outermost first (an endpoint that waits serves
+        #: others inside it): the stop button reaches the innermost, and an outer one
+        #: cancelled meanwhile is interrupted once the inner ones are over.
+        self.active: list[str | None] = []
+        #: request -> the task its async endpoint runs as (started while another
+        #: endpoint awaited): cancelled when the stop button cancels that request.
+        self.tasks: dict[str, asyncio.Task[Any]] = {}
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:
@@ -233,11 +266,13 @@ class Inbox:
                 if seq > self.next_seq:
                     self.held[seq] = (msg, hdr)
                 return  # already handled, or a fan-out that does not name us (-1)
-        self.dispatch(msg, hdr)
+        # counted before it runs: a message served while it waits (pump) is the next one
         self.next_seq += 1
+        self.dispatch(msg, hdr)
         while self.next_seq in self.held:
-            self.dispatch(*self.held.pop(self.next_seq))
+            held = self.held.pop(self.next_seq)
             self.next_seq += 1
+            self.dispatch(*held)
 
     def _new_epoch(self, seq: int) -> None:
         """Messages of a later controller of a detachable mesh came: those of earlier
@@ -251,6 +286,11 @@ class Inbox:
         if isinstance(hdr, H.Hello):  # the connection probe: nothing to run, to flush
             return
         inbox_counts["messages"] += 1
+        if hdr.seq is not None and hdr.KIND in ACTOR_KINDS and self.busy:
+            name = hdr.actor if type(hdr) is H.Call else _actor_of(hdr)
+            if name in self.busy:  # after its current message (see actor_idle)
+                self.waiting.setdefault(name, collections.deque()).append((msg, hdr))
+                return
         if type(hdr) is H.Batch:
             self._run_batch(msg, hdr)
             return
@@ -284,9 +324,12 @@ class Inbox:
         context.current_request = hdr.request
         if request is not None:
             _mark(self.log_fd, _START)  # what it prints from here on is this request's
+        active = self.active
+        active.append(hdr.request)
         try:
             handler(msg, hdr, request)
         finally:
+            active.pop()
             sys.stdout.flush()
             sys.stderr.flush()
             if request is not None:
@@ -299,6 +342,40 @@ class Inbox:
             context.current_request = None
             if fanin:
                 self.outbox.fanin_close(request)  # type: ignore[arg-type]
+
+    def actor_idle(self, name: str) -> None:
+        """Actor ``name`` finished its message: start the controller messages that
+        waited for it, in order, until one keeps it busy (an async endpoint's task).
+        Main thread (called by the actors when one's message ends)."""
+        line = self.waiting.get(name)
+        if not line or name in self._draining:
+            return  # nothing waits, or an outer actor_idle is starting them
+        self._draining.add(name)
+        try:
+            while line and name not in self.busy:
+                msg, hdr = line.popleft()
+                saved = (context.current_request, context.current_actor, context.current_slice)
+                try:
+                    self.dispatch(msg, hdr)
+                finally:
+                    context.current_request, context.current_actor, context.current_slice = saved
+            if not line:
+                self.waiting.pop(name, None)
+        finally:
+            self._draining.discard(name)
+
+    def _interrupt_outer(self) -> None:
+        """The request that waits here (innermost of :attr:`active`) was cancelled
+        while a request it served ran (the stop button's signal went to that one):
+        interrupt it now, once."""
+        active = self.active
+        if not active or not self.main.in_user_code:
+            return
+        request = active[-1]
+        cancelled = self.main.cancelled
+        if request is not None and request in cancelled:
+            cancelled.discard(request)
+            raise KeyboardInterrupt("cancelled")
 
     def _run_batch(self, msg: Message, hdr: H.Batch) -> None:
         """Run the fire-and-forget calls of a (verified) ``batch`` in order, each as
@@ -360,11 +437,29 @@ class Inbox:
                     loop = self.loop = asyncio.new_event_loop()
                     loop.add_reader(int(self.sock.getsockopt(zmq.FD)), self.pump)
                 if loop.is_running():  # served while another endpoint awaits
-                    return Running(loop.create_task(_as_coroutine(result)))
+                    task = loop.create_task(_as_coroutine(result))
+                    request = context.current_request
+                    if request is not None:  # the stop button cancels it (_cancel_tasks)
+                        tasks = self.tasks
+                        tasks[request] = task
+                        task.add_done_callback(lambda _: tasks.pop(request, None))
+                        loop.call_later(IDLE_CHECK, self._watch_task, loop, task)
+                    return Running(task)
                 loop.call_soon(self.pump)  # anything that came before the reader saw it
                 result = loop.run_until_complete(result)
             return result
         except RankTerminated:
+            raise
+        except KeyboardInterrupt as exc:
+            if not exc.args and self.tasks:  # SIGINT (not "cancelled" said by us)
+                # The signal reaches only the stack; endpoints that run as tasks stop
+                # too: those of the requests cancelled (the stop button), or all of
+                # them for a bare interrupt() of the rank
+                if main.cancelled:
+                    self._cancel_tasks()
+                else:
+                    for task in list(self.tasks.values()):
+                        task.cancel()
             raise
         except BaseException as exc:
             # SIGTERM's RankTerminated raised inside native code that turned it into an
@@ -425,6 +520,7 @@ class Inbox:
         def check() -> None:
             if stop.done():
                 return
+            self._cancel_tasks()
             if not _work_left(loop) or self.deferred:
                 stop.set_result(None)
             else:
@@ -446,15 +542,29 @@ class Inbox:
 
         Calls from other ranks run now: an actor awaiting a call to another mesh that
         calls back into this one (ping-pong across meshes) must not wait for itself.
-        Messages from the controller (sequenced) are kept for after the endpoint, so
-        that the notebook's calls stay one at a time, in order."""
+        Messages from the controller (sequenced) to an actor run now too, in order
+        (:meth:`_starts_now`): actors are concurrent, so another actor's call does not
+        wait for this endpoint, and one to a busy actor waits in that actor's line
+        (:meth:`dispatch`, :meth:`actor_idle`). Every other controller message (a cell,
+        a ``push``), and all after it, is kept for after the endpoint; so is everything
+        while :meth:`idle` runs background tasks (the loop stops, they run outside)."""
         inbox = self.sock
+        deferred = self.deferred
+        while deferred and self._idle_stop is None and self._starts_now(deferred[0][1], True):
+            # kept back before this endpoint started (read while idle): may start now
+            kept, kept_hdr = deferred.popleft()
+            self._start_nested(kept, kept_hdr)
         while int(inbox.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             msg = self.decode(inbox.recv_multipart(zmq.NOBLOCK, copy=False))
             if msg is None:
                 continue
             hdr = H.decode_ordered(msg.header)
             if hdr.seq is not None:
+                if self._idle_stop is None and self._starts_now(hdr):
+                    # to another actor (or in that actor's line): it does not wait
+                    # for the endpoint that waits here
+                    self._start_nested(msg, hdr)
+                    continue
                 self.deferred.append((msg, hdr))
                 stop = self._idle_stop
                 if stop is not None and not stop.done():
@@ -465,6 +575,58 @@ class Inbox:
                 self.accept(msg, hdr)
             finally:
                 context.current_request, context.current_actor, context.current_slice = saved
+            self._interrupt_outer()
+
+    def _cancel_tasks(self) -> None:
+        """Cancel the tasks (:attr:`tasks`) of requests the stop button cancelled: the
+        control thread's SIGINT reaches only the code on the main thread's stack."""
+        cancelled = self.main.cancelled
+        if not cancelled or not self.tasks:
+            return
+        for request, task in list(self.tasks.items()):
+            if request in cancelled:
+                cancelled.discard(request)
+                task.cancel()
+
+    def _watch_task(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+        """While ``task`` runs, look every :data:`IDLE_CHECK` whether the stop button
+        cancelled its request (the loop may be busy with an endpoint that awaits)."""
+        if task.done():
+            return
+        self._cancel_tasks()
+        if not task.done():
+            loop.call_later(IDLE_CHECK, self._watch_task, loop, task)
+
+    def _start_nested(self, msg: Message, hdr: H.Ordered) -> None:
+        """Start controller message ``msg`` (the next in order) inside the endpoint that
+        waits here (see :meth:`pump`)."""
+        self.next_seq += 1
+        saved = (context.current_request, context.current_actor, context.current_slice)
+        try:
+            self.dispatch(msg, hdr)
+        finally:
+            context.current_request, context.current_actor, context.current_slice = saved
+        self._interrupt_outer()
+
+    def _starts_now(self, hdr: H.Ordered, head: bool = False) -> bool:
+        """Whether a controller message read while an endpoint waits runs now: the next
+        in order, nothing before it kept back (``head``: it is the first of those kept
+        back), and to an actor (:data:`ACTOR_KINDS`)."""
+        if not (
+            hdr.KIND in ACTOR_KINDS
+            and (head or not self.deferred)
+            and not self.held
+            and hdr.seq_for(self.rank) == self.next_seq
+        ):
+            return False
+        loop = self.loop
+        if loop is not None and loop.is_running():  # served by the loop: only a task
+            return self.starts_as_task(hdr)
+        return True
+
+
+def _never_a_task(hdr: H.Ordered) -> bool:
+    return False
 
 
 #: Seconds between looks, while :meth:`Inbox.idle` runs the event loop, at whether

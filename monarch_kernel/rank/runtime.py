@@ -37,9 +37,11 @@ from monarch_kernel.rank.device import bind_gpu
 from monarch_kernel.rank.inbox import Inbox, bind_peer, connect, dealer
 from monarch_kernel.rank.link import ControllerLink, serve_attached
 from monarch_kernel.rank.outbox import Outbox
+from monarch_kernel.rank.sharding import hooks as sharding_hooks
 from monarch_kernel.rank.signals import TERMINATED_CODE, MainThread, RankTerminated
 from monarch_kernel.rank.stdio import capture, display
 from monarch_kernel.rank.stdio.stdin import InputBridge
+from monarch_kernel.rank.tensors import make_handler as tensor_ops_handler
 from monarch_kernel.shape import Point
 from monarch_kernel.wire import Codec
 from monarch_kernel.wire import headers as H
@@ -107,6 +109,11 @@ class Rank:
         self.inbox.request_end = self.debugger
         self.actor_host = ActorHost(self.rank, self.outbox, self.main, self, self.owners)
         self.actors = self.actor_host.actors
+        # actors are concurrent: the inbox starts a busy actor's messages when it is free
+        self.inbox.busy = self.actor_host.busy
+        self.inbox.starts_as_task = self.actor_host.starts_as_task
+        self.actor_host.waiting = self.inbox.waiting
+        self.actor_host.on_idle = self.inbox.actor_idle
         cells = Cells(self.namespace, self.debugger, self, self.outbox)
         self.inbox.handlers.update(
             {
@@ -116,6 +123,7 @@ class Rank:
                 K.STOP_ACTOR: self.actor_host.stop,
                 K.SUPERVISE: self.actor_host.supervise,
                 K.DEBUG: cells.debug,
+                K.TENSOR_OPS: tensor_ops_handler(self.outbox),  # the tensor engine
             }
         )
         self.control = ControlThread(
@@ -200,6 +208,8 @@ class Rank:
         # per-step telemetry: torch's hooks, steps sent in batches, ``%mesh profile``
         outbox = self.outbox
         telemetry.install(self.rank, outbox.send_stats, outbox.reply, self.control.handlers)
+        # FSDP2's first forward compares the ranks' models; DTensor errors get a note
+        sharding_hooks.install()
         device = bind_gpu(self.config.local_rank)
         self.control.start()
         self.inbox.greet_host()

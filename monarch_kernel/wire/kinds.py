@@ -438,6 +438,11 @@ PEER_ACTOR = "peer_actor"  # rank -> controller: a rank spawned (stopped) actor 
 STOP_MESH = "stop_mesh"  # rank -> controller: stop a mesh it holds a reference to
 ASK = "ask"  # rank -> controller: an operation of the actor API (get_or_spawn_controller)
 DEBUG = "debug"  # post-mortem pdb on the rank's last failure (header "x": only release it)
+#: A batch of tensor-engine operations (``monarch_kernel.tensor_engine``): header ``n``
+#: (how many); payload a pickled list of ``wire.tensor_ops`` records, run in order on the
+#: rank's main thread. Fire and forget, or a request (``i``, ``w``) whose last record is a
+#: ``Fetch``: every rank of the mesh answers once it ran everything before it.
+TENSOR_OPS = "tensor_ops"
 
 # controller -> rank control thread (unordered, served while the main thread is busy)
 PUSH = "push"
@@ -482,7 +487,7 @@ STEPS = "steps"
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 12  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
+PROTOCOL_VERSION = 13  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
 # 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``;
 # 6: fan-in (``fan_in``, ``fan_direct``); 7: ``batch``; 8: ``host_stats``, slots
 # (``slot`` in ``spawn_ranks``, ranks named by their slot on the wire) and ``mesh_ref``;
@@ -491,4 +496,4 @@ PROTOCOL_VERSION = 12  # 2: the ``display`` kind; 3: large values travel as stre
 # subpackages (``controller/state``, ``rank/pg`` ...), so pickled class paths changed,
 # and ``spawn_ranks``' common part names the ``listener_key`` (was ``peer_key``); 11:
 # ``host_stats`` may carry the ranks' GPU stats (header ``g``); 12: step telemetry
-# (``steps``, ``host_steps``) and ``profile``
+# (``steps``, ``host_steps``) and ``profile``; 13: ``tensor_ops`` (the tensor engine)

@@ -76,6 +76,7 @@ from monarch_kernel.wire.headers.ordered import (
     Supervise,
     unbatch,
 )
+from monarch_kernel.wire.headers.tensors import TensorOps
 
 # -- the table ----------------------------------------------------------------------
 
@@ -121,6 +122,7 @@ AnyHeader: TypeAlias = (
     | FanInDirect
     | HostStats
     | HostSteps
+    | TensorOps
 )
 
 _CLASSES: tuple[Any, ...] = (
@@ -162,6 +164,7 @@ _CLASSES: tuple[Any, ...] = (
     FanInDirect,
     HostStats,
     HostSteps,
+    TensorOps,
 )
 #: kind -> the decoder of its header
 DECODERS: dict[str, Callable[[WireHeader], Any]] = {cls.KIND: cls.decode for cls in _CLASSES}
@@ -169,7 +172,17 @@ DECODERS.update(dict.fromkeys(ControlRequest.KINDS, ControlRequest.decode))
 DECODERS.update(dict.fromkeys(RankNotice.KINDS, RankNotice.decode))
 #: The kinds that go to a rank's inbox (its main thread, in ``q`` order).
 ORDERED_KINDS = frozenset(
-    {K.SPAWN_ACTOR, K.CALL, K.BATCH, K.EXEC, K.STOP_ACTOR, K.DEBUG, K.SUPERVISE, K.HELLO}
+    {
+        K.SPAWN_ACTOR,
+        K.CALL,
+        K.BATCH,
+        K.EXEC,
+        K.STOP_ACTOR,
+        K.DEBUG,
+        K.SUPERVISE,
+        K.HELLO,
+        K.TENSOR_OPS,
+    }
 )
 
 
@@ -252,6 +265,7 @@ __all__ = [
     "Display",
     "Supervise",
     "TakenOver",
+    "TensorOps",
     "WireAddress",
     "WireHeader",
     "decode",

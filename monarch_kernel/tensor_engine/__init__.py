@@ -1,0 +1,45 @@
+"""The tensor engine, controller side: the mesh as one device (Monarch's tensor engine).
+
+While a mesh is active (``with procs.activate():``), torch ops issued in the notebook
+create and operate on *mesh tensors*: one local tensor per rank, with shape and dtype
+computed here on FakeTensors before anything is sent; the ops stream to the ranks in
+order, batched, as ``tensor_ops`` messages; ``fetch_shard`` / ``inspect`` bring a rank's
+values back; an op that fails on a rank poisons its outputs and the next fetch of a
+dependent value raises :class:`RemoteException`. The rank side is
+:mod:`monarch_kernel.rank.tensors`; the records are :mod:`monarch_kernel.wire.tensor_ops`.
+
+Parts, lowest first: ``errors``, ``state`` (the activation stack), ``client`` (one per
+process mesh: refs, seqs, batching, drops, fetches), ``tensor`` (the ``Tensor`` wrapper
+subclass, the dispatch), ``mesh`` (``DeviceMesh``, activation, ``no_mesh``), ``fetch``,
+``moves`` (``slice_mesh``, ``to_mesh``), ``reductions``, ``remote_functions``.
+
+Face: ``Tensor``, ``DeviceMesh``, ``no_mesh``, ``get_active_mesh``, ``fetch_shard``,
+``inspect``, ``reduce``, ``reduce_``, ``remote``, ``call_on_shard_and_fetch``,
+``slice_mesh``, ``to_mesh``, ``RemoteException``.
+"""
+
+from monarch_kernel.tensor_engine.errors import RemoteException
+from monarch_kernel.tensor_engine.fetch import fetch_shard, inspect
+from monarch_kernel.tensor_engine.mesh import DeviceMesh, device_mesh, get_active_mesh, no_mesh
+from monarch_kernel.tensor_engine.moves import slice_mesh, to_mesh
+from monarch_kernel.tensor_engine.reductions import reduce, reduce_
+from monarch_kernel.tensor_engine.remote_functions import Remote, call_on_shard_and_fetch, remote
+from monarch_kernel.tensor_engine.tensor import Tensor
+
+__all__ = [
+    "DeviceMesh",
+    "RemoteException",
+    "Tensor",
+    "device_mesh",
+    "fetch_shard",
+    "get_active_mesh",
+    "inspect",
+    "no_mesh",
+    "reduce",
+    "reduce_",
+    "remote",
+    "Remote",
+    "slice_mesh",
+    "to_mesh",
+    "call_on_shard_and_fetch",
+]

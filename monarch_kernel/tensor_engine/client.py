@@ -1,0 +1,405 @@
+"""The controller's per-process-mesh state of the tensor engine: :class:`Client`.
+
+One client per process mesh (its requester) hands out refs and sequence numbers, buffers
+the records of the ops issued on the mesh's ranks and sends them as one ``tensor_ops``
+message per batch (fire and forget: never a round trip per op), queues the refs of mesh
+tensors the notebook dropped, keeps where each op was issued (for errors), and makes the
+fetches.
+
+Invariants:
+
+* Records for a set of ranks leave in issue order; the buffer holds records for one set of
+  ranks at a time (an op on another set sends the buffer first), so each rank sees its ops
+  in order.
+* A drop is sent after every op that used the ref: the drop is queued when the notebook
+  let go of the tensor, after it issued those ops, and goes at the end of a batch (or
+  alone, before a batch for other ranks starts).
+* A fetch goes to every rank of its mesh after everything issued before it.
+* An op that fails on a rank is shown once when nothing fetched it: when a notebook
+  cell ends, :meth:`Client.report` asks the ranks that ran ops since the last report for
+  their new root errors (after all sent before), waits up to :data:`REPORT_WAIT` for
+  them (what comes later is shown at a later cell's end) and leaves out those a fetch
+  already raised. Ranks answer reports in order and forget what they answered, so each
+  error comes once.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils._python_dispatch import _disable_current_modes
+
+from monarch_kernel.calls.future import Future
+from monarch_kernel.calls.gather import Gather
+from monarch_kernel.calls.reply import Reply
+from monarch_kernel.calls.requester import CallOptions, Requester
+from monarch_kernel.tensor_engine.errors import CellReport, Frame, RemoteException, Unfetched
+from monarch_kernel.wire.headers import TensorOps
+from monarch_kernel.wire.tensor_ops import (
+    ALL_SHARDS,
+    Drop,
+    Fetch,
+    FetchReply,
+    RankError,
+    Record,
+    Report,
+    ReportReply,
+)
+
+#: Records buffered before a batch is sent without waiting for a fetch.
+FLUSH_OPS = 256
+#: Dropped refs that make the next op send its batch (with the drops).
+FLUSH_DROPS = 1024
+#: How many ops' controller frames are kept for error messages (oldest forgotten first).
+MAX_FRAMES = 50_000
+#: Frames kept per op (innermost user frames).
+FRAMES_PER_OP = 6
+
+#: Seconds a cell's end waits for its ops to finish on the ranks, to show their errors
+#: under it; errors of ops still running then are shown at a later cell's end.
+REPORT_WAIT = 30.0
+#: Seqs of errors already raised or shown that are remembered (oldest forgotten first).
+MAX_SHOWN = 10_000
+
+_FETCH_OPTIONS = CallOptions(what="fetch_shard", waited=True)
+_REPORT_OPTIONS = CallOptions(what="tensor-engine errors at cell end")
+
+#: Filenames of frames that are not the user's (torch, this package).
+_SKIP_PREFIXES: tuple[str, ...] = ()
+
+
+def _skip_prefixes() -> tuple[str, ...]:
+    global _SKIP_PREFIXES
+    if not _SKIP_PREFIXES:
+        import os
+
+        import torch
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        _SKIP_PREFIXES = (os.path.dirname(torch.__file__), here, "<frozen ")
+    return _SKIP_PREFIXES
+
+
+def user_frames() -> tuple[Frame, ...]:
+    """The innermost frames of the caller outside torch and the tensor engine,
+    outermost first (cheap: no source lines read)."""
+    skip = _skip_prefixes()
+    frame = sys._getframe(1)
+    found: list[Frame] = []
+    while frame is not None and len(found) < FRAMES_PER_OP:
+        code = frame.f_code
+        if not code.co_filename.startswith(skip):
+            found.append((code.co_filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back  # type: ignore[assignment]
+    found.reverse()
+    return tuple(found)
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """What a fetch brought back: the shard's values (one per fetched ref); for a fetch
+    of every shard, ``every`` holds each rank's (in the mesh's rank order)."""
+
+    values: list[Any]
+    every: list[list[Any]] | None = None
+
+
+class Client:
+    """The tensor engine's state for one process mesh (see the module docstring)."""
+
+    def __init__(self, requester: Requester):
+        self.requester = requester
+        self._lock = threading.RLock()
+        self._next_ref = 0
+        self.seq = 0
+        self._pending: list[Record] = []
+        self._pending_ranks: tuple[int, ...] = ()
+        #: (ranks, ref) of mesh tensors the notebook dropped; appended from ``__del__``
+        #: (any thread, any time: a deque's append is atomic), taken by :meth:`flush`.
+        self._dropped: collections.deque[tuple[tuple[int, ...], int]] = collections.deque()
+        #: a drop of a tensor on other ranks than the batch's waits (see :meth:`issue`)
+        self._foreign_drops = False
+        self._frames: dict[int, tuple[Frame, ...]] = {}
+        self.ops_issued = 0
+        self.messages_sent = 0
+        #: ranks sent ops (not only drops) since the last report
+        self._unreported_ranks: set[int] = set()
+        #: report requests not all answered yet, oldest first
+        self._reports: list[_Report] = []
+        #: the report sent since the last :meth:`report`, if any (then it waits)
+        self._fresh: _Report | None = None
+        #: seqs of failed ops a fetch raised or a report showed (insertion-ordered)
+        self._shown: dict[int, None] = {}
+
+    # -- naming ----------------------------------------------------------------------
+    def new_ref(self) -> int:
+        """A fresh mesh tensor ref."""
+        ref = self._next_ref
+        self._next_ref = ref + 1
+        return ref
+
+    def new_seq(self) -> int:
+        """A fresh op sequence number; remembers where in the notebook it was issued."""
+        seq = self.seq
+        self.seq = seq + 1
+        frames = self._frames
+        frames[seq] = user_frames()
+        if len(frames) > MAX_FRAMES:
+            for old in list(frames)[: MAX_FRAMES // 2]:
+                del frames[old]
+        return seq
+
+    def frames(self, seq: int) -> tuple[Frame, ...]:
+        """Where op ``seq`` was issued (empty once forgotten)."""
+        return self._frames.get(seq, ())
+
+    # -- sending ---------------------------------------------------------------------
+    def issue(self, ranks: tuple[int, ...], record: Record) -> None:
+        """Queue ``record`` for ``ranks`` (sent in order, batched)."""
+        with self._lock:
+            if (
+                (self._pending or self._dropped) and ranks != self._pending_ranks
+            ) or self._foreign_drops:
+                # A batch for other ranks, or drops of tensors on other ranks: what is
+                # buffered goes first, drops included (a drop may always wait; sent
+                # before the ops issued after it, the ranks' memory follows the notebook).
+                self._flush_locked()
+            self._pending_ranks = ranks
+            self._pending.append(record)
+            self.ops_issued += 1
+            if len(self._pending) >= FLUSH_OPS or len(self._dropped) >= FLUSH_DROPS:
+                self._flush_locked()
+
+    def drop(self, ranks: tuple[int, ...], ref: int) -> None:
+        """The notebook let go of mesh tensor ``ref`` (safe from ``__del__``)."""
+        self._dropped.append((ranks, ref))
+        if ranks != self._pending_ranks:
+            self._foreign_drops = True
+
+    def flush(self) -> None:
+        """Send what is buffered (ops, then drops)."""
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        self._foreign_drops = False
+        drops: dict[tuple[int, ...], list[int]] = {}
+        dropped = self._dropped
+        while dropped:
+            ranks, ref = dropped.popleft()
+            drops.setdefault(ranks, []).append(ref)
+        pending, ranks = self._pending, self._pending_ranks
+        if pending or ranks in drops:
+            mine = drops.pop(ranks, None)
+            if mine:
+                pending.append(Drop(tuple(mine)))
+            self._pending = []
+            self._send(ranks, pending)
+        for other, refs in drops.items():  # no ops pending there: order is kept
+            self._send(other, [Drop(tuple(refs))])
+
+    def _send(self, ranks: Sequence[int], records: list[Record]) -> None:
+        with _disable_current_modes():  # constants pickle as plain tensors
+            payload = pickle.dumps(records, protocol=5)
+        header = TensorOps(count=len(records)).encode()
+        self.requester.send(list(ranks), header, payload, ())
+        self.messages_sent += 1
+        if len(records) > 1 or type(records[0]) is not Drop:
+            self._unreported_ranks.update(ranks)
+
+    # -- values back -----------------------------------------------------------------
+    def fetch(self, ranks: tuple[int, ...], refs: tuple[int, ...], shard: int) -> Future[Fetched]:
+        """Fetch ``refs`` from rank ``shard``; every rank of ``ranks`` answers (after all
+        it was sent before), and an error any of them holds for a ref fails the fetch."""
+        with self._lock:
+            self._flush_locked()
+            gather = Gather(list(ranks), None, self.requester.waiter)
+            out: Future[Fetched] = Future(
+                lambda _: self._finish(gather, ranks, shard), self.requester.waiter
+            )
+            gather.future.add_done_callback(lambda _: _complete(out))
+            payload = pickle.dumps([Fetch(refs, shard)], protocol=5)
+            header = TensorOps(count=1).encode()
+            self.requester.request(list(ranks), header, payload, (), gather, _FETCH_OPTIONS)
+            self.messages_sent += 1
+        return out
+
+    def _finish(self, gather: Gather, ranks: tuple[int, ...], shard: int) -> Fetched:
+        # unpickled as plain local tensors, even while a mesh is active
+        with _disable_current_modes():
+            return self._finish_plain(gather, ranks, shard)
+
+    def _finish_plain(self, gather: Gather, ranks: tuple[int, ...], shard: int) -> Fetched:
+        replies: list[FetchReply] = gather.future.get().values()  # type: ignore[assignment]
+        errors: list[RankError] = [err for reply in replies for _, err in reply.errors]
+        if errors:
+            # the root cause: the earliest op that failed (a missing ref has seq -1)
+            root = min(errors, key=lambda e: (e.seq < 0, e.seq, e.rank))
+            self._mark_shown(root.seq)
+            raise RemoteException(root, self.frames(root.seq))
+        if shard == ALL_SHARDS:
+            every = [r.values or [] for r in replies]
+            return Fetched(every[0], every)
+        values = replies[ranks.index(shard)].values
+        assert values is not None
+        return Fetched(values)
+
+    # -- errors nothing fetched ------------------------------------------------------
+    def _mark_shown(self, seq: int) -> None:
+        shown = self._shown
+        shown[seq] = None
+        if len(shown) > MAX_SHOWN:
+            for old in list(shown)[: MAX_SHOWN // 2]:
+                del shown[old]
+
+    def start_report(self) -> None:
+        """Send what is buffered and ask the ranks that ran ops since the last report
+        for the errors of those that failed (see :meth:`report`)."""
+        with self._lock:
+            self._flush_locked()
+            ranks = sorted(self._unreported_ranks)
+            if not ranks:
+                return
+            self._unreported_ranks = set()
+            report = _Report(ranks, self.requester.waiter)
+            payload = pickle.dumps([Report()], protocol=5)
+            header = TensorOps(count=1).encode()
+            self.requester.request(ranks, header, payload, (), report, _REPORT_OPTIONS)
+            self.messages_sent += 1
+            self._reports.append(report)
+            self._fresh = report
+
+    def report(self, deadline: float) -> CellReport:
+        """The errors of failed ops that the answered reports bring and no fetch raised
+        (each shown once). When :meth:`start_report` sent one since the previous call,
+        waits for the pending reports until ``deadline`` (``time.monotonic``); else only
+        takes those answered (a rank busy for long delays the ends of the cells that
+        issue ops, not of every cell). Reports not answered yet are read by a later
+        call. One entry per failed op: the lowest rank's error, with every rank it
+        failed on."""
+        fresh, self._fresh = self._fresh, None
+        if fresh is not None:
+            for pending in self._reports:
+                try:
+                    pending.future.get(timeout=max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    break
+        errors: list[RankError] = []
+        more = 0
+        kept = []
+        for report in self._reports:
+            if not report.future.done():
+                kept.append(report)
+                continue
+            failed, extra = report.failed()
+            errors.extend(failed)
+            more += extra
+        self._reports = kept
+        by_seq: dict[int, list[RankError]] = {}
+        for err in errors:
+            if err.seq not in self._shown:
+                by_seq.setdefault(err.seq, []).append(err)
+        unfetched = []
+        for seq in sorted(by_seq):
+            found = sorted(by_seq[seq], key=lambda e: e.rank)
+            self._mark_shown(seq)
+            unfetched.append(
+                Unfetched(RemoteException(found[0], self.frames(seq)), tuple(e.rank for e in found))
+            )
+        return CellReport(unfetched, more)
+
+
+class _Report:
+    """The observer of a report request: each rank's answer, done once every rank
+    answered or was lost (a lost rank's errors are gone with it)."""
+
+    def __init__(self, ranks: list[int], waiter: Any):
+        self._lock = threading.Lock()
+        self._waiting = set(ranks)
+        self._replies: list[Reply] = []
+        self.future: Future[None] = Future(None, waiter)
+
+    def on_reply(self, reply: Reply) -> None:
+        self._answered(reply.rank, reply)
+
+    def on_lost(self, rank: int, error: BaseException) -> None:
+        self._answered(rank, None)
+
+    def renumber(self, mapping: dict[int, int]) -> None:
+        """The mesh's ranks were renumbered (elastic meshes)."""
+        with self._lock:
+            self._waiting = {mapping.get(r, -1 - r) for r in self._waiting}
+
+    def _answered(self, rank: int, reply: Reply | None) -> None:
+        with self._lock:
+            if reply is not None:
+                self._replies.append(reply)
+            self._waiting.discard(rank)
+            done = not self._waiting
+        if done:
+            self.future.set_result(None)
+
+    def failed(self) -> tuple[list[RankError], int]:
+        """The root errors the ranks answered, and how many more they left out."""
+        errors: list[RankError] = []
+        more = 0
+        for reply in self._replies:
+            if not reply.ok:
+                continue
+            try:
+                value = reply.value("the tensor-engine errors at cell end")
+            except Exception:
+                continue
+            if isinstance(value, ReportReply):
+                errors.extend(value.failed)
+                more += value.more
+        return errors, more
+
+
+def _complete(fut: Future[Any]) -> None:
+    fut.set_result(None)
+
+
+#: requester id -> its client (the requester is held by the client)
+_clients: dict[int, Client] = {}
+_clients_lock = threading.Lock()
+
+
+def client_for(requester: Requester) -> Client:
+    """The one :class:`Client` of ``requester``'s process mesh."""
+    with _clients_lock:
+        client = _clients.get(id(requester))
+        if client is None or client.requester is not requester:
+            client = _clients[id(requester)] = Client(requester)
+        return client
+
+
+def report_all(wait: float | None = None) -> CellReport:
+    """A cell ended: send every client's buffered ops, and the errors of failed ops that
+    nothing fetched (waiting up to ``wait`` seconds, :data:`REPORT_WAIT` by default, in
+    all for the ranks to run them). ``KeyboardInterrupt`` while waiting leaves the rest
+    to a later call."""
+    clients = list(_clients.values())
+    for client in clients:
+        try:
+            client.start_report()
+        except Exception:  # a stopped mesh: its ops have nowhere to go
+            client._reports.clear()
+    deadline = time.monotonic() + (REPORT_WAIT if wait is None else wait)
+    out = CellReport([], 0)
+    for client in clients:
+        try:
+            got = client.report(deadline)
+        except Exception:  # a mesh stopped meanwhile
+            client._reports.clear()
+            continue
+        out.unfetched.extend(got.unfetched)
+        out.more += got.more
+    return out

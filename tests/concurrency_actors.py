@@ -1,0 +1,85 @@
+"""Actor classes of tests/test_actor_concurrency.py (importable by ranks through sys.path):
+two kinds of actor (sync and async endpoints) that call each other on the same ranks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from monarch_kernel.actor import Actor, current_rank, endpoint
+
+#: Opened by a call to one actor, awaited by another's endpoint on the same rank (one
+#: per rank process: module state is shared by the actors of a rank).
+_GATES: dict[str, asyncio.Event] = {}
+
+
+def _gate(name: str) -> asyncio.Event:
+    return _GATES.setdefault(name, asyncio.Event())
+
+
+class SyncCallee(Actor):
+    @endpoint
+    def g(self, x: int) -> int:
+        return x + current_rank().rank
+
+    @endpoint
+    def open_gate(self, name: str) -> str:
+        _gate(name).set()
+        return "opened"
+
+
+class AsyncCallee(Actor):
+    @endpoint
+    async def g(self, x: int) -> int:
+        await asyncio.sleep(0)
+        return x + current_rank().rank
+
+    @endpoint
+    async def open_gate(self, name: str) -> str:
+        _gate(name).set()
+        return "opened"
+
+
+class SyncCaller(Actor):
+    """Calls the other mesh (on the same ranks) on every rank from a sync endpoint."""
+
+    def __init__(self, other: Any) -> None:
+        self.other = other
+
+    @endpoint
+    def f(self, x: int) -> int:
+        return sum(self.other.g.call(x).get(timeout=30).values())
+
+
+class AsyncCaller(Actor):
+    """The same from an async endpoint; also awaits gates and records its calls' order."""
+
+    def __init__(self, other: Any) -> None:
+        self.other = other
+        self.seen: list[int] = []
+
+    @endpoint
+    async def f(self, x: int) -> int:
+        return sum((await self.other.g.call(x)).values())
+
+    @endpoint
+    async def wait_gate(self, name: str) -> str:
+        print(f"waiting at {name}", flush=True)
+        await _gate(name).wait()
+        _GATES.pop(name, None)
+        return "released"
+
+    @endpoint
+    async def record(self, i: int) -> list[int]:
+        self.seen.append(i)
+        await asyncio.sleep(0)
+        return list(self.seen)
+
+
+class Dies(Actor):
+    @endpoint
+    async def die(self) -> None:
+        import os
+
+        print("about to die", flush=True)
+        os._exit(7)

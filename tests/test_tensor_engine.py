@@ -1,0 +1,593 @@
+"""The tensor engine (issue 50): the mesh as one device, from the controller.
+
+Real ranks (a local 2x2 mesh shared by the module, started without a kernel as
+``this_host().spawn_procs``), real sockets; two tests through a real kernel. The first
+tests are Monarch's ``python/tests/test_tensor_engine.py`` ported (imports changed,
+``cuda`` read as ``cpu``, 2 GPUs as the 2x2 mesh's ranks); the rest hold the behaviour
+``shared/TENSOR_ENGINE.md`` describes: shapes on the controller, ops batched, values
+fetched only once every rank ran them, errors as poisoned outputs (and those nothing
+fetched shown once at a cell's end), drops freed on the ranks, reductions over gloo,
+remote functions.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import monarch_kernel
+from monarch_kernel import fetch_shard, inspect, reduce, reduce_, remote
+from monarch_kernel.mesh_controller import RemoteException, spawn_tensor_engine
+from monarch_kernel.tensor_engine import Tensor, get_active_mesh, no_mesh
+from monarch_kernel.tensor_engine import client as te_client
+
+
+@pytest.fixture(scope="module")
+def pm():
+    """A 2x2 mesh (``host`` x ``gpus``) shared by the module; checked for orphans after."""
+    from conftest import wait_no_orphans
+
+    from monarch_kernel.actor import this_host
+
+    procs = this_host().spawn_procs(per_host={"host": 2, "gpus": 2})
+    yield procs
+    procs.stop()
+    left = wait_no_orphans()
+    assert not left, f"mesh left processes behind: {[p.pid for p in left]}"
+
+
+def _client(pm):
+    return spawn_tensor_engine(pm).client
+
+
+# -- Monarch's tests, ported ---------------------------------------------------------------
+
+
+def test_tensor_engine(pm):
+    dm = spawn_tensor_engine(pm)
+    with dm.activate():
+        r = monarch_kernel.inspect(2 * torch.zeros(3, 4))
+
+    fm = dm.flatten("all")
+    with fm.activate():
+        f = monarch_kernel.inspect(2 * torch.zeros(3, 4), all=1)
+
+    assert torch.allclose(torch.zeros(3, 4), r)
+    assert torch.allclose(torch.zeros(3, 4), f)
+
+    @remote(propagate=lambda x: x)
+    def nope(x):
+        raise ValueError("nope")
+
+    with pytest.raises(monarch_kernel.mesh_controller.RemoteException), dm.activate():
+        monarch_kernel.inspect(nope(torch.zeros(3, 4)))
+
+    dm.exit()
+
+
+def test_proc_mesh_tensor_engine(pm):
+    with pm.activate():
+        f = 10 * pm.rank_tensor("gpus").cpu()
+        a = monarch_kernel.inspect(f, host=0, gpus=0)
+        b = monarch_kernel.inspect(f, host=0, gpus=1)
+
+    one = pm.slice(gpus=1)
+    with one.activate():
+        sliced_b = monarch_kernel.slice_mesh(f, gpus=1).to_mesh(one)
+        c = monarch_kernel.inspect(sliced_b * 10, host=0)
+    assert a == 0
+    assert b == 10
+    assert c == 100
+
+
+# -- mesh tensors --------------------------------------------------------------------------
+
+
+def test_ops_under_activate_make_mesh_tensors_with_one_value_per_rank(pm):
+    with pm.activate():
+        x = torch.rand(3, 4)
+        y = x @ torch.ones(4, 2, dtype=torch.float32) + 1
+        assert isinstance(y, Tensor) and y.shape == (3, 2) and y.dtype == torch.float32
+        assert "monarch_kernel.Tensor" in repr(y) and "(3, 2)" in repr(y)
+        values = [inspect(x, host=h, gpus=g) for h in (0, 1) for g in (0, 1)]
+        assert all(v.shape == (3, 4) and not isinstance(v, Tensor) for v in values)
+        # torch.rand gives each rank its own values (Monarch's rule)
+        assert len({tuple(v.flatten().tolist()) for v in values}) == 4
+        got = inspect(y, host=1, gpus=0)
+    assert torch.allclose(got, values[2] @ torch.ones(4, 2) + 1)
+
+
+def test_activation_starts_at_the_call_nests_and_ends_in_order(pm):
+    with pytest.raises(ValueError, match="no device mesh is active"):
+        get_active_mesh()
+    outer = pm.activate()  # active now, before any `with`
+    try:
+        assert get_active_mesh() == spawn_tensor_engine(pm)
+        inner = pm.slice(host=1).activate()
+        assert get_active_mesh() == spawn_tensor_engine(pm.slice(host=1))
+        t = torch.ones(2)
+        assert isinstance(t, Tensor) and t.mesh == spawn_tensor_engine(pm.slice(host=1))
+        with pytest.raises(RuntimeError, match="reverse order"):
+            outer.deactivate()
+        inner.deactivate()
+        assert get_active_mesh() == spawn_tensor_engine(pm)
+        with no_mesh.activate():
+            local = torch.ones(2) + 1
+            assert type(local) is torch.Tensor
+            assert inspect(t + 1, gpus=1) is not None  # mesh tensors still run remotely
+    finally:
+        outer.deactivate()
+    assert type(torch.ones(1)) is torch.Tensor
+    # ops on mesh tensors outside any activation still run on their ranks
+    assert inspect(t * 3, gpus=0).tolist() == [3.0, 3.0]
+
+
+def test_a_bad_shape_raises_in_the_cell_and_nothing_is_sent(pm):
+    client = _client(pm)
+    with pm.activate():
+        a = torch.ones(3, 4)
+        before = client.ops_issued
+        with pytest.raises(RuntimeError, match="same reduction dim|shapes cannot be multiplied"):
+            a @ torch.ones(3, 3)
+        # only the ones() was issued; the matmul never was
+        assert client.ops_issued == before + 1
+        with pytest.raises(RuntimeError, match="needs the values of a mesh tensor"):
+            a.sum().item()
+
+
+def test_rank_tensors(pm):
+    with pm.activate():
+        h, g = pm.rank("host"), pm.rank("gpus")
+        both = pm.rank(("host", "gpus"))
+        assert h.dtype == torch.long and h.shape == ()
+        every = spawn_tensor_engine(pm).ranks
+        for host in (0, 1):
+            for gpu in (0, 1):
+                got = inspect((h, g, both, every), host=host, gpus=gpu)
+                assert [int(v) for v in got] == [host, gpu, 2 * host + gpu, 2 * host + gpu]
+    with pytest.raises(KeyError):
+        pm.rank("nope")
+
+
+def test_ops_stream_to_the_ranks_batched(pm):
+    client = _client(pm)
+    with pm.activate():
+        t = torch.zeros(4)
+        sent = client.messages_sent
+        for _ in range(2048):
+            t = t + 1
+        assert inspect(t, host=1, gpus=1).tolist() == [2048.0] * 4
+    # 2048 ops (and their drops) in a handful of messages, never one per op
+    assert client.messages_sent - sent <= 2048 // te_client.FLUSH_OPS + 3
+
+
+def test_dropped_tensors_are_freed_on_the_ranks(pm):
+    with pm.activate():
+        anchor = torch.zeros(1)
+        inspect(anchor)
+        kept = [torch.ones(16) for _ in range(50)]
+        inspect(kept[0])
+        live = monarch_kernel.inspect(_count_refs(), host=0, gpus=0)
+        del kept
+        gc.collect()
+        inspect(anchor + 1)  # the drops travel with the next ops
+        after = monarch_kernel.inspect(_count_refs(), host=0, gpus=0)
+    # the 50 and the anchor; then the anchor and what was not yet dropped
+    assert live >= 51 and after <= 3, (live, after)
+
+
+@remote(propagate=lambda: torch.zeros((), dtype=torch.long))
+def _count_refs():
+    from monarch_kernel.rank.tensors.worker import current
+
+    worker = current()
+    assert worker is not None
+    return torch.tensor(len(worker.refs))
+
+
+def test_explicit_drop_and_wrong_mesh_raise_at_the_op(pm):
+    with pm.activate():
+        t = torch.ones(2)
+        assert isinstance(t, Tensor)
+        t.drop()
+        assert t.dropped
+        with pytest.raises(TypeError, match="DROPPED"):
+            torch.add(t, 1)
+        with pytest.raises(TypeError):  # torch turns an operator's TypeError into its own
+            t + 1
+        a = torch.ones(2)
+    with pm.slice(host=0).activate():
+        b = torch.ones(2)
+    with pytest.raises(TypeError, match="WRONG_MESH"):
+        torch.mul(a, b)
+
+
+def test_a_module_built_under_activate_trains_with_autograd_on_the_controller(pm):
+    with pm.activate():
+        torch.manual_seed(0)  # the controller's seed: the ranks' values differ anyway
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        assert all(isinstance(p, Tensor) for p in model.parameters())
+        x = torch.ones(5, 4)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        assert all(isinstance(g, Tensor) for g in grads)
+        params = inspect([p.detach() for p in model.parameters()], host=0, gpus=1)
+        got = inspect(grads, host=0, gpus=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.step()
+        stepped = inspect(next(model.parameters()).detach(), host=0, gpus=1)
+    # the same computation locally on rank (0, 1)'s values
+    local = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    with torch.no_grad():
+        for p, v in zip(local.parameters(), params):
+            p.copy_(v)
+    local(torch.ones(5, 4)).pow(2).mean().backward()
+    for p, g in zip(local.parameters(), got):
+        assert p.grad is not None and torch.allclose(p.grad, g, atol=1e-6)
+    assert torch.allclose(stepped, params[0] - 0.1 * got[0], atol=1e-6)
+
+
+# -- values back and errors ----------------------------------------------------------------
+
+
+def test_fetch_shard_is_a_future_and_inspect_takes_every_dim(pm):
+    with pm.activate():
+        t = pm.rank("gpus") + 100
+        fut = fetch_shard({"a": t, "b": 7}, host=1, gpus=1)
+        assert fut.get() == {"a": 101, "b": 7}
+        assert fut.result() == {"a": 101, "b": 7}
+        assert fetch_shard(t, {"host": 0, "gpus": 1}).result() == 101
+        assert inspect(t) == 100  # no coordinates: the mesh's first rank
+        with pytest.raises(ValueError, match="Missing key"):
+            inspect(t, gpus=1)
+
+
+def test_a_failure_on_one_rank_fails_the_fetch_of_any_shard_and_names_it(pm):
+    with pm.activate():
+        bad = torch.zeros(3).index_select(0, pm.rank("gpus") + 2)  # fails where gpus=1
+        dependent = (bad * 2).sum()
+        independent = torch.ones(2) + 1
+        assert inspect(independent).tolist() == [2.0, 2.0]
+        with pytest.raises(RemoteException) as info:
+            inspect(dependent, host=0, gpus=0)  # rank 0 itself ran it fine
+        err = info.value
+        assert err.rank == 1 and err.error_type == "IndexError"
+        assert "index out of range" in err.worker_error_string
+        # the controller line that issued the failing op
+        with open(__file__) as f:
+            source = f.read().splitlines()
+        assert any(
+            name == __file__ and "index_select" in source[line - 1]
+            for name, line, _ in err.controller_frames
+        ), err.controller_frames
+        assert "rank 1" in str(err) and "index_select" in str(err)
+        # independent values still fetch, and the ranks stay alive and usable
+        assert inspect(independent * 3, host=1, gpus=1).tolist() == [6.0, 6.0]
+
+
+def test_an_in_place_op_that_fails_poisons_what_it_mutates(pm):
+    with pm.activate():
+        t = torch.ones(2, 2)
+        t.add_(torch.ones(3, 3)[:2, :2] * 0)  # fine
+        bad = remote(_raise_on_rank_three, propagate=_writes_its_input)
+        bad(t)
+        with pytest.raises(RemoteException) as info:
+            inspect(t + 1, host=0, gpus=0)
+        assert info.value.rank == 3 and "on purpose" in info.value.message
+
+
+def test_failed_ops_nothing_fetched_are_reported_once_at_cell_end(pm):
+    te_client.report_all(wait=60)  # what earlier tests left unfetched
+    with pm.activate():
+        bad = torch.zeros(3).index_select(0, pm.rank("gpus") + 2)  # fails where gpus=1
+        everywhere = torch.zeros(3).index_select(0, pm.rank("gpus") + 5)
+        dependent = (bad * 2).sum()  # poisoned by ``bad``: not a failure of its own
+        raised = torch.zeros(3).index_select(0, pm.rank("host") + 4)
+        with pytest.raises(RemoteException):
+            inspect(raised)  # raised by a fetch: not reported again
+        ok = torch.ones(2) + 1
+    report = te_client.report_all(wait=60)  # what a notebook cell's end shows
+    assert [u.ranks for u in report.unfetched] == [(1, 3), (0, 1, 2, 3)], report.text()
+    first = report.unfetched[0].error
+    assert first.rank == 1 and first.error_type == "IndexError"
+    with open(__file__) as f:
+        source = f.read().splitlines()
+    assert any(
+        name == __file__ and 'rank("gpus") + 2' in source[line - 1]
+        for name, line, _ in first.controller_frames
+    ), first.controller_frames
+    text = report.text()
+    assert "failed on ranks 1, 3 and nothing fetched" in text
+    assert "Traceback on rank 1" in text and "index out of range" in text
+    assert 'rank("host") + 4' not in text
+    # each error is shown once; a fetch of a dependent value still raises it
+    assert te_client.report_all(wait=60).text() == ""
+    with pytest.raises(RemoteException) as info:
+        inspect(dependent)
+    assert info.value.seq == first.seq
+    assert inspect(ok).tolist() == [2.0, 2.0]
+    assert not te_client.report_all(wait=60).unfetched
+    del everywhere
+
+
+def test_an_error_past_the_cell_end_wait_shows_at_a_later_cell_end(pm, tmp_path):
+    te_client.report_all(wait=60)  # what earlier tests left unfetched
+    go = tmp_path / "go"
+    fail_later = remote(_fail_once_told, propagate=lambda x, path: x)
+    with pm.activate():
+        late = fail_later(torch.ones(2), str(go))
+    # a cell end that does not wait: the op is still running on the ranks
+    assert not te_client.report_all(wait=0).unfetched
+    go.touch()  # now the op fails on every rank
+    with pm.activate():
+        later = torch.ones(1) + 1  # a later cell that issues ops waits for what is pending
+    report = te_client.report_all(wait=60)
+    assert [u.ranks for u in report.unfetched] == [(0, 1, 2, 3)], report.text()
+    assert report.unfetched[0].error.message == "failed late"
+    assert "fail_later(torch.ones(2), str(go))" in report.text(), report.text()
+    del late, later
+
+
+def _fail_once_told(x, path):
+    import os
+    import time
+
+    while not os.path.exists(path):  # the test says when
+        time.sleep(0.01)
+    raise ValueError("failed late")
+
+
+def _writes_its_input(x):
+    x.add_(1)  # on the fake: the op is known to write ``x``
+
+
+def _raise_on_rank_three(x):
+    from monarch_kernel.rank.context import current_rank
+
+    x.add_(1)  # ranks other than 3 mutate it fine
+    if current_rank().rank == 3:
+        x.mul_(0)
+        raise RuntimeError("failed on purpose")
+
+
+def test_a_rank_death_fails_the_pending_fetch_with_its_cause(mesh2):
+    from monarch_kernel.calls.errors import RankDiedError
+
+    with mesh2.activate():
+        t = torch.ones(2)
+        remote(_exit_on_rank_one, propagate="inspect")(t)
+        y = t + 1
+        with pytest.raises(RankDiedError, match="rank 1 .* died: exit code 3"):
+            inspect(y)
+
+
+def _exit_on_rank_one(x):
+    import os
+
+    from monarch_kernel.rank.context import current_rank
+
+    if current_rank().rank == 1:
+        os._exit(3)
+
+
+# -- reductions over gloo ------------------------------------------------------------------
+
+
+def test_reduce_over_named_dims(pm):
+    with pm.activate():
+        r = pm.rank(("host", "gpus")).float()  # 0 1 / 2 3
+        assert inspect(reduce(r, (), "sum"), host=1, gpus=1) == 6
+        assert inspect(r.reduce("gpus"), host=1, gpus=0) == 5
+        assert inspect(reduce(r, "host", "avg"), host=0, gpus=1) == 2
+        assert inspect(reduce(r + 1, ("host", "gpus"), "product")) == 24
+        assert inspect(reduce(r, "gpus", "min"), host=1, gpus=1) == 2
+        assert inspect(reduce(r, "host", "max"), host=0, gpus=0) == 2
+        assert inspect(reduce(r, "host", "stack"), host=0, gpus=1).tolist() == [1, 3]
+        bits = pm.rank("gpus") + 1  # 1, 2
+        assert inspect(reduce(bits, "gpus", "bor")) == 3
+        # reduce-scatter and all-to-all along dim 0
+        x = torch.ones(4) * (r + 1)
+        assert inspect(reduce(x, (), "sum", scatter=True), host=1, gpus=1).tolist() == [10.0]
+        y = torch.arange(4).float() + 10 * r
+        a2a = reduce(y, (), "stack", scatter=True)
+        assert inspect(a2a, host=0, gpus=1).tolist() == [1.0, 11.0, 21.0, 31.0]
+        z = r.clone()
+        assert reduce_(z, "gpus", "sum") is z
+        assert inspect(z, host=1, gpus=1) == 5
+
+
+def test_reduce_errors_at_the_call_and_a_poisoned_input_joins_with_zeros(pm):
+    with pm.activate():
+        r = pm.rank("gpus").float()
+        with pytest.raises(KeyError):
+            reduce(r, "nope")
+        with pytest.raises(ValueError, match="same dimension twice"):
+            reduce(r, ("gpus", "gpus"))
+        with pytest.raises(TypeError, match="divisible"):
+            reduce(torch.ones(3), "gpus", scatter=True)
+        with pytest.raises(NotImplementedError):
+            reduce(r, "gpus", mesh=spawn_tensor_engine(pm))
+        bad = torch.zeros(3).index_select(0, pm.rank("gpus") + 2)  # fails where gpus=1
+        s = reduce(bad, "gpus")
+        with pytest.raises(RemoteException):
+            inspect(s, host=0, gpus=0)
+        # the collective completed on every rank (nobody hangs): the next one works
+        assert inspect(reduce(r, "gpus"), host=1, gpus=1) == 1
+
+
+# -- remote functions ----------------------------------------------------------------------
+
+
+def test_remote_functions_on_mesh_tensors(pm):
+    add = remote("torch.add")
+    with pm.activate():
+        a = pm.rank("gpus").float()
+        b = add(a, 5)
+        assert isinstance(b, Tensor)
+        assert inspect(b, host=0, gpus=1) == 6
+
+        @remote(propagate=lambda x: (x.clone(), x.clone()))
+        def split(x):
+            return x * 2, x * 3
+
+        two, three = split(a)
+        assert inspect((two, three), host=1, gpus=1) == (2, 3)
+    with pytest.raises(ValueError, match="requires an active proc_mesh"):
+        remote(split)()
+
+
+def test_slice_mesh_sees_the_same_local_tensors_and_to_mesh_copies(pm):
+    with pm.activate():
+        t = pm.rank(("host", "gpus")).float() + torch.zeros(2)
+        part = t.slice_mesh(host=1)
+        assert part.mesh == spawn_tensor_engine(pm.slice(host=1))
+        assert inspect(part, gpus=1).tolist() == [3.0, 3.0]
+        copy = monarch_kernel.to_mesh(part, pm.slice(host=1))
+        part.add_(1)  # a view: t sees it on those ranks; the copy does not
+        assert inspect(t, host=1, gpus=0).tolist() == [3.0, 3.0]
+        assert inspect(copy, gpus=0).tolist() == [2.0, 2.0]
+        with pytest.raises(NotImplementedError, match="other ranks"):
+            monarch_kernel.to_mesh(part, pm.slice(host=0))
+
+
+def test_call_on_shard_and_fetch(pm):
+    with pm.activate():
+        t = pm.rank(("host", "gpus")) * 2
+        fut = monarch_kernel.call_on_shard_and_fetch(_describe, t, shard={"host": 1, "gpus": 0})
+        assert fut.get() == {"value": 4, "rank": 2}
+        assert monarch_kernel.call_on_shard_and_fetch(_describe, t).result()["rank"] == 0
+
+
+def test_the_notebook_table_shows_every_rank(pm):
+    with pm.activate():
+        t = pm.rank(("host", "gpus")) * torch.ones(2, dtype=torch.long)
+        html = t._repr_html_()
+        assert html.count("<tr>") == 5 and "[3, 3]" in html and "int64" in html
+        big = torch.zeros(100)
+        assert isinstance(big, Tensor)
+        assert "<td>(100,)</td>" in big._repr_html_()  # no values: inspect() for those
+        bad = torch.zeros(3).index_select(0, pm.rank("gpus") + 2)
+        assert isinstance(bad, Tensor)
+        assert "error: rank 1: IndexError" in bad._repr_html_()
+
+
+def test_remote_endpoint_adverbs(pm):
+    describe = remote(_describe, propagate="inspect")
+    with pm.activate():
+        t = pm.rank(("host", "gpus")) * 3
+        values = describe.call(t).get()
+        assert [v["value"] for v in values.values()] == [0, 3, 6, 9]
+        assert values.item(host=1, gpus=0) == {"value": 6, "rank": 2}
+        assert describe.choose(t).get()["rank"] == 0
+        with pytest.raises(ValueError, match="one rank"):
+            describe.call_one(t)
+        bump = remote(_bump, propagate=_writes_its_input)
+        bump.broadcast(t)
+        assert inspect(t, host=1, gpus=1) == 10
+    with pm.slice(host=1, gpus=1).activate():
+        assert describe.call_one(7).get() == {"value": 7, "rank": 3}
+
+
+def _bump(x):
+    x.add_(1)
+
+
+def _describe(x):
+    from monarch_kernel.rank.context import current_rank
+
+    return {"value": int(x), "rank": current_rank().rank}
+
+
+# -- through a real kernel -----------------------------------------------------------------
+
+
+def test_through_a_kernel():
+    from kernel_client import kernel_with_mesh
+
+    k = kernel_with_mesh("m", 2)
+    try:
+        r = k.run(
+            "import torch, monarch_kernel\n"
+            "m.activate()\n"
+            "x = torch.ones(2, 3) * m.rank('gpus')\n"
+            "y = x.sum()\n"
+            "print('fetched', monarch_kernel.inspect(y, gpus=1).item())"
+        )
+        assert "fetched 6.0" in r.stdout, r.stderr + r.error_text
+        r = k.run("z = torch.ones(2) @ torch.ones(3)")
+        assert "RuntimeError" in r.error_text
+        r = k.run("print('again', monarch_kernel.inspect(y * 2, gpus=1).item())")
+        assert "again 12.0" in r.stdout, r.stderr + r.error_text
+        # a bare mesh tensor ending a cell: its table, and it is not kept in Out[n]
+        r = k.run(
+            "def live():\n"
+            "    from monarch_kernel.rank.tensors.worker import current\n"
+            "    return len(current().refs)\n"
+            "def count():\n"
+            "    return monarch_kernel.call_on_shard_and_fetch(live).get()\n"
+            "big = torch.ones(1000)\n"
+            "before = count()"
+        )
+        assert not r.errors, r.error_text
+        r = k.run("big")
+        assert "mesh tensor on" in r.results[0]["data"]["text/html"], r.results
+        r = k.run("del big\nimport gc; gc.collect()\nprint('freed', before - count())")
+        assert "freed 1" in r.stdout, r.stderr + r.error_text
+        # ops issued in a cell are sent when it ends, in order with %%remote cells
+        r = k.run("kept = [torch.ones(3) for _ in range(7)]\nn = count()")
+        assert not r.errors, r.error_text
+        r = k.run("seven = [torch.zeros(2) for _ in range(7)]")  # no fetch in this cell
+        r = k.run(
+            "%%remote m\n"
+            "from monarch_kernel.rank.tensors.worker import current\n"
+            "len(current().refs)"
+        )
+        assert not r.errors, r.error_text
+        got = k.run("print('grew', _.item(gpus=0) - n)")  # the %%remote cell's ValueMesh
+        assert "grew 7" in got.stdout, got.stdout + got.error_text
+    finally:
+        k.shutdown_and_check()
+
+
+def test_an_error_nothing_fetched_shows_under_its_cell():
+    from kernel_client import kernel_with_mesh
+
+    k = kernel_with_mesh("m", 2)
+    try:
+        r = k.run(
+            "import torch, monarch_kernel\n"
+            "m.activate()\n"
+            "print('warm', monarch_kernel.inspect(torch.ones(1)).item())"
+        )
+        assert "warm 1.0" in r.stdout and not r.stderr, r.stderr + r.error_text
+        r = k.run(
+            "x = torch.zeros(3)\n"
+            "bad = x.index_select(0, m.rank('gpus') + 2)  # fails on rank 1\n"
+            "y = (bad * 2).sum()\n"
+            "fine = torch.ones(2) * 3"
+        )
+        # under the cell that issued it, as a warning: the cell itself succeeds
+        assert r.reply["status"] == "ok" and not r.errors, r.error_text
+        cell = r.reply["execution_count"]
+        err = r.stderr
+        assert err.startswith("Warning: a tensor-engine op failed on rank 1 and nothing"), err
+        assert "RemoteException: A tensor-engine op failed on rank 1: IndexError" in err
+        assert f"Cell In[{cell}], line 2\n    bad = x.index_select(" in err, err
+        assert "Traceback on rank 1:" in err and "index out of range" in err, err
+        assert err.count("Warning:") == 1, err  # ``y`` only depends on it
+        # shown once; independent values fetch; a dependent fetch still raises
+        r = k.run("print('fine', monarch_kernel.inspect(fine, gpus=1).tolist())")
+        assert "fine [3.0, 3.0]" in r.stdout and not r.stderr, r.stderr + r.error_text
+        r = k.run("monarch_kernel.inspect(y)")
+        assert "RemoteException" in r.error_text and not r.stderr, r.stderr
+        # an error a fetch in the cell raised is not repeated under it
+        r = k.run("monarch_kernel.inspect(x.index_select(0, m.rank('gpus') + 7))")
+        assert "failed on rank 0" in r.error_text and not r.stderr, r.stderr
+        # one warning per failed op, naming every rank it failed on
+        r = k.run("z = x.index_select(0, m.rank('gpus') + 9)")
+        assert r.stderr.startswith("Warning: a tensor-engine op failed on ranks 0, 1"), r.stderr
+    finally:
+        k.shutdown_and_check()
