@@ -272,6 +272,11 @@ def test_stop_button_ten_times_in_an_hsdp_loop_keeps_replica_shards_identical(ke
 
 def test_the_training_state_of_an_hsdp_model_is_a_distributed_checkpoint(kernel, hs, tmp_path):
     where = str(tmp_path / "ckpt")
+    # its own model, trained a few steps (not what earlier tests' stops left)
+    r = kernel.run("%remote hs model, opt = build()", timeout=60)
+    assert not r.errors, r.error_text
+    r = kernel.collect(train(kernel, "hs", steps=3), timeout=120)
+    assert not r.errors, r.error_text
     r = kernel.run(
         "%%remote hs\n"
         "import torch.distributed.checkpoint as dcp\n"
