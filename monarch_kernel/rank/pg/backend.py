@@ -345,21 +345,11 @@ def reform(
     marked stale (its ops raise, saying to make it again). Pending ops on the old
     workers fail with ``ProcessGroupAborted``.
     """
-    import torch.distributed as dist
 
     global _store
     t0 = time.monotonic()
     timeout = default.timeout_s
-    if rank != 0:  # a store client that finds no server yet backs off for up to a second
-        _wait_listening(master_addr, int(master_port), timeout)
-    store = dist.TCPStore(
-        master_addr,
-        int(master_port),
-        world_size if rank == 0 else None,
-        rank == 0,
-        timedelta(seconds=timeout),
-        wait_for_workers=False,
-    )
+    store = _rendezvous_store(master_addr, int(master_port), rank, world_size, timeout)
     keep = subgroups and world_size == default.size()
     port = int(master_port)
     # A fresh store each time: the prefix is the one a restarted rank's first
@@ -403,16 +393,7 @@ def reform_subgroups(
     t0 = time.monotonic()
     default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
     subgroups = [g for g in groups() if g is not default]
-    if rank != 0:
-        _wait_listening(master_addr, int(master_port), timeout)
-    store = dist.TCPStore(
-        master_addr,
-        int(master_port),
-        world_size if rank == 0 else None,
-        rank == 0,
-        timedelta(seconds=timeout),
-        wait_for_workers=False,
-    )
+    store = _rendezvous_store(master_addr, int(master_port), rank, world_size, timeout)
     prefixes = _subgroup_prefixes(subgroups)
     _check_members_have(store, rank, subgroups, prefixes, timeout)
     plans = [
@@ -436,6 +417,23 @@ def reform_subgroups(
         plan.group.attach(handle, plan.rank, plan.size)
     _sub_store = store
     return ReformResult(len(plans), 0, time.monotonic() - t0)
+
+
+def _rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: float) -> Any:
+    """The TCPStore of a re-form's rendezvous at ``host:port``: rank 0 serves it, the
+    others join it once it listens."""
+    import torch.distributed as dist
+
+    if rank != 0:  # a store client that finds no server yet backs off for up to a second
+        _wait_listening(host, port, timeout)
+    return dist.TCPStore(
+        host,
+        port,
+        world_size if rank == 0 else None,
+        rank == 0,
+        timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
 
 
 def _wait_listening(host: str, port: int, timeout: float) -> None:

@@ -171,11 +171,13 @@ def digest_namespace(namespace: Mapping[str, Any], rank: int | None = None) -> R
         # parameters unsharded: reset first, then its parameters are the shards again.
         reset_fsdp(obj)
     sharded = _sharded_models(state)
+    # (each model's replicas read once: an optimizer has its model's)
+    replicas_of = {id(m): replica_ranks(m) or () for m in sharded.values()}
     for name, obj in state.items():
         hexdigest, nbytes = digest(obj)
         steps = optimizer_steps(obj) if isinstance(obj, torch.optim.Optimizer) else None
         model = sharded.get(name) or _model_of(obj, sharded)
-        replicas = (replica_ranks(model) or ()) if model is not None else ()
+        replicas = replicas_of[id(model)] if model is not None else ()
         objects.append(ObjectDigest(name, _kind(obj), hexdigest, nbytes, steps, replicas))
     return ReplicaDigest(rank, tuple(objects))
 
