@@ -4,7 +4,13 @@ of replicas of a shard)."""
 
 from __future__ import annotations
 
-from monarch_kernel.calls.replica_plan import ObjectDigest, ReplicaDigest, describe, plan_sync
+from monarch_kernel.calls.replica_plan import (
+    ObjectDigest,
+    ReplicaDigest,
+    describe,
+    misbuilt_problem,
+    plan_sync,
+)
 
 
 def ddp(rank: int, model: str, steps: int) -> ReplicaDigest:
@@ -80,3 +86,44 @@ def test_shard_groups_at_different_optimizer_steps_are_said_not_hidden():
     text = describe(plan)
     assert "WARNING: the model's shards are at different optimizer steps" in text, text
     assert "ranks 1, 3: 3, ranks 0, 2: 4 steps" in text, text
+
+
+def _built(rank: int, layout: str, group: tuple[int, ...] = ()) -> ReplicaDigest:
+    """A model (and its optimizer) whose values differ on every rank, built with
+    ``layout`` (its tensors' names, dtypes and shapes)."""
+    return ReplicaDigest(
+        rank,
+        (
+            ObjectDigest("model", "model", f"m{rank}", 64, None, group, layout),
+            ObjectDigest("opt", "optimizer", "o", 64, 0, group, "opt"),
+        ),
+    )
+
+
+def test_ddp_replicas_built_differently_are_not_copied_and_named():
+    plan = plan_sync([_built(0, "8x8"), _built(1, "8x8"), _built(2, "12x8"), _built(3, "8x8")])
+    assert "model" not in plan.names and not plan.needed, plan
+    assert plan.misbuilt == ("model: rank 2 laid out differently from ranks 0-1, 3",)
+    assert misbuilt_problem(plan) == (
+        "replicas built differently, left as they are (a rank-dependent size in the "
+        "model's code?): model: rank 2 laid out differently from ranks 0-1, 3"
+    )
+    assert describe(plan) == "DDP replicas identical (opt compared)"
+
+
+def test_hsdp_replicas_built_differently_leave_the_model_and_its_optimizer_alone():
+    digests = [_built(r, "12x8" if r == 2 else "8x8", tuple(sorted((r, r ^ 2)))) for r in range(4)]
+    plan = plan_sync(digests)
+    assert not plan.needed and plan.shard_names == (), plan
+    assert plan.misbuilt == (
+        "model: rank 2 laid out differently from rank 0",
+        "opt: trains model",
+    )
+    # ranks 1 and 3 (one group) agree: a layout differing in another group is not theirs
+    same = plan_sync([_built(r, "8x8", tuple(sorted((r, r ^ 2)))) for r in range(4)])
+    assert same.misbuilt == () and same.shard_sources, same
+
+
+def test_digests_without_a_layout_are_compared_by_value_as_before():
+    plan = plan_sync([_built(0, ""), _built(1, "")])
+    assert plan.misbuilt == () and plan.source is not None

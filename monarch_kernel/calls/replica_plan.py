@@ -34,6 +34,10 @@ class ObjectDigest:
     #: (an FSDP2/HSDP model, its optimizer: the replicas of this rank's shards); empty:
     #: every rank (a DDP replica).
     replicas: tuple[int, ...] = ()
+    #: Hash of the object's structure only (tensor names, dtypes, global and local
+    #: shapes): replicas whose layouts differ were built differently (a rank-dependent
+    #: size in the model's code), so no copy can make them the same. '' : not known.
+    layout: str = ""
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,9 @@ class ReplicaPlan:
     #: Groups of replicas whose shards are at different optimizer steps (a stop inside
     #: the optimizer step of some and not others): the model mixes two steps.
     shard_warning: str = ""
+    #: Objects whose replicas differ in structure, not only in values (left alone: a
+    #: copy cannot fit): ``model_a: rank 2's shapes differ from rank 0's``.
+    misbuilt: tuple[str, ...] = ()
 
     @property
     def needed(self) -> bool:
@@ -101,6 +108,9 @@ def plan_sync(digests: Sequence[ReplicaDigest]) -> ReplicaPlan:
     names = [n for n in every if n not in sharded]
     # a shard held by one rank only (FSDP without replicas) has nothing to compare with
     sharded = [n for n in sharded if any(len(by_rank[r][n].replicas) > 1 for r in ranks)]
+    misbuilt = _misbuilt(by_rank, names, sharded)
+    names = [n for n in names if n not in misbuilt]
+    sharded = [n for n in sharded if n not in misbuilt]
     shard_sources, shard_why = _plan_shards(by_rank, sharded)
     shard_warning = _mixed_steps(by_rank, sharded, dict(shard_sources))
     base = ReplicaPlan(
@@ -114,6 +124,7 @@ def plan_sync(digests: Sequence[ReplicaDigest]) -> ReplicaPlan:
         shard_sources=shard_sources,
         shard_why=shard_why,
         shard_warning=shard_warning,
+        misbuilt=tuple(misbuilt.values()),
     )
     state = {r: tuple(by_rank[r][n].digest for n in names) for r in ranks}
     if len(set(state.values())) <= 1:
@@ -143,6 +154,52 @@ def _most_advanced(
     steps = _steps(by_rank, names, ranks)
     shared = Counter(state[r] for r in ranks)
     return max(ranks, key=lambda r: (steps[r], shared[state[r]], -r))
+
+
+def _misbuilt(
+    by_rank: dict[int, dict[str, ObjectDigest]], names: list[str], sharded: list[str]
+) -> dict[str, str]:
+    """The objects whose replicas differ in layout (names, dtypes or shapes of their
+    tensors), each with one line saying which ranks differ from which: among every rank
+    for ``names`` (DDP replicas), within each group of replicas for ``sharded``. An
+    optimizer of such a model is left with it (its state is laid out by the model)."""
+    out: dict[str, str] = {}
+    for n in [*names, *sharded]:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for r, objs in by_rank.items():
+            key = objs[n].replicas if n in sharded else ()
+            groups.setdefault(key, []).append(r)
+        for members in sorted(groups.values(), key=min):
+            members.sort()
+            layouts = {r: by_rank[r][n].layout for r in members}
+            if "" in layouts.values() or len(set(layouts.values())) <= 1:
+                continue
+            common = Counter(layouts.values()).most_common(1)[0][0]
+            usual = [r for r in members if layouts[r] == common]
+            odd = [r for r in members if layouts[r] != common]
+            who = f"rank {odd[0]}" if len(odd) == 1 else f"ranks {format_ranks(odd)}"
+            than = f"rank {usual[0]}" if len(usual) == 1 else f"ranks {format_ranks(usual)}"
+            out[n] = f"{n}: {who} laid out differently from {than}"
+            break
+    for n in [*names, *sharded]:
+        if n in out:
+            continue
+        trained = [m for m in out if _trains(by_rank, n, m)]
+        if trained:
+            out[n] = f"{n}: trains {trained[0]}"
+    return out
+
+
+def _trains(by_rank: dict[int, dict[str, ObjectDigest]], name: str, model: str) -> bool:
+    """Whether ``name`` is an optimizer (or scheduler) of the sharded model ``model``: the
+    same replicas on every rank (what the digests tell)."""
+    return any(
+        objs[name].kind != "model"
+        and objs[model].kind == "model"
+        and objs[name].replicas
+        and objs[name].replicas == objs[model].replicas
+        for objs in by_rank.values()
+    )
 
 
 def _plan_shards(
@@ -220,6 +277,8 @@ def describe(plan: ReplicaPlan, nbytes: int = 0, seconds: float = 0.0, after: bo
     if not plan.needed:
         # Only the DDP/FSDP models, their optimizers and schedulers are compared: say so.
         compared = [*plan.names, *plan.shard_names]
+        if not compared:  # all of them misbuilt: the caller says so (``misbuilt_problem``)
+            return ""
         text = f"{what} ({', '.join(compared)} compared"
         text += "; shards compared within each replica group)" if plan.shard_names else ")"
     else:
@@ -244,6 +303,17 @@ def describe(plan: ReplicaPlan, nbytes: int = 0, seconds: float = 0.0, after: bo
     if plan.uneven:
         text += "; not on every rank, left alone: " + "; ".join(plan.uneven)
     return text
+
+
+def misbuilt_problem(plan: ReplicaPlan) -> str:
+    """What the replica check could not repair, for the cell's ``problem:`` line: the
+    objects whose replicas were built differently ('' when none)."""
+    if not plan.misbuilt:
+        return ""
+    return (
+        "replicas built differently, left as they are (a rank-dependent size in the "
+        "model's code?): " + "; ".join(plan.misbuilt)
+    )
 
 
 def _size(nbytes: int) -> str:

@@ -6,7 +6,7 @@ import os
 import sys
 import threading
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 
 from monarch_kernel.rank import oom
@@ -139,10 +139,34 @@ def unwrap_future_error(text: str) -> str:
     return text
 
 
+#: Layers above that explain some failures further (``rank.sharding`` names the DTensors
+#: of a failed DTensor op): each takes the exception and returns a note or None; the note
+#: is added to the exception (``add_note``), so it shows under its traceback.
+Explainer = Callable[[BaseException], "str | None"]
+_explainers: list[Explainer] = []
+
+
+def add_explainer(explainer: Explainer) -> None:
+    """Have :func:`exception_report` ask ``explainer`` about every failure (once)."""
+    if explainer not in _explainers:
+        _explainers.append(explainer)
+
+
+def _explain(exc: BaseException) -> None:
+    for explainer in _explainers:
+        try:
+            note = explainer(exc)
+        except Exception:  # an explanation never hides the failure itself
+            continue
+        if note and note not in getattr(exc, "__notes__", ()):
+            exc.add_note(note)
+
+
 def exception_report(exc: BaseException, where: str = "", note: str = "") -> FailureReport:
     """A picklable, plain-data description of ``exc`` raised inside a rank, with its
     chain of causes (``causes``: type and message of each, root cause first); ``note``
     (e.g. the out-of-memory report of ``rank.oom``) follows the traceback."""
+    _explain(exc)
     text, frames, entries = _format_one(exc)
     chain = _chain(exc)
     if chain:

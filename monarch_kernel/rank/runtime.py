@@ -37,6 +37,7 @@ from monarch_kernel.rank.device import bind_gpu
 from monarch_kernel.rank.inbox import Inbox, bind_peer, connect, dealer
 from monarch_kernel.rank.link import ControllerLink, serve_attached
 from monarch_kernel.rank.outbox import Outbox
+from monarch_kernel.rank.sharding import hooks as sharding_hooks
 from monarch_kernel.rank.signals import TERMINATED_CODE, MainThread, RankTerminated
 from monarch_kernel.rank.stdio import capture, display
 from monarch_kernel.rank.stdio.stdin import InputBridge
@@ -207,6 +208,8 @@ class Rank:
         # per-step telemetry: torch's hooks, steps sent in batches, ``%mesh profile``
         outbox = self.outbox
         telemetry.install(self.rank, outbox.send_stats, outbox.reply, self.control.handlers)
+        # FSDP2's first forward compares the ranks' models; DTensor errors get a note
+        sharding_hooks.install()
         device = bind_gpu(self.config.local_rank)
         self.control.start()
         self.inbox.greet_host()

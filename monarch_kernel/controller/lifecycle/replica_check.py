@@ -15,6 +15,7 @@ from monarch_kernel.calls.replica_plan import (
     ReplicaPlan,
     SyncReport,
     describe,
+    misbuilt_problem,
     plan_sync,
 )
 
@@ -38,6 +39,8 @@ def make_replicas_consistent(
         problems.append(f"comparing the replicas failed: {failed}")
         return ""
     plan = plan_sync([d for d in digests.values() if isinstance(d, ReplicaDigest)])
+    if plan.misbuilt:
+        problems.append(misbuilt_problem(plan))
     if not plan.needed:
         return describe(plan)
     code = _CALL + (

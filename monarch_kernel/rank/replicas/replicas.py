@@ -124,12 +124,15 @@ def _tensor_bytes(t: Any) -> Any:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def digest(obj: Any) -> tuple[str, int]:
-    """``(hex digest, tensor bytes)`` of a model's parameters and buffers, or of any
-    other object's ``state_dict()``."""
+def digest(obj: Any) -> tuple[str, int, str]:
+    """``(hex digest, tensor bytes, layout)`` of a model's parameters and buffers, or of
+    any other object's ``state_dict()``; the layout hashes only names, dtypes and shapes
+    (global and local), so replicas built differently are told from replicas whose
+    values drifted."""
     import torch
 
     h = hashlib.blake2b(digest_size=16)
+    layout = hashlib.blake2b(digest_size=16)
     nbytes = 0
     if isinstance(obj, torch.nn.Module):
         items: Iterator[tuple[str, Any]] = iter([*obj.named_parameters(), *obj.named_buffers()])
@@ -138,13 +141,16 @@ def digest(obj: Any) -> tuple[str, int]:
     for key, value in items:
         h.update(key.encode())
         if isinstance(value, torch.Tensor):
-            h.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            shape = f"{value.dtype}{tuple(value.shape)}"
+            h.update(shape.encode())
             data = _tensor_bytes(value)
             h.update(data)
             nbytes += data.nbytes
+            layout.update(f"{key}:{shape}:{tuple(local_tensor(value).shape)};".encode())
         else:
             h.update(repr(value).encode())
-    return h.hexdigest(), nbytes
+            layout.update(f"{key}:{type(value).__name__};".encode())
+    return h.hexdigest(), nbytes, layout.hexdigest()
 
 
 def _flatten(tree: Any, prefix: str) -> Iterator[tuple[str, Any]]:
@@ -174,11 +180,11 @@ def digest_namespace(namespace: Mapping[str, Any], rank: int | None = None) -> R
     # (each model's replicas read once: an optimizer has its model's)
     replicas_of = {id(m): replica_ranks(m) or () for m in sharded.values()}
     for name, obj in state.items():
-        hexdigest, nbytes = digest(obj)
+        hexdigest, nbytes, layout = digest(obj)
         steps = optimizer_steps(obj) if isinstance(obj, torch.optim.Optimizer) else None
         model = sharded.get(name) or _model_of(obj, sharded)
         replicas = replicas_of[id(model)] if model is not None else ()
-        objects.append(ObjectDigest(name, _kind(obj), hexdigest, nbytes, steps, replicas))
+        objects.append(ObjectDigest(name, _kind(obj), hexdigest, nbytes, steps, replicas, layout))
     return ReplicaDigest(rank, tuple(objects))
 
 

@@ -22,14 +22,7 @@ from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
-
-def describe_mesh(mesh: Any) -> str:
-    """``(hosts=2, gpus=2)`` for a DeviceMesh (``(2, 2)`` when its dims have no names)."""
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    sizes = tuple(int(s) for s in mesh.mesh.shape)
-    if names:
-        return "(" + ", ".join(f"{n}={s}" for n, s in zip(names, sizes)) + ")"
-    return "(" + ", ".join(str(s) for s in sizes) + ")"
+from monarch_kernel.rank.sharding.fingerprint import describe_mesh
 
 
 class Strategy(str, Enum):
