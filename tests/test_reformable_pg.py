@@ -140,3 +140,14 @@ def test_broadcast_state_makes_diverged_replicas_identical():
             assert "the model differs from the source rank's" in record["mismatch"]
         else:
             assert "another rank's objects do not match" in record["mismatch"]
+
+
+def test_fsdp2_hsdp_steps_keep_rank_and_worker_memory_steady():
+    # Before: every step grew each rank's heap by ~25 MB (glibc's rising mmap threshold,
+    # rank.pg.malloc) and left ~14 regions mapped in a worker for good (rank.pg.adopt):
+    # a full-size HSDP benchmark was killed by the kernel's OOM killer after a few steps.
+    results = _run("fsdp_memory")
+    for rank, (record,) in results.items():
+        (anon4, anon12), (regions4, regions12) = record["anon_mb"], record["regions"]
+        assert anon12 - anon4 < 64, f"rank {rank}: {anon4:.0f} -> {anon12:.0f} MB"
+        assert regions12 <= regions4, f"rank {rank}: worker regions {regions4} -> {regions12}"

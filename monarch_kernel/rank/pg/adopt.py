@@ -7,6 +7,15 @@ it follows), and its descriptor sent to the worker, which then runs the collecti
 that very memory. The first time a storage is seen it is copied (a tensor seen once is
 not worth moving). Storages are held weakly: one the user dropped is forgotten at the
 next op and the worker unmaps it.
+
+Invariants: "seen again" means the *same storage object*, alive in between, seen in an
+earlier op (:meth:`AdoptedStorages.begin_op`): not a new storage the allocator placed
+at a freed one's address, nor the second tensor of one op on the same storage (FSDP2
+all-gathers from a view of its output, into buffers it allocates afresh every step:
+adopting those moved each into a new shared region every step). Every region id given
+out is returned once by :meth:`AdoptedStorages.forget_dropped` when its storage is gone,
+however it was found gone, so the worker unmaps it (one lost id leaked that region in
+the worker for good).
 """
 
 from __future__ import annotations
@@ -38,7 +47,16 @@ class AdoptedStorages:
     def __init__(self, next_id: Callable[[], int]):
         self._next_id = next_id
         self._by_ptr: dict[int, Adopted] = {}
-        self._seen: OrderedDict[int, int] = OrderedDict()  # data_ptr -> nbytes
+        #: data_ptr -> (nbytes, a StorageWeakRef, the op it was seen in): storages seen
+        #: once
+        self._seen: OrderedDict[int, tuple[int, Any, int]] = OrderedDict()
+        self._op = 0  #: the op being laid out (:meth:`begin_op`)
+        #: Region ids of adopted storages found gone in :meth:`place` (for the worker).
+        self._gone: list[int] = []
+
+    def begin_op(self) -> None:
+        """The tensors :meth:`place` gets from now on belong to the next op."""
+        self._op += 1
 
     def place(self, t: Any) -> tuple[Adopted, int] | None:
         """``(region, byte offset)`` where the worker finds ``t`` in place, or None: copy
@@ -51,18 +69,34 @@ class AdoptedStorages:
         entry = self._by_ptr.get(ptr)
         if entry is not None and (entry.ref.expired() or entry.size != storage.nbytes()):
             del self._by_ptr[ptr]  # freed, and the address reused: a new storage
+            self._gone.append(entry.id)
             entry = None
         if entry is None:
-            if self._seen.get(ptr) != storage.nbytes():
-                self._remember(ptr, storage.nbytes())
+            if not self._seen_before(ptr, storage):
+                self._remember(ptr, storage)
                 return None
             entry = self._adopt(storage)
             if entry is None:
                 return None
         return entry, t.storage_offset() * t.element_size()
 
-    def _remember(self, ptr: int, nbytes: int) -> None:
-        self._seen[ptr] = nbytes
+    def _seen_before(self, ptr: int, storage: Any) -> bool:
+        """Whether this very storage (not one at a freed storage's address) was seen."""
+        seen = self._seen.get(ptr)
+        return (
+            seen is not None
+            and seen[0] == storage.nbytes()
+            and not seen[1].expired()
+            and seen[1].cdata == storage._cdata
+            and seen[2] != self._op
+        )
+
+    def _remember(self, ptr: int, storage: Any) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        if ptr in self._seen and self._seen[ptr][2] == self._op:
+            return  # another tensor of this op on the same storage
+        self._seen[ptr] = (storage.nbytes(), StorageWeakRef(storage), self._op)
         self._seen.move_to_end(ptr)
         while len(self._seen) > SEEN_LIMIT:
             self._seen.popitem(last=False)
@@ -70,6 +104,7 @@ class AdoptedStorages:
     def _adopt(self, storage: Any) -> Adopted | None:
         from torch.multiprocessing.reductions import StorageWeakRef
 
+        self._seen.pop(storage.data_ptr(), None)  # (share_memory_ moves the data)
         try:
             if not storage.is_shared():
                 storage.share_memory_()  # in place: the data moves, every view follows
@@ -77,16 +112,21 @@ class AdoptedStorages:
         except (RuntimeError, TypeError):  # not resizable (numpy memory), other strategy
             return None
         entry = Adopted(self._next_id(), fd, int(size), StorageWeakRef(storage))
-        self._seen.pop(storage.data_ptr(), None)
+        old = self._by_ptr.get(storage.data_ptr())
+        if old is not None:  # a dropped storage's address, reused by the shared copy
+            self._gone.append(old.id)
         self._by_ptr[storage.data_ptr()] = entry
         return entry
 
     def forget_dropped(self) -> list[int]:
         """Forget storages the user dropped; their region ids (the worker unmaps them)."""
         gone = [p for p, e in self._by_ptr.items() if e.ref.expired()]
-        return [self._by_ptr.pop(p).id for p in gone]
+        ids = self._gone + [self._by_ptr.pop(p).id for p in gone]
+        self._gone = []
+        return ids
 
     def clear(self) -> None:
         """Forget everything (the group is destroyed)."""
         self._by_ptr.clear()
         self._seen.clear()
+        self._gone = []

@@ -39,6 +39,7 @@ from monarch_kernel.calls.errors import ProcessGroupAborted
 from monarch_kernel.rank.pg import watch
 from monarch_kernel.rank.pg.adopt import Adopted, AdoptedStorages
 from monarch_kernel.rank.pg.cuda_regions import CudaEntry, CudaStorages
+from monarch_kernel.rank.pg.malloc import pin_mmap_threshold
 from monarch_kernel.rank.pg.ops import CollectiveOps
 from monarch_kernel.rank.pg.protocol import (
     Done,
@@ -92,6 +93,7 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
 
     def __init__(self, rank: int, size: int, group_id: str, timeout_s: float, kind: str = "gloo"):
         super().__init__(rank, size)
+        pin_mmap_threshold()  # FSDP2's per-step buffers otherwise grow the heap (.malloc)
         self._rank, self._size = rank, size
         #: torch's name of the group (``0`` for the default one); prefixes rendezvous.
         self.group_id = group_id
@@ -360,6 +362,7 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
         tensors: list[torch.Tensor] = []
         cuda: dict[int, tuple[CudaEntry, int, torch.Tensor]] = {}
         total = 0
+        self._adopted.begin_op()
         for t in _tensors(args):
             if id(t) in places or id(t) in cuda:
                 continue

@@ -54,7 +54,10 @@ def serve(sock: socket.socket) -> None:
     """Serve the rank on ``sock`` until it closes (then return: the caller exits)."""
     import torch
 
+    from monarch_kernel.rank.pg.malloc import pin_mmap_threshold
+
     torch.set_num_threads(1)
+    pin_mmap_threshold()  # (an exec'd zygote's worker did not inherit the rank's)
     _Worker(sock).loop()
 
 
