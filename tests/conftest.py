@@ -152,7 +152,42 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+#: (worker, module) -> [first start, last stop, seconds in its tests' phases], from the
+#: reports pytest-xdist forwards to the controller (``_summarise_timeline``).
+_TIMELINE: dict[tuple[str, str], list[float]] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    worker = getattr(report, "node", None)
+    gateway = getattr(getattr(worker, "gateway", None), "id", None)
+    if gateway is None or not getattr(report, "stop", None):
+        return  # one process (no workers): pytest's own --durations says enough
+    key = (str(gateway), report.nodeid.split("::", 1)[0])
+    span = _TIMELINE.setdefault(key, [report.start, report.stop, 0.0])
+    span[0], span[1] = min(span[0], report.start), max(span[1], report.stop)
+    span[2] += report.duration
+
+
+def _summarise_timeline(reporter: pytest.TerminalReporter) -> None:
+    """Where the wall time of a ``make test`` run went (the suite must stay under 25
+    minutes on a 2-core CI machine): each worker's busy time and when it finished, and
+    the longest modules, so that an idle worker at the end shows up."""
+    if not _TIMELINE:
+        return
+    start = min(s for s, _, _ in _TIMELINE.values())
+    reporter.section("where the time went (pytest-xdist workers)")
+    for worker in sorted({w for w, _ in _TIMELINE}):
+        spans = [v for (w, _), v in _TIMELINE.items() if w == worker]
+        busy = sum(d for _, _, d in spans)
+        end = max(e for _, e, _ in spans) - start
+        reporter.line(f"{worker}: {len(spans)} modules, {busy:.0f} s in tests, done at {end:.0f} s")
+    longest = sorted(_TIMELINE.items(), key=lambda kv: -kv[1][2])[:15]
+    for (worker, module), (s0, s1, busy) in longest:
+        reporter.line(f"  {busy:6.0f} s  {module} ({worker}, {s0 - start:.0f}-{s1 - start:.0f} s)")
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    _summarise_timeline(terminalreporter)
     changed = terminalreporter.config.stash.get(TREE_CHANGED, None)
     if not changed:
         return
