@@ -126,7 +126,10 @@ def recovery(k: _Kernel, width: int, depth: int, steps: int) -> dict[str, float]
         lost = [int(x) for x in re.findall(r"\{hosts=\d+, gpus=\d+\}: (-?\d+)", text)]
         if not lost:
             raise RuntimeError(f"no step counts in the output: {text[-1500:]}")
-        first = min(t for s, t in done.items() if s > int(resumed.group(1))) - t_kill
+        # "done N" is printed inside step N's body (state.step is N until it ends): the
+        # first step completed after the recovery is the one numbered as it resumed
+        after = [t for s, t in done.items() if s >= int(resumed.group(1)) and t > t_kill]
+        first = min(after) - t_kill
         return {
             "hsdp_recovery": float(took.group(1)),
             "hsdp_first_step": first,

@@ -32,6 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     # (``ProcMesh.activate``) and Monarch's top-level names sit on it.
     "tensor_engine": BASE | {"calls", "tensor_engine"},
     "mesh_controller": BASE | {"calls", "tensor_engine", "mesh_controller"},
+    "builtins": BASE | {"calls", "tensor_engine", "builtins"},
     "actor": BASE
     | {"calls", "launchers", "controller", "rank", "actor", "config", "tensor_engine"},
     "kernel": BASE
@@ -305,6 +306,7 @@ PART_ORDER: dict[str, list[str]] = {
     "rank": [
         "__init__",
         "config",
+        "import_hooks",  # patching a library's module once it is imported
         "context",
         "oom",
         "errors",
@@ -354,12 +356,16 @@ PART_ORDER: dict[str, list[str]] = {
         "errors",
         "state",
         "client",
+        "streams",
         "tensor",
         "mesh",
         "fetch",
         "moves",
         "reductions",
         "remote_functions",
+        "borrows",
+        "gradients",
+        "random",
         "__init__",
     ],
     "kernel": [

@@ -13,15 +13,14 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from monarch_kernel.rank import errors
+from monarch_kernel.rank.import_hooks import when_imported
 from monarch_kernel.rank.sharding import explain, fingerprint
 
 #: The module of FSDP2's per-module state (``FSDPState``).
@@ -39,33 +38,7 @@ enabled = os.environ.get("MONARCH_SHARDING_CHECK", "1") != "0"
 def install() -> None:
     """Patch FSDP2 now if it is loaded, else as soon as it is; register the note."""
     errors.add_explainer(explain.note)
-    loaded = sys.modules.get(FSDP_STATE)
-    if loaded is not None:
-        patch(loaded)
-    elif not any(isinstance(f, _FsdpHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _FsdpHook())
-
-
-class _FsdpHook(importlib.abc.MetaPathFinder):
-    """Patches FSDP2's state module as soon as it has been executed."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != FSDP_STATE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        loader = spec.loader if spec is not None else None
-        if loader is None or not hasattr(loader, "exec_module"):
-            return None
-        run = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            run(module)
-            patch(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
+    when_imported(FSDP_STATE, patch)
 
 
 def patch(module: ModuleType) -> None:

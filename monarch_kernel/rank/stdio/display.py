@@ -20,16 +20,16 @@ A bundle over :data:`MAX_BYTES` is not sent: a line says what was left out inste
 from __future__ import annotations
 
 import builtins
-import importlib.abc
-import importlib.machinery
 import io
 import os
 import pickle
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+from monarch_kernel.rank.import_hooks import when_imported
 
 #: The largest display a rank sends, in bytes (all its representations together);
 #: ``$MONARCH_KERNEL_DISPLAY_MAX`` sets it.
@@ -54,33 +54,7 @@ def install(send: Send) -> None:
     # kernel's IPython shell): ours. A backend the user chose (--env MPLBACKEND=...) stays.
     if os.environ.get("MPLBACKEND", "") in ("", "inline", INLINE_BACKEND):
         os.environ["MPLBACKEND"] = MPL_BACKEND
-    loaded = sys.modules.get("IPython.core.display_functions")
-    if loaded is not None:
-        _patch(loaded)
-    elif not any(isinstance(f, _IPythonHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _IPythonHook())
-
-
-class _IPythonHook(importlib.abc.MetaPathFinder):
-    """Patches ``IPython.core.display_functions`` as soon as it has been executed."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != "IPython.core.display_functions":
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        loader = spec.loader if spec is not None else None
-        if loader is None or not hasattr(loader, "exec_module"):
-            return None
-        run = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            run(module)
-            _patch(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
+    when_imported("IPython.core.display_functions", _patch)
 
 
 def _patch(module: ModuleType) -> None:
