@@ -283,3 +283,27 @@ def ready_16_skip(t4: float, s: Settings) -> str | None:
             "budget on this 2-core box"
         )
     return None
+
+
+#: Where the benchmarks write their Markdown (``bench/results/``).
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def command_line(name: str, argv: list[str]) -> str:
+    """How a standalone benchmark was run, for its results file:
+    ``python -m bench NAME ARGS``."""
+    import shlex
+
+    return shlex.join(["python", "-m", "bench", name, *argv])
+
+
+def write_results(filename: str, text: str) -> str:
+    """Print a standalone benchmark's Markdown and write it to ``bench/results/FILENAME``;
+    the path written."""
+    print(text)
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    out = os.path.join(RESULTS_DIR, filename)
+    with open(out, "w") as f:
+        f.write(text)
+    print(f"written to {out}")
+    return out

@@ -32,7 +32,8 @@ import sys
 import time
 from typing import Any
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from bench.common import command_line, write_results
+
 RANKS = int(os.environ.get("MK_DASH_BENCH_RANKS", "64"))
 REPORT_EVERY_S = 0.01
 SETTLE_S = 1.5
@@ -329,19 +330,13 @@ def markdown(result: dict[str, Any], command: str = "python -m bench dashboard_o
 
 def main(argv: list[str]) -> int:
     import argparse
-    import shlex
 
     ap = argparse.ArgumentParser(prog="python -m bench dashboard_overhead")
     ap.add_argument("--quick", action="store_true", help="shorter phases, fewer pairs")
     result = run(quick=ap.parse_args(argv).quick)
     print(json.dumps(result, indent=2))
-    text = markdown(result, shlex.join(["python", "-m", "bench", "dashboard_overhead", *argv]))
-    print(text)
-    os.makedirs(RESULTS, exist_ok=True)
-    out = os.path.join(RESULTS, "dashboard_overhead.md")
-    with open(out, "w") as f:
-        f.write(text)
-    print(f"written to {out}")
+    text = markdown(result, command_line("dashboard_overhead", argv))
+    write_results("dashboard_overhead.md", text)
     return 0
 
 

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import subprocess
 import sys
 import time
 
+from bench.common import command_line, write_results
 from bench.peer_state import _Kernel, _kill_at, _pids
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
 SCRIPT = os.path.join(HERE, "fsdp_steps.py")
 
 STEPS_CELL = """\
@@ -193,11 +192,7 @@ def main(argv: list[str]) -> int:
         r.update(recovery(k, width, depth, 40))
     finally:
         k.stop()
-    text = markdown(r, shlex.join(["python", "-m", "bench", "hsdp", *argv]), params)
-    print(text)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "hsdp.md"), "w") as f:
-        f.write(text)
+    write_results("hsdp.md", markdown(r, command_line("hsdp", argv), params))
     return 0
 
 

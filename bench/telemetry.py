@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from bench.common import command_line, write_results
 
 
 def _trainer() -> Any:
@@ -383,7 +383,6 @@ def markdown(result: dict[str, Any], command: str) -> str:
 
 def main(argv: list[str]) -> int:
     import argparse
-    import shlex
 
     ap = argparse.ArgumentParser(prog="python -m bench telemetry")
     ap.add_argument("--quick", action="store_true", help="fewer steps and phases")
@@ -391,13 +390,8 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     result = run(args.quick, frozenset(args.rows.split(",")))
     print(json.dumps(result, indent=2))
-    text = markdown(result, shlex.join(["python", "-m", "bench", "telemetry", *argv]))
-    print(text)
-    os.makedirs(RESULTS, exist_ok=True)
-    out = os.path.join(RESULTS, "telemetry.md")
-    with open(out, "w") as f:
-        f.write(text)
-    print(f"written to {out}")
+    text = markdown(result, command_line("telemetry", argv))
+    write_results("telemetry.md", text)
     return 0
 
 

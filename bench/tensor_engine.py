@@ -16,15 +16,14 @@
 from __future__ import annotations
 
 import json
-import os
-import shlex
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from bench.common import command_line, write_results
+
 OPS = 2048
 RANKS = 4
 
@@ -146,13 +145,8 @@ def main(argv: list[str]) -> int:
     rounds, fetches = (2, 20) if args.quick else (5, 100)
     ours = _ours(rounds, fetches)
     monarch = {"error": "skipped"} if args.no_monarch else _monarch(rounds, fetches)
-    text = markdown(ours, monarch, shlex.join(["python", "-m", "bench", "tensor_engine", *argv]))
-    print(text)
-    os.makedirs(RESULTS, exist_ok=True)
-    out = os.path.join(RESULTS, "tensor-engine.md")
-    with open(out, "w") as f:
-        f.write(text)
-    print(f"written to {out}")
+    text = markdown(ours, monarch, command_line("tensor_engine", argv))
+    write_results("tensor-engine.md", text)
     return 0
 
 
