@@ -220,7 +220,7 @@ def test_idle_grow_copies_state_and_bad_input_says_what_to_do(kernel):
     before = pids_of(kernel)
     r = kernel.run(f"%mesh grow {MESH} --gpus +1", timeout=120)
     assert not r.errors, r.error_text
-    assert "world size 3 → 4; rank 3 started" in r.stdout, r.stdout
+    assert "world size 3 → 4; rank 3 started" in r.stdout, r.stdout + r.stderr
     assert "copied" in r.stdout, r.stdout  # what the replica check did
     assert pids_of(kernel)[:3] == before
     digests = value(

@@ -126,13 +126,11 @@ def _tensor_bytes(t: Any) -> Any:
 
 def digest(obj: Any) -> tuple[str, int, str]:
     """``(hex digest, tensor bytes, layout)`` of a model's parameters and buffers, or of
-    any other object's ``state_dict()``; the layout hashes only names, dtypes and shapes
-    (global and local), so replicas built differently are told from replicas whose
-    values drifted."""
+    any other object's ``state_dict()``; the layout (:func:`layout`) tells replicas built
+    differently from replicas whose values drifted."""
     import torch
 
     h = hashlib.blake2b(digest_size=16)
-    layout = hashlib.blake2b(digest_size=16)
     nbytes = 0
     if isinstance(obj, torch.nn.Module):
         items: Iterator[tuple[str, Any]] = iter([*obj.named_parameters(), *obj.named_buffers()])
@@ -141,16 +139,36 @@ def digest(obj: Any) -> tuple[str, int, str]:
     for key, value in items:
         h.update(key.encode())
         if isinstance(value, torch.Tensor):
-            shape = f"{value.dtype}{tuple(value.shape)}"
-            h.update(shape.encode())
+            h.update(f"{value.dtype}{tuple(value.shape)}".encode())
             data = _tensor_bytes(value)
             h.update(data)
             nbytes += data.nbytes
-            layout.update(f"{key}:{shape}:{tuple(local_tensor(value).shape)};".encode())
         else:
             h.update(repr(value).encode())
-            layout.update(f"{key}:{type(value).__name__};".encode())
-    return h.hexdigest(), nbytes, layout.hexdigest()
+    return h.hexdigest(), nbytes, layout(obj)
+
+
+def layout(obj: Any) -> str:
+    """A hash of what ``obj`` is built of, not of its values: the names, dtypes and
+    global and local shapes of a model's parameters and buffers, or of the parameters an
+    optimizer trains (not its state, which a fresh optimizer has not made yet); '' for
+    anything else."""
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        tensors = [*obj.named_parameters(), *obj.named_buffers()]
+    elif isinstance(obj, torch.optim.Optimizer):
+        tensors = [
+            (f"{g}.{i}", p)
+            for g, group in enumerate(obj.param_groups)
+            for i, p in enumerate(group["params"])
+        ]
+    else:
+        return ""
+    h = hashlib.blake2b(digest_size=16)
+    for key, t in tensors:
+        h.update(f"{key}:{t.dtype}{tuple(t.shape)}:{tuple(local_tensor(t).shape)};".encode())
+    return h.hexdigest()
 
 
 def _flatten(tree: Any, prefix: str) -> Iterator[tuple[str, Any]]:
