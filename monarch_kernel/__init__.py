@@ -68,15 +68,21 @@ def inspect(tree: Any, shard: dict[str, int] | None = None, **coords: int) -> An
 
 
 def reduce(
-    tensors: Any, dims: Any = (), reduction: str = "sum", scatter: bool = False, mesh: Any = None
+    tensors: Any,
+    dims: Any = (),
+    reduction: str = "sum",
+    scatter: bool = False,
+    mesh: Any = None,
+    out: Any = None,
 ) -> Any:
     """Mesh tensors combined across the named ``dims`` of their mesh (all by default):
     ``sum``, ``avg``, ``product``, ``min``, ``max``, ``band``, ``bor``, ``bxor`` (an
     all-reduce), ``stack`` (an all-gather into a new leading dim); ``scatter=True``
-    reduce-scatters (``stack``: all-to-all) along dim 0. Runs over gloo on CPU ranks."""
+    reduce-scatters (``stack``: all-to-all) along dim 0, whose size is the dim's.
+    ``out``: a mesh tensor to write the result into. Runs over gloo on CPU ranks."""
     from monarch_kernel.tensor_engine.reductions import reduce as _reduce
 
-    return _reduce(tensors, dims, reduction, scatter, mesh)
+    return _reduce(tensors, dims, reduction, scatter, mesh, out)
 
 
 def reduce_(
@@ -107,8 +113,9 @@ def slice_mesh(tree: Any, **dims: Any) -> Any:
 
 
 def to_mesh(tree: Any, mesh: Any, stream: Any = None) -> Any:
-    """Each mesh tensor of ``tree`` copied onto ``mesh`` (for now a mesh of the same
-    ranks: moving data between ranks is not built yet)."""
+    """Each mesh tensor of ``tree`` copied onto ``mesh`` (a mesh of the same process
+    mesh): dims matched by name, those the source lacks broadcast; data moves between
+    ranks over the mesh's process group."""
     from monarch_kernel.tensor_engine.moves import to_mesh as _to_mesh
 
     return _to_mesh(tree, mesh, stream)
@@ -134,12 +141,36 @@ def get_active_mesh() -> Any:
     return _get_active_mesh()
 
 
+#: Monarch's top-level names served by the tensor engine (torch loads on first use);
+#: ``monarch_kernel.random`` is Monarch's ``monarch.random``.
+_TENSOR_ENGINE = frozenset(
+    {
+        "no_mesh",
+        "Tensor",
+        "DeviceMesh",
+        "Stream",
+        "get_active_stream",
+        "grad_generator",
+        "grad_function",
+    }
+)
+
+
 def __getattr__(name: str) -> Any:
     # ``no_mesh``, ``Tensor`` and ``mesh_controller`` load torch: on first use only.
-    if name in ("no_mesh", "Tensor", "DeviceMesh"):
+    if name in _TENSOR_ENGINE:
         from monarch_kernel import tensor_engine
 
         return getattr(tensor_engine, name)
+    if name in ("builtins", "random"):  # Monarch's monarch.builtins, monarch.random
+        import importlib
+
+        path = (
+            "monarch_kernel.builtins"
+            if name == "builtins"
+            else "monarch_kernel.tensor_engine.random"
+        )
+        return importlib.import_module(path)
     if name == "mesh_controller":
         import importlib
 

@@ -8,26 +8,37 @@ values back; an op that fails on a rank poisons its outputs and the next fetch o
 dependent value raises :class:`RemoteException`. The rank side is
 :mod:`monarch_kernel.rank.tensors`; the records are :mod:`monarch_kernel.wire.tensor_ops`.
 
-Parts, lowest first: ``errors``, ``state`` (the activation stack), ``client`` (one per
-process mesh: refs, seqs, batching, drops, fetches), ``tensor`` (the ``Tensor`` wrapper
-subclass, the dispatch), ``mesh`` (``DeviceMesh``, activation, ``no_mesh``), ``fetch``,
-``moves`` (``slice_mesh``, ``to_mesh``), ``reductions``, ``remote_functions``.
+Parts, lowest first: ``errors``, ``state`` (the activation stacks), ``client`` (one per
+process mesh: refs, seqs, batching, drops, fetches), ``streams`` (``Stream``, what a
+storage allows), ``tensor`` (the ``Tensor`` wrapper subclass, the dispatch), ``mesh``
+(``DeviceMesh``, activation, ``no_mesh``), ``fetch``, ``moves`` (``slice_mesh``,
+``to_mesh``), ``reductions``, ``remote_functions``, ``borrows``, ``gradients``
+(``grad_generator``, ``grad_function``), ``random`` (Monarch's ``monarch.random``).
 
 Face: ``Tensor``, ``DeviceMesh``, ``no_mesh``, ``get_active_mesh``, ``fetch_shard``,
 ``inspect``, ``reduce``, ``reduce_``, ``remote``, ``call_on_shard_and_fetch``,
-``slice_mesh``, ``to_mesh``, ``RemoteException``.
+``slice_mesh``, ``to_mesh``, ``Stream``, ``get_active_stream``, ``grad_generator``,
+``grad_function``, ``RemoteException``.
 """
 
+from monarch_kernel.tensor_engine.borrows import Borrow
 from monarch_kernel.tensor_engine.errors import RemoteException
 from monarch_kernel.tensor_engine.fetch import fetch_shard, inspect
+from monarch_kernel.tensor_engine.gradients import grad_function, grad_generator
 from monarch_kernel.tensor_engine.mesh import DeviceMesh, device_mesh, get_active_mesh, no_mesh
 from monarch_kernel.tensor_engine.moves import slice_mesh, to_mesh
 from monarch_kernel.tensor_engine.reductions import reduce, reduce_
 from monarch_kernel.tensor_engine.remote_functions import Remote, call_on_shard_and_fetch, remote
+from monarch_kernel.tensor_engine.streams import Stream, get_active_stream
 from monarch_kernel.tensor_engine.tensor import Tensor
 
 __all__ = [
+    "Borrow",
     "DeviceMesh",
+    "Stream",
+    "get_active_stream",
+    "grad_function",
+    "grad_generator",
     "RemoteException",
     "Tensor",
     "device_mesh",

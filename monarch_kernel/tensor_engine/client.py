@@ -26,11 +26,14 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import contextlib
 import pickle
+import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,10 +50,12 @@ from monarch_kernel.wire.tensor_ops import (
     Drop,
     Fetch,
     FetchReply,
+    JoinWorld,
     RankError,
     Record,
     Report,
     ReportReply,
+    Resume,
 )
 
 #: Records buffered before a batch is sent without waiting for a fetch.
@@ -131,12 +136,18 @@ class Client:
         self.messages_sent = 0
         #: ranks sent ops (not only drops) since the last report
         self._unreported_ranks: set[int] = set()
+        #: ranks sent ops since the last :meth:`interrupt` check (a notebook cell's end)
+        self._cell_ranks: set[int] = set()
         #: report requests not all answered yet, oldest first
         self._reports: list[_Report] = []
         #: the report sent since the last :meth:`report`, if any (then it waits)
         self._fresh: _Report | None = None
         #: seqs of failed ops a fetch raised or a report showed (insertion-ordered)
         self._shown: dict[int, None] = {}
+        #: each storage's tensors and what they may do (borrows), by the fakes' storage
+        self.aliases: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        #: whether every rank was told to join the default process group
+        self._world_joined = False
 
     # -- naming ----------------------------------------------------------------------
     def new_ref(self) -> int:
@@ -177,6 +188,13 @@ class Client:
             if len(self._pending) >= FLUSH_OPS or len(self._dropped) >= FLUSH_DROPS:
                 self._flush_locked()
 
+    def join_world(self) -> None:
+        """Before the first collective or transfer: every rank of the process mesh joins
+        its default process group (once; the ranks skip it when they have one)."""
+        if not self._world_joined:
+            self._world_joined = True
+            self.issue(tuple(self.requester.shape.ranks()), JoinWorld())
+
     def drop(self, ranks: tuple[int, ...], ref: int) -> None:
         """The notebook let go of mesh tensor ``ref`` (safe from ``__del__``)."""
         self._dropped.append((ranks, ref))
@@ -189,6 +207,10 @@ class Client:
             self._flush_locked()
 
     def _flush_locked(self) -> None:
+        with held_sigint():  # a Ctrl-C mid-send would lose the batch, or send it twice
+            self._flush_held()
+
+    def _flush_held(self) -> None:
         self._foreign_drops = False
         drops: dict[tuple[int, ...], list[int]] = {}
         dropped = self._dropped
@@ -213,13 +235,35 @@ class Client:
         self.messages_sent += 1
         if len(records) > 1 or type(records[0]) is not Drop:
             self._unreported_ranks.update(ranks)
+            self._cell_ranks.update(ranks)
+
+    # -- the stop button ---------------------------------------------------------------
+    def cell_ended(self, interrupted: bool) -> None:
+        """A notebook cell ended; ``interrupted``: by the stop button. Then the ranks
+        that were sent ops in it are interrupted (SIGINT, through the mesh's
+        ``signal_ranks``: only an op's function takes it) and told to resume after what
+        was sent: the ops still queued there do not run (their outputs hold the
+        interruption, which a fetch raises) and the mesh stays usable."""
+        with self._lock:
+            ranks, self._cell_ranks = sorted(self._cell_ranks), set()
+            if not interrupted or not ranks:
+                return
+            self._flush_locked()
+            signal_ranks = getattr(self.requester, "signal_ranks", None)
+            if signal_ranks is not None:
+                import signal
+
+                signal_ranks(ranks, signal.SIGINT)
+            self._pending_ranks = tuple(ranks)
+            self._pending.append(Resume())
+            self._flush_locked()
 
     # -- values back -----------------------------------------------------------------
     def fetch(self, ranks: tuple[int, ...], refs: tuple[int, ...], shard: int) -> Future[Fetched]:
         """Fetch ``refs`` from rank ``shard``; every rank of ``ranks`` answers (after all
         it was sent before), and an error any of them holds for a ref fails the fetch."""
-        with self._lock:
-            self._flush_locked()
+        with self._lock, held_sigint():
+            self._flush_held()
             gather = Gather(list(ranks), None, self.requester.waiter)
             out: Future[Fetched] = Future(
                 lambda _: self._finish(gather, ranks, shard), self.requester.waiter
@@ -367,6 +411,27 @@ def _complete(fut: Future[Any]) -> None:
     fut.set_result(None)
 
 
+@contextlib.contextmanager
+def held_sigint() -> Iterator[None]:
+    """Hold Ctrl-C (the stop button) back on the main thread until the block ends, then
+    raise it: what is sent to the ranks is sent whole, once, and recorded as sent."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # SIG_DFL / SIG_IGN raise nothing in Python
+        yield
+        return
+    got: list[tuple[int, Any]] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: got.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if got:
+            previous(*got[0])
+
+
 #: requester id -> its client (the requester is held by the client)
 _clients: dict[int, Client] = {}
 _clients_lock = threading.Lock()
@@ -379,6 +444,15 @@ def client_for(requester: Requester) -> Client:
         if client is None or client.requester is not requester:
             client = _clients[id(requester)] = Client(requester)
         return client
+
+
+def cells_ended(interrupted: bool) -> None:
+    """A notebook cell ended (see :meth:`Client.cell_ended`), for every client."""
+    for client in list(_clients.values()):
+        try:
+            client.cell_ended(interrupted)
+        except Exception:  # a stopped mesh: nothing runs there
+            pass
 
 
 def report_all(wait: float | None = None) -> CellReport:

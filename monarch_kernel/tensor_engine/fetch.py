@@ -8,7 +8,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from monarch_kernel.calls.future import Future
 from monarch_kernel.tensor_engine.client import Fetched
-from monarch_kernel.tensor_engine.tensor import Tensor
+from monarch_kernel.tensor_engine.tensor import Tensor, check_access, dropped_error
 
 
 def shard_rank(mesh: Any, shard: dict[str, int] | None, coords: dict[str, int]) -> int:
@@ -38,7 +38,8 @@ def fetch_shard(tree: Any, shard: dict[str, int] | None = None, **coords: int) -
     for x in flat:
         if isinstance(x, Tensor):
             if x._dropped:
-                raise TypeError("fetch_shard: a mesh tensor that was dropped")
+                raise dropped_error("fetch_shard", x)
+            check_access("fetch_shard", (x,))
             if mesh is None:
                 mesh = x._mesh
             elif x._mesh != mesh:

@@ -21,7 +21,7 @@ import torch
 from monarch_kernel.calls.requester import Requester
 from monarch_kernel.shape import Shape
 from monarch_kernel.tensor_engine import state
-from monarch_kernel.tensor_engine.client import Client, client_for, report_all
+from monarch_kernel.tensor_engine.client import Client, cells_ended, client_for, report_all
 from monarch_kernel.tensor_engine.tensor import ActiveMesh, Tensor, new_tensor, on_fakes
 from monarch_kernel.wire.tensor_ops import RankCoord
 
@@ -29,6 +29,24 @@ from monarch_kernel.wire.tensor_ops import RankCoord
 #: activations hold it).
 _mode: list[ActiveMesh] = []
 _held = [0]
+
+
+def cuda_as_cpu() -> None:
+    """Let ``device="cuda"`` through torch's CUDA check while a mesh is active on a
+    controller without CUDA: torch initialises the device before the op reaches the
+    dispatch, which reads ``cuda`` as the ranks' device (CPU ranks). Outside an active
+    mesh the check stays torch's."""
+    cuda = torch.cuda
+    if cuda.is_available() or getattr(cuda._lazy_init, "_mesh_aware", False):
+        return
+    original = cuda._lazy_init
+
+    def lazy_init() -> None:
+        if state.active() is None:
+            original()
+
+    lazy_init._mesh_aware = True  # type: ignore[attr-defined]
+    cuda._lazy_init = lazy_init
 
 
 class Activation:
@@ -40,6 +58,7 @@ class Activation:
         state.stack.append(mesh)
         if mesh is not None:
             if _held[0] == 0:
+                cuda_as_cpu()
                 mode = ActiveMesh()
                 mode.__enter__()
                 _mode.append(mode)
@@ -138,26 +157,92 @@ class DeviceMesh:
         """Send what is buffered for this mesh (the process mesh keeps running)."""
         self.client.flush()
 
+    def rename(self, **names: str) -> DeviceMesh:
+        """The same ranks with dims renamed: ``mesh.rename(host="dp", gpu="tp")``."""
+        sh = self.shape
+        for old in names:
+            if old not in sh.labels:
+                raise KeyError(f"{old!r} is not a dim of {self!r} (dims {list(sh.labels)})")
+        labels = tuple(names.get(d, d) for d in sh.labels)
+        return device_mesh(self.requester, Shape(labels, sh.sizes, sh.strides, sh.offset))
+
+    def split(self, **how: Any) -> DeviceMesh:
+        """The same ranks with dims split into several: ``split(host=("dp", "pp"),
+        pp=2)`` makes ``host`` the dims ``dp`` and ``pp`` (row-major, ``pp`` the inner,
+        of size 2; one size per split may be left out and is inferred)."""
+        sh = self.shape
+        sizes_given = {k: v for k, v in how.items() if not isinstance(v, (tuple, list))}
+        splits = {k: tuple(v) for k, v in how.items() if isinstance(v, (tuple, list))}
+        labels: list[str] = []
+        sizes: list[int] = []
+        strides: list[int] = []
+        for label, size, stride in zip(sh.labels, sh.sizes, sh.strides):
+            parts = splits.pop(label, None)
+            if parts is None:
+                labels.append(label)
+                sizes.append(size)
+                strides.append(stride)
+                continue
+            known = [sizes_given.pop(p, None) for p in parts]
+            unknown = [i for i, k in enumerate(known) if k is None]
+            product = 1
+            for k in known:
+                product *= k or 1
+            if len(unknown) > 1 or size % product:
+                raise ValueError(
+                    f"cannot split {label!r} of size {size} into {parts} with sizes "
+                    f"{ {p: k for p, k in zip(parts, known) if k is not None} }"
+                )
+            if unknown:
+                known[unknown[0]] = size // product
+            elif product != size:
+                raise ValueError(f"split of {label!r}: sizes {known} do not make {size}")
+            inner = stride
+            part_strides = []
+            for k in reversed(known):
+                part_strides.append(inner)
+                inner *= int(k or 1)
+            labels.extend(parts)
+            sizes.extend(int(k or 1) for k in known)
+            strides.extend(reversed(part_strides))
+        if splits or sizes_given:
+            raise KeyError(f"split: {sorted({*splits, *sizes_given})} are not dims of {self!r}")
+        return device_mesh(
+            self.requester, Shape(tuple(labels), tuple(sizes), tuple(strides), sh.offset)
+        )
+
     # -- rank tensors ----------------------------------------------------------------
     def rank(self, dims: str | Sequence[str]) -> Tensor:
-        """A mesh tensor: on each rank a 0-d ``int64`` holding its coordinate along
-        ``dims`` (row-major over several)."""
+        """A mesh tensor: on each rank a 0-d ``int64`` holding its coordinate in this
+        mesh along ``dims`` (row-major over several). It is made on the active mesh
+        (Monarch's rule: ``mesh.rank("gpu")`` under a slice's ``activate()`` lives on
+        the slice), which must be within this one; on this mesh when none is active."""
         names = (dims,) if isinstance(dims, str) else tuple(dims)
         for d in names:
             if d not in self.shape.labels:
                 raise KeyError(f"{d!r} is not a dim of {self!r} (dims {list(self.names)})")
+        where = state.active()
+        if where is None or where == self:
+            where = self
+        elif where.requester is not self.requester or not set(where.rank_tuple) <= set(
+            self.rank_tuple
+        ):
+            raise ValueError(
+                f"The current mesh {where!r} is not a subset of the mesh {self!r} whose "
+                "rank is asked for"
+            )
         with on_fakes():
             fake = torch.empty((), dtype=torch.long)
-        t = new_tensor(fake, self)
-        self.client.issue(
-            self.rank_tuple, RankCoord(self.client.new_seq(), t.ref, self.shape, names)
+        t = new_tensor(fake, where)
+        where.client.issue(
+            where.rank_tuple, RankCoord(where.client.new_seq(), t.ref, self.shape, names)
         )
         return t
 
     @property
-    def ranks(self) -> Tensor:
-        """Each rank's position in the mesh (all dims, row-major), as a mesh tensor."""
-        return self.rank(self.shape.labels)
+    def ranks(self) -> dict[str, Tensor]:
+        """Each rank's coordinate along every dim: ``{dim: mesh.rank(dim)}`` (Monarch's)."""
+        return {d: self.rank(d) for d in self.shape.labels}
 
 
 class _NoMesh:
@@ -241,6 +326,7 @@ def _after_cell(ip: Any, result: Any) -> None:
             setattr(hook, name, "")
     if isinstance(getattr(result, "result", None), Tensor):
         result.result = None
+    cells_ended(isinstance(getattr(result, "error_in_exec", None), KeyboardInterrupt))
     try:
         text = report_all().text()
     except KeyboardInterrupt:  # the stop button while the ranks finish the cell's ops

@@ -3,19 +3,27 @@ local ones), returning mesh tensors whose shapes come from a *propagator* run he
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.value_mesh import ValueMesh
 from monarch_kernel.tensor_engine import state
 from monarch_kernel.tensor_engine.errors import bad_arguments
 from monarch_kernel.tensor_engine.fetch import shard_rank
-from monarch_kernel.tensor_engine.tensor import Tensor, new_tensor, on_fakes
-from monarch_kernel.wire.tensor_ops import ALL_SHARDS, CallOp, Ref, RemoteFunction
+from monarch_kernel.tensor_engine.tensor import (
+    Tensor,
+    check_access,
+    check_stream,
+    dropped_error,
+    new_tensor,
+    on_fakes,
+)
+from monarch_kernel.wire import serialize
+from monarch_kernel.wire.tensor_ops import ALL_SHARDS, CallOp, Ref, RemoteFunction, TensorPattern
 
 
 class Remote:
@@ -25,39 +33,80 @@ class Remote:
 
     def __init__(self, fn: Callable[..., Any] | str, propagate: Any = None):
         self._fn = fn
+        #: the function a rank runs when it imports this remote by its path
+        self.remote_impl = fn
         self._propagate = propagate
         self._wire: RemoteFunction | None = None
+        #: cached propagation: argument signature -> the outputs' pattern
+        self._patterns: dict[Any, Any] = {}
         self.__name__ = fn if isinstance(fn, str) else getattr(fn, "__name__", "remote")
         self.__doc__ = None if isinstance(fn, str) else fn.__doc__
 
     def _function(self) -> RemoteFunction:
+        """How the function travels: by import path when the ranks can import it (a
+        path, or a module-level function this remote decorates), else by value."""
         if self._wire is None:
-            if isinstance(self._fn, str):
-                self._wire = RemoteFunction(path=self._fn)
+            fn = self._fn
+            path = fn if isinstance(fn, str) else _importable_path(self)
+            if path is not None:
+                self._wire = RemoteFunction(path=path)
             else:
-                import cloudpickle
+                # by value, keeping the file it was defined in (the ranks' tracebacks
+                # show its source lines)
+                payload, buffers = serialize.dumps(fn, f"remote function {self.__name__}")
+                if buffers:  # large tensors in its closure: all in the one payload
+                    import cloudpickle
 
-                self._wire = RemoteFunction(pickled=cloudpickle.dumps(self._fn))
+                    payload = cloudpickle.dumps(fn)
+                self._wire = RemoteFunction(pickled=payload)
         return self._wire
 
-    def _propagator(self) -> Callable[..., Any] | None:
+    def _propagator(self) -> Callable[..., Any] | str | None:
+        """What gives the outputs' shapes: a function run on the fakes, ``"cached"``
+        (one real run on the mesh's first rank, remembered per argument signature), or
+        None (no mesh tensors out)."""
         p = self._propagate
         if p == "inspect":
             return None
         if callable(p):
             return p  # type: ignore[no-any-return]
-        if p in (None, "cached", "mocked") and callable(self._fn):
-            return self._fn  # run on the fakes (pure torch functions)
-        if isinstance(self._fn, str) and p in (None, "cached"):
-            return _import(self._fn)
+        if p == "mocked" and callable(self._fn):
+            return self._fn  # run on the fakes (a pure torch function)
+        if p in (None, "cached"):
+            return "cached"
         raise ValueError(f"remote({self.__name__!r}): unknown propagate={p!r}")
 
-    def _mesh_of(self, flat: list[Any]) -> Any:
+    def _cached(self, mesh: Any, flat: list[Any], spec: Any) -> Any:
+        """Monarch's cached propagation: the function's outputs as fakes, from one real
+        run on the mesh's first rank per signature of the arguments (tensors by shape,
+        dtype and strides; other values by ``repr``)."""
+        key = (
+            str(spec),
+            tuple(
+                (tuple(x.shape), x.dtype, x.stride()) if isinstance(x, Tensor) else repr(x)
+                for x in flat
+            ),
+        )
+        global _hit
+        pattern = self._patterns.get(key, _NOT_CACHED)
+        if pattern is not _NOT_CACHED:
+            _hit += 1
+        else:
+            args, kwargs = tree_unflatten(flat, spec)
+            runner = Remote(_PATTERN_RUNNER, "inspect")
+            pattern = runner.call_on_shard_and_fetch(self._function(), *args, **kwargs).get()
+            self._patterns[key] = pattern
+        with on_fakes():
+            return tree_map(_fake_of, pattern, is_leaf=lambda x: isinstance(x, TensorPattern))
+
+    def _mesh_of(self, flat: list[Any]) -> tuple[Any, Any]:
+        """The mesh and stream the call runs on: those of its mesh-tensor arguments
+        (checked as any op's), else the active ones."""
         mesh = None
         for x in flat:
             if isinstance(x, Tensor):
                 if x._dropped:
-                    raise bad_arguments("DROPPED", f"{self.__name__}: a dropped mesh tensor")
+                    raise dropped_error(self.__name__, x)
                 if mesh is None:
                     mesh = x._mesh
                 elif x._mesh != mesh:
@@ -69,7 +118,10 @@ class Remote:
                     "Calling a 'remote' monarch function requires an active proc_mesh "
                     "(with procs.activate(): ...)"
                 )
-        return mesh
+        tensors = [x for x in flat if isinstance(x, Tensor)]
+        stream = check_stream(self.__name__, tensors, state.active_stream())
+        check_access(self.__name__, tensors)
+        return mesh, stream
 
     def call_on_shard_and_fetch(
         self, *args: Any, shard: dict[str, int] | None = None, **kwargs: Any
@@ -77,7 +129,7 @@ class Remote:
         """Run on the one rank at ``shard`` (coordinates of the mesh; none: its first
         rank) and fetch what it returns, any picklable value."""
         flat, spec = tree_flatten((args, kwargs))
-        mesh = self._mesh_of(flat)
+        mesh, stream = self._mesh_of(flat)
         rank = shard_rank(mesh, shard, {})
         client = mesh.client
         ref = client.new_ref()
@@ -96,7 +148,7 @@ class Remote:
         """Run on every rank of the mesh; a future of a ``ValueMesh`` of what each
         returned (mesh-tensor arguments read as each rank's local tensors)."""
         flat, spec = tree_flatten((args, kwargs))
-        mesh = self._mesh_of(flat)
+        mesh, stream = self._mesh_of(flat)
         client = mesh.client
         ref = client.new_ref()
         wire = [Ref(x.ref) if isinstance(x, Tensor) else x for x in flat]
@@ -115,9 +167,21 @@ class Remote:
         fetched.add_done_callback(lambda _: _complete(out))
         return out
 
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
+        """Run on every rank of the mesh; one future per rank of what it returned, in
+        the mesh's rank order (they complete together: a fetch waits for every rank)."""
+        mesh, _ = self._mesh_of(tree_flatten((args, kwargs))[0])
+        values = self.call(*args, **kwargs)
+        futures = [_nth(values, i, mesh.requester.waiter) for i in range(len(mesh.rank_tuple))]
+        return iter(futures)
+
+    def rref(self, *args: Any, **kwargs: Any) -> Any:
+        """Mesh tensors of what the function returns (as calling it does)."""
+        return self(*args, **kwargs)
+
     def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """:meth:`call` on a mesh of one rank: a future of its value."""
-        mesh = self._mesh_of(tree_flatten((args, kwargs))[0])
+        mesh, _ = self._mesh_of(tree_flatten((args, kwargs))[0])
         if len(mesh.rank_tuple) != 1:
             raise ValueError(
                 f"call_one needs a mesh of one rank; {mesh!r} has {len(mesh.rank_tuple)}"
@@ -131,7 +195,7 @@ class Remote:
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Run on every rank of the mesh; nothing comes back (in order with other ops)."""
         flat, spec = tree_flatten((args, kwargs))
-        mesh = self._mesh_of(flat)
+        mesh, stream = self._mesh_of(flat)
         client = mesh.client
         wire = [Ref(x.ref) if isinstance(x, Tensor) else x for x in flat]
         wargs, wkwargs = tree_unflatten(wire, spec)
@@ -141,25 +205,30 @@ class Remote:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = tree_flatten((args, kwargs))
-        mesh = self._mesh_of(flat)
+        mesh, stream = self._mesh_of(flat)
         propagate = self._propagator()
         out: Any = None
         inputs = [x for x in flat if isinstance(x, Tensor)]
         versions = [x._fake._version for x in inputs]
-        if propagate is not None:
+        if propagate == "cached":
+            out = self._cached(mesh, flat, spec)
+        elif propagate is not None:
+            assert callable(propagate)
             fakes = [x._fake if isinstance(x, Tensor) else x for x in flat]
             fargs, fkwargs = tree_unflatten(fakes, spec)
             with on_fakes():
                 out = propagate(*fargs, **fkwargs)
         # what the propagator wrote in place, the function writes on the ranks
-        mutates = tuple(x.ref for x, v in zip(inputs, versions) if x._fake._version != v)
+        mutated = [x for x, v in zip(inputs, versions) if x._fake._version != v]
+        check_access(self.__name__, (), mutated)
+        mutates = tuple(x.ref for x in mutated)
         client = mesh.client
         results: list[int] = []
         out_flat, out_spec = tree_flatten(out)
         wrapped = []
         for f in out_flat:
             if isinstance(f, torch.Tensor):
-                t = new_tensor(f, mesh)
+                t = new_tensor(f, mesh, stream)
                 results.append(t.ref)
                 wrapped.append(t)
             else:
@@ -174,6 +243,46 @@ class Remote:
 
     def __repr__(self) -> str:
         return f"<remote {self.__name__}>"
+
+
+#: The rank-side function of cached propagation (named by path: the ranks import it).
+_PATTERN_RUNNER = "monarch_kernel.rank.tensors.worker.output_pattern"
+_NOT_CACHED = object()
+#: How many calls cached propagation answered from its cache (Monarch's counter).
+_hit = 0
+
+
+def _fake_of(x: Any) -> Any:
+    if isinstance(x, TensorPattern):
+        return torch.empty_strided(x.size, x.stride, dtype=getattr(torch, x.dtype))
+    return x
+
+
+def _importable_path(r: Remote) -> str | None:
+    """``module.name`` of the function ``r`` decorates when that name is ``r`` in an
+    importable module (not ``__main__``, not a notebook cell), else None."""
+    import sys
+
+    fn = r._fn
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or "<" in name or "." in name:
+        return None
+    mod = sys.modules.get(module)
+    if mod is None or getattr(mod, "__file__", None) is None or getattr(mod, name, None) is not r:
+        return None
+    return f"{module}.{name}"
+
+
+def _nth(values: Future[ValueMesh[Any]], i: int, waiter: Any) -> Future[Any]:
+    """A future of the ``i``-th value of ``values`` (done when it is)."""
+
+    def get(_: Any) -> Any:
+        return values.get().values()[i]
+
+    one: Future[Any] = Future(get, waiter)
+    values.add_done_callback(lambda _: _complete(one))
+    return one
 
 
 def _complete(fut: Future[Any]) -> None:

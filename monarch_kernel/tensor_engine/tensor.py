@@ -2,12 +2,17 @@
 controller by a FakeTensor) and :func:`dispatch`, which every torch op on them, or issued
 while a mesh is active, goes through.
 
-Dispatch, per op: check the arguments (mesh tensors of one mesh, nothing dropped, no large
-local tensors); run the op on the FakeTensors under the controller's ``FakeTensorMode``
-(shapes and dtypes: a bad shape raises here, in the cell, and nothing is sent); find the
-inputs it mutated (their fake's ``_version`` moved); wrap each fake output in a new mesh
-tensor with a fresh ref (an output that *is* an input stays that input); queue one
-:class:`~monarch_kernel.wire.tensor_ops.CallOp` on the mesh's client.
+Dispatch, per op: check the arguments with Monarch's codes (mesh tensors of one mesh,
+``WRONG_MESH``, and of the active stream, ``WRONG_STREAM``; nothing dropped, ``DROPPED``;
+no local tensor but a 0-d constant, ``LOCAL_TENSOR``; none lent mutably to another
+stream, ``BORROWED``); run the op on the FakeTensors under the controller's
+``FakeTensorMode`` (shapes and dtypes: a bad shape raises here, in the cell, and nothing
+is sent); find the inputs it writes (by its schema; ``MUTATING_BORROW`` for one a borrow
+made read-only); wrap each fake output in a new mesh tensor of the active stream with a
+fresh ref (an output that *is* an input stays that input); queue one
+:class:`~monarch_kernel.wire.tensor_ops.CallOp` on the mesh's client. Each tensor
+registers with its storage's :class:`~.streams.StorageAliases` (views share one: what
+a borrow allows holds for all of them).
 
 Autograd runs here on the controller: a mesh tensor is a wrapper subclass, so autograd
 records above dispatch and its backward ops come through :func:`dispatch` as aten ops.
@@ -27,6 +32,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from monarch_kernel.tensor_engine import state
 from monarch_kernel.tensor_engine.errors import bad_arguments
+from monarch_kernel.tensor_engine.streams import (
+    DropLocation,
+    StorageAliases,
+    Stream,
+    drop_location,
+)
 from monarch_kernel.wire.tensor_ops import CallOp, Ref
 
 
@@ -40,12 +51,17 @@ class _QuietMetaErrors(logging.Filter):
 
 logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietMetaErrors())
 
-#: The controller's fake mode: every mesh tensor's ``_fake`` belongs to it.
-fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+#: The controller's fake mode (:func:`fake_mode`) owns every mesh tensor's ``_fake``.
+_fake_modes: list[FakeTensorMode] = []
 
-#: Local tensors up to this many elements may appear in an op on mesh tensors: they
-#: travel by value inside the op (``torch.tensor([1, 2])`` under ``activate()``).
-MAX_CONSTANT_NUMEL = 64
+
+def fake_mode() -> FakeTensorMode:
+    """The controller's fake mode, made on first use (making one imports torch._dynamo,
+    seconds: a rank importing a module that defines remote functions never pays it)."""
+    if not _fake_modes:
+        _fake_modes.append(FakeTensorMode(allow_non_fake_inputs=True))
+    return _fake_modes[0]
+
 
 _CPU = torch.device("cpu")
 
@@ -66,9 +82,14 @@ class Tensor(torch.Tensor):
     _mesh: Any
     ref: int
     _dropped: bool
+    stream: Stream
+    _aliases: StorageAliases
+    _drop_location: DropLocation | None
 
     @staticmethod
-    def __new__(cls, fake: torch.Tensor, mesh: Any, ref: int) -> Tensor:
+    def __new__(
+        cls, fake: torch.Tensor, mesh: Any, ref: int, stream: Stream | None = None
+    ) -> Tensor:
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             fake.size(),
@@ -83,6 +104,15 @@ class Tensor(torch.Tensor):
         r._mesh = mesh
         r.ref = ref
         r._dropped = False
+        r._drop_location = None
+        r.stream = state.active_stream() if stream is None else stream
+        aliases = mesh.client.aliases
+        storage = fake.untyped_storage()
+        found = aliases.get(storage)
+        if found is None:
+            found = aliases[storage] = StorageAliases()
+        found.aliases.add(r)
+        r._aliases = found
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
@@ -104,10 +134,23 @@ class Tensor(torch.Tensor):
         return self._dropped
 
     def drop(self) -> None:
-        """Free the tensor on its ranks now; using it afterwards raises ``TypeError``."""
+        """Free the tensor, and every view of its storage, on its ranks now; using one
+        afterwards raises ``TypeError`` (``DROPPED``, naming where it was dropped)."""
+        if self._dropped:
+            return
+        where = drop_location(self.ref)
+        for alias in [*self._aliases.aliases, self]:
+            alias._drop_ref(where)
+
+    def _drop_ref(self, where: DropLocation | None) -> None:
         if not self._dropped:
             self._dropped = True
+            self._drop_location = where
             self._mesh.client.drop(self._mesh.rank_tuple, self.ref)
+
+    @property
+    def _access_permissions(self) -> str:
+        return self._aliases.access
 
     def __del__(self) -> None:
         try:
@@ -120,14 +163,24 @@ class Tensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         grad = ", requires_grad=True" if self.requires_grad else ""
         return (
-            f"monarch_kernel.Tensor(mesh={self._mesh!r}, shape={tuple(self.shape)}, "
-            f"dtype={self.dtype}{grad})"
+            f"monarch_kernel.Tensor(mesh={self._mesh!r}, stream={self.stream!r}, "
+            f"shape={tuple(self.shape)}, dtype={self.dtype}{grad})"
         )
 
     def _repr_html_(self) -> str:
         """The notebook's view: a table of each rank's shape and dtype and, for a small
         tensor, its values there (fetched from every rank; an error shows as such)."""
         return html_table(self)
+
+    def backward(self, *args: Any, **kwargs: Any) -> None:
+        """Autograd's backward, each op on its forward op's mesh and stream (whatever
+        mesh or stream is active now)."""
+        with inputs_stream():
+            super().backward(*args, **kwargs)
+
+    def cuda(self, *args: Any, **kwargs: Any) -> Tensor:
+        """This tensor: ``cuda`` is read as the ranks' device (CPU ranks), where it is."""
+        return self
 
     def slice_mesh(self, **dims: Any) -> Any:
         """This tensor on the ranks at ``dims`` of its mesh (same local values there)."""
@@ -138,11 +191,16 @@ class Tensor(torch.Tensor):
         return state.reducers["to_mesh"](self, mesh, stream)
 
     def reduce(
-        self, dims: Any, reduction: str = "sum", scatter: bool = False, mesh: Any = None
+        self,
+        dims: Any,
+        reduction: str = "sum",
+        scatter: bool = False,
+        mesh: Any = None,
+        out: Any = None,
     ) -> Any:
         """A new mesh tensor: this one reduced across ``dims`` of its mesh (see
         :func:`monarch_kernel.reduce`)."""
-        return state.reducers["reduce"](self, dims, reduction, scatter, mesh)
+        return state.reducers["reduce"](self, dims, reduction, scatter, mesh, out)
 
     def reduce_(
         self, dims: Any, reduction: str = "sum", scatter: bool = False, mesh: Any = None
@@ -152,10 +210,21 @@ class Tensor(torch.Tensor):
 
 
 @contextlib.contextmanager
+def inputs_stream() -> Iterator[None]:
+    """Ops run on the stream of their inputs meanwhile (a backward pass: as the forward
+    ops they differentiate did), not the active one."""
+    state.follow_inputs[0] += 1
+    try:
+        yield
+    finally:
+        state.follow_inputs[0] -= 1
+
+
+@contextlib.contextmanager
 def on_fakes() -> Iterator[None]:
     """Run torch on the controller's fakes: every dispatch mode off (ours included:
     torch runs user modes before an infra mode such as the fake one), the fake mode on."""
-    with _disable_current_modes(), fake_mode:
+    with _disable_current_modes(), fake_mode():
         yield
 
 
@@ -202,22 +271,95 @@ def _device(x: Any) -> Any:
     return x
 
 
+def dropped_error(what: Any, t: Tensor) -> TypeError:
+    """``DROPPED``: ``t`` (or a view of its storage) was dropped; says where."""
+    where = f"\n{t._drop_location}" if t._drop_location is not None else ""
+    return bad_arguments(
+        "DROPPED",
+        f"{what}: this tensor, or a view of it, was dropped with t.drop() (or its borrow "
+        f"was dropped) and is no longer usable{where}",
+    )
+
+
+def check_stream(what: Any, tensors: Any, stream: Any) -> Any:
+    """The stream ``tensors`` run on: the active one (``WRONG_STREAM`` for a tensor of
+    another), or, in a backward pass (autograd's, or ``grad_generator``'s), their own:
+    a backward op runs where its forward op did."""
+    for i, t in enumerate(tensors):
+        if t.stream is stream:
+            continue
+        if i == 0 and (state.follow_inputs[0] or torch._C._current_autograd_node() is not None):
+            stream = t.stream
+            continue
+        if t.stream is not stream:
+            raise bad_arguments(
+                "WRONG_STREAM",
+                f"{what}: a tensor of {t.stream} while {stream} is active (use "
+                "`with stream.activate():`, or move it to this stream with borrow)",
+            )
+    return stream
+
+
+def check_access(what: Any, read: Any, written: Any = ()) -> None:
+    """``BORROWED`` for a tensor of ``read`` lent mutably to another stream;
+    ``MUTATING_BORROW`` for one of ``written`` that a borrow makes read-only."""
+    for t in read:
+        if "r" not in t._aliases.access:
+            raise bad_arguments(
+                "BORROWED",
+                f"{what}: this tensor cannot be read because it is borrowed mutably by "
+                "another stream (until that borrow is dropped)",
+            )
+    for t in written:
+        if "w" not in t._aliases.access:
+            raise bad_arguments(
+                "MUTATING_BORROW",
+                f"{what}: this tensor would be mutated by this operator but it is read "
+                "only because it is being borrowed (until the borrow is dropped)",
+            )
+
+
+#: op -> the positions and names of the arguments it writes (from its schema)
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The mesh tensors ``func`` writes in place (``add_``'s self, an ``out=``), by its
+    schema (inside a dispatch no version counter moves)."""
+    where = _WRITES.get(func)
+    if where is None:
+        where = _WRITES[func] = tuple(
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    out: list[Tensor] = []
+    for i, name in where:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        for x in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(x, Tensor) and all(x is not o for o in out):
+                out.append(x)
+    return out
+
+
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on mesh tensors (see the module docstring); plain local torch when no
     argument is a mesh tensor and no mesh is active."""
     flat, spec = tree_flatten((args, kwargs))
     mesh = None
     local = False
+    tensors: list[Tensor] = []
     for x in flat:
         if isinstance(x, Tensor):
             if x._dropped:
-                raise bad_arguments("DROPPED", f"{func}: a mesh tensor that was dropped")
+                raise dropped_error(func, x)
             if mesh is None:
                 mesh = x._mesh
             elif x._mesh != mesh:
                 raise bad_arguments(
                     "WRONG_MESH", f"{func}: tensors on {mesh!r} and {x._mesh!r} (use to_mesh)"
                 )
+            tensors.append(x)
         elif isinstance(x, torch.Tensor):
             local = True
     if mesh is None:
@@ -231,18 +373,18 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             # Only local tensors (a fetched value): plain torch, where Monarch raises
             # LOCAL_TENSOR; ``torch.tensor(...)`` (a lift) makes a mesh tensor.
             return func(*args, **kwargs)
-    if local:
+    elif local:
         for x in flat:
-            if (
-                isinstance(x, torch.Tensor)
-                and not isinstance(x, Tensor)
-                and x.numel() > MAX_CONSTANT_NUMEL
-            ):
+            if isinstance(x, torch.Tensor) and not isinstance(x, Tensor) and x.dim() > 0:
                 raise bad_arguments(
                     "LOCAL_TENSOR",
-                    f"{func}: a local tensor of shape {tuple(x.shape)} in an op on {mesh!r} "
-                    "(make it under the mesh's activate(), or run it under no_mesh)",
+                    f"{func}: a local tensor of shape {tuple(x.shape)} in an op on {mesh!r}: "
+                    "a local (non-distributed) tensor used while a device mesh is active "
+                    "(make it under the mesh's activate(), or use `with no_mesh.activate():` "
+                    "for local compute)",
                 )
+    stream = check_stream(func, tensors, state.active_stream())
+    check_access(func, tensors)
     # -- shapes and dtypes on the controller --------------------------------------------
     fakes: list[Any] = []
     inputs: dict[int, Tensor] = {}
@@ -252,10 +394,9 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             inputs[id(x._fake)] = x
         elif isinstance(x, torch.Tensor):
             with _disable_current_modes():
-                fakes.append(fake_mode.from_tensor(x))
+                fakes.append(fake_mode().from_tensor(x))
         else:
             fakes.append(_device(x))
-    versions = [(t, t._fake._version) for t in inputs.values()]
     fargs, fkwargs = tree_unflatten(fakes, spec)
     try:
         with on_fakes():
@@ -265,6 +406,9 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             f"{func} needs the values of a mesh tensor, which live on the ranks: "
             "fetch them with monarch_kernel.inspect(t) / fetch_shard(t)"
         ) from exc
+    mutated = written(func, args, kwargs)
+    if mutated:
+        check_access(func, (), mutated)
     # -- outputs -----------------------------------------------------------------------
     client = mesh.client
     results: list[int] = []
@@ -274,12 +418,12 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if isinstance(f, torch.Tensor):
             same = inputs.get(id(f))
             if same is None:
-                same = Tensor(f, mesh, client.new_ref())
+                same = Tensor(f, mesh, client.new_ref(), stream)
             results.append(same.ref)
             wrapped.append(same)
         else:
             wrapped.append(f)
-    mutates = tuple(t.ref for t, v in versions if t._fake._version != v)
+    mutates = tuple(t.ref for t in mutated)
     wire = [
         Ref(x.ref)
         if isinstance(x, Tensor)
@@ -302,6 +446,7 @@ class ActiveMesh(TorchDispatchMode):
         return dispatch(func, args, kwargs or {})
 
 
-def new_tensor(fake: torch.Tensor, mesh: Any) -> Tensor:
-    """A mesh tensor on ``mesh`` for ``fake`` with a fresh ref (its op is the caller's)."""
-    return Tensor(fake, mesh, mesh.client.new_ref())
+def new_tensor(fake: torch.Tensor, mesh: Any, stream: Stream | None = None) -> Tensor:
+    """A mesh tensor on ``mesh`` (and ``stream``: the active one by default) for
+    ``fake`` with a fresh ref (its op is the caller's)."""
+    return Tensor(fake, mesh, mesh.client.new_ref(), stream)

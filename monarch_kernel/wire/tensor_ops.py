@@ -37,6 +37,16 @@ class RemoteFunction:
 
 
 @dataclass(frozen=True, slots=True)
+class TensorPattern:
+    """A tensor an op returned, without its values: what cached propagation (a remote
+    function run once for real) brings back to make the controller's fakes from."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str  #: as ``torch.<name>`` names it
+
+
+@dataclass(frozen=True, slots=True)
 class CallOp:
     """Run ``func(*args, **kwargs)``; its tensor outputs (pytree leaf order) become
     ``results``; ``mutates``: the refs of inputs it changes in place (poisoned with its
@@ -80,6 +90,58 @@ class Reduce:
     dtype: str  #: the input's dtype, as ``torch.<name>`` names it (``"float32"``)
     scatter: bool = False
     inplace: bool = False
+    #: ``reduce(..., out=t)``: the result is also written into ``t``'s local tensor
+    out: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JoinWorld:
+    """Sent to every rank of the process mesh before its first collective or transfer:
+    each joins the mesh's default process group (gloo) if it has none yet, so that
+    reductions on a slice and transfers between ranks need only their own ranks later."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendTensor:
+    """``to_mesh`` between ranks: for each ``(source, destination)`` global rank pair, in
+    order, the source's local ``src`` goes to the destination, which keeps it as
+    ``result`` (a pair of one rank is a local copy). A poisoned source sends its error
+    instead, and the destination's ``result`` holds it."""
+
+    seq: int
+    src: int
+    result: int
+    pairs: tuple[tuple[int, int], ...]
+    size: tuple[int, ...]  #: the tensor's shape
+    dtype: str  #: as ``torch.<name>`` names it
+
+
+@dataclass(frozen=True, slots=True)
+class BorrowCreate:
+    """``stream.borrow(t)``: ``result`` names the same local tensor as ``src``."""
+
+    seq: int
+    src: int
+    result: int
+
+
+@dataclass(frozen=True, slots=True)
+class BorrowDrop:
+    """``borrow.drop()``: the ranks forget ``borrowed`` (the borrowed tensor and its
+    views); a ``mutable`` borrow whose tensors hold an error passes it to ``origin``
+    (the lender's tensors of that storage)."""
+
+    seq: int
+    borrowed: tuple[int, ...]
+    origin: tuple[int, ...]
+    mutable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """After the stop button interrupted the ranks' ops: a rank interrupted in one
+    skips the ops sent before this record (their outputs hold the interruption) and
+    runs those after it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +173,10 @@ class Report:
 
 
 #: One record of a ``tensor_ops`` payload.
-Record = CallOp | RankCoord | Reduce | Drop | Fetch | Report
+Record = (
+    CallOp | RankCoord | Reduce | JoinWorld | SendTensor | BorrowCreate | BorrowDrop | Resume
+    | Drop | Fetch | Report
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

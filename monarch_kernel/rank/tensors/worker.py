@@ -11,18 +11,23 @@ Invariants:
   when an op fails: errors travel in the answers to fetches, and the root errors (one
   per op that raised here) also in the answer to the next :class:`Report` (a notebook
   cell's end), which reports each once.
+* An op's function runs as user code: the stop button's SIGINT interrupts it. The
+  worker then runs no op until the controller's :class:`Resume` (their outputs hold the
+  interruption) but still joins every collective and transfer (with zeros, or sending
+  the error), so no peer waits for it.
 """
 
 from __future__ import annotations
 
 import importlib
 import pickle
+import signal
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from monarch_kernel.rank import context
 from monarch_kernel.rank.outbox import Outbox
@@ -31,10 +36,13 @@ from monarch_kernel.shape import Shape
 from monarch_kernel.wire.tensor_ops import (
     ALL_SHARDS,
     MAX_UNREPORTED,
+    BorrowCreate,
+    BorrowDrop,
     CallOp,
     Drop,
     Fetch,
     FetchReply,
+    JoinWorld,
     RankCoord,
     RankError,
     Reduce,
@@ -42,6 +50,9 @@ from monarch_kernel.wire.tensor_ops import (
     RemoteFunction,
     Report,
     ReportReply,
+    Resume,
+    SendTensor,
+    TensorPattern,
 )
 
 #: This rank's worker, once the first ``tensor_ops`` message made it.
@@ -74,6 +85,17 @@ class TensorWorker:
         #: how many more failed
         self._unreported: list[RankError] = []
         self._more = 0
+        #: the first ref an op defined here (None before): a missing ref below it was
+        #: made before this process, by the rank this one restarted
+        self.first_ref: int | None = None
+        #: set when the stop button interrupted an op here: ops until the next
+        #: :class:`Resume` do not run and hold it (collectives still join, with zeros)
+        self.interrupted: RankError | None = None
+        #: the rank's main-thread state (what its SIGINT handler reads), found through
+        #: that handler: an op's function runs as user code, which SIGINT interrupts
+        handler = signal.getsignal(signal.SIGINT)
+        main = getattr(handler, "__self__", None)
+        self._main = main if hasattr(main, "in_user_code") else None
         # Ranks forked from one template share its RNG state: mesh tensors from
         # ``torch.rand`` differ per rank (Monarch's rule), so each rank draws a seed.
         torch.seed()
@@ -85,10 +107,19 @@ class TensorWorker:
         records = pickle.loads(payload)
         rank = context.current_rank().rank
         reply: FetchReply | ReportReply | None = None
+        if self.first_ref is None:
+            self._first_defined(records)
+        main = self._main
+        outside = main.in_user_code if main is not None else False
         for rec in records:
             kind = type(rec)
             if kind is CallOp:
-                self._call(rec, rank)
+                try:
+                    self._call(rec, rank)
+                except KeyboardInterrupt:  # landed around the op's function
+                    if main is not None:  # (even before _call put the flag back)
+                        main.in_user_code = outside
+                    self._interrupt(rec, rank)
             elif kind is Drop:
                 refs = self.refs
                 for r in rec.refs:
@@ -97,6 +128,16 @@ class TensorWorker:
                 self._rank_coord(rec, rank)
             elif kind is Reduce:
                 self._reduce(rec, rank)
+            elif kind is SendTensor:
+                self._send_tensor(rec, rank)
+            elif kind is BorrowCreate:
+                self._borrow_create(rec, rank)
+            elif kind is BorrowDrop:
+                self._borrow_drop(rec)
+            elif kind is JoinWorld:
+                self._join_world(rank)
+            elif kind is Resume:
+                self.interrupted = None
             elif kind is Fetch:
                 reply = self._fetch(rec, rank)
             elif kind is Report:
@@ -105,9 +146,43 @@ class TensorWorker:
         if request is not None:
             self.outbox.reply(request, reply or FetchReply(None), "tensor fetch")
 
+    def _first_defined(self, records: list[Any]) -> None:
+        for rec in records:
+            results = getattr(rec, "results", None)
+            if results is None:
+                result = getattr(rec, "result", None)
+                results = () if result is None else (result,)
+            if results:
+                self.first_ref = min(results)
+                return
+
     # -- ops -------------------------------------------------------------------------
+    def _interrupt(self, op: CallOp, rank: int) -> None:
+        """The stop button interrupted ``op``: it and the ops until :class:`Resume` hold
+        the interruption (a fetch raises it), and do not run."""
+        if self.interrupted is None:
+            self.interrupted = RankError(
+                op.seq, rank, "KeyboardInterrupt",
+                "interrupted by the stop button (this op and those after it did not run)", "",
+            )  # fmt: skip
+        self._poison(op.results, op.mutates, self.interrupted)
+
     def _call(self, op: CallOp, rank: int) -> None:
         self.ops_run += 1
+        if self.interrupted is not None:
+            self._poison(op.results, op.mutates, self.interrupted)
+            return
+        main = self._main
+        outer = False
+        if main is not None:  # the op is user code: the stop button's SIGINT lands in it
+            outer, main.in_user_code = main.in_user_code, True
+        try:
+            self._run_op(op, rank)
+        finally:
+            if main is not None:
+                main.in_user_code = outer
+
+    def _run_op(self, op: CallOp, rank: int) -> None:
         refs = self.refs
         try:
             args = self._resolve(op.args)
@@ -130,6 +205,20 @@ class TensorWorker:
         leaves = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
         for ref, value in zip(results, leaves):
             refs[ref] = value
+
+    def missing(self, ref: int, rank: int) -> RankError:
+        """The error of a ref this rank does not hold: dropped, or, for a ref made
+        before this worker's first (refs only grow), lost when the rank restarted."""
+        first = self.first_ref
+        if first is None or ref < first:
+            return RankError(
+                -1, rank, "TensorLost",
+                f"mesh tensor ref {ref} was lost: rank {rank} restarted (or joined the "
+                "mesh) after it was made; make it again", "",
+            )  # fmt: skip
+        return RankError(
+            -1, rank, "KeyError", f"mesh tensor ref {ref} is not on this rank (dropped?)", ""
+        )
 
     def _failed(self, seq: int, rank: int, exc: BaseException) -> RankError:
         """The error of op ``seq``, which raised ``exc`` here (kept for the next report)."""
@@ -154,10 +243,7 @@ class TensorWorker:
             try:
                 found = self.refs[value.id]
             except KeyError:
-                raise _Poisoned(
-                    RankError(-1, context.current_rank().rank, "KeyError",
-                              f"mesh tensor ref {value.id} is not on this rank (dropped?)", "")
-                ) from None  # fmt: skip
+                raise _Poisoned(self.missing(value.id, context.current_rank().rank)) from None
             if type(found) is RankError:
                 raise _Poisoned(found)
             return found
@@ -165,6 +251,8 @@ class TensorWorker:
             return kind(self._resolve(v) for v in value)
         if kind is dict:
             return {k: self._resolve(v) for k, v in value.items()}
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple
+            return kind(*(self._resolve(v) for v in value))
         return value
 
     def _function(self, func: str | RemoteFunction) -> Callable[..., Any]:
@@ -178,6 +266,8 @@ class TensorWorker:
         elif func.path is not None:
             module, _, attr = func.path.rpartition(".")
             fn = getattr(importlib.import_module(module), attr)
+            # a module-level ``@remote`` function: its module holds the remote wrapper
+            fn = getattr(fn, "remote_impl", fn)
         else:
             import cloudpickle
 
@@ -188,6 +278,9 @@ class TensorWorker:
         return found
 
     def _rank_coord(self, op: RankCoord, rank: int) -> None:
+        if self.interrupted is not None:
+            self.refs[op.result] = self.interrupted
+            return
         coords = coordinates(op.shape, rank)
         value = 0
         for dim in op.dims:
@@ -196,9 +289,11 @@ class TensorWorker:
         self.refs[op.result] = torch.tensor(value, dtype=torch.long)
 
     def _reduce(self, op: Reduce, rank: int) -> None:
-        src = self.refs.get(op.src)
-        if src is None:
-            src = RankError(op.seq, rank, "KeyError", f"ref {op.src} is not on this rank", "")
+        src = self.refs.get(op.src, _MISSING)
+        if src is _MISSING:
+            src = self.missing(op.src, rank)
+        elif self.interrupted is not None:
+            src = self.interrupted  # joins with zeros: the peers do not wait for it
         try:
             out = collectives.reduce(op, src)
         except Exception as exc:
@@ -209,7 +304,53 @@ class TensorWorker:
             return
         if isinstance(src, RankError):
             out = src  # joined the collective with zeros; the result stays poisoned
+        elif op.out is not None:
+            target = self.refs.get(op.out)
+            if isinstance(target, torch.Tensor):
+                target.copy_(out)
+                out = target
         self.refs[op.result] = out
+        if op.out is not None and op.out != op.result:
+            self.refs[op.out] = out
+
+    def _send_tensor(self, op: SendTensor, rank: int) -> None:
+        is_source = any(s == rank for s, _ in op.pairs)
+        src = self.refs.get(op.src, _MISSING) if is_source else None
+        if src is _MISSING:
+            src = self.missing(op.src, rank)
+        elif is_source and self.interrupted is not None:
+            src = self.interrupted  # sent instead of the tensor: the receiver holds it
+        try:
+            out = collectives.send_tensor(op, src, rank)
+        except Exception as exc:
+            err = self._failed(op.seq, rank, exc)
+            if any(d == rank for _, d in op.pairs):
+                self.refs[op.result] = err
+            return
+        if any(d == rank for _, d in op.pairs):
+            self.refs[op.result] = out
+
+    def _borrow_create(self, op: BorrowCreate, rank: int) -> None:
+        found = self.refs.get(op.src, _MISSING)
+        self.refs[op.result] = self.missing(op.src, rank) if found is _MISSING else found
+
+    def _borrow_drop(self, op: BorrowDrop) -> None:
+        refs = self.refs
+        if op.mutable:
+            # what the borrowing stream's ops broke, the lender sees
+            err = next((refs[r] for r in op.borrowed if type(refs.get(r)) is RankError), None)
+            if err is not None:
+                for r in op.origin:
+                    if r in refs:
+                        refs[r] = err
+        for r in op.borrowed:
+            refs.pop(r, None)
+
+    def _join_world(self, rank: int) -> None:
+        try:
+            collectives.join_world()
+        except Exception as exc:  # the next collective fails with it too
+            self._failed(-1, rank, exc)
 
     # -- values back -----------------------------------------------------------------
     def _fetch(self, op: Fetch, rank: int) -> FetchReply:
@@ -218,9 +359,7 @@ class TensorWorker:
         for i, r in enumerate(op.refs):
             found = self.refs.get(r, _MISSING)
             if found is _MISSING:
-                found = RankError(
-                    -1, rank, "KeyError", f"mesh tensor ref {r} is not on this rank", ""
-                )
+                found = self.missing(r, rank)
             if type(found) is RankError:
                 errors.append((i, found))
                 found = None
@@ -232,6 +371,22 @@ class TensorWorker:
 
 
 _MISSING = object()
+
+
+def output_pattern(func: RemoteFunction, *args: Any, **kwargs: Any) -> Any:
+    """Cached propagation's run (a remote function itself): ``func``'s outputs here,
+    each tensor replaced by its :class:`TensorPattern`."""
+    worker = current()
+    assert worker is not None
+    out = worker._function(func)(*args, **kwargs)
+    return tree_map(
+        lambda x: (
+            TensorPattern(tuple(x.shape), tuple(x.stride()), str(x.dtype).removeprefix("torch."))
+            if isinstance(x, torch.Tensor)
+            else x
+        ),
+        out,
+    )
 
 
 def coordinates(shape: Shape, rank: int) -> tuple[int, ...]:
