@@ -11,8 +11,10 @@ Keys monarch_kernel acts on:
 - ``ray_placement_timeout``: how long a Ray mesh's start waits for its placement groups
   (all of them together; default ``"30s"``); then a ValueError naming what the cluster
   has free, with the groups placed so far removed again.
-- ``actor_spawn_max_idle``: how long ``spawn()`` waits for the actors' constructors
-  (default ``"10m"``); then a TimeoutError naming the constructor and the ranks.
+- ``actor_spawn_max_idle``: how long an actor's constructor may run (Monarch's key and
+  default, ``"30s"``), timed on its rank from its start; then the actor fails as in
+  Monarch (``spawn()`` returns, its supervision hears of it, calls to it raise
+  ``SupervisionError`` saying so) and the rank's other work goes on.
 - ``max_value_size``: the largest value one message carries (``%push``/``%pull``, an
   endpoint's arguments or result, a cell's result), in bytes or with a K, M, G, T suffix
   (``"16G"``); default half of the machine's memory. Set in this process's environment
@@ -38,11 +40,16 @@ from typing import Any
 
 from monarch_kernel.wire.limits import MAX_VALUE_ENV, parse_size
 
+#: Monarch's ``monarch._src.actor.config.prefix_python_logs_with_actor``: ``logging``
+#: records of code an actor runs start with ``[actor=<its instance>] ``
+#: (``rank.actor_logs``). Per process, as Monarch's: set it where the actors run.
+prefix_python_logs_with_actor = True
+
 #: Keys we act on, with their defaults (``max_value_size``: None, the wire's default).
 DEFAULTS: dict[str, Any] = {
     "host_meshes": {},
     "host_spawn_ready_timeout": "120s",
-    "actor_spawn_max_idle": "10m",
+    "actor_spawn_max_idle": "30s",
     "ray_placement_timeout": "30s",
     "max_value_size": None,
 }

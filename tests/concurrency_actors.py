@@ -1,9 +1,12 @@
 """Actor classes of tests/test_actor_concurrency.py (importable by ranks through sys.path):
-two kinds of actor (sync and async endpoints) that call each other on the same ranks."""
+two kinds of actor (sync and async endpoints) that call each other on the same ranks,
+and endpoints that hold their thread (a blocking wait, a sleep, a Python loop)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from typing import Any
 
 from monarch_kernel.actor import Actor, current_rank, endpoint
@@ -83,3 +86,77 @@ class Dies(Actor):
 
         print("about to die", flush=True)
         os._exit(7)
+
+
+#: Set by one actor's endpoint, waited on (blocking, no ``.get()`` nor ``await``) by
+#: another's on the same rank.
+_EVENTS: dict[str, threading.Event] = {}
+
+
+def _event(name: str) -> threading.Event:
+    return _EVENTS.setdefault(name, threading.Event())
+
+
+class Blocker(Actor):
+    """Sync endpoints that hold their thread: a ``threading.Event`` wait, a sleep, a
+    Python loop (what the stop button can interrupt on any thread)."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    @endpoint
+    def block(self, name: str, timeout: float = 30.0) -> str:
+        print(f"blocking at {name}", flush=True)
+        released = _event(name).wait(timeout)
+        _EVENTS.pop(name, None)
+        return "released" if released else "timed out"
+
+    @endpoint
+    def nap(self, seconds: float) -> str:
+        print(f"napping {seconds}", flush=True)
+        time.sleep(seconds)
+        return "rested"
+
+    @endpoint
+    def spin(self, name: str, seconds: float = 60.0) -> str:
+        """A Python loop (no blocking call): interruptible on any thread at once."""
+        print(f"spinning at {name}", flush=True)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+        return "spun"
+
+    @endpoint
+    def record(self, i: int) -> list[int]:
+        self.seen.append(i)
+        return list(self.seen)
+
+    @endpoint
+    def thread(self) -> str:
+        return threading.current_thread().name
+
+
+class Setter(Actor):
+    @endpoint
+    def set(self, name: str) -> str:
+        _event(name).set()
+        return "set"
+
+
+class AsyncSetter(Actor):
+    @endpoint
+    async def set(self, name: str) -> str:
+        await asyncio.sleep(0)
+        _event(name).set()
+        return "set"
+
+
+class AsyncBlocker(Actor):
+    """An async endpoint that blocks its thread (the rank's event loop) on an event."""
+
+    @endpoint
+    async def block(self, name: str, timeout: float = 30.0) -> str:
+        print(f"blocking at {name}", flush=True)
+        released = _event(name).wait(timeout)
+        _EVENTS.pop(name, None)
+        return "released" if released else "timed out"

@@ -1,14 +1,26 @@
 """Actors of one rank are concurrent (Monarch's model, issue 51): meshes on the same ranks
-call each other from sync and async endpoints without a hang, an async endpoint that
-awaits does not hold another actor's calls, one actor keeps its own order, and the stop
-button and ``%mesh stacks`` see every actor that runs."""
+call each other from sync and async endpoints without a hang, an endpoint that awaits or
+blocks (``threading.Event.wait``, ``time.sleep``) does not hold another actor's calls
+(they run on a worker thread of the rank), one actor keeps its own order, and the stop
+button, ``%mesh stacks`` and the failure policy see every actor that runs, on any
+thread."""
 
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
-from concurrency_actors import AsyncCallee, AsyncCaller, SyncCallee, SyncCaller
+from concurrency_actors import (
+    AsyncBlocker,
+    AsyncCallee,
+    AsyncCaller,
+    AsyncSetter,
+    Blocker,
+    Setter,
+    SyncCallee,
+    SyncCaller,
+)
 from helpers import wait_for_rank_line
 
 from monarch_kernel.actor import ActorError, this_host
@@ -45,8 +57,7 @@ def test_two_meshes_on_the_same_ranks_call_each_other(shared, caller, callee):
 
 def test_an_awaiting_endpoint_does_not_hold_another_actor(shared):
     """An async endpoint waits for a gate that only the other actor's call (from the
-    controller, on the same ranks) opens. (A sync endpoint's call waits until the
-    rank's event loop is free: docs/guide/actors.md, what is not copied.)"""
+    controller, on the same ranks) opens."""
     a, b = _spawn(shared, AsyncCaller, AsyncCallee)
     waiting = a.wait_gate.call("g1")
     assert b.open_gate.call("g1").get(timeout=10).values() == ["opened"] * 2
@@ -130,5 +141,122 @@ def test_failure_policy_releases_every_running_actor():
         procs.runtime.wait_recovered()
         assert a.record.call(1).get(timeout=30).values() == [[1], [1]]
         assert c.record.call(2).get(timeout=30).values() == [[2], [2]]
+    finally:
+        procs.stop()
+
+
+def _pair(procs, first, second):
+    n = next(_names)
+    return procs.spawn(f"first{n}", first), procs.spawn(f"second{n}", second)
+
+
+@pytest.mark.parametrize(
+    "blocker, setter",
+    [(Blocker, Setter), (Blocker, AsyncSetter), (AsyncBlocker, Setter)],
+    ids=["sync-blocks-sync-sets", "sync-blocks-async-sets", "async-blocks-sync-sets"],
+)
+def test_a_blocking_endpoint_does_not_hold_another_actor(shared, blocker, setter):
+    """Actor A's endpoint blocks its thread on a ``threading.Event`` (no ``.get()``, no
+    ``await``) that only actor B's endpoint, on the same ranks, sets; both are called
+    from the controller: B's call runs on a thread of its own, A's returns."""
+    a, b = _pair(shared, blocker, setter)
+    name = f"ev{next(_names)}"
+    waiting = a.block.call(name, 30)
+    for rank in (0, 1):
+        wait_for_rank_line(shared, rank, f"blocking at {name}")
+    assert b.set.call(name).get(timeout=10).values() == ["set"] * 2
+    assert waiting.get(timeout=10).values() == ["released"] * 2
+    assert a.block.call(f"{name}x", 0.01).get(timeout=10).values() == ["timed out"] * 2
+
+
+def test_a_sleeping_endpoint_holds_only_its_own_actor(shared):
+    """While A sleeps, B answers at once (on a worker: its thread's name says so), many
+    times, in order; A's own next call waits for A."""
+    a, b = _pair(shared, Blocker, Blocker)
+    napping = a.nap.call(3.0)
+    for rank in (0, 1):
+        wait_for_rank_line(shared, rank, "napping 3.0")
+    t0 = time.monotonic()
+    calls = [b.record.call(i) for i in range(20)]
+    assert [f.get(timeout=10).values() for f in calls][-1] == [list(range(20))] * 2
+    assert all(name.startswith("actor ") for name in b.thread.call().get(timeout=10).values())
+    assert time.monotonic() - t0 < 2.0  # not behind A's nap
+    after = a.record.call(1)
+    assert not after.done()  # A's next call waits for A's nap
+    assert napping.get(timeout=10).values() == ["rested"] * 2
+    assert after.get(timeout=10).values() == [[1], [1]]
+
+
+def test_stop_button_interrupts_a_worker_thread(shared):
+    """A holds the main thread (a blocking wait), B spins in Python on a worker: the
+    stop button stops both, and both serve again."""
+    a, b = _pair(shared, Blocker, Blocker)
+    name = f"stop{next(_names)}"
+    held = a.block.call(name, 60)
+    for rank in (0, 1):
+        wait_for_rank_line(shared, rank, f"blocking at {name}")
+    spinning = b.spin.call(name)
+    for rank in (0, 1):
+        wait_for_rank_line(shared, rank, f"spinning at {name}")
+    shared.interrupt()
+    for fut in (held, spinning):
+        with pytest.raises(ActorError, match="KeyboardInterrupt"):
+            fut.get(timeout=10)
+    assert a.record.call(1).get(timeout=10).values() == [[1], [1]]
+    assert b.record.call(2).get(timeout=10).values() == [[2], [2]]
+
+
+def test_mesh_stacks_show_a_worker_thread(shared):
+    """``%mesh stacks`` shows the worker that runs B's endpoint (named after its actor)
+    while A holds the main thread."""
+    a, b = _pair(shared, Blocker, Blocker)
+    name = f"stk{next(_names)}"
+    held = a.block.call(name, 60)
+    for rank in (0, 1):
+        wait_for_rank_line(shared, rank, f"blocking at {name}")
+    spinning = b.spin.call(name, 60)
+    for rank in (0, 1):
+        wait_for_rank_line(shared, rank, f"spinning at {name}")
+    try:
+        stacks = collect_stacks(shared.runtime, [0, 1])
+        for st in stacks:
+            assert st.error is None
+            (main,) = [t for t in st.threads if t.main]
+            assert "block" in [f.function for f in main.frames]
+            (worker,) = [t for t in st.threads if t.name == f"actor {b.name}"]
+            assert "spin" in [f.function for f in worker.frames]
+    finally:
+        shared.interrupt()
+        for fut in (held, spinning):
+            with pytest.raises(ActorError):
+                fut.get(timeout=10)
+
+
+def test_failure_policy_releases_a_worker_thread():
+    """A rank dies while, on every rank, one actor holds the main thread and another
+    runs on a worker: the calls fail naming the dead rank, the restart policy releases
+    the survivor's endpoints on both threads, and the mesh serves again."""
+    from concurrency_actors import Dies
+
+    from monarch_kernel.actor import RankDiedError
+
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="conc_policy2")
+    try:
+        a, b = _pair(procs, Blocker, Blocker)
+        dies = procs.spawn("dies", Dies).slice(gpus=0)
+        name = f"pol{next(_names)}"
+        held = a.block.call(name, 120)
+        for rank in (0, 1):
+            wait_for_rank_line(procs, rank, f"blocking at {name}")
+        spinning = b.spin.call(name, 120)
+        for rank in (0, 1):
+            wait_for_rank_line(procs, rank, f"spinning at {name}")
+        dies.die.broadcast()
+        for fut in (held, spinning):
+            with pytest.raises(RankDiedError, match="rank 0"):
+                fut.get(timeout=30)
+        procs.runtime.wait_recovered()
+        assert a.record.call(1).get(timeout=30).values() == [[1], [1]]
+        assert b.record.call(2).get(timeout=30).values() == [[2], [2]]
     finally:
         procs.stop()

@@ -314,6 +314,9 @@ PART_ORDER: dict[str, list[str]] = {
         "signals",
         "outbox",
         "supervise",
+        "actor_logs",  # Monarch's [actor=...] prefix on the logging records of actors
+        "runners",  # worker threads and the relief thread (rank.lines hands them work)
+        "lines",  # which thread runs each actor message, and the actors' lines
         "actors",
         "listener_gate",
         "dataplane",

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from monarch_kernel.rank.context import EXPLICIT_PORT_ATTR
+from monarch_kernel.rank.context import EXPLICIT_PORT_ATTR, end_serve_tasks, serve_tasks
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -71,7 +71,7 @@ def concurrent_endpoint(
     supervision hears of it). Without it, an exception goes to the caller. As in
     Monarch, a sync method is a ``ValueError``, and so is stacking it over ``@endpoint``
     (pass the options to ``@concurrent_endpoint`` instead)."""
-    del propagate, instrument  # accepted as Monarch's
+    del instrument  # accepted as Monarch's
 
     def mark(f: F) -> F:
         if getattr(f, _ENDPOINT_ATTR, False):
@@ -88,9 +88,25 @@ def concurrent_endpoint(
                 coro = f(self, port, *args, **kwargs)
             else:
                 coro = f(self, *args, **kwargs)
-            fut = asyncio.run_coroutine_threadsafe(coro, _concurrent_loop())
+            call = _ConcurrentCall()
+            running = _running_calls(self)
+            running.add(call)
+            # its task serves this message: its actor (``context()``), its request (output)
+            token = serve_tasks()
+            try:
+                fut = call.future = asyncio.run_coroutine_threadsafe(
+                    call.run(coro), _concurrent_loop()
+                )
+            finally:
+                end_serve_tasks(token)
 
             def done(task: Any) -> None:
+                running.discard(call)
+                if task.cancelled():  # its actor stopped (``ActorHost.retire``)
+                    port.exception(
+                        asyncio.CancelledError(f"{f.__name__} was cancelled: its actor stopped")
+                    )
+                    return
                 exc = task.exception()
                 if exc is not None and explicit_response_port:
                     # Not sent through the port: as in Monarch, the actor fails.
@@ -106,9 +122,76 @@ def concurrent_endpoint(
         setattr(start, _ENDPOINT_ATTR, True)
         setattr(start, EXPLICIT_PORT_ATTR, True)
         setattr(start, CONCURRENT_ATTR, True)  # an async endpoint (the kinds check)
+        # Monarch's endpoint attributes (its ``EndpointProperty``'s, and the wrapper's)
+        start._method = f  # type: ignore[attr-defined]
+        start._propagator = propagate  # type: ignore[attr-defined]
+        start._explicit_response_port = True  # type: ignore[attr-defined]
+        start._instrument = False  # type: ignore[attr-defined]
+        start._monarch_concurrent_endpoint_wrapper = True  # type: ignore[attr-defined]
+        start.__signature__ = _port_signature(  # type: ignore[attr-defined]
+            f, explicit_response_port
+        )
         return start  # type: ignore[return-value]
 
     return mark(method) if method is not None else mark  # type: ignore[return-value]
+
+
+def _port_signature(method: Callable[..., Any], explicit: bool) -> inspect.Signature:
+    """Monarch's signature of a concurrent endpoint's wrapper: the method's own, with the
+    response port after ``self`` when the method did not take one itself."""
+    signature = inspect.signature(method)
+    params = list(signature.parameters.values())
+    if explicit or not params:
+        return signature
+    name = "_monarch_response_port"
+    while name in signature.parameters:
+        name += "_"
+    only = inspect.Parameter.POSITIONAL_ONLY
+    positional = any(p.kind is only for p in params[1:])
+    port = inspect.Parameter(name, only if positional else inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return signature.replace(parameters=[params[0], port, *params[1:]], return_annotation=None)
+
+
+#: The attribute of an actor instance that holds its running concurrent calls (the rank
+#: cancels them when the actor stops: ``rank.actors.CONCURRENT_RUNNING_ATTR``).
+_RUNNING_ATTR = "__monarch_concurrent_running__"
+
+
+class _ConcurrentCall:
+    """One running call of a ``@concurrent_endpoint``: cancelled, and waited for, when
+    its actor stops (before ``__cleanup__``, as in Monarch)."""
+
+    def __init__(self) -> None:
+        self.future: Any = None
+        self.started = False
+        self.ended = threading.Event()
+
+    async def run(self, coro: Any) -> Any:
+        self.started = True
+        try:
+            return await coro
+        finally:
+            self.ended.set()
+
+    def cancel(self) -> None:
+        if self.future is not None:
+            self.future.cancel()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait (at most ``timeout`` seconds) until the call's coroutine has ended."""
+        if self.started:
+            self.ended.wait(timeout)
+
+
+def _running_calls(actor: Any) -> set[_ConcurrentCall]:
+    running = getattr(actor, _RUNNING_ATTR, None)
+    if running is None:
+        running = set()
+        try:
+            object.__setattr__(actor, _RUNNING_ATTR, running)
+        except AttributeError:  # an actor with __slots__: its calls are not tracked
+            pass
+    return running
 
 
 _loop: asyncio.AbstractEventLoop | None = None

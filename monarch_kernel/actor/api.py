@@ -19,6 +19,7 @@ from monarch_kernel.actor.peer.requester import PeerRequester, rank_waiter
 from monarch_kernel.calls.future import Future, then
 from monarch_kernel.calls.gather import One
 from monarch_kernel.calls.requester import MeshRef
+from monarch_kernel.rank import actor_logs as _actor_logs
 from monarch_kernel.rank import context as rank_context
 from monarch_kernel.rank.errors import ActorAborted
 from monarch_kernel.rank.runtime import ResponsePort
@@ -50,6 +51,18 @@ class Instance:
     actor_id: str
     proc_id: str
     name: str
+    #: the actor's class, fully qualified (Monarch's ``class_name``); "" for the client
+    class_name: str = ""
+
+    def __str__(self) -> str:
+        """Monarch's form: ``<root>.<__main__.Trainer trainer{'gpus': 1/2}>`` (the
+        client is ``<root>``)."""
+        if not self.class_name:
+            return "<root>"
+        rank = str(self.rank) if len(self.rank) > 0 else ""
+        return f"<root>.<{self.class_name} {self.name}{rank}>"
+
+    __repr__ = __str__
 
     @property
     def proc(self) -> ProcMesh:
@@ -113,7 +126,23 @@ def context() -> Context:
     mesh = svc.config.mesh_name or "mesh"
     proc = f"{mesh}[{point.rank}]"
     name = rank_context.current_actor or ""
-    return Context(Instance(point, f"{mesh}/{name}[{point.rank}]", proc, name))
+    cls = _class_name(svc.actors.get(name)) if name else ""
+    return Context(Instance(point, f"{mesh}/{name}[{point.rank}]", proc, name, cls))
+
+
+def _class_name(actor: object) -> str:
+    if actor is None:
+        return ""
+    cls = type(actor)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def actor_label() -> str | None:
+    """``str(context().actor_instance)`` inside an actor of a rank, else None (the
+    ``[actor=...]`` prefix of ``logging`` records: ``rank.actor_logs``)."""
+    if not rank_context.in_rank() or not rank_context.current_actor:
+        return None
+    return str(context().actor_instance)
 
 
 def current_actor_name() -> str:
@@ -245,3 +274,6 @@ __all__ = [
     "this_proc",
     "unhandled_fault_hook",
 ]
+
+
+_actor_logs.label = actor_label  # the [actor=...] prefix of logging records in actors

@@ -44,12 +44,17 @@ from monarch_kernel.calls.errors import ActorError, SupervisionError
 from monarch_kernel.calls.future import Future, then
 from monarch_kernel.calls.requester import ActorSpec, CallOptions, MeshRef, Requester
 from monarch_kernel.calls.value_mesh import ValueMesh
-from monarch_kernel.rank.supervise import MeshFailure, failure_reason
+from monarch_kernel.rank import context as rank_context
+from monarch_kernel.rank.supervise import MeshFailure, failure_reason, own
 from monarch_kernel.shape import Shape, SliceError
 from monarch_kernel.wire import dumps
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header
+
+#: Seconds a spawn may wait, besides its constructors' own limit (``actor_spawn_max_idle``,
+#: timed by each rank), for the rank to start them: the work sent before it (a long cell).
+SPAWN_QUEUE_WAIT = 600.0
 
 log = logging.getLogger(__name__)
 
@@ -195,13 +200,15 @@ class ProcMesh(MeshView):
         ranks = self._shape.ranks()
         # Spawned by an actor (of a rank, or of the controller's own process): it owns them.
         owner = local_context.owner() or self._requester.spawn_owner()
-        header = H.SpawnActor(actor=name, owner=owner).encode()
+        # Monarch's actor_spawn_max_idle: each rank fails the actor whose constructor has
+        # not returned by then (timed there from its start, not behind earlier work)
+        limit = config.seconds(config.get("actor_spawn_max_idle"))
+        header = H.SpawnActor(actor=name, owner=owner, limit=limit).encode()
         options = CallOptions(what=f"spawn {name}", waited=True)
         constructed = self._gather(ranks, header, payload, buffers, options)
-        limit = config.seconds(config.get("actor_spawn_max_idle"))
         failed_init.pop((self.name, name), None)
         try:
-            constructed.get(timeout=limit)
+            constructed.get(timeout=limit + SPAWN_QUEUE_WAIT)
         except SupervisionError:
             raise  # the mesh or a rank is gone: nothing was constructed there
         except ActorError as exc:
@@ -213,14 +220,17 @@ class ProcMesh(MeshView):
                 raise
             raise TimeoutError(
                 f"spawn of actor {name!r} on mesh {self.name!r}: {actor_class.__name__}"
-                f".__init__ had not returned within {limit:g}s on rank(s) "
-                f"{', '.join(map(str, ranks))} (the rank may still be running it, or "
-                "something before it; a slow constructor needs "
-                "configure(actor_spawn_max_idle=...))"
+                f".__init__ had not started and returned within "
+                f"{limit + SPAWN_QUEUE_WAIT:g}s on rank(s) {', '.join(map(str, ranks))} "
+                "(the rank is still running something before it: a cell, another "
+                "constructor; a slow constructor needs configure(actor_spawn_max_idle=...))"
             ) from None
         spec = ActorSpec(name, payload, tuple(buffers), frozenset(ranks))
         self._requester.actor_spawned(spec)
-        return ActorMesh(self, name, actor_class, self._shape)
+        mesh = ActorMesh(self, name, actor_class, self._shape)
+        if owner is not None and local_context.owner() is None and rank_context.in_rank():
+            own(owner.name, mesh)  # an actor of this rank spawned it: it stops with it
+        return mesh
 
     def _init_failed(
         self, name: str, actor_class: type, exc: ActorError, unowned: bool

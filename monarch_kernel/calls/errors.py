@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass
 
-from monarch_kernel.wire.osutil import describe_exit
+from monarch_kernel.wire.osutil import describe_exit, signal_name
 from monarch_kernel.wire.reports import FailureReport
 
 
@@ -34,12 +34,12 @@ class DeathInfo:
     @property
     def process_phrase(self) -> str:
         """Monarch's words for it: ``the process this actor was running on exited with
-        non-zero code 3`` (``was killed by SIGKILL``, ``is gone: <reason>``)."""
+        non-zero code 3`` (``was killed by signal 9 (SIGKILL)``, ``is gone: <reason>``)."""
         gone = "the process this actor was running on"
         if self.reason:
             return f"{gone} is gone: {self.reason}"
-        if self.signal:
-            return f"{gone} was {describe_exit(None, self.signal)}"
+        if self.signal:  # Monarch's "killed by signal N", and its name
+            return f"{gone} was killed by signal {self.signal} ({signal_name(self.signal)})"
         if self.code:
             return f"{gone} exited with non-zero code {self.code}"
         return f"{gone} exited"

@@ -1,18 +1,28 @@
-"""The actors of a rank: spawn, stop and call them (on the main thread), their owners
-(supervision), and what the controller is told of actors other ranks made here.
+"""The actors of a rank: spawn, stop and call them, their owners (supervision), and what
+the controller is told of actors other ranks made here.
 
-Concurrency (Monarch's model, on one thread): each actor handles the controller's
-messages one at a time, in order; actors do not wait for each other. While an endpoint
-waits (``.get()`` on a call, ``await``), the inbox starts other actors' messages
-(``Inbox.pump``); a message to an actor that is busy (:attr:`ActorHost.busy`: a message
-of it runs, or its async endpoint's task) waits in its line (``Inbox.waiting``) and
-starts when it is free (:attr:`ActorHost.on_idle`). Everything here runs on the rank's
-main thread (the stop button's SIGINT, CUDA, output under the calling cell).
+Concurrency (Monarch's model): each actor handles its messages one at a time, in order;
+actors do not wait for each other. Which thread runs a message is the inbox's choice
+(:mod:`monarch_kernel.rank.lines`): the main thread when it is free, a worker of the
+rank when it is held (:mod:`monarch_kernel.rank.runners`), the rank's event loop for
+``async def`` endpoints. A message to an actor that is busy (:attr:`ActorHost.busy`: a
+message of it runs, or its async endpoint's task) waits in its line
+(:attr:`ActorHost.waiting`); the handlers here count each message in and out
+(:attr:`ActorHost.enter`, :attr:`ActorHost.leave`), and may run on any of those threads.
 
 An actor spawned by an actor (header ``oa``/``ox``/``on``) is *owned*: its failures
 nobody waits for go to the owner (:mod:`monarch_kernel.rank.supervise`). A spawn or stop
 that came from another rank (no sequence number) is reported to the controller
 (``peer_actor``), which re-creates such actors when the rank restarts.
+
+Lifecycle (Monarch's): a constructor that runs past its limit fails its actor
+(``ActorHost._timed_out``); an actor that stops or fails ends the same way
+(:meth:`ActorHost.retire`): the meshes it owns stop first, its concurrent calls are
+cancelled, then its ``__cleanup__`` runs.
+
+Size: over the ~450-line habit: spawning, calling, supervising and ending an actor share
+the actor table, its owners and the gone actors' reasons; the threads and lines are in
+``lines``/``runners``, the supervision events in ``supervise``.
 """
 
 from __future__ import annotations
@@ -20,11 +30,16 @@ from __future__ import annotations
 import asyncio
 import inspect
 import pickle
+import sys
+import threading
+import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from monarch_kernel.rank import context
+from monarch_kernel.rank import actor_logs, context
 from monarch_kernel.rank.errors import ActorAborted, ActorGoneError, exception_report
+from monarch_kernel.rank.lines import ASYNC, QUICK, SYNC
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Message, loads
@@ -35,6 +50,8 @@ from monarch_kernel.wire.reports import FailureReport
 #: The mark ``@concurrent_endpoint`` puts on what it makes (``actor.actor.CONCURRENT_ATTR``;
 #: the rank layer does not import the actor API).
 CONCURRENT_ATTR = "__monarch_concurrent__"
+#: The mark ``@endpoint`` puts on endpoints (``actor.actor._ENDPOINT_ATTR``).
+ENDPOINT_ATTR = "__monarch_endpoint__"
 
 
 class Running:
@@ -57,6 +74,42 @@ class UserCode(Protocol):
     def keep_failure(self, exc: BaseException) -> None:
         """Remember ``exc`` for a post-mortem (``%debug_remote``)."""
         ...
+
+    def on_actor_loop(self) -> bool:
+        """Whether this thread runs the actors' event loop now."""
+        ...
+
+    def call_on_loop(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the actors' event loop."""
+        ...
+
+
+def _nothing(name: str) -> None:
+    """Until the inbox is wired in (``Rank``): nothing to count."""
+
+
+#: Set by ``@concurrent_endpoint`` on an actor: its calls that run now (futures of the
+#: concurrent event loop), cancelled when the actor stops (``ActorHost.retire``).
+CONCURRENT_RUNNING_ATTR = "__monarch_concurrent_running__"
+#: How long a stopping actor waits for its cancelled concurrent calls to end.
+CONCURRENT_CANCEL_WAIT = 5.0
+
+
+def _cancel_concurrent(actor: object) -> None:
+    """Cancel the actor's running ``@concurrent_endpoint`` calls and wait (a while) for
+    them to end, before its ``__cleanup__`` (Monarch)."""
+    running = getattr(actor, CONCURRENT_RUNNING_ATTR, None)
+    if not running:
+        return
+    futures = list(running)
+    for fut in futures:
+        fut.cancel()
+    deadline = time.monotonic() + CONCURRENT_CANCEL_WAIT
+    for fut in futures:
+        try:
+            fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except BaseException:  # cancelled (as asked), failed, or still running: on
+            continue
 
 
 class ActorHost:
@@ -81,67 +134,172 @@ class ActorHost:
         #: actor name -> its owner: an actor spawned by an actor of some rank (shared
         #: with the outbox, which sends such an actor's failures to its owner)
         self.owners = owners
-        #: actor name -> how many of its messages run now (on the stack, or a task of
-        #: an async endpoint): absent when it is free. Main thread only.
-        self.busy: dict[str, int] = {}
-        #: Told (main thread) when an actor is free again while messages wait for one
-        #: (``waiting``, the inbox's lines: its own dict): the inbox starts them.
-        self.on_idle: Callable[[str], None] | None = None
+        #: actor name -> how many of its messages run now (on a thread, or a task of
+        #: the event loop): absent when it is free. The inbox's (``Lines.busy``).
+        self.busy: Mapping[str, int] = {}
+        #: The messages that wait for a busy actor (the inbox's ``Lines.waiting``).
         self.waiting: Mapping[str, object] = {}
+        #: Count a message of an actor in and out (the inbox's ``Lines.enter`` and
+        #: ``Lines.leave``: the end of the last one starts what waits in its line).
+        self.enter: Callable[[str], None] = _nothing
+        self.leave: Callable[[str], None] = _nothing
+        #: (class, method) -> how a call of it runs (:meth:`kind_of`)
+        self._kinds: dict[tuple[type, str], int] = {}
+        self._async_classes: dict[type, bool] = {}
+        #: actor name -> the token of its constructor running now, under a time limit
+        self._constructing: dict[str, object] = {}
+        self._spawn_lock = threading.Lock()
 
     def is_busy(self, name: str) -> bool:
         """Whether a message of actor ``name`` runs now (see :attr:`busy`)."""
         return name in self.busy
 
-    def starts_as_task(self, hdr: H.Ordered) -> bool:
-        """Whether message ``hdr`` would run as a task of the rank's event loop (a call
-        of an ``async def`` endpoint) or return at once (a concurrent endpoint), so
-        that it may start while that loop runs: a sync endpoint started there would
-        hold the loop, and with it every async endpoint it may wait for."""
-        if isinstance(hdr, H.StopActor):
-            return True  # no user code: it returns at once
-        if not isinstance(hdr, H.Call):
-            return False  # a constructor, a sync __supervise__: after the loop
-        fn = getattr(type(self.actors.get(hdr.actor)), hdr.method, None)
-        return inspect.iscoroutinefunction(fn) or bool(getattr(fn, CONCURRENT_ATTR, False))
+    def kind_of(self, hdr: H.Ordered) -> int:
+        """How message ``hdr`` runs (``rank.lines``): QUICK (returns at once: a
+        ``@concurrent_endpoint`` call, a stop without ``__cleanup__``, a call of an actor
+        that is not there), ASYNC (a task of the event loop: an ``async def`` endpoint,
+        ``__supervise__`` or ``__cleanup__``) or SYNC (user code until it returns)."""
+        t = type(hdr)
+        if t is H.Call:
+            assert isinstance(hdr, H.Call)
+            cls = type(self.actors.get(hdr.actor))
+            key = (cls, hdr.method)
+            kind = self._kinds.get(key)
+            if kind is None:
+                fn = getattr(cls, hdr.method, None)
+                if fn is None or cls is type(None):
+                    return QUICK
+                if getattr(fn, CONCURRENT_ATTR, False):
+                    kind = QUICK
+                elif inspect.iscoroutinefunction(fn):
+                    kind = ASYNC
+                else:
+                    kind = SYNC
+                self._kinds[key] = kind
+            return kind
+        if t is H.Supervise:
+            assert isinstance(hdr, H.Supervise)
+            actor = self.actors.get(hdr.owner_name)
+            hook = getattr(actor, "__supervise__", None)
+        elif t is H.StopActor:
+            assert isinstance(hdr, H.StopActor)
+            actor = self.actors.get(str(hdr.actor))
+            hook = getattr(actor, "__cleanup__", None)
+        else:
+            return SYNC  # a constructor
+        if hook is None:
+            return QUICK
+        if inspect.iscoroutinefunction(hook) or self._async_actor(type(actor)):
+            # Monarch: an async actor's hooks run on its event loop (a sync one there
+            # too, between the steps of its endpoints' tasks)
+            return ASYNC
+        return SYNC
+
+    def _async_actor(self, cls: type) -> bool:
+        """Whether ``cls``'s endpoints are ``async def`` (Monarch's async actor)."""
+        found = self._async_classes.get(cls)
+        if found is None:
+            found = False
+            for attr in dir(cls):
+                fn = getattr(cls, attr, None)
+                if getattr(fn, ENDPOINT_ATTR, False) and (
+                    inspect.iscoroutinefunction(fn) or getattr(fn, CONCURRENT_ATTR, False)
+                ):
+                    found = True
+                    break
+            self._async_classes[cls] = found
+        return found
 
     def _enter(self, name: str) -> None:
-        busy = self.busy
-        busy[name] = busy.get(name, 0) + 1
+        self.enter(name)
 
     def _leave(self, name: str) -> None:
-        busy = self.busy
-        left = busy.get(name, 1) - 1
-        if left > 0:
-            busy[name] = left
-            return
-        busy.pop(name, None)
-        on_idle = self.on_idle
-        if on_idle is not None and self.waiting:
-            on_idle(name)
+        self.leave(name)
 
     def spawn(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
-        """SPAWN_ACTOR: construct actor ``a`` from the pickled ``(cls, args, kwargs)``."""
+        """SPAWN_ACTOR: construct actor ``a`` from the pickled ``(cls, args, kwargs)``.
+        With a limit (header ``t``, Monarch's ``actor_spawn_max_idle``) a constructor
+        that has not returned by then fails the actor (:meth:`_timed_out`)."""
         assert isinstance(hdr, H.SpawnActor)
         name = hdr.actor
+        actor_logs.install()  # Monarch's [actor=...] prefix on logging records
         self._enter(name)  # its calls wait for its constructor
+        token = object()
+        timer = None
+        if hdr.limit is not None:
+            self._constructing[name] = token
+            timer = threading.Timer(
+                hdr.limit, self._timed_out, (name, token, request, hdr, threading.get_ident())
+            )
+            timer.daemon = True
+            timer.start()
         try:
-            self._spawn(msg, hdr, request, name)
+            self._spawn(msg, hdr, request, name, token)
         finally:
+            if timer is not None:
+                timer.cancel()
             self._leave(name)
 
-    def _spawn(self, msg: Message, hdr: H.SpawnActor, request: str | None, name: str) -> None:
+    def _constructed(self, name: str, token: object) -> bool:
+        """The constructor of ``name`` (started with ``token``) ended: False if it had
+        timed out meanwhile (the actor failed: what it made or raised is dropped)."""
+        with self._spawn_lock:
+            if name not in self._constructing:
+                return True
+            if self._constructing[name] is not token:
+                return False
+            del self._constructing[name]
+            return True
+
+    def _timed_out(
+        self, name: str, token: object, request: str | None, hdr: H.SpawnActor, ident: int
+    ) -> None:
+        """(A timer thread.) Actor ``name``'s constructor has not returned within its
+        limit: as in Monarch the actor fails (spawn's caller, its supervision and its
+        later callers are told), while the constructor may go on running; what it
+        makes then is dropped."""
+        with self._spawn_lock:
+            if self._constructing.get(name) is not token:
+                return
+            del self._constructing[name]
+        limit = hdr.limit or 0.0
+        message = (
+            f"actor {name!r} failed: its constructor did not return within {limit:g}s "
+            "(actor_spawn_max_idle; configure(actor_spawn_max_idle=...) for a slow one); "
+            "it may still be running on this rank"
+        )
+        self.gone[name] = ActorGoneError(message)
+        report = exception_report(TimeoutError(message), f"{name}.__init__")
+        frame = sys._current_frames().get(ident)
+        if frame is not None:  # where the constructor is now
+            stack = "".join(traceback.format_stack(frame))
+            report["traceback"] = f"the constructor is at:\n{stack}TimeoutError: {message}"
+        report["host"] = self.outbox.hostname
+        if request is not None:
+            self.outbox.fail(request, report)
+        if request is None or name in self.owners:
+            self.outbox.fault(report, name)
+
+    def _spawn(
+        self, msg: Message, hdr: H.SpawnActor, request: str | None, name: str, token: object
+    ) -> None:
         cls = None
+        here = context.serving()
         if hdr.owner is not None:  # spawned by an actor of some rank: its failures go there
             self.owners[name] = hdr.owner
         else:
             self.owners.pop(name, None)
         try:
             cls, args, kwargs = loads(msg.payload, msg.buffers, f"constructor of actor {name!r}")
-            context.current_actor = name
-            self.actors[name] = self.user.run_user(cls, *args, **kwargs)
+            here.actor = name
+            actor = self.user.run_user(cls, *args, **kwargs)
+            if not self._constructed(name, token):
+                return  # it timed out: the actor failed meanwhile
+            self.actors[name] = actor
             self.gone.pop(name, None)
         except (Exception, KeyboardInterrupt) as exc:  # to the caller
+            if not self._constructed(name, token):
+                return
             where = f"{getattr(cls, '__name__', name)}.__init__"
             self.gone[name] = ActorGoneError(
                 f"actor {name!r} failed in its constructor ({where} raised "
@@ -154,10 +312,11 @@ class ActorHost:
         except BaseException as exc:  # SystemExit ...: that actor is stopped, not the rank
             if self.main.terminating:
                 raise
-            self.stopped(request, exc, name, cls, "constructor", "__init__")
+            if self._constructed(name, token):
+                self.stopped(request, exc, name, cls, "constructor", "__init__")
             return
         finally:
-            context.current_actor = None
+            here.actor = None
         owner = self.owners.get(name)
         if owner is not None:  # the controller tells the owner if this rank dies
             owned = H.Owned(rank=self.rank, actor=name).encode()
@@ -182,18 +341,130 @@ class ActorHost:
         self.outbox.send(header.encode(), bytes(payload), buffers)
 
     def stop(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
-        """STOP_ACTOR: forget actor ``a`` (no error if it is not there)."""
+        """STOP_ACTOR: stop actor ``a`` the Monarch way (:meth:`retire`: what it owns
+        first, then its ``__cleanup__``); no error if it is not there."""
         assert isinstance(hdr, H.StopActor)
         name = str(hdr.actor)
-        if self.actors.pop(name, None) is not None:
+        self._enter(name)
+        later = False
+        try:
+            later = self._stop(hdr, request, name)
+        finally:
+            if not later:  # else when its async __cleanup__ ends
+                self._leave(name)
+
+    def _stop(self, hdr: H.StopActor, request: str | None, name: str) -> bool:
+        actor = self.actors.pop(name, None)
+        if actor is not None:
             self.gone[name] = ActorGoneError(
                 f"actor {name!r} was stopped (its actor mesh's stop())", stopped=True
             )
         self.owners.pop(name, None)
         if hdr.seq is None:  # from a rank: not to be re-created any more
             self.tell_peer_actor(name, None)
-        if request:
-            self.outbox.reply(request, None, "stop")
+
+        def answer() -> None:
+            if request:
+                self.outbox.reply(request, None, "stop")
+
+        def answer_later() -> None:
+            try:
+                answer()
+            finally:
+                self._leave(name)
+
+        if actor is None:
+            answer()
+            return False
+        return self.retire(name, actor, None, answer, answer_later)
+
+    def retire(
+        self,
+        name: str,
+        actor: object,
+        exc: BaseException | None,
+        then: Callable[[], None] = lambda: None,
+        later: Callable[[], None] | None = None,
+    ) -> bool:
+        """Monarch's end of an actor, stopped (``exc`` None) or failed (with ``exc``):
+        the actor meshes it owns stop first (recursively; ``supervise.stop_owned``),
+        its running ``@concurrent_endpoint`` calls are cancelled, then its
+        ``__cleanup__(exc)`` runs (an ``async def`` one as a task of the actors' event
+        loop); what that raises is a supervision event of the actor. ``then()`` comes
+        after; True when it comes later, once the task ended (``later()``, default
+        ``then``)."""
+        from monarch_kernel.rank.supervise import stop_owned
+
+        stop_owned(name)
+        _cancel_concurrent(actor)
+        cleanup = getattr(actor, "__cleanup__", None)
+        if cleanup is None or not callable(cleanup):
+            then()
+            return False
+        error: Exception | None = None
+        if exc is not None:  # Monarch gives __cleanup__ an Exception
+            error = exc if isinstance(exc, Exception) else Exception(f"{type(exc).__name__}: {exc}")
+        if inspect.iscoroutinefunction(cleanup) and not self.user.on_actor_loop():
+            # an async __cleanup__ runs on the actors' event loop, wherever that runs
+
+            def on_loop() -> None:
+                if not self._cleanup(name, actor, cleanup, error, later or then):
+                    (later or then)()
+
+            self.user.call_on_loop(on_loop)
+            return True
+        if self._cleanup(name, actor, cleanup, error, later or then):
+            return True
+        then()
+        return False
+
+    def _cleanup(
+        self,
+        name: str,
+        actor: object,
+        cleanup: Callable[..., Any],
+        error: Exception | None,
+        after_task: Callable[[], None],
+    ) -> bool:
+        """Run ``cleanup(error)``; True when it goes on as a task (``after_task()`` at
+        its end)."""
+        where = f"{type(actor).__name__}.__cleanup__"
+        here = context.serving()
+        saved = here.actor
+        here.actor = name
+        try:
+            result = self.user.run_user(cleanup, error)
+        except (Exception, KeyboardInterrupt) as failure:
+            self._cleanup_failed(name, failure, where)
+            return False
+        except BaseException as failure:
+            if self.main.terminating:
+                raise
+            self._cleanup_failed(name, failure, where)
+            return False
+        finally:
+            here.actor = saved
+        if not isinstance(result, Running):
+            return False
+
+        def done(task: asyncio.Task[Any]) -> None:
+            try:
+                failure = None if task.cancelled() else task.exception()
+                if failure is not None:
+                    self._cleanup_failed(name, failure, where)
+            finally:
+                after_task()
+
+        result.task.add_done_callback(done)
+        return True
+
+    def _cleanup_failed(self, name: str, exc: BaseException, where: str) -> None:
+        """``__cleanup__`` raised: as in Monarch, a supervision event of the actor (to
+        its owner's ``__supervise__``, else the controller's fault hook)."""
+        report = exception_report(exc, where)
+        report["host"] = self.outbox.hostname
+        report["message"] = f"{where} raised {type(exc).__name__}: {exc}"
+        self.outbox.fault(report, name)
 
     def call(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
         """CALL: run endpoint ``m`` of actor ``a`` with the pickled ``(args, kwargs)``.
@@ -202,25 +473,19 @@ class ActorHost:
         answered here, or by its response port, or when its task ends."""
         assert isinstance(hdr, H.Call)
         name = hdr.actor
-        busy = self.busy
-        busy[name] = busy.get(name, 0) + 1  # _enter, inline: the hot path
+        self.enter(name)
         running = False
         try:
             running = self._call(msg, hdr, request, name)
         finally:
-            if not running:  # _leave, inline; after the reply (what waits starts now)
-                left = busy[name] - 1
-                if left:
-                    busy[name] = left
-                else:
-                    del busy[name]
-                    if self.waiting and self.on_idle is not None:
-                        self.on_idle(name)
+            if not running:  # after the reply (what waits in its line starts now)
+                self.leave(name)
 
     def _call(self, msg: Message, hdr: H.Call, request: str | None, name: str) -> bool:
         """:meth:`call`'s work; True when the call goes on as a task (busy until then)."""
         method = hdr.method
         actor = self.actors.get(name)
+        here = context.serving()
 
         def where() -> str:  # only errors need it: not formatted on the hot path
             return f"{type(actor).__name__ if actor is not None else name}.{method}"
@@ -234,8 +499,8 @@ class ActorHost:
                     f"no actor {name!r} on rank {context.current_rank().rank} (was it stopped?)"
                 )
             args, kwargs = loads(msg.payload, msg.buffers, lambda: f"arguments of {where()}")
-            context.current_actor = name
-            context.current_slice = hdr.slice
+            here.actor = name
+            here.slice = hdr.slice
             fn = getattr(actor, method)
             if getattr(fn, context.EXPLICIT_PORT_ATTR, False):
                 # @endpoint(explicit_response_port=True): the endpoint answers through
@@ -263,8 +528,8 @@ class ActorHost:
             self.stopped(request, exc, name, type(actor), "endpoint", method)
             return False
         finally:
-            context.current_actor = None
-            context.current_slice = None
+            here.actor = None
+            here.slice = None
         if request:
             if self.actors.get(name) is not actor:  # it failed meanwhile (supervision)
                 self._failed_meanwhile(request, name, where())
@@ -303,12 +568,15 @@ class ActorHost:
             f"actor {name!r} ({type(actor).__name__}) failed: {where} raised "
             f"{type(exc).__name__}: {exc} without answering through its response port"
         )
-        if self.actors.get(name) is actor:
+        mine = self.actors.get(name) is actor
+        if mine:
             self.actors.pop(name, None)
             self.gone[name] = ActorGoneError(why)
         if request is not None:
             self.outbox.fail(request, FailureReport(**{**report, "gone": "failed"}))
         self.outbox.fault(report, name)
+        if mine:
+            self.retire(name, actor, exc)
 
     def finish(
         self,
@@ -319,12 +587,13 @@ class ActorHost:
         actor: Any,
     ) -> None:
         """Answer a call that ran as a task (see :class:`Running`)."""
-        saved = context.current_actor
-        context.current_actor = name
+        here = context.serving()
+        saved = here.actor
+        here.actor = name
         try:
             self._answer(request, task, name, where, actor)
         finally:
-            context.current_actor = saved
+            here.actor = saved
             self._leave(name)
 
     def _answer(
@@ -354,14 +623,21 @@ class ActorHost:
     ) -> None:
         """User code of actor ``name`` raised a BaseException that is no Exception (say
         SystemExit): like Monarch, only that actor stops; the rank and its other actors
-        keep running."""
-        self.actors.pop(name, None)
+        keep running. Monarch's end of an actor follows (:meth:`retire`)."""
+        actor = self.actors.pop(name, None)
         cls_name = getattr(cls, "__name__", "?")
         report = exception_report(exc, f"{cls_name}.{method}")
         if isinstance(exc, ActorAborted):
             report["message"] = (
                 f"actor {name!r} ({cls_name}) aborted: {exc.reason}; other actors on this "
                 "rank keep running"
+            )
+        elif isinstance(exc, SystemExit):  # sys.exit(): Monarch's panic, with its code
+            code = exc.code
+            status = code if isinstance(code, int) else (0 if code is None else 1)
+            report["message"] = (
+                f"actor {name!r} ({cls_name}) was stopped: its {what} raised {exc!r} "
+                f"(sys.exit: exit code {status}); other actors on this rank keep running"
             )
         else:
             report["message"] = (
@@ -380,6 +656,8 @@ class ActorHost:
         # spawn the controller waits for tells its hook itself)
         if request is None or not constructor or name in self.owners:
             self.outbox.fault(report, name)
+        if actor is not None:
+            self.retire(name, actor, exc)
 
     def supervise(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
         """SUPERVISE: a mesh owned by actor ``on`` of this rank failed; its
@@ -456,7 +734,8 @@ class ActorHost:
                 f"{report.get('message', '')} (and {handler_error['where']} raised "
                 f"{handler_error['type']}: {handler_error['message']})"
             )
-        if owner is not None and self.actors.get(owner_name) is owner:
+        failed = owner is not None and self.actors.get(owner_name) is owner
+        if failed:
             self.actors.pop(owner_name, None)
             self.gone[owner_name] = ActorGoneError(
                 f"actor {owner_name!r} ({type(owner).__name__}) failed: it did not handle "
@@ -464,6 +743,8 @@ class ActorHost:
                 f"{body['report'].get('type')}: {body['report'].get('message')})"
             )
         self.outbox.fault(FailureReport(**report), owner_name, (*failure.path, me))
+        if failed:  # it ends the Monarch way: what it owns stops with it, __cleanup__
+            self.retire(owner_name, owner, failure)
 
 
 class ResponsePort:

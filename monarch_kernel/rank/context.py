@@ -6,6 +6,10 @@ mesh of size 1 and :func:`report` does nothing.
 
 from __future__ import annotations
 
+import contextvars
+import sys
+import threading
+import types
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
@@ -85,20 +89,119 @@ class RankServices(Protocol):
         """Serve calls from other ranks until ``fut`` is done or ``timeout`` passed."""
         ...
 
+    def claim(self, name: str) -> bool:
+        """Count a message of actor ``name`` in if it may run on this thread now (it
+        is free, or its endpoint waits on this thread); False otherwise."""
+        ...
+
+    def release(self, name: str) -> None:
+        """Count a message of actor ``name`` (claimed with :meth:`claim`) out."""
+        ...
+
 
 _point: Point = Point({}, 0)
 _extent: dict[str, int] = {}
 #: The running rank (set in rank processes only). Read :func:`services` instead.
 _runtime: Any = None
-current_request: str | None = None  # id of the message the main thread is serving
 #: Set (by ``@endpoint(explicit_response_port=True)``) on endpoint functions that take a
 #: response port as their first argument.
 EXPLICIT_PORT_ATTR = "__monarch_explicit_port__"
-#: The slice the current call was sent to, when not the whole mesh (header ``sl``:
-#: labels, sizes, strides, offset); see ``message_rank``.
-current_slice: Any = None
-#: Name of the actor whose endpoint (or constructor) the main thread is running, if any.
-current_actor: str | None = None
+
+
+class Serving:
+    """What one thread is serving. A rank runs actor messages on its main thread and,
+    while that one is held, on threads of its own (``rank.runners``): each has its own
+    request, actor and slice. User code reads and sets them as this module's
+    ``current_request``, ``current_actor`` and ``current_slice`` (for the thread that
+    asks); the rank's own code holds a thread's :class:`Serving` (:func:`serving`), and
+    the control thread reads the main thread's (:func:`main_serving`)."""
+
+    __slots__ = ("request", "actor", "slice")
+
+    def __init__(self) -> None:
+        #: id of the message this thread is serving
+        self.request: str | None = None
+        #: name of the actor whose endpoint (or constructor) this thread runs, if any
+        self.actor: str | None = None
+        #: the slice the current call was sent to, when not the whole mesh (header
+        #: ``sl``: labels, sizes, strides, offset); see ``message_rank``
+        self.slice: Any = None
+
+
+#: thread ident -> what it serves (threads that served something; see :func:`serving`)
+_serving: dict[int, Serving] = {}
+#: This thread's entry of ``_serving`` (the fast way to it, on the hot path).
+_mine = threading.local()
+
+
+def serving(ident: int | None = None) -> Serving:
+    """What thread ``ident`` (default: this one) serves, made on first use."""
+    if ident is None:
+        try:
+            return _mine.serving  # type: ignore[no-any-return]
+        except AttributeError:
+            ident = threading.get_ident()
+            s = _serving.get(ident)
+            if s is None:
+                s = _serving[ident] = Serving()
+            _mine.serving = s
+            return s
+    s = _serving.get(ident)
+    if s is None:
+        s = _serving[ident] = Serving()
+    return s
+
+
+def forget_thread() -> None:
+    """This thread ends (a thread of ``rank.runners``): drop its :class:`Serving`."""
+    _serving.pop(threading.get_ident(), None)
+    _mine.__dict__.pop("serving", None)
+
+
+def main_serving() -> Serving:
+    """What the process's main thread serves (read by the control thread)."""
+    return serving(threading.main_thread().ident)
+
+
+#: What an asyncio task serves, when that is not its thread's: the tasks of a
+#: ``@concurrent_endpoint`` (they share one event loop's thread) inherit it from the
+#: message that started them (``serve_tasks``).
+_task_serving: contextvars.ContextVar[Serving | None] = contextvars.ContextVar(
+    "monarch_kernel_serving", default=None
+)
+
+
+def serve_tasks(snapshot: Serving | None = None) -> contextvars.Token[Serving | None]:
+    """Tasks created from now on in this context (and the coroutines scheduled from it
+    onto another thread's loop) serve what this thread serves now (a copy), until
+    ``_task_serving.reset(token)``."""
+    if snapshot is None:
+        mine = _reading()
+        snapshot = Serving()
+        snapshot.request, snapshot.actor, snapshot.slice = mine.request, mine.actor, mine.slice
+    return _task_serving.set(snapshot)
+
+
+def end_serve_tasks(token: contextvars.Token[Serving | None]) -> None:
+    """Undo :func:`serve_tasks`."""
+    _task_serving.reset(token)
+
+
+def _reading() -> Serving:
+    """What the calling task or thread serves; for a thread that serves nothing itself
+    (the output capture's, the control thread), the main thread's: the request its
+    output and reports belong to."""
+    task = _task_serving.get()
+    if task is not None:
+        return task
+    s = _serving.get(threading.get_ident())
+    return s if s is not None else main_serving()
+
+
+if TYPE_CHECKING:  # module attributes, per thread (see _ContextModule)
+    current_request: str | None
+    current_actor: str | None
+    current_slice: Any
 
 
 def install(point: Point, extent: dict[str, int], runtime: RankServices) -> None:
@@ -126,7 +229,7 @@ def current_size() -> dict[str, int]:
 def message_rank() -> Point:
     """This rank's point within the slice the current message was sent to (Monarch's
     ``context().message_rank``); :func:`current_rank` outside of such a call."""
-    sl = current_slice
+    sl = _reading().slice
     if not sl:
         return _point
 
@@ -148,3 +251,36 @@ def report(metrics: Mapping[str, float]) -> None:
     runtime = services()
     if runtime is not None:
         runtime.report(metrics)
+
+
+class _ContextModule(types.ModuleType):
+    """This module, with ``current_request``, ``current_actor`` and ``current_slice``
+    read and set for the calling thread (:class:`Serving`; read in a thread that serves
+    nothing: the main thread's)."""
+
+    @property
+    def current_request(self) -> str | None:
+        return _reading().request
+
+    @current_request.setter
+    def current_request(self, value: str | None) -> None:
+        serving().request = value
+
+    @property
+    def current_actor(self) -> str | None:
+        return _reading().actor
+
+    @current_actor.setter
+    def current_actor(self, value: str | None) -> None:
+        serving().actor = value
+
+    @property
+    def current_slice(self) -> Any:
+        return _reading().slice
+
+    @current_slice.setter
+    def current_slice(self, value: Any) -> None:
+        serving().slice = value
+
+
+sys.modules[__name__].__class__ = _ContextModule

@@ -84,6 +84,9 @@ class ControlThread:
         self.link: ControllerLink | None = None
         #: Reassembles large pushed values, which come in chunks.
         self.assembler = Assembler()
+        #: Interrupts a request that a thread besides the main one runs (the inbox's
+        #: ``interrupt_request``): True if one did.
+        self.interrupt_request: Callable[[str], bool] | None = None
         #: Handlers by kind: what they raise is sent back as an error reply to the
         #: request (header ``i``), or as a fault if there is none.
         self.handlers: dict[str, ControlHandler] = {
@@ -192,7 +195,10 @@ class ControlThread:
         cancelled.add(target)  # skipped if it has not started yet
         if len(cancelled) > 1000:  # cancels of requests that never came
             cancelled.pop()
-        if context.current_request == target and self.main.in_user_code:
+        interrupt = self.interrupt_request
+        if interrupt is not None and interrupt(target):
+            return  # a worker thread of the rank ran it (``rank.runners``)
+        if context.main_serving().request == target and self.main.in_user_code:
             os.kill(os.getpid(), signal.SIGINT)  # raises in the main thread
             if "monarch_kernel.rank.pg.backend" in sys.modules:
                 # A main thread waiting in C++ for a collective (DDP's backward) takes no

@@ -1,17 +1,21 @@
 """A rank's inbox: its sockets to the controller and its host agent, in-order delivery by
-sequence number, the table of main-thread handlers, and serving the inbox while user
-code waits (an async endpoint awaiting, a sync one blocked on a call to another rank).
+sequence number, the table of handlers, and serving the inbox while user code waits (an
+async endpoint awaiting, a sync one blocked on a call to another rank) or holds the main
+thread (the relief thread reads it then).
 
 The inbox is one DEALER connected to the controller (direct messages) and to the host
 agent's fan-out socket (messages to several ranks), and bound to a peer address (calls
 from other ranks), so the main thread blocks in one plain receive. Messages from the
 controller carry a per-rank sequence number ``q`` and are handled strictly in that order
 whichever path they came by; messages from other ranks carry none (FIFO per caller
-comes from its connection).
+comes from its connection). One thread reads the socket at a time (``Lines.reader``):
+the main thread, or :class:`~monarch_kernel.rank.runners.Relief` while user code holds
+it. Which thread runs each actor message is :mod:`monarch_kernel.rank.lines`' (a base
+class of the inbox).
 
 Size: over the ~450-line habit: the rank's sockets, the in-order delivery by sequence
-number and the handler table are one loop's state; what the handlers do lives in
-``cells``, ``actors`` and ``control``.
+number, the handler table and the waits that read the inbox are one loop's state; what
+the handlers do lives in ``cells``, ``actors`` and ``control``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import zmq
@@ -32,7 +36,9 @@ import zmq
 from monarch_kernel.rank import context, listener_gate
 from monarch_kernel.rank.actors import Running
 from monarch_kernel.rank.config import RankConfig
+from monarch_kernel.rank.lines import ACTOR_KINDS, FAST, HERE, Lines, _work_left
 from monarch_kernel.rank.outbox import Outbox
+from monarch_kernel.rank.runners import Wake
 from monarch_kernel.rank.signals import TERMINATED_CODE, MainThread, RankTerminated
 from monarch_kernel.wire import Codec, Message, WireError, peer_address
 from monarch_kernel.wire import headers as H
@@ -110,27 +116,15 @@ def bind_peer(sock: zmq.Socket[bytes], cfg: RankConfig) -> PeerAddress:
     )
 
 
-#: Controller messages that go to one actor (named by :func:`_actor_of`): while an
-#: endpoint waits (a sync one in ``.get()``, an async one at ``await``) the rank starts
-#: them at once, each actor keeping its own order (a busy actor's wait in its line,
-#: :attr:`Inbox.waiting`). Every other kind (cells, ``push`` ...) waits for the endpoint.
-ACTOR_KINDS = frozenset({K.CALL, K.SPAWN_ACTOR, K.STOP_ACTOR, K.SUPERVISE})
-
-
-def _actor_of(hdr: H.Ordered) -> str:
-    """The actor an :data:`ACTOR_KINDS` message goes to."""
-    if isinstance(hdr, H.Supervise):
-        return hdr.owner_name
-    return str(getattr(hdr, "actor", ""))
-
-
 #: Messages this process's inbox handled in order (a ``batch`` counts once), and calls
 #: it took out of ``batch`` messages: statistics, read by tests to see batching work.
 inbox_counts = {"messages": 0, "batched_calls": 0}
 
 
-class Inbox:
-    """The main thread's message loop (see the module docstring)."""
+class Inbox(Lines):
+    """The rank's message loop (see the module docstring): read by the main thread,
+    or by the relief thread while it is held; which thread runs each actor message is
+    :class:`~monarch_kernel.rank.lines.Lines`'."""
 
     def __init__(
         self,
@@ -154,10 +148,11 @@ class Inbox:
         self.request_end: RequestEnd | None = None
         self.next_seq = 0
         self.held: dict[int, tuple[Message, H.Ordered]] = {}
-        #: Controller messages read by :meth:`pump` while an async endpoint awaited.
+        #: Controller messages read while the main thread was in a handler, kept for it
+        #: (a cell, and every controller message after it).
         self.deferred: collections.deque[tuple[Message, H.Ordered]] = collections.deque()
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._wake: tuple[int, int, zmq.Poller] | None = None  # see serve_until
+        self._wake: tuple[Wake, zmq.Poller, zmq.Poller] | None = None  # see serve_until
         #: Completed by :meth:`pump` when a controller message comes while :meth:`idle`
         #: runs the event loop for the actors' background tasks.
         self._idle_stop: asyncio.Future[None] | None = None
@@ -166,25 +161,17 @@ class Inbox:
         #: Reads calls' arguments that the controller put in shared memory.
         self.arena = ArenaReader(lend=True)
         self.spin = SpinWait(_rank_spin(cfg))
-        #: The actors running a message now (name -> how many), kept by the rank's
-        #: ``ActorHost.busy`` (the same dict). Main thread only, like all of the inbox.
-        self.busy: Mapping[str, int] = {}
-        #: Whether a message would run as a task of :attr:`loop` (its ``ActorHost``'s
-        #: ``starts_as_task``): only such a message starts while the loop runs.
-        self.starts_as_task: Callable[[H.Ordered], bool] = _never_a_task
-        #: Controller messages to an actor that was busy when they came, in order, per
-        #: actor: started by :meth:`actor_idle` once it is free (Monarch: an actor
-        #: handles its messages one at a time; other actors do not wait for it). Never
-        #: rebound: the rank's ``ActorHost`` reads it (``waiting``).
-        self.waiting: dict[str, collections.deque[tuple[Message, H.Ordered]]] = {}
-        self._draining: set[str] = set()
-        #: The requests being handled, outermost first (an endpoint that waits serves
-        #: others inside it): the stop button reaches the innermost, and an outer one
-        #: cancelled meanwhile is interrupted once the inner ones are over.
+        #: The requests the main thread is handling, outermost first (an endpoint that
+        #: waits serves others inside it): the stop button reaches the innermost, and an
+        #: outer one cancelled meanwhile is interrupted once the inner ones are over.
         self.active: list[str | None] = []
         #: request -> the task its async endpoint runs as (started while another
         #: endpoint awaited): cancelled when the stop button cancels that request.
         self.tasks: dict[str, asyncio.Task[Any]] = {}
+        #: What the main thread serves (``context.current_request`` there).
+        self.here = context.serving()
+        self.init_lines(cfg.local_rank)
+        main.on_interrupt = self.interrupt_others
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:
@@ -192,17 +179,22 @@ class Inbox:
         inbox = self.sock
         deferred = self.deferred
         spin = self.spin
+        me = self.main_ident
         while True:
             try:
+                if self.reader != me:
+                    self.reclaim()
                 loop = self.loop
-                if loop is not None and _work_left(loop):
+                if loop is not None and self.loop_owner is None and _work_left(loop):
                     self.idle(loop)  # background tasks run until a message comes
                     if not deferred and not readable(inbox):
                         continue
                 if not deferred:
                     spin.until_readable(inbox)  # the next call due soon: no wake-up
                     self.receive(wire_recv(inbox))
-                while deferred:  # controller messages read while an endpoint awaited
+                while deferred:  # controller messages read while a handler ran
+                    if self.reader != me:
+                        self.reclaim()
                     self.accept(*deferred.popleft())
             except KeyboardInterrupt:
                 continue
@@ -282,18 +274,53 @@ class Inbox:
         self.held = {q: m for q, m in self.held.items() if q >= base}
 
     def dispatch(self, msg: Message, hdr: H.Ordered) -> None:
-        """Handle one ordered message on the main thread (see ``self.handlers``)."""
+        """Handle one message: an actor's where :meth:`route` says (here, a worker, the
+        event loop, its line), anything else on this thread (the main thread, after
+        the actors' threads are done: :meth:`quiesce`)."""
         if isinstance(hdr, H.Hello):  # the connection probe: nothing to run, to flush
             return
         inbox_counts["messages"] += 1
-        if hdr.seq is not None and hdr.KIND in ACTOR_KINDS and self.busy:
-            name = hdr.actor if type(hdr) is H.Call else _actor_of(hdr)
-            if name in self.busy:  # after its current message (see actor_idle)
-                self.waiting.setdefault(name, collections.deque()).append((msg, hdr))
+        kind = hdr.KIND
+        if kind in ACTOR_KINDS:
+            where = self.route(msg, hdr, hdr.seq is not None)
+            if where == FAST:  # counted in by the main thread's fast path
+                try:
+                    self.run_here(msg, hdr)
+                finally:
+                    name = self._entered
+                    if name is not None:  # its handler never ran: counted out here
+                        self._entered = None
+                        self.leave(name)
                 return
-        if type(hdr) is H.Batch:
+            if where != HERE:
+                return
+        elif type(hdr) is H.Batch:
             self._run_batch(msg, hdr)
             return
+        elif hdr.seq is not None and threading.get_ident() == self.main_ident:
+            self.exclusive = True  # the relief thread starts no controller message
+            try:
+                runners = self.runners
+                if runners is not None and (runners.running or self.loop_owner is not None):
+                    self.quiesce()
+                self.run_here(msg, hdr)
+            finally:
+                self.exclusive = False
+            return
+        self.run_here(msg, hdr)
+
+    def run_saved(self, msg: Message, hdr: H.Ordered) -> None:
+        """:meth:`run_here`, inside another message of this thread (what it serves is
+        put back after)."""
+        here = context.serving()
+        saved = (here.request, here.actor, here.slice)
+        try:
+            self.run_here(msg, hdr)
+        finally:
+            here.request, here.actor, here.slice = saved
+
+    def run_here(self, msg: Message, hdr: H.Ordered) -> None:
+        """Run one message on this thread with its handler (see ``self.handlers``)."""
         request = hdr.request if hdr.wants_reply else None
         if hdr.reply_to is not None and request is not None:  # a call from another rank
             try:
@@ -321,48 +348,35 @@ class Inbox:
                 self.outbox.fanin_close(request)  # type: ignore[arg-type]
             return
         handler = self.handlers.get(hdr.KIND) or self._other
-        context.current_request = hdr.request
+        on_main = threading.get_ident() == self.main_ident
+        here = self.here if on_main else context.serving()
+        here.request = hdr.request
         if request is not None:
             _mark(self.log_fd, _START)  # what it prints from here on is this request's
-        active = self.active
-        active.append(hdr.request)
+        if on_main:
+            self.active.append(hdr.request)
+            self.responsive = False  # held by it (the relief thread looks)
+            self.serial += 1
+            if self.relief_napping:
+                self.wake_relief()
         try:
             handler(msg, hdr, request)
         finally:
-            active.pop()
+            if on_main:
+                self.active.pop()
+                self.responsive = True
             sys.stdout.flush()
             sys.stderr.flush()
             if request is not None:
                 _mark(self.log_fd, _END)
             if cancelled:
-                cancelled.discard(context.current_request)
+                cancelled.discard(here.request)
             ended = self.request_end
-            if ended is not None and ended.used:
+            if ended is not None and ended.used and on_main:
                 ended.end_of_request()
-            context.current_request = None
+            here.request = None
             if fanin:
                 self.outbox.fanin_close(request)  # type: ignore[arg-type]
-
-    def actor_idle(self, name: str) -> None:
-        """Actor ``name`` finished its message: start the controller messages that
-        waited for it, in order, until one keeps it busy (an async endpoint's task).
-        Main thread (called by the actors when one's message ends)."""
-        line = self.waiting.get(name)
-        if not line or name in self._draining:
-            return  # nothing waits, or an outer actor_idle is starting them
-        self._draining.add(name)
-        try:
-            while line and name not in self.busy:
-                msg, hdr = line.popleft()
-                saved = (context.current_request, context.current_actor, context.current_slice)
-                try:
-                    self.dispatch(msg, hdr)
-                finally:
-                    context.current_request, context.current_actor, context.current_slice = saved
-            if not line:
-                self.waiting.pop(name, None)
-        finally:
-            self._draining.discard(name)
 
     def _interrupt_outer(self) -> None:
         """The request that waits here (innermost of :attr:`active`) was cancelled
@@ -370,6 +384,8 @@ class Inbox:
         interrupt it now, once."""
         active = self.active
         if not active or not self.main.in_user_code:
+            return
+        if threading.get_ident() != self.main_ident:
             return
         request = active[-1]
         cancelled = self.main.cancelled
@@ -381,27 +397,32 @@ class Inbox:
         """Run the fire-and-forget calls of a (verified) ``batch`` in order, each as
         :meth:`dispatch` runs a call that wants no reply (what it does for requests,
         peer callers and fan-ins does not apply); an interrupt stops only the call it
-        lands in."""
+        lands in. A call to an actor that is busy (on another thread) or would run
+        elsewhere keeps its order in that actor's line."""
         try:
             calls = H.unbatch(hdr, msg.payload)
         except H.HeaderError as exc:
             log.warning("rank %s: malformed message: %s", self.rank, exc)
             return
         inbox_counts["batched_calls"] += len(calls)
+        here = context.serving()
         for call, header, payload in calls:
+            one = Message(header, payload)
+            if self.route(one, call, True) not in (HERE, FAST):
+                continue
             # looked up per call: a call may arm the debugger, which swaps the handler
             handler = self.handlers.get(K.CALL) or self._other
-            context.current_request = None
+            here.request = None
             try:
                 try:
-                    handler(Message(header, payload), call, None)
+                    handler(one, call, None)
                 finally:
                     sys.stdout.flush()
                     sys.stderr.flush()
                     ended = self.request_end
                     if ended is not None and ended.used:
                         ended.end_of_request()
-                    context.current_request = None
+                    here.request = None
             except KeyboardInterrupt:
                 continue  # as Inbox.run does for a message on its own
 
@@ -416,37 +437,35 @@ class Inbox:
         if request is not None:
             self.outbox.reply_error(request, H.HeaderError(error), str(msg.header.get("k")))
 
-    # -- while user code waits -------------------------------------------------------
+    # -- user code -------------------------------------------------------------------
     def run_user(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Call user code with interrupts enabled; await it if it is a coroutine.
 
-        While a coroutine awaits, calls from other ranks keep being served (see
-        :meth:`pump`); one that arrives then and is itself a coroutine becomes a task
-        on the running loop, returned as :class:`~monarch_kernel.rank.actors.Running`
-        (answered when it ends)."""
+        While a coroutine awaits, the inbox keeps being served (see :meth:`pump`); an
+        async endpoint that starts then becomes a task on the running loop, returned
+        as :class:`~monarch_kernel.rank.actors.Running` (answered when it ends). On a
+        worker thread: :meth:`_run_user_elsewhere`."""
+        if threading.get_ident() != self.main_ident:
+            return self._run_user_elsewhere(fn, args, kwargs)
         main = self.main
         outer = main.in_user_code
         main.in_user_code = True
         try:
-            if main.cancelled and context.current_request in main.cancelled:
+            if main.cancelled and self.here.request in main.cancelled:
                 raise KeyboardInterrupt("cancelled")
             result = fn(*args, **kwargs)
             if result.__class__ not in _NOT_AWAITABLE and inspect.isawaitable(result):
-                loop = self.loop
-                if loop is None:
-                    loop = self.loop = asyncio.new_event_loop()
-                    loop.add_reader(int(self.sock.getsockopt(zmq.FD)), self.pump)
-                if loop.is_running():  # served while another endpoint awaits
-                    task = loop.create_task(_as_coroutine(result))
-                    request = context.current_request
-                    if request is not None:  # the stop button cancels it (_cancel_tasks)
-                        tasks = self.tasks
-                        tasks[request] = task
-                        task.add_done_callback(lambda _: tasks.pop(request, None))
-                        loop.call_later(IDLE_CHECK, self._watch_task, loop, task)
-                    return Running(task)
-                loop.call_soon(self.pump)  # anything that came before the reader saw it
-                result = loop.run_until_complete(result)
+                loop = self.event_loop()
+                if asyncio._get_running_loop() is loop:  # served while another awaits
+                    return self._as_task(loop, result)
+                self.take_loop()
+                self.wait_depth += 1
+                try:
+                    loop.call_soon(self.pump)  # anything that came before the reader saw it
+                    result = loop.run_until_complete(result)
+                finally:
+                    self.wait_depth -= 1
+                    self.give_loop()
             return result
         except RankTerminated:
             raise
@@ -459,7 +478,7 @@ class Inbox:
                     self._cancel_tasks()
                 else:
                     for task in list(self.tasks.values()):
-                        task.cancel()
+                        _cancel(task)
             raise
         except BaseException as exc:
             # SIGTERM's RankTerminated raised inside native code that turned it into an
@@ -471,49 +490,119 @@ class Inbox:
         finally:
             main.in_user_code = outer
 
-    def serve_until(self, fut: Any, timeout: float | None) -> None:
-        """Before the main thread blocks on a call to another rank (``.get()`` in a sync
-        endpoint): serve calls from other ranks until ``fut`` is done (or ``timeout``
-        passes), so that a call cycle between meshes (A calls B, which calls A back)
-        does not wait for itself. Other threads just block."""
-        if timeout == 0 or fut.done() or threading.current_thread() is not threading.main_thread():
-            return
-        if self._wake is None:  # a pipe the future's completion writes to, polled with the inbox
-            r, w = os.pipe()
-            os.set_blocking(r, False)
-            os.set_blocking(w, False)
-            poller = zmq.Poller()
-            poller.register(self.sock, zmq.POLLIN)
-            poller.register(r, zmq.POLLIN)
-            self._wake = (r, w, poller)
-        r, w, poller = self._wake
-
-        def wake(_: Any) -> None:
+    def _run_user_elsewhere(self, fn: Any, args: Any, kwargs: Any) -> Any:
+        """:meth:`run_user` on a thread other than the main one: a worker (whose user
+        code the stop button interrupts), the worker that runs the event loop, or the
+        relief thread (quick handlers only)."""
+        here = context.serving()
+        cancelled = self.main.cancelled
+        if cancelled and here.request in cancelled:
+            raise KeyboardInterrupt("cancelled")
+        runners = self.runners
+        worker = runners.current() if runners is not None else None
+        if worker is None:
+            result = fn(*args, **kwargs)
+        else:
+            with worker.user():
+                result = fn(*args, **kwargs)
+        if result.__class__ not in _NOT_AWAITABLE and inspect.isawaitable(result):
+            loop = self.loop
+            if loop is not None and asyncio._get_running_loop() is loop:
+                return self._as_task(loop, result)
+            private = asyncio.new_event_loop()  # not the actors' loop: its own
             try:
-                os.write(w, b".")
-            except BlockingIOError:  # full: a wake-up is pending anyway
-                pass
+                if worker is None:
+                    return private.run_until_complete(result)
+                with worker.user():
+                    return private.run_until_complete(result)
+            finally:
+                private.close()
+        return result
 
+    def _as_task(self, loop: asyncio.AbstractEventLoop, result: Any) -> Running:
+        """An async endpoint started on the running loop: a task, answered when it ends
+        (the stop button cancels it with its request)."""
+        task = loop.create_task(_as_coroutine(result))
+        request = context.serving().request
+        if request is not None:  # the stop button cancels it (_cancel_tasks)
+            tasks = self.tasks
+            tasks[request] = task
+            task.add_done_callback(lambda _: tasks.pop(request, None))
+            loop.call_later(IDLE_CHECK, self._watch_task, loop, task)
+        return Running(task)
+
+    def interrupt_others(self) -> None:
+        """SIGINT (the main thread's handler): the threads besides the main one stop
+        their user code too: the workers and the tasks of an event loop run by a worker
+        (those of the requests the stop button cancelled, or all of them)."""
+        runners = self.runners
+        if runners is None:
+            return
+        cancelled = self.main.cancelled
+        runners.interrupt(set(cancelled) if cancelled else None)
+        loop = self.loop
+        if loop is not None and self.loop_owner not in (None, self.main_ident):
+            for request, task in list(self.tasks.items()):
+                if not cancelled or request in cancelled:
+                    loop.call_soon_threadsafe(task.cancel)
+
+    def interrupt_request(self, request: str) -> bool:
+        """The stop button for ``request`` if a worker runs it (the control thread)."""
+        runners = self.runners
+        return runners is not None and runners.interrupt({request}) > 0
+
+    def serve_until(self, fut: Any, timeout: float | None) -> None:
+        """Before a thread blocks on a call to another rank (``.get()`` in a sync
+        endpoint): serve calls that come meanwhile until ``fut`` is done (or ``timeout``
+        passes), so that a call cycle between meshes (A calls B, which calls A back)
+        does not wait for itself. The main thread reads the inbox (or, while the relief
+        thread reads it, runs what comes for its actor); a worker runs what comes for
+        its actor (:meth:`wait_elsewhere`); other threads just block."""
+        if timeout == 0 or fut.done():
+            return
+        me = threading.get_ident()
+        if me != self.main_ident:
+            self.wait_elsewhere(fut, timeout)
+            return
+        if self._wake is None:  # a pipe the future's completion writes to
+            wake = self._main_wake = Wake()
+            both = zmq.Poller()
+            both.register(self.sock, zmq.POLLIN)
+            both.register(wake.r, zmq.POLLIN)
+            alone = zmq.Poller()
+            alone.register(wake.r, zmq.POLLIN)
+            self._wake = (wake, both, alone)
+        wake, both, alone = self._wake
         fut.add_done_callback(wake)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not fut.done():
-            left = None if deadline is None else int((deadline - time.monotonic()) * 1000)
-            if left is not None and left <= 0:
-                return
-            events = dict(poller.poll(left))
-            if r in events:
-                try:
-                    os.read(r, 4096)
-                except BlockingIOError:
-                    pass
-            if self.sock in events:
-                self.pump()
+        box = self.open_mailbox(me, wake)
+        self.wait_depth += 1
+        self.responsive = True
+        try:
+            while not fut.done():
+                left = None if deadline is None else int((deadline - time.monotonic()) * 1000)
+                if left is not None and left <= 0:
+                    return
+                mine = self.reader == me
+                events = dict((both if mine else alone).poll(left if mine else 50))
+                if wake.r in events:
+                    wake.clear()
+                if box:
+                    self.run_mailbox(box)
+                if mine and self.sock in events:
+                    self.pump()
+        finally:
+            self.close_mailbox(me, box)
+            self.wait_depth -= 1
+            self.main_held()
 
     def idle(self, loop: asyncio.AbstractEventLoop) -> None:
         """Between messages, run the actors' event loop while tasks they started
         (``asyncio.create_task`` in an async endpoint) are pending, as Monarch's actors
         do: until a message from the controller comes (calls from other ranks are served
-        meanwhile by :meth:`pump`) or no task is left."""
+        meanwhile by :meth:`pump`) or no task is left; not while a worker runs it."""
+        if not self.take_loop(wait=False):
+            return
         stop: asyncio.Future[None] = loop.create_future()
         self._idle_stop = stop
 
@@ -531,51 +620,72 @@ class Inbox:
         main = self.main
         outer = main.in_user_code
         main.in_user_code = True  # the tasks are user code (interruptible)
+        self.wait_depth += 1
         try:
             loop.run_until_complete(stop)
         finally:
+            self.wait_depth -= 1
             main.in_user_code = outer
             self._idle_stop = None
+            self.give_loop()
+            self.responsive = True
 
     def pump(self) -> None:
-        """Serve the inbox while an async endpoint awaits (on the rank's event loop).
+        """Read the inbox while a handler runs: called by the main thread while user
+        code waits (``.get()``, an async endpoint's ``await``: the event loop's reader)
+        and by the relief thread while the main thread is held.
 
-        Calls from other ranks run now: an actor awaiting a call to another mesh that
-        calls back into this one (ping-pong across meshes) must not wait for itself.
-        Messages from the controller (sequenced) to an actor run now too, in order
-        (:meth:`_starts_now`): actors are concurrent, so another actor's call does not
-        wait for this endpoint, and one to a busy actor waits in that actor's line
-        (:meth:`dispatch`, :meth:`actor_idle`). Every other controller message (a cell,
-        a ``push``), and all after it, is kept for after the endpoint; so is everything
-        while :meth:`idle` runs background tasks (the loop stops, they run outside)."""
+        Calls from other ranks run now (an actor awaiting a call to another mesh that
+        calls back into this one must not wait for itself). Messages from the
+        controller to an actor run now too, in order (:meth:`_starts_now`): actors are
+        concurrent, so another actor's call does not wait for this endpoint, and one to
+        a busy actor waits in that actor's line. Every other controller message (a
+        cell, a ``push``), and all after it, is kept for the main thread; so is
+        everything while :meth:`idle` runs background tasks (the loop stops, they run
+        outside)."""
+        me = threading.get_ident()
+        if self.reader != me:
+            return  # another thread reads the inbox now
         inbox = self.sock
         deferred = self.deferred
-        while deferred and self._idle_stop is None and self._starts_now(deferred[0][1], True):
+        on_main = me == self.main_ident
+        idle_stop = self._idle_stop if on_main else None
+        while deferred and idle_stop is None and self._starts_now(deferred[0][1], True):
             # kept back before this endpoint started (read while idle): may start now
             kept, kept_hdr = deferred.popleft()
             self._start_nested(kept, kept_hdr)
-        while int(inbox.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            msg = self.decode(inbox.recv_multipart(zmq.NOBLOCK, copy=False))
+        lock = self.lock
+        while True:
+            with lock:
+                if self.reader != me or self.full(len(deferred)) or not readable(inbox):
+                    return
+                frames = inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+            msg = self.decode(frames)
             if msg is None:
                 continue
             hdr = H.decode_ordered(msg.header)
             if hdr.seq is not None:
-                if self._idle_stop is None and self._starts_now(hdr):
+                if idle_stop is None and self._starts_now(hdr):
                     # to another actor (or in that actor's line): it does not wait
                     # for the endpoint that waits here
                     self._start_nested(msg, hdr)
                     continue
-                self.deferred.append((msg, hdr))
-                stop = self._idle_stop
-                if stop is not None and not stop.done():
-                    stop.set_result(None)
+                deferred.append((msg, hdr))
+                if idle_stop is not None and not idle_stop.done():
+                    idle_stop.set_result(None)
                 continue
-            saved = (context.current_request, context.current_actor, context.current_slice)
-            try:
-                self.accept(msg, hdr)
-            finally:
-                context.current_request, context.current_actor, context.current_slice = saved
-            self._interrupt_outer()
+            self.run_nested(msg, hdr)
+            if on_main:
+                self._interrupt_outer()
+
+    def run_nested(self, msg: Message, hdr: H.Ordered) -> None:
+        """Accept ``msg`` inside what this thread serves (put back after)."""
+        here = context.serving()
+        saved = (here.request, here.actor, here.slice)
+        try:
+            self.accept(msg, hdr)
+        finally:
+            here.request, here.actor, here.slice = saved
 
     def _cancel_tasks(self) -> None:
         """Cancel the tasks (:attr:`tasks`) of requests the stop button cancelled: the
@@ -586,7 +696,7 @@ class Inbox:
         for request, task in list(self.tasks.items()):
             if request in cancelled:
                 cancelled.discard(request)
-                task.cancel()
+                _cancel(task)
 
     def _watch_task(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
         """While ``task`` runs, look every :data:`IDLE_CHECK` whether the stop button
@@ -601,46 +711,41 @@ class Inbox:
         """Start controller message ``msg`` (the next in order) inside the endpoint that
         waits here (see :meth:`pump`)."""
         self.next_seq += 1
-        saved = (context.current_request, context.current_actor, context.current_slice)
+        here = context.serving()
+        saved = (here.request, here.actor, here.slice)
         try:
             self.dispatch(msg, hdr)
         finally:
-            context.current_request, context.current_actor, context.current_slice = saved
+            here.request, here.actor, here.slice = saved
         self._interrupt_outer()
 
     def _starts_now(self, hdr: H.Ordered, head: bool = False) -> bool:
-        """Whether a controller message read while an endpoint waits runs now: the next
+        """Whether a controller message read while a handler runs starts now: the next
         in order, nothing before it kept back (``head``: it is the first of those kept
-        back), and to an actor (:data:`ACTOR_KINDS`)."""
-        if not (
-            hdr.KIND in ACTOR_KINDS
+        back), to an actor (:data:`ACTOR_KINDS`, or a batch of calls: each keeps its
+        actor's order), and (read by the relief thread) not while the main thread runs
+        a cell."""
+        return (
+            (hdr.KIND in ACTOR_KINDS or type(hdr) is H.Batch)
             and (head or not self.deferred)
             and not self.held
             and hdr.seq_for(self.rank) == self.next_seq
-        ):
-            return False
-        loop = self.loop
-        if loop is not None and loop.is_running():  # served by the loop: only a task
-            return self.starts_as_task(hdr)
-        return True
+            and not (self.exclusive and threading.get_ident() != self.main_ident)
+        )
 
 
-def _never_a_task(hdr: H.Ordered) -> bool:
-    return False
+def _cancel(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` from any thread (its loop may run on another)."""
+    loop = task.get_loop()
+    if asyncio._get_running_loop() is loop:
+        task.cancel()
+    else:
+        loop.call_soon_threadsafe(task.cancel)
 
 
 #: Seconds between looks, while :meth:`Inbox.idle` runs the event loop, at whether
 #: background tasks are left.
 IDLE_CHECK = 0.05
-
-
-def _work_left(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether the actors' event loop has something left to run: a pending task, or a
-    callback already queued. The second matters: a task that ended in the very last
-    step of ``run_until_complete`` (a second call served while the first awaited) is
-    no longer in ``all_tasks``, but its done callback, which sends its reply, is still
-    queued; without another turn of the loop that caller would wait forever."""
-    return bool(asyncio.all_tasks(loop)) or bool(getattr(loop, "_ready", None))
 
 
 async def _as_coroutine(aw: Any) -> Any:

@@ -109,11 +109,13 @@ class Rank:
         self.inbox.request_end = self.debugger
         self.actor_host = ActorHost(self.rank, self.outbox, self.main, self, self.owners)
         self.actors = self.actor_host.actors
-        # actors are concurrent: the inbox starts a busy actor's messages when it is free
-        self.inbox.busy = self.actor_host.busy
-        self.inbox.starts_as_task = self.actor_host.starts_as_task
+        # actors are concurrent: the inbox chooses each message's thread, keeps the lines
+        # of busy actors and starts them when they are free (rank.lines)
+        self.inbox.kind_of = self.actor_host.kind_of
+        self.actor_host.busy = self.inbox.busy
         self.actor_host.waiting = self.inbox.waiting
-        self.actor_host.on_idle = self.inbox.actor_idle
+        self.actor_host.enter = self.inbox.enter
+        self.actor_host.leave = self.inbox.leave
         cells = Cells(self.namespace, self.debugger, self, self.outbox)
         self.inbox.handlers.update(
             {
@@ -130,6 +132,7 @@ class Rank:
             self.rank, ctl, self.codec, self.outbox, self.main, self.namespace,
             self.debugger, self.stdin,
         )  # fmt: skip
+        self.control.interrupt_request = self.inbox.interrupt_request
         breaks = EndpointBreaks(
             self.debugger, self.inbox.handlers, self.actor_host.call, self.outbox.reply
         )
@@ -183,10 +186,26 @@ class Rank:
         """Serve calls from other ranks until ``fut`` is done (see :meth:`Inbox.serve_until`)."""
         self.inbox.serve_until(fut, timeout)
 
+    def claim(self, name: str) -> bool:
+        """Count a message of actor ``name`` in if it may run here now (``Lines.claim``)."""
+        return self.inbox.claim(name)
+
+    def release(self, name: str) -> None:
+        """Count a claimed message of actor ``name`` out (``Lines.leave``)."""
+        self.inbox.leave(name)
+
     # -- UserCode (for the actors and the cells) ---------------------------------------
     def run_user(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Call user code (see :meth:`Inbox.run_user`)."""
         return self.inbox.run_user(fn, *args, **kwargs)
+
+    def on_actor_loop(self) -> bool:
+        """Whether this thread runs the actors' event loop now."""
+        return self.inbox.on_actor_loop()
+
+    def call_on_loop(self, fn: Any) -> None:
+        """Run ``fn`` on the actors' event loop (``Lines.call_on_loop``)."""
+        self.inbox.call_on_loop(fn)
 
     def keep_failure(self, exc: BaseException) -> None:
         """Keep ``exc`` for ``%debug_remote``."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import CodeType, FrameType
 
 #: Exit status of a rank that ended on SIGTERM without running user clean-up to the end
@@ -38,6 +39,9 @@ class MainThread:
         self.pending_signal: int | None = None
         #: Requests cancelled before or while they ran.
         self.cancelled: set[str] = set()
+        #: Told of every SIGINT (in the main thread's handler): the rank's other threads
+        #: that run user code stop too (``Inbox.interrupt_others``). Must not block.
+        self.on_interrupt: Callable[[], None] | None = None
 
     def install(self) -> None:
         """Handle SIGINT and SIGTERM (from the main thread)."""
@@ -45,8 +49,12 @@ class MainThread:
         signal.signal(signal.SIGTERM, self.on_sigterm)
 
     def on_sigint(self, signum: int, frame: FrameType | None) -> None:
-        """Only user code is interrupted; a SIGINT while we wait is ignored, one while
-        user code sends (prints) is raised when that send is over."""
+        """Only user code is interrupted (here and, through :attr:`on_interrupt`, on the
+        rank's other threads); a SIGINT while we wait is ignored, one while user code
+        sends (prints) is raised when that send is over."""
+        others = self.on_interrupt
+        if others is not None:
+            others()
         if self.in_user_code:
             if self._sending(frame):
                 self.pending_signal = signal.SIGINT

@@ -7,10 +7,15 @@ and thread, instead of to the controller. ``__supervise__`` returns True when it
 the failure; otherwise (or if the owner has none, or it raises) the failure goes on to
 the owner's own owner, and in the end to the controller, whose
 ``unhandled_fault_hook`` gets it.
+
+The owner also ends what it owns: stopping an actor (or its failing) first stops the
+actor meshes it spawned (:func:`stop_owned`), recursively, as Monarch does.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 from monarch_kernel.calls.errors import PROCESS_ENDED, failure_reason
@@ -88,8 +93,44 @@ class MeshFailure(Exception):
         return MeshFailure, (self.mesh_name, self.actor_name, self.rank, self.failure, self.path)
 
 
+#: Seconds an actor that stops (or fails) waits for the meshes it owns to stop first
+#: (Monarch's ``stop_actor_timeout``); one that has not by then goes on stopping alone.
+STOP_OWNED_TIMEOUT = 10.0
+
+#: actor name -> the actor meshes it spawned, newest last (Monarch: an actor owns the
+#: meshes it spawns; they stop before it does, and when it fails). In this rank.
+owned: dict[str, list[Any]] = {}
+_owned_lock = threading.Lock()
+
+
+def own(owner: str, mesh: Any) -> None:
+    """Actor ``owner`` of this rank spawned actor mesh ``mesh``: it owns it."""
+    with _owned_lock:
+        owned.setdefault(owner, []).append(mesh)
+
+
+def stop_owned(owner: str, timeout: float = STOP_OWNED_TIMEOUT) -> None:
+    """Stop the meshes actor ``owner`` owns (newest first; each stops the meshes its own
+    actors own, recursively) and wait for them, at most ``timeout`` seconds in all; a
+    mesh already gone is skipped."""
+    with _owned_lock:
+        meshes = owned.pop(owner, [])
+    futures = []
+    for mesh in reversed(meshes):
+        try:
+            futures.append(mesh.stop())
+        except Exception:  # its ranks are gone: nothing left to stop
+            continue
+    deadline = time.monotonic() + timeout
+    for fut in futures:
+        try:
+            fut.get(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:  # gone meanwhile, or still stopping: it stops without us
+            continue
+
+
 def _indent(text: str) -> str:
     return "".join("  " + ln if ln.strip() else ln for ln in text.splitlines(keepends=True))
 
 
-__all__ = ["PROCESS_ENDED", "MeshFailure", "failure_reason"]
+__all__ = ["PROCESS_ENDED", "MeshFailure", "failure_reason", "own", "owned", "stop_owned"]

@@ -78,14 +78,18 @@ def _tgkill() -> Callable[[int, int, int], int] | None:
     return fn
 
 
+def signal_name(sig: int) -> str:
+    """``SIGKILL`` for 9; ``signal 99`` for a number with no name."""
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
 def describe_exit(code: int | None, sig: int | None) -> str:
     """``exit code 1`` / ``killed by SIGKILL``."""
     if sig:
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = f"signal {sig}"
-        return f"killed by {name}"
+        return f"killed by {signal_name(sig)}"
     return f"exit code {code}"
 
 

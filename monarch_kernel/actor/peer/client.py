@@ -180,9 +180,15 @@ class PeerClient:
         ranks = list(ranks)
         addrs = [self._where(ref, r) for r in ranks]
         rt = context.services()
-        if rt is not None and rt.peer in addrs and on_main_thread():
-            # A call to this very rank from its own busy main thread would wait for
-            # itself: actors of one rank share its thread, so it runs here, inline.
+        if (
+            rt is not None
+            and rt.peer in addrs
+            and on_main_thread()
+            and rt.claim(str(header.get("a", "")))
+        ):
+            # A call to this very rank from its main thread, to an actor that is free
+            # (or whose endpoint waits on this thread): it runs here, inline, at once
+            # (``claim`` counts it in; ``serve_inline`` counts it out).
             i = addrs.index(rt.peer)
             others = ranks[:i] + ranks[i + 1 :]
             rid = self.request(ref, others, header, payload, buffers, observer)

@@ -33,10 +33,11 @@ def serve_inline(
     buffers: Sequence[Buffer],
     observer: RequestObserver | None,
 ) -> None:
-    """Serve a call to this rank now, on this thread: a call to this very rank from its
-    own busy main thread would wait for itself (actors of one rank share its thread)."""
+    """Serve a call to this rank now, on this thread (the main thread, which claimed the
+    actor: ``rt.claim``; released here, or when its task ends)."""
     kind, name = header["k"], header.get("a", "")
     previous = context.current_actor
+    released = False
     try:
         if kind == K.SPAWN_ACTOR:
             spawn = H.SpawnActor.decode(header)
@@ -65,9 +66,15 @@ def serve_inline(
                     # Called from an async endpoint (its loop runs): the callee runs as a
                     # task of that loop, answered when it ends (the caller awaits it).
                     task = loop.create_task(_awaited(value))
-                    task.add_done_callback(
-                        lambda t: _answer(rt, rank, name, header, kind, observer, t)
-                    )
+
+                    def done(t: asyncio.Task[Any]) -> None:
+                        try:
+                            _answer(rt, rank, name, header, kind, observer, t)
+                        finally:
+                            rt.release(name)
+
+                    task.add_done_callback(done)
+                    released = True  # when the task ends
                     return
                 value = _run_coroutine(value)
         out, bufs = dumps(value, "result")
@@ -76,6 +83,8 @@ def serve_inline(
         reply = _failed(rt, rank, name, header, kind, observer, exc)
     finally:
         context.current_actor = previous
+        if not released:
+            rt.release(name)
     if observer is not None:
         observer.on_reply(Reply(rank, reply))
 

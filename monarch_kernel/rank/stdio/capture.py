@@ -123,6 +123,8 @@ class RankStream(io.TextIOBase):
         self._held = 0  # rounds the line at the buffer's end was kept for its newline
         self._idle = 0  # ... of which the last ones without a write
         self._lock = threading.Lock()
+        #: The request the buffered text was written for (its writer's, see ``write``).
+        self._request: str | None = None
         _flusher.add(self)
 
     def writable(self) -> bool:
@@ -143,7 +145,12 @@ class RankStream(io.TextIOBase):
             raise TypeError(f"write() argument must be str, not {type(text).__name__}")
         if not text:
             return 0
+        request = context.current_request  # the writing thread's (a worker's own)
         with self._lock:
+            if request != self._request:  # another thread's request: what it wrote first
+                if self._buf:
+                    self._flush_locked(time.monotonic())
+                self._request = request
             self._buf.append(text)
             self._size += len(text)
             self._writes += 1
@@ -218,7 +225,7 @@ class RankStream(io.TextIOBase):
     def _send(self, data: str, now: float) -> None:
         self._last = now
         self._log.write(data)
-        self._sink(self.name, data, context.current_request)
+        self._sink(self.name, data, self._request)
 
 
 #: Written into each capture pipe by :meth:`FdCapture.flush`; the drain thread drops it

@@ -116,28 +116,35 @@ class Owner:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SpawnActor(Ordered):
-    """``spawn_actor``: construct actor ``a`` (owned by ``oa``/``ox``/``on`` if set)."""
+    """``spawn_actor``: construct actor ``a`` (owned by ``oa``/``ox``/``on`` if set;
+    ``t``: seconds its constructor may run before the actor fails, Monarch's
+    ``actor_spawn_max_idle``)."""
 
     KIND: ClassVar[str] = K.SPAWN_ACTOR
-    KEYS: ClassVar[frozenset[str]] = Ordered.KEYS | {"a", "oa", "ox", "on"}
+    KEYS: ClassVar[frozenset[str]] = Ordered.KEYS | {"a", "oa", "ox", "on", "t"}
 
     actor: str
     owner: Owner | None = None
+    limit: float | None = None
 
     def encode(self) -> WireHeader:
         h: WireHeader = {"k": K.SPAWN_ACTOR, "a": self.actor}
         if self.owner is not None:
             h.update(oa=self.owner.address, ox=self.owner.key, on=self.owner.name)
+        if self.limit is not None:
+            h["t"] = self.limit
         return self._put(h)
 
     @classmethod
     def decode(cls, h: WireHeader) -> SpawnActor:
         check_keys(cls, h)
+        limit = h.get("t")
         try:
             return _SpawnActor(
                 *envelope(h),
                 h["a"],
                 Owner.decode(h) if "oa" in h else None,
+                float(limit) if isinstance(limit, (int, float)) and limit > 0 else None,
             )
         except KeyError as exc:
             raise missing_key(cls, exc) from None
