@@ -140,28 +140,26 @@ def test_a_fan_out_through_two_host_agents_reads_one_block():
     assert not wait_no_orphans(), "the mesh left processes behind"
 
 
-def test_a_full_arena_sends_over_the_socket_and_order_is_kept(tmp_path, monkeypatch):
+def test_a_full_arena_sends_over_the_socket_and_order_is_kept(monkeypatch):
     monkeypatch.setattr(arena_mod, "ARENA_BYTES", (3 << 20) // 2)  # room for one 1 MiB block
-    hold = str(tmp_path / "hold")
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     try:
         actors = procs.spawn("rx", Receiver)
         arena = _arena(procs)
-        open(hold, "w").close()
-        held = actors.wait_while.call_one(hold)
-        wait_until(lambda: os.path.exists(hold + ".entered"), timeout=60, what="the hold")
-        # the rank reads nothing while it holds: the first stays unread in the arena ...
-        first = actors.bump.call_one(torch.ones(FLOATS))
-        assert arena.placed == 1 and _unread(procs) == 1
-        # ... so the second finds no room and goes over the socket
+        # The arena's one block stays taken: the rank keeps the tensor lent to it. (A rank
+        # busy in an endpoint no longer leaves blocks unread: its relief thread reads the
+        # actor's next calls into its line, so a hold cannot fill the arena.)
+        first = actors.keep.call_one(torch.ones(FLOATS))
+        assert arena.placed == 1
+        # ... so the next finds no room and goes over the socket, after the first
         second = actors.bump.call_one(torch.full((FLOATS,), 2.0))
         assert arena.fallbacks == 1
-        os.remove(hold)
-        held.get(timeout=60)
         assert first.get(timeout=60) == _ones_sum(0)
         assert second.get(timeout=60) == _ones_sum(0, 2.0)
-        assert _unread(procs) == 0
-        # read: the arena takes the next one again
+        assert actors.kept_sum.call_one().get(timeout=60) == _ones_sum(0)
+        actors.drop.call_one().get(timeout=60)
+        wait_until(lambda: _unread(procs) == 0, timeout=30, what="the dropped block freed")
+        # free again: the arena takes the next one
         assert actors.bump.call_one(torch.ones(FLOATS)).get(timeout=60) == _ones_sum(0)
         assert arena.placed == 2
     finally:
