@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Callable, Container
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -457,3 +458,14 @@ def pid_alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.fixture
+def hooked(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The ``MeshFailure`` events that reach the client's ``unhandled_fault_hook``
+    during the test (the hook is this list's ``append``)."""
+    import monarch_kernel.actor as actor_api
+
+    got: list[Any] = []
+    monkeypatch.setattr(actor_api, "unhandled_fault_hook", got.append)
+    return got

@@ -122,3 +122,19 @@ def controller_bytes(runtime: Any) -> int:
     """Bytes the controller has sent to the ranks of the mesh ``runtime`` runs (a
     rank-to-rank call never adds to it)."""
     return sum(info.bytes_out for info in runtime.ranks)
+
+
+def ranks_showing(out: str, line: str) -> set[int]:
+    """The ranks whose output has ``line`` (the kernel writes ``[0-2] text`` for lines
+    that several ranks printed alike, ``[3] text`` for one rank's)."""
+    import re
+
+    ranks: set[int] = set()
+    for row in out.splitlines():
+        m = re.match(r"^\[([0-9,\- ]+)\] ?(.*)$", row)
+        if m is None or m.group(2) != line:
+            continue
+        for part in m.group(1).split(","):
+            first, _, last = part.strip().partition("-")
+            ranks.update(range(int(first), int(last or first) + 1))
+    return ranks

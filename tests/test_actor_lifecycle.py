@@ -30,9 +30,8 @@ from lifecycle_actors import (
     events,
 )
 
-import monarch_kernel.actor as actor_api
 from monarch_kernel import config
-from monarch_kernel.actor import ActorError, MeshFailure, SupervisionError, this_host
+from monarch_kernel.actor import ActorError, SupervisionError, this_host
 
 pytestmark = pytest.mark.local
 
@@ -47,13 +46,6 @@ def meshes():
     yield owners, children
     children.stop()
     owners.stop()
-
-
-@pytest.fixture
-def hooked(monkeypatch):
-    got: list[MeshFailure] = []
-    monkeypatch.setattr(actor_api, "unhandled_fault_hook", got.append)
-    return got
 
 
 @pytest.fixture

@@ -225,7 +225,6 @@ def test_get_or_spawn_controller_is_a_singleton():
 # -- supervision ---------------------------------------------------------------------------
 from parity_actors import Supervisor  # noqa: E402
 
-import monarch_kernel.actor as actor_api  # noqa: E402
 from monarch_kernel.actor import MeshFailure  # noqa: E402
 
 
@@ -235,13 +234,6 @@ def tree_meshes():
     yield meshes
     for m in meshes:
         m.stop()
-
-
-@pytest.fixture
-def hooked(monkeypatch):
-    got: list[MeshFailure] = []
-    monkeypatch.setattr(actor_api, "unhandled_fault_hook", got.append)
-    return got
 
 
 def _wait(cond, timeout=10.0):

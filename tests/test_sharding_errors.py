@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from helpers import ranks_showing
 from kernel_client import Kernel
 
 from monarch_kernel.rank.sharding.fingerprint import (
@@ -75,22 +76,8 @@ def _cell(kernel: Kernel, body: str, *made: str) -> str:
     drop = f"for _n in {list(made)!r}:\n    globals().pop(_n, None)\n"
     after = kernel.run(ALIVE.format(mesh=MESH) + drop, timeout=60)
     assert not after.errors, after.error_text
-    assert _showing(after.stdout, "alive True 4") == {0, 1, 2, 3}, after.stdout
+    assert ranks_showing(after.stdout, "alive True 4") == {0, 1, 2, 3}, after.stdout
     return text
-
-
-def _showing(out: str, line: str) -> set[int]:
-    """The ranks whose output has ``line`` (the kernel writes ``[0-2] text`` for lines
-    that several ranks printed alike, ``[3] text`` for one rank's)."""
-    ranks: set[int] = set()
-    for row in out.splitlines():
-        m = re.match(r"^\[([0-9,\- ]+)\] ?(.*)$", row)
-        if m is None or m.group(2) != line:
-            continue
-        for part in m.group(1).split(","):
-            first, _, last = part.strip().partition("-")
-            ranks.update(range(int(first), int(last or first) + 1))
-    return ranks
 
 
 def test_a_parameter_whose_shape_differs_on_one_rank(kernel):
@@ -229,7 +216,7 @@ def test_check_names_the_difference_and_passes_when_the_ranks_agree(kernel):
         timeout=120,
     )
     assert not r.errors, r.error_text
-    assert _showing(r.stdout, "trained DTensor") == {0, 1, 2, 3}, r.stdout
+    assert ranks_showing(r.stdout, "trained DTensor") == {0, 1, 2, 3}, r.stdout
 
 
 # -- the comparison itself, without a mesh ----------------------------------------------
@@ -326,6 +313,6 @@ def test_the_stop_button_while_ranks_wait_for_a_late_peer_and_the_model_trains_a
         timeout=120,
     )
     assert not r.errors, r.error_text
-    assert _showing(r.stdout, "trained") == {0, 1, 2, 3}, r.stdout
+    assert ranks_showing(r.stdout, "trained") == {0, 1, 2, 3}, r.stdout
     after = kernel.run(ALIVE.format(mesh=MESH), timeout=60)
-    assert _showing(after.stdout, "alive True 4") == {0, 1, 2, 3}, after.stdout
+    assert ranks_showing(after.stdout, "alive True 4") == {0, 1, 2, 3}, after.stdout

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from helpers import ranks_showing
 from kernel_client import Kernel
 
 pytestmark = pytest.mark.local
@@ -82,20 +83,6 @@ def _lines(text: str) -> list[str]:
     return [re.sub(r"^\[[0-9,\- ]+\] ?", "", line) for line in text.splitlines()]
 
 
-def _showing(out: str, line: str) -> set[int]:
-    """The ranks whose output has ``line`` (the kernel writes ``[0-2] text`` for lines
-    that several ranks printed alike, ``[3] text`` for one rank's)."""
-    ranks: set[int] = set()
-    for row in out.splitlines():
-        m = re.match(r"^\[([0-9,\- ]+)\] ?(.*)$", row)
-        if m is None or m.group(2) != line:
-            continue
-        for part in m.group(1).split(","):
-            first, _, last = part.strip().partition("-")
-            ranks.update(range(int(first), int(last or first) + 1))
-    return ranks
-
-
 def test_the_plan_per_block_on_a_2x2_mesh_is_printed_once(kernel):
     r = kernel.run(
         f"%%remote {MESH}\n"
@@ -112,7 +99,7 @@ def test_the_plan_per_block_on_a_2x2_mesh_is_printed_once(kernel):
         "shard_model: HSDP on mesh (hosts=2, gpus=2): replicate over 'hosts' (2), shard "
         "over 'gpus' (2); policy 'blocks': 3 × Block in 'blocks'"
     )
-    assert _showing(out, head) == {0}, out  # shown by the mesh's first rank only
+    assert ranks_showing(out, head) == {0}, out  # shown by the mesh's first rank only
     # d=32: a block holds 9472 parameters (37888 bytes, half of it per rank); the root
     # (embedding, final norm, head) 4224.
     for i in range(3):
@@ -135,7 +122,7 @@ def test_the_plan_per_block_on_a_2x2_mesh_is_printed_once(kernel):
         "wrapped ['(root)', 'blocks.0', 'blocks.1', 'blocks.2'] "
         "('blocks.0', 'blocks.1', 'blocks.2', '') ShardPlan"
     )
-    assert _showing(out, expected) == ALL, out
+    assert ranks_showing(out, expected) == ALL, out
     # The plan travels to the notebook as data (without the model and its mesh).
     r = kernel.run(f"_p = %pull {MESH} plan\n_v = list(_p.values())\n_v[0].wrapped, str(_v[3])")
     assert not r.errors, r.error_text
@@ -171,7 +158,7 @@ def test_training_after_shard_model_matches_a_one_process_reference(kernel):
         timeout=120,
     )
     assert not r.errors, r.error_text
-    assert _showing(r.stdout, "maxdiff True True blocks.2") == ALL, r.stdout
+    assert ranks_showing(r.stdout, "maxdiff True True blocks.2") == ALL, r.stdout
 
 
 def test_every_choice_can_be_overridden_and_a_dry_run_applies_nothing(kernel):
@@ -193,17 +180,17 @@ def test_every_choice_can_be_overridden_and_a_dry_run_applies_nothing(kernel):
         "shard_model: FSDP (full shard) on mesh (hosts_gpus=4): shard over 'hosts_gpus' "
         "(4); policy 'modules': 2 module(s) given [dry run: nothing applied]"
     )
-    assert _showing(r.stdout, head) == {0}, r.stdout
+    assert ranks_showing(r.stdout, head) == {0}, r.stdout
     assert any(re.match(r"^\s+blocks\.1\s+Block\s+9\.5K\s+37\.0 KiB\s+9\.2 KiB$", x) for x in lines)
     assert any(re.match(r"^\s+blocks\.2\.mlp\s+Sequential\s+8\.4K", x) for x in lines), r.stdout
     footer = [x for x in lines if x.startswith("parameters: ")]
     assert footer and "(reshard after forward: no; mixed precision: params bfloat16, " in footer[0]
     assert "reduce float32)" in footer[0], footer
-    assert _showing(r.stdout, "dry [] False True") == ALL, r.stdout
+    assert ranks_showing(r.stdout, "dry [] False True") == ALL, r.stdout
     applied = "applied ['(root)', 'blocks.1', 'blocks.2.mlp'] True"
-    assert _showing(r.stdout, applied) == ALL, r.stdout
+    assert ranks_showing(r.stdout, applied) == ALL, r.stdout
     expected = "size ('blocks.0.mlp', 'blocks.1.mlp', 'blocks.2.mlp', '') size"
-    assert _showing(r.stdout, expected) == ALL, r.stdout
+    assert ranks_showing(r.stdout, expected) == ALL, r.stdout
 
 
 # -- the policies themselves, in this process (no mesh) ---------------------------------

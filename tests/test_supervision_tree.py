@@ -39,13 +39,6 @@ def two_meshes():
     owners.stop()
 
 
-@pytest.fixture
-def hooked(monkeypatch):
-    got: list[MeshFailure] = []
-    monkeypatch.setattr(actor_api, "unhandled_fault_hook", got.append)
-    return got
-
-
 def _owner(meshes, cls, should_handle=True):
     owners, children = meshes
     return owners.spawn(f"{cls.__name__.lower()}{next(_names)}", cls, children, should_handle)
