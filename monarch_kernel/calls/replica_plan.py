@@ -80,7 +80,7 @@ class ReplicaPlan:
     #: the optimizer step of some and not others): the model mixes two steps.
     shard_warning: str = ""
     #: Objects whose replicas differ in structure, not only in values (left alone: a
-    #: copy cannot fit): ``model_a: rank 2's shapes differ from rank 0's``.
+    #: copy cannot fit): ``model_a: rank 2 laid out differently from ranks 0-1, 3``.
     misbuilt: tuple[str, ...] = ()
 
     @property
@@ -162,7 +162,9 @@ def _misbuilt(
     """The objects whose replicas differ in layout (names, dtypes or shapes of their
     tensors), each with one line saying which ranks differ from which: among every rank
     for ``names`` (DDP replicas), within each group of replicas for ``sharded``. An
-    optimizer of such a model is left with it (its state is laid out by the model)."""
+    optimizer's layout is that of the parameters it trains, so it differs with its
+    model's; an optimizer of a sharded model that differs only in its buffers is left
+    with that model too (the shard copy moves a model with its optimizers)."""
     out: dict[str, str] = {}
     for n in [*names, *sharded]:
         groups: dict[tuple[int, ...], list[int]] = {}

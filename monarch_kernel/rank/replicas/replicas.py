@@ -198,11 +198,11 @@ def digest_namespace(namespace: Mapping[str, Any], rank: int | None = None) -> R
     # (each model's replicas read once: an optimizer has its model's)
     replicas_of = {id(m): replica_ranks(m) or () for m in sharded.values()}
     for name, obj in state.items():
-        hexdigest, nbytes, layout = digest(obj)
+        hexdigest, nbytes, built = digest(obj)
         steps = optimizer_steps(obj) if isinstance(obj, torch.optim.Optimizer) else None
         model = sharded.get(name) or _model_of(obj, sharded)
         replicas = replicas_of[id(model)] if model is not None else ()
-        objects.append(ObjectDigest(name, _kind(obj), hexdigest, nbytes, steps, replicas, layout))
+        objects.append(ObjectDigest(name, _kind(obj), hexdigest, nbytes, steps, replicas, built))
     return ReplicaDigest(rank, tuple(objects))
 
 
