@@ -32,6 +32,13 @@ class Counter(Actor):
     def get_log(self) -> list[int]:
         return self.log
 
+    @endpoint
+    def hold_while(self, path: str) -> None:
+        """Keeps this actor busy (its later calls wait in its line) while ``path`` exists."""
+        print(f"holding while {path} exists", flush=True)
+        while os.path.exists(path):
+            time.sleep(0.01)
+
 
 class Worker(Actor):
     @endpoint

@@ -26,23 +26,31 @@ def mesh(mesh2):
     return mesh2
 
 
-def test_pipelined_calls_and_broadcasts_to_a_busy_rank_all_arrive_in_order(mesh):
+def test_pipelined_calls_and_broadcasts_to_a_busy_actor_all_arrive_in_order(mesh, tmp_path):
+    # The actor is held (not the rank: its other actors run on its worker threads) until
+    # the controller has queued half the calls: its line fills to the inbox's bound, the
+    # rank reads no more, and the rest wait in the controller's backlog.
     log = mesh.spawn("log", Counter).slice(gpus=0)
-    busy = mesh.spawn("busy", Worker).slice(gpus=0)
-    nap = busy.sleep.call_one(8, "while the queue fills")
-    wait_for_rank_line(mesh, 0, "sleeping while the queue fills")
-    rt = mesh.runtime
-    futures = [log.record.call_one(i) for i in range(N)]
-    # past the bound the broadcasting caller waits for room: do it on a thread
-    sender = threading.Thread(
-        target=lambda: [log.record.broadcast(N + i) for i in range(N)], daemon=True
-    )
-    sender.start()
-    wait_until(lambda: rt.transport.backlog_messages >= N // 2, timeout=30, what="a backlog")
-    # the controller stays responsive: the other rank answers, heartbeats flow
+    # spawned now: rank 0, its inbox full, will read nothing (a spawn goes to every rank)
     other = mesh.spawn("other", Counter).slice(gpus=1)
-    assert other.incr.call_one().get(timeout=5) == 1
-    assert not any(h.lost for h in rt.hosts)
+    hold = tmp_path / "hold"
+    hold.touch()
+    try:
+        nap = log.hold_while.call_one(str(hold))
+        wait_for_rank_line(mesh, 0, f"holding while {hold} exists")
+        rt = mesh.runtime
+        futures = [log.record.call_one(i) for i in range(N)]
+        # past the bound the broadcasting caller waits for room: do it on a thread
+        sender = threading.Thread(
+            target=lambda: [log.record.broadcast(N + i) for i in range(N)], daemon=True
+        )
+        sender.start()
+        wait_until(lambda: rt.transport.backlog_messages >= N // 2, timeout=60, what="a backlog")
+        # the controller stays responsive: the other rank answers, heartbeats flow
+        assert other.incr.call_one().get(timeout=5) == 1
+        assert not any(h.lost for h in rt.hosts)
+    finally:
+        hold.unlink(missing_ok=True)
     nap.get(timeout=60)
     sender.join(120)
     assert not sender.is_alive()

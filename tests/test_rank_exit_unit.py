@@ -25,17 +25,20 @@ PROGRAM = textwrap.dedent(
 
     ctx = zmq.Context()
     where = "ipc://" + os.path.join(sys.argv[1], "s")
-    reader, writer = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    reader.bind(where)
+    writer = ctx.socket(zmq.PAIR)
+    # nobody there yet: the message waits in libzmq's queue, its buffer held (with the
+    # reader bound first, libzmq's I/O thread could move all of it before we count)
     writer.connect(where)
-    payload = os.urandom(8 << 20)  # far more than a unix socket's buffer holds
+    payload = os.urandom(8 << 20)
     digest = hashlib.sha256(payload).hexdigest()
     writer.send(payload, copy=False)  # only pyzmq's collector holds it once we let go
     del payload
     kept = len(zmq_gc.refs)
     forked._clean_up()  # the rank's way out: actors, atexit handlers, streams
     print("in flight", kept, "kept", len(zmq_gc.refs), flush=True)
-    got = reader.recv()  # libzmq writes the rest of it only now
+    reader = ctx.socket(zmq.PAIR)
+    reader.bind(where)
+    got = reader.recv()  # libzmq writes it only now
     print("intact", hashlib.sha256(got).hexdigest() == digest, flush=True)
     os._exit(0)  # as a rank ends
     """
