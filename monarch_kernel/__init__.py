@@ -67,6 +67,14 @@ def inspect(tree: Any, shard: dict[str, int] | None = None, **coords: int) -> An
     return _inspect(tree, shard, **coords)
 
 
+def show(tree: Any, shard: dict[str, int] | None = None, **coords: int) -> Any:
+    """Show the values of ``tree``'s mesh tensors on the rank at ``coords``: as an image
+    through ``torchshow`` when installed (Monarch's ``show``), else as text."""
+    from monarch_kernel.tensor_engine.fetch import show as _show
+
+    return _show(tree, shard, **coords)
+
+
 def reduce(
     tensors: Any,
     dims: Any = (),

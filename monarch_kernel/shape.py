@@ -344,3 +344,102 @@ def _parse_slice(item: str, spec: str, size: int) -> range:
     if not picked:
         raise SliceError(f"slice {item!r} of --ranks selects no rank: {_valid_ranks(size)}")
     return picked
+
+
+# -- mesh algebra: the same ranks under other dims (Monarch's ``rename`` / ``split``) --
+
+
+def split_dims(shape: Shape, how: Mapping[str, Any]) -> Shape:
+    """The same ranks with some dims split into several, row-major (the last part is
+    the innermost): ``split_dims(s, {"host": ("dp", "pp"), "pp": 2})``. A key that is a
+    dim of ``shape`` names its parts (a tuple or list of new names); any other key is
+    the size of a new part. Each split may leave one part's size out (inferred)."""
+    parts: dict[str, tuple[str, ...]] = {}
+    sizes_given: dict[str, int] = {}
+    for key, value in how.items():
+        if key in shape.labels:
+            if isinstance(value, str) or not isinstance(value, (tuple, list)):
+                raise SliceError(
+                    f"split: {key}={value!r} must be a tuple of new dim names, "
+                    f"e.g. {key}=({value!r},) or {key}=('dp', 'pp')"
+                )
+            parts[key] = tuple(value)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SliceError(
+                f"split: {key!r} is not a dim of the mesh (dims {list(shape.labels)}); "
+                f"as a new dim it takes a positive int size, got {value!r}"
+            )
+        else:
+            sizes_given[key] = value
+    labels: list[str] = []
+    sizes: list[int] = []
+    strides: list[int] = []
+    for label, size, stride in zip(shape.labels, shape.sizes, shape.strides):
+        names = parts.get(label, (label,))
+        known = [sizes_given.pop(n, None) for n in names]
+        missing = [n for n, k in zip(names, known) if k is None]
+        product = 1
+        for k in known:
+            product *= k or 1
+        if len(missing) > 1:
+            raise SliceError(
+                f"split of {label!r}: the sizes of {missing} are unknown; give all but "
+                f"one, e.g. {missing[0]}=2"
+            )
+        if size % product or (not missing and product != size):
+            given = tuple("?" if k is None else k for k in known)
+            raise SliceError(
+                f"split: dim {label!r} of size {size} is not {names} with sizes {given}"
+            )
+        full = [size // product if k is None else k for k in known]
+        inner = stride
+        part_strides: list[int] = []
+        for k in reversed(full):
+            part_strides.append(inner)
+            inner *= k
+        labels.extend(names)
+        sizes.extend(full)
+        strides.extend(reversed(part_strides))
+    if sizes_given:
+        raise SliceError(f"split: sizes given for {sorted(sizes_given)}, which no split names")
+    if len(set(labels)) != len(labels):
+        raise SliceError(f"split: duplicate dim names in {labels}")
+    return Shape(tuple(labels), tuple(sizes), tuple(strides), shape.offset)
+
+
+def rename_dims(shape: Shape, names: Mapping[str, str]) -> Shape:
+    """The same ranks with dims renamed: ``rename_dims(s, {"host": "dp"})``."""
+    for old, new in names.items():
+        if old not in shape.labels:
+            raise SliceError(
+                f"rename: {old!r} is not a dim of the mesh (dims {list(shape.labels)})"
+            )
+        if not isinstance(new, str):
+            raise SliceError(f"rename: {old}={new!r} must be the new name, a str")
+    return split_dims(shape, {old: (new,) for old, new in names.items()})
+
+
+def grid_table(shape: Shape) -> str:
+    """The global ranks of ``shape`` as a text grid: the last dim across, one row per
+    coordinate of the others (Monarch's ``to_table`` of a mesh)."""
+    head = f"ranks of {shape.describe()}"
+    if not shape.labels:
+        return f"{head}\n{shape.offset}"
+    ranks = shape.ranks()
+    last, n = shape.labels[-1], shape.sizes[-1]
+    columns = [f"{last} {i}" for i in range(n)]
+    outer = Shape(shape.labels[:-1], shape.sizes[:-1])
+    rows = []
+    for r, coords in enumerate(outer._coords()):
+        label = ", ".join(f"{d} {c}" for d, c in zip(outer.labels, coords))
+        rows.append([label] + [str(x) for x in ranks[r * n : (r + 1) * n]])
+    table = [[""] + columns] + rows
+    widths = [max(len(row[i]) for row in table) for i in range(n + 1)]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths))
+        )
+        for row in table
+    ]
+    return "\n".join([head] + [ln.rstrip() for ln in lines])

@@ -58,6 +58,20 @@ class AsyncCleanup(Actor):
         note(self.path, f"{self.tag} cleanup {current_rank().rank} {exc!r}")
 
 
+class SyncCleanupDel(SyncCleanup):
+    """Notes its ``__del__`` too (after ``__cleanup__``, when its process mesh stops)."""
+
+    def __del__(self) -> None:
+        note(self.path, f"{self.tag} del {current_rank().rank}")
+
+
+class AsyncCleanupDel(AsyncCleanup):
+    """Notes its ``__del__`` too (after ``__cleanup__``, when its process mesh stops)."""
+
+    def __del__(self) -> None:
+        note(self.path, f"{self.tag} del {current_rank().rank}")
+
+
 class RaisingCleanup(Actor):
     @endpoint
     def ping(self) -> str:
@@ -69,6 +83,10 @@ class RaisingCleanup(Actor):
 
 class Parent(Actor):
     """Owns a mesh of ``child`` actors spawned on ``procs``; fails in several ways."""
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
 
     def __init__(self, path: str, procs: Any, child: type, tag: str = "parent") -> None:
         self.path, self.tag = path, tag
@@ -195,6 +213,60 @@ class Concurrent(Actor):
         note(self.path, f"cleanup {current_rank().rank}")
 
 
+class ProcOwner(Actor):
+    """Starts a process mesh of its own from its rank (it is that mesh's controller),
+    with an actor on it; says its process id."""
+
+    def __init__(self, path: str, tag: str) -> None:
+        from monarch_kernel.actor import this_host
+
+        self.procs = this_host().spawn_procs(per_host={"gpus": 1}, name=tag)
+        self.kids = self.procs.spawn(f"{tag}_kid", SyncCleanup, path, f"{tag}-kid")
+
+    @endpoint
+    def pid(self) -> int:
+        assert self.kids.ping.call_one().get(timeout=30) == "pong"
+        return os.getpid()
+
+
+class LoopBound(Actor):
+    """A queue made in ``__init__``, bound to the actor's event loop by an ordinary
+    ``async`` endpoint, then awaited by a ``@concurrent_endpoint`` (Monarch: both run on
+    the actor's loop); failures of both kinds of endpoint, and a nap."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[str] = asyncio.Queue()
+
+    @endpoint
+    async def prime(self) -> str:
+        waiting = asyncio.ensure_future(self.queue.get())  # binds the queue to this loop
+        await asyncio.sleep(0)
+        self.queue.put_nowait("first")
+        return await waiting
+
+    @concurrent_endpoint
+    async def take(self) -> str:
+        return await self.queue.get()
+
+    @endpoint
+    async def put(self, item: str) -> str:
+        self.queue.put_nowait(item)
+        return "put"
+
+    @endpoint
+    async def fail_plain(self) -> None:
+        raise KeyError("nope")
+
+    @concurrent_endpoint
+    async def fail_concurrent(self) -> None:
+        raise KeyError("nope")
+
+    @concurrent_endpoint
+    async def nap(self, seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "rested"
+
+
 class Logs(Actor):
     """Its instance's name, and what its ``logging`` records say."""
 
@@ -222,3 +294,24 @@ class Logs(Actor):
             logger.removeHandler(keep)
             config.prefix_python_logs_with_actor = True
         return got
+
+    @endpoint
+    def levels(self) -> tuple[int, list[str]]:
+        """The root logger's level here, and which of an INFO and a WARNING record of
+        a plain logger get through to a handler."""
+        got: list[str] = []
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                got.append(record.levelname)
+
+        keep = Keep()
+        root = logging.getLogger()
+        root.addHandler(keep)
+        try:
+            logger = logging.getLogger("lifecycle-levels")
+            logger.info("an info record")
+            logger.warning("a warning record")
+        finally:
+            root.removeHandler(keep)
+        return root.level, got

@@ -8,25 +8,34 @@ stopped process mesh fail with a supervision error; and exits and crashes of an 
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import itertools
+import logging
+import os
 import re
+import signal
 import time
 from typing import Any
 
+import psutil
 import pytest
 from helpers import wait_until
 from lifecycle_actors import (
     AsyncCleanup,
+    AsyncCleanupDel,
     AsyncExits,
     BadInit,
     Concurrent,
     Exits,
     Logs,
+    LoopBound,
     Parent,
+    ProcOwner,
     RaisingCleanup,
     SlowInit,
     SyncCleanup,
+    SyncCleanupDel,
     events,
 )
 
@@ -130,11 +139,96 @@ def test_stop_cancels_running_concurrent_calls_before_cleanup(meshes, log):
             fut.get(timeout=30)
 
 
+def test_concurrent_calls_run_on_the_actors_own_event_loop(meshes):
+    """Monarch: a ``@concurrent_endpoint``'s calls are tasks of the actor's event loop,
+    the one its ordinary ``async`` endpoints run on: a queue made in ``__init__`` and
+    bound to that loop by an ordinary endpoint is awaited by a concurrent call. The
+    loop goes on while another actor's sync endpoint holds the rank's main thread."""
+    from concurrency_actors import Blocker, Setter
+
+    _, children = meshes
+    actors = children.spawn(_name("lb"), LoopBound)
+    assert actors.prime.call().get(timeout=30).values() == ["first"] * 2  # bound here
+    taken = actors.take.call()  # awaits the queue, on the same loop
+    assert actors.put.call("x").get(timeout=30).values() == ["put"] * 2
+    assert taken.get(timeout=30).values() == ["x"] * 2
+    blocker = children.spawn(_name("blk"), Blocker)
+    name = f"loop{next(_names)}"
+    held = blocker.block.call(name, 60)
+    try:
+        assert actors.nap.call(0.05).get(timeout=30).values() == ["rested"] * 2
+    finally:
+        children.spawn(_name("set"), Setter).set.call(name).get(timeout=30)
+    assert held.get(timeout=30).values() == ["released"] * 2
+
+
+@pytest.mark.parametrize("method", ["fail_plain", "fail_concurrent"])
+def test_a_concurrent_endpoints_error_names_its_endpoint_as_an_ordinary_ones(meshes, method):
+    """The caller's ``ActorError`` names the endpoint that raised, its ranks and the
+    remote traceback, for a ``@concurrent_endpoint`` as for an ordinary endpoint
+    (Monarch's ``Actor call <actor>.<endpoint> failed.`` context)."""
+    _, children = meshes
+    actors = children.spawn(_name("err"), LoopBound)
+    with pytest.raises(ActorError) as err:
+        getattr(actors, method).call().get(timeout=30)
+    assert not isinstance(err.value, SupervisionError)  # the actor serves on
+    text = str(err.value)
+    assert text.startswith(f"KeyError in LoopBound.{method} on ranks 0-1 of 2: 'nope'"), text
+    assert f"in {method}\n" in text and "raise KeyError" in text  # its own frame
+    assert isinstance(err.value.exception, KeyError)
+    assert actors.put.call("y").get(timeout=30).values() == ["put"] * 2
+
+
 def test_concurrent_endpoint_keeps_monarchs_endpoint_attributes():
     fn: Any = Concurrent.who
     assert fn._method.__name__ == "who" and fn.__name__ == "who"
     assert fn._explicit_response_port is True and fn._monarch_concurrent_endpoint_wrapper
     assert list(inspect.signature(fn).parameters) == ["self", "_monarch_response_port"]
+
+
+def _gone(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            continue
+    return True
+
+
+@pytest.mark.parametrize("owned", ["actor_mesh", "proc_mesh"])
+def test_what_an_actor_owns_stops_when_its_process_is_killed(meshes, log, hooked, owned):
+    """Monarch: a mesh does not outlive its owner, also when the owner's process dies.
+    An actor mesh the owner spawned on another process mesh is stopped (its
+    ``__cleanup__`` runs, calls raise ``SupervisionError``) and the death's report says
+    so; a process mesh the owner started from its rank ends with that process."""
+    _, children = meshes
+    owners = this_host().spawn_procs(
+        per_host={"gpus": 1}, name=_name("lc_own"), on_failure="continue"
+    )
+    try:
+        tag = _name("own")
+        if owned == "actor_mesh":
+            owner = owners.spawn("owner", Parent, log, children, SyncCleanup, tag)
+            kids = owner.child_mesh.call_one().get(timeout=30)
+        else:
+            owner = owners.spawn("owner", ProcOwner, log, tag)
+        pid = owner.pid.call_one().get(timeout=60)
+        started = [p.pid for p in psutil.Process(pid).children(recursive=True)]
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: hooked, timeout=30, what="the owner's death at the hook")
+        assert "killed by signal 9 (SIGKILL)" in str(hooked[0])
+        if owned == "actor_mesh":
+            assert f"actor mesh '{tag}_child' on 'lc_children' (ranks 0, 1)" in str(hooked[0])
+            wait_until(lambda: len(events(log)) == 2, timeout=30, what="the cleanups")
+            assert sorted(events(log)) == [f"{tag}-child cleanup {r} None" for r in (0, 1)]
+            with pytest.raises(SupervisionError, match="stopped"):
+                kids.ping.call().get(timeout=30)
+        else:
+            assert started  # its host agent and rank: children of the owner's process
+            wait_until(lambda: _gone(started), timeout=30, what="the owner's processes")
+    finally:
+        owners.stop()
 
 
 def test_a_raising_cleanup_is_a_supervision_event(meshes, hooked):
@@ -179,6 +273,35 @@ def test_slices_of_a_failed_mesh_inherit_its_failure(meshes, hooked):
     with pytest.raises(SupervisionError, match="boom"):
         half.slice(gpus=0).ok.call_one().get(timeout=30)
     assert half.slice(gpus=1).ok.call_one().get(timeout=30) == "ok"
+
+
+def _stop_and_get(procs: Any) -> None:
+    procs.stop().get(timeout=60)
+
+
+def _stop_and_await(procs: Any) -> None:
+    async def stop() -> None:
+        await procs.stop()
+
+    asyncio.run(stop())
+
+
+@pytest.mark.parametrize(
+    "cls,stop",
+    [(SyncCleanupDel, _stop_and_get), (AsyncCleanupDel, _stop_and_await)],
+    ids=["sync-get", "async-await"],
+)
+def test_stopping_a_proc_mesh_runs_cleanup_then_del(log, cls, stop):
+    """Monarch: ``proc_mesh.stop()`` stops every actor on it, so each one's
+    ``__cleanup__(None)`` runs (sync, or ``async def`` on its event loop) before the
+    process ends; its ``__del__`` after that."""
+    procs = this_host().spawn_procs(per_host={"gpus": 1}, name=_name("lc_pstop"))
+    try:
+        actors = procs.spawn("a", cls, log, "it")
+        assert actors.ping.call_one().get(timeout=30) == "pong"
+    finally:
+        stop(procs)  # done once the rank ended
+    assert events(log) == ["it cleanup 0 None", "it del 0"]
 
 
 def test_actors_of_a_stopped_proc_mesh_fail_with_a_supervision_error(hooked):
@@ -247,6 +370,31 @@ def test_exit_of_an_endpoint_run_by_a_worker_thread(meshes, hooked):
         victim.exit.call(4).get(timeout=30)
     assert setter.set.call(name).get(timeout=30).values() == ["set"] * 2
     assert held.get(timeout=30).values() == ["released"] * 2
+
+
+@pytest.mark.parametrize(
+    "level,through", [(logging.INFO, ["INFO", "WARNING"]), (logging.ERROR, [])]
+)
+def test_logging_option_level_sets_the_root_logger_level_of_every_rank(meshes, level, through):
+    """Monarch's ``ProcMesh.logging_option(level=...)``: the root logger's level on every
+    rank of the mesh (Monarch's ``LoggerRuntimeActor``), awaitable; bad levels are
+    refused before anything is sent."""
+    _, children = meshes
+    logs = children.spawn(_name("lvl"), Logs)
+    try:
+        assert asyncio.run(_awaited(children.logging_option(level=level))) is None
+        assert logs.levels.call().get(timeout=30).values() == [(level, through)] * 2
+    finally:
+        children.logging_option(level=logging.WARNING).get(timeout=30)  # Python's default
+    assert logs.levels.call().get(timeout=30).values() == [(logging.WARNING, ["WARNING"])] * 2
+    with pytest.raises(ValueError, match="Invalid logging level: 256"):
+        children.logging_option(level=256)
+    with pytest.raises(TypeError, match="logging level number"):
+        children.logging_option(level="INFO")
+
+
+async def _awaited(fut: Any) -> Any:
+    return await fut
 
 
 def test_actor_names_and_log_prefix_are_monarchs(meshes):

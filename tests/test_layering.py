@@ -340,6 +340,7 @@ PART_ORDER: dict[str, list[str]] = {
     ],
     "actor": [
         "actor",
+        "log_level",  # ProcMesh.logging_option(level=): a helper actor
         "endpoints",
         "local_context",
         "resize",
@@ -350,6 +351,7 @@ PART_ORDER: dict[str, list[str]] = {
         "client_actor",
         "client_server",
         "client_proc",
+        "orphans",  # what a dead rank's actors owned stops (hosts' watch_faults)
         "hosts",
         "api",
         "attach",
@@ -359,8 +361,10 @@ PART_ORDER: dict[str, list[str]] = {
         "errors",
         "state",
         "client",
+        "process_groups",
         "streams",
         "tensor",
+        "actor_args",
         "mesh",
         "fetch",
         "moves",

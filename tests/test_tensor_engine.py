@@ -16,12 +16,14 @@ remote functions.
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
 
 import monarch_kernel
 from monarch_kernel import fetch_shard, inspect, reduce, reduce_, remote
+from monarch_kernel.actor import Actor, endpoint
 from monarch_kernel.mesh_controller import RemoteException, spawn_tensor_engine
 from monarch_kernel.tensor_engine import Tensor, get_active_mesh, no_mesh
 from monarch_kernel.tensor_engine import client as te_client
@@ -138,6 +140,34 @@ def test_a_bad_shape_raises_in_the_cell_and_nothing_is_sent(pm):
         assert client.ops_issued == before + 1
         with pytest.raises(RuntimeError, match="needs the values of a mesh tensor"):
             a.sum().item()
+
+
+def test_mesh_algebra_rename_split_and_the_process_grid(pm):
+    dm = spawn_tensor_engine(pm)
+    assert pm.rename(host="dp").sizes == {"dp": 2, "gpus": 2}
+    three = pm.split(host=("dp", "pp"), gpus=("tp",), pp=2)
+    assert three.sizes == {"dp": 1, "pp": 2, "tp": 2} and three.ranks() == [0, 1, 2, 3]
+    assert three.slice(pp=1).ranks() == [2, 3]
+    assert dm.split(gpus=("a", "b"), a=2).sizes == {"host": 2, "a": 2, "b": 1}
+    assert dm.rename(gpus="tp").slice(tp=1).rank_tuple == (1, 3)
+    with pytest.raises(ValueError, match="must be a tuple of new dim names"):
+        pm.split(host="dp")
+    with pytest.raises(ValueError, match="sizes of \\['a', 'b'\\] are unknown"):
+        pm.split(host=("a", "b"))
+    with pytest.raises(ValueError, match="dim 'host' of size 2 is not \\('a', 'b'\\)"):
+        dm.split(host=("a", "b"), a=3)
+    with pytest.raises(ValueError, match="'gpu' is not a dim of the mesh"):
+        pm.rename(gpu="x")
+    with pytest.raises(ValueError, match="sizes given for \\['zz'\\]"):
+        pm.split(host=("a",), zz=2)
+    assert pm.to_table().splitlines() == [
+        "ranks of host=2 × gpus=2",
+        "        gpus 0  gpus 1",
+        "host 0       0       1",
+        "host 1       2       3",
+    ]
+    assert dm.slice(host=1).to_table() == "ranks of gpus=2\n  gpus 0  gpus 1\n       2       3"
+    assert dm.to_tensor().tolist() == [[0, 1], [2, 3]]
 
 
 def test_rank_tensors(pm):
@@ -521,6 +551,149 @@ def _describe(x):
     from monarch_kernel.rank.context import current_rank
 
     return {"value": int(x), "rank": current_rank().rank}
+
+
+def test_send_runs_a_remote_function_and_answers_through_a_port(pm):
+    from monarch_kernel.actor import Channel, Port, PortReceiver, send
+
+    describe = remote(_describe, propagate="inspect")
+    with pm.activate():
+        t = pm.rank(("host", "gpus")) * 5
+        opened: tuple[Port[dict[str, int]], PortReceiver[dict[str, int]]] = Channel.open()
+        port, receiver = opened
+        send(describe, (t,), {}, port=port)
+        got = sorted(receiver.recv().get(timeout=60)["value"] for _ in range(4))
+        assert got == [0, 5, 10, 15]
+        describe.send((t,), {}, port=port, selection="choose")
+        assert receiver.recv().get(timeout=60) == {"value": 0, "rank": 0}
+        bad = torch.zeros(3).index_select(0, pm.rank("gpus") + 2)  # fails on gpus=1
+        send(describe, (bad,), {}, port=port)
+        for _ in range(4):  # a failed rank fails the call: every answer is the error
+            with pytest.raises(Exception, match="rank 1.*IndexError"):
+                receiver.recv().get(timeout=60)
+        send(remote(_bump, propagate=_writes_its_input), (t,), {})  # no port: nothing back
+        assert inspect(t, host=1, gpus=1) == 16
+        with pytest.raises(ValueError, match="selection"):
+            send(describe, (t,), {}, selection="some")
+
+
+# -- mesh tensors as actor-endpoint arguments ------------------------------------------------
+
+
+class LocalValue(Actor):
+    """Reads the local tensor a mesh tensor argument arrives as."""
+
+    def __init__(self):
+        self.calls = 0
+
+    @endpoint
+    def value(self, t, extra=None):
+        assert type(t) is torch.Tensor  # the rank's local tensor, not a mesh tensor
+        return float(t.sum()) + (float(extra["x"].sum()) if extra else 0.0)
+
+    @endpoint
+    def incr(self, x) -> int:
+        self.calls += 1
+        return self.calls - 1
+
+
+def _all_reduce_in(t, pg):
+    import torch.distributed as dist
+
+    out = t.clone()
+    dist.all_reduce(out, group=pg)
+    return out, dist.get_world_size(pg)
+
+
+def test_process_groups_for_remote_functions_that_call_torch_distributed(pm):
+    dm = spawn_tensor_engine(pm)
+    all_reduce = remote(_all_reduce_in, propagate=lambda t, pg: (t.clone(), None))
+    with pm.activate():
+        x = pm.rank(("host", "gpus")).float() * torch.ones(2)
+        y, _ = all_reduce(x, dm.process_group("gpus"))
+        assert inspect(y, host=1, gpus=0).tolist() == [5.0, 5.0]  # ranks 2 + 3
+        everyone, _ = all_reduce(x, dm.process_group(("host", "gpus")))
+        assert inspect(everyone, host=0, gpus=1).tolist() == [6.0, 6.0]
+        sizes = remote(_all_reduce_in, propagate="inspect").call(x, dm.process_group("host"))
+        assert [n for _, n in sizes.get(timeout=60).values()] == [2, 2, 2, 2]
+        with pytest.raises(ValueError, match="propagate function"):
+            remote(_all_reduce_in)(x, dm.process_group("gpus"))
+        with pytest.raises(KeyError, match="'gpu' is not a dim"):
+            dm.process_group("gpu")
+    h1 = dm.slice(host=1)  # a group on a slice: its ranks alone
+    with h1.activate():
+        z, _ = all_reduce(x.slice_mesh(host=1), h1.process_group("gpus"))
+        assert inspect(z, gpus=1).tolist() == [5.0, 5.0]
+
+
+def _nap(x, seconds=0.5):
+    time.sleep(seconds)  # a slow op: what comes after it waits for it
+
+
+def test_the_dashboard_counts_ops_issued_and_pending_per_rank(pm):
+    from helpers import wait_until
+
+    from monarch_kernel.widgets.render import tile_text
+    from monarch_kernel.widgets.state import MeshState
+
+    st = MeshState(pm.runtime)
+    client = _client(pm)
+    with pm.activate():
+        t = torch.zeros(())
+        client.flush()
+        before = [st.tile(r).ops_issued or 0 for r in range(4)]
+        remote(_nap, propagate="inspect")(t, 1.0)  # the ranks are busy for 1 s
+        for _ in range(20):
+            t.add_(1)
+        # the 21 ops count as issued at once, sent or not (some are still buffered)
+        tiles = [st.tile(r) for r in range(4)]
+        assert [v.ops_issued for v in tiles] == [n + 21 for n in before]
+        # no report says they ran yet (the first op alone takes 1 s)
+        assert all(v.ops_pending is not None and v.ops_pending >= 21 for v in tiles)
+        only = pm.slice(host=1, gpus=1)
+        with only.activate():
+            torch.ones(()).add_(1)  # two more ops, on rank 3 only
+        assert st.tile(3).ops_issued == before[3] + 23 and st.tile(2).ops_issued == before[2] + 21
+    client.flush()
+
+    def all_ran() -> bool:
+        return all(st.tile(r).ops_pending == 0 for r in range(4))
+
+    wait_until(all_ran, timeout=60, what="the ranks' reports to count every op as run")
+    text = tile_text(st.tile(3), compact=False)
+    assert f"ops {before[3] + 23}" in text and "pending" not in text
+
+
+def test_mesh_tensors_reach_endpoints_as_local_tensors_after_the_ops_before(pm):
+    actors = pm.spawn("te_local_value", LocalValue)
+    with pm.activate():
+        t = pm.rank(("host", "gpus")).float()
+        for _ in range(300):  # past one batch (256 ops), the rest still buffered
+            t.add_(1)
+        remote(_nap, propagate="inspect")(t)
+        t.add_(1000)
+        got = actors.value.call(t, extra={"x": torch.ones(2)}).get(timeout=60)
+        assert [got.item(host=h, gpus=g) for h in (0, 1) for g in (0, 1)] == [
+            1302.0 + r for r in range(4)
+        ]
+        one = actors.slice(host=1, gpus=0)
+        assert one.value.call_one(t).get(timeout=60) == 1300.0 + 2
+        # mesh-tensor calls and plain calls to one actor stay in order (Monarch's test)
+        results = []
+        for _ in range(3):
+            results.append(one.incr.call_one(torch.ones(())))
+            results.append(one.incr.call_one(1))
+        assert [r.get(timeout=60) for r in results] == list(range(6))
+        with pytest.raises(ValueError, match="same process as the actor"):
+            actors.value.call(t.slice_mesh(host=0))  # not on the host=1 ranks
+        bad = torch.zeros(3).index_select(0, pm.rank("gpus") + 2)  # fails on gpus=1
+        with pytest.raises(Exception, match="holds an error on rank 3.*IndexError"):
+            actors.slice(host=1, gpus=1).value.call_one(bad).get(timeout=60)
+        gone = torch.ones(())
+        gone.drop()
+        with pytest.raises(TypeError, match="DROPPED"):
+            actors.value.call(gone)
+    actors.stop().get(timeout=60)
 
 
 # -- through a real kernel -----------------------------------------------------------------

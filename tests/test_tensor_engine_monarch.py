@@ -143,7 +143,6 @@ def test_sub_mesh_use_only_one(local):
         assert torch.equal(local_x, torch.ones(3, 4))
 
 
-@pytest.mark.skip(reason="DeviceMesh.process_group (RemoteProcessGroup) is not built")
 def test_sub_mesh_process_grop(local):
     with local.local_device_mesh(2, 2, activate=False) as device_mesh:
         h0 = device_mesh.slice(host=0)

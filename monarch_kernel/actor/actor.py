@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from monarch_kernel.rank.context import EXPLICIT_PORT_ATTR, end_serve_tasks, serve_tasks
+from monarch_kernel.rank.context import (
+    EXPLICIT_PORT_ATTR,
+    end_serve_tasks,
+    serve_tasks,
+    services,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -58,19 +62,23 @@ def concurrent_endpoint(
     instrument: bool = True,
 ) -> F:
     """Monarch's ``@concurrent_endpoint``: an ``async def`` endpoint whose calls run as
-    tasks on the rank's concurrent event loop (a thread of its own, shared by the
-    concurrent endpoints of every actor of the rank), so the actor takes its next
-    message while earlier calls still await. Calls start in the order they arrive;
-    ordinary endpoints keep running on the rank's main thread meanwhile (guard shared
-    state accordingly).
+    tasks of its actor's own event loop (the loop its other ``async def`` endpoints,
+    ``__supervise__`` and ``__cleanup__`` run on), so the actor takes its next message
+    while earlier calls still await, and the calls share the actor's loop-bound state
+    (an ``asyncio.Event`` or ``Queue`` made in ``__init__`` or another endpoint). Calls
+    start in the order they arrive. The loop goes on while the rank's main thread runs
+    another actor's sync endpoint (a worker thread runs it meanwhile); a ``%%remote``
+    cell runs alone.
 
     It takes ``@endpoint``'s options itself: with ``explicit_response_port=True`` the
     method gets the :class:`Port` after ``self`` and answers through it (what it returns
     is ignored; an exception it raises instead of sending it with ``port.exception``
     fails the actor, as in Monarch: the caller gets a ``SupervisionError`` and
-    supervision hears of it). Without it, an exception goes to the caller. As in
-    Monarch, a sync method is a ``ValueError``, and so is stacking it over ``@endpoint``
-    (pass the options to ``@concurrent_endpoint`` instead)."""
+    supervision hears of it). Without it, an exception goes to the caller as an
+    ordinary endpoint's does. When the actor stops, its running calls are cancelled
+    and awaited before its ``__cleanup__`` (Monarch). As in Monarch, a sync method is a
+    ``ValueError``, and so is stacking it over ``@endpoint`` (pass the options to
+    ``@concurrent_endpoint`` instead)."""
     del instrument  # accepted as Monarch's
 
     def mark(f: F) -> F:
@@ -84,40 +92,19 @@ def concurrent_endpoint(
 
         @functools.wraps(f)
         def start(self: Any, port: Any, *args: Any, **kwargs: Any) -> None:
+            # made here, so that wrong arguments fail the call as an ordinary endpoint's
             if explicit_response_port:
                 coro = f(self, port, *args, **kwargs)
             else:
                 coro = f(self, *args, **kwargs)
-            call = _ConcurrentCall()
-            running = _running_calls(self)
-            running.add(call)
+            call = _ConcurrentCall(f.__name__, port, coro, explicit_response_port)
+            call.track(self)
             # its task serves this message: its actor (``context()``), its request (output)
             token = serve_tasks()
             try:
-                fut = call.future = asyncio.run_coroutine_threadsafe(
-                    call.run(coro), _concurrent_loop()
-                )
+                _on_actor_loop(call.start)
             finally:
                 end_serve_tasks(token)
-
-            def done(task: Any) -> None:
-                running.discard(call)
-                if task.cancelled():  # its actor stopped (``ActorHost.retire``)
-                    port.exception(
-                        asyncio.CancelledError(f"{f.__name__} was cancelled: its actor stopped")
-                    )
-                    return
-                exc = task.exception()
-                if exc is not None and explicit_response_port:
-                    # Not sent through the port: as in Monarch, the actor fails.
-                    escaped = getattr(port, "escaped", None)
-                    (escaped or port.exception)(exc)
-                elif exc is not None:
-                    port.exception(exc)
-                elif not explicit_response_port:
-                    port.send(task.result())
-
-            fut.add_done_callback(done)
 
         setattr(start, _ENDPOINT_ATTR, True)
         setattr(start, EXPLICIT_PORT_ATTR, True)
@@ -158,54 +145,84 @@ _RUNNING_ATTR = "__monarch_concurrent_running__"
 
 
 class _ConcurrentCall:
-    """One running call of a ``@concurrent_endpoint``: cancelled, and waited for, when
-    its actor stops (before ``__cleanup__``, as in Monarch)."""
+    """One call of a ``@concurrent_endpoint``: a task of its actor's event loop, answered
+    through its port when it ends; cancelled, and awaited, when its actor stops, before
+    its ``__cleanup__`` (Monarch; ``rank.actors.ActorHost.retire`` does it)."""
 
-    def __init__(self) -> None:
-        self.future: Any = None
-        self.started = False
-        self.ended = threading.Event()
+    def __init__(self, name: str, port: Any, coro: Any, explicit: bool) -> None:
+        self.name = name
+        self.port = port
+        self.coro = coro
+        self.explicit = explicit
+        #: its task, once started on the actor's loop
+        self.task: asyncio.Task[Any] | None = None
+        #: its actor stopped (the call is cancelled, or never starts)
+        self.stopped = False
+        self._running: set[_ConcurrentCall] | None = None
 
-    async def run(self, coro: Any) -> Any:
-        self.started = True
-        try:
-            return await coro
-        finally:
-            self.ended.set()
+    def track(self, actor: Any) -> None:
+        """Count the call among ``actor``'s running ones until it ends."""
+        running = getattr(actor, _RUNNING_ATTR, None)
+        if running is None:
+            running = set()
+            try:
+                object.__setattr__(actor, _RUNNING_ATTR, running)
+            except AttributeError:  # an actor with __slots__: its calls are not tracked
+                return
+        running.add(self)
+        self._running = running
+
+    def start(self) -> None:
+        """(On the actor's event loop.) The call's task starts, unless its actor stopped
+        first (then it is answered as cancelled)."""
+        if self.stopped:
+            self.coro.close()
+            self._end(None)
+            return
+        self.task = asyncio.get_running_loop().create_task(self.coro)
+        self.task.add_done_callback(self._end)
 
     def cancel(self) -> None:
-        if self.future is not None:
-            self.future.cancel()
+        """(On the actor's event loop.) Its actor stops: the call is cancelled."""
+        self.stopped = True
+        if self.task is not None:
+            self.task.cancel()
 
-    def result(self, timeout: float | None = None) -> None:
-        """Wait (at most ``timeout`` seconds) until the call's coroutine has ended."""
-        if self.started:
-            self.ended.wait(timeout)
+    def _end(self, task: asyncio.Task[Any] | None) -> None:
+        if self._running is not None:
+            self._running.discard(self)
+        port = self.port
+        if task is None or task.cancelled():
+            why = "its actor stopped" if self.stopped else "its task was cancelled"
+            port.exception(asyncio.CancelledError(f"{self.name} was cancelled: {why}"))
+            return
+        exc = task.exception()
+        if exc is not None and self.explicit:
+            # Not sent through the port: as in Monarch, the actor fails.
+            escaped = getattr(port, "escaped", None)
+            (escaped or port.exception)(exc)
+        elif exc is not None:  # to the caller, as an ordinary endpoint's exception
+            port.exception(exc)
+        elif not self.explicit:
+            port.send(task.result())
 
 
-def _running_calls(actor: Any) -> set[_ConcurrentCall]:
-    running = getattr(actor, _RUNNING_ATTR, None)
-    if running is None:
-        running = set()
-        try:
-            object.__setattr__(actor, _RUNNING_ATTR, running)
-        except AttributeError:  # an actor with __slots__: its calls are not tracked
-            pass
-    return running
-
-
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_lock = threading.Lock()
-
-
-def _concurrent_loop() -> asyncio.AbstractEventLoop:
-    """This process's event loop for concurrent endpoints, on a daemon thread."""
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="mk-concurrent", daemon=True).start()
-        return _loop
+def _on_actor_loop(start: Callable[[], None]) -> None:
+    """Run ``start`` on the event loop of the actor this thread serves: now, when this
+    thread runs that loop (a rank's actors' loop, or the own loop of an actor of the
+    controller's process), else at the loop's next turn (a rank's loop, which a worker
+    thread runs when nobody else does). Calls keep their order either way."""
+    runtime = services()
+    running = asyncio._get_running_loop()
+    if running is not None and (runtime is None or runtime.on_actor_loop()):
+        start()
+        return
+    if runtime is None:
+        raise RuntimeError(
+            "a @concurrent_endpoint runs on its actor's event loop: call it through its "
+            "actor mesh (mesh.endpoint.call()), not as a plain method outside an actor"
+        )
+    runtime.call_on_loop(start)
 
 
 def check_endpoint_kinds(cls: type) -> None:

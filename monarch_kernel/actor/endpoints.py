@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,10 @@ failed_init: dict[tuple[str, str], SupervisionError] = {}
 
 #: The payload of a call without arguments (``dumps(((), {}))``, made once).
 _NO_ARGUMENTS: bytes = dumps(((), {}))[0]
+
+#: Packs mesh tensors among a call's arguments (each rank reads its local tensor); only
+#: looked up, never imported: mesh tensors exist only once the tensor engine is loaded.
+_MESH_TENSOR_ARGS = "monarch_kernel.tensor_engine.actor_args"
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,11 @@ class EndpointRef:
                 raise SupervisionError(text, failed.failures, failed.exception, label)
         if not args and not kwargs:  # a call without arguments: always the same bytes
             return _NO_ARGUMENTS, ()
+        # the tensor engine is loaded: mesh tensors as refs (while another thread imports
+        # it, the module has no ``local_shards`` yet, and there is no mesh tensor)
+        pack = getattr(sys.modules.get(_MESH_TENSOR_ARGS), "local_shards", None)
+        if pack is not None:
+            args, kwargs = pack(self._requester, self._ranks, args, kwargs)
         try:
             return dumps((args, kwargs))
         except SerializationError:
@@ -155,10 +165,14 @@ def send(
     goes to ``port`` (a :class:`~.channels.Port`: its receiver's
     ``recv()`` gives the values, and raises an endpoint's exception); without a port
     answers are dropped and exceptions go to supervision, as under ``broadcast``."""
-    if not isinstance(endpoint, EndpointRef):
-        raise TypeError(f"send() needs an endpoint of an actor mesh, got {endpoint!r}")
     if selection not in ("all", "choose"):
         raise ValueError(f"selection must be 'all' or 'choose', got {selection!r}")
+    if not isinstance(endpoint, EndpointRef):
+        remote_send = getattr(endpoint, "_send", None)  # a tensor-engine remote function
+        if remote_send is None:
+            raise TypeError(f"send() needs an endpoint of an actor mesh, got {endpoint!r}")
+        remote_send(tuple(args), dict(kwargs or {}), port, selection)
+        return
     args = tuple(args)
     kwargs = dict(kwargs or {})
     if port is None:

@@ -25,6 +25,8 @@ from monarch_kernel.actor.channels import report_unhandled, tell_owner
 from monarch_kernel.actor.client_proc import ClientProc
 from monarch_kernel.actor.mesh_view import size_of
 from monarch_kernel.actor.meshes import STOP_GRACE, ActorMesh, ProcMesh
+from monarch_kernel.actor.orphans import describe as describe_orphans
+from monarch_kernel.actor.orphans import orphans_of, stop_orphans
 from monarch_kernel.actor.peer import resolve as peer_resolve
 from monarch_kernel.actor.resize import resized
 from monarch_kernel.calls.future import Future
@@ -336,7 +338,8 @@ def watch_faults(runtime: MeshRuntime) -> None:
     """Hand a controller mesh's unanswered failures and deaths to the fault hook
     (``monarch_kernel.actor.unhandled_fault_hook``); deaths of actors that an actor of
     another rank owns go to their owner instead, and a death that failed a ``%%remote``
-    cell is said by that cell's error (not a failure nobody handled)."""
+    cell is said by that cell's error (not a failure nobody handled). A dead rank's
+    actors' owned actor meshes are stopped, and its report says so (``orphans``)."""
     name = runtime.name
 
     def on_event(event: MeshEvent) -> None:
@@ -349,6 +352,10 @@ def watch_faults(runtime: MeshRuntime) -> None:
                 return  # its training state is recovered from peers: handled
             d = event.death
             message = f"{d.process_phrase} (rank {d.rank} on host {d.host})"
+            orphaned = orphans_of(runtime, event.rank)  # its actors' meshes stop with it
+            if orphaned:
+                message += "; " + describe_orphans(orphaned)
+                stop_orphans(orphaned)
             report: FailureReport = {"type": PROCESS_ENDED, "message": message}
             info = runtime.ranks[event.rank]
             owned, info.owners = info.owners, {}

@@ -134,6 +134,26 @@ class ProcMesh(MeshView):
         """The same ranks as one dimension called ``name``."""
         return ProcMesh(self._requester, self._flat_shape(name))
 
+    def rename(self, **names: str) -> ProcMesh:
+        """The same ranks with dims renamed: ``procs.rename(host="dp", gpu="tp")``."""
+        from monarch_kernel.shape import rename_dims
+
+        return ProcMesh(self._requester, rename_dims(self._shape, names))
+
+    def split(self, **how: Any) -> ProcMesh:
+        """The same ranks with dims split into several, row-major:
+        ``procs.split(host=("dp", "pp"), gpu=("tp",), pp=2)`` (one size per split may
+        be left out and is inferred)."""
+        from monarch_kernel.shape import split_dims
+
+        return ProcMesh(self._requester, split_dims(self._shape, how))
+
+    def to_table(self) -> str:
+        """The process grid as text: each coordinate's global rank."""
+        from monarch_kernel.shape import grid_table
+
+        return grid_table(self._shape)
+
     # -- the tensor engine (monarch_kernel.tensor_engine) ------------------------------
     def activate(self) -> Any:
         """Make this mesh the active device mesh now: until the ``with`` block ends (or
@@ -166,18 +186,23 @@ class ProcMesh(MeshView):
         aggregate_window_sec: int | None = 3,
         level: int = logging.INFO,
     ) -> Future[None]:
-        """Monarch's switch for forwarding rank output to the client. Here rank output
-        always streams to the cell that caused it, batched and never aggregated across
-        ranks, so the options are checked and have no effect.
+        """Monarch's logging options of the mesh's processes. ``level`` (Monarch's) is the
+        Python root logger's level on every rank of this mesh (``logging.INFO`` lets an
+        actor's ``logging.info(...)`` through; it shows under the cell that caused it,
+        with the ``[actor=...]`` prefix). Rank output always streams to the cell that
+        caused it, batched and never aggregated across ranks, so the other options are
+        checked and have no effect.
 
-        Monarch's is a coroutine: the completed future returned here can be awaited,
-        given to ``asyncio.run`` or read with ``.get()``."""
+        Monarch's is a coroutine: the future returned here, completed once every rank
+        has the level, can be awaited, given to ``asyncio.run`` or read with ``.get()``."""
+        from monarch_kernel.actor.log_level import check_level, set_root_level
+
         if not isinstance(stream_to_client, bool):
             raise TypeError("stream_to_client must be a bool")
-        if level < 0 or level > 255:
-            raise ValueError(f"Invalid logging level: {level}")
+        check_level(level)
         if aggregate_window_sec is not None and not stream_to_client:
             raise ValueError("aggregate_window_sec is only valid when stream_to_client is True")
+        set_root_level(self, level)
         done: Future[None] = Future()
         done.set_result(None)
         return done

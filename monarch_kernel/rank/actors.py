@@ -88,28 +88,64 @@ def _nothing(name: str) -> None:
     """Until the inbox is wired in (``Rank``): nothing to count."""
 
 
-#: Set by ``@concurrent_endpoint`` on an actor: its calls that run now (futures of the
-#: concurrent event loop), cancelled when the actor stops (``ActorHost.retire``).
+#: Set by ``@concurrent_endpoint`` on an actor: its calls that run now (tasks of the
+#: actors' event loop, :class:`ConcurrentCall`), cancelled when the actor stops
+#: (``ActorHost.retire``).
 CONCURRENT_RUNNING_ATTR = "__monarch_concurrent_running__"
 #: How long a stopping actor waits for its cancelled concurrent calls to end.
 CONCURRENT_CANCEL_WAIT = 5.0
+#: Seconds a rank that stops (its process mesh's ``stop()``) gives its actors' ends
+#: (``__cleanup__``) in all: under the stop's grace (``ProcMesh.stop(grace=3.0)``), so
+#: that ``__del__``, ``atexit`` handlers and the process group's teardown still run.
+EXIT_CLEANUP_WAIT = 2.0
 
 
-def _cancel_concurrent(actor: object) -> None:
-    """Cancel the actor's running ``@concurrent_endpoint`` calls and wait (a while) for
-    them to end, before its ``__cleanup__`` (Monarch)."""
-    running = getattr(actor, CONCURRENT_RUNNING_ATTR, None)
-    if not running:
-        return
-    futures = list(running)
-    for fut in futures:
-        fut.cancel()
-    deadline = time.monotonic() + CONCURRENT_CANCEL_WAIT
-    for fut in futures:
-        try:
-            fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except BaseException:  # cancelled (as asked), failed, or still running: on
-            continue
+class ConcurrentCall(Protocol):
+    """A running call of a ``@concurrent_endpoint`` (``actor.actor._ConcurrentCall``)."""
+
+    task: asyncio.Task[Any] | None
+
+    def cancel(self) -> None:
+        """(On the actors' event loop.) Cancel it: its actor stops."""
+        ...
+
+
+def _concurrent_calls(actor: object) -> set[ConcurrentCall]:
+    """The actor's running ``@concurrent_endpoint`` calls (empty if none)."""
+    running: set[ConcurrentCall] | None = getattr(actor, CONCURRENT_RUNNING_ATTR, None)
+    return running if running is not None else set()
+
+
+async def _cancel_concurrent(running: set[ConcurrentCall]) -> None:
+    """Cancel an actor's running ``@concurrent_endpoint`` calls and await them (a
+    while), before its ``__cleanup__`` (Monarch). On the actors' event loop, where the
+    calls run: a call whose start is still queued there starts, and is cancelled, before
+    this runs (the loop keeps the order)."""
+    while running:
+        calls = list(running)
+        for call in calls:
+            call.cancel()
+        tasks = [c.task for c in calls if c.task is not None and not c.task.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=CONCURRENT_CANCEL_WAIT)
+        for call in calls:
+            running.discard(call)  # (ended, or given up on after the wait)
+
+
+def _after_concurrent(
+    running: set[ConcurrentCall], cleanup: Callable[..., Any] | None
+) -> Callable[[Exception | None], Any]:
+    """An actor's end when it has running concurrent calls: they are cancelled and
+    awaited, then its ``__cleanup__`` (sync or async) runs, all on the event loop."""
+
+    async def end(error: Exception | None) -> None:
+        await _cancel_concurrent(running)
+        if cleanup is not None:
+            result = cleanup(error)
+            if inspect.isawaitable(result):
+                await result
+
+    return end
 
 
 class ActorHost:
@@ -340,6 +376,35 @@ class ActorHost:
         header = H.PeerActor(rank=self.rank, actor=name, spawned=spawn is not None, owner=owner)
         self.outbox.send(header.encode(), bytes(payload), buffers)
 
+    def stop_all(self, timeout: float = EXIT_CLEANUP_WAIT) -> list[tuple[str, object]]:
+        """The rank stops (its process mesh's ``stop()``): every actor ends the Monarch
+        way, newest first (:meth:`retire`: the meshes it owns stop, its concurrent calls
+        are cancelled, its ``__cleanup__(None)`` runs, an ``async def`` one on the
+        actors' event loop), each after the message it runs now, all within
+        ``timeout`` seconds (the stop's grace kills what runs longer). Returns the
+        actors, newest first, for the caller to drop (their ``__del__`` runs then)."""
+        from monarch_kernel.rank.supervise import stop_owned
+
+        deadline = time.monotonic() + timeout
+        ended: list[tuple[str, object]] = []
+        while self.actors:
+            name, actor = self.actors.popitem()
+            ended.append((name, actor))
+            self.gone[name] = ActorGoneError(
+                f"actor {name!r} was stopped (its process mesh was stopped)", stopped=True
+            )
+            while name in self.busy and time.monotonic() < deadline:  # its message first
+                time.sleep(0.01)
+            left = max(0.0, deadline - time.monotonic())
+            stop_owned(name, left)  # within the time left (retire would give it 10 s)
+            done = threading.Event()
+            try:
+                if self.retire(name, actor, None, done.set):
+                    done.wait(max(0.0, deadline - time.monotonic()))
+            except BaseException:  # (SystemExit in __cleanup__): the others still end
+                continue
+        return ended
+
     def stop(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
         """STOP_ACTOR: stop actor ``a`` the Monarch way (:meth:`retire`: what it owns
         first, then its ``__cleanup__``); no error if it is not there."""
@@ -396,9 +461,13 @@ class ActorHost:
         from monarch_kernel.rank.supervise import stop_owned
 
         stop_owned(name)
-        _cancel_concurrent(actor)
         cleanup = getattr(actor, "__cleanup__", None)
-        if cleanup is None or not callable(cleanup):
+        if cleanup is not None and not callable(cleanup):
+            cleanup = None
+        running = _concurrent_calls(actor)
+        if running:  # cancelled and awaited on the event loop, then __cleanup__ there
+            cleanup = _after_concurrent(running, cleanup)
+        if cleanup is None:
             then()
             return False
         error: Exception | None = None
@@ -406,9 +475,10 @@ class ActorHost:
             error = exc if isinstance(exc, Exception) else Exception(f"{type(exc).__name__}: {exc}")
         if inspect.iscoroutinefunction(cleanup) and not self.user.on_actor_loop():
             # an async __cleanup__ runs on the actors' event loop, wherever that runs
+            hook = cleanup
 
             def on_loop() -> None:
-                if not self._cleanup(name, actor, cleanup, error, later or then):
+                if not self._cleanup(name, actor, hook, error, later or then):
                     (later or then)()
 
             self.user.call_on_loop(on_loop)

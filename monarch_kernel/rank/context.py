@@ -10,7 +10,7 @@ import contextvars
 import sys
 import threading
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from monarch_kernel.shape import Point, Shape
@@ -96,6 +96,15 @@ class RankServices(Protocol):
 
     def release(self, name: str) -> None:
         """Count a message of actor ``name`` (claimed with :meth:`claim`) out."""
+        ...
+
+    def on_actor_loop(self) -> bool:
+        """Whether this thread runs the actors' event loop now."""
+        ...
+
+    def call_on_loop(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the actors' event loop, at its next turn (any thread; a worker
+        runs the loop when nobody does)."""
         ...
 
 

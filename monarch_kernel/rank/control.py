@@ -165,6 +165,11 @@ class ControlThread:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             stats["gpu_mem"] = torch.cuda.memory_allocated()
+        from monarch_kernel.rank.tensors import ops_done  # (loaded at the rank's start)
+
+        done = ops_done()
+        if done is not None:  # the tensor engine's ops run here (the dashboard's count)
+            stats["te_ops"] = done
         header, payload = H.RankNotice(kind=K.STATS, rank=self.rank).encode(), pickle.dumps(stats)
         pg = stats.get("pg")
         try:

@@ -133,17 +133,32 @@ def _exit_code(code: object) -> int:
     return 1
 
 
-def _finalize_actors() -> None:
-    """Drop this rank's actors, newest first, so that their ``__del__`` runs (as when
+def _end_actors() -> list[tuple[str, object]]:
+    """End this rank's actors as Monarch does when it stops a process mesh, while the
+    process (and its process group) is still whole: each one's ``__cleanup__(None)``
+    (``ActorHost.stop_all``). Returns them, newest first, for :func:`_drop_actors`."""
+    runtime = context._runtime
+    host = getattr(runtime, "actor_host", None)
+    try:
+        ended: list[tuple[str, object]] = host.stop_all() if host is not None else []
+    except BaseException:  # nothing may keep the rank from exiting
+        ended = []
+    actors = getattr(runtime, "actors", None)
+    if isinstance(actors, dict):  # any left (spawned meanwhile), newest first
+        ended.extend(reversed(list(actors.items())))
+        actors.clear()
+    return ended
+
+
+def _drop_actors(ended: list[tuple[str, object]]) -> None:
+    """Drop the ended actors, newest first, so that their ``__del__`` runs (as when
     Monarch stops a process mesh); ``os._exit`` would skip it."""
     import gc
 
-    runtime = context._runtime
-    actors = getattr(runtime, "actors", None)
-    if not isinstance(actors, dict):
+    if not ended:
         return
-    while actors:
-        _name, actor = actors.popitem()
+    while ended:
+        _name, actor = ended.pop(0)
         try:
             del actor
         except BaseException:  # a failing __del__ is printed by Python, not raised
@@ -152,10 +167,12 @@ def _finalize_actors() -> None:
 
 
 def _clean_up() -> None:
-    """What a Python process does on its way out, which ``os._exit`` skips: tear down
-    the process group (bounded), run ``atexit`` handlers, flush the streams."""
+    """What a Python process does on its way out, which ``os._exit`` skips: end the
+    actors (``__cleanup__``), tear down the process group (bounded), drop the actors
+    (``__del__``), run ``atexit`` handlers, flush the streams."""
     from monarch_kernel.rank.pg import distributed
 
+    ended = _end_actors()
     done = threading.Event()
 
     def destroy() -> None:
@@ -169,7 +186,7 @@ def _clean_up() -> None:
     if distributed.is_initialized():
         threading.Thread(target=destroy, name="mk-destroy-pg", daemon=True).start()
         done.wait(DESTROY_TIMEOUT)
-    _finalize_actors()
+    _drop_actors(ended)
     _keep_zmq_buffers()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

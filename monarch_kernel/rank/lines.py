@@ -443,6 +443,17 @@ class Lines:
         loop.call_soon_threadsafe(fn)
         self._ensure_loop_runs()
 
+    def keep_loop_running(self) -> None:
+        """The main thread is held by an actor's message (the relief thread took the
+        inbox over): the event loop's pending tasks (an actor's ``@concurrent_endpoint``
+        calls, tasks its async endpoints started) go on, on a worker, instead of waiting
+        for it. Not while it runs a cell: a cell runs alone (:meth:`quiesce`)."""
+        loop = self.loop
+        if loop is None or self.exclusive or self.loop_owner is not None:
+            return
+        if _work_left(loop):
+            self._ensure_loop_runs()
+
     def _start_on_loop(self, name: str, msg: Message, hdr: H.Ordered) -> None:
         try:
             self.run_saved(msg, hdr)

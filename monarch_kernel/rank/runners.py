@@ -271,6 +271,7 @@ class Relief(threading.Thread):
             if not inbox.take_over(serial):
                 continue
             last = -1
+            inbox.keep_loop_running()  # its tasks go on while the main thread is held
             try:
                 self.serve()
             except Exception:  # never leave the inbox unread

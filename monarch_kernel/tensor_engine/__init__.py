@@ -16,17 +16,20 @@ storage allows), ``tensor`` (the ``Tensor`` wrapper subclass, the dispatch), ``m
 (``grad_generator``, ``grad_function``), ``random`` (Monarch's ``monarch.random``).
 
 Face: ``Tensor``, ``DeviceMesh``, ``no_mesh``, ``get_active_mesh``, ``fetch_shard``,
-``inspect``, ``reduce``, ``reduce_``, ``remote``, ``call_on_shard_and_fetch``,
+``inspect``, ``show``, ``reduce``, ``reduce_``, ``remote``, ``call_on_shard_and_fetch``,
 ``slice_mesh``, ``to_mesh``, ``Stream``, ``get_active_stream``, ``grad_generator``,
 ``grad_function``, ``RemoteException``.
 """
 
+# loaded with the engine: the actor layer looks it up to pack mesh-tensor arguments
+import monarch_kernel.tensor_engine.actor_args  # noqa: F401
 from monarch_kernel.tensor_engine.borrows import Borrow
 from monarch_kernel.tensor_engine.errors import RemoteException
-from monarch_kernel.tensor_engine.fetch import fetch_shard, inspect
+from monarch_kernel.tensor_engine.fetch import fetch_shard, inspect, show
 from monarch_kernel.tensor_engine.gradients import grad_function, grad_generator
 from monarch_kernel.tensor_engine.mesh import DeviceMesh, device_mesh, get_active_mesh, no_mesh
 from monarch_kernel.tensor_engine.moves import slice_mesh, to_mesh
+from monarch_kernel.tensor_engine.process_groups import RemoteProcessGroup
 from monarch_kernel.tensor_engine.reductions import reduce, reduce_
 from monarch_kernel.tensor_engine.remote_functions import Remote, call_on_shard_and_fetch, remote
 from monarch_kernel.tensor_engine.streams import Stream, get_active_stream
@@ -45,11 +48,13 @@ __all__ = [
     "fetch_shard",
     "get_active_mesh",
     "inspect",
+    "show",
     "no_mesh",
     "reduce",
     "reduce_",
     "remote",
     "Remote",
+    "RemoteProcessGroup",
     "slice_mesh",
     "to_mesh",
     "call_on_shard_and_fetch",

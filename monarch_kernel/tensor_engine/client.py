@@ -73,6 +73,9 @@ REPORT_WAIT = 30.0
 #: Seqs of errors already raised or shown that are remembered (oldest forgotten first).
 MAX_SHOWN = 10_000
 
+#: Records that are not ops (not counted as issued, nor as run by the ranks).
+_NOT_OPS = (Drop, Resume)
+
 _FETCH_OPTIONS = CallOptions(what="fetch_shard", waited=True)
 _REPORT_OPTIONS = CallOptions(what="tensor-engine errors at cell end")
 
@@ -134,6 +137,9 @@ class Client:
         self._frames: dict[int, tuple[Frame, ...]] = {}
         self.ops_issued = 0
         self.messages_sent = 0
+        #: ops sent to each rank (the dashboard's count; :meth:`issued_to` adds those
+        #: still buffered)
+        self.sent_to: collections.Counter[int] = collections.Counter()
         #: ranks sent ops (not only drops) since the last report
         self._unreported_ranks: set[int] = set()
         #: ranks sent ops since the last :meth:`interrupt` check (a notebook cell's end)
@@ -233,9 +239,20 @@ class Client:
         header = TensorOps(count=len(records)).encode()
         self.requester.send(list(ranks), header, payload, ())
         self.messages_sent += 1
+        ops = sum(1 for r in records if type(r) not in _NOT_OPS)
+        if ops:
+            sent = self.sent_to
+            for rank in ranks:
+                sent[rank] += ops
         if len(records) > 1 or type(records[0]) is not Drop:
             self._unreported_ranks.update(ranks)
             self._cell_ranks.update(ranks)
+
+    def issued_to(self, rank: int) -> int:
+        """How many ops were issued to global rank ``rank``: sent, or buffered here
+        (what the ranks count as run, ``TensorWorker.ops_done``, counts the same)."""
+        buffered = len(self._pending) if rank in self._pending_ranks else 0
+        return self.sent_to.get(rank, 0) + buffered
 
     # -- the stop button ---------------------------------------------------------------
     def cell_ended(self, interrupted: bool) -> None:
@@ -444,6 +461,13 @@ def client_for(requester: Requester) -> Client:
         if client is None or client.requester is not requester:
             client = _clients[id(requester)] = Client(requester)
         return client
+
+
+def existing_client(requester: object) -> Client | None:
+    """The :class:`Client` of ``requester``'s process mesh if the tensor engine was
+    used on it (made none: the dashboard asks for every mesh)."""
+    client = _clients.get(id(requester))
+    return client if client is not None and client.requester is requester else None
 
 
 def cells_ended(interrupted: bool) -> None:

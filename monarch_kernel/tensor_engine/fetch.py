@@ -66,3 +66,31 @@ def _complete(fut: Future[Any]) -> None:
 def inspect(tree: Any, shard: dict[str, int] | None = None, **coords: int) -> Any:
     """``fetch_shard(tree, shard, **coords).result()``: the values, now."""
     return fetch_shard(tree, shard, **coords).result()
+
+
+def show(tree: Any, shard: dict[str, int] | None = None, **coords: int) -> Any:
+    """Monarch's ``show``: :func:`inspect` the value at ``coords`` and show it here, as
+    an image through ``torchshow`` when it is installed (Monarch needs it), else as text
+    (IPython's display in a notebook, ``print`` in a script). Runs under ``no_mesh``,
+    so it works inside an active region."""
+    from monarch_kernel.tensor_engine.mesh import no_mesh
+
+    value = inspect(tree, shard, **coords)
+    with no_mesh.activate():
+        try:
+            import torchshow  # type: ignore[import-not-found]
+        except ImportError:
+            torchshow = None
+        if torchshow is not None:
+            return torchshow.show(value)
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            get_ipython = None
+        if get_ipython is not None and get_ipython() is not None:
+            from IPython.display import display
+
+            display(value)
+        else:
+            print(value)
+    return None

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from monarch_kernel.calls.requester import Requester
-from monarch_kernel.shape import Shape
+from monarch_kernel.shape import Shape, grid_table, rename_dims, split_dims
 from monarch_kernel.tensor_engine import state
 from monarch_kernel.tensor_engine.client import Client, cells_ended, client_for, report_all
 from monarch_kernel.tensor_engine.tensor import ActiveMesh, Tensor, new_tensor, on_fakes
@@ -159,57 +159,31 @@ class DeviceMesh:
 
     def rename(self, **names: str) -> DeviceMesh:
         """The same ranks with dims renamed: ``mesh.rename(host="dp", gpu="tp")``."""
-        sh = self.shape
-        for old in names:
-            if old not in sh.labels:
-                raise KeyError(f"{old!r} is not a dim of {self!r} (dims {list(sh.labels)})")
-        labels = tuple(names.get(d, d) for d in sh.labels)
-        return device_mesh(self.requester, Shape(labels, sh.sizes, sh.strides, sh.offset))
+        return device_mesh(self.requester, rename_dims(self.shape, names))
 
     def split(self, **how: Any) -> DeviceMesh:
         """The same ranks with dims split into several: ``split(host=("dp", "pp"),
         pp=2)`` makes ``host`` the dims ``dp`` and ``pp`` (row-major, ``pp`` the inner,
         of size 2; one size per split may be left out and is inferred)."""
-        sh = self.shape
-        sizes_given = {k: v for k, v in how.items() if not isinstance(v, (tuple, list))}
-        splits = {k: tuple(v) for k, v in how.items() if isinstance(v, (tuple, list))}
-        labels: list[str] = []
-        sizes: list[int] = []
-        strides: list[int] = []
-        for label, size, stride in zip(sh.labels, sh.sizes, sh.strides):
-            parts = splits.pop(label, None)
-            if parts is None:
-                labels.append(label)
-                sizes.append(size)
-                strides.append(stride)
-                continue
-            known = [sizes_given.pop(p, None) for p in parts]
-            unknown = [i for i, k in enumerate(known) if k is None]
-            product = 1
-            for k in known:
-                product *= k or 1
-            if len(unknown) > 1 or size % product:
-                raise ValueError(
-                    f"cannot split {label!r} of size {size} into {parts} with sizes "
-                    f"{ {p: k for p, k in zip(parts, known) if k is not None} }"
-                )
-            if unknown:
-                known[unknown[0]] = size // product
-            elif product != size:
-                raise ValueError(f"split of {label!r}: sizes {known} do not make {size}")
-            inner = stride
-            part_strides = []
-            for k in reversed(known):
-                part_strides.append(inner)
-                inner *= int(k or 1)
-            labels.extend(parts)
-            sizes.extend(int(k or 1) for k in known)
-            strides.extend(reversed(part_strides))
-        if splits or sizes_given:
-            raise KeyError(f"split: {sorted({*splits, *sizes_given})} are not dims of {self!r}")
-        return device_mesh(
-            self.requester, Shape(tuple(labels), tuple(sizes), tuple(strides), sh.offset)
-        )
+        return device_mesh(self.requester, split_dims(self.shape, how))
+
+    def process_group(self, dims: str | Sequence[str]) -> Any:
+        """A process group over ``dims`` for remote functions that call
+        ``torch.distributed`` (Monarch's ``RemoteProcessGroup``): passed to one, each
+        rank gets the group of its peers along ``dims``."""
+        from monarch_kernel.tensor_engine.process_groups import process_group
+
+        return process_group(self, dims if isinstance(dims, str) else tuple(dims))
+
+    # -- the process grid ------------------------------------------------------------
+    def to_tensor(self) -> torch.Tensor:
+        """The mesh's global ranks as a local ``int`` tensor of the mesh's sizes."""
+        with Activation(None):
+            return torch.tensor(self.rank_tuple, dtype=torch.int).reshape(self.shape.sizes)
+
+    def to_table(self) -> str:
+        """The process grid as text: each coordinate's global rank (no values)."""
+        return grid_table(self.shape)
 
     # -- rank tensors ----------------------------------------------------------------
     def rank(self, dims: str | Sequence[str]) -> Tensor:

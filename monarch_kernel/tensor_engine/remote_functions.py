@@ -14,6 +14,7 @@ from monarch_kernel.calls.value_mesh import ValueMesh
 from monarch_kernel.tensor_engine import state
 from monarch_kernel.tensor_engine.errors import bad_arguments
 from monarch_kernel.tensor_engine.fetch import shard_rank
+from monarch_kernel.tensor_engine.process_groups import RemoteProcessGroup
 from monarch_kernel.tensor_engine.tensor import (
     Tensor,
     check_access,
@@ -87,6 +88,12 @@ class Remote:
                 for x in flat
             ),
         )
+        if any(isinstance(x, RemoteProcessGroup) for x in flat):
+            raise ValueError(
+                f"remote({self.__name__!r}) takes a process group: give it a propagate "
+                "function (e.g. propagate=lambda t, pg: t) or propagate='inspect'; cached "
+                "propagation runs it on one rank, where its collectives would wait forever"
+            )
         global _hit
         pattern = self._patterns.get(key, _NOT_CACHED)
         if pattern is not _NOT_CACHED:
@@ -202,6 +209,50 @@ class Remote:
         client.issue(
             mesh.rank_tuple, CallOp(client.new_seq(), self._function(), tuple(wargs), wkwargs, ())
         )
+
+    def _send(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        port: Any = None,
+        selection: str = "all",
+    ) -> None:
+        """Monarch's ``send(remote_fn, args, kwargs, port=None, selection="all")``: run
+        without waiting, on every rank of the mesh (``"all"``) or on its first
+        (``"choose"``). Without ``port`` nothing comes back (as :meth:`broadcast`); with
+        a :class:`~monarch_kernel.actor.channels.Port`, each rank's return value is sent
+        to it (``port.exception`` with the error when the function failed or read a
+        failed tensor), once every rank ran it."""
+        if selection not in ("all", "choose"):
+            raise ValueError(f"selection must be 'all' or 'choose', got {selection!r}")
+        args, kwargs = tuple(args), dict(kwargs or {})
+        if port is None:
+            if selection == "all":
+                self.broadcast(*args, **kwargs)
+            else:
+                self.call_on_shard_and_fetch(*args, **kwargs)
+            return
+        if not callable(getattr(port, "send", None)) or not callable(
+            getattr(port, "exception", None)
+        ):
+            raise TypeError(f"port must be a Port (from Channel.open()), got {port!r}")
+        if selection == "choose":
+            futures = [self.call_on_shard_and_fetch(*args, **kwargs)]
+        else:
+            futures = list(self.stream(*args, **kwargs))
+
+        def forward(fut: Future[Any]) -> None:
+            try:
+                value = fut.get()
+            except Exception as exc:
+                port.exception(exc)
+            else:
+                port.send(value)
+
+        for fut in futures:
+            fut.add_done_callback(forward)
+
+    send = _send
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = tree_flatten((args, kwargs))

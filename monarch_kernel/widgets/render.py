@@ -66,12 +66,10 @@ def tile_text(v: TileView, compact: bool) -> str:
         lines.append(f"{v.device} {v.gpu}" if v.device else f"GPU {v.gpu}")
     else:
         lines.append(" · ".join(x for x in (v.device, v.mem) if x) or " ")
-    lines.append(
-        " · ".join(
-            x for x in (f"step {v.step}" if v.step else "", f"seen {v.seen}" if v.seen else "") if x
-        )
-        or " "
-    )
+    # the tensor engine's ops issued to the rank (and those it has yet to run) take the
+    # place of "seen" (the tooltip keeps it): the tile has room for one line of facts
+    last = v.ops or (f"seen {v.seen}" if v.seen else "")
+    lines.append(" · ".join(x for x in (f"step {v.step}" if v.step else "", last) if x) or " ")
     if v.state in UP_STATES and (v.rate_in is not None or v.rate_out is not None):
         lines.append(f"in {rate_text(v.rate_in)} · out {rate_text(v.rate_out)}")
     return "\n".join(clip(line) for line in lines)
@@ -91,6 +89,8 @@ def tile_tooltip(v: TileView) -> str:
         parts.append(f"step: {v.step}")
     if v.seen:
         parts.append(f"last heard from: {v.seen} ago")
+    if v.ops:
+        parts.append(f"tensor engine: {v.ops} (by its last report)")
     parts.append(
         f"controller in (from rank): {rate_text(v.rate_in)}; out (to rank): {rate_text(v.rate_out)}"
     )
@@ -119,6 +119,8 @@ def cell_detail(st: MeshState, v: TileView) -> str:
         lines.append(facts)
     if v.gpu_tip:
         lines.append(clip(v.gpu_tip, DETAIL_CHARS))
+    if v.ops:
+        lines.append(f"tensor engine: {v.ops}")
     if v.restarts:
         lines.append(f"restarts: {v.restarts}")
     last = [line for line in st.output_lines(v.rank, 3) if line.strip()]

@@ -18,6 +18,7 @@ Pure Python (no ipywidgets): unit-testable and reusable by other frontends.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -67,6 +68,8 @@ __all__ = [
 ]
 
 OUTPUT_LINES = 20
+#: The tensor engine's client module: looked up, never imported (it loads torch).
+_TENSOR_CLIENT = "monarch_kernel.tensor_engine.client"
 #: Recoveries (restarts in place) remembered for the incident area.
 MAX_RECOVERIES = 10
 
@@ -120,6 +123,9 @@ class MeshState:
         self.local_memory = LocalMemory()  # psutil's view of local ranks without stats
         #: The ranks' GPU utilisation and memory over time (host agents' NVML samples).
         self.gpu = gpu_view.GpuHistory()
+        #: rank -> (its restarts, the ops issued to it then): the count it reports
+        #: starts again at each restart
+        self._ops_base: dict[int, tuple[int, int]] = {}
         self.attached = False
 
     # -- the controller side ---------------------------------------------------------
@@ -327,6 +333,7 @@ class MeshState:
         rate = self.throughput.rates.get(rank)
         coords = ", ".join(f"{k}={v}" for k, v in zip(rt.shape.labels, info.coords))
         stats = self.rank_stats(rank) if info.alive else {}  # never stale GPU of the dead
+        issued, pending = self._tensor_ops(info, stats)
         return TileView(
             rank=rank,
             state=shown,
@@ -343,7 +350,29 @@ class MeshState:
             restarts=info.restarts,
             gpu=gpu_view.tile_line(stats),
             gpu_tip=gpu_view.tooltip_line(stats),
+            ops_issued=issued,
+            ops_pending=pending,
         )
+
+    def _tensor_ops(self, info: RankInfo, stats: RankStats) -> tuple[int | None, int | None]:
+        """Tensor-engine ops issued to the rank (by this notebook's client of the mesh),
+        and how many it has not run yet by its last report; ``(None, None)`` when the
+        tensor engine was never used on the mesh. A restarted rank counts from its
+        restart (the ops issued before were lost with it)."""
+        # loaded only once the engine is used; while another thread imports it, it has
+        # no ``existing_client`` yet (and no client exists)
+        existing = getattr(sys.modules.get(_TENSOR_CLIENT), "existing_client", None)
+        client = existing(self.rt) if existing is not None else None
+        if client is None:
+            return None, None
+        rank = info.rank
+        issued = client.issued_to(rank)
+        restarts, base = self._ops_base.get(rank, (0, 0))
+        if info.restarts != restarts:  # the ops before the restart were lost with it
+            restarts, base = info.restarts, issued
+            self._ops_base[rank] = (restarts, base)
+        done = stats.get("te_ops", 0)
+        return issued, max(0, issued - base - done) if info.alive else None
 
     def _tile_state_what(self, info: RankInfo) -> tuple[str, str]:
         """The tile's state and its line saying what the rank does (or did last)."""

@@ -29,6 +29,19 @@ class TileView:
     #: its GPU (host agents' NVML samples): ``87% 1.2/80G 312W``; "" without GPU fields
     gpu: str = ""
     gpu_tip: str = ""  #: the same in words, with PCIe/NVLink where known (the tooltip)
+    #: tensor-engine ops issued to the rank from this notebook, and those of them it has
+    #: not run yet (by its last once-a-second report); None where the tensor engine was
+    #: never used on the mesh
+    ops_issued: int | None = None
+    ops_pending: int | None = None
+
+    @property
+    def ops(self) -> str:
+        """``ops 300 · 12 pending`` (empty where the tensor engine was never used)."""
+        if self.ops_issued is None:
+            return ""
+        pending = f" · {self.ops_pending} pending" if self.ops_pending else ""
+        return f"ops {self.ops_issued}{pending}"
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ class RankStats(GpuStats, total=False):
     bytes_out: int  #: data-plane bytes sent
     time: float  #: ``time.time()`` on the rank
     pg: str  #: backend of the last torch process group initialised on the rank, if any
+    te_ops: int  #: tensor-engine ops the rank ran (once it was sent any)
 
 
 class AskRequest(TypedDict):

@@ -28,6 +28,16 @@ class Ref:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupRef:
+    """A process group inside an op's arguments (``DeviceMesh.process_group(dims)``):
+    each rank reads the ``torch.distributed`` group of the ranks of ``shape`` that
+    differ from it only along ``dims`` (made by those members the first time)."""
+
+    shape: Shape
+    dims: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class RemoteFunction:
     """A function that is not a torch op: by import path (``"pkg.mod.fn"``), or by
     value (cloudpickled, for functions defined in a notebook or ``__main__``)."""
@@ -212,3 +222,32 @@ class ReportReply:
 
 #: Root errors a rank keeps for its next :class:`Report` (the oldest are kept).
 MAX_UNREPORTED = 64
+
+
+# -- mesh tensors as arguments of actor endpoints ------------------------------------------
+
+#: How a rank reads its local tensor of a ref: installed by the rank's tensor worker
+#: (:mod:`monarch_kernel.rank.tensors`) when it starts; the wire layer imports no rank.
+shard_lookup: list[Any] = []
+
+
+@dataclass(frozen=True, slots=True)
+class LocalShard:
+    """A mesh tensor passed to an actor endpoint on its own process mesh: unpickled on
+    each rank as that rank's local tensor of ref ``id`` (Monarch's rule). The call is
+    sent after every op issued before it, so the tensor is the one those ops left."""
+
+    id: int
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return _local_shard, (self.id,)
+
+
+def _local_shard(ref: int) -> Any:
+    """The local tensor of ``ref`` on this rank (the endpoint call's argument)."""
+    if not shard_lookup:
+        raise LookupError(
+            f"mesh tensor ref {ref} was passed to an endpoint, but this rank holds no "
+            "mesh tensors (was it restarted after the tensor was made?)"
+        )
+    return shard_lookup[0](ref)

@@ -83,6 +83,15 @@ def _group(shape: Shape, dims: tuple[str, ...], rank: int) -> tuple[Any, tuple[i
     return group, mine
 
 
+def group_for(shape: Shape, dims: tuple[str, ...]) -> Any:
+    """The ``torch.distributed`` group of this rank and the ranks of ``shape`` that
+    differ from it only along ``dims`` (a remote function's ``process_group`` argument):
+    made by its members the first time; the default group when it is every rank."""
+    join_world()
+    group, _ = _group(shape, dims, dist.get_rank())
+    return dist.group.WORLD if group is None else group
+
+
 def reduce(op: Reduce, src: Any) -> Any:
     """The result of ``op`` on this rank; ``src`` is the local input or the
     :class:`RankError` it holds (it joins with zeros)."""

@@ -42,6 +42,7 @@ from monarch_kernel.wire.tensor_ops import (
     Drop,
     Fetch,
     FetchReply,
+    GroupRef,
     JoinWorld,
     RankCoord,
     RankError,
@@ -53,6 +54,7 @@ from monarch_kernel.wire.tensor_ops import (
     Resume,
     SendTensor,
     TensorPattern,
+    shard_lookup,
 )
 
 #: This rank's worker, once the first ``tensor_ops`` message made it.
@@ -62,6 +64,15 @@ _current: list[TensorWorker] = []
 def current() -> TensorWorker | None:
     """This rank's :class:`TensorWorker` (None before the first ``tensor_ops``)."""
     return _current[0] if _current else None
+
+
+#: Records that are not ops (the controller does not count them as issued).
+_NOT_OPS = frozenset({Drop, Fetch, Report, Resume})
+
+
+class MeshTensorError(RuntimeError):
+    """A mesh tensor passed to an actor endpoint holds an error on this rank (an op
+    that made it failed here), or is not here."""
 
 
 class _Poisoned(Exception):
@@ -81,6 +92,9 @@ class TensorWorker:
         self.refs: dict[int, Any] = {}
         self._funcs: dict[Any, Callable[..., Any]] = {}
         self.ops_run = 0
+        #: records run that the controller counts as ops (all but drops, fetches,
+        #: reports and resumes): sent with the rank's stats, for the dashboard
+        self.ops_done = 0
         #: root errors since the last :class:`Report` (at most ``MAX_UNREPORTED``), and
         #: how many more failed
         self._unreported: list[RankError] = []
@@ -100,6 +114,7 @@ class TensorWorker:
         # ``torch.rand`` differ per rank (Monarch's rule), so each rank draws a seed.
         torch.seed()
         _current[:] = [self]
+        shard_lookup[:] = [self.local_shard]
 
     # -- the loop --------------------------------------------------------------------
     def run(self, payload: bytes | memoryview, request: str | None) -> None:
@@ -143,6 +158,8 @@ class TensorWorker:
             elif kind is Report:
                 reply = ReportReply(tuple(self._unreported), self._more)
                 self._unreported, self._more = [], 0
+            if kind not in _NOT_OPS:
+                self.ops_done += 1
         if request is not None:
             self.outbox.reply(request, reply or FetchReply(None), "tensor fetch")
 
@@ -155,6 +172,22 @@ class TensorWorker:
             if results:
                 self.first_ref = min(results)
                 return
+
+    def local_shard(self, ref: int) -> Any:
+        """The local tensor of ``ref``: a mesh tensor passed to an actor endpoint on
+        this mesh arrives as it. Raises what the tensor holds when an op failed on it."""
+        rank = context.current_rank().rank
+        found = self.refs.get(ref, _MISSING)
+        if found is _MISSING:
+            err = self.missing(ref, rank)
+        elif type(found) is RankError:
+            err = found
+        else:
+            return found
+        raise MeshTensorError(
+            f"the mesh tensor passed to this endpoint holds an error on rank {rank}: "
+            f"{err.error_type}: {err.message}" + (f"\n{err.traceback}" if err.traceback else "")
+        )
 
     # -- ops -------------------------------------------------------------------------
     def _interrupt(self, op: CallOp, rank: int) -> None:
@@ -189,6 +222,9 @@ class TensorWorker:
             kwargs = self._resolve(op.kwargs) if op.kwargs else {}
         except _Poisoned as p:
             self._poison(op.results, op.mutates, p.error)
+            return
+        except Exception as exc:  # a process-group argument could not be made
+            self._poison(op.results, op.mutates, self._failed(op.seq, rank, exc))
             return
         try:
             fn = self._function(op.func)
@@ -247,6 +283,8 @@ class TensorWorker:
             if type(found) is RankError:
                 raise _Poisoned(found)
             return found
+        if kind is GroupRef:  # DeviceMesh.process_group(dims)
+            return collectives.group_for(value.shape, value.dims)
         if kind is tuple or kind is list:
             return kind(self._resolve(v) for v in value)
         if kind is dict:
