@@ -160,6 +160,11 @@ _TENSOR_ENGINE = frozenset(
         "get_active_stream",
         "grad_generator",
         "grad_function",
+        "OpaqueRef",
+        "OpaqueObject",
+        "opaque_method",
+        "OpaqueModule",
+        "remote_autograd_function",
     }
 )
 

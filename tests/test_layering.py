@@ -370,8 +370,11 @@ PART_ORDER: dict[str, list[str]] = {
         "moves",
         "reductions",
         "remote_functions",
+        "endpoint_rref",  # an actor endpoint's rref: a remote function that calls it
         "borrows",
         "gradients",
+        "opaque",  # OpaqueRef, OpaqueObject, OpaqueModule: objects kept on the ranks
+        "remote_autograd",  # remote_autograd_function: an autograd.Function on the ranks
         "random",
         "__init__",
     ],

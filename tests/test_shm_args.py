@@ -141,21 +141,23 @@ def test_a_fan_out_through_two_host_agents_reads_one_block():
 
 
 def test_a_full_arena_sends_over_the_socket_and_order_is_kept(monkeypatch):
-    monkeypatch.setattr(arena_mod, "ARENA_BYTES", (3 << 20) // 2)  # room for one 1 MiB block
+    # Room for a 1 MiB block lent in place (it may fill at most half of the arena), and
+    # then not for one of 1.5 MiB: 2 MiB and 64 KiB.
+    monkeypatch.setattr(arena_mod, "ARENA_BYTES", (2 << 20) + (64 << 10))
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     try:
         actors = procs.spawn("rx", Receiver)
         arena = _arena(procs)
-        # The arena's one block stays taken: the rank keeps the tensor lent to it. (A rank
-        # busy in an endpoint no longer leaves blocks unread: its relief thread reads the
-        # actor's next calls into its line, so a hold cannot fill the arena.)
+        # The block stays taken: it is lent, and the rank keeps the tensor built on it.
+        # (A rank busy in an endpoint no longer leaves blocks unread: its relief thread
+        # reads the actor's next calls into its line, so a hold cannot fill the arena.)
         first = actors.keep.call_one(torch.ones(FLOATS))
-        assert arena.placed == 1
+        assert (arena.placed, arena.lent) == (1, 1)
         # ... so the next finds no room and goes over the socket, after the first
-        second = actors.bump.call_one(torch.full((FLOATS,), 2.0))
+        second = actors.bump.call_one(torch.full((FLOATS * 3 // 2,), 2.0))
         assert arena.fallbacks == 1
         assert first.get(timeout=60) == _ones_sum(0)
-        assert second.get(timeout=60) == _ones_sum(0, 2.0)
+        assert second.get(timeout=60) == FLOATS * 3 // 2 * 2.0
         assert actors.kept_sum.call_one().get(timeout=60) == _ones_sum(0)
         actors.drop.call_one().get(timeout=60)
         wait_until(lambda: _unread(procs) == 0, timeout=30, what="the dropped block freed")

@@ -23,7 +23,7 @@ import torch
 
 import monarch_kernel
 from monarch_kernel import fetch_shard, inspect, reduce, reduce_, remote
-from monarch_kernel.actor import Actor, endpoint
+from monarch_kernel.actor import Actor, as_endpoint, endpoint
 from monarch_kernel.mesh_controller import RemoteException, spawn_tensor_engine
 from monarch_kernel.tensor_engine import Tensor, get_active_mesh, no_mesh
 from monarch_kernel.tensor_engine import client as te_client
@@ -85,6 +85,53 @@ def test_proc_mesh_tensor_engine(pm):
     assert a == 0
     assert b == 10
     assert c == 100
+
+
+class AddWithState(Actor):
+    def __init__(self, state: torch.Tensor):
+        super().__init__()
+        self.state = state
+
+    @endpoint
+    def forward(self, x) -> torch.Tensor:
+        return x + self.state
+
+
+def test_actor_with_tensors(pm):
+    with pm.activate():
+        x = pm.spawn("adder", AddWithState, torch.ones(()))
+        y = torch.ones(())
+        assert x.forward.call(y).get(timeout=60).item(host=0, gpus=0).item() == 2
+
+
+class Linear(Actor):
+    def __init__(self, N: int, M: int):
+        self.weight = torch.zeros((N, M))
+
+    def forward(self, x) -> torch.Tensor:
+        return x @ self.weight
+
+    @endpoint(propagate="inspect")
+    def update(self, w: torch.Tensor) -> None:
+        self.weight += w
+
+
+def test_rref_actor(pm):
+    with pm.activate():
+        x = pm.spawn("linear", Linear, 3, 4)
+
+        y = torch.ones((4, 3))
+        t = as_endpoint(
+            x.forward,
+            propagate=lambda x: torch.rand(3, 4),
+        ).rref(y)
+        assert monarch_kernel.inspect(t.sum()).item() == 0
+        x.update.rref(torch.ones((3, 4)))
+        t = as_endpoint(
+            x.forward,
+            propagate=lambda x: torch.rand(3, 4),
+        ).rref(y)
+        assert monarch_kernel.inspect(t.sum()).item() == 3 * 4 * 4
 
 
 # -- mesh tensors --------------------------------------------------------------------------
@@ -693,6 +740,58 @@ def test_mesh_tensors_reach_endpoints_as_local_tensors_after_the_ops_before(pm):
         gone.drop()
         with pytest.raises(TypeError, match="DROPPED"):
             actors.value.call(gone)
+    actors.stop().get(timeout=60)
+
+
+class Scaled(Actor):
+    """Built from a mesh tensor; its endpoints make mesh tensors (``rref``)."""
+
+    def __init__(self, scale: torch.Tensor):
+        assert type(scale) is torch.Tensor  # the rank's local tensor
+        self.scale = scale
+
+    @endpoint(propagate=lambda t: t.clone())
+    def times(self, t: torch.Tensor) -> torch.Tensor:
+        if float(t) < 0:
+            raise ValueError("no negative numbers here")
+        return t * self.scale
+
+    @endpoint
+    def cached(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def plain(self) -> float:
+        return float(self.scale)
+
+
+def test_spawn_arguments_and_rref_results_are_mesh_tensors(pm):
+    with pm.activate():
+        scale = pm.rank(("host", "gpus")).float()
+        for _ in range(300):  # past one batch (256 ops), the rest still buffered
+            scale.add_(1)
+        remote(_nap, propagate="inspect")(scale)  # the constructor waits for these
+        scale.sub_(299)  # ranks 0..3 hold 1, 2, 3, 4
+        actors = pm.spawn("te_scaled", Scaled, scale)
+        assert as_endpoint(actors.plain).call().get(timeout=60).item(host=0, gpus=1) == 2.0
+        t = pm.rank("gpus").float() + 10
+        out = actors.times.rref(t)
+        assert isinstance(out, Tensor) and out.shape == ()
+        assert inspect(out, host=0, gpus=1) == 22.0  # (10 + 1) * 2
+        assert inspect(out, host=1, gpus=1) == 44.0
+        with pytest.raises(RemoteException, match="no negative numbers"):
+            inspect(actors.times.rref(t - 100) + 1)  # the endpoint's error poisons it
+        with pytest.raises(NotImplementedError, match="cached propagation"):
+            actors.cached.rref(t)
+        with pytest.raises(RuntimeError, match="not annotated as an endpoint"):
+            actors.plain()
+        with pytest.raises(AttributeError, match="as_endpoint"):
+            actors.plain.call()
+        with pytest.raises(ValueError, match="not an @endpoint"):
+            as_endpoint(actors.times)
+        with pytest.raises(ValueError, match="must be those of the actor mesh"):
+            actors.times.rref(t.slice_mesh(host=0))
+        with pytest.raises(ValueError, match="same process as the actor"):
+            pm.spawn("te_scaled_bad", Scaled, scale.slice_mesh(host=1))
     actors.stop().get(timeout=60)
 
 

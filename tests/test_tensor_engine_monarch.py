@@ -8,14 +8,15 @@ Imports changed (``monarch`` read as ``monarch_kernel``), ``cuda`` read as ``cpu
 Monarch's ``local_device_mesh(hosts, gpus)`` served by slices of one real 2x2 mesh
 (``host`` x ``gpu``, started without a kernel) shared by the module. The worker-side
 helpers Monarch keeps in ``monarch.worker._testing_function`` are the functions at the
-end of this file (the ranks import them from here). Tests of parts not built (opaque
-objects, cached propagation, parallel streams, the debugger) are skipped with the
+end of this file (the ranks import them from here). Tests of what differs here (aliases
+of cached outputs, parallel streams, the debugger, CUDA devices) are skipped with the
 reason. Every test's body is Monarch's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import math
 import re
@@ -25,6 +26,7 @@ import torch
 
 import monarch_kernel as monarch
 from monarch_kernel import (
+    OpaqueRef,
     Stream,
     Tensor,
     call_on_shard_and_fetch,
@@ -38,7 +40,10 @@ from monarch_kernel.builtins.log import log_remote
 from monarch_kernel.builtins.random import set_manual_seed_remote
 from monarch_kernel.mesh_controller import RemoteException, spawn_tensor_engine
 from monarch_kernel.tensor_engine import DeviceMesh, no_mesh
+from monarch_kernel.tensor_engine import opaque as opaque_ref
 from monarch_kernel.tensor_engine import remote_functions as remote_module
+from monarch_kernel.tensor_engine.opaque import OpaqueModule, OpaqueObject, opaque_method
+from monarch_kernel.tensor_engine.remote_autograd import remote_autograd_function
 
 _HERE = __name__
 
@@ -599,6 +604,12 @@ outer_remote_function_that_calls_inner = remote(
     f"{_HERE}.outer_remote_function_that_calls_inner_worker", propagate=lambda: torch.zeros(1)
 )
 
+opaque_ref_key_table_length = remote(
+    f"{_HERE}.opaque_ref_key_table_length_worker", propagate=lambda: torch.zeros(1)
+)
+
+create_opaque_ref = remote(f"{_HERE}.create_opaque_ref_worker", propagate=lambda: OpaqueRef(None))
+
 
 def test_hello(local):
     with local.local_device_mesh(2, 2):
@@ -721,9 +732,40 @@ def test_cached_remote_function(local):
         assert end_hits - start_hits == 2
 
 
-@pytest.mark.skip(reason="remote_autograd_function is not built")
 def test_remote_autograd_function(local):
-    pass
+    _testing_function = importlib.import_module(_HERE)
+
+    remote_fn = remote_autograd_function(_testing_function.TestRemoteAutogradFunction)
+
+    with local.local_device_mesh(1, 1):
+        x = torch.ones(1, requires_grad=True)
+        y = torch.ones_like(x).requires_grad_(True)
+        outs = remote_fn.apply(x, y)
+        assert outs[3] == 4
+        local_0 = fetch_shard(outs[0]).result()
+        local_1 = fetch_shard(outs[1]).result()
+        (outs[0] + outs[1]).sum().backward()
+        # unfortunately, grad_fn of local tensor is always None
+        # regardless of whether we set `no_grad` on the worker
+        # so we can test only requires_grad
+        for ll in (local_0, local_1):
+            assert not ll.requires_grad
+        grad_local_0 = fetch_shard(x.grad).result()
+        grad_local_1 = fetch_shard(x.grad).result()
+        x = x.detach()
+        x.grad = None
+        y.grad = None
+        outs = remote_fn.apply(x, y)
+        local_0_f = fetch_shard(outs[0]).result()
+        (outs[0] + outs[1]).sum().backward()
+        assert x.grad is None
+        grad_local_1_f = fetch_shard(y.grad).result()
+
+    assert torch.equal(local_0_f, torch.full_like(local_0_f, 2))
+    assert torch.equal(local_0, torch.ones_like(local_0))
+    assert torch.equal(grad_local_0, torch.ones_like(local_0))
+    assert torch.equal(grad_local_1, torch.ones_like(local_0))
+    assert torch.equal(grad_local_1_f, torch.ones_like(local_0))  # (Monarch only fetches it)
 
 
 @pytest.mark.skip(
@@ -806,24 +848,70 @@ def test_return_exception(local):
         call_on_shard_and_fetch(simple).result()
 
 
-@pytest.mark.skip(reason="OpaqueObject / opaque_method are not built")
 def test_opaque_object(local):
-    pass
+    with local.local_device_mesh(2, 2):
+
+        class Foo(OpaqueObject):
+            @opaque_method
+            def add(self, x: torch.Tensor):
+                return x + x
+
+        f = Foo(f"{_HERE}.WorkerFoo", 4.0)
+
+        result = monarch.inspect(f.add(torch.ones(3, 4)))
+        with monarch.no_mesh.activate():
+            assert torch.allclose(torch.full((3, 4), 5.0), result)
+
+        f.hi = 4
+        assert f.hi == 4
 
 
-@pytest.mark.skip(reason="OpaqueRef is not built")
 def test_opaqueRef_key_deleted(local):
-    pass
+    with local.local_device_mesh(1, 1):
+        ref = create_opaque_ref()
+        assert inspect(opaque_ref_key_table_length()).item() == 1
+        del ref
+        assert inspect(opaque_ref_key_table_length()).item() == 0
 
 
-@pytest.mark.skip(reason="OpaqueModule is not built")
 def test_opaque_module(local):
-    pass
+    with local.local_device_mesh(2, 2):
+        linear = OpaqueModule("torch.nn.Linear", 3, 3, device="cpu")  # cuda read as cpu
+        with torch.no_grad():
+            for p in linear.parameters():
+                p.zero_()
+        input_ = torch.rand(4, 3, device="cuda")
+        # we should have been able to clear the parameters and have that result
+        # affect how the linear works.
+        output = linear.call_method("forward", lambda self, x: x.clone(), input_)
+        assert monarch.inspect(output.sum()).item() == 0
 
 
-@pytest.mark.skip(reason="OpaqueModule is not built")
 def test_opaque_module_autograd(local):
-    pass
+    with local.local_device_mesh(2, 2):
+        input_ = torch.rand(3, 3, device="cuda", requires_grad=True)
+
+        linear = OpaqueModule("torch.nn.Linear", 3, 3, device="cpu")  # cuda read as cpu
+        output = linear(input_, propagator=lambda self, x: x.clone())
+        r = output.sum()
+        with torch.no_grad():
+            r.backward()
+
+        weight, bias = linear.parameters()
+        ig0, wg0, bg0 = monarch.inspect((input_.grad, weight.grad, bias.grad))
+
+        input_.grad = None
+        weight.grad = None
+        bias.grad = None
+
+        (input_ @ weight.T + bias).sum().backward()
+
+        ig1, wg1, bg1 = monarch.inspect((input_.grad, weight.grad, bias.grad))
+
+        with monarch.no_mesh.activate():
+            assert torch.allclose(ig0, ig1)
+            assert torch.allclose(wg0, wg1)
+            assert torch.allclose(bg0, bg1)
 
 
 def test_remote_function_failure_message_contains_traceback(local):
@@ -908,6 +996,36 @@ def how_many_of_these_do_you_want(n: int, t: torch.Tensor):
 
 def inner_remote_function_that_fails_worker():
     raise Exception("Failed to execute inner_remote_function_that_fails")
+
+
+class TestRemoteAutogradFunction(torch.autograd.Function):
+    __test__ = False  # (not a test class: Monarch's name)
+
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_backward(x)
+        out0 = x * y if x.requires_grad else x + y
+        return out0, y, torch.ones(4), 4
+
+    @staticmethod
+    def backward(ctx, dx1, dx2, dx3, dx4):
+        return dx1, dx2
+
+
+def create_opaque_ref_worker():
+    return OpaqueRef(torch.nn.Linear(10, 10))
+
+
+def opaque_ref_key_table_length_worker() -> torch.Tensor:
+    return torch.tensor(len(list(opaque_ref._key_table.keys())))
+
+
+class WorkerFoo:
+    def __init__(self, v):
+        self.t = torch.full((), v)
+
+    def add(self, b):
+        return self.t + b
 
 
 def outer_remote_function_that_calls_inner_worker():

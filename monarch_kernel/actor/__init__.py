@@ -42,7 +42,7 @@ from monarch_kernel.actor.api import (
     unhandled_fault_hook,
 )
 from monarch_kernel.actor.channels import Channel, Port, PortReceiver, RankedPortReceiver
-from monarch_kernel.actor.endpoints import send
+from monarch_kernel.actor.endpoints import as_endpoint, send
 from monarch_kernel.actor.meshes import ActorMesh, EndpointRef, ProcMesh
 from monarch_kernel.calls.errors import (
     ActorError,
@@ -134,6 +134,7 @@ __all__ = [
     "SliceError",
     "SupervisionError",
     "ValueMesh",
+    "as_endpoint",
     "concurrent_endpoint",
     "context",
     "current_actor_name",

@@ -39,14 +39,19 @@ def endpoint(fn: F | None = None, **options: Any) -> F:
     ``port.exception(exc)``), now or later from any thread; what it returns is ignored,
     and an exception it raises (not sent with ``port.exception``) fails the actor, as in
     Monarch: the caller gets a ``SupervisionError``, supervision hears of it.
-    Other options are accepted for Monarch compatibility (e.g. ``propagate=``) and ignored.
+    ``propagate=`` (Monarch's): what the endpoint's ``rref`` adverb returns as mesh
+    tensors, a function of the endpoint's arguments (without ``self``) run on fake
+    tensors, or ``"inspect"`` (no tensors). Other options (``instrument``) are accepted
+    for Monarch compatibility and ignored.
     """
     explicit = bool(options.get("explicit_response_port", False))
+    propagate = options.get("propagate")
 
     def mark(f: F) -> F:
         if not callable(f):
             raise TypeError(f"@endpoint decorates methods, not {type(f).__name__}")
         setattr(f, _ENDPOINT_ATTR, True)
+        f._propagator = propagate  # type: ignore[attr-defined]  # (Monarch's name)
         if explicit:
             setattr(f, EXPLICIT_PORT_ATTR, True)
         return f

@@ -31,6 +31,28 @@ _NO_ARGUMENTS: bytes = dumps(((), {}))[0]
 #: looked up, never imported: mesh tensors exist only once the tensor engine is loaded.
 _MESH_TENSOR_ARGS = "monarch_kernel.tensor_engine.actor_args"
 
+#: The adverbs of an endpoint (what a method that is not one is told to become first).
+ADVERBS = frozenset({"call", "call_one", "choose", "broadcast", "stream", "rref"})
+
+
+def mesh_tensor_args(
+    requester: Requester, ranks: Sequence[int], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of a call (or a constructor) sent to ``ranks``, each mesh tensor
+    in them replaced by a ref each rank reads as its local tensor, after the tensor
+    engine's ops issued before (``tensor_engine.actor_args.local_shards``). Unchanged
+    when the tensor engine is not loaded (then there is no mesh tensor)."""
+    # (while another thread imports the engine, the module has no ``local_shards`` yet,
+    # and there is no mesh tensor)
+    pack = getattr(sys.modules.get(_MESH_TENSOR_ARGS), "local_shards", None)
+    if pack is None:
+        return args, kwargs
+    return pack(requester, ranks, args, kwargs)  # type: ignore[no-any-return]
+
+
+#: ``EndpointRef(propagate=...)`` not given: the endpoint's own (``@endpoint(propagate=)``).
+_OWN = object()
+
 
 @dataclass(frozen=True)
 class ActorTarget:
@@ -47,9 +69,12 @@ class ActorTarget:
 class EndpointRef:
     """One endpoint of an actor mesh, with Monarch's adverbs."""
 
-    def __init__(self, target: ActorTarget, method: str):
+    def __init__(self, target: ActorTarget, method: str, propagate: Any = _OWN):
         self._target = target
         self._method = method
+        #: how :meth:`rref` shapes its mesh tensors (``as_endpoint(propagate=...)``);
+        #: by default the endpoint's ``@endpoint(propagate=...)``
+        self._propagate = propagate
         self._requester = target.requester
         self._ranks = target.ranks
         self._where = f"{target.actor_class.__name__}.{method}"
@@ -73,22 +98,22 @@ class EndpointRef:
             raise call_failed(exc, self._call, rank) from None
         return one.future
 
+    def _check_constructed(self) -> None:
+        """Raise what calls to this actor mesh raise when its constructor failed."""
+        failed = failed_init.get((self._requester.name, self._target.name))
+        if failed is not None:
+            label = self._call.label
+            text = f"Endpoint call {label} failed, {failed}"
+            raise SupervisionError(text, failed.failures, failed.exception, label)
+
     def _payload(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[bytes, Sequence[Buffer]]:
         if failed_init:  # (every adverb comes here first)
-            failed = failed_init.get((self._requester.name, self._target.name))
-            if failed is not None:
-                label = self._call.label
-                text = f"Endpoint call {label} failed, {failed}"
-                raise SupervisionError(text, failed.failures, failed.exception, label)
+            self._check_constructed()
         if not args and not kwargs:  # a call without arguments: always the same bytes
             return _NO_ARGUMENTS, ()
-        # the tensor engine is loaded: mesh tensors as refs (while another thread imports
-        # it, the module has no ``local_shards`` yet, and there is no mesh tensor)
-        pack = getattr(sys.modules.get(_MESH_TENSOR_ARGS), "local_shards", None)
-        if pack is not None:
-            args, kwargs = pack(self._requester, self._ranks, args, kwargs)
+        args, kwargs = mesh_tensor_args(self._requester, self._ranks, args, kwargs)
         try:
             return dumps((args, kwargs))
         except SerializationError:
@@ -143,14 +168,91 @@ class EndpointRef:
             raise call_failed(exc, self._call, None) from None
         return each.in_order_of_answers()
 
+    def rref(self, *args: Any, **kwargs: Any) -> Any:
+        """Monarch's ``rref``: call the endpoint on every actor of the mesh as an op of
+        the tensor engine (in order with the ops issued before and after it, on the
+        ranks of its mesh-tensor arguments, else of the active mesh: they must be the
+        actor mesh's) and keep what it returns on the ranks, as mesh tensors shaped by
+        the endpoint's ``propagate`` (``@endpoint(propagate=...)``, or
+        ``as_endpoint(mesh.method, propagate=...)``): a function of the endpoint's
+        arguments run on fake tensors here, or ``"inspect"`` (no tensors back: None).
+        A failure on a rank poisons the returned tensors, as a failed op does."""
+        if failed_init:
+            self._check_constructed()
+        propagate = self._propagate
+        if propagate is _OWN:
+            fn = getattr(self._target.actor_class, self._method, None)
+            propagate = getattr(fn, "_propagator", None)
+        from monarch_kernel.tensor_engine.endpoint_rref import endpoint_rref
+
+        target = self._target
+        sl = slice_header(target.shape, self._requester.shape)
+        return endpoint_rref(
+            self._requester, self._ranks, target.name, self._method, self._where, sl,
+            propagate, args, kwargs,
+        )  # fmt: skip
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(
             f"call an endpoint through an adverb: {self._method}.call(...), .call_one(...), "
-            ".broadcast(...), .choose(...) or .stream(...)"
+            ".broadcast(...), .choose(...), .stream(...) or .rref(...)"
         )
 
     def __repr__(self) -> str:
         return f"<endpoint {self._where} of actor mesh {self._target.name!r}>"
+
+
+class NotAnEndpoint:
+    """A method of an actor mesh's class that is not an ``@endpoint`` (Monarch's
+    ``NotAnEndpoint``): calling it, or an adverb of it, raises and says how to make it
+    one; ``as_endpoint(mesh.method)`` calls it as an endpoint."""
+
+    def __init__(self, target: ActorTarget, method: str):
+        self._target = target
+        self._method = method
+        self._where = f"{target.actor_class.__name__}.{method}"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"Actor {self._where} is not annotated as an endpoint. To call it as one, "
+            "add a @endpoint decorator to it, or directly wrap it in one "
+            "as_endpoint(obj.method).call(...)"
+        )
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr in ADVERBS:
+            raise AttributeError(
+                f"{self._where} is not an endpoint: mark it with @endpoint, or call it "
+                f"through as_endpoint(mesh.{self._method}).{attr}(...)"
+            )
+        raise AttributeError(attr)
+
+    def __repr__(self) -> str:
+        return f"<method {self._where} of actor mesh {self._target.name!r} (not an endpoint)>"
+
+
+def as_endpoint(
+    not_an_endpoint: Any, *, propagate: Any = None, explicit_response_port: bool = False
+) -> EndpointRef:
+    """Monarch's ``as_endpoint``: a method of a spawned actor mesh that is not an
+    ``@endpoint`` (``mesh.method``), as an endpoint with every adverb;
+    ``propagate`` as ``@endpoint``'s (what :meth:`EndpointRef.rref` returns)."""
+    if not isinstance(not_an_endpoint, NotAnEndpoint):
+        what = (
+            "an endpoint already (give its propagate to @endpoint(propagate=...))"
+            if isinstance(not_an_endpoint, EndpointRef)
+            else repr(not_an_endpoint)
+        )
+        raise ValueError(
+            f"as_endpoint() expects a method of a spawned actor mesh that is not an "
+            f"@endpoint (actors.method), got {what}"
+        )
+    if explicit_response_port:
+        raise ValueError(
+            f"as_endpoint({not_an_endpoint._where}, explicit_response_port=True) is not "
+            "supported: mark the method @endpoint(explicit_response_port=True) instead"
+        )
+    return EndpointRef(not_an_endpoint._target, not_an_endpoint._method, propagate)
 
 
 def send(
@@ -241,4 +343,14 @@ def gather(
     return g.future
 
 
-__all__ = ["ActorTarget", "EndpointRef", "dump_call", "gather", "send", "slice_header"]
+__all__ = [
+    "ActorTarget",
+    "EndpointRef",
+    "NotAnEndpoint",
+    "as_endpoint",
+    "dump_call",
+    "gather",
+    "mesh_tensor_args",
+    "send",
+    "slice_header",
+]

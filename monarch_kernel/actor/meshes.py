@@ -33,9 +33,11 @@ from monarch_kernel.actor.channels import report_unhandled
 from monarch_kernel.actor.endpoints import (
     ActorTarget,
     EndpointRef,
+    NotAnEndpoint,
     dump_call,
     failed_init,
     gather,
+    mesh_tensor_args,
 )
 from monarch_kernel.actor.mesh_view import MeshView, mesh_attribute
 from monarch_kernel.actor.peer.requester import attach
@@ -212,7 +214,10 @@ class ProcMesh(MeshView):
         return rebuild_proc_mesh, (self._requester.reference(), self._shape)
 
     def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> ActorMesh:
-        """Construct ``actor_class(*args, **kwargs)`` on every rank of this mesh."""
+        """Construct ``actor_class(*args, **kwargs)`` on every rank of this mesh. A mesh
+        tensor among the arguments (of this process mesh, on every rank of it spawned
+        on) reaches each rank's constructor as that rank's local tensor, after the ops
+        issued before (Monarch's rule, as for endpoint arguments)."""
         if not isinstance(name, str) or not name:
             raise TypeError("spawn(name, ActorClass, *args): name must be a non-empty string")
         if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
@@ -220,9 +225,10 @@ class ProcMesh(MeshView):
                 f"spawn() needs a subclass of monarch_kernel.actor.Actor, got {actor_class!r}"
             )
         check_endpoint_kinds(actor_class)  # before anything is sent, as Monarch
+        ranks = self._shape.ranks()
+        args, kwargs = mesh_tensor_args(self._requester, ranks, args, kwargs)
         what = f"constructor arguments of actor {name!r} ({actor_class.__name__})"
         payload, buffers = dump_call((actor_class, args, kwargs), args, kwargs, what)
-        ranks = self._shape.ranks()
         # Spawned by an actor (of a rank, or of the controller's own process): it owns them.
         owner = local_context.owner() or self._requester.spawn_owner()
         # Monarch's actor_spawn_max_idle: each rank fails the actor whose constructor has
@@ -411,6 +417,10 @@ class ActorMesh(MeshView):
         if attr.startswith("_"):
             raise AttributeError(attr)
         if attr not in self._endpoints:
+            if callable(getattr(self._class, attr, None)):
+                # a method that is no endpoint: as_endpoint(mesh.method) makes it one
+                # (typed as endpoints are: Monarch's types say it is the method)
+                return NotAnEndpoint(self._target, attr)  # type: ignore[return-value]
             eps = ", ".join(sorted(self._endpoints)) or "none"
             raise AttributeError(
                 f"{self._class.__name__} has no endpoint {attr!r} (endpoints: {eps}); "

@@ -424,7 +424,11 @@ class ActorHost:
             self.gone[name] = ActorGoneError(
                 f"actor {name!r} was stopped (its actor mesh's stop())", stopped=True
             )
-        self.owners.pop(name, None)
+        if name not in self.busy:
+            self.owners.pop(name, None)
+        # else a message of it runs now (a stop without __cleanup__ does not wait for an
+        # async endpoint's task): if that fails, the event still goes to its owner, not
+        # to the controller as nobody's (a spawn of the name sets its owner afresh)
         if hdr.seq is None:  # from a rank: not to be re-created any more
             self.tell_peer_actor(name, None)
 

@@ -134,6 +134,8 @@ class Client:
         self._dropped: collections.deque[tuple[tuple[int, ...], int]] = collections.deque()
         #: a drop of a tensor on other ranks than the batch's waits (see :meth:`issue`)
         self._foreign_drops = False
+        #: ``Drop`` records among ``_pending`` (not ops: :meth:`issued_to` skips them)
+        self._buffered_drops = 0
         self._frames: dict[int, tuple[Frame, ...]] = {}
         self.ops_issued = 0
         self.messages_sent = 0
@@ -188,11 +190,34 @@ class Client:
                 # buffered goes first, drops included (a drop may always wait; sent
                 # before the ops issued after it, the ranks' memory follows the notebook).
                 self._flush_locked()
+            elif self._dropped:
+                self._drops_first(ranks)
             self._pending_ranks = ranks
             self._pending.append(record)
             self.ops_issued += 1
-            if len(self._pending) >= FLUSH_OPS or len(self._dropped) >= FLUSH_DROPS:
+            ops = len(self._pending) - self._buffered_drops
+            if ops >= FLUSH_OPS or len(self._dropped) >= FLUSH_DROPS:
                 self._flush_locked()
+
+    def _drops_first(self, ranks: tuple[int, ...]) -> None:
+        """The refs dropped since the last op, on ``ranks`` (those of the batch), go in
+        the batch before the next op (Monarch sends its drops before the next message):
+        what a rank frees with a tensor (an ``OpaqueRef``'s object, weakly keyed by its
+        local tensor) is gone when the ops issued after the drop run. A few bytes a
+        record (the pickle names the class once); ``FLUSH_OPS`` counts ops only."""
+        mine: list[int] = []
+        other = []
+        dropped = self._dropped
+        while dropped:  # (``__del__`` may append meanwhile, from any thread)
+            entry = dropped.popleft()
+            if entry[0] == ranks:
+                mine.append(entry[1])
+            else:
+                other.append(entry)  # a foreign drop: the next issue sends the batch
+        dropped.extend(other)
+        if mine:
+            self._pending.append(Drop(tuple(mine)))
+            self._buffered_drops += 1
 
     def join_world(self) -> None:
         """Before the first collective or transfer: every rank of the process mesh joins
@@ -229,6 +254,7 @@ class Client:
             if mine:
                 pending.append(Drop(tuple(mine)))
             self._pending = []
+            self._buffered_drops = 0
             self._send(ranks, pending)
         for other, refs in drops.items():  # no ops pending there: order is kept
             self._send(other, [Drop(tuple(refs))])
@@ -251,7 +277,7 @@ class Client:
     def issued_to(self, rank: int) -> int:
         """How many ops were issued to global rank ``rank``: sent, or buffered here
         (what the ranks count as run, ``TensorWorker.ops_done``, counts the same)."""
-        buffered = len(self._pending) if rank in self._pending_ranks else 0
+        buffered = len(self._pending) - self._buffered_drops if rank in self._pending_ranks else 0
         return self.sent_to.get(rank, 0) + buffered
 
     # -- the stop button ---------------------------------------------------------------

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import SUPPORTED_NODES, tree_leaves, tree_map
 
 from monarch_kernel.rank import context
 from monarch_kernel.rank.outbox import Outbox
@@ -291,6 +291,10 @@ class TensorWorker:
             return {k: self._resolve(v) for k, v in value.items()}
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple
             return kind(*(self._resolve(v) for v in value))
+        node = SUPPORTED_NODES.get(kind)
+        if node is not None:  # another pytree node (an OpaqueRef, whose key is a Ref)
+            children, spec = node.flatten_fn(value)
+            return node.unflatten_fn([self._resolve(v) for v in children], spec)
         return value
 
     def _function(self, func: str | RemoteFunction) -> Callable[..., Any]:
