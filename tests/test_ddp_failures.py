@@ -11,6 +11,7 @@ import re
 import time
 
 import pytest
+from helpers import WaitTimeout
 from kernel_client import Kernel
 
 pytestmark = pytest.mark.local
@@ -122,6 +123,20 @@ def test_exception_on_one_rank_in_the_ddp_step_releases_the_others_alive(kernel,
     _train_on(kernel)
 
 
+def _wait_for_training(kernel: Kernel, msg: str, attempt: int) -> None:
+    """Wait for the loop's first steps; if they never come, stop the cell and fail with
+    what the ranks said then (where each one was: a rare hang seen once in CI)."""
+    try:
+        kernel.wait_for_output(msg, "training", timeout=60)
+    except WaitTimeout as exc:
+        kernel.km.interrupt_kernel()
+        r = kernel.collect(msg, timeout=60)
+        raise AssertionError(
+            f"attempt {attempt}: {exc}\nafter the stop button:\n{r.stdout[-2000:]}\n"
+            f"{r.error_text[-4000:]}"
+        ) from None
+
+
 def test_stop_button_at_random_moments_keeps_every_rank_and_identical_replicas(kernel):
     seed = random.randrange(1 << 30)
     moments = random.Random(seed)
@@ -129,7 +144,7 @@ def test_stop_button_at_random_moments_keeps_every_rank_and_identical_replicas(k
     idle, copied = [], 0
     for attempt in range(20):
         msg = kernel.submit(f"%%remote {MESH}\ntrain(10**6)")
-        kernel.wait_for_output(msg, "training", timeout=60)
+        _wait_for_training(kernel, msg, attempt)
         time.sleep(moments.uniform(0.0, 0.4))  # a random moment of the loop
         t0 = time.monotonic()
         kernel.km.interrupt_kernel()
