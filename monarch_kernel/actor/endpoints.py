@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from monarch_kernel.calls.errors import CallSite, SupervisionError, call_failed
-from monarch_kernel.calls.future import Future
+from monarch_kernel.calls.future import Future, check_port, forward_to_port
 from monarch_kernel.calls.gather import Each, Gather, One
 from monarch_kernel.calls.requester import CallOptions, Requester
 from monarch_kernel.calls.value_mesh import ValueMesh
@@ -286,22 +286,11 @@ def send(
         payload, buffers = ref._payload(args, kwargs)
         ref._requester.send([rank], ref._header(), payload, buffers)
         return
-    if not callable(getattr(port, "send", None)) or not callable(getattr(port, "exception", None)):
-        raise TypeError(f"port must be a Port (from Channel.open()), got {port!r}")
+    check_port(port)
     futures = [endpoint.choose(*args, **kwargs)] if selection == "choose" else None
     if futures is None:
         futures = list(endpoint.stream(*args, **kwargs))
-
-    def forward(fut: Future[Any]) -> None:
-        try:
-            value = fut.get()
-        except Exception as exc:
-            port.exception(exc)
-        else:
-            port.send(value)
-
-    for fut in futures:
-        fut.add_done_callback(forward)
+    forward_to_port(futures, port)
 
 
 def slice_header(shape: Shape, whole: Shape | None) -> list[Any] | None:

@@ -7,8 +7,8 @@ import collections.abc
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Coroutine, Generator
-from typing import Any, Generic, TypeVar, cast
+from collections.abc import Callable, Coroutine, Generator, Iterable
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -244,3 +244,34 @@ def then(fut: Future[Any], fn: Callable[[Any], T]) -> Future[T]:
 
     fut.add_done_callback(done)
     return out
+
+
+class PortLike(Protocol):
+    """Where :func:`forward_to_port` delivers (``actor.channels.Port``): a value, or an
+    exception."""
+
+    def send(self, value: Any) -> None: ...
+
+    def exception(self, exc: BaseException) -> None: ...
+
+
+def check_port(port: object) -> None:
+    """Raise ``TypeError`` unless ``port`` takes values and exceptions (a ``Port``)."""
+    if not callable(getattr(port, "send", None)) or not callable(getattr(port, "exception", None)):
+        raise TypeError(f"port must be a Port (from Channel.open()), got {port!r}")
+
+
+def forward_to_port(futures: Iterable[Future[Any]], port: PortLike) -> None:
+    """As each of ``futures`` completes, send its value to ``port`` (its exception with
+    ``port.exception``)."""
+
+    def forward(fut: Future[Any]) -> None:
+        try:
+            value = fut.get()
+        except Exception as exc:
+            port.exception(exc)
+        else:
+            port.send(value)
+
+    for fut in futures:
+        fut.add_done_callback(forward)

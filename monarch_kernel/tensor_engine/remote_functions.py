@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from monarch_kernel.calls.future import Future
+from monarch_kernel.calls.future import Future, check_port, forward_to_port
 from monarch_kernel.calls.value_mesh import ValueMesh
 from monarch_kernel.tensor_engine import state
 from monarch_kernel.tensor_engine.errors import bad_arguments
@@ -232,25 +232,12 @@ class Remote:
             else:
                 self.call_on_shard_and_fetch(*args, **kwargs)
             return
-        if not callable(getattr(port, "send", None)) or not callable(
-            getattr(port, "exception", None)
-        ):
-            raise TypeError(f"port must be a Port (from Channel.open()), got {port!r}")
+        check_port(port)
         if selection == "choose":
             futures = [self.call_on_shard_and_fetch(*args, **kwargs)]
         else:
             futures = list(self.stream(*args, **kwargs))
-
-        def forward(fut: Future[Any]) -> None:
-            try:
-                value = fut.get()
-            except Exception as exc:
-                port.exception(exc)
-            else:
-                port.send(value)
-
-        for fut in futures:
-            fut.add_done_callback(forward)
+        forward_to_port(futures, port)
 
     send = _send
 
