@@ -7,7 +7,10 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
+
+import psutil
 
 from monarch_kernel.wire.osutil import proc_state
 
@@ -138,3 +141,29 @@ def ranks_showing(out: str, line: str) -> set[int]:
             first, _, last = part.strip().partition("-")
             ranks.update(range(int(first), int(last or first) + 1))
     return ranks
+
+
+#: The checkout the tests run from (put first on a program's path by :func:`program_env`).
+REPO = Path(__file__).resolve().parent.parent
+
+
+def program_env(tag: str) -> dict[str, str]:
+    """The environment of a user's program that a test runs: this checkout first on the
+    path (its ranks inherit it), and ``MK_EXAMPLE_TAG=tag``, inherited by every process
+    the program starts, to find any it leaves behind (:func:`tagged_processes`)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["MK_EXAMPLE_TAG"] = tag
+    return env
+
+
+def tagged_processes(tag: str) -> list[psutil.Process]:
+    """The live (not zombie) processes whose environment has ``MK_EXAMPLE_TAG=tag``."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("MK_EXAMPLE_TAG") == tag and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return out

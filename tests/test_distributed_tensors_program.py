@@ -16,18 +16,14 @@ The script must exit 0, print each section's marker, and leave no process behind
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
-import psutil
 import pytest
-from helpers import wait_until
+from helpers import program_env, tagged_processes, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 #: Seconds the program may take (30-40 s on a loaded 2-core machine: 8 ranks start).
 LIMIT = 240
 
@@ -273,24 +269,11 @@ MARKERS = [
 ]
 
 
-def _tagged(tag: str) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("MK_EXAMPLE_TAG") == tag and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return out
-
-
 def test_distributed_tensors_program_runs_as_a_script(tmp_path):
     script = tmp_path / "distributed_tensors.py"
     script.write_text(PROGRAM)
     tag = uuid.uuid4().hex
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env["MK_EXAMPLE_TAG"] = tag  # every process it starts inherits it: found if left
+    env = program_env(tag)  # every process it starts has the tag: found if left
     t0 = time.monotonic()
     try:
         proc = subprocess.run(
@@ -303,9 +286,11 @@ def test_distributed_tensors_program_runs_as_a_script(tmp_path):
         )
     finally:
         try:
-            wait_until(lambda: not _tagged(tag), timeout=15, what="the program's processes")
+            wait_until(
+                lambda: not tagged_processes(tag), timeout=15, what="the program's processes"
+            )
         except Exception:
-            left = _tagged(tag)
+            left = tagged_processes(tag)
             for p in left:
                 p.kill()
             pytest.fail("processes left behind: " + ", ".join(str(p.pid) for p in left))

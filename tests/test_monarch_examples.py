@@ -9,16 +9,14 @@ print); without that directory these tests skip.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
-from helpers import wait_until
+from helpers import program_env, tagged_processes, wait_until
 
 pytestmark = pytest.mark.local
 
@@ -40,26 +38,6 @@ NOTEBOOKS = {
 }
 
 
-def _env(tag: str) -> dict[str, str]:
-    """This checkout first on the path (its ranks inherit it), and a tag that every
-    process the program starts inherits, to find any it leaves behind."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env["MK_EXAMPLE_TAG"] = tag
-    return env
-
-
-def _tagged(tag: str) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("MK_EXAMPLE_TAG") == tag and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return out
-
-
 def _run(argv: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], float, str]:
     if not EXAMPLES.is_dir():
         pytest.skip(f"{EXAMPLES} is absent (Monarch's ported examples live in ../shared/)")
@@ -67,18 +45,18 @@ def _run(argv: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], 
     t0 = time.monotonic()
     try:
         proc = subprocess.run(
-            argv, cwd=cwd, env=_env(tag), capture_output=True, text=True, timeout=LIMIT
+            argv, cwd=cwd, env=program_env(tag), capture_output=True, text=True, timeout=LIMIT
         )
     finally:
         elapsed = time.monotonic() - t0
 
         def none_left() -> bool:
-            return not _tagged(tag)
+            return not tagged_processes(tag)
 
         try:
             wait_until(none_left, timeout=10, what="the program's processes to exit")
         except Exception:
-            left = _tagged(tag)
+            left = tagged_processes(tag)
             for p in left:  # ours, found by the tag: never leave them to other tests
                 p.kill()
             pytest.fail("processes left behind: " + ", ".join(str(p.pid) for p in left))
