@@ -42,6 +42,20 @@ TQDM_AT_START = {k: v for k, v in os.environ.items() if k.startswith("TQDM_")}
 
 #: The checkout the tests run from.
 ROOT = Path(__file__).resolve().parent.parent
+
+#: The host template's late ``torch._dynamo`` import (``monarch_kernel.host.template``,
+#: ``PREIMPORT_LATE``: about 1.1 s of CPU once a template has idled a second) serves
+#: only ranks forked later, restarted ones that rebuild DDP. Most tests restart none, and
+#: with a mesh or more per test it was minutes of the suite's CPU: off by default
+#: (``MONARCH_KERNEL_PREIMPORT_LATE`` empty, inherited by the kernels, agents and
+#: templates tests start), on in the modules that restart ranks inside DDP training,
+#: which keep the product's path under test (:func:`_late_imports`).
+LATE_IMPORT_MODULES = frozenset({"test_ddp_failures.py", "test_peer_state.py"})
+LATE_IMPORT_ENV = "MONARCH_KERNEL_PREIMPORT_LATE"
+#: Whether the session was started with its own setting (then kept everywhere).
+_LATE_IMPORT_GIVEN = LATE_IMPORT_ENV in os.environ
+os.environ.setdefault(LATE_IMPORT_ENV, "")  # before any cluster or kernel starts
+
 #: Where a test keeps what is for people to look at afterwards (screenshots, logs), and
 #: Hypothesis its example database: git-ignored. Anything else a test writes goes under a
 #: temporary directory (``tmp_path``, ``tmp_path_factory``, ``short_tmp``): a session must
@@ -347,6 +361,19 @@ def _cmdline(proc: psutil.Process) -> str:
 #: Module-scoped fixtures that own long-lived processes; their ranks may legitimately be
 #: restarted inside a test, so those tests are checked when the module's fixture ends.
 SHARED_FIXTURES = {"kernel", "procs4", "mesh22", "workers", "two_meshes", "machines"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _late_imports(request: pytest.FixtureRequest) -> Any:
+    """Turns the late import on for a module of :data:`LATE_IMPORT_MODULES` before its
+    own fixtures start anything, and off again after it; a value the session was
+    started with is kept."""
+    if _LATE_IMPORT_GIVEN or os.path.basename(str(request.path)) not in LATE_IMPORT_MODULES:
+        yield
+        return
+    os.environ[LATE_IMPORT_ENV] = "torch._dynamo"
+    yield
+    os.environ[LATE_IMPORT_ENV] = ""
 
 
 @pytest.fixture(autouse=True)
