@@ -193,6 +193,39 @@ def test_interrupt_stops_the_ranks_and_keeps_namespaces(kernel):
     assert "4/4" in r.text
 
 
+def test_a_failing_stats_job_does_not_end_the_ranks_control_thread(kernel, tmp_path):
+    """A rank's control thread sends its stats once a second; a failure there (here the
+    memory read made to raise, in each rank) is logged and the thread goes on: the
+    job runs again, and the stop button (a control message) still stops a cell."""
+    calls = tmp_path / "stats-calls"
+    calls.mkdir()
+    kernel.run(
+        "%%remote m\n"
+        "import os, monarch_kernel.rank.control as _c\n"
+        "_real_rss = _c._rss\n"
+        f"_calls = {str(calls)!r}\n"
+        "def _failing_rss(_n=[0]):\n"
+        "    _n[0] += 1\n"
+        "    open(os.path.join(_calls, os.environ['RANK'] + '-' + str(_n[0])), 'w').close()\n"
+        "    raise OSError('injected: /proc unreadable')\n"
+        "_c._rss = _failing_rss"
+    )
+    try:
+        # every rank's job failed, then ran (and failed) again: the thread lived on
+        wait_until(
+            lambda: all((calls / f"{rank}-2").exists() for rank in range(4)),
+            timeout=30,
+            what="each rank's stats job to run twice",
+        )
+        msg_id = kernel.submit("%%remote m\nimport time\nprint('in', flush=True)\ntime.sleep(60)")
+        kernel.wait_for_output(msg_id, "in")
+        kernel.km.interrupt_kernel()
+        r = kernel.collect(msg_id, timeout=30)
+        assert r.reply["ename"] == "RemoteInterrupted", r.error_text
+    finally:
+        kernel.run("%%remote m\n_c._rss = _real_rss")
+
+
 def test_dead_rank_is_restarted_by_the_default_policy(kernel):
     r = kernel.run("%%remote m --ranks 2\nimport os\nos._exit(3)")
     assert "exit code 3" in r.error_text and "rank 2" in r.error_text

@@ -80,6 +80,8 @@ class ControlThread:
         self.parent = os.getppid()
         #: The process group backend the controller was last told of (``stats["pg"]``).
         self._pg_told: object = None
+        #: (job, error type) of the periodic jobs' failures logged (see ``_guarded``)
+        self._logged_failures: set[tuple[str, str]] = set()
         #: A detachable mesh's rank: the controller link whose events this thread reads.
         self.link: ControllerLink | None = None
         #: Reassembles large pushed values, which come in chunks.
@@ -121,12 +123,13 @@ class ControlThread:
             now = time.monotonic()
             if now >= next_stats:
                 next_stats = next_stats_at(now, phase)
-                self.send_stats()
-                self.outbox.tidy()  # idle shared memory of large results goes back
+                self._guarded("sending its stats", self.send_stats)
+                # idle shared memory of large results goes back
+                self._guarded("returning idle shared memory", self.outbox.tidy)
             wait_ms = int((next_stats - time.monotonic()) * 1000) + 1
             ready = dict(poller.poll(max(wait_ms, 1)))
             if link is not None and link.monitor in ready:
-                link.watch()
+                self._guarded("watching its link to the controller", link.watch)
             if self.ctl not in ready:
                 continue
             try:
@@ -143,6 +146,19 @@ class ControlThread:
                 self.outbox.reply_error(
                     request if isinstance(request, str) else None, exc, msg.kind
                 )
+
+    def _guarded(self, what: str, work: Callable[[], object]) -> None:
+        """Run one of the loop's own periodic jobs. Invariant: nothing it raises ends
+        the thread (a rank without it answers no cancel, stack or ping, and the
+        controller would take it for hung): the failure is logged, once per kind of
+        error and job, and the loop goes on."""
+        try:
+            work()
+        except Exception as exc:
+            key = (what, type(exc).__name__)
+            if key not in self._logged_failures:
+                self._logged_failures.add(key)
+                log.exception("rank %s: %s failed (the control thread goes on)", self.rank, what)
 
     def handle(self, msg: Message) -> None:
         """Handle one control message; unknown kinds are ignored."""
