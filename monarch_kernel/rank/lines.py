@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import functools
 import select
 import selectors
@@ -41,15 +42,44 @@ from monarch_kernel.wire import Message
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 
-#: How an actor message runs (``ActorHost.kind_of``): ``QUICK`` returns at once on any
-#: thread (a ``@concurrent_endpoint`` call, a stop without ``__cleanup__``, an error),
-#: ``SYNC`` runs user code on one thread until it returns, ``ASYNC`` as a task of the
-#: rank's event loop.
-QUICK, SYNC, ASYNC = 0, 1, 2
-#: Where :meth:`Lines.place` runs a message: on this thread now, on a worker, as a task
-#: of the rank's event loop; ``KEPT``: not now (in a line or a waiting thread's mailbox);
-#: ``FAST``: here, by the main thread's fast path of :meth:`Lines.route` (counted in).
-HERE, WORKER, LOOP, KEPT, FAST = 0, 1, 2, 3, 4
+
+class RunKind(enum.IntEnum):
+    """How an actor message runs (``ActorHost.kind_of``). Int-valued: compared on
+    every message of the rank's hot path."""
+
+    #: returns at once on any thread (a ``@concurrent_endpoint`` call, a stop without
+    #: ``__cleanup__``, an error)
+    QUICK = 0
+    #: runs user code on one thread until it returns
+    SYNC = 1
+    #: runs as a task of the rank's event loop
+    ASYNC = 2
+
+
+class Placement(enum.IntEnum):
+    """Where :meth:`Lines.place` runs a message."""
+
+    #: on this thread, now
+    HERE = 0
+    #: on a worker thread
+    WORKER = 1
+    #: as a task of the rank's event loop
+    LOOP = 2
+    #: not now: in a line or a waiting thread's mailbox
+    KEPT = 3
+    #: here, by the main thread's fast path of :meth:`Lines.route` (counted in)
+    FAST = 4
+
+
+# The members by name, as the modules of the rank's message path compare them.
+QUICK, SYNC, ASYNC = RunKind.QUICK, RunKind.SYNC, RunKind.ASYNC
+HERE, WORKER, LOOP, KEPT, FAST = (
+    Placement.HERE,
+    Placement.WORKER,
+    Placement.LOOP,
+    Placement.KEPT,
+    Placement.FAST,
+)
 #: A holder not started yet (a worker was asked to run the actor's message).
 _STARTING = -1
 #: Messages the inbox keeps in the actors' lines (or for the main thread) at most while
@@ -74,7 +104,7 @@ def actor_of(hdr: H.Ordered) -> str:
     return str(getattr(hdr, "actor", ""))
 
 
-def _always_sync(hdr: H.Ordered) -> int:
+def _always_sync(hdr: H.Ordered) -> RunKind:
     return SYNC
 
 
@@ -109,7 +139,7 @@ class Lines:
         #: waits in ``.get()`` and another thread reads the inbox (re-entrant calls)
         self.mailboxes: dict[int, tuple[Line, Wake]] = {}
         #: How an actor message runs (``ActorHost.kind_of``: QUICK, SYNC, ASYNC).
-        self.kind_of: Callable[[H.Ordered], int] = _always_sync
+        self.kind_of: Callable[[H.Ordered], int] = _always_sync  # a RunKind
         #: The thread that reads the socket: the main thread, or the relief thread
         #: while the main thread is held.
         self.reader = self.main_ident
@@ -218,7 +248,7 @@ class Lines:
         self.want_back = False
 
     # -- where a message runs ---------------------------------------------------------
-    def route(self, msg: Message, hdr: H.Ordered, ordered: bool) -> int:
+    def route(self, msg: Message, hdr: H.Ordered, ordered: bool) -> Placement:
         """Where actor message ``msg`` runs (:meth:`place`): HERE or FAST (the caller
         runs it now; FAST: counted in already), or it was handed on (a worker, the
         event loop) or kept (a line, a mailbox). ``ordered``: it keeps its actor's
@@ -278,7 +308,7 @@ class Lines:
             self.to_loop(name, msg, hdr)
         return where
 
-    def place(self, kind: int, me: int) -> int:
+    def place(self, kind: int, me: int) -> Placement:
         """Where a message of ``kind`` to a free actor runs, read on thread ``me``."""
         if kind == QUICK:
             return HERE
