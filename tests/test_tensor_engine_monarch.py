@@ -8,9 +8,9 @@ Imports changed (``monarch`` read as ``monarch_kernel``), ``cuda`` read as ``cpu
 Monarch's ``local_device_mesh(hosts, gpus)`` served by slices of one real 2x2 mesh
 (``host`` x ``gpu``, started without a kernel) shared by the module. The worker-side
 helpers Monarch keeps in ``monarch.worker._testing_function`` are the functions at the
-end of this file (the ranks import them from here). Tests of what differs here (aliases
-of cached outputs, parallel streams, the debugger, CUDA devices) are skipped with the
-reason. Every test's body is Monarch's.
+end of this file (the ranks import them from here). Tests of what differs here
+(parallel streams, the debugger, CUDA devices, Monarch's internal helpers) are skipped
+with the reason. Every test's body is Monarch's.
 """
 
 from __future__ import annotations
@@ -541,12 +541,12 @@ def test_to_mesh_pytree(local):
     assert torch.equal(moved_tensor_b, torch.tensor([2.0]))
 
 
-@pytest.mark.skip(
-    reason="device_mesh.client.shutdown() raising unfetched errors: here they show at the "
-    "end of the notebook cell that issued the op (tests/test_tensor_engine.py)"
-)
 def test_hanging_error(local):
-    pass
+    with local.local_device_mesh(2, 2) as device_mesh:
+        remote(lambda: torch.rand(3) + torch.rand(4), propagate=lambda: None)()
+
+        with pytest.raises(Exception, match="The size of tensor"):
+            device_mesh.client.shutdown()
 
 
 def test_slice_mesh_pytree(local):
@@ -768,12 +768,20 @@ def test_remote_autograd_function(local):
     assert torch.equal(grad_local_1_f, torch.ones_like(local_0))  # (Monarch only fetches it)
 
 
-@pytest.mark.skip(
-    reason="cached propagation here makes fresh outputs: outputs that are views of an "
-    "input (x.chunk) are not seen as its aliases"
-)
+def remote_chunk(t: torch.Tensor):
+    """Monarch's ``_testing_function.remote_chunk``."""
+    return t.chunk(4, dim=0)
+
+
 def test_cached_remote_aliases(local):
-    pass
+    fn = remote(f"{_HERE}.remote_chunk")
+    with local.local_device_mesh(1, 1):
+        x = torch.randn(16, 5, device="cuda")
+        outs = fn(x)
+        aliases = outs[0]._aliases.aliases
+        # x and 4 results of x.chunk(4)
+        assert len(aliases) == 5
+        assert outs[2]._fake.storage_offset() == 40
 
 
 def test_live_function(local):

@@ -9,6 +9,8 @@ rank when it is held (:mod:`monarch_kernel.rank.runners`), the rank's event loop
 message of it runs, or its async endpoint's task) waits in its line
 (:attr:`ActorHost.waiting`); the handlers here count each message in and out
 (:attr:`ActorHost.enter`, :attr:`ActorHost.leave`), and may run on any of those threads.
+An actor endpoint's ``rref`` (a tensor-engine op) that finds its actor busy puts a
+:class:`Turn` in the actor's line and waits for it (``rank.tensors.actor_calls``).
 
 An actor spawned by an actor (header ``oa``/``ox``/``on``) is *owned*: its failures
 nobody waits for go to the owner (:mod:`monarch_kernel.rank.supervise`). A spawn or stop
@@ -35,6 +37,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from monarch_kernel.rank import actor_logs, context
@@ -62,6 +65,66 @@ class Running:
 
     def __init__(self, task: asyncio.Task[Any]):
         self.task = task
+
+
+class Turn:
+    """An ``rref``'s place in a busy actor's line (Monarch queues the rref's call in the
+    actor's mailbox): the tensor-engine op that runs the rref puts it in the line
+    (:class:`TurnCall`) and waits; when the line reaches it, the actor is counted in
+    for that op (:meth:`grant`), which runs the endpoint and counts it out. An op that
+    gave up meanwhile (the stop button: :meth:`abandon`) is skipped. Any thread."""
+
+    __slots__ = ("actor", "_lock", "_state", "_wake")
+
+    WAITING, GRANTED, ABANDONED = 0, 1, 2
+
+    def __init__(self, actor: str):
+        self.actor = actor
+        self._lock = threading.Lock()
+        self._state = Turn.WAITING
+        self._wake: Callable[[], None] | None = None
+
+    @property
+    def granted(self) -> bool:
+        """Whether the line reached this turn (the actor is counted in for it)."""
+        return self._state == Turn.GRANTED
+
+    def grant(self, enter: Callable[[str], None]) -> None:
+        """(The thread that drains the actor's line.) Its turn came: count the actor in
+        for the waiting op (``enter``), unless that op gave up; wake it."""
+        with self._lock:
+            if self._state != Turn.WAITING:
+                return
+            enter(self.actor)
+            self._state = Turn.GRANTED
+            wake = self._wake
+        if wake is not None:
+            wake()
+
+    def on_grant(self, wake: Callable[[], None]) -> None:
+        """Call ``wake()`` (any thread) once the turn is granted (now if it is)."""
+        with self._lock:
+            self._wake = wake
+            now = self._state == Turn.GRANTED
+        if now:
+            wake()
+
+    def abandon(self) -> bool:
+        """The waiting op gives up: its turn is skipped when the line reaches it. True
+        when it was granted already (the caller then counts the actor out)."""
+        with self._lock:
+            if self._state == Turn.GRANTED:
+                return True
+            self._state = Turn.ABANDONED
+            return False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnCall(H.Call):
+    """The line entry of a :class:`Turn` (a ``call`` header that no socket carries: the
+    line keeps it in order with the actor's calls; :meth:`ActorHost.call` grants it)."""
+
+    turn: Turn
 
 
 class UserCode(Protocol):
@@ -213,6 +276,8 @@ class ActorHost:
                     kind = SYNC
                 self._kinds[key] = kind
             return kind
+        if t is TurnCall:
+            return QUICK  # an rref's turn: granted at once by the thread that drains
         if t is H.Supervise:
             assert isinstance(hdr, H.Supervise)
             actor = self.actors.get(hdr.owner_name)
@@ -547,6 +612,9 @@ class ActorHost:
         answered here, or by its response port, or when its task ends."""
         assert isinstance(hdr, H.Call)
         name = hdr.actor
+        if type(hdr) is TurnCall:  # an rref's turn in the line: its op runs the call
+            hdr.turn.grant(self.enter)
+            return
         self.enter(name)
         running = False
         try:

@@ -20,7 +20,9 @@ Invariants:
   their new root errors (after all sent before), waits up to :data:`REPORT_WAIT` for
   them (what comes later is shown at a later cell's end) and leaves out those a fetch
   already raised. Ranks answer reports in order and forget what they answered, so each
-  error comes once.
+  error comes once. Outside a notebook (a script) the same errors are raised by
+  :meth:`Client.shutdown` (Monarch's ``device_mesh.client.shutdown()``) and written to
+  stderr at the interpreter's exit (:func:`report_at_exit`), each once.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.gather import Gather
 from monarch_kernel.calls.reply import Reply
 from monarch_kernel.calls.requester import CallOptions, Requester
+from monarch_kernel.tensor_engine import state
 from monarch_kernel.tensor_engine.errors import CellReport, Frame, RemoteException, Unfetched
 from monarch_kernel.wire.headers import TensorOps
 from monarch_kernel.wire.tensor_ops import (
@@ -72,6 +75,9 @@ FRAMES_PER_OP = 6
 REPORT_WAIT = 30.0
 #: Seqs of errors already raised or shown that are remembered (oldest forgotten first).
 MAX_SHOWN = 10_000
+#: Seconds :meth:`Client.shutdown` waits for the ranks to run what was issued (Monarch's
+#: shutdown waits 60 s too).
+SHUTDOWN_WAIT = 60.0
 
 #: Records that are not ops (not counted as issued, nor as run by the ranks).
 _NOT_OPS = (Drop, Resume)
@@ -107,6 +113,10 @@ def user_frames() -> tuple[Frame, ...]:
             found.append((code.co_filename, frame.f_lineno, code.co_name))
         frame = frame.f_back  # type: ignore[assignment]
     found.reverse()
+    attributed = state.this_thread.frames
+    if attributed is not None:  # a grad_generator's backward thread: its caller's line
+        own = tuple(f for f in found if f[0] != threading.__file__)
+        return (attributed + own)[-FRAMES_PER_OP:]
     return tuple(found)
 
 
@@ -156,6 +166,8 @@ class Client:
         self.aliases: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         #: whether every rank was told to join the default process group
         self._world_joined = False
+        #: :meth:`shutdown` was called (Monarch's ``has_shutdown``)
+        self.has_shutdown = False
 
     # -- naming ----------------------------------------------------------------------
     def new_ref(self) -> int:
@@ -402,6 +414,43 @@ class Client:
             )
         return CellReport(unfetched, more)
 
+    def unfinished(self) -> bool:
+        """Whether a report asked of the ranks is not answered yet (they still run ops
+        issued before it): errors of those ops are not known yet."""
+        return any(not r.future.done() for r in self._reports)
+
+    def shutdown(self, wait: float = SHUTDOWN_WAIT) -> None:
+        """Monarch's ``device_mesh.client.shutdown()``: send what is buffered, wait (up
+        to ``wait`` seconds) until the ranks ran every op issued, and raise the
+        :class:`RemoteException` of the first failed op that nothing fetched (where it
+        was issued, and the rank's traceback; the others, if any, in its notes). Each
+        is raised or shown once: the interpreter's exit does not show them again. The
+        mesh keeps running (its process mesh's ``stop()`` stops the ranks); ops issued
+        later are reported at a later ``shutdown()``, a notebook cell's end or exit."""
+        self.has_shutdown = True
+        deadline = time.monotonic() + wait
+        self.start_report()
+        for pending in list(self._reports):  # (those of earlier cells' ends too)
+            try:
+                pending.future.get(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                break
+        got = self.report(deadline)
+        if got.unfetched:
+            first = got.unfetched[0]
+            error = first.error
+            for other in got.unfetched[1:]:
+                error.add_note(f"and another op nothing fetched failed:\n{other.error}")
+            if got.more:
+                error.add_note(f"and {got.more} more op failures the ranks did not keep")
+            raise error
+        if self.unfinished():
+            raise TimeoutError(
+                f"shutdown: the ranks of mesh {self.requester.name!r} did not run the ops "
+                f"issued within {wait:g}s; their errors, if any, are not known yet (fetch "
+                "a value, or call shutdown() again to wait longer)"
+            )
+
 
 class _Report:
     """The observer of a report request: each rank's answer, done once every rank
@@ -527,3 +576,43 @@ def report_all(wait: float | None = None) -> CellReport:
         out.unfetched.extend(got.unfetched)
         out.more += got.more
     return out
+
+
+#: Seconds the interpreter's exit waits for the ranks to run the ops issued (a script),
+#: to show the errors of those that failed and nothing fetched.
+EXIT_WAIT = REPORT_WAIT
+_exit_hook: list[bool] = []
+
+
+def report_at_exit() -> None:
+    """Outside a notebook: at the interpreter's exit, write to stderr the errors of
+    failed ops that nothing fetched, raised or showed (Monarch raises them when its
+    client shuts down at exit). Registered once, with ``atexit``, by the first device
+    mesh of a script (:func:`watch_exit`); before the meshes' own exit handlers, which
+    stop the ranks (``atexit`` runs the last registered first)."""
+    try:
+        got = report_all(EXIT_WAIT)
+    except KeyboardInterrupt:  # Ctrl-C at exit: do not wait for the ranks
+        return
+    except Exception:  # the meshes are gone: nothing to ask
+        return
+    text = got.text()
+    left = [c.requester.name for c in list(_clients.values()) if c.unfinished()]
+    if left:
+        text += (
+            f"Warning: the ranks of mesh(es) {', '.join(map(repr, left))} were still "
+            f"running tensor-engine ops at exit (after {EXIT_WAIT:g}s): errors of those "
+            "ops, if any, are not shown.\n"
+        )
+    if text:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
+def watch_exit() -> None:
+    """Register :func:`report_at_exit` (once per process)."""
+    if not _exit_hook:
+        import atexit
+
+        _exit_hook.append(True)
+        atexit.register(report_at_exit)

@@ -8,7 +8,10 @@ mesh's: each rank runs the actor's method on its local tensors, in order with th
 issued before and after, and keeps what it returns as the op's outputs. Their shapes
 come from the endpoint's ``propagate`` function, run here on fake tensors (Monarch has
 no cached propagation for actors either). The batch is sent at once, so a plain call to
-the actor issued after the ``rref`` reaches each rank after it.
+the actor issued after the ``rref`` reaches each rank after it. A rank whose actor is
+busy when the op runs waits for it (the op takes its place in the actor's line, as
+Monarch's mailbox does): the calls issued before the ``rref`` run first, those after it
+later.
 """
 
 from __future__ import annotations

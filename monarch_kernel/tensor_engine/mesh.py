@@ -21,7 +21,13 @@ import torch
 from monarch_kernel.calls.requester import Requester
 from monarch_kernel.shape import Shape, grid_table, rename_dims, split_dims
 from monarch_kernel.tensor_engine import state
-from monarch_kernel.tensor_engine.client import Client, cells_ended, client_for, report_all
+from monarch_kernel.tensor_engine.client import (
+    Client,
+    cells_ended,
+    client_for,
+    report_all,
+    watch_exit,
+)
 from monarch_kernel.tensor_engine.tensor import ActiveMesh, Tensor, new_tensor, on_fakes
 from monarch_kernel.wire.tensor_ops import RankCoord
 
@@ -264,13 +270,18 @@ _hooked: list[weakref.ref[Any]] = []
 def watch_cells() -> None:
     """In IPython, when each cell ends: send the buffered ops (else they wait for the
     next fetch or a full batch) and show under the cell the errors of its failed ops
-    that nothing fetched."""
+    that nothing fetched. Outside IPython (a script): those errors are shown at the
+    interpreter's exit (``client.report_at_exit``)."""
     try:
         from IPython import get_ipython
     except ImportError:
+        watch_exit()
         return
     ip = get_ipython()
-    if ip is None or any(h() is ip for h in _hooked):
+    if ip is None:
+        watch_exit()
+        return
+    if any(h() is ip for h in _hooked):
         return
     ip.events.register("post_run_cell", lambda result=None: _after_cell(ip, result))
     _hooked.append(weakref.ref(ip))

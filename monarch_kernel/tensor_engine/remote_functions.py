@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from monarch_kernel.calls.future import Future, check_port, forward_to_port
 from monarch_kernel.calls.value_mesh import ValueMesh
@@ -20,11 +20,13 @@ from monarch_kernel.tensor_engine.tensor import (
     check_access,
     check_stream,
     dropped_error,
+    mutated_refs,
     new_tensor,
     on_fakes,
 )
 from monarch_kernel.wire import serialize
-from monarch_kernel.wire.tensor_ops import ALL_SHARDS, CallOp, Ref, RemoteFunction, TensorPattern
+from monarch_kernel.wire.output_patterns import OutputPattern, StorageOwner
+from monarch_kernel.wire.tensor_ops import ALL_SHARDS, CallOp, Ref, RemoteFunction
 
 
 class Remote:
@@ -80,14 +82,11 @@ class Remote:
     def _cached(self, mesh: Any, flat: list[Any], spec: Any) -> Any:
         """Monarch's cached propagation: the function's outputs as fakes, from one real
         run on the mesh's first rank per signature of the arguments (tensors by shape,
-        dtype and strides; other values by ``repr``)."""
-        key = (
-            str(spec),
-            tuple(
-                (tuple(x.shape), x.dtype, x.stride()) if isinstance(x, Tensor) else repr(x)
-                for x in flat
-            ),
-        )
+        dtype, strides, storage offset and which of them share a storage; other values
+        by ``repr``). An output that is a view of an argument (or of an earlier output)
+        on that run is a view of its fake here, at the same offset: the mesh tensors
+        made of them are its aliases."""
+        key = (str(spec), _signature(flat))
         if any(isinstance(x, RemoteProcessGroup) for x in flat):
             raise ValueError(
                 f"remote({self.__name__!r}) takes a process group: give it a propagate "
@@ -103,8 +102,7 @@ class Remote:
             runner = Remote(_PATTERN_RUNNER, "inspect")
             pattern = runner.call_on_shard_and_fetch(self._function(), *args, **kwargs).get()
             self._patterns[key] = pattern
-        with on_fakes():
-            return tree_map(_fake_of, pattern, is_leaf=lambda x: isinstance(x, TensorPattern))
+        return _fakes_of(pattern, flat)
 
     def _mesh_of(self, flat: list[Any]) -> tuple[Any, Any]:
         """The mesh and stream the call runs on: those of its mesh-tensor arguments
@@ -259,13 +257,17 @@ class Remote:
         # what the propagator wrote in place, the function writes on the ranks
         mutated = [x for x, v in zip(inputs, versions) if x._fake._version != v]
         check_access(self.__name__, (), mutated)
-        mutates = tuple(x.ref for x in mutated)
+        mutates = mutated_refs(mutated, mesh)
         client = mesh.client
         results: list[int] = []
         out_flat, out_spec = tree_flatten(out)
         wrapped = []
+        given = {id(x._fake) for x in inputs}
         for f in out_flat:
             if isinstance(f, torch.Tensor):
+                if id(f) in given:  # an argument itself: a new mesh tensor aliasing it
+                    with on_fakes():
+                        f = torch.ops.aten.alias.default(f)
                 t = new_tensor(f, mesh, stream)
                 results.append(t.ref)
                 wrapped.append(t)
@@ -284,16 +286,72 @@ class Remote:
 
 
 #: The rank-side function of cached propagation (named by path: the ranks import it).
-_PATTERN_RUNNER = "monarch_kernel.rank.tensors.worker.output_pattern"
+_PATTERN_RUNNER = "monarch_kernel.rank.tensors.propagation.output_patterns"
 _NOT_CACHED = object()
 #: How many calls cached propagation answered from its cache (Monarch's counter).
 _hit = 0
 
 
-def _fake_of(x: Any) -> Any:
-    if isinstance(x, TensorPattern):
-        return torch.empty_strided(x.size, x.stride, dtype=getattr(torch, x.dtype))
-    return x
+def _signature(flat: list[Any]) -> tuple[Any, ...]:
+    """The arguments as cached propagation tells calls apart: a mesh tensor by its shape,
+    dtype, strides, storage offset and the first argument sharing its storage (the
+    outputs' patterns name the arguments whose storage they use); others by ``repr``."""
+    first: dict[Any, int] = {}
+    out: list[Any] = []
+    for i, x in enumerate(flat):
+        if isinstance(x, Tensor):
+            fake = x._fake
+            owner = first.setdefault(fake.untyped_storage(), i)
+            out.append((tuple(x.shape), x.dtype, x.stride(), fake.storage_offset(), owner))
+        else:
+            out.append(repr(x))
+    return tuple(out)
+
+
+def _fakes_of(pattern: Any, flat: list[Any]) -> Any:
+    """The fakes of a cached call's outputs: ``pattern`` with each
+    :class:`OutputPattern` replaced by a fake on its storage: a new one, or that of the
+    argument of ``flat`` or the earlier output it names."""
+    leaves, spec = tree_flatten(pattern, is_leaf=lambda x: isinstance(x, OutputPattern))
+    made: list[torch.Tensor] = []
+    out: list[Any] = []
+    with on_fakes():
+        for p in leaves:
+            if not isinstance(p, OutputPattern):
+                out.append(p)
+                continue
+            dtype = getattr(torch, p.dtype)
+            base: Any = None
+            if p.owner is StorageOwner.ARGUMENT:
+                arg = flat[p.index]
+                base = arg._fake if isinstance(arg, Tensor) else None
+            elif p.owner is StorageOwner.OUTPUT:
+                base = made[p.index]
+            if base is not None and not _fits(base, p, dtype):
+                base = None  # that storage differs here (a rank's own layout): a copy
+            if base is None:  # its own storage (or a local constant's: a copy here)
+                base = torch.empty((p.storage_numel,), dtype=dtype)
+            made.append(_view(base, p, dtype))
+            out.append(made[-1])
+    return tree_unflatten(out, spec)
+
+
+def _fits(base: torch.Tensor, p: OutputPattern, dtype: torch.dtype) -> bool:
+    """Whether ``p``'s elements lie inside ``base``'s storage."""
+    if any(n == 0 for n in p.size):
+        return True
+    last = p.storage_offset + sum((n - 1) * st for n, st in zip(p.size, p.stride))
+    return last < base.untyped_storage().nbytes() // dtype.itemsize
+
+
+def _view(base: torch.Tensor, p: OutputPattern, dtype: torch.dtype) -> torch.Tensor:
+    """A fake of ``p``'s shape on ``base``'s storage at ``p``'s offset (a view when the
+    dtypes agree; else a tensor set on that storage)."""
+    if base.dtype == dtype:
+        return base.as_strided(p.size, p.stride, p.storage_offset)
+    return torch.empty((0,), dtype=dtype).set_(
+        base.untyped_storage(), p.storage_offset, p.size, p.stride
+    )
 
 
 def _importable_path(r: Remote) -> str | None:

@@ -10,7 +10,8 @@ stream, ``BORROWED``); run the op on the FakeTensors under the controller's
 is sent); find the inputs it writes (by its schema; ``MUTATING_BORROW`` for one a borrow
 made read-only); wrap each fake output in a new mesh tensor of the active stream with a
 fresh ref (an output that *is* an input stays that input); queue one
-:class:`~monarch_kernel.wire.tensor_ops.CallOp` on the mesh's client. Each tensor
+:class:`~monarch_kernel.wire.tensor_ops.CallOp` on the mesh's client (what it mutates:
+the inputs it writes and every alias of their storages, which a failure poisons). Each tensor
 registers with its storage's :class:`~.streams.StorageAliases` (views share one: what
 a borrow allows holds for all of them).
 
@@ -211,13 +212,14 @@ class Tensor(torch.Tensor):
 
 @contextlib.contextmanager
 def inputs_stream() -> Iterator[None]:
-    """Ops run on the stream of their inputs meanwhile (a backward pass: as the forward
-    ops they differentiate did), not the active one."""
-    state.follow_inputs[0] += 1
+    """Ops issued on this thread run on the stream of their inputs meanwhile (a backward
+    pass: as the forward ops they differentiate did), not the active one."""
+    here = state.this_thread
+    here.follow_inputs += 1
     try:
         yield
     finally:
-        state.follow_inputs[0] -= 1
+        here.follow_inputs -= 1
 
 
 @contextlib.contextmanager
@@ -288,7 +290,9 @@ def check_stream(what: Any, tensors: Any, stream: Any) -> Any:
     for i, t in enumerate(tensors):
         if t.stream is stream:
             continue
-        if i == 0 and (state.follow_inputs[0] or torch._C._current_autograd_node() is not None):
+        if i == 0 and (
+            state.this_thread.follow_inputs or torch._C._current_autograd_node() is not None
+        ):
             stream = t.stream
             continue
         if t.stream is not stream:
@@ -342,9 +346,25 @@ def written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Te
     return out
 
 
+def mutated_refs(written: list[Tensor], mesh: Any) -> tuple[int, ...]:
+    """The refs an op writing ``written`` on ``mesh`` mutates: theirs and those of every
+    other live tensor of ``mesh`` on their storages (views, aliases): when the op fails
+    on a rank, they all hold its error there, as what they read is unknown."""
+    refs: dict[int, None] = {}
+    for t in written:
+        refs[t.ref] = None
+        for alias in list(t._aliases.aliases):
+            if not alias._dropped and alias._mesh == mesh:
+                refs[alias.ref] = None
+    return tuple(refs)
+
+
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on mesh tensors (see the module docstring); plain local torch when no
     argument is a mesh tensor and no mesh is active."""
+    cancel = state.this_thread.cancel
+    if cancel is not None and cancel.is_set():
+        raise state.Cancelled(f"{func}: the backward pass of a stopped grad_generator")
     flat, spec = tree_flatten((args, kwargs))
     mesh = None
     local = False
@@ -423,7 +443,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             wrapped.append(same)
         else:
             wrapped.append(f)
-    mutates = tuple(t.ref for t in mutated)
+    mutates = mutated_refs(mutated, mesh)
     wire = [
         Ref(x.ref)
         if isinstance(x, Tensor)

@@ -1,0 +1,90 @@
+"""Errors of tensor-engine ops that nothing fetched, in a script (no notebook, no
+kernel): ``device_mesh.client.shutdown()`` raises them (Monarch's), and the
+interpreter's exit writes those left to stderr, once each (issue 50).
+
+The script runs as a user runs it (this environment's Python, a subprocess) and must
+leave no process behind.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+
+import pytest
+from helpers import program_env, tagged_processes, wait_until
+
+#: Seconds the script may take (its mesh of 2 starts, three ops fail).
+LIMIT = 180
+
+pytestmark = [pytest.mark.local, pytest.mark.timeout(LIMIT + 60)]
+
+PROGRAM = r"""
+import torch
+import monarch_kernel
+from monarch_kernel import remote
+from monarch_kernel.actor import this_host
+from monarch_kernel.mesh_controller import RemoteException, spawn_tensor_engine
+
+procs = this_host().spawn_procs({"gpus": 2})
+mesh = spawn_tensor_engine(procs)
+with mesh.activate():
+    fetched = remote(lambda: torch.rand(3) + torch.rand(4), propagate=lambda: torch.ones(()))()
+    try:
+        monarch_kernel.inspect(fetched, gpus=0)
+    except RemoteException:
+        print("the fetch raised it")
+    remote(lambda: torch.rand(5) + torch.rand(6), propagate=lambda: None)()  # line 16
+    try:
+        mesh.client.shutdown()
+    except RemoteException as exc:
+        print("shutdown raised:", str(exc).splitlines()[0])
+        print("issued at line", [line for f, line, _ in exc.controller_frames][-1])
+    mesh.client.shutdown()  # nothing new: returns
+    print("shutdown again: nothing")
+    remote(lambda: torch.rand(7) + torch.rand(8), propagate=lambda: None)()  # line 24
+print("script done")
+"""
+
+#: What the script prints, in order.
+MARKERS = [
+    "the fetch raised it",
+    "shutdown raised: A tensor-engine op failed on rank 0: RuntimeError: The size of tensor "
+    "a (5) must match",
+    "issued at line 16",
+    "shutdown again: nothing",
+    "script done",
+]
+
+
+def test_a_script_reports_errors_nothing_fetched_at_shutdown_and_exit(tmp_path):
+    script = tmp_path / "unfetched.py"
+    script.write_text(PROGRAM)
+    tag = f"te-exit-{uuid.uuid4().hex[:8]}"
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            env=program_env(tag),
+            capture_output=True,
+            text=True,
+            timeout=LIMIT,
+            cwd=tmp_path,
+        )
+    finally:
+        wait_until(lambda: not tagged_processes(tag), timeout=30, what="the script's processes")
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0, f"exit {done.returncode}\n{out}\n{err}"
+    at = 0
+    for marker in MARKERS:
+        found = out.find(marker, at)
+        assert found >= 0, f"{marker!r} missing (in order) from:\n{out}\n{err}"
+        at = found + len(marker)
+    # at exit: the op nothing fetched, once, naming the script's line
+    assert err.count("nothing fetched its result") == 1, err
+    assert "The size of tensor a (7) must match the size of tensor b (8)" in err, err
+    assert f'File "{script}", line 24' in err, err
+    assert "torch.rand(7) + torch.rand(8)" in err, err
+    # not again what a fetch raised, nor what shutdown raised
+    assert "(3) must match" not in err, err
+    assert "(5) must match" not in err, err
