@@ -21,6 +21,7 @@ LIMIT = 180
 pytestmark = [pytest.mark.local, pytest.mark.timeout(LIMIT + 60)]
 
 PROGRAM = r"""
+import sys
 import torch
 import monarch_kernel
 from monarch_kernel import remote
@@ -35,7 +36,7 @@ with mesh.activate():
         monarch_kernel.inspect(fetched, gpus=0)
     except RemoteException:
         print("the fetch raised it")
-    remote(lambda: torch.rand(5) + torch.rand(6), propagate=lambda: None)()  # line 16
+    remote(lambda: torch.rand(5) + torch.rand(6), propagate=lambda: None)()  # line 17
     try:
         mesh.client.shutdown()
     except RemoteException as exc:
@@ -43,8 +44,15 @@ with mesh.activate():
         print("issued at line", [line for f, line, _ in exc.controller_frames][-1])
     mesh.client.shutdown()  # nothing new: returns
     print("shutdown again: nothing")
-    remote(lambda: torch.rand(7) + torch.rand(8), propagate=lambda: None)()  # line 24
+    remote(lambda: torch.rand(7) + torch.rand(8), propagate=lambda: None)()  # line 25
 print("script done")
+
+# a mesh the script stops itself: its ranks are gone at exit, so the stop reports first
+others = this_host().spawn_procs({"gpus": 2})
+with others.activate():
+    remote(lambda: torch.rand(9) + torch.rand(10), propagate=lambda: None)()  # line 31
+others.stop()
+print("stopped", file=sys.stderr)
 """
 
 #: What the script prints, in order.
@@ -52,7 +60,7 @@ MARKERS = [
     "the fetch raised it",
     "shutdown raised: A tensor-engine op failed on rank 0: RuntimeError: The size of tensor "
     "a (5) must match",
-    "issued at line 16",
+    "issued at line 17",
     "shutdown again: nothing",
     "script done",
 ]
@@ -81,10 +89,14 @@ def test_a_script_reports_errors_nothing_fetched_at_shutdown_and_exit(tmp_path):
         assert found >= 0, f"{marker!r} missing (in order) from:\n{out}\n{err}"
         at = found + len(marker)
     # at exit: the op nothing fetched, once, naming the script's line
-    assert err.count("nothing fetched its result") == 1, err
+    assert err.count("nothing fetched its result") == 2, err  # at the stop, at exit
     assert "The size of tensor a (7) must match the size of tensor b (8)" in err, err
-    assert f'File "{script}", line 24' in err, err
+    assert f'File "{script}", line 25' in err, err
     assert "torch.rand(7) + torch.rand(8)" in err, err
+    # the stopped mesh's: before its stop, once, naming its line
+    assert err.count("failed on rank 0: RuntimeError: The size of tensor a (9)") == 1, err
+    assert err.index("(9) must match") < err.index("stopped\n"), err
+    assert f'File "{script}", line 31' in err, err
     # not again what a fetch raised, nor what shutdown raised
     assert "(3) must match" not in err, err
     assert "(5) must match" not in err, err

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import textwrap
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -349,7 +350,11 @@ class ProcMesh(MeshView):
         Ranks get ``grace`` seconds to exit cleanly (``atexit`` handlers, finalizers,
         ``destroy_process_group``) before they are killed. In the notebook it is done
         when this returns; from a rank the future completes once the controller stopped
-        it (a mesh cannot be stopped from one of its own ranks)."""
+        it (a mesh cannot be stopped from one of its own ranks). Errors of its
+        tensor-engine ops that nothing fetched are written to stderr first."""
+        engine = sys.modules.get("monarch_kernel.tensor_engine.client")
+        if engine is not None:  # (only where the tensor engine was used)
+            engine.report_before_stop(self._requester)
         return self._requester.stop_mesh(grace)
 
     def dashboard(self) -> Any:

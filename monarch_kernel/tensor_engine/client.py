@@ -73,6 +73,9 @@ FRAMES_PER_OP = 6
 #: Seconds a cell's end waits for its ops to finish on the ranks, to show their errors
 #: under it; errors of ops still running then are shown at a later cell's end.
 REPORT_WAIT = 30.0
+#: Seconds a process mesh's ``stop()`` waits for its ranks to run the ops issued, to
+#: show the errors nothing fetched before the ranks are gone.
+STOP_REPORT_WAIT = 3.0
 #: Seqs of errors already raised or shown that are remembered (oldest forgotten first).
 MAX_SHOWN = 10_000
 #: Seconds :meth:`Client.shutdown` waits for the ranks to run what was issued (Monarch's
@@ -576,6 +579,36 @@ def report_all(wait: float | None = None) -> CellReport:
         out.unfetched.extend(got.unfetched)
         out.more += got.more
     return out
+
+
+def report_before_stop(requester: object) -> None:
+    """``requester``'s process mesh is about to stop: write to stderr (under the cell,
+    in a notebook) the errors of its failed ops that nothing fetched, raised or showed,
+    waiting up to :data:`STOP_REPORT_WAIT` for its ranks to run the ops issued (a mesh
+    is often stopped because it is stuck); once the ranks are gone nobody could tell
+    them any more. Nothing if the tensor engine was not used on it; the stop button
+    while it waits skips the report, not the stop."""
+    client = existing_client(requester)
+    if client is None:
+        return
+    try:
+        client.start_report()
+        got = client.report(time.monotonic() + STOP_REPORT_WAIT)
+        unfinished = client.unfinished()
+    except KeyboardInterrupt:
+        return
+    except Exception:  # the mesh is gone already: nothing to ask
+        return
+    text = got.text()
+    if unfinished:
+        text += (
+            f"Warning: the ranks of mesh {client.requester.name!r} were still running "
+            f"tensor-engine ops when it was stopped (after {STOP_REPORT_WAIT:g}s): errors "
+            "of those ops, if any, are not shown.\n"
+        )
+    if text:
+        sys.stderr.write(text)
+        sys.stderr.flush()
 
 
 #: Seconds the interpreter's exit waits for the ranks to run the ops issued (a script),
