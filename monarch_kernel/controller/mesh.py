@@ -425,8 +425,12 @@ class MeshRuntime(RestartAndResize):
         wait: bool = True,
     ) -> None:
         """Fire and forget: send to ``ranks``' main threads (FIFO per rank); errors go to
-        supervision (:class:`FaultReported`). Flow control as for :meth:`request`."""
+        supervision (:class:`FaultReported`). Flow control as for :meth:`request`; as
+        a request, it waits while the mesh restarts ranks (sent meanwhile, it would go
+        to a rank not started yet)."""
         check_size(header, payload, buffers)
+        if self.lifecycle.phase is MeshPhase.RECOVERING:
+            self.restarter.wait_recovered(RECOVERY_WAIT)
         self.check_alive(ranks)
         self._make_room(wait)
         # small calls made back to back travel batched (controller.messaging.batching)

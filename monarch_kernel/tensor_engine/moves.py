@@ -1,6 +1,7 @@
 """Mesh tensors between meshes: ``slice_mesh`` (the same local tensors, seen on a slice of
 the mesh) and ``to_mesh`` (a copy on another mesh of the same process mesh: on the same
-ranks a local copy; between ranks over the process group, point to point).
+ranks a local copy; between ranks point to point, over the re-formable process group of
+the transfer's ranks, which the stop button stops as it stops a reduction).
 
 ``to_mesh`` matches dims by name (Monarch's rule): a dim of the destination that the
 source has must have the same size there, and the rank at a destination coordinate
@@ -107,7 +108,7 @@ def to_mesh(tree: Any, mesh: Any, stream: Any = None) -> Any:
     """Each mesh tensor of ``tree`` copied onto ``mesh`` (a ``DeviceMesh`` or a
     ``ProcMesh`` of the same process mesh), on ``stream`` (default: the tensor's): an
     independent copy. Dims are matched by name, missing ones broadcast (see the module
-    docstring); data moves between ranks over the process mesh's process group."""
+    docstring); data moves between ranks over the process group of the ranks involved."""
     if not isinstance(mesh, DeviceMesh):
         mesh = device_mesh(mesh._requester, mesh._shape)
     target: DeviceMesh = mesh

@@ -8,6 +8,11 @@ leading dim; with ``scatter=True`` (one dim of size n; the tensor's dim 0 is n),
 ``stack`` is an all-to-all (rank i gets row i of every rank's tensor, stacked).
 ``dims=()`` means every dim of the mesh. Monarch's rules and messages; a reduction on a
 slice of a process mesh runs on the slice's ranks only.
+
+The stop button stops a reduction wherever it is on the ranks (waiting for a peer held
+in a remote function, or in flight): its output and the ops queued after it hold
+"stopped by the user", and the next cell's reductions run on the group formed again in
+place (:mod:`monarch_kernel.rank.tensors.collectives`).
 """
 
 from __future__ import annotations

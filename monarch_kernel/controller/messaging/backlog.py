@@ -65,14 +65,15 @@ class Backlog:
         """Whether messages for ``ident`` wait here."""
         return ident in self._queues
 
-    def deliver(self, ident: bytes, frames: list[Buffer], size: int, calls: int = 1) -> None:
+    def deliver(self, ident: bytes, frames: list[Buffer], size: int, calls: int = 1) -> bool:
         """Send now, or queue behind what ``ident`` has not taken yet; ``calls``: how
-        many calls the message carries (a batch: several)."""
+        many calls the message carries (a batch: several). False: dropped, ``ident`` is
+        not connected (the caller takes back the sequence number it gave it)."""
         queue = self._queues.get(ident)
         if queue is None:
             try:
                 wire_send(self._sock, frames, [ident], NOBLOCK)
-                return
+                return True
             except zmq.Again:  # its queue is full: keep it here, retried by the I/O thread
                 queue = self._queues[ident] = deque()
                 self._wake()
@@ -80,12 +81,13 @@ class Backlog:
                 # Not connected (any more): a dead rank's death report, pushed by its host
                 # agent, fails whatever waits on it.
                 log.debug("mesh %s: send to %r failed: %s", self._name, ident, exc)
-                return
+                return False
         # Kept back: it may wait long, so it holds copies, not the sender's memory
         # (wire.handoff).
         queue.append((owned(frames, ZERO_COPY_THRESHOLD), size, calls))
         self.messages += calls
         self.nbytes += size
+        return True
 
     def flush(self) -> bool:
         """Send what the backlogged peers can take now; True while some is still queued."""

@@ -315,8 +315,9 @@ class Transport:
                     continue
                 # one encoding for every rank of the group: each finds its ``q`` by ``d``
                 frames = self.codec.encode(header, payload)
-                for r in group:
-                    self._backlog.deliver(self.ids.rank_id(r), frames, len(payload), n)
+                for r, seq in zip(group, seqs):
+                    if not self._backlog.deliver(self.ids.rank_id(r), frames, len(payload), n):
+                        self._untake_seq(r, seq)
                 self.batches_sent += len(group)
 
     def _send(
@@ -333,13 +334,17 @@ class Transport:
         """
         if len(ranks) == 1:
             r = ranks[0]
-            header["q"] = self._take_seq(r)
+            header["q"] = seq = self._take_seq(r)
             shared = 0
             if buffers and self.arena is not None:
                 shared, buffers = self._share(header, buffers, (self._ranks[r].slot,))
-            self._ranks[r].bytes_out += shared + self._deliver_parts(
+            sent = self._deliver_parts(
                 self.ids.rank_id(r), encode_parts(self.codec, header, payload, buffers)
             )
+            if sent is None:
+                self._untake_seq(r, seq)
+            else:
+                self._ranks[r].bytes_out += shared + sent
             return
         size = len(payload) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0)
         # One pass over the ranks (this runs per rank of a gathered call): per host, its
@@ -382,7 +387,8 @@ class Transport:
                     if shared:
                         h["si"] = first + i
                     parts = encode_parts(self.codec, h, payload, buffers)
-                    self._deliver_parts(self.ids.rank_id(r), parts)
+                    if self._deliver_parts(self.ids.rank_id(r), parts) is None:
+                        self._untake_seq(r, seq)
             first += len(group)
 
     def _share(
@@ -403,13 +409,15 @@ class Transport:
         """The wire ids of the ranks that died and were not started again (yet)."""
         return [info.slot for info in self._ranks if not info.alive]
 
-    def _deliver_parts(self, ident: bytes, parts: list[list[Buffer]]) -> int:
+    def _deliver_parts(self, ident: bytes, parts: list[list[Buffer]]) -> int | None:
         """Deliver a message's parts (one, or a stream's start and chunks) in order;
-        their size in bytes (send_lock held)."""
+        their size in bytes, or None when ``ident`` is not connected (nothing of it
+        went; send_lock held)."""
         total = 0
         for frames in parts:
             size = frames_size(frames)
-            self._backlog.deliver(ident, frames, size)
+            if not self._backlog.deliver(ident, frames, size):
+                return None if total == 0 else total
             total += size
         return total
 
@@ -418,6 +426,15 @@ class Transport:
         q = self.next_seq.get(slot, self.seq_base)
         self.next_seq[slot] = q + 1
         return q
+
+    def _untake_seq(self, r: int, seq: int) -> None:
+        """Rank ``r``'s message numbered ``seq`` was dropped (its inbox is not connected:
+        a rank starting again, or gone): the next one takes that number. A rank holds
+        back every message after a missing number, so a number given to a message it
+        never got would leave its next incarnation waiting forever (send_lock held)."""
+        slot = self._ranks[r].slot
+        if self.next_seq.get(slot) == seq + 1:
+            self.next_seq[slot] = seq
 
     def set_epoch(self, epoch: int) -> None:
         """Number this controller's messages from ``epoch * SEQ_EPOCH`` (the ``epoch``-th
@@ -471,7 +488,9 @@ class Transport:
         with self.send_lock, DeferSigint():
             if self._batch:
                 self._send_batch()
-            self._ranks[rank].bytes_out += self._deliver_parts(self.ids.rank_id(rank, b"c"), parts)
+            self._ranks[rank].bytes_out += (
+                self._deliver_parts(self.ids.rank_id(rank, b"c"), parts) or 0
+            )
 
     # -- flow control (controller.messaging.backlog) -------------------------------------------
     @property

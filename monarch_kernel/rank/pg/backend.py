@@ -379,6 +379,27 @@ def reform(
     return ReformResult(len(plans), stale, time.monotonic() - t0, deferred)
 
 
+def form_group(group: ReformableGroup, prefix: str) -> None:
+    """Form ``group`` alone again, in place, with its members only: each of them calls
+    this with the same ``prefix``, new on the default group's rendezvous store (the
+    TCPStore that rank 0 serves). The other groups of the rank are left as they are.
+    The tensor engine's way back after its stop aborted one group
+    (``rank.tensors.collectives``); a mesh-wide re-form is :func:`reform`."""
+    import torch.distributed.distributed_c10d as c10d
+
+    address = _tcp_address(c10d._get_default_store())
+    if address is None:
+        raise RuntimeError(
+            f"process group {group.group_id!r} cannot be formed again: the default "
+            "group's rendezvous store is not a TCPStore"
+        )
+    host, port = address
+    plan = _Plan(group, host, port, prefix, group.rank(), group.size())
+    handle = _form([plan], group.timeout_s)[0]
+    group.attach(handle, plan.rank, plan.size)
+    keep_spare()
+
+
 def reform_subgroups(
     master_addr: str, master_port: int, rank: int, world_size: int, timeout: float = SUBGROUP_WAIT
 ) -> ReformResult:

@@ -11,23 +11,30 @@ Invariants:
   when an op fails: errors travel in the answers to fetches, and the root errors (one
   per op that raised here) also in the answer to the next :class:`Report` (a notebook
   cell's end), which reports each once.
-* An op's function runs as user code: the stop button's SIGINT interrupts it. The
-  worker then runs no op until the controller's :class:`Resume` (their outputs hold the
-  interruption) but still joins every collective and transfer (with zeros, or sending
-  the error), so no peer waits for it.
+* The stop button (SIGINT, then the controller's :class:`Resume` after the cell's ops)
+  stops this rank wherever it is: in an op's function (user code: KeyboardInterrupt),
+  waiting at a collective's gate or inside a collective (the wait is interruptible; the
+  collective's group is aborted here and formed again at its next gate), or between two
+  records (seen at the next one). The worker then runs no op until :class:`Resume`:
+  their outputs hold the interruption ("stopped by the user"), and each collective or
+  transfer among them is passed at its gate as stopped, so no peer starts it or waits
+  for this rank (:mod:`.collectives`). A peer stopped before a collective started makes
+  it fail here too, with the same words.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pickle
 import signal
+import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import SUPPORTED_NODES, tree_leaves, tree_map
+from torch.utils._pytree import SUPPORTED_NODES, tree_leaves
 
 from monarch_kernel.rank import context
 from monarch_kernel.rank.outbox import Outbox
@@ -53,7 +60,6 @@ from monarch_kernel.wire.tensor_ops import (
     ReportReply,
     Resume,
     SendTensor,
-    TensorPattern,
     shard_lookup,
 )
 
@@ -92,6 +98,10 @@ class TensorWorker:
         self.refs: dict[int, Any] = {}
         self._funcs: dict[Any, Callable[..., Any]] = {}
         self.ops_run = 0
+        #: gates of the current op's process groups passed already (:meth:`_gates`)
+        self._gated: set[str] = set()
+        #: the answer to the message's request (a fetch or a report), once run
+        self._reply: FetchReply | ReportReply | None = None
         #: records run that the controller counts as ops (all but drops, fetches,
         #: reports and resumes): sent with the rank's stats, for the dashboard
         self.ops_done = 0
@@ -102,14 +112,31 @@ class TensorWorker:
         #: the first ref an op defined here (None before): a missing ref below it was
         #: made before this process, by the rank this one restarted
         self.first_ref: int | None = None
-        #: set when the stop button interrupted an op here: ops until the next
-        #: :class:`Resume` do not run and hold it (collectives still join, with zeros)
+        #: set when the stop button stopped this rank: ops until the next
+        #: :class:`Resume` do not run and hold it (collectives are passed as stopped)
         self.interrupted: RankError | None = None
+        #: records are being run now (a SIGINT then stops them)
+        self._running = False
+        #: a SIGINT came while records ran: the next record stops this rank
+        self._sigint = False
+        #: ``in_user_code`` of the main thread when the message began (put back after
+        #: an interruption that landed before a block could put it back)
+        self._outside = False
         #: the rank's main-thread state (what its SIGINT handler reads), found through
         #: that handler: an op's function runs as user code, which SIGINT interrupts
         handler = signal.getsignal(signal.SIGINT)
         main = getattr(handler, "__self__", None)
         self._main = main if hasattr(main, "in_user_code") else None
+        if self._main is not None:  # told of every SIGINT, wherever it lands
+            told = self._main.on_interrupt
+
+            def on_interrupt() -> None:
+                if self._running:
+                    self._sigint = True
+                if told is not None:
+                    told()
+
+            self._main.on_interrupt = on_interrupt
         # Ranks forked from one template share its RNG state: mesh tensors from
         # ``torch.rand`` differ per rank (Monarch's rule), so each rank draws a seed.
         torch.seed()
@@ -121,30 +148,47 @@ class TensorWorker:
         """Run one message's records; answer ``request`` (a fetch) at the end."""
         records = pickle.loads(payload)
         rank = context.current_rank().rank
-        reply: FetchReply | ReportReply | None = None
         if self.first_ref is None:
             self._first_defined(records)
         main = self._main
-        outside = main.in_user_code if main is not None else False
+        self._outside = main.in_user_code if main is not None else False
+        self._running = True
+        try:
+            self._run_records(records, rank)
+        finally:
+            self._running = False
+        if request is not None:
+            self.outbox.reply(request, self._reply or FetchReply(None), "tensor fetch")
+        self._reply = None
+
+    def _run_records(self, records: list[Any], rank: int) -> None:
+        self._reply = None
         for rec in records:
             kind = type(rec)
+            if self._sigint and self.interrupted is None and kind not in _NOT_OPS:
+                self.interrupted = _stop_error(getattr(rec, "seq", -1), rank)
+                self._release_busy()
             if kind is CallOp:
                 try:
                     self._call(rec, rank)
-                except KeyboardInterrupt:  # landed around the op's function
-                    if main is not None:  # (even before _call put the flag back)
-                        main.in_user_code = outside
-                    self._interrupt(rec, rank)
+                except KeyboardInterrupt as exc:  # landed around the op's function
+                    self._put_back()  # (even before _call put the flag back)
+                    self._interrupt(rec, rank, str(exc))
             elif kind is Drop:
                 refs = self.refs
                 for r in rec.refs:
                     refs.pop(r, None)
             elif kind is RankCoord:
                 self._rank_coord(rec, rank)
-            elif kind is Reduce:
-                self._reduce(rec, rank)
-            elif kind is SendTensor:
-                self._send_tensor(rec, rank)
+            elif kind is Reduce or kind is SendTensor:
+                try:
+                    if kind is Reduce:
+                        self._reduce(rec, rank)
+                    else:
+                        self._send_tensor(rec, rank)
+                except KeyboardInterrupt:  # landed just outside the collective's waits
+                    self._put_back()
+                    self._stop_collective(rec, rank)
             elif kind is BorrowCreate:
                 self._borrow_create(rec, rank)
             elif kind is BorrowDrop:
@@ -153,15 +197,14 @@ class TensorWorker:
                 self._join_world(rank)
             elif kind is Resume:
                 self.interrupted = None
+                self._sigint = False
             elif kind is Fetch:
-                reply = self._fetch(rec, rank)
+                self._reply = self._fetch(rec, rank)
             elif kind is Report:
-                reply = ReportReply(tuple(self._unreported), self._more)
+                self._reply = ReportReply(tuple(self._unreported), self._more)
                 self._unreported, self._more = [], 0
             if kind not in _NOT_OPS:
                 self.ops_done += 1
-        if request is not None:
-            self.outbox.reply(request, reply or FetchReply(None), "tensor fetch")
 
     def _first_defined(self, records: list[Any]) -> None:
         for rec in records:
@@ -190,19 +233,83 @@ class TensorWorker:
         )
 
     # -- ops -------------------------------------------------------------------------
-    def _interrupt(self, op: CallOp, rank: int) -> None:
+    # -- the stop button -------------------------------------------------------------
+    @contextlib.contextmanager
+    def _interruptible(self) -> Iterator[None]:
+        """A block the stop button interrupts (KeyboardInterrupt): the rank's main
+        thread runs "user code" in it (a collective's wait, here)."""
+        main = self._main
+        if main is None:
+            yield
+            return
+        outer, main.in_user_code = main.in_user_code, True
+        try:
+            yield
+        finally:
+            main.in_user_code = outer
+
+    def _put_back(self) -> None:
+        """After an interruption: the main thread is not in user code, as before the
+        message (the KeyboardInterrupt may have landed before a block put it back)."""
+        if self._main is not None:
+            self._main.in_user_code = self._outside
+
+    def _interrupt(self, op: CallOp, rank: int, why: str = "") -> None:
         """The stop button interrupted ``op``: it and the ops until :class:`Resume` hold
-        the interruption (a fetch raises it), and do not run."""
+        the interruption (a fetch raises it), and do not run. ``why``: what the op was
+        doing, when its interruption says (an rref waiting for its actor)."""
         if self.interrupted is None:
-            self.interrupted = RankError(
-                op.seq, rank, "KeyboardInterrupt",
-                "interrupted by the stop button (this op and those after it did not run)", "",
-            )  # fmt: skip
+            self.interrupted = _stop_error(op.seq, rank, why=why)
+            self._release_busy()
+        self._pass_gates(op, stopped=True)
         self._poison(op.results, op.mutates, self.interrupted)
+
+    @staticmethod
+    def _release_busy() -> None:
+        """Abort the groups that have a collective in flight here (one the op's function
+        waited in): its peers are released, and the group is formed again at its next
+        gate (:mod:`.collectives`)."""
+        if "monarch_kernel.rank.pg.backend" in sys.modules:
+            from monarch_kernel.rank.pg import distributed
+
+            distributed.release_collectives(collectives.STOP_REASON)
+
+    def _stop_collective(self, op: Reduce | SendTensor, rank: int) -> None:
+        """The stop button's KeyboardInterrupt landed in ``op`` outside the waits that
+        take it: this rank stops there (the groups with an op in flight are aborted;
+        a peer that waits for it is released by its own stop, or by the abort)."""
+        if self.interrupted is None:
+            self.interrupted = _stop_error(op.seq, rank)
+        self._release_busy()
+        if isinstance(op, Reduce):
+            self.refs[op.result] = self.interrupted
+            if op.inplace:
+                self.refs[op.src] = self.interrupted
+        elif any(d == rank for _, d in op.pairs):
+            self.refs[op.result] = self.interrupted
+
+    def _stopped(self, seq: int, rank: int, stop: collectives.Stopped, what: str) -> RankError:
+        """The error a stopped collective's outputs hold here; this rank's own stop also
+        stops the ops after it (until :class:`Resume`)."""
+        if stop.rank == rank:
+            self._put_back()
+            if self.interrupted is None:
+                self.interrupted = _stop_error(seq, rank, what if stop.in_flight else "")
+                self._release_busy()
+            return self.interrupted
+        if stop.in_flight:
+            text = f"the stop button interrupted this {what} on rank {stop.rank} while it ran"
+        else:
+            text = (
+                f"rank {stop.rank} was interrupted by the stop button, so this {what} did not run"
+            )
+        return RankError(seq, rank, "KeyboardInterrupt", f"{STOPPED}: {text}", "")
 
     def _call(self, op: CallOp, rank: int) -> None:
         self.ops_run += 1
+        self._gated = set()
         if self.interrupted is not None:
+            self._pass_gates(op, stopped=True)
             self._poison(op.results, op.mutates, self.interrupted)
             return
         main = self._main
@@ -221,11 +328,28 @@ class TensorWorker:
             args = self._resolve(op.args)
             kwargs = self._resolve(op.kwargs) if op.kwargs else {}
         except _Poisoned as p:
+            # its process groups' other members must not run the function either
+            self._pass_gates(op, poisoned=f"{p.error.error_type}: {p.error.message}")
             self._poison(op.results, op.mutates, p.error)
             return
+        try:
+            groups = self._gates(op, rank)
+        except collectives.Stopped as stop:
+            self._pass_gates(op, stopped=True)
+            self._poison(op.results, op.mutates, self._stopped(op.seq, rank, stop, "op"))
+            return
+        except collectives.PeerPoisoned as peer:
+            self._pass_gates(op, poisoned=str(peer))
+            err = RankError(op.seq, rank, "PeerPoisoned", str(peer), "")
+            self._poison(op.results, op.mutates, err)
+            return
         except Exception as exc:  # a process-group argument could not be made
+            self._pass_gates(op, poisoned=f"{type(exc).__name__}: {exc}")
             self._poison(op.results, op.mutates, self._failed(op.seq, rank, exc))
             return
+        if groups:
+            args = _with_groups(args, groups)
+            kwargs = _with_groups(kwargs, groups)
         try:
             fn = self._function(op.func)
             out = fn(*args, **kwargs)
@@ -283,8 +407,8 @@ class TensorWorker:
             if type(found) is RankError:
                 raise _Poisoned(found)
             return found
-        if kind is GroupRef:  # DeviceMesh.process_group(dims)
-            return collectives.group_for(value.shape, value.dims)
+        if kind is GroupRef:  # DeviceMesh.process_group(dims): after the gates
+            return value
         if kind is tuple or kind is list:
             return kind(self._resolve(v) for v in value)
         if kind is dict:
@@ -296,6 +420,43 @@ class TensorWorker:
             children, spec = node.flatten_fn(value)
             return node.unflatten_fn([self._resolve(v) for v in children], spec)
         return value
+
+    def _gates(self, op: CallOp, rank: int) -> dict[int, Any]:
+        """Pass the gate of each process group among ``op``'s arguments (a remote
+        function's ``DeviceMesh.process_group``) with its other members: id of the
+        :class:`GroupRef` -> the group. Raises what the first gate raised (the others
+        are passed as stopped then, by :meth:`_pass_gates`)."""
+        found: dict[int, Any] = {}
+        if isinstance(op.func, str):  # a torch op takes no process group
+            return found
+        for i, ref in enumerate(_group_refs((op.args, op.kwargs))):
+            tag = f"{op.seq}.{i}"
+            self._gated.add(tag)
+            found[id(ref)] = collectives.group_for(
+                ref.shape, ref.dims, tag, False, self._interruptible
+            )
+        return found
+
+    def _pass_gates(self, op: CallOp, stopped: bool = False, poisoned: str | None = None) -> None:
+        """Pass the gates of ``op``'s process groups not passed yet, saying the function
+        does not run here (stopped by the user, or ``poisoned``), so that it runs on no
+        other member either."""
+        if isinstance(op.func, str):
+            return
+        gated = self._gated
+        for i, ref in enumerate(_group_refs((op.args, op.kwargs))):
+            tag = f"{op.seq}.{i}"
+            if tag in gated:
+                continue
+            gated.add(tag)
+            try:
+                collectives.group_for(
+                    ref.shape, ref.dims, tag, stopped, self._interruptible, poisoned
+                )
+            except (collectives.Stopped, collectives.PeerPoisoned):
+                pass  # what this rank said, or a peer's: the op does not run either way
+            except Exception:  # the store is gone (rank 0 died): nobody waits at it
+                pass
 
     def _function(self, func: str | RemoteFunction) -> Callable[..., Any]:
         key: Any = func if isinstance(func, str) else (func.path, func.pickled)
@@ -334,10 +495,14 @@ class TensorWorker:
         src = self.refs.get(op.src, _MISSING)
         if src is _MISSING:
             src = self.missing(op.src, rank)
-        elif self.interrupted is not None:
-            src = self.interrupted  # joins with zeros: the peers do not wait for it
         try:
-            out = collectives.reduce(op, src)
+            out = collectives.reduce(op, src, self.interrupted is not None, self._interruptible)
+        except collectives.Stopped as stop:
+            err = self._stopped(op.seq, rank, stop, "reduction")
+            self.refs[op.result] = err
+            if op.inplace:
+                self.refs[op.src] = err
+            return
         except Exception as exc:
             err = self._failed(op.seq, rank, exc)
             self.refs[op.result] = err
@@ -360,10 +525,14 @@ class TensorWorker:
         src = self.refs.get(op.src, _MISSING) if is_source else None
         if src is _MISSING:
             src = self.missing(op.src, rank)
-        elif is_source and self.interrupted is not None:
-            src = self.interrupted  # sent instead of the tensor: the receiver holds it
+        stopped = self.interrupted is not None
         try:
-            out = collectives.send_tensor(op, src, rank)
+            out = collectives.send_tensor(op, src, rank, stopped, self._interruptible)
+        except collectives.Stopped as stop:
+            err = self._stopped(op.seq, rank, stop, "transfer")
+            if any(d == rank for _, d in op.pairs):
+                self.refs[op.result] = err
+            return
         except Exception as exc:
             err = self._failed(op.seq, rank, exc)
             if any(d == rank for _, d in op.pairs):
@@ -414,21 +583,73 @@ class TensorWorker:
 
 _MISSING = object()
 
+#: What the outputs of ops the stop button stopped say (a fetch raises it).
+STOPPED = "stopped by the user"
 
-def output_pattern(func: RemoteFunction, *args: Any, **kwargs: Any) -> Any:
-    """Cached propagation's run (a remote function itself): ``func``'s outputs here,
-    each tensor replaced by its :class:`TensorPattern`."""
-    worker = current()
-    assert worker is not None
-    out = worker._function(func)(*args, **kwargs)
-    return tree_map(
-        lambda x: (
-            TensorPattern(tuple(x.shape), tuple(x.stride()), str(x.dtype).removeprefix("torch."))
-            if isinstance(x, torch.Tensor)
-            else x
-        ),
-        out,
-    )
+
+def _stop_error(seq: int, rank: int, in_flight: str = "", why: str = "") -> RankError:
+    """The interruption that op ``seq`` and the ops after it hold on ``rank`` (until
+    :class:`Resume`); ``in_flight``: what was running (a reduction, a transfer);
+    ``why``: what the interrupted op said it was doing."""
+    if why:
+        text = (
+            f"interrupted by the stop button on rank {rank} ({why}); this op and the ops "
+            "after it in the stopped cell did not run"
+        )
+    elif in_flight:
+        text = (
+            f"interrupted by the stop button while this {in_flight} ran on rank {rank} "
+            "(it and the ops after it in the stopped cell did not complete)"
+        )
+    else:
+        text = (
+            f"interrupted by the stop button on rank {rank} (this op and the ops after it "
+            "in the stopped cell did not run)"
+        )
+    return RankError(seq, rank, "KeyboardInterrupt", f"{STOPPED}: {text}", "")
+
+
+def _walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` with ``leaf`` applied to each leaf (containers and pytree nodes are
+    walked, in the order :meth:`TensorWorker._resolve` walks them)."""
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind(_walk(v, leaf) for v in value)
+    if kind is dict:
+        return {k: _walk(v, leaf) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple
+        return kind(*(_walk(v, leaf) for v in value))
+    node = SUPPORTED_NODES.get(kind)
+    if node is not None:
+        children, spec = node.flatten_fn(value)
+        return node.unflatten_fn([_walk(v, leaf) for v in children], spec)
+    return leaf(value)
+
+
+def _group_refs(value: Any, found: list[GroupRef] | None = None) -> list[GroupRef]:
+    """The process groups among an op's arguments, in the order :func:`_walk` meets
+    them (the same on every rank)."""
+    found = [] if found is None else found
+    kind = type(value)
+    if kind is GroupRef:
+        found.append(value)
+    elif kind is tuple or kind is list or isinstance(value, tuple):  # NamedTuples too
+        for v in value:
+            _group_refs(v, found)
+    elif kind is dict:
+        for v in value.values():
+            _group_refs(v, found)
+    else:
+        node = SUPPORTED_NODES.get(kind)
+        if node is not None:
+            for v in node.flatten_fn(value)[0]:
+                _group_refs(v, found)
+    return found
+
+
+def _with_groups(value: Any, groups: dict[int, Any]) -> Any:
+    """``value`` with each :class:`GroupRef` replaced by its group (its gate passed)."""
+    return _walk(value, lambda v: groups.get(id(v), v) if type(v) is GroupRef else v)
 
 
 def coordinates(shape: Shape, rank: int) -> tuple[int, ...]:
