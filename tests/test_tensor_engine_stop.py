@@ -18,6 +18,7 @@ import os
 
 import pytest
 import torch
+from helpers import wait_until
 
 #: Ranks of the kernel tests' mesh (``%mesh m --gpus 3``): a ring of three, so that a
 #: rank waits on a peer other than the held one.
@@ -193,6 +194,26 @@ def test_the_stop_interrupts_a_long_stream_of_reductions_and_transfers(kernel, t
     _stopped_by_the_user(k, "x")
     r = k.run("with m.slice(gpus=1).activate():\n    inspect(sent)")
     assert "stopped by the user" in r.error_text, r.stdout + r.error_text
+
+
+def test_the_stop_after_the_cell_ended_stops_the_ops_it_left_running(kernel, tmp_path):
+    k, pids = kernel
+    started = str(tmp_path / "left")
+    # the cell issues its ops and ends; the notebook waits at its end for the ranks to
+    # run them (to show their errors under it): the stop button then stops them
+    msg = k.submit(
+        f"x = mark(torch.ones(8), {started!r})\n"
+        "for _ in range(400):\n"
+        "    x = reduce(slow(x), 'gpus', 'avg')\n"
+        "print('issued', flush=True)"
+    )
+    wait_until(lambda: os.path.exists(started), timeout=60, what="the ops to start")
+    k.wait_for_output(msg, "issued")
+    k.km.interrupt_kernel()
+    r = k.collect(msg, timeout=30)  # long before the 40 s of ops end
+    assert "ops the ranks still ran are stopped" in r.stderr, r.stdout + r.stderr + r.error_text
+    _check_usable(k, pids)
+    _stopped_by_the_user(k, "x")
 
 
 # -- a rank's death, without a kernel -----------------------------------------------------

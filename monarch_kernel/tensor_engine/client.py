@@ -298,13 +298,18 @@ class Client:
     # -- the stop button ---------------------------------------------------------------
     def cell_ended(self, interrupted: bool) -> None:
         """A notebook cell ended; ``interrupted``: by the stop button. Then the ranks
-        that were sent ops in it are interrupted (SIGINT, through the mesh's
-        ``signal_ranks``: only an op's function takes it) and told to resume after what
-        was sent: the ops still queued there do not run (their outputs hold the
+        that were sent ops in it, or still run those of an earlier cell (a report sent
+        after them is not answered yet), are interrupted (SIGINT, through the mesh's
+        ``signal_ranks``: a rank running no ops ignores it) and told to resume after
+        what was sent: the ops still queued there do not run (their outputs hold the
         interruption, which a fetch raises) and the mesh stays usable."""
         with self._lock:
-            ranks, self._cell_ranks = sorted(self._cell_ranks), set()
-            if not interrupted or not ranks:
+            cell, self._cell_ranks = self._cell_ranks, set()
+            if not interrupted:
+                return
+            running = {r for report in self._reports for r in report.waiting()}
+            ranks = sorted(cell | running)
+            if not ranks:
                 return
             self._flush_locked()
             signal_ranks = getattr(self.requester, "signal_ranks", None)
@@ -467,6 +472,11 @@ class _Report:
 
     def on_reply(self, reply: Reply) -> None:
         self._answered(reply.rank, reply)
+
+    def waiting(self) -> list[int]:
+        """The ranks that have not answered: they still run the ops sent before it."""
+        with self._lock:
+            return list(self._waiting)
 
     def on_lost(self, rank: int, error: BaseException) -> None:
         self._answered(rank, None)

@@ -315,7 +315,12 @@ def _after_cell(ip: Any, result: Any) -> None:
     try:
         text = report_all().text()
     except KeyboardInterrupt:  # the stop button while the ranks finish the cell's ops
-        text = "Interrupted: errors of this cell's tensor-engine ops show at a later cell's end.\n"
+        cells_ended(True)  # they stop (those the unanswered reports wait behind)
+        text = (
+            "Interrupted: the tensor-engine ops the ranks still ran are stopped (their "
+            "outputs hold the interruption); errors of those that ran show at a later "
+            "cell's end.\n"
+        )
     if text:
         sys.stderr.write(text)
         sys.stderr.flush()
