@@ -250,6 +250,42 @@ def test_a_rank_death_during_a_reduction_fails_the_fetch_with_its_cause():
         procs.stop()
 
 
+def _sleep_after_marking(x, started):
+    import time
+
+    from monarch_kernel.rank.context import current_rank
+
+    open(f"{started}.{current_rank().rank}", "w").close()
+    time.sleep(600)  # until interrupted
+    return x
+
+
+def test_proc_mesh_interrupt_stops_the_ops_running_and_the_next_ones_run(tmp_path):
+    from monarch_kernel import fetch_shard, inspect, remote
+    from monarch_kernel.actor import this_host
+    from monarch_kernel.mesh_controller import RemoteException
+
+    started = str(tmp_path / "sleeping")
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        with procs.activate():
+            y = remote(_sleep_after_marking, propagate=lambda x, started: x)(torch.ones(2), started)
+            z = y + 1
+            fetched = fetch_shard(z, gpus=1)  # sends the ops; its answer waits for them
+            wait_until(
+                lambda: all(os.path.exists(f"{started}.{r}") for r in range(2)),
+                timeout=60,
+                what="both ranks in the function",
+            )
+            procs.interrupt()
+            with pytest.raises(RemoteException, match="stopped by the user"):
+                fetched.result(timeout=30)  # long before the 600 s sleep ends
+            # the ops sent after the interrupt run (the ranks were told to resume)
+            assert inspect(torch.ones(1) + 1, gpus=0).tolist() == [2.0]
+    finally:
+        procs.stop()
+
+
 def _all_reduce_in(t, pg):
     import torch.distributed as dist
 

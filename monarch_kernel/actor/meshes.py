@@ -324,9 +324,17 @@ class ProcMesh(MeshView):
         return gather(self._requester, ranks, header, payload, buffers, self._shape, options)
 
     def interrupt(self) -> None:
-        """Raise KeyboardInterrupt in whatever user code the ranks are running."""
+        """Raise KeyboardInterrupt in whatever user code the ranks are running (the
+        tensor-engine ops sent so far among it stop, as with the stop button; those
+        sent after run)."""
         rt = self._controller("interrupt()")
-        rt.signal_ranks([r for r in self._shape.ranks() if rt.ranks[r].alive], signal.SIGINT)
+        live = [r for r in self._shape.ranks() if rt.ranks[r].alive]
+        engine = sys.modules.get("monarch_kernel.tensor_engine.client")
+        client = engine.existing_client(self._requester) if engine is not None else None
+        if client is not None:
+            client.interrupt(live)
+        else:
+            rt.signal_ranks(live, signal.SIGINT)
 
     def restart(self, ranks: list[int] | None = None, timeout: float = 120.0) -> RecoveryReport:
         """Restart in place: bring ``ranks`` (default: the dead ones) back and re-form

@@ -309,17 +309,28 @@ class Client:
                 return
             running = {r for report in self._reports for r in report.waiting()}
             ranks = sorted(cell | running)
-            if not ranks:
-                return
-            self._flush_locked()
-            signal_ranks = getattr(self.requester, "signal_ranks", None)
-            if signal_ranks is not None:
-                import signal
+            if ranks:
+                self._interrupt_locked(ranks)
 
-                signal_ranks(ranks, signal.SIGINT)
-            self._pending_ranks = tuple(ranks)
-            self._pending.append(Resume())
-            self._flush_locked()
+    def interrupt(self, ranks: Sequence[int]) -> None:
+        """Interrupt ``ranks`` (``ProcMesh.interrupt()``): what they run stops (the
+        tensor-engine ops sent so far among it: their outputs hold the interruption),
+        and they run the ops sent after this again."""
+        with self._lock:
+            self._interrupt_locked(sorted(ranks))
+
+    def _interrupt_locked(self, ranks: list[int]) -> None:
+        """SIGINT to ``ranks`` (through the mesh's ``signal_ranks``: a rank running no
+        ops ignores it), then :class:`Resume` after what was sent (lock held)."""
+        self._flush_locked()
+        signal_ranks = getattr(self.requester, "signal_ranks", None)
+        if signal_ranks is not None:
+            import signal
+
+            signal_ranks(ranks, signal.SIGINT)
+        self._pending_ranks = tuple(ranks)
+        self._pending.append(Resume())
+        self._flush_locked()
 
     # -- values back -----------------------------------------------------------------
     def fetch(self, ranks: tuple[int, ...], refs: tuple[int, ...], shard: int) -> Future[Fetched]:
