@@ -199,18 +199,22 @@ def test_the_stop_interrupts_a_long_stream_of_reductions_and_transfers(kernel, t
 def test_the_stop_after_the_cell_ended_stops_the_ops_it_left_running(kernel, tmp_path):
     k, pids = kernel
     started = str(tmp_path / "left")
-    # the cell issues its ops and ends; the notebook waits at its end for the ranks to
-    # run them (to show their errors under it): the stop button then stops them
+    # 201 ops, fewer than a batch (client.FLUSH_OPS): none reaches the ranks before the
+    # cell's body ended, so once the first one ran (it makes ``started``) the notebook
+    # waits at the cell's end for the ranks (to show their errors under it): 50 s of
+    # ops, longer than that wait. The stop button then stops them.
     msg = k.submit(
+        "def _slower(x):\n"
+        "    time.sleep(0.5)\n"
+        "    return x + 1\n"
+        "slower = remote(_slower, propagate=lambda x: x + 1)\n"
         f"x = mark(torch.ones(8), {started!r})\n"
-        "for _ in range(400):\n"
-        "    x = reduce(slow(x), 'gpus', 'avg')\n"
-        "print('issued', flush=True)"
+        "for _ in range(100):\n"
+        "    x = reduce(slower(x), 'gpus', 'avg')\n"
     )
     wait_until(lambda: os.path.exists(started), timeout=60, what="the ops to start")
-    k.wait_for_output(msg, "issued")
     k.km.interrupt_kernel()
-    r = k.collect(msg, timeout=30)  # long before the 40 s of ops end
+    r = k.collect(msg, timeout=30)  # long before the 50 s of ops end
     assert "ops the ranks still ran are stopped" in r.stderr, r.stdout + r.stderr + r.error_text
     _check_usable(k, pids)
     _stopped_by_the_user(k, "x")

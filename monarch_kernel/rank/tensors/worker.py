@@ -29,6 +29,7 @@ import importlib
 import pickle
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -119,6 +120,10 @@ class TensorWorker:
         self._running = False
         #: a SIGINT came while records ran: the next record stops this rank
         self._sigint = False
+        #: SIGINTs this rank was told of, and how many of them the last Resume followed
+        #: (see :meth:`_resume`)
+        self._sigints = 0
+        self._sigints_resumed = 0
         #: ``in_user_code`` of the main thread when the message began (put back after
         #: an interruption that landed before a block could put it back)
         self._outside = False
@@ -131,6 +136,7 @@ class TensorWorker:
             told = self._main.on_interrupt
 
             def on_interrupt() -> None:
+                self._sigints += 1
                 if self._running:
                     self._sigint = True
                 if told is not None:
@@ -196,8 +202,7 @@ class TensorWorker:
             elif kind is JoinWorld:
                 self._join_world(rank)
             elif kind is Resume:
-                self.interrupted = None
-                self._sigint = False
+                self._resume()
             elif kind is Fetch:
                 self._reply = self._fetch(rec, rank)
             elif kind is Report:
@@ -247,6 +252,20 @@ class TensorWorker:
             yield
         finally:
             main.in_user_code = outer
+
+    def _resume(self) -> None:
+        """:class:`Resume`: run the ops after it again. The controller sent this rank a
+        SIGINT before it, through the host agent, and this record straight: should the
+        signal come later, it would stop the ops after the record. So the record first
+        waits (up to :data:`RESUME_WAIT`) until this rank was told of a SIGINT since the
+        last Resume."""
+        if self._main is not None:
+            deadline = time.monotonic() + RESUME_WAIT
+            while self._sigints == self._sigints_resumed and time.monotonic() < deadline:
+                time.sleep(0.001)
+            self._sigints_resumed = self._sigints
+        self.interrupted = None
+        self._sigint = False
 
     def _put_back(self) -> None:
         """After an interruption: the main thread is not in user code, as before the
@@ -582,6 +601,10 @@ class TensorWorker:
 
 
 _MISSING = object()
+
+#: Seconds a Resume waits for the SIGINT sent before it, should the signal (through the
+#: host agent) come after the record (straight from the controller).
+RESUME_WAIT = 5.0
 
 #: What the outputs of ops the stop button stopped say (a fetch raises it).
 STOPPED = "stopped by the user"
