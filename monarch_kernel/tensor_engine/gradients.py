@@ -166,6 +166,18 @@ class _Generator:
         return self
 
     def __next__(self) -> Any:
+        try:
+            return self._next()
+        except KeyboardInterrupt:
+            # Invariant: a next() the stop button ended leaves no backward pass issuing
+            # ops, wherever in it the KeyboardInterrupt landed.
+            self._position = self._count
+            with self._baton.cond:
+                if not self._baton.done:
+                    self._baton.interrupted()
+            raise
+
+    def _next(self) -> Any:
         if self._thread is not None and threading.current_thread() is self._thread:
             raise RuntimeError("next() on a grad_generator inside its own backward pass")
         i = self._position
