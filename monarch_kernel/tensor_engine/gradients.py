@@ -41,6 +41,11 @@ from monarch_kernel.tensor_engine import state
 from monarch_kernel.tensor_engine.client import held_sigint, user_frames
 from monarch_kernel.tensor_engine.tensor import ActiveMesh, inputs_stream
 
+#: Seconds the notebook's thread waits for the backward thread at a time: a SIGINT does
+#: not wake a blocked lock wait in every process (a pytest-xdist worker's main thread
+#: was seen to take it only when the wait ended), so the wait is sliced.
+_SLICE = 0.05
+
 #: Names the backward threads (``grad_generator-<n>``).
 _thread_numbers = itertools.count(1)
 
@@ -117,9 +122,11 @@ class _Baton:
 
     # -- the caller's side ---------------------------------------------------------------
     def wait_for_turn(self) -> None:
-        """Holding ``cond``: wait while the backward thread issues ops."""
+        """Holding ``cond``: wait while the backward thread issues ops (in short slices:
+        where a blocked wait is not woken by a signal, the stop button's
+        KeyboardInterrupt still lands within one)."""
         while self.turn is _Turn.BACKWARD:
-            self.cond.wait()
+            self.cond.wait(_SLICE)
 
     def interrupted(self) -> None:
         """Holding ``cond``, the stop button pressed during ``next()``: stop the backward
@@ -128,7 +135,7 @@ class _Baton:
         self.cancel.set()
         self.cond.notify_all()  # (it may be pausing in a hook just now)
         while not self.done:
-            self.cond.wait()
+            self.cond.wait(_SLICE)
 
     def stop(self) -> None:
         """Stop the backward pass (a dropped generator): its thread raises ``Cancelled``
