@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 import warnings
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -446,9 +446,16 @@ def place():
 @pytest.fixture(scope="module")
 def procs4():
     """A 4-rank local mesh shared by one test module; checked for orphans after."""
+    yield from local_mesh({"gpus": 4})
+
+
+def local_mesh(per_host: dict[str, int]) -> Iterator[Any]:
+    """The body of a module's mesh fixture (``yield from local_mesh(...)``): a local
+    process mesh of ``per_host``, started without a kernel; once stopped, none of its
+    processes may be left."""
     from monarch_kernel.actor import this_host
 
-    procs = this_host().spawn_procs(per_host={"gpus": 4})
+    procs = this_host().spawn_procs(per_host=per_host)
     yield procs
     procs.stop()
     left = wait_no_orphans()

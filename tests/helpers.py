@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
+import pytest
 
 from monarch_kernel.wire.osutil import proc_state
 
@@ -167,3 +170,37 @@ def tagged_processes(tag: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
     return out
+
+
+def run_program(
+    argv: list[str], cwd: Path | str, limit: float, grace: float = 15.0
+) -> subprocess.CompletedProcess[str]:
+    """Run a user's program (``argv``, in ``cwd``, with :func:`program_env`) to its end,
+    at most ``limit`` seconds; then wait up to ``grace`` seconds for every process it
+    started to end. Those left are killed (never left to other tests) and the test
+    fails naming them."""
+    tag = uuid.uuid4().hex
+    try:
+        return subprocess.run(
+            argv, cwd=cwd, env=program_env(tag), capture_output=True, text=True, timeout=limit
+        )
+    finally:
+        try:
+            wait_until(
+                lambda: not tagged_processes(tag), timeout=grace, what="the program's processes"
+            )
+        except WaitTimeout:
+            left = tagged_processes(tag)
+            for p in left:
+                p.kill()
+            pytest.fail("processes left behind: " + ", ".join(str(p.pid) for p in left))
+
+
+def assert_in_order(text: str, markers: list[str], shown: str = "") -> None:
+    """Each of ``markers`` occurs in ``text``, in that order (``shown``: what the
+    failure prints besides the end of ``text``)."""
+    at = 0
+    for marker in markers:
+        found = text.find(marker, at)
+        assert found >= 0, f"{marker!r} missing (after offset {at}):\n{text[-4000:]}\n{shown}"
+        at = found + len(marker)

@@ -16,13 +16,11 @@ The script must exit 0, print each section's marker, and leave no process behind
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
-import uuid
 
 import pytest
-from helpers import program_env, tagged_processes, wait_until
+from helpers import assert_in_order, run_program
 
 #: Seconds the program may take (30-40 s on a loaded 2-core machine: 8 ranks start).
 LIMIT = 240
@@ -272,36 +270,12 @@ MARKERS = [
 def test_distributed_tensors_program_runs_as_a_script(tmp_path):
     script = tmp_path / "distributed_tensors.py"
     script.write_text(PROGRAM)
-    tag = uuid.uuid4().hex
-    env = program_env(tag)  # every process it starts has the tag: found if left
     t0 = time.monotonic()
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=LIMIT,
-        )
-    finally:
-        try:
-            wait_until(
-                lambda: not tagged_processes(tag), timeout=15, what="the program's processes"
-            )
-        except Exception:
-            left = tagged_processes(tag)
-            for p in left:
-                p.kill()
-            pytest.fail("processes left behind: " + ", ".join(str(p.pid) for p in left))
+    proc = run_program([sys.executable, str(script)], tmp_path, LIMIT)
     elapsed = time.monotonic() - t0
     out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-4000:]}\n{err[-4000:]}"
-    at = 0
-    for marker in MARKERS:
-        found = out.find(marker, at)
-        assert found >= 0, f"{marker!r} missing (after offset {at}):\n{out[-4000:]}"
-        at = found + len(marker)
+    assert_in_order(out, MARKERS)
     # the failing command: the rank's allocation error, where the script issued it
     assert "RemoteException" in err and "distributed_tensors.py" in err, err[-3000:]
     assert "can't allocate memory" in err, err[-3000:]

@@ -12,11 +12,10 @@ import json
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-from helpers import program_env, tagged_processes, wait_until
+from helpers import run_program
 
 pytestmark = pytest.mark.local
 
@@ -38,29 +37,12 @@ NOTEBOOKS = {
 }
 
 
-def _run(argv: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], float, str]:
+def _run(argv: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], float]:
     if not EXAMPLES.is_dir():
         pytest.skip(f"{EXAMPLES} is absent (Monarch's ported examples live in ../shared/)")
-    tag = uuid.uuid4().hex
     t0 = time.monotonic()
-    try:
-        proc = subprocess.run(
-            argv, cwd=cwd, env=program_env(tag), capture_output=True, text=True, timeout=LIMIT
-        )
-    finally:
-        elapsed = time.monotonic() - t0
-
-        def none_left() -> bool:
-            return not tagged_processes(tag)
-
-        try:
-            wait_until(none_left, timeout=10, what="the program's processes to exit")
-        except Exception:
-            left = tagged_processes(tag)
-            for p in left:  # ours, found by the tag: never leave them to other tests
-                p.kill()
-            pytest.fail("processes left behind: " + ", ".join(str(p.pid) for p in left))
-    return proc, elapsed, tag
+    proc = run_program(argv, cwd, LIMIT, grace=10)
+    return proc, time.monotonic() - t0
 
 
 def _controller_lines(stdout: str) -> list[str]:
@@ -70,7 +52,7 @@ def _controller_lines(stdout: str) -> list[str]:
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_monarch_example_script_runs(script):
-    proc, elapsed, _ = _run([sys.executable, str(EXAMPLES / script)], EXAMPLES)
+    proc, elapsed = _run([sys.executable, str(EXAMPLES / script)], EXAMPLES)
     out = proc.stdout
     assert proc.returncode == 0, (
         f"{script} exited {proc.returncode}:\n{out[-3000:]}\n{proc.stderr[-3000:]}"
@@ -104,7 +86,7 @@ def test_monarch_example_notebook_runs_in_a_plain_kernel(notebook, tmp_path):
         f"--output={executed.with_suffix('')}",
         str(EXAMPLES / notebook),
     ]
-    proc, elapsed, _ = _run(argv, EXAMPLES)
+    proc, elapsed = _run(argv, EXAMPLES)
     assert proc.returncode == 0, f"{notebook} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     text = _notebook_text(executed)
     for line in NOTEBOOKS[notebook]:

@@ -8,12 +8,10 @@ leave no process behind.
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import uuid
 
 import pytest
-from helpers import program_env, tagged_processes, wait_until
+from helpers import assert_in_order, run_program
 
 #: Seconds the script may take (its mesh of 2 starts, three ops fail).
 LIMIT = 180
@@ -69,25 +67,10 @@ MARKERS = [
 def test_a_script_reports_errors_nothing_fetched_at_shutdown_and_exit(tmp_path):
     script = tmp_path / "unfetched.py"
     script.write_text(PROGRAM)
-    tag = f"te-exit-{uuid.uuid4().hex[:8]}"
-    try:
-        done = subprocess.run(
-            [sys.executable, str(script)],
-            env=program_env(tag),
-            capture_output=True,
-            text=True,
-            timeout=LIMIT,
-            cwd=tmp_path,
-        )
-    finally:
-        wait_until(lambda: not tagged_processes(tag), timeout=30, what="the script's processes")
+    done = run_program([sys.executable, str(script)], tmp_path, LIMIT, grace=30)
     out, err = done.stdout, done.stderr
     assert done.returncode == 0, f"exit {done.returncode}\n{out}\n{err}"
-    at = 0
-    for marker in MARKERS:
-        found = out.find(marker, at)
-        assert found >= 0, f"{marker!r} missing (in order) from:\n{out}\n{err}"
-        at = found + len(marker)
+    assert_in_order(out, MARKERS, err)
     # at exit: the op nothing fetched, once, naming the script's line
     assert err.count("nothing fetched its result") == 2, err  # at the stop, at exit
     assert "The size of tensor a (7) must match the size of tensor b (8)" in err, err

@@ -51,15 +51,9 @@ _HERE = __name__
 @pytest.fixture(scope="module")
 def pm():
     """A 2x2 mesh (``host`` x ``gpu``) shared by the module; checked for orphans after."""
-    from conftest import wait_no_orphans
+    from conftest import local_mesh
 
-    from monarch_kernel.actor import this_host
-
-    procs = this_host().spawn_procs(per_host={"host": 2, "gpu": 2})
-    yield procs
-    procs.stop()
-    left = wait_no_orphans()
-    assert not left, f"mesh left processes behind: {[p.pid for p in left]}"
+    yield from local_mesh({"host": 2, "gpu": 2})
 
 
 @pytest.fixture

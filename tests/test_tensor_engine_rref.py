@@ -33,15 +33,9 @@ WAIT = 60
 @pytest.fixture(scope="module")
 def pm():
     """A mesh of 2 ranks shared by the module; checked for orphans after."""
-    from conftest import wait_no_orphans
+    from conftest import local_mesh
 
-    from monarch_kernel.actor import this_host
-
-    procs = this_host().spawn_procs(per_host={"gpus": 2})
-    yield procs
-    procs.stop()
-    left = wait_no_orphans()
-    assert not left, f"mesh left processes behind: {[p.pid for p in left]}"
+    yield from local_mesh({"gpus": 2})
 
 
 def _wait_for_file(path: str) -> None:
