@@ -399,3 +399,75 @@ def test_survivors_a_step_apart_take_the_latest_state_before_going_on(kernel):
         assert losses == pytest.approx(reference_losses(), rel=1e-5, abs=1e-6)
     finally:
         kernel.run("%mesh stop ela", timeout=60)
+
+
+ENDS_SETUP = """\
+%%remote {mesh} --setup
+import os, time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from monarch_kernel.training import TrainingState
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(4, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+progress = 0
+if int(os.environ["RANK"]) >= 2:  # a rank the grow adds: the loop ends while it prepares
+    open({flag!r}, "w").close()
+    time.sleep(3)
+"""
+
+ENDS_LOOP = """\
+%%remote {mesh} --bg
+state = TrainingState(model=model, optimizer=opt)
+while True:
+    with state.stepping():
+        loss = model(torch.ones(3, 4) * (state.step + 1)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        done = torch.tensor([float(os.path.exists({flag!r}))])
+        dist.all_reduce(done)  # every rank leaves the loop at the same step
+    progress = state.step
+    if done.item():
+        break
+    time.sleep(0.01)
+state.step
+"""
+
+
+def test_a_grow_whose_training_cell_ends_before_the_pause_ends_between_cells(kernel, tmp_path):
+    # The grow prepares its new ranks while the loop trains on; the loop here ends then
+    # (the new ranks' setup cell makes it end), before it could be paused. The grow is
+    # then finished as between cells, instead of failing and losing the new ranks.
+    flag = str(tmp_path / "new-ranks-ready")
+    r = kernel.run("%mesh ele --gpus 2 --dist", timeout=120)
+    assert "ready" in r.stdout, r.stderr + r.error_text
+    try:
+        r = kernel.run(ENDS_SETUP.format(mesh="ele", flag=flag), timeout=120)
+        assert not r.errors, r.error_text
+        job = kernel.submit(ENDS_LOOP.format(mesh="ele", flag=flag))
+        assert not kernel.collect(job, timeout=60).errors
+        wait_progress(kernel, 3, "ele", job)
+        r = kernel.run("%mesh grow ele --ranks +2", timeout=120)
+        assert not r.errors, r.stdout + r.stderr + r.error_text
+        assert "world size 2 → 4; ranks 2-3 started" in r.stdout, r.stdout + r.stderr
+        assert "the training cell had ended before the loop could be paused" in r.stdout
+        assert "copied" in r.stdout, r.stdout  # the replica check gave them the model
+        # the loop ran on ranks 0-1 only; one process group of 4 ranks, the same model
+        r = kernel.run(
+            "%%remote ele\n"
+            "_mk_t = torch.ones(1)\n"
+            "dist.all_reduce(_mk_t)\n"
+            "_mk_d = __import__('monarch_kernel.rank.replicas.replicas', fromlist=['_'])"
+            ".digest_namespace(globals())\n"
+            "_mk_c = (globals().get('progress'), dist.get_world_size(), _mk_t.item(), "
+            "sorted((o.name, o.digest) for o in _mk_d.objects))",
+            timeout=60,
+        )
+        assert not r.errors, r.error_text
+        checks = value(kernel, "_c = %remote ele _mk_c\nlist(_c.values())")
+        ran = [c[0] for c in checks]
+        assert ran[0] == ran[1] and ran[0] > 3 and ran[2:] == [0, 0], checks
+        assert [c[1:3] for c in checks] == [(4, 4.0)] * 4, checks
+        assert checks[0][3] and all(c[3] == checks[0][3] for c in checks), checks
+    finally:
+        kernel.run("%mesh stop ele", timeout=60)

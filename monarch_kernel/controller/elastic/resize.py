@@ -39,6 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from monarch_kernel.calls.errors import format_ranks
 from monarch_kernel.controller.elastic.members import ElasticMesh, Membership
@@ -308,6 +309,14 @@ class Resizer:
                     raise ResizeInterrupted(f"mesh {m.name!r}: {runner.error}") from None
         finally:
             m.peers.finished(rid)
+        if runner.cell_ended:
+            # The loop ended before it could be paused: the new ranks are ready, nothing
+            # else changed; the rest is a resize between cells.
+            report = self._finish_idle(plan, deadline, time.monotonic(), prepared=True)
+            said = "the training cell had ended before the loop could be paused"
+            report = replace(report, note="; ".join(filter(None, (said, report.note))))
+            self.members.resized(report)
+            return report
         if runner.report is None:
             raise ResizeError(f"mesh {m.name!r} could not be resized: {runner.error}")
         return runner.report
@@ -326,16 +335,31 @@ class Resizer:
             if isinstance(exc, KeyboardInterrupt):
                 raise ResizeInterrupted(f"mesh {m.name!r}: {interrupted_text(plan)}") from None
             raise
+        return self._finish_idle(plan, deadline, t0, prepared=False)
+
+    def _finish_idle(
+        self, plan: ResizePlan, deadline: float, t0: float, prepared: bool
+    ) -> ResizeReport:
+        """The rest of a resize between cells, once the new ranks run: the new world on
+        every rank, the process group at its new size, then (unless ``prepared``: a
+        training round gave them already) the actors and set-up cells on the new ranks,
+        and last the most advanced rank's models everywhere (the replica check)."""
+        m = self._mesh
+        if prepared:  # (a training round adds before it pauses, and removes after)
+            m.restarter._learn_process_group([i.rank for i in m.ranks if i.alive])
+            self.members.remove(plan, deadline)
         problems: list[str] = []
         survivors = [r for r in range(plan.after.world) if r not in plan.added]
         self.members.set_world(survivors, plan, deadline, problems)
         pg = m.recipe.pg_backend is not None
         if pg and not problems:
             m.restarter._reform_process_group(deadline, problems, subgroups=False)
-        self.members.spawn_actors(plan, deadline, problems)
+        if not prepared:
+            self.members.spawn_actors(plan, deadline, problems)
         note = ""
         if plan.added and not problems:
-            self.members.run_setup(plan.added, deadline, problems)
+            if not prepared:
+                self.members.run_setup(plan.added, deadline, problems)
             if pg and not problems:
                 live = list(range(plan.after.world))
                 note = make_replicas_consistent(m.restarter.run_values, live, deadline, problems)

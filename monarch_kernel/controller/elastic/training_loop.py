@@ -73,6 +73,11 @@ STEP_WAIT = 120.0
 UNDO_WAIT = 60.0
 
 
+class _CellEnded(Exception):
+    """The training cell ended on every rank before the loop paused: there is no loop
+    to resize, the mesh is resized as between cells (``Resizer``)."""
+
+
 class ResizeRound(Recovery):
     """The resize of the mesh around training request ``rid`` (see the module)."""
 
@@ -113,6 +118,11 @@ class ResizeRound(Recovery):
         self._pausing = False  # under _cond: the loop is being paused (too late to cancel)
         #: Under _cond: the ranks were renumbered (ranks named from then on are new ones).
         self._renumbered = False
+        #: Set when it ended because the training cell had ended before the pause: the
+        #: new ranks are ready (started, actors, set-up cells) and nothing else changed;
+        #: the caller finishes the resize as between cells.
+        self.cell_ended = False
+        self._for_death = died is not None
 
     def interrupt(self) -> bool:
         """The user interrupted the grow. True: it is cancelled (it was still preparing
@@ -159,6 +169,11 @@ class ResizeRound(Recovery):
                 self._undo(exc)
                 return
             self._round()
+        except _CellEnded:
+            if self._for_death:  # (no user is waiting to finish it)
+                self._give_up("the training cell ended meanwhile")
+            else:
+                self.cell_ended = True
         except _Broken:
             self._give_up("a rank died while the mesh was resized")
         except _GiveUp as exc:
@@ -207,12 +222,18 @@ class ResizeRound(Recovery):
     def _round(self) -> None:
         epoch = self._epoch
         left_out = set(self.plan.removed) | set(self.fresh)
-        ranks = [r for r in self._mesh.request_ranks(self.rid) or [] if r not in left_out]
+        ranks = [r for r in self._mesh.request_waiting(self.rid) if r not in left_out]
         if not ranks:
-            raise _GiveUp("the training cell ended meanwhile")
+            raise _CellEnded()
         t0 = time.monotonic()
         self._timed("hold", self._ask, ranks, Order("hold", self.rid), epoch, "hold")
         self._timed("park", self._wait_boundary, ranks, epoch)
+        with self._cond:
+            parked = set(self.parked)
+        if not parked:  # the loop ended on every rank before the hold reached it
+            raise _CellEnded()
+        # a rank whose loop ended meanwhile is idle: it takes the new world as a cell
+        ranks = [r for r in ranks if r in parked or r in self._mesh.request_waiting(self.rid)]
         step = max((n.step for n in self.parked.values()), default=0)
         stop = self._timed("remove", self._remove, epoch)
         mapping = self.plan.renumbering

@@ -190,6 +190,10 @@ class PeerMesh:
         pending = self._requests.get(rid)
         return list(pending.ranks) if pending is not None else None
 
+    def request_waiting(self, rid: str) -> list[int]:
+        """The ranks of request ``rid`` that have not answered it yet (none once it ended)."""
+        return sorted(self._requests.waiting(rid))
+
     def recovered(self, rid: str, text: str, restarted: tuple[int, ...], seconds: float) -> None:
         """Say under the cell, and on the dashboard, what the recovery did."""
         events = self._events

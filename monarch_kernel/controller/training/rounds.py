@@ -75,6 +75,7 @@ class RoundMesh(Protocol):
     ) -> None: ...
     def lose_part(self, rid: str, rank: int, error: BaseException) -> None: ...
     def request_ranks(self, rid: str) -> list[int] | None: ...
+    def request_waiting(self, rid: str) -> list[int]: ...
     def recovered(
         self, rid: str, text: str, restarted: tuple[int, ...], seconds: float
     ) -> None: ...
@@ -266,11 +267,17 @@ class Recovery:
         self._wait(lambda: False, epoch, time.monotonic() + seconds)
 
     def _running(self, ranks: list[int]) -> list[int]:
-        """Ranks of the request that must park: neither dead nor new and idle."""
+        """Ranks of the request that must park: neither dead nor new and idle, nor done
+        with their part of it (a loop that ended before the others' step failed, or
+        before a resize's ``hold`` reached it, parks no more)."""
+        waiting = set(self._mesh.request_waiting(self.rid))
         return [
             r
             for r in ranks
-            if r not in self.dead and self.fresh.get(r, "sent") == "sent" and r not in self.parked
+            if r not in self.dead
+            and self.fresh.get(r, "sent") == "sent"
+            and r not in self.parked
+            and r in waiting
         ]
 
     def _wait_parked(self, ranks: list[int], epoch: int) -> None:
@@ -347,7 +354,8 @@ class Recovery:
         with self._cond:  # new ranks that run the cell already are parked: an order
             parked = sorted(self.parked)
             fresh = sorted(r for r, s in self.fresh.items() if s != "sent")
-        ranks = self._mesh.request_ranks(self.rid) or []
+        # (a rank whose part of the request ended is idle: it joins as a cell too)
+        ranks = self._mesh.request_waiting(self.rid)
         idle = [i.rank for i in self._mesh.ranks if i.alive and i.rank not in ranks]
         fresh = sorted(set(fresh) | set(idle))
         defer = bool(self.fresh)  # no restarted rank: every subgroup re-forms at once
