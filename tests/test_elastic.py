@@ -21,7 +21,7 @@ from kernel_client import Kernel
 
 pytestmark = pytest.mark.local
 
-STEPS = 150
+STEPS = 300  # room for a grow and a shrink on a loaded machine (each takes seconds)
 BATCH = 12
 MESH = "el"
 
