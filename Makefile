@@ -49,15 +49,23 @@ LAB_ARGS ?=
 lab: setup
 	$(PY) -m jupyter lab --ip 127.0.0.1 $(ALLOW_ROOT) $(LAB_ARGS) notebooks/01-quickstart.ipynb
 
-# Lint first: CI enforces style and types before the (slower) tests run. Two pytest-xdist
+# Style first (ruff), types beside the tests (below). Two pytest-xdist
 # workers: most tests wait on kernels, ranks and sockets, and one worker left a 2-core
 # machine half idle. tests/conftest.py schedules them: a module's tests on one worker, in
 # order, and the Ray and Slurm modules together. PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
-test: lint
-	$(PY) -m pytest $(XDIST)
+# The type checker (about a minute from a cold cache, on one core) runs beside the tests,
+# which leave a core partly idle, and fails the run as lint would; ruff (seconds) first.
+test: setup
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
+	@$(PY) -m mypy > $(VENV)/mypy.out 2>&1 & mypy=$$!; \
+	$(PY) -m pytest $(XDIST); status=$$?; \
+	if wait $$mypy; then tail -n 1 $(VENV)/mypy.out; \
+	else cat $(VENV)/mypy.out; echo "make test: mypy failed"; status=1; fi; \
+	exit $$status
 
 # The lanes (pytest markers, docs/contributing.md "Test lanes"), without lint: test-fast is
 # everything that needs no cluster and no browser (unit + local), test-unit the pure-Python
@@ -104,9 +112,11 @@ bench: setup
 gpu-wheels:
 	PYTHON=$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bash bench/gpu_wheels.sh
 
+LINT_PATHS := monarch_kernel tests bench docs/conf.py docs/_ext
+
 lint: setup
-	$(PY) -m ruff check monarch_kernel tests bench docs/conf.py docs/_ext
-	$(PY) -m ruff format --check monarch_kernel tests bench docs/conf.py docs/_ext
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
 	$(PY) -m mypy
 
 clean:

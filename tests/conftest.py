@@ -196,9 +196,17 @@ def _summarise_timeline(reporter: pytest.TerminalReporter) -> None:
         busy = sum(d for _, _, d in spans)
         end = max(e for _, e, _ in spans) - start
         reporter.line(f"{worker}: {len(spans)} modules, {busy:.0f} s in tests, done at {end:.0f} s")
-    longest = sorted(_TIMELINE.items(), key=lambda kv: -kv[1][2])[:15]
-    for (worker, module), (s0, s1, busy) in longest:
-        reporter.line(f"  {busy:6.0f} s  {module} ({worker}, {s0 - start:.0f}-{s1 - start:.0f} s)")
+    ranked = sorted(_TIMELINE.items(), key=lambda kv: -kv[1][2])
+    lines = [
+        f"  {busy:6.0f} s  {module} ({worker}, {s0 - start:.0f}-{s1 - start:.0f} s)"
+        for (worker, module), (s0, s1, busy) in ranked
+    ]
+    for line in lines[:15]:
+        reporter.line(line)
+    # every module, for whoever trims the suite's time (git-ignored, like the rest there)
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "module-times.txt").write_text("\n".join(lines) + "\n")
+    reporter.line(f"(all {len(lines)} modules: {ARTIFACTS / 'module-times.txt'})")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
