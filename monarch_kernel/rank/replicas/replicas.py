@@ -79,6 +79,21 @@ def find_training_state(namespace: Mapping[str, Any]) -> dict[str, Any]:
     return found
 
 
+def settled_training_state(namespace: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`find_training_state` after putting every FSDP2 model among them back to its
+    sharded, idle state (:func:`.fsdp_reset.reset_fsdp`).
+
+    Why: a step cut short (the stop button) leaves FSDP2 mid-iteration, with the layers
+    whose forward or backward was running unsharded: their modules then hold the
+    gathered plain tensors instead of the DTensors the optimizer trains, so the
+    optimizer would not be found as the model's on this rank, while on a replica
+    stopped elsewhere it would (its state then left out of the comparison and the
+    copy, and the replicas left different)."""
+    for obj in find_training_state(namespace).values():
+        reset_fsdp(obj)
+    return find_training_state(namespace)
+
+
 def _candidates(namespace: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
     for name in sorted(namespace):
         if name.startswith("_"):
@@ -189,11 +204,7 @@ def digest_namespace(namespace: Mapping[str, Any], rank: int | None = None) -> R
     if rank is None:
         rank = _rank()
     objects = []
-    state = find_training_state(namespace)
-    for obj in state.values():
-        # A step cut short (the stop button) left FSDP2 mid-iteration, maybe with its
-        # parameters unsharded: reset first, then its parameters are the shards again.
-        reset_fsdp(obj)
+    state = settled_training_state(namespace)
     sharded = _sharded_models(state)
     # (each model's replicas read once: an optimizer has its model's)
     replicas_of = {id(m): replica_ranks(m) or () for m in sharded.values()}
@@ -250,7 +261,7 @@ def sync_namespace(
     group (a rank not in ``shard_sources``: its group's shards agree). Every rank calls
     it with the same arguments. Returns what was sent and this rank's digest after."""
     t0 = time.monotonic()
-    state = find_training_state(namespace)
+    state = settled_training_state(namespace)
     missing = [n for n in [*names, *shard_names] if n not in state]
     if missing:
         raise ValueError(f"not a training object on this rank: {', '.join(missing)}")
@@ -346,5 +357,6 @@ __all__ = [
     "install_step_counter",
     "optimizer_steps",
     "repair_ddp",
+    "settled_training_state",
     "sync_namespace",
 ]
