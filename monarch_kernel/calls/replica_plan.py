@@ -38,6 +38,10 @@ class ObjectDigest:
     #: shapes): replicas whose layouts differ were built differently (a rank-dependent
     #: size in the model's code), so no copy can make them the same. '' : not known.
     layout: str = ""
+    #: An optimizer whose last ``opt.step()`` on this rank started and did not finish
+    #: (the stop came inside it): some parameters and moments hold the new step, the
+    #: others the old one. Such a rank is the source only when no replica is whole.
+    cut_short: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,9 @@ class ReplicaPlan:
     #: Objects whose replicas differ in structure, not only in values (left alone: a
     #: copy cannot fit): ``model_a: rank 2 laid out differently from ranks 0-1, 3``.
     misbuilt: tuple[str, ...] = ()
+    #: Ranks left holding an optimizer step cut short partway (the stop came inside
+    #: ``opt.step()`` on every replica of their state): what that means, or ''.
+    torn_warning: str = ""
 
     @property
     def needed(self) -> bool:
@@ -113,6 +120,7 @@ def plan_sync(digests: Sequence[ReplicaDigest]) -> ReplicaPlan:
     sharded = [n for n in sharded if n not in misbuilt]
     shard_sources, shard_why = _plan_shards(by_rank, sharded)
     shard_warning = _mixed_steps(by_rank, sharded, dict(shard_sources))
+    torn_shards = _left_torn(by_rank, sharded, {r: dict(shard_sources).get(r, r) for r in ranks})
     base = ReplicaPlan(
         None,
         (),
@@ -128,7 +136,8 @@ def plan_sync(digests: Sequence[ReplicaDigest]) -> ReplicaPlan:
     )
     state = {r: tuple(by_rank[r][n].digest for n in names) for r in ranks}
     if len(set(state.values())) <= 1:
-        return base
+        torn = torn_shards | _left_torn(by_rank, names, {r: r for r in ranks})
+        return replace(base, torn_warning=_torn_text(torn))
     source = _most_advanced(by_rank, names, ranks, state)
     targets = tuple(r for r in ranks if state[r] != state[source])
     why = _why(by_rank, names, source, targets, _steps(by_rank, names, ranks))
@@ -136,7 +145,17 @@ def plan_sync(digests: Sequence[ReplicaDigest]) -> ReplicaPlan:
     words = " and ".join(
         w for k, w in (("model", "parameters"), ("optimizer", "optimizer state")) if k in kinds
     )
-    return replace(base, source=source, targets=targets, why=why, kinds=words or "state")
+    torn = torn_shards | _left_torn(
+        by_rank, names, {r: source if r in targets else r for r in ranks}
+    )
+    return replace(
+        base,
+        source=source,
+        targets=targets,
+        why=why,
+        kinds=words or "state",
+        torn_warning=_torn_text(torn),
+    )
 
 
 def _steps(
@@ -145,15 +164,46 @@ def _steps(
     return {r: sum(by_rank[r][n].steps or 0 for n in names) for r in ranks}
 
 
+def _cut_short(by_rank: dict[int, dict[str, ObjectDigest]], names: list[str], rank: int) -> int:
+    """How many of ``names`` on ``rank`` are optimizers whose last step was cut short."""
+    return sum(by_rank[rank][n].cut_short for n in names)
+
+
 def _most_advanced(
     by_rank: dict[int, dict[str, ObjectDigest]],
     names: list[str],
     ranks: list[int],
     state: dict[int, tuple[str, ...]],
 ) -> int:
+    """Most optimizer steps; then whole steps (a rank stopped inside ``opt.step()`` holds
+    a half-updated state, while one that had not begun it holds the previous step
+    exactly); then the state most ranks share; then the lowest rank."""
     steps = _steps(by_rank, names, ranks)
     shared = Counter(state[r] for r in ranks)
-    return max(ranks, key=lambda r: (steps[r], shared[state[r]], -r))
+    return max(
+        ranks,
+        key=lambda r: (steps[r], -_cut_short(by_rank, names, r), shared[state[r]], -r),
+    )
+
+
+def _left_torn(
+    by_rank: dict[int, dict[str, ObjectDigest]], names: list[str], sources: dict[int, int]
+) -> set[int]:
+    """The ranks whose state of ``names`` will be a step cut short: each rank takes its
+    ``sources`` rank's (itself when nothing is copied to it)."""
+    return {r for r, src in sources.items() if names and _cut_short(by_rank, names, src)}
+
+
+def _torn_text(ranks: set[int]) -> str:
+    if not ranks:
+        return ""
+    one = len(ranks) == 1
+    who = f"rank {min(ranks)} holds" if one else f"ranks {format_ranks(sorted(ranks))} hold"
+    return (
+        f"WARNING: {who} an optimizer step cut short partway (the stop came inside "
+        "opt.step() on every replica of that state: some parameters and optimizer moments "
+        "took the step, the others not); load a checkpoint to be exact"
+    )
 
 
 def _misbuilt(
@@ -260,8 +310,17 @@ def _why(
     who = f"rank {targets[0]}" if len(targets) == 1 else f"ranks {format_ranks(list(targets))}"
     optimizers = [n for n in names if by_rank[source][n].kind == "optimizer"]
     behind = {steps[source] - steps[r] for r in targets}
+    calls = ", ".join(f"{n}.step()" for n in optimizers)
+    torn = [r for r in targets if _cut_short(by_rank, names, r)]
+    if optimizers and torn and behind <= {0, 1}:
+        stopped = f"rank {torn[0]}" if len(torn) == 1 else f"ranks {format_ranks(torn)}"
+        whole = [r for r in targets if r not in torn]
+        text = f"{stopped} stopped inside {calls}"
+        if whole:
+            others = f"rank {whole[0]}" if len(whole) == 1 else f"ranks {format_ranks(whole)}"
+            text += f", {others} had not run it"
+        return text
     if optimizers and behind == {1}:
-        calls = ", ".join(f"{n}.step()" for n in optimizers)
         return f"{who} had not run {calls} of the interrupted step"
     if optimizers and min(behind) > 0:
         most = max(behind)
@@ -302,6 +361,8 @@ def describe(plan: ReplicaPlan, nbytes: int = 0, seconds: float = 0.0, after: bo
         )
     if plan.shard_warning:
         text += "; " + plan.shard_warning
+    if plan.torn_warning:
+        text += "; " + plan.torn_warning
     if plan.uneven:
         text += "; not on every rank, left alone: " + "; ".join(plan.uneven)
     return text

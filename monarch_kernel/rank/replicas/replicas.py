@@ -12,9 +12,11 @@ The mesh uses the rest after the stop button or a failure in a collective loop:
 :func:`digest_namespace` on every rank, ``calls.replica_plan.plan_sync`` on the
 controller, :func:`sync_namespace` on every rank if the replicas differ.
 
-How far each rank got is counted with torch's global optimizer step hook
+How far each rank got is counted with torch's global optimizer step hooks
 (:func:`install_step_counter`, installed in the warm template): a rank that ran
-``opt.step()`` of the interrupted step has one step more than one that did not.
+``opt.step()`` of the interrupted step has one step more than one that did not, and one
+stopped inside it is marked as cut short (partly updated), so that a replica holding a
+whole step is copied rather than it.
 """
 
 from __future__ import annotations
@@ -210,10 +212,14 @@ def digest_namespace(namespace: Mapping[str, Any], rank: int | None = None) -> R
     replicas_of = {id(m): replica_ranks(m) or () for m in sharded.values()}
     for name, obj in state.items():
         hexdigest, nbytes, built = digest(obj)
-        steps = optimizer_steps(obj) if isinstance(obj, torch.optim.Optimizer) else None
+        is_optimizer = isinstance(obj, torch.optim.Optimizer)
+        steps = optimizer_steps(obj) if is_optimizer else None
+        torn = is_optimizer and opt_steps.step_cut_short(obj)
         model = sharded.get(name) or _model_of(obj, sharded)
         replicas = replicas_of[id(model)] if model is not None else ()
-        objects.append(ObjectDigest(name, _kind(obj), hexdigest, nbytes, steps, replicas, built))
+        objects.append(
+            ObjectDigest(name, _kind(obj), hexdigest, nbytes, steps, replicas, built, torn)
+        )
     return ReplicaDigest(rank, tuple(objects))
 
 

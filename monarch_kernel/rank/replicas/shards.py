@@ -142,15 +142,89 @@ def replicate_group(model: Any) -> Any:
     return None
 
 
+#: An optimizer's per-parameter state as its tensors' ``(shape, dtype, a DTensor)`` by
+#: parameter index and key: what a replica must hold before the values can travel.
+StateSkeleton = dict[int, dict[str, tuple[tuple[int, ...], str, bool]]]
+
+
+def optimizer_state_skeleton(optimizer: Any) -> StateSkeleton:
+    """The shapes of ``optimizer``'s per-parameter state tensors (local parts), by the
+    parameter's index in its ``param_groups`` (:data:`StateSkeleton`)."""
+    import torch
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out: StateSkeleton = {}
+    for index, param in enumerate(params):
+        entry = optimizer.state.get(param)
+        if not entry:
+            continue
+        out[index] = {
+            key: (tuple(local_tensor(v).shape), str(v.dtype), is_dtensor(v))
+            for key, v in entry.items()
+            if isinstance(v, torch.Tensor)
+        }
+    return out
+
+
+def conform_optimizer_state(optimizer: Any, skeleton: StateSkeleton) -> None:
+    """Give ``optimizer`` per-parameter state tensors laid out as ``skeleton`` (a
+    replica's), zero-filled where it had none or other shapes, and drop the state the
+    replica does not have, so that the replica's values can be copied in.
+
+    Why: an optimizer makes its state lazily inside its first ``step()``; a stop there
+    leaves it without state (or with part of it) while a replica has it all."""
+    import torch
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, param in enumerate(params):
+        want = skeleton.get(index, {})
+        entry = optimizer.state.get(param)
+        if not want:
+            if entry:
+                del optimizer.state[param]
+            continue
+        entry = optimizer.state[param]  # (a defaultdict: made if missing)
+        for key in [k for k, v in entry.items() if isinstance(v, torch.Tensor) and k not in want]:
+            del entry[key]
+        for key, (shape, dtype, sharded) in want.items():
+            have = entry.get(key)
+            if (
+                isinstance(have, torch.Tensor)
+                and tuple(local_tensor(have).shape) == shape
+                and str(have.dtype) == dtype
+                and is_dtensor(have) == sharded
+            ):
+                continue
+            local = torch.zeros(shape, dtype=getattr(torch, dtype.rsplit(".", 1)[-1]))
+            entry[key] = like_param(local, param) if sharded else local
+
+
 def broadcast_shards(objects: list[Any], model: Any, src: int) -> int:
     """Copy rank ``src``'s local shards of ``objects`` (the sharded model and its
     optimizers) to the other ranks of this rank's replicate group; every rank of the
-    group calls it. Raises naming the tensor when the ranks' shards do not match."""
+    group calls it. An optimizer takes the source's state layout (one stopped before it
+    made its state gets it) and its ``opt.step()`` count and cut-short mark. Raises
+    naming the tensor when the ranks' shards do not match."""
+    import torch
     import torch.distributed as dist
+
+    from monarch_kernel.rank.replicas import opt_steps
 
     group = replicate_group(model)
     if group is None:
         raise ValueError("the model has no replicate dim: its shards have no replica")
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    box: list[Any] = [
+        [
+            (optimizer_state_skeleton(o), opt_steps.optimizer_steps(o), opt_steps.step_cut_short(o))
+            for o in optimizers
+        ]
+    ]
+    dist.broadcast_object_list(box, src=src, group=group)
+    receiving = dist.get_rank() != src
+    if receiving:
+        for optimizer, (skeleton, _, _) in zip(optimizers, box[0], strict=True):
+            conform_optimizer_state(optimizer, skeleton)
     tensors = [nt for obj in objects for nt in shard_tensors(obj)]
     metas = [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
     gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -171,4 +245,8 @@ def broadcast_shards(objects: list[Any], model: Any, src: int) -> int:
     for _, tensor in tensors:
         dist.broadcast(tensor, src=src, group=group)
         nbytes += tensor.numel() * tensor.element_size()
+    if receiving:
+        for optimizer, (_, steps, cut_short) in zip(optimizers, box[0], strict=True):
+            opt_steps.set_optimizer_steps(optimizer, steps)
+            opt_steps.set_step_cut_short(optimizer, cut_short)
     return nbytes

@@ -26,8 +26,9 @@ class _Meta:
     shape: tuple[int, ...]
 
 
-#: ``(kind, structure with _Meta leaves for tensors, optimizer steps or None)``
-Skeleton = tuple[str, Any, "int | None"]
+#: ``(kind, structure with _Meta leaves for tensors, optimizer steps and whether its last
+#: step was cut short, or None)``
+Skeleton = tuple[str, Any, "tuple[int, bool] | None"]
 
 
 def broadcast_state(objects: Sequence[Any], src: int, group: Any = None) -> int:
@@ -40,7 +41,8 @@ def broadcast_state(objects: Sequence[Any], src: int, group: Any = None) -> int:
     must match on every rank, else ValueError before any tensor data moves);
     ``torch.Tensor``: in place; anything else with ``state_dict()`` and
     ``load_state_dict()`` (optimizers, LR schedulers, GradScaler ...): its state dict,
-    loaded on the others (an optimizer's ``opt.step()`` count follows it).
+    loaded on the others (an optimizer's ``opt.step()`` count and cut-short mark
+    follow it).
     """
     import torch.distributed as dist
 
@@ -84,7 +86,7 @@ def _all_agree(ok: bool, group: Any) -> bool:
 def _skeleton(obj: Any) -> Skeleton:
     import torch
 
-    from monarch_kernel.rank.replicas.opt_steps import optimizer_steps
+    from monarch_kernel.rank.replicas.opt_steps import optimizer_steps, step_cut_short
 
     if isinstance(obj, torch.nn.Module):
         named = [*obj.named_parameters(), *obj.named_buffers()]
@@ -102,7 +104,11 @@ def _skeleton(obj: Any) -> Skeleton:
             return type(tree)(strip(v) for v in tree)
         return tree
 
-    steps = optimizer_steps(obj) if isinstance(obj, torch.optim.Optimizer) else None
+    steps = (
+        (optimizer_steps(obj), step_cut_short(obj))
+        if isinstance(obj, torch.optim.Optimizer)
+        else None
+    )
     return "state_dict", strip(obj.state_dict()), steps
 
 
@@ -207,7 +213,7 @@ def _load(obj: Any, skeleton: Skeleton, tensors: list[Any]) -> None:
     """Put received state into ``obj`` (modules and tensors were filled in place)."""
     import torch
 
-    from monarch_kernel.rank.replicas.opt_steps import set_optimizer_steps
+    from monarch_kernel.rank.replicas.opt_steps import set_optimizer_steps, set_step_cut_short
 
     kind, tree, steps = skeleton
     if kind != "state_dict":
@@ -224,4 +230,5 @@ def _load(obj: Any, skeleton: Skeleton, tensors: list[Any]) -> None:
 
     obj.load_state_dict(fill(tree))
     if steps is not None and isinstance(obj, torch.optim.Optimizer):
-        set_optimizer_steps(obj, steps)
+        set_optimizer_steps(obj, steps[0])
+        set_step_cut_short(obj, steps[1])
