@@ -49,12 +49,11 @@ LAB_ARGS ?=
 lab: setup
 	$(PY) -m jupyter lab --ip 127.0.0.1 $(ALLOW_ROOT) $(LAB_ARGS) notebooks/01-quickstart.ipynb
 
-# Style first (ruff), types beside the tests (below). Three pytest-xdist workers: most
-# tests wait on kernels, ranks and sockets; one worker left a 2-core machine half idle,
-# and two about a quarter (40 CPU-minutes in 26.5 minutes). tests/conftest.py schedules
-# them: a module's tests on one worker, in order, the Ray and Slurm modules together and
-# first, the longest modules next. PYTEST_WORKERS=0: one process.
-PYTEST_WORKERS ?= 3
+# Style first (ruff), types beside the tests (below). Two pytest-xdist
+# workers: most tests wait on kernels, ranks and sockets, and one worker left a 2-core
+# machine half idle. tests/conftest.py schedules them: a module's tests on one worker, in
+# order, and the Ray and Slurm modules together. PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
 # The type checker (about a minute from a cold cache, on one core) runs beside the tests,

@@ -262,14 +262,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             )
         if item.get_closest_marker("gpu") is not None and not _HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (bench/gpu_check.py)"))
-    # Those first, the longest unit of work; then the longest modules, so that no worker
-    # starts one of them near the end while the others have run out of work.
-    items.sort(
-        key=lambda item: (
-            item.path.name not in CLUSTER_MODULES,
-            item.path.name not in LONG_MODULES,
-        )
-    )
+    # those first: on two workers, the longest unit of work starts at once
+    items.sort(key=lambda item: item.path.name not in CLUSTER_MODULES)
 
 
 def _cuda_available() -> bool:
@@ -297,18 +291,6 @@ CLUSTER_MODULES = frozenset(
     }
 )
 CLUSTER_GROUP = "ray-and-slurm"
-#: The modules that take longest (over 75 s of a worker in CI; test-artifacts/
-#: module-times.txt): started right after the cluster modules.
-LONG_MODULES = frozenset(
-    {
-        "test_notebooks.py",
-        "test_reformable_pg.py",
-        "test_peer_state.py",
-        "test_packaging.py",
-        "test_parity.py",
-        "test_faults.py",
-    }
-)
 
 
 def _uses_a_session_cluster(item: pytest.Item) -> bool:
@@ -320,7 +302,7 @@ def _uses_a_session_cluster(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """``make test`` runs the suite on three pytest-xdist workers. A unit of work is a
+    """``make test`` runs the suite on two pytest-xdist workers. A unit of work is a
     module, run on one worker in order (a module-scoped kernel or mesh is started once,
     and a test may build on what an earlier one left in it), except that all of
     :data:`CLUSTER_MODULES` are one unit: one Ray cluster serves them all and no two

@@ -16,8 +16,8 @@ from jupyter_client.provisioning import LocalProvisioner
 
 def ensure_kernelspec() -> None:
     """Install the monarch kernelspec into this environment unless the one there is
-    already this one. One process at a time: ``make test``'s pytest-xdist workers
-    all get here, and jupyter_client's install (remove, then copy) of one failed on the
+    already this one. One process at a time: ``make test``'s two pytest-xdist workers
+    both get here, and jupyter_client's install (remove, then copy) of one failed on the
     other's copy. A current spec is left alone, as a reinstall's moment without one
     made the other worker's kernel start fail (``NoSuchKernel``): starting a kernel
     reads it without this lock."""
