@@ -233,7 +233,8 @@ class ResizeRound(Recovery):
         if not parked:  # the loop ended on every rank before the hold reached it
             raise _CellEnded()
         # a rank whose loop ended meanwhile is idle: it takes the new world as a cell
-        ranks = [r for r in ranks if r in parked or r in self._mesh.request_waiting(self.rid)]
+        waiting = set(self._mesh.request_waiting(self.rid))
+        ranks = [r for r in ranks if r in parked or r in waiting]
         step = max((n.step for n in self.parked.values()), default=0)
         stop = self._timed("remove", self._remove, epoch)
         mapping = self.plan.renumbering

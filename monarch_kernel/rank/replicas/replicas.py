@@ -91,9 +91,10 @@ def settled_training_state(namespace: Mapping[str, Any]) -> dict[str, Any]:
     optimizer would not be found as the model's on this rank, while on a replica
     stopped elsewhere it would (its state then left out of the comparison and the
     copy, and the replicas left different)."""
-    for obj in find_training_state(namespace).values():
-        reset_fsdp(obj)
-    return find_training_state(namespace)
+    found = find_training_state(namespace)
+    if sum(reset_fsdp(obj) for obj in found.values()):  # (its optimizers are found now)
+        return find_training_state(namespace)
+    return found
 
 
 def _candidates(namespace: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
