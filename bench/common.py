@@ -242,6 +242,43 @@ def tensor_of(mib: int) -> Any:
     return torch.ones(mib * MiB // 4)
 
 
+def settle(
+    quiet: float = 0.05, window_s: float = 0.25, hold_s: float = 2.0, timeout_s: float = 30.0
+) -> float:
+    """Wait until this process's descendants (a mesh's host agent, template and ranks)
+    together used under ``quiet`` of a core in every ``window_s`` for ``hold_s`` in a row;
+    return the seconds waited (at most ``timeout_s``). A fresh mesh is not quiet at once:
+    its warm template imports ``torch._dynamo`` once it has been idle a second (about 1.7 s
+    of one core here), and calls timed meanwhile share the machine's two cores with that
+    import (``hold_s`` is longer than that idle second, so the import is waited for)."""
+    import psutil
+
+    me = psutil.Process()
+    t0 = time.monotonic()
+
+    def cpu(procs: list[psutil.Process]) -> float:
+        total = 0.0
+        for p in procs:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:  # gone meanwhile
+                continue
+            total += t.user + t.system
+        return total
+
+    quiet_since = t0
+    while time.monotonic() - t0 < timeout_s:
+        procs = me.children(recursive=True)
+        before = cpu(procs)
+        time.sleep(window_s)
+        now = time.monotonic()
+        if cpu(procs) - before >= quiet * window_s:
+            quiet_since = now
+        elif now - quiet_since >= hold_s:
+            break
+    return time.monotonic() - t0
+
+
 def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()

@@ -29,6 +29,7 @@ from bench.common import (
     p99,
     repeat_ready,
     sample,
+    settle,
     tensor_of,
     timed,
 )
@@ -113,6 +114,8 @@ def run(s: Settings, rec: Recorder) -> None:
     rec.note("init", "n/a: no separate cluster start (procs start lazily on first use)")
     procs = this_host().spawn_procs(per_host={"gpus": s.max_n})
     actors = procs.spawn("bench", Bench)
+    actors.ready.call().get()
+    settle()  # as for ours: the calls are timed on a quiet machine
     try:
         micro(s, rec, actors)
         if s.wants("fault"):
@@ -125,6 +128,8 @@ def run(s: Settings, rec: Recorder) -> None:
         procs = this_host().spawn_procs(per_host={"gpus": max(s.big_ns)})
         try:
             actors = procs.spawn("bench", Bench)
+            actors.ready.call().get()
+            settle()
             measure_calls(s, rec, s.big_ns, lambda n: gathered(actors, n))
         finally:
             procs.stop().get()

@@ -566,7 +566,10 @@ def how_measured(s: Settings) -> list[str]:
         "mesh's ranks and host agent alive, in blocks alternating with ours' calls (4 blocks "
         "per side, the same number of samples each; ours' median and p99 are those "
         "alternating samples): the same CPU state and load, so that ratio is the one that "
-        "says how far a call is from the wire (bench/floor.py).",
+        "says how far a call is from the wire (bench/floor.py). Ours and Monarch time "
+        "rows 1 to 3 once the fresh mesh's processes have used under 5% of a core for 2 s "
+        "in a row (`bench.common.settle`: ours' warm template imports `torch._dynamo` a "
+        "second after its last fork, about 1.7 s of one core, for ranks restarted later).",
         "2. The no-op on the first N ranks of a mesh of "
         f"{s.max_n}, all replies gathered: `.call().get()`, "
         "`ray.get([a.m.remote() for a in actors])`, `dview.apply_sync(f)`, Dask's "

@@ -12,6 +12,15 @@ fragment the heap. With the threshold pinned at its initial value it stays flat
 (282 MB over 24 steps). Setting it explicitly (``mallopt``) is what turns the dynamic
 rise off; ``MALLOC_MMAP_THRESHOLD_`` (or the other ``MALLOC_*_`` variables, which turn it
 off too) in the environment wins.
+
+Pinned only once a process runs a collective of the kind FSDP2 makes those buffers for
+(:data:`SHARDING_METHODS`: all-gather into a tensor, reduce-scatter of a tensor), not when
+the group is formed: the pin has a price. Every allocation above 128 KiB is then a fresh
+mapping whose pages fault in (and are zeroed) on first touch, every step: a training
+loop's per-step temporaries (activations, gradients, the optimizer's intermediates) pay
+it on every step. Measured (issue 57, the GPT-style DDP workload of ``bench/train.py`` on
+4 ranks, 2 cores): pinned from the start, 1.44-2.02 steps/s; glibc's own behaviour,
+2.13-2.58 steps/s in the same alternating runs, which is what torchrun's processes have.
 """
 
 from __future__ import annotations
@@ -33,7 +42,15 @@ USER_CHOICE = (
     "MALLOC_MMAP_MAX_",
 )
 
-_pinned = False
+#: Collectives (torch's ``ProcessGroup`` method names, the worker's too) after whose first
+#: use a process pins the threshold: FSDP2 allocates their buffers afresh every step.
+SHARDING_METHODS = frozenset(
+    {"_allgather_base", "_reduce_scatter_base", "each:_allgather_base", "each:_reduce_scatter_base"}
+)
+
+#: Whether this process pinned the threshold: None until it tried (once; every
+#: sharding collective asks, so a refusal is remembered too).
+_pinned: bool | None = None
 
 
 def pin_mmap_threshold() -> bool:
@@ -41,8 +58,12 @@ def pin_mmap_threshold() -> bool:
     processes it forks later), once; False where there is no glibc or the user set one
     of :data:`USER_CHOICE`."""
     global _pinned
-    if _pinned:
-        return True
+    if _pinned is None:
+        _pinned = _pin()
+    return _pinned
+
+
+def _pin() -> bool:
     if not sys.platform.startswith("linux") or any(v in os.environ for v in USER_CHOICE):
         return False
     try:
@@ -52,5 +73,4 @@ def pin_mmap_threshold() -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    _pinned = bool(mallopt(M_MMAP_THRESHOLD, THRESHOLD))
-    return _pinned
+    return bool(mallopt(M_MMAP_THRESHOLD, THRESHOLD))

@@ -39,7 +39,6 @@ from monarch_kernel.calls.errors import ProcessGroupAborted
 from monarch_kernel.rank.pg import watch
 from monarch_kernel.rank.pg.adopt import Adopted, AdoptedStorages
 from monarch_kernel.rank.pg.cuda_regions import CudaEntry, CudaStorages
-from monarch_kernel.rank.pg.malloc import pin_mmap_threshold
 from monarch_kernel.rank.pg.ops import CollectiveOps
 from monarch_kernel.rank.pg.protocol import (
     Done,
@@ -93,7 +92,6 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
 
     def __init__(self, rank: int, size: int, group_id: str, timeout_s: float, kind: str = "gloo"):
         super().__init__(rank, size)
-        pin_mmap_threshold()  # FSDP2's per-step buffers otherwise grow the heap (.malloc)
         self._rank, self._size = rank, size
         #: torch's name of the group (``0`` for the default one); prefixes rendezvous.
         self.group_id = group_id

@@ -29,6 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from monarch_kernel.rank.pg.cuda_regions import CudaRegion
+from monarch_kernel.rank.pg.malloc import SHARDING_METHODS, pin_mmap_threshold
 from monarch_kernel.rank.pg.protocol import (
     MAX_FDS,
     MAX_MESSAGE,
@@ -54,10 +55,7 @@ def serve(sock: socket.socket) -> None:
     """Serve the rank on ``sock`` until it closes (then return: the caller exits)."""
     import torch
 
-    from monarch_kernel.rank.pg.malloc import pin_mmap_threshold
-
     torch.set_num_threads(1)
-    pin_mmap_threshold()  # (an exec'd zygote's worker did not inherit the rank's)
     _Worker(sock).loop()
 
 
@@ -134,6 +132,8 @@ class _Worker:
             if req.new_cuda or _cuda_device(args) >= 0:
                 self._start_cuda(req.op_id, req.method, args, opts)
                 return
+            if req.method in SHARDING_METHODS:
+                pin_mmap_threshold()  # FSDP2's per-step buffers (see .malloc)
             future = self._start(req.method, args, opts)
         except Exception as exc:
             self.send(Failed(req.op_id, error_text(exc)))
