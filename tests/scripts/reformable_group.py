@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from monarch_kernel.calls.errors import ProcessGroupAborted
 from monarch_kernel.rank.pg import backend as pg_backend
-from monarch_kernel.rank.pg import distributed
+from monarch_kernel.rank.pg import distributed, malloc
 from monarch_kernel.rank.pg.reformable import ReformableGroup
 from monarch_kernel.rank.replicas import replicas
 
@@ -363,6 +363,8 @@ def fsdp_memory() -> None:
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(1 << 20))  # a DDP-style op: glibc left as it is (pg.malloc)
+    pinned_before = malloc._pinned
     mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("r", "s"))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
@@ -384,7 +386,11 @@ def fsdp_memory() -> None:
         if step in (4, 12):
             dist.barrier()
             seen[step] = (_anonymous_mb(), regions())
-    report(anon_mb=[seen[4][0], seen[12][0]], regions=[seen[4][1], seen[12][1]])
+    report(
+        anon_mb=[seen[4][0], seen[12][0]],
+        regions=[seen[4][1], seen[12][1]],
+        pinned=[pinned_before, malloc._pinned],
+    )
     dist.destroy_process_group()
 
 
