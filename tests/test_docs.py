@@ -321,6 +321,30 @@ def _table(text: str, first_header: str) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def _training_table(text: str) -> tuple[list[str], list[list[str]]]:
+    """The workload table (its header names ``torchrun (floor)``): header, rows."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if "| torchrun (floor) |" in line)
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    header = [cell.strip() for cell in lines[start].strip().strip("|").split("|")]
+    return header, rows
+
+
+def test_readme_training_ratios_are_the_generated_ones():
+    header, rows = _training_table(README.read_text())
+    latest_header, latest_rows = _training_table(LATEST.read_text())
+    assert header[1:] == latest_header[1:], "README's systems differ from latest.md's"
+    by_label = {row[0]: row for row in latest_rows}
+    assert len(rows) >= 2
+    for row in rows:
+        assert row[0] in by_label, f"README row {row[0]!r} is not a row of latest.md's workload"
+        assert row == by_label[row[0]], f"{row[0]}: {row} != {by_label[row[0]]}"
+
+
 def test_readme_benchmark_ratios_are_the_generated_ones():
     header, rows = _table(README.read_text(), "benchmark")
     latest_header, latest_rows = _table(LATEST.read_text(), "benchmark")
