@@ -1077,13 +1077,15 @@ def test_the_stop_button_interrupts_a_stream_of_ops_and_the_mesh_goes_on():
             "import time, torch, monarch_kernel\n"
             "m.activate()\n"
             "def slow_fn(x):\n"
-            "    time.sleep(0.05)\n"
+            "    time.sleep(0.25)\n"
             "    return x + 1\n"
             "slow = monarch_kernel.remote(slow_fn, propagate=lambda x: x.clone())\n"
             "print('warm', monarch_kernel.inspect(slow(torch.zeros(1))).item())"
         )
         assert "warm 1.0" in r.stdout, r.stderr + r.error_text
-        # 600 ops of 50 ms: half a minute on the ranks, unless interrupted
+        # 600 ops of 250 ms: two and a half minutes on the ranks, unless interrupted (at
+        # 50 ms, a loaded CI machine once took longer to issue them than the ranks to run
+        # them all, and nothing was left to interrupt)
         msg = k.submit(
             "x = torch.zeros(1)\n"
             "for _ in range(600):\n"

@@ -345,6 +345,42 @@ def alone() -> None:
     dist.destroy_process_group()
 
 
+# -- a DDP backward cut short with no collective in flight --------------------------------------
+def ddp_cut_short() -> None:
+    """A backward stopped before its first bucket's all-reduce (what the stop button can
+    do between two buckets: the group is not aborted, so not re-formed) leaves the
+    reducer expecting the rest; the replica check's settling resets it on every rank,
+    and the next step trains."""
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 64) * (dist.get_rank() + 1)
+
+    def step() -> str:
+        try:
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            return "ok"
+        except Exception as exc:  # what the next cell would show
+            return f"{type(exc).__name__}: {str(exc)[:80]}"
+
+    first = step()
+
+    def stop(_: torch.Tensor) -> None:
+        raise ValueError("stopped")  # the last layer's gradient comes first
+
+    hook = model.module[1].weight.register_hook(stop)
+    cut = step()
+    hook.remove()
+    replicas.settled_training_state({"model": model, "opt": opt})
+    after = step()
+    digest = replicas.digest(model)[0]
+    report(first=first, cut=cut[:40], after=after, digest=digest)
+    dist.destroy_process_group()
+
+
 # -- FSDP2/HSDP memory: steady, step after step ---------------------------------------------
 def _anonymous_mb() -> float:
     with open("/proc/self/smaps_rollup") as f:
@@ -403,4 +439,5 @@ if __name__ == "__main__":
         "state": state_copy,
         "alone": alone,
         "fsdp_memory": fsdp_memory,
+        "ddp_cut_short": ddp_cut_short,
     }[sys.argv[1]]()

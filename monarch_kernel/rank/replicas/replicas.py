@@ -90,7 +90,15 @@ def settled_training_state(namespace: Mapping[str, Any]) -> dict[str, Any]:
     gathered plain tensors instead of the DTensors the optimizer trains, so the
     optimizer would not be found as the model's on this rank, while on a replica
     stopped elsewhere it would (its state then left out of the comparison and the
-    copy, and the replicas left different)."""
+    copy, and the replicas left different).
+
+    Every DDP object's reducer is reset too (:func:`reset_ddp`): a rank stopped inside
+    a backward between two buckets' all-reduces (none in flight, so the process group
+    was not aborted and re-formed, which resets them) is left expecting the rest, and
+    its next forward fails with "Expected to have finished reduction in the prior
+    iteration". Invariant: every rank of the group runs this (the replica check's
+    cells run on all of them), so their reducers rebuild their buckets alike."""
+    reset_ddp()
     found = find_training_state(namespace)
     if sum(reset_fsdp(obj) for obj in found.values()):  # (its optimizers are found now)
         return find_training_state(namespace)
@@ -342,6 +350,16 @@ def _share_bucket_layouts(objects: Sequence[Any], src: int) -> None:
             adopt_layout(model, layout)
 
 
+def reset_ddp() -> int:
+    """Reset the reducer of every DDP object this rank made (as :func:`repair_ddp` does
+    for a re-formed group's): its next iteration rebuilds buckets as on every other rank
+    that reset its own. Returns how many were reset."""
+    models = list(opt_steps.ddps)
+    for ddp in models:
+        ddp._update_process_group(ddp.process_group)
+    return len(models)
+
+
 def repair_ddp(groups: Sequence[Any]) -> int:
     """Reset the reducer of every DDP object on one of ``groups`` (a backward cut short
     by an abort leaves it expecting the rest: "Expected to have finished reduction in
@@ -364,6 +382,7 @@ __all__ = [
     "install_step_counter",
     "optimizer_steps",
     "repair_ddp",
+    "reset_ddp",
     "settled_training_state",
     "sync_namespace",
 ]
