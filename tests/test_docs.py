@@ -312,19 +312,18 @@ def _table(text: str, first_header: str) -> tuple[list[str], list[list[str]]]:
     """The markdown table whose first column is ``first_header``: header, rows."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if re.match(rf"\|\s*{first_header}\s*\|", line))
-    rows = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
-    header = [cell.strip() for cell in lines[start].strip().strip("|").split("|")]
-    return header, rows
+    return _table_at(lines, start)
 
 
 def _training_table(text: str) -> tuple[list[str], list[list[str]]]:
     """The workload table (its header names ``torchrun (floor)``): header, rows."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if "| torchrun (floor) |" in line)
+    return _table_at(lines, start)
+
+
+def _table_at(lines: list[str], start: int) -> tuple[list[str], list[list[str]]]:
+    """The markdown table whose header is ``lines[start]``: header, rows."""
     rows = []
     for line in lines[start + 2 :]:
         if not line.startswith("|"):
