@@ -10,7 +10,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from monarch_kernel.rank.pg.malloc import pin_mmap_threshold
 from monarch_kernel.rank.pg.work import OpWork, PendingOp
 from monarch_kernel.rank.pg.worker import EACH
 
@@ -76,7 +75,6 @@ class CollectiveOps:
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> OpWork:
-        pin_mmap_threshold()  # FSDP2's per-step buffers (see .malloc)
         opts = opts or _d.AllgatherOptions()
         args = [output, input]
         return self._run(
@@ -88,7 +86,6 @@ class CollectiveOps:
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> OpWork:
-        pin_mmap_threshold()  # FSDP2's per-step buffers (see .malloc)
         opts = opts or _d.AllgatherOptions()
         method = EACH + "_allgather_base"
         return self._run(
@@ -116,7 +113,6 @@ class CollectiveOps:
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> OpWork:
-        pin_mmap_threshold()  # FSDP2's per-step buffers (see .malloc)
         opts = _reduce_opts(opts, _d.ReduceScatterOptions)
         args = [output, input]
         return self._run(
@@ -128,7 +124,6 @@ class CollectiveOps:
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> OpWork:
-        pin_mmap_threshold()  # FSDP2's per-step buffers (see .malloc)
         opts = _reduce_opts(opts, _d.ReduceScatterOptions)
         method = EACH + "_reduce_scatter_base"
         return self._run(

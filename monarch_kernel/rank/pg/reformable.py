@@ -39,6 +39,7 @@ from monarch_kernel.calls.errors import ProcessGroupAborted
 from monarch_kernel.rank.pg import watch
 from monarch_kernel.rank.pg.adopt import Adopted, AdoptedStorages
 from monarch_kernel.rank.pg.cuda_regions import CudaEntry, CudaStorages
+from monarch_kernel.rank.pg.malloc import SHARDING_METHODS, pin_mmap_threshold
 from monarch_kernel.rank.pg.ops import CollectiveOps
 from monarch_kernel.rank.pg.protocol import (
     Done,
@@ -307,6 +308,8 @@ class ReformableGroup(CollectiveOps, _ProcessGroup):
     ) -> OpWork:
         """Issue one op: place its tensors (in place, or copied into its slot), send it;
         the reader copies the slot's ``outs`` back when it is done."""
+        if method in SHARDING_METHODS:
+            pin_mmap_threshold()  # FSDP2's per-step buffers (see .malloc)
         if self._aborted is not None:
             error = ProcessGroupAborted(
                 f"{name} on an aborted process group ({self._aborted}); the mesh forms it "

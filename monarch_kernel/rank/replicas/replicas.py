@@ -350,11 +350,16 @@ def _share_bucket_layouts(objects: Sequence[Any], src: int) -> None:
             adopt_layout(model, layout)
 
 
-def reset_ddp() -> int:
-    """Reset the reducer of every DDP object this rank made (as :func:`repair_ddp` does
-    for a re-formed group's): its next iteration rebuilds buckets as on every other rank
-    that reset its own. Returns how many were reset."""
-    models = list(opt_steps.ddps)
+def reset_ddp(groups: Sequence[Any] | None = None) -> int:
+    """Reset the reducer of every DDP object this rank made, or of those on one of
+    ``groups``: its next iteration rebuilds buckets as on every other rank that reset
+    its own. Returns how many were reset."""
+    ids = None if groups is None else {id(g) for g in groups}
+    models = [
+        ddp
+        for ddp in list(opt_steps.ddps)
+        if ids is None or id(getattr(ddp, "process_group", None)) in ids
+    ]
     for ddp in models:
         ddp._update_process_group(ddp.process_group)
     return len(models)
@@ -365,13 +370,7 @@ def repair_ddp(groups: Sequence[Any]) -> int:
     by an abort leaves it expecting the rest: "Expected to have finished reduction in
     the prior iteration"); its next iteration rebuilds buckets on every rank alike.
     Returns how many were reset."""
-    ids = {id(g) for g in groups}
-    repaired = 0
-    for ddp in list(opt_steps.ddps):
-        if id(getattr(ddp, "process_group", None)) in ids:
-            ddp._update_process_group(ddp.process_group)
-            repaired += 1
-    return repaired
+    return reset_ddp(groups)
 
 
 __all__ = [
