@@ -27,3 +27,26 @@ def keep_outputs(nb: nbformat.NotebookNode, path: Path) -> None:
         cell.get("metadata", {}).pop("execution", None)
     nb.metadata.pop("widgets", None)  # no widget state is kept (the pages show snapshots)
     nbformat.write(nb, path)
+
+
+def cell_text(cell: nbformat.NotebookNode) -> str:
+    """A code cell's outputs as text, read as JupyterLab shows them: consecutive stream
+    outputs of one name are one text (ipykernel may send one printed line as two stream
+    messages, when its 200 ms flush timer fires between the writes of one ``print``;
+    JupyterLab joins them again), other outputs are separated by a newline."""
+    parts: list[str] = []
+    last_stream: str | None = None
+    for out in cell.get("outputs", []):
+        if out.output_type == "stream":
+            if last_stream == out.name:
+                parts[-1] += out.text
+            else:
+                parts.append(out.text)
+            last_stream = out.name
+            continue
+        last_stream = None
+        if out.output_type in ("execute_result", "display_data"):
+            parts.append(out.data.get("text/plain", ""))
+        elif out.output_type == "error":
+            parts.append("\n".join(out.traceback))
+    return "\n".join(parts)

@@ -13,6 +13,7 @@ import nbformat
 import pytest
 from kernel_client import Kernel, Result
 from nbclient import NotebookClient
+from notebook_outputs import cell_text
 
 pytestmark = pytest.mark.local
 
@@ -172,7 +173,7 @@ def test_run_all_again_keeps_the_notebooks_mesh(kernel):
             client = NotebookClient(nb, km=kernel.km, timeout=120)
             client.kc = kernel.kc
             client.execute()
-            outputs.append([_text(c) for c in nb.cells])
+            outputs.append([cell_text(c) for c in nb.cells])
             pids.append(rank_pids(kernel, "nbm"))
         assert "ready" in outputs[0][0] and "{gpus=1}: 1" in outputs[0][1], outputs[0]
         assert "is already running with this spec" in outputs[1][0], outputs[1]
@@ -180,18 +181,6 @@ def test_run_all_again_keeps_the_notebooks_mesh(kernel):
         assert pids[0] == pids[1]
     finally:
         kernel.run("%mesh stop nbm")
-
-
-def _text(cell: nbformat.NotebookNode) -> str:
-    parts = []
-    for out in cell.get("outputs", []):
-        if out.output_type == "stream":
-            parts.append(out.text)
-        elif out.output_type in ("execute_result", "display_data"):
-            parts.append(out.data.get("text/plain", ""))
-        elif out.output_type == "error":
-            parts.append("\n".join(out.traceback))
-    return "\n".join(parts)
 
 
 def test_spawn_procs_refuses_a_name_a_live_mesh_has(kernel):
