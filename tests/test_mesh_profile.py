@@ -73,6 +73,9 @@ def _check_merged(trace: dict) -> None:
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
     assert set(names) == {0, 1}, names
     assert names[0].startswith("rank 0 (") and names[1].startswith("rank 1 ("), names
+    # both ranks profiled the same steps of their loop
+    labels = {e["pid"]: e["args"]["labels"] for e in events if e.get("name") == "process_labels"}
+    assert set(labels) == {0, 1} and labels[0] == labels[1], labels
     spans = {}
     for rank in (0, 1):
         ts = [e["ts"] for e in events if e["pid"] == rank and e.get("ph") == "X"]
@@ -100,6 +103,8 @@ def test_profile_of_a_running_bg_loop(kernel):
     assert "profiling ranks 0, 1 for 3 steps of the running loop" in r.stdout, r.stdout
     assert "top ops by self CPU time" in r.stdout and "waited most" in r.stdout, r.stdout
     assert "chrome://tracing" in r.stdout
+    m = re.search(r"\(2 ranks, steps (\d+)-(\d+), \d+ ms\)", r.stdout)
+    assert m and int(m.group(2)) - int(m.group(1)) == 2, r.stdout
     _check_merged(_trace(r.stdout))
     assert any("FileLink" in d["data"].get("text/plain", "") or "href" in
                d["data"].get("text/html", "") for d in r.displays), r.displays  # fmt: skip
@@ -113,4 +118,5 @@ def test_profile_armed_for_the_next_cell(kernel):
     kernel.wait_for_output(msg, "trace: ", timeout=60)  # under the cell that ran the steps
     r = kernel.collect(msg, timeout=60)
     assert not r.errors, r.error_text
+    assert "(2 ranks, steps 2-3, " in r.stdout, r.stdout  # from the first step boundary
     _check_merged(_trace(r.stdout))

@@ -192,6 +192,7 @@ def test_where_time_goes_notebook_names_the_straggler_and_profiles():
     assert "profiling ranks 0, 1, 2, 3 for 3 steps of the running loop" in profiled, profiled
     m = re.search(r"trace: (\S+\.json)", profiled)
     assert m and Path(m.group(1)).exists(), profiled
+    assert re.search(r"\(4 ranks, steps \d+-\d+, \d+ ms\)", profiled), profiled  # the same steps
     assert "waited most" in profiled
     assert "ValueMesh(gpus=4" in cell_text(code[9])  # the --bg loop stopped
     assert "stopped" in cell_text(code[10])

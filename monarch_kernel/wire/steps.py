@@ -117,3 +117,5 @@ class RankTrace:
     error: str = ""
     #: Seconds per profiled step blocked in collectives (the step clock's ``comm``).
     comm_per_step: float = 0.0
+    #: The loop's number of the first profiled step (the ranks of one loop agree on it).
+    first_step: int = 0

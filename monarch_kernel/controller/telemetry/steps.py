@@ -83,6 +83,8 @@ class MeshTelemetry:
         self._ranks = ranks
         self._rank_of = rank_of or (lambda slot: slot)
         self._lock = threading.Lock()
+        #: Notified whenever steps arrive (``wait_for_steps``).
+        self._arrived = threading.Condition(self._lock)
         self._recent: dict[int, deque[StepRecord]] = {}
         self._cells: dict[str | None, _Cell] = {}
         self.detector = StragglerDetector(self._host_of, margins)
@@ -148,6 +150,7 @@ class MeshTelemetry:
                 recent = self._recent[rank] = deque(maxlen=KEEP)
             recent.extend(batch.steps)
             self.received += len(batch.steps)
+            self._arrived.notify_all()
             cell = self._cells.get(batch.request)
             now = time.monotonic()
             if cell is None:
@@ -225,6 +228,11 @@ class MeshTelemetry:
         """Rank ``rank``'s steps kept (oldest first)."""
         with self._lock:
             return list(self._recent.get(rank, ()))
+
+    def wait_for_steps(self, timeout: float) -> None:
+        """Return when the next steps arrive from any rank, or after ``timeout`` s."""
+        with self._arrived:
+            self._arrived.wait(timeout)
 
     def forget(self) -> None:
         """Drop what was kept (a new cell of another loop, a test)."""

@@ -26,7 +26,7 @@ from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.calls.requester import PLAIN, CallOptions
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer, Header
-from monarch_kernel.wire.steps import ProfileOrder
+from monarch_kernel.wire.steps import ProfileOrder, RankTrace
 
 #: A profile waits for the loop: no restart wait, a control message (served while busy).
 _PROFILE = CallOptions(what="profile", control=True)
@@ -82,8 +82,10 @@ class ProfileGather:
             self.done.set()
 
 
-#: Seconds from the order to the step boundary that starts a running loop's profile:
-#: every rank has the order by then, so all start at the same step.
+#: Seconds from the order to the step boundary that starts a running loop's profile
+#: when the controller has seen none of its steps (no ``start_step``): every rank has
+#: the order by then; a rank whose step ends within the ranks' jitter of that moment
+#: starts a step after the others (hence ``start_step`` wherever steps were seen).
 START_DELAY = 0.2
 
 
@@ -166,7 +168,7 @@ def merge(gather: ProfileGather, here: str | None = None) -> MergedTrace:
     here = here or socket.gethostname()
     events: list[dict[str, Any]] = []
     starts: list[float] = []
-    per_rank: list[tuple[int, str, list[dict[str, Any]], float]] = []
+    per_rank: list[tuple[int, RankTrace, list[dict[str, Any]], float]] = []
     for rank in sorted(gather.traces):
         t = gather.traces[rank]
         raw = json.loads(zlib.decompress(t.trace))
@@ -177,12 +179,14 @@ def merge(gather: ProfileGather, here: str | None = None) -> MergedTrace:
         timed = [float(e["ts"]) + offset for e in evs if e.get("ph") != "M"]
         if timed:
             starts.append(min(timed))
-        per_rank.append((rank, t.hostname, evs, offset))
+        per_rank.append((rank, t, evs, offset))
     zero = min(starts) if starts else 0.0
     end = zero
-    for rank, host, evs, offset in per_rank:
-        events.append(_meta("process_name", rank, {"name": f"rank {rank} ({host})"}))
+    for rank, t, evs, offset in per_rank:
+        events.append(_meta("process_name", rank, {"name": f"rank {rank} ({t.hostname})"}))
         events.append(_meta("process_sort_index", rank, {"sort_index": rank}))
+        if t.first_step:
+            events.append(_meta("process_labels", rank, {"labels": steps_label(t)}))
         for e in evs:
             if e.get("ph") == "M" and e.get("name") != "thread_name":
                 continue
@@ -202,6 +206,12 @@ def merge(gather: ProfileGather, here: str | None = None) -> MergedTrace:
     trace = {"traceEvents": events, "displayTimeUnit": "ms",
              "otherData": {"producer": "monarch_kernel %mesh profile"}}  # fmt: skip
     return MergedTrace(trace, sorted(gather.traces), top, waited, (end - zero) / 1000)
+
+
+def steps_label(t: RankTrace) -> str:
+    """Which of its loop's steps a rank's trace holds ("steps 12-14")."""
+    last = t.first_step + t.steps - 1
+    return f"step {t.first_step}" if last == t.first_step else f"steps {t.first_step}-{last}"
 
 
 def _meta(name: str, pid: int, args: dict[str, Any]) -> dict[str, Any]:

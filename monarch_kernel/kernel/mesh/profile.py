@@ -32,6 +32,7 @@ from monarch_kernel.controller.telemetry.traces import (
     first_profiled_step,
     merge,
     request_profile,
+    steps_label,
 )
 from monarch_kernel.kernel.args import Parser
 from monarch_kernel.kernel.channel import CellChannel
@@ -42,6 +43,11 @@ from monarch_kernel.kernel.targets import existing, ranks_option
 DIR_ENV = "MONARCH_KERNEL_PROFILE_DIR"
 #: Ops per rank in the summary.
 SUMMARY_OPS = 5
+#: Seconds a running loop's profile waits for every rank's steps to reach the controller
+#: (they come in batches every 0.1 s): with them the ranks start at one step number;
+#: without (steps longer than this), at the first step boundary after a moment, which
+#: only a rank's step ending within that moment's jitter could put a step apart.
+STEPS_WAIT = 3.0
 
 
 def show_straggler(mesh: str, notice: StragglerNotice) -> None:
@@ -73,7 +79,7 @@ def profile(args: list[str]) -> None:
     ranks = ranks_option(opts.ranks, len(mesh)) or list(range(len(mesh)))
     where = Path(opts.dir or os.environ.get(DIR_ENV) or os.getcwd())
     busy = any(runtime.ranks[r].outstanding for r in ranks)
-    start_step = first_profiled_step(_latest_steps(runtime, ranks)) if busy else 0
+    start_step = first_profiled_step(_await_latest_steps(runtime, ranks)) if busy else 0
     gather = request_profile(runtime, ranks, opts.name, opts.steps, busy, start_step)
     label = ", ".join(map(str, ranks))
     if not busy:
@@ -94,6 +100,18 @@ def profile(args: list[str]) -> None:
         disarm(runtime, ranks)
         raise
     _show(_write(gather, opts.name, where), gather, CellChannel())
+
+
+def _await_latest_steps(runtime: Any, ranks: list[int]) -> list[tuple[int, float]]:
+    """:func:`_latest_steps`, waited for up to :data:`STEPS_WAIT` (a loop started by the
+    cell before has not shown its first steps yet)."""
+    deadline = time.monotonic() + STEPS_WAIT
+    while not (latest := _latest_steps(runtime, ranks)):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        runtime.telemetry.wait_for_steps(left)
+    return latest
 
 
 def _latest_steps(runtime: Any, ranks: list[int]) -> list[tuple[int, float]]:
@@ -132,7 +150,13 @@ def _write(gather: ProfileGather, name: str, where: Path) -> tuple[Path, MergedT
 
 def summary(merged: MergedTrace, gather: ProfileGather, path: Path) -> str:
     """The summary table printed under the cell."""
-    lines = [f"trace: {path}  ({len(merged.ranks)} ranks, {merged.span_ms:.0f} ms)"]
+    labels = {r: steps_label(t) for r, t in gather.traces.items() if t.first_step}
+    which = ""
+    if len(set(labels.values())) == 1:
+        which = f", {next(iter(labels.values()))}"
+    elif labels:  # a rank that got the order late started later: say so
+        which = ", " + "; ".join(f"rank {r}: {label}" for r, label in sorted(labels.items()))
+    lines = [f"trace: {path}  ({len(merged.ranks)} ranks{which}, {merged.span_ms:.0f} ms)"]
     lines.append("open it in chrome://tracing or ui.perfetto.dev (a process per rank)")
     width = max([len(r.name) for rows in merged.top_ops.values() for r in rows[:SUMMARY_OPS]] + [4])
     width = min(width, 60)

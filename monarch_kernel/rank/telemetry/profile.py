@@ -43,6 +43,7 @@ class ProfileRun:
         self._prof: Any = None
         self._left = order.steps
         self._anchor_epoch = 0.0
+        self._first_step = 0
         self._comm = 0.0  # seconds blocked in collectives over the profiled steps
 
     def on_step(self, record: StepRecord) -> bool:
@@ -54,6 +55,7 @@ class ProfileRun:
             else:
                 due = time.time() >= order.start_after
             if due:
+                self._first_step = record.step + 1
                 self._start()
             return False
         self._comm += record.comm
@@ -101,6 +103,7 @@ class ProfileRun:
                 self.rank, hostname, self.order.steps, zlib.compress(raw, 3),
                 self._anchor_epoch, anchor_ts, top, time.time(),
                 comm_per_step=self._comm / max(1, self.order.steps),
+                first_step=self._first_step,
             )  # fmt: skip
         except Exception as exc:
             trace = RankTrace(self.rank, hostname, 0, b"", 0.0, 0.0, error=repr(exc))
