@@ -10,8 +10,10 @@ steady at 600 MB), because the all-gather and reduce-scatter buffers that FSDP2
 allocates afresh every step, freed by other threads than the ones that allocated them,
 fragment the heap. With the threshold pinned at its initial value it stays flat
 (282 MB over 24 steps). Setting it explicitly (``mallopt``) is what turns the dynamic
-rise off; ``MALLOC_MMAP_THRESHOLD_`` (or the other ``MALLOC_*_`` variables, which turn it
-off too) in the environment wins.
+rise off. The user's choice wins: ``MALLOC_MMAP_THRESHOLD_`` in the rank's environment
+(``%mesh ... --env``) is the threshold pinned (glibc reads it only when a process starts,
+and a rank is forked from a warm template that started without it); the other
+``MALLOC_*_`` variables leave glibc alone.
 
 Pinned only once a process runs a collective of the kind FSDP2 makes those buffers for
 (:data:`SHARDING_METHODS`: all-gather into a tensor, reduce-scatter of a tensor), not when
@@ -34,9 +36,11 @@ import sys
 M_MMAP_THRESHOLD = -3
 #: glibc's initial threshold (``DEFAULT_MMAP_THRESHOLD_MIN``).
 THRESHOLD = 128 * 1024
+#: The user's own threshold (bytes), pinned instead of :data:`THRESHOLD`.
+USER_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
 #: Environment variables with which the user already chose (each turns the rise off).
 USER_CHOICE = (
-    "MALLOC_MMAP_THRESHOLD_",
+    USER_THRESHOLD,
     "MALLOC_TRIM_THRESHOLD_",
     "MALLOC_TOP_PAD_",
     "MALLOC_MMAP_MAX_",
@@ -54,9 +58,10 @@ _pinned: bool | None = None
 
 
 def pin_mmap_threshold() -> bool:
-    """Pin glibc's mmap threshold at :data:`THRESHOLD` in this process (and in the
-    processes it forks later), once; False where there is no glibc or the user set one
-    of :data:`USER_CHOICE`."""
+    """Pin glibc's mmap threshold at :data:`THRESHOLD` (or the user's
+    :data:`USER_THRESHOLD`) in this process and the processes it forks later, once; False
+    where there is no glibc, the user's threshold is not a size in bytes, or the user
+    set another of :data:`USER_CHOICE`."""
     global _pinned
     if _pinned is None:
         _pinned = _pin()
@@ -64,7 +69,15 @@ def pin_mmap_threshold() -> bool:
 
 
 def _pin() -> bool:
-    if not sys.platform.startswith("linux") or any(v in os.environ for v in USER_CHOICE):
+    threshold = THRESHOLD
+    if USER_THRESHOLD in os.environ:
+        try:
+            threshold = int(os.environ[USER_THRESHOLD])
+        except ValueError:
+            return False
+    elif any(v in os.environ for v in USER_CHOICE):
+        return False
+    if not sys.platform.startswith("linux") or threshold < 0:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -73,4 +86,4 @@ def _pin() -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, THRESHOLD))
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
