@@ -225,7 +225,7 @@ def abort_and_reform() -> None:
         lambda: ddp(torch.randn(8, 16)).sum().backward(), 2, "interrupted", "backward"
     )
     group.configure(os.environ["MASTER_ADDR"], exchange_port(rank), rank, world)
-    repaired = replicas.repair_ddp(pg_backend.groups())
+    repaired = replicas.reset_ddp(pg_backend.groups())
     for _ in range(3):
         opt.zero_grad()
         ddp(torch.randn(8, 16)).sum().backward()

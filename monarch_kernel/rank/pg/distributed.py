@@ -172,7 +172,7 @@ def reform_process_group(
         with _lock:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             pg_backend.reform(default, master_addr, int(master_port), rank, world, subgroups, defer)
-            replicas.repair_ddp(pg_backend.groups())
+            replicas.reset_ddp(pg_backend.groups())
         last_backend = default.kind  # "gloo" or "nccl", as _backend_name says
         return last_backend
     with _lock:
@@ -223,7 +223,7 @@ def reform_subgroups(master_addr: str, master_port: int) -> int:
     with _lock:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         result = pg_backend.reform_subgroups(master_addr, int(master_port), rank, world)
-        replicas.repair_ddp(pg_backend.groups())
+        replicas.reset_ddp(pg_backend.groups())
     return result.groups
 
 

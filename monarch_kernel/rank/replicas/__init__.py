@@ -6,6 +6,6 @@ how shards travel (``shards``), and their reset after a step cut short (``fsdp_r
 The controller's half is ``controller/lifecycle/replica_check.py``.
 Below ``rank/pg`` (the process group repairs DDP reducers with it)."""
 
-from monarch_kernel.rank.replicas.replicas import digest_namespace, repair_ddp, sync_namespace
+from monarch_kernel.rank.replicas.replicas import digest_namespace, reset_ddp, sync_namespace
 
-__all__ = ["digest_namespace", "repair_ddp", "sync_namespace"]
+__all__ = ["digest_namespace", "reset_ddp", "sync_namespace"]

@@ -352,8 +352,10 @@ def _share_bucket_layouts(objects: Sequence[Any], src: int) -> None:
 
 def reset_ddp(groups: Sequence[Any] | None = None) -> int:
     """Reset the reducer of every DDP object this rank made, or of those on one of
-    ``groups``: its next iteration rebuilds buckets as on every other rank that reset
-    its own. Returns how many were reset."""
+    ``groups`` (a backward cut short, by an abort of their group or by the stop button
+    between two buckets, leaves it expecting the rest: "Expected to have finished
+    reduction in the prior iteration"): its next iteration rebuilds buckets as on every
+    other rank that reset its own. Returns how many were reset."""
     ids = None if groups is None else {id(g) for g in groups}
     models = [
         ddp
@@ -365,14 +367,6 @@ def reset_ddp(groups: Sequence[Any] | None = None) -> int:
     return len(models)
 
 
-def repair_ddp(groups: Sequence[Any]) -> int:
-    """Reset the reducer of every DDP object on one of ``groups`` (a backward cut short
-    by an abort leaves it expecting the rest: "Expected to have finished reduction in
-    the prior iteration"); its next iteration rebuilds buckets on every rank alike.
-    Returns how many were reset."""
-    return reset_ddp(groups)
-
-
 __all__ = [
     "broadcast_state",
     "digest",
@@ -380,7 +374,6 @@ __all__ = [
     "find_training_state",
     "install_step_counter",
     "optimizer_steps",
-    "repair_ddp",
     "reset_ddp",
     "settled_training_state",
     "sync_namespace",
