@@ -6,14 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench.common import Recorder, Settings, median
+from bench.common import SMALL_MESH, Recorder, Settings, median
 from bench.floor import RawFloor, alternating
+from bench.wire_floor import MODES, WireServers
 
 
 def gathered_vs_floor(
     s: Settings, rec: Recorder, ns: list[int], call_on: Callable[[int], Callable[[], object]]
 ) -> None:
-    """``call_{n}_beside``, ``call_{n}_floor`` and their ratio ``call_{n}_vs_floor``."""
+    """``call_{n}_beside``, ``call_{n}_floor`` and their ratio ``call_{n}_vs_floor``;
+    for N up to :data:`~bench.common.SMALL_MESH`, also the floors of our wire format
+    (:func:`wire_floors`)."""
     for n in ns:
         keys = (f"call_{n}_beside", f"call_{n}_floor", f"call_{n}_vs_floor")
         with rec.guard(*keys):
@@ -27,3 +30,26 @@ def gathered_vs_floor(
             rec.value(keys[0], median(got.ours), samples=len(got.ours))
             rec.value(keys[1], median(got.floor), samples=len(got.floor))
             rec.ratio(keys[2], keys[0], keys[1])
+        if n <= SMALL_MESH:
+            wire_floors(s, rec, n)
+
+
+def wire_floors(s: Settings, rec: Recorder, n: int) -> None:
+    """``call_{n}_wire_{mode}_vs_floor``: a gathered no-op call to N server processes
+    in each mode of :mod:`bench.wire_floor` (pickles; + our header; + the signature;
+    our codec), each timed in blocks alternating with the raw pings to N processes."""
+    floor = RawFloor(servers=n)
+    try:
+        for mode in MODES:
+            key = f"call_{n}_wire_{mode}_vs_floor"
+            with rec.guard(key):
+                servers = WireServers(n, mode)
+                try:
+                    got = alternating(
+                        servers.call, floor.ping_all, s.call_iters, s.warmup // 4, s.loop_budget_s
+                    )
+                finally:
+                    servers.close()
+                rec.value(key, median(got.ours) / median(got.floor))
+    finally:
+        floor.close()

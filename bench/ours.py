@@ -1,6 +1,6 @@
 """monarch_kernel: the actor API (``from monarch_kernel.actor import ...``), local backend.
 
-Settings: defaults (local launcher, unix sockets in a private directory, HMAC-signed
+Settings: defaults (local launcher, unix sockets in a private directory, signed (keyed BLAKE2b)
 messages). Ranks are forked from the host agent's warm template, which imports torch once. The
 cross-host rows use the ``join`` backend across network namespaces (bench/crosshost.py).
 """

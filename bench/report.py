@@ -13,8 +13,25 @@ from importlib import metadata
 from typing import Any
 
 from bench import train_report
-from bench.common import FANOUT_MIB, FANOUT_RANKS, FANOUT_ROW, Settings, back_sizes
+from bench.common import (
+    FANOUT_MIB,
+    FANOUT_RANKS,
+    FANOUT_ROW,
+    SMALL_MESH,
+    Settings,
+    back_sizes,
+)
 from bench.runner import PeerRun
+from bench.wire_floor import MODES
+
+#: What each wire-floor mode (bench/wire_floor.py) sends, for the row labels.
+WIRE_LABELS = {
+    "pickled": "pickles only",
+    "framed": "+ our header",
+    "hmac": "+ HMAC-SHA256 (until protocol 14)",
+    "signed": "+ keyed BLAKE2b (ours)",
+    "codec": "our Codec (+ replay window)",
+}
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -61,6 +78,15 @@ def rows(s: Settings) -> list[Row]:
             Row(f"call_{n}_floor", f"2. raw ZeroMQ to {n} processes beside the mesh", "us"),
             Row(f"call_{n}_vs_floor", f"2. call {n} rank(s) ÷ raw beside it", "x"),
         ]
+        if n <= SMALL_MESH:
+            out += [
+                Row(
+                    f"call_{n}_wire_{mode}_vs_floor",
+                    f"2. wire floor to {n}: {WIRE_LABELS[mode]} ÷ raw beside it",
+                    "x",
+                )
+                for mode in MODES
+            ]
     out.append(
         Row(
             "bcast",
@@ -577,7 +603,13 @@ def how_measured(s: Settings) -> list[str]:
         'message to each of N server processes and N replies. The rows "alternating with '
         "the raw beside\" time ours' gathered call in blocks alternating with raw pings to "
         "N server processes inside ours' worker, the mesh alive (as in 1; "
-        "bench/call_floor.py); where that ratio goes is in bench/results/call-floor.md.",
+        "bench/call_floor.py); where that ratio goes is in bench/results/call-floor.md. "
+        'The rows "wire floor" (up to 8) do the same gathered no-op with N server '
+        "processes that speak our wire format and nothing else (bench/wire_floor.py): "
+        "pickles only; + our marshal header; + an HMAC-SHA256 signature (ours until "
+        "protocol 14) or instead our keyed BLAKE2b-256 one; our Codec "
+        "(limits, nonce and counter, replay window): what any implementation of this "
+        "protocol in Python pays, against what our runtime adds.",
         f"3. K = {s.bcast_k} fire-and-forget broadcasts to {s.bcast_ranks} ranks (each "
         "increments a counter), then one gathered call that returns and checks the counts; "
         f"messages delivered (K × {s.bcast_ranks}) / total time.",

@@ -156,14 +156,19 @@ def test_attach_file_errors_name_the_problem(tmp_path, monkeypatch):
         attach_file.read(str(tmp_path / "nope.json"))
     (tmp_path / "v.json").write_text('{"version": 99}')
     os.chmod(tmp_path / "v.json", 0o600)
-    with pytest.raises(AttachFileError, match="version 99; this monarch_kernel reads version 2"):
+    with pytest.raises(AttachFileError, match="version 99; this monarch_kernel reads version 3"):
         attach_file.read(str(tmp_path / "v.json"))
     # a file of the layout before the package's modules moved (its ranks pickle old paths)
     (tmp_path / "v1.json").write_text('{"version": 1}')
     os.chmod(tmp_path / "v1.json", 0o600)
-    with pytest.raises(AttachFileError, match="version 1; this monarch_kernel reads version 2"):
+    with pytest.raises(AttachFileError, match="version 1; this monarch_kernel reads version 3"):
         attach_file.read(str(tmp_path / "v1.json"))
-    (tmp_path / "d.json").write_text('{"version": 2, "name": "m"}')
+    # a mesh of protocol 13, whose agents would drop this kernel's signatures as forged
+    (tmp_path / "v2.json").write_text('{"version": 2}')
+    os.chmod(tmp_path / "v2.json", 0o600)
+    with pytest.raises(AttachFileError, match="version 2; this monarch_kernel reads version 3"):
+        attach_file.read(str(tmp_path / "v2.json"))
+    (tmp_path / "d.json").write_text('{"version": 3, "name": "m"}')
     os.chmod(tmp_path / "d.json", 0o600)
     with pytest.raises(AttachFileError, match="damaged"):
         attach_file.read(str(tmp_path / "d.json"))

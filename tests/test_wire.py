@@ -1,3 +1,5 @@
+import hashlib
+import hmac
 import os
 import pickle
 import threading
@@ -52,6 +54,36 @@ def test_forged_message_is_dropped_before_unpickling(tmp_path):
     with pytest.raises(WireError, match="signature"):
         good.decode([envelope(hb, sig, separate=True), b"harmless"])
     assert good.rejected == 3 and not trip.exists()
+
+
+def test_signature_is_keyed_blake2b_over_word_header_and_payload():
+    """The documented algorithm (SECURITY.md, protocol 14): keyed BLAKE2b-256 with the
+    wire's personalisation over the envelope's word and header and the payload; a peer
+    that still signs HMAC-SHA256 (protocol 13) is refused as forged."""
+    key = new_key()
+    codec = Codec(key)
+    (env,) = codec.encode({"k": "call"}, b"payload")
+    hb, sig, payload, _ = split(env)
+    word = env[:4]
+    want = hashlib.blake2b(
+        word + hb + payload, key=key, digest_size=32, person=b"monarch-wire-v14"
+    ).digest()
+    assert sig == want and payload == b"payload"
+    old = hmac.new(key, word + hb + payload, "sha256").digest()
+    with pytest.raises(WireError, match="forged or wrong mesh key"):
+        Codec(key).decode([envelope(hb, old, payload)])
+    # unpersonalised BLAKE2b with the same key is not a signature either
+    plain = hashlib.blake2b(word + hb + payload, key=key, digest_size=32).digest()
+    with pytest.raises(WireError, match="signature"):
+        Codec(key).decode([envelope(hb, plain, payload)])
+
+
+def test_keys_longer_than_blake2b_takes_sign_and_verify():
+    long_key = os.urandom(100)  # above BLAKE2b's 64-byte key
+    a, b = Codec(long_key), Codec(long_key)
+    assert b.decode(a.encode({"k": "call"}, b"x")).payload == b"x"
+    with pytest.raises(WireError, match="signature"):
+        Codec(long_key[:64]).decode(a.encode({"k": "call"}, b"x"))
 
 
 def test_large_payload_is_a_frame_of_its_own_and_signed():

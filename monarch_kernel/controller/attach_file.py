@@ -26,8 +26,9 @@ from monarch_kernel.wire.desk import ControllerId
 
 #: Version of the file's layout (a kernel refuses a file of another version). 2: the
 #: package's modules moved (its agents and ranks pickle other class paths) and the
-#: ranks' common part names the ``listener_key``.
-FILE_VERSION = 2
+#: ranks' common part names the ``listener_key``. 3: protocol 14, whose signatures
+#: (keyed BLAKE2b) the agents of a version-2 mesh would drop as forged.
+FILE_VERSION = 3
 PREFIX = "monarch-mesh-"
 #: Names a detachable mesh may have (they become part of a file name).
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")

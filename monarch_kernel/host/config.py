@@ -21,7 +21,7 @@ class AgentConfig:
     """The JSON line of ``launchers.base.HostConfig`` (plus ``advertise`` from a join)."""
 
     host: int  #: index of this host in the mesh
-    key: str  #: the mesh's HMAC key, hex
+    key: str  #: the mesh's signing key, hex
     send: str  #: the controller's endpoint that sends to hosts and ranks
     recv: str  #: the controller's endpoint that receives from them
     #: seconds of controller silence before the agent asks whether it is gone (and, if

@@ -27,7 +27,7 @@ class HostConfig:
     #: this host agent's id in the mesh (its slot: its index when it was made, kept for
     #: its life; see ``controller.state.records.Slots``)
     host: int
-    key: str  #: the mesh's HMAC key, hex (never put on a command line)
+    key: str  #: the mesh's signing key, hex (never put on a command line)
     send: str  #: the controller's endpoint that sends to hosts and ranks
     recv: str  #: the controller's endpoint that receives from them
     hb_timeout: float  #: seconds without a controller heartbeat before the agent exits

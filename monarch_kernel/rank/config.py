@@ -59,7 +59,7 @@ class RankConfig:
     #: (``wire.arena``; a local mesh on unix sockets whose controller has an arena).
     shm_results: int = 0
     # -- added by the host agent --------------------------------------------------------
-    key: str = ""  #: the mesh's HMAC key, hex
+    key: str = ""  #: the mesh's signing key, hex
     send: str = ""  #: the controller's endpoint that sends to ranks
     recv: str = ""  #: the controller's endpoint that receives from them
     fanout: str = ""  #: the host agent's fan-out socket

@@ -1,4 +1,4 @@
-"""Wire layer: message framing, HMAC signing and zero-copy serialization.
+"""Wire layer: message framing, signing (keyed BLAKE2b) and zero-copy serialization.
 
 Every control message is multipart ``[envelope, *buffers]``: one signed envelope frame
 (header, signature and, when small, the payload), then zero-copy buffers.

@@ -4,7 +4,7 @@ A message whose payload and out-of-band buffers together exceed :data:`STREAM_AB
 is sent by :func:`encode_parts` as:
 
 * a **start** message: the original header plus ``z`` (the byte size of the payload
-  and of each buffer) and ``pm`` (the payload's HMAC, :meth:`Codec.payload_mac`), with
+  and of each buffer) and ``pm`` (the payload's MAC, :meth:`Codec.payload_mac`), with
   an empty payload and no buffers; signed like any message;
 * **chunks**: ``k`` = ``ck``, ``st`` (the start's counter ``sc``: the stream), ``x``
   (the section: 0 the payload, 1... the buffers), ``o`` (the offset in it) and one
@@ -15,7 +15,7 @@ An :class:`Assembler` (one per receiving loop) checks a start before anything is
 allocated (signed, sizes well formed and within :func:`~.limits.max_value`), then
 preallocates each section once (anonymous memory: nothing is touched before the bytes
 arrive), copies each chunk in place, and hands the whole message on, exactly as if it
-had come in one piece, once the last chunk is in and the payload's HMAC verified. So a
+had come in one piece, once the last chunk is in and the payload's MAC verified. So a
 value costs its receiver one copy of itself plus the chunks in flight, and every frame
 on the wire stays small enough for a tight ``MONARCH_KERNEL_MAX_MESSAGE``. Chunks of an
 unknown stream, out of order or beyond a section are dropped and counted in the

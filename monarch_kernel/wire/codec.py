@@ -11,9 +11,10 @@ when its payload is large. The envelope is one frame::
 * ``header``: a dict (kind, request id, sender, targets, buffer sizes ...) of plain
   values in :mod:`marshal` format 4 (stable across Python 3 versions, and several times
   cheaper than JSON both ways; it is parsed only once the signature verified);
-* ``signature``: HMAC-SHA256 with the mesh's random key over the word, the header and
-  the payload (the word fixes where the header ends, so no byte can move between header
-  and payload, and where the payload travels);
+* ``signature``: keyed BLAKE2b-256 (:func:`signer`) with the mesh's random key over
+  the word, the header and the payload (the word fixes where the header ends, so no
+  byte can move between header and payload, and where the payload travels); HMAC-SHA256
+  until protocol 14;
 * ``payload``: a pickle (see :mod:`monarch_kernel.wire.serialize`);
 * ``buffers``: out-of-band pickle-5 buffers (tensor and array data), sent zero-copy.
 
@@ -86,11 +87,6 @@ from monarch_kernel.wire.limits import MAX_MESSAGE_ENV as MAX_MESSAGE_ENV
 from monarch_kernel.wire.limits import limit_size as limit_size
 from monarch_kernel.wire.limits import max_message as max_message
 
-try:  # the C HMAC object behind hmac.HMAC: copy/update/digest without Python frames
-    from _hashlib import hmac_new as _hmac_new
-except ImportError:  # pragma: no cover - Python built without OpenSSL
-    _hmac_new = None  # type: ignore[assignment]
-
 log = logging.getLogger("monarch_kernel.wire")
 
 MARSHAL_VERSION = 4
@@ -112,7 +108,7 @@ ZERO_COPY_THRESHOLD = 64 * 1024
 MAX_BUFFERS = 1024
 #: Most frames in one message: the envelope, a separate payload and the buffers.
 MAX_FRAMES = 2 + MAX_BUFFERS
-#: Length of an HMAC-SHA256 signature.
+#: Length of a signature (keyed BLAKE2b-256).
 SIGNATURE_SIZE = 32
 #: Payloads up to this many bytes travel inside the envelope (copied into it once: less
 #: than a frame of their own costs both sides); larger ones are a zero-copy frame.
@@ -176,6 +172,26 @@ class Message:
         return size + sum(memoryview(b).nbytes for b in buffers) if buffers else size
 
 
+#: BLAKE2b's personalisation for message signatures: a digest made for anything else
+#: with the same key never equals a message's.
+SIGNATURE_PERSON = b"monarch-wire-v14"
+
+
+def signer(key: bytes) -> hashlib.blake2b:
+    """The keyed BLAKE2b-256 state that signs with ``key``: :class:`Codec` copies it
+    for each message (``copy``, ``update``, ``digest``).
+
+    Keyed BLAKE2b is a MAC by design (RFC 7693: the key is a parameter, no HMAC
+    construction needed). Its C code is CPython's own and short: per small message
+    about a fifth of an OpenSSL HMAC-SHA256 copy, update and digest, and the difference
+    grows on a CPU whose caches the other processes of a busy host keep evicting
+    (``bench/wire_floor.py``). Keys above BLAKE2b's 64 bytes are hashed down first.
+    """
+    if len(key) > hashlib.blake2b.MAX_KEY_SIZE:
+        key = hashlib.blake2b(key).digest()
+    return hashlib.blake2b(key=key, digest_size=SIGNATURE_SIZE, person=SIGNATURE_PERSON)
+
+
 def new_key() -> bytes:
     """A fresh random per-mesh signing key."""
     import secrets
@@ -204,10 +220,7 @@ class Codec:
     def __init__(self, key: bytes):
         if not key:
             raise ValueError("a mesh signing key must not be empty")
-        if _hmac_new is not None:
-            self._mac = _hmac_new(key, digestmod="sha256")
-        else:  # pragma: no cover
-            self._mac = hmac.new(key, digestmod=hashlib.sha256)
+        self._mac = signer(key)
         #: Messages dropped: malformed, forged, oversized or replayed.
         self.rejected = 0
         #: Of those, signed messages dropped as replays (duplicate or too old a counter).
@@ -241,9 +254,9 @@ class Codec:
         return [word + mac.digest(), payload]
 
     def payload_mac(self, payload: Buffer) -> bytes:
-        """The HMAC of a streamed payload, sent in its signed start header (its prefix,
-        a word no envelope has (:data:`SEPARATE_PAYLOAD`), keeps it apart from message
-        signatures)."""
+        """The MAC (keyed BLAKE2b) of a streamed payload, sent in its signed start
+        header (its prefix, a word no envelope has (:data:`SEPARATE_PAYLOAD`), keeps it
+        apart from message signatures)."""
         mac = self._mac.copy()
         mac.update(b"\xff\xff\xff\xff")
         mac.update(payload)
@@ -284,7 +297,7 @@ class Codec:
 
         One function of ~75 lines on purpose: every message of every process passes
         here, and the checks run in the order that keeps forged input cheapest (sizes,
-        then the HMAC, then the header, then the replay window) without a call per step.
+        then the signature, then the header, then the replay window) without a call per step.
 
         Long on purpose: the hot receive path (every message of every process), inlined for speed:
         each call it would make costs about as much as a small message's decode (``make bench``).

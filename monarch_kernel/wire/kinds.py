@@ -76,7 +76,7 @@ key    type         meaning
 =====  ===========  ========================================================================
 ``z``  list[int]    start: byte size of the payload, then of each buffer (at most 1 + 1024
                     sections, their total at most ``MONARCH_KERNEL_MAX_VALUE``)
-``pm`` bytes        start: HMAC-SHA256 of the payload (``Codec.payload_mac``)
+``pm`` bytes        start: MAC of the payload (keyed BLAKE2b, ``Codec.payload_mac``)
 ``st`` int          chunk: the start's ``sc`` (with the sender's ``sn``: the stream)
 ``x``  int          chunk: the section (0 the payload, 1... the buffers)
 ``o``  int          chunk: the offset of its one buffer frame (at most 4 MiB) in the section;
@@ -487,7 +487,7 @@ STEPS = "steps"
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 13  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
+PROTOCOL_VERSION = 14  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
 # 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``;
 # 6: fan-in (``fan_in``, ``fan_direct``); 7: ``batch``; 8: ``host_stats``, slots
 # (``slot`` in ``spawn_ranks``, ranks named by their slot on the wire) and ``mesh_ref``;
@@ -496,4 +496,5 @@ PROTOCOL_VERSION = 13  # 2: the ``display`` kind; 3: large values travel as stre
 # subpackages (``controller/state``, ``rank/pg`` ...), so pickled class paths changed,
 # and ``spawn_ranks``' common part names the ``listener_key`` (was ``peer_key``); 11:
 # ``host_stats`` may carry the ranks' GPU stats (header ``g``); 12: step telemetry
-# (``steps``, ``host_steps``) and ``profile``; 13: ``tensor_ops`` (the tensor engine)
+# (``steps``, ``host_steps``) and ``profile``; 13: ``tensor_ops`` (the tensor engine);
+# 14: signatures (envelopes and streamed payloads) are keyed BLAKE2b-256, not HMAC-SHA256

@@ -1,6 +1,6 @@
 """Fire-and-forget calls queued back to back, sent as one ``batch`` message per target.
 
-``endpoint.broadcast()`` costs the controller an encoding (marshal, HMAC) and a ZeroMQ
+``endpoint.broadcast()`` costs the controller an encoding (marshal, signature) and a ZeroMQ
 send per rank, and each rank a receive, a verification and a dispatch per call; a loop of
 broadcasts pays all of that per call. :class:`Batcher` keeps the calls that the
 transport's I/O path has not sent yet (in call order); when it sends them (as soon as it
