@@ -38,18 +38,29 @@ def wire_floors(s: Settings, rec: Recorder, n: int) -> None:
     """``call_{n}_wire_{mode}_vs_floor``: a gathered no-op call to N server processes
     in each mode of :mod:`bench.wire_floor` (pickles; + our header; + the signature;
     our codec), each timed in blocks alternating with the raw pings to N processes."""
-    floor = RawFloor(servers=n)
-    try:
-        for mode in MODES:
-            key = f"call_{n}_wire_{mode}_vs_floor"
-            with rec.guard(key):
-                servers = WireServers(n, mode)
-                try:
-                    got = alternating(
-                        servers.call, floor.ping_all, s.call_iters, s.warmup // 4, s.loop_budget_s
+    keys = [f"call_{n}_wire_{mode}_vs_floor" for mode in MODES]
+    with rec.guard(*keys):
+        floor = RawFloor(servers=n)
+        try:
+            for mode, key in zip(MODES, keys):
+                with rec.guard(key):
+                    servers = WireServers(n, mode)
+                    try:
+                        got = alternating(
+                            servers.call,
+                            floor.ping_all,
+                            s.call_iters,
+                            s.warmup // 4,  # as the rows above: the processes are fresh
+                            s.loop_budget_s,
+                        )
+                    finally:
+                        servers.close()
+                    rec.value(
+                        key,
+                        median(got.ours) / median(got.floor),
+                        us=round(median(got.ours) * 1e6, 1),
+                        floor_us=round(median(got.floor) * 1e6, 1),
+                        samples=len(got.ours),
                     )
-                finally:
-                    servers.close()
-                rec.value(key, median(got.ours) / median(got.floor))
-    finally:
-        floor.close()
+        finally:
+            floor.close()

@@ -604,7 +604,7 @@ def how_measured(s: Settings) -> list[str]:
         "the raw beside\" time ours' gathered call in blocks alternating with raw pings to "
         "N server processes inside ours' worker, the mesh alive (as in 1; "
         "bench/call_floor.py); where that ratio goes is in bench/results/call-floor.md. "
-        'The rows "wire floor" (up to 8) do the same gathered no-op with N server '
+        f'The rows "wire floor" (up to {SMALL_MESH}) do the same gathered no-op with N server '
         "processes that speak our wire format and nothing else (bench/wire_floor.py): "
         "pickles only; + our marshal header; + an HMAC-SHA256 signature (ours until "
         "protocol 14) or instead our keyed BLAKE2b-256 one; our Codec "

@@ -9,7 +9,8 @@ so that ``bench/results/call-floor.md`` can split the gap between the two.
 
 Each "rank" is a server process (``python -m bench.wire_floor MODE ADDR``) that answers
 a no-op call, and the client sends one call to each of N servers and reads N replies,
-the shape of a gathered call, in one of four modes, each adding one layer:
+the shape of a gathered call, in one of five modes (each adds one layer to the one
+before it, except ``signed``, which replaces ``hmac``'s signature with ours):
 
 * ``pickled``: the call and the reply are pickles (``("ping", ())`` and ``None``), one
   frame each; nothing else;
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import hmac
 import marshal
+import os
 import pickle
 import subprocess
 import sys
@@ -42,12 +44,17 @@ import zmq
 
 from monarch_kernel.wire.codec import SIGNATURE_SIZE, Codec, recv, send, signer
 
-#: The modes, each one layer more than the one before it.
+#: The modes, in the order of the module's docstring.
 MODES = ("pickled", "framed", "hmac", "signed", "codec")
 #: The key every process of one measurement signs with (a benchmark, not a secret).
 _KEY = b"wire-floor-benchmark-key-32bytes"
 _CALL = pickle.dumps(("ping", ()), 5)
 _QUIT = "q"
+#: The repository, where ``python -m bench.wire_floor`` finds the package.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: How long the client waits for a server's port or reply before it gives up (a server
+#: that died must fail the measurement, not hang it).
+TIMEOUT_S = 10.0
 
 
 def _openssl_hmac() -> Any:
@@ -71,6 +78,7 @@ class Wire:
         self._mac: Any = _openssl_hmac() if mode == "hmac" else signer(_KEY)
 
     def encode(self, header: dict[str, Any], payload: bytes) -> list[Any]:
+        """The frames of one message in this mode."""
         mode = self.mode
         if mode == "codec":
             return self.codec.encode(header, payload)
@@ -86,6 +94,8 @@ class Wire:
         return [b"".join((word, mac.digest(), payload))]
 
     def decode(self, frames: list[Any]) -> tuple[dict[str, Any], bytes]:
+        """``(header, payload)`` of received frames (zmq Frames; bytes for ``codec``);
+        ValueError (``WireError`` for ``codec``) if the signature does not verify."""
         mode = self.mode
         if mode == "codec":
             m = self.codec.decode(frames)
@@ -132,26 +142,32 @@ class WireServers:
     def __init__(self, n: int, mode: str) -> None:
         self.wire = Wire(mode)
         self.ctx = zmq.Context()
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "bench.wire_floor", mode, "127.0.0.1"],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for _ in range(n)
-        ]
-        self.socks = []
-        for p in self.procs:
-            assert p.stdout is not None
-            port = p.stdout.readline().strip()
-            if not port:
-                self.close()
-                raise RuntimeError(f"wire-floor server {p.pid} ({mode}) did not start")
-            s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(f"tcp://127.0.0.1:{port}")
-            self.socks.append(s)
+        self.procs: list[subprocess.Popen[str]] = []
+        self.socks: list[zmq.Socket[bytes]] = []
         self._id = 0
+        try:
+            for _ in range(n):
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "bench.wire_floor", mode, "127.0.0.1"],
+                        stdout=subprocess.PIPE,
+                        text=True,
+                        cwd=_REPO,
+                    )
+                )
+            for p in self.procs:
+                assert p.stdout is not None
+                port = p.stdout.readline().strip()  # "" once the process ended
+                if not port:
+                    raise RuntimeError(f"wire-floor server {p.pid} ({mode}) did not start")
+                s = self.ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.RCVTIMEO, int(TIMEOUT_S * 1000))
+                s.connect(f"tcp://127.0.0.1:{port}")
+                self.socks.append(s)
+        except BaseException:
+            self.close()
+            raise
 
     def call(self) -> list[object]:
         """A no-op call on every server, all replies gathered (and checked)."""
@@ -161,22 +177,25 @@ class WireServers:
             send(s, wire.encode({"k": "c", "i": self._id}, _CALL))
         out = []
         for s in self.socks:
-            header, payload = wire.decode(recv(s))
+            header, payload = wire.decode(recv(s))  # zmq.Again after TIMEOUT_S
             if header.get("i", self._id) != self._id:
                 raise RuntimeError(f"reply to call {header['i']}, expected {self._id}")
             out.append(pickle.loads(payload))
         return out
 
     def close(self) -> None:
+        """Tell every server to quit and wait for it (killed after ``TIMEOUT_S``)."""
         quit_msg = pickle.dumps((_QUIT, ()), 5)
         for s in self.socks:
             send(s, self.wire.encode({"k": "c", "i": 0}, quit_msg))
         for p in self.procs:
             try:
-                p.wait(5)
+                p.wait(TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
         self.ctx.destroy(linger=0)
 
 

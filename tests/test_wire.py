@@ -10,7 +10,7 @@ import torch
 from wire_frames import envelope, split
 
 from monarch_kernel.wire import Codec, SerializationError, WireError, dumps, loads
-from monarch_kernel.wire.codec import new_key
+from monarch_kernel.wire.codec import new_key, signer
 
 pytestmark = pytest.mark.unit
 
@@ -74,15 +74,20 @@ def test_signature_is_keyed_blake2b_over_word_header_and_payload():
         Codec(key).decode([envelope(hb, old, payload)])
     # unpersonalised BLAKE2b with the same key is not a signature either
     plain = hashlib.blake2b(word + hb + payload, key=key, digest_size=32).digest()
-    with pytest.raises(WireError, match="signature"):
+    with pytest.raises(WireError, match="does not verify"):
         Codec(key).decode([envelope(hb, plain, payload)])
 
 
-def test_keys_longer_than_blake2b_takes_sign_and_verify():
-    long_key = os.urandom(100)  # above BLAKE2b's 64-byte key
+def test_keys_longer_than_64_bytes_sign_and_verify():
+    long_key = os.urandom(100)  # above BLAKE2b's 64-byte key: hashed down to 64 bytes
     a, b = Codec(long_key), Codec(long_key)
     assert b.decode(a.encode({"k": "call"}, b"x")).payload == b"x"
-    with pytest.raises(WireError, match="signature"):
+    down = signer(hashlib.blake2b(long_key).digest())
+    mac = signer(long_key)
+    mac.update(b"m")
+    down.update(b"m")
+    assert mac.digest() == down.digest()
+    with pytest.raises(WireError, match="does not verify"):
         Codec(long_key[:64]).decode(a.encode({"k": "call"}, b"x"))
 
 
