@@ -373,7 +373,8 @@ def test_dashboard_in_jupyterlab(lab):
             errors = page.locator(".mk-dash .mk-errors")
             errors.locator("summary", has_text="died: killed by SIGKILL").wait_for(timeout=5000)
             assert "step 0 loss" in errors.inner_text()  # its last output lines
-            assert "3/4" in page.locator(".mk-dash .mk-head").inner_text()
+            # the header is a message of its own, just after the tiles' of the same tick
+            page.locator(".mk-dash .mk-head", has_text="3/4").wait_for(timeout=5_000)
             page.wait_for_function(
                 "document.querySelectorAll('.mk-dash .mk-tile.mk-s-busy').length === 3",
                 timeout=5_000,

@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from monarch_kernel.calls.errors import format_ranks
@@ -76,6 +76,22 @@ from monarch_kernel.wire.codec import Header
 from monarch_kernel.wire.headers import AbortPg
 
 log = logging.getLogger("monarch_kernel.controller")
+
+#: How a rank released by step 1 is named in the request's error.
+BY_ABORT = "released by aborting the process group"
+#: The type (in a failure report) of the error a collective raises when the mesh
+#: aborted the rank's process group (``calls.errors.ProcessGroupAborted``).
+ABORTED_TYPE = "ProcessGroupAborted"
+
+
+def released_by_abort(report: Mapping[str, object]) -> bool:
+    """Whether a rank's failure ``report`` is its process group's abort: the error
+    itself, or a ``RuntimeError`` that torch's C++ made of it on its way through DDP's
+    reducer or autograd (its message then starts with the type's name)."""
+    if report.get("type") == ABORTED_TYPE:
+        return True
+    return str(report.get("message") or "").startswith(ABORTED_TYPE + ":")
+
 
 #: Seconds the survivors of a failed request get to finish on their own.
 DEFAULT_GRACE = 1.0
@@ -167,6 +183,12 @@ class FailureHandler:
         if isinstance(event, RequestFailed):
             if event.kind is not RequestKind.CONTROL:
                 report = event.report
+                if released_by_abort(report):
+                    # Named by what released it, not by when its answer came: on a
+                    # loaded host the abort's answer may come after the interrupt went.
+                    incident = self._incidents.get(event.request)
+                    if incident is not None and incident.aborted:
+                        incident.released.setdefault(event.rank, BY_ABORT)
                 self._open(event.request, event.rank, f"raised {report.get('type', 'an error')}")
         elif isinstance(event, RankDied):
             if event.state is not RankState.DEAD or self._lifecycle.phase.ended:
@@ -263,11 +285,12 @@ class FailureHandler:
         # releases its peers; aborting elsewhere is harmless.
         incident.needs_policy = True
         before = set(self._requests.waiting(rid))
+        incident.aborted = True
         why = AbortPg(why=f"rank {incident.root_rank} {incident.cause}").encode()
         for r in live:
             self._actions.send_control(r, why)
         self._settled(rid, time.monotonic() + STEP_WAIT)
-        self._note(incident, before, "released by aborting the process group")
+        self._note(incident, before, BY_ABORT)
         # 2. interrupt what they run
         before = set(self._requests.waiting(rid))
         for r in before:

@@ -42,6 +42,9 @@ class Incident:
     needs_policy: bool = False
     #: A person interrupted the request: not a fault (a stop policy does not stop).
     cancelled: bool = False
+    #: The release aborted the process group (step 1 began): a rank whose answer is
+    #: then ``ProcessGroupAborted`` was released by the abort, however late it comes.
+    aborted: bool = False
     #: Set when the release is over and this record is final.
     settled: threading.Event = field(default_factory=threading.Event)
 
