@@ -12,7 +12,8 @@ step only if the previous one was not enough:
    collectives, so a rank blocked in one, even inside DDP's backward, is released in
    milliseconds and keeps its state; with plain gloo the idle failed rank closing its
    connections releases its peers; with NCCL, aborting is how a stuck communicator is
-   freed;
+   freed (a rank whose answer is the abort's error is named released by it, however
+   late the answer comes: :func:`released_by_abort`);
 2. **interrupt** them (KeyboardInterrupt in the user code they run);
 3. **kill** them: only a rank stuck in native code gets here, and the error names it.
 
