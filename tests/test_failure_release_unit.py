@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from monarch_kernel.controller.lifecycle.failures import released_by_abort
+from monarch_kernel.calls.errors import released_by_abort
 
 pytestmark = pytest.mark.unit
 

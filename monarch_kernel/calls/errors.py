@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from monarch_kernel.wire.osutil import describe_exit, signal_name
@@ -55,6 +56,17 @@ class ProcessGroupAborted(RuntimeError):
 
     Raised on ranks by the re-formable group (``rank/pg/reformable.py``); defined here, with
     no torch import, so that a controller can unpickle it without importing torch."""
+
+
+def released_by_abort(report: Mapping[str, object]) -> bool:
+    """Whether a rank's failure ``report`` is its process group's abort: a
+    :class:`ProcessGroupAborted`, or a ``RuntimeError`` that torch's C++ made of it on
+    its way through DDP's reducer or autograd (its message then starts with the type's
+    name)."""
+    name = ProcessGroupAborted.__name__
+    if report.get("type") == name:
+        return True
+    return str(report.get("message") or "").startswith(name + ":")
 
 
 class MeshStartError(MonarchError):

@@ -13,7 +13,7 @@ step only if the previous one was not enough:
    milliseconds and keeps its state; with plain gloo the idle failed rank closing its
    connections releases its peers; with NCCL, aborting is how a stuck communicator is
    freed (a rank whose answer is the abort's error is named released by it, however
-   late the answer comes: :func:`released_by_abort`);
+   late the answer comes: ``calls.errors.released_by_abort``);
 2. **interrupt** them (KeyboardInterrupt in the user code they run);
 3. **kill** them: only a rank stuck in native code gets here, and the error names it.
 
@@ -56,10 +56,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from monarch_kernel.calls.errors import format_ranks
+from monarch_kernel.calls.errors import format_ranks, released_by_abort
 from monarch_kernel.calls.reply import IncidentObserver
 from monarch_kernel.controller.lifecycle.incident import Incident, ReleasedError
 from monarch_kernel.controller.state.events import EventBus, RankDied, RequestFailed, RequestKind
@@ -80,19 +80,6 @@ log = logging.getLogger("monarch_kernel.controller")
 
 #: How a rank released by step 1 is named in the request's error.
 BY_ABORT = "released by aborting the process group"
-#: The type (in a failure report) of the error a collective raises when the mesh
-#: aborted the rank's process group (``calls.errors.ProcessGroupAborted``).
-ABORTED_TYPE = "ProcessGroupAborted"
-
-
-def released_by_abort(report: Mapping[str, object]) -> bool:
-    """Whether a rank's failure ``report`` is its process group's abort: the error
-    itself, or a ``RuntimeError`` that torch's C++ made of it on its way through DDP's
-    reducer or autograd (its message then starts with the type's name)."""
-    if report.get("type") == ABORTED_TYPE:
-        return True
-    return str(report.get("message") or "").startswith(ABORTED_TYPE + ":")
-
 
 #: Seconds the survivors of a failed request get to finish on their own.
 DEFAULT_GRACE = 1.0
