@@ -59,6 +59,20 @@ def test_interrupt_lines_group_ranks_by_place():
     ]
 
 
+def test_interrupt_lines_name_an_abort_however_torch_wrapped_it():
+    """A rank released by the process group's abort says so, whether the error is our
+    ProcessGroupAborted or the RuntimeError torch's C++ made of it (DDP's backward)."""
+    ours = FailureReport(type="ProcessGroupAborted", message="rank 1 raised", rank=0)
+    message = "ProcessGroupAborted: rank 1 raised\nException raised from"
+    wrapped = FailureReport(type="RuntimeError", message=message, rank=2)
+    other = FailureReport(type="RuntimeError", message="CUDA error: out of memory", rank=1)
+    lines = interrupt_lines([ours, wrapped, other], [0, 1, 2], 3, [])
+    assert lines == [
+        "ranks 0, 2 of 3: interrupted in a collective (process group aborted)",
+        "rank 1 of 3: RuntimeError: CUDA error: out of memory",
+    ]
+
+
 # -- through a kernel --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def kernel():

@@ -66,6 +66,36 @@ def test_raise_before_all_reduce_releases_the_others(kernel):
     kernel.run("%mesh stop fa")
 
 
+def test_a_survivor_slow_to_get_the_abort_is_released_by_it_not_killed(kernel):
+    """The release steps time each rank from when its control thread handled the step
+    (a ping behind it answers), not from the send: on a loaded machine the abort can
+    reach a survivor late. Here every rank's control thread takes 1.5 s to start the
+    abort (the failed rank's too: its abort would release the others); timed from the
+    send (0.5 s a step) the survivors were interrupted, then killed."""
+    _start(kernel, "fs --gpus 3 --dist")
+    before = _pids(kernel, "fs")
+    r = kernel.run(
+        "%%remote fs\nimport os, time, torch, torch.distributed as dist\n"
+        "from monarch_kernel.wire.headers import AbortPg\n"
+        "_decode = AbortPg.decode  # the abort reaches a loaded machine's ranks late\n"
+        "AbortPg.decode = staticmethod(lambda h: (time.sleep(1.5), _decode(h))[1])\n"
+        "if os.environ['RANK'] == '1':\n    raise ValueError('bad batch on rank 1')\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)",
+        timeout=60,
+    )
+    text = r.error_text
+    assert "bad batch on rank 1" in text and "root cause" in text, text
+    assert "released by aborting the process group: 0, 2" in text, text
+    assert "killed" not in text and "interrupted" not in text, text
+    assert _pids(kernel, "fs") == before  # nobody was killed and restarted
+    r = kernel.run(
+        "%%remote fs\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()",
+        timeout=60,
+    )
+    assert "{gpus=2}: 3.0" in r.text, r.stdout + r.error_text
+    kernel.run("%mesh stop fs")
+
+
 DDP_SETUP = """\
 %%remote fd --setup
 import os, time, torch, torch.distributed as dist

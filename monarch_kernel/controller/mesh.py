@@ -30,6 +30,7 @@ casts.
 from __future__ import annotations
 
 import atexit
+import logging
 import pickle
 import time
 import uuid
@@ -41,6 +42,7 @@ from monarch_kernel.calls.reply import RequestObserver
 from monarch_kernel.calls.requester import PLAIN, CallOptions, MeshRef
 from monarch_kernel.controller.attach_file import MeshIdentity, file_for
 from monarch_kernel.controller.elastic.resize import Resizer
+from monarch_kernel.controller.lifecycle.control_probe import ControlProbe
 from monarch_kernel.controller.lifecycle.failures import DEFAULT_GRACE, FailureHandler
 from monarch_kernel.controller.lifecycle.restart import Restarter
 from monarch_kernel.controller.lifecycle.startup import Starter
@@ -80,6 +82,8 @@ from monarch_kernel.wire.spin import spin_seconds
 
 __all__ = ["MeshRuntime", "new_request_id", "registry"]
 
+log = logging.getLogger("monarch_kernel.controller")
+
 #: Seconds without a host agent's heartbeat (sent every 0.5 s) before it is lost.
 DEFAULT_HB_TIMEOUT = 2.5
 #: Longest a request waits for a restart in place (which has its own deadlines) to end.
@@ -88,6 +92,12 @@ RECOVERY_WAIT = 600.0
 DEFAULT_STOP_GRACE = 3.0
 #: While a mesh stops, how often STOP is sent again to agents that were not ready.
 STOP_RESEND_INTERVAL = 0.1
+#: The failure policy's pings behind a release step (``probe``): to the control
+#: threads, the controller's own (no policy applies), sent even while ranks restart,
+#: never waiting for room (a full queue is for main threads, not control threads).
+_PROBE = CallOptions(
+    what="release probe", control=True, internal=True, wait_for_room=False, during_restart=True
+)
 
 
 class MeshRuntime(RestartAndResize):
@@ -457,6 +467,22 @@ class MeshRuntime(RestartAndResize):
     def send_control(self, rank: int, header: Header, payload: bytes = b"") -> None:
         """Send to a rank's control thread (served even while its main thread is busy)."""
         self.transport.send_control(rank, header, payload)
+
+    def probe(self, ranks: Sequence[int]) -> ControlProbe:
+        """Ping the control threads of ``ranks`` behind what was sent to them: each
+        answer says when that rank had handled it (see
+        :mod:`~monarch_kernel.controller.lifecycle.control_probe`). Never raises: a
+        ping that cannot be sent counts as answered."""
+        probe = ControlProbe()
+        live = [r for r in ranks if self.ranks[r].alive]
+        probe.answer_all(set(ranks) - set(live))
+        if live:
+            try:
+                self.request(live, {"k": K.PING}, b"", (), probe, _PROBE)
+            except Exception as exc:  # a rank died meanwhile, the mesh stopped ...
+                log.debug("mesh %s: no probe of ranks %s: %s", self.name, live, exc)
+                probe.answer_all(live)
+        return probe
 
     def wait_for(self, fut: Awaitable, timeout: float | None) -> None:
         """A :class:`~monarch_kernel.calls.future.Future`'s waiter: receive replies

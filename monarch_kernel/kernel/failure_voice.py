@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from monarch_kernel.calls.errors import DeathInfo, format_ranks
+from monarch_kernel.calls.errors import DeathInfo, format_ranks, released_by_abort
 from monarch_kernel.controller.state.records import RecoveryReport
 from monarch_kernel.wire.reports import FailureReport
 
@@ -221,7 +221,7 @@ def interrupt_lines(
         at = place(f)
         if kind == "KeyboardInterrupt":
             what = "KeyboardInterrupt"
-        elif kind == "ProcessGroupAborted":
+        elif released_by_abort(f):  # also as the RuntimeError torch's C++ made of it
             what = "interrupted in a collective (process group aborted)"
         else:
             what = f"{kind}: {message}" if message else kind

@@ -61,6 +61,7 @@ from typing import Protocol
 
 from monarch_kernel.calls.errors import format_ranks, released_by_abort
 from monarch_kernel.calls.reply import IncidentObserver
+from monarch_kernel.controller.lifecycle.control_probe import ControlProbe, step_due
 from monarch_kernel.controller.lifecycle.incident import Incident, ReleasedError
 from monarch_kernel.controller.state.events import EventBus, RankDied, RequestFailed, RequestKind
 from monarch_kernel.controller.state.phase import MeshLifecycle
@@ -83,8 +84,13 @@ BY_ABORT = "released by aborting the process group"
 
 #: Seconds the survivors of a failed request get to finish on their own.
 DEFAULT_GRACE = 1.0
-#: Seconds each release step (abort, interrupt) is given before the next one.
+#: Seconds each release step (abort, interrupt) is given before the next one, counted
+#: from when each rank's control thread had handled it (``control_probe``).
 STEP_WAIT = 0.5
+#: Seconds a release step waits for a rank's control thread to say it handled the step:
+#: a loaded machine's ranks answer late but answer; one that holds the GIL in native
+#: code never does, and is not waited for longer than this.
+ACK_WAIT = 2.0
 #: Seconds for killed ranks' deaths to be reported before the request gives up on them.
 KILL_WAIT = 5.0
 #: Seconds an in-place recovery (re-form the process group, compare and copy replicas)
@@ -100,6 +106,7 @@ class PolicyActions(Protocol):
     """What the failure policy does to its mesh (``MeshRuntime`` provides it)."""
 
     def send_control(self, rank: int, header: Header, payload: bytes = b"") -> None: ...
+    def probe(self, ranks: Sequence[int]) -> ControlProbe: ...
     def kill_ranks(self, ranks: Sequence[int]) -> None: ...
     def stop(self, timeout: float = ..., grace: float = ...) -> None: ...
     def recover(
@@ -275,15 +282,11 @@ class FailureHandler:
         before = set(self._requests.waiting(rid))
         incident.aborted = True
         why = AbortPg(why=f"rank {incident.root_rank} {incident.cause}").encode()
-        for r in live:
-            self._actions.send_control(r, why)
-        self._settled(rid, time.monotonic() + STEP_WAIT)
+        self._step(rid, live, why)
         self._note(incident, before, BY_ABORT)
         # 2. interrupt what they run
         before = set(self._requests.waiting(rid))
-        for r in before:
-            self._actions.send_control(r, {"k": K.CANCEL, "c": rid})
-        self._settled(rid, time.monotonic() + STEP_WAIT)
+        self._step(rid, sorted(before), {"k": K.CANCEL, "c": rid})
         self._note(incident, before, "interrupted")
         stuck = set(self._requests.waiting(rid))
         incident.outcome = self._plan(extra=stuck)
@@ -304,6 +307,26 @@ class FailureHandler:
         self._actions.kill_ranks(sorted(stuck))
         if not self._settled(rid, time.monotonic() + KILL_WAIT):  # their host is stuck too
             self._give_up(incident, "left running (could not be killed; its host is lost?)")
+
+    def _step(self, rid: str, ranks: Sequence[int], header: Header) -> bool:
+        """Send ``header`` to each of ``ranks`` on the control path, then wait
+        until ``rid`` waits on nobody (True) or the step has had its time (False):
+        :data:`STEP_WAIT` from when each rank's control thread answered a ping sent behind
+        it, so that a loaded machine's slow delivery is not taken for a stuck rank."""
+        sent = time.monotonic()
+        for r in ranks:
+            self._actions.send_control(r, header)
+        probe = self._actions.probe(ranks)
+        requests = self._requests
+        while True:
+            waiting = requests.waiting(rid)
+            if not waiting:
+                return True
+            if self._lifecycle.phase.ended:
+                return False
+            if time.monotonic() >= step_due(probe, waiting, sent, STEP_WAIT, ACK_WAIT):
+                return False
+            time.sleep(0.01)
 
     def _settled(self, rid: str, until: float) -> bool:
         """Wait until ``rid`` waits on nobody (True) or ``until`` passes (False)."""
