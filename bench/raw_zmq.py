@@ -10,7 +10,6 @@ reply with as many bytes as the next frame says (zero-copy, from a buffer made o
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from bench.common import (
     sample,
     tensor_iters,
 )
+from bench.server_procs import ServerProcs
 from monarch_kernel.wire.spin import SpinWait
 
 
@@ -78,26 +78,16 @@ class Servers:
     def __init__(self, n: int, ipc: bool = False, spin: float = 0.0):
         """``spin``: seconds the servers and :meth:`ping` spin before a receive blocks
         (``monarch_kernel.wire.spin``, what our controller and ranks do); 0: block."""
-        self.ctx = zmq.Context()
         self._spin = SpinWait(spin)
         self._dir = tempfile.mkdtemp(prefix="bench-raw-") if ipc else None
         where = [f"ipc://{self._dir}/s{i}" if self._dir else "127.0.0.1" for i in range(n)]
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "bench.raw_zmq", addr, str(spin)],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for addr in where
-        ]
-        self.socks = []
-        for p in self.procs:
-            assert p.stdout is not None
-            said = p.stdout.readline().strip()
-            s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(said if said.startswith("ipc://") else f"tcp://127.0.0.1:{said}")
-            self.socks.append(s)
+        try:
+            self._servers = ServerProcs("bench.raw_zmq", [[addr, str(spin)] for addr in where])
+        except BaseException:
+            self._remove_dir()
+            raise
+        self.procs = self._servers.procs
+        self.socks = self._servers.socks
 
     def ping(self, socks: list[zmq.Socket]) -> None:
         for s in socks:
@@ -107,15 +97,10 @@ class Servers:
             s.recv()
 
     def close(self) -> None:
-        for s in self.socks:
-            s.send(b"q")
-        for p in self.procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.ctx.destroy(linger=0)
+        self._servers.close([b"q"])
+        self._remove_dir()
+
+    def _remove_dir(self) -> None:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 

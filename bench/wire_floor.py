@@ -33,15 +33,14 @@ from __future__ import annotations
 
 import hmac
 import marshal
-import os
 import pickle
-import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
+from bench.server_procs import ServerProcs
 from monarch_kernel.wire.codec import SIGNATURE_SIZE, Codec, recv, send, signer
 
 #: The modes, in the order of the module's docstring.
@@ -50,8 +49,6 @@ MODES = ("pickled", "framed", "hmac", "signed", "codec")
 _KEY = b"wire-floor-benchmark-key-32bytes"
 _CALL = pickle.dumps(("ping", ()), 5)
 _QUIT = "q"
-#: The repository, where ``python -m bench.wire_floor`` finds the package.
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: How long the client waits for a server's port or reply before it gives up (a server
 #: that died must fail the measurement, not hang it).
 TIMEOUT_S = 10.0
@@ -141,33 +138,10 @@ class WireServers:
 
     def __init__(self, n: int, mode: str) -> None:
         self.wire = Wire(mode)
-        self.ctx = zmq.Context()
-        self.procs: list[subprocess.Popen[str]] = []
-        self.socks: list[zmq.Socket[bytes]] = []
+        self._servers = ServerProcs("bench.wire_floor", [[mode, "127.0.0.1"]] * n, TIMEOUT_S)
+        self.procs = self._servers.procs
+        self.socks = self._servers.socks
         self._id = 0
-        try:
-            for _ in range(n):
-                self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "bench.wire_floor", mode, "127.0.0.1"],
-                        stdout=subprocess.PIPE,
-                        text=True,
-                        cwd=_REPO,
-                    )
-                )
-            for p in self.procs:
-                assert p.stdout is not None
-                port = p.stdout.readline().strip()  # "" once the process ended
-                if not port:
-                    raise RuntimeError(f"wire-floor server {p.pid} ({mode}) did not start")
-                s = self.ctx.socket(zmq.DEALER)
-                s.setsockopt(zmq.LINGER, 0)
-                s.setsockopt(zmq.RCVTIMEO, int(TIMEOUT_S * 1000))
-                s.connect(f"tcp://127.0.0.1:{port}")
-                self.socks.append(s)
-        except BaseException:
-            self.close()
-            raise
 
     def call(self) -> list[object]:
         """A no-op call on every server, all replies gathered (and checked)."""
@@ -185,18 +159,7 @@ class WireServers:
 
     def close(self) -> None:
         """Tell every server to quit and wait for it (killed after ``TIMEOUT_S``)."""
-        quit_msg = pickle.dumps((_QUIT, ()), 5)
-        for s in self.socks:
-            send(s, self.wire.encode({"k": "c", "i": 0}, quit_msg))
-        for p in self.procs:
-            try:
-                p.wait(TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
-        self.ctx.destroy(linger=0)
+        self._servers.close(self.wire.encode({"k": "c", "i": 0}, pickle.dumps((_QUIT, ()), 5)))
 
 
 if __name__ == "__main__":

@@ -7,12 +7,15 @@ from __future__ import annotations
 import os
 import sys
 
+import psutil
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from bench.raw_zmq import Servers  # noqa: E402
+from bench.server_procs import ServerProcs  # noqa: E402
 from bench.wire_floor import MODES, Wire, WireServers  # noqa: E402
 from monarch_kernel.wire import WireError  # noqa: E402
 
@@ -29,6 +32,26 @@ def test_every_mode_answers_a_gathered_call_and_leaves_no_process():
             servers.close()
         # each server read the quit message and returned, none had to be killed
         assert [p.returncode for p in servers.procs] == [0, 0], mode
+
+
+def test_raw_servers_answer_over_tcp_and_ipc_and_leave_nothing():
+    for ipc in (False, True):
+        servers = Servers(2, ipc=ipc)
+        where = servers._dir
+        try:
+            for _ in range(5):
+                servers.ping(servers.socks)
+        finally:
+            servers.close()
+        assert [p.returncode for p in servers.procs] == [0, 0], ipc
+        assert where is None or not os.path.exists(where)
+
+
+def test_a_server_that_does_not_start_fails_with_its_name_and_leaves_no_process():
+    with pytest.raises(RuntimeError, match=r"bench\.no_such_server server \d+ did not start"):
+        ServerProcs("bench.no_such_server", [[], []], timeout=5.0)
+    left = [c.pid for c in psutil.Process().children() if "no_such_server" in str(c.cmdline())]
+    assert not left, left
 
 
 def test_signed_modes_verify_what_they_receive():

@@ -1,0 +1,79 @@
+"""Server processes a floor measurement talks to, one DEALER socket to each.
+
+The raw ZeroMQ floor (:mod:`bench.raw_zmq`) and the wire format's floors
+(:mod:`bench.wire_floor`) both start N processes with ``python -m MODULE ...`` that
+print their address on their first line (a tcp port, or an ``ipc://`` address) and then
+serve until told to quit. Starting them, connecting to them and ending them is here,
+once: a server that fails to start fails the measurement with its name, and every
+process started is ended (killed if it does not quit) whatever happens.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import zmq
+
+#: The repository, where ``python -m bench....`` finds the packages.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ServerProcs:
+    """One process per argument list in ``args`` (``python -m MODULE *args``), each
+    with a DEALER connected to the address it printed.
+
+    ``timeout``: seconds to wait for a server's reply before ``zmq.Again`` (None: for
+    ever), and for each server to quit on :meth:`close` before it is killed.
+    """
+
+    def __init__(
+        self, module: str, args: Sequence[Sequence[str]], timeout: float | None = None
+    ) -> None:
+        self.ctx = zmq.Context()
+        self.procs: list[subprocess.Popen[str]] = []
+        self.socks: list[zmq.Socket[bytes]] = []
+        self._timeout = timeout
+        try:
+            for a in args:
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", module, *a],
+                        stdout=subprocess.PIPE,
+                        text=True,
+                        cwd=REPO,
+                    )
+                )
+            for p in self.procs:
+                assert p.stdout is not None
+                said = p.stdout.readline().strip()  # "" once the process ended
+                if not said:
+                    raise RuntimeError(f"{module} server {p.pid} did not start")
+                s = self.ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                if timeout is not None:
+                    s.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
+                s.connect(said if said.startswith("ipc://") else f"tcp://127.0.0.1:{said}")
+                self.socks.append(s)
+        except BaseException:
+            self.close([])
+            raise
+
+    def close(self, quit_frames: list[bytes]) -> None:
+        """Send each server ``quit_frames`` (none: it is killed after the wait), wait
+        for it to end, then drop the sockets."""
+        if quit_frames:
+            for s in self.socks:
+                s.send_multipart(quit_frames)
+        wait = self._timeout if quit_frames else 0
+        for p in self.procs:
+            try:
+                p.wait(wait if wait is not None else 5.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+        self.ctx.destroy(linger=0)
