@@ -430,6 +430,29 @@ def test_control_requests_wait_for_a_restart_and_two_lost_hosts_come_back():
         procs.stop()
 
 
+def test_an_interrupt_inside_torchs_no_grad_code_leaves_gradient_tracking_on(kernel):
+    """The stop button can land in torch's own ``finally`` that turns gradient tracking
+    back on (an optimizer step's): the rank puts it back as the cell found it and says
+    so, where the next training cell used to fail on that rank. A cell that turns it
+    off on purpose and ends normally keeps it off."""
+    _start(kernel, "fg --gpus 2")
+    msg = kernel.submit(
+        "%%remote fg\nimport time, torch\n"
+        "torch.set_grad_enabled(False)  # as torch's optimizer step does before its finally\n"
+        "print('tracking off', flush=True)\ntime.sleep(60)\npass"
+    )
+    kernel.wait_for_output(msg, "tracking off", timeout=60)
+    kernel.km.interrupt_kernel()
+    r = kernel.collect(msg, timeout=60)
+    assert "interrupted cell" in r.error_text, r.error_text
+    assert "left torch's gradient tracking off" in r.stdout + r.stderr, r.stdout + r.stderr
+    r = kernel.run("%%remote fg\ntorch.is_grad_enabled()")
+    assert "{gpus=0..1}: True" in r.text or r.text.count("True") == 2, r.text
+    r = kernel.run("%%remote fg\ntorch.set_grad_enabled(False)\ntorch.is_grad_enabled()")
+    assert "False" in r.text and "True" not in r.text, r.text
+    kernel.run("%mesh stop fg")
+
+
 def test_interrupting_a_cell_is_not_a_fault_even_under_the_stop_policy():
     from monarch_kernel.actor import ActorError, this_host
     from monarch_kernel.kernel.remote import RemoteJob

@@ -309,6 +309,7 @@ PART_ORDER: dict[str, list[str]] = {
         "import_hooks",  # patching a library's module once it is imported
         "context",
         "oom",
+        "grad_mode",  # an interrupt never leaves torch's gradient tracking off
         "errors",
         "link",
         "signals",
