@@ -1,13 +1,14 @@
 """An interrupt never leaves torch's gradient tracking turned off.
 
-torch turns gradient tracking off and on again around its own Python code: an
-optimizer's ``step`` (``torch.optim.optimizer._use_grad_for_differentiable``) sets it
-off, runs, and in a ``finally`` calls a Python function before it sets it back. The
-stop button's ``KeyboardInterrupt`` lands between two bytecodes of whatever runs, so
-now and then it lands in that ``finally`` before the restore: the rank is left with
-gradient tracking off, and the next training cell fails on that rank alone
-("element 0 of tensors does not require grad and does not have a grad_fn"). A CI run
-of twenty stop-button presses in a DDP loop hit it once.
+torch turns gradient tracking off and back on in Python frames of its own: an
+optimizer's ``step`` (``torch.optim.optimizer._use_grad_for_differentiable``: off, the
+step, and in a ``finally`` a Python call before it is set back), ``no_grad``'s enter and
+exit. The stop button's ``KeyboardInterrupt`` lands between two bytecodes of whatever
+runs; one that lands after the switch off and before the switch back skips the restore,
+and the rank is left with gradient tracking off: the next training cell fails on that
+rank alone ("element 0 of tensors does not require grad and does not have a grad_fn").
+A CI run of twenty stop-button presses in a DDP loop hit it once (tight loops of
+thousands of interrupts into an optimizer step did not: the window is small).
 
 So the rank notes the mode when it starts a piece of user code and, if an interrupt
 ends that code with the mode changed, sets it back and says so in the output. Only
