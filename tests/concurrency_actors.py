@@ -127,6 +127,19 @@ class Blocker(Actor):
         return "spun"
 
     @endpoint
+    def spin_without_grad(self, name: str, seconds: float = 60.0) -> str:
+        """:meth:`spin` with torch's gradient tracking turned off on this thread (as an
+        optimizer step does for a moment): the stop button must not leave it off."""
+        import torch
+
+        torch.set_grad_enabled(False)
+        print(f"spinning without grad at {name}", flush=True)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+        return "spun"
+
+    @endpoint
     def record(self, i: int) -> list[int]:
         self.seen.append(i)
         return list(self.seen)

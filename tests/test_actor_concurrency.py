@@ -206,6 +206,27 @@ def test_stop_button_interrupts_a_worker_thread(shared):
     assert b.record.call(2).get(timeout=10).values() == [[2], [2]]
 
 
+def test_stop_button_on_a_worker_leaves_gradient_tracking_on(shared):
+    """B turns torch's gradient tracking off on a worker thread (A holds the main one),
+    the stop button lands: the worker puts it back and says so (``rank.grad_mode``), so
+    the next endpoint that thread runs is not left without gradients."""
+    a, b = _pair(shared, Blocker, Blocker)
+    name = f"grad{next(_names)}"
+    held = a.block.call(name, 60)
+    for rank in (0, 1):
+        wait_for_rank_line(shared, rank, f"blocking at {name}")
+    spinning = b.spin_without_grad.call(name)
+    for rank in (0, 1):
+        wait_for_rank_line(shared, rank, f"spinning without grad at {name}")
+    shared.interrupt()
+    for fut in (held, spinning):
+        with pytest.raises(ActorError, match="KeyboardInterrupt"):
+            fut.get(timeout=10)
+    for rank in (0, 1):
+        wait_for_rank_line(shared, rank, "left torch's gradient tracking off")
+    assert b.record.call(3).get(timeout=10).values() == [[3], [3]]
+
+
 def test_mesh_stacks_show_a_worker_thread(shared):
     """``%mesh stacks`` shows the worker that runs B's endpoint (named after its actor)
     while A holds the main thread."""

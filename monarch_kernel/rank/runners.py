@@ -42,6 +42,7 @@ from typing import Any
 import zmq
 
 from monarch_kernel.rank import context
+from monarch_kernel.rank.grad_mode import grad_mode, restore_after_interrupt
 
 log = logging.getLogger("monarch_kernel.rank")
 
@@ -139,12 +140,17 @@ class Worker:
 
     @contextlib.contextmanager
     def user(self) -> Iterator[None]:
-        """Around user code: an interrupt may be raised in this thread meanwhile."""
+        """Around user code: an interrupt may be raised in this thread meanwhile (and
+        puts back torch's gradient tracking it left off: ``rank.grad_mode``)."""
         with self.lock:
             outer = self.in_user
             self.in_user = True
+        grad = grad_mode()
         try:
             yield
+        except KeyboardInterrupt:
+            restore_after_interrupt(grad)
+            raise
         finally:
             with self.lock:
                 self.in_user = outer
