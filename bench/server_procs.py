@@ -26,7 +26,7 @@ class ServerProcs:
     with a DEALER connected to the address it printed.
 
     ``timeout``: seconds to wait for a server's reply before ``zmq.Again`` (None: for
-    ever), and for each server to quit on :meth:`close` before it is killed.
+    ever), and for each server to quit on :meth:`close` before it is killed (None: 5).
     """
 
     def __init__(
@@ -67,10 +67,10 @@ class ServerProcs:
         if quit_frames:
             for s in self.socks:
                 s.send_multipart(quit_frames)
-        wait = self._timeout if quit_frames else 0
+        wait = (self._timeout or 5.0) if quit_frames else 0
         for p in self.procs:
             try:
-                p.wait(wait if wait is not None else 5.0)
+                p.wait(wait)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()

@@ -187,21 +187,29 @@ def test_a_sleeping_endpoint_holds_only_its_own_actor(shared):
     assert after.get(timeout=10).values() == [[1], [1]]
 
 
-def test_stop_button_interrupts_a_worker_thread(shared):
-    """A holds the main thread (a blocking wait), B spins in Python on a worker: the
-    stop button stops both, and both serve again."""
+def _stop_a_worker(shared, spin: str, says: str):
+    """A holds the main thread (a blocking wait), B runs its endpoint ``spin`` (a Python
+    loop that prints ``says`` first) on a worker; the stop button then stops both (each
+    call raises KeyboardInterrupt). Returns ``(a, b)``."""
     a, b = _pair(shared, Blocker, Blocker)
     name = f"stop{next(_names)}"
     held = a.block.call(name, 60)
     for rank in (0, 1):
         wait_for_rank_line(shared, rank, f"blocking at {name}")
-    spinning = b.spin.call(name)
+    spinning = getattr(b, spin).call(name)
     for rank in (0, 1):
-        wait_for_rank_line(shared, rank, f"spinning at {name}")
+        wait_for_rank_line(shared, rank, f"{says} at {name}")
     shared.interrupt()
     for fut in (held, spinning):
         with pytest.raises(ActorError, match="KeyboardInterrupt"):
             fut.get(timeout=10)
+    return a, b
+
+
+def test_stop_button_interrupts_a_worker_thread(shared):
+    """A holds the main thread (a blocking wait), B spins in Python on a worker: the
+    stop button stops both, and both serve again."""
+    a, b = _stop_a_worker(shared, "spin", "spinning")
     assert a.record.call(1).get(timeout=10).values() == [[1], [1]]
     assert b.record.call(2).get(timeout=10).values() == [[2], [2]]
 
@@ -210,18 +218,7 @@ def test_stop_button_on_a_worker_leaves_gradient_tracking_on(shared):
     """B turns torch's gradient tracking off on a worker thread (A holds the main one),
     the stop button lands: the worker puts it back and says so (``rank.grad_mode``), so
     the next endpoint that thread runs is not left without gradients."""
-    a, b = _pair(shared, Blocker, Blocker)
-    name = f"grad{next(_names)}"
-    held = a.block.call(name, 60)
-    for rank in (0, 1):
-        wait_for_rank_line(shared, rank, f"blocking at {name}")
-    spinning = b.spin_without_grad.call(name)
-    for rank in (0, 1):
-        wait_for_rank_line(shared, rank, f"spinning without grad at {name}")
-    shared.interrupt()
-    for fut in (held, spinning):
-        with pytest.raises(ActorError, match="KeyboardInterrupt"):
-            fut.get(timeout=10)
+    _, b = _stop_a_worker(shared, "spin_without_grad", "spinning without grad")
     for rank in (0, 1):
         wait_for_rank_line(shared, rank, "left torch's gradient tracking off")
     assert b.record.call(3).get(timeout=10).values() == [[3], [3]]

@@ -317,22 +317,20 @@ class FailureHandler:
         for r in ranks:
             self._actions.send_control(r, header)
         probe = self._actions.probe(ranks)
-        requests = self._requests
-        while True:
-            waiting = requests.waiting(rid)
-            if not waiting:
-                return True
-            if self._lifecycle.phase.ended:
-                return False
-            if time.monotonic() >= step_due(probe, waiting, sent, STEP_WAIT, ACK_WAIT):
-                return False
-            time.sleep(0.01)
+        return self._settled_by(
+            rid, lambda waiting: step_due(probe, waiting, sent, STEP_WAIT, ACK_WAIT)
+        )
 
     def _settled(self, rid: str, until: float) -> bool:
         """Wait until ``rid`` waits on nobody (True) or ``until`` passes (False)."""
+        return self._settled_by(rid, lambda _: until)
+
+    def _settled_by(self, rid: str, due: Callable[[frozenset[int]], float]) -> bool:
+        """Wait until ``rid`` waits on nobody (True) or the time ``due(ranks it still
+        waits on)`` passes (False; also once the mesh stopped)."""
         requests = self._requests
-        while requests.waiting(rid):
-            if time.monotonic() >= until or self._lifecycle.phase.ended:
+        while waiting := requests.waiting(rid):
+            if self._lifecycle.phase.ended or time.monotonic() >= due(waiting):
                 return False
             time.sleep(0.01)
         return True
