@@ -528,7 +528,10 @@ class HostAgent:
             self.desk.close(self.cfg)
         if self.cfg is not None:
             close_gates(self.ctx)
-            self.ctx.destroy(linger=500)
+            # What is still queued (the ranks' exits, our goodbye) gets half a second to
+            # reach a controller that lives; one that is gone reads none of it.
+            dead = self.desk is None and self.controller_gone()
+            self.ctx.destroy(linger=0 if dead else 500)
             self.remove_dead_controller_sockets()
         shutil.rmtree(self.private_dir, ignore_errors=True)
         # A controller killed outright never ran its atexit: its local launcher's

@@ -8,6 +8,7 @@ The template is single-threaded: a SIGCHLD wakes its select loop through a wakeu
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import json
@@ -17,7 +18,7 @@ import signal
 import sys
 import time
 
-from monarch_kernel.host.template_handle import TemplateCommand
+from monarch_kernel.host.template_handle import CUT_IMPORT_SIGNAL, TemplateCommand
 from monarch_kernel.rank.config import RankConfig
 from monarch_kernel.wire.osutil import die_with_parent
 
@@ -63,6 +64,11 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
+class ImportCut(BaseException):
+    """Raised by :data:`CUT_IMPORT_SIGNAL` into the late import: the template is to
+    stop. A BaseException, so that the import's own ``except Exception`` lets it by."""
+
+
 def _import_quietly(names: list[str]) -> None:
     """Import ``names``; one that fails to import is skipped."""
     for name in names:
@@ -88,6 +94,7 @@ class Template:
         signal.signal(signal.SIGCHLD, self._on_child)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(CUT_IMPORT_SIGNAL, self._on_cut_import)
 
     def _on_child(self, *_: object) -> None:
         """SIGCHLD: the loop reaps (woken by the wakeup fd), except while it imports
@@ -104,6 +111,23 @@ class Template:
                 continue
             if done:
                 self._reaped(pid, status)
+
+    def _import_late(self, names: list[str]) -> None:
+        self.importing = True
+        try:
+            _import_quietly(names)
+            _freeze_heap()
+        finally:
+            self.importing = False
+
+    def _on_cut_import(self, *_: object) -> None:
+        """The host agent wrote its ``exit`` command: stop importing, to read it.
+        Invariant: at most one :class:`ImportCut` is raised per import (``importing``
+        is cleared first), so the one ``suppress`` around the import catches it,
+        wherever in the import (or its ``finally``) it lands."""
+        if self.importing:
+            self.importing = False
+            raise ImportCut
 
     def _on_term(self, *_: object) -> None:
         self.shutdown()
@@ -123,12 +147,8 @@ class Template:
             except InterruptedError:
                 continue
             if not ready:  # idle: import what later forks should find loaded
-                self.importing = True
-                try:
-                    _import_quietly(pending)
-                    _freeze_heap()
-                finally:
-                    self.importing = False
+                with contextlib.suppress(ImportCut):
+                    self._import_late(pending)
                 pending = []
                 continue
             if self.wake_r in ready:
@@ -177,6 +197,7 @@ class Template:
                     os.close(fd)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(CUT_IMPORT_SIGNAL, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 from monarch_kernel.rank.forked import run_forked
 
@@ -241,6 +262,13 @@ def main() -> None:
     die_with_parent(signal.SIGKILL, expected_parent=int(sys.argv[3]))
     _preimport()
     Template(cmd_fd, event_fd).run()
+    # Nothing is left to end (events are written unbuffered): skip the interpreter's
+    # finalization of torch's modules (a few tenths of a second, which a stopping
+    # agent, and so a dead controller's processes, would wait for).
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

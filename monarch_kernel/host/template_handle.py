@@ -3,14 +3,24 @@ commands down one pipe, events up another, one JSON line each."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from typing import Any, TypedDict
 
 #: Seconds ranks get to exit cleanly when ``stop`` does not say (its ``grace``).
 DEFAULT_GRACE = 3.0
+
+#: Sent to the template after the ``exit`` command: one importing its late modules
+#: (``torch._dynamo``: seconds on a loaded machine, during which it reads no command)
+#: stops importing and reads it; one that is not importing ignores it. A real-time
+#: signal, as the ranks' stack dumps use: SIGUSR1/SIGUSR2 are Slurm's pre-emption notices.
+CUT_IMPORT_SIGNAL: int = int(getattr(signal, "SIGRTMIN", signal.SIGUSR2)) + (
+    5 if hasattr(signal, "SIGRTMIN") else 0
+)
 
 
 class TemplateEvent(TypedDict, total=False):
@@ -112,7 +122,9 @@ class Template:
         """Ask the template to stop its ranks (SIGTERM, then SIGKILL after ``grace``
         seconds) and exit; kill it if it has not exited a while after that. One still
         importing (a pre-warmed agent stopped early) is killed at once: it would read
-        the command only once torch is imported, seconds later, and has no rank yet."""
+        the command only once torch is imported, seconds later, and has no rank yet.
+        One importing its late modules is told to stop that (:data:`CUT_IMPORT_SIGNAL`):
+        its ranks would otherwise outlive a dead controller by as long as the import."""
         if not self.engaged:
             self.proc.kill()
             self.proc.wait()
@@ -123,6 +135,9 @@ class Template:
             self.flush()
         except OSError:
             pass
+        # Not yet reaped (``wait`` comes below): the pid is still the template's.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, CUT_IMPORT_SIGNAL)
         try:
             self.proc.wait(grace + 5.0)
         except subprocess.TimeoutExpired:
