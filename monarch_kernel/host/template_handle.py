@@ -16,8 +16,10 @@ DEFAULT_GRACE = 3.0
 
 #: Sent to the template after the ``exit`` command: one importing its late modules
 #: (``torch._dynamo``: seconds on a loaded machine, during which it reads no command)
-#: stops importing and reads it; one that is not importing ignores it. A real-time
-#: signal, as the ranks' stack dumps use: SIGUSR1/SIGUSR2 are Slurm's pre-emption notices.
+#: stops importing and reads it; one that is not importing ignores it. One still in its
+#: first imports (before its loop, so before any fork) is ended by it, the signal's
+#: default action: it has no rank to stop. A real-time signal, as the ranks' stack dumps
+#: use: SIGUSR1/SIGUSR2 are Slurm's pre-emption notices.
 CUT_IMPORT_SIGNAL: int = int(getattr(signal, "SIGRTMIN", signal.SIGUSR2)) + (
     5 if hasattr(signal, "SIGRTMIN") else 0
 )
