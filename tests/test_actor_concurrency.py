@@ -216,7 +216,7 @@ def test_stop_button_interrupts_a_worker_thread(shared):
 
 def test_stop_button_on_a_worker_leaves_gradient_tracking_on(shared):
     """B turns torch's gradient tracking off on a worker thread (A holds the main one),
-    the stop button lands: the worker puts it back and says so (``rank.grad_mode``), so
+    the stop button lands: the worker puts it back and says so (``rank.torch_modes``), so
     the next endpoint that thread runs is not left without gradients."""
     _, b = _stop_a_worker(shared, "spin_without_grad", "spinning without grad")
     for rank in (0, 1):

@@ -430,24 +430,30 @@ def test_control_requests_wait_for_a_restart_and_two_lost_hosts_come_back():
         procs.stop()
 
 
-def test_an_interrupt_inside_torchs_no_grad_code_leaves_gradient_tracking_on(kernel):
+def test_an_interrupt_inside_torchs_mode_switches_leaves_the_modes_as_they_were(kernel):
     """The stop button can land in torch's own ``finally`` that turns gradient tracking
-    back on (an optimizer step's): the rank puts it back as the cell found it and says
-    so, where the next training cell used to fail on that rank. A cell that turns it
-    off on purpose and ends normally keeps it off."""
+    back on (an optimizer step's), or in an autocast region's enter after it turned
+    autocast on (``with`` then never exits it): the rank puts both back as the cell
+    found them and says so, where the next cells of that rank alone used to fail, or
+    compute in lower precision with stale casts of the weights
+    (``tests/test_torch_modes_unit.py`` cuts torch's real code). A cell that turns
+    gradients off on purpose and ends normally keeps them off."""
     _start(kernel, "fg --gpus 2")
     msg = kernel.submit(
         "%%remote fg\nimport time, torch\n"
         "torch.set_grad_enabled(False)  # as torch's optimizer step does before its finally\n"
+        "torch.set_autocast_enabled('cpu', True)  # as autocast's enter does, then:\n"
+        "torch.autocast_increment_nesting()\n"
         "print('tracking off', flush=True)\ntime.sleep(60)\npass"
     )
     kernel.wait_for_output(msg, "tracking off", timeout=60)
     kernel.km.interrupt_kernel()
     r = kernel.collect(msg, timeout=60)
     assert "interrupted cell" in r.error_text, r.error_text
-    assert "left torch's gradient tracking off" in r.stdout + r.stderr, r.stdout + r.stderr
-    r = kernel.run("%%remote fg\ntorch.is_grad_enabled()")
-    assert "{gpus=0..1}: True" in r.text or r.text.count("True") == 2, r.text
+    note = "left torch's gradient tracking off and autocast on"
+    assert note in r.stdout + r.stderr, r.stdout + r.stderr
+    r = kernel.run("%%remote fg\n(torch.is_grad_enabled(), torch.is_autocast_enabled('cpu'))")
+    assert "{gpus=0..1}: (True, False)" in r.text or r.text.count("(True, False)") == 2, r.text
     r = kernel.run("%%remote fg\ntorch.set_grad_enabled(False)\ntorch.is_grad_enabled()")
     assert "False" in r.text and "True" not in r.text, r.text
     kernel.run("%mesh stop fg")

@@ -309,7 +309,7 @@ PART_ORDER: dict[str, list[str]] = {
         "import_hooks",  # patching a library's module once it is imported
         "context",
         "oom",
-        "grad_mode",  # an interrupt never leaves torch's gradient tracking off
+        "torch_modes",  # an interrupt never leaves torch's modes switched (grad, autocast)
         "errors",
         "link",
         "signals",

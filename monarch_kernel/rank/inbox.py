@@ -36,11 +36,11 @@ import zmq
 from monarch_kernel.rank import context, listener_gate
 from monarch_kernel.rank.actors import Running
 from monarch_kernel.rank.config import RankConfig
-from monarch_kernel.rank.grad_mode import grad_mode, restore_after_interrupt
 from monarch_kernel.rank.lines import ACTOR_KINDS, FAST, HERE, Lines, _work_left
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.runners import Wake
 from monarch_kernel.rank.signals import TERMINATED_CODE, MainThread, RankTerminated
+from monarch_kernel.rank.torch_modes import restore_after_interrupt, torch_modes
 from monarch_kernel.wire import Codec, Message, WireError, peer_address
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
@@ -450,7 +450,7 @@ class Inbox(Lines):
             return self._run_user_elsewhere(fn, args, kwargs)
         main = self.main
         outer = main.in_user_code
-        grad = grad_mode()  # put back if an interrupt lands in torch's own no-grad code
+        modes = torch_modes()  # put back if an interrupt lands in torch's own switches
         main.in_user_code = True
         try:
             if main.cancelled and self.here.request in main.cancelled:
@@ -472,7 +472,7 @@ class Inbox(Lines):
         except RankTerminated:
             raise
         except KeyboardInterrupt as exc:
-            restore_after_interrupt(grad)
+            restore_after_interrupt(modes)
             if not exc.args and self.tasks:  # SIGINT (not "cancelled" said by us)
                 # The signal reaches only the stack; endpoints that run as tasks stop
                 # too: those of the requests cancelled (the stop button), or all of

@@ -42,7 +42,7 @@ from typing import Any
 import zmq
 
 from monarch_kernel.rank import context
-from monarch_kernel.rank.grad_mode import grad_mode, restore_after_interrupt
+from monarch_kernel.rank.torch_modes import restore_after_interrupt, torch_modes
 
 log = logging.getLogger("monarch_kernel.rank")
 
@@ -141,15 +141,15 @@ class Worker:
     @contextlib.contextmanager
     def user(self) -> Iterator[None]:
         """Around user code: an interrupt may be raised in this thread meanwhile (and
-        puts back torch's gradient tracking it left off: ``rank.grad_mode``)."""
+        puts back torch's modes it left switched: ``rank.torch_modes``)."""
         with self.lock:
             outer = self.in_user
             self.in_user = True
-        grad = grad_mode()
+        modes = torch_modes()
         try:
             yield
         except KeyboardInterrupt:
-            restore_after_interrupt(grad)
+            restore_after_interrupt(modes)
             raise
         finally:
             with self.lock:
