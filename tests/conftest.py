@@ -44,7 +44,7 @@ TQDM_AT_START = {k: v for k, v in os.environ.items() if k.startswith("TQDM_")}
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The host template's late ``torch._dynamo`` import (``monarch_kernel.host.template``,
-#: ``PREIMPORT_LATE``: about 1.1 s of CPU once a template has idled a second) serves
+#: ``PREIMPORT_LATE``: about 1.1 s of CPU once a template has forked and idled a second) serves
 #: only ranks forked later, restarted ones that rebuild DDP. Most tests restart none, and
 #: with a mesh or more per test it was minutes of the suite's CPU: off by default
 #: (``MONARCH_KERNEL_PREIMPORT_LATE`` empty, inherited by the kernels, agents and

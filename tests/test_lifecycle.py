@@ -122,7 +122,7 @@ def test_a_template_in_its_late_import_stops_its_ranks_cleanly(tmp_path, end):
     ended.mkdir()
     env = {
         "MONARCH_KERNEL_PREIMPORT_LATE": "mk_slow_late_import",
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
         "MK_TEST_LATE_MARK": str(marks),
     }
     hosts = 2

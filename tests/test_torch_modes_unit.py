@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.optim.optimizer as optimizer_module
 
-from monarch_kernel.rank.torch_modes import DEFAULT_MODES, restore_after_interrupt, torch_modes
+from monarch_kernel.rank.torch_modes import restore_after_interrupt, torch_modes
 
 pytestmark = pytest.mark.unit
 
@@ -102,24 +102,47 @@ def test_an_optimizer_step_cut_in_its_finally_leaves_gradients_on(capfd):
     left, fixed, after = _on_a_thread(lambda: _interrupted(code, line, opt.step))
     assert left.grad is False  # the defect: the step's finally never turned it back on
     assert fixed == ["gradient tracking off"]
-    assert after == DEFAULT_MODES
+    assert (after.grad, after.autocast, after.nesting) == (True, False, 0)
     assert "left torch's gradient tracking off" in capfd.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "where, text",
-    [
-        ("enter", "torch.set_autocast_cache_enabled(self._cache_enabled)"),
-        ("exit", "torch.set_autocast_enabled(self.device, self.prev)"),
-    ],
-)
-def test_an_autocast_region_cut_in_its_enter_or_exit_is_closed(capfd, where, text):
+#: Where a cut leaves autocast: (method, the line it is cut before, autocast on after,
+#: the nesting count after, what the rank says it put back).
+CUTS = {
+    "enter, after turning it on": (
+        "__enter__",
+        "torch.set_autocast_cache_enabled(self._cache_enabled)",
+        True,
+        1,
+        "autocast on",
+    ),
+    "exit, before turning it off": (
+        "__exit__",
+        "torch.set_autocast_enabled(self.device, self.prev)",
+        True,
+        0,
+        "autocast on",
+    ),
+    "exit, before its dtype": (
+        "__exit__",
+        "torch.set_autocast_dtype(self.device, self.prev_fastdtype)",
+        False,
+        0,
+        "autocast's dtype or cache setting changed",
+    ),
+}
+
+
+@pytest.mark.parametrize("cut", list(CUTS))
+def test_an_autocast_region_cut_in_its_enter_or_exit_is_closed(capfd, cut):
     """Cut after ``__enter__`` turned autocast on, set float16 and counted the region
-    (``with`` then never calls ``__exit__``), or in ``__exit__`` before it turns it off:
-    autocast stays on. With the count left at one, the cast-weight cache is never
-    dropped either, and a later region computes with weights from before a step."""
-    func = torch.autocast.__enter__ if where == "enter" else torch.autocast.__exit__
-    code, line = _line_of(func, text)
+    (``with`` then never calls ``__exit__``), or in ``__exit__`` before it turns it off
+    or puts the dtype back: autocast stays on, or a later ``torch.autocast("cpu")`` runs
+    in float16. With the count left at one, the cast-weight cache is never dropped
+    either, and a later region computes with weights from before a step. The dtype the
+    code found (set on purpose before it, not torch's default) is the one put back."""
+    method, text, on, nesting, said = CUTS[cut]
+    code, line = _line_of(getattr(torch.autocast, method), text)
     w, x = torch.nn.Parameter(torch.ones(2, 2)), torch.ones(1, 2)
 
     def cell() -> None:
@@ -127,23 +150,25 @@ def test_an_autocast_region_cut_in_its_enter_or_exit_is_closed(capfd, where, tex
             x @ w
 
     def case() -> tuple[Any, ...]:
+        torch.set_autocast_dtype("cpu", torch.bfloat16)  # (torch's default, set anyway)
+        torch.set_autocast_dtype("cuda", torch.bfloat16)  # not the default: the user's
         left, fixed, after = _interrupted(code, line, cell)
-        dtype = torch.get_autocast_dtype("cpu")
+        dtypes = torch.get_autocast_dtype("cpu"), torch.get_autocast_dtype("cuda")
         first = _bf16_autocast_matmul(w, x)
         with torch.no_grad():  # an optimizer step
             w.add_(1.0)
         second = _bf16_autocast_matmul(w, x)
-        return left, fixed, after, dtype, first, second
+        return left, fixed, after, dtypes, first, second
 
-    left, fixed, after, dtype, first, second = _on_a_thread(case)
-    assert left.autocast is True
-    assert left.nesting == (1 if where == "enter" else 0)
-    assert fixed == ["autocast on"]
-    assert after == DEFAULT_MODES
-    assert dtype == torch.bfloat16  # torch's default again, not the cut region's float16
+    left, fixed, after, dtypes, first, second = _on_a_thread(case)
+    assert (left.autocast, left.nesting) == (on, nesting)
+    assert left.cpu_dtype == torch.float16  # the cut region's, left behind
+    assert fixed == [said]
+    assert (after.grad, after.autocast, after.nesting) == (True, False, 0)
+    assert dtypes == (torch.bfloat16, torch.bfloat16)  # as the code found them
     assert first.tolist() == [[2.0, 2.0]]
     assert second.tolist() == [[4.0, 4.0]]  # the weights after the step, not a stale cast
-    assert "left torch's autocast on" in capfd.readouterr().err
+    assert f"left torch's {said}" in capfd.readouterr().err
 
 
 def test_a_count_left_open_alone_is_closed_and_the_stale_cast_is_gone():
@@ -166,7 +191,40 @@ def test_a_count_left_open_alone_is_closed_and_the_stale_cast_is_gone():
     assert stale_first.tolist() == stale.tolist() == [[2.0, 2.0]]  # the defect, shown
     assert fixed == ["autocast's nesting at 1"]
     assert fresh.tolist() == [[6.0, 6.0]]
-    assert after == DEFAULT_MODES
+    assert (after.autocast, after.nesting) == (False, 0)
+
+
+def test_autocast_is_left_open_where_other_tasks_may_be_inside_a_region():
+    """An event loop's other tasks share the thread's autocast state: one suspended
+    inside a region would close it later, and take the count below zero."""
+
+    def case() -> tuple[list[str], bool]:
+        before = torch_modes()
+        torch.set_autocast_enabled("cpu", True)
+        torch.autocast_increment_nesting()
+        fixed = restore_after_interrupt(before, autocast=False)
+        still = torch.is_autocast_enabled("cpu")
+        torch.autocast_decrement_nesting()
+        torch.set_autocast_enabled("cpu", False)
+        return fixed, still
+
+    assert _on_a_thread(case) == ([], True)
+
+
+def test_reading_the_modes_leaves_the_nesting_count_as_it_was():
+    def case() -> list[int]:
+        counts = []
+        for _ in range(3):
+            modes = torch_modes()
+            assert modes is not None
+            counts.append(modes.nesting)
+        with torch.autocast("cpu"):
+            modes = torch_modes()
+            assert modes is not None
+            counts.append(modes.nesting)
+        return counts
+
+    assert _on_a_thread(case) == [0, 0, 0, 1]
 
 
 def test_modes_the_code_set_on_purpose_are_not_touched_when_nothing_changed():
@@ -190,3 +248,13 @@ def test_code_started_inside_an_autocast_region_keeps_its_autocast():
             return fixed, torch.is_autocast_enabled("cpu")
 
     assert _on_a_thread(case) == ([], True)
+
+
+def test_torch_imported_by_the_interrupted_code_counts_as_torchs_defaults():
+    """``before`` None (no torch when the code started): nothing to put back but what
+    differs from torch's defaults, and its dtypes are not taken for changed."""
+
+    def case() -> list[str]:
+        return restore_after_interrupt(None)
+
+    assert _on_a_thread(case) == []

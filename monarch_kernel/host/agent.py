@@ -529,16 +529,21 @@ class HostAgent:
         if self.cfg is not None:
             close_gates(self.ctx)
             # What is still queued (the ranks' exits, our goodbye) gets half a second to
-            # reach a controller that lives; one that is gone reads none of it.
-            dead = self.desk is None and self.controller_gone()
+            # reach a controller that lives; one that is gone reads none of it. Known
+            # gone only for the local launcher's agents, whose parent it is (a Ray
+            # agent's parent is its actor, which may end while the kernel lives).
+            dead = self.desk is None and self.local_launch() and self.controller_gone()
             self.ctx.destroy(linger=0 if dead else 500)
             self.remove_dead_controller_sockets()
         shutil.rmtree(self.private_dir, ignore_errors=True)
         # A controller killed outright never ran its atexit: its local launcher's
         # directory (which holds our private one) goes with its agents.
-        launch = self.launch_dir
-        if os.path.basename(launch).startswith("mk-launch-") and self.controller_gone():
-            shutil.rmtree(launch, ignore_errors=True)
+        if self.local_launch() and self.controller_gone():
+            shutil.rmtree(self.launch_dir, ignore_errors=True)
+
+    def local_launch(self) -> bool:
+        """Whether the local launcher started us (our directory is in its own)."""
+        return os.path.basename(self.launch_dir).startswith("mk-launch-")
 
     def controller_gone(self) -> bool:
         """Whether the controller that started us (the local launcher's, our parent)

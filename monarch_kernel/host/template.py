@@ -17,6 +17,7 @@ import select
 import signal
 import sys
 import time
+from types import CodeType, FrameType
 
 from monarch_kernel.host.template_handle import CUT_IMPORT_SIGNAL, TemplateCommand
 from monarch_kernel.rank.config import RankConfig
@@ -30,7 +31,8 @@ DEFAULT_GRACE = 3.0
 #: actor API (not its mesh-starting part, which loads the controller) is imported by every
 #: rank that runs an actor: about 30 ms of CPU once per host instead of once per rank.
 PREIMPORT = ("zmq", "cloudpickle", "monarch_kernel.rank.runtime", "monarch_kernel.actor", "torch")
-#: Modules imported once the template has been idle for LATE_IDLE seconds, so that ranks
+#: Modules imported once the template has forked a rank and then been idle for LATE_IDLE
+#: seconds (never before the first forks: they would wait for it), so that ranks
 #: forked later (restarted ones) have them: the first ``DistributedDataParallel(...)``
 #: in a process imports ``torch._dynamo`` (about 1-2 s), which a rank restarted in the
 #: middle of training would otherwise pay before it can rejoin. Set
@@ -91,6 +93,12 @@ class Template:
         signal.set_wakeup_fd(self.wake_w)
         #: True while the loop imports PREIMPORT_LATE (seconds on a loaded machine)
         self.importing = False
+        #: The host agent asked for the late import to be cut (it is stopping us): none
+        #: starts after that either.
+        self.cut = False
+        #: A rank was forked: the late import, which serves only ranks forked later
+        #: (restarted ones), waits for that, so that it never holds the first forks back.
+        self.forked = False
         signal.signal(signal.SIGCHLD, self._on_child)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self._on_term)
@@ -115,21 +123,30 @@ class Template:
     def _import_late(self, names: list[str]) -> None:
         self.importing = True
         try:
+            if self.cut:  # asked before the import began
+                return
             _import_quietly(names)
             _freeze_heap()
         finally:
             self.importing = False
 
-    def _on_cut_import(self, *_: object) -> None:
-        """The host agent wrote its ``exit`` command: stop importing, to read it.
-        Invariant: at most one :class:`ImportCut` is raised per import (``importing``
+    def _on_cut_import(self, signum: int, frame: FrameType | None) -> None:
+        """The host agent is stopping us (its ``exit`` command is written, or being
+        written): stop importing, to read it.
+
+        Invariants: at most one :class:`ImportCut` is raised per import (``importing``
         is cleared first), so the one ``suppress`` around the import catches it,
-        wherever in the import (or its ``finally``) it lands."""
-        if self.importing:
+        wherever in the import (or its ``finally``) it lands; none is raised into our
+        own bookkeeping (a rank's exit reaped but not yet emitted would be lost), nor
+        can one be swallowed for good: the agent sends the signal again every half
+        second while it waits for us."""
+        self.cut = True
+        if self.importing and not _inside(frame, _NO_CUT):
             self.importing = False
             raise ImportCut
 
     def _on_term(self, *_: object) -> None:
+        self.importing = False  # no cut inside the shutdown
         self.shutdown()
         os._exit(0)
 
@@ -147,9 +164,10 @@ class Template:
             except InterruptedError:
                 continue
             if not ready:  # idle: import what later forks should find loaded
-                with contextlib.suppress(ImportCut):
-                    self._import_late(pending)
-                pending = []
+                if self.forked:
+                    with contextlib.suppress(ImportCut):
+                        self._import_late(pending)
+                    pending = []
                 continue
             if self.wake_r in ready:
                 try:
@@ -205,6 +223,7 @@ class Template:
             finally:
                 os._exit(1)
         self.children[pid] = cfg.slot  # ranks are known here by their slot (wire id)
+        self.forked = True
         self.run_ids.add(cfg.run_id)
         self.emit(e="forked", rank=cfg.slot, pid=pid)
 
@@ -255,6 +274,29 @@ class Template:
                 sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
                 code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
                 self.emit(e="exit", rank=rank, pid=pid, code=code, signal=sig)
+
+
+#: The template's own bookkeeping, which an :class:`ImportCut` must not cut short.
+_NO_CUT = frozenset(
+    f.__code__
+    for f in (
+        Template._on_child,
+        Template._reaped,
+        Template.emit,
+        Template._on_term,
+        Template.shutdown,
+        Template.stop_children,
+    )
+)
+
+
+def _inside(frame: FrameType | None, codes: frozenset[CodeType]) -> bool:
+    """Whether ``frame`` or one of its callers runs one of ``codes``."""
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any, TypedDict
 
 #: Seconds ranks get to exit cleanly when ``stop`` does not say (its ``grace``).
@@ -20,9 +21,13 @@ DEFAULT_GRACE = 3.0
 #: first imports (before its loop, so before any fork) is ended by it, the signal's
 #: default action: it has no rank to stop. A real-time signal, as the ranks' stack dumps
 #: use: SIGUSR1/SIGUSR2 are Slurm's pre-emption notices.
+#: (Without real-time signals, SIGUSR2: the ranks' stack dumps fall back to it too,
+#: but those go to ranks, and this to templates.)
 CUT_IMPORT_SIGNAL: int = int(getattr(signal, "SIGRTMIN", signal.SIGUSR2)) + (
     5 if hasattr(signal, "SIGRTMIN") else 0
 )
+#: Seconds between two :data:`CUT_IMPORT_SIGNAL` while a stop waits for the template.
+CUT_AGAIN = 0.5
 
 
 class TemplateEvent(TypedDict, total=False):
@@ -133,15 +138,30 @@ class Template:
             return
         try:
             self.command(op="exit", grace=grace)
+        except OSError:
+            pass
+        # Before the blocking flush: a template in its late import reads no command,
+        # and a full pipe would hold us until the import ended.
+        self.cut_import()
+        try:
             os.set_blocking(self.cmd_w, True)  # stopping: the rest waits for it
             self.flush()
         except OSError:
             pass
-        # Not yet reaped (``wait`` comes below): the pid is still the template's.
+        deadline = time.monotonic() + grace + 5.0
+        while True:
+            try:
+                self.proc.wait(max(0.0, min(CUT_AGAIN, deadline - time.monotonic())))
+                return
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    break
+                self.cut_import()  # one that landed where it could not cut
+        self.proc.kill()
+        self.proc.wait()
+
+    def cut_import(self) -> None:
+        """Send :data:`CUT_IMPORT_SIGNAL` (nothing once the template was reaped: its
+        pid may be another process's by then)."""
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, CUT_IMPORT_SIGNAL)
-        try:
-            self.proc.wait(grace + 5.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.send_signal(CUT_IMPORT_SIGNAL)

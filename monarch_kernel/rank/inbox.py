@@ -472,7 +472,9 @@ class Inbox(Lines):
         except RankTerminated:
             raise
         except KeyboardInterrupt as exc:
-            restore_after_interrupt(modes)
+            main.in_user_code = outer  # a second press does not cut the restore short
+            # (tasks of the loop may be inside an autocast region: it stays open then)
+            restore_after_interrupt(modes, autocast=not self.tasks)
             if not exc.args and self.tasks:  # SIGINT (not "cancelled" said by us)
                 # The signal reaches only the stack; endpoints that run as tasks stop
                 # too: those of the requests cancelled (the stop button), or all of

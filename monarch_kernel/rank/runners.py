@@ -142,13 +142,15 @@ class Worker:
     def user(self) -> Iterator[None]:
         """Around user code: an interrupt may be raised in this thread meanwhile (and
         puts back torch's modes it left switched: ``rank.torch_modes``)."""
+        modes = torch_modes()  # before ``in_user``: no interrupt lands in the reading
         with self.lock:
             outer = self.in_user
             self.in_user = True
-        modes = torch_modes()
         try:
             yield
         except KeyboardInterrupt:
+            with self.lock:  # a second press does not cut the restore short
+                self.in_user = outer
             restore_after_interrupt(modes)
             raise
         finally:

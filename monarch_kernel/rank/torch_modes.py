@@ -27,14 +27,21 @@ ends that code with a mode changed, sets it back and says so in the output. Only
 interrupts: a cell that turns gradients off on purpose and ends normally (or with any
 other error) keeps what it did, as in a local kernel. Autocast is put back only when
 the code started outside any autocast region (nesting zero, every device off), the
-case of a cell or an endpoint; then its off state is known exactly, the dtypes and the
-cache setting are put back to what they were when the rank first ran user code.
+case of a cell or an endpoint, and no other task of the rank's event loop may be inside
+one: then its state outside regions is known exactly (the CPU's and CUDA's dtypes and
+the cache setting as the code found them). Not covered: other devices' autocast dtypes,
+``mps`` and ``maia`` autocast (torch's "any autocast on" does not look at them), and
+``inference_mode``, whose guard a cut leaves alive in the interrupted frames (it ends
+with them; training then fails loudly, "Inference tensors cannot be saved for
+backward", rather than silently). With torch older than 2.4 (no device-generic autocast
+API) only gradient tracking is put back.
 """
 
 from __future__ import annotations
 
+import operator
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class TorchModes(NamedTuple):
@@ -46,55 +53,65 @@ class TorchModes(NamedTuple):
     autocast: bool
     #: Autocast regions entered and not left (torch's nesting count).
     nesting: int
+    #: Autocast's dtype for the CPU and for CUDA (None: not known, torch < 2.4).
+    cpu_dtype: object = None
+    cuda_dtype: object = None
+    #: Autocast's cache of cast weights on.
+    cache: bool = True
 
 
-#: The modes of a thread where torch was not imported yet: torch's defaults.
+#: The modes of a thread where torch was not imported yet: torch's defaults, where they
+#: are known without torch (its dtypes are not: None).
 DEFAULT_MODES = TorchModes(grad=True, autocast=False, nesting=0)
 
+_call = operator.methodcaller("__call__")
+_new = tuple.__new__
+#: The torch module last looked at, and whether it has the device-generic autocast API
+#: (torch >= 2.4) that the autocast modes are read and put back with.
+_seen: tuple[object, bool] | None = None
 
-class _AutocastBaseline(NamedTuple):
-    """Autocast's settings outside any region, when the rank first ran user code."""
 
-    dtypes: tuple[tuple[str, object], ...]
-    cache_enabled: bool
-
-
-_baseline: _AutocastBaseline | None = None
+def _has_autocast_api(torch: Any) -> bool:
+    global _seen
+    if _seen is None or _seen[0] is not torch:
+        c = torch._C
+        names = ("_autocast_supported_devices", "get_autocast_dtype", "_is_any_autocast_enabled")
+        _seen = (torch, all(hasattr(c, n) for n in names))
+    return _seen[1]
 
 
 def torch_modes() -> TorchModes | None:
     """This thread's modes now; None while torch is not imported (or half imported).
-    Cheap (about half a microsecond): a dict lookup and four C calls."""
+    About a microsecond. The nesting count (which has no getter) is read as an
+    increment and a decrement run in one C loop (``map``): no interrupt can land
+    between the two, which would leave it counted up for good."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None
     try:
+        if not _has_autocast_api(torch):  # torch < 2.4: gradient tracking only
+            return TorchModes(torch.is_grad_enabled(), False, 0)
         c = torch._C
-        nesting: int = c.autocast_increment_nesting() - 1  # (read: no getter of its own)
-        c.autocast_decrement_nesting()
-        modes = TorchModes(torch.is_grad_enabled(), c._is_any_autocast_enabled(), nesting)
+        _, nesting = map(_call, (c.autocast_increment_nesting, c.autocast_decrement_nesting))
+        modes = (
+            torch.is_grad_enabled(),
+            c._is_any_autocast_enabled(),
+            nesting,
+            c.get_autocast_dtype("cpu"),
+            c.get_autocast_dtype("cuda"),
+            c.is_autocast_cache_enabled(),
+        )
+        return _new(TorchModes, modes)  # (the named tuple's own __new__ is Python: 1 µs)
     except AttributeError:  # an import of torch that was itself interrupted
         return None
-    global _baseline
-    if _baseline is None and not modes.autocast and nesting == 0:
-        _baseline = _read_baseline(torch)
-    return modes
 
 
-def _read_baseline(torch: object) -> _AutocastBaseline | None:
-    try:
-        c = torch._C  # type: ignore[attr-defined]
-        devices = tuple(c._autocast_supported_devices())
-        dtypes = tuple((d, c.get_autocast_dtype(d)) for d in devices)
-        return _AutocastBaseline(dtypes, bool(c.is_autocast_cache_enabled()))
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def restore_after_interrupt(before: TorchModes | None) -> list[str]:
+def restore_after_interrupt(before: TorchModes | None, autocast: bool = True) -> list[str]:
     """Put back the modes an interrupt left switched since ``before`` (this thread's
     modes when the interrupted code started; None: torch was not imported then, so
-    torch's defaults). Returns what was put back (for the note printed to stderr)."""
+    torch's defaults). ``autocast``: False when other code may still be inside an
+    autocast region of this thread (tasks of its event loop), which closing it would
+    break. Returns what was put back (for the note printed to stderr)."""
     want = DEFAULT_MODES if before is None else before
     now = torch_modes()
     if now is None or now == want:
@@ -105,9 +122,9 @@ def restore_after_interrupt(before: TorchModes | None) -> list[str]:
         if now.grad != want.grad:
             torch.set_grad_enabled(want.grad)  # used as a function: it takes effect at once
             fixed.append("gradient tracking " + ("off" if now.grad is False else "on"))
-        if not want.autocast and want.nesting == 0 and (now.autocast or now.nesting):
-            _autocast_off(torch, now.nesting)
-            fixed.append("autocast on" if now.autocast else f"autocast's nesting at {now.nesting}")
+        if autocast and _autocast_left(now, want):
+            _close_autocast(torch, now, want)
+            fixed.append(_what_was_left(now, want))
     except Exception:  # a broken torch: nothing more to put right
         pass
     if fixed:
@@ -118,23 +135,44 @@ def restore_after_interrupt(before: TorchModes | None) -> list[str]:
     return fixed
 
 
-def _autocast_off(torch: object, nesting: int) -> None:
-    """Autocast as outside any region: off on every device, nesting zero, the cache of
-    cast weights dropped, dtypes and the cache setting as in :data:`_baseline`."""
-    c = torch._C  # type: ignore[attr-defined]
+def _autocast_left(now: TorchModes, want: TorchModes) -> bool:
+    """Whether autocast is not as ``want`` had it outside any region (False where that
+    is not known: ``want`` inside a region, or torch < 2.4, whose modes say nothing of
+    autocast). Dtypes and the cache setting count only where ``want`` read them (not
+    where torch was imported by the interrupted code itself)."""
+    if want.autocast or want.nesting != 0 or now.cpu_dtype is None:
+        return False
+    if now.autocast or now.nesting != 0:
+        return True
+    return want.cpu_dtype is not None and now[3:] != want[3:]
+
+
+def _close_autocast(torch: Any, now: TorchModes, want: TorchModes) -> None:
+    """Autocast as outside any region, as ``want`` had it: off on every device, nesting
+    zero, the cache of cast weights dropped, dtypes and the cache setting put back."""
+    c = torch._C
     for device in c._autocast_supported_devices():
         if c.is_autocast_enabled(device):
             c.set_autocast_enabled(device, False)
+    nesting = now.nesting
     while nesting > 0:
         nesting = c.autocast_decrement_nesting()
     while nesting < 0:
         nesting = c.autocast_increment_nesting()
     c.clear_autocast_cache()
-    if _baseline is not None:
-        for device, dtype in _baseline.dtypes:
-            if c.get_autocast_dtype(device) != dtype:
-                c.set_autocast_dtype(device, dtype)
-        c.set_autocast_cache_enabled(_baseline.cache_enabled)
+    if want.cpu_dtype is not None:
+        c.set_autocast_dtype("cpu", want.cpu_dtype)
+    if want.cuda_dtype is not None:
+        c.set_autocast_dtype("cuda", want.cuda_dtype)
+    c.set_autocast_cache_enabled(want.cache)
+
+
+def _what_was_left(now: TorchModes, want: TorchModes) -> str:
+    if now.autocast:
+        return "autocast on"
+    if now.nesting != want.nesting:
+        return f"autocast's nesting at {now.nesting}"
+    return "autocast's dtype or cache setting changed"
 
 
 def _note(fixed: list[str]) -> str:
