@@ -250,7 +250,23 @@ def test_supervision_tree_three_levels(tree_meshes, hooked, mid_handles, top_han
     top_procs, mid_procs, leaf_procs = tree_meshes
     top = top_procs.spawn("sup_top", Supervisor, top_handles)
     top.spawn_child.call(mid_procs, mid_handles, leaf_procs, False).get()
-    top.break_grandchild.call().get()  # the leaf fails under broadcast, from mid
+    broken = top.break_grandchild.call()  # the leaf fails under broadcast, from mid
+    if mid_handles or top_handles:
+        broken.get()
+    else:
+        # Nobody handles it: top fails too. Its endpoint waits in a call to mid (in
+        # ``.get()``), and a supervision event to it that comes meanwhile runs in
+        # that wait, as a call from another rank does (and as in Monarch's async
+        # actors, test_supervision_tree.py): mid's answer comes long before, but a
+        # loaded machine can run top's rank only once both are there. The wait then
+        # ends on the answer (``Inbox.pump``'s ``until``); the answer's own thread
+        # can still be later than the event: then this call fails, for top's
+        # failure, which is what the hook gets below.
+        outcome = broken.exception(timeout=60)
+        if outcome is not None:
+            text = str(outcome)
+            assert isinstance(outcome, SupervisionError), text
+            assert "top/sup_top[0]" in text and "leaf failed" in text, text
     if mid_handles:
         assert _wait(lambda: top.child_seen.call_one().get() != [[]])
         (mid_seen,) = top.child_seen.call_one().get()

@@ -594,8 +594,8 @@ class Inbox(Lines):
                     wake.clear()
                 if box:
                     self.run_mailbox(box)
-                if mine and self.sock in events:
-                    self.pump()
+                if mine and self.sock in events and not fut.done():
+                    self.pump(until=fut)
         finally:
             self.close_mailbox(me, box)
             self.wait_depth -= 1
@@ -635,10 +635,15 @@ class Inbox(Lines):
             self.give_loop()
             self.responsive = True
 
-    def pump(self) -> None:
+    def pump(self, until: Any = None) -> None:
         """Read the inbox while a handler runs: called by the main thread while user
         code waits (``.get()``, an async endpoint's ``await``: the event loop's reader)
-        and by the relief thread while the main thread is held.
+        and by the relief thread while the main thread is held. ``until``: the future
+        a ``.get()`` waits for; once it is done nothing more is read (the wait is over:
+        what came meanwhile waits for the main loop, as it would had the result come
+        first; on a loaded machine the result and, say, a supervision event that
+        fails the waiting actor are both there when the thread runs again, and serving
+        that one first failed an endpoint that had its result).
 
         Calls from other ranks run now (an actor awaiting a call to another mesh that
         calls back into this one must not wait for itself). Messages from the
@@ -660,7 +665,7 @@ class Inbox(Lines):
             kept, kept_hdr = deferred.popleft()
             self._start_nested(kept, kept_hdr)
         lock = self.lock
-        while True:
+        while until is None or not until.done():
             with lock:
                 if self.reader != me or self.full(len(deferred)) or not readable(inbox):
                     return
