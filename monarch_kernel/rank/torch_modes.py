@@ -82,7 +82,7 @@ def _has_autocast_api(torch: Any) -> bool:
 
 def torch_modes() -> TorchModes | None:
     """This thread's modes now; None while torch is not imported (or half imported).
-    About a microsecond. The nesting count (which has no getter) is read as an
+    About 2 µs. The nesting count (which has no getter) is read as an
     increment and a decrement run in one C loop (``map``): no interrupt can land
     between the two, which would leave it counted up for good."""
     torch = sys.modules.get("torch")
