@@ -17,11 +17,11 @@ import select
 import signal
 import sys
 import time
-from types import CodeType, FrameType
+from types import FrameType
 
 from monarch_kernel.host.template_handle import CUT_IMPORT_SIGNAL, TemplateCommand
 from monarch_kernel.rank.config import RankConfig
-from monarch_kernel.wire.osutil import die_with_parent
+from monarch_kernel.wire.osutil import die_with_parent, runs_in
 
 #: Seconds ranks get to exit cleanly on SIGTERM before they are killed (the ``stop``
 #: message's ``grace`` when it has none).
@@ -141,7 +141,7 @@ class Template:
         can one be swallowed for good: the agent sends the signal again every half
         second while it waits for us."""
         self.cut = True
-        if self.importing and not _inside(frame, _NO_CUT):
+        if self.importing and not runs_in(frame, _NO_CUT):
             self.importing = False
             raise ImportCut
 
@@ -288,15 +288,6 @@ _NO_CUT = frozenset(
         Template.stop_children,
     )
 )
-
-
-def _inside(frame: FrameType | None, codes: frozenset[CodeType]) -> bool:
-    """Whether ``frame`` or one of its callers runs one of ``codes``."""
-    while frame is not None:
-        if frame.f_code in codes:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def main() -> None:

@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable
 from types import CodeType, FrameType
 
+from monarch_kernel.wire.osutil import runs_in
+
 #: Exit status of a rank that ended on SIGTERM without running user clean-up to the end
 #: (it normally ends killed by SIGTERM itself, after the clean-up; see ``run_forked``).
 TERMINATED_CODE = 128 + signal.SIGTERM
@@ -85,9 +87,4 @@ class MainThread:
 
     def _sending(self, frame: FrameType | None) -> bool:
         """Whether ``frame`` (where a signal found the main thread) is inside the send."""
-        code = self._send_code
-        while frame is not None:
-            if frame.f_code is code:
-                return True
-            frame = frame.f_back
-        return False
+        return runs_in(frame, (self._send_code,))

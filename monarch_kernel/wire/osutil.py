@@ -8,7 +8,8 @@ import functools
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from types import CodeType, FrameType
 
 _PR_SET_PDEATHSIG = 1
 
@@ -51,6 +52,16 @@ def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = Non
             pass
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(3)
+
+
+def runs_in(frame: FrameType | None, codes: Collection[CodeType]) -> bool:
+    """Whether ``frame`` (where a signal handler found its thread) or one of its callers
+    runs one of ``codes``: a handler defers what it would raise there."""
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def signal_main_thread(pid: int, sig: int) -> None:
