@@ -96,6 +96,13 @@ class Ipc(Actor):
         return str(t.device)
 
     @endpoint
+    def phases(self) -> dict:
+        """Seconds and counts of this rank's CUDA IPC phases so far (cuda_ipc)."""
+        from monarch_kernel.rank.dataplane import cuda_ipc
+
+        return {"seconds": dict(cuda_ipc.phase_seconds), "counts": dict(cuda_ipc.phase_counts)}
+
+    @endpoint
     def counters(self) -> dict:
         from monarch_kernel.rank.dataplane.plane import counters
 
@@ -158,8 +165,12 @@ def main(argv: list[str]) -> int:
 
         def rank_to_rank(mib: int, transport: str = "auto") -> None:
             ref = owner.share.call_one(mib).get()
+            before = (owner.phases.call_one().get(), reader.phases.call_one().get())
             took = reader.read_timed.call_one(ref, _reps(mib), transport).get()
+            after = (owner.phases.call_one().get(), reader.phases.call_one().get())
             gbs = mib * MiB / _median(took) / 1e9
+            if transport == "auto":
+                phases_row(mib, before, after, sum(took) / len(took))
             if transport == "auto":
                 want = RATIO * base[mib] if mib in base else None
                 ok = None if want is None else gbs >= want
@@ -168,6 +179,21 @@ def main(argv: list[str]) -> int:
             else:
                 row(f"rank->rank CUDA staged (transport={transport}), {mib} MiB", gbs, "GB/s",
                     "info: pinned host memory, for comparison", None)  # fmt: skip
+
+        def phases_row(mib: int, before: Any, after: Any, mean: float) -> None:
+            """Where one read's time goes: mean ms per phase (owner's describe; the
+            reader's map, copy, unmap), the rest being the request and the ack."""
+            parts = {}
+            for b, a in zip(before, after, strict=True):
+                for phase, secs in a["seconds"].items():
+                    n = a["counts"][phase] - b["counts"][phase]
+                    if n:
+                        parts[phase] = (secs - b["seconds"][phase]) / n
+            known = sum(parts.values())
+            text = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in parts.items())
+            row(f"rank->rank CUDA by IPC, {mib} MiB: ms per read (mean {mean * 1e3:.3f})",
+                mean * 1e3, "ms", f"info: {text}, messages {(mean - known) * 1e3:.3f}",
+                None)  # fmt: skip
 
         for mib in SIZES_MIB:
             attempt(f"rank->rank {mib} MiB", lambda mib=mib: rank_to_rank(mib))

@@ -1,5 +1,9 @@
 """GPU rows of the re-formable NCCL group: DDP steps/s in a mesh vs the same script under
-torchrun (bench/gpu_ddp_steps.py), one rank and two ranks sharing the GPU.
+torchrun (bench/gpu_ddp_steps.py), one rank.
+
+Not two ranks sharing the GPU: NCCL then runs over sockets on ``lo`` (``NCCL_HOSTID``
+per rank), a test of behaviour (tests/test_gpu_nccl.py), not of speed; its 537 MB of
+gradients a step took over a minute for 30 steps on an H200, past this step's limit.
 
 ``python -m bench.gpu_nccl OUT_JSON`` writes ``{"rows": [...], "failures": [...]}`` for
 bench/gpu_check.py; without CUDA one row says it was skipped. The stop-button and
@@ -74,7 +78,7 @@ def main(out: str) -> None:
                 "note": "skipped: no CUDA",
             }
         )
-    for ranks in (1, 2) if cuda else ():
+    for ranks in (1,) if cuda else ():
         what = f"DDP (NCCL) {ranks} rank{'s sharing the GPU' if ranks > 1 else ''}"
         try:
             t0 = time.monotonic()

@@ -27,6 +27,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "train_gpt.py")
 #: The mesh must keep at least this share of torchrun's steps/s.
 TARGET = 0.99
+#: The loss curves must agree, or the comparison is void. On a GPU two runs of the same
+#: script are not bit-identical (attention's backward and other kernels add with
+#: atomics, in no fixed order), and the small differences grow over the steps (0.1 at
+#: some step of 110 was seen), so the check is: the first step's loss (the same initial
+#: weights and batch, no backward yet) within FIRST_TOL, and the mean loss of the last
+#: TAIL steps within TAIL_TOL of torchrun's (relative). On the CPU the curves agree to
+#: the bit (bench/train.py checks that).
+FIRST_TOL = 1e-3
+TAIL = 10
+TAIL_TOL = 0.02
 #: A model a GPU steps through in milliseconds is all Python overhead; this one is the
 #: CPU benchmark's decoder made wider and fed longer sequences (about 50M parameters).
 GPU = train_gpt.Config(
@@ -99,16 +109,32 @@ def measure(cfg: train_gpt.Config, work: str) -> list[dict[str, Any]]:
     ref, ref_losses = torchrun(ref_cfg)
     ours, our_losses = mesh(our_cfg)
     gap = max(abs(x - y) for x, y in zip(ref_losses, our_losses, strict=True))
+    first = abs(ref_losses[0] - our_losses[0])
+    tail = abs(_tail(ref_losses) - _tail(our_losses)) / _tail(ref_losses)
     ratio = ours / ref
     what = f"GPT workload ({train_gpt.describe(cfg)}) on one {cfg.device.upper()}"
     print(f"{what}: torchrun {ref:.2f}, mesh {ours:.2f} steps/s ({ratio:.3f}x, "
-          f"loss gap {gap:.2e}, {time.monotonic() - t0:.0f}s)", flush=True)  # fmt: skip
+          f"first-step loss gap {first:.2e}, last {TAIL} steps' mean loss "
+          f"{_tail(ref_losses):.4f} vs {_tail(our_losses):.4f}, largest gap {gap:.2e}, "
+          f"{time.monotonic() - t0:.0f}s)", flush=True)  # fmt: skip
     return [
         row(f"{what}: torchrun steps/s", ref, "steps/s"),
         row(f"{what}: mesh steps/s", ours, "steps/s"),
         row(f"{what}: mesh / torchrun", ratio, "x", f">= {TARGET}", ratio >= TARGET),
-        row(f"{what}: largest loss gap", gap, "", "<= 1e-3", gap <= 1e-3),
+        row(f"{what}: first-step loss gap", first, "", f"<= {FIRST_TOL:g}", first <= FIRST_TOL),
+        row(
+            f"{what}: last {TAIL} steps' mean loss, relative gap",
+            tail,
+            "",
+            f"<= {TAIL_TOL:g}",
+            tail <= TAIL_TOL,
+        ),
+        row(f"{what}: largest loss gap", gap, "", "info: GPU kernels are not bit-reproducible"),
     ]
+
+
+def _tail(losses: list[float]) -> float:
+    return sum(losses[-TAIL:]) / len(losses[-TAIL:])
 
 
 def main(out: str) -> None:

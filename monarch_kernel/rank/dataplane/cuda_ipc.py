@@ -35,6 +35,22 @@ from monarch_kernel.wire.osutil import proc_state
 LEASE_SECONDS = 120.0
 
 
+#: Seconds this process spent in each phase of its CUDA IPC transfers, and how many:
+#: "describe" (the owner: device synchronize, torch's reduce_tensor), "map" (the receiver:
+#: opening the handle and event), "copy" (the receiver's device copy and the wait for
+#: it), "unmap" (dropping the mapping); read by bench/gpu_ipc.py to say where a
+#: transfer's time goes (the rest is the request and the acknowledgement).
+phase_seconds: dict[str, float] = {"describe": 0.0, "map": 0.0, "copy": 0.0, "unmap": 0.0}
+phase_counts: dict[str, int] = {"describe": 0, "map": 0, "copy": 0, "unmap": 0}
+
+
+def _timed(phase: str, since: float) -> float:
+    now = time.perf_counter()
+    phase_seconds[phase] += now - since
+    phase_counts[phase] += 1
+    return now
+
+
 #: This process's own shared tensors by id (set by its data-plane server): a reader in
 #: the owner's own process copies from the tensor itself (CUDA IPC does not open a handle
 #: of its own process).
@@ -136,9 +152,11 @@ def describe(t: Any) -> dict[str, Any]:
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
+    t0 = time.perf_counter()
     with torch.cuda.device(t.device):
         torch.cuda.synchronize()  # every stream of this process: the producer finished
         _rebuild, args = reduce_tensor(t)
+    _timed("describe", t0)
     (_, size, stride, offset, _, _, device, handle, nbytes, soff, _, rch, rco, evh, evs) = args
     counters_["bytes_out"] += t.numel() * t.element_size()
     return {
@@ -191,12 +209,16 @@ def copy_from_mapping(h: dict[str, Any], dtype: Any, use: Callable[[Any], None])
     wait for it and drop the mapping."""
     import torch
 
+    t0 = time.perf_counter()
     mapped = open_mapping(h, dtype)
+    t0 = _timed("map", t0)
     try:
         use(mapped)
         torch.cuda.synchronize(mapped.device)  # the copy is done before the mapping goes
+        t0 = _timed("copy", t0)
     finally:
         del mapped  # closes the handle (torch's cache holds it weakly)
+        _timed("unmap", t0)
 
 
 def pinned_like(shape: tuple[int, ...], dtype: Any) -> Any:

@@ -142,9 +142,10 @@ def replicate_group(model: Any) -> Any:
     return None
 
 
-#: An optimizer's per-parameter state as its tensors' ``(shape, dtype, a DTensor)`` by
-#: parameter index and key: what a replica must hold before the values can travel.
-StateSkeleton = dict[int, dict[str, tuple[tuple[int, ...], str, bool]]]
+#: An optimizer's per-parameter state as its tensors' ``(shape, dtype, a DTensor, device
+#: type)`` by parameter index and key: what a replica must hold before the values can
+#: travel.
+StateSkeleton = dict[int, dict[str, tuple[tuple[int, ...], str, bool, str]]]
 
 
 def optimizer_state_skeleton(optimizer: Any) -> StateSkeleton:
@@ -159,7 +160,7 @@ def optimizer_state_skeleton(optimizer: Any) -> StateSkeleton:
         if not entry:
             continue
         out[index] = {
-            key: (tuple(local_tensor(v).shape), str(v.dtype), is_dtensor(v))
+            key: (tuple(local_tensor(v).shape), str(v.dtype), is_dtensor(v), v.device.type)
             for key, v in entry.items()
             if isinstance(v, torch.Tensor)
         }
@@ -186,16 +187,21 @@ def conform_optimizer_state(optimizer: Any, skeleton: StateSkeleton) -> None:
         entry = optimizer.state[param]  # (a defaultdict: made if missing)
         for key in [k for k, v in entry.items() if isinstance(v, torch.Tensor) and k not in want]:
             del entry[key]
-        for key, (shape, dtype, sharded) in want.items():
+        for key, (shape, dtype, sharded, device) in want.items():
             have = entry.get(key)
             if (
                 isinstance(have, torch.Tensor)
                 and tuple(local_tensor(have).shape) == shape
                 and str(have.dtype) == dtype
                 and is_dtensor(have) == sharded
+                and have.device.type == device
             ):
                 continue
-            local = torch.zeros(shape, dtype=getattr(torch, dtype.rsplit(".", 1)[-1]))
+            # on this rank's device of the replica's device type (an Adam on CUDA: its
+            # moments on the parameter's GPU, its step counter on the CPU)
+            where = local_tensor(param).device if device != "cpu" else torch.device("cpu")
+            kind = getattr(torch, dtype.rsplit(".", 1)[-1])
+            local = torch.zeros(shape, dtype=kind, device=where)
             entry[key] = like_param(local, param) if sharded else local
 
 

@@ -5,6 +5,13 @@ source rank sends a small pickled *skeleton* of each object (names, shapes, dtyp
 non-tensor parts of state dicts), every rank checks it matches its own objects, then the
 tensor data goes as flat per-dtype buffers of at most :data:`CHUNK_BYTES` (a few large
 broadcasts, not one per tensor), received straight into the parameters where it can.
+
+Devices: a skeleton names each tensor's device type, and a receiving rank makes the
+tensors of a state dict on its own device of that type (an Adam optimizer on CUDA keeps
+its moments on the GPU and its ``step`` counters on the CPU: each goes where the source
+keeps it). Buffers are packed per dtype *and* device: one flat buffer never mixes CPU and
+CUDA tensors (``torch.cat`` refuses), and each goes over the group's backend for its
+device (NCCL for CUDA, the gloo beside it for CPU).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ class _Meta:
     index: int
     dtype: str
     shape: tuple[int, ...]
+    device: str = "cpu"  #: the device type on the source ("cpu", "cuda" ...)
 
 
 #: ``(kind, structure with _Meta leaves for tensors, optimizer steps and whether its last
@@ -113,7 +121,20 @@ def _skeleton(obj: Any) -> Skeleton:
 
 
 def _meta(index: int, t: Any) -> _Meta:
-    return _Meta(index, str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape))
+    return _Meta(index, str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape), t.device.type)
+
+
+def _says(m: _Meta) -> str:
+    return f"{m.dtype}{list(m.shape)} on {m.device}"
+
+
+def _local_device(device_type: str) -> Any:
+    """This rank's device of ``device_type``: its current CUDA device for "cuda"."""
+    import torch
+
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
 
 
 def _targets(obj: Any, skeleton: Skeleton, is_src: bool) -> list[Any]:
@@ -126,10 +147,12 @@ def _targets(obj: Any, skeleton: Skeleton, is_src: bool) -> list[Any]:
         named = [*obj.named_parameters(), *obj.named_buffers()]
         mine = [(n, _meta(i, t)) for i, (n, t) in enumerate(named)]
         if mine != tree:
-            theirs = {n: m.shape for n, m in tree}
-            diff = [n for n, m in mine if theirs.get(n) != m.shape] or sorted(
-                set(theirs) - {n for n, _ in mine}
-            )
+            theirs = dict(tree)
+            diff = [
+                f"{n}: {_says(m)} here, {_says(theirs[n]) if n in theirs else 'none'} there"
+                for n, m in mine
+                if theirs.get(n) != m
+            ] or sorted(set(theirs) - {n for n, _ in mine})
             raise ValueError(
                 f"the model differs from the source rank's ({len(tree)} tensors there, "
                 f"{len(mine)} here; first difference: {diff[:1]})"
@@ -142,7 +165,10 @@ def _targets(obj: Any, skeleton: Skeleton, is_src: bool) -> list[Any]:
     metas = sorted(_metas(tree), key=lambda m: m.index)
     if is_src:
         return [t.detach() for t in _tensors(obj.state_dict())]
-    return [torch.empty(m.shape, dtype=getattr(torch, m.dtype)) for m in metas]
+    return [
+        torch.empty(m.shape, dtype=getattr(torch, m.dtype), device=_local_device(m.device))
+        for m in metas
+    ]
 
 
 def _metas(tree: Any) -> list[_Meta]:
@@ -169,14 +195,14 @@ def _tensors(tree: Any) -> list[Any]:
 
 
 def _broadcast_tensors(tensors: list[Any], src: int, group: Any) -> int:
-    """Broadcast ``tensors`` from ``src`` (in place on the others), packed per dtype in
-    flat buffers of at most CHUNK_BYTES; returns the bytes sent."""
+    """Broadcast ``tensors`` from ``src`` (in place on the others), packed per dtype and
+    device type in flat buffers of at most CHUNK_BYTES; returns the bytes sent."""
     import torch
     import torch.distributed as dist
 
-    by_dtype: dict[Any, list[Any]] = {}
+    by_dtype: dict[tuple[Any, str], list[Any]] = {}
     for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
+        by_dtype.setdefault((t.dtype, t.device.type), []).append(t)
     total = 0
     for group_tensors in by_dtype.values():
         for chunk in _chunks(group_tensors):
