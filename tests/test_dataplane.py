@@ -138,6 +138,17 @@ class Probe(Actor):
         ref.release()
 
     @endpoint
+    def notify_then_fetch(self, ref) -> tuple[str, int]:
+        """Send the owner two one-way ``ipc_done`` (one for no lease: it fails there),
+        then a fetch on the same socket: what answers the fetch, and its byte count."""
+        from monarch_kernel.rank.dataplane.client import client
+
+        client().notify(ref, {"op": "ipc_done", "lease": 10**6})
+        client().notify(ref, {"op": "ipc_done", "lease": "not an int"})
+        msg = client().request(ref, {"op": "fetch", "id": ref.id, "off": 0, "len": 16})
+        return msg.header["k"], sum(len(b) for b in msg.buffers)
+
+    @endpoint
     def replay(self, ref, address: str) -> list[str]:
         """Send one signed fetch twice (as an eavesdropper who captured it would), and a
         fetch without a nonce; what the owner answered to each."""
@@ -238,6 +249,19 @@ def test_replayed_fetch_is_refused_and_counted(mesh22):
     # the owner keeps serving honest requests
     expected = float(torch.arange(1000, dtype=torch.float64).sum())
     assert probes.slice(hosts=1, gpus=1).pull_sum.call_one(ref).get() == expected
+
+
+def test_a_one_way_request_gets_no_answer_and_the_next_request_its_own(mesh22):
+    """``ipc_done`` is one-way (a round trip less per CUDA IPC read): the owner answers
+    neither a good nor a bad one, so the reader's next request on that socket reads its
+    own answer, not a stale one."""
+    probes = mesh22.spawn("probe4", Probe)
+    owner = probes.slice(hosts=0, gpus=1)
+    ref = owner.share_big.call_one(1000).get()
+    before = owner.counters.call_one().get()["requests_rejected"]
+    for reader in (probes.slice(hosts=0, gpus=0), probes.slice(hosts=1, gpus=0)):
+        assert reader.notify_then_fetch.call_one(ref).get() == ("data", 16)
+    assert owner.counters.call_one().get()["requests_rejected"] - before == 2
 
 
 @pytest.mark.unit

@@ -80,6 +80,26 @@ class Client:
         header = dict(header, k="req", n=os.urandom(16).hex(), t=time.time())
         return (codec or self.codec).encode(header)
 
+    def _address(self, ref: SharedTensor) -> tuple[str, str]:
+        """Where ``ref``'s owner listens: (address, CURVE server key or '')."""
+        if ref.same_host():
+            return ref.ipc, ""
+        if ref.address:
+            return ref.address, ref.curve_key
+        raise RuntimeError(
+            f"rank {ref.owner} is on machine {ref.machine!r} and has no TCP data socket "
+            "(its mesh was started by the local backend, reachable from its own machine "
+            "only); start it with a multi-machine backend (join, ray, slurm, lightning)"
+        )
+
+    def notify(self, ref: SharedTensor, header: Header) -> None:
+        """Send ``ref``'s owner a request it does not answer (``server.ONE_WAY``): queued
+        on this thread's socket, no wait."""
+        address, curve_key = self._address(ref)
+        header = dict(header, k="req", n=os.urandom(16).hex(), t=time.time())
+        frames = self.codec_for(ref).encode(header, b"", ())
+        self._socket(address, curve_key).send_multipart(frames, copy=False)
+
     def request(
         self,
         ref: SharedTensor,
@@ -87,16 +107,7 @@ class Client:
         timeout: float = 60.0,
         buffers: tuple[Any, ...] = (),
     ) -> Any:
-        if ref.same_host():
-            address, curve_key = ref.ipc, ""
-        elif ref.address:
-            address, curve_key = ref.address, ref.curve_key
-        else:
-            raise RuntimeError(
-                f"rank {ref.owner} is on machine {ref.machine!r} and has no TCP data socket "
-                "(its mesh was started by the local backend, reachable from its own machine "
-                "only); start it with a multi-machine backend (join, ray, slurm, lightning)"
-            )
+        address, curve_key = self._address(ref)
         sock = self._socket(address, curve_key)
         codec = self.codec_for(ref)
         header = dict(header, k="req", n=os.urandom(16).hex(), t=time.time())
@@ -182,9 +193,9 @@ class Client:
                 ) from exc
             raise
         finally:
-            try:
-                self.request(ref, {"op": "ipc_done", "lease": h["lease"]}, timeout)
-            except (ConnectionError, TimeoutError, RuntimeError):
+            try:  # no answer awaited: the mapping is gone already, nothing depends on it
+                self.notify(ref, {"op": "ipc_done", "lease": h["lease"]})
+            except (zmq.ZMQError, RuntimeError):
                 pass  # the owner lets the lease go on its own (death, deadline)
         counters_["bytes_ipc"] += ref.nbytes
 

@@ -298,6 +298,15 @@ class Server:
                 counters_["requests_rejected"] += 1
             return
         h = msg.header
+        if h.get("op") in ONE_WAY:  # no answer, not even an error: nobody waits for one
+            if self.nonces.admit(h.get("n"), h.get("t")):
+                try:
+                    self._handle(h, msg.buffers)
+                except Exception:
+                    counters_["requests_rejected"] += 1
+            else:
+                counters_["replays_refused"] += 1
+            return
         if not self.nonces.admit(h.get("n"), h.get("t")):
             counters_["replays_refused"] += 1
             reply: tuple[Header, tuple[Buffer, ...]] = ({"k": "err", "error": _REFUSED}, ())
@@ -365,6 +374,12 @@ class Server:
             self.leases.done(_int(h, "lease", 0))
             return {"k": "ok"}, ()
         raise ValueError(f"unknown data-plane request {op!r}")
+
+
+#: Requests the owner does not answer (:meth:`Client.notify` sends them): ``ipc_done``,
+#: a receiver's word that it dropped its mapping, saves a round trip on every CUDA IPC
+#: read; if it is lost, the lease ends at the receiver's death or its deadline.
+ONE_WAY = frozenset({"ipc_done"})
 
 
 def _int(h: Header, key: str, default: int) -> int:
