@@ -200,3 +200,22 @@ def test_the_reformed_group_serves_the_default_group_and_new_groups(kernel):
     for rank, sub in enumerate([3, 3, 7, 7]):
         assert f"{{gpus={rank}}}: (10, {sub}, 'mkgloo', 4)" in r.text, r.text
     assert _state(kernel)[0] == kernel.pids_before
+
+
+def test_the_group_workers_output_goes_to_the_rank_log_not_the_cell(kernel):
+    """A process-group worker is ours and disposable: what it writes to fd 1 and 2 (an
+    NCCL watchdog's stack trace as a dead peer's group is aborted) goes to its rank's
+    log, not to the cell, where it would read as a failure of a recovered step."""
+    r = kernel.run(
+        f"%%remote {MESH}\n"
+        "from monarch_kernel.rank.pg import backend as _b\n"
+        "from monarch_kernel.rank.stdio.capture import rank_log_fd as _log\n"
+        "_w = [g._worker.pid for g in _b.groups() if g._worker is not None]\n"
+        "os.system(f'echo worker-says-hello >/proc/{_w[0]}/fd/2')\n"
+        "(len(_w) > 0, {os.readlink(f'/proc/{p}/fd/{fd}') for p in _w for fd in (1, 2)}"
+        " == {os.readlink(f'/proc/self/fd/{_log()}')})",
+        timeout=60,
+    )
+    assert not r.errors, r.error_text
+    assert r.text.count("(True, True)") == 4, r.text
+    assert "worker-says-hello" not in r.text  # written into the log, not the cell

@@ -34,6 +34,25 @@ from monarch_kernel.wire.osutil import die_with_parent
 
 #: Set to ``1`` to start the zygote as a fresh interpreter even without CUDA (tests).
 EXEC_ZYGOTE = "MONARCH_KERNEL_PG_EXEC_ZYGOTE"
+#: Set to ``cell`` to have the workers' own output (fd 1 and 2) shown in the cell, as a
+#: rank's is; by default it goes to the rank's log only (``%mesh logs``), unless
+#: ``NCCL_DEBUG`` is set (then the person asked to see NCCL's words where they work).
+WORKER_OUTPUT = "MONARCH_KERNEL_PG_WORKER_OUTPUT"
+
+
+def _worker_output_fd() -> int | None:
+    """Where the workers' fd 1 and 2 go: the rank's log (see :data:`WORKER_OUTPUT`), or
+    None (the rank's own fd 1 and 2, shown in the cell).
+
+    Why the log: a worker is disposable and runs only our collectives; when a peer dies
+    the worker's NCCL watchdog prints an error with a C++ stack trace as the group is
+    aborted and re-formed, which in the cell reads as a failure of a step that was in
+    fact recovered (the recovery's own line says what happened)."""
+    if os.environ.get(WORKER_OUTPUT) == "cell" or os.environ.get("NCCL_DEBUG"):
+        return None
+    from monarch_kernel.rank.stdio.capture import rank_log_fd
+
+    return rank_log_fd()
 
 
 class WorkerHandle:
@@ -145,8 +164,9 @@ class Spawner:
         if self._process is not None:
             self._process.poll()  # reap the one that died
             self._process = None
+        output = _worker_output_fd()
         if _fork_poisoned_for_cuda() or os.environ.get(EXEC_ZYGOTE) == "1":
-            self._process = _exec_zygote(theirs)
+            self._process = _exec_zygote(theirs, output)
             theirs.close()
             self._sock, self._owner = ours, os.getpid()
             return
@@ -155,6 +175,13 @@ class Spawner:
             # (No parent-death signal here: it would follow the forking *thread*, which
             # may be a short-lived one; the zygote leaves when the rank's end closes.)
             ours.close()
+            if output is not None:
+                os.dup2(output, 1)
+                os.dup2(output, 2)
+            # Python's own writes (a traceback) to fd 1 and 2 too: the rank's streams
+            # send through the rank's sockets, which are not this process's to use
+            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
             run_child(_zygote, theirs)
         theirs.close()
         self._sock, self._owner = ours, os.getpid()
@@ -171,15 +198,21 @@ def _fork_poisoned_for_cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _exec_zygote(theirs: socket.socket) -> subprocess.Popen[bytes]:
-    """A zygote in a fresh interpreter, serving ``theirs`` (passed as a descriptor)."""
+def _exec_zygote(theirs: socket.socket, output: int | None) -> subprocess.Popen[bytes]:
+    """A zygote in a fresh interpreter, serving ``theirs`` (passed as a descriptor); its
+    fd 1 and 2 are ``output`` where given (see :func:`_worker_output_fd`)."""
     fd = theirs.fileno()
     env = dict(os.environ)
     # the rank's own import path (a template may have extended it), then the inherited one
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
     code = f"from monarch_kernel.rank.pg.spawn import zygote_main; zygote_main({fd})"
     return subprocess.Popen(
-        [sys.executable, "-c", code], pass_fds=[fd], stdin=subprocess.DEVNULL, env=env
+        [sys.executable, "-c", code],
+        pass_fds=[fd],
+        stdin=subprocess.DEVNULL,
+        stdout=output,
+        stderr=output,
+        env=env,
     )
 
 

@@ -250,6 +250,7 @@ class FdCapture:
 
     def __init__(self, sink: Sink, log_fd: int):
         self._sink = sink
+        self.log_fd = log_fd
         self._logs = {name: _LogWriter(log_fd) for name in ("stdout", "stderr")}
         self._threads: list[threading.Thread] = []
         self._read_fds: list[int] = []
@@ -353,6 +354,15 @@ class FdCapture:
 
 _active: FdCapture | None = None
 _builtin_print = builtins.print
+
+
+def rank_log_fd() -> int | None:
+    """The descriptor of this rank's log file (append-only), where its output is also
+    kept; None outside a rank (or in a process forked from one: not its log)."""
+    active = _active
+    if active is None or active._pid != os.getpid() or active.log_fd < 0:
+        return None
+    return active.log_fd
 
 
 def rank_print(
