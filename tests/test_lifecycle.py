@@ -122,6 +122,8 @@ def test_a_template_in_its_late_import_stops_its_ranks_cleanly(tmp_path, end):
     ended.mkdir()
     env = {
         "MONARCH_KERNEL_PREIMPORT_LATE": "mk_slow_late_import",
+        # (whatever else this machine runs meanwhile: the import waits for no idle core)
+        "MONARCH_KERNEL_PREIMPORT_LATE_IDLE_CORES": "0",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
         "MK_TEST_LATE_MARK": str(marks),
     }

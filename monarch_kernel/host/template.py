@@ -21,7 +21,7 @@ from types import FrameType
 
 from monarch_kernel.host.template_handle import CUT_IMPORT_SIGNAL, TemplateCommand
 from monarch_kernel.rank.config import RankConfig
-from monarch_kernel.wire.osutil import die_with_parent, runs_in
+from monarch_kernel.wire.osutil import IdleCores, die_with_parent, runs_in
 
 #: Seconds ranks get to exit cleanly on SIGTERM before they are killed (the ``stop``
 #: message's ``grace`` when it has none).
@@ -39,6 +39,17 @@ PREIMPORT = ("zmq", "cloudpickle", "monarch_kernel.rank.runtime", "monarch_kerne
 #: ``MONARCH_KERNEL_PREIMPORT_LATE`` (comma-separated; empty: none) to change it.
 PREIMPORT_LATE = "torch._dynamo"
 LATE_IDLE = 1.0
+#: ... and only after LATE_IDLE_STREAK such seconds in a row in each of which at least
+#: LATE_IDLE_CORES of the host's CPUs were idle. Why: the import takes a core for a
+#: second or two, and taken from ranks whose torch uses every core it slows them far
+#: more than a core's share (their OpenMP threads wait at every parallel region for the
+#: one that lost its core): the first steps of a one-rank training on a 2-core machine
+#: took 0.76 s instead of 0.04 s. A new mesh's ranks are idle for a moment while they set
+#: up, so one idle second is not enough. A host that never has a core to spare never
+#: imports them (a restarted rank then imports them itself).
+#: ``MONARCH_KERNEL_PREIMPORT_LATE_IDLE_CORES`` sets the number of idle CPUs (0: any).
+LATE_IDLE_CORES = 0.9
+LATE_IDLE_STREAK = 3
 
 
 def _preimport() -> None:
@@ -157,14 +168,24 @@ class Template:
         self.emit(e="template_ready", pid=os.getpid())
         late = os.environ.get("MONARCH_KERNEL_PREIMPORT_LATE", PREIMPORT_LATE)
         pending = [m for m in late.split(",") if m] if "torch" in sys.modules else []
+        idle, streak = IdleCores(), 0
+        cores = float(os.environ.get("MONARCH_KERNEL_PREIMPORT_LATE_IDLE_CORES", LATE_IDLE_CORES))
         while True:
             try:
                 wait = LATE_IDLE if pending else None
                 ready, _, _ = select.select([self.cmd_fd, self.wake_r], [], [], wait)
             except InterruptedError:
                 continue
+            # (read at every wake-up, so that a timeout's figure is of that idle second)
+            spare = idle.since_last() if pending else None
+            if ready or not self.forked:
+                streak = 0
+            elif spare is None or spare >= cores:
+                streak += 1
+            else:
+                streak = 0
             if not ready:  # idle: import what later forks should find loaded
-                if self.forked:
+                if streak >= LATE_IDLE_STREAK:
                     with contextlib.suppress(ImportCut):
                         self._import_late(pending)
                     pending = []

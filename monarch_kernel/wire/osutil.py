@@ -22,6 +22,53 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+class IdleCores:
+    """How many of the CPUs this process may run on were idle, on average, between two
+    calls of :meth:`since_last` (the first: since it was made), from ``/proc/stat``
+    (each CPU's idle and iowait time against its whole time)."""
+
+    def __init__(self) -> None:
+        self._last = _cpu_times()
+
+    def since_last(self) -> float | None:
+        """Idle CPUs (0 to the number allowed) since the last call; None where it cannot
+        be told (no ``/proc/stat``: not Linux; no time passed)."""
+        now, last = _cpu_times(), self._last
+        self._last = now
+        common = [cpu for cpu in now if cpu in last]
+        idle = sum(now[c][0] - last[c][0] for c in common)
+        total = sum(now[c][1] - last[c][1] for c in common)
+        if not common or total <= 0:
+            return None
+        return len(common) * idle / total
+
+
+def _cpu_times() -> dict[int, tuple[int, int]]:
+    """CPU number -> (idle + iowait, all) clock ticks, for the CPUs this process may run
+    on; empty where ``/proc/stat`` cannot be read."""
+    try:
+        allowed: Collection[int] | None = os.sched_getaffinity(0)
+    except AttributeError:  # pragma: no cover - macOS
+        allowed = None
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or not name[3:].isdigit():
+            continue
+        cpu = int(name[3:])
+        if allowed is not None and cpu not in allowed:
+            continue
+        ticks = [int(x) for x in rest.split()[:8]]  # user nice system idle iowait irq softirq steal
+        if len(ticks) >= 5:
+            out[cpu] = (ticks[3] + ticks[4], sum(ticks))
+    return out
+
+
 def proc_state(stat_path: str) -> str:
     """The state letter (``R``, ``S``, ``T``, ``Z`` ...) in a Linux ``stat`` file
     (``/proc/PID/stat`` or a thread's ``/proc/PID/task/TID/stat``); '' when it cannot be
