@@ -2,6 +2,9 @@
 chosen points on each rank, then the replica check the mesh runs after the stop button,
 on real processes under torchrun:
 ``python -m torch.distributed.run --nproc-per-node 4 hsdp_interrupted_step.py SCENARIO``.
+With ``MK_HSDP_DEVICE=cuda`` the model, its shards and the optimizer's moments are on the
+GPU (NCCL for CUDA tensors, gloo beside it for the CPU ones: Adam's step counters; the 4
+ranks may share one GPU, each with an ``NCCL_HOSTID`` of its own).
 
 The stop is a ``KeyboardInterrupt`` raised where the rank's SIGINT handler could raise
 it: inside a layer's forward (its parameters unsharded), before ``opt.step()``, or
@@ -29,6 +32,7 @@ from monarch_kernel.calls.replica_plan import describe, plan_sync
 from monarch_kernel.rank.replicas import replicas
 
 RANK = int(os.environ.get("RANK", "0"))
+DEVICE = os.environ.get("MK_HSDP_DEVICE", "cpu")
 
 
 def report(**values: object) -> None:
@@ -44,17 +48,24 @@ def build() -> tuple[torch.nn.Sequential, torch.optim.Optimizer]:
         torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
         torch.nn.Linear(32, 4),
     )  # fmt: skip
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("hosts", "gpus"))
+    net = net.to(DEVICE)
+    mesh = init_device_mesh(DEVICE, (2, 2), mesh_dim_names=("hosts", "gpus"))
     for layer in net:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
-    return net, torch.optim.Adam(net.parameters(), lr=1e-2)
+    return net, adam_of(net)
+
+
+def adam_of(net: torch.nn.Module) -> torch.optim.Optimizer:
+    """Adam's loop over one parameter at a time (the default on the CPU; on CUDA the
+    default is the foreach one), where :func:`stop_inside_adam` stops it."""
+    return torch.optim.Adam(net.parameters(), lr=1e-2, foreach=False)
 
 
 def forward_backward(model: torch.nn.Module, step: int) -> None:
     g = torch.Generator().manual_seed(1000 * step + RANK)
-    x = torch.randn(8, 16, generator=g)
+    x = torch.randn(8, 16, generator=g).to(DEVICE)
     F.mse_loss(model(x), x[:, :4] * 2 - 1).backward()
 
 
@@ -63,10 +74,11 @@ def shards_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     check in tests/test_hsdp.py computes it)."""
     h = hashlib.sha256()
     for v in model.state_dict().values():
-        h.update(v.to_local().detach().numpy().tobytes())
+        h.update(v.to_local().detach().cpu().numpy().tobytes())
     for st in opt.state_dict()["state"].values():
         for v in st.values():
-            h.update((v.to_local() if hasattr(v, "to_local") else v).detach().numpy().tobytes())
+            local = v.to_local() if hasattr(v, "to_local") else v
+            h.update(local.detach().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -169,7 +181,7 @@ def run(scenario: str) -> None:
     elif scenario == "before_the_first_state":
         # rank 2 stopped as its opt.step() began (Adam had made no state yet: a fresh
         # optimizer here), the others took the step
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        opt = adam_of(model)
         if RANK == 2:
             stop_at_start_of_step(opt)
             assert stopped(opt.step)
@@ -197,7 +209,15 @@ def run(scenario: str) -> None:
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    if DEVICE == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count():
+            os.environ.setdefault("NCCL_HOSTID", f"hsdp-test-{local}")  # ranks share a GPU
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
     replicas.install_step_counter()
     try:
         for scenario in sys.argv[1:]:  # one after another, in one process group
