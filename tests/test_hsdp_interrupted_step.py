@@ -32,19 +32,29 @@ WORLD = 4
 SCENARIOS = ("forward_and_inside_step", "inside_step_on_every_replica", "before_the_first_state")
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(
+    scope="module",
+    params=["cpu", "cpu-reset-by-hand", pytest.param("cuda", marks=pytest.mark.gpu)],
+)
 def runs(request: pytest.FixtureRequest) -> dict[str, dict[int, dict]]:
     """Every scenario, one after another on the same 4 ranks (one torchrun: its start,
     4 processes importing torch, is most of the time): scenario -> rank -> its record.
-    On the CPU (gloo), and on CUDA (NCCL; the ranks share the GPU: bench/gpu_check.py),
-    where the copied shards and moments are on the GPU and Adam's step counters not."""
+    On the CPU (gloo); on the CPU with FSDP2 lacking ``reset_iter_state`` (torch 2.11's:
+    the mesh's own reset by hand); and on CUDA (NCCL; the ranks share the GPU:
+    bench/gpu_check.py), where the copied shards and moments are on the GPU and Adam's
+    step counters not."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD)]
     proc = subprocess.run(
         [*cmd, str(SCRIPT), *SCENARIOS],
         capture_output=True,
         text=True,
         timeout=240,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "MK_HSDP_DEVICE": request.param},
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MK_HSDP_DEVICE": request.param.split("-")[0],
+            "MK_HSDP_RESET_BY_HAND": "1" if request.param.endswith("by-hand") else "0",
+        },
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results: dict[str, dict[int, dict]] = {s: {} for s in SCENARIOS}

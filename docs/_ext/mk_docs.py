@@ -438,11 +438,12 @@ def generate(app: Sphinx) -> None:
             _write(src / "api" / f"{module}.md", api_page(module))
         _write(src / "reference" / "magics.md", magics_page())
         results = src.parent / "bench" / "results"
+        pages = src / "benchmarks" / "results"
         for path in sorted(results.glob("*.md")):
-            _write(
-                src / "benchmarks" / "results" / path.name,
-                result_page(path, f"../../../bench/results/{path.name}"),
-            )
+            _write(pages / path.name, result_page(path, f"../../../bench/results/{path.name}"))
+        for page in pages.glob("*.md"):  # of a results file removed since: a dangling page
+            if not (results / page.name).exists():
+                page.unlink()
     for name in check_docstrings(modules):
         LOG.warning("public name %s has no docstring", name, type="mk_docs", subtype="docstring")
 

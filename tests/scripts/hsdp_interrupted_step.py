@@ -4,7 +4,9 @@ on real processes under torchrun:
 ``python -m torch.distributed.run --nproc-per-node 4 hsdp_interrupted_step.py SCENARIO``.
 With ``MK_HSDP_DEVICE=cuda`` the model, its shards and the optimizer's moments are on the
 GPU (NCCL for CUDA tensors, gloo beside it for the CPU ones: Adam's step counters; the 4
-ranks may share one GPU, each with an ``NCCL_HOSTID`` of its own).
+ranks may share one GPU, each with an ``NCCL_HOSTID`` of its own). With
+``MK_HSDP_RESET_BY_HAND=1`` FSDP2 is without ``reset_iter_state`` (as in torch 2.11, the
+GPU machine's), so the mesh resets its per-iteration state by hand (``fsdp_reset``).
 
 The stop is a ``KeyboardInterrupt`` raised where the rank's SIGINT handler could raise
 it: inside a layer's forward (its parameters unsharded), before ``opt.step()``, or
@@ -209,6 +211,10 @@ def run(scenario: str) -> None:
 
 
 def main() -> None:
+    if os.environ.get("MK_HSDP_RESET_BY_HAND") == "1":
+        from torch.distributed.fsdp import FSDPModule
+
+        FSDPModule.reset_iter_state = None  # type: ignore[assignment,method-assign]
     if DEVICE == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local % torch.cuda.device_count())

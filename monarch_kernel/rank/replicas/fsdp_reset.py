@@ -32,13 +32,24 @@ def fsdp_roots(model: Any) -> list[Any]:
     return roots
 
 
+def param_groups(state: Any) -> list[Any]:
+    """The parameter groups of one FSDP2 state: ``_fsdp_param_groups`` where torch has
+    several per state (2.12 on), else its one ``_fsdp_param_group`` (2.11: seen on the
+    GPU machine, where the plural raised AttributeError), which may be None."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    one = getattr(state, "_fsdp_param_group", None)
+    return [] if one is None else [one]
+
+
 def reset_fsdp(model: Any) -> int:
     """Reset the per-iteration state of every root FSDP2 module of ``model`` (see the
     module); how many were reset."""
     roots = fsdp_roots(model)
     for root in roots:
         state = root._get_fsdp_state()
-        groups = [g for s in state._state_ctx.all_states for g in s._fsdp_param_groups]
+        groups = [g for s in state._state_ctx.all_states for g in param_groups(s)]
         for group in groups:
             # Its all-gather was aborted with the process group: nothing to wait for
             # (waiting would raise the abort again).
