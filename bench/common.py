@@ -243,15 +243,24 @@ def tensor_of(mib: int) -> Any:
 
 
 def settle(
-    quiet: float = 0.05, window_s: float = 0.25, hold_s: float = 2.0, timeout_s: float = 30.0
+    quiet: float = 0.05,
+    window_s: float = 0.25,
+    hold_s: float | None = None,
+    timeout_s: float = 30.0,
 ) -> float:
     """Wait until this process's descendants (a mesh's host agent, template and ranks)
     together used under ``quiet`` of a core in every ``window_s`` for ``hold_s`` in a row;
     return the seconds waited (at most ``timeout_s``). A fresh mesh is not quiet at once:
-    its warm template imports ``torch._dynamo`` once it has been idle a second (about 1.7 s
-    of one core here), and calls timed meanwhile share the machine's two cores with that
-    import (``hold_s`` is longer than that idle second, so the import is waited for)."""
+    its warm template imports ``torch._dynamo`` once it has been idle a few seconds
+    (``host.template.LATE_IDLE`` times ``LATE_IDLE_STREAK``; about 1.7 s of one core
+    here), and calls timed meanwhile share the machine's two cores with that import. The
+    default ``hold_s`` is a second longer than that wait, so the import is waited for."""
     import psutil
+
+    if hold_s is None:
+        from monarch_kernel.host.template import LATE_IDLE, LATE_IDLE_STREAK
+
+        hold_s = LATE_IDLE * LATE_IDLE_STREAK + 1.0
 
     me = psutil.Process()
     t0 = time.monotonic()

@@ -44,12 +44,13 @@ TQDM_AT_START = {k: v for k, v in os.environ.items() if k.startswith("TQDM_")}
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The host template's late ``torch._dynamo`` import (``monarch_kernel.host.template``,
-#: ``PREIMPORT_LATE``: about 1.1 s of CPU once a template has forked and idled a second) serves
-#: only ranks forked later, restarted ones that rebuild DDP. Most tests restart none, and
-#: with a mesh or more per test it was minutes of the suite's CPU: off by default
-#: (``MONARCH_KERNEL_PREIMPORT_LATE`` empty, inherited by the kernels, agents and
-#: templates tests start), on in the modules that restart ranks inside DDP training,
-#: which keep the product's path under test (:func:`_late_imports`).
+#: ``PREIMPORT_LATE``: about 1.1 s of CPU once a template has forked and the host has had a
+#: spare core for a few seconds) serves only ranks forked later, restarted ones that
+#: rebuild DDP. Most tests restart none, and with a mesh or more per test it was minutes
+#: of the suite's CPU: off by default (``MONARCH_KERNEL_PREIMPORT_LATE`` empty, inherited
+#: by the kernels, agents and templates tests start), on in the modules that restart
+#: ranks inside DDP training, which keep the product's path under test
+#: (:func:`_late_imports`).
 LATE_IMPORT_MODULES = frozenset({"test_ddp_failures.py", "test_peer_state.py"})
 LATE_IMPORT_ENV = "MONARCH_KERNEL_PREIMPORT_LATE"
 #: Whether the session was started with its own setting (then kept everywhere).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 import pytest
@@ -139,13 +140,19 @@ class Probe(Actor):
 
     @endpoint
     def notify_then_fetch(self, ref) -> tuple[str, int]:
-        """Send the owner two one-way ``ipc_done`` (one for no lease: it fails there),
-        then a fetch on the same socket: what answers the fetch, and its byte count."""
+        """Send the owner two one-way ``ipc_done`` (one naming no lease, one malformed:
+        refused there), and a fetch of 8 bytes whose answer nobody reads (as one given up
+        on), then a fetch of 16 on the same socket: what answers it, and its byte count."""
         from monarch_kernel.rank.dataplane.client import client
 
-        client().notify(ref, {"op": "ipc_done", "lease": 10**6})
-        client().notify(ref, {"op": "ipc_done", "lease": "not an int"})
-        msg = client().request(ref, {"op": "fetch", "id": ref.id, "off": 0, "len": 16})
+        c = client()
+        c.notify(ref, {"op": "ipc_done", "lease": 10**6})
+        c.notify(ref, {"op": "ipc_done", "lease": "not an int"})
+        stray = {"k": "req", "op": "fetch", "id": ref.id, "off": 0, "len": 8}
+        stray.update(n=os.urandom(16).hex(), t=time.time())
+        frames = c.codec_for(ref).encode(stray, b"", ())
+        c._socket(*c._address(ref)).send_multipart(frames, copy=False)
+        msg = c.request(ref, {"op": "fetch", "id": ref.id, "off": 0, "len": 16})
         return msg.header["k"], sum(len(b) for b in msg.buffers)
 
     @endpoint
@@ -253,8 +260,8 @@ def test_replayed_fetch_is_refused_and_counted(mesh22):
 
 def test_a_one_way_request_gets_no_answer_and_the_next_request_its_own(mesh22):
     """``ipc_done`` is one-way (a round trip less per CUDA IPC read): the owner answers
-    neither a good nor a bad one, so the reader's next request on that socket reads its
-    own answer, not a stale one."""
+    neither a good nor a bad one; and an answer to another request (one given up on) on
+    that socket is dropped: the reader's request reads its own answer."""
     probes = mesh22.spawn("probe4", Probe)
     owner = probes.slice(hosts=0, gpus=1)
     ref = owner.share_big.call_one(1000).get()

@@ -14,6 +14,8 @@ import pytest
 from helpers import WaitTimeout
 from kernel_client import Kernel
 
+from monarch_kernel.rank.pg.spawn import EXEC_ZYGOTE
+
 pytestmark = pytest.mark.local
 
 MESH = "dd"
@@ -202,20 +204,36 @@ def test_the_reformed_group_serves_the_default_group_and_new_groups(kernel):
     assert _state(kernel)[0] == kernel.pids_before
 
 
+#: A cell: each rank's group workers' fd 1 and 2 are its log; a line a worker writes is
+#: in the log.
+WORKER_OUTPUT = """\
+%%remote {mesh}
+import os, torch, torch.distributed as dist
+dist.all_reduce(torch.ones(1))  # (the group has its worker)
+from monarch_kernel.rank.pg import backend as _b
+from monarch_kernel.rank.stdio.capture import rank_log_fd as _log
+_w = [g._worker.pid for g in _b.groups() if g._worker is not None]
+_me = dist.get_rank()
+os.system(f"echo worker-says-hello-{{_me}} >>/proc/{{_w[0]}}/fd/2")
+_path = os.readlink(f"/proc/self/fd/{{_log()}}")
+(len(_w) > 0, {{os.readlink(f"/proc/{{p}}/fd/{{fd}}") for p in _w for fd in (1, 2)}} == {{_path}},
+ f"worker-says-hello-{{_me}}" in open(_path).read())
+"""
+
+
 def test_the_group_workers_output_goes_to_the_rank_log_not_the_cell(kernel):
     """A process-group worker is ours and disposable: what it writes to fd 1 and 2 (an
     NCCL watchdog's stack trace as a dead peer's group is aborted) goes to its rank's
-    log, not to the cell, where it would read as a failure of a recovered step."""
-    r = kernel.run(
-        f"%%remote {MESH}\n"
-        "from monarch_kernel.rank.pg import backend as _b\n"
-        "from monarch_kernel.rank.stdio.capture import rank_log_fd as _log\n"
-        "_w = [g._worker.pid for g in _b.groups() if g._worker is not None]\n"
-        "os.system(f'echo worker-says-hello >/proc/{_w[0]}/fd/2')\n"
-        "(len(_w) > 0, {os.readlink(f'/proc/{p}/fd/{fd}') for p in _w for fd in (1, 2)}"
-        " == {os.readlink(f'/proc/self/fd/{_log()}')})",
-        timeout=60,
-    )
-    assert not r.errors, r.error_text
-    assert r.text.count("(True, True)") == 4, r.text
-    assert "worker-says-hello" not in r.text  # written into the log, not the cell
+    log, not to the cell, where it would read as a failure of a recovered step. Workers
+    forked by a zygote forked from the rank (this mesh), and by one started as a fresh
+    interpreter (as on a machine with a GPU: a mesh of its own)."""
+    r = kernel.run(f"%mesh wz --gpus 2 --dist --env {EXEC_ZYGOTE}=1", timeout=120)
+    assert "process group initialised" in r.stdout, r.stdout + r.error_text
+    try:
+        for mesh, ranks in ((MESH, 4), ("wz", 2)):
+            r = kernel.run(WORKER_OUTPUT.format(mesh=mesh), timeout=60)
+            assert not r.errors, r.error_text
+            assert r.text.count("(True, True, True)") == ranks, r.text  # in the log ...
+            assert "worker-says-hello" not in r.text  # ... not in the cell
+    finally:
+        kernel.run("%mesh stop wz", timeout=60)

@@ -64,6 +64,11 @@ def runs(request: pytest.FixtureRequest) -> dict[str, dict[int, dict]]:
             results[record["scenario"]][record["rank"]] = record
     for scenario, by_rank in results.items():
         assert sorted(by_rank) == list(range(WORLD)), (scenario, proc.stdout[-3000:])
+        for record in by_rank.values():  # the state is where that device keeps it ...
+            moments = "cuda" if request.param == "cuda" else "cpu"
+            assert record["devices"] == {"step": "cpu", "exp_avg": moments, "exp_avg_sq": moments}
+            # ... and the reset by hand ran where torch's own was taken away
+            assert (record["resets_by_hand"] > 0) == request.param.endswith("by-hand"), record
     return results
 
 

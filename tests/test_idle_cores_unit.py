@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from monarch_kernel.wire.osutil import IdleCores, cpu_count
+from monarch_kernel.wire.osutil import CpuQuota, IdleCores, cpu_count, cpu_quota
 
 pytestmark = [
     pytest.mark.unit,
@@ -59,3 +59,58 @@ def test_every_cpu_busy_leaves_less_than_one_idle():
                 p.kill()
                 p.join()
     assert spare is not None and spare < 0.9, spare
+
+
+def _write(path: Any, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_a_cgroup_v2_quota_is_the_tightest_of_the_group_and_its_ancestors(tmp_path):
+    root = tmp_path / "cgroup"
+    _write(root / "cgroup.controllers", "cpu memory\n")
+    _write(root / "cpu.max", "max 100000\n")  # the root: no limit
+    _write(root / "pod" / "cpu.max", "200000 100000\n")  # the pod: 2 CPUs
+    _write(root / "pod" / "cpu.stat", "usage_usec 5000000\nuser_usec 1\n")
+    _write(root / "pod" / "box" / "cpu.max", "max 100000\n")  # this process's group
+    _write(tmp_path / "self", "0::/pod/box\n")
+    quota = cpu_quota(str(root), str(tmp_path / "self"))
+    assert quota is not None and quota.cores == 2.0
+    assert quota.used_seconds() == 5.0
+
+
+def test_a_cgroup_v1_quota_reads_its_cpu_time_from_cpuacct(tmp_path):
+    root = tmp_path / "cgroup"
+    _write(root / "cpu" / "job" / "cpu.cfs_quota_us", "150000\n")
+    _write(root / "cpu" / "job" / "cpu.cfs_period_us", "100000\n")
+    _write(root / "cpu" / "cpu.cfs_quota_us", "-1\n")
+    _write(root / "cpu" / "cpu.cfs_period_us", "100000\n")
+    _write(root / "cpuacct" / "job" / "cpuacct.usage", "2500000000\n")
+    _write(tmp_path / "self", "2:cpuacct:/job\n1:cpu:/job\n0::/\n")
+    quota = cpu_quota(str(root), str(tmp_path / "self"))
+    assert quota is not None and quota.cores == 1.5
+    assert quota.used_seconds() == 2.5
+
+
+def test_no_quota_where_none_is_set_or_readable(tmp_path):
+    root = tmp_path / "cgroup"
+    _write(root / "cpu" / "cpu.cfs_quota_us", "-1\n")
+    _write(root / "cpu" / "cpu.cfs_period_us", "100000\n")
+    _write(tmp_path / "self", "1:cpu:/\n0::/\n")
+    assert cpu_quota(str(root), str(tmp_path / "self")) is None
+    assert cpu_quota(str(root), str(tmp_path / "missing")) is None
+
+
+def test_idle_cpus_are_no_more_than_the_quota_leaves(tmp_path):
+    """A group of 2 CPUs: when it used all of its time, none is spare, whatever
+    /proc/stat says of the machine's other CPUs; when it used none, at most 2 are."""
+    stat = tmp_path / "cpu.stat"
+    stat.write_text("usage_usec 0\n")
+    idle = IdleCores(CpuQuota(2.0, str(stat), 1e-6))
+    _spin(0.05)  # some time passes
+    stat.write_text("usage_usec 0\n")
+    spare = idle.since_last()
+    assert spare is not None and 0.0 <= spare <= 2.0, spare
+    _spin(0.05)
+    stat.write_text(f"usage_usec {10**9}\n")  # far more than 2 CPUs could use meanwhile
+    assert idle.since_last() == 0.0

@@ -140,6 +140,11 @@ def test_broadcast_state_makes_diverged_replicas_identical():
             assert "the model differs from the source rank's" in record["mismatch"]
         else:
             assert "another rank's objects do not match" in record["mismatch"]
+        # rank 3 could not make the tensors to receive into: every rank raises
+        if rank == 3:
+            assert "RuntimeError: CUDA out of memory (as told" in record["no_memory"]
+        else:
+            assert "another rank's objects do not match" in record["no_memory"]
 
 
 def test_fsdp2_hsdp_steps_keep_rank_and_worker_memory_steady():

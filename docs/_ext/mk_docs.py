@@ -443,7 +443,7 @@ def generate(app: Sphinx) -> None:
             _write(pages / path.name, result_page(path, f"../../../bench/results/{path.name}"))
         for page in pages.glob("*.md"):  # of a results file removed since: a dangling page
             if not (results / page.name).exists():
-                page.unlink()
+                page.unlink(missing_ok=True)
     for name in check_docstrings(modules):
         LOG.warning("public name %s has no docstring", name, type="mk_docs", subtype="docstring")
 

@@ -47,9 +47,18 @@ LATE_IDLE = 1.0
 #: took 0.76 s instead of 0.04 s. A new mesh's ranks are idle for a moment while they set
 #: up, so one idle second is not enough. A host that never has a core to spare never
 #: imports them (a restarted rank then imports them itself).
-#: ``MONARCH_KERNEL_PREIMPORT_LATE_IDLE_CORES`` sets the number of idle CPUs (0: any).
+#: ``MONARCH_KERNEL_PREIMPORT_LATE_IDLE_CORES`` sets the idle CPUs needed in each of those
+#: seconds (0: none, so any three idle seconds of the template do).
 LATE_IDLE_CORES = 0.9
 LATE_IDLE_STREAK = 3
+
+
+def _idle_cores_wanted() -> float:
+    """LATE_IDLE_CORES, or the environment's number (a malformed one is ignored)."""
+    try:
+        return float(os.environ.get("MONARCH_KERNEL_PREIMPORT_LATE_IDLE_CORES", LATE_IDLE_CORES))
+    except ValueError:
+        return LATE_IDLE_CORES
 
 
 def _preimport() -> None:
@@ -169,7 +178,7 @@ class Template:
         late = os.environ.get("MONARCH_KERNEL_PREIMPORT_LATE", PREIMPORT_LATE)
         pending = [m for m in late.split(",") if m] if "torch" in sys.modules else []
         idle, streak = IdleCores(), 0
-        cores = float(os.environ.get("MONARCH_KERNEL_PREIMPORT_LATE_IDLE_CORES", LATE_IDLE_CORES))
+        cores = _idle_cores_wanted()
         while True:
             try:
                 wait = LATE_IDLE if pending else None

@@ -374,7 +374,8 @@ per request), a ``write`` its ``off`` and carries the bytes as one buffer frame;
 shared-memory file holding them), ``"ok"``, or ``"err"`` with ``error`` str. An ``ipc``
 request carries ``p`` int (the reader's pid); its reply ``"ipc"`` has ``lease`` int and
 the CUDA IPC description (``rank.dataplane.cuda_ipc.describe``); ``ipc_done`` names the
-``lease``.
+``lease`` and is one-way (never answered, ``server.ONE_WAY``). Every reply has ``re`` str,
+the nonce of the request it answers: the reader drops a reply to another request.
 
 Size: over the ~450-line habit on purpose: it is the one reference of every message kind
 and header key, read as a table; split, a reader would look in several places for one

@@ -8,7 +8,9 @@ import functools
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from types import CodeType, FrameType
 
 _PR_SET_PDEATHSIG = 1
@@ -25,10 +27,22 @@ def cpu_count() -> int:
 class IdleCores:
     """How many of the CPUs this process may run on were idle, on average, between two
     calls of :meth:`since_last` (the first: since it was made), from ``/proc/stat``
-    (each CPU's idle and iowait time against its whole time)."""
+    (each CPU's idle and iowait time against its whole time), and no more than its
+    control group's CPU quota leaves unused (a container limited to 2 CPUs on a
+    64-CPU machine sees 60 idle ones in ``/proc/stat``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, quota: CpuQuota | None | bool = True) -> None:
+        """``quota``: the group's quota to respect (True: this process's, :func:`cpu_quota`;
+        None: none)."""
+        self._quota = cpu_quota() if quota is True else quota or None
         self._last = _cpu_times()
+        self._last_used = self._used()
+
+    def _used(self) -> tuple[float, float] | None:
+        if self._quota is None:
+            return None
+        used = self._quota.used_seconds()
+        return None if used is None else (time.monotonic(), used)
 
     def since_last(self) -> float | None:
         """Idle CPUs (0 to the number allowed) since the last call; None where it cannot
@@ -38,9 +52,92 @@ class IdleCores:
         common = [cpu for cpu in now if cpu in last]
         idle = sum(now[c][0] - last[c][0] for c in common)
         total = sum(now[c][1] - last[c][1] for c in common)
-        if not common or total <= 0:
+        spare = len(common) * idle / total if common and total > 0 else None
+        used, last_used = self._used(), self._last_used
+        self._last_used = used
+        if self._quota is not None and used is not None and last_used is not None:
+            elapsed = used[0] - last_used[0]
+            if elapsed > 0:
+                left = max(0.0, self._quota.cores - (used[1] - last_used[1]) / elapsed)
+                spare = left if spare is None else min(spare, left)
+        return spare
+
+
+@dataclass(frozen=True)
+class CpuQuota:
+    """A control group's CPU limit: ``cores`` CPUs' worth of time, and where the group's
+    CPU time used so far is read (``scale``: seconds per unit of that file)."""
+
+    cores: float
+    usage_file: str
+    scale: float
+
+    def used_seconds(self) -> float | None:
+        try:
+            with open(self.usage_file) as f:
+                text = f.read()
+        except OSError:
             return None
-        return len(common) * idle / total
+        for line in text.splitlines():  # cgroup v2 cpu.stat: "usage_usec N"; v1: "N"
+            parts = line.split()
+            if len(parts) == 1 or (len(parts) == 2 and parts[0] == "usage_usec"):
+                try:
+                    return int(parts[-1]) * self.scale
+                except ValueError:
+                    return None
+        return None
+
+
+def cpu_quota(
+    root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup"
+) -> CpuQuota | None:
+    """The tightest CPU quota of this process's control group and its ancestors (cgroup
+    v2's ``cpu.max``, v1's ``cpu.cfs_quota_us``), or None: no limit, or none readable."""
+    try:
+        with open(self_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found: list[CpuQuota] = []
+    for line in lines:
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
+        parts = [p for p in path.split("/") if p]
+        groups = [parts[:depth] for depth in range(len(parts), -1, -1)]  # it, then ancestors
+        if controllers == "":  # v2 (unified): mounted at root, or at root/unified (hybrid)
+            base = root if os.path.exists(f"{root}/cgroup.controllers") else f"{root}/unified"
+            found += [q for g in groups if (q := _v2_limit(os.path.join(base, *g)))]
+        elif "cpu" in controllers.split(","):  # v1: its CPU time is cpuacct's
+            found += [q for g in groups if (q := _v1_limit(root, controllers, g))]
+    return min(found, key=lambda q: q.cores, default=None)
+
+
+def _v2_limit(folder: str) -> CpuQuota | None:
+    try:
+        with open(os.path.join(folder, "cpu.max")) as f:
+            quota, period = (f.read().split() + ["", ""])[:2]
+        cores = int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):  # "max": no limit here
+        return None
+    return CpuQuota(cores, os.path.join(folder, "cpu.stat"), 1e-6)
+
+
+def _v1_limit(root: str, controllers: str, group: list[str]) -> CpuQuota | None:
+    folder = os.path.join(root, controllers, *group)
+    try:
+        with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+    except (OSError, ValueError):
+        return None
+    if quota <= 0 or period <= 0:  # -1: no limit
+        return None
+    usage = os.path.join(root, "cpuacct", *group, "cpuacct.usage")  # (its own hierarchy)
+    if not os.path.exists(usage):  # or mounted together with cpu ("cpu,cpuacct")
+        usage = os.path.join(folder, "cpuacct.usage")
+    return CpuQuota(quota / period, usage, 1e-9)
 
 
 def _cpu_times() -> dict[int, tuple[int, int]]:

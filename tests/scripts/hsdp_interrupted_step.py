@@ -207,10 +207,32 @@ def run(scenario: str) -> None:
         after=digest_after,
         trained=shards_digest(model, opt),
         steps=replicas.optimizer_steps(opt),
+        # where the copied state is: the moments on the parameters' device, the step
+        # counters on the CPU (Adam's, unless capturable)
+        devices={
+            key: value.device.type
+            for state in opt.state.values()
+            for key, value in state.items()
+            if isinstance(value, torch.Tensor)
+        },
+        resets_by_hand=RESETS_BY_HAND[0],
     )
 
 
+#: How many times the mesh reset FSDP2 by hand (``fsdp_reset._reset_by_hand``).
+RESETS_BY_HAND = [0]
+
+
 def main() -> None:
+    from monarch_kernel.rank.replicas import fsdp_reset
+
+    by_hand = fsdp_reset._reset_by_hand
+
+    def counted(state: Any, groups: list[Any]) -> None:
+        RESETS_BY_HAND[0] += 1
+        by_hand(state, groups)
+
+    fsdp_reset._reset_by_hand = counted
     if os.environ.get("MK_HSDP_RESET_BY_HAND") == "1":
         from torch.distributed.fsdp import FSDPModule
 

@@ -307,7 +307,26 @@ def state_copy() -> None:
         replicas.broadcast_state([other], src=0)
     except ValueError as exc:
         mismatch = str(exc)
+    # rank 3 cannot make the tensors the optimizer state goes into (as a GPU out of
+    # memory would): every rank raises, none waits in a broadcast for it
+    from monarch_kernel.rank.replicas import state_copy
+
+    no_memory = ""
+    real_device = state_copy._local_device
+
+    def no_room(device_type: str) -> object:
+        raise RuntimeError("CUDA out of memory (as told by the test)")
+
+    if rank == 3:
+        state_copy._local_device = no_room
+    try:
+        replicas.broadcast_state([opt], src=0)
+    except ValueError as exc:
+        no_memory = str(exc)
+    finally:
+        state_copy._local_device = real_device
     report(
+        no_memory=no_memory,
         text=describe(plan, sync.nbytes, sync.seconds, after.source is None),
         source=plan.source,
         targets=list(plan.targets),

@@ -98,7 +98,8 @@ class Client:
         address, curve_key = self._address(ref)
         header = dict(header, k="req", n=os.urandom(16).hex(), t=time.time())
         frames = self.codec_for(ref).encode(header, b"", ())
-        self._socket(address, curve_key).send_multipart(frames, copy=False)
+        # (never blocks: a socket whose queue is full drops it, as a lost one is dropped)
+        self._socket(address, curve_key).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
 
     def request(
         self,
@@ -110,24 +111,31 @@ class Client:
         address, curve_key = self._address(ref)
         sock = self._socket(address, curve_key)
         codec = self.codec_for(ref)
-        header = dict(header, k="req", n=os.urandom(16).hex(), t=time.time())
+        nonce = os.urandom(16).hex()
+        header = dict(header, k="req", n=nonce, t=time.time())
         sock.send_multipart(codec.encode(header, b"", buffers), copy=False)
         deadline = time.monotonic() + timeout
-        # In slices: an owner on this machine that died is noticed at once (its pid).
-        while not sock.poll(int(min(_DEATH_CHECK, max(0.0, deadline - time.monotonic())) * 1000)):
-            if _dead(ref, self.machine):
-                self._forget(address, curve_key)  # a late answer must not reach another
-                raise OwnerDiedError(
-                    f"rank {ref.owner} (pid {ref.pid} on {ref.machine}), the owner, died "
-                    "before answering a data-plane request"
-                )
-            if time.monotonic() >= deadline:
-                self._forget(address, curve_key)
-                raise TimeoutError(
-                    f"rank {ref.owner} did not answer a data-plane request in {timeout}s "
-                    "(is it alive and its mesh still running?)"
-                )
-        msg = codec.decode(sock.recv_multipart(copy=False))
+        while True:
+            # In slices: an owner on this machine that died is noticed at once (its pid).
+            wait = min(_DEATH_CHECK, max(0.0, deadline - time.monotonic()))
+            while not sock.poll(int(wait * 1000)):
+                if _dead(ref, self.machine):
+                    self._forget(address, curve_key)  # a late answer must not reach another
+                    raise OwnerDiedError(
+                        f"rank {ref.owner} (pid {ref.pid} on {ref.machine}), the owner, died "
+                        "before answering a data-plane request"
+                    )
+                if time.monotonic() >= deadline:
+                    self._forget(address, curve_key)
+                    raise TimeoutError(
+                        f"rank {ref.owner} did not answer a data-plane request in {timeout}s "
+                        "(is it alive and its mesh still running?)"
+                    )
+                wait = min(_DEATH_CHECK, max(0.0, deadline - time.monotonic()))
+            msg = codec.decode(sock.recv_multipart(copy=False))
+            if msg.header.get("re") == nonce:
+                break
+            # an answer to another request (one this thread gave up on): not ours
         if msg.header.get("k") == "err":
             raise RuntimeError(f"rank {ref.owner}: {msg.header['error']}")
         return msg

@@ -44,10 +44,14 @@ phase_seconds: dict[str, float] = {"describe": 0.0, "map": 0.0, "copy": 0.0, "un
 phase_counts: dict[str, int] = {"describe": 0, "map": 0, "copy": 0, "unmap": 0}
 
 
+_phase_lock = threading.Lock()  # (the owner's serving thread and readers' threads)
+
+
 def _timed(phase: str, since: float) -> float:
     now = time.perf_counter()
-    phase_seconds[phase] += now - since
-    phase_counts[phase] += 1
+    with _phase_lock:
+        phase_seconds[phase] += now - since
+        phase_counts[phase] += 1
     return now
 
 

@@ -316,6 +316,7 @@ class Server:
             except Exception as exc:  # goes back to the requester
                 reply = ({"k": "err", "error": str(exc)}, ())
         header, buffers = reply
+        header = dict(header, re=h.get("n"))  # (the reader matches it to its request)
         sock.send_multipart([ident, *self.codec.encode(header, b"", buffers)], copy=False)
 
     def write(self, ident: int, data: Any, off: int = 0) -> None:

@@ -228,13 +228,23 @@ def broadcast_shards(objects: list[Any], model: Any, src: int) -> int:
     ]
     dist.broadcast_object_list(box, src=src, group=group)
     receiving = dist.get_rank() != src
+    failed = ""
     if receiving:
-        for optimizer, (skeleton, _, _) in zip(optimizers, box[0], strict=True):
-            conform_optimizer_state(optimizer, skeleton)
+        try:
+            for optimizer, (skeleton, _, _) in zip(optimizers, box[0], strict=True):
+                conform_optimizer_state(optimizer, skeleton)
+        except Exception as exc:  # out of GPU memory ...: said to the others below
+            failed = f"{type(exc).__name__}: {exc}"
     tensors = [nt for obj in objects for nt in shard_tensors(obj)]
-    metas = [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
+    # (the device type too: replicas on different devices would broadcast over
+    # different backends and wait for each other forever)
+    metas: list[Any] = [(name, tuple(t.shape), str(t.dtype), t.device.type) for name, t in tensors]
+    if failed:  # every rank of the group still takes part in the gather: no one waits
+        metas = [("(making this rank's optimizer state failed)", failed)]
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, metas, group=group)
+    if failed:
+        raise RuntimeError(f"making the optimizer state to copy into failed here: {failed}")
     members = dist.get_process_group_ranks(group)
     for rank, theirs in zip(members, gathered):
         if theirs != metas:

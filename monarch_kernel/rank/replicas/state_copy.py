@@ -68,6 +68,8 @@ def broadcast_state(objects: Sequence[Any], src: int, group: Any = None) -> int:
         targets = [_targets(o, s, me == src) for o, s in zip(objects, skeletons)]
     except ValueError as exc:
         problem, targets = str(exc), []
+    except Exception as exc:  # making the receiving tensors (out of GPU memory ...)
+        problem, targets = f"{type(exc).__name__}: {exc}", []
     # Every rank learns whether all can take the state before any data moves (a rank
     # that raised alone would leave the others waiting in the broadcasts).
     fine = _all_agree(not problem, group)
@@ -160,7 +162,7 @@ def _targets(obj: Any, skeleton: Skeleton, is_src: bool) -> list[Any]:
         return [t.detach() for _, t in named]
     if kind == "tensor":
         if _meta(0, obj) != tree:
-            raise ValueError(f"a tensor of shape {tuple(obj.shape)} here, {tree.shape} there")
+            raise ValueError(f"a tensor of {_says(_meta(0, obj))} here, {_says(tree)} there")
         return [obj.detach()]
     metas = sorted(_metas(tree), key=lambda m: m.index)
     if is_src:
