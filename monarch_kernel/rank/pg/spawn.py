@@ -35,7 +35,7 @@ from monarch_kernel.wire.osutil import die_with_parent
 #: Set to ``1`` to start the zygote as a fresh interpreter even without CUDA (tests).
 EXEC_ZYGOTE = "MONARCH_KERNEL_PG_EXEC_ZYGOTE"
 #: Set to ``cell`` to have the workers' own output (fd 1 and 2) shown in the cell, as a
-#: rank's is; by default it goes to the rank's log only (``%mesh logs``), unless
+#: rank's is; by default it goes to the rank's log file only (``rank<N>.log``), unless
 #: ``NCCL_DEBUG`` is set (then the person asked to see NCCL's words where they work).
 WORKER_OUTPUT = "MONARCH_KERNEL_PG_WORKER_OUTPUT"
 
