@@ -120,6 +120,13 @@ def test_killed_kernels_dashboard_shows_a_static_snapshot(lab, tmp_path):  # noq
             cells.nth(1).locator(".jp-InputPrompt", has_text="[2]").wait_for(timeout=60_000)
             first = cells.nth(0)
             first.locator(f"{LOSS} canvas").first.wait_for(timeout=60_000)  # the metrics arrived
+            # the dashboard's own update after the cell (its tiles idle again) came too: the
+            # cell's prompt can show before it (a CI run killed the kernel in between and
+            # froze rank 1 as busy)
+            page.wait_for_function(
+                "document.querySelectorAll('.mk-dash .mk-tile.mk-s-idle').length === 2",
+                timeout=60_000,
+            )
 
             _kill_kernel(lab)
             # JupyterLab's server restarts it (same kernel id); then the extension freezes

@@ -256,7 +256,12 @@ def test_stop_button_ten_times_in_an_hsdp_loop_keeps_replica_shards_identical(ke
         kernel.km.interrupt_kernel()
         r = kernel.collect(cell, timeout=90)
         assert "interrupted cell" in r.error_text, f"attempt {attempt}: {r.error_text}"
-        assert "replicas identical" in r.stdout, f"attempt {attempt}: {r.stdout}"
+        if "replicas identical" not in r.stdout:  # where every rank is now (seen once in
+            # CI: "comparing the replicas failed: no answer in time"; not reproduced)
+            where = kernel.run("%mesh stacks hs", timeout=60)
+            raise AssertionError(
+                f"attempt {attempt}: {r.stdout}\n{r.error_text}\n{where.text[-6000:]}"
+            )
         assert "STILL DIFFER" not in r.stdout, f"attempt {attempt}: {r.stdout}"
         # (an optimizer missed on the ranks stopped inside a forward: its layer unsharded)
         assert "not on every rank" not in r.stdout, f"attempt {attempt}: {r.stdout}"
