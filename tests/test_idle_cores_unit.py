@@ -31,7 +31,7 @@ def _spin_until(started: Any, stop: Any) -> None:
 
 
 def test_a_figure_between_none_and_every_cpu():
-    idle = IdleCores()
+    idle = IdleCores(cpu_quota())
     _spin(0.05)  # some ticks pass
     time.sleep(0.1)
     spare = idle.since_last()
@@ -48,7 +48,7 @@ def test_every_cpu_busy_leaves_less_than_one_idle():
     try:
         for _ in spinners:
             started.get(timeout=60)  # every spinner spins
-        idle = IdleCores()
+        idle = IdleCores(cpu_quota())
         time.sleep(1.0)  # the span measured
         spare = idle.since_last()
     finally:

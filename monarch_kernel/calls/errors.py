@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from monarch_kernel.wire.osutil import describe_exit, signal_name
@@ -254,6 +254,12 @@ def format_ranks(ranks: list[int]) -> str:
     if run:
         parts.append(_span(run))
     return ", ".join(parts)
+
+
+def ranks_word(ranks: Iterable[int]) -> str:
+    """``rank 2`` or ``ranks 0-1, 3``: :func:`format_ranks` with its noun."""
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + format_ranks(ranks)
 
 
 def _span(run: list[int]) -> str:

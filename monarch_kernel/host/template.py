@@ -21,7 +21,7 @@ from types import FrameType
 
 from monarch_kernel.host.template_handle import CUT_IMPORT_SIGNAL, TemplateCommand
 from monarch_kernel.rank.config import RankConfig
-from monarch_kernel.wire.osutil import IdleCores, die_with_parent, runs_in
+from monarch_kernel.wire.osutil import IdleCores, cpu_quota, die_with_parent, runs_in
 
 #: Seconds ranks get to exit cleanly on SIGTERM before they are killed (the ``stop``
 #: message's ``grace`` when it has none).
@@ -177,7 +177,7 @@ class Template:
         self.emit(e="template_ready", pid=os.getpid())
         late = os.environ.get("MONARCH_KERNEL_PREIMPORT_LATE", PREIMPORT_LATE)
         pending = [m for m in late.split(",") if m] if "torch" in sys.modules else []
-        idle, streak = IdleCores(), 0
+        idle, streak = IdleCores(cpu_quota()), 0
         cores = _idle_cores_wanted()
         while True:
             try:

@@ -31,10 +31,10 @@ class IdleCores:
     control group's CPU quota leaves unused (a container limited to 2 CPUs on a
     64-CPU machine sees 60 idle ones in ``/proc/stat``)."""
 
-    def __init__(self, quota: CpuQuota | None | bool = True) -> None:
-        """``quota``: the group's quota to respect (True: this process's, :func:`cpu_quota`;
-        None: none)."""
-        self._quota = cpu_quota() if quota is True else quota or None
+    def __init__(self, quota: CpuQuota | None) -> None:
+        """``quota``: the control group's CPU quota to respect (this process's:
+        :func:`cpu_quota`), or None."""
+        self._quota = quota
         self._last = _cpu_times()
         self._last_used = self._used()
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-from monarch_kernel.calls.errors import MeshStartError, format_ranks
+from monarch_kernel.calls.errors import MeshStartError, format_ranks, ranks_word
 from monarch_kernel.calls.future import Future
 from monarch_kernel.calls.reply import Reply, RequestObserver
 from monarch_kernel.calls.requester import PLAIN, CallOptions
@@ -453,28 +453,26 @@ class _Collect:
     """Observer of the controller's own requests (re-forming a mesh): all replies."""
 
     def __init__(self, ranks: list[int]):
-        self._ranks = list(ranks)
-        self._left = len(ranks)
+        #: The ranks not heard from yet (neither a reply nor lost).
+        self._waiting = set(ranks)
         self._lock = threading.Lock()
         self.replies: list[Reply] = []
         self.lost: list[str] = []
-        self._lost_ranks: set[int] = set()
         self.future: Future[None] = Future()
 
     def on_reply(self, reply: Reply) -> None:
         with self._lock:
             self.replies.append(reply)
-            self._left -= 1
-            done = self._left == 0
+            self._waiting.discard(reply.rank)
+            done = not self._waiting
         if done:
             self.future.set_result(None)
 
     def on_lost(self, rank: int, error: BaseException) -> None:
         with self._lock:
-            self._lost_ranks.add(rank)
             self.lost.append(f"rank {rank}: {str(error).splitlines()[0]}")
-            self._left -= 1
-            done = self._left == 0
+            self._waiting.discard(rank)
+            done = not self._waiting
         if done:
             self.future.set_result(None)
 
@@ -484,19 +482,12 @@ class _Collect:
             self.future.get(max(0.1, deadline - time.monotonic()))
         except TimeoutError:
             with self._lock:
-                heard = {r.rank for r in self.replies} | self._lost_ranks
-            silent = [r for r in self._ranks if r not in heard]
-            if not silent:
-                return "no answer in time"
+                silent = sorted(self._waiting)
             # (which ones: %mesh stacks then says where they are)
-            return f"no answer in time from {_ranks_text(silent)}"
+            return f"no answer in time from {ranks_word(silent)}" if silent else "no answer in time"
         problems = list(self.lost)
         for reply in self.replies:
             if not reply.ok and reply.report is not None:
                 rep = reply.report
                 problems.append(f"rank {reply.rank}: {rep.get('type')}: {rep.get('message')}")
         return "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + format_ranks(ranks)

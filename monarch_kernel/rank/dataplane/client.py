@@ -30,6 +30,11 @@ class OwnerDiedError(ConnectionError):
     """The rank that owns a shared tensor or RDMA buffer died before it answered."""
 
 
+def _poll_ms(deadline: float) -> int:
+    """Milliseconds to wait for an answer before looking at the owner again."""
+    return int(min(_DEATH_CHECK, max(0.0, deadline - time.monotonic())) * 1000)
+
+
 def _dead(ref: SharedTensor, machine: str) -> bool:
     """Whether the owner's process is known to be gone (on this machine only)."""
     if not ref.pid or ref.machine != machine:
@@ -117,8 +122,7 @@ class Client:
         deadline = time.monotonic() + timeout
         while True:
             # In slices: an owner on this machine that died is noticed at once (its pid).
-            wait = min(_DEATH_CHECK, max(0.0, deadline - time.monotonic()))
-            while not sock.poll(int(wait * 1000)):
+            while not sock.poll(_poll_ms(deadline)):
                 if _dead(ref, self.machine):
                     self._forget(address, curve_key)  # a late answer must not reach another
                     raise OwnerDiedError(
@@ -131,7 +135,6 @@ class Client:
                         f"rank {ref.owner} did not answer a data-plane request in {timeout}s "
                         "(is it alive and its mesh still running?)"
                     )
-                wait = min(_DEATH_CHECK, max(0.0, deadline - time.monotonic()))
             msg = codec.decode(sock.recv_multipart(copy=False))
             if msg.header.get("re") == nonce:
                 break

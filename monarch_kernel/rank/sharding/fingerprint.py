@@ -23,12 +23,12 @@ import math
 import pickle
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from monarch_kernel.calls.errors import format_ranks
+from monarch_kernel.calls.errors import ranks_word
 from monarch_kernel.rank import context
 
 
@@ -288,7 +288,7 @@ def compare(
     if len(roots) > 1:
         problems.append(
             "the model each rank runs differs: "
-            + "; ".join(f"{v!r} on {_ranks_word(r)}" for v, r in roots)
+            + "; ".join(f"{v!r} on {ranks_word(r)}" for v, r in roots)
             + " (fully_shard's root module, the first one to run forward, is not the same)"
         )
     problems += _wrapped_differences(prints)
@@ -301,17 +301,12 @@ def compare(
     disagree = _disagreeing(prints)
     head = (
         f"the ranks disagree on how {prints[0].root!r} is sharded "
-        f"(compared across {_ranks_word(ranks)} {when})"
+        f"(compared across {ranks_word(ranks)} {when})"
     )
     if disagree:
         verb = "differs" if len(disagree) == 1 else "differ"
-        head += f"; {_ranks_word(disagree)} {verb} from the others"
+        head += f"; {ranks_word(disagree)} {verb} from the others"
     return head + ":\n" + "\n".join(shown)
-
-
-def _ranks_word(ranks: Iterable[int]) -> str:
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + format_ranks(ranks)
 
 
 def _by_value(values: dict[int, Any]) -> list[tuple[Any, list[int]]]:
@@ -346,14 +341,14 @@ def _wrapped_differences(prints: Sequence[Fingerprint]) -> list[str]:
             if t.startswith(name + ".") and t.count(".") == name.count(".") + 1
         )
         text = (
-            f"module {name!r} is wrapped by fully_shard on {_ranks_word(on)} but not on "
-            f"{_ranks_word(off)}"
+            f"module {name!r} is wrapped by fully_shard on {ranks_word(on)} but not on "
+            f"{ranks_word(off)}"
         )
         if own:
             listed = ", ".join(repr(t) for t in own[:4]) + (", ..." if len(own) > 4 else "")
             text += (
                 f": its parameters ({listed}) would be all-gathered in a group of their own "
-                f"on {_ranks_word(on)} and with their parent's on {_ranks_word(off)}"
+                f"on {ranks_word(on)} and with their parent's on {ranks_word(off)}"
             )
         out.append(text)
     return out
@@ -372,8 +367,8 @@ def _tensor_differences(prints: Sequence[Fingerprint]) -> list[str]:
         kind = next(iter(have.values())).kind.value
         if missing:
             out.append(
-                f"{kind} {name!r} exists on {_ranks_word(have)} but not on "
-                f"{_ranks_word(missing)} (the ranks built different models)"
+                f"{kind} {name!r} exists on {ranks_word(have)} but not on "
+                f"{ranks_word(missing)} (the ranks built different models)"
             )
             continue
         same = _by_value({r: t.same_everywhere() for r, t in have.items()})
@@ -384,7 +379,7 @@ def _tensor_differences(prints: Sequence[Fingerprint]) -> list[str]:
         lines = [f"{kind} {name!r}: {what} {verb} across ranks"]
         rows = _by_value({r: have[r].describe() for r in have})
         for text, rs in sorted(rows, key=lambda item: item[1]):
-            lines.append(f"    {_ranks_word(rs)}: {text}")
+            lines.append(f"    {ranks_word(rs)}: {text}")
         hint = _hint(have)
         if hint:
             lines.append(f"    {hint}")
@@ -535,7 +530,7 @@ def check(model: Any, *, name: str | None = None, timeout: float = 60.0) -> None
     prints = gather(ex, mine, timeout)
     if prints is None:
         raise ShardingError(
-            f"check({mine.root}): not every rank of {_ranks_word(ex.ranks)} called check() "
+            f"check({mine.root}): not every rank of {ranks_word(ex.ranks)} called check() "
             f"within {timeout:g}s"
         )
     text = compare(prints, when="by check()") if prints else None
