@@ -1,6 +1,9 @@
 """CUDA tensors rank to rank on one GPU through the data plane (CUDA IPC, device to
 device) next to a plain device-to-device copy, and a CUDA tensor from the controller to a
 rank (an endpoint argument: pickled through host memory, placed on the rank's GPU).
+Two kinds of rank-to-rank read: ``TensorRef.get`` semantics (each read asks the owner,
+which synchronizes its device: the value as of the read; the mapping is kept), and an
+``RDMABuffer`` read (one-sided after the first, as RDMA: a device copy only).
 
 ``python -m bench.gpu_ipc OUT_JSON`` writes ``{"rows": [{"what", "value", "unit",
 "target", "ok"}], "failures": [str]}``. Each measurement is tried on its own (a failure
@@ -94,6 +97,30 @@ class Ipc(Actor):
         return took
 
     @endpoint
+    def buffer(self, mib: int):
+        import torch
+
+        from monarch_kernel.rdma import RDMABuffer
+
+        t = torch.ones(mib * MiB // 4, device="cuda")
+        self.kept[-mib] = (t, RDMABuffer(t))
+        return self.kept[-mib][1]
+
+    @endpoint
+    def read_buffer_timed(self, buf, mib: int, reps: int) -> list[float]:
+        import torch
+
+        dst = torch.empty(mib * MiB // 4, device="cuda")
+        buf.read_into(dst).get()  # warm: maps it (the owner's answer); one-sided from now
+        took = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            buf.read_into(dst).get()
+            took.append(time.perf_counter() - t0)
+        assert float(dst[:4].sum()) == 4.0
+        return took
+
+    @endpoint
     def take(self, t) -> str:
         return str(t.device)
 
@@ -172,7 +199,7 @@ def main(argv: list[str]) -> int:
             after = (owner.phases.call_one().get(), reader.phases.call_one().get())
             gbs = mib * MiB / _median(took) / 1e9
             if transport == "auto":
-                phases_row(mib, before, after, sum(took) / len(took))
+                phases_row(mib, before, after, sum(took) / len(took), len(took) + 1)
             if transport == "auto":
                 want = RATIO * base[mib] if mib in base else None
                 ok = None if want is None else gbs >= want
@@ -182,23 +209,36 @@ def main(argv: list[str]) -> int:
                 row(f"rank->rank CUDA staged (transport={transport}), {mib} MiB", gbs, "GB/s",
                     "info: pinned host memory, for comparison", None)  # fmt: skip
 
-        def phases_row(mib: int, before: Any, after: Any, mean: float) -> None:
-            """Where one read's time goes: mean ms per phase (owner's describe; the
-            reader's map, copy, unmap), the rest being the request and the ack."""
+        def phases_row(mib: int, before: Any, after: Any, mean: float, reads: int) -> None:
+            """Where one read's time goes: ms per read in each phase (the owner's describe
+            or renewal; the reader's map, copy, unmap), the rest being the request and
+            its answer. A kept mapping is mapped once for all ``reads`` (the warm one
+            included)."""
             parts = {}
             for b, a in zip(before, after, strict=True):
                 for phase, secs in a["seconds"].items():
-                    n = a["counts"][phase] - b["counts"][phase]
-                    if n:
-                        parts[phase] = (secs - b["seconds"][phase]) / n
+                    if a["counts"][phase] - b["counts"][phase]:
+                        parts[phase] = (secs - b["seconds"][phase]) / reads
             known = sum(parts.values())
             text = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in parts.items())
             row(f"rank->rank CUDA by IPC, {mib} MiB: ms per read (mean {mean * 1e3:.3f})",
                 mean * 1e3, "ms", f"info: {text}, messages {(mean - known) * 1e3:.3f}",
                 None)  # fmt: skip
 
+        def one_sided(mib: int) -> None:
+            buf = owner.buffer.call_one(mib).get()
+            took = reader.read_buffer_timed.call_one(buf, mib, _reps(mib)).get()
+            gbs = mib * MiB / _median(took) / 1e9
+            want = RATIO * base[mib] if mib in base else None
+            row(f"rank->rank CUDA RDMABuffer read (one-sided, kept mapping), {mib} MiB", gbs,
+                "GB/s", f">= {RATIO}x D2D" + (f" ({want:.0f} GB/s)" if want else ""),
+                None if want is None else gbs >= want)  # fmt: skip
+
         for mib in SIZES_MIB:
             attempt(f"rank->rank {mib} MiB", lambda mib=mib: rank_to_rank(mib))
+            write(out)
+        for mib in SIZES_MIB:
+            attempt(f"RDMABuffer {mib} MiB", lambda mib=mib: one_sided(mib))
             write(out)
         attempt("rank->rank staged 64 MiB", lambda: rank_to_rank(64, "tcp"))
         counts = attempt("counters", lambda: reader.counters.call_one().get())
@@ -206,6 +246,8 @@ def main(argv: list[str]) -> int:
             row("receiver's bytes_ipc", float(counts["bytes_ipc"]), "bytes", "> 0", None)
             row("receiver's ipc_fallbacks", float(counts["ipc_fallbacks"]), "count", "0",
                 counts["ipc_fallbacks"] == 0)  # fmt: skip
+            row("receiver's one-sided RDMA reads", float(counts["ipc_one_sided"]), "count",
+                "> 0", counts["ipc_one_sided"] > 0)  # fmt: skip
         write(out)
 
         def controller_to_rank(mib: int) -> None:

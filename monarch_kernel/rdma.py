@@ -10,7 +10,12 @@ them with ``write_from(src)``; both return a :class:`~monarch_kernel.calls.futur
 There is no RDMA hardware path: bytes move as :func:`monarch_kernel.share`'s do.
 Within a host, a CUDA buffer read into or written from CUDA memory is mapped by CUDA IPC
 and copied device to device (``rank.dataplane.cuda_ipc``; pinned host memory between
-hosts, or where IPC is off or fails). A CPU buffer of ``SHM_MIN_BYTES`` or more that
+hosts, or where IPC is off or fails). The mapping is kept: after the first use, reads
+and writes of it are one-sided, as with RDMA (no message to the owner, a device copy
+only); a buffer its owner dropped is refused at once all the same. While a CUDA buffer is
+mapped elsewhere, its owner waits for its own GPU work at the end of each piece of user
+code (a cell, an endpoint), so what it did to the buffer before it answered is what a
+reader sees. A CPU buffer of ``SHM_MIN_BYTES`` or more that
 owns its storage lives in shared memory from the moment it is made (its storage is moved
 there in place), and readers and writers of the host copy straight from and into it
 without asking the owner; anything else goes over the owner's data socket (a unix
@@ -248,6 +253,7 @@ class RDMABuffer:
             return Future._resolved(None)
         self._dropped = True
         ref = self._ref
+        cuda_ipc.mappings.drop_tensor(ref.key_id, ref.pid, ref.id)  # ours, if kept
         return self._submit(lambda: client().request(ref, {"op": "release", "id": ref.id}), "drop")
 
     # -- helpers -------------------------------------------------------------------
@@ -270,7 +276,7 @@ class RDMABuffer:
 
         def work() -> None:
             try:
-                client().ipc_copy(ref, torch.uint8, use, timeout)
+                client().ipc_copy(ref, torch.uint8, use, timeout, one_sided=True)
             except cuda_ipc.IpcUnavailable:
                 counters_["ipc_fallbacks"] += 1
                 staged()

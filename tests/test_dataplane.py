@@ -63,9 +63,13 @@ def test_released_tensor_gives_a_clear_error(mesh22):
 
 
 @pytest.mark.unit
-def test_share_outside_a_rank_is_a_clear_error():
+def test_share_outside_a_rank_is_a_clear_error(monkeypatch):
     import monarch_kernel
+    from monarch_kernel.rank.dataplane import client, plane
 
+    # (a controller RDMABuffer made earlier in this process joins the data plane: not here)
+    monkeypatch.setattr(client, "_controller_config", None)
+    monkeypatch.setattr(plane, "_server", None)
     with pytest.raises(RuntimeError, match="inside ranks"):
         monarch_kernel.share(torch.zeros(3))
 

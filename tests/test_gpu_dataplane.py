@@ -1,6 +1,9 @@
 """CUDA tensors rank to rank on one host by CUDA IPC (``rank.dataplane.cuda_ipc``): values,
 dtype and shape kept, the copy on the receiver's GPU, no byte through host memory
 (``bytes_staged`` stays 0), and no GPU memory left behind when either side is SIGKILLed.
+Mappings are kept: a tensor read again is not mapped again (the owner renews its lease and
+the reader still sees every change), an idle mapping is let go, and an RDMA buffer is
+read one-sided after its first use (no message), a dropped one refused at once.
 
 Needs CUDA: skipped without a GPU. Owner and receiver are ranks of two one-rank meshes of
 this machine (a ref reaches ranks of other meshes of its machine over the owner's unix
@@ -49,7 +52,49 @@ class Gpu(Actor):
         from monarch_kernel.rdma import RDMABuffer
 
         self.kept["b"] = t = torch.arange(n, device="cuda", dtype=torch.float32)
-        return RDMABuffer(t)
+        self.kept["buffer"] = buffer = RDMABuffer(t)
+        return buffer
+
+    @endpoint
+    def bump(self, key: str) -> None:
+        self.kept[key].add_(1)  # on the GPU, not waited for here
+
+    @endpoint
+    def fill(self, key: str, value: float) -> None:
+        self.kept[key].fill_(value)  # not waited for: the rank does, before it answers
+
+    @endpoint
+    def drop_buffer(self) -> None:
+        self.kept["buffer"].drop().get()
+
+    @endpoint
+    def rdma_reads(self, buf, n: int, times: int) -> list[float]:
+        dst = torch.empty(n, device="cuda", dtype=torch.float32)
+        sums = []
+        for _ in range(times):
+            buf.read_into(dst).get()
+            sums.append(float(dst.double().sum()))
+        return sums
+
+    @endpoint
+    def rdma_read_error(self, buf, n: int) -> str:
+        try:
+            buf.read_into(torch.empty(n, device="cuda", dtype=torch.float32)).get()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+
+    @endpoint
+    def phases(self) -> dict:
+        from monarch_kernel.rank.dataplane import cuda_ipc
+
+        return dict(cuda_ipc.phase_counts)
+
+    @endpoint
+    def set_idle(self, seconds: float) -> None:
+        from monarch_kernel.rank.dataplane import cuda_ipc
+
+        cuda_ipc.mappings.idle = seconds
 
     @endpoint
     def owned_sum(self, key: str) -> float:
@@ -198,6 +243,74 @@ def test_the_copy_outlives_the_owner_and_nothing_is_left(pair):
     receiver.pull.call_one(ref, keep=True).get()
     os.kill(owner_pid, signal.SIGKILL)
     assert receiver.copy_sum.call_one().get() == _expected(n)  # still valid: its own memory
+    receiver.drop_all.call_one().get()
+    free = _wait_free(before - SLACK)
+    assert free >= before - SLACK, f"{(before - free) / MIB:.0f} MiB of GPU memory leaked"
+
+
+def _wait_dead(pid: int, timeout: float = 30.0) -> None:
+    from monarch_kernel.wire.osutil import proc_state
+
+    deadline = time.monotonic() + timeout
+    while proc_state(f"/proc/{pid}/stat") not in ("", "Z", "X"):
+        assert time.monotonic() < deadline, f"pid {pid} still runs after SIGKILL"
+        time.sleep(0.05)
+
+
+def _wait_leases(owner, want: int, timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    held = owner.leases.call_one().get()
+    while held != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+        held = owner.leases.call_one().get()
+    return held
+
+
+def test_a_tensor_read_again_is_not_mapped_again_and_every_change_is_seen(pair):
+    owner, receiver = pair
+    n = 1 << 20
+    ref = owner.share.call_one(n).get()
+    mine, theirs = owner.phases.call_one().get(), receiver.phases.call_one().get()
+    for bumps in range(3):
+        assert receiver.pull.call_one(ref).get()[3] == _expected(n) + bumps * n
+        owner.bump.call_one("t").get()  # in place, on the owner's GPU
+    mine2, theirs2 = owner.phases.call_one().get(), receiver.phases.call_one().get()
+    assert theirs2["map"] - theirs["map"] == 1, "mapped once, kept for the next reads"
+    assert mine2["describe"] - mine["describe"] == 1
+    assert mine2["renew"] - mine["renew"] == 2, "each later read: the lease renewed"
+    assert owner.leases.call_one().get() == 1
+    receiver.set_idle.call_one(0.2).get()
+    assert _wait_leases(owner, 0) == 0, "an idle mapping was not let go (nor the owner told)"
+    assert receiver.pull.call_one(ref).get()[3] == _expected(n) + 3 * n  # mapped anew
+
+
+def test_an_rdma_buffer_is_used_one_sided_after_its_first_use_and_a_drop_is_refused(pair):
+    owner, receiver = pair
+    n = 1 << 20
+    buf = owner.rdma.call_one(n).get()
+    assert receiver.rdma_reads.call_one(buf, n, 3).get() == [_expected(n)] * 3
+    assert receiver.counters.call_one().get()["ipc_one_sided"] == 2
+    owner.fill.call_one("b", 5.0).get()  # its GPU work is waited for before it answers
+    assert receiver.rdma_reads.call_one(buf, n, 1).get() == [5.0 * n]
+    assert receiver.counters.call_one().get()["ipc_one_sided"] == 3
+    owner.drop_buffer.call_one().get()
+    error = receiver.rdma_read_error.call_one(buf, n).get()
+    assert "dropped by its owner" in error, error
+
+
+def test_a_one_sided_reader_learns_its_owner_died_and_no_gpu_memory_is_left(pair):
+    owner, receiver = pair
+    owner_pid = owner.pid.call_one().get()
+    receiver.pid.call_one().get()
+    before = _free()
+    n = 256 * MIB // 4
+    buf = owner.rdma.call_one(n).get()
+    first, second = receiver.rdma_reads.call_one(buf, n, 2).get()  # one-sided, the 2nd
+    assert first == second > 0
+    os.kill(owner_pid, signal.SIGKILL)
+    _wait_dead(owner_pid)
+    error = receiver.rdma_read_error.call_one(buf, n).get()
+    assert "died" in error, error
     receiver.drop_all.call_one().get()
     free = _wait_free(before - SLACK)
     assert free >= before - SLACK, f"{(before - free) / MIB:.0f} MiB of GPU memory leaked"

@@ -171,13 +171,20 @@ class Client:
             self.request(ref, {"op": "write", "id": ref.id, "off": off}, timeout, (part,))
 
     def ipc_copy(
-        self, ref: SharedTensor, dtype: Any, use: Callable[[Any], None], timeout: float = 60.0
+        self,
+        ref: SharedTensor,
+        dtype: Any,
+        use: Callable[[Any], None],
+        timeout: float = 60.0,
+        one_sided: bool = False,
     ) -> None:
         """Run ``use(mapped)`` (a device-to-device copy into or out of it) on the owner's
-        CUDA tensor mapped here by CUDA IPC (``dataplane.cuda_ipc``), then drop the mapping
-        and tell the owner. :class:`~monarch_kernel.rank.dataplane.cuda_ipc.IpcUnavailable`
-        when the handle does not open here (staging is then safe); OwnerDiedError when
-        the owner died before or during the copy."""
+        CUDA tensor mapped here by CUDA IPC (``dataplane.cuda_ipc``); the mapping is kept
+        for the next time. ``one_sided`` (RDMA buffers): no message to the owner while it
+        offers the buffer on its board.
+        :class:`~monarch_kernel.rank.dataplane.cuda_ipc.IpcUnavailable` when the handle
+        does not open here (staging is then safe); OwnerDiedError when the owner died
+        before or during the copy."""
         import torch
 
         if ref.pid == os.getpid() and cuda_ipc.local_tensor is not None:
@@ -190,25 +197,63 @@ class Client:
             torch.cuda.synchronize(t.device)
             counters_["bytes_ipc"] += ref.nbytes
             return
-        msg = self.request(ref, {"op": "ipc", "id": ref.id, "p": os.getpid()}, timeout)
-        h = msg.header
-        try:
-            cuda_ipc.copy_from_mapping(h, dtype, use)
-        except cuda_ipc.IpcUnavailable:
-            raise
-        except RuntimeError as exc:
+        key: cuda_ipc.MappingKey = (ref.key_id, ref.pid, ref.id, str(dtype))
+        kept = cuda_ipc.mappings.get(key)
+        if one_sided and kept is not None and kept.one_sided(time.monotonic()):
             if _dead(ref, self.machine):
+                cuda_ipc.mappings.drop(key, tell=False)
+                raise OwnerDiedError(
+                    f"rank {ref.owner} (pid {ref.pid} on {ref.machine}), the owner, died"
+                )
+            self._copy(ref, key, kept, use)
+            counters_["ipc_one_sided"] += 1
+            return
+        header: dict[str, Any] = {"op": "ipc", "id": ref.id, "p": os.getpid()}
+        if kept is not None:
+            header["have"] = kept.lease  # the owner renews it instead of describing again
+        try:
+            h = self.request(ref, header, timeout).header
+        except BaseException as exc:
+            if kept is not None:  # released, or the owner is gone
+                cuda_ipc.mappings.drop(key, tell=not isinstance(exc, OwnerDiedError))
+            raise
+        if kept is not None and h.get("same") is True and h.get("lease") == kept.lease:
+            kept.renewed = time.monotonic()
+        else:
+            if kept is not None:
+                cuda_ipc.mappings.drop(key, tell=False)  # the owner let that lease go
+            lease = h["lease"]
+            try:
+                kept = cuda_ipc.map_tensor(key, h, dtype, ref.pid, lambda n: self._done(ref, n))
+            except BaseException:
+                self._done(ref, lease)
+                raise
+            cuda_ipc.mappings.put(kept)
+        self._copy(ref, key, kept, use)
+
+    def _copy(
+        self, ref: SharedTensor, key: cuda_ipc.MappingKey, kept: Any, use: Callable[[Any], None]
+    ) -> None:
+        try:
+            cuda_ipc.copy_with(kept, use)
+        except RuntimeError as exc:
+            dead = _dead(ref, self.machine)
+            cuda_ipc.mappings.drop(key, tell=not dead)
+            if dead:
                 raise OwnerDiedError(
                     f"rank {ref.owner} (pid {ref.pid} on {ref.machine}), the owner, died "
                     f"during a CUDA IPC copy: {exc}"
                 ) from exc
             raise
-        finally:
-            try:  # no answer awaited: the mapping is gone already, nothing depends on it
-                self.notify(ref, {"op": "ipc_done", "lease": h["lease"]})
-            except (zmq.ZMQError, RuntimeError):
-                pass  # the owner lets the lease go on its own (death, deadline)
         counters_["bytes_ipc"] += ref.nbytes
+
+    def _done(self, ref: SharedTensor, lease: int) -> None:
+        """Tell ``ref``'s owner this process dropped its mapping (lease ``lease``); no
+        answer awaited, nothing depends on it."""
+        try:
+            self.notify(ref, {"op": "ipc_done", "lease": lease})
+        except (zmq.ZMQError, RuntimeError):
+            pass  # the owner lets the lease go on its own (death, deadline)
 
     def _open_shm(self, ref: SharedTensor) -> int:
         """A read-only descriptor of the owner's shared memory holding the tensor: the

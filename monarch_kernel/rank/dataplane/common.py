@@ -36,7 +36,8 @@ NONCE_MAX = 65536
 #: ``bytes_ipc``: bytes of CUDA tensors this rank read or wrote by CUDA IPC (device to
 #: device); ``bytes_staged``: bytes of CUDA tensors that went through its host memory
 #: (either side; 0 while every CUDA transfer is by IPC); ``ipc_fallbacks``: transfers
-#: that tried IPC and were staged instead.
+#: that tried IPC and were staged instead; ``ipc_one_sided``: reads and writes of RDMA
+#: buffers by CUDA IPC that needed no message to the owner (a kept mapping).
 counters_ = {
     "bytes_out": 0,
     "bytes_in": 0,
@@ -45,6 +46,7 @@ counters_ = {
     "bytes_ipc": 0,
     "bytes_staged": 0,
     "ipc_fallbacks": 0,
+    "ipc_one_sided": 0,
 }
 
 

@@ -6,42 +6,78 @@ The owner answers an ``ipc`` request with :func:`describe`: what torch's
 block, the offsets, shape, stride, dtype, torch's ref-counter slot and interprocess
 event), as plain header values (no pickle, no file descriptor), plus the GPU's UUID. It
 keeps a :class:`Lease` on the tensor until the receiver says ``ipc_done``, its process is
-gone, or :data:`LEASE_SECONDS` pass. The receiver maps it (:func:`open_mapping`:
-``rebuild_cuda_tensor`` on the same GPU, found by UUID), copies device to device into its
-own memory (peer to peer if the ranks use different GPUs), waits for that copy and drops
-the mapping at once: its copy outlives the owner.
+gone, or :data:`LEASE_SECONDS` pass without a renewal. The receiver maps it
+(:func:`open_mapping`: ``rebuild_cuda_tensor`` on the same GPU, found by UUID) and copies
+device to device into its own memory (peer to peer if the ranks use different GPUs).
 
-Stream ordering: the owner synchronizes its whole device before it describes the tensor
-(every stream of its process, not only the one the serving thread sees), so the kernels
-that produced the tensor have finished; torch's interprocess event, recorded by
-``_share_cuda_`` and waited for by ``rebuild_cuda_tensor``, orders the serving thread's
-own stream too. The receiver synchronizes its device after the copy, before it drops the
-mapping and acknowledges.
+Mappings are kept (:class:`Mappings`): opening and closing a handle costs more than
+copying a few hundred MiB, so the receiver keeps the owner's tensor mapped while it reads
+it again and again, and drops it (telling the owner, ``ipc_done``) after
+:data:`MAPPING_IDLE_SECONDS` without use, when more than :data:`MAX_MAPPINGS` are held,
+or at once when the owner's process is gone. A later read of a tensor still mapped asks
+the owner with the lease it holds (``have``): the owner renews the lease and synchronizes
+its device, without describing the tensor again, and the receiver copies from the
+mapping it has.
+
+Stream ordering: the owner synchronizes its whole device before it answers (every stream
+of its process, not only the one the serving thread sees), so the kernels that produced
+the tensor have finished; torch's interprocess event, recorded by ``_share_cuda_`` and
+waited for by ``rebuild_cuda_tensor``, orders the serving thread's own stream too. The
+receiver synchronizes its device after the copy, before it answers its caller.
+
+One-sided reads and writes (RDMA buffers, ``monarch_kernel.rdma``): as with Monarch's
+RDMA, a read or write of a buffer the receiver has mapped goes straight to the owner's
+memory, with no message to the owner. The owner publishes which of its buffers are
+still offered on a :class:`Board` (a page of shared memory the receiver maps read-only):
+a dropped buffer is refused at once. The owner keeps causality for them: while any of its
+CUDA RDMA buffers is mapped by another process, the end of each piece of user code on
+the owner synchronizes its device (:func:`sync_offered`), so a reader told "the buffer
+is ready" by the owner's answer or a later message sees everything the owner did to it
+before. A one-sided mapping asks the owner again (renewing the lease) every
+:data:`RENEW_SECONDS`.
 """
 
 from __future__ import annotations
 
 import functools
+import mmap
+import os
+import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from monarch_kernel.rank.dataplane.common import counters_
 from monarch_kernel.wire.osutil import proc_state
 
-#: How long the owner keeps a tensor for a receiver that neither acknowledged nor died.
+#: How long the owner keeps a tensor for a receiver that neither acknowledged nor died
+#: (each renewal starts it again).
 LEASE_SECONDS = 120.0
+#: A receiver drops a mapping it has not used for this long (``ipc_done`` to the owner);
+#: set with ``MONARCH_KERNEL_IPC_MAPPING_IDLE_S`` in the ranks' environment.
+MAPPING_IDLE_SECONDS = 10.0
+IDLE_ENV = "MONARCH_KERNEL_IPC_MAPPING_IDLE_S"
+#: At most this many mappings per receiving process (the least recently used goes).
+MAX_MAPPINGS = 64
+#: A one-sided mapping goes back to the owner (renewing its lease) after this long.
+RENEW_SECONDS = LEASE_SECONDS / 4
+#: How many RDMA buffers one owner's :class:`Board` offers for one-sided use at once
+#: (the others are read and written with a message each).
+BOARD_SLOTS = 1024
 
 
 #: Seconds this process spent in each phase of its CUDA IPC transfers, and how many:
 #: "describe" (the owner: device synchronize, torch's reduce_tensor), "map" (the receiver:
 #: opening the handle and event), "copy" (the receiver's device copy and the wait for
 #: it), "unmap" (dropping the mapping); read by bench/gpu_ipc.py to say where a
-#: transfer's time goes (the rest is the request and the acknowledgement).
-phase_seconds: dict[str, float] = {"describe": 0.0, "map": 0.0, "copy": 0.0, "unmap": 0.0}
-phase_counts: dict[str, int] = {"describe": 0, "map": 0, "copy": 0, "unmap": 0}
+#: transfer's time goes (the rest is the request and its answer).
+#: "renew" is the owner's answer to a receiver that still maps the tensor (its device
+#: synchronize only).
+phase_seconds: dict[str, float] = dict.fromkeys(("describe", "renew", "map", "copy", "unmap"), 0.0)
+phase_counts: dict[str, int] = dict.fromkeys(("describe", "renew", "map", "copy", "unmap"), 0)
 
 
 _phase_lock = threading.Lock()  # (the owner's serving thread and readers' threads)
@@ -74,6 +110,10 @@ class Lease:
     pid: int  #: the receiver's process (on this machine)
     deadline: float  #: ``time.monotonic()`` after which the tensor is let go
     ref_counter: tuple[bytes, int]  #: torch's counter slot the receiver decrements
+    ident: int = 0  #: the shared tensor's id (the owner's data-plane registry)
+    #: where the tensor's bytes were when described (:func:`layout`): a renewal needs
+    #: the same, else the receiver would copy from memory the tensor no longer uses
+    layout: tuple[Any, ...] = ()
 
 
 class Leases:
@@ -94,6 +134,29 @@ class Leases:
     def done(self, ident: int) -> None:
         with self.lock:
             self.held.pop(ident, None)
+
+    def renew(
+        self,
+        ident: int,
+        tensor: int,
+        pid: int,
+        layout: tuple[Any, ...] = (),
+        now: float | None = None,
+    ) -> bool:
+        """Start lease ``ident`` of process ``pid`` again if it is held for tensor
+        ``tensor`` and its bytes are where they were (``layout``); False if not. A lease of
+        ``pid`` that cannot be renewed (the tensor moved) is ended: that receiver drops
+        its mapping when it is not renewed."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            lease = self.held.get(ident)
+            if lease is None or lease.pid != pid:
+                return False
+            if lease.ident != tensor or lease.layout != layout:
+                del self.held[ident]
+                return False
+            lease.deadline = now + LEASE_SECONDS
+            return True
 
     def expire(self, now: float | None = None) -> int:
         """Let go of the leases whose receiver died or whose deadline passed; how many.
@@ -179,6 +242,15 @@ def describe(t: Any) -> dict[str, Any]:
     }
 
 
+def layout(t: Any) -> tuple[Any, ...]:
+    """Where ``t``'s bytes are: its storage's address, offset, shape, stride and dtype (a
+    tensor given new memory, ``t.data = ...`` or a resize, changes it)."""
+    return (
+        t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+        str(t.dtype),
+    )  # fmt: skip
+
+
 def open_mapping(h: dict[str, Any], dtype: Any) -> Any:
     """The owner's tensor mapped into this process (torch's ``rebuild_cuda_tensor``), on
     this process's index of the owner's GPU; IpcUnavailable if it cannot be opened."""
@@ -208,21 +280,290 @@ def open_mapping(h: dict[str, Any], dtype: Any) -> Any:
         raise IpcUnavailable(f"the CUDA IPC handle did not open here: {exc}") from exc
 
 
-def copy_from_mapping(h: dict[str, Any], dtype: Any, use: Callable[[Any], None]) -> None:
-    """Map the owner's tensor, run ``use(mapped)`` (a device copy into or out of it),
-    wait for it and drop the mapping."""
+class Board:
+    """The owner's page of shared memory (a memfd) saying which of its RDMA buffers are
+    offered for one-sided use: slot ``k`` holds the buffer's id while it is offered, 0
+    once dropped. Receivers map it read-only (:class:`BoardView`) through
+    ``/proc/<owner pid>/fd/<fd>``, as the owner's shared-memory tensors."""
+
+    def __init__(self, slots: int = BOARD_SLOTS) -> None:
+        self.fd = os.memfd_create("mk-ipc-board", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, 8 * slots)
+        self.page = mmap.mmap(self.fd, 8 * slots)
+        self.ino = os.fstat(self.fd).st_ino
+        self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
+        self.lock = threading.Lock()
+        self.slots: dict[int, int] = {}  #: buffer id -> its slot
+        self.devices: dict[int, int] = {}  #: buffer id -> its CUDA device index
+        self.free = list(range(slots - 1, -1, -1))
+
+    def claim(self, ident: int, device: int) -> int:
+        """The slot of buffer ``ident`` (on CUDA device ``device``), claimed now if it
+        had none; -1 when every slot is taken (that buffer is then used with a message
+        each time)."""
+        with self.lock:
+            slot = self.slots.get(ident)
+            if slot is None:
+                if not self.free:
+                    return -1
+                slot = self.slots[ident] = self.free.pop()
+                self.devices[ident] = device
+                struct.pack_into("<q", self.page, 8 * slot, ident)
+            return slot
+
+    def clear(self, ident: int) -> None:
+        """Buffer ``ident`` is no longer offered (dropped): receivers refuse it from now."""
+        with self.lock:
+            slot = self.slots.pop(ident, None)
+            self.devices.pop(ident, None)
+            if slot is not None:
+                struct.pack_into("<q", self.page, 8 * slot, 0)
+                self.free.append(slot)
+
+    def offered_devices(self) -> set[int]:
+        """The CUDA devices of the buffers offered now (empty: none is)."""
+        with self.lock:
+            return set(self.devices.values())
+
+
+class BoardView:
+    """A receiver's read-only view of an owner's :class:`Board`."""
+
+    def __init__(self, path: str, ino: int) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_ino != ino:
+                raise OSError(f"{path} is not the owner's board any more")
+            self.page = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+
+    def offers(self, slot: int, ident: int) -> bool:
+        """Whether slot ``slot`` still holds buffer ``ident`` (not dropped)."""
+        if not 0 <= slot < len(self.page) // 8:
+            return False
+        found: int = struct.unpack_from("<q", self.page, 8 * slot)[0]
+        return found == ident
+
+
+#: The owner's board (made by its data-plane server for the first CUDA RDMA buffer a
+#: receiver maps); read by :func:`sync_offered`.
+board: Board | None = None
+
+
+def sync_offered() -> None:
+    """The owner's side of one-sided use: while another process maps one of its CUDA
+    RDMA buffers, wait for this process's GPU work on their devices (called at the end of
+    each piece of user code; nothing to do, and no CUDA call, otherwise)."""
+    b = board
+    if b is None or not b.slots:
+        return
+    import torch
+
+    for device in b.offered_devices():
+        torch.cuda.synchronize(device)
+
+
+#: What a receiver's mapping is kept under: (owner's mesh key id, owner pid, tensor id,
+#: dtype).
+MappingKey = tuple[str, int, int, str]
+
+
+@dataclass(eq=False)
+class Mapping:
+    """An owner's tensor mapped in this process, kept for further reads and writes."""
+
+    key: MappingKey
+    tensor: Any  #: the mapped tensor (None once dropped)
+    lease: int  #: the owner's lease on it
+    owner_pid: int
+    ident: int  #: the owner's tensor id
+    release: Callable[[int], None]  #: tells the owner that lease is done
+    board: BoardView | None = None  #: one-sided use: the owner's board and our slot
+    slot: int = -1
+    used: float = field(default_factory=time.monotonic)  #: last use
+    renewed: float = field(default_factory=time.monotonic)  #: last answer from the owner
+
+    def one_sided(self, now: float) -> bool:
+        """Whether this mapping may be used without asking the owner: it offers it on its
+        board and answered within :data:`RENEW_SECONDS`."""
+        if self.board is None or now - self.renewed >= RENEW_SECONDS:
+            return False
+        return self.board.offers(self.slot, self.ident)
+
+
+def idle_seconds(environ: dict[str, str] | None = None) -> float:
+    """:data:`MAPPING_IDLE_SECONDS`, or the environment's :data:`IDLE_ENV`."""
+    text = (os.environ if environ is None else environ).get(IDLE_ENV, "").strip()
+    if not text:
+        return MAPPING_IDLE_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < LEASE_SECONDS:
+        raise ValueError(
+            f"{IDLE_ENV}={text!r}: give the seconds a receiver keeps an unused CUDA IPC "
+            f"mapping, from 0 to under {LEASE_SECONDS:.0f} (the owner's lease)"
+        )
+    return value
+
+
+class Mappings:
+    """A receiver's kept mappings, least recently used first. A daemon thread drops those
+    idle for ``idle`` seconds, or whose owner is gone, while any is kept.
+
+    Invariant: a mapping is in :attr:`held` until it is dropped, and dropped once: its
+    owner is told (``release``) unless its process is gone or it let the lease go
+    already. A thread that took a mapping's tensor before it was dropped still copies
+    safely: the tensor keeps the handle open until that thread lets it go."""
+
+    def __init__(
+        self,
+        idle: float | None = None,
+        limit: int = MAX_MAPPINGS,
+        clock: Callable[[], float] = time.monotonic,
+        alive: Callable[[int], bool] | None = None,
+    ) -> None:
+        self.idle = idle
+        self.limit = limit
+        self.clock = clock
+        self.alive = alive or _alive
+        self.held: OrderedDict[MappingKey, Mapping] = OrderedDict()
+        self.lock = threading.Lock()
+        self.sweeping = False
+
+    def idle_limit(self) -> float:
+        if self.idle is None:
+            self.idle = idle_seconds()
+        return self.idle
+
+    def get(self, key: MappingKey) -> Mapping | None:
+        with self.lock:
+            found = self.held.get(key)
+            if found is not None:
+                self.held.move_to_end(key)
+            return found
+
+    def put(self, mapping: Mapping) -> None:
+        """Keep ``mapping`` (dropping one it replaces and the least recently used beyond
+        :attr:`limit`)."""
+        idle = self.idle_limit()
+        with self.lock:
+            out = [self.held.pop(mapping.key)] if mapping.key in self.held else []
+            self.held[mapping.key] = mapping
+            while len(self.held) > self.limit:
+                out.append(self.held.popitem(last=False)[1])
+            start = not self.sweeping
+            self.sweeping = True
+        for old in out:
+            self._close(old, tell=True)
+        if start:
+            threading.Thread(
+                target=self._sweep_loop, args=(min(1.0, max(idle / 2, 0.05)),),
+                name="mk-ipc-mappings", daemon=True,
+            ).start()  # fmt: skip
+
+    def drop(self, key: MappingKey, tell: bool = True) -> None:
+        """Drop the mapping under ``key`` if kept (``tell``: say so to its owner)."""
+        with self.lock:
+            found = self.held.pop(key, None)
+        if found is not None:
+            self._close(found, tell)
+
+    def drop_tensor(self, key_id: str, pid: int, ident: int) -> None:
+        """Drop every mapping of the owner's tensor ``ident`` (any dtype)."""
+        with self.lock:
+            keys = [k for k in self.held if k[:3] == (key_id, pid, ident)]
+        for key in keys:
+            self.drop(key)
+
+    def sweep(self, now: float | None = None) -> int:
+        """Drop the mappings idle too long or whose owner died; how many."""
+        now = self.clock() if now is None else now
+        idle = self.idle_limit()
+        with self.lock:
+            gone = [
+                m for m in self.held.values()
+                if now - m.used >= idle or not self.alive(m.owner_pid)
+            ]  # fmt: skip
+            for m in gone:
+                del self.held[m.key]
+        for m in gone:
+            self._close(m, tell=self.alive(m.owner_pid))
+        return len(gone)
+
+    def clear(self) -> None:
+        """Drop every mapping (telling the owners)."""
+        with self.lock:
+            gone = list(self.held.values())
+            self.held.clear()
+        for m in gone:
+            self._close(m, tell=self.alive(m.owner_pid))
+
+    def _close(self, m: Mapping, tell: bool) -> None:
+        t0 = time.perf_counter()
+        m.tensor = None  # closes the handle once no copy holds it (torch's cache is weak)
+        m.board = None
+        _timed("unmap", t0)
+        if tell:
+            try:
+                m.release(m.lease)
+            except Exception:  # the owner ends the lease on its own (death, deadline)
+                pass
+
+    def _sweep_loop(self, period: float) -> None:
+        while True:
+            time.sleep(period)
+            with self.lock:
+                if not self.held:
+                    self.sweeping = False
+                    return
+            self.sweep()
+
+
+#: This process's kept mappings (the data-plane client's).
+mappings = Mappings()
+
+
+def map_tensor(
+    key: MappingKey,
+    h: dict[str, Any],
+    dtype: Any,
+    owner_pid: int,
+    release: Callable[[int], None],
+) -> Mapping:
+    """The owner's tensor described by ``h`` mapped here (timed as "map"), with the
+    owner's board when it offers the tensor for one-sided use."""
+    t0 = time.perf_counter()
+    tensor = open_mapping(h, dtype)
+    view = None
+    if isinstance(h.get("board"), str) and isinstance(h.get("bino"), int):
+        try:
+            view = BoardView(h["board"], h["bino"])
+        except (OSError, ValueError):
+            view = None  # not readable here: every use asks the owner
+    _timed("map", t0)
+    slot = h.get("slot")
+    return Mapping(
+        key, tensor, int(h["lease"]), owner_pid, key[2], release, view,
+        slot if isinstance(slot, int) else -1,
+    )  # fmt: skip
+
+
+def copy_with(mapping: Mapping, use: Callable[[Any], None]) -> None:
+    """Run ``use(mapped)`` (a device copy into or out of the mapped tensor) and wait for
+    it; the mapping stays kept."""
     import torch
 
     t0 = time.perf_counter()
-    mapped = open_mapping(h, dtype)
-    t0 = _timed("map", t0)
-    try:
-        use(mapped)
-        torch.cuda.synchronize(mapped.device)  # the copy is done before the mapping goes
-        t0 = _timed("copy", t0)
-    finally:
-        del mapped  # closes the handle (torch's cache holds it weakly)
-        _timed("unmap", t0)
+    mapped = mapping.tensor
+    if mapped is None:
+        raise RuntimeError("the CUDA IPC mapping was dropped while in use")
+    use(mapped)
+    torch.cuda.synchronize(mapped.device)  # the copy is done before the caller goes on
+    _timed("copy", t0)
+    mapping.used = time.monotonic()
 
 
 def pinned_like(shape: tuple[int, ...], dtype: Any) -> Any:

@@ -207,6 +207,7 @@ class TensorRef:
     def release(self) -> None:
         """Tell the owner it may drop the tensor (its shared memory is no longer offered;
         the owner's tensor itself stays where it is)."""
+        cuda_ipc.mappings.drop_tensor(self.key_id, self.pid, self.id)  # ours, if kept
         client().request(self, {"op": "release", "id": self.id})
 
 

@@ -233,16 +233,43 @@ class Server:
             raise KeyError(f"tensor {ident} was released or never shared by rank {self.rank}")
         return t
 
-    def _ipc(self, ident: int, pid: int) -> Header:
+    def _ipc(self, ident: int, pid: int, have: int = 0) -> Header:
         """A CUDA IPC description of tensor ``ident`` for process ``pid`` of this host,
-        and a lease that keeps the tensor until it is done (``dataplane.cuda_ipc``)."""
+        and a lease that keeps the tensor until it is done (``dataplane.cuda_ipc``). A
+        receiver that still maps it (``have``: its lease) gets the lease renewed and
+        ``same`` instead: the device synchronized, nothing described again."""
+        import torch
+
         t = self.local(ident)
         if not t.is_cuda:
             raise ValueError(f"tensor {ident} of rank {self.rank} is not on CUDA")
+        where = cuda_ipc.layout(t)
+        if have and self.leases.renew(have, ident, pid, where):
+            t0 = time.perf_counter()
+            with torch.cuda.device(t.device):
+                torch.cuda.synchronize()  # every stream of this process, as describe()
+            cuda_ipc._timed("renew", t0)
+            return {"k": "ipc", "lease": have, "same": True}
         desc = cuda_ipc.describe(t)
         deadline = time.monotonic() + cuda_ipc.LEASE_SECONDS
-        lease = cuda_ipc.Lease(t, pid, deadline, (desc["rch"], desc["rco"]))
-        return {"k": "ipc", "lease": self.leases.add(lease), **desc}
+        lease = cuda_ipc.Lease(t, pid, deadline, (desc["rch"], desc["rco"]), ident, where)
+        header: Header = {"k": "ipc", "lease": self.leases.add(lease), **desc}
+        board = self._board() if ident in self.writable else None
+        if board is not None:  # an RDMA buffer: offered for one-sided use
+            slot = board.claim(ident, t.device.index or 0)
+            if slot >= 0:
+                header.update(board=board.path, bino=board.ino, slot=slot)
+        return header
+
+    def _board(self) -> cuda_ipc.Board | None:
+        """This process's board of RDMA buffers offered one-sided (made on first use;
+        None where memfds are not available: every use then asks)."""
+        if cuda_ipc.board is None:
+            try:
+                cuda_ipc.board = cuda_ipc.Board()
+            except (OSError, AttributeError):
+                return None
+        return cuda_ipc.board
 
     def _shm_copy(self, ident: int) -> str:
         """A fresh shared-memory file with the tensor's bytes as they are now, for a
@@ -263,6 +290,8 @@ class Server:
         return path
 
     def release(self, ident: int) -> None:
+        if cuda_ipc.board is not None:
+            cuda_ipc.board.clear(ident)  # one-sided readers and writers refuse it from now
         with self.lock:
             self.tensors.pop(ident, None)
             self.staged.pop(ident, None)
@@ -370,7 +399,7 @@ class Server:
             self.release(ident)
             return {"k": "ok"}, ()
         if op == "ipc":
-            return self._ipc(ident, _int(h, "p", 0)), ()
+            return self._ipc(ident, _int(h, "p", 0), _int(h, "have", 0)), ()
         if op == "ipc_done":
             self.leases.done(_int(h, "lease", 0))
             return {"k": "ok"}, ()
