@@ -10,12 +10,13 @@ them with ``write_from(src)``; both return a :class:`~monarch_kernel.calls.futur
 There is no RDMA hardware path: bytes move as :func:`monarch_kernel.share`'s do.
 Within a host, a CUDA buffer read into or written from CUDA memory is mapped by CUDA IPC
 and copied device to device (``rank.dataplane.cuda_ipc``; pinned host memory between
-hosts, or where IPC is off or fails). The mapping is kept: after the first use, reads
-and writes of it are one-sided, as with RDMA (no message to the owner, a device copy
-only); a buffer its owner dropped is refused at once all the same. While a CUDA buffer is
-mapped elsewhere, its owner waits for its own GPU work at the end of each piece of user
-code (a cell, an endpoint), so what it did to the buffer before it answered is what a
-reader sees. A CPU buffer of ``SHM_MIN_BYTES`` or more that
+hosts, or where IPC is off or fails). The mapping is kept for the next use, which asks
+the owner only to synchronize its device (a reader sees what the owner did to the buffer
+before the read). A buffer made with ``RDMABuffer(t, one_sided=True)`` is used one-sided
+after its first use, as Monarch's RDMA: a device copy straight from or into the owner's
+memory, no message; the owner then finishes its GPU work on the buffer
+(``torch.cuda.synchronize()``) before it tells anyone to read it, and does not resize it.
+A dropped buffer is refused either way. A CPU buffer of ``SHM_MIN_BYTES`` or more that
 owns its storage lives in shared memory from the moment it is made (its storage is moved
 there in place), and readers and writers of the host copy straight from and into it
 without asking the owner; anything else goes over the owner's data socket (a unix
@@ -113,14 +114,17 @@ def _as_bytes(data: Any, what: str) -> Any:
 class RDMABuffer:
     """Memory of this process that other processes read and write in place."""
 
-    def __init__(self, data: Any) -> None:
+    def __init__(self, data: Any, *, one_sided: bool = False) -> None:
+        """Offer ``data`` (kept in place). ``one_sided``: a CUDA buffer mapped by a
+        reader of this host is then read and written with no message to this process
+        (see the module's docstring for what the owner promises then)."""
         from monarch_kernel.rank.dataplane.plane import server
 
         raw = _as_bytes(data, "RDMABuffer data")
         if not raw.numel():
             raise ValueError("Cannot create RDMABuffer with size 0.")
         _in_process()
-        self._ref: TensorRef = server().share(raw, writable=True)
+        self._ref: TensorRef = server().share(raw, writable=True, one_sided=one_sided)
         self._dropped = False
 
     @classmethod

@@ -56,11 +56,11 @@ def test_a_kept_mapping_is_found_again_and_the_least_recently_used_goes_first():
     a, b, c = (_mapping(i, told) for i in (1, 2, 3))
     maps.put(a)
     maps.put(b)
-    assert maps.get(a.key) is a  # a is now the most recently used
+    assert maps.get(a.key) == (a, a.tensor)  # a is now the most recently used
     maps.put(c)
     assert maps.get(b.key) is None and b.tensor is None, "b was the least recently used"
     assert told.leases == [102]
-    assert maps.get(a.key) is a and maps.get(c.key) is c
+    assert maps.get(a.key) == (a, a.tensor) and maps.get(c.key) == (c, c.tensor)
 
 
 def test_replacing_a_mapping_drops_the_old_one_and_tells_its_owner():
@@ -70,7 +70,7 @@ def test_replacing_a_mapping_drops_the_old_one_and_tells_its_owner():
     maps.put(old)
     new = cuda_ipc.Mapping(old.key, object(), 555, ME, 1, told)
     maps.put(new)
-    assert old.tensor is None and told.leases == [101] and maps.get(old.key) is new
+    assert old.tensor is None and told.leases == [101] and maps.get(old.key) == (new, new.tensor)
 
 
 def test_sweep_drops_idle_mappings_and_those_of_dead_owners_telling_only_the_living():
@@ -177,17 +177,16 @@ def test_layout_changes_when_a_tensor_gets_new_memory_not_when_changed_in_place(
 
 def test_the_board_offers_a_buffer_until_it_is_dropped_as_a_receiver_reads_it():
     board = cuda_ipc.Board(slots=2)
-    s5 = board.claim(5, 0)
-    assert board.claim(5, 0) == s5, "one slot per buffer"
-    s6 = board.claim(6, 1)
-    assert board.claim(7, 0) == -1, "full: buffer 7 is used with a message each time"
+    s5 = board.claim(5)
+    assert board.claim(5) == s5, "one slot per buffer"
+    s6 = board.claim(6)
+    assert board.claim(7) == -1, "full: buffer 7 is used with a message each time"
     view = cuda_ipc.BoardView(board.path, board.ino)  # as a receiver: /proc/<pid>/fd/<fd>
     assert view.offers(s5, 5) and view.offers(s6, 6)
     assert not view.offers(s5, 6) and not view.offers(99, 5) and not view.offers(-1, 5)
-    assert board.offered_devices() == {0, 1}
     board.clear(5)
     assert not view.offers(s5, 5), "dropped: refused at once"
-    assert board.claim(7, 0) == s5, "its slot is reused"
+    assert board.claim(7) == s5, "its slot is reused"
     assert not view.offers(s5, 5) and view.offers(s5, 7)
     with pytest.raises(OSError, match="not the owner's board"):
         cuda_ipc.BoardView(board.path, board.ino + 1)
@@ -195,7 +194,7 @@ def test_the_board_offers_a_buffer_until_it_is_dropped_as_a_receiver_reads_it():
 
 def test_one_sided_use_needs_the_board_and_a_recent_answer_from_the_owner():
     board = cuda_ipc.Board(slots=4)
-    slot = board.claim(3, 0)
+    slot = board.claim(3)
     view = cuda_ipc.BoardView(board.path, board.ino)
     told = Told()
     m = cuda_ipc.Mapping(("run", ME, 3, "torch.uint8"), object(), 1, ME, 3, told, view, slot,
@@ -208,8 +207,42 @@ def test_one_sided_use_needs_the_board_and_a_recent_answer_from_the_owner():
     assert not plain.one_sided(now=101.0), "a shared tensor (no board): always asks"
 
 
-def test_sync_offered_does_nothing_without_a_board_or_buffers(monkeypatch):
-    monkeypatch.setattr(cuda_ipc, "board", None)
-    cuda_ipc.sync_offered()  # no CUDA call: this machine has none
-    monkeypatch.setattr(cuda_ipc, "board", cuda_ipc.Board(slots=1))
-    cuda_ipc.sync_offered()
+def test_a_drop_naming_a_mapping_leaves_a_newer_one_under_the_same_key():
+    told = Told()
+    maps = _mappings()
+    stale = _mapping(1, told)
+    maps.put(stale)
+    newer = cuda_ipc.Mapping(stale.key, object(), 555, ME, 1, told)
+    maps.put(newer)  # another thread mapped it again meanwhile
+    maps.drop(stale.key, tell=False, mapping=stale)
+    assert maps.get(stale.key) == (newer, newer.tensor) and told.leases == [101]
+
+
+def test_a_tensor_taken_from_a_mapping_outlives_its_drop_and_get_marks_it_used():
+    told = Told()
+    maps = _mappings()
+    m = _mapping(1, told, used=0.0)
+    maps.put(m)
+    found = maps.get(m.key)
+    assert found is not None and m.used > 0.0, "marked used: the sweeper keeps it"
+    kept, tensor = found
+    maps.sweep(now=m.used + 11.0)  # dropped meanwhile (idle)
+    assert kept.tensor is None and tensor is not None, "the taker still holds the tensor"
+    assert maps.get(m.key) is None
+
+
+def test_the_sweeper_survives_an_error_and_goes_on():
+    told = Told()
+    calls = []
+
+    def flaky_alive(pid: int) -> bool:
+        calls.append(pid)
+        if len(calls) == 1:
+            raise OSError("/proc unreadable for a moment")
+        return True
+
+    maps = cuda_ipc.Mappings(idle=0.1, alive=flaky_alive)
+    maps.put(_mapping(1, told, used=0.0))
+    for t in [t for t in threading.enumerate() if t.name == "mk-ipc-mappings"]:
+        t.join(timeout=30)
+    assert maps.held == {} and told.leases == [101]

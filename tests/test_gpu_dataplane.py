@@ -3,7 +3,8 @@ dtype and shape kept, the copy on the receiver's GPU, no byte through host memor
 (``bytes_staged`` stays 0), and no GPU memory left behind when either side is SIGKILLed.
 Mappings are kept: a tensor read again is not mapped again (the owner renews its lease and
 the reader still sees every change), an idle mapping is let go, and an RDMA buffer is
-read one-sided after its first use (no message), a dropped one refused at once.
+made ``one_sided`` is read one-sided after its first use (no message), a dropped one
+refused at once.
 
 Needs CUDA: skipped without a GPU. Owner and receiver are ranks of two one-rank meshes of
 this machine (a ref reaches ranks of other meshes of its machine over the owner's unix
@@ -48,11 +49,11 @@ class Gpu(Actor):
         return monarch_kernel.share(t)
 
     @endpoint
-    def rdma(self, n: int):
+    def rdma(self, n: int, one_sided: bool = False):
         from monarch_kernel.rdma import RDMABuffer
 
         self.kept["b"] = t = torch.arange(n, device="cuda", dtype=torch.float32)
-        self.kept["buffer"] = buffer = RDMABuffer(t)
+        self.kept["buffer"] = buffer = RDMABuffer(t, one_sided=one_sided)
         return buffer
 
     @endpoint
@@ -60,8 +61,10 @@ class Gpu(Actor):
         self.kept[key].add_(1)  # on the GPU, not waited for here
 
     @endpoint
-    def fill(self, key: str, value: float) -> None:
-        self.kept[key].fill_(value)  # not waited for: the rank does, before it answers
+    def fill(self, key: str, value: float, wait: bool = False) -> None:
+        self.kept[key].fill_(value)
+        if wait:  # what a one-sided buffer's owner does before readers read
+            torch.cuda.synchronize()
 
     @endpoint
     def drop_buffer(self) -> None:
@@ -284,13 +287,27 @@ def test_a_tensor_read_again_is_not_mapped_again_and_every_change_is_seen(pair):
     assert receiver.pull.call_one(ref).get()[3] == _expected(n) + 3 * n  # mapped anew
 
 
-def test_an_rdma_buffer_is_used_one_sided_after_its_first_use_and_a_drop_is_refused(pair):
+def test_an_rdma_buffer_is_mapped_once_and_each_read_sees_the_owners_work(pair):
     owner, receiver = pair
     n = 1 << 20
     buf = owner.rdma.call_one(n).get()
+    before = receiver.phases.call_one().get()
+    assert receiver.rdma_reads.call_one(buf, n, 3).get() == [_expected(n)] * 3
+    owner.fill.call_one("b", 5.0).get()  # not waited for by the owner: each read asks it
+    assert receiver.rdma_reads.call_one(buf, n, 1).get() == [5.0 * n]
+    assert receiver.phases.call_one().get()["map"] - before["map"] == 1
+    assert receiver.counters.call_one().get()["ipc_one_sided"] == 0
+
+
+def test_a_one_sided_rdma_buffer_needs_no_message_after_its_first_use_and_a_drop_is_refused(
+    pair,
+):
+    owner, receiver = pair
+    n = 1 << 20
+    buf = owner.rdma.call_one(n, one_sided=True).get()
     assert receiver.rdma_reads.call_one(buf, n, 3).get() == [_expected(n)] * 3
     assert receiver.counters.call_one().get()["ipc_one_sided"] == 2
-    owner.fill.call_one("b", 5.0).get()  # its GPU work is waited for before it answers
+    owner.fill.call_one("b", 5.0, wait=True).get()  # the owner's side of one-sided use
     assert receiver.rdma_reads.call_one(buf, n, 1).get() == [5.0 * n]
     assert receiver.counters.call_one().get()["ipc_one_sided"] == 3
     owner.drop_buffer.call_one().get()
@@ -304,7 +321,7 @@ def test_a_one_sided_reader_learns_its_owner_died_and_no_gpu_memory_is_left(pair
     receiver.pid.call_one().get()
     before = _free()
     n = 256 * MIB // 4
-    buf = owner.rdma.call_one(n).get()
+    buf = owner.rdma.call_one(n, one_sided=True).get()
     first, second = receiver.rdma_reads.call_one(buf, n, 2).get()  # one-sided, the 2nd
     assert first == second > 0
     os.kill(owner_pid, signal.SIGKILL)

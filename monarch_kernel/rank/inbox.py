@@ -468,8 +468,6 @@ class Inbox(Lines):
                 finally:
                     self.wait_depth -= 1
                     self.give_loop()
-            if not outer:
-                _sync_offered_buffers()
             return result
         except RankTerminated:
             raise
@@ -525,7 +523,6 @@ class Inbox(Lines):
                         result = private.run_until_complete(result)
             finally:
                 private.close()
-        _sync_offered_buffers()
         return result
 
     def _as_task(self, loop: asyncio.AbstractEventLoop, result: Any) -> Running:
@@ -786,14 +783,3 @@ def _mark(fd: int, marker: bytes) -> None:
         os.write(fd, marker)
     except OSError:
         pass
-
-
-def _sync_offered_buffers() -> None:
-    """After user code: while another process maps one of this rank's CUDA RDMA buffers
-    (one-sided reads and writes, ``rank.dataplane.cuda_ipc``), wait for this rank's GPU
-    work on their devices, so that what the code did to a buffer is what they see once it
-    answers. Looked up in ``sys.modules``: a rank that never offered one (the data plane
-    not even imported) pays one dictionary lookup."""
-    ipc = sys.modules.get("monarch_kernel.rank.dataplane.cuda_ipc")
-    if ipc is not None and ipc.board is not None:
-        ipc.sync_offered()

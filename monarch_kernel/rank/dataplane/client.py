@@ -197,15 +197,17 @@ class Client:
             torch.cuda.synchronize(t.device)
             counters_["bytes_ipc"] += ref.nbytes
             return
+        cuda_ipc.mappings.idle_limit()  # a bad setting is an error before any lease
         key: cuda_ipc.MappingKey = (ref.key_id, ref.pid, ref.id, str(dtype))
-        kept = cuda_ipc.mappings.get(key)
+        found = cuda_ipc.mappings.get(key)
+        kept, mapped = found if found is not None else (None, None)
         if one_sided and kept is not None and kept.one_sided(time.monotonic()):
             if _dead(ref, self.machine):
-                cuda_ipc.mappings.drop(key, tell=False)
+                cuda_ipc.mappings.drop(key, tell=False, mapping=kept)
                 raise OwnerDiedError(
                     f"rank {ref.owner} (pid {ref.pid} on {ref.machine}), the owner, died"
                 )
-            self._copy(ref, key, kept, use)
+            self._copy(ref, key, kept, mapped, use)
             counters_["ipc_one_sided"] += 1
             return
         header: dict[str, Any] = {"op": "ipc", "id": ref.id, "p": os.getpid()}
@@ -215,30 +217,37 @@ class Client:
             h = self.request(ref, header, timeout).header
         except BaseException as exc:
             if kept is not None:  # released, or the owner is gone
-                cuda_ipc.mappings.drop(key, tell=not isinstance(exc, OwnerDiedError))
+                tell = not isinstance(exc, OwnerDiedError)
+                cuda_ipc.mappings.drop(key, tell=tell, mapping=kept)
             raise
         if kept is not None and h.get("same") is True and h.get("lease") == kept.lease:
             kept.renewed = time.monotonic()
         else:
-            if kept is not None:
-                cuda_ipc.mappings.drop(key, tell=False)  # the owner let that lease go
+            if kept is not None:  # the owner let that lease go (the tensor's memory moved)
+                cuda_ipc.mappings.drop(key, tell=False, mapping=kept)
             lease = h["lease"]
             try:
                 kept = cuda_ipc.map_tensor(key, h, dtype, ref.pid, lambda n: self._done(ref, n))
             except BaseException:
                 self._done(ref, lease)
                 raise
+            mapped = kept.tensor
             cuda_ipc.mappings.put(kept)
-        self._copy(ref, key, kept, use)
+        self._copy(ref, key, kept, mapped, use)
 
     def _copy(
-        self, ref: SharedTensor, key: cuda_ipc.MappingKey, kept: Any, use: Callable[[Any], None]
+        self,
+        ref: SharedTensor,
+        key: cuda_ipc.MappingKey,
+        kept: cuda_ipc.Mapping,
+        mapped: Any,
+        use: Callable[[Any], None],
     ) -> None:
         try:
-            cuda_ipc.copy_with(kept, use)
+            cuda_ipc.copy_with(kept, mapped, use)
         except RuntimeError as exc:
             dead = _dead(ref, self.machine)
-            cuda_ipc.mappings.drop(key, tell=not dead)
+            cuda_ipc.mappings.drop(key, tell=not dead, mapping=kept)
             if dead:
                 raise OwnerDiedError(
                     f"rank {ref.owner} (pid {ref.pid} on {ref.machine}), the owner, died "

@@ -25,16 +25,14 @@ the tensor have finished; torch's interprocess event, recorded by ``_share_cuda_
 waited for by ``rebuild_cuda_tensor``, orders the serving thread's own stream too. The
 receiver synchronizes its device after the copy, before it answers its caller.
 
-One-sided reads and writes (RDMA buffers, ``monarch_kernel.rdma``): as with Monarch's
-RDMA, a read or write of a buffer the receiver has mapped goes straight to the owner's
-memory, with no message to the owner. The owner publishes which of its buffers are
-still offered on a :class:`Board` (a page of shared memory the receiver maps read-only):
-a dropped buffer is refused at once. The owner keeps causality for them: while any of its
-CUDA RDMA buffers is mapped by another process, the end of each piece of user code on
-the owner synchronizes its device (:func:`sync_offered`), so a reader told "the buffer
-is ready" by the owner's answer or a later message sees everything the owner did to it
-before. A one-sided mapping asks the owner again (renewing the lease) every
-:data:`RENEW_SECONDS`.
+One-sided reads and writes (RDMA buffers made with ``one_sided=True``,
+``monarch_kernel.rdma``): as with Monarch's RDMA, a read or write of such a buffer the
+receiver has mapped goes straight to the owner's memory, with no message to the owner and
+so no synchronize of the owner's device: the owner finishes its GPU work on the buffer
+before it tells anyone to read it, and does not resize it. The owner publishes which of
+those buffers it still offers on a :class:`Board` (a page of shared memory the receiver
+maps read-only): a dropped buffer is refused from then on. A one-sided mapping asks the
+owner again (renewing the lease) every :data:`RENEW_SECONDS`.
 """
 
 from __future__ import annotations
@@ -252,32 +250,33 @@ def layout(t: Any) -> tuple[Any, ...]:
 
 
 def open_mapping(h: dict[str, Any], dtype: Any) -> Any:
-    """The owner's tensor mapped into this process (torch's ``rebuild_cuda_tensor``), on
-    this process's index of the owner's GPU; IpcUnavailable if it cannot be opened."""
-    import torch
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    """The owner's tensor mapped into this process, on this process's index of the owner's
+    GPU; IpcUnavailable if it cannot be opened (torch's counter slot for it is released
+    then, as no storage holds it).
 
-    device = local_device(str(h["uuid"]))
+    Not ``rebuild_cuda_tensor``: that one returns a storage already open for the same
+    block (its ``shared_cache``) and releases the new counter slot at once, so the
+    owner's lease would name a slot nobody holds any more. Each mapping here holds its
+    own slot, released when its storage goes (torch's allocator still opens a block's
+    handle once per process)."""
+    import torch
+
     try:
-        return rebuild_cuda_tensor(
-            torch.Tensor,
-            torch.Size(h["size"]),
-            tuple(h["stride"]),
-            h["toff"],
-            torch.UntypedStorage,
-            dtype,
-            device,
-            h["h"],
-            h["ss"],
-            h["so"],
-            False,
-            h["rch"],
-            h["rco"],
-            h["evh"],
-            h["evs"],
+        device = local_device(str(h["uuid"]))
+        torch.cuda._lazy_init()
+        storage = torch.UntypedStorage._new_shared_cuda(
+            device, h["h"], h["ss"], h["so"], h["rch"], h["rco"], h["evh"], h["evs"]
         )
     except (RuntimeError, TypeError, OSError) as exc:
+        try:
+            torch.UntypedStorage._release_ipc_counter_cuda(h["rch"], h["rco"])
+        except (RuntimeError, TypeError, AttributeError, OSError):
+            pass  # best effort: the owner's ipc_collect frees the block at its death
+        if isinstance(exc, IpcUnavailable):
+            raise
         raise IpcUnavailable(f"the CUDA IPC handle did not open here: {exc}") from exc
+    typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+    return torch._utils._rebuild_tensor(typed, h["toff"], torch.Size(h["size"]), tuple(h["stride"]))
 
 
 class Board:
@@ -294,20 +293,17 @@ class Board:
         self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
         self.lock = threading.Lock()
         self.slots: dict[int, int] = {}  #: buffer id -> its slot
-        self.devices: dict[int, int] = {}  #: buffer id -> its CUDA device index
         self.free = list(range(slots - 1, -1, -1))
 
-    def claim(self, ident: int, device: int) -> int:
-        """The slot of buffer ``ident`` (on CUDA device ``device``), claimed now if it
-        had none; -1 when every slot is taken (that buffer is then used with a message
-        each time)."""
+    def claim(self, ident: int) -> int:
+        """The slot of buffer ``ident``, claimed now if it had none; -1 when every slot
+        is taken (that buffer is then used with a message each time)."""
         with self.lock:
             slot = self.slots.get(ident)
             if slot is None:
                 if not self.free:
                     return -1
                 slot = self.slots[ident] = self.free.pop()
-                self.devices[ident] = device
                 struct.pack_into("<q", self.page, 8 * slot, ident)
             return slot
 
@@ -315,15 +311,9 @@ class Board:
         """Buffer ``ident`` is no longer offered (dropped): receivers refuse it from now."""
         with self.lock:
             slot = self.slots.pop(ident, None)
-            self.devices.pop(ident, None)
             if slot is not None:
                 struct.pack_into("<q", self.page, 8 * slot, 0)
                 self.free.append(slot)
-
-    def offered_devices(self) -> set[int]:
-        """The CUDA devices of the buffers offered now (empty: none is)."""
-        with self.lock:
-            return set(self.devices.values())
 
 
 class BoardView:
@@ -346,22 +336,9 @@ class BoardView:
         return found == ident
 
 
-#: The owner's board (made by its data-plane server for the first CUDA RDMA buffer a
-#: receiver maps); read by :func:`sync_offered`.
+#: The owner's board (made by its data-plane server for the first one-sided CUDA RDMA
+#: buffer a receiver maps).
 board: Board | None = None
-
-
-def sync_offered() -> None:
-    """The owner's side of one-sided use: while another process maps one of its CUDA
-    RDMA buffers, wait for this process's GPU work on their devices (called at the end of
-    each piece of user code; nothing to do, and no CUDA call, otherwise)."""
-    b = board
-    if b is None or not b.slots:
-        return
-    import torch
-
-    for device in b.offered_devices():
-        torch.cuda.synchronize(device)
 
 
 #: What a receiver's mapping is kept under: (owner's mesh key id, owner pid, tensor id,
@@ -387,9 +364,10 @@ class Mapping:
     def one_sided(self, now: float) -> bool:
         """Whether this mapping may be used without asking the owner: it offers it on its
         board and answered within :data:`RENEW_SECONDS`."""
-        if self.board is None or now - self.renewed >= RENEW_SECONDS:
+        view = self.board  # (once: a drop on another thread sets it to None)
+        if view is None or now - self.renewed >= RENEW_SECONDS:
             return False
-        return self.board.offers(self.slot, self.ident)
+        return view.offers(self.slot, self.ident)
 
 
 def idle_seconds(environ: dict[str, str] | None = None) -> float:
@@ -413,10 +391,12 @@ class Mappings:
     """A receiver's kept mappings, least recently used first. A daemon thread drops those
     idle for ``idle`` seconds, or whose owner is gone, while any is kept.
 
-    Invariant: a mapping is in :attr:`held` until it is dropped, and dropped once: its
-    owner is told (``release``) unless its process is gone or it let the lease go
-    already. A thread that took a mapping's tensor before it was dropped still copies
-    safely: the tensor keeps the handle open until that thread lets it go."""
+    Invariants: a mapping is in :attr:`held` until it is dropped, and dropped once (a drop
+    names the mapping it means, not only its key: another thread may have kept a new one
+    under that key meanwhile); its owner is told (``release``) unless its process is gone
+    or it let the lease go already. :meth:`get` hands out the mapped tensor itself: a
+    thread that took it copies safely even if the mapping is dropped meanwhile (the
+    tensor keeps the handle open until that thread lets it go)."""
 
     def __init__(
         self,
@@ -438,12 +418,15 @@ class Mappings:
             self.idle = idle_seconds()
         return self.idle
 
-    def get(self, key: MappingKey) -> Mapping | None:
+    def get(self, key: MappingKey) -> tuple[Mapping, Any] | None:
+        """The mapping kept under ``key`` and its mapped tensor (marked used now)."""
         with self.lock:
             found = self.held.get(key)
-            if found is not None:
-                self.held.move_to_end(key)
-            return found
+            if found is None or found.tensor is None:
+                return None
+            self.held.move_to_end(key)
+            found.used = self.clock()
+            return found, found.tensor
 
     def put(self, mapping: Mapping) -> None:
         """Keep ``mapping`` (dropping one it replaces and the least recently used beyond
@@ -464,12 +447,15 @@ class Mappings:
                 name="mk-ipc-mappings", daemon=True,
             ).start()  # fmt: skip
 
-    def drop(self, key: MappingKey, tell: bool = True) -> None:
-        """Drop the mapping under ``key`` if kept (``tell``: say so to its owner)."""
+    def drop(self, key: MappingKey, tell: bool = True, mapping: Mapping | None = None) -> None:
+        """Drop the mapping under ``key`` (only if it is ``mapping``, when given) if kept
+        (``tell``: say so to its owner)."""
         with self.lock:
-            found = self.held.pop(key, None)
-        if found is not None:
-            self._close(found, tell)
+            found = self.held.get(key)
+            if found is None or (mapping is not None and found is not mapping):
+                return
+            del self.held[key]
+        self._close(found, tell)
 
     def drop_tensor(self, key_id: str, pid: int, ident: int) -> None:
         """Drop every mapping of the owner's tensor ``ident`` (any dtype)."""
@@ -485,13 +471,21 @@ class Mappings:
         with self.lock:
             gone = [
                 m for m in self.held.values()
-                if now - m.used >= idle or not self.alive(m.owner_pid)
+                if now - m.used >= idle or not self._alive(m.owner_pid)
             ]  # fmt: skip
             for m in gone:
                 del self.held[m.key]
         for m in gone:
-            self._close(m, tell=self.alive(m.owner_pid))
+            self._close(m, tell=self._alive(m.owner_pid))
         return len(gone)
+
+    def _alive(self, pid: int) -> bool:
+        """Whether the owner ``pid`` lives; True when that cannot be read (it is then
+        kept, or told: a word to a dead owner's socket is dropped, harmless)."""
+        try:
+            return self.alive(pid)
+        except Exception:
+            return True
 
     def clear(self) -> None:
         """Drop every mapping (telling the owners)."""
@@ -499,7 +493,7 @@ class Mappings:
             gone = list(self.held.values())
             self.held.clear()
         for m in gone:
-            self._close(m, tell=self.alive(m.owner_pid))
+            self._close(m, tell=self._alive(m.owner_pid))
 
     def _close(self, m: Mapping, tell: bool) -> None:
         t0 = time.perf_counter()
@@ -519,7 +513,10 @@ class Mappings:
                 if not self.held:
                     self.sweeping = False
                     return
-            self.sweep()
+            try:
+                self.sweep()
+            except Exception:  # the next round tries again: the sweeper never dies
+                pass
 
 
 #: This process's kept mappings (the data-plane client's).
@@ -551,15 +548,12 @@ def map_tensor(
     )  # fmt: skip
 
 
-def copy_with(mapping: Mapping, use: Callable[[Any], None]) -> None:
-    """Run ``use(mapped)`` (a device copy into or out of the mapped tensor) and wait for
-    it; the mapping stays kept."""
+def copy_with(mapping: Mapping, mapped: Any, use: Callable[[Any], None]) -> None:
+    """Run ``use(mapped)`` (a device copy into or out of ``mapping``'s tensor, taken from
+    it by the caller) and wait for it; the mapping stays kept."""
     import torch
 
     t0 = time.perf_counter()
-    mapped = mapping.tensor
-    if mapped is None:
-        raise RuntimeError("the CUDA IPC mapping was dropped while in use")
     use(mapped)
     torch.cuda.synchronize(mapped.device)  # the copy is done before the caller goes on
     _timed("copy", t0)

@@ -88,6 +88,9 @@ class Server:
         self.shm_at_share = SHM_DIR is not None and per_host > 1
         self.tensors: dict[int, Any] = {}
         self.writable: set[int] = set()  # RDMA buffers (``monarch_kernel.rdma``)
+        #: RDMA buffers whose receivers may read and write them without a message once
+        #: mapped (``one_sided=True``; ``cuda_ipc.Board``)
+        self.one_sided: set[int] = set()
         self.shm_fds: dict[int, int] = {}  # our own descriptor of a tensor's shared memory
         #: CPU copies of tensors that are not contiguous CPU tensors, while a reader
         #: fetches them range by range (see ``_raw``)
@@ -137,9 +140,10 @@ class Server:
         self.shm_prefix = f"mk-{cfg.run_id}-r{self.rank}-"
         threading.Thread(target=self._serve, name="mk-dataplane", daemon=True).start()
 
-    def share(self, tensor: Any, writable: bool = False) -> TensorRef:
+    def share(self, tensor: Any, writable: bool = False, one_sided: bool = False) -> TensorRef:
         """Offer ``tensor`` to other ranks (``writable``: an RDMA buffer, which they may
-        also write into)."""
+        also write into; ``one_sided``: receivers of this host that mapped it by CUDA IPC
+        use it without asking again, ``dataplane.cuda_ipc``)."""
         # The owner's tensor itself is kept (never a copy): get() sees it as it is then.
         t = tensor.detach()
         nbytes = t.numel() * t.element_size()
@@ -155,6 +159,8 @@ class Server:
             self.tensors[ident] = t
             if writable:
                 self.writable.add(ident)
+            if one_sided:
+                self.one_sided.add(ident)
             if fd >= 0:
                 self.shm_fds[ident] = fd
         dtype = str(t.dtype).removeprefix("torch.")
@@ -254,9 +260,9 @@ class Server:
         deadline = time.monotonic() + cuda_ipc.LEASE_SECONDS
         lease = cuda_ipc.Lease(t, pid, deadline, (desc["rch"], desc["rco"]), ident, where)
         header: Header = {"k": "ipc", "lease": self.leases.add(lease), **desc}
-        board = self._board() if ident in self.writable else None
-        if board is not None:  # an RDMA buffer: offered for one-sided use
-            slot = board.claim(ident, t.device.index or 0)
+        board = self._board() if ident in self.one_sided else None
+        if board is not None:  # offered for one-sided use
+            slot = board.claim(ident)
             if slot >= 0:
                 header.update(board=board.path, bino=board.ino, slot=slot)
         return header
@@ -296,6 +302,7 @@ class Server:
             self.tensors.pop(ident, None)
             self.staged.pop(ident, None)
             self.writable.discard(ident)
+            self.one_sided.discard(ident)
             fd = self.shm_fds.pop(ident, None)
         if fd is not None:
             os.close(fd)  # the path in the ref no longer opens (torch keeps its own fd)
