@@ -46,7 +46,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from monarch_kernel.rank.dataplane.common import counters_
 from monarch_kernel.wire.osutil import proc_state
@@ -172,21 +172,12 @@ class Leases:
                 del self.held[i]
         if not gone:
             return 0
-        import torch
-
         count = len(gone)
         for lease in gone.values():
             if not _alive(lease.pid):
-                handle, offset = lease.ref_counter
-                try:
-                    torch.UntypedStorage._release_ipc_counter_cuda(handle, offset)
-                except (RuntimeError, AttributeError):
-                    pass  # best effort, as torch's own release
+                device.release(lease.ref_counter)
         gone.clear()
-        try:
-            torch.cuda.ipc_collect()
-        except RuntimeError:
-            pass
+        device.collect()
         return count
 
 
@@ -217,11 +208,9 @@ def describe(t: Any) -> dict[str, Any]:
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
-    t0 = time.perf_counter()
     with torch.cuda.device(t.device):
         torch.cuda.synchronize()  # every stream of this process: the producer finished
         _rebuild, args = reduce_tensor(t)
-    _timed("describe", t0)
     (_, size, stride, offset, _, _, device, handle, nbytes, soff, _, rch, rco, evh, evs) = args
     counters_["bytes_out"] += t.numel() * t.element_size()
     return {
@@ -247,6 +236,86 @@ def layout(t: Any) -> tuple[Any, ...]:
         t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
         str(t.dtype),
     )  # fmt: skip
+
+
+class Device(Protocol):
+    """The device under the IPC protocol: CUDA (:class:`CudaDevice`, the only one the
+    data plane uses). A seam, so that the protocol around it (leases, renewals, kept
+    mappings, the board, deaths) runs end to end on machines without a GPU with host
+    shared memory behind it (``tests/ipc_host_memory.py``)."""
+
+    def shareable(self, t: Any) -> bool:
+        """Whether ``t`` can be described for another process."""
+        ...
+
+    def describe(self, t: Any) -> dict[str, Any]:
+        """Header values another process opens ``t`` from (with ``rch``/``rco``, the
+        counter slot :meth:`release` takes), after ``t``'s producers finished."""
+        ...
+
+    def synchronize(self, t: Any) -> None:
+        """The owner's side of a renewal: ``t``'s producers finished."""
+        ...
+
+    def open(self, h: dict[str, Any], dtype: Any) -> Any:
+        """The tensor ``h`` describes, mapped here; IpcUnavailable if it cannot be."""
+        ...
+
+    def wait(self, mapped: Any) -> None:
+        """The receiver's side: its copies into or out of ``mapped`` finished."""
+        ...
+
+    def release(self, ref_counter: tuple[bytes, int]) -> None:
+        """Release the counter slot of a receiver that died holding it (best effort)."""
+        ...
+
+    def collect(self) -> None:
+        """Free what released slots let go (best effort)."""
+        ...
+
+
+class CudaDevice:
+    """CUDA IPC through torch (:func:`describe`, :func:`open_mapping`)."""
+
+    def shareable(self, t: Any) -> bool:
+        return bool(t.is_cuda)
+
+    def describe(self, t: Any) -> dict[str, Any]:
+        return describe(t)
+
+    def synchronize(self, t: Any) -> None:
+        import torch
+
+        with torch.cuda.device(t.device):
+            torch.cuda.synchronize()  # every stream of this process, as describe()
+
+    def open(self, h: dict[str, Any], dtype: Any) -> Any:
+        return open_mapping(h, dtype)
+
+    def wait(self, mapped: Any) -> None:
+        import torch
+
+        torch.cuda.synchronize(mapped.device)
+
+    def release(self, ref_counter: tuple[bytes, int]) -> None:
+        import torch
+
+        try:
+            torch.UntypedStorage._release_ipc_counter_cuda(*ref_counter)
+        except (RuntimeError, AttributeError, TypeError):
+            pass  # best effort, as torch's own release
+
+    def collect(self) -> None:
+        import torch
+
+        try:
+            torch.cuda.ipc_collect()
+        except RuntimeError:
+            pass
+
+
+#: The device the protocol runs on (see :class:`Device`).
+device: Device = CudaDevice()
 
 
 def open_mapping(h: dict[str, Any], dtype: Any) -> Any:
@@ -533,7 +602,7 @@ def map_tensor(
     """The owner's tensor described by ``h`` mapped here (timed as "map"), with the
     owner's board when it offers the tensor for one-sided use."""
     t0 = time.perf_counter()
-    tensor = open_mapping(h, dtype)
+    tensor = device.open(h, dtype)
     view = None
     if isinstance(h.get("board"), str) and isinstance(h.get("bino"), int):
         try:
@@ -551,11 +620,9 @@ def map_tensor(
 def copy_with(mapping: Mapping, mapped: Any, use: Callable[[Any], None]) -> None:
     """Run ``use(mapped)`` (a device copy into or out of ``mapping``'s tensor, taken from
     it by the caller) and wait for it; the mapping stays kept."""
-    import torch
-
     t0 = time.perf_counter()
     use(mapped)
-    torch.cuda.synchronize(mapped.device)  # the copy is done before the caller goes on
+    device.wait(mapped)  # the copy is done before the caller goes on
     _timed("copy", t0)
     mapping.used = time.monotonic()
 

@@ -244,20 +244,20 @@ class Server:
         and a lease that keeps the tensor until it is done (``dataplane.cuda_ipc``). A
         receiver that still maps it (``have``: its lease) gets the lease renewed and
         ``same`` instead: the device synchronized, nothing described again."""
-        import torch
-
         t = self.local(ident)
-        if not t.is_cuda:
+        device = cuda_ipc.device
+        if not device.shareable(t):
             raise ValueError(f"tensor {ident} of rank {self.rank} is not on CUDA")
-        where = cuda_ipc.layout(t)
-        if have and self.leases.renew(have, ident, pid, where):
+        if have and self.leases.renew(have, ident, pid, cuda_ipc.layout(t)):
             t0 = time.perf_counter()
-            with torch.cuda.device(t.device):
-                torch.cuda.synchronize()  # every stream of this process, as describe()
+            device.synchronize(t)
             cuda_ipc._timed("renew", t0)
             return {"k": "ipc", "lease": have, "same": True}
-        desc = cuda_ipc.describe(t)
+        t0 = time.perf_counter()
+        desc = device.describe(t)
+        cuda_ipc._timed("describe", t0)
         deadline = time.monotonic() + cuda_ipc.LEASE_SECONDS
+        where = cuda_ipc.layout(t)  # (after describe: as it is when the receiver maps it)
         lease = cuda_ipc.Lease(t, pid, deadline, (desc["rch"], desc["rco"]), ident, where)
         header: Header = {"k": "ipc", "lease": self.leases.add(lease), **desc}
         board = self._board() if ident in self.one_sided else None
