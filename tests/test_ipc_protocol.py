@@ -31,13 +31,14 @@ def _sum(plus: float = 0.0) -> float:
 
 @pytest.fixture
 def pair():
-    """(owner, receiver): an IpcPeer in each of two one-rank meshes of this machine."""
-    meshes = [this_host().spawn_procs(per_host={"gpus": 1}) for _ in range(2)]
+    """(owner, receiver): an IpcPeer on each rank of a fresh two-rank mesh (a killed rank
+    is restarted in place; the other goes on)."""
+    mesh = this_host().spawn_procs(per_host={"gpus": 2})
     try:
-        yield [m.spawn("ipc", IpcPeer).slice(gpus=0) for m in meshes]
+        peers = mesh.spawn("ipc", IpcPeer)
+        yield peers.slice(gpus=0), peers.slice(gpus=1)
     finally:
-        for m in meshes:
-            m.stop()
+        mesh.stop()
 
 
 def _wait(read: Callable[[], Any], want: Any, timeout: float = 30.0) -> Any:
