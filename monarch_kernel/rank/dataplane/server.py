@@ -312,14 +312,19 @@ class Server:
         poller = zmq.Poller()
         for sock in socks:
             poller.register(sock, zmq.POLLIN)
+        next_expiry = 0.0
         while True:
             # While receivers map tensors, wake up now and then to let go of the leases
-            # of those that died or took too long.
+            # of those that died or took too long: once a second, not after every
+            # request (each lease's check reads /proc, a tenth of a request's time).
             events = poller.poll(1000 if self.leases.held else None)
             for sock, _ in events:
                 self._serve_one(sock)
             if self.leases.held:
-                self.leases.expire()
+                now = time.monotonic()
+                if now >= next_expiry:
+                    self.leases.expire(now)
+                    next_expiry = now + EXPIRY_PERIOD
 
     def _serve_one(self, sock: zmq.Socket[bytes]) -> None:
         """Answer one request waiting on ``sock``."""
@@ -411,6 +416,10 @@ class Server:
             self.leases.done(_int(h, "lease", 0))
             return {"k": "ok"}, ()
         raise ValueError(f"unknown data-plane request {op!r}")
+
+
+#: Seconds between the owner's looks at its leases (dead or late receivers).
+EXPIRY_PERIOD = 1.0
 
 
 #: Requests the owner does not answer (:meth:`Client.notify` sends them): ``ipc_done``,
