@@ -7,8 +7,8 @@ block, the offsets, shape, stride, dtype, torch's ref-counter slot and interproc
 event), as plain header values (no pickle, no file descriptor), plus the GPU's UUID. It
 keeps a :class:`Lease` on the tensor until the receiver says ``ipc_done``, its process is
 gone, or :data:`LEASE_SECONDS` pass without a renewal. The receiver maps it
-(:func:`open_mapping`: ``rebuild_cuda_tensor`` on the same GPU, found by UUID) and copies
-device to device into its own memory (peer to peer if the ranks use different GPUs).
+(:func:`open_mapping`, on the same GPU, found by UUID) and copies device to device into
+its own memory (peer to peer if the ranks use different GPUs).
 
 Mappings are kept (:class:`Mappings`): opening and closing a handle costs more than
 copying a few hundred MiB, so the receiver keeps the owner's tensor mapped while it reads
@@ -483,6 +483,7 @@ class Mappings:
         self.sweeping = False
 
     def idle_limit(self) -> float:
+        """Seconds a mapping is kept unused (read from the environment once)."""
         if self.idle is None:
             self.idle = idle_seconds()
         return self.idle
@@ -566,7 +567,7 @@ class Mappings:
 
     def _close(self, m: Mapping, tell: bool) -> None:
         t0 = time.perf_counter()
-        m.tensor = None  # closes the handle once no copy holds it (torch's cache is weak)
+        m.tensor = None  # its storage (and counter slot) goes once no copy holds it
         m.board = None
         _timed("unmap", t0)
         if tell:
