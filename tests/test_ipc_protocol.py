@@ -103,13 +103,18 @@ def test_a_released_tensor_is_refused_and_its_mapping_let_go(pair):
     assert _wait(_leases(owner), 0) == 0, "the owner was not told"
 
 
-def test_an_rdma_buffer_asks_its_owner_each_time_unless_made_one_sided(pair):
-    owner, receiver = pair
-    buf = owner.buffer.call_one(N, False).get()
+def _owners_work_for_three_reads(owner: Any, receiver: Any, buf: Any) -> dict:
+    """Three reads of ``buf`` by ``receiver``: the owner's describes and renewals."""
     mine = owner.phases.call_one().get()
     for _ in range(3):
         assert receiver.read.call_one(buf, True).get() == _sum()
-    owned = _delta(owner.phases.call_one().get(), mine)
+    return _delta(owner.phases.call_one().get(), mine)
+
+
+def test_an_rdma_buffer_asks_its_owner_each_time_unless_made_one_sided(pair):
+    owner, receiver = pair
+    buf = owner.buffer.call_one(N, False).get()
+    owned = _owners_work_for_three_reads(owner, receiver, buf)
     assert owned["describe"] == 1 and owned["renew"] == 2
     assert receiver.counters.call_one().get()["ipc_one_sided"] == 0
 
@@ -117,10 +122,7 @@ def test_an_rdma_buffer_asks_its_owner_each_time_unless_made_one_sided(pair):
 def test_a_one_sided_buffer_is_read_and_written_with_no_message_until_dropped(pair):
     owner, receiver = pair
     buf = owner.buffer.call_one(N, True).get()
-    mine = owner.phases.call_one().get()
-    for _ in range(3):
-        assert receiver.read.call_one(buf, True).get() == _sum()
-    owned = _delta(owner.phases.call_one().get(), mine)
+    owned = _owners_work_for_three_reads(owner, receiver, buf)
     assert owned["describe"] == 1 and owned["renew"] == 0, "asked after the first read"
     assert receiver.counters.call_one().get()["ipc_one_sided"] == 2
     owner.bump.call_one("b").get()
