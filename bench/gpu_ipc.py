@@ -88,15 +88,8 @@ class Ipc(Actor):
         import torch
 
         dst = torch.empty(ref.shape, dtype=getattr(torch, ref.dtype), device="cuda")
-        t0 = time.perf_counter()
-        ref.read_into(dst, transport)  # warm: maps the handle (kept), the pinned buffers
-        took = [time.perf_counter() - t0]  # (the first: the callers set it apart)
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            ref.read_into(dst, transport)
-            took.append(time.perf_counter() - t0)
-        assert float(dst[:4].sum()) == 4.0
-        return took
+        # (the first read maps the handle, kept, and makes the pinned buffers)
+        return _timed_reads(lambda: ref.read_into(dst, transport), dst, reps)
 
     @endpoint
     def buffer(self, mib: int):
@@ -113,14 +106,8 @@ class Ipc(Actor):
         import torch
 
         dst = torch.empty(mib * MiB // 4, device="cuda")
-        buf.read_into(dst).get()  # warm: maps it (the owner's answer); one-sided from now
-        took = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            buf.read_into(dst).get()
-            took.append(time.perf_counter() - t0)
-        assert float(dst[:4].sum()) == 4.0
-        return took
+        # (the first read maps it, the owner answering; one-sided from then on)
+        return _timed_reads(lambda: buf.read_into(dst).get(), dst, reps)
 
     @endpoint
     def take(self, t) -> str:
@@ -138,6 +125,18 @@ class Ipc(Actor):
         from monarch_kernel.rank.dataplane.plane import counters
 
         return counters()
+
+
+def _timed_reads(read: Any, dst: Any, reps: int) -> list[float]:
+    """Seconds of ``read()`` (into ``dst``, a tensor of ones) 1 + ``reps`` times: the first
+    read's (it maps what the others reuse: callers set it apart), then each other's."""
+    took = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        read()
+        took.append(time.perf_counter() - t0)
+    assert float(dst[:4].sum()) == 4.0
+    return took
 
 
 def d2d(mib: int) -> float:
@@ -230,7 +229,7 @@ def main(argv: list[str]) -> int:
 
         def one_sided(mib: int) -> None:
             buf = owner.buffer.call_one(mib).get()
-            took = reader.read_buffer_timed.call_one(buf, mib, _reps(mib)).get()
+            _first, *took = reader.read_buffer_timed.call_one(buf, mib, _reps(mib)).get()
             gbs = mib * MiB / _median(took) / 1e9
             want = RATIO * base[mib] if mib in base else None
             row(f"rank->rank CUDA RDMABuffer read (one-sided, kept mapping), {mib} MiB", gbs,

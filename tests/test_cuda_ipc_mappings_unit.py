@@ -63,13 +63,19 @@ def test_a_kept_mapping_is_found_again_and_the_least_recently_used_goes_first():
     assert maps.get(a.key) == (a, a.tensor) and maps.get(c.key) == (c, c.tensor)
 
 
-def test_replacing_a_mapping_drops_the_old_one_and_tells_its_owner():
-    told = Told()
+def _mapped_twice(told: Told) -> tuple[cuda_ipc.Mappings, cuda_ipc.Mapping, cuda_ipc.Mapping]:
+    """Mappings where tensor 1 was kept, then kept again (lease 555) under the same key."""
     maps = _mappings()
     old = _mapping(1, told)
     maps.put(old)
     new = cuda_ipc.Mapping(old.key, object(), 555, ME, 1, told)
     maps.put(new)
+    return maps, old, new
+
+
+def test_replacing_a_mapping_drops_the_old_one_and_tells_its_owner():
+    told = Told()
+    maps, old, new = _mapped_twice(told)
     assert old.tensor is None and told.leases == [101] and maps.get(old.key) == (new, new.tensor)
 
 
@@ -110,7 +116,7 @@ def test_a_failing_owner_notification_does_not_stop_the_drop():
     maps = _mappings()
     m = _mapping(1, broken)  # type: ignore[arg-type]
     maps.put(m)
-    maps.clear()
+    maps.drop(m.key)
     assert maps.held == {} and m.tensor is None
 
 
@@ -209,11 +215,7 @@ def test_one_sided_use_needs_the_board_and_a_recent_answer_from_the_owner():
 
 def test_a_drop_naming_a_mapping_leaves_a_newer_one_under_the_same_key():
     told = Told()
-    maps = _mappings()
-    stale = _mapping(1, told)
-    maps.put(stale)
-    newer = cuda_ipc.Mapping(stale.key, object(), 555, ME, 1, told)
-    maps.put(newer)  # another thread mapped it again meanwhile
+    maps, stale, newer = _mapped_twice(told)  # another thread mapped it again meanwhile
     maps.drop(stale.key, tell=False, mapping=stale)
     assert maps.get(stale.key) == (newer, newer.tensor) and told.leases == [101]
 

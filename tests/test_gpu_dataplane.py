@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import pid_alive
+from helpers import wait_until
 
 from monarch_kernel.actor import Actor, endpoint, this_host
 
@@ -251,24 +253,6 @@ def test_the_copy_outlives_the_owner_and_nothing_is_left(pair):
     assert free >= before - SLACK, f"{(before - free) / MIB:.0f} MiB of GPU memory leaked"
 
 
-def _wait_dead(pid: int, timeout: float = 30.0) -> None:
-    from monarch_kernel.wire.osutil import proc_state
-
-    deadline = time.monotonic() + timeout
-    while proc_state(f"/proc/{pid}/stat") not in ("", "Z", "X"):
-        assert time.monotonic() < deadline, f"pid {pid} still runs after SIGKILL"
-        time.sleep(0.05)
-
-
-def _wait_leases(owner, want: int, timeout: float = 30.0) -> int:
-    deadline = time.monotonic() + timeout
-    held = owner.leases.call_one().get()
-    while held != want and time.monotonic() < deadline:
-        time.sleep(0.1)
-        held = owner.leases.call_one().get()
-    return held
-
-
 def test_a_tensor_read_again_is_not_mapped_again_and_every_change_is_seen(pair):
     owner, receiver = pair
     n = 1 << 20
@@ -283,7 +267,8 @@ def test_a_tensor_read_again_is_not_mapped_again_and_every_change_is_seen(pair):
     assert mine2["renew"] - mine["renew"] == 2, "each later read: the lease renewed"
     assert owner.leases.call_one().get() == 1
     receiver.set_idle.call_one(0.2).get()
-    assert _wait_leases(owner, 0) == 0, "an idle mapping was not let go (nor the owner told)"
+    wait_until(lambda: owner.leases.call_one().get() == 0, timeout=30,
+               what="the idle mapping to be let go and the owner told")  # fmt: skip
     assert receiver.pull.call_one(ref).get()[3] == _expected(n) + 3 * n  # mapped anew
 
 
@@ -325,7 +310,7 @@ def test_a_one_sided_reader_learns_its_owner_died_and_no_gpu_memory_is_left(pair
     first, second = receiver.rdma_reads.call_one(buf, n, 2).get()  # one-sided, the 2nd
     assert first == second > 0
     os.kill(owner_pid, signal.SIGKILL)
-    _wait_dead(owner_pid)
+    wait_until(lambda: not pid_alive(owner_pid), timeout=30, what="the owner to end")
     error = receiver.rdma_read_error.call_one(buf, n).get()
     assert "died" in error, error
     receiver.drop_all.call_one().get()

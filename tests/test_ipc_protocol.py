@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
+from conftest import pid_alive
+from helpers import wait_until
 from ipc_host_memory import IpcPeer
 
 from monarch_kernel.actor import this_host
-from monarch_kernel.wire.osutil import proc_state
 
 pytestmark = pytest.mark.local
 
@@ -41,22 +40,13 @@ def pair():
         mesh.stop()
 
 
-def _wait(read: Callable[[], Any], want: Any, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    got = read()
-    while got != want and time.monotonic() < deadline:
-        time.sleep(0.05)
-        got = read()
-    return got
-
-
 def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
-    assert _wait(lambda: proc_state(f"/proc/{pid}/stat") in ("", "Z", "X"), True), pid
+    wait_until(lambda: not pid_alive(pid), timeout=30, what=f"pid {pid} to end after SIGKILL")
 
 
-def _leases(owner: Any) -> Callable[[], int]:
-    return lambda: owner.leases.call_one().get()
+def _no_leases(owner: Any, what: str) -> None:
+    wait_until(lambda: owner.leases.call_one().get() == 0, timeout=30, what=what)
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -75,7 +65,7 @@ def test_a_kept_mapping_is_renewed_on_each_read_and_let_go_when_idle(pair):
     assert owned["describe"] == 1 and owned["renew"] == 2
     assert owner.leases.call_one().get() == 1 and receiver.mappings.call_one().get() == 1
     receiver.set_idle.call_one(0.2).get()
-    assert _wait(_leases(owner), 0) == 0, "the idle mapping's owner was not told"
+    _no_leases(owner, "the idle mapping's owner to be told")
     assert receiver.mappings.call_one().get() == 0
     assert receiver.read.call_one(ref).get() == _sum(3)  # mapped anew
     assert _delta(receiver.phases.call_one().get(), theirs)["map"] == 2
@@ -100,7 +90,7 @@ def test_a_released_tensor_is_refused_and_its_mapping_let_go(pair):
     error = receiver.read_error.call_one(ref).get()
     assert "released or never shared" in error, error
     assert receiver.mappings.call_one().get() == 0
-    assert _wait(_leases(owner), 0) == 0, "the owner was not told"
+    _no_leases(owner, "the owner to be told")
 
 
 def _owners_work_for_three_reads(owner: Any, receiver: Any, buf: Any) -> dict:
@@ -153,5 +143,5 @@ def test_a_receiver_that_dies_holding_a_mapping_has_its_lease_ended_and_counter_
     assert receiver.read.call_one(ref).get() == _sum()
     assert owner.leases.call_one().get() == 1
     _kill(receiver.pid.call_one().get())
-    assert _wait(_leases(owner), 0) == 0, "the dead receiver's lease was kept"
+    _no_leases(owner, "the dead receiver's lease to end")
     assert owner.released_counters.call_one().get() == 1

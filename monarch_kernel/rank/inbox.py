@@ -517,10 +517,9 @@ class Inbox(Lines):
             private = asyncio.new_event_loop()  # not the actors' loop: its own
             try:
                 if worker is None:
-                    result = private.run_until_complete(result)
-                else:
-                    with worker.user():
-                        result = private.run_until_complete(result)
+                    return private.run_until_complete(result)
+                with worker.user():
+                    return private.run_until_complete(result)
             finally:
                 private.close()
         return result

@@ -74,8 +74,9 @@ BOARD_SLOTS = 1024
 #: transfer's time goes (the rest is the request and its answer).
 #: "renew" is the owner's answer to a receiver that still maps the tensor (its device
 #: synchronize only).
-phase_seconds: dict[str, float] = dict.fromkeys(("describe", "renew", "map", "copy", "unmap"), 0.0)
-phase_counts: dict[str, int] = dict.fromkeys(("describe", "renew", "map", "copy", "unmap"), 0)
+PHASES = ("describe", "renew", "map", "copy", "unmap")
+phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+phase_counts: dict[str, int] = dict.fromkeys(PHASES, 0)
 
 
 _phase_lock = threading.Lock()  # (the owner's serving thread and readers' threads)
@@ -539,14 +540,12 @@ class Mappings:
         now = self.clock() if now is None else now
         idle = self.idle_limit()
         with self.lock:
-            gone = [
-                m for m in self.held.values()
-                if now - m.used >= idle or not self._alive(m.owner_pid)
-            ]  # fmt: skip
+            owners = {m.key: self._alive(m.owner_pid) for m in self.held.values()}
+            gone = [m for m in self.held.values() if now - m.used >= idle or not owners[m.key]]
             for m in gone:
                 del self.held[m.key]
         for m in gone:
-            self._close(m, tell=self._alive(m.owner_pid))
+            self._close(m, tell=owners[m.key])  # (a dead owner is not written to)
         return len(gone)
 
     def _alive(self, pid: int) -> bool:
@@ -556,14 +555,6 @@ class Mappings:
             return self.alive(pid)
         except Exception:
             return True
-
-    def clear(self) -> None:
-        """Drop every mapping (telling the owners)."""
-        with self.lock:
-            gone = list(self.held.values())
-            self.held.clear()
-        for m in gone:
-            self._close(m, tell=self._alive(m.owner_pid))
 
     def _close(self, m: Mapping, tell: bool) -> None:
         t0 = time.perf_counter()
