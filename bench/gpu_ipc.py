@@ -4,7 +4,9 @@ rank (an endpoint argument: pickled through host memory, placed on the rank's GP
 Two kinds of rank-to-rank read: ``TensorRef.get`` semantics (each read asks the owner,
 which synchronizes its device: the value as of the read; the mapping is kept), and an
 ``RDMABuffer(one_sided=True)`` read (one-sided after the first, as RDMA: a device copy
-only).
+only). The controller-to-rank rows come with where their time goes (the controller's
+pickling, a device-to-host copy; the rank's host-to-device copy; each next to the same
+copy with pinned memory).
 
 ``python -m bench.gpu_ipc OUT_JSON`` writes ``{"rows": [{"what", "value", "unit",
 "target", "ok"}], "failures": [str]}``. Each measurement is tried on its own (a failure
@@ -112,6 +114,21 @@ class Ipc(Actor):
     @endpoint
     def take(self, t) -> str:
         return str(t.device)
+
+    @endpoint
+    def h2d_timed(self, mib: int, pinned: bool) -> float:
+        """Seconds of one host-to-device copy of ``mib`` MiB from pageable (as an endpoint
+        argument's bytes are placed) or pinned host memory (median of 3)."""
+        import torch
+
+        host = torch.ones(mib * MiB // 4, pin_memory=pinned)
+        took = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            host.to("cuda")
+            torch.cuda.synchronize()
+            took.append(time.perf_counter() - t0)
+        return _median(took)
 
     @endpoint
     def phases(self) -> dict:
@@ -265,6 +282,38 @@ def main(argv: list[str]) -> int:
                 "info: pickled through host memory (D2H, message, H2D); not the data plane",
                 None)  # fmt: skip
 
+        def controller_phases(mib: int) -> None:
+            """Where a controller->rank CUDA argument's time goes: the controller's
+            pickling (its device-to-host copy into fresh pageable memory), the same copy
+            into pinned memory for comparison, and the rank's host-to-device copy from
+            pageable and from pinned memory; the rest is the message."""
+            from monarch_kernel.wire.serialize import dumps
+
+            t = torch.ones(mib * MiB // 4, device="cuda")
+            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            parts = {}
+            for name, fn in (("pickle (D2H pageable)", lambda: dumps((t,))),
+                             ("D2H pinned", lambda: pinned.copy_(t))):  # fmt: skip
+                took = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    fn()
+                    torch.cuda.synchronize()
+                    took.append(time.perf_counter() - t0)
+                parts[name] = _median(took)
+            for name, pin in (("rank H2D pageable", False), ("rank H2D pinned", True)):
+                parts[name] = owner.h2d_timed.call_one(mib, pin).get()
+            text = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items())
+            row(f"controller->rank CUDA argument, {mib} MiB: phases (ms)",
+                sum(parts[k] for k in ("pickle (D2H pageable)", "rank H2D pageable")) * 1e3,
+                "ms", f"info: {text}", None)  # fmt: skip
+
+        for mib in CONTROLLER_SIZES_MIB:
+            if time.monotonic() - started > LIMIT_S - 15:
+                failures.append(f"controller->rank phases {mib} MiB skipped: near the limit")
+                break
+            attempt(f"controller->rank phases {mib} MiB", lambda mib=mib: controller_phases(mib))
+            write(out)
         for mib in CONTROLLER_SIZES_MIB:
             if time.monotonic() - started > LIMIT_S - 15:
                 failures.append(f"controller->rank {mib} MiB skipped: near the time limit")
