@@ -116,6 +116,21 @@ class Ipc(Actor):
         return str(t.device)
 
     @endpoint
+    def send_timed(self, other, mib: int, reps: int) -> list[float]:
+        """Seconds of ``reps`` answered calls to ``other.take`` with a CUDA tensor of
+        ``mib`` MiB (rank to rank: by CUDA IPC, ``rank.dataplane.cuda_args``); one first."""
+        import torch
+
+        t = torch.ones(mib * MiB // 4, device="cuda")
+        other.take.call_one(t).get()
+        took = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            other.take.call_one(t).get()
+            took.append(time.perf_counter() - t0)
+        return took
+
+    @endpoint
     def h2d_timed(self, mib: int, pinned: bool) -> float:
         """Seconds of one host-to-device copy of ``mib`` MiB from pageable (as an endpoint
         argument's bytes are placed) or pinned host memory (median of 3)."""
@@ -260,6 +275,16 @@ def main(argv: list[str]) -> int:
             attempt(f"RDMABuffer {mib} MiB", lambda mib=mib: one_sided(mib))
             write(out)
         attempt("rank->rank staged 64 MiB", lambda: rank_to_rank(64, "tcp"))
+
+        def argument(mib: int) -> None:
+            took = owner.send_timed.call_one(reader, mib, _reps(mib)).get()
+            row(f"rank->rank CUDA endpoint argument (by IPC), {mib} MiB",
+                mib * MiB / _median(took) / 1e9, "GB/s",
+                "info: a call's CUDA argument; was pickled through host memory", None)  # fmt: skip
+
+        for mib in CONTROLLER_SIZES_MIB:
+            attempt(f"rank->rank argument {mib} MiB", lambda mib=mib: argument(mib))
+            write(out)
         counts = attempt("counters", lambda: reader.counters.call_one().get())
         if counts is not None:
             row("receiver's bytes_ipc", float(counts["bytes_ipc"]), "bytes", "> 0", None)

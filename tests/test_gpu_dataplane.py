@@ -4,7 +4,8 @@ dtype and shape kept, the copy on the receiver's GPU, no byte through host memor
 Mappings are kept: a tensor read again is not mapped again (the owner renews its lease and
 the reader still sees every change), an idle mapping is let go, and an RDMA buffer is
 made ``one_sided`` is read one-sided after its first use (no message), a dropped one
-refused at once.
+refused at once. A CUDA tensor in a rank's call to a rank of its machine goes by CUDA IPC
+too (``rank.dataplane.cuda_args``), its copy dropped once the call is answered.
 
 Needs CUDA: skipped without a GPU. Owner and receiver are ranks of two one-rank meshes of
 this machine (a ref reaches ranks of other meshes of its machine over the owner's unix
@@ -154,6 +155,33 @@ class Gpu(Actor):
         from monarch_kernel.rank.dataplane.plane import counters
 
         return counters()
+
+    @endpoint
+    def take(self, t) -> tuple[str, float]:
+        return str(t.device), float(t.double().sum())
+
+    @endpoint
+    def send_to(self, other, n: int) -> dict[str, Any]:
+        """Call ``other.take`` with a CUDA tensor of ``n`` float32 values, changed on the
+        GPU right after the call is sent; what the receiver saw, how many arguments went
+        as handles, and how many copies and leases this rank still holds afterwards."""
+        from monarch_kernel.rank.dataplane.common import counters_
+        from monarch_kernel.rank.dataplane.plane import server
+
+        t = torch.arange(n, device="cuda", dtype=torch.float32)
+        before = counters_["ipc_arguments"]
+        future = other.take.call_one(t)
+        t.add_(1)  # not what the receiver must see
+        seen = future.get(timeout=60)
+        owner = server()
+        deadline = time.monotonic() + 30
+        while (owner.tensors or owner.leases.held) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {
+            "seen": seen,
+            "handles": counters_["ipc_arguments"] - before,
+            "held": len(owner.tensors) + len(owner.leases.held),
+        }
 
 
 @pytest.fixture
@@ -316,3 +344,15 @@ def test_a_one_sided_reader_learns_its_owner_died_and_no_gpu_memory_is_left(pair
     receiver.drop_all.call_one().get()
     free = _wait_free(before - SLACK)
     assert free >= before - SLACK, f"{(before - free) / MIB:.0f} MiB of GPU memory leaked"
+
+
+def test_a_cuda_endpoint_argument_rank_to_rank_goes_by_ipc_and_its_copy_is_dropped(pair):
+    caller, receiver = pair
+    n = 16 * MIB // 4
+    out = caller.send_to.call_one(receiver, n).get()
+    device, total = out["seen"]
+    assert device.startswith("cuda") and total == _expected(n), out
+    assert out["handles"] == 1 and out["held"] == 0, out
+    theirs, mine = receiver.counters.call_one().get(), caller.counters.call_one().get()
+    assert theirs["bytes_ipc"] >= 4 * n and theirs["bytes_staged"] == 0, theirs
+    assert mine["bytes_staged"] == 0 and theirs["ipc_fallbacks"] == 0, mine

@@ -203,3 +203,38 @@ def test_a_tensor_both_reductions_refuse_still_round_trips() -> None:
         S._reduce_any_tensor(t)
     back, _, _ = _round_trip(((t,), {}))
     assert torch.equal(back[0][0].resolve_conj(), t.resolve_conj())
+
+
+def _as_negated(t):
+    """A hook that sends 1-D tensors of 4 values or more as their negation (made from a
+    list: a tensor in the reduction would come to the hook again), others as usual."""
+    return (torch.tensor, ([-x for x in t.tolist()],)) if t.numel() >= 4 else None
+
+
+def test_a_tensor_hook_reduces_the_tensors_it_takes_at_any_depth_in_both_picklers() -> None:
+    param = torch.nn.Parameter(torch.ones(4))
+    for value in ({"a": [torch.arange(4.0)], "b": torch.ones(2)}, ({"p": param}, object)):
+        with S.tensors_reduced_by(_as_negated):
+            back, _, _ = _round_trip(value)
+        if isinstance(back, dict):  # the fast pickler
+            assert torch.equal(back["a"][0], -torch.arange(4.0))
+            assert torch.equal(back["b"], torch.ones(2))  # declined: as usual
+        else:  # cloudpickle (an object in it): the Parameter too
+            assert torch.equal(back[0]["p"], -torch.ones(4))
+    # the hook is gone after the block, and never seen by another thread
+    assert torch.equal(_round_trip(torch.arange(4.0))[0], torch.arange(4.0))
+    import threading
+
+    seen = []
+    with S.tensors_reduced_by(_as_negated):
+        thread = threading.Thread(target=lambda: seen.append(_round_trip(torch.ones(4))[0]))
+        thread.start()
+        thread.join()
+    assert torch.equal(seen[0], torch.ones(4))
+
+
+def test_tensor_hooks_nest_and_the_outer_one_comes_back() -> None:
+    with S.tensors_reduced_by(_as_negated):
+        with S.tensors_reduced_by(lambda t: None):
+            assert torch.equal(_round_trip(torch.ones(4))[0], torch.ones(4))
+        assert torch.equal(_round_trip(torch.ones(4))[0], -torch.ones(4))

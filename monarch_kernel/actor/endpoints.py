@@ -6,9 +6,9 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from monarch_kernel.calls.errors import CallSite, SupervisionError, call_failed
 from monarch_kernel.calls.future import Future, check_port, forward_to_port
@@ -19,6 +19,10 @@ from monarch_kernel.shape import Shape
 from monarch_kernel.wire import SerializationError, dumps
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire.codec import Buffer, Header
+from monarch_kernel.wire.serialize import tensors_reduced_by
+
+if TYPE_CHECKING:
+    from monarch_kernel.rank.dataplane.cuda_args import Snapshots
 
 #: (mesh name, actor name) -> the error calls to that actor mesh raise: its constructor
 #: failed (``ProcMesh.spawn``); cleared when it is spawned again. In this process.
@@ -107,28 +111,75 @@ class EndpointRef:
             raise SupervisionError(text, failed.failures, failed.exception, label)
 
     def _payload(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], snapshots: Snapshots | None = None
     ) -> tuple[bytes, Sequence[Buffer]]:
+        """The call's pickled arguments. ``snapshots`` (a call that is answered, from a
+        rank to ranks of its machine): large CUDA tensors go as handles on copies it
+        collects (``rank.dataplane.cuda_args``)."""
         if failed_init:  # (every adverb comes here first)
             self._check_constructed()
         if not args and not kwargs:  # a call without arguments: always the same bytes
             return _NO_ARGUMENTS, ()
         args, kwargs = mesh_tensor_args(self._requester, self._ranks, args, kwargs)
+        if snapshots is not None:
+            with tensors_reduced_by(snapshots.reduce):
+                return self._dump(args, kwargs)
+        return self._dump(args, kwargs)
+
+    def _dump(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[bytes, Sequence[Buffer]]:
         try:
             return dumps((args, kwargs))
         except SerializationError:
             return dump_call((args, kwargs), args, kwargs, self._where)  # names the culprit
 
+    def _snapshots(self, ranks: Sequence[int]) -> Snapshots | None:
+        """A collector for the CUDA arguments of an answered call to ``ranks``, where
+        they may go by CUDA IPC (a rank calling ranks of its machine), else None."""
+        if not hasattr(self._requester, "on_machine"):  # the notebook's calls: pickled
+            return None
+        from monarch_kernel.rank.dataplane.cuda_args import snapshots_for
+
+        return snapshots_for(self._requester, ranks)
+
+    def _answered(
+        self,
+        ranks: Sequence[int],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        send: Callable[[bytes, Sequence[Buffer]], list[Future[Any]]],
+    ) -> list[Future[Any]]:
+        """Pickle a call to ``ranks`` that is answered and ``send`` it (its futures);
+        CUDA arguments sent as handles on copies are dropped once every future is done,
+        or at once if the call could not be sent."""
+        snapshots = self._snapshots(ranks)
+        try:
+            payload, buffers = self._payload(args, kwargs, snapshots)
+            futures = send(payload, buffers)
+        except BaseException:
+            if snapshots is not None:
+                snapshots.release()
+            raise
+        if snapshots is not None:
+            snapshots.release_after(futures)
+        return futures
+
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[Any]]:
         """Call every rank; the future gives a ValueMesh (or one grouped ActorError)."""
-        payload, buffers = self._payload(args, kwargs)
-        header = self._header()
         shape = self._target.shape
         requester, ranks, options = self._requester, self._ranks, self._waited
-        try:
-            return gather(requester, ranks, header, payload, buffers, shape, options, self._call)
-        except SupervisionError as exc:  # refused at once: a rank or the mesh is gone
-            raise call_failed(exc, self._call, None) from None
+
+        def send(payload: bytes, buffers: Sequence[Buffer]) -> list[Future[Any]]:
+            header = self._header()
+            try:
+                return [
+                    gather(requester, ranks, header, payload, buffers, shape, options, self._call)
+                ]
+            except SupervisionError as exc:  # refused at once: a rank or the mesh is gone
+                raise call_failed(exc, self._call, None) from None
+
+        return self._answered(ranks, args, kwargs, send)[0]
 
     def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """Call the single rank of a one-point mesh; the future gives its value."""
@@ -140,14 +191,17 @@ class EndpointRef:
                 f"{len(ranks)} ranks ({shape.describe()}); slice it first, e.g. "
                 f".slice({shape.labels[-1]}=0), or use call()"
             )
-        payload, buffers = self._payload(args, kwargs)
-        return self._request(ranks[0], payload, buffers)
+        return self._answered_by(ranks[0], args, kwargs)
 
     def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """Call one rank: the least busy live one (in the notebook), any one (in a rank)."""
-        rank = self._requester.choose(self._ranks)
-        payload, buffers = self._payload(args, kwargs)
-        return self._request(rank, payload, buffers)
+        return self._answered_by(self._requester.choose(self._ranks), args, kwargs)
+
+    def _answered_by(self, rank: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[Any]:
+        """The future of a call to ``rank`` alone."""
+        return self._answered(
+            [rank], args, kwargs, lambda payload, buffers: [self._request(rank, payload, buffers)]
+        )[0]
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Fire and forget on every rank; exceptions go to the mesh's supervision."""
@@ -159,13 +213,19 @@ class EndpointRef:
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
         """Call every rank; yield one future per rank in the order they answer."""
-        payload, buffers = self._payload(args, kwargs)
         ranks = self._ranks
         each = Each(ranks, self._requester.waiter, self._call)
-        try:
-            self._requester.request(ranks, self._header(), payload, buffers, each, self._streamed)
-        except SupervisionError as exc:  # refused at once: a rank or the mesh is gone
-            raise call_failed(exc, self._call, None) from None
+
+        def send(payload: bytes, buffers: Sequence[Buffer]) -> list[Future[Any]]:
+            try:
+                self._requester.request(
+                    ranks, self._header(), payload, buffers, each, self._streamed
+                )
+            except SupervisionError as exc:  # refused at once: a rank or the mesh is gone
+                raise call_failed(exc, self._call, None) from None
+            return each.futures()
+
+        self._answered(ranks, args, kwargs, send)
         return each.in_order_of_answers()
 
     def rref(self, *args: Any, **kwargs: Any) -> Any:

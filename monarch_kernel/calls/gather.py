@@ -331,6 +331,10 @@ class Each:
         """The mesh's ranks were renumbered (see :meth:`Gather.renumber`)."""
         self._futures = {mapping.get(r, -1 - r): f for r, f in self._futures.items()}
 
+    def futures(self) -> list[Future[object]]:
+        """Every rank's future (in the order of the ranks)."""
+        return list(self._futures.values())
+
     def in_order_of_answers(self) -> Iterator[Future[object]]:
         for _ in self._futures:
             yield self._done.get()

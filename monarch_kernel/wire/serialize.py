@@ -8,14 +8,16 @@ Classes and functions defined in ``__main__`` or a notebook cell pickle by value
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import enum
 import functools
 import io
 import pickle
 import sys
+import threading
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
@@ -97,7 +99,31 @@ def _rebuild_tensor(
     return t
 
 
+#: What :func:`tensors_reduced_by` installs: given a tensor, its reduction (a
+#: ``(callable, args)`` pair, as ``__reduce__`` returns) or None for the usual one.
+TensorHook = Callable[[Any], "tuple[Any, ...] | None"]
+_hooks = threading.local()
+
+
+@contextlib.contextmanager
+def tensors_reduced_by(hook: TensorHook) -> Iterator[None]:
+    """While the block runs, :func:`dumps` in this thread offers every torch tensor it
+    pickles to ``hook`` first (a rank's calls to ranks of its machine send large CUDA
+    tensors as data-plane handles: ``rank.dataplane.cuda_args``)."""
+    before = getattr(_hooks, "hook", None)
+    _hooks.hook = hook
+    try:
+        yield
+    finally:
+        _hooks.hook = before
+
+
 def _reduce_tensor(t: Any) -> Any:
+    hook = getattr(_hooks, "hook", None)
+    if hook is not None:
+        reduced = hook(t)
+        if reduced is not None:
+            return reduced
     # The hot path runs with the CPU's caches cold: the call's own bytes have just gone
     # through them (a 1 MiB call's Python code runs about three times slower than warm),
     # so every torch call costs several microseconds. The common tensor (plain, CPU,

@@ -111,6 +111,16 @@ class PeerRequester:
     def waiter(self) -> Waiter | None:
         return rank_waiter()
 
+    def on_machine(self, ranks: Sequence[int], machine: str) -> bool:
+        """Whether every one of ``ranks`` is a process of ``machine`` reached over its
+        unix socket (its CUDA memory can then be mapped by CUDA IPC from here)."""
+        addrs = self._ref.addrs
+        for rank in ranks:
+            addr = addrs[rank] if 0 <= rank < len(addrs) else None
+            if not addr or addr.machine != machine or not addr.ipc:
+                return False
+        return True
+
     def choose(self, ranks: list[int]) -> int:
         # A rank does not know how busy the others are: any one of them.
         return random.choice(ranks)

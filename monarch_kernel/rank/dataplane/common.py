@@ -37,7 +37,9 @@ NONCE_MAX = 65536
 #: device); ``bytes_staged``: bytes of CUDA tensors that went through its host memory
 #: (either side; 0 while every CUDA transfer is by IPC); ``ipc_fallbacks``: transfers
 #: that tried IPC and were staged instead; ``ipc_one_sided``: reads and writes of RDMA
-#: buffers by CUDA IPC that needed no message to the owner (a kept mapping).
+#: buffers by CUDA IPC that needed no message to the owner (a kept mapping);
+#: ``ipc_arguments``: CUDA tensors this rank sent in calls to ranks of its machine as
+#: data-plane handles instead of pickled bytes (``dataplane.cuda_args``).
 counters_ = {
     "bytes_out": 0,
     "bytes_in": 0,
@@ -47,6 +49,7 @@ counters_ = {
     "bytes_staged": 0,
     "ipc_fallbacks": 0,
     "ipc_one_sided": 0,
+    "ipc_arguments": 0,
 }
 
 

@@ -1,0 +1,161 @@
+"""CUDA tensors in a rank's calls to ranks of its own machine go by CUDA IPC.
+
+An endpoint argument is pickled into the call's message. For a CUDA tensor that means a
+copy to host memory in the caller, the bytes through the socket and a copy back onto the
+device in the receiver: about 1 GB/s on an H200 (``bench/results/gpu.md``). When a rank
+calls ranks of its own machine (``call``, ``call_one``, ``choose``, ``stream``: the calls
+that are answered), each CUDA tensor of :data:`MIN_BYTES` or more in the arguments, at any
+depth, travels instead as a data-plane handle (:class:`~.ref.TensorRef`):
+
+* the caller copies it on its device (the value as of the call, as a pickled argument
+  is: the caller may change its tensor as soon as the call returns) and shares the copy
+  (``Server.share``);
+* the receiver, unpickling the arguments, reads the copy device to device by CUDA IPC
+  (``TensorRef.get``: onto its current CUDA device, as a pickled CUDA tensor is; staged
+  through pinned memory where IPC cannot be used; on its CPU where it has no CUDA), and
+  lets go of its mapping at once (the owner is told, ``ipc_done``);
+* the caller drops the copy when the call is over: every rank answered, or failed (a
+  rank that dies before it read the copy cannot keep it).
+
+Calls that are not answered (``broadcast``, ``send`` without a port) keep the pickled
+path: nothing would say when the copy may be dropped. So do calls to ranks of other
+machines, calls from the notebook, and tensors under :data:`MIN_BYTES` (a handle costs a
+request and a mapping, about a millisecond: the bytes' own time at about 1 MiB).
+``MONARCH_KERNEL_CUDA_IPC=0`` turns it off with the rest of CUDA IPC.
+
+Whether a tensor qualifies is the device's word (``cuda_ipc.device.shareable``), so the
+tests run it on machines without a GPU with host shared memory in CUDA's place
+(``tests/ipc_host_memory.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
+
+from monarch_kernel.calls.future import Future
+from monarch_kernel.rank.dataplane import cuda_ipc
+from monarch_kernel.rank.dataplane.common import SHM_MIN_BYTES, counters_
+from monarch_kernel.rank.dataplane.ref import TensorRef
+from monarch_kernel.rank.dataplane.transport import alloc_conf, expandable_segments, ipc_enabled
+
+#: CUDA tensors of at least this many bytes go as handles (smaller ones are pickled).
+MIN_BYTES = SHM_MIN_BYTES
+
+
+class OnMachine(Protocol):
+    """A requester that can say where its ranks run (a mesh reference in a rank:
+    ``actor.peer.requester.PeerRequester``)."""
+
+    def on_machine(self, ranks: Sequence[int], machine: str) -> bool: ...
+
+
+def snapshots_for(requester: object, ranks: Sequence[int]) -> Snapshots | None:
+    """A collector of snapshots for an answered call from this rank to ``ranks`` of
+    ``requester``'s mesh; None where the requester cannot say where its ranks run (the
+    notebook's calls: pickled as usual)."""
+    if not hasattr(requester, "on_machine"):
+        return None
+    return Snapshots(cast(OnMachine, requester), ranks)
+
+
+class Snapshots:
+    """The copies one call's CUDA arguments were shared as, dropped once the call is
+    over. :meth:`reduce` is the serializer's hook (``wire.serialize.tensors_reduced_by``).
+
+    Invariant: every copy this shares is released exactly once: by :meth:`release`,
+    called when the call's last future completes or when the call could not be sent."""
+
+    def __init__(self, requester: OnMachine, ranks: Sequence[int]) -> None:
+        self.idents: list[int] = []
+        self._requester = requester
+        self._ranks = ranks
+        self._usable: bool | None = None  # (asked at the first large tensor only)
+        self._lock = threading.Lock()
+        self._released = False
+
+    def usable(self) -> bool:
+        """Whether handles may be sent: this is a rank, CUDA IPC is on and usable here,
+        and every target is a process of this machine."""
+        if self._usable is None:
+            from monarch_kernel.rank import context
+
+            runtime = context.services()  # None: not a rank (no data plane to share from)
+            machine = runtime.config.hostname if runtime is not None else ""
+            self._usable = (
+                bool(machine)
+                and ipc_enabled()
+                and not expandable_segments(alloc_conf())
+                and self._requester.on_machine(self._ranks, machine)
+            )
+        return self._usable
+
+    def reduce(self, t: Any) -> tuple[Any, ...] | None:
+        """``t`` as a handle on a copy of it (see the module), or None: pickled as usual."""
+        import torch
+
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return None  # subclasses (DTensor ...) keep their own reduction
+        if t.is_sparse or t.layout != torch.strided or t.is_quantized or t.is_nested:
+            return None
+        if t.numel() * t.element_size() < MIN_BYTES or not cuda_ipc.device.shareable(t):
+            return None
+        if not self.usable():
+            return None
+        from monarch_kernel.rank.dataplane.plane import server
+
+        copy = t.detach().clone(memory_format=torch.contiguous_format)
+        try:
+            ref = server().share(copy)
+        except Exception:  # no data plane here after all: pickled, as without one
+            return None
+        with self._lock:
+            self.idents.append(ref.id)
+        counters_["ipc_arguments"] += 1
+        return _received, (ref, t.requires_grad, type(t) is torch.nn.Parameter)
+
+    def release_after(self, futures: Sequence[Future[Any]]) -> None:
+        """Drop the copies once every one of ``futures`` (the call's) has completed."""
+        if not self.idents:
+            return
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_: Future[Any]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.release()
+
+        for future in futures:
+            future.add_done_callback(one_done)
+
+    def release(self) -> None:
+        """Drop the copies now (a receiver that maps one keeps it until it lets go)."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            idents, self.idents = self.idents, []
+        if idents:
+            from monarch_kernel.rank.dataplane.plane import server
+
+            owner = server()
+            for ident in idents:
+                owner.release(ident)
+
+
+def _received(ref: TensorRef, requires_grad: bool, parameter: bool) -> Any:
+    """The receiver's side of :meth:`Snapshots.reduce`: a private copy of the caller's
+    copy, its mapping let go of at once (it is read once)."""
+    import torch
+
+    t = ref.get()
+    cuda_ipc.mappings.drop_tensor(ref.key_id, ref.pid, ref.id)
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t

@@ -1,0 +1,105 @@
+"""Actors of ``tests/test_cuda_args.py``: a rank that calls another rank of its machine
+with large tensors, and the one it calls, both with host shared memory in CUDA's place
+(``tests/ipc_host_memory.py``: to the data plane a CPU tensor is then "on the device")."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from monarch_kernel.actor import Actor, endpoint
+
+MiB = 1 << 20
+BIG = MiB // 4 + 8  # float32 values: just over 1 MiB (cuda_args.MIN_BYTES)
+
+
+class ArgPeer(Actor):
+    def __init__(self) -> None:
+        from ipc_host_memory import HostMemory
+
+        from monarch_kernel.rank.dataplane import cuda_ipc
+
+        cuda_ipc.device = HostMemory()
+
+    # -- the receiver -------------------------------------------------------------------
+    @endpoint
+    def take(self, value: Any) -> dict[str, Any]:
+        """What arrived: per key, the sum, requires_grad and whether it is a Parameter."""
+        return {
+            k: (float(v.detach().sum()), v.requires_grad, type(v).__name__, tuple(v.shape))
+            for k, v in value.items()
+        }
+
+    @endpoint
+    def take_and_fail(self, value: Any) -> None:
+        raise ValueError(f"refused {len(value)} tensors")
+
+    @endpoint
+    def take_and_die(self, value: Any) -> None:
+        os._exit(3)
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    # -- the caller ---------------------------------------------------------------------
+    @endpoint
+    def send(self, other: Any, how: str) -> dict[str, Any]:
+        """Call ``other`` (an actor mesh of ArgPeer on one rank) ``how``, with a big
+        tensor (changed in place right after the call is sent: the receiver must see it as
+        it was), a big Parameter, a big tensor that requires grad, a strided view, a
+        small tensor; then say what the receiver saw and what this rank's data plane
+        did."""
+        from monarch_kernel.rank.dataplane.common import counters_
+        from monarch_kernel.rank.dataplane.plane import server
+
+        big = torch.arange(BIG, dtype=torch.float32)
+        value = {
+            "big": big,
+            "param": torch.nn.Parameter(torch.ones(BIG)),
+            "grad": torch.full((BIG,), 2.0, requires_grad=True),
+            "strided": torch.ones(2 * BIG)[::2],
+            "small": torch.ones(16),
+        }
+        before = counters_["ipc_arguments"]
+        shared_before = len(server().tensors)
+        if how == "call_one":
+            future = other.take.call_one(value)
+        elif how == "call":
+            future = other.take.call(value)
+        elif how == "choose":
+            future = other.take.choose(value)
+        elif how == "stream":
+            future = next(iter(other.take.stream(value)))
+        elif how == "broadcast":
+            other.take.broadcast(value)
+            future = None
+        elif how == "fails":
+            future = other.take_and_fail.call_one(value)
+        elif how == "dies":
+            future = other.take_and_die.call_one(value)
+        else:
+            raise ValueError(how)
+        big.add_(1.0)  # after the call was sent: not what the receiver must see
+        sent = counters_["ipc_arguments"] - before
+        seen: Any = None
+        if future is not None:
+            try:
+                seen = future.get(timeout=60)
+            except Exception as exc:
+                seen = f"{type(exc).__name__}: {exc}"
+            if how == "call" and not isinstance(seen, str):
+                seen = seen.values()[0]
+        deadline = time.monotonic() + 30
+        while len(server().tensors) > shared_before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return {"seen": seen, "handles": sent, "left": len(server().tensors) - shared_before}
+
+    @endpoint
+    def bytes_in(self) -> int:
+        from monarch_kernel.rank.dataplane.common import counters_
+
+        return counters_["bytes_in"]

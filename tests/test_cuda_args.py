@@ -1,0 +1,85 @@
+"""CUDA tensors in a rank's calls to ranks of its machine go as data-plane handles on
+copies (``rank.dataplane.cuda_args``), not pickled through host memory: tested between two
+real ranks with host shared memory in CUDA's place (``tests/ipc_host_memory.py``), so
+that it runs on every machine. The receiver sees each tensor as it was when the call was
+sent, with its requires_grad and Parameter-ness; the caller's copies are gone once the
+call is over, answered, failed or its receiver dead; calls that are not answered, and
+small tensors, are pickled as before. On a GPU: ``tests/test_gpu_dataplane.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cuda_args_actors import BIG, ArgPeer
+from helpers import wait_until
+
+from monarch_kernel.actor import this_host
+
+pytestmark = pytest.mark.local
+
+BIG_SUM = float(torch.arange(BIG, dtype=torch.float32).sum())  # as the receiver sums
+#: What the receiver sees: (sum, requires_grad, type, shape) per key.
+EXPECTED = {
+    "big": (BIG_SUM, False, "Tensor", (BIG,)),
+    "param": (float(BIG), True, "Parameter", (BIG,)),
+    "grad": (2.0 * BIG, True, "Tensor", (BIG,)),
+    "strided": (float(BIG), False, "Tensor", (BIG,)),
+    "small": (16.0, False, "Tensor", (16,)),
+}
+HANDLES = 4  # every tensor but the small one
+
+
+@pytest.fixture(scope="module")
+def peers():
+    mesh = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        actors = mesh.spawn("args", ArgPeer)
+        yield mesh, actors.slice(gpus=0), actors.slice(gpus=1)
+    finally:
+        mesh.stop()
+
+
+@pytest.mark.parametrize("how", ["call_one", "call", "choose", "stream"])
+def test_answered_calls_send_large_tensors_as_handles_seen_as_they_were_sent(peers, how):
+    _, caller, receiver = peers
+    before = receiver.bytes_in.call_one().get()
+    out = caller.send.call_one(receiver, how).get()
+    assert out["seen"] == EXPECTED
+    assert out["handles"] == HANDLES
+    assert out["left"] == 0, "the caller still holds copies after the call"
+    # the four big tensors came through the data plane, the small one in the message
+    assert receiver.bytes_in.call_one().get() - before == HANDLES * BIG * 4
+
+
+def test_a_call_that_fails_drops_the_copies(peers):
+    _, caller, receiver = peers
+    out = caller.send.call_one(receiver, "fails").get()
+    assert "refused 5 tensors" in out["seen"], out
+    assert out["handles"] == HANDLES and out["left"] == 0
+
+
+def test_a_broadcast_is_pickled_as_before(peers):
+    _, caller, receiver = peers
+    before = receiver.bytes_in.call_one().get()
+    out = caller.send.call_one(receiver, "broadcast").get()
+    assert out["handles"] == 0 and out["left"] == 0
+    assert receiver.bytes_in.call_one().get() == before
+
+
+def test_calls_from_the_notebook_are_pickled_as_before(peers):
+    _, _, receiver = peers
+    before = receiver.bytes_in.call_one().get()
+    seen = receiver.take.call_one({"big": torch.arange(BIG, dtype=torch.float32)}).get()
+    assert seen == {"big": EXPECTED["big"]}
+    assert receiver.bytes_in.call_one().get() == before
+
+
+def test_a_receiver_that_dies_leaves_the_caller_no_copy(peers):
+    """Last in the module: the receiver is restarted in place by its mesh."""
+    _, caller, receiver = peers
+    pid = receiver.pid.call_one().get()
+    out = caller.send.call_one(receiver, "dies").get()
+    assert out["handles"] == HANDLES
+    assert isinstance(out["seen"], str) and str(pid) in out["seen"] or "died" in out["seen"], out
+    assert out["left"] == 0, "a dead receiver's copies are still held"
+    wait_until(lambda: receiver.pid.call_one().get() != pid, timeout=60, what="a new receiver")
