@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_args_actors import BIG, ArgPeer
-from helpers import wait_until
+from cuda_args_actors import BIG, ArgPeer, Taker
 
-from monarch_kernel.actor import this_host
+from monarch_kernel.actor import this_host, this_proc
 
 pytestmark = pytest.mark.local
 
@@ -74,12 +73,24 @@ def test_calls_from_the_notebook_are_pickled_as_before(peers):
     assert receiver.bytes_in.call_one().get() == before
 
 
+def test_an_actor_of_the_notebooks_process_receives_them_too(peers):
+    """A rank's call to an actor of the notebook's own process (``this_proc()`` there),
+    on the same machine: the notebook's process joins the data plane to read them."""
+    _, caller, _ = peers
+    taker = this_proc().spawn("taker", Taker)
+    try:
+        out = caller.send.call_one(taker, "notebook").get()
+    finally:
+        taker.stop().get(timeout=30)
+    assert out["seen"] == {"big": (BIG_SUM, (BIG,)), "small": (16.0, (16,))}, out
+    assert out["handles"] == 1 and out["left"] == 0
+
+
 def test_a_receiver_that_dies_leaves_the_caller_no_copy(peers):
-    """Last in the module: the receiver is restarted in place by its mesh."""
+    """Last in the module: the receiver's rank dies (the fixture's stop ends the mesh)."""
     _, caller, receiver = peers
     pid = receiver.pid.call_one().get()
     out = caller.send.call_one(receiver, "dies").get()
     assert out["handles"] == HANDLES
-    assert isinstance(out["seen"], str) and str(pid) in out["seen"] or "died" in out["seen"], out
+    assert isinstance(out["seen"], str) and ("died" in out["seen"] or str(pid) in out["seen"]), out
     assert out["left"] == 0, "a dead receiver's copies are still held"
-    wait_until(lambda: receiver.pid.call_one().get() != pid, timeout=60, what="a new receiver")

@@ -149,9 +149,17 @@ class Snapshots:
 
 def _received(ref: TensorRef, requires_grad: bool, parameter: bool) -> Any:
     """The receiver's side of :meth:`Snapshots.reduce`: a private copy of the caller's
-    copy, its mapping let go of at once (it is read once)."""
+    copy, its mapping let go of at once (it is read once). The receiver may be an actor
+    of the notebook's own process (``this_proc()`` there): that process joins the data
+    plane, as for RDMA buffers."""
     import torch
 
+    from monarch_kernel.rank import context
+
+    if context.services() is None:
+        from monarch_kernel.rank.dataplane.client import join_as_controller
+
+        join_as_controller()
     t = ref.get()
     cuda_ipc.mappings.drop_tensor(ref.key_id, ref.pid, ref.id)
     if parameter:
