@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import pickle
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -16,7 +15,7 @@ from monarch_kernel.actor import local_context
 from monarch_kernel.actor.meshes import ProcMesh
 from monarch_kernel.actor.peer.client import client
 from monarch_kernel.actor.peer.requester import PeerRequester, rank_waiter
-from monarch_kernel.calls.future import Future, then
+from monarch_kernel.calls.future import Future, after_all, then
 from monarch_kernel.calls.gather import One
 from monarch_kernel.calls.requester import MeshRef
 from monarch_kernel.rank import actor_logs as _actor_logs
@@ -245,20 +244,7 @@ class Accumulator(Generic[R, A]):
             return acc
 
         done: Future[None] = Future()
-        left = [len(futures)]
-        lock = threading.Lock()
-
-        def one_done(_: Future[Any]) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                done.set_result(None)
-
-        if not futures:
-            done.set_result(None)
-        for f in futures:
-            f.add_done_callback(one_done)
+        after_all(futures, lambda: done.set_result(None))
         return then(done, fold)
 
 

@@ -7,7 +7,7 @@ import collections.abc
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Coroutine, Generator, Iterable
+from collections.abc import Callable, Coroutine, Generator, Iterable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 T = TypeVar("T")
@@ -232,6 +232,26 @@ def _background_loop() -> asyncio.AbstractEventLoop:
             _loop = asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, name="mk-future-loop", daemon=True).start()
         return _loop
+
+
+def after_all(futures: Sequence[Future[Any]], fn: Callable[[], object]) -> None:
+    """Call ``fn()`` once, when every one of ``futures`` has completed (at once when
+    there are none), on the thread that completes the last of them."""
+    if not futures:
+        fn()
+        return
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fn()
+
+    for future in futures:
+        future.add_done_callback(one_done)
 
 
 def then(fut: Future[Any], fn: Callable[[Any], T]) -> Future[T]:

@@ -34,7 +34,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
-from monarch_kernel.calls.future import Future
+from monarch_kernel.calls.future import Future, after_all
 from monarch_kernel.rank.dataplane import cuda_ipc
 from monarch_kernel.rank.dataplane.common import SHM_MIN_BYTES, counters_
 from monarch_kernel.rank.dataplane.ref import TensorRef
@@ -117,20 +117,8 @@ class Snapshots:
 
     def release_after(self, futures: Sequence[Future[Any]]) -> None:
         """Drop the copies once every one of ``futures`` (the call's) has completed."""
-        if not self.idents:
-            return
-        left = [len(futures)]
-        lock = threading.Lock()
-
-        def one_done(_: Future[Any]) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                self.release()
-
-        for future in futures:
-            future.add_done_callback(one_done)
+        if self.idents:
+            after_all(futures, self.release)
 
     def release(self) -> None:
         """Drop the copies now (a receiver that maps one keeps it until it lets go)."""
