@@ -50,6 +50,14 @@ class ArgPeer(Actor):
         os._exit(3)
 
     @endpoint
+    def take_and_wait(self, value: Any, path: str) -> float:
+        """Hold this actor until ``path`` exists (at most a minute), then answer."""
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return float(value["big"].sum())
+
+    @endpoint
     def pid(self) -> int:
         return os.getpid()
 
@@ -107,6 +115,23 @@ class ArgPeer(Actor):
         while len(server().tensors) > shared_before and time.monotonic() < deadline:
             time.sleep(0.02)
         return {"seen": seen, "handles": sent, "left": len(server().tensors) - shared_before}
+
+    @endpoint
+    def send_while_running(self, other: Any, path: str) -> dict[str, Any]:
+        """Call ``other.take_and_wait``: is the copy dropped while the endpoint still
+        runs (its receiver said it has it)? Then let it finish."""
+        from monarch_kernel.rank.dataplane.plane import server
+
+        shared_before = len(server().tensors)
+        future = other.take_and_wait.call_one({"big": torch.ones(BIG)}, path)
+        deadline = time.monotonic() + 30
+        while len(server().tensors) > shared_before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        dropped = len(server().tensors) == shared_before
+        running = not future.done()
+        with open(path, "w"):
+            pass
+        return {"dropped": dropped, "running": running, "seen": future.get(timeout=60)}
 
     @endpoint
     def bytes_in(self) -> int:

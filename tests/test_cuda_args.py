@@ -50,6 +50,12 @@ def test_answered_calls_send_large_tensors_as_handles_seen_as_they_were_sent(pee
     assert receiver.bytes_in.call_one().get() - before == HANDLES * BIG * 4
 
 
+def test_the_copy_is_dropped_once_read_while_the_endpoint_still_runs(peers, tmp_path):
+    _, caller, receiver = peers
+    out = caller.send_while_running.call_one(receiver, str(tmp_path / "go")).get()
+    assert out == {"dropped": True, "running": True, "seen": float(BIG)}, out
+
+
 def test_a_call_that_fails_drops_the_copies(peers):
     _, caller, receiver = peers
     out = caller.send.call_one(receiver, "fails").get()

@@ -12,10 +12,11 @@ depth, travels instead as a data-plane handle (:class:`~.ref.TensorRef`):
   (``Server.share``);
 * the receiver, unpickling the arguments, reads the copy device to device by CUDA IPC
   (``TensorRef.get``: onto its current CUDA device, as a pickled CUDA tensor is; staged
-  through pinned memory where IPC cannot be used; on its CPU where it has no CUDA), and
-  lets go of its mapping at once (the owner is told, ``ipc_done``);
-* the caller drops the copy when the call is over: every rank answered, or failed (a
-  rank that dies before it read the copy cannot keep it).
+  through pinned memory where IPC cannot be used; on its CPU where it has no CUDA), lets
+  go of its mapping at once (``ipc_done``) and says it has its copy (``read_done``);
+* the caller drops the copy once every receiver said so (an endpoint that runs for an
+  hour does not keep it that long), or, at the latest, when the call is over: every rank
+  answered or failed (a rank that dies before it read the copy cannot keep it).
 
 Calls that are not answered (``broadcast``, ``send`` without a port) keep the pickled
 path: nothing would say when the copy may be dropped. So do calls to ranks of other
@@ -36,6 +37,7 @@ from typing import Any, Protocol, cast
 
 from monarch_kernel.calls.future import Future, after_all
 from monarch_kernel.rank.dataplane import cuda_ipc
+from monarch_kernel.rank.dataplane.client import client, join_as_controller
 from monarch_kernel.rank.dataplane.common import SHM_MIN_BYTES, counters_
 from monarch_kernel.rank.dataplane.ref import TensorRef
 from monarch_kernel.rank.dataplane.transport import alloc_conf, expandable_segments, ipc_enabled
@@ -64,8 +66,10 @@ class Snapshots:
     """The copies one call's CUDA arguments were shared as, dropped once the call is
     over. :meth:`reduce` is the serializer's hook (``wire.serialize.tensors_reduced_by``).
 
-    Invariant: every copy this shares is released exactly once: by :meth:`release`,
-    called when the call's last future completes or when the call could not be sent."""
+    Invariant: every copy this shares is released by its last receiver's ``read_done``
+    (``Server.read_done``) or by :meth:`release`, called when the call's last future
+    completes or when the call could not be sent, whichever comes first (a release of a
+    copy already released does nothing)."""
 
     def __init__(self, requester: OnMachine, ranks: Sequence[int]) -> None:
         self.idents: list[int] = []
@@ -105,11 +109,11 @@ class Snapshots:
             return None
         from monarch_kernel.rank.dataplane.plane import server
 
-        copy = t.detach().clone(memory_format=torch.contiguous_format)
         try:
-            ref = server().share(copy)
-        except Exception:  # no data plane here after all: pickled, as without one
-            return None
+            copy = t.detach().clone(memory_format=torch.contiguous_format)
+            ref = server().share(copy, reads=len(self._ranks))
+        except Exception:  # no room for a copy on the device, or no data plane here
+            return None  # after all: pickled through host memory, as without
         with self._lock:
             self.idents.append(ref.id)
         counters_["ipc_arguments"] += 1
@@ -145,11 +149,10 @@ def _received(ref: TensorRef, requires_grad: bool, parameter: bool) -> Any:
     from monarch_kernel.rank import context
 
     if context.services() is None:
-        from monarch_kernel.rank.dataplane.client import join_as_controller
-
         join_as_controller()
     t = ref.get()
     cuda_ipc.mappings.drop_tensor(ref.key_id, ref.pid, ref.id)
+    client().notify(ref, {"op": "read_done", "id": ref.id})  # the owner may drop it now
     if parameter:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:

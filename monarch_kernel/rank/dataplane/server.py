@@ -92,6 +92,9 @@ class Server:
         #: mapped (``one_sided=True``; ``cuda_ipc.Board``)
         self.one_sided: set[int] = set()
         self.shm_fds: dict[int, int] = {}  # our own descriptor of a tensor's shared memory
+        #: Tensors shared to be read a known number of times (a call's CUDA arguments,
+        #: ``dataplane.cuda_args``): reads still to come; released at the last one
+        self.reads_left: dict[int, int] = {}
         #: CPU copies of tensors that are not contiguous CPU tensors, while a reader
         #: fetches them range by range (see ``_raw``)
         self.staged: dict[int, Any] = {}
@@ -140,10 +143,13 @@ class Server:
         self.shm_prefix = f"mk-{cfg.run_id}-r{self.rank}-"
         threading.Thread(target=self._serve, name="mk-dataplane", daemon=True).start()
 
-    def share(self, tensor: Any, writable: bool = False, one_sided: bool = False) -> TensorRef:
+    def share(
+        self, tensor: Any, writable: bool = False, one_sided: bool = False, reads: int = 0
+    ) -> TensorRef:
         """Offer ``tensor`` to other ranks (``writable``: an RDMA buffer, which they may
         also write into; ``one_sided``: receivers of this host that mapped it by CUDA IPC
-        use it without asking again, ``dataplane.cuda_ipc``)."""
+        use it without asking again, ``dataplane.cuda_ipc``; ``reads``: released once that
+        many readers said ``read_done``, ``dataplane.cuda_args``)."""
         # The owner's tensor itself is kept (never a copy): get() sees it as it is then.
         t = tensor.detach()
         nbytes = t.numel() * t.element_size()
@@ -161,6 +167,8 @@ class Server:
                 self.writable.add(ident)
             if one_sided:
                 self.one_sided.add(ident)
+            if reads > 0:
+                self.reads_left[ident] = reads
             if fd >= 0:
                 self.shm_fds[ident] = fd
         dtype = str(t.dtype).removeprefix("torch.")
@@ -303,9 +311,21 @@ class Server:
             self.staged.pop(ident, None)
             self.writable.discard(ident)
             self.one_sided.discard(ident)
+            self.reads_left.pop(ident, None)
             fd = self.shm_fds.pop(ident, None)
         if fd is not None:
             os.close(fd)  # the path in the ref no longer opens (torch keeps its own fd)
+
+    def read_done(self, ident: int) -> None:
+        """A reader of tensor ``ident`` shared for a number of reads has its copy: the
+        last one releases it. Tensors shared without a count are left alone."""
+        with self.lock:
+            left = self.reads_left.get(ident)
+            if left is None:
+                return
+            self.reads_left[ident] = left - 1
+        if left <= 1:
+            self.release(ident)
 
     def _serve(self) -> None:
         socks = [self.sock] + ([self.tcp] if self.tcp is not None else [])
@@ -415,6 +435,9 @@ class Server:
         if op == "ipc_done":
             self.leases.done(_int(h, "lease", 0))
             return {"k": "ok"}, ()
+        if op == "read_done":
+            self.read_done(ident)
+            return {"k": "ok"}, ()
         raise ValueError(f"unknown data-plane request {op!r}")
 
 
@@ -425,7 +448,9 @@ EXPIRY_PERIOD = 1.0
 #: Requests the owner does not answer (:meth:`Client.notify` sends them): ``ipc_done``,
 #: a receiver's word that it dropped its mapping, saves a round trip on every CUDA IPC
 #: read; if it is lost, the lease ends at the receiver's death or its deadline.
-ONE_WAY = frozenset({"ipc_done"})
+#: ``read_done``: a receiver of a call's CUDA argument has its copy; if it is lost, the
+#: caller releases the argument when the call is over.
+ONE_WAY = frozenset({"ipc_done", "read_done"})
 
 
 def _int(h: Header, key: str, default: int) -> int:
