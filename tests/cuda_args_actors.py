@@ -16,6 +16,17 @@ MiB = 1 << 20
 BIG = MiB // 4 + 8  # float32 values: just over 1 MiB (cuda_args.MIN_BYTES)
 
 
+def _not_here() -> None:
+    raise RuntimeError("this value cannot be unpickled on the receiver")
+
+
+class NotHere:
+    """Pickles anywhere, unpickles nowhere."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _not_here, ()
+
+
 class Taker(Actor):
     """A receiver in the notebook's own process (``this_proc()``): no device change there."""
 
@@ -94,7 +105,10 @@ class ArgPeer(Actor):
             future = next(iter(other.take.stream(value)))
         elif how == "broadcast":
             other.take.broadcast(value)
+            other.pid.call_one().get(timeout=60)  # in order after it: it has been run
             future = None
+        elif how == "unread":  # the receiver fails to unpickle before it reaches the tensors
+            future = other.take.call_one({"first": NotHere(), **value})
         elif how == "fails":
             future = other.take_and_fail.call_one(value)
         elif how == "dies":

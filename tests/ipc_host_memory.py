@@ -27,7 +27,7 @@ class HostMemory:
     def shareable(self, t: Any) -> bool:
         return t.device.type == "cpu"
 
-    def describe(self, t: Any) -> dict[str, Any]:
+    def describe(self, t: Any, settled: bool = False) -> dict[str, Any]:
         fd, size = t.untyped_storage()._share_fd_cpu_()  # moved there in place, once
         return {
             "size": list(t.shape),
@@ -41,6 +41,9 @@ class HostMemory:
 
     def synchronize(self, t: Any) -> None:
         pass  # a CPU tensor's producers finished when they returned
+
+    def settle(self, t: Any) -> None:
+        pass  # (the same)
 
     def open(self, h: dict[str, Any], dtype: Any) -> Any:
         fd = os.open(h["path"], os.O_RDWR)

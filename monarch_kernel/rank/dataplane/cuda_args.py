@@ -35,6 +35,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
+import zmq
+
 from monarch_kernel.calls.future import Future, after_all
 from monarch_kernel.rank.dataplane import cuda_ipc
 from monarch_kernel.rank.dataplane.client import client, join_as_controller
@@ -76,6 +78,8 @@ class Snapshots:
         self._requester = requester
         self._ranks = ranks
         self._usable: bool | None = None  # (asked at the first large tensor only)
+        #: id(tensor) -> (tensor, its reduction): each tensor is copied once per call
+        self._made: dict[int, tuple[Any, tuple[Any, ...]]] = {}
         self._lock = threading.Lock()
         self._released = False
 
@@ -96,31 +100,41 @@ class Snapshots:
         return self._usable
 
     def reduce(self, t: Any) -> tuple[Any, ...] | None:
-        """``t`` as a handle on a copy of it (see the module), or None: pickled as usual."""
+        """``t`` as a handle on a copy of it (see the module), or None: pickled as usual.
+        A tensor pickled again (the serializer's fallback to cloudpickle, or the error
+        path naming an argument) gets the same handle, not another copy."""
+        device = cuda_ipc.device
+        if not device.shareable(t) or t.numel() * t.element_size() < MIN_BYTES:
+            return None  # (first: every tensor of every call from a rank comes here)
         import torch
 
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
             return None  # subclasses (DTensor ...) keep their own reduction
         if t.is_sparse or t.layout != torch.strided or t.is_quantized or t.is_nested:
             return None
-        if t.numel() * t.element_size() < MIN_BYTES or not cuda_ipc.device.shareable(t):
-            return None
+        done = self._made.get(id(t))
+        if done is not None:
+            return done[1]
         if not self.usable():
             return None
         from monarch_kernel.rank.dataplane.plane import server
 
         try:
             copy = t.detach().clone(memory_format=torch.contiguous_format)
+            device.settle(copy)  # as ``t.cpu()`` waited: the copy is what the call sends
             ref = server().share(copy, reads=len(self._ranks))
         except Exception:  # no room for a copy on the device, or no data plane here
             return None  # after all: pickled through host memory, as without
         with self._lock:
             self.idents.append(ref.id)
         counters_["ipc_arguments"] += 1
-        return _received, (ref, t.requires_grad, type(t) is torch.nn.Parameter)
+        reduced = (_received, (ref, t.requires_grad, type(t) is torch.nn.Parameter))
+        self._made[id(t)] = (t, reduced)  # (``t`` kept: its id stays its own meanwhile)
+        return reduced
 
     def release_after(self, futures: Sequence[Future[Any]]) -> None:
         """Drop the copies once every one of ``futures`` (the call's) has completed."""
+        self._made = {}  # (pickled: the call's own tensors are not kept for it)
         if self.idents:
             after_all(futures, self.release)
 
@@ -131,6 +145,7 @@ class Snapshots:
                 return
             self._released = True
             idents, self.idents = self.idents, []
+            self._made = {}
         if idents:
             from monarch_kernel.rank.dataplane.plane import server
 
@@ -152,7 +167,10 @@ def _received(ref: TensorRef, requires_grad: bool, parameter: bool) -> Any:
         join_as_controller()
     t = ref.get()
     cuda_ipc.mappings.drop_tensor(ref.key_id, ref.pid, ref.id)
-    client().notify(ref, {"op": "read_done", "id": ref.id})  # the owner may drop it now
+    try:
+        client().notify(ref, {"op": "read_done", "id": ref.id})  # the owner may drop it now
+    except (zmq.ZMQError, RuntimeError):
+        pass  # lost: the caller drops it when the call is over
     if parameter:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:

@@ -203,15 +203,23 @@ def local_device(uuid: str) -> int:
     raise IpcUnavailable(f"GPU {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES)")
 
 
-def describe(t: Any) -> dict[str, Any]:
+def describe(t: Any, settled: bool = False) -> dict[str, Any]:
     """Header values a process of this host maps ``t`` from (see the module's docstring);
-    ``rc``: torch's ref-counter slot (for the owner's :class:`Lease`)."""
+    ``rc``: torch's ref-counter slot (for the owner's :class:`Lease`). ``settled``: ``t``
+    is a copy whose making was waited for and that nothing writes (a call's argument,
+    ``dataplane.cuda_args``): no device synchronize, and the handle's event is recorded
+    on an idle stream of ours, so that the receiver never waits for GPU work the owner
+    queued since (a collective that needs the receiver would never finish)."""
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
     with torch.cuda.device(t.device):
-        torch.cuda.synchronize()  # every stream of this process: the producer finished
-        _rebuild, args = reduce_tensor(t)
+        if settled:
+            with torch.cuda.stream(_idle_stream(t.device)):
+                _rebuild, args = reduce_tensor(t)
+        else:
+            torch.cuda.synchronize()  # every stream of this process: the producer finished
+            _rebuild, args = reduce_tensor(t)
     (_, size, stride, offset, _, _, device, handle, nbytes, soff, _, rch, rco, evh, evs) = args
     counters_["bytes_out"] += t.numel() * t.element_size()
     return {
@@ -228,6 +236,19 @@ def describe(t: Any) -> dict[str, Any]:
         "evh": None if evh is None else bytes(evh),
         "evs": bool(evs),
     }
+
+
+_idle_streams: dict[Any, Any] = {}
+
+
+def _idle_stream(device: Any) -> Any:
+    """A stream of ours on ``device`` that nothing else uses (made on first use)."""
+    import torch
+
+    stream = _idle_streams.get(device)
+    if stream is None:
+        stream = _idle_streams[device] = torch.cuda.Stream(device)
+    return stream
 
 
 def layout(t: Any) -> tuple[Any, ...]:
@@ -249,13 +270,18 @@ class Device(Protocol):
         """Whether ``t`` can be described for another process."""
         ...
 
-    def describe(self, t: Any) -> dict[str, Any]:
+    def describe(self, t: Any, settled: bool = False) -> dict[str, Any]:
         """Header values another process opens ``t`` from (with ``rch``/``rco``, the
-        counter slot :meth:`release` takes), after ``t``'s producers finished."""
+        counter slot :meth:`release` takes), after ``t``'s producers finished
+        (``settled``: they were waited for already, see :func:`describe`)."""
         ...
 
     def synchronize(self, t: Any) -> None:
         """The owner's side of a renewal: ``t``'s producers finished."""
+        ...
+
+    def settle(self, t: Any) -> None:
+        """``t`` was just made (a copy on the current stream): wait for that alone."""
         ...
 
     def open(self, h: dict[str, Any], dtype: Any) -> Any:
@@ -281,8 +307,14 @@ class CudaDevice:
     def shareable(self, t: Any) -> bool:
         return bool(t.is_cuda)
 
-    def describe(self, t: Any) -> dict[str, Any]:
-        return describe(t)
+    def describe(self, t: Any, settled: bool = False) -> dict[str, Any]:
+        return describe(t, settled)
+
+    def settle(self, t: Any) -> None:
+        """Wait until the work queued on ``t``'s current stream (its making) is done."""
+        import torch
+
+        torch.cuda.current_stream(t.device).synchronize()
 
     def synchronize(self, t: Any) -> None:
         import torch

@@ -93,7 +93,9 @@ class Server:
         self.one_sided: set[int] = set()
         self.shm_fds: dict[int, int] = {}  # our own descriptor of a tensor's shared memory
         #: Tensors shared to be read a known number of times (a call's CUDA arguments,
-        #: ``dataplane.cuda_args``): reads still to come; released at the last one
+        #: ``dataplane.cuda_args``): reads still to come; released at the last one. They
+        #: are copies nothing writes, waited for when made: described without a device
+        #: synchronize (``cuda_ipc.describe``'s ``settled``)
         self.reads_left: dict[int, int] = {}
         #: CPU copies of tensors that are not contiguous CPU tensors, while a reader
         #: fetches them range by range (see ``_raw``)
@@ -256,13 +258,15 @@ class Server:
         device = cuda_ipc.device
         if not device.shareable(t):
             raise ValueError(f"tensor {ident} of rank {self.rank} is not on CUDA")
+        settled = ident in self.reads_left  # a call's argument: a copy, waited for when made
         if have and self.leases.renew(have, ident, pid, cuda_ipc.layout(t)):
             t0 = time.perf_counter()
-            device.synchronize(t)
+            if not settled:
+                device.synchronize(t)
             cuda_ipc._timed("renew", t0)
             return {"k": "ipc", "lease": have, "same": True}
         t0 = time.perf_counter()
-        desc = device.describe(t)
+        desc = device.describe(t, settled)
         cuda_ipc._timed("describe", t0)
         deadline = time.monotonic() + cuda_ipc.LEASE_SECONDS
         where = cuda_ipc.layout(t)  # (after describe: as it is when the receiver maps it)
