@@ -192,9 +192,14 @@ class Client:
                 t = cuda_ipc.local_tensor(ref.id)  # our own tensor: no handle to open
             except KeyError as exc:
                 raise RuntimeError(f"rank {ref.owner}: {exc.args[0]}") from None
-            torch.cuda.synchronize(t.device)
-            use(t)
-            torch.cuda.synchronize(t.device)
+            settled = cuda_ipc.local_settled is not None and cuda_ipc.local_settled(ref.id)
+            if settled:  # a finished copy: wait for our own copy out of it alone
+                use(t)
+                torch.cuda.current_stream(t.device).synchronize()
+            else:
+                torch.cuda.synchronize(t.device)
+                use(t)
+                torch.cuda.synchronize(t.device)
             counters_["bytes_ipc"] += ref.nbytes
             return
         cuda_ipc.mappings.idle_limit()  # a bad setting is an error before any lease

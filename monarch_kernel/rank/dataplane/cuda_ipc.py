@@ -94,6 +94,9 @@ def _timed(phase: str, since: float) -> float:
 #: the owner's own process copies from the tensor itself (CUDA IPC does not open a handle
 #: of its own process).
 local_tensor: Callable[[int], Any] | None = None
+#: ... and whether one is settled (a call's argument: a finished copy, see
+#: :func:`describe`), which such a reader need not wait for the whole device for.
+local_settled: Callable[[int], bool] | None = None
 
 
 class IpcUnavailable(RuntimeError):
@@ -207,19 +210,17 @@ def describe(t: Any, settled: bool = False) -> dict[str, Any]:
     """Header values a process of this host maps ``t`` from (see the module's docstring);
     ``rc``: torch's ref-counter slot (for the owner's :class:`Lease`). ``settled``: ``t``
     is a copy whose making was waited for and that nothing writes (a call's argument,
-    ``dataplane.cuda_args``): no device synchronize, and the handle's event is recorded
-    on an idle stream of ours, so that the receiver never waits for GPU work the owner
-    queued since (a collective that needs the receiver would never finish)."""
+    ``dataplane.cuda_args``): no device synchronize, and the receiver is told not to wait
+    on the handle's event (``evs`` false; torch records it on this thread's current
+    stream, where GPU work the owner queued since may be: a collective that needs the
+    receiver would never finish)."""
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
     with torch.cuda.device(t.device):
-        if settled:
-            with torch.cuda.stream(_idle_stream(t.device)):
-                _rebuild, args = reduce_tensor(t)
-        else:
+        if not settled:
             torch.cuda.synchronize()  # every stream of this process: the producer finished
-            _rebuild, args = reduce_tensor(t)
+        _rebuild, args = reduce_tensor(t)
     (_, size, stride, offset, _, _, device, handle, nbytes, soff, _, rch, rco, evh, evs) = args
     counters_["bytes_out"] += t.numel() * t.element_size()
     return {
@@ -234,21 +235,8 @@ def describe(t: Any, settled: bool = False) -> dict[str, Any]:
         "rch": bytes(rch),
         "rco": int(rco),
         "evh": None if evh is None else bytes(evh),
-        "evs": bool(evs),
+        "evs": bool(evs) and not settled,
     }
-
-
-_idle_streams: dict[Any, Any] = {}
-
-
-def _idle_stream(device: Any) -> Any:
-    """A stream of ours on ``device`` that nothing else uses (made on first use)."""
-    import torch
-
-    stream = _idle_streams.get(device)
-    if stream is None:
-        stream = _idle_streams[device] = torch.cuda.Stream(device)
-    return stream
 
 
 def layout(t: Any) -> tuple[Any, ...]:

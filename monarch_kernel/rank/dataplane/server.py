@@ -104,6 +104,7 @@ class Server:
         #: they say ``ipc_done``, die, or the lease's deadline passes
         self.leases = cuda_ipc.Leases()
         cuda_ipc.local_tensor = self.local  # a reader in this process takes it directly
+        cuda_ipc.local_settled = self.settled
         self.seq = itertools.count(1)
         self.ids = itertools.count(1)
         self.lock = threading.Lock()
@@ -254,11 +255,11 @@ class Server:
         and a lease that keeps the tensor until it is done (``dataplane.cuda_ipc``). A
         receiver that still maps it (``have``: its lease) gets the lease renewed and
         ``same`` instead: the device synchronized, nothing described again."""
+        settled = self.settled(ident)  # (first: a release after it fails local() below)
         t = self.local(ident)
         device = cuda_ipc.device
         if not device.shareable(t):
             raise ValueError(f"tensor {ident} of rank {self.rank} is not on CUDA")
-        settled = ident in self.reads_left  # a call's argument: a copy, waited for when made
         if have and self.leases.renew(have, ident, pid, cuda_ipc.layout(t)):
             t0 = time.perf_counter()
             if not settled:
@@ -319,6 +320,12 @@ class Server:
             fd = self.shm_fds.pop(ident, None)
         if fd is not None:
             os.close(fd)  # the path in the ref no longer opens (torch keeps its own fd)
+
+    def settled(self, ident: int) -> bool:
+        """Whether tensor ``ident`` is a call's argument (``dataplane.cuda_args``): a
+        copy waited for when it was made, that nothing writes."""
+        with self.lock:
+            return ident in self.reads_left
 
     def read_done(self, ident: int) -> None:
         """A reader of tensor ``ident`` shared for a number of reads has its copy: the
