@@ -14,11 +14,11 @@ which is, written out (the wheels come from ``make gpu-wheels`` here, carried as
 
 Every step is its own process under its own time limit (a failed or hung step is a result,
 not the end of the run) and leaves its JSON in a work folder; no step runs past
-:data:`TOTAL_LIMIT` (360 s, under the 7 minutes the check may take) from the start:
+:data:`TOTAL_LIMIT` (400 s, under the 7 minutes the check may take) from the start:
 
 1. facts (15 s): torch, CUDA, ``torch.cuda.nccl.version()``, the device, the driver,
    ``hasattr(dist, "shrink_group")``, the carried packages, the kernelspec, the commit;
-2. the tests marked ``gpu`` (170 s): one ``pytest -m gpu`` per test file that marks any
+2. the tests marked ``gpu`` (200 s): one ``pytest -m gpu`` per test file that marks any
    (a collection error or hang in one file costs only that file), ``--timeout`` per test and
    ``faulthandler_timeout`` (a hung test's stacks are in the log); outcomes and times come
    from each file's JUnit XML, or from pytest's ``-v`` lines when the file's process was
@@ -58,11 +58,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 MD = ROOT / "bench" / "results" / "gpu.md"
 COMMAND = "bash bench/gpu_check.sh"
-#: The whole run: no step goes on past this (seconds). The tests took 78 s of their 170 in
-#: the last run with 14 of today's 22 GPU tests; the benchmark steps about 115 s.
-TOTAL_LIMIT = 360.0
+#: The whole run: no step goes on past this (seconds). The tests took 78 s in the last run
+#: with 14 of today's 23 GPU tests (the longest file, test_gpu_dataplane, about 11.5 s a
+#: test: 13 of them now); the benchmark steps about 115 s.
+TOTAL_LIMIT = 400.0
 FACTS_LIMIT = 15.0
-TESTS_LIMIT = 170.0
+TESTS_LIMIT = 200.0
 #: (module under bench/, limit in seconds)
 BENCHES: list[tuple[str, float]] = [
     ("gpu_nvml", 15.0),

@@ -161,6 +161,19 @@ class Gpu(Actor):
         return str(t.device), float(t.double().sum())
 
     @endpoint
+    def send_then_busy(self, other, n: int) -> dict[str, Any]:
+        """Call ``other.take`` with a CUDA tensor, then queue seconds of GPU work on this
+        rank's stream: the answer must not wait for that work (the argument's copy was
+        finished when the call was made)."""
+        t = torch.arange(n, device="cuda", dtype=torch.float32)
+        future = other.take.call_one(t)
+        torch.cuda._sleep(int(8e9))  # a few seconds of one busy kernel, queued after the call
+        seen = future.get(timeout=60)
+        busy = not torch.cuda.current_stream().query()  # still in the kernel when answered
+        torch.cuda.synchronize()
+        return {"seen": seen, "answered_while_busy": busy}
+
+    @endpoint
     def send_to(self, other, n: int) -> dict[str, Any]:
         """Call ``other.take`` with a CUDA tensor of ``n`` float32 values, changed on the
         GPU right after the call is sent; what the receiver saw, how many arguments went
@@ -356,3 +369,11 @@ def test_a_cuda_endpoint_argument_rank_to_rank_goes_by_ipc_and_its_copy_is_dropp
     theirs, mine = receiver.counters.call_one().get(), caller.counters.call_one().get()
     assert theirs["bytes_ipc"] >= 4 * n and theirs["bytes_staged"] == 0, theirs
     assert mine["bytes_staged"] == 0 and theirs["ipc_fallbacks"] == 0, mine
+
+
+def test_a_cuda_argument_never_waits_for_gpu_work_the_caller_queued_after_the_call(pair):
+    caller, receiver = pair
+    n = 4 * MIB // 4
+    out = caller.send_then_busy.call_one(receiver, n).get()
+    assert out["seen"][1] == _expected(n), out
+    assert out["answered_while_busy"], "the receiver waited for the caller's later GPU work"
