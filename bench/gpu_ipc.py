@@ -123,12 +123,7 @@ class Ipc(Actor):
 
         t = torch.ones(mib * MiB // 4, device="cuda")
         other.take.call_one(t).get()
-        took = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            other.take.call_one(t).get()
-            took.append(time.perf_counter() - t0)
-        return took
+        return _timings(lambda: other.take.call_one(t).get(), reps)
 
     @endpoint
     def h2d_timed(self, mib: int, pinned: bool) -> float:
@@ -137,13 +132,7 @@ class Ipc(Actor):
         import torch
 
         host = torch.ones(mib * MiB // 4, pin_memory=pinned)
-        took = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            host.to("cuda")
-            torch.cuda.synchronize()
-            took.append(time.perf_counter() - t0)
-        return _median(took)
+        return _median(_timings(lambda: host.to("cuda"), 3, torch.cuda.synchronize))
 
     @endpoint
     def phases(self) -> dict:
@@ -159,14 +148,23 @@ class Ipc(Actor):
         return counters()
 
 
+def _timings(fn: Any, times: int, then: Any = None) -> list[float]:
+    """Seconds of each of ``times`` calls of ``fn()`` (each followed by ``then()``, timed
+    with it: a device synchronize, for work ``fn`` only queues)."""
+    took = []
+    for _ in range(times):
+        t0 = time.perf_counter()
+        fn()
+        if then is not None:
+            then()
+        took.append(time.perf_counter() - t0)
+    return took
+
+
 def _timed_reads(read: Any, dst: Any, reps: int) -> list[float]:
     """Seconds of ``read()`` (into ``dst``, a tensor of ones) 1 + ``reps`` times: the first
     read's (it maps what the others reuse: callers set it apart), then each other's."""
-    took = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        read()
-        took.append(time.perf_counter() - t0)
+    took = _timings(read, reps + 1)
     assert float(dst[:4].sum()) == 4.0
     return took
 
@@ -304,11 +302,7 @@ def main(argv: list[str]) -> int:
         def controller_to_rank(mib: int) -> None:
             t = torch.ones(mib * MiB // 4, device="cuda")
             assert owner.take.call_one(t).get().startswith("cuda")  # warm
-            took = []
-            for _ in range(3 if mib > 64 else 5):
-                t0 = time.perf_counter()
-                owner.take.call_one(t).get()
-                took.append(time.perf_counter() - t0)
+            took = _timings(lambda: owner.take.call_one(t).get(), 3 if mib > 64 else 5)
             row(f"controller->rank CUDA endpoint argument, {mib} MiB",
                 mib * MiB / _median(took) / 1e9, "GB/s",
                 "info: pickled through host memory (D2H, message, H2D); not the data plane",
@@ -326,13 +320,7 @@ def main(argv: list[str]) -> int:
             parts = {}
             for name, fn in (("pickle (D2H pageable)", lambda: dumps((t,))),
                              ("D2H pinned", lambda: pinned.copy_(t))):  # fmt: skip
-                took = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    fn()
-                    torch.cuda.synchronize()
-                    took.append(time.perf_counter() - t0)
-                parts[name] = _median(took)
+                parts[name] = _median(_timings(fn, 3, torch.cuda.synchronize))
             for name, pin in (("rank H2D pageable", False), ("rank H2D pinned", True)):
                 parts[name] = owner.h2d_timed.call_one(mib, pin).get()
             text = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items())

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from monarch_kernel.calls.errors import CallSite, SupervisionError, call_failed
 from monarch_kernel.calls.future import Future, check_port, forward_to_port
@@ -137,11 +137,12 @@ class EndpointRef:
     def _snapshots(self, ranks: Sequence[int]) -> Snapshots | None:
         """A collector for the CUDA arguments of an answered call to ``ranks``, where
         they may go by CUDA IPC (a rank calling ranks of its machine), else None."""
-        if not hasattr(self._requester, "on_machine"):  # the notebook's calls: pickled
+        requester = self._requester
+        if not hasattr(requester, "on_machine"):  # the notebook's calls: pickled
             return None
-        from monarch_kernel.rank.dataplane.cuda_args import snapshots_for
+        from monarch_kernel.rank.dataplane.cuda_args import OnMachine, Snapshots
 
-        return snapshots_for(self._requester, ranks)
+        return Snapshots(cast(OnMachine, requester), ranks)
 
     def _answered(
         self,

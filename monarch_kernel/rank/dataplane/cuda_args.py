@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import zmq
 
@@ -53,15 +53,6 @@ class OnMachine(Protocol):
     ``actor.peer.requester.PeerRequester``)."""
 
     def on_machine(self, ranks: Sequence[int], machine: str) -> bool: ...
-
-
-def snapshots_for(requester: object, ranks: Sequence[int]) -> Snapshots | None:
-    """A collector of snapshots for an answered call from this rank to ``ranks`` of
-    ``requester``'s mesh; None where the requester cannot say where its ranks run (the
-    notebook's calls: pickled as usual)."""
-    if not hasattr(requester, "on_machine"):
-        return None
-    return Snapshots(cast(OnMachine, requester), ranks)
 
 
 class Snapshots:
