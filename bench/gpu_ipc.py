@@ -4,7 +4,9 @@ rank (an endpoint argument: pickled through host memory, placed on the rank's GP
 Two kinds of rank-to-rank read: ``TensorRef.get`` semantics (each read asks the owner,
 which synchronizes its device: the value as of the read; the mapping is kept), and an
 ``RDMABuffer(one_sided=True)`` read (one-sided after the first, as RDMA: a device copy
-only). The controller-to-rank rows come with where their time goes (the controller's
+only). Rank-to-rank endpoint calls carry a CUDA argument or return a CUDA result by
+CUDA IPC (``rank.dataplane.cuda_args``, ``cuda_results``): their rows time the whole
+call. The controller-to-rank rows come with where their time goes (the controller's
 pickling, a device-to-host copy; the rank's host-to-device copy; each next to the same
 copy with pinned memory).
 
@@ -30,7 +32,7 @@ MiB = 1 << 20
 SIZES_MIB = (1, 64, 256, 1024)
 #: Controller -> rank goes through host memory (pickled): slow; the smaller sizes only.
 CONTROLLER_SIZES_MIB = (1, 64, 256)
-LIMIT_S = 50.0
+LIMIT_S = 60.0
 RATIO = 0.5  #: target: IPC rank to rank at least this share of a D2D copy's GB/s
 
 rows: list[dict[str, Any]] = []
@@ -124,6 +126,22 @@ class Ipc(Actor):
         t = torch.ones(mib * MiB // 4, device="cuda")
         other.take.call_one(t).get()
         return _timings(lambda: other.take.call_one(t).get(), reps)
+
+    @endpoint
+    def give(self, mib: int):
+        """A CUDA tensor of ``mib`` MiB this actor keeps (an endpoint's result)."""
+        import torch
+
+        if mib not in self.kept:
+            self.kept[mib] = torch.ones(mib * MiB // 4, device="cuda")
+        return self.kept[mib]
+
+    @endpoint
+    def fetch_timed(self, other, mib: int, reps: int) -> list[float]:
+        """Seconds of ``reps`` answered calls to ``other.give``, each read (rank to rank:
+        the result by CUDA IPC, ``rank.dataplane.cuda_results``); one first."""
+        other.give.call_one(mib).get()
+        return _timings(lambda: other.give.call_one(mib).get(), reps)
 
     @endpoint
     def h2d_timed(self, mib: int, pinned: bool) -> float:
@@ -289,7 +307,14 @@ def main(argv: list[str]) -> int:
                 attempt(f"{what} {mib} MiB", lambda mib=mib: measure(mib))
                 write(out)
 
+        def result(mib: int) -> None:
+            took = reader.fetch_timed.call_one(owner, mib, _reps(mib)).get()
+            row(f"rank->rank CUDA endpoint result (by IPC), {mib} MiB",
+                mib * MiB / _median(took) / 1e9, "GB/s",
+                "info: a call's CUDA result; was pickled through host memory", None)  # fmt: skip
+
         each_size("rank->rank argument", argument)
+        each_size("rank->rank result", result)
         counts = attempt("counters", lambda: reader.counters.call_one().get())
         if counts is not None:
             row("receiver's bytes_ipc", float(counts["bytes_ipc"]), "bytes", "> 0", None)

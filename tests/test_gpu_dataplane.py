@@ -174,6 +174,41 @@ class Gpu(Actor):
         return {"seen": seen, "answered_while_busy": busy}
 
     @endpoint
+    def make(self, n: int) -> Any:
+        """A CUDA tensor of this actor's own (``bump_made`` changes it later)."""
+        self.kept["made"] = torch.arange(n, device="cuda", dtype=torch.float32)
+        return self.kept["made"]
+
+    @endpoint
+    def bump_made(self) -> None:
+        self.kept["made"].add_(1)
+
+    @endpoint
+    def fetch_from(self, other, n: int) -> dict[str, Any]:
+        """Call ``other.make``; once the reply is here, have ``other`` change its tensor,
+        then read the reply (it must be the value as returned); what came, and how many
+        copies and leases ``other`` still holds afterwards."""
+        future = other.make.call_one(n)
+        deadline = time.monotonic() + 60
+        while not future.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        other.bump_made.call_one().get(timeout=60)
+        t = future.get(timeout=60)
+        seen = (str(t.device), float(t.double().sum()))
+        return {"seen": seen, "held": other.held.call_one().get()}
+
+    @endpoint
+    def held(self) -> int:
+        """Copies and leases this rank's data plane holds, once none (at most 30 s)."""
+        from monarch_kernel.rank.dataplane.plane import server
+
+        owner = server()
+        deadline = time.monotonic() + 30
+        while (owner.tensors or owner.leases.held) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(owner.tensors) + len(owner.leases.held)
+
+    @endpoint
     def send_to(self, other, n: int) -> dict[str, Any]:
         """Call ``other.take`` with a CUDA tensor of ``n`` float32 values, changed on the
         GPU right after the call is sent; what the receiver saw, how many arguments went
@@ -359,7 +394,7 @@ def test_a_one_sided_reader_learns_its_owner_died_and_no_gpu_memory_is_left(pair
     assert free >= before - SLACK, f"{(before - free) / MIB:.0f} MiB of GPU memory leaked"
 
 
-def test_a_cuda_endpoint_argument_rank_to_rank_goes_by_ipc_and_its_copy_is_dropped(pair):
+def test_cuda_endpoint_arguments_and_results_rank_to_rank_go_by_ipc_and_copies_are_dropped(pair):
     caller, receiver = pair
     n = 16 * MIB // 4
     out = caller.send_to.call_one(receiver, n).get()
@@ -369,6 +404,14 @@ def test_a_cuda_endpoint_argument_rank_to_rank_goes_by_ipc_and_its_copy_is_dropp
     theirs, mine = receiver.counters.call_one().get(), caller.counters.call_one().get()
     assert theirs["bytes_ipc"] >= 4 * n and theirs["bytes_staged"] == 0, theirs
     assert mine["bytes_staged"] == 0 and theirs["ipc_fallbacks"] == 0, mine
+    # the other way: the receiver returns a CUDA tensor (rank.dataplane.cuda_results),
+    # changed on its GPU after the reply went and before the caller reads it
+    out = receiver.fetch_from.call_one(caller, n).get()
+    assert out["seen"][0].startswith("cuda") and out["seen"][1] == _expected(n), out
+    assert out["held"] == 0, out
+    answered, read = caller.counters.call_one().get(), receiver.counters.call_one().get()
+    assert answered["ipc_results"] == 1 and answered["bytes_staged"] == 0, answered
+    assert read["bytes_ipc"] >= 8 * n and read["ipc_fallbacks"] == 0, read
 
 
 def test_a_cuda_argument_never_waits_for_gpu_work_the_caller_queued_after_the_call(pair):

@@ -31,6 +31,7 @@ WIRE: list[dict] = [
         "q": [4, 5],
     },
     {"k": K.CALL, "a": "c", "m": "incr", "i": "p1-2", "w": 1, "rt": ADDR},
+    {"k": K.CALL, "a": "c", "m": "incr", "i": "p1-3", "w": 1, "rt": ADDR, "rp": 4242},
     {"k": K.BATCH, "n": 3, "d": [0, 1], "q": [4, 9]},
     {"k": K.BATCH, "n": 64, "f": 1, "d": [8, 9], "q": [0, 0]},
     {"k": K.EXEC, "i": "9", "w": 1, "q": 2},
@@ -60,6 +61,7 @@ WIRE: list[dict] = [
     {"k": K.RESULT, "i": "7", "r": 1, "ok": 1},
     {"k": K.RESULT, "i": "7", "r": 1, "ok": 0},
     {"k": K.RESULT, "i": "7", "r": 2, "ok": 1, "h": 0},
+    {"k": K.RESULT, "i": "p1-3", "r": 1, "ok": 1, "x": 1},
     {"k": K.STREAM, "r": 1, "i": None, "n": "stdout"},
     {"k": K.STREAM, "r": 1, "i": "7", "n": "stderr"},
     {"k": K.DISPLAY, "r": 1, "i": "7", "op": "display", "di": None},
@@ -292,6 +294,7 @@ def test_the_fast_constructor_sets_every_field_in_order_and_needs_them_all():
         "a",
         "m",
         [["x"], [2], [1], 0],
+        4242,
     )
     call = make(*values)
     assert type(call) is H.Call
@@ -306,8 +309,27 @@ def test_the_fast_constructor_sets_every_field_in_order_and_needs_them_all():
         actor="a",
         method="m",
         slice=[["x"], [2], [1], 0],
+        results_pid=4242,
     )
     with pytest.raises(TypeError):  # a field left out is an error, never an unset slot
         make(*values[:-1])
     with pytest.raises(AttributeError):  # still frozen
         call.actor = "b"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("rp", [0, -1, "4242", 4.5, True, None])
+def test_a_call_asks_for_results_by_handle_only_with_a_process_id(rp):
+    """``rp`` (a rank of the caller's machine takes the result's CUDA tensors as handles):
+    anything but a positive int reads as absent, so the result is pickled."""
+    h = {"k": K.CALL, "a": "c", "m": "m", "i": "p1-2", "w": 1, "rp": rp}
+    assert H.Call.decode(h).results_pid is None
+    assert H.Call.decode(dict(h, rp=77)).results_pid == 77
+
+
+def test_a_result_by_handle_says_so_and_the_fast_constructor_keeps_it():
+    assert H.Result.decode({"k": K.RESULT, "i": "1", "ok": 1, "x": 1}).handles is True
+    assert H.Result.decode({"k": K.RESULT, "i": "1", "ok": 1}).handles is False
+    assert H.rank_result("1", True, 3, True).encode() == {
+        "k": K.RESULT, "i": "1", "r": 3, "ok": 1, "x": 1,
+    }  # fmt: skip
+    assert "x" not in H.rank_result("1", True, 3).encode()

@@ -93,11 +93,13 @@ class EndpointRef:
     def _header(self) -> Header:
         return dict(self._base)  # a fresh one per call: the requester adds the request id
 
-    def _request(self, rank: int, payload: bytes, buffers: Sequence[Buffer]) -> Future[Any]:
+    def _request(
+        self, rank: int, header: Header, payload: bytes, buffers: Sequence[Buffer]
+    ) -> Future[Any]:
         requester = self._requester
         one = One(requester.waiter, self._call)
         try:
-            requester.request([rank], self._header(), payload, buffers, one, self._waited)
+            requester.request([rank], header, payload, buffers, one, self._waited)
         except SupervisionError as exc:  # refused at once: the rank or the mesh is gone
             raise call_failed(exc, self._call, rank) from None
         return one.future
@@ -149,15 +151,22 @@ class EndpointRef:
         ranks: Sequence[int],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        send: Callable[[bytes, Sequence[Buffer]], list[Future[Any]]],
+        send: Callable[[Header, bytes, Sequence[Buffer]], list[Future[Any]]],
     ) -> list[Future[Any]]:
-        """Pickle a call to ``ranks`` that is answered and ``send`` it (its futures);
-        CUDA arguments sent as handles on copies are dropped once every future is done,
-        or at once if the call could not be sent."""
+        """Pickle a call to ``ranks`` that is answered and ``send`` it (its futures).
+        From a rank to ranks of its machine, large CUDA tensors travel as handles on
+        copies both ways: the arguments' copies are dropped once every future is done,
+        or at once if the call could not be sent; the results' (``rp``) once read here
+        (``rank.dataplane.cuda_results``)."""
         snapshots = self._snapshots(ranks)
+        header = self._header()
         try:
             payload, buffers = self._payload(args, kwargs, snapshots)
-            futures = send(payload, buffers)
+            if snapshots is not None and snapshots.usable():
+                from monarch_kernel.rank.dataplane import cuda_results  # (its reader is set)
+
+                header["rp"] = cuda_results.reader_pid()
+            futures = send(header, payload, buffers)
         except BaseException:
             if snapshots is not None:
                 snapshots.release()
@@ -171,8 +180,7 @@ class EndpointRef:
         shape = self._target.shape
         requester, ranks, options = self._requester, self._ranks, self._waited
 
-        def send(payload: bytes, buffers: Sequence[Buffer]) -> list[Future[Any]]:
-            header = self._header()
+        def send(header: Header, payload: bytes, buffers: Sequence[Buffer]) -> list[Future[Any]]:
             try:
                 return [
                     gather(requester, ranks, header, payload, buffers, shape, options, self._call)
@@ -200,9 +208,11 @@ class EndpointRef:
 
     def _answered_by(self, rank: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[Any]:
         """The future of a call to ``rank`` alone."""
-        return self._answered(
-            [rank], args, kwargs, lambda payload, buffers: [self._request(rank, payload, buffers)]
-        )[0]
+
+        def send(header: Header, payload: bytes, buffers: Sequence[Buffer]) -> list[Future[Any]]:
+            return [self._request(rank, header, payload, buffers)]
+
+        return self._answered([rank], args, kwargs, send)[0]
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Fire and forget on every rank; exceptions go to the mesh's supervision."""
@@ -217,11 +227,9 @@ class EndpointRef:
         ranks = self._ranks
         each = Each(ranks, self._requester.waiter, self._call)
 
-        def send(payload: bytes, buffers: Sequence[Buffer]) -> list[Future[Any]]:
+        def send(header: Header, payload: bytes, buffers: Sequence[Buffer]) -> list[Future[Any]]:
             try:
-                self._requester.request(
-                    ranks, self._header(), payload, buffers, each, self._streamed
-                )
+                self._requester.request(ranks, header, payload, buffers, each, self._streamed)
             except SupervisionError as exc:  # refused at once: a rank or the mesh is gone
                 raise call_failed(exc, self._call, None) from None
             return each.futures()

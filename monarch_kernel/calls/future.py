@@ -100,6 +100,9 @@ class Future(Generic[T]):
                         self._value = self._finish(self._raw) if self._finish else self._raw
                     except Exception as exc:  # a Ctrl-C in here is not the call's result
                         self._error = exc
+                    # What it was made from is not needed any more: the replies (their
+                    # bytes; copies other ranks keep for an unread one) go with it.
+                    self._raw = self._finish = None
         if self._error is not None:
             raise self._error
         return cast(T, self._value)

@@ -197,6 +197,9 @@ class Gather:
 
     def _finish(self, _: object) -> ValueMesh[object]:
         if self._failed_order:
+            for reply in self._replies:  # values that will never be read
+                if reply is not None and reply.ok:
+                    reply.discard()
             raise self._error()
         name = self._value_name
         values: list[object] = []

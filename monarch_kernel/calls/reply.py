@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import pickle
 import threading
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from monarch_kernel.wire import Message, loads
+from monarch_kernel.wire.codec import Buffer
 from monarch_kernel.wire.reports import FailureReport
 from monarch_kernel.wire.serialize import What
 
@@ -48,6 +50,82 @@ class Reply:
         """The result (``what`` names it in an error if it cannot be unpickled)."""
         msg = self.message
         return loads(msg.payload, msg.buffers, what)
+
+    def discard(self) -> None:
+        """The value will not be read (the request failed on another rank): let go of
+        what the answering rank keeps for it (nothing, but for a :class:`HandleReply`)."""
+
+
+class HandleReader(Protocol):
+    """Reads the replies whose large CUDA tensors came as data-plane handles on copies
+    the answering rank keeps for this process (``rank.dataplane.cuda_results``)."""
+
+    def read(self, payload: bytes, buffers: Sequence[Buffer], what: What) -> object:
+        """The value; the copies are then let go of."""
+
+    def discard(self, payload: bytes) -> None:
+        """The reply will never be read: let go of its copies (must not block)."""
+
+
+#: Set by ``rank.dataplane.cuda_results`` when it is loaded: a rank asks for results by
+#: handle (a call's ``rp``) only once it is.
+handle_reader: HandleReader | None = None
+
+
+class HandleReply(Reply):
+    """A reply whose value holds handles on copies the answering rank keeps until this
+    process reads them (the result header's ``x``): :meth:`value` reads them once (and
+    gives the same value after); a reply collected unread lets them go."""
+
+    __slots__ = ("_value", "_error", "_read")
+
+    def __init__(self, rank: int, message: Message):
+        super().__init__(rank, message)
+        self._value: object = None
+        self._error: Exception | None = None
+        self._read = False
+
+    def value(self, what: What) -> object:
+        if not self._read:
+            self._read = True  # (first: a failed read lets the copies go too)
+            msg = self.message
+            try:
+                self._value = _reader().read(bytes(msg.payload), msg.buffers, what)
+            except Exception as exc:
+                self._error = exc
+            except BaseException:  # Ctrl-C: the copies are gone, a later read says so
+                self._error = RuntimeError(
+                    f"the result from rank {self.rank} was interrupted while it was read "
+                    "(its CUDA tensors came by CUDA IPC, read once); call the endpoint again"
+                )
+                raise
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def discard(self) -> None:
+        if not self._read:
+            self._read = True
+            self._error = RuntimeError(f"the result from rank {self.rank} was discarded unread")
+            if handle_reader is not None:
+                handle_reader.discard(bytes(self.message.payload))
+
+    def __del__(self) -> None:
+        if not self._read and self.ok and handle_reader is not None:
+            handle_reader.discard(bytes(self.message.payload))
+
+
+def _reader() -> HandleReader:
+    if handle_reader is None:  # a reply by handle to a process that never asked
+        raise RuntimeError("a result came as CUDA IPC handles to a process that cannot read them")
+    return handle_reader
+
+
+def reply_of(rank: int, message: Message) -> Reply:
+    """The :class:`Reply` (or :class:`HandleReply`) of a decoded ``res`` message."""
+    if message.header.get("x"):
+        return HandleReply(rank, message)
+    return Reply(rank, message)
 
 
 class RequestObserver(Protocol):

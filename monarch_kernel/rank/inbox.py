@@ -320,14 +320,29 @@ class Inbox(Lines):
         finally:
             here.request, here.actor, here.slice = saved
 
+    def _by_handle(self, request: str, pid: int) -> None:
+        """Request ``request`` comes from process ``pid``, a rank of this machine that
+        takes the result's large CUDA tensors as handles on copies kept for it
+        (``rank.dataplane.cuda_results``, loaded at the first such request)."""
+        outbox = self.outbox
+        if outbox.dump_by_handle is None:
+            from monarch_kernel.rank.dataplane.cuda_results import dump_result
+
+            outbox.dump_by_handle = dump_result
+        outbox.handle_readers[request] = pid
+
     def run_here(self, msg: Message, hdr: H.Ordered) -> None:
         """Run one message on this thread with its handler (see ``self.handlers``)."""
         request = hdr.request if hdr.wants_reply else None
         if hdr.reply_to is not None and request is not None:  # a call from another rank
             try:
-                self.outbox.peer_routes[request] = PeerAddress.decode(hdr.reply_to)
+                route = self.outbox.peer_routes[request] = PeerAddress.decode(hdr.reply_to)
             except ValueError:
                 log.warning("rank %s: request %s names no reply address", self.rank, request)
+            else:
+                pid = hdr.results_pid if type(hdr) is H.Call else None
+                if pid is not None and route.ipc and route.machine == self.outbox.machine:
+                    self._by_handle(request, pid)
         # A request fanned out by the host agent is answered through it (wire.fanin).
         fanin = (
             request is not None

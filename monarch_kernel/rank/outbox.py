@@ -9,7 +9,7 @@ import pickle
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -43,6 +43,22 @@ ROOM_WAIT_MS = 50
 _REPLIED, _ENDED, _VIA_AGENT = 1, 2, 4
 
 
+class KeptCopies(Protocol):
+    """Copies of a result's tensors kept for its caller (``cuda_results.ResultCopies``)."""
+
+    def release(self) -> None:
+        """Drop them now (the reply was not sent)."""
+
+
+class HandleDump(Protocol):
+    """Pickles a result for a caller of this machine that takes its large CUDA tensors
+    as handles (``rank.dataplane.cuda_results.dump_result``)."""
+
+    def __call__(
+        self, value: Any, what: What, reader: int
+    ) -> tuple[bytes, list[pickle.PickleBuffer], KeptCopies | None]: ...
+
+
 class Outbox:
     """A rank's sending side (thread-safe: every send is under one lock).
 
@@ -72,6 +88,13 @@ class Outbox:
         self.lock = threading.Lock()
         #: request id -> the calling rank's reply address (a peer call)
         self.peer_routes: dict[str, PeerAddress] = {}
+        #: Requests from ranks of this machine that take the result's large CUDA tensors
+        #: as handles on copies kept for them (``rank.dataplane.cuda_results``): the
+        #: caller's process id; popped with the request's route
+        self.handle_readers: dict[str, int] = {}
+        #: How such a result is pickled: set by the inbox at the first such request (the
+        #: data plane is a layer above this one)
+        self.dump_by_handle: HandleDump | None = None
         self._peer_out: dict[tuple[int, PeerAddress], zmq.Socket[bytes]] = {}
         self._peer_codecs: dict[str, Codec] = {}
         self.machine = ""  # this rank's machine, set once its peer socket is bound
@@ -271,13 +294,21 @@ class Outbox:
         it does not pickle (the same on every rank, so that the controller groups the
         failures of several ranks into one line), ``where`` is the report's ``where``
         (default: ``what``)."""
+        reader = self.handle_readers.get(request) if self.handle_readers else None
+        by_handle = self.dump_by_handle
+        copies = None
         try:
-            payload, buffers = dumps(value, what)
+            if reader is None or by_handle is None:
+                payload, buffers = dumps(value, what)
+            else:
+                payload, buffers, copies = by_handle(value, what, reader)
         except SerializationError as exc:
             at = what if where is None else where
             self.reply_error(request, exc, at if isinstance(at, str) else at())
             return
-        self.result(H.rank_result(request, True, self.rank), payload, buffers)
+        header = H.rank_result(request, True, self.rank, copies is not None)
+        if not self.result(header, payload, buffers) and copies is not None:
+            copies.release()  # never sent: nobody will read them
 
     def reply_error(
         self, request: str | None, exc: BaseException, where: str, note: str = ""
@@ -295,20 +326,23 @@ class Outbox:
         """Send the failure ``report`` as the result of ``request``."""
         self.result(H.rank_result(request, False, self.rank), pickle.dumps(report))
 
-    def result(self, header: H.Result, payload: bytes, buffers: Sequence[Buffer] = ()) -> None:
+    def result(self, header: H.Result, payload: bytes, buffers: Sequence[Buffer] = ()) -> bool:
         """Send a reply: to the controller, or to the calling rank for a peer call. A
         value above the bound on values is answered with that error instead. Returns
         once libzmq let go of the zero-copy ``buffers`` (:mod:`monarch_kernel.wire.handoff`):
-        what runs next on this rank may change the returned tensors in place."""
-        handoff.sending(buffers, self._result, header, payload, buffers)
+        what runs next on this rank may change the returned tensors in place. False if
+        the reply was not sent (that error instead, or the calling rank is gone)."""
+        return handoff.sending(buffers, self._result, header, payload, buffers)
 
-    def _result(self, header: H.Result, payload: bytes, buffers: Sequence[Buffer]) -> None:
+    def _result(self, header: H.Result, payload: bytes, buffers: Sequence[Buffer]) -> bool:
         wire = header.encode()  # once: check_size reads it, encoding the message fills it
+        if self.handle_readers:
+            self.handle_readers.pop(header.request, None)  # type: ignore[arg-type]
         try:
             check_size(wire, payload, buffers)
         except ValueTooLargeError as exc:  # the caller hears why, the rank lives on
             self.fail(header.request or "", exception_report(exc, "reply"))
-            return
+            return False
         route = self.peer_routes.pop(header.request, None) if self.peer_routes else None  # type: ignore[arg-type]
         if route is None:
             request = header.request
@@ -317,7 +351,7 @@ class Outbox:
             else:
                 wire, buffers = self._shared(wire, buffers)
                 self.send(wire, payload, buffers)
-            return
+            return True
         try:
             parts = encode_parts(self.codec, wire, payload, buffers)
             with self.lock:  # replies may come from any thread (response ports)
@@ -328,6 +362,8 @@ class Outbox:
             log.warning(
                 "rank %s: peer caller at %s is gone (%s); reply dropped", self.rank, route, exc
             )
+            return False
+        return True
 
     def _fanin_result(
         self, request: str, header: H.Result, payload: bytes, buffers: Sequence[Buffer]

@@ -20,11 +20,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
 _local = threading.local()
+
+T = TypeVar("T")
 
 
 class Handoff:
@@ -64,15 +66,15 @@ def values() -> Iterator[Handoff]:
     mine.wait()
 
 
-def sending(buffers: Sequence[Any], send: Callable[..., None], *args: Any) -> None:
-    """``send(*args)``, inside :func:`values` when ``buffers`` (the message's out-of-band
-    buffers) are not empty: only those can be the caller's memory (a payload is
-    immutable ``bytes``), and a message without them, most messages, pays nothing."""
+def sending(buffers: Sequence[Any], send: Callable[..., T], *args: Any) -> T:
+    """``send(*args)`` (what it returns), inside :func:`values` when ``buffers`` (the
+    message's out-of-band buffers) are not empty: only those can be the caller's memory
+    (a payload is immutable ``bytes``), and a message without them, most messages, pays
+    nothing."""
     if not buffers:
-        send(*args)
-        return
+        return send(*args)
     with values():
-        send(*args)
+        return send(*args)
 
 
 def owned(frames: list[Any], threshold: int) -> list[Any]:

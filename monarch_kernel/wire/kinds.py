@@ -185,9 +185,11 @@ kind              keys and payload
                   Reply value: None
 ``call``          ``a`` str (actor name), ``m`` str (endpoint method name), ``sl`` list
                   (only when the call is to a slice: its labels, sizes, strides and
-                  offset, for ``context().message_rank``). Payload:
-                  pickled ``(args, kwargs)``. Reply value: what the endpoint returned
-                  (awaited if a coroutine)
+                  offset, for ``context().message_rank``), ``rp`` int (only from a
+                  rank to ranks of its machine: its pid; the result's large CUDA tensors
+                  come as handles, ``res``'s ``x``). Payload: pickled ``(args,
+                  kwargs)``. Reply value: what the endpoint returned (awaited if a
+                  coroutine)
 ``exec``          (no keys) Payload: pickled ``{"code": str, "cell": str, "header":
                   list[str]}`` (the cell's code, its label in tracebacks, the magic lines
                   above the code). Reply value: the cell's last expression, or None
@@ -308,7 +310,10 @@ kind              keys and payload
 ``res``           ``i`` (the request answered), ``ok`` int: 1 = payload is the pickled
                   value (buffers out of band, sizes in ``b``); 0 = payload is a pickled
                   failure report (a dict: type, message, traceback, line, tensors,
-                  where, exception, host; see ``rank.errors.exception_report``)
+                  where, exception, host; see ``rank.errors.exception_report``);
+                  ``x`` = 1 (an answer to a ``call`` with ``rp``): the payload is pickled
+                  ``(handles, value)``, the value's large CUDA tensors read through the
+                  handles (``rank.dataplane.cuda_results``)
 ``out``           ``i`` (the request being served, or None), ``n`` str (``stdout`` or
                   ``stderr``). Payload: the text, UTF-8 (not pickled)
 ``display``       ``i`` (the request being served, or None), ``op`` str (``display``,
@@ -488,7 +493,7 @@ STEPS = "steps"
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 14  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
+PROTOCOL_VERSION = 15  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
 # 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``;
 # 6: fan-in (``fan_in``, ``fan_direct``); 7: ``batch``; 8: ``host_stats``, slots
 # (``slot`` in ``spawn_ranks``, ranks named by their slot on the wire) and ``mesh_ref``;
@@ -499,3 +504,4 @@ PROTOCOL_VERSION = 14  # 2: the ``display`` kind; 3: large values travel as stre
 # ``host_stats`` may carry the ranks' GPU stats (header ``g``); 12: step telemetry
 # (``steps``, ``host_steps``) and ``profile``; 13: ``tensor_ops`` (the tensor engine);
 # 14: signatures (envelopes and streamed payloads) are keyed BLAKE2b-256, not HMAC-SHA256
+# 15: ``rp`` in ``call`` and ``x`` in ``res`` (CUDA results by handle)

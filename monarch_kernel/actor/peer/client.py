@@ -31,8 +31,9 @@ import zmq.utils.monitor
 from monarch_kernel.actor.peer.inline import on_main_thread, serve_inline
 from monarch_kernel.actor.peer.reply import admit_any_key, reply_path, reply_tcp_host
 from monarch_kernel.actor.peer.resolve import gone, locate
+from monarch_kernel.calls import reply as calls_reply
 from monarch_kernel.calls.errors import RankDiedError
-from monarch_kernel.calls.reply import Reply, RequestObserver
+from monarch_kernel.calls.reply import Reply, RequestObserver, reply_of
 from monarch_kernel.calls.requester import MeshRef
 from monarch_kernel.rank import context, listener_gate
 from monarch_kernel.wire import Codec, WireError, handoff, peer_address
@@ -333,11 +334,16 @@ class PeerClient:
             p = self.pending.get(h.get("i"))  # type: ignore[arg-type]
             rank = p.of_slot.get(rank) if p is not None else None  # type: ignore[arg-type]
             if p is None or rank not in p.left:
-                return
-            p.left.discard(rank)
-            if not p.left:
-                del self.pending[h["i"]]
-        p.observer.on_reply(Reply(rank, msg))
+                p = None
+            else:
+                p.left.discard(rank)
+                if not p.left:
+                    del self.pending[h["i"]]
+        if p is not None:
+            p.observer.on_reply(reply_of(rank, msg))  # type: ignore[arg-type]
+        elif h.get("x") and calls_reply.handle_reader is not None:
+            # by handle, and nobody waits for it any more: its copies are let go of
+            calls_reply.handle_reader.discard(bytes(msg.payload))
 
     def _on_lost(self, route: str, why: str) -> None:
         """The connection to a target rank at ``route`` is gone (``why``): it died, its

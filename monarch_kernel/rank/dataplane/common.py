@@ -39,7 +39,9 @@ NONCE_MAX = 65536
 #: that tried IPC and were staged instead; ``ipc_one_sided``: reads and writes of RDMA
 #: buffers by CUDA IPC that needed no message to the owner (a kept mapping);
 #: ``ipc_arguments``: CUDA tensors this rank sent in calls to ranks of its machine as
-#: data-plane handles instead of pickled bytes (``dataplane.cuda_args``).
+#: data-plane handles instead of pickled bytes (``dataplane.cuda_args``);
+#: ``ipc_results``: the same for the results it sent back to ranks of its machine
+#: (``dataplane.cuda_results``).
 counters_ = {
     "bytes_out": 0,
     "bytes_in": 0,
@@ -50,6 +52,7 @@ counters_ = {
     "ipc_fallbacks": 0,
     "ipc_one_sided": 0,
     "ipc_arguments": 0,
+    "ipc_results": 0,
 }
 
 

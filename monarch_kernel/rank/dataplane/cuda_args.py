@@ -94,32 +94,20 @@ class Snapshots:
         """``t`` as a handle on a copy of it (see the module), or None: pickled as usual.
         A tensor pickled again (the serializer's fallback to cloudpickle, or the error
         path naming an argument) gets the same handle, not another copy."""
-        device = cuda_ipc.device
-        if not device.shareable(t) or t.numel() * t.element_size() < MIN_BYTES:
-            return None  # (first: every tensor of every call from a rank comes here)
-        import torch
-
-        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-            return None  # subclasses (DTensor ...) keep their own reduction
-        if t.is_sparse or t.layout != torch.strided or t.is_quantized or t.is_nested:
+        if not large_plain(t):  # (first: every tensor of every call from a rank comes here)
             return None
         done = self._made.get(id(t))
         if done is not None:
             return done[1]
         if not self.usable():
             return None
-        from monarch_kernel.rank.dataplane.plane import server
-
-        try:
-            copy = t.detach().clone(memory_format=torch.contiguous_format)
-            device.settle(copy)  # as ``t.cpu()`` waited: the copy is what the call sends
-            ref = server().share(copy, reads=len(self._ranks))
-        except Exception:  # no room for a copy on the device, or no data plane here
+        ref = share_copy(t, reads=len(self._ranks))
+        if ref is None:
             return None  # after all: pickled through host memory, as without
         with self._lock:
             self.idents.append(ref.id)
         counters_["ipc_arguments"] += 1
-        reduced = (_received, (ref, t.requires_grad, type(t) is torch.nn.Parameter))
+        reduced = (_received, (ref, t.requires_grad, is_parameter(t)))
         self._made[id(t)] = (t, reduced)  # (``t`` kept: its id stays its own meanwhile)
         return reduced
 
@@ -145,10 +133,47 @@ class Snapshots:
                 owner.release(ident)
 
 
-def _received(ref: TensorRef, requires_grad: bool, parameter: bool) -> Any:
-    """The receiver's side of :meth:`Snapshots.reduce`: a private copy of the caller's
-    copy, its mapping let go of at once (it is read once). The receiver may be an actor
-    of the notebook's own process (``this_proc()`` there): that process joins the data
+def large_plain(t: Any) -> bool:
+    """Whether ``t`` goes as a handle: a plain tensor (or Parameter) the device can share,
+    strided, of :data:`MIN_BYTES` or more (subclasses such as DTensor keep their own
+    reduction)."""
+    if not cuda_ipc.device.shareable(t) or t.numel() * t.element_size() < MIN_BYTES:
+        return False
+    import torch
+
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return False
+    return not (t.is_sparse or t.layout != torch.strided or t.is_quantized or t.is_nested)
+
+
+def is_parameter(t: Any) -> bool:
+    import torch
+
+    return type(t) is torch.nn.Parameter
+
+
+def share_copy(t: Any, reads: int, holder: int = 0) -> TensorRef | None:
+    """A handle on a copy of ``t`` on its device, shared to be read ``reads`` times (and
+    kept no longer than process ``holder`` lives, when given: ``Server.share``); None
+    where no copy can be made (no room on the device, no data plane here). The copy is
+    waited for on the current stream, as ``t.cpu()`` waited: it is ``t`` as it is now,
+    whatever the caller queues after."""
+    import torch
+
+    from monarch_kernel.rank.dataplane.plane import server
+
+    try:
+        copy = t.detach().clone(memory_format=torch.contiguous_format)
+        cuda_ipc.device.settle(copy)
+        return server().share(copy, reads=reads, holder=holder)
+    except Exception:
+        return None
+
+
+def read_copy(ref: TensorRef, requires_grad: bool, parameter: bool) -> Any:
+    """A private copy of the tensor ``ref`` names, its mapping let go of at once (it is
+    read once), with the sender's requires_grad and Parameter-ness. The reader may be
+    the notebook's own process (an actor of ``this_proc()`` there): it joins the data
     plane, as for RDMA buffers."""
     import torch
 
@@ -158,12 +183,26 @@ def _received(ref: TensorRef, requires_grad: bool, parameter: bool) -> Any:
         join_as_controller()
     t = ref.get()
     cuda_ipc.mappings.drop_tensor(ref.key_id, ref.pid, ref.id)
-    try:
-        client().notify(ref, {"op": "read_done", "id": ref.id})  # the owner may drop it now
-    except (zmq.ZMQError, RuntimeError):
-        pass  # lost: the caller drops it when the call is over
     if parameter:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
         t.requires_grad_(True)
+    return t
+
+
+def tell_read(ref: TensorRef) -> None:
+    """Tell ``ref``'s owner that this reader is done with it (``read_done``); a word
+    that is lost is not an error (the owner drops the copy by its other rule)."""
+    try:
+        client().notify(ref, {"op": "read_done", "id": ref.id})
+    except (zmq.ZMQError, RuntimeError):
+        pass
+
+
+def _received(ref: TensorRef, requires_grad: bool, parameter: bool) -> Any:
+    """The receiver's side of :meth:`Snapshots.reduce`: its private copy; the caller may
+    drop its own at once (``read_done``; if lost, the caller drops it when the call is
+    over)."""
+    t = read_copy(ref, requires_grad, parameter)
+    tell_read(ref)
     return t

@@ -34,6 +34,7 @@ from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
 from monarch_kernel.wire.key_gate import guard
 from monarch_kernel.wire.limits import CHUNK_SIZE
+from monarch_kernel.wire.osutil import proc_state
 from monarch_kernel.wire.peer_address import GATE_DOMAIN
 from monarch_kernel.wire.ports import bind_port
 
@@ -97,6 +98,10 @@ class Server:
         #: are copies nothing writes, waited for when made: described without a device
         #: synchronize (``cuda_ipc.describe``'s ``settled``)
         self.reads_left: dict[int, int] = {}
+        #: Tensors kept for one process of this machine (a result's CUDA tensors kept for
+        #: the rank that called, ``dataplane.cuda_results``): its pid; released when it
+        #: is gone, if it did not read them first
+        self.holders: dict[int, int] = {}
         #: CPU copies of tensors that are not contiguous CPU tensors, while a reader
         #: fetches them range by range (see ``_raw``)
         self.staged: dict[int, Any] = {}
@@ -144,15 +149,26 @@ class Server:
             port = bind_port(tcp, addr)
             self.address = f"tcp://{addr}:{port}"
         self.shm_prefix = f"mk-{cfg.run_id}-r{self.rank}-"
+        # Wakes the serving thread out of an unbounded wait when a holder is added (it
+        # then looks at the holders once a second); a pipe: any thread may write to it.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         threading.Thread(target=self._serve, name="mk-dataplane", daemon=True).start()
 
     def share(
-        self, tensor: Any, writable: bool = False, one_sided: bool = False, reads: int = 0
+        self,
+        tensor: Any,
+        writable: bool = False,
+        one_sided: bool = False,
+        reads: int = 0,
+        holder: int = 0,
     ) -> TensorRef:
         """Offer ``tensor`` to other ranks (``writable``: an RDMA buffer, which they may
         also write into; ``one_sided``: receivers of this host that mapped it by CUDA IPC
         use it without asking again, ``dataplane.cuda_ipc``; ``reads``: released once that
-        many readers said ``read_done``, ``dataplane.cuda_args``)."""
+        many readers said ``read_done``, ``dataplane.cuda_args``; ``holder``: released
+        at the latest when that process of this machine is gone,
+        ``dataplane.cuda_results``)."""
         # The owner's tensor itself is kept (never a copy): get() sees it as it is then.
         t = tensor.detach()
         nbytes = t.numel() * t.element_size()
@@ -164,6 +180,7 @@ class Server:
             if placed is not None:
                 fd, ino = placed
                 shm = f"/proc/{os.getpid()}/fd/{fd}"
+        watched = True  # (the serving thread already looks at holders, or needs not)
         with self.lock:
             self.tensors[ident] = t
             if writable:
@@ -172,8 +189,16 @@ class Server:
                 self.one_sided.add(ident)
             if reads > 0:
                 self.reads_left[ident] = reads
+            if holder > 0:
+                watched = bool(self.holders)
+                self.holders[ident] = holder
             if fd >= 0:
                 self.shm_fds[ident] = fd
+        if holder > 0 and not watched:
+            try:
+                os.write(self._wake_w, b"h")  # start looking at holders
+            except BlockingIOError:
+                pass  # (the pipe is full of wake-ups already)
         dtype = str(t.dtype).removeprefix("torch.")
         return TensorRef(
             self.rank,
@@ -317,6 +342,7 @@ class Server:
             self.writable.discard(ident)
             self.one_sided.discard(ident)
             self.reads_left.pop(ident, None)
+            self.holders.pop(ident, None)
             fd = self.shm_fds.pop(ident, None)
         if fd is not None:
             os.close(fd)  # the path in the ref no longer opens (torch keeps its own fd)
@@ -338,23 +364,40 @@ class Server:
         if left <= 1:
             self.release(ident)
 
+    def gone_holders(self) -> int:
+        """Release the tensors kept for processes that are gone; how many."""
+        with self.lock:
+            held = list(self.holders.items())
+        gone = [ident for ident, pid in held if proc_state(f"/proc/{pid}/stat") in _DEAD]
+        for ident in gone:
+            self.release(ident)
+        return len(gone)
+
     def _serve(self) -> None:
         socks = [self.sock] + ([self.tcp] if self.tcp is not None else [])
         poller = zmq.Poller()
         for sock in socks:
             poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         next_expiry = 0.0
         while True:
-            # While receivers map tensors, wake up now and then to let go of the leases
-            # of those that died or took too long: once a second, not after every
-            # request (each lease's check reads /proc, a tenth of a request's time).
-            events = poller.poll(1000 if self.leases.held else None)
-            for sock, _ in events:
-                self._serve_one(sock)
-            if self.leases.held:
+            # While receivers map tensors, or tensors are kept for other processes, wake
+            # up now and then to let go of the leases of those that died or took too
+            # long, and of what was kept for the dead: once a second, not after every
+            # request (each check reads /proc, a tenth of a request's time).
+            watching = self.leases.held or self.holders
+            for sock, _ in poller.poll(1000 if watching else None):
+                if sock == self._wake_r:
+                    os.read(self._wake_r, 4096)
+                else:
+                    self._serve_one(sock)
+            if watching:
                 now = time.monotonic()
                 if now >= next_expiry:
-                    self.leases.expire(now)
+                    if self.leases.held:
+                        self.leases.expire(now)
+                    if self.holders:
+                        self.gone_holders()
                     next_expiry = now + EXPIRY_PERIOD
 
     def _serve_one(self, sock: zmq.Socket[bytes]) -> None:
@@ -452,8 +495,10 @@ class Server:
         raise ValueError(f"unknown data-plane request {op!r}")
 
 
-#: Seconds between the owner's looks at its leases (dead or late receivers).
+#: Seconds between the owner's looks at its leases (dead or late receivers) and holders.
 EXPIRY_PERIOD = 1.0
+#: ``/proc/PID/stat`` states of a process that is gone ("": no such process).
+_DEAD = ("", "Z", "X")
 
 
 #: Requests the owner does not answer (:meth:`Client.notify` sends them): ``ipc_done``,

@@ -64,15 +64,18 @@ class Ready:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Result:
     """``res``: the answer to request ``i`` (``ok``: the payload is the value, else a
-    failure report); from rank ``r``, or from host agent ``h`` on its behalf."""
+    failure report); from rank ``r``, or from host agent ``h`` on its behalf. ``x``: the
+    value's large CUDA tensors are handles on copies the rank keeps for the caller (a
+    rank's call that asked for it with ``rp``; ``rank.dataplane.cuda_results``)."""
 
     KIND: ClassVar[str] = K.RESULT
-    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"i", "r", "ok", "h"}
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"i", "r", "ok", "h", "x"}
 
     request: str | None
     ok: bool
     rank: int | None = None
     host: int | None = None
+    handles: bool = False
 
     def encode(self) -> WireHeader:
         h: WireHeader = {"k": K.RESULT}
@@ -83,13 +86,15 @@ class Result:
         h["ok"] = 1 if self.ok else 0
         if self.host is not None:
             h["h"] = self.host
+        if self.handles:
+            h["x"] = 1
         return h
 
     @classmethod
     def decode(cls, h: WireHeader) -> Result:
         check_keys(cls, h)
         try:
-            return _Result(h.get("i"), bool(h["ok"]), h.get("r"), h.get("h"))
+            return _Result(h.get("i"), bool(h["ok"]), h.get("r"), h.get("h"), bool(h.get("x")))
         except KeyError as exc:
             raise missing_key(cls, exc) from None
 
@@ -343,10 +348,11 @@ class Resumed:
 _Result = maker(Result)
 
 
-def rank_result(request: str, ok: bool, rank: int) -> Result:
-    """``Result(request=request, ok=ok, rank=rank)`` by the fast constructor: a rank
-    makes one per reply (a frozen dataclass's ``__init__`` costs about 1 us more)."""
-    return _Result(request, ok, rank, None)
+def rank_result(request: str, ok: bool, rank: int, handles: bool = False) -> Result:
+    """``Result(request=request, ok=ok, rank=rank, handles=handles)`` by the fast
+    constructor: a rank makes one per reply (a frozen dataclass's ``__init__`` costs
+    about 1 us more)."""
+    return _Result(request, ok, rank, None, handles)
 
 
 _Stream = maker(Stream)

@@ -152,19 +152,25 @@ class SpawnActor(Ordered):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Call(Ordered):
-    """``call``: endpoint ``m`` of actor ``a`` (``sl``: the slice it was sent to)."""
+    """``call``: endpoint ``m`` of actor ``a`` (``sl``: the slice it was sent to; ``rp``:
+    the calling process of this machine, a rank, takes large CUDA tensors of the result
+    as handles on copies kept for it until it reads them or dies,
+    ``rank.dataplane.cuda_results``)."""
 
     KIND: ClassVar[str] = K.CALL
-    KEYS: ClassVar[frozenset[str]] = Ordered.KEYS | {"a", "m", "sl"}
+    KEYS: ClassVar[frozenset[str]] = Ordered.KEYS | {"a", "m", "sl", "rp"}
 
     actor: str
     method: str
     slice: list[Any] | None = None  #: labels, sizes, strides, offset
+    results_pid: int | None = None  #: ``rp``: the caller's process id
 
     def encode(self) -> WireHeader:
         h: WireHeader = {"k": K.CALL, "a": self.actor, "m": self.method}
         if self.slice is not None:
             h["sl"] = self.slice
+        if self.results_pid is not None:
+            h["rp"] = self.results_pid
         return self._put(h)
 
     @classmethod
@@ -176,6 +182,7 @@ class Call(Ordered):
                 h["a"],
                 h["m"],
                 h.get("sl"),
+                _pid(h.get("rp")),
             )
         except KeyError as exc:
             raise missing_key(cls, exc) from None
@@ -362,3 +369,8 @@ _StopActor = maker(StopActor)
 _Debug = maker(Debug)
 _Supervise = maker(Supervise)
 _Hello = maker(Hello)
+
+
+def _pid(value: object) -> int | None:
+    """A ``call``'s ``rp``: a process id, or None (absent, or not a positive int)."""
+    return value if type(value) is int and value > 0 else None
