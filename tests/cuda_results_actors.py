@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import torch
-from cuda_args_actors import BIG
+from cuda_args_actors import BIG, NotHere
 
 from monarch_kernel.actor import Actor, current_rank, endpoint
 
@@ -46,12 +46,17 @@ class ResultPeer(Actor):
 
     # -- the rank called ----------------------------------------------------------------
     @endpoint
-    def give(self, fail_on: int = -1) -> dict[str, Any]:
+    def give(self, fail_on: int = -1, unreadable_on: int = -1) -> dict[str, Any]:
         """Large tensors of every kind (its own ``weight`` first, which :meth:`bump`
-        changes later), and a small one; fails on rank ``fail_on``."""
-        if current_rank().rank == fail_on:
+        changes later), and a small one; fails on rank ``fail_on``; on rank
+        ``unreadable_on`` the value cannot be unpickled by the caller (before its
+        tensors)."""
+        rank = current_rank().rank
+        if rank == fail_on:
             raise ValueError("no tensors from this rank")
+        first = {"first": NotHere()} if rank == unreadable_on else {}
         return {
+            **first,
             "weight": self.weight,
             "param": torch.nn.Parameter(torch.ones(BIG)),
             "grad": torch.full((BIG,), 2.0, requires_grad=True),
@@ -102,14 +107,42 @@ class ResultPeer(Actor):
         return {"seen": _summary(value), "bytes_in": counters_["bytes_in"] - before}
 
     @endpoint
-    def fetch_unread(self, other: Any) -> bool:
-        """Call ``other.give``, let the reply arrive, and drop it unread."""
-        future = other.give.call_one()
-        while not future.done():
-            time.sleep(0.01)
-        del future
-        gc.collect()
-        return True
+    def fetch_unread(self, other: Any, how: str, held: int) -> int:
+        """Call ``other.give`` ``how``, let the replies arrive and drop them unread; how
+        many tensors ``other`` holds once it holds ``held`` again (or 30 s passed). The
+        cyclic garbage collector is off meanwhile: a dropped future must let its replies
+        go at once, not at the collector's next run."""
+        gc.disable()
+        try:
+            future = other.give.call_one() if how == "call_one" else other.give.call()
+            while not future.done():
+                time.sleep(0.01)
+            del future
+            return other.held_once.call_one(held).get(timeout=60)
+        finally:
+            gc.enable()
+
+    @endpoint
+    def fetch_unreadable(self, others: Any, unreadable_on: int, held: list[int]) -> Any:
+        """A gathered call whose value from rank ``unreadable_on`` cannot be unpickled:
+        the read stops there, and the values of the others are never read. What it
+        raised, and how many tensors each of ``others`` holds once it holds ``held`` (its
+        count before) again, with the cyclic collector off meanwhile (the error's
+        traceback must not keep them)."""
+        gc.disable()
+        try:
+            try:
+                others.give.call(-1, unreadable_on).get(timeout=60)
+                text = "no error"
+            except Exception as exc:
+                text = f"{type(exc).__name__}: {exc}"
+            counts = [
+                others.slice(gpus=i).held_once.call_one(n).get(timeout=60)
+                for i, n in enumerate(held)
+            ]
+            return text, counts
+        finally:
+            gc.enable()
 
     @endpoint
     def fetch_failing(self, others: Any, fail_on: int) -> str:

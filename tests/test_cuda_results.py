@@ -72,12 +72,32 @@ def test_the_value_is_the_one_returned_not_the_actors_tensor_as_it_is_later(peer
     assert out["seen"]["weight"][0] == now
 
 
-def test_a_reply_dropped_unread_lets_the_copies_go(peers):
+@pytest.mark.parametrize("how", ["call_one", "call"])
+def test_a_reply_dropped_unread_lets_the_copies_go_at_once(peers, how):
+    """With the cyclic collector off in the caller: nothing of a dropped future is held
+    by a reference cycle (a gathered call's future and its gather included)."""
     _, caller, called, _ = peers
     before = _kept(called)
-    assert caller.fetch_unread.call_one(called).get(timeout=60)
+    assert (
+        caller.fetch_unread.call_one(called, how, before["held"]).get(timeout=90)
+        == (before["held"])
+    ), "the copies of a dropped reply are still held"
     assert _kept(called)["sent"] - before["sent"] == HANDLES
-    assert called.held_once.call_one(before["held"]).get(timeout=60) == before["held"]
+
+
+def test_a_read_stopped_by_an_unreadable_value_lets_every_copy_go(peers):
+    """Rank 1's value cannot be unpickled: the read stops there; rank 1's copies (its
+    read began) and rank 2's (never read) both go."""
+    _, caller, called, both = peers
+    other = both.slice(gpus=1)
+    assert other.pid.call_one().get(timeout=60) != called.pid.call_one().get(timeout=60)
+    before, other_before = _kept(called), _kept(other)
+    held = [before["held"], other_before["held"]]
+    text, counts = caller.fetch_unreadable.call_one(both, 1, held).get(timeout=150)
+    assert "cannot be unpickled on the receiver" in text, text
+    assert counts == held, "copies of the failed read are still held"
+    assert _kept(called)["sent"] - before["sent"] == HANDLES
+    assert _kept(other)["sent"] - other_before["sent"] == HANDLES
 
 
 def test_a_gathered_call_failed_by_another_rank_lets_the_unread_copies_go(peers):

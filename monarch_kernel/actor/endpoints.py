@@ -398,7 +398,7 @@ def gather(
     ``call``: the endpoint call it is, see :class:`CallSite`)."""
     g = Gather(ranks, shape, requester.waiter, call=call)
     requester.request(ranks, header, payload, buffers, g, options)
-    return g.future
+    return g.hand_out()
 
 
 __all__ = [

@@ -42,6 +42,7 @@ class Future(Generic[T]):
         "_blocked",
         "_waiter",
         "_driver",
+        "__weakref__",  # (a Gather holds the future it handed out weakly)
     )
 
     def __init__(self, finish: Callable[[Any], T] | None = None, waiter: Waiter | None = None):

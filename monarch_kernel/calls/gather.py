@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 
 from monarch_kernel.calls.errors import (
@@ -81,7 +82,40 @@ class Gather:
         self._error_class = error_class
         self._value_name = value_name
         self._call = call  # the endpoint call, for Monarch's text of a SupervisionError
-        self.future: Future[ValueMesh[object]] = Future(self._finish, waiter)
+        future: Future[ValueMesh[object]] = Future(self._finish, waiter)
+        #: Held here while the request runs; once it is answered and the future was
+        #: handed out, weakly only (see :meth:`hand_out`)
+        self._future: Future[ValueMesh[object]] | None = future
+        self._future_ref = weakref.ref(future)
+        self._handed_out = False
+
+    @property
+    def future(self) -> Future[ValueMesh[object]]:
+        """The request's future."""
+        future = self._future_ref()
+        if future is None:
+            raise RuntimeError("the future of this request was handed out and dropped")
+        return future
+
+    def hand_out(self) -> Future[ValueMesh[object]]:
+        """The future, for a caller that will not ask :attr:`future` again: once the
+        request is answered only the caller holds it, so that a future dropped unread
+        goes at once with this gather and its replies, with no reference cycle left for
+        the collector (a reply may hold copies another rank keeps for it:
+        ``HandleReply``). While the request runs it is held here (callbacks on it, as
+        ``then`` adds, must run)."""
+        future = self.future
+        self._handed_out = True  # (first: see _completed)
+        if future.done():
+            self._future = None
+        return future
+
+    def _completed(self) -> None:
+        future = self._future_ref()
+        if future is not None:
+            future.set_result(None)
+        if self._handed_out:  # (set before hand_out looks at done(): one of us drops it)
+            self._future = None
 
     # -- observer (receiving thread) -----------------------------------------------------
     def on_reply(self, reply: Reply) -> None:
@@ -92,7 +126,7 @@ class Gather:
             self._remaining -= 1
             complete = self._remaining == 0
         if complete:
-            self.future.set_result(None)
+            self._completed()
 
     def on_replies(self, replies: list[Reply]) -> None:
         """:meth:`on_reply` for each of ``replies`` (a ``fan_in`` part), one lock hold."""
@@ -105,7 +139,7 @@ class Gather:
             self._remaining -= len(replies)
             complete = self._remaining == 0
         if complete:
-            self.future.set_result(None)
+            self._completed()
 
     def on_lost(self, rank: int, error: BaseException) -> None:
         with self._lock:
@@ -116,7 +150,7 @@ class Gather:
             self._remaining -= 1
             complete = self._remaining == 0
         if complete:
-            self.future.set_result(None)
+            self._completed()
 
     # -- the mesh grew or shrank while the request ran (``controller.elastic.resize``) -----------
     def add_rank(self, rank: int, shape: Shape | None = None) -> None:
@@ -148,7 +182,7 @@ class Gather:
             self.shape = shape or Shape(("ranks",), (len(self.ranks),))
             complete = self._remaining == 0 and bool(self.ranks)
         if complete:
-            self.future.set_result(None)
+            self._completed()
 
     def renumber(self, mapping: dict[int, int]) -> None:
         """The mesh's ranks were renumbered (old -> new; a shrink dropped ranks other
@@ -199,7 +233,7 @@ class Gather:
         if self._failed_order:
             for reply in self._replies:  # values that will never be read
                 if reply is not None and reply.ok:
-                    reply.discard()
+                    reply.discard("another rank failed the request")
             raise self._error()
         name = self._value_name
         values: list[object] = []
@@ -207,15 +241,21 @@ class Gather:
         # immutable value is unpickled once for all of them; a mutable one once per
         # rank, so that each rank's value is its own object (as if sent apart).
         shared: dict[int, object] = {}  # id(message) -> its immutable value
-        for r, reply in zip(self.ranks, self._replies):
-            assert reply is not None
-            key = id(reply.message)  # the replies keep their messages alive meanwhile
-            value = shared.get(key, _UNSHARED)
-            if value is _UNSHARED:
-                value = reply.value(_naming(name, r))
-                if is_immutable(value):
-                    shared[key] = value
-            values.append(value)
+        try:
+            for r, reply in zip(self.ranks, self._replies):
+                assert reply is not None
+                key = id(reply.message)  # the replies keep their messages alive meanwhile
+                value = shared.get(key, _UNSHARED)
+                if value is _UNSHARED:
+                    value = reply.value(_naming(name, r))
+                    if is_immutable(value):
+                        shared[key] = value
+                values.append(value)
+        except BaseException as exc:  # the ranks' values not read yet never will be
+            for reply in self._replies:
+                if reply is not None:
+                    reply.discard(f"reading the results stopped at {type(exc).__name__}")
+            raise
         return ValueMesh(self.shape, values)
 
     def _error(self) -> BaseException:

@@ -51,9 +51,10 @@ class Reply:
         msg = self.message
         return loads(msg.payload, msg.buffers, what)
 
-    def discard(self) -> None:
-        """The value will not be read (the request failed on another rank): let go of
-        what the answering rank keeps for it (nothing, but for a :class:`HandleReply`)."""
+    def discard(self, why: str) -> None:
+        """The value will not be read (``why``: another rank failed the request, the
+        read stopped at an error): let go of what the answering rank keeps for it
+        (nothing, but for a :class:`HandleReply`)."""
 
 
 class HandleReader(Protocol):
@@ -94,25 +95,31 @@ class HandleReply(Reply):
             except Exception as exc:
                 self._error = exc
             except BaseException:  # Ctrl-C: the copies are gone, a later read says so
-                self._error = RuntimeError(
-                    f"the result from rank {self.rank} was interrupted while it was read "
-                    "(its CUDA tensors came by CUDA IPC, read once); call the endpoint again"
-                )
+                self._error = _gone(self.rank, "its read was interrupted")
+                if handle_reader is not None:  # (wherever it stopped: said twice is harmless)
+                    handle_reader.discard(bytes(msg.payload))
                 raise
         if self._error is not None:
             raise self._error
         return self._value
 
-    def discard(self) -> None:
+    def discard(self, why: str) -> None:
         if not self._read:
             self._read = True
-            self._error = RuntimeError(f"the result from rank {self.rank} was discarded unread")
+            self._error = _gone(self.rank, f"it was let go of unread ({why})")
             if handle_reader is not None:
                 handle_reader.discard(bytes(self.message.payload))
 
     def __del__(self) -> None:
         if not self._read and self.ok and handle_reader is not None:
             handle_reader.discard(bytes(self.message.payload))
+
+
+def _gone(rank: int, why: str) -> RuntimeError:
+    return RuntimeError(
+        f"the result from rank {rank} cannot be read: {why}, and its CUDA tensors, which "
+        "came by CUDA IPC, are read once; call the endpoint again"
+    )
 
 
 def _reader() -> HandleReader:

@@ -307,8 +307,15 @@ class Outbox:
             self.reply_error(request, exc, at if isinstance(at, str) else at())
             return
         header = H.rank_result(request, True, self.rank, copies is not None)
-        if not self.result(header, payload, buffers) and copies is not None:
-            copies.release()  # never sent: nobody will read them
+        if copies is None:
+            self.result(header, payload, buffers)
+            return
+        sent = False
+        try:
+            sent = self.result(header, payload, buffers)
+        finally:
+            if not sent:  # (or an error on the way: the caller then hears of no value)
+                copies.release()
 
     def reply_error(
         self, request: str | None, exc: BaseException, where: str, note: str = ""

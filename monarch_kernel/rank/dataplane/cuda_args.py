@@ -31,11 +31,12 @@ tests run it on machines without a GPU with host shared memory in CUDA's place
 
 from __future__ import annotations
 
+import functools
+import os
+import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
-
-import zmq
 
 from monarch_kernel.calls.future import Future, after_all
 from monarch_kernel.rank.dataplane import cuda_ipc
@@ -83,10 +84,7 @@ class Snapshots:
             runtime = context.services()  # None: not a rank (no data plane to share from)
             machine = runtime.config.hostname if runtime is not None else ""
             self._usable = (
-                bool(machine)
-                and ipc_enabled()
-                and not expandable_segments(alloc_conf())
-                and self._requester.on_machine(self._ranks, machine)
+                bool(machine) and ipc_here() and self._requester.on_machine(self._ranks, machine)
             )
         return self._usable
 
@@ -131,6 +129,14 @@ class Snapshots:
             owner = server()
             for ident in idents:
                 owner.release(ident)
+
+
+@functools.cache
+def ipc_here() -> bool:
+    """Whether CUDA IPC is on in this process and its allocator's memory can be shared
+    (read once, at the first call from a rank: torch reads its allocator settings once
+    too; answered calls ask on every call)."""
+    return ipc_enabled() and not expandable_segments(alloc_conf())
 
 
 def large_plain(t: Any) -> bool:
@@ -190,13 +196,43 @@ def read_copy(ref: TensorRef, requires_grad: bool, parameter: bool) -> Any:
     return t
 
 
-def tell_read(ref: TensorRef) -> None:
-    """Tell ``ref``'s owner that this reader is done with it (``read_done``); a word
-    that is lost is not an error (the owner drops the copy by its other rule)."""
-    try:
-        client().notify(ref, {"op": "read_done", "id": ref.id})
-    except (zmq.ZMQError, RuntimeError):
-        pass
+class ReadDone:
+    """Tells the owners of copies this process read, or will never read, that it is done
+    with them (``read_done``), from a thread of its own: the reading thread may end
+    right after (its socket, closed with it, would drop the word unsent) or be
+    collecting garbage in the middle of another socket's use (an unread reply). A word
+    that is lost is not an error: the owner drops the copy by its other rule."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], Sequence[TensorRef]]] = queue.SimpleQueue()
+        self._pid = 0  # the process whose thread runs (none yet; a fork has none)
+        self._lock = threading.RLock()  # (a collection inside ``Thread()`` may come back)
+
+    def tell(self, refs: Callable[[], Sequence[TensorRef]]) -> None:
+        """Say ``read_done`` for each of ``refs()`` (called on the thread: it may unpickle)."""
+        self._queue.put(refs)
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._pid = os.getpid()
+                    threading.Thread(target=self._run, name="mk-read-done", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            what = self._queue.get()
+            try:
+                refs = what()
+            except Exception:  # (our own payloads: cannot happen)
+                continue
+            for ref in refs:
+                try:
+                    client().notify(ref, {"op": "read_done", "id": ref.id})
+                except Exception:
+                    pass
+
+
+#: This process's teller (``cuda_results`` uses it too).
+read_done = ReadDone()
 
 
 def _received(ref: TensorRef, requires_grad: bool, parameter: bool) -> Any:
@@ -204,5 +240,5 @@ def _received(ref: TensorRef, requires_grad: bool, parameter: bool) -> Any:
     drop its own at once (``read_done``; if lost, the caller drops it when the call is
     over)."""
     t = read_copy(ref, requires_grad, parameter)
-    tell_read(ref)
+    read_done.tell(lambda: (ref,))
     return t

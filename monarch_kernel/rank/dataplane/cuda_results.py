@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import queue
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -37,14 +37,14 @@ from typing import Any
 from monarch_kernel.calls import reply as calls_reply
 from monarch_kernel.rank.dataplane.common import counters_
 from monarch_kernel.rank.dataplane.cuda_args import (
+    ipc_here,
     is_parameter,
     large_plain,
     read_copy,
+    read_done,
     share_copy,
-    tell_read,
 )
 from monarch_kernel.rank.dataplane.ref import TensorRef
-from monarch_kernel.rank.dataplane.transport import alloc_conf, expandable_segments, ipc_enabled
 from monarch_kernel.wire import dumps, loads
 from monarch_kernel.wire.codec import Buffer
 from monarch_kernel.wire.serialize import PROTOCOL, What, tensors_reduced_by
@@ -96,7 +96,7 @@ def dump_result(
     ``reader``): its payload and buffers, and the copies its large CUDA tensors were
     shared as (None: there were none, and the payload is the plain pickle). Raises what
     ``wire.dumps`` raises (no copy is then kept)."""
-    if not ipc_enabled() or expandable_segments(alloc_conf()):
+    if "torch" not in sys.modules or not ipc_here():  # (no torch: no tensor in it)
         payload, buffers = dumps(value, what)
         return payload, buffers, None
     copies = ResultCopies(reader)
@@ -132,11 +132,6 @@ def _result_tensor(index: int, requires_grad: bool, parameter: bool) -> Any:
 class ResultReader:
     """Reads replies whose CUDA tensors came as handles (``calls.reply.HandleReply``)."""
 
-    def __init__(self) -> None:
-        self._unread: queue.SimpleQueue[bytes] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
     def read(self, payload: bytes, buffers: Sequence[Buffer], what: What) -> object:
         """The value of a reply: each handle read onto this thread's device; every copy
         is then let go of, read or not (the value failed to unpickle part-way)."""
@@ -147,31 +142,12 @@ class ResultReader:
             return loads(inner, buffers, what)
         finally:
             _reading.refs = before
-            for ref in refs:
-                tell_read(ref)
+            read_done.tell(lambda: refs)
 
     def discard(self, payload: bytes) -> None:
-        """A reply that will never be read: its copies are let go of, from a thread of
-        ours (this runs where the reply is collected, any thread, maybe in the middle of
-        another socket's use)."""
-        self._unread.put(payload)
-        if self._thread is None:
-            with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._discarding, name="mk-unread-results", daemon=True
-                    )
-                    self._thread.start()
-
-    def _discarding(self) -> None:
-        while True:
-            payload = self._unread.get()
-            try:
-                refs, _ = _handles(payload)
-            except Exception:  # (a payload we made ourselves: cannot happen)
-                continue
-            for ref in refs:
-                tell_read(ref)
+        """A reply that will never be read: its copies are let go of (this runs where
+        the reply is collected: any thread, maybe in the middle of a socket's use)."""
+        read_done.tell(lambda: _handles(payload)[0])
 
 
 def _handles(payload: bytes) -> tuple[list[TensorRef], bytes]:

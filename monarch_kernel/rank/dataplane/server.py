@@ -368,7 +368,8 @@ class Server:
         """Release the tensors kept for processes that are gone; how many."""
         with self.lock:
             held = list(self.holders.items())
-        gone = [ident for ident, pid in held if proc_state(f"/proc/{pid}/stat") in _DEAD]
+        dead = {pid for pid in {pid for _, pid in held} if proc_state(f"/proc/{pid}/stat") in _DEAD}
+        gone = [ident for ident, pid in held if pid in dead]
         for ident in gone:
             self.release(ident)
         return len(gone)
