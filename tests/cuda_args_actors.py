@@ -14,6 +14,15 @@ from monarch_kernel.actor import Actor, endpoint
 
 MiB = 1 << 20
 BIG = MiB // 4 + 8  # float32 values: just over 1 MiB (cuda_args.MIN_BYTES)
+#: What the other side sees of the tensors sent by both test modules (but ``big``,
+#: which each sets its own way): (sum, requires_grad, type, shape) per key.
+SEEN = {
+    "param": (float(BIG), True, "Parameter", (BIG,)),
+    "grad": (2.0 * BIG, True, "Tensor", (BIG,)),
+    "strided": (float(BIG), False, "Tensor", (BIG,)),
+    "small": (16.0, False, "Tensor", (16,)),
+}
+HANDLES = 4  # every tensor but the small one goes as a handle
 
 
 def _not_here() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_args_actors import BIG, ArgPeer, Taker
+from cuda_args_actors import BIG, HANDLES, SEEN, ArgPeer, Taker
 
 from monarch_kernel.actor import this_host, this_proc
 
@@ -19,14 +19,7 @@ pytestmark = pytest.mark.local
 
 BIG_SUM = float(torch.arange(BIG, dtype=torch.float32).sum())  # as the receiver sums
 #: What the receiver sees: (sum, requires_grad, type, shape) per key.
-EXPECTED = {
-    "big": (BIG_SUM, False, "Tensor", (BIG,)),
-    "param": (float(BIG), True, "Parameter", (BIG,)),
-    "grad": (2.0 * BIG, True, "Tensor", (BIG,)),
-    "strided": (float(BIG), False, "Tensor", (BIG,)),
-    "small": (16.0, False, "Tensor", (16,)),
-}
-HANDLES = 4  # every tensor but the small one
+EXPECTED = {"big": (BIG_SUM, False, "Tensor", (BIG,)), **SEEN}
 
 
 @pytest.fixture(scope="module")

@@ -13,22 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import pid_alive
-from cuda_args_actors import BIG
+from cuda_args_actors import BIG, HANDLES, SEEN
 from cuda_results_actors import ResultPeer
 from helpers import wait_until
 
 from monarch_kernel.actor import this_host
 
 pytestmark = pytest.mark.local
-
-#: What the caller sees: (sum, requires_grad, type, shape) per key.
-EXPECTED = {
-    "param": (float(BIG), True, "Parameter", (BIG,)),
-    "grad": (2.0 * BIG, True, "Tensor", (BIG,)),
-    "strided": (float(BIG), False, "Tensor", (BIG,)),
-    "small": (16.0, False, "Tensor", (16,)),
-}
-HANDLES = 4  # every tensor but the small one
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +44,7 @@ def test_answered_calls_return_large_tensors_as_handles_seen_as_they_were_return
     out = caller.fetch.call_one(called, how).get(timeout=120)
     weight = out["seen"].pop("weight")  # (its value: the next test)
     assert weight[1:] == (False, "Tensor", (BIG,))
-    assert out["seen"] == EXPECTED
+    assert out["seen"] == SEEN
     after = _kept(called)
     assert after["sent"] - before["sent"] == HANDLES
     assert called.held_once.call_one(before["held"]).get(timeout=60) == before["held"], (
