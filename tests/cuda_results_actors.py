@@ -24,6 +24,14 @@ def _summary(value: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _wait_held(count: int, timeout: float = 30.0) -> int:
     """How many tensors this rank's data plane holds, once it is ``count`` (or the
     timeout passed)."""
@@ -161,6 +169,28 @@ class ResultPeer(Actor):
         while not future.done():
             time.sleep(0.01)
         os._exit(3)
+
+    @endpoint
+    def fetch_after_death(self, other: Any) -> str:
+        """Call ``other.give``, let the reply arrive, have ``other`` die, then read it:
+        what the read raised."""
+        future = other.give.call_one()
+        while not future.done():
+            time.sleep(0.01)
+        pid = other.pid.call_one().get(timeout=60)
+        other.die.call_one()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.02)
+        try:
+            future.get(timeout=60)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    @endpoint
+    def die(self) -> None:
+        os._exit(4)
 
     @endpoint
     def pid(self) -> int:

@@ -109,6 +109,14 @@ def test_the_notebooks_calls_are_pickled_as_before(peers):
     assert _kept(called) == before
 
 
+def test_a_result_whose_rank_died_before_it_was_read_says_so(peers):
+    """Rank 2 answers, then dies before the caller reads its reply: the read fails
+    naming that death (rank 2 is not called again in this module)."""
+    _, caller, _, both = peers
+    text = caller.fetch_after_death.call_one(both.slice(gpus=1)).get(timeout=120)
+    assert "rank 2" in text and "died before its tensor" in text, text
+
+
 def test_a_caller_that_dies_with_an_unread_reply_leaves_the_called_rank_no_copy(peers):
     """Last in the module: the calling rank dies (the fixture's stop ends the mesh)."""
     _, caller, called, _ = peers

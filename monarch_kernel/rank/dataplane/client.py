@@ -269,21 +269,29 @@ class Client:
         except (zmq.ZMQError, RuntimeError):
             pass  # the owner lets the lease go on its own (death, deadline)
 
+    def _gone(self, ref: SharedTensor) -> Exception:
+        """Why the shared memory of ``ref`` is not there: its owner died, or let it go."""
+        if _dead(ref, self.machine):
+            return OwnerDiedError(
+                f"rank {ref.owner} (pid {ref.pid} on {ref.machine}), the owner, died before "
+                f"its tensor {ref.id} was read"
+            )
+        return RuntimeError(
+            f"rank {ref.owner}: tensor {ref.id} was released or never shared by rank {ref.owner}"
+        )
+
     def _open_shm(self, ref: SharedTensor) -> int:
         """A read-only descriptor of the owner's shared memory holding the tensor: the
         one it lives in, else a copy made now for this request."""
-        released = RuntimeError(
-            f"rank {ref.owner}: tensor {ref.id} was released or never shared by rank {ref.owner}"
-        )
         if ref.shm:
             try:
                 fd = os.open(ref.shm, os.O_RDONLY)
             except FileNotFoundError:
-                raise released from None
+                raise self._gone(ref) from None
             st = os.fstat(fd)
             if st.st_ino != ref.shm_ino or st.st_size < ref.nbytes:
                 os.close(fd)  # the owner's descriptor was closed and its number reused
-                raise released
+                raise self._gone(ref)
             return fd
         path = self.request(ref, {"op": "shm", "id": ref.id}).header["path"]
         try:
@@ -317,16 +325,10 @@ class Client:
         try:
             fd = os.open(ref.shm, os.O_WRONLY)
         except FileNotFoundError:
-            raise RuntimeError(
-                f"rank {ref.owner}: tensor {ref.id} was released or never shared by rank "
-                f"{ref.owner}"
-            ) from None
+            raise self._gone(ref) from None
         try:
             if os.fstat(fd).st_ino != ref.shm_ino:
-                raise RuntimeError(
-                    f"rank {ref.owner}: tensor {ref.id} was released or never shared by rank "
-                    f"{ref.owner}"
-                )
+                raise self._gone(ref)
             done = 0
             while done < len(data):
                 done += os.pwrite(fd, data[done:], done)
