@@ -32,6 +32,8 @@ MiB = 1 << 20
 SIZES_MIB = (1, 64, 256, 1024)
 #: Controller -> rank goes through host memory (pickled): slow; the smaller sizes only.
 CONTROLLER_SIZES_MIB = (1, 64, 256)
+#: Argument sizes where IPC and pickling are timed side by side (``cuda_args.MIN_BYTES``).
+THRESHOLD_KIB = (128, 512, 2048)
 LIMIT_S = 60.0
 RATIO = 0.5  #: target: IPC rank to rank at least this share of a D2D copy's GB/s
 
@@ -118,14 +120,22 @@ class Ipc(Actor):
         return str(t.device)
 
     @endpoint
-    def send_timed(self, other, mib: int, reps: int) -> list[float]:
+    def send_timed(self, other, mib: float, reps: int) -> list[float]:
         """Seconds of ``reps`` answered calls to ``other.take`` with a CUDA tensor of
         ``mib`` MiB (rank to rank: by CUDA IPC, ``rank.dataplane.cuda_args``); one first."""
         import torch
 
-        t = torch.ones(mib * MiB // 4, device="cuda")
+        t = torch.ones(int(mib * MiB) // 4, device="cuda")
         other.take.call_one(t).get()
         return _timings(lambda: other.take.call_one(t).get(), reps)
+
+    @endpoint
+    def handles_from(self, nbytes: int) -> None:
+        """CUDA tensors of ``nbytes`` or more go as handles in this rank's calls (the
+        threshold, ``cuda_args.MIN_BYTES``; a huge one: every tensor is pickled)."""
+        from monarch_kernel.rank.dataplane import cuda_args
+
+        cuda_args.MIN_BYTES = nbytes
 
     @endpoint
     def give(self, mib: int):
@@ -313,6 +323,28 @@ def main(argv: list[str]) -> int:
                 mib * MiB / _median(took) / 1e9, "GB/s",
                 "info: a call's CUDA result; was pickled through host memory", None)  # fmt: skip
 
+        def threshold(kib: int) -> None:
+            """A small CUDA argument by IPC and pickled, alternating (the choice of
+            ``cuda_args.MIN_BYTES``, 1 MiB: where the handle's fixed cost, a request and
+            a mapping, meets the bytes' time through host memory)."""
+            from monarch_kernel.rank.dataplane.cuda_args import MIN_BYTES
+
+            took: dict[str, list[float]] = {"ipc": [], "pickled": []}
+            try:
+                for _ in range(3):
+                    for how, nbytes in (("ipc", 0), ("pickled", 1 << 62)):
+                        owner.handles_from.call_one(nbytes).get()
+                        took[how] += owner.send_timed.call_one(reader, kib / 1024, 5).get()
+            finally:
+                owner.handles_from.call_one(MIN_BYTES).get()
+            ipc, pickled = _median(took["ipc"]), _median(took["pickled"])
+            row(f"rank->rank CUDA argument, {kib} KiB: by IPC / pickled (call time)",
+                ipc / pickled, "x", f"info: {ipc * 1e3:.2f} ms vs {pickled * 1e3:.2f} ms; "
+                "below 1: IPC pays at this size (handles from 1 MiB now)", None)  # fmt: skip
+
+        for kib in THRESHOLD_KIB:
+            attempt(f"threshold {kib} KiB", lambda kib=kib: threshold(kib))
+        write(out)
         each_size("rank->rank argument", argument)
         each_size("rank->rank result", result)
         counts = attempt("counters", lambda: reader.counters.call_one().get())
