@@ -1,14 +1,14 @@
 """CUDA tensors rank to rank on one GPU through the data plane (CUDA IPC, device to
 device) next to a plain device-to-device copy, and a CUDA tensor from the controller to a
-rank (an endpoint argument: pickled through host memory, placed on the rank's GPU).
-Two kinds of rank-to-rank read: ``TensorRef.get`` semantics (each read asks the owner,
-which synchronizes its device: the value as of the read; the mapping is kept), and an
-``RDMABuffer(one_sided=True)`` read (one-sided after the first, as RDMA: a device copy
-only). Rank-to-rank endpoint calls carry a CUDA argument or return a CUDA result by
-CUDA IPC (``rank.dataplane.cuda_args``, ``cuda_results``): their rows time the whole
-call. The controller-to-rank rows come with where their time goes (the controller's
-pickling, a device-to-host copy; the rank's host-to-device copy; each next to the same
-copy with pinned memory).
+rank (an endpoint argument of the notebook's call). Two kinds of rank-to-rank read:
+``TensorRef.get`` semantics (each read asks the owner, which synchronizes its device:
+the value as of the read; the mapping is kept), and an ``RDMABuffer(one_sided=True)``
+read (one-sided after the first, as RDMA: a device copy only). Rank-to-rank endpoint
+calls carry a CUDA argument or return a CUDA result by CUDA IPC
+(``rank.dataplane.cuda_args``, ``cuda_results``): their rows time the whole call. The
+controller-to-rank rows time the notebook's call by CUDA IPC and pickled as before, with
+where the pickled path's time goes (the controller's pickling, a device-to-host copy;
+the rank's host-to-device copy; each next to the same copy with pinned memory).
 
 ``python -m bench.gpu_ipc OUT_JSON`` writes ``{"rows": [{"what", "value", "unit",
 "target", "ok"}], "failures": [str]}``. Each measurement is tried on its own (a failure
@@ -357,13 +357,25 @@ def main(argv: list[str]) -> int:
         write(out)
 
         def controller_to_rank(mib: int) -> None:
+            """The notebook's call with a CUDA argument: by CUDA IPC (the notebook's
+            process uses CUDA: ``cuda_args.may_share``), and pickled through host memory
+            as before (every tensor below the threshold)."""
+            from monarch_kernel.rank.dataplane import cuda_args
+
             t = torch.ones(mib * MiB // 4, device="cuda")
-            assert owner.take.call_one(t).get().startswith("cuda")  # warm
-            took = _timings(lambda: owner.take.call_one(t).get(), 3 if mib > 64 else 5)
-            row(f"controller->rank CUDA endpoint argument, {mib} MiB",
-                mib * MiB / _median(took) / 1e9, "GB/s",
-                "info: pickled through host memory (D2H, message, H2D); not the data plane",
-                None)  # fmt: skip
+            threshold = cuda_args.MIN_BYTES
+            for how, nbytes, info in (
+                ("by IPC", threshold, "info: the notebook shares a device copy"),
+                ("pickled", 1 << 62, "info: through host memory (D2H, message, H2D)"),
+            ):
+                cuda_args.MIN_BYTES = nbytes
+                try:
+                    assert owner.take.call_one(t).get().startswith("cuda")  # warm
+                    took = _timings(lambda: owner.take.call_one(t).get(), 3 if mib > 64 else 5)
+                finally:
+                    cuda_args.MIN_BYTES = threshold
+                row(f"controller->rank CUDA endpoint argument ({how}), {mib} MiB",
+                    mib * MiB / _median(took) / 1e9, "GB/s", info, None)  # fmt: skip
 
         def controller_phases(mib: int) -> None:
             """Where a controller->rank CUDA argument's time goes: the controller's

@@ -25,6 +25,18 @@ SEEN = {
 HANDLES = 4  # every tensor but the small one goes as a handle
 
 
+def sample_value() -> dict[str, Any]:
+    """A big tensor, a big Parameter, a big tensor that requires grad, a strided view and
+    a small tensor (what the receiver sees of them: ``SEEN``, and ``big``'s sum)."""
+    return {
+        "big": torch.arange(BIG, dtype=torch.float32),
+        "param": torch.nn.Parameter(torch.ones(BIG)),
+        "grad": torch.full((BIG,), 2.0, requires_grad=True),
+        "strided": torch.ones(2 * BIG)[::2],
+        "small": torch.ones(16),
+    }
+
+
 def _not_here() -> None:
     raise RuntimeError("this value cannot be unpickled on the receiver")
 
@@ -92,14 +104,8 @@ class ArgPeer(Actor):
         from monarch_kernel.rank.dataplane.common import counters_
         from monarch_kernel.rank.dataplane.plane import server
 
-        big = torch.arange(BIG, dtype=torch.float32)
-        value = {
-            "big": big,
-            "param": torch.nn.Parameter(torch.ones(BIG)),
-            "grad": torch.full((BIG,), 2.0, requires_grad=True),
-            "strided": torch.ones(2 * BIG)[::2],
-            "small": torch.ones(16),
-        }
+        value = sample_value()
+        big = value["big"]
         before = counters_["ipc_arguments"]
         shared_before = len(server().tensors)
         if how == "call_one":

@@ -27,6 +27,9 @@ class HostMemory:
     def shareable(self, t: Any) -> bool:
         return t.device.type == "cpu"
 
+    def in_use(self) -> bool:
+        return True
+
     def describe(self, t: Any, settled: bool = False) -> dict[str, Any]:
         fd, size = t.untyped_storage()._share_fd_cpu_()  # moved there in place, once
         return {

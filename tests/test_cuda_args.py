@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_args_actors import BIG, HANDLES, SEEN, ArgPeer, Taker
+from cuda_args_actors import BIG, HANDLES, SEEN, ArgPeer, Taker, sample_value
+from helpers import wait_until
 
 from monarch_kernel.actor import this_host, this_proc
 
@@ -87,6 +88,43 @@ def test_an_actor_of_the_notebooks_process_receives_them_too(peers):
         taker.stop().get(timeout=30)
     assert out["seen"] == {"big": (BIG_SUM, (BIG,)), "small": (16.0, (16,))}, out
     assert out["handles"] == 1 and out["left"] == 0
+
+
+def test_the_notebooks_calls_send_them_as_handles_once_cuda_is_in_use(peers, monkeypatch):
+    """The notebook's own calls (here pytest's process, with host memory in CUDA's place:
+    "CUDA in use") to ranks of its machine: it joins the data plane and shares copies,
+    dropped once read; the receiver sees the values as they were sent."""
+    from ipc_host_memory import HostMemory
+
+    from monarch_kernel.rank.dataplane import cuda_ipc
+    from monarch_kernel.rank.dataplane.common import counters_
+    from monarch_kernel.rank.dataplane.plane import server
+
+    _, _, receiver = peers
+    before = receiver.bytes_in.call_one().get()
+    monkeypatch.setattr(cuda_ipc, "device", HostMemory())
+    sent = counters_["ipc_arguments"]
+    value = sample_value()
+    future = receiver.take.call_one(value)
+    value["big"].add_(1.0)  # after the call was sent: not what the receiver must see
+    assert future.get(timeout=60) == EXPECTED
+    assert counters_["ipc_arguments"] - sent == HANDLES
+    wait_until(lambda: not server().reads_left, timeout=30, what="the notebook's copies to go")
+    monkeypatch.undo()
+    assert receiver.bytes_in.call_one().get() - before == HANDLES * BIG * 4
+
+
+def test_a_notebook_without_cuda_in_use_pickles_them(peers):
+    """CUDA not initialised in the notebook's process (the real device): its calls are
+    not looked through at all (``cuda_args.may_share``)."""
+    from monarch_kernel.rank.dataplane.common import counters_
+
+    _, _, receiver = peers
+    before = receiver.bytes_in.call_one().get()
+    sent = counters_["ipc_arguments"]
+    assert receiver.take.call_one(sample_value()).get(timeout=60)["small"] == SEEN["small"]
+    assert counters_["ipc_arguments"] == sent
+    assert receiver.bytes_in.call_one().get() == before
 
 
 def test_a_receiver_that_dies_leaves_the_caller_no_copy(peers):

@@ -138,12 +138,15 @@ class EndpointRef:
 
     def _snapshots(self, ranks: Sequence[int]) -> Snapshots | None:
         """A collector for the CUDA arguments of an answered call to ``ranks``, where
-        they may go by CUDA IPC (a rank calling ranks of its machine), else None."""
+        they may go by CUDA IPC (a rank, or the notebook with CUDA in use, calling
+        ranks of its machine), else None."""
         requester = self._requester
-        if not hasattr(requester, "on_machine"):  # the notebook's calls: pickled
+        if not hasattr(requester, "on_machine"):  # (an actor of this very process)
             return None
-        from monarch_kernel.rank.dataplane.cuda_args import OnMachine, Snapshots
+        from monarch_kernel.rank.dataplane.cuda_args import OnMachine, Snapshots, may_share
 
+        if not may_share():
+            return None
         return Snapshots(cast(OnMachine, requester), ranks)
 
     def _answered(
@@ -158,11 +161,11 @@ class EndpointRef:
         copies both ways: the arguments' copies are dropped once every future is done,
         or at once if the call could not be sent; the results' (``rp``) once read here
         (``rank.dataplane.cuda_results``)."""
-        snapshots = self._snapshots(ranks)
+        snapshots = self._snapshots(ranks)  # (also without arguments: results may come back)
         header = self._header()
         try:
             payload, buffers = self._payload(args, kwargs, snapshots)
-            if snapshots is not None and snapshots.usable():
+            if snapshots is not None and snapshots.results_by_handle():
                 from monarch_kernel.rank.dataplane import cuda_results  # (its reader is set)
 
                 header["rp"] = cuda_results.reader_pid()

@@ -496,6 +496,17 @@ class MeshRuntime(RestartAndResize):
         """Futures of this mesh's requests receive their replies while they wait."""
         return self.wait_for
 
+    def on_machine(self, ranks: Sequence[int], machine: str) -> bool:
+        """Whether every one of ``ranks`` is a process of ``machine`` that listens on a
+        unix socket (its device memory can then be mapped by CUDA IPC from there:
+        ``rank.dataplane.cuda_args``)."""
+        infos = self.ranks
+        for r in ranks:
+            peer = infos[r].peer if 0 <= r < len(infos) else None
+            if peer is None or peer.machine != machine or not peer.ipc:
+                return False
+        return True
+
     def choose(self, ranks: list[int]) -> int:
         """The least busy live rank of ``ranks`` (``choose()``)."""
         alive = [r for r in ranks if self.ranks[r].alive]

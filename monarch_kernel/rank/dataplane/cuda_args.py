@@ -1,15 +1,16 @@
-"""CUDA tensors in a rank's calls to ranks of its own machine go by CUDA IPC.
+"""CUDA tensors in calls to ranks of the caller's own machine go by CUDA IPC.
 
 An endpoint argument is pickled into the call's message. For a CUDA tensor that means a
 copy to host memory in the caller, the bytes through the socket and a copy back onto the
-device in the receiver: about 1 GB/s on an H200 (``bench/results/gpu.md``). When a rank
-calls ranks of its own machine (``call``, ``call_one``, ``choose``, ``stream``: the calls
-that are answered), each CUDA tensor of :data:`MIN_BYTES` or more in the arguments, at any
-depth, travels instead as a data-plane handle (:class:`~.ref.TensorRef`):
+device in the receiver: about 1 GB/s on an H200 (``bench/results/gpu.md``). When a rank,
+or the notebook once CUDA is in use in its process (:func:`may_share`), calls ranks of its
+own machine (``call``, ``call_one``, ``choose``, ``stream``: the calls that are answered),
+each CUDA tensor of :data:`MIN_BYTES` or more in the arguments, at any depth, travels
+instead as a data-plane handle (:class:`~.ref.TensorRef`):
 
 * the caller copies it on its device (the value as of the call, as a pickled argument
   is: the caller may change its tensor as soon as the call returns) and shares the copy
-  (``Server.share``);
+  (``Server.share``; the notebook's process joins the data plane for it);
 * the receiver, unpickling the arguments, reads the copy device to device by CUDA IPC
   (``TensorRef.get``: onto its current CUDA device, as a pickled CUDA tensor is; staged
   through pinned memory where IPC cannot be used; on its CPU where it has no CUDA), lets
@@ -20,7 +21,8 @@ depth, travels instead as a data-plane handle (:class:`~.ref.TensorRef`):
 
 Calls that are not answered (``broadcast``, ``send`` without a port) keep the pickled
 path: nothing would say when the copy may be dropped. So do calls to ranks of other
-machines, calls from the notebook, and tensors under :data:`MIN_BYTES` (a handle costs a
+machines, calls from a notebook that has not used CUDA, and tensors under
+:data:`MIN_BYTES` (a handle costs a
 request and a mapping, about a millisecond: the bytes' own time at about 1 MiB).
 ``MONARCH_KERNEL_CUDA_IPC=0`` turns it off with the rest of CUDA IPC.
 
@@ -39,11 +41,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from monarch_kernel.calls.future import Future, after_all
+from monarch_kernel.rank import context
 from monarch_kernel.rank.dataplane import cuda_ipc
 from monarch_kernel.rank.dataplane.client import client, join_as_controller
 from monarch_kernel.rank.dataplane.common import SHM_MIN_BYTES, counters_
 from monarch_kernel.rank.dataplane.ref import TensorRef
 from monarch_kernel.rank.dataplane.transport import alloc_conf, expandable_segments, ipc_enabled
+from monarch_kernel.wire.peer_address import this_machine
 
 #: CUDA tensors of at least this many bytes go as handles (smaller ones are pickled).
 MIN_BYTES = SHM_MIN_BYTES
@@ -76,17 +80,21 @@ class Snapshots:
         self._released = False
 
     def usable(self) -> bool:
-        """Whether handles may be sent: this is a rank, CUDA IPC is on and usable here,
-        and every target is a process of this machine."""
+        """Whether handles may be sent: CUDA IPC is on and usable here, and every target
+        is a process of this machine (this process a rank, or the notebook's, which
+        joins the data plane to share them)."""
         if self._usable is None:
-            from monarch_kernel.rank import context
-
-            runtime = context.services()  # None: not a rank (no data plane to share from)
-            machine = runtime.config.hostname if runtime is not None else ""
+            runtime = context.services()
+            machine = runtime.config.hostname if runtime is not None else this_machine()
             self._usable = (
                 bool(machine) and ipc_here() and self._requester.on_machine(self._ranks, machine)
             )
         return self._usable
+
+    def results_by_handle(self) -> bool:
+        """Whether the call asks for its results' CUDA tensors as handles too (``rp``,
+        ``dataplane.cuda_results``): from a rank (the notebook's results are pickled)."""
+        return context.in_rank() and self.usable()
 
     def reduce(self, t: Any) -> tuple[Any, ...] | None:
         """``t`` as a handle on a copy of it (see the module), or None: pickled as usual.
@@ -131,6 +139,13 @@ class Snapshots:
                 owner.release(ident)
 
 
+def may_share() -> bool:
+    """Whether this process looks through its calls for CUDA tensors: a rank, or the
+    notebook's process once CUDA is in use there (a notebook without CUDA pays this
+    check alone on its calls)."""
+    return context.in_rank() or cuda_ipc.device.in_use()
+
+
 @functools.cache
 def ipc_here() -> bool:
     """Whether CUDA IPC is on in this process and its allocator's memory can be shared
@@ -169,6 +184,8 @@ def share_copy(t: Any, reads: int, holder: int = 0) -> TensorRef | None:
     from monarch_kernel.rank.dataplane.plane import server
 
     try:
+        if not context.in_rank():
+            join_as_controller()  # the notebook's process shares from a data plane of its own
         copy = t.detach().clone(memory_format=torch.contiguous_format)
         cuda_ipc.device.settle(copy)
         return server().share(copy, reads=reads, holder=holder)
@@ -182,8 +199,6 @@ def read_copy(ref: TensorRef, requires_grad: bool, parameter: bool) -> Any:
     the notebook's own process (an actor of ``this_proc()`` there): it joins the data
     plane, as for RDMA buffers."""
     import torch
-
-    from monarch_kernel.rank import context
 
     if context.services() is None:
         join_as_controller()

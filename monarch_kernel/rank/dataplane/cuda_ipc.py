@@ -41,6 +41,7 @@ import functools
 import mmap
 import os
 import struct
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -258,6 +259,11 @@ class Device(Protocol):
         """Whether ``t`` can be described for another process."""
         ...
 
+    def in_use(self) -> bool:
+        """Whether this process may hold device memory to share (CUDA initialised here):
+        asked before a call of the notebook's is looked through for its tensors."""
+        ...
+
     def describe(self, t: Any, settled: bool = False) -> dict[str, Any]:
         """Header values another process opens ``t`` from (with ``rch``/``rco``, the
         counter slot :meth:`release` takes), after ``t``'s producers finished
@@ -294,6 +300,10 @@ class CudaDevice:
 
     def shareable(self, t: Any) -> bool:
         return bool(t.is_cuda)
+
+    def in_use(self) -> bool:
+        torch = sys.modules.get("torch")
+        return torch is not None and bool(torch.cuda.is_initialized())
 
     def describe(self, t: Any, settled: bool = False) -> dict[str, Any]:
         return describe(t, settled)
