@@ -255,6 +255,8 @@ class Gather:
             for reply in self._replies:
                 if reply is not None:
                     reply.discard(f"reading the results stopped at {type(exc).__name__}")
+            values.clear()  # (the error's traceback keeps this frame: not what was read)
+            shared.clear()
             raise
         return ValueMesh(self.shape, values)
 

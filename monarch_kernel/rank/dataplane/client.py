@@ -35,7 +35,7 @@ def _poll_ms(deadline: float) -> int:
     return int(min(_DEATH_CHECK, max(0.0, deadline - time.monotonic())) * 1000)
 
 
-def _dead(ref: SharedTensor, machine: str) -> bool:
+def owner_dead(ref: SharedTensor, machine: str) -> bool:
     """Whether the owner's process is known to be gone (on this machine only)."""
     if not ref.pid or ref.machine != machine:
         return False
@@ -123,7 +123,7 @@ class Client:
         while True:
             # In slices: an owner on this machine that died is noticed at once (its pid).
             while not sock.poll(_poll_ms(deadline)):
-                if _dead(ref, self.machine):
+                if owner_dead(ref, self.machine):
                     self._forget(address, curve_key)  # a late answer must not reach another
                     raise OwnerDiedError(
                         f"rank {ref.owner} (pid {ref.pid} on {ref.machine}), the owner, died "
@@ -142,6 +142,10 @@ class Client:
         if msg.header.get("k") == "err":
             raise RuntimeError(f"rank {ref.owner}: {msg.header['error']}")
         return msg
+
+    def forget(self, ref: SharedTensor) -> None:
+        """Close this thread's socket to ``ref``'s owner (gone: nothing is sent there)."""
+        self._forget(*self._address(ref))
 
     def _forget(self, address: str, curve_key: str) -> None:
         sock = self.local.__dict__.get("socks", {}).pop((address, curve_key), None)
@@ -207,7 +211,7 @@ class Client:
         found = cuda_ipc.mappings.get(key)
         kept, mapped = found if found is not None else (None, None)
         if one_sided and kept is not None and kept.one_sided(time.monotonic()):
-            if _dead(ref, self.machine):
+            if owner_dead(ref, self.machine):
                 cuda_ipc.mappings.drop(key, tell=False, mapping=kept)
                 raise OwnerDiedError(
                     f"rank {ref.owner} (pid {ref.pid} on {ref.machine}), the owner, died"
@@ -251,7 +255,7 @@ class Client:
         try:
             cuda_ipc.copy_with(kept, mapped, use)
         except RuntimeError as exc:
-            dead = _dead(ref, self.machine)
+            dead = owner_dead(ref, self.machine)
             cuda_ipc.mappings.drop(key, tell=not dead, mapping=kept)
             if dead:
                 raise OwnerDiedError(
@@ -271,7 +275,7 @@ class Client:
 
     def _gone(self, ref: SharedTensor) -> Exception:
         """Why the shared memory of ``ref`` is not there: its owner died, or let it go."""
-        if _dead(ref, self.machine):
+        if owner_dead(ref, self.machine):
             return OwnerDiedError(
                 f"rank {ref.owner} (pid {ref.pid} on {ref.machine}), the owner, died before "
                 f"its tensor {ref.id} was read"

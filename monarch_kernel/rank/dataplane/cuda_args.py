@@ -43,7 +43,7 @@ from typing import Any, Protocol
 from monarch_kernel.calls.future import Future, after_all
 from monarch_kernel.rank import context
 from monarch_kernel.rank.dataplane import cuda_ipc
-from monarch_kernel.rank.dataplane.client import client, join_as_controller
+from monarch_kernel.rank.dataplane.client import client, join_as_controller, owner_dead
 from monarch_kernel.rank.dataplane.common import SHM_MIN_BYTES, counters_
 from monarch_kernel.rank.dataplane.ref import TensorRef
 from monarch_kernel.rank.dataplane.transport import alloc_conf, expandable_segments, ipc_enabled
@@ -146,12 +146,16 @@ def may_share() -> bool:
     return context.in_rank() or cuda_ipc.device.in_use()
 
 
-@functools.cache
 def ipc_here() -> bool:
-    """Whether CUDA IPC is on in this process and its allocator's memory can be shared
-    (read once, at the first call from a rank: torch reads its allocator settings once
-    too; answered calls ask on every call)."""
-    return ipc_enabled() and not expandable_segments(alloc_conf())
+    """Whether CUDA IPC is on in this process (``MONARCH_KERNEL_CUDA_IPC``, read each
+    time) and its allocator's memory can be shared (read once, as torch reads its
+    allocator settings once)."""
+    return ipc_enabled() and not _expandable_here()
+
+
+@functools.cache
+def _expandable_here() -> bool:
+    return expandable_segments(alloc_conf())
 
 
 def large_plain(t: Any) -> bool:
@@ -186,6 +190,8 @@ def share_copy(t: Any, reads: int, holder: int = 0) -> TensorRef | None:
     try:
         if not context.in_rank():
             join_as_controller()  # the notebook's process shares from a data plane of its own
+        read_done.start()  # (its readers' words come to the serving thread, not this one:
+        # started here all the same, so that it runs before any finalizer needs it)
         copy = t.detach().clone(memory_format=torch.contiguous_format)
         cuda_ipc.device.settle(copy)
         return server().share(copy, reads=reads, holder=holder)
@@ -202,6 +208,7 @@ def read_copy(ref: TensorRef, requires_grad: bool, parameter: bool) -> Any:
 
     if context.services() is None:
         join_as_controller()
+    read_done.start()
     t = ref.get()
     cuda_ipc.mappings.drop_tensor(ref.key_id, ref.pid, ref.id)
     if parameter:
@@ -216,32 +223,50 @@ class ReadDone:
     with them (``read_done``), from a thread of its own: the reading thread may end
     right after (its socket, closed with it, would drop the word unsent) or be
     collecting garbage in the middle of another socket's use (an unread reply). A word
-    that is lost is not an error: the owner drops the copy by its other rule."""
+    that is lost is not an error: the owner drops the copy by its other rule.
+
+    Started by :meth:`start` on the ordinary paths that lead to words (sharing or
+    reading a copy, a rank asking for results by handle), so that :meth:`tell`, which a
+    reply's finalizer calls, only queues; a forked child starts afresh."""
 
     def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
         self._queue: queue.SimpleQueue[Callable[[], Sequence[TensorRef]]] = queue.SimpleQueue()
-        self._pid = 0  # the process whose thread runs (none yet; a fork has none)
-        self._lock = threading.RLock()  # (a collection inside ``Thread()`` may come back)
+        self._pid = 0  # the process whose thread runs (none yet)
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the thread in this process, if it is not running."""
+        if self._pid == os.getpid():
+            return
+        with self._lock:
+            if self._pid != os.getpid():
+                threading.Thread(target=self._run, name="mk-read-done", daemon=True).start()
+                self._pid = os.getpid()  # (after: a start that failed is tried again)
 
     def tell(self, refs: Callable[[], Sequence[TensorRef]]) -> None:
         """Say ``read_done`` for each of ``refs()`` (called on the thread: it may unpickle)."""
         self._queue.put(refs)
-        if self._pid != os.getpid():
-            with self._lock:
-                if self._pid != os.getpid():
-                    self._pid = os.getpid()
-                    threading.Thread(target=self._run, name="mk-read-done", daemon=True).start()
+        if self._pid != os.getpid() and not self._lock.locked():
+            self.start()  # (not started on an ordinary path: cannot happen)
 
     def _run(self) -> None:
         while True:
             what = self._queue.get()
             try:
                 refs = what()
-            except Exception:  # (our own payloads: cannot happen)
+                c = client()
+            except Exception:  # (our own payloads, a data plane joined: cannot happen)
                 continue
             for ref in refs:
                 try:
-                    client().notify(ref, {"op": "read_done", "id": ref.id})
+                    if owner_dead(ref, c.machine):  # its socket is let go of: not kept
+                        c.forget(ref)
+                    else:
+                        c.notify(ref, {"op": "read_done", "id": ref.id})
                 except Exception:
                     pass
 

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from monarch_kernel.calls import reply as calls_reply
+from monarch_kernel.rank import context
 from monarch_kernel.rank.dataplane.common import counters_
 from monarch_kernel.rank.dataplane.cuda_args import (
     ipc_here,
@@ -159,6 +160,8 @@ def _handles(payload: bytes) -> tuple[list[TensorRef], bytes]:
 #: results by handle has imported this module).
 reader = ResultReader()
 calls_reply.handle_reader = reader
+if context.in_rank():
+    read_done.start()  # (a rank that asks for results by handle: before any finalizer)
 
 
 def reader_pid() -> int:
