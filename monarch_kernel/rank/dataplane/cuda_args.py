@@ -33,9 +33,11 @@ tests run it on machines without a GPU with host shared memory in CUDA's place
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -206,16 +208,34 @@ def read_copy(ref: TensorRef, requires_grad: bool, parameter: bool) -> Any:
     plane, as for RDMA buffers."""
     import torch
 
-    if context.services() is None:
+    runtime = context.services()
+    if runtime is None:
         join_as_controller()
     read_done.start()
-    t = ref.get()
+    with _rank_device(runtime.config.local_rank if runtime is not None else None):
+        t = ref.get()
     cuda_ipc.mappings.drop_tensor(ref.key_id, ref.pid, ref.id)
     if parameter:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
         t.requires_grad_(True)
     return t
+
+
+def _rank_device(local_rank: int | None) -> contextlib.AbstractContextManager[Any]:
+    """On a thread of a rank other than its main one (the reply thread forwarding a
+    result to a port, an actor loop started before CUDA was), the rank's GPU as the
+    current device (CUDA's current device is per thread, device 0 where never set),
+    as on its main thread (``rank.device.bind_gpu``); elsewhere nothing."""
+    torch = sys.modules.get("torch")
+    if (
+        local_rank is None
+        or torch is None
+        or threading.current_thread() is threading.main_thread()
+        or not torch.cuda.is_initialized()
+    ):
+        return contextlib.nullcontext()
+    return torch.cuda.device(local_rank % torch.cuda.device_count())  # type: ignore[no-any-return]
 
 
 class ReadDone:
