@@ -73,6 +73,14 @@ class ResultPeer(Actor):
         }
 
     @endpoint
+    def give_once(self, path: str) -> dict[str, Any]:
+        """:meth:`give`, once ``path`` exists (at most a minute)."""
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.give(-1, -1)
+
+    @endpoint
     def bump(self) -> None:
         self.weight.add_(1.0)
 
@@ -161,6 +169,12 @@ class ResultPeer(Actor):
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         return "no error"
+
+    @endpoint
+    def call_and_die(self, other: Any, path: str) -> None:
+        """Call ``other.give_once(path)`` and die before it answers."""
+        other.give_once.call_one(path)
+        os._exit(3)
 
     @endpoint
     def fetch_and_die(self, other: Any) -> None:

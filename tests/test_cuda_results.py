@@ -117,6 +117,33 @@ def test_a_result_whose_rank_died_before_it_was_read_says_so(peers):
     assert "rank 2" in text and "died before its tensor" in text, text
 
 
+def test_a_caller_that_died_before_the_answer_leaves_the_called_rank_no_copy(tmp_path):
+    """Rank 0 calls rank 1 and dies; rank 1 answers after that: whether its reply could
+    be sent or not, the copies it made for it go. (A mesh of its own: its caller dies.)"""
+    mesh = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        actors = mesh.spawn("results", ResultPeer)
+        _answer_a_dead_caller(actors.slice(gpus=0), actors.slice(gpus=1), tmp_path)
+    finally:
+        mesh.stop()
+
+
+def _answer_a_dead_caller(caller, other, tmp_path):
+    before = _kept(other)
+    pid = caller.pid.call_one().get(timeout=60)
+    go = tmp_path / "go"
+    with pytest.raises(Exception, match="died|exit"):
+        caller.call_and_die.call_one(other, str(go)).get(timeout=60)
+    wait_until(lambda: not pid_alive(pid), timeout=30, what="the caller's exit")
+    go.touch()
+    wait_until(
+        lambda: _kept(other)["sent"] - before["sent"] == HANDLES,
+        timeout=60,
+        what="rank 2 to answer the dead caller",
+    )
+    assert other.held_once.call_one(before["held"]).get(timeout=60) == before["held"]
+
+
 def test_a_caller_that_dies_with_an_unread_reply_leaves_the_called_rank_no_copy(peers):
     """Last in the module: the calling rank dies (the fixture's stop ends the mesh)."""
     _, caller, called, _ = peers

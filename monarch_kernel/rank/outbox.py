@@ -310,11 +310,16 @@ class Outbox:
         if copies is None:
             self.result(header, payload, buffers)
             return
-        sent = False
+        queued: list[bool] = []  # the frames went to libzmq (a Ctrl-C may come after)
+
+        def send(*args: Any) -> bool:
+            queued.append(self._result(*args))
+            return queued[-1]
+
         try:
-            sent = self.result(header, payload, buffers)
+            handoff.sending(buffers, send, header, payload, buffers)
         finally:
-            if not sent:  # (or an error on the way: the caller then hears of no value)
+            if not (queued and queued[-1]):  # never sent: the caller hears of no value
                 copies.release()
 
     def reply_error(
