@@ -74,7 +74,10 @@ class ResultPeer(Actor):
 
     @endpoint
     def give_once(self, path: str) -> dict[str, Any]:
-        """:meth:`give`, once ``path`` exists (at most a minute)."""
+        """:meth:`give`, once ``path`` exists (at most a minute); ``path.started`` says
+        the call arrived."""
+        with open(f"{path}.started", "w"):
+            pass
         deadline = time.monotonic() + 60
         while not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -172,8 +175,12 @@ class ResultPeer(Actor):
 
     @endpoint
     def call_and_die(self, other: Any, path: str) -> None:
-        """Call ``other.give_once(path)`` and die before it answers."""
+        """Call ``other.give_once(path)`` and die once it runs, before it answers (not
+        at once: the call must leave this process first)."""
         other.give_once.call_one(path)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{path}.started") and time.monotonic() < deadline:
+            time.sleep(0.02)
         os._exit(3)
 
     @endpoint

@@ -139,7 +139,7 @@ def _answer_a_dead_caller(caller, other, tmp_path):
     wait_until(
         lambda: _kept(other)["sent"] - before["sent"] == HANDLES,
         timeout=60,
-        what="rank 2 to answer the dead caller",
+        what=f"rank 1 to answer the dead caller (before {before}, now {_kept(other)})",
     )
     assert other.held_once.call_one(before["held"]).get(timeout=60) == before["held"]
 
