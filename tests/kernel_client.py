@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from helpers import wait_until
-from jupyter_client.manager import start_new_kernel
+from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.manager import KernelManager, start_new_kernel
 from jupyter_client.provisioning import LocalProvisioner
 
 
@@ -84,12 +85,26 @@ def kernel_with_mesh(name: str, gpus: int) -> Kernel:
     return k
 
 
+def _start(name: str, env: dict[str, str]) -> tuple[KernelManager, BlockingKernelClient]:
+    """``start_new_kernel``, once more if the kernel died before it answered: jupyter_client
+    picks the kernel's five TCP ports by binding and closing sockets, and on a busy
+    machine another process (a rank, Ray, Slurm) can take one of them before the kernel
+    binds it ("Address already in use": the kernel exits at start). A kernel that dies
+    at start for another reason dies again, and the error is raised."""
+    try:
+        return start_new_kernel(kernel_name=name, env=env)
+    except RuntimeError as exc:
+        if "died before replying" not in str(exc):
+            raise
+        return start_new_kernel(kernel_name=name, env=env)
+
+
 class Kernel:
     """A live monarch kernel; ``run(code)`` returns what that cell produced."""
 
     def __init__(self, name: str = "monarch", env: dict[str, str] | None = None):
         ensure_kernelspec()
-        self.km, self.kc = start_new_kernel(kernel_name=name, env={**os.environ, **(env or {})})
+        self.km, self.kc = _start(name, {**os.environ, **(env or {})})
         self.other: list[dict[str, Any]] = []  # iopub messages for other cells
         # iopub messages read ahead by wait_for_output, not yet seen by collect()
         self._ahead: list[dict[str, Any]] = []
