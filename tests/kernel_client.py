@@ -5,13 +5,16 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import shutil
+import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from helpers import wait_until
 from jupyter_client.blocking.client import BlockingKernelClient
-from jupyter_client.manager import KernelManager, start_new_kernel
+from jupyter_client.manager import AsyncKernelManager, KernelManager
 from jupyter_client.provisioning import LocalProvisioner
 
 
@@ -85,18 +88,57 @@ def kernel_with_mesh(name: str, gpus: int) -> Kernel:
     return k
 
 
-def _start(name: str, env: dict[str, str]) -> tuple[KernelManager, BlockingKernelClient]:
-    """``start_new_kernel``, once more if the kernel died before it answered: jupyter_client
-    picks the kernel's five TCP ports by binding and closing sockets, and on a busy
-    machine another process (a rank, Ray, Slurm) can take one of them before the kernel
-    binds it ("Address already in use": the kernel exits at start). A kernel that dies
-    at start for another reason dies again, and the error is raised."""
+def _on_unix_sockets(km: KernelManager | AsyncKernelManager) -> None:
+    """Have ``km``'s kernel talk over unix sockets in a directory of its own
+    (jupyter_client's ``ipc`` transport), not TCP. Over TCP jupyter_client picks the
+    kernel's five ports by binding and closing sockets, and on a busy machine another
+    process (a rank, Ray, Slurm) could take one before the kernel bound it ("Address
+    already in use": the kernel exited at start; seen once in CI). Socket files are
+    never taken by anyone else. The directory goes with the manager."""
+    where = tempfile.mkdtemp(prefix="mk-kernel-")
+    km.transport = "ipc"
+    km.ip = os.path.join(where, "k")  # the channels are k-1 ... k-5 in it
+    km.connection_file = os.path.join(where, "kernel.json")
+    weakref.finalize(km, shutil.rmtree, where, ignore_errors=True)
+
+
+def new_kernel_manager(name: str = "monarch") -> KernelManager:
+    """A KernelManager of kernel ``name`` on unix sockets (see :func:`_on_unix_sockets`)."""
+    km = KernelManager(kernel_name=name)
+    _on_unix_sockets(km)
+    return km
+
+
+class IpcKernelManager(AsyncKernelManager):
+    """nbclient's kernel manager, on unix sockets (see :func:`_on_unix_sockets`)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        _on_unix_sockets(self)
+
+
+def start_kernel(name: str, env: dict[str, str]) -> tuple[KernelManager, BlockingKernelClient]:
+    """A started kernel (on :func:`new_kernel_manager`'s unix sockets) and its ready
+    client; the kernel is shut down if it does not get ready."""
+    km = new_kernel_manager(name)
+    km.start_kernel(env=env)
+    kc = km.client()
+    kc.start_channels()
     try:
-        return start_new_kernel(kernel_name=name, env=env)
-    except RuntimeError as exc:
-        if "died before replying" not in str(exc):
-            raise
-        return start_new_kernel(kernel_name=name, env=env)
+        kc.wait_for_ready(timeout=60)
+    except BaseException:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        raise
+    return km, kc
+
+
+def notebook_client(nb: Any, **options: Any) -> Any:
+    """nbclient's NotebookClient for ``nb`` (``options``: its own) whose kernel talks
+    over unix sockets (:class:`IpcKernelManager`); nbclient shuts it down at the end."""
+    from nbclient import NotebookClient
+
+    return NotebookClient(nb, kernel_manager_class=IpcKernelManager, **options)
 
 
 class Kernel:
@@ -104,7 +146,7 @@ class Kernel:
 
     def __init__(self, name: str = "monarch", env: dict[str, str] | None = None):
         ensure_kernelspec()
-        self.km, self.kc = _start(name, {**os.environ, **(env or {})})
+        self.km, self.kc = start_kernel(name, {**os.environ, **(env or {})})
         self.other: list[dict[str, Any]] = []  # iopub messages for other cells
         # iopub messages read ahead by wait_for_output, not yet seen by collect()
         self._ahead: list[dict[str, Any]] = []

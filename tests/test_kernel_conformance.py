@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import unittest
 
 import jupyter_kernel_test as jkt
 import pytest
-from kernel_client import ensure_kernelspec
+from kernel_client import ensure_kernelspec, start_kernel
 
 pytestmark = pytest.mark.local
 
@@ -16,6 +17,11 @@ ensure_kernelspec()
 class MonarchKernelTests(jkt.KernelTests):
     kernel_name = "monarch"
     language_name = "python"
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        # (the suite's own start picks TCP ports, which another process may take first)
+        cls.km, cls.kc = start_kernel(cls.kernel_name, dict(os.environ))
     file_extension = ".py"
     support_iopub_welcome = True
 

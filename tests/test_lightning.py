@@ -362,13 +362,12 @@ def test_studio_notebook_runs_outside_a_studio(monkeypatch):
     """Executed like the other tutorials (tests/test_notebooks.py); its Studio-only cells
     say why they are skipped."""
     import nbformat
-    from kernel_client import ensure_kernelspec
-    from nbclient import NotebookClient
+    from kernel_client import ensure_kernelspec, notebook_client
 
     monkeypatch.delenv("LIGHTNING_CLOUD_SPACE_ID", raising=False)
     ensure_kernelspec()
     nb = nbformat.read(NOTEBOOKS / "05-lightning-studio.ipynb", as_version=4)
-    NotebookClient(
+    notebook_client(
         nb, kernel_name="monarch", timeout=120, resources={"metadata": {"path": str(NOTEBOOKS)}}
     ).execute()
     texts = []
@@ -392,8 +391,7 @@ def test_magic_errors_in_the_kernel():
     """``%mesh --backend lightning`` in the kernel: one clear error per bad input, and
     nothing reaches the SDK's network code (each is raised before)."""
     import nbformat
-    from kernel_client import ensure_kernelspec
-    from nbclient import NotebookClient
+    from kernel_client import ensure_kernelspec, notebook_client
 
     setup = (
         "import os\n"
@@ -411,7 +409,7 @@ def test_magic_errors_in_the_kernel():
     ensure_kernelspec()
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-    NotebookClient(nb, kernel_name="monarch", timeout=60, allow_errors=True).execute()
+    notebook_client(nb, kernel_name="monarch", timeout=60, allow_errors=True).execute()
 
     def text(cell) -> str:
         out = []

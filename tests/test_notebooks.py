@@ -7,8 +7,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from kernel_client import ensure_kernelspec
-from nbclient import NotebookClient
+from kernel_client import ensure_kernelspec, notebook_client
 from notebook_outputs import cell_text, keep_outputs
 
 pytestmark = pytest.mark.local
@@ -18,7 +17,7 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 def _execute(nb: nbformat.NotebookNode, kernel_name: str) -> nbformat.NotebookNode:
     ensure_kernelspec()
-    NotebookClient(
+    notebook_client(
         nb, kernel_name=kernel_name, timeout=120, resources={"metadata": {"path": str(NOTEBOOKS)}}
     ).execute()
     return nb

@@ -15,11 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import nbclient
 import nbformat
 import psutil
 import pytest
 from helpers import wait_until
+from kernel_client import notebook_client
 from notebook_outputs import keep_outputs
 from ray_cluster import RayCluster, as_driver
 from test_join import Probe, Trainer, one_process_ddp_losses
@@ -175,7 +175,7 @@ def test_start_that_cannot_be_placed_leaves_nothing_reserved(cluster: RayCluster
 
 def test_ray_notebook_runs_against_the_test_cluster(cluster: RayCluster):
     nb = nbformat.read(NOTEBOOKS / "06-ray-cluster.ipynb", as_version=4)
-    client = nbclient.NotebookClient(
+    client = notebook_client(
         nb, kernel_name="monarch", timeout=180, resources={"metadata": {"path": str(NOTEBOOKS)}}
     )
     client.execute()

@@ -182,6 +182,13 @@ def proc_state(stat_path: str) -> str:
     return fields[0] if paren and fields else ""
 
 
+def pid_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this machine is gone: no such process, or a zombie
+    (dead, not yet reaped) or dead one. A pid reused by another process reads as alive;
+    the holders of a pid check what else they know of it where that matters."""
+    return proc_state(f"/proc/{pid}/stat") in ("", "Z", "X")
+
+
 def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> None:
     """Ask Linux to send ``sig`` to this process when its parent dies.
 

@@ -19,7 +19,7 @@ from monarch_kernel.rank.dataplane.common import SharedTensor, counters_, read_a
 from monarch_kernel.wire import Codec, peer_address
 from monarch_kernel.wire.codec import Header, limit_size
 from monarch_kernel.wire.limits import CHUNK_SIZE
-from monarch_kernel.wire.osutil import proc_state
+from monarch_kernel.wire.osutil import pid_gone
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 #: How often a request waiting for an owner on this machine checks that it still lives.
@@ -39,7 +39,7 @@ def owner_dead(ref: SharedTensor, machine: str) -> bool:
     """Whether the owner's process is known to be gone (on this machine only)."""
     if not ref.pid or ref.machine != machine:
         return False
-    return proc_state(f"/proc/{ref.pid}/stat") in ("", "Z", "X")
+    return pid_gone(ref.pid)
 
 
 class Client:

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from monarch_kernel.rank.dataplane.common import counters_
-from monarch_kernel.wire.osutil import proc_state
+from monarch_kernel.wire.osutil import pid_gone
 
 #: How long the owner keeps a tensor for a receiver that neither acknowledged nor died
 #: (each renewal starts it again).
@@ -187,7 +187,7 @@ class Leases:
 
 
 def _alive(pid: int) -> bool:
-    return proc_state(f"/proc/{pid}/stat") not in ("", "Z", "X")
+    return not pid_gone(pid)
 
 
 @functools.cache

@@ -34,7 +34,7 @@ from monarch_kernel.wire import Codec, WireError
 from monarch_kernel.wire.codec import Buffer, Header, limit_size
 from monarch_kernel.wire.key_gate import guard
 from monarch_kernel.wire.limits import CHUNK_SIZE
-from monarch_kernel.wire.osutil import proc_state
+from monarch_kernel.wire.osutil import pid_gone
 from monarch_kernel.wire.peer_address import GATE_DOMAIN
 from monarch_kernel.wire.ports import bind_port
 
@@ -368,7 +368,7 @@ class Server:
         """Release the tensors kept for processes that are gone; how many."""
         with self.lock:
             held = list(self.holders.items())
-        dead = {pid for pid in {pid for _, pid in held} if proc_state(f"/proc/{pid}/stat") in _DEAD}
+        dead = {pid for pid in {pid for _, pid in held} if pid_gone(pid)}
         gone = [ident for ident, pid in held if pid in dead]
         for ident in gone:
             self.release(ident)
@@ -498,10 +498,6 @@ class Server:
 
 #: Seconds between the owner's looks at its leases (dead or late receivers) and holders.
 EXPIRY_PERIOD = 1.0
-#: ``/proc/PID/stat`` states of a process that is gone ("": no such process).
-_DEAD = ("", "Z", "X")
-
-
 #: Requests the owner does not answer (:meth:`Client.notify` sends them): ``ipc_done``,
 #: a receiver's word that it dropped its mapping, saves a round trip on every CUDA IPC
 #: read; if it is lost, the lease ends at the receiver's death or its deadline.
