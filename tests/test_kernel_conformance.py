@@ -17,11 +17,6 @@ ensure_kernelspec()
 class MonarchKernelTests(jkt.KernelTests):
     kernel_name = "monarch"
     language_name = "python"
-
-    @classmethod
-    def setUpClass(cls) -> None:
-        # (the suite's own start picks TCP ports, which another process may take first)
-        cls.km, cls.kc = start_kernel(cls.kernel_name, dict(os.environ))
     file_extension = ".py"
     support_iopub_welcome = True
 
@@ -51,6 +46,11 @@ class MonarchKernelTests(jkt.KernelTests):
     supported_history_operations = ("tail", "search")  # "range" fails on every IPython kernel
     code_inspect_sample = "zip"
     code_clear_output = "from IPython.display import clear_output; clear_output()"
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        # (the suite's own start picks TCP ports, which another process may take first)
+        cls.km, cls.kc = start_kernel(cls.kernel_name, dict(os.environ))
 
 
 if __name__ == "__main__":
