@@ -4,10 +4,13 @@ ours' worker with the mesh alive (see :mod:`bench.floor` for why beside, not apa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from bench.common import SMALL_MESH, Recorder, Settings, median
 from bench.floor import RawFloor, alternating
+from bench.shm_floor import MODES as SHM_MODES
+from bench.shm_floor import ShmServers
 from bench.wire_floor import MODES, WireServers
 
 
@@ -37,14 +40,23 @@ def gathered_vs_floor(
 def wire_floors(s: Settings, rec: Recorder, n: int) -> None:
     """``call_{n}_wire_{mode}_vs_floor``: a gathered no-op call to N server processes
     in each mode of :mod:`bench.wire_floor` (pickles; + our header; + the signature;
-    our codec), each timed in blocks alternating with the raw pings to N processes."""
-    keys = [f"call_{n}_wire_{mode}_vs_floor" for mode in MODES]
-    with rec.guard(*keys):
+    our codec), and ``call_{n}_shm_{mode}_vs_floor``: the same over shared memory and
+    eventfd wake-ups instead of ZeroMQ (:mod:`bench.shm_floor`: one byte; our codec),
+    each timed in blocks alternating with the raw pings to N processes."""
+    starts: list[tuple[str, Callable[[], WireServers | ShmServers]]] = [
+        (f"call_{n}_wire_{mode}_vs_floor", functools.partial(WireServers, n, mode))
+        for mode in MODES
+    ]
+    starts += [
+        (f"call_{n}_shm_{mode}_vs_floor", functools.partial(ShmServers, n, mode))
+        for mode in SHM_MODES
+    ]
+    with rec.guard(*(key for key, _ in starts)):
         floor = RawFloor(servers=n)
         try:
-            for mode, key in zip(MODES, keys):
+            for key, start in starts:
                 with rec.guard(key):
-                    servers = WireServers(n, mode)
+                    servers = start()
                     try:
                         got = alternating(
                             servers.call,

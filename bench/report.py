@@ -22,6 +22,7 @@ from bench.common import (
     back_sizes,
 )
 from bench.runner import PeerRun
+from bench.shm_floor import MODES as SHM_MODES
 from bench.wire_floor import MODES
 
 #: What each wire-floor mode (bench/wire_floor.py) sends, for the row labels.
@@ -31,6 +32,11 @@ WIRE_LABELS = {
     "hmac": "+ HMAC-SHA256 (until protocol 14)",
     "signed": "+ keyed BLAKE2b (ours)",
     "codec": "our Codec (+ replay window)",
+}
+#: The same for the shared-memory floor's modes (bench/shm_floor.py).
+SHM_LABELS = {
+    "raw": "1 byte, eventfd wake-ups",
+    "codec": "our Codec, eventfd wake-ups",
 }
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -86,6 +92,14 @@ def rows(s: Settings) -> list[Row]:
                     "x",
                 )
                 for mode in MODES
+            ]
+            out += [
+                Row(
+                    f"call_{n}_shm_{mode}_vs_floor",
+                    f"2. shared-memory floor to {n}: {SHM_LABELS[mode]} ÷ raw beside it",
+                    "x",
+                )
+                for mode in SHM_MODES
             ]
     out.append(
         Row(
@@ -609,7 +623,12 @@ def how_measured(s: Settings) -> list[str]:
         "pickles only; + our marshal header; + an HMAC-SHA256 signature (ours until "
         "protocol 14) or instead our keyed BLAKE2b-256 one; our Codec "
         "(limits, nonce and counter, replay window): what any implementation of this "
-        "protocol in Python pays, against what our runtime adds.",
+        "protocol in Python pays, against what our runtime adds. The rows "
+        '"shared-memory floor" do the same without ZeroMQ (bench/shm_floor.py): each '
+        "message written into a slot of a file the processes share, its reader woken by an "
+        "eventfd, no I/O thread: one byte each way, then our Codec's signed calls and "
+        "results. They say what a same-machine channel without libzmq's I/O threads "
+        "would leave of the floor.",
         f"3. K = {s.bcast_k} fire-and-forget broadcasts to {s.bcast_ranks} ranks (each "
         "increments a counter), then one gathered call that returns and checks the counts; "
         f"messages delivered (K × {s.bcast_ranks}) / total time.",

@@ -16,6 +16,8 @@ if REPO not in sys.path:
 
 from bench.raw_zmq import Servers  # noqa: E402
 from bench.server_procs import ServerProcs  # noqa: E402
+from bench.shm_floor import MODES as SHM_MODES  # noqa: E402
+from bench.shm_floor import ShmServers  # noqa: E402
 from bench.wire_floor import MODES, Wire, WireServers  # noqa: E402
 from monarch_kernel.wire import WireError  # noqa: E402
 
@@ -32,6 +34,36 @@ def test_every_mode_answers_a_gathered_call_and_leaves_no_process():
             servers.close()
         # each server read the quit message and returned, none had to be killed
         assert [p.returncode for p in servers.procs] == [0, 0], mode
+
+
+def test_shared_memory_servers_answer_and_leave_no_process_file_or_descriptor():
+    fds = set(os.listdir("/proc/self/fd"))
+    for mode in SHM_MODES:
+        servers = ShmServers(3, mode)
+        path = servers._path
+        try:
+            for _ in range(5):
+                got = servers.call()
+                assert got == ([b"p"] * 3 if mode == "raw" else [None] * 3), mode
+        finally:
+            servers.close()
+        assert [p.returncode for p in servers.procs] == [0, 0, 0], mode  # each quit
+        assert not os.path.exists(path), mode
+    assert set(os.listdir("/proc/self/fd")) <= fds  # the eventfds are closed
+
+
+def test_a_shared_memory_server_that_died_fails_the_call_instead_of_hanging_it():
+    servers = ShmServers(2, "codec", timeout=1.0)
+    try:
+        assert servers.call() == [None, None]
+        servers.procs[1].kill()
+        servers.procs[1].wait()
+        with pytest.raises(RuntimeError, match="1 of 2 shm-floor servers did not answer in 1s"):
+            servers.call()
+    finally:
+        servers.close()
+    assert all(p.returncode is not None for p in servers.procs)
+    assert not os.path.exists(servers._path)
 
 
 def test_raw_servers_answer_over_tcp_and_ipc_and_leave_nothing():
