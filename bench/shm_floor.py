@@ -107,9 +107,14 @@ class ShmServers:
         self._closed = False
         where = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, self._path = tempfile.mkstemp(prefix="bench-shm-floor-", dir=where)
-        os.ftruncate(fd, 2 * n * SLOT)
-        self._buf = mmap.mmap(fd, 0)
-        os.close(fd)
+        try:
+            os.ftruncate(fd, 2 * n * SLOT)
+            self._buf = mmap.mmap(fd, 0)
+        except BaseException:
+            os.unlink(self._path)
+            raise
+        finally:
+            os.close(fd)
         self._replies = os.eventfd(0, os.EFD_NONBLOCK)
         self._poll = select.poll()
         self._poll.register(self._replies, select.POLLIN)
