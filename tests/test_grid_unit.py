@@ -152,6 +152,9 @@ def test_a_big_mesh_metric_is_three_lines_whatever_its_size():
     for r in range(256):  # steps 0-2 from every rank, step 3 from all but rank 7
         steps = [0.0, 1.0, 2.0] + ([3.0] if r != 7 else [])
         bands.add(steps, [s + r / 100 for s in steps], now=0.0)
+    # 256 ranks heard of for the first time: complete steps wait for the next look, in
+    # case more ranks report (their first points can come an update later)
+    assert bands.settle(256, now=0.4) == 0
     assert bands.settle(256, now=0.5) == 3  # step 3 waits for rank 7
     xs, means = bands.mean.arrays()
     assert xs == [0.0, 1.0, 2.0] and means[0] == pytest.approx(1.275)
@@ -163,3 +166,35 @@ def test_a_big_mesh_metric_is_three_lines_whatever_its_size():
     for _ in range(200):  # the run starts over at step 0: a new line
         bands.add([0.0], [1.0], now=6.0)
     assert bands.settle(256, now=9.0) == 1 and bands.mean.arrays()[0][-1] == 0.0
+
+
+def test_a_first_step_waits_for_the_ranks_whose_first_reports_come_an_update_later():
+    """The dashboard's first look may have heard only some ranks' points of step 0 (56 of
+    64 here: CI drew a max of 55 where the ranks reported 0..63); the step is drawn once
+    the count of reporting ranks stops growing, with every rank in it."""
+    from monarch_kernel.widgets.bands import StepBands
+
+    bands = StepBands(settle=2.0)
+    for r in range(56):
+        bands.add([0.0], [float(r)], now=0.0)
+    assert bands.settle(56, now=0.1) == 0  # 56 ranks heard of, just now
+    for r in range(56, 64):
+        bands.add([0.0], [float(r)], now=0.9)
+    assert bands.settle(64, now=1.1) == 0  # 8 more: still growing
+    assert bands.settle(64, now=2.1) == 1  # stable: step 0 has all 64
+    assert bands.hi.arrays()[1] == [63.0] and bands.lo.arrays()[1] == [0.0]
+    assert bands.dropped == 0
+    bands.add([1.0], [5.0], now=2.2)  # one rank reports the metric from now on ...
+    assert bands.settle(64, now=2.3) == 0  # ... step 1 waits for the others
+    assert bands.settle(64, now=4.3) == 1  # ... or SETTLE_S
+
+
+def test_a_metric_only_one_rank_reports_is_drawn_from_the_second_look_on():
+    from monarch_kernel.widgets.bands import StepBands
+
+    bands = StepBands(settle=2.0)
+    bands.add([0.0], [1.0], now=0.0)
+    assert bands.settle(1, now=0.0) == 0
+    assert bands.settle(1, now=1.0) == 1
+    bands.add([1.0], [2.0], now=1.5)
+    assert bands.settle(1, now=1.5) == 1  # known: at once

@@ -5,7 +5,11 @@ is not sent every rank's points (that grows with ranks) but, per step, the mean,
 and maximum over the ranks that reported it: three points a step, whatever the size.
 
 A step is sent once every rank that reports the metric reported it, or after
-:data:`SETTLE_S` (a slow or dead rank does not hold the chart back). A late point of a
+:data:`SETTLE_S` (a slow or dead rank does not hold the chart back). How many ranks
+report it is known only from what came: the ranks' first reports reach the dashboard
+over more than one update, so a step is counted complete only once that number held
+still from one update to the next (else a first step would be drawn from the ranks
+heard so far, and the others' points of it dropped as late). A late point of a
 step already sent is dropped, unless its step gathers at least half the ranks again: then
 the run started over (at step 0, after a restart) and the chart starts a new line.
 
@@ -43,6 +47,7 @@ class StepBands:
         self.mean, self.lo, self.hi = Series(), Series(), Series()
         self.last_x: float | None = None  # the last step sent
         self.dropped = 0  # late points of steps already sent
+        self._reporters = 0  # the ranks reporting the metric at the last settle
 
     def add(self, xs: list[float], ys: list[float], now: float) -> None:
         """One rank's new points."""
@@ -60,10 +65,16 @@ class StepBands:
                 b.hi = max(b.hi, y)
 
     def settle(self, ranks: int, now: float) -> int:
-        """Send the steps every one of ``ranks`` reported, or that waited long enough,
-        into :attr:`mean`, :attr:`lo` and :attr:`hi` in step order; returns how many."""
+        """Send the steps every one of ``ranks`` (the ranks that reported the metric so
+        far) reported, or that waited long enough, into :attr:`mean`, :attr:`lo` and
+        :attr:`hi` in step order; returns how many. While ``ranks`` still grows from one
+        call to the next, only the wait sends a step."""
+        known = ranks == self._reporters
+        self._reporters = ranks
         ready = sorted(
-            x for x, b in self.pending.items() if b.n >= ranks or now - b.born >= self.settle_s
+            x
+            for x, b in self.pending.items()
+            if (known and b.n >= ranks) or now - b.born >= self.settle_s
         )
         sent = 0
         for x in ready:
