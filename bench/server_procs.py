@@ -38,14 +38,7 @@ class ServerProcs:
         self._timeout = timeout
         try:
             for a in args:
-                self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", module, *a],
-                        stdout=subprocess.PIPE,
-                        text=True,
-                        cwd=REPO,
-                    )
-                )
+                self.procs.append(spawn(module, a))
             for p in self.procs:
                 assert p.stdout is not None
                 said = p.stdout.readline().strip()  # "" once the process ended
@@ -67,13 +60,30 @@ class ServerProcs:
         if quit_frames:
             for s in self.socks:
                 s.send_multipart(quit_frames)
-        wait = (self._timeout or 5.0) if quit_frames else 0
-        for p in self.procs:
-            try:
-                p.wait(wait)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
+        end(self.procs, (self._timeout or 5.0) if quit_frames else 0)
         self.ctx.destroy(linger=0)
+
+
+def spawn(module: str, args: Sequence[str], pass_fds: Sequence[int] = ()) -> subprocess.Popen[str]:
+    """``python -m MODULE *args`` in the repository, its stdout a pipe (the server's first
+    line says it is ready); ``pass_fds``: descriptors it inherits."""
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        pass_fds=tuple(pass_fds),
+    )
+
+
+def end(procs: Sequence[subprocess.Popen[str]], wait: float) -> None:
+    """Wait up to ``wait`` seconds for each of ``procs`` to end (told to quit before),
+    kill the ones that did not, and close their pipes."""
+    for p in procs:
+        try:
+            p.wait(wait)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        if p.stdout is not None:
+            p.stdout.close()

@@ -35,6 +35,7 @@ import sys
 import tempfile
 from typing import Any
 
+from bench.server_procs import end, spawn
 from monarch_kernel.wire.codec import Codec
 
 #: The modes, in the order of the module's docstring.
@@ -47,8 +48,6 @@ _CALL = pickle.dumps(("ping", ()), 5)
 _QUIT = b"q"
 #: Seconds the client waits for the replies, and for each server to quit.
 TIMEOUT_S = 10.0
-#: The repository, where ``python -m bench.shm_floor`` finds the packages.
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _put(buf: mmap.mmap, slot: int, data: bytes) -> None:
@@ -123,15 +122,7 @@ class ShmServers:
                 request = os.eventfd(0)
                 self._requests.append(request)
                 args = [mode, self._path, str(i), str(request), str(self._replies)]
-                self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "bench.shm_floor", *args],
-                        stdout=subprocess.PIPE,
-                        text=True,
-                        cwd=REPO,
-                        pass_fds=(request, self._replies),
-                    )
-                )
+                self.procs.append(spawn("bench.shm_floor", args, (request, self._replies)))
             for p in self.procs:
                 assert p.stdout is not None
                 if p.stdout.readline().strip() != "ready":
@@ -143,16 +134,12 @@ class ShmServers:
     def call(self) -> list[Any]:
         """A no-op call on every server, all replies gathered (and checked)."""
         self._id += 1
-        buf, n = self._buf, self.n
-        if self.mode == "raw":
-            for i, request in enumerate(self._requests):
-                _put(buf, 2 * i, b"p")
-                os.eventfd_write(request, 1)
-        else:
-            for i, request in enumerate(self._requests):
-                (frame,) = self.codec.encode({"k": "c", "i": self._id}, _CALL)
-                _put(buf, 2 * i, frame)
-                os.eventfd_write(request, 1)
+        buf, n, raw = self._buf, self.n, self.mode == "raw"
+        for i, request in enumerate(self._requests):
+            # (encoded once per server, as our transport encodes a call once per rank)
+            frame = b"p" if raw else self.codec.encode({"k": "c", "i": self._id}, _CALL)[0]
+            _put(buf, 2 * i, frame)
+            os.eventfd_write(request, 1)
         answered = 0
         while answered < n:
             if not self._poll.poll(self.timeout * 1000):
@@ -163,7 +150,7 @@ class ShmServers:
                 answered += os.eventfd_read(self._replies)
             except BlockingIOError:  # (woken, then read by nobody else: not expected)
                 continue
-        if self.mode == "raw":
+        if raw:
             return [_take(buf, 2 * i + 1) for i in range(n)]
         out = []
         for i in range(n):
@@ -183,14 +170,7 @@ class ShmServers:
             if tell:
                 _put(self._buf, 2 * i, _QUIT)
                 os.eventfd_write(request, 1)
-        for p in self.procs:
-            try:
-                p.wait(self.timeout if tell else 0)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
+        end(self.procs, self.timeout if tell else 0)
         for fd in (*self._requests, self._replies):
             os.close(fd)
         self._requests = []
