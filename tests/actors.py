@@ -218,6 +218,16 @@ class Batched(Actor):
         print(text, flush=True)
 
     @endpoint
+    def record_blob(self, i: int, blob: object) -> None:
+        """Records ``i`` (``blob``: a large argument, to send the call another way)."""
+        self.log.append(i)
+
+    @endpoint
+    def blob(self, n: int) -> bytes:
+        """A large result of ``n`` bytes, not all alike."""
+        return bytes(range(256)) * (n // 256) + b"!" * (n % 256)
+
+    @endpoint
     def get_log(self) -> list[int]:
         log, self.log = self.log, []
         return log

@@ -12,7 +12,14 @@ from monarch_kernel.wire import kinds as K
 
 pytestmark = pytest.mark.local
 
-RANKS = 8  # = FANOUT_MIN_RANKS: calls to all of them go through the host agent
+RANKS = 8  # = FANOUT_MIN_RANKS: calls to all of them go through the host agent ...
+
+
+@pytest.fixture(autouse=True)
+def _no_lanes(monkeypatch):
+    """... on a mesh without same-machine lanes (with them, calls to fewer than
+    ``FANOUT_MIN_RANKS_LANES`` ranks go to each rank directly)."""
+    monkeypatch.setenv("MONARCH_KERNEL_LANES", "0")
 
 
 class Answers(Actor):

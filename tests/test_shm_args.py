@@ -124,8 +124,11 @@ def test_an_argument_lent_to_a_rank_that_keeps_it_is_its_own_until_it_drops_it()
     assert not wait_no_orphans(), "the mesh left processes behind"
 
 
-def test_a_fan_out_through_two_host_agents_reads_one_block():
-    procs = host_mesh(hosts=2).spawn_procs(per_host={"gpus": 8})  # 8: through the agents
+def test_a_fan_out_through_two_host_agents_reads_one_block(monkeypatch):
+    # 8 a host, without same-machine lanes: through the agents (with lanes, a call to
+    # fewer than FANOUT_MIN_RANKS_LANES ranks goes to each directly)
+    monkeypatch.setenv("MONARCH_KERNEL_LANES", "0")
+    procs = host_mesh(hosts=2).spawn_procs(per_host={"gpus": 8})
     try:
         actors = procs.spawn("rx", Receiver)
         inbound = procs.runtime.inbound

@@ -78,6 +78,7 @@ from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.chunks import check_size
 from monarch_kernel.wire.codec import Buffer, Header, new_key
 from monarch_kernel.wire.headers import Owner
+from monarch_kernel.wire.osutil import cpu_count
 from monarch_kernel.wire.spin import spin_seconds
 
 __all__ = ["MeshRuntime", "new_request_id", "registry"]
@@ -195,12 +196,23 @@ class MeshRuntime(RestartAndResize):
         """Register the mesh, then bind its sockets (see ``__init__`` for ``bind``)."""
         registry.add(self)  # before any socket exists: a taken name costs nothing
         try:
+            #: Whether every rank runs on this machine (then they share its CPUs with
+            #: this process: see the receiver's spin).
+            self.same_machine = launcher.same_machine
             if bind is None:
                 bind = "ipc" if launcher.same_machine else getattr(launcher, "bind", "127.0.0.1")
             self.advertise: str | None = advertise or getattr(launcher, "advertise", None)
             reuse = identity.endpoints if identity else None
             self.transport = Transport(
-                self.name, self.codec, self.ranks, bind, reuse, self.hosts, self.slots
+                self.name,
+                self.codec,
+                self.ranks,
+                bind,
+                reuse,
+                self.hosts,
+                self.slots,
+                # a detachable mesh's ranks outlive this process: sockets only
+                lanes=self.detach_keep <= 0,
             )
         except BaseException:
             registry.forget(self)
@@ -210,7 +222,13 @@ class MeshRuntime(RestartAndResize):
         """Make the parts, each with the siblings it uses; start receiving last."""
         # The receiver is made first (the others post work to it) and started last,
         # once every part that handles messages and ticks exists.
-        self.receiver = Receiver(self.name, self.transport, self.requests.__bool__, self.spin)
+        self.receiver = Receiver(
+            self.name,
+            self.transport,
+            self.requests.__bool__,
+            self.spin,
+            spin_below=cpu_count() if self.same_machine else None,
+        )
         self.failures = FailureHandler(
             self.name,
             policy,

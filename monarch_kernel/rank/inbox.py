@@ -36,6 +36,7 @@ import zmq
 from monarch_kernel.rank import context, listener_gate
 from monarch_kernel.rank.actors import Running
 from monarch_kernel.rank.config import RankConfig
+from monarch_kernel.rank.lane import RankLane
 from monarch_kernel.rank.lines import ACTOR_KINDS, FAST, HERE, Lines, _work_left
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.runners import Wake
@@ -162,6 +163,10 @@ class Inbox(Lines):
         #: Reads calls' arguments that the controller put in shared memory.
         self.arena = ArenaReader(lend=True)
         self.spin = SpinWait(_rank_spin(cfg))
+        #: The same-machine lane from the controller (``rank.lane``), read beside the
+        #: socket once opened; a poller over both for the main loop's waits.
+        self.lane: RankLane | None = None
+        self._lane_poller: zmq.Poller | None = None
         #: The requests the main thread is handling, outermost first (an endpoint that
         #: waits serves others inside it): the stop button reaches the innermost, and an
         #: outer one cancelled meanwhile is interrupted once the inner ones are over.
@@ -188,17 +193,77 @@ class Inbox(Lines):
                 loop = self.loop
                 if loop is not None and self.loop_owner is None and _work_left(loop):
                     self.idle(loop)  # background tasks run until a message comes
-                    if not deferred and not readable(inbox):
+                    if not deferred and not self.has_message():
                         continue
                 if not deferred:
-                    spin.until_readable(inbox)  # the next call due soon: no wake-up
-                    self.receive(wire_recv(inbox))
+                    if self.lane is None:
+                        spin.until_readable(inbox)  # the next call due soon: no wake-up
+                        self.receive(wire_recv(inbox))
+                    else:
+                        self.receive(self._next_message(self.lane))
                 while deferred:  # controller messages read while a handler ran
                     if self.reader != me:
                         self.reclaim()
                     self.accept(*deferred.popleft())
             except KeyboardInterrupt:
                 continue
+
+    # -- the same-machine lane (rank.lane) -----------------------------------------------
+    def read_lane(self, lane: RankLane) -> None:
+        """Read ``lane``'s down ring beside the socket from now on (the main thread, in
+        the ``lane`` message's handler)."""
+        self.lane = lane
+        poller = self._lane_poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(lane.wake, zmq.POLLIN)
+        if self._wake is not None:  # serve_until's poller of both
+            self._wake[1].register(lane.wake, zmq.POLLIN)
+        loop = self.loop
+        if loop is not None and self._reader_on:  # the event loop reads the inbox too
+            loop.add_reader(lane.wake, self.pump)
+
+    def inbox_fds(self) -> list[int]:
+        """What to poll for the inbox's messages: the socket's ``ZMQ_FD`` (edge-
+        triggered: read all after it fires) and the lane's wake-up pipe."""
+        fds = [int(self.sock.getsockopt(zmq.FD))]
+        if self.lane is not None:
+            fds.append(self.lane.wake)
+        return fds
+
+    def has_message(self) -> bool:
+        """Whether a message waits in the lane or on the socket (no blocking)."""
+        lane = self.lane
+        return (lane is not None and lane.pending()) or readable(self.sock)
+
+    def take_message(self) -> Any:
+        """The next message of the lane or the socket, or None (no blocking)."""
+        lane = self.lane
+        if lane is not None:
+            frames = lane.take()
+            if frames is not None:
+                return frames
+        if readable(self.sock):
+            return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        return None
+
+    def _next_message(self, lane: RankLane) -> Any:
+        """Block for the next message of the lane or the socket (the main loop): spin
+        first, as for the socket alone; the wake-up pipe is emptied before the last
+        look, so a message written after it always wakes the poll."""
+        sock = self.sock
+        while True:
+            frames = lane.take()
+            if frames is not None:
+                return frames
+            if readable(sock):
+                return wire_recv(sock, zmq.NOBLOCK)
+            if self.spin.until(self.has_message):
+                continue
+            lane.drain_wake()
+            if lane.pending() or readable(sock):
+                continue
+            assert self._lane_poller is not None
+            self._lane_poller.poll()
 
     def receive(self, frames: list[Any]) -> None:
         """Verify, decode and handle one message (in order)."""
@@ -589,6 +654,8 @@ class Inbox(Lines):
             both = zmq.Poller()
             both.register(self.sock, zmq.POLLIN)
             both.register(wake.r, zmq.POLLIN)
+            if self.lane is not None:
+                both.register(self.lane.wake, zmq.POLLIN)
             alone = zmq.Poller()
             alone.register(wake.r, zmq.POLLIN)
             self._wake = (wake, both, alone)
@@ -609,7 +676,12 @@ class Inbox(Lines):
                     wake.clear()
                 if box:
                     self.run_mailbox(box)
-                if mine and self.sock in events and not fut.done():
+                lane = self.lane
+                if (
+                    mine
+                    and (self.sock in events or (lane is not None and lane.wake in events))
+                    and not fut.done()
+                ):
                     self.pump(until=fut)
         finally:
             self.close_mailbox(me, box)
@@ -671,10 +743,12 @@ class Inbox(Lines):
         me = threading.get_ident()
         if self.reader != me:
             return  # another thread reads the inbox now
-        inbox = self.sock
         deferred = self.deferred
         on_main = me == self.main_ident
         idle_stop = self._idle_stop if on_main else None
+        lane = self.lane
+        if lane is not None:
+            lane.drain_wake()  # level-triggered where polled: read what it announced
         while deferred and idle_stop is None and self._starts_now(deferred[0][1], True):
             # kept back before this endpoint started (read while idle): may start now
             kept, kept_hdr = deferred.popleft()
@@ -682,9 +756,11 @@ class Inbox(Lines):
         lock = self.lock
         while until is None or not until.done():
             with lock:
-                if self.reader != me or self.full(len(deferred)) or not readable(inbox):
+                if self.reader != me or self.full(len(deferred)):
                     return
-                frames = inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self.take_message()
+                if frames is None:
+                    return
             msg = self.decode(frames)
             if msg is None:
                 continue

@@ -116,6 +116,7 @@ class Lines:
     rank: int
     loop: asyncio.AbstractEventLoop | None
     pump: Callable[[], None]
+    inbox_fds: Callable[[], list[int]]
     run_saved: Callable[[Message, H.Ordered], None]
 
     def init_lines(self, local_rank: int) -> None:
@@ -451,7 +452,8 @@ class Lines:
         loop = self.loop
         if loop is None:
             loop = self.loop = asyncio.SelectorEventLoop(WatchedSelector(self))
-            loop.add_reader(int(self.sock.getsockopt(zmq.FD)), self.pump)
+            for fd in self.inbox_fds():
+                loop.add_reader(fd, self.pump)
             self._reader_on = True
         return loop
 
@@ -527,7 +529,8 @@ class Lines:
 
         try:
             if self._reader_on:  # the inbox is the main thread's (or the relief's) to read
-                loop.remove_reader(int(self.sock.getsockopt(zmq.FD)))
+                for fd in self.inbox_fds():
+                    loop.remove_reader(fd)
                 self._reader_on = False
             loop.call_soon(check)
             loop.run_until_complete(stop)
@@ -560,7 +563,8 @@ class Lines:
                 loop.call_soon_threadsafe(_finish, stop)
             self._loop_free.wait(0.05)
         if not self._reader_on:
-            loop.add_reader(int(self.sock.getsockopt(zmq.FD)), self.pump)
+            for fd in self.inbox_fds():
+                loop.add_reader(fd, self.pump)
             self._reader_on = True
         return True
 

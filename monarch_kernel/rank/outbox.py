@@ -15,6 +15,7 @@ import zmq
 
 from monarch_kernel.rank import context
 from monarch_kernel.rank.errors import exception_report
+from monarch_kernel.rank.lane import LaneGone, RankLane
 from monarch_kernel.rank.link import ControllerLink
 from monarch_kernel.rank.signals import MainThread
 from monarch_kernel.wire import Codec, SerializationError, dumps, handoff, peer_address
@@ -110,6 +111,35 @@ class Outbox:
         #: arena is made with the first such result; None after it could not be.
         self.shm_results = False
         self._arena: Arena | None = None
+        #: The same-machine lane to the controller (``rank.lane``) once it was opened:
+        #: everything to the controller goes through it from then on (else None).
+        self.lane: RankLane | None = None
+
+    # -- the same-machine lane (rank.lane) ---------------------------------------------
+    def switch_to_lane(self, lane: RankLane) -> bool:
+        """Send everything to the controller through ``lane`` from now on: ``lane_on``
+        goes over the socket first, as the last message there (False, nothing changed:
+        a detachable mesh's rank, whose messages a link may keep)."""
+        if self.link is not None:
+            return False
+        with self.lock:
+            wire_send(self.out, self.codec.encode(H.LaneOn(rank=self.rank).encode()))
+            self.lane = lane
+        return True
+
+    def _to_controller(self, frames: list[Any]) -> None:
+        """Send one message's frames to the controller: through the lane, else the
+        socket (the lock held)."""
+        lane = self.lane
+        if lane is None:
+            wire_send(self.out, frames)
+            return
+        try:
+            lane.send(frames)
+        except LaneGone as exc:  # nobody reads the lane, or the socket, any more
+            log.warning("rank %s: %s; a message to it is dropped", self.rank, exc)
+            self.lane = None
+            lane.close()
 
     # -- fan-in (wire.fanin) -----------------------------------------------------------
     def fanin_open(self, request: str) -> bool:
@@ -153,7 +183,7 @@ class Outbox:
         else:
             for frames in parts:  # the lock per part: other threads' output flows meanwhile
                 with self.lock:
-                    wire_send(self.out, frames)
+                    self._to_controller(frames)
         if self.main.pending_signal is not None:  # a signal came while the main thread sent
             self.main.raise_pending()
 
@@ -389,7 +419,7 @@ class Outbox:
             wire, buffers = self._shared(header.encode(), buffers)
             for frames in encode_parts(self.codec, wire, payload, buffers):
                 with self.lock:
-                    wire_send(self.out, frames)
+                    self._to_controller(frames)
             told = H.FanInDirect(rank=self.rank, request=request).encode()
             with self.lock:
                 wire_send(self.agent, self.codec.encode(told))

@@ -39,8 +39,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import zmq
-
 from monarch_kernel.rank import context
 from monarch_kernel.rank.torch_modes import restore_after_interrupt, torch_modes
 
@@ -290,12 +288,12 @@ class Relief(threading.Thread):
     def serve(self) -> None:
         """Read the inbox until the main thread is responsive again or wants it back."""
         inbox = self.inbox
-        sock = inbox.sock
         r = self.wake.r
         poller = select.poll()
         poller.register(r, select.POLLIN)
-        fd = int(sock.getsockopt(zmq.FD))
-        poller.register(fd, select.POLLIN)
+        fds = inbox.inbox_fds()  # the socket's, and the lane's wake-up pipe's
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
         watching = True
         while not inbox.want_back and not inbox.responsive:
             inbox.pump()  # what is there now (ZMQ_FD is edge-triggered: read it all)
@@ -303,10 +301,11 @@ class Relief(threading.Thread):
                 return
             full = inbox.full(len(inbox.deferred))
             if full == watching:  # while it keeps all it may, the socket is not watched
-                if full:
-                    poller.unregister(fd)
-                else:
-                    poller.register(fd, select.POLLIN)
+                for fd in fds:
+                    if full:
+                        poller.unregister(fd)
+                    else:
+                        poller.register(fd, select.POLLIN)
                 watching = not full
             for got, _ in poller.poll(RELIEF_TICK * 1000):
                 if got == r:

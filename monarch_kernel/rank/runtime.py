@@ -35,6 +35,7 @@ from monarch_kernel.rank.debug.dap import EndpointBreaks
 from monarch_kernel.rank.debug.debugger import RankDebugger
 from monarch_kernel.rank.device import bind_gpu
 from monarch_kernel.rank.inbox import Inbox, bind_peer, connect, dealer
+from monarch_kernel.rank.lane import open_lane
 from monarch_kernel.rank.link import ControllerLink, serve_attached
 from monarch_kernel.rank.outbox import Outbox
 from monarch_kernel.rank.sharding import hooks as sharding_hooks
@@ -43,7 +44,7 @@ from monarch_kernel.rank.stdio import capture, display
 from monarch_kernel.rank.stdio.stdin import InputBridge
 from monarch_kernel.rank.tensors import make_handler as tensor_ops_handler
 from monarch_kernel.shape import Point
-from monarch_kernel.wire import Codec
+from monarch_kernel.wire import Codec, Message
 from monarch_kernel.wire import headers as H
 from monarch_kernel.wire import kinds as K
 from monarch_kernel.wire.codec import Buffer
@@ -126,6 +127,7 @@ class Rank:
                 K.SUPERVISE: self.actor_host.supervise,
                 K.DEBUG: cells.debug,
                 K.TENSOR_OPS: tensor_ops_handler(self.outbox),  # the tensor engine
+                K.LANE: self._open_lane,
             }
         )
         self.control = ControlThread(
@@ -142,6 +144,11 @@ class Rank:
             link = ControllerLink(out, log_fd, connected=cfg.detachable != 2)
             self.outbox.link = self.control.link = link
             self.control.handlers[K.ATTACHED] = lambda msg: serve_attached(link, self.outbox, msg)
+
+    def _open_lane(self, msg: Message, hdr: H.Ordered, request: str | None) -> None:
+        """``lane``: the controller offers a same-machine lane (``rank.lane``)."""
+        if isinstance(hdr, H.Lane):
+            open_lane(hdr, self.rank, self.outbox, self.inbox)
 
     # -- RankServices ------------------------------------------------------------------
     @property

@@ -153,7 +153,7 @@ def _offset(block: _Block) -> int:
     return block.offset
 
 
-def _unlinked_file(size: int) -> int:
+def unlinked_shm_file(size: int) -> int:
     """A descriptor of a fresh 0600 file of ``size`` bytes in :data:`SHM_DIR` that has no
     name (nothing to leak if this process is killed)."""
     tmpfile = getattr(os, "O_TMPFILE", 0)
@@ -186,7 +186,7 @@ class Arena:
         shared memory cannot be made or reached by path."""
         size = ARENA_BYTES if size is None else size
         self._lend = lend
-        fd = _unlinked_file(size)
+        fd = unlinked_shm_file(size)
         try:
             self.path = f"/proc/{os.getpid()}/fd/{fd}"
             st = os.stat(self.path)  # /proc is there, and the path names this file

@@ -207,6 +207,12 @@ kind              keys and payload
                   ``[header, payload]`` pairs, each a ``call`` header without ``q``,
                   ``i``, ``w``, ``f`` or ``d`` and its pickled ``(args, kwargs)``; parsed
                   only after the signature verified; the rank runs them in list order
+``lane``          ``p``, ``wk``, ``bl`` str (``/proc/<pid>/fd/<n>`` paths: the lane's
+                  file, the pipe that wakes the rank, the controller's doorbell), ``n``
+                  int (data bytes of each ring), ``cp`` int (the controller's pid): a
+                  same-machine lane (``wire.lane``), offered once the rank is ready on a
+                  mesh on unix sockets. Not answered with a ``res``: the rank maps it
+                  and sends ``lane_on``, or ignores it (a detachable mesh's rank)
 ================  =======================================================================
 
 Rank -> rank, actor calls (caller's DEALER -> the callee's inbox, main thread)
@@ -365,6 +371,9 @@ kind              keys and payload
                   "bytes_in": int}`` plus ``"gpu_mem": int`` once CUDA is initialised
                   and ``"pg": str`` (the backend) once a process group was; once a
                   second, from the control thread
+``lane_on``       ``r``: the rank opened the lane of its ``lane``; the last message it
+                  sends over its socket to the controller, which then reads the lane
+                  (everything after comes through it, in order)
 ================  =======================================================================
 
 Rank <-> rank data plane (not control messages)
@@ -449,6 +458,9 @@ DEBUG = "debug"  # post-mortem pdb on the rank's last failure (header "x": only 
 #: rank's main thread. Fire and forget, or a request (``i``, ``w``) whose last record is a
 #: ``Fetch``: every rank of the mesh answers once it ran everything before it.
 TENSOR_OPS = "tensor_ops"
+#: A same-machine lane for this rank (``wire.lane``; header ``p``, ``wk``, ``bl``, ``n``,
+#: ``cp``: ``wire.headers.Lane``); answered with ``lane_on``.
+LANE = "lane"
 
 # controller -> rank control thread (unordered, served while the main thread is busy)
 PUSH = "push"
@@ -488,12 +500,14 @@ TRAIN_NOTICE = "train_notice"
 #: ``wire.steps.encode_steps``): sent through its host agent's fan-in socket where there
 #: is one, which passes it on as it is.
 STEPS = "steps"
+#: The rank opened its lane (header ``r``): the last message it sends over its socket.
+LANE_ON = "lane_on"
 
 #: The version of this protocol (the kinds and keys above, and the join handshake). A
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 15  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
+PROTOCOL_VERSION = 16  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
 # 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``;
 # 6: fan-in (``fan_in``, ``fan_direct``); 7: ``batch``; 8: ``host_stats``, slots
 # (``slot`` in ``spawn_ranks``, ranks named by their slot on the wire) and ``mesh_ref``;
@@ -504,4 +518,5 @@ PROTOCOL_VERSION = 15  # 2: the ``display`` kind; 3: large values travel as stre
 # ``host_stats`` may carry the ranks' GPU stats (header ``g``); 12: step telemetry
 # (``steps``, ``host_steps``) and ``profile``; 13: ``tensor_ops`` (the tensor engine);
 # 14: signatures (envelopes and streamed payloads) are keyed BLAKE2b-256, not HMAC-SHA256
-# 15: ``rp`` in ``call`` and ``x`` in ``res`` (CUDA results by handle)
+# 15: ``rp`` in ``call`` and ``x`` in ``res`` (CUDA results by handle); 16: ``lane`` and
+# ``lane_on`` (same-machine lanes)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -71,6 +72,11 @@ class SpinWait:
     def until_readable(self, sock: zmq.Socket[bytes]) -> bool:
         """Spin until ``sock`` has a message (True) or the spin is over (False, the
         caller blocks). Returns False at once while resting after misses."""
+        return self.until(lambda: readable(sock))
+
+    def until(self, ready: Callable[[], bool]) -> bool:
+        """Spin until ``ready()`` (True) or the spin is over (False, the caller blocks).
+        Returns False at once while resting after misses."""
         if not self.seconds:
             return False
         if self.misses >= MISSES_TO_REST:
@@ -78,7 +84,7 @@ class SpinWait:
             if self.waits % RETRY_EVERY:
                 return False
         end = _clock() + self.seconds
-        while not readable(sock):
+        while not ready():
             if _clock() > end:
                 self.misses += 1
                 return False

@@ -66,6 +66,11 @@ class Frame:
         return (Frame, (self.filename, self.lineno, self.function, self.line))
 
 
+#: The innermost own frames of a main thread that waits for work: the receive loop, or
+#: its wait for a message of the socket or the same-machine lane (``rank.lane``).
+_IDLE = frozenset({("rank/inbox.py", "run"), ("rank/inbox.py", "_next_message")})
+
+
 @dataclass(frozen=True, slots=True)
 class ThreadStack:
     """One thread's stack, outermost frame first. ``main``: the rank's main thread
@@ -79,7 +84,7 @@ class ThreadStack:
     @property
     def idle(self) -> bool:
         """The main thread waits for work in the rank's receive loop."""
-        return self.main and _innermost_own(self.frames) == ("rank/inbox.py", "run")
+        return self.main and _innermost_own(self.frames) in _IDLE
 
     @property
     def internal(self) -> bool:

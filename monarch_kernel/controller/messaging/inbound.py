@@ -174,6 +174,7 @@ class Inbound:
             K.PORT: typed(H.Port.decode, self._on_port),
             K.INPUT: typed(H.Input.decode, output.on_input),
             K.RESUMED: typed(H.Resumed.decode, output.on_resumed),
+            K.LANE_ON: typed(H.LaneOn.decode, self._on_lane_on),
             K.TRAIN_NOTICE: typed(H.RankNotice.decode, self._on_train),
             K.FAN_IN: typed(H.FanIn.decode, self._on_fan_in),
             K.HOST_STATS: typed(H.HostStats.decode, output.on_host_stats),
@@ -386,6 +387,10 @@ class Inbound:
         ).start()
 
     # -- ranks ---------------------------------------------------------------------------
+    def _on_lane_on(self, h: H.LaneOn, msg: Message) -> None:
+        """The rank opened its same-machine lane: read and write it from now on."""
+        self._transport.lane_on(self._ranks[h.rank].slot)
+
     def _on_ready(self, h: H.Ready, msg: Message) -> None:
         info = self._ranks[h.rank]
         if h.restart_count != info.restarts:
@@ -402,6 +407,7 @@ class Inbound:
         except ValueError:  # not from a rank of this version: no peer calls to it
             info.peer = PeerAddress(info.hostname)
         info.last_seen = time.monotonic()
+        t.offer_lane(info.rank)  # before anything else is sent to it: the first in order
         self._requests.set_state(info, RankState.IDLE)
         self._notify()
         if self._on_rank_ready is not None:
@@ -414,6 +420,8 @@ class Inbound:
         info = self._ranks[h.rank]
         if info.pid not in (None, h.pid) and info.state is not RankState.STARTING:
             return  # a stale report about an earlier incarnation
+        for frames in self._transport.lane_backlog(info.slot):
+            self.handle(frames)  # its last words came before its death
         self._rank_died(info, RankEnd.of_exit(h))
 
     # -- hosts ---------------------------------------------------------------------------

@@ -26,10 +26,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import zmq
 
+from monarch_kernel.controller.messaging.lanes import Lanes
 from monarch_kernel.controller.messaging.sigint import DeferSigint
 from monarch_kernel.controller.messaging.transport import (
     FLUSH_INTERVAL,
@@ -37,6 +38,7 @@ from monarch_kernel.controller.messaging.transport import (
     WAKE_ID,
     Transport,
 )
+from monarch_kernel.wire.codec import readable
 from monarch_kernel.wire.codec import recv as wire_recv
 from monarch_kernel.wire.spin import SpinWait
 
@@ -64,15 +66,29 @@ class Receiver:
     """The receive token and the I/O thread of one mesh."""
 
     def __init__(
-        self, name: str, transport: Transport, owed: Callable[[], bool], spin: float = 0.0
+        self,
+        name: str,
+        transport: Transport,
+        owed: Callable[[], bool],
+        spin: float = 0.0,
+        spin_below: int | None = None,
     ):
         """``owed()`` tells whether replies are still owed to anybody (then the I/O
         thread receives when a caller leaves). ``spin``: seconds a caller spins before it
-        blocks for a message (:mod:`monarch_kernel.wire.spin`). Nothing is received
-        before :meth:`start`; work posted before it runs once it started."""
+        blocks for a message (:mod:`monarch_kernel.wire.spin`); ``spin_below``: only
+        after a message to fewer ranks than that (this machine's CPUs, where the ranks
+        run on it: a caller that spins while as many ranks work takes a CPU one of them
+        needs; measured: a gathered call to 8 local ranks on 2 CPUs took 0.8 ms longer
+        with the spin). Nothing is received before :meth:`start`; work posted before it
+        runs once it started."""
         self.name = name
         self._transport = transport
         self._sock = transport.recv_sock
+        #: Same-machine lanes (``transport.lanes``): read beside the socket; a poller
+        #: over both, made when a lane is first in use.
+        self._lanes = transport.lanes
+        self._both: zmq.Poller | None = None
+        self._socket_turn = False  # the socket's turn before the lanes'
         self._handle: Callable[[list[zmq.Frame]], None] = _not_started
         self._tick: Callable[[float], None] = _not_started
         self._owed = owed
@@ -86,6 +102,7 @@ class Receiver:
         self._running = True
         self._rcvtimeo = -1
         self._spin = SpinWait(spin)
+        self._spin_below = spin_below
         self._io = threading.Thread(target=self._io_loop, name=f"mesh-{name}-io", daemon=True)
 
     def start(
@@ -203,15 +220,24 @@ class Receiver:
             ms = int((deadline - time.monotonic()) * 1000) + 1
             if ms <= 0:
                 return False
-        if ms != self._rcvtimeo:
-            sock.setsockopt(zmq.RCVTIMEO, ms)
-            self._rcvtimeo = ms
-        if spin:
-            self._spin.until_readable(sock)
-        try:
-            frames = wire_recv(sock)
-        except zmq.Again:
-            return False
+        if spin and self._spin_below is not None:
+            spin = self._transport.last_width < self._spin_below
+        lanes = self._lanes
+        if lanes is not None and lanes.active:
+            got = self._from_lanes_or_socket(lanes, ms, spin)
+            if got is None:
+                return deadline is None or time.monotonic() < deadline
+            frames = got
+        else:
+            if ms != self._rcvtimeo:
+                sock.setsockopt(zmq.RCVTIMEO, ms)
+                self._rcvtimeo = ms
+            if spin:
+                self._spin.until_readable(sock)
+            try:
+                frames = wire_recv(sock)
+            except zmq.Again:
+                return False
         # A wake-up is [its routing id, b""]: a peer's message is [routing id, envelope,
         # ...] too, but an envelope is never empty.
         if len(frames) == 2 and not len(frames[1]) and frames[0].bytes in (WAKE_ID, SIGINT_ID):
@@ -222,6 +248,35 @@ class Receiver:
         except Exception:  # never let one bad message stop the receiving
             log.exception("mesh %s: error handling a message", self.name)
         return True
+
+    def _from_lanes_or_socket(self, lanes: Lanes, ms: int, spin: bool) -> list[Any] | None:
+        """The next message from a lane or the socket, taking turns while both have
+        some (a rank that floods its lane with replies must not starve its host agent's
+        heartbeats on the socket; a rank's death is handled after what its lane still
+        held: ``Inbound``); None when ``ms`` passed, or a wake-up had nothing behind it."""
+        sock = self._sock
+        if self._socket_turn and readable(sock):
+            self._socket_turn = False
+            return wire_recv(sock, zmq.NOBLOCK)
+        frames = lanes.take()
+        if frames is not None:
+            self._socket_turn = True
+            return frames
+        if readable(sock):
+            return wire_recv(sock, zmq.NOBLOCK)
+        if not (spin and self._spin.until(lambda: lanes.pending() or readable(sock))):
+            both = self._both
+            if both is None:
+                both = self._both = zmq.Poller()
+                both.register(sock, zmq.POLLIN)
+                lanes.register(both)
+            both.poll(ms if ms >= 0 else None)
+        frames = lanes.take()
+        if frames is not None:
+            return frames
+        if readable(sock):
+            return wire_recv(sock, zmq.NOBLOCK)
+        return None
 
     def _run_posted(self) -> None:
         while self._posted:

@@ -34,6 +34,7 @@ from monarch_kernel.wire.headers.fanin import FanIn, FanInDirect, HostStats, Hos
 from monarch_kernel.wire.headers.from_rank import (
     Display,
     Input,
+    LaneOn,
     Metric,
     Owned,
     PeerActor,
@@ -68,6 +69,7 @@ from monarch_kernel.wire.headers.ordered import (
     Debug,
     Exec,
     Hello,
+    Lane,
     Ordered,
     OtherOrdered,
     Owner,
@@ -90,6 +92,7 @@ AnyHeader: TypeAlias = (
     | Debug
     | Supervise
     | Hello
+    | Lane
     | ControlRequest
     | AbortPg
     | Cancel
@@ -104,6 +107,7 @@ AnyHeader: TypeAlias = (
     | PeerActor
     | Input
     | Resumed
+    | LaneOn
     | SpawnRanks
     | SignalRanks
     | KillRanks
@@ -134,6 +138,7 @@ _CLASSES: tuple[Any, ...] = (
     Debug,
     Supervise,
     Hello,
+    Lane,
     AbortPg,
     Cancel,
     InputReply,
@@ -146,6 +151,7 @@ _CLASSES: tuple[Any, ...] = (
     PeerActor,
     Input,
     Resumed,
+    LaneOn,
     SpawnRanks,
     SignalRanks,
     KillRanks,
@@ -182,6 +188,7 @@ ORDERED_KINDS = frozenset(
         K.SUPERVISE,
         K.HELLO,
         K.TENSOR_OPS,
+        K.LANE,
     }
 )
 
@@ -235,6 +242,8 @@ __all__ = [
     "Chunk",
     "Heartbeat",
     "Hello",
+    "Lane",
+    "LaneOn",
     "HostReady",
     "HostStats",
     "HostSteps",

@@ -344,6 +344,28 @@ class Resumed:
             raise missing_key(cls, exc) from None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaneOn:
+    """``lane_on``: rank ``r`` opened the lane its controller offered; this is the last
+    message it sends over its socket (everything after comes through the lane)."""
+
+    KIND: ClassVar[str] = K.LANE_ON
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"r"}
+
+    rank: int
+
+    def encode(self) -> WireHeader:
+        return {"k": K.LANE_ON, "r": self.rank}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> LaneOn:
+        check_keys(cls, h)
+        try:
+            return cls(rank=h["r"])
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
 #: The decoders' constructors (see ``base.maker``).
 _Result = maker(Result)
 

@@ -360,6 +360,43 @@ class Hello(Ordered):
         )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lane(Ordered):
+    """``lane``: the controller offers this rank a same-machine lane
+    (:mod:`monarch_kernel.wire.lane`): the file of its rings ``p``, the pipe that wakes
+    the rank ``wk``, the controller's doorbell ``bl`` (all ``/proc/<pid>/fd/<n>``), each
+    ring's data bytes ``n`` and the controller's process ``cp``."""
+
+    KIND: ClassVar[str] = K.LANE
+    KEYS: ClassVar[frozenset[str]] = Ordered.KEYS | {"p", "wk", "bl", "n", "cp"}
+
+    path: str
+    wake: str
+    bell: str
+    capacity: int
+    controller: int
+
+    def encode(self) -> WireHeader:
+        return self._put(
+            {
+                "k": K.LANE,
+                "p": self.path,
+                "wk": self.wake,
+                "bl": self.bell,
+                "n": self.capacity,
+                "cp": self.controller,
+            }
+        )
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> Lane:
+        check_keys(cls, h)
+        try:
+            return _Lane(*envelope(h), h["p"], h["wk"], h["bl"], h["n"], h["cp"])
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+
+
 #: The decoders' constructors (see ``base.maker``).
 _SpawnActor = maker(SpawnActor)
 _Call = maker(Call)
@@ -369,6 +406,7 @@ _StopActor = maker(StopActor)
 _Debug = maker(Debug)
 _Supervise = maker(Supervise)
 _Hello = maker(Hello)
+_Lane = maker(Lane)
 
 
 def _pid(value: object) -> int | None:
