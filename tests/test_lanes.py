@@ -11,6 +11,7 @@ import signal
 
 import pytest
 from actors import Batched, Worker
+from conftest import local_mesh
 from helpers import wait_until
 
 from monarch_kernel.actor import RankDiedError, this_host
@@ -32,9 +33,15 @@ def _all_open(lanes, n: int) -> bool:
     return len(lanes._lanes) == n and all(lane.active for lane in lanes._lanes.values())
 
 
-def test_calls_and_replies_go_through_the_lanes_in_order(mesh2):
-    lanes = _lanes(mesh2)
-    log = mesh2.spawn("log", Batched)
+@pytest.fixture(scope="module")
+def procs2():
+    """One 2-rank local mesh for the tests that do not stop or kill anything."""
+    yield from local_mesh({"gpus": 2})
+
+
+def test_calls_and_replies_go_through_the_lanes_in_order(procs2):
+    lanes = _lanes(procs2)
+    log = procs2.spawn("log", Batched)
     wait_until(lambda: _all_open(lanes, 2), timeout=30, what="both ranks took their lanes")
     sent, received = lanes.sent, lanes.received
     for i in range(20):
@@ -59,9 +66,9 @@ def test_calls_and_replies_go_through_the_lanes_in_order(mesh2):
     assert log.get_log.call().get(timeout=60).values() == [list(range(20)) * 2, list(range(20))]
 
 
-def test_a_result_larger_than_a_ring_comes_whole(mesh2):
-    lanes = _lanes(mesh2)
-    log = mesh2.spawn("log", Batched)
+def test_a_result_larger_than_a_ring_comes_whole(procs2):
+    lanes = _lanes(procs2)
+    log = procs2.spawn("blobs", Batched)
     n = 3 * L.RING_BYTES + 17
     expected = bytes(range(256)) * (n // 256) + b"!" * (n % 256)
     for _ in range(3):

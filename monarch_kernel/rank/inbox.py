@@ -167,6 +167,7 @@ class Inbox(Lines):
         #: socket once opened; a poller over both for the main loop's waits.
         self.lane: RankLane | None = None
         self._lane_poller: zmq.Poller | None = None
+        self._socket_turn = False  # the socket's turn before the lane's
         #: The requests the main thread is handling, outermost first (an endpoint that
         #: waits serves others inside it): the stop button reaches the innermost, and an
         #: outer one cancelled meanwhile is interrupted once the inner ones are over.
@@ -236,11 +237,16 @@ class Inbox(Lines):
         return (lane is not None and lane.pending()) or readable(self.sock)
 
     def take_message(self) -> Any:
-        """The next message of the lane or the socket, or None (no blocking)."""
+        """The next message of the lane or the socket, or None (no blocking); the two
+        take turns while both have some (calls from other ranks come on the socket)."""
         lane = self.lane
         if lane is not None:
+            if self._socket_turn and readable(self.sock):
+                self._socket_turn = False
+                return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             frames = lane.take()
             if frames is not None:
+                self._socket_turn = True
                 return frames
         if readable(self.sock):
             return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -252,11 +258,9 @@ class Inbox(Lines):
         look, so a message written after it always wakes the poll."""
         sock = self.sock
         while True:
-            frames = lane.take()
+            frames = self.take_message()
             if frames is not None:
                 return frames
-            if readable(sock):
-                return wire_recv(sock, zmq.NOBLOCK)
             if self.spin.until(self.has_message):
                 continue
             lane.drain_wake()
