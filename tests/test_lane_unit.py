@@ -5,11 +5,13 @@ second process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,38 +25,39 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _pair(capacity: int = 1024) -> tuple[L.LaneFile, L.LaneFile, int]:
-    """Two mappings of one lane file (the controller's, and one opened by path)."""
+@contextlib.contextmanager
+def _pair(capacity: int) -> Iterator[tuple[L.LaneFile, L.LaneFile]]:
+    """Two mappings of one lane file (the controller's, and one opened by path), closed
+    after."""
     mine, fd = L.LaneFile.create(capacity)
-    other = L.LaneFile.open(L.proc_path(fd), capacity)
-    return mine, other, fd
-
-
-@pytest.mark.unit
-def test_records_come_out_as_they_went_in_across_the_wrap():
-    mine, other, fd = _pair(256)
     try:
-        writer, reader = mine.down, other.down
-        writer.attach_writer()
-        reader.attach_reader()
-        sent = []
-        for i in range(200):  # many times round a 256-byte ring
-            frames = [b"e%03d" % i + b"." * (i % 37), b"", bytes(range(i % 11))]
-            assert writer.try_put(frames)
-            sent.append(frames)
-            got = reader.take()
-            assert got is not None and [bytes(f) for f in got] == frames
-        assert reader.take() is None and not reader.pending()
+        other = L.LaneFile.open(L.proc_path(fd), capacity)
+        try:
+            yield mine, other
+        finally:
+            other.close()
     finally:
         mine.close()
-        other.close()
         os.close(fd)
 
 
 @pytest.mark.unit
+def test_records_come_out_as_they_went_in_across_the_wrap():
+    with _pair(256) as (mine, other):
+        writer, reader = mine.down, other.down
+        writer.attach_writer()
+        reader.attach_reader()
+        for i in range(200):  # many times round a 256-byte ring
+            frames = [b"e%03d" % i + b"." * (i % 37), b"", bytes(range(i % 11))]
+            assert writer.try_put(frames)
+            got = reader.take()
+            assert got is not None and [bytes(f) for f in got] == frames
+        assert reader.take() is None and not reader.pending()
+
+
+@pytest.mark.unit
 def test_try_put_writes_nothing_when_the_record_does_not_fit():
-    mine, other, fd = _pair(128)
-    try:
+    with _pair(128) as (mine, other):
         writer, reader = mine.up, other.up
         assert writer.try_put([b"a" * 60])
         assert not writer.try_put([b"b" * 60])  # 72 + 72 > 128
@@ -63,16 +66,11 @@ def test_try_put_writes_nothing_when_the_record_does_not_fit():
         assert got is not None and bytes(got[0]) == b"a" * 60
         assert reader.take() is None
         assert writer.try_put([b"b" * 60])  # room again once read
-    finally:
-        mine.close()
-        other.close()
-        os.close(fd)
 
 
 @pytest.mark.unit
 def test_a_record_larger_than_the_ring_goes_in_pieces_as_the_reader_makes_room():
-    mine, other, fd = _pair(4096)
-    try:
+    with _pair(4096) as (mine, other):
         writer, reader = mine.up, other.up
         big = os.urandom(100_000)
         got: list[bytes] = []
@@ -92,24 +90,15 @@ def test_a_record_larger_than_the_ring_goes_in_pieces_as_the_reader_makes_room()
         assert writer.try_put([b"next"])  # the ring is whole again
         frames = reader.take()
         assert frames is not None and bytes(frames[0]) == b"next"
-    finally:
-        mine.close()
-        other.close()
-        os.close(fd)
 
 
 @pytest.mark.unit
 def test_a_record_that_breaks_the_format_is_refused():
-    mine, other, fd = _pair(256)
-    try:
+    with _pair(256) as (mine, other):
         mine.down.try_put([b"x" * 8])
         mine.mem[L._DATA + 4 : L._DATA + 8] = (10_000).to_bytes(4, "little")  # frame count
         with pytest.raises(L.LaneError, match="frames"):
             other.down.take()
-    finally:
-        mine.close()
-        other.close()
-        os.close(fd)
 
 
 @pytest.mark.unit

@@ -313,6 +313,7 @@ PART_ORDER: dict[str, list[str]] = {
         "errors",
         "link",
         "signals",
+        "lane",  # the same-machine lane to the controller (the outbox and inbox use it)
         "outbox",
         "supervise",
         "actor_logs",  # Monarch's [actor=...] prefix on the logging records of actors

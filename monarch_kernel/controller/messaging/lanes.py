@@ -72,7 +72,12 @@ class _Lane:
         self.slot = slot
         self.ident = _Ident(ident)
         self.file, self.keep = L.LaneFile.create(capacity)
-        self.wake_r, self.wake_w = L.pipe()
+        try:
+            self.wake_r, self.wake_w = L.pipe()
+        except OSError:
+            _close(self.keep)
+            self.file.close()
+            raise
         self.file.down.attach_writer()
         self.file.up.attach_reader()
         #: The rank took it (``lane_on``): read its up ring, write its down ring.
