@@ -50,7 +50,7 @@ class RankLane:
             try:
                 self.bell = L.open_pipe(hdr.bell)
             except OSError:
-                os.close(self.wake)
+                L.close_fds(self.wake)
                 raise
         except OSError:
             self.file.close()
@@ -103,11 +103,7 @@ class RankLane:
         if self.closed:
             return
         self.closed = True
-        for fd in (self.wake, self.bell):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        L.close_fds(self.wake, self.bell)
         self.file.close()
 
 

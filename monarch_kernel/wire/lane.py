@@ -85,9 +85,16 @@ def supported() -> bool:
     )
 
 
+def _views(frames: Sequence[Any]) -> tuple[list[Any], list[int], int]:
+    """``frames`` as bytes or flat views, their sizes, and the bytes of their record."""
+    views: list[Any] = [f if f.__class__ is bytes else flat_view(f) for f in frames]
+    sizes = [len(v) if v.__class__ is bytes else v.nbytes for v in views]
+    return views, sizes, _WORDS.size + 4 * len(views) + sum(sizes)
+
+
 def record_size(frames: Sequence[Any]) -> int:
     """Bytes of the record of ``frames`` in a ring."""
-    return _WORDS.size + 4 * len(frames) + sum([flat_view(f).nbytes for f in frames])
+    return _views(frames)[2]
 
 
 def ring_span(capacity: int) -> int:
@@ -128,16 +135,27 @@ class Ring:
     def try_put(self, frames: Sequence[Any]) -> bool:
         """Write one record of ``frames`` if it fits whole in the room left (else
         nothing, False)."""
-        views: list[Any] = [f if f.__class__ is bytes else flat_view(f) for f in frames]
-        sizes = [len(v) if v.__class__ is bytes else v.nbytes for v in views]
+        return self._put(*_views(frames), None)
+
+    def put(self, frames: Sequence[Any], wait: Callable[[], None]) -> None:
+        """Write one record of ``frames``, publishing it in pieces when it is larger than
+        the room left; ``wait()`` is called while the ring is full (it may raise)."""
+        self._put(*_views(frames), wait)
+
+    def _put(
+        self, views: list[Any], sizes: list[int], total: int, wait: Callable[[], None] | None
+    ) -> bool:
+        """Write one record: at once where it fits whole in the room left and does not
+        cross the ring's end; else piece by piece where it may (``wait`` given, or it
+        fits); else nothing (False)."""
         n = len(views)
-        total = _WORDS.size + 4 * n + sum(sizes)
         mem, pos, cap = self._mem, self._pos, self.capacity
-        if total > cap - (pos - _U64.unpack_from(mem, self._base + _TAIL)[0]):
+        fits = total <= cap - (pos - _U64.unpack_from(mem, self._base + _TAIL)[0])
+        if not fits and wait is None:
             return False
         at = pos % cap
-        if at + total > cap:  # across the end of the ring: piece by piece
-            self._write_record(views, sizes, total, None)
+        if not fits or at + total > cap:  # too large for the room, or across the end
+            self._write_record(views, sizes, total, wait)
             return True
         at += self._data
         words = _words(n)
@@ -147,17 +165,8 @@ class Ring:
             mem[at : at + size] = v
             at += size
         self._pos = pos + total
-        _U64.pack_into(mem, self._base + _HEAD, self._pos)
+        self._publish()
         return True
-
-    def put(self, frames: Sequence[Any], wait: Callable[[], None]) -> None:
-        """Write one record of ``frames``, publishing it in pieces when it is larger than
-        the room left; ``wait()`` is called while the ring is full (it may raise)."""
-        if self.try_put(frames):
-            return
-        views = [flat_view(f) for f in frames]
-        sizes = [v.nbytes for v in views]
-        self._write_record(views, sizes, _WORDS.size + 4 * len(views) + sum(sizes), wait)
 
     def _write_record(
         self,
@@ -171,7 +180,7 @@ class Ring:
             while piece.nbytes:
                 room = self.room()
                 if room <= 0:
-                    assert wait is not None  # try_put checked the room first
+                    assert wait is not None  # _put checked the room first
                     self._publish()
                     wait()
                     continue
@@ -221,8 +230,7 @@ class Ring:
                     record = mem[at : at + total]
                 else:
                     record = self._read(pos, total)
-                self._pos = pos + total
-                _U64.pack_into(mem, self._base + _TAIL, self._pos)
+                self._advance(total)
                 return _frames(record, total, n)
             self._partial = bytearray(total)
             self._filled = 0
@@ -357,6 +365,16 @@ def ring_bell(fd: int, data: bytes) -> None:
         os.write(fd, data)
     except (BlockingIOError, InterruptedError, BrokenPipeError):
         pass
+
+
+def close_fds(*fds: int) -> None:
+    """Close the descriptors of ``fds`` that are open (>= 0), whatever happens to one."""
+    for fd in fds:
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def drain(fd: int) -> bytes:

@@ -75,7 +75,7 @@ class _Lane:
         try:
             self.wake_r, self.wake_w = L.pipe()
         except OSError:
-            _close(self.keep)
+            L.close_fds(self.keep)
             self.file.close()
             raise
         self.file.down.attach_writer()
@@ -86,23 +86,14 @@ class _Lane:
     def opened(self) -> None:
         """The rank opened it: only the wake-up pipe's write end is needed from now on."""
         self.active = True
-        _close(self.keep, self.wake_r)
+        L.close_fds(self.keep, self.wake_r)
         self.keep = self.wake_r = -1
 
     def close(self) -> None:
         self.active = False
-        _close(self.keep, self.wake_r, self.wake_w)
+        L.close_fds(self.keep, self.wake_r, self.wake_w)
         self.keep = self.wake_r = self.wake_w = -1
         self.file.close()
-
-
-def _close(*fds: int) -> None:
-    for fd in fds:
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
 
 class Lanes:
@@ -183,7 +174,7 @@ class Lanes:
             for lane in self._lanes.values():
                 lane.close()
             self._lanes.clear()
-            _close(self.bell_r, self.bell_w)
+            L.close_fds(self.bell_r, self.bell_w)
 
     # -- down: controller -> rank (send lock held) --------------------------------------
     def send(self, slot: int, parts: Sequence[Sequence[Any]]) -> bool:

@@ -255,15 +255,9 @@ class Receiver:
         heartbeats on the socket; a rank's death is handled after what its lane still
         held: ``Inbound``); None when ``ms`` passed, or a wake-up had nothing behind it."""
         sock = self._sock
-        if self._socket_turn and readable(sock):
-            self._socket_turn = False
-            return wire_recv(sock, zmq.NOBLOCK)
-        frames = lanes.take()
+        frames = self._take_turn(lanes)
         if frames is not None:
-            self._socket_turn = True
             return frames
-        if readable(sock):
-            return wire_recv(sock, zmq.NOBLOCK)
         if not (spin and self._spin.until(lambda: lanes.pending() or readable(sock))):
             both = self._both
             if both is None:
@@ -271,8 +265,18 @@ class Receiver:
                 both.register(sock, zmq.POLLIN)
                 lanes.register(both)
             both.poll(ms if ms >= 0 else None)
+        return self._take_turn(lanes)
+
+    def _take_turn(self, lanes: Lanes) -> list[Any] | None:
+        """A message there now, from the socket when it is its turn, else from a lane,
+        else from the socket; None when neither has one."""
+        sock = self._sock
+        if self._socket_turn and readable(sock):
+            self._socket_turn = False
+            return wire_recv(sock, zmq.NOBLOCK)
         frames = lanes.take()
         if frames is not None:
+            self._socket_turn = True
             return frames
         if readable(sock):
             return wire_recv(sock, zmq.NOBLOCK)
