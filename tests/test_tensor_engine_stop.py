@@ -290,6 +290,56 @@ def test_proc_mesh_interrupt_stops_the_ops_running_and_the_next_ones_run(tmp_pat
         procs.stop()
 
 
+def _deaf_until_stopped(x):
+    """Deaf to SIGINT (as a rank is where the signal lands before it began the cell's
+    ops: reading them, or still receiving them), until the stop was told."""
+    import signal
+    import time
+
+    from monarch_kernel.rank.tensors import worker
+
+    told = worker.current()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        deadline = time.monotonic() + 60
+        while told._stop_through < 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    return x
+
+
+def _mark_ran(x, ran):
+    from monarch_kernel.rank.context import current_rank
+
+    open(f"{ran}.{current_rank().rank}", "w").close()
+    return x + 1
+
+
+def test_the_stop_stops_the_queued_ops_when_its_sigint_lands_outside_them(tmp_path):
+    # The SIGINT alone would stop nothing here: it lands where no op runs. The control
+    # thread's ``tensor_stop`` still keeps the queued ops from running (a loaded CI
+    # machine once let 600 queued ops run to their end after the stop button).
+    from monarch_kernel import fetch_shard, inspect, remote
+    from monarch_kernel.actor import this_host
+    from monarch_kernel.mesh_controller import RemoteException
+
+    ran = str(tmp_path / "ran")
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        with procs.activate():
+            y = remote(_deaf_until_stopped, propagate=lambda x: x)(torch.ones(2))
+            z = remote(_mark_ran, propagate=lambda x, ran: x + 1)(y, ran)
+            fetched = fetch_shard(z, gpus=1)
+            procs.interrupt()
+            with pytest.raises(RemoteException, match="stopped by the user"):
+                fetched.result(timeout=60)
+            assert not [r for r in range(2) if os.path.exists(f"{ran}.{r}")]
+            assert inspect(torch.ones(1) + 1, gpus=0).tolist() == [2.0]
+    finally:
+        procs.stop()
+
+
 def _all_reduce_in(t, pg):
     import torch.distributed as dist
 

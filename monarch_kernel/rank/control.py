@@ -94,6 +94,7 @@ class ControlThread:
         self.handlers: dict[str, ControlHandler] = {
             K.HELLO: _ignore,  # the controller's connection probe
             K.CANCEL: self.cancel,
+            K.TENSOR_STOP: self.tensor_stop,
             K.STACKS: self.stacks,
             K.PUSH: self.push,
             K.PULL: self.pull,
@@ -227,6 +228,13 @@ class ControlThread:
                 from monarch_kernel.rank.pg import distributed
 
                 distributed.release_collectives("interrupted")
+
+    def tensor_stop(self, msg: Message) -> None:
+        """TENSOR_STOP: the tensor-engine ops up to ``s`` that have not run do not run
+        (the SIGINT sent beside this stops the one running)."""
+        from monarch_kernel.rank import tensors
+
+        tensors.stop_ops(H.TensorStop.decode(msg.header).through)
 
     def _request(self, msg: Message) -> str:
         """The id of the request ``msg`` (asked once the work is done, as the handlers

@@ -37,7 +37,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -47,7 +47,8 @@ from monarch_kernel.calls.reply import Reply
 from monarch_kernel.calls.requester import CallOptions, Requester
 from monarch_kernel.tensor_engine import state
 from monarch_kernel.tensor_engine.errors import CellReport, Frame, RemoteException, Unfetched
-from monarch_kernel.wire.headers import TensorOps
+from monarch_kernel.wire.codec import Header
+from monarch_kernel.wire.headers import TensorOps, TensorStop
 from monarch_kernel.wire.tensor_ops import (
     ALL_SHARDS,
     Drop,
@@ -130,6 +131,20 @@ class Fetched:
 
     values: list[Any]
     every: list[list[Any]] | None = None
+
+
+@runtime_checkable
+class Interruptible(Protocol):
+    """What a mesh's requester offers the stop button (the notebook's meshes do; a
+    rank's reference to a mesh does not)."""
+
+    def signal_ranks(self, ranks: list[int], sig: int) -> None:
+        """Send ``sig`` to ``ranks`` (through their host agents)."""
+        ...
+
+    def send_control(self, rank: int, header: Header, payload: bytes = b"") -> None:
+        """Send to ``rank``'s control thread (served while its main thread is busy)."""
+        ...
 
 
 class Client:
@@ -320,16 +335,21 @@ class Client:
             self._interrupt_locked(sorted(ranks))
 
     def _interrupt_locked(self, ranks: list[int]) -> None:
-        """SIGINT to ``ranks`` (through the mesh's ``signal_ranks``: a rank running no
-        ops ignores it), then :class:`Resume` after what was sent (lock held)."""
+        """Stop ``ranks``' ops sent so far: ``tensor_stop`` to their control threads (the
+        ops not run yet do not run, wherever they wait) and SIGINT (through the mesh's
+        ``signal_ranks``: stops the op running; a rank running no ops ignores it), then
+        :class:`Resume` after what was sent (lock held)."""
         self._flush_locked()
-        signal_ranks = getattr(self.requester, "signal_ranks", None)
-        if signal_ranks is not None:
-            import signal
-
-            signal_ranks(ranks, signal.SIGINT)
+        through = self.seq - 1  # the last op issued (all sent now)
+        requester = self.requester
+        if isinstance(requester, Interruptible):
+            if through >= 0:
+                stop = TensorStop(through=through).encode()
+                for rank in ranks:
+                    requester.send_control(rank, stop)
+            requester.signal_ranks(ranks, signal.SIGINT)
         self._pending_ranks = tuple(ranks)
-        self._pending.append(Resume())
+        self._pending.append(Resume(through))
         self._flush_locked()
 
     # -- values back -----------------------------------------------------------------

@@ -274,6 +274,10 @@ kind              keys and payload
                   it runs user code for it now) or to skip when it comes (then answered
                   with a "cancelled before it started" error if it wants a reply).
                   No reply to the cancel itself
+``tensor_stop``   ``s`` int: the stop button stopped the tensor-engine ops numbered up
+                  to ``s`` (the ``seq`` of their records): those the rank has not run
+                  yet do not run, and hold the interruption until the ``Resume``
+                  record sent after them. No reply
 ``stacks``        ``i``, ``w``. Reply value: ``tuple[ThreadStack, ...]`` (every thread's
                   Python stack now; see ``wire.stacks``)
 ``attached``      ``i``, ``w`` (a rank of a detachable mesh, from a controller that took
@@ -467,6 +471,8 @@ PUSH = "push"
 PULL = "pull"
 PING = "ping"
 CANCEL = "cancel"  # header "c": the request to interrupt (running) or skip (not started)
+#: The stop button stopped the tensor-engine ops up to ``s`` (those not run yet do not run).
+TENSOR_STOP = "tensor_stop"
 STACKS = "stacks"
 ABORT_PG = "abort_pg"
 #: A controller took a detachable mesh over: reply with the rank's metric history, then
@@ -507,7 +513,7 @@ LANE_ON = "lane_on"
 #: host agent sends it when it joins (``{"token": ..., "protocol": N}``), the join
 #: endpoint answers with its own and refuses a different one, so that machines with
 #: another monarch_kernel version fail at once with a clear error, not on a key later.
-PROTOCOL_VERSION = 16  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
+PROTOCOL_VERSION = 17  # 2: the ``display`` kind; 3: large values travel as streams of chunks;
 # 4: the ``train`` and ``train_notice`` kinds (state from peers); 5: ``dap_breaks``;
 # 6: fan-in (``fan_in``, ``fan_direct``); 7: ``batch``; 8: ``host_stats``, slots
 # (``slot`` in ``spawn_ranks``, ranks named by their slot on the wire) and ``mesh_ref``;
@@ -519,4 +525,4 @@ PROTOCOL_VERSION = 16  # 2: the ``display`` kind; 3: large values travel as stre
 # (``steps``, ``host_steps``) and ``profile``; 13: ``tensor_ops`` (the tensor engine);
 # 14: signatures (envelopes and streamed payloads) are keyed BLAKE2b-256, not HMAC-SHA256
 # 15: ``rp`` in ``call`` and ``x`` in ``res`` (CUDA results by handle); 16: ``lane`` and
-# ``lane_on`` (same-machine lanes)
+# ``lane_on`` (same-machine lanes); 17: ``tensor_stop``

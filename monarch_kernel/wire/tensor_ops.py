@@ -151,7 +151,10 @@ class BorrowDrop:
 class Resume:
     """After the stop button interrupted the ranks' ops: a rank interrupted in one
     skips the ops sent before this record (their outputs hold the interruption) and
-    runs those after it."""
+    runs those after it. ``through``: the seq of the last op sent before it (that of
+    the ``tensor_stop`` told beside it; -1: none)."""
+
+    through: int = -1
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,12 @@ Invariants:
   stops this rank wherever it is: in an op's function (user code: KeyboardInterrupt),
   waiting at a collective's gate or inside a collective (the wait is interruptible; the
   collective's group is aborted here and formed again at its next gate), or between two
-  records (seen at the next one). The worker then runs no op until :class:`Resume`:
+  records (seen at the next one). The SIGINT alone does not say which ops it stops: one
+  that lands before the rank began the cell's ops (still on their way, or being read)
+  would stop none. So the controller also tells the control thread the last op it
+  stopped (``tensor_stop``, :meth:`TensorWorker.stop_through`): an op up to that one
+  that has not run does not run, whenever the signal lands. The worker then runs no op
+  until :class:`Resume`:
   their outputs hold the interruption ("stopped by the user"), and each collective or
   transfer among them is passed at its gate as stopped, so no peer starts it or waits
   for this rank (:mod:`.collectives`). A peer stopped before a collective started makes
@@ -124,6 +129,13 @@ class TensorWorker:
         #: (see :meth:`_resume`)
         self._sigints = 0
         self._sigints_resumed = 0
+        #: ops numbered up to this were stopped (``tensor_stop``, set by the control
+        #: thread; -1: none): those not run yet do not run. Kept past a Resume that does
+        #: not reach it (a later stop, told before that Resume was read).
+        self._stop_through = -1
+        #: the ``through`` of the last Resume: ops up to it are not stopped by a
+        #: ``tensor_stop`` (a new controller numbers its ops from 0 again)
+        self._resumed_through = -1
         #: ``in_user_code`` of the main thread when the message began (put back after
         #: an interruption that landed before a block could put it back)
         self._outside = False
@@ -171,9 +183,11 @@ class TensorWorker:
         self._reply = None
         for rec in records:
             kind = type(rec)
-            if self._sigint and self.interrupted is None and kind not in _NOT_OPS:
-                self.interrupted = _stop_error(getattr(rec, "seq", -1), rank)
-                self._release_busy()
+            if self.interrupted is None and kind not in _NOT_OPS:
+                seq = getattr(rec, "seq", -1)
+                if self._sigint or self._resumed_through < seq <= self._stop_through:
+                    self.interrupted = _stop_error(seq, rank)
+                    self._release_busy()
             if kind is CallOp:
                 try:
                     self._call(rec, rank)
@@ -202,7 +216,7 @@ class TensorWorker:
             elif kind is JoinWorld:
                 self._join_world(rank)
             elif kind is Resume:
-                self._resume()
+                self._resume(rec)
             elif kind is Fetch:
                 self._reply = self._fetch(rec, rank)
             elif kind is Report:
@@ -253,7 +267,14 @@ class TensorWorker:
         finally:
             main.in_user_code = outer
 
-    def _resume(self) -> None:
+    def stop_through(self, through: int) -> None:
+        """``tensor_stop`` (the control thread): ops numbered up to ``through`` that have
+        not run yet do not run (until the Resume sent after them). One told after the
+        Resume sent after it was read is old: ignored."""
+        if through > self._resumed_through:
+            self._stop_through = through
+
+    def _resume(self, rec: Resume) -> None:
         """:class:`Resume`: run the ops after it again. The controller sent this rank a
         SIGINT before it, through the host agent, and this record straight: should the
         signal come later, it would stop the ops after the record. So the record first
@@ -266,6 +287,9 @@ class TensorWorker:
             self._sigints_resumed = self._sigints
         self.interrupted = None
         self._sigint = False
+        self._resumed_through = rec.through
+        if self._stop_through <= rec.through:
+            self._stop_through = -1
 
     def _put_back(self) -> None:
         """After an interruption: the main thread is not in user code, as before the

@@ -29,6 +29,7 @@ from monarch_kernel.wire.headers.control import (
     Cancel,
     ControlRequest,
     InputReply,
+    TensorStop,
 )
 from monarch_kernel.wire.headers.fanin import FanIn, FanInDirect, HostStats, HostSteps
 from monarch_kernel.wire.headers.from_rank import (
@@ -96,6 +97,7 @@ AnyHeader: TypeAlias = (
     | ControlRequest
     | AbortPg
     | Cancel
+    | TensorStop
     | InputReply
     | Ready
     | Result
@@ -141,6 +143,7 @@ _CLASSES: tuple[Any, ...] = (
     Lane,
     AbortPg,
     Cancel,
+    TensorStop,
     InputReply,
     Ready,
     Result,
@@ -230,6 +233,7 @@ __all__ = [
     "CODEC_KEYS",
     "Call",
     "Cancel",
+    "TensorStop",
     "ControlRequest",
     "DECODERS",
     "Debug",

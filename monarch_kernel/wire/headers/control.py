@@ -71,6 +71,33 @@ class Cancel:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TensorStop:
+    """``tensor_stop``: the stop button stopped the tensor-engine ops numbered up to
+    ``through``; those the rank has not run yet do not run (their outputs hold the
+    interruption). Told to the control thread, so it holds however many ops are queued
+    before it, and whenever the SIGINT that stops the running one lands."""
+
+    KIND: ClassVar[str] = K.TENSOR_STOP
+    KEYS: ClassVar[frozenset[str]] = CODEC_KEYS | {"s"}
+
+    through: int
+
+    def encode(self) -> WireHeader:
+        return {"k": K.TENSOR_STOP, "s": self.through}
+
+    @classmethod
+    def decode(cls, h: WireHeader) -> TensorStop:
+        check_keys(cls, h)
+        try:
+            through = h["s"]
+        except KeyError as exc:
+            raise missing_key(cls, exc) from None
+        if type(through) is not int:
+            raise HeaderError(f"'tensor_stop' header: 's' must be an int, not {through!r}")
+        return cls(through=through)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AbortPg:
     """``abort_pg``: abort the rank's process group; ``why`` goes into the errors of the
     collectives it cuts short (``rank 2 raised ValueError``)."""
