@@ -498,7 +498,10 @@ class ArenaReader:
                 where["n"],
                 where["z"],
             )
-            index = first + (h["d"].index(slot) if h.get("f") else 0)
+            # one message for several readers (a fan-out, or a group's over lanes)
+            # names them in ``d``: each reads its own flag
+            targets = h.get("d")
+            index = first + (targets.index(slot) if targets is not None else 0)
             if (
                 type(path) is not str
                 or not _PROC_FD.fullmatch(path)

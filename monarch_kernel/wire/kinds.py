@@ -52,12 +52,14 @@ key    type             meaning
                         rank concerned in ``rank_started`` and ``rank_exit``
 ``h``  int              the slot of the sending host agent (its index when it was made);
                         host agent -> controller messages only
-``d``  list[int]        target ranks' slots: of a fan-out (with ``f``), of ``signal_ranks``
-                        and of ``kill_ranks``
+``d``  list[int]        target ranks' slots: of a fan-out (with ``f``), of one message
+                        written to several ranks' lanes (a ``batch``, a gathered call: the
+                        same frames for each, answered directly), of ``signal_ranks`` and
+                        of ``kill_ranks``
 ``q``  int | list[int]  per-target sequence number: a rank handles its ordered messages
                         strictly in ``q`` order (later ones are held back while an earlier
-                        one is missing), whichever path they came by. With ``f`` a list
-                        parallel to ``d``. Counts from 0 again when a rank restarts
+                        one is missing), whichever path they came by. With ``d`` a list
+                        parallel to it. Counts from 0 again when a rank restarts
 ``f``  int (1)          fan-out: the host agent forwards the frames (unchanged, still signed)
                         to each of its ranks in ``d``
 =====  ===============  ========================================================================

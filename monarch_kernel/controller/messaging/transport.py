@@ -416,6 +416,17 @@ class Transport:
                 route = {"f": 1, "d": slots}
                 parts = encode_parts(self.codec, h, payload, buffers, route)
                 self._deliver_parts(self.ids.host_id(host), parts)
+            elif len(group) > 1 and self.lanes is not None:
+                # Direct, over lanes (or their sockets where a lane has no room): one
+                # encoding for the group, each rank finding its ``q`` by its slot in ``d``
+                # (as in a fan-out, but answered directly, not through the agent).
+                h = dict(header, d=slots, q=seqs)
+                if shared:
+                    h["si"] = first
+                parts = encode_parts(self.codec, h, payload, buffers)
+                for r, slot, seq in zip(group, slots, seqs):
+                    if self._deliver_parts(self.ids.rank_id(r), parts, slot) is None:
+                        self._untake_seq(r, seq)
             else:
                 for i, (r, slot, seq) in enumerate(zip(group, slots, seqs)):
                     h = dict(header, q=seq)
