@@ -407,26 +407,29 @@ class Transport:
                 wire_size = len(payload)
         first = 0
         for host, (group, slots, seqs) in by_host.items():
-            if len(group) > 1 and (
+            many = len(group) > 1
+            fanout = many and (
                 wire_size >= FANOUT_MIN_BYTES or len(group) >= self._fanout_ranks(width)
-            ):
-                h = dict(header, d=slots, f=1, q=seqs)
-                if shared:
-                    h["si"] = first
-                route = {"f": 1, "d": slots}
-                parts = encode_parts(self.codec, h, payload, buffers, route)
-                self._deliver_parts(self.ids.host_id(host), parts)
-            elif len(group) > 1 and self.lanes is not None:
-                # Direct, over lanes (or their sockets where a lane has no room): one
-                # encoding for the group, each rank finding its ``q`` by its slot in ``d``
-                # (as in a fan-out, but answered directly, not through the agent).
+            )
+            if fanout or (many and self.lanes is not None):
+                # One encoding for the group, each rank finding its ``q`` (and its arena
+                # flag) by its slot in ``d``: to the host agent, which forwards it to each
+                # (a fan-out, answered through the agent); or, with lanes, the same frames
+                # to each rank directly (down its lane, or over its socket where the lane
+                # has no room), answered directly.
                 h = dict(header, d=slots, q=seqs)
                 if shared:
                     h["si"] = first
-                parts = encode_parts(self.codec, h, payload, buffers)
-                for r, slot, seq in zip(group, slots, seqs):
-                    if self._deliver_parts(self.ids.rank_id(r), parts, slot) is None:
-                        self._untake_seq(r, seq)
+                if fanout:
+                    h["f"] = 1
+                    route = {"f": 1, "d": slots}
+                    parts = encode_parts(self.codec, h, payload, buffers, route)
+                    self._deliver_parts(self.ids.host_id(host), parts)
+                else:
+                    parts = encode_parts(self.codec, h, payload, buffers)
+                    for r, slot, seq in zip(group, slots, seqs):
+                        if self._deliver_parts(self.ids.rank_id(r), parts, slot) is None:
+                            self._untake_seq(r, seq)
             else:
                 for i, (r, slot, seq) in enumerate(zip(group, slots, seqs)):
                     h = dict(header, q=seq)

@@ -183,7 +183,11 @@ class TensorWorker:
         self._reply = None
         for rec in records:
             kind = type(rec)
-            if self.interrupted is None and kind not in _NOT_OPS:
+            if (
+                self.interrupted is None
+                and (self._sigint or self._stop_through >= 0)  # (a stop told: rare)
+                and kind not in _NOT_OPS
+            ):
                 seq = getattr(rec, "seq", -1)
                 if self._sigint or self._resumed_through < seq <= self._stop_through:
                     self.interrupted = _stop_error(seq, rank)
