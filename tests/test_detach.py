@@ -256,6 +256,45 @@ def test_a_fast_loop_never_blocks_when_its_kernel_dies(place):
     _all_ended(pids, timeout=30)
 
 
+def test_a_fast_loop_runs_on_when_its_kernel_is_frozen_then_killed(place):
+    """The kernel stops reading (frozen) while the loop floods it: the rank's queue to it
+    fills and every sender waits for room, the control thread too, at its next ``stats``.
+    That thread is the one that hears the connection drop: once the frozen kernel is
+    killed it must still hear it, and the loop go on (it waited forever while the
+    waiting sender held the send lock, or the control thread waited for room itself)."""
+    k1 = place.kernel()
+    ok(k1, "%mesh dz --gpus 1 --detachable --keep 5m")
+    k1.submit(
+        "%%remote dz --bg\nimport monarch_kernel\nstep = 0\nwhile True:\n    step += 1\n"
+        "    for _ in range(100):\n        monarch_kernel.report(step=step)\n"
+        "    print(f'step {step} lr 0.1', flush=True)"
+    )
+    log = place.rank_log("dz", 0)
+    wait_until(lambda: steps(log) > 100, timeout=60, what="the loop to run")
+    pid = place.kernel_pid(k1)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # The loop stalls once the queue is full; past a stats tick (once a second) the
+        # control thread waits for room too.
+        seen = {"steps": -1, "since": time.monotonic()}
+
+        def stalled_for_2s() -> bool:
+            now, n = time.monotonic(), steps(log)
+            if n != seen["steps"]:
+                seen.update(steps=n, since=now)
+            return now - seen["since"] >= 2.0
+
+        wait_until(stalled_for_2s, timeout=60, what="the loop to wait for the frozen kernel")
+    finally:
+        place.kill(k1)  # SIGKILL ends a stopped process too
+    at_kill = steps(log)
+    wait_until(lambda: steps(log) > at_kill + 2_000, timeout=60, what="2k steps with no kernel")
+    pids = place.mesh_pids("dz")
+    k2 = place.kernel()
+    assert "mesh 'dz' stopped" in ok(k2, "%mesh stop dz").stdout
+    _all_ended(pids, timeout=30)
+
+
 def test_mesh_stops_by_itself_once_keep_runs_out(place):
     k1 = place.kernel()
     ok(k1, "%mesh dk --gpus 2 --detachable --keep 3s")

@@ -115,6 +115,7 @@ class ControlThread:
         poller.register(self.ctl, zmq.POLLIN)
         link = self.link
         if link is not None:
+            link.watcher = threading.get_ident()
             poller.register(link.monitor, zmq.POLLIN)
         next_stats = 0.0
         phase = stats_phase(self.parent)

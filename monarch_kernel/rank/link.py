@@ -98,6 +98,9 @@ class ControllerLink:
         self._reports = 0
         self._kept_bytes = 0
         self._lock = threading.Lock()
+        #: The thread that reads the monitor (the control thread, set as it starts). No
+        #: other thread may: a ZeroMQ socket is used by one thread at a time.
+        self.watcher: int | None = None
         if not connected:
             self._mark(DETACHED_MARK)
 
@@ -115,6 +118,15 @@ class ControllerLink:
                 log.debug("rank: the controller went away; running on without it")
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.reconnected()
+
+    def watch_while_waiting(self) -> None:
+        """A sender waiting for room in the controller's queue calls this: where it is
+        the control thread, it reads the monitor meanwhile. That thread is the only one
+        that hears the connection drop, and it sends too (``stats`` once a second): waiting
+        for room in the queue of a controller that was killed, it would otherwise never
+        hear that it is gone, and every sender would wait for it forever."""
+        if threading.get_ident() == self.watcher:
+            self.watch()
 
     def reconnected(self) -> None:
         """A controller is connected (again)."""

@@ -38,6 +38,8 @@ PEER_SEND_TIMEOUT_MS = 5000
 #: A detachable mesh's rank whose controller queue is full looks this often (ms) whether
 #: the controller went away meanwhile.
 ROOM_WAIT_MS = 50
+#: ... and between its looks lets other senders take the send lock this long (seconds).
+ROOM_TURN_S = 0.002
 
 # States of a fan-in request (bits): its reply was sent; its handler returned; something
 # of it went through the host agent (then its reply must too, to stay behind it).
@@ -257,7 +259,13 @@ class Outbox:
         a plain send does, but never past the controller's going away (the link then
         takes the whole message, even part-way through a stream: the controller that
         went away drops its partial stream): a full queue to a dead controller must
-        not block the rank."""
+        not block the rank.
+
+        Invariant: a waiting sender lets go of the lock between its looks, and the
+        control thread reads the link's monitor while it waits (``watch_while_waiting``):
+        that thread alone hears the controller go, and it sends too. Without both, a
+        sender that kept taking the lock back, or the control thread waiting for room
+        itself, left every sender waiting forever for a controller that was killed."""
         for frames in parts:
             while True:
                 with self.lock:  # the check too: see :meth:`welcome`
@@ -269,6 +277,10 @@ class Outbox:
                         break
                     except zmq.Again:
                         self.out.poll(ROOM_WAIT_MS, zmq.POLLOUT)
+                link.watch_while_waiting()
+                # A moment without the lock: a thread waiting for it gets its turn (a
+                # lock let go and taken back at once by the same thread starves it).
+                time.sleep(ROOM_TURN_S)
 
     def welcome(self, link: ControllerLink, request: str, timeout: float) -> bool:
         """Answer a controller's ``attached`` with the metric history, and let metrics
