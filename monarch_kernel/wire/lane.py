@@ -200,7 +200,7 @@ class Ring:
         self._pos += n
 
     def _publish(self) -> None:
-        _U64.pack_into(self._mem, self._base + _HEAD, self._pos)
+        _store(self._mem, self._base + _HEAD, self._pos)
 
     # -- the reader ------------------------------------------------------------------
     def pending(self) -> bool:
@@ -214,6 +214,8 @@ class Ring:
         :class:`LaneError` on a record that breaks the format."""
         mem, pos, cap = self._mem, self._pos, self.capacity
         avail = _U64.unpack_from(mem, self._base + _HEAD)[0] - pos
+        if avail < 0 or avail > cap:
+            raise LaneError(f"head {pos + avail} is not within a ring of the tail {pos}")
         if self._partial is None:
             if avail < _WORDS.size:
                 return None
@@ -257,7 +259,15 @@ class Ring:
 
     def _advance(self, n: int) -> None:
         self._pos += n
-        _U64.pack_into(self._mem, self._base + _TAIL, self._pos)
+        _store(self._mem, self._base + _TAIL, self._pos)
+
+
+def _store(mem: mmap.mmap, at: int, value: int) -> None:
+    """Store ``head`` or ``tail`` in one 8-byte write, never through ``pack_into``:
+    CPython's ``struct.pack_into`` zero-fills its target before it writes the value, so
+    the other end could read 0 meanwhile (a reader that saw ``head`` go to 0 took it for
+    a negative count of bytes and wrote the rest of a large record over its start)."""
+    mem[at : at + 8] = _U64.pack(value)
 
 
 _WORDS_BY_COUNT: dict[int, struct.Struct] = {}
