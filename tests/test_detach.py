@@ -19,6 +19,7 @@ import pytest
 from conftest import pid_alive
 from detach_place import Place, log_has, ok, steps
 from helpers import wait_until
+from kernel_client import Kernel
 
 from monarch_kernel.controller.attach_file import read as read_attach_file
 from monarch_kernel.controller.detach.attach import DeskClient
@@ -234,26 +235,39 @@ def test_a_bg_job_says_it_is_failing_while_other_ranks_still_run_it(place):
     ok(k, "%mesh stop m")
 
 
+def _fast_loop(place: Place, name: str) -> tuple[Kernel, str]:
+    """A kernel running a loop of tens of thousands of reports a second on a detachable
+    one-rank mesh ``name``, once it runs; and that rank's log."""
+    k1 = place.kernel()
+    ok(k1, f"%mesh {name} --gpus 1 --detachable --keep 5m")
+    k1.submit(
+        f"%%remote {name} --bg\nimport monarch_kernel\nstep = 0\nwhile True:\n"
+        "    step += 1\n    for _ in range(100):\n        monarch_kernel.report(step=step)\n"
+        "    print(f'step {step} lr 0.1', flush=True)"
+    )
+    log = place.rank_log(name, 0)
+    wait_until(lambda: steps(log) > 100, timeout=60, what="the loop to run")
+    return k1, log
+
+
+def _runs_on_then_stops(place: Place, log: str, name: str) -> None:
+    """The loop of :func:`_fast_loop` makes 2,000 more steps with its kernel gone; then a
+    new kernel stops the mesh, and none of its processes is left."""
+    at_kill = steps(log)
+    wait_until(lambda: steps(log) > at_kill + 2_000, timeout=60, what="2k steps with no kernel")
+    pids = place.mesh_pids(name)
+    k2 = place.kernel()
+    assert f"mesh '{name}' stopped" in ok(k2, f"%mesh stop {name}").stdout
+    _all_ended(pids, timeout=30)
+
+
 def test_a_fast_loop_never_blocks_when_its_kernel_dies(place):
     """Tens of thousands of reports a second: nothing may wait for a kernel that is gone
     (its queue fills in a millisecond, long before the rank hears it is gone, and a
     send that waits for room there would wait forever)."""
-    k1 = place.kernel()
-    ok(k1, "%mesh df --gpus 1 --detachable --keep 5m")
-    k1.submit(
-        "%%remote df --bg\nimport monarch_kernel\nstep = 0\nwhile True:\n    step += 1\n"
-        "    for _ in range(100):\n        monarch_kernel.report(step=step)\n"
-        "    print(f'step {step} lr 0.1', flush=True)"
-    )
-    log = place.rank_log("df", 0)
-    wait_until(lambda: steps(log) > 100, timeout=60, what="the loop to run")
+    k1, log = _fast_loop(place, "df")
     place.kill(k1)
-    at_kill = steps(log)
-    wait_until(lambda: steps(log) > at_kill + 2_000, timeout=60, what="2k steps with no kernel")
-    pids = place.mesh_pids("df")
-    k2 = place.kernel()
-    assert "mesh 'df' stopped" in ok(k2, "%mesh stop df").stdout
-    _all_ended(pids, timeout=30)
+    _runs_on_then_stops(place, log, "df")
 
 
 def test_a_fast_loop_runs_on_when_its_kernel_is_frozen_then_killed(place):
@@ -262,15 +276,7 @@ def test_a_fast_loop_runs_on_when_its_kernel_is_frozen_then_killed(place):
     That thread is the one that hears the connection drop: once the frozen kernel is
     killed it must still hear it, and the loop go on (it waited forever while the
     waiting sender held the send lock, or the control thread waited for room itself)."""
-    k1 = place.kernel()
-    ok(k1, "%mesh dz --gpus 1 --detachable --keep 5m")
-    k1.submit(
-        "%%remote dz --bg\nimport monarch_kernel\nstep = 0\nwhile True:\n    step += 1\n"
-        "    for _ in range(100):\n        monarch_kernel.report(step=step)\n"
-        "    print(f'step {step} lr 0.1', flush=True)"
-    )
-    log = place.rank_log("dz", 0)
-    wait_until(lambda: steps(log) > 100, timeout=60, what="the loop to run")
+    k1, log = _fast_loop(place, "dz")
     pid = place.kernel_pid(k1)
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -287,12 +293,7 @@ def test_a_fast_loop_runs_on_when_its_kernel_is_frozen_then_killed(place):
         wait_until(stalled_for_2s, timeout=60, what="the loop to wait for the frozen kernel")
     finally:
         place.kill(k1)  # SIGKILL ends a stopped process too
-    at_kill = steps(log)
-    wait_until(lambda: steps(log) > at_kill + 2_000, timeout=60, what="2k steps with no kernel")
-    pids = place.mesh_pids("dz")
-    k2 = place.kernel()
-    assert "mesh 'dz' stopped" in ok(k2, "%mesh stop dz").stdout
-    _all_ended(pids, timeout=30)
+    _runs_on_then_stops(place, log, "dz")
 
 
 def test_mesh_stops_by_itself_once_keep_runs_out(place):
