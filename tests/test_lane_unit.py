@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import select
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -278,9 +280,6 @@ def test_records_larger_than_the_ring_come_whole_while_both_ends_run_at_once():
     ``struct.pack_into``, which zero-fills before it writes: a reader that read ``head``
     meanwhile saw 0, and wrote the rest of a large record over its start; this failed
     after 1,100-1,900 records in every run.)"""
-    import random
-    import time
-
     count, capacity = 2000, 256 << 10
     mine, fd = L.LaneFile.create(capacity)
     proc = subprocess.Popen(
