@@ -15,24 +15,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from bench import train_gpt
+from monarch_kernel.wire.ports import PortReservation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "train_gpt.py")
 RANKS = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def note(cfg: train_gpt.Config, text: str) -> None:
@@ -240,24 +233,28 @@ def dask(cfg: train_gpt.Config) -> None:
         for attempt in range(2):
             client.wait_for_workers(RANKS, timeout=120)
             workers = sorted(client.scheduler_info()["workers"])
-            port = free_port()
-            futures = [
-                client.submit(_dask_rank, fields, HERE, r, port, workers=[w], pure=False, retries=0)
-                for r, w in enumerate(workers)
-            ]
-            for done in as_completed(futures):  # until all finish or the first fails
-                if done.status == "error":
-                    break
-            failed = [f for f in futures if f.status == "error"]
-            if not failed:
-                client.gather(futures)
-                return
-            if attempt:
-                raise RuntimeError(f"dask: {failed[0].exception()}")
-            note(cfg, f"retry {type(failed[0].exception()).__name__}")
-            # The survivors may still be blocked in a collective with the dead rank (one
-            # thread per worker): restart every worker, as a Dask user does.
-            client.restart(timeout=300)
+            # held until the ranks' store listens on it (monarch_kernel.wire.ports)
+            with PortReservation() as hold:
+                port = hold.port
+                futures = [
+                    client.submit(
+                        _dask_rank, fields, HERE, r, port, workers=[w], pure=False, retries=0
+                    )
+                    for r, w in enumerate(workers)
+                ]
+                for done in as_completed(futures):  # until all finish or the first fails
+                    if done.status == "error":
+                        break
+                failed = [f for f in futures if f.status == "error"]
+                if not failed:
+                    client.gather(futures)
+                    return
+                if attempt:
+                    raise RuntimeError(f"dask: {failed[0].exception()}")
+                note(cfg, f"retry {type(failed[0].exception()).__name__}")
+                # The survivors may still be blocked in a collective with the dead rank (one
+                # thread per worker): restart every worker, as a Dask user does.
+                client.restart(timeout=300)
 
 
 DRIVERS: dict[str, Callable[[train_gpt.Config], None]] = {

@@ -34,6 +34,7 @@ import sys
 from monarch_kernel.actor.actor import Actor, endpoint
 from monarch_kernel.actor.meshes import ProcMesh
 from monarch_kernel.rank.context import current_rank, current_size
+from monarch_kernel.wire.ports import PortReservation
 
 
 class AddrType(enum.Enum):
@@ -66,12 +67,6 @@ def get_ipaddr(hostname: str, port: int, addr_type: AddrType = AddrType.Default)
     raise RuntimeError(f"{hostname}:{port} has no {addr_type.name} address")
 
 
-def _find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
 class SPMDActor(Actor):
     """Sets the torch elastic environment of its rank and runs SPMD scripts there
     (Monarch's ``SPMDActor``). Spawn it on a whole process mesh; every rank's values
@@ -92,6 +87,8 @@ class SPMDActor(Actor):
         self.group_world_size: int = (
             self.world_size + self.local_world_size - 1
         ) // self.local_world_size
+        #: The rendezvous port :meth:`get_host_port` gave out, held until the next one.
+        self._port: PortReservation | None = None
 
     def _setup_env(self, master_addr: str, master_port: int) -> None:
         os.environ.update(
@@ -115,7 +112,12 @@ class SPMDActor(Actor):
         """This host's name (or its address of family ``use_ipaddr``) and a free TCP
         port on it: the rendezvous of a process group whose rank 0 is here."""
         hostname = socket.gethostname()
-        port = _find_free_port()
+        # held for the script's rank 0 to listen on (``wire.ports``): a port merely
+        # found free may be another program's by the time the script starts
+        if self._port is not None:
+            self._port.release()
+        self._port = PortReservation()
+        port = self._port.port
         if use_ipaddr is None:
             return (hostname, port)
         return (get_ipaddr(hostname, port, use_ipaddr), port)

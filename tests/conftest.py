@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import pytest
 from helpers import WaitTimeout, wait_until
+from timeout_dump import RankDumpTimer
 
 __all__ = ["WaitTimeout", "pid_alive", "project_processes", "wait_no_orphans", "wait_until"]
 
@@ -166,6 +167,27 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     ]
     if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
+    """Before pytest-timeout's own timer (which it still sets: None lets it run), one
+    that prints the stacks of the test's ranks shortly before the limit
+    (``timeout_dump``): pytest-timeout shows only this process's threads."""
+    if settings.timeout and settings.timeout > 0:
+        timer = RankDumpTimer(settings.timeout)
+        item.stash[_RANK_DUMP] = timer
+        timer.start()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
+    timer = item.stash.get(_RANK_DUMP, None)
+    if timer is not None:
+        timer.cancel()
+
+
+_RANK_DUMP = pytest.StashKey[RankDumpTimer]()
 
 
 #: (worker, module) -> [first start, last stop, seconds in its tests' phases], from the

@@ -35,9 +35,9 @@ from monarch_kernel.actor import (
     this_host,
 )
 from monarch_kernel.controller.state.events import InputRequested
-from monarch_kernel.host.agent import free_port
 from monarch_kernel.kernel.remote import RemoteJob
 from monarch_kernel.wire import kinds as K
+from monarch_kernel.wire.ports import PortReservation
 
 pytestmark = pytest.mark.local
 
@@ -425,12 +425,12 @@ def test_abort_releases_peers_and_the_group_reforms(procs4):
     pings = procs4.ping().get(timeout=10).values()
     assert [(p["pg"], p["pg_live"]) for p in pings] == [("gloo", True)] * 4
     # re-form on every rank at a fresh port, then collectives work again
-    port = free_port()
-    backends = run_cell(
-        procs4,
-        "from monarch_kernel.rank.pg.distributed import reform_process_group\n"
-        f"reform_process_group('127.0.0.1', {port})",
-    )
+    with PortReservation() as hold:  # held until rank 0's store listens on it
+        backends = run_cell(
+            procs4,
+            "from monarch_kernel.rank.pg.distributed import reform_process_group\n"
+            f"reform_process_group('127.0.0.1', {hold.port})",
+        )
     assert backends == ["gloo"] * 4
     assert run_cell(procs4, sum_code) == [10.0] * 4
     run_cell(procs4, "dist.destroy_process_group()")

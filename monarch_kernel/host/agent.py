@@ -60,6 +60,7 @@ from monarch_kernel.wire.desk import ControllerId
 from monarch_kernel.wire.identity import ident_tag
 from monarch_kernel.wire.key_gate import close_gates
 from monarch_kernel.wire.osutil import request_tail
+from monarch_kernel.wire.ports import PortReservation
 from monarch_kernel.wire.reports import GpuStats
 
 log = logging.getLogger("monarch_kernel.host")
@@ -76,11 +77,9 @@ STACKS_WAIT = 0.3
 FANIN_ENV = "MONARCH_KERNEL_FANIN"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port: int = s.getsockname()[1]
-        return port
+#: Rendezvous ports of re-formed process groups (``NEW_PORT``) an agent keeps reserved;
+#: the oldest is let go when another is asked for (its re-form finished long before).
+HELD_PORTS = 32
 
 
 class HostAgent:
@@ -115,6 +114,12 @@ class HostAgent:
         #: once, by :meth:`controller_gone`).
         self.signalled = False
         self._controller_gone: bool | None = None
+        #: The ports this agent gave out for rank 0's store to listen on: MASTER_PORT
+        #: (first, from :meth:`configure` on) and the re-forms' rendezvous (NEW_PORT),
+        #: held until the agent ends (``wire.ports.PortReservation``: a port merely found
+        #: free may be taken by the time rank 0 binds it, and then the ranks' first
+        #: collective waits forever), the oldest re-form's let go past HELD_PORTS.
+        self.held: list[PortReservation] = []
         #: Handlers of the controller's messages by kind (forwarded ones, with header
         #: ``f``, never get here): ``handler(header)``; "stop" ends the message loop.
         self.handlers: dict[str, Callable[[H.AnyHeader], str | None]] = {
@@ -185,7 +190,8 @@ class HostAgent:
                 self.ctx, f"ipc://{self.private_dir}/fanin", self.codec, self.host,
                 self.out, self.send, curve, self.gpu_of if self.gpus is not None else None,
             )  # fmt: skip
-        self.master_port = free_port()
+        self.held.append(PortReservation())
+        self.master_port = self.held[-1].port
         self.hostname = cfg.hostname or socket.gethostname()
         #: The network interface that owns our advertised address (gloo and NCCL use it).
         self.ifname = interface_of(cfg.advertise) if cfg.advertise else None
@@ -450,7 +456,10 @@ class HostAgent:
         """NEW_PORT: answer request ``i`` with a free port on this host (the rendezvous
         of a re-formed process group)."""
         assert isinstance(h, H.NewPort)
-        self.send(H.Port(host=self.host, request=h.request, port=free_port()).encode())
+        if len(self.held) > HELD_PORTS:
+            self.held.pop(1).release()  # never the master port, at 0
+        self.held.append(PortReservation())
+        self.send(H.Port(host=self.host, request=h.request, port=self.held[-1].port).encode())
 
     def on_ignored(self, h: H.AnyHeader) -> None:
         """HEARTBEAT and HELLO: receiving anything already counts as a heartbeat."""
@@ -535,6 +544,8 @@ class HostAgent:
             dead = self.desk is None and self.local_launch() and self.controller_gone()
             self.ctx.destroy(linger=0 if dead else 500)
             self.remove_dead_controller_sockets()
+        for hold in self.held:
+            hold.release()
         shutil.rmtree(self.private_dir, ignore_errors=True)
         # A controller killed outright never ran its atexit: its local launcher's
         # directory (which holds our private one) goes with its agents.
@@ -566,4 +577,4 @@ class HostAgent:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["HostAgent", "free_port", "interface_of", "source_address"]
+__all__ = ["HostAgent", "interface_of", "source_address"]
