@@ -15,23 +15,15 @@ import socket
 
 import pytest
 import torch
+from test_tensor_engine_stop import RANKS, _all_reduce_in
 
 pytestmark = pytest.mark.local
-
-RANKS = 3
 
 
 def _master_port() -> torch.Tensor:
     import os
 
     return torch.tensor(int(os.environ["MASTER_PORT"]))
-
-
-def _all_reduce_in(t, pg):
-    import torch.distributed as dist
-
-    dist.all_reduce(t, group=pg)
-    return t
 
 
 def test_the_rendezvous_port_cannot_be_taken_before_rank_0_listens_on_it():
