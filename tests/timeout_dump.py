@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import TextIO
 
+from monarch_kernel.wire.lane import _HEAD, _TAIL, _U64
 from monarch_kernel.wire.osutil import signal_main_thread
 from monarch_kernel.wire.stacks import DUMP_HEADER, STACKS_SIGNAL
 
@@ -148,8 +149,7 @@ def dump_lanes(out: TextIO | None = None) -> int:
             for name, ring in (("down", lane.file.down), ("up", lane.file.up)):
                 try:
                     head, tail = (
-                        int.from_bytes(lane.file.mem[ring._base + o : ring._base + o + 8], "little")
-                        for o in (0, 64)
+                        _U64.unpack_from(lane.file.mem, ring._base + at)[0] for at in (_HEAD, _TAIL)
                     )
                 except ValueError:
                     rings.append(f"{name} closed")

@@ -57,8 +57,8 @@ class PortReservation:
     A port found by binding port 0 and closing the socket is free only at that moment:
     on a busy machine the next outgoing connection, or another program's bind to port 0,
     may get it. Rank 0's store then fails with "address already in use" while the other
-    ranks wait in their connect to it: the mesh's first collective never ends (seen in
-    CI; reproduced by listening on the port).
+    ranks wait in their connect to it: the mesh's first collective never ends
+    (reproduced by listening on the port; the likely cause of a hang seen once in CI).
 
     Held, the socket stays bound with ``SO_REUSEADDR`` and never listens. Linux then
     hands the port to no bind to port 0 and no outgoing connection (both pass over a
