@@ -10,23 +10,22 @@ answer), and the dump and the end of the rank's log are printed into the test's
 captured output, where the failure report shows them.
 
 Only ranks that registered the handler are signalled (the signal's default action
-would kill the others): a rank's stacks file is open in it under the name
-``<log>.<pid>.stacks``.
+would kill the others): a rank's stacks file (``wire.stacks.stacks_path``) is open in
+it.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import threading
-import time
-from collections.abc import Iterator
 from typing import TextIO
 
+import psutil
+
+from monarch_kernel.host.stacks import dump_stacks
 from monarch_kernel.wire.lane import _HEAD, _TAIL, _U64
-from monarch_kernel.wire.osutil import signal_main_thread
-from monarch_kernel.wire.stacks import DUMP_HEADER, STACKS_SIGNAL
+from monarch_kernel.wire.stacks import stacks_path
 
 #: Seconds before the test's limit when the ranks are asked for their stacks.
 AHEAD_S = 10.0
@@ -35,50 +34,21 @@ DUMP_WAIT_S = 3.0
 #: Lines of each rank's log printed with its stack.
 LOG_LINES = 30
 
-_SUFFIX = ".stacks"
 
-
-def _children() -> dict[int, list[int]]:
-    """ppid -> pids of every process now (from ``/proc``)."""
-    out: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+def _ranks() -> dict[int, str]:
+    """pid -> log path of every rank under this process: those that hold their stacks
+    file (``stacks_path(log, pid)``) open."""
+    found: dict[int, str] = {}
+    for proc in psutil.Process().children(recursive=True):
+        suffix = stacks_path("", proc.pid)
         try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
+            files = proc.open_files()
+        except psutil.Error:  # gone meanwhile
             continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        fields = stat[stat.rfind(")") + 2 :].split()
-        out.setdefault(int(fields[1]), []).append(int(name))
-    return out
-
-
-def _descendants(root: int) -> Iterator[int]:
-    children = _children()
-    todo = list(children.get(root, ()))
-    while todo:
-        pid = todo.pop()
-        yield pid
-        todo.extend(children.get(pid, ()))
-
-
-def _stacks_file(pid: int) -> str | None:
-    """The stacks file rank ``pid`` has open, None if it is not a rank (or is gone)."""
-    suffix = f".{pid}{_SUFFIX}"
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return None
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.endswith(suffix):
-            return target
-    return None
+        for f in files:
+            if f.path.endswith(suffix):
+                found[proc.pid] = f.path[: -len(suffix)]
+    return found
 
 
 def _tail(path: str, lines: int) -> str:
@@ -90,41 +60,22 @@ def _tail(path: str, lines: int) -> str:
 
 
 def dump_ranks(out: TextIO | None = None) -> int:
-    """Print the main-thread stack and the log's end of every rank under this process;
-    the number of ranks asked."""
+    """Print the main-thread stack and the log's end of every rank under this process
+    (``host.stacks.dump_stacks``, as a host agent does for ``%mesh stacks``); the number
+    of ranks asked."""
     write = (out or sys.stdout).write
-    paths: dict[int, str] = {}
-    for pid in _descendants(os.getpid()):
-        path = _stacks_file(pid)
-        if path is None:
-            continue
-        try:
-            os.truncate(path, 0)
-            signal_main_thread(pid, STACKS_SIGNAL)
-        except OSError:
-            continue
-        paths[pid] = path
-    files = dict(paths)
-    deadline = time.monotonic() + DUMP_WAIT_S
-    texts: dict[int, str] = {}
-    while files and time.monotonic() < deadline:
-        time.sleep(0.05)
-        for pid, path in list(files.items()):
-            try:
-                with open(path, errors="replace") as f:
-                    text = f.read()
-            except OSError:
-                text = ""
-            if DUMP_HEADER in text and text.endswith("\n"):
-                texts[pid] = text
-                del files[pid]
-    for pid in files:
-        texts[pid] = "(no dump within the wait: stuck where signals are not handled?)\n"
-    for pid, text in sorted(texts.items()):
-        log = paths[pid][: -len(f".{pid}{_SUFFIX}")]
-        write(f"~~~~~~~~ rank pid {pid}: main thread ~~~~~~~~\n{text}")
+    logs = _ranks()
+    dumped = dict(dump_stacks({pid: pid for pid in logs}, logs, DUMP_WAIT_S))
+    for pid, log in sorted(logs.items()):
+        write(f"~~~~~~~~ rank pid {pid}: main thread ~~~~~~~~\n")
+        threads = dumped.get(pid)
+        if not threads:
+            write("(no dump within the wait: stuck where signals are not handled?)\n")
+        for thread in threads or ():
+            for frame in reversed(thread.frames):  # innermost first, as faulthandler
+                write(f'  File "{frame.filename}", line {frame.lineno} in {frame.function}\n')
         write(f"~~~~~~~~ rank pid {pid}: the end of {log} ~~~~~~~~\n{_tail(log, LOG_LINES)}")
-    return len(texts)
+    return len(logs)
 
 
 def dump_lanes(out: TextIO | None = None) -> int:
